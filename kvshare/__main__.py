@@ -1,0 +1,3 @@
+from kvshare.cli import main
+
+raise SystemExit(main())

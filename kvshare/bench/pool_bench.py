@@ -1,0 +1,201 @@
+"""``kvshare bench pool``: data-plane bandwidth and control-plane latency of the pool.
+
+Data plane: a writer process puts pages (reserve, copy in, checksum, commit) and a
+separate reader process gets them (lookup-and-lease, copy out, release). Both
+bandwidths are reported as a ratio against a plain memcpy of the same bytes
+between two private buffers, measured in the same run, with the absolute GB/s
+beside it. Control plane: one client, one request in flight at a time,
+lookup-and-lease + release of a chain of committed keys.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import os
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+NAMESPACE = hashlib.blake2b(b"kvshare-bench-pool", digest_size=16).digest()
+
+
+@dataclass(frozen=True)
+class PoolBenchConfig:
+    socket_path: str
+    page_bytes: int = 2 << 20  # one chunk of the tiny preset (8 layers, 2 KV heads x 64, float32)
+    num_pages: int = 128
+    pages_per_request: int = 16
+    repeats: int = 3
+    lookup_ops: int = 20000
+    lookup_keys: int = 8
+
+    def __post_init__(self) -> None:
+        if self.num_pages % self.pages_per_request:
+            raise ValueError("num_pages must be a multiple of pages_per_request")
+
+
+def bench_keys(tag: str, count: int) -> list[bytes]:
+    return [hashlib.blake2b(f"{tag}/{i}".encode(), digest_size=16).digest() for i in range(count)]
+
+
+def _memcpy_gbps(num_bytes: int, repeats: int) -> float:
+    src = np.random.default_rng(0).integers(0, 255, num_bytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)  # fault in
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return num_bytes / best / 1e9
+
+
+def grant_runs(grants: list[tuple[int, int]], page_bytes: int) -> list[tuple[int, int, int]]:
+    """(first key index, first page offset, count) of each run of consecutive keys on consecutive pages."""
+    runs: list[list[int]] = []
+    for index, offset in grants:
+        if runs and runs[-1][0] + runs[-1][2] == index and runs[-1][1] + runs[-1][2] * page_bytes == offset:
+            runs[-1][2] += 1
+        else:
+            runs.append([index, offset, 1])
+    return [tuple(r) for r in runs]
+
+
+def _writer(cfg: PoolBenchConfig, tag: str, queue) -> None:
+    import torch
+
+    from kvshare.pool.checksum import page_checksum
+    from kvshare.pool.client import PoolClient
+
+    rng = np.random.default_rng(1)
+    data = rng.integers(0, 255, (cfg.num_pages, cfg.page_bytes), dtype=np.uint8)
+    times = []
+    with PoolClient(cfg.socket_path, name="bench-writer") as client:
+        for rep in range(cfg.repeats + 1):  # the first pass faults the arena's pages in and is not timed
+            keys = bench_keys(f"{tag}/{rep}", cfg.num_pages)
+            if rep:
+                client.flush(NAMESPACE)  # later passes reuse the same (faulted) pages
+            t0 = time.perf_counter()
+            for start in range(0, cfg.num_pages, cfg.pages_per_request):
+                batch = keys[start : start + cfg.pages_per_request]
+                res = client.reserve(NAMESPACE, batch, cfg.page_bytes, first_depth=start)
+                sums = []
+                for first, offset, count in grant_runs(res.grants, cfg.page_bytes):
+                    run = client.run(offset, cfg.page_bytes, count)
+                    torch.from_numpy(run).copy_(torch.from_numpy(data[start + first : start + first + count]))
+                    sums += [page_checksum(page) for page in run]
+                client.commit(res.reservation_id, sums)
+                if res.num_no_room:
+                    raise RuntimeError("the pool is too small for the benchmark; give it more room")
+            elapsed = time.perf_counter() - t0
+            if rep:
+                times.append(elapsed)
+    queue.put({"put_s": min(times), "checksum": [int(page_checksum(d)) for d in data[:4]]})
+
+
+def _reader(cfg: PoolBenchConfig, tag: str, queue) -> None:
+    import torch
+
+    from kvshare.pool.client import PoolClient
+
+    out = torch.zeros((cfg.pages_per_request, cfg.page_bytes), dtype=torch.uint8)
+    times, first_sums = [], []
+    from kvshare.pool.checksum import page_checksum
+
+    with PoolClient(cfg.socket_path, name="bench-reader") as client:
+        keys = bench_keys(f"{tag}/{cfg.repeats}", cfg.num_pages)  # the writer's last pass
+        for rep in range(1, cfg.repeats + 2):
+            t0 = time.perf_counter()
+            for start in range(0, cfg.num_pages, cfg.pages_per_request):
+                lease = client.lookup(keys[start : start + cfg.pages_per_request], cfg.page_bytes)
+                if lease.num_pages != cfg.pages_per_request:
+                    raise RuntimeError(f"reader found {lease.num_pages} of {cfg.pages_per_request} pages")
+                runs = grant_runs([(j, h.offset) for j, h in enumerate(lease.pages)], cfg.page_bytes)
+                for first, offset, count in runs:
+                    out[first : first + count].copy_(torch.from_numpy(client.run(offset, cfg.page_bytes, count)))
+                client.release([lease.lease_id])
+                if start == 0 and rep == 1:
+                    first_sums = [int(page_checksum(p)) for p in out[:4].numpy()]
+            if rep > 1:  # the first pass maps the pages into this process and is not timed
+                times.append(time.perf_counter() - t0)
+    queue.put({"get_s": min(times), "checksum": first_sums})
+
+
+def _control_plane(cfg: PoolBenchConfig, queue) -> None:
+    from kvshare.pool.client import PoolClient
+
+    keys = bench_keys("control", cfg.lookup_keys)
+    page_bytes = 4096
+    with PoolClient(cfg.socket_path, name="bench-control") as client:
+        res = client.reserve(NAMESPACE, keys, page_bytes)
+        client.commit(res.reservation_id, [0] * len(res.grants))
+        for _ in range(500):  # warm up
+            client.release([client.lookup(keys, page_bytes).lease_id])
+        latencies = []
+        t_start = time.perf_counter()
+        for _ in range(cfg.lookup_ops):
+            t0 = time.perf_counter()
+            lease = client.lookup(keys, page_bytes)
+            client.release([lease.lease_id])
+            latencies.append(time.perf_counter() - t0)
+        total = time.perf_counter() - t_start
+        client.stats()  # round trip: every release has been handled
+    latencies.sort()
+    queue.put({
+        "lookup_ops_per_s": cfg.lookup_ops / total,
+        "lookup_p50_us": latencies[len(latencies) // 2] * 1e6,
+        "lookup_p99_us": latencies[int(len(latencies) * 0.99)] * 1e6,
+    })
+
+
+def _in_process(target, *args) -> dict:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=target, args=(*args, queue))
+    proc.start()
+    try:
+        result = queue.get(timeout=600)
+    finally:
+        proc.join(timeout=60)
+    if proc.exitcode not in (0, None):
+        raise RuntimeError(f"benchmark process {target.__name__} failed with exit code {proc.exitcode}")
+    return result
+
+
+def run_pool_bench(cfg: PoolBenchConfig) -> dict:
+    """Run every measurement and return the figures (keys as in ``kvshare bench pool --json``)."""
+    tag = f"run{os.getpid()}-{time.time_ns()}"
+    total = cfg.num_pages * cfg.page_bytes
+    memcpy_gbps = _memcpy_gbps(total, cfg.repeats + 2)
+    written = _in_process(_writer, cfg, tag)
+    read = _in_process(_reader, cfg, tag)
+    if written["checksum"] != read["checksum"]:
+        raise RuntimeError("the reader got different bytes than the writer stored")
+    control = _in_process(_control_plane, cfg)
+    put_gbps = total / written["put_s"] / 1e9
+    get_gbps = total / read["get_s"] / 1e9
+    return {
+        "bytes_per_pass": total,
+        "page_bytes": cfg.page_bytes,
+        "memcpy_gbps": round(memcpy_gbps, 3),
+        "put_gbps": round(put_gbps, 3),
+        "get_gbps": round(get_gbps, 3),
+        "put_ratio_vs_memcpy": round(put_gbps / memcpy_gbps, 3),
+        "get_ratio_vs_memcpy": round(get_gbps / memcpy_gbps, 3),
+        "lookup_ops_per_s": round(control["lookup_ops_per_s"], 1),
+        "lookup_p50_us": round(control["lookup_p50_us"], 1),
+        "lookup_p99_us": round(control["lookup_p99_us"], 1),
+        "config": asdict(cfg),
+    }
+
+
+def summary_rows(result: dict) -> list[tuple[str, str, str]]:
+    """(measure, figure, reference) rows for a table."""
+    return [
+        ("memcpy (reference)", f"{result['memcpy_gbps']:.2f} GB/s", "1.00x"),
+        ("put: reserve+copy+checksum+commit", f"{result['put_gbps']:.2f} GB/s", f"{result['put_ratio_vs_memcpy']:.2f}x memcpy"),
+        ("get: lookup+lease+copy+release", f"{result['get_gbps']:.2f} GB/s", f"{result['get_ratio_vs_memcpy']:.2f}x memcpy"),
+        ("lookup-and-lease + release", f"{result['lookup_ops_per_s']:,.0f} /s", f"p50 {result['lookup_p50_us']:.0f} us, p99 {result['lookup_p99_us']:.0f} us"),
+    ]

@@ -1,0 +1,53 @@
+"""The ``kvshare`` command: one subcommand per module in kvshare.commands.
+
+Command modules are light to import (argument definitions only); each one's
+``run`` imports the heavy parts it needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+import kvshare
+from kvshare.errors import UserError
+
+# subcommand -> module under kvshare.commands (each has add_arguments(parser) and run(args) -> int)
+COMMANDS = {
+    "pool": ("pool", "run the pool daemon (owns the shared arena)"),
+    "pool-stats": ("pool_stats", "print a running pool's stats as JSON"),
+    "pool-admin": ("pool_admin", "administer a running pool: flush, list leases"),
+    "bench": ("bench", "benchmarks: pool, ttft, blocks, sessions"),
+    "demo": ("demo", "the embedded default: a small cluster on CPU and the study's experiments"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvshare", description=kvshare.__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"kvshare {kvshare.__version__}")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module, help_text) in COMMANDS.items():
+        mod = importlib.import_module(f"kvshare.commands.{module}")
+        command = sub.add_parser(name, help=help_text, description=(mod.__doc__ or help_text).strip())
+        mod.add_arguments(command)
+        command.set_defaults(_module=mod)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return int(args._module.run(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except UserError as exc:
+        print(f"kvshare {args.command}: error: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,23 @@
+"""Print a running pool's stats as JSON: capacity, pages, entries, leases, evictions, hits, errors."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--socket", "--pool", dest="socket", default=None, help="the pool's Unix socket")
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvshare.errors import UserError
+    from kvshare.paths import default_pool_socket
+    from kvshare.pool.client import PoolClient, PoolUnavailable
+
+    try:
+        with PoolClient(args.socket or default_pool_socket(), name="pool-stats") as client:
+            print(json.dumps(client.stats(), indent=2, sort_keys=True))
+    except PoolUnavailable as exc:
+        raise UserError(str(exc)) from None
+    return 0

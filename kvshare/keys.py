@@ -1,0 +1,137 @@
+"""Pool keys: the namespace digest and the chained chunk hash.
+
+Pure functions of their inputs, no I/O and no imports from the rest of kvshare.
+
+A prompt's tokens are cut into full chunks of ``chunk_tokens``; the tail that
+does not fill a chunk is never shared (it is recomputed)::
+
+    tokens   |----- chunk 0 -----|----- chunk 1 -----|-- tail --|
+    keys     key_0 = H(ns  || le_u32(chunk 0))
+             key_1 = H(key_0 || le_u32(chunk 1))
+
+``ns`` is the namespace digest: everything that makes KV bytes differ between
+two engines that see the same tokens (weights, layout, precision, engine
+family, tensor-parallel slot, LoRA, tenant salt). H is blake2b with a 16-byte
+digest: a cryptographic hash, because prefix-cache keys have been attacked
+through collisions and tenant isolation rests on them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from array import array
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+KEY_BYTES = 16
+DEFAULT_CHUNK_TOKENS = 256
+MAX_TOKEN_ID = 2**32 - 1
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Everything that must match for two engines to share KV bytes."""
+
+    model_id: str
+    weights_fingerprint: str
+    kv_dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    kv_precision: str = "native"  # quantisation of stored KV; "native" = kv_dtype as is
+    engine_family: str = "builtin"  # "builtin", "vllm", or "shared" behind an explicit flag
+    tp_rank: int = 0
+    tp_size: int = 1
+    lora_id: str = ""
+    tenant_salt: str = ""  # a tenant's identity or vLLM's cache_salt
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "chunk_tokens", "tp_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"Namespace.{name} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank {self.tp_rank} outside tp_size {self.tp_size}")
+
+    def with_tenant(self, tenant_salt: str) -> "Namespace":
+        """The same namespace for another tenant (salted keys never collide across tenants)."""
+        fields = asdict(self)
+        fields["tenant_salt"] = tenant_salt
+        return Namespace(**fields)
+
+
+def namespace_digest(namespace: Namespace) -> bytes:
+    """16-byte digest of a namespace; the seed of every chunk key chain."""
+    # sorted-key JSON is a canonical encoding: field order or Python version never change it
+    canonical = json.dumps(asdict(namespace), sort_keys=True, separators=(",", ":"))
+    return hashlib.blake2b(b"kvshare-ns-v1\0" + canonical.encode(), digest_size=KEY_BYTES).digest()
+
+
+def weights_fingerprint(config_json: bytes, safetensors_headers: Sequence[bytes]) -> str:
+    """Hex digest of a model's config.json and its safetensors headers (in file-name order).
+
+    The headers hold every tensor's name, dtype, shape and offsets, so any change of
+    architecture or checkpoint layout changes the fingerprint without hashing gigabytes.
+    """
+    h = hashlib.blake2b(digest_size=KEY_BYTES)
+    h.update(b"config\0" + config_json)
+    for header in safetensors_headers:
+        h.update(len(header).to_bytes(8, "little") + header)
+    return h.hexdigest()
+
+
+def num_full_chunks(num_tokens: int, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> int:
+    """How many full chunks ``num_tokens`` tokens make (the tail is not a chunk)."""
+    if chunk_tokens <= 0:
+        raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+    return max(num_tokens, 0) // chunk_tokens
+
+
+def _le_u32(tokens: Sequence[int]) -> bytes:
+    arr = array("I", tokens)  # "I" is 4 bytes on every platform CPython supports
+    if arr.itemsize != 4:
+        raise RuntimeError("array('I') is not 32-bit on this platform")
+    if sys.byteorder == "big":
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def chunk_keys(
+    ns_digest: bytes,
+    token_ids: Sequence[int],
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    max_chunks: int | None = None,
+) -> list[bytes]:
+    """Chained keys of the full chunks of ``token_ids``: key_i = H(key_{i-1} || le_u32(chunk i))."""
+    if len(ns_digest) != KEY_BYTES:
+        raise ValueError(f"namespace digest must be {KEY_BYTES} bytes, got {len(ns_digest)}")
+    count = num_full_chunks(len(token_ids), chunk_tokens)
+    if max_chunks is not None:
+        count = min(count, max_chunks)
+    keys: list[bytes] = []
+    previous = ns_digest
+    for i in range(count):
+        chunk = token_ids[i * chunk_tokens : (i + 1) * chunk_tokens]
+        try:
+            payload = _le_u32(chunk)
+        except OverflowError as exc:
+            raise ValueError(f"token ids must lie in 0..{MAX_TOKEN_ID}: {exc}") from None
+        previous = hashlib.blake2b(previous + payload, digest_size=KEY_BYTES).digest()
+        keys.append(previous)
+    return keys
+
+
+def extend_chunk_keys(
+    previous_keys: Sequence[bytes],
+    ns_digest: bytes,
+    token_ids: Sequence[int],
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+) -> list[bytes]:
+    """Keys of ``token_ids``'s full chunks, reusing ``previous_keys`` already computed for its start."""
+    done = len(previous_keys)
+    if done == 0:
+        return chunk_keys(ns_digest, token_ids, chunk_tokens)
+    rest = chunk_keys(previous_keys[-1], token_ids[done * chunk_tokens :], chunk_tokens)
+    return list(previous_keys) + rest

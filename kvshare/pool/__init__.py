@@ -1,0 +1,1 @@
+"""The shared KV pool: arena, allocator, index, daemon, client."""

@@ -1,0 +1,435 @@
+"""The pool daemon: owns the arena, the index and eviction; serves clients on a Unix socket.
+
+One thread runs the index (no locks, so every message is atomic). A selector
+loop reads frames from every client, answers each in order, and treats a
+closed connection (including a client killed with -9) as a disconnect: its
+reservations are aborted and its leases released.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import selectors
+import socket
+import stat
+import struct
+import time
+from dataclasses import dataclass, field
+
+from kvshare.pool import protocol as P
+from kvshare.pool.allocator import Allocator
+from kvshare.pool.arena import create_arena, map_arena, prefault
+from kvshare.pool.index import IndexConfig, PoolError, PoolIndex
+
+log = logging.getLogger("kvshare.pool")
+
+DEFAULT_EXTENT_BYTES = 256 << 20
+_PEERCRED = struct.Struct("3i")  # pid, uid, gid
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """Everything ``kvshare pool`` takes; validated on construction."""
+
+    socket_path: str
+    size_bytes: int
+    extent_bytes: int = DEFAULT_EXTENT_BYTES
+    hugepages: bool = False
+    prefault: bool = False
+    socket_mode: int = 0o600  # owner-only unless the operator says otherwise
+    allowed_uids: tuple[int, ...] = ()  # empty: only the daemon's own uid
+    max_message_bytes: int = P.DEFAULT_MAX_MESSAGE_BYTES
+    index: IndexConfig = field(default_factory=IndexConfig)
+    tick_s: float = 0.25  # lease expiry and stats snapshot period
+    # After activity the loop polls without sleeping this long before it blocks: a cross-core
+    # wake-up costs ~30 us on these VMs, so a client's next message is seen sooner when it comes soon.
+    busy_poll_us: float = 100.0
+
+    def __post_init__(self) -> None:
+        if self.size_bytes <= 0:
+            raise ValueError(f"pool size must be positive, got {self.size_bytes}")
+        if self.extent_bytes <= 0:
+            raise ValueError(f"extent size must be positive, got {self.extent_bytes}")
+        if not self.socket_path:
+            raise ValueError("a socket path is required")
+        if len(os.fsencode(self.socket_path)) > 107:
+            raise ValueError(f"socket path too long for a Unix socket (max 107 bytes): {self.socket_path}")
+
+
+@dataclass(eq=False)
+class _Client:
+    sock: socket.socket
+    client_id: int
+    pid: int
+    uid: int
+    name: str = ""
+    is_greeted: bool = False
+    inbuf: bytearray = field(default_factory=bytearray)
+    outbuf: bytearray = field(default_factory=bytearray)
+    is_closing: bool = False
+
+
+@dataclass
+class ServerCounters:
+    connections: int = 0
+    disconnects: int = 0
+    requests: int = 0
+    errors: int = 0  # error replies of any kind
+    protocol_errors: int = 0  # malformed or oversized frames, wrong version
+    refused_peers: int = 0
+
+
+class PoolServer:
+    """The daemon's state; ``start`` creates the arena and socket, ``serve`` runs the loop."""
+
+    def __init__(self, config: PoolConfig) -> None:
+        self.config = config
+        self.allocator = Allocator(config.size_bytes, config.extent_bytes)
+        self.index = PoolIndex(self.allocator, config.index)
+        self.counters = ServerCounters()
+        self.started_at = time.monotonic()
+        self.stats_snapshot: dict = {}
+        self._clients: dict[int, _Client] = {}
+        self._next_client_id = 1
+        self._selector: selectors.BaseSelector | None = None
+        self._listener: socket.socket | None = None
+        self._memfd = -1
+        self.arena = None
+        self._is_stopping = False
+        self._handlers = {
+            P.Lookup: self._on_lookup,
+            P.Release: self._on_release,
+            P.Reserve: self._on_reserve,
+            P.Commit: self._on_commit,
+            P.Abort: self._on_abort,
+            P.Drop: self._on_drop,
+            P.Flush: self._on_flush,
+            P.GetStats: self._on_stats,
+            P.ListLeases: self._on_list_leases,
+        }
+
+    # -- lifecycle -------------------------------------------------------------
+
+    def start(self) -> None:
+        cfg = self.config
+        self._memfd = create_arena(cfg.size_bytes, cfg.hugepages)
+        self.arena = map_arena(self._memfd, cfg.size_bytes)
+        if cfg.prefault:
+            prefault(self.arena)
+        if os.path.exists(cfg.socket_path):
+            if not stat.S_ISSOCK(os.stat(cfg.socket_path).st_mode):
+                raise FileExistsError(f"{cfg.socket_path} exists and is not a socket")
+            if _socket_is_live(cfg.socket_path):
+                raise FileExistsError(f"a pool is already listening on {cfg.socket_path}")
+            os.unlink(cfg.socket_path)  # stale socket of a dead daemon
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old_umask = os.umask(0o177)  # no window in which the socket is open to others
+        try:
+            listener.bind(cfg.socket_path)
+        finally:
+            os.umask(old_umask)
+        os.chmod(cfg.socket_path, cfg.socket_mode)
+        listener.listen(128)
+        listener.setblocking(False)
+        self._listener = listener
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(listener, selectors.EVENT_READ, None)
+        self._snapshot()
+        log.info("pool of %d bytes listening on %s", cfg.size_bytes, cfg.socket_path)
+
+    def serve(self) -> None:
+        """Run until ``stop()``; then close every client and remove the socket."""
+        assert self._selector is not None, "start() first"
+        next_tick = time.monotonic()
+        busy_poll_s = self.config.busy_poll_us * 1e-6
+        last_activity = 0.0
+        try:
+            while not self._is_stopping:
+                events = self._selector.select(timeout=0)
+                while not events and time.perf_counter() - last_activity < busy_poll_s:
+                    events = self._selector.select(timeout=0)
+                if not events:
+                    events = self._selector.select(timeout=self.config.tick_s)
+                if events:
+                    last_activity = time.perf_counter()
+                for key, mask in events:
+                    if key.data is None:
+                        self._accept()
+                        continue
+                    client = key.data
+                    if mask & selectors.EVENT_READ:
+                        self._on_readable(client)
+                    if mask & selectors.EVENT_WRITE and not client.is_closing:
+                        self._flush(client)
+                now = time.monotonic()
+                if now >= next_tick:
+                    self.index.expire(now)
+                    self._snapshot()
+                    next_tick = now + self.config.tick_s
+        finally:
+            self.close()
+
+    def stop(self) -> None:
+        """Ask the loop to end (safe from a signal handler)."""
+        self._is_stopping = True
+
+    def close(self) -> None:
+        for client in list(self._clients.values()):
+            self._drop_client(client)
+        if self._listener is not None:
+            self._selector.unregister(self._listener)
+            self._listener.close()
+            self._listener = None
+            try:
+                os.unlink(self.config.socket_path)
+            except FileNotFoundError:
+                pass
+        if self._memfd >= 0:
+            os.close(self._memfd)
+            self._memfd = -1
+
+    # -- connections -------------------------------------------------------------
+
+    def _accept(self) -> None:
+        try:
+            sock, _ = self._listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        pid, uid, _gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+        allowed = self.config.allowed_uids or (os.getuid(),)
+        if uid not in allowed:
+            self.counters.refused_peers += 1
+            log.warning("refused a client with uid %d (pid %d); allowed uids: %s", uid, pid, allowed)
+            _send_now(sock, P.encode(P.ErrorReply("not_allowed", f"uid {uid} may not use this pool")))
+            sock.close()
+            return
+        sock.setblocking(False)
+        client = _Client(sock=sock, client_id=self._next_client_id, pid=pid, uid=uid)
+        self._next_client_id += 1
+        self._clients[client.client_id] = client
+        self._selector.register(sock, selectors.EVENT_READ, client)
+        self.counters.connections += 1
+
+    def _drop_client(self, client: _Client) -> None:
+        if client.client_id not in self._clients:
+            return
+        del self._clients[client.client_id]
+        client.is_closing = True
+        self._selector.unregister(client.sock)
+        client.sock.close()
+        aborted, released = self.index.disconnect(client.client_id)
+        self.counters.disconnects += 1
+        if aborted or released:
+            log.info("client %s (pid %d) left: aborted %d reservations, released %d leases",
+                     client.name or client.client_id, client.pid, aborted, released)
+
+    def _on_readable(self, client: _Client) -> None:
+        try:
+            data = client.sock.recv(1 << 16)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._drop_client(client)
+            return
+        client.inbuf += data
+        try:
+            frames = P.split_frames(client.inbuf, self.config.max_message_bytes)
+        except P.ProtocolError as exc:
+            self.counters.protocol_errors += 1
+            self._fail_and_close(client, "protocol", str(exc))
+            return
+        for payload in frames:
+            self._handle_frame(client, payload)
+            if client.is_closing:
+                return
+        self._flush(client)
+
+    def _handle_frame(self, client: _Client, payload: bytes) -> None:
+        self.counters.requests += 1
+        try:
+            request = P.decode_request(payload)
+        except P.ProtocolError as exc:
+            self.counters.protocol_errors += 1
+            self._reply(client, P.ErrorReply("malformed", str(exc)))
+            return
+        if not client.is_greeted:
+            self._on_hello(client, request)
+            return
+        handler = self._handlers.get(type(request))
+        if handler is None:
+            self._reply(client, P.ErrorReply("unexpected", f"{type(request).__name__} is not valid now"))
+            return
+        try:
+            reply = handler(client, request)
+        except PoolError as exc:
+            reply = P.ErrorReply(exc.code, str(exc))
+        except Exception as exc:  # a bug must not take the pool down for everyone
+            log.exception("internal error on %s", type(request).__name__)
+            reply = P.ErrorReply("internal", f"{type(exc).__name__}: {exc}")
+        if reply is not None:
+            self._reply(client, reply)
+
+    def _on_hello(self, client: _Client, request: P.Request) -> None:
+        if not isinstance(request, P.Hello):
+            self.counters.protocol_errors += 1
+            self._fail_and_close(client, "hello_required", "the first message must be hello")
+            return
+        if request.protocol_version != P.PROTOCOL_VERSION:
+            self.counters.protocol_errors += 1
+            self._fail_and_close(
+                client,
+                "version_mismatch",
+                f"client speaks protocol {request.protocol_version}, this pool speaks {P.PROTOCOL_VERSION}; "
+                "run the same kvshare version on both sides",
+            )
+            return
+        client.name = request.client_name[:64]
+        client.is_greeted = True
+        reply = P.HelloReply(
+            protocol_version=P.PROTOCOL_VERSION,
+            format_version=P.FORMAT_VERSION,
+            arena_bytes=self.config.size_bytes,
+            extent_bytes=self.allocator.extent_bytes,
+            client_id=client.client_id,
+            server_pid=os.getpid(),
+        )
+        self._flush(client)  # nothing may precede the reply that carries the fd
+        try:
+            client.sock.setblocking(True)
+            socket.send_fds(client.sock, [P.encode(reply)], [self._memfd])
+        except OSError:
+            self._drop_client(client)
+        else:
+            client.sock.setblocking(False)
+
+    def _reply(self, client: _Client, reply: P.Reply) -> None:
+        if isinstance(reply, P.ErrorReply):
+            self.counters.errors += 1
+        client.outbuf += P.encode(reply)
+
+    def _fail_and_close(self, client: _Client, code: str, message: str) -> None:
+        self.counters.errors += 1
+        log.warning("closing client %s (pid %d): %s", client.name or client.client_id, client.pid, message)
+        _send_now(client.sock, P.encode(P.ErrorReply(code, message)))
+        client.is_closing = True
+        self._drop_client(client)
+
+    def _flush(self, client: _Client) -> None:
+        if client.outbuf:
+            try:
+                sent = client.sock.send(client.outbuf)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError:
+                self._drop_client(client)
+                return
+            del client.outbuf[:sent]
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if client.outbuf else 0)
+        if self._selector.get_key(client.sock).events != events:
+            self._selector.modify(client.sock, events, client)
+
+    # -- handlers: each validates before it mutates, so an error leaves the index intact --
+
+    def _on_lookup(self, client: _Client, req: P.Lookup) -> P.Reply:
+        result = self.index.lookup(client.client_id, req.keys, req.page_bytes, time.monotonic(), lease=req.lease)
+        pages = [P.PageHeader(e.offset, e.page_bytes, e.checksum) for e in result.entries]
+        return P.LookupReply(lease_id=result.lease_id, pages=pages)
+
+    def _on_release(self, client: _Client, req: P.Release) -> P.Reply | None:
+        errors = []
+        for lease_id in req.lease_ids:
+            try:
+                self.index.release(client.client_id, lease_id)
+            except PoolError as exc:
+                errors.append(exc)
+        if not req.reply:
+            if errors:
+                self.counters.errors += len(errors)
+                log.warning("client %s: fire-and-forget release failed: %s", client.client_id, errors[0])
+            return None
+        if errors:
+            return P.ErrorReply(errors[0].code, str(errors[0]))
+        return P.Ok(count=len(req.lease_ids))
+
+    def _on_reserve(self, client: _Client, req: P.Reserve) -> P.Reply:
+        result = self.index.reserve(
+            client.client_id, req.namespace, req.keys, req.page_bytes, req.first_depth, time.monotonic()
+        )
+        grants = [(i, entry.offset) for i, entry in result.grants]
+        return P.ReserveReply(reservation_id=result.reservation_id, grants=grants, num_no_room=result.num_no_room)
+
+    def _on_commit(self, client: _Client, req: P.Commit) -> P.Reply:
+        return P.Ok(count=self.index.commit(client.client_id, req.reservation_id, req.checksums))
+
+    def _on_abort(self, client: _Client, req: P.Abort) -> P.Reply:
+        return P.Ok(count=self.index.abort(client.client_id, req.reservation_id))
+
+    def _on_drop(self, client: _Client, req: P.Drop) -> P.Reply:
+        return P.Ok(count=self.index.drop(req.keys))
+
+    def _on_flush(self, client: _Client, req: P.Flush) -> P.Reply:
+        return P.Ok(count=self.index.flush(req.namespace))
+
+    def _on_stats(self, client: _Client, req: P.GetStats) -> P.Reply:
+        return P.StatsReply(stats=self.stats())
+
+    def _on_list_leases(self, client: _Client, req: P.ListLeases) -> P.Reply:
+        now = time.monotonic()
+        leases = [
+            P.LeaseInfo(
+                lease.lease_id,
+                lease.client_id,
+                self._clients[lease.client_id].name if lease.client_id in self._clients else "",
+                len(lease.entries),
+                round(now - lease.created_at, 3),
+            )
+            for lease in self.index.leases()
+        ]
+        return P.LeasesReply(leases=leases)
+
+    # -- stats -------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        alloc, idx = self.allocator, self.index
+        counters = idx.counters.__dict__ | self.counters.__dict__
+        return {
+            "capacity_bytes": alloc.arena_bytes,
+            "extent_bytes": alloc.extent_bytes,
+            "used_bytes": alloc.used_bytes,
+            "free_bytes": alloc.arena_bytes - alloc.used_bytes,
+            "pages_used": {str(size): n for size, n in alloc.page_sizes().items()},
+            "pages_free": {str(size): alloc.num_free_pages(size) for size in alloc.page_sizes()},
+            "entries": idx.num_entries,
+            "writing": idx.num_writing,
+            "leases": idx.num_leases,
+            "reservations": idx.num_reservations,
+            "clients": len(self._clients),
+            "uptime_s": round(time.monotonic() - self.started_at, 3),
+            **counters,
+        }
+
+    def _snapshot(self) -> None:
+        self.stats_snapshot = self.stats()  # read by the metrics thread; replaced, never mutated
+
+
+def _send_now(sock: socket.socket, data: bytes) -> None:
+    """Best-effort send of a final error before closing."""
+    try:
+        sock.setblocking(False)
+        sock.send(data)
+    except OSError:
+        pass
+
+
+def _socket_is_live(path: str) -> bool:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()

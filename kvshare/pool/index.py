@@ -1,0 +1,370 @@
+"""The pool's index: chunk key -> page, with visibility, leases and eviction.
+
+State machine of one entry::
+
+    reserve --> WRITING --commit--> COMMITTED --evict/drop--> (gone)
+                   |                    ^  lookup leases it; a leased entry is never evicted
+                   +--abort/disconnect--+-> (gone, page freed)
+
+Only COMMITTED entries are visible to lookups. Eviction walks committed,
+unleased entries in LRU order between a high and a low watermark. A lookup
+touches its matched chain from tail to head and a commit adds from tail to
+head, so in the LRU order a chain's tail is always older than its head and is
+evicted first (evicting chunk i strands chunks i+1 and later).
+
+Pure bookkeeping over an Allocator: no sockets, no clocks (callers pass
+``now``), no memory access.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from kvshare.keys import KEY_BYTES
+from kvshare.pool.allocator import Allocator
+
+
+class PoolError(Exception):
+    """A request the index refuses; the message says why. The index is unchanged."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class EntryState(enum.Enum):
+    WRITING = "writing"
+    COMMITTED = "committed"
+
+
+@dataclass(eq=False)
+class Entry:
+    key: bytes
+    namespace: bytes
+    offset: int
+    page_bytes: int
+    depth: int  # position of this chunk in its chain
+    state: EntryState
+    reservation_id: int  # the reservation that wrote it
+    num_leases: int = 0
+    checksum: int = 0
+    is_dropped: bool = False  # removed from view; page freed when the last lease goes
+
+
+@dataclass(eq=False)
+class Lease:
+    lease_id: int
+    client_id: int
+    entries: list[Entry]
+    created_at: float
+    expires_at: float
+
+
+@dataclass(eq=False)
+class Reservation:
+    reservation_id: int
+    client_id: int
+    entries: list[Entry]
+    created_at: float
+
+
+@dataclass(frozen=True)
+class IndexConfig:
+    high_watermark: float = 0.95  # fraction of the arena in use that starts eviction
+    low_watermark: float = 0.90  # ... and where it stops
+    lease_ttl_s: float = 300.0
+    max_keys: int = 4096  # per message
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.low_watermark <= self.high_watermark <= 1.0:
+            raise ValueError("watermarks must satisfy 0 < low <= high <= 1")
+        if self.lease_ttl_s <= 0 or self.max_keys <= 0:
+            raise ValueError("lease_ttl_s and max_keys must be positive")
+
+
+@dataclass
+class IndexCounters:
+    lookups: int = 0
+    hit_chunks: int = 0
+    miss_chunks: int = 0
+    reserved_pages: int = 0
+    committed_pages: int = 0
+    aborted_pages: int = 0
+    skipped_stores: int = 0  # pages a reserve could not grant for lack of room
+    evictions: int = 0
+    evicted_bytes: int = 0
+    dropped_pages: int = 0
+    expired_leases: int = 0
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    lease_id: int  # 0 when nothing was leased
+    entries: list[Entry]
+
+
+@dataclass(frozen=True)
+class ReserveResult:
+    reservation_id: int  # 0 when nothing was granted
+    grants: list[tuple[int, Entry]]  # (index into the request's keys, entry to write)
+    num_no_room: int
+
+
+class PoolIndex:
+    """Key -> page map with leases, reservations and LRU eviction."""
+
+    def __init__(self, allocator: Allocator, config: IndexConfig = IndexConfig()) -> None:
+        self.allocator = allocator
+        self.config = config
+        self.counters = IndexCounters()
+        self._entries: dict[bytes, Entry] = {}
+        self._lru: OrderedDict[bytes, Entry] = OrderedDict()  # committed entries, oldest first
+        self._leases: dict[int, Lease] = {}
+        self._reservations: dict[int, Reservation] = {}
+        self._next_id = 1
+
+    # -- queries -------------------------------------------------------------
+
+    @property
+    def num_entries(self) -> int:
+        return len(self._lru)
+
+    @property
+    def num_writing(self) -> int:
+        return len(self._entries) - len(self._lru)
+
+    @property
+    def num_leases(self) -> int:
+        return len(self._leases)
+
+    @property
+    def num_reservations(self) -> int:
+        return len(self._reservations)
+
+    def leases(self) -> list[Lease]:
+        return list(self._leases.values())
+
+    def entry(self, key: bytes) -> Entry | None:
+        return self._entries.get(key)
+
+    # -- lookups and leases ----------------------------------------------------
+
+    def lookup(self, client_id: int, keys: list[bytes], page_bytes: int, now: float, lease: bool = True) -> LookupResult:
+        """Longest committed prefix of ``keys``; leased (pinned) when ``lease``."""
+        self._check_keys(keys)
+        matched: list[Entry] = []
+        for key in keys:
+            entry = self._entries.get(key)
+            if entry is None or entry.state is not EntryState.COMMITTED or entry.page_bytes != page_bytes:
+                break
+            matched.append(entry)
+        self.counters.lookups += 1
+        self.counters.hit_chunks += len(matched)
+        self.counters.miss_chunks += len(keys) - len(matched)
+        for entry in reversed(matched):  # tail first, so the head ends up most recent
+            self._lru.move_to_end(entry.key)
+        if not lease or not matched:
+            return LookupResult(lease_id=0, entries=matched)
+        for entry in matched:
+            entry.num_leases += 1
+        lease_id = self._new_id()
+        self._leases[lease_id] = Lease(lease_id, client_id, matched, now, now + self.config.lease_ttl_s)
+        return LookupResult(lease_id=lease_id, entries=matched)
+
+    def release(self, client_id: int, lease_id: int) -> None:
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            raise PoolError("unknown_lease", f"lease {lease_id} does not exist (released, expired or never granted)")
+        if lease.client_id != client_id:
+            raise PoolError("not_owner", f"lease {lease_id} belongs to another client")
+        self._end_lease(lease)
+
+    def expire(self, now: float) -> int:
+        """Release leases past their TTL (a reader that hung); returns how many."""
+        expired = [lease for lease in self._leases.values() if lease.expires_at <= now]
+        for lease in expired:
+            self._end_lease(lease)
+        self.counters.expired_leases += len(expired)
+        return len(expired)
+
+    def _end_lease(self, lease: Lease) -> None:
+        del self._leases[lease.lease_id]
+        for entry in lease.entries:
+            entry.num_leases -= 1
+            if entry.is_dropped and entry.num_leases == 0:
+                self.allocator.free(entry.offset, entry.page_bytes)
+
+    # -- writes --------------------------------------------------------------
+
+    def reserve(
+        self, client_id: int, namespace: bytes, keys: list[bytes], page_bytes: int, first_depth: int, now: float
+    ) -> ReserveResult:
+        """Pages for the keys nobody holds yet, invisible until commit. Never blocks: no room -> fewer grants."""
+        self._check_keys(keys)
+        if len(namespace) != KEY_BYTES:
+            raise PoolError("bad_namespace", f"namespace must be {KEY_BYTES} bytes, got {len(namespace)}")
+        if first_depth < 0:
+            raise PoolError("bad_depth", f"first_depth must be >= 0, got {first_depth}")
+        try:
+            self.allocator.check_page_size(page_bytes)
+        except ValueError as exc:
+            raise PoolError("bad_page_size", str(exc)) from None
+        wanted = [i for i, key in enumerate(keys) if key not in self._entries]
+        if len(set(keys[i] for i in wanted)) != len(wanted):
+            raise PoolError("duplicate_keys", "a reserve may not name the same key twice")
+        if not wanted:
+            return ReserveResult(reservation_id=0, grants=[], num_no_room=0)
+        free = self.allocator.num_free_pages(page_bytes)
+        if free < len(wanted):
+            self._evict(lambda: self.allocator.num_free_pages(page_bytes) >= len(wanted))
+        runs = self.allocator.allocate(page_bytes, len(wanted))
+        offsets = [run.page_offset(i) for run in runs for i in range(run.num_pages)]
+        granted, no_room = wanted[: len(offsets)], len(wanted) - len(offsets)
+        self.counters.skipped_stores += no_room
+        if not granted:
+            return ReserveResult(reservation_id=0, grants=[], num_no_room=no_room)
+        reservation_id = self._new_id()
+        grants = []
+        for i, offset in zip(granted, offsets):
+            entry = Entry(keys[i], namespace, offset, page_bytes, first_depth + i, EntryState.WRITING, reservation_id)
+            self._entries[entry.key] = entry
+            grants.append((i, entry))
+        self._reservations[reservation_id] = Reservation(reservation_id, client_id, [e for _, e in grants], now)
+        self.counters.reserved_pages += len(grants)
+        return ReserveResult(reservation_id=reservation_id, grants=grants, num_no_room=no_room)
+
+    def commit(self, client_id: int, reservation_id: int, checksums: list[int]) -> int:
+        """Make a reservation's pages visible with their checksums; returns pages committed."""
+        reservation = self._owned_reservation(client_id, reservation_id)
+        if len(checksums) != len(reservation.entries):
+            raise PoolError(
+                "bad_checksums", f"commit needs {len(reservation.entries)} checksums, got {len(checksums)}"
+            )
+        del self._reservations[reservation_id]
+        for entry, checksum in zip(reservation.entries, checksums):
+            entry.state = EntryState.COMMITTED
+            entry.checksum = checksum
+        for entry in sorted(reservation.entries, key=lambda e: -e.depth):  # tail first: head most recent
+            self._lru[entry.key] = entry
+        self.counters.committed_pages += len(reservation.entries)
+        self._evict_above_watermark()
+        return len(reservation.entries)
+
+    def abort(self, client_id: int, reservation_id: int) -> int:
+        reservation = self._owned_reservation(client_id, reservation_id)
+        self._abort(reservation)
+        return len(reservation.entries)
+
+    def _abort(self, reservation: Reservation) -> None:
+        del self._reservations[reservation.reservation_id]
+        for entry in reservation.entries:
+            del self._entries[entry.key]
+            self.allocator.free(entry.offset, entry.page_bytes)
+        self.counters.aborted_pages += len(reservation.entries)
+
+    def _owned_reservation(self, client_id: int, reservation_id: int) -> Reservation:
+        reservation = self._reservations.get(reservation_id)
+        if reservation is None:
+            raise PoolError(
+                "unknown_reservation", f"reservation {reservation_id} does not exist (committed, aborted or never made)"
+            )
+        if reservation.client_id != client_id:
+            raise PoolError("not_owner", f"reservation {reservation_id} belongs to another client")
+        return reservation
+
+    # -- clients, eviction, administration ---------------------------------------
+
+    def disconnect(self, client_id: int) -> tuple[int, int]:
+        """A client went away (closed or died): abort its reservations, release its leases."""
+        reservations = [r for r in self._reservations.values() if r.client_id == client_id]
+        for reservation in reservations:
+            self._abort(reservation)
+        leases = [lease for lease in self._leases.values() if lease.client_id == client_id]
+        for lease in leases:
+            self._end_lease(lease)
+        return len(reservations), len(leases)
+
+    def drop(self, keys: list[bytes]) -> int:
+        """Remove committed entries from view (a bad chunk); a leased page is freed after its last lease."""
+        self._check_keys(keys)
+        dropped = 0
+        for key in keys:
+            entry = self._entries.get(key)
+            if entry is not None and entry.state is EntryState.COMMITTED:
+                self._remove_committed(entry)
+                dropped += 1
+        self.counters.dropped_pages += dropped
+        return dropped
+
+    def flush(self, namespace: bytes | None = None) -> int:
+        """Drop every committed entry (of one namespace when given); returns how many."""
+        entries = [e for e in self._lru.values() if namespace is None or e.namespace == namespace]
+        for entry in entries:
+            self._remove_committed(entry)
+        self.counters.dropped_pages += len(entries)
+        return len(entries)
+
+    def _remove_committed(self, entry: Entry) -> None:
+        del self._entries[entry.key]
+        del self._lru[entry.key]
+        if entry.num_leases:
+            entry.is_dropped = True
+        else:
+            self.allocator.free(entry.offset, entry.page_bytes)
+
+    def _evict_above_watermark(self) -> None:
+        arena = self.allocator.arena_bytes
+        if self.allocator.used_bytes > self.config.high_watermark * arena:
+            target = self.config.low_watermark * arena
+            self._evict(lambda: self.allocator.used_bytes <= target)
+
+    def _evict(self, is_done) -> None:
+        """Evict committed, unleased entries oldest first until ``is_done()``."""
+        victims = iter(list(self._lru.values()))
+        while not is_done():
+            entry = next((e for e in victims if e.num_leases == 0), None)
+            if entry is None:
+                return
+            self._remove_committed(entry)
+            self.counters.evictions += 1
+            self.counters.evicted_bytes += entry.page_bytes
+
+    def _check_keys(self, keys: list[bytes]) -> None:
+        if len(keys) > self.config.max_keys:
+            raise PoolError("too_many_keys", f"{len(keys)} keys in one message; the limit is {self.config.max_keys}")
+        for key in keys:
+            if len(key) != KEY_BYTES:
+                raise PoolError("bad_key", f"keys must be {KEY_BYTES} bytes, got one of {len(key)}")
+
+    def _new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id - 1
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if the index and the allocator disagree."""
+        self.allocator.check_integrity()
+        leased: dict[int, int] = {}
+        for lease in self._leases.values():
+            for entry in lease.entries:
+                leased[id(entry)] = leased.get(id(entry), 0) + 1
+        writing = {id(e) for r in self._reservations.values() for e in r.entries}
+        live_pages = 0
+        for key, entry in self._entries.items():
+            assert entry.key == key
+            assert not entry.is_dropped
+            assert self.allocator.is_allocated(entry.offset, entry.page_bytes), f"entry page {entry.offset} not allocated"
+            assert entry.num_leases == leased.get(id(entry), 0), "lease count disagrees with leases"
+            if entry.state is EntryState.COMMITTED:
+                assert key in self._lru and id(entry) not in writing
+            else:
+                assert key not in self._lru and id(entry) in writing
+                assert entry.num_leases == 0, "a writing entry is leased"
+            live_pages += entry.page_bytes
+        assert len(self._lru) == sum(e.state is EntryState.COMMITTED for e in self._entries.values())
+        dropped = {id(e): e for lease in self._leases.values() for e in lease.entries if e.is_dropped}
+        for entry in dropped.values():
+            assert self.allocator.is_allocated(entry.offset, entry.page_bytes)
+            live_pages += entry.page_bytes
+        assert live_pages == self.allocator.used_bytes, f"{live_pages} bytes in entries, allocator says {self.allocator.used_bytes}"

