@@ -63,6 +63,16 @@ def grant_runs(grants: list[tuple[int, int]], page_bytes: int) -> list[tuple[int
     return [tuple(r) for r in runs]
 
 
+def _checksum_gbps(page_bytes: int, num_pages: int) -> float:
+    from kvshare.pool.checksum import page_checksum
+
+    data = np.random.default_rng(2).integers(0, 255, (num_pages, page_bytes), dtype=np.uint8)
+    t0 = time.perf_counter()
+    for page in data:
+        page_checksum(page)
+    return data.nbytes / (time.perf_counter() - t0) / 1e9
+
+
 def _writer(cfg: PoolBenchConfig, tag: str, queue) -> None:
     import torch
 
@@ -169,6 +179,7 @@ def run_pool_bench(cfg: PoolBenchConfig) -> dict:
     tag = f"run{os.getpid()}-{time.time_ns()}"
     total = cfg.num_pages * cfg.page_bytes
     memcpy_gbps = _memcpy_gbps(total, cfg.repeats + 2)
+    checksum_gbps = _checksum_gbps(cfg.page_bytes, cfg.num_pages)
     written = _in_process(_writer, cfg, tag)
     read = _in_process(_reader, cfg, tag)
     if written["checksum"] != read["checksum"]:
@@ -180,6 +191,7 @@ def run_pool_bench(cfg: PoolBenchConfig) -> dict:
         "bytes_per_pass": total,
         "page_bytes": cfg.page_bytes,
         "memcpy_gbps": round(memcpy_gbps, 3),
+        "checksum_gbps": round(checksum_gbps, 3),
         "put_gbps": round(put_gbps, 3),
         "get_gbps": round(get_gbps, 3),
         "put_ratio_vs_memcpy": round(put_gbps / memcpy_gbps, 3),
@@ -197,5 +209,6 @@ def summary_rows(result: dict) -> list[tuple[str, str, str]]:
         ("memcpy (reference)", f"{result['memcpy_gbps']:.2f} GB/s", "1.00x"),
         ("put: reserve+copy+checksum+commit", f"{result['put_gbps']:.2f} GB/s", f"{result['put_ratio_vs_memcpy']:.2f}x memcpy"),
         ("get: lookup+lease+copy+release", f"{result['get_gbps']:.2f} GB/s", f"{result['get_ratio_vs_memcpy']:.2f}x memcpy"),
+        ("page checksum (xxh3-64), part of put", f"{result['checksum_gbps']:.2f} GB/s", ""),
         ("lookup-and-lease + release", f"{result['lookup_ops_per_s']:,.0f} /s", f"p50 {result['lookup_p50_us']:.0f} us, p99 {result['lookup_p99_us']:.0f} us"),
     ]

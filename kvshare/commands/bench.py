@@ -35,7 +35,7 @@ def _run_pool(args: argparse.Namespace) -> int:
 
     if args.pool == "off":
         raise UserError("bench pool measures the pool: --pool off makes no sense here")
-    pool_ctx = contextlib.nullcontext(args.pool) if args.pool else running_pool(args.pool_size)
+    pool_ctx = contextlib.nullcontext(args.pool) if args.pool else running_pool(args.pool_size, quiet=True)
     with pool_ctx as socket_path:
         try:
             cfg = PoolBenchConfig(socket_path=socket_path, page_bytes=args.page_size, num_pages=args.pages,

@@ -240,6 +240,10 @@ class PoolClient:
     def stats(self) -> dict:
         return self._call(P.GetStats()).stats
 
+    def check_integrity(self) -> int:
+        """Raises PoolRequestError("integrity") if the daemon's index and allocator disagree."""
+        return self._call(P.CheckIntegrity()).count
+
     def list_leases(self) -> list[P.LeaseInfo]:
         return self._call(P.ListLeases()).leases
 

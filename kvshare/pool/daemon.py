@@ -107,6 +107,7 @@ class PoolServer:
             P.Flush: self._on_flush,
             P.GetStats: self._on_stats,
             P.ListLeases: self._on_list_leases,
+            P.CheckIntegrity: self._on_check_integrity,
         }
 
     # -- lifecycle -------------------------------------------------------------
@@ -144,6 +145,7 @@ class PoolServer:
         next_tick = time.monotonic()
         busy_poll_s = self.config.busy_poll_us * 1e-6
         last_activity = 0.0
+        is_checked_since_activity = True
         try:
             while not self._is_stopping:
                 events = self._selector.select(timeout=0)
@@ -158,15 +160,25 @@ class PoolServer:
                         self._accept()
                         continue
                     client = key.data
-                    if mask & selectors.EVENT_READ:
-                        self._on_readable(client)
-                    if mask & selectors.EVENT_WRITE and not client.is_closing:
-                        self._flush(client)
+                    try:
+                        if mask & selectors.EVENT_READ:
+                            self._on_readable(client)
+                        if mask & selectors.EVENT_WRITE and not client.is_closing:
+                            self._flush(client)
+                    except Exception:  # a bug on one connection must not stop the pool for the others
+                        log.exception("closing client %s after an internal error", client.client_id)
+                        self.counters.errors += 1
+                        self._drop_client(client)
                 now = time.monotonic()
                 if now >= next_tick:
                     self.index.expire(now)
                     self._snapshot()
                     next_tick = now + self.config.tick_s
+                    if not events and not is_checked_since_activity:
+                        self._check_when_idle()
+                        is_checked_since_activity = True
+                if events:
+                    is_checked_since_activity = False
         finally:
             self.close()
 
@@ -389,6 +401,21 @@ class PoolServer:
             for lease in self.index.leases()
         ]
         return P.LeasesReply(leases=leases)
+
+    def _check_when_idle(self) -> None:
+        try:
+            self.index.check_integrity()
+        except AssertionError as exc:  # a bug: say so loudly, keep serving what is consistent
+            self.counters.errors += 1
+            log.error("idle integrity check failed: %s", exc)
+
+    def _on_check_integrity(self, client: _Client, req: P.CheckIntegrity) -> P.Reply:
+        try:
+            self.index.check_integrity()
+        except AssertionError as exc:
+            log.error("integrity check failed: %s", exc)
+            return P.ErrorReply("integrity", str(exc) or "index and allocator disagree")
+        return P.Ok(count=self.index.num_entries)
 
     # -- stats -------------------------------------------------------------------
 

@@ -87,7 +87,11 @@ class ListLeases(msgspec.Struct, tag="list_leases"):
     pass
 
 
-Request = Union[Hello, Lookup, Release, Reserve, Commit, Abort, Drop, Flush, GetStats, ListLeases]
+class CheckIntegrity(msgspec.Struct, tag="check_integrity"):
+    """Ask the daemon to verify its index and allocator agree (tests, validation, fuzzing)."""
+
+
+Request = Union[Hello, Lookup, Release, Reserve, Commit, Abort, Drop, Flush, GetStats, ListLeases, CheckIntegrity]
 
 # -- replies ---------------------------------------------------------------------------
 
@@ -162,14 +166,14 @@ def encode(message: Request | Reply) -> bytes:
 def decode_request(payload: bytes | memoryview) -> Request:
     try:
         return _request_decoder.decode(payload)
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
         raise ProtocolError(f"malformed request: {exc}") from None
 
 
 def decode_reply(payload: bytes | memoryview) -> Reply:
     try:
         return _reply_decoder.decode(payload)
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, ValueError) as exc:
         raise ProtocolError(f"malformed reply: {exc}") from None
 
 

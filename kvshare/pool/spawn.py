@@ -10,7 +10,7 @@ import tempfile
 import time
 from typing import Iterator
 
-from kvshare.pool.client import PoolClient, PoolUnavailable
+from kvshare.pool.client import PoolClient, PoolRequestError, PoolUnavailable
 
 
 def wait_for_pool(socket_path: str, timeout_s: float = 30.0, proc: subprocess.Popen | None = None) -> None:
@@ -21,15 +21,20 @@ def wait_for_pool(socket_path: str, timeout_s: float = 30.0, proc: subprocess.Po
         try:
             with PoolClient(socket_path, name="ready-probe", timeout_s=2.0):
                 return
+        except PoolRequestError:
+            return  # it answered (and refused us): it is up
         except PoolUnavailable:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
 
 
-def start_pool(socket_path: str, size: str | int, extra_args: tuple[str, ...] = (), **popen_kwargs) -> subprocess.Popen:
+def start_pool(
+    socket_path: str, size: str | int, extra_args: tuple[str, ...] = (), log_level: str = "INFO", **popen_kwargs
+) -> subprocess.Popen:
     """``kvshare pool`` in a child process, ready to serve when this returns."""
-    cmd = [sys.executable, "-m", "kvshare", "pool", "--size", str(size), "--socket", socket_path, *extra_args]
+    cmd = [sys.executable, "-m", "kvshare", "--log-level", log_level, "pool", "--size", str(size),
+           "--socket", socket_path, *extra_args]
     proc = subprocess.Popen(cmd, **popen_kwargs)
     try:
         wait_for_pool(socket_path, proc=proc)
@@ -51,12 +56,16 @@ def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
 
 
 @contextlib.contextmanager
-def running_pool(size: str | int, extra_args: tuple[str, ...] = (), **popen_kwargs) -> Iterator[str]:
+def running_pool(
+    size: str | int, extra_args: tuple[str, ...] = (), quiet: bool = False, **popen_kwargs
+) -> Iterator[str]:
     """A pool of ``size`` in a temporary private directory; yields its socket path."""
+    if quiet:
+        popen_kwargs.setdefault("stdout", subprocess.DEVNULL)
     with tempfile.TemporaryDirectory(prefix="kvshare-") as tmp:
         os.chmod(tmp, 0o700)
         socket_path = os.path.join(tmp, "pool.sock")
-        proc = start_pool(socket_path, size, extra_args, **popen_kwargs)
+        proc = start_pool(socket_path, size, extra_args, "WARNING" if quiet else "INFO", **popen_kwargs)
         try:
             yield socket_path
         finally:
