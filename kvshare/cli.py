@@ -19,6 +19,9 @@ COMMANDS = {
     "pool": ("pool", "run the pool daemon (owns the shared arena)"),
     "pool-stats": ("pool_stats", "print a running pool's stats as JSON"),
     "pool-admin": ("pool_admin", "administer a running pool: flush, list leases"),
+    "serve": ("serve", "run one replica (built-in engine, OpenAI API)"),
+    "route": ("route", "run the router in front of replicas"),
+    "up": ("up", "start the pool, N replicas and the router together"),
     "bench": ("bench", "benchmarks: pool, ttft, blocks, sessions"),
     "demo": ("demo", "the embedded default: a small cluster on CPU and the study's experiments"),
 }

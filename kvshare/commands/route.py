@@ -1,0 +1,36 @@
+"""Run the router: a streaming reverse proxy over replicas with a placement policy."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvshare.router.policy import POLICIES
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--replica", action="append", required=True, help="replica base URL (repeat for each)")
+    p.add_argument("--policy", choices=POLICIES, default="round_robin")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--health-interval", type=float, default=1.0, help="seconds between health checks")
+    p.add_argument("--session-header", default="X-Session-ID")
+    p.add_argument("--session-ttl", type=float, default=3600.0)
+
+
+def run(args: argparse.Namespace) -> int:
+    from aiohttp import web
+
+    from kvshare.errors import UserError
+    from kvshare.router.proxy import RouterConfig, RouterServer
+
+    try:
+        config = RouterConfig(replicas=tuple(args.replica), policy=args.policy, host=args.host, port=args.port,
+                              health_interval_s=args.health_interval, session_header=args.session_header,
+                              session_ttl_s=args.session_ttl)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    server = RouterServer(config)
+    ready = f"kvshare router ready: http://{config.host}:{config.port} policy={config.policy}"
+    web.run_app(server.app(), host=config.host, port=config.port, print=lambda _: print(ready, flush=True),
+                access_log=None)
+    return 0

@@ -1,0 +1,61 @@
+"""Run one replica: the built-in engine behind an OpenAI-compatible HTTP server."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvshare.units import parse_size
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """Engine flags shared by serve, generate and up."""
+    p.add_argument("--model", default="tiny", help="a Hugging Face model directory or a preset name (default tiny)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--pool", default=None, help="socket of a running pool, or 'off' (default: off)")
+    p.add_argument("--local-cache-size", type=parse_size, default="1GiB", help="local prefix cache size")
+    p.add_argument("--chunk-tokens", type=int, default=256, help="tokens per shared chunk")
+    p.add_argument("--verify-rate", type=float, default=1.0,
+                   help="fraction of pool loads whose page checksums are verified (default 1: all)")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_engine_arguments(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--replica-name", default=None, help="name reported in responses (default host:port)")
+    p.add_argument("--max-requests", type=int, default=64, help="queued + running requests before 429")
+    p.add_argument("--max-prompt-tokens", type=int, default=None)
+    p.add_argument("--max-tokens-limit", type=int, default=8192)
+    p.add_argument("--max-body-size", type=parse_size, default="16MiB")
+    p.add_argument("--api-key", action="append", default=[], help="require this bearer token (repeatable)")
+    p.add_argument("--tenant-header", default="", help="header whose value salts the pool namespace per tenant")
+
+
+def build_engine(args: argparse.Namespace):
+    from kvshare.engine.engine import Engine, EngineConfig
+
+    pool = None if args.pool in (None, "off") else args.pool
+    return Engine(EngineConfig(model=args.model, device=args.device, pool_socket=pool,
+                               local_cache_bytes=args.local_cache_size, chunk_tokens=args.chunk_tokens,
+                               verify_rate=args.verify_rate))
+
+
+def run(args: argparse.Namespace) -> int:
+    from aiohttp import web
+
+    from kvshare.errors import UserError
+    from kvshare.serve.server import ReplicaServer, ServeConfig
+
+    try:
+        config = ServeConfig(host=args.host, port=args.port, replica_name=args.replica_name or f"{args.host}:{args.port}",
+                             max_body_bytes=args.max_body_size, max_requests=args.max_requests,
+                             max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens_limit,
+                             api_keys=tuple(args.api_key), tenant_header=args.tenant_header)
+        engine = build_engine(args)
+    except (ValueError, FileNotFoundError) as exc:
+        raise UserError(str(exc)) from None
+    server = ReplicaServer(engine, config)
+    ready = f"kvshare replica ready: http://{config.host}:{config.port} model={engine.model_name}"
+    web.run_app(server.app(), host=config.host, port=config.port, print=lambda _: print(ready, flush=True),
+                access_log=None)
+    return 0

@@ -1,0 +1,65 @@
+"""Start a whole cluster: the pool, N replicas and the router; Ctrl-C or SIGTERM stops all of them."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvshare.router.policy import POLICIES
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--model", default="tiny", help="a model directory or preset (default tiny)")
+    p.add_argument("--engine", choices=("builtin", "vllm"), default="builtin")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--pool-size", default="4GiB", help="size of the pool this command starts")
+    p.add_argument("--pool", default=None, help="'off' to run without a pool")
+    p.add_argument("--policy", choices=POLICIES, default="round_robin")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080, help="router port; replicas take the next N ports")
+    p.add_argument("--vllm-python", default=None, help="python of the virtual environment that holds vLLM")
+    p.add_argument("--replica-arg", action="append", default=[], help="extra argument for every replica (repeatable)")
+    p.add_argument("--pool-arg", action="append", default=[], help="extra argument for the pool (repeatable)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from rich.console import Console
+
+    from kvshare.errors import UserError
+    from kvshare.launch import Cluster, ClusterConfig
+
+    if args.pool not in (None, "off"):
+        raise UserError("up starts its own pool: use --pool-size SIZE, or --pool off")
+    try:
+        config = ClusterConfig(num_replicas=args.replicas, model=args.model, engine=args.engine, device=args.device,
+                               pool_size=None if args.pool == "off" else args.pool_size, policy=args.policy,
+                               host=args.host, port=args.port, vllm_python=args.vllm_python,
+                               replica_args=tuple(args.replica_arg), pool_args=tuple(args.pool_arg))
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    console = Console()
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    cluster = Cluster(config)
+    try:
+        with console.status("starting the cluster...") as status:
+            cluster.start(progress=lambda msg: status.update(msg))
+        console.print(f"[bold]kvshare up[/bold]: router {cluster.router_url} (policy {config.policy})")
+        for i, url in enumerate(cluster.replica_urls):
+            console.print(f"  replica{i}: {url}")
+        console.print(f"  pool: {cluster.pool_socket or 'off'}")
+        console.print("Ctrl-C stops everything.")
+        while not stop.wait(0.5):
+            for name, proc in cluster.processes.items():
+                if proc.poll() is not None:
+                    console.print(f"[red]{name} exited with code {proc.returncode}[/red]")
+                    stop.set()
+    except (RuntimeError, TimeoutError) as exc:
+        raise UserError(str(exc)) from None
+    finally:
+        cluster.stop()
+    return 0

@@ -1,0 +1,157 @@
+"""``kvshare up``: the pool, N replicas and the router as child processes, started and stopped together.
+
+Children run in their own process group (a Ctrl-C reaches only ``up``, which then
+stops them in order: router, replicas, pool) and get SIGTERM from the kernel if
+``up`` itself dies (PR_SET_PDEATHSIG), so nothing is orphaned. The pool's arena is
+a memfd and its socket lives in a private temporary directory that is removed on
+exit: no shared-memory segment or socket is left behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+from kvshare.pool.spawn import stop_process, wait_for_pool
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    num_replicas: int = 2
+    model: str = "tiny"
+    engine: str = "builtin"  # or "vllm"
+    device: str = "cpu"
+    pool_size: str | None = "4GiB"  # None: run without a pool
+    pool_args: tuple[str, ...] = ()
+    policy: str = "round_robin"
+    host: str = "127.0.0.1"
+    port: int = 8080  # the router; replicas take port+1 .. port+N
+    replica_args: tuple[str, ...] = ()
+    vllm_python: str | None = None
+    ready_timeout_s: float = 300.0
+    log_level: str = "WARNING"
+
+    def __post_init__(self) -> None:
+        if self.num_replicas < 1:
+            raise ValueError("--replicas must be at least 1")
+        if self.engine not in ("builtin", "vllm"):
+            raise ValueError(f"unknown engine {self.engine!r}; choose builtin or vllm")
+
+    def replica_url(self, i: int) -> str:
+        return f"http://{self.host}:{self.port + 1 + i}"
+
+    @property
+    def router_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+@dataclass
+class Cluster:
+    config: ClusterConfig
+    pool_socket: str | None = None
+    processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+    _tmp: tempfile.TemporaryDirectory | None = None
+
+    @property
+    def router_url(self) -> str:
+        return self.config.router_url
+
+    @property
+    def replica_urls(self) -> list[str]:
+        return [self.config.replica_url(i) for i in range(self.config.num_replicas)]
+
+    def _spawn(self, name: str, args: list[str], env: dict | None = None) -> subprocess.Popen:
+        out = None if self.config.log_level in ("DEBUG", "INFO") else subprocess.DEVNULL
+        proc = subprocess.Popen(args, stdout=out, start_new_session=True, preexec_fn=_die_with_parent, env=env)
+        self.processes[name] = proc
+        return proc
+
+    def start(self, progress=None) -> "Cluster":
+        cfg = self.config
+        kv = [sys.executable, "-m", "kvshare", "--log-level", cfg.log_level]
+        try:
+            if cfg.pool_size is not None:
+                self._tmp = tempfile.TemporaryDirectory(prefix="kvshare-up-")
+                os.chmod(self._tmp.name, 0o700)
+                self.pool_socket = os.path.join(self._tmp.name, "pool.sock")
+                proc = self._spawn("pool", kv + ["pool", "--size", cfg.pool_size, "--socket", self.pool_socket,
+                                                 *cfg.pool_args])
+                wait_for_pool(self.pool_socket, proc=proc)
+                _say(progress, "pool ready")
+            for i in range(cfg.num_replicas):
+                self._spawn(f"replica{i}", *self._replica_command(i, kv))
+            for i, url in enumerate(self.replica_urls):
+                self._wait_http(f"replica{i}", url)
+                _say(progress, f"replica {i} ready at {url}")
+            self._spawn("router", kv + ["route", "--policy", cfg.policy, "--host", cfg.host, "--port", str(cfg.port),
+                                        *sum((["--replica", u] for u in self.replica_urls), [])])
+            self._wait_http("router", self.router_url)
+            _say(progress, f"router ready at {self.router_url}")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _replica_command(self, i: int, kv: list[str]) -> tuple[list[str], dict | None]:
+        cfg = self.config
+        port = cfg.port + 1 + i
+        if cfg.engine == "vllm":
+            from kvshare.integrations.vllm_launch import vllm_server_command
+
+            return vllm_server_command(cfg, i, port, self.pool_socket)
+        args = kv + ["serve", "--model", cfg.model, "--device", cfg.device, "--host", cfg.host, "--port", str(port),
+                     "--replica-name", f"replica{i}", "--pool", self.pool_socket or "off", *cfg.replica_args]
+        return args, None
+
+    def _wait_http(self, name: str, url: str) -> None:
+        deadline = time.monotonic() + self.config.ready_timeout_s
+        proc = self.processes[name]
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with code {proc.returncode} before it was ready")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name} at {url} was not ready within {self.config.ready_timeout_s} s")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        """Router, then replicas, then the pool; SIGKILL whatever does not stop in time."""
+        order = ["router"] + [n for n in self.processes if n.startswith("replica")] + ["pool"]
+        for name in order:
+            proc = self.processes.pop(name, None)
+            if proc is not None:
+                stop_process(proc, timeout_s=15)
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> "Cluster":
+        return self.start() if not self.processes else self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _say(progress, message: str) -> None:
+    if progress is not None:
+        progress(message)

@@ -1,0 +1,1 @@
+"""The router: a streaming reverse proxy in front of N replicas, with placement policies."""

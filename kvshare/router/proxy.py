@@ -1,0 +1,211 @@
+"""The router's HTTP side: a streaming reverse proxy with health checks and failover.
+
+Bytes of a response are passed on as they arrive (no buffering of streams). A
+request whose replica cannot be reached before the first byte of its response
+goes to the next replica the policy ranked; after the first byte it cannot move.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+import msgspec
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from kvshare.router.policy import POLICIES, ReplicaView, RouteFacts, Router, prefix_blocks
+
+log = logging.getLogger("kvshare.router")
+_HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "content-encoding"}
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    replicas: tuple[str, ...]
+    policy: str = "round_robin"
+    host: str = "127.0.0.1"
+    port: int = 8080
+    health_interval_s: float = 1.0
+    max_body_bytes: int = 16 << 20
+    session_header: str = "X-Session-ID"
+    session_ttl_s: float = 3600.0
+    max_sessions: int = 100_000
+    connect_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not self.replicas:
+            raise ValueError("give at least one --replica URL")
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+
+
+@dataclass
+class ReplicaState:
+    url: str
+    is_healthy: bool = True
+    is_draining: bool = False
+    num_in_flight: int = 0
+    last_error: str = ""
+
+
+class _Metrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("kvshare_router:requests", "Requests routed", ["replica"], registry=r)
+        self.failovers = Counter("kvshare_router:failovers", "Requests moved to another replica before the first byte", registry=r)
+        self.errors = Counter("kvshare_router:errors", "Requests no replica could take", registry=r)
+        self.latency = Histogram("kvshare_router:request_latency_seconds", "Time to the end of the response", registry=r)
+        self.healthy = Gauge("kvshare_router:replica_healthy", "1 if the replica answered its last health check", ["replica"], registry=r)
+
+
+class _Facts(msgspec.Struct):
+    user: str | None = None
+    messages: list[dict] | None = None
+    prompt: object = None
+
+
+class RouterServer:
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.replicas = [ReplicaState(url.rstrip("/")) for url in config.replicas]
+        self.policy = Router(config.policy, len(self.replicas))
+        self.policy.sessions.ttl_s = config.session_ttl_s
+        self.policy.sessions.max_sessions = config.max_sessions
+        self.metrics = _Metrics()
+        self._session: aiohttp.ClientSession | None = None
+        self._health_task: asyncio.Task | None = None
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.max_body_bytes)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics_text)
+        app.router.add_post("/admin/drain", self.drain)
+        app.router.add_get("/v1/models", self.proxy)
+        app.router.add_post("/v1/{tail:.*}", self.proxy)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, app) -> None:
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout_s)
+        self._session = aiohttp.ClientSession(timeout=timeout, auto_decompress=False)
+        self._health_task = asyncio.create_task(self._health_loop())
+
+    async def _stop(self, app) -> None:
+        if self._health_task:
+            self._health_task.cancel()
+        if self._session:
+            await self._session.close()
+
+    # -- health ------------------------------------------------------------------------
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.gather(*(self._check(r) for r in self.replicas))
+            await asyncio.sleep(self.config.health_interval_s)
+
+    async def _check(self, replica: ReplicaState) -> None:
+        try:
+            async with self._session.get(replica.url + "/health", timeout=aiohttp.ClientTimeout(total=2)) as resp:
+                replica.is_healthy = resp.status == 200
+                replica.last_error = "" if replica.is_healthy else f"health answered {resp.status}"
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            replica.is_healthy = False
+            replica.last_error = f"{type(exc).__name__}: {exc}"
+        self.metrics.healthy.labels(replica.url).set(1 if replica.is_healthy else 0)
+
+    async def health(self, request: web.Request) -> web.Response:
+        replicas = [{"url": r.url, "healthy": r.is_healthy, "draining": r.is_draining, "in_flight": r.num_in_flight,
+                     "error": r.last_error} for r in self.replicas]
+        ok = any(r.is_healthy and not r.is_draining for r in self.replicas)
+        return web.json_response({"status": "ok" if ok else "unavailable", "policy": self.config.policy,
+                                  "replicas": replicas}, status=200 if ok else 503)
+
+    async def metrics_text(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def drain(self, request: web.Request) -> web.Response:
+        """POST {"replica": URL, "drain": true|false}: stop (or resume) sending new requests to it."""
+        try:
+            body = await request.json()
+            url, drain = str(body["replica"]).rstrip("/"), bool(body.get("drain", True))
+        except (ValueError, KeyError, TypeError):
+            return _error(400, 'expected {"replica": URL, "drain": true|false}')
+        for replica in self.replicas:
+            if replica.url == url:
+                replica.is_draining = drain
+                return web.json_response({"replica": url, "draining": drain, "in_flight": replica.num_in_flight})
+        return _error(404, f"no replica {url}")
+
+    # -- proxying ------------------------------------------------------------------------
+
+    def _facts(self, request: web.Request, body: bytes) -> RouteFacts:
+        session = request.headers.get(self.config.session_header)
+        try:
+            parsed = msgspec.json.decode(body, type=_Facts) if body else _Facts()
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            parsed = _Facts()  # the replica will answer the bad request; just place it
+        session = session or parsed.user
+        turn, text = None, ""
+        if parsed.messages is not None:
+            turn = sum(1 for m in parsed.messages if isinstance(m, dict) and m.get("role") == "assistant")
+            text = "".join(f"{m.get('role')}:{m.get('content')}\n" for m in parsed.messages if isinstance(m, dict))
+        elif parsed.prompt is not None:
+            text = parsed.prompt if isinstance(parsed.prompt, str) else msgspec.json.encode(parsed.prompt).decode()
+        blocks = prefix_blocks(text) if self.config.policy == "cache_aware" else ()
+        return RouteFacts(session_id=session, chat_turn=turn, prefix_blocks=blocks)
+
+    async def proxy(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        facts = self._facts(request, body)
+        views = [ReplicaView(i, r.is_healthy and not r.is_draining, r.num_in_flight) for i, r in enumerate(self.replicas)]
+        order = self.policy.choose(facts, views, time.monotonic())
+        order = [i for i in order if not self.replicas[i].is_draining]
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
+        t0 = time.perf_counter()
+        last_error = "no replica is available"
+        for attempt, i in enumerate(order):
+            replica = self.replicas[i]
+            replica.num_in_flight += 1
+            try:
+                upstream = await self._session.request(request.method, replica.url + request.path_qs,
+                                                       data=body or None, headers=headers)
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                replica.num_in_flight -= 1
+                replica.is_healthy = False
+                replica.last_error = last_error = f"{type(exc).__name__}: {exc}"
+                self.metrics.failovers.inc()
+                log.warning("replica %s unreachable (%s); trying the next", replica.url, last_error)
+                continue
+            try:
+                self.metrics.requests.labels(replica.url).inc()
+                return await self._relay(request, upstream, replica)
+            finally:
+                upstream.release()
+                replica.num_in_flight -= 1
+                self.metrics.latency.observe(time.perf_counter() - t0)
+        self.metrics.errors.inc()
+        return _error(503, f"no replica could take the request: {last_error}")
+
+    async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse, replica: ReplicaState):
+        headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
+        headers["X-KVShare-Replica"] = replica.url
+        response = web.StreamResponse(status=upstream.status, headers=headers)
+        await response.prepare(request)
+        try:
+            async for piece in upstream.content.iter_any():
+                await response.write(piece)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            log.warning("replica %s broke off a response: %s", replica.url, exc)
+            replica.is_healthy = False
+        await response.write_eof()
+        return response
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": "router_error", "param": None, "code": None}},
+                             status=status)

@@ -1,0 +1,1 @@
+"""One replica: an OpenAI-compatible HTTP server in front of one engine."""

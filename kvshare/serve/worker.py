@@ -1,0 +1,106 @@
+"""The engine worker: one thread runs the engine, one request at a time, first come first served.
+
+The engine is not re-entrant (it owns one sequence's KV at a time), so the
+HTTP handlers never call it directly: they submit a Job and read its events
+from an asyncio queue. A job whose client went away is cancelled between
+tokens, so a disconnected or abandoned stream frees the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger("kvshare.serve")
+
+_DONE = object()
+
+
+class QueueFull(Exception):
+    """The replica already holds its limit of requests."""
+
+
+@dataclass(eq=False)
+class Job:
+    prompt_ids: list[int]
+    params: Any  # engine SamplingParams
+    options: Any  # engine RequestOptions
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    is_cancelled: bool = False
+
+    def post(self, item: Any) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+
+    async def stream(self):
+        """Engine events until the end; re-raises an engine exception."""
+        while True:
+            item = await self.events.get()
+            if item is _DONE:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+
+class EngineWorker:
+    def __init__(self, engine: Any, max_requests: int) -> None:
+        self.engine = engine
+        self.max_requests = max_requests
+        self._queue: queue.Queue[Job | None] = queue.Queue()
+        self._num_waiting = 0
+        self._num_running = 0
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="engine-worker", daemon=True)
+
+    @property
+    def num_waiting(self) -> int:
+        return self._num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return self._num_running
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+
+    def submit(self, job: Job) -> None:
+        with self._lock:
+            if self._num_waiting + self._num_running >= self.max_requests:
+                raise QueueFull(f"this replica already holds {self.max_requests} requests")
+            self._num_waiting += 1
+        self._queue.put(job)
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            with self._lock:
+                self._num_waiting -= 1
+                self._num_running += 1
+            try:
+                if not job.is_cancelled:
+                    events = self.engine.generate(job.prompt_ids, job.params, job.options)
+                    try:
+                        for event in events:
+                            job.post(event)
+                            if job.is_cancelled:
+                                break
+                    finally:
+                        events.close()  # runs the engine's clean-up (leases, stores) on a cancel too
+                job.post(_DONE)
+            except Exception as exc:  # reported to that request only; the worker keeps serving
+                log.exception("engine failed on a request")
+                job.post(exc)
+            finally:
+                with self._lock:
+                    self._num_running -= 1
