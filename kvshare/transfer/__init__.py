@@ -1,0 +1,17 @@
+"""Moving KV between the pool's pages and engines (CPU and CUDA), and the byte checks that prove it.
+
+Start from ``make_transfer(layout, client, device, config)``; the interface is in
+``base.py``, layout conversions (built-in engine, vLLM CPU and CUDA) in
+``layouts.py`` with their slow oracles in ``reference.py``, the byte round-trip
+self-test in ``bytecheck.py``.
+"""
+
+from kvshare.transfer.base import (
+    ChunkChecksumMismatch,
+    KVTransfer,
+    LoadHandle,
+    TransferConfig,
+    make_transfer,
+)
+
+__all__ = ["ChunkChecksumMismatch", "KVTransfer", "LoadHandle", "TransferConfig", "make_transfer"]

@@ -1,0 +1,183 @@
+"""The transfer interface: move chunks between the pool's pages and an engine's KV tensor.
+
+An engine holds one sequence KV tensor ``kv [L, 2, H, T_cap, D]``; chunk j of
+the request is tokens ``[j*C, (j+1)*C)``. A pool page holds one chunk in the
+canonical order ``[L, 2, C, H, D]``; the transfer converts (a transpose of the
+token and head axes) at the copy. Implementations: ``CpuTransfer`` (done when a
+call returns) and ``CudaTransfer`` (a copy stream, events, a registered arena).
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+from kvshare.layout import KVLayout
+from kvshare.pool.client import ChecksumMismatch
+from kvshare.transfer.layouts import torch_dtype
+
+if TYPE_CHECKING:
+    from kvshare.pool.client import PoolClient
+    from kvshare.pool.protocol import PageHeader
+
+COPY_METHODS = ("memcpy2d", "torch")
+
+
+class ChunkChecksumMismatch(ChecksumMismatch):
+    """A loaded page failed its checksum; ``chunk_index`` is the request's chunk it held."""
+
+    def __init__(self, chunk_index: int, offset: int) -> None:
+        super().__init__(f"chunk {chunk_index} (page at arena offset {offset}) does not match its checksum")
+        self.chunk_index = chunk_index
+        self.offset = offset
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """How KV moves between the pool and a device. Values found at run time live on the transfer."""
+
+    # CUDA: "memcpy2d" moves a layer group across a run of pages with one cudaMemcpy2DAsync
+    # (needs cuda-bindings); "torch" makes one torch copy per page and layer group. No fallback.
+    copy_method: str = "memcpy2d"
+    min_copy_bytes: int = 2 << 20  # CUDA: layers are grouped so one page's row of a copy is at least this
+    staging_bytes: int = 256 << 20  # CUDA: each of the two GPU staging buffers
+    verify_fraction: float = 0.0  # share of loaded pages whose checksum is checked (client.verify_checksums: all)
+    checksum_threads: int = 0  # threads hashing pages (xxhash releases the GIL); 0: min(8, cores)
+    producer_delay_cycles: int = 0  # validation: GPU sleep that inject_producer_delay() enqueues
+    load_delay_cycles: int = 0  # validation: GPU sleep on the copy stream before a load's copies
+
+    def __post_init__(self) -> None:
+        if self.copy_method not in COPY_METHODS:
+            raise ValueError(f"copy_method must be one of {COPY_METHODS}, got {self.copy_method!r}")
+        for name in ("min_copy_bytes", "staging_bytes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"TransferConfig.{name} must be positive, got {getattr(self, name)}")
+        if not 0.0 <= self.verify_fraction <= 1.0:
+            raise ValueError(f"verify_fraction must lie in [0, 1], got {self.verify_fraction}")
+        for name in ("checksum_threads", "producer_delay_cycles", "load_delay_cycles"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"TransferConfig.{name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def num_checksum_threads(self) -> int:
+        return self.checksum_threads or min(8, os.cpu_count() or 1)
+
+
+class LoadHandle:
+    """Completion of one load. This base class stands for a load that finished before it was returned."""
+
+    def __init__(self, num_bytes: int, seconds: float | None = None) -> None:
+        self.num_bytes = num_bytes
+        self.seconds = seconds  # copy time, once known (CPU: at once; CUDA: after wait_all)
+
+    def wait_layer(self, layer: int) -> None:
+        """Make the current (compute) stream wait until ``layer`` is in the KV tensor."""
+
+    def wait_all(self) -> None:
+        """Block until every copy has finished: the pages' lease may be released after this."""
+
+
+class KVTransfer(ABC):
+    """Moves chunks between pool pages and one engine's KV tensor. One caller at a time."""
+
+    def __init__(self, layout: KVLayout, client: "PoolClient", device: torch.device, config: TransferConfig) -> None:
+        if client.arena is None:
+            raise ValueError("the pool client is not connected (no arena mapped)")
+        self.layout = layout
+        self.client = client
+        self.device = torch.device(device)
+        self.config = config
+        self.dtype = torch_dtype(layout.dtype)
+        self.extent_bytes: int = client.hello.extent_bytes
+        self._verify_credit = 0.0
+        from kvshare.transfer.checksums import PageHasher
+
+        self._hasher = PageHasher(client, layout.page_bytes, config.num_checksum_threads)
+
+    @abstractmethod
+    def load(self, kv: torch.Tensor, first_chunk: int, pages: Sequence["PageHeader"]) -> LoadHandle:
+        """Copy page i into kv[:, :, :, (first_chunk+i)*C : (first_chunk+i+1)*C, :]."""
+
+    @abstractmethod
+    def store(self, kv: torch.Tensor, first_chunk: int, offsets: Sequence[int], producer_stream=None) -> list[int]:
+        """Copy chunks first_chunk.. into the (reserved) pages at ``offsets`` after the producer's work;
+        return one checksum per page, computed after the copies completed. Commit only after this returns."""
+
+    def inject_producer_delay(self, stream=None) -> None:
+        """Validation hook: enqueue ``config.producer_delay_cycles`` of GPU sleep on the producer stream.
+
+        A producer calls it before writing the KV it will store; no-op on CPU or when the delay is 0.
+        """
+
+    def close(self) -> None:
+        self._hasher.close()
+
+    def __enter__(self) -> "KVTransfer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- checks shared by the implementations ----------------------------------------------------
+
+    def _check_kv(self, kv: torch.Tensor, first_chunk: int, num_chunks: int) -> None:
+        lay = self.layout
+        expected = (lay.num_layers, 2, lay.num_kv_heads, lay.head_dim)
+        if kv.dim() != 5 or (kv.shape[0], kv.shape[1], kv.shape[2], kv.shape[4]) != expected:
+            raise ValueError(f"kv must be [L, 2, H, T, D] = [{expected[0]}, 2, {expected[2]}, T, {expected[3]}], got {tuple(kv.shape)}")
+        if kv.dtype != self.dtype:
+            raise ValueError(f"kv dtype {kv.dtype} does not match the layout's {self.dtype}")
+        if kv.device.type != self.device.type:
+            raise ValueError(f"kv is on {kv.device}, this transfer moves to {self.device}")
+        end = (first_chunk + num_chunks) * lay.chunk_tokens
+        if first_chunk < 0 or end > kv.shape[3]:
+            raise ValueError(f"chunks {first_chunk}..{first_chunk + num_chunks - 1} need {end} tokens, kv holds {kv.shape[3]}")
+
+    def _page_offsets(self, pages: Sequence["PageHeader"]) -> list[int]:
+        from kvshare.pool.protocol import FORMAT_VERSION
+
+        for page in pages:
+            if page.page_bytes != self.layout.page_bytes:
+                raise ValueError(f"page at {page.offset} holds {page.page_bytes} bytes, the layout {self.layout.page_bytes}")
+            if page.format_version != FORMAT_VERSION:
+                raise ChecksumMismatch(f"page at {page.offset} has format {page.format_version}, expected {FORMAT_VERSION}")
+        return [page.offset for page in pages]
+
+    def _pages_to_verify(self, num_pages: int) -> list[int]:
+        """Indices of the pages whose checksum this load checks (all, or an exact share of them)."""
+        if self.client.verify_checksums or self.config.verify_fraction >= 1.0:
+            return list(range(num_pages))
+        chosen = []
+        for i in range(num_pages):
+            self._verify_credit += self.config.verify_fraction
+            if self._verify_credit >= 1.0:
+                self._verify_credit -= 1.0
+                chosen.append(i)
+        return chosen
+
+    def _verify_pages(self, pages: Sequence["PageHeader"], first_chunk: int, indices: list[int]) -> None:
+        if not indices:
+            return
+        sums = self._hasher.checksums([pages[i].offset for i in indices])
+        for i, value in zip(indices, sums):
+            if value != pages[i].checksum:
+                raise ChunkChecksumMismatch(first_chunk + i, pages[i].offset)
+
+
+def make_transfer(layout: KVLayout, client: "PoolClient", device, config: TransferConfig | None = None) -> KVTransfer:
+    """CpuTransfer or CudaTransfer, chosen by the device's type."""
+    device = torch.device(device)
+    config = config or TransferConfig()
+    if device.type == "cpu":
+        from kvshare.transfer.cpu import CpuTransfer
+
+        return CpuTransfer(layout, client, device, config)
+    if device.type == "cuda":
+        from kvshare.transfer.cuda import CudaTransfer
+
+        return CudaTransfer(layout, client, device, config)
+    raise ValueError(f"no KV transfer for device {device}; kvshare moves KV to 'cpu' or 'cuda'")

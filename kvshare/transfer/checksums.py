@@ -1,0 +1,39 @@
+"""Page checksums for transfers: xxh3-64 of pool pages, on a few threads when there is much to hash.
+
+xxhash releases the GIL, so hashing a 32 GiB store on 8 threads takes a fraction
+of the copy's time instead of more than it.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Sequence
+
+from kvshare.pool.checksum import page_checksum
+
+PARALLEL_MIN_BYTES = 64 << 20  # below this, thread hand-off costs more than it saves
+
+
+class PageHasher:
+    """Checksums of whole pages of one size in one client's arena."""
+
+    def __init__(self, client, page_bytes: int, num_threads: int) -> None:
+        self._client = client
+        self._page_bytes = page_bytes
+        self._num_threads = max(1, num_threads)
+        self._pool: ThreadPoolExecutor | None = None  # started on first use, stopped by close()
+
+    def checksum(self, offset: int) -> int:
+        return page_checksum(self._client.page(offset, self._page_bytes))
+
+    def checksums(self, offsets: Sequence[int]) -> list[int]:
+        if self._num_threads == 1 or len(offsets) * self._page_bytes < PARALLEL_MIN_BYTES:
+            return [self.checksum(offset) for offset in offsets]
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._num_threads, thread_name_prefix="kvshare-checksum")
+        return list(self._pool.map(self.checksum, offsets))
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None

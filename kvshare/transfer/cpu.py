@@ -1,0 +1,50 @@
+"""CpuTransfer: pool pages <-> a CPU KV tensor, one torch copy per run of consecutive pages.
+
+The pool side is a zero-copy view of the mapped arena (``torch.from_numpy``),
+contiguous by construction and asserted; torch spreads each copy over the
+intra-op threads. Every call is complete when it returns.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import torch
+
+from kvshare.transfer.base import KVTransfer, LoadHandle
+from kvshare.transfer.layouts import as_bits, bits_dtype, chunks_to_engine, engine_to_chunks
+from kvshare.transfer.plan import PageRun, page_runs
+
+
+class CpuTransfer(KVTransfer):
+    """Copies between the arena and a CPU ``kv [L, 2, H, T, D]`` with the token/head transpose."""
+
+    def load(self, kv: torch.Tensor, first_chunk: int, pages: Sequence) -> LoadHandle:
+        start = time.perf_counter()
+        offsets = self._page_offsets(pages)
+        self._check_kv(kv, first_chunk, len(pages))
+        # pages are committed and leased, so they cannot change: verify before any byte moves
+        self._verify_pages(pages, first_chunk, self._pages_to_verify(len(pages)))
+        kv_bits = as_bits(kv)
+        for run in page_runs(offsets, self.layout.page_bytes, self.extent_bytes):
+            chunks_to_engine(kv_bits, self._run_view(run), (first_chunk + run.first) * self.layout.chunk_tokens)
+        return LoadHandle(num_bytes=len(pages) * self.layout.page_bytes, seconds=time.perf_counter() - start)
+
+    def store(self, kv: torch.Tensor, first_chunk: int, offsets: Sequence[int], producer_stream=None) -> list[int]:
+        if producer_stream is not None:
+            raise ValueError("a CPU transfer has no producer stream: the KV is ready when store() is called")
+        offsets = list(offsets)
+        self._check_kv(kv, first_chunk, len(offsets))
+        kv_bits = as_bits(kv)
+        for run in page_runs(offsets, self.layout.page_bytes, self.extent_bytes):
+            engine_to_chunks(self._run_view(run), kv_bits, (first_chunk + run.first) * self.layout.chunk_tokens)
+        return self._hasher.checksums(offsets)
+
+    def _run_view(self, run: PageRun) -> torch.Tensor:
+        """The run's pages as an integer tensor [n, L, 2, C, H, D] over the arena (no copy)."""
+        lay = self.layout
+        raw = self.client.page(run.offset, run.num_pages * lay.page_bytes)
+        assert raw.flags.c_contiguous, "pool views must be contiguous"
+        pages = torch.from_numpy(raw).view(bits_dtype(lay.itemsize))
+        return pages.view(run.num_pages, lay.num_layers, 2, lay.chunk_tokens, lay.num_kv_heads, lay.head_dim)

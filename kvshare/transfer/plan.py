@@ -1,0 +1,143 @@
+"""Which copies move a call's pages: runs of consecutive pages, groups of layers, staged units.
+
+Pure arithmetic, no torch, so the plan a GPU executes is tested on any machine.
+
+A call moves pages 0..n-1 of one request (chunk ``first_chunk + i`` lives in
+page i). Pages whose arena offsets follow each other form a *run*; a run never
+crosses an allocator extent, because each extent is a separate CUDA
+registration and a copy spanning two of them fails::
+
+    page i          0      1      2      3      4
+    arena offset    A      A+P    A+2P   B      B+P        (P = page bytes)
+    runs            [---- run 0 ------]  [-- run 1 --]
+
+A *unit* is what one staging buffer holds: pages [p0, p1) x layers [l0, l1).
+In a page the layers [l0, l1) are one contiguous row of ``W = (l1 - l0) *
+layer_bytes`` bytes, so each run inside a unit is ONE 2-D copy (height = its
+pages, width = W, host pitch = P) into packed staging rows::
+
+    staging   |page p0: layers l0..l1-1|page p0+1: ...|...|      [p1-p0, l1-l0, 2, C, H, D]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from kvshare.layout import KVLayout
+
+
+@dataclass(frozen=True)
+class PageRun:
+    """``num_pages`` pages of a call, ``first`` .. ``first + num_pages - 1``, consecutive in the arena."""
+
+    first: int
+    offset: int
+    num_pages: int
+
+
+@dataclass(frozen=True)
+class RowCopy:
+    """One 2-D copy between the arena and a staging buffer: ``height`` rows of ``width`` bytes."""
+
+    host_offset: int  # arena offset of the first row
+    host_pitch: int  # bytes between rows in the arena (the page size)
+    stage_offset: int  # byte offset of the first row in the staging buffer (rows are packed there)
+    width: int
+    height: int
+
+
+@dataclass(frozen=True)
+class Unit:
+    """Pages [page_start, page_stop) x layers [layer_start, layer_stop) of a call, staged together."""
+
+    layer_start: int
+    layer_stop: int
+    page_start: int
+    page_stop: int
+    copies: tuple[RowCopy, ...]
+
+    @property
+    def num_pages(self) -> int:
+        return self.page_stop - self.page_start
+
+    @property
+    def num_layers(self) -> int:
+        return self.layer_stop - self.layer_start
+
+    @property
+    def row_bytes(self) -> int:
+        return self.copies[0].width
+
+    @property
+    def num_bytes(self) -> int:
+        return self.num_pages * self.row_bytes
+
+
+def page_runs(
+    offsets: Sequence[int], page_bytes: int, extent_bytes: int | None = None, start: int = 0, stop: int | None = None
+) -> list[PageRun]:
+    """Maximal runs of pages[start:stop] on consecutive offsets, each inside one extent."""
+    stop = len(offsets) if stop is None else stop
+    runs: list[PageRun] = []
+    for i in range(start, stop):
+        offset = offsets[i]
+        if runs:
+            last = runs[-1]
+            follows = offset == last.offset + last.num_pages * page_bytes
+            same_extent = extent_bytes is None or offset // extent_bytes == last.offset // extent_bytes
+            if follows and same_extent:
+                runs[-1] = PageRun(last.first, last.offset, last.num_pages + 1)
+                continue
+        runs.append(PageRun(i, offset, 1))
+    return runs
+
+
+def layer_groups(num_layers: int, layer_bytes: int, min_copy_bytes: int) -> list[tuple[int, int]]:
+    """[l0, l1) ranges of the fewest layers whose row in a page holds >= ``min_copy_bytes``.
+
+    The last group may be smaller; a model whose whole page is below the minimum is one group.
+    """
+    per_group = min(num_layers, max(1, -(-min_copy_bytes // layer_bytes)))
+    return [(l0, min(l0 + per_group, num_layers)) for l0 in range(0, num_layers, per_group)]
+
+
+def pages_per_unit(staging_bytes: int, row_bytes: int) -> int:
+    """Pages whose rows of ``row_bytes`` fit one staging buffer."""
+    if row_bytes > staging_bytes:
+        raise ValueError(
+            f"a staging buffer of {staging_bytes} bytes cannot hold one row of {row_bytes} bytes; "
+            "raise TransferConfig.staging_bytes or lower min_copy_bytes"
+        )
+    return staging_bytes // row_bytes
+
+
+def plan_unit(
+    offsets: Sequence[int],
+    layout: KVLayout,
+    layers: tuple[int, int],
+    pages: tuple[int, int],
+    extent_bytes: int | None,
+) -> Unit:
+    """The copies that move layers ``layers`` of pages ``pages`` of a call, one per run."""
+    l0, l1 = layers
+    p0, p1 = pages
+    if not (0 <= l0 < l1 <= layout.num_layers and 0 <= p0 < p1 <= len(offsets)):
+        raise ValueError(f"layers {layers} / pages {pages} outside the layout or the call")
+    width = (l1 - l0) * layout.layer_bytes
+    copies = tuple(
+        RowCopy(
+            host_offset=run.offset + l0 * layout.layer_bytes,
+            host_pitch=layout.page_bytes,
+            stage_offset=(run.first - p0) * width,
+            width=width,
+            height=run.num_pages,
+        )
+        for run in page_runs(offsets, layout.page_bytes, extent_bytes, p0, p1)
+    )
+    return Unit(l0, l1, p0, p1, copies)
+
+
+def page_blocks(num_pages: int, block_pages: int) -> list[tuple[int, int]]:
+    """[p0, p1) ranges of at most ``block_pages`` pages covering 0..num_pages-1."""
+    return [(p0, min(p0 + block_pages, num_pages)) for p0 in range(0, num_pages, block_pages)]
