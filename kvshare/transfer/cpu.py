@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 
 from kvshare.transfer.base import KVTransfer, LoadHandle
-from kvshare.transfer.layouts import as_bits, bits_dtype, chunks_to_engine, engine_to_chunks
+from kvshare.transfer.layouts import as_bits, chunks_to_engine, chunks_view, engine_to_chunks
 from kvshare.transfer.plan import PageRun, page_runs
 
 
@@ -43,8 +43,6 @@ class CpuTransfer(KVTransfer):
 
     def _run_view(self, run: PageRun) -> torch.Tensor:
         """The run's pages as an integer tensor [n, L, 2, C, H, D] over the arena (no copy)."""
-        lay = self.layout
-        raw = self.client.page(run.offset, run.num_pages * lay.page_bytes)
+        raw = self.client.page(run.offset, run.num_pages * self.layout.page_bytes)
         assert raw.flags.c_contiguous, "pool views must be contiguous"
-        pages = torch.from_numpy(raw).view(bits_dtype(lay.itemsize))
-        return pages.view(run.num_pages, lay.num_layers, 2, lay.chunk_tokens, lay.num_kv_heads, lay.head_dim)
+        return chunks_view(torch.from_numpy(raw), self.layout, run.num_pages)

@@ -20,9 +20,12 @@ exactly (NaN payloads included) whatever the KV dtype.
 from __future__ import annotations
 
 from enum import Enum
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from kvshare.layout import KVLayout
 
 TORCH_DTYPES = {
     "float32": torch.float32,
@@ -48,6 +51,18 @@ def as_bits(t: torch.Tensor) -> torch.Tensor:
 
 def bits_dtype(itemsize: int) -> torch.dtype:
     return _BITS[itemsize]
+
+
+def chunks_view(buf: torch.Tensor, layout: "KVLayout", num_pages: int, num_layers: int | None = None) -> torch.Tensor:
+    """The first bytes of a 1-D uint8 buffer as packed page rows [n, L', 2, C, H, D] (integer view, no copy).
+
+    With ``num_layers`` = L' < L each row is a group of layers of a page, as a staging buffer holds them.
+    """
+    num_layers = layout.num_layers if num_layers is None else num_layers
+    shape = (num_pages, num_layers, 2, layout.chunk_tokens, layout.num_kv_heads, layout.head_dim)
+    if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():
+        raise ValueError("chunks_view needs a contiguous 1-D uint8 buffer")
+    return buf[: num_pages * num_layers * layout.layer_bytes].view(bits_dtype(layout.itemsize)).view(shape)
 
 
 # -- built-in engine: kv [L, 2, H, T, D] <-> chunks [n, L, 2, C, H, D] --------------------------

@@ -94,12 +94,19 @@ def page_runs(
 
 
 def layer_groups(num_layers: int, layer_bytes: int, min_copy_bytes: int) -> list[tuple[int, int]]:
-    """[l0, l1) ranges of the fewest layers whose row in a page holds >= ``min_copy_bytes``.
+    """[l0, l1) ranges, as many as possible, each a row of >= ``min_copy_bytes`` in a page.
 
-    The last group may be smaller; a model whose whole page is below the minimum is one group.
+    Sizes differ by at most one layer; a model whose whole page is below the minimum is one group.
     """
-    per_group = min(num_layers, max(1, -(-min_copy_bytes // layer_bytes)))
-    return [(l0, min(l0 + per_group, num_layers)) for l0 in range(0, num_layers, per_group)]
+    min_layers = min(num_layers, max(1, -(-min_copy_bytes // layer_bytes)))
+    num_groups = num_layers // min_layers
+    base, extra = divmod(num_layers, num_groups)
+    groups, l0 = [], 0
+    for g in range(num_groups):
+        l1 = l0 + base + (1 if g < extra else 0)
+        groups.append((l0, l1))
+        l0 = l1
+    return groups
 
 
 def pages_per_unit(staging_bytes: int, row_bytes: int) -> int:
@@ -141,3 +148,27 @@ def plan_unit(
 def page_blocks(num_pages: int, block_pages: int) -> list[tuple[int, int]]:
     """[p0, p1) ranges of at most ``block_pages`` pages covering 0..num_pages-1."""
     return [(p0, min(p0 + block_pages, num_pages)) for p0 in range(0, num_pages, block_pages)]
+
+
+def load_units(
+    offsets: Sequence[int], layout: KVLayout, min_copy_bytes: int, staging_bytes: int, extent_bytes: int | None
+) -> list[list[Unit]]:
+    """Units of a load, per layer group in layer order: early layers land first, so compute can start."""
+    schedule = []
+    for layers in layer_groups(layout.num_layers, layout.layer_bytes, min_copy_bytes):
+        block = pages_per_unit(staging_bytes, (layers[1] - layers[0]) * layout.layer_bytes)
+        schedule.append([plan_unit(offsets, layout, layers, pages, extent_bytes) for pages in page_blocks(len(offsets), block)])
+    return schedule
+
+
+def store_units(
+    offsets: Sequence[int], layout: KVLayout, min_copy_bytes: int, staging_bytes: int, extent_bytes: int | None
+) -> list[list[Unit]]:
+    """Units of a store, per block of pages in page order: whole pages finish early and are hashed
+    while later ones still copy."""
+    groups = layer_groups(layout.num_layers, layout.layer_bytes, min_copy_bytes)
+    widest = max(l1 - l0 for l0, l1 in groups) * layout.layer_bytes
+    return [
+        [plan_unit(offsets, layout, layers, pages, extent_bytes) for layers in groups]
+        for pages in page_blocks(len(offsets), pages_per_unit(staging_bytes, widest))
+    ]
