@@ -1,0 +1,166 @@
+"""Model and engine configuration: what the built-in engine runs, and how.
+
+``ModelConfig`` is read from a Hugging Face ``config.json`` (or a preset) and
+refuses, by name, every feature the plain-torch decoder does not implement:
+better a clear error at load than plausible but wrong logits.
+No torch here: dtypes are named by string.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvshare.errors import UserError
+from kvshare.keys import DEFAULT_CHUNK_TOKENS
+
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
+SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+
+
+class UnsupportedModel(UserError):
+    """A model configuration uses a feature the built-in engine does not implement."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shapes and options of a Llama / Qwen2 / Qwen3 decoder."""
+
+    arch: str  # "llama" | "qwen2" | "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # bias on q/k/v projections (Qwen2 always; Llama/Qwen3 with attention_bias)
+    o_bias: bool = False  # bias on the output projection (Llama/Qwen3 with attention_bias)
+    mlp_bias: bool = False  # Llama's mlp_bias
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim of q and k before RoPE
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.arch not in SUPPORTED_ARCHS:
+            raise UnsupportedModel(f"architecture {self.arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})")
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise UnsupportedModel(f"dtype {self.dtype!r} is not supported (supported: {', '.join(SUPPORTED_DTYPES)})")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise UnsupportedModel(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise UnsupportedModel(f"head_dim {self.head_dim} is odd (RoPE needs pairs)")
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        itemsize = 4 if self.dtype == "float32" else 2
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * itemsize
+
+
+def _refuse(feature: str, detail: str) -> UnsupportedModel:
+    return UnsupportedModel(f"the built-in engine does not support {feature} ({detail})")
+
+
+def _rope_theta(hf: dict) -> float:
+    """RoPE base, refusing every scaling variant (yarn, linear, dynamic, llama3, longrope, ...)."""
+    legacy = hf.get("rope_scaling")
+    params = hf.get("rope_parameters")
+    for source, block in (("rope_scaling", legacy), ("rope_parameters", params)):
+        if not block:
+            continue
+        kind = block.get("rope_type", block.get("type", "default"))
+        if kind not in (None, "default"):
+            raise _refuse(f"rope scaling variant {kind!r}", f"{source} = {block}")
+    theta = (params or {}).get("rope_theta", hf.get("rope_theta", 10000.0))
+    if hf.get("partial_rotary_factor", 1.0) != 1.0:
+        raise _refuse("partial rotary embeddings", f"partial_rotary_factor = {hf['partial_rotary_factor']}")
+    return float(theta)
+
+
+def _refuse_unsupported(hf: dict, model_type: str) -> None:
+    if model_type not in SUPPORTED_ARCHS:
+        raise _refuse(f"model_type {model_type!r}", f"supported: {', '.join(SUPPORTED_ARCHS)}")
+    for key in ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size"):
+        if hf.get(key):
+            raise _refuse("mixture-of-experts layers (MoE)", f"{key} = {hf[key]}")
+    if hf.get("use_sliding_window"):
+        raise _refuse("sliding window attention", f"use_sliding_window = true, sliding_window = {hf.get('sliding_window')}")
+    if model_type == "llama" and hf.get("sliding_window"):
+        raise _refuse("sliding window attention", f"sliding_window = {hf['sliding_window']}")
+    layer_types = hf.get("layer_types") or []
+    other = sorted({t for t in layer_types if t != "full_attention"})
+    if other:
+        raise _refuse("hybrid attention layers", f"layer_types contains {', '.join(map(repr, other))}")
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise _refuse(f"activation {act!r}", "only silu (SwiGLU) is implemented")
+    if hf.get("quantization_config"):
+        raise _refuse("quantized weights", f"quantization_config = {hf['quantization_config']}")
+    if hf.get("pretraining_tp", 1) not in (1, None):
+        raise _refuse("pretraining_tp > 1", f"pretraining_tp = {hf['pretraining_tp']}")
+
+
+def model_config_from_hf(hf: dict) -> ModelConfig:
+    """ModelConfig from a parsed config.json; raises UnsupportedModel naming what is not supported."""
+    model_type = str(hf.get("model_type", ""))
+    _refuse_unsupported(hf, model_type)
+    num_heads = int(hf["num_attention_heads"])
+    hidden = int(hf["hidden_size"])
+    head_dim = hf.get("head_dim") or hidden // num_heads
+    attention_bias = bool(hf.get("attention_bias", False))
+    dtype = str(hf.get("dtype") or hf.get("torch_dtype") or "float32").replace("torch.", "")
+    return ModelConfig(
+        arch=model_type,
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(hf["intermediate_size"]),
+        num_layers=int(hf["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+        head_dim=int(head_dim),
+        rope_theta=_rope_theta(hf),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=True if model_type == "qwen2" else attention_bias,
+        o_bias=False if model_type == "qwen2" else attention_bias,
+        mlp_bias=bool(hf.get("mlp_bias", False)) if model_type == "llama" else False,
+        qk_norm=model_type == "qwen3",
+        dtype=dtype,
+    )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How one engine runs: which model, where, and how it reuses KV."""
+
+    model: str  # a local HF model directory or a preset name (kvshare.engine.presets.PRESETS)
+    device: str = "cpu"  # "cpu" | "cuda" | "cuda:N"
+    dtype: str | None = None  # None: the model's own dtype
+    model_name: str | None = None  # served name and the key namespace's model id; None: directory or preset name
+    pool_socket: str | None = None  # None: no pool
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS  # tokens per shared chunk (one pool page)
+    local_cache_bytes: int = 1 << 30  # bound of the local prefix cache; 0 disables it
+    prefill_chunk_tokens: int = 4096  # projections and MLP run over this many tokens at a time
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    verify_checksums: bool = False  # verify every page loaded from the pool
+    pool_retry_s: float = 0.5  # first reconnect delay after the pool went away (doubles up to pool_retry_max_s)
+    pool_retry_max_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.dtype is not None and self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        for name in ("chunk_tokens", "prefill_chunk_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"EngineConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.local_cache_bytes < 0:
+            raise ValueError(f"local_cache_bytes must be >= 0, got {self.local_cache_bytes}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
+            raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")

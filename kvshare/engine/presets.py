@@ -1,0 +1,173 @@
+"""Synthetic model presets: fixed shapes, random weights from a fixed seed.
+
+``tiny`` is the CPU model of tests, the demo and vLLM CPU runs; ``qwen3-8b`` and
+``qwen3-32b`` have exactly the shapes of those models for GPU benchmarks and are built
+directly on the device. Same preset, seed and init device -> the same weights, bitwise.
+
+The weights fingerprint of a preset built in memory equals that of the directory
+make-model writes for it: both hash the same config.json bytes and the same
+safetensors header (kvshare.engine.weights.safetensors_header).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+from kvshare.engine.config import ModelConfig, model_config_from_hf
+from kvshare.engine.model import Transformer
+from kvshare.engine.tokenizer import BOS_ID, EOS_ID, IM_END_ID
+from kvshare.engine.weights import TORCH_DTYPES, assign_state, safetensors_header
+from kvshare.errors import UserError
+from kvshare.keys import weights_fingerprint
+
+FORMAT = "kvshare-preset-v1"  # bump when the init below changes: it changes every preset's weights
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    hf_config: dict  # the config.json a directory of this preset carries (dtype aside)
+    seed: int
+    embed_std: float  # std of the embedding (and tied head) entries
+    linear_gain: float  # std of a projection entry = gain / sqrt(fan_in)
+    head_gain: float  # the same for an untied LM head
+
+    @property
+    def config(self) -> ModelConfig:
+        return model_config_from_hf(self.hf_config)
+
+
+def _llama_config(**kw) -> dict:
+    base = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0, "initializer_range": 0.02,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "use_cache": True,
+        "bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pretraining_tp": 1,
+    }
+    return {**base, **kw}
+
+
+def _qwen3_config(**kw) -> dict:
+    base = {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_act": "silu", "vocab_size": 151936,
+        "num_key_value_heads": 8, "head_dim": 128, "attention_bias": False, "attention_dropout": 0.0,
+        "initializer_range": 0.02, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "use_cache": True,
+        "max_position_embeddings": 131072, "use_sliding_window": False, "sliding_window": None,
+        "bos_token_id": BOS_ID, "eos_token_id": EOS_ID,
+    }
+    return {**base, **kw}
+
+
+def _rope(theta: float) -> dict:
+    return {"rope_theta": theta, "rope_parameters": {"rope_type": "default", "rope_theta": theta}}
+
+
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(
+        "tiny",
+        _llama_config(
+            vocab_size=260, hidden_size=256, intermediate_size=1024, num_hidden_layers=8,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=32768,
+            dtype="float32", **_rope(1e6),
+        ),
+        seed=20261129, embed_std=1.0, linear_gain=2.0, head_gain=4.0,
+    ),
+    "qwen3-8b": Preset(
+        "qwen3-8b",
+        _qwen3_config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                      dtype="bfloat16", **_rope(1e6)),
+        seed=8, embed_std=1.0, linear_gain=2.0, head_gain=4.0,
+    ),
+    "qwen3-32b": Preset(
+        "qwen3-32b",
+        _qwen3_config(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
+                      dtype="bfloat16", **_rope(1e6)),
+        seed=32, embed_std=1.0, linear_gain=2.0, head_gain=4.0,
+    ),
+}
+
+
+def get_preset(name: str) -> Preset:
+    if name not in PRESETS:
+        raise UserError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+def preset_hf_config(preset: Preset, dtype: str | None = None) -> dict:
+    hf = dict(preset.hf_config)
+    if dtype is not None:
+        hf["dtype"] = dtype
+    hf["kvshare_preset"] = preset.name
+    return hf
+
+
+def config_json_bytes(hf: dict) -> bytes:
+    """The exact bytes of config.json (sorted keys: the fingerprint must not depend on dict order)."""
+    return (json.dumps(hf, indent=2, sort_keys=True) + "\n").encode()
+
+
+def file_metadata(preset: Preset, init_device: str) -> dict[str, str]:
+    # the init device is part of the identity: CPU and CUDA generators give different numbers
+    return {"format": "pt", "kvshare_preset": preset.name, "kvshare_init": f"{FORMAT}:{preset.seed}:{init_device}"}
+
+
+def _tensor_std(preset: Preset, config: ModelConfig, name: str, shape: torch.Size) -> float | None:
+    """std of a weight's entries; None: the tensor is all ones (norm weights) or zeros (biases)."""
+    if name.endswith("norm.weight") or name.endswith(".bias"):
+        return None
+    if name == "model.embed_tokens.weight":
+        return preset.embed_std
+    if name == "lm_head.weight":
+        return preset.head_gain / math.sqrt(config.hidden_size)
+    return preset.linear_gain / math.sqrt(shape[-1])  # projections: fan_in is the last dimension
+
+
+def build_preset(name: str, device: torch.device, dtype: str | None = None) -> tuple[Transformer, ModelConfig, str]:
+    """(model on ``device``, config, weights fingerprint): random weights drawn on ``device``."""
+    preset = get_preset(name)
+    hf = preset_hf_config(preset, dtype)
+    config = model_config_from_hf(hf)
+    target = TORCH_DTYPES[config.dtype]
+    with torch.device("meta"):
+        model = Transformer(config)
+    generator = torch.Generator(device=device).manual_seed(preset.seed)
+    state = {}
+    for tensor_name, meta in preset_tensors(model):
+        std = _tensor_std(preset, config, tensor_name, meta.shape)
+        if std is None:
+            fill = 1.0 if tensor_name.endswith("norm.weight") else 0.0
+            state[tensor_name] = torch.full(meta.shape, fill, dtype=target, device=device)
+        else:  # drawn in float32 whatever the target dtype, so dtypes differ only by rounding
+            values = torch.empty(meta.shape, dtype=torch.float32, device=device).normal_(0.0, std, generator=generator)
+            state[tensor_name] = values.to(target)
+    if config.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    assign_state(model, state, f"preset {name}")
+    return model, config, preset_fingerprint(preset, dtype, device)
+
+
+def preset_tensors(model: Transformer) -> list[tuple[str, torch.Tensor]]:
+    """The tensors a preset file holds, in file order (a tied head is stored once, as the embedding)."""
+    items = list(model.state_dict().items())
+    if model.config.tie_word_embeddings:
+        items = [(n, t) for n, t in items if n != "lm_head.weight"]
+    return items
+
+
+def preset_fingerprint(preset: Preset, dtype: str | None, device: torch.device) -> str:
+    hf = preset_hf_config(preset, dtype)
+    config = model_config_from_hf(hf)
+    with torch.device("meta"):
+        model = Transformer(config)
+    target = TORCH_DTYPES[config.dtype]
+    shapes = [(n, target, tuple(t.shape)) for n, t in preset_tensors(model)]
+    header = safetensors_header(shapes, file_metadata(preset, torch.device(device).type))
+    return weights_fingerprint(config_json_bytes(hf), [header])
+
+
+def with_dtype(config: ModelConfig, dtype: str | None) -> ModelConfig:
+    return config if dtype is None else replace(config, dtype=dtype)

@@ -1,0 +1,144 @@
+"""Tokenizers: the presets' byte-level one, and a reader for any HF ``tokenizer.json``.
+
+The byte-level tokenizer maps byte b to token id b (every ASCII character is one token,
+so a prompt of exactly N tokens is N ASCII characters) plus four special tokens. It is
+built offline with the ``tokenizers`` library as a BPE without merges over GPT-2's
+byte alphabet, which transformers and vLLM both load as an ordinary fast tokenizer.
+Chat templates are rendered with plain jinja2, in the sandbox transformers uses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Sequence
+
+from kvshare.errors import UserError
+
+SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>")
+BOS_ID, EOS_ID, IM_START_ID, IM_END_ID = 256, 257, 258, 259
+BYTE_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
+
+# ChatML; renders the same under transformers and plain jinja2 (no extensions, no custom filters)
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in character for every byte (what the ByteLevel pre-tokenizer emits)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {b: chr(c) for b, c in zip(printable, chars)}
+
+
+def build_byte_tokenizer():
+    """A ``tokenizers.Tokenizer``: id b for byte b, then the special tokens at 256.."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    if tok.get_vocab_size() != BYTE_VOCAB_SIZE or tok.token_to_id("<|im_end|>") != IM_END_ID:
+        raise RuntimeError("byte tokenizer ids are not laid out as expected")
+    return tok
+
+
+def byte_tokenizer_config(max_length: int) -> dict:
+    """tokenizer_config.json for the byte tokenizer (no automatic BOS: prompt length = characters)."""
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|bos|>",
+        "eos_token": "<|eos|>",
+        "pad_token": "<|eos|>",
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": max_length,
+        "chat_template": CHAT_TEMPLATE,
+    }
+
+
+def render_chat(template: str, messages: Sequence[dict], add_generation_prompt: bool = True, **extra) -> str:
+    """Render a chat template with jinja2's immutable sandbox, as transformers does."""
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str):
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(template).render(messages=list(messages), add_generation_prompt=add_generation_prompt, **extra)
+
+
+class Tokenizer:
+    """encode/decode/chat template over a tokenizer.json and its tokenizer_config.json."""
+
+    def __init__(self, tokenizer, config: dict, eos_token_ids: Sequence[int] = ()) -> None:
+        self._tok = tokenizer
+        self.config = config
+        self.chat_template: str | None = config.get("chat_template")
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        eos = tokenizer.token_to_id(self.eos_token) if self.eos_token else None
+        self.eos_token_id: int | None = eos
+        # every id that ends generation unless ignore_eos (the tokenizer's eos and generation_config's)
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys([*(i for i in [eos] if i is not None), *eos_token_ids]))
+        self.vocab_size = tokenizer.get_vocab_size()
+
+    @classmethod
+    def from_dir(cls, model_dir: str) -> "Tokenizer":
+        from tokenizers import Tokenizer as HFTokenizer
+
+        path = os.path.join(model_dir, "tokenizer.json")
+        if not os.path.isfile(path):
+            raise UserError(f"{model_dir} has no tokenizer.json (the built-in engine needs a fast tokenizer file)")
+        config = _read_json(os.path.join(model_dir, "tokenizer_config.json"))
+        generation = _read_json(os.path.join(model_dir, "generation_config.json"))
+        eos = generation.get("eos_token_id", [])
+        return cls(HFTokenizer.from_file(path), config, eos if isinstance(eos, list) else [eos])
+
+    @classmethod
+    def byte_level(cls, max_length: int) -> "Tokenizer":
+        return cls(build_byte_tokenizer(), byte_tokenizer_config(max_length), [EOS_ID, IM_END_ID])
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        # ids the tokenizer does not know (a model vocabulary larger than the tokenizer's) decode to nothing
+        return self._tok.decode([i for i in ids if 0 <= i < self.vocab_size], skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
+        if not self.chat_template:
+            raise UserError("this model's tokenizer has no chat template (use a completion request)")
+        text = render_chat(
+            self.chat_template, messages, add_generation_prompt,
+            bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+        )
+        return self.encode(text)
+
+
+def _token_text(value) -> str | None:
+    if isinstance(value, dict):  # {"content": "<|eos|>", ...} in older tokenizer configs
+        return value.get("content")
+    return value
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
