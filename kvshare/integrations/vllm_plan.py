@@ -1,0 +1,206 @@
+"""Scheduler-side arithmetic and lease bookkeeping of the vLLM connector, as pure functions.
+
+No vLLM, no torch, no sockets: everything here is a function of its inputs (clocks
+are passed in), so the rules are unit-tested without a server.
+
+A prompt, its chunks (C tokens each) and what the connector loads::
+
+    prompt    |---- chunk 0 ----|---- chunk 1 ----|---- chunk 2 ----|- tail -|
+    local     |=========== vLLM's own prefix cache ====|                         num_computed (block aligned,
+    lookup                      |-- keys[first_chunk:num_full_chunks] ---------|  not chunk aligned)
+    pool hit                    |== leased pages ==================|
+    load                                           |= load ========|             start = num_computed,
+                                                                                  end = min(hit end, prompt - 1)
+
+The load starts where vLLM's local hit ends (possibly inside a chunk: only the rest of
+that chunk is copied) and never covers the last prompt token, which vLLM must compute
+to produce the first output token.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LookupWindow:
+    """Chunks worth asking the pool for: indices ``first_chunk .. end_chunk - 1``."""
+
+    first_chunk: int
+    end_chunk: int
+
+    @property
+    def num_chunks(self) -> int:
+        return max(self.end_chunk - self.first_chunk, 0)
+
+
+def lookup_window(num_prompt_tokens: int, num_computed_tokens: int, chunk_tokens: int) -> LookupWindow:
+    """The full chunks of the prompt that could extend vLLM's local hit of ``num_computed_tokens``."""
+    if chunk_tokens <= 0:
+        raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+    if num_computed_tokens < 0:
+        raise ValueError(f"num_computed_tokens must be >= 0, got {num_computed_tokens}")
+    end_chunk = max(num_prompt_tokens, 0) // chunk_tokens
+    if num_computed_tokens >= num_prompt_tokens - 1:  # nothing left that may be loaded
+        return LookupWindow(end_chunk, end_chunk)
+    return LookupWindow(min(num_computed_tokens // chunk_tokens, end_chunk), end_chunk)
+
+
+def tokens_to_load(
+    num_prompt_tokens: int, num_computed_tokens: int, chunk_tokens: int, first_chunk: int, num_hit_chunks: int
+) -> int:
+    """Tokens the pool supplies beyond ``num_computed_tokens``, leaving at least one prompt token to compute."""
+    if num_hit_chunks <= 0:
+        return 0
+    if first_chunk * chunk_tokens > num_computed_tokens:
+        raise ValueError(
+            f"the pool hit starts at token {first_chunk * chunk_tokens}, after the local hit ends "
+            f"({num_computed_tokens}): the gap would be neither computed nor loaded"
+        )
+    hit_end = (first_chunk + num_hit_chunks) * chunk_tokens
+    end = min(hit_end, num_prompt_tokens - 1)
+    return max(end - num_computed_tokens, 0)
+
+
+def chunks_completed(computed_before: int, computed_after: int, num_prompt_tokens: int, chunk_tokens: int) -> range:
+    """Full prompt chunks whose last token became computed in a step that took the request from
+    ``computed_before`` to ``computed_after`` tokens (chunked prefill spreads a prompt over steps)::
+
+        before = 300, after = 800, C = 256:  chunk 1 ends at 512, chunk 2 at 768 -> range(1, 3)
+    """
+    full_end = (max(num_prompt_tokens, 0) // chunk_tokens) * chunk_tokens
+    after = min(computed_after, full_end)
+    if after <= computed_before:
+        return range(0)
+    return range(computed_before // chunk_tokens, after // chunk_tokens)
+
+
+@dataclass(frozen=True)
+class PageSlice:
+    """Tokens ``lo .. hi - 1`` of page ``page_index`` (chunk ``chunk``), at prompt position ``chunk * C + lo``."""
+
+    page_index: int
+    chunk: int
+    lo: int
+    hi: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.hi - self.lo
+
+
+def page_slices(token_start: int, token_end: int, first_chunk: int, num_pages: int, chunk_tokens: int) -> list[PageSlice]:
+    """Which part of each leased page a load of tokens ``token_start .. token_end - 1`` copies::
+
+        pages         |--- chunk 4 ---|--- chunk 5 ---|--- chunk 6 ---|
+        load                  [start .................... end)
+        slices               (0, 4, lo, C)  (1, 5, 0, C)  (2, 6, 0, hi)
+    """
+    if token_end <= token_start:
+        return []
+    first_page_start = first_chunk * chunk_tokens
+    if token_start < first_page_start or token_end > (first_chunk + num_pages) * chunk_tokens:
+        raise ValueError(
+            f"tokens [{token_start}, {token_end}) are not inside the leased chunks "
+            f"{first_chunk}..{first_chunk + num_pages - 1} of {chunk_tokens} tokens"
+        )
+    slices = []
+    for index in range(num_pages):
+        chunk = first_chunk + index
+        lo = max(token_start - chunk * chunk_tokens, 0)
+        hi = min(token_end - chunk * chunk_tokens, chunk_tokens)
+        if hi > lo:
+            slices.append(PageSlice(index, chunk, lo, hi))
+    return slices
+
+
+def blocks_of_tokens(token_start: int, token_end: int, block_size: int, block_ids: list[int]) -> list[int]:
+    """vLLM block ids that hold tokens ``token_start .. token_end - 1`` (for reporting load errors)."""
+    if token_end <= token_start:
+        return []
+    first, last = token_start // block_size, (token_end - 1) // block_size
+    if last >= len(block_ids):
+        raise ValueError(f"token {token_end - 1} lies in block {last}, but the request has {len(block_ids)} blocks")
+    return list(block_ids[first : last + 1])
+
+
+# -- leases held for requests ----------------------------------------------------------
+
+
+class LeaseState(enum.Enum):
+    PENDING = "pending"  # looked up, vLLM has not allocated the blocks yet (may ask again)
+    SCHEDULED = "scheduled"  # vLLM allocated blocks: the next step's metadata carries the load
+    IN_FLIGHT = "in_flight"  # sent to the worker; released once the step that loaded has finished
+
+
+@dataclass
+class HeldLease:
+    """One request's lease on a run of pool pages, and the load it backs."""
+
+    lease_id: int
+    first_chunk: int
+    pages: list  # PageHeader-like: offset, page_bytes, checksum
+    keys: list[bytes]  # keys of the leased chunks (to drop a page found bad)
+    taken_at: float
+    owner: tuple[int, int] = (0, 0)  # (pool pid, client id) of the connection that took it
+    token_start: int = 0
+    token_end: int = 0
+    state: LeaseState = LeaseState.PENDING
+
+
+class LeaseBook:
+    """Leases per request id: at most one each, reused when vLLM asks again, expired after a TTL.
+
+    The book only records; the caller talks to the pool (lookup, release) and passes ``now``.
+    Only leases not yet sent to a worker may expire: an in-flight one is released when its
+    load has finished, whatever its age, so a page is never freed while it is copied.
+    """
+
+    def __init__(self, ttl_s: float) -> None:
+        if ttl_s <= 0:
+            raise ValueError(f"lease TTL must be positive, got {ttl_s}")
+        self.ttl_s = ttl_s
+        self._held: dict[str, HeldLease] = {}
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def __contains__(self, req_id: str) -> bool:
+        return req_id in self._held
+
+    def get(self, req_id: str) -> HeldLease | None:
+        return self._held.get(req_id)
+
+    def reusable(self, req_id: str, first_chunk: int, now: float) -> HeldLease | None:
+        """The lease already held for this request, if it still serves a lookup from ``first_chunk``."""
+        held = self._held.get(req_id)
+        if held is None or held.state is not LeaseState.PENDING:
+            return None
+        if held.first_chunk != first_chunk or now - held.taken_at >= self.ttl_s:
+            return None
+        return held
+
+    def put(self, req_id: str, lease: HeldLease) -> HeldLease | None:
+        """Record ``lease`` for ``req_id``; returns the lease it replaces (the caller releases it)."""
+        previous = self._held.get(req_id)
+        if previous is not None and previous.state is LeaseState.IN_FLIGHT:
+            raise ValueError(f"request {req_id} has a load in flight; its lease cannot be replaced")
+        self._held[req_id] = lease
+        return previous
+
+    def pop(self, req_id: str) -> HeldLease | None:
+        return self._held.pop(req_id, None)
+
+    def mark(self, req_id: str, state: LeaseState) -> HeldLease:
+        held = self._held[req_id]
+        held.state = state
+        return held
+
+    def with_state(self, state: LeaseState) -> list[tuple[str, HeldLease]]:
+        return [(req_id, held) for req_id, held in self._held.items() if held.state is state]
+
+    def take_expired(self, now: float) -> list[HeldLease]:
+        """Remove and return pending leases older than the TTL (requests vLLM never scheduled)."""
+        expired = [r for r, h in self._held.items() if h.state is LeaseState.PENDING and now - h.taken_at >= self.ttl_s]
+        return [self._held.pop(r) for r in expired]

@@ -1,0 +1,259 @@
+"""The vLLM connector's scheduler side: lookups, leases, and each step's load/store plan.
+
+Independent of vLLM's types (the connector class adapts its hooks), so the bookkeeping
+runs in tests against a real pool without a vLLM server. Per request::
+
+    add_request -> match (lookup + lease; may repeat) -> allocated -> plan_step (load spec)
+                -> on_report (the step that loaded has finished: release the lease) -> finish
+
+Leases are taken and released by this process's own pool connection (only the
+connection that took a lease may release it); the worker only reads the pages.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from kvshare.integrations.pool_link import POOL_DOWN_ERRORS, PoolLink
+from kvshare.integrations.vllm_meta import ConnectorCounters, LoadSpec, PageRef, StepPlan, StoreSpec, WorkerReport
+from kvshare.integrations.vllm_options import ConnectorConfig, RequestOptions, provenance
+from kvshare.integrations.vllm_plan import (
+    HeldLease,
+    LeaseBook,
+    LeaseState,
+    chunks_completed,
+    lookup_window,
+    tokens_to_load,
+)
+from kvshare.keys import Namespace, extend_chunk_keys, namespace_digest
+from kvshare.pool.client import PoolRequestError
+
+log = logging.getLogger("kvshare.integrations")
+
+
+@dataclass
+class _Request:
+    prompt: Sequence[int]
+    options: RequestOptions
+    ns_digest: bytes
+    keys: list[bytes] = field(default_factory=list)  # keys of the prompt's full chunks, filled on demand
+    local_tokens: int = 0
+    pool_tokens: int = 0  # loaded and verified
+    pool_chunks: range = range(0)  # chunks this request found in the pool (never stored again)
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request in this step: tokens computed before it, tokens it computes, its block table."""
+
+    req_id: str
+    computed_before: int
+    num_scheduled: int
+    block_ids: Sequence[int]
+
+
+class PoolScheduler:
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        namespace: Namespace,
+        page_bytes: int,
+        link: PoolLink,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.namespace = namespace
+        self.page_bytes = page_bytes
+        self.link = link
+        self.counters = ConnectorCounters()
+        self._clock = clock
+        self._leases = LeaseBook(config.lease_ttl_s)
+        self._requests: dict[str, _Request] = {}
+        self._digests: dict[str, bytes] = {}  # tenant salt -> namespace digest
+
+    # -- requests --------------------------------------------------------------------
+
+    def add_request(self, req_id: str, prompt_token_ids: Sequence[int], cache_salt: str | None, params: Any) -> None:
+        salt = cache_salt or ""
+        if salt not in self._digests:
+            self._digests[salt] = namespace_digest(self.namespace.with_tenant(salt))
+        self._requests[req_id] = _Request(prompt_token_ids, RequestOptions.from_params(params), self._digests[salt])
+
+    def has_request(self, req_id: str) -> bool:
+        return req_id in self._requests
+
+    def uses_pool(self, req_id: str) -> bool:
+        request = self._requests.get(req_id)
+        return request is not None and request.options.use_pool
+
+    def _keys(self, request: _Request, num_chunks: int) -> list[bytes]:
+        if len(request.keys) < num_chunks:
+            C = self.config.chunk_tokens
+            request.keys = extend_chunk_keys(request.keys, request.ns_digest, request.prompt[: num_chunks * C], C)
+        return request.keys[:num_chunks]
+
+    def match(self, req_id: str, num_computed_tokens: int) -> int:
+        """Tokens beyond ``num_computed_tokens`` the pool will supply (a lease holds their pages)."""
+        request = self._requests.get(req_id)
+        if request is None or not request.options.use_pool or not self.config.load:
+            return 0
+        C = self.config.chunk_tokens
+        request.local_tokens = num_computed_tokens  # until vLLM says otherwise in allocated()
+        window = lookup_window(len(request.prompt), num_computed_tokens, C)
+        now = self._clock()
+        current = self._leases.get(req_id)
+        if current is not None and current.state is not LeaseState.PENDING:
+            return 0  # a load for this request is still under way (asked again after a preemption)
+        held = self._leases.reusable(req_id, window.first_chunk, now) if window.num_chunks else None
+        if held is None:
+            self._release(self._leases.pop(req_id))
+            if not window.num_chunks:
+                return 0
+            held = self._lookup(req_id, self._keys(request, window.end_chunk)[window.first_chunk :], window.first_chunk, now)
+            if held is None:
+                return 0
+        num_tokens = tokens_to_load(len(request.prompt), num_computed_tokens, C, held.first_chunk, len(held.pages))
+        if num_tokens == 0:
+            self._release(self._leases.pop(req_id))
+            return 0
+        held.token_start, held.token_end = num_computed_tokens, num_computed_tokens + num_tokens
+        return num_tokens
+
+    def _lookup(self, req_id: str, keys: list[bytes], first_chunk: int, now: float) -> HeldLease | None:
+        client = self.link.client()
+        if client is None:
+            return None
+        try:
+            lease = client.lookup(keys, self.page_bytes)
+        except POOL_DOWN_ERRORS as exc:
+            self.counters.pool_errors += 1
+            self.link.failed(exc)
+            return None
+        except PoolRequestError as exc:
+            self.counters.pool_errors += 1
+            log.warning("kvshare: the pool refused a lookup: %s", exc)
+            return None
+        self.counters.lookups += 1
+        if not lease.pages:
+            return None
+        pages = [PageRef(p.offset, p.page_bytes, p.checksum) for p in lease.pages]
+        owner = (self.link.pool_pid, client.hello.client_id)
+        held = HeldLease(lease.lease_id, first_chunk, pages, keys[: len(pages)], now, owner)
+        self._leases.put(req_id, held)
+        return held
+
+    def allocated(self, req_id: str, num_external_tokens: int, local_tokens: int | None = None) -> None:
+        """vLLM allocated blocks and loads ``num_external_tokens`` (0: it decided not to) after
+        ``local_tokens`` of its own prefix cache (None: unknown, the value match() saw stands)."""
+        request = self._requests.get(req_id)
+        if request is not None and local_tokens is not None:
+            request.local_tokens = local_tokens
+        local_tokens = request.local_tokens if request is not None else (local_tokens or 0)
+        held = self._leases.get(req_id)
+        if held is None or held.state is not LeaseState.PENDING:
+            if num_external_tokens:
+                # never expected; the worker reports these tokens as failed, so vLLM recomputes them
+                log.error("kvshare: vLLM expects %d pool tokens for %s but no lease backs them", num_external_tokens, req_id)
+                self._release(self._leases.pop(req_id))
+                self._leases.put(req_id, HeldLease(0, 0, [], [], self._clock(), (self.link.pool_pid, 0),
+                                                   local_tokens, local_tokens + num_external_tokens,
+                                                   LeaseState.SCHEDULED))
+            return
+        if num_external_tokens == 0:
+            self._release(self._leases.pop(req_id))
+            return
+        # more than the lease covers is never expected either: the worker reports the excess as failed
+        held.token_end = held.token_start + num_external_tokens
+        self.counters.hit_tokens += num_external_tokens
+        self._leases.mark(req_id, LeaseState.SCHEDULED)
+
+    # -- steps -------------------------------------------------------------------------
+
+    def plan_step(self, scheduled: list[ScheduledRequest]) -> StepPlan:
+        """This step's loads (for requests just allocated) and stores (chunks the step completes)."""
+        for held in self._leases.take_expired(self._clock()):
+            self.counters.expired_leases += 1
+            self._release(held)
+        C = self.config.chunk_tokens
+        loads, stores = [], []
+        for step in scheduled:
+            request = self._requests.get(step.req_id)
+            if request is None:
+                continue
+            held = self._leases.get(step.req_id)
+            if held is not None and held.state is LeaseState.SCHEDULED:
+                loads.append(LoadSpec(
+                    step.req_id, held.owner[0], held.first_chunk, tuple(held.pages), tuple(held.keys),
+                    held.token_start, held.token_end, tuple(step.block_ids),
+                ))
+                self._leases.mark(step.req_id, LeaseState.IN_FLIGHT)
+                request.pool_chunks = range(held.first_chunk, held.first_chunk + len(held.pages))
+            if self.config.store and request.options.use_pool:
+                done = chunks_completed(step.computed_before, step.computed_before + step.num_scheduled, len(request.prompt), C)
+                stores.extend(self._store_specs(step, request, [c for c in done if c not in request.pool_chunks]))
+        for req_id, held in self._leases.with_state(LeaseState.SCHEDULED):  # allocated but not scheduled: never expected
+            log.error("kvshare: request %s was allocated a pool load but not scheduled; releasing its lease", req_id)
+            self._release(self._leases.pop(req_id))
+        return StepPlan(tuple(loads), tuple(stores))
+
+    def _store_specs(self, step: ScheduledRequest, request: _Request, chunks: list[int]) -> list[StoreSpec]:
+        if not chunks:
+            return []
+        keys = self._keys(request, chunks[-1] + 1)
+        runs, start = [], chunks[0]
+        for previous, chunk in zip(chunks, chunks[1:] + [None]):
+            if chunk != previous + 1:
+                runs.append(range(start, previous + 1))
+                start = chunk
+        block_ids = tuple(step.block_ids)
+        return [StoreSpec(step.req_id, request.ns_digest, r.start, tuple(keys[r.start : r.stop]), block_ids) for r in runs]
+
+    def on_report(self, report: WorkerReport) -> None:
+        """The step that loaded has finished: release each load's lease and record what arrived."""
+        C = self.config.chunk_tokens
+        for outcome in report.loads:
+            held = self._leases.pop(outcome.req_id)
+            self._release(held)
+            request = self._requests.get(outcome.req_id)
+            if request is None:
+                continue
+            request.pool_tokens += outcome.num_loaded
+            if not outcome.is_complete and held is not None:
+                # chunks from the failed one on are recomputed and may be stored again
+                request.pool_chunks = range(held.first_chunk, max(outcome.loaded_end // C, held.first_chunk))
+
+    def finish(self, req_id: str) -> dict[str, Any] | None:
+        """The request is done: its provenance for kv_transfer_params; leases not yet in flight are released."""
+        request = self._requests.pop(req_id, None)
+        held = self._leases.get(req_id)
+        in_flight = 0
+        if held is not None and held.state is LeaseState.IN_FLIGHT:
+            # vLLM finishes a request in the step that loaded only when the load succeeded;
+            # the lease itself is released by on_report once that step's report arrives
+            in_flight = held.token_end - held.token_start
+        elif held is not None:
+            self._release(self._leases.pop(req_id))
+        if request is None:
+            return None
+        return provenance(self.config.replica, len(request.prompt), request.local_tokens, request.pool_tokens + in_flight)
+
+    # -- pool --------------------------------------------------------------------------
+
+    def _release(self, held: HeldLease | None) -> None:
+        """Release a lease through the connection that took it (a lost connection released it already)."""
+        if held is None or not held.lease_id:
+            return
+        client = self.link.client()
+        if client is None or (self.link.pool_pid, client.hello.client_id) != held.owner:
+            return
+        client.release([held.lease_id])  # fire and forget; a broken socket closes the client
+
+    @property
+    def num_leases(self) -> int:
+        return len(self._leases)
+
+    def close(self) -> None:
+        self.link.close()

@@ -1,0 +1,119 @@
+"""The vLLM connector's scheduler-side arithmetic and lease bookkeeping (pure; no vLLM needed)."""
+
+import pytest
+
+from kvshare.integrations.vllm_plan import (
+    HeldLease,
+    LeaseBook,
+    LeaseState,
+    LookupWindow,
+    blocks_of_tokens,
+    chunks_completed,
+    lookup_window,
+    page_slices,
+    tokens_to_load,
+)
+
+C = 256
+
+
+def test_lookup_window_starts_at_the_chunk_holding_the_first_uncomputed_token():
+    assert lookup_window(1000, 0, C) == LookupWindow(0, 3)
+    assert lookup_window(1000, 288, C) == LookupWindow(1, 3)  # block aligned, not chunk aligned
+    assert lookup_window(1000, 512, C) == LookupWindow(2, 3)
+    assert lookup_window(1000, 768, C).num_chunks == 0  # only the tail is left
+    assert lookup_window(200, 0, C).num_chunks == 0  # no full chunk at all
+    assert lookup_window(512, 511, C).num_chunks == 0  # everything but the last token is computed
+    assert lookup_window(512, 0, C) == LookupWindow(0, 2)
+
+
+def test_tokens_to_load_with_unaligned_local_hit():
+    # local hit 288 tokens (9 blocks of 32); the pool holds chunks 1 and 2 -> load 288..768
+    assert tokens_to_load(1000, 288, C, first_chunk=1, num_hit_chunks=2) == 768 - 288
+    # a shorter pool hit than the local one brings nothing
+    assert tokens_to_load(1000, 288, C, first_chunk=1, num_hit_chunks=0) == 0
+    assert tokens_to_load(1000, 600, C, first_chunk=2, num_hit_chunks=1) == 168
+
+
+def test_tokens_to_load_always_leaves_one_prompt_token():
+    # prompt of exactly two chunks, both in the pool: load all but the last token
+    assert tokens_to_load(512, 0, C, 0, 2) == 511
+    assert tokens_to_load(512, 480, C, 1, 1) == 31
+    assert tokens_to_load(513, 0, C, 0, 2) == 512
+    for num_prompt in range(1, 3 * C + 2):
+        for computed in range(0, num_prompt, 32):
+            window = lookup_window(num_prompt, computed, C)
+            n = tokens_to_load(num_prompt, computed, C, window.first_chunk, window.num_chunks)
+            if n:
+                assert computed + n <= num_prompt - 1  # at least one token left to compute
+                assert computed + n <= window.end_chunk * C  # only full chunks come from the pool
+
+
+def test_tokens_to_load_refuses_a_gap():
+    with pytest.raises(ValueError, match="gap"):
+        tokens_to_load(1000, 200, C, first_chunk=1, num_hit_chunks=1)
+
+
+def test_chunks_completed_over_chunked_prefill_steps():
+    assert list(chunks_completed(0, 1000, 1000, C)) == [0, 1, 2]
+    # the same prompt over three steps of 300 / 300 / 400 tokens
+    assert list(chunks_completed(0, 300, 1000, C)) == [0]
+    assert list(chunks_completed(300, 600, 1000, C)) == [1]
+    assert list(chunks_completed(600, 1000, 1000, C)) == [2]
+    # each chunk is completed in exactly one step, whatever the step sizes
+    for step in (1, 7, 32, 100, 255, 256, 257, 1000):
+        seen = []
+        for before in range(0, 1000, step):
+            seen += list(chunks_completed(before, min(before + step, 1000), 1000, C))
+        assert seen == [0, 1, 2]
+    assert list(chunks_completed(768, 1000, 1000, C)) == []  # the tail is never a chunk
+    assert list(chunks_completed(1000, 1001, 1000, C)) == []  # decode steps complete nothing
+    assert list(chunks_completed(288, 768, 1000, C)) == [1, 2]  # after an unaligned local hit
+
+
+def test_page_slices_cover_exactly_the_load():
+    slices = page_slices(288, 999, first_chunk=1, num_pages=3, chunk_tokens=C)
+    assert [(s.page_index, s.chunk, s.lo, s.hi) for s in slices] == [(0, 1, 32, 256), (1, 2, 0, 256), (2, 3, 0, 231)]
+    assert sum(s.num_tokens for s in slices) == 999 - 288
+    assert page_slices(10, 10, 0, 1, C) == []
+    with pytest.raises(ValueError):
+        page_slices(0, 300, first_chunk=1, num_pages=1, chunk_tokens=C)
+
+
+def test_blocks_of_tokens():
+    table = [7, 3, 9, 4]
+    assert blocks_of_tokens(32, 96, 32, table) == [3, 9]
+    assert blocks_of_tokens(40, 41, 32, table) == [3]
+    assert blocks_of_tokens(50, 50, 32, table) == []
+    with pytest.raises(ValueError):
+        blocks_of_tokens(0, 200, 32, table)
+
+
+def _lease(lease_id, first_chunk=0, taken_at=0.0):
+    return HeldLease(lease_id, first_chunk, pages=[object()], keys=[b"k" * 16], taken_at=taken_at)
+
+
+def test_lease_book_reuses_a_lease_per_request_id():
+    book = LeaseBook(ttl_s=10)
+    assert book.put("r1", _lease(1, first_chunk=2, taken_at=0)) is None
+    assert book.reusable("r1", 2, now=5).lease_id == 1  # asked again: same lease
+    assert book.reusable("r1", 3, now=5) is None  # the local hit grew past it: look up again
+    assert book.reusable("r1", 2, now=10) is None  # too old to trust
+    assert book.reusable("r2", 2, now=5) is None
+    replaced = book.put("r1", _lease(2, first_chunk=3, taken_at=6))
+    assert replaced.lease_id == 1  # the caller releases the replaced lease
+    assert len(book) == 1
+
+
+def test_lease_book_expires_only_pending_leases():
+    book = LeaseBook(ttl_s=10)
+    book.put("waiting", _lease(1, taken_at=0))
+    book.put("loading", _lease(2, taken_at=0))
+    book.mark("loading", LeaseState.IN_FLIGHT)
+    expired = book.take_expired(now=100)
+    assert [h.lease_id for h in expired] == [1]
+    assert "loading" in book and "waiting" not in book
+    assert book.reusable("loading", 0, now=1) is None  # a lease in flight is never handed out again
+    with pytest.raises(ValueError, match="in flight"):
+        book.put("loading", _lease(3))
+    assert book.pop("loading").lease_id == 2 and len(book) == 0

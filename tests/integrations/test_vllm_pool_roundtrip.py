@@ -1,0 +1,265 @@
+"""The connector's two sides against a real pool, with vLLM-shaped CPU tensors (no vLLM needed).
+
+Replica A computes a prompt (stores), replica B loads it into other blocks: the bytes B
+holds afterwards must be the bytes A computed, and only where the load was planned.
+"""
+
+import os
+import signal
+
+import pytest
+import torch
+
+from kvshare.integrations.pool_link import PoolLink
+from kvshare.integrations.vllm_layout import PagedLayout, reference_gather
+from kvshare.integrations.vllm_meta import WorkerReport
+from kvshare.integrations.vllm_options import ConnectorConfig
+from kvshare.integrations.vllm_scheduler import PoolScheduler, ScheduledRequest
+from kvshare.integrations.vllm_worker import PoolKVWorker
+from kvshare.keys import Namespace, chunk_keys, namespace_digest
+from kvshare.layout import KVLayout
+from kvshare.pool.client import PoolClient
+from kvshare.pool.spawn import running_pool, start_pool, stop_process
+
+L, H, D, N, C = 2, 2, 64, 32, 64
+NUM_BLOCKS = 40
+LAYOUT = KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, dtype="float32", chunk_tokens=C)
+NAMESPACE = Namespace("tiny", "f" * 32, "float32", L, H, D, chunk_tokens=C, engine_family="vllm")
+POOL_ARGS = ("--extent-size", "4MiB")
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+class Replica:
+    """One vLLM replica's connector sides over fake CPU_ATTN KV tensors."""
+
+    def __init__(self, socket_path, name, seed, clock=None, **config):
+        self.config = ConnectorConfig(pool_socket=socket_path, chunk_tokens=C, replica=name, **config)
+        self.clock = clock or FakeClock()
+        self.scheduler = PoolScheduler(self.config, NAMESPACE, LAYOUT.page_bytes,
+                                       PoolLink(socket_path, f"{name}-sched", clock=self.clock), clock=self.clock)
+        self.worker = PoolKVWorker(LAYOUT, PoolLink(socket_path, f"{name}-worker", clock=self.clock))
+        gen = torch.Generator().manual_seed(seed)
+        self.layers = [torch.randn(NUM_BLOCKS, H, N, 2 * D, generator=gen) for _ in range(L)]
+        self.paged = PagedLayout("cpu_attn", NUM_BLOCKS, N, H, D, torch.float32)
+        self.worker.register(self.layers, self.paged)
+
+    def run_prefill(self, req_id, prompt, block_ids, local=0, step_tokens=None):
+        """Schedule a prompt like vLLM would: lookup, allocate, then prefill steps; returns the load outcome."""
+        self.scheduler.add_request(req_id, prompt, None, None)
+        external = self.scheduler.match(req_id, local)
+        self.scheduler.allocated(req_id, external, local)
+        computed, outcome = local + external, None  # vLLM counts loaded tokens as computed
+        while computed < len(prompt):
+            n = min(step_tokens or len(prompt), len(prompt) - computed)
+            plan = self.scheduler.plan_step([ScheduledRequest(req_id, computed, n, block_ids)])
+            outcomes = [self.worker.load(spec) for spec in plan.loads]  # before the forward
+            for spec in plan.stores:  # after it
+                self.worker.store(spec)
+            self.scheduler.on_report(WorkerReport(outcomes))
+            outcome = outcomes[0] if outcomes else outcome
+            computed += n
+        return external, outcome
+
+    def tokens(self, start, num, block_ids):
+        return torch.stack([reference_gather(layer, self.paged, start, num, block_ids) for layer in self.layers])
+
+    def close(self):
+        self.scheduler.close()
+        self.worker.link.close()
+
+
+@pytest.fixture
+def pool():
+    with running_pool("16MiB", POOL_ARGS) as path:
+        yield path
+
+
+def pool_stats(path):
+    with PoolClient(path, name="test") as client:
+        return client.stats()
+
+
+PROMPT = list(range(3, 303))  # 300 tokens: chunks 0..3 (256 tokens) and a 44-token tail
+BLOCKS_A = list(range(0, 10))
+BLOCKS_B = list(range(39, 29, -1))  # other blocks, in another order
+
+
+def test_cross_replica_bytes_equal(pool):
+    a, b = Replica(pool, "A", seed=1), Replica(pool, "B", seed=2)
+    try:
+        external, _ = a.run_prefill("r1", PROMPT, BLOCKS_A)
+        assert external == 0
+        assert pool_stats(pool)["entries"] == 4
+        assert a.worker.counters.stored_chunks == 4
+
+        external, outcome = b.run_prefill("r2", PROMPT, BLOCKS_B)
+        assert external == 256 and outcome.is_complete
+        assert torch.equal(b.tokens(0, 256, BLOCKS_B), a.tokens(0, 256, BLOCKS_A))  # bytes loaded == bytes stored
+        assert not torch.equal(b.tokens(256, 44, BLOCKS_B), a.tokens(256, 44, BLOCKS_A))  # the tail was not loaded
+        assert pool_stats(pool)["leases"] == 0  # released once the step that loaded reported
+        assert b.scheduler.finish("r2") == {"replica": "B", "local_tokens": 0, "pool_tokens": 256, "computed_tokens": 44}
+        assert b.worker.counters.stored_chunks == 0  # nothing new to store
+    finally:
+        a.close(), b.close()
+
+
+def test_chunked_prefill_stores_every_chunk_once(pool):
+    a, b = Replica(pool, "A", seed=1), Replica(pool, "B", seed=2)
+    try:
+        a.run_prefill("r1", PROMPT, BLOCKS_A, step_tokens=100)  # steps end at 100, 200, 300
+        assert a.worker.counters.stored_chunks == 4
+        _, outcome = b.run_prefill("r2", PROMPT, BLOCKS_B)
+        assert outcome.is_complete
+        assert torch.equal(b.tokens(0, 256, BLOCKS_B), a.tokens(0, 256, BLOCKS_A))
+    finally:
+        a.close(), b.close()
+
+
+def test_unaligned_local_hit_loads_only_the_rest(pool):
+    a, b = Replica(pool, "A", seed=1), Replica(pool, "B", seed=2)
+    try:
+        a.run_prefill("r1", PROMPT, BLOCKS_A)
+        before = b.tokens(0, 96, BLOCKS_B).clone()
+        external, outcome = b.run_prefill("r2", PROMPT, BLOCKS_B, local=96)  # 3 blocks: inside chunk 1
+        assert external == 256 - 96 and outcome.token_start == 96
+        assert torch.equal(b.tokens(0, 96, BLOCKS_B), before)  # the local hit is left alone
+        assert torch.equal(b.tokens(96, 160, BLOCKS_B), a.tokens(96, 160, BLOCKS_A))
+        assert b.scheduler.finish("r2")["local_tokens"] == 96
+    finally:
+        a.close(), b.close()
+
+
+def test_a_prompt_of_whole_chunks_leaves_its_last_token(pool):
+    a, b = Replica(pool, "A", seed=1), Replica(pool, "B", seed=2)
+    try:
+        a.run_prefill("r1", PROMPT[:256], BLOCKS_A)
+        external, outcome = b.run_prefill("r2", PROMPT[:256], BLOCKS_B)
+        assert external == 255 and outcome.loaded_end == 255
+        assert torch.equal(b.tokens(0, 255, BLOCKS_B), a.tokens(0, 255, BLOCKS_A))
+    finally:
+        a.close(), b.close()
+
+
+def test_corrupted_page_stops_the_load_and_is_dropped(pool):
+    a, b = Replica(pool, "A", seed=1), Replica(pool, "B", seed=2)
+    try:
+        a.run_prefill("r1", PROMPT, BLOCKS_A)
+        keys = chunk_keys(namespace_digest(NAMESPACE), PROMPT, C)
+        with PoolClient(pool, name="vandal") as client:
+            pages = client.lookup(keys, LAYOUT.page_bytes, lease=False).pages
+            client.page(pages[2].offset, LAYOUT.page_bytes)[1000] ^= 0xFF  # flip one byte of chunk 2
+        external, outcome = b.run_prefill("r2", PROMPT, BLOCKS_B)
+        assert external == 256
+        assert outcome.loaded_end == 2 * C and "checksum" in outcome.reason
+        assert b.worker.counters.checksum_failures == 1 and b.worker.counters.load_failures == 1
+        assert torch.equal(b.tokens(0, 128, BLOCKS_B), a.tokens(0, 128, BLOCKS_A))  # what was loaded is right
+        stats = pool_stats(pool)
+        assert stats["dropped_pages"] == 1 and stats["leases"] == 0
+        assert b.scheduler.finish("r2")["pool_tokens"] == 128
+    finally:
+        a.close(), b.close()
+
+
+def test_leases_are_idempotent_per_request_and_expire(pool):
+    a, b = Replica(pool, "A", seed=1), Replica(pool, "B", seed=2)
+    try:
+        a.run_prefill("r1", PROMPT, BLOCKS_A)
+        sched = b.scheduler
+        sched.add_request("r2", PROMPT, None, None)
+        assert sched.match("r2", 0) == 256
+        assert sched.match("r2", 0) == 256  # asked again (vLLM could not allocate yet)
+        assert pool_stats(pool)["leases"] == 1 and sched.counters.lookups == 1
+        b.clock.now += 3600  # never scheduled: the lease expires in the connector
+        sched.plan_step([])
+        assert pool_stats(pool)["leases"] == 0 and sched.counters.expired_leases == 1
+        assert sched.match("r2", 0) == 256  # a fresh lookup
+        sched.finish("r2")  # finished (aborted) before it was scheduled: released
+        assert pool_stats(pool)["leases"] == 0
+    finally:
+        a.close(), b.close()
+
+
+def test_use_pool_false_neither_loads_nor_stores(pool):
+    a = Replica(pool, "A", seed=1)
+    try:
+        a.scheduler.add_request("r1", PROMPT, None, {"kvshare": {"use_pool": False}})
+        assert a.scheduler.match("r1", 0) == 0
+        plan = a.scheduler.plan_step([ScheduledRequest("r1", 0, 300, BLOCKS_A)])
+        assert plan.loads == () and plan.stores == ()
+        assert pool_stats(pool)["lookups"] == 0
+    finally:
+        a.close()
+
+
+def test_tenants_do_not_share(pool):
+    a, b = Replica(pool, "A", seed=1), Replica(pool, "B", seed=2)
+    try:
+        a.run_prefill("r1", PROMPT, BLOCKS_A)  # no cache_salt
+        b.scheduler.add_request("r2", PROMPT, "tenant-2", None)
+        assert b.scheduler.match("r2", 0) == 0
+    finally:
+        a.close(), b.close()
+
+
+def test_pool_killed_keeps_serving_cold_and_leased_pages_still_load():
+    socket_dir = f"/tmp/kvshare-test-{os.getpid()}"
+    os.makedirs(socket_dir, mode=0o700, exist_ok=True)
+    path = os.path.join(socket_dir, "pool.sock")
+    proc = start_pool(path, "16MiB", POOL_ARGS)
+    a, b = Replica(path, "A", seed=1), Replica(path, "B", seed=2)
+    try:
+        a.run_prefill("r1", PROMPT, BLOCKS_A)
+        b.scheduler.add_request("r2", PROMPT, None, None)
+        assert b.scheduler.match("r2", 0) == 256
+        b.scheduler.allocated("r2", 256, 0)
+        plan = b.scheduler.plan_step([ScheduledRequest("r2", 256, 44, BLOCKS_B)])
+        b.worker.link.client()  # the worker is connected before the pool dies
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        outcome = b.worker.load(plan.loads[0])  # the arena stays mapped: verified bytes still load
+        assert outcome.is_complete
+        assert torch.equal(b.tokens(0, 256, BLOCKS_B), a.tokens(0, 256, BLOCKS_A))
+        for spec in plan.stores:
+            assert b.worker.store(spec) == 0
+        # with the pool gone, lookups answer 0 at once and nothing raises
+        a.scheduler.add_request("r3", PROMPT, None, None)
+        assert a.scheduler.match("r3", 0) == 0
+        assert a.scheduler.match("r3", 0) == 0
+        assert a.scheduler.counters.pool_errors + b.worker.counters.pool_errors >= 1
+    finally:
+        a.close(), b.close()
+        stop_process(proc)
+        if os.path.exists(path):
+            os.unlink(path)
+        os.rmdir(socket_dir)
+
+
+def test_lease_from_another_pool_is_refused():
+    socket_dir = f"/tmp/kvshare-test-{os.getpid()}"
+    os.makedirs(socket_dir, mode=0o700, exist_ok=True)
+    path = os.path.join(socket_dir, "pool.sock")
+    proc = start_pool(path, "16MiB", POOL_ARGS)
+    a, b = Replica(path, "A", seed=1), Replica(path, "B", seed=2)
+    try:
+        a.run_prefill("r1", PROMPT, BLOCKS_A)
+        b.scheduler.add_request("r2", PROMPT, None, None)
+        b.scheduler.match("r2", 0)
+        b.scheduler.allocated("r2", 256, 0)
+        plan = b.scheduler.plan_step([ScheduledRequest("r2", 256, 44, BLOCKS_B)])
+        stop_process(proc)  # the pool restarts between the lookup and the load
+        proc = start_pool(path, "16MiB", POOL_ARGS)
+        outcome = b.worker.load(plan.loads[0])
+        assert outcome.loaded_end == 0 and "lease lost" in outcome.reason
+    finally:
+        a.close(), b.close()
+        stop_process(proc)
+        if os.path.exists(path):
+            os.unlink(path)
+        os.rmdir(socket_dir)
