@@ -1,0 +1,202 @@
+"""CudaTransfer: registered pool pages <-> a GPU KV tensor, through GPU staging buffers.
+
+Two side streams and two staging buffers (double buffering)::
+
+    load   copy stream:     H2D unit0 -> buf0 | H2D unit1 -> buf1 | H2D unit2 -> buf0 (after scatter0) ...
+           reshape stream:        scatter buf0 -> kv | scatter buf1 -> kv | ...   event per layer group
+    store  producer stream: ... kernels writing kv | event
+           reshape stream:  (waits on it) gather kv -> buf0 | gather kv -> buf1 | ...
+           copy stream:           D2H buf0 -> pages | D2H buf1 -> pages | ... event per page block
+
+A unit is a group of layers (a page row of >= min_copy_bytes) over a block of
+pages; each run of consecutive pages in it is one 2-D copy (plan.py). The
+reshape (token/head transpose) runs on the GPU at HBM speed. Every dependency
+is an explicit event: a store's copies never start before the producer's
+event; a load's scatter never starts before the caller's earlier work on kv;
+the compute stream reads layer l only after ``wait_layer(l)``.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from kvshare.pool.client import ChecksumMismatch
+from kvshare.transfer.base import KVTransfer, LoadHandle, TransferConfig
+from kvshare.transfer.copiers import make_copier
+from kvshare.transfer.layouts import as_bits, chunks_to_engine, chunks_view, engine_to_chunks
+from kvshare.transfer.plan import Unit, layer_groups, load_units, pages_per_unit, store_units
+from kvshare.transfer.registration import acquire_registration, release_registration
+
+NUM_STAGING = 2
+
+
+class CudaLoadHandle(LoadHandle):
+    """A load in flight: one event per layer group on the reshape stream."""
+
+    def __init__(self, num_bytes: int, group_of_layer: list[int], group_events, start, end, device) -> None:
+        super().__init__(num_bytes)
+        self._group_of_layer = group_of_layer
+        self._group_events = group_events
+        self._start, self._end = start, end
+        self._device = device
+
+    def wait_layer(self, layer: int) -> None:
+        torch.cuda.current_stream(self._device).wait_event(self._group_events[self._group_of_layer[layer]])
+
+    def wait_all(self) -> None:
+        self._end.synchronize()
+        if self.seconds is None:
+            self.seconds = self._start.elapsed_time(self._end) / 1e3
+
+
+class CudaTransfer(KVTransfer):
+    """Copies between the registered arena and a CUDA ``kv [L, 2, H, T, D]``. One caller at a time."""
+
+    def __init__(self, layout, client, device, config: TransferConfig) -> None:
+        super().__init__(layout, client, device, config)
+        if not torch.cuda.is_available():
+            raise RuntimeError("CudaTransfer needs CUDA, and torch.cuda.is_available() is False here")
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self._copier = make_copier(config.copy_method, self.device.index)  # fails before anything is pinned
+        self._groups = layer_groups(layout.num_layers, layout.layer_bytes, config.min_copy_bytes)
+        widest = max(l1 - l0 for l0, l1 in self._groups) * layout.layer_bytes
+        pages_per_unit(config.staging_bytes, widest)  # refuses a staging buffer that cannot hold one row
+        self._group_of_layer = [g for g, (l0, l1) in enumerate(self._groups) for _ in range(l0, l1)]
+        self.registration = acquire_registration(client)
+        self.registration_seconds = self.registration.seconds
+        try:
+            with torch.cuda.device(self.device):
+                self._copy_stream = torch.cuda.Stream(self.device)
+                self._reshape_stream = torch.cuda.Stream(self.device)
+                self._staging = [torch.empty(config.staging_bytes, dtype=torch.uint8, device=self.device) for _ in range(NUM_STAGING)]
+                self._idle = [torch.cuda.Event() for _ in range(NUM_STAGING)]  # last use of each staging buffer
+        except BaseException:
+            release_registration(self.registration)
+            raise
+        self._next_buffer = 0
+        self._closed = False
+
+    # -- the interface ------------------------------------------------------------------------------
+
+    def load(self, kv: torch.Tensor, first_chunk: int, pages: Sequence) -> LoadHandle:
+        offsets = self._page_offsets(pages)
+        self._check_kv(kv, first_chunk, len(offsets))
+        self._check_open(kv)
+        if not offsets:
+            return LoadHandle(num_bytes=0, seconds=0.0)
+        cfg, copy, reshape = self.config, self._copy_stream, self._reshape_stream
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        reshape.wait_event(ready)  # the scatter writes kv only after the caller's earlier work on it
+        kv.record_stream(reshape)
+        kv_bits = as_bits(kv)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(copy)
+        if cfg.load_delay_cycles:
+            with torch.cuda.stream(copy):
+                torch.cuda._sleep(cfg.load_delay_cycles)
+        group_events = []
+        for units in load_units(offsets, self.layout, cfg.min_copy_bytes, cfg.staging_bytes, self.extent_bytes):
+            for unit in units:
+                buf = self._take_buffer()
+                copy.wait_event(self._idle[buf])  # the previous scatter out of this buffer is done
+                self._host_copies(unit, buf, copy, to_device=True)
+                copied = torch.cuda.Event()
+                copied.record(copy)
+                reshape.wait_event(copied)
+                with torch.cuda.stream(reshape):
+                    chunks_to_engine(kv_bits[unit.layer_start : unit.layer_stop], self._chunks(buf, unit), self._first_token(first_chunk, unit))
+                self._idle[buf].record(reshape)
+            group_done = torch.cuda.Event()
+            group_done.record(reshape)
+            group_events.append(group_done)
+        end.record(reshape)
+        handle = CudaLoadHandle(len(offsets) * self.layout.page_bytes, self._group_of_layer, group_events, start, end, self.device)
+        try:  # pages are leased and immutable: hash them on the host while the copies run
+            self._verify_pages(pages, first_chunk, self._pages_to_verify(len(offsets)))
+        except ChecksumMismatch:
+            end.synchronize()  # nothing may still write kv when the caller recomputes these chunks
+            raise
+        return handle
+
+    def store(self, kv: torch.Tensor, first_chunk: int, offsets: Sequence[int], producer_stream=None) -> list[int]:
+        offsets = list(offsets)
+        self._check_kv(kv, first_chunk, len(offsets))
+        self._check_open(kv)
+        if not offsets:
+            return []
+        cfg, copy, reshape = self.config, self._copy_stream, self._reshape_stream
+        producer = producer_stream if producer_stream is not None else torch.cuda.current_stream(self.device)
+        produced = torch.cuda.Event()
+        produced.record(producer)
+        self._order_after_producer(reshape, produced)
+        kv.record_stream(reshape)
+        kv_bits = as_bits(kv)
+        blocks = []
+        for units in store_units(offsets, self.layout, cfg.min_copy_bytes, cfg.staging_bytes, self.extent_bytes):
+            for unit in units:
+                buf = self._take_buffer()
+                reshape.wait_event(self._idle[buf])  # the previous copy out of this buffer is done
+                with torch.cuda.stream(reshape):
+                    engine_to_chunks(self._chunks(buf, unit), kv_bits[unit.layer_start : unit.layer_stop], self._first_token(first_chunk, unit))
+                gathered = torch.cuda.Event()
+                gathered.record(reshape)
+                copy.wait_event(gathered)
+                self._host_copies(unit, buf, copy, to_device=False)
+                self._idle[buf].record(copy)
+            block_done = torch.cuda.Event()
+            block_done.record(copy)
+            blocks.append((units[0].page_start, units[0].page_stop, block_done))
+        checksums: list[int] = []
+        for p0, p1, block_done in blocks:  # hash each block once its copies completed, while later ones run
+            block_done.synchronize()
+            checksums.extend(self._hasher.checksums(offsets[p0:p1]))
+        return checksums
+
+    def inject_producer_delay(self, stream=None) -> None:
+        if self.config.producer_delay_cycles:
+            with torch.cuda.stream(stream if stream is not None else torch.cuda.current_stream(self.device)):
+                torch.cuda._sleep(self.config.producer_delay_cycles)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._copy_stream.synchronize()
+        self._reshape_stream.synchronize()
+        self._staging = []
+        try:
+            release_registration(self.registration)
+        finally:
+            super().close()
+
+    # -- internals ----------------------------------------------------------------------------------
+
+    def _order_after_producer(self, stream, produced) -> None:
+        """The store's first read of kv waits for the producer: the dependency the study's bug lacked."""
+        stream.wait_event(produced)
+
+    def _check_open(self, kv: torch.Tensor) -> None:
+        if self._closed:
+            raise RuntimeError("this CudaTransfer is closed")
+        if kv.device != self.device:
+            raise ValueError(f"kv is on {kv.device}, this transfer serves {self.device}")
+
+    def _take_buffer(self) -> int:
+        buf = self._next_buffer
+        self._next_buffer = (buf + 1) % NUM_STAGING
+        return buf
+
+    def _chunks(self, buf: int, unit: Unit) -> torch.Tensor:
+        return chunks_view(self._staging[buf], self.layout, unit.num_pages, unit.num_layers)  # [n, g, 2, C, H, D]
+
+    def _first_token(self, first_chunk: int, unit: Unit) -> int:
+        return (first_chunk + unit.page_start) * self.layout.chunk_tokens
+
+    def _host_copies(self, unit: Unit, buf: int, stream, to_device: bool) -> None:
+        for c in unit.copies:
+            self.registration.check_span(c.host_offset, (c.height - 1) * c.host_pitch + c.width)
+        self._copier.copy(unit.copies, self.client, self.registration.base_ptr, self._staging[buf], stream, to_device)

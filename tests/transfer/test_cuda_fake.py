@@ -1,0 +1,124 @@
+"""CudaTransfer's data path on CPU, under the fake CUDA of fake_cuda.py (no stream ordering here).
+
+Real pages from a real pool, real 2-D row copies (memmove) with the pitches and
+pointers CudaTransfer computes, registration pieces checked on every copy.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvshare.pool.protocol import PageHeader
+from kvshare.transfer import ChunkChecksumMismatch, TransferConfig
+from kvshare.transfer.bytecheck import ByteCheckConfig, make_cases, round_trip, stress_config
+from kvshare.transfer.copiers import CopyError
+from kvshare.transfer.cuda import CudaTransfer
+from kvshare.transfer.ordercheck import load_order, store_order
+from kvshare.transfer.registration import RegistrationError, extent_pieces
+from kvshare.transfer.scratch import reserve_scratch
+from tests.transfer import fake_cuda
+from tests.transfer.helpers import EXTENT_BYTES, LAYOUTS, random_kv
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    fake = fake_cuda.FakeCuda()
+    fake_cuda.install(monkeypatch, fake)
+    return fake
+
+
+@pytest.mark.parametrize("method", ["memcpy2d", "torch"])
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+@pytest.mark.parametrize("stress", [True, False])
+def test_round_trip_through_staging(fake, client, method, name, stress):
+    layout = LAYOUTS[name]
+    scratch = reserve_scratch(client, layout.page_bytes, 2 * EXTENT_BYTES // layout.page_bytes + 3)
+    try:
+        base = stress_config(layout) if stress else TransferConfig(staging_bytes=1 << 20)
+        config = TransferConfig(**{**base.__dict__, "copy_method": method})
+        transfer = CudaTransfer(layout, client, CPU, config)
+        assert sorted(fake.registered) == [transfer.registration.base_ptr + o for o, _ in extent_pieces(client.arena.size, EXTENT_BYTES)]
+        cases = make_cases(scratch.offsets, EXTENT_BYTES, seed=1)
+        checked, wrong = round_trip(transfer, client, cases, ByteCheckConfig(layout=layout), CPU)
+        assert checked > 0 and wrong == 0
+        if method == "memcpy2d":
+            assert max(h for _, h in fake.copies_2d) > 1  # whole runs moved in single copies
+        transfer.close()
+        assert fake.registered == {}
+    finally:
+        scratch.release(client)
+
+
+def test_ordering_checks_move_the_right_bytes_when_ordered(fake, client):
+    layout = LAYOUTS["bf16"]
+    scratch = reserve_scratch(client, layout.page_bytes, 5)
+    try:
+        config = TransferConfig(producer_delay_cycles=10, load_delay_cycles=10)
+        with CudaTransfer(layout, client, CPU, config) as transfer:
+            checked, wrong = store_order(transfer, client, scratch.offsets, seed=3)
+            assert checked == 5 * layout.page_bytes and wrong == 0
+            data = random_kv(layout, 5 * layout.chunk_tokens, seed=4)
+            sums = transfer.store(data, 0, scratch.offsets)
+            checked, wrong = load_order(transfer, scratch.offsets, sums, data, wait=True)
+            assert checked > 0 and wrong == 0
+    finally:
+        scratch.release(client)
+
+
+def test_registration_failure_is_an_error_and_undone(fake, client):
+    fake.fail_register_at = 3
+    with pytest.raises(RegistrationError, match="cudaHostRegister.*fake error 1"):
+        CudaTransfer(LAYOUTS["f32"], client, CPU, TransferConfig())
+    assert fake.registered == {}  # the pieces registered before the failure were unregistered
+
+
+def test_registration_is_shared_and_released_by_the_last_user(fake, client):
+    first = CudaTransfer(LAYOUTS["f32"], client, CPU, TransferConfig(copy_method="torch"))
+    second = CudaTransfer(LAYOUTS["bf16"], client, CPU, TransferConfig(copy_method="torch"))
+    assert first.registration is second.registration and fake.register_calls == len(extent_pieces(client.arena.size, EXTENT_BYTES))
+    first.close()
+    assert fake.registered
+    second.close()
+    assert fake.registered == {}
+
+
+def test_a_copy_across_two_registrations_is_refused(fake, client):
+    layout = LAYOUTS["f32"]
+    with CudaTransfer(layout, client, CPU, TransferConfig()) as transfer:
+        with pytest.raises(RegistrationError, match="span two CUDA registrations"):
+            transfer.registration.check_span(EXTENT_BYTES - layout.page_bytes, 2 * layout.page_bytes)
+
+
+def test_memcpy2d_without_cuda_bindings_fails_loudly(monkeypatch, client):
+    fake = fake_cuda.FakeCuda()
+    fake_cuda.install(monkeypatch, fake, with_bindings=False)
+    with pytest.raises(CopyError, match="cuda-bindings"):
+        CudaTransfer(LAYOUTS["f32"], client, CPU, TransferConfig(copy_method="memcpy2d"))
+    assert fake.registered == {}  # refused before anything was pinned
+    CudaTransfer(LAYOUTS["f32"], client, CPU, TransferConfig(copy_method="torch")).close()
+
+
+def test_load_raises_on_a_corrupt_page(fake, client):
+    layout = LAYOUTS["f16"]
+    scratch = reserve_scratch(client, layout.page_bytes, 3)
+    try:
+        with CudaTransfer(layout, client, CPU, TransferConfig(verify_fraction=1.0)) as transfer:
+            kv = random_kv(layout, 4 * layout.chunk_tokens, seed=5)
+            sums = transfer.store(kv, 1, scratch.offsets)
+            client.page(scratch.offsets[2], layout.page_bytes)[7] ^= 1
+            headers = [PageHeader(offset=o, page_bytes=layout.page_bytes, checksum=s) for o, s in zip(scratch.offsets, sums)]
+            with pytest.raises(ChunkChecksumMismatch) as info:
+                transfer.load(torch.zeros_like(kv), 1, headers)
+            assert info.value.chunk_index == 3
+    finally:
+        scratch.release(client)
+
+
+def test_staging_too_small_for_one_row_is_refused(fake, client):
+    layout = LAYOUTS["f32"]
+    with pytest.raises(ValueError, match="staging"):
+        CudaTransfer(layout, client, CPU, TransferConfig(staging_bytes=layout.layer_bytes, min_copy_bytes=2 * layout.layer_bytes))
+    assert fake.registered == {}
