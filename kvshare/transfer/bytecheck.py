@@ -196,7 +196,8 @@ def run_bytecheck(client, config: ByteCheckConfig = ByteCheckConfig()) -> ByteCh
         if config.cuda and torch.cuda.is_available():
             from kvshare.transfer.ordercheck import cuda_checks
 
-            results.extend(cuda_checks(client, cases, scratch.offsets, config, tconfig))
+            device = torch.device("cuda", torch.cuda.current_device())
+            results.extend(cuda_checks(client, cases, scratch.offsets, config, tconfig, device))
         elif config.cuda:
             results.append(PathResult("cuda", "round_trip", 0, 0, 0, 0.0, skipped="no CUDA device"))
     finally:

@@ -85,11 +85,10 @@ def _result(path: str, kind: str, run) -> PathResult:
     return PathResult(path, kind, 1, checked, wrong, time.perf_counter() - start, detail=_percent_right(checked, wrong))
 
 
-def cuda_checks(client, cases, offsets: list[int], config, tconfig: TransferConfig) -> list[PathResult]:
-    """Round trip and ordering checks for every configured copy method on the current CUDA device."""
+def cuda_checks(client, cases, offsets: list[int], config, tconfig: TransferConfig, device: torch.device) -> list[PathResult]:
+    """Round trip and ordering checks for every configured copy method on ``device``."""
     results: list[PathResult] = []
     order_offsets = offsets[:ORDER_PAGES]
-    device = torch.device("cuda", torch.cuda.current_device())
     delays = dict(producer_delay_cycles=config.delay_cycles, load_delay_cycles=config.delay_cycles)
     for method in config.copy_methods:
         path = f"cuda/{method}"

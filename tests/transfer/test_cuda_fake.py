@@ -122,3 +122,23 @@ def test_staging_too_small_for_one_row_is_refused(fake, client):
     with pytest.raises(ValueError, match="staging"):
         CudaTransfer(layout, client, CPU, TransferConfig(staging_bytes=layout.layer_bytes, min_copy_bytes=2 * layout.layer_bytes))
     assert fake.registered == {}
+
+
+def test_cuda_checks_run_under_the_fake_but_cannot_see_ordering(fake, client):
+    """Everything runs in program order here, so the controls pass by luck: only a GPU can catch them."""
+    from kvshare.transfer.ordercheck import cuda_checks
+
+    layout = LAYOUTS["bf16"]
+    config = ByteCheckConfig(layout=layout)
+    scratch = reserve_scratch(client, layout.page_bytes, 12)
+    try:
+        cases = make_cases(scratch.offsets, EXTENT_BYTES, seed=0)
+        results = cuda_checks(client, cases, scratch.offsets, config, stress_config(layout), CPU)
+    finally:
+        scratch.release(client)
+    by_kind = {}
+    for r in results:
+        by_kind.setdefault(r.kind, []).append(r)
+    assert [r.path for r in by_kind["round_trip"]] == ["cuda/memcpy2d", "cuda/torch"]
+    assert all(r.passed for r in by_kind["round_trip"] + by_kind["ordering"]) and len(by_kind["ordering"]) == 4
+    assert all(not r.caught for r in by_kind["control"]) and len(by_kind["control"]) == 4
