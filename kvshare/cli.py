@@ -24,6 +24,8 @@ COMMANDS = {
     "up": ("up", "start the pool, N replicas and the router together"),
     "bench": ("bench", "benchmarks: pool, ttft, blocks, sessions"),
     "demo": ("demo", "the embedded default: a small cluster on CPU and the study's experiments"),
+    "make-model": ("make_model", "write a synthetic preset as a Hugging Face model directory"),
+    "generate": ("generate", "run one prompt through the built-in engine"),
 }
 
 

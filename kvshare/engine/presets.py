@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 from kvshare.engine.config import ModelConfig, model_config_from_hf
 from kvshare.engine.model import Transformer
-from kvshare.engine.tokenizer import BOS_ID, EOS_ID, IM_END_ID
+from kvshare.engine.tokenizer import BOS_ID, EOS_ID
 from kvshare.engine.weights import TORCH_DTYPES, assign_state, safetensors_header
 from kvshare.errors import UserError
 from kvshare.keys import weights_fingerprint
@@ -167,7 +167,3 @@ def preset_fingerprint(preset: Preset, dtype: str | None, device: torch.device) 
     shapes = [(n, target, tuple(t.shape)) for n, t in preset_tensors(model)]
     header = safetensors_header(shapes, file_metadata(preset, torch.device(device).type))
     return weights_fingerprint(config_json_bytes(hf), [header])
-
-
-def with_dtype(config: ModelConfig, dtype: str | None) -> ModelConfig:
-    return config if dtype is None else replace(config, dtype=dtype)

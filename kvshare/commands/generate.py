@@ -1,0 +1,87 @@
+"""Run one prompt through the built-in engine and print the continuation (and where its KV came from)."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvshare.units import parse_size
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="a local HF model directory or a preset name (tiny, qwen3-8b, qwen3-32b)")
+    p.add_argument("--pool", default="off", help="the pool's Unix socket, or 'off' (default)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"), help="default: the model's")
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt-file", help="file holding the prompt text ('-' for stdin)")
+    prompt.add_argument("--prompt", help="the prompt text")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as one user message in the chat template")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--chunk-tokens", type=int, default=256, help="tokens per shared chunk (must match the other replicas)")
+    p.add_argument("--local-cache-size", type=parse_size, default="1GiB", help="local prefix cache bound")
+    p.add_argument("--verify-checksums", action="store_true", help="verify every page loaded from the pool")
+    p.add_argument("--tenant", default="", help="tenant salt of the key namespace")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+    import sys
+    import time
+
+    from kvshare.engine.config import EngineConfig
+    from kvshare.engine.engine import Engine, RequestOptions, SamplingParams
+    from kvshare.errors import UserError
+
+    if args.prompt is not None:
+        text = args.prompt
+    elif args.prompt_file == "-":
+        text = sys.stdin.read()
+    else:
+        try:
+            with open(args.prompt_file, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as exc:
+            raise UserError(f"cannot read the prompt: {exc}") from None
+    config = EngineConfig(
+        model=args.model, device=args.device, dtype=args.dtype,
+        pool_socket=None if args.pool == "off" else args.pool, chunk_tokens=args.chunk_tokens,
+        local_cache_bytes=args.local_cache_size, verify_checksums=args.verify_checksums,
+    )
+    started = time.perf_counter()
+    engine = Engine(config)
+    load_s = time.perf_counter() - started
+    tok = engine.tokenizer
+    prompt_ids = tok.apply_chat_template([{"role": "user", "content": text}]) if args.chat else tok.encode(text)
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                seed=args.seed, ignore_eos=args.ignore_eos)
+        started = time.perf_counter()
+        token_ids, first_token_s, finish, provenance = [], None, None, None
+        for event in engine.generate(prompt_ids, params, RequestOptions(tenant=args.tenant)):
+            if first_token_s is None:
+                first_token_s = time.perf_counter() - started
+            token_ids.append(event.token_id)
+            finish, provenance = event.finish_reason, event.provenance
+            if not args.json:
+                print(tok.decode([event.token_id]), end="", flush=True)
+        total_s = time.perf_counter() - started
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    finally:
+        engine.close()
+    if args.json:
+        print(json.dumps({
+            "text": tok.decode(token_ids), "token_ids": token_ids, "finish_reason": finish,
+            "prompt_tokens": len(prompt_ids),
+            "provenance": {"local_tokens": provenance.local_tokens, "pool_tokens": provenance.pool_tokens,
+                           "computed_tokens": provenance.computed_tokens},
+            "model_load_s": round(load_s, 4), "ttft_s": round(first_token_s, 4), "total_s": round(total_s, 4),
+        }))
+    else:
+        print()
+    return 0

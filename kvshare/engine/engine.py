@@ -1,0 +1,225 @@
+"""The built-in engine: one request at a time, prefix reuse from the local cache and the pool.
+
+A request, in order::
+
+    keys      chained keys of the prompt's full chunks (kvshare.keys; namespace salted by tenant)
+    local     longest prefix of chunks held in the local prefix cache -> copied into kv
+    pool      longest run after it that the pool holds -> leased, loaded layer by layer
+    prefill   the rest of the prompt (at least its last token: its logits pick the first token)
+    stream    first token; then publish (local cache + pool store of the chunks the pool lacks); decode
+
+    prompt    |== local ==|==== pool ====|------ computed ------|
+              0        local_len     cached_len               n
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, replace
+from typing import Iterator, Sequence
+
+import torch
+
+from kvshare.engine.config import EngineConfig
+from kvshare.engine.kv_cache import KVBuffer
+from kvshare.engine.loader import load_model, resolve_device
+from kvshare.engine.pool_link import PoolLink, PoolLoad
+from kvshare.engine.prefix_cache import LocalPrefixCache
+from kvshare.engine.sampler import make_generator, sample
+from kvshare.engine.stats import EngineStats
+from kvshare.engine.weights import TORCH_DTYPES
+from kvshare.keys import Namespace, chunk_keys, namespace_digest
+from kvshare.layout import KVLayout
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-k logprobs per generated token (None: none)
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must lie in 0..{MAX_LOGPROBS}, got {self.logprobs}")
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    use_pool: bool = True  # the request extension {"kvshare": {"use_pool": false}}
+    use_local_cache: bool = True
+    tenant: str = ""  # salts the key namespace (tenant isolation)
+
+
+@dataclass
+class Provenance:
+    """Where each prompt token's KV came from."""
+
+    local_tokens: int
+    pool_tokens: int
+    computed_tokens: int
+
+
+@dataclass
+class TokenEvent:
+    token_id: int
+    logprob: float | None
+    top_logprobs: dict[int, float] | None
+    finish_reason: str | None  # None until the last event: "stop" | "length"
+    provenance: Provenance  # the same object in every event of a request
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        loaded = load_model(config.model, self.device, config.dtype, config.model_name)
+        self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
+        self.model_name = loaded.name
+        mc = self.model_config
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.dtype, config.chunk_tokens)
+        self.namespace = Namespace(
+            model_id=self.model_name, weights_fingerprint=loaded.weights_fingerprint, kv_dtype=mc.dtype,
+            num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+            chunk_tokens=config.chunk_tokens, engine_family="builtin",
+        )
+        self._digests: dict[str, bytes] = {}
+        self._kv = KVBuffer(self.layout, TORCH_DTYPES[mc.dtype], self.device, self.max_model_len)
+        self._local = LocalPrefixCache(config.local_cache_bytes)
+        self._stats = EngineStats()
+        self._lock = threading.Lock()  # one request at a time owns the sequence KV
+        self._pool: PoolLink | None = None
+        if config.pool_socket:
+            self._pool = PoolLink(
+                config.pool_socket, self.layout, self.device, self._stats, config.verify_checksums,
+                config.pool_retry_s, config.pool_retry_max_s, name=f"engine:{self.model_name}",
+            )
+            self._pool.connected()  # connect (and register the arena) now rather than in the first request
+
+    # -- public API ------------------------------------------------------------------
+
+    def generate(
+        self, prompt_ids: Sequence[int], params: SamplingParams = SamplingParams(), options: RequestOptions = RequestOptions()
+    ) -> Iterator[TokenEvent]:
+        """Stream the continuation of ``prompt_ids``; blocking. Exhaust or close() the iterator."""
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise ValueError("the prompt has no tokens")
+        bad = [t for t in prompt if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} lies outside the vocabulary 0..{self.model_config.vocab_size - 1}")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt)} tokens; max_model_len {self.max_model_len} leaves no room to generate")
+        return self._stream(prompt, params, options)
+
+    def stats(self) -> EngineStats:
+        counters = self._local.counters
+        return replace(
+            self._stats,
+            local_hit_chunks=counters.hit_chunks, local_miss_chunks=counters.miss_chunks,
+            local_inserted_chunks=counters.inserted_chunks, local_evicted_chunks=counters.evicted_chunks,
+            local_cache_chunks=len(self._local), local_cache_bytes=self._local.num_bytes,
+        )
+
+    def close(self) -> None:
+        with self._lock:
+            if self._pool is not None:
+                self._pool.close()
+            self._local.clear()
+            self._kv.release()
+
+    # -- one request -----------------------------------------------------------------
+
+    def _digest(self, tenant: str) -> bytes:
+        if tenant not in self._digests:
+            self._digests[tenant] = namespace_digest(self.namespace.with_tenant(tenant))
+        return self._digests[tenant]
+
+    def _stream(self, prompt: list[int], params: SamplingParams, options: RequestOptions) -> Iterator[TokenEvent]:
+        with self._lock:  # held across yields: no other request may touch the sequence KV meanwhile
+            n = len(prompt)
+            kv = self._kv.ensure(min(n + params.max_tokens, self.max_model_len))
+            digest = self._digest(options.tenant)
+            keys = chunk_keys(digest, prompt, self.layout.chunk_tokens)
+            started = time.perf_counter()
+            logits, provenance = self._prefill(kv, prompt, keys, options)
+            generator = make_generator(params.seed)
+            stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.tokenizer.eos_token_ids))
+            self._stats.num_requests += 1
+            self._stats.prompt_tokens_local += provenance.local_tokens
+            self._stats.prompt_tokens_pool += provenance.pool_tokens
+            self._stats.prompt_tokens_computed += provenance.computed_tokens
+            position = n  # tokens whose KV is in kv
+            num_generated = 0
+            while True:
+                token = sample(logits[-1], params.temperature, params.top_p, generator, params.logprobs)
+                num_generated += 1
+                if num_generated == 1:
+                    self._stats.prefill_seconds += time.perf_counter() - started
+                    started = time.perf_counter()
+                finish = None
+                if token.token_id in stop_ids:
+                    finish = "stop"
+                elif num_generated >= params.max_tokens or position + 1 >= self.max_model_len:
+                    finish = "length"
+                self._stats.generated_tokens += 1
+                yield TokenEvent(token.token_id, token.logprob, token.top_logprobs, finish, provenance)
+                if num_generated == 1:
+                    self._publish(kv, keys, digest, options)
+                if finish is not None:
+                    break
+                logits = self._decode_step(kv, token.token_id, position)
+                position += 1
+            self._stats.decode_seconds += time.perf_counter() - started
+
+    @torch.inference_mode()
+    def _decode_step(self, kv: torch.Tensor, token_id: int, position: int) -> torch.Tensor:
+        step = torch.tensor([token_id], device=self.device)
+        return self.model(step, kv, position, self.config.prefill_chunk_tokens)
+
+    @torch.inference_mode()
+    def _prefill(self, kv: torch.Tensor, prompt: list[int], keys: list[bytes], options: RequestOptions):
+        """Reuse what can be reused, compute the rest; returns (last-token logits [1, V], provenance)."""
+        c = self.layout.chunk_tokens
+        reusable = min(len(keys), (len(prompt) - 1) // c)  # always leave at least one token to compute
+        local_chunks = 0
+        if options.use_local_cache:
+            held = self._local.longest_prefix(keys[:reusable])
+            for i, chunk in enumerate(held):
+                self._kv.chunk(kv, i).copy_(chunk)
+            local_chunks = len(held)
+        load = PoolLoad()
+        if options.use_pool and self._pool is not None:
+            load = self._pool.load_prefix(kv, keys[local_chunks:reusable], first_chunk=local_chunks)
+        try:
+            cached_len = (local_chunks + load.num_chunks) * c
+            tokens = torch.tensor(prompt[cached_len:], device=self.device)
+            logits = self.model(tokens, kv, cached_len, self.config.prefill_chunk_tokens, before_layer=load.before_layer)
+        finally:
+            if self._pool is not None:
+                self._pool.finish_load(load)
+        provenance = Provenance(local_chunks * c, load.num_chunks * c, len(prompt) - cached_len)
+        return logits, provenance
+
+    @torch.inference_mode()
+    def _publish(self, kv: torch.Tensor, keys: list[bytes], digest: bytes, options: RequestOptions) -> None:
+        """Offer the prompt's full chunks to the local cache and the pool (each keeps what it lacks)."""
+        if options.use_local_cache and self._local.capacity_bytes > 0:
+            for i in reversed(range(len(keys))):  # tail first: the head ends up most recently used
+                self._local.insert(keys[i], self._kv.chunk(kv, i))
+        if options.use_pool and self._pool is not None:
+            producer = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+            self._pool.store(kv, keys, digest, producer)

@@ -1,0 +1,54 @@
+"""The engine's sequence KV storage: one ``[L, 2, H, T_cap, D]`` tensor, reused across requests.
+
+Head-major (layer, k|v, kv_head, token, head_dim) so ``kv[l, 0, :, :n]`` is the
+``[H, n, D]`` key view SDPA reads directly. One request at a time owns it. The
+capacity is a whole number of chunks, so chunk i is always ``kv[..., i*C:(i+1)*C, :]``::
+
+    token axis  |chunk 0|chunk 1| ... |chunk k| tail, decode steps ... |  (T_cap)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvshare.layout import KVLayout
+
+
+class KVBuffer:
+    """Grows (never shrinks) to the largest request seen; contents are only valid within a request."""
+
+    def __init__(self, layout: KVLayout, dtype: torch.dtype, device: torch.device, max_tokens: int) -> None:
+        self.layout = layout
+        self.dtype = dtype
+        self.device = device
+        self.max_tokens = max_tokens
+        self._kv: torch.Tensor | None = None
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self._kv is None else self._kv.shape[3]
+
+    @property
+    def num_bytes(self) -> int:
+        return 0 if self._kv is None else self._kv.numel() * self._kv.element_size()
+
+    def ensure(self, num_tokens: int) -> torch.Tensor:
+        """The KV tensor with room for ``num_tokens`` tokens: [L, 2, H, T_cap, D], T_cap % C == 0."""
+        if num_tokens > self.max_tokens:
+            raise ValueError(f"{num_tokens} tokens exceed max_model_len {self.max_tokens}")
+        if self._kv is None or self.capacity < num_tokens:
+            c = self.layout.chunk_tokens
+            grown = min(max(num_tokens, int(self.capacity * 1.5)), self.max_tokens)  # amortise growth
+            capacity = -(-grown // c) * c
+            self._kv = None  # free the old tensor before allocating the new one
+            shape = (self.layout.num_layers, 2, self.layout.num_kv_heads, capacity, self.layout.head_dim)
+            self._kv = torch.empty(shape, dtype=self.dtype, device=self.device)
+        return self._kv
+
+    def chunk(self, kv: torch.Tensor, index: int) -> torch.Tensor:
+        """View of chunk ``index``: [L, 2, H, C, D]."""
+        c = self.layout.chunk_tokens
+        return kv[:, :, :, index * c : (index + 1) * c, :]
+
+    def release(self) -> None:
+        self._kv = None

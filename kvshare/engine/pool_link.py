@@ -1,0 +1,232 @@
+"""The engine's side of the pool: lease and load a prefix, store computed chunks.
+
+The pool is an accelerator, never a dependency: when it cannot be reached
+(PoolUnavailable, a timeout) the request goes cold, the event is counted, and the
+link reconnects later with exponential backoff. A page whose checksum does not
+match is dropped from the pool and recomputed; a reserve without room stores less.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import suppress
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from kvshare.engine.stats import EngineStats
+from kvshare.layout import KVLayout
+from kvshare.pool.checksum import page_checksum
+from kvshare.pool.client import ChecksumMismatch, PoolClient, PoolRequestError, PoolUnavailable
+from kvshare.pool.protocol import FORMAT_VERSION, PageHeader
+
+log = logging.getLogger(__name__)
+_LOST = (PoolUnavailable, TimeoutError)
+
+
+def make_transfer(layout: KVLayout, client: PoolClient, device: torch.device):
+    """The KVTransfer for ``device`` (kvshare.transfer when present, else the engine's CPU stand-in)."""
+    try:
+        from kvshare import transfer
+    except ImportError:
+        transfer = None
+    if device.type == "cuda":
+        if transfer is None or not hasattr(transfer, "CudaTransfer"):
+            raise RuntimeError("pool transfers to CUDA need kvshare.transfer.CudaTransfer, which is not installed")
+        return transfer.CudaTransfer(layout, client, device, transfer.TransferConfig())
+    if transfer is not None and hasattr(transfer, "CpuTransfer"):
+        return transfer.CpuTransfer(layout, client, device, transfer.TransferConfig())
+    from kvshare.engine._cpu_transfer import CpuTransfer
+
+    return CpuTransfer(layout, client, device)
+
+
+@dataclass
+class PoolLoad:
+    """Chunks leased and loaded (or being loaded) for one request."""
+
+    num_chunks: int = 0
+    handle: Any = None  # LoadHandle
+    lease_id: int = 0
+
+    def before_layer(self, layer: int) -> None:
+        if self.handle is not None:
+            self.handle.wait_layer(layer)
+
+
+class PoolLink:
+    def __init__(
+        self,
+        socket_path: str,
+        layout: KVLayout,
+        device: torch.device,
+        stats: EngineStats,
+        verify_checksums: bool = False,
+        retry_s: float = 0.5,
+        retry_max_s: float = 30.0,
+        name: str = "engine",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.socket_path = socket_path
+        self.layout = layout
+        self.device = device
+        self.stats = stats
+        self.verify_checksums = verify_checksums
+        self.name = name
+        self._clock = clock
+        self._retry_s, self._retry_max_s = retry_s, retry_max_s
+        self._delay = retry_s
+        self._next_try = 0.0
+        self.client: PoolClient | None = None
+        self.transfer = None
+
+    # -- connection ------------------------------------------------------------------
+
+    def connected(self) -> bool:
+        """True when the pool is usable now; tries to (re)connect when the backoff allows."""
+        if self.client is not None and self.client.is_connected:
+            return True
+        self._drop_client()
+        if self._clock() < self._next_try:
+            return False
+        try:
+            client = PoolClient(self.socket_path, name=self.name, verify_checksums=self.verify_checksums).connect()
+        except _LOST as exc:
+            self._schedule_retry(f"pool unavailable: {exc}")
+            return False
+        try:
+            self.transfer = make_transfer(self.layout, client, self.device)
+        except BaseException:
+            client.close()
+            raise
+        self.client = client
+        self._delay = self._retry_s
+        self.stats.pool_connects += 1
+        return True
+
+    def _schedule_retry(self, reason: str) -> None:
+        log.warning("%s; next try in %.1f s", reason, self._delay)
+        self._next_try = self._clock() + self._delay
+        self._delay = min(self._delay * 2, self._retry_max_s)
+
+    def _lost(self, exc: BaseException) -> None:
+        self._drop_client()
+        self.stats.pool_unavailable += 1
+        self._schedule_retry(f"lost the pool: {exc}")
+
+    def _drop_client(self) -> None:
+        if self.client is not None:
+            self.client.close()
+        self.client = None
+        self.transfer = None
+
+    def close(self) -> None:
+        self._drop_client()
+
+    # -- load ------------------------------------------------------------------------
+
+    def load_prefix(self, kv: torch.Tensor, keys: list[bytes], first_chunk: int) -> PoolLoad:
+        """Lease the longest run of ``keys`` the pool holds and load it as chunks first_chunk, ..."""
+        if not keys:
+            return PoolLoad()
+        if not self.connected():
+            self.stats.pool_unavailable += 1
+            return PoolLoad()
+        try:
+            lease = self.client.lookup(keys, self.layout.page_bytes)
+            self.stats.pool_lookups += 1
+            self.stats.pool_hit_chunks += lease.num_pages
+            self.stats.pool_miss_chunks += len(keys) - lease.num_pages
+            if not lease.pages:
+                return PoolLoad()
+            load = PoolLoad(0, None, lease.lease_id)
+            try:
+                try:
+                    load.handle = self.transfer.load(kv, first_chunk, lease.pages)
+                    load.num_chunks = len(lease.pages)
+                except ChecksumMismatch as exc:
+                    pages = self._drop_bad_pages(keys, lease.pages, exc)
+                    if pages:
+                        load.handle = self.transfer.load(kv, first_chunk, pages)
+                    load.num_chunks = len(pages)
+            except BaseException:
+                self.finish_load(load)  # releases the lease
+                raise
+            return load
+        except _LOST as exc:
+            self._lost(exc)
+            return PoolLoad()
+        except PoolRequestError as exc:
+            self.stats.pool_errors += 1
+            log.warning("the pool refused a lookup: %s", exc)
+            return PoolLoad()
+
+    def _drop_bad_pages(self, keys: list[bytes], pages: list[PageHeader], exc: ChecksumMismatch) -> list[PageHeader]:
+        """Drop every leased page that fails verification; returns the good run before the first bad one."""
+        bad = [i for i, page in enumerate(pages) if not self._page_is_good(page)]
+        if not bad:  # the transfer saw something we cannot reproduce: use none of it
+            log.error("checksum mismatch not reproducible (%s); recomputing the whole run", exc)
+            return []
+        log.error("checksum mismatch on %d pooled chunk(s) (%s); dropping them and recomputing", len(bad), exc)
+        self.stats.checksum_failures += len(bad)
+        self.stats.dropped_chunks += self.client.drop([keys[i] for i in bad])
+        return pages[: bad[0]]
+
+    def _page_is_good(self, page: PageHeader) -> bool:
+        if page.page_bytes != self.layout.page_bytes or page.format_version != FORMAT_VERSION:
+            return False
+        return page_checksum(self.client.page(page.offset, page.page_bytes)) == page.checksum
+
+    def finish_load(self, load: PoolLoad) -> None:
+        """Wait for the whole load, then release its lease (fire and forget)."""
+        if load.handle is not None:
+            load.handle.wait_all()
+            self.stats.pool_bytes_loaded += load.handle.num_bytes
+            self.stats.pool_load_seconds += getattr(load.handle, "seconds", 0.0) or 0.0
+            load.handle = None
+        if load.lease_id and self.client is not None:
+            self.client.release([load.lease_id])
+        load.lease_id = 0
+
+    # -- store -----------------------------------------------------------------------
+
+    def store(self, kv: torch.Tensor, keys: list[bytes], namespace: bytes, producer_stream=None) -> None:
+        """Store chunks 0..len(keys)-1 of ``kv`` that the pool does not hold yet (commit after the copy)."""
+        if not keys or not self.connected():
+            return
+        start = time.perf_counter()
+        try:
+            reservation = self.client.reserve(namespace, keys, self.layout.page_bytes, first_depth=0)
+            self.stats.pool_skipped_stores += reservation.num_no_room
+            if not reservation.grants:
+                return
+            try:
+                checksums: list[int] = []
+                for first_chunk, offsets in _consecutive_runs(reservation.grants):
+                    checksums += self.transfer.store(kv, first_chunk, offsets, producer_stream)
+            except BaseException:
+                with suppress(*_LOST, PoolRequestError):
+                    self.client.abort(reservation.reservation_id)
+                raise
+            self.client.commit(reservation.reservation_id, checksums)
+            self.stats.pool_stored_chunks += len(reservation.grants)
+            self.stats.pool_bytes_stored += len(reservation.grants) * self.layout.page_bytes
+            self.stats.pool_store_seconds += time.perf_counter() - start
+        except _LOST as exc:
+            self._lost(exc)
+        except PoolRequestError as exc:
+            self.stats.pool_errors += 1
+            log.warning("the pool refused a store: %s", exc)
+
+
+def _consecutive_runs(grants: list[tuple[int, int]]) -> list[tuple[int, list[int]]]:
+    """[(chunk index, page offset)] in chunk order -> [(first chunk, [offsets])] of consecutive chunks."""
+    runs: list[tuple[int, list[int]]] = []
+    for index, offset in grants:
+        if runs and runs[-1][0] + len(runs[-1][1]) == index:
+            runs[-1][1].append(offset)
+        else:
+            runs.append((index, [offset]))
+    return runs

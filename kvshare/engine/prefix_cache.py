@@ -1,0 +1,76 @@
+"""The local prefix cache (the study's "local reuse"): chunk KV kept in engine memory, LRU by bytes.
+
+Entries are keyed by the same chained chunk keys as the pool (kvshare.keys), so a
+hit on key i implies the whole prefix up to chunk i matches. Values are chunk KV in
+engine layout, ``[L, 2, H, C, D]``, copied out of (and back into) the sequence KV.
+A lookup touches the matched chunks tail first, so the head of a prefix is always the
+most recently used: eviction takes chains from their ends, never from their starts.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+
+@dataclass
+class PrefixCacheCounters:
+    hit_chunks: int = 0
+    miss_chunks: int = 0
+    inserted_chunks: int = 0
+    evicted_chunks: int = 0
+
+
+class LocalPrefixCache:
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.num_bytes = 0
+        self.counters = PrefixCacheCounters()
+        self._chunks: OrderedDict[bytes, torch.Tensor] = OrderedDict()  # key -> [L, 2, H, C, D]
+
+    def __len__(self) -> int:
+        return len(self._chunks)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._chunks
+
+    def longest_prefix(self, keys: Sequence[bytes]) -> list[torch.Tensor]:
+        """Chunks held for the longest prefix of ``keys`` (marked most recently used)."""
+        found = []
+        for key in keys:
+            chunk = self._chunks.get(key)
+            if chunk is None:
+                break
+            found.append(chunk)
+        for key in reversed(keys[: len(found)]):
+            self._chunks.move_to_end(key)
+        self.counters.hit_chunks += len(found)
+        self.counters.miss_chunks += len(keys) - len(found)
+        return found
+
+    def insert(self, key: bytes, chunk: torch.Tensor) -> bool:
+        """Keep a copy of ``chunk`` under ``key``; False when it is held already or can never fit."""
+        if key in self._chunks:
+            self._chunks.move_to_end(key)
+            return False
+        size = chunk.numel() * chunk.element_size()
+        if size > self.capacity_bytes:
+            return False
+        self._evict_until(self.capacity_bytes - size)
+        self._chunks[key] = chunk.clone(memory_format=torch.contiguous_format)
+        self.num_bytes += size
+        self.counters.inserted_chunks += 1
+        return True
+
+    def clear(self) -> None:
+        self._chunks.clear()
+        self.num_bytes = 0
+
+    def _evict_until(self, limit_bytes: int) -> None:
+        while self.num_bytes > limit_bytes and self._chunks:
+            _key, chunk = self._chunks.popitem(last=False)
+            self.num_bytes -= chunk.numel() * chunk.element_size()
+            self.counters.evicted_chunks += 1

@@ -1,0 +1,42 @@
+"""`kvshare generate` and `kvshare make-model` from the command line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def kvshare(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvshare", *args], capture_output=True, text=True, timeout=120, check=check)
+
+
+def test_generate_json_without_pool(tiny_dir, tmp_path):
+    from kvshare.engine.config import EngineConfig
+    from kvshare.engine.engine import Engine, SamplingParams
+
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("Tell me a story about a cat.")
+    out = json.loads(kvshare("generate", "--model", tiny_dir, "--pool", "off", "--prompt-file", str(prompt),
+                             "--max-tokens", "6", "--ignore-eos", "--json").stdout)
+    engine = Engine(EngineConfig(model=tiny_dir))
+    expected = [e.token_id for e in engine.generate(engine.tokenizer.encode(prompt.read_text()),
+                                                    SamplingParams(max_tokens=6, ignore_eos=True))]
+    assert out["token_ids"] == expected
+    assert out["text"] == engine.tokenizer.decode(expected)
+    assert out["provenance"] == {"local_tokens": 0, "pool_tokens": 0, "computed_tokens": 28}
+    assert out["finish_reason"] == "length" and out["ttft_s"] > 0
+
+
+def test_generate_refuses_bad_input_with_a_message(tmp_path):
+    result = kvshare("generate", "--model", str(tmp_path / "missing"), "--prompt", "x", check=False)
+    assert result.returncode == 2 and "neither a model directory nor a preset" in result.stderr
+    result = kvshare("generate", "--model", "tiny", "--prompt-file", str(tmp_path / "none.txt"), check=False)
+    assert result.returncode == 2 and "cannot read the prompt" in result.stderr
+
+
+def test_make_model_prints_its_fingerprint(tmp_path, tiny_dir):
+    from kvshare.engine.weights import model_dir_fingerprint
+
+    out = json.loads(kvshare("make-model", "tiny", "--out", str(tmp_path / "m")).stdout)
+    assert out["weights_fingerprint"] == model_dir_fingerprint(tiny_dir)
