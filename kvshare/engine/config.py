@@ -149,6 +149,8 @@ class EngineConfig:
     prefill_chunk_tokens: int = 4096  # projections and MLP run over this many tokens at a time
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     verify_checksums: bool = False  # verify every page loaded from the pool
+    verify_fraction: float = 0.0  # else verify this share of loaded pages (sampled verification)
+    producer_delay_cycles: int = 0  # validation (CUDA): GPU sleep before prefill writes KV the pool will store
     pool_retry_s: float = 0.5  # first reconnect delay after the pool went away (doubles up to pool_retry_max_s)
     pool_retry_max_s: float = 30.0
 
@@ -158,6 +160,8 @@ class EngineConfig:
         for name in ("chunk_tokens", "prefill_chunk_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"EngineConfig.{name} must be positive, got {getattr(self, name)}")
+        if not 0.0 <= self.verify_fraction <= 1.0:
+            raise ValueError(f"verify_fraction must lie in [0, 1], got {self.verify_fraction}")
         if self.local_cache_bytes < 0:
             raise ValueError(f"local_cache_bytes must be >= 0, got {self.local_cache_bytes}")
         if self.max_model_len is not None and self.max_model_len < 2:

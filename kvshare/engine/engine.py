@@ -31,6 +31,7 @@ from kvshare.engine.stats import EngineStats
 from kvshare.engine.weights import TORCH_DTYPES
 from kvshare.keys import Namespace, chunk_keys, namespace_digest
 from kvshare.layout import KVLayout
+from kvshare.transfer import TransferConfig
 
 MAX_LOGPROBS = 20
 
@@ -104,8 +105,11 @@ class Engine:
         self._pool: PoolLink | None = None
         if config.pool_socket:
             self._pool = PoolLink(
-                config.pool_socket, self.layout, self.device, self._stats, config.verify_checksums,
-                config.pool_retry_s, config.pool_retry_max_s, name=f"engine:{self.model_name}",
+                config.pool_socket, self.layout, self.device, self._stats,
+                verify_checksums=config.verify_checksums,
+                transfer_config=TransferConfig(verify_fraction=config.verify_fraction,
+                                               producer_delay_cycles=config.producer_delay_cycles),
+                retry_s=config.pool_retry_s, retry_max_s=config.pool_retry_max_s, name=f"engine:{self.model_name}",
             )
             self._pool.connected()  # connect (and register the arena) now rather than in the first request
 
@@ -205,6 +209,8 @@ class Engine:
         if options.use_pool and self._pool is not None:
             load = self._pool.load_prefix(kv, keys[local_chunks:reusable], first_chunk=local_chunks)
         try:
+            if self._pool is not None and self.config.producer_delay_cycles:
+                self._pool.inject_producer_delay()  # validation: the store must still wait for this prefill
             cached_len = (local_chunks + load.num_chunks) * c
             tokens = torch.tensor(prompt[cached_len:], device=self.device)
             logits = self.model(tokens, kv, cached_len, self.config.prefill_chunk_tokens, before_layer=load.before_layer)

@@ -21,26 +21,10 @@ from kvshare.layout import KVLayout
 from kvshare.pool.checksum import page_checksum
 from kvshare.pool.client import ChecksumMismatch, PoolClient, PoolRequestError, PoolUnavailable
 from kvshare.pool.protocol import FORMAT_VERSION, PageHeader
+from kvshare.transfer import TransferConfig, make_transfer
 
 log = logging.getLogger(__name__)
 _LOST = (PoolUnavailable, TimeoutError)
-
-
-def make_transfer(layout: KVLayout, client: PoolClient, device: torch.device):
-    """The KVTransfer for ``device`` (kvshare.transfer when present, else the engine's CPU stand-in)."""
-    try:
-        from kvshare import transfer
-    except ImportError:
-        transfer = None
-    if device.type == "cuda":
-        if transfer is None or not hasattr(transfer, "CudaTransfer"):
-            raise RuntimeError("pool transfers to CUDA need kvshare.transfer.CudaTransfer, which is not installed")
-        return transfer.CudaTransfer(layout, client, device, transfer.TransferConfig())
-    if transfer is not None and hasattr(transfer, "CpuTransfer"):
-        return transfer.CpuTransfer(layout, client, device, transfer.TransferConfig())
-    from kvshare.engine._cpu_transfer import CpuTransfer
-
-    return CpuTransfer(layout, client, device)
 
 
 @dataclass
@@ -64,6 +48,7 @@ class PoolLink:
         device: torch.device,
         stats: EngineStats,
         verify_checksums: bool = False,
+        transfer_config: TransferConfig = TransferConfig(),
         retry_s: float = 0.5,
         retry_max_s: float = 30.0,
         name: str = "engine",
@@ -74,6 +59,7 @@ class PoolLink:
         self.device = device
         self.stats = stats
         self.verify_checksums = verify_checksums
+        self.transfer_config = transfer_config
         self.name = name
         self._clock = clock
         self._retry_s, self._retry_max_s = retry_s, retry_max_s
@@ -97,7 +83,7 @@ class PoolLink:
             self._schedule_retry(f"pool unavailable: {exc}")
             return False
         try:
-            self.transfer = make_transfer(self.layout, client, self.device)
+            self.transfer = make_transfer(self.layout, client, self.device, self.transfer_config)
         except BaseException:
             client.close()
             raise
@@ -117,6 +103,8 @@ class PoolLink:
         self._schedule_retry(f"lost the pool: {exc}")
 
     def _drop_client(self) -> None:
+        if self.transfer is not None:
+            self.transfer.close()
         if self.client is not None:
             self.client.close()
         self.client = None
@@ -124,6 +112,11 @@ class PoolLink:
 
     def close(self) -> None:
         self._drop_client()
+
+    def inject_producer_delay(self) -> None:
+        """Validation: a GPU sleep on the compute stream before it writes KV that will be stored."""
+        if self.transfer is not None:
+            self.transfer.inject_producer_delay(None)
 
     # -- load ------------------------------------------------------------------------
 
