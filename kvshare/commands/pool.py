@@ -25,6 +25,46 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--low-watermark", type=float, default=0.90)
     p.add_argument("--lease-ttl", type=float, default=300.0, help="seconds before an unreleased lease expires")
     p.add_argument("--max-message-bytes", type=parse_size, default="1MiB")
+    _add_remote_arguments(p)
+
+
+def _add_remote_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of the remote tier (kvshare.pool.remote_config.RemoteConfig, one flag per field; docs/remote.md)."""
+    g = p.add_argument_group("remote tier (share pages with pools on other hosts through Redis/Valkey)")
+    g.add_argument("--remote", default=None, metavar="URL",
+                   help="redis://HOST:PORT[/DB], rediss://..., unix:///PATH or redis+cluster://HOST:PORT,HOST:PORT,...")
+    g.add_argument("--remote-prefix", default="kvshare", help="key prefix shared by the pools that share pages")
+    g.add_argument("--remote-ttl", type=int, default=86400,
+                   help="seconds a written page lives in the store, refreshed when read (0: no expiry)")
+    g.add_argument("--remote-part-size", type=parse_size, default="8MiB",
+                   help="a page travels as values of at most this size (4KiB..8MiB)")
+    g.add_argument("--remote-timeout", type=float, default=1.0, help="connect and socket timeout, seconds")
+    g.add_argument("--remote-write-queue", type=parse_size, default="1GiB",
+                   help="pages pinned for write-behind, at most (and at most a quarter of the arena)")
+    g.add_argument("--remote-writers", type=int, default=2, help="write-behind threads")
+    g.add_argument("--remote-readers", type=int, default=2, help="promotion threads")
+    g.add_argument("--remote-promote-timeout", type=float, default=5.0,
+                   help="a lookup that goes on to the store is answered by then with what has arrived")
+    g.add_argument("--remote-promote-batch", type=parse_size, default="64MiB", help="pages fetched per round trip")
+    g.add_argument("--remote-max-promotions", type=int, default=4, help="promoting lookups under way at once")
+    g.add_argument("--remote-breaker-failures", type=int, default=3,
+                   help="consecutive failed store operations that open the circuit breaker")
+    g.add_argument("--remote-breaker-reset", type=float, default=5.0,
+                   help="seconds the breaker stays open before it lets one operation try")
+
+
+def _remote_config_from_args(args: argparse.Namespace):
+    if not args.remote:
+        return None
+    from kvshare.pool.remote_config import RemoteConfig
+
+    return RemoteConfig(
+        url=args.remote, prefix=args.remote_prefix, ttl_s=args.remote_ttl, part_bytes=args.remote_part_size,
+        timeout_s=args.remote_timeout, write_queue_bytes=args.remote_write_queue, num_writers=args.remote_writers,
+        num_readers=args.remote_readers, promote_timeout_s=args.remote_promote_timeout,
+        promote_batch_bytes=args.remote_promote_batch, max_promotions=args.remote_max_promotions,
+        breaker_failures=args.remote_breaker_failures, breaker_reset_s=args.remote_breaker_reset,
+    )
 
 
 def config_from_args(args: argparse.Namespace):
@@ -44,6 +84,7 @@ def config_from_args(args: argparse.Namespace):
         index=IndexConfig(
             high_watermark=args.high_watermark, low_watermark=args.low_watermark, lease_ttl_s=args.lease_ttl
         ),
+        remote=_remote_config_from_args(args),
     )
 
 
@@ -61,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     server = PoolServer(config)
     try:
         server.start()
-    except (ArenaError, FileExistsError, OSError) as exc:
+    except (ArenaError, FileExistsError, OSError, RuntimeError) as exc:  # RuntimeError: no redis client
         raise UserError(str(exc)) from None
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())
@@ -69,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
         from kvshare.pool.metrics import serve_metrics
 
         serve_metrics(lambda: server.stats_snapshot, args.metrics_port, args.metrics_host)
-    print(f"kvshare pool ready: socket={config.socket_path} size={config.size_bytes}", flush=True)
+    remote = f" remote={config.remote.address.display}" if config.remote else ""
+    print(f"kvshare pool ready: socket={config.socket_path} size={config.size_bytes}{remote}", flush=True)
     server.serve()
     return 0

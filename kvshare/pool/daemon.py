@@ -8,6 +8,7 @@ reservations are aborted and its leases released.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import selectors
@@ -15,17 +16,20 @@ import socket
 import stat
 import struct
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from kvshare.pool import protocol as P
 from kvshare.pool.allocator import Allocator
 from kvshare.pool.arena import create_arena, map_arena, prefault
-from kvshare.pool.index import IndexConfig, PoolError, PoolIndex
+from kvshare.pool.index import IndexConfig, LookupResult, PoolError, PoolIndex
+from kvshare.pool.remote_config import RemoteConfig
 
 log = logging.getLogger("kvshare.pool")
 
 DEFAULT_EXTENT_BYTES = 256 << 20
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
+_REMOTE_WAKEUP = "remote-wakeup"  # selector data of the remote tier's wake-up socket
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,7 @@ class PoolConfig:
     # After activity the loop polls without sleeping this long before it blocks: a cross-core
     # wake-up costs ~30 us on these VMs, so a client's next message is seen sooner when it comes soon.
     busy_poll_us: float = 100.0
+    remote: RemoteConfig | None = None  # the remote tier (--remote URL); None: this host's arena only
 
     def __post_init__(self) -> None:
         if self.size_bytes <= 0:
@@ -55,6 +60,8 @@ class PoolConfig:
             raise ValueError("a socket path is required")
         if len(os.fsencode(self.socket_path)) > 107:
             raise ValueError(f"socket path too long for a Unix socket (max 107 bytes): {self.socket_path}")
+        if self.remote is not None:
+            self.remote.check_lease_ttl(self.index.lease_ttl_s)
 
 
 @dataclass(eq=False)
@@ -68,6 +75,10 @@ class _Client:
     inbuf: bytearray = field(default_factory=bytearray)
     outbuf: bytearray = field(default_factory=bytearray)
     is_closing: bool = False
+    # frames not handled yet: while a reply is deferred (a lookup that goes on to the remote tier),
+    # the client's later messages wait here, so every client is answered in order
+    pending: deque = field(default_factory=deque)
+    is_deferred: bool = False
 
 
 @dataclass
@@ -96,6 +107,7 @@ class PoolServer:
         self._listener: socket.socket | None = None
         self._memfd = -1
         self.arena = None
+        self.remote = None  # RemoteTier when config.remote is set (started in start())
         self._is_stopping = False
         self._handlers = {
             P.Lookup: self._on_lookup,
@@ -136,6 +148,7 @@ class PoolServer:
         self._listener = listener
         self._selector = selectors.DefaultSelector()
         self._selector.register(listener, selectors.EVENT_READ, None)
+        self._start_remote()
         self._snapshot()
         log.info("pool of %d bytes listening on %s", cfg.size_bytes, cfg.socket_path)
 
@@ -159,6 +172,9 @@ class PoolServer:
                     if key.data is None:
                         self._accept()
                         continue
+                    if key.data is _REMOTE_WAKEUP:
+                        self._on_remote_ready()
+                        continue
                     client = key.data
                     try:
                         if mask & selectors.EVENT_READ:
@@ -172,6 +188,7 @@ class PoolServer:
                 now = time.monotonic()
                 if now >= next_tick:
                     self.index.expire(now)
+                    self._tick_remote(now)
                     self._snapshot()
                     next_tick = now + self.config.tick_s
                     if not events and not is_checked_since_activity:
@@ -187,6 +204,7 @@ class PoolServer:
         self._is_stopping = True
 
     def close(self) -> None:
+        self._close_remote()
         for client in list(self._clients.values()):
             self._drop_client(client)
         if self._listener is not None:
@@ -231,6 +249,8 @@ class PoolServer:
         self._selector.unregister(client.sock)
         client.sock.close()
         aborted, released = self.index.disconnect(client.client_id)
+        if self.remote is not None:
+            self.remote.on_disconnect(client.client_id)
         self.counters.disconnects += 1
         if aborted or released:
             log.info("client %s (pid %d) left: aborted %d reservations, released %d leases",
@@ -253,8 +273,13 @@ class PoolServer:
             self.counters.protocol_errors += 1
             self._fail_and_close(client, "protocol", str(exc))
             return
-        for payload in frames:
-            self._handle_frame(client, payload)
+        client.pending.extend(frames)
+        self._handle_pending(client)
+
+    def _handle_pending(self, client: _Client) -> None:
+        """Handle the client's frames in order until one is deferred; then flush its replies."""
+        while client.pending and not client.is_deferred:
+            self._handle_frame(client, client.pending.popleft())
             if client.is_closing:
                 return
         self._flush(client)
@@ -345,10 +370,11 @@ class PoolServer:
 
     # -- handlers: each validates before it mutates, so an error leaves the index intact --
 
-    def _on_lookup(self, client: _Client, req: P.Lookup) -> P.Reply:
+    def _on_lookup(self, client: _Client, req: P.Lookup) -> P.Reply | None:
         result = self.index.lookup(client.client_id, req.keys, req.page_bytes, time.monotonic(), lease=req.lease)
-        pages = [P.PageHeader(e.offset, e.page_bytes, e.checksum) for e in result.entries]
-        return P.LookupReply(lease_id=result.lease_id, pages=pages)
+        if self._defer_to_remote(client, req, result):
+            return None  # answered by _finish_deferred_lookup
+        return _lookup_reply(result)
 
     def _on_release(self, client: _Client, req: P.Release) -> P.Reply | None:
         errors = []
@@ -370,14 +396,22 @@ class PoolServer:
         result = self.index.reserve(
             client.client_id, req.namespace, req.keys, req.page_bytes, req.first_depth, time.monotonic()
         )
+        if self.remote is not None:
+            self.remote.on_reserve(client.client_id, result.reservation_id, [entry for _, entry in result.grants])
         grants = [(i, entry.offset) for i, entry in result.grants]
         return P.ReserveReply(reservation_id=result.reservation_id, grants=grants, num_no_room=result.num_no_room)
 
     def _on_commit(self, client: _Client, req: P.Commit) -> P.Reply:
-        return P.Ok(count=self.index.commit(client.client_id, req.reservation_id, req.checksums))
+        count = self.index.commit(client.client_id, req.reservation_id, req.checksums)
+        if self.remote is not None:
+            self.remote.on_commit(req.reservation_id)  # write-behind: queues, never waits
+        return P.Ok(count=count)
 
     def _on_abort(self, client: _Client, req: P.Abort) -> P.Reply:
-        return P.Ok(count=self.index.abort(client.client_id, req.reservation_id))
+        count = self.index.abort(client.client_id, req.reservation_id)
+        if self.remote is not None:
+            self.remote.on_abort(req.reservation_id)
+        return P.Ok(count=count)
 
     def _on_drop(self, client: _Client, req: P.Drop) -> P.Reply:
         return P.Ok(count=self.index.drop(req.keys))
@@ -417,6 +451,56 @@ class PoolServer:
             return P.ErrorReply("integrity", str(exc) or "index and allocator disagree")
         return P.Ok(count=self.index.num_entries)
 
+    # -- remote tier hooks (kvshare.pool.remote; each is a no-op without --remote) ---------
+
+    def _start_remote(self) -> None:
+        if self.config.remote is None:
+            return
+        from kvshare.pool.remote import RemoteTier
+
+        writer_id, promoter_id = self._next_client_id, self._next_client_id + 1  # the tier's own client ids
+        self._next_client_id += 2
+        self.remote = RemoteTier(self.config.remote, self.index, self.arena, self.config.index.lease_ttl_s,
+                                 writer_id, promoter_id)
+        self._selector.register(self.remote.wakeup, selectors.EVENT_READ, _REMOTE_WAKEUP)
+
+    def _on_remote_ready(self) -> None:
+        self.remote.poll()
+
+    def _tick_remote(self, now: float) -> None:
+        if self.remote is not None:
+            self.remote.tick(now)
+
+    def _close_remote(self) -> None:
+        if self.remote is not None:
+            self._selector.unregister(self.remote.wakeup)
+            self.remote.close()
+            self.remote = None
+
+    def _defer_to_remote(self, client: _Client, req: P.Lookup, result: LookupResult) -> bool:
+        """On a partial local hit, let the remote tier fetch the rest before the client is answered."""
+        if self.remote is None or not req.lease or len(result.entries) == len(req.keys):
+            return False
+        on_done = functools.partial(self._finish_deferred_lookup, client, req, result.lease_id)
+        client.is_deferred = self.remote.promote(req.keys, req.page_bytes, len(result.entries), on_done)
+        return client.is_deferred
+
+    def _finish_deferred_lookup(self, client: _Client, req: P.Lookup, pin_lease_id: int) -> None:
+        """Answer a deferred lookup from the index as it is now, then the client's waiting messages."""
+        from kvshare.pool.remote import lookup_uncounted
+
+        if self._clients.get(client.client_id) is not client:
+            return  # it left meanwhile; its leases went with it
+        result = lookup_uncounted(self.index, client.client_id, req.keys, req.page_bytes, time.monotonic())
+        if pin_lease_id:  # the lease of the first, local-only answer kept the local prefix in place
+            try:
+                self.index.release(client.client_id, pin_lease_id)
+            except PoolError:
+                pass  # expired meanwhile
+        client.is_deferred = False
+        self._reply(client, _lookup_reply(result))
+        self._handle_pending(client)
+
     # -- stats -------------------------------------------------------------------
 
     def stats(self) -> dict:
@@ -436,10 +520,16 @@ class PoolServer:
             "clients": len(self._clients),
             "uptime_s": round(time.monotonic() - self.started_at, 3),
             **counters,
+            **({"remote": self.remote.stats()} if self.remote is not None else {}),
         }
 
     def _snapshot(self) -> None:
         self.stats_snapshot = self.stats()  # read by the metrics thread; replaced, never mutated
+
+
+def _lookup_reply(result: LookupResult) -> P.LookupReply:
+    pages = [P.PageHeader(e.offset, e.page_bytes, e.checksum) for e in result.entries]
+    return P.LookupReply(lease_id=result.lease_id, pages=pages)
 
 
 def _send_now(sock: socket.socket, data: bytes) -> None:

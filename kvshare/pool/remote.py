@@ -1,0 +1,388 @@
+"""The pool's remote tier: pools on several hosts share pages through a Redis/Valkey store.
+
+Two flows, both off the daemon's loop thread for every byte and every round trip::
+
+    write-behind   client commits --> loop pins the pages (a lease of the tier's own writer id)
+                   --> writer thread: skip pages the store holds, else copy out + SET parts
+                   --> loop releases the pin           (the local commit never waits)
+
+    promotion      client looks up, the arena lacks chunk i --> loop defers the reply
+                   --> reader thread: GET the parts of chunks i, i+1, ... (a batch), verify
+                   --> loop reserves pages (the tier's promoter id) --> reader copies, re-checksums
+                   --> loop commits; next batch ...; then the deferred lookup is answered from
+                       the index, leasing the promoted pages like any others
+
+Threads hand results back through a queue and a wake-up socket the loop's
+selector watches, so the index keeps one thread and no locks. The loop's side
+of the tier lives here; the threads' side in remote_workers.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import queue
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from kvshare.pool import remote_workers as W
+from kvshare.pool.index import EntryState, LookupResult, PoolError, PoolIndex
+from kvshare.pool.remote_breaker import CircuitBreaker
+from kvshare.pool.remote_config import RemoteConfig
+from kvshare.pool.remote_format import REASONS, PageMeta, RemotePage
+from kvshare.pool.remote_store import RemoteStore
+
+log = logging.getLogger("kvshare.pool.remote")
+
+
+def lookup_uncounted(index: PoolIndex, client_id: int, keys: list[bytes], page_bytes: int, now: float) -> LookupResult:
+    """A leasing lookup that leaves the lookup counters alone (internal pins are not client lookups)."""
+    c = index.counters
+    saved = c.lookups, c.hit_chunks, c.miss_chunks
+    try:
+        return index.lookup(client_id, keys, page_bytes, now, lease=True)
+    finally:
+        c.lookups, c.hit_chunks, c.miss_chunks = saved
+
+
+@dataclass
+class RemoteCounters:
+    lookups: int = 0  # lookups that went on to the store
+    joined_lookups: int = 0  # lookups that waited for a promotion already under way
+    hit_chunks: int = 0  # chunks the store supplied, whole and valid
+    miss_chunks: int = 0  # chunks asked of the store and not supplied
+    promoted_pages: int = 0
+    promoted_bytes: int = 0
+    promote_timeouts: int = 0  # lookups answered at --remote-promote-timeout with what had arrived
+    promote_busy: int = 0  # lookups not sent on: --remote-max-promotions under way
+    promote_no_room: int = 0  # fetched pages the arena had no room for
+    written_pages: int = 0
+    written_bytes: int = 0
+    write_existing: int = 0  # pages the store held already (expiry refreshed)
+    write_dropped_full: int = 0  # not written: the write-behind queue was full
+    write_dropped_breaker: int = 0
+    write_failed: int = 0
+    write_expired: int = 0
+    write_bad_pages: int = 0
+    errors: int = 0  # failed store operations (timeouts, refused connections, ...)
+    deleted_values: int = 0  # broken values removed from the store
+    discarded_checksum: int = 0
+    discarded_version: int = 0
+    discarded_fingerprint: int = 0
+    discarded_truncated: int = 0
+    discarded_missing_part: int = 0
+
+
+@dataclass(eq=False)
+class _WriteJob:
+    lease_id: int
+    num_pages: int
+    num_bytes: int
+
+
+@dataclass(eq=False)
+class _PromoteJob:
+    keys: list[bytes]  # the chunks the arena lacked, in chain order
+    page_bytes: int
+    namespace: bytes | None  # of the chain (from the arena's last chunk before them, else the first page)
+    waiters: list[Callable[[], None]]
+    deadline: float
+    batch_len: int
+    num_asked: int = 0  # keys sent to the store so far
+    num_found: int = 0
+    outstanding: int = 0  # fetch and copy tasks in flight
+    is_ended: bool = False  # no further batch will be fetched
+    is_answered: bool = False
+
+
+class RemoteTier:
+    """The loop thread's side of the remote tier; every method runs on that thread."""
+
+    def __init__(self, config: RemoteConfig, index: PoolIndex, arena, lease_ttl_s: float,
+                 writer_id: int, promoter_id: int, clock: Callable[[], float] = time.monotonic) -> None:
+        config.check_lease_ttl(lease_ttl_s)
+        self.config = config
+        self.index = index
+        self.writer_id, self.promoter_id = writer_id, promoter_id
+        self._arena = np.frombuffer(arena, dtype=np.uint8)
+        # a pinned page is read no later than this long after its pin: the pin's lease cannot have expired
+        self._read_window_s = lease_ttl_s - 2 * (config.timeout_s + config.promote_timeout_s)
+        self._write_budget = min(config.write_queue_bytes, index.allocator.arena_bytes // 4)
+        self._clock = clock
+        self.store = RemoteStore(config.address, config.timeout_s)
+        self.breaker = CircuitBreaker(config.breaker_failures, config.breaker_reset_s)
+        self.counters = RemoteCounters()
+        self._writers = ThreadPoolExecutor(config.num_writers, thread_name_prefix="kvshare-remote-write")
+        self._readers = ThreadPoolExecutor(config.num_readers, thread_name_prefix="kvshare-remote-read")
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.wakeup, self._wakeup_w = socket.socketpair()  # the loop's selector watches ``wakeup``
+        self.wakeup.setblocking(False)
+        self._wakeup_w.setblocking(False)
+        self._closing = threading.Event()
+        self._reservations: dict[int, tuple[int, list]] = {}  # client reservation id -> (client id, entries)
+        self._pending_pages = 0  # pinned for write-behind
+        self._pending_bytes = 0
+        self._jobs: set[_PromoteJob] = set()
+        self._job_of_key: dict[bytes, _PromoteJob] = {}
+        log.info("remote tier: %s, prefix %r", config.address.display, config.prefix)
+
+    # -- hooks called by the daemon ---------------------------------------------------
+
+    def on_reserve(self, client_id: int, reservation_id: int, entries: list) -> None:
+        if reservation_id:
+            self._reservations[reservation_id] = (client_id, entries)
+
+    def on_abort(self, reservation_id: int) -> None:
+        self._reservations.pop(reservation_id, None)
+
+    def on_disconnect(self, client_id: int) -> None:
+        for rid in [rid for rid, (cid, _) in self._reservations.items() if cid == client_id]:
+            del self._reservations[rid]
+
+    def on_commit(self, reservation_id: int) -> None:
+        """A client's pages became visible: pin them and write them behind (or count why not)."""
+        _, entries = self._reservations.pop(reservation_id, (0, []))
+        entries = [e for e in entries if e.state is EntryState.COMMITTED and not e.is_dropped]
+        if not entries or self._closing.is_set():
+            return
+        if not self.breaker.allow():
+            self.counters.write_dropped_breaker += len(entries)
+            return
+        page_bytes = entries[0].page_bytes
+        room = max(0, (self._write_budget - self._pending_bytes) // page_bytes)
+        self.counters.write_dropped_full += max(0, len(entries) - room)
+        entries = entries[:room]
+        if not entries:
+            return
+        now = self._clock()
+        pin = lookup_uncounted(self.index, self.writer_id, [e.key for e in entries], page_bytes, now)
+        if not pin.entries:
+            return
+        pages = [W.PageToWrite(PageMeta(e.key, e.namespace, e.depth, e.page_bytes, e.checksum), e.offset)
+                 for e in pin.entries]
+        job = _WriteJob(pin.lease_id, len(pages), len(pages) * page_bytes)
+        self._pending_pages += job.num_pages
+        self._pending_bytes += job.num_bytes
+        args = (self.store, self.breaker, self.config, self._arena, pages, now + self._read_window_s,
+                self._closing.is_set)
+        self._submit(self._writers, W.write_pages, args, functools.partial(self._on_written, job))
+
+    def promote(self, keys: list[bytes], page_bytes: int, num_local: int, on_done: Callable[[], None]) -> bool:
+        """Go on to the store for ``keys[num_local:]``; True: ``on_done()`` will be called once, later."""
+        missing = keys[num_local:]
+        if not missing or self._closing.is_set():
+            return False
+        job = self._job_of_key.get(missing[0])
+        if job is not None:  # someone is already fetching this chunk: wait for that instead
+            if job.is_answered:
+                return False
+            job.waiters.append(on_done)
+            self.counters.joined_lookups += 1
+            return True
+        if self.index.entry(missing[0]) is not None:  # being written here (or a page of another size)
+            return False
+        if len(self._jobs) >= self.config.max_promotions:
+            self.counters.promote_busy += 1
+            return False
+        if not self.breaker.allow():
+            return False
+        try:
+            self.index.allocator.check_page_size(page_bytes)
+        except ValueError:
+            return False
+        namespace = self.index.entry(keys[num_local - 1]).namespace if num_local else None
+        batch_len = max(1, self.config.promote_batch_bytes // page_bytes)
+        job = _PromoteJob(missing, page_bytes, namespace, [on_done], self._clock() + self.config.promote_timeout_s,
+                          batch_len)
+        self._jobs.add(job)
+        for key in missing:
+            self._job_of_key.setdefault(key, job)
+        self.counters.lookups += 1
+        self._fetch_next(job)
+        return True
+
+    def poll(self) -> None:
+        """Apply every result the threads have handed back (the wake-up socket was readable)."""
+        try:
+            while self.wakeup.recv(4096):
+                pass
+        except (BlockingIOError, InterruptedError):
+            pass
+        while True:
+            try:
+                handler, result = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                handler(result)
+            except Exception:  # a bug in one result must not stop the loop
+                log.exception("remote tier: applying a result failed")
+
+    def tick(self, now: float) -> None:
+        """Answer promoting lookups past their deadline with what has arrived; stop fetching for them."""
+        for job in list(self._jobs):
+            if not job.is_answered and now >= job.deadline:
+                self.counters.promote_timeouts += len(job.waiters)
+                job.is_ended = True
+                self._answer(job)
+
+    def stats(self) -> dict[str, int]:
+        return {
+            **self.counters.__dict__,
+            "write_queue_pages": self._pending_pages,
+            "write_queue_bytes": self._pending_bytes,
+            "promotions": len(self._jobs),
+            "breaker_state": self.breaker.state,
+            "breaker_opens": self.breaker.num_opens,
+        }
+
+    def close(self) -> None:
+        """Stop the threads (each finishes at most its current store operation) and the store client."""
+        self._closing.set()
+        for job in list(self._jobs):
+            job.waiters.clear()
+        self._writers.shutdown(wait=False, cancel_futures=True)
+        self._readers.shutdown(wait=False, cancel_futures=True)
+        self.store.close()
+        self.wakeup.close()
+        self._wakeup_w.close()
+
+    # -- write-behind ---------------------------------------------------------------
+
+    def _on_written(self, job: _WriteJob, result: W.WriteResult | BaseException) -> None:
+        self._pending_pages -= job.num_pages
+        self._pending_bytes -= job.num_bytes
+        try:
+            self.index.release(self.writer_id, job.lease_id)
+        except PoolError:
+            pass  # the pin's lease expired (the write ran past the lease TTL and read nothing after it)
+        if isinstance(result, BaseException):
+            log.error("remote write-behind failed: %r", result)
+            self.counters.write_failed += job.num_pages
+            return
+        c = self.counters
+        c.written_pages += result.num_written
+        c.written_bytes += result.num_bytes
+        c.write_existing += result.num_existing
+        c.write_failed += result.num_failed
+        c.write_dropped_breaker += result.num_breaker
+        c.write_expired += result.num_expired
+        c.write_bad_pages += result.num_bad
+        c.errors += result.num_errors
+        if result.num_bad:
+            log.error("%d committed page(s) no longer match their checksum; not written to the store", result.num_bad)
+
+    # -- promotion ------------------------------------------------------------------
+
+    def _fetch_next(self, job: _PromoteJob) -> None:
+        batch = job.keys[job.num_asked : job.num_asked + job.batch_len]
+        job.num_asked += len(batch)
+        job.outstanding += 1
+        args = (self.store, self.breaker, self.config, batch, job.page_bytes, job.namespace)
+        self._submit(self._readers, W.fetch_pages, args, functools.partial(self._on_fetched, job, len(batch)))
+
+    def _on_fetched(self, job: _PromoteJob, batch_len: int, result: W.FetchResult | BaseException) -> None:
+        job.outstanding -= 1
+        if isinstance(result, BaseException):
+            log.error("remote fetch failed: %r", result)
+            job.is_ended = True
+        else:
+            self._count_fetch(result)
+            job.num_found += len(result.pages)
+            if result.pages and not self._closing.is_set():
+                job.namespace = result.pages[0].meta.namespace
+                self._place(job, result.pages)
+            if result.end is not None or len(result.pages) < batch_len or job.num_asked >= len(job.keys):
+                job.is_ended = True
+            elif not job.is_ended:
+                self._fetch_next(job)
+        self._maybe_finish(job)
+
+    def _count_fetch(self, result: W.FetchResult) -> None:
+        self.counters.errors += result.num_errors
+        self.counters.deleted_values += result.num_deleted
+        for reason in result.discarded:
+            name = f"discarded_{reason}"
+            setattr(self.counters, name, getattr(self.counters, name) + 1)
+            log.warning("discarded a remote page: %s", reason)
+
+    def _place(self, job: _PromoteJob, pages: list[RemotePage]) -> None:
+        """Reserve arena pages (as the promoter) for fetched pages and have a thread copy them in."""
+        keys = [p.meta.key for p in pages]
+        try:
+            reserved = self.index.reserve(self.promoter_id, job.namespace, keys, job.page_bytes,
+                                          pages[0].meta.depth, self._clock())
+        except PoolError as exc:
+            log.error("remote promotion: reserve refused: %s", exc)
+            job.is_ended = True
+            return
+        if reserved.num_no_room:
+            self.counters.promote_no_room += reserved.num_no_room
+            job.is_ended = True
+        if not reserved.grants:
+            return
+        placements = [(pages[i], entry.offset) for i, entry in reserved.grants]
+        job.outstanding += 1
+        on_copied = functools.partial(self._on_copied, job, reserved.reservation_id, placements)
+        self._submit(self._readers, W.copy_pages, (self._arena, placements), on_copied)
+
+    def _on_copied(self, job: _PromoteJob, reservation_id: int, placements: list[tuple[RemotePage, int]],
+                   result: list[int] | BaseException) -> None:
+        job.outstanding -= 1
+        expected = [page.meta.checksum for page, _ in placements]
+        if isinstance(result, BaseException) or result != expected:
+            bad = len(placements) if isinstance(result, BaseException) else sum(a != b for a, b in zip(result, expected))
+            log.error("remote promotion: %d page(s) differ from their checksum after the copy: %r", bad, result)
+            self.index.abort(self.promoter_id, reservation_id)
+            self.counters.discarded_checksum += bad
+            job.is_ended = True
+        else:
+            self.index.commit(self.promoter_id, reservation_id, expected)
+            self.counters.promoted_pages += len(placements)
+            self.counters.promoted_bytes += len(placements) * job.page_bytes
+        self._maybe_finish(job)
+
+    def _maybe_finish(self, job: _PromoteJob) -> None:
+        if job.outstanding or not (job.is_ended or job.num_asked >= len(job.keys)):
+            return
+        self._jobs.discard(job)
+        for key in job.keys:
+            if self._job_of_key.get(key) is job:
+                del self._job_of_key[key]
+        self.counters.hit_chunks += job.num_found
+        self.counters.miss_chunks += len(job.keys) - job.num_found
+        self._answer(job)
+
+    def _answer(self, job: _PromoteJob) -> None:
+        job.is_answered = True
+        waiters, job.waiters = job.waiters, []
+        for on_done in waiters:
+            try:
+                on_done()
+            except Exception:
+                log.exception("remote tier: answering a deferred lookup failed")
+
+    # -- threads -> loop --------------------------------------------------------------
+
+    def _submit(self, executor: ThreadPoolExecutor, fn, args: tuple, on_result: Callable) -> None:
+        def task() -> None:
+            try:
+                result = fn(*args)
+            except BaseException as exc:  # a bug: the loop logs it and releases what the job holds
+                result = exc
+            self._inbox.put((on_result, result))
+            try:
+                self._wakeup_w.send(b"\0")
+            except (BlockingIOError, OSError):
+                pass  # a wake-up is pending already (or the tier closed)
+
+        executor.submit(task)
+
+
+assert set(REASONS) == {n.removeprefix("discarded_") for n in RemoteCounters.__dataclass_fields__ if n.startswith("discarded_")}

@@ -1,0 +1,116 @@
+"""Configuration of the pool's remote tier (``kvshare pool --remote URL``); pure, no redis import.
+
+URL forms::
+
+    redis://[[user]:password@]HOST:PORT[/DB]      one Redis or Valkey server
+    rediss://...                                   the same over TLS
+    unix://[[user]:password@]/path/to/socket[?db=N]
+    redis+cluster://[[user]:password@]HOST:PORT,HOST:PORT,...   a cluster (startup nodes)
+    rediss+cluster://...                           a cluster over TLS
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from urllib.parse import unquote, urlsplit
+
+MiB = 1 << 20
+MAX_PART_BYTES = 8 * MiB  # one value blocks a Redis server while it is read or written: keep each small
+MIN_PART_BYTES = 4096
+
+_SCHEMES = {"redis": (False, False), "rediss": (False, True), "unix": (False, False),
+            "redis+cluster": (True, False), "rediss+cluster": (True, True)}
+
+
+@dataclass(frozen=True)
+class RemoteAddress:
+    """Where the remote store is: a server URL for redis-py, or a cluster's startup nodes."""
+
+    url: str  # as given (may hold a password: never log it, use ``display``)
+    is_cluster: bool
+    is_tls: bool
+    nodes: tuple[tuple[str, int], ...]  # cluster startup nodes; empty for a single server
+    username: str | None = None
+    password: str | None = None
+
+    @property
+    def display(self) -> str:
+        """The URL without its credentials, for logs."""
+        parts = urlsplit(self.url)
+        host = parts.netloc.rpartition("@")[2]
+        return f"{parts.scheme}://{host}{parts.path}"
+
+
+def parse_remote_url(url: str) -> RemoteAddress:
+    """Check and split a ``--remote`` URL; raises ValueError with the accepted forms."""
+    parts = urlsplit(url)
+    if parts.scheme not in _SCHEMES:
+        raise ValueError(
+            f"unsupported remote URL {url!r}: use redis://HOST:PORT[/DB], rediss://..., unix:///PATH "
+            "or redis+cluster://HOST:PORT,HOST:PORT,..."
+        )
+    is_cluster, is_tls = _SCHEMES[parts.scheme]
+    userinfo, _, hosts = parts.netloc.rpartition("@")
+    username, _, password = userinfo.partition(":")
+    if not is_cluster:
+        if parts.scheme != "unix" and not hosts:
+            raise ValueError(f"remote URL {url!r} names no host")
+        if parts.scheme != "unix" and parts.path.strip("/") and not parts.path.strip("/").isdigit():
+            raise ValueError(f"remote URL {url!r}: the path must be a database number, e.g. /0")
+        return RemoteAddress(url, False, is_tls, ())
+    if parts.path.strip("/") not in ("", "0"):
+        raise ValueError(f"remote URL {url!r}: a cluster has only database 0")
+    nodes = []
+    for item in hosts.split(","):
+        host, sep, port = item.strip().rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"remote URL {url!r}: cluster nodes must be HOST:PORT, got {item!r}")
+        nodes.append((host.strip("[]"), int(port)))
+    return RemoteAddress(url, True, is_tls, tuple(nodes), unquote(username) or None, unquote(password) or None)
+
+
+@dataclass(frozen=True)
+class RemoteConfig:
+    """The remote tier's settings; each field is one ``--remote-*`` flag of ``kvshare pool``."""
+
+    url: str
+    prefix: str = "kvshare"  # namespace of every key this pool writes (pools that share pages share it)
+    ttl_s: int = 86400  # expiry of written values, refreshed when read; 0: none (rely on maxmemory eviction)
+    part_bytes: int = MAX_PART_BYTES  # a page travels as values of at most this many payload bytes
+    timeout_s: float = 1.0  # connect and socket timeout of every remote operation
+    write_queue_bytes: int = 1 << 30  # pages pinned for write-behind, at most (also at most 1/4 of the arena)
+    num_writers: int = 2  # write-behind threads
+    num_readers: int = 2  # promotion threads (fetch from the store, copy into the arena)
+    promote_timeout_s: float = 5.0  # a promoting lookup is answered by then with what has arrived
+    promote_batch_bytes: int = 64 * MiB  # pages fetched per round trip
+    max_promotions: int = 4  # promoting lookups in flight; more are answered from the arena alone
+    breaker_failures: int = 3  # consecutive failed operations that open the circuit breaker
+    breaker_reset_s: float = 5.0  # how long it stays open before one trial
+
+    def __post_init__(self) -> None:
+        self.address  # validates the URL
+        if not self.prefix or any(c in self.prefix for c in "{} \n"):
+            raise ValueError(f"remote prefix must be non-empty without braces or spaces, got {self.prefix!r}")
+        if self.ttl_s < 0:
+            raise ValueError(f"remote TTL must be >= 0 seconds (0: none), got {self.ttl_s}")
+        if not MIN_PART_BYTES <= self.part_bytes <= MAX_PART_BYTES:
+            raise ValueError(f"remote part size must lie in {MIN_PART_BYTES}..{MAX_PART_BYTES} bytes, got {self.part_bytes}")
+        for name in ("timeout_s", "promote_timeout_s", "breaker_reset_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"RemoteConfig.{name} must be positive, got {getattr(self, name)}")
+        for name in ("write_queue_bytes", "num_writers", "num_readers", "promote_batch_bytes",
+                     "max_promotions", "breaker_failures"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"RemoteConfig.{name} must be at least 1, got {getattr(self, name)}")
+
+    @property
+    def address(self) -> RemoteAddress:
+        return parse_remote_url(self.url)
+
+    def check_lease_ttl(self, lease_ttl_s: float) -> None:
+        """Write-behind pins pages with leases: the store's timeouts must fit well inside their TTL."""
+        if lease_ttl_s < 4 * (self.timeout_s + self.promote_timeout_s):
+            raise ValueError(
+                f"--lease-ttl {lease_ttl_s} s is too short for the remote tier (timeout {self.timeout_s} s, "
+                f"promote timeout {self.promote_timeout_s} s): make it at least 4x their sum"
+            )

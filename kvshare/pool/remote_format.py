@@ -1,0 +1,154 @@
+"""How a page is stored in the remote tier: keys, part values and their header. Pure functions.
+
+A page (one chunk, ``page_bytes``) travels as ``part_count`` values of at most
+``part_bytes`` payload each, so no single value blocks the store for long::
+
+    key of part i   {prefix}:v1:{<chunk key, 32 hex>}:i     (the braces are a cluster hash tag)
+    value           | header (72 B) | payload: page bytes [part_offset, part_offset + len) |
+
+    header  magic "KVSR" | format version u16 | page format version u16 | part index u16 |
+            part count u16 | depth u32 | page bytes u64 | part offset u64 | page checksum u64 |
+            chunk key 16 B | namespace digest 16 B                      (little endian)
+
+The hash tag puts every part of a page on one cluster node (one slot), so a
+page is fetched in one round trip and a node loss loses whole pages; pages
+still spread over the nodes by their chunk key. The chunk key is chained from
+the namespace digest (model, weights, KV layout, tenant), so the key alone
+says what the bytes mean; the header repeats the key, the namespace and the
+page size (the layout fingerprint a reader checks), and the whole-page
+xxh3-64 checksum recorded at the local commit.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import xxhash
+
+from kvshare.keys import KEY_BYTES
+from kvshare.pool.protocol import FORMAT_VERSION
+
+REMOTE_FORMAT_VERSION = 1
+MAGIC = b"KVSR"
+HEADER = struct.Struct("<4sHHHHIQQQ16s16s")
+HEADER_BYTES = HEADER.size  # 72
+
+# why a value was discarded (the names of the counters in stats["remote"])
+CHECKSUM, VERSION, FINGERPRINT, TRUNCATED, MISSING_PART = "checksum", "version", "fingerprint", "truncated", "missing_part"
+REASONS = (CHECKSUM, VERSION, FINGERPRINT, TRUNCATED, MISSING_PART)
+# reasons that mean the stored value itself is broken (deleted so a writer can replace it);
+# a missing part may be a write in progress, a foreign fingerprint someone else's valid page
+BROKEN = (CHECKSUM, VERSION, TRUNCATED)
+
+
+class BadRemoteValue(Exception):
+    """A remote page that must not be used; ``reason`` is one of REASONS."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class PageMeta:
+    """What a page's header says besides its position among the parts."""
+
+    key: bytes
+    namespace: bytes
+    depth: int
+    page_bytes: int
+    checksum: int
+
+
+@dataclass(frozen=True)
+class RemotePage:
+    """A page fetched and verified: its payloads, in order, add up to exactly ``meta.page_bytes``."""
+
+    meta: PageMeta
+    payloads: list[memoryview]
+
+
+def num_parts(page_bytes: int, part_bytes: int) -> int:
+    return -(-page_bytes // part_bytes)
+
+
+def part_key(prefix: str, key: bytes, index: int) -> str:
+    return f"{prefix}:v{REMOTE_FORMAT_VERSION}:{{{key.hex()}}}:{index}"
+
+
+def part_keys(prefix: str, key: bytes, count: int) -> list[str]:
+    return [part_key(prefix, key, i) for i in range(count)]
+
+
+def encode_part(meta: PageMeta, index: int, count: int, part_offset: int, payload) -> bytes:
+    """One stored value: the header, then ``payload`` (any buffer; copied once)."""
+    header = HEADER.pack(MAGIC, REMOTE_FORMAT_VERSION, FORMAT_VERSION, index, count, meta.depth,
+                         meta.page_bytes, part_offset, meta.checksum, meta.key, meta.namespace)
+    return b"".join((header, payload))
+
+
+def part_count_of(value: bytes) -> int | None:
+    """The part count a value's header claims, or None when it has no readable header."""
+    if value is None or len(value) < HEADER_BYTES or value[:4] != MAGIC:
+        return None
+    return HEADER.unpack_from(value)[4]
+
+
+def decode_page(values: list[bytes | None], key: bytes, page_bytes: int, namespace: bytes | None) -> RemotePage | None:
+    """Check the values of a page's parts (in part order); None when the store holds no part of it.
+
+    Raises BadRemoteValue when a part is missing or malformed, the header names another
+    version, key, size or namespace (``namespace`` None: any), or the bytes do not match
+    the page checksum.
+    """
+    if all(v is None for v in values):
+        return None
+    if values[0] is None:
+        raise BadRemoteValue(MISSING_PART, "part 0 is missing")
+    first = _header(values[0], key)
+    count = first[4]
+    if len(values) < count or any(v is None for v in values[:count]):
+        raise BadRemoteValue(MISSING_PART, f"{sum(v is not None for v in values[:count])} of {count} parts present")
+    meta = PageMeta(key=key, namespace=first[10], depth=first[5], page_bytes=first[6], checksum=first[8])
+    if meta.page_bytes != page_bytes:
+        raise BadRemoteValue(FINGERPRINT, f"page of {meta.page_bytes} bytes where {page_bytes} were asked for")
+    if namespace is not None and meta.namespace != namespace:
+        raise BadRemoteValue(FINGERPRINT, "page of another namespace (model, layout or tenant) than its chain")
+    payloads, offset = [], 0
+    digest = xxhash.xxh3_64()
+    for index, value in enumerate(values[:count]):
+        fields = _header(value, key)
+        if fields[3] != index or fields[4] != count:
+            raise BadRemoteValue(MISSING_PART, f"value {index} is part {fields[3]} of {fields[4]} (a torn write)")
+        if (fields[5], fields[6], fields[8], fields[10]) != (meta.depth, meta.page_bytes, meta.checksum, meta.namespace):
+            raise BadRemoteValue(MISSING_PART, f"part {index} belongs to another write of this page")
+        if fields[7] != offset:
+            raise BadRemoteValue(TRUNCATED, f"part {index} starts at byte {fields[7]}, expected {offset}")
+        payload = memoryview(value)[HEADER_BYTES:]
+        offset += len(payload)
+        if offset > page_bytes or (len(payload) == 0 and page_bytes):
+            raise BadRemoteValue(TRUNCATED, f"part {index} overruns or is empty")
+        digest.update(payload)
+        payloads.append(payload)
+    if offset != page_bytes:
+        raise BadRemoteValue(TRUNCATED, f"parts hold {offset} of {page_bytes} bytes")
+    if digest.intdigest() != meta.checksum:
+        raise BadRemoteValue(CHECKSUM, "page bytes do not match the checksum recorded at commit")
+    return RemotePage(meta, payloads)
+
+
+def _header(value: bytes, key: bytes) -> tuple:
+    if len(value) < HEADER_BYTES:
+        raise BadRemoteValue(TRUNCATED, f"value of {len(value)} bytes is shorter than the header")
+    fields = HEADER.unpack_from(value)
+    if fields[0] != MAGIC:
+        raise BadRemoteValue(VERSION, f"not a kvshare page value (magic {fields[0]!r})")
+    if fields[1] != REMOTE_FORMAT_VERSION or fields[2] != FORMAT_VERSION:
+        raise BadRemoteValue(
+            VERSION, f"value format {fields[1]}/page format {fields[2]}; this pool reads "
+            f"{REMOTE_FORMAT_VERSION}/{FORMAT_VERSION} (run the same kvshare version on every host)"
+        )
+    if fields[9] != key or len(fields[10]) != KEY_BYTES:
+        raise BadRemoteValue(FINGERPRINT, "value stored under another chunk's key")
+    return fields

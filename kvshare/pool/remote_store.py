@@ -1,0 +1,101 @@
+"""The remote store's client: a thin layer over redis-py (one server or a cluster).
+
+The only module that imports redis. Every call is one pipeline (one round trip
+per node), bounded by the configured timeout, and raises RemoteStoreError on any
+failure; the caller counts it and tells the circuit breaker. Thread-safe: redis-py
+clients keep a connection pool, and each call builds its own pipeline.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from kvshare.pool.remote_config import RemoteAddress
+
+
+class RemoteStoreError(Exception):
+    """A remote operation failed: store unreachable, too slow, or it refused the command."""
+
+
+class RemoteStore:
+    def __init__(self, address: RemoteAddress, timeout_s: float) -> None:
+        try:
+            import redis  # noqa: F401  (fail at start, not in the first write)
+        except ImportError:
+            raise RuntimeError("the remote tier needs the redis client: pip install 'kvshare[remote]'") from None
+        self.address = address
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._redis = None  # built on first use: a cluster client contacts the nodes when it is built
+
+    # -- operations ------------------------------------------------------------------
+
+    def get(self, keys: list[str], ttl_s: int = 0) -> list[bytes | None]:
+        """Values of ``keys`` (None where absent); with ``ttl_s`` their expiry is refreshed (GETEX)."""
+        return self._pipeline(lambda p: [p.getex(k, ex=ttl_s) if ttl_s else p.get(k) for k in keys])
+
+    def count_existing(self, groups: list[list[str]]) -> list[int]:
+        """For each group of keys (one page's parts, one hash slot), how many exist."""
+        return self._pipeline(lambda p: [p.exists(*keys) for keys in groups])
+
+    def put(self, keys: list[str], values: list[bytes], ttl_s: int = 0) -> None:
+        self._pipeline(lambda p: [p.set(k, v, ex=ttl_s or None) for k, v in zip(keys, values)])
+
+    def expire(self, keys: list[str], ttl_s: int) -> None:
+        self._pipeline(lambda p: [p.expire(k, ttl_s) for k in keys])
+
+    def delete(self, keys: list[str]) -> None:
+        self._pipeline(lambda p: [p.delete(k) for k in keys])
+
+    def ping(self) -> None:
+        self._call(lambda r: r.ping())
+
+    def close(self) -> None:
+        with self._lock:
+            client, self._redis = self._redis, None
+        if client is not None:
+            try:
+                client.close()
+            except Exception:  # closing a client of a dead store may fail; nothing is lost
+                pass
+
+    # -- plumbing --------------------------------------------------------------------
+
+    def _pipeline(self, add_commands) -> list:
+        def run(client):
+            pipe = client.pipeline(transaction=False) if not self.address.is_cluster else client.pipeline()
+            add_commands(pipe)
+            return pipe.execute()
+
+        return self._call(run)
+
+    def _call(self, operation):
+        from redis.exceptions import RedisClusterException, RedisError
+
+        try:
+            return operation(self._client())
+        except (RedisError, RedisClusterException, OSError) as exc:
+            raise RemoteStoreError(f"{self.address.display}: {type(exc).__name__}: {exc}") from None
+
+    def _client(self):
+        with self._lock:
+            if self._redis is None:
+                self._redis = self._connect()
+            return self._redis
+
+    def _connect(self):
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        # One immediate retry replaces a pooled connection that died with a restarted store; more
+        # retries with backoff (redis-py's default) would hold a thread for seconds: the breaker decides.
+        common = dict(socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s,
+                      retry=Retry(NoBackoff(), 1), decode_responses=False)
+        a = self.address
+        if not a.is_cluster:
+            return redis.Redis.from_url(a.url, **common)
+        from redis.cluster import ClusterNode, RedisCluster
+
+        return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in a.nodes], username=a.username,
+                            password=a.password, ssl=a.is_tls, **common)
