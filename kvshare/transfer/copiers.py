@@ -54,6 +54,7 @@ class Memcpy2DCopier:
 
     def _raise_on(self, err, what: str) -> None:
         if err != self._success:
+            self._rt.cudaGetLastError()  # read off the error, or torch's next launch check reports it as its own
             try:
                 text = self._rt.cudaGetErrorString(err)[1].decode()
             except Exception:  # the name of the error is enough when the string cannot be had

@@ -78,6 +78,7 @@ class CudaTransfer(KVTransfer):
             raise
         self._next_buffer = 0
         self._closed = False
+        self.last_store_copy_seconds: float | None = None  # GPU time of the last store's gathers and copies
 
     # -- the interface ------------------------------------------------------------------------------
 
@@ -135,6 +136,8 @@ class CudaTransfer(KVTransfer):
         self._order_after_producer(reshape, produced)
         kv.record_stream(reshape)
         kv_bits = as_bits(kv)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(reshape)
         blocks = []
         for units in store_units(offsets, self.layout, cfg.min_copy_bytes, cfg.staging_bytes, self.extent_bytes):
             for unit in units:
@@ -150,10 +153,13 @@ class CudaTransfer(KVTransfer):
             block_done = torch.cuda.Event()
             block_done.record(copy)
             blocks.append((units[0].page_start, units[0].page_stop, block_done))
+        end.record(copy)
         checksums: list[int] = []
         for p0, p1, block_done in blocks:  # hash each block once its copies completed, while later ones run
             block_done.synchronize()
             checksums.extend(self._hasher.checksums(offsets[p0:p1]))
+        end.synchronize()
+        self.last_store_copy_seconds = start.elapsed_time(end) / 1e3
         return checksums
 
     def inject_producer_delay(self, stream=None) -> None:

@@ -59,8 +59,39 @@ def _cudart():
     return torch.cuda.cudart()
 
 
+def _loaded_cudart_paths(maps_path: str = "/proc/self/maps") -> list[str]:
+    """Paths of every libcudart this process has loaded (torch's among them)."""
+    paths: list[str] = []
+    try:
+        with open(maps_path) as f:
+            for line in f:
+                path = line.rstrip("\n").split(maxsplit=5)[-1]
+                if "libcudart.so" in path.rsplit("/", 1)[-1] and path not in paths:
+                    paths.append(path)
+    except OSError:
+        pass
+    return paths
+
+
+def clear_last_error() -> None:
+    """Read off the 'last error' a failed runtime call leaves behind.
+
+    Otherwise torch's next kernel-launch check (cudaGetLastError) reports it as a failure of
+    that unrelated kernel. torch does not expose cudaGetLastError, so call it in each loaded
+    libcudart (torch's is one of them; the call is harmless in the others).
+    """
+    import ctypes
+
+    for path in _loaded_cudart_paths():
+        try:
+            ctypes.CDLL(path).cudaGetLastError()
+        except (OSError, AttributeError):
+            continue
+
+
 def _check(err, what: str) -> None:
     if int(err) != 0:
+        clear_last_error()
         try:
             text = _cudart().cudaGetErrorString(err)
         except Exception:  # the message is a courtesy; the code is what matters

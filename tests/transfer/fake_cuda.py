@@ -67,6 +67,7 @@ class FakeCuda:
         rt.cudaSetDevice = lambda index: (Err.cudaSuccess,)
         rt.cudaGetErrorString = lambda err: (Err.cudaSuccess, f"fake error {int(err)}".encode())
         rt.cudaMemcpy2DAsync = self.memcpy_2d
+        rt.cudaGetLastError = lambda: (Err.cudaSuccess,)
         return rt
 
     def memcpy_2d(self, dst, dpitch, src, spitch, width, height, kind, stream):

@@ -142,3 +142,16 @@ def test_cuda_checks_run_under_the_fake_but_cannot_see_ordering(fake, client):
     assert [r.path for r in by_kind["round_trip"]] == ["cuda/memcpy2d", "cuda/torch"]
     assert all(r.passed for r in by_kind["round_trip"] + by_kind["ordering"]) and len(by_kind["ordering"]) == 4
     assert all(not r.caught for r in by_kind["control"]) and len(by_kind["control"]) == 4
+
+
+def test_loaded_cudart_libraries_are_found_in_the_process_maps(tmp_path):
+    from kvshare.transfer.registration import _loaded_cudart_paths
+
+    maps = tmp_path / "maps"
+    lib = "/site-packages/nvidia/cu13/lib/libcudart.so.13"
+    maps.write_text(
+        "7f00-7f01 r-xp 00000000 08:01 1 /usr/lib/x86_64-linux-gnu/libc.so.6\n"
+        f"7f02-7f03 r-xp 00000000 08:01 2   {lib}\n7f04-7f05 r--p 00000000 08:01 2   {lib}\n"
+        "7f06-7f07 rw-p 00000000 00:00 0 \n"
+    )
+    assert _loaded_cudart_paths(str(maps)) == [lib]
