@@ -1,0 +1,120 @@
+"""Pure parts of the remote tier: the value format, URL parsing, configuration, the circuit breaker."""
+
+import hashlib
+
+import pytest
+import xxhash
+
+from kvshare.pool.remote_breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
+from kvshare.pool.remote_config import RemoteConfig, parse_remote_url
+from kvshare.pool.remote_format import (CHECKSUM, FINGERPRINT, HEADER_BYTES, MISSING_PART, TRUNCATED, VERSION,
+                                        BadRemoteValue, PageMeta, decode_page, encode_part, num_parts, part_count_of,
+                                        part_key)
+
+pytestmark = pytest.mark.remote
+KEY = hashlib.blake2b(b"k", digest_size=16).digest()
+NS = hashlib.blake2b(b"ns", digest_size=16).digest()
+
+
+def encode(page: bytes, part_bytes: int, key=KEY, namespace=NS, checksum=None) -> list[bytes]:
+    meta = PageMeta(key, namespace, 3, len(page), xxhash.xxh3_64_intdigest(page) if checksum is None else checksum)
+    count = num_parts(len(page), part_bytes)
+    return [encode_part(meta, i, count, i * part_bytes, page[i * part_bytes : (i + 1) * part_bytes]) for i in range(count)]
+
+
+PAGE = bytes(range(256)) * 40  # 10240 bytes: parts of 4096, 4096, 2048
+
+
+def reason(values, page_bytes=len(PAGE), namespace=None, key=KEY):
+    with pytest.raises(BadRemoteValue) as info:
+        decode_page(values, key, page_bytes, namespace)
+    return info.value.reason
+
+
+def test_round_trip_in_parts():
+    values = encode(PAGE, 4096)
+    assert len(values) == 3 and [len(v) - HEADER_BYTES for v in values] == [4096, 4096, 2048]
+    page = decode_page(values, KEY, len(PAGE), NS)
+    assert b"".join(page.payloads) == PAGE
+    assert page.meta.depth == 3 and page.meta.namespace == NS
+    assert part_count_of(values[1]) == 3
+
+
+def test_absent_page_is_a_miss_not_an_error():
+    assert decode_page([None, None, None], KEY, len(PAGE), None) is None
+
+
+def test_every_kind_of_damage_is_named():
+    values = encode(PAGE, 4096)
+    flipped = bytearray(values[1])
+    flipped[HEADER_BYTES + 7] ^= 0x80
+    assert reason([values[0], bytes(flipped), values[2]]) == CHECKSUM
+    assert reason([values[0], values[1], values[2][:-1]]) == TRUNCATED
+    assert reason([values[0], values[1][:HEADER_BYTES - 1], values[2]]) == TRUNCATED
+    assert reason([values[0], values[1] + b"x", values[2]]) == TRUNCATED
+    assert reason([values[0], None, values[2]]) == MISSING_PART
+    assert reason([None, values[1], values[2]]) == MISSING_PART
+    assert reason([values[0], values[2], values[1]]) == MISSING_PART  # parts out of place
+    assert reason([b"XXXX" + values[0][4:], values[1], values[2]]) == VERSION
+    assert reason([values[0][:4] + b"\x07\x00" + values[0][6:], values[1], values[2]]) == VERSION
+    assert reason(values, page_bytes=len(PAGE) + 1) == FINGERPRINT
+    assert reason(values, namespace=bytes(16)) == FINGERPRINT
+    assert reason(values, key=bytes(16)) == FINGERPRINT
+    other = encode(PAGE, 4096, checksum=12345)  # another write of the same page
+    assert reason([values[0], other[1], values[2]]) == MISSING_PART
+    assert reason(encode(PAGE, 4096, checksum=12345)) == CHECKSUM
+
+
+def test_part_keys_share_a_hash_tag():
+    assert part_key("kv", KEY, 2) == f"kv:v1:{{{KEY.hex()}}}:2"
+
+
+@pytest.mark.parametrize("url, cluster, nodes", [
+    ("redis://127.0.0.1:6379", False, ()),
+    ("redis://:secret@host:6380/2", False, ()),
+    ("unix:///run/redis.sock", False, ()),
+    ("redis+cluster://a:7000,b:7001", True, (("a", 7000), ("b", 7001))),
+    ("rediss+cluster://u:p@[::1]:7000", True, (("::1", 7000),)),
+])
+def test_remote_urls(url, cluster, nodes):
+    address = parse_remote_url(url)
+    assert address.is_cluster == cluster and address.nodes == nodes
+    assert "secret" not in address.display and ":p@" not in address.display
+
+
+@pytest.mark.parametrize("url", ["http://x:1", "redis://", "redis://h:1/abc", "redis+cluster://a", "redis+cluster://a:1/3"])
+def test_bad_remote_urls(url):
+    with pytest.raises(ValueError):
+        parse_remote_url(url)
+
+
+def test_config_validation():
+    RemoteConfig("redis://h:1").check_lease_ttl(300)
+    with pytest.raises(ValueError, match="part size"):
+        RemoteConfig("redis://h:1", part_bytes=64 << 20)  # one value may not hold a whole 32B-shape page
+    with pytest.raises(ValueError, match="prefix"):
+        RemoteConfig("redis://h:1", prefix="a{b}")
+    with pytest.raises(ValueError, match="lease-ttl"):
+        RemoteConfig("redis://h:1").check_lease_ttl(10)
+
+
+def test_breaker_opens_half_opens_and_closes():
+    now = [0.0]
+    breaker = CircuitBreaker(failure_threshold=3, reset_s=5.0, clock=lambda: now[0])
+    for _ in range(2):
+        breaker.record_failure()
+    assert breaker.state == CLOSED
+    breaker.record_success()  # a success resets the count: only consecutive failures open it
+    for _ in range(3):
+        breaker.record_failure()
+    assert breaker.state == OPEN and not breaker.allow() and breaker.num_opens == 1
+    now[0] = 4.9
+    assert not breaker.allow()
+    now[0] = 5.0
+    assert breaker.state == HALF_OPEN and breaker.allow()
+    breaker.record_failure()  # the trial failed: open again at once
+    assert breaker.state == OPEN and breaker.num_opens == 2
+    now[0] = 10.0
+    assert breaker.allow()
+    breaker.record_success()
+    assert breaker.state == CLOSED
