@@ -37,7 +37,7 @@ def build_engine(args: argparse.Namespace):
     pool = None if args.pool in (None, "off") else args.pool
     return Engine(EngineConfig(model=args.model, device=args.device, pool_socket=pool,
                                local_cache_bytes=args.local_cache_size, chunk_tokens=args.chunk_tokens,
-                               verify_rate=args.verify_rate))
+                               verify_checksums=args.verify_rate >= 1.0, verify_fraction=min(args.verify_rate, 1.0)))
 
 
 def run(args: argparse.Namespace) -> int:

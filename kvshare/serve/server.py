@@ -67,7 +67,7 @@ class ReplicaServer:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_text)
-        app.on_startup.append(lambda _: self.worker.start())
+        app.on_startup.append(lambda _: asyncio.get_running_loop().run_in_executor(None, self.worker.start))
         app.on_cleanup.append(lambda _: asyncio.get_running_loop().run_in_executor(None, self.worker.stop))
         return app
 
@@ -140,7 +140,7 @@ class ReplicaServer:
                              param="model", code="model_not_found")
         if not prompt_ids:
             raise A.ApiError(400, "the prompt is empty", param="prompt")
-        vocab = self.engine.vocab_size
+        vocab = self.engine.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise A.ApiError(400, f"token ids must lie in [0, {vocab})", param="prompt")
         context = self.engine.max_model_len
