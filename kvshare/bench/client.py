@@ -1,0 +1,155 @@
+"""A streaming OpenAI client that times what a user sees: first content token and end of response.
+
+One request at a time (the experiments measure an idle system). Works against any
+OpenAI-compatible server; kvshare replicas add provenance (the ``kvshare`` object of
+the final chunk) and, with ``return_token_ids``, the generated token ids.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    """One request: where to send it and what it asks."""
+
+    url: str  # the server's base URL
+    kind: str  # "completion" (prompt = token ids) | "chat" (messages)
+    model: str
+    prompt: list[int] | None = None
+    messages: list[dict] | None = None
+    max_tokens: int = 16
+    use_pool: bool | None = True  # None: send no kvshare extension (servers that lack it)
+    use_local_cache: bool = True
+    session_id: str | None = None  # the X-Session-ID header (routers place sessions by it)
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("completion", "chat"):
+            raise ValueError(f"unknown request kind {self.kind!r}")
+        if (self.kind == "completion") != (self.prompt is not None) or (self.kind == "chat") != (self.messages is not None):
+            raise ValueError("a completion request takes prompt ids, a chat request takes messages")
+
+    def body(self) -> dict:
+        body: dict[str, Any] = {"model": self.model, "max_tokens": self.max_tokens, "temperature": 0.0,
+                                "stream": True, "stream_options": {"include_usage": True},
+                                "ignore_eos": True, "return_token_ids": True}
+        if self.kind == "completion":
+            body["prompt"] = self.prompt
+        else:
+            body["messages"] = self.messages
+        if self.use_pool is not None:
+            body["kvshare"] = {"use_pool": self.use_pool, "use_local_cache": self.use_local_cache}
+        return body
+
+    @property
+    def path(self) -> str:
+        return "/v1/completions" if self.kind == "completion" else "/v1/chat/completions"
+
+
+@dataclass
+class Response:
+    """What came back, with client-side times in seconds from sending the request."""
+
+    ttft_s: float | None = None  # first chunk that carries content (text)
+    first_chunk_s: float | None = None  # first data chunk of any kind
+    e2e_s: float = 0.0
+    text: str = ""
+    token_ids: list[int] | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    provenance: dict | None = None  # the kvshare object: replica, local/pool/computed tokens
+    routed_to: str | None = None  # X-KVShare-Replica header of a kvshare router
+    finish_reason: str | None = None
+    error: str | None = None
+    events: int = field(default=0, repr=False)
+
+
+def split_events(buffer: bytes) -> tuple[list[bytes], bytes]:
+    """Complete server-sent events in ``buffer`` (separated by a blank line) and the rest."""
+    buffer = buffer.replace(b"\r\n", b"\n")
+    *events, rest = buffer.split(b"\n\n")
+    return events, rest
+
+
+def event_data(event: bytes) -> str | None:
+    """The data of one event (its ``data:`` lines joined), or None for comments and empty events."""
+    lines = [line[5:].lstrip() for line in event.split(b"\n") if line.startswith(b"data:")]
+    return b"\n".join(lines).decode() if lines else None
+
+
+def absorb(response: Response, chunk: dict, now_s: float) -> None:
+    """Fold one stream chunk (completion or chat) into ``response``."""
+    if "error" in chunk:
+        response.error = str(chunk["error"].get("message", chunk["error"]))
+        return
+    if response.first_chunk_s is None:
+        response.first_chunk_s = now_s
+    for choice in chunk.get("choices") or []:
+        piece = choice.get("text")
+        if piece is None:
+            piece = (choice.get("delta") or {}).get("content")
+        if piece:
+            if response.ttft_s is None:
+                response.ttft_s = now_s
+            response.text += piece
+        if choice.get("token_ids") is not None:
+            response.token_ids = list(choice["token_ids"])
+        if choice.get("finish_reason"):
+            response.finish_reason = choice["finish_reason"]
+    usage = chunk.get("usage")
+    if usage:
+        response.prompt_tokens = usage.get("prompt_tokens")
+        response.completion_tokens = usage.get("completion_tokens")
+        details = usage.get("prompt_tokens_details") or {}
+        response.cached_tokens = details.get("cached_tokens")
+    if chunk.get("kvshare"):
+        response.provenance = dict(chunk["kvshare"])
+
+
+async def send(session: aiohttp.ClientSession, request: BenchRequest, timeout_s: float = 3600.0) -> Response:
+    """Send one streaming request and time it; failures are returned in ``error``, never raised."""
+    response = Response()
+    headers = {"X-Session-ID": request.session_id} if request.session_id else {}
+    started = time.perf_counter()
+    try:
+        async with session.post(request.url.rstrip("/") + request.path, json=request.body(), headers=headers,
+                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            response.routed_to = resp.headers.get("X-KVShare-Replica")
+            if resp.status != 200:
+                response.error = f"HTTP {resp.status}: {(await resp.text())[:500]}"
+                return response
+            buffer = b""
+            async for piece in resp.content.iter_any():
+                buffer += piece
+                events, buffer = split_events(buffer)
+                for event in events:
+                    data = event_data(event)
+                    if data is None or data == "[DONE]":
+                        continue
+                    response.events += 1
+                    absorb(response, json.loads(data), time.perf_counter() - started)
+    except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
+        response.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        response.e2e_s = time.perf_counter() - started
+    if response.error is None and response.first_chunk_s is None:
+        response.error = "the stream ended without a chunk"
+    return response
+
+
+async def model_name(session: aiohttp.ClientSession, url: str) -> str:
+    """The first model a server lists at /v1/models."""
+    async with session.get(url.rstrip("/") + "/v1/models", timeout=aiohttp.ClientTimeout(total=30)) as resp:
+        resp.raise_for_status()
+        data = await resp.json()
+    models = data.get("data") or []
+    if not models:
+        raise RuntimeError(f"{url} lists no models at /v1/models")
+    return models[0]["id"]

@@ -1,0 +1,137 @@
+"""Run experiments against replicas and write the results folder: the entry point of CLI and demo.
+
+    harness = Harness(HarnessConfig(out_dir="results/bench"), FixedReplicas([url_a, url_b]))
+    outcome = harness.run([TTFTConfig(contexts=(1024,)), BlocksConfig(contexts=(1024,), per_block=2)])
+
+Experiments run one after the other in one event loop and one HTTP client session
+(no keep-alive: a replica restarted on the same port must not see stale connections).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvshare.bench import blocks, sessions, ttft
+from kvshare.bench.records import Record, ResultsDir
+from kvshare.bench.report import Table, write_report
+from kvshare.bench.runner import BenchContext, RunOutcome, past_durations, run_units
+
+EXPERIMENTS = {ttft.TTFTConfig: ttft, blocks.BlocksConfig: blocks, sessions.SessionsConfig: sessions}
+
+
+@dataclass(frozen=True)
+class HarnessConfig:
+    out_dir: str
+    tokenizer: str | None = None  # a model directory or preset; default: the served model's name
+    system_tokens: int = 0  # shared system prompt before every prompt's unique head
+    seed: int = 0
+    time_budget_s: float | None = None  # stop before a unit that would end past this (run again to continue)
+    unit_allowance_s: float = 0.0  # added to unit estimates taken from earlier runs (e.g. replica start-up)
+    timeout_s: float = 3600.0  # per request
+    use_extension: bool = True  # send the kvshare request extension (pool on/off per request)
+    show_progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.time_budget_s is not None and self.time_budget_s <= 0:
+            raise ValueError("the time budget must be positive")
+
+
+@dataclass
+class HarnessOutcome:
+    runs: dict[str, RunOutcome] = field(default_factory=dict)  # experiment -> what ran
+    report_path: str = ""
+    tables: list[Table] = field(default_factory=list)
+    interrupted: bool = False
+
+    @property
+    def is_complete(self) -> bool:
+        return not self.interrupted and all(r.stop_reason == "complete" for r in self.runs.values())
+
+
+def record_kind(r: Record) -> str:
+    """The unit kind a record belongs to (as the experiments name their units' kinds)."""
+    if r.experiment == "ttft":
+        return f"ttft/L={r.context_tokens}"
+    return f"{r.experiment}/L={r.context_tokens}/{r.condition}"
+
+
+class Harness:
+    def __init__(self, config: HarnessConfig, replicas: Any, off_replicas: Any = None, console: Any = None) -> None:
+        self.config = config
+        self.replicas = replicas
+        self.off_replicas = off_replicas
+        self.results = ResultsDir(config.out_dir)
+        self.console = console
+
+    def run(self, experiments: list[Any]) -> HarnessOutcome:
+        """Run the experiments (configs) in order; Ctrl-C stops after writing what was measured."""
+        outcome = HarnessOutcome()
+        try:
+            asyncio.run(self._run(experiments, outcome))
+        except KeyboardInterrupt:
+            outcome.interrupted = True
+        if not outcome.report_path:
+            outcome.report_path, outcome.tables = write_report(self.results)
+        return outcome
+
+    async def _run(self, experiments: list[Any], outcome: HarnessOutcome) -> None:
+        import aiohttp
+
+        from kvshare.bench.client import model_name
+        from kvshare.bench.workload import PromptFactory, WorkloadConfig, load_tokenizer
+
+        run_id = time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
+        started = time.monotonic()
+        connector = aiohttp.TCPConnector(force_close=True)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            model = await model_name(session, self.replicas.activate(0))
+            factory = PromptFactory(load_tokenizer(self.config.tokenizer or model),
+                                    WorkloadConfig(nonce=run_id, system_tokens=self.config.system_tokens, seed=self.config.seed))
+            ctx = BenchContext(run_id, session, self.replicas, model, factory, self.results, self.off_replicas,
+                               self.config.use_extension, self.config.timeout_s)
+            with self._progress() as progress:
+                for config in experiments:
+                    module = EXPERIMENTS[type(config)]
+                    units = module.units(config, self.replicas.num_replicas) if module is sessions else module.units(config)
+                    estimates = {k: v + self.config.unit_allowance_s
+                                 for k, v in past_durations(self.results.load(), module.EXPERIMENT, record_kind).items()}
+                    budget = None
+                    if self.config.time_budget_s is not None:
+                        budget = max(self.config.time_budget_s - (time.monotonic() - started), 1e-3)
+                    t0 = time.time()
+                    result = await run_units(ctx, units, estimates, budget, progress)
+                    outcome.runs[module.EXPERIMENT] = result
+                    self.results.log_run({
+                        "run_id": run_id, "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t0)),
+                        "experiment": module.EXPERIMENT, "model": model, "endpoints": self._endpoints(),
+                        "config": _plain(config), "harness": _plain(self.config), "seconds": round(time.time() - t0, 1),
+                        "units_done": result.num_done, "units_skipped": result.num_skipped, "units_left": result.num_left,
+                        "stop_reason": result.stop_reason})
+                    if result.stop_reason != "complete":
+                        break
+        outcome.report_path, outcome.tables = write_report(self.results)
+
+    def _endpoints(self) -> dict:
+        info = {"replicas": self.replicas.describe()}
+        if self.off_replicas is not None:
+            info["off_replicas"] = self.off_replicas.describe()
+        return info
+
+    def _progress(self):
+        import contextlib
+
+        if not self.config.show_progress:
+            return contextlib.nullcontext(None)
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        return Progress(TextColumn("{task.description:<40}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        console=self.console, transient=False)
+
+
+def _plain(config: Any) -> dict:
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(config).items()}

@@ -1,0 +1,144 @@
+"""Every measured request as a record; the results folder that holds them.
+
+A results folder::
+
+    records.jsonl   every request, one JSON object a line (the source of truth; appended)
+    records.csv     the same without token ids (rewritten from records.jsonl)
+    runs.jsonl      one line per invocation: its arguments, endpoints and stop reason
+    report.md       tables (rewritten after each run)
+    *.png           plots
+
+Records are appended one *unit* at a time (a unit: the requests that belong together,
+e.g. a primed request and its measurement), so an interrupted run leaves only whole
+units behind and a resumed run skips the units already recorded.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Iterable
+
+
+@dataclass
+class Record:
+    run_id: str
+    experiment: str  # ttft | blocks | sessions
+    unit: str  # key of the unit this request belongs to (resume skips recorded units)
+    condition: str  # ttft: cold|local|cross; blocks: off|on; sessions: "<placement>/<off|on>"
+    role: str  # measure | prime | verify
+    context_tokens: int  # the length asked for (initial context for sessions)
+    url: str
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    use_pool: bool | None = None
+    replica: str | None = None
+    block: int | None = None
+    position: int | None = None
+    session: int | None = None
+    turn: int | None = None
+    placement: str | None = None
+    ttft_s: float | None = None
+    first_chunk_s: float | None = None
+    e2e_s: float | None = None
+    local_tokens: int | None = None
+    pool_tokens: int | None = None
+    computed_tokens: int | None = None
+    cached_tokens: int | None = None
+    output_digest: str | None = None
+    matches_reference: bool | None = None  # output token ids equal those of the unit's reference request
+    first_divergence: int | None = None  # index of the first differing output token, when they differ
+    error: str | None = None
+    started_at: float = 0.0
+    token_ids: list[int] | None = field(default=None, repr=False)
+
+    @property
+    def is_ok(self) -> bool:
+        return self.error is None and self.ttft_s is not None
+
+
+CSV_FIELDS = [f.name for f in dataclasses.fields(Record) if f.name != "token_ids"]
+_FIELD_NAMES = {f.name for f in dataclasses.fields(Record)}
+
+
+def output_digest(token_ids: list[int] | None) -> str | None:
+    if token_ids is None:
+        return None
+    return hashlib.blake2b(json.dumps(token_ids).encode(), digest_size=8).hexdigest()
+
+
+def compare_outputs(reference: list[int] | None, other: list[int] | None) -> tuple[bool | None, int | None]:
+    """(equal?, first differing index) of two outputs; (None, None) when either is unknown."""
+    if reference is None or other is None:
+        return None, None
+    for i, (a, b) in enumerate(zip(reference, other)):
+        if a != b:
+            return False, i
+    if len(reference) != len(other):
+        return False, min(len(reference), len(other))
+    return True, None
+
+
+class ResultsDir:
+    """The files of one results folder; appends are flushed and fsynced per unit."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        os.makedirs(path, exist_ok=True)
+
+    def file(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    def append(self, records: Iterable[Record]) -> None:
+        lines = "".join(json.dumps(dataclasses.asdict(r)) + "\n" for r in records)
+        with open(self.file("records.jsonl"), "a") as f:
+            f.write(lines)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def load(self, latest_only: bool = True) -> list[Record]:
+        """The records; with ``latest_only``, of each unit only those of the last run that recorded it
+        (a unit that failed and was run again counts once)."""
+        path = self.file("records.jsonl")
+        if not os.path.exists(path):
+            return []
+        records = []
+        with open(path) as f:
+            for line in f:
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    data = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line cut short by a kill: its unit is incomplete and will be re-run
+                records.append(Record(**{k: v for k, v in data.items() if k in _FIELD_NAMES}))
+        if not latest_only:
+            return records
+        last_run = {r.unit: r.run_id for r in records}
+        return [r for r in records if r.run_id == last_run[r.unit]]
+
+    def completed_units(self) -> set[str]:
+        """Keys of the units recorded without a failed request (a resumed run skips them; it re-runs the rest)."""
+        failed = {r.unit for r in self.load() if r.error is not None}
+        return {r.unit for r in self.load()} - failed
+
+    def log_run(self, info: dict) -> None:
+        with open(self.file("runs.jsonl"), "a") as f:
+            f.write(json.dumps(info) + "\n")
+
+    def write_csv(self, records: list[Record] | None = None) -> str:
+        records = self.load() if records is None else records
+        path = self.file("records.csv")
+        with open(path, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+            writer.writeheader()
+            for r in records:
+                row = dataclasses.asdict(r)
+                row.pop("token_ids")
+                writer.writerow(row)
+        return path

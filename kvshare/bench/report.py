@@ -1,0 +1,164 @@
+"""report.md and console tables from the records: one set of tables, rendered twice."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from kvshare.bench.records import Record, ResultsDir
+from kvshare.bench.stats import MIN_N_FOR_CI
+from kvshare.bench.summary import (
+    STUDY_BLOCKS, STUDY_BLOCKS_REQUESTS, STUDY_SESSIONS, blocks_rows, format_ci, nearest, sessions_rows, ttft_rows,
+)
+
+
+@dataclass(frozen=True)
+class Table:
+    title: str
+    headers: tuple[str, ...]
+    rows: tuple[tuple[str, ...], ...]
+    note: str = ""
+
+
+def _s(value: float | None, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _x(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}x"
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.0f}%"
+
+
+def _tokens(n: int) -> str:
+    return f"{n // 1000}k" if n >= 1000 and n % 1000 == 0 else str(n)
+
+
+def tables(records: list[Record]) -> list[Table]:
+    out = []
+    ttft = ttft_rows(records)
+    if ttft:
+        out.append(Table(
+            "TTFT: cold, local reuse (same replica), cross-replica reuse (pool)",
+            ("context", "cold s", "local s", "cross s", "cold/cross", "pool tokens (cross)", "outputs equal", "n", "failed"),
+            tuple((_tokens(r.context), _s(r.medians["cold"]), _s(r.medians["local"]), _s(r.medians["cross"]),
+                   _x(r.cross_speedup), "-" if r.cross_pool_tokens is None else str(r.cross_pool_tokens),
+                   str(r.outputs), str(r.counts["cross"]), str(r.num_failed)) for r in ttft),
+            "Medians of time to first content token (client side, streamed). Outputs: token ids of local and cross "
+            "requests equal to the cold request's."))
+    blocks = blocks_rows(records)
+    if blocks:
+        out.append(Table(
+            "Blocked design: cross-replica TTFT, pool OFF vs ON (OFF-ON-ON-OFF)",
+            ("context", "n OFF", "OFF median s", "OFF 95% CI", "n ON", "ON median s", "ON 95% CI",
+             "paired ON/OFF", "ratio 95% CI", "speedup", "min pool tokens (ON)", "outputs equal", "failed"),
+            tuple((_tokens(r.context), str(r.off.n if r.off else 0), _s(r.off.median if r.off else None),
+                   format_ci(r.off.ci if r.off else None), str(r.on.n if r.on else 0),
+                   _s(r.on.median if r.on else None), format_ci(r.on.ci if r.on else None),
+                   _s(r.ratio.median if r.ratio else None, 4), format_ci(r.ratio.ci if r.ratio else None),
+                   _x(r.speedup), "-" if r.min_on_pool_tokens is None else str(r.min_on_pool_tokens),
+                   str(r.outputs), str(r.num_failed)) for r in blocks),
+            f"Primed on replica A, measured on replica B. Bootstrap 95% intervals of the median (fixed seed) "
+            f"where a condition has at least {MIN_N_FOR_CI} requests. Paired ratio: median over positions of "
+            f"ON/OFF, the k-th OFF block paired with the k-th ON block. Outputs: measured token ids equal to a "
+            f"recompute of the same prompt."))
+    sessions = sessions_rows(records)
+    if sessions:
+        out.append(Table(
+            "Multi-turn sessions: total session time, pool OFF vs ON",
+            ("initial context", "placement", "sessions OFF/ON", "session OFF s", "session ON s", "ON faster by",
+             "outputs equal", "failed"),
+            tuple((_tokens(r.context), r.placement, f"{r.num_sessions['off']}/{r.num_sessions['on']}",
+                   _s(r.session_s["off"], 2), _s(r.session_s["on"], 2), _pct(r.improvement), str(r.outputs),
+                   str(r.num_failed)) for r in sessions),
+            "Session time: sum of the turns' end-to-end times (median over sessions). Outputs: the last turn of "
+            "verified ON sessions equal to a recompute."))
+        num_turns = max(len(t) for r in sessions for t in r.turn_ttft.values())
+        out.append(Table(
+            "Per-turn TTFT (median, seconds)",
+            ("initial context", "placement", "pool") + tuple(f"turn {t}" for t in range(num_turns)),
+            tuple((_tokens(r.context), r.placement, pool) + tuple(_s(v) for v in r.turn_ttft[pool])
+                  + ("-",) * (num_turns - len(r.turn_ttft[pool]))
+                  for r in sessions for pool in ("off", "on"))))
+    out.append(study_table(blocks, sessions))
+    return out
+
+
+def study_table(blocks, sessions) -> Table:
+    rows = []
+    measured_blocks = {r.context: r for r in blocks}
+    for context, (off, on) in STUDY_BLOCKS.items():
+        mine = measured_blocks.get(nearest(context, {c: None for c in measured_blocks}) or -1)
+        study = f"{off:.3f} s -> {on:.3f} s ({off / on:.0f}x; {STUDY_BLOCKS_REQUESTS} requests)"
+        if mine is not None and mine.off and mine.on:
+            here = (f"{mine.off.median:.3f} s -> {mine.on.median:.3f} s ({_x(mine.speedup)}; "
+                    f"{mine.off.n + mine.on.n} requests, at {_tokens(mine.context)})")
+        else:
+            here = "not measured"
+        rows.append((f"cross-replica TTFT median OFF -> ON at {_tokens(context)}", study, here))
+    for context, gain in STUDY_SESSIONS.items():
+        alt = [r for r in sessions if r.placement == "alternate" and nearest(context, {r.context: None})]
+        here = ", ".join(f"{_pct(r.improvement)} at {_tokens(r.context)}" for r in alt) or "not measured"
+        rows.append((f"six-turn sessions, alternating placement, {_tokens(context)} initial", f"~{gain:.0%} faster", here))
+    sticky = [r for r in sessions if r.placement == "sticky"]
+    rows.append(("sessions, fixed (sticky) placement", "gained little",
+                 ", ".join(f"{_pct(r.improvement)} at {_tokens(r.context)}" for r in sticky) or "not measured"))
+    return Table("Beside the study's published figures", ("figure", "study", "measured here"), tuple(rows),
+                 "The study: two single-GPU replicas of a 27B model sharing a 256 GiB host pool. Figures here come "
+                 "from whatever model and machine these records were measured on (see the runs below).")
+
+
+def markdown(tables_: list[Table], runs: list[dict], plots: list[str]) -> str:
+    lines = ["# kvshare bench report", ""]
+    for t in tables_:
+        lines += [f"## {t.title}", "", "| " + " | ".join(t.headers) + " |", "|" + "---|" * len(t.headers)]
+        lines += ["| " + " | ".join(row) + " |" for row in t.rows]
+        if t.note:
+            lines += ["", t.note]
+        lines.append("")
+    if plots:
+        lines += ["## Plots", ""] + [f"![{os.path.splitext(p)[0]}]({p})" for p in plots] + [""]
+    if runs:
+        lines += ["## Runs", ""]
+        for run in runs:
+            lines.append(f"- `{run.get('run_id')}` {run.get('started', '')}: {run.get('experiment')} on "
+                         f"{json.dumps(run.get('endpoints'))}, model {run.get('model')}; {run.get('stop_reason', '')}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_report(results: ResultsDir) -> tuple[str, list[Table]]:
+    """Rewrite records.csv, the plots and report.md from the folder's records; (report path, tables)."""
+    from kvshare.bench.plots import write_plots
+
+    records = results.load()
+    results.write_csv(records)
+    plots = write_plots(records, results.path)
+    runs = []
+    if os.path.exists(results.file("runs.jsonl")):
+        with open(results.file("runs.jsonl")) as f:
+            runs = [json.loads(line) for line in f if line.strip()]
+    tables_ = tables(records)
+    path = results.file("report.md")
+    with open(path, "w") as f:
+        f.write(markdown(tables_, runs, plots))
+    return path, tables_
+
+
+def print_tables(tables_: list[Table], console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table as RichTable
+
+    console = console or Console()
+    if not console.is_terminal:
+        console = Console(width=max(console.width, 160))  # logs and pipes: wide tables rather than truncated cells
+    for t in tables_:
+        table = RichTable(title=t.title)
+        for h in t.headers:
+            table.add_column(h)
+        for row in t.rows:
+            table.add_row(*row)
+        console.print(table)
