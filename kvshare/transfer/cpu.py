@@ -20,6 +20,7 @@ from kvshare.transfer.plan import PageRun, page_runs
 class CpuTransfer(KVTransfer):
     """Copies between the arena and a CPU ``kv [L, 2, H, T, D]`` with the token/head transpose."""
 
+    @torch.inference_mode()  # kv may be an inference tensor (allocated under inference mode)
     def load(self, kv: torch.Tensor, first_chunk: int, pages: Sequence) -> LoadHandle:
         start = time.perf_counter()
         offsets = self._page_offsets(pages)
@@ -31,6 +32,7 @@ class CpuTransfer(KVTransfer):
             chunks_to_engine(kv_bits, self._run_view(run), (first_chunk + run.first) * self.layout.chunk_tokens)
         return LoadHandle(num_bytes=len(pages) * self.layout.page_bytes, seconds=time.perf_counter() - start)
 
+    @torch.inference_mode()
     def store(self, kv: torch.Tensor, first_chunk: int, offsets: Sequence[int], producer_stream=None) -> list[int]:
         if producer_stream is not None:
             raise ValueError("a CPU transfer has no producer stream: the KV is ready when store() is called")

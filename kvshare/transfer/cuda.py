@@ -82,6 +82,7 @@ class CudaTransfer(KVTransfer):
 
     # -- the interface ------------------------------------------------------------------------------
 
+    @torch.inference_mode()  # kv may be an inference tensor (allocated under inference mode)
     def load(self, kv: torch.Tensor, first_chunk: int, pages: Sequence) -> LoadHandle:
         offsets = self._page_offsets(pages)
         self._check_kv(kv, first_chunk, len(offsets))
@@ -123,6 +124,7 @@ class CudaTransfer(KVTransfer):
             raise
         return handle
 
+    @torch.inference_mode()
     def store(self, kv: torch.Tensor, first_chunk: int, offsets: Sequence[int], producer_stream=None) -> list[int]:
         offsets = list(offsets)
         self._check_kv(kv, first_chunk, len(offsets))
