@@ -106,18 +106,3 @@ def test_bad_arguments_are_refused(client):
         TransferConfig(copy_method="pageable")
     assert transfer.store(kv, 0, []) == []
 
-
-def test_inference_tensors_load_outside_inference_mode(client):
-    """An engine allocates kv under inference mode; loads may come from code outside it."""
-    layout = LAYOUTS["f32"]
-    scratch = reserve_scratch(client, layout.page_bytes, 2)
-    try:
-        transfer = make_transfer(layout, client, "cpu")
-        src = random_kv(layout, 2 * layout.chunk_tokens, seed=8)
-        sums = transfer.store(src, 0, scratch.offsets)
-        with torch.inference_mode():
-            dst = sentinel_kv(layout, 2 * layout.chunk_tokens)
-        transfer.load(dst, 0, headers(scratch.offsets, sums, layout.page_bytes))
-        assert bits_equal(dst, src)
-    finally:
-        scratch.release(client)
