@@ -71,7 +71,9 @@ class CudaTransfer(KVTransfer):
             with torch.cuda.device(self.device):
                 self._copy_stream = torch.cuda.Stream(self.device)
                 self._reshape_stream = torch.cuda.Stream(self.device)
-                self._staging = [torch.empty(config.staging_bytes, dtype=torch.uint8, device=self.device) for _ in range(NUM_STAGING)]
+                self._staging = [
+                    torch.empty(config.staging_bytes, dtype=torch.uint8, device=self.device) for _ in range(NUM_STAGING)
+                ]
                 self._idle = [torch.cuda.Event() for _ in range(NUM_STAGING)]  # last use of each staging buffer
         except BaseException:
             release_registration(self.registration)
@@ -110,13 +112,15 @@ class CudaTransfer(KVTransfer):
                 copied.record(copy)
                 reshape.wait_event(copied)
                 with torch.cuda.stream(reshape):
-                    chunks_to_engine(kv_bits[unit.layer_start : unit.layer_stop], self._chunks(buf, unit), self._first_token(first_chunk, unit))
+                    layers = kv_bits[unit.layer_start : unit.layer_stop]
+                    chunks_to_engine(layers, self._chunks(buf, unit), self._first_token(first_chunk, unit))
                 self._idle[buf].record(reshape)
             group_done = torch.cuda.Event()
             group_done.record(reshape)
             group_events.append(group_done)
         end.record(reshape)
-        handle = CudaLoadHandle(len(offsets) * self.layout.page_bytes, self._group_of_layer, group_events, start, end, self.device)
+        num_bytes = len(offsets) * self.layout.page_bytes
+        handle = CudaLoadHandle(num_bytes, self._group_of_layer, group_events, start, end, self.device)
         try:  # pages are leased and immutable: hash them on the host while the copies run
             self._verify_pages(pages, first_chunk, self._pages_to_verify(len(offsets)))
         except ChecksumMismatch:
@@ -146,7 +150,8 @@ class CudaTransfer(KVTransfer):
                 buf = self._take_buffer()
                 reshape.wait_event(self._idle[buf])  # the previous copy out of this buffer is done
                 with torch.cuda.stream(reshape):
-                    engine_to_chunks(self._chunks(buf, unit), kv_bits[unit.layer_start : unit.layer_stop], self._first_token(first_chunk, unit))
+                    layers = kv_bits[unit.layer_start : unit.layer_stop]
+                    engine_to_chunks(self._chunks(buf, unit), layers, self._first_token(first_chunk, unit))
                 gathered = torch.cuda.Event()
                 gathered.record(reshape)
                 copy.wait_event(gathered)
