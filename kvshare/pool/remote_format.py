@@ -1,10 +1,20 @@
 """How a page is stored in the remote tier: keys, part values and their header. Pure functions.
 
 A page (one chunk, ``page_bytes``) travels as ``part_count`` values of at most
-``part_bytes`` payload each, so no single value blocks the store for long::
+``part_bytes`` each (header included), so no single value blocks the store for long::
 
     key of part i   {prefix}:v1:{<chunk key, 32 hex>}:i     (the braces are a cluster hash tag)
     value           | header (72 B) | payload: page bytes [part_offset, part_offset + len) |
+
+Sizes follow the store's allocator: Redis and Valkey (jemalloc) round a string
+of 2^k + a few bytes up to the next size class, 2^k * 1.25, so a 2 MiB page
+stored with its header in one value costs 2.5 MiB (measured: 1.31x). Every
+part but the last is therefore a power of two S (the largest that divides the
+page and is at most ``part_bytes``) less the header and the store's own string
+header; the last part holds the few hundred bytes left::
+
+    page 2 MiB, part_bytes 8 MiB   ->  S = 2 MiB: values of 2 MiB - 64 B and 208 B
+    page 64 MiB (32B shape)        ->  S = 8 MiB: 8 values of 8 MiB - 64 B, one of 1.1 KiB
 
     header  magic "KVSR" | format version u16 | page format version u16 | part index u16 |
             part count u16 | depth u32 | page bytes u64 | part offset u64 | page checksum u64 |
@@ -69,8 +79,23 @@ class RemotePage:
     payloads: list[memoryview]
 
 
+VALUE_SLACK = 64  # bytes left for the store's string header (Redis sds: 9 + NUL)
+MIN_SIZE_CLASS = 4096
+
+
+def part_payload_bytes(page_bytes: int, part_bytes: int) -> int:
+    """Page bytes per part: values then fill a power-of-two size class of the store's allocator."""
+    cap = 1 << (part_bytes.bit_length() - 1)  # the largest power of two <= part_bytes
+    size = cap
+    while size > MIN_SIZE_CLASS and page_bytes % size:
+        size //= 2
+    if page_bytes % size:  # no power of two divides the page: plain parts of the cap
+        size = cap
+    return size - HEADER_BYTES - VALUE_SLACK
+
+
 def num_parts(page_bytes: int, part_bytes: int) -> int:
-    return -(-page_bytes // part_bytes)
+    return -(-page_bytes // part_payload_bytes(page_bytes, part_bytes))
 
 
 def part_key(prefix: str, key: bytes, index: int) -> str:

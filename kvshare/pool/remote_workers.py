@@ -18,7 +18,7 @@ from kvshare.pool.checksum import page_checksum
 from kvshare.pool.remote_breaker import CircuitBreaker
 from kvshare.pool.remote_config import MIN_PART_BYTES, RemoteConfig
 from kvshare.pool.remote_format import (BROKEN, BadRemoteValue, PageMeta, RemotePage, decode_page, encode_part,
-                                        num_parts, part_count_of, part_keys)
+                                        num_parts, part_count_of, part_keys, part_payload_bytes)
 from kvshare.pool.remote_store import RemoteStore, RemoteStoreError
 
 MISS, ERROR, BREAKER = "miss", "error", "breaker"  # why a fetch stopped, besides the discard reasons
@@ -121,13 +121,14 @@ def _encode_page(arena: np.ndarray, page: PageToWrite, part_bytes: int, read_dea
     view = arena[page.offset : page.offset + page_bytes]
     if page_checksum(view) != page.meta.checksum:
         raise _ArenaPageBad()  # never spread a page the arena does not hold as committed
+    payload_bytes = part_payload_bytes(page_bytes, part_bytes)
     count = num_parts(page_bytes, part_bytes)
     values = []
     for i in range(count):
         if time.monotonic() > read_deadline:
             raise _PastDeadline()
-        start = i * part_bytes
-        values.append(encode_part(page.meta, i, count, start, view[start : min(start + part_bytes, page_bytes)]))
+        start = i * payload_bytes
+        values.append(encode_part(page.meta, i, count, start, view[start : min(start + payload_bytes, page_bytes)]))
     return values
 
 

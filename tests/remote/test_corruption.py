@@ -5,13 +5,13 @@ import struct
 import pytest
 
 from kvshare.pool.client import PoolClient
-from kvshare.pool.remote_format import HEADER, HEADER_BYTES, part_keys
+from kvshare.pool.remote_format import HEADER, HEADER_BYTES, num_parts, part_keys
 from tests.remote.conftest import (MiB, NAMESPACE, assert_pages_equal, make_keys, remote_stats, two_pools,
                                    wait_written, write_chain)
 
 pytestmark = pytest.mark.remote
 PAGE = 1 * MiB
-PARTS = 4  # of 256 KiB
+PARTS = num_parts(PAGE, 256 << 10)  # the tests' pools use --remote-part-size 256KiB: 5 parts
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,9 @@ import xxhash
 
 from kvshare.pool.remote_breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 from kvshare.pool.remote_config import RemoteConfig, parse_remote_url
-from kvshare.pool.remote_format import (CHECKSUM, FINGERPRINT, HEADER_BYTES, MISSING_PART, TRUNCATED, VERSION,
-                                        BadRemoteValue, PageMeta, decode_page, encode_part, num_parts, part_count_of,
-                                        part_key)
+from kvshare.pool.remote_format import (CHECKSUM, FINGERPRINT, HEADER_BYTES, MISSING_PART, TRUNCATED, VALUE_SLACK,
+                                        VERSION, BadRemoteValue, PageMeta, decode_page, encode_part, num_parts,
+                                        part_count_of, part_key, part_payload_bytes)
 
 pytestmark = pytest.mark.remote
 KEY = hashlib.blake2b(b"k", digest_size=16).digest()
@@ -18,11 +18,11 @@ NS = hashlib.blake2b(b"ns", digest_size=16).digest()
 
 def encode(page: bytes, part_bytes: int, key=KEY, namespace=NS, checksum=None) -> list[bytes]:
     meta = PageMeta(key, namespace, 3, len(page), xxhash.xxh3_64_intdigest(page) if checksum is None else checksum)
-    count = num_parts(len(page), part_bytes)
-    return [encode_part(meta, i, count, i * part_bytes, page[i * part_bytes : (i + 1) * part_bytes]) for i in range(count)]
+    count, step = num_parts(len(page), part_bytes), part_payload_bytes(len(page), part_bytes)
+    return [encode_part(meta, i, count, i * step, page[i * step : (i + 1) * step]) for i in range(count)]
 
 
-PAGE = bytes(range(256)) * 40  # 10240 bytes: parts of 4096, 4096, 2048
+PAGE = bytes(range(256)) * 40  # 10240 bytes: no power of two >= 4 KiB divides it: parts of 4096-byte values
 
 
 def reason(values, page_bytes=len(PAGE), namespace=None, key=KEY):
@@ -33,7 +33,7 @@ def reason(values, page_bytes=len(PAGE), namespace=None, key=KEY):
 
 def test_round_trip_in_parts():
     values = encode(PAGE, 4096)
-    assert len(values) == 3 and [len(v) - HEADER_BYTES for v in values] == [4096, 4096, 2048]
+    assert [len(v) for v in values] == [4096 - VALUE_SLACK, 4096 - VALUE_SLACK, 10240 - 2 * 3960 + HEADER_BYTES]
     page = decode_page(values, KEY, len(PAGE), NS)
     assert b"".join(page.payloads) == PAGE
     assert page.meta.depth == 3 and page.meta.namespace == NS
@@ -63,6 +63,19 @@ def test_every_kind_of_damage_is_named():
     other = encode(PAGE, 4096, checksum=12345)  # another write of the same page
     assert reason([values[0], other[1], values[2]]) == MISSING_PART
     assert reason(encode(PAGE, 4096, checksum=12345)) == CHECKSUM
+
+
+@pytest.mark.parametrize("page_bytes", [2 << 20, 36 << 20, 64 << 20, 3 << 20, 256 << 10])
+def test_values_fill_allocator_size_classes(page_bytes):
+    """Every value but the last is a power of two less the store's string header; the last is tiny."""
+    part_bytes = 8 << 20
+    step, count = part_payload_bytes(page_bytes, part_bytes), num_parts(page_bytes, part_bytes)
+    sizes = [min(step, page_bytes - i * step) + HEADER_BYTES for i in range(count)]
+    assert sum(sizes) - count * HEADER_BYTES == page_bytes
+    assert all(size <= part_bytes for size in sizes)
+    full = sizes[0] + VALUE_SLACK
+    assert full & (full - 1) == 0 and all(s == sizes[0] for s in sizes[:-1])
+    assert sizes[-1] <= 2048
 
 
 def test_part_keys_share_a_hash_tag():
