@@ -1,0 +1,94 @@
+"""The streaming client against a fake OpenAI server: what it times and what it reads."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestServer
+
+from kvshare.bench.client import BenchRequest, absorb, Response, event_data, model_name, send, split_events
+from tests.bench.fake_server import SEEN, fake_app
+
+
+def test_split_events_keeps_the_incomplete_rest():
+    events, rest = split_events(b"data: 1\n\ndata: 2\r\n\r\ndata: 3")
+    assert events == [b"data: 1", b"data: 2"] and rest == b"data: 3"
+    assert event_data(b": a comment") is None
+    assert event_data(b"data: [DONE]") == "[DONE]"
+
+
+def test_absorb_times_the_first_content_not_the_first_chunk():
+    r = Response()
+    absorb(r, {"choices": [{"delta": {"role": "assistant", "content": ""}}]}, 0.1)
+    absorb(r, {"choices": [{"delta": {"content": "a"}}]}, 0.3)
+    assert r.first_chunk_s == 0.1 and r.ttft_s == 0.3 and r.text == "a"
+
+
+async def _with_server(app, fn):
+    server = TestServer(app)
+    await server.start_server()
+    try:
+        async with aiohttp.ClientSession() as session:
+            return await fn(session, str(server.make_url("")))
+    finally:
+        await server.close()
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_send_reads_stream_provenance_and_token_ids(kind):
+    app = fake_app(first_token_delay_s=0.1)
+
+    async def go(session, url):
+        request = BenchRequest(url, kind, "fake-model", prompt=[1, 2] if kind == "completion" else None,
+                               messages=[{"role": "user", "content": "hi"}] if kind == "chat" else None,
+                               max_tokens=3, use_pool=False, session_id="s1")
+        return await send(session, request), await model_name(session, url)
+
+    response, name = asyncio.run(_with_server(app, go))
+    assert name == "fake-model"
+    assert response.error is None
+    assert response.text == "Hello" and response.token_ids == [1, 2, 3]
+    assert response.provenance == {"replica": "fake0", "local_tokens": 0, "pool_tokens": 256, "computed_tokens": 44}
+    assert response.prompt_tokens == 300 and response.cached_tokens == 256 and response.completion_tokens == 3
+    assert response.routed_to == "http://fake"
+    # the first content came after the delay and after the empty chunks; the end after that
+    assert 0.1 <= response.first_chunk_s < response.ttft_s <= response.e2e_s
+    assert response.ttft_s >= 0.12
+    sent = app[SEEN][0]
+    assert sent["body"]["kvshare"] == {"use_pool": False, "use_local_cache": True}
+    assert sent["body"]["stream"] is True and sent["body"]["temperature"] == 0.0
+    assert sent["body"]["return_token_ids"] is True and sent["session"] == "s1"
+
+
+def test_no_extension_is_sent_when_use_pool_is_none():
+    app = fake_app(first_token_delay_s=0.0)
+
+    async def go(session, url):
+        return await send(session, BenchRequest(url, "completion", "m", prompt=[1], use_pool=None))
+
+    asyncio.run(_with_server(app, go))
+    assert "kvshare" not in app[SEEN][0]["body"]
+
+
+def test_http_errors_and_unreachable_servers_come_back_as_errors():
+    async def go(session, url):
+        return await send(session, BenchRequest(url, "completion", "m", prompt=[1]))
+
+    response = asyncio.run(_with_server(fake_app(status=400), go))
+    assert response.error.startswith("HTTP 400") and response.ttft_s is None
+
+    async def unreachable():
+        async with aiohttp.ClientSession() as session:
+            return await send(session, BenchRequest("http://127.0.0.1:9", "completion", "m", prompt=[1]), timeout_s=5)
+
+    response = asyncio.run(unreachable())
+    assert response.error and response.ttft_s is None and response.e2e_s >= 0
+
+
+def test_requests_check_their_kind():
+    with pytest.raises(ValueError):
+        BenchRequest("http://x", "completion", "m", messages=[])
+    with pytest.raises(ValueError):
+        BenchRequest("http://x", "embedding", "m", prompt=[1])

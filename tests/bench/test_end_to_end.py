@@ -1,0 +1,145 @@
+"""Each experiment end to end against a real cluster (pool, 2 tiny-model replicas, router) on CPU.
+
+Short contexts, few requests: what is checked is the records (provenance, output equality
+between pool ON and a recompute), the report and the plots; never timings.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from kvshare.bench.blocks import BlocksConfig
+from kvshare.bench.harness import Harness, HarnessConfig
+from kvshare.bench.records import ResultsDir
+from kvshare.bench.replicas import FixedReplicas
+from kvshare.bench.sessions import SessionsConfig
+from kvshare.bench.targets import free_port_base
+from kvshare.bench.ttft import TTFTConfig
+
+CHUNK = 256
+
+
+def reusable(n: int) -> int:
+    """Prompt tokens a replica can take from a cache: whole chunks, leaving at least one token to compute."""
+    return (n - 1) // CHUNK * CHUNK
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from kvshare.launch import Cluster, ClusterConfig
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", "1")  # two replicas on a shared 2-core machine: no thread oversubscription
+        c = Cluster(ClusterConfig(num_replicas=2, model="tiny", pool_size="1GiB", policy="alternate",
+                                  port=free_port_base(3), log_level="WARNING", ready_timeout_s=120))
+        c.start()
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def run(cluster, out_dir, *configs):
+    harness = Harness(HarnessConfig(out_dir=str(out_dir), tokenizer="tiny", show_progress=False),
+                      FixedReplicas(cluster.replica_urls))
+    outcome = harness.run(list(configs))
+    assert outcome.is_complete, outcome.runs
+    return outcome, ResultsDir(str(out_dir)).load()
+
+
+def assert_outputs_written(out_dir, *pngs):
+    text = (out_dir / "report.md").read_text()
+    assert "Beside the study" in text
+    assert (out_dir / "records.csv").stat().st_size > 0 and (out_dir / "runs.jsonl").stat().st_size > 0
+    for png in pngs:
+        assert (out_dir / png).stat().st_size > 1000
+    return text
+
+
+def test_ttft(cluster, tmp_path):
+    outcome, records = run(cluster, tmp_path, TTFTConfig(contexts=(512, 1024), repetitions=1, max_tokens=8))
+    assert len(records) == 6 and all(r.is_ok for r in records)
+    for r in records:
+        assert r.prompt_tokens == r.context_tokens and r.completion_tokens == 8 and len(r.token_ids) == 8
+        if r.condition == "cold":
+            assert (r.replica, r.local_tokens, r.pool_tokens) == ("replica0", 0, 0)
+        elif r.condition == "local":
+            assert (r.replica, r.local_tokens, r.pool_tokens) == ("replica0", reusable(r.context_tokens), 0)
+        else:  # cross: replica1 never saw the prompt; its prefix comes from the pool
+            assert (r.replica, r.local_tokens, r.pool_tokens) == ("replica1", 0, reusable(r.context_tokens))
+            assert r.cached_tokens == reusable(r.context_tokens)
+        if r.condition != "cold":
+            assert r.matches_reference is True  # token ids equal the cold request's
+    text = assert_outputs_written(tmp_path, "ttft_by_context.png")
+    assert "TTFT: cold" in text
+    # a second run resumes: everything is recorded, nothing is sent again
+    outcome, again = run(cluster, tmp_path, TTFTConfig(contexts=(512, 1024), repetitions=1, max_tokens=8))
+    assert outcome.runs["ttft"].num_skipped == 2 and outcome.runs["ttft"].num_done == 0 and len(again) == 6
+
+
+def test_blocks(cluster, tmp_path):
+    _, records = run(cluster, tmp_path, BlocksConfig(contexts=(1024,), per_block=2, max_tokens=8, verify=1))
+    assert all(r.is_ok for r in records)
+    measured = [r for r in records if r.role == "measure"]
+    assert [(r.block, r.condition) for r in measured] == [(0, "off")] * 2 + [(1, "on")] * 2 + [(2, "on")] * 2 + [(3, "off")] * 2
+    for r in measured:
+        assert r.replica == "replica1" and r.local_tokens == 0
+        assert r.pool_tokens == (reusable(1024) if r.condition == "on" else 0)
+    primes = [r for r in records if r.role == "prime"]
+    assert len(primes) == 4 and all(r.replica == "replica0" and r.computed_tokens == 1024 for r in primes)
+    (verify,) = [r for r in records if r.role == "verify"]
+    assert (verify.replica, verify.local_tokens, verify.pool_tokens) == ("replica1", 0, 0)
+    # ON outputs equal a recompute (the verify request, else the prime of the same prompt)
+    assert all(r.matches_reference is True for r in measured if r.condition == "on")
+    text = assert_outputs_written(tmp_path, "ttft_by_context.png")
+    assert "Blocked design" in text and "| 1024 | 4 |" in text
+
+
+def test_sessions(cluster, tmp_path):
+    config = SessionsConfig(contexts=(1024,), num_sessions=1, num_turns=3, turn_tokens=64, answer_tokens=8, verify=1,
+                            routers=(("alternate", cluster.router_url),))  # alternate through the real router
+    _, records = run(cluster, tmp_path, config)
+    assert all(r.is_ok for r in records)
+    turns = {c: [r for r in records if r.condition == c and r.role == "measure"]
+             for c in ("alternate/off", "alternate/on", "sticky/off", "sticky/on")}
+    assert all([r.turn for r in t] == [0, 1, 2] for t in turns.values())
+    assert [r.replica for r in turns["alternate/on"]] == ["replica0", "replica1", "replica0"]
+    assert [r.replica for r in turns["alternate/off"]] == ["replica0", "replica1", "replica0"]
+    assert len({r.replica for r in turns["sticky/on"]}) == 1 and len({r.replica for r in turns["sticky/off"]}) == 1
+    # history grows turn by turn: each prompt longer than the last by answer + new user message
+    for t in turns.values():
+        assert t[0].prompt_tokens == 1024 and t[0].prompt_tokens < t[1].prompt_tokens < t[2].prompt_tokens
+    # alternate ON: turn 1 on replica1 takes turn 0's prompt from the pool; OFF never touches the pool
+    assert turns["alternate/on"][1].pool_tokens >= reusable(1024)
+    assert all(r.pool_tokens == 0 for c in ("alternate/off", "sticky/off") for r in turns[c])
+    assert turns["alternate/off"][1].local_tokens == 0 and turns["alternate/off"][2].local_tokens >= reusable(1024)
+    # sticky: the replica's own cache holds the history already
+    assert turns["sticky/on"][1].local_tokens >= reusable(1024) and turns["sticky/on"][1].pool_tokens == 0
+    verifies = [r for r in records if r.role == "verify"]
+    assert len(verifies) == 2 and all(v.pool_tokens == 0 and v.local_tokens == 0 for v in verifies)
+    assert all(t[-1].matches_reference is True for c, t in turns.items() if c.endswith("/on"))
+    text = assert_outputs_written(tmp_path, "session_turns.png")
+    assert "Multi-turn sessions" in text and "Per-turn TTFT" in text
+
+
+def test_cli_against_running_replicas(cluster, tmp_path):
+    from kvshare.cli import main
+
+    out = tmp_path / "cli"
+    argv = ["--log-level", "WARNING", "bench", "ttft", "--contexts", "600", "--repetitions", "1", "--max-tokens", "4",
+            "--out", str(out), "--no-progress"] + sum((["--replica", u] for u in cluster.replica_urls), [])
+    assert main(argv) == 0
+    assert_outputs_written(out, "ttft_by_context.png")
+    assert main(["bench", "report", "--out", str(out)]) == 0
+
+
+def test_demo_hook(cluster, tmp_path, capsys):
+    from kvshare.bench.demo_experiments import run_demo_experiments
+
+    outcome = run_demo_experiments(cluster, str(tmp_path), scale="smoke", show_progress=False)
+    assert outcome.is_complete and set(outcome.runs) == {"ttft", "blocks", "sessions"}
+    assert os.path.exists(outcome.report_path)
+    printed = capsys.readouterr().out
+    assert "Beside the study" in printed and "Blocked design" in printed

@@ -1,0 +1,107 @@
+"""Tables from synthetic records with known answers; the report and plots are written."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from kvshare.bench.records import Record, ResultsDir
+from kvshare.bench.report import tables, write_report
+from kvshare.bench.summary import blocks_rows, sessions_rows, ttft_rows
+
+
+def r(experiment, condition, ttft, context=128_000, role="measure", **kw) -> Record:
+    defaults = dict(run_id="r", unit=f"{experiment}/{kw.get('block', kw.get('session', 0))}/{condition}",
+                    url="http://x", e2e_s=ttft + 0.5)
+    defaults.update(kw)
+    return Record(experiment=experiment, condition=condition, role=role, context_tokens=context, ttft_s=ttft,
+                  **defaults)
+
+
+def blocks_records(context=128_000):
+    out = []
+    design = [("off", [30.0, 32.0, 34.0]), ("on", [0.6, 0.7, 0.5]), ("on", [0.6, 0.8, 0.6]), ("off", [31.0, 30.0, 40.0])]
+    for b, (condition, times) in enumerate(design):
+        for i, t in enumerate(times):
+            if condition == "on":
+                out.append(r("blocks", condition, 30.0, context, role="prime", block=b, position=i))
+            out.append(r("blocks", condition, t, context, block=b, position=i, pool_tokens=127_744 if condition == "on" else 0,
+                         matches_reference=True if condition == "on" else None))
+    return out
+
+
+def test_blocks_row_medians_pairs_and_ratio():
+    (row,) = blocks_rows(blocks_records())
+    assert row.off.median == pytest.approx(31.5)  # median of 30, 32, 34, 31, 30, 40
+    assert row.on.median == pytest.approx(0.6)
+    assert row.off.ci is not None and row.on.ci is not None  # six values each
+    assert row.num_pairs == 6
+    # pairs: (30,.6) (32,.7) (34,.5) from OFF#0/ON#0, (31,.6) (30,.8) (40,.6) from OFF#1/ON#1
+    ratios = sorted([0.6 / 30, 0.7 / 32, 0.5 / 34, 0.6 / 31, 0.8 / 30, 0.6 / 40])
+    assert row.ratio.median == pytest.approx((ratios[2] + ratios[3]) / 2)
+    assert row.speedup == pytest.approx(31.5 / 0.6)
+    assert row.min_on_pool_tokens == 127_744 and str(row.outputs) == "6/6" and row.num_failed == 0
+
+
+def test_failed_requests_are_counted_not_measured():
+    records = blocks_records()
+    records.append(r("blocks", "off", 1.0, block=3, position=3, error="HTTP 500"))
+    records[-1].ttft_s = None
+    (row,) = blocks_rows(records)
+    assert row.num_failed == 1 and row.off.n == 6
+
+
+def test_ttft_row():
+    records = [r("ttft", "cold", 8.0, 32_000), r("ttft", "local", 0.2, 32_000, matches_reference=True),
+               r("ttft", "cross", 0.4, 32_000, pool_tokens=31_744, matches_reference=True),
+               r("ttft", "cold", 10.0, 32_000), r("ttft", "cross", 0.6, 32_000, pool_tokens=31_744, matches_reference=False)]
+    (row,) = ttft_rows(records)
+    assert row.medians == {"cold": 9.0, "local": 0.2, "cross": 0.5}
+    assert row.cross_speedup == pytest.approx(18.0) and row.cross_pool_tokens == 31_744
+    assert str(row.outputs) == "2/3"
+
+
+def sessions_records():
+    out = []
+    # alternate: OFF sessions take 10 + 10 (turn 1 recomputes) + 1; ON: 10 + 1 + 1
+    for pool, turns in (("off", [10.0, 10.0, 1.0]), ("on", [10.0, 1.0, 1.0])):
+        for s in range(2):
+            for t, ttft in enumerate(turns):
+                out.append(r("sessions", f"alternate/{pool}", ttft, 32_000, session=s, turn=t, placement="alternate",
+                             e2e_s=ttft))
+    for pool in ("off", "on"):
+        for t, ttft in enumerate([10.0, 1.0, 1.0]):
+            out.append(r("sessions", f"sticky/{pool}", ttft, 32_000, session=0, turn=t, placement="sticky", e2e_s=ttft))
+    return out
+
+
+def test_sessions_rows():
+    rows = {row.placement: row for row in sessions_rows(sessions_records())}
+    alt, sticky = rows["alternate"], rows["sticky"]
+    assert alt.session_s == {"off": 21.0, "on": 12.0}
+    assert alt.improvement == pytest.approx(1 - 12 / 21)
+    assert alt.turn_ttft["off"] == [10.0, 10.0, 1.0] and alt.num_sessions == {"off": 2, "on": 2}
+    assert sticky.improvement == pytest.approx(0.0)
+
+
+def test_report_tables_study_figures_and_plots_are_written(tmp_path):
+    results = ResultsDir(str(tmp_path))
+    results.append(blocks_records() + sessions_records()
+                   + [r("ttft", "cold", 8.0, 32_000), r("ttft", "cross", 0.4, 32_000, pool_tokens=31_744)])
+    results.log_run({"run_id": "r", "experiment": "blocks", "model": "m", "endpoints": {}, "stop_reason": "complete"})
+    path, tables_ = write_report(results)
+    text = open(path).read()
+    for title in ("TTFT", "Blocked design", "Multi-turn sessions", "Per-turn TTFT", "Beside the study"):
+        assert title in text
+    assert "31.715 s -> 0.605 s" in text and "92.047 s -> 0.790 s" in text
+    assert "31.500 s -> 0.600 s" in text  # the measured 128k figure beside the study's
+    assert "~35% faster" in text and "43% at 32k" in text  # 1 - 12/21
+    for png in ("ttft_by_context.png", "session_turns.png"):
+        assert os.path.getsize(tmp_path / png) > 1000 and f"]({png})" in text
+    assert os.path.exists(tmp_path / "records.csv")
+
+
+def test_tables_of_no_records_hold_only_the_study():
+    (study,) = tables([])
+    assert study.title.startswith("Beside the study") and all(row[2] == "not measured" for row in study.rows)
