@@ -491,14 +491,19 @@ class PoolServer:
 
         if self._clients.get(client.client_id) is not client:
             return  # it left meanwhile; its leases went with it
-        result = lookup_uncounted(self.index, client.client_id, req.keys, req.page_bytes, time.monotonic())
+        client.is_deferred = False
+        try:
+            reply = _lookup_reply(lookup_uncounted(self.index, client.client_id, req.keys, req.page_bytes,
+                                                   time.monotonic()))
+        except Exception as exc:  # a bug: answer it like any handler's, keep serving the client
+            log.exception("internal error answering a deferred lookup")
+            reply = P.ErrorReply("internal", f"{type(exc).__name__}: {exc}")
         if pin_lease_id:  # the lease of the first, local-only answer kept the local prefix in place
             try:
                 self.index.release(client.client_id, pin_lease_id)
             except PoolError:
                 pass  # expired meanwhile
-        client.is_deferred = False
-        self._reply(client, _lookup_reply(result))
+        self._reply(client, reply)
         self._handle_pending(client)
 
     # -- stats -------------------------------------------------------------------

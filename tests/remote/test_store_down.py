@@ -121,3 +121,21 @@ def test_store_hung_other_clients_are_served_and_lookups_bounded(server, prefix)
         assert ca.stats()["leases"] == 0
         ca.check_integrity()
         cb.check_integrity()
+
+
+def test_write_queue_is_bounded_and_drops_are_counted(server, prefix):
+    """A hung store with a patient breaker: pins stop at a quarter of the arena, the rest is dropped and counted."""
+    with two_pools(server.url, prefix, "--remote-breaker-failures", "1000") as (a, _), PoolClient(a) as ca:
+        server.pause()
+        try:
+            for i in range(6):  # 24 MiB of commits; the 64 MiB arena pins at most 16 MiB for write-behind
+                _, dt = timed(write_chain, ca, make_keys(f"{prefix}-q{i}", 4), PAGE, prefix)
+                assert dt < PROMPT_S
+            stats = remote_stats(ca)
+            assert stats["write_queue_bytes"] <= 16 * MiB and stats["write_dropped_full"] >= 8
+            assert ca.stats()["leases"] >= 1  # the pins
+        finally:
+            server.resume()
+        assert wait_until(lambda: remote_stats(ca)["write_queue_pages"] == 0, 20), remote_stats(ca)
+        assert ca.stats()["leases"] == 0
+        ca.check_integrity()
