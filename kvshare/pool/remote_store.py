@@ -86,12 +86,15 @@ class RemoteStore:
     def _connect(self):
         import redis
         from redis.backoff import NoBackoff
+        from redis.exceptions import ConnectionError as RedisConnectionError
         from redis.retry import Retry
 
-        # One immediate retry replaces a pooled connection that died with a restarted store; more
-        # retries with backoff (redis-py's default) would hold a thread for seconds: the breaker decides.
-        common = dict(socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s,
-                      retry=Retry(NoBackoff(), 1), decode_responses=False)
+        # One immediate retry, on a broken connection only, replaces a pooled connection that died with a
+        # restarted store. A timeout is not retried, and redis-py's default (three retries with backoff)
+        # would hold a thread for seconds: the circuit breaker decides when to try again.
+        retry = Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError, ConnectionResetError, BrokenPipeError))
+        common = dict(socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s, retry=retry,
+                      decode_responses=False)
         a = self.address
         if not a.is_cluster:
             return redis.Redis.from_url(a.url, **common)

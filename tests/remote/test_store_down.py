@@ -109,7 +109,7 @@ def test_store_hung_other_clients_are_served_and_lookups_bounded(server, prefix)
             other.release([lease.lease_id], wait=True)
             t.join(10)
             assert result["lease"].num_pages == 0
-            assert result["dt"] < 3.5, "bounded by the store timeout (0.5 s) and the promote timeout (3 s)"
+            assert result["dt"] < 0.5 + 0.3, "one store timeout (0.5 s), not retried"
             # A commits while its writes hang: the commits never wait
             for i in range(3):
                 _, dt = timed(write_chain, ca, make_keys(f"{prefix}-a{i}", 2), PAGE, prefix)
