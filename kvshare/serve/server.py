@@ -188,7 +188,11 @@ class ReplicaServer:
                         await response.write(b"data: " + _json.encode(chunk) + b"\n\n")
                 if out.finish_reason:
                     break
-        except (ConnectionResetError, asyncio.CancelledError):
+        except ConnectionResetError:  # the client went away mid-stream: free the engine, nothing to answer
+            job.is_cancelled = True
+            self.metrics.cancelled.inc()
+            return response
+        except asyncio.CancelledError:
             job.is_cancelled = True
             self.metrics.cancelled.inc()
             raise
