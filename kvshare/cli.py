@@ -22,6 +22,7 @@ COMMANDS = {
     "serve": ("serve", "run one replica (built-in engine, OpenAI API)"),
     "route": ("route", "run the router in front of replicas"),
     "up": ("up", "start the pool, N replicas and the router together"),
+    "plan": ("plan", "size a pool: KV bytes per token and the pool for N cached tokens"),
     "bench": ("bench", "benchmarks: pool, ttft, blocks, sessions"),
     "demo": ("demo", "the embedded default: a small cluster on CPU and the study's experiments"),
     "make-model": ("make_model", "write a synthetic preset as a Hugging Face model directory"),

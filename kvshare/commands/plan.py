@@ -1,0 +1,66 @@
+"""Size a pool: KV bytes per token of a model and the pool that holds N cached tokens."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="a model directory (config.json) or a preset name")
+    p.add_argument("--tokens", type=int, required=True, help="cached tokens the pool should hold")
+    p.add_argument("--chunk-tokens", type=int, default=256)
+    p.add_argument("--dtype", default=None, help="KV dtype if it differs from the model's (e.g. bfloat16)")
+    p.add_argument("--high-watermark", type=float, default=0.95, help="the pool's eviction threshold")
+    p.add_argument("--json", action="store_true")
+
+
+def model_config(model: str):
+    from kvshare.engine.config import model_config_from_hf
+
+    path = os.path.join(model, "config.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            return model_config_from_hf(json.load(f))
+    from kvshare.engine.presets import get_preset
+
+    return get_preset(model).config
+
+
+def plan(config, tokens: int, chunk_tokens: int, dtype: str | None, high_watermark: float) -> dict:
+    from kvshare.layout import KVLayout
+    from kvshare.units import format_bytes
+
+    layout = KVLayout(config.num_layers, config.num_kv_heads, config.head_dim, dtype or config.dtype, chunk_tokens)
+    pages = -(-tokens // chunk_tokens)
+    data = pages * layout.page_bytes
+    pool = int(data / high_watermark)
+    return {
+        "layers": layout.num_layers, "kv_heads": layout.num_kv_heads, "head_dim": layout.head_dim,
+        "kv_dtype": layout.dtype, "bytes_per_token": layout.bytes_per_token, "page_bytes": layout.page_bytes,
+        "chunk_tokens": chunk_tokens, "tokens": tokens, "pages": pages, "kv_bytes": data,
+        "pool_size_bytes": pool, "pool_size": f"{-(-pool // (1 << 30))}GiB",
+        "min_extent_size": format_bytes(layout.page_bytes),
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvshare.errors import UserError
+
+    try:
+        result = plan(model_config(args.model), args.tokens, args.chunk_tokens, args.dtype, args.high_watermark)
+    except (ValueError, KeyError, OSError) as exc:
+        raise UserError(str(exc)) from None
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    from kvshare.units import format_bytes
+
+    print(f"{args.model}: {result['layers']} layers x 2 (K,V) x {result['kv_heads']} KV heads x {result['head_dim']}"
+          f" x {result['kv_dtype']} = {result['bytes_per_token']} bytes per token")
+    print(f"one {args.chunk_tokens}-token page: {format_bytes(result['page_bytes'])}"
+          f" (the pool's --extent-size must be at least this)")
+    print(f"{args.tokens} cached tokens: {result['pages']} pages, {format_bytes(result['kv_bytes'])} of KV")
+    print(f"pool size with eviction starting at {args.high_watermark:.0%}: --size {result['pool_size']}")
+    return 0
