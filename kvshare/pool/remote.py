@@ -14,7 +14,8 @@ Two flows, both off the daemon's loop thread for every byte and every round trip
 
 Threads hand results back through a queue and a wake-up socket the loop's
 selector watches, so the index keeps one thread and no locks. The loop's side
-of the tier lives here; the threads' side in remote_workers.
+of the tier lives here (promotion jobs in remote_promotion); the threads' side
+in remote_workers.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -35,7 +36,8 @@ from kvshare.pool import remote_workers as W
 from kvshare.pool.index import EntryState, LookupResult, PoolError, PoolIndex
 from kvshare.pool.remote_breaker import CircuitBreaker
 from kvshare.pool.remote_config import RemoteConfig
-from kvshare.pool.remote_format import REASONS, PageMeta, RemotePage
+from kvshare.pool.remote_format import REASONS, PageMeta
+from kvshare.pool.remote_promotion import Promotions
 from kvshare.pool.remote_store import RemoteStore
 
 log = logging.getLogger("kvshare.pool.remote")
@@ -86,21 +88,6 @@ class _WriteJob:
     num_bytes: int
 
 
-@dataclass(eq=False)
-class _PromoteJob:
-    keys: list[bytes]  # the chunks the arena lacked, in chain order
-    page_bytes: int
-    namespace: bytes | None  # of the chain (from the arena's last chunk before them, else the first page)
-    waiters: list[Callable[[], None]]
-    deadline: float
-    batch_len: int
-    num_asked: int = 0  # keys sent to the store so far
-    num_found: int = 0
-    outstanding: int = 0  # fetch and copy tasks in flight
-    is_ended: bool = False  # no further batch will be fetched
-    is_answered: bool = False
-
-
 class RemoteTier:
     """The loop thread's side of the remote tier; every method runs on that thread."""
 
@@ -128,8 +115,8 @@ class RemoteTier:
         self._reservations: dict[int, tuple[int, list]] = {}  # client reservation id -> (client id, entries)
         self._pending_pages = 0  # pinned for write-behind
         self._pending_bytes = 0
-        self._jobs: set[_PromoteJob] = set()
-        self._job_of_key: dict[bytes, _PromoteJob] = {}
+        self._promotions = Promotions(config, index, promoter_id, self.store, self.breaker, self._arena,
+                                      self.counters, functools.partial(self._submit, self._readers), clock)
         log.info("remote tier: %s, prefix %r", config.address.display, config.prefix)
 
     # -- hooks called by the daemon ---------------------------------------------------
@@ -175,37 +162,7 @@ class RemoteTier:
 
     def promote(self, keys: list[bytes], page_bytes: int, num_local: int, on_done: Callable[[], None]) -> bool:
         """Go on to the store for ``keys[num_local:]``; True: ``on_done()`` will be called once, later."""
-        missing = keys[num_local:]
-        if not missing or self._closing.is_set():
-            return False
-        job = self._job_of_key.get(missing[0])
-        if job is not None:  # someone is already fetching this chunk: wait for that instead
-            if job.is_answered:
-                return False
-            job.waiters.append(on_done)
-            self.counters.joined_lookups += 1
-            return True
-        if self.index.entry(missing[0]) is not None:  # being written here (or a page of another size)
-            return False
-        if len(self._jobs) >= self.config.max_promotions:
-            self.counters.promote_busy += 1
-            return False
-        if not self.breaker.allow():
-            return False
-        try:
-            self.index.allocator.check_page_size(page_bytes)
-        except ValueError:
-            return False
-        namespace = self.index.entry(keys[num_local - 1]).namespace if num_local else None
-        batch_len = max(1, self.config.promote_batch_bytes // page_bytes)
-        job = _PromoteJob(missing, page_bytes, namespace, [on_done], self._clock() + self.config.promote_timeout_s,
-                          batch_len)
-        self._jobs.add(job)
-        for key in missing:
-            self._job_of_key.setdefault(key, job)
-        self.counters.lookups += 1
-        self._fetch_next(job)
-        return True
+        return self._promotions.start(keys, page_bytes, num_local, on_done)
 
     def poll(self) -> None:
         """Apply every result the threads have handed back (the wake-up socket was readable)."""
@@ -225,19 +182,14 @@ class RemoteTier:
                 log.exception("remote tier: applying a result failed")
 
     def tick(self, now: float) -> None:
-        """Answer promoting lookups past their deadline with what has arrived; stop fetching for them."""
-        for job in list(self._jobs):
-            if not job.is_answered and now >= job.deadline:
-                self.counters.promote_timeouts += len(job.waiters)
-                job.is_ended = True
-                self._answer(job)
+        self._promotions.tick(now)
 
     def stats(self) -> dict[str, int]:
         return {
             **self.counters.__dict__,
             "write_queue_pages": self._pending_pages,
             "write_queue_bytes": self._pending_bytes,
-            "promotions": len(self._jobs),
+            "promotions": len(self._promotions),
             "breaker_state": self.breaker.state,
             "breaker_opens": self.breaker.num_opens,
         }
@@ -245,8 +197,7 @@ class RemoteTier:
     def close(self) -> None:
         """Stop the threads (each finishes at most its current store operation) and the store client."""
         self._closing.set()
-        for job in list(self._jobs):
-            job.waiters.clear()
+        self._promotions.close()
         self._writers.shutdown(wait=False, cancel_futures=True)
         self._readers.shutdown(wait=False, cancel_futures=True)
         self.store.close()
@@ -277,96 +228,6 @@ class RemoteTier:
         c.errors += result.num_errors
         if result.num_bad:
             log.error("%d committed page(s) no longer match their checksum; not written to the store", result.num_bad)
-
-    # -- promotion ------------------------------------------------------------------
-
-    def _fetch_next(self, job: _PromoteJob) -> None:
-        batch = job.keys[job.num_asked : job.num_asked + job.batch_len]
-        job.num_asked += len(batch)
-        job.outstanding += 1
-        args = (self.store, self.breaker, self.config, batch, job.page_bytes, job.namespace)
-        self._submit(self._readers, W.fetch_pages, args, functools.partial(self._on_fetched, job, len(batch)))
-
-    def _on_fetched(self, job: _PromoteJob, batch_len: int, result: W.FetchResult | BaseException) -> None:
-        job.outstanding -= 1
-        if isinstance(result, BaseException):
-            log.error("remote fetch failed: %r", result)
-            job.is_ended = True
-        else:
-            self._count_fetch(result)
-            job.num_found += len(result.pages)
-            if result.pages and not self._closing.is_set():
-                job.namespace = result.pages[0].meta.namespace
-                self._place(job, result.pages)
-            if result.end is not None or len(result.pages) < batch_len or job.num_asked >= len(job.keys):
-                job.is_ended = True
-            elif not job.is_ended:
-                self._fetch_next(job)
-        self._maybe_finish(job)
-
-    def _count_fetch(self, result: W.FetchResult) -> None:
-        self.counters.errors += result.num_errors
-        self.counters.deleted_values += result.num_deleted
-        for reason in result.discarded:
-            name = f"discarded_{reason}"
-            setattr(self.counters, name, getattr(self.counters, name) + 1)
-            log.warning("discarded a remote page: %s", reason)
-
-    def _place(self, job: _PromoteJob, pages: list[RemotePage]) -> None:
-        """Reserve arena pages (as the promoter) for fetched pages and have a thread copy them in."""
-        keys = [p.meta.key for p in pages]
-        try:
-            reserved = self.index.reserve(self.promoter_id, job.namespace, keys, job.page_bytes,
-                                          pages[0].meta.depth, self._clock())
-        except PoolError as exc:
-            log.error("remote promotion: reserve refused: %s", exc)
-            job.is_ended = True
-            return
-        if reserved.num_no_room:
-            self.counters.promote_no_room += reserved.num_no_room
-            job.is_ended = True
-        if not reserved.grants:
-            return
-        placements = [(pages[i], entry.offset) for i, entry in reserved.grants]
-        job.outstanding += 1
-        on_copied = functools.partial(self._on_copied, job, reserved.reservation_id, placements)
-        self._submit(self._readers, W.copy_pages, (self._arena, placements), on_copied)
-
-    def _on_copied(self, job: _PromoteJob, reservation_id: int, placements: list[tuple[RemotePage, int]],
-                   result: list[int] | BaseException) -> None:
-        job.outstanding -= 1
-        expected = [page.meta.checksum for page, _ in placements]
-        if isinstance(result, BaseException) or result != expected:
-            bad = len(placements) if isinstance(result, BaseException) else sum(a != b for a, b in zip(result, expected))
-            log.error("remote promotion: %d page(s) differ from their checksum after the copy: %r", bad, result)
-            self.index.abort(self.promoter_id, reservation_id)
-            self.counters.discarded_checksum += bad
-            job.is_ended = True
-        else:
-            self.index.commit(self.promoter_id, reservation_id, expected)
-            self.counters.promoted_pages += len(placements)
-            self.counters.promoted_bytes += len(placements) * job.page_bytes
-        self._maybe_finish(job)
-
-    def _maybe_finish(self, job: _PromoteJob) -> None:
-        if job.outstanding or not (job.is_ended or job.num_asked >= len(job.keys)):
-            return
-        self._jobs.discard(job)
-        for key in job.keys:
-            if self._job_of_key.get(key) is job:
-                del self._job_of_key[key]
-        self.counters.hit_chunks += job.num_found
-        self.counters.miss_chunks += len(job.keys) - job.num_found
-        self._answer(job)
-
-    def _answer(self, job: _PromoteJob) -> None:
-        job.is_answered = True
-        waiters, job.waiters = job.waiters, []
-        for on_done in waiters:
-            try:
-                on_done()
-            except Exception:
-                log.exception("remote tier: answering a deferred lookup failed")
 
     # -- threads -> loop --------------------------------------------------------------
 

@@ -8,6 +8,7 @@ clients keep a connection pool, and each call builds its own pipeline.
 
 from __future__ import annotations
 
+import importlib.util
 import threading
 
 from kvshare.pool.remote_config import RemoteAddress
@@ -19,10 +20,8 @@ class RemoteStoreError(Exception):
 
 class RemoteStore:
     def __init__(self, address: RemoteAddress, timeout_s: float) -> None:
-        try:
-            import redis  # noqa: F401  (fail at start, not in the first write)
-        except ImportError:
-            raise RuntimeError("the remote tier needs the redis client: pip install 'kvshare[remote]'") from None
+        if importlib.util.find_spec("redis") is None:  # fail at start, not in the first write
+            raise RuntimeError("the remote tier needs the redis client: pip install 'kvshare[remote]'")
         self.address = address
         self.timeout_s = timeout_s
         self._lock = threading.Lock()

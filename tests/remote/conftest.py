@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -23,15 +24,27 @@ from kvshare.pool.spawn import running_pool
 MiB = 1 << 20
 NAMESPACE = hashlib.blake2b(b"remote-tests", digest_size=16).digest()
 HAS_REDIS = shutil.which("redis-server") is not None and shutil.which("redis-cli") is not None
-needs_redis = pytest.mark.skipif(
-    not HAS_REDIS, reason="redis-server/redis-cli not installed (apt-get install redis-server; scripts/test does it)"
-)
+NO_REDIS = "redis-server/redis-cli not installed (apt-get install redis-server; scripts/test does it)"
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_cluster_port() -> int:
+    """A free port P <= 55535 whose cluster bus port P + 10000 is free too (Redis refuses higher ports)."""
+    for _ in range(200):
+        port = random.randint(20000, 55535)
+        try:
+            for p in (port, port + 10000):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free port pair for a cluster node")
 
 
 def wait_until(predicate, timeout: float = 10.0, interval: float = 0.02) -> bool:
@@ -47,7 +60,7 @@ class RedisServer:
     """One redis-server child on a loopback port, without persistence; can be killed, stopped and restarted."""
 
     def __init__(self, port: int | None = None, cluster: bool = False, workdir: str | None = None) -> None:
-        self.port = port or free_port()
+        self.port = port or (free_cluster_port() if cluster else free_port())
         self.cluster = cluster
         self.workdir = workdir or tempfile.mkdtemp(prefix="kvshare-redis-")
         self.proc: subprocess.Popen | None = None
@@ -101,7 +114,7 @@ class RedisServer:
 @pytest.fixture(scope="module")
 def redis_server():
     if not HAS_REDIS:
-        pytest.skip("redis-server/redis-cli not installed (apt-get install redis-server; scripts/test does it)")
+        pytest.skip(NO_REDIS)
     server = RedisServer().start()
     yield server
     server.stop()
@@ -111,7 +124,7 @@ def redis_server():
 def redis_cluster():
     """Three primaries on loopback ports; yields (url, [servers])."""
     if not HAS_REDIS:
-        pytest.skip("redis-server/redis-cli not installed (apt-get install redis-server; scripts/test does it)")
+        pytest.skip(NO_REDIS)
     workdir = tempfile.mkdtemp(prefix="kvshare-cluster-")
     servers = [RedisServer(cluster=True, workdir=workdir).start() for _ in range(3)]
     try:

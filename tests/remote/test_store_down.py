@@ -7,11 +7,10 @@ import pytest
 
 from kvshare.pool.client import PoolClient
 from kvshare.pool.remote_breaker import CLOSED
-from tests.remote.conftest import (HAS_REDIS, MiB, RedisServer, assert_pages_equal, make_keys, remote_stats,
+from tests.remote.conftest import (HAS_REDIS, NO_REDIS, MiB, RedisServer, assert_pages_equal, make_keys, remote_stats,
                                    two_pools, wait_until, wait_written, write_chain)
 
-pytestmark = [pytest.mark.remote,
-              pytest.mark.skipif(not HAS_REDIS, reason="redis-server/redis-cli not installed (apt-get install redis-server)")]
+pytestmark = [pytest.mark.remote, pytest.mark.skipif(not HAS_REDIS, reason=NO_REDIS)]
 PAGE = 1 * MiB
 PROMPT_S = 0.3  # "answered promptly": far below the store timeout of 0.5 s
 
