@@ -5,6 +5,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -143,3 +144,51 @@ def test_remote_stats_in_pool_stats_and_metrics(redis_server, prefix):
         assert "kvshare_pool_remote_written_pages 2.0" in text
         assert "kvshare_pool_remote_breaker_state 0.0" in text
         assert "kvshare_pool_remote_write_queue_pages 0.0" in text
+
+
+def test_two_lookups_missing_the_same_chunk_share_one_promotion(redis_server, prefix):
+    page_bytes = 1 * MiB
+    keys = make_keys(prefix, 4)
+    with two_pools(redis_server.url, prefix, "--remote-timeout", "5") as (a, b), PoolClient(a) as ca, \
+            PoolClient(b) as c1, PoolClient(b) as c2, PoolClient(b) as observer:
+        data = write_chain(ca, keys, page_bytes, prefix)
+        wait_written(ca, 4)
+        leases = {}
+        redis_server.pause()  # hold the first promotion in the store until both lookups have arrived
+        try:
+            threads = [threading.Thread(target=lambda c=c: leases.__setitem__(c, c.lookup(keys, page_bytes)))
+                       for c in (c1, c2)]
+            for t in threads:
+                t.start()
+            assert wait_until(lambda: remote_stats(observer)["joined_lookups"] == 1, 2)
+        finally:
+            redis_server.resume()
+        for t in threads:
+            t.join(10)
+        for client in (c1, c2):
+            assert_pages_equal(client, leases[client].pages, data)
+            client.release([leases[client].lease_id], wait=True)
+        stats = remote_stats(observer)
+        assert stats["lookups"] == 1 and stats["joined_lookups"] == 1 and stats["promoted_pages"] == 4
+        observer.check_integrity()
+
+
+def test_promotion_without_room_in_the_arena(redis_server, prefix):
+    page_bytes = 1 * MiB
+    keys = make_keys(prefix, 4)
+    args = pool_args(redis_server.url, prefix)
+    with running_pool("64MiB", args, quiet=True) as a, running_pool("16MiB", args, quiet=True) as b, \
+            PoolClient(a) as ca, PoolClient(b) as cb:
+        data = write_chain(ca, keys, page_bytes, prefix)
+        wait_written(ca, 4)
+        own = make_keys(prefix + "-own", 14)
+        write_chain(cb, own, page_bytes, prefix + "-own")
+        held = cb.lookup(own, page_bytes, lease=True)  # 14 of B's 16 pages leased: not evictable
+        assert held.num_pages == 14
+        lease = cb.lookup(keys, page_bytes)
+        assert lease.num_pages == 2
+        assert_pages_equal(cb, lease.pages, data[:2])
+        stats = remote_stats(cb)
+        assert stats["promoted_pages"] == 2 and stats["promote_no_room"] == 2
+        cb.release([lease.lease_id, held.lease_id], wait=True)
+        cb.check_integrity()
