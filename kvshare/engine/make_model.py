@@ -54,7 +54,8 @@ def write_model_dir(name: str, out_dir: str, device: str = "cpu", dtype: str | N
     hf = preset_hf_config(preset, dtype)
     _write(os.path.join(out_dir, "config.json"), config_json_bytes(hf))
     tensors = preset_tensors(model)
-    write_safetensors(os.path.join(out_dir, "model.safetensors"), tensors, file_metadata(preset, dev.type))
+    draw_device = dev.type if preset.draw_on_device else "cpu"
+    write_safetensors(os.path.join(out_dir, "model.safetensors"), tensors, file_metadata(preset, draw_device))
     del model, tensors
     build_byte_tokenizer().save(os.path.join(out_dir, "tokenizer.json"))
     _write_json(os.path.join(out_dir, "tokenizer_config.json"), byte_tokenizer_config(config.max_position_embeddings))

@@ -29,6 +29,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 # On CUDA the cuDNN backend ran 20-35% faster than flash at 32k-128k on the H200; the rest is the fallback order.
+LOGITS_VOCAB_SLICE = 16384  # rows of a bf16 LM head upcast at a time (16384 x 5120 x 4 B = 320 MiB)
 CUDA_SDPA_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -209,8 +210,21 @@ class Transformer(nn.Module):
         out = torch.empty(x.shape[0], self.config.vocab_size, dtype=torch.float32, device=x.device)
         for a in range(0, x.shape[0], chunk_tokens):
             b = min(x.shape[0], a + chunk_tokens)
-            out[a:b] = self.lm_head(self.model.norm(x[a:b])).float()
+            self._logits(self.model.norm(x[a:b]), out[a:b])
         return out
+
+    def _logits(self, h: Tensor, out: Tensor) -> None:
+        """out [n, V] float32 <- h [n, E] @ W^T. bf16/fp16 weights are upcast one vocabulary slice at a
+        time: logits rounded to bf16 tie often (steps of 0.125 at |logit| ~ 20), which would make greedy
+        choices depend on rounding noise."""
+        weight = self.lm_head.weight  # [V, E]
+        if weight.dtype == torch.float32:
+            torch.matmul(h, weight.t(), out=out)
+            return
+        h32 = h.float()
+        for v0 in range(0, weight.shape[0], LOGITS_VOCAB_SLICE):
+            v1 = min(weight.shape[0], v0 + LOGITS_VOCAB_SLICE)
+            out[:, v0:v1] = h32 @ weight[v0:v1].float().t()
 
 
 def _no_op() -> None:

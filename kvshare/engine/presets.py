@@ -35,6 +35,7 @@ class Preset:
     embed_std: float  # std of the embedding (and tied head) entries
     linear_gain: float  # std of a projection entry = gain / sqrt(fan_in)
     head_gain: float  # the same for an untied LM head
+    draw_on_device: bool  # False: drawn on the CPU (same weights on every device); True: on the target device (fast)
 
     @property
     def config(self) -> ModelConfig:
@@ -66,6 +67,10 @@ def _rope(theta: float) -> dict:
     return {"rope_theta": theta, "rope_parameters": {"rope_type": "default", "rope_theta": theta}}
 
 
+# tiny: gain 2 makes a small model's greedy continuations depend on the whole context (tests need that).
+# qwen3-*: gain 1 and a sharper head (median top-1 probability ~0.5 on the H200) keep bf16 rounding noise
+# (|d logprob| of the top token ~0.01-0.03 between a cold prefill and a suffix over reused KV) well below
+# typical top-2 gaps (~1), so reuse/recompute comparisons diverge rarely.
 PRESETS: dict[str, Preset] = {
     "tiny": Preset(
         "tiny",
@@ -74,19 +79,19 @@ PRESETS: dict[str, Preset] = {
             num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=32768,
             dtype="float32", **_rope(1e6),
         ),
-        seed=20261129, embed_std=1.0, linear_gain=2.0, head_gain=4.0,
+        seed=20261129, embed_std=1.0, linear_gain=2.0, head_gain=4.0, draw_on_device=False,
     ),
     "qwen3-8b": Preset(
         "qwen3-8b",
         _qwen3_config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                       dtype="bfloat16", **_rope(1e6)),
-        seed=8, embed_std=1.0, linear_gain=2.0, head_gain=4.0,
+        seed=8, embed_std=1.0, linear_gain=1.0, head_gain=8.0, draw_on_device=True,
     ),
     "qwen3-32b": Preset(
         "qwen3-32b",
         _qwen3_config(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
                       dtype="bfloat16", **_rope(1e6)),
-        seed=32, embed_std=1.0, linear_gain=2.0, head_gain=4.0,
+        seed=32, embed_std=1.0, linear_gain=1.0, head_gain=8.0, draw_on_device=True,
     ),
 }
 
@@ -127,14 +132,15 @@ def _tensor_std(preset: Preset, config: ModelConfig, name: str, shape: torch.Siz
 
 
 def build_preset(name: str, device: torch.device, dtype: str | None = None) -> tuple[Transformer, ModelConfig, str]:
-    """(model on ``device``, config, weights fingerprint): random weights drawn on ``device``."""
+    """(model on ``device``, config, weights fingerprint): random weights from the preset's seed."""
     preset = get_preset(name)
     hf = preset_hf_config(preset, dtype)
     config = model_config_from_hf(hf)
     target = TORCH_DTYPES[config.dtype]
     with torch.device("meta"):
         model = Transformer(config)
-    generator = torch.Generator(device=device).manual_seed(preset.seed)
+    draw_device = torch.device(device) if preset.draw_on_device else torch.device("cpu")
+    generator = torch.Generator(device=draw_device).manual_seed(preset.seed)
     state = {}
     for tensor_name, meta in preset_tensors(model):
         std = _tensor_std(preset, config, tensor_name, meta.shape)
@@ -142,12 +148,12 @@ def build_preset(name: str, device: torch.device, dtype: str | None = None) -> t
             fill = 1.0 if tensor_name.endswith("norm.weight") else 0.0
             state[tensor_name] = torch.full(meta.shape, fill, dtype=target, device=device)
         else:  # drawn in float32 whatever the target dtype, so dtypes differ only by rounding
-            values = torch.empty(meta.shape, dtype=torch.float32, device=device).normal_(0.0, std, generator=generator)
-            state[tensor_name] = values.to(target)
+            values = torch.empty(meta.shape, dtype=torch.float32, device=draw_device).normal_(0.0, std, generator=generator)
+            state[tensor_name] = values.to(device=device, dtype=target)
     if config.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     assign_state(model, state, f"preset {name}")
-    return model, config, preset_fingerprint(preset, dtype, device)
+    return model, config, preset_fingerprint(preset, dtype, draw_device)
 
 
 def preset_tensors(model: Transformer) -> list[tuple[str, torch.Tensor]]:
@@ -158,12 +164,12 @@ def preset_tensors(model: Transformer) -> list[tuple[str, torch.Tensor]]:
     return items
 
 
-def preset_fingerprint(preset: Preset, dtype: str | None, device: torch.device) -> str:
+def preset_fingerprint(preset: Preset, dtype: str | None, draw_device: torch.device) -> str:
     hf = preset_hf_config(preset, dtype)
     config = model_config_from_hf(hf)
     with torch.device("meta"):
         model = Transformer(config)
     target = TORCH_DTYPES[config.dtype]
     shapes = [(n, target, tuple(t.shape)) for n, t in preset_tensors(model)]
-    header = safetensors_header(shapes, file_metadata(preset, torch.device(device).type))
+    header = safetensors_header(shapes, file_metadata(preset, torch.device(draw_device).type))
     return weights_fingerprint(config_json_bytes(hf), [header])
