@@ -160,34 +160,44 @@ class Engine:
             keys = chunk_keys(digest, prompt, self.layout.chunk_tokens)
             started = time.perf_counter()
             logits, provenance = self._prefill(kv, prompt, keys, options)
+            self._count_prompt(provenance)
             generator = make_generator(params.seed)
             stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.tokenizer.eos_token_ids))
-            self._stats.num_requests += 1
-            self._stats.prompt_tokens_local += provenance.local_tokens
-            self._stats.prompt_tokens_pool += provenance.pool_tokens
-            self._stats.prompt_tokens_computed += provenance.computed_tokens
             position = n  # tokens whose KV is in kv
             num_generated = 0
-            while True:
-                token = sample(logits[-1], params.temperature, params.top_p, generator, params.logprobs)
-                num_generated += 1
-                if num_generated == 1:
-                    self._stats.prefill_seconds += time.perf_counter() - started
-                    started = time.perf_counter()
-                finish = None
-                if token.token_id in stop_ids:
-                    finish = "stop"
-                elif num_generated >= params.max_tokens or position + 1 >= self.max_model_len:
-                    finish = "length"
-                self._stats.generated_tokens += 1
-                yield TokenEvent(token.token_id, token.logprob, token.top_logprobs, finish, provenance)
-                if num_generated == 1:
+            is_published = False
+            try:
+                while True:
+                    token = sample(logits[-1], params.temperature, params.top_p, generator, params.logprobs)
+                    num_generated += 1
+                    self._stats.generated_tokens += 1
+                    if num_generated == 1:
+                        self._stats.prefill_seconds += time.perf_counter() - started
+                        started = time.perf_counter()
+                    finish = None
+                    if token.token_id in stop_ids:
+                        finish = "stop"
+                    elif num_generated >= params.max_tokens or position + 1 >= self.max_model_len:
+                        finish = "length"
+                    yield TokenEvent(token.token_id, token.logprob, token.top_logprobs, finish, provenance)
+                    if not is_published:  # after the first token: publishing never delays it
+                        is_published = True
+                        self._publish(kv, keys, digest, options)
+                    if finish is not None:
+                        break
+                    logits = self._decode_step(kv, token.token_id, position)
+                    position += 1
+            finally:
+                # a consumer that closes the stream after the first token still leaves the prompt's chunks
+                if num_generated and not is_published:
                     self._publish(kv, keys, digest, options)
-                if finish is not None:
-                    break
-                logits = self._decode_step(kv, token.token_id, position)
-                position += 1
-            self._stats.decode_seconds += time.perf_counter() - started
+                self._stats.decode_seconds += time.perf_counter() - started
+
+    def _count_prompt(self, provenance: Provenance) -> None:
+        self._stats.num_requests += 1
+        self._stats.prompt_tokens_local += provenance.local_tokens
+        self._stats.prompt_tokens_pool += provenance.pool_tokens
+        self._stats.prompt_tokens_computed += provenance.computed_tokens
 
     @torch.inference_mode()
     def _decode_step(self, kv: torch.Tensor, token_id: int, position: int) -> torch.Tensor:

@@ -119,3 +119,16 @@ def test_default_chunk_size_and_tenants(tiny_dir, pool_socket):
     assert run(b, ids, RequestOptions(use_pool=False)) == (cold, (0, 0, 600))
     stats = b.stats()
     assert stats.prompt_tokens_pool == 512 and stats.pool_bytes_loaded == 2 * b.layout.page_bytes
+
+
+def test_a_stream_closed_after_its_first_token_still_publishes(tiny_dir, pool_socket):
+    a = Engine(EngineConfig(model=tiny_dir, chunk_tokens=CHUNK, pool_socket=pool_socket))
+    b = Engine(EngineConfig(model=tiny_dir, chunk_tokens=CHUNK, pool_socket=pool_socket))
+    ids = a.tokenizer.encode(ascii_prompt(40, seed=21))
+    cold, _ = run(a, ids, COLD)
+    events = a.generate(ids, PARAMS)
+    next(events)
+    events.close()  # a client that went away after the first token
+    assert a.stats().pool_stored_chunks == 2 and a.stats().local_cache_chunks == 2
+    assert run(b, ids, RequestOptions(use_local_cache=False)) == (cold, (0, 32, 8))
+    assert run(a, ids) == (cold, (32, 0, 8))  # and the lock was released
