@@ -118,6 +118,7 @@ class RemoteTier:
         self._promotions = Promotions(config, index, promoter_id, self.store, self.breaker, self._arena,
                                       self.counters, functools.partial(self._submit, self._readers), clock)
         log.info("remote tier: %s, prefix %r", config.address.display, config.prefix)
+        self._submit(self._writers, W.probe, (self.store, self.breaker), self._on_probed)
 
     # -- hooks called by the daemon ---------------------------------------------------
 
@@ -203,6 +204,13 @@ class RemoteTier:
         self.store.close()
         self.wakeup.close()
         self._wakeup_w.close()
+
+    def _on_probed(self, error: str | BaseException | None) -> None:
+        if error is None:
+            log.info("remote store %s answers", self.config.address.display)
+        else:
+            self.counters.errors += 1
+            log.warning("remote store not reachable (yet): %s; serving from the arena meanwhile", error)
 
     # -- write-behind ---------------------------------------------------------------
 

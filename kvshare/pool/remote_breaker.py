@@ -13,9 +13,12 @@ worker threads report outcomes, the daemon's loop asks ``allow()``.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Callable
+
+log = logging.getLogger("kvshare.pool.remote")
 
 CLOSED, HALF_OPEN, OPEN = 0, 1, 2  # as exported in stats["remote"]["breaker_state"]
 STATE_NAMES = {CLOSED: "closed", HALF_OPEN: "half_open", OPEN: "open"}
@@ -46,16 +49,20 @@ class CircuitBreaker:
 
     def record_success(self) -> None:
         with self._lock:
+            if self._state != CLOSED:
+                log.warning("remote store answers again: circuit breaker closed")
             self._failures = 0
             self._state = CLOSED
 
-    def record_failure(self) -> None:
+    def record_failure(self, error: str = "") -> None:
         with self._lock:
             self._failures += 1
             if self._state == HALF_OPEN or (self._state == CLOSED and self._failures >= self.failure_threshold):
                 self._state = OPEN
                 self._opened_at = self._clock()
                 self.num_opens += 1
+                log.warning("remote store failing (%s): circuit breaker open, nothing sent for %.1f s",
+                            error or "no detail", self.reset_s)
 
     def _maybe_half_open(self) -> None:
         if self._state == OPEN and self._clock() - self._opened_at >= self.reset_s:

@@ -69,8 +69,8 @@ def write_pages(store: RemoteStore, breaker: CircuitBreaker, cfg: RemoteConfig, 
         if refresh and cfg.ttl_s:
             store.expire(refresh, cfg.ttl_s)
         breaker.record_success()
-    except RemoteStoreError:
-        breaker.record_failure()
+    except RemoteStoreError as exc:
+        breaker.record_failure(str(exc))
         result.num_errors += 1
         result.num_failed = len(pages)
         return result
@@ -95,8 +95,8 @@ def write_pages(store: RemoteStore, breaker: CircuitBreaker, cfg: RemoteConfig, 
         try:
             store.put(keys, values, cfg.ttl_s)
             breaker.record_success()
-        except RemoteStoreError:
-            breaker.record_failure()
+        except RemoteStoreError as exc:
+            breaker.record_failure(str(exc))
             result.num_errors += 1
             result.num_failed += 1
             continue
@@ -144,8 +144,8 @@ def fetch_pages(store: RemoteStore, breaker: CircuitBreaker, cfg: RemoteConfig, 
         groups = [flat[i * count : (i + 1) * count] for i in range(len(keys))]
         _fetch_extra_parts(store, cfg, keys, groups, page_bytes)
         breaker.record_success()
-    except RemoteStoreError:
-        breaker.record_failure()
+    except RemoteStoreError as exc:
+        breaker.record_failure(str(exc))
         return FetchResult([], ERROR, num_errors=1)
     for key, values in zip(keys, groups):
         try:
@@ -185,6 +185,17 @@ def _delete_quietly(store: RemoteStore, keys: list[str]) -> int:
         return 1
     except RemoteStoreError:
         return 0
+
+
+def probe(store: RemoteStore, breaker: CircuitBreaker) -> str | None:
+    """Ping the store (at start, so an operator learns of a wrong URL at once); the error, if any."""
+    try:
+        store.ping()
+    except RemoteStoreError as exc:
+        breaker.record_failure(str(exc))
+        return str(exc)
+    breaker.record_success()
+    return None
 
 
 def copy_pages(arena: np.ndarray, placements: list[tuple[RemotePage, int]]) -> list[int]:

@@ -13,16 +13,17 @@ def test_engine_on_pool_b_reuses_prefix_from_pool_a_via_store(redis_server, pref
     from kvshare.engine.config import EngineConfig
     from kvshare.engine.engine import Engine, RequestOptions, SamplingParams
 
-    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
     cold_options = RequestOptions(use_pool=False, use_local_cache=False)
-    text = "".join(chr(32 + (i * 37) % 95) for i in range(200))  # 200 byte tokens: 6 full chunks + a tail
+    text = "".join(chr(32 + (i * 37) % 95) for i in range(140))  # 140 byte tokens: 4 full chunks + a tail
 
     def run(engine, ids, options=RequestOptions()):
         events = list(engine.generate(ids, params, options))
         return [e.token_id for e in events], events[0].provenance
 
     with two_pools(redis_server.url, prefix) as (a, b), PoolClient(a) as ca, PoolClient(b) as cb:
-        engine_a = Engine(EngineConfig(model="tiny", pool_socket=a, chunk_tokens=CHUNK, verify_checksums=True))
+        config = dict(model="tiny", chunk_tokens=CHUNK, verify_checksums=True, max_model_len=512)
+        engine_a = Engine(EngineConfig(pool_socket=a, **config))
         ids = engine_a.tokenizer.encode(text)
         _, provenance = run(engine_a, ids)
         assert provenance.computed_tokens == len(ids)
@@ -30,7 +31,7 @@ def test_engine_on_pool_b_reuses_prefix_from_pool_a_via_store(redis_server, pref
         wait_written(ca, num_chunks)
         engine_a.close()
 
-        engine_b = Engine(EngineConfig(model="tiny", pool_socket=b, chunk_tokens=CHUNK, verify_checksums=True))
+        engine_b = Engine(EngineConfig(pool_socket=b, **config))
         reused, provenance = run(engine_b, ids)
         assert provenance.pool_tokens == num_chunks * CHUNK > 0 and provenance.local_tokens == 0
         assert provenance.computed_tokens == len(ids) - num_chunks * CHUNK
