@@ -10,7 +10,8 @@ import glob
 import os
 import struct
 
-from kvshare.keys import weights_fingerprint
+from kvshare.keys import Namespace, weights_fingerprint
+from kvshare.layout import KVLayout
 
 _HEADER_LEN = struct.Struct("<Q")
 MAX_HEADER_BYTES = 100 << 20  # the safetensors format's own limit
@@ -52,3 +53,17 @@ def model_fingerprint(model_dir: str) -> str:
 def default_model_id(model_dir: str) -> str:
     """The directory's name: the same for replicas that load one model from different paths."""
     return os.path.basename(os.path.normpath(model_dir))
+
+
+def engine_namespace(model_dir: str, layout: KVLayout, engine_family: str, model_id: str = "") -> Namespace:
+    """The key namespace of a model directory served by ``engine_family`` with pages of ``layout``."""
+    return Namespace(
+        model_id=model_id or default_model_id(model_dir),
+        weights_fingerprint=model_fingerprint(model_dir),
+        kv_dtype=layout.dtype,
+        num_layers=layout.num_layers,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        chunk_tokens=layout.chunk_tokens,
+        engine_family=engine_family,
+    )

@@ -32,7 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvshare.integrations.model_identity import default_model_id, model_fingerprint
+from kvshare.integrations.model_identity import engine_namespace
 from kvshare.integrations.pool_link import PoolLink
 from kvshare.integrations.vllm_layout import UnsupportedKVLayout, detect_layout
 from kvshare.integrations.vllm_meta import LoadOutcome, StepPlan, WorkerReport
@@ -41,7 +41,6 @@ from kvshare.integrations.vllm_plan import blocks_of_tokens
 from kvshare.integrations.vllm_scheduler import PoolScheduler, ScheduledRequest
 from kvshare.integrations.vllm_stats import KVSharePromMetrics, KVShareStats
 from kvshare.integrations.vllm_worker import PoolKVWorker
-from kvshare.keys import Namespace
 from kvshare.layout import KVLayout
 
 if TYPE_CHECKING:
@@ -121,23 +120,19 @@ class KVShareConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig | None" = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         _log_through_vllm()
+        import vllm
+
+        if not vllm.__version__.startswith(TESTED_VLLM.rsplit(".", 1)[0]):
+            log.warning("kvshare's connector was tested with vLLM %s, this is %s: its hooks may differ",
+                        TESTED_VLLM, vllm.__version__)
         check_supported(vllm_config, kv_cache_config)
         transfer = self._kv_transfer_config
         self.config = ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)
         self.block_size = vllm_config.cache_config.block_size
         self.config.check_block_size(self.block_size)
         self.kv_layout = kv_layout_of(vllm_config, self.config.chunk_tokens)
-        model_dir = vllm_config.model_config.model
-        self.namespace = Namespace(
-            model_id=self.config.model_id or default_model_id(model_dir),
-            weights_fingerprint=model_fingerprint(model_dir),
-            kv_dtype=self.kv_layout.dtype,
-            num_layers=self.kv_layout.num_layers,
-            num_kv_heads=self.kv_layout.num_kv_heads,
-            head_dim=self.kv_layout.head_dim,
-            chunk_tokens=self.config.chunk_tokens,
-            engine_family=ENGINE_FAMILY,
-        )
+        self.namespace = engine_namespace(vllm_config.model_config.model, self.kv_layout, ENGINE_FAMILY,
+                                          self.config.model_id)
         side = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
         link = PoolLink(
             self.config.socket_path,
@@ -151,7 +146,7 @@ class KVShareConnector(KVConnectorBase_V1):
             if getattr(transfer, "kv_load_failure_policy", "fail") != "recompute":
                 log.warning('kvshare: kv_load_failure_policy is not "recompute": a page that fails its checksum '
                             "fails its request instead of being recomputed")
-            self._scheduler = PoolScheduler(self.config, self.namespace, self.kv_layout.page_bytes, link)
+            self._scheduler = PoolScheduler(self.config, self.namespace, self.kv_layout.page_bytes, self.block_size, link)
         else:
             self._worker = PoolKVWorker(self.kv_layout, link, verify_checksums=self.config.verify_checksums)
         self._outcomes: list[LoadOutcome] = []

@@ -92,24 +92,38 @@ def detect_layout(
     return PagedLayout("flash_attn", shape[0], block_size, num_kv_heads, head_dim, dtype)
 
 
-def slot_indices(token_start: int, num_tokens: int, block_ids: list[int], block_size: int, device) -> tuple:
+def slot_indices(token_start: int, num_tokens: int, block_ids, block_size: int, device) -> tuple:
     """(block index, slot in block) tensors of prompt positions ``token_start .. token_start + num_tokens - 1``."""
-    pos = torch.arange(token_start, token_start + num_tokens)
+    return slots_of_positions(torch.arange(token_start, token_start + num_tokens), block_ids, block_size, device)
+
+
+def slots_of_positions(positions: torch.Tensor, block_ids, block_size: int, device) -> tuple:
+    """(block index, slot in block) tensors, shaped like ``positions`` (prompt token positions)."""
     table = torch.as_tensor(block_ids, dtype=torch.long)
-    return table[pos // block_size].to(device), (pos % block_size).to(device)
+    return table[positions // block_size].to(device), (positions % block_size).to(device)
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def as_bits(t: torch.Tensor) -> torch.Tensor:
+    """The same memory as integers of the same width: copies move bytes exactly (NaN payloads too)."""
+    return t.view(_BITS[t.element_size()])
 
 
 def scatter_tokens(layer: torch.Tensor, layout: PagedLayout, kv: torch.Tensor, slots: tuple) -> None:
-    """Write ``kv`` ``[2, T, H, D]`` (K and V of T tokens) into ``layer`` at ``slots`` (block, offset)."""
-    k_view, v_view = layout.kv_views(layer)
+    """Write ``kv`` ``[2, *S, H, D]`` (K and V of tokens) into ``layer`` at ``slots`` (block, offset; shape S)."""
+    k_view, v_view = layout.kv_views(as_bits(layer))
+    kv = as_bits(kv)
     blocks, offsets = slots
     k_view[blocks, offsets] = kv[0]
     v_view[blocks, offsets] = kv[1]
 
 
 def gather_tokens(layer: torch.Tensor, layout: PagedLayout, slots: tuple, out: torch.Tensor) -> None:
-    """Copy K and V of the tokens at ``slots`` from ``layer`` into ``out`` ``[2, T, H, D]``."""
-    k_view, v_view = layout.kv_views(layer)
+    """Copy K and V of the tokens at ``slots`` (shape S) from ``layer`` into ``out`` ``[2, *S, H, D]``."""
+    k_view, v_view = layout.kv_views(as_bits(layer))
+    out = as_bits(out)
     blocks, offsets = slots
     out[0].copy_(k_view[blocks, offsets])
     out[1].copy_(v_view[blocks, offsets])

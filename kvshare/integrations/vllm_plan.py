@@ -14,7 +14,9 @@ A prompt, its chunks (C tokens each) and what the connector loads::
 
 The load starts where vLLM's local hit ends (possibly inside a chunk: only the rest of
 that chunk is copied) and never covers the last prompt token, which vLLM must compute
-to produce the first output token.
+to produce the first output token. It also ends on a block boundary: vLLM 0.32 expects
+external hits in whole blocks (its ExampleConnector says so), and an external hit that
+ended inside a block gave wrong logits on the CPU backend (seen here with 511 of 512).
 """
 
 from __future__ import annotations
@@ -35,22 +37,32 @@ class LookupWindow:
         return max(self.end_chunk - self.first_chunk, 0)
 
 
-def lookup_window(num_prompt_tokens: int, num_computed_tokens: int, chunk_tokens: int) -> LookupWindow:
+def load_limit(num_prompt_tokens: int, block_size: int) -> int:
+    """The end of the longest load vLLM accepts: whole blocks, at least one prompt token left over."""
+    return max((num_prompt_tokens - 1) // block_size * block_size, 0)
+
+
+def lookup_window(num_prompt_tokens: int, num_computed_tokens: int, chunk_tokens: int, block_size: int = 1) -> LookupWindow:
     """The full chunks of the prompt that could extend vLLM's local hit of ``num_computed_tokens``."""
-    if chunk_tokens <= 0:
-        raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+    if chunk_tokens <= 0 or block_size <= 0:
+        raise ValueError(f"chunk_tokens and block_size must be positive, got {chunk_tokens} and {block_size}")
     if num_computed_tokens < 0:
         raise ValueError(f"num_computed_tokens must be >= 0, got {num_computed_tokens}")
     end_chunk = max(num_prompt_tokens, 0) // chunk_tokens
-    if num_computed_tokens >= num_prompt_tokens - 1:  # nothing left that may be loaded
+    if num_computed_tokens >= load_limit(num_prompt_tokens, block_size):  # nothing left that may be loaded
         return LookupWindow(end_chunk, end_chunk)
     return LookupWindow(min(num_computed_tokens // chunk_tokens, end_chunk), end_chunk)
 
 
 def tokens_to_load(
-    num_prompt_tokens: int, num_computed_tokens: int, chunk_tokens: int, first_chunk: int, num_hit_chunks: int
+    num_prompt_tokens: int,
+    num_computed_tokens: int,
+    chunk_tokens: int,
+    first_chunk: int,
+    num_hit_chunks: int,
+    block_size: int = 1,
 ) -> int:
-    """Tokens the pool supplies beyond ``num_computed_tokens``, leaving at least one prompt token to compute."""
+    """Tokens the pool supplies beyond ``num_computed_tokens``: whole blocks, at least one prompt token left."""
     if num_hit_chunks <= 0:
         return 0
     if first_chunk * chunk_tokens > num_computed_tokens:
@@ -59,7 +71,7 @@ def tokens_to_load(
             f"({num_computed_tokens}): the gap would be neither computed nor loaded"
         )
     hit_end = (first_chunk + num_hit_chunks) * chunk_tokens
-    end = min(hit_end, num_prompt_tokens - 1)
+    end = min(hit_end, load_limit(num_prompt_tokens, block_size))
     return max(end - num_computed_tokens, 0)
 
 
@@ -113,6 +125,39 @@ def page_slices(token_start: int, token_end: int, first_chunk: int, num_pages: i
         if hi > lo:
             slices.append(PageSlice(index, chunk, lo, hi))
     return slices
+
+
+@dataclass(frozen=True)
+class CopyRun:
+    """Pages ``first .. first + num_pages - 1`` of a load, adjacent in the arena, each copied at ``lo .. hi - 1``."""
+
+    first: int  # index into the slices (and pages) of the load
+    num_pages: int
+    lo: int
+    hi: int
+
+
+def copy_runs(slices: list[PageSlice], offsets: list[int], page_bytes: int, chunk_tokens: int) -> list[CopyRun]:
+    """Group a load's page slices into runs that one strided copy per layer can move::
+
+        slices   (0..C) (0..C) (0..C) (0..hi)      offsets  p, p+1, p+2, q
+        runs     [--- one run of 3 pages ---] [one]
+
+    Whole pages merge while they lie back to back in the arena (the pool allocates a
+    request's pages as runs); a partial page is always a run of its own.
+    """
+    runs: list[CopyRun] = []
+    for i, piece in enumerate(slices):
+        whole = piece.lo == 0 and piece.hi == chunk_tokens
+        if runs and whole:
+            last = runs[-1]
+            j = last.first + last.num_pages - 1
+            adjacent = offsets[j] + page_bytes == offsets[i] and slices[j].chunk + 1 == piece.chunk
+            if last.lo == 0 and last.hi == chunk_tokens and adjacent:
+                runs[-1] = CopyRun(last.first, last.num_pages + 1, 0, chunk_tokens)
+                continue
+        runs.append(CopyRun(i, 1, piece.lo, piece.hi))
+    return runs
 
 
 def blocks_of_tokens(token_start: int, token_end: int, block_size: int, block_ids: list[int]) -> list[int]:

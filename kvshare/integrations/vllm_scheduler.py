@@ -61,10 +61,13 @@ class PoolScheduler:
         config: ConnectorConfig,
         namespace: Namespace,
         page_bytes: int,
+        block_size: int,
         link: PoolLink,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        config.check_block_size(block_size)
         self.config = config
+        self.block_size = block_size
         self.namespace = namespace
         self.page_bytes = page_bytes
         self.link = link
@@ -102,7 +105,7 @@ class PoolScheduler:
             return 0
         C = self.config.chunk_tokens
         request.local_tokens = num_computed_tokens  # until vLLM says otherwise in allocated()
-        window = lookup_window(len(request.prompt), num_computed_tokens, C)
+        window = lookup_window(len(request.prompt), num_computed_tokens, C, self.block_size)
         now = self._clock()
         current = self._leases.get(req_id)
         if current is not None and current.state is not LeaseState.PENDING:
@@ -115,7 +118,9 @@ class PoolScheduler:
             held = self._lookup(req_id, self._keys(request, window.end_chunk)[window.first_chunk :], window.first_chunk, now)
             if held is None:
                 return 0
-        num_tokens = tokens_to_load(len(request.prompt), num_computed_tokens, C, held.first_chunk, len(held.pages))
+        num_tokens = tokens_to_load(
+            len(request.prompt), num_computed_tokens, C, held.first_chunk, len(held.pages), self.block_size
+        )
         if num_tokens == 0:
             self._release(self._leases.pop(req_id))
             return 0

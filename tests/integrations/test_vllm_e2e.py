@@ -1,0 +1,201 @@
+"""Two vLLM OpenAI servers sharing one pool, against a vLLM server without the connector.
+
+Suite ``vllm`` (run with the vLLM environment's python). One set of servers serves the
+whole module; the tests run in file order and the last one kills the pool.
+"""
+
+import os
+import random
+import signal
+import time
+
+import pytest
+
+from kvshare.integrations.model_identity import engine_namespace
+from kvshare.integrations.vllm_launch import VllmServerConfig
+from kvshare.keys import chunk_keys, namespace_digest
+from kvshare.layout import KVLayout
+from kvshare.pool.client import PoolClient
+from kvshare.pool.spawn import start_pool, stop_process
+from tests.integrations.tiny_model import make_model_dir
+from tests.integrations.vllm_servers import (
+    answer,
+    cached_tokens,
+    complete,
+    free_port,
+    metric,
+    post,
+    provenance,
+    start_servers,
+    stop_servers,
+    vllm_python,
+    wait_for_metric,
+)
+
+PYTHON = vllm_python()
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.skipif(PYTHON is None, reason="needs vLLM (set KVSHARE_VLLM_PYTHON to the vLLM venv's python)"),
+]
+
+C = 256
+LAYOUT = KVLayout(num_layers=8, num_kv_heads=2, head_dim=64, dtype="float32", chunk_tokens=C)
+POOL_ARGS = ("--extent-size", "64MiB", "--lease-ttl", "60")
+
+
+def prompt_of(seed: int, num_tokens: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(2, 500) for _ in range(num_tokens)]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """A pool, replicas A and B with the connector, and R without it (the reference)."""
+    work = tmp_path_factory.mktemp("vllm-e2e")
+    model = make_model_dir(str(work / "model"))
+    socket_dir = f"/tmp/kvshare-e2e-{os.getpid()}"
+    os.makedirs(socket_dir, mode=0o700, exist_ok=True)
+    socket_path = os.path.join(socket_dir, "pool.sock")
+    pool = start_pool(socket_path, "256MiB", POOL_ARGS)
+    common = dict(model=model, python=PYTHON, dtype="float32", max_model_len=4096, kv_cache_gib=1,
+                  max_num_batched_tokens=512, pool_retry_s=1.0)
+    configs = {
+        "A": VllmServerConfig(port=free_port(), pool_socket=socket_path, replica="A", **common),
+        "B": VllmServerConfig(port=free_port(), pool_socket=socket_path, replica="B", **common),
+        "R": VllmServerConfig(port=free_port(), pool_socket=None, replica="R", **common),
+    }
+    servers = start_servers(configs, str(work))
+    state = {"pool": pool, "socket": socket_path, "model": model, "work": work}
+    try:
+        yield servers, state
+    finally:
+        stop_servers(servers)
+        stop_process(state["pool"])
+        if os.path.exists(socket_path):
+            os.unlink(socket_path)
+        os.rmdir(socket_dir)
+
+
+def pool_stats(socket_path):
+    with PoolClient(socket_path, name="test") as client:
+        return client.stats()
+
+
+def assert_same_answer(got, want):
+    text, tokens, logprobs = answer(got)
+    ref_text, ref_tokens, ref_logprobs = answer(want)
+    assert tokens == ref_tokens and text == ref_text
+    assert logprobs == pytest.approx(ref_logprobs, abs=1e-4)
+
+
+def test_prompt_computed_on_a_is_served_by_b_from_the_pool(cluster):
+    servers, state = cluster
+    prompt = prompt_of(1, 1100)  # 4 full chunks and a 76-token tail; prefill over 3 steps of 512
+    first = complete(servers["A"], prompt)
+    assert provenance(first) == {"replica": "A", "local_tokens": 0, "pool_tokens": 0, "computed_tokens": 1100}
+    stats = pool_stats(state["socket"])
+    assert stats["entries"] == 4  # every full chunk stored, across the chunked-prefill steps
+    hits_before = stats["hit_chunks"]
+
+    second = complete(servers["B"], prompt)
+    assert cached_tokens(second) == 1024
+    assert provenance(second) == {"replica": "B", "local_tokens": 0, "pool_tokens": 1024, "computed_tokens": 76}
+    stats = pool_stats(state["socket"])
+    assert stats["hit_chunks"] - hits_before == 4
+    assert stats["leases"] == 0  # released as soon as the load step finished
+
+    assert_same_answer(second, complete(servers["R"], prompt))
+    assert_same_answer(first, complete(servers["R"], prompt))
+    assert wait_for_metric(servers["B"], "vllm:kvshare_loaded_tokens_total", 1024) >= 1024
+    assert wait_for_metric(servers["A"], "vllm:kvshare_stored_chunks_total", 4) >= 4
+    assert metric(servers["B"], "vllm:kvshare_load_failures_total") == 0
+
+
+def test_prompt_of_whole_chunks_and_a_local_hit_extended_from_the_pool(cluster):
+    servers, state = cluster
+    base = prompt_of(2, 512)
+    complete(servers["A"], base)  # two chunks into the pool
+    exact = complete(servers["B"], base)  # all of it in the pool: the last block is still computed
+    assert provenance(exact)["pool_tokens"] == 480 and cached_tokens(exact) == 480
+    assert_same_answer(exact, complete(servers["R"], base))
+
+    longer = base + prompt_of(3, 600)  # 1112 tokens: chunks 0-1 are in B's own cache now
+    complete(servers["A"], longer)  # A stores chunks 2 and 3
+    both = complete(servers["B"], longer)
+    origin = provenance(both)
+    assert origin["local_tokens"] >= 480 and origin["local_tokens"] + origin["pool_tokens"] == 1024
+    assert origin["pool_tokens"] >= 512
+    assert_same_answer(both, complete(servers["R"], longer))
+
+
+def test_use_pool_false_turns_the_pool_off_for_a_request(cluster):
+    servers, state = cluster
+    prompt = prompt_of(4, 800)
+    complete(servers["A"], prompt)
+    entries = pool_stats(state["socket"])["entries"]
+    off = complete(servers["B"], prompt, kv_transfer_params={"kvshare": {"use_pool": False}})
+    assert provenance(off)["pool_tokens"] == 0 and cached_tokens(off) == 0
+    assert_same_answer(off, complete(servers["R"], prompt))
+    other = complete(servers["B"], prompt_of(5, 800), kv_transfer_params={"kvshare": {"use_pool": False}})
+    assert provenance(other)["pool_tokens"] == 0
+    assert pool_stats(state["socket"])["entries"] == entries  # nothing stored either
+
+
+def test_chat_completions_carry_provenance(cluster):
+    servers, _ = cluster
+    messages = [{"role": "user", "content": "pool page chunk lease replica cache prefix " * 60}]
+    model = servers["A"].spec.argv[servers["A"].spec.argv.index("--served-model-name") + 1]
+    body = {"model": model, "messages": messages, "max_tokens": 8, "temperature": 0.0}
+    post(servers["A"].url, "/v1/chat/completions", body)
+    on_b = post(servers["B"].url, "/v1/chat/completions", body)
+    reference = post(servers["R"].url, "/v1/chat/completions", body)
+    assert provenance(on_b)["pool_tokens"] > 0
+    assert on_b["choices"][0]["message"]["content"] == reference["choices"][0]["message"]["content"]
+
+
+def test_corrupted_page_is_detected_and_recomputed(cluster):
+    servers, state = cluster
+    prompt = prompt_of(6, 900)  # chunks 0..2
+    complete(servers["A"], prompt)
+    digest = namespace_digest(engine_namespace(state["model"], LAYOUT, "vllm"))
+    keys = chunk_keys(digest, prompt, C)
+    with PoolClient(state["socket"], name="vandal") as client:
+        pages = client.lookup(keys, LAYOUT.page_bytes, lease=False).pages
+        assert len(pages) == 3
+        page = client.page(pages[1].offset, LAYOUT.page_bytes)
+        page[:] = page[::-1].copy()  # chunk 1's bytes reversed: plausible-looking floats, wrong KV
+    failures = metric(servers["B"], "vllm:kvshare_checksum_failures_total")
+    dropped = pool_stats(state["socket"])["dropped_pages"]
+
+    got = complete(servers["B"], prompt)
+    assert_same_answer(got, complete(servers["R"], prompt))
+    assert wait_for_metric(servers["B"], "vllm:kvshare_checksum_failures_total", failures + 1) == failures + 1
+    assert pool_stats(state["socket"])["dropped_pages"] == dropped + 1  # nobody else loads it
+    assert provenance(got)["pool_tokens"] == C  # chunk 0 came from the pool, the rest was recomputed
+
+    with PoolClient(state["socket"], name="test") as client:  # B recomputed chunk 1 and stored it
+        assert len(client.lookup(keys, LAYOUT.page_bytes, lease=False).pages) == 3
+
+
+def test_pool_killed_mid_run_both_servers_keep_answering(cluster):
+    servers, state = cluster
+    os.kill(state["pool"].pid, signal.SIGKILL)
+    state["pool"].wait()
+    for i, name in enumerate(("A", "B", "A", "B")):
+        prompt = prompt_of(10 + i, 700)
+        started = time.monotonic()
+        got = complete(servers[name], prompt)
+        assert time.monotonic() - started < 30
+        assert provenance(got)["pool_tokens"] == 0
+        assert_same_answer(got, complete(servers["R"], prompt))
+    assert wait_for_metric(servers["A"], "vllm:kvshare_pool_errors_total", 1) >= 1
+
+    # a pool started again on the same socket is found again once pool_retry_s has passed
+    state["pool"] = start_pool(state["socket"], "256MiB", POOL_ARGS)
+    time.sleep(1.5)
+    prompt = prompt_of(20, 600)
+    complete(servers["A"], prompt)
+    got = complete(servers["B"], prompt)
+    assert provenance(got)["pool_tokens"] == 512
+    assert_same_answer(got, complete(servers["R"], prompt))

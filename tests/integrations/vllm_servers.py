@@ -1,0 +1,141 @@
+"""Start vLLM OpenAI servers for the tests and talk to them (plain urllib; vLLM is not imported here)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+
+from kvshare.integrations.vllm_launch import LaunchSpec, VllmServerConfig, vllm_server_command, wait_until_ready
+
+
+def vllm_python() -> str | None:
+    """The interpreter that has vLLM: $KVSHARE_VLLM_PYTHON, else this one if it can import vllm."""
+    given = os.environ.get("KVSHARE_VLLM_PYTHON")
+    if given:
+        return given
+    return sys.executable if importlib.util.find_spec("vllm") is not None else None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    name: str
+    spec: LaunchSpec
+    proc: subprocess.Popen
+    log_path: str
+
+    @property
+    def url(self) -> str:
+        return self.spec.base_url
+
+    def log_tail(self, num_lines: int = 40) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-num_lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_servers(configs: dict[str, VllmServerConfig], log_dir: str, timeout_s: float = 420) -> dict[str, Server]:
+    """Start every server at once (they load in parallel) and wait until all are ready."""
+    servers: dict[str, Server] = {}
+    try:
+        for name, config in configs.items():
+            spec = vllm_server_command(config)
+            log_path = os.path.join(log_dir, f"vllm-{name}.log")
+            with open(log_path, "w") as log:
+                proc = subprocess.Popen(spec.argv, env=spec.env, stdout=log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+            servers[name] = Server(name, spec, proc, log_path)
+        for server in servers.values():
+            try:
+                wait_until_ready(server.url, server.proc, timeout_s=timeout_s)
+            except (RuntimeError, TimeoutError) as exc:
+                raise RuntimeError(f"{exc}\n--- log of {server.name} ---\n{server.log_tail()}") from None
+    except BaseException:
+        stop_servers(servers)
+        raise
+    return servers
+
+
+def stop_servers(servers: dict[str, Server]) -> None:
+    for server in servers.values():
+        server.stop()
+
+
+def post(url: str, path: str, body: dict, timeout_s: float = 120) -> dict:
+    request = urllib.request.Request(f"{url}{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        return json.load(response)
+
+
+def complete(server: Server, prompt: list[int], max_tokens: int = 12, **extra) -> dict:
+    """A greedy completion of token ids with top-5 logprobs (tokens returned as ids)."""
+    body = {
+        "model": server.spec.argv[server.spec.argv.index("--served-model-name") + 1],
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "logprobs": 5,
+        "return_tokens_as_token_ids": True,
+        **extra,
+    }
+    return post(server.url, "/v1/completions", body)
+
+
+def answer(response: dict) -> tuple[str, list[str], list[float]]:
+    """(text, generated tokens as "token_id:N", their logprobs) of a completion response."""
+    choice = response["choices"][0]
+    return choice["text"], choice["logprobs"]["tokens"], choice["logprobs"]["token_logprobs"]
+
+
+def cached_tokens(response: dict) -> int:
+    details = response["usage"].get("prompt_tokens_details") or {}
+    return details.get("cached_tokens") or 0
+
+
+def provenance(response: dict) -> dict:
+    return (response.get("kv_transfer_params") or {}).get("kvshare", {})
+
+
+def metric(server: Server, name: str) -> float:
+    """Sum of a counter over its label sets in the server's /metrics."""
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def wait_for_metric(server: Server, name: str, at_least: float, timeout_s: float = 30) -> float:
+    """vLLM publishes connector stats at its logging interval: poll until the counter arrives."""
+    deadline = time.monotonic() + timeout_s
+    value = metric(server, name)
+    while value < at_least and time.monotonic() < deadline:
+        time.sleep(0.5)
+        value = metric(server, name)
+    return value
