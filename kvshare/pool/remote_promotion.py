@@ -145,10 +145,10 @@ class Promotions:
     def _count_fetch(self, result: W.FetchResult) -> None:
         self.counters.errors += result.num_errors
         self.counters.deleted_values += result.num_deleted
-        for reason in result.discarded:
+        for reason, detail in result.discarded:
             name = f"discarded_{reason}"
             setattr(self.counters, name, getattr(self.counters, name) + 1)
-            log.warning("discarded a remote page: %s", reason)
+            log.warning("discarded a remote page (%s): %s", reason, detail)
 
     def _place(self, job: _PromoteJob, pages: list[RemotePage]) -> None:
         """Reserve arena pages (as the promoter) for fetched pages and have a thread copy them in."""

@@ -48,7 +48,7 @@ class FetchResult:
     end: str | None  # None: every key found; else MISS, ERROR, BREAKER or a discard reason
     num_errors: int = 0
     num_deleted: int = 0  # broken values removed so a writer can replace them
-    discarded: list[str] = field(default_factory=list)
+    discarded: list[tuple[str, str]] = field(default_factory=list)  # (reason, what was wrong)
 
 
 def write_pages(store: RemoteStore, breaker: CircuitBreaker, cfg: RemoteConfig, arena: np.ndarray,
@@ -152,7 +152,7 @@ def fetch_pages(store: RemoteStore, breaker: CircuitBreaker, cfg: RemoteConfig, 
             page = decode_page(values, key, page_bytes, namespace)
         except BadRemoteValue as exc:
             result.end = exc.reason
-            result.discarded.append(exc.reason)
+            result.discarded.append((exc.reason, f"chunk {key.hex()}: {exc}"))
             if exc.reason in BROKEN:
                 result.num_deleted += _delete_quietly(store, part_keys(cfg.prefix, key, max(len(values), count)))
             break
