@@ -47,13 +47,15 @@ def run(args: argparse.Namespace) -> int:
                 text = f.read()
         except OSError as exc:
             raise UserError(f"cannot read the prompt: {exc}") from None
-    config = EngineConfig(
-        model=args.model, device=args.device, dtype=args.dtype,
-        pool_socket=None if args.pool == "off" else args.pool, chunk_tokens=args.chunk_tokens,
-        local_cache_bytes=args.local_cache_size, verify_checksums=args.verify_checksums,
-    )
     started = time.perf_counter()
-    engine = Engine(config)
+    try:
+        engine = Engine(EngineConfig(
+            model=args.model, device=args.device, dtype=args.dtype,
+            pool_socket=None if args.pool == "off" else args.pool, chunk_tokens=args.chunk_tokens,
+            local_cache_bytes=args.local_cache_size, verify_checksums=args.verify_checksums,
+        ))
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
     load_s = time.perf_counter() - started
     tok = engine.tokenizer
     prompt_ids = tok.apply_chat_template([{"role": "user", "content": text}]) if args.chat else tok.encode(text)
@@ -62,19 +64,24 @@ def run(args: argparse.Namespace) -> int:
                                 seed=args.seed, ignore_eos=args.ignore_eos)
         started = time.perf_counter()
         token_ids, first_token_s, finish, provenance = [], None, None, None
+        printed = ""
         for event in engine.generate(prompt_ids, params, RequestOptions(tenant=args.tenant)):
             if first_token_s is None:
                 first_token_s = time.perf_counter() - started
             token_ids.append(event.token_id)
             finish, provenance = event.finish_reason, event.provenance
-            if not args.json:
-                print(tok.decode([event.token_id]), end="", flush=True)
+            text = tok.decode(token_ids)
+            if not args.json and not text.endswith("\ufffd"):  # hold back a partial UTF-8 character
+                print(text[len(printed):], end="", flush=True)
+                printed = text
         total_s = time.perf_counter() - started
     except ValueError as exc:
         raise UserError(str(exc)) from None
     finally:
         engine.close()
-    if args.json:
+    if not args.json:
+        print(tok.decode(token_ids)[len(printed):])
+    else:
         print(json.dumps({
             "text": tok.decode(token_ids), "token_ids": token_ids, "finish_reason": finish,
             "prompt_tokens": len(prompt_ids),
@@ -82,6 +89,4 @@ def run(args: argparse.Namespace) -> int:
                            "computed_tokens": provenance.computed_tokens},
             "model_load_s": round(load_s, 4), "ttft_s": round(first_token_s, 4), "total_s": round(total_s, 4),
         }))
-    else:
-        print()
     return 0

@@ -90,7 +90,10 @@ class Engine:
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         self.model_name = loaded.name
         mc = self.model_config
-        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's max_position_embeddings "
+                             f"{mc.max_position_embeddings}")
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.dtype, config.chunk_tokens)
         self.namespace = Namespace(
             model_id=self.model_name, weights_fingerprint=loaded.weights_fingerprint, kv_dtype=mc.dtype,

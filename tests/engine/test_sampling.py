@@ -84,3 +84,5 @@ def test_max_model_len(engine):
         engine.generate([], SamplingParams())
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0.0)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        Engine(EngineConfig(model="tiny", max_model_len=10**6))
