@@ -122,8 +122,8 @@ def test_default_chunk_size_and_tenants(tiny_dir, pool_socket):
 
 
 def test_a_stream_closed_after_its_first_token_still_publishes(tiny_dir, pool_socket):
-    a = Engine(EngineConfig(model=tiny_dir, chunk_tokens=CHUNK, pool_socket=pool_socket))
-    b = Engine(EngineConfig(model=tiny_dir, chunk_tokens=CHUNK, pool_socket=pool_socket))
+    a = Engine(EngineConfig(model=tiny_dir, chunk_tokens=CHUNK, pool_socket=pool_socket, verify_checksums=True))
+    b = Engine(EngineConfig(model=tiny_dir, chunk_tokens=CHUNK, pool_socket=pool_socket, verify_checksums=True))
     ids = a.tokenizer.encode(ascii_prompt(40, seed=21))
     cold, _ = run(a, ids, COLD)
     events = a.generate(ids, PARAMS)
