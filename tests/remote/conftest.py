@@ -62,6 +62,7 @@ class RedisServer:
     def __init__(self, port: int | None = None, cluster: bool = False, workdir: str | None = None) -> None:
         self.port = port or (free_cluster_port() if cluster else free_port())
         self.cluster = cluster
+        self.is_own_workdir = workdir is None
         self.workdir = workdir or tempfile.mkdtemp(prefix="kvshare-redis-")
         self.proc: subprocess.Popen | None = None
 
@@ -70,13 +71,15 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}"
 
     def start(self) -> "RedisServer":
+        """Start (or restart, on the same port) and wait until it answers; a server that does not is killed."""
         cmd = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                "--dir", self.workdir, "--logfile", os.path.join(self.workdir, f"{self.port}.log")]
         if self.cluster:
             cmd += ["--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{self.port}.conf"]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         if not wait_until(lambda: self.cli("ping") == "PONG", 10):
-            raise RuntimeError(f"redis-server on port {self.port} did not start")
+            self.kill()
+            raise RuntimeError(f"redis-server on port {self.port} did not start (see {self.workdir})")
         return self
 
     def cli(self, *args: str) -> str:
@@ -109,6 +112,8 @@ class RedisServer:
             except subprocess.TimeoutExpired:
                 self.kill()
             self.proc = None
+        if self.is_own_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -116,8 +121,10 @@ def redis_server():
     if not HAS_REDIS:
         pytest.skip(NO_REDIS)
     server = RedisServer().start()
-    yield server
-    server.stop()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -126,8 +133,11 @@ def redis_cluster():
     if not HAS_REDIS:
         pytest.skip(NO_REDIS)
     workdir = tempfile.mkdtemp(prefix="kvshare-cluster-")
-    servers = [RedisServer(cluster=True, workdir=workdir).start() for _ in range(3)]
+    servers = []
     try:
+        for _ in range(3):
+            servers.append(RedisServer(cluster=True, workdir=workdir))
+            servers[-1].start()
         nodes = [f"127.0.0.1:{s.port}" for s in servers]
         out = subprocess.run(["redis-cli", "--cluster", "create", *nodes, "--cluster-yes"],
                              capture_output=True, text=True, timeout=60)
