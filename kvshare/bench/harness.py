@@ -89,7 +89,8 @@ class Harness:
         started = time.monotonic()
         connector = aiohttp.TCPConnector(force_close=True)
         async with aiohttp.ClientSession(connector=connector) as session:
-            model = await model_name(session, self.replicas.activate(0))
+            # a sequential set knows its model's name: asking a replica would start one the first unit may not need
+            model = getattr(self.replicas, "served_name", None) or await model_name(session, self.replicas.activate(0))
             factory = PromptFactory(load_tokenizer(self.config.tokenizer or model),
                                     WorkloadConfig(nonce=run_id, system_tokens=self.config.system_tokens, seed=self.config.seed))
             ctx = BenchContext(run_id, session, self.replicas, model, factory, self.results, self.off_replicas,
@@ -104,7 +105,8 @@ class Harness:
                     if self.config.time_budget_s is not None:
                         budget = max(self.config.time_budget_s - (time.monotonic() - started), 1e-3)
                     t0 = time.time()
-                    result = await run_units(ctx, units, estimates, budget, progress)
+                    result = await run_units(ctx, units, estimates, budget, progress,
+                                             on_unit=None if progress is not None else self._log_unit)
                     outcome.runs[module.EXPERIMENT] = result
                     self.results.log_run({
                         "run_id": run_id, "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t0)),
@@ -115,6 +117,19 @@ class Harness:
                     if result.stop_reason != "complete":
                         break
         outcome.report_path, outcome.tables = write_report(self.results)
+
+    def _log_unit(self, key: str, seconds: float, records: list[Record]) -> None:
+        """One line per unit when there is no progress bar (logs of long runs)."""
+        from kvshare.bench.stats import median
+
+        ttfts = [r.ttft_s for r in records if r.is_ok and r.role == "measure"]
+        failed = sum(not r.is_ok for r in records)
+        line = (f"{time.strftime('%H:%M:%S')} {key}: {len(records)} requests in {seconds:.1f} s"
+                + (f", median TTFT {median(ttfts):.3f} s" if ttfts else "") + (f", {failed} FAILED" if failed else ""))
+        if self.console is not None:
+            self.console.print(line, highlight=False)
+        else:
+            print(line, flush=True)
 
     def _endpoints(self) -> dict:
         info = {"replicas": self.replicas.describe()}

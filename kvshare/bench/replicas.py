@@ -21,10 +21,13 @@ from dataclasses import dataclass, field
 
 
 class FixedReplicas:
-    def __init__(self, urls: list[str]) -> None:
+    def __init__(self, urls: list[str], warm: bool = True, use_extension: bool = True) -> None:
         if not urls:
             raise ValueError("give at least one replica URL")
         self.urls = [u.rstrip("/") for u in urls]
+        self.warm = warm  # warm each replica up before its first use (kvshare.bench.warmup)
+        self.use_extension = use_extension
+        self._warmed: set[int] = set()
 
     @property
     def num_replicas(self) -> int:
@@ -34,6 +37,11 @@ class FixedReplicas:
         """The URL of replica ``index`` (it is already up)."""
         if not 0 <= index < len(self.urls):
             raise ValueError(f"replica {index} asked for, but only {len(self.urls)} replica URLs were given")
+        if self.warm and index not in self._warmed:
+            from kvshare.bench.warmup import warm_up
+
+            warm_up(self.urls[index], self.use_extension)
+            self._warmed.add(index)
         return self.urls[index]
 
     def describe(self) -> dict:
@@ -55,6 +63,7 @@ class SequentialConfig:
     port: int = 8180  # replica i listens on port + i
     ready_timeout_s: float = 600.0
     log_dir: str | None = None  # replica and pool output goes to files here (default: discarded)
+    warm: bool = True  # warm each started replica up before it is measured (kvshare.bench.warmup)
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
@@ -94,6 +103,12 @@ class SequentialReplicas:
         os.makedirs(self.config.log_dir, exist_ok=True)
         return open(os.path.join(self.config.log_dir, f"{name}.log"), "ab")
 
+    @property
+    def served_name(self) -> str:
+        """The model name the replicas will serve (as the engine names it: preset name or directory name),
+        known without starting one."""
+        return os.path.basename(os.path.normpath(self.config.model))
+
     def url_of(self, index: int) -> str:
         return f"http://{self.config.host}:{self.config.port + index}"
 
@@ -117,8 +132,12 @@ class SequentialReplicas:
         finally:
             _close(log)  # the child holds its own copy of the descriptor
         self._wait_ready(self.url_of(index))
+        if cfg.warm:
+            from kvshare.bench.warmup import warm_up
+
+            warm_up(self.url_of(index))
         self.active = index
-        self.start_seconds.append(time.perf_counter() - started)
+        self.start_seconds.append(time.perf_counter() - started)  # start-up and warm-up
         return self.url_of(index)
 
     def _wait_ready(self, url: str) -> None:

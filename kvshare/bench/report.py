@@ -111,6 +111,26 @@ def study_table(blocks, sessions) -> Table:
                  "from whatever model and machine these records were measured on (see the runs below).")
 
 
+def summary_lines(records: list[Record]) -> list[str]:
+    """A few lines with the headline figures (the end of a long log)."""
+    lines = []
+    for r in ttft_rows(records):
+        m = r.medians
+        lines.append(f"ttft     {_tokens(r.context):>6}: cold {_s(m['cold'])} s, local {_s(m['local'])} s, cross "
+                     f"{_s(m['cross'])} s ({_x(r.cross_speedup)}), outputs equal {r.outputs}, failed {r.num_failed}")
+    for r in blocks_rows(records):
+        off = f"{_s(r.off.median)} s {format_ci(r.off.ci)}" if r.off else "-"
+        on = f"{_s(r.on.median)} s {format_ci(r.on.ci)}" if r.on else "-"
+        lines.append(f"blocks   {_tokens(r.context):>6}: OFF {off} -> ON {on} ({_x(r.speedup)}; n {r.off.n if r.off else 0}"
+                     f"/{r.on.n if r.on else 0}; paired ON/OFF {_s(r.ratio.median if r.ratio else None, 4)}), "
+                     f"outputs equal {r.outputs}, failed {r.num_failed}")
+    for r in sessions_rows(records):
+        lines.append(f"sessions {_tokens(r.context):>6} {r.placement:>9}: OFF {_s(r.session_s['off'], 2)} s -> ON "
+                     f"{_s(r.session_s['on'], 2)} s ({_pct(r.improvement)} faster; sessions {r.num_sessions['off']}/"
+                     f"{r.num_sessions['on']}), outputs equal {r.outputs}, failed {r.num_failed}")
+    return lines
+
+
 def markdown(tables_: list[Table], runs: list[dict], plots: list[str]) -> str:
     lines = ["# kvshare bench report", ""]
     for t in tables_:

@@ -113,7 +113,8 @@ def past_durations(records: list[Record], experiment: str, kind_of: Callable[[Re
 
 
 async def run_units(ctx: BenchContext, units: list[Unit], estimates: dict[str, float] | None = None,
-                    time_budget_s: float | None = None, progress: Any = None, clock: Callable[[], float] = time.monotonic) -> RunOutcome:
+                    time_budget_s: float | None = None, progress: Any = None, clock: Callable[[], float] = time.monotonic,
+                    on_unit: Callable[[str, float, list[Record]], None] | None = None) -> RunOutcome:
     """Run the units not yet recorded, in order; see the module docstring."""
     done = ctx.results.completed_units()
     todo = [u for u in units if u.key not in done]
@@ -152,4 +153,6 @@ async def run_units(ctx: BenchContext, units: list[Unit], estimates: dict[str, f
         outcome.num_done += 1
         if progress is not None:
             progress.advance(task, unit.num_requests)
+        if on_unit is not None:
+            on_unit(unit.key, took, records)
     return outcome

@@ -30,6 +30,7 @@ class TargetSpec:
     is_sequential: bool = False
     port: int | None = None  # first port of the started processes (default: a free block)
     log_dir: str | None = None
+    use_extension: bool = True  # the servers take kvshare's request extension
 
     def __post_init__(self) -> None:
         if bool(self.replica_urls) == bool(self.model):
@@ -59,9 +60,9 @@ def free_port_base(count: int, host: str = "127.0.0.1", attempts: int = 200) -> 
 @contextlib.contextmanager
 def open_target(spec: TargetSpec, progress=None) -> Iterator[tuple[object, object | None]]:
     """(replicas, off_replicas or None), started if needed, stopped on exit."""
-    off = FixedReplicas(list(spec.off_replica_urls)) if spec.off_replica_urls else None
+    off = FixedReplicas(list(spec.off_replica_urls), use_extension=False) if spec.off_replica_urls else None
     if spec.replica_urls:
-        yield FixedReplicas(list(spec.replica_urls)), off
+        yield FixedReplicas(list(spec.replica_urls), use_extension=spec.use_extension), off
         return
     if spec.is_sequential:
         replicas = SequentialReplicas(SequentialConfig(

@@ -85,6 +85,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                 "(default: place turns directly, with the router's own policy code)")
     report = sub.add_parser("report", help="rewrite report.md, records.csv and plots of a results folder")
     report.add_argument("--out", default="results/bench", help="the results folder")
+    report.add_argument("--compact", action="store_true", help="print headline lines instead of the tables")
 
 
 def _target_arguments(e: argparse.ArgumentParser) -> None:
@@ -121,7 +122,8 @@ def _run_arguments(e: argparse.ArgumentParser) -> None:
     g.add_argument("--unit-allowance", type=float, default=0.0,
                    help="seconds added to unit estimates from earlier runs (replica start-up with --sequential)")
     g.add_argument("--timeout", type=float, default=3600.0, help="seconds per request")
-    g.add_argument("--no-progress", action="store_true")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar: one line per unit instead")
+    g.add_argument("--no-tables", action="store_true", help="do not print the tables at the end")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -131,8 +133,14 @@ def run(args: argparse.Namespace) -> int:
         from kvshare.bench.records import ResultsDir
         from kvshare.bench.report import print_tables, write_report
 
-        path, tables = write_report(ResultsDir(args.out))
-        print_tables(tables)
+        results = ResultsDir(args.out)
+        path, tables = write_report(results)
+        if args.compact:
+            from kvshare.bench.report import summary_lines
+
+            print("\n".join(summary_lines(results.load())))
+        else:
+            print_tables(tables)
         print(f"report: {path}")
         return 0
     names = args.experiments if args.experiment == "suite" else (args.experiment,)
@@ -166,6 +174,7 @@ def _configs(args: argparse.Namespace, names: tuple[str, ...]) -> list:
 
 def _run_experiments(args: argparse.Namespace, names: tuple[str, ...]) -> int:
     import os
+    import signal
 
     from rich.console import Console
 
@@ -179,7 +188,8 @@ def _run_experiments(args: argparse.Namespace, names: tuple[str, ...]) -> int:
         spec = TargetSpec(replica_urls=tuple(args.replica), off_replica_urls=tuple(args.off_replica), model=args.model,
                           device=args.device, num_replicas=args.replicas, pool_size=args.pool_size,
                           pool_args=tuple(args.pool_arg), replica_args=tuple(args.replica_arg),
-                          is_sequential=args.sequential, port=args.port, log_dir=os.path.join(args.out, "logs"))
+                          is_sequential=args.sequential, port=args.port, log_dir=os.path.join(args.out, "logs"),
+                          use_extension=not args.no_extension)
         config = HarnessConfig(out_dir=args.out, tokenizer=args.tokenizer or args.model, system_tokens=args.system_tokens,
                                seed=args.seed, time_budget_s=args.time_budget, unit_allowance_s=args.unit_allowance,
                                timeout_s=args.timeout, use_extension=not args.no_extension,
@@ -187,6 +197,8 @@ def _run_experiments(args: argparse.Namespace, names: tuple[str, ...]) -> int:
     except ValueError as exc:
         raise UserError(str(exc)) from None
     console = Console()
+    # SIGTERM (e.g. from `timeout`) stops like Ctrl-C: what was measured is kept and reported
+    previous = signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
     status = console.status("starting replicas...")
     status.start()
     try:
@@ -197,7 +209,9 @@ def _run_experiments(args: argparse.Namespace, names: tuple[str, ...]) -> int:
         raise UserError(f"{type(exc).__name__}: {exc}") from None
     finally:
         status.stop()
-    print_tables(outcome.tables, console)
+        signal.signal(signal.SIGTERM, previous)
+    if not args.no_tables:
+        print_tables(outcome.tables, console)
     for name, result in outcome.runs.items():
         console.print(f"{name}: {result.num_done} units run, {result.num_skipped} already recorded, "
                       f"{result.num_left} left: {result.stop_reason}")

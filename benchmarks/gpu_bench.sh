@@ -1,0 +1,120 @@
+#!/usr/bin/env bash
+# The study's experiments on the H200 (built-in engine, synthetic Qwen3 shapes), one step per
+# device call; each step appends to a results folder, so a step cut short is continued by
+# running it again with the same folder.
+#
+#   benchmarks/gpu_bench.sh STEP [RESULTS]        (from the repository root, on the GPU machine)
+#
+#   32b-128k     blocks (OFF-ON-ON-OFF, 2 per block: no CIs) then ttft (1 prompt) at 128k,
+#                Qwen3-32B shape; the study's headline figure; blocks first, so that a call cut
+#                short has it and leaves the ttft for a continuation
+#   32b-32k      kvshare validate (if the command exists), then ttft (2 prompts) and blocks
+#                (8 per block, bootstrap CIs) at 32k, Qwen3-32B shape
+#   8b-sessions  sessions: 2 replicas of the Qwen3-8B shape on the GPU, 6 turns, alternate vs
+#                sticky, pool off vs on, at 32k then 128k (2 sessions each, as time allows)
+#   report       only rewrite and print the report of RESULTS
+#
+# 32B: two replicas with 128k of KV do not fit one GPU together, so replicas run one after the
+# other against one pool (kvshare bench --sequential): prime on replica A, stop it, start B,
+# measure; B never saw the prompt. Each started replica is warmed up (two small requests) before
+# it is measured. 128k = 128000 tokens (the presets' limit is 131072).
+#
+# Time: a step stops starting new work so that it ends within KVSHARE_BENCH_SECONDS (default
+# 540 s, under the 600 s a device command may run); `timeout` sends SIGTERM, which the harness
+# treats as Ctrl-C (keeps what it measured). Run a step again to continue it.
+# Estimates from DESIGN.md's prefill times (32B cold prefill ~6 s at 32k, ~48 s at 128k; 8B
+# ~12 s at 128k; a 32B replica start ~15-25 s), not yet measured with this script:
+#   32b-128k ~9-10 min (4 OFF + 4 primes + 1 ttft cold prefill at 128k, 6 replica starts):
+#            likely one full call plus a short continuation for the ttft
+#   8b-sessions ~5 min; 32b-32k ~6-7 min
+# In this order of priority if device time is short (the 128k blocks are the study's headline).
+#
+# Between calls (the machine starts bare each time), on the calling side:
+#   run:   carry [".whl", "results/gpu"], command "benchmarks/gpu_bench.sh 32b-128k"
+#   after: mkdir -p results/gpu && tar xzf <files_at>/gpu-results.tgz -C results/gpu
+# $OUT receives gpu-results.tgz (the whole folder: records, report, plots, replica logs),
+# report.md, the two plots and this step's log.
+set -uo pipefail
+STEP=${1:?usage: benchmarks/gpu_bench.sh 32b-32k|32b-128k|8b-sessions|report [RESULTS]}
+cd "$(dirname "$0")/.."
+RESULTS=${2:-results/gpu}
+TOTAL=${KVSHARE_BENCH_SECONDS:-540}
+MARGIN=40  # seconds kept for the report and packing
+PY=${PYTHON:-python3}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+mkdir -p "$RESULTS"
+if [ -n "${OUT:-}" ]; then exec > >(tee -a "$OUT/gpu_bench_$STEP.log") 2>&1; fi
+echo "== gpu_bench $STEP -> $RESULTS ($(date -u +%FT%TZ))"
+
+# msgspec (the server's JSON) is not on the GPU image: install the carried wheels
+if ! $PY -c "import msgspec" 2>/dev/null; then
+    if ls .whl/*.whl >/dev/null 2>&1; then
+        $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+            || { echo "installing .whl/ failed"; exit 2; }
+        export PYTHONPATH=$PYTHONPATH:/tmp/site
+    else
+        echo "msgspec is missing and no .whl/ was carried (see .whl in the repository root)"; exit 2
+    fi
+fi
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
+
+left() { echo $(( TOTAL - MARGIN - SECONDS )); }
+
+bench() {  # kvshare bench ARGS..., stopped (SIGTERM) at the step's deadline
+    local budget; budget=$(left)
+    if [ "$budget" -lt 30 ]; then echo "no time left for: $*"; return 0; fi
+    timeout --signal=TERM --kill-after=60 "$budget" \
+        $PY -m kvshare --log-level WARNING bench "$@" --out "$RESULTS" --no-progress --no-tables --time-budget "$budget"
+    local rc=$?
+    case $rc in
+        0) ;;
+        3|124|130) echo "(stopped before the end: run this step again to continue)" ;;
+        *) echo "kvshare bench exited with $rc" ;;
+    esac
+}
+
+validate() {
+    if $PY -m kvshare validate --help >/dev/null 2>&1; then
+        echo "== kvshare validate --level bytes,helpers,full-pool"
+        timeout --signal=TERM 180 $PY -m kvshare validate --level bytes,helpers,full-pool \
+            || echo "VALIDATION FAILED OR TIMED OUT (exit $?): treat the numbers below with suspicion"
+    else
+        echo "== (kvshare validate does not exist in this tree yet: validation skipped)"
+    fi
+}
+
+# overridable for a dry run of this script on CPU, e.g. KVSHARE_BENCH_DRY=1 (tiny model, 1k/2k contexts)
+if [ -n "${KVSHARE_BENCH_DRY:-}" ]; then M32=tiny M8=tiny DEV=cpu POOL=2GiB CTX_A=1k CTX_B=2k; fi
+# the pool holds one block's primes: 8 x 7.8 GiB at 32k, 2 x 31.3 GiB at 128k (LRU evicts older ones)
+M32=${M32:-qwen3-32b} M8=${M8:-qwen3-8b} DEV=${DEV:-cuda} POOL=${POOL:-66GiB} CTX_A=${CTX_A:-32k} CTX_B=${CTX_B:-128k}
+PER_BLOCK_32K=${PER_BLOCK_32K:-8}
+GPU32=(--model "$M32" --device "$DEV" --sequential --replicas 2 --pool-size "$POOL" --unit-allowance 60)
+GPU8=(--model "$M8" --device "$DEV" --replicas 2 --pool-size "$POOL" --replica-arg=--local-cache-size=20GiB)
+
+case $STEP in
+    32b-32k)
+        validate
+        bench suite --experiments ttft,blocks "${GPU32[@]}" --replica-arg=--local-cache-size=12GiB \
+            --contexts "$CTX_A" --repetitions 2 --per-block "$PER_BLOCK_32K" --max-tokens 16 --verify 1
+        ;;
+    32b-128k)
+        bench suite --experiments blocks,ttft "${GPU32[@]}" --replica-arg=--local-cache-size=32GiB \
+            --contexts "$CTX_B" --repetitions 1 --per-block 2 --max-tokens 16 --verify 0
+        ;;
+    8b-sessions)
+        bench sessions "${GPU8[@]}" --contexts "$CTX_A,$CTX_B" --sessions 2 --turns 6 --turn-tokens 200 \
+            --answer-tokens 32 --verify 1
+        ;;
+    report) ;;
+    *) echo "unknown step $STEP"; exit 2 ;;
+esac
+
+echo "== report ($RESULTS)"
+$PY -m kvshare --log-level WARNING bench report --compact --out "$RESULTS"
+if [ -n "${OUT:-}" ]; then
+    tar czf "$OUT/gpu-results.tgz" -C "$RESULTS" .
+    for f in report.md ttft_by_context.png session_turns.png; do
+        [ -f "$RESULTS/$f" ] && cp "$RESULTS/$f" "$OUT/"
+    done
+fi
+echo "== gpu_bench $STEP done in $SECONDS s"
