@@ -8,15 +8,18 @@ or from a reader thread::
                 +---- next batch, while batch k came back whole ----      commit <----+
     when no fetch or copy is left: answer the waiting lookups from the index
 
-A chunk the store lacks or that fails a check ends the chain; pages already
-fetched are still placed. Two lookups missing the same chunk share one job.
+Up to ``num_readers`` batches of a job are fetched at once (round trips overlap);
+their results are applied strictly in chain order. A chunk the store lacks or
+that fails a check ends the chain: pages before it are placed, pages after it
+(including batches already under way) are dropped. Two lookups missing the
+same chunk share one job.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
@@ -43,9 +46,14 @@ class _PromoteJob:
     deadline: float
     batch_len: int
     num_asked: int = 0  # keys sent to the store so far
-    num_found: int = 0
+    num_found: int = 0  # chunks of the chain fetched whole and valid
     outstanding: int = 0  # fetch and copy tasks in flight
-    is_ended: bool = False  # no further batch will be fetched
+    num_fetching: int = 0  # of which fetches
+    num_batches: int = 0  # batches sent so far
+    num_applied: int = 0  # batches applied, in order
+    arrived: dict = field(default_factory=dict)  # batch number -> (length, result), waiting for its turn
+    is_ended: bool = False  # no further batch is fetched (the chain broke, or the lookups were answered)
+    is_broken: bool = False  # the chain broke: no further page is placed
     is_answered: bool = False
 
 
@@ -102,7 +110,7 @@ class Promotions:
         for key in missing:
             self._job_of_key.setdefault(key, job)
         self.counters.lookups += 1
-        self._fetch_next(job)
+        self._fetch_more(job)
         return True
 
     def tick(self, now: float) -> None:
@@ -118,29 +126,55 @@ class Promotions:
         for job in self._jobs:
             job.waiters.clear()
 
-    def _fetch_next(self, job: _PromoteJob) -> None:
-        batch = job.keys[job.num_asked : job.num_asked + job.batch_len]
-        job.num_asked += len(batch)
-        job.outstanding += 1
-        args = (self.store, self.breaker, self.config, batch, job.page_bytes, job.namespace)
-        self._submit(W.fetch_pages, args, functools.partial(self._on_fetched, job, len(batch)))
+    def _fetch_more(self, job: _PromoteJob) -> None:
+        while (not job.is_ended and job.num_asked < len(job.keys)
+               and job.num_fetching < self.config.num_readers):
+            batch = job.keys[job.num_asked : job.num_asked + job.batch_len]
+            job.num_asked += len(batch)
+            job.outstanding += 1
+            job.num_fetching += 1
+            args = (self.store, self.breaker, self.config, batch, job.page_bytes, job.namespace)
+            on_fetched = functools.partial(self._on_fetched, job, job.num_batches, len(batch))
+            job.num_batches += 1
+            self._submit(W.fetch_pages, args, on_fetched)
 
-    def _on_fetched(self, job: _PromoteJob, batch_len: int, result: W.FetchResult | BaseException) -> None:
+    def _on_fetched(self, job: _PromoteJob, batch_no: int, batch_len: int,
+                    result: W.FetchResult | BaseException) -> None:
         job.outstanding -= 1
+        job.num_fetching -= 1
+        job.arrived[batch_no] = (batch_len, result)
+        while job.num_applied in job.arrived:
+            self._apply(job, *job.arrived.pop(job.num_applied))
+            job.num_applied += 1
+        self._fetch_more(job)
+        self._maybe_finish(job)
+
+    def _apply(self, job: _PromoteJob, batch_len: int, result: W.FetchResult | BaseException) -> None:
+        """Count a batch's result and, while the chain is unbroken, place its pages."""
         if isinstance(result, BaseException):
             log.error("remote fetch failed: %r", result)
-            job.is_ended = True
-        else:
-            self._count_fetch(result)
-            job.num_found += len(result.pages)
-            if result.pages and not self._is_closed:
-                job.namespace = result.pages[0].meta.namespace
-                self._place(job, result.pages)
-            if result.end is not None or len(result.pages) < batch_len or job.num_asked >= len(job.keys):
-                job.is_ended = True
-            elif not job.is_ended:
-                self._fetch_next(job)
-        self._maybe_finish(job)
+            self._break(job)
+            return
+        self._count_fetch(result)
+        if job.is_broken or self._is_closed:
+            return  # fetched ahead of a chunk that broke the chain: not part of it
+        pages = result.pages
+        if job.namespace is not None:  # a batch fetched before the chain's namespace was known
+            same = [p.meta.namespace == job.namespace for p in pages]
+            if not all(same):
+                pages = pages[: same.index(False)]
+                self._count_fetch(W.FetchResult([], None, discarded=[("fingerprint", "chunk of another namespace")]))
+                self._break(job)
+        job.num_found += len(pages)
+        if pages:
+            job.namespace = pages[0].meta.namespace
+            self._place(job, pages)
+        if result.end is not None or len(pages) < batch_len:
+            self._break(job)
+
+    @staticmethod
+    def _break(job: _PromoteJob) -> None:
+        job.is_broken = job.is_ended = True
 
     def _count_fetch(self, result: W.FetchResult) -> None:
         self.counters.errors += result.num_errors
@@ -158,11 +192,11 @@ class Promotions:
                                           pages[0].meta.depth, self._clock())
         except PoolError as exc:
             log.error("remote promotion: reserve refused: %s", exc)
-            job.is_ended = True
+            self._break(job)
             return
         if reserved.num_no_room:
             self.counters.promote_no_room += reserved.num_no_room
-            job.is_ended = True
+            self._break(job)
         if not reserved.grants:
             return
         placements = [(pages[i], entry.offset) for i, entry in reserved.grants]
@@ -179,7 +213,7 @@ class Promotions:
             log.error("remote promotion: %d page(s) differ from their checksum after the copy: %r", bad, result)
             self.index.abort(self.promoter_id, reservation_id)
             self.counters.discarded_checksum += bad
-            job.is_ended = True
+            self._break(job)
         else:
             self.index.commit(self.promoter_id, reservation_id, expected)
             self.counters.promoted_pages += len(placements)

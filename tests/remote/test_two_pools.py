@@ -13,6 +13,7 @@ import pytest
 
 from kvshare.pool import protocol as P
 from kvshare.pool.client import PoolClient
+from kvshare.pool.remote_format import num_parts, part_keys
 from kvshare.pool.spawn import running_pool
 from tests.remote.conftest import (MiB, assert_pages_equal, free_port, make_keys, pool_args, remote_stats, two_pools,
                                    wait_until, wait_written, write_chain)
@@ -191,4 +192,29 @@ def test_promotion_without_room_in_the_arena(redis_server, prefix):
         stats = remote_stats(cb)
         assert stats["promoted_pages"] == 2 and stats["promote_no_room"] == 2
         cb.release([lease.lease_id, held.lease_id], wait=True)
+        cb.check_integrity()
+
+
+def test_batches_fetched_ahead_of_a_break_in_the_chain_are_not_placed(redis_server, prefix):
+    """One page per batch, two in flight: a missing chunk 2 ends the chain even though 3.. arrived."""
+    page_bytes = 1 * MiB
+    keys = make_keys(prefix, 6)
+    other = make_keys(prefix + "-ns", 3)
+    extra = ("--remote-promote-batch", "1MiB", "--remote-readers", "2")
+    with two_pools(redis_server.url, prefix, *extra) as (a, b), PoolClient(a) as ca, PoolClient(b) as cb:
+        data = write_chain(ca, keys, page_bytes, prefix)
+        write_chain(ca, other[:1], page_bytes, prefix + "-ns")
+        write_chain(ca, other[1:], page_bytes, prefix + "-ns", namespace=bytes(16), first_depth=1)
+        wait_written(ca, 9)
+        redis_server.client().delete(*part_keys(prefix, keys[2], num_parts(page_bytes, 256 << 10)))
+        lease = cb.lookup(keys, page_bytes)
+        assert_pages_equal(cb, lease.pages, data[:2])
+        cb.release([lease.lease_id], wait=True)
+        lease = cb.lookup(other, page_bytes)  # chunk 1 of another namespace, fetched before chunk 0's arrived
+        assert lease.num_pages == 1
+        cb.release([lease.lease_id], wait=True)
+        stats = cb.stats()
+        assert stats["entries"] == 3, "nothing after a break in a chain is placed"
+        assert stats["remote"]["promoted_pages"] == 3 and stats["remote"]["discarded_fingerprint"] >= 1
+        assert cb.lookup(keys[3:], page_bytes, lease=False).num_pages == 0
         cb.check_integrity()
