@@ -36,12 +36,11 @@ from kvshare.integrations.model_identity import engine_namespace
 from kvshare.integrations.pool_link import PoolLink
 from kvshare.integrations.vllm_layout import UnsupportedKVLayout, detect_layout
 from kvshare.integrations.vllm_meta import LoadOutcome, StepPlan, WorkerReport
-from kvshare.integrations.vllm_options import PARAMS_KEY, ConnectorConfig
+from kvshare.integrations.vllm_options import PARAMS_KEY, ConnectorConfig, check_supported, kv_layout_of
 from kvshare.integrations.vllm_plan import blocks_of_tokens
 from kvshare.integrations.vllm_scheduler import PoolScheduler, ScheduledRequest
 from kvshare.integrations.vllm_stats import KVSharePromMetrics, KVShareStats
 from kvshare.integrations.vllm_worker import PoolKVWorker
-from kvshare.layout import KVLayout
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -71,37 +70,6 @@ class KVShareWorkerMetadata(KVConnectorWorkerMetadata):
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "KVShareWorkerMetadata":
         assert isinstance(other, KVShareWorkerMetadata)
         return KVShareWorkerMetadata(self.report.merged(other.report))
-
-
-def kv_layout_of(vllm_config: "VllmConfig", chunk_tokens: int) -> KVLayout:
-    """The pool page layout of the model vLLM serves (KV in the model's dtype)."""
-    model, cache, parallel = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
-    if cache.cache_dtype not in ("auto", None):
-        raise ValueError(f"kvshare stores KV in the model's dtype; --kv-cache-dtype {cache.cache_dtype} is not supported")
-    dtype = str(model.dtype).replace("torch.", "")
-    return KVLayout(
-        num_layers=model.get_num_layers(parallel),
-        num_kv_heads=model.get_num_kv_heads(parallel),
-        head_dim=model.get_head_size(),
-        dtype=dtype,
-        chunk_tokens=chunk_tokens,
-    )
-
-
-def check_supported(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None") -> None:
-    """Refuse, by name, set-ups the connector does not handle yet."""
-    parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
-        raise ValueError(
-            "kvshare's vLLM connector supports tensor_parallel_size 1 and pipeline_parallel_size 1 only for now "
-            f"(got {parallel.tensor_parallel_size} and {parallel.pipeline_parallel_size}); "
-            "run several single-GPU replicas sharing one pool instead"
-        )
-    if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) != 1:
-        raise ValueError(
-            f"kvshare's vLLM connector needs one KV cache group (plain full attention); this model has "
-            f"{len(kv_cache_config.kv_cache_groups)} (hybrid or sliding-window layers are not supported)"
-        )
 
 
 def _log_through_vllm() -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from kvshare.keys import DEFAULT_CHUNK_TOKENS
+from kvshare.layout import KVLayout
 from kvshare.paths import default_pool_socket
 
 PARAMS_KEY = "kvshare"  # our entry in kv_transfer_params, in and out
@@ -64,7 +65,7 @@ class ConnectorConfig:
             try:
                 values[name] = kind(value)
             except (TypeError, ValueError):
-                raise ValueError(f"kv_connector_extra_config.{name} must be a {kind.__name__}, got {value!r}") from None
+                raise ValueError(f"kv_connector_extra_config.{name} must be of type {kind.__name__}, got {value!r}") from None
         return cls(**values)
 
     def check_block_size(self, block_size: int) -> None:
@@ -90,6 +91,37 @@ class RequestOptions:
             return cls()
         use_pool = ours.get("use_pool", True)
         return cls(use_pool=use_pool if isinstance(use_pool, bool) else True)
+
+
+def kv_layout_of(vllm_config: Any, chunk_tokens: int) -> KVLayout:
+    """The pool page layout of the model vLLM serves (KV in the model's dtype)."""
+    model, cache, parallel = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
+    if cache.cache_dtype not in ("auto", None):
+        raise ValueError(f"kvshare stores KV in the model's dtype; --kv-cache-dtype {cache.cache_dtype} is not supported")
+    dtype = str(model.dtype).replace("torch.", "")
+    return KVLayout(
+        num_layers=model.get_num_layers(parallel),
+        num_kv_heads=model.get_num_kv_heads(parallel),
+        head_dim=model.get_head_size(),
+        dtype=dtype,
+        chunk_tokens=chunk_tokens,
+    )
+
+
+def check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
+    """Refuse, by name, set-ups the connector does not handle yet."""
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+        raise ValueError(
+            "kvshare's vLLM connector supports tensor_parallel_size 1 and pipeline_parallel_size 1 only for now "
+            f"(got {parallel.tensor_parallel_size} and {parallel.pipeline_parallel_size}); "
+            "run several single-GPU replicas sharing one pool instead"
+        )
+    if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) != 1:
+        raise ValueError(
+            f"kvshare's vLLM connector needs one KV cache group (plain full attention); this model has "
+            f"{len(kv_cache_config.kv_cache_groups)} (hybrid or sliding-window layers are not supported)"
+        )
 
 
 def provenance(replica: str, num_prompt_tokens: int, local_tokens: int, pool_tokens: int) -> dict[str, Any]:

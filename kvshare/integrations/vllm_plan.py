@@ -198,8 +198,8 @@ class LeaseBook:
     """Leases per request id: at most one each, reused when vLLM asks again, expired after a TTL.
 
     The book only records; the caller talks to the pool (lookup, release) and passes ``now``.
-    Only leases not yet sent to a worker may expire: an in-flight one is released when its
-    load has finished, whatever its age, so a page is never freed while it is copied.
+    A lease sent to a worker is released when its load has finished, not when the TTL says:
+    a page is never freed while it is copied (only a report lost for ten TTLs ends it).
     """
 
     def __init__(self, ttl_s: float) -> None:
@@ -246,6 +246,16 @@ class LeaseBook:
         return [(req_id, held) for req_id, held in self._held.items() if held.state is state]
 
     def take_expired(self, now: float) -> list[HeldLease]:
-        """Remove and return pending leases older than the TTL (requests vLLM never scheduled)."""
-        expired = [r for r, h in self._held.items() if h.state is LeaseState.PENDING and now - h.taken_at >= self.ttl_s]
+        """Remove and return pending leases older than the TTL (requests vLLM never scheduled), and
+        in-flight ones older than ``IN_FLIGHT_TTL_FACTOR`` TTLs (a step whose report never came)."""
+        def is_expired(held: HeldLease) -> bool:
+            age = now - held.taken_at
+            if held.state is LeaseState.IN_FLIGHT:
+                return age >= IN_FLIGHT_TTL_FACTOR * self.ttl_s
+            return age >= self.ttl_s
+
+        expired = [r for r, h in self._held.items() if is_expired(h)]
         return [self._held.pop(r) for r in expired]
+
+
+IN_FLIGHT_TTL_FACTOR = 10  # a load takes a step (well under a second); ten TTLs means its report was lost

@@ -1,0 +1,176 @@
+"""TTFT of vLLM with kvshare's connector: cold, vLLM's own prefix-cache hit, and cross-replica.
+
+    python -m kvshare.integrations.vllm_bench --vllm-python /tmp/vllm-venv/bin/python \\
+        --lengths 8192 16384 --repeats 3 --out results/vllm
+
+starts a pool and three vLLM OpenAI servers on the tiny preset (A and B with the
+connector, R without it) and, per length and repeat, with a fresh random prompt:
+
+    cold (R)     plain vLLM computes the prompt
+    cold (A)     A computes it and stores its chunks into the pool (the store is in its TTFT)
+    local (A)    the same prompt again on A: vLLM's own prefix cache
+    local (R)    the same on plain vLLM
+    cross (B)    B has never seen it: its prefix comes from the pool
+
+TTFT is the time to the first streamed token of a completion; usage.prompt_tokens_details
+.cached_tokens of each request is kept with it. It prints a markdown
+table (medians) and the connector's load/store bandwidth from the servers' /metrics,
+and writes every measurement to OUT/ttft.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+from kvshare.integrations.vllm_launch import VllmServerConfig, vllm_server_command, wait_until_ready
+from kvshare.pool.spawn import start_pool, stop_process
+
+
+def first_token_seconds(base_url: str, model: str, prompt: list[int], timeout_s: float = 600) -> tuple[float, int]:
+    """Seconds to the first streamed completion token, and the prompt tokens vLLM reported as cached."""
+    body = {"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    request = urllib.request.Request(f"{base_url}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    started = time.perf_counter()
+    ttft, cached = None, -1
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        for raw in response:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if ttft is None and event.get("choices"):
+                ttft = time.perf_counter() - started
+            usage = event.get("usage") or {}
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", cached) if usage else cached
+    if ttft is None:
+        raise RuntimeError(f"{base_url} streamed no token")
+    return ttft, cached
+
+
+def metrics(base_url: str) -> dict[str, float]:
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:kvshare_"):
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return values
+
+
+def run(args: argparse.Namespace) -> dict:
+    work = tempfile.mkdtemp(prefix="kvshare-vllm-bench-")
+    model = args.model or os.path.join(work, "model")
+    if not args.model:
+        subprocess.run([sys.executable, "-m", "kvshare", "make-model", "tiny", "--out", model], check=True,
+                       stdout=subprocess.DEVNULL)
+    socket_path = os.path.join(work, "pool.sock")
+    pool = start_pool(socket_path, args.pool_size, ("--prefault",), stdout=subprocess.DEVNULL)
+    common = dict(model=model, python=args.vllm_python, dtype="float32", kv_cache_gib=args.kv_cache_gib,
+                  max_model_len=max(args.lengths) + 64)
+    configs = {
+        "A": VllmServerConfig(port=args.port, pool_socket=socket_path, replica="A", **common),
+        "B": VllmServerConfig(port=args.port + 1, pool_socket=socket_path, replica="B", **common),
+        "R": VllmServerConfig(port=args.port + 2, pool_socket=None, replica="R", **common),
+    }
+    procs = {}
+    try:
+        for name, config in configs.items():
+            spec = vllm_server_command(config)
+            log = open(os.path.join(work, f"vllm-{name}.log"), "w")
+            procs[name] = (subprocess.Popen(spec.argv, env=spec.env, stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True), spec)
+        for name, (proc, spec) in procs.items():
+            wait_until_ready(spec.base_url, proc, timeout_s=600)
+        url = {name: spec.base_url for name, (_, spec) in procs.items()}
+        served = os.path.basename(os.path.normpath(model))
+        rng = random.Random(args.seed)
+        for name in url:  # warm-up: the first request of a server pays one-time costs
+            first_token_seconds(url[name], served, [rng.randrange(256) for _ in range(300)])
+        rows = []
+        for length in args.lengths:
+            for repeat in range(args.repeats):
+                prompt = [rng.randrange(256) for _ in range(length)]
+                row = {"length": length, "repeat": repeat}
+                for label, name in (("cold_R", "R"), ("cold_A", "A"), ("local_A", "A"), ("local_R", "R"), ("cross_B", "B")):
+                    row[label], row[f"{label}_cached"] = first_token_seconds(url[name], served, prompt)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        time.sleep(12)  # vLLM publishes connector stats to /metrics at its logging interval
+        counters = {name: metrics(url[name]) for name in ("A", "B")}
+    finally:
+        for proc, _ in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, 15)
+        for proc, _ in procs.values():
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, 9)
+        stop_process(pool)
+    return {"rows": rows, "counters": counters, "lengths": args.lengths, "repeats": args.repeats,
+            "machine": f"{os.cpu_count()} CPUs", "model": "tiny preset (kvshare make-model tiny)"}
+
+
+def report(result: dict) -> str:
+    lines = [
+        "| prompt tokens | cold, plain vLLM | cold, A (stores) | local hit, A | local hit, plain vLLM | cross-replica, B | cross / local (A) | cached tokens on B |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for length in result["lengths"]:
+        rows = [r for r in result["rows"] if r["length"] == length]
+        med = {k: statistics.median(r[k] for r in rows) for k in ("cold_R", "cold_A", "local_A", "local_R", "cross_B")}
+        pool_tokens = sorted({r["cross_B_cached"] for r in rows})
+        lines.append(
+            f"| {length} | {med['cold_R']:.3f} s | {med['cold_A']:.3f} s | {med['local_A']:.3f} s | "
+            f"{med['local_R']:.3f} s | {med['cross_B']:.3f} s | {med['cross_B'] / med['local_A']:.2f}x | "
+            f"{', '.join(map(str, pool_tokens))} |"
+        )
+    a, b = result["counters"]["A"], result["counters"]["B"]
+
+    def rate(c, what):
+        seconds = c.get(f"vllm:kvshare_{what}_seconds_total", 0.0)
+        num_bytes = c.get(f"vllm:kvshare_{what}_bytes_total", 0.0)
+        return f"{num_bytes / seconds / 1e9:.2f} GB/s ({num_bytes / 2**20:.0f} MiB in {seconds:.3f} s)" if seconds else "n/a"
+
+    lines += ["", f"load (B, checksums verified): {rate(b, 'load')}; store (A, with checksums): {rate(a, 'store')}"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vllm-python", required=True, help="python of the vLLM virtual environment")
+    parser.add_argument("--model", default=None, help="model directory (default: the tiny preset)")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--pool-size", default="2GiB")
+    parser.add_argument("--kv-cache-gib", type=int, default=2)
+    parser.add_argument("--port", type=int, default=18100)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="folder for ttft.json and ttft.md")
+    args = parser.parse_args(argv)
+    result = run(args)
+    text = report(result)
+    print(text)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "ttft.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        with open(os.path.join(args.out, "ttft.md"), "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

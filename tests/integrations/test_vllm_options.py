@@ -1,0 +1,97 @@
+"""Connector settings, per-request options, refusals and the server command line (no vLLM needed)."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from kvshare.integrations.vllm_launch import VllmServerConfig, kv_transfer_config, vllm_server_command
+from kvshare.integrations.vllm_options import (
+    ConnectorConfig,
+    RequestOptions,
+    check_supported,
+    kv_layout_of,
+    provenance,
+)
+
+
+def test_extra_config_is_parsed_and_checked():
+    config = ConnectorConfig.from_extra_config({"pool_socket": "/p.sock", "chunk_tokens": 512, "verify_checksums": False})
+    assert config.socket_path == "/p.sock" and config.chunk_tokens == 512 and not config.verify_checksums
+    assert ConnectorConfig.from_extra_config(None).socket_path.endswith("pool.sock")  # kvshare's default socket
+    with pytest.raises(ValueError, match="unknown kvshare connector settings.*pool_sockets"):
+        ConnectorConfig.from_extra_config({"pool_sockets": "/p.sock"})
+    with pytest.raises(ValueError, match="true or false"):
+        ConnectorConfig.from_extra_config({"store": "no"})
+    with pytest.raises(ValueError, match="chunk_tokens must be of type int"):
+        ConnectorConfig.from_extra_config({"chunk_tokens": "many"})
+    with pytest.raises(ValueError, match="multiple of vLLM's block size"):
+        ConnectorConfig(chunk_tokens=256).check_block_size(48)
+
+
+def test_request_options_default_to_the_pool_on():
+    assert RequestOptions.from_params(None).use_pool
+    assert RequestOptions.from_params({"other_connector": 1}).use_pool
+    assert not RequestOptions.from_params({"kvshare": {"use_pool": False}}).use_pool
+    assert RequestOptions.from_params({"kvshare": {"use_pool": "false"}}).use_pool  # only a JSON false turns it off
+    assert RequestOptions.from_params({"kvshare": "off"}).use_pool
+
+
+def test_provenance_always_adds_up():
+    assert provenance("A", 1100, 0, 1024) == {"replica": "A", "local_tokens": 0, "pool_tokens": 1024, "computed_tokens": 76}
+    assert provenance("A", 100, 80, 64)["computed_tokens"] == 0  # clipped, never negative
+
+
+def _vllm_config(tp=1, pp=1, cache_dtype="auto"):
+    model = SimpleNamespace(
+        dtype="torch.float32",
+        get_num_layers=lambda parallel: 8,
+        get_num_kv_heads=lambda parallel: 2,
+        get_head_size=lambda: 64,
+    )
+    parallel = SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    return SimpleNamespace(model_config=model, cache_config=SimpleNamespace(cache_dtype=cache_dtype), parallel_config=parallel)
+
+
+def test_tensor_parallel_and_hybrid_models_are_refused():
+    check_supported(_vllm_config(), SimpleNamespace(kv_cache_groups=[object()]))
+    with pytest.raises(ValueError, match="tensor_parallel_size 1"):
+        check_supported(_vllm_config(tp=2), None)
+    with pytest.raises(ValueError, match="pipeline_parallel_size"):
+        check_supported(_vllm_config(pp=2), None)
+    with pytest.raises(ValueError, match="one KV cache group"):
+        check_supported(_vllm_config(), SimpleNamespace(kv_cache_groups=[object(), object()]))
+
+
+def test_page_layout_from_the_vllm_config():
+    layout = kv_layout_of(_vllm_config(), 256)
+    assert (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype) == (8, 2, 64, "float32")
+    assert layout.page_bytes == 2 << 20
+    with pytest.raises(ValueError, match="kv-cache-dtype fp8"):
+        kv_layout_of(_vllm_config(cache_dtype="fp8"), 256)
+
+
+def test_server_command_line():
+    config = VllmServerConfig(model="/models/tiny", port=8123, pool_socket="/run/pool.sock", python="/venv/bin/python",
+                              replica="r0", max_model_len=2048, kv_cache_gib=2, dtype="float32")
+    spec = vllm_server_command(config, base_env={"PATH": "/bin"})
+    argv = spec.argv
+    assert argv[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    for flag in ("--enforce-eager", "--enable-prompt-tokens-details", "--enable-prefix-caching"):
+        assert flag in argv
+    assert argv[argv.index("--block-size") + 1] == "32"
+    assert argv[argv.index("--max-model-len") + 1] == "2048"
+    assert argv[argv.index("--served-model-name") + 1] == "tiny"
+    transfer = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    assert transfer == kv_transfer_config(config)
+    assert transfer["kv_connector_module_path"] == "kvshare.integrations.vllm"
+    assert transfer["kv_load_failure_policy"] == "recompute"
+    assert transfer["kv_connector_extra_config"]["pool_socket"] == "/run/pool.sock"
+    ConnectorConfig.from_extra_config(transfer["kv_connector_extra_config"])  # every key is one the connector knows
+    assert spec.env["VLLM_CPU_KVCACHE_SPACE"] == "2" and spec.env["PATH"] == "/bin"
+    assert spec.base_url == "http://127.0.0.1:8123"
+
+    plain = vllm_server_command(VllmServerConfig(model="/models/tiny", port=8124, pool_socket=None))
+    assert "--kv-transfer-config" not in plain.argv
+    with pytest.raises(ValueError, match="multiple of block_size"):
+        VllmServerConfig(model="m", port=1, chunk_tokens=100)
