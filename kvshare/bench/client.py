@@ -28,6 +28,10 @@ class BenchRequest:
     use_pool: bool | None = True  # None: send no kvshare extension (servers that lack it)
     use_local_cache: bool = True
     session_id: str | None = None  # the X-Session-ID header (routers place sessions by it)
+    # ask for logprobs so that every generated token arrives in a chunk of its own, text or not:
+    # a token that decodes to nothing (a special token, a partial UTF-8 sequence, or an id beyond a
+    # synthetic model's tokenizer) would otherwise send no chunk, and its time would not be seen
+    token_chunks: bool = True
 
     def __post_init__(self) -> None:
         if self.kind not in ("completion", "chat"):
@@ -41,8 +45,12 @@ class BenchRequest:
                                 "ignore_eos": True, "return_token_ids": True}
         if self.kind == "completion":
             body["prompt"] = self.prompt
+            if self.token_chunks:
+                body["logprobs"] = 0
         else:
             body["messages"] = self.messages
+            if self.token_chunks:
+                body["logprobs"], body["top_logprobs"] = True, 0
         if self.use_pool is not None:
             body["kvshare"] = {"use_pool": self.use_pool, "use_local_cache": self.use_local_cache}
         return body
@@ -56,7 +64,8 @@ class BenchRequest:
 class Response:
     """What came back, with client-side times in seconds from sending the request."""
 
-    ttft_s: float | None = None  # first chunk that carries content (text)
+    ttft_s: float | None = None  # first chunk that carries a generated token (text, or its logprob)
+    first_text_s: float | None = None  # first chunk that carries text
     first_chunk_s: float | None = None  # first data chunk of any kind
     e2e_s: float = 0.0
     text: str = ""
@@ -95,9 +104,13 @@ def absorb(response: Response, chunk: dict, now_s: float) -> None:
         piece = choice.get("text")
         if piece is None:
             piece = (choice.get("delta") or {}).get("content")
+        logprobs = choice.get("logprobs") or {}
+        has_token = bool(piece) or bool(logprobs.get("tokens") or logprobs.get("content"))
+        if has_token and response.ttft_s is None:
+            response.ttft_s = now_s
         if piece:
-            if response.ttft_s is None:
-                response.ttft_s = now_s
+            if response.first_text_s is None:
+                response.first_text_s = now_s
             response.text += piece
         if choice.get("token_ids") is not None:
             response.token_ids = list(choice["token_ids"])

@@ -42,7 +42,8 @@ class Record:
     session: int | None = None
     turn: int | None = None
     placement: str | None = None
-    ttft_s: float | None = None
+    ttft_s: float | None = None  # first chunk with a generated token (what the tables call TTFT)
+    first_text_s: float | None = None  # first chunk with text
     first_chunk_s: float | None = None
     e2e_s: float | None = None
     local_tokens: int | None = None

@@ -103,6 +103,13 @@ def study_table(blocks, sessions) -> Table:
         alt = [r for r in sessions if r.placement == "alternate" and nearest(context, {r.context: None})]
         here = ", ".join(f"{_pct(r.improvement)} at {_tokens(r.context)}" for r in alt) or "not measured"
         rows.append((f"six-turn sessions, alternating placement, {_tokens(context)} initial", f"~{gain:.0%} faster", here))
+    # the shape of the result at whatever contexts were measured (a demo on a small model, say)
+    rows.append(("cross-replica TTFT median OFF -> ON, every context measured here", "-",
+                 "; ".join(f"{_s(r.off.median)} s -> {_s(r.on.median)} s ({_x(r.speedup)}) at {_tokens(r.context)}"
+                           for r in blocks if r.off and r.on) or "not measured"))
+    rows.append(("sessions, alternating placement, every initial context measured here", "-",
+                 ", ".join(f"{_pct(r.improvement)} at {_tokens(r.context)} ({max(len(t) for t in r.turn_ttft.values())} turns)"
+                           for r in sessions if r.placement == "alternate") or "not measured"))
     sticky = [r for r in sessions if r.placement == "sticky"]
     rows.append(("sessions, fixed (sticky) placement", "gained little",
                  ", ".join(f"{_pct(r.improvement)} at {_tokens(r.context)}" for r in sticky) or "not measured"))

@@ -63,7 +63,8 @@ def to_record(response: Response, request: BenchRequest, **fields: Any) -> Recor
     return Record(
         url=request.url, prompt_tokens=prompt_tokens, completion_tokens=response.completion_tokens,
         use_pool=request.use_pool, replica=p.get("replica") or response.routed_to or request.url,
-        ttft_s=response.ttft_s, first_chunk_s=response.first_chunk_s, e2e_s=response.e2e_s,
+        ttft_s=response.ttft_s, first_text_s=response.first_text_s, first_chunk_s=response.first_chunk_s,
+        e2e_s=response.e2e_s,
         local_tokens=p.get("local_tokens"), pool_tokens=p.get("pool_tokens"), computed_tokens=p.get("computed_tokens"),
         cached_tokens=response.cached_tokens, output_digest=output_digest(response.token_ids),
         error=response.error, token_ids=response.token_ids, **fields,

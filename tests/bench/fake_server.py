@@ -11,7 +11,7 @@ SEEN = web.AppKey("seen", list)
 
 
 def fake_app(first_token_delay_s: float = 0.05, status: int = 200) -> web.Application:
-    """Streams a role chunk (chat), an empty piece, two content pieces, a final chunk with provenance, usage."""
+    """Streams a role chunk (chat), an empty piece, a token without text, two pieces of text, a final chunk, usage."""
     seen: list[dict] = []
 
     async def handle(request: web.Request) -> web.StreamResponse:
@@ -34,7 +34,11 @@ def fake_app(first_token_delay_s: float = 0.05, status: int = 200) -> web.Applic
         await asyncio.sleep(first_token_delay_s)
         if chat:
             await send({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
-        await send(piece(""))  # no content yet: must not count as the first token
+        await send(piece(""))  # no token: must not count as the first token
+        await asyncio.sleep(0.02)
+        # a token that decodes to no text, seen only through its logprobs entry
+        logprobs = {"content": [{"token": "", "logprob": -1.0}]} if chat else {"tokens": [""], "token_logprobs": [-1.0]}
+        await send(piece("", logprobs=logprobs))
         await asyncio.sleep(0.02)
         await send(piece("Hel"))
         await send(piece("lo"))

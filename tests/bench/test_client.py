@@ -19,11 +19,18 @@ def test_split_events_keeps_the_incomplete_rest():
     assert event_data(b"data: [DONE]") == "[DONE]"
 
 
-def test_absorb_times_the_first_content_not_the_first_chunk():
+def test_absorb_times_the_first_token_not_the_first_chunk():
     r = Response()
     absorb(r, {"choices": [{"delta": {"role": "assistant", "content": ""}}]}, 0.1)
     absorb(r, {"choices": [{"delta": {"content": "a"}}]}, 0.3)
-    assert r.first_chunk_s == 0.1 and r.ttft_s == 0.3 and r.text == "a"
+    assert r.first_chunk_s == 0.1 and r.ttft_s == 0.3 and r.first_text_s == 0.3 and r.text == "a"
+
+
+def test_a_token_without_text_counts_through_its_logprobs():
+    r = Response()
+    absorb(r, {"choices": [{"text": "", "logprobs": {"tokens": [""], "token_logprobs": [-2.0]}}]}, 0.2)
+    absorb(r, {"choices": [{"text": "x", "logprobs": {"tokens": ["x"], "token_logprobs": [-1.0]}}]}, 0.4)
+    assert (r.ttft_s, r.first_text_s) == (0.2, 0.4)
 
 
 async def _with_server(app, fn):
@@ -54,12 +61,16 @@ def test_send_reads_stream_provenance_and_token_ids(kind):
     assert response.prompt_tokens == 300 and response.cached_tokens == 256 and response.completion_tokens == 3
     assert response.routed_to == "http://fake"
     # the first content came after the delay and after the empty chunks; the end after that
-    assert 0.1 <= response.first_chunk_s < response.ttft_s <= response.e2e_s
+    assert 0.1 <= response.first_chunk_s < response.ttft_s < response.first_text_s <= response.e2e_s
     assert response.ttft_s >= 0.12
     sent = app[SEEN][0]
     assert sent["body"]["kvshare"] == {"use_pool": False, "use_local_cache": True}
     assert sent["body"]["stream"] is True and sent["body"]["temperature"] == 0.0
     assert sent["body"]["return_token_ids"] is True and sent["session"] == "s1"
+    if kind == "completion":  # every token in a chunk of its own: the first is seen even without text
+        assert sent["body"]["logprobs"] == 0
+    else:
+        assert sent["body"]["logprobs"] is True and sent["body"]["top_logprobs"] == 0
 
 
 def test_no_extension_is_sent_when_use_pool_is_none():

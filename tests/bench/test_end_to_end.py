@@ -143,3 +143,28 @@ def test_demo_hook(cluster, tmp_path, capsys):
     assert os.path.exists(outcome.report_path)
     printed = capsys.readouterr().out
     assert "Beside the study" in printed and "Blocked design" in printed
+
+
+def test_blocks_with_sequential_replicas(tmp_path):
+    """The GPU set-up on CPU: one pool, replica A primes and is stopped, then B starts and is measured."""
+    from kvshare.bench.replicas import SequentialConfig, SequentialReplicas
+
+    replicas = SequentialReplicas(SequentialConfig(model="tiny", pool_size="512MiB", port=free_port_base(2),
+                                                   log_dir=str(tmp_path / "logs"), ready_timeout_s=120))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", "1")
+        replicas.start()
+        try:
+            harness = Harness(HarnessConfig(out_dir=str(tmp_path), show_progress=False), replicas)
+            outcome = harness.run([BlocksConfig(contexts=(600,), per_block=1, design=("on", "off"), max_tokens=4, verify=0)])
+        finally:
+            replicas.close()
+    assert outcome.is_complete
+    records = ResultsDir(str(tmp_path)).load()
+    assert [(r.block, r.role, r.replica) for r in records] == [(0, "prime", "replica0"), (0, "measure", "replica1"),
+                                                               (1, "measure", "replica1")]
+    on, off = records[1], records[2]
+    assert on.pool_tokens == reusable(600) and on.local_tokens == 0 and on.matches_reference is True
+    assert off.pool_tokens == 0 and off.computed_tokens == 600
+    # B was started once, after A was stopped (prime on A, then B for both blocks)
+    assert len(replicas.start_seconds) == 2
