@@ -48,7 +48,6 @@ class _PromoteJob:
     num_asked: int = 0  # keys sent to the store so far
     num_found: int = 0  # chunks of the chain fetched whole and valid
     outstanding: int = 0  # fetch and copy tasks in flight
-    num_fetching: int = 0  # of which fetches
     num_batches: int = 0  # batches sent so far
     num_applied: int = 0  # batches applied, in order
     arrived: dict = field(default_factory=dict)  # batch number -> (length, result), waiting for its turn
@@ -127,12 +126,12 @@ class Promotions:
             job.waiters.clear()
 
     def _fetch_more(self, job: _PromoteJob) -> None:
+        # batches held in memory (being fetched, waiting for their turn, being copied): at most num_readers
         while (not job.is_ended and job.num_asked < len(job.keys)
-               and job.num_fetching < self.config.num_readers):
+               and job.outstanding + len(job.arrived) < self.config.num_readers):
             batch = job.keys[job.num_asked : job.num_asked + job.batch_len]
             job.num_asked += len(batch)
             job.outstanding += 1
-            job.num_fetching += 1
             args = (self.store, self.breaker, self.config, batch, job.page_bytes, job.namespace)
             on_fetched = functools.partial(self._on_fetched, job, job.num_batches, len(batch))
             job.num_batches += 1
@@ -141,7 +140,6 @@ class Promotions:
     def _on_fetched(self, job: _PromoteJob, batch_no: int, batch_len: int,
                     result: W.FetchResult | BaseException) -> None:
         job.outstanding -= 1
-        job.num_fetching -= 1
         job.arrived[batch_no] = (batch_len, result)
         while job.num_applied in job.arrived:
             self._apply(job, *job.arrived.pop(job.num_applied))
@@ -218,6 +216,7 @@ class Promotions:
             self.index.commit(self.promoter_id, reservation_id, expected)
             self.counters.promoted_pages += len(placements)
             self.counters.promoted_bytes += len(placements) * job.page_bytes
+        self._fetch_more(job)  # a batch's memory is free again
         self._maybe_finish(job)
 
     def _maybe_finish(self, job: _PromoteJob) -> None:
