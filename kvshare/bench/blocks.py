@@ -52,7 +52,10 @@ class BlocksConfig:
             raise ValueError("cross-replica measurements need two different replicas")
 
 
-def units(config: BlocksConfig) -> list[Unit]:
+def units(config: BlocksConfig, num_replicas: int) -> list[Unit]:
+    if max(config.replica_a, config.replica_b) >= num_replicas:
+        raise ValueError(f"blocks primes on replica {config.replica_a} and measures on {config.replica_b}; "
+                         f"give at least {max(config.replica_a, config.replica_b) + 1} replicas (got {num_replicas})")
     out = []
     for n in config.contexts:
         first_on = config.design.index("on")

@@ -98,7 +98,7 @@ class Harness:
             with self._progress() as progress:
                 for config in experiments:
                     module = EXPERIMENTS[type(config)]
-                    units = module.units(config, self.replicas.num_replicas) if module is sessions else module.units(config)
+                    units = module.units(config, self.replicas.num_replicas)
                     estimates = {k: v + self.config.unit_allowance_s
                                  for k, v in past_durations(self.results.load(), module.EXPERIMENT, record_kind).items()}
                     budget = None

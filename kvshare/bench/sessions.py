@@ -55,6 +55,8 @@ class SessionsConfig:
 
 
 def units(config: SessionsConfig, num_replicas: int) -> list[Unit]:
+    if "alternate" in config.placements and num_replicas < 2 and "alternate" not in dict(config.routers):
+        raise ValueError(f"alternate placement needs at least 2 replicas (got {num_replicas})")
     placers = {p: Placer(p, num_replicas, dict(config.routers).get(p)) for p in config.placements}
     out = []
     for n in config.contexts:

@@ -39,7 +39,10 @@ class TTFTConfig:
             raise ValueError("cross-replica reuse needs two different replicas")
 
 
-def units(config: TTFTConfig) -> list[Unit]:
+def units(config: TTFTConfig, num_replicas: int) -> list[Unit]:
+    if max(config.replica_a, config.replica_b) >= num_replicas:
+        raise ValueError(f"ttft measures cross-replica reuse on replicas {config.replica_a} and {config.replica_b}; "
+                         f"give at least {max(config.replica_a, config.replica_b) + 1} replicas (got {num_replicas})")
     return [Unit(f"{EXPERIMENT}/L={n}", f"{EXPERIMENT}/L={n}", 3 * config.repetitions, partial(run_context, config, n))
             for n in config.contexts]
 

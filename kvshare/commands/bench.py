@@ -205,7 +205,7 @@ def _run_experiments(args: argparse.Namespace, names: tuple[str, ...]) -> int:
         with open_target(spec, progress=status.update) as (replicas, off):
             status.stop()
             outcome = Harness(config, replicas, off, console=console).run(configs)
-    except (RuntimeError, TimeoutError) as exc:
+    except (RuntimeError, TimeoutError, ValueError) as exc:  # replicas that do not start, a plan they cannot run
         raise UserError(f"{type(exc).__name__}: {exc}") from None
     finally:
         status.stop()
