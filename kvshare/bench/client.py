@@ -112,8 +112,8 @@ def absorb(response: Response, chunk: dict, now_s: float) -> None:
             if response.first_text_s is None:
                 response.first_text_s = now_s
             response.text += piece
-        if choice.get("token_ids") is not None:
-            response.token_ids = list(choice["token_ids"])
+        if choice.get("token_ids") is not None:  # kvshare: all of them in the final chunk; vLLM: each chunk's own
+            response.token_ids = (response.token_ids or []) + list(choice["token_ids"])
         if choice.get("finish_reason"):
             response.finish_reason = choice["finish_reason"]
     usage = chunk.get("usage")

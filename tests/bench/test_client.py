@@ -26,6 +26,14 @@ def test_absorb_times_the_first_token_not_the_first_chunk():
     assert r.first_chunk_s == 0.1 and r.ttft_s == 0.3 and r.first_text_s == 0.3 and r.text == "a"
 
 
+def test_token_ids_accumulate_over_chunks():
+    """vLLM sends each chunk's own token ids; kvshare sends all of them in the final chunk."""
+    r = Response()
+    for ids in ([5], [6, 7], []):
+        absorb(r, {"choices": [{"text": "", "token_ids": ids}]}, 0.1)
+    assert r.token_ids == [5, 6, 7]
+
+
 def test_a_token_without_text_counts_through_its_logprobs():
     r = Response()
     absorb(r, {"choices": [{"text": "", "logprobs": {"tokens": [""], "token_logprobs": [-2.0]}}]}, 0.2)
