@@ -20,8 +20,9 @@
 # it is measured. 128k = 128000 tokens (the presets' limit is 131072).
 #
 # Time: a step stops starting new work so that it ends within KVSHARE_BENCH_SECONDS (default
-# 540 s, under the 600 s a device command may run); `timeout` sends SIGTERM, which the harness
-# treats as Ctrl-C (keeps what it measured). Run a step again to continue it.
+# 520 s: under the 600 s a device command may run, with room to stop the replicas); `timeout`
+# sends SIGTERM, which the harness treats as Ctrl-C (keeps what it measured). Run a step again
+# to continue it.
 # Estimates from DESIGN.md's prefill times (32B cold prefill ~6 s at 32k, ~48 s at 128k; 8B
 # ~12 s at 128k; a 32B replica start ~15-25 s), not yet measured with this script:
 #   32b-128k ~9-10 min (4 OFF + 4 primes + 1 ttft cold prefill at 128k, 6 replica starts):
@@ -38,12 +39,15 @@ set -uo pipefail
 STEP=${1:?usage: benchmarks/gpu_bench.sh 32b-32k|32b-128k|8b-sessions|report [RESULTS]}
 cd "$(dirname "$0")/.."
 RESULTS=${2:-results/gpu}
-TOTAL=${KVSHARE_BENCH_SECONDS:-540}
+TOTAL=${KVSHARE_BENCH_SECONDS:-520}
 MARGIN=40  # seconds kept for the report and packing
 PY=${PYTHON:-python3}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 mkdir -p "$RESULTS"
-if [ -n "${OUT:-}" ]; then exec > >(tee -a "$OUT/gpu_bench_$STEP.log") 2>&1; fi
+if [ -n "${OUT:-}" ] && [ -z "${GPU_BENCH_LOGGED:-}" ]; then  # run again under tee: the log comes back in $OUT
+    GPU_BENCH_LOGGED=1 "$0" "$@" 2>&1 | tee -a "$OUT/gpu_bench_$STEP.log"
+    exit "${PIPESTATUS[0]}"
+fi
 echo "== gpu_bench $STEP -> $RESULTS ($(date -u +%FT%TZ))"
 
 # msgspec (the server's JSON) is not on the GPU image: install the carried wheels
