@@ -10,7 +10,8 @@ PRESET_NAMES = ("tiny", "qwen3-8b", "qwen3-32b")  # kvshare.engine.presets.PRESE
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("preset", choices=PRESET_NAMES, help="tiny (CPU), or qwen3-8b / qwen3-32b shapes (GPU, bf16)")
     p.add_argument("--out", required=True, help="directory to write (created if missing)")
-    p.add_argument("--device", default="cpu", help="where the weights are drawn (part of the preset's identity)")
+    p.add_argument("--device", default="cpu",
+                   help="where to build: the qwen3 presets draw their weights there (part of their identity); tiny always on the CPU")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"), help="default: the preset's")
 
 
