@@ -210,10 +210,13 @@ class ReplicaServer:
         self.metrics.generation_tokens.inc(out.num_tokens)
         if response is None:
             return web.json_response(out.final_body())
-        for chunk in out.final_chunks():
-            await response.write(b"data: " + _json.encode(chunk) + b"\n\n")
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
+        try:
+            for chunk in out.final_chunks():
+                await response.write(b"data: " + _json.encode(chunk) + b"\n\n")
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+        except ConnectionResetError:
+            pass  # the client left after the last token: nothing was lost
         return response
 
 
