@@ -1,4 +1,5 @@
-"""The embedded default: start a pool and client processes, share pages between them, measure."""
+"""The embedded default: the pool, then a small cluster on CPU (tiny model, two replicas, a router)
+running the study's experiments at small scale; prints the tables and writes a report."""
 
 from __future__ import annotations
 
@@ -7,6 +8,10 @@ import argparse
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="kvshare-report", help="folder for the demo's report")
+    p.add_argument("--scale", choices=("small", "smoke"), default="small",
+                   help="small: contexts up to 8k tokens, a few minutes; smoke: seconds")
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--port", type=int, default=8080, help="router port; replicas take the next ports")
 
 
 def run(args: argparse.Namespace) -> int:
