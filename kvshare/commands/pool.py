@@ -25,6 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--low-watermark", type=float, default=0.90)
     p.add_argument("--lease-ttl", type=float, default=300.0, help="seconds before an unreleased lease expires")
     p.add_argument("--max-message-bytes", type=parse_size, default="1MiB")
+    p.add_argument("--namespace-quota", type=parse_size, default=None, metavar="SIZE",
+                   help="bytes one namespace (model + tenant) may hold; over it a store evicts that namespace's "
+                        "own least recently used chunks, then stores fewer (default: no quota)")
     _add_remote_arguments(p)
 
 
@@ -82,7 +85,8 @@ def config_from_args(args: argparse.Namespace):
         allowed_uids=tuple(args.allow_uid),
         max_message_bytes=args.max_message_bytes,
         index=IndexConfig(
-            high_watermark=args.high_watermark, low_watermark=args.low_watermark, lease_ttl_s=args.lease_ttl
+            high_watermark=args.high_watermark, low_watermark=args.low_watermark, lease_ttl_s=args.lease_ttl,
+            namespace_quota_bytes=args.namespace_quota or 0,
         ),
         remote=_remote_config_from_args(args),
     )

@@ -247,6 +247,9 @@ class PoolClient:
     def list_leases(self) -> list[P.LeaseInfo]:
         return self._call(P.ListLeases()).leases
 
+    def list_namespaces(self) -> P.NamespacesReply:
+        return self._call(P.ListNamespaces())
+
     # -- page access ---------------------------------------------------------------
 
     def page(self, offset: int, num_bytes: int) -> np.ndarray:

@@ -120,6 +120,7 @@ class PoolServer:
             P.GetStats: self._on_stats,
             P.ListLeases: self._on_list_leases,
             P.CheckIntegrity: self._on_check_integrity,
+            P.ListNamespaces: self._on_list_namespaces,
         }
 
     # -- lifecycle -------------------------------------------------------------
@@ -436,6 +437,10 @@ class PoolServer:
         ]
         return P.LeasesReply(leases=leases)
 
+    def _on_list_namespaces(self, client: _Client, req: P.ListNamespaces) -> P.Reply:
+        rows = [P.NamespaceInfo(ns, n, b) for ns, n, b in self.index.namespaces()]
+        return P.NamespacesReply(namespaces=rows, quota_bytes=self.config.index.namespace_quota_bytes)
+
     def _check_when_idle(self) -> None:
         try:
             self.index.check_integrity()
@@ -522,6 +527,8 @@ class PoolServer:
             "writing": idx.num_writing,
             "leases": idx.num_leases,
             "reservations": idx.num_reservations,
+            "namespaces": idx.num_namespaces,
+            "namespace_quota_bytes": self.config.index.namespace_quota_bytes,
             "clients": len(self._clients),
             "uptime_s": round(time.monotonic() - self.started_at, 3),
             **counters,

@@ -7,7 +7,11 @@ State machine of one entry::
                    +--abort/disconnect--+-> (gone, page freed)
 
 Only COMMITTED entries are visible to lookups. Eviction walks committed,
-unleased entries in LRU order between a high and a low watermark. A lookup
+unleased entries in LRU order between a high and a low watermark. With a
+namespace quota, one namespace (a model and tenant) may hold at most that
+many bytes: a reserve over it evicts that namespace's own least recently used
+entries (never another's, never a leased one, never the chain being stored)
+and grants fewer pages when that is not enough. A lookup
 touches its matched chain from tail to head and a commit adds from tail to
 head, so in the LRU order a chain's tail is always older than its head and is
 evicted first (evicting chunk i strands chunks i+1 and later).
@@ -76,12 +80,15 @@ class IndexConfig:
     low_watermark: float = 0.90  # ... and where it stops
     lease_ttl_s: float = 300.0
     max_keys: int = 4096  # per message
+    namespace_quota_bytes: int = 0  # bytes one namespace may hold (writing + committed); 0: no quota
 
     def __post_init__(self) -> None:
         if not 0.0 < self.low_watermark <= self.high_watermark <= 1.0:
             raise ValueError("watermarks must satisfy 0 < low <= high <= 1")
         if self.lease_ttl_s <= 0 or self.max_keys <= 0:
             raise ValueError("lease_ttl_s and max_keys must be positive")
+        if self.namespace_quota_bytes < 0:
+            raise ValueError(f"namespace_quota_bytes must be >= 0, got {self.namespace_quota_bytes}")
 
 
 @dataclass
@@ -97,6 +104,8 @@ class IndexCounters:
     evicted_bytes: int = 0
     dropped_pages: int = 0
     expired_leases: int = 0
+    quota_evictions: int = 0  # pages a namespace over its quota evicted of its own
+    quota_skipped_pages: int = 0  # pages a reserve did not grant because the namespace was at its quota
 
 
 @dataclass(frozen=True)
@@ -123,6 +132,7 @@ class PoolIndex:
         self._lru: OrderedDict[bytes, Entry] = OrderedDict()  # committed entries, oldest first
         self._leases: dict[int, Lease] = {}
         self._reservations: dict[int, Reservation] = {}
+        self._namespace_bytes: dict[bytes, int] = {}  # arena bytes each namespace holds (freed pages leave)
         self._next_id = 1
 
     # -- queries -------------------------------------------------------------
@@ -143,11 +153,23 @@ class PoolIndex:
     def num_reservations(self) -> int:
         return len(self._reservations)
 
+    @property
+    def num_namespaces(self) -> int:
+        return len(self._namespace_bytes)
+
     def leases(self) -> list[Lease]:
         return list(self._leases.values())
 
     def entry(self, key: bytes) -> Entry | None:
         return self._entries.get(key)
+
+    def namespaces(self) -> list[tuple[bytes, int, int]]:
+        """(namespace, committed entries, bytes held) of every namespace that holds pages, largest first."""
+        counts: dict[bytes, int] = {}
+        for entry in self._lru.values():
+            counts[entry.namespace] = counts.get(entry.namespace, 0) + 1
+        rows = [(ns, counts.get(ns, 0), num_bytes) for ns, num_bytes in self._namespace_bytes.items()]
+        return sorted(rows, key=lambda row: -row[2])
 
     # -- lookups and leases ----------------------------------------------------
 
@@ -194,7 +216,7 @@ class PoolIndex:
         for entry in lease.entries:
             entry.num_leases -= 1
             if entry.is_dropped and entry.num_leases == 0:
-                self.allocator.free(entry.offset, entry.page_bytes)
+                self._free(entry)
 
     # -- writes --------------------------------------------------------------
 
@@ -216,6 +238,11 @@ class PoolIndex:
             raise PoolError("duplicate_keys", "a reserve may not name the same key twice")
         if not wanted:
             return ReserveResult(reservation_id=0, grants=[], num_no_room=0)
+        over_quota = 0
+        if self.config.namespace_quota_bytes:
+            wanted, over_quota = self._fit_quota(namespace, keys, wanted, page_bytes)
+            if not wanted:
+                return ReserveResult(reservation_id=0, grants=[], num_no_room=over_quota)
         free = self.allocator.num_free_pages(page_bytes)
         if free < len(wanted):
             self._evict(lambda: self.allocator.num_free_pages(page_bytes) >= len(wanted))
@@ -223,6 +250,7 @@ class PoolIndex:
         offsets = [run.page_offset(i) for run in runs for i in range(run.num_pages)]
         granted, no_room = wanted[: len(offsets)], len(wanted) - len(offsets)
         self.counters.skipped_stores += no_room
+        no_room += over_quota
         if not granted:
             return ReserveResult(reservation_id=0, grants=[], num_no_room=no_room)
         reservation_id = self._new_id()
@@ -230,6 +258,7 @@ class PoolIndex:
         for i, offset in zip(granted, offsets):
             entry = Entry(keys[i], namespace, offset, page_bytes, first_depth + i, EntryState.WRITING, reservation_id)
             self._entries[entry.key] = entry
+            self._namespace_bytes[namespace] = self._namespace_bytes.get(namespace, 0) + page_bytes
             grants.append((i, entry))
         self._reservations[reservation_id] = Reservation(reservation_id, client_id, [e for _, e in grants], now)
         self.counters.reserved_pages += len(grants)
@@ -261,7 +290,7 @@ class PoolIndex:
         del self._reservations[reservation.reservation_id]
         for entry in reservation.entries:
             del self._entries[entry.key]
-            self.allocator.free(entry.offset, entry.page_bytes)
+            self._free(entry)
         self.counters.aborted_pages += len(reservation.entries)
 
     def _owned_reservation(self, client_id: int, reservation_id: int) -> Reservation:
@@ -312,7 +341,41 @@ class PoolIndex:
         if entry.num_leases:
             entry.is_dropped = True
         else:
-            self.allocator.free(entry.offset, entry.page_bytes)
+            self._free(entry)
+
+    def _free(self, entry: Entry) -> None:
+        """Give an entry's page back to the allocator and take it off its namespace's bytes."""
+        self.allocator.free(entry.offset, entry.page_bytes)
+        left = self._namespace_bytes[entry.namespace] - entry.page_bytes
+        if left:
+            self._namespace_bytes[entry.namespace] = left
+        else:
+            del self._namespace_bytes[entry.namespace]
+
+    def _fit_quota(self, namespace: bytes, keys: list[bytes], wanted: list[int], page_bytes: int) -> tuple[list[int], int]:
+        """Make room under the namespace's quota from its own LRU entries; returns (wanted that fit, pages over).
+
+        Only this namespace's committed, unleased entries are evicted, never those of the chain being
+        stored (evicting its head would strand the pages written after it). The chain's first pages are
+        kept when not all fit: a chain is only useful from its start.
+        """
+        quota = self.config.namespace_quota_bytes
+        needed = self._namespace_bytes.get(namespace, 0) + len(wanted) * page_bytes - quota
+        if needed > 0:
+            chain = set(keys)
+            victims = (e for e in list(self._lru.values())
+                       if e.namespace == namespace and e.num_leases == 0 and e.key not in chain)
+            for entry in victims:
+                if needed <= 0:
+                    break
+                self._remove_committed(entry)
+                self.counters.quota_evictions += 1
+                self.counters.evicted_bytes += entry.page_bytes
+                needed -= entry.page_bytes
+        room = max(0, quota - self._namespace_bytes.get(namespace, 0)) // page_bytes
+        over = max(0, len(wanted) - room)
+        self.counters.quota_skipped_pages += over
+        return wanted[: len(wanted) - over], over
 
     def _evict_above_watermark(self) -> None:
         arena = self.allocator.arena_bytes
@@ -364,6 +427,10 @@ class PoolIndex:
             live_pages += entry.page_bytes
         assert len(self._lru) == sum(e.state is EntryState.COMMITTED for e in self._entries.values())
         dropped = {id(e): e for lease in self._leases.values() for e in lease.entries if e.is_dropped}
+        by_namespace: dict[bytes, int] = {}
+        for entry in list(self._entries.values()) + list(dropped.values()):
+            by_namespace[entry.namespace] = by_namespace.get(entry.namespace, 0) + entry.page_bytes
+        assert by_namespace == self._namespace_bytes, "bytes per namespace disagree with the entries"
         for entry in dropped.values():
             assert self.allocator.is_allocated(entry.offset, entry.page_bytes)
             live_pages += entry.page_bytes

@@ -15,6 +15,7 @@ _GAUGES = {
     "leases": "Read leases held",
     "reservations": "Open reservations",
     "clients": "Connected clients",
+    "namespaces": "Namespaces (model + tenant) that hold pages",
 }
 _COUNTERS = {
     "lookups": "Lookup requests",
@@ -32,6 +33,8 @@ _COUNTERS = {
     "protocol_errors": "Malformed or oversized frames and version mismatches",
     "connections": "Client connections accepted",
     "refused_peers": "Connections refused by the uid check",
+    "quota_evictions": "Pages a namespace over its quota evicted of its own",
+    "quota_skipped_pages": "Pages not granted because their namespace was at its quota",
 }
 
 

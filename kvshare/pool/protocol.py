@@ -91,7 +91,12 @@ class CheckIntegrity(msgspec.Struct, tag="check_integrity"):
     """Ask the daemon to verify its index and allocator agree (tests, validation, fuzzing)."""
 
 
-Request = Union[Hello, Lookup, Release, Reserve, Commit, Abort, Drop, Flush, GetStats, ListLeases, CheckIntegrity]
+class ListNamespaces(msgspec.Struct, tag="list_namespaces"):
+    """Bytes and committed chunks per namespace (administration: quotas, flushes)."""
+
+
+Request = Union[Hello, Lookup, Release, Reserve, Commit, Abort, Drop, Flush, GetStats, ListLeases, CheckIntegrity,
+                ListNamespaces]
 
 # -- replies ---------------------------------------------------------------------------
 
@@ -145,12 +150,23 @@ class LeasesReply(msgspec.Struct, tag="leases_reply"):
     leases: list[LeaseInfo]
 
 
+class NamespaceInfo(msgspec.Struct, array_like=True):
+    namespace: bytes
+    num_entries: int  # committed chunks
+    num_bytes: int  # arena bytes held (writing and committed pages, and dropped pages still leased)
+
+
+class NamespacesReply(msgspec.Struct, tag="namespaces_reply"):
+    namespaces: list[NamespaceInfo]
+    quota_bytes: int  # 0: no quota
+
+
 class ErrorReply(msgspec.Struct, tag="error"):
     code: str
     message: str
 
 
-Reply = Union[HelloReply, LookupReply, ReserveReply, Ok, StatsReply, LeasesReply, ErrorReply]
+Reply = Union[HelloReply, LookupReply, ReserveReply, Ok, StatsReply, LeasesReply, NamespacesReply, ErrorReply]
 
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(Request)

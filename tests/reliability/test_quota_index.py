@@ -1,0 +1,113 @@
+"""The per-namespace quota of the pool's index (pure: no process, no socket).
+
+A namespace (a model and tenant) over its quota evicts its own least recently
+used chunks, then is granted fewer pages; another namespace's chunks, leased
+chunks and the chain being stored are never touched.
+"""
+
+import hashlib
+
+import pytest
+
+from kvshare.pool.allocator import Allocator
+from kvshare.pool.index import IndexConfig, PoolIndex
+
+MiB = 1 << 20
+PAGE = 1 * MiB
+A, B = b"A" * 16, b"B" * 16
+
+
+def keys(tag, n):
+    return [hashlib.blake2b(f"{tag}{i}".encode(), digest_size=16).digest() for i in range(n)]
+
+
+def make(pages=32, quota_pages=4):
+    config = IndexConfig(high_watermark=1.0, low_watermark=1.0, namespace_quota_bytes=quota_pages * PAGE)
+    return PoolIndex(Allocator(pages * PAGE, 8 * PAGE), config)
+
+
+def store(index, ns, ks, client=1):
+    res = index.reserve(client, ns, ks, PAGE, 0, now=0.0)
+    if res.reservation_id:
+        index.commit(client, res.reservation_id, [0] * len(res.grants))
+    return res
+
+
+def held(index, ns):
+    return {row[0]: row[2] for row in index.namespaces()}.get(ns, 0)
+
+
+def test_over_quota_evicts_own_lru_and_never_other_namespaces():
+    index = make(quota_pages=4)
+    old_a, old_b = keys("a-old", 4), keys("b-old", 4)
+    store(index, A, old_a)
+    store(index, B, old_b)
+    index.lookup(1, old_b, PAGE, now=0.0, lease=False)  # B's are now more recent than A's: a global LRU would not spare them
+    new_a = keys("a-new", 3)
+    res = store(index, A, new_a)
+    assert len(res.grants) == 3 and res.num_no_room == 0
+    assert index.counters.quota_evictions == 3 and index.counters.evictions == 0
+    assert held(index, A) == 4 * PAGE and held(index, B) == 4 * PAGE
+    assert len(index.lookup(2, old_b, PAGE, now=0.0, lease=False).entries) == 4  # B untouched
+    assert len(index.lookup(2, new_a, PAGE, now=0.0, lease=False).entries) == 3
+    # A's oldest chain lost its tail first (a chain's tail is older than its head in the LRU)
+    assert len(index.lookup(2, old_a, PAGE, now=0.0, lease=False).entries) == 1
+    index.check_integrity()
+
+
+def test_leased_pages_count_and_are_never_evicted_so_fewer_pages_are_granted():
+    index = make(quota_pages=4)
+    ks = keys("a", 4)
+    store(index, A, ks)
+    lease = index.lookup(7, ks, PAGE, now=0.0)  # a reader pins all four
+    res = store(index, A, keys("a2", 2))
+    assert res.grants == [] and res.num_no_room == 2
+    assert index.counters.quota_skipped_pages == 2 and index.counters.quota_evictions == 0
+    assert all(e.num_leases == 1 for e in lease.entries)
+    index.release(7, lease.lease_id)
+    res = store(index, A, keys("a2", 2))
+    assert len(res.grants) == 2 and index.counters.quota_evictions == 2
+    index.check_integrity()
+
+
+def test_a_chain_longer_than_the_quota_keeps_its_head_and_its_own_earlier_chunks():
+    index = make(quota_pages=4)
+    chain = keys("long", 6)
+    store(index, A, chain[:2])  # the first two chunks were stored by an earlier request
+    res = store(index, A, chain)  # now the whole chain: only two more fit, and the stored head stays
+    assert [i for i, _ in res.grants] == [2, 3] and res.num_no_room == 2
+    assert len(index.lookup(1, chain, PAGE, now=0.0, lease=False).entries) == 4
+    assert held(index, A) == 4 * PAGE
+    index.check_integrity()
+
+
+def test_writing_pages_count_against_the_quota_and_aborts_give_them_back():
+    index = make(quota_pages=3)
+    res = index.reserve(1, A, keys("w", 3), PAGE, 0, now=0.0)
+    assert len(res.grants) == 3
+    assert index.reserve(2, A, keys("x", 1), PAGE, 0, now=0.0).num_no_room == 1  # nothing committed to evict
+    assert index.reserve(2, B, keys("x", 1), PAGE, 0, now=0.0).grants  # another namespace is not limited by A
+    index.disconnect(1)  # the writer died: its reservation is aborted
+    assert held(index, A) == 0
+    assert len(index.reserve(3, A, keys("y", 3), PAGE, 0, now=0.0).grants) == 3
+    index.check_integrity()
+
+
+def test_dropped_but_leased_pages_stay_counted_until_freed_and_flush_frees_them():
+    index = make(quota_pages=4)
+    ks = keys("d", 2)
+    store(index, A, ks)
+    lease = index.lookup(5, ks, PAGE, now=0.0)
+    assert index.flush(A) == 2
+    assert held(index, A) == 2 * PAGE  # the pages still hold bytes a reader is copying
+    index.check_integrity()
+    index.release(5, lease.lease_id)
+    assert held(index, A) == 0 and index.num_namespaces == 0
+    index.check_integrity()
+
+
+def test_no_quota_by_default_and_config_is_validated():
+    index = PoolIndex(Allocator(8 * PAGE, 8 * PAGE), IndexConfig(high_watermark=1.0, low_watermark=1.0))
+    assert len(store(index, A, keys("a", 8)).grants) == 8
+    with pytest.raises(ValueError):
+        IndexConfig(namespace_quota_bytes=-1)
