@@ -137,14 +137,17 @@ class CopyRun:
     hi: int
 
 
-def copy_runs(slices: list[PageSlice], offsets: list[int], page_bytes: int, chunk_tokens: int) -> list[CopyRun]:
+def copy_runs(
+    slices: list[PageSlice], offsets: list[int], page_bytes: int, chunk_tokens: int, extent_bytes: int = 0
+) -> list[CopyRun]:
     """Group a load's page slices into runs that one strided copy per layer can move::
 
         slices   (0..C) (0..C) (0..C) (0..hi)      offsets  p, p+1, p+2, q
         runs     [--- one run of 3 pages ---] [one]
 
     Whole pages merge while they lie back to back in the arena (the pool allocates a
-    request's pages as runs); a partial page is always a run of its own.
+    request's pages as runs) inside one extent (``extent_bytes`` > 0): a copy that spans
+    two CUDA registrations fails; a partial page is always a run of its own.
     """
     runs: list[CopyRun] = []
     for i, piece in enumerate(slices):
@@ -153,6 +156,8 @@ def copy_runs(slices: list[PageSlice], offsets: list[int], page_bytes: int, chun
             last = runs[-1]
             j = last.first + last.num_pages - 1
             adjacent = offsets[j] + page_bytes == offsets[i] and slices[j].chunk + 1 == piece.chunk
+            if extent_bytes and offsets[last.first] // extent_bytes != (offsets[i] + page_bytes - 1) // extent_bytes:
+                adjacent = False
             if last.lo == 0 and last.hi == chunk_tokens and adjacent:
                 runs[-1] = CopyRun(last.first, last.num_pages + 1, 0, chunk_tokens)
                 continue

@@ -39,6 +39,8 @@ class PoolKVWorker:
         self.counters = ConnectorCounters()
         self.layers: list[torch.Tensor] = []
         self.paged: PagedLayout | None = None
+        self._registration = None  # on CUDA: the pinned arena (kvshare.transfer.registration)
+        self._registered_arena = None  # keeps that mapping alive while it is registered
 
     def register(self, layers: list[torch.Tensor], paged: PagedLayout) -> None:
         """vLLM's KV tensors, one per model layer in layer order, all in layout ``paged``."""
@@ -50,6 +52,24 @@ class PoolKVWorker:
     @property
     def device(self) -> torch.device:
         return self.layers[0].device
+
+    def _pin(self, client) -> None:
+        """On CUDA, register the client's arena once per mapping, so copies run at pinned speed.
+
+        A failed registration raises (the copy is then reported failed): never a silent
+        fall back to pageable memory. Copies never span two registrations (copy_runs splits
+        runs at extent boundaries).
+        """
+        if self.device.type != "cuda" or self._registered_arena is client.arena:
+            return
+        from kvshare.transfer.registration import acquire_registration, release_registration
+
+        if self._registration is not None:
+            registration, self._registration, self._registered_arena = self._registration, None, None
+            release_registration(registration)
+        self._registration = acquire_registration(client)
+        self._registered_arena = client.arena
+        log.info("kvshare: pinned the pool arena for CUDA copies (%.2f s)", self._registration.seconds)
 
     def _pages(self, client, offset: int, num_pages: int) -> torch.Tensor:
         """Consecutive pool pages as a [n, L, 2, C, H, D] tensor (a zero-copy view of the arena)."""
@@ -102,7 +122,8 @@ class PoolKVWorker:
                 break
             trusted.append(piece)
         offsets = [spec.pages[p.page_index].offset for p in trusted]
-        for run in copy_runs(trusted, offsets, page_bytes, C):
+        self._pin(client)
+        for run in copy_runs(trusted, offsets, page_bytes, C, client.hello.extent_bytes):
             first = trusted[run.first]
             pages = self._pages(client, offsets[run.first], run.num_pages)  # [n, L, 2, C, H, D]
             src = pages[:, :, :, run.lo : run.hi].to(self.device)  # no copy on CPU
@@ -186,7 +207,8 @@ class PoolKVWorker:
         C, page_bytes = self.kv_layout.chunk_tokens, self.kv_layout.page_bytes
         slices = [PageSlice(index, spec.first_chunk + index, 0, C) for index, _ in grants]
         offsets = [offset for _, offset in grants]
-        for run in copy_runs(slices, offsets, page_bytes, C):
+        self._pin(client)
+        for run in copy_runs(slices, offsets, page_bytes, C, client.hello.extent_bytes):
             pages = self._pages(client, offsets[run.first], run.num_pages)
             staging = pages if self.device.type == "cpu" else torch.empty(pages.shape, dtype=pages.dtype, device=self.device)
             positions = (slices[run.first].chunk + torch.arange(run.num_pages))[:, None] * C + torch.arange(C)[None, :]

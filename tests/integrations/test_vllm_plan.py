@@ -9,6 +9,7 @@ from kvshare.integrations.vllm_plan import (
     LookupWindow,
     blocks_of_tokens,
     chunks_completed,
+    copy_runs,
     load_limit,
     lookup_window,
     page_slices,
@@ -126,3 +127,16 @@ def test_lease_book_expires_pending_leases_but_not_loads_in_flight():
         book.put("loading", _lease(3))
     assert [h.lease_id for h in book.take_expired(now=100)] == [2]  # its report never came: give it up
     assert len(book) == 0
+
+
+def test_copy_runs_merge_adjacent_whole_pages_within_an_extent():
+    P = 100
+    slices = page_slices(32, 5 * C - 10, first_chunk=0, num_pages=5, chunk_tokens=C)
+    offsets = [0, 100, 200, 300, 500]
+    runs = copy_runs(slices, offsets, P, C)
+    # the partial first page alone, pages 1-3 back to back, page 4 elsewhere (and partial)
+    assert [(r.first, r.num_pages, r.lo, r.hi) for r in runs] == [(0, 1, 32, C), (1, 3, 0, C), (4, 1, 0, C - 10)]
+    runs = copy_runs(slices, offsets, P, C, extent_bytes=200)  # extents [0, 200), [200, 400), ...
+    assert [(r.first, r.num_pages) for r in runs] == [(0, 1), (1, 1), (2, 2), (4, 1)]
+    whole = page_slices(0, 4 * C, 0, 4, C)
+    assert [(r.first, r.num_pages) for r in copy_runs(whole, [0, 100, 200, 300], P, C, extent_bytes=200)] == [(0, 2), (2, 2)]

@@ -44,7 +44,8 @@ class Replica:
         self.clock = clock or FakeClock()
         self.scheduler = PoolScheduler(self.config, NAMESPACE, LAYOUT.page_bytes, N,
                                        PoolLink(socket_path, f"{name}-sched", clock=self.clock), clock=self.clock)
-        self.worker = PoolKVWorker(LAYOUT, PoolLink(socket_path, f"{name}-worker", clock=self.clock))
+        self.worker = PoolKVWorker(LAYOUT, PoolLink(socket_path, f"{name}-worker", clock=self.clock),
+                                   verify_checksums=self.config.verify_checksums)
         gen = torch.Generator().manual_seed(seed)
         self.layers = [torch.randn(NUM_BLOCKS, H, N, 2 * D, generator=gen) for _ in range(L)]
         self.paged = PagedLayout("cpu_attn", NUM_BLOCKS, N, H, D, torch.float32)
@@ -163,6 +164,22 @@ def test_corrupted_page_stops_the_load_and_is_dropped(pool):
         stats = pool_stats(pool)
         assert stats["dropped_pages"] == 1 and stats["leases"] == 0
         assert b.scheduler.finish("r2")["pool_tokens"] == 128
+    finally:
+        a.close(), b.close()
+
+
+def test_without_verification_the_corrupted_byte_would_be_served(pool):
+    """Negative control for the test above: the checksum is what stops the flipped byte."""
+    a, b = Replica(pool, "A", seed=1), Replica(pool, "B", seed=2, verify_checksums=False)
+    try:
+        a.run_prefill("r1", PROMPT, BLOCKS_A)
+        keys = chunk_keys(namespace_digest(NAMESPACE), PROMPT, C)
+        with PoolClient(pool, name="vandal") as client:
+            pages = client.lookup(keys, LAYOUT.page_bytes, lease=False).pages
+            client.page(pages[2].offset, LAYOUT.page_bytes)[1000] ^= 0xFF
+        _, outcome = b.run_prefill("r2", PROMPT, BLOCKS_B)
+        assert outcome.is_complete  # nothing noticed ...
+        assert not torch.equal(b.tokens(0, 256, BLOCKS_B), a.tokens(0, 256, BLOCKS_A))  # ... and the KV is wrong
     finally:
         a.close(), b.close()
 
