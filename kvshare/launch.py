@@ -42,6 +42,9 @@ class ClusterConfig:
     host: str = "127.0.0.1"
     port: int = 8080  # the router; replicas take port+1 .. port+N
     replica_args: tuple[str, ...] = ()
+    router_args: tuple[str, ...] = ()
+    api_keys: tuple[str, ...] = ()  # required by the router and every replica (Authorization: Bearer KEY)
+    tenant_header: str = ""  # replicas salt the pool namespace with this header's value
     vllm_python: str | None = None
     ready_timeout_s: float = 300.0
     log_level: str = "WARNING"
@@ -51,6 +54,9 @@ class ClusterConfig:
             raise ValueError("--replicas must be at least 1")
         if self.engine not in ("builtin", "vllm"):
             raise ValueError(f"unknown engine {self.engine!r}; choose builtin or vllm")
+        if self.engine == "vllm" and (self.api_keys or self.tenant_header):
+            raise ValueError("--api-key and --tenant-header apply to built-in replicas; for vLLM pass its own "
+                             "--api-key with --replica-arg (tenants: the request's cache_salt)")
 
     def replica_url(self, i: int) -> str:
         return f"http://{self.host}:{self.port + 1 + i}"
@@ -99,7 +105,8 @@ class Cluster:
                 self._wait_http(f"replica{i}", url)
                 _say(progress, f"replica {i} ready at {url}")
             self._spawn("router", kv + ["route", "--policy", cfg.policy, "--host", cfg.host, "--port", str(cfg.port),
-                                        *sum((["--replica", u] for u in self.replica_urls), [])])
+                                        *sum((["--replica", u] for u in self.replica_urls), []),
+                                        *_key_args(cfg.api_keys), *cfg.router_args])
             self._wait_http("router", self.router_url)
             _say(progress, f"router ready at {self.router_url}")
         except BaseException:
@@ -115,7 +122,8 @@ class Cluster:
 
             return vllm_server_command(cfg, i, port, self.pool_socket)
         args = kv + ["serve", "--model", cfg.model, "--device", cfg.device, "--host", cfg.host, "--port", str(port),
-                     "--replica-name", f"replica{i}", "--pool", self.pool_socket or "off", *cfg.replica_args]
+                     "--replica-name", f"replica{i}", "--pool", self.pool_socket or "off", *_key_args(cfg.api_keys),
+                     *(["--tenant-header", cfg.tenant_header] if cfg.tenant_header else []), *cfg.replica_args]
         return args, None
 
     def _wait_http(self, name: str, url: str) -> None:
@@ -150,6 +158,10 @@ class Cluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _key_args(api_keys: tuple[str, ...]) -> list[str]:
+    return [arg for key in api_keys for arg in ("--api-key", key)]
 
 
 def _say(progress, message: str) -> None:

@@ -15,6 +15,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--health-interval", type=float, default=1.0, help="seconds between health checks")
     p.add_argument("--session-header", default="X-Session-ID")
     p.add_argument("--session-ttl", type=float, default=3600.0)
+    p.add_argument("--api-key", action="append", default=[],
+                   help="require this bearer token on /v1/ and /admin/ (repeatable); it is passed on to replicas")
+    p.add_argument("--write-timeout", type=float, default=30.0,
+                   help="seconds a client may take to accept one write of a response before it is dropped")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -26,7 +30,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = RouterConfig(replicas=tuple(args.replica), policy=args.policy, host=args.host, port=args.port,
                               health_interval_s=args.health_interval, session_header=args.session_header,
-                              session_ttl_s=args.session_ttl)
+                              session_ttl_s=args.session_ttl, api_keys=tuple(args.api_key),
+                              write_timeout_s=args.write_timeout)
     except ValueError as exc:
         raise UserError(str(exc)) from None
     server = RouterServer(config)

@@ -28,7 +28,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens-limit", type=int, default=8192)
     p.add_argument("--max-body-size", type=parse_size, default="16MiB")
     p.add_argument("--api-key", action="append", default=[], help="require this bearer token (repeatable)")
-    p.add_argument("--tenant-header", default="", help="header whose value salts the pool namespace per tenant")
+    p.add_argument("--tenant-header", default="", help="header whose value salts the pool namespace per tenant "
+                   "(with --api-key it splits a key's namespace further; docs/reliability.md)")
+    p.add_argument("--audit-rate", type=float, default=0.0,
+                   help="share of requests served with reused KV that are recomputed cold when idle and compared "
+                        "(a mismatch is counted, logged, and its chunks dropped; default 0: off)")
+    p.add_argument("--audit-tokens", type=int, default=8, help="generated tokens an audit compares (default 8)")
+    p.add_argument("--audit-gap-threshold", type=float, default=1e-3,
+                   help="an audit tolerates a divergence at a step whose top-2 logprob gap is below this")
+    p.add_argument("--write-timeout", type=float, default=30.0,
+                   help="seconds a streaming client may take to accept one write before it is dropped")
 
 
 def build_engine(args: argparse.Namespace):
@@ -44,13 +53,17 @@ def run(args: argparse.Namespace) -> int:
     from aiohttp import web
 
     from kvshare.errors import UserError
+    from kvshare.serve.audit import AuditConfig
     from kvshare.serve.server import ReplicaServer, ServeConfig
 
     try:
         config = ServeConfig(host=args.host, port=args.port, replica_name=args.replica_name or f"{args.host}:{args.port}",
                              max_body_bytes=args.max_body_size, max_requests=args.max_requests,
                              max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens_limit,
-                             api_keys=tuple(args.api_key), tenant_header=args.tenant_header)
+                             api_keys=tuple(args.api_key), tenant_header=args.tenant_header,
+                             write_timeout_s=args.write_timeout,
+                             audit=AuditConfig(rate=args.audit_rate, num_tokens=args.audit_tokens,
+                                               gap_threshold=args.audit_gap_threshold))
         engine = build_engine(args)
     except (ValueError, FileNotFoundError) as exc:
         raise UserError(str(exc)) from None

@@ -20,6 +20,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm-python", default=None, help="python of the virtual environment that holds vLLM")
     p.add_argument("--replica-arg", action="append", default=[], help="extra argument for every replica (repeatable)")
     p.add_argument("--pool-arg", action="append", default=[], help="extra argument for the pool (repeatable)")
+    p.add_argument("--router-arg", action="append", default=[], help="extra argument for the router (repeatable)")
+    p.add_argument("--api-key", action="append", default=[],
+                   help="require this bearer token at the router and every replica (repeatable)")
+    p.add_argument("--tenant-header", default="",
+                   help="header whose value salts the pool namespace per tenant (e.g. X-Tenant-ID)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -37,7 +42,9 @@ def run(args: argparse.Namespace) -> int:
         config = ClusterConfig(num_replicas=args.replicas, model=args.model, engine=args.engine, device=args.device,
                                pool_size=None if args.pool == "off" else args.pool_size, policy=args.policy,
                                host=args.host, port=args.port, vllm_python=args.vllm_python,
-                               replica_args=tuple(args.replica_arg), pool_args=tuple(args.pool_arg))
+                               replica_args=tuple(args.replica_arg), pool_args=tuple(args.pool_arg),
+                               router_args=tuple(args.router_arg), api_keys=tuple(args.api_key),
+                               tenant_header=args.tenant_header)
     except ValueError as exc:
         raise UserError(str(exc)) from None
     console = Console()

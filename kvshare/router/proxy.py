@@ -3,6 +3,8 @@
 Bytes of a response are passed on as they arrive (no buffering of streams). A
 request whose replica cannot be reached before the first byte of its response
 goes to the next replica the policy ranked; after the first byte it cannot move.
+With API keys set, /v1/ and /admin/ requests need one (``Authorization: Bearer KEY``),
+checked before anything is proxied; the header travels on to the replica.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvshare.router.policy import POLICIES, ReplicaView, RouteFacts, Router, prefix_blocks
+from kvshare.serve.tenancy import Unauthorized, check_api_key
 
 log = logging.getLogger("kvshare.router")
 _HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "content-encoding"}
@@ -35,10 +38,16 @@ class RouterConfig:
     session_ttl_s: float = 3600.0
     max_sessions: int = 100_000
     connect_timeout_s: float = 5.0
+    api_keys: tuple[str, ...] = ()  # empty: no authentication
+    write_timeout_s: float = 30.0  # a client that takes longer to accept one write of a response is dropped
 
     def __post_init__(self) -> None:
         if not self.replicas:
             raise ValueError("give at least one --replica URL")
+        if any(not key or key != key.strip() for key in self.api_keys):
+            raise ValueError("an API key must be non-empty and carry no surrounding spaces")
+        if self.write_timeout_s <= 0:
+            raise ValueError(f"write_timeout_s must be positive, got {self.write_timeout_s}")
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
 
@@ -80,7 +89,7 @@ class RouterServer:
         self._health_task: asyncio.Task | None = None
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.config.max_body_bytes)
+        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._guard])
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_text)
         app.router.add_post("/admin/drain", self.drain)
@@ -89,6 +98,23 @@ class RouterServer:
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app
+
+    @web.middleware
+    async def _guard(self, request: web.Request, handler):
+        """API keys before anything else; aiohttp's own errors (404, 405, 413) as OpenAI-style bodies."""
+        if self.config.api_keys and request.path.startswith(("/v1/", "/admin/")):
+            try:
+                check_api_key(request.headers, self.config.api_keys)
+            except Unauthorized as exc:
+                return _error(401, str(exc), "authentication_error", "invalid_api_key")
+        try:
+            return await handler(request)
+        except web.HTTPRequestEntityTooLarge:
+            return _error(413, f"request body exceeds {self.config.max_body_bytes} bytes", code="body_too_large")
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return _error(exc.status, exc.reason)
 
     async def _start(self, app) -> None:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout_s)
@@ -198,7 +224,14 @@ class RouterServer:
         await response.prepare(request)
         try:
             async for piece in upstream.content.iter_any():
-                await response.write(piece)
+                try:
+                    async with asyncio.timeout(self.config.write_timeout_s):
+                        await response.write(piece)
+                except TimeoutError:  # the client stopped reading; let go of it and of the replica
+                    log.warning("a client did not read for %.1f s; dropping its response", self.config.write_timeout_s)
+                    if request.transport is not None:
+                        request.transport.abort()
+                    return response
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             log.warning("replica %s broke off a response: %s", replica.url, exc)
             replica.is_healthy = False
@@ -206,6 +239,6 @@ class RouterServer:
         return response
 
 
-def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": "router_error", "param": None, "code": None}},
+def _error(status: int, message: str, error_type: str = "router_error", code: str | None = None) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": error_type, "param": None, "code": code}},
                              status=status)

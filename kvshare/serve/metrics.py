@@ -50,6 +50,8 @@ class ReplicaMetrics:
         self.waiting = Gauge("kvshare:num_requests_waiting", "Requests queued for the engine", registry=r)
         self.running = Gauge("kvshare:num_requests_running", "Requests the engine is running", registry=r)
         self.cancelled = Counter("kvshare:request_cancelled", "Requests whose client went away", registry=r)
+        self.slow_clients = Counter("kvshare:request_slow_client", "Streams dropped because the client stopped reading",
+                                    registry=r)
         r.register(_EngineCollector(read_engine_stats))
 
     def observe_provenance(self, local: int, pool: int, computed: int) -> None:

@@ -14,9 +14,11 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvshare.serve import api_types as A
+from kvshare.serve.audit import AuditConfig, Auditor
 from kvshare.serve.detokenize import TextStream
 from kvshare.serve.metrics import ReplicaMetrics
 from kvshare.serve.render import completion_logprobs, chat_logprobs
+from kvshare.serve.tenancy import Unauthorized, check_api_key, tenant_identity
 from kvshare.serve.worker import EngineWorker, Job, QueueFull
 
 log = logging.getLogger("kvshare.serve")
@@ -33,12 +35,18 @@ class ServeConfig:
     max_prompt_tokens: int | None = None  # default: the model's context
     max_tokens_limit: int = 8192
     default_chat_max_tokens: int = 1024
-    api_keys: tuple[str, ...] = ()  # empty: no authentication
-    tenant_header: str = ""  # e.g. "X-Tenant-ID": its value salts the pool namespace
+    api_keys: tuple[str, ...] = ()  # empty: no authentication (/v1/ and /admin/ need a key when set)
+    tenant_header: str = ""  # e.g. "X-Tenant-ID": its value salts the pool namespace (kvshare.serve.tenancy)
+    write_timeout_s: float = 30.0  # a client that takes longer to accept one write of a stream is dropped
+    audit: AuditConfig = AuditConfig()  # --audit-rate: recompute a sample of reused requests cold (serve/audit.py)
 
     def __post_init__(self) -> None:
         if self.max_body_bytes <= 0 or self.max_requests <= 0 or self.max_tokens_limit <= 0:
             raise ValueError("limits must be positive")
+        if self.write_timeout_s <= 0:
+            raise ValueError(f"write_timeout_s must be positive, got {self.write_timeout_s}")
+        if any(not key or key != key.strip() for key in self.api_keys):
+            raise ValueError("an API key must be non-empty and carry no surrounding spaces")
 
 
 @dataclass
@@ -56,8 +64,11 @@ class ReplicaServer:
     def __init__(self, engine: Any, config: ServeConfig) -> None:
         self.engine = engine
         self.config = config
-        self.worker = EngineWorker(engine, config.max_requests)
         self.metrics = ReplicaMetrics(lambda: _as_dict(engine.stats()))
+        # audit hook: sampled reused requests are recomputed cold by the worker while no request waits
+        self.auditor = (Auditor(engine, config.audit, self.metrics.registry, is_busy=lambda: self.worker.num_waiting > 0)
+                        if config.audit.rate > 0 else None)
+        self.worker = EngineWorker(engine, config.max_requests, idle_task=self.auditor.run_one if self.auditor else None)
         self.started_at = time.time()
 
     def app(self) -> web.Application:
@@ -67,6 +78,7 @@ class ReplicaServer:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_text)
+        app.router.add_get("/admin/namespace", self.namespace)
         app.on_startup.append(lambda _: asyncio.get_running_loop().run_in_executor(None, self.worker.start))
         app.on_cleanup.append(lambda _: asyncio.get_running_loop().run_in_executor(None, self.worker.stop))
         return app
@@ -76,7 +88,7 @@ class ReplicaServer:
     @web.middleware
     async def _errors(self, request: web.Request, handler):
         try:
-            if self.config.api_keys and request.path.startswith("/v1/"):
+            if self.config.api_keys and request.path.startswith(("/v1/", "/admin/")):
                 self._authenticate(request)
             return await handler(request)
         except A.ApiError as exc:
@@ -91,10 +103,35 @@ class ReplicaServer:
             return web.json_response(err.body(), status=exc.status)
 
     def _authenticate(self, request: web.Request) -> None:
-        header = request.headers.get("Authorization", "")
-        token = header[7:] if header.startswith("Bearer ") else ""
-        if token not in self.config.api_keys:
-            raise A.ApiError(401, "missing or wrong API key", code="invalid_api_key", error_type="authentication_error")
+        try:
+            check_api_key(request.headers, self.config.api_keys)
+        except Unauthorized as exc:
+            raise A.ApiError(401, str(exc), code="invalid_api_key", error_type="authentication_error") from None
+
+    def _tenant(self, request: web.Request, header_value: str | None = None) -> str:
+        """The request's tenant identity (kvshare.serve.tenancy); the middleware has checked its key."""
+        if header_value is None:
+            header_value = request.headers.get(self.config.tenant_header, "") if self.config.tenant_header else ""
+        api_key = check_api_key(request.headers, self.config.api_keys) if self.config.api_keys else ""
+        return tenant_identity(api_key, header_value)
+
+    async def namespace(self, request: web.Request) -> web.Response:
+        """GET /admin/namespace[?tenant=VALUE]: the pool namespace digest of this request's tenant.
+
+        ``tenant`` stands for the tenant header's value; with API keys the key of the request decides the
+        rest, so a caller learns only namespaces of its own key. Flush one with
+        ``kvshare pool-admin flush --namespace HEX`` (or ``--replica URL --tenant VALUE``).
+        """
+        from kvshare.keys import namespace_digest
+
+        header_value = request.query.get("tenant")
+        if header_value is not None and not self.config.tenant_header:
+            raise A.ApiError(400, "this replica takes no tenant header (--tenant-header); its tenants come from "
+                                  "API keys only", param="tenant")
+        tenant = self._tenant(request, header_value)
+        digest = namespace_digest(self.engine.namespace.with_tenant(tenant))
+        return web.json_response({"model": self.engine.model_name, "replica": self.config.replica_name,
+                                  "is_tenant_salted": bool(tenant), "namespace": digest.hex()})
 
     async def models(self, request: web.Request) -> web.Response:
         model = {"id": self.engine.model_name, "object": "model", "created": int(self.started_at),
@@ -157,11 +194,8 @@ class ReplicaServer:
                                   f"for this prompt of {len(prompt_ids)} tokens", param="max_tokens")
         params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
                                 ignore_eos=req.ignore_eos, logprobs=logprobs)
-        tenant = request.headers.get(self.config.tenant_header, "") if self.config.tenant_header else ""
-        if self.config.api_keys and not tenant:
-            tenant = "key:" + request.headers.get("Authorization", "")[7:]
         options = RequestOptions(use_pool=req.kvshare.use_pool, use_local_cache=req.kvshare.use_local_cache,
-                                 tenant=tenant)
+                                 tenant=self._tenant(request))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return _Prepared(prompt_ids, params, options, A.stop_strings(req), include_usage)
 
@@ -185,10 +219,10 @@ class ReplicaServer:
                 pieces = out.add(event)
                 if response is not None:
                     for chunk in pieces:
-                        await response.write(b"data: " + _json.encode(chunk) + b"\n\n")
+                        await self._write(request, response, b"data: " + _json.encode(chunk) + b"\n\n")
                 if out.finish_reason:
                     break
-        except ConnectionResetError:  # the client went away mid-stream: free the engine, nothing to answer
+        except (ConnectionResetError, _SlowClient):  # the client went away or stopped reading: free the engine
             job.is_cancelled = True
             self.metrics.cancelled.inc()
             return response
@@ -208,16 +242,38 @@ class ReplicaServer:
         self.metrics.e2e.observe(time.perf_counter() - t_arrival)
         self.metrics.requests.labels(out.finish_reason or "abort").inc()
         self.metrics.generation_tokens.inc(out.num_tokens)
+        if self.auditor is not None and out.finish_reason:  # audit hook: offer the finished request
+            self.auditor.offer(prep.prompt_ids, prep.params, prep.options, out.provenance, out.token_ids)
         if response is None:
             return web.json_response(out.final_body())
         try:
             for chunk in out.final_chunks():
-                await response.write(b"data: " + _json.encode(chunk) + b"\n\n")
-            await response.write(b"data: [DONE]\n\n")
+                await self._write(request, response, b"data: " + _json.encode(chunk) + b"\n\n")
+            await self._write(request, response, b"data: [DONE]\n\n")
             await response.write_eof()
-        except ConnectionResetError:
-            pass  # the client left after the last token: nothing was lost
+        except (ConnectionResetError, _SlowClient):
+            pass  # the client left (or stalled) after the last token: nothing was lost
         return response
+
+    async def _write(self, request: web.Request, response: web.StreamResponse, data: bytes) -> None:
+        """One write of a stream; a client that does not take it within write_timeout_s is disconnected.
+
+        A write waits only when the connection's buffers are full, i.e. the client stopped reading: without a
+        bound such a client would hold its handler (and the router's connection) open for ever.
+        """
+        try:
+            async with asyncio.timeout(self.config.write_timeout_s):
+                await response.write(data)
+        except TimeoutError:
+            self.metrics.slow_clients.inc()
+            log.warning("a client did not read for %.1f s; dropping its stream", self.config.write_timeout_s)
+            if request.transport is not None:
+                request.transport.abort()
+            raise _SlowClient() from None
+
+
+class _SlowClient(Exception):
+    """A streaming client stopped reading (write_timeout_s passed without progress)."""
 
 
 class _Output:

@@ -1,0 +1,51 @@
+"""Who is asking: API-key authentication and the tenant identity that salts the pool namespace.
+
+The tenant identity is part of every pool key (kvshare.keys.Namespace.tenant_salt), so
+requests of two tenants never share a chunk: tenant B can neither reuse tenant A's
+prefixes nor time them. Where the identity comes from::
+
+    API keys set      "key:" + H(key)               the key decides; H keeps the key itself out of the salt
+      + tenant header "key:" + H(key) + "/" + value  a key's holder may split its own namespace, never reach another's
+    tenant header     value                          set by a trusted gateway in front of the replicas
+    neither           ""                             one shared namespace
+
+Pure functions of the request's headers and the configuration.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from typing import Mapping
+
+BEARER = "Bearer "
+
+
+class Unauthorized(Exception):
+    """The request carries no API key, or one that is not configured."""
+
+
+def bearer_token(headers: Mapping[str, str]) -> str:
+    header = headers.get("Authorization", "")
+    return header[len(BEARER):].strip() if header.startswith(BEARER) else ""
+
+
+def check_api_key(headers: Mapping[str, str], api_keys: tuple[str, ...]) -> str:
+    """The request's key if it is one of ``api_keys`` (compared in constant time); raises Unauthorized."""
+    token = bearer_token(headers)
+    # compare against every key, so the time taken does not say which key a guess was close to
+    matched = [hmac.compare_digest(token.encode(), key.encode()) for key in api_keys]
+    if not token or not any(matched):
+        raise Unauthorized("missing or wrong API key (send Authorization: Bearer KEY)")
+    return token
+
+
+def key_tenant(api_key: str) -> str:
+    return "key:" + hashlib.blake2b(api_key.encode(), digest_size=16).hexdigest()
+
+
+def tenant_identity(api_key: str, header_value: str) -> str:
+    """The salt of a request's pool namespace (see the table above); ``api_key`` is "" without keys."""
+    if api_key:
+        return key_tenant(api_key) + ("/" + header_value if header_value else "")
+    return header_value
