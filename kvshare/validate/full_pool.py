@@ -4,14 +4,17 @@ Pages are reserved through the daemon's real allocator until it refuses, so the
 check proves the allocator hands out the whole arena. Each page gets its own
 pattern (a counter offset by the page number, as uint64 words), so a page that
 aliases another or lands at the wrong offset fails. Memory beyond the arena is
-O(page size): one pattern and one scratch page; time is linear in the pool size.
+O(page size): one pattern and one scratch page per thread; time is linear in the pool size.
 Fault-in, pinning (CUDA registration), write and verify are timed separately.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -45,10 +48,13 @@ def check_full_pool(
     pin: Callable[[], str] | None = None,
     progress: Callable[[str, int, int], None] | None = None,
     corrupt_page: int | None = None,
+    num_threads: int | None = None,
 ) -> FullPoolResult:
     """Reserve every page, fault in, pin (optional), write patterns, verify; then abort the reservations.
 
     ``corrupt_page``: a negative control that flips one byte of that page after writing.
+    ``num_threads``: pages are split among this many threads (numpy releases the GIL on whole-page
+    operations, and page faults of shared memory proceed in parallel); default min(8, cores).
     """
     arena = client.hello.arena_bytes
     result = FullPoolResult(arena_bytes=arena, page_bytes=page_bytes)
@@ -66,39 +72,64 @@ def check_full_pool(
     result.num_pages = len(pages)
     words = page_bytes // 8
     pattern = np.arange(words, dtype=np.uint64)
-    scratch = np.empty(words, dtype=np.uint64)
+    num_threads = max(1, num_threads or min(8, os.cpu_count() or 1))
+
+    def fault_in(i: int, offset: int, scratch) -> bool:
+        client.page(offset, page_bytes)[::4096] = 0  # first touch of every OS page
+        return True
+
+    def write(i: int, offset: int, scratch) -> bool:
+        view = client.page(offset, page_bytes)[: words * 8].view(np.uint64)
+        np.add(pattern, np.uint64(i) << np.uint64(40), out=view)
+        return True
+
+    def verify(i: int, offset: int, scratch) -> bool:
+        view = client.page(offset, page_bytes)[: words * 8].view(np.uint64)
+        np.add(pattern, np.uint64(i) << np.uint64(40), out=scratch)
+        return bool(np.array_equal(view, scratch))
+
     try:
-        t0 = time.perf_counter()
-        for i, offset in enumerate(pages):
-            client.page(offset, page_bytes)[:: 4096] = 0  # first touch of every OS page
-            _tick(progress, "fault-in", i, len(pages))
-        result.seconds["fault_in"] = time.perf_counter() - t0
+        result.seconds["fault_in"] = _timed_phase("fault-in", fault_in, pages, words, num_threads, progress)[0]
         if pin is not None:
             t0 = time.perf_counter()
             result.pinned = pin()
             result.seconds["pin"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        for i, offset in enumerate(pages):
-            view = client.page(offset, page_bytes)[: words * 8].view(np.uint64)
-            np.add(pattern, np.uint64(i) << np.uint64(40), out=view)
-            _tick(progress, "write", i, len(pages))
-        result.seconds["write"] = time.perf_counter() - t0
+        result.seconds["write"] = _timed_phase("write", write, pages, words, num_threads, progress)[0]
         if corrupt_page is not None and pages:
             client.page(pages[corrupt_page % len(pages)], page_bytes)[page_bytes // 2] ^= 0xFF
-        t0 = time.perf_counter()
-        for i, offset in enumerate(pages):
-            view = client.page(offset, page_bytes)[: words * 8].view(np.uint64)
-            np.add(pattern, np.uint64(i) << np.uint64(40), out=scratch)
-            if not np.array_equal(view, scratch):
-                result.bad_pages.append(i)
-            _tick(progress, "verify", i, len(pages))
-        result.seconds["verify"] = time.perf_counter() - t0
+        result.seconds["verify"], result.bad_pages = _timed_phase("verify", verify, pages, words, num_threads, progress)
     finally:
         for reservation_id in reservations:
             client.abort(reservation_id)
     return result
 
 
-def _tick(progress, phase: str, i: int, total: int) -> None:
-    if progress is not None and (i % 64 == 0 or i == total - 1):
-        progress(phase, i + 1, total)
+def _timed_phase(phase: str, work, pages: list[int], words: int, num_threads: int, progress) -> tuple[float, list[int]]:
+    """Run ``work(i, offset, scratch) -> ok`` on every page, split in contiguous slices among threads;
+    returns (seconds, indices of pages where it returned False, sorted)."""
+    start = time.perf_counter()
+    lock = threading.Lock()
+    done = [0]
+    total = len(pages)
+
+    def run_slice(lo: int, hi: int) -> list[int]:
+        scratch = np.empty(words, dtype=np.uint64)  # one page per thread: memory stays O(threads x page)
+        bad = []
+        for i in range(lo, hi):
+            if not work(i, pages[i], scratch):
+                bad.append(i)
+            if (i - lo) % 64 == 63 or i == hi - 1:
+                with lock:
+                    done[0] += (i - lo) % 64 + 1
+                    if progress is not None:
+                        progress(phase, done[0], total)
+        return bad
+
+    bounds = [(total * k // num_threads, total * (k + 1) // num_threads) for k in range(num_threads)]
+    bounds = [(lo, hi) for lo, hi in bounds if hi > lo]
+    if len(bounds) <= 1:
+        bad = run_slice(0, total) if total else []
+    else:
+        with ThreadPoolExecutor(max_workers=len(bounds), thread_name_prefix=f"full-pool-{phase}") as workers:
+            bad = sorted(i for part in workers.map(lambda b: run_slice(*b), bounds) for i in part)
+    return time.perf_counter() - start, bad

@@ -1,0 +1,204 @@
+"""Level 2, helpers: every engine KV layout <-> canonical page conversion against its slow reference.
+
+Families (each on CPU tensors, and on CUDA tensors too when the device is CUDA; the
+references always run on CPU, element by element, from the documented memory order):
+
+    engine       kv [L, 2, H, T, D] <-> pages [n, L, 2, C, H, D]       kvshare.transfer.layouts
+    paged        vllm_cpu / vllm_flash block tables <-> canonical     kvshare.transfer.layouts
+    vllm_layout  cpu_attn, flash_attn (4-D, three memory orders), flash_attn_5d  kvshare.integrations.vllm_layout
+
+with non-contiguous block tables, partially filled last blocks, token ranges that
+start and end inside blocks, and several dtypes (float32, bfloat16, float16,
+float8_e4m3fn). Scatters are also checked not to touch any other byte. The fast
+functions are looked up on their modules at call time, so a broken converter
+(a test monkeypatches one) is what this level runs.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvshare.validate.report import FAIL, PASS, SKIP, LevelResult, Row, verdict_of
+
+DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn")
+BLOCK_TABLES = ((7, 2, 5), (0, 1, 2), (8, 3, 6, 0))  # shuffled, in order, with block 0 last
+PARTIAL = (0, 1, 3)  # tokens missing from the last block
+NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM, LAYERS = 9, 4, 2, 8, 3
+
+
+@dataclass
+class Tally:
+    """Cases run and bytes compared for one (family, device)."""
+
+    cases: int = 0
+    bytes: int = 0
+    wrong: int = 0
+    failures: list[str] = field(default_factory=list)
+
+    def compare(self, what: str, fast: torch.Tensor, slow: torch.Tensor) -> None:
+        from kvshare.transfer.layouts import as_bits
+
+        a, b = as_bits(fast.detach()).cpu().contiguous(), as_bits(slow.detach()).cpu().contiguous()
+        self.cases += 1
+        self.bytes += b.numel() * b.element_size()
+        if a.shape != b.shape:
+            self.wrong += b.numel() * b.element_size()
+            self.failures.append(f"{what}: shape {tuple(a.shape)} != {tuple(b.shape)}")
+        elif not torch.equal(a, b):
+            self.wrong += int((a.view(torch.uint8) != b.view(torch.uint8)).sum())
+            self.failures.append(what)
+
+
+def random_bits(shape, dtype: str, seed: int) -> torch.Tensor:
+    """A CPU tensor of ``dtype`` holding random bits (NaN and inf patterns included)."""
+    from kvshare.transfer.layouts import as_bits, torch_dtype
+
+    t = torch.empty(shape, dtype=torch_dtype(dtype))
+    bits = as_bits(t)
+    info = torch.iinfo(bits.dtype)
+    bits.copy_(torch.randint(info.min, info.max, bits.shape, dtype=bits.dtype, generator=torch.Generator().manual_seed(seed)))
+    return t
+
+
+# -- engine layout ---------------------------------------------------------------------------------
+
+
+def check_engine(device: str, tally: Tally) -> None:
+    from kvshare.layout import KVLayout
+    from kvshare.transfer import layouts, reference
+
+    for d, dtype in enumerate(DTYPES):
+        lay = KVLayout(num_layers=2, num_kv_heads=3, head_dim=4, dtype=dtype, chunk_tokens=8)
+        kv = random_bits((2, 2, 3, 6 * 8 + 5, 4), dtype, seed=d)  # capacity not a whole number of chunks
+        for first_chunk, num_chunks in ((0, 6), (2, 3), (5, 1)):
+            pages = torch.empty((num_chunks, 2, 2, 8, 3, 4), dtype=kv.dtype, device=device)
+            layouts.engine_to_chunks(pages, kv.to(device), first_chunk * 8)
+            expected = reference.reference_engine_to_pages(kv, lay, first_chunk, num_chunks)
+            tally.compare(f"engine->pages {dtype} chunks {first_chunk}+{num_chunks}", pages, expected)
+            fast = random_bits(kv.shape, dtype, seed=100 + d)
+            slow = fast.clone()
+            fast = fast.to(device)
+            layouts.chunks_to_engine(fast, pages, first_chunk * 8)
+            reference.reference_pages_to_engine(slow, expected, lay, first_chunk)
+            tally.compare(f"pages->engine {dtype} chunks {first_chunk}+{num_chunks}", fast, slow)  # rest untouched too
+
+
+# -- vLLM paged layouts of kvshare.transfer.layouts ---------------------------------------------------
+
+
+def check_paged(kind, device: str, tally: Tally) -> None:
+    from kvshare.transfer import layouts, reference
+
+    shape = (NUM_BLOCKS, HEADS, BLOCK_SIZE, 2 * HEAD_DIM) if kind.value == "vllm_cpu" else (2, NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM)
+    for d, dtype in enumerate(DTYPES):
+        caches = [random_bits(shape, dtype, seed=10 * d + i) for i in range(LAYERS)]
+        on_device = [c.to(device) for c in caches]
+        for block_ids in BLOCK_TABLES:
+            for partial in PARTIAL:
+                n = len(block_ids) * BLOCK_SIZE - partial
+                what = f"{kind.value} {dtype} blocks {list(block_ids)} tokens {n}"
+                expected = reference.reference_gather(caches, block_ids, kind, n)
+                tally.compare(f"gather {what}", layouts.gather(on_device, block_ids, kind, n), expected)
+                canonical = random_bits((LAYERS, 2, n, HEADS, HEAD_DIM), dtype, seed=99 + partial)
+                fast = [c.clone() for c in on_device]
+                slow = [c.clone() for c in caches]
+                layouts.scatter(canonical.to(device), fast, block_ids, kind)
+                reference.reference_scatter(canonical, slow, block_ids, kind)
+                for layer, (f, s) in enumerate(zip(fast, slow)):
+                    tally.compare(f"scatter {what} layer {layer}", f, s)  # other blocks and the tail untouched
+        # whole chunks of 2 blocks as pages, out through one block table and back in through another
+        pages = layouts.gather_pages(on_device, (4, 8, 1, 6), kind, chunk_tokens=2 * BLOCK_SIZE)
+        flat = reference.reference_gather(caches, (4, 8, 1, 6), kind, 4 * BLOCK_SIZE)  # [L, 2, 2C, H, D]
+        expected = flat.view(LAYERS, 2, 2, 2 * BLOCK_SIZE, HEADS, HEAD_DIM).permute(2, 0, 1, 3, 4, 5)
+        tally.compare(f"gather_pages {kind.value} {dtype}", pages, expected)
+        other = [random_bits(shape, dtype, seed=77).to(device) for _ in range(LAYERS)]
+        layouts.scatter_pages(pages, other, (0, 2, 3, 5), kind)
+        tally.compare(f"scatter_pages {kind.value} {dtype}", layouts.gather_pages(other, (0, 2, 3, 5), kind, 2 * BLOCK_SIZE), expected)
+
+
+# -- kvshare.integrations.vllm_layout (the connector's views) ------------------------------------------
+
+B, H, N, D = 6, 2, 4, 8
+# (backend, name, CPU base tensor shape, view of the base as the layer tensor vLLM hands over)
+VLLM_KINDS = (
+    ("CPU_ATTN", "cpu_attn", (B, H, N, 2 * D), lambda t: t),
+    ("FLASH_ATTN", "flash_attn HND", (B, H, N, 2 * D), lambda t: t),
+    ("FLASH_ATTN", "flash_attn NHD", (B, N, H, 2 * D), lambda t: t.permute(0, 2, 1, 3)),
+    ("FLASH_ATTN", "flash_attn padded", (B, 2, H, N, 2 * D), lambda t: t[:, 1]),  # blocks further apart than their size
+    ("FLASH_ATTN", "flash_attn_5d", (2, B, N, H, D), lambda t: t),
+)
+TOKEN_RANGES = ((0, B * N), (3, 9), (N, 1), (5, 2 * N - 1))  # start and end inside blocks, one token
+
+
+def check_vllm_layout(kind, device: str, tally: Tally) -> None:
+    from kvshare.integrations import vllm_layout as V
+    from kvshare.transfer.layouts import torch_dtype
+
+    backend, name, base_shape, view = kind
+    for d, dtype in enumerate(("float32", "bfloat16", "float8_e4m3fn")):
+        base = random_bits(base_shape, dtype, seed=200 + d)
+        layer_cpu = view(base)
+        layout = V.detect_layout(backend, layer_cpu, H, D, N, torch_dtype(dtype))
+        for start, count in TOKEN_RANGES:
+            block_ids = torch.randperm(B, generator=torch.Generator().manual_seed(start + count)).tolist()
+            what = f"{name} {dtype} tokens {start}..{start + count - 1}"
+            kv = random_bits((2, count, H, D), dtype, seed=300 + count)
+            fast_base = base.clone().to(device)
+            fast = view(fast_base)
+            slow_base = base.clone()
+            V.scatter_tokens(fast, layout, kv.to(device), V.slot_indices(start, count, block_ids, N, fast.device))
+            V.reference_scatter(view(slow_base), layout, kv, start, block_ids)
+            tally.compare(f"scatter {what}", fast_base, slow_base)  # nothing outside the slots touched
+            out = torch.empty((2, count, H, D), dtype=kv.dtype, device=device)
+            V.gather_tokens(fast, layout, V.slot_indices(start, count, block_ids, N, fast.device), out)
+            tally.compare(f"gather {what}", out, V.reference_gather(view(slow_base), layout, start, count, block_ids))
+
+
+# -- the level -------------------------------------------------------------------------------------
+
+
+def _families():
+    from kvshare.transfer.layouts import PagedLayout
+
+    families = [("engine [L,2,H,T,D]", check_engine, None)]
+    families += [(f"paged {k.value}", check_paged, k) for k in PagedLayout]
+    try:
+        import kvshare.integrations.vllm_layout  # noqa: F401
+    except ImportError:
+        return families, "kvshare.integrations.vllm_layout is not installed"
+    families += [(f"vllm_layout {k[1]}", check_vllm_layout, k) for k in VLLM_KINDS]
+    return families, ""
+
+
+def run_helpers_level(device: str) -> LevelResult:
+    started = time.perf_counter()
+    devices = ["cpu"] + ([device] if device.startswith("cuda") else [])
+    families, missing = _families()
+    rows: list[Row] = []
+    total = Tally()
+    for name, check, arg in families:
+        for dev in devices:
+            tally = Tally()
+            try:
+                check(dev, tally) if arg is None else check(arg, dev, tally)
+            except Exception as exc:  # a converter that raises is a failed conversion, reported with its message
+                tally.failures.append(f"raised {type(exc).__name__}: {exc}")
+            ok = not tally.failures and tally.cases > 0
+            detail = "" if ok else f"{len(tally.failures)} wrong: " + "; ".join(tally.failures[:3])
+            rows.append(Row(f"{name} on {dev}", PASS if ok else FAIL, detail,
+                            {"cases": tally.cases, "bytes": tally.bytes, "wrong": tally.wrong}))
+            total.cases += tally.cases
+            total.bytes += tally.bytes
+            total.wrong += tally.wrong
+    if missing:
+        rows.append(Row("vllm_layout", SKIP, missing))
+    if not device.startswith("cuda"):
+        rows.append(Row("on cuda", SKIP, f"device {device}: fast converters not run on GPU tensors"))
+    status = verdict_of(rows)
+    summary = (f"{len(families)} layouts x {len(devices)} device(s) ({', '.join(devices)}): {total.cases} cases, "
+               f"{total.bytes} bytes compared with the references, {total.wrong} wrong")
+    figures = {"cases": total.cases, "bytes": total.bytes, "wrong": total.wrong, "devices": devices}
+    return LevelResult("helpers", status, summary, rows, figures, time.perf_counter() - started)
