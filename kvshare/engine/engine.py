@@ -141,6 +141,19 @@ class Engine:
             local_cache_chunks=len(self._local), local_cache_bytes=self._local.num_bytes,
         )
 
+    # -- used by the replica's audit (kvshare.serve.audit) ------------------------------------
+
+    def prompt_chunk_keys(self, prompt_ids: Sequence[int], tenant: str = "") -> list[bytes]:
+        """Chained keys of the prompt's full chunks, as a request of ``tenant`` looks them up."""
+        return chunk_keys(self._digest(tenant), [int(t) for t in prompt_ids], self.layout.chunk_tokens)
+
+    def drop_chunks(self, keys: Sequence[bytes]) -> tuple[int, int]:
+        """Forget chunks found wrong: remove them from the local cache and the pool. (local, pool) counts removed."""
+        with self._lock:
+            num_local = self._local.discard(keys)
+            num_pool = self._pool.drop(list(keys)) if self._pool is not None else 0
+            return num_local, num_pool
+
     def close(self) -> None:
         with self._lock:
             if self._pool is not None:

@@ -183,6 +183,22 @@ class PoolLink:
             self.client.release([load.lease_id])
         load.lease_id = 0
 
+    def drop(self, keys: list[bytes]) -> int:
+        """Remove committed chunks from the pool (an audit found them wrong); 0 when the pool is away."""
+        if not keys or not self.connected():
+            return 0
+        try:
+            dropped = self.client.drop(keys)
+        except _LOST as exc:
+            self._lost(exc)
+            return 0
+        except PoolRequestError as exc:
+            self.stats.pool_errors += 1
+            log.warning("the pool refused a drop: %s", exc)
+            return 0
+        self.stats.dropped_chunks += dropped
+        return dropped
+
     # -- store -----------------------------------------------------------------------
 
     def store(self, kv: torch.Tensor, keys: list[bytes], namespace: bytes, producer_stream=None) -> None:

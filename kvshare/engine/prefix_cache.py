@@ -65,6 +65,16 @@ class LocalPrefixCache:
         self.counters.inserted_chunks += 1
         return True
 
+    def discard(self, keys: Sequence[bytes]) -> int:
+        """Remove these chunks (found wrong by an audit); returns how many were held."""
+        removed = 0
+        for key in keys:
+            chunk = self._chunks.pop(key, None)
+            if chunk is not None:
+                self.num_bytes -= chunk.numel() * chunk.element_size()
+                removed += 1
+        return removed
+
     def clear(self) -> None:
         self._chunks.clear()
         self.num_bytes = 0

@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 log = logging.getLogger("kvshare.serve")
 
@@ -47,10 +47,15 @@ class Job:
             yield item
 
 
+IDLE_POLL_S = 0.25  # with an idle task: how often an empty queue is re-checked for new idle work
+
+
 class EngineWorker:
-    def __init__(self, engine: Any, max_requests: int) -> None:
+    def __init__(self, engine: Any, max_requests: int, idle_task: Callable[[], bool] | None = None) -> None:
         self.engine = engine
         self.max_requests = max_requests
+        # runs in this thread while no request waits, one unit per call; True when it did work (the audit)
+        self.idle_task = idle_task
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._num_waiting = 0
         self._num_running = 0
@@ -79,9 +84,23 @@ class EngineWorker:
             self._num_waiting += 1
         self._queue.put(job)
 
+    def _next_job(self) -> Job | None:
+        """The next request (None: stop); while none waits, the idle task runs between polls."""
+        while True:
+            if self.idle_task is not None and self._queue.empty():
+                try:
+                    if self.idle_task():
+                        continue  # more idle work may be pending: look at the queue again first
+                except Exception:
+                    log.exception("the worker's idle task failed")
+            try:
+                return self._queue.get(timeout=IDLE_POLL_S if self.idle_task is not None else None)
+            except queue.Empty:
+                continue
+
     def _run(self) -> None:
         while True:
-            job = self._queue.get()
+            job = self._next_job()
             if job is None:
                 return
             with self._lock:

@@ -1,0 +1,217 @@
+"""The audit while serving: a sample of requests served with reused KV is recomputed cold and compared.
+
+A checksum proves that the bytes loaded are the bytes committed; it cannot prove
+that the bytes committed were right (the study's writer checksummed a staging
+buffer it had copied before the kernel filling it ran). Only the model's output
+can: with ``--audit-rate R`` a replica offers each finished request that reused
+KV (local cache or pool) to the auditor with probability R. When the engine
+worker has no request waiting, it runs one pending audit (``run_one``):
+
+    served     the request's first tokens, if it was greedy; otherwise a greedy
+               replay with the same reuse options (the reused KV as it is now)
+    cold       the same prompt, greedy, pool and local cache off (nothing reused or published)
+    compare    kvshare.validate.compare: identical, or diverged at a near tie (top-2 gap
+               below the threshold: tolerated, counted apart) -- anything else is a mismatch
+
+A mismatch is counted (``kvshare:audit_mismatches_total``), logged with the chunk
+keys involved, and every full chunk of the prompt is dropped from the pool and the
+local cache: the reused ones (one of them is wrong) and the ones computed on top of
+them (they attended to it). The next request with that prefix recomputes. An audit
+gives way to requests: when one arrives mid-decode the audit is put back and retried later.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from kvshare.validate.compare import DEFAULT_GAP_THRESHOLD, Comparison, compare_tokens
+
+log = logging.getLogger("kvshare.audit")
+
+
+@dataclass(frozen=True)
+class AuditConfig:
+    rate: float = 0.0  # share of requests served with reused KV that are audited; 0: off
+    num_tokens: int = 8  # generated tokens compared
+    gap_threshold: float = DEFAULT_GAP_THRESHOLD  # a divergence at a smaller top-2 gap is tolerated
+    max_pending: int = 16  # audits waiting for idle time; more samples are skipped (counted)
+    seed: int | None = None  # of the sampling
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.rate <= 1.0:
+            raise ValueError(f"--audit-rate must lie in [0, 1], got {self.rate}")
+        if self.num_tokens < 1 or self.max_pending < 1:
+            raise ValueError("audit num_tokens and max_pending must be at least 1")
+        if self.gap_threshold < 0:
+            raise ValueError(f"the audit gap threshold must be >= 0, got {self.gap_threshold}")
+
+
+@dataclass
+class AuditSample:
+    prompt_ids: list[int]
+    options: Any  # the request's engine RequestOptions (reuse switches, tenant)
+    served_ids: list[int] | None  # the first tokens served, if the request was greedy
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
+    local_tokens: int
+    pool_tokens: int
+
+
+@dataclass
+class AuditCounts:
+    checks: int = 0
+    mismatches: int = 0
+    tolerated: int = 0  # diverged at a near tie
+    skipped: int = 0  # sampled but not checked (queue full, or the replay reused nothing)
+    interrupted: int = 0  # given way to a request, retried later
+    errors: int = 0
+    dropped_local: int = 0
+    dropped_pool: int = 0
+
+
+class _GaveWay(Exception):
+    """A request arrived while the audit ran; the audit yields the engine."""
+
+
+class Auditor:
+    """Samples finished requests (any thread) and checks them one at a time in the engine worker's idle time."""
+
+    def __init__(self, engine, config: AuditConfig, registry=None, is_busy: Callable[[], bool] = lambda: False) -> None:
+        self.engine = engine
+        self.config = config
+        self.is_busy = is_busy
+        self.counts = AuditCounts()
+        self.last: Comparison | None = None
+        self._rng = random.Random(config.seed)
+        self._pending: deque[AuditSample] = deque()
+        self._lock = threading.Lock()
+        self._metrics = _AuditMetrics(registry) if registry is not None else None
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    def offer(self, prompt_ids, params, options, provenance, token_ids) -> bool:
+        """Maybe queue a finished request for audit; True when it was queued."""
+        if provenance is None or not token_ids or provenance.local_tokens + provenance.pool_tokens == 0:
+            return False
+        with self._lock:
+            if self._rng.random() >= self.config.rate:
+                return False
+            if len(self._pending) >= self.config.max_pending:
+                self._count("skipped")
+                return False
+            served = [int(t) for t in token_ids[: self.config.num_tokens]] if params.temperature == 0 else None
+            self._pending.append(AuditSample(list(prompt_ids), options, served, tuple(params.stop_token_ids),
+                                             params.ignore_eos, provenance.local_tokens, provenance.pool_tokens))
+        return True
+
+    def run_one(self) -> bool:
+        """Check one pending sample (engine worker thread, idle). False when none was pending."""
+        with self._lock:
+            if not self._pending:
+                return False
+            sample = self._pending.popleft()
+        try:
+            self._check(sample)
+        except _GaveWay:
+            with self._lock:
+                self._pending.appendleft(sample)
+            self._count("interrupted")
+        except Exception:
+            log.exception("the audit of a %d-token prompt failed", len(sample.prompt_ids))
+            self._count("errors")
+        return True
+
+    # -- one check ---------------------------------------------------------------------------------
+
+    def _check(self, sample: AuditSample) -> None:
+        from kvshare.engine.engine import RequestOptions, SamplingParams
+
+        n = min(self.config.num_tokens, len(sample.served_ids)) if sample.served_ids else self.config.num_tokens
+        greedy = SamplingParams(max_tokens=n, temperature=0.0, stop_token_ids=sample.stop_token_ids,
+                                ignore_eos=sample.ignore_eos, logprobs=2)
+        served = sample.served_ids
+        if served is None:  # a sampled request: replay it greedily with the same reuse
+            served, provenance = self._generate(sample.prompt_ids, greedy, sample.options)
+            if provenance.local_tokens + provenance.pool_tokens == 0:
+                self._count("skipped")
+                return
+            sample.local_tokens, sample.pool_tokens = provenance.local_tokens, provenance.pool_tokens
+        cold_options = RequestOptions(use_pool=False, use_local_cache=False, tenant=sample.options.tenant)
+        cold, events = self._generate(sample.prompt_ids, greedy, cold_options, keep_events=True)
+        top = [list((e.top_logprobs or {}).values()) for e in events]
+        result = compare_tokens(cold, served[:n], top, self.config.gap_threshold)
+        self.last = result
+        self._count("checks")
+        if result.is_identical:
+            return
+        if result.is_tolerated:
+            self._count("tolerated")
+            log.info("audit: reused KV diverged at a near tie (%s); not a mismatch", result.describe())
+            return
+        self._mismatch(sample, result)
+
+    def _mismatch(self, sample: AuditSample, result: Comparison) -> None:
+        keys = self.engine.prompt_chunk_keys(sample.prompt_ids, sample.options.tenant)
+        c = self.engine.layout.chunk_tokens
+        num_local, num_pool = sample.local_tokens // c, sample.pool_tokens // c
+        hexes = [k.hex()[:16] for k in keys]
+        dropped_local, dropped_pool = self.engine.drop_chunks(keys)
+        self._count("mismatches")
+        self._count("dropped_local", dropped_local)
+        self._count("dropped_pool", dropped_pool)
+        log.error(
+            "audit MISMATCH: a %d-token prompt served with reused KV differs from its cold recompute (%s). "
+            "Reused chunks: local %s, pool %s; computed on top of them: %s. Dropped %d chunks from the local cache "
+            "and %d from the pool; the next request with this prefix recomputes.",
+            len(sample.prompt_ids), result.describe(), hexes[:num_local], hexes[num_local : num_local + num_pool],
+            hexes[num_local + num_pool :], dropped_local, dropped_pool,
+        )
+
+    def _generate(self, prompt_ids, params, options, keep_events: bool = False):
+        """(token ids, provenance) or (token ids, events); gives way (raises _GaveWay) when a request waits."""
+        events = []
+        stream = self.engine.generate(prompt_ids, params, options)
+        try:
+            for event in stream:
+                events.append(event)
+                if self.is_busy() and event.finish_reason is None:
+                    raise _GaveWay()
+        finally:
+            stream.close()
+        ids = [e.token_id for e in events]
+        return (ids, events) if keep_events else (ids, events[0].provenance)
+
+    def _count(self, name: str, n: int = 1) -> None:
+        setattr(self.counts, name, getattr(self.counts, name) + n)
+        if self._metrics is not None and n:
+            self._metrics.inc(name, n)
+
+
+class _AuditMetrics:
+    """Prometheus counters of the audit, on the replica's registry (kvshare:audit_*_total)."""
+
+    HELP = {
+        "checks": "Requests with reused KV recomputed cold and compared",
+        "mismatches": "Audited requests whose output differed from the cold recompute",
+        "tolerated": "Audited requests that diverged only at a near tie (top-2 logprob gap below the threshold)",
+        "skipped": "Sampled requests not audited (queue full, or nothing reused on replay)",
+        "interrupted": "Audits that gave way to a request and were retried",
+        "errors": "Audits that failed with an error",
+        "dropped_local": "Chunks dropped from the local cache after a mismatch",
+        "dropped_pool": "Chunks dropped from the pool after a mismatch",
+    }
+
+    def __init__(self, registry) -> None:
+        from prometheus_client import Counter
+
+        self._counters = {name: Counter(f"kvshare:audit_{name}", text, registry=registry) for name, text in self.HELP.items()}
+
+    def inc(self, name: str, n: int) -> None:
+        self._counters[name].inc(n)
