@@ -27,6 +27,7 @@ COMMANDS = {
     "demo": ("demo", "the embedded default: a small cluster on CPU and the study's experiments"),
     "make-model": ("make_model", "write a synthetic preset as a Hugging Face model directory"),
     "generate": ("generate", "run one prompt through the built-in engine"),
+    "load": ("load", "bounded load through a router, answers checked against pool-off references"),
     "validate": ("validate", "validate this machine and deployment: bytes, helpers, full pool, service"),
 }
 

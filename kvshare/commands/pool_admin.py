@@ -1,4 +1,4 @@
-"""Administer a running pool: flush chunks (all, or one namespace) and list leases with their ages."""
+"""Administer a running pool: flush chunks (all, one namespace, or one replica's tenant), list leases and namespaces."""
 
 from __future__ import annotations
 
@@ -9,9 +9,37 @@ import json
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--socket", "--pool", dest="socket", default=None, help="the pool's Unix socket")
     sub = p.add_subparsers(dest="action", required=True)
-    flush = sub.add_parser("flush", help="drop committed chunks")
-    flush.add_argument("--namespace", default=None, help="hex namespace digest; all chunks when omitted")
+    flush = sub.add_parser("flush", help="drop committed chunks (all when no namespace is named)")
+    which = flush.add_mutually_exclusive_group()
+    which.add_argument("--namespace", default=None, help="hex namespace digest (see `namespaces`)")
+    which.add_argument("--replica", default=None, metavar="URL",
+                       help="the namespace a replica uses for --tenant (asked at URL/admin/namespace)")
+    flush.add_argument("--tenant", default=None,
+                       help="with --replica: the tenant header's value (default: the replica's untenanted namespace)")
+    flush.add_argument("--api-key", default=None, help="with --replica: the bearer token (with keys, it names the tenant)")
     sub.add_parser("leases", help="list leases with their ages")
+    sub.add_parser("namespaces", help="list namespaces with their chunks and bytes (and the quota)")
+
+
+def replica_namespace(url: str, tenant: str | None, api_key: str | None, timeout_s: float = 10.0) -> dict:
+    """GET URL/admin/namespace: the namespace digest a replica uses for a tenant."""
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    from kvshare.errors import UserError
+
+    query = "?" + urllib.parse.urlencode({"tenant": tenant}) if tenant is not None else ""
+    req = urllib.request.Request(url.rstrip("/") + "/admin/namespace" + query,
+                                 headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        detail = err.read().decode(errors="replace")[:300]
+        raise UserError(f"{url} refused the namespace query ({err.code}): {detail}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise UserError(f"cannot reach the replica at {url}: {exc}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -19,18 +47,35 @@ def run(args: argparse.Namespace) -> int:
     from kvshare.paths import default_pool_socket
     from kvshare.pool.client import PoolClient, PoolUnavailable
 
+    if args.action == "flush" and args.replica is None and (args.tenant is not None or args.api_key is not None):
+        raise UserError("--tenant and --api-key name a tenant through a replica: add --replica URL")
     try:
+        namespace, named = None, {}
+        if args.action == "flush" and args.replica:
+            named = replica_namespace(args.replica, args.tenant, args.api_key)
+            namespace = bytes.fromhex(named["namespace"])
+        elif args.action == "flush" and args.namespace:
+            namespace = bytes.fromhex(args.namespace)
         with PoolClient(args.socket or default_pool_socket(), name="pool-admin") as client:
             if args.action == "flush":
-                namespace = bytes.fromhex(args.namespace) if args.namespace else None
-                print(json.dumps({"dropped": client.flush(namespace)}))
-            else:
+                out = {"dropped": client.flush(namespace)}
+                if namespace is not None:
+                    out["namespace"] = namespace.hex()
+                if named:
+                    out["model"] = named["model"]
+                print(json.dumps(out))
+            elif args.action == "leases":
                 leases = [
                     {"lease_id": l.lease_id, "client_id": l.client_id, "client": l.client_name,
                      "pages": l.num_pages, "age_s": l.age_s}
                     for l in client.list_leases()
                 ]
                 print(json.dumps(leases, indent=2))
+            else:
+                reply = client.list_namespaces()
+                rows = [{"namespace": n.namespace.hex(), "entries": n.num_entries, "bytes": n.num_bytes}
+                        for n in reply.namespaces]
+                print(json.dumps({"quota_bytes": reply.quota_bytes, "namespaces": rows}, indent=2))
     except (PoolUnavailable, ValueError) as exc:
         raise UserError(str(exc)) from None
     return 0
