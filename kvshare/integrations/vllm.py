@@ -74,13 +74,19 @@ class KVShareWorkerMetadata(KVConnectorWorkerMetadata):
 
 
 def _log_through_vllm() -> None:
-    """Print kvshare's log records with vLLM's handlers (vLLM configures only its own logger)."""
+    """Print kvshare's log records like vLLM's (vLLM configures only its own logger).
+
+    KVSHARE_LOG_LEVEL=DEBUG shows the connector's debug records (e.g. each load's timing).
+    """
     ours, theirs = logging.getLogger("kvshare"), logging.getLogger("vllm")
-    if not ours.handlers and theirs.handlers:
-        for handler in theirs.handlers:
-            ours.addHandler(handler)
-        ours.setLevel(os.environ.get("KVSHARE_LOG_LEVEL", "").upper() or theirs.level or logging.INFO)
-        ours.propagate = False
+    if ours.handlers or not theirs.handlers:
+        return
+    level = os.environ.get("KVSHARE_LOG_LEVEL", "").upper() or theirs.level or logging.INFO
+    handler = logging.StreamHandler()
+    handler.setFormatter(theirs.handlers[0].formatter)
+    ours.addHandler(handler)
+    ours.setLevel(level)
+    ours.propagate = False
 
 
 class KVShareConnector(KVConnectorBase_V1):

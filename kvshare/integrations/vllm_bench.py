@@ -12,7 +12,8 @@ connector, R without it) and, per length and repeat, with a fresh random prompt:
     local (R)    the same on plain vLLM
     cross (B)    B has never seen it: its prefix comes from the pool
 
-TTFT is the time to the first streamed token of a completion; usage.prompt_tokens_details
+``--copy-only`` measures only the connector's store and load of one prompt (vLLM-CPU-shaped
+tensors of the tiny preset, no vLLM). TTFT is the time to the first streamed token of a completion; usage.prompt_tokens_details
 .cached_tokens of each request is kept with it. It prints a markdown
 table (medians) and the connector's load/store bandwidth from the servers' /metrics,
 and writes every measurement to OUT/ttft.json.
@@ -24,6 +25,8 @@ import argparse
 import json
 import os
 import random
+import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -58,6 +61,63 @@ def first_token_seconds(base_url: str, model: str, prompt: list[int], timeout_s:
     return ttft, cached
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def copy_bandwidth(num_tokens: int, repeats: int = 3) -> dict:
+    """The worker's store and load of one prompt on vLLM-CPU-shaped tensors of the tiny preset (no vLLM)."""
+    import torch
+
+    from kvshare.integrations.pool_link import PoolLink
+    from kvshare.integrations.vllm_layout import PagedLayout
+    from kvshare.integrations.vllm_meta import WorkerReport
+    from kvshare.integrations.vllm_options import ConnectorConfig
+    from kvshare.integrations.vllm_scheduler import PoolScheduler, ScheduledRequest
+    from kvshare.integrations.vllm_worker import PoolKVWorker
+    from kvshare.keys import Namespace
+    from kvshare.layout import KVLayout
+    from kvshare.pool.spawn import running_pool
+
+    L, H, D, N = 8, 2, 64, 32
+    layout = KVLayout(L, H, D, "float32")
+    namespace = Namespace("tiny", "0" * 32, "float32", L, H, D, engine_family="vllm")
+    num_blocks = num_tokens // N + 8
+    size = (num_tokens // layout.chunk_tokens + 4) * layout.page_bytes
+    with running_pool(size, ("--prefault",), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as sock:
+        sides = []
+        for name in ("A", "B"):
+            worker = PoolKVWorker(layout, PoolLink(sock, name + "w"))
+            worker.register([torch.randn(num_blocks, H, N, 2 * D) for _ in range(L)],
+                            PagedLayout("cpu_attn", num_blocks, N, H, D, torch.float32))
+            sides.append((PoolScheduler(ConnectorConfig(pool_socket=sock), namespace, layout.page_bytes, N,
+                                        PoolLink(sock, name + "s")), worker))
+        (sa, wa), (sb, wb) = sides
+        prompt, blocks = list(range(num_tokens + 1)), list(range(num_blocks))
+        sa.add_request("a", prompt, None, None)
+        sa.allocated("a", sa.match("a", 0), 0)
+        started = time.perf_counter()
+        for spec in sa.plan_step([ScheduledRequest("a", 0, num_tokens + 1, blocks)]).stores:
+            wa.store(spec)
+        store_s = time.perf_counter() - started
+        loads = []
+        for i in range(repeats):
+            sb.add_request(f"b{i}", prompt, None, None)
+            n = sb.match(f"b{i}", 0)
+            sb.allocated(f"b{i}", n, 0)
+            plan = sb.plan_step([ScheduledRequest(f"b{i}", n, num_tokens + 1 - n, blocks[::-1])])
+            started = time.perf_counter()
+            outcome = wb.load(plan.loads[0])
+            loads.append(time.perf_counter() - started)
+            sb.on_report(WorkerReport([outcome]))
+            sb.finish(f"b{i}")
+    num_bytes = num_tokens * layout.bytes_per_token
+    return {"tokens": num_tokens, "bytes": num_bytes, "store_s": store_s, "load_s": min(loads),
+            "store_GBps": num_bytes / store_s / 1e9, "load_GBps": num_bytes / min(loads) / 1e9}
+
+
 def metrics(base_url: str) -> dict[str, float]:
     with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as response:
         text = response.read().decode()
@@ -78,11 +138,11 @@ def run(args: argparse.Namespace) -> dict:
     socket_path = os.path.join(work, "pool.sock")
     pool = start_pool(socket_path, args.pool_size, ("--prefault",), stdout=subprocess.DEVNULL)
     common = dict(model=model, python=args.vllm_python, dtype="float32", kv_cache_gib=args.kv_cache_gib,
-                  max_model_len=max(args.lengths) + 64)
+                  max_model_len=max(args.lengths) + 64, cpu_omp_threads_bind=args.omp_bind or None)
     configs = {
-        "A": VllmServerConfig(port=args.port, pool_socket=socket_path, replica="A", **common),
-        "B": VllmServerConfig(port=args.port + 1, pool_socket=socket_path, replica="B", **common),
-        "R": VllmServerConfig(port=args.port + 2, pool_socket=None, replica="R", **common),
+        "A": VllmServerConfig(port=free_port(), pool_socket=socket_path, replica="A", **common),
+        "B": VllmServerConfig(port=free_port(), pool_socket=socket_path, replica="B", **common),
+        "R": VllmServerConfig(port=free_port(), pool_socket=None, replica="R", **common),
     }
     procs = {}
     try:
@@ -119,6 +179,7 @@ def run(args: argparse.Namespace) -> dict:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, 9)
         stop_process(pool)
+        shutil.rmtree(work, ignore_errors=True)
     return {"rows": rows, "counters": counters, "lengths": args.lengths, "repeats": args.repeats,
             "machine": f"{os.cpu_count()} CPUs", "model": "tiny preset (kvshare make-model tiny)"}
 
@@ -156,10 +217,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--pool-size", default="2GiB")
     parser.add_argument("--kv-cache-gib", type=int, default=2)
-    parser.add_argument("--port", type=int, default=18100)
+    parser.add_argument("--omp-bind", default="nobind",
+                        help='VLLM_CPU_OMP_THREADS_BIND for the servers ("" for vLLM\'s default, auto)')
+    parser.add_argument("--copy-only", action="store_true",
+                        help="only the connector's copies (no vLLM): store and load one prompt per length")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="folder for ttft.json and ttft.md")
     args = parser.parse_args(argv)
+    if args.copy_only:
+        for length in args.lengths:
+            print(json.dumps(copy_bandwidth(length)))
+        return 0
     result = run(args)
     text = report(result)
     print(text)

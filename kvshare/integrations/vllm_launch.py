@@ -43,6 +43,9 @@ class VllmServerConfig:
     block_size: int = 32
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE (CPU only)
+    # VLLM_CPU_OMP_THREADS_BIND (CPU only): None keeps vLLM's "auto" (threads pinned to cores, best on
+    # a dedicated host); "nobind" lets the OS move them, better where other work shares the cores
+    cpu_omp_threads_bind: str | None = None
     dtype: str = "auto"  # "float32" for exact comparisons on CPU
     device: str = "cpu"  # "cpu" | "cuda": which environment the server gets
     max_num_batched_tokens: int | None = None  # None: vLLM's default
@@ -123,6 +126,8 @@ def vllm_server_command(config: VllmServerConfig, base_env: dict[str, str] | Non
     env["PYTHONPATH"] = os.pathsep.join(p for p in (source_root, env.get("PYTHONPATH", "")) if p)
     if config.device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
+        if config.cpu_omp_threads_bind is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu_omp_threads_bind
         env.setdefault("CUDA_VISIBLE_DEVICES", "")
     return LaunchSpec(argv, env, config.base_url)
 

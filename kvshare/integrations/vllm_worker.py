@@ -110,6 +110,7 @@ class PoolKVWorker:
         if spec.token_start < spec.first_chunk * C or covered_end <= spec.token_start:
             return spec.token_start, "no leased page covers the load"
         trusted, reason = [], ""
+        verify_started = time.perf_counter()
         for piece in page_slices(spec.token_start, covered_end, spec.first_chunk, len(spec.pages), C):
             ref = spec.pages[piece.page_index]
             if ref.page_bytes != page_bytes:
@@ -122,6 +123,7 @@ class PoolKVWorker:
                 break
             trusted.append(piece)
         offsets = [spec.pages[p.page_index].offset for p in trusted]
+        copy_started = time.perf_counter()
         self._pin(client)
         for run in copy_runs(trusted, offsets, page_bytes, C, client.hello.extent_bytes):
             first = trusted[run.first]
@@ -132,6 +134,8 @@ class PoolKVWorker:
             slots = slots_of_positions(positions, spec.block_ids, self.paged.block_size, self.device)
             for index, layer in enumerate(self.layers):
                 scatter_tokens(layer, self.paged, src[:, index].transpose(0, 1), slots)  # [2, n, hi - lo, H, D]
+        log.debug("kvshare: %s: verified %d pages in %.4f s, copied them in %.4f s", spec.req_id, len(trusted),
+                  copy_started - verify_started, time.perf_counter() - copy_started)
         if not trusted:
             return spec.token_start, reason
         last = trusted[-1]
