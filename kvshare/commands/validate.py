@@ -41,6 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--replica-arg", action="append", default=[], help="extra argument for every replica it starts")
     s.add_argument("--max-tokens", type=int, default=16, help="tokens generated per request (default 16)")
     s.add_argument("--chunk-tokens", type=int, default=256, help="the replicas' chunk size (default 256)")
+    s.add_argument("--prompt-lengths", default="256,300,512,777,1100",
+                   help="token lengths of the completion prompts (default 256,300,512,777,1100)")
+    s.add_argument("--chat-prompts", type=int, default=2, help="chat prompts (default 2)")
     s.add_argument("--gap-threshold", type=float, default=1e-3,
                    help="a divergence is tolerated only at a step whose top-2 logprob gap is below this (default 1e-3)")
     s.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
@@ -58,7 +61,8 @@ def config_from_args(args: argparse.Namespace):
         page_size=args.page_size, threads=args.threads, progress=not args.no_progress,
         replicas=tuple(args.replica), model=args.model, num_replicas=args.service_replicas,
         service_pool_size=args.service_pool_size, replica_args=tuple(args.replica_arg), max_tokens=args.max_tokens,
-        chunk_tokens=args.chunk_tokens, gap_threshold=args.gap_threshold, request_timeout_s=args.request_timeout,
+        chunk_tokens=args.chunk_tokens, prompt_lengths=tuple(int(n) for n in args.prompt_lengths.split(",") if n.strip()),
+        num_chat=args.chat_prompts, gap_threshold=args.gap_threshold, request_timeout_s=args.request_timeout,
         seed=args.seed,
     )
 

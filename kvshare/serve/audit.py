@@ -109,6 +109,7 @@ class Auditor:
             served = [int(t) for t in token_ids[: self.config.num_tokens]] if params.temperature == 0 else None
             self._pending.append(AuditSample(list(prompt_ids), options, served, tuple(params.stop_token_ids),
                                              params.ignore_eos, provenance.local_tokens, provenance.pool_tokens))
+        self._show_pending()
         return True
 
     def run_one(self) -> bool:
@@ -117,6 +118,7 @@ class Auditor:
             if not self._pending:
                 return False
             sample = self._pending.popleft()
+        self._show_pending(running=1)
         try:
             self._check(sample)
         except _GaveWay:
@@ -126,6 +128,7 @@ class Auditor:
         except Exception:
             log.exception("the audit of a %d-token prompt failed", len(sample.prompt_ids))
             self._count("errors")
+        self._show_pending()
         return True
 
     # -- one check ---------------------------------------------------------------------------------
@@ -188,6 +191,10 @@ class Auditor:
         ids = [e.token_id for e in events]
         return (ids, events) if keep_events else (ids, events[0].provenance)
 
+    def _show_pending(self, running: int = 0) -> None:
+        if self._metrics is not None:
+            self._metrics.pending.set(len(self._pending) + running)
+
     def _count(self, name: str, n: int = 1) -> None:
         setattr(self.counts, name, getattr(self.counts, name) + n)
         if self._metrics is not None and n:
@@ -209,9 +216,11 @@ class _AuditMetrics:
     }
 
     def __init__(self, registry) -> None:
-        from prometheus_client import Counter
+        from prometheus_client import Counter, Gauge
 
         self._counters = {name: Counter(f"kvshare:audit_{name}", text, registry=registry) for name, text in self.HELP.items()}
+        self.pending = Gauge("kvshare:audit_pending", "Sampled requests waiting to be audited (or being audited)",
+                             registry=registry)
 
     def inc(self, name: str, n: int) -> None:
         self._counters[name].inc(n)

@@ -1,0 +1,214 @@
+"""Level 4, service: responses with the pool ON equal responses with it OFF, on live replicas.
+
+For each prompt of a set (completions of several lengths, some whole multiples of
+the chunk size and some not, and chat conversations), at temperature 0::
+
+    off    replica A, {"use_pool": false, "use_local_cache": false}   the reference: all recomputed
+    prime  replica A, pool and cache on                              computes, stores its chunks
+    pool   replica B, {"use_local_cache": false}                     must load them from the pool
+    local  replica A, {"use_pool": false}                            reuses A's local prefix cache
+
+Each of prime, pool and local must match off by the rule of ``compare.py``
+(identical; on bf16, divergence only at a step whose top-2 gap is below the
+threshold, reported with its step and gap), and the pool run must show that it
+really loaded from the pool (``kvshare.pool_tokens`` > 0 where the prompt has a
+reusable full chunk). Every prompt starts with a fresh nonce, so nothing from an
+earlier run or another prompt can be reused. Replica A is prompt i's replica
+i mod N and B the next one; with a single replica, B is A (the pool run still
+reads only the pool).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from kvshare.validate.compare import DEFAULT_GAP_THRESHOLD, compare_tokens
+from kvshare.validate.report import FAIL, PASS, SKIP, LevelResult, Row, verdict_of
+from kvshare.validate.service_http import LOCAL_ONLY, POOL_OFF, POOL_ONLY, Completion, ServiceError, model_of, request, tokenize
+
+WORDS = ("pool replica chunk page cache prefix token layer stream event commit lease arena extent kernel "
+         "copy store load verify router session turn model weight tensor head block table host device "
+         "memory latency reuse sharing state right wrong order delay byte check").split()
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    replicas: tuple[str, ...]
+    max_tokens: int = 16
+    completion_lengths: tuple[int, ...] = (256, 300, 512, 777, 1100)
+    num_chat: int = 2
+    chunk_tokens: int = 256  # the replicas' chunk size: full chunks are what the pool can hold
+    gap_threshold: float = DEFAULT_GAP_THRESHOLD
+    timeout_s: float = 600.0
+    seed: int | None = None  # None: a fresh nonce per run
+
+    def __post_init__(self) -> None:
+        if not self.replicas:
+            raise ValueError("the service level needs at least one replica URL")
+        if self.max_tokens < 1 or self.chunk_tokens < 1 or self.gap_threshold < 0:
+            raise ValueError("max_tokens and chunk_tokens must be positive, the gap threshold >= 0")
+
+
+@dataclass
+class PromptCase:
+    name: str
+    prompt: list  # token ids, or chat messages
+    replica_a: str
+    replica_b: str
+
+
+AfterPrime = Callable[[PromptCase, Completion], None]  # a test's hook between prime and the pool run
+
+
+def _words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def build_cases(config: ServiceConfig, model: str, max_model_len: int | None) -> list[PromptCase]:
+    rng = random.Random(config.seed)
+    nonce = f"{rng.getrandbits(64):016x}" if config.seed is not None else os.urandom(8).hex()
+    first = config.replicas[0]
+    probe = tokenize(first, model, _words(rng, 64), config.timeout_s)
+    tokens_per_word = max(len(probe) / 64, 0.5)
+    limit = (max_model_len or 1 << 30) - config.max_tokens - 1
+    cases, n = [], len(config.replicas)
+    for i, length in enumerate(config.completion_lengths):
+        if length > limit:
+            continue
+        text = f"validate {nonce} prompt {i}: " + _words(rng, int(length / tokens_per_word * 1.2) + 16)
+        ids = tokenize(first, model, text, config.timeout_s)
+        if len(ids) < length:
+            raise ServiceError(f"a text of {len(text)} characters gave only {len(ids)} tokens, {length} wanted")
+        cases.append(PromptCase(f"completion {length} tok", ids[:length], config.replicas[i % n],
+                                config.replicas[(i + 1) % n]))
+    for j in range(config.num_chat):
+        k = len(cases)
+        words = int(config.chunk_tokens * (1.5 + j) / tokens_per_word)
+        messages = [{"role": "user", "content": f"validate {nonce} chat {j}: " + _words(rng, words)}]
+        if j % 2:  # a later turn of a conversation
+            messages = [{"role": "system", "content": "You answer briefly."}, *messages,
+                        {"role": "assistant", "content": _words(rng, 24)},
+                        {"role": "user", "content": "And then? " + _words(rng, 12)}]
+        cases.append(PromptCase(f"chat {j} ({len(messages)} messages)", messages, config.replicas[k % n],
+                                config.replicas[(k + 1) % n]))
+    return cases
+
+
+def run_service_level(config: ServiceConfig, after_prime: AfterPrime | None = None) -> LevelResult:
+    started = time.perf_counter()
+    rows: list[Row] = []
+    records: list[dict] = []
+    try:
+        model, max_model_len = model_of(config.replicas[0])
+        cases = build_cases(config, model, max_model_len)
+    except (ServiceError, KeyError, IndexError) as exc:
+        return LevelResult("service", FAIL, error=f"cannot build the prompt set: {exc}", seconds=time.perf_counter() - started)
+    expected_pool = loaded_pool = 0
+    reuse_rows: list[Row] = []
+    for case in cases:
+        try:
+            runs = _run_case(config, model, case, after_prime)
+        except (ServiceError, KeyError, IndexError, ValueError) as exc:
+            rows.append(Row(case.name, FAIL, f"request failed: {exc}"))
+            continue
+        off = runs["off"]
+        n_prompt = off.prompt_tokens or len(case.prompt)
+        reusable = (n_prompt - 1) // config.chunk_tokens * config.chunk_tokens
+        rows.append(_off_row(case, off))
+        for run in ("prime", "pool", "local"):
+            row, record = _reuse_row(config, case, run, off, runs[run], reusable)
+            rows.append(row)
+            reuse_rows.append(row)
+            records.append(record)
+        if reusable > 0:
+            expected_pool += 1
+            loaded_pool += int(runs["pool"].reused("pool") > 0)
+    status = verdict_of(rows) if rows else SKIP
+    if expected_pool == 0 and status == PASS:
+        status, rows = FAIL, rows + [Row("pool reuse", FAIL, "no prompt had a full chunk to reuse: nothing was tested")]
+    identical = sum(1 for r in reuse_rows if "divergence_step" not in r.figures and r.status == PASS)
+    diverged = [r for r in reuse_rows if "divergence_step" in r.figures]
+    summary = (f"{len(cases)} prompts x 3 reuse runs on {len(config.replicas)} replica(s): {identical}/{len(reuse_rows)} "
+               f"token-identical to pool off; pool loads where expected {loaded_pool}/{expected_pool}")
+    if diverged:
+        summary += "; divergences: " + ", ".join(
+            f"{r.name} step {r.figures['divergence_step']} gap {_gap(r.figures.get('gap'))}" for r in diverged)
+    figures = {"model": model, "replicas": list(config.replicas), "gap_threshold": config.gap_threshold,
+               "max_tokens": config.max_tokens, "requests": records}
+    return LevelResult("service", status, summary, rows, figures, time.perf_counter() - started)
+
+
+def _run_case(config: ServiceConfig, model: str, case: PromptCase, after_prime: AfterPrime | None) -> dict[str, Completion]:
+    def call(replica: str, extension: dict | None) -> Completion:
+        return request(replica, model, case.prompt, config.max_tokens, extension, config.timeout_s)
+
+    runs = {"off": call(case.replica_a, POOL_OFF), "prime": call(case.replica_a, {})}
+    if after_prime is not None:
+        after_prime(case, runs["prime"])
+    runs["pool"] = call(case.replica_b, POOL_ONLY)
+    runs["local"] = call(case.replica_a, LOCAL_ONLY)
+    return runs
+
+
+def _off_row(case: PromptCase, off: Completion) -> Row:
+    figures = {"replica": _name(off, case.replica_a), "prompt": off.prompt_tokens, "cached": off.cached_tokens}
+    if off.provenance is None:
+        return Row(f"{case.name} off", FAIL, "no kvshare provenance in the response: not a kvshare replica?", figures)
+    if off.reused("pool") or off.reused("local") or off.cached_tokens:
+        return Row(f"{case.name} off", FAIL, "the pool-off request reused KV: the replica ignores the kvshare extension",
+                   figures)
+    return Row(f"{case.name} off", PASS, "reference: every prompt token computed", figures)
+
+
+def _reuse_row(config: ServiceConfig, case: PromptCase, run: str, off: Completion, got: Completion, reusable: int):
+    cmp = compare_tokens(off.token_ids, got.token_ids, off.top_logprobs, config.gap_threshold)
+    replica = case.replica_b if run == "pool" else case.replica_a
+    figures = {"replica": _name(got, replica), "prompt": got.prompt_tokens, "reusable": reusable,
+               "pool": got.reused("pool"), "local": got.reused("local"), "cached": got.cached_tokens}
+    if not cmp.is_identical:
+        figures.update(divergence_step=cmp.divergence_step, gap=cmp.gap)
+    problems = []
+    if len(got.token_ids) != len(off.token_ids):
+        problems.append(f"{len(got.token_ids)} tokens generated, the reference {len(off.token_ids)}")
+    if not cmp.passed:
+        problems.append(cmp.describe())
+    if run == "pool" and reusable > 0 and got.reused("pool") == 0:
+        problems.append(f"pool_tokens is 0 although {reusable} prompt tokens were primed on {case.replica_a}: "
+                        "the run did not load from the pool")
+    detail = "; ".join(problems) if problems else cmp.describe()
+    record = {"case": case.name, "run": run, "url": replica, **figures, "divergence_step": cmp.divergence_step,
+              "gap": cmp.gap, "token_ids": got.token_ids, "reference_ids": off.token_ids,
+              "identical": cmp.is_identical, "passed": not problems}
+    return Row(f"{case.name} {run}", FAIL if problems else PASS, detail, figures), record
+
+
+def _name(got: Completion, url: str) -> str:
+    """The replica's own name (its provenance says it), else its URL."""
+    return str((got.provenance or {}).get("replica") or url)
+
+
+def _gap(gap) -> str:
+    return "unknown" if gap is None else f"{gap:.3g}"
+
+
+def free_port_block(n: int) -> int:
+    """A base port with ``n`` consecutive free ports (the router and the replicas of a cluster)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n >= 60000:
+            continue
+        try:
+            for p in range(base, base + n):
+                with socket.socket() as t:
+                    t.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("found no block of free ports for the cluster")
