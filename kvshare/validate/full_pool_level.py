@@ -29,7 +29,7 @@ def run_full_pool_level(session, page_bytes: int, show_progress: bool = True, nu
                                                     f"{format_bytes(extent)}: no page could be allocated")
     before = client.stats()
     started = time.perf_counter()
-    pin = session.register_arena if session.is_cuda else None
+    pin = (lambda: session.register_arena(prefault=False)) if session.is_cuda else None  # fault-in ran just before
     with _progress_bar(console, show_progress) as progress:
         result = check_full_pool(client, page_bytes, pin=pin, progress=progress, corrupt_page=corrupt_page,
                                  num_threads=num_threads)

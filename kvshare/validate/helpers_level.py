@@ -74,14 +74,15 @@ def check_engine(device: str, tally: Tally) -> None:
         lay = KVLayout(num_layers=2, num_kv_heads=3, head_dim=4, dtype=dtype, chunk_tokens=8)
         kv = random_bits((2, 2, 3, 6 * 8 + 5, 4), dtype, seed=d)  # capacity not a whole number of chunks
         for first_chunk, num_chunks in ((0, 6), (2, 3), (5, 1)):
+            # integer views, as the transfers call them: bytes move exactly, whatever the dtype
             pages = torch.empty((num_chunks, 2, 2, 8, 3, 4), dtype=kv.dtype, device=device)
-            layouts.engine_to_chunks(pages, kv.to(device), first_chunk * 8)
+            layouts.engine_to_chunks(layouts.as_bits(pages), layouts.as_bits(kv.to(device)), first_chunk * 8)
             expected = reference.reference_engine_to_pages(kv, lay, first_chunk, num_chunks)
             tally.compare(f"engine->pages {dtype} chunks {first_chunk}+{num_chunks}", pages, expected)
             fast = random_bits(kv.shape, dtype, seed=100 + d)
             slow = fast.clone()
             fast = fast.to(device)
-            layouts.chunks_to_engine(fast, pages, first_chunk * 8)
+            layouts.chunks_to_engine(layouts.as_bits(fast), layouts.as_bits(pages), first_chunk * 8)
             reference.reference_pages_to_engine(slow, expected, lay, first_chunk)
             tally.compare(f"pages->engine {dtype} chunks {first_chunk}+{num_chunks}", fast, slow)  # rest untouched too
 

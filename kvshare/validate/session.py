@@ -11,6 +11,7 @@ arena (seconds per 10 GiB) for each transfer it builds.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from dataclasses import dataclass
 
@@ -22,6 +23,15 @@ class PoolSpec:
     socket: str | None  # a running pool; None: start one
     size_bytes: int  # of the pool this command starts
     extent_bytes: int
+
+
+def _memlock_hint(num_bytes: int) -> str:
+    import resource
+
+    soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    limit = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft} bytes"
+    return (f"pinning the {num_bytes}-byte arena may need RLIMIT_MEMLOCK at least that large (ulimit -l is {limit}; "
+            "ulimit -l unlimited, LimitMEMLOCK=infinity, docker --ulimit memlock=-1)")
 
 
 def resolve_device(name: str) -> str:
@@ -67,6 +77,12 @@ class PoolSession:
                 self.client = self._stack.enter_context(PoolClient(self.socket, name="kvshare-validate"))
             except PoolUnavailable as exc:
                 raise UserError(f"cannot reach the pool: {exc}") from None
+            if self.is_cuda:  # CUDA's start-up cost stays out of the pin time
+                import torch
+
+                torch.cuda.init()
+                if self.device.startswith("cuda:"):
+                    torch.cuda.set_device(torch.device(self.device))
         except BaseException:
             self._stack.close()
             raise
@@ -76,22 +92,39 @@ class PoolSession:
     def is_cuda(self) -> bool:
         return self.device.startswith("cuda")
 
-    def register_arena(self) -> str:
-        """Register the whole arena with CUDA (extent pieces) once; held until exit. Returns a description."""
-        from kvshare.transfer.registration import acquire_registration, release_registration
+    def register_arena(self, prefault: bool = True) -> str:
+        """Register the whole arena with CUDA (extent pieces) once; held until exit. Returns a description.
+
+        ``prefault``: on a pool this command started (nothing in it is anyone's data), touch every page
+        with threads first; cudaHostRegister would otherwise fault the arena in on one thread.
+        """
+        from kvshare.transfer.registration import RegistrationError, acquire_registration, release_registration
 
         if self._registration is None:
-            import torch
-
-            if self.device.startswith("cuda:"):
-                torch.cuda.set_device(torch.device(self.device))
+            if prefault and self.started_pool:
+                self._prefault()
             start = time.perf_counter()
-            self._registration = acquire_registration(self.client)
+            try:
+                self._registration = acquire_registration(self.client)
+            except RegistrationError as exc:
+                raise RegistrationError(f"{exc}; {_memlock_hint(int(self.client.arena.size))}") from None
             self.registration_seconds = time.perf_counter() - start
             self._stack.callback(release_registration, self._registration)
         reg = self._registration
         return (f"cudaHostRegister {len(reg.pieces)} pieces of <= {reg.extent_bytes >> 20} MiB "
                 f"({reg.arena_bytes / (1 << 30):.2f} GiB) in {self.registration_seconds:.2f} s")
+
+    def _prefault(self, num_threads: int | None = None) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        arena = self.client.arena
+        step = 64 << 20
+
+        def touch(offset: int) -> None:
+            arena[offset : offset + step][::4096] = 0
+
+        with ThreadPoolExecutor(max_workers=num_threads or min(8, os.cpu_count() or 1)) as workers:
+            list(workers.map(touch, range(0, arena.size, step)))
 
     def __exit__(self, *exc) -> None:
         self._stack.close()  # registration released before the client closes, the pool stops last
