@@ -41,8 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--replica-arg", action="append", default=[], help="extra argument for every replica it starts")
     s.add_argument("--max-tokens", type=int, default=16, help="tokens generated per request (default 16)")
     s.add_argument("--chunk-tokens", type=int, default=256, help="the replicas' chunk size (default 256)")
-    s.add_argument("--prompt-lengths", default="256,300,512,777,1100",
-                   help="token lengths of the completion prompts (default 256,300,512,777,1100)")
+    s.add_argument("--prompt-lengths", default="256,300,512,777,1024,1300",
+                   help="token lengths of the completion prompts (default 256,300,512,777,1024,1300)")
     s.add_argument("--chat-prompts", type=int, default=2, help="chat prompts (default 2)")
     s.add_argument("--gap-threshold", type=float, default=1e-3,
                    help="a divergence is tolerated only at a step whose top-2 logprob gap is below this (default 1e-3)")

@@ -41,7 +41,7 @@ class ValidateConfig:
     replica_args: tuple[str, ...] = ()
     max_tokens: int = 16
     chunk_tokens: int = 256
-    prompt_lengths: tuple[int, ...] = (256, 300, 512, 777, 1100)  # completions, in tokens
+    prompt_lengths: tuple[int, ...] = (256, 300, 512, 777, 1024, 1300)  # completions, in tokens
     num_chat: int = 2
     gap_threshold: float = 1e-3
     request_timeout_s: float = 600.0

@@ -40,7 +40,7 @@ WORDS = ("pool replica chunk page cache prefix token layer stream event commit l
 class ServiceConfig:
     replicas: tuple[str, ...]
     max_tokens: int = 16
-    completion_lengths: tuple[int, ...] = (256, 300, 512, 777, 1100)
+    completion_lengths: tuple[int, ...] = (256, 300, 512, 777, 1024, 1300)
     num_chat: int = 2
     chunk_tokens: int = 256  # the replicas' chunk size: full chunks are what the pool can hold
     gap_threshold: float = DEFAULT_GAP_THRESHOLD
