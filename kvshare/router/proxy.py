@@ -20,6 +20,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvshare.router.policy import POLICIES, ReplicaView, RouteFacts, Router, prefix_blocks
+from kvshare.serve.server import limit_send_buffer
 from kvshare.serve.tenancy import Unauthorized, check_api_key
 
 log = logging.getLogger("kvshare.router")
@@ -40,6 +41,7 @@ class RouterConfig:
     connect_timeout_s: float = 5.0
     api_keys: tuple[str, ...] = ()  # empty: no authentication
     write_timeout_s: float = 30.0  # a client that takes longer to accept one write of a response is dropped
+    stream_buffer_bytes: int = 256 << 10  # kernel send buffer towards a client (kvshare.serve.server.limit_send_buffer)
 
     def __post_init__(self) -> None:
         if not self.replicas:
@@ -221,6 +223,7 @@ class RouterServer:
         headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
         headers["X-KVShare-Replica"] = replica.url
         response = web.StreamResponse(status=upstream.status, headers=headers)
+        limit_send_buffer(request, self.config.stream_buffer_bytes)
         await response.prepare(request)
         try:
             async for piece in upstream.content.iter_any():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 import uuid
 from dataclasses import dataclass
@@ -38,13 +39,14 @@ class ServeConfig:
     api_keys: tuple[str, ...] = ()  # empty: no authentication (/v1/ and /admin/ need a key when set)
     tenant_header: str = ""  # e.g. "X-Tenant-ID": its value salts the pool namespace (kvshare.serve.tenancy)
     write_timeout_s: float = 30.0  # a client that takes longer to accept one write of a stream is dropped
+    stream_buffer_bytes: int = 256 << 10  # kernel send buffer of a stream (bounds what a stalled client holds)
     audit: AuditConfig = AuditConfig()  # --audit-rate: recompute a sample of reused requests cold (serve/audit.py)
 
     def __post_init__(self) -> None:
         if self.max_body_bytes <= 0 or self.max_requests <= 0 or self.max_tokens_limit <= 0:
             raise ValueError("limits must be positive")
-        if self.write_timeout_s <= 0:
-            raise ValueError(f"write_timeout_s must be positive, got {self.write_timeout_s}")
+        if self.write_timeout_s <= 0 or self.stream_buffer_bytes <= 0:
+            raise ValueError("write_timeout_s and stream_buffer_bytes must be positive")
         if any(not key or key != key.strip() for key in self.api_keys):
             raise ValueError("an API key must be non-empty and carry no surrounding spaces")
 
@@ -212,6 +214,7 @@ class ReplicaServer:
         try:
             if req.stream:
                 response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+                limit_send_buffer(request, self.config.stream_buffer_bytes)
                 await response.prepare(request)
             async for event in job.stream():
                 if out.num_tokens == 0:
@@ -270,6 +273,18 @@ class ReplicaServer:
             if request.transport is not None:
                 request.transport.abort()
             raise _SlowClient() from None
+
+
+def limit_send_buffer(request: web.Request, num_bytes: int) -> None:
+    """Bound the kernel's send buffer of a response's connection.
+
+    Linux grows a TCP send buffer up to net.ipv4.tcp_wmem's maximum (4 MiB by default) while the peer
+    does not read, so a stalled client would hold that much before a write ever waits and the write
+    timeout could start counting; like Redis's client output buffer limit, a stream gets a fixed bound.
+    """
+    sock = request.transport.get_extra_info("socket") if request.transport is not None else None
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, num_bytes)
 
 
 class _SlowClient(Exception):
