@@ -224,8 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--pool-size", default="2GiB")
     parser.add_argument("--kv-cache-gib", type=int, default=2)
-    parser.add_argument("--omp-bind", default="nobind",
-                        help='VLLM_CPU_OMP_THREADS_BIND for the servers ("" for vLLM\'s default, auto)')
+    parser.add_argument("--omp-bind", default="",
+                        help="VLLM_CPU_OMP_THREADS_BIND for the servers (default: vLLM's own, auto)")
     parser.add_argument("--copy-only", action="store_true",
                         help="only the connector's copies (no vLLM): store and load one prompt per length")
     parser.add_argument("--seed", type=int, default=0)
