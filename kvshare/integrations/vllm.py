@@ -169,6 +169,7 @@ class KVShareConnector(KVConnectorBase_V1):
                 "scheduler blocks (kernel blocks smaller than --block-size are not supported)"
             )
         self._worker.register(layers, layout)
+        self._worker.prepare()
         log.info("kvshare: reading vLLM KV as %s (%d blocks of %d tokens)", layout.kind, layout.num_blocks, layout.block_size)
 
     def _plan(self) -> StepPlan:

@@ -49,6 +49,15 @@ class PoolKVWorker:
         self.layers = list(layers)
         self.paged = paged
 
+    def prepare(self) -> None:
+        """Connect now (and pin the arena on CUDA) so the first request does not pay for it."""
+        client = self.link.client()
+        if client is not None:
+            try:
+                self._pin(client)
+            except Exception:  # the first copy raises it again, where it is reported as a failed copy
+                log.error("kvshare: pinning the pool arena for CUDA failed", exc_info=True)
+
     @property
     def device(self) -> torch.device:
         return self.layers[0].device
