@@ -175,7 +175,7 @@ class RouterServer:
         session = request.headers.get(self.config.session_header)
         try:
             parsed = msgspec.json.decode(body, type=_Facts) if body else _Facts()
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):
             parsed = _Facts()  # the replica will answer the bad request; just place it
         session = session or parsed.user
         turn, text = None, ""

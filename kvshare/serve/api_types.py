@@ -87,7 +87,7 @@ def decode(body: bytes, kind: type) -> Any:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:
         raise ApiError(400, f"invalid request: {exc}", code="invalid_value") from None
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # found by fuzzing: bytes that are not UTF-8 gave a 500
         raise ApiError(400, f"malformed JSON: {exc}", code="invalid_json") from None
 
 
@@ -99,6 +99,8 @@ def validate(req: CompletionRequest | ChatRequest) -> None:
         raise ApiError(400, "temperature must lie in [0, 2]", param="temperature")
     if not 0.0 < req.top_p <= 1.0:
         raise ApiError(400, "top_p must lie in (0, 1]", param="top_p")
+    if req.seed is not None and not -(2**63) <= req.seed < 2**63:  # found by fuzzing: torch refused it with a 500
+        raise ApiError(400, "seed must be a 64-bit signed integer", param="seed")
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if len(stops) > 4 or any(not s for s in stops):
         raise ApiError(400, "stop takes at most 4 non-empty strings", param="stop")

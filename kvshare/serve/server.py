@@ -24,6 +24,8 @@ from kvshare.serve.worker import EngineWorker, Job, QueueFull
 
 log = logging.getLogger("kvshare.serve")
 _json = msgspec.json.Encoder()
+GREEDY_BELOW_TEMPERATURE = 1e-5  # vLLM's _SAMPLING_EPS
+MIN_TOP_P = 1e-6  # smaller values keep only the most likely token anyway
 
 
 @dataclass(frozen=True)
@@ -190,11 +192,16 @@ class ReplicaServer:
         room = context - len(prompt_ids)
         max_tokens = A.requested_max_tokens(req)
         if max_tokens is None:
-            max_tokens = min(default_max_tokens or self.config.default_chat_max_tokens, room)
+            max_tokens = min(default_max_tokens or self.config.default_chat_max_tokens, room, self.config.max_tokens_limit)
         if not 1 <= max_tokens <= min(room, self.config.max_tokens_limit):
             raise A.ApiError(400, f"max_tokens must lie in [1, {min(room, self.config.max_tokens_limit)}] "
                                   f"for this prompt of {len(prompt_ids)} tokens", param="max_tokens")
-        params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
+        # as vLLM does, a temperature this close to 0 is greedy (found by fuzzing: 1e-82 overflowed the
+        # scaled logits to inf, and sampling failed with a 500)
+        temperature = 0.0 if req.temperature < GREEDY_BELOW_TEMPERATURE else req.temperature
+        # the sampler compares top_p in float32, where 1e-82 is 0 and every token would be cut (fuzzing, a 500)
+        top_p = max(req.top_p, MIN_TOP_P)
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=req.seed,
                                 ignore_eos=req.ignore_eos, logprobs=logprobs)
         options = RequestOptions(use_pool=req.kvshare.use_pool, use_local_cache=req.kvshare.use_local_cache,
                                  tenant=self._tenant(request))

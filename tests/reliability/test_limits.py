@@ -53,6 +53,12 @@ def test_request_limits_answer_4xx_with_an_error_body(cluster, path, body, statu
     still_serves(url)
 
 
+def test_a_request_without_max_tokens_gets_the_limit_not_an_error(cluster):
+    status, out = call(cluster.router_url, "/v1/chat/completions",
+                       {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True})
+    assert status == 200 and out["usage"]["completion_tokens"] == 16
+
+
 def test_router_body_limit_is_an_openai_error_too(cluster):
     got, out = call(cluster.router_url, "/v1/completions", raw=b'{"prompt": "' + b"x" * (17 << 20) + b'"}')
     assert got == 413 and is_openai_error(out) and out["error"]["code"] == "body_too_large"

@@ -42,7 +42,7 @@ def test_over_quota_evicts_own_lru_and_never_other_namespaces():
     old_a, old_b = keys("a-old", 4), keys("b-old", 4)
     store(index, A, old_a)
     store(index, B, old_b)
-    index.lookup(1, old_b, PAGE, now=0.0, lease=False)  # B's are now more recent than A's: a global LRU would not spare them
+    index.lookup(1, old_a, PAGE, now=0.0, lease=False)  # B's are now the oldest: a global LRU would evict them first
     new_a = keys("a-new", 3)
     res = store(index, A, new_a)
     assert len(res.grants) == 3 and res.num_no_room == 0
@@ -111,3 +111,84 @@ def test_no_quota_by_default_and_config_is_validated():
     assert len(store(index, A, keys("a", 8)).grants) == 8
     with pytest.raises(ValueError):
         IndexConfig(namespace_quota_bytes=-1)
+
+
+from hypothesis import settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule  # noqa: E402
+
+QUOTA_PAGES = 3
+NAMESPACES = (A, B, b"C" * 16)
+
+
+class QuotaMachine(RuleBasedStateMachine):
+    """Random reserves, commits, aborts, lookups, releases, drops, flushes and disconnects of three clients in
+    three namespaces: the index stays consistent, no namespace holds more than its quota, and a reserve
+    removes entries of its own namespace only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.index = PoolIndex(Allocator(16 * PAGE, 4 * PAGE),
+                               IndexConfig(high_watermark=0.9, low_watermark=0.7, namespace_quota_bytes=QUOTA_PAGES * PAGE))
+        self.reservations: list[tuple[int, int, int]] = []  # (client, reservation id, pages)
+        self.leases: list[tuple[int, int]] = []
+
+    def _visible(self) -> dict[bytes, set[bytes]]:
+        out: dict[bytes, set[bytes]] = {}
+        for entry in self.index._lru.values():
+            out.setdefault(entry.namespace, set()).add(entry.key)
+        return out
+
+    @rule(client=st.integers(1, 3), ns=st.sampled_from(NAMESPACES), tag=st.integers(0, 5), n=st.integers(1, 5))
+    def reserve(self, client, ns, tag, n):
+        before = self._visible()
+        res = self.index.reserve(client, ns, keys(f"{ns[:1]}{tag}", n), PAGE, 0, now=0.0)
+        after = self._visible()
+        if self.index.allocator.used_bytes <= 0.9 * self.index.allocator.arena_bytes:
+            for other in NAMESPACES:  # without global pressure, only the reserving namespace may lose entries
+                if other != ns:
+                    assert before.get(other, set()) <= after.get(other, set())
+        if res.reservation_id:
+            self.reservations.append((client, res.reservation_id, len(res.grants)))
+
+    @rule(data=st.data(), commit=st.booleans())
+    def finish(self, data, commit):
+        if not self.reservations:
+            return
+        client, rid, pages = self.reservations.pop(data.draw(st.integers(0, len(self.reservations) - 1)))
+        if commit:
+            self.index.commit(client, rid, [0] * pages)
+        else:
+            self.index.abort(client, rid)
+
+    @rule(client=st.integers(1, 3), ns=st.sampled_from(NAMESPACES), tag=st.integers(0, 5))
+    def lookup(self, client, ns, tag):
+        result = self.index.lookup(client, keys(f"{ns[:1]}{tag}", 5), PAGE, now=0.0)
+        if result.lease_id:
+            self.leases.append((client, result.lease_id))
+
+    @rule(data=st.data())
+    def release(self, data):
+        if self.leases:
+            client, lease_id = self.leases.pop(data.draw(st.integers(0, len(self.leases) - 1)))
+            self.index.release(client, lease_id)
+
+    @rule(ns=st.sampled_from(NAMESPACES + (None,)))
+    def flush(self, ns):
+        self.index.flush(ns)
+
+    @rule(client=st.integers(1, 3))
+    def disconnect(self, client):
+        self.index.disconnect(client)
+        self.reservations = [r for r in self.reservations if r[0] != client]
+        self.leases = [lease for lease in self.leases if lease[0] != client]
+
+    @invariant()
+    def consistent_and_within_quota(self):
+        self.index.check_integrity()
+        for ns, _, num_bytes in self.index.namespaces():
+            assert num_bytes <= QUOTA_PAGES * PAGE, (ns, num_bytes)
+
+
+TestQuotaMachine = QuotaMachine.TestCase
+TestQuotaMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
