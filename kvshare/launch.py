@@ -91,6 +91,7 @@ class Cluster:
         cfg = self.config
         kv = [sys.executable, "-m", "kvshare", "--log-level", cfg.log_level]
         try:
+            self._preflight()
             if cfg.pool_size is not None:
                 self._tmp = tempfile.TemporaryDirectory(prefix="kvshare-up-")
                 os.chmod(self._tmp.name, 0o700)
@@ -118,13 +119,43 @@ class Cluster:
         cfg = self.config
         port = cfg.port + 1 + i
         if cfg.engine == "vllm":
-            from kvshare.integrations.vllm_launch import vllm_server_command
+            from kvshare.integrations.vllm_launch import VllmServerConfig, vllm_server_command
 
-            return vllm_server_command(cfg, i, port, self.pool_socket)
+            spec = vllm_server_command(VllmServerConfig(
+                model=self._vllm_model_dir(), port=port, host=cfg.host, pool_socket=self.pool_socket,
+                python=cfg.vllm_python or sys.executable, served_model_name=self._served_name(),
+                replica=f"replica{i}", extra_args=cfg.replica_args,
+            ))
+            return spec.argv, spec.env
         args = kv + ["serve", "--model", cfg.model, "--device", cfg.device, "--host", cfg.host, "--port", str(port),
                      "--replica-name", f"replica{i}", "--pool", self.pool_socket or "off", *_key_args(cfg.api_keys),
                      *(["--tenant-header", cfg.tenant_header] if cfg.tenant_header else []), *cfg.replica_args]
         return args, _cpu_threads_env(cfg)
+
+    def _served_name(self) -> str:
+        return os.path.basename(os.path.normpath(self.config.model))
+
+    def _vllm_model_dir(self) -> str:
+        """vLLM loads directories: a preset name is written out once (kvshare make-model) into the temp dir."""
+        model = self.config.model
+        if os.path.isdir(model):
+            return model
+        from kvshare.engine.make_model import write_model_dir
+
+        if self._tmp is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="kvshare-up-")
+        path = os.path.join(self._tmp.name, model)
+        if not os.path.isdir(path):
+            write_model_dir(model, path)
+        return path
+
+    def _preflight(self) -> None:
+        if self.config.engine == "vllm":
+            from kvshare.integrations.vllm_launch import check_vllm_python
+
+            problem = check_vllm_python(self.config.vllm_python or sys.executable)
+            if problem:
+                raise RuntimeError(problem + " (name the vLLM environment's interpreter with --vllm-python)")
 
     def _wait_http(self, name: str, url: str) -> None:
         deadline = time.monotonic() + self.config.ready_timeout_s

@@ -1,0 +1,71 @@
+"""`kvshare up --engine vllm`: the pool, two vLLM replicas with the connector and the router, as a user starts them.
+
+Suite ``vllm`` (run with the vLLM environment's python).
+"""
+
+import json
+import socket
+import urllib.request
+
+import psutil
+import pytest
+
+from kvshare.launch import Cluster, ClusterConfig
+from tests.integrations.vllm_servers import vllm_python
+
+PYTHON = vllm_python()
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.skipif(PYTHON is None, reason="needs vLLM (set KVSHARE_VLLM_PYTHON to the vLLM venv's python)"),
+]
+
+
+def _free_base(n: int) -> int:
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n < 60000 and all(_is_free(p) for p in range(base, base + n)):
+            return base
+    raise RuntimeError("no free ports")
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def _complete(url: str, prompt: str) -> dict:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 1}
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        return json.loads(resp.read())
+
+
+def test_up_with_vllm_replicas_shares_the_pool_through_the_router():
+    cluster = Cluster(ClusterConfig(engine="vllm", vllm_python=PYTHON, model="tiny", num_replicas=2,
+                                    policy="round_robin", port=_free_base(3), pool_size="1GiB",
+                                    ready_timeout_s=400))
+    cluster.start()
+    try:
+        children = [psutil.Process(p.pid) for p in cluster.processes.values()]
+        prompt = "Sharing a prefix across vLLM replicas. " * 25  # ~1000 byte tokens
+        first = _complete(cluster.router_url, prompt)
+        second = _complete(cluster.router_url, prompt)  # round robin: the other replica
+        a, b = first["kv_transfer_params"]["kvshare"], second["kv_transfer_params"]["kvshare"]
+        assert a["replica"] != b["replica"]
+        assert a["pool_tokens"] == 0 and b["pool_tokens"] > 0
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= b["pool_tokens"]
+        assert second["choices"][0]["text"] == first["choices"][0]["text"]
+        assert second["choices"][0]["logprobs"]["token_logprobs"] == first["choices"][0]["logprobs"]["token_logprobs"]
+    finally:
+        cluster.stop()
+    family = [c for c in children if c.is_running()]
+    gone, alive = psutil.wait_procs(family, timeout=60)
+    assert not alive
