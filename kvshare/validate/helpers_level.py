@@ -4,7 +4,6 @@ Families (each on CPU tensors, and on CUDA tensors too when the device is CUDA; 
 references always run on CPU, element by element, from the documented memory order):
 
     engine       kv [L, 2, H, T, D] <-> pages [n, L, 2, C, H, D]       kvshare.transfer.layouts
-    paged        vllm_cpu / vllm_flash block tables <-> canonical     kvshare.transfer.layouts
     vllm_layout  cpu_attn, flash_attn (4-D, three memory orders), flash_attn_5d  kvshare.integrations.vllm_layout
 
 with non-contiguous block tables, partially filled last blocks, token ranges that
@@ -24,9 +23,6 @@ import torch
 from kvshare.validate.report import FAIL, PASS, SKIP, LevelResult, Row, verdict_of
 
 DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn")
-BLOCK_TABLES = ((7, 2, 5), (0, 1, 2), (8, 3, 6, 0))  # shuffled, in order, with block 0 last
-PARTIAL = (0, 1, 3)  # tokens missing from the last block
-NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM, LAYERS = 9, 4, 2, 8, 3
 
 
 @dataclass
@@ -87,39 +83,6 @@ def check_engine(device: str, tally: Tally) -> None:
             tally.compare(f"pages->engine {dtype} chunks {first_chunk}+{num_chunks}", fast, slow)  # rest untouched too
 
 
-# -- vLLM paged layouts of kvshare.transfer.layouts ---------------------------------------------------
-
-
-def check_paged(kind, device: str, tally: Tally) -> None:
-    from kvshare.transfer import layouts, reference
-
-    shape = (NUM_BLOCKS, HEADS, BLOCK_SIZE, 2 * HEAD_DIM) if kind.value == "vllm_cpu" else (2, NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM)
-    for d, dtype in enumerate(DTYPES):
-        caches = [random_bits(shape, dtype, seed=10 * d + i) for i in range(LAYERS)]
-        on_device = [c.to(device) for c in caches]
-        for block_ids in BLOCK_TABLES:
-            for partial in PARTIAL:
-                n = len(block_ids) * BLOCK_SIZE - partial
-                what = f"{kind.value} {dtype} blocks {list(block_ids)} tokens {n}"
-                expected = reference.reference_gather(caches, block_ids, kind, n)
-                tally.compare(f"gather {what}", layouts.gather(on_device, block_ids, kind, n), expected)
-                canonical = random_bits((LAYERS, 2, n, HEADS, HEAD_DIM), dtype, seed=99 + partial)
-                fast = [c.clone() for c in on_device]
-                slow = [c.clone() for c in caches]
-                layouts.scatter(canonical.to(device), fast, block_ids, kind)
-                reference.reference_scatter(canonical, slow, block_ids, kind)
-                for layer, (f, s) in enumerate(zip(fast, slow)):
-                    tally.compare(f"scatter {what} layer {layer}", f, s)  # other blocks and the tail untouched
-        # whole chunks of 2 blocks as pages, out through one block table and back in through another
-        pages = layouts.gather_pages(on_device, (4, 8, 1, 6), kind, chunk_tokens=2 * BLOCK_SIZE)
-        flat = reference.reference_gather(caches, (4, 8, 1, 6), kind, 4 * BLOCK_SIZE)  # [L, 2, 2C, H, D]
-        expected = flat.view(LAYERS, 2, 2, 2 * BLOCK_SIZE, HEADS, HEAD_DIM).permute(2, 0, 1, 3, 4, 5)
-        tally.compare(f"gather_pages {kind.value} {dtype}", pages, expected)
-        other = [random_bits(shape, dtype, seed=77).to(device) for _ in range(LAYERS)]
-        layouts.scatter_pages(pages, other, (0, 2, 3, 5), kind)
-        tally.compare(f"scatter_pages {kind.value} {dtype}", layouts.gather_pages(other, (0, 2, 3, 5), kind, 2 * BLOCK_SIZE), expected)
-
-
 # -- kvshare.integrations.vllm_layout (the connector's views) ------------------------------------------
 
 B, H, N, D = 6, 2, 4, 8
@@ -162,10 +125,7 @@ def check_vllm_layout(kind, device: str, tally: Tally) -> None:
 
 
 def _families():
-    from kvshare.transfer.layouts import PagedLayout
-
     families = [("engine [L,2,H,T,D]", check_engine, None)]
-    families += [(f"paged {k.value}", check_paged, k) for k in PagedLayout]
     try:
         import kvshare.integrations.vllm_layout  # noqa: F401
     except ImportError:
