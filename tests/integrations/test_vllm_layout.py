@@ -120,17 +120,3 @@ def test_bytes_move_exactly_even_nan_payloads():
     out = torch.empty_like(kv)
     gather_tokens(layer, layout, slots, out)
     assert torch.equal(out.view(torch.int32), kv.view(torch.int32))
-
-
-def test_agrees_with_the_transfer_layer_on_the_cpu_layout():
-    """kvshare.transfer.layouts reads vLLM CPU caches too: both must see the same tokens."""
-    transfer = pytest.importorskip("kvshare.transfer.layouts")
-    layers = [cpu_attn_tensor() for _ in range(3)]
-    layout = detect_layout("CPU_ATTN", layers[0], H, D, N, torch.float32)
-    block_ids = [5, 2, 9, 0]
-    theirs = transfer.gather(layers, block_ids, transfer.PagedLayout.VLLM_CPU)  # [L, 2, T, H, D]
-    slots = slot_indices(0, 4 * N, block_ids, N, "cpu")
-    ours = torch.empty(3, 2, 4 * N, H, D)
-    for layer, out in zip(layers, ours):
-        gather_tokens(layer, layout, slots, out)
-    assert torch.equal(ours, theirs)
