@@ -158,20 +158,7 @@ class Cluster:
                 raise RuntimeError(problem + " (name the vLLM environment's interpreter with --vllm-python)")
 
     def _wait_http(self, name: str, url: str) -> None:
-        deadline = time.monotonic() + self.config.ready_timeout_s
-        proc = self.processes[name]
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with code {proc.returncode} before it was ready")
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{name} at {url} was not ready within {self.config.ready_timeout_s} s")
-            time.sleep(0.2)
+        wait_http_ready(url, self.processes[name], self.config.ready_timeout_s, name)
 
     def stop(self) -> None:
         """Router, then replicas, then the pool; SIGKILL whatever does not stop in time."""
@@ -206,6 +193,42 @@ def _cpu_threads_env(cfg: ClusterConfig) -> dict | None:
 
 def _key_args(api_keys: tuple[str, ...]) -> list[str]:
     return [arg for key in api_keys for arg in ("--api-key", key)]
+
+
+def wait_http_ready(url: str, proc: subprocess.Popen | None, timeout_s: float, name: str = "the server") -> None:
+    """Poll ``url``/health until it answers 200; raise if ``proc`` exits first or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{name} at {url} exited with code {proc.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{name} at {url} was not ready within {timeout_s} s")
+        time.sleep(0.2)
+
+
+def free_port_block(count: int, host: str = "127.0.0.1", attempts: int = 200) -> int:
+    """A port p such that p .. p+count-1 are all free now (a router and its replicas)."""
+    import contextlib
+    import random
+    import socket
+
+    rng = random.Random()
+    for _ in range(attempts):
+        base = rng.randrange(20000, 60000 - count)
+        try:
+            with contextlib.ExitStack() as stack:
+                for port in range(base, base + count):
+                    stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)).bind((host, port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError(f"found no block of {count} free ports")
 
 
 def _say(progress, message: str) -> None:

@@ -15,8 +15,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 
 
@@ -141,20 +139,10 @@ class SequentialReplicas:
         return self.url_of(index)
 
     def _wait_ready(self, url: str) -> None:
-        deadline = time.monotonic() + self.config.ready_timeout_s
-        while True:
-            if self._replica.poll() is not None:
-                raise RuntimeError(f"the replica at {url} exited with code {self._replica.returncode} before it was "
-                                   f"ready (see {self.config.log_dir or 'its output'})")
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the replica at {url} was not ready within {self.config.ready_timeout_s} s")
-            time.sleep(0.25)
+        from kvshare.launch import wait_http_ready
+
+        wait_http_ready(url, self._replica, self.config.ready_timeout_s,
+                        f"the replica (log: {self.config.log_dir or 'its output'})")
 
     def _stop_replica(self) -> None:
         from kvshare.pool.spawn import stop_process

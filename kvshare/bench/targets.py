@@ -9,12 +9,11 @@
 from __future__ import annotations
 
 import contextlib
-import random
-import socket
 from dataclasses import dataclass
 from typing import Iterator
 
 from kvshare.bench.replicas import FixedReplicas, SequentialConfig, SequentialReplicas
+from kvshare.launch import free_port_block
 
 
 @dataclass(frozen=True)
@@ -41,22 +40,6 @@ class TargetSpec:
             raise ValueError("cross-replica experiments need at least 2 replicas")
 
 
-def free_port_base(count: int, host: str = "127.0.0.1", attempts: int = 200) -> int:
-    """A port p such that p .. p+count-1 are all free now."""
-    rng = random.Random()
-    for _ in range(attempts):
-        base = rng.randrange(20000, 60000 - count)
-        try:
-            with contextlib.ExitStack() as stack:
-                for port in range(base, base + count):
-                    s = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-                    s.bind((host, port))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError(f"found no block of {count} free ports")
-
-
 @contextlib.contextmanager
 def open_target(spec: TargetSpec, progress=None) -> Iterator[tuple[object, object | None]]:
     """(replicas, off_replicas or None), started if needed, stopped on exit."""
@@ -68,7 +51,7 @@ def open_target(spec: TargetSpec, progress=None) -> Iterator[tuple[object, objec
         replicas = SequentialReplicas(SequentialConfig(
             model=spec.model, device=spec.device, num_replicas=spec.num_replicas, pool_size=spec.pool_size,
             pool_args=spec.pool_args, replica_args=spec.replica_args,
-            port=spec.port or free_port_base(spec.num_replicas), log_dir=spec.log_dir))
+            port=spec.port or free_port_block(spec.num_replicas), log_dir=spec.log_dir))
         try:
             replicas.start()
             yield replicas, off
@@ -79,7 +62,7 @@ def open_target(spec: TargetSpec, progress=None) -> Iterator[tuple[object, objec
 
     cluster = Cluster(ClusterConfig(
         num_replicas=spec.num_replicas, model=spec.model, device=spec.device, pool_size=spec.pool_size,
-        pool_args=spec.pool_args, replica_args=spec.replica_args, port=spec.port or free_port_base(spec.num_replicas + 1),
+        pool_args=spec.pool_args, replica_args=spec.replica_args, port=spec.port or free_port_block(spec.num_replicas + 1),
         log_level="WARNING"))
     try:
         cluster.start(progress=progress)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -194,21 +193,3 @@ def _name(got: Completion, url: str) -> str:
 
 def _gap(gap) -> str:
     return "unknown" if gap is None else f"{gap:.3g}"
-
-
-def free_port_block(n: int) -> int:
-    """A base port with ``n`` consecutive free ports (the router and the replicas of a cluster)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 60000:
-            continue
-        try:
-            for p in range(base, base + n):
-                with socket.socket() as t:
-                    t.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("found no block of free ports for the cluster")

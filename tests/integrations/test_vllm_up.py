@@ -4,13 +4,12 @@ Suite ``vllm`` (run with the vLLM environment's python).
 """
 
 import json
-import socket
 import urllib.request
 
 import psutil
 import pytest
 
-from kvshare.launch import Cluster, ClusterConfig
+from kvshare.launch import Cluster, ClusterConfig, free_port_block
 from tests.integrations.vllm_servers import vllm_python
 
 PYTHON = vllm_python()
@@ -19,25 +18,6 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(PYTHON is None, reason="needs vLLM (set KVSHARE_VLLM_PYTHON to the vLLM venv's python)"),
 ]
-
-
-def _free_base(n: int) -> int:
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n < 60000 and all(_is_free(p) for p in range(base, base + n)):
-            return base
-    raise RuntimeError("no free ports")
-
-
-def _is_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
 
 
 def _complete(url: str, prompt: str) -> dict:
@@ -50,7 +30,7 @@ def _complete(url: str, prompt: str) -> dict:
 
 def test_up_with_vllm_replicas_shares_the_pool_through_the_router():
     cluster = Cluster(ClusterConfig(engine="vllm", vllm_python=PYTHON, model="tiny", num_replicas=2,
-                                    policy="round_robin", port=_free_base(3), pool_size="1GiB",
+                                    policy="round_robin", port=free_port_block(3), pool_size="1GiB",
                                     ready_timeout_s=400))
     cluster.start()
     try:

@@ -1,29 +1,6 @@
-import socket
-
 import pytest
 
-from kvshare.launch import Cluster, ClusterConfig
-
-
-def free_port_block(n: int) -> int:
-    """A base port with n consecutive free ports above it."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65535:
-            continue
-        ok = True
-        for p in range(base, base + n):
-            with socket.socket() as t:
-                try:
-                    t.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError("no block of free ports")
+from kvshare.launch import Cluster, ClusterConfig, free_port_block
 
 
 def start_cluster(policy: str = "alternate", replicas: int = 2, **kw) -> Cluster:
