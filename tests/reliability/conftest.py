@@ -109,3 +109,15 @@ class BackgroundLoad:
         if self._error is not None:
             raise self._error
         return self._summary
+
+
+def report(test: str, **figures) -> None:
+    """One line of figures for docs/reliability.md (shown with pytest -s: grep '^RELIABILITY ')."""
+    print("RELIABILITY " + json.dumps({"test": test, **figures}), flush=True)
+
+
+def load_figures(summary: dict) -> dict:
+    keys = ("elapsed_s", "ok", "errors", "rate_limited", "unfinished", "checked", "mismatches", "requests_per_s")
+    return {k: summary[k] for k in keys} | {"p50_s": summary["latency_s"].get("p50"),
+                                            "p99_s": summary["latency_s"].get("p99"),
+                                            "tokens_by_source": summary["tokens_by_source"]}

@@ -24,8 +24,8 @@ from kvshare.pool.checksum import page_checksum
 from kvshare.pool.client import PoolClient
 from kvshare.pool.spawn import start_pool
 from tests.pool.conftest import make_keys
-from tests.reliability.conftest import (BackgroundLoad, cold, completion, health, metric, pool_is_clean, start,
-                                        wait_until)
+from tests.reliability.conftest import (BackgroundLoad, cold, completion, health, load_figures, metric, pool_is_clean,
+                                        report, start, wait_until)
 
 pytestmark = pytest.mark.reliability
 PAGE = 2 << 20  # one 256-token chunk of the tiny model (8 layers x K,V x 2 heads x 64 x float32)
@@ -96,6 +96,8 @@ def test_replica_killed_mid_stream_router_and_other_replica_keep_serving_pool_ke
         assert [r["healthy"] for r in health(cluster.router_url)["replicas"]] == [False, True]
         stats = pool_is_clean(cluster.pool_socket)  # the dead replica's leases and reservations are gone
         assert stats["clients"] <= clients_before - 1
+        report("kill -9 replica", **load_figures(summary), errors_by_kind=summary["errors_by_kind"],
+               pool_leases=stats["leases"], pool_reservations=stats["reservations"], pool_disconnects=stats["disconnects"])
     finally:
         cluster.stop()
 
@@ -129,7 +131,8 @@ def test_pool_killed_replicas_serve_cold_and_reconnect_after_restart_on_the_same
         summary = load.result()
         assert summary["errors"] == 0 and summary["mismatches"] == 0 and summary["unfinished"] == 0, summary["details"]
         assert summary["checked"] >= 5
-        pool_is_clean(sock_path)
+        stats = pool_is_clean(sock_path)
+        report("kill -9 pool", **load_figures(summary), new_pool_hits=stats["hit_chunks"])
     finally:
         cluster.stop()
 
@@ -164,6 +167,8 @@ def test_pool_full_under_load_evicts_but_never_leased_pages_and_no_request_fails
         for url in cluster.replica_urls:  # every page loaded matched its checksum: none was reused under a reader
             assert metric(url, "kvshare:pool_checksum_failures_total") == 0
         pool_is_clean(cluster.pool_socket)
+        report("pool full", **load_figures(summary), evictions=stats["evictions"], skipped_stores=stats["skipped_stores"],
+               pinned_pages_intact=2)
     finally:
         cluster.stop()
 
@@ -195,5 +200,7 @@ def test_clients_that_leave_or_stop_reading_free_the_request():
                    60, "a replica to notice the client left")
         wait_until(lambda: all(health(u)["running"] == 0 for u in cluster.replica_urls), 30, "the engines to be idle")
         pool_is_clean(cluster.pool_socket)
+        report("slow and vanishing clients", slow_client_drops=metric(url, "kvshare:request_slow_client_total"),
+               cancelled=sum(metric(u, "kvshare:request_cancelled_total") for u in cluster.replica_urls))
     finally:
         cluster.stop()

@@ -14,7 +14,7 @@ import pytest
 
 from kvshare.pool.client import PoolClient, PoolRequestError
 from tests.pool.conftest import make_keys
-from tests.reliability.conftest import call, completion, is_openai_error, pool_is_clean, start
+from tests.reliability.conftest import call, completion, is_openai_error, pool_is_clean, report, start
 
 pytestmark = pytest.mark.reliability
 PAGE = 2 << 20
@@ -72,6 +72,7 @@ def test_concurrent_requests_over_the_limit_get_429(cluster):
         results = list(ex.map(lambda i: completion(url, f"{i} " + "busy " * 200, max_tokens=16), range(8)))
     statuses = [status for status, _ in results]
     assert statuses.count(429) >= 1 and set(statuses) == {200, 429}, statuses
+    report("429", ok=statuses.count(200), rate_limited=statuses.count(429))
     for status, out in results:
         if status == 429:
             assert is_openai_error(out) and out["error"]["type"] == "rate_limit_error"
@@ -111,3 +112,5 @@ def test_namespace_quota_bounds_one_tenant_and_never_touches_another(cluster):
     assert stats["quota_evictions"] > 0 and stats["evictions"] == 0  # the quota, not global pressure, evicted
     out = completion(url, calm_text, calm, kvshare={"use_local_cache": False})[1]
     assert out["kvshare"]["pool_tokens"] == 768  # calm's chunks are all still in the pool
+    report("namespace quota", flood_bytes=rows[flood_ns]["bytes"], calm_entries=rows[calm_ns]["entries"],
+           quota_evictions=stats["quota_evictions"], quota_skipped_pages=stats["quota_skipped_pages"])

@@ -16,7 +16,7 @@ from kvshare.reliability.exchange import Outcome
 from kvshare.reliability.load import LoadConfig, LoadRun, require_loopback
 from kvshare.reliability.summary import LoadTally, first_difference, top2_gap
 from kvshare.reliability.workload import Conversation, documents, reference_body
-from tests.reliability.conftest import pool_is_clean, start
+from tests.reliability.conftest import load_figures, pool_is_clean, report, start
 
 
 def test_workload_is_seeded_and_grows_until_the_context_bound():
@@ -132,6 +132,7 @@ def test_load_cli_against_a_cluster_no_errors_no_mismatches():
             capture_output=True, text=True, timeout=200)
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         summary = json.loads(out.stdout)
+        report("load", **load_figures(summary), pool=summary["pool"])
         assert summary["errors"] == 0 and summary["mismatches"] == 0 and summary["rate_limited"] == 0
         assert summary["unfinished"] == 0 and summary["references_not_cold"] == 0
         assert summary["ok"] >= 20 and summary["checked"] >= 3
