@@ -43,3 +43,18 @@ def test_configs_refuse_empty_or_padded_keys_and_vllm_with_tenants():
         ServeConfig(write_timeout_s=0)
     with pytest.raises(ValueError):
         ClusterConfig(engine="vllm", tenant_header="X-Tenant-ID")
+
+
+def test_up_route_and_serve_take_keys_and_tenant_header_flags():
+    from kvshare.cli import build_parser
+
+    parser = build_parser()
+    up = parser.parse_args(["up", "--api-key", "k1", "--api-key", "k2", "--tenant-header", "X-Tenant-ID",
+                            "--router-arg=--write-timeout=5"])
+    assert up.api_key == ["k1", "k2"] and up.tenant_header == "X-Tenant-ID" and up.router_arg == ["--write-timeout=5"]
+    route = parser.parse_args(["route", "--replica", "http://127.0.0.1:1", "--api-key", "k1", "--write-timeout", "3"])
+    assert route.api_key == ["k1"] and route.write_timeout == 3.0
+    serve = parser.parse_args(["serve", "--api-key", "k1", "--tenant-header", "X-T", "--write-timeout", "2"])
+    assert serve.api_key == ["k1"] and serve.tenant_header == "X-T" and serve.write_timeout == 2.0
+    pool = parser.parse_args(["pool", "--size", "64MiB", "--namespace-quota", "8MiB"])
+    assert pool.namespace_quota == 8 << 20
