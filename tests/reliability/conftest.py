@@ -8,10 +8,9 @@ import time
 import urllib.error
 import urllib.request
 
-from kvshare.launch import Cluster, ClusterConfig
+from kvshare.launch import Cluster, ClusterConfig, free_port_block
 from kvshare.pool.client import PoolClient
 from kvshare.reliability.load import LoadConfig, LoadRun
-from tests.serve.conftest import free_port_block
 
 CHECK_BODY_KEYS = {"message", "type", "param", "code"}
 
