@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+GREEDY_BELOW = 1e-5  # temperatures this small are greedy (as in vLLM): logits / t would overflow
+
 
 @dataclass(frozen=True)
 class SampledToken:
@@ -34,9 +36,9 @@ def sample(
     generator: torch.Generator,
     num_logprobs: int | None = None,
 ) -> SampledToken:
-    """logits: [V] float32. temperature 0 is greedy (the first maximal id on ties)."""
+    """logits: [V] float32. temperature 0 (or below GREEDY_BELOW) is greedy (the first maximal id on ties)."""
     logits = logits.detach().float().cpu()
-    if temperature <= 0.0:
+    if temperature < GREEDY_BELOW:
         token_id = int(torch.argmax(logits))
     else:
         probs = torch.softmax(logits / temperature, dim=-1)
@@ -57,6 +59,8 @@ def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose mass reaches top_p (at least one)."""
     sorted_probs, order = torch.sort(probs, descending=True)
     mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass of strictly more likely tokens
-    sorted_probs[mass_before >= top_p] = 0.0
+    drop = mass_before >= top_p
+    drop[0] = False  # the most likely token always stays (a top_p that rounds to 0 in float32 too)
+    sorted_probs[drop] = 0.0
     filtered = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     return filtered / filtered.sum()

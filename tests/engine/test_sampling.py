@@ -86,3 +86,10 @@ def test_max_model_len(engine):
         SamplingParams(top_p=0.0)
     with pytest.raises(ValueError, match="max_position_embeddings"):
         Engine(EngineConfig(model="tiny", max_model_len=10**6))
+
+
+def test_tiny_temperature_and_top_p_do_not_break_sampling():
+    logits = torch.tensor([1.0, 3.0, 2.0, -1.0])
+    assert sample(logits, 1e-9, 1.0, make_generator(0)).token_id == 1  # greedy, not an overflow
+    assert sample(logits, 1.0, 1e-50, make_generator(0)).token_id == 1  # top_p rounds to 0: keep the best
+    assert sample(logits, 0.7, 1e-6, make_generator(1)).token_id == 1
