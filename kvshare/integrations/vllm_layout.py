@@ -148,31 +148,29 @@ def _element_index(layout: PagedLayout, layer: torch.Tensor, kv: int, block: int
     raise UnsupportedKVLayout(f"unknown paged layout kind {layout.kind!r}")
 
 
-def reference_scatter(layer, layout, kv, token_start, block_ids) -> None:
-    """Slow scatter_tokens: one element at a time through the flat storage (tests only)."""
+def _reference_rows(layer, layout, token_start: int, num_tokens: int, block_ids):
+    """(k|v, token, head, strided view of that row's D elements in the flat storage), one at a time."""
     flat = torch.as_strided(layer, (layer.untyped_storage().nbytes() // layer.element_size(),), (1,), 0)
-    _, T, H, D = kv.shape
-    for t in range(T):
-        pos = token_start + t
-        block, slot = block_ids[pos // layout.block_size], pos % layout.block_size
-        for which in (0, 1):
-            for h in range(H):
-                start = _element_index(layout, layer, which, block, slot, h, 0)
-                step = _element_index(layout, layer, which, block, slot, h, 1) - start if D > 1 else 1
-                flat[start : start + step * (D - 1) + 1 : step] = kv[which, t, h]
-
-
-def reference_gather(layer, layout, token_start, num_tokens, block_ids) -> torch.Tensor:
-    """Slow gather_tokens: returns ``[2, T, H, D]`` read one row at a time from the flat storage (tests only)."""
-    flat = torch.as_strided(layer, (layer.untyped_storage().nbytes() // layer.element_size(),), (1,), 0)
-    H, D = layout.num_kv_heads, layout.head_dim
-    out = torch.empty(2, num_tokens, H, D, dtype=layer.dtype)
+    D = layout.head_dim
     for t in range(num_tokens):
         pos = token_start + t
         block, slot = block_ids[pos // layout.block_size], pos % layout.block_size
         for which in (0, 1):
-            for h in range(H):
+            for h in range(layout.num_kv_heads):
                 start = _element_index(layout, layer, which, block, slot, h, 0)
                 step = _element_index(layout, layer, which, block, slot, h, 1) - start if D > 1 else 1
-                out[which, t, h] = flat[start : start + step * (D - 1) + 1 : step]
+                yield which, t, h, flat[start : start + step * (D - 1) + 1 : step]
+
+
+def reference_scatter(layer, layout, kv, token_start, block_ids) -> None:
+    """Slow scatter_tokens: one row at a time through the flat storage (tests only)."""
+    for which, t, h, row in _reference_rows(layer, layout, token_start, kv.shape[1], block_ids):
+        row.copy_(kv[which, t, h])
+
+
+def reference_gather(layer, layout, token_start, num_tokens, block_ids) -> torch.Tensor:
+    """Slow gather_tokens: returns ``[2, T, H, D]`` read one row at a time from the flat storage (tests only)."""
+    out = torch.empty(2, num_tokens, layout.num_kv_heads, layout.head_dim, dtype=layer.dtype)
+    for which, t, h, row in _reference_rows(layer, layout, token_start, num_tokens, block_ids):
+        out[which, t, h] = row
     return out

@@ -441,19 +441,23 @@ class PoolServer:
         rows = [P.NamespaceInfo(ns, n, b) for ns, n, b in self.index.namespaces()]
         return P.NamespacesReply(namespaces=rows, quota_bytes=self.config.index.namespace_quota_bytes)
 
-    def _check_when_idle(self) -> None:
-        try:
-            self.index.check_integrity()
-        except AssertionError as exc:  # a bug: say so loudly, keep serving what is consistent
-            self.counters.errors += 1
-            log.error("idle integrity check failed: %s", exc)
-
-    def _on_check_integrity(self, client: _Client, req: P.CheckIntegrity) -> P.Reply:
+    def _integrity_problem(self) -> str | None:
+        """None when the index and allocator agree; else what is wrong (logged: it is a bug)."""
         try:
             self.index.check_integrity()
         except AssertionError as exc:
             log.error("integrity check failed: %s", exc)
-            return P.ErrorReply("integrity", str(exc) or "index and allocator disagree")
+            return str(exc) or "index and allocator disagree"
+        return None
+
+    def _check_when_idle(self) -> None:
+        if self._integrity_problem() is not None:  # say so loudly, keep serving what is consistent
+            self.counters.errors += 1
+
+    def _on_check_integrity(self, client: _Client, req: P.CheckIntegrity) -> P.Reply:
+        problem = self._integrity_problem()
+        if problem is not None:
+            return P.ErrorReply("integrity", problem)
         return P.Ok(count=self.index.num_entries)
 
     # -- remote tier hooks (kvshare.pool.remote; each is a no-op without --remote) ---------
