@@ -2,7 +2,9 @@
 
 One request at a time (the experiments measure an idle system). Works against any
 OpenAI-compatible server; kvshare replicas add provenance (the ``kvshare`` object of
-the final chunk) and, with ``return_token_ids``, the generated token ids.
+the final chunk) and, with ``return_token_ids``, the generated token ids (vLLM returns
+them too). Every request asks for the top-2 logprobs of each generated token: the gap
+between them says whether a differing output parted at a near tie (kvshare.bench.outputs).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+
+TOP_LOGPROBS = 2  # per generated token: enough for the top-1 minus top-2 gap
 
 
 @dataclass(frozen=True)
@@ -28,10 +32,12 @@ class BenchRequest:
     use_pool: bool | None = True  # None: send no kvshare extension (servers that lack it)
     use_local_cache: bool = True
     session_id: str | None = None  # the X-Session-ID header (routers place sessions by it)
-    # ask for logprobs so that every generated token arrives in a chunk of its own, text or not:
-    # a token that decodes to nothing (a special token, a partial UTF-8 sequence, or an id beyond a
-    # synthetic model's tokenizer) would otherwise send no chunk, and its time would not be seen
-    token_chunks: bool = True
+    # Logprobs asked for: every generated token then arrives in a chunk of its own, text or not (a
+    # token that decodes to nothing (a special token, a partial UTF-8 sequence, or an id beyond a
+    # synthetic model's tokenizer) would otherwise send no chunk, and its time would not be seen),
+    # and the top 2 give the gap at a divergence. Every request of every condition asks the same,
+    # so the one top-2 selection per step costs every condition alike. None: ask for no logprobs.
+    num_top_logprobs: int | None = TOP_LOGPROBS
 
     def __post_init__(self) -> None:
         if self.kind not in ("completion", "chat"):
@@ -45,12 +51,12 @@ class BenchRequest:
                                 "ignore_eos": True, "return_token_ids": True}
         if self.kind == "completion":
             body["prompt"] = self.prompt
-            if self.token_chunks:
-                body["logprobs"] = 0
+            if self.num_top_logprobs is not None:
+                body["logprobs"] = self.num_top_logprobs
         else:
             body["messages"] = self.messages
-            if self.token_chunks:
-                body["logprobs"], body["top_logprobs"] = True, 0
+            if self.num_top_logprobs is not None:
+                body["logprobs"], body["top_logprobs"] = True, self.num_top_logprobs
         if self.use_pool is not None:
             body["kvshare"] = {"use_pool": self.use_pool, "use_local_cache": self.use_local_cache}
         return body
@@ -70,6 +76,7 @@ class Response:
     e2e_s: float = 0.0
     text: str = ""
     token_ids: list[int] | None = None
+    top_logprobs: list[list[float]] = field(default_factory=list)  # per generated token (see step_top_logprobs)
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     cached_tokens: int | None = None
@@ -106,6 +113,7 @@ def absorb(response: Response, chunk: dict, now_s: float) -> None:
             piece = (choice.get("delta") or {}).get("content")
         logprobs = choice.get("logprobs") or {}
         has_token = bool(piece) or bool(logprobs.get("tokens") or logprobs.get("content"))
+        response.top_logprobs += step_top_logprobs(logprobs)
         if has_token and response.ttft_s is None:
             response.ttft_s = now_s
         if piece:
@@ -124,6 +132,31 @@ def absorb(response: Response, chunk: dict, now_s: float) -> None:
         response.cached_tokens = details.get("cached_tokens")
     if chunk.get("kvshare"):
         response.provenance = dict(chunk["kvshare"])
+
+
+def step_top_logprobs(logprobs: dict) -> list[list[float]]:
+    """The top logprob values of each generated token in one chunk's ``logprobs`` (completion or chat shape).
+
+    The completion shape keys a step's top logprobs by token *text*: two candidates that decode
+    to the same text (both to nothing, say, as most ids of a synthetic preset do) leave one entry.
+    The servers (kvshare, vLLM) build that mapping in rank order, so the entry left holds the
+    lower logprob; the chosen token's own logprob (``token_logprobs``: at temperature 0, the top-1)
+    supplies the other. Only a value strictly below the chosen one is taken as the second: an
+    entry equal to it leaves the second unknown rather than inventing a tie.
+    """
+    if "content" in logprobs:  # chat: candidates are a list, nothing merges
+        return [[float(c["logprob"]) for c in (step.get("top_logprobs") or []) if c.get("logprob") is not None]
+                for step in logprobs.get("content") or []]
+    tops = logprobs.get("top_logprobs") or []
+    chosen = logprobs.get("token_logprobs") or []
+    steps = []
+    for i, top in enumerate(tops):
+        values = [float(v) for v in (top or {}).values() if v is not None]
+        mine = chosen[i] if i < len(chosen) else None
+        if len(values) == 1 and mine is not None and values[0] < float(mine):
+            values = [float(mine)] + values
+        steps.append(values)
+    return steps
 
 
 async def send(session: aiohttp.ClientSession, request: BenchRequest, timeout_s: float = 3600.0) -> Response:

@@ -37,7 +37,11 @@ def fake_app(first_token_delay_s: float = 0.05, status: int = 200) -> web.Applic
         await send(piece(""))  # no token: must not count as the first token
         await asyncio.sleep(0.02)
         # a token that decodes to no text, seen only through its logprobs entry
-        logprobs = {"content": [{"token": "", "logprob": -1.0}]} if chat else {"tokens": [""], "token_logprobs": [-1.0]}
+        if chat:
+            logprobs = {"content": [{"token": "", "logprob": -1.0, "top_logprobs": [
+                {"token": "", "logprob": -1.0}, {"token": "x", "logprob": -1.5}]}]}
+        else:
+            logprobs = {"tokens": [""], "token_logprobs": [-1.0], "top_logprobs": [{"": -1.0, "x": -1.5}]}
         await send(piece("", logprobs=logprobs))
         await asyncio.sleep(0.02)
         await send(piece("Hel"))

@@ -8,7 +8,9 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
-from kvshare.bench.client import BenchRequest, absorb, Response, event_data, model_name, send, split_events
+from kvshare.bench.client import (
+    BenchRequest, Response, absorb, event_data, model_name, send, split_events, step_top_logprobs,
+)
 from tests.bench.fake_server import SEEN, fake_app
 
 
@@ -39,6 +41,30 @@ def test_a_token_without_text_counts_through_its_logprobs():
     absorb(r, {"choices": [{"text": "", "logprobs": {"tokens": [""], "token_logprobs": [-2.0]}}]}, 0.2)
     absorb(r, {"choices": [{"text": "x", "logprobs": {"tokens": ["x"], "token_logprobs": [-1.0]}}]}, 0.4)
     assert (r.ttft_s, r.first_text_s) == (0.2, 0.4)
+
+
+def test_top_logprobs_of_both_shapes_accumulate_per_token():
+    r = Response()
+    absorb(r, {"choices": [{"text": "", "logprobs": {"tokens": ["a"], "token_logprobs": [-0.1],
+                                                     "top_logprobs": [{"a": -0.1, "b": -2.0}]}}]}, 0.1)
+    absorb(r, {"choices": [{"text": "", "logprobs": {"tokens": ["c"], "token_logprobs": [-0.3],
+                                                     "top_logprobs": [{"c": -0.3, "d": -0.4}]}}]}, 0.2)
+    assert r.top_logprobs == [[-0.1, -2.0], [-0.3, -0.4]]
+    chat = Response()
+    absorb(chat, {"choices": [{"delta": {"content": "a"}, "logprobs": {"content": [
+        {"token": "a", "logprob": -0.1, "top_logprobs": [{"token": "a", "logprob": -0.1}, {"token": "a", "logprob": -0.7}]}]}}]}, 0.1)
+    assert chat.top_logprobs == [[-0.1, -0.7]]  # a list: candidates of the same text both stay
+
+
+def test_completion_candidates_of_the_same_text_keep_the_gap_through_the_chosen_logprob():
+    """Synthetic presets: most ids decode to nothing, so top-1 and top-2 share the key ""; the entry left
+    holds the lower logprob (servers fill the mapping in rank order) and the chosen token's is the top-1."""
+    merged = {"tokens": ["", ""], "token_logprobs": [-0.2, -0.5], "top_logprobs": [{"": -0.9}, {"": -0.5}]}
+    steps = step_top_logprobs(merged)
+    assert steps[0] == [-0.2, -0.9]
+    assert steps[1] == [-0.5]  # equal to the chosen one: the second is unknown, no tie is invented
+    assert step_top_logprobs({"tokens": [""], "token_logprobs": [-0.2], "top_logprobs": [None]}) == [[]]
+    assert step_top_logprobs({"tokens": ["x"], "token_logprobs": [-0.2]}) == []  # logprobs: 0 sends no top
 
 
 async def _with_server(app, fn):
@@ -75,10 +101,12 @@ def test_send_reads_stream_provenance_and_token_ids(kind):
     assert sent["body"]["kvshare"] == {"use_pool": False, "use_local_cache": True}
     assert sent["body"]["stream"] is True and sent["body"]["temperature"] == 0.0
     assert sent["body"]["return_token_ids"] is True and sent["session"] == "s1"
-    if kind == "completion":  # every token in a chunk of its own: the first is seen even without text
-        assert sent["body"]["logprobs"] == 0
+    # every token in a chunk of its own (the first is seen even without text), with its top-2 logprobs
+    if kind == "completion":
+        assert sent["body"]["logprobs"] == 2
     else:
-        assert sent["body"]["logprobs"] is True and sent["body"]["top_logprobs"] == 0
+        assert sent["body"]["logprobs"] is True and sent["body"]["top_logprobs"] == 2
+    assert response.top_logprobs == [[-1.0, -1.5]]  # the one token the fake server sends logprobs for
 
 
 def test_no_extension_is_sent_when_use_pool_is_none():
