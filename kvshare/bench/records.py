@@ -3,7 +3,7 @@
 A results folder::
 
     records.jsonl   every request, one JSON object a line (the source of truth; appended)
-    records.csv     the same without token ids (rewritten from records.jsonl)
+    records.csv     the same without token ids and logprobs (rewritten from records.jsonl)
     runs.jsonl      one line per invocation: its arguments, endpoints and stop reason
     report.md       tables (rewritten after each run)
     *.png           plots
@@ -22,6 +22,8 @@ import json
 import os
 from dataclasses import dataclass, field
 from typing import Iterable
+
+from kvshare.bench.outputs import EQUAL, UNKNOWN, OutputCheck
 
 
 @dataclass
@@ -51,18 +53,44 @@ class Record:
     computed_tokens: int | None = None
     cached_tokens: int | None = None
     output_digest: str | None = None
-    matches_reference: bool | None = None  # output token ids equal those of the unit's reference request
+    # the output against the unit's reference request (kvshare.bench.outputs); None: not compared
+    matches_reference: bool | None = None  # output token ids equal the reference's
     first_divergence: int | None = None  # index of the first differing output token, when they differ
+    output_check: str | None = None  # equal | near-tie | mismatch | unknown (records before it: None)
+    divergence_gap: float | None = None  # the reference's top-1 minus top-2 logprob at first_divergence
+    reference_token: int | None = None  # the reference's token id at first_divergence
+    output_token: int | None = None  # this request's token id at first_divergence
+    compared_with: str | None = None  # the reference: cold (ttft) | prime | verify
     error: str | None = None
     started_at: float = 0.0
     token_ids: list[int] | None = field(default=None, repr=False)
+    top_logprobs: list[list[float]] | None = field(default=None, repr=False)  # per generated token: the top logprobs
 
     @property
     def is_ok(self) -> bool:
         return self.error is None and self.ttft_s is not None
 
+    def set_check(self, check: OutputCheck | None, compared_with: str) -> None:
+        """Record ``check`` (None: either output is unknown, nothing is recorded)."""
+        if check is None:
+            return
+        self.matches_reference, self.first_divergence, self.output_check = check.is_equal, check.step, check.verdict
+        self.divergence_gap, self.reference_token, self.output_token = check.gap, check.reference_token, check.output_token
+        self.compared_with = compared_with
 
-CSV_FIELDS = [f.name for f in dataclasses.fields(Record) if f.name != "token_ids"]
+    def check(self) -> OutputCheck | None:
+        """The recorded check; records of the previous version carry only matches_reference and
+        first_divergence: a difference there has an unknown gap."""
+        if self.output_check is not None:
+            return OutputCheck(self.output_check, self.first_divergence, self.divergence_gap, self.reference_token,
+                               self.output_token)
+        if self.matches_reference is None:
+            return None
+        return OutputCheck(EQUAL) if self.matches_reference else OutputCheck(UNKNOWN, self.first_divergence)
+
+
+_NOT_IN_CSV = ("token_ids", "top_logprobs")
+CSV_FIELDS = [f.name for f in dataclasses.fields(Record) if f.name not in _NOT_IN_CSV]
 _FIELD_NAMES = {f.name for f in dataclasses.fields(Record)}
 
 
@@ -70,18 +98,6 @@ def output_digest(token_ids: list[int] | None) -> str | None:
     if token_ids is None:
         return None
     return hashlib.blake2b(json.dumps(token_ids).encode(), digest_size=8).hexdigest()
-
-
-def compare_outputs(reference: list[int] | None, other: list[int] | None) -> tuple[bool | None, int | None]:
-    """(equal?, first differing index) of two outputs; (None, None) when either is unknown."""
-    if reference is None or other is None:
-        return None, None
-    for i, (a, b) in enumerate(zip(reference, other)):
-        if a != b:
-            return False, i
-    if len(reference) != len(other):
-        return False, min(len(reference), len(other))
-    return True, None
 
 
 class ResultsDir:
@@ -140,6 +156,7 @@ class ResultsDir:
             writer.writeheader()
             for r in records:
                 row = dataclasses.asdict(r)
-                row.pop("token_ids")
+                for name in _NOT_IN_CSV:
+                    row.pop(name)
                 writer.writerow(row)
         return path

@@ -17,7 +17,8 @@ from typing import Any, Awaitable, Callable
 import aiohttp
 
 from kvshare.bench.client import BenchRequest, Response, send
-from kvshare.bench.records import Record, ResultsDir, compare_outputs, output_digest
+from kvshare.bench.outputs import check_outputs
+from kvshare.bench.records import Record, ResultsDir, output_digest
 
 
 @dataclass
@@ -67,17 +68,20 @@ def to_record(response: Response, request: BenchRequest, **fields: Any) -> Recor
         e2e_s=response.e2e_s,
         local_tokens=p.get("local_tokens"), pool_tokens=p.get("pool_tokens"), computed_tokens=p.get("computed_tokens"),
         cached_tokens=response.cached_tokens, output_digest=output_digest(response.token_ids),
-        error=response.error, token_ids=response.token_ids, **fields,
+        error=response.error, token_ids=response.token_ids, top_logprobs=response.top_logprobs or None, **fields,
     )
 
 
 def mark_matches(records: list[Record], reference: Record | None) -> None:
-    """Set matches_reference/first_divergence of every record against ``reference``'s output."""
+    """Check every record's output against ``reference``'s (kvshare.bench.outputs) and record the verdict:
+    equal, or where they part, the reference's top-2 gap there and the two tokens."""
     if reference is None:
         return
+    # name the reference as the tables do: the cold request (ttft), a prime or a verify recompute
+    compared_with = reference.condition if reference.role == "measure" else reference.role
     for r in records:
         if r is not reference:
-            r.matches_reference, r.first_divergence = compare_outputs(reference.token_ids, r.token_ids)
+            r.set_check(check_outputs(reference.token_ids, r.token_ids, reference.top_logprobs), compared_with)
 
 
 MAX_FAILED_UNITS_IN_A_ROW = 2  # then the endpoints are broken: stop rather than record failures

@@ -6,7 +6,7 @@ import asyncio
 import csv
 from types import SimpleNamespace
 
-from kvshare.bench.records import Record, ResultsDir, compare_outputs
+from kvshare.bench.records import Record, ResultsDir
 from kvshare.bench.runner import Unit, past_durations, run_units
 
 
@@ -44,11 +44,30 @@ def test_failed_units_are_not_complete_and_a_rerun_replaces_them(tmp_path):
     assert len(results.load(latest_only=False)) == 3
 
 
-def test_compare_outputs():
-    assert compare_outputs([1, 2, 3], [1, 2, 3]) == (True, None)
-    assert compare_outputs([1, 2, 3], [1, 5, 3]) == (False, 1)
-    assert compare_outputs([1, 2, 3], [1, 2]) == (False, 2)
-    assert compare_outputs(None, [1]) == (None, None)
+def test_the_output_check_round_trips_and_logprobs_stay_out_of_the_csv(tmp_path):
+    results = ResultsDir(str(tmp_path))
+    r = rec("ttft/L=512", top_logprobs=[[-0.1, -0.5], [-0.2, -0.2005]], output_check="near-tie", first_divergence=1,
+            divergence_gap=0.0005, reference_token=7, output_token=9, matches_reference=False, compared_with="cold")
+    results.append([r])
+    (loaded,) = results.load()
+    assert loaded == r and loaded.check().verdict == "near-tie"
+    with open(results.write_csv()) as f:
+        (row,) = csv.DictReader(f)
+    assert "top_logprobs" not in row and row["output_check"] == "near-tie" and row["divergence_gap"] == "0.0005"
+    assert (row["reference_token"], row["output_token"], row["compared_with"]) == ("7", "9", "cold")
+
+
+def test_records_of_the_previous_version_load(tmp_path):
+    """A line written before the output check: no output_check, gap, tokens or logprobs."""
+    results = ResultsDir(str(tmp_path))
+    line = ('{"run_id": "r0", "experiment": "ttft", "unit": "ttft/L=512", "condition": "local", "role": "measure", '
+            '"context_tokens": 512, "url": "http://x", "ttft_s": 0.1, "matches_reference": false, '
+            '"first_divergence": 13, "token_ids": [1, 2]}\n')
+    with open(results.file("records.jsonl"), "w") as f:
+        f.write(line)
+    (old,) = results.load()
+    assert old.output_check is None and old.top_logprobs is None
+    assert (old.check().verdict, old.check().step, old.check().gap) == ("unknown", 13, None)
 
 
 class FakeClock:
