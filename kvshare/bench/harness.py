@@ -121,11 +121,14 @@ class Harness:
     def _log_unit(self, key: str, seconds: float, records: list[Record]) -> None:
         """One line per unit when there is no progress bar (logs of long runs)."""
         from kvshare.bench.stats import median
+        from kvshare.bench.summary import outputs_of
 
         ttfts = [r.ttft_s for r in records if r.is_ok and r.role == "measure"]
         failed = sum(not r.is_ok for r in records)
+        outputs = outputs_of(records)
         line = (f"{time.strftime('%H:%M:%S')} {key}: {len(records)} requests in {seconds:.1f} s"
-                + (f", median TTFT {median(ttfts):.3f} s" if ttfts else "") + (f", {failed} FAILED" if failed else ""))
+                + (f", median TTFT {median(ttfts):.3f} s" if ttfts else "") + (f", {failed} FAILED" if failed else "")
+                + (f", outputs {outputs}" if outputs.num_equal < outputs.num_compared else ""))
         if self.console is not None:
             self.console.print(line, highlight=False)
         else:

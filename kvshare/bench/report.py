@@ -8,8 +8,10 @@ from dataclasses import dataclass
 
 from kvshare.bench.records import Record, ResultsDir
 from kvshare.bench.stats import MIN_N_FOR_CI
+from kvshare.bench.outputs import MISMATCH, NEAR_TIE, UNKNOWN
 from kvshare.bench.summary import (
-    STUDY_BLOCKS, STUDY_BLOCKS_REQUESTS, STUDY_SESSIONS, blocks_rows, format_ci, nearest, sessions_rows, ttft_rows,
+    STUDY_BLOCKS, STUDY_BLOCKS_REQUESTS, STUDY_SESSIONS, blocks_rows, divergences, format_ci, nearest, sessions_rows,
+    ttft_rows,
 )
 
 
@@ -43,18 +45,18 @@ def tables(records: list[Record]) -> list[Table]:
     if ttft:
         out.append(Table(
             "TTFT: cold, local reuse (same replica), cross-replica reuse (pool)",
-            ("context", "cold s", "local s", "cross s", "cold/cross", "pool tokens (cross)", "outputs equal", "n", "failed"),
+            ("context", "cold s", "local s", "cross s", "cold/cross", "pool tokens (cross)", "outputs", "n", "failed"),
             tuple((_tokens(r.context), _s(r.medians["cold"]), _s(r.medians["local"]), _s(r.medians["cross"]),
                    _x(r.cross_speedup), "-" if r.cross_pool_tokens is None else str(r.cross_pool_tokens),
                    str(r.outputs), str(r.counts["cross"]), str(r.num_failed)) for r in ttft),
             "Medians of time to first content token (client side, streamed). Outputs: token ids of local and cross "
-            "requests equal to the cold request's."))
+            "requests against the cold request's (see the divergence table for any that part)."))
     blocks = blocks_rows(records)
     if blocks:
         out.append(Table(
             "Blocked design: cross-replica TTFT, pool OFF vs ON (OFF-ON-ON-OFF)",
             ("context", "n OFF", "OFF median s", "OFF 95% CI", "n ON", "ON median s", "ON 95% CI",
-             "paired ON/OFF", "ratio 95% CI", "speedup", "min pool tokens (ON)", "outputs equal", "failed"),
+             "paired ON/OFF", "ratio 95% CI", "speedup", "min pool tokens (ON)", "outputs", "failed"),
             tuple((_tokens(r.context), str(r.off.n if r.off else 0), _s(r.off.median if r.off else None),
                    format_ci(r.off.ci if r.off else None), str(r.on.n if r.on else 0),
                    _s(r.on.median if r.on else None), format_ci(r.on.ci if r.on else None),
@@ -63,19 +65,19 @@ def tables(records: list[Record]) -> list[Table]:
                    str(r.outputs), str(r.num_failed)) for r in blocks),
             f"Primed on replica A, measured on replica B. Bootstrap 95% intervals of the median (fixed seed) "
             f"where a condition has at least {MIN_N_FOR_CI} requests. Paired ratio: median over positions of "
-            f"ON/OFF, the k-th OFF block paired with the k-th ON block. Outputs: measured token ids equal to a "
-            f"recompute of the same prompt."))
+            f"ON/OFF, the k-th OFF block paired with the k-th ON block. Outputs: measured ON token ids (and the primes') "
+            f"against a recompute of the same prompt."))
     sessions = sessions_rows(records)
     if sessions:
         out.append(Table(
             "Multi-turn sessions: total session time, pool OFF vs ON",
             ("initial context", "placement", "sessions OFF/ON", "session OFF s", "session ON s", "ON faster by",
-             "outputs equal", "failed"),
+             "outputs", "failed"),
             tuple((_tokens(r.context), r.placement, f"{r.num_sessions['off']}/{r.num_sessions['on']}",
                    _s(r.session_s["off"], 2), _s(r.session_s["on"], 2), _pct(r.improvement), str(r.outputs),
                    str(r.num_failed)) for r in sessions),
             "Session time: sum of the turns' end-to-end times (median over sessions). Outputs: the last turn of "
-            "verified ON sessions equal to a recompute."))
+            "verified ON sessions against a recompute."))
         num_turns = max(len(t) for r in sessions for t in r.turn_ttft.values())
         out.append(Table(
             "Per-turn TTFT (median, seconds)",
@@ -83,8 +85,43 @@ def tables(records: list[Record]) -> list[Table]:
             tuple((_tokens(r.context), r.placement, pool) + tuple(_s(v) for v in r.turn_ttft[pool])
                   + ("-",) * (num_turns - len(r.turn_ttft[pool]))
                   for r in sessions for pool in ("off", "on"))))
+    parted = divergences(records)
+    if parted:
+        out.append(divergence_table(parted))
     out.append(study_table(blocks, sessions))
     return out
+
+
+_VERDICT_TEXT = {NEAR_TIE: "near tie (allowed)", MISMATCH: "MISMATCH", UNKNOWN: "gap unknown"}
+
+
+def divergence_table(parted: list[Record]) -> Table:
+    """Every compared output that parted from its reference: where, at what gap, which tokens."""
+    rows = []
+    for r in parted:
+        check = r.check()
+        if r.experiment == "sessions":
+            request = f"session {r.session} turn {r.turn}"
+        else:
+            request = f"{r.role} #{r.position}"
+        gap = "unknown" if check.gap is None else f"{check.gap:.3g}"
+        rows.append((r.experiment, _tokens(r.context_tokens), r.condition, request, r.compared_with or "-",
+                     _id(check.step), gap, _VERDICT_TEXT[check.verdict], _id(check.reference_token),
+                     _id(check.output_token)))
+    return Table(
+        "Outputs that part from their reference",
+        ("experiment", "context", "condition", "request", "compared with", "step", "top-2 gap", "verdict",
+         "reference token", "output token"),
+        tuple(rows),
+        "DESIGN.md: with reuse, token ids equal a recompute's; on bf16 up to the first step whose top-2 logprob gap "
+        "(the reference's top-1 minus top-2 logprob) is below 1e-3. Step: the first differing token (from 0). "
+        "Near tie: parted at such a step (allowed). MISMATCH: parted at a larger gap, or one output is longer: "
+        "reuse changed the output. Gap unknown: no logprobs for that step (records written before the bench "
+        "asked for them, or a server that returned none).")
+
+
+def _id(value: int | None) -> str:
+    return "-" if value is None else str(value)
 
 
 def study_table(blocks, sessions) -> Table:
@@ -124,17 +161,17 @@ def summary_lines(records: list[Record]) -> list[str]:
     for r in ttft_rows(records):
         m = r.medians
         lines.append(f"ttft     {_tokens(r.context):>6}: cold {_s(m['cold'])} s, local {_s(m['local'])} s, cross "
-                     f"{_s(m['cross'])} s ({_x(r.cross_speedup)}), outputs equal {r.outputs}, failed {r.num_failed}")
+                     f"{_s(m['cross'])} s ({_x(r.cross_speedup)}), outputs {r.outputs}, failed {r.num_failed}")
     for r in blocks_rows(records):
         off = f"{_s(r.off.median)} s {format_ci(r.off.ci)}" if r.off else "-"
         on = f"{_s(r.on.median)} s {format_ci(r.on.ci)}" if r.on else "-"
         lines.append(f"blocks   {_tokens(r.context):>6}: OFF {off} -> ON {on} ({_x(r.speedup)}; n {r.off.n if r.off else 0}"
                      f"/{r.on.n if r.on else 0}; paired ON/OFF {_s(r.ratio.median if r.ratio else None, 4)}), "
-                     f"outputs equal {r.outputs}, failed {r.num_failed}")
+                     f"outputs {r.outputs}, failed {r.num_failed}")
     for r in sessions_rows(records):
         lines.append(f"sessions {_tokens(r.context):>6} {r.placement:>9}: OFF {_s(r.session_s['off'], 2)} s -> ON "
                      f"{_s(r.session_s['on'], 2)} s ({_pct(r.improvement)} faster; sessions {r.num_sessions['off']}/"
-                     f"{r.num_sessions['on']}), outputs equal {r.outputs}, failed {r.num_failed}")
+                     f"{r.num_sessions['on']}), outputs {r.outputs}, failed {r.num_failed}")
     return lines
 
 

@@ -10,6 +10,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterable
 
+from kvshare.bench.outputs import OutputTally, tally
 from kvshare.bench.records import Record
 from kvshare.bench.stats import Interval, Summary, improvement, median, pair_blocks, paired_ratios, summarize
 
@@ -20,20 +21,16 @@ STUDY_BLOCKS_REQUESTS = 768
 STUDY_SESSIONS = {32_000: 0.35, 128_000: 0.45}
 
 
-@dataclass(frozen=True)
-class Outputs:
-    """How many compared outputs equalled their reference."""
-
-    num_equal: int
-    num_compared: int
-
-    def __str__(self) -> str:
-        return f"{self.num_equal}/{self.num_compared}" if self.num_compared else "-"
+def outputs_of(records: Iterable[Record]) -> OutputTally:
+    """The output checks of the compared records (older records: equal, or parted with the gap unknown)."""
+    return tally(r.check() for r in records)
 
 
-def outputs_of(records: Iterable[Record]) -> Outputs:
-    compared = [r.matches_reference for r in records if r.matches_reference is not None]
-    return Outputs(sum(compared), len(compared))
+def divergences(records: Iterable[Record]) -> list[Record]:
+    """Compared records whose output parted from their reference's, in experiment and context order."""
+    parted = [r for r in records if (c := r.check()) is not None and not c.is_equal]
+    order = {"ttft": 0, "blocks": 1, "sessions": 2}
+    return sorted(parted, key=lambda r: (order.get(r.experiment, 3), r.context_tokens))
 
 
 def _ok(records: Iterable[Record], **match) -> list[Record]:
@@ -55,7 +52,7 @@ class TTFTRow:
     counts: dict[str, int]
     cross_pool_tokens: int | None  # median pool tokens of the cross requests
     num_failed: int
-    outputs: Outputs
+    outputs: OutputTally
 
     @property
     def cross_speedup(self) -> float | None:
@@ -86,7 +83,7 @@ class BlocksRow:
     num_pairs: int
     min_on_pool_tokens: int | None  # smallest pool_tokens among measured ON requests
     num_failed: int
-    outputs: Outputs
+    outputs: OutputTally
 
     @property
     def speedup(self) -> float | None:
@@ -123,7 +120,7 @@ class SessionsRow:
     num_sessions: dict[str, int]
     turn_ttft: dict[str, list[float | None]]  # pool off|on -> median TTFT per turn
     num_failed: int
-    outputs: Outputs
+    outputs: OutputTally
 
     @property
     def improvement(self) -> float | None:

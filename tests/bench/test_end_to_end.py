@@ -52,10 +52,22 @@ def run(cluster, out_dir, *configs):
 def assert_outputs_written(out_dir, *pngs):
     text = (out_dir / "report.md").read_text()
     assert "Beside the study" in text
+    assert "Outputs that part" not in text  # float32 on CPU: every compared output equals its reference
     assert (out_dir / "records.csv").stat().st_size > 0 and (out_dir / "runs.jsonl").stat().st_size > 0
     for png in pngs:
         assert (out_dir / png).stat().st_size > 1000
     return text
+
+
+def assert_reference(r, num_tokens: int) -> None:
+    """A reference request carries the top-2 logprobs of each generated token (for the gap at a divergence)."""
+    assert len(r.top_logprobs) == num_tokens and all(len(step) == 2 for step in r.top_logprobs)
+    assert all(a >= b for a, b in r.top_logprobs) and r.output_check is None
+
+
+def assert_equal_to(r, reference: str) -> None:
+    assert (r.output_check, r.matches_reference, r.compared_with) == ("equal", True, reference)
+    assert r.first_divergence is None and r.divergence_gap is None
 
 
 def test_ttft(cluster, tmp_path):
@@ -71,9 +83,14 @@ def test_ttft(cluster, tmp_path):
             assert (r.replica, r.local_tokens, r.pool_tokens) == ("replica1", 0, reusable(r.context_tokens))
             assert r.cached_tokens == reusable(r.context_tokens)
         if r.condition != "cold":
-            assert r.matches_reference is True  # token ids equal the cold request's
+            assert_equal_to(r, "cold")  # token ids equal the cold request's
+        else:
+            assert_reference(r, 8)
     text = assert_outputs_written(tmp_path, "ttft_by_context.png")
-    assert "TTFT: cold" in text
+    assert "TTFT: cold" in text and "| equal 2/2; near-tie 0; mismatch 0 |" in text
+    with open(tmp_path / "records.csv") as f:
+        header = f.readline()
+    assert "output_check" in header and "divergence_gap" in header and "top_logprobs" not in header
     # a second run resumes: everything is recorded, nothing is sent again
     outcome, again = run(cluster, tmp_path, TTFTConfig(contexts=(512, 1024), repetitions=1, max_tokens=8))
     assert outcome.runs["ttft"].num_skipped == 2 and outcome.runs["ttft"].num_done == 0 and len(again) == 6
@@ -91,8 +108,12 @@ def test_blocks(cluster, tmp_path):
     assert len(primes) == 4 and all(r.replica == "replica0" and r.computed_tokens == 1024 for r in primes)
     (verify,) = [r for r in records if r.role == "verify"]
     assert (verify.replica, verify.local_tokens, verify.pool_tokens) == ("replica1", 0, 0)
+    assert_reference(verify, 8)
     # ON outputs equal a recompute (the verify request, else the prime of the same prompt)
-    assert all(r.matches_reference is True for r in measured if r.condition == "on")
+    for r in measured:
+        if r.condition == "on":
+            assert_equal_to(r, "verify" if (r.block, r.position) == (verify.block, verify.position) else "prime")
+    assert_equal_to([p for p in primes if (p.block, p.position) == (verify.block, verify.position)][0], "verify")
     text = assert_outputs_written(tmp_path, "ttft_by_context.png")
     assert "Blocked design" in text and "| 1024 | 4 |" in text
 
@@ -119,7 +140,11 @@ def test_sessions(cluster, tmp_path):
     assert turns["sticky/on"][1].local_tokens >= reusable(1024) and turns["sticky/on"][1].pool_tokens == 0
     verifies = [r for r in records if r.role == "verify"]
     assert len(verifies) == 2 and all(v.pool_tokens == 0 and v.local_tokens == 0 for v in verifies)
-    assert all(t[-1].matches_reference is True for c, t in turns.items() if c.endswith("/on"))
+    for v in verifies:
+        assert_reference(v, 8)
+    for c, t in turns.items():
+        if c.endswith("/on"):
+            assert_equal_to(t[-1], "verify")
     text = assert_outputs_written(tmp_path, "session_turns.png")
     assert "Multi-turn sessions" in text and "Per-turn TTFT" in text
 
@@ -164,7 +189,8 @@ def test_blocks_with_sequential_replicas(tmp_path):
     assert [(r.block, r.role, r.replica) for r in records] == [(0, "prime", "replica0"), (0, "measure", "replica1"),
                                                                (1, "measure", "replica1")]
     on, off = records[1], records[2]
-    assert on.pool_tokens == reusable(600) and on.local_tokens == 0 and on.matches_reference is True
+    assert on.pool_tokens == reusable(600) and on.local_tokens == 0
+    assert_equal_to(on, "prime")
     assert off.pool_tokens == 0 and off.computed_tokens == 600
     # B was started once, after A was stopped (prime on A, then B for both blocks)
     assert len(replicas.start_seconds) == 2

@@ -41,7 +41,8 @@ def test_blocks_row_medians_pairs_and_ratio():
     ratios = sorted([0.6 / 30, 0.7 / 32, 0.5 / 34, 0.6 / 31, 0.8 / 30, 0.6 / 40])
     assert row.ratio.median == pytest.approx((ratios[2] + ratios[3]) / 2)
     assert row.speedup == pytest.approx(31.5 / 0.6)
-    assert row.min_on_pool_tokens == 127_744 and str(row.outputs) == "6/6" and row.num_failed == 0
+    assert row.min_on_pool_tokens == 127_744 and row.num_failed == 0
+    assert str(row.outputs) == "equal 6/6; near-tie 0; mismatch 0"
 
 
 def test_failed_requests_are_counted_not_measured():
@@ -59,7 +60,8 @@ def test_ttft_row():
     (row,) = ttft_rows(records)
     assert row.medians == {"cold": 9.0, "local": 0.2, "cross": 0.5}
     assert row.cross_speedup == pytest.approx(18.0) and row.cross_pool_tokens == 31_744
-    assert str(row.outputs) == "2/3"
+    # written without an output check (the previous version): the difference's gap is unknown
+    assert str(row.outputs) == "equal 2/3; near-tie 0; mismatch 0; gap unknown 1 (step unknown)"
 
 
 def sessions_records():
@@ -105,3 +107,37 @@ def test_report_tables_study_figures_and_plots_are_written(tmp_path):
 def test_tables_of_no_records_hold_only_the_study():
     (study,) = tables([])
     assert study.title.startswith("Beside the study") and all(row[2] == "not measured" for row in study.rows)
+
+
+def test_divergences_are_counted_per_row_and_listed_one_by_one():
+    near = dict(output_check="near-tie", matches_reference=False, first_divergence=4, divergence_gap=4e-4,
+                reference_token=11, output_token=12, compared_with="cold")
+    bad = dict(output_check="mismatch", matches_reference=False, first_divergence=5, divergence_gap=0.031,
+               reference_token=21, output_token=22, compared_with="cold")
+    equal = dict(output_check="equal", matches_reference=True, compared_with="cold")
+    records = [r("ttft", "cold", 8.0, 32_000, position=0), r("ttft", "local", 0.2, 32_000, position=0, **equal),
+               r("ttft", "cross", 0.4, 32_000, position=0, **near), r("ttft", "cold", 8.0, 32_000, position=1),
+               r("ttft", "local", 0.2, 32_000, position=1, **equal), r("ttft", "cross", 0.4, 32_000, position=1, **bad)]
+    (row,) = ttft_rows(records)
+    assert str(row.outputs) == "equal 2/4; near-tie 1 (step 4, gap 0.0004); mismatch 1 (step 5, gap 0.031)"
+    by_title = {t.title: t for t in tables(records)}
+    table = by_title["Outputs that part from their reference"]
+    assert table.rows == (("ttft", "32k", "cross", "measure #0", "cold", "4", "0.0004", "near tie (allowed)", "11", "12"),
+                          ("ttft", "32k", "cross", "measure #1", "cold", "5", "0.031", "MISMATCH", "21", "22"))
+
+
+def test_no_divergence_table_when_every_output_is_equal():
+    records = [r("ttft", "cold", 8.0, 32_000), r("ttft", "cross", 0.4, 32_000, output_check="equal", matches_reference=True)]
+    assert all(not t.title.startswith("Outputs that part") for t in tables(records))
+
+
+def test_the_h200_results_of_the_previous_version_still_render(tmp_path):
+    """docs/results/h200/bench was written before the output check: its differences render with the gap unknown."""
+    import shutil
+
+    source = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "results", "h200", "bench", "records.jsonl")
+    shutil.copy(source, tmp_path / "records.jsonl")
+    path, tables_ = write_report(ResultsDir(str(tmp_path)))
+    text = open(path).read()
+    assert "equal 3/4; near-tie 0; mismatch 0; gap unknown 1 (step 13)" in text  # ttft at 32k
+    assert "| sessions | 32k | alternate/on | session 0 turn 5 | - | 22 | unknown | gap unknown | - | - |" in text
