@@ -55,7 +55,63 @@ def flops_prefill(cfg, n: int) -> float:
     return per_token * n + attention + 2 * h * cfg.vocab_size
 
 
+class Timeline:
+    """Where a cross-replica request's time goes: host marks, and GPU events against the load's start.
+
+    Bench-only instrumentation (wraps the engine's pool link and hooks the model's forward)."""
+
+    def __init__(self, engine) -> None:
+        import torch
+
+        self.marks: dict[str, float] = {}
+        self.events: dict[str, object] = {}
+        self.handle = None
+        self.t0 = 0.0
+        link, model = engine._pool, engine.model
+        load_prefix = link.load_prefix
+
+        def timed_load(*args, **kwargs):
+            self.marks["lookup_start"] = time.perf_counter()
+            load = load_prefix(*args, **kwargs)
+            self.marks["load_returned"] = time.perf_counter()
+            self.handle = load.handle
+            return load
+
+        link.load_prefix = timed_load
+        gpu = DEVICE != "cpu"
+
+        def pre(module, args):
+            self.marks["forward_start"] = time.perf_counter()
+            if gpu:
+                self.events["forward_start"] = torch.cuda.Event(enable_timing=True)
+                self.events["forward_start"].record()
+
+        def post(module, args, out):
+            self.marks["forward_enqueued"] = time.perf_counter()
+            if gpu:
+                self.events["forward_end"] = torch.cuda.Event(enable_timing=True)
+                self.events["forward_end"].record()
+
+        model.register_forward_pre_hook(pre)
+        model.register_forward_hook(post)
+
+    def reset(self) -> None:
+        self.marks, self.events, self.handle = {}, {}, None
+        self.t0 = time.perf_counter()
+
+    def summary(self) -> dict:
+        out = {f"host_{k}_ms": round((v - self.t0) * 1e3, 2) for k, v in self.marks.items()}
+        h = self.handle
+        if DEVICE != "cpu" and h is not None and hasattr(h, "start"):
+            for name, event in self.events.items():
+                out[f"gpu_{name}_ms"] = round(h.start.elapsed_time(event), 2)
+            out["gpu_load_end_ms"] = round(h.start.elapsed_time(h.end), 2)
+        return out
+
+
 def role(args) -> dict:
+    import dataclasses
+
     import torch
 
     from kvshare.engine.config import EngineConfig
@@ -68,20 +124,26 @@ def role(args) -> dict:
                                  verify_fraction=args.verify_fraction))
     params = SamplingParams(max_tokens=1, ignore_eos=True)
     out: dict = {"role": args.role, "kv_bytes": n * engine.layout.bytes_per_token}
+    timeline = None
 
-    def ttft(options=RequestOptions()):
+    def ttft(options=RequestOptions(), prompt=ids):
         sync()
         before = engine.stats()
+        if timeline is not None:
+            timeline.reset()
         t0 = time.perf_counter()
-        event = next(iter(engine.generate(ids, params, options)))
+        event = next(iter(engine.generate(prompt, params, options)))
         sync()
         dt = time.perf_counter() - t0
         after = engine.stats()
         p = event.provenance
-        return {"ttft_s": dt, "local": p.local_tokens, "pool": p.pool_tokens, "computed": p.computed_tokens,
-                "pool_bytes": after.pool_bytes_loaded - before.pool_bytes_loaded,
-                "pool_load_s": after.pool_load_seconds - before.pool_load_seconds,
-                "store_s": after.pool_store_seconds - before.pool_store_seconds}
+        result = {"ttft_s": dt, "local": p.local_tokens, "pool": p.pool_tokens, "computed": p.computed_tokens,
+                  "pool_bytes": after.pool_bytes_loaded - before.pool_bytes_loaded,
+                  "pool_load_s": after.pool_load_seconds - before.pool_load_seconds,
+                  "store_s": after.pool_store_seconds - before.pool_store_seconds}
+        if timeline is not None:
+            result["timeline"] = timeline.summary()
+        return result
 
     warm = prompt_ids(300)[:300]
     list(engine.generate(warm, params, RequestOptions(use_pool=False, use_local_cache=False)))  # CUDA warm-up
@@ -96,14 +158,27 @@ def role(args) -> dict:
         sync()
         out["matmul_tflops"] = 10 * 2 * size**3 / (time.perf_counter() - t0) / 1e12
         del a
+        flops = flops_prefill(engine.model_config, n)
+        if n <= 64 * 1024:  # a first cold prefill of this length (another prompt) pays one-time costs (kernel plans)
+            first = ttft(RequestOptions(use_pool=False, use_local_cache=False), prompt=[t ^ 1 for t in ids])
+            out["cold_first"] = {**first, "tflops": flops / first["ttft_s"] / 1e12}
         cold = ttft()
-        cold["tflops"] = flops_prefill(engine.model_config, n) / cold["ttft_s"] / 1e12
+        cold["tflops"] = flops / cold["ttft_s"] / 1e12
         out["cold"] = cold
         time.sleep(1.0)  # the store of the prompt's chunks finishes after the first token
         list(engine.generate(warm, params, RequestOptions(use_pool=False, use_local_cache=False)))
         out["local"] = ttft() if args.local_cache_bytes else None
     else:
+        transfer = engine._pool.transfer
+        if transfer is not None and hasattr(transfer.config, "enqueue_thread"):
+            transfer.config = dataclasses.replace(transfer.config, enqueue_thread=bool(args.enqueue_thread))
+        out["enqueue_thread"] = bool(args.enqueue_thread)
+        timeline = Timeline(engine)
+        # B's local cache is off: each request loads the whole prefix from the pool; the first one in this
+        # process also pays one-time costs (kernel plans for the suffix's shape), the second one does not
+        out["cross_first"] = ttft()
         out["cross"] = ttft()
+        timeline = None
         # the suffix's own compute: the prefix is in place now (local cache off: recompute only the tail)
         tail = n - out["cross"]["pool"] - out["cross"]["local"]
         kv = engine._kv.ensure(n + 1)
@@ -131,26 +206,37 @@ def role(args) -> dict:
     return out
 
 
-def run_case(model: str, tokens: int, pool_size: str, out_dir: str, local_cache_bytes: int) -> dict:
+def run_case(model: str, tokens: int, pool_size: str, out_dir: str, local_cache_bytes: int, compare_enqueue: bool) -> dict:
     from kvshare.pool.spawn import running_pool
 
     preset = PRESETS[model]
     case = {"preset": preset, "tokens": tokens}
+    roles = [("A", 1), ("B", 1)] + ([("B", 0)] if compare_enqueue else [])
     with running_pool(pool_size, ("--extent-size", "256MiB"), quiet=True) as sock:
-        for r in ("A", "B"):
+        for r, thread in roles:
             cmd = [sys.executable, __file__, "--role", r, "--preset", preset, "--tokens", str(tokens), "--pool", sock,
-                   "--local-cache-bytes", str(local_cache_bytes if r == "A" else 0)]
+                   "--local-cache-bytes", str(local_cache_bytes if r == "A" else 0), "--enqueue-thread", str(thread)]
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=540)
             if proc.returncode:
                 case[f"error_{r}"] = proc.stderr[-3000:]
                 return case
-            case.update({k: v for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items() if k != "role"})
+            result = {k: v for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items() if k != "role"}
+            if r == "B" and not thread:  # the comparison run: the load enqueued by the caller itself
+                case["without_enqueue_thread"] = {k: result[k] for k in ("cross_first", "cross")}
+            else:
+                case.update(result)
     cross, kv = case["cross"], case["kv_bytes"]
     case["load_gbps"] = cross["pool_bytes"] / cross["pool_load_s"] / 1e9 if cross["pool_load_s"] else None
     case["load_ratio_vs_contiguous"] = (case["load_gbps"] / case["contiguous_h2d_gbps"]) if case["load_gbps"] else None
     bound = max(cross["pool_bytes"] / (case["contiguous_h2d_gbps"] * 1e9), case["suffix_compute_s"])
+    case["bound_s"] = bound
     case["cross_over_bound"] = cross["ttft_s"] / bound
+    case["cross_first_over_bound"] = case["cross_first"]["ttft_s"] / bound
+    if "without_enqueue_thread" in case:
+        case["without_enqueue_thread"]["cross_over_bound"] = case["without_enqueue_thread"]["cross"]["ttft_s"] / bound
     case["cold_pct_of_matmul"] = 100 * case["cold"]["tflops"] / case["matmul_tflops"]
+    if "cold_first" in case:
+        case["cold_first_pct_of_matmul"] = 100 * case["cold_first"]["tflops"] / case["matmul_tflops"]
     return case
 
 
@@ -164,6 +250,8 @@ def main() -> int:
     p.add_argument("--pool")
     p.add_argument("--local-cache-bytes", type=int, default=0)
     p.add_argument("--verify-fraction", type=float, default=0.0)
+    p.add_argument("--enqueue-thread", type=int, default=1, help="B: 1 = the load's copies enqueued by a thread (default)")
+    p.add_argument("--compare-enqueue", action="store_true", help="also run B with the load enqueued by the caller")
     args = p.parse_args()
     if args.role:
         print(json.dumps(role(args)), flush=True)
@@ -177,18 +265,26 @@ def main() -> int:
         pool = f"{int(kv_gib * 1.3) + 4}GiB"
         local = int(kv_gib * 1.1 * 2**30) if not (model == "32b" and n > 64 * 1024) else 0  # 32B at 128k: no room
         t0 = time.time()
-        case = run_case(model, n, pool, args.out, local)
+        case = run_case(model, n, pool, args.out, local, args.compare_enqueue)
         case["wall_s"] = time.time() - t0
         results.append(case)
         with open(os.path.join(args.out, "engine_ttft_gpu.json"), "w") as f:
             json.dump(results, f, indent=1)
         if "cross" in case:
             c = case
+            local = c["local"]["ttft_s"] if c.get("local") else float("nan")
+            first = f" (first {c['cold_first']['ttft_s']:.3f}s {c['cold_first_pct_of_matmul']:.0f}%)" if "cold_first" in c else ""
             print(f"{c['preset']:10s} {n:7d} tok  cold {c['cold']['ttft_s']:7.3f}s ({c['cold_pct_of_matmul']:4.0f}% of "
-                  f"{c['matmul_tflops']:.0f} TF)  local {c['local']['ttft_s'] if c.get('local') else float('nan'):6.3f}s  "
-                  f"cross {c['cross']['ttft_s']:6.3f}s pool_tok {c['cross']['pool']}  load {c['load_gbps'] or 0:5.1f} GB/s "
+                  f"{c['matmul_tflops']:.0f} TF){first}  local {local:6.3f}s  cross {c['cross']['ttft_s']:6.3f}s "
+                  f"(first {c['cross_first']['ttft_s']:.3f}s) pool_tok {c['cross']['pool']}  load {c['load_gbps'] or 0:5.1f} GB/s "
                   f"= {c['load_ratio_vs_contiguous'] or 0:.2f}x contig {c['contiguous_h2d_gbps']:.1f}  "
-                  f"suffix {c['suffix_compute_s']:.3f}s  cross/bound {c['cross_over_bound']:.2f}", flush=True)
+                  f"suffix {c['suffix_compute_s']:.3f}s  bound {c['bound_s']:.3f}s  cross/bound {c['cross_over_bound']:.2f}",
+                  flush=True)
+            print(f"    timeline (ms): {c['cross'].get('timeline')}", flush=True)
+            if "without_enqueue_thread" in c:
+                w = c["without_enqueue_thread"]
+                print(f"    without the enqueue thread: cross {w['cross']['ttft_s']:.3f}s (first {w['cross_first']['ttft_s']:.3f}s) "
+                      f"cross/bound {w['cross_over_bound']:.2f}; timeline (ms): {w['cross'].get('timeline')}", flush=True)
         else:
             print(f"{model}:{tokens} FAILED: {case.get('error_A', '')[-800:]}{case.get('error_B', '')[-800:]}", flush=True)
     return 0

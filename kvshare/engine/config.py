@@ -148,6 +148,9 @@ class EngineConfig:
     local_cache_bytes: int = 1 << 30  # bound of the local prefix cache; 0 disables it
     prefill_chunk_tokens: int = 4096  # projections and MLP run over this many tokens at a time
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+    # allocate the sequence KV for max_model_len at start-up rather than inside the first long request's
+    # TTFT (None: on CUDA, where allocating tens of GiB is slow and may free cached blocks with a device sync)
+    preallocate_kv: bool | None = None
     verify_checksums: bool = False  # verify every page loaded from the pool
     verify_fraction: float = 0.0  # else verify this share of loaded pages (sampled verification)
     producer_delay_cycles: int = 0  # validation (CUDA): GPU sleep before prefill writes KV the pool will store

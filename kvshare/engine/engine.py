@@ -102,6 +102,8 @@ class Engine:
         )
         self._digests: dict[str, bytes] = {}
         self._kv = KVBuffer(self.layout, TORCH_DTYPES[mc.dtype], self.device, self.max_model_len)
+        if config.preallocate_kv if config.preallocate_kv is not None else self.device.type == "cuda":
+            self._kv.ensure(self.max_model_len)
         self._local = LocalPrefixCache(config.local_cache_bytes)
         self._stats = EngineStats()
         self._lock = threading.Lock()  # one request at a time owns the sequence KV
@@ -225,6 +227,9 @@ class Engine:
         """Reuse what can be reused, compute the rest; returns (last-token logits [1, V], provenance)."""
         c = self.layout.chunk_tokens
         reusable = min(len(keys), (len(prompt) - 1) // c)  # always leave at least one token to compute
+        # the prompt goes to the device before the load is enqueued: a pageable host->device copy queued
+        # behind the load's copies on the copy engine would hold the host (and the compute) until they end
+        prompt_ids = torch.tensor(prompt, device=self.device)
         local_chunks = 0
         if options.use_local_cache:
             held = self._local.longest_prefix(keys[:reusable])
@@ -238,8 +243,7 @@ class Engine:
             if self._pool is not None and self.config.producer_delay_cycles:
                 self._pool.inject_producer_delay()  # validation: the store must still wait for this prefill
             cached_len = (local_chunks + load.num_chunks) * c
-            tokens = torch.tensor(prompt[cached_len:], device=self.device)
-            logits = self.model(tokens, kv, cached_len, self.config.prefill_chunk_tokens, before_layer=load.before_layer)
+            logits = self.model(prompt_ids[cached_len:], kv, cached_len, self.config.prefill_chunk_tokens, before_layer=load.before_layer)
         finally:
             if self._pool is not None:
                 self._pool.finish_load(load)

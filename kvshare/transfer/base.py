@@ -49,6 +49,9 @@ class TransferConfig:
     checksum_threads: int = 0  # threads hashing pages (xxhash releases the GIL); 0: min(8, cores)
     producer_delay_cycles: int = 0  # validation: GPU sleep that inject_producer_delay() enqueues
     load_delay_cycles: int = 0  # validation: GPU sleep on the copy stream before a load's copies
+    # CUDA: a thread enqueues a load's copies while the caller enqueues its compute (a long load's
+    # thousands of copies would otherwise hold the caller until the driver's queue has room)
+    enqueue_thread: bool = True
 
     def __post_init__(self) -> None:
         if self.copy_method not in COPY_METHODS:

@@ -18,6 +18,7 @@ the compute stream reads layer l only after ``wait_layer(l)``.
 
 from __future__ import annotations
 
+import threading
 from typing import Sequence
 
 import torch
@@ -33,22 +34,45 @@ NUM_STAGING = 2
 
 
 class CudaLoadHandle(LoadHandle):
-    """A load in flight: one event per layer group on the reshape stream."""
+    """A load in flight: one event per layer group on the reshape stream.
 
-    def __init__(self, num_bytes: int, group_of_layer: list[int], group_events, start, end, device) -> None:
+    The copies may be enqueued by a thread (TransferConfig.enqueue_thread) while the caller
+    enqueues its compute: ``wait_layer`` then first waits, on the host, until the group's
+    event has been recorded (waiting on an event not yet recorded would not wait at all).
+    """
+
+    def __init__(self, num_bytes: int, group_of_layer: list[int], num_groups: int, device) -> None:
         super().__init__(num_bytes)
         self._group_of_layer = group_of_layer
-        self._group_events = group_events
-        self._start, self._end = start, end
+        self._group_events = [torch.cuda.Event() for _ in range(num_groups)]
+        self._recorded = [threading.Event() for _ in range(num_groups)]
+        self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         self._device = device
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def record_group(self, group: int, stream) -> None:
+        self._group_events[group].record(stream)
+        self._recorded[group].set()
+
+    def enqueue_failed(self, error: BaseException) -> None:
+        self._error = error
+        for recorded in self._recorded:  # wake every waiter; wait_layer raises the error
+            recorded.set()
 
     def wait_layer(self, layer: int) -> None:
-        torch.cuda.current_stream(self._device).wait_event(self._group_events[self._group_of_layer[layer]])
+        group = self._group_of_layer[layer]
+        self._recorded[group].wait()
+        if self._error is not None:
+            raise RuntimeError(f"the pool load could not be enqueued: {self._error}") from self._error
+        torch.cuda.current_stream(self._device).wait_event(self._group_events[group])
 
     def wait_all(self) -> None:
-        self._end.synchronize()
-        if self.seconds is None:
-            self.seconds = self._start.elapsed_time(self._end) / 1e3
+        if self._thread is not None:
+            self._thread.join()
+        self.end.synchronize()  # recorded after whatever was enqueued, also when the enqueue failed
+        if self.seconds is None and self._error is None:
+            self.seconds = self.start.elapsed_time(self.end) / 1e3
 
 
 class CudaTransfer(KVTransfer):
@@ -69,8 +93,11 @@ class CudaTransfer(KVTransfer):
         self.registration_seconds = self.registration.seconds
         try:
             with torch.cuda.device(self.device):
-                self._copy_stream = torch.cuda.Stream(self.device)
-                self._reshape_stream = torch.cuda.Stream(self.device)
+                # high priority: a load's scatter kernels get SMs ahead of long compute kernels, so the copy
+                # pipeline (two staging buffers) does not stall behind the compute it overlaps (torch maps -1
+                # to the device's highest priority)
+                self._copy_stream = torch.cuda.Stream(self.device, priority=-1)
+                self._reshape_stream = torch.cuda.Stream(self.device, priority=-1)
                 self._staging = [
                     torch.empty(config.staging_bytes, dtype=torch.uint8, device=self.device) for _ in range(NUM_STAGING)
                 ]
@@ -80,6 +107,7 @@ class CudaTransfer(KVTransfer):
             raise
         self._next_buffer = 0
         self._closed = False
+        self._enqueuing: threading.Thread | None = None  # a load's enqueue thread, joined before any other use
         self.last_store_copy_seconds: float | None = None  # GPU time of the last store's gathers and copies
 
     # -- the interface ------------------------------------------------------------------------------
@@ -91,42 +119,58 @@ class CudaTransfer(KVTransfer):
         self._check_open(kv)
         if not offsets:
             return LoadHandle(num_bytes=0, seconds=0.0)
-        cfg, copy, reshape = self.config, self._copy_stream, self._reshape_stream
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.device))
-        reshape.wait_event(ready)  # the scatter writes kv only after the caller's earlier work on it
-        kv.record_stream(reshape)
-        kv_bits = as_bits(kv)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(copy)
-        if cfg.load_delay_cycles:
-            with torch.cuda.stream(copy):
-                torch.cuda._sleep(cfg.load_delay_cycles)
-        group_events = []
-        for units in load_units(offsets, self.layout, cfg.min_copy_bytes, cfg.staging_bytes, self.extent_bytes):
-            for unit in units:
-                buf = self._take_buffer()
-                copy.wait_event(self._idle[buf])  # the previous scatter out of this buffer is done
-                self._host_copies(unit, buf, copy, to_device=True)
-                copied = torch.cuda.Event()
-                copied.record(copy)
-                reshape.wait_event(copied)
-                with torch.cuda.stream(reshape):
-                    layers = kv_bits[unit.layer_start : unit.layer_stop]
-                    chunks_to_engine(layers, self._chunks(buf, unit), self._first_token(first_chunk, unit))
-                self._idle[buf].record(reshape)
-            group_done = torch.cuda.Event()
-            group_done.record(reshape)
-            group_events.append(group_done)
-        end.record(reshape)
-        num_bytes = len(offsets) * self.layout.page_bytes
-        handle = CudaLoadHandle(num_bytes, self._group_of_layer, group_events, start, end, self.device)
+        self._reshape_stream.wait_event(ready)  # the scatter writes kv only after the caller's earlier work on it
+        kv.record_stream(self._reshape_stream)
+        schedule = load_units(offsets, self.layout, self.config.min_copy_bytes, self.config.staging_bytes, self.extent_bytes)
+        handle = CudaLoadHandle(len(offsets) * self.layout.page_bytes, self._group_of_layer, len(schedule), self.device)
+        if self.config.enqueue_thread:  # the caller enqueues its compute meanwhile (see CudaLoadHandle)
+            handle._thread = self._enqueuing = threading.Thread(
+                target=self._enqueue_load, args=(kv, first_chunk, schedule, handle), name="kvshare-load", daemon=True)
+            handle._thread.start()
+        else:
+            self._enqueue_load(kv, first_chunk, schedule, handle)
+            if handle._error is not None:
+                raise handle._error
         try:  # pages are leased and immutable: hash them on the host while the copies run
             self._verify_pages(pages, first_chunk, self._pages_to_verify(len(offsets)))
         except ChecksumMismatch:
-            end.synchronize()  # nothing may still write kv when the caller recomputes these chunks
+            handle.wait_all()  # nothing may still write kv when the caller recomputes these chunks
             raise
         return handle
+
+    @torch.inference_mode()  # thread-local: the enqueue thread needs it too (kv is an inference tensor)
+    def _enqueue_load(self, kv: torch.Tensor, first_chunk: int, schedule: list[list[Unit]], handle: CudaLoadHandle) -> None:
+        """Enqueue a load's copies and scatters, layer group by layer group; never raises (see handle)."""
+        cfg, copy, reshape = self.config, self._copy_stream, self._reshape_stream
+        kv_bits = as_bits(kv)
+        try:
+            with torch.cuda.device(self.device):
+                handle.start.record(copy)
+                if cfg.load_delay_cycles:
+                    with torch.cuda.stream(copy):
+                        torch.cuda._sleep(cfg.load_delay_cycles)
+                for group, units in enumerate(schedule):
+                    for unit in units:
+                        buf = self._take_buffer()
+                        copy.wait_event(self._idle[buf])  # the previous scatter out of this buffer is done
+                        self._host_copies(unit, buf, copy, to_device=True)
+                        copied = torch.cuda.Event()
+                        copied.record(copy)
+                        reshape.wait_event(copied)
+                        with torch.cuda.stream(reshape):
+                            layers = kv_bits[unit.layer_start : unit.layer_stop]
+                            chunks_to_engine(layers, self._chunks(buf, unit), self._first_token(first_chunk, unit))
+                        self._idle[buf].record(reshape)
+                    handle.record_group(group, reshape)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller through the handle
+            handle.enqueue_failed(exc)
+        finally:  # end: after every copy and scatter enqueued so far, whatever happened
+            last = torch.cuda.Event()
+            last.record(copy)
+            reshape.wait_event(last)
+            handle.end.record(reshape)
 
     @torch.inference_mode()
     def store(self, kv: torch.Tensor, first_chunk: int, offsets: Sequence[int], producer_stream=None) -> list[int]:
@@ -178,6 +222,7 @@ class CudaTransfer(KVTransfer):
         if self._closed:
             return
         self._closed = True
+        self._join_enqueue()
         self._copy_stream.synchronize()
         self._reshape_stream.synchronize()
         self._staging = []
@@ -188,6 +233,11 @@ class CudaTransfer(KVTransfer):
 
     # -- internals ----------------------------------------------------------------------------------
 
+    def _join_enqueue(self) -> None:
+        if self._enqueuing is not None:
+            self._enqueuing.join()
+            self._enqueuing = None
+
     def _order_after_producer(self, stream, produced) -> None:
         """The store's first read of kv waits for the producer: the dependency the study's bug lacked."""
         stream.wait_event(produced)
@@ -195,6 +245,7 @@ class CudaTransfer(KVTransfer):
     def _check_open(self, kv: torch.Tensor) -> None:
         if self._closed:
             raise RuntimeError("this CudaTransfer is closed")
+        self._join_enqueue()  # staging buffers and their events are shared with a load still being enqueued
         if kv.device != self.device:
             raise ValueError(f"kv is on {kv.device}, this transfer serves {self.device}")
 

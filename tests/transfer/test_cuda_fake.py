@@ -6,6 +6,9 @@ pointers CudaTransfer computes, registration pieces checked on every copy.
 
 from __future__ import annotations
 
+import dataclasses
+import sys
+
 import pytest
 import torch
 
@@ -33,12 +36,13 @@ def fake(monkeypatch):
 @pytest.mark.parametrize("method", ["memcpy2d", "torch"])
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 @pytest.mark.parametrize("stress", [True, False])
-def test_round_trip_through_staging(fake, client, method, name, stress):
+@pytest.mark.parametrize("enqueue_thread", [True, False])
+def test_round_trip_through_staging(fake, client, method, name, stress, enqueue_thread):
     layout = LAYOUTS[name]
     scratch = reserve_scratch(client, layout.page_bytes, 2 * EXTENT_BYTES // layout.page_bytes + 3)
     try:
         base = stress_config(layout) if stress else TransferConfig(staging_bytes=1 << 20)
-        config = TransferConfig(**{**base.__dict__, "copy_method": method})
+        config = TransferConfig(**{**base.__dict__, "copy_method": method, "enqueue_thread": enqueue_thread})
         transfer = CudaTransfer(layout, client, CPU, config)
         assert sorted(fake.registered) == [transfer.registration.base_ptr + o for o, _ in extent_pieces(client.arena.size, EXTENT_BYTES)]
         cases = make_cases(scratch.offsets, EXTENT_BYTES, seed=1)
@@ -117,6 +121,44 @@ def test_load_raises_on_a_corrupt_page(fake, client):
         scratch.release(client)
 
 
+def test_threaded_load_waits_per_layer_and_reports_a_failed_enqueue(fake, client, monkeypatch):
+    """The enqueue thread's copies land before wait_layer returns; a copy that cannot be enqueued
+    fails the reader's wait_layer (never a silent partial load) and wait_all still returns."""
+    layout = LAYOUTS["bf16"]
+    scratch = reserve_scratch(client, layout.page_bytes, 4)
+    try:
+        config = TransferConfig(staging_bytes=1 << 20, min_copy_bytes=layout.layer_bytes, enqueue_thread=True)
+        with CudaTransfer(layout, client, CPU, config) as transfer:
+            data = random_kv(layout, 4 * layout.chunk_tokens, seed=6)
+            sums = transfer.store(data, 0, scratch.offsets)
+            headers = [PageHeader(offset=o, page_bytes=layout.page_bytes, checksum=s) for o, s in zip(scratch.offsets, sums)]
+            kv = torch.zeros_like(data)
+            handle = transfer.load(kv, 0, headers)
+            for layer in range(layout.num_layers):
+                handle.wait_layer(layer)
+                assert torch.equal(kv[layer].view(torch.int16), data[layer].view(torch.int16))
+            handle.wait_all()
+            assert handle.seconds is not None
+
+            runtime = sys.modules["cuda.bindings.runtime"]
+            calls = {"n": 0}
+            real = runtime.cudaMemcpy2DAsync
+
+            def fail_after_first(*args):
+                calls["n"] += 1
+                return real(*args) if calls["n"] == 1 else (fake_cuda.Err.cudaErrorInvalidValue,)
+
+            monkeypatch.setattr(runtime, "cudaMemcpy2DAsync", fail_after_first)
+            handle = transfer.load(torch.zeros_like(data), 0, headers)
+            with pytest.raises(RuntimeError, match="could not be enqueued"):
+                for layer in range(layout.num_layers):
+                    handle.wait_layer(layer)
+            handle.wait_all()
+            assert calls["n"] >= 2
+    finally:
+        scratch.release(client)
+
+
 def test_staging_too_small_for_one_row_is_refused(fake, client):
     layout = LAYOUTS["f32"]
     with pytest.raises(ValueError, match="staging"):
@@ -133,7 +175,9 @@ def test_cuda_checks_run_under_the_fake_but_cannot_see_ordering(fake, client):
     scratch = reserve_scratch(client, layout.page_bytes, 12)
     try:
         cases = make_cases(scratch.offsets, EXTENT_BYTES, seed=0)
-        results = cuda_checks(client, cases, scratch.offsets, config, stress_config(layout), CPU)
+        # program order only without the enqueue thread (with it, the unwaited read may beat the copies)
+        tconfig = dataclasses.replace(stress_config(layout), enqueue_thread=False)
+        results = cuda_checks(client, cases, scratch.offsets, config, tconfig, CPU)
     finally:
         scratch.release(client)
     by_kind = {}
