@@ -170,14 +170,16 @@ def role(args) -> dict:
         out["local"] = ttft() if args.local_cache_bytes else None
     else:
         transfer = engine._pool.transfer
-        if transfer is not None and hasattr(transfer.config, "enqueue_thread"):
-            transfer.config = dataclasses.replace(transfer.config, enqueue_thread=bool(args.enqueue_thread))
-        out["enqueue_thread"] = bool(args.enqueue_thread)
+        if transfer is not None and args.enqueue:
+            transfer.config = dataclasses.replace(transfer.config, load_enqueue=args.enqueue)
+        out["load_enqueue"] = transfer.config.load_enqueue if transfer is not None else None
         timeline = Timeline(engine)
         # B's local cache is off: each request loads the whole prefix from the pool; the first one in this
         # process also pays one-time costs (kernel plans for the suffix's shape), the second one does not
         out["cross_first"] = ttft()
-        out["cross"] = ttft()
+        runs = sorted((ttft() for _ in range(3)), key=lambda r: r["ttft_s"])
+        out["cross"] = runs[1]  # the median of three
+        out["cross_runs_s"] = [r["ttft_s"] for r in runs]
         timeline = None
         # the suffix's own compute: the prefix is in place now (local cache off: recompute only the tail)
         tail = n - out["cross"]["pool"] - out["cross"]["local"]
@@ -206,23 +208,23 @@ def role(args) -> dict:
     return out
 
 
-def run_case(model: str, tokens: int, pool_size: str, out_dir: str, local_cache_bytes: int, compare_enqueue: bool) -> dict:
+def run_case(model: str, tokens: int, pool_size: str, out_dir: str, local_cache_bytes: int, compare: list[str]) -> dict:
     from kvshare.pool.spawn import running_pool
 
     preset = PRESETS[model]
     case = {"preset": preset, "tokens": tokens}
-    roles = [("A", 1), ("B", 1)] + ([("B", 0)] if compare_enqueue else [])
+    roles = [("A", ""), ("B", "")] + [("B", mode) for mode in compare]
     with running_pool(pool_size, ("--extent-size", "256MiB"), quiet=True) as sock:
-        for r, thread in roles:
+        for r, mode in roles:
             cmd = [sys.executable, __file__, "--role", r, "--preset", preset, "--tokens", str(tokens), "--pool", sock,
-                   "--local-cache-bytes", str(local_cache_bytes if r == "A" else 0), "--enqueue-thread", str(thread)]
+                   "--local-cache-bytes", str(local_cache_bytes if r == "A" else 0), "--enqueue", mode]
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=540)
             if proc.returncode:
-                case[f"error_{r}"] = proc.stderr[-3000:]
+                case[f"error_{r}{mode}"] = proc.stderr[-3000:]
                 return case
             result = {k: v for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items() if k != "role"}
-            if r == "B" and not thread:  # the comparison run: the load enqueued by the caller itself
-                case["without_enqueue_thread"] = {k: result[k] for k in ("cross_first", "cross")}
+            if mode:  # a comparison run: the load's copies enqueued another way
+                case.setdefault("compare", {})[mode] = {k: result[k] for k in ("cross_first", "cross")}
             else:
                 case.update(result)
     cross, kv = case["cross"], case["kv_bytes"]
@@ -232,8 +234,8 @@ def run_case(model: str, tokens: int, pool_size: str, out_dir: str, local_cache_
     case["bound_s"] = bound
     case["cross_over_bound"] = cross["ttft_s"] / bound
     case["cross_first_over_bound"] = case["cross_first"]["ttft_s"] / bound
-    if "without_enqueue_thread" in case:
-        case["without_enqueue_thread"]["cross_over_bound"] = case["without_enqueue_thread"]["cross"]["ttft_s"] / bound
+    for other in case.get("compare", {}).values():
+        other["cross_over_bound"] = other["cross"]["ttft_s"] / bound
     case["cold_pct_of_matmul"] = 100 * case["cold"]["tflops"] / case["matmul_tflops"]
     if "cold_first" in case:
         case["cold_first_pct_of_matmul"] = 100 * case["cold_first"]["tflops"] / case["matmul_tflops"]
@@ -250,8 +252,8 @@ def main() -> int:
     p.add_argument("--pool")
     p.add_argument("--local-cache-bytes", type=int, default=0)
     p.add_argument("--verify-fraction", type=float, default=0.0)
-    p.add_argument("--enqueue-thread", type=int, default=1, help="B: 1 = the load's copies enqueued by a thread (default)")
-    p.add_argument("--compare-enqueue", action="store_true", help="also run B with the load enqueued by the caller")
+    p.add_argument("--enqueue", default="", help="B: TransferConfig.load_enqueue (default: the config's default)")
+    p.add_argument("--compare-enqueue", default="", help="comma list of other load_enqueue modes to run B with too")
     args = p.parse_args()
     if args.role:
         print(json.dumps(role(args)), flush=True)
@@ -265,7 +267,7 @@ def main() -> int:
         pool = f"{int(kv_gib * 1.3) + 4}GiB"
         local = int(kv_gib * 1.1 * 2**30) if not (model == "32b" and n > 64 * 1024) else 0  # 32B at 128k: no room
         t0 = time.time()
-        case = run_case(model, n, pool, args.out, local, args.compare_enqueue)
+        case = run_case(model, n, pool, args.out, local, [m for m in args.compare_enqueue.split(",") if m])
         case["wall_s"] = time.time() - t0
         results.append(case)
         with open(os.path.join(args.out, "engine_ttft_gpu.json"), "w") as f:
@@ -281,12 +283,13 @@ def main() -> int:
                   f"suffix {c['suffix_compute_s']:.3f}s  bound {c['bound_s']:.3f}s  cross/bound {c['cross_over_bound']:.2f}",
                   flush=True)
             print(f"    timeline (ms): {c['cross'].get('timeline')}", flush=True)
-            if "without_enqueue_thread" in c:
-                w = c["without_enqueue_thread"]
-                print(f"    without the enqueue thread: cross {w['cross']['ttft_s']:.3f}s (first {w['cross_first']['ttft_s']:.3f}s) "
+            print(f"    load enqueued: {c.get('load_enqueue')}", flush=True)
+            for mode, w in c.get("compare", {}).items():
+                print(f"    load enqueued {mode}: cross {w['cross']['ttft_s']:.3f}s (first {w['cross_first']['ttft_s']:.3f}s) "
                       f"cross/bound {w['cross_over_bound']:.2f}; timeline (ms): {w['cross'].get('timeline')}", flush=True)
         else:
-            print(f"{model}:{tokens} FAILED: {case.get('error_A', '')[-800:]}{case.get('error_B', '')[-800:]}", flush=True)
+            errors = "".join(v[-800:] for k, v in case.items() if k.startswith("error_"))
+            print(f"{model}:{tokens} FAILED: {errors}", flush=True)
     return 0
 
 

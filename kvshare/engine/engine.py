@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Iterator, Sequence
 
+import numpy as np
 import torch
 
 from kvshare.engine.config import EngineConfig
@@ -124,15 +125,18 @@ class Engine:
         self, prompt_ids: Sequence[int], params: SamplingParams = SamplingParams(), options: RequestOptions = RequestOptions()
     ) -> Iterator[TokenEvent]:
         """Stream the continuation of ``prompt_ids``; blocking. Exhaust or close() the iterator."""
-        prompt = [int(t) for t in prompt_ids]
-        if not prompt:
+        ids = np.asarray(prompt_ids)  # checked as one array: a long prompt's list passes cost milliseconds of TTFT
+        if ids.size == 0:
             raise ValueError("the prompt has no tokens")
-        bad = [t for t in prompt if not 0 <= t < self.model_config.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} lies outside the vocabulary 0..{self.model_config.vocab_size - 1}")
-        if len(prompt) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(prompt)} tokens; max_model_len {self.max_model_len} leaves no room to generate")
-        return self._stream(prompt, params, options)
+        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"the prompt must be a flat sequence of integer token ids, got {ids.dtype} of shape {ids.shape}")
+        vocab = self.model_config.vocab_size
+        if ids.min() < 0 or ids.max() >= vocab:
+            bad = ids[(ids < 0) | (ids >= vocab)]
+            raise ValueError(f"token id {int(bad[0])} lies outside the vocabulary 0..{vocab - 1}")
+        if ids.size >= self.max_model_len:
+            raise ValueError(f"the prompt has {ids.size} tokens; max_model_len {self.max_model_len} leaves no room to generate")
+        return self._stream(ids.astype(np.int64, copy=False), params, options)
 
     def stats(self) -> EngineStats:
         counters = self._local.counters
@@ -170,14 +174,15 @@ class Engine:
             self._digests[tenant] = namespace_digest(self.namespace.with_tenant(tenant))
         return self._digests[tenant]
 
-    def _stream(self, prompt: list[int], params: SamplingParams, options: RequestOptions) -> Iterator[TokenEvent]:
+    def _stream(self, ids: np.ndarray, params: SamplingParams, options: RequestOptions) -> Iterator[TokenEvent]:
         with self._lock:  # held across yields: no other request may touch the sequence KV meanwhile
+            prompt = ids.tolist()
             n = len(prompt)
             kv = self._kv.ensure(min(n + params.max_tokens, self.max_model_len))
             digest = self._digest(options.tenant)
             keys = chunk_keys(digest, prompt, self.layout.chunk_tokens)
             started = time.perf_counter()
-            logits, provenance = self._prefill(kv, prompt, keys, options)
+            logits, provenance = self._prefill(kv, ids, keys, options)
             self._count_prompt(provenance)
             generator = make_generator(params.seed)
             stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.tokenizer.eos_token_ids))
@@ -223,13 +228,14 @@ class Engine:
         return self.model(step, kv, position, self.config.prefill_chunk_tokens)
 
     @torch.inference_mode()
-    def _prefill(self, kv: torch.Tensor, prompt: list[int], keys: list[bytes], options: RequestOptions):
+    def _prefill(self, kv: torch.Tensor, ids: np.ndarray, keys: list[bytes], options: RequestOptions):
         """Reuse what can be reused, compute the rest; returns (last-token logits [1, V], provenance)."""
         c = self.layout.chunk_tokens
-        reusable = min(len(keys), (len(prompt) - 1) // c)  # always leave at least one token to compute
+        n = len(ids)
+        reusable = min(len(keys), (n - 1) // c)  # always leave at least one token to compute
         # the prompt goes to the device before the load is enqueued: a pageable host->device copy queued
         # behind the load's copies on the copy engine would hold the host (and the compute) until they end
-        prompt_ids = torch.tensor(prompt, device=self.device)
+        prompt_ids = torch.from_numpy(ids).to(self.device)
         local_chunks = 0
         if options.use_local_cache:
             held = self._local.longest_prefix(keys[:reusable])
@@ -247,7 +253,7 @@ class Engine:
         finally:
             if self._pool is not None:
                 self._pool.finish_load(load)
-        provenance = Provenance(local_chunks * c, load.num_chunks * c, len(prompt) - cached_len)
+        provenance = Provenance(local_chunks * c, load.num_chunks * c, n - cached_len)
         return logits, provenance
 
     @torch.inference_mode()

@@ -25,6 +25,8 @@ if TYPE_CHECKING:
     from kvshare.pool.protocol import PageHeader
 
 COPY_METHODS = ("memcpy2d", "torch")
+LOAD_ENQUEUE_MODES = ("eager", "lazy", "thread")
+LAZY_GROUPS_AHEAD = 2  # "lazy": layer groups enqueued beyond the one the compute is about to read
 
 
 class ChunkChecksumMismatch(ChecksumMismatch):
@@ -49,9 +51,10 @@ class TransferConfig:
     checksum_threads: int = 0  # threads hashing pages (xxhash releases the GIL); 0: min(8, cores)
     producer_delay_cycles: int = 0  # validation: GPU sleep that inject_producer_delay() enqueues
     load_delay_cycles: int = 0  # validation: GPU sleep on the copy stream before a load's copies
-    # CUDA: a thread enqueues a load's copies while the caller enqueues its compute (a long load's
-    # thousands of copies would otherwise hold the caller until the driver's queue has room)
-    enqueue_thread: bool = True
+    # CUDA: when a load's copies are enqueued. "eager": all in load(); then compute enqueued after the
+    # whole load waited for it on the H200. "lazy": a few layer groups ahead of the compute, from
+    # wait_layer (the caller's thread). "thread": by a thread, while the caller enqueues its compute.
+    load_enqueue: str = "thread"
 
     def __post_init__(self) -> None:
         if self.copy_method not in COPY_METHODS:
@@ -59,6 +62,8 @@ class TransferConfig:
         for name in ("min_copy_bytes", "staging_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"TransferConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.load_enqueue not in LOAD_ENQUEUE_MODES:
+            raise ValueError(f"load_enqueue must be one of {LOAD_ENQUEUE_MODES}, got {self.load_enqueue!r}")
         if not 0.0 <= self.verify_fraction <= 1.0:
             raise ValueError(f"verify_fraction must lie in [0, 1], got {self.verify_fraction}")
         for name in ("checksum_threads", "producer_delay_cycles", "load_delay_cycles"):

@@ -24,7 +24,7 @@ from typing import Sequence
 import torch
 
 from kvshare.pool.client import ChecksumMismatch
-from kvshare.transfer.base import KVTransfer, LoadHandle, TransferConfig
+from kvshare.transfer.base import LAZY_GROUPS_AHEAD, KVTransfer, LoadHandle, TransferConfig
 from kvshare.transfer.copiers import make_copier
 from kvshare.transfer.layouts import as_bits, chunks_to_engine, chunks_view, engine_to_chunks
 from kvshare.transfer.plan import Unit, layer_groups, load_units, pages_per_unit, store_units
@@ -36,20 +36,44 @@ NUM_STAGING = 2
 class CudaLoadHandle(LoadHandle):
     """A load in flight: one event per layer group on the reshape stream.
 
-    The copies may be enqueued by a thread (TransferConfig.enqueue_thread) while the caller
-    enqueues its compute: ``wait_layer`` then first waits, on the host, until the group's
-    event has been recorded (waiting on an event not yet recorded would not wait at all).
+    Its copies are enqueued group by group by ``steps`` (a generator that yields after each
+    group), at once ("eager"), ahead of the reader's wait_layer ("lazy"), or by a thread
+    ("thread"). ``wait_layer`` makes sure the group's event has been recorded before the
+    compute stream waits on it (waiting on an event not yet recorded would not wait at all).
     """
 
-    def __init__(self, num_bytes: int, group_of_layer: list[int], num_groups: int, device) -> None:
+    def __init__(self, num_bytes: int, group_of_layer: list[int], num_groups: int, device, mode: str) -> None:
         super().__init__(num_bytes)
         self._group_of_layer = group_of_layer
         self._group_events = [torch.cuda.Event() for _ in range(num_groups)]
         self._recorded = [threading.Event() for _ in range(num_groups)]
         self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         self._device = device
+        self._mode = mode
+        self._steps = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+
+    def begin(self, steps) -> None:
+        """Start enqueueing: ``steps`` records this handle's groups one by one as it is advanced."""
+        self._steps = steps
+        num_groups = len(self._recorded)
+        if self._mode == "eager":
+            self._advance(num_groups)
+        elif self._mode == "lazy":
+            self._advance(LAZY_GROUPS_AHEAD)
+        else:
+            self._thread = threading.Thread(target=self._advance, args=(num_groups,), name="kvshare-load", daemon=True)
+            self._thread.start()
+
+    def _advance(self, num_groups: int) -> None:
+        """Enqueue groups until the first ``num_groups`` are recorded; all of them: until the steps end
+        (which records ``end``), or the enqueue failed."""
+        while self._steps is not None:
+            if num_groups < len(self._recorded) and all(r.is_set() for r in self._recorded[:num_groups]):
+                return
+            if next(self._steps, None) is None:
+                self._steps = None
 
     def record_group(self, group: int, stream) -> None:
         self._group_events[group].record(stream)
@@ -62,14 +86,22 @@ class CudaLoadHandle(LoadHandle):
 
     def wait_layer(self, layer: int) -> None:
         group = self._group_of_layer[layer]
+        if self._mode == "lazy":
+            self._advance(min(len(self._recorded), group + 1 + LAZY_GROUPS_AHEAD))
         self._recorded[group].wait()
         if self._error is not None:
             raise RuntimeError(f"the pool load could not be enqueued: {self._error}") from self._error
         torch.cuda.current_stream(self._device).wait_event(self._group_events[group])
 
-    def wait_all(self) -> None:
+    def finish_enqueue(self) -> None:
+        """Every copy enqueued (the thread joined): the transfer may be used again."""
         if self._thread is not None:
             self._thread.join()
+            self._thread = None
+        self._advance(len(self._recorded))
+
+    def wait_all(self) -> None:
+        self.finish_enqueue()
         self.end.synchronize()  # recorded after whatever was enqueued, also when the enqueue failed
         if self.seconds is None and self._error is None:
             self.seconds = self.start.elapsed_time(self.end) / 1e3
@@ -107,7 +139,7 @@ class CudaTransfer(KVTransfer):
             raise
         self._next_buffer = 0
         self._closed = False
-        self._enqueuing: threading.Thread | None = None  # a load's enqueue thread, joined before any other use
+        self._pending: CudaLoadHandle | None = None  # a load whose copies may not all be enqueued yet
         self.last_store_copy_seconds: float | None = None  # GPU time of the last store's gathers and copies
 
     # -- the interface ------------------------------------------------------------------------------
@@ -123,16 +155,12 @@ class CudaTransfer(KVTransfer):
         ready.record(torch.cuda.current_stream(self.device))
         self._reshape_stream.wait_event(ready)  # the scatter writes kv only after the caller's earlier work on it
         kv.record_stream(self._reshape_stream)
-        schedule = load_units(offsets, self.layout, self.config.min_copy_bytes, self.config.staging_bytes, self.extent_bytes)
-        handle = CudaLoadHandle(len(offsets) * self.layout.page_bytes, self._group_of_layer, len(schedule), self.device)
-        if self.config.enqueue_thread:  # the caller enqueues its compute meanwhile (see CudaLoadHandle)
-            handle._thread = self._enqueuing = threading.Thread(
-                target=self._enqueue_load, args=(kv, first_chunk, schedule, handle), name="kvshare-load", daemon=True)
-            handle._thread.start()
-        else:
-            self._enqueue_load(kv, first_chunk, schedule, handle)
-            if handle._error is not None:
-                raise handle._error
+        handle = CudaLoadHandle(len(offsets) * self.layout.page_bytes, self._group_of_layer, len(self._groups),
+                                self.device, self.config.load_enqueue)
+        self._pending = handle
+        handle.begin(self._load_steps(kv, first_chunk, offsets, handle))
+        if handle._mode == "eager" and handle._error is not None:
+            raise handle._error
         try:  # pages are leased and immutable: hash them on the host while the copies run
             self._verify_pages(pages, first_chunk, self._pages_to_verify(len(offsets)))
         except ChecksumMismatch:
@@ -140,18 +168,23 @@ class CudaTransfer(KVTransfer):
             raise
         return handle
 
-    @torch.inference_mode()  # thread-local: the enqueue thread needs it too (kv is an inference tensor)
-    def _enqueue_load(self, kv: torch.Tensor, first_chunk: int, schedule: list[list[Unit]], handle: CudaLoadHandle) -> None:
-        """Enqueue a load's copies and scatters, layer group by layer group; never raises (see handle)."""
+    def _load_steps(self, kv: torch.Tensor, first_chunk: int, offsets: list[int], handle: CudaLoadHandle):
+        """Plan and enqueue a load's copies and scatters, yielding after each layer group is recorded.
+
+        Never raises: an error goes to the handle (wait_layer raises it). The end event is recorded
+        after whatever was enqueued, when the steps run out, fail, or are closed."""
         cfg, copy, reshape = self.config, self._copy_stream, self._reshape_stream
         kv_bits = as_bits(kv)
         try:
-            with torch.cuda.device(self.device):
+            # inference mode and the device are thread-local, and entered per group: never held across a
+            # yield, which would leak them into the reader's code between groups ("lazy")
+            with torch.inference_mode(), torch.cuda.device(self.device):
                 handle.start.record(copy)
                 if cfg.load_delay_cycles:
                     with torch.cuda.stream(copy):
                         torch.cuda._sleep(cfg.load_delay_cycles)
-                for group, units in enumerate(schedule):
+            for group, units in enumerate(load_units(offsets, self.layout, cfg.min_copy_bytes, cfg.staging_bytes, self.extent_bytes)):
+                with torch.inference_mode(), torch.cuda.device(self.device):
                     for unit in units:
                         buf = self._take_buffer()
                         copy.wait_event(self._idle[buf])  # the previous scatter out of this buffer is done
@@ -164,9 +197,10 @@ class CudaTransfer(KVTransfer):
                             chunks_to_engine(layers, self._chunks(buf, unit), self._first_token(first_chunk, unit))
                         self._idle[buf].record(reshape)
                     handle.record_group(group, reshape)
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller through the handle
+                yield group
+        except Exception as exc:  # noqa: BLE001 - handed to the reader through the handle
             handle.enqueue_failed(exc)
-        finally:  # end: after every copy and scatter enqueued so far, whatever happened
+        finally:
             last = torch.cuda.Event()
             last.record(copy)
             reshape.wait_event(last)
@@ -234,9 +268,10 @@ class CudaTransfer(KVTransfer):
     # -- internals ----------------------------------------------------------------------------------
 
     def _join_enqueue(self) -> None:
-        if self._enqueuing is not None:
-            self._enqueuing.join()
-            self._enqueuing = None
+        """Finish enqueueing the last load: staging buffers and their events are shared."""
+        if self._pending is not None:
+            self._pending.finish_enqueue()
+            self._pending = None
 
     def _order_after_producer(self, stream, produced) -> None:
         """The store's first read of kv waits for the producer: the dependency the study's bug lacked."""

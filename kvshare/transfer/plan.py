@@ -22,7 +22,7 @@ pages, width = W, host pitch = P) into packed staging rows::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from kvshare.layout import KVLayout
 
@@ -125,12 +125,16 @@ def plan_unit(
     layers: tuple[int, int],
     pages: tuple[int, int],
     extent_bytes: int | None,
+    runs: Sequence[PageRun] | None = None,
 ) -> Unit:
-    """The copies that move layers ``layers`` of pages ``pages`` of a call, one per run."""
+    """The copies that move layers ``layers`` of pages ``pages`` of a call, one per run
+    (``runs``: page_runs of those pages, when the caller has them already)."""
     l0, l1 = layers
     p0, p1 = pages
     if not (0 <= l0 < l1 <= layout.num_layers and 0 <= p0 < p1 <= len(offsets)):
         raise ValueError(f"layers {layers} / pages {pages} outside the layout or the call")
+    if runs is None:
+        runs = page_runs(offsets, layout.page_bytes, extent_bytes, p0, p1)
     width = (l1 - l0) * layout.layer_bytes
     copies = tuple(
         RowCopy(
@@ -140,7 +144,7 @@ def plan_unit(
             width=width,
             height=run.num_pages,
         )
-        for run in page_runs(offsets, layout.page_bytes, extent_bytes, p0, p1)
+        for run in runs
     )
     return Unit(l0, l1, p0, p1, copies)
 
@@ -152,13 +156,19 @@ def page_blocks(num_pages: int, block_pages: int) -> list[tuple[int, int]]:
 
 def load_units(
     offsets: Sequence[int], layout: KVLayout, min_copy_bytes: int, staging_bytes: int, extent_bytes: int | None
-) -> list[list[Unit]]:
-    """Units of a load, per layer group in layer order: early layers land first, so compute can start."""
-    schedule = []
+) -> Iterator[list[Unit]]:
+    """Units of a load, per layer group in layer order: early layers land first, so compute can start.
+
+    Lazy (one group at a time), so a load's first copies start before the whole plan is made."""
+    runs_of_block: dict[tuple[int, int], list[PageRun]] = {}  # the same page blocks recur in every group
     for layers in layer_groups(layout.num_layers, layout.layer_bytes, min_copy_bytes):
         block = pages_per_unit(staging_bytes, (layers[1] - layers[0]) * layout.layer_bytes)
-        schedule.append([plan_unit(offsets, layout, layers, pages, extent_bytes) for pages in page_blocks(len(offsets), block)])
-    return schedule
+        units = []
+        for pages in page_blocks(len(offsets), block):
+            if pages not in runs_of_block:
+                runs_of_block[pages] = page_runs(offsets, layout.page_bytes, extent_bytes, *pages)
+            units.append(plan_unit(offsets, layout, layers, pages, extent_bytes, runs_of_block[pages]))
+        yield units
 
 
 def store_units(

@@ -36,13 +36,13 @@ def fake(monkeypatch):
 @pytest.mark.parametrize("method", ["memcpy2d", "torch"])
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 @pytest.mark.parametrize("stress", [True, False])
-@pytest.mark.parametrize("enqueue_thread", [True, False])
-def test_round_trip_through_staging(fake, client, method, name, stress, enqueue_thread):
+@pytest.mark.parametrize("enqueue", ["thread", "lazy", "eager"])
+def test_round_trip_through_staging(fake, client, method, name, stress, enqueue):
     layout = LAYOUTS[name]
     scratch = reserve_scratch(client, layout.page_bytes, 2 * EXTENT_BYTES // layout.page_bytes + 3)
     try:
         base = stress_config(layout) if stress else TransferConfig(staging_bytes=1 << 20)
-        config = TransferConfig(**{**base.__dict__, "copy_method": method, "enqueue_thread": enqueue_thread})
+        config = TransferConfig(**{**base.__dict__, "copy_method": method, "load_enqueue": enqueue})
         transfer = CudaTransfer(layout, client, CPU, config)
         assert sorted(fake.registered) == [transfer.registration.base_ptr + o for o, _ in extent_pieces(client.arena.size, EXTENT_BYTES)]
         cases = make_cases(scratch.offsets, EXTENT_BYTES, seed=1)
@@ -121,13 +121,14 @@ def test_load_raises_on_a_corrupt_page(fake, client):
         scratch.release(client)
 
 
-def test_threaded_load_waits_per_layer_and_reports_a_failed_enqueue(fake, client, monkeypatch):
-    """The enqueue thread's copies land before wait_layer returns; a copy that cannot be enqueued
-    fails the reader's wait_layer (never a silent partial load) and wait_all still returns."""
+@pytest.mark.parametrize("enqueue", ["thread", "lazy", "eager"])
+def test_load_waits_per_layer_and_reports_a_failed_enqueue(fake, client, monkeypatch, enqueue):
+    """Each layer's copies land before wait_layer returns, however they are enqueued; a copy that
+    cannot be enqueued fails the load (never a silent partial load) and wait_all still returns."""
     layout = LAYOUTS["bf16"]
     scratch = reserve_scratch(client, layout.page_bytes, 4)
     try:
-        config = TransferConfig(staging_bytes=1 << 20, min_copy_bytes=layout.layer_bytes, enqueue_thread=True)
+        config = TransferConfig(staging_bytes=1 << 20, min_copy_bytes=layout.layer_bytes, load_enqueue=enqueue)
         with CudaTransfer(layout, client, CPU, config) as transfer:
             data = random_kv(layout, 4 * layout.chunk_tokens, seed=6)
             sums = transfer.store(data, 0, scratch.offsets)
@@ -138,7 +139,7 @@ def test_threaded_load_waits_per_layer_and_reports_a_failed_enqueue(fake, client
                 handle.wait_layer(layer)
                 assert torch.equal(kv[layer].view(torch.int16), data[layer].view(torch.int16))
             handle.wait_all()
-            assert handle.seconds is not None
+            assert handle.end.recorded and handle.seconds is not None  # end recorded after every copy
 
             runtime = sys.modules["cuda.bindings.runtime"]
             calls = {"n": 0}
@@ -149,11 +150,16 @@ def test_threaded_load_waits_per_layer_and_reports_a_failed_enqueue(fake, client
                 return real(*args) if calls["n"] == 1 else (fake_cuda.Err.cudaErrorInvalidValue,)
 
             monkeypatch.setattr(runtime, "cudaMemcpy2DAsync", fail_after_first)
-            handle = transfer.load(torch.zeros_like(data), 0, headers)
-            with pytest.raises(RuntimeError, match="could not be enqueued"):
-                for layer in range(layout.num_layers):
-                    handle.wait_layer(layer)
-            handle.wait_all()
+            if enqueue == "eager":  # every copy is enqueued inside load(): it raises there
+                with pytest.raises(CopyError):
+                    transfer.load(torch.zeros_like(data), 0, headers)
+            else:
+                handle = transfer.load(torch.zeros_like(data), 0, headers)
+                with pytest.raises(RuntimeError, match="could not be enqueued"):
+                    for layer in range(layout.num_layers):
+                        handle.wait_layer(layer)
+                handle.wait_all()
+                assert handle.end.recorded  # wait_all waited for the copies that were enqueued
             assert calls["n"] >= 2
     finally:
         scratch.release(client)
@@ -176,7 +182,7 @@ def test_cuda_checks_run_under_the_fake_but_cannot_see_ordering(fake, client):
     try:
         cases = make_cases(scratch.offsets, EXTENT_BYTES, seed=0)
         # program order only without the enqueue thread (with it, the unwaited read may beat the copies)
-        tconfig = dataclasses.replace(stress_config(layout), enqueue_thread=False)
+        tconfig = dataclasses.replace(stress_config(layout), load_enqueue="eager")
         results = cuda_checks(client, cases, scratch.offsets, config, tconfig, CPU)
     finally:
         scratch.release(client)

@@ -55,13 +55,15 @@ def test_bytecheck_exact_and_controls_caught(gpu_client):
 
 @pytest.mark.parametrize("method", cuda_methods())
 @pytest.mark.parametrize("first_chunk", [0, 5])
-def test_production_config_round_trip(gpu_client, method, first_chunk):
+@pytest.mark.parametrize("enqueue", ["thread", "lazy", "eager"])
+def test_production_config_round_trip(gpu_client, method, first_chunk, enqueue):
     num_pages = 2 * GPU_EXTENT // WIDE.page_bytes + 5  # crosses two extent = registration boundaries
     scratch = reserve_scratch(gpu_client, WIDE.page_bytes, num_pages)
     try:
         half = num_pages // 2
         offsets = scratch.offsets[:half] + scratch.offsets[half:][::-1]  # long runs, then single pages
-        with CudaTransfer(WIDE, gpu_client, torch.device("cuda"), TransferConfig(copy_method=method, verify_fraction=1.0)) as transfer:
+        with CudaTransfer(WIDE, gpu_client, torch.device("cuda"), TransferConfig(copy_method=method, verify_fraction=1.0,
+                                                                                      load_enqueue=enqueue)) as transfer:
             capacity = (first_chunk + num_pages) * WIDE.chunk_tokens
             src = random_kv(WIDE, capacity, seed=first_chunk, device="cuda")
             sums = transfer.store(src, first_chunk, offsets)

@@ -100,7 +100,7 @@ def test_staged_plan_moves_canonical_bytes(pattern, min_copy, staging):
         expected = page_bytes_of(reference_engine_to_pages(src, LAYOUT, first_chunk + i, 1))
         assert arena[offset : offset + LAYOUT.page_bytes].tobytes() == expected
 
-    loads = load_units(offsets, LAYOUT, min_copy, staging, EXTENT)
+    loads = list(load_units(offsets, LAYOUT, min_copy, staging, EXTENT))
     check_plan_shape(loads, offsets, min_copy, staging)
     assert [units[0].layer_start for units in loads] == sorted(units[0].layer_start for units in loads)
     dst = torch.zeros((LAYOUT.num_layers, 2, 2, capacity, 8), dtype=torch_dtype(LAYOUT.dtype))
