@@ -36,7 +36,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvshare.integrations.model_identity import engine_namespace
 from kvshare.integrations.pool_link import PoolLink
 from kvshare.integrations.vllm_layout import UnsupportedKVLayout, detect_layout
-from kvshare.integrations.vllm_meta import LoadOutcome, StepPlan, WorkerReport
+from kvshare.integrations.vllm_meta import LoadOutcome, PhaseTimes, StepPlan, WorkerReport
 from kvshare.integrations.vllm_options import PARAMS_KEY, ConnectorConfig, check_supported, kv_layout_of
 from kvshare.integrations.vllm_plan import blocks_of_tokens
 from kvshare.integrations.vllm_scheduler import PoolScheduler, ScheduledRequest
@@ -123,8 +123,10 @@ class KVShareConnector(KVConnectorBase_V1):
                             "fails its request instead of being recomputed")
             self._scheduler = PoolScheduler(self.config, self.namespace, self.kv_layout.page_bytes, self.block_size, link)
         else:
-            self._worker = PoolKVWorker(self.kv_layout, link, verify_checksums=self.config.verify_checksums)
+            self._worker = PoolKVWorker(self.kv_layout, link, verify_fraction=self.config.verify_fraction,
+                                        copy_threads=self.config.copy_threads)
         self._outcomes: list[LoadOutcome] = []
+        self._step_times = PhaseTimes()
         self._invalid_blocks: set[int] = set()
         self._failed_loads: set[str] = set()
         log.info("kvshare connector (%s) for %s, pool %s, chunk %d tokens, page %d bytes", side,
@@ -179,6 +181,7 @@ class KVShareConnector(KVConnectorBase_V1):
         return meta.plan if isinstance(meta, KVShareConnectorMetadata) else StepPlan()
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._step_times = PhaseTimes()  # this step's load, forward and save (logged at DEBUG)
         for spec in self._plan().loads:
             if not self._worker.layers:
                 outcome = LoadOutcome(spec.req_id, spec.token_start, spec.token_end, spec.token_start, "no KV registered")
@@ -190,6 +193,7 @@ class KVShareConnector(KVConnectorBase_V1):
                 self._invalid_blocks.update(
                     blocks_of_tokens(outcome.loaded_end, outcome.token_end, self.block_size, list(spec.block_ids))
                 )
+        self._step_times.mark("load")
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are synchronous: done before the forward starts
@@ -198,11 +202,16 @@ class KVShareConnector(KVConnectorBase_V1):
         return  # stores run in wait_for_save, after every layer of the step has written its KV
 
     def wait_for_save(self) -> None:
-        for spec in self._plan().stores:
+        times, plan = self._step_times, self._plan()
+        times.mark("forward")
+        for spec in plan.stores:
             if spec.req_id in self._failed_loads or not self._worker.layers:
                 continue  # this step computed from KV that failed to load: nothing of it may be stored
             self._worker.store(spec)
         self._failed_loads.clear()
+        times.mark("save")
+        if plan.loads or plan.stores:
+            log.debug("kvshare timing: step - loads=%d stores=%d %s", len(plan.loads), len(plan.stores), times.line())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         invalid, self._invalid_blocks = self._invalid_blocks, set()
@@ -223,7 +232,7 @@ class KVShareConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         side = self._scheduler or self._worker
         if side is not None:
-            side.link.close()
+            side.close()
 
     # ============================== scheduler side ==============================
 

@@ -12,6 +12,8 @@ connector, R without it) and, per length and repeat, with a fresh random prompt:
     local (R)    the same on plain vLLM
     cross (B)    B has never seen it: its prefix comes from the pool
 
+``--timings`` runs A and B with the connector's debug log on and reports the median of each
+phase of their loads, stores, lookups and steps (``kvshare timing:`` lines of the servers' logs).
 ``--copy-only`` measures only the connector's store and load of one prompt (vLLM-CPU-shaped
 tensors of the tiny preset, no vLLM). TTFT is the time to the first streamed token of a completion; usage.prompt_tokens_details
 .cached_tokens of each request is kept with it. It prints a markdown
@@ -25,6 +27,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import socket
 import statistics
@@ -35,6 +38,7 @@ import time
 import urllib.request
 
 from kvshare.integrations.vllm_launch import VllmServerConfig, vllm_server_command, wait_until_ready
+from kvshare.integrations.vllm_options import ConnectorConfig
 from kvshare.pool.spawn import start_pool, stop_process
 
 
@@ -68,13 +72,13 @@ def free_port() -> int:
 
 
 def copy_bandwidth(num_tokens: int, repeats: int = 3) -> dict:
-    """The worker's store and load of one prompt on vLLM-CPU-shaped tensors of the tiny preset (no vLLM)."""
+    """The worker's store and load of one prompt on vLLM-CPU-shaped tensors of the tiny preset (no vLLM),
+    with the connector's default settings; loads into an ascending and a descending block table."""
     import torch
 
     from kvshare.integrations.pool_link import PoolLink
     from kvshare.integrations.vllm_layout import PagedLayout
     from kvshare.integrations.vllm_meta import WorkerReport
-    from kvshare.integrations.vllm_options import ConnectorConfig
     from kvshare.integrations.vllm_scheduler import PoolScheduler, ScheduledRequest
     from kvshare.integrations.vllm_worker import PoolKVWorker
     from kvshare.keys import Namespace
@@ -88,8 +92,10 @@ def copy_bandwidth(num_tokens: int, repeats: int = 3) -> dict:
     size = (num_tokens // layout.chunk_tokens + 4) * layout.page_bytes
     with running_pool(size, ("--prefault",), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as sock:
         sides = []
+        defaults = ConnectorConfig(pool_socket=sock)
         for name in ("A", "B"):
-            worker = PoolKVWorker(layout, PoolLink(sock, name + "w"))
+            worker = PoolKVWorker(layout, PoolLink(sock, name + "w"), verify_fraction=defaults.verify_fraction,
+                                  copy_threads=defaults.copy_threads)
             worker.register([torch.randn(num_blocks, H, N, 2 * D) for _ in range(L)],
                             PagedLayout("cpu_attn", num_blocks, N, H, D, torch.float32))
             sides.append((PoolScheduler(ConnectorConfig(pool_socket=sock), namespace, layout.page_bytes, N,
@@ -102,20 +108,61 @@ def copy_bandwidth(num_tokens: int, repeats: int = 3) -> dict:
         for spec in sa.plan_step([ScheduledRequest("a", 0, num_tokens + 1, blocks)]).stores:
             wa.store(spec)
         store_s = time.perf_counter() - started
-        loads = []
+        loads: dict[str, list[float]] = {"ascending": [], "descending": []}
         for i in range(repeats):
-            sb.add_request(f"b{i}", prompt, None, None)
-            n = sb.match(f"b{i}", 0)
-            sb.allocated(f"b{i}", n, 0)
-            plan = sb.plan_step([ScheduledRequest(f"b{i}", n, num_tokens + 1 - n, blocks[::-1])])
-            started = time.perf_counter()
-            outcome = wb.load(plan.loads[0])
-            loads.append(time.perf_counter() - started)
-            sb.on_report(WorkerReport([outcome]))
-            sb.finish(f"b{i}")
+            for order, table in (("ascending", blocks), ("descending", blocks[::-1])):
+                req = f"b{i}-{order}"
+                sb.add_request(req, prompt, None, None)
+                n = sb.match(req, 0)
+                sb.allocated(req, n, 0)
+                plan = sb.plan_step([ScheduledRequest(req, n, num_tokens + 1 - n, table)])
+                started = time.perf_counter()
+                outcome = wb.load(plan.loads[0])
+                loads[order].append(time.perf_counter() - started)
+                sb.on_report(WorkerReport([outcome]))
+                sb.finish(req)
+        for worker in (wa, wb):
+            worker.close()
     num_bytes = num_tokens * layout.bytes_per_token
-    return {"tokens": num_tokens, "bytes": num_bytes, "store_s": store_s, "load_s": min(loads),
-            "store_GBps": num_bytes / store_s / 1e9, "load_GBps": num_bytes / min(loads) / 1e9}
+    best = {order: min(times) for order, times in loads.items()}
+    return {"tokens": num_tokens, "bytes": num_bytes, "store_s": store_s, "store_GBps": num_bytes / store_s / 1e9,
+            **{f"load_{order}_s": t for order, t in best.items()},
+            **{f"load_{order}_GBps": num_bytes / t / 1e9 for order, t in best.items()}}
+
+
+_TIMING = re.compile(r"kvshare timing: (\w+) (\S+) (.*)$")
+
+
+def parse_timings(log_text: str) -> list[dict]:
+    """The connector's ``kvshare timing:`` debug lines as {"what", "req", field: value} (ms fields in seconds)."""
+    records = []
+    for line in log_text.splitlines():
+        match = _TIMING.search(line)
+        if match is None:
+            continue
+        record: dict = {"what": match.group(1), "req": match.group(2)}
+        for pair in match.group(3).split():
+            name, _, value = pair.partition("=")
+            record[name] = float(value[:-2]) / 1e3 if value.endswith("ms") else int(value)
+        records.append(record)
+    return records
+
+
+def timing_report(timings: dict[str, list[dict]]) -> list[str]:
+    """Median ms of every phase, per server, kind of record and size (tokens, chunks or step shape)."""
+    lines = ["", "| server | what | size | count | median phases (ms) |", "| --- | --- | --- | ---: | --- |"]
+    for server, records in sorted(timings.items()):
+        groups: dict[tuple, list[dict]] = {}
+        for r in records:
+            size = {"load": f"tokens={r.get('tokens')}", "store": f"chunks={r.get('chunks')}",
+                    "match": f"chunks={r.get('chunks')} hit={r.get('hit')}",
+                    "step": f"loads={r.get('loads')} stores={r.get('stores')}"}.get(r["what"], "")
+            groups.setdefault((r["what"], size), []).append(r)
+        for (what, size), group in sorted(groups.items()):
+            phases = [k for k, v in group[0].items() if isinstance(v, float)]
+            text = " ".join(f"{k} {statistics.median(g[k] for g in group) * 1e3:.1f}" for k in phases)
+            lines.append(f"| {server} | {what} | {size} | {len(group)} | {text} |")
+    return lines
 
 
 def metrics(base_url: str) -> dict[str, float]:
@@ -140,9 +187,11 @@ def run(args: argparse.Namespace) -> dict:
     pool = start_pool(socket_path, args.pool_size, ("--prefault",), stdout=subprocess.DEVNULL)
     common = dict(model=model, python=args.vllm_python, dtype="float32", kv_cache_gib=args.kv_cache_gib,
                   max_model_len=max(args.lengths) + 64, cpu_omp_threads_bind=args.omp_bind or None)
+    log_level = "DEBUG" if args.timings else None
+    common["verify_fraction"] = args.verify_fraction  # None: the connector's default (every page)
     configs = {
-        "A": VllmServerConfig(port=free_port(), pool_socket=socket_path, replica="A", **common),
-        "B": VllmServerConfig(port=free_port(), pool_socket=socket_path, replica="B", **common),
+        "A": VllmServerConfig(port=free_port(), pool_socket=socket_path, replica="A", log_level=log_level, **common),
+        "B": VllmServerConfig(port=free_port(), pool_socket=socket_path, replica="B", log_level=log_level, **common),
         "R": VllmServerConfig(port=free_port(), pool_socket=None, replica="R", **common),
     }
     procs = {}
@@ -170,6 +219,10 @@ def run(args: argparse.Namespace) -> dict:
                 print(json.dumps(row), flush=True)
         time.sleep(12)  # vLLM publishes connector stats to /metrics at its logging interval
         counters = {name: metrics(url[name]) for name in ("A", "B")}
+        timings = {}
+        for name in ("A", "B") if args.timings else ():
+            with open(os.path.join(work, f"vllm-{name}.log"), errors="replace") as f:
+                timings[name] = parse_timings(f.read())
     finally:
         for proc, _ in procs.values():
             if proc.poll() is None:
@@ -180,8 +233,13 @@ def run(args: argparse.Namespace) -> dict:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, 9)
         stop_process(pool)
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            for name in procs:
+                shutil.copy(os.path.join(work, f"vllm-{name}.log"), args.out)
         shutil.rmtree(work, ignore_errors=True)
-    return {"rows": rows, "counters": counters, "lengths": args.lengths, "repeats": args.repeats,
+    verify = args.verify_fraction if args.verify_fraction is not None else ConnectorConfig().verify_fraction
+    return {"rows": rows, "counters": counters, "timings": timings, "verify_fraction": verify, "lengths": args.lengths, "repeats": args.repeats,
             "loadavg": [round(load_before, 2), round(os.getloadavg()[0], 2)], "omp_bind": args.omp_bind,
             "machine": f"{os.cpu_count()} CPUs", "model": "tiny preset (kvshare make-model tiny)"}
 
@@ -211,8 +269,10 @@ def report(result: dict) -> str:
         num_bytes = c.get(f"vllm:kvshare_{what}_bytes_total", 0.0)
         return f"{num_bytes / seconds / 1e9:.2f} GB/s ({num_bytes / 2**20:.0f} MiB in {seconds:.3f} s)" if seconds else "n/a"
 
-    lines += ["", f"load (B, checksums verified): {rate(b, 'load')}; store (A, with checksums): {rate(a, 'store')}",
+    lines += ["", f"load (B, checksums of {result.get('verify_fraction', 1.0):.0%} of pages verified): {rate(b, 'load')}; store (A, with checksums): {rate(a, 'store')}",
               f"load average before / after: {result['loadavg'][0]} / {result['loadavg'][1]} ({result['machine']})"]
+    if result.get("timings"):
+        lines += timing_report(result["timings"])
     return "\n".join(lines)
 
 
@@ -226,6 +286,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-cache-gib", type=int, default=2)
     parser.add_argument("--omp-bind", default="",
                         help="VLLM_CPU_OMP_THREADS_BIND for the servers (default: vLLM's own, auto)")
+    parser.add_argument("--verify-fraction", type=float, default=None,
+                        help="share of loaded pages whose checksum A and B check (default: the connector's, 1.0)")
+    parser.add_argument("--timings", action="store_true",
+                        help="log the connector's phase timings in A and B (debug log) and report their medians")
     parser.add_argument("--copy-only", action="store_true",
                         help="only the connector's copies (no vLLM): store and load one prompt per length")
     parser.add_argument("--seed", type=int, default=0)

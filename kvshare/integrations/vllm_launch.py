@@ -49,8 +49,9 @@ class VllmServerConfig:
     dtype: str = "auto"  # "float32" for exact comparisons on CPU
     device: str = "cpu"  # "cpu" | "cuda": which environment the server gets
     max_num_batched_tokens: int | None = None  # None: vLLM's default
-    verify_checksums: bool = True
+    verify_fraction: float | None = None  # share of loaded pages verified; None: the connector's default
     pool_retry_s: float = 5.0  # after losing the pool, serve without it this long before reconnecting
+    log_level: str | None = None  # KVSHARE_LOG_LEVEL of the connector; "DEBUG" logs each load's phase timings
     seed: int = 0
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
@@ -80,19 +81,21 @@ class LaunchSpec:
 
 def kv_transfer_config(config: VllmServerConfig) -> dict:
     """The --kv-transfer-config value that loads kvshare's connector."""
+    extra = {
+        "pool_socket": config.pool_socket,
+        "chunk_tokens": config.chunk_tokens,
+        "replica": config.replica,
+        "pool_retry_s": config.pool_retry_s,
+    }
+    if config.verify_fraction is not None:
+        extra["verify_fraction"] = config.verify_fraction
     return {
         "kv_connector": CONNECTOR_CLASS,
         "kv_connector_module_path": CONNECTOR_MODULE,
         "kv_role": "kv_both",
         # a page that fails its checksum is recomputed instead of failing its request
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {
-            "pool_socket": config.pool_socket,
-            "chunk_tokens": config.chunk_tokens,
-            "replica": config.replica,
-            "verify_checksums": config.verify_checksums,
-            "pool_retry_s": config.pool_retry_s,
-        },
+        "kv_connector_extra_config": extra,
     }
 
 
@@ -124,6 +127,8 @@ def vllm_server_command(config: VllmServerConfig, base_env: dict[str, str] | Non
     # there even when it is not installed in the vLLM environment
     source_root = os.path.dirname(os.path.dirname(os.path.abspath(kvshare.__file__)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (source_root, env.get("PYTHONPATH", "")) if p)
+    if config.log_level is not None:
+        env["KVSHARE_LOG_LEVEL"] = config.log_level
     if config.device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
         if config.cpu_omp_threads_bind is not None:

@@ -13,17 +13,25 @@ the attention backend that reads them:
 ``FLASH_ATTN`` with a 5-D tensor (vLLM before the per-layer [B, H, N, C] views)
     ``[2, num_blocks, block_size, kv_heads, head_dim]``: K is ``t[0]``, V is ``t[1]``.
 
-Every kind is reduced to two strided views ``k, v`` of shape ``[B, N, H, D]`` (no copy),
-so one indexing rule moves tokens for all of them; a canonical page is
-``[L, 2, C, H, D]``. Each kind also has a slow reference that addresses raw storage
-element by element from the description above, against which the fast path is tested.
-Any other backend or shape is refused with a message naming what was found.
+Every kind is reduced to one strided view ``[2, B, N, H, D]`` (K|V, block, slot, kv head,
+dim; no copy), so one indexing rule moves tokens for all of them; a canonical page is
+``[L, 2, C, H, D]``. Two ways to move them:
+
+- ``scatter_tokens`` / ``gather_tokens``: torch, any token positions, any device (the CUDA path);
+- ``write_blocks`` / ``read_blocks``: numpy, whole blocks whose ids step by +1 or -1, CPU
+  only: one strided copy per (layer, run of blocks), single-threaded (no OpenMP team to
+  wait for) and callable from several threads at once, since numpy releases the GIL.
+
+Each kind also has a slow reference that addresses raw storage element by element from
+the description above, against which both are tested. Any other backend or shape is
+refused with a message naming what was found.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 KNOWN_BACKENDS = ("CPU_ATTN", "FLASH_ATTN")
@@ -44,18 +52,21 @@ class PagedLayout:
     head_dim: int
     dtype: torch.dtype
 
-    def kv_views(self, layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Strided views ``k, v`` of ``layer``, each ``[B, N, H, D]`` (block, slot, kv head, dim)."""
+    def kv_blocks(self, layer: torch.Tensor) -> torch.Tensor:
+        """A strided view ``[2, B, N, H, D]`` (K|V, block, slot, kv head, dim) of ``layer``."""
         B, N, H, D = self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim
         if self.kind == "cpu_attn":
-            split = layer.view(B, H, 2, N, D)  # [B, H, K|V, N, D]
-            return split[:, :, 0].permute(0, 2, 1, 3), split[:, :, 1].permute(0, 2, 1, 3)
+            return layer.view(B, H, 2, N, D).permute(2, 0, 3, 1, 4)  # memory [B, H, K|V, N, D]
         if self.kind == "flash_attn":
-            tokens = layer.permute(0, 2, 1, 3)  # [B, N, H, 2D]
-            return tokens[..., :D], tokens[..., D:]
+            return layer.permute(0, 2, 1, 3).unflatten(-1, (2, D)).permute(3, 0, 1, 2, 4)  # [B, N, H, K|V, D]
         if self.kind == "flash_attn_5d":
-            return layer[0], layer[1]  # [B, N, H, D] each
+            return layer  # [2, B, N, H, D] already
         raise UnsupportedKVLayout(f"unknown paged layout kind {self.kind!r}")
+
+    def kv_views(self, layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Strided views ``k, v`` of ``layer``, each ``[B, N, H, D]`` (block, slot, kv head, dim)."""
+        kv = self.kv_blocks(layer)
+        return kv[0], kv[1]
 
 
 def detect_layout(
@@ -127,6 +138,51 @@ def gather_tokens(layer: torch.Tensor, layout: PagedLayout, slots: tuple, out: t
     blocks, offsets = slots
     out[0].copy_(k_view[blocks, offsets])
     out[1].copy_(v_view[blocks, offsets])
+
+
+# -- whole blocks, numpy (CPU) ----------------------------------------------------------
+
+
+def blocks_array(layer: torch.Tensor, layout: PagedLayout) -> np.ndarray:
+    """``layout.kv_blocks(layer)`` as integers of the same width, ``[2, B, N, H, D]``, sharing its memory (CPU)."""
+    return as_bits(layout.kv_blocks(layer)).numpy()
+
+
+def split_axis(a: np.ndarray, axis: int, inner: int) -> np.ndarray:
+    """``a`` with axis ``axis`` split into ``(size // inner, inner)``: always a view, never a copy."""
+    size, stride = a.shape[axis], a.strides[axis]
+    if size % inner:
+        raise ValueError(f"axis {axis} of length {size} does not split into pieces of {inner}")
+    shape = a.shape[:axis] + (size // inner, inner) + a.shape[axis + 1 :]
+    strides = a.strides[:axis] + (stride * inner, stride) + a.strides[axis + 1 :]
+    return np.lib.stride_tricks.as_strided(a, shape, strides, writeable=a.flags.writeable)
+
+
+def _block_range(blocks: np.ndarray, first_block: int, num_pages: int, blocks_per_page: int, step: int) -> np.ndarray:
+    """Blocks ``first_block, first_block + step, ...`` of ``blocks`` ``[2, B, N, H, D]`` as a view
+    ``[2, num_pages, blocks_per_page, N, H, D]`` (a step of -1 is a negative stride: no copy)."""
+    num_blocks = num_pages * blocks_per_page
+    if step == 1:
+        lo = first_block
+    elif step == -1:
+        lo = first_block - num_blocks + 1
+    else:
+        raise ValueError(f"block ids must step by +1 or -1, got {step}")
+    if lo < 0 or lo + num_blocks > blocks.shape[1]:
+        raise IndexError(f"blocks {lo}..{lo + num_blocks - 1} lie outside the {blocks.shape[1]} blocks of the layer")
+    view = blocks[:, lo : lo + num_blocks]
+    return split_axis(view if step == 1 else view[:, ::-1], 1, blocks_per_page)
+
+
+def write_blocks(blocks: np.ndarray, kv: np.ndarray, first_block: int, step: int = 1) -> None:
+    """Copy ``kv`` ``[2, P, b, N, H, D]`` (P pages of b whole blocks) into blocks ``first_block, first_block + step, ...``
+    of ``blocks`` (a ``blocks_array``), page by page."""
+    np.copyto(_block_range(blocks, first_block, kv.shape[1], kv.shape[2], step), kv, casting="no")
+
+
+def read_blocks(blocks: np.ndarray, first_block: int, step: int, out: np.ndarray) -> None:
+    """Copy blocks ``first_block, first_block + step, ...`` of ``blocks`` into ``out`` ``[2, P, b, N, H, D]``."""
+    np.copyto(out, _block_range(blocks, first_block, out.shape[1], out.shape[2], step), casting="no")
 
 
 # -- slow references: element addressing straight from the layout descriptions ----------

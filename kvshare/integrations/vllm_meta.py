@@ -6,6 +6,7 @@ pickling when the worker runs in another process, and by reference otherwise.
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass, field, fields
 
 
@@ -88,6 +89,7 @@ class ConnectorCounters:
     store_bytes: int = 0
     store_seconds: float = 0.0
     skipped_stores: int = 0  # chunks the pool had no room for
+    verified_pages: int = 0  # loaded pages whose checksum was checked (all, or the sampled share)
     checksum_failures: int = 0  # pages whose bytes did not match their commit checksum
     load_failures: int = 0  # loads stopped early (checksum, lease lost, pool gone): recomputed
     pool_errors: int = 0  # failed calls to the pool daemon
@@ -124,3 +126,37 @@ class WorkerReport:
 
     def merged(self, other: "WorkerReport") -> "WorkerReport":
         return WorkerReport(self.loads + other.loads)
+
+
+class PhaseTimes:
+    """Wall-clock seconds per named phase of one operation, for the connector's timing log::
+
+        times = PhaseTimes(); ...; times.mark("verify"); ...; times.mark("copy")
+        times.line() -> "verify=12.1ms copy=30.2ms total=42.3ms thread_cpu=40.0ms"
+    """
+
+    def __init__(self, clock=time.perf_counter, cpu_clock=time.thread_time) -> None:
+        self._clock, self._cpu_clock = clock, cpu_clock
+        self._started = self._last = clock()
+        self._cpu_started = self._cpu_last = cpu_clock()
+        self.seconds: dict[str, float] = {}
+
+    def mark(self, phase: str) -> None:
+        """Charge the time since the previous mark (or the start) to ``phase``."""
+        now = self._clock()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._last
+        self._last, self._cpu_last = now, self._cpu_clock()
+
+    @property
+    def total(self) -> float:
+        return self._last - self._started
+
+    @property
+    def cpu(self) -> float:
+        """CPU seconds of the calling thread up to the last mark: far below ``total`` means it waited
+        (for the GIL, for cores other processes held, for OpenMP threads)."""
+        return self._cpu_last - self._cpu_started
+
+    def line(self) -> str:
+        parts = [f"{name}={seconds * 1e3:.1f}ms" for name, seconds in self.seconds.items()]
+        return " ".join(parts + [f"total={self.total * 1e3:.1f}ms", f"thread_cpu={self.cpu * 1e3:.1f}ms"])

@@ -28,7 +28,12 @@ class ConnectorConfig:
 
     pool_socket: str = ""  # "" -> kvshare's default socket (kvshare.paths.default_pool_socket)
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS  # tokens per pool page; a multiple of vLLM's block size
-    verify_checksums: bool = True  # verify every page before its bytes are used
+    # share of loaded pages whose checksum is checked before their bytes are used, each page chosen at
+    # random. 1.0 (every page), as `kvshare serve --verify-rate` defaults to: a page that is not checked
+    # could serve wrong KV. Lower it to trade that guarantee for load time (the checksums were about a
+    # third of a load's time on the 2-core CI machine; docs/vllm.md).
+    verify_fraction: float = 1.0
+    copy_threads: int = 2  # threads that copy between pages and vLLM's KV on CPU (1: vLLM's worker thread only)
     lease_ttl_s: float = 60.0  # a lease vLLM has not scheduled within this is released
     pool_timeout_s: float = 2.0  # longest wait for one pool reply before the pool counts as down
     pool_retry_s: float = 5.0  # after a failure, how long to serve without the pool before trying again
@@ -43,6 +48,10 @@ class ConnectorConfig:
         for name in ("lease_ttl_s", "pool_timeout_s", "pool_retry_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0.0 <= self.verify_fraction <= 1.0:
+            raise ValueError(f"verify_fraction must lie in [0, 1], got {self.verify_fraction}")
+        if self.copy_threads < 1:
+            raise ValueError(f"copy_threads must be >= 1, got {self.copy_threads}")
 
     @property
     def socket_path(self) -> str:
@@ -51,6 +60,9 @@ class ConnectorConfig:
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> "ConnectorConfig":
         extra = dict(extra or {})
+        for old, hint in _RENAMED.items():
+            if old in extra:
+                raise ValueError(f"kv_connector_extra_config.{old} is gone: {hint}")
         known = {f.name: f for f in fields(cls)}
         unknown = sorted(set(extra) - set(known))
         if unknown:
@@ -74,6 +86,9 @@ class ConnectorConfig:
                 f"kvshare chunk_tokens ({self.chunk_tokens}) must be a multiple of vLLM's block size ({block_size}); "
                 "set kv_connector_extra_config.chunk_tokens or --block-size accordingly"
             )
+
+
+_RENAMED = {"verify_checksums": "set verify_fraction (1.0 checks every page, 0 none; default 0.125)"}
 
 
 @dataclass(frozen=True)

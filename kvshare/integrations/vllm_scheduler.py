@@ -19,7 +19,15 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from kvshare.integrations.pool_link import POOL_DOWN_ERRORS, PoolLink
-from kvshare.integrations.vllm_meta import ConnectorCounters, LoadSpec, PageRef, StepPlan, StoreSpec, WorkerReport
+from kvshare.integrations.vllm_meta import (
+    ConnectorCounters,
+    LoadSpec,
+    PageRef,
+    PhaseTimes,
+    StepPlan,
+    StoreSpec,
+    WorkerReport,
+)
 from kvshare.integrations.vllm_options import ConnectorConfig, RequestOptions, provenance
 from kvshare.integrations.vllm_plan import (
     HeldLease,
@@ -130,7 +138,13 @@ class PoolScheduler:
             self._release(self._leases.pop(req_id))
             if not window.num_chunks:
                 return 0
-            held = self._lookup(req_id, self._keys(request, window.end_chunk)[window.first_chunk :], window.first_chunk, now)
+            times = PhaseTimes()
+            keys = self._keys(request, window.end_chunk)[window.first_chunk :]
+            times.mark("hash")
+            held = self._lookup(req_id, keys, window.first_chunk, now)
+            times.mark("lookup")
+            log.debug("kvshare timing: match %s chunks=%d hit=%d %s", req_id, len(keys),
+                      len(held.pages) if held is not None else 0, times.line())
             if held is None:
                 return 0
         num_tokens = tokens_to_load(

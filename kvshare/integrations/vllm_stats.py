@@ -25,6 +25,7 @@ _HELP = {
     "store_bytes": "KV bytes copied into the kvshare pool",
     "store_seconds": "Seconds spent copying KV into the kvshare pool",
     "skipped_stores": "Chunks not stored because the kvshare pool had no room",
+    "verified_pages": "kvshare pool pages whose checksum was checked before use (all, or a sampled share)",
     "checksum_failures": "kvshare pool pages whose checksum did not match (recomputed)",
     "load_failures": "kvshare loads that stopped early; vLLM recomputed the rest",
     "pool_errors": "Failed calls to the kvshare pool daemon",

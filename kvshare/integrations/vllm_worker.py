@@ -3,25 +3,30 @@
 Independent of vLLM (tested with plain tensors): it is given the per-layer KV tensors in
 layer order, their PagedLayout, and the specs the scheduler side planned.
 
-Loads run before the step's forward and are synchronous: each page's checksum is
-verified before any of its bytes are used; the first page that fails (checksum, a
+Loads run before the step's forward and are synchronous: the pages chosen for
+verification (every page with ``verify_fraction`` 1, else a random share of them) are
+checked before any of their bytes are used; the first page that fails (checksum, a
 lease from another pool, a pool gone) ends the load there, and the tokens from that
 point are reported so that vLLM recomputes them. Stores run after the forward: reserve
 pages for the chunks, copy each chunk out of vLLM's blocks, checksum, commit. A page is
 visible to other replicas only after its commit, and never holds a partial copy.
+
+On CPU, runs of whole blocks move as numpy block copies over ``copy_threads`` threads
+(vllm_copy); anything else, and every copy on CUDA, as a torch token scatter/gather.
 """
 
 from __future__ import annotations
 
 import logging
-import time
+import random
 
 import torch
 
 from kvshare.integrations.pool_link import POOL_DOWN_ERRORS, PoolLink
+from kvshare.integrations.vllm_copy import CpuBlockCopier
 from kvshare.integrations.vllm_layout import PagedLayout, gather_tokens, scatter_tokens, slots_of_positions
-from kvshare.integrations.vllm_meta import ConnectorCounters, LoadOutcome, LoadSpec, StoreSpec
-from kvshare.integrations.vllm_plan import PageSlice, copy_runs, page_slices
+from kvshare.integrations.vllm_meta import ConnectorCounters, LoadOutcome, LoadSpec, PhaseTimes, StoreSpec
+from kvshare.integrations.vllm_plan import CopyRun, PageSlice, copy_runs, page_slices
 from kvshare.layout import KVLayout
 from kvshare.pool.checksum import page_checksum
 from kvshare.pool.client import PoolRequestError
@@ -32,13 +37,25 @@ log = logging.getLogger("kvshare.integrations")
 class PoolKVWorker:
     """Moves KV between the pool and one vLLM worker's paged KV tensors."""
 
-    def __init__(self, kv_layout: KVLayout, link: PoolLink, verify_checksums: bool = True) -> None:
+    def __init__(
+        self,
+        kv_layout: KVLayout,
+        link: PoolLink,
+        verify_fraction: float = 1.0,
+        copy_threads: int = 1,
+        rng: random.Random | None = None,
+    ) -> None:
+        if not 0.0 <= verify_fraction <= 1.0:
+            raise ValueError(f"verify_fraction must lie in [0, 1], got {verify_fraction}")
         self.kv_layout = kv_layout
         self.link = link
-        self.verify_checksums = verify_checksums
+        self.verify_fraction = verify_fraction
+        self.copy_threads = copy_threads
         self.counters = ConnectorCounters()
         self.layers: list[torch.Tensor] = []
         self.paged: PagedLayout | None = None
+        self._copier: CpuBlockCopier | None = None  # on CPU: whole-block copies
+        self._rng = rng or random.Random()  # which pages a sampled verification checks
         self._registration = None  # on CUDA: the pinned arena (kvshare.transfer.registration)
         self._registered_arena = None  # keeps that mapping alive while it is registered
 
@@ -48,6 +65,9 @@ class PoolKVWorker:
             raise ValueError(f"vLLM registered {len(layers)} KV layers, the model has {self.kv_layout.num_layers}")
         self.layers = list(layers)
         self.paged = paged
+        if self._copier is not None:
+            self._copier.close()
+        self._copier = CpuBlockCopier(self.layers, paged, self.copy_threads) if self.device.type == "cpu" else None
 
     def prepare(self) -> None:
         """Connect now (and pin the arena on CUDA) so the first request does not pay for it."""
@@ -57,6 +77,11 @@ class PoolKVWorker:
                 self._pin(client)
             except Exception:  # the first copy raises it again, where it is reported as a failed copy
                 log.error("kvshare: pinning the pool arena for CUDA failed", exc_info=True)
+
+    def close(self) -> None:
+        if self._copier is not None:
+            self._copier.close()
+        self.link.close()
 
     @property
     def device(self) -> torch.device:
@@ -89,22 +114,22 @@ class PoolKVWorker:
 
     def load(self, spec: LoadSpec) -> LoadOutcome:
         """Copy the spec's tokens into vLLM's blocks; stops at the first page that cannot be trusted."""
-        started, cpu_started = time.perf_counter(), time.thread_time()
+        times = PhaseTimes()
         client, reason = self._client_for(spec.pool_pid) if spec.pages else (None, "no lease backs the load")
+        times.mark("client")
         loaded_end = spec.token_start
         if client is not None:
             try:
-                loaded_end, reason = self._copy_in(client, spec)
+                loaded_end, reason = self._copy_in(client, spec, times)
             except Exception as exc:  # a bug or a vanished mapping: recompute, keep serving
                 log.error("kvshare: load for request %s failed", spec.req_id, exc_info=True)
                 loaded_end, reason = spec.token_start, f"{type(exc).__name__}: {exc}"
         num_loaded = loaded_end - spec.token_start
         self.counters.loaded_tokens += num_loaded
         self.counters.load_bytes += num_loaded * self.kv_layout.bytes_per_token
-        seconds = time.perf_counter() - started
-        self.counters.load_seconds += seconds
-        log.debug("kvshare: loaded %d tokens for %s in %.4f s (thread cpu %.4f s)", num_loaded, spec.req_id, seconds,
-                  time.thread_time() - cpu_started)
+        self.counters.load_seconds += times.total
+        log.debug("kvshare timing: load %s tokens=%d threads=%d %s", spec.req_id, num_loaded,
+                  torch.get_num_threads(), times.line())
         if loaded_end != spec.token_end:
             self.counters.load_failures += 1
             log.warning("kvshare: load for request %s stopped at token %d of %d..%d: %s; vLLM recomputes the rest",
@@ -112,39 +137,30 @@ class PoolKVWorker:
             return LoadOutcome(spec.req_id, spec.token_start, spec.token_end, loaded_end, reason)
         return LoadOutcome(spec.req_id, spec.token_start, spec.token_end, loaded_end)
 
-    def _copy_in(self, client, spec: LoadSpec) -> tuple[int, str]:
+    def _copy_in(self, client, spec: LoadSpec, times: PhaseTimes) -> tuple[int, str]:
         """Verify, then copy run by run; returns (end of the tokens copied, why it stopped early or "")."""
         C, page_bytes = self.kv_layout.chunk_tokens, self.kv_layout.page_bytes
         covered_end = min(spec.token_end, (spec.first_chunk + len(spec.pages)) * C)
         if spec.token_start < spec.first_chunk * C or covered_end <= spec.token_start:
             return spec.token_start, "no leased page covers the load"
         trusted, reason = [], ""
-        verify_started = time.perf_counter()
         for piece in page_slices(spec.token_start, covered_end, spec.first_chunk, len(spec.pages), C):
             ref = spec.pages[piece.page_index]
             if ref.page_bytes != page_bytes:
                 reason = f"page of {ref.page_bytes} bytes, this model's pages have {page_bytes}"
                 break
-            if self.verify_checksums and page_checksum(client.page(ref.offset, page_bytes)) != ref.checksum:
+            if self._chosen_for_verification() and page_checksum(client.page(ref.offset, page_bytes)) != ref.checksum:
                 self.counters.checksum_failures += 1
                 self._drop(spec.keys[piece.page_index])
                 reason = f"checksum mismatch in chunk {piece.chunk} (page at offset {ref.offset})"
                 break
             trusted.append(piece)
+        times.mark("verify")
         offsets = [spec.pages[p.page_index].offset for p in trusted]
-        copy_started = time.perf_counter()
         self._pin(client)
         for run in copy_runs(trusted, offsets, page_bytes, C, client.hello.extent_bytes):
-            first = trusted[run.first]
-            pages = self._pages(client, offsets[run.first], run.num_pages)  # [n, L, 2, C, H, D]
-            src = pages[:, :, :, run.lo : run.hi].to(self.device)  # no copy on CPU
-            # prompt positions of the run, [n, hi - lo]
-            positions = (first.chunk + torch.arange(run.num_pages))[:, None] * C + torch.arange(run.lo, run.hi)[None, :]
-            slots = slots_of_positions(positions, spec.block_ids, self.paged.block_size, self.device)
-            for index, layer in enumerate(self.layers):
-                scatter_tokens(layer, self.paged, src[:, index].transpose(0, 1), slots)  # [2, n, hi - lo, H, D]
-        log.debug("kvshare: %s: verified %d pages in %.4f s, copied them in %.4f s", spec.req_id, len(trusted),
-                  copy_started - verify_started, time.perf_counter() - copy_started)
+            self._copy_run(client, offsets[run.first], run, trusted[run.first].chunk, spec.block_ids, into_kv=True)
+        times.mark("copy")
         if not trusted:
             return spec.token_start, reason
         last = trusted[-1]
@@ -152,6 +168,44 @@ class PoolKVWorker:
         if loaded_end != spec.token_end and not reason:
             reason = "the lease does not cover the whole load"
         return loaded_end, reason
+
+    def _chosen_for_verification(self) -> bool:
+        """Whether the next page's checksum is checked: always at 1.0, else with that probability
+        (random, so a bad page cannot hide at a position that is never checked)."""
+        chosen = self.verify_fraction >= 1.0 or self._rng.random() < self.verify_fraction
+        self.counters.verified_pages += chosen
+        return chosen
+
+    def _copy_run(self, client, offset: int, run: CopyRun, first_chunk: int, block_ids, into_kv: bool) -> None:
+        """Tokens ``run.lo .. run.hi - 1`` of the run's pages (chunks ``first_chunk ..``) into vLLM's blocks
+        (``into_kv``) or out of them into the pages."""
+        C, N = self.kv_layout.chunk_tokens, self.paged.block_size
+        first_token = first_chunk * C + run.lo
+        if self._copier is not None and first_token % N == 0 and run.hi % N == 0:
+            raw = client.run(offset, self.kv_layout.page_bytes, run.num_pages).view(self._copier.dtype)
+            pages = raw.reshape(run.num_pages, *self.kv_layout.page_shape)  # [n, L, 2, C, H, D], a view
+            first_block, num_blocks = first_token // N, run.num_pages * (run.hi - run.lo) // N
+            ids = block_ids[first_block : first_block + num_blocks]
+            if into_kv:
+                self._copier.to_blocks(pages, run.lo, run.hi, ids)
+            else:
+                self._copier.from_blocks(pages, run.lo, run.hi, ids)
+            return
+        pages = self._pages(client, offset, run.num_pages)  # [n, L, 2, C, H, D]
+        # prompt positions of the run, [n, hi - lo]
+        positions = (first_chunk + torch.arange(run.num_pages))[:, None] * C + torch.arange(run.lo, run.hi)[None, :]
+        slots = slots_of_positions(positions, block_ids, N, self.device)
+        if into_kv:
+            src = pages[:, :, :, run.lo : run.hi].to(self.device)  # no copy on CPU
+            for index, layer in enumerate(self.layers):
+                scatter_tokens(layer, self.paged, src[:, index].transpose(0, 1), slots)  # [2, n, hi - lo, H, D]
+            return
+        window = pages[:, :, :, run.lo : run.hi]
+        staging = window if self.device.type == "cpu" else torch.empty(window.shape, dtype=window.dtype, device=self.device)
+        for index, layer in enumerate(self.layers):
+            gather_tokens(layer, self.paged, slots, staging[:, index].transpose(0, 1))  # [2, n, hi - lo, H, D]
+        if staging is not window:
+            window.copy_(staging)  # device -> host; synchronous, after the forward's kernels
 
     def _client_for(self, pool_pid: int):
         """The client mapped onto the arena of the pool ``pool_pid`` (reconnecting once), or (None, why)."""
@@ -185,8 +239,7 @@ class PoolKVWorker:
         client = self.link.client()
         if client is None or not spec.keys:
             return 0
-        started = time.perf_counter()
-        C = self.kv_layout.chunk_tokens
+        times = PhaseTimes()
         try:
             reservation = client.reserve(spec.namespace, list(spec.keys), self.kv_layout.page_bytes, spec.first_chunk)
         except POOL_DOWN_ERRORS as exc:
@@ -198,11 +251,13 @@ class PoolKVWorker:
             log.warning("kvshare: the pool refused a reserve: %s", exc)
             return 0
         self.counters.skipped_stores += reservation.num_no_room
+        times.mark("reserve")
         if not reservation.grants:
             return 0
         try:
-            checksums = self._copy_out(client, spec, reservation.grants)
+            checksums = self._copy_out(client, spec, reservation.grants, times)
             committed = client.commit(reservation.reservation_id, checksums)
+            times.mark("commit")
         except (PoolRequestError, *POOL_DOWN_ERRORS) as exc:
             self._abort(client, reservation.reservation_id, exc)
             return 0
@@ -212,25 +267,22 @@ class PoolKVWorker:
             return 0
         self.counters.stored_chunks += committed
         self.counters.store_bytes += committed * self.kv_layout.page_bytes
-        self.counters.store_seconds += time.perf_counter() - started
+        self.counters.store_seconds += times.total
+        log.debug("kvshare timing: store %s chunks=%d %s", spec.req_id, committed, times.line())
         return committed
 
-    def _copy_out(self, client, spec: StoreSpec, grants: list[tuple[int, int]]) -> list[int]:
+    def _copy_out(self, client, spec: StoreSpec, grants: list[tuple[int, int]], times: PhaseTimes) -> list[int]:
         """Copy the granted chunks out of vLLM's blocks into their pages; one checksum per grant, in order."""
         C, page_bytes = self.kv_layout.chunk_tokens, self.kv_layout.page_bytes
         slices = [PageSlice(index, spec.first_chunk + index, 0, C) for index, _ in grants]
         offsets = [offset for _, offset in grants]
         self._pin(client)
         for run in copy_runs(slices, offsets, page_bytes, C, client.hello.extent_bytes):
-            pages = self._pages(client, offsets[run.first], run.num_pages)
-            staging = pages if self.device.type == "cpu" else torch.empty(pages.shape, dtype=pages.dtype, device=self.device)
-            positions = (slices[run.first].chunk + torch.arange(run.num_pages))[:, None] * C + torch.arange(C)[None, :]
-            slots = slots_of_positions(positions, spec.block_ids, self.paged.block_size, self.device)
-            for index, layer in enumerate(self.layers):
-                gather_tokens(layer, self.paged, slots, staging[:, index].transpose(0, 1))  # [2, n, C, H, D]
-            if staging is not pages:
-                pages.copy_(staging)  # device -> host; synchronous, after the forward's kernels
-        return [page_checksum(client.page(offset, page_bytes)) for offset in offsets]
+            self._copy_run(client, offsets[run.first], run, slices[run.first].chunk, spec.block_ids, into_kv=False)
+        times.mark("copy")
+        checksums = [page_checksum(client.page(offset, page_bytes)) for offset in offsets]
+        times.mark("checksum")
+        return checksums
 
     def _abort(self, client, reservation_id: int, exc: BaseException) -> None:
         self.counters.pool_errors += 1

@@ -1,8 +1,10 @@
 """vLLM paged KV layouts on CPU tensors: fast views against slow references and vLLM's own reads."""
 
+import numpy as np
 import pytest
 import torch
 
+from kvshare.integrations.vllm_copy import CpuBlockCopier
 from kvshare.integrations.vllm_layout import (
     PagedLayout,
     UnsupportedKVLayout,
@@ -120,3 +122,57 @@ def test_bytes_move_exactly_even_nan_payloads():
     out = torch.empty_like(kv)
     gather_tokens(layer, layout, slots, out)
     assert torch.equal(out.view(torch.int32), kv.view(torch.int32))
+
+
+TABLES = {  # block tables of 6 blocks out of B = 12, as vLLM hands them out
+    "ascending": [2, 3, 4, 5, 6, 7],  # a fresh server
+    "descending": [11, 10, 9, 8, 7, 6],  # blocks freed in reverse by an earlier request
+    "mixed": [7, 8, 3, 2, 11, 5],
+}
+
+
+@pytest.mark.parametrize("backend,make", CASES)
+@pytest.mark.parametrize("table", sorted(TABLES))
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_block_copies_match_the_slow_reference(backend, make, table, num_threads):
+    """The CPU load/store path: numpy whole-block copies, both ways, against element-by-element addressing."""
+    torch.manual_seed(len(table) + num_threads)
+    C, num_pages, num_layers = 2 * N, 3, 2  # pages of two blocks
+    layers = [make() for _ in range(num_layers)]
+    layout = detect_layout(backend, layers[0], H, D, N, torch.float32)
+    block_ids = TABLES[table]
+    pages = torch.randn(num_pages, num_layers, 2, C, H, D)  # canonical [n, L, 2, C, H, D]
+
+    expected = [layer.clone() for layer in layers]
+    for index, layer in enumerate(expected):
+        tokens = pages[:, index].transpose(0, 1).reshape(2, num_pages * C, H, D)  # [2, T, H, D]
+        reference_scatter(layer, layout, tokens, 0, block_ids)
+    copier = CpuBlockCopier(layers, layout, num_threads)
+    try:
+        copier.to_blocks(pages.numpy().view(copier.dtype), 0, C, block_ids)
+        for got, want in zip(layers, expected):
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32))  # those bytes, nothing else touched
+
+        out = np.zeros(pages.shape, dtype=copier.dtype)
+        copier.from_blocks(out, 0, C, block_ids)
+        assert np.array_equal(out, pages.numpy().view(copier.dtype))
+
+        # the second block of one page only (a load that starts inside a chunk)
+        one = torch.randn(1, num_layers, 2, C, H, D)
+        copier.to_blocks(one.numpy().view(copier.dtype), N, C, [block_ids[0]])
+        got = reference_gather(layers[1], layout, 0, N, [block_ids[0]])
+        assert torch.equal(got.view(torch.int32), one[0, 1, :, N:].contiguous().view(torch.int32))
+    finally:
+        copier.close()
+
+
+def test_block_copies_refuse_what_is_not_whole_blocks():
+    layer = cpu_attn_tensor()
+    copier = CpuBlockCopier([layer], detect_layout("CPU_ATTN", layer, H, D, N, torch.float32))
+    pages = np.zeros((1, 1, 2, 2 * N, H, D), dtype=copier.dtype)
+    with pytest.raises(ValueError, match="not whole blocks"):
+        copier.to_blocks(pages, 5, 2 * N, [0, 1])
+    with pytest.raises(IndexError, match="outside the 12 blocks"):
+        copier.to_blocks(pages, 0, 2 * N, [11, 12])
+    with pytest.raises(IndexError, match="outside the 12 blocks"):
+        copier.to_blocks(pages, 0, 2 * N, [0, -1])

@@ -16,8 +16,15 @@ from kvshare.integrations.vllm_options import (
 
 
 def test_extra_config_is_parsed_and_checked():
-    config = ConnectorConfig.from_extra_config({"pool_socket": "/p.sock", "chunk_tokens": 512, "verify_checksums": False})
-    assert config.socket_path == "/p.sock" and config.chunk_tokens == 512 and not config.verify_checksums
+    config = ConnectorConfig.from_extra_config({"pool_socket": "/p.sock", "chunk_tokens": 512, "verify_fraction": 1})
+    assert config.socket_path == "/p.sock" and config.chunk_tokens == 512 and config.verify_fraction == 1.0
+    assert ConnectorConfig().verify_fraction == 1.0  # every page unless asked otherwise: never serve unchecked KV
+    with pytest.raises(ValueError, match="verify_fraction must lie in"):
+        ConnectorConfig.from_extra_config({"verify_fraction": 1.5})
+    with pytest.raises(ValueError, match="verify_checksums is gone: set verify_fraction"):
+        ConnectorConfig.from_extra_config({"verify_checksums": True})
+    with pytest.raises(ValueError, match="copy_threads"):
+        ConnectorConfig(copy_threads=0)
     assert ConnectorConfig.from_extra_config(None).socket_path.endswith("pool.sock")  # kvshare's default socket
     with pytest.raises(ValueError, match="unknown kvshare connector settings.*pool_sockets"):
         ConnectorConfig.from_extra_config({"pool_sockets": "/p.sock"})
@@ -87,9 +94,16 @@ def test_server_command_line():
     assert transfer["kv_connector_module_path"] == "kvshare.integrations.vllm"
     assert transfer["kv_load_failure_policy"] == "recompute"
     assert transfer["kv_connector_extra_config"]["pool_socket"] == "/run/pool.sock"
+    assert "verify_fraction" not in transfer["kv_connector_extra_config"]  # the connector's default
     ConnectorConfig.from_extra_config(transfer["kv_connector_extra_config"])  # every key is one the connector knows
+    checked = kv_transfer_config(VllmServerConfig(model="m", port=1, pool_socket="/p", verify_fraction=1.0))
+    assert ConnectorConfig.from_extra_config(checked["kv_connector_extra_config"]).verify_fraction == 1.0
     assert spec.env["VLLM_CPU_KVCACHE_SPACE"] == "2" and spec.env["PATH"] == "/bin"
     assert spec.base_url == "http://127.0.0.1:8123"
+
+    assert "KVSHARE_LOG_LEVEL" not in spec.env
+    debug = vllm_server_command(VllmServerConfig(model="m", port=1, log_level="DEBUG"), base_env={})
+    assert debug.env["KVSHARE_LOG_LEVEL"] == "DEBUG"  # the connector's phase timings (vllm_bench --timings)
 
     plain = vllm_server_command(VllmServerConfig(model="/models/tiny", port=8124, pool_socket=None))
     assert "--kv-transfer-config" not in plain.argv

@@ -1,12 +1,16 @@
 """The vLLM connector's scheduler-side arithmetic and lease bookkeeping (pure; no vLLM needed)."""
 
+import random
+
 import pytest
 
 from kvshare.integrations.vllm_plan import (
+    BlockCopy,
     HeldLease,
     LeaseBook,
     LeaseState,
     LookupWindow,
+    block_copies,
     blocks_of_tokens,
     chunks_completed,
     copy_runs,
@@ -140,3 +144,52 @@ def test_copy_runs_merge_adjacent_whole_pages_within_an_extent():
     assert [(r.first, r.num_pages) for r in runs] == [(0, 1), (1, 1), (2, 2), (4, 1)]
     whole = page_slices(0, 4 * C, 0, 4, C)
     assert [(r.first, r.num_pages) for r in copy_runs(whole, [0, 100, 200, 300], P, C, extent_bytes=200)] == [(0, 2), (2, 2)]
+
+
+def expand(copies: list[BlockCopy], blocks_per_page: int) -> list[int]:
+    """The vLLM block of each of the run's blocks (page-major), as the copies move them; each exactly once."""
+    target: dict[int, int] = {}
+    for c in copies:
+        k = 0
+        for page in range(c.first_page, c.first_page + c.num_pages):
+            for block in range(c.lo, c.hi):
+                assert page * blocks_per_page + block not in target
+                target[page * blocks_per_page + block] = c.first_block + c.step * k
+                k += 1
+    return [target[q] for q in range(len(target))]
+
+
+def test_block_copies_keep_runs_of_pages_together():
+    ids = [10, 11, 12, 13, 14, 15, 16, 17, 9, 8, 7, 6, 2, 5, 3, 4]
+    copies = block_copies(4, 4, ids)
+    assert copies == [
+        BlockCopy(0, 2, 0, 4, 10, 1),  # two whole pages, ascending
+        BlockCopy(2, 1, 0, 4, 9, -1),  # a whole page, descending (vLLM frees blocks in reverse)
+        BlockCopy(3, 1, 0, 1, 2, 1),
+        BlockCopy(3, 1, 1, 2, 5, 1),
+        BlockCopy(3, 1, 2, 4, 3, 1),
+    ]
+    assert expand(copies, 4) == ids
+    assert block_copies(64, 8, list(range(100, 612))) == [BlockCopy(0, 64, 0, 8, 100, 1)]  # a fresh server
+    assert block_copies(64, 8, list(range(611, 99, -1))) == [BlockCopy(0, 64, 0, 8, 611, -1)]  # a reused one
+    # a run that starts and ends inside pages: head, whole pages, tail
+    assert block_copies(3, 4, [0, 1, 50, 51, 52, 53, 54, 55, 56, 57, 2, 3]) == [
+        BlockCopy(0, 1, 0, 2, 0, 1), BlockCopy(0, 1, 2, 4, 50, 1), BlockCopy(1, 1, 0, 4, 52, 1),
+        BlockCopy(2, 1, 0, 2, 56, 1), BlockCopy(2, 1, 2, 4, 2, 1),
+    ]
+    with pytest.raises(ValueError, match="block ids for"):
+        block_copies(2, 4, [1, 2, 3])
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_block_copies_cover_any_block_table(seed):
+    rng = random.Random(seed)
+    num_pages, blocks_per_page = rng.randint(1, 6), rng.choice([1, 2, 4, 8])
+    ids = []
+    while len(ids) < num_pages * blocks_per_page:  # runs up and down of random lengths, as a busy server has
+        start, length, step = rng.randrange(1000), rng.randint(1, 12), rng.choice([1, -1])
+        ids += [start + step * k for k in range(length)]
+    ids = ids[: num_pages * blocks_per_page]
+    copies = block_copies(num_pages, blocks_per_page, ids)
+    assert expand(copies, blocks_per_page) == ids
+    assert all(c.step in (1, -1) and c.num_blocks > 0 for c in copies)

@@ -5,6 +5,7 @@ holds afterwards must be the bytes A computed, and only where the load was plann
 """
 
 import os
+import random
 import signal
 
 import pytest
@@ -39,13 +40,14 @@ class FakeClock:
 class Replica:
     """One vLLM replica's connector sides over fake CPU_ATTN KV tensors."""
 
-    def __init__(self, socket_path, name, seed, clock=None, **config):
+    def __init__(self, socket_path, name, seed, clock=None, rng=None, **config):
         self.config = ConnectorConfig(pool_socket=socket_path, chunk_tokens=C, replica=name, **config)
         self.clock = clock or FakeClock()
         self.scheduler = PoolScheduler(self.config, NAMESPACE, LAYOUT.page_bytes, N,
                                        PoolLink(socket_path, f"{name}-sched", clock=self.clock), clock=self.clock)
         self.worker = PoolKVWorker(LAYOUT, PoolLink(socket_path, f"{name}-worker", clock=self.clock),
-                                   verify_checksums=self.config.verify_checksums)
+                                   verify_fraction=self.config.verify_fraction, copy_threads=self.config.copy_threads,
+                                   rng=rng)
         gen = torch.Generator().manual_seed(seed)
         self.layers = [torch.randn(NUM_BLOCKS, H, N, 2 * D, generator=gen) for _ in range(L)]
         self.paged = PagedLayout("cpu_attn", NUM_BLOCKS, N, H, D, torch.float32)
@@ -73,7 +75,7 @@ class Replica:
 
     def close(self):
         self.scheduler.close()
-        self.worker.link.close()
+        self.worker.close()
 
 
 @pytest.fixture
@@ -137,6 +139,21 @@ def test_unaligned_local_hit_loads_only_the_rest(pool):
         a.close(), b.close()
 
 
+def test_a_load_that_starts_inside_a_block_takes_the_token_path(pool):
+    """vLLM's local hits are whole blocks; should one not be, its first page goes token by token
+    (scatter_tokens) and the rest as whole blocks: the bytes are the same either way."""
+    a, b = Replica(pool, "A", seed=1), Replica(pool, "B", seed=2)
+    try:
+        a.run_prefill("r1", PROMPT, BLOCKS_A)
+        before = b.tokens(0, 40, BLOCKS_B).clone()
+        external, outcome = b.run_prefill("r2", PROMPT, BLOCKS_B, local=40)
+        assert external == 256 - 40 and outcome.is_complete
+        assert torch.equal(b.tokens(0, 40, BLOCKS_B), before)
+        assert torch.equal(b.tokens(40, 216, BLOCKS_B), a.tokens(40, 216, BLOCKS_A))
+    finally:
+        a.close(), b.close()
+
+
 def test_a_prompt_of_whole_chunks_leaves_its_last_block(pool):
     a, b = Replica(pool, "A", seed=1), Replica(pool, "B", seed=2)
     try:
@@ -148,17 +165,22 @@ def test_a_prompt_of_whole_chunks_leaves_its_last_block(pool):
         a.close(), b.close()
 
 
+def flip_a_byte_of_chunk_2(pool):
+    keys = chunk_keys(namespace_digest(NAMESPACE), PROMPT, C)
+    with PoolClient(pool, name="vandal") as client:
+        pages = client.lookup(keys, LAYOUT.page_bytes, lease=False).pages
+        client.page(pages[2].offset, LAYOUT.page_bytes)[1000] ^= 0xFF
+
+
 def test_corrupted_page_stops_the_load_and_is_dropped(pool):
-    a, b = Replica(pool, "A", seed=1), Replica(pool, "B", seed=2)
+    a, b = Replica(pool, "A", seed=1), Replica(pool, "B", seed=2, verify_fraction=1.0)
     try:
         a.run_prefill("r1", PROMPT, BLOCKS_A)
-        keys = chunk_keys(namespace_digest(NAMESPACE), PROMPT, C)
-        with PoolClient(pool, name="vandal") as client:
-            pages = client.lookup(keys, LAYOUT.page_bytes, lease=False).pages
-            client.page(pages[2].offset, LAYOUT.page_bytes)[1000] ^= 0xFF  # flip one byte of chunk 2
+        flip_a_byte_of_chunk_2(pool)
         external, outcome = b.run_prefill("r2", PROMPT, BLOCKS_B)
         assert external == 256
         assert outcome.loaded_end == 2 * C and "checksum" in outcome.reason
+        assert b.worker.counters.verified_pages == 3
         assert b.worker.counters.checksum_failures == 1 and b.worker.counters.load_failures == 1
         assert torch.equal(b.tokens(0, 128, BLOCKS_B), a.tokens(0, 128, BLOCKS_A))  # what was loaded is right
         stats = pool_stats(pool)
@@ -170,16 +192,71 @@ def test_corrupted_page_stops_the_load_and_is_dropped(pool):
 
 def test_without_verification_the_corrupted_byte_would_be_served(pool):
     """Negative control for the test above: the checksum is what stops the flipped byte."""
-    a, b = Replica(pool, "A", seed=1), Replica(pool, "B", seed=2, verify_checksums=False)
+    a, b = Replica(pool, "A", seed=1), Replica(pool, "B", seed=2, verify_fraction=0.0)
     try:
         a.run_prefill("r1", PROMPT, BLOCKS_A)
-        keys = chunk_keys(namespace_digest(NAMESPACE), PROMPT, C)
-        with PoolClient(pool, name="vandal") as client:
-            pages = client.lookup(keys, LAYOUT.page_bytes, lease=False).pages
-            client.page(pages[2].offset, LAYOUT.page_bytes)[1000] ^= 0xFF
+        flip_a_byte_of_chunk_2(pool)
         _, outcome = b.run_prefill("r2", PROMPT, BLOCKS_B)
         assert outcome.is_complete  # nothing noticed ...
         assert not torch.equal(b.tokens(0, 256, BLOCKS_B), a.tokens(0, 256, BLOCKS_A))  # ... and the KV is wrong
+    finally:
+        a.close(), b.close()
+
+
+class FixedDraw:
+    """An rng whose every draw is ``value``: a sampled verification that always (0.0) or never (0.99) picks."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def random(self):
+        return self.value
+
+
+@pytest.mark.parametrize("draw,is_detected", [(0.0, True), (0.99, False)])
+def test_sampled_verification_checks_the_pages_it_draws(pool, draw, is_detected):
+    a, b = Replica(pool, "A", seed=1), Replica(pool, "B", seed=2, rng=FixedDraw(draw), verify_fraction=0.5)
+    try:
+        a.run_prefill("r1", PROMPT, BLOCKS_A)
+        flip_a_byte_of_chunk_2(pool)
+        _, outcome = b.run_prefill("r2", PROMPT, BLOCKS_B)
+        assert (outcome.loaded_end == 2 * C) == is_detected and outcome.is_complete != is_detected
+        assert b.worker.counters.verified_pages == (3 if is_detected else 0)  # pages 0, 1, then the bad one
+        assert b.worker.counters.checksum_failures == int(is_detected)
+    finally:
+        a.close(), b.close()
+
+
+def test_sampled_verification_checks_a_share_of_the_pages(pool):
+    a = Replica(pool, "A", seed=1)
+    b = Replica(pool, "B", seed=2, rng=random.Random(7), verify_fraction=0.5)
+    try:
+        a.run_prefill("r1", PROMPT, BLOCKS_A)
+        for i in range(10):  # 40 pages loaded
+            _, outcome = b.run_prefill(f"r{i + 2}", PROMPT, BLOCKS_B)
+            assert outcome.is_complete
+            b.scheduler.finish(f"r{i + 2}")
+        assert 10 <= b.worker.counters.verified_pages <= 30
+        assert torch.equal(b.tokens(0, 256, BLOCKS_B), a.tokens(0, 256, BLOCKS_A))
+    finally:
+        a.close(), b.close()
+
+
+@pytest.mark.parametrize("copy_threads", [1, 2])
+def test_any_block_table_gets_the_stored_bytes(pool, copy_threads):
+    """vLLM's block tables: ascending on a fresh server, descending and mixed runs on a busy one."""
+    a = Replica(pool, "A", seed=1)
+    b = Replica(pool, "B", seed=2, copy_threads=copy_threads)
+    try:
+        a.run_prefill("r1", PROMPT, BLOCKS_A)
+        for i, table in enumerate(([5, 6, 30, 29, 28, 12, 13, 14, 2, 20], list(range(20, 30)), BLOCKS_B)):
+            untouched = [blk for blk in range(NUM_BLOCKS) if blk not in table]
+            before = [layer.view(NUM_BLOCKS, -1)[untouched].clone() for layer in b.layers]
+            _, outcome = b.run_prefill(f"r{i + 2}", PROMPT, table)
+            assert outcome.is_complete
+            assert torch.equal(b.tokens(0, 256, table), a.tokens(0, 256, BLOCKS_A))  # bytes loaded == bytes stored
+            assert all(torch.equal(layer.view(NUM_BLOCKS, -1)[untouched], kept) for layer, kept in zip(b.layers, before))
+            b.scheduler.finish(f"r{i + 2}")
     finally:
         a.close(), b.close()
 

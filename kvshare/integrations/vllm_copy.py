@@ -1,0 +1,109 @@
+"""Whole-block copies between pool pages and vLLM's CPU KV, spread over a few threads.
+
+vLLM's CPU worker binds its OpenMP threads to cores. A torch copy there is split over
+that team and every copy waits for the team's slowest thread: on a machine whose cores
+other processes share, a copy measured 15 ms alone took 40-150 ms. numpy copies run on
+the thread that calls them and release the GIL, so a load's copies, one per (layer, run
+of blocks), are dealt out to ``num_threads`` threads: the caller and ``num_threads - 1``
+helpers. numpy also takes the negative strides that descending block ids need (vLLM
+frees a request's blocks in reverse, so a long-running server hands them out that way).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor, wait
+
+import numpy as np
+import torch
+
+from kvshare.integrations.vllm_layout import PagedLayout, blocks_array, read_blocks, split_axis, write_blocks
+from kvshare.integrations.vllm_plan import block_copies
+
+log = logging.getLogger("kvshare.integrations")
+
+
+class CpuBlockCopier:
+    """Copies runs of canonical pages ``[n, L, 2, C, H, D]`` to and from one worker's CPU KV tensors."""
+
+    def __init__(self, layers: list[torch.Tensor], paged: PagedLayout, num_threads: int = 1) -> None:
+        if num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+        self.blocks = [blocks_array(layer, paged) for layer in layers]  # [2, B, N, H, D] each, vLLM's memory
+        self.block_size = paged.block_size
+        self.num_threads = num_threads
+        self._helpers: ThreadPoolExecutor | None = None  # started on first use
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The integer type the pages must be viewed as (same width as the KV dtype)."""
+        return self.blocks[0].dtype
+
+    def to_blocks(self, pages: np.ndarray, lo: int, hi: int, block_ids) -> None:
+        """Tokens ``lo .. hi - 1`` of every page of the run into vLLM blocks ``block_ids`` (page by page)."""
+        self._run(pages, lo, hi, block_ids, into_blocks=True)
+
+    def from_blocks(self, pages: np.ndarray, lo: int, hi: int, block_ids) -> None:
+        """The inverse: vLLM blocks ``block_ids`` into tokens ``lo .. hi - 1`` of every page of the run."""
+        self._run(pages, lo, hi, block_ids, into_blocks=False)
+
+    def _run(self, pages: np.ndarray, lo: int, hi: int, block_ids, into_blocks: bool) -> None:
+        N = self.block_size
+        if lo % N or hi % N:
+            raise ValueError(f"tokens {lo}..{hi - 1} of a page are not whole blocks of {N}")
+        tasks = []
+        copies = block_copies(pages.shape[0], (hi - lo) // N, list(block_ids))
+        for index, blocks in enumerate(self.blocks):
+            layer_pages = pages[:, index, :, lo:hi]  # [n, 2, T, H, D]
+            for c in copies:
+                part = layer_pages[c.first_page : c.first_page + c.num_pages, :, c.lo * N : c.hi * N]
+                part = split_axis(part, 2, N).transpose(1, 0, 2, 3, 4, 5)  # [2, P, b, N, H, D], a view
+                tasks.append((blocks, part, c.first_block, c.step))
+        self._execute(tasks, into_blocks)
+
+    def _execute(self, tasks: list, into_blocks: bool) -> None:
+        def work(share) -> None:
+            for blocks, part, first_block, step in share:
+                if into_blocks:
+                    write_blocks(blocks, part, first_block, step)
+                else:
+                    read_blocks(blocks, first_block, step, part)
+
+        shares = [tasks[k :: self.num_threads] for k in range(self.num_threads)]
+        futures = [self._pool().submit(work, share) for share in shares[1:] if share]
+        try:
+            work(shares[0])
+        finally:
+            # every helper has finished before this returns or raises: a failed load is recomputed
+            # by vLLM, and no helper may still be writing into those blocks then
+            wait(futures)
+        for future in futures:
+            future.result()  # raises a helper's exception
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._helpers is None:
+            self._helpers = ThreadPoolExecutor(self.num_threads - 1, thread_name_prefix="kvshare-copy",
+                                               initializer=_leave_the_callers_cores)
+        return self._helpers
+
+    def close(self) -> None:
+        if self._helpers is not None:
+            self._helpers.shutdown(wait=True)
+            self._helpers = None
+
+
+def _leave_the_callers_cores() -> None:
+    """Runs once in each helper thread, which inherited the affinity of the thread that started it: in
+    vLLM's CPU worker the single core of OpenMP thread 0, where it could not run beside its caller.
+    Move it to the machine's other cores (to all of them where there are no others); the kernel keeps
+    it inside the process's cpuset."""
+    if not hasattr(os, "sched_setaffinity"):
+        return
+    inherited = os.sched_getaffinity(0)
+    every = set(range(os.cpu_count() or 1))
+    try:
+        os.sched_setaffinity(0, (every - inherited) or every)
+    except OSError as exc:
+        log.warning("kvshare: a copy thread stays on cores %s (%s): copies will not run in parallel",
+                    sorted(inherited), exc)
