@@ -132,9 +132,13 @@ def role(args) -> dict:
         if timeline is not None:
             timeline.reset()
         t0 = time.perf_counter()
-        event = next(iter(engine.generate(prompt, params, options)))
+        stream = engine.generate(prompt, params, options)
+        event = next(stream)
         sync()
         dt = time.perf_counter() - t0
+        # closed only now: closing the stream publishes the prompt's chunks (local cache, pool store), which a
+        # server does after streaming the first token; closed before sync() it was timed as part of the TTFT
+        stream.close()
         after = engine.stats()
         p = event.provenance
         result = {"ttft_s": dt, "local": p.local_tokens, "pool": p.pool_tokens, "computed": p.computed_tokens,
