@@ -102,3 +102,39 @@ def test_qwen3_8b_shape_builds_fast_and_reuses_through_the_pool():
     for events in (computed, local, pooled):
         step, gap = _first_divergence(cold, events)
         assert step is None or gap < BF16_GAP, f"diverged at step {step} where the top-2 gap was {gap:.4f}"
+
+
+def test_pool_load_gives_exactly_what_local_reuse_gives():
+    """The overlapped pool load, in every enqueue mode, against local reuse of the same KV bytes (bf16, 8B shape).
+
+    A local-cache hit and a pool load put identical bytes before the same suffix computation, so token ids
+    and logprobs must be bitwise equal (unlike a recompute, whose chunking changes bf16 rounding). A load
+    whose copies the compute stream did not wait for layer by layer would show here.
+    """
+    import dataclasses
+
+    from kvshare.pool.spawn import running_pool
+    from kvshare.transfer.base import LOAD_ENQUEUE_MODES
+
+    n = 16384
+    ids = [int(t) for t in torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(1))]
+    params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=2)
+    with running_pool("8GiB", ("--extent-size", "256MiB"), quiet=True) as sock:
+        a = Engine(EngineConfig(model="qwen3-8b", device="cuda", local_cache_bytes=3 << 30, pool_socket=sock,
+                                verify_checksums=True))
+        list(a.generate(ids, params))  # computes, stores in the pool and the local cache
+        local = list(a.generate(ids, params))
+        a.close()
+        b = Engine(EngineConfig(model="qwen3-8b", device="cuda", local_cache_bytes=0, pool_socket=sock,
+                                verify_checksums=True))
+        reused = n - 256
+        assert (local[0].provenance.local_tokens, local[0].provenance.pool_tokens) == (reused, 0)
+        transfer = b._pool.transfer
+        for mode in LOAD_ENQUEUE_MODES:
+            transfer.config = dataclasses.replace(transfer.config, load_enqueue=mode)
+            pooled = list(b.generate(ids, params))
+            assert (pooled[0].provenance.local_tokens, pooled[0].provenance.pool_tokens) == (0, reused), mode
+            got = [(e.token_id, e.logprob, e.top_logprobs) for e in pooled]
+            assert got == [(e.token_id, e.logprob, e.top_logprobs) for e in local], mode
+        assert b.stats().checksum_failures == 0
+        b.close()
