@@ -92,6 +92,7 @@ if [ -n "${KVSHARE_BENCH_DRY:-}" ]; then M32=tiny M8=tiny DEV=cpu POOL=2GiB CTX_
 # the pool holds one block's primes: 8 x 7.8 GiB at 32k, 2 x 31.3 GiB at 128k (LRU evicts older ones)
 M32=${M32:-qwen3-32b} M8=${M8:-qwen3-8b} DEV=${DEV:-cuda} POOL=${POOL:-66GiB} CTX_A=${CTX_A:-32k} CTX_B=${CTX_B:-128k}
 PER_BLOCK_32K=${PER_BLOCK_32K:-8}
+SESSION_CONTEXTS=${SESSION_CONTEXTS:-$CTX_A,$CTX_B}  # e.g. SESSION_CONTEXTS=128k to continue with 128k only
 GPU32=(--model "$M32" --device "$DEV" --sequential --replicas 2 --pool-size "$POOL" --unit-allowance 60)
 GPU8=(--model "$M8" --device "$DEV" --replicas 2 --pool-size "$POOL" --replica-arg=--local-cache-size=20GiB)
 
@@ -102,11 +103,13 @@ case $STEP in
             --contexts "$CTX_A" --repetitions 2 --per-block "$PER_BLOCK_32K" --max-tokens 16 --verify 1
         ;;
     32b-128k)
+        validate
         bench suite --experiments blocks,ttft "${GPU32[@]}" --replica-arg=--local-cache-size=32GiB \
             --contexts "$CTX_B" --repetitions 1 --per-block 2 --max-tokens 16 --verify 0
         ;;
     8b-sessions)
-        bench sessions "${GPU8[@]}" --contexts "$CTX_A,$CTX_B" --sessions 2 --turns 6 --turn-tokens 200 \
+        validate
+        bench sessions "${GPU8[@]}" --contexts "$SESSION_CONTEXTS" --sessions 2 --turns 6 --turn-tokens 200 \
             --answer-tokens 32 --verify 1
         ;;
     report) ;;
