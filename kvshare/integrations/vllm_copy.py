@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Callable, TypeVar
 
 import numpy as np
 import torch
@@ -22,6 +23,8 @@ from kvshare.integrations.vllm_layout import PagedLayout, blocks_array, read_blo
 from kvshare.integrations.vllm_plan import block_copies
 
 log = logging.getLogger("kvshare.integrations")
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 class CpuBlockCopier:
@@ -62,6 +65,18 @@ class CpuBlockCopier:
                 tasks.append((blocks, part, c.first_block, c.step))
         self._execute(tasks, into_blocks)
 
+    def map(self, fn: Callable[[T], R], items: list[T]) -> list[R]:
+        """``[fn(item) for item in items]``, the items dealt out to the copy threads (for page checksums:
+        xxhash releases the GIL on large buffers)."""
+        results: list = [None] * len(items)
+
+        def work(share: list[int]) -> None:
+            for i in share:
+                results[i] = fn(items[i])
+
+        self._spread(work, list(range(len(items))))
+        return results
+
     def _execute(self, tasks: list, into_blocks: bool) -> None:
         def work(share) -> None:
             for blocks, part, first_block, step in share:
@@ -70,6 +85,10 @@ class CpuBlockCopier:
                 else:
                     read_blocks(blocks, first_block, step, part)
 
+        self._spread(work, tasks)
+
+    def _spread(self, work: Callable[[list], None], tasks: list) -> None:
+        """``work`` on ``num_threads`` interleaved shares of ``tasks``: the caller's share on the caller."""
         shares = [tasks[k :: self.num_threads] for k in range(self.num_threads)]
         futures = [self._pool().submit(work, share) for share in shares[1:] if share]
         try:

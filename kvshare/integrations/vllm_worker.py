@@ -144,16 +144,26 @@ class PoolKVWorker:
         if spec.token_start < spec.first_chunk * C or covered_end <= spec.token_start:
             return spec.token_start, "no leased page covers the load"
         trusted, reason = [], ""
-        for piece in page_slices(spec.token_start, covered_end, spec.first_chunk, len(spec.pages), C):
+        pieces = list(page_slices(spec.token_start, covered_end, spec.first_chunk, len(spec.pages), C))
+        sized = 0  # pieces before the first page of another size (read no further: its bytes are not this model's)
+        while sized < len(pieces) and spec.pages[pieces[sized].page_index].page_bytes == page_bytes:
+            sized += 1
+        # the draws in page order; the chosen pages' checksums all at once, spread over the copy threads
+        chosen = [self._draw_verification() for _ in range(sized)]
+        views = [client.page(spec.pages[p.page_index].offset, page_bytes) for p, c in zip(pieces, chosen) if c]
+        sums = iter(self._copier.map(page_checksum, views) if self._copier is not None else map(page_checksum, views))
+        for index, piece in enumerate(pieces):
             ref = spec.pages[piece.page_index]
-            if ref.page_bytes != page_bytes:
+            if index == sized:
                 reason = f"page of {ref.page_bytes} bytes, this model's pages have {page_bytes}"
                 break
-            if self._chosen_for_verification() and page_checksum(client.page(ref.offset, page_bytes)) != ref.checksum:
-                self.counters.checksum_failures += 1
-                self._drop(spec.keys[piece.page_index])
-                reason = f"checksum mismatch in chunk {piece.chunk} (page at offset {ref.offset})"
-                break
+            if chosen[index]:
+                self.counters.verified_pages += 1
+                if next(sums) != ref.checksum:
+                    self.counters.checksum_failures += 1
+                    self._drop(spec.keys[piece.page_index])
+                    reason = f"checksum mismatch in chunk {piece.chunk} (page at offset {ref.offset})"
+                    break
             trusted.append(piece)
         times.mark("verify")
         offsets = [spec.pages[p.page_index].offset for p in trusted]
@@ -169,12 +179,10 @@ class PoolKVWorker:
             reason = "the lease does not cover the whole load"
         return loaded_end, reason
 
-    def _chosen_for_verification(self) -> bool:
-        """Whether the next page's checksum is checked: always at 1.0, else with that probability
-        (random, so a bad page cannot hide at a position that is never checked)."""
-        chosen = self.verify_fraction >= 1.0 or self._rng.random() < self.verify_fraction
-        self.counters.verified_pages += chosen
-        return chosen
+    def _draw_verification(self) -> bool:
+        """Whether a page's checksum is checked: always at 1.0, else with that probability (random, so a
+        bad page cannot hide at a position that is never checked)."""
+        return self.verify_fraction >= 1.0 or self._rng.random() < self.verify_fraction
 
     def _copy_run(self, client, offset: int, run: CopyRun, first_chunk: int, block_ids, into_kv: bool) -> None:
         """Tokens ``run.lo .. run.hi - 1`` of the run's pages (chunks ``first_chunk ..``) into vLLM's blocks

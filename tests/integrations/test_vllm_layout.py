@@ -176,3 +176,16 @@ def test_block_copies_refuse_what_is_not_whole_blocks():
         copier.to_blocks(pages, 0, 2 * N, [11, 12])
     with pytest.raises(IndexError, match="outside the 12 blocks"):
         copier.to_blocks(pages, 0, 2 * N, [0, -1])
+
+
+@pytest.mark.parametrize("num_threads", [1, 3])
+def test_copier_map_keeps_order_and_raises_a_helpers_error(num_threads):
+    layer = cpu_attn_tensor()
+    copier = CpuBlockCopier([layer], detect_layout("CPU_ATTN", layer, H, D, N, torch.float32), num_threads)
+    try:
+        assert copier.map(lambda x: x * x, list(range(10))) == [x * x for x in range(10)]
+        assert copier.map(lambda x: x, []) == []
+        with pytest.raises(ZeroDivisionError):
+            copier.map(lambda x: 1 // x, [3, 0, 1, 2])  # item 1 is a helper's when num_threads > 1
+    finally:
+        copier.close()
