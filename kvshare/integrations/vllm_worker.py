@@ -151,7 +151,7 @@ class PoolKVWorker:
         # the draws in page order; the chosen pages' checksums all at once, spread over the copy threads
         chosen = [self._draw_verification() for _ in range(sized)]
         views = [client.page(spec.pages[p.page_index].offset, page_bytes) for p, c in zip(pieces, chosen) if c]
-        sums = iter(self._copier.map(page_checksum, views) if self._copier is not None else map(page_checksum, views))
+        sums = iter(self._checksums(views))
         for index, piece in enumerate(pieces):
             ref = spec.pages[piece.page_index]
             if index == sized:
@@ -178,6 +178,12 @@ class PoolKVWorker:
         if loaded_end != spec.token_end and not reason:
             reason = "the lease does not cover the whole load"
         return loaded_end, reason
+
+    def _checksums(self, pages: list) -> list[int]:
+        """``page_checksum`` of each page; on CPU spread over the copy threads (xxhash releases the GIL)."""
+        if self._copier is not None:
+            return self._copier.map(page_checksum, pages)
+        return [page_checksum(page) for page in pages]
 
     def _draw_verification(self) -> bool:
         """Whether a page's checksum is checked: always at 1.0, else with that probability (random, so a
@@ -288,7 +294,7 @@ class PoolKVWorker:
         for run in copy_runs(slices, offsets, page_bytes, C, client.hello.extent_bytes):
             self._copy_run(client, offsets[run.first], run, slices[run.first].chunk, spec.block_ids, into_kv=False)
         times.mark("copy")
-        checksums = [page_checksum(client.page(offset, page_bytes)) for offset in offsets]
+        checksums = self._checksums([client.page(offset, page_bytes) for offset in offsets])
         times.mark("checksum")
         return checksums
 
