@@ -14,6 +14,9 @@
 #                sticky, pool off vs on, at 32k then 128k (2 sessions each, as time allows)
 #   report       only rewrite and print the report of RESULTS
 #
+# Environment: SESSION_CONTEXTS (8b-sessions' initial contexts, default "32k,128k"; e.g. 128k to
+# continue with 128k only), PER_BLOCK_32K (default 8), KVSHARE_BENCH_SECONDS (default 520).
+#
 # 32B: two replicas with 128k of KV do not fit one GPU together, so replicas run one after the
 # other against one pool (kvshare bench --sequential): prime on replica A, stop it, start B,
 # measure; B never saw the prompt. Each started replica is warmed up (two small requests) before
