@@ -28,9 +28,13 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
-# On CUDA the cuDNN backend ran 20-35% faster than flash at 32k-128k on the H200; the rest is the fallback order.
 LOGITS_VOCAB_SLICE = 16384  # rows of a bf16 LM head upcast at a time (16384 x 5120 x 4 B = 320 MiB)
+# On CUDA the cuDNN backend ran 20-35% faster than flash for prefill at 32k-128k on the H200; the rest is
+# the fallback order. A decode step (one query) goes to flash first: cuDNN's one-query attention gave
+# two different results for the same inputs on the H200 (30 repeats, logits up to 0.1 apart) where
+# flash gave one, and flash's step was faster too (33 vs 39 ms at 16k, 8B shape).
 CUDA_SDPA_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+CUDA_DECODE_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class RMSNorm(nn.Module):
@@ -200,7 +204,10 @@ class Transformer(nn.Module):
         dtype = self.model.embed_tokens.weight.dtype
         x = self.model.embed_tokens(tokens)  # [T, E]
         cos, sin = rope_cos_sin(self.inv_freq, start, num_tokens, dtype)  # [T, D]
-        backends = CUDA_SDPA_BACKENDS if x.is_cuda else [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+        if x.is_cuda:
+            backends = CUDA_DECODE_SDPA_BACKENDS if num_tokens == 1 else CUDA_SDPA_BACKENDS
+        else:
+            backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
         with sdpa_kernel(backends, set_priority=True):
             for i, layer in enumerate(self.model.layers):
                 hook = (lambda i=i: before_layer(i)) if before_layer is not None else _no_op
