@@ -10,8 +10,10 @@ Load it with::
 vLLM builds one instance per role. The SCHEDULER one (PoolScheduler) hashes each
 prompt's full chunks, leases the longest run the pool holds beyond vLLM's own prefix
 hit and plans every step's loads and stores. The WORKER one (PoolKVWorker) copies the
-leased pages into the step's freshly allocated blocks before the forward, and copies
-the chunks the step completed into reserved pages after it, then commits them.
+leased pages into the step's freshly allocated blocks before the forward (on CPU with
+``overlap_load``, layer by layer beside it, each attention layer waiting for its own layer:
+kvshare.integrations.vllm_overlap), and copies the chunks the step completed into reserved
+pages after it, then commits them.
 A page that fails its checksum, a lease lost to a pool restart or a pool that is gone
 ends a load early: its blocks are reported as load errors and vLLM recomputes them
 (with ``kv_load_failure_policy: recompute``; vLLM's default "fail" fails the request).
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,7 +39,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvshare.integrations.model_identity import engine_namespace
 from kvshare.integrations.pool_link import PoolLink
 from kvshare.integrations.vllm_layout import UnsupportedKVLayout, detect_layout
-from kvshare.integrations.vllm_meta import LoadOutcome, PhaseTimes, StepPlan, WorkerReport
+from kvshare.integrations.vllm_meta import LoadOutcome, LoadSpec, PhaseTimes, StepPlan, WorkerReport
 from kvshare.integrations.vllm_options import PARAMS_KEY, ConnectorConfig, check_supported, kv_layout_of
 from kvshare.integrations.vllm_plan import blocks_of_tokens
 from kvshare.integrations.vllm_scheduler import PoolScheduler, ScheduledRequest
@@ -44,6 +47,7 @@ from kvshare.integrations.vllm_stats import KVSharePromMetrics, KVShareStats
 from kvshare.integrations.vllm_worker import PoolKVWorker
 
 if TYPE_CHECKING:
+    from kvshare.integrations.vllm_overlap import LayeredLoads
     from vllm.config import VllmConfig
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -129,6 +133,9 @@ class KVShareConnector(KVConnectorBase_V1):
         self._step_times = PhaseTimes()
         self._invalid_blocks: set[int] = set()
         self._failed_loads: set[str] = set()
+        self._overlap = self.config.overlap_load  # turned off if vLLM's forward turns out not to wait per layer
+        self._layered: LayeredLoads | None = None  # this step's loads copying beside the forward
+        self._layer_index: dict[str, int] = {}  # vLLM layer name -> model layer index
         log.info("kvshare connector (%s) for %s, pool %s, chunk %d tokens, page %d bytes", side,
                  self.namespace.model_id, self.config.socket_path, self.config.chunk_tokens, self.kv_layout.page_bytes)
 
@@ -148,6 +155,7 @@ class KVShareConnector(KVConnectorBase_V1):
             if index in by_index:
                 raise UnsupportedKVLayout(f"layers {by_index[index][0]} and {name} share index {index}")
             by_index[index] = (name, tensor)
+            self._layer_index[name] = index
         if sorted(by_index) != list(range(self.kv_layout.num_layers)):
             raise UnsupportedKVLayout(
                 f"vLLM registered KV for layers {sorted(by_index)}, expected 0..{self.kv_layout.num_layers - 1}"
@@ -181,22 +189,49 @@ class KVShareConnector(KVConnectorBase_V1):
         return meta.plan if isinstance(meta, KVShareConnectorMetadata) else StepPlan()
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._finish_layered()  # (a step always ends in wait_for_save first; this only guards against a skipped one)
         self._step_times = PhaseTimes()  # this step's load, forward and save (logged at DEBUG)
+        layered = []
         for spec in self._plan().loads:
             if not self._worker.layers:
                 outcome = LoadOutcome(spec.req_id, spec.token_start, spec.token_end, spec.token_start, "no KV registered")
+            elif self._overlap:
+                outcome = self._worker.begin_load(spec)
             else:
                 outcome = self._worker.load(spec)
-            self._outcomes.append(outcome)
-            if not outcome.is_complete:
-                self._failed_loads.add(spec.req_id)
-                self._invalid_blocks.update(
-                    blocks_of_tokens(outcome.loaded_end, outcome.token_end, self.block_size, list(spec.block_ids))
-                )
+            if isinstance(outcome, LoadOutcome):
+                self._settle_load(spec, outcome)
+            else:
+                layered.append(outcome)
+        if layered:
+            self._layered = self._worker.start_layered(layered)
         self._step_times.mark("load")
 
+    def _settle_load(self, spec: LoadSpec, outcome: LoadOutcome) -> None:
+        self._outcomes.append(outcome)
+        if not outcome.is_complete:
+            self._failed_loads.add(spec.req_id)
+            self._invalid_blocks.update(
+                blocks_of_tokens(outcome.loaded_end, outcome.token_end, self.block_size, list(spec.block_ids))
+            )
+
+    def _finish_layered(self) -> None:
+        """Wait for the step's layered loads; their failures become load errors, as synchronous ones."""
+        layered, self._layered = self._layered, None
+        if layered is None:
+            return
+        outcomes, all_waited = layered.finish()
+        if not all_waited:
+            self._overlap = False
+            log.warning("kvshare: vLLM's forward did not wait for every layer's load (no wait_for_layer_load "
+                        "calls?); this step's loads are recomputed and later loads run before the forward")
+        for load, outcome in zip(layered.loads, outcomes):
+            self._settle_load(load.spec, outcome)
+
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are synchronous: done before the forward starts
+        index = self._layer_index.get(layer_name)
+        if self._layered is not None and index is not None:  # a name not registered is never waited for:
+            self._layered.wait_layer(index)  # finish() then fails the step's loads
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return  # stores run in wait_for_save, after every layer of the step has written its KV
@@ -204,6 +239,8 @@ class KVShareConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         times, plan = self._step_times, self._plan()
         times.mark("forward")
+        self._finish_layered()
+        times.mark("load_finish")
         for spec in plan.stores:
             if spec.req_id in self._failed_loads or not self._worker.layers:
                 continue  # this step computed from KV that failed to load: nothing of it may be stored
@@ -211,9 +248,11 @@ class KVShareConnector(KVConnectorBase_V1):
         self._failed_loads.clear()
         times.mark("save")
         if plan.loads or plan.stores:
-            log.debug("kvshare timing: step - loads=%d stores=%d %s", len(plan.loads), len(plan.stores), times.line())
+            log.debug("kvshare timing: step - loads=%d stores=%d tokens=%d %s", len(plan.loads), len(plan.stores),
+                      plan.num_tokens, times.line())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        self._finish_layered()  # already done by wait_for_save, unless vLLM deferred that past this call
         invalid, self._invalid_blocks = self._invalid_blocks, set()
         return invalid
 
@@ -276,7 +315,8 @@ class KVShareConnector(KVConnectorBase_V1):
         for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens):
             if self._scheduler.uses_pool(req_id):
                 steps.append(ScheduledRequest(req_id, computed, num_scheduled[req_id], _Lazy(block_ids_of, req_id)))
-        return KVShareConnectorMetadata(self._scheduler.plan_step(steps))
+        plan = replace(self._scheduler.plan_step(steps), num_tokens=scheduler_output.total_num_scheduled_tokens)
+        return KVShareConnectorMetadata(plan)
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = connector_output.kv_connector_worker_meta

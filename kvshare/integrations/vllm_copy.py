@@ -51,19 +51,28 @@ class CpuBlockCopier:
         """The inverse: vLLM blocks ``block_ids`` into tokens ``lo .. hi - 1`` of every page of the run."""
         self._run(pages, lo, hi, block_ids, into_blocks=False)
 
+    def layer_to_blocks(self, pages: np.ndarray, lo: int, hi: int, block_ids, index: int) -> None:
+        """``to_blocks`` for layer ``index`` only, on the calling thread (a load copied layer by layer)."""
+        for blocks, part, first_block, step in self._tasks(pages, lo, hi, block_ids, [index]):
+            write_blocks(blocks, part, first_block, step)
+
     def _run(self, pages: np.ndarray, lo: int, hi: int, block_ids, into_blocks: bool) -> None:
+        self._execute(self._tasks(pages, lo, hi, block_ids, range(len(self.blocks))), into_blocks)
+
+    def _tasks(self, pages: np.ndarray, lo: int, hi: int, block_ids, layers) -> list:
+        """(layer's blocks, page part [2, P, b, N, H, D], first block, step) per layer and block rectangle."""
         N = self.block_size
         if lo % N or hi % N:
             raise ValueError(f"tokens {lo}..{hi - 1} of a page are not whole blocks of {N}")
         tasks = []
         copies = block_copies(pages.shape[0], (hi - lo) // N, list(block_ids))
-        for index, blocks in enumerate(self.blocks):
+        for index in layers:
             layer_pages = pages[:, index, :, lo:hi]  # [n, 2, T, H, D]
             for c in copies:
                 part = layer_pages[c.first_page : c.first_page + c.num_pages, :, c.lo * N : c.hi * N]
                 part = split_axis(part, 2, N).transpose(1, 0, 2, 3, 4, 5)  # [2, P, b, N, H, D], a view
-                tasks.append((blocks, part, c.first_block, c.step))
-        self._execute(tasks, into_blocks)
+                tasks.append((self.blocks[index], part, c.first_block, c.step))
+        return tasks
 
     def map(self, fn: Callable[[T], R], items: list[T]) -> list[R]:
         """``[fn(item) for item in items]``, the items dealt out to the copy threads (for page checksums:
@@ -103,7 +112,7 @@ class CpuBlockCopier:
     def _pool(self) -> ThreadPoolExecutor:
         if self._helpers is None:
             self._helpers = ThreadPoolExecutor(self.num_threads - 1, thread_name_prefix="kvshare-copy",
-                                               initializer=_leave_the_callers_cores)
+                                               initializer=leave_the_callers_cores)
         return self._helpers
 
     def close(self) -> None:
@@ -112,7 +121,7 @@ class CpuBlockCopier:
             self._helpers = None
 
 
-def _leave_the_callers_cores() -> None:
+def leave_the_callers_cores() -> None:
     """Runs once in each helper thread, which inherited the affinity of the thread that started it: in
     vLLM's CPU worker the single core of OpenMP thread 0, where it could not run beside its caller.
     Move it to the machine's other cores (to all of them where there are no others); the kernel keeps

@@ -50,6 +50,8 @@ class VllmServerConfig:
     device: str = "cpu"  # "cpu" | "cuda": which environment the server gets
     max_num_batched_tokens: int | None = None  # None: vLLM's default
     verify_fraction: float | None = None  # share of loaded pages verified; None: the connector's default
+    overlap_load: bool | None = None  # CPU loads copied beside the forward; None: the connector's default
+    copy_threads: int | None = None  # threads of the connector's CPU copies; None: the connector's default
     pool_retry_s: float = 5.0  # after losing the pool, serve without it this long before reconnecting
     log_level: str | None = None  # KVSHARE_LOG_LEVEL of the connector; "DEBUG" logs each load's phase timings
     seed: int = 0
@@ -89,6 +91,10 @@ def kv_transfer_config(config: VllmServerConfig) -> dict:
     }
     if config.verify_fraction is not None:
         extra["verify_fraction"] = config.verify_fraction
+    if config.overlap_load is not None:
+        extra["overlap_load"] = config.overlap_load
+    if config.copy_threads is not None:
+        extra["copy_threads"] = config.copy_threads
     return {
         "kv_connector": CONNECTOR_CLASS,
         "kv_connector_module_path": CONNECTOR_MODULE,

@@ -55,6 +55,7 @@ class StepPlan:
 
     loads: tuple[LoadSpec, ...] = ()
     stores: tuple[StoreSpec, ...] = ()
+    num_tokens: int = 0  # tokens vLLM computes in the step, all requests (for the timing log)
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,7 @@ class PhaseTimes:
         self._clock, self._cpu_clock = clock, cpu_clock
         self._started = self._last = clock()
         self._cpu_started = self._cpu_last = cpu_clock()
+        self._elsewhere = 0.0  # seconds added for work other threads did (add)
         self.seconds: dict[str, float] = {}
 
     def mark(self, phase: str) -> None:
@@ -147,9 +149,14 @@ class PhaseTimes:
         self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._last
         self._last, self._cpu_last = now, self._cpu_clock()
 
+    def add(self, phase: str, seconds: float) -> None:
+        """Charge ``seconds`` another thread spent to ``phase`` (and to the total)."""
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
+        self._elsewhere += seconds
+
     @property
     def total(self) -> float:
-        return self._last - self._started
+        return self._last - self._started + self._elsewhere
 
     @property
     def cpu(self) -> float:

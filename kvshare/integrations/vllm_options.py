@@ -34,6 +34,11 @@ class ConnectorConfig:
     # third of a load's time on the 2-core CI machine; docs/vllm.md).
     verify_fraction: float = 1.0
     copy_threads: int = 2  # threads that copy between pages and vLLM's KV on CPU (1: vLLM's worker thread only)
+    # on CPU, copy a load layer by layer on a helper thread while the forward runs, each attention layer
+    # waiting for its own layer (kvshare.integrations.vllm_overlap). Off by default: it needs a core
+    # outside vLLM's OpenMP team; on the 2-core machine the helper took one of the team's cores and the
+    # forward, which waits for its slowest thread, ran 4x slower (docs/vllm.md)
+    overlap_load: bool = False
     lease_ttl_s: float = 60.0  # a lease vLLM has not scheduled within this is released
     pool_timeout_s: float = 2.0  # longest wait for one pool reply before the pool counts as down
     pool_retry_s: float = 5.0  # after a failure, how long to serve without the pool before trying again
@@ -88,7 +93,7 @@ class ConnectorConfig:
             )
 
 
-_RENAMED = {"verify_checksums": "set verify_fraction (1.0 checks every page, 0 none; default 0.125)"}
+_RENAMED = {"verify_checksums": "set verify_fraction (1.0 checks every page, 0 none; default 1.0)"}
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,7 @@ def prompt_of(seed: int, num_tokens: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    """A pool, replicas A and B with the connector, and R without it (the reference)."""
+    """A pool, replicas A and B with the connector, C with it and overlap_load, and R without it (the reference)."""
     work = tmp_path_factory.mktemp("vllm-e2e")
     model = make_model_dir(str(work / "model"))
     socket_dir = f"/tmp/kvshare-e2e-{os.getpid()}"
@@ -64,6 +64,8 @@ def cluster(tmp_path_factory):
         "A": VllmServerConfig(port=free_port(), pool_socket=socket_path, replica="A", **common),
         "B": VllmServerConfig(port=free_port(), pool_socket=socket_path, replica="B", **common),
         "R": VllmServerConfig(port=free_port(), pool_socket=None, replica="R", **common),
+        # loads copied layer by layer beside the forward (overlap_load, off by default)
+        "C": VllmServerConfig(port=free_port(), pool_socket=socket_path, replica="C", overlap_load=True, **common),
     }
     servers = start_servers(configs, str(work))
     state = {"pool": pool, "socket": socket_path, "model": model, "work": work}
@@ -176,6 +178,30 @@ def test_corrupted_page_is_detected_and_recomputed(cluster):
 
     with PoolClient(state["socket"], name="test") as client:  # B recomputed chunk 1 and stored it
         assert len(client.lookup(keys, LAYOUT.page_bytes, lease=False).pages) == 3
+
+
+def test_layered_loads_beside_the_forward_give_the_same_answer(cluster):
+    """overlap_load: each attention layer waits for its own layer's copy (a forward that never waited would
+    fail the load: pool_tokens 0 and a load failure); a corrupted page is found after the forward read it,
+    and the request is still recomputed from there."""
+    servers, state = cluster
+    prompt = prompt_of(30, 1100)
+    complete(servers["A"], prompt)
+    got = complete(servers["C"], prompt)
+    assert provenance(got) == {"replica": "C", "local_tokens": 0, "pool_tokens": 1024, "computed_tokens": 76}
+    assert_same_answer(got, complete(servers["R"], prompt))
+    assert metric(servers["C"], "vllm:kvshare_load_failures_total") == 0
+
+    prompt = prompt_of(31, 900)
+    complete(servers["A"], prompt)
+    keys = chunk_keys(namespace_digest(engine_namespace(state["model"], LAYOUT, "vllm")), prompt, C)
+    with PoolClient(state["socket"], name="vandal") as client:
+        page = client.page(client.lookup(keys, LAYOUT.page_bytes, lease=False).pages[1].offset, LAYOUT.page_bytes)
+        page[:] = page[::-1].copy()
+    got = complete(servers["C"], prompt)
+    assert_same_answer(got, complete(servers["R"], prompt))
+    assert provenance(got)["pool_tokens"] == C
+    assert wait_for_metric(servers["C"], "vllm:kvshare_checksum_failures_total", 1) == 1
 
 
 def test_pool_killed_mid_run_both_servers_keep_answering(cluster):

@@ -13,7 +13,7 @@ import torch
 
 from kvshare.integrations.pool_link import PoolLink
 from kvshare.integrations.vllm_layout import PagedLayout, reference_gather
-from kvshare.integrations.vllm_meta import WorkerReport
+from kvshare.integrations.vllm_meta import LoadOutcome, WorkerReport
 from kvshare.integrations.vllm_options import ConnectorConfig
 from kvshare.integrations.vllm_scheduler import PoolScheduler, ScheduledRequest
 from kvshare.integrations.vllm_worker import PoolKVWorker
@@ -27,6 +27,7 @@ NUM_BLOCKS = 40
 LAYOUT = KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, dtype="float32", chunk_tokens=C)
 NAMESPACE = Namespace("tiny", "f" * 32, "float32", L, H, D, chunk_tokens=C, engine_family="vllm")
 POOL_ARGS = ("--extent-size", "4MiB")
+LAYERED = pytest.mark.parametrize("layered", [False, True], ids=["before-forward", "layered"])
 
 
 class FakeClock:
@@ -40,7 +41,8 @@ class FakeClock:
 class Replica:
     """One vLLM replica's connector sides over fake CPU_ATTN KV tensors."""
 
-    def __init__(self, socket_path, name, seed, clock=None, rng=None, **config):
+    def __init__(self, socket_path, name, seed, clock=None, rng=None, layered=False, **config):
+        self.layered = layered  # loads copied layer by layer beside the forward, as the connector does on CPU
         self.config = ConnectorConfig(pool_socket=socket_path, chunk_tokens=C, replica=name, **config)
         self.clock = clock or FakeClock()
         self.scheduler = PoolScheduler(self.config, NAMESPACE, LAYOUT.page_bytes, N,
@@ -62,13 +64,30 @@ class Replica:
         while computed < len(prompt):
             n = min(step_tokens or len(prompt), len(prompt) - computed)
             plan = self.scheduler.plan_step([ScheduledRequest(req_id, computed, n, block_ids)])
-            outcomes = [self.worker.load(spec) for spec in plan.loads]  # before the forward
+            outcomes = self.load(plan.loads)
             for spec in plan.stores:  # after it
                 self.worker.store(spec)
             self.scheduler.on_report(WorkerReport(outcomes))
             outcome = outcomes[0] if outcomes else outcome
             computed += n
         return external, outcome
+
+    def load(self, specs):
+        """The step's loads: all before the forward, or (``layered``) each attention layer of the forward
+        waiting for its own layer, as the connector runs them on CPU."""
+        if not self.layered:
+            return [self.worker.load(spec) for spec in specs]
+        begun = [self.worker.begin_load(spec) for spec in specs]
+        layered = [load for load in begun if not isinstance(load, LoadOutcome)]
+        if not layered:
+            return begun  # loads the layered path does not take ran synchronously
+        loads = self.worker.start_layered(layered)
+        for index in range(L):  # the forward's attention layers
+            loads.wait_layer(index)
+        outcomes, all_waited = loads.finish()
+        assert all_waited
+        finished = iter(outcomes)
+        return [load if isinstance(load, LoadOutcome) else next(finished) for load in begun]
 
     def tokens(self, start, num, block_ids):
         return torch.stack([reference_gather(layer, self.paged, start, num, block_ids) for layer in self.layers])
@@ -94,8 +113,9 @@ BLOCKS_A = list(range(0, 10))
 BLOCKS_B = list(range(39, 29, -1))  # other blocks, in another order
 
 
-def test_cross_replica_bytes_equal(pool):
-    a, b = Replica(pool, "A", seed=1), Replica(pool, "B", seed=2)
+@LAYERED
+def test_cross_replica_bytes_equal(pool, layered):
+    a, b = Replica(pool, "A", seed=1), Replica(pool, "B", seed=2, layered=layered)
     try:
         external, _ = a.run_prefill("r1", PROMPT, BLOCKS_A)
         assert external == 0
@@ -125,8 +145,9 @@ def test_chunked_prefill_stores_every_chunk_once(pool):
         a.close(), b.close()
 
 
-def test_unaligned_local_hit_loads_only_the_rest(pool):
-    a, b = Replica(pool, "A", seed=1), Replica(pool, "B", seed=2)
+@LAYERED
+def test_unaligned_local_hit_loads_only_the_rest(pool, layered):
+    a, b = Replica(pool, "A", seed=1), Replica(pool, "B", seed=2, layered=layered)
     try:
         a.run_prefill("r1", PROMPT, BLOCKS_A)
         before = b.tokens(0, 96, BLOCKS_B).clone()
@@ -139,10 +160,11 @@ def test_unaligned_local_hit_loads_only_the_rest(pool):
         a.close(), b.close()
 
 
-def test_a_load_that_starts_inside_a_block_takes_the_token_path(pool):
+@LAYERED
+def test_a_load_that_starts_inside_a_block_takes_the_token_path(pool, layered):
     """vLLM's local hits are whole blocks; should one not be, its first page goes token by token
     (scatter_tokens) and the rest as whole blocks: the bytes are the same either way."""
-    a, b = Replica(pool, "A", seed=1), Replica(pool, "B", seed=2)
+    a, b = Replica(pool, "A", seed=1), Replica(pool, "B", seed=2, layered=layered)
     try:
         a.run_prefill("r1", PROMPT, BLOCKS_A)
         before = b.tokens(0, 40, BLOCKS_B).clone()
@@ -154,8 +176,9 @@ def test_a_load_that_starts_inside_a_block_takes_the_token_path(pool):
         a.close(), b.close()
 
 
-def test_a_prompt_of_whole_chunks_leaves_its_last_block(pool):
-    a, b = Replica(pool, "A", seed=1), Replica(pool, "B", seed=2)
+@LAYERED
+def test_a_prompt_of_whole_chunks_leaves_its_last_block(pool, layered):
+    a, b = Replica(pool, "A", seed=1), Replica(pool, "B", seed=2, layered=layered)
     try:
         a.run_prefill("r1", PROMPT[:256], BLOCKS_A)
         external, outcome = b.run_prefill("r2", PROMPT[:256], BLOCKS_B)
@@ -172,8 +195,9 @@ def flip_a_byte_of_chunk_2(pool):
         client.page(pages[2].offset, LAYOUT.page_bytes)[1000] ^= 0xFF
 
 
-def test_corrupted_page_stops_the_load_and_is_dropped(pool):
-    a, b = Replica(pool, "A", seed=1), Replica(pool, "B", seed=2, verify_fraction=1.0)
+@LAYERED
+def test_corrupted_page_stops_the_load_and_is_dropped(pool, layered):
+    a, b = Replica(pool, "A", seed=1), Replica(pool, "B", seed=2, verify_fraction=1.0, layered=layered)
     try:
         a.run_prefill("r1", PROMPT, BLOCKS_A)
         flip_a_byte_of_chunk_2(pool)
@@ -190,9 +214,10 @@ def test_corrupted_page_stops_the_load_and_is_dropped(pool):
         a.close(), b.close()
 
 
-def test_without_verification_the_corrupted_byte_would_be_served(pool):
+@LAYERED
+def test_without_verification_the_corrupted_byte_would_be_served(pool, layered):
     """Negative control for the test above: the checksum is what stops the flipped byte."""
-    a, b = Replica(pool, "A", seed=1), Replica(pool, "B", seed=2, verify_fraction=0.0)
+    a, b = Replica(pool, "A", seed=1), Replica(pool, "B", seed=2, verify_fraction=0.0, layered=layered)
     try:
         a.run_prefill("r1", PROMPT, BLOCKS_A)
         flip_a_byte_of_chunk_2(pool)
@@ -214,8 +239,10 @@ class FixedDraw:
 
 
 @pytest.mark.parametrize("draw,is_detected", [(0.0, True), (0.99, False)])
-def test_sampled_verification_checks_the_pages_it_draws(pool, draw, is_detected):
-    a, b = Replica(pool, "A", seed=1), Replica(pool, "B", seed=2, rng=FixedDraw(draw), verify_fraction=0.5)
+@LAYERED
+def test_sampled_verification_checks_the_pages_it_draws(pool, draw, is_detected, layered):
+    a, b = Replica(pool, "A", seed=1), Replica(pool, "B", seed=2, rng=FixedDraw(draw), verify_fraction=0.5,
+                                                      layered=layered)
     try:
         a.run_prefill("r1", PROMPT, BLOCKS_A)
         flip_a_byte_of_chunk_2(pool)
@@ -243,10 +270,11 @@ def test_sampled_verification_checks_a_share_of_the_pages(pool):
 
 
 @pytest.mark.parametrize("copy_threads", [1, 2])
-def test_any_block_table_gets_the_stored_bytes(pool, copy_threads):
+@LAYERED
+def test_any_block_table_gets_the_stored_bytes(pool, copy_threads, layered):
     """vLLM's block tables: ascending on a fresh server, descending and mixed runs on a busy one."""
     a = Replica(pool, "A", seed=1)
-    b = Replica(pool, "B", seed=2, copy_threads=copy_threads)
+    b = Replica(pool, "B", seed=2, copy_threads=copy_threads, layered=layered)
     try:
         a.run_prefill("r1", PROMPT, BLOCKS_A)
         for i, table in enumerate(([5, 6, 30, 29, 28, 12, 13, 14, 2, 20], list(range(20, 30)), BLOCKS_B)):

@@ -1,0 +1,133 @@
+"""A step's CPU loads, copied layer by layer beside vLLM's forward.
+
+vLLM calls the connector's ``wait_for_layer_load(layer)`` before each attention layer reads
+the cache. With ``overlap_load`` on, ``start_load_kv`` only checks what it can without reading
+the pages and hands the copies to a helper thread, which moves layer 0 of every load of the
+step, then layer 1, and so on, announcing each layer as it lands; layer l of the forward waits
+for layer l only::
+
+    helper   | copy L0 | copy L1 | copy L2 | ... | copy L7 | checksums
+    forward       wait L0 |-- layer 0 --| wait L1 |-- layer 1 --| ...          | wait_for_save
+
+Checksums: a page's xxh3 is streamed in the page's own byte order (layer-major), one layer at
+a time, right after that layer of the run was copied (while it is still in cache), so it
+equals the pool's checksum of the page. A bad page is therefore only known after the forward
+has read it. The load then ends at that page, as a synchronous load that found it before the
+copy does: the blocks from that page on are reported as load errors, vLLM discards the step's
+output for the request and recomputes them (``kv_load_failure_policy`` "recompute"), and no
+store of that step is made for the request. Wrong KV is never served.
+
+Were a layer's wait never called before ``finish`` (a model whose attention does not call the
+hooks), the forward may have read blocks before their copy: every load of the step then
+fails the same way and the connector goes back to synchronous loads.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import xxhash
+
+from kvshare.integrations.vllm_meta import LoadOutcome, LoadSpec, PhaseTimes
+from kvshare.integrations.vllm_plan import CopyRun, PageSlice
+
+if TYPE_CHECKING:
+    from kvshare.integrations.vllm_worker import PoolKVWorker
+
+
+@dataclass
+class BlockRun:
+    """A run of adjacent pool pages ([n, L, 2, C, H, D], a view of the arena) and the vLLM blocks of its tokens."""
+
+    run: CopyRun
+    pages: np.ndarray
+    block_ids: list[int]
+
+
+@dataclass
+class LayeredLoad:
+    """One request's load, planned: its page slices, which of them are verified, its block runs."""
+
+    spec: LoadSpec
+    pieces: list[PageSlice]
+    chosen: list[bool]  # per piece: is its page's checksum checked
+    reason: str  # why the pieces end before the spec does ("" if they do not)
+    times: PhaseTimes
+    runs: list[BlockRun] = field(default_factory=list)
+
+
+class LayeredLoads:
+    """The step's layered loads, running on ``executor``'s thread from construction on."""
+
+    def __init__(self, worker: PoolKVWorker, loads: list[LayeredLoad], executor: ThreadPoolExecutor) -> None:
+        self.worker = worker
+        self.loads = loads
+        self.num_layers = worker.kv_layout.num_layers
+        self._landed = [threading.Event() for _ in range(self.num_layers)]
+        self._waited: set[int] = set()
+        self._sums: list[list[int]] = [[] for _ in loads]
+        self._error: BaseException | None = None
+        self._seconds = [{"copy": 0.0, "checksum": 0.0} for _ in loads]  # per load, on the helper
+        self._wait_seconds = 0.0  # the forward's waits for layers, all loads together
+        self._done = executor.submit(self._run)
+
+    def _run(self) -> None:
+        copier = self.worker.copier
+        # per load, per piece: the streaming checksum of its page (None: the page is not verified)
+        hashers = [[xxhash.xxh3_64() if is_chosen else None for is_chosen in load.chosen] for load in self.loads]
+        try:
+            for index in range(self.num_layers):
+                for load, load_hashers, seconds in zip(self.loads, hashers, self._seconds):
+                    for block_run in load.runs:
+                        started = time.perf_counter()
+                        run = block_run.run
+                        copier.layer_to_blocks(block_run.pages, run.lo, run.hi, block_run.block_ids, index)
+                        copied = time.perf_counter()
+                        for page in range(run.num_pages):
+                            hasher = load_hashers[run.first + page]
+                            if hasher is not None:
+                                hasher.update(block_run.pages[page, index])  # this layer of the page, in order
+                        seconds["copy"] += copied - started
+                        seconds["checksum"] += time.perf_counter() - copied
+                self._landed[index].set()
+            self._sums = [[h.intdigest() for h in load_hashers if h is not None] for load_hashers in hashers]
+        except BaseException as exc:  # reported by finish(): the loads fail, vLLM recomputes
+            self._error = exc
+        finally:
+            for event in self._landed:  # nobody may wait forever
+                event.set()
+
+    def wait_layer(self, index: int) -> None:
+        """Return once layer ``index`` of every load is in vLLM's blocks (or the copying failed)."""
+        started = time.perf_counter()
+        self._waited.add(index)
+        self._landed[index].wait()
+        self._wait_seconds += time.perf_counter() - started
+
+    def finish(self) -> tuple[list[LoadOutcome], bool]:
+        """Wait for the copies and checksums; each load's outcome, and whether every layer was waited for
+        (False: the forward may have read blocks before their copy, so every load failed)."""
+        self._done.result()
+        all_waited = len(self._waited) == self.num_layers
+        outcomes = []
+        for load, sums, seconds in zip(self.loads, self._sums, self._seconds):
+            for phase, value in seconds.items():
+                load.times.add(phase, value)
+            load.times.seconds["forward_waited"] = self._wait_seconds  # logged, not part of the load's time
+            spec = load.spec
+            if self._error is not None:
+                name = type(self._error).__name__
+                loaded_end, reason = spec.token_start, f"{name} while copying beside the forward: {self._error}"
+            elif not all_waited:
+                missing = sorted(set(range(self.num_layers)) - self._waited)
+                loaded_end, reason = spec.token_start, f"the forward never waited for layers {missing}"
+            else:
+                loaded_end, reason = self.worker.settle(spec, load.pieces, load.chosen, iter(sums), load.reason)
+            outcomes.append(self.worker.outcome(spec, loaded_end, reason, load.times))
+        return outcomes, all_waited
+

@@ -1,0 +1,109 @@
+"""Loads copied layer by layer beside the forward (kvshare.integrations.vllm_overlap), no vLLM needed.
+
+The byte-for-byte cases (cross-replica, corrupted page, block tables, sampled verification) run
+in both modes in test_vllm_pool_roundtrip.py; here: what only the layered mode has.
+"""
+
+import time
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+
+from kvshare.integrations.vllm_meta import WorkerReport
+from kvshare.integrations.vllm_overlap import LayeredLoad
+from kvshare.integrations.vllm_scheduler import ScheduledRequest
+from kvshare.pool.checksum import page_checksum
+from tests.integrations.test_vllm_pool_roundtrip import BLOCKS_A, BLOCKS_B, PROMPT, Replica, pool  # noqa: F401
+
+LAYERS = 2
+
+
+def planned_load(a, b, req_id="r2"):
+    """A computed and stored PROMPT; B plans its load of the first 256 tokens (LayeredLoad)."""
+    a.run_prefill("r1", PROMPT, BLOCKS_A)
+    b.scheduler.add_request(req_id, PROMPT, None, None)
+    external = b.scheduler.match(req_id, 0)
+    b.scheduler.allocated(req_id, external, 0)
+    plan = b.scheduler.plan_step([ScheduledRequest(req_id, 0, len(PROMPT), BLOCKS_B)])
+    load = b.worker.begin_load(plan.loads[0])
+    assert isinstance(load, LayeredLoad) and load.runs  # whole blocks: the layered path takes it
+    return load
+
+
+def layer_tokens(replica, index, block_ids):
+    return replica.tokens(0, 256, block_ids)[index]
+
+
+def slow_copies(worker, seconds):
+    """Each layer's copy starts ``seconds`` late, as on a busy machine."""
+    copy = worker.copier.layer_to_blocks
+
+    def late(*args):
+        time.sleep(seconds)
+        copy(*args)
+
+    worker.copier.layer_to_blocks = late
+
+
+def test_each_layer_is_in_place_when_its_wait_returns(pool):  # noqa: F811
+    a, b = Replica(pool, "A", seed=1), Replica(pool, "B", seed=2)
+    try:
+        load = planned_load(a, b)
+        slow_copies(b.worker, 0.1)
+        loads = b.worker.start_layered([load])
+        # control: without a wait the forward would read the old bytes (the copies are still sleeping)
+        assert not torch.equal(layer_tokens(b, LAYERS - 1, BLOCKS_B), layer_tokens(a, LAYERS - 1, BLOCKS_A))
+        for index in range(LAYERS):
+            loads.wait_layer(index)
+            assert torch.equal(layer_tokens(b, index, BLOCKS_B), layer_tokens(a, index, BLOCKS_A))
+        (outcome,), all_waited = loads.finish()
+        assert all_waited and outcome.is_complete and outcome.loaded_end == 256
+        assert b.worker.counters.verified_pages == 4 and b.worker.counters.checksum_failures == 0
+        b.scheduler.on_report(WorkerReport([outcome]))
+    finally:
+        a.close(), b.close()
+
+
+def test_a_layer_never_waited_for_fails_the_load(pool):  # noqa: F811
+    """The forward may have read blocks before their copy: nothing of the load may count."""
+    a, b = Replica(pool, "A", seed=1), Replica(pool, "B", seed=2)
+    try:
+        loads = b.worker.start_layered([planned_load(a, b)])
+        loads.wait_layer(0)  # layer 1's attention never called wait_for_layer_load
+        (outcome,), all_waited = loads.finish()
+        assert not all_waited
+        assert outcome.loaded_end == 0 and "never waited for layers [1]" in outcome.reason
+        assert b.worker.counters.load_failures == 1
+    finally:
+        a.close(), b.close()
+
+
+def test_a_copy_that_raises_fails_the_load_and_no_wait_hangs(pool):  # noqa: F811
+    a, b = Replica(pool, "A", seed=1), Replica(pool, "B", seed=2)
+    try:
+        load = planned_load(a, b)
+
+        def broken(*args):
+            raise MemoryError("no room")
+
+        b.worker.copier.layer_to_blocks = broken
+        loads = b.worker.start_layered([load])
+        for index in range(LAYERS):
+            loads.wait_layer(index)  # returns: the helper marks every layer when it stops
+        (outcome,), all_waited = loads.finish()
+        assert all_waited and outcome.loaded_end == 0 and "MemoryError" in outcome.reason
+    finally:
+        a.close(), b.close()
+
+
+@pytest.mark.parametrize("num_layers", [1, 2, 36])
+def test_a_page_checksum_streamed_layer_by_layer_is_the_page_checksum(num_layers):
+    page = np.random.default_rng(num_layers).integers(0, 255, (num_layers, 2, 64, 2, 64), dtype=np.uint8)
+    streamed = xxhash.xxh3_64()
+    for index in range(num_layers):
+        streamed.update(page[index])
+    assert streamed.intdigest() == page_checksum(page)
+    page[num_layers - 1, 1, 63, 1, 63] ^= 1  # negative control: the last byte counts
+    assert streamed.intdigest() != page_checksum(page)
