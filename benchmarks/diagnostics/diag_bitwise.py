@@ -1,5 +1,5 @@
-"""Diagnostic (untracked): where does a pool load's decode part from local reuse's? Run on the GPU."""
-import dataclasses, sys, torch
+"""Diagnostic run on the H200 (2026-12-01; logs in docs/results/h200/decode/): where does a pool load's decode part from local reuse's? Run on the GPU."""
+import dataclasses, torch
 from kvshare.engine.engine import Engine, SamplingParams
 from kvshare.engine.config import EngineConfig
 from kvshare.pool.spawn import running_pool

@@ -1,5 +1,5 @@
-"""Diagnostic (untracked): is the engine's decode step deterministic on CUDA, per SDPA backend?"""
-import sys, torch
+"""Diagnostic run on the H200 (2026-12-01; logs in docs/results/h200/decode/): is the engine's decode step deterministic on CUDA, per SDPA backend?"""
+import torch
 from torch.nn.attention import SDPBackend
 import kvshare.engine.model as M
 from kvshare.engine.engine import Engine, SamplingParams

@@ -1,4 +1,4 @@
-"""Diagnostic (untracked): cuDNN attention determinism in prefill and suffix, and decode speed per backend."""
+"""Diagnostic run on the H200 (2026-12-01; logs in docs/results/h200/decode/): cuDNN attention determinism in prefill and suffix, and decode speed per backend."""
 import time, torch
 from torch.nn.attention import SDPBackend
 import kvshare.engine.model as M

@@ -11,6 +11,11 @@ connector, R without it) and, per length and repeat, with a fresh random prompt:
     local (A)    the same prompt again on A: vLLM's own prefix cache
     local (R)    the same on plain vLLM
     cross (B)    B has never seen it: its prefix comes from the pool
+    local (B)    the same prompt again on B: vLLM's own prefix cache, after the load
+
+Each request starts ``--settle-s`` after the previous one ended: after a step, vLLM's engine
+core and worker busy-poll their shared-memory queues for 1 s (sched_yield), and on a 2-core
+machine that slowed whichever server was measured next (cross (B) came right after local (R)).
 
 ``--timings`` runs A and B with the connector's debug log on and reports the median of each
 phase of their loads, stores, lookups and steps (``kvshare timing:`` lines of the servers' logs).
@@ -71,9 +76,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+COLD_FLUSH_BYTES = 1 << 30
+
+
 def copy_bandwidth(num_tokens: int, repeats: int = 3) -> dict:
     """The worker's store and load of one prompt on vLLM-CPU-shaped tensors of the tiny preset (no vLLM),
-    with the connector's default settings; loads into an ascending and a descending block table."""
+    with the connector's default settings; loads into an ascending and a descending block table, and
+    ("cold") into the ascending one after 1 GiB of other writes pushed the pages out of the caches."""
+    import numpy as np
     import torch
 
     from kvshare.integrations.pool_link import PoolLink
@@ -108,9 +118,12 @@ def copy_bandwidth(num_tokens: int, repeats: int = 3) -> dict:
         for spec in sa.plan_step([ScheduledRequest("a", 0, num_tokens + 1, blocks)]).stores:
             wa.store(spec)
         store_s = time.perf_counter() - started
-        loads: dict[str, list[float]] = {"ascending": [], "descending": []}
+        loads: dict[str, list[float]] = {"ascending": [], "descending": [], "cold": []}
+        flush = np.empty(COLD_FLUSH_BYTES, dtype=np.uint8)  # larger than the L3 cache of the machines here
         for i in range(repeats):
-            for order, table in (("ascending", blocks), ("descending", blocks[::-1])):
+            for order, table in (("ascending", blocks), ("descending", blocks[::-1]), ("cold", blocks)):
+                if order == "cold":  # as in a serving replica: the pages were stored long ago, caches hold other work
+                    flush.fill(i + 1)
                 req = f"b{i}-{order}"
                 sb.add_request(req, prompt, None, None)
                 n = sb.match(req, 0)
@@ -156,7 +169,8 @@ def timing_report(timings: dict[str, list[dict]]) -> list[str]:
         for r in records:
             size = {"load": f"tokens={r.get('tokens')}", "store": f"chunks={r.get('chunks')}",
                     "match": f"chunks={r.get('chunks')} hit={r.get('hit')}",
-                    "step": f"loads={r.get('loads')} stores={r.get('stores')}"}.get(r["what"], "")
+                    "step": f"loads={r.get('loads')} stores={r.get('stores')}"
+                            + (f" tokens={r['tokens']}" if "tokens" in r else "")}.get(r["what"], "")
             groups.setdefault((r["what"], size), []).append(r)
         for (what, size), group in sorted(groups.items()):
             phases = [k for k, v in group[0].items() if isinstance(v, float)]
@@ -189,6 +203,8 @@ def run(args: argparse.Namespace) -> dict:
                   max_model_len=max(args.lengths) + 64, cpu_omp_threads_bind=args.omp_bind or None)
     log_level = "DEBUG" if args.timings else None
     common["verify_fraction"] = args.verify_fraction  # None: the connector's default (every page)
+    common["overlap_load"] = {"on": True, "off": False}.get(args.overlap_load)  # None: the connector's default
+    common["copy_threads"] = args.copy_threads  # None: the connector's default
     configs = {
         "A": VllmServerConfig(port=free_port(), pool_socket=socket_path, replica="A", log_level=log_level, **common),
         "B": VllmServerConfig(port=free_port(), pool_socket=socket_path, replica="B", log_level=log_level, **common),
@@ -213,7 +229,9 @@ def run(args: argparse.Namespace) -> dict:
             for repeat in range(args.repeats):
                 prompt = [rng.randrange(256) for _ in range(length)]
                 row = {"length": length, "repeat": repeat}
-                for label, name in (("cold_R", "R"), ("cold_A", "A"), ("local_A", "A"), ("local_R", "R"), ("cross_B", "B")):
+                for label, name in (("cold_R", "R"), ("cold_A", "A"), ("local_A", "A"), ("local_R", "R"), ("cross_B", "B"),
+                                    ("local_B", "B")):
+                    time.sleep(args.settle_s)
                     row[label], row[f"{label}_cached"] = first_token_seconds(url[name], served, prompt)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
@@ -239,7 +257,10 @@ def run(args: argparse.Namespace) -> dict:
                 shutil.copy(os.path.join(work, f"vllm-{name}.log"), args.out)
         shutil.rmtree(work, ignore_errors=True)
     verify = args.verify_fraction if args.verify_fraction is not None else ConnectorConfig().verify_fraction
-    return {"rows": rows, "counters": counters, "timings": timings, "verify_fraction": verify, "lengths": args.lengths, "repeats": args.repeats,
+    overlap = args.overlap_load != "off" if args.overlap_load else ConnectorConfig().overlap_load
+    return {"rows": rows, "counters": counters, "timings": timings, "verify_fraction": verify, "overlap_load": overlap,
+            "copy_threads": args.copy_threads or ConnectorConfig().copy_threads, "settle_s": args.settle_s,
+            "lengths": args.lengths, "repeats": args.repeats,
             "loadavg": [round(load_before, 2), round(os.getloadavg()[0], 2)], "omp_bind": args.omp_bind,
             "machine": f"{os.cpu_count()} CPUs", "model": "tiny preset (kvshare make-model tiny)"}
 
@@ -249,18 +270,19 @@ def report(result: dict) -> str:
     is the figure least disturbed by it."""
     lines = [
         "| prompt tokens | statistic | cold, plain vLLM | cold, A (stores) | local hit, A | local hit, plain vLLM "
-        "| cross-replica, B | cross (B) / local hit (A) | cached tokens on B |",
-        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| cross-replica, B | local hit, B (after its load) | cross (B) / local hit (A) | cached tokens on B |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    keys = ("cold_R", "cold_A", "local_A", "local_R", "cross_B")
+    keys = ("cold_R", "cold_A", "local_A", "local_R", "cross_B", "local_B")
     for length in result["lengths"]:
         rows = [r for r in result["rows"] if r["length"] == length]
         cached = ", ".join(map(str, sorted({r["cross_B_cached"] for r in rows})))
         for name, stat in (("median", statistics.median), ("min", min)):
-            v = {k: stat(r[k] for r in rows) for k in keys}
+            v = {k: stat(r[k] for r in rows) if all(k in r for r in rows) else None for k in keys}
+            local_b = f"{v['local_B']:.3f} s" if v["local_B"] is not None else "n/a"  # not measured before 2026-12-01
             lines.append(
                 f"| {length} | {name} of {len(rows)} | {v['cold_R']:.3f} s | {v['cold_A']:.3f} s | {v['local_A']:.3f} s | "
-                f"{v['local_R']:.3f} s | {v['cross_B']:.3f} s | {v['cross_B'] / v['local_A']:.2f}x | {cached} |"
+                f"{v['local_R']:.3f} s | {v['cross_B']:.3f} s | {local_b} | {v['cross_B'] / v['local_A']:.2f}x | {cached} |"
             )
     a, b = result["counters"]["A"], result["counters"]["B"]
 
@@ -269,7 +291,10 @@ def report(result: dict) -> str:
         num_bytes = c.get(f"vllm:kvshare_{what}_bytes_total", 0.0)
         return f"{num_bytes / seconds / 1e9:.2f} GB/s ({num_bytes / 2**20:.0f} MiB in {seconds:.3f} s)" if seconds else "n/a"
 
-    lines += ["", f"load (B, checksums of {result.get('verify_fraction', 1.0):.0%} of pages verified): {rate(b, 'load')}; store (A, with checksums): {rate(a, 'store')}",
+    overlap = {True: ", copied layer by layer beside the forward", False: ", before the forward"}.get(result.get("overlap_load"), "")
+    lines += ["", f"requests {result.get('settle_s', 0)} s apart (vLLM's queues busy-poll for 1 s after a step)",
+              f"load (B, checksums of {result.get('verify_fraction', 1.0):.0%} of pages verified{overlap}): {rate(b, 'load')}; "
+              f"store (A, with checksums): {rate(a, 'store')}",
               f"load average before / after: {result['loadavg'][0]} / {result['loadavg'][1]} ({result['machine']})"]
     if result.get("timings"):
         lines += timing_report(result["timings"])
@@ -286,6 +311,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-cache-gib", type=int, default=2)
     parser.add_argument("--omp-bind", default="",
                         help="VLLM_CPU_OMP_THREADS_BIND for the servers (default: vLLM's own, auto)")
+    parser.add_argument("--overlap-load", choices=("on", "off"), default=None,
+                        help="copy loads layer by layer beside the forward (default: the connector's, off)")
+    parser.add_argument("--settle-s", type=float, default=1.5,
+                        help="pause before each measured request: after a step, vLLM's engine and worker processes "
+                             "busy-poll their queues for 1 s, which on a small machine slows whichever server "
+                             "is measured next (default 1.5)")
+    parser.add_argument("--copy-threads", type=int, default=None,
+                        help="threads of the connector's CPU copies in A and B (default: the connector's, 2)")
     parser.add_argument("--verify-fraction", type=float, default=None,
                         help="share of loaded pages whose checksum A and B check (default: the connector's, 1.0)")
     parser.add_argument("--timings", action="store_true",
