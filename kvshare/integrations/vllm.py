@@ -244,6 +244,8 @@ class KVShareConnector(KVConnectorBase_V1):
         for spec in plan.stores:
             if spec.req_id in self._failed_loads or not self._worker.layers:
                 continue  # this step computed from KV that failed to load: nothing of it may be stored
+            if self._invalid_blocks.intersection(spec.block_ids):
+                continue  # it read blocks another request's failed load was to fill (a prefix hit on them)
             self._worker.store(spec)
         self._failed_loads.clear()
         times.mark("save")

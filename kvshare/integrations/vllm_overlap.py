@@ -75,6 +75,8 @@ class LayeredLoads:
         self._seconds = [{"copy": 0.0, "checksum": 0.0} for _ in loads]  # per load, on the helper
         self._wait_seconds = 0.0  # the forward's waits for layers, all loads together
         self._done = executor.submit(self._run)
+        # a task that never runs (a broken or shut-down executor) must not leave a layer's wait blocked
+        self._done.add_done_callback(lambda _: [event.set() for event in self._landed])
 
     def _run(self) -> None:
         copier = self.worker.copier
@@ -112,7 +114,10 @@ class LayeredLoads:
     def finish(self) -> tuple[list[LoadOutcome], bool]:
         """Wait for the copies and checksums; each load's outcome, and whether every layer was waited for
         (False: the forward may have read blocks before their copy, so every load failed)."""
-        self._done.result()
+        try:
+            self._done.result()
+        except BaseException as exc:  # the task never ran (cancelled, executor broken): the copies did not happen
+            self._error = self._error or exc
         all_waited = len(self._waited) == self.num_layers
         outcomes = []
         for load, sums, seconds in zip(self.loads, self._sums, self._seconds):
@@ -127,7 +132,10 @@ class LayeredLoads:
                 missing = sorted(set(range(self.num_layers)) - self._waited)
                 loaded_end, reason = spec.token_start, f"the forward never waited for layers {missing}"
             else:
-                loaded_end, reason = self.worker.settle(spec, load.pieces, load.chosen, iter(sums), load.reason)
+                try:
+                    loaded_end, reason = self.worker.settle(spec, load.pieces, load.chosen, iter(sums), load.reason)
+                except Exception as exc:  # e.g. dropping a bad page hit a pool error: this load fails, not the step
+                    loaded_end, reason = spec.token_start, f"{type(exc).__name__} while checking the load: {exc}"
             outcomes.append(self.worker.outcome(spec, loaded_end, reason, load.times))
         return outcomes, all_waited
 

@@ -158,13 +158,13 @@ class PoolKVWorker:
         try:
             pieces, reason = self._pieces(spec)
             offsets = [spec.pages[p.page_index].offset for p in pieces]
-            runs = copy_runs(pieces, offsets, self.kv_layout.page_bytes, self.kv_layout.chunk_tokens)
+            runs = copy_runs(pieces, offsets, self.kv_layout.page_bytes, self.kv_layout.chunk_tokens,
+                             client.hello.extent_bytes)
+            if not pieces or not all(self._copier_takes(pieces[run.first].chunk, run) for run in runs):
+                return self.load(spec)  # nothing to copy, or not whole blocks (the token copy): now
             layered = LayeredLoad(spec, pieces, [self._draw_verification() for _ in pieces], reason, times)
-            for run in runs:
-                if not self._copier_takes(pieces[run.first].chunk, run):
-                    return self.load(spec)  # not whole blocks: the token copy, now
-                layered.runs.append(self._block_run(client, offsets[run.first], run, pieces[run.first].chunk,
-                                                    spec.block_ids))
+            layered.runs = [self._block_run(client, offsets[run.first], run, pieces[run.first].chunk, spec.block_ids)
+                            for run in runs]
         except Exception as exc:
             log.error("kvshare: load for request %s failed", spec.req_id, exc_info=True)
             return self.outcome(spec, spec.token_start, f"{type(exc).__name__}: {exc}", times)
@@ -226,6 +226,8 @@ class PoolKVWorker:
         """Verify, then copy; returns (end of the tokens copied, why it stopped early or "")."""
         page_bytes, C = self.kv_layout.page_bytes, self.kv_layout.chunk_tokens
         pieces, reason = self._pieces(spec)
+        if not pieces:
+            return spec.token_start, reason
         # the draws in page order; the chosen pages' checksums all at once, spread over the copy threads
         # (checksumming each page and copying it right after, while in cache, measured slower: 15-20 ms
         # against 11-13 ms for 8k tokens, cold caches or not)

@@ -15,7 +15,14 @@ from kvshare.integrations.vllm_meta import WorkerReport
 from kvshare.integrations.vllm_overlap import LayeredLoad
 from kvshare.integrations.vllm_scheduler import ScheduledRequest
 from kvshare.pool.checksum import page_checksum
-from tests.integrations.test_vllm_pool_roundtrip import BLOCKS_A, BLOCKS_B, PROMPT, Replica, pool  # noqa: F401
+from tests.integrations.test_vllm_pool_roundtrip import (  # noqa: F401
+    BLOCKS_A,
+    BLOCKS_B,
+    PROMPT,
+    Replica,
+    flip_a_byte_of_chunk_2,
+    pool,
+)
 
 LAYERS = 2
 
@@ -107,3 +114,58 @@ def test_a_page_checksum_streamed_layer_by_layer_is_the_page_checksum(num_layers
     assert streamed.intdigest() == page_checksum(page)
     page[num_layers - 1, 1, 63, 1, 63] ^= 1  # negative control: the last byte counts
     assert streamed.intdigest() != page_checksum(page)
+
+
+def test_two_loads_in_one_step_each_get_their_own_outcome(pool):  # noqa: F811
+    """Layer-major copying interleaves the step's loads: a bad page in one must not touch the other's outcome."""
+    a, b = Replica(pool, "A", seed=1), Replica(pool, "B", seed=2)
+    other = [t + 1000 for t in PROMPT]  # another prompt, another chain of keys
+    blocks_other = list(range(10, 20))
+    try:
+        a.run_prefill("r1", PROMPT, BLOCKS_A)
+        a.run_prefill("r9", other, list(range(20, 30)))
+        flip_a_byte_of_chunk_2(pool)  # PROMPT's chunk 2
+        steps = []
+        for req_id, prompt, blocks in (("bad", PROMPT, BLOCKS_B), ("good", other, blocks_other)):
+            b.scheduler.add_request(req_id, prompt, None, None)
+            external = b.scheduler.match(req_id, 0)
+            b.scheduler.allocated(req_id, external, 0)
+            steps.append(ScheduledRequest(req_id, 0, len(prompt), blocks))
+        plan = b.scheduler.plan_step(steps)
+        begun = [b.worker.begin_load(spec) for spec in plan.loads]
+        assert all(isinstance(load, LayeredLoad) for load in begun) and len(begun) == 2
+        loads = b.worker.start_layered(begun)
+        for index in range(LAYERS):
+            loads.wait_layer(index)
+        (bad, good), all_waited = loads.finish()
+        assert all_waited
+        assert bad.req_id == "bad" and bad.loaded_end == 128 and "checksum" in bad.reason
+        assert good.req_id == "good" and good.is_complete and good.loaded_end == 256
+        assert torch.equal(b.tokens(0, 256, blocks_other), a.tokens(0, 256, list(range(20, 30))))
+        assert torch.equal(b.tokens(0, 128, BLOCKS_B), a.tokens(0, 128, BLOCKS_A))
+        assert b.worker.counters.checksum_failures == 1 and b.worker.counters.verified_pages == 3 + 4
+    finally:
+        a.close(), b.close()
+
+
+def test_a_copy_task_that_never_runs_fails_the_load_and_no_wait_hangs(pool):  # noqa: F811
+    """A broken or shut-down executor: the waits return and the load fails instead of the forward hanging."""
+    from concurrent.futures import Future
+
+    from kvshare.integrations.vllm_overlap import LayeredLoads
+
+    class NeverRuns:
+        def submit(self, fn):
+            future = Future()
+            future.cancel()
+            return future
+
+    a, b = Replica(pool, "A", seed=1), Replica(pool, "B", seed=2)
+    try:
+        loads = LayeredLoads(b.worker, [planned_load(a, b)], NeverRuns())
+        for index in range(LAYERS):
+            loads.wait_layer(index)
+        (outcome,), all_waited = loads.finish()
+        assert all_waited and outcome.loaded_end == 0 and "CancelledError" in outcome.reason
+    finally:
+        a.close(), b.close()

@@ -43,6 +43,7 @@ class Replica:
 
     def __init__(self, socket_path, name, seed, clock=None, rng=None, layered=False, **config):
         self.layered = layered  # loads copied layer by layer beside the forward, as the connector does on CPU
+        self.num_layered = 0  # loads that took that path (the others fell back to a synchronous load)
         self.config = ConnectorConfig(pool_socket=socket_path, chunk_tokens=C, replica=name, **config)
         self.clock = clock or FakeClock()
         self.scheduler = PoolScheduler(self.config, NAMESPACE, LAYOUT.page_bytes, N,
@@ -79,6 +80,7 @@ class Replica:
             return [self.worker.load(spec) for spec in specs]
         begun = [self.worker.begin_load(spec) for spec in specs]
         layered = [load for load in begun if not isinstance(load, LoadOutcome)]
+        self.num_layered += len(layered)
         if not layered:
             return begun  # loads the layered path does not take ran synchronously
         loads = self.worker.start_layered(layered)
@@ -123,7 +125,7 @@ def test_cross_replica_bytes_equal(pool, layered):
         assert a.worker.counters.stored_chunks == 4
 
         external, outcome = b.run_prefill("r2", PROMPT, BLOCKS_B)
-        assert external == 256 and outcome.is_complete
+        assert external == 256 and outcome.is_complete and b.num_layered == int(layered)
         assert torch.equal(b.tokens(0, 256, BLOCKS_B), a.tokens(0, 256, BLOCKS_A))  # bytes loaded == bytes stored
         assert not torch.equal(b.tokens(256, 44, BLOCKS_B), a.tokens(256, 44, BLOCKS_A))  # the tail was not loaded
         assert pool_stats(pool)["leases"] == 0  # released once the step that loaded reported
@@ -202,7 +204,7 @@ def test_corrupted_page_stops_the_load_and_is_dropped(pool, layered):
         a.run_prefill("r1", PROMPT, BLOCKS_A)
         flip_a_byte_of_chunk_2(pool)
         external, outcome = b.run_prefill("r2", PROMPT, BLOCKS_B)
-        assert external == 256
+        assert external == 256 and b.num_layered == int(layered)
         assert outcome.loaded_end == 2 * C and "checksum" in outcome.reason
         assert b.worker.counters.verified_pages == 3
         assert b.worker.counters.checksum_failures == 1 and b.worker.counters.load_failures == 1
