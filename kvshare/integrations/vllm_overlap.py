@@ -75,7 +75,8 @@ class LayeredLoads:
         self._seconds = [{"copy": 0.0, "checksum": 0.0} for _ in loads]  # per load, on the helper
         self._wait_seconds = 0.0  # the forward's waits for layers, all loads together
         self._done = executor.submit(self._run)
-        # a task that never runs (a broken or shut-down executor) must not leave a layer's wait blocked
+        # once the task ends, however it ends (or if it never runs: a broken or shut-down executor), every
+        # layer's wait returns: nobody may wait forever
         self._done.add_done_callback(lambda _: [event.set() for event in self._landed])
 
     def _run(self) -> None:
@@ -100,9 +101,6 @@ class LayeredLoads:
             self._sums = [[h.intdigest() for h in load_hashers if h is not None] for load_hashers in hashers]
         except BaseException as exc:  # reported by finish(): the loads fail, vLLM recomputes
             self._error = exc
-        finally:
-            for event in self._landed:  # nobody may wait forever
-                event.set()
 
     def wait_layer(self, index: int) -> None:
         """Return once layer ``index`` of every load is in vLLM's blocks (or the copying failed)."""
