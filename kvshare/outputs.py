@@ -1,4 +1,4 @@
-"""The output-equality rule of DESIGN.md ("What correct means"), as a pure function.
+"""Did reuse change the output? The rule of DESIGN.md ("What correct means"), as pure functions.
 
 Reuse must not change what the model generates. At temperature 0 the token ids of a
 run with reused KV are compared with those of a run that recomputed everything:
@@ -12,7 +12,17 @@ run with reused KV are compared with those of a run that recomputed everything:
     reference  t0 t1 t2 t3 t4 ...     step 3: first difference; gap = top1 - top2 of the
     candidate  t0 t1 t2 u3 u4 ...     reference's logprobs at step 3; tolerated iff gap < threshold
 
-No imports from the rest of kvshare: the service level and the replica's audit share it.
+``compare_tokens`` states the rule (a ``Comparison``); ``check_outputs`` turns it into one
+output's verdict (an ``OutputCheck``)::
+
+    equal      the same ids, the same length
+    near-tie   parted at a step whose gap < the threshold (allowed)
+    mismatch   parted at a step whose gap >= the threshold, or one output is longer: reuse changed the output
+    unknown    parted, but the reference's logprobs at that step are unknown (records written
+               before the bench asked for them, a server that returned none): not shown allowed
+
+No imports from the rest of kvshare: the replica's audit (kvshare.serve.audit), the
+service level (kvshare.validate) and the bench's tables (kvshare.bench) share it.
 """
 
 from __future__ import annotations
@@ -79,3 +89,64 @@ def compare_tokens(
             gap = top2_gap(reference_top_logprobs[step]) if known else None
             return Comparison(n, step, gap, threshold)
     return Comparison(n, None, None, threshold)
+
+
+EQUAL, NEAR_TIE, MISMATCH, UNKNOWN = "equal", "near-tie", "mismatch", "unknown"
+VERDICTS = (EQUAL, NEAR_TIE, MISMATCH, UNKNOWN)
+
+
+@dataclass(frozen=True)
+class OutputCheck:
+    """One output against its reference."""
+
+    verdict: str  # one of VERDICTS
+    step: int | None = None  # first step whose ids differ (or where the shorter output ends); None: equal
+    gap: float | None = None  # the reference's top-1 minus top-2 logprob at ``step``; None: equal or unknown
+    reference_token: int | None = None  # the reference's id at ``step`` (None past its end)
+    output_token: int | None = None  # the output's id at ``step`` (None past its end)
+
+    def __post_init__(self) -> None:
+        if self.verdict not in VERDICTS:
+            raise ValueError(f"an output verdict is one of {', '.join(VERDICTS)}; got {self.verdict!r}")
+
+    @property
+    def is_equal(self) -> bool:
+        return self.verdict == EQUAL
+
+    def describe(self) -> str:
+        """e.g. "step 5, gap 0.031" (what a table cell shows of a divergence)."""
+        if self.is_equal:
+            return "equal"
+        step = f"step {'unknown' if self.step is None else self.step}"
+        if self.gap is not None:
+            return f"{step}, gap {format_gap(self.gap)}"
+        return step + (", lengths differ" if self.verdict == MISMATCH else "")
+
+
+def format_gap(gap: float | None) -> str:
+    return "unknown" if gap is None else f"{gap:.2g}"
+
+
+def check_outputs(reference: Sequence[int] | None, output: Sequence[int] | None,
+                  reference_top_logprobs: Sequence[Sequence[float]] | None = None,
+                  threshold: float = DEFAULT_GAP_THRESHOLD) -> OutputCheck | None:
+    """``output`` against ``reference`` (token ids; ``reference_top_logprobs[i]``: the reference's top
+    logprobs at step i); None when either output is unknown (a failed request)."""
+    if reference is None or output is None:
+        return None
+    cmp = compare_tokens(reference, output, reference_top_logprobs, threshold)
+    step = cmp.divergence_step
+    if step is None:
+        if len(reference) == len(output):
+            return OutputCheck(EQUAL)
+        step = cmp.num_compared  # one output stops early: no near tie explains that
+        return OutputCheck(MISMATCH, step, None, _at(reference, step), _at(output, step))
+    if cmp.gap is None:
+        verdict = UNKNOWN
+    else:
+        verdict = NEAR_TIE if cmp.is_tolerated else MISMATCH
+    return OutputCheck(verdict, step, cmp.gap, reference[step], output[step])
+
+
+def _at(ids: Sequence[int], step: int) -> int | None:
+    return ids[step] if step < len(ids) else None

@@ -4,7 +4,7 @@ One request at a time (the experiments measure an idle system). Works against an
 OpenAI-compatible server; kvshare replicas add provenance (the ``kvshare`` object of
 the final chunk) and, with ``return_token_ids``, the generated token ids (vLLM returns
 them too). Every request asks for the top-2 logprobs of each generated token: the gap
-between them says whether a differing output parted at a near tie (kvshare.bench.outputs).
+between them says whether a differing output parted at a near tie (kvshare.outputs).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from kvshare.bench.outputs import EQUAL, UNKNOWN, OutputCheck
+from kvshare.outputs import EQUAL, UNKNOWN, OutputCheck
 
 
 @dataclass
@@ -53,7 +53,7 @@ class Record:
     computed_tokens: int | None = None
     cached_tokens: int | None = None
     output_digest: str | None = None
-    # the output against the unit's reference request (kvshare.bench.outputs); None: not compared
+    # the output against the unit's reference request (kvshare.outputs); None: not compared
     matches_reference: bool | None = None  # output token ids equal the reference's
     first_divergence: int | None = None  # index of the first differing output token, when they differ
     output_check: str | None = None  # equal | near-tie | mismatch | unknown (records before it: None)

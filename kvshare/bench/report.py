@@ -8,11 +8,11 @@ from dataclasses import dataclass
 
 from kvshare.bench.records import Record, ResultsDir
 from kvshare.bench.stats import MIN_N_FOR_CI
-from kvshare.bench.outputs import MISMATCH, NEAR_TIE, UNKNOWN
 from kvshare.bench.summary import (
     STUDY_BLOCKS, STUDY_BLOCKS_REQUESTS, STUDY_SESSIONS, blocks_rows, divergences, format_ci, nearest, sessions_rows,
     ttft_rows,
 )
+from kvshare.outputs import MISMATCH, NEAR_TIE, UNKNOWN
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,8 @@ from typing import Any, Awaitable, Callable
 import aiohttp
 
 from kvshare.bench.client import BenchRequest, Response, send
-from kvshare.bench.outputs import check_outputs
 from kvshare.bench.records import Record, ResultsDir, output_digest
+from kvshare.outputs import check_outputs
 
 
 @dataclass
@@ -73,7 +73,7 @@ def to_record(response: Response, request: BenchRequest, **fields: Any) -> Recor
 
 
 def mark_matches(records: list[Record], reference: Record | None) -> None:
-    """Check every record's output against ``reference``'s (kvshare.bench.outputs) and record the verdict:
+    """Check every record's output against ``reference``'s (kvshare.outputs) and record the verdict:
     equal, or where they part, the reference's top-2 gap there and the two tokens."""
     if reference is None:
         return

@@ -10,7 +10,7 @@ worker has no request waiting, it runs one pending audit (``run_one``):
     served     the request's first tokens, if it was greedy; otherwise a greedy
                replay with the same reuse options (the reused KV as it is now)
     cold       the same prompt, greedy, pool and local cache off (nothing reused or published)
-    compare    kvshare.validate.compare: identical, or diverged at a near tie (top-2 gap
+    compare    kvshare.outputs: identical, or diverged at a near tie (top-2 gap
                below the threshold: tolerated, counted apart) -- anything else is a mismatch
 
 A mismatch is counted (``kvshare:audit_mismatches_total``), logged with the chunk
@@ -29,7 +29,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from kvshare.validate.compare import DEFAULT_GAP_THRESHOLD, Comparison, compare_tokens
+from kvshare.outputs import DEFAULT_GAP_THRESHOLD, Comparison, compare_tokens
 
 log = logging.getLogger("kvshare.audit")
 

@@ -6,5 +6,5 @@
     helpers_level.py    2. layout conversions against slow references
     full_pool.py        3. every page allocated, written, verified (check_full_pool); full_pool_level.py wraps it
     service*.py         4. pool ON == pool OFF on live replicas, with provenance
-    compare.py          the output-equality rule (shared with the replica's audit, kvshare.serve.audit)
+    (the output-equality rule is kvshare.outputs, shared with the replica's audit and the bench)
 """

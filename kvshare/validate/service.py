@@ -8,7 +8,7 @@ the chunk size and some not, and chat conversations), at temperature 0::
     pool   replica B, {"use_local_cache": false}                     must load them from the pool
     local  replica A, {"use_pool": false}                            reuses A's local prefix cache
 
-Each of prime, pool and local must match off by the rule of ``compare.py``
+Each of prime, pool and local must match off by the rule of ``kvshare.outputs``
 (identical; on bf16, divergence only at a step whose top-2 gap is below the
 threshold, reported with its step and gap), and the pool run must show that it
 really loaded from the pool (``kvshare.pool_tokens`` > 0 where the prompt has a
@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from kvshare.validate.compare import DEFAULT_GAP_THRESHOLD, compare_tokens
+from kvshare.outputs import DEFAULT_GAP_THRESHOLD, compare_tokens
 from kvshare.validate.report import FAIL, PASS, SKIP, LevelResult, Row, verdict_of
 from kvshare.validate.service_http import LOCAL_ONLY, POOL_OFF, POOL_ONLY, Completion, ServiceError, model_of, request, tokenize
 
