@@ -119,7 +119,7 @@ class Cluster:
         cfg = self.config
         port = cfg.port + 1 + i
         if cfg.engine == "vllm":
-            from kvshare.integrations.vllm_launch import VllmServerConfig, vllm_server_command
+            from kvshare.integrations.vllm.launch import VllmServerConfig, vllm_server_command
 
             spec = vllm_server_command(VllmServerConfig(
                 model=self._vllm_model_dir(), port=port, host=cfg.host, pool_socket=self.pool_socket,
@@ -151,7 +151,7 @@ class Cluster:
 
     def _preflight(self) -> None:
         if self.config.engine == "vllm":
-            from kvshare.integrations.vllm_launch import check_vllm_python
+            from kvshare.integrations.vllm.launch import check_vllm_python
 
             problem = check_vllm_python(self.config.vllm_python or sys.executable)
             if problem:

@@ -4,7 +4,7 @@ Families (each on CPU tensors, and on CUDA tensors too when the device is CUDA; 
 references always run on CPU, element by element, from the documented memory order):
 
     engine       kv [L, 2, H, T, D] <-> pages [n, L, 2, C, H, D]       kvshare.transfer.layouts
-    vllm_layout  cpu_attn, flash_attn (4-D, three memory orders), flash_attn_5d  kvshare.integrations.vllm_layout
+    vllm_layout  cpu_attn, flash_attn (4-D, three memory orders), flash_attn_5d  kvshare.integrations.vllm.layout
 
 with non-contiguous block tables, partially filled last blocks, token ranges that
 start and end inside blocks, and several dtypes (float32, bfloat16, float16,
@@ -83,7 +83,7 @@ def check_engine(device: str, tally: Tally) -> None:
             tally.compare(f"pages->engine {dtype} chunks {first_chunk}+{num_chunks}", fast, slow)  # rest untouched too
 
 
-# -- kvshare.integrations.vllm_layout (the connector's views) ------------------------------------------
+# -- kvshare.integrations.vllm.layout (the connector's views) ------------------------------------------
 
 B, H, N, D = 6, 2, 4, 8
 # (backend, name, CPU base tensor shape, view of the base as the layer tensor vLLM hands over)
@@ -98,7 +98,7 @@ TOKEN_RANGES = ((0, B * N), (3, 9), (N, 1), (5, 2 * N - 1))  # start and end ins
 
 
 def check_vllm_layout(kind, device: str, tally: Tally) -> None:
-    from kvshare.integrations import vllm_layout as V
+    from kvshare.integrations.vllm import layout as V
     from kvshare.transfer.layouts import torch_dtype
 
     backend, name, base_shape, view = kind
@@ -127,9 +127,9 @@ def check_vllm_layout(kind, device: str, tally: Tally) -> None:
 def _families():
     families = [("engine [L,2,H,T,D]", check_engine, None)]
     try:
-        import kvshare.integrations.vllm_layout  # noqa: F401
+        import kvshare.integrations.vllm.layout  # noqa: F401
     except ImportError:
-        return families, "kvshare.integrations.vllm_layout is not installed"
+        return families, "kvshare.integrations.vllm.layout is not installed"
     families += [(f"vllm_layout {k[1]}", check_vllm_layout, k) for k in VLLM_KINDS]
     return families, ""
 

@@ -33,11 +33,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import xxhash
 
-from kvshare.integrations.vllm_meta import LoadOutcome, LoadSpec, PhaseTimes
-from kvshare.integrations.vllm_plan import CopyRun, PageSlice
+from kvshare.integrations.vllm.metadata import LoadOutcome, LoadSpec, PhaseTimes
+from kvshare.integrations.vllm.plan import CopyRun, PageSlice
 
 if TYPE_CHECKING:
-    from kvshare.integrations.vllm_worker import PoolKVWorker
+    from kvshare.integrations.vllm.worker import PoolKVWorker
 
 
 @dataclass

@@ -10,7 +10,7 @@ import psutil
 import pytest
 
 from kvshare.launch import Cluster, ClusterConfig, free_port_block
-from tests.integrations.vllm_servers import vllm_python
+from tests.integrations.vllm.servers import vllm_python
 
 PYTHON = vllm_python()
 pytestmark = [

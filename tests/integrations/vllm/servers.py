@@ -12,7 +12,7 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
-from kvshare.integrations.vllm_launch import LaunchSpec, VllmServerConfig, vllm_server_command, wait_until_ready
+from kvshare.integrations.vllm.launch import LaunchSpec, VllmServerConfig, vllm_server_command, wait_until_ready
 
 
 def vllm_python() -> str | None:

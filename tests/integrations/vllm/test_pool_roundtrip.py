@@ -11,12 +11,12 @@ import signal
 import pytest
 import torch
 
-from kvshare.integrations.pool_link import PoolLink
-from kvshare.integrations.vllm_layout import PagedLayout, reference_gather
-from kvshare.integrations.vllm_meta import LoadOutcome, WorkerReport
-from kvshare.integrations.vllm_options import ConnectorConfig
-from kvshare.integrations.vllm_scheduler import PoolScheduler, ScheduledRequest
-from kvshare.integrations.vllm_worker import PoolKVWorker
+from kvshare.integrations.vllm.layout import PagedLayout, reference_gather
+from kvshare.integrations.vllm.metadata import LoadOutcome, WorkerReport
+from kvshare.integrations.vllm.options import ConnectorConfig
+from kvshare.integrations.vllm.pool_link import PoolLink
+from kvshare.integrations.vllm.scheduler import PoolScheduler, ScheduledRequest
+from kvshare.integrations.vllm.worker import PoolKVWorker
 from kvshare.keys import Namespace, chunk_keys, namespace_digest
 from kvshare.layout import KVLayout
 from kvshare.pool.client import PoolClient

@@ -5,8 +5,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvshare.integrations.vllm_launch import VllmServerConfig, kv_transfer_config, vllm_server_command
-from kvshare.integrations.vllm_options import (
+from kvshare.integrations.vllm.launch import VllmServerConfig, kv_transfer_config, vllm_server_command
+from kvshare.integrations.vllm.options import (
     ConnectorConfig,
     RequestOptions,
     check_supported,
@@ -103,7 +103,7 @@ def test_server_command_line():
 
     assert "KVSHARE_LOG_LEVEL" not in spec.env
     debug = vllm_server_command(VllmServerConfig(model="m", port=1, log_level="DEBUG"), base_env={})
-    assert debug.env["KVSHARE_LOG_LEVEL"] == "DEBUG"  # the connector's phase timings (vllm_bench --timings)
+    assert debug.env["KVSHARE_LOG_LEVEL"] == "DEBUG"  # the connector's phase timings (bench --timings)
 
     plain = vllm_server_command(VllmServerConfig(model="/models/tiny", port=8124, pool_socket=None))
     assert "--kv-transfer-config" not in plain.argv

@@ -1,6 +1,6 @@
 """TTFT of vLLM with kvshare's connector: cold, vLLM's own prefix-cache hit, and cross-replica.
 
-    python -m kvshare.integrations.vllm_bench --vllm-python /tmp/vllm-venv/bin/python \\
+    python -m kvshare.integrations.vllm.bench --vllm-python /tmp/vllm-venv/bin/python \\
         --lengths 8192 16384 --repeats 3 --out results/vllm
 
 starts a pool and three vLLM OpenAI servers on the tiny preset (A and B with the
@@ -42,8 +42,8 @@ import tempfile
 import time
 import urllib.request
 
-from kvshare.integrations.vllm_launch import VllmServerConfig, vllm_server_command, wait_until_ready
-from kvshare.integrations.vllm_options import ConnectorConfig
+from kvshare.integrations.vllm.launch import VllmServerConfig, vllm_server_command, wait_until_ready
+from kvshare.integrations.vllm.options import ConnectorConfig
 from kvshare.pool.spawn import start_pool, stop_process
 
 
@@ -86,11 +86,11 @@ def copy_bandwidth(num_tokens: int, repeats: int = 3) -> dict:
     import numpy as np
     import torch
 
-    from kvshare.integrations.pool_link import PoolLink
-    from kvshare.integrations.vllm_layout import PagedLayout
-    from kvshare.integrations.vllm_meta import WorkerReport
-    from kvshare.integrations.vllm_scheduler import PoolScheduler, ScheduledRequest
-    from kvshare.integrations.vllm_worker import PoolKVWorker
+    from kvshare.integrations.vllm.layout import PagedLayout
+    from kvshare.integrations.vllm.metadata import WorkerReport
+    from kvshare.integrations.vllm.pool_link import PoolLink
+    from kvshare.integrations.vllm.scheduler import PoolScheduler, ScheduledRequest
+    from kvshare.integrations.vllm.worker import PoolKVWorker
     from kvshare.keys import Namespace
     from kvshare.layout import KVLayout
     from kvshare.pool.spawn import running_pool

@@ -12,7 +12,7 @@ prompt's full chunks, leases the longest run the pool holds beyond vLLM's own pr
 hit and plans every step's loads and stores. The WORKER one (PoolKVWorker) copies the
 leased pages into the step's freshly allocated blocks before the forward (on CPU with
 ``overlap_load``, layer by layer beside it, each attention layer waiting for its own layer:
-kvshare.integrations.vllm_overlap), and copies the chunks the step completed into reserved
+kvshare.integrations.vllm.overlap), and copies the chunks the step completed into reserved
 pages after it, then commits them.
 A page that fails its checksum, a lease lost to a pool restart or a pool that is gone
 ends a load early: its blocks are reported as load errors and vLLM recomputes them
@@ -36,18 +36,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvshare.integrations.model_identity import engine_namespace
-from kvshare.integrations.pool_link import PoolLink
-from kvshare.integrations.vllm_layout import UnsupportedKVLayout, detect_layout
-from kvshare.integrations.vllm_meta import LoadOutcome, LoadSpec, PhaseTimes, StepPlan, WorkerReport
-from kvshare.integrations.vllm_options import PARAMS_KEY, ConnectorConfig, check_supported, kv_layout_of
-from kvshare.integrations.vllm_plan import blocks_of_tokens
-from kvshare.integrations.vllm_scheduler import PoolScheduler, ScheduledRequest
-from kvshare.integrations.vllm_stats import KVSharePromMetrics, KVShareStats
-from kvshare.integrations.vllm_worker import PoolKVWorker
+from kvshare.integrations.vllm.identity import engine_namespace
+from kvshare.integrations.vllm.layout import UnsupportedKVLayout, detect_layout
+from kvshare.integrations.vllm.metadata import LoadOutcome, LoadSpec, PhaseTimes, StepPlan, WorkerReport
+from kvshare.integrations.vllm.options import PARAMS_KEY, ConnectorConfig, check_supported, kv_layout_of
+from kvshare.integrations.vllm.plan import blocks_of_tokens
+from kvshare.integrations.vllm.pool_link import PoolLink
+from kvshare.integrations.vllm.scheduler import PoolScheduler, ScheduledRequest
+from kvshare.integrations.vllm.stats import KVSharePromMetrics, KVShareStats
+from kvshare.integrations.vllm.worker import PoolKVWorker
 
 if TYPE_CHECKING:
-    from kvshare.integrations.vllm_overlap import LayeredLoads
+    from kvshare.integrations.vllm.overlap import LayeredLoads
     from vllm.config import VllmConfig
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig

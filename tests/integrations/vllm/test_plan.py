@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from kvshare.integrations.vllm_plan import (
+from kvshare.integrations.vllm.plan import (
     BlockCopy,
     HeldLease,
     LeaseBook,

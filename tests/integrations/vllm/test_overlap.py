@@ -1,7 +1,7 @@
-"""Loads copied layer by layer beside the forward (kvshare.integrations.vllm_overlap), no vLLM needed.
+"""Loads copied layer by layer beside the forward (kvshare.integrations.vllm.overlap), no vLLM needed.
 
 The byte-for-byte cases (cross-replica, corrupted page, block tables, sampled verification) run
-in both modes in test_vllm_pool_roundtrip.py; here: what only the layered mode has.
+in both modes in test_pool_roundtrip.py; here: what only the layered mode has.
 """
 
 import time
@@ -11,11 +11,11 @@ import pytest
 import torch
 import xxhash
 
-from kvshare.integrations.vllm_meta import WorkerReport
-from kvshare.integrations.vllm_overlap import LayeredLoad
-from kvshare.integrations.vllm_scheduler import ScheduledRequest
+from kvshare.integrations.vllm.metadata import WorkerReport
+from kvshare.integrations.vllm.overlap import LayeredLoad
+from kvshare.integrations.vllm.scheduler import ScheduledRequest
 from kvshare.pool.checksum import page_checksum
-from tests.integrations.test_vllm_pool_roundtrip import (  # noqa: F401
+from tests.integrations.vllm.test_pool_roundtrip import (  # noqa: F401
     BLOCKS_A,
     BLOCKS_B,
     PROMPT,
@@ -152,7 +152,7 @@ def test_a_copy_task_that_never_runs_fails_the_load_and_no_wait_hangs(pool):  # 
     """A broken or shut-down executor: the waits return and the load fails instead of the forward hanging."""
     from concurrent.futures import Future
 
-    from kvshare.integrations.vllm_overlap import LayeredLoads
+    from kvshare.integrations.vllm.overlap import LayeredLoads
 
     class NeverRuns:
         def submit(self, fn):

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvshare.integrations.vllm_copy import CpuBlockCopier
-from kvshare.integrations.vllm_layout import (
+from kvshare.integrations.vllm.block_copy import CpuBlockCopier
+from kvshare.integrations.vllm.layout import (
     PagedLayout,
     UnsupportedKVLayout,
     detect_layout,

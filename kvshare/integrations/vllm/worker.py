@@ -8,14 +8,14 @@ verification (every page with ``verify_fraction`` 1, else a random share of them
 checked before any of their bytes are used; the first page that fails (checksum, a
 lease from another pool, a pool gone) ends the load there, and the tokens from that
 point are reported so that vLLM recomputes them. ``begin_load`` plans the same load to be
-copied layer by layer beside the forward (kvshare.integrations.vllm_overlap), where the
+copied layer by layer beside the forward (kvshare.integrations.vllm.overlap), where the
 checksums are only known after the forward read the bytes; the tokens from a bad page on
 are reported the same way before the step's output counts. Stores run after the forward: reserve
 pages for the chunks, copy each chunk out of vLLM's blocks, checksum, commit. A page is
 visible to other replicas only after its commit, and never holds a partial copy.
 
 On CPU, runs of whole blocks move as numpy block copies over ``copy_threads`` threads
-(vllm_copy); anything else, and every copy on CUDA, as a torch token scatter/gather.
+(block_copy); anything else, and every copy on CUDA, as a torch token scatter/gather.
 """
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from kvshare.integrations.pool_link import POOL_DOWN_ERRORS, PoolLink
-from kvshare.integrations.vllm_copy import CpuBlockCopier, leave_the_callers_cores
-from kvshare.integrations.vllm_layout import PagedLayout, gather_tokens, scatter_tokens, slots_of_positions
-from kvshare.integrations.vllm_meta import ConnectorCounters, LoadOutcome, LoadSpec, PhaseTimes, StoreSpec
-from kvshare.integrations.vllm_overlap import BlockRun, LayeredLoad, LayeredLoads
-from kvshare.integrations.vllm_plan import CopyRun, PageSlice, copy_runs, page_slices
+from kvshare.integrations.vllm.block_copy import CpuBlockCopier, leave_the_callers_cores
+from kvshare.integrations.vllm.layout import PagedLayout, gather_tokens, scatter_tokens, slots_of_positions
+from kvshare.integrations.vllm.metadata import ConnectorCounters, LoadOutcome, LoadSpec, PhaseTimes, StoreSpec
+from kvshare.integrations.vllm.overlap import BlockRun, LayeredLoad, LayeredLoads
+from kvshare.integrations.vllm.plan import CopyRun, PageSlice, copy_runs, page_slices
+from kvshare.integrations.vllm.pool_link import POOL_DOWN_ERRORS, PoolLink
 from kvshare.layout import KVLayout
 from kvshare.pool.checksum import page_checksum
 from kvshare.pool.client import PoolRequestError
@@ -147,8 +147,8 @@ class PoolKVWorker:
         return self.outcome(spec, loaded_end, reason, times)
 
     def begin_load(self, spec: LoadSpec) -> LayeredLoad | LoadOutcome:
-        """A load to copy layer by layer beside the forward (CPU, whole blocks: kvshare.integrations
-        .vllm_overlap runs it), or, where that cannot be, the outcome of loading it now."""
+        """A load to copy layer by layer beside the forward (CPU, whole blocks: kvshare.integrations.vllm
+        .overlap runs it), or, where that cannot be, the outcome of loading it now."""
         if self._copier is None:
             return self.load(spec)
         times = PhaseTimes()

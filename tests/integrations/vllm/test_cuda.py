@@ -8,12 +8,12 @@ vLLM 0.32's FLASH_ATTN caches, against a real pool, with a delayed producer.
 import pytest
 import torch
 
-from kvshare.integrations.pool_link import PoolLink
-from kvshare.integrations.vllm_layout import detect_layout, reference_gather
-from kvshare.integrations.vllm_meta import WorkerReport
-from kvshare.integrations.vllm_options import ConnectorConfig
-from kvshare.integrations.vllm_scheduler import PoolScheduler, ScheduledRequest
-from kvshare.integrations.vllm_worker import PoolKVWorker
+from kvshare.integrations.vllm.layout import detect_layout, reference_gather
+from kvshare.integrations.vllm.metadata import WorkerReport
+from kvshare.integrations.vllm.options import ConnectorConfig
+from kvshare.integrations.vllm.pool_link import PoolLink
+from kvshare.integrations.vllm.scheduler import PoolScheduler, ScheduledRequest
+from kvshare.integrations.vllm.worker import PoolKVWorker
 from kvshare.keys import Namespace
 from kvshare.layout import KVLayout
 from kvshare.pool.spawn import running_pool

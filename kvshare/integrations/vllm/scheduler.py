@@ -18,8 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from kvshare.integrations.pool_link import POOL_DOWN_ERRORS, PoolLink
-from kvshare.integrations.vllm_meta import (
+from kvshare.integrations.vllm.metadata import (
     ConnectorCounters,
     LoadSpec,
     PageRef,
@@ -28,8 +27,8 @@ from kvshare.integrations.vllm_meta import (
     StoreSpec,
     WorkerReport,
 )
-from kvshare.integrations.vllm_options import ConnectorConfig, RequestOptions, provenance
-from kvshare.integrations.vllm_plan import (
+from kvshare.integrations.vllm.options import ConnectorConfig, RequestOptions, provenance
+from kvshare.integrations.vllm.plan import (
     HeldLease,
     LeaseBook,
     LeaseState,
@@ -37,6 +36,7 @@ from kvshare.integrations.vllm_plan import (
     lookup_window,
     tokens_to_load,
 )
+from kvshare.integrations.vllm.pool_link import POOL_DOWN_ERRORS, PoolLink
 from kvshare.keys import Namespace, extend_chunk_keys, namespace_digest
 from kvshare.pool.client import PoolRequestError
 

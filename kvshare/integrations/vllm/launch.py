@@ -169,7 +169,7 @@ def wait_until_ready(base_url: str, proc: subprocess.Popen | None = None, timeou
 def check_vllm_python(python: str, timeout_s: float = 120.0) -> str | None:
     """None when ``python`` can import vLLM and this kvshare's connector; else what is wrong, in words."""
     spec = vllm_server_command(VllmServerConfig(model=".", port=1, python=python))
-    probe = "import vllm, xxhash, msgspec, kvshare.integrations.vllm; print(vllm.__version__)"
+    probe = "import vllm, xxhash, msgspec, kvshare.integrations.vllm.connector; print(vllm.__version__)"
     try:
         done = subprocess.run([python, "-c", probe], env=spec.env, capture_output=True, text=True, timeout=timeout_s)
     except (OSError, subprocess.TimeoutExpired) as exc:

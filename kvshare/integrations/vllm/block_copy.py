@@ -19,8 +19,8 @@ from typing import Callable, TypeVar
 import numpy as np
 import torch
 
-from kvshare.integrations.vllm_layout import PagedLayout, blocks_array, read_blocks, split_axis, write_blocks
-from kvshare.integrations.vllm_plan import block_copies
+from kvshare.integrations.vllm.layout import PagedLayout, blocks_array, read_blocks, split_axis, write_blocks
+from kvshare.integrations.vllm.plan import block_copies
 
 log = logging.getLogger("kvshare.integrations")
 T = TypeVar("T")

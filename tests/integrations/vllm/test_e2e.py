@@ -11,14 +11,14 @@ import time
 
 import pytest
 
-from kvshare.integrations.model_identity import engine_namespace
-from kvshare.integrations.vllm_launch import VllmServerConfig
+from kvshare.integrations.vllm.identity import engine_namespace
+from kvshare.integrations.vllm.launch import VllmServerConfig
 from kvshare.keys import chunk_keys, namespace_digest
 from kvshare.layout import KVLayout
 from kvshare.pool.client import PoolClient
 from kvshare.pool.spawn import start_pool, stop_process
-from tests.integrations.tiny_model import make_model_dir
-from tests.integrations.vllm_servers import (
+from tests.integrations.vllm.tiny_model import make_model_dir
+from tests.integrations.vllm.servers import (
     answer,
     cached_tokens,
     complete,

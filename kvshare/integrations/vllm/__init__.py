@@ -1,0 +1,42 @@
+"""kvshare's KV connector for vLLM: load it with ``kv_connector_module_path`` ``kvshare.integrations.vllm``.
+
+    connector   KVShareConnector, the KVConnectorBase_V1 face vLLM loads (imports vLLM)
+    scheduler   the scheduler side: lookups, leases, each step's loads and stores (no vLLM)
+    worker      the worker side: copies between pool pages and vLLM's paged KV (no vLLM)
+    overlap     a step's loads copied layer by layer beside the forward
+    layout      vLLM's KV tensor layouts and token/block views of them
+    block_copy  whole-block numpy copies over a few threads (CPU)
+    plan        chunk/block arithmetic of loads and stores (pure)
+    metadata    the specs and reports that pass between the two sides
+    options     the connector's settings (kv_connector_extra_config, per-request params)
+    stats       the counters as vLLM's KVConnectorStats and Prometheus metrics (imports vLLM)
+    pool_link   a pool connection that reconnects after the pool went away
+    identity    the namespace of a model's KV (weights fingerprint, layout)
+    launch      the vLLM server command line with the connector configured
+    bench       ``python -m kvshare.integrations.vllm.bench``: TTFT cold, local and cross-replica
+
+vLLM loads the class as ``getattr(importlib.import_module(path), "KVShareConnector")``; the
+package resolves that name on first access (PEP 562), so importing the package or any of its
+vLLM-free modules does not import vLLM.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvshare.integrations.vllm.connector import KVShareConnector
+
+__all__ = ["KVShareConnector"]
+
+
+def __getattr__(name: str):
+    if name == "KVShareConnector":
+        connector = importlib.import_module("kvshare.integrations.vllm.connector")
+        return connector.KVShareConnector
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])
