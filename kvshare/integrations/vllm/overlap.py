@@ -26,18 +26,20 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import xxhash
 
 from kvshare.integrations.vllm.metadata import LoadOutcome, LoadSpec, PhaseTimes
 from kvshare.integrations.vllm.plan import CopyRun, PageSlice
+from kvshare.layout import KVLayout
 
 if TYPE_CHECKING:
-    from kvshare.integrations.vllm.worker import PoolKVWorker
+    from kvshare.integrations.vllm.block_copy import CpuBlockCopier
 
 
 @dataclass
@@ -61,10 +63,27 @@ class LayeredLoad:
     runs: list[BlockRun] = field(default_factory=list)
 
 
+class LayeredLoadWorker(Protocol):
+    """What the layered loads need of the worker that planned them (worker.PoolKVWorker is one).
+
+    Passed in, not imported: the worker imports this module to start the loads.
+    """
+
+    kv_layout: KVLayout
+
+    @property
+    def copier(self) -> CpuBlockCopier | None: ...
+
+    def settle(self, spec: LoadSpec, pieces: list[PageSlice], chosen: list[bool], sums: Iterator[int],
+               reason: str) -> tuple[int, str]: ...
+
+    def outcome(self, spec: LoadSpec, loaded_end: int, reason: str, times: PhaseTimes) -> LoadOutcome: ...
+
+
 class LayeredLoads:
     """The step's layered loads, running on ``executor``'s thread from construction on."""
 
-    def __init__(self, worker: PoolKVWorker, loads: list[LayeredLoad], executor: ThreadPoolExecutor) -> None:
+    def __init__(self, worker: LayeredLoadWorker, loads: list[LayeredLoad], executor: ThreadPoolExecutor) -> None:
         self.worker = worker
         self.loads = loads
         self.num_layers = worker.kv_layout.num_layers
