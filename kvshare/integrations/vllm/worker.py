@@ -147,8 +147,8 @@ class PoolKVWorker:
         return self.outcome(spec, loaded_end, reason, times)
 
     def begin_load(self, spec: LoadSpec) -> LayeredLoad | LoadOutcome:
-        """A load to copy layer by layer beside the forward (CPU, whole blocks: kvshare.integrations.vllm
-        .overlap runs it), or, where that cannot be, the outcome of loading it now."""
+        """A load to copy layer by layer beside the forward (CPU, whole blocks: the overlap
+        module runs it), or, where that cannot be, the outcome of loading it now."""
         if self._copier is None:
             return self.load(spec)
         times = PhaseTimes()
