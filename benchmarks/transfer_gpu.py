@@ -150,7 +150,7 @@ def run_size(client, transfers: dict, model: str, tokens: int, repeats: int) -> 
     import torch
 
     from kvshare.pool.protocol import PageHeader
-    from kvshare.transfer.bytecheck import random_kv
+    from kvshare.transfer.roundtrip import random_kv
     from kvshare.transfer.layouts import as_bits
     from kvshare.transfer.scratch import reserve_scratch
 
@@ -309,8 +309,8 @@ def run_bytecheck(args) -> dict:
 
     from kvshare.pool.client import PoolClient
     from kvshare.pool.spawn import running_pool
-    from kvshare.transfer.bytecheck import ByteCheckConfig
     from kvshare.transfer.bytecheck import run_bytecheck as bytecheck
+    from kvshare.transfer.roundtrip import ByteCheckConfig
 
     print("byte check (delay-injection) ...", flush=True)
     with running_pool("512MiB", ("--extent-size", "64MiB"), stdout=subprocess.DEVNULL) as socket_path:

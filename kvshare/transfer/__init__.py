@@ -1,9 +1,9 @@
 """Moving KV between the pool's pages and engines (CPU and CUDA), and the byte checks that prove it.
 
-Start from ``make_transfer(layout, client, device, config)``; the interface is in
-``base.py``, layout conversions (built-in engine, vLLM CPU and CUDA) in
+Start from ``make_transfer(layout, client, device, config)`` (``factory.py``); the interface
+is in ``base.py``, layout conversions (built-in engine, vLLM CPU and CUDA) in
 ``layouts.py`` with their slow oracles in ``reference.py``, the byte round-trip
-self-test in ``bytecheck.py``.
+self-test in ``bytecheck.py`` (one round trip: ``roundtrip.py``; CUDA ordering: ``ordercheck.py``).
 """
 
 from kvshare.transfer.base import (
@@ -11,7 +11,7 @@ from kvshare.transfer.base import (
     KVTransfer,
     LoadHandle,
     TransferConfig,
-    make_transfer,
 )
+from kvshare.transfer.factory import make_transfer
 
 __all__ = ["ChunkChecksumMismatch", "KVTransfer", "LoadHandle", "TransferConfig", "make_transfer"]

@@ -175,17 +175,3 @@ class KVTransfer(ABC):
             if value != pages[i].checksum:
                 raise ChunkChecksumMismatch(first_chunk + i, pages[i].offset)
 
-
-def make_transfer(layout: KVLayout, client: "PoolClient", device, config: TransferConfig | None = None) -> KVTransfer:
-    """CpuTransfer or CudaTransfer, chosen by the device's type."""
-    device = torch.device(device)
-    config = config or TransferConfig()
-    if device.type == "cpu":
-        from kvshare.transfer.cpu import CpuTransfer
-
-        return CpuTransfer(layout, client, device, config)
-    if device.type == "cuda":
-        from kvshare.transfer.cuda import CudaTransfer
-
-        return CudaTransfer(layout, client, device, config)
-    raise ValueError(f"no KV transfer for device {device}; kvshare moves KV to 'cpu' or 'cuda'")

@@ -24,10 +24,10 @@ import torch
 
 from kvshare.pool.protocol import PageHeader
 from kvshare.transfer.base import TransferConfig
-from kvshare.transfer.bytecheck import PathResult, mismatched_bytes, random_kv, round_trip, sentinel_kv
 from kvshare.transfer.copiers import CopyError
 from kvshare.transfer.cuda import CudaTransfer
 from kvshare.transfer.layouts import as_bits, engine_to_chunks
+from kvshare.transfer.roundtrip import PathResult, mismatched_bytes, random_kv, round_trip, sentinel_kv
 
 ORDER_PAGES = 8
 

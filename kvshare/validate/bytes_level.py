@@ -26,7 +26,8 @@ LAYOUTS: tuple[tuple[str, KVLayout, int | None], ...] = (
 
 
 def run_bytes_level(session, layouts=LAYOUTS) -> LevelResult:
-    from kvshare.transfer.bytecheck import ByteCheckConfig, run_bytecheck
+    from kvshare.transfer.bytecheck import run_bytecheck
+    from kvshare.transfer.roundtrip import ByteCheckConfig
 
     started = time.perf_counter()
     rows: list[Row] = []

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvshare.transfer.bytecheck import ByteCheckConfig, make_cases, run_bytecheck
+from kvshare.transfer.bytecheck import make_cases, run_bytecheck
+from kvshare.transfer.roundtrip import ByteCheckConfig
 from tests.transfer.helpers import EXTENT_BYTES, LAYOUTS
 
 

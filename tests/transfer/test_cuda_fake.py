@@ -14,11 +14,12 @@ import torch
 
 from kvshare.pool.protocol import PageHeader
 from kvshare.transfer import ChunkChecksumMismatch, TransferConfig
-from kvshare.transfer.bytecheck import ByteCheckConfig, make_cases, round_trip, stress_config
+from kvshare.transfer.bytecheck import make_cases, stress_config
 from kvshare.transfer.copiers import CopyError
 from kvshare.transfer.cuda import CudaTransfer
 from kvshare.transfer.ordercheck import load_order, store_order
 from kvshare.transfer.registration import RegistrationError, extent_pieces
+from kvshare.transfer.roundtrip import ByteCheckConfig, round_trip
 from kvshare.transfer.scratch import reserve_scratch
 from tests.transfer import fake_cuda
 from tests.transfer.helpers import EXTENT_BYTES, LAYOUTS, random_kv

@@ -14,10 +14,11 @@ from kvshare.pool.client import PoolClient
 from kvshare.pool.protocol import PageHeader
 from kvshare.pool.spawn import running_pool
 from kvshare.transfer import TransferConfig
-from kvshare.transfer.bytecheck import ByteCheckConfig, random_kv, run_bytecheck, sentinel_kv
+from kvshare.transfer.bytecheck import run_bytecheck
 from kvshare.transfer.cuda import CudaTransfer
 from kvshare.transfer.layouts import as_bits
 from kvshare.transfer.registration import RegistrationError, extent_pieces, register_range, unregister_range
+from kvshare.transfer.roundtrip import ByteCheckConfig, random_kv, sentinel_kv
 from kvshare.transfer.scratch import reserve_scratch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvshare.transfer.bytecheck import PathResult
+from kvshare.transfer.roundtrip import PathResult
 from kvshare.validate.bytes_level import _row
 from kvshare.validate.full_pool_level import run_full_pool_level
 from kvshare.validate.report import CAUGHT, FAIL, PASS, SKIP
