@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kvshare.layout import KVLayout  # noqa: E402
 from kvshare.pool.checksum import page_checksum  # noqa: E402
 from kvshare.pool.client import PoolClient  # noqa: E402
-from kvshare.pool.remote_format import num_parts, part_keys  # noqa: E402
+from kvshare.pool.remote.format import num_parts, part_keys  # noqa: E402
 from kvshare.pool.spawn import running_pool  # noqa: E402
 from kvshare.units import parse_size  # noqa: E402
 

@@ -32,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _add_remote_arguments(p: argparse.ArgumentParser) -> None:
-    """Flags of the remote tier (kvshare.pool.remote_config.RemoteConfig, one flag per field; docs/remote.md)."""
+    """Flags of the remote tier (kvshare.pool.remote.config.RemoteConfig, one flag per field; docs/remote.md)."""
     g = p.add_argument_group("remote tier (share pages with pools on other hosts through Redis/Valkey)")
     g.add_argument("--remote", default=None, metavar="URL",
                    help="redis://HOST:PORT[/DB], rediss://..., unix:///PATH or redis+cluster://HOST:PORT,HOST:PORT,...")
@@ -59,7 +59,7 @@ def _add_remote_arguments(p: argparse.ArgumentParser) -> None:
 def _remote_config_from_args(args: argparse.Namespace):
     if not args.remote:
         return None
-    from kvshare.pool.remote_config import RemoteConfig
+    from kvshare.pool.remote.config import RemoteConfig
 
     return RemoteConfig(
         url=args.remote, prefix=args.remote_prefix, ttl_s=args.remote_ttl, part_bytes=args.remote_part_size,

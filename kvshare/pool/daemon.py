@@ -23,7 +23,7 @@ from kvshare.pool import protocol as P
 from kvshare.pool.allocator import Allocator
 from kvshare.pool.arena import create_arena, map_arena, prefault
 from kvshare.pool.index import IndexConfig, LookupResult, PoolError, PoolIndex
-from kvshare.pool.remote_config import RemoteConfig
+from kvshare.pool.remote.config import RemoteConfig
 
 log = logging.getLogger("kvshare.pool")
 
@@ -465,7 +465,7 @@ class PoolServer:
     def _start_remote(self) -> None:
         if self.config.remote is None:
             return
-        from kvshare.pool.remote import RemoteTier
+        from kvshare.pool.remote.tier import RemoteTier
 
         writer_id, promoter_id = self._next_client_id, self._next_client_id + 1  # the tier's own client ids
         self._next_client_id += 2
@@ -496,14 +496,12 @@ class PoolServer:
 
     def _finish_deferred_lookup(self, client: _Client, req: P.Lookup, pin_lease_id: int) -> None:
         """Answer a deferred lookup from the index as it is now, then the client's waiting messages."""
-        from kvshare.pool.remote import lookup_uncounted
-
         if self._clients.get(client.client_id) is not client:
             return  # it left meanwhile; its leases went with it
         client.is_deferred = False
         try:
-            reply = _lookup_reply(lookup_uncounted(self.index, client.client_id, req.keys, req.page_bytes,
-                                                   time.monotonic()))
+            reply = _lookup_reply(self.index.lookup_uncounted(client.client_id, req.keys, req.page_bytes,
+                                                              time.monotonic()))
         except Exception as exc:  # a bug: answer it like any handler's, keep serving the client
             log.exception("internal error answering a deferred lookup")
             reply = P.ErrorReply("internal", f"{type(exc).__name__}: {exc}")

@@ -175,6 +175,17 @@ class PoolIndex:
 
     def lookup(self, client_id: int, keys: list[bytes], page_bytes: int, now: float, lease: bool = True) -> LookupResult:
         """Longest committed prefix of ``keys``; leased (pinned) when ``lease``."""
+        matched = self._committed_prefix(keys, page_bytes)
+        self.counters.lookups += 1
+        self.counters.hit_chunks += len(matched)
+        self.counters.miss_chunks += len(keys) - len(matched)
+        return self._touch(client_id, matched, now, lease)
+
+    def lookup_uncounted(self, client_id: int, keys: list[bytes], page_bytes: int, now: float) -> LookupResult:
+        """A leasing lookup that leaves the lookup counters alone (the pool's own pins are not client lookups)."""
+        return self._touch(client_id, self._committed_prefix(keys, page_bytes), now, lease=True)
+
+    def _committed_prefix(self, keys: list[bytes], page_bytes: int) -> list[Entry]:
         self._check_keys(keys)
         matched: list[Entry] = []
         for key in keys:
@@ -182,9 +193,10 @@ class PoolIndex:
             if entry is None or entry.state is not EntryState.COMMITTED or entry.page_bytes != page_bytes:
                 break
             matched.append(entry)
-        self.counters.lookups += 1
-        self.counters.hit_chunks += len(matched)
-        self.counters.miss_chunks += len(keys) - len(matched)
+        return matched
+
+    def _touch(self, client_id: int, matched: list[Entry], now: float, lease: bool) -> LookupResult:
+        """Move a matched chain to the LRU's recent end and, when ``lease``, pin it."""
         for entry in reversed(matched):  # tail first, so the head ends up most recent
             self._lru.move_to_end(entry.key)
         if not lease or not matched:

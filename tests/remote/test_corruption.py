@@ -5,7 +5,7 @@ import struct
 import pytest
 
 from kvshare.pool.client import PoolClient
-from kvshare.pool.remote_format import HEADER, HEADER_BYTES, num_parts, part_keys
+from kvshare.pool.remote.format import HEADER, HEADER_BYTES, num_parts, part_keys
 from tests.remote.conftest import (MiB, NAMESPACE, assert_pages_equal, make_keys, remote_stats, two_pools,
                                    wait_written, write_chain)
 

@@ -5,9 +5,9 @@ import hashlib
 import pytest
 import xxhash
 
-from kvshare.pool.remote_breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
-from kvshare.pool.remote_config import RemoteConfig, parse_remote_url
-from kvshare.pool.remote_format import (CHECKSUM, FINGERPRINT, HEADER_BYTES, MISSING_PART, TRUNCATED, VALUE_SLACK,
+from kvshare.pool.remote.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
+from kvshare.pool.remote.config import RemoteConfig, parse_remote_url
+from kvshare.pool.remote.format import (CHECKSUM, FINGERPRINT, HEADER_BYTES, MISSING_PART, TRUNCATED, VALUE_SLACK,
                                         VERSION, BadRemoteValue, PageMeta, decode_page, encode_part, num_parts,
                                         part_count_of, part_key, part_payload_bytes)
 

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 from kvshare.pool.checksum import page_checksum
-from kvshare.pool.remote_breaker import OPEN, CircuitBreaker
-from kvshare.pool.remote_config import RemoteConfig
-from kvshare.pool.remote_format import PageMeta, num_parts
-from kvshare.pool.remote_store import RemoteStoreError
-from kvshare.pool.remote_workers import MISS, PageToWrite, copy_pages, fetch_pages, write_pages
+from kvshare.pool.remote.breaker import OPEN, CircuitBreaker
+from kvshare.pool.remote.config import RemoteConfig
+from kvshare.pool.remote.format import PageMeta, num_parts
+from kvshare.pool.remote.store import RemoteStoreError
+from kvshare.pool.remote.workers import MISS, PageToWrite, copy_pages, fetch_pages, write_pages
 
 pytestmark = pytest.mark.remote
 PAGE = 64 << 10

@@ -15,11 +15,11 @@ from typing import Callable
 import numpy as np
 
 from kvshare.pool.checksum import page_checksum
-from kvshare.pool.remote_breaker import CircuitBreaker
-from kvshare.pool.remote_config import MIN_PART_BYTES, RemoteConfig
-from kvshare.pool.remote_format import (BROKEN, BadRemoteValue, PageMeta, RemotePage, decode_page, encode_part,
+from kvshare.pool.remote.breaker import CircuitBreaker
+from kvshare.pool.remote.config import MIN_PART_BYTES, RemoteConfig
+from kvshare.pool.remote.format import (BROKEN, BadRemoteValue, PageMeta, RemotePage, decode_page, encode_part,
                                         num_parts, part_count_of, part_keys, part_payload_bytes)
-from kvshare.pool.remote_store import RemoteStore, RemoteStoreError
+from kvshare.pool.remote.store import RemoteStore, RemoteStoreError
 
 MISS, ERROR, BREAKER = "miss", "error", "breaker"  # why a fetch stopped, besides the discard reasons
 

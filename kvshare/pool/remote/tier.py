@@ -14,8 +14,8 @@ Two flows, both off the daemon's loop thread for every byte and every round trip
 
 Threads hand results back through a queue and a wake-up socket the loop's
 selector watches, so the index keeps one thread and no locks. The loop's side
-of the tier lives here (promotion jobs in remote_promotion); the threads' side
-in remote_workers.
+of the tier lives here (promotion jobs in promotion.py); the threads' side
+in workers.py. The daemon reaches it only through ``hooks.RemoteHooks``.
 """
 
 from __future__ import annotations
@@ -32,53 +32,16 @@ from typing import Callable
 
 import numpy as np
 
-from kvshare.pool import remote_workers as W
-from kvshare.pool.index import EntryState, LookupResult, PoolError, PoolIndex
-from kvshare.pool.remote_breaker import CircuitBreaker
-from kvshare.pool.remote_config import RemoteConfig
-from kvshare.pool.remote_format import REASONS, PageMeta
-from kvshare.pool.remote_promotion import Promotions
-from kvshare.pool.remote_store import RemoteStore
+from kvshare.pool.index import EntryState, PoolError, PoolIndex
+from kvshare.pool.remote import workers as W
+from kvshare.pool.remote.breaker import CircuitBreaker
+from kvshare.pool.remote.config import RemoteConfig
+from kvshare.pool.remote.counters import RemoteCounters
+from kvshare.pool.remote.format import PageMeta
+from kvshare.pool.remote.promotion import Promotions
+from kvshare.pool.remote.store import RemoteStore
 
 log = logging.getLogger("kvshare.pool.remote")
-
-
-def lookup_uncounted(index: PoolIndex, client_id: int, keys: list[bytes], page_bytes: int, now: float) -> LookupResult:
-    """A leasing lookup that leaves the lookup counters alone (internal pins are not client lookups)."""
-    c = index.counters
-    saved = c.lookups, c.hit_chunks, c.miss_chunks
-    try:
-        return index.lookup(client_id, keys, page_bytes, now, lease=True)
-    finally:
-        c.lookups, c.hit_chunks, c.miss_chunks = saved
-
-
-@dataclass
-class RemoteCounters:
-    lookups: int = 0  # lookups that went on to the store
-    joined_lookups: int = 0  # lookups that waited for a promotion already under way
-    hit_chunks: int = 0  # chunks the store supplied, whole and valid
-    miss_chunks: int = 0  # chunks asked of the store and not supplied
-    promoted_pages: int = 0
-    promoted_bytes: int = 0
-    promote_timeouts: int = 0  # lookups answered at --remote-promote-timeout with what had arrived
-    promote_busy: int = 0  # lookups not sent on: --remote-max-promotions under way
-    promote_no_room: int = 0  # fetched pages the arena had no room for
-    written_pages: int = 0
-    written_bytes: int = 0
-    write_existing: int = 0  # pages the store held already (expiry refreshed)
-    write_dropped_full: int = 0  # not written: the write-behind queue was full
-    write_dropped_breaker: int = 0
-    write_failed: int = 0
-    write_expired: int = 0
-    write_bad_pages: int = 0
-    errors: int = 0  # failed store operations (timeouts, refused connections, ...)
-    deleted_values: int = 0  # broken values removed from the store
-    discarded_checksum: int = 0
-    discarded_version: int = 0
-    discarded_fingerprint: int = 0
-    discarded_truncated: int = 0
-    discarded_missing_part: int = 0
 
 
 @dataclass(eq=False)
@@ -149,7 +112,7 @@ class RemoteTier:
         if not entries:
             return
         now = self._clock()
-        pin = lookup_uncounted(self.index, self.writer_id, [e.key for e in entries], page_bytes, now)
+        pin = self.index.lookup_uncounted(self.writer_id, [e.key for e in entries], page_bytes, now)
         if not pin.entries:
             return
         pages = [W.PageToWrite(PageMeta(e.key, e.namespace, e.depth, e.page_bytes, e.checksum), e.offset)
@@ -253,5 +216,3 @@ class RemoteTier:
 
         executor.submit(task)
 
-
-assert set(REASONS) == {n.removeprefix("discarded_") for n in RemoteCounters.__dataclass_fields__ if n.startswith("discarded_")}

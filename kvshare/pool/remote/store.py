@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.util
 import threading
 
-from kvshare.pool.remote_config import RemoteAddress
+from kvshare.pool.remote.config import RemoteAddress
 
 
 class RemoteStoreError(Exception):

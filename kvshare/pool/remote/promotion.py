@@ -20,19 +20,17 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import numpy as np
 
-from kvshare.pool import remote_workers as W
 from kvshare.pool.index import PoolError, PoolIndex
-from kvshare.pool.remote_breaker import CircuitBreaker
-from kvshare.pool.remote_config import RemoteConfig
-from kvshare.pool.remote_format import RemotePage
-from kvshare.pool.remote_store import RemoteStore
-
-if TYPE_CHECKING:
-    from kvshare.pool.remote import RemoteCounters
+from kvshare.pool.remote import workers as W
+from kvshare.pool.remote.breaker import CircuitBreaker
+from kvshare.pool.remote.config import RemoteConfig
+from kvshare.pool.remote.counters import RemoteCounters
+from kvshare.pool.remote.format import RemotePage
+from kvshare.pool.remote.store import RemoteStore
 
 log = logging.getLogger("kvshare.pool.remote")
 
@@ -60,7 +58,7 @@ class Promotions:
     """The promoting lookups under way; every method runs on the loop thread."""
 
     def __init__(self, config: RemoteConfig, index: PoolIndex, promoter_id: int, store: RemoteStore,
-                 breaker: CircuitBreaker, arena: np.ndarray, counters: "RemoteCounters",
+                 breaker: CircuitBreaker, arena: np.ndarray, counters: RemoteCounters,
                  submit: Callable[[Callable, tuple, Callable], None], clock: Callable[[], float]) -> None:
         self.config = config
         self.index = index

@@ -1,0 +1,15 @@
+"""The pool's remote tier: pools on several hosts share pages through a Redis/Valkey store.
+
+Modules, lowest first (each imports only those above it)::
+
+    config      RemoteConfig (one field per --remote-* flag), URL parsing; pure
+    format      keys and part values of a page in the store; pure
+    breaker     the circuit breaker in front of the store
+    store       RemoteStore, the only module that imports redis
+    counters    RemoteCounters (stats["remote"])
+    workers     the threads' side: write pages behind, fetch, copy into the arena
+    promotion   the loop's side of a lookup that goes on to the store
+    tier        RemoteTier: the loop's side of the whole tier
+
+docs/remote.md describes the flows.
+"""
