@@ -1,4 +1,8 @@
-"""The replica's HTTP server: OpenAI completions and chat (streaming or not), models, health, metrics."""
+"""The replica's HTTP server: OpenAI completions and chat (streaming or not), models, health, metrics.
+
+Routes, validation, the engine queue and stream writes live here; the response bodies and
+stream chunks are assembled by ``responses.ResponseBuilder``.
+"""
 
 from __future__ import annotations
 
@@ -16,9 +20,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvshare.serve import api_types as A
 from kvshare.serve.audit import AuditConfig, Auditor
-from kvshare.serve.detokenize import TextStream
 from kvshare.serve.metrics import ReplicaMetrics
-from kvshare.serve.render import completion_logprobs, chat_logprobs
+from kvshare.serve.responses import Prepared, ResponseBuilder
 from kvshare.serve.tenancy import Unauthorized, check_api_key, tenant_identity
 from kvshare.serve.worker import EngineWorker, Job, QueueFull
 
@@ -51,15 +54,6 @@ class ServeConfig:
             raise ValueError("write_timeout_s and stream_buffer_bytes must be positive")
         if any(not key or key != key.strip() for key in self.api_keys):
             raise ValueError("an API key must be non-empty and carry no surrounding spaces")
-
-
-@dataclass
-class _Prepared:
-    prompt_ids: list[int]
-    params: Any
-    options: Any
-    stops: list[str]
-    include_usage: bool
 
 
 class ReplicaServer:
@@ -173,7 +167,7 @@ class ReplicaServer:
         prepared = self._prepare(request, req, prompt_ids, default_max_tokens=None, logprobs=top)
         return await self._respond(request, req, prepared, chat=True)
 
-    def _prepare(self, request, req, prompt_ids: list[int], default_max_tokens: int | None, logprobs) -> _Prepared:
+    def _prepare(self, request, req, prompt_ids: list[int], default_max_tokens: int | None, logprobs) -> Prepared:
         from kvshare.engine.engine import RequestOptions, SamplingParams
 
         if req.model != self.engine.model_name:
@@ -206,9 +200,9 @@ class ReplicaServer:
         options = RequestOptions(use_pool=req.kvshare.use_pool, use_local_cache=req.kvshare.use_local_cache,
                                  tenant=self._tenant(request))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return _Prepared(prompt_ids, params, options, A.stop_strings(req), include_usage)
+        return Prepared(prompt_ids, params, options, A.stop_strings(req), include_usage)
 
-    async def _respond(self, request: web.Request, req, prep: _Prepared, chat: bool) -> web.StreamResponse:
+    async def _respond(self, request: web.Request, req, prep: Prepared, chat: bool) -> web.StreamResponse:
         t_arrival = time.perf_counter()
         job = Job(prep.prompt_ids, prep.params, prep.options, asyncio.get_running_loop())
         try:
@@ -216,7 +210,7 @@ class ReplicaServer:
         except QueueFull as exc:
             raise A.ApiError(429, str(exc), code="too_many_requests", error_type="rate_limit_error") from None
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        out = _Output(self, req, prep, chat, rid)
+        out = ResponseBuilder(req, prep, chat, rid, self.engine.tokenizer, self.config.replica_name)
         response = None
         try:
             if req.stream:
@@ -226,6 +220,8 @@ class ReplicaServer:
             async for event in job.stream():
                 if out.num_tokens == 0:
                     self.metrics.ttft.observe(time.perf_counter() - t_arrival)
+                    p = event.provenance  # the same object in every event of a request
+                    self.metrics.observe_provenance(p.local_tokens, p.pool_tokens, p.computed_tokens)
                 pieces = out.add(event)
                 if response is not None:
                     for chunk in pieces:
@@ -296,103 +292,6 @@ def limit_send_buffer(request: web.Request, num_bytes: int) -> None:
 
 class _SlowClient(Exception):
     """A streaming client stopped reading (write_timeout_s passed without progress)."""
-
-
-class _Output:
-    """Accumulates one request's tokens into OpenAI bodies and stream chunks."""
-
-    def __init__(self, server: ReplicaServer, req, prep: _Prepared, chat: bool, rid: str) -> None:
-        self.server, self.req, self.prep, self.chat, self.rid = server, req, prep, chat, rid
-        tok = server.engine.tokenizer
-        self.stream = TextStream(tok.decode, prep.stops)
-        self.token_ids: list[int] = []
-        self.events: list[Any] = []
-        self.provenance = None
-        self.finish_reason: str | None = None
-        self.created = int(time.time())
-        self._sent_role = False
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    def add(self, event) -> list[dict]:
-        if self.provenance is None:
-            self.provenance = event.provenance
-            p = event.provenance
-            self.server.metrics.observe_provenance(p.local_tokens, p.pool_tokens, p.computed_tokens)
-        self.token_ids.append(event.token_id)
-        self.events.append(event)
-        piece = self.stream.add(event.token_id)
-        if self.stream.is_stopped:
-            self.finish_reason = "stop"
-        elif event.finish_reason:
-            self.finish_reason = event.finish_reason
-            piece += self.stream.finish()
-        if not self.req.stream:
-            return []
-        chunks = []
-        if self.chat and not self._sent_role:
-            chunks.append(self._chunk({"role": "assistant", "content": ""}, None))
-            self._sent_role = True
-        wants_logprobs = self.prep.params.logprobs is not None
-        if piece or wants_logprobs:  # no empty chunks: clients time the first content token
-            chunks.append(self._chunk(piece, None, self._logprobs([event]) if wants_logprobs else None))
-        return chunks
-
-    def _chunk(self, piece, finish_reason, logprobs=None) -> dict:
-        if self.chat:
-            delta = piece if isinstance(piece, dict) else ({"content": piece} if piece else {})
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-            return {"id": self.rid, "object": "chat.completion.chunk", "created": self.created,
-                    "model": self.req.model, "choices": [choice]}
-        choice = {"index": 0, "text": piece, "logprobs": logprobs, "finish_reason": finish_reason}
-        return {"id": self.rid, "object": "text_completion", "created": self.created, "model": self.req.model,
-                "choices": [choice]}
-
-    def _logprobs(self, events):
-        tok = self.server.engine.tokenizer
-        return chat_logprobs(tok, events) if self.chat else completion_logprobs(tok, events)
-
-    def usage(self) -> dict:
-        p = self.provenance
-        cached = (p.local_tokens + p.pool_tokens) if p else 0
-        n_prompt = len(self.prep.prompt_ids)
-        return {"prompt_tokens": n_prompt, "completion_tokens": self.num_tokens,
-                "total_tokens": n_prompt + self.num_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
-
-    def kvshare(self) -> dict:
-        p = self.provenance
-        return {"replica": self.server.config.replica_name,
-                "local_tokens": p.local_tokens if p else 0, "pool_tokens": p.pool_tokens if p else 0,
-                "computed_tokens": p.computed_tokens if p else 0}
-
-    def final_chunks(self) -> list[dict]:
-        last = self._chunk("" if not self.chat else {}, self.finish_reason or "stop")
-        last["kvshare"] = self.kvshare()
-        if self.req.return_token_ids:
-            last["choices"][0]["token_ids"] = self.token_ids
-        chunks = [last]
-        if self.prep.include_usage:
-            chunks.append({"id": self.rid, "object": last["object"], "created": self.created, "model": self.req.model,
-                           "choices": [], "usage": self.usage(), "kvshare": self.kvshare()})
-        return chunks
-
-    def final_body(self) -> dict:
-        logprobs = self._logprobs(self.events) if self.prep.params.logprobs is not None else None
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": self.stream.text},
-                      "logprobs": logprobs, "finish_reason": self.finish_reason or "stop"}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": self.stream.text, "logprobs": logprobs,
-                      "finish_reason": self.finish_reason or "stop"}
-            obj = "text_completion"
-        if self.req.return_token_ids:
-            choice["token_ids"] = self.token_ids
-            choice["prompt_token_ids"] = self.prep.prompt_ids
-        return {"id": self.rid, "object": obj, "created": self.created, "model": self.req.model,
-                "choices": [choice], "usage": self.usage(), "kvshare": self.kvshare()}
 
 
 def _as_dict(stats: Any) -> dict:

@@ -1,0 +1,127 @@
+"""OpenAI response bodies of one request, built from the engine's token events (pure: no HTTP, no metrics).
+
+The server feeds each ``TokenEvent`` to ``ResponseBuilder.add`` and writes what it returns::
+
+    streaming      add() -> chunks [role chunk (chat, once)] [content chunk per event]
+                   final_chunks() -> [last chunk: finish_reason, kvshare, token_ids?] [usage chunk?]
+    not streaming  add() -> []; final_body() -> one completion / chat.completion body
+
+Every final answer carries ``usage`` (``cached_tokens``: local + pool) and the ``kvshare``
+object, the request's provenance: which replica, and how many prompt tokens came from its
+local cache, from the pool, and were computed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from kvshare.serve.detokenize import TextStream
+from kvshare.serve.render import chat_logprobs, completion_logprobs
+
+
+@dataclass
+class Prepared:
+    """A validated request as the engine takes it (``params``: SamplingParams, ``options``: RequestOptions)."""
+
+    prompt_ids: list[int]
+    params: Any
+    options: Any
+    stops: list[str]
+    include_usage: bool
+
+
+class ResponseBuilder:
+    """Accumulates one request's tokens into OpenAI bodies and stream chunks."""
+
+    def __init__(self, req, prep: Prepared, chat: bool, rid: str, tokenizer: Any, replica_name: str) -> None:
+        self.req, self.prep, self.chat, self.rid = req, prep, chat, rid
+        self.tokenizer, self.replica_name = tokenizer, replica_name
+        self.stream = TextStream(tokenizer.decode, prep.stops)
+        self.token_ids: list[int] = []
+        self.events: list[Any] = []
+        self.provenance = None
+        self.finish_reason: str | None = None
+        self.created = int(time.time())
+        self._sent_role = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def add(self, event) -> list[dict]:
+        if self.provenance is None:
+            self.provenance = event.provenance
+        self.token_ids.append(event.token_id)
+        self.events.append(event)
+        piece = self.stream.add(event.token_id)
+        if self.stream.is_stopped:
+            self.finish_reason = "stop"
+        elif event.finish_reason:
+            self.finish_reason = event.finish_reason
+            piece += self.stream.finish()
+        if not self.req.stream:
+            return []
+        chunks = []
+        if self.chat and not self._sent_role:
+            chunks.append(self._chunk({"role": "assistant", "content": ""}, None))
+            self._sent_role = True
+        wants_logprobs = self.prep.params.logprobs is not None
+        if piece or wants_logprobs:  # no empty chunks: clients time the first content token
+            chunks.append(self._chunk(piece, None, self._logprobs([event]) if wants_logprobs else None))
+        return chunks
+
+    def _chunk(self, piece, finish_reason, logprobs=None) -> dict:
+        if self.chat:
+            delta = piece if isinstance(piece, dict) else ({"content": piece} if piece else {})
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+            return {"id": self.rid, "object": "chat.completion.chunk", "created": self.created,
+                    "model": self.req.model, "choices": [choice]}
+        choice = {"index": 0, "text": piece, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"id": self.rid, "object": "text_completion", "created": self.created, "model": self.req.model,
+                "choices": [choice]}
+
+    def _logprobs(self, events):
+        tok = self.tokenizer
+        return chat_logprobs(tok, events) if self.chat else completion_logprobs(tok, events)
+
+    def usage(self) -> dict:
+        p = self.provenance
+        cached = (p.local_tokens + p.pool_tokens) if p else 0
+        n_prompt = len(self.prep.prompt_ids)
+        return {"prompt_tokens": n_prompt, "completion_tokens": self.num_tokens,
+                "total_tokens": n_prompt + self.num_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def kvshare(self) -> dict:
+        p = self.provenance
+        return {"replica": self.replica_name,
+                "local_tokens": p.local_tokens if p else 0, "pool_tokens": p.pool_tokens if p else 0,
+                "computed_tokens": p.computed_tokens if p else 0}
+
+    def final_chunks(self) -> list[dict]:
+        last = self._chunk("" if not self.chat else {}, self.finish_reason or "stop")
+        last["kvshare"] = self.kvshare()
+        if self.req.return_token_ids:
+            last["choices"][0]["token_ids"] = self.token_ids
+        chunks = [last]
+        if self.prep.include_usage:
+            chunks.append({"id": self.rid, "object": last["object"], "created": self.created, "model": self.req.model,
+                           "choices": [], "usage": self.usage(), "kvshare": self.kvshare()})
+        return chunks
+
+    def final_body(self) -> dict:
+        logprobs = self._logprobs(self.events) if self.prep.params.logprobs is not None else None
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": self.stream.text},
+                      "logprobs": logprobs, "finish_reason": self.finish_reason or "stop"}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": self.stream.text, "logprobs": logprobs,
+                      "finish_reason": self.finish_reason or "stop"}
+            obj = "text_completion"
+        if self.req.return_token_ids:
+            choice["token_ids"] = self.token_ids
+            choice["prompt_token_ids"] = self.prep.prompt_ids
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.req.model,
+                "choices": [choice], "usage": self.usage(), "kvshare": self.kvshare()}
