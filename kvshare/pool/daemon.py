@@ -1,14 +1,15 @@
-"""The pool daemon: owns the arena, the index and eviction; serves clients on a Unix socket.
+"""The pool daemon: owns the arena and the socket; serves clients on a Unix socket.
 
 One thread runs the index (no locks, so every message is atomic). A selector
-loop reads frames from every client, answers each in order, and treats a
-closed connection (including a client killed with -9) as a disconnect: its
-reservations are aborted and its leases released.
+loop accepts clients (checking their uid), reads frames from every client,
+hands each request to the handlers (handlers.py: the answers against the index
+and the remote tier) and sends the replies in order. A closed connection
+(including a client killed with -9) is a disconnect: its reservations are
+aborted and its leases released.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import selectors
@@ -22,8 +23,9 @@ from dataclasses import dataclass, field
 from kvshare.pool import protocol as P
 from kvshare.pool.allocator import Allocator
 from kvshare.pool.arena import create_arena, map_arena, prefault
-from kvshare.pool.index import IndexConfig, LookupResult, PoolError, PoolIndex
-from kvshare.pool.remote.config import RemoteConfig
+from kvshare.pool.handlers import PoolHandlers, ServerCounters
+from kvshare.pool.index import IndexConfig, PoolError, PoolIndex
+from kvshare.pool.remote import RemoteConfig, RemoteHooks, start_remote_tier
 
 log = logging.getLogger("kvshare.pool")
 
@@ -70,7 +72,6 @@ class _Client:
     client_id: int
     pid: int
     uid: int
-    name: str = ""
     is_greeted: bool = False
     inbuf: bytearray = field(default_factory=bytearray)
     outbuf: bytearray = field(default_factory=bytearray)
@@ -78,17 +79,6 @@ class _Client:
     # frames not handled yet: while a reply is deferred (a lookup that goes on to the remote tier),
     # the client's later messages wait here, so every client is answered in order
     pending: deque = field(default_factory=deque)
-    is_deferred: bool = False
-
-
-@dataclass
-class ServerCounters:
-    connections: int = 0
-    disconnects: int = 0
-    requests: int = 0
-    errors: int = 0  # error replies of any kind
-    protocol_errors: int = 0  # malformed or oversized frames, wrong version
-    refused_peers: int = 0
 
 
 class PoolServer:
@@ -99,7 +89,7 @@ class PoolServer:
         self.allocator = Allocator(config.size_bytes, config.extent_bytes)
         self.index = PoolIndex(self.allocator, config.index)
         self.counters = ServerCounters()
-        self.started_at = time.monotonic()
+        self.handlers = PoolHandlers(self.index, self.counters, self._answer_deferred)
         self.stats_snapshot: dict = {}
         self._clients: dict[int, _Client] = {}
         self._next_client_id = 1
@@ -107,21 +97,8 @@ class PoolServer:
         self._listener: socket.socket | None = None
         self._memfd = -1
         self.arena = None
-        self.remote = None  # RemoteTier when config.remote is set (started in start())
+        self.remote: RemoteHooks | None = None  # when config.remote is set (started in start())
         self._is_stopping = False
-        self._handlers = {
-            P.Lookup: self._on_lookup,
-            P.Release: self._on_release,
-            P.Reserve: self._on_reserve,
-            P.Commit: self._on_commit,
-            P.Abort: self._on_abort,
-            P.Drop: self._on_drop,
-            P.Flush: self._on_flush,
-            P.GetStats: self._on_stats,
-            P.ListLeases: self._on_list_leases,
-            P.CheckIntegrity: self._on_check_integrity,
-            P.ListNamespaces: self._on_list_namespaces,
-        }
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -174,7 +151,7 @@ class PoolServer:
                         self._accept()
                         continue
                     if key.data is _REMOTE_WAKEUP:
-                        self._on_remote_ready()
+                        self.remote.poll()
                         continue
                     client = key.data
                     try:
@@ -188,12 +165,11 @@ class PoolServer:
                         self._drop_client(client)
                 now = time.monotonic()
                 if now >= next_tick:
-                    self.index.expire(now)
-                    self._tick_remote(now)
+                    self.handlers.tick(now)
                     self._snapshot()
                     next_tick = now + self.config.tick_s
                     if not events and not is_checked_since_activity:
-                        self._check_when_idle()
+                        self.handlers.check_when_idle()
                         is_checked_since_activity = True
                 if events:
                     is_checked_since_activity = False
@@ -239,6 +215,7 @@ class PoolServer:
         client = _Client(sock=sock, client_id=self._next_client_id, pid=pid, uid=uid)
         self._next_client_id += 1
         self._clients[client.client_id] = client
+        self.handlers.connect(client.client_id)
         self._selector.register(sock, selectors.EVENT_READ, client)
         self.counters.connections += 1
 
@@ -249,13 +226,12 @@ class PoolServer:
         client.is_closing = True
         self._selector.unregister(client.sock)
         client.sock.close()
-        aborted, released = self.index.disconnect(client.client_id)
-        if self.remote is not None:
-            self.remote.on_disconnect(client.client_id)
+        label = self._label(client)
+        aborted, released = self.handlers.disconnect(client.client_id)
         self.counters.disconnects += 1
         if aborted or released:
             log.info("client %s (pid %d) left: aborted %d reservations, released %d leases",
-                     client.name or client.client_id, client.pid, aborted, released)
+                     label, client.pid, aborted, released)
 
     def _on_readable(self, client: _Client) -> None:
         try:
@@ -279,7 +255,7 @@ class PoolServer:
 
     def _handle_pending(self, client: _Client) -> None:
         """Handle the client's frames in order until one is deferred; then flush its replies."""
-        while client.pending and not client.is_deferred:
+        while client.pending and not self.handlers.is_deferred(client.client_id):
             self._handle_frame(client, client.pending.popleft())
             if client.is_closing:
                 return
@@ -296,44 +272,18 @@ class PoolServer:
         if not client.is_greeted:
             self._on_hello(client, request)
             return
-        handler = self._handlers.get(type(request))
-        if handler is None:
-            self._reply(client, P.ErrorReply("unexpected", f"{type(request).__name__} is not valid now"))
-            return
-        try:
-            reply = handler(client, request)
-        except PoolError as exc:
-            reply = P.ErrorReply(exc.code, str(exc))
-        except Exception as exc:  # a bug must not take the pool down for everyone
-            log.exception("internal error on %s", type(request).__name__)
-            reply = P.ErrorReply("internal", f"{type(exc).__name__}: {exc}")
+        reply = self.handlers.handle(client.client_id, request)
         if reply is not None:
             self._reply(client, reply)
 
     def _on_hello(self, client: _Client, request: P.Request) -> None:
-        if not isinstance(request, P.Hello):
+        try:
+            reply = self.handlers.hello(client.client_id, request)
+        except PoolError as exc:
             self.counters.protocol_errors += 1
-            self._fail_and_close(client, "hello_required", "the first message must be hello")
+            self._fail_and_close(client, exc.code, str(exc))
             return
-        if request.protocol_version != P.PROTOCOL_VERSION:
-            self.counters.protocol_errors += 1
-            self._fail_and_close(
-                client,
-                "version_mismatch",
-                f"client speaks protocol {request.protocol_version}, this pool speaks {P.PROTOCOL_VERSION}; "
-                "run the same kvshare version on both sides",
-            )
-            return
-        client.name = request.client_name[:64]
         client.is_greeted = True
-        reply = P.HelloReply(
-            protocol_version=P.PROTOCOL_VERSION,
-            format_version=P.FORMAT_VERSION,
-            arena_bytes=self.config.size_bytes,
-            extent_bytes=self.allocator.extent_bytes,
-            client_id=client.client_id,
-            server_pid=os.getpid(),
-        )
         self._flush(client)  # nothing may precede the reply that carries the fd
         try:
             client.sock.setblocking(True)
@@ -343,6 +293,12 @@ class PoolServer:
         else:
             client.sock.setblocking(False)
 
+    def _answer_deferred(self, client_id: int, reply: P.Reply) -> None:
+        """The reply to a lookup the remote tier completed; then the client's messages that waited for it."""
+        client = self._clients[client_id]  # the handlers forget the lookup of a client that leaves
+        self._reply(client, reply)
+        self._handle_pending(client)
+
     def _reply(self, client: _Client, reply: P.Reply) -> None:
         if isinstance(reply, P.ErrorReply):
             self.counters.errors += 1
@@ -350,7 +306,7 @@ class PoolServer:
 
     def _fail_and_close(self, client: _Client, code: str, message: str) -> None:
         self.counters.errors += 1
-        log.warning("closing client %s (pid %d): %s", client.name or client.client_id, client.pid, message)
+        log.warning("closing client %s (pid %d): %s", self._label(client), client.pid, message)
         _send_now(client.sock, P.encode(P.ErrorReply(code, message)))
         client.is_closing = True
         self._drop_client(client)
@@ -369,181 +325,29 @@ class PoolServer:
         if self._selector.get_key(client.sock).events != events:
             self._selector.modify(client.sock, events, client)
 
-    # -- handlers: each validates before it mutates, so an error leaves the index intact --
+    def _label(self, client: _Client) -> str | int:
+        return self.handlers.name_of(client.client_id) or client.client_id
 
-    def _on_lookup(self, client: _Client, req: P.Lookup) -> P.Reply | None:
-        result = self.index.lookup(client.client_id, req.keys, req.page_bytes, time.monotonic(), lease=req.lease)
-        if self._defer_to_remote(client, req, result):
-            return None  # answered by _finish_deferred_lookup
-        return _lookup_reply(result)
-
-    def _on_release(self, client: _Client, req: P.Release) -> P.Reply | None:
-        errors = []
-        for lease_id in req.lease_ids:
-            try:
-                self.index.release(client.client_id, lease_id)
-            except PoolError as exc:
-                errors.append(exc)
-        if not req.reply:
-            if errors:
-                self.counters.errors += len(errors)
-                log.warning("client %s: fire-and-forget release failed: %s", client.client_id, errors[0])
-            return None
-        if errors:
-            return P.ErrorReply(errors[0].code, str(errors[0]))
-        return P.Ok(count=len(req.lease_ids))
-
-    def _on_reserve(self, client: _Client, req: P.Reserve) -> P.Reply:
-        result = self.index.reserve(
-            client.client_id, req.namespace, req.keys, req.page_bytes, req.first_depth, time.monotonic()
-        )
-        if self.remote is not None:
-            self.remote.on_reserve(client.client_id, result.reservation_id, [entry for _, entry in result.grants])
-        grants = [(i, entry.offset) for i, entry in result.grants]
-        return P.ReserveReply(reservation_id=result.reservation_id, grants=grants, num_no_room=result.num_no_room)
-
-    def _on_commit(self, client: _Client, req: P.Commit) -> P.Reply:
-        count = self.index.commit(client.client_id, req.reservation_id, req.checksums)
-        if self.remote is not None:
-            self.remote.on_commit(req.reservation_id)  # write-behind: queues, never waits
-        return P.Ok(count=count)
-
-    def _on_abort(self, client: _Client, req: P.Abort) -> P.Reply:
-        count = self.index.abort(client.client_id, req.reservation_id)
-        if self.remote is not None:
-            self.remote.on_abort(req.reservation_id)
-        return P.Ok(count=count)
-
-    def _on_drop(self, client: _Client, req: P.Drop) -> P.Reply:
-        return P.Ok(count=self.index.drop(req.keys))
-
-    def _on_flush(self, client: _Client, req: P.Flush) -> P.Reply:
-        return P.Ok(count=self.index.flush(req.namespace))
-
-    def _on_stats(self, client: _Client, req: P.GetStats) -> P.Reply:
-        return P.StatsReply(stats=self.stats())
-
-    def _on_list_leases(self, client: _Client, req: P.ListLeases) -> P.Reply:
-        now = time.monotonic()
-        leases = [
-            P.LeaseInfo(
-                lease.lease_id,
-                lease.client_id,
-                self._clients[lease.client_id].name if lease.client_id in self._clients else "",
-                len(lease.entries),
-                round(now - lease.created_at, 3),
-            )
-            for lease in self.index.leases()
-        ]
-        return P.LeasesReply(leases=leases)
-
-    def _on_list_namespaces(self, client: _Client, req: P.ListNamespaces) -> P.Reply:
-        rows = [P.NamespaceInfo(ns, n, b) for ns, n, b in self.index.namespaces()]
-        return P.NamespacesReply(namespaces=rows, quota_bytes=self.config.index.namespace_quota_bytes)
-
-    def _integrity_problem(self) -> str | None:
-        """None when the index and allocator agree; else what is wrong (logged: it is a bug)."""
-        try:
-            self.index.check_integrity()
-        except AssertionError as exc:
-            log.error("integrity check failed: %s", exc)
-            return str(exc) or "index and allocator disagree"
-        return None
-
-    def _check_when_idle(self) -> None:
-        if self._integrity_problem() is not None:  # say so loudly, keep serving what is consistent
-            self.counters.errors += 1
-
-    def _on_check_integrity(self, client: _Client, req: P.CheckIntegrity) -> P.Reply:
-        problem = self._integrity_problem()
-        if problem is not None:
-            return P.ErrorReply("integrity", problem)
-        return P.Ok(count=self.index.num_entries)
-
-    # -- remote tier hooks (kvshare.pool.remote; each is a no-op without --remote) ---------
+    # -- the remote tier (kvshare.pool.remote, through RemoteHooks; None without --remote) ---------
 
     def _start_remote(self) -> None:
         if self.config.remote is None:
             return
-        from kvshare.pool.remote.tier import RemoteTier
-
         writer_id, promoter_id = self._next_client_id, self._next_client_id + 1  # the tier's own client ids
         self._next_client_id += 2
-        self.remote = RemoteTier(self.config.remote, self.index, self.arena, self.config.index.lease_ttl_s,
-                                 writer_id, promoter_id)
+        self.remote = start_remote_tier(self.config.remote, self.index, self.arena, self.config.index.lease_ttl_s,
+                                        writer_id, promoter_id)
+        self.handlers.remote = self.remote
         self._selector.register(self.remote.wakeup, selectors.EVENT_READ, _REMOTE_WAKEUP)
-
-    def _on_remote_ready(self) -> None:
-        self.remote.poll()
-
-    def _tick_remote(self, now: float) -> None:
-        if self.remote is not None:
-            self.remote.tick(now)
 
     def _close_remote(self) -> None:
         if self.remote is not None:
             self._selector.unregister(self.remote.wakeup)
             self.remote.close()
-            self.remote = None
-
-    def _defer_to_remote(self, client: _Client, req: P.Lookup, result: LookupResult) -> bool:
-        """On a partial local hit, let the remote tier fetch the rest before the client is answered."""
-        if self.remote is None or not req.lease or len(result.entries) == len(req.keys):
-            return False
-        on_done = functools.partial(self._finish_deferred_lookup, client, req, result.lease_id)
-        client.is_deferred = self.remote.promote(req.keys, req.page_bytes, len(result.entries), on_done)
-        return client.is_deferred
-
-    def _finish_deferred_lookup(self, client: _Client, req: P.Lookup, pin_lease_id: int) -> None:
-        """Answer a deferred lookup from the index as it is now, then the client's waiting messages."""
-        if self._clients.get(client.client_id) is not client:
-            return  # it left meanwhile; its leases went with it
-        client.is_deferred = False
-        try:
-            reply = _lookup_reply(self.index.lookup_uncounted(client.client_id, req.keys, req.page_bytes,
-                                                              time.monotonic()))
-        except Exception as exc:  # a bug: answer it like any handler's, keep serving the client
-            log.exception("internal error answering a deferred lookup")
-            reply = P.ErrorReply("internal", f"{type(exc).__name__}: {exc}")
-        if pin_lease_id:  # the lease of the first, local-only answer kept the local prefix in place
-            try:
-                self.index.release(client.client_id, pin_lease_id)
-            except PoolError:
-                pass  # expired meanwhile
-        self._reply(client, reply)
-        self._handle_pending(client)
-
-    # -- stats -------------------------------------------------------------------
-
-    def stats(self) -> dict:
-        alloc, idx = self.allocator, self.index
-        counters = idx.counters.__dict__ | self.counters.__dict__
-        return {
-            "capacity_bytes": alloc.arena_bytes,
-            "extent_bytes": alloc.extent_bytes,
-            "used_bytes": alloc.used_bytes,
-            "free_bytes": alloc.arena_bytes - alloc.used_bytes,
-            "pages_used": {str(size): n for size, n in alloc.page_sizes().items()},
-            "pages_free": {str(size): alloc.num_free_pages(size) for size in alloc.page_sizes()},
-            "entries": idx.num_entries,
-            "writing": idx.num_writing,
-            "leases": idx.num_leases,
-            "reservations": idx.num_reservations,
-            "namespaces": idx.num_namespaces,
-            "namespace_quota_bytes": self.config.index.namespace_quota_bytes,
-            "clients": len(self._clients),
-            "uptime_s": round(time.monotonic() - self.started_at, 3),
-            **counters,
-            **({"remote": self.remote.stats()} if self.remote is not None else {}),
-        }
+            self.remote = self.handlers.remote = None
 
     def _snapshot(self) -> None:
-        self.stats_snapshot = self.stats()  # read by the metrics thread; replaced, never mutated
-
-
-def _lookup_reply(result: LookupResult) -> P.LookupReply:
-    pages = [P.PageHeader(e.offset, e.page_bytes, e.checksum) for e in result.entries]
-    return P.LookupReply(lease_id=result.lease_id, pages=pages)
+        self.stats_snapshot = self.handlers.stats()  # read by the metrics thread; replaced, never mutated
 
 
 def _send_now(sock: socket.socket, data: bytes) -> None:

@@ -1,6 +1,8 @@
 """The pool's remote tier: pools on several hosts share pages through a Redis/Valkey store.
 
-Modules, lowest first (each imports only those above it)::
+The daemon sees only what this package exports: ``RemoteConfig`` (its settings),
+``RemoteHooks`` (what the daemon calls) and ``start_remote_tier``. Modules, lowest
+first (each imports only those above it)::
 
     config      RemoteConfig (one field per --remote-* flag), URL parsing; pure
     format      keys and part values of a page in the store; pure
@@ -10,6 +12,12 @@ Modules, lowest first (each imports only those above it)::
     workers     the threads' side: write pages behind, fetch, copy into the arena
     promotion   the loop's side of a lookup that goes on to the store
     tier        RemoteTier: the loop's side of the whole tier
+    hooks       RemoteHooks, the daemon's interface to the tier, and start_remote_tier
 
 docs/remote.md describes the flows.
 """
+
+from kvshare.pool.remote.config import RemoteConfig
+from kvshare.pool.remote.hooks import RemoteHooks, start_remote_tier
+
+__all__ = ["RemoteConfig", "RemoteHooks", "start_remote_tier"]

@@ -1,0 +1,269 @@
+"""The pool's answer to each message, against the index, the allocator and the remote tier; no sockets.
+
+The daemon (daemon.py) owns the connections: it decodes a frame, hands the
+request here with the client's id, and sends back what comes out. Everything
+runs on the daemon's one loop thread, so each message is atomic::
+
+    hello            -> HelloReply, or PoolError: the daemon closes the connection
+    handle(request)  -> the reply; or None: nothing to send now (a fire-and-forget
+                        release, or a lookup deferred to the remote tier, whose reply
+                        goes to ``answer_later`` once and before any later reply)
+
+Each handler validates before it mutates, so an error leaves the index intact.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from kvshare.pool import protocol as P
+from kvshare.pool.index import LookupResult, PoolError, PoolIndex
+from kvshare.pool.remote import RemoteHooks
+
+log = logging.getLogger("kvshare.pool")
+
+
+@dataclass
+class ServerCounters:
+    connections: int = 0
+    disconnects: int = 0
+    requests: int = 0
+    errors: int = 0  # error replies of any kind
+    protocol_errors: int = 0  # malformed or oversized frames, wrong version
+    refused_peers: int = 0
+
+
+class PoolHandlers:
+    """One method per message type; ``answer_later(client_id, reply)`` delivers a deferred lookup's reply."""
+
+    def __init__(self, index: PoolIndex, counters: ServerCounters, answer_later: Callable[[int, P.Reply], None],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.index = index
+        self.allocator = index.allocator
+        self.counters = counters
+        self.remote: RemoteHooks | None = None  # set by the daemon once the arena exists (--remote)
+        self.started_at = clock()
+        self._answer_later = answer_later
+        self._clock = clock
+        self._names: dict[int, str] = {}  # every connected client, by id: its name ("" until hello)
+        self._deferred: set[int] = set()  # clients whose lookup waits for the remote tier
+        self._by_type = {
+            P.Lookup: self.lookup,
+            P.Release: self.release,
+            P.Reserve: self.reserve,
+            P.Commit: self.commit,
+            P.Abort: self.abort,
+            P.Drop: self.drop,
+            P.Flush: self.flush,
+            P.GetStats: self.get_stats,
+            P.ListLeases: self.list_leases,
+            P.CheckIntegrity: self.check_integrity,
+            P.ListNamespaces: self.list_namespaces,
+        }
+
+    # -- clients ---------------------------------------------------------------
+
+    def connect(self, client_id: int) -> None:
+        self._names[client_id] = ""
+
+    def hello(self, client_id: int, request: P.Request) -> P.HelloReply:
+        """Greet a client; raises PoolError (the daemon then closes the connection) for anything but a good hello."""
+        if not isinstance(request, P.Hello):
+            raise PoolError("hello_required", "the first message must be hello")
+        if request.protocol_version != P.PROTOCOL_VERSION:
+            raise PoolError(
+                "version_mismatch",
+                f"client speaks protocol {request.protocol_version}, this pool speaks {P.PROTOCOL_VERSION}; "
+                "run the same kvshare version on both sides",
+            )
+        self._names[client_id] = request.client_name[:64]
+        return P.HelloReply(
+            protocol_version=P.PROTOCOL_VERSION,
+            format_version=P.FORMAT_VERSION,
+            arena_bytes=self.allocator.arena_bytes,
+            extent_bytes=self.allocator.extent_bytes,
+            client_id=client_id,
+            server_pid=os.getpid(),
+        )
+
+    def disconnect(self, client_id: int) -> tuple[int, int]:
+        """A client went away: abort its reservations, release its leases; returns (aborted, released)."""
+        self._names.pop(client_id, None)
+        self._deferred.discard(client_id)  # its deferred lookup, if any, is never answered
+        aborted, released = self.index.disconnect(client_id)
+        if self.remote is not None:
+            self.remote.on_disconnect(client_id)
+        return aborted, released
+
+    def name_of(self, client_id: int) -> str:
+        return self._names.get(client_id, "")
+
+    def is_deferred(self, client_id: int) -> bool:
+        """Whether the client's lookup waits for the remote tier (its later messages must wait too)."""
+        return client_id in self._deferred
+
+    # -- messages --------------------------------------------------------------
+
+    def handle(self, client_id: int, request: P.Request) -> P.Reply | None:
+        """The reply to a greeted client's request; a refusal or a bug becomes an ErrorReply."""
+        handler = self._by_type.get(type(request))
+        if handler is None:
+            return P.ErrorReply("unexpected", f"{type(request).__name__} is not valid now")
+        try:
+            return handler(client_id, request)
+        except PoolError as exc:
+            return P.ErrorReply(exc.code, str(exc))
+        except Exception as exc:  # a bug must not take the pool down for everyone
+            log.exception("internal error on %s", type(request).__name__)
+            return P.ErrorReply("internal", f"{type(exc).__name__}: {exc}")
+
+    def lookup(self, client_id: int, req: P.Lookup) -> P.Reply | None:
+        result = self.index.lookup(client_id, req.keys, req.page_bytes, self._clock(), lease=req.lease)
+        if self._defer_to_remote(client_id, req, result):
+            return None  # answered by _finish_deferred_lookup
+        return lookup_reply(result)
+
+    def release(self, client_id: int, req: P.Release) -> P.Reply | None:
+        errors = []
+        for lease_id in req.lease_ids:
+            try:
+                self.index.release(client_id, lease_id)
+            except PoolError as exc:
+                errors.append(exc)
+        if not req.reply:
+            if errors:
+                self.counters.errors += len(errors)
+                log.warning("client %s: fire-and-forget release failed: %s", client_id, errors[0])
+            return None
+        if errors:
+            return P.ErrorReply(errors[0].code, str(errors[0]))
+        return P.Ok(count=len(req.lease_ids))
+
+    def reserve(self, client_id: int, req: P.Reserve) -> P.Reply:
+        result = self.index.reserve(client_id, req.namespace, req.keys, req.page_bytes, req.first_depth, self._clock())
+        if self.remote is not None:
+            self.remote.on_reserve(client_id, result.reservation_id, [entry for _, entry in result.grants])
+        grants = [(i, entry.offset) for i, entry in result.grants]
+        return P.ReserveReply(reservation_id=result.reservation_id, grants=grants, num_no_room=result.num_no_room)
+
+    def commit(self, client_id: int, req: P.Commit) -> P.Reply:
+        count = self.index.commit(client_id, req.reservation_id, req.checksums)
+        if self.remote is not None:
+            self.remote.on_commit(req.reservation_id)  # write-behind: queues, never waits
+        return P.Ok(count=count)
+
+    def abort(self, client_id: int, req: P.Abort) -> P.Reply:
+        count = self.index.abort(client_id, req.reservation_id)
+        if self.remote is not None:
+            self.remote.on_abort(req.reservation_id)
+        return P.Ok(count=count)
+
+    def drop(self, client_id: int, req: P.Drop) -> P.Reply:
+        return P.Ok(count=self.index.drop(req.keys))
+
+    def flush(self, client_id: int, req: P.Flush) -> P.Reply:
+        return P.Ok(count=self.index.flush(req.namespace))
+
+    def get_stats(self, client_id: int, req: P.GetStats) -> P.Reply:
+        return P.StatsReply(stats=self.stats())
+
+    def list_leases(self, client_id: int, req: P.ListLeases) -> P.Reply:
+        now = self._clock()
+        leases = [
+            P.LeaseInfo(lease.lease_id, lease.client_id, self.name_of(lease.client_id), len(lease.entries),
+                        round(now - lease.created_at, 3))
+            for lease in self.index.leases()
+        ]
+        return P.LeasesReply(leases=leases)
+
+    def list_namespaces(self, client_id: int, req: P.ListNamespaces) -> P.Reply:
+        rows = [P.NamespaceInfo(ns, n, b) for ns, n, b in self.index.namespaces()]
+        return P.NamespacesReply(namespaces=rows, quota_bytes=self.index.config.namespace_quota_bytes)
+
+    def check_integrity(self, client_id: int, req: P.CheckIntegrity) -> P.Reply:
+        problem = self._integrity_problem()
+        if problem is not None:
+            return P.ErrorReply("integrity", problem)
+        return P.Ok(count=self.index.num_entries)
+
+    # -- between messages --------------------------------------------------------
+
+    def tick(self, now: float) -> None:
+        """Expire leases past their TTL; answer promoting lookups past their deadline."""
+        self.index.expire(now)
+        if self.remote is not None:
+            self.remote.tick(now)
+
+    def check_when_idle(self) -> None:
+        if self._integrity_problem() is not None:  # say so loudly, keep serving what is consistent
+            self.counters.errors += 1
+
+    def stats(self) -> dict:
+        alloc, idx = self.allocator, self.index
+        counters = idx.counters.__dict__ | self.counters.__dict__
+        return {
+            "capacity_bytes": alloc.arena_bytes,
+            "extent_bytes": alloc.extent_bytes,
+            "used_bytes": alloc.used_bytes,
+            "free_bytes": alloc.arena_bytes - alloc.used_bytes,
+            "pages_used": {str(size): n for size, n in alloc.page_sizes().items()},
+            "pages_free": {str(size): alloc.num_free_pages(size) for size in alloc.page_sizes()},
+            "entries": idx.num_entries,
+            "writing": idx.num_writing,
+            "leases": idx.num_leases,
+            "reservations": idx.num_reservations,
+            "namespaces": idx.num_namespaces,
+            "namespace_quota_bytes": idx.config.namespace_quota_bytes,
+            "clients": len(self._names),
+            "uptime_s": round(self._clock() - self.started_at, 3),
+            **counters,
+            **({"remote": self.remote.stats()} if self.remote is not None else {}),
+        }
+
+    def _integrity_problem(self) -> str | None:
+        """None when the index and allocator agree; else what is wrong (logged: it is a bug)."""
+        try:
+            self.index.check_integrity()
+        except AssertionError as exc:
+            log.error("integrity check failed: %s", exc)
+            return str(exc) or "index and allocator disagree"
+        return None
+
+    # -- lookups deferred to the remote tier -------------------------------------------
+
+    def _defer_to_remote(self, client_id: int, req: P.Lookup, result: LookupResult) -> bool:
+        """On a partial local hit, let the remote tier fetch the rest before the client is answered."""
+        if self.remote is None or not req.lease or len(result.entries) == len(req.keys):
+            return False
+        on_done = functools.partial(self._finish_deferred_lookup, client_id, req, result.lease_id)
+        if not self.remote.promote(req.keys, req.page_bytes, len(result.entries), on_done):
+            return False
+        self._deferred.add(client_id)
+        return True
+
+    def _finish_deferred_lookup(self, client_id: int, req: P.Lookup, pin_lease_id: int) -> None:
+        """Answer a deferred lookup from the index as it is now (through ``answer_later``)."""
+        if client_id not in self._deferred:
+            return  # it left meanwhile; its leases went with it
+        self._deferred.discard(client_id)
+        try:
+            reply = lookup_reply(self.index.lookup_uncounted(client_id, req.keys, req.page_bytes, self._clock()))
+        except Exception as exc:  # a bug: answer it like any handler's, keep serving the client
+            log.exception("internal error answering a deferred lookup")
+            reply = P.ErrorReply("internal", f"{type(exc).__name__}: {exc}")
+        if pin_lease_id:  # the lease of the first, local-only answer kept the local prefix in place
+            try:
+                self.index.release(client_id, pin_lease_id)
+            except PoolError:
+                pass  # expired meanwhile
+        self._answer_later(client_id, reply)
+
+
+def lookup_reply(result: LookupResult) -> P.LookupReply:
+    pages = [P.PageHeader(e.offset, e.page_bytes, e.checksum) for e in result.entries]
+    return P.LookupReply(lease_id=result.lease_id, pages=pages)

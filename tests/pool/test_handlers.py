@@ -1,0 +1,215 @@
+"""The daemon's message handlers driven directly: no socket, no process, a fake clock and a fake remote tier."""
+
+import hashlib
+
+import pytest
+
+from kvshare.pool import protocol as P
+from kvshare.pool.allocator import Allocator
+from kvshare.pool.handlers import PoolHandlers, ServerCounters
+from kvshare.pool.index import IndexConfig, PoolError, PoolIndex
+from kvshare.pool.remote import RemoteHooks
+from kvshare.pool.remote.tier import RemoteTier
+
+MiB = 1 << 20
+PAGE = 1 * MiB
+NS = b"n" * 16
+
+
+def keys(tag, n):
+    return [hashlib.blake2b(f"{tag}{i}".encode(), digest_size=16).digest() for i in range(n)]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeRemote:
+    """Records what the handlers ask of the tier; ``promote`` defers while ``is_promoting``."""
+
+    def __init__(self, is_promoting: bool = True) -> None:
+        self.is_promoting = is_promoting
+        self.calls: list[tuple] = []
+        self.on_done = []
+
+    def on_reserve(self, client_id, reservation_id, entries):
+        self.calls.append(("reserve", client_id, reservation_id, len(entries)))
+
+    def on_commit(self, reservation_id):
+        self.calls.append(("commit", reservation_id))
+
+    def on_abort(self, reservation_id):
+        self.calls.append(("abort", reservation_id))
+
+    def on_disconnect(self, client_id):
+        self.calls.append(("disconnect", client_id))
+
+    def promote(self, keys, page_bytes, num_local, on_done):
+        self.calls.append(("promote", len(keys), num_local))
+        if self.is_promoting:
+            self.on_done.append(on_done)
+        return self.is_promoting
+
+    def tick(self, now):
+        self.calls.append(("tick", now))
+
+    def stats(self):
+        return {"promotions": len(self.on_done)}
+
+
+def make(pages=16, remote=None, **cfg):
+    answers = []
+    clock = Clock()
+    index = PoolIndex(Allocator(pages * PAGE, 4 * PAGE), IndexConfig(**cfg))
+    handlers = PoolHandlers(index, ServerCounters(), lambda client_id, reply: answers.append((client_id, reply)), clock)
+    handlers.remote = remote
+    return handlers, answers, clock
+
+
+def greet(handlers, client_id, name="test"):
+    handlers.connect(client_id)
+    return handlers.hello(client_id, P.Hello(protocol_version=P.PROTOCOL_VERSION, client_name=name))
+
+
+def store(handlers, client_id, ks, checksums=None):
+    reserved = handlers.handle(client_id, P.Reserve(NS, ks, PAGE))
+    checksums = checksums or list(range(1, len(ks) + 1))
+    assert handlers.handle(client_id, P.Commit(reserved.reservation_id, checksums)) == P.Ok(count=len(ks))
+    return reserved
+
+
+def test_reserve_commit_lookup_release():
+    handlers, answers, _ = make()
+    hello = greet(handlers, 1, "writer")
+    assert hello.client_id == 1 and hello.arena_bytes == 16 * PAGE and hello.extent_bytes == 4 * PAGE
+    ks = keys("a", 3)
+    reserved = handlers.handle(1, P.Reserve(NS, ks, PAGE))
+    assert isinstance(reserved, P.ReserveReply) and [i for i, _ in reserved.grants] == [0, 1, 2]
+    assert reserved.num_no_room == 0
+    assert handlers.handle(1, P.Lookup(ks, PAGE)).pages == []  # invisible until commit
+    assert handlers.handle(1, P.Commit(reserved.reservation_id, [11, 12, 13])) == P.Ok(count=3)
+
+    found = handlers.handle(2, P.Lookup(ks, PAGE))
+    offsets = [offset for _, offset in reserved.grants]
+    assert [(p.offset, p.checksum) for p in found.pages] == list(zip(offsets, [11, 12, 13]))
+    assert found.lease_id and handlers.index.num_leases == 1
+    assert handlers.handle(2, P.Release([found.lease_id])) == P.Ok(count=1)
+    assert handlers.index.num_leases == 0
+    assert handlers.handle(1, P.CheckIntegrity()) == P.Ok(count=3)
+    assert answers == []  # nothing was deferred
+
+
+def test_bad_messages_are_answered_with_errors_and_change_nothing():
+    handlers, _, _ = make()
+    greet(handlers, 1)
+    store(handlers, 1, keys("a", 2))
+    assert handlers.handle(1, P.Commit(12345, [0])).code == "unknown_reservation"
+    assert handlers.handle(1, P.Lookup([b"short"], PAGE)).code == "bad_key"
+    assert handlers.handle(1, P.Reserve(b"bad", keys("b", 1), PAGE)).code == "bad_namespace"
+    assert handlers.handle(1, P.Release([999])).code == "unknown_lease"
+    assert handlers.handle(1, P.Hello(P.PROTOCOL_VERSION)).code == "unexpected"  # only the first message
+    assert handlers.handle(1, P.Release([999], reply=False)) is None  # fire-and-forget: counted instead
+    assert handlers.counters.errors == 1
+    assert handlers.index.num_entries == 2 and handlers.index.num_writing == 0
+    assert handlers.handle(1, P.CheckIntegrity()) == P.Ok(count=2)
+
+
+def test_a_first_message_other_than_a_good_hello_is_refused():
+    handlers, _, _ = make()
+    handlers.connect(1)
+    with pytest.raises(PoolError) as err:
+        handlers.hello(1, P.GetStats())
+    assert err.value.code == "hello_required"
+    with pytest.raises(PoolError) as err:
+        handlers.hello(1, P.Hello(protocol_version=P.PROTOCOL_VERSION + 1))
+    assert err.value.code == "version_mismatch"
+    assert handlers.name_of(1) == ""
+
+
+def test_disconnect_aborts_reservations_and_releases_leases():
+    handlers, _, _ = make()
+    greet(handlers, 1, "reader")
+    store(handlers, 1, keys("a", 2))
+    lease = handlers.handle(1, P.Lookup(keys("a", 2), PAGE))
+    handlers.handle(1, P.Reserve(NS, keys("b", 3), PAGE))
+    listed = handlers.handle(9, P.ListLeases())
+    rows = [(info.lease_id, info.client_name, info.num_pages) for info in listed.leases]
+    assert rows == [(lease.lease_id, "reader", 2)]
+    assert handlers.stats()["clients"] == 1
+    assert handlers.disconnect(1) == (1, 1)
+    assert handlers.index.num_leases == 0 and handlers.index.num_writing == 0
+    assert handlers.stats()["clients"] == 0
+
+
+def test_tick_expires_leases_and_stats_count_everything():
+    handlers, _, clock = make(lease_ttl_s=10.0)
+    greet(handlers, 1)
+    store(handlers, 1, keys("a", 2))
+    handlers.handle(1, P.Lookup(keys("a", 2), PAGE))
+    clock.now += 11.0
+    handlers.tick(clock.now)
+    stats = handlers.handle(1, P.GetStats()).stats
+    assert stats["leases"] == 0 and stats["expired_leases"] == 1
+    assert stats["entries"] == 2 and stats["committed_pages"] == 2 and stats["used_bytes"] == 2 * PAGE
+    assert stats["uptime_s"] == 11.0 and "remote" not in stats
+
+
+def test_remote_hooks_see_reserve_commit_abort_and_disconnect():
+    remote = FakeRemote()
+    handlers, _, _ = make(remote=remote)
+    greet(handlers, 1)
+    first = store(handlers, 1, keys("a", 2))
+    second = handlers.handle(1, P.Reserve(NS, keys("b", 1), PAGE))
+    handlers.handle(1, P.Abort(second.reservation_id))
+    handlers.disconnect(1)
+    assert remote.calls == [("reserve", 1, first.reservation_id, 2), ("commit", first.reservation_id),
+                            ("reserve", 1, second.reservation_id, 1), ("abort", second.reservation_id),
+                            ("disconnect", 1)]
+    assert handlers.stats()["remote"] == {"promotions": 0}
+
+
+def test_a_partial_hit_is_deferred_to_the_remote_tier_and_answered_later():
+    remote = FakeRemote()
+    handlers, answers, _ = make(remote=remote)
+    greet(handlers, 1)
+    ks = keys("a", 4)
+    store(handlers, 1, ks[:2])
+    assert handlers.handle(2, P.Lookup(ks, PAGE)) is None  # deferred: no reply now
+    assert handlers.is_deferred(2) and remote.calls[-1] == ("promote", 4, 2)
+    assert handlers.index.num_leases == 1  # the local prefix is pinned meanwhile
+    store(handlers, 1, ks[2:], [7, 8])  # what the tier would have promoted
+    remote.on_done.pop()()
+    assert not handlers.is_deferred(2)
+    [(client_id, reply)] = answers
+    assert client_id == 2 and [p.checksum for p in reply.pages] == [1, 2, 7, 8]
+    assert handlers.index.num_leases == 1  # the pin went, the answer's own lease stays
+    assert handlers.stats()["lookups"] == 1  # the deferred answer is not a second lookup
+    assert handlers.handle(2, P.Release([reply.lease_id])) == P.Ok(count=1)
+
+
+def test_a_full_hit_a_busy_tier_and_a_client_that_left_are_not_deferred():
+    remote = FakeRemote(is_promoting=False)
+    handlers, answers, _ = make(remote=remote)
+    greet(handlers, 1)
+    ks = keys("a", 3)
+    store(handlers, 1, ks[:2])
+    assert len(handlers.handle(2, P.Lookup(ks[:2], PAGE)).pages) == 2  # whole: the tier is not asked
+    assert len(handlers.handle(2, P.Lookup(ks, PAGE)).pages) == 2  # the tier declined: the local answer
+    assert [c for c in remote.calls if c[0] == "promote"] == [("promote", 3, 2)]
+    remote.is_promoting = True
+    greet(handlers, 3)
+    assert handlers.handle(3, P.Lookup(ks, PAGE)) is None
+    handlers.disconnect(3)
+    remote.on_done.pop()()  # the promotion ends after the client left: nobody is answered
+    assert answers == [] and not handlers.is_deferred(3)
+
+
+def test_the_remote_tier_implements_every_hook():
+    hooks = [name for name, value in vars(RemoteHooks).items() if callable(value) and not name.startswith("_")]
+    assert set(hooks) == {"on_reserve", "on_commit", "on_abort", "on_disconnect", "promote", "poll", "tick",
+                          "stats", "close"}
+    assert all(callable(getattr(RemoteTier, name, None)) for name in hooks)
