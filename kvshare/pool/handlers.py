@@ -252,7 +252,8 @@ class PoolHandlers:
             return  # it left meanwhile; its leases went with it
         self._deferred.discard(client_id)
         try:
-            reply = lookup_reply(self.index.lookup_uncounted(client_id, req.keys, req.page_bytes, self._clock()))
+            result = self.index.lookup(client_id, req.keys, req.page_bytes, self._clock(), is_counted=False)
+            reply = lookup_reply(result)
         except Exception as exc:  # a bug: answer it like any handler's, keep serving the client
             log.exception("internal error answering a deferred lookup")
             reply = P.ErrorReply("internal", f"{type(exc).__name__}: {exc}")

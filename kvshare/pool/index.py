@@ -8,10 +8,8 @@ State machine of one entry::
 
 Only COMMITTED entries are visible to lookups. Eviction walks committed,
 unleased entries in LRU order between a high and a low watermark. With a
-namespace quota, one namespace (a model and tenant) may hold at most that
-many bytes: a reserve over it evicts that namespace's own least recently used
-entries (never another's, never a leased one, never the chain being stored)
-and grants fewer pages when that is not enough. A lookup
+namespace quota (quota.py), a reserve over it evicts that namespace's own
+entries and grants fewer pages when that is not enough. A lookup
 touches its matched chain from tail to head and a commit adds from tail to
 head, so in the LRU order a chain's tail is always older than its head and is
 evicted first (evicting chunk i strands chunks i+1 and later).
@@ -22,12 +20,13 @@ Pure bookkeeping over an Allocator: no sockets, no clocks (callers pass
 
 from __future__ import annotations
 
-import enum
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvshare.keys import KEY_BYTES
 from kvshare.pool.allocator import Allocator
+from kvshare.pool.entries import Entry, EntryState, Lease, Reservation
+from kvshare.pool.quota import NamespaceQuota
 
 
 class PoolError(Exception):
@@ -36,42 +35,6 @@ class PoolError(Exception):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.code = code
-
-
-class EntryState(enum.Enum):
-    WRITING = "writing"
-    COMMITTED = "committed"
-
-
-@dataclass(eq=False)
-class Entry:
-    key: bytes
-    namespace: bytes
-    offset: int
-    page_bytes: int
-    depth: int  # position of this chunk in its chain
-    state: EntryState
-    reservation_id: int  # the reservation that wrote it
-    num_leases: int = 0
-    checksum: int = 0
-    is_dropped: bool = False  # removed from view; page freed when the last lease goes
-
-
-@dataclass(eq=False)
-class Lease:
-    lease_id: int
-    client_id: int
-    entries: list[Entry]
-    created_at: float
-    expires_at: float
-
-
-@dataclass(eq=False)
-class Reservation:
-    reservation_id: int
-    client_id: int
-    entries: list[Entry]
-    created_at: float
 
 
 @dataclass(frozen=True)
@@ -132,7 +95,7 @@ class PoolIndex:
         self._lru: OrderedDict[bytes, Entry] = OrderedDict()  # committed entries, oldest first
         self._leases: dict[int, Lease] = {}
         self._reservations: dict[int, Reservation] = {}
-        self._namespace_bytes: dict[bytes, int] = {}  # arena bytes each namespace holds (freed pages leave)
+        self.quota = NamespaceQuota(config.namespace_quota_bytes)
         self._next_id = 1
 
     # -- queries -------------------------------------------------------------
@@ -155,7 +118,7 @@ class PoolIndex:
 
     @property
     def num_namespaces(self) -> int:
-        return len(self._namespace_bytes)
+        return len(self.quota)
 
     def leases(self) -> list[Lease]:
         return list(self._leases.values())
@@ -165,27 +128,17 @@ class PoolIndex:
 
     def namespaces(self) -> list[tuple[bytes, int, int]]:
         """(namespace, committed entries, bytes held) of every namespace that holds pages, largest first."""
-        counts: dict[bytes, int] = {}
-        for entry in self._lru.values():
-            counts[entry.namespace] = counts.get(entry.namespace, 0) + 1
-        rows = [(ns, counts.get(ns, 0), num_bytes) for ns, num_bytes in self._namespace_bytes.items()]
-        return sorted(rows, key=lambda row: -row[2])
+        return self.quota.rows(self._lru.values())
 
     # -- lookups and leases ----------------------------------------------------
 
-    def lookup(self, client_id: int, keys: list[bytes], page_bytes: int, now: float, lease: bool = True) -> LookupResult:
-        """Longest committed prefix of ``keys``; leased (pinned) when ``lease``."""
-        matched = self._committed_prefix(keys, page_bytes)
-        self.counters.lookups += 1
-        self.counters.hit_chunks += len(matched)
-        self.counters.miss_chunks += len(keys) - len(matched)
-        return self._touch(client_id, matched, now, lease)
+    def lookup(self, client_id: int, keys: list[bytes], page_bytes: int, now: float, lease: bool = True,
+               is_counted: bool = True) -> LookupResult:
+        """Longest committed prefix of ``keys``; leased (pinned) when ``lease``.
 
-    def lookup_uncounted(self, client_id: int, keys: list[bytes], page_bytes: int, now: float) -> LookupResult:
-        """A leasing lookup that leaves the lookup counters alone (the pool's own pins are not client lookups)."""
-        return self._touch(client_id, self._committed_prefix(keys, page_bytes), now, lease=True)
-
-    def _committed_prefix(self, keys: list[bytes], page_bytes: int) -> list[Entry]:
+        ``is_counted=False`` leaves the lookup counters alone: for the pool's own pins, and the second
+        answer of a lookup deferred to the remote tier (counted once, when it came in).
+        """
         self._check_keys(keys)
         matched: list[Entry] = []
         for key in keys:
@@ -193,10 +146,10 @@ class PoolIndex:
             if entry is None or entry.state is not EntryState.COMMITTED or entry.page_bytes != page_bytes:
                 break
             matched.append(entry)
-        return matched
-
-    def _touch(self, client_id: int, matched: list[Entry], now: float, lease: bool) -> LookupResult:
-        """Move a matched chain to the LRU's recent end and, when ``lease``, pin it."""
+        if is_counted:
+            self.counters.lookups += 1
+            self.counters.hit_chunks += len(matched)
+            self.counters.miss_chunks += len(keys) - len(matched)
         for entry in reversed(matched):  # tail first, so the head ends up most recent
             self._lru.move_to_end(entry.key)
         if not lease or not matched:
@@ -251,7 +204,7 @@ class PoolIndex:
         if not wanted:
             return ReserveResult(reservation_id=0, grants=[], num_no_room=0)
         over_quota = 0
-        if self.config.namespace_quota_bytes:
+        if self.quota.is_limited:
             wanted, over_quota = self._fit_quota(namespace, keys, wanted, page_bytes)
             if not wanted:
                 return ReserveResult(reservation_id=0, grants=[], num_no_room=over_quota)
@@ -270,7 +223,7 @@ class PoolIndex:
         for i, offset in zip(granted, offsets):
             entry = Entry(keys[i], namespace, offset, page_bytes, first_depth + i, EntryState.WRITING, reservation_id)
             self._entries[entry.key] = entry
-            self._namespace_bytes[namespace] = self._namespace_bytes.get(namespace, 0) + page_bytes
+            self.quota.add(namespace, page_bytes)
             grants.append((i, entry))
         self._reservations[reservation_id] = Reservation(reservation_id, client_id, [e for _, e in grants], now)
         self.counters.reserved_pages += len(grants)
@@ -358,34 +311,15 @@ class PoolIndex:
     def _free(self, entry: Entry) -> None:
         """Give an entry's page back to the allocator and take it off its namespace's bytes."""
         self.allocator.free(entry.offset, entry.page_bytes)
-        left = self._namespace_bytes[entry.namespace] - entry.page_bytes
-        if left:
-            self._namespace_bytes[entry.namespace] = left
-        else:
-            del self._namespace_bytes[entry.namespace]
+        self.quota.remove(entry.namespace, entry.page_bytes)
 
     def _fit_quota(self, namespace: bytes, keys: list[bytes], wanted: list[int], page_bytes: int) -> tuple[list[int], int]:
-        """Make room under the namespace's quota from its own LRU entries; returns (wanted that fit, pages over).
-
-        Only this namespace's committed, unleased entries are evicted, never those of the chain being
-        stored (evicting its head would strand the pages written after it). The chain's first pages are
-        kept when not all fit: a chain is only useful from its start.
-        """
-        quota = self.config.namespace_quota_bytes
-        needed = self._namespace_bytes.get(namespace, 0) + len(wanted) * page_bytes - quota
-        if needed > 0:
-            chain = set(keys)
-            victims = (e for e in list(self._lru.values())
-                       if e.namespace == namespace and e.num_leases == 0 and e.key not in chain)
-            for entry in victims:
-                if needed <= 0:
-                    break
-                self._remove_committed(entry)
-                self.counters.quota_evictions += 1
-                self.counters.evicted_bytes += entry.page_bytes
-                needed -= entry.page_bytes
-        room = max(0, quota - self._namespace_bytes.get(namespace, 0)) // page_bytes
-        over = max(0, len(wanted) - room)
+        """Make room under the namespace's quota from its own LRU entries; returns (wanted that fit, pages over)."""
+        for entry in self.quota.victims(namespace, set(keys), len(wanted) * page_bytes, self._lru.values()):
+            self._remove_committed(entry)
+            self.counters.quota_evictions += 1
+            self.counters.evicted_bytes += entry.page_bytes
+        over = self.quota.num_over(namespace, len(wanted), page_bytes)
         self.counters.quota_skipped_pages += over
         return wanted[: len(wanted) - over], over
 
@@ -439,10 +373,7 @@ class PoolIndex:
             live_pages += entry.page_bytes
         assert len(self._lru) == sum(e.state is EntryState.COMMITTED for e in self._entries.values())
         dropped = {id(e): e for lease in self._leases.values() for e in lease.entries if e.is_dropped}
-        by_namespace: dict[bytes, int] = {}
-        for entry in list(self._entries.values()) + list(dropped.values()):
-            by_namespace[entry.namespace] = by_namespace.get(entry.namespace, 0) + entry.page_bytes
-        assert by_namespace == self._namespace_bytes, "bytes per namespace disagree with the entries"
+        self.quota.check_integrity(list(self._entries.values()) + list(dropped.values()))
         for entry in dropped.values():
             assert self.allocator.is_allocated(entry.offset, entry.page_bytes)
             live_pages += entry.page_bytes

@@ -3,7 +3,8 @@ import hashlib
 import pytest
 
 from kvshare.pool.allocator import Allocator
-from kvshare.pool.index import EntryState, IndexConfig, PoolError, PoolIndex
+from kvshare.pool.entries import EntryState
+from kvshare.pool.index import IndexConfig, PoolError, PoolIndex
 
 MiB = 1 << 20
 PAGE = 1 * MiB

@@ -15,7 +15,8 @@ import socket
 from typing import TYPE_CHECKING, Callable, Protocol
 
 if TYPE_CHECKING:
-    from kvshare.pool.index import Entry, PoolIndex
+    from kvshare.pool.entries import Entry
+    from kvshare.pool.index import PoolIndex
     from kvshare.pool.remote.config import RemoteConfig
 
 

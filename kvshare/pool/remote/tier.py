@@ -32,7 +32,8 @@ from typing import Callable
 
 import numpy as np
 
-from kvshare.pool.index import EntryState, PoolError, PoolIndex
+from kvshare.pool.entries import EntryState
+from kvshare.pool.index import PoolError, PoolIndex
 from kvshare.pool.remote import workers as W
 from kvshare.pool.remote.breaker import CircuitBreaker
 from kvshare.pool.remote.config import RemoteConfig
@@ -112,7 +113,7 @@ class RemoteTier:
         if not entries:
             return
         now = self._clock()
-        pin = self.index.lookup_uncounted(self.writer_id, [e.key for e in entries], page_bytes, now)
+        pin = self.index.lookup(self.writer_id, [e.key for e in entries], page_bytes, now, is_counted=False)
         if not pin.entries:
             return
         pages = [W.PageToWrite(PageMeta(e.key, e.namespace, e.depth, e.page_bytes, e.checksum), e.offset)
