@@ -15,7 +15,7 @@ from kvshare.pool import protocol as P
 from kvshare.pool.client import PoolClient
 from kvshare.pool.remote.format import num_parts, part_keys
 from kvshare.pool.spawn import running_pool
-from tests.remote.conftest import (MiB, assert_pages_equal, free_port, make_keys, pool_args, remote_stats, two_pools,
+from tests.pool.remote.conftest import (MiB, assert_pages_equal, free_port, make_keys, pool_args, remote_stats, two_pools,
                                    wait_until, wait_written, write_chain)
 
 pytestmark = pytest.mark.remote

@@ -4,7 +4,7 @@ import pytest
 
 from kvshare.pool.client import PoolClient
 from kvshare.pool.remote.format import num_parts, part_keys
-from tests.remote.conftest import MiB, assert_pages_equal, make_keys, remote_stats, two_pools, wait_written, write_chain
+from tests.pool.remote.conftest import MiB, assert_pages_equal, make_keys, remote_stats, two_pools, wait_written, write_chain
 
 pytestmark = pytest.mark.remote
 

@@ -7,7 +7,7 @@ import pytest
 
 from kvshare.pool.client import PoolClient
 from kvshare.pool.remote.breaker import CLOSED
-from tests.remote.conftest import (HAS_REDIS, NO_REDIS, MiB, RedisServer, assert_pages_equal, make_keys, remote_stats,
+from tests.pool.remote.conftest import (HAS_REDIS, NO_REDIS, MiB, RedisServer, assert_pages_equal, make_keys, remote_stats,
                                    two_pools, wait_until, wait_written, write_chain)
 
 pytestmark = [pytest.mark.remote, pytest.mark.skipif(not HAS_REDIS, reason=NO_REDIS)]

@@ -3,7 +3,7 @@
 import pytest
 
 from kvshare.pool.client import PoolClient
-from tests.remote.conftest import remote_stats, two_pools, wait_written
+from tests.pool.remote.conftest import remote_stats, two_pools, wait_written
 
 pytestmark = pytest.mark.remote
 CHUNK = 32

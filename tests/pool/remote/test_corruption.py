@@ -6,7 +6,7 @@ import pytest
 
 from kvshare.pool.client import PoolClient
 from kvshare.pool.remote.format import HEADER, HEADER_BYTES, num_parts, part_keys
-from tests.remote.conftest import (MiB, NAMESPACE, assert_pages_equal, make_keys, remote_stats, two_pools,
+from tests.pool.remote.conftest import (MiB, NAMESPACE, assert_pages_equal, make_keys, remote_stats, two_pools,
                                    wait_written, write_chain)
 
 pytestmark = pytest.mark.remote
