@@ -4,7 +4,7 @@
 # TOKENS tokens: store (device blocks -> pool pages, checksummed) and load (pool -> device blocks,
 # checksums verified), against a plain pageable host -> device copy of the same bytes as reference.
 #
-#   scripts/vllm_cuda_bench.sh [TOKENS]        (on the GPU machine: run with carry [".whl"])
+#   benchmarks/vllm_cuda_bench.sh [TOKENS]        (on the GPU machine: run with carry [".whl"])
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
