@@ -1,4 +1,4 @@
-"""The pool daemon: owns the arena and the socket; serves clients on a Unix socket.
+"""The pool daemon: owns the arena, the index and the Unix socket, and runs the loop that serves clients.
 
 One thread runs the index (no locks, so every message is atomic). A selector
 loop accepts clients (checking their uid), reads frames from every client,
