@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from dataclasses import dataclass
+from typing import Callable
 
 CUDA_HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context of the process, not only the current one
 
@@ -38,6 +40,12 @@ class ArenaRegistration:
     pieces: list[tuple[int, int]]
     seconds: float  # time cudaHostRegister took for all pieces
     refs: int = 1
+    arena_ref: Callable[[], object] | None = None  # weakref to the mapped arena; dead: the mapping is gone
+
+    @property
+    def is_stale(self) -> bool:
+        """The arena it pinned was unmapped without a release: a new mapping at the same address is another one."""
+        return self.arena_ref is not None and self.arena_ref() is None
 
     def check_span(self, offset: int, num_bytes: int) -> None:
         """Raise unless arena bytes [offset, offset + num_bytes) lie inside one registered piece."""
@@ -114,6 +122,17 @@ def acquire_registration(client) -> ArenaRegistration:
     extent_bytes = int(client.hello.extent_bytes)
     with _lock:
         existing = _registrations.get(base_ptr)
+        if existing is not None and existing.is_stale:
+            # A client was closed (its mapping unmapped) while a transfer still held the registration,
+            # and the new arena was mapped at the same address. The old pins name memory that is gone:
+            # drop them (the driver may already have) and register the new mapping from scratch.
+            _registrations.pop(base_ptr)
+            for offset, _length in existing.pieces:
+                try:
+                    unregister_range(base_ptr + offset)
+                except RegistrationError:
+                    pass
+            existing = None
         if existing is not None:
             if (existing.arena_bytes, existing.extent_bytes) != (arena_bytes, extent_bytes):
                 raise RegistrationError(f"arena at {base_ptr:#x} is registered with another size or extent")
@@ -133,7 +152,8 @@ def acquire_registration(client) -> ArenaRegistration:
                 except RegistrationError:
                     pass  # the registration error being raised is the one to report
             raise
-        registration = ArenaRegistration(base_ptr, arena_bytes, extent_bytes, pieces, time.perf_counter() - start)
+        registration = ArenaRegistration(base_ptr, arena_bytes, extent_bytes, pieces, time.perf_counter() - start,
+                                         arena_ref=weakref.ref(arena))
         _registrations[base_ptr] = registration
         return registration
 
