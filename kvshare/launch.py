@@ -133,7 +133,8 @@ class Cluster:
         return args, _cpu_threads_env(cfg)
 
     def _served_name(self) -> str:
-        return os.path.basename(os.path.normpath(self.config.model))
+        """vLLM's rule, and `kvshare serve`'s: the model id is the --model argument as given (a path stays a path)."""
+        return self.config.model
 
     def _vllm_model_dir(self) -> str:
         """vLLM loads directories: a preset name is written out once (kvshare make-model) into the temp dir."""
