@@ -15,6 +15,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -82,6 +83,7 @@ class PoolClient:
         self._mmap: mmap.mmap | None = None
         self.arena: np.ndarray | None = None  # uint8 view of the whole arena
         self.hello: P.HelloReply | None = None
+        self._unmap_hooks: list[Callable[[], None]] = []
 
     # -- connection --------------------------------------------------------------
 
@@ -119,8 +121,15 @@ class PoolClient:
         self.hello = reply
         return self
 
+    def on_unmap(self, hook: Callable[[], None]) -> None:
+        """Call ``hook`` before the arena is unmapped (close): e.g. to drop CUDA registrations of it."""
+        self._unmap_hooks.append(hook)
+
     def close(self) -> None:
         self._close_socket()
+        hooks, self._unmap_hooks = self._unmap_hooks, []
+        for hook in hooks:
+            hook()
         self.arena = None
         if self._mmap is not None:
             try:

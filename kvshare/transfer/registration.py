@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
-import weakref
 from dataclasses import dataclass
-from typing import Callable
 
 CUDA_HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context of the process, not only the current one
 
@@ -40,12 +38,7 @@ class ArenaRegistration:
     pieces: list[tuple[int, int]]
     seconds: float  # time cudaHostRegister took for all pieces
     refs: int = 1
-    arena_ref: Callable[[], object] | None = None  # weakref to the mapped arena; dead: the mapping is gone
-
-    @property
-    def is_stale(self) -> bool:
-        """The arena it pinned was unmapped without a release: a new mapping at the same address is another one."""
-        return self.arena_ref is not None and self.arena_ref() is None
+    is_forgotten: bool = False  # its client unmapped the arena: the pins were dropped then, releases do nothing
 
     def check_span(self, offset: int, num_bytes: int) -> None:
         """Raise unless arena bytes [offset, offset + num_bytes) lie inside one registered piece."""
@@ -122,17 +115,6 @@ def acquire_registration(client) -> ArenaRegistration:
     extent_bytes = int(client.hello.extent_bytes)
     with _lock:
         existing = _registrations.get(base_ptr)
-        if existing is not None and existing.is_stale:
-            # A client was closed (its mapping unmapped) while a transfer still held the registration,
-            # and the new arena was mapped at the same address. The old pins name memory that is gone:
-            # drop them (the driver may already have) and register the new mapping from scratch.
-            _registrations.pop(base_ptr)
-            for offset, _length in existing.pieces:
-                try:
-                    unregister_range(base_ptr + offset)
-                except RegistrationError:
-                    pass
-            existing = None
         if existing is not None:
             if (existing.arena_bytes, existing.extent_bytes) != (arena_bytes, extent_bytes):
                 raise RegistrationError(f"arena at {base_ptr:#x} is registered with another size or extent")
@@ -152,15 +134,34 @@ def acquire_registration(client) -> ArenaRegistration:
                 except RegistrationError:
                     pass  # the registration error being raised is the one to report
             raise
-        registration = ArenaRegistration(base_ptr, arena_bytes, extent_bytes, pieces, time.perf_counter() - start,
-                                         arena_ref=weakref.ref(arena))
+        registration = ArenaRegistration(base_ptr, arena_bytes, extent_bytes, pieces, time.perf_counter() - start)
         _registrations[base_ptr] = registration
-        return registration
+    # A client closed while a transfer still holds the registration would leave pinned ranges naming
+    # memory that is unmapped; the next arena mapped there then fails with CUDA error 712 ("already
+    # mapped"), seen on the H200 when one test left an engine unclosed. So the pins go with the mapping.
+    client.on_unmap(lambda: _forget(registration))
+    return registration
+
+
+def _forget(registration: ArenaRegistration) -> None:
+    """Unregister every piece now, whatever the references (the arena is about to be unmapped)."""
+    with _lock:
+        if registration.is_forgotten or _registrations.get(registration.base_ptr) is not registration:
+            return
+        _registrations.pop(registration.base_ptr)
+        registration.is_forgotten, registration.refs = True, 0
+        for offset, _length in registration.pieces:
+            try:
+                unregister_range(registration.base_ptr + offset)
+            except RegistrationError:
+                pass  # unmapping goes ahead either way; nothing a caller could do
 
 
 def release_registration(registration: ArenaRegistration) -> None:
     """Drop one reference; the last one unregisters every piece. No copy may be in flight."""
     with _lock:
+        if registration.is_forgotten:
+            return
         registration.refs -= 1
         if registration.refs > 0:
             return
