@@ -120,11 +120,18 @@ class Cluster:
         port = cfg.port + 1 + i
         if cfg.engine == "vllm":
             from kvshare.integrations.vllm.launch import VllmServerConfig, vllm_server_command
+            from kvshare.keys import DEFAULT_CHUNK_TOKENS
 
+            # prefill steps of one pool chunk: a replica that loads k chunks computes the rest in the same steps
+            # (same shapes, same kernels) as the replica that computed the whole prompt, so a request served
+            # alone gets the same logits bit for bit. With vLLM's default budget the full prompt is one step and
+            # the tail over a loaded prefix another shape: vLLM CPU rounds them differently, 1e-2 in logprobs in
+            # bf16 (what vLLM's "auto" runs a float32 preset in), 1e-5 in float32. --replica-arg overrides it.
             spec = vllm_server_command(VllmServerConfig(
                 model=self._vllm_model_dir(), port=port, host=cfg.host, pool_socket=self.pool_socket,
                 python=cfg.vllm_python or sys.executable, served_model_name=self._served_name(),
-                replica=f"replica{i}", extra_args=cfg.replica_args,
+                replica=f"replica{i}", chunk_tokens=DEFAULT_CHUNK_TOKENS,
+                max_num_batched_tokens=DEFAULT_CHUNK_TOKENS, extra_args=cfg.replica_args,
             ))
             return spec.argv, spec.env
         args = kv + ["serve", "--model", cfg.model, "--device", cfg.device, "--host", cfg.host, "--port", str(port),
