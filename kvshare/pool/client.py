@@ -14,6 +14,7 @@ import select
 import socket
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -84,6 +85,9 @@ class PoolClient:
         self.arena: np.ndarray | None = None  # uint8 view of the whole arena
         self.hello: P.HelloReply | None = None
         self._unmap_hooks: list[Callable[[], None]] = []
+        # A client dropped without close() (an engine never closed, collected later) unmaps its arena as
+        # the mmap is freed: run the hooks then too. The finalizer holds the list, never the client.
+        weakref.finalize(self, _run_hooks, self._unmap_hooks)
 
     # -- connection --------------------------------------------------------------
 
@@ -127,9 +131,7 @@ class PoolClient:
 
     def close(self) -> None:
         self._close_socket()
-        hooks, self._unmap_hooks = self._unmap_hooks, []
-        for hook in hooks:
-            hook()
+        _run_hooks(self._unmap_hooks)
         self.arena = None
         if self._mmap is not None:
             try:
@@ -283,3 +285,9 @@ class PoolClient:
         if self.verify_checksums and page_checksum(view) != header.checksum:
             raise ChecksumMismatch(f"page at offset {header.offset} does not match its checksum")
         return view
+
+
+def _run_hooks(hooks: list[Callable[[], None]]) -> None:
+    """Run and forget every unmap hook (the list is emptied in place: close() then a finalizer run them once)."""
+    while hooks:
+        hooks.pop(0)()

@@ -108,6 +108,22 @@ def test_closing_the_client_drops_the_pins_of_its_arena_even_while_a_transfer_ho
     assert fake.registered == {}
 
 
+def test_a_client_dropped_without_close_drops_the_pins_of_its_arena(fake, pool_socket):
+    """The engines of a test never closed: their clients are collected later and their arenas unmapped as the
+    mmaps go; the pins must go before (seen on the H200: CUDA error 712 in the next test's registration)."""
+    import gc
+
+    from kvshare.pool.client import PoolClient
+
+    client = PoolClient(pool_socket).connect()
+    transfer = CudaTransfer(LAYOUTS["f32"], client, CPU, TransferConfig(copy_method="torch"))
+    registration = transfer.registration
+    assert fake.registered
+    del client, transfer
+    gc.collect()
+    assert fake.registered == {} and registration.is_forgotten
+
+
 def test_a_copy_across_two_registrations_is_refused(fake, client):
     layout = LAYOUTS["f32"]
     with CudaTransfer(layout, client, CPU, TransferConfig()) as transfer:
