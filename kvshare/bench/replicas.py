@@ -103,9 +103,9 @@ class SequentialReplicas:
 
     @property
     def served_name(self) -> str:
-        """The model name the replicas will serve (as the engine names it: preset name or directory name),
-        known without starting one."""
-        return os.path.basename(os.path.normpath(self.config.model))
+        """The model name the replicas will serve (`kvshare serve`'s default: --model as given), known without
+        starting one."""
+        return self.config.model
 
     def url_of(self, index: int) -> str:
         return f"http://{self.config.host}:{self.config.port + index}"

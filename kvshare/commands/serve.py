@@ -1,10 +1,36 @@
-"""Run one replica: the built-in engine behind an OpenAI-compatible HTTP server."""
+"""Run one replica: the built-in engine behind an OpenAI-compatible HTTP server.
+
+The flags ``vllm serve`` shares with it mean what they mean there: ``--served-model-name NAME [NAME ...]``
+(default: ``--model`` as given), ``--max-model-len`` (``32k``/``32K``/``auto`` too) and ``--dtype``.
+"""
 
 from __future__ import annotations
 
 import argparse
+import re
 
 from kvshare.units import parse_size
+
+# vLLM's --dtype values -> the engine's (None: the model's own dtype)
+DTYPES = {"auto": None, "half": "float16", "float16": "float16", "bfloat16": "bfloat16", "float": "float32",
+          "float32": "float32"}
+_MULTIPLIERS = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}  # vLLM's human_readable_int
+
+
+def parse_max_model_len(value: str) -> int | None:
+    """vLLM's form: an integer, ``25.6k`` (x1000), ``32K`` (x1024), or ``auto``/``-1`` (the model's context)."""
+    value = value.strip()
+    if value.lower() == "auto" or value == "-1":
+        return None
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgG]?)", value)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"expected a token count such as 4096, 32k or 32K, or auto; got {value!r}")
+    number, suffix = match.groups()
+    if suffix:
+        return int(float(number) * _MULTIPLIERS[suffix])
+    if "." in number:
+        raise argparse.ArgumentTypeError(f"a token count without a suffix is a whole number; got {value!r}")
+    return int(number)
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -16,6 +42,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-tokens", type=int, default=256, help="tokens per shared chunk")
     p.add_argument("--verify-rate", type=float, default=1.0,
                    help="fraction of pool loads whose page checksums are verified (default 1: all)")
+    p.add_argument("--max-model-len", type=parse_max_model_len, default=None,
+                   help="context length: prompt plus output tokens (as vLLM: 4096, 32k, 32K; default: the model's)")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="auto",
+                   help="weights and KV dtype (default auto: the model's own)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -23,6 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--replica-name", default=None, help="name reported in responses (default host:port)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="model ids requests may name; the first is reported in responses (default: --model as given)")
     p.add_argument("--max-requests", type=int, default=64, help="queued + running requests before 429")
     p.add_argument("--max-prompt-tokens", type=int, default=None)
     p.add_argument("--max-tokens-limit", type=int, default=8192)
@@ -40,35 +72,49 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds a streaming client may take to accept one write before it is dropped")
 
 
-def build_engine(args: argparse.Namespace):
-    from kvshare.engine.engine import Engine, EngineConfig
+def engine_config(args: argparse.Namespace):
+    from kvshare.engine.engine import EngineConfig
 
     pool = None if args.pool in (None, "off") else args.pool
-    return Engine(EngineConfig(model=args.model, device=args.device, pool_socket=pool,
-                               local_cache_bytes=args.local_cache_size, chunk_tokens=args.chunk_tokens,
-                               verify_checksums=args.verify_rate >= 1.0, verify_fraction=min(args.verify_rate, 1.0)))
+    return EngineConfig(model=args.model, device=args.device, dtype=DTYPES[args.dtype], pool_socket=pool,
+                        local_cache_bytes=args.local_cache_size, chunk_tokens=args.chunk_tokens,
+                        max_model_len=args.max_model_len, verify_checksums=args.verify_rate >= 1.0,
+                        verify_fraction=min(args.verify_rate, 1.0))
+
+
+def serve_config(args: argparse.Namespace):
+    from kvshare.serve.audit import AuditConfig
+    from kvshare.serve.server import ServeConfig
+
+    return ServeConfig(host=args.host, port=args.port, replica_name=args.replica_name or f"{args.host}:{args.port}",
+                       served_model_names=tuple(args.served_model_name or ()),
+                       max_body_bytes=args.max_body_size, max_requests=args.max_requests,
+                       max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens_limit,
+                       api_keys=tuple(args.api_key), tenant_header=args.tenant_header,
+                       write_timeout_s=args.write_timeout,
+                       audit=AuditConfig(rate=args.audit_rate, num_tokens=args.audit_tokens,
+                                         gap_threshold=args.audit_gap_threshold))
+
+
+def build_engine(args: argparse.Namespace):
+    from kvshare.engine.engine import Engine
+
+    return Engine(engine_config(args))
 
 
 def run(args: argparse.Namespace) -> int:
     from aiohttp import web
 
     from kvshare.errors import UserError
-    from kvshare.serve.audit import AuditConfig
-    from kvshare.serve.server import ReplicaServer, ServeConfig
+    from kvshare.serve.server import ReplicaServer
 
     try:
-        config = ServeConfig(host=args.host, port=args.port, replica_name=args.replica_name or f"{args.host}:{args.port}",
-                             max_body_bytes=args.max_body_size, max_requests=args.max_requests,
-                             max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens_limit,
-                             api_keys=tuple(args.api_key), tenant_header=args.tenant_header,
-                             write_timeout_s=args.write_timeout,
-                             audit=AuditConfig(rate=args.audit_rate, num_tokens=args.audit_tokens,
-                                               gap_threshold=args.audit_gap_threshold))
+        config = serve_config(args)
         engine = build_engine(args)
+        server = ReplicaServer(engine, config)
     except (ValueError, FileNotFoundError) as exc:
         raise UserError(str(exc)) from None
-    server = ReplicaServer(engine, config)
-    ready = f"kvshare replica ready: http://{config.host}:{config.port} model={engine.model_name}"
+    ready = f"kvshare replica ready: http://{config.host}:{config.port} model={server.served.name}"
     web.run_app(server.app(), host=config.host, port=config.port, print=lambda _: print(ready, flush=True),
                 access_log=None)
     return 0

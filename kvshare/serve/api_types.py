@@ -36,7 +36,7 @@ class StreamOptions(msgspec.Struct):
 
 
 class _Common(msgspec.Struct, kw_only=True):
-    model: str
+    model: Union[str, None] = None  # optional, as in vLLM: the replica serves one model (under one or more names)
     max_tokens: Union[int, None] = None
     temperature: float = 1.0
     top_p: float = 1.0

@@ -1,7 +1,10 @@
 """The replica's HTTP server: OpenAI completions and chat (streaming or not), models, health, metrics.
 
 Routes, validation, the engine queue and stream writes live here; the response bodies and
-stream chunks are assembled by ``responses.ResponseBuilder``.
+stream chunks are assembled by ``responses.ResponseBuilder``. The routes ``vllm serve`` adds
+(/tokenize, /detokenize, /version, /ping) answer in vLLM's shapes, so its tools work unchanged;
+the served names follow vLLM's rule (``models.ServedModels``). The engine runs one request at
+a time (``worker.EngineWorker``): the others wait in its queue.
 """
 
 from __future__ import annotations
@@ -18,9 +21,13 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+import kvshare
 from kvshare.serve import api_types as A
+from kvshare.serve import tokenize as T
 from kvshare.serve.audit import AuditConfig, Auditor
+from kvshare.serve.http_errors import body_too_large, error_response, http_error
 from kvshare.serve.metrics import ReplicaMetrics
+from kvshare.serve.models import ServedModels
 from kvshare.serve.responses import Prepared, ResponseBuilder
 from kvshare.serve.tenancy import Unauthorized, check_api_key, tenant_identity
 from kvshare.serve.worker import EngineWorker, Job, QueueFull
@@ -36,6 +43,7 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     replica_name: str = "replica"
+    served_model_names: tuple[str, ...] = ()  # empty: the engine's --model argument as given (vLLM's rule)
     max_body_bytes: int = 16 << 20
     max_requests: int = 64  # queued + running; more get 429
     max_prompt_tokens: int | None = None  # default: the model's context
@@ -68,12 +76,18 @@ class ReplicaServer:
                         if config.audit.rate > 0 else None)
         self.worker = EngineWorker(engine, config.max_requests, idle_task=self.auditor.run_one if self.auditor else None)
         self.started_at = time.time()
+        self.served = ServedModels(config.served_model_names or (engine.config.model,), root=engine.config.model,
+                                   max_model_len=engine.max_model_len, created=int(self.started_at))
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._errors])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_get("/version", version)
+        app.router.add_route("*", "/ping", self.ping)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_text)
         app.router.add_get("/admin/namespace", self.namespace)
@@ -91,14 +105,14 @@ class ReplicaServer:
             return await handler(request)
         except A.ApiError as exc:
             self.metrics.errors.labels(str(exc.status)).inc()
-            return web.json_response(exc.body(), status=exc.status)
+            return error_response(exc)
         except web.HTTPRequestEntityTooLarge:
-            err = A.ApiError(413, f"request body exceeds {self.config.max_body_bytes} bytes", code="body_too_large")
             self.metrics.errors.labels("413").inc()
-            return web.json_response(err.body(), status=413)
-        except web.HTTPException as exc:  # 404/405 of the router
-            err = A.ApiError(exc.status, exc.reason, code="not_found" if exc.status == 404 else None)
-            return web.json_response(err.body(), status=exc.status)
+            return error_response(body_too_large(self.config.max_body_bytes))
+        except web.HTTPException as exc:  # 404/405 of aiohttp's routing
+            if exc.status < 400:
+                raise
+            return error_response(http_error(request, exc))
 
     def _authenticate(self, request: web.Request) -> None:
         try:
@@ -132,9 +146,21 @@ class ReplicaServer:
                                   "is_tenant_salted": bool(tenant), "namespace": digest.hex()})
 
     async def models(self, request: web.Request) -> web.Response:
-        model = {"id": self.engine.model_name, "object": "model", "created": int(self.started_at),
-                 "owned_by": "kvshare", "max_model_len": self.engine.max_model_len}
-        return web.json_response({"object": "list", "data": [model]})
+        return web.json_response(self.served.listing())
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        req = A.decode(await request.read(), T.TokenizeRequest)
+        self.served.resolve(req.model)
+        return web.json_response(T.tokenize(req, self.engine.tokenizer, self.engine.max_model_len))
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        req = A.decode(await request.read(), T.DetokenizeRequest)
+        self.served.resolve(req.model)
+        return web.json_response(T.detokenize(req, self.engine.tokenizer, self.engine.model_config.vocab_size))
+
+    async def ping(self, request: web.Request) -> web.Response:
+        """GET or POST /ping: vLLM's (SageMaker's) liveness check, 200 with an empty body."""
+        return web.Response(status=200)
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "replica": self.config.replica_name,
@@ -161,8 +187,7 @@ class ReplicaServer:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         req = A.decode(await request.read(), A.ChatRequest)
         A.validate(req)
-        messages = [{"role": m.role, "content": A.message_text(m)} for m in req.messages]
-        prompt_ids = self.engine.tokenizer.apply_chat_template(messages)
+        prompt_ids = self.engine.tokenizer.apply_chat_template(T.chat_messages(req.messages))
         top = (req.top_logprobs or 0) if req.logprobs else None
         prepared = self._prepare(request, req, prompt_ids, default_max_tokens=None, logprobs=top)
         return await self._respond(request, req, prepared, chat=True)
@@ -170,26 +195,14 @@ class ReplicaServer:
     def _prepare(self, request, req, prompt_ids: list[int], default_max_tokens: int | None, logprobs) -> Prepared:
         from kvshare.engine.engine import RequestOptions, SamplingParams
 
-        if req.model != self.engine.model_name:
-            raise A.ApiError(404, f"model {req.model!r} does not exist; this replica serves {self.engine.model_name!r}",
-                             param="model", code="model_not_found")
+        req.model = self.served.resolve(req.model)  # responses name the first served name, as vLLM's do
         if not prompt_ids:
             raise A.ApiError(400, "the prompt is empty", param="prompt")
         vocab = self.engine.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise A.ApiError(400, f"token ids must lie in [0, {vocab})", param="prompt")
-        context = self.engine.max_model_len
-        limit = min(context - 1, self.config.max_prompt_tokens or context)
-        if len(prompt_ids) > limit:
-            raise A.ApiError(400, f"the prompt has {len(prompt_ids)} tokens; this replica takes at most {limit}",
-                             param="messages" if default_max_tokens is None else "prompt", code="context_length_exceeded")
-        room = context - len(prompt_ids)
-        max_tokens = A.requested_max_tokens(req)
-        if max_tokens is None:
-            max_tokens = min(default_max_tokens or self.config.default_chat_max_tokens, room, self.config.max_tokens_limit)
-        if not 1 <= max_tokens <= min(room, self.config.max_tokens_limit):
-            raise A.ApiError(400, f"max_tokens must lie in [1, {min(room, self.config.max_tokens_limit)}] "
-                                  f"for this prompt of {len(prompt_ids)} tokens", param="max_tokens")
+        max_tokens = self._max_tokens(req, len(prompt_ids), "messages" if default_max_tokens is None else "prompt",
+                                      default_max_tokens or self.config.default_chat_max_tokens)
         # as vLLM does, a temperature this close to 0 is greedy (found by fuzzing: 1e-82 overflowed the
         # scaled logits to inf, and sampling failed with a 500)
         temperature = 0.0 if req.temperature < GREEDY_BELOW_TEMPERATURE else req.temperature
@@ -201,6 +214,31 @@ class ReplicaServer:
                                  tenant=self._tenant(request))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return Prepared(prompt_ids, params, options, A.stop_strings(req), include_usage)
+
+    def _max_tokens(self, req, num_prompt: int, what: str, default: int) -> int:
+        """The request's max_tokens, checked against --max-model-len (vLLM's message) and this replica's limits."""
+        context = self.engine.max_model_len
+        if num_prompt >= context:
+            raise A.ApiError(400, f"This model's maximum context length is {context} tokens. However, your prompt "
+                                  f"contains {num_prompt} input tokens, which leaves no room for an output token. "
+                                  f"Please reduce the length of the {what}.", param=what, code="context_length_exceeded")
+        if self.config.max_prompt_tokens and num_prompt > self.config.max_prompt_tokens:
+            raise A.ApiError(400, f"the prompt has {num_prompt} tokens; this replica takes at most "
+                                  f"{self.config.max_prompt_tokens} (--max-prompt-tokens)", param=what,
+                             code="context_length_exceeded")
+        room, limit = context - num_prompt, self.config.max_tokens_limit
+        max_tokens = A.requested_max_tokens(req)
+        if max_tokens is None:
+            return min(default, room, limit)
+        if max_tokens > room:
+            raise A.ApiError(400, f"This model's maximum context length is {context} tokens. However, you requested "
+                                  f"{num_prompt + max_tokens} tokens ({num_prompt} in the {what}, {max_tokens} in the "
+                                  f"completion). Please reduce the length of the {what} or completion.",
+                             param="max_tokens", code="context_length_exceeded")
+        if not 1 <= max_tokens <= limit:
+            raise A.ApiError(400, f"max_tokens must lie in [1, {limit}] on this replica (--max-tokens-limit)",
+                             param="max_tokens")
+        return max_tokens
 
     async def _respond(self, request: web.Request, req, prep: Prepared, chat: bool) -> web.StreamResponse:
         t_arrival = time.perf_counter()
@@ -276,6 +314,11 @@ class ReplicaServer:
             if request.transport is not None:
                 request.transport.abort()
             raise _SlowClient() from None
+
+
+async def version(request: web.Request) -> web.Response:
+    """GET /version, as vLLM's (which gives vLLM's version): kvshare's."""
+    return web.json_response({"version": kvshare.__version__})
 
 
 def limit_send_buffer(request: web.Request, num_bytes: int) -> None:
