@@ -5,6 +5,11 @@ request whose replica cannot be reached before the first byte of its response
 goes to the next replica the policy ranked; after the first byte it cannot move.
 With API keys set, /v1/ and /admin/ requests need one (``Authorization: Bearer KEY``),
 checked before anything is proxied; the header travels on to the replica.
+
+Its own errors (no such route, no replica available, a bad key, a body too large) have the
+replicas' status, type and code (kvshare.serve.http_errors), so a client sees one API whether
+the router or a replica refused. /tokenize and /detokenize go to any healthy replica (the
+policy's first choice); /version and /ping are answered here.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvshare.router.policy import POLICIES, ReplicaView, RouteFacts, Router, prefix_blocks
-from kvshare.serve.server import limit_send_buffer
+from kvshare.serve.api_types import ApiError
+from kvshare.serve.http_errors import body_too_large, error_response, http_error
+from kvshare.serve.server import limit_send_buffer, version
 from kvshare.serve.tenancy import Unauthorized, check_api_key
 
 log = logging.getLogger("kvshare.router")
@@ -95,8 +102,11 @@ class RouterServer:
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_text)
         app.router.add_post("/admin/drain", self.drain)
-        app.router.add_get("/v1/models", self.proxy)
-        app.router.add_post("/v1/{tail:.*}", self.proxy)
+        # every method: the replica answers what is not an endpoint (404, 405), so both answer alike
+        for path in ("/v1/{tail:.*}", "/tokenize", "/detokenize"):
+            app.router.add_route("*", path, self.proxy)
+        app.router.add_get("/version", version)
+        app.router.add_route("*", "/ping", self.ping)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app
@@ -108,15 +118,17 @@ class RouterServer:
             try:
                 check_api_key(request.headers, self.config.api_keys)
             except Unauthorized as exc:
-                return _error(401, str(exc), "authentication_error", "invalid_api_key")
+                return error_response(ApiError(401, str(exc), code="invalid_api_key", error_type="authentication_error"))
         try:
             return await handler(request)
+        except ApiError as exc:
+            return error_response(exc)
         except web.HTTPRequestEntityTooLarge:
-            return _error(413, f"request body exceeds {self.config.max_body_bytes} bytes", code="body_too_large")
+            return error_response(body_too_large(self.config.max_body_bytes))
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            return _error(exc.status, exc.reason)
+            return error_response(http_error(request, exc))
 
     async def _start(self, app) -> None:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout_s)
@@ -153,6 +165,12 @@ class RouterServer:
         return web.json_response({"status": "ok" if ok else "unavailable", "policy": self.config.policy,
                                   "replicas": replicas}, status=200 if ok else 503)
 
+    async def ping(self, request: web.Request) -> web.Response:
+        """GET or POST /ping (vLLM's): 200 with an empty body while some replica can take requests."""
+        if not any(r.is_healthy and not r.is_draining for r in self.replicas):
+            raise _unavailable("no replica is healthy")
+        return web.Response(status=200)
+
     async def metrics_text(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -162,12 +180,12 @@ class RouterServer:
             body = await request.json()
             url, drain = str(body["replica"]).rstrip("/"), bool(body.get("drain", True))
         except (ValueError, KeyError, TypeError):
-            return _error(400, 'expected {"replica": URL, "drain": true|false}')
+            raise ApiError(400, 'expected {"replica": URL, "drain": true|false}', code="invalid_value") from None
         for replica in self.replicas:
             if replica.url == url:
                 replica.is_draining = drain
                 return web.json_response({"replica": url, "draining": drain, "in_flight": replica.num_in_flight})
-        return _error(404, f"no replica {url}")
+        raise ApiError(404, f"no replica {url}", param="replica", code="not_found")
 
     # -- proxying ------------------------------------------------------------------------
 
@@ -217,7 +235,7 @@ class RouterServer:
                 replica.num_in_flight -= 1
                 self.metrics.latency.observe(time.perf_counter() - t0)
         self.metrics.errors.inc()
-        return _error(503, f"no replica could take the request: {last_error}")
+        raise _unavailable(f"no replica could take the request: {last_error}")
 
     async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse, replica: ReplicaState):
         headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
@@ -242,6 +260,5 @@ class RouterServer:
         return response
 
 
-def _error(status: int, message: str, error_type: str = "router_error", code: str | None = None) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": error_type, "param": None, "code": code}},
-                             status=status)
+def _unavailable(message: str) -> ApiError:
+    return ApiError(503, message, error_type="server_error", code="no_replica_available")
