@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Iterator, Sequence
 
@@ -27,42 +28,24 @@ from kvshare.engine.kv_cache import KVBuffer
 from kvshare.engine.loader import load_model, resolve_device
 from kvshare.engine.pool_link import PoolLink, PoolLoad
 from kvshare.engine.prefix_cache import LocalPrefixCache
-from kvshare.engine.sampler import make_generator, sample
+# SamplingParams lives with the sampler and is re-exported: callers build it as kvshare.engine.engine.SamplingParams
+from kvshare.engine.sampler import SamplingParams, TokenCounts, make_generator, sample
 from kvshare.engine.stats import EngineStats
 from kvshare.engine.weights import TORCH_DTYPES
 from kvshare.keys import Namespace, chunk_keys, namespace_digest
 from kvshare.layout import KVLayout
 from kvshare.transfer import TransferConfig
 
-MAX_LOGPROBS = 20
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    logprobs: int | None = None  # top-k logprobs per generated token (None: none)
-
-    def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must lie in 0..{MAX_LOGPROBS}, got {self.logprobs}")
+MAX_CACHED_DIGESTS = 4096  # namespace digests kept (one per tenant and cache_salt seen lately)
 
 
 @dataclass(frozen=True)
 class RequestOptions:
     use_pool: bool = True  # the request extension {"kvshare": {"use_pool": false}}
     use_local_cache: bool = True
-    tenant: str = ""  # salts the key namespace (tenant isolation)
+    # salts the key namespace of the local cache and the pool: the tenant identity, with the request's
+    # cache_salt (kvshare.serve.tenancy.namespace_salt); requests of two salts never share a chunk
+    tenant: str = ""
 
 
 @dataclass
@@ -101,7 +84,7 @@ class Engine:
             num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
             chunk_tokens=config.chunk_tokens, engine_family="builtin",
         )
-        self._digests: dict[str, bytes] = {}
+        self._digests: OrderedDict[str, bytes] = OrderedDict()  # namespace salt -> digest, LRU
         self._kv = KVBuffer(self.layout, TORCH_DTYPES[mc.dtype], self.device, self.max_model_len)
         if config.preallocate_kv if config.preallocate_kv is not None else self.device.type == "cuda":
             self._kv.ensure(self.max_model_len)
@@ -170,9 +153,13 @@ class Engine:
     # -- one request -----------------------------------------------------------------
 
     def _digest(self, tenant: str) -> bytes:
-        if tenant not in self._digests:
-            self._digests[tenant] = namespace_digest(self.namespace.with_tenant(tenant))
-        return self._digests[tenant]
+        digest = self._digests.get(tenant)
+        if digest is None:
+            digest = self._digests[tenant] = namespace_digest(self.namespace.with_tenant(tenant))
+            if len(self._digests) > MAX_CACHED_DIGESTS:  # bounded: every cache_salt makes a namespace
+                self._digests.popitem(last=False)
+        self._digests.move_to_end(tenant)
+        return digest
 
     def _stream(self, ids: np.ndarray, params: SamplingParams, options: RequestOptions) -> Iterator[TokenEvent]:
         with self._lock:  # held across yields: no other request may touch the sequence KV meanwhile
@@ -185,13 +172,16 @@ class Engine:
             logits, provenance = self._prefill(kv, ids, keys, options)
             self._count_prompt(provenance)
             generator = make_generator(params.seed)
+            counts = TokenCounts(self.model_config.vocab_size, torch.from_numpy(ids)) if params.has_penalties else None
             stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.tokenizer.eos_token_ids))
             position = n  # tokens whose KV is in kv
             num_generated = 0
             is_published = False
             try:
                 while True:
-                    token = sample(logits[-1], params.temperature, params.top_p, generator, params.logprobs)
+                    token = sample(logits[-1], params, generator, counts)
+                    if counts is not None:
+                        counts.add(token.token_id)
                     num_generated += 1
                     self._stats.generated_tokens += 1
                     if num_generated == 1:

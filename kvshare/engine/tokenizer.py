@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Sequence
 
 from kvshare.errors import UserError
@@ -18,6 +19,7 @@ from kvshare.errors import UserError
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>")
 BOS_ID, EOS_ID, IM_START_ID, IM_END_ID = 256, 257, 258, 259
 BYTE_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte-fallback pieces, e.g. <0xE5>
 
 # ChatML; renders the same under transformers and plain jinja2 (no extensions, no custom filters)
 CHAT_TEMPLATE = (
@@ -39,6 +41,9 @@ def _bytes_to_unicode() -> dict[int, str]:
             chars.append(256 + extra)
             extra += 1
     return {b: chr(c) for b, c in zip(printable, chars)}
+
+
+_UNICODE_TO_BYTE = {ch: b for b, ch in _bytes_to_unicode().items()}
 
 
 def build_byte_tokenizer():
@@ -97,6 +102,7 @@ class Tokenizer:
         # every id that ends generation unless ignore_eos (the tokenizer's eos and generation_config's)
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys([*(i for i in [eos] if i is not None), *eos_token_ids]))
         self.vocab_size = tokenizer.get_vocab_size()
+        self._special_ids = frozenset(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
 
     @classmethod
     def from_dir(cls, model_dir: str) -> "Tokenizer":
@@ -120,6 +126,30 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         # ids the tokenizer does not know (a model vocabulary larger than the tokenizer's) decode to nothing
         return self._tok.decode([i for i in ids if 0 <= i < self.vocab_size], skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for: maybe part of a UTF-8 character (byte-level BPE, byte fallback).
+
+        decode([id]) cannot say: a lone continuation byte decodes to U+FFFD like any other. The
+        vocabulary's piece can: GPT-2's byte alphabet or a ``<0xNN>`` piece, taken only where it
+        decodes to what the tokenizer's own decoder gives. Special tokens give their text.
+        """
+        text = self.decode([token_id], skip_special_tokens=False)
+        piece = self._tok.id_to_token(token_id) if 0 <= token_id < self.vocab_size else None
+        if piece is None or "\ufffd" not in text:
+            return text.encode()
+        fallback = _BYTE_FALLBACK.fullmatch(piece)
+        if fallback:
+            raw = bytes([int(fallback.group(1), 16)])
+        elif all(ch in _UNICODE_TO_BYTE for ch in piece):
+            raw = bytes(_UNICODE_TO_BYTE[ch] for ch in piece)
+        else:
+            return text.encode()
+        return raw if raw.decode("utf-8", errors="replace") == text else text.encode()
+
+    def is_special(self, token_id: int) -> bool:
+        """A special token (EOS, chat markers): its text is left out of an answer's text."""
+        return token_id in self._special_ids
 
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
         if not self.chat_template:

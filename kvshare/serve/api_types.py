@@ -3,10 +3,17 @@
 msgspec rejects wrong types and missing fields with a message naming the field
 (e.g. "Expected `int`, got `str` - at `$.max_tokens`"); the checks msgspec cannot
 express (ranges, mutually exclusive options) live in ``validate``.
+
+Every parameter of the OpenAI and vLLM APIs that changes an answer is either honoured or
+refused: the ones the built-in engine does not implement (``UNSUPPORTED``) are accepted
+only at their neutral value and answered 400 naming them otherwise, never served as if
+they were absent. Fields no API defines are ignored, as vLLM does.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any, Union
 
 import msgspec
@@ -35,6 +42,39 @@ class StreamOptions(msgspec.Struct):
     include_usage: bool = False
 
 
+# Parameters the built-in engine does not implement -> the values that mean "off" (accepted).
+UNSUPPORTED_COMMON: dict[str, tuple] = {
+    "response_format": (None, {"type": "text"}),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "guided_decoding_backend": (None,), "structured_outputs": (None,),
+    "bad_words": (None, []),
+    "allowed_token_ids": (None,),
+    "min_tokens": (None, 0),
+    "logits_processors": (None,),
+    "prompt_logprobs": (None,),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1),
+    "include_stop_str_in_output": (None, False),
+    "skip_special_tokens": (None, True),
+    "truncate_prompt_tokens": (None,),
+    "return_tokens_as_token_ids": (None, False),
+}
+UNSUPPORTED_COMPLETION: dict[str, tuple] = {"best_of": (None, 1), "suffix": (None, ""), "prompt_embeds": (None,)}
+UNSUPPORTED_CHAT: dict[str, tuple] = {
+    # with no tools to call, "auto" picks none of them
+    "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    "audio": (None,), "modalities": (None, ["text"]),
+    "chat_template": (None,), "chat_template_kwargs": (None, {}), "add_generation_prompt": (None, True),
+    "continue_final_message": (None, False), "documents": (None,), "mm_processor_kwargs": (None,),
+}
+
+
+def _unsupported_fields(name: str, table: dict[str, tuple], base: type) -> type:
+    """A struct base that decodes each of ``table``'s parameters as any JSON value (checked in validate)."""
+    return msgspec.defstruct(name, [(field, object, None) for field in table], bases=(base,), kw_only=True)
+
+
 class _Common(msgspec.Struct, kw_only=True):
     model: Union[str, None] = None  # optional, as in vLLM: the replica serves one model (under one or more names)
     max_tokens: Union[int, None] = None
@@ -49,19 +89,30 @@ class _Common(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     return_token_ids: bool = False
     kvshare: KVShareOptions = msgspec.field(default_factory=KVShareOptions)
-    # accepted and ignored, as vLLM does for fields it does not act on
+    cache_salt: Union[str, None] = None  # vLLM's: requests with different salts never share cached KV
+    # sampling, with vLLM's semantics (kvshare.engine.sampler)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    top_k: Union[int, None] = None  # None, 0 or -1: off
+    min_p: float = 0.0
+    logit_bias: Union[dict[str, float], None] = None  # token id (a JSON object key, so a string) -> bias
+    stop_token_ids: Union[list[int], None] = None
 
 
-class CompletionRequest(_Common, kw_only=True):
+_CommonChecked = _unsupported_fields("_CommonChecked", UNSUPPORTED_COMMON, _Common)
+_CompletionChecked = _unsupported_fields("_CompletionChecked", UNSUPPORTED_COMPLETION, _CommonChecked)
+_ChatChecked = _unsupported_fields("_ChatChecked", UNSUPPORTED_CHAT, _CommonChecked)
+
+
+class CompletionRequest(_CompletionChecked, kw_only=True):
     prompt: Union[str, list]  # a string, token ids, or a one-element batch of either (checked in prompt_of)
     logprobs: Union[int, None] = None
     echo: bool = False
 
 
 class ContentPart(msgspec.Struct):
-    type: str
+    type: str  # only "text" is served: the built-in engine reads no images, audio or files
     text: str = ""
 
 
@@ -71,7 +122,7 @@ class ChatMessage(msgspec.Struct):
     name: Union[str, None] = None
 
 
-class ChatRequest(_Common, kw_only=True):
+class ChatRequest(_ChatChecked, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: Union[int, None] = None
     logprobs: bool = False
@@ -79,20 +130,62 @@ class ChatRequest(_Common, kw_only=True):
 
 
 MAX_LOGPROBS = 5
+MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty: [-2, 2]
+MAX_LOGIT_BIAS = 100.0
 ROLES = ("system", "user", "assistant", "developer", "tool")
+_AT_PATH = re.compile(r"at `\$\.([^`]*)`|field `([^`]*)`")
 
 
 def decode(body: bytes, kind: type) -> Any:
     try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:
-        raise ApiError(400, f"invalid request: {exc}", code="invalid_value") from None
+        raise ApiError(400, f"invalid request: {exc}", param=_param_of(str(exc)), code="invalid_value") from None
     except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # found by fuzzing: bytes that are not UTF-8 gave a 500
         raise ApiError(400, f"malformed JSON: {exc}", code="invalid_json") from None
 
 
+def _param_of(message: str) -> str | None:
+    """The parameter a msgspec error names ("... - at `$.messages[0].role`" -> "messages[0].role")."""
+    found = _AT_PATH.search(message)
+    if found is None:
+        return None
+    return (found.group(1) or found.group(2)).replace("[...]", "") or None
+
+
+def _refuse_unsupported(req: CompletionRequest | ChatRequest, table: dict[str, tuple]) -> None:
+    for name, neutral in table.items():
+        if getattr(req, name) not in neutral:
+            allowed = " or ".join(json.dumps(v) for v in neutral)
+            raise ApiError(400, f"{name} is not supported by this server (the built-in engine does not implement it); "
+                                f"leave it out or send {allowed}", param=name, code="unsupported_parameter")
+
+
+def _check_sampling(req: CompletionRequest | ChatRequest) -> None:
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not -MAX_PENALTY <= getattr(req, name) <= MAX_PENALTY:
+            raise ApiError(400, f"{name} must lie in [-2, 2]", param=name)
+    if not 0.0 < req.repetition_penalty < float("inf"):
+        raise ApiError(400, "repetition_penalty must be positive (1: off)", param="repetition_penalty")
+    if req.top_k is not None and req.top_k < -1:
+        raise ApiError(400, "top_k must be -1 or 0 (off) or a positive number of tokens", param="top_k")
+    if not 0.0 <= req.min_p <= 1.0:
+        raise ApiError(400, "min_p must lie in [0, 1]", param="min_p")
+    if req.cache_salt is not None and not req.cache_salt:
+        raise ApiError(400, "cache_salt must be a non-empty string if given", param="cache_salt")
+    for key, bias in (req.logit_bias or {}).items():
+        if not (key.isascii() and key.isdigit()):  # JSON object keys are strings: token ids written out
+            raise ApiError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+        if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise ApiError(400, f"logit_bias values must lie in [-100, 100], got {bias} for token {key}",
+                           param="logit_bias")
+
+
 def validate(req: CompletionRequest | ChatRequest) -> None:
     """Range and consistency checks; raises ApiError(400) naming the parameter."""
+    _refuse_unsupported(req, UNSUPPORTED_COMMON)
+    _refuse_unsupported(req, UNSUPPORTED_COMPLETION if isinstance(req, CompletionRequest) else UNSUPPORTED_CHAT)
+    _check_sampling(req)
     if req.n != 1:
         raise ApiError(400, "only n=1 is supported", param="n")
     if not 0.0 <= req.temperature <= 2.0:
@@ -116,6 +209,11 @@ def validate(req: CompletionRequest | ChatRequest) -> None:
         for i, message in enumerate(req.messages):
             if message.role not in ROLES:
                 raise ApiError(400, f"unknown role {message.role!r}", param=f"messages[{i}].role")
+            for j, part in enumerate(message.content if isinstance(message.content, list) else []):
+                if part.type != "text":
+                    raise ApiError(400, f"content parts of type {part.type!r} are not supported (the built-in engine "
+                                        f"reads text only)", param=f"messages[{i}].content[{j}].type",
+                                   code="unsupported_parameter")
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
             raise ApiError(400, f"top_logprobs must lie in [0, {MAX_LOGPROBS}]", param="top_logprobs")
 

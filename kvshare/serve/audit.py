@@ -26,7 +26,7 @@ import logging
 import random
 import threading
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from kvshare.outputs import DEFAULT_GAP_THRESHOLD, Comparison, compare_tokens
@@ -56,8 +56,7 @@ class AuditSample:
     prompt_ids: list[int]
     options: Any  # the request's engine RequestOptions (reuse switches, tenant)
     served_ids: list[int] | None  # the first tokens served, if the request was greedy
-    stop_token_ids: tuple[int, ...]
-    ignore_eos: bool
+    params: Any  # the request's engine SamplingParams: replays keep its logit_bias, penalties and stop tokens
     local_tokens: int
     pool_tokens: int
 
@@ -107,8 +106,8 @@ class Auditor:
                 self._count("skipped")
                 return False
             served = [int(t) for t in token_ids[: self.config.num_tokens]] if params.temperature == 0 else None
-            self._pending.append(AuditSample(list(prompt_ids), options, served, tuple(params.stop_token_ids),
-                                             params.ignore_eos, provenance.local_tokens, provenance.pool_tokens))
+            self._pending.append(AuditSample(list(prompt_ids), options, served, params,
+                                             provenance.local_tokens, provenance.pool_tokens))
         self._show_pending()
         return True
 
@@ -134,11 +133,11 @@ class Auditor:
     # -- one check ---------------------------------------------------------------------------------
 
     def _check(self, sample: AuditSample) -> None:
-        from kvshare.engine.engine import RequestOptions, SamplingParams
+        from kvshare.engine.engine import RequestOptions
 
         n = min(self.config.num_tokens, len(sample.served_ids)) if sample.served_ids else self.config.num_tokens
-        greedy = SamplingParams(max_tokens=n, temperature=0.0, stop_token_ids=sample.stop_token_ids,
-                                ignore_eos=sample.ignore_eos, logprobs=2)
+        # greedy with the request's own logit rules (bias, penalties), which change what greedy picks
+        greedy = replace(sample.params, max_tokens=n, temperature=0.0, seed=None, logprobs=2)
         served = sample.served_ids
         if served is None:  # a sampled request: replay it greedily with the same reuse
             served, provenance = self._generate(sample.prompt_ids, greedy, sample.options)

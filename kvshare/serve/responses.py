@@ -55,7 +55,8 @@ class ResponseBuilder:
             self.provenance = event.provenance
         self.token_ids.append(event.token_id)
         self.events.append(event)
-        piece = self.stream.add(event.token_id)
+        # the token that ends a request with "stop" (EOS, or one of stop_token_ids) adds no text, as in vLLM
+        piece = self.stream.add(event.token_id) if event.finish_reason != "stop" else ""
         if self.stream.is_stopped:
             self.finish_reason = "stop"
         elif event.finish_reason:

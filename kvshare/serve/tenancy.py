@@ -1,4 +1,4 @@
-"""Who is asking: API-key authentication and the tenant identity that salts the pool namespace.
+"""Who is asking: API-key authentication, and the tenant identity and cache_salt that salt the key namespace.
 
 The tenant identity is part of every pool key (kvshare.keys.Namespace.tenant_salt), so
 requests of two tenants never share a chunk: tenant B can neither reuse tenant A's
@@ -8,6 +8,15 @@ prefixes nor time them. Where the identity comes from::
       + tenant header "key:" + H(key) + "/" + value  a key's holder may split its own namespace, never reach another's
     tenant header     value                          set by a trusted gateway in front of the replicas
     neither           ""                             one shared namespace
+
+A request's ``cache_salt`` (vLLM's field: "requests with different salts never share cached KV")
+splits its tenant's namespace further, in the local prefix cache and the pool alike::
+
+    no cache_salt     tenant                         as above: unsalted requests keep their namespace
+    cache_salt S      tenant + NUL "cache_salt=" + S  a salt reaches only its own tenant's share
+
+The NUL keeps the pairing one to one: a tenant identity never holds one (HTTP header values
+cannot; key identities are hex), so no (tenant, salt) pair and no bare tenant spell the same salt.
 
 Pure functions of the request's headers and the configuration.
 """
@@ -42,6 +51,14 @@ def check_api_key(headers: Mapping[str, str], api_keys: tuple[str, ...]) -> str:
 
 def key_tenant(api_key: str) -> str:
     return "key:" + hashlib.blake2b(api_key.encode(), digest_size=16).hexdigest()
+
+
+CACHE_SALT_SEPARATOR = "\0cache_salt="
+
+
+def namespace_salt(tenant: str, cache_salt: str | None) -> str:
+    """Namespace.tenant_salt of a request: its tenant identity, split by its cache_salt when it sends one."""
+    return tenant if cache_salt is None else tenant + CACHE_SALT_SEPARATOR + cache_salt
 
 
 def tenant_identity(api_key: str, header_value: str) -> str:

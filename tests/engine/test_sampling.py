@@ -1,4 +1,4 @@
-"""Decoding: greedy, seeded sampling, top-p, stop tokens, max_tokens, logprobs, limits."""
+"""Decoding: greedy, seeded sampling, top-p/top-k/min-p, logit_bias, penalties, stop tokens, max_tokens, logprobs, limits."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 from kvshare.engine.config import EngineConfig
 from kvshare.engine.engine import Engine, SamplingParams
-from kvshare.engine.sampler import make_generator, sample
+from kvshare.engine.sampler import TokenCounts, make_generator, process_logits, sample
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def test_tiny_top_p_is_greedy(engine):
 
 def test_top_p_keeps_the_smallest_set_reaching_p():
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
-    seen = {sample(logits, 1.0, 0.7, make_generator(s)).token_id for s in range(200)}
+    seen = {sample(logits, SamplingParams(temperature=1.0, top_p=0.7), make_generator(s)).token_id for s in range(200)}
     assert seen == {0, 1}
 
 
@@ -90,6 +90,95 @@ def test_max_model_len(engine):
 
 def test_tiny_temperature_and_top_p_do_not_break_sampling():
     logits = torch.tensor([1.0, 3.0, 2.0, -1.0])
-    assert sample(logits, 1e-9, 1.0, make_generator(0)).token_id == 1  # greedy, not an overflow
-    assert sample(logits, 1.0, 1e-50, make_generator(0)).token_id == 1  # top_p rounds to 0: keep the best
-    assert sample(logits, 0.7, 1e-6, make_generator(1)).token_id == 1
+    assert sample(logits, SamplingParams(temperature=1e-9), make_generator(0)).token_id == 1  # greedy, no overflow
+    # top_p rounds to 0 in float32: keep the best
+    assert sample(logits, SamplingParams(temperature=1.0, top_p=1e-50), make_generator(0)).token_id == 1
+    assert sample(logits, SamplingParams(temperature=0.7, top_p=1e-6), make_generator(1)).token_id == 1
+
+
+# -- the parameters vLLM and OpenAI add (issue 16, item 5) -------------------------------------------
+
+
+def _drawn(logits, params, num_seeds=300):
+    return {sample(logits, params, make_generator(s)).token_id for s in range(num_seeds)}
+
+
+def test_top_k_keeps_the_k_most_likely_tokens():
+    logits = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1]))
+    assert _drawn(logits, SamplingParams(temperature=1.0, top_k=2)) == {0, 1}
+    assert _drawn(logits, SamplingParams(temperature=1.0)) == {0, 1, 2, 3}  # the control
+    assert _drawn(logits, SamplingParams(temperature=1.0, top_k=1)) == {0}
+
+
+def test_min_p_drops_tokens_less_likely_than_min_p_times_the_best():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    assert _drawn(logits, SamplingParams(temperature=1.0, min_p=0.5)) == {0, 1}  # 0.3 >= 0.25 > 0.15
+    assert _drawn(logits, SamplingParams(temperature=1.0, min_p=1.0)) == {0}
+
+
+def test_logit_bias_adds_to_the_logits_and_forces_or_bans():
+    logits = torch.tensor([2.0, 1.0, 0.0])
+    assert process_logits(logits, SamplingParams(logit_bias=((2, 5.0), (0, -1.5))), None).tolist() == [0.5, 1.0, 5.0]
+    assert sample(logits, SamplingParams(logit_bias=((2, 100.0),)), make_generator(0)).token_id == 2
+    assert _drawn(logits, SamplingParams(temperature=1.0, logit_bias=((0, -100.0), (1, -100.0)))) == {2}
+    assert logits.tolist() == [2.0, 1.0, 0.0]  # the model's row is not changed
+
+
+def test_penalties_follow_vllm_and_openai_formulas():
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0])
+    counts = TokenCounts(4, torch.tensor([0, 1]))  # the prompt holds tokens 0 and 1
+    counts.add(2), counts.add(2), counts.add(3)  # generated so far: 2 twice, 3 once
+    # repetition (vLLM): every token of the prompt or the output, logit / p when positive, * p otherwise
+    assert process_logits(logits, SamplingParams(repetition_penalty=2.0), counts).tolist() == [1.0, -2.0, 0.25, 1.5]
+    # frequency and presence (OpenAI): generated tokens only, per occurrence and once
+    assert process_logits(logits, SamplingParams(frequency_penalty=0.5), counts).tolist() == [2.0, -1.0, -0.5, 2.5]
+    assert process_logits(logits, SamplingParams(presence_penalty=0.5), counts).tolist() == [2.0, -1.0, 0.0, 2.5]
+    assert process_logits(logits, SamplingParams(presence_penalty=-1.0), counts).tolist() == [2.0, -1.0, 1.5, 4.0]
+    with pytest.raises(ValueError, match="TokenCounts"):
+        process_logits(logits, SamplingParams(presence_penalty=0.5), None)
+
+
+def test_logprobs_are_the_models_before_bias_and_penalties():
+    logits = torch.tensor([2.0, 1.0, 0.0])
+    plain = sample(logits, SamplingParams(logprobs=3), make_generator(0))
+    biased = sample(logits, SamplingParams(logprobs=3, logit_bias=((2, 100.0),)), make_generator(0))
+    assert biased.token_id == 2 and biased.top_logprobs == plain.top_logprobs  # as vLLM's default raw_logprobs
+    assert biased.logprob == pytest.approx(plain.top_logprobs[2])
+
+
+def test_top_k_and_min_p_at_their_limits_are_greedy(engine):
+    greedy, _ = _ids(engine, max_tokens=12, ignore_eos=True)
+    assert _ids(engine, max_tokens=12, temperature=1.0, top_k=1, seed=5, ignore_eos=True)[0] == greedy
+    assert _ids(engine, max_tokens=12, temperature=1.0, min_p=1.0, seed=5, ignore_eos=True)[0] == greedy
+    assert _ids(engine, max_tokens=12, temperature=1.0, seed=5, ignore_eos=True)[0] != greedy  # the control
+
+
+def test_logit_bias_forces_a_token_in_the_engine(engine):
+    forced, _ = _ids(engine, max_tokens=6, ignore_eos=True, logit_bias=((65, 100.0),))
+    assert forced == [65] * 6
+    greedy, _ = _ids(engine, max_tokens=6, ignore_eos=True)
+    banned, _ = _ids(engine, max_tokens=6, ignore_eos=True, logit_bias=((greedy[0], -100.0),))
+    assert banned[0] != greedy[0]
+
+
+@pytest.mark.parametrize("penalty", [{"presence_penalty": 2.0}, {"frequency_penalty": 2.0},
+                                     {"repetition_penalty": 3.0}])
+def test_penalties_turn_greedy_away_from_tokens_already_seen(engine, penalty):
+    prompt = engine.tokenizer.encode("The sampling test prompt")
+    greedy, _ = _ids(engine, max_tokens=60, ignore_eos=True)
+    assert len(set(greedy)) < len(greedy)  # greedy repeats itself: something to penalise
+    penalised, _ = _ids(engine, max_tokens=60, ignore_eos=True, **penalty)
+    assert penalised != greedy
+    step = next(i for i, (a, b) in enumerate(zip(greedy, penalised)) if a != b)
+    # a penalty only lowers the logits of tokens seen before: greedy leaves a token it had already produced
+    # (or, for repetition_penalty, one of the prompt's)
+    seen = set(greedy[:step]) | (set(prompt) if "repetition_penalty" in penalty else set())
+    assert greedy[step] in seen
+
+
+@pytest.mark.parametrize("bad", [{"top_k": -1}, {"min_p": 1.5}, {"presence_penalty": 2.5}, {"frequency_penalty": -3},
+                                 {"repetition_penalty": 0.0}, {"logit_bias": ((1, 101.0),)},
+                                 {"temperature": float("nan")}])
+def test_sampling_params_refuse_out_of_range_values(bad):
+    with pytest.raises(ValueError):
+        SamplingParams(**bad)
