@@ -1,4 +1,11 @@
-"""A replica's Prometheus metrics, named in the style of vLLM's (``kvshare:...``)."""
+"""A replica's Prometheus metrics, named in the style of vLLM's (``kvshare:...``).
+
+The built-in engine runs one request at a time (``kvshare:max_num_running_requests`` is 1); the
+others wait in a queue, first come first served. ``kvshare:num_requests_waiting`` is that queue's
+depth and ``kvshare:request_queue_time_seconds`` the time a request spent in it, so six concurrent
+long prompts show as one running, five waiting, and queue times that grow by one prefill each.
+``kvshare up --engine vllm`` batches requests for throughput.
+"""
 
 from __future__ import annotations
 
@@ -47,8 +54,13 @@ class ReplicaMetrics:
             "kvshare:prompt_tokens_by_source", "Prompt tokens by where their KV came from", ["source"], registry=r
         )
         self.generation_tokens = Counter("kvshare:generation_tokens", "Generated tokens", registry=r)
-        self.waiting = Gauge("kvshare:num_requests_waiting", "Requests queued for the engine", registry=r)
+        self.waiting = Gauge("kvshare:num_requests_waiting",
+                             "Requests queued for the engine (the built-in engine runs one at a time)", registry=r)
         self.running = Gauge("kvshare:num_requests_running", "Requests the engine is running", registry=r)
+        self.max_running = Gauge("kvshare:max_num_running_requests",
+                                 "Requests the engine runs at once (built-in: 1; --engine vllm batches)", registry=r)
+        self.queue_time = Histogram("kvshare:request_queue_time_seconds", "Time a request waited for the engine",
+                                    buckets=_LATENCY_BUCKETS, registry=r)
         self.cancelled = Counter("kvshare:request_cancelled", "Requests whose client went away", registry=r)
         self.slow_clients = Counter("kvshare:request_slow_client", "Streams dropped because the client stopped reading",
                                     registry=r)

@@ -75,6 +75,7 @@ class ReplicaServer:
         self.auditor = (Auditor(engine, config.audit, self.metrics.registry, is_busy=lambda: self.worker.num_waiting > 0)
                         if config.audit.rate > 0 else None)
         self.worker = EngineWorker(engine, config.max_requests, idle_task=self.auditor.run_one if self.auditor else None)
+        self.metrics.max_running.set(self.worker.max_running)
         self.started_at = time.time()
         self.served = ServedModels(config.served_model_names or (engine.config.model,), root=engine.config.model,
                                    max_model_len=engine.max_model_len, created=int(self.started_at))
@@ -258,6 +259,7 @@ class ReplicaServer:
             async for event in job.stream():
                 if out.num_tokens == 0:
                     self.metrics.ttft.observe(time.perf_counter() - t_arrival)
+                    self.metrics.queue_time.observe(job.started_s - t_arrival)
                     p = event.provenance  # the same object in every event of a request
                     self.metrics.observe_provenance(p.local_tokens, p.pool_tokens, p.computed_tokens)
                 pieces = out.add(event)

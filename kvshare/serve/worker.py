@@ -12,6 +12,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -32,6 +33,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     is_cancelled: bool = False
+    started_s: float | None = None  # perf_counter() when the worker took the job off the queue
 
     def post(self, item: Any) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, item)
@@ -51,6 +53,8 @@ IDLE_POLL_S = 0.25  # with an idle task: how often an empty queue is re-checked 
 
 
 class EngineWorker:
+    max_running = 1  # jobs the engine runs at once: the rest wait, first come first served
+
     def __init__(self, engine: Any, max_requests: int, idle_task: Callable[[], bool] | None = None) -> None:
         self.engine = engine
         self.max_requests = max_requests
@@ -106,6 +110,7 @@ class EngineWorker:
             with self._lock:
                 self._num_waiting -= 1
                 self._num_running += 1
+            job.started_s = time.perf_counter()
             try:
                 if not job.is_cancelled:
                     events = self.engine.generate(job.prompt_ids, job.params, job.options)
