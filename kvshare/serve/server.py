@@ -29,13 +29,12 @@ from kvshare.serve.http_errors import body_too_large, error_response, http_error
 from kvshare.serve.metrics import ReplicaMetrics
 from kvshare.serve.models import ServedModels
 from kvshare.serve.responses import Prepared, ResponseBuilder
-from kvshare.serve.tenancy import Unauthorized, check_api_key, tenant_identity
+from kvshare.serve.sampling import sampling_params
+from kvshare.serve.tenancy import Unauthorized, check_api_key, namespace_salt, tenant_identity
 from kvshare.serve.worker import EngineWorker, Job, QueueFull
 
 log = logging.getLogger("kvshare.serve")
 _json = msgspec.json.Encoder()
-GREEDY_BELOW_TEMPERATURE = 1e-5  # vLLM's _SAMPLING_EPS
-MIN_TOP_P = 1e-6  # smaller values keep only the most likely token anyway
 
 
 @dataclass(frozen=True)
@@ -194,7 +193,7 @@ class ReplicaServer:
         return await self._respond(request, req, prepared, chat=True)
 
     def _prepare(self, request, req, prompt_ids: list[int], default_max_tokens: int | None, logprobs) -> Prepared:
-        from kvshare.engine.engine import RequestOptions, SamplingParams
+        from kvshare.engine.engine import RequestOptions
 
         req.model = self.served.resolve(req.model)  # responses name the first served name, as vLLM's do
         if not prompt_ids:
@@ -204,15 +203,9 @@ class ReplicaServer:
             raise A.ApiError(400, f"token ids must lie in [0, {vocab})", param="prompt")
         max_tokens = self._max_tokens(req, len(prompt_ids), "messages" if default_max_tokens is None else "prompt",
                                       default_max_tokens or self.config.default_chat_max_tokens)
-        # as vLLM does, a temperature this close to 0 is greedy (found by fuzzing: 1e-82 overflowed the
-        # scaled logits to inf, and sampling failed with a 500)
-        temperature = 0.0 if req.temperature < GREEDY_BELOW_TEMPERATURE else req.temperature
-        # the sampler compares top_p in float32, where 1e-82 is 0 and every token would be cut (fuzzing, a 500)
-        top_p = max(req.top_p, MIN_TOP_P)
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=req.seed,
-                                ignore_eos=req.ignore_eos, logprobs=logprobs)
+        params = sampling_params(req, max_tokens, logprobs, vocab)
         options = RequestOptions(use_pool=req.kvshare.use_pool, use_local_cache=req.kvshare.use_local_cache,
-                                 tenant=self._tenant(request))
+                                 tenant=namespace_salt(self._tenant(request), req.cache_salt))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return Prepared(prompt_ids, params, options, A.stop_strings(req), include_usage)
 

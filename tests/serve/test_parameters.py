@@ -1,0 +1,134 @@
+"""Sampling parameters and logprobs through a replica's HTTP API (issue 16, items 5 and 8).
+
+Every parameter changes the answer the way vLLM's does, or is refused with a 400 naming it;
+none is accepted and ignored. In-process replica (tests/serve/live.py), the tiny model.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvshare.serve import api_types as A
+from tests.serve.live import call, replica, tiny_engine
+
+PROMPT = "The sampling test prompt"
+
+
+@pytest.fixture(scope="module")
+def url():
+    with replica(tiny_engine()) as address:
+        yield address
+
+
+def complete(url, **body):
+    status, out = call(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 12, "ignore_eos": True,
+                                                "return_token_ids": True} | body)
+    assert status == 200, out
+    return out["choices"][0]
+
+
+def chat(url, **body):
+    return call(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4,
+                                              "ignore_eos": True} | body)
+
+
+def test_top_k_one_and_min_p_one_equal_greedy(url):
+    greedy = complete(url, temperature=0)["token_ids"]
+    assert complete(url, temperature=1.0, top_k=1, seed=5)["token_ids"] == greedy
+    assert complete(url, temperature=1.0, min_p=1.0, seed=5)["token_ids"] == greedy
+    assert complete(url, temperature=1.0, seed=5)["token_ids"] != greedy  # the control: sampling differs
+
+
+def test_logit_bias_forces_and_bans_tokens(url):
+    forced = complete(url, temperature=1.0, seed=1, logit_bias={"65": 100})
+    assert forced["token_ids"] == [65] * 12 and forced["text"] == "A" * 12
+    greedy = complete(url, temperature=0)["token_ids"]
+    banned = complete(url, temperature=0, logit_bias={str(greedy[0]): -100})["token_ids"]
+    assert banned[0] != greedy[0]
+    status, err = call(url, "/v1/completions", {"prompt": PROMPT, "logit_bias": {"999999": 5}})
+    assert status == 400 and err["error"]["param"] == "logit_bias"
+
+
+def test_stop_token_ids_end_with_stop_and_leave_the_token_out_of_the_text(url):
+    greedy = complete(url, temperature=0)
+    stop_at = greedy["token_ids"][3]
+    first = greedy["token_ids"].index(stop_at)
+    stopped = complete(url, temperature=0, stop_token_ids=[stop_at])
+    assert stopped["finish_reason"] == "stop" and stopped["token_ids"] == greedy["token_ids"][: first + 1]
+    # the byte tokenizer: one byte per token; the stop token's own text is left out, as vLLM does
+    assert stopped["text"] == bytes(greedy["token_ids"][:first]).decode(errors="replace")
+    status, err = call(url, "/v1/completions", {"prompt": PROMPT, "stop_token_ids": [10**6]})
+    assert status == 400 and err["error"]["param"] == "stop_token_ids"
+
+
+@pytest.mark.parametrize("penalty", [{"presence_penalty": 2.0}, {"frequency_penalty": 2.0},
+                                     {"repetition_penalty": 3.0}])
+def test_penalties_change_greedy_output_away_from_seen_tokens(url, penalty):
+    greedy = complete(url, temperature=0, max_tokens=60)["token_ids"]
+    penalised = complete(url, temperature=0, max_tokens=60, **penalty)["token_ids"]
+    assert penalised != greedy
+    step = next(i for i, (a, b) in enumerate(zip(greedy, penalised)) if a != b)
+    seen = set(greedy[:step]) | (set(PROMPT.encode()) if "repetition_penalty" in penalty else set())
+    assert greedy[step] in seen  # only tokens seen before are penalised
+
+
+@pytest.mark.parametrize("path, name, value", [
+    ("/v1/completions", "best_of", 3), ("/v1/completions", "suffix", "!"),
+    ("/v1/completions", "response_format", {"type": "json_object"}), ("/v1/completions", "guided_regex", "a+"),
+    ("/v1/chat/completions", "guided_json", {"type": "object"}), ("/v1/chat/completions", "guided_choice", ["a"]),
+    ("/v1/chat/completions", "guided_grammar", "root ::= 'a'"),
+    ("/v1/chat/completions", "structured_outputs", {"choice": ["a"]}),
+    ("/v1/chat/completions", "bad_words", ["x"]),
+    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("/v1/chat/completions", "tool_choice", {"type": "function", "function": {"name": "f"}}),
+    ("/v1/chat/completions", "response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+])
+def test_unimplemented_parameters_get_400_naming_them(url, path, name, value):
+    base = {"prompt": PROMPT} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    status, err = call(url, path, base | {name: value, "max_tokens": 2})
+    assert status == 400 and err["error"]["param"] == name and name in err["error"]["message"]
+    assert err["error"]["type"] == "invalid_request_error" and err["error"]["code"] == "unsupported_parameter"
+
+
+def test_image_parts_get_400_and_neutral_values_are_served(url):
+    image = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+    status, err = chat(url, messages=[{"role": "user", "content": [{"type": "text", "text": "what?"}, image]}])
+    assert status == 400 and err["error"]["param"] == "messages[0].content[1].type"
+    status, out = chat(url, temperature=0, tools=[], tool_choice="none", response_format={"type": "text"},
+                       frequency_penalty=0, presence_penalty=0, best_of=None)
+    assert status == 200 and out["usage"]["completion_tokens"] == 4
+    status, plain = chat(url, temperature=0)
+    assert out["choices"][0]["message"] == plain["choices"][0]["message"]  # neutral values change nothing
+
+
+@pytest.mark.parametrize("name", sorted(set(A.UNSUPPORTED_COMMON) | set(A.UNSUPPORTED_CHAT)))
+def test_every_refused_chat_parameter_is_refused_over_http(url, name):
+    status, err = chat(url, **{name: "not-neutral"})
+    assert status == 400 and err["error"]["param"] == name
+
+
+def test_completion_top_logprobs_keep_byte_tokens_apart(url):
+    out = complete(url, temperature=0, max_tokens=8, logprobs=5)
+    tops = out["logprobs"]["top_logprobs"]
+    # the tiny model's vocabulary is bytes: half of them (0x80..0xff) decode to U+FFFD alone, so in most steps
+    # two of the five most likely did; each used to overwrite the other in the dict
+    assert sum(any(key.startswith("bytes:") for key in top) for top in tops) >= 2
+    assert [len(top) for top in tops] == [5] * 8  # five tokens asked for, five keys in every step
+    for token_id, name in zip(out["token_ids"], out["logprobs"]["tokens"]):  # (no special token under ignore_eos here)
+        assert name == (chr(token_id) if token_id < 128 else "bytes:\\x%02x" % token_id)
+
+
+def test_chat_logprob_bytes_are_the_tokens_raw_bytes(url):
+    status, out = chat(url, temperature=0, max_tokens=3, logprobs=True, top_logprobs=5,
+                       logit_bias={"228": 100}, return_token_ids=True)
+    assert status == 200
+    content = out["choices"][0]["logprobs"]["content"]
+    assert [c["token"] for c in content] == ["bytes:\\xe4"] * 3 and [c["bytes"] for c in content] == [[228]] * 3
+    for step in content:  # every alternative named apart, its bytes its own
+        names = [t["token"] for t in step["top_logprobs"]]
+        assert len(names) == len(set(names)) == 5
+        for t in step["top_logprobs"]:
+            if t["token"].startswith("bytes:"):
+                assert t["token"] == "bytes:" + "".join("\\x%02x" % b for b in t["bytes"])
+            else:
+                assert bytes(t["bytes"]).decode() == t["token"]
