@@ -187,7 +187,7 @@ class ReplicaServer:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         req = A.decode(await request.read(), A.ChatRequest)
         A.validate(req)
-        prompt_ids = self.engine.tokenizer.apply_chat_template(T.chat_messages(req.messages))
+        prompt_ids = T.chat_prompt_ids(self.engine.tokenizer, req.messages)
         top = (req.top_logprobs or 0) if req.logprobs else None
         prepared = self._prepare(request, req, prompt_ids, default_max_tokens=None, logprobs=top)
         return await self._respond(request, req, prepared, chat=True)

@@ -161,3 +161,22 @@ def test_max_model_len_and_dtype_flags():
         assert status == 400 and out["error"]["param"] == "prompt" and "64 input tokens" in out["error"]["message"]
         status, out = complete(url, prompt="x" * 50, max_tokens=14, ignore_eos=True)
         assert status == 200 and out["usage"]["completion_tokens"] == 14
+
+
+def test_tokenize_refuses_what_chat_refuses_and_a_template_that_fails_is_a_400(engine):
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]
+    chat_body = {"messages": image, "max_tokens": 1}
+    with replica(engine) as url:
+        for path, body in (("/tokenize", {"messages": image}), ("/v1/chat/completions", chat_body)):
+            status, out = call(url, path, body)
+            assert status == 400 and out["error"]["param"] == "messages[0].content[0].type", out
+        template = engine.tokenizer.chat_template
+        try:
+            for broken in (None, "{{ raise_exception('this template takes no system message') }}"):
+                engine.tokenizer.chat_template = broken  # a model without a template; one that refuses the messages
+                for path, body in (("/tokenize", {"messages": [{"role": "user", "content": "hi"}]}),
+                                   ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+                    status, out = call(url, path, body)
+                    assert status == 400 and out["error"]["param"] == "messages", (broken, path, out)
+        finally:
+            engine.tokenizer.chat_template = template
