@@ -43,9 +43,9 @@ class ServedModels:
         return {"object": "list", "data": [self._card(name) for name in self.names]}
 
     def _card(self, name: str) -> dict:
-        permission = {"id": f"modelperm-{uuid.uuid5(uuid.NAMESPACE_URL, name).hex}", "object": "model_permission", "created": self.created,
-                      "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
-                      "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
-                      "organization": "*", "group": None, "is_blocking": False}
+        permission = {"id": f"modelperm-{uuid.uuid5(uuid.NAMESPACE_URL, name).hex}", "object": "model_permission",
+                      "created": self.created, "allow_create_engine": False, "allow_sampling": True,
+                      "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+                      "allow_fine_tuning": False, "organization": "*", "group": None, "is_blocking": False}
         return {"id": name, "object": "model", "created": self.created, "owned_by": OWNED_BY, "root": self.root,
                 "parent": None, "max_model_len": self.max_model_len, "permission": [permission]}
