@@ -84,6 +84,7 @@ class _Facts(msgspec.Struct):
     user: str | None = None
     messages: list[dict] | None = None
     prompt: object = None
+    cache_salt: object = None  # a string when valid; the replica refuses anything else
 
 
 class RouterServer:
@@ -202,7 +203,8 @@ class RouterServer:
             text = "".join(f"{m.get('role')}:{m.get('content')}\n" for m in parsed.messages if isinstance(m, dict))
         elif parsed.prompt is not None:
             text = parsed.prompt if isinstance(parsed.prompt, str) else msgspec.json.encode(parsed.prompt).decode()
-        blocks = prefix_blocks(text) if self.config.policy == "cache_aware" else ()
+        salt = parsed.cache_salt if isinstance(parsed.cache_salt, str) else None
+        blocks = prefix_blocks(text, cache_salt=salt) if self.config.policy == "cache_aware" else ()
         return RouteFacts(session_id=session, chat_turn=turn, prefix_blocks=blocks)
 
     async def proxy(self, request: web.Request) -> web.StreamResponse:
