@@ -21,6 +21,10 @@ class RemoteCounters:
     promote_timeouts: int = 0  # lookups answered at --remote-promote-timeout with what had arrived
     promote_busy: int = 0  # lookups not sent on: --remote-max-promotions under way
     promote_no_room: int = 0  # fetched pages the arena had no room for
+    cost_checked_lookups: int = 0  # lookups whose promotion the replicas' prefill rate and the store's decided
+    skipped_slower_lookups: int = 0  # answered at once, as a miss: the store would be slower than recomputing
+    skipped_slower_chunks: int = 0  # chunks not asked for, as slower than recomputing (whole lookups or tails)
+    remeasures: int = 0  # background fetches that timed the store again while lookups were skipped
     written_pages: int = 0
     written_bytes: int = 0
     write_existing: int = 0  # pages the store held already (expiry refreshed)

@@ -127,46 +127,80 @@ def decode_page(values: list[bytes | None], key: bytes, page_bytes: int, namespa
     version, key, size or namespace (``namespace`` None: any), or the bytes do not match
     the page checksum.
     """
-    if all(v is None for v in values):
+    parts = [None if v is None else (v[:HEADER_BYTES], len(v) - min(len(v), HEADER_BYTES)) for v in values]
+    checked = check_parts(parts, key, page_bytes, namespace)
+    if checked is None:
         return None
-    if values[0] is None:
+    meta, count = checked
+    payloads = [memoryview(v)[HEADER_BYTES:] for v in values[:count]]
+    digest = xxhash.xxh3_64()
+    for payload in payloads:
+        digest.update(payload)
+    check_checksum(meta, digest.intdigest())
+    return RemotePage(meta, payloads)
+
+
+def check_parts(parts: list[tuple[bytes, int] | None], key: bytes, page_bytes: int,
+                namespace: bytes | None, depth: int | None = None) -> tuple[PageMeta, int] | None:
+    """Check a page's parts, each as (its first HEADER_BYTES bytes, the bytes after them); None: no part stored.
+
+    Returns the page's header and its part count (a reader may have asked for more).
+
+    Every check but the checksum (``check_checksum``, over the payloads once they lie in
+    place): the parts' payloads, in order, then cover the page exactly. ``depth`` None: any.
+    """
+    if all(p is None for p in parts):
+        return None
+    if parts[0] is None:
         raise BadRemoteValue(MISSING_PART, "part 0 is missing")
-    first = _header(values[0], key)
+    first = _header(*parts[0], key)
     count = first[4]
-    if len(values) < count or any(v is None for v in values[:count]):
-        raise BadRemoteValue(MISSING_PART, f"{sum(v is not None for v in values[:count])} of {count} parts present")
+    if len(parts) < count or any(p is None for p in parts[:count]):
+        raise BadRemoteValue(MISSING_PART, f"{sum(p is not None for p in parts[:count])} of {count} parts present")
     meta = PageMeta(key=key, namespace=first[10], depth=first[5], page_bytes=first[6], checksum=first[8])
     if meta.page_bytes != page_bytes:
         raise BadRemoteValue(FINGERPRINT, f"page of {meta.page_bytes} bytes where {page_bytes} were asked for")
     if namespace is not None and meta.namespace != namespace:
         raise BadRemoteValue(FINGERPRINT, "page of another namespace (model, layout or tenant) than its chain")
-    payloads, offset = [], 0
-    digest = xxhash.xxh3_64()
-    for index, value in enumerate(values[:count]):
-        fields = _header(value, key)
+    if depth is not None and meta.depth != depth:
+        raise BadRemoteValue(FINGERPRINT, f"page of chunk {meta.depth} where chunk {depth} of the chain was asked for")
+    offset = 0
+    for index, (head, payload_bytes) in enumerate(parts[:count]):
+        fields = _header(head, payload_bytes, key)
         if fields[3] != index or fields[4] != count:
             raise BadRemoteValue(MISSING_PART, f"value {index} is part {fields[3]} of {fields[4]} (a torn write)")
         if (fields[5], fields[6], fields[8], fields[10]) != (meta.depth, meta.page_bytes, meta.checksum, meta.namespace):
             raise BadRemoteValue(MISSING_PART, f"part {index} belongs to another write of this page")
         if fields[7] != offset:
             raise BadRemoteValue(TRUNCATED, f"part {index} starts at byte {fields[7]}, expected {offset}")
-        payload = memoryview(value)[HEADER_BYTES:]
-        offset += len(payload)
-        if offset > page_bytes or (len(payload) == 0 and page_bytes):
+        offset += payload_bytes
+        if offset > page_bytes or (payload_bytes == 0 and page_bytes):
             raise BadRemoteValue(TRUNCATED, f"part {index} overruns or is empty")
-        digest.update(payload)
-        payloads.append(payload)
     if offset != page_bytes:
         raise BadRemoteValue(TRUNCATED, f"parts hold {offset} of {page_bytes} bytes")
-    if digest.intdigest() != meta.checksum:
+    return meta, count
+
+
+def check_checksum(meta: PageMeta, checksum: int) -> None:
+    if checksum != meta.checksum:
         raise BadRemoteValue(CHECKSUM, "page bytes do not match the checksum recorded at commit")
-    return RemotePage(meta, payloads)
 
 
-def _header(value: bytes, key: bytes) -> tuple:
-    if len(value) < HEADER_BYTES:
-        raise BadRemoteValue(TRUNCATED, f"value of {len(value)} bytes is shorter than the header")
-    fields = HEADER.unpack_from(value)
+def part_place(head: bytes, payload_bytes: int, page_bytes: int) -> int | None:
+    """Where in its page a part's payload goes, by its header's part offset; None: it cannot be a part of it.
+
+    Only placement: the part is checked later (``check_parts``), with the others.
+    """
+    if len(head) < HEADER_BYTES or head[:4] != MAGIC:
+        return None
+    offset = HEADER.unpack_from(head)[7]
+    return offset if offset + payload_bytes <= page_bytes else None
+
+
+def _header(head: bytes, payload_bytes: int, key: bytes) -> tuple:
+    if len(head) < HEADER_BYTES:
+        raise BadRemoteValue(TRUNCATED, f"value of {len(head) + payload_bytes} bytes is shorter than the header")
+    fields = HEADER.unpack_from(head)
     if fields[0] != MAGIC:
         raise BadRemoteValue(VERSION, f"not a kvshare page value (magic {fields[0]!r})")
     if fields[1] != REMOTE_FORMAT_VERSION or fields[2] != FORMAT_VERSION:

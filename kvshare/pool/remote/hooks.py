@@ -5,6 +5,7 @@ kvshare.pool.remote is theirs to touch::
 
     handlers   on_reserve / on_commit / on_abort / on_disconnect   write-behind bookkeeping
                promote                                             a lookup that goes on to the store
+               on_prefill                                          a replica's cold prefill time (PrefillReport)
                stats                                               stats["remote"]
     daemon     wakeup (readable: results are back) -> poll, tick, close
 """
@@ -39,6 +40,9 @@ class RemoteHooks(Protocol):
 
     def promote(self, keys: list[bytes], page_bytes: int, num_local: int, on_done: Callable[[], None]) -> bool:
         """Fetch ``keys[num_local:]`` from the store into the index; True: ``on_done()`` is called once, later."""
+
+    def on_prefill(self, namespace: bytes, page_bytes: int, num_chunks: int, seconds: float) -> None:
+        """A replica prefilled ``num_chunks`` chunks of ``namespace`` cold in ``seconds``: promote only what beats that."""
 
     def poll(self) -> None:
         """Apply the results the worker threads handed back (``wakeup`` was readable)."""

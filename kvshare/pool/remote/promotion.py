@@ -1,18 +1,24 @@
 """Promotion: a lookup the arena answers in part goes on to the remote store, batch by batch.
 
-Per promoting lookup (a job), on the loop thread, with each arrow a hand-off to
-or from a reader thread::
+Per promoting lookup (a job), on the loop thread, each arrow a hand-off to or from a reader thread::
 
-    start --> fetch batch k --> (verified pages) --> reserve as the promoter --> copy + re-checksum
-                ^                                                                     |
-                +---- next batch, while batch k came back whole ----      commit <----+
+    start --(cost.plan: how many chunks arrive sooner than recomputed; 0: answered at once)
+      |
+      +-- probe  (chain not known yet) fetch 1 page as values --> verify --> reserve --> copy, re-checksum --> commit
+      |                                                                   (its header names the chain's namespace, depth)
+      +-- direct (chain known)   reserve a batch's pages --> fetch into them, verify in place --> commit / abort
+      ^                                                                                            |
+      +---------------------------- next batch, while batch k came back whole ---------------------+
     when no fetch or copy is left: answer the waiting lookups from the index
 
-Up to ``num_readers`` batches of a job are fetched at once (round trips overlap);
+A batch is reserved before it is fetched only when that cannot cost the arena
+anything for a chain the store may lack: when the arena has free pages for it,
+or once a page of the chain has come back whole (the probe). Up to
+``num_readers`` batches of a job are in flight at once (round trips overlap);
 their results are applied strictly in chain order. A chunk the store lacks or
 that fails a check ends the chain: pages before it are placed, pages after it
-(including batches already under way) are dropped. Two lookups missing the
-same chunk share one job.
+(including batches already under way) are dropped or aborted. Two lookups
+missing the same chunk share one job.
 """
 
 from __future__ import annotations
@@ -28,11 +34,22 @@ from kvshare.pool.index import PoolError, PoolIndex
 from kvshare.pool.remote import workers as W
 from kvshare.pool.remote.breaker import CircuitBreaker
 from kvshare.pool.remote.config import RemoteConfig
+from kvshare.pool.remote.cost import PromotionCosts
 from kvshare.pool.remote.counters import RemoteCounters
+from kvshare.pool.remote.direct import LandedResult, fetch_into
 from kvshare.pool.remote.format import RemotePage
 from kvshare.pool.remote.store import RemoteStore
 
 log = logging.getLogger("kvshare.pool.remote")
+PROBE_PAGES = 1  # fetched as values, before the chain is known to be in the store
+
+
+@dataclass(frozen=True)
+class _Batch:
+    number: int
+    start: int  # index of its first key in the job's keys
+    num_keys: int
+    reservations: tuple[int, ...] = ()  # direct: one reservation per page, in chain order; probe: none
 
 
 @dataclass(eq=False)
@@ -40,15 +57,19 @@ class _PromoteJob:
     keys: list[bytes]  # the chunks the arena lacked, in chain order
     page_bytes: int
     namespace: bytes | None  # of the chain (from the arena's last chunk before them, else the first page)
+    first_depth: int | None  # depth of keys[0] (known likewise)
     waiters: list[Callable[[], None]]
     deadline: float
     batch_len: int
+    started_at: float
     num_asked: int = 0  # keys sent to the store so far
     num_found: int = 0  # chunks of the chain fetched whole and valid
+    num_promoted_bytes: int = 0
     outstanding: int = 0  # fetch and copy tasks in flight
     num_batches: int = 0  # batches sent so far
     num_applied: int = 0  # batches applied, in order
-    arrived: dict = field(default_factory=dict)  # batch number -> (length, result), waiting for its turn
+    arrived: dict = field(default_factory=dict)  # batch number -> (batch, result), waiting for its turn
+    is_confirmed: bool = False  # a page of the chain came back whole: reserving ahead is safe
     is_ended: bool = False  # no further batch is fetched (the chain broke, or the lookups were answered)
     is_broken: bool = False  # the chain broke: no further page is placed
     is_answered: bool = False
@@ -58,7 +79,7 @@ class Promotions:
     """The promoting lookups under way; every method runs on the loop thread."""
 
     def __init__(self, config: RemoteConfig, index: PoolIndex, promoter_id: int, store: RemoteStore,
-                 breaker: CircuitBreaker, arena: np.ndarray, counters: RemoteCounters,
+                 breaker: CircuitBreaker, arena: np.ndarray, counters: RemoteCounters, costs: PromotionCosts,
                  submit: Callable[[Callable, tuple, Callable], None], clock: Callable[[], float]) -> None:
         self.config = config
         self.index = index
@@ -66,6 +87,7 @@ class Promotions:
         self.store = store
         self.breaker = breaker
         self.counters = counters
+        self.costs = costs
         self._arena = arena
         self._submit = submit  # runs fn(*args) on a reader thread, then on_result(result) on the loop thread
         self._clock = clock
@@ -99,15 +121,21 @@ class Promotions:
             self.index.allocator.check_page_size(page_bytes)
         except ValueError:
             return False
-        namespace = self.index.entry(keys[num_local - 1]).namespace if num_local else None
-        batch_len = max(1, self.config.promote_batch_bytes // page_bytes)
-        job = _PromoteJob(missing, page_bytes, namespace, [on_done], self._clock() + self.config.promote_timeout_s,
-                          batch_len)
-        self._jobs.add(job)
-        for key in missing:
-            self._job_of_key.setdefault(key, job)
+        local = self.index.entry(keys[num_local - 1]) if num_local else None
+        namespace, depth = (local.namespace, local.depth + 1) if local is not None else (None, None)
+        now = self._clock()
+        plan = self.costs.plan(namespace, page_bytes, num_local, len(missing), self.config.promote_timeout_s, now)
+        self.counters.cost_checked_lookups += plan.is_costed
+        self.counters.skipped_slower_chunks += len(missing) - plan.num_promote
+        if plan.num_promote == 0:
+            self.counters.skipped_slower_lookups += 1
+            if plan.is_remeasure:  # time the store again, in the background: the lookup is answered now
+                self.counters.remeasures += 1
+                batch_len = max(1, self.config.promote_batch_bytes // page_bytes)
+                self._new_job(missing[:batch_len], page_bytes, namespace, depth, [], now)
+            return False
+        self._new_job(missing[: plan.num_promote], page_bytes, namespace, depth, [on_done], now)
         self.counters.lookups += 1
-        self._fetch_more(job)
         return True
 
     def tick(self, now: float) -> None:
@@ -123,35 +151,111 @@ class Promotions:
         for job in self._jobs:
             job.waiters.clear()
 
+    def _new_job(self, keys: list[bytes], page_bytes: int, namespace: bytes | None, depth: int | None,
+                 waiters: list, now: float) -> None:
+        batch_len = max(1, self.config.promote_batch_bytes // page_bytes)
+        job = _PromoteJob(keys, page_bytes, namespace, depth, waiters, now + self.config.promote_timeout_s,
+                          batch_len, now)
+        self._jobs.add(job)
+        for key in keys:
+            self._job_of_key.setdefault(key, job)
+        self._fetch_more(job)
+
+    # -- sending batches ----------------------------------------------------------------
+
     def _fetch_more(self, job: _PromoteJob) -> None:
-        # batches held in memory (being fetched, waiting for their turn, being copied): at most num_readers
+        # batches in flight (being fetched, waiting for their turn, being copied): at most num_readers
         while (not job.is_ended and job.num_asked < len(job.keys)
                and job.outstanding + len(job.arrived) < self.config.num_readers):
-            batch = job.keys[job.num_asked : job.num_asked + job.batch_len]
-            job.num_asked += len(batch)
-            job.outstanding += 1
-            args = (self.store, self.breaker, self.config, batch, job.page_bytes, job.namespace)
-            on_fetched = functools.partial(self._on_fetched, job, job.num_batches, len(batch))
-            job.num_batches += 1
-            self._submit(W.fetch_pages, args, on_fetched)
+            if self._can_land(job):
+                self._send_direct(job)
+            elif job.num_batches == 0:
+                self._send_probe(job)
+            else:
+                return  # the probe is out: wait for it to say whether the store holds the chain
 
-    def _on_fetched(self, job: _PromoteJob, batch_no: int, batch_len: int,
-                    result: W.FetchResult | BaseException) -> None:
+    def _can_land(self, job: _PromoteJob) -> bool:
+        """Whether the next batch may be reserved before it is fetched."""
+        if job.namespace is None or job.first_depth is None:
+            return False
+        num = min(job.batch_len, len(job.keys) - job.num_asked)
+        return job.is_confirmed or self.index.allocator.num_free_pages(job.page_bytes) >= num
+
+    def _send_probe(self, job: _PromoteJob) -> None:
+        batch = _Batch(job.num_batches, job.num_asked, min(PROBE_PAGES, len(job.keys) - job.num_asked))
+        keys = job.keys[batch.start : batch.start + batch.num_keys]
+        self._send(job, batch, W.fetch_pages, (self.store, self.breaker, self.config, keys, job.page_bytes, job.namespace))
+
+    def _send_direct(self, job: _PromoteJob) -> None:
+        """Reserve the next batch's pages (one reservation each, so a chain that ends mid-batch keeps its head)."""
+        start, now = job.num_asked, self._clock()
+        keys = job.keys[start : start + job.batch_len]
+        reservations, pages = [], []
+        for i, key in enumerate(keys):
+            try:
+                reserved = self.index.reserve(self.promoter_id, job.namespace, [key], job.page_bytes,
+                                              job.first_depth + start + i, now)
+            except PoolError as exc:
+                log.error("remote promotion: reserve refused: %s", exc)
+                break
+            if not reserved.grants:  # no room, or the chunk appeared here meanwhile: the chain goes no further
+                if reserved.num_no_room:
+                    self.counters.promote_no_room += len(keys) - i  # this one and the rest of its batch
+                break
+            reservations.append(reserved.reservation_id)
+            pages.append((key, reserved.grants[0][1].offset))
+        if len(pages) < len(keys):
+            job.is_ended = True
+        if not pages:
+            self._break(job)
+            return
+        batch = _Batch(job.num_batches, start, len(pages), tuple(reservations))
+        self._send(job, batch, fetch_into, (self.store, self.breaker, self.config, self._arena, pages, job.page_bytes,
+                                            job.namespace, job.first_depth + start))
+
+    def _send(self, job: _PromoteJob, batch: _Batch, fn: Callable, args: tuple) -> None:
+        job.num_asked += batch.num_keys
+        job.num_batches += 1
+        job.outstanding += 1
+        self._submit(fn, args, functools.partial(self._on_fetched, job, batch))
+
+    # -- results, in chain order ----------------------------------------------------------
+
+    def _on_fetched(self, job: _PromoteJob, batch: _Batch, result) -> None:
         job.outstanding -= 1
-        job.arrived[batch_no] = (batch_len, result)
+        job.arrived[batch.number] = (batch, result)
         while job.num_applied in job.arrived:
             self._apply(job, *job.arrived.pop(job.num_applied))
             job.num_applied += 1
         self._fetch_more(job)
         self._maybe_finish(job)
 
-    def _apply(self, job: _PromoteJob, batch_len: int, result: W.FetchResult | BaseException) -> None:
-        """Count a batch's result and, while the chain is unbroken, place its pages."""
+    def _apply(self, job: _PromoteJob, batch: _Batch, result) -> None:
         if isinstance(result, BaseException):
             log.error("remote fetch failed: %r", result)
+            self._abort(batch.reservations)
             self._break(job)
             return
         self._count_fetch(result)
+        if isinstance(result, LandedResult):
+            self._apply_landed(job, batch, result)
+        else:
+            self._apply_probe(job, batch, result)
+
+    def _apply_landed(self, job: _PromoteJob, batch: _Batch, result: LandedResult) -> None:
+        """Commit the batch's pages that landed whole and valid; abort the rest."""
+        good = 0 if job.is_broken or self._is_closed else len(result.checksums)
+        for reservation_id, checksum in reversed(list(zip(batch.reservations[:good], result.checksums))):
+            self.index.commit(self.promoter_id, reservation_id, [checksum])  # tail first: the head most recent
+        self._abort(batch.reservations[good:])
+        self._count_promoted(job, good)
+        if good:
+            job.is_confirmed = True
+        if result.end is not None or good < batch.num_keys:
+            self._break(job)
+
+    def _apply_probe(self, job: _PromoteJob, batch: _Batch, result: W.FetchResult) -> None:
+        """Count a batch fetched as values and, while the chain is unbroken, place its pages."""
         if job.is_broken or self._is_closed:
             return  # fetched ahead of a chunk that broke the chain: not part of it
         pages = result.pages
@@ -161,18 +265,29 @@ class Promotions:
                 pages = pages[: same.index(False)]
                 self._count_fetch(W.FetchResult([], None, discarded=[("fingerprint", "chunk of another namespace")]))
                 self._break(job)
-        job.num_found += len(pages)
         if pages:
             job.namespace = pages[0].meta.namespace
+            job.first_depth = pages[0].meta.depth - batch.start
+            job.is_confirmed = True
             self._place(job, pages)
-        if result.end is not None or len(pages) < batch_len:
+        if result.end is not None or len(pages) < batch.num_keys:
             self._break(job)
+
+    def _count_promoted(self, job: _PromoteJob, num_pages: int) -> None:
+        job.num_found += num_pages
+        job.num_promoted_bytes += num_pages * job.page_bytes
+        self.counters.promoted_pages += num_pages
+        self.counters.promoted_bytes += num_pages * job.page_bytes
+
+    def _abort(self, reservations) -> None:
+        for reservation_id in reservations:
+            self.index.abort(self.promoter_id, reservation_id)
 
     @staticmethod
     def _break(job: _PromoteJob) -> None:
         job.is_broken = job.is_ended = True
 
-    def _count_fetch(self, result: W.FetchResult) -> None:
+    def _count_fetch(self, result: W.FetchResult | LandedResult) -> None:
         self.counters.errors += result.num_errors
         self.counters.deleted_values += result.num_deleted
         for reason, detail in result.discarded:
@@ -212,8 +327,7 @@ class Promotions:
             self._break(job)
         else:
             self.index.commit(self.promoter_id, reservation_id, expected)
-            self.counters.promoted_pages += len(placements)
-            self.counters.promoted_bytes += len(placements) * job.page_bytes
+            self._count_promoted(job, len(placements))
         self._fetch_more(job)  # a batch's memory is free again
         self._maybe_finish(job)
 
@@ -224,6 +338,8 @@ class Promotions:
         for key in job.keys:
             if self._job_of_key.get(key) is job:
                 del self._job_of_key[key]
+        now = self._clock()
+        self.costs.record_fetch(job.num_promoted_bytes, now - job.started_at, now)
         self.counters.hit_chunks += job.num_found
         self.counters.miss_chunks += len(job.keys) - job.num_found
         self._answer(job)

@@ -37,6 +37,7 @@ from kvshare.pool.index import PoolError, PoolIndex
 from kvshare.pool.remote import workers as W
 from kvshare.pool.remote.breaker import CircuitBreaker
 from kvshare.pool.remote.config import RemoteConfig
+from kvshare.pool.remote.cost import PromotionCosts
 from kvshare.pool.remote.counters import RemoteCounters
 from kvshare.pool.remote.format import PageMeta
 from kvshare.pool.remote.promotion import Promotions
@@ -79,8 +80,9 @@ class RemoteTier:
         self._reservations: dict[int, tuple[int, list]] = {}  # client reservation id -> (client id, entries)
         self._pending_pages = 0  # pinned for write-behind
         self._pending_bytes = 0
+        self.costs = PromotionCosts()
         self._promotions = Promotions(config, index, promoter_id, self.store, self.breaker, self._arena,
-                                      self.counters, functools.partial(self._submit, self._readers), clock)
+                                      self.counters, self.costs, functools.partial(self._submit, self._readers), clock)
         log.info("remote tier: %s, prefix %r", config.address.display, config.prefix)
         self._submit(self._writers, W.probe, (self.store, self.breaker), self._on_probed)
 
@@ -129,6 +131,10 @@ class RemoteTier:
         """Go on to the store for ``keys[num_local:]``; True: ``on_done()`` will be called once, later."""
         return self._promotions.start(keys, page_bytes, num_local, on_done)
 
+    def on_prefill(self, namespace: bytes, page_bytes: int, num_chunks: int, seconds: float) -> None:
+        """A replica's cold prefill: what recomputing costs in that namespace (promotion weighs it)."""
+        self.costs.report_prefill(namespace, page_bytes, num_chunks, seconds)
+
     def poll(self) -> None:
         """Apply every result the threads have handed back (the wake-up socket was readable)."""
         try:
@@ -152,6 +158,7 @@ class RemoteTier:
     def stats(self) -> dict[str, int]:
         return {
             **self.counters.__dict__,
+            **self.costs.stats(),
             "write_queue_pages": self._pending_pages,
             "write_queue_bytes": self._pending_bytes,
             "promotions": len(self._promotions),

@@ -154,7 +154,7 @@ def fetch_pages(store: RemoteStore, breaker: CircuitBreaker, cfg: RemoteConfig, 
             result.end = exc.reason
             result.discarded.append((exc.reason, f"chunk {key.hex()}: {exc}"))
             if exc.reason in BROKEN:
-                result.num_deleted += _delete_quietly(store, part_keys(cfg.prefix, key, max(len(values), count)))
+                result.num_deleted += delete_quietly(store, part_keys(cfg.prefix, key, max(len(values), count)))
             break
         if page is None:
             result.end = MISS
@@ -179,7 +179,8 @@ def _fetch_extra_parts(store: RemoteStore, cfg: RemoteConfig, keys: list[bytes],
             del extra[: len(ks)]
 
 
-def _delete_quietly(store: RemoteStore, keys: list[str]) -> int:
+def delete_quietly(store: RemoteStore, keys: list[str]) -> int:
+    """Delete a broken value's parts; 1 when done, 0 when the store failed (the next reader tries again)."""
     try:
         store.delete(keys)
         return 1
