@@ -21,6 +21,8 @@ def test_tokens_that_split_a_character_are_named_by_their_bytes():
     assert token_name(TOK, 0xE4) == ("bytes:\\xe4", b"\xe4")  # OpenAI's spelling of a partial character
     assert token_name(TOK, ord("a")) == ("a", b"a")
     assert token_name(TOK, EOS_ID) == ("<|eos|>", b"<|eos|>")  # special tokens by their text, as in vLLM
+    # ids beyond the tokenizer's vocabulary (a synthetic preset's larger model vocabulary) have no text
+    assert token_name(TOK, 5000) == ("token_id:5000", None)
 
 
 def test_completion_top_logprobs_keep_every_byte_token():
@@ -47,3 +49,6 @@ def test_chat_bytes_are_the_tokens_raw_bytes():
     assert [t["bytes"] for t in content[0]["top_logprobs"]] == [[0xE4], [0xE5]]
     assert content[1] == {"token": "x", "logprob": -0.1, "bytes": [120],
                           "top_logprobs": [{"token": "x", "logprob": -0.1, "bytes": [120]}]}
+    unknown = chat_logprobs(TOK, [Event(5000, -0.3, {5000: -0.3, 5001: -0.4})])["content"][0]
+    assert unknown["bytes"] is None and [t["token"] for t in unknown["top_logprobs"]] == ["token_id:5000",
+                                                                                          "token_id:5001"]
