@@ -8,6 +8,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from kvshare.pool.checksum import ChecksumKind
+
 
 class EntryState(enum.Enum):
     WRITING = "writing"
@@ -25,6 +27,7 @@ class Entry:
     reservation_id: int  # the reservation that wrote it
     num_leases: int = 0
     checksum: int = 0
+    checksum_kind: ChecksumKind = ChecksumKind.XXH3
     is_dropped: bool = False  # removed from view; page freed when the last lease goes
 
 

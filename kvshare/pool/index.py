@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from kvshare.keys import KEY_BYTES
 from kvshare.pool.allocator import Allocator
+from kvshare.pool.checksum import ChecksumKind
 from kvshare.pool.entries import Entry, EntryState, Lease, Reservation
 from kvshare.pool.quota import NamespaceQuota
 
@@ -229,8 +230,9 @@ class PoolIndex:
         self.counters.reserved_pages += len(grants)
         return ReserveResult(reservation_id=reservation_id, grants=grants, num_no_room=no_room)
 
-    def commit(self, client_id: int, reservation_id: int, checksums: list[int]) -> int:
-        """Make a reservation's pages visible with their checksums; returns pages committed."""
+    def commit(self, client_id: int, reservation_id: int, checksums: list[int],
+               checksum_kind: ChecksumKind = ChecksumKind.XXH3) -> int:
+        """Make a reservation's pages visible with their checksums (all of one kind); returns pages committed."""
         reservation = self._owned_reservation(client_id, reservation_id)
         if len(checksums) != len(reservation.entries):
             raise PoolError(
@@ -240,6 +242,7 @@ class PoolIndex:
         for entry, checksum in zip(reservation.entries, checksums):
             entry.state = EntryState.COMMITTED
             entry.checksum = checksum
+            entry.checksum_kind = checksum_kind
         for entry in sorted(reservation.entries, key=lambda e: -e.depth):  # tail first: head most recent
             self._lru[entry.key] = entry
         self.counters.committed_pages += len(reservation.entries)

@@ -170,7 +170,7 @@ class KVTransfer(ABC):
     def _verify_pages(self, pages: Sequence["PageHeader"], first_chunk: int, indices: list[int]) -> None:
         if not indices:
             return
-        sums = self._hasher.checksums([pages[i].offset for i in indices])
+        sums = self._hasher.checksums([pages[i].offset for i in indices], [pages[i].checksum_kind for i in indices])
         for i, value in zip(indices, sums):
             if value != pages[i].checksum:
                 raise ChunkChecksumMismatch(first_chunk + i, pages[i].offset)

@@ -1,4 +1,5 @@
-"""Page checksums for transfers: xxh3-64 of pool pages, on a few threads when there is much to hash.
+"""Page checksums for transfers: each page's checksum of its kind (kvshare.pool.checksum), on a few
+threads when there is much to hash.
 
 xxhash releases the GIL, so hashing a 32 GiB store on 8 threads takes a fraction
 of the copy's time instead of more than it.
@@ -9,7 +10,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
-from kvshare.pool.checksum import page_checksum
+from kvshare.pool.checksum import ChecksumKind, page_checksum
 
 PARALLEL_MIN_BYTES = 64 << 20  # below this, thread hand-off costs more than it saves
 
@@ -23,15 +24,17 @@ class PageHasher:
         self._num_threads = max(1, num_threads)
         self._pool: ThreadPoolExecutor | None = None  # started on first use, stopped by close()
 
-    def checksum(self, offset: int) -> int:
-        return page_checksum(self._client.page(offset, self._page_bytes))
+    def checksum(self, offset: int, kind: ChecksumKind = ChecksumKind.XXH3) -> int:
+        return page_checksum(self._client.page(offset, self._page_bytes), kind)
 
-    def checksums(self, offsets: Sequence[int]) -> list[int]:
+    def checksums(self, offsets: Sequence[int], kinds: Sequence[ChecksumKind] | None = None) -> list[int]:
+        """The checksum of each page, of its kind (``kinds``, one per page; None: all xxh3)."""
+        kinds = [ChecksumKind.XXH3] * len(offsets) if kinds is None else list(kinds)
         if self._num_threads == 1 or len(offsets) * self._page_bytes < PARALLEL_MIN_BYTES:
-            return [self.checksum(offset) for offset in offsets]
+            return [self.checksum(offset, kind) for offset, kind in zip(offsets, kinds)]
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self._num_threads, thread_name_prefix="kvshare-checksum")
-        return list(self._pool.map(self.checksum, offsets))
+        return list(self._pool.map(self.checksum, offsets, kinds))
 
     def close(self) -> None:
         if self._pool is not None:

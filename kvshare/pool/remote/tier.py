@@ -32,6 +32,7 @@ from typing import Callable
 
 import numpy as np
 
+from kvshare.pool.checksum import ChecksumKind
 from kvshare.pool.entries import EntryState
 from kvshare.pool.index import PoolError, PoolIndex
 from kvshare.pool.remote import workers as W
@@ -102,7 +103,9 @@ class RemoteTier:
     def on_commit(self, reservation_id: int) -> None:
         """A client's pages became visible: pin them and write them behind (or count why not)."""
         _, entries = self._reservations.pop(reservation_id, (0, []))
-        entries = [e for e in entries if e.state is EntryState.COMMITTED and not e.is_dropped]
+        # the remote format carries xxh3 checksums only: pages a GPU writer checksummed (WSUM32) stay local
+        entries = [e for e in entries if e.state is EntryState.COMMITTED and not e.is_dropped
+                   and e.checksum_kind == ChecksumKind.XXH3]
         if not entries or self._closing.is_set():
             return
         if not self.breaker.allow():
