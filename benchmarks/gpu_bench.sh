@@ -26,7 +26,7 @@
 # 520 s: under the 600 s a device command may run, with room to stop the replicas); `timeout`
 # sends SIGTERM, which the harness treats as Ctrl-C (keeps what it measured). Run a step again
 # to continue it.
-# Estimates from DESIGN.md's prefill times (32B cold prefill ~6 s at 32k, ~48 s at 128k; 8B
+# Estimates from the prefill times measured on the H200 (docs/results/h200) (32B cold prefill ~6 s at 32k, ~48 s at 128k; 8B
 # ~12 s at 128k; a 32B replica start ~15-25 s), not yet measured with this script:
 #   32b-128k ~9-10 min (4 OFF + 4 primes + 1 ttft cold prefill at 128k, 6 replica starts):
 #            likely one full call plus a short continuation for the ttft

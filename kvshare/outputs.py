@@ -1,11 +1,11 @@
-"""Did reuse change the output? The rule of DESIGN.md ("What correct means"), as pure functions.
+"""Did reuse change the output? The rule of docs/validate.md ("What correct means"), as pure functions.
 
 Reuse must not change what the model generates. At temperature 0 the token ids of a
 run with reused KV are compared with those of a run that recomputed everything:
 
 - float32 (CPU): identical;
 - bf16 (GPU): identical up to the first step whose top-2 logprob gap (in the
-  recomputing run) is below a threshold (DESIGN: 1e-3). KV recomputed with a
+  recomputing run) is below a threshold (1e-3 by default). KV recomputed with a
   different chunking is not bitwise equal, and at a near tie that noise can flip
   the argmax; past such a step the two continuations need not agree.
 

@@ -34,7 +34,7 @@ class OutputTally:
 
     @property
     def is_clean(self) -> bool:
-        """Every output equal, or parted at a near tie (what DESIGN allows)."""
+        """Every output equal, or parted at a near tie (what the rule allows)."""
         return all(c.verdict in (EQUAL, NEAR_TIE) for c in self.checks)
 
     def __str__(self) -> str:

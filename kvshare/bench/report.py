@@ -113,7 +113,7 @@ def divergence_table(parted: list[Record]) -> Table:
         ("experiment", "context", "condition", "request", "compared with", "step", "top-2 gap", "verdict",
          "reference token", "output token"),
         tuple(rows),
-        "DESIGN.md: with reuse, token ids equal a recompute's; on bf16 up to the first step whose top-2 logprob gap "
+        "The rule (docs/validate.md): with reuse, token ids equal a recompute's; on bf16 up to the first step whose top-2 logprob gap "
         "(the reference's top-1 minus top-2 logprob) is below 1e-3. Step: the first differing token (from 0). "
         "Near tie: parted at such a step (allowed). MISMATCH: parted at a larger gap, or one output is longer: "
         "reuse changed the output. Gap unknown: no logprobs for that step (records written before the bench "

@@ -14,7 +14,7 @@ from kvshare.bench.outputs import OutputTally, tally
 from kvshare.bench.records import Record
 from kvshare.bench.stats import Interval, Summary, improvement, median, pair_blocks, paired_ratios, summarize
 
-# The study's published medians (DESIGN.md): cross-replica TTFT, seconds, OFF -> ON
+# The study's published medians (docs/bench.md): cross-replica TTFT, seconds, OFF -> ON
 STUDY_BLOCKS = {128_000: (31.715, 0.605), 256_000: (92.047, 0.790)}
 STUDY_BLOCKS_REQUESTS = 768
 # six-turn sessions with alternating placement, fraction of session time saved by the pool
