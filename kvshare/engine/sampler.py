@@ -22,6 +22,7 @@ import torch
 GREEDY_BELOW = 1e-5  # temperatures this small are greedy (as in vLLM): logits / t would overflow
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, +100 all but forces it
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,10 @@ def sample(
     if params.is_greedy:
         token_id = int(torch.argmax(processed))
     else:
-        probs = torch.softmax(processed / params.temperature, dim=-1)
+        # shifted by its maximum before the temperature divides it, so that no row overflows: a tiny
+        # repetition_penalty divides positive logits up to inf, and inf - inf would be NaN
+        finite = torch.nan_to_num(processed, posinf=_FLOAT32_MAX, neginf=-_FLOAT32_MAX)
+        probs = torch.softmax((finite - finite.max()) / params.temperature, dim=-1)
         if params.min_p > 0:
             probs = _min_p_filter(probs, params.min_p)
         if params.top_k:

@@ -176,6 +176,16 @@ def test_penalties_turn_greedy_away_from_tokens_already_seen(engine, penalty):
     assert greedy[step] in seen
 
 
+def test_extreme_penalties_still_sample():
+    logits = torch.tensor([30.0, 20.0, -5.0, 1.0])
+    counts = TokenCounts(4, torch.tensor([0, 1]))
+    tiny = SamplingParams(temperature=1e-4, repetition_penalty=1e-38)  # 30 / 1e-38 is inf in float32
+    assert process_logits(logits, tiny, counts)[0] == float("inf")
+    assert sample(logits, tiny, make_generator(0), counts).token_id in (0, 1)  # no NaN probabilities
+    assert sample(logits, SamplingParams(temperature=2.0, repetition_penalty=1e30), make_generator(0),
+                  counts).token_id in (0, 1, 2, 3)
+
+
 @pytest.mark.parametrize("bad", [{"top_k": -1}, {"min_p": 1.5}, {"presence_penalty": 2.5}, {"frequency_penalty": -3},
                                  {"repetition_penalty": 0.0}, {"logit_bias": ((1, 101.0),)},
                                  {"temperature": float("nan")}])
