@@ -34,6 +34,7 @@ class PoolLoad:
     num_chunks: int = 0
     handle: Any = None  # LoadHandle
     lease_id: int = 0
+    cold_since: float | None = None  # perf_counter at the lookup of a prefill that reuses nothing: it gets timed
 
     def before_layer(self, layer: int) -> None:
         if self.handle is not None:
@@ -67,6 +68,7 @@ class PoolLink:
         self._next_try = 0.0
         self.client: PoolClient | None = None
         self.transfer = None
+        self._cold_seconds: float | None = None  # the last cold prefill's time, reported with its store
 
     # -- connection ------------------------------------------------------------------
 
@@ -122,6 +124,7 @@ class PoolLink:
 
     def load_prefix(self, kv: torch.Tensor, keys: list[bytes], first_chunk: int) -> PoolLoad:
         """Lease the longest run of ``keys`` the pool holds and load it as chunks first_chunk, ..."""
+        started, self._cold_seconds = time.perf_counter(), None
         if not keys:
             return PoolLoad()
         if not self.connected():
@@ -133,7 +136,7 @@ class PoolLink:
             self.stats.pool_hit_chunks += lease.num_pages
             self.stats.pool_miss_chunks += len(keys) - lease.num_pages
             if not lease.pages:
-                return PoolLoad()
+                return PoolLoad(cold_since=started if first_chunk == 0 else None)
             load = PoolLoad(0, None, lease.lease_id)
             try:
                 try:
@@ -170,10 +173,14 @@ class PoolLink:
     def _page_is_good(self, page: PageHeader) -> bool:
         if page.page_bytes != self.layout.page_bytes or page.format_version != FORMAT_VERSION:
             return False
-        return page_checksum(self.client.page(page.offset, page.page_bytes), page.checksum_kind) == page.checksum
+        return page_checksum(self.client.page(page.offset, page.page_bytes)) == page.checksum
 
     def finish_load(self, load: PoolLoad) -> None:
-        """Wait for the whole load, then release its lease (fire and forget)."""
+        """Wait for the whole load, then release its lease (fire and forget); time a cold prefill."""
+        if load.cold_since is not None:  # called after the prefill's forward: its kernels end before the clock stops
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self._cold_seconds, load.cold_since = time.perf_counter() - load.cold_since, None
         if load.handle is not None:
             load.handle.wait_all()
             self.stats.pool_bytes_loaded += load.handle.num_bytes
@@ -223,6 +230,10 @@ class PoolLink:
             self.stats.pool_stored_chunks += len(reservation.grants)
             self.stats.pool_bytes_stored += len(reservation.grants) * self.layout.page_bytes
             self.stats.pool_store_seconds += time.perf_counter() - start
+            if self._cold_seconds is not None:  # the pool weighs recomputing against its remote store
+                seconds, self._cold_seconds = self._cold_seconds, None
+                with suppress(PoolRequestError):  # a pool without the message: nothing to weigh
+                    self.client.report_prefill(namespace, self.layout.page_bytes, len(keys), seconds)
         except _LOST as exc:
             self._lost(exc)
         except PoolRequestError as exc:

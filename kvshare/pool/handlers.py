@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
 from typing import Callable
 
+from kvshare.keys import KEY_BYTES
 from kvshare.pool import protocol as P
 from kvshare.pool.index import LookupResult, PoolError, PoolIndex
 from kvshare.pool.remote import RemoteHooks
@@ -64,6 +66,7 @@ class PoolHandlers:
             P.ListLeases: self.list_leases,
             P.CheckIntegrity: self.check_integrity,
             P.ListNamespaces: self.list_namespaces,
+            P.PrefillReport: self.prefill_report,
         }
 
     # -- clients ---------------------------------------------------------------
@@ -152,7 +155,7 @@ class PoolHandlers:
         return P.ReserveReply(reservation_id=result.reservation_id, grants=grants, num_no_room=result.num_no_room)
 
     def commit(self, client_id: int, req: P.Commit) -> P.Reply:
-        count = self.index.commit(client_id, req.reservation_id, req.checksums, req.checksum_kind)
+        count = self.index.commit(client_id, req.reservation_id, req.checksums)
         if self.remote is not None:
             self.remote.on_commit(req.reservation_id)  # write-behind: queues, never waits
         return P.Ok(count=count)
@@ -184,6 +187,15 @@ class PoolHandlers:
     def list_namespaces(self, client_id: int, req: P.ListNamespaces) -> P.Reply:
         rows = [P.NamespaceInfo(ns, n, b) for ns, n, b in self.index.namespaces()]
         return P.NamespacesReply(namespaces=rows, quota_bytes=self.index.config.namespace_quota_bytes)
+
+    def prefill_report(self, client_id: int, req: P.PrefillReport) -> P.Reply:
+        if len(req.namespace) != KEY_BYTES or req.page_bytes < 1 or req.num_chunks < 1 or not 0 < req.seconds < math.inf:
+            raise PoolError("bad_report", f"a prefill report needs a {KEY_BYTES}-byte namespace, a page size, "
+                                          f"at least one chunk and a positive time; got {req}")
+        if self.remote is None:
+            return P.Ok(count=0)
+        self.remote.on_prefill(req.namespace, req.page_bytes, req.num_chunks, req.seconds)
+        return P.Ok(count=1)
 
     def check_integrity(self, client_id: int, req: P.CheckIntegrity) -> P.Reply:
         problem = self._integrity_problem()
@@ -266,5 +278,5 @@ class PoolHandlers:
 
 
 def lookup_reply(result: LookupResult) -> P.LookupReply:
-    pages = [P.PageHeader(e.offset, e.page_bytes, e.checksum, checksum_kind=e.checksum_kind) for e in result.entries]
+    pages = [P.PageHeader(e.offset, e.page_bytes, e.checksum) for e in result.entries]
     return P.LookupReply(lease_id=result.lease_id, pages=pages)

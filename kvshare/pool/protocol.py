@@ -18,10 +18,7 @@ from typing import Union
 
 import msgspec
 
-from kvshare.pool.checksum import ChecksumKind
-
-# 2: a page's checksum carries its kind (Commit.checksum_kind, PageHeader.checksum_kind)
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 1
 FORMAT_VERSION = 1  # canonical page format (layout.py); bumped if the bytes of a page change meaning
 FRAME_HEADER = struct.Struct("<I")
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 20
@@ -62,11 +59,8 @@ class Reserve(msgspec.Struct, tag="reserve"):
 
 
 class Commit(msgspec.Struct, tag="commit"):
-    """Make a reservation's pages visible; one checksum per page, all of ``checksum_kind``."""
-
     reservation_id: int
     checksums: list[int]
-    checksum_kind: ChecksumKind = ChecksumKind.XXH3
 
 
 class Abort(msgspec.Struct, tag="abort"):
@@ -101,8 +95,21 @@ class ListNamespaces(msgspec.Struct, tag="list_namespaces"):
     """Bytes and committed chunks per namespace (administration: quotas, flushes)."""
 
 
+class PrefillReport(msgspec.Struct, tag="prefill_report"):
+    """A replica prefilled ``num_chunks`` full chunks of ``namespace`` cold (nothing reused) in ``seconds``.
+
+    The remote tier weighs it against the store's speed (kvshare.pool.remote.cost); replies Ok(1)
+    when a tier took it, Ok(0) otherwise.
+    """
+
+    namespace: bytes
+    page_bytes: int
+    num_chunks: int
+    seconds: float
+
+
 Request = Union[Hello, Lookup, Release, Reserve, Commit, Abort, Drop, Flush, GetStats, ListLeases, CheckIntegrity,
-                ListNamespaces]
+                ListNamespaces, PrefillReport]
 
 # -- replies ---------------------------------------------------------------------------
 
@@ -114,7 +121,6 @@ class PageHeader(msgspec.Struct, array_like=True):
     page_bytes: int
     checksum: int
     format_version: int = FORMAT_VERSION
-    checksum_kind: ChecksumKind = ChecksumKind.XXH3  # how ``checksum`` was computed (kvshare.pool.checksum)
 
 
 class HelloReply(msgspec.Struct, tag="hello_reply"):

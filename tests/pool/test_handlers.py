@@ -54,6 +54,9 @@ class FakeRemote:
             self.on_done.append(on_done)
         return self.is_promoting
 
+    def on_prefill(self, namespace, page_bytes, num_chunks, seconds):
+        self.calls.append(("prefill", page_bytes, num_chunks, seconds))
+
     def tick(self, now):
         self.calls.append(("tick", now))
 
@@ -210,6 +213,20 @@ def test_a_full_hit_a_busy_tier_and_a_client_that_left_are_not_deferred():
 
 def test_the_remote_tier_implements_every_hook():
     hooks = [name for name, value in vars(RemoteHooks).items() if callable(value) and not name.startswith("_")]
-    assert set(hooks) == {"on_reserve", "on_commit", "on_abort", "on_disconnect", "promote", "poll", "tick",
-                          "stats", "close"}
+    assert set(hooks) == {"on_reserve", "on_commit", "on_abort", "on_disconnect", "promote", "on_prefill", "poll",
+                          "tick", "stats", "close"}
     assert all(callable(getattr(RemoteTier, name, None)) for name in hooks)
+
+
+def test_a_prefill_report_goes_to_the_tier_and_a_bad_one_is_refused():
+    remote = FakeRemote()
+    handlers, _, _ = make(remote=remote)
+    greet(handlers, 1)
+    assert handlers.handle(1, P.PrefillReport(bytes(16), PAGE, 8, 0.5)) == P.Ok(count=1)
+    assert remote.calls[-1] == ("prefill", PAGE, 8, 0.5)
+    for bad in (P.PrefillReport(b"short", PAGE, 8, 0.5), P.PrefillReport(bytes(16), PAGE, 0, 0.5),
+                P.PrefillReport(bytes(16), PAGE, 8, 0.0), P.PrefillReport(bytes(16), PAGE, 8, float("nan"))):
+        assert handlers.handle(1, bad).code == "bad_report"
+    plain, _, _ = make()
+    greet(plain, 1)
+    assert plain.handle(1, P.PrefillReport(bytes(16), PAGE, 8, 0.5)) == P.Ok(count=0)  # no tier: nothing to weigh

@@ -29,6 +29,7 @@ def test_engine_on_pool_b_reuses_prefix_from_pool_a_via_store(redis_server, pref
         assert provenance.computed_tokens == len(ids)
         num_chunks = len(ids) // CHUNK
         wait_written(ca, num_chunks)
+        assert remote_stats(ca)["prefill_reports"] == 1  # the cold prefill's time, for cost-aware promotion
         engine_a.close()
 
         engine_b = Engine(EngineConfig(pool_socket=b, **config))
