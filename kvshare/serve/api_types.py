@@ -5,7 +5,7 @@ msgspec rejects wrong types and missing fields with a message naming the field
 express (ranges, mutually exclusive options) live in ``validate``.
 
 Every parameter of the OpenAI and vLLM APIs that changes an answer is either honoured or
-refused: the ones the built-in engine does not implement (``UNSUPPORTED``) are accepted
+refused: the ones the built-in engine does not implement (``UNSUPPORTED_*``) are accepted
 only at their neutral value and answered 400 naming them otherwise, never served as if
 they were absent. Fields no API defines are ignored, as vLLM does.
 """
