@@ -12,6 +12,10 @@ run with reused KV are compared with those of a run that recomputed everything:
     reference  t0 t1 t2 t3 t4 ...     step 3: first difference; gap = top1 - top2 of the
     candidate  t0 t1 t2 u3 u4 ...     reference's logprobs at step 3; tolerated iff gap < threshold
 
+- exact (the built-in engine's deterministic mode, whose prefill is chunk-invariant): reuse gives
+  the same bits as recomputing, so nothing is tolerated. The first step whose ids differ, or whose
+  logprobs differ where both runs report them, is a failure, reported with both tokens.
+
 ``compare_tokens`` states the rule (a ``Comparison``); ``check_outputs`` turns it into one
 output's verdict (an ``OutputCheck``)::
 
@@ -42,6 +46,10 @@ class Comparison:
     divergence_step: int | None  # first step whose token ids differ; None: identical
     gap: float | None  # reference top-1 minus top-2 logprob at that step; None: identical or unknown
     threshold: float
+    is_exact: bool = False  # the exact rule (deterministic mode): any difference fails, the gap is only reported
+    reference_token: int | None = None  # the two ids at divergence_step
+    candidate_token: int | None = None
+    is_logprob_divergence: bool = False  # exact rule: the ids agree at divergence_step, their logprobs do not
 
     @property
     def is_identical(self) -> bool:
@@ -49,7 +57,9 @@ class Comparison:
 
     @property
     def is_tolerated(self) -> bool:
-        """Diverged, but at a near tie (gap below the threshold): allowed by the rule."""
+        """Diverged, but at a near tie (gap below the threshold): allowed by the gap rule, never by the exact one."""
+        if self.is_exact:
+            return False
         return self.divergence_step is not None and self.gap is not None and self.gap < self.threshold
 
     @property
@@ -58,8 +68,13 @@ class Comparison:
 
     def describe(self) -> str:
         if self.is_identical:
-            return f"identical ({self.num_compared} tokens)"
+            return f"identical ({self.num_compared} tokens{', ids and logprobs' if self.is_exact else ''})"
         gap = "unknown" if self.gap is None else f"{self.gap:.3g}"
+        if self.is_exact:
+            what = (f"logprobs differ (both token {self.reference_token})" if self.is_logprob_divergence
+                    else f"token {self.reference_token} vs {self.candidate_token}")
+            return (f"differs at step {self.divergence_step} of {self.num_compared}: {what}, top-2 gap {gap} "
+                    "(exact mode: any difference is a mismatch)")
         verdict = "near tie, tolerated" if self.is_tolerated else f"gap >= {self.threshold:g}: mismatch"
         return f"diverged at step {self.divergence_step} of {self.num_compared}, top-2 gap {gap} ({verdict})"
 
@@ -77,18 +92,35 @@ def compare_tokens(
     candidate: Sequence[int],
     reference_top_logprobs: Sequence[Iterable[float] | None] | None = None,
     threshold: float = DEFAULT_GAP_THRESHOLD,
+    candidate_top_logprobs: Sequence[Iterable[float] | None] | None = None,
+    is_exact: bool = False,
 ) -> Comparison:
     """Compare two greedy continuations step by step (``reference_top_logprobs[i]``: the reference's top
-    logprobs at step i, at least two of them, for the gap at a divergence)."""
+    logprobs at step i, at least two of them, for the gap at a divergence). ``is_exact``: the exact rule,
+    which also compares the two runs' logprobs at every step where both are given."""
     if threshold < 0:
         raise ValueError(f"the gap threshold must be >= 0, got {threshold}")
     n = min(len(reference), len(candidate))
     for step in range(n):
-        if int(reference[step]) != int(candidate[step]):
-            known = reference_top_logprobs is not None and step < len(reference_top_logprobs)
-            gap = top2_gap(reference_top_logprobs[step]) if known else None
-            return Comparison(n, step, gap, threshold)
-    return Comparison(n, None, None, threshold)
+        ref, got = int(reference[step]), int(candidate[step])
+        is_logprob_divergence = ref == got and is_exact and _logprobs_differ(reference_top_logprobs,
+                                                                               candidate_top_logprobs, step)
+        if ref != got or is_logprob_divergence:
+            gap = top2_gap(reference_top_logprobs[step]) if _known(reference_top_logprobs, step) else None
+            return Comparison(n, step, gap, threshold, is_exact, ref, got, is_logprob_divergence)
+    return Comparison(n, None, None, threshold, is_exact)
+
+
+def _known(logprobs: Sequence | None, step: int) -> bool:
+    return logprobs is not None and step < len(logprobs) and logprobs[step] is not None
+
+
+def _logprobs_differ(reference: Sequence | None, candidate: Sequence | None, step: int) -> bool:
+    """Both runs report logprobs at ``step`` and they are not the same values (NaN equals NaN here)."""
+    if not (_known(reference, step) and _known(candidate, step)):
+        return False
+    a, b = [float(v) for v in reference[step]], [float(v) for v in candidate[step]]
+    return len(a) != len(b) or any(x != y and not (math.isnan(x) and math.isnan(y)) for x, y in zip(a, b))
 
 
 EQUAL, NEAR_TIE, MISMATCH, UNKNOWN = "equal", "near-tie", "mismatch", "unknown"
@@ -104,6 +136,7 @@ class OutputCheck:
     gap: float | None = None  # the reference's top-1 minus top-2 logprob at ``step``; None: equal or unknown
     reference_token: int | None = None  # the reference's id at ``step`` (None past its end)
     output_token: int | None = None  # the output's id at ``step`` (None past its end)
+    is_exact: bool = False  # judged by the exact rule (deterministic mode): never a near tie
 
     def __post_init__(self) -> None:
         if self.verdict not in VERDICTS:
@@ -118,6 +151,10 @@ class OutputCheck:
         if self.is_equal:
             return "equal"
         step = f"step {'unknown' if self.step is None else self.step}"
+        if self.is_exact and self.step is not None:
+            if self.reference_token is not None and self.reference_token == self.output_token:
+                return f"{step}, logprobs differ (exact)"
+            return f"{step}, tokens {self.reference_token} vs {self.output_token} (exact)"
         if self.gap is not None:
             return f"{step}, gap {format_gap(self.gap)}"
         return step + (", lengths differ" if self.verdict == MISMATCH else "")
@@ -129,23 +166,28 @@ def format_gap(gap: float | None) -> str:
 
 def check_outputs(reference: Sequence[int] | None, output: Sequence[int] | None,
                   reference_top_logprobs: Sequence[Sequence[float]] | None = None,
-                  threshold: float = DEFAULT_GAP_THRESHOLD) -> OutputCheck | None:
+                  threshold: float = DEFAULT_GAP_THRESHOLD,
+                  output_top_logprobs: Sequence[Sequence[float]] | None = None,
+                  is_exact: bool = False) -> OutputCheck | None:
     """``output`` against ``reference`` (token ids; ``reference_top_logprobs[i]``: the reference's top
-    logprobs at step i); None when either output is unknown (a failed request)."""
+    logprobs at step i); None when either output is unknown (a failed request). ``is_exact``: the exact
+    rule (equal or mismatch, logprobs compared too)."""
     if reference is None or output is None:
         return None
-    cmp = compare_tokens(reference, output, reference_top_logprobs, threshold)
+    cmp = compare_tokens(reference, output, reference_top_logprobs, threshold, output_top_logprobs, is_exact)
     step = cmp.divergence_step
     if step is None:
         if len(reference) == len(output):
-            return OutputCheck(EQUAL)
+            return OutputCheck(EQUAL, is_exact=is_exact)
         step = cmp.num_compared  # one output stops early: no near tie explains that
-        return OutputCheck(MISMATCH, step, None, _at(reference, step), _at(output, step))
-    if cmp.gap is None:
+        return OutputCheck(MISMATCH, step, None, _at(reference, step), _at(output, step), is_exact)
+    if is_exact:
+        verdict = MISMATCH
+    elif cmp.gap is None:
         verdict = UNKNOWN
     else:
         verdict = NEAR_TIE if cmp.is_tolerated else MISMATCH
-    return OutputCheck(verdict, step, cmp.gap, reference[step], output[step])
+    return OutputCheck(verdict, step, cmp.gap, reference[step], output[step], is_exact)
 
 
 def _at(ids: Sequence[int], step: int) -> int | None:

@@ -100,3 +100,27 @@ def test_unknown_outputs_are_not_compared():
 def test_a_verdict_must_be_known():
     with pytest.raises(ValueError):
         OutputCheck("fine")
+
+
+def test_the_exact_rule_tolerates_nothing_and_names_both_tokens():
+    top = [[-0.1, -3.0], [-0.6930, -0.6935]]  # step 1: a near tie the gap rule allows
+    assert compare_tokens([5, 6], [5, 9], top, threshold=1e-3).passed
+    c = compare_tokens([5, 6], [5, 9], top, threshold=1e-3, is_exact=True)
+    assert not c.passed and not c.is_tolerated and c.divergence_step == 1
+    assert (c.reference_token, c.candidate_token) == (6, 9) and "token 6 vs 9" in c.describe()
+    check = check_outputs([5, 6], [5, 9], top, is_exact=True)
+    assert check.verdict == MISMATCH and (check.step, check.reference_token, check.output_token) == (1, 6, 9)
+    assert check_outputs([5, 6], [5, 9], None, is_exact=True).verdict == MISMATCH  # no gap needed to fail
+    assert "tokens 6 vs 9" in check.describe()
+
+
+def test_the_exact_rule_compares_logprobs_where_both_runs_give_them():
+    ref, same, moved = [[-0.1, -3.0], [-0.5, -1.0]], [[-0.1, -3.0], [-0.5, -1.0]], [[-0.1, -3.0], [-0.5, -1.0000001]]
+    assert compare_tokens([5, 6], [5, 6], ref, candidate_top_logprobs=same, is_exact=True).is_identical
+    c = compare_tokens([5, 6], [5, 6], ref, candidate_top_logprobs=moved, is_exact=True)
+    assert c.divergence_step == 1 and c.is_logprob_divergence and not c.passed and "logprobs differ" in c.describe()
+    assert compare_tokens([5, 6], [5, 6], ref, candidate_top_logprobs=moved).is_identical  # the gap rule: ids only
+    assert compare_tokens([5, 6], [5, 6], ref, candidate_top_logprobs=None, is_exact=True).is_identical  # unknown
+    check = check_outputs([5, 6], [5, 6], ref, output_top_logprobs=moved, is_exact=True)
+    assert check.verdict == MISMATCH and check.step == 1 and "logprobs differ" in check.describe()
+    assert check_outputs([5, 6], [5, 6], ref, output_top_logprobs=same, is_exact=True).verdict == EQUAL
