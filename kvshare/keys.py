@@ -11,7 +11,8 @@ does not fill a chunk is never shared (it is recomputed)::
 
 ``ns`` is the namespace digest: everything that makes KV bytes differ between
 two engines that see the same tokens (weights, layout, precision, engine
-family, tensor-parallel slot, LoRA, tenant salt). H is blake2b with a 16-byte
+family, tensor-parallel slot, LoRA, tenant salt; in the deterministic mode
+also the prefill grid and the kernel build). H is blake2b with a 16-byte
 digest: a cryptographic hash, because prefix-cache keys have been attacked
 through collisions and tenant isolation rests on them.
 """
@@ -47,6 +48,13 @@ class Namespace:
     tp_size: int = 1
     lora_id: str = ""
     tenant_salt: str = ""  # a tenant's identity or vLLM's cache_salt
+    # The built-in engine's deterministic mode (chunk-invariant prefill on a fixed grid): its KV is bitwise
+    # reproducible only among replicas that compute on the same grid with the same kernels, so the grid and the
+    # kernel build (device model, driver and library versions) are part of its namespace. Outside the mode
+    # they are left out of the digest, which therefore stays what it always was.
+    is_deterministic: bool = False
+    grid_tokens: int | None = None  # tokens per prefill grid chunk (a multiple of chunk_tokens); only in the mode
+    kernel_build: str = ""  # e.g. "cuda|NVIDIA H200|driver 12080|torch 2.11.0|cuda 12.8"; only in the mode
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "chunk_tokens", "tp_size"):
@@ -54,6 +62,14 @@ class Namespace:
                 raise ValueError(f"Namespace.{name} must be positive, got {getattr(self, name)}")
         if not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"tp_rank {self.tp_rank} outside tp_size {self.tp_size}")
+        if self.is_deterministic:
+            if self.grid_tokens is None or self.grid_tokens <= 0 or self.grid_tokens % self.chunk_tokens:
+                raise ValueError(f"a deterministic namespace needs grid_tokens, a positive multiple of chunk_tokens "
+                                 f"{self.chunk_tokens}; got {self.grid_tokens}")
+            if not self.kernel_build:
+                raise ValueError("a deterministic namespace needs its kernel_build")
+        elif self.grid_tokens is not None or self.kernel_build:
+            raise ValueError("grid_tokens and kernel_build belong to a deterministic namespace only")
 
     def with_tenant(self, tenant_salt: str) -> "Namespace":
         """The same namespace for another tenant (salted keys never collide across tenants)."""
@@ -64,8 +80,12 @@ class Namespace:
 
 def namespace_digest(namespace: Namespace) -> bytes:
     """16-byte digest of a namespace; the seed of every chunk key chain."""
+    fields = asdict(namespace)
+    if not namespace.is_deterministic:  # digests of the default mode stay those stored before the mode existed
+        for name in ("is_deterministic", "grid_tokens", "kernel_build"):
+            del fields[name]
     # sorted-key JSON is a canonical encoding: field order or Python version never change it
-    canonical = json.dumps(asdict(namespace), sort_keys=True, separators=(",", ":"))
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
     return hashlib.blake2b(b"kvshare-ns-v1\0" + canonical.encode(), digest_size=KEY_BYTES).digest()
 
 

@@ -88,3 +88,35 @@ def test_weights_fingerprint_depends_on_config_and_headers():
     assert base != weights_fingerprint(b"{ }", [b"h1", b"h2"])
     assert base != weights_fingerprint(b"{}", [b"h1", b"h3"])
     assert base != weights_fingerprint(b"{}", [b"h1h2"])  # length-prefixed: no ambiguity
+
+
+DET = {"is_deterministic": True, "grid_tokens": 256, "kernel_build": "cuda|NVIDIA H200|sm_90"}
+
+
+def test_the_deterministic_mode_keeps_its_pages_apart():
+    det = Namespace(**(NS.__dict__ | DET))
+    assert namespace_digest(det) != namespace_digest(NS)
+    for change in ({"grid_tokens": 512}, {"kernel_build": "cuda|NVIDIA A100|sm_80"}):  # another grid, another build
+        assert namespace_digest(Namespace(**(det.__dict__ | change))) != namespace_digest(det)
+    assert namespace_digest(det.with_tenant("t")) != namespace_digest(det)
+
+
+def test_the_default_mode_digest_is_what_it_was_before_the_mode_existed():
+    import hashlib
+    import json
+
+    fields = {k: v for k, v in NS.__dict__.items() if k not in DET}
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+    before = hashlib.blake2b(b"kvshare-ns-v1\0" + canonical.encode(), digest_size=16).digest()
+    assert namespace_digest(NS) == before
+
+
+@pytest.mark.parametrize("fields", [
+    {"is_deterministic": True},  # no grid
+    {"is_deterministic": True, "grid_tokens": 300, "kernel_build": "x"},  # not a multiple of the chunk
+    {"is_deterministic": True, "grid_tokens": 256},  # no kernel build
+    {"grid_tokens": 256},  # a grid outside the mode
+])
+def test_a_deterministic_namespace_is_checked(fields):
+    with pytest.raises(ValueError):
+        Namespace(**(NS.__dict__ | fields))
