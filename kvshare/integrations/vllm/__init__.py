@@ -2,8 +2,15 @@
 
     connector   KVShareConnector, the KVConnectorBase_V1 face vLLM loads (imports vLLM)
     scheduler   the scheduler side: lookups, leases, each step's loads and stores (no vLLM)
+    hooks       the worker side's per-step hooks in vLLM's call order (what the connector forwards to)
     worker      the worker side: copies between pool pages and vLLM's paged KV (no vLLM)
-    overlap     a step's loads copied layer by layer beside the forward
+    pool_pages  the worker side's pool calls: lease checks, drops, reserve / commit / abort
+    staging     on a GPU: streams, staging buffers, 2-D copies, the scatter/gather into vLLM's blocks
+    staged_loads   on a GPU: a step's loads, per layer group on vLLM's stream, verified on the GPU
+    staged_stores  on a GPU: a step's stores, each layer group copied out after the kernels that wrote it
+    overlap     on CPU: a step's loads copied layer by layer beside the forward
+    paged_tensors  vLLM-shaped KV tensors of every accepted memory order (tests, validation, the GPU harness)
+    ordercheck  the GPU path's byte and delay-injection ordering checks (kvshare validate --level bytes)
     layout      vLLM's KV tensor layouts and token/block views of them
     block_copy  whole-block numpy copies over a few threads (CPU)
     plan        chunk/block arithmetic of loads and stores (pure)

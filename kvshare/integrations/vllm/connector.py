@@ -9,11 +9,12 @@ Load it with::
 
 vLLM builds one instance per role. The SCHEDULER one (PoolScheduler) hashes each
 prompt's full chunks, leases the longest run the pool holds beyond vLLM's own prefix
-hit and plans every step's loads and stores. The WORKER one (PoolKVWorker) copies the
-leased pages into the step's freshly allocated blocks before the forward (on CPU with
-``overlap_load``, layer by layer beside it, each attention layer waiting for its own layer:
-kvshare.integrations.vllm.overlap), and copies the chunks the step completed into reserved
-pages after it, then commits them.
+hit and plans every step's loads and stores. The WORKER one (PoolKVWorker, driven per step by
+kvshare.integrations.vllm.hooks) copies the leased pages into the step's freshly allocated
+blocks: on a GPU enqueued in start_load_kv and waited for per layer group on vLLM's stream
+(staged_loads), on CPU before the forward (or, with ``overlap_load``, beside it: overlap); and
+copies the chunks the step completed into reserved pages (on a GPU each layer as it is saved:
+staged_stores; on CPU after the forward), then commits them.
 A page that fails its checksum, a lease lost to a pool restart or a pool that is gone
 ends a load early: its blocks are reported as load errors and vLLM recomputes them
 (with ``kv_load_failure_policy: recompute``; vLLM's default "fail" fails the request).
@@ -36,18 +37,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvshare.integrations.vllm.hooks import WorkerHooks
 from kvshare.integrations.vllm.identity import engine_namespace
 from kvshare.integrations.vllm.layout import UnsupportedKVLayout, detect_layout
-from kvshare.integrations.vllm.metadata import LoadOutcome, LoadSpec, PhaseTimes, StepPlan, WorkerReport
+from kvshare.integrations.vllm.metadata import StepPlan, WorkerReport
 from kvshare.integrations.vllm.options import PARAMS_KEY, ConnectorConfig, check_supported, kv_layout_of
-from kvshare.integrations.vllm.plan import blocks_of_tokens
 from kvshare.integrations.vllm.pool_link import PoolLink
 from kvshare.integrations.vllm.scheduler import PoolScheduler, ScheduledRequest
 from kvshare.integrations.vllm.stats import KVSharePromMetrics, KVShareStats
 from kvshare.integrations.vllm.worker import PoolKVWorker
 
 if TYPE_CHECKING:
-    from kvshare.integrations.vllm.overlap import LayeredLoads
     from vllm.config import VllmConfig
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -121,6 +121,7 @@ class KVShareConnector(KVConnectorBase_V1):
         )
         self._scheduler: PoolScheduler | None = None
         self._worker: PoolKVWorker | None = None
+        self._hooks: WorkerHooks | None = None  # the worker side's per-step state (kvshare.integrations.vllm.hooks)
         if role == KVConnectorRole.SCHEDULER:
             if getattr(transfer, "kv_load_failure_policy", "fail") != "recompute":
                 log.warning('kvshare: kv_load_failure_policy is not "recompute": a page that fails its checksum '
@@ -128,13 +129,8 @@ class KVShareConnector(KVConnectorBase_V1):
             self._scheduler = PoolScheduler(self.config, self.namespace, self.kv_layout.page_bytes, self.block_size, link)
         else:
             self._worker = PoolKVWorker(self.kv_layout, link, verify_fraction=self.config.verify_fraction,
-                                        copy_threads=self.config.copy_threads)
-        self._outcomes: list[LoadOutcome] = []
-        self._step_times = PhaseTimes()
-        self._invalid_blocks: set[int] = set()
-        self._failed_loads: set[str] = set()
-        self._overlap = self.config.overlap_load  # turned off if vLLM's forward turns out not to wait per layer
-        self._layered: LayeredLoads | None = None  # this step's loads copying beside the forward
+                                        copy_threads=self.config.copy_threads, transfer=self.config.gpu_transfer)
+            self._hooks = WorkerHooks(self._worker, self.block_size, overlap_load=self.config.overlap_load)
         self._layer_index: dict[str, int] = {}  # vLLM layer name -> model layer index
         log.info("kvshare connector (%s) for %s, pool %s, chunk %d tokens, page %d bytes", side,
                  self.namespace.model_id, self.config.socket_path, self.config.chunk_tokens, self.kv_layout.page_bytes)
@@ -189,80 +185,27 @@ class KVShareConnector(KVConnectorBase_V1):
         return meta.plan if isinstance(meta, KVShareConnectorMetadata) else StepPlan()
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        self._finish_layered()  # (a step always ends in wait_for_save first; this only guards against a skipped one)
-        self._step_times = PhaseTimes()  # this step's load, forward and save (logged at DEBUG)
-        layered = []
-        for spec in self._plan().loads:
-            if not self._worker.layers:
-                outcome = LoadOutcome(spec.req_id, spec.token_start, spec.token_end, spec.token_start, "no KV registered")
-            elif self._overlap:
-                outcome = self._worker.begin_load(spec)
-            else:
-                outcome = self._worker.load(spec)
-            if isinstance(outcome, LoadOutcome):
-                self._settle_load(spec, outcome)
-            else:
-                layered.append(outcome)
-        if layered:
-            self._layered = self._worker.start_layered(layered)
-        self._step_times.mark("load")
-
-    def _settle_load(self, spec: LoadSpec, outcome: LoadOutcome) -> None:
-        self._outcomes.append(outcome)
-        if not outcome.is_complete:
-            self._failed_loads.add(spec.req_id)
-            self._invalid_blocks.update(
-                blocks_of_tokens(outcome.loaded_end, outcome.token_end, self.block_size, list(spec.block_ids))
-            )
-
-    def _finish_layered(self) -> None:
-        """Wait for the step's layered loads; their failures become load errors, as synchronous ones."""
-        layered, self._layered = self._layered, None
-        if layered is None:
-            return
-        outcomes, all_waited = layered.finish()
-        if not all_waited:
-            self._overlap = False
-            log.warning("kvshare: vLLM's forward did not wait for every layer's load (no wait_for_layer_load "
-                        "calls?); this step's loads are recomputed and later loads run before the forward")
-        for load, outcome in zip(layered.loads, outcomes):
-            self._settle_load(load.spec, outcome)
+        self._hooks.start_load(self._plan())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         index = self._layer_index.get(layer_name)
-        if self._layered is not None and index is not None:  # a name not registered is never waited for:
-            self._layered.wait_layer(index)  # finish() then fails the step's loads
+        if index is not None:  # a name not registered is never waited for: the step's loads then fail
+            self._hooks.wait_layer(index)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        return  # stores run in wait_for_save, after every layer of the step has written its KV
+        index = self._layer_index.get(layer_name)
+        if index is not None:  # on a GPU this layer is copied out now; on CPU stores wait for wait_for_save
+            self._hooks.save_layer(index, self._plan())
 
     def wait_for_save(self) -> None:
-        times, plan = self._step_times, self._plan()
-        times.mark("forward")
-        self._finish_layered()
-        times.mark("load_finish")
-        for spec in plan.stores:
-            if spec.req_id in self._failed_loads or not self._worker.layers:
-                continue  # this step computed from KV that failed to load: nothing of it may be stored
-            if self._invalid_blocks.intersection(spec.block_ids):
-                continue  # it read blocks another request's failed load was to fill (a prefix hit on them)
-            self._worker.store(spec)
-        self._failed_loads.clear()
-        times.mark("save")
-        if plan.loads or plan.stores:
-            log.debug("kvshare timing: step - loads=%d stores=%d tokens=%d %s", len(plan.loads), len(plan.stores),
-                      plan.num_tokens, times.line())
+        self._hooks.wait_for_save(self._plan())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        self._finish_layered()  # already done by wait_for_save, unless vLLM deferred that past this call
-        invalid, self._invalid_blocks = self._invalid_blocks, set()
-        return invalid
+        return self._hooks.load_errors()
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        if not self._outcomes:
-            return None
-        outcomes, self._outcomes = self._outcomes, []
-        return KVShareWorkerMetadata(WorkerReport(outcomes))
+        outcomes = self._hooks.take_outcomes() if self._hooks is not None else []
+        return KVShareWorkerMetadata(WorkerReport(outcomes)) if outcomes else None
 
     def get_kv_connector_stats(self) -> KVShareStats | None:
         side = self._scheduler or self._worker

@@ -9,14 +9,17 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field, fields
 
+from kvshare.pool.checksum import ChecksumKind
+
 
 @dataclass(frozen=True)
 class PageRef:
-    """A leased pool page: where it lies in the arena and the checksum recorded at its commit."""
+    """A leased pool page: where it lies in the arena and the checksum (of its kind) recorded at its commit."""
 
     offset: int
     page_bytes: int
     checksum: int
+    checksum_kind: ChecksumKind = ChecksumKind.XXH3
 
 
 @dataclass(frozen=True)

@@ -13,11 +13,16 @@ and a request opts out of the pool with ``"kv_transfer_params": {"kvshare": {"us
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvshare.keys import DEFAULT_CHUNK_TOKENS
 from kvshare.layout import KVLayout
 from kvshare.paths import default_pool_socket
+
+if TYPE_CHECKING:
+    from kvshare.transfer.base import TransferConfig
+
+CUDA_COPY_METHODS = ("memcpy2d", "torch")  # kvshare.transfer.base.COPY_METHODS (imported lazily: it imports torch)
 
 PARAMS_KEY = "kvshare"  # our entry in kv_transfer_params, in and out
 
@@ -39,6 +44,10 @@ class ConnectorConfig:
     # outside vLLM's OpenMP team; on the 2-core machine the helper took one of the team's cores and the
     # forward, which waits for its slowest thread, ran 4x slower (docs/vllm.md)
     overlap_load: bool = False
+    # on a GPU: how pages move to and from the GPU staging buffers. "memcpy2d": one cudaMemcpy2DAsync per
+    # layer group and run of pages (needs cuda-bindings); "torch": one copy per page and layer group. No fallback
+    cuda_copy_method: str = "memcpy2d"
+    cuda_staging_mib: int = 128  # on a GPU: each of the 4 staging buffers (2 for loads, 2 for stores)
     lease_ttl_s: float = 60.0  # a lease vLLM has not scheduled within this is released
     pool_timeout_s: float = 2.0  # longest wait for one pool reply before the pool counts as down
     pool_retry_s: float = 5.0  # after a failure, how long to serve without the pool before trying again
@@ -57,6 +66,17 @@ class ConnectorConfig:
             raise ValueError(f"verify_fraction must lie in [0, 1], got {self.verify_fraction}")
         if self.copy_threads < 1:
             raise ValueError(f"copy_threads must be >= 1, got {self.copy_threads}")
+        if self.cuda_copy_method not in CUDA_COPY_METHODS:
+            raise ValueError(f"cuda_copy_method must be one of {CUDA_COPY_METHODS}, got {self.cuda_copy_method!r}")
+        if self.cuda_staging_mib < 2:
+            raise ValueError(f"cuda_staging_mib must be >= 2 (one 2 MiB row), got {self.cuda_staging_mib}")
+
+    @property
+    def gpu_transfer(self) -> "TransferConfig":
+        """The GPU path's copy settings (kvshare.integrations.vllm.staging)."""
+        from kvshare.transfer.base import TransferConfig
+
+        return TransferConfig(copy_method=self.cuda_copy_method, staging_bytes=self.cuda_staging_mib << 20)
 
     @property
     def socket_path(self) -> str:

@@ -29,7 +29,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import xxhash
@@ -53,14 +53,18 @@ class BlockRun:
 
 @dataclass
 class LayeredLoad:
-    """One request's load, planned: its page slices, which of them are verified, its block runs."""
+    """One request's load, planned: its page slices, which of them are verified, its block runs (CPU).
+
+    The GPU's layered loads (kvshare.integrations.vllm.staged_loads) take the same plan and report
+    through the same ``settle`` / ``outcome`` of the worker."""
 
     spec: LoadSpec
     pieces: list[PageSlice]
     chosen: list[bool]  # per piece: is its page's checksum checked
     reason: str  # why the pieces end before the spec does ("" if they do not)
     times: PhaseTimes
-    runs: list[BlockRun] = field(default_factory=list)
+    runs: list[BlockRun] = field(default_factory=list)  # CPU: the block runs to copy
+    client: Any = None  # GPU (staged_loads): the pool connection whose arena holds the pages
 
 
 class LayeredLoadWorker(Protocol):

@@ -173,7 +173,7 @@ class PoolScheduler:
         self.counters.lookups += 1
         if not lease.pages:
             return None
-        pages = [PageRef(p.offset, p.page_bytes, p.checksum) for p in lease.pages]
+        pages = [PageRef(p.offset, p.page_bytes, p.checksum, p.checksum_kind) for p in lease.pages]
         owner = (self.link.pool_pid, client.hello.client_id)
         held = HeldLease(lease.lease_id, first_chunk, pages, keys[: len(pages)], now, owner)
         self._leases.put(req_id, held)

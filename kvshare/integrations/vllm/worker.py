@@ -15,7 +15,11 @@ pages for the chunks, copy each chunk out of vLLM's blocks, checksum, commit. A 
 visible to other replicas only after its commit, and never holds a partial copy.
 
 On CPU, runs of whole blocks move as numpy block copies over ``copy_threads`` threads
-(block_copy); anything else, and every copy on CUDA, as a torch token scatter/gather.
+(block_copy); anything else as a torch token scatter/gather. On a GPU ("staged") every load and
+store goes layer group by layer group through GPU staging buffers with 2-D copies and events
+(staging, staged_loads, staged_stores): ``begin_load`` + ``start_layered`` enqueue a step's loads,
+``begin_stores`` returns the step's stores, which copy each layer out as vLLM saves it; pages a GPU
+writes carry WSUM32 checksums, verified on the GPU by the next GPU reader.
 """
 
 from __future__ import annotations
@@ -32,12 +36,19 @@ from kvshare.integrations.vllm.layout import PagedLayout, gather_tokens, scatter
 from kvshare.integrations.vllm.metadata import ConnectorCounters, LoadOutcome, LoadSpec, PhaseTimes, StoreSpec
 from kvshare.integrations.vllm.overlap import BlockRun, LayeredLoad, LayeredLoads
 from kvshare.integrations.vllm.plan import CopyRun, PageSlice, copy_runs, page_slices
-from kvshare.integrations.vllm.pool_link import POOL_DOWN_ERRORS, PoolLink
+from kvshare.integrations.vllm.pool_link import PoolLink
+from kvshare.integrations.vllm.pool_pages import PoolPages
+from kvshare.integrations.vllm.staged_loads import StagedLoads
+from kvshare.integrations.vllm.staged_stores import StagedStores
+from kvshare.integrations.vllm.staging import StagingEngine
 from kvshare.layout import KVLayout
-from kvshare.pool.checksum import page_checksum
-from kvshare.pool.client import PoolRequestError
+from kvshare.pool.checksum import ChecksumKind, page_checksum
+from kvshare.transfer.base import TransferConfig
 
 log = logging.getLogger("kvshare.integrations")
+
+# the GPU path's copies: 2-D copies (cuda-bindings) of rows >= 2 MiB, two 128 MiB staging buffers per direction
+GPU_TRANSFER = TransferConfig(staging_bytes=128 << 20)
 
 
 class PoolKVWorker:
@@ -50,7 +61,13 @@ class PoolKVWorker:
         verify_fraction: float = 1.0,
         copy_threads: int = 1,
         rng: random.Random | None = None,
+        transfer: TransferConfig = GPU_TRANSFER,
+        staged: bool | None = None,
+        staging_class: type[StagingEngine] = StagingEngine,
     ) -> None:
+        """``staged``: move KV through GPU staging (None: when the KV tensors are on CUDA; True on CPU
+        tensors runs the same path under a fake CUDA, for tests). ``staging_class``: the validation's
+        deliberately unordered control replaces it."""
         if not 0.0 <= verify_fraction <= 1.0:
             raise ValueError(f"verify_fraction must lie in [0, 1], got {verify_fraction}")
         self.kv_layout = kv_layout
@@ -58,13 +75,16 @@ class PoolKVWorker:
         self.verify_fraction = verify_fraction
         self.copy_threads = copy_threads
         self.counters = ConnectorCounters()
+        self.pool = PoolPages(link, kv_layout, self.counters)  # lease checks, drops, reserve / commit / abort
         self.layers: list[torch.Tensor] = []
         self.paged: PagedLayout | None = None
         self._copier: CpuBlockCopier | None = None  # on CPU: whole-block copies
         self._rng = rng or random.Random()  # which pages a sampled verification checks
         self._loader: ThreadPoolExecutor | None = None  # on CPU: the thread that copies loads beside the forward
-        self._registration = None  # on CUDA: the pinned arena (kvshare.transfer.registration)
-        self._registered_arena = None  # keeps that mapping alive while it is registered
+        self.transfer = transfer
+        self._staged = staged
+        self._staging_class = staging_class
+        self._staging: StagingEngine | None = None  # on a GPU: streams, staging buffers, the registered arena
 
     def register(self, layers: list[torch.Tensor], paged: PagedLayout) -> None:
         """vLLM's KV tensors, one per model layer in layer order, all in layout ``paged``."""
@@ -74,20 +94,34 @@ class PoolKVWorker:
         self.paged = paged
         if self._copier is not None:
             self._copier.close()
-        self._copier = CpuBlockCopier(self.layers, paged, self.copy_threads) if self.device.type == "cpu" else None
+        if self._staging is not None:
+            self._staging.close()
+        staged = self.device.type == "cuda" if self._staged is None else self._staged
+        if not staged and self.device.type != "cpu":
+            raise ValueError(f"KV tensors on {self.device} move through GPU staging only (staged=False needs CPU tensors)")
+        self._staging = self._staging_class(self.layers, paged, self.kv_layout, self.transfer) if staged else None
+        self._copier = CpuBlockCopier(self.layers, paged, self.copy_threads) if not staged else None
+
+    @property
+    def is_staged(self) -> bool:
+        """Whether KV moves through GPU staging, layer group by layer group (else: the CPU copies)."""
+        return self._staging is not None
 
     def prepare(self) -> None:
         """Connect now (and pin the arena on CUDA) so the first request does not pay for it."""
         client = self.link.client()
-        if client is not None:
+        if client is not None and self._staging is not None:
             try:
-                self._pin(client)
+                self._staging.ensure_registered(client)
             except Exception:  # the first copy raises it again, where it is reported as a failed copy
                 log.error("kvshare: pinning the pool arena for CUDA failed", exc_info=True)
 
     def close(self) -> None:
         if self._copier is not None:
             self._copier.close()
+        if self._staging is not None:
+            self._staging.close()
+            self._staging = None
         if self._loader is not None:
             self._loader.shutdown(wait=True)
             self._loader = None
@@ -97,8 +131,11 @@ class PoolKVWorker:
     def copier(self) -> CpuBlockCopier | None:
         return self._copier
 
-    def start_layered(self, loads: list[LayeredLoad]) -> LayeredLoads:
-        """Start copying ``loads`` layer by layer on the loader thread (off the caller's core)."""
+    def start_layered(self, loads: list[LayeredLoad], wait_now: bool = False) -> LayeredLoads | StagedLoads:
+        """Start copying ``loads`` layer by layer: on a GPU enqueued at once (``wait_now``: vLLM's stream waits
+        for all of it here, for a forward that does not wait per layer), on CPU on the loader thread."""
+        if self._staging is not None:
+            return StagedLoads(self, loads, self._staging, wait_now)
         if self._loader is None:
             self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvshare-load", initializer=leave_the_callers_cores)
         return LayeredLoads(self, loads, self._loader)
@@ -107,35 +144,20 @@ class PoolKVWorker:
     def device(self) -> torch.device:
         return self.layers[0].device
 
-    def _pin(self, client) -> None:
-        """On CUDA, register the client's arena once per mapping, so copies run at pinned speed.
-
-        A failed registration raises (the copy is then reported failed): never a silent
-        fall back to pageable memory. Copies never span two registrations (copy_runs splits
-        runs at extent boundaries).
-        """
-        if self.device.type != "cuda" or self._registered_arena is client.arena:
-            return
-        from kvshare.transfer.registration import acquire_registration, release_registration
-
-        if self._registration is not None:
-            registration, self._registration, self._registered_arena = self._registration, None, None
-            release_registration(registration)
-        self._registration = acquire_registration(client)
-        self._registered_arena = client.arena
-        log.info("kvshare: pinned the pool arena for CUDA copies (%.2f s)", self._registration.seconds)
-
-    def _pages(self, client, offset: int, num_pages: int) -> torch.Tensor:
-        """Consecutive pool pages as a [n, L, 2, C, H, D] tensor (a zero-copy view of the arena)."""
-        raw = torch.from_numpy(client.run(offset, self.kv_layout.page_bytes, num_pages))
-        return raw.view(self.paged.dtype).view(num_pages, *self.kv_layout.page_shape)
-
     # -- loads ---------------------------------------------------------------------
 
     def load(self, spec: LoadSpec) -> LoadOutcome:
-        """Copy the spec's tokens into vLLM's blocks; stops at the first page that cannot be trusted."""
+        """Copy the spec's tokens into vLLM's blocks; stops at the first page that cannot be trusted.
+
+        On a GPU the same staged path as a step's layered loads, vLLM's stream waiting for all of it."""
+        if self._staging is not None:
+            layered = self.begin_load(spec)
+            if isinstance(layered, LoadOutcome):
+                return layered
+            outcomes, _ = self.start_layered([layered], wait_now=True).finish()
+            return outcomes[0]
         times = PhaseTimes()
-        client, reason = self._client_for(spec.pool_pid) if spec.pages else (None, "no lease backs the load")
+        client, reason = self.pool.client_for(spec.pool_pid) if spec.pages else (None, "no lease backs the load")
         times.mark("client")
         loaded_end = spec.token_start
         if client is not None:
@@ -147,15 +169,22 @@ class PoolKVWorker:
         return self.outcome(spec, loaded_end, reason, times)
 
     def begin_load(self, spec: LoadSpec) -> LayeredLoad | LoadOutcome:
-        """A load to copy layer by layer beside the forward (CPU, whole blocks: the overlap
-        module runs it), or, where that cannot be, the outcome of loading it now."""
-        if self._copier is None:
+        """A load to copy layer by layer beside the forward (on a GPU: staged_loads; on CPU whole blocks:
+        the overlap module), or, where that cannot be, the outcome of loading it now."""
+        if self._copier is None and self._staging is None:
             return self.load(spec)
         times = PhaseTimes()
-        client, reason = self._client_for(spec.pool_pid) if spec.pages else (None, "no lease backs the load")
+        client, reason = self.pool.client_for(spec.pool_pid) if spec.pages else (None, "no lease backs the load")
         if client is None:
             return self.outcome(spec, spec.token_start, reason, times)
+        if self._staging is not None:
+            pieces, reason = self._pieces(spec)
+            if not pieces:
+                return self.outcome(spec, spec.token_start, reason, times)
+            return LayeredLoad(spec, pieces, [self._draw_verification() for _ in pieces], reason, times, client=client)
         try:
+            if any(spec.pages[i].checksum_kind != ChecksumKind.XXH3 for i in range(len(spec.pages))):
+                return self.load(spec)  # the layered CPU copy streams xxh3 only; a GPU-written page loads now
             pieces, reason = self._pieces(spec)
             offsets = [spec.pages[p.page_index].offset for p in pieces]
             runs = copy_runs(pieces, offsets, self.kv_layout.page_bytes, self.kv_layout.chunk_tokens,
@@ -210,7 +239,7 @@ class PoolKVWorker:
                 self.counters.verified_pages += 1
                 if next(sums) != ref.checksum:
                     self.counters.checksum_failures += 1
-                    self._drop(spec.keys[piece.page_index])
+                    self.pool.drop(spec.keys[piece.page_index])
                     reason = f"checksum mismatch in chunk {piece.chunk} (page at offset {ref.offset})"
                     break
             trusted += 1
@@ -232,22 +261,25 @@ class PoolKVWorker:
         # (checksumming each page and copying it right after, while in cache, measured slower: 15-20 ms
         # against 11-13 ms for 8k tokens, cold caches or not)
         chosen = [self._draw_verification() for _ in pieces]
-        views = [client.page(spec.pages[p.page_index].offset, page_bytes) for p, c in zip(pieces, chosen) if c]
-        loaded_end, reason = self.settle(spec, pieces, chosen, iter(self._checksums(views)), reason)
+        refs = [spec.pages[p.page_index] for p, c in zip(pieces, chosen) if c]
+        views = [client.page(ref.offset, page_bytes) for ref in refs]
+        sums = self._checksums(views, [ref.checksum_kind for ref in refs])
+        loaded_end, reason = self.settle(spec, pieces, chosen, iter(sums), reason)
         times.mark("verify")
         trusted = [p for p in pieces if p.chunk * C + p.lo < loaded_end]
         offsets = [spec.pages[p.page_index].offset for p in trusted]
-        self._pin(client)
         for run in copy_runs(trusted, offsets, page_bytes, C, client.hello.extent_bytes):
             self._copy_run(client, offsets[run.first], run, trusted[run.first].chunk, spec.block_ids, into_kv=True)
         times.mark("copy")
         return loaded_end, reason
 
-    def _checksums(self, pages: list) -> list[int]:
-        """``page_checksum`` of each page; on CPU spread over the copy threads (xxhash releases the GIL)."""
+    def _checksums(self, pages: list, kinds: list | None = None) -> list[int]:
+        """``page_checksum`` of each page (of its kind; None: xxh3), spread over the copy threads (xxhash
+        and numpy release the GIL)."""
+        items = list(zip(pages, kinds or [ChecksumKind.XXH3] * len(pages)))
         if self._copier is not None:
-            return self._copier.map(page_checksum, pages)
-        return [page_checksum(page) for page in pages]
+            return self._copier.map(lambda item: page_checksum(*item), items)
+        return [page_checksum(*item) for item in items]
 
     def _draw_verification(self) -> bool:
         """Whether a page's checksum is checked: always at 1.0, else with that probability (random, so a
@@ -271,7 +303,7 @@ class PoolKVWorker:
 
     def _copy_run(self, client, offset: int, run: CopyRun, first_chunk: int, block_ids, into_kv: bool) -> None:
         """Tokens ``run.lo .. run.hi - 1`` of the run's pages (chunks ``first_chunk ..``) into vLLM's blocks
-        (``into_kv``) or out of them into the pages."""
+        (``into_kv``) or out of them into the pages (CPU: whole blocks, or tokens)."""
         C, N = self.kv_layout.chunk_tokens, self.paged.block_size
         if self._copier_takes(first_chunk, run):
             block_run = self._block_run(client, offset, run, first_chunk, block_ids)
@@ -280,108 +312,57 @@ class PoolKVWorker:
             else:
                 self._copier.from_blocks(block_run.pages, run.lo, run.hi, block_run.block_ids)
             return
-        pages = self._pages(client, offset, run.num_pages)  # [n, L, 2, C, H, D]
+        raw = torch.from_numpy(client.run(offset, self.kv_layout.page_bytes, run.num_pages))
+        pages = raw.view(self.paged.dtype).view(run.num_pages, *self.kv_layout.page_shape)  # [n, L, 2, C, H, D]
         # prompt positions of the run, [n, hi - lo]
         positions = (first_chunk + torch.arange(run.num_pages))[:, None] * C + torch.arange(run.lo, run.hi)[None, :]
         slots = slots_of_positions(positions, block_ids, N, self.device)
-        if into_kv:
-            src = pages[:, :, :, run.lo : run.hi].to(self.device)  # no copy on CPU
-            for index, layer in enumerate(self.layers):
-                scatter_tokens(layer, self.paged, src[:, index].transpose(0, 1), slots)  # [2, n, hi - lo, H, D]
-            return
         window = pages[:, :, :, run.lo : run.hi]
-        staging = window if self.device.type == "cpu" else torch.empty(window.shape, dtype=window.dtype, device=self.device)
         for index, layer in enumerate(self.layers):
-            gather_tokens(layer, self.paged, slots, staging[:, index].transpose(0, 1))  # [2, n, hi - lo, H, D]
-        if staging is not window:
-            window.copy_(staging)  # device -> host; synchronous, after the forward's kernels
-
-    def _client_for(self, pool_pid: int):
-        """The client mapped onto the arena of the pool ``pool_pid`` (reconnecting once), or (None, why)."""
-        client = self.link.client()
-        if client is not None and self.link.pool_pid != pool_pid:
-            client = self.link.reconnect_now()  # the pool was restarted since our last call
-        if client is None:
-            return None, "the pool is unreachable"
-        if self.link.pool_pid != pool_pid:
-            return None, f"lease lost: it came from pool pid {pool_pid}, the pool now is pid {self.link.pool_pid}"
-        return client, ""
-
-    def _drop(self, key: bytes) -> None:
-        """Remove a chunk found bad from the pool so nobody else loads it."""
-        client = self.link.client()
-        if client is None:
-            return
-        try:
-            client.drop([key])
-        except POOL_DOWN_ERRORS as exc:
-            self.counters.pool_errors += 1
-            self.link.failed(exc)
-        except PoolRequestError as exc:
-            self.counters.pool_errors += 1
-            log.warning("kvshare: the pool refused to drop a bad chunk: %s", exc)
+            if into_kv:
+                scatter_tokens(layer, self.paged, window[:, index].transpose(0, 1), slots)  # [2, n, hi - lo, H, D]
+            else:
+                gather_tokens(layer, self.paged, slots, window[:, index].transpose(0, 1))
 
     # -- stores --------------------------------------------------------------------
 
     def store(self, spec: StoreSpec) -> int:
-        """Reserve, fill and commit pages for the spec's chunks; returns how many were committed."""
+        """Reserve, fill and commit pages for the spec's chunks; returns how many were committed.
+
+        On a GPU the staged path of a step's stores, every layer copied out after vLLM's current stream."""
+        if self._staging is not None:
+            stores = self.begin_stores([spec])
+            if stores is None:
+                return 0
+            for index in range(self.kv_layout.num_layers):
+                stores.save_layer(index)
+            return stores.finish(lambda _: True)
         client = self.link.client()
-        if client is None or not spec.keys:
-            return 0
         times = PhaseTimes()
-        try:
-            reservation = client.reserve(spec.namespace, list(spec.keys), self.kv_layout.page_bytes, spec.first_chunk)
-        except POOL_DOWN_ERRORS as exc:
-            self.counters.pool_errors += 1
-            self.link.failed(exc)
-            return 0
-        except PoolRequestError as exc:
-            self.counters.pool_errors += 1
-            log.warning("kvshare: the pool refused a reserve: %s", exc)
-            return 0
-        self.counters.skipped_stores += reservation.num_no_room
-        times.mark("reserve")
-        if not reservation.grants:
+        reservation = self.pool.reserve(client, spec, times) if client is not None else None
+        if reservation is None:
             return 0
         try:
             checksums = self._copy_out(client, spec, reservation.grants, times)
-            committed = client.commit(reservation.reservation_id, checksums)
-            times.mark("commit")
-        except (PoolRequestError, *POOL_DOWN_ERRORS) as exc:
-            self._abort(client, reservation.reservation_id, exc)
-            return 0
         except Exception as exc:  # a bug in the copy: give the pages back; vLLM keeps serving
             log.error("kvshare: store for request %s failed", spec.req_id, exc_info=True)
-            self._abort(client, reservation.reservation_id, exc)
+            self.pool.abort(client, reservation.reservation_id, exc)
             return 0
-        self.counters.stored_chunks += committed
-        self.counters.store_bytes += committed * self.kv_layout.page_bytes
-        self.counters.store_seconds += times.total
-        log.debug("kvshare timing: store %s chunks=%d %s", spec.req_id, committed, times.line())
-        return committed
+        return self.pool.commit(client, spec, reservation, checksums, ChecksumKind.XXH3, times)
+
+    def begin_stores(self, specs: list[StoreSpec]) -> StagedStores | None:
+        """A step's stores on a GPU (None when the pool is unreachable): save_layer per layer, then finish."""
+        client = self.link.client()
+        return StagedStores(self.pool, specs, self._staging, client) if client is not None and specs else None
 
     def _copy_out(self, client, spec: StoreSpec, grants: list[tuple[int, int]], times: PhaseTimes) -> list[int]:
         """Copy the granted chunks out of vLLM's blocks into their pages; one checksum per grant, in order."""
         C, page_bytes = self.kv_layout.chunk_tokens, self.kv_layout.page_bytes
         slices = [PageSlice(index, spec.first_chunk + index, 0, C) for index, _ in grants]
         offsets = [offset for _, offset in grants]
-        self._pin(client)
         for run in copy_runs(slices, offsets, page_bytes, C, client.hello.extent_bytes):
             self._copy_run(client, offsets[run.first], run, slices[run.first].chunk, spec.block_ids, into_kv=False)
         times.mark("copy")
         checksums = self._checksums([client.page(offset, page_bytes) for offset in offsets])
         times.mark("checksum")
         return checksums
-
-    def _abort(self, client, reservation_id: int, exc: BaseException) -> None:
-        self.counters.pool_errors += 1
-        log.warning("kvshare: store failed (%s: %s); its pages are aborted", type(exc).__name__, exc)
-        if isinstance(exc, POOL_DOWN_ERRORS):
-            self.link.failed(exc)
-            return  # the daemon aborts a lost client's reservations itself
-        try:
-            client.abort(reservation_id)
-        except POOL_DOWN_ERRORS as abort_exc:
-            self.link.failed(abort_exc)
-        except PoolRequestError:
-            pass

@@ -1,0 +1,100 @@
+"""The worker side's calls to the pool: which connection a lease belongs to, drops, reserve / commit / abort.
+
+A pool that is gone or stuck never raises out of here: the call is counted (``pool_errors``), the
+link marked down, and the caller told "none" (no client, no reservation, nothing committed).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kvshare.integrations.vllm.metadata import ConnectorCounters, PhaseTimes, StoreSpec
+from kvshare.integrations.vllm.pool_link import POOL_DOWN_ERRORS, PoolLink
+from kvshare.layout import KVLayout
+from kvshare.pool.checksum import ChecksumKind
+from kvshare.pool.client import PoolRequestError
+
+log = logging.getLogger("kvshare.integrations")
+
+
+class PoolPages:
+    """One worker's pool calls, through its link, counted in its counters."""
+
+    def __init__(self, link: PoolLink, kv_layout: KVLayout, counters: ConnectorCounters) -> None:
+        self.link = link
+        self.kv_layout = kv_layout
+        self.counters = counters
+
+    def client_for(self, pool_pid: int):
+        """The client mapped onto the arena of the pool ``pool_pid`` (reconnecting once), or (None, why)."""
+        client = self.link.client()
+        if client is not None and self.link.pool_pid != pool_pid:
+            client = self.link.reconnect_now()  # the pool was restarted since our last call
+        if client is None:
+            return None, "the pool is unreachable"
+        if self.link.pool_pid != pool_pid:
+            return None, f"lease lost: it came from pool pid {pool_pid}, the pool now is pid {self.link.pool_pid}"
+        return client, ""
+
+    def drop(self, key: bytes) -> None:
+        """Remove a chunk found bad from the pool so nobody else loads it."""
+        client = self.link.client()
+        if client is None:
+            return
+        try:
+            client.drop([key])
+        except POOL_DOWN_ERRORS as exc:
+            self.counters.pool_errors += 1
+            self.link.failed(exc)
+        except PoolRequestError as exc:
+            self.counters.pool_errors += 1
+            log.warning("kvshare: the pool refused to drop a bad chunk: %s", exc)
+
+    def reserve(self, client, spec: StoreSpec, times: PhaseTimes):
+        """Pages for the spec's chunks the pool does not hold yet, or None (none granted, or a pool error)."""
+        if not spec.keys:
+            return None
+        try:
+            reservation = client.reserve(spec.namespace, list(spec.keys), self.kv_layout.page_bytes, spec.first_chunk)
+        except POOL_DOWN_ERRORS as exc:
+            self.counters.pool_errors += 1
+            self.link.failed(exc)
+            return None
+        except PoolRequestError as exc:
+            self.counters.pool_errors += 1
+            log.warning("kvshare: the pool refused a reserve: %s", exc)
+            return None
+        self.counters.skipped_stores += reservation.num_no_room
+        times.mark("reserve")
+        return reservation if reservation.grants else None
+
+    def commit(self, client, spec: StoreSpec, reservation, checksums: list[int], kind: ChecksumKind,
+               times: PhaseTimes) -> int:
+        """Make the filled pages visible with their checksums; returns pages committed (0 after a failure)."""
+        try:
+            committed = client.commit(reservation.reservation_id, checksums, kind)
+        except (PoolRequestError, *POOL_DOWN_ERRORS) as exc:
+            self.abort(client, reservation.reservation_id, exc)
+            return 0
+        times.mark("commit")
+        self.counters.stored_chunks += committed
+        self.counters.store_bytes += committed * self.kv_layout.page_bytes
+        self.counters.store_seconds += times.total
+        log.debug("kvshare timing: store %s chunks=%d %s", spec.req_id, committed, times.line())
+        return committed
+
+    def abort(self, client, reservation_id: int, exc: BaseException | None) -> None:
+        """Give reserved pages back: after a failure ``exc`` (counted, logged), or quietly (None: the step's
+        KV may not be stored, e.g. it was computed from a load that failed)."""
+        if exc is not None:
+            self.counters.pool_errors += 1
+            log.warning("kvshare: store failed (%s: %s); its pages are aborted", type(exc).__name__, exc)
+            if isinstance(exc, POOL_DOWN_ERRORS):
+                self.link.failed(exc)
+                return  # the daemon aborts a lost client's reservations itself
+        try:
+            client.abort(reservation_id)
+        except POOL_DOWN_ERRORS as abort_exc:
+            self.link.failed(abort_exc)
+        except PoolRequestError:
+            pass
