@@ -6,7 +6,10 @@ boundaries, a single page) over several page sizes and dtypes: one that divides
 the extent and crosses its boundaries, one that does not divide it, a small one.
 On CUDA (over the registered arena) each copy method adds the delay-injection
 checks: with a sleeping producer the ordered store and the waited load stay exact,
-and the deliberately unordered variants must come out wrong ("caught").
+and the deliberately unordered variants must come out wrong ("caught"). The vLLM
+connector's GPU path gets the same: a round trip, store-order and load-order with
+their controls, for every memory order of vLLM's flash-attention KV
+(kvshare.integrations.vllm.ordercheck).
 """
 
 from __future__ import annotations
@@ -52,7 +55,17 @@ def run_bytes_level(session, layouts=LAYOUTS) -> LevelResult:
                 figures["bytes_wrong"] += r.mismatched_bytes
                 if r.kind == "round_trip":
                     paths.add(r.path)
-    if not session.is_cuda:
+    if session.is_cuda:
+        for r in _vllm_staged_results(session):  # the vLLM connector's GPU path, every layout, both directions
+            rows.append(_row(r.path, r))
+            figures["bytes_checked"] += r.bytes_checked
+            if r.kind == "control":
+                figures["controls_caught"] += int(r.caught)
+            elif not r.skipped:
+                figures["bytes_wrong"] += r.mismatched_bytes
+                if r.kind == "round_trip":
+                    paths.add(r.path.split(" ")[0])
+    else:
         rows.append(Row("cuda paths", SKIP, f"device {session.device}: CUDA paths not run"))
     status = verdict_of(rows)
     if figures["extent_boundaries"] == 0:
@@ -65,6 +78,17 @@ def run_bytes_level(session, layouts=LAYOUTS) -> LevelResult:
                f"{len(layouts)} page sizes; {figures['extent_boundaries']} extent boundaries crossed; "
                f"paths run: {', '.join(sorted(paths))}; {ordering}")
     return LevelResult("bytes", status, summary, rows, figures, time.perf_counter() - started)
+
+
+def _vllm_staged_results(session) -> list:
+    """kvshare.integrations.vllm.ordercheck over the session's pool on its GPU (none if the package is absent)."""
+    import torch
+
+    try:
+        from kvshare.integrations.vllm.ordercheck import staged_checks
+    except ImportError:
+        return []
+    return staged_checks(session.client, torch.device(session.device))
 
 
 def _row(name: str, r) -> Row:

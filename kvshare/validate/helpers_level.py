@@ -5,6 +5,8 @@ references always run on CPU, element by element, from the documented memory ord
 
     engine       kv [L, 2, H, T, D] <-> pages [n, L, 2, C, H, D]       kvshare.transfer.layouts
     vllm_layout  cpu_attn, flash_attn (4-D, three memory orders), flash_attn_5d  kvshare.integrations.vllm.layout
+    vllm_staged  the same layouts <-> staged pages, the connector's GPU path  kvshare.integrations.vllm.staging
+    wsum32       the GPU-computed page checksum against the host's             kvshare.transfer.wsum
 
 with non-contiguous block tables, partially filled last blocks, token ranges that
 start and end inside blocks, and several dtypes (float32, bfloat16, float16,
@@ -121,6 +123,58 @@ def check_vllm_layout(kind, device: str, tally: Tally) -> None:
             tally.compare(f"gather {what}", out, V.reference_gather(view(slow_base), layout, start, count, block_ids))
 
 
+def check_vllm_staged(kind, device: str, tally: Tally) -> None:
+    """The GPU path's scatter/gather between staged canonical pages and vLLM's blocks (staging.py)."""
+    from kvshare.integrations.vllm import layout as V
+    from kvshare.integrations.vllm import staging as S
+    from kvshare.transfer.layouts import torch_dtype
+
+    backend, name, base_shape, view = kind
+    C = 2 * N  # a page holds two blocks
+    for d, dtype in enumerate(("float32", "bfloat16", "float8_e4m3fn")):
+        base = random_bits(base_shape, dtype, seed=400 + d)
+        layout = V.detect_layout(backend, view(base), H, D, N, torch_dtype(dtype))
+        block_ids = torch.randperm(B, generator=torch.Generator().manual_seed(d)).tolist()
+        chunks = [0, 1, 2]  # pages of chunks 0..2: every block of the table
+        staged = random_bits((len(chunks), 2, C, H, D), dtype, seed=500 + d)  # one layer of three staged pages
+        for lo, hi in ((0, C), (3, C), (0, 5), (1, 2)):  # whole pages, a load starting / ending inside a page
+            what = f"{name} {dtype} pages 0..2 tokens {lo}..{hi - 1}"
+            segment = S.Segment(0, len(chunks), lo, hi)
+            slots = tuple(t.to(device) for t in S.token_slots(block_ids, chunks, C, N))
+            fast_base, slow_base = base.clone().to(device), base.clone()
+            blocks = layout.kv_blocks(V.as_bits(view(fast_base)))
+            S.scatter_staged(blocks, V.as_bits(staged).to(device), slots, segment, 0)
+            for page, chunk in enumerate(chunks):
+                V.reference_scatter(view(slow_base), layout, staged[page, :, lo:hi], chunk * C + lo, block_ids)
+            tally.compare(f"staged scatter {what}", fast_base, slow_base)  # nothing outside the slots touched
+            out = torch.zeros_like(V.as_bits(staged)).to(device)
+            S.gather_staged(layout.kv_blocks(V.as_bits(view(fast_base))), out, slots, segment, 0)
+            want = torch.zeros_like(V.as_bits(staged))
+            for page, chunk in enumerate(chunks):
+                want[page, :, lo:hi] = V.as_bits(V.reference_gather(view(slow_base), layout, chunk * C + lo, hi - lo, block_ids))
+            tally.compare(f"staged gather {what}", out, want)
+
+
+def check_wsum32(device: str, tally: Tally) -> None:
+    """WSUM32 page checksums in torch on ``device`` (whole pages and in pieces) against the host's numpy."""
+    from kvshare.pool.checksum import wsum32
+    from kvshare.transfer.wsum import add_rows, as_unsigned, page_sums
+
+    def as_tensor(values: list[int]) -> torch.Tensor:  # unsigned 64-bit values, exactly, as int64 bits
+        return torch.tensor([v - (1 << 64) if v >= 1 << 63 else v for v in values], dtype=torch.int64)
+
+    for seed, num_words in enumerate((1, 3, 1024, 3 * 1024 + 4, 1 << 18)):
+        pages = random_bits((4, num_words), "float32", seed=600 + seed).view(torch.int32)
+        host = as_tensor([wsum32(p.numpy()) for p in pages])
+        tally.compare(f"wsum32 {num_words} words", as_tensor(as_unsigned(page_sums(pages.to(device)))), host)
+        if num_words % 4 == 0:  # the same pages summed in four pieces, in another order
+            acc = torch.zeros(4, dtype=torch.int64, device=device)
+            q = num_words // 4
+            for piece in (3, 1, 0, 2):
+                add_rows(acc, pages[:, piece * q : (piece + 1) * q].contiguous().to(device), piece * q)
+            tally.compare(f"wsum32 {num_words} words in pieces", as_tensor(as_unsigned(acc)), host)
+
+
 # -- the level -------------------------------------------------------------------------------------
 
 
@@ -131,6 +185,8 @@ def _families():
     except ImportError:
         return families, "kvshare.integrations.vllm.layout is not installed"
     families += [(f"vllm_layout {k[1]}", check_vllm_layout, k) for k in VLLM_KINDS]
+    families += [(f"vllm_staged {k[1]}", check_vllm_staged, k) for k in VLLM_KINDS]
+    families += [("wsum32 checksum", check_wsum32, None)]
     return families, ""
 
 
