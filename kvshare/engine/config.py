@@ -156,6 +156,15 @@ class EngineConfig:
     producer_delay_cycles: int = 0  # validation (CUDA): GPU sleep before prefill writes KV the pool will store
     pool_retry_s: float = 0.5  # first reconnect delay after the pool went away (doubles up to pool_retry_max_s)
     pool_retry_max_s: float = 30.0
+    # chunk-invariant prefill (kvshare.engine.grid): every prompt token's KV and logits come out the same bits
+    # whether the chunks before it were computed in this request or reused; slower cold prefill
+    deterministic: bool = False
+    grid_tokens: int | None = None  # the mode's grid: a multiple of chunk_tokens; None: chunk_tokens
+
+    @property
+    def grid_len(self) -> int:
+        """Tokens per grid chunk of the deterministic mode."""
+        return self.grid_tokens if self.grid_tokens is not None else self.chunk_tokens
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in SUPPORTED_DTYPES:
@@ -171,3 +180,9 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
             raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
+        if self.grid_tokens is not None:
+            if not self.deterministic:
+                raise ValueError("grid_tokens sets the grid of the deterministic mode: it needs deterministic=True")
+            if self.grid_tokens <= 0 or self.grid_tokens % self.chunk_tokens:
+                raise ValueError(f"grid_tokens must be a positive multiple of chunk_tokens {self.chunk_tokens}, "
+                                 f"got {self.grid_tokens}")

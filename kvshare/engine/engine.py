@@ -24,6 +24,8 @@ import numpy as np
 import torch
 
 from kvshare.engine.config import EngineConfig
+from kvshare.engine.grid import grid_forward
+from kvshare.engine.grid_check import start_grid
 from kvshare.engine.kv_cache import KVBuffer
 from kvshare.engine.loader import load_model, resolve_device
 from kvshare.engine.pool_link import PoolLink, PoolLoad
@@ -55,6 +57,7 @@ class Provenance:
     local_tokens: int
     pool_tokens: int
     computed_tokens: int
+    is_deterministic: bool = False  # prefilled on the deterministic mode's grid (kvshare.engine.grid)
 
 
 @dataclass
@@ -79,10 +82,13 @@ class Engine:
                              f"{mc.max_position_embeddings}")
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.dtype, config.chunk_tokens)
+        # the deterministic mode: its self-test refuses it (GridCheckFailed) where this device's kernels are not exact
+        self.grid = start_grid(self.model, self.device, config.grid_len, config.chunk_tokens) if config.deterministic else None
         self.namespace = Namespace(
             model_id=self.model_name, weights_fingerprint=loaded.weights_fingerprint, kv_dtype=mc.dtype,
             num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
             chunk_tokens=config.chunk_tokens, engine_family="builtin",
+            **(self.grid.namespace_fields() if self.grid is not None else {}),
         )
         self._digests: OrderedDict[str, bytes] = OrderedDict()  # namespace salt -> digest, LRU
         self._kv = KVBuffer(self.layout, TORCH_DTYPES[mc.dtype], self.device, self.max_model_len)
@@ -223,6 +229,8 @@ class Engine:
         c = self.layout.chunk_tokens
         n = len(ids)
         reusable = min(len(keys), (n - 1) // c)  # always leave at least one token to compute
+        if self.grid is not None:
+            reusable = self.grid.reusable_chunks(reusable)  # the deterministic mode reuses up to a grid boundary
         # the prompt goes to the device before the load is enqueued: a pageable host->device copy queued
         # behind the load's copies on the copy engine would hold the host (and the compute) until they end
         prompt_ids = torch.from_numpy(ids).to(self.device)
@@ -238,12 +246,19 @@ class Engine:
         try:
             if self._pool is not None and self.config.producer_delay_cycles:
                 self._pool.inject_producer_delay()  # validation: the store must still wait for this prefill
-            cached_len = (local_chunks + load.num_chunks) * c
-            logits = self.model(prompt_ids[cached_len:], kv, cached_len, self.config.prefill_chunk_tokens, before_layer=load.before_layer)
+            pool_chunks = load.num_chunks
+            if self.grid is None:
+                cached_len = (local_chunks + pool_chunks) * c
+                logits = self.model(prompt_ids[cached_len:], kv, cached_len, self.config.prefill_chunk_tokens, before_layer=load.before_layer)
+            else:
+                local_chunks, pool_chunks = self.grid.usable_prefix(local_chunks, load)
+                cached_len = (local_chunks + pool_chunks) * c
+                logits = grid_forward(self.model, prompt_ids[cached_len:], kv, cached_len, self.grid.grid_tokens,
+                                      before_layer=load.before_layer)
         finally:
             if self._pool is not None:
                 self._pool.finish_load(load)
-        provenance = Provenance(local_chunks * c, load.num_chunks * c, n - cached_len)
+        provenance = Provenance(local_chunks * c, pool_chunks * c, n - cached_len, self.grid is not None)
         return logits, provenance
 
     @torch.inference_mode()

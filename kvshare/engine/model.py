@@ -217,10 +217,10 @@ class Transformer(nn.Module):
         out = torch.empty(x.shape[0], self.config.vocab_size, dtype=torch.float32, device=x.device)
         for a in range(0, x.shape[0], chunk_tokens):
             b = min(x.shape[0], a + chunk_tokens)
-            self._logits(self.model.norm(x[a:b]), out[a:b])
+            self.logits(self.model.norm(x[a:b]), out[a:b])
         return out
 
-    def _logits(self, h: Tensor, out: Tensor) -> None:
+    def logits(self, h: Tensor, out: Tensor) -> None:
         """out [n, V] float32 <- h [n, E] @ W^T. bf16/fp16 weights are upcast one vocabulary slice at a
         time: logits rounded to bf16 tie often (steps of 0.125 at |logit| ~ 20), which would make greedy
         choices depend on rounding noise."""
