@@ -33,13 +33,14 @@ import torch
 from kvshare.engine.model import CUDA_DECODE_SDPA_BACKENDS, CUDA_SDPA_BACKENDS, DecoderLayer, RMSNorm, rope_cos_sin, rope_inv_freq
 from kvshare.engine.presets import PRESETS
 from kvshare.integrations.vllm.hooks import WorkerHooks
-from kvshare.integrations.vllm.layout import as_bits, gather_tokens, scatter_tokens, slots_of_positions
+from kvshare.integrations.vllm.layout import as_bits, slots_of_positions
 from kvshare.integrations.vllm.metadata import WorkerReport
 from kvshare.integrations.vllm.options import ConnectorConfig
 from kvshare.integrations.vllm.paged_tensors import paged_layers
 from kvshare.integrations.vllm.plan import tokens_to_load
 from kvshare.integrations.vllm.pool_link import PoolLink
 from kvshare.integrations.vllm.scheduler import PoolScheduler, ScheduledRequest
+from kvshare.integrations.vllm.staging import widen, word_bytes
 from kvshare.integrations.vllm.worker import PoolKVWorker
 from kvshare.keys import Namespace
 from kvshare.layout import KVLayout
@@ -96,6 +97,9 @@ class Replica:
                                                   c.head_dim, self.model.dtype, self.device)
         blocks = list(range(num_blocks))
         self.block_ids = blocks if args.role == "A" else blocks[::-1]  # B: descending, as a long-running vLLM
+        # [2, B, N, H, D'] views of each layer as wide integers, as the connector's GPU path indexes them
+        self.word_bytes = word_bytes(self.kv_layers, self.paged)
+        self.blocks = [widen(self.paged.kv_blocks(as_bits(layer)), self.word_bytes) for layer in self.kv_layers]
         self.scratch = torch.zeros(2, c.num_kv_heads, args.tokens, c.head_dim, dtype=self.model.dtype, device=self.device)
         config = ConnectorConfig(pool_socket=args.socket, chunk_tokens=CHUNK, replica=args.role)
         namespace = Namespace(f"harness-{args.preset}", "0" * 32, c.dtype, c.num_layers, c.num_kv_heads, c.head_dim,
@@ -147,23 +151,28 @@ class Replica:
         cos, sin = rope_cos_sin(m.inv_freq, start, end - start, m.dtype)
         new = slots_of_positions(torch.arange(start, end), self.block_ids, BLOCK_SIZE, self.device)
         old = slots_of_positions(torch.arange(0, start), self.block_ids, BLOCK_SIZE, self.device) if start else None
+        step_kv = self.words(self.scratch[:, :, start:end].permute(0, 2, 1, 3))  # [2, T, H, D'] of this step
+        prefix_kv = self.words(self.scratch[:, :, :start].permute(0, 2, 1, 3))  # [2, start, H, D']
         backends = CUDA_SDPA_BACKENDS if start == 0 else CUDA_DECODE_SDPA_BACKENDS  # flash for a suffix: deterministic
         kernels = torch.nn.attention.sdpa_kernel(backends) if self.device.type == "cuda" else contextlib.nullcontext()
         with torch.inference_mode(), kernels:
-            for index, kv_layer in enumerate(self.kv_layers):
-                def before_attention(kv_layer=kv_layer, index=index):
+            for index, blocks in enumerate(self.blocks):
+                def before_attention(blocks=blocks, index=index):
                     # vLLM's KV update: the step's K/V into its slots; then wait for the layer's load; then
                     # attention's read of the layer's blocks (gathered into the contiguous scratch)
-                    scatter_tokens(kv_layer, self.paged, self.scratch[:, :, start:end].permute(0, 2, 1, 3), new)
+                    blocks[:, new[0], new[1]] = step_kv
                     if hooks is not None:
                         hooks.wait_layer(index)
                     if old is not None:
-                        gather_tokens(kv_layer, self.paged, old, self.scratch[:, :, :start].permute(0, 2, 1, 3))
+                        prefix_kv.copy_(blocks[:, old[0], old[1]])
 
                 x = m.layer(x, self.scratch, start, cos, sin, MLP_CHUNK, before_attention)
                 if hooks is not None:
                     hooks.save_layer(index, plan)
             return m.norm(x).float() @ m.head.T
+
+    def words(self, t: torch.Tensor) -> torch.Tensor:
+        return widen(as_bits(t), self.word_bytes)
 
     def timed(self, fn):
         sync(self.device)

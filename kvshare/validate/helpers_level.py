@@ -142,13 +142,14 @@ def check_vllm_staged(kind, device: str, tally: Tally) -> None:
             segment = S.Segment(0, len(chunks), lo, hi)
             slots = tuple(t.to(device) for t in S.token_slots(block_ids, chunks, C, N))
             fast_base, slow_base = base.clone().to(device), base.clone()
-            blocks = layout.kv_blocks(V.as_bits(view(fast_base)))
-            S.scatter_staged(blocks, V.as_bits(staged).to(device), slots, segment, 0)
+            width = S.word_bytes([view(fast_base)], layout)  # the wide words the GPU path indexes, as it does
+            blocks = S.widen(layout.kv_blocks(V.as_bits(view(fast_base))), width)
+            S.scatter_staged(blocks, S.widen(V.as_bits(staged).to(device), width), slots, segment, 0)
             for page, chunk in enumerate(chunks):
                 V.reference_scatter(view(slow_base), layout, staged[page, :, lo:hi], chunk * C + lo, block_ids)
             tally.compare(f"staged scatter {what}", fast_base, slow_base)  # nothing outside the slots touched
             out = torch.zeros_like(V.as_bits(staged)).to(device)
-            S.gather_staged(layout.kv_blocks(V.as_bits(view(fast_base))), out, slots, segment, 0)
+            S.gather_staged(blocks, S.widen(out, width), slots, segment, 0)
             want = torch.zeros_like(V.as_bits(staged))
             for page, chunk in enumerate(chunks):
                 want[page, :, lo:hi] = V.as_bits(V.reference_gather(view(slow_base), layout, chunk * C + lo, hi - lo, block_ids))

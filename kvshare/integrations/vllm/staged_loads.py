@@ -73,7 +73,8 @@ class StagedLoads:
         self._refused: dict[str, str] = {}  # request id -> why its load could not be planned
         self._acc: torch.Tensor | None = None
         try:
-            self._enqueue()
+            with torch.inference_mode():  # vLLM's KV may be inference tensors; ours are, whoever calls
+                self._enqueue()
         except Exception as exc:  # reported by finish(): the loads fail, vLLM recomputes
             log.error("kvshare: enqueueing the step's loads failed", exc_info=True)
             self._error = exc

@@ -71,6 +71,7 @@ class StagedStores:
         self._last_gather, self._start, self._end = Event(), Event(enable_timing=True), Event(enable_timing=True)
         self._started = False
 
+    @torch.inference_mode()  # vLLM's KV may be inference tensors; ours are, whoever calls
     def _reserve(self) -> None:
         """Reserve pages for every spec (the pool grants chunks it does not hold) and plan their copies."""
         self._plans = []
@@ -105,6 +106,7 @@ class StagedStores:
         if self._plans and index == self.engine.groups[group][1] - 1 and not self._enqueued[group]:
             self._enqueue([group])
 
+    @torch.inference_mode()
     def _enqueue(self, groups: list[int]) -> None:
         engine = self.engine
         reshape, copy, buffers = engine.store_reshape, engine.store_copy, engine.store_buffers

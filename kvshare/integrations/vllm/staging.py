@@ -89,7 +89,10 @@ class StagingEngine:
         self.group_of_layer = [g for g, (l0, l1) in enumerate(self.groups) for _ in range(l0, l1)]
         widest = max(l1 - l0 for l0, l1 in self.groups) * kv_layout.layer_bytes
         pages_per_unit(config.staging_bytes, widest)  # refuses staging that cannot hold one page's row
-        self.blocks = [paged.kv_blocks(as_bits(layer)) for layer in layers]  # [2, B, N, H, D] integer views
+        # [2, B, N, H, D'] views of vLLM's layers as the widest integers that tile a head's D elements (the
+        # index kernels move a few wide words instead of many 2-byte ones), staged pages viewed alike
+        self.word_bytes = word_bytes(layers, paged)
+        self.blocks = [widen(paged.kv_blocks(as_bits(layer)), self.word_bytes) for layer in layers]
         with self._on_device():
             # high priority: the scatters get SMs ahead of long compute kernels, so the copies keep flowing
             self.load_copy = torch.cuda.Stream(self.device, priority=-1)
@@ -137,8 +140,8 @@ class StagingEngine:
         self.copier.copy(unit.copies, client, self.registration.base_ptr, buffer, stream, to_device)
 
     def staged(self, buffer: torch.Tensor, unit: Unit) -> torch.Tensor:
-        """The unit's pages in ``buffer`` as integers ``[n, g, 2, C, H, D]``."""
-        return chunks_view(buffer, self.kv_layout, unit.num_pages, unit.num_layers)
+        """The unit's pages in ``buffer`` as integers ``[n, g, 2, C, H, D']`` (words of ``word_bytes``)."""
+        return widen(chunks_view(buffer, self.kv_layout, unit.num_pages, unit.num_layers), self.word_bytes)
 
     def rows(self, buffer: torch.Tensor, unit: Unit) -> torch.Tensor:
         """The unit's pages in ``buffer`` as 32-bit words ``[n, g * layer_bytes / 4]`` (for WSUM32)."""
@@ -179,6 +182,29 @@ class StagingEngine:
             self._hash_pool.shutdown(wait=True)
             self._hash_pool = None
         self._release_registration()
+
+
+_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def widen(t: torch.Tensor, width: int) -> torch.Tensor:
+    """``t`` (an integer view) with its last axis as integers of ``width`` bytes: the same memory."""
+    return t if t.element_size() == width else t.view(_WORDS[width])
+
+
+def word_bytes(layers: list[torch.Tensor], paged: PagedLayout) -> int:
+    """The widest integer (8, 4, 2 or 1 bytes) that tiles a head's ``D`` elements in every layer's view."""
+    itemsize = layers[0].element_size()
+    for width in (8, 4, 2, 1):
+        if width < itemsize or (paged.head_dim * itemsize) % width:
+            continue
+        try:
+            for layer in layers:
+                widen(paged.kv_blocks(as_bits(layer)), width)
+        except RuntimeError:  # a stride or an offset that is not a multiple of the width
+            continue
+        return width
+    return itemsize
 
 
 def token_slots(block_ids, chunks: list[int], chunk_tokens: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
