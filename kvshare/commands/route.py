@@ -19,23 +19,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="require this bearer token on /v1/ and /admin/ (repeatable); it is passed on to replicas")
     p.add_argument("--write-timeout", type=float, default=30.0,
                    help="seconds a client may take to accept one write of a response before it is dropped")
+    p.add_argument("--instance-id", default="", help="an id /health reports (kvshare up checks it is its child)")
 
 
 def run(args: argparse.Namespace) -> int:
     from aiohttp import web
 
     from kvshare.errors import UserError
+    from kvshare.preflight import check_ports_free
     from kvshare.router.proxy import RouterConfig, RouterServer
 
     try:
         config = RouterConfig(replicas=tuple(args.replica), policy=args.policy, host=args.host, port=args.port,
                               health_interval_s=args.health_interval, session_header=args.session_header,
                               session_ttl_s=args.session_ttl, api_keys=tuple(args.api_key),
-                              write_timeout_s=args.write_timeout)
+                              write_timeout_s=args.write_timeout, instance_id=args.instance_id)
     except ValueError as exc:
         raise UserError(str(exc)) from None
+    check_ports_free(config.host, {config.port: "the router"})
     server = RouterServer(config)
     ready = f"kvshare router ready: http://{config.host}:{config.port} policy={config.policy}"
-    web.run_app(server.app(), host=config.host, port=config.port, print=lambda _: print(ready, flush=True),
-                access_log=None)
+    try:
+        web.run_app(server.app(), host=config.host, port=config.port, print=lambda _: print(ready, flush=True),
+                    access_log=None)
+    except OSError as exc:  # the port was taken after the check
+        raise UserError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}") from None
     return 0

@@ -70,6 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="an audit tolerates a divergence at a step whose top-2 logprob gap is below this")
     p.add_argument("--write-timeout", type=float, default=30.0,
                    help="seconds a streaming client may take to accept one write before it is dropped")
+    p.add_argument("--instance-id", default="", help="an id /health reports (kvshare up checks it is its child)")
 
 
 def engine_config(args: argparse.Namespace):
@@ -91,7 +92,7 @@ def serve_config(args: argparse.Namespace):
                        max_body_bytes=args.max_body_size, max_requests=args.max_requests,
                        max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens_limit,
                        api_keys=tuple(args.api_key), tenant_header=args.tenant_header,
-                       write_timeout_s=args.write_timeout,
+                       write_timeout_s=args.write_timeout, instance_id=args.instance_id,
                        audit=AuditConfig(rate=args.audit_rate, num_tokens=args.audit_tokens,
                                          gap_threshold=args.audit_gap_threshold))
 
@@ -106,15 +107,20 @@ def run(args: argparse.Namespace) -> int:
     from aiohttp import web
 
     from kvshare.errors import UserError
+    from kvshare.preflight import check_ports_free
     from kvshare.serve.server import ReplicaServer
 
     try:
         config = serve_config(args)
+        check_ports_free(config.host, {config.port: "this replica"})  # before the model loads
         engine = build_engine(args)
         server = ReplicaServer(engine, config)
     except (ValueError, FileNotFoundError) as exc:
         raise UserError(str(exc)) from None
     ready = f"kvshare replica ready: http://{config.host}:{config.port} model={server.served.name}"
-    web.run_app(server.app(), host=config.host, port=config.port, print=lambda _: print(ready, flush=True),
-                access_log=None)
+    try:
+        web.run_app(server.app(), host=config.host, port=config.port, print=lambda _: print(ready, flush=True),
+                    access_log=None)
+    except OSError as exc:  # the port was taken while the model loaded
+        raise UserError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}") from None
     return 0

@@ -49,10 +49,14 @@ class RouterConfig:
     api_keys: tuple[str, ...] = ()  # empty: no authentication
     write_timeout_s: float = 30.0  # a client that takes longer to accept one write of a response is dropped
     stream_buffer_bytes: int = 256 << 10  # kernel send buffer towards a client (kvshare.serve.server.limit_send_buffer)
+    instance_id: str = ""  # --instance-id: kvshare up's id of this process, reported by /health
 
     def __post_init__(self) -> None:
         if not self.replicas:
             raise ValueError("give at least one --replica URL")
+        for url in self.replicas:
+            if not url.startswith(("http://", "https://")) or len(url.split("://", 1)[1].strip("/")) == 0:
+                raise ValueError(f"--replica {url}: give the replica's URL with its scheme, e.g. http://{url}")
         if any(not key or key != key.strip() for key in self.api_keys):
             raise ValueError("an API key must be non-empty and carry no surrounding spaces")
         if self.write_timeout_s <= 0:
@@ -164,7 +168,8 @@ class RouterServer:
                      "error": r.last_error} for r in self.replicas]
         ok = any(r.is_healthy and not r.is_draining for r in self.replicas)
         return web.json_response({"status": "ok" if ok else "unavailable", "policy": self.config.policy,
-                                  "replicas": replicas}, status=200 if ok else 503)
+                                  "replicas": replicas, "instance_id": self.config.instance_id},
+                                 status=200 if ok else 503)
 
     async def ping(self, request: web.Request) -> web.Response:
         """GET or POST /ping (vLLM's): 200 with an empty body while some replica can take requests."""

@@ -53,6 +53,7 @@ class ServeConfig:
     write_timeout_s: float = 30.0  # a client that takes longer to accept one write of a stream is dropped
     stream_buffer_bytes: int = 256 << 10  # kernel send buffer of a stream (bounds what a stalled client holds)
     audit: AuditConfig = AuditConfig()  # --audit-rate: recompute a sample of reused requests cold (serve/audit.py)
+    instance_id: str = ""  # --instance-id: kvshare up's id of this process, reported by /health
 
     def __post_init__(self) -> None:
         if self.max_body_bytes <= 0 or self.max_requests <= 0 or self.max_tokens_limit <= 0:
@@ -163,8 +164,12 @@ class ReplicaServer:
         return web.Response(status=200)
 
     async def health(self, request: web.Request) -> web.Response:
+        """200 while the replica can serve: a pool it cannot reach makes requests cold, not failed ("pool")."""
+        stats = _as_dict(self.engine.stats())
+        pool = "connected" if stats.get("is_pool_connected") else "unreachable" if stats.get("is_pool_configured") else "off"
         return web.json_response({"status": "ok", "replica": self.config.replica_name,
-                                  "waiting": self.worker.num_waiting, "running": self.worker.num_running})
+                                  "waiting": self.worker.num_waiting, "running": self.worker.num_running,
+                                  "pool": pool, "instance_id": self.config.instance_id})
 
     async def metrics_text(self, request: web.Request) -> web.Response:
         self.metrics.waiting.set(self.worker.num_waiting)
