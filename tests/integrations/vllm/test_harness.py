@@ -83,3 +83,10 @@ def test_a_tiny_dry_run_on_cpu_end_to_end(harness, tmp_path):
     assert row["prefix_tokens"] == 496 and row["load_complete"] and row["tokens_equal"] and row["logits_bitwise_equal"]
     assert row["raw"]["A"]["stored_chunks"] == 2 + 2  # the store-bandwidth pass's two chunks, then the prompt's
     assert row["store_bytes"] == 2 * 2 << 20  # two pages of the tiny preset (8 layers x 2 x 256 x 2 x 64 x 4 bytes)
+
+
+def test_cases_past_the_budget_are_skipped_with_a_row(harness, tmp_path, monkeypatch):
+    monkeypatch.setattr(harness, "run_case", lambda case, device, timeout_s: (_ for _ in ()).throw(RuntimeError("boom")))
+    assert harness.main(["--out", str(tmp_path), "--cases", "tiny:512,tiny:1024", "--device", "cpu", "--budget-s", "1e-9"]) == 1
+    rows = json.loads((tmp_path / "vllm_harness.json").read_text())["cases"]
+    assert [r["error"].split(":")[0] for r in rows] == ["skipped", "skipped"]
