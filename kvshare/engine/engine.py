@@ -106,7 +106,8 @@ class Engine:
                                                producer_delay_cycles=config.producer_delay_cycles),
                 retry_s=config.pool_retry_s, retry_max_s=config.pool_retry_max_s, name=f"engine:{self.model_name}",
             )
-            self._pool.connected()  # connect (and register the arena) now rather than in the first request
+            # connect (and register the arena) now, and reconnect while no request runs when the pool goes away
+            self._pool.start(idle_lock=self._lock)
 
     # -- public API ------------------------------------------------------------------
 

@@ -4,12 +4,21 @@ The pool is an accelerator, never a dependency: when it cannot be reached
 (PoolUnavailable, a timeout) the request goes cold, the event is counted, and the
 link reconnects later with exponential backoff. A page whose checksum does not
 match is dropped from the pool and recomputed; a reserve without room stores less.
+
+``start()`` also watches the link from a thread: while the pool is away it tries
+again whenever the backoff allows (a warning each time), without waiting for a
+request, and it notices a pool that closed the connection (a restarted pool) and
+connects to the new one. A client may be in use by a request (reading the arena),
+so the watcher drops one only while it holds the engine's request lock, taken
+without waiting; otherwise the request's next use reconnects.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+import weakref
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -66,32 +75,72 @@ class PoolLink:
         self._retry_s, self._retry_max_s = retry_s, retry_max_s
         self._delay = retry_s
         self._next_try = 0.0
+        self._lock = threading.Lock()  # connect and drop: the request thread and the watcher
+        self._closed = threading.Event()
+        self._is_stale = False  # the watcher saw the pool close the connection; the next use reconnects
+        self._idle_lock: threading.Lock | None = None
         self.client: PoolClient | None = None
         self.transfer = None
         self._cold_seconds: float | None = None  # the last cold prefill's time, reported with its store
+        stats.is_pool_configured = True
 
     # -- connection ------------------------------------------------------------------
 
+    def start(self, idle_lock: threading.Lock | None = None, watch_interval_s: float = 0.5) -> None:
+        """Connect now (rather than in the first request) and watch the link until close().
+
+        ``idle_lock``: held by whoever runs requests (the engine's); free means no request uses the client.
+        """
+        self._idle_lock = idle_lock
+        self.connected()
+        ref = weakref.ref(self)  # the watcher ends when the link is collected, too
+        threading.Thread(target=_watch, args=(ref, self._closed, watch_interval_s), daemon=True,
+                         name=f"pool watch {self.name}").start()
+
     def connected(self) -> bool:
-        """True when the pool is usable now; tries to (re)connect when the backoff allows."""
-        if self.client is not None and self.client.is_connected:
-            return True
-        self._drop_client()
-        if self._clock() < self._next_try:
+        """True when the pool is usable now; tries to (re)connect when the backoff allows. The request thread's call."""
+        with self._lock:
+            if self.client is not None and self.client.is_connected and not self._is_stale:
+                return True
+            self._drop_client()
+            return self._connect_when_due()
+
+    def _watch_once(self) -> None:
+        with self._lock:
+            if self.client is None:
+                self._connect_when_due()
+                return
+            if not self._is_stale and self.client.is_peer_closed():
+                self._is_stale = True
+                self.stats.is_pool_connected = False
+                log.warning("the pool at %s closed the connection; reconnecting", self.socket_path)
+            if self._is_stale and self._idle_lock is not None and self._idle_lock.acquire(blocking=False):
+                try:  # no request runs (nor can start): the client is ours to replace
+                    self._drop_client()
+                    self._connect_when_due()
+                finally:
+                    self._idle_lock.release()
+
+    def _connect_when_due(self) -> bool:
+        if self._clock() < self._next_try or self._closed.is_set():
             return False
         try:
             client = PoolClient(self.socket_path, name=self.name, verify_checksums=self.verify_checksums).connect()
         except _LOST as exc:
-            self._schedule_retry(f"pool unavailable: {exc}")
+            self._schedule_retry(f"the pool at {self.socket_path} is unreachable ({exc}); serving without it")
             return False
         try:
             self.transfer = make_transfer(self.layout, client, self.device, self.transfer_config)
         except BaseException:
             client.close()
+            self._schedule_retry(f"cannot use the pool at {self.socket_path}")  # the watcher tries later, not at once
             raise
+        if self.stats.pool_connects:
+            log.warning("connected to the pool at %s again", self.socket_path)
         self.client = client
         self._delay = self._retry_s
         self.stats.pool_connects += 1
+        self.stats.is_pool_connected = True
         return True
 
     def _schedule_retry(self, reason: str) -> None:
@@ -100,20 +149,26 @@ class PoolLink:
         self._delay = min(self._delay * 2, self._retry_max_s)
 
     def _lost(self, exc: BaseException) -> None:
-        self._drop_client()
-        self.stats.pool_unavailable += 1
-        self._schedule_retry(f"lost the pool: {exc}")
+        with self._lock:
+            self._drop_client()
+            self.stats.pool_unavailable += 1
+            self._schedule_retry(f"lost the pool: {exc}")
 
     def _drop_client(self) -> None:
+        """Close the client and its transfer (holding self._lock, in the request thread or at close)."""
         if self.transfer is not None:
             self.transfer.close()
         if self.client is not None:
             self.client.close()
         self.client = None
         self.transfer = None
+        self._is_stale = False
+        self.stats.is_pool_connected = False
 
     def close(self) -> None:
-        self._drop_client()
+        self._closed.set()
+        with self._lock:
+            self._drop_client()
 
     def inject_producer_delay(self) -> None:
         """Validation: a GPU sleep on the compute stream before it writes KV that will be stored."""
@@ -239,6 +294,19 @@ class PoolLink:
         except PoolRequestError as exc:
             self.stats.pool_errors += 1
             log.warning("the pool refused a store: %s", exc)
+
+
+def _watch(ref: "weakref.ref[PoolLink]", closed: threading.Event, interval_s: float) -> None:
+    """The watcher thread: holds the link only while it looks at it."""
+    while not closed.wait(interval_s):
+        link = ref()
+        if link is None:
+            return
+        try:
+            link._watch_once()
+        except Exception:  # a transfer that cannot be set up: the request path will raise it
+            log.exception("watching the pool link failed")
+        del link
 
 
 def _consecutive_runs(grants: list[tuple[int, int]]) -> list[tuple[int, list[int]]]:

@@ -150,6 +150,18 @@ class PoolClient:
     def is_connected(self) -> bool:
         return self._sock is not None
 
+    def is_peer_closed(self) -> bool:
+        """True when the pool has closed this connection; looks without reading, so any thread may ask."""
+        sock = self._sock
+        if sock is None:
+            return True
+        try:
+            return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except (BlockingIOError, InterruptedError):
+            return False  # open, nothing to read
+        except OSError:
+            return True
+
     def _close_socket(self) -> None:
         if self._sock is not None:
             self._sock.close()

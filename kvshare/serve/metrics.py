@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
@@ -39,6 +39,9 @@ class _EngineCollector(Collector):
         for key, (name, doc) in ENGINE_COUNTERS.items():
             if key in stats:
                 yield CounterMetricFamily(name, doc, value=stats[key])
+        if stats.get("is_pool_configured"):  # a replica started with --pool SOCKET
+            yield GaugeMetricFamily("kvshare:pool_connected", "1 while the replica is connected to its pool",
+                                    value=int(bool(stats.get("is_pool_connected"))))
 
 
 class ReplicaMetrics:
