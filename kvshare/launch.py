@@ -2,16 +2,20 @@
 
 Children run in their own process group (a Ctrl-C reaches only ``up``, which then
 stops them in order: router, replicas, pool) and get SIGTERM from the kernel if
-``up`` itself dies (PR_SET_PDEATHSIG), so nothing is orphaned. The pool's arena is
-a memfd and its socket lives in a private temporary directory that is removed on
-exit: no shared-memory segment or socket is left behind.
+``up`` itself dies (PR_SET_PDEATHSIG), so nothing is orphaned (kvshare.children).
+The pool's arena is a memfd and its socket lives in a private temporary directory
+that is removed on exit: no shared-memory segment or socket is left behind.
+
+Before anything starts, the model, the ports and the pool's size are checked
+(kvshare.preflight); a child is ready when what answers is that child (its /health
+reports the instance id it was started with). ``kvshare up`` then supervises the
+children (kvshare.supervisor): ``restart`` starts one again from the same command.
 """
 
 from __future__ import annotations
 
-import ctypes
+import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -20,14 +24,9 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
-from kvshare.pool.spawn import stop_process, wait_for_pool
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+from kvshare.children import Child, ChildSpec, describe_exit, start_child
+from kvshare.pool.client import PoolUnavailable
+from kvshare.pool.spawn import kvshare_command, kvshare_env, stop_process, wait_for_pool
 
 
 @dataclass(frozen=True)
@@ -71,6 +70,7 @@ class Cluster:
     config: ClusterConfig
     pool_socket: str | None = None
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+    children: dict[str, Child] = field(default_factory=dict)  # how each was started, its output
     _tmp: tempfile.TemporaryDirectory | None = None
 
     @property
@@ -81,39 +81,63 @@ class Cluster:
     def replica_urls(self) -> list[str]:
         return [self.config.replica_url(i) for i in range(self.config.num_replicas)]
 
-    def _spawn(self, name: str, args: list[str], env: dict | None = None) -> subprocess.Popen:
-        out = None if self.config.log_level in ("DEBUG", "INFO") else subprocess.DEVNULL
-        proc = subprocess.Popen(args, stdout=out, start_new_session=True, preexec_fn=_die_with_parent, env=env)
-        self.processes[name] = proc
-        return proc
+    def _spawn(self, spec: ChildSpec) -> subprocess.Popen:
+        child = start_child(spec, is_verbose=self.config.log_level in ("DEBUG", "INFO"))
+        self.children[spec.name] = child
+        self.processes[spec.name] = child.proc
+        return child.proc
 
     def start(self, progress=None) -> "Cluster":
         cfg = self.config
-        kv = [sys.executable, "-m", "kvshare", "--log-level", cfg.log_level]
+        kv = kvshare_command(cfg.log_level)
         try:
             self._preflight()
             if cfg.pool_size is not None:
                 self._tmp = tempfile.TemporaryDirectory(prefix="kvshare-up-")
                 os.chmod(self._tmp.name, 0o700)
                 self.pool_socket = os.path.join(self._tmp.name, "pool.sock")
-                proc = self._spawn("pool", kv + ["pool", "--size", cfg.pool_size, "--socket", self.pool_socket,
-                                                 *cfg.pool_args])
-                wait_for_pool(self.pool_socket, proc=proc)
+                self._spawn(ChildSpec("pool", (*kv, "pool", "--size", str(cfg.pool_size), "--socket",
+                                               self.pool_socket, *cfg.pool_args), kvshare_env()))
+                self._wait_pool()
                 _say(progress, "pool ready")
             for i in range(cfg.num_replicas):
-                self._spawn(f"replica{i}", *self._replica_command(i, kv))
+                argv, env = self._replica_command(i, kv)
+                self._spawn(ChildSpec(f"replica{i}", tuple(argv), env, url=cfg.replica_url(i),
+                                      takes_instance_id=cfg.engine == "builtin"))
             for i, url in enumerate(self.replica_urls):
-                self._wait_http(f"replica{i}", url)
+                self._wait_http(f"replica{i}")
                 _say(progress, f"replica {i} ready at {url}")
-            self._spawn("router", kv + ["route", "--policy", cfg.policy, "--host", cfg.host, "--port", str(cfg.port),
-                                        *sum((["--replica", u] for u in self.replica_urls), []),
-                                        *_key_args(cfg.api_keys), *cfg.router_args])
-            self._wait_http("router", self.router_url)
+            self._spawn(ChildSpec("router", (*kv, "route", "--policy", cfg.policy, "--host", cfg.host,
+                                             "--port", str(cfg.port),
+                                             *sum((["--replica", u] for u in self.replica_urls), []),
+                                             *_key_args(cfg.api_keys), *cfg.router_args),
+                                  kvshare_env(), url=self.router_url, takes_instance_id=True))
+            self._wait_http("router")
             _say(progress, f"router ready at {self.router_url}")
         except BaseException:
             self.stop()
             raise
         return self
+
+    def restart(self, name: str) -> None:
+        """Start child ``name`` again from the command it was first started with (a fresh instance id)."""
+        self._spawn(self.children[name].spec)
+
+    def is_ready(self, name: str) -> bool:
+        """One quick look: does child ``name`` answer now (the pool its socket, the others /health as themselves)?"""
+        child = self.children[name]
+        if child.spec.url is None:
+            try:
+                wait_for_pool(self.pool_socket, timeout_s=0)
+            except PoolUnavailable:
+                return False
+            return True
+        return health_answer(child.spec.url, child.instance_id, timeout_s=1.0) == "ready"
+
+    def output_lines(self, name: str) -> list[str]:
+        """The last lines child ``name`` wrote to stderr (waiting briefly for the rest when it exited)."""
+        child = self.children.get(name)
+        return child.output.lines() if child is not None else []
 
     def _replica_command(self, i: int, kv: list[str]) -> tuple[list[str], dict | None]:
         cfg = self.config
@@ -134,10 +158,10 @@ class Cluster:
                 max_num_batched_tokens=DEFAULT_CHUNK_TOKENS, extra_args=cfg.replica_args,
             ))
             return spec.argv, spec.env
-        args = kv + ["serve", "--model", cfg.model, "--device", cfg.device, "--host", cfg.host, "--port", str(port),
+        args = [*kv, "serve", "--model", cfg.model, "--device", cfg.device, "--host", cfg.host, "--port", str(port),
                      "--replica-name", f"replica{i}", "--pool", self.pool_socket or "off", *_key_args(cfg.api_keys),
                      *(["--tenant-header", cfg.tenant_header] if cfg.tenant_header else []), *cfg.replica_args]
-        return args, _cpu_threads_env(cfg)
+        return args, kvshare_env(_cpu_threads_env(cfg))
 
     def _served_name(self) -> str:
         """vLLM's rule, and `kvshare serve`'s: the model id is the --model argument as given (a path stays a path)."""
@@ -158,21 +182,58 @@ class Cluster:
         return path
 
     def _preflight(self) -> None:
-        if self.config.engine == "vllm":
+        """The model, the ports, the pool's size (kvshare.preflight) and vLLM's interpreter, before anything starts."""
+        from kvshare import preflight
+        from kvshare.errors import UserError
+        from kvshare.keys import DEFAULT_CHUNK_TOKENS
+        from kvshare.pool.daemon import DEFAULT_EXTENT_BYTES
+        from kvshare.units import parse_size
+
+        cfg = self.config
+        preflight.check_model(cfg.model)
+        preflight.check_ports_free(cfg.host, {cfg.port: "the router", **{
+            cfg.port + 1 + i: f"replica{i}" for i in range(cfg.num_replicas)}})
+        if cfg.pool_size is not None:
+            try:
+                size = parse_size(str(cfg.pool_size))
+                extent = parse_size(_flag_value(cfg.pool_args, "--extent-size") or str(DEFAULT_EXTENT_BYTES))
+                chunk_tokens = int(_flag_value(cfg.replica_args, "--chunk-tokens") or DEFAULT_CHUNK_TOKENS)
+            except ValueError as exc:
+                raise UserError(str(exc)) from None
+            preflight.check_pool_size(size, "--pool-size")
+            if cfg.engine == "builtin":  # vLLM may run the KV in another dtype than the model's own
+                layout = preflight.model_layout(cfg.model, chunk_tokens)
+                preflight.check_pool_holds_a_page(size, extent, layout, cfg.model)
+        if cfg.engine == "vllm":
             from kvshare.integrations.vllm.launch import check_vllm_python
 
-            problem = check_vllm_python(self.config.vllm_python or sys.executable)
+            problem = check_vllm_python(cfg.vllm_python or sys.executable)
             if problem:
                 raise RuntimeError(problem + " (name the vLLM environment's interpreter with --vllm-python)")
 
-    def _wait_http(self, name: str, url: str) -> None:
-        wait_http_ready(url, self.processes[name], self.config.ready_timeout_s, name)
+    def _wait_pool(self) -> None:
+        try:
+            wait_for_pool(self.pool_socket, proc=self.processes["pool"])
+        except PoolUnavailable as exc:
+            raise RuntimeError(f"the pool did not start: {exc}{self._tail('pool')}") from None
+
+    def _wait_http(self, name: str) -> None:
+        child = self.children[name]
+        try:
+            wait_http_ready(child.spec.url, child.proc, self.config.ready_timeout_s, name, child.instance_id)
+        except (RuntimeError, TimeoutError) as exc:
+            raise type(exc)(f"{exc}{self._tail(name)}") from None
+
+    def _tail(self, name: str) -> str:
+        lines = self.output_lines(name) if self.processes[name].poll() is not None else []
+        return "; its last lines:\n" + "\n".join(f"  {line}" for line in lines) if lines else ""
 
     def stop(self) -> None:
         """Router, then replicas, then the pool; SIGKILL whatever does not stop in time."""
         order = ["router"] + [n for n in self.processes if n.startswith("replica")] + ["pool"]
         for name in order:
             proc = self.processes.pop(name, None)
+            self.children.pop(name, None)
             if proc is not None:
                 stop_process(proc, timeout_s=15)
         if self._tmp is not None:
@@ -203,32 +264,61 @@ def _key_args(api_keys: tuple[str, ...]) -> list[str]:
     return [arg for key in api_keys for arg in ("--api-key", key)]
 
 
-def wait_http_ready(url: str, proc: subprocess.Popen | None, timeout_s: float, name: str = "the server") -> None:
-    """Poll ``url``/health until it answers 200; raise if ``proc`` exits first or time runs out."""
+def health_answer(url: str, instance_id: str | None, timeout_s: float = 2.0) -> str:
+    """``ready`` when ``url``/health answers 200 (as ``instance_id``, when given); ``other`` when another
+    server answers in its place; ``no`` otherwise."""
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=timeout_s) as resp:
+            if resp.status != 200:
+                return "no"
+            if instance_id is None:
+                return "ready"
+            body = json.loads(resp.read() or b"{}")
+    except (urllib.error.URLError, OSError, ValueError):
+        return "no"
+    return "ready" if isinstance(body, dict) and body.get("instance_id") == instance_id else "other"
+
+
+def wait_http_ready(url: str, proc: subprocess.Popen | None, timeout_s: float, name: str = "the server",
+                    instance_id: str | None = None) -> None:
+    """Poll ``url``/health until it answers 200 (as ``instance_id``, when given: the process just started, not
+    another that holds the port); raise if ``proc`` exits first or time runs out."""
     deadline = time.monotonic() + timeout_s
+    other = ""
     while True:
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{name} at {url} exited with code {proc.returncode} before it was ready")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
+            raise RuntimeError(f"{name} at {url} exited ({describe_exit(proc.returncode)}) before it was ready{other}")
+        answer = health_answer(url, instance_id)
+        if answer == "ready":
+            return
+        if answer == "other":
+            other = f"; another server answers at {url} (not the {name} just started): its port is taken"
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{name} at {url} was not ready within {timeout_s} s")
+            raise TimeoutError(f"{name} at {url} was not ready within {timeout_s} s{other}")
         time.sleep(0.2)
 
 
 def free_port_block(count: int, host: str = "127.0.0.1", attempts: int = 200) -> int:
-    """A port p such that p .. p+count-1 are all free now (a router and its replicas)."""
+    """A port p such that p .. p+count-1 are all free now (a router and its replicas).
+
+    Drawn below the kernel's ephemeral range when there is room: a port there can be taken by any
+    outgoing connection between this check and the child's bind.
+    """
     import contextlib
     import random
     import socket
 
+    low, high = 20000, 60000
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_low = int(f.read().split()[0])
+        if ephemeral_low - low > 1000 + count:
+            high = ephemeral_low
+    except (OSError, ValueError, IndexError):
+        pass
     rng = random.Random()
     for _ in range(attempts):
-        base = rng.randrange(20000, 60000 - count)
+        base = rng.randrange(low, high - count)
         try:
             with contextlib.ExitStack() as stack:
                 for port in range(base, base + count):
@@ -237,6 +327,17 @@ def free_port_block(count: int, host: str = "127.0.0.1", attempts: int = 200) ->
         except OSError:
             continue
     raise RuntimeError(f"found no block of {count} free ports")
+
+
+def _flag_value(args: tuple[str, ...], flag: str) -> str | None:
+    """The value of ``flag`` in ``args`` (``--flag V`` or ``--flag=V``; the last one wins), None when absent."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
 
 
 def _say(progress, message: str) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -121,12 +120,14 @@ class SequentialReplicas:
         self._stop_replica()
         cfg = self.config
         started = time.perf_counter()
-        cmd = [sys.executable, "-m", "kvshare", "--log-level", "WARNING", "serve", "--model", cfg.model,
+        from kvshare.pool.spawn import kvshare_command, kvshare_env
+
+        cmd = [*kvshare_command("WARNING"), "serve", "--model", cfg.model,
                "--device", cfg.device, "--host", cfg.host, "--port", str(cfg.port + index),
                "--replica-name", f"replica{index}", "--pool", self.socket_path, *cfg.replica_args]
         log = self._log(f"replica{index}")
         try:
-            self._replica = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+            self._replica = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=kvshare_env())
         finally:
             _close(log)  # the child holds its own copy of the descriptor
         self._wait_ready(self.url_of(index))

@@ -1,10 +1,17 @@
-"""Start a whole cluster: the pool, N replicas and the router; Ctrl-C or SIGTERM stops all of them."""
+"""Start a whole cluster: the pool, N replicas and the router, and keep it up; Ctrl-C or SIGTERM stops all of them.
+
+A child that dies is started again with backoff (kvshare.supervisor); ``up`` exits 1 when one
+crash-loops (more than --max-restarts exits within --restart-window seconds), naming it, how it
+exited and its last lines, and 2 when the cluster cannot start (a flag, a port in use, a model or a
+pool size that cannot work, a child that exits before it is ready).
+"""
 
 from __future__ import annotations
 
 import argparse
 
 from kvshare.router.policy import POLICIES
+from kvshare.supervisor import RestartPolicy
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -19,32 +26,45 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8080, help="router port; replicas take the next N ports")
     p.add_argument("--vllm-python", default=None, help="python of the virtual environment that holds vLLM")
     p.add_argument("--replica-arg", action="append", default=[], help="extra argument for every replica (repeatable)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="replicas in the built-in engine's deterministic mode (serve --deterministic): reuse gives "
+                        "the same bits as recomputing")
     p.add_argument("--pool-arg", action="append", default=[], help="extra argument for the pool (repeatable)")
     p.add_argument("--router-arg", action="append", default=[], help="extra argument for the router (repeatable)")
     p.add_argument("--api-key", action="append", default=[],
                    help="require this bearer token at the router and every replica (repeatable)")
     p.add_argument("--tenant-header", default="",
                    help="header whose value salts the pool namespace per tenant (e.g. X-Tenant-ID)")
+    p.add_argument("--max-restarts", type=int, default=RestartPolicy.max_restarts,
+                   help="restarts of one child allowed within --restart-window; one more exit stops up (default 5)")
+    p.add_argument("--restart-window", type=float, default=RestartPolicy.window_s, metavar="SECONDS",
+                   help="the window of --max-restarts (default 60)")
 
 
 def run(args: argparse.Namespace) -> int:
     import signal
+    import sys
     import threading
 
     from rich.console import Console
 
     from kvshare.errors import UserError
     from kvshare.launch import Cluster, ClusterConfig
+    from kvshare.supervisor import CrashLoop, Supervisor
 
     if args.pool not in (None, "off"):
         raise UserError("up starts its own pool: use --pool-size SIZE, or --pool off")
+    if args.deterministic and args.engine != "builtin":
+        raise UserError("--deterministic is a mode of the built-in engine; vLLM replicas do not have it")
+    replica_args = tuple(args.replica_arg) + (("--deterministic",) if args.deterministic else ())
     try:
         config = ClusterConfig(num_replicas=args.replicas, model=args.model, engine=args.engine, device=args.device,
                                pool_size=None if args.pool == "off" else args.pool_size, policy=args.policy,
                                host=args.host, port=args.port, vllm_python=args.vllm_python,
-                               replica_args=tuple(args.replica_arg), pool_args=tuple(args.pool_arg),
+                               replica_args=replica_args, pool_args=tuple(args.pool_arg),
                                router_args=tuple(args.router_arg), api_keys=tuple(args.api_key),
                                tenant_header=args.tenant_header)
+        policy = RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window)
     except ValueError as exc:
         raise UserError(str(exc)) from None
     console = Console()
@@ -52,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     cluster = Cluster(config)
+    supervisor = Supervisor(cluster, policy, ready_timeout_s=config.ready_timeout_s,
+                            say=lambda msg: console.print(msg, markup=False, highlight=False))
     try:
         with console.status("starting the cluster...") as status:
             cluster.start(progress=lambda msg: status.update(msg))
@@ -61,10 +83,10 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"  pool: {cluster.pool_socket or 'off'}")
         console.print("Ctrl-C stops everything.")
         while not stop.wait(0.5):
-            for name, proc in cluster.processes.items():
-                if proc.poll() is not None:
-                    console.print(f"[red]{name} exited with code {proc.returncode}[/red]")
-                    stop.set()
+            supervisor.poll()
+    except CrashLoop as exc:
+        print(f"kvshare up: error: {exc}", file=sys.stderr, flush=True)
+        return 1
     except (RuntimeError, TimeoutError) as exc:
         raise UserError(str(exc)) from None
     finally:

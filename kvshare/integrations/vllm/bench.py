@@ -44,7 +44,7 @@ import urllib.request
 
 from kvshare.integrations.vllm.launch import VllmServerConfig, vllm_server_command, wait_until_ready
 from kvshare.integrations.vllm.options import ConnectorConfig
-from kvshare.pool.spawn import start_pool, stop_process
+from kvshare.pool.spawn import kvshare_command, kvshare_env, start_pool, stop_process
 
 
 def first_token_seconds(base_url: str, model: str, prompt: list[int], timeout_s: float = 600) -> tuple[float, int]:
@@ -195,8 +195,8 @@ def run(args: argparse.Namespace) -> dict:
     work = tempfile.mkdtemp(prefix="kvshare-vllm-bench-")
     model = args.model or os.path.join(work, "model")
     if not args.model:
-        subprocess.run([sys.executable, "-m", "kvshare", "make-model", "tiny", "--out", model], check=True,
-                       stdout=subprocess.DEVNULL)
+        subprocess.run([*kvshare_command("WARNING"), "make-model", "tiny", "--out", model], check=True,
+                       stdout=subprocess.DEVNULL, env=kvshare_env())
     socket_path = os.path.join(work, "pool.sock")
     pool = start_pool(socket_path, args.pool_size, ("--prefault",), stdout=subprocess.DEVNULL)
     common = dict(model=model, python=args.vllm_python, dtype="float32", kv_cache_gib=args.kv_cache_gib,

@@ -133,6 +133,9 @@ def vllm_server_command(config: VllmServerConfig, base_env: dict[str, str] | Non
     # there even when it is not installed in the vLLM environment
     source_root = os.path.dirname(os.path.dirname(os.path.abspath(kvshare.__file__)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (source_root, env.get("PYTHONPATH", "")) if p)
+    # ... and that one, not a `kvshare` folder in the working directory (`-m` puts the working directory
+    # first on sys.path; Python 3.11+ leaves it off with this, older ones ignore it)
+    env["PYTHONSAFEPATH"] = "1"
     if config.log_level is not None:
         env["KVSHARE_LOG_LEVEL"] = config.log_level
     if config.device == "cpu":

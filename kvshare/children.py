@@ -1,0 +1,99 @@
+"""The child processes of ``kvshare up``: how each is started (and started again), and what it last wrote.
+
+A child runs in its own session (a Ctrl-C at the terminal reaches only ``up``, which stops the
+children in order) and gets SIGTERM from the kernel when the thread that started it ends
+(PR_SET_PDEATHSIG follows the thread, not the process): start children from one long-lived
+thread, the main one. Its stderr is a pipe that a thread copies, line by line and prefixed with
+the child's name, to this process's stderr, keeping the last lines for the message that says why
+it stopped.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import os
+import secrets
+import signal
+import subprocess
+import threading
+from dataclasses import dataclass
+from typing import IO, Mapping
+
+_PR_SET_PDEATHSIG = 1
+NUM_TAIL_LINES = 20
+
+
+@dataclass(frozen=True)
+class ChildSpec:
+    """Everything needed to start one child, the first time or after it died."""
+
+    name: str  # "pool", "replica0", ..., "router"
+    argv: tuple[str, ...]
+    env: Mapping[str, str] | None = None  # None: this process's environment
+    url: str | None = None  # an HTTP child: ready when URL/health answers 200
+    takes_instance_id: bool = False  # kvshare serve/route: started with --instance-id ID, reported by /health
+
+
+@dataclass
+class Child:
+    """One started process of a ChildSpec."""
+
+    spec: ChildSpec
+    proc: subprocess.Popen
+    instance_id: str | None  # what its /health must report, when the spec takes one
+    output: "OutputTail"
+
+
+def start_child(spec: ChildSpec, is_verbose: bool = False) -> Child:
+    """Start ``spec`` (with a fresh instance id when it takes one); stdout is kept only when ``is_verbose``."""
+    argv = list(spec.argv)
+    instance_id = None
+    if spec.takes_instance_id:
+        instance_id = secrets.token_hex(8)
+        argv += ["--instance-id", instance_id]
+    proc = subprocess.Popen(argv, stdout=None if is_verbose else subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True, preexec_fn=_die_with_parent,
+                            env=dict(spec.env) if spec.env is not None else None)
+    return Child(spec, proc, instance_id, OutputTail(proc.stderr, f"{spec.name}| "))
+
+
+def describe_exit(returncode: int) -> str:
+    """``exit code 2`` or ``killed by SIGKILL`` (Popen reports a signal as a negative code)."""
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit code {returncode}"
+
+
+class OutputTail:
+    """Copies a child's stderr to this process's fd 2 as it comes; keeps the last ``num_lines`` lines."""
+
+    def __init__(self, stream: IO[bytes], prefix: str, num_lines: int = NUM_TAIL_LINES, sink_fd: int = 2) -> None:
+        self._stream = stream
+        self._prefix = prefix.encode()
+        self._sink_fd = sink_fd
+        self._lines: collections.deque[str] = collections.deque(maxlen=num_lines)
+        self._thread = threading.Thread(target=self._copy, name=f"output {prefix.strip()}", daemon=True)
+        self._thread.start()
+
+    def _copy(self) -> None:
+        with self._stream:
+            for line in iter(self._stream.readline, b""):
+                self._lines.append(line.decode(errors="replace").rstrip("\n"))
+                try:
+                    os.write(self._sink_fd, self._prefix + line)
+                except OSError:  # our stderr went away: keep the tail anyway
+                    pass
+
+    def lines(self, timeout_s: float = 2.0) -> list[str]:
+        """The last lines, after waiting up to ``timeout_s`` for the child's stderr to end (it exited)."""
+        self._thread.join(timeout_s)
+        return list(self._lines)
+
+
+def _die_with_parent() -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
