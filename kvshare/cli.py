@@ -32,14 +32,29 @@ COMMANDS = {
 }
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def log_level(text: str) -> str:
+    """A logging level name, in any case (``--log-level debug``)."""
+    level = text.upper()
+    if level not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a log level; choose one of {', '.join(LOG_LEVELS)}")
+    return level
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvshare", description=kvshare.__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"kvshare {kvshare.__version__}")
-    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    parser.add_argument("--log-level", type=log_level, default="INFO", help=", ".join(LOG_LEVELS))
+    # the same flag after the subcommand (`kvshare serve --log-level debug`); given there, it wins
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log-level", type=log_level, default=argparse.SUPPRESS, help=", ".join(LOG_LEVELS))
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, help_text) in COMMANDS.items():
         mod = importlib.import_module(f"kvshare.commands.{module}")
-        command = sub.add_parser(name, help=help_text, description=(mod.__doc__ or help_text).strip())
+        command = sub.add_parser(name, help=help_text, description=(mod.__doc__ or help_text).strip(),
+                                 parents=[common])
         mod.add_arguments(command)
         command.set_defaults(_module=mod)
     return parser
@@ -48,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
-        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        level=getattr(logging, args.log_level),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )

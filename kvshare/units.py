@@ -1,4 +1,4 @@
-"""Byte sizes as operators write them ("256GiB", "512M", "1.5G") and back."""
+"""Byte sizes as operators write them ("256GiB", "512M", "1.5G") and back; counts such as "100k"."""
 
 from __future__ import annotations
 
@@ -22,6 +22,21 @@ def parse_size(text: str) -> int:
     value = float(match.group(1)) * _UNITS[match.group(2).lower()]
     if value < 1:
         raise ValueError(f"size must be at least one byte: {text!r}")
+    return int(value)
+
+
+_COUNT = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kKmMgG]?)\s*$")
+_COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_count(text: str) -> int:
+    """A whole count such as tokens: ``4096``, ``100k`` (x1000), ``32K`` (x1024), as vLLM reads them."""
+    match = _COUNT.match(str(text))
+    if not match or ("." in match.group(1) and not match.group(2)):
+        raise ValueError(f"not a count: {text!r} (examples: 4096, 100k, 1.5m, 32K)")
+    value = float(match.group(1)) * _COUNT_UNITS[match.group(2)]
+    if value != int(value):
+        raise ValueError(f"not a whole count: {text!r}")
     return int(value)
 
 

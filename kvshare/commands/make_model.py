@@ -1,10 +1,20 @@
-"""Write a synthetic preset (random weights, fixed seed) as an ordinary Hugging Face model directory."""
+"""Write a synthetic preset (random weights, fixed seed) as an ordinary Hugging Face model directory.
+
+The qwen3 presets are GPU shapes (16 GB and 65 GB of weights): on a machine without a GPU
+``make-model`` asks before it writes one (``--yes`` answers for it; without a terminal it
+refuses unless ``--yes`` is given).
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+from typing import Callable
 
-PRESET_NAMES = ("tiny", "qwen3-8b", "qwen3-32b")  # kvshare.engine.presets.PRESETS (not imported here: torch)
+from kvshare.preflight import PRESET_NAMES  # kvshare.engine.presets.PRESETS (not imported here: torch)
+
+CONFIRM_ABOVE_BYTES = 1 << 30  # larger presets are meant for a GPU
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -13,13 +23,39 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu",
                    help="where to build: the qwen3 presets draw their weights there (part of their identity); tiny always on the CPU")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"), help="default: the preset's")
+    p.add_argument("--yes", action="store_true", help="write a GPU preset on a machine without a GPU without asking")
+
+
+def confirm_large_write(preset: str, num_bytes: int, out: str, has_gpu: bool, is_yes: bool,
+                        is_tty: bool, ask: Callable[[str], str] = input) -> None:
+    """Raise UserError unless writing ``num_bytes`` of ``preset`` is wanted: small, a GPU here, --yes, or a 'y'."""
+    from kvshare.errors import UserError
+    from kvshare.units import format_bytes
+
+    if num_bytes <= CONFIRM_ABOVE_BYTES or has_gpu or is_yes:
+        return
+    what = f"preset {preset} is a GPU model: {format_bytes(num_bytes)} of weights to {out}, and this machine has no GPU"
+    if not is_tty:
+        raise UserError(f"{what}; pass --yes to write it anyway")
+    if ask(f"{what}. Write it? [y/N] ").strip().lower() not in ("y", "yes"):
+        raise UserError("nothing written")
 
 
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from kvshare.engine.make_model import write_model_dir
+    import torch
 
-    fingerprint = write_model_dir(args.preset, args.out, device=args.device, dtype=args.dtype)
+    from kvshare.engine.make_model import preset_weight_bytes, write_model_dir
+    from kvshare.errors import UserError
+
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise UserError(f"--out {args.out} is a file; name a directory to write the model into")
+    confirm_large_write(args.preset, preset_weight_bytes(args.preset, args.dtype), args.out,
+                        has_gpu=torch.cuda.is_available(), is_yes=args.yes, is_tty=sys.stdin.isatty())
+    try:
+        fingerprint = write_model_dir(args.preset, args.out, device=args.device, dtype=args.dtype)
+    except OSError as exc:  # a directory we may not write, a full disk
+        raise UserError(f"cannot write {args.out}: {exc.strerror or exc}") from None
     print(json.dumps({"preset": args.preset, "out": args.out, "weights_fingerprint": fingerprint}))
     return 0

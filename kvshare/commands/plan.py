@@ -6,14 +6,27 @@ import argparse
 import json
 import os
 
+from kvshare.units import parse_count
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="a model directory (config.json) or a preset name")
-    p.add_argument("--tokens", type=int, required=True, help="cached tokens the pool should hold")
+    p.add_argument("--tokens", type=_count, required=True,
+                   help="cached tokens the pool should hold (4096, 100k = 100000, 32K = 32768)")
     p.add_argument("--chunk-tokens", type=int, default=256)
     p.add_argument("--dtype", default=None, help="KV dtype if it differs from the model's (e.g. bfloat16)")
     p.add_argument("--high-watermark", type=float, default=0.95, help="the pool's eviction threshold")
     p.add_argument("--json", action="store_true")
+
+
+def _count(text: str) -> int:
+    try:
+        value = parse_count(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--tokens must be at least 1, got {text!r}")
+    return value
 
 
 def model_config(model: str):

@@ -98,11 +98,14 @@ def run(args: argparse.Namespace) -> int:
     from kvshare.errors import UserError
     from kvshare.pool.arena import ArenaError
     from kvshare.pool.daemon import PoolServer
+    from kvshare.preflight import check_pool_size, check_socket_dir
 
     try:
         config = config_from_args(args)
     except ValueError as exc:
         raise UserError(str(exc)) from None
+    check_pool_size(config.size_bytes)
+    check_socket_dir(config.socket_path)
     server = PoolServer(config)
     try:
         server.start()

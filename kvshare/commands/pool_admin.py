@@ -42,6 +42,15 @@ def replica_namespace(url: str, tenant: str | None, api_key: str | None, timeout
         raise UserError(f"cannot reach the replica at {url}: {exc}") from None
 
 
+def _namespace(text: str) -> bytes:
+    from kvshare.errors import UserError
+
+    try:
+        return bytes.fromhex(text)
+    except ValueError:
+        raise UserError(f"--namespace {text!r} is not a hex digest; `kvshare pool-admin namespaces` lists them") from None
+
+
 def run(args: argparse.Namespace) -> int:
     from kvshare.errors import UserError
     from kvshare.paths import default_pool_socket
@@ -55,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
             named = replica_namespace(args.replica, args.tenant, args.api_key)
             namespace = bytes.fromhex(named["namespace"])
         elif args.action == "flush" and args.namespace:
-            namespace = bytes.fromhex(args.namespace)
+            namespace = _namespace(args.namespace)
         with PoolClient(args.socket or default_pool_socket(), name="pool-admin") as client:
             if args.action == "flush":
                 out = {"dropped": client.flush(namespace)}

@@ -26,3 +26,12 @@ def test_plan_unknown_model_is_a_clear_error():
     proc = subprocess.run([sys.executable, "-m", "kvshare", "plan", "--model", "no-such", "--tokens", "1"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "no-such" in proc.stderr
+
+
+def test_plan_tokens_take_a_suffix():
+    def tokens(text: str) -> int:
+        out = subprocess.run([sys.executable, "-m", "kvshare", "plan", "--model", "tiny", "--tokens", text, "--json"],
+                             capture_output=True, text=True, check=True, timeout=120).stdout
+        return json.loads(out)["tokens"]
+
+    assert (tokens("100k"), tokens("32K"), tokens("1.5m")) == (100_000, 32_768, 1_500_000)
