@@ -72,7 +72,7 @@ class Comparison:
         gap = "unknown" if self.gap is None else f"{self.gap:.3g}"
         if self.is_exact:
             what = (f"logprobs differ (both token {self.reference_token})" if self.is_logprob_divergence
-                    else f"token {self.reference_token} vs {self.candidate_token}")
+                    else f"token {self.reference_token} (reference) vs {self.candidate_token}")
             return (f"differs at step {self.divergence_step} of {self.num_compared}: {what}, top-2 gap {gap} "
                     "(exact mode: any difference is a mismatch)")
         verdict = "near tie, tolerated" if self.is_tolerated else f"gap >= {self.threshold:g}: mismatch"

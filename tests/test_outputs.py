@@ -107,7 +107,7 @@ def test_the_exact_rule_tolerates_nothing_and_names_both_tokens():
     assert compare_tokens([5, 6], [5, 9], top, threshold=1e-3).passed
     c = compare_tokens([5, 6], [5, 9], top, threshold=1e-3, is_exact=True)
     assert not c.passed and not c.is_tolerated and c.divergence_step == 1
-    assert (c.reference_token, c.candidate_token) == (6, 9) and "token 6 vs 9" in c.describe()
+    assert (c.reference_token, c.candidate_token) == (6, 9) and "token 6 (reference) vs 9" in c.describe()
     check = check_outputs([5, 6], [5, 9], top, is_exact=True)
     assert check.verdict == MISMATCH and (check.step, check.reference_token, check.output_token) == (1, 6, 9)
     assert check_outputs([5, 6], [5, 9], None, is_exact=True).verdict == MISMATCH  # no gap needed to fail

@@ -52,6 +52,7 @@ class Record:
     pool_tokens: int | None = None
     computed_tokens: int | None = None
     cached_tokens: int | None = None
+    deterministic: bool | None = None  # the replica's deterministic mode (its kvshare object); None: not said
     output_digest: str | None = None
     # the output against the unit's reference request (kvshare.outputs); None: not compared
     matches_reference: bool | None = None  # output token ids equal the reference's
@@ -83,7 +84,7 @@ class Record:
         first_divergence: a difference there has an unknown gap."""
         if self.output_check is not None:
             return OutputCheck(self.output_check, self.first_divergence, self.divergence_gap, self.reference_token,
-                               self.output_token)
+                               self.output_token, self.deterministic is True)
         if self.matches_reference is None:
             return None
         return OutputCheck(EQUAL) if self.matches_reference else OutputCheck(UNKNOWN, self.first_divergence)

@@ -67,21 +67,24 @@ def to_record(response: Response, request: BenchRequest, **fields: Any) -> Recor
         ttft_s=response.ttft_s, first_text_s=response.first_text_s, first_chunk_s=response.first_chunk_s,
         e2e_s=response.e2e_s,
         local_tokens=p.get("local_tokens"), pool_tokens=p.get("pool_tokens"), computed_tokens=p.get("computed_tokens"),
-        cached_tokens=response.cached_tokens, output_digest=output_digest(response.token_ids),
+        cached_tokens=response.cached_tokens, deterministic=p.get("deterministic"), output_digest=output_digest(response.token_ids),
         error=response.error, token_ids=response.token_ids, top_logprobs=response.top_logprobs or None, **fields,
     )
 
 
 def mark_matches(records: list[Record], reference: Record | None) -> None:
     """Check every record's output against ``reference``'s (kvshare.outputs) and record the verdict:
-    equal, or where they part, the reference's top-2 gap there and the two tokens."""
+    equal, or where they part, the reference's top-2 gap there and the two tokens. Two outputs of replicas
+    in the deterministic mode are held to the exact rule (ids and logprobs equal), others to the gap rule."""
     if reference is None:
         return
     # name the reference as the tables do: the cold request (ttft), a prime or a verify recompute
     compared_with = reference.condition if reference.role == "measure" else reference.role
     for r in records:
         if r is not reference:
-            r.set_check(check_outputs(reference.token_ids, r.token_ids, reference.top_logprobs), compared_with)
+            is_exact = reference.deterministic is True and r.deterministic is True
+            r.set_check(check_outputs(reference.token_ids, r.token_ids, reference.top_logprobs,
+                                      output_top_logprobs=r.top_logprobs, is_exact=is_exact), compared_with)
 
 
 MAX_FAILED_UNITS_IN_A_ROW = 2  # then the endpoints are broken: stop rather than record failures

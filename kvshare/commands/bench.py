@@ -104,6 +104,9 @@ def _target_arguments(e: argparse.ArgumentParser) -> None:
                    help="extra argument for every started replica (repeatable), e.g. --replica-arg=--local-cache-size=20GiB")
     g.add_argument("--sequential", action="store_true",
                    help="with --model: start the replicas one at a time against one pool (a model that fits once)")
+    g.add_argument("--deterministic", action="store_true",
+                   help="with --model: start the replicas in the deterministic mode (serve --deterministic); "
+                        "outputs of deterministic replicas are checked by the exact rule")
     g.add_argument("--port", type=int, default=None, help="first port for started processes (default: free ports)")
     g.add_argument("--tokenizer", default=None, help="model directory or preset whose tokenizer builds the prompts "
                                                      "(default: --model, else the served model's name)")
@@ -183,11 +186,15 @@ def _run_experiments(args: argparse.Namespace, names: tuple[str, ...]) -> int:
     from kvshare.bench.targets import TargetSpec, open_target
     from kvshare.errors import UserError
 
+    if args.deterministic and not args.model:
+        raise UserError("--deterministic starts replicas in the mode (with --model); replicas given by URL run in "
+                        "the mode they were started in, which their responses say (kvshare.deterministic)")
+    replica_args = tuple(args.replica_arg) + (("--deterministic",) if args.deterministic else ())
     try:
         configs = _configs(args, names)
         spec = TargetSpec(replica_urls=tuple(args.replica), off_replica_urls=tuple(args.off_replica), model=args.model,
                           device=args.device, num_replicas=args.replicas, pool_size=args.pool_size,
-                          pool_args=tuple(args.pool_arg), replica_args=tuple(args.replica_arg),
+                          pool_args=tuple(args.pool_arg), replica_args=replica_args,
                           is_sequential=args.sequential, port=args.port, log_dir=os.path.join(args.out, "logs"),
                           use_extension=not args.no_extension)
         config = HarnessConfig(out_dir=args.out, tokenizer=args.tokenizer or args.model, system_tokens=args.system_tokens,

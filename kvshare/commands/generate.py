@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from kvshare.commands.serve import add_deterministic_arguments
 from kvshare.units import parse_size
 
 
@@ -26,6 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verify-checksums", action="store_true", help="verify every page loaded from the pool")
     p.add_argument("--tenant", default="", help="tenant salt of the key namespace")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
+    add_deterministic_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -53,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
             model=args.model, device=args.device, dtype=args.dtype,
             pool_socket=None if args.pool == "off" else args.pool, chunk_tokens=args.chunk_tokens,
             local_cache_bytes=args.local_cache_size, verify_checksums=args.verify_checksums,
+            deterministic=args.deterministic, grid_tokens=args.grid_tokens,
         ))
     except ValueError as exc:
         raise UserError(str(exc)) from None
@@ -87,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
             "prompt_tokens": len(prompt_ids),
             "provenance": {"local_tokens": provenance.local_tokens, "pool_tokens": provenance.pool_tokens,
                            "computed_tokens": provenance.computed_tokens},
+            "deterministic": provenance.is_deterministic,
             "model_load_s": round(load_s, 4), "ttft_s": round(first_token_s, 4), "total_s": round(total_s, 4),
         }))
     return 0

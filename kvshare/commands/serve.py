@@ -46,6 +46,17 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="context length: prompt plus output tokens (as vLLM: 4096, 32k, 32K; default: the model's)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="auto",
                    help="weights and KV dtype (default auto: the model's own)")
+    add_deterministic_arguments(p)
+
+
+def add_deterministic_arguments(p: argparse.ArgumentParser) -> None:
+    """The built-in engine's deterministic mode (serve, generate)."""
+    p.add_argument("--deterministic", action="store_true",
+                   help="chunk-invariant prefill: reuse gives the same bits as recomputing (ids and logprobs), and "
+                        "the audit demands exact equality; slower cold prefill (docs/validate.md)")
+    p.add_argument("--grid-tokens", type=int, default=None,
+                   help="with --deterministic: tokens per prefill grid chunk, a multiple of --chunk-tokens (default "
+                        "--chunk-tokens); reuse is rounded down to it")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -80,7 +91,8 @@ def engine_config(args: argparse.Namespace):
     return EngineConfig(model=args.model, device=args.device, dtype=DTYPES[args.dtype], pool_socket=pool,
                         local_cache_bytes=args.local_cache_size, chunk_tokens=args.chunk_tokens,
                         max_model_len=args.max_model_len, verify_checksums=args.verify_rate >= 1.0,
-                        verify_fraction=min(args.verify_rate, 1.0))
+                        verify_fraction=min(args.verify_rate, 1.0), deterministic=args.deterministic,
+                        grid_tokens=args.grid_tokens)
 
 
 def serve_config(args: argparse.Namespace):

@@ -11,7 +11,9 @@ worker has no request waiting, it runs one pending audit (``run_one``):
                replay with the same reuse options (the reused KV as it is now)
     cold       the same prompt, greedy, pool and local cache off (nothing reused or published)
     compare    kvshare.outputs: identical, or diverged at a near tie (top-2 gap
-               below the threshold: tolerated, counted apart) -- anything else is a mismatch
+               below the threshold: tolerated, counted apart) -- anything else is a mismatch.
+               An engine in the deterministic mode is held to the exact rule: any difference
+               is a mismatch (nothing is tolerated)
 
 A mismatch is counted (``kvshare:audit_mismatches_total``), logged with the chunk
 keys involved, and every full chunk of the prompt is dropped from the pool and the
@@ -148,7 +150,8 @@ class Auditor:
         cold_options = RequestOptions(use_pool=False, use_local_cache=False, tenant=sample.options.tenant)
         cold, events = self._generate(sample.prompt_ids, greedy, cold_options, keep_events=True)
         top = [list((e.top_logprobs or {}).values()) for e in events]
-        result = compare_tokens(cold, served[:n], top, self.config.gap_threshold)
+        is_exact = getattr(self.engine, "grid", None) is not None  # the deterministic mode: reuse must be exact
+        result = compare_tokens(cold, served[:n], top, self.config.gap_threshold, is_exact=is_exact)
         self.last = result
         self._count("checks")
         if result.is_identical:

@@ -98,7 +98,7 @@ class ResponseBuilder:
         p = self.provenance
         return {"replica": self.replica_name,
                 "local_tokens": p.local_tokens if p else 0, "pool_tokens": p.pool_tokens if p else 0,
-                "computed_tokens": p.computed_tokens if p else 0}
+                "computed_tokens": p.computed_tokens if p else 0, "deterministic": bool(p and p.is_deterministic)}
 
     def final_chunks(self) -> list[dict]:
         last = self._chunk("" if not self.chat else {}, self.finish_reason or "stop")

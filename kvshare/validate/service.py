@@ -10,7 +10,9 @@ the chunk size and some not, and chat conversations), at temperature 0::
 
 Each of prime, pool and local must match off by the rule of ``kvshare.outputs``
 (identical; on bf16, divergence only at a step whose top-2 gap is below the
-threshold, reported with its step and gap), and the pool run must show that it
+threshold, reported with its step and gap; replicas in the deterministic mode, whose
+responses say ``"deterministic": true``, by the exact rule: ids and logprobs equal,
+any difference a failure with its step and both tokens), and the pool run must show that it
 really loaded from the pool (``kvshare.pool_tokens`` > 0 where the prompt has a
 reusable full chunk). Every prompt starts with a fresh nonce, so nothing from an
 earlier run or another prompt can be reused. Replica A is prompt i's replica
@@ -132,8 +134,10 @@ def run_service_level(config: ServiceConfig, after_prime: AfterPrime | None = No
         status, rows = FAIL, rows + [Row("pool reuse", FAIL, "no prompt had a full chunk to reuse: nothing was tested")]
     identical = sum(1 for r in reuse_rows if "divergence_step" not in r.figures)
     diverged = [r for r in reuse_rows if "divergence_step" in r.figures]
+    num_exact = sum(1 for r in reuse_rows if r.figures.get("exact"))
+    rule = f" (held to the exact rule, ids and logprobs: {num_exact})" if num_exact else ""
     summary = (f"{len(cases)} prompts x 3 reuse runs on {len(config.replicas)} replica(s): {identical}/{len(reuse_rows)} "
-               f"token-identical to pool off; pool loads where expected {loaded_pool}/{expected_pool}")
+               f"identical to pool off{rule}; pool loads where expected {loaded_pool}/{expected_pool}")
     if diverged:
         summary += "; divergences: " + ", ".join(
             f"{r.name} step {r.figures['divergence_step']} gap {_gap(r.figures.get('gap'))}" for r in diverged)
@@ -165,12 +169,17 @@ def _off_row(case: PromptCase, off: Completion) -> Row:
 
 
 def _reuse_row(config: ServiceConfig, case: PromptCase, run: str, off: Completion, got: Completion, reusable: int):
-    cmp = compare_tokens(off.token_ids, got.token_ids, off.top_logprobs, config.gap_threshold)
+    is_exact = _is_deterministic(off) and _is_deterministic(got)
+    cmp = compare_tokens(off.token_ids, got.token_ids, off.top_logprobs, config.gap_threshold, got.top_logprobs, is_exact)
     replica = case.replica_b if run == "pool" else case.replica_a
     figures = {"replica": _name(got, replica), "prompt": got.prompt_tokens, "reusable": reusable,
                "pool": got.reused("pool"), "local": got.reused("local"), "cached": got.cached_tokens}
+    if is_exact:
+        figures["exact"] = True
     if not cmp.is_identical:
         figures.update(divergence_step=cmp.divergence_step, gap=cmp.gap)
+        if is_exact:
+            figures.update(reference_token=cmp.reference_token, token=cmp.candidate_token)
     problems = []
     if len(got.token_ids) != len(off.token_ids):
         problems.append(f"{len(got.token_ids)} tokens generated, the reference {len(off.token_ids)}")
@@ -184,6 +193,11 @@ def _reuse_row(config: ServiceConfig, case: PromptCase, run: str, off: Completio
               "gap": cmp.gap, "token_ids": got.token_ids, "reference_ids": off.token_ids,
               "identical": cmp.is_identical, "passed": not problems}
     return Row(f"{case.name} {run}", FAIL if problems else PASS, detail, figures), record
+
+
+def _is_deterministic(got: Completion) -> bool:
+    """The replica served it in the deterministic mode (its kvshare object says so)."""
+    return (got.provenance or {}).get("deterministic") is True
 
 
 def _name(got: Completion, url: str) -> str:

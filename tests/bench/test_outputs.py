@@ -58,3 +58,21 @@ def test_records_of_the_previous_version_read_as_equal_or_gap_unknown():
     assert old_equal.check() == OutputCheck(EQUAL)
     assert old_parted.check() == OutputCheck(UNKNOWN, 13)
     assert rec("cold").check() is None
+
+
+def test_outputs_of_deterministic_replicas_are_held_to_the_exact_rule():
+    near = [10, 11, 99, 98, 97]  # parts at step 2, a near tie: the gap rule allows it
+    cold = rec("cold", token_ids=REFERENCE, top_logprobs=TOPS)
+    cold.deterministic = True
+    exact_near, mixed = rec("cross", token_ids=near), rec("local", token_ids=near)
+    exact_near.deterministic, mixed.deterministic = True, None  # mixed: a replica that does not say its mode
+    mark_matches([exact_near, mixed], cold)
+    assert exact_near.output_check == MISMATCH and (exact_near.reference_token, exact_near.output_token) == (12, 99)
+    assert "(exact)" in exact_near.check().describe()
+    assert mixed.output_check == NEAR_TIE  # not both deterministic: the gap rule
+    moved = [list(step) for step in TOPS]
+    moved[1][0] += 1e-6
+    same_ids = rec("cross", token_ids=list(REFERENCE), top_logprobs=moved)
+    same_ids.deterministic = True
+    mark_matches([same_ids], cold)
+    assert same_ids.output_check == MISMATCH and same_ids.first_divergence == 1  # equal ids, logprobs moved

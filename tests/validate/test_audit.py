@@ -93,3 +93,43 @@ def test_audit_samples_at_its_rate_and_bounds_its_queue(writer):
     assert queued == 4 and auditor.counts.skipped > 0
     never = Auditor(engine, AuditConfig(rate=0.0))
     assert not any(never.offer([1] * 20, GREEDY, RequestOptions(), P, [5]) for _ in range(50))
+
+
+class _ScriptedEngine:
+    """An engine whose cold replay parts from the served tokens at a near tie (step 1, gap 5e-4)."""
+
+    def __init__(self, is_deterministic: bool) -> None:
+        from types import SimpleNamespace
+
+        self.grid = SimpleNamespace() if is_deterministic else None
+        self.layout = SimpleNamespace(chunk_tokens=16)
+        self.dropped = []
+
+    def generate(self, ids, params, options):
+        from types import SimpleNamespace
+
+        provenance = SimpleNamespace(local_tokens=0, pool_tokens=0, computed_tokens=len(ids))
+        tops = [{5: -0.1, 6: -3.0}, {9: -0.6930, 6: -0.6935}]
+        for i, (token, top) in enumerate(zip((5, 9), tops)):
+            yield SimpleNamespace(token_id=token, top_logprobs=top, finish_reason="length" if i else None,
+                                  provenance=provenance)
+
+    def prompt_chunk_keys(self, ids, tenant=""):
+        return [b"k" * 16]
+
+    def drop_chunks(self, keys):
+        self.dropped += keys
+        return 0, 0
+
+
+def test_the_audit_of_a_deterministic_engine_tolerates_no_near_tie():
+    from types import SimpleNamespace
+
+    reused = SimpleNamespace(local_tokens=16, pool_tokens=0)
+    for is_deterministic, verdict in ((False, "tolerated"), (True, "mismatches")):
+        engine = _ScriptedEngine(is_deterministic)
+        auditor = Auditor(engine, AuditConfig(rate=1.0, num_tokens=2))
+        assert auditor.offer(list(range(40)), GREEDY, RequestOptions(), reused, [5, 6])  # served 5, 6; cold gives 5, 9
+        assert auditor.run_one()
+        assert getattr(auditor.counts, verdict) == 1, auditor.counts
+    assert "token 9 (reference) vs 6" in auditor.last.describe() and engine.dropped

@@ -132,3 +132,17 @@ def test_audit_catches_a_poisoned_page_while_serving_and_drops_its_chunks(cluste
 
     again = request(b, model, ids, 8, {}, 120)  # nothing left to reuse (pool or b's cache): recomputed, right
     assert (again.reused("pool"), again.reused("local")) == (0, 0) and again.token_ids == cold
+
+
+def test_service_level_holds_deterministic_replicas_to_the_exact_rule():
+    """Replicas started with --deterministic (bf16): pool ON == pool OFF, ids and logprobs, every run."""
+    from kvshare.validate.service_run import run_service
+
+    config = ValidateConfig(levels=("service",), chunk_tokens=CHUNK, prompt_lengths=LENGTHS, num_chat=1, max_tokens=6,
+                            replica_args=("--verify-rate", "0", "--deterministic", "--dtype", "bfloat16"), seed=3)
+    result = run_service(config, "cpu")
+    assert result.status == PASS, [(r.name, r.detail) for r in result.rows if r.status != PASS]
+    records = result.figures["requests"]
+    assert records and all(r["exact"] and r["identical"] for r in records)
+    assert all(r["pool"] > 0 for r in records if r["run"] == "pool")
+    assert f"held to the exact rule, ids and logprobs: {len(records)}" in result.summary
