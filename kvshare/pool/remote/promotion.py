@@ -4,8 +4,8 @@ Per promoting lookup (a job), on the loop thread, each arrow a hand-off to or fr
 
     start --(cost.plan: how many chunks arrive sooner than recomputed; 0: answered at once)
       |
-      +-- probe  (chain not known yet) fetch 1 page as values --> verify --> reserve --> copy, re-checksum --> commit
-      |                                                                   (its header names the chain's namespace, depth)
+      +-- values (chain not known yet) fetch as values --> verify --> reserve --> copy, re-checksum --> commit
+      |        the first batch one page (a probe): its header names the chain's namespace and depth
       +-- direct (chain known)   reserve a batch's pages --> fetch into them, verify in place --> commit / abort
       ^                                                                                            |
       +---------------------------- next batch, while batch k came back whole ---------------------+
@@ -13,7 +13,8 @@ Per promoting lookup (a job), on the loop thread, each arrow a hand-off to or fr
 
 A batch is reserved before it is fetched only when that cannot cost the arena
 anything for a chain the store may lack: when the arena has free pages for it,
-or once a page of the chain has come back whole (the probe). Up to
+or once a page of the chain has come back whole (the probe; batches sent
+while it is out go as values). Up to
 ``num_readers`` batches of a job are in flight at once (round trips overlap);
 their results are applied strictly in chain order. A chunk the store lacks or
 that fails a check ends the chain: pages before it are placed, pages after it
@@ -49,7 +50,7 @@ class _Batch:
     number: int
     start: int  # index of its first key in the job's keys
     num_keys: int
-    reservations: tuple[int, ...] = ()  # direct: one reservation per page, in chain order; probe: none
+    reservations: tuple[int, ...] = ()  # direct: one reservation per page, in chain order; as values: none
 
 
 @dataclass(eq=False)
@@ -69,6 +70,7 @@ class _PromoteJob:
     num_batches: int = 0  # batches sent so far
     num_applied: int = 0  # batches applied, in order
     arrived: dict = field(default_factory=dict)  # batch number -> (batch, result), waiting for its turn
+    pins: list[int] = field(default_factory=list)  # the promoter's leases on committed pages, until the answer
     is_confirmed: bool = False  # a page of the chain came back whole: reserving ahead is safe
     is_ended: bool = False  # no further batch is fetched (the chain broke, or the lookups were answered)
     is_broken: bool = False  # the chain broke: no further page is placed
@@ -169,10 +171,8 @@ class Promotions:
                and job.outstanding + len(job.arrived) < self.config.num_readers):
             if self._can_land(job):
                 self._send_direct(job)
-            elif job.num_batches == 0:
-                self._send_probe(job)
-            else:
-                return  # the probe is out: wait for it to say whether the store holds the chain
+            else:  # first a probe of one page; while it is out, the next batch as values (as a probe is)
+                self._send_as_values(job, PROBE_PAGES if job.num_batches == 0 else job.batch_len)
 
     def _can_land(self, job: _PromoteJob) -> bool:
         """Whether the next batch may be reserved before it is fetched."""
@@ -181,8 +181,8 @@ class Promotions:
         num = min(job.batch_len, len(job.keys) - job.num_asked)
         return job.is_confirmed or self.index.allocator.num_free_pages(job.page_bytes) >= num
 
-    def _send_probe(self, job: _PromoteJob) -> None:
-        batch = _Batch(job.num_batches, job.num_asked, min(PROBE_PAGES, len(job.keys) - job.num_asked))
+    def _send_as_values(self, job: _PromoteJob, num_keys: int) -> None:
+        batch = _Batch(job.num_batches, job.num_asked, min(num_keys, len(job.keys) - job.num_asked))
         keys = job.keys[batch.start : batch.start + batch.num_keys]
         self._send(job, batch, W.fetch_pages, (self.store, self.breaker, self.config, keys, job.page_bytes, job.namespace))
 
@@ -236,11 +236,11 @@ class Promotions:
             self._abort(batch.reservations)
             self._break(job)
             return
-        self._count_fetch(result)
+        self._count_fetch(result, is_in_chain=not job.is_broken)
         if isinstance(result, LandedResult):
             self._apply_landed(job, batch, result)
         else:
-            self._apply_probe(job, batch, result)
+            self._apply_values(job, batch, result)
 
     def _apply_landed(self, job: _PromoteJob, batch: _Batch, result: LandedResult) -> None:
         """Commit the batch's pages that landed whole and valid; abort the rest."""
@@ -248,13 +248,14 @@ class Promotions:
         for reservation_id, checksum in reversed(list(zip(batch.reservations[:good], result.checksums))):
             self.index.commit(self.promoter_id, reservation_id, [checksum])  # tail first: the head most recent
         self._abort(batch.reservations[good:])
+        self._pin(job, job.keys[batch.start : batch.start + good])
         self._count_promoted(job, good)
         if good:
             job.is_confirmed = True
         if result.end is not None or good < batch.num_keys:
             self._break(job)
 
-    def _apply_probe(self, job: _PromoteJob, batch: _Batch, result: W.FetchResult) -> None:
+    def _apply_values(self, job: _PromoteJob, batch: _Batch, result: W.FetchResult) -> None:
         """Count a batch fetched as values and, while the chain is unbroken, place its pages."""
         if job.is_broken or self._is_closed:
             return  # fetched ahead of a chunk that broke the chain: not part of it
@@ -279,6 +280,21 @@ class Promotions:
         self.counters.promoted_pages += num_pages
         self.counters.promoted_bytes += num_pages * job.page_bytes
 
+    def _pin(self, job: _PromoteJob, keys: list[bytes]) -> None:
+        """Lease committed pages until the lookups are answered: a later batch's reserve must not evict them."""
+        if keys:
+            pin = self.index.lookup(self.promoter_id, keys, job.page_bytes, self._clock(), is_counted=False)
+            if pin.lease_id:
+                job.pins.append(pin.lease_id)
+
+    def _unpin(self, job: _PromoteJob) -> None:
+        pins, job.pins = job.pins, []
+        for lease_id in pins:
+            try:
+                self.index.release(self.promoter_id, lease_id)
+            except PoolError:
+                pass  # expired meanwhile (a promotion far past its timeout)
+
     def _abort(self, reservations) -> None:
         for reservation_id in reservations:
             self.index.abort(self.promoter_id, reservation_id)
@@ -287,10 +303,11 @@ class Promotions:
     def _break(job: _PromoteJob) -> None:
         job.is_broken = job.is_ended = True
 
-    def _count_fetch(self, result: W.FetchResult | LandedResult) -> None:
+    def _count_fetch(self, result: W.FetchResult | LandedResult, is_in_chain: bool = True) -> None:
+        """Errors and deletions always; discards only of batches still in the chain (not fetched past its end)."""
         self.counters.errors += result.num_errors
         self.counters.deleted_values += result.num_deleted
-        for reason, detail in result.discarded:
+        for reason, detail in result.discarded if is_in_chain else ():
             name = f"discarded_{reason}"
             setattr(self.counters, name, getattr(self.counters, name) + 1)
             log.warning("discarded a remote page (%s): %s", reason, detail)
@@ -327,6 +344,7 @@ class Promotions:
             self._break(job)
         else:
             self.index.commit(self.promoter_id, reservation_id, expected)
+            self._pin(job, [page.meta.key for page, _ in placements])
             self._count_promoted(job, len(placements))
         self._fetch_more(job)  # a batch's memory is free again
         self._maybe_finish(job)
@@ -342,7 +360,8 @@ class Promotions:
         self.costs.record_fetch(job.num_promoted_bytes, now - job.started_at, now)
         self.counters.hit_chunks += job.num_found
         self.counters.miss_chunks += len(job.keys) - job.num_found
-        self._answer(job)
+        self._answer(job)  # the waiters' lookups lease the pages before the pins go
+        self._unpin(job)
 
     def _answer(self, job: _PromoteJob) -> None:
         job.is_answered = True
