@@ -228,7 +228,7 @@ class PoolLink:
     def _page_is_good(self, page: PageHeader) -> bool:
         if page.page_bytes != self.layout.page_bytes or page.format_version != FORMAT_VERSION:
             return False
-        return page_checksum(self.client.page(page.offset, page.page_bytes)) == page.checksum
+        return page_checksum(self.client.page(page.offset, page.page_bytes), page.checksum_kind) == page.checksum
 
     def finish_load(self, load: PoolLoad) -> None:
         """Wait for the whole load, then release its lease (fire and forget); time a cold prefill."""

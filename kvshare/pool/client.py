@@ -22,7 +22,7 @@ import numpy as np
 
 from kvshare.pool import protocol as P
 from kvshare.pool.arena import map_arena
-from kvshare.pool.checksum import page_checksum
+from kvshare.pool.checksum import ChecksumKind, page_checksum
 
 
 class PoolUnavailable(ConnectionError):
@@ -248,8 +248,9 @@ class PoolClient:
         reply = self._call(P.Reserve(namespace=namespace, keys=list(keys), page_bytes=page_bytes, first_depth=first_depth))
         return Reservation(reply.reservation_id, [tuple(g) for g in reply.grants], reply.num_no_room)
 
-    def commit(self, reservation_id: int, checksums: list[int]) -> int:
-        return self._call(P.Commit(reservation_id=reservation_id, checksums=checksums)).count
+    def commit(self, reservation_id: int, checksums: list[int], checksum_kind: ChecksumKind = ChecksumKind.XXH3) -> int:
+        """Make the reservation's pages visible, one checksum of ``checksum_kind`` per page (in grant order)."""
+        return self._call(P.Commit(reservation_id=reservation_id, checksums=checksums, checksum_kind=checksum_kind)).count
 
     def abort(self, reservation_id: int) -> int:
         return self._call(P.Abort(reservation_id=reservation_id)).count
@@ -298,7 +299,7 @@ class PoolClient:
         view = self.page(header.offset, header.page_bytes)
         if header.format_version != P.FORMAT_VERSION:
             raise ChecksumMismatch(f"page at {header.offset} has format {header.format_version}")
-        if self.verify_checksums and page_checksum(view) != header.checksum:
+        if self.verify_checksums and page_checksum(view, header.checksum_kind) != header.checksum:
             raise ChecksumMismatch(f"page at offset {header.offset} does not match its checksum")
         return view
 

@@ -155,7 +155,7 @@ class PoolHandlers:
         return P.ReserveReply(reservation_id=result.reservation_id, grants=grants, num_no_room=result.num_no_room)
 
     def commit(self, client_id: int, req: P.Commit) -> P.Reply:
-        count = self.index.commit(client_id, req.reservation_id, req.checksums)
+        count = self.index.commit(client_id, req.reservation_id, req.checksums, req.checksum_kind)
         if self.remote is not None:
             self.remote.on_commit(req.reservation_id)  # write-behind: queues, never waits
         return P.Ok(count=count)
@@ -278,5 +278,5 @@ class PoolHandlers:
 
 
 def lookup_reply(result: LookupResult) -> P.LookupReply:
-    pages = [P.PageHeader(e.offset, e.page_bytes, e.checksum) for e in result.entries]
+    pages = [P.PageHeader(e.offset, e.page_bytes, e.checksum, checksum_kind=e.checksum_kind) for e in result.entries]
     return P.LookupReply(lease_id=result.lease_id, pages=pages)

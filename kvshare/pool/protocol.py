@@ -18,7 +18,10 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+from kvshare.pool.checksum import ChecksumKind
+
+# 2: a page's checksum carries its kind (Commit.checksum_kind, PageHeader.checksum_kind)
+PROTOCOL_VERSION = 2
 FORMAT_VERSION = 1  # canonical page format (layout.py); bumped if the bytes of a page change meaning
 FRAME_HEADER = struct.Struct("<I")
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 20
@@ -59,8 +62,11 @@ class Reserve(msgspec.Struct, tag="reserve"):
 
 
 class Commit(msgspec.Struct, tag="commit"):
+    """Make a reservation's pages visible; one checksum per page, all of ``checksum_kind``."""
+
     reservation_id: int
     checksums: list[int]
+    checksum_kind: ChecksumKind = ChecksumKind.XXH3
 
 
 class Abort(msgspec.Struct, tag="abort"):
@@ -121,6 +127,7 @@ class PageHeader(msgspec.Struct, array_like=True):
     page_bytes: int
     checksum: int
     format_version: int = FORMAT_VERSION
+    checksum_kind: ChecksumKind = ChecksumKind.XXH3  # how ``checksum`` was computed (kvshare.pool.checksum)
 
 
 class HelloReply(msgspec.Struct, tag="hello_reply"):
