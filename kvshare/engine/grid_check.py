@@ -7,7 +7,8 @@ addresses; other garbage past the positions read). This checks that on the engin
 device, dtype and model shapes, two ways each, bitwise:
 
     attention   grid chunk j's queries over keys [0, e): in a buffer of one capacity, and in a
-                buffer of another where chunks < j were copied in (as a load does)
+                buffer of another where chunks < j were copied in (as a load does) and every
+                other position holds NaN
     matmuls     every projection of layer 0 and the LM head on G rows (a zero-padded tail too):
                 in fresh tensors, and as views into larger buffers at an offset
     end to end  the model: a cold grid prefill of 2G + G/2 + 1 tokens, and the same prompt over
@@ -78,6 +79,11 @@ def _random(shape, dtype: torch.dtype, device: torch.device, generator: torch.Ge
     return torch.randn(shape, generator=generator, dtype=torch.float32).to(device=device, dtype=dtype)
 
 
+def _garbage(shape, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A buffer whose every position not written yet holds NaN: a kernel that read past its keys would show."""
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
 def _differs(a: Tensor, b: Tensor) -> str:
     """'' when a and b hold the same bits; else how much and where they differ."""
     if a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)):
@@ -96,7 +102,7 @@ def _check_attention(model: Transformer, device, grid: int, generator) -> CheckR
     q = _random((c.num_heads, n, c.head_dim), dtype, device, generator)  # [Hq, n, D]
     kv = _random((2, c.num_kv_heads, n, c.head_dim), dtype, device, generator)  # [2, H, n, D]
     first = torch.empty(2, c.num_kv_heads, n + grid, c.head_dim, dtype=dtype, device=device)  # capacity n + G
-    second = _random((2, c.num_kv_heads, n + 3 * grid, c.head_dim), dtype, device, generator)  # n + 3G, garbage
+    second = _garbage((2, c.num_kv_heads, n + 3 * grid, c.head_dim), dtype, device)  # capacity n + 3G
     first[:, :, :n] = kv
     with sdpa_kernel(grid_backends(device), set_priority=True):
         for j in range(num_chunks):
@@ -119,7 +125,7 @@ def _check_matmuls(model: Transformer, device, grid: int, generator) -> CheckRes
         rows = _random((grid // 2 + 1, linear.in_features), dtype, device, generator)  # a tail of a grid chunk
         x = pad_rows(rows, grid)  # [G, in]
         a = linear(x)
-        big = _random((3 * grid, linear.in_features), dtype, device, generator)  # another buffer, at an offset
+        big = torch.zeros(3 * grid, linear.in_features, dtype=dtype, device=device)  # another buffer, at an offset
         big[grid + 1 : 2 * grid + 1] = x
         b = linear(big[grid + 1 : 2 * grid + 1])
         if _differs(a, b):
@@ -140,7 +146,7 @@ def _check_end_to_end(model: Transformer, device, grid: int, generator) -> Check
     n = 2 * grid + grid // 2 + 1  # two full grid chunks and a tail
     ids = torch.randint(0, c.vocab_size, (n,), generator=generator).to(device)
     cold_kv = torch.empty(c.num_layers, 2, c.num_kv_heads, n + 1, c.head_dim, dtype=dtype, device=device)
-    warm_kv = _random((c.num_layers, 2, c.num_kv_heads, n + grid + 7, c.head_dim), dtype, device, generator)
+    warm_kv = _garbage((c.num_layers, 2, c.num_kv_heads, n + grid + 7, c.head_dim), dtype, device)
     cold = grid_forward(model, ids, cold_kv, 0, grid)
     warm_kv[:, :, :, :grid] = cold_kv[:, :, :, :grid]  # the first grid chunk "loaded"
     warm = grid_forward(model, ids[grid:], warm_kv, grid, grid)
