@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from kvshare.pool.client import PoolClient
+from kvshare.pool.client import PoolClient, PoolRequestError
 from kvshare.pool.metrics import PoolCollector
 from kvshare.pool.remote.cost import REMEASURE_S, FetchFit, PrefillFit, PromotionCosts, fit_nonnegative, promote_len
 from kvshare.pool.spawn import running_pool
@@ -151,8 +151,8 @@ def test_a_fast_store_is_used_for_a_replica_that_recomputes_slower(redis_server,
         assert stats["promoted_pages"] == 8 and stats["store_bytes_per_s"] > 0
 
 
-def test_a_report_to_a_pool_without_a_remote_tier_is_taken_and_ignored(tmp_path):
+def test_a_report_to_a_pool_without_a_remote_tier_is_taken_and_ignored():
     with running_pool("16MiB", (), quiet=True) as a, PoolClient(a) as ca:
         assert ca.report_prefill(NAMESPACE, PAGE, num_chunks=4, seconds=1.0) is False
-        with pytest.raises(Exception, match="bad_report"):
+        with pytest.raises(PoolRequestError, match="bad_report"):
             ca.report_prefill(b"short", PAGE, num_chunks=4, seconds=1.0)
