@@ -40,10 +40,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kvshare.engine.model import Transformer, attend, rope_cos_sin
 
-# CUDA: flash only. Its forward is deterministic and was measured query-chunk-invariant on the H200;
-# cuDNN's was not invariant at any chunk size, and its one-query kernel not even repeatable (model.py).
-# Flash needs fp16/bf16; float32 on CUDA runs the memory-efficient kernel (the self-test checks it too).
-CUDA_GRID_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+# CUDA: flash first, never cuDNN. Flash's forward is deterministic and was measured query-chunk-invariant on
+# the H200; cuDNN's was not invariant at any chunk size, and its one-query kernel not even repeatable
+# (model.py). Flash needs fp16/bf16: float32 runs the memory-efficient kernel, or the math one where that
+# lacks grouped-query attention (the self-test checks whichever runs).
+CUDA_GRID_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 CPU_GRID_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 
 
