@@ -7,7 +7,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 import urllib.request
 
 from kvshare.launch import free_port_block
