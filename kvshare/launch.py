@@ -99,6 +99,7 @@ class Cluster:
                 self._spawn(ChildSpec("pool", (*kv, "pool", "--size", str(cfg.pool_size), "--socket",
                                                self.pool_socket, *cfg.pool_args), kvshare_env()))
                 self._wait_pool()
+                _point_to_pool(self.pool_socket)  # so kvshare pool-stats / pool-admin find it with no --socket
                 _say(progress, "pool ready")
             for i in range(cfg.num_replicas):
                 argv, env = self._replica_command(i, kv)
@@ -237,6 +238,7 @@ class Cluster:
             if proc is not None:
                 stop_process(proc, timeout_s=15)
         if self._tmp is not None:
+            _unpoint_pool(self.pool_socket)
             self._tmp.cleanup()
             self._tmp = None
 
@@ -245,6 +247,27 @@ class Cluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _point_to_pool(socket_path: str) -> None:
+    from kvshare.paths import up_pool_pointer
+
+    tmp = up_pool_pointer() + f".{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(socket_path)
+    os.replace(tmp, up_pool_pointer())  # the last up started wins
+
+
+def _unpoint_pool(socket_path: str | None) -> None:
+    """Remove the pointer if it still names this cluster's pool (another up may have replaced it)."""
+    from kvshare.paths import up_pool_pointer
+
+    try:
+        with open(up_pool_pointer()) as f:
+            if f.read().strip() == socket_path:
+                os.unlink(up_pool_pointer())
+    except OSError:
+        pass
 
 
 def _cpu_threads_env(cfg: ClusterConfig) -> dict | None:

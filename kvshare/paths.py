@@ -15,3 +15,22 @@ def runtime_dir() -> str:
 
 def default_pool_socket() -> str:
     return os.path.join(runtime_dir(), "pool.sock")
+
+
+def up_pool_pointer() -> str:
+    """The file where ``kvshare up`` writes its pool's socket path (the socket lives in up's private dir)."""
+    return os.path.join(runtime_dir(), "up-pool-socket")
+
+
+def find_pool_socket() -> str:
+    """The socket a pool command with no --socket talks to: the default one if a pool listens there,
+    else the pool of the last ``kvshare up`` still running, else the default (whose error names it)."""
+    default = default_pool_socket()
+    if os.path.exists(default):
+        return default
+    try:
+        with open(up_pool_pointer()) as f:
+            pointed = f.read().strip()
+    except OSError:
+        return default
+    return pointed if pointed and os.path.exists(pointed) else default

@@ -53,7 +53,7 @@ def _namespace(text: str) -> bytes:
 
 def run(args: argparse.Namespace) -> int:
     from kvshare.errors import UserError
-    from kvshare.paths import default_pool_socket
+    from kvshare.paths import find_pool_socket
     from kvshare.pool.client import PoolClient, PoolUnavailable
 
     if args.action == "flush" and args.replica is None and (args.tenant is not None or args.api_key is not None):
@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
             namespace = bytes.fromhex(named["namespace"])
         elif args.action == "flush" and args.namespace:
             namespace = _namespace(args.namespace)
-        with PoolClient(args.socket or default_pool_socket(), name="pool-admin") as client:
+        with PoolClient(args.socket or find_pool_socket(), name="pool-admin") as client:
             if args.action == "flush":
                 out = {"dropped": client.flush(namespace)}
                 if namespace is not None:

@@ -7,16 +7,16 @@ import json
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--socket", "--pool", dest="socket", default=None, help="the pool's Unix socket")
+    p.add_argument("--socket", "--pool", dest="socket", default=None, help="the pool's Unix socket (default: kvshare's default socket, else the pool of a running kvshare up)")
 
 
 def run(args: argparse.Namespace) -> int:
     from kvshare.errors import UserError
-    from kvshare.paths import default_pool_socket
+    from kvshare.paths import find_pool_socket
     from kvshare.pool.client import PoolClient, PoolUnavailable
 
     try:
-        with PoolClient(args.socket or default_pool_socket(), name="pool-stats") as client:
+        with PoolClient(args.socket or find_pool_socket(), name="pool-stats") as client:
             print(json.dumps(client.stats(), indent=2, sort_keys=True))
     except PoolUnavailable as exc:
         raise UserError(str(exc)) from None

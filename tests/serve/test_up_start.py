@@ -7,12 +7,14 @@ import http.server
 import json
 import subprocess
 import threading
+import sys
 import time
 
 import psutil
 import pytest
 
 from kvshare.launch import free_port_block, wait_http_ready
+from kvshare.pool.spawn import kvshare_env
 from tests.serve.up_process import UpProcess, get_json
 
 
@@ -91,3 +93,25 @@ def test_a_replica_that_exits_at_start_stops_up_naming_it_and_its_last_lines(tmp
     assert rc == 2, out
     assert "replica0 at http://127.0.0.1:" in out and "exited (exit code 2) before it was ready" in out
     assert "unrecognized arguments: --no-such-flag" in out.split("its last lines:")[1]
+
+
+def test_pool_stats_with_no_socket_finds_the_pool_up_started(tmp_path, monkeypatch):
+    """up's pool socket lives in up's private directory; pool-stats and pool-admin with no --socket find it
+    through the pointer up writes in the runtime directory, and up removes the pointer when it stops."""
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    env = kvshare_env()
+    up = UpProcess("--replicas", "1", "--pool-size", "64MiB", cwd=tmp_path, port=free_port_block(2))
+    try:
+        up.wait_ready(1)
+        out = subprocess.run([sys.executable, "-P", "-m", "kvshare", "pool-stats"], env=env, capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout)["capacity_bytes"] == 64 << 20
+    finally:
+        assert up.stop() == 0, up.output()
+    assert not (runtime / "kvshare" / "up-pool-socket").exists()
+    out = subprocess.run([sys.executable, "-P", "-m", "kvshare", "pool-stats"], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode != 0 and "pool.sock" in out.stderr and "Traceback" not in out.stderr
