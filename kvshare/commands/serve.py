@@ -130,6 +130,8 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         raise UserError(str(exc)) from None
     ready = f"kvshare replica ready: http://{config.host}:{config.port} model={server.served.name}"
+    if engine.grid is not None:  # its pages are shared only with replicas of the same grid and kernel build
+        ready += f" deterministic (grid {engine.grid.grid_tokens}, kernels {engine.grid.kernel_build})"
     try:
         web.run_app(server.app(), host=config.host, port=config.port, print=lambda _: print(ready, flush=True),
                     access_log=None)

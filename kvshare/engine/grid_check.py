@@ -21,6 +21,8 @@ the check costs a few grid chunks of compute at start-up.
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +34,7 @@ from kvshare.engine.model import Transformer, attend
 from kvshare.errors import UserError
 
 SEED = 20261201
+log = logging.getLogger(__name__)
 
 
 class GridCheckFailed(UserError):
@@ -48,7 +51,10 @@ class CheckResult:
 def start_grid(model: Transformer, device: torch.device, grid_tokens: int, chunk_tokens: int) -> Grid:
     """The deterministic mode of an engine starting: its Grid, once the self-test found this device exact."""
     grid = Grid(grid_tokens, chunk_tokens, kernel_build(device))  # checks the grid's size first
+    started = time.perf_counter()
     require_exact_grid(model, device, grid_tokens)
+    log.info("deterministic mode: grid of %d tokens, kernels exact here (self-test %.1f s); kernel build %s",
+                grid_tokens, time.perf_counter() - started, grid.kernel_build)
     return grid
 
 
