@@ -27,10 +27,12 @@ measure it), and a table on stdout.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
 import time
+import traceback
 
 ROW_FIELDS = ("model", "prompt_tokens", "check", "mode", "grid_tokens", "cold_speed_vs_fast_mode", "tokens_equal",
               "logprobs_equal", "expected", "passed", "first_difference", "local_tokens", "pool_tokens")
@@ -249,6 +251,7 @@ def exactness_step(args, device, sock: str, rows: list, budget: Budget, skipped:
     a.close()
     b.close()
     del a, b
+    gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     if budget.allows("fast mode contrast", skipped):
@@ -284,8 +287,6 @@ def model_step(name: str, args, device, rows: list, probes: dict, repeats: int) 
         rows.append(make_row(name, args.tokens, "speed", "deterministic", g, ratio, cold_fast_s=round(seconds["fast"], 3),
                              cold_deterministic_s=round(seconds[f"grid {g}"], 3)))
     del model
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def main(argv=None) -> int:
@@ -302,25 +303,42 @@ def main(argv=None) -> int:
 
     device = resolve_device(args.device)
     os.makedirs(args.out, exist_ok=True)
-    model_step(args.model, args, device, rows, probes, args.repeats)
-    cfg = get_preset(args.model).config
-    page = KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.dtype, args.chunk_tokens).page_bytes
-    size = pool_bytes(page, args.tokens // args.chunk_tokens, 2)
-    watermarks = ("--high-watermark", "1", "--low-watermark", "1", "--extent-size", "1GiB")
-    if budget.allows("exactness", skipped):
+    errors: list[str] = []
+
+    def step(name: str, fn) -> None:
+        """Run one step; an error is recorded (the later steps and the JSON still come)."""
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - a probe reports what failed and goes on
+            errors.append(f"{name}: {type(exc).__name__}: {exc}")
+            print(f"{name} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        finally:
+            gc.collect()  # engines and models of the step, before the next allocates its own
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def exactness() -> None:
+        cfg = get_preset(args.model).config
+        page = KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.dtype, args.chunk_tokens).page_bytes
+        size = pool_bytes(page, args.tokens // args.chunk_tokens, 2)
+        watermarks = ("--high-watermark", "1", "--low-watermark", "1", "--extent-size", "1GiB")
         with running_pool(f"{size >> 30}GiB", watermarks, quiet=True) as sock:
             exactness_step(args, device, sock, rows, budget, skipped)
+
+    step(f"speed of {args.model}", lambda: model_step(args.model, args, device, rows, probes, args.repeats))
+    if budget.allows("exactness", skipped):
+        step("exactness", exactness)
     for name in args.speed_model_list:
         if name != args.model and budget.allows(f"speed of {name}", skipped, needs_s=args.speed_model_s):
-            model_step(name, args, device, rows, probes, 1)
-    result = {"rows": rows, "probes": probes, "skipped": skipped, "kernel_build": kernel_build(device),
+            step(f"speed of {name}", lambda name=name: model_step(name, args, device, rows, probes, 1))
+    result = {"rows": rows, "probes": probes, "skipped": skipped, "errors": errors, "kernel_build": kernel_build(device),
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "elapsed_s": round(time.monotonic() - budget.started, 1),
-              "passed": all(r["passed"] is not False for r in rows)}
+              "passed": not errors and all(r["passed"] is not False for r in rows)}
     with open(os.path.join(args.out, "deterministic.json"), "w") as f:
         json.dump(result, f, indent=2)
     print(table(rows))
-    print(json.dumps({"probes": probes, "skipped": skipped, "passed": result["passed"]}, indent=1))
+    print(json.dumps({"probes": probes, "skipped": skipped, "errors": errors, "passed": result["passed"]}, indent=1))
     return 0 if result["passed"] else 1
 
 
