@@ -123,12 +123,16 @@ def error_row(case: Case, error: str) -> dict:
             "error": error}
 
 
-def run_replica(role: str, case: Case, socket_path: str, device: str, tmp: str, timeout_s: float) -> dict:
+def run_replica(role: str, case: Case, socket_path: str, device: str, tmp: str, timeout_s: float,
+                profile: str | None = None) -> dict:
     """One replica as a fresh process; its figures."""
     result, logits = os.path.join(tmp, f"{role}.json"), os.path.join(tmp, f"{role}_logits.pt")
     cmd = [sys.executable, os.path.join(HERE, "vllm_harness_replica.py"), "--role", role, "--preset", case.preset,
            "--tokens", str(case.prompt_tokens), "--socket", socket_path, "--device", device, "--logits", logits,
            "--result", result]
+    if profile:
+        os.makedirs(profile, exist_ok=True)
+        cmd += ["--profile", profile]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
     started = time.perf_counter()
     proc = subprocess.run(cmd, env=env, cwd=ROOT, timeout=timeout_s, capture_output=True, text=True)
@@ -140,7 +144,7 @@ def run_replica(role: str, case: Case, socket_path: str, device: str, tmp: str, 
     return figures
 
 
-def run_case(case: Case, device: str, timeout_s: float) -> dict:
+def run_case(case: Case, device: str, timeout_s: float, profile: str | None = None) -> dict:
     import torch
 
     from kvshare.engine.presets import PRESETS
@@ -152,8 +156,9 @@ def run_case(case: Case, device: str, timeout_s: float) -> dict:
     size = pool_mib(page_bytes, case.prompt_tokens)
     with tempfile.TemporaryDirectory(prefix="vllm-harness-") as tmp, \
             running_pool(f"{size}MiB", ("--extent-size", f"{min(EXTENT_MIB, size)}MiB"), quiet=True) as socket_path:
-        a = run_replica("A", case, socket_path, device, tmp, timeout_s)
-        b = run_replica("B", case, socket_path, device, tmp, timeout_s)
+        where = os.path.join(profile, case.name.replace(":", "_")) if profile else None
+        a = run_replica("A", case, socket_path, device, tmp, timeout_s, where)
+        b = run_replica("B", case, socket_path, device, tmp, timeout_s, where)
         logits = compare_logits(torch.load(os.path.join(tmp, "A_logits.pt")), torch.load(os.path.join(tmp, "B_logits.pt")))
     row = make_row(case, a, b, logits)
     row["pool_mib"] = size
@@ -184,6 +189,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--timeout-s", type=float, default=300.0, help="longest run of one replica process")
     parser.add_argument("--budget-s", type=float, default=0.0,
                         help="start no case after this many seconds (0: no limit); skipped cases get a row saying so")
+    parser.add_argument("--profile", default=None,
+                        help="a directory for torch profiler traces (chrome JSON) of each step's first run")
     args = parser.parse_args(argv)
     args.case_list = parse_cases(args.cases)
     return args
@@ -200,7 +207,7 @@ def main(argv=None) -> int:
         else:
             print(f"case {case.name} ...", flush=True)
             try:
-                rows.append(run_case(case, args.device, args.timeout_s))
+                rows.append(run_case(case, args.device, args.timeout_s, args.profile))
             except Exception as exc:  # one case's failure is its row; the others still run
                 rows.append(error_row(case, f"{type(exc).__name__}: {exc}"))
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "raw"}), flush=True)

@@ -112,6 +112,8 @@ class Replica:
         self.register_s = time.perf_counter() - started
         self.hooks = WorkerHooks(self.worker, BLOCK_SIZE)
         self.num_requests = 0
+        self.probe = Probe(self.worker, self.hooks)
+        self.phases: dict[str, list[dict]] = {}  # step name -> each run's phases (Probe.take)
 
     # -- vLLM's order ----------------------------------------------------------------------------
 
@@ -128,8 +130,10 @@ class Replica:
 
     def step(self, plan, start: int, end: int, compute: bool = True):
         """The worker side of one step; returns (logits or None, load outcomes, load-error blocks)."""
-        h = self.hooks
+        h, probe = self.hooks, self.probe
+        probe.begin()
         h.start_load(plan)
+        probe.mark("start_load_kv")
         logits = None
         if compute:
             logits = self.forward(start, end, plan)
@@ -137,7 +141,9 @@ class Replica:
             for index in range(self.layout.num_layers):
                 h.wait_layer(index)
                 h.save_layer(index, plan)
+        probe.mark("forward_enqueued")
         h.wait_for_save(plan)
+        probe.mark("wait_for_save")
         errors = h.load_errors()
         outcomes = h.take_outcomes()
         self.scheduler.on_report(WorkerReport(outcomes))
@@ -174,12 +180,23 @@ class Replica:
     def words(self, t: torch.Tensor) -> torch.Tensor:
         return widen(as_bits(t), self.word_bytes)
 
-    def timed(self, fn):
+    def timed(self, fn, name: str | None = None):
+        """Wall seconds of ``fn`` (device synchronized on both sides); with ``name``, the step's phases are
+        kept under it and, with ``--profile``, the first run of each name is traced (kernels and copies)."""
         sync(self.device)
-        started = time.perf_counter()
-        result = fn()
-        sync(self.device)
-        return time.perf_counter() - started, result
+        tracing = bool(name and name not in self.phases and self.args.profile and self.device.type == "cuda")
+        context = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                     torch.profiler.ProfilerActivity.CUDA]) if tracing else contextlib.nullcontext()
+        with context as prof:
+            started = time.perf_counter()
+            result = fn()
+            sync(self.device)
+            seconds = time.perf_counter() - started
+        if name:
+            self.phases.setdefault(name, []).append(self.probe.take(seconds))
+        if tracing:
+            prof.export_chrome_trace(f"{self.args.profile}/{self.args.role}_{name}.json")
+        return seconds, result
 
     def new_id(self, tag: str) -> str:
         self.num_requests += 1
@@ -197,8 +214,16 @@ class Replica:
         plan, _ = self.schedule(rid, 0, T, salt="store-bandwidth")
         digest = self.scheduler._requests[rid].ns_digest
         before = self.worker.counters.store_bytes
-        out["store_s"], _ = self.timed(lambda: self.step(plan, 0, T, compute=False))
+        out["store_s"], _ = self.timed(lambda: self.step(plan, 0, T, compute=False), "store")
         out["store_bytes"] = self.worker.counters.store_bytes - before
+        self.scheduler.finish(rid)
+        with PoolClient(self.args.socket, name="harness-flush") as client:
+            client.flush(digest)
+        # the same store again: what a replica past its first store pays (the first includes one-time costs)
+        rid = self.new_id("bw")
+        plan, _ = self.schedule(rid, 0, T, salt="store-bandwidth-again")
+        digest = self.scheduler._requests[rid].ns_digest
+        out["store_again_s"], _ = self.timed(lambda: self.step(plan, 0, T, compute=False), "store_again")
         self.scheduler.finish(rid)
         with PoolClient(self.args.socket, name="harness-flush") as client:
             client.flush(digest)
@@ -208,11 +233,12 @@ class Replica:
             layer.zero_()
         rid = self.new_id("a")
         plan, _ = self.schedule(rid, 0, P)
-        out["cold_step_s"], _ = self.timed(lambda: self.step(plan, 0, P))
+        out["cold_step_s"], _ = self.timed(lambda: self.step(plan, 0, P), "cold_step")
         plan, _ = self.schedule(rid, P, T - P, new=False)
         out["suffix_step_s"], (logits, _, _) = self.timed(lambda: self.step(plan, P, T))
         self.scheduler.finish(rid)
         out["stored_chunks"] = self.worker.counters.stored_chunks
+        out["phases"] = self.phases
         torch.save(logits.cpu(), self.args.logits)
         return out
 
@@ -224,7 +250,8 @@ class Replica:
         def load_step(compute: bool):
             rid = self.new_id("b")
             plan, external = self.schedule(rid, 0, T)
-            seconds, (logits, outcomes, errors) = self.timed(lambda: self.step(plan, external, T, compute))
+            name = "step" if compute else "load" if self.worker.verify_fraction else "load_unverified"
+            seconds, (logits, outcomes, errors) = self.timed(lambda: self.step(plan, external, T, compute), name)
             self.scheduler.finish(rid)
             out["load_errors"] += len(errors)
             out["incomplete_loads"] += sum(not o.is_complete for o in outcomes) + (not outcomes)
@@ -245,11 +272,43 @@ class Replica:
             out["compute_s"].append(self.timed(lambda: self.forward(P, T))[0])
         out["load_bytes_per_step"] = P * self.layout.bytes_per_token
         out["pinned_h2d_s"] = pinned_copy_s(out["load_bytes_per_step"], self.device, to_device=True)
+        out["phases"] = self.phases
         return out
 
     def close(self) -> None:
         self.scheduler.close()
         self.worker.close()
+
+
+class Probe:
+    """Where a step's time goes: host seconds between the hooks' returns, and the GPU seconds of the step's
+    staged loads and stores (their own start/end events), kept by wrapping the worker's two factories."""
+
+    def __init__(self, worker: PoolKVWorker, hooks: WorkerHooks) -> None:
+        self.loads, self.stores, self.marks = [], [], []
+        for name, kept in (("start_layered", self.loads), ("begin_stores", self.stores)):
+            original = getattr(worker, name)
+
+            def wrapped(*args, _original=original, _kept=kept, **kwargs):
+                made = _original(*args, **kwargs)
+                if made is not None:
+                    _kept.append(made)
+                return made
+
+            setattr(worker, name, wrapped)
+
+    def begin(self) -> None:
+        self.loads.clear(), self.stores.clear()
+        self.marks = [("begin", time.perf_counter())]
+
+    def mark(self, name: str) -> None:
+        self.marks.append((name, time.perf_counter()))
+
+    def take(self, wall_s: float) -> dict:
+        host = {name: t - self.marks[i][1] for i, (name, t) in enumerate(self.marks[1:])}
+        return {"wall_s": wall_s, "host_s": host,
+                "load_gpu_s": [getattr(x, "seconds", None) for x in self.loads],
+                "store_gpu_s": [getattr(x, "seconds", None) for x in self.stores]}
 
 
 def pinned_copy_s(num_bytes: int, device: torch.device, to_device: bool, repeats: int = 2) -> float:
@@ -296,6 +355,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--logits", required=True, help="where to save this replica's suffix logits")
     parser.add_argument("--result", required=True, help="where to write this replica's figures (JSON)")
+    parser.add_argument("--profile", default=None, help="a directory for torch profiler traces of the named steps")
     args = parser.parse_args()
     torch.manual_seed(SEED)
     replica = Replica(args)
