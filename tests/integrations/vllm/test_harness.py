@@ -45,7 +45,7 @@ def test_the_pool_holds_a_case_below_its_eviction_watermark(harness):
 
 
 def figures():
-    a = {"store_s": 0.5, "store_bytes": 40 << 30, "pinned_d2h_s": 0.45, "cold_step_s": 9.0, "register_s": 1.0}
+    a = {"store_s": 0.5, "store_again_s": 0.48, "store_bytes": 40 << 30, "pinned_d2h_s": 0.45, "cold_step_s": 9.0, "register_s": 1.0}
     b = {"load_s": [0.8, 0.5], "load_unverified_s": [0.49], "compute_s": [0.1, 0.2], "step_s": [0.55, 0.6],
          "load_bytes_per_step": 25 << 30, "pinned_h2d_s": 0.47, "prefix_tokens": 32752, "incomplete_loads": 0,
          "load_errors": 0, "loaded_tokens": 32752, "register_s": 1.0}
@@ -81,7 +81,9 @@ def test_a_tiny_dry_run_on_cpu_end_to_end(harness, tmp_path):
     (row,) = report["cases"]
     assert row["error"] is None and set(harness.ROW_FIELDS) <= set(row)
     assert row["prefix_tokens"] == 496 and row["load_complete"] and row["tokens_equal"] and row["logits_bitwise_equal"]
-    assert row["raw"]["A"]["stored_chunks"] == 2 + 2  # the store-bandwidth pass's two chunks, then the prompt's
+    # the two store-bandwidth passes' two chunks each, then the prompt's
+    assert row["raw"]["A"]["stored_chunks"] == 2 + 2 + 2
+    assert row["store_again_s"] > 0 and row["raw"]["B"]["phases"]["step"][0]["host_s"]["prepare_inputs"] >= 0
     assert row["store_bytes"] == 2 * 2 << 20  # two pages of the tiny preset (8 layers x 2 x 256 x 2 x 64 x 4 bytes)
 
 
