@@ -82,6 +82,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--write-timeout", type=float, default=30.0,
                    help="seconds a streaming client may take to accept one write before it is dropped")
     p.add_argument("--instance-id", default="", help="an id /health reports (kvshare up checks it is its child)")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="report healthy at once, without the warm-up (a tiny prefill, pool store and pool load in a "
+                        "private namespace) that takes the one-time costs out of the first request's TTFT")
 
 
 def engine_config(args: argparse.Namespace):
@@ -104,7 +107,7 @@ def serve_config(args: argparse.Namespace):
                        max_body_bytes=args.max_body_size, max_requests=args.max_requests,
                        max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens_limit,
                        api_keys=tuple(args.api_key), tenant_header=args.tenant_header,
-                       write_timeout_s=args.write_timeout, instance_id=args.instance_id,
+                       write_timeout_s=args.write_timeout, instance_id=args.instance_id, warmup=args.warmup,
                        audit=AuditConfig(rate=args.audit_rate, num_tokens=args.audit_tokens,
                                          gap_threshold=args.audit_gap_threshold))
 
@@ -116,6 +119,9 @@ def build_engine(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    import os
+    import signal
+
     from aiohttp import web
 
     from kvshare.errors import UserError
@@ -132,9 +138,15 @@ def run(args: argparse.Namespace) -> int:
     ready = f"kvshare replica ready: http://{config.host}:{config.port} model={server.served.name}"
     if engine.grid is not None:  # its pages are shared only with replicas of the same grid and kernel build
         ready += f" deterministic (grid {engine.grid.grid_tokens}, kernels {engine.grid.kernel_build})"
+    # the ready line once it listens and has warmed up (/health answers 503 "warming up" meanwhile);
+    # a failed warm-up stops the replica (SIGTERM: run_app's clean shutdown) and exits 1
+    server.readiness.on_ready = lambda: print(ready, flush=True)
+    server.readiness.on_failed = lambda exc: os.kill(os.getpid(), signal.SIGTERM)
     try:
-        web.run_app(server.app(), host=config.host, port=config.port, print=lambda _: print(ready, flush=True),
+        web.run_app(server.app(), host=config.host, port=config.port, print=lambda _: server.readiness.listening(),
                     access_log=None)
     except OSError as exc:  # the port was taken while the model loaded
         raise UserError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}") from None
+    if server.readiness.error:
+        raise UserError(f"the replica's warm-up failed ({server.readiness.error}); --no-warmup skips it")
     return 0

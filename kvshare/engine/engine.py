@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Iterator, Sequence
 
@@ -33,12 +34,18 @@ from kvshare.engine.prefix_cache import LocalPrefixCache
 # SamplingParams lives with the sampler and is re-exported: callers build it as kvshare.engine.engine.SamplingParams
 from kvshare.engine.sampler import SamplingParams, TokenCounts, make_generator, sample
 from kvshare.engine.stats import EngineStats
+from kvshare.engine.timeline import Timeline, active
 from kvshare.engine.weights import TORCH_DTYPES
 from kvshare.keys import Namespace, chunk_keys, namespace_digest
 from kvshare.layout import KVLayout
 from kvshare.transfer import TransferConfig
 
 MAX_CACHED_DIGESTS = 4096  # namespace digests kept (one per tenant and cache_salt seen lately)
+# EngineStats counters of requests (restored by uncounted()); connection state and failures always count
+UNCOUNTED_FIELDS = ("num_requests", "prompt_tokens_local", "prompt_tokens_pool", "prompt_tokens_computed",
+                    "generated_tokens", "prefill_seconds", "decode_seconds", "pool_lookups", "pool_hit_chunks",
+                    "pool_miss_chunks", "pool_bytes_loaded", "pool_load_seconds", "pool_stored_chunks",
+                    "pool_bytes_stored", "pool_store_seconds", "pool_skipped_stores", "dropped_chunks")
 
 
 @dataclass(frozen=True)
@@ -48,6 +55,7 @@ class RequestOptions:
     # salts the key namespace of the local cache and the pool: the tenant identity, with the request's
     # cache_salt (kvshare.serve.tenancy.namespace_salt); requests of two salts never share a chunk
     tenant: str = ""
+    timeline: Timeline | None = None  # {"kvshare": {"timeline": true}}: the steps of this request are timed
 
 
 @dataclass
@@ -137,6 +145,16 @@ class Engine:
             local_cache_chunks=len(self._local), local_cache_bytes=self._local.num_bytes,
         )
 
+    @contextmanager
+    def uncounted(self) -> Iterator[None]:
+        """Requests run inside are left out of the request counters of stats() (the replica's warm-up)."""
+        before = replace(self._stats)
+        try:
+            yield
+        finally:
+            for name in UNCOUNTED_FIELDS:
+                setattr(self._stats, name, getattr(before, name))
+
     # -- used by the replica's audit (kvshare.serve.audit) ------------------------------------
 
     def prompt_chunk_keys(self, prompt_ids: Sequence[int], tenant: str = "") -> list[bytes]:
@@ -175,6 +193,8 @@ class Engine:
             kv = self._kv.ensure(min(n + params.max_tokens, self.max_model_len))
             digest = self._digest(options.tenant)
             keys = chunk_keys(digest, prompt, self.layout.chunk_tokens)
+            if options.timeline is not None:
+                options.timeline.mark("hashing")
             started = time.perf_counter()
             logits, provenance = self._prefill(kv, ids, keys, options)
             self._count_prompt(provenance)
@@ -235,6 +255,9 @@ class Engine:
         # the prompt goes to the device before the load is enqueued: a pageable host->device copy queued
         # behind the load's copies on the copy engine would hold the host (and the compute) until they end
         prompt_ids = torch.from_numpy(ids).to(self.device)
+        timeline = options.timeline
+        if timeline is not None:
+            timeline.start_device(self.device)
         local_chunks = 0
         if options.use_local_cache:
             held = self._local.longest_prefix(keys[:reusable])
@@ -243,19 +266,27 @@ class Engine:
             local_chunks = len(held)
         load = PoolLoad()
         if options.use_pool and self._pool is not None:
-            load = self._pool.load_prefix(kv, keys[local_chunks:reusable], first_chunk=local_chunks)
+            with active(timeline):  # the pool link marks the lease
+                load = self._pool.load_prefix(kv, keys[local_chunks:reusable], first_chunk=local_chunks)
+        before_layer = load.before_layer
+        if timeline is not None:
+            if load.handle is not None:
+                timeline.record_load(load.handle)
+            before_layer = timeline.layer_hook(before_layer, self.device)
         try:
             if self._pool is not None and self.config.producer_delay_cycles:
                 self._pool.inject_producer_delay()  # validation: the store must still wait for this prefill
             pool_chunks = load.num_chunks
             if self.grid is None:
                 cached_len = (local_chunks + pool_chunks) * c
-                logits = self.model(prompt_ids[cached_len:], kv, cached_len, self.config.prefill_chunk_tokens, before_layer=load.before_layer)
+                logits = self.model(prompt_ids[cached_len:], kv, cached_len, self.config.prefill_chunk_tokens, before_layer=before_layer)
             else:
                 local_chunks, pool_chunks = self.grid.usable_prefix(local_chunks, load)
                 cached_len = (local_chunks + pool_chunks) * c
                 logits = grid_forward(self.model, prompt_ids[cached_len:], kv, cached_len, self.grid.grid_tokens,
-                                      before_layer=load.before_layer)
+                                      before_layer=before_layer)
+            if timeline is not None:
+                timeline.mark_device("forward_end", self.device)
         finally:
             if self._pool is not None:
                 self._pool.finish_load(load)

@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 import torch
 
+from kvshare.engine import timeline
 from kvshare.engine.stats import EngineStats
 from kvshare.layout import KVLayout
 from kvshare.pool.checksum import page_checksum
@@ -187,6 +188,7 @@ class PoolLink:
             return PoolLoad()
         try:
             lease = self.client.lookup(keys, self.layout.page_bytes)
+            timeline.note("lookup_and_lease")  # the request's timeline, when it asked for one
             self.stats.pool_lookups += 1
             self.stats.pool_hit_chunks += lease.num_pages
             self.stats.pool_miss_chunks += len(keys) - lease.num_pages

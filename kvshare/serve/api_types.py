@@ -36,6 +36,7 @@ class KVShareOptions(msgspec.Struct, forbid_unknown_fields=True):
 
     use_pool: bool = True
     use_local_cache: bool = True
+    timeline: bool = False  # return (and log) the request's timeline in the response's kvshare object
 
 
 class StreamOptions(msgspec.Struct):

@@ -8,7 +8,8 @@ The server feeds each ``TokenEvent`` to ``ResponseBuilder.add`` and writes what 
 
 Every final answer carries ``usage`` (``cached_tokens``: local + pool) and the ``kvshare``
 object, the request's provenance: which replica, and how many prompt tokens came from its
-local cache, from the pool, and were computed.
+local cache, from the pool, and were computed; with ``{"kvshare": {"timeline": true}}`` also the
+request's ``timeline`` (kvshare.engine.timeline: seconds since arrival of each step to the first token).
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ class ResponseBuilder:
         p = self.provenance
         return {"replica": self.replica_name,
                 "local_tokens": p.local_tokens if p else 0, "pool_tokens": p.pool_tokens if p else 0,
-                "computed_tokens": p.computed_tokens if p else 0, "deterministic": bool(p and p.is_deterministic)}
+                "computed_tokens": p.computed_tokens if p else 0, "deterministic": bool(p and p.is_deterministic),
+                **({"timeline": self.prep.options.timeline.as_dict()} if self.prep.options.timeline is not None else {})}
 
     def final_chunks(self) -> list[dict]:
         last = self._chunk("" if not self.chat else {}, self.finish_reason or "stop")

@@ -14,8 +14,8 @@ import logging
 import socket
 import time
 import uuid
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, Callable
 
 import msgspec
 from aiohttp import web
@@ -28,6 +28,7 @@ from kvshare.serve.audit import AuditConfig, Auditor
 from kvshare.serve.http_errors import body_too_large, error_response, http_error
 from kvshare.serve.metrics import ReplicaMetrics
 from kvshare.serve.models import ServedModels
+from kvshare.serve.readiness import Readiness
 from kvshare.serve.responses import Prepared, ResponseBuilder
 from kvshare.serve.sampling import sampling_params
 from kvshare.serve.tenancy import Unauthorized, check_api_key, namespace_salt, tenant_identity
@@ -54,6 +55,7 @@ class ServeConfig:
     stream_buffer_bytes: int = 256 << 10  # kernel send buffer of a stream (bounds what a stalled client holds)
     audit: AuditConfig = AuditConfig()  # --audit-rate: recompute a sample of reused requests cold (serve/audit.py)
     instance_id: str = ""  # --instance-id: kvshare up's id of this process, reported by /health
+    warmup: bool = False  # run the warm-up (kvshare.engine.warmup) before reporting healthy; serve: on (--no-warmup)
 
     def __post_init__(self) -> None:
         if self.max_body_bytes <= 0 or self.max_requests <= 0 or self.max_tokens_limit <= 0:
@@ -67,14 +69,19 @@ class ServeConfig:
 class ReplicaServer:
     """Builds the aiohttp application around an engine; ``main`` runs it."""
 
-    def __init__(self, engine: Any, config: ServeConfig) -> None:
+    def __init__(self, engine: Any, config: ServeConfig, warm_up: Callable[[Any], Any] | None = None) -> None:
+        """``warm_up(engine)``: the warm-up run with config.warmup (default kvshare.engine.warmup.warm_up)."""
         self.engine = engine
         self.config = config
+        self.readiness = Readiness(config.warmup)
+        if config.warmup and warm_up is None:
+            from kvshare.engine.warmup import warm_up
         self.metrics = ReplicaMetrics(lambda: _as_dict(engine.stats()))
         # audit hook: sampled reused requests are recomputed cold by the worker while no request waits
         self.auditor = (Auditor(engine, config.audit, self.metrics.registry, is_busy=lambda: self.worker.num_waiting > 0)
                         if config.audit.rate > 0 else None)
-        self.worker = EngineWorker(engine, config.max_requests, idle_task=self.auditor.run_one if self.auditor else None)
+        self.worker = EngineWorker(engine, config.max_requests, idle_task=self.auditor.run_one if self.auditor else None,
+                                   first_task=(lambda: self.readiness.run_warmup(warm_up, engine)) if config.warmup else None)
         self.metrics.max_running.set(self.worker.max_running)
         self.started_at = time.time()
         self.served = ServedModels(config.served_model_names or (engine.config.model,), root=engine.config.model,
@@ -164,12 +171,16 @@ class ReplicaServer:
         return web.Response(status=200)
 
     async def health(self, request: web.Request) -> web.Response:
-        """200 while the replica can serve: a pool it cannot reach makes requests cold, not failed ("pool")."""
+        """200 while the replica can serve: a pool it cannot reach makes requests cold, not failed ("pool").
+
+        503 before the warm-up has run ("warming up") and after it failed ("warm-up failed")."""
         stats = _as_dict(self.engine.stats())
         pool = "connected" if stats.get("is_pool_connected") else "unreachable" if stats.get("is_pool_configured") else "off"
-        return web.json_response({"status": "ok", "replica": self.config.replica_name,
+        ready = self.readiness
+        return web.json_response({"status": ready.status, "replica": self.config.replica_name,
                                   "waiting": self.worker.num_waiting, "running": self.worker.num_running,
-                                  "pool": pool, "instance_id": self.config.instance_id})
+                                  "pool": pool, "instance_id": self.config.instance_id, **ready.health_fields()},
+                                 status=200 if ready.is_ready else 503)
 
     async def metrics_text(self, request: web.Request) -> web.Response:
         self.metrics.waiting.set(self.worker.num_waiting)
@@ -179,6 +190,7 @@ class ReplicaServer:
     # -- generation ----------------------------------------------------------------------
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        arrival = time.perf_counter()
         req = A.decode(await request.read(), A.CompletionRequest)
         A.validate(req)
         prompt = A.prompt_of(req)
@@ -186,19 +198,22 @@ class ReplicaServer:
             prompt_ids = self.engine.tokenizer.encode(prompt)
         else:
             prompt_ids = list(prompt)
-        prepared = self._prepare(request, req, prompt_ids, default_max_tokens=16, logprobs=req.logprobs)
+        prepared = self._prepare(request, req, prompt_ids, default_max_tokens=16, logprobs=req.logprobs, arrival=arrival)
         return await self._respond(request, req, prepared, chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
+        arrival = time.perf_counter()
         req = A.decode(await request.read(), A.ChatRequest)
         A.validate(req)
         prompt_ids = T.chat_prompt_ids(self.engine.tokenizer, req.messages)
         top = (req.top_logprobs or 0) if req.logprobs else None
-        prepared = self._prepare(request, req, prompt_ids, default_max_tokens=None, logprobs=top)
+        prepared = self._prepare(request, req, prompt_ids, default_max_tokens=None, logprobs=top, arrival=arrival)
         return await self._respond(request, req, prepared, chat=True)
 
-    def _prepare(self, request, req, prompt_ids: list[int], default_max_tokens: int | None, logprobs) -> Prepared:
+    def _prepare(self, request, req, prompt_ids: list[int], default_max_tokens: int | None, logprobs,
+                 arrival: float) -> Prepared:
         from kvshare.engine.engine import RequestOptions
+        from kvshare.engine.timeline import Timeline
 
         req.model = self.served.resolve(req.model)  # responses name the first served name, as vLLM's do
         if not prompt_ids:
@@ -209,8 +224,11 @@ class ReplicaServer:
         max_tokens = self._max_tokens(req, len(prompt_ids), "messages" if default_max_tokens is None else "prompt",
                                       default_max_tokens or self.config.default_chat_max_tokens)
         params = sampling_params(req, max_tokens, logprobs, vocab)
+        timeline = Timeline(arrival) if req.kvshare.timeline else None
         options = RequestOptions(use_pool=req.kvshare.use_pool, use_local_cache=req.kvshare.use_local_cache,
-                                 tenant=namespace_salt(self._tenant(request), req.cache_salt))
+                                 tenant=namespace_salt(self._tenant(request), req.cache_salt), timeline=timeline)
+        if timeline is not None:
+            timeline.mark("parse")  # read, decoded, checked and tokenized
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return Prepared(prompt_ids, params, options, A.stop_strings(req), include_usage)
 
@@ -240,7 +258,7 @@ class ReplicaServer:
         return max_tokens
 
     async def _respond(self, request: web.Request, req, prep: Prepared, chat: bool) -> web.StreamResponse:
-        t_arrival = time.perf_counter()
+        t_arrival = time.perf_counter()  # the metrics time from here (a timeline from the handler's start)
         job = Job(prep.prompt_ids, prep.params, prep.options, asyncio.get_running_loop())
         try:
             self.worker.submit(job)
@@ -264,6 +282,8 @@ class ReplicaServer:
                 if response is not None:
                     for chunk in pieces:
                         await self._write(request, response, b"data: " + _json.encode(chunk) + b"\n\n")
+                    if prep.options.timeline is not None and out.num_tokens == 1:
+                        prep.options.timeline.mark("first_token_written")
                 if out.finish_reason:
                     break
         except (ConnectionResetError, _SlowClient):  # the client went away or stopped reading: free the engine
@@ -287,7 +307,10 @@ class ReplicaServer:
         self.metrics.requests.labels(out.finish_reason or "abort").inc()
         self.metrics.generation_tokens.inc(out.num_tokens)
         if self.auditor is not None and out.finish_reason:  # audit hook: offer the finished request
-            self.auditor.offer(prep.prompt_ids, prep.params, prep.options, out.provenance, out.token_ids)
+            self.auditor.offer(prep.prompt_ids, prep.params, replace(prep.options, timeline=None), out.provenance,
+                               out.token_ids)
+        if prep.options.timeline is not None:
+            log.info("timeline %s %s", rid, _json.encode(prep.options.timeline.as_dict()).decode())
         if response is None:
             return web.json_response(out.final_body())
         try:

@@ -55,9 +55,11 @@ IDLE_POLL_S = 0.25  # with an idle task: how often an empty queue is re-checked 
 class EngineWorker:
     max_running = 1  # jobs the engine runs at once: the rest wait, first come first served
 
-    def __init__(self, engine: Any, max_requests: int, idle_task: Callable[[], bool] | None = None) -> None:
+    def __init__(self, engine: Any, max_requests: int, idle_task: Callable[[], bool] | None = None,
+                 first_task: Callable[[], None] | None = None) -> None:
         self.engine = engine
         self.max_requests = max_requests
+        self.first_task = first_task  # runs in this thread before the first request (the warm-up)
         # runs in this thread while no request waits, one unit per call; True when it did work (the audit)
         self.idle_task = idle_task
         self._queue: queue.Queue[Job | None] = queue.Queue()
@@ -103,6 +105,8 @@ class EngineWorker:
                 continue
 
     def _run(self) -> None:
+        if self.first_task is not None:
+            self.first_task()
         while True:
             job = self._next_job()
             if job is None:

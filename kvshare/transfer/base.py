@@ -78,9 +78,10 @@ class TransferConfig:
 class LoadHandle:
     """Completion of one load. This base class stands for a load that finished before it was returned."""
 
-    def __init__(self, num_bytes: int, seconds: float | None = None) -> None:
+    def __init__(self, num_bytes: int, seconds: float | None = None, first_copy_s: float | None = None) -> None:
         self.num_bytes = num_bytes
         self.seconds = seconds  # copy time, once known (CPU: at once; CUDA: after wait_all)
+        self.first_copy_s = first_copy_s  # perf_counter() when the first copy was enqueued (a request's timeline)
 
     def wait_layer(self, layer: int) -> None:
         """Make the current (compute) stream wait until ``layer`` is in the KV tensor."""

@@ -28,9 +28,11 @@ class CpuTransfer(KVTransfer):
         # pages are committed and leased, so they cannot change: verify before any byte moves
         self._verify_pages(pages, first_chunk, self._pages_to_verify(len(pages)))
         kv_bits = as_bits(kv)
+        first_copy = time.perf_counter()
         for run in page_runs(offsets, self.layout.page_bytes, self.extent_bytes):
             chunks_to_engine(kv_bits, self._run_view(run), (first_chunk + run.first) * self.layout.chunk_tokens)
-        return LoadHandle(num_bytes=len(pages) * self.layout.page_bytes, seconds=time.perf_counter() - start)
+        return LoadHandle(num_bytes=len(pages) * self.layout.page_bytes, seconds=time.perf_counter() - start,
+                          first_copy_s=first_copy)
 
     @torch.inference_mode()
     def store(self, kv: torch.Tensor, first_chunk: int, offsets: Sequence[int], producer_stream=None) -> list[int]:

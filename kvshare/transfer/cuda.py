@@ -19,6 +19,7 @@ the compute stream reads layer l only after ``wait_layer(l)``.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Sequence
 
 import torch
@@ -189,6 +190,8 @@ class CudaTransfer(KVTransfer):
                         buf = self._take_buffer()
                         copy.wait_event(self._idle[buf])  # the previous scatter out of this buffer is done
                         self._host_copies(unit, buf, copy, to_device=True)
+                        if handle.first_copy_s is None:
+                            handle.first_copy_s = time.perf_counter()
                         copied = torch.cuda.Event()
                         copied.record(copy)
                         reshape.wait_event(copied)

@@ -1,0 +1,94 @@
+"""A replica's warm-up: the one-time costs of the request path, paid before it reports healthy.
+
+Without it the first request of a fresh replica pays them inside its TTFT (on the H200 a
+replica's first cross-replica load took ~0.4 s more than its later ones). Already done by
+the engine's constructor: the sequence KV is allocated (CUDA), the pool's arena is mapped and
+registered with CUDA, the transfer's streams and staging buffers exist. The warm-up runs
+the rest through the real path, in a private namespace nothing a user sends can name::
+
+    1. store   a cold prefill of WARMUP_CHUNKS + 1 chunks, stored to the pool after its first
+               token (the gather kernels, device->host copies, checksums, reserve and commit)
+    2. load    the same prompt again: lookup and lease, the load's copies and scatter kernels
+               overlapped with a suffix of one full chunk, page verification, the first decode
+    3. load    a prompt of WARMUP_CHUNKS chunks and half a chunk: a partial-chunk suffix
+    4. drop    the warm-up's chunks leave the pool again
+
+Its requests are left out of the engine's counters (``Engine.uncounted``), so /metrics
+shows only what users asked for. Where no pool is connected only the prefills run.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+WARMUP_CHUNKS = 2  # chunks the warm-up's loads reuse: two pages cover a run of consecutive pages
+WARMUP_SEED = 20261201
+
+
+@dataclass
+class WarmupReport:
+    """What the warm-up did (kept by the server; /health shows it)."""
+
+    seconds: float = 0.0
+    pool_chunks_stored: int = 0  # chunks of the warm-up's prompts the pool took
+    pool_chunks_loaded: int = 0  # chunks the warm-up's requests loaded from the pool
+    step_seconds: dict[str, float] = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {"seconds": round(self.seconds, 4), "pool_chunks_stored": self.pool_chunks_stored,
+                "pool_chunks_loaded": self.pool_chunks_loaded,
+                "step_seconds": {k: round(v, 4) for k, v in self.step_seconds.items()}}
+
+
+def warmup_prompts(chunk_tokens: int, vocab_size: int, max_model_len: int) -> list[list[int]]:
+    """The warm-up's prompts: (WARMUP_CHUNKS + 1) full chunks, then WARMUP_CHUNKS and a half (pure).
+
+    A prompt of k full chunks reuses k - 1 of them (one token is always computed), so the
+    first runs a suffix of one whole chunk, the second one of half a chunk. Both start with
+    the same WARMUP_CHUNKS chunks, so the second finds them in the pool too. Shortened (fewer
+    chunks) where the model's context is smaller.
+    """
+    num_chunks = WARMUP_CHUNKS
+    while num_chunks > 0 and (num_chunks + 1) * chunk_tokens + 2 >= max_model_len:
+        num_chunks -= 1
+    rng = np.random.default_rng(WARMUP_SEED)
+    length = max(1, num_chunks + 1) * chunk_tokens if num_chunks else min(chunk_tokens, max_model_len - 3)
+    ids = rng.integers(0, vocab_size, size=length).tolist()
+    return [ids, ids[: num_chunks * chunk_tokens + chunk_tokens // 2]] if num_chunks else [ids]
+
+
+def warm_up(engine: Any) -> WarmupReport:
+    """Run the warm-up on ``engine`` (before any request); returns what it did."""
+    from kvshare.engine.engine import RequestOptions, SamplingParams
+
+    started = time.perf_counter()
+    report = WarmupReport()
+    tenant = f"kvshare-warmup-{secrets.token_hex(8)}"  # a namespace of its own: no user request shares a chunk
+    options = RequestOptions(use_pool=True, use_local_cache=False, tenant=tenant)
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)  # two tokens: one decode step
+    prompts = warmup_prompts(engine.layout.chunk_tokens, engine.model_config.vocab_size, engine.max_model_len)
+    steps = [("store", prompts[0]), ("load", prompts[0])] + [("load_partial", p) for p in prompts[1:]]
+    keys: set[bytes] = set()
+    with engine.uncounted():
+        for name, prompt in steps:
+            t0 = time.perf_counter()
+            before = engine.stats()
+            events = list(engine.generate(prompt, params, options))  # both tokens: the decode step runs too
+            report.pool_chunks_loaded += events[0].provenance.pool_tokens // engine.layout.chunk_tokens
+            report.pool_chunks_stored += engine.stats().pool_stored_chunks - before.pool_stored_chunks
+            keys.update(engine.prompt_chunk_keys(prompt, tenant))
+            report.step_seconds[name] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        engine.drop_chunks(sorted(keys))
+        report.step_seconds["drop"] = time.perf_counter() - t0
+    report.seconds = time.perf_counter() - started
+    log.info("warm-up done in %.3f s: %s", report.seconds, report.as_dict())
+    return report
