@@ -2,7 +2,10 @@
 
 ``tiny`` is the CPU model of tests, the demo and vLLM CPU runs; ``qwen3-8b`` and
 ``qwen3-32b`` have exactly the shapes of those models for GPU benchmarks and are built
-directly on the device. Same preset, seed and init device -> the same weights, bitwise.
+directly on the device. Contexts: ``qwen3-8b`` takes 262144 positions (the study's 256k: 36 GiB
+of KV), ``qwen3-32b`` 131072 (its 128k: 32 GiB; at 256k its KV alone would be 64 GiB beside
+61 GiB of weights). On CUDA a replica allocates the KV of its whole context at start-up, so
+pass ``--max-model-len`` to run the 8B shape in less memory. Same preset, seed and init device -> the same weights, bitwise.
 
 The weights fingerprint of a preset built in memory equals that of the directory
 make-model writes for it: both hash the same config.json bytes and the same
@@ -84,7 +87,7 @@ PRESETS: dict[str, Preset] = {
     "qwen3-8b": Preset(
         "qwen3-8b",
         _qwen3_config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                      dtype="bfloat16", **_rope(1e6)),
+                      max_position_embeddings=262144, dtype="bfloat16", **_rope(1e6)),
         seed=8, embed_std=1.0, linear_gain=1.0, head_gain=8.0, draw_on_device=True,
     ),
     "qwen3-32b": Preset(
