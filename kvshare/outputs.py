@@ -50,6 +50,11 @@ class Comparison:
     reference_token: int | None = None  # the two ids at divergence_step
     candidate_token: int | None = None
     is_logprob_divergence: bool = False  # exact rule: the ids agree at divergence_step, their logprobs do not
+    # exact rule: the two runs' logprobs at divergence_step (None: not given); and the steps whose logprobs
+    # both runs gave (so were compared): fewer than num_compared means the rule saw only ids there
+    reference_logprobs: tuple[float, ...] | None = None
+    candidate_logprobs: tuple[float, ...] | None = None
+    num_logprob_steps: int = 0
 
     @property
     def is_identical(self) -> bool:
@@ -66,13 +71,24 @@ class Comparison:
     def passed(self) -> bool:
         return self.is_identical or self.is_tolerated
 
+    @property
+    def is_logprobs_compared(self) -> bool:
+        """Every compared step had logprobs from both runs (what the exact rule needs to say "bitwise")."""
+        return self.num_logprob_steps >= self.num_compared
+
     def describe(self) -> str:
         if self.is_identical:
-            return f"identical ({self.num_compared} tokens{', ids and logprobs' if self.is_exact else ''})"
+            if not self.is_exact:
+                return f"identical ({self.num_compared} tokens)"
+            what = ("ids and logprobs" if self.is_logprobs_compared
+                    else f"ids; logprobs at {self.num_logprob_steps} of them")
+            return f"identical ({self.num_compared} tokens, {what})"
         gap = "unknown" if self.gap is None else f"{self.gap:.3g}"
         if self.is_exact:
             what = (f"logprobs differ (both token {self.reference_token})" if self.is_logprob_divergence
                     else f"token {self.reference_token} (reference) vs {self.candidate_token}")
+            if self.reference_logprobs is not None or self.candidate_logprobs is not None:
+                what += f", logprobs {_values(self.reference_logprobs)} vs {_values(self.candidate_logprobs)}"
             return (f"differs at step {self.divergence_step} of {self.num_compared}: {what}, top-2 gap {gap} "
                     "(exact mode: any difference is a mismatch)")
         verdict = "near tie, tolerated" if self.is_tolerated else f"gap >= {self.threshold:g}: mismatch"
@@ -101,14 +117,28 @@ def compare_tokens(
     if threshold < 0:
         raise ValueError(f"the gap threshold must be >= 0, got {threshold}")
     n = min(len(reference), len(candidate))
+    num_logprob_steps = 0
     for step in range(n):
         ref, got = int(reference[step]), int(candidate[step])
+        both_known = _known(reference_top_logprobs, step) and _known(candidate_top_logprobs, step)
         is_logprob_divergence = ref == got and is_exact and _logprobs_differ(reference_top_logprobs,
                                                                                candidate_top_logprobs, step)
         if ref != got or is_logprob_divergence:
             gap = top2_gap(reference_top_logprobs[step]) if _known(reference_top_logprobs, step) else None
-            return Comparison(n, step, gap, threshold, is_exact, ref, got, is_logprob_divergence)
-    return Comparison(n, None, None, threshold, is_exact)
+            return Comparison(n, step, gap, threshold, is_exact, ref, got, is_logprob_divergence,
+                              _at_step(reference_top_logprobs, step), _at_step(candidate_top_logprobs, step),
+                              num_logprob_steps + both_known)
+        num_logprob_steps += both_known
+    return Comparison(n, None, None, threshold, is_exact, num_logprob_steps=num_logprob_steps)
+
+
+def _at_step(logprobs: Sequence | None, step: int) -> tuple[float, ...] | None:
+    return tuple(float(v) for v in logprobs[step]) if _known(logprobs, step) else None
+
+
+def _values(logprobs: tuple[float, ...] | None) -> str:
+    """Logprobs as the report shows them: every digit a float32/bf16 difference may sit in."""
+    return "unknown" if logprobs is None else "[" + ", ".join(f"{v:.9g}" for v in logprobs) + "]"
 
 
 def _known(logprobs: Sequence | None, step: int) -> bool:

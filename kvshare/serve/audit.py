@@ -12,8 +12,13 @@ worker has no request waiting, it runs one pending audit (``run_one``):
     cold       the same prompt, greedy, pool and local cache off (nothing reused or published)
     compare    kvshare.outputs: identical, or diverged at a near tie (top-2 gap
                below the threshold: tolerated, counted apart) -- anything else is a mismatch.
-               An engine in the deterministic mode is held to the exact rule: any difference
-               is a mismatch (nothing is tolerated)
+
+An engine in the deterministic mode is held to the exact rule: ids *and* logprobs equal at every
+step, any difference a mismatch (nothing is tolerated), logged with its step and both runs' tokens
+and logprobs. Per step it compares the chosen token's logprob and the top-k values, sorted, with k
+the served request's own ``logprobs`` (the cold run asks for at least that many). Where the served
+request asked for no logprobs (or sampled), the served ids are checked against the cold ones and a
+greedy replay with the request's reuse options supplies the reused run's logprobs.
 
 A mismatch is counted (``kvshare:audit_mismatches_total``), logged with the chunk
 keys involved, and every full chunk of the prompt is dropped from the pool and the
@@ -31,7 +36,7 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
-from kvshare.outputs import DEFAULT_GAP_THRESHOLD, Comparison, compare_tokens
+from kvshare.outputs import DEFAULT_GAP_THRESHOLD, Comparison, compare_tokens, top2_gap
 
 log = logging.getLogger("kvshare.audit")
 
@@ -58,6 +63,7 @@ class AuditSample:
     prompt_ids: list[int]
     options: Any  # the request's engine RequestOptions (reuse switches, tenant)
     served_ids: list[int] | None  # the first tokens served, if the request was greedy
+    served_events: list | None  # their engine TokenEvents, when they carry logprobs (the exact rule compares them)
     params: Any  # the request's engine SamplingParams: replays keep its logit_bias, penalties and stop tokens
     local_tokens: int
     pool_tokens: int
@@ -97,8 +103,9 @@ class Auditor:
     def num_pending(self) -> int:
         return len(self._pending)
 
-    def offer(self, prompt_ids, params, options, provenance, token_ids) -> bool:
-        """Maybe queue a finished request for audit; True when it was queued."""
+    def offer(self, prompt_ids, params, options, provenance, token_ids, events=None) -> bool:
+        """Maybe queue a finished request for audit; True when it was queued. ``events``: the request's
+        TokenEvents (their logprobs, where it asked for them, spare the exact rule a replay)."""
         if provenance is None or not token_ids or provenance.local_tokens + provenance.pool_tokens == 0:
             return False
         with self._lock:
@@ -108,7 +115,10 @@ class Auditor:
                 self._count("skipped")
                 return False
             served = [int(t) for t in token_ids[: self.config.num_tokens]] if params.temperature == 0 else None
-            self._pending.append(AuditSample(list(prompt_ids), options, served, params,
+            served_events = None
+            if served is not None and events and params.logprobs is not None and events[0].logprob is not None:
+                served_events = list(events[: len(served)])
+            self._pending.append(AuditSample(list(prompt_ids), options, served, served_events, params,
                                              provenance.local_tokens, provenance.pool_tokens))
         self._show_pending()
         return True
@@ -137,21 +147,37 @@ class Auditor:
     def _check(self, sample: AuditSample) -> None:
         from kvshare.engine.engine import RequestOptions
 
+        is_exact = getattr(self.engine, "grid", None) is not None  # the deterministic mode: reuse must be exact
         n = min(self.config.num_tokens, len(sample.served_ids)) if sample.served_ids else self.config.num_tokens
+        k = (sample.params.logprobs or 0) if sample.served_events is not None else 2  # top-k the exact rule compares
         # greedy with the request's own logit rules (bias, penalties), which change what greedy picks
-        greedy = replace(sample.params, max_tokens=n, temperature=0.0, seed=None, logprobs=2)
+        greedy = replace(sample.params, max_tokens=n, temperature=0.0, seed=None, logprobs=max(2, k))
         served = sample.served_ids
         if served is None:  # a sampled request: replay it greedily with the same reuse
-            served, provenance = self._generate(sample.prompt_ids, greedy, sample.options)
-            if provenance.local_tokens + provenance.pool_tokens == 0:
-                self._count("skipped")
+            served, served_events = self._replay(sample, greedy)
+            if served is None:
                 return
-            sample.local_tokens, sample.pool_tokens = provenance.local_tokens, provenance.pool_tokens
+        else:
+            served_events = sample.served_events
         cold_options = RequestOptions(use_pool=False, use_local_cache=False, tenant=sample.options.tenant)
         cold, events = self._generate(sample.prompt_ids, greedy, cold_options, keep_events=True)
         top = [list((e.top_logprobs or {}).values()) for e in events]
-        is_exact = getattr(self.engine, "grid", None) is not None  # the deterministic mode: reuse must be exact
-        result = compare_tokens(cold, served[:n], top, self.config.gap_threshold, is_exact=is_exact)
+        if not is_exact:
+            result = compare_tokens(cold, served[:n], top, self.config.gap_threshold)
+        else:
+            cold_steps = [_step_logprobs(e, k) for e in events]
+            result = compare_tokens(cold, served[:n], cold_steps, is_exact=True)  # the served ids first
+            if result.is_identical and served_events is None:  # no served logprobs: a replay's, with the same reuse
+                replayed, served_events = self._replay(sample, greedy)
+                if replayed is None:
+                    return
+                served = replayed
+            if result.is_identical:
+                result = compare_tokens(cold, served[:n], cold_steps, is_exact=True,
+                                        candidate_top_logprobs=[_step_logprobs(e, k) for e in served_events])
+            if result.divergence_step is not None:  # the gap of the cold run's own top values
+                step = result.divergence_step
+                result = replace(result, gap=top2_gap(top[step]) if step < len(top) else None)
         self.last = result
         self._count("checks")
         if result.is_identical:
@@ -161,6 +187,17 @@ class Auditor:
             log.info("audit: reused KV diverged at a near tie (%s); not a mismatch", result.describe())
             return
         self._mismatch(sample, result)
+
+    def _replay(self, sample: AuditSample, greedy) -> tuple[list[int] | None, list | None]:
+        """(ids, events) of a greedy replay with the request's reuse options; (None, None), counted skipped,
+        when the replay reused nothing (the KV is gone: nothing left to audit)."""
+        ids, events = self._generate(sample.prompt_ids, greedy, sample.options, keep_events=True)
+        provenance = events[0].provenance
+        if provenance.local_tokens + provenance.pool_tokens == 0:
+            self._count("skipped")
+            return None, None
+        sample.local_tokens, sample.pool_tokens = provenance.local_tokens, provenance.pool_tokens
+        return ids, events
 
     def _mismatch(self, sample: AuditSample, result: Comparison) -> None:
         keys = self.engine.prompt_chunk_keys(sample.prompt_ids, sample.options.tenant)
@@ -201,6 +238,13 @@ class Auditor:
         setattr(self.counts, name, getattr(self.counts, name) + n)
         if self._metrics is not None and n:
             self._metrics.inc(name, n)
+
+
+def _step_logprobs(event, k: int) -> list[float]:
+    """What the exact rule compares at one step: the chosen token's logprob, then the top-k values sorted
+    (a run asked for more than k reports the same k largest first; sorting makes the order of ties moot)."""
+    top = sorted((event.top_logprobs or {}).values(), reverse=True)[:k]
+    return [float("nan") if event.logprob is None else float(event.logprob), *map(float, top)]
 
 
 class _AuditMetrics:

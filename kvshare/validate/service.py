@@ -12,9 +12,18 @@ Each of prime, pool and local must match off by the rule of ``kvshare.outputs``
 (identical; on bf16, divergence only at a step whose top-2 gap is below the
 threshold, reported with its step and gap; replicas in the deterministic mode, whose
 responses say ``"deterministic": true``, by the exact rule: ids and logprobs equal,
-any difference a failure with its step and both tokens), and the pool run must show that it
-really loaded from the pool (``kvshare.pool_tokens`` > 0 where the prompt has a
-reusable full chunk). Every prompt starts with a fresh nonce, so nothing from an
+any difference a failure with its step and both tokens and logprobs), and the pool run must
+show that it really loaded from the pool (``kvshare.pool_tokens`` > 0 where the prompt has a
+reusable full chunk). In the deterministic mode reuse is rounded down to the replicas' grid
+(``--grid-tokens`` G, a multiple of the chunk), so what is reusable there is counted on the grid::
+
+    prompt  |-- chunk --|-- chunk --|-- chunk --|-- chunk --|-- chunk --|-.|   n tokens
+    chunk   |=========================================================|      (n - 1) // chunk chunks
+    grid G  |=======================================|                        rounded down to G
+
+and every reuse must end on a grid boundary: a prompt shorter than G + 1 loads nothing, and is
+no failure. G comes from ``ServiceConfig.grid_tokens``, else from the replica's
+``/admin/namespace`` where it says, else it is the chunk. Every prompt starts with a fresh nonce, so nothing from an
 earlier run or another prompt can be reused. Replica A is prompt i's replica
 i mod N and B the next one; with a single replica, B is A (the pool run still
 reads only the pool).
@@ -30,7 +39,8 @@ from typing import Callable
 
 from kvshare.outputs import DEFAULT_GAP_THRESHOLD, compare_tokens
 from kvshare.validate.report import FAIL, PASS, SKIP, LevelResult, Row, verdict_of
-from kvshare.validate.service_http import LOCAL_ONLY, POOL_OFF, POOL_ONLY, Completion, ServiceError, model_of, request, tokenize
+from kvshare.validate.service_http import (LOCAL_ONLY, POOL_OFF, POOL_ONLY, Completion, ServiceError, get_json, model_of,
+                                           request, tokenize)
 
 WORDS = ("pool replica chunk page cache prefix token layer stream event commit lease arena extent kernel "
          "copy store load verify router session turn model weight tensor head block table host device "
@@ -47,12 +57,23 @@ class ServiceConfig:
     gap_threshold: float = DEFAULT_GAP_THRESHOLD
     timeout_s: float = 600.0
     seed: int | None = None  # None: a fresh nonce per run
+    grid_tokens: int | None = None  # the replicas' deterministic grid; None: /admin/namespace says, else the chunk
 
     def __post_init__(self) -> None:
         if not self.replicas:
             raise ValueError("the service level needs at least one replica URL")
         if self.max_tokens < 1 or self.chunk_tokens < 1 or self.gap_threshold < 0:
             raise ValueError("max_tokens and chunk_tokens must be positive, the gap threshold >= 0")
+        if self.grid_tokens is not None and (self.grid_tokens < 1 or self.grid_tokens % self.chunk_tokens):
+            raise ValueError(f"the grid ({self.grid_tokens} tokens) must be a positive multiple of the chunk "
+                             f"({self.chunk_tokens} tokens)")
+
+
+def reusable_tokens(prompt_tokens: int, chunk_tokens: int, grid_tokens: int | None = None) -> int:
+    """Prompt tokens a reusing run can load: whole chunks before the last token (always computed), rounded
+    down to the grid in the deterministic mode."""
+    reusable = max(prompt_tokens - 1, 0) // chunk_tokens * chunk_tokens
+    return reusable // grid_tokens * grid_tokens if grid_tokens else reusable
 
 
 @dataclass
@@ -109,6 +130,7 @@ def run_service_level(config: ServiceConfig, after_prime: AfterPrime | None = No
         cases = build_cases(config, model, max_model_len)
     except (ServiceError, KeyError, IndexError) as exc:
         return LevelResult("service", FAIL, error=f"cannot build the prompt set: {exc}", seconds=time.perf_counter() - started)
+    grid = config.grid_tokens or _grid_of(config.replicas[0], config.timeout_s) or config.chunk_tokens
     expected_pool = loaded_pool = 0
     reuse_rows: list[Row] = []
     for case in cases:
@@ -119,10 +141,11 @@ def run_service_level(config: ServiceConfig, after_prime: AfterPrime | None = No
             continue
         off = runs["off"]
         n_prompt = off.prompt_tokens or len(case.prompt)
-        reusable = (n_prompt - 1) // config.chunk_tokens * config.chunk_tokens
+        is_exact = _is_deterministic(off)
+        reusable = reusable_tokens(n_prompt, config.chunk_tokens, grid if is_exact else None)
         rows.append(_off_row(case, off))
         for run in ("prime", "pool", "local"):
-            row, record = _reuse_row(config, case, run, off, runs[run], reusable)
+            row, record = _reuse_row(config, case, run, off, runs[run], reusable, grid if is_exact else None)
             rows.append(row)
             reuse_rows.append(row)
             records.append(record)
@@ -131,7 +154,10 @@ def run_service_level(config: ServiceConfig, after_prime: AfterPrime | None = No
             loaded_pool += int(runs["pool"].reused("pool") > 0)
     status = verdict_of(rows) if rows else SKIP
     if expected_pool == 0 and status == PASS:
-        status, rows = FAIL, rows + [Row("pool reuse", FAIL, "no prompt had a full chunk to reuse: nothing was tested")]
+        what = (f"no prompt reached a grid boundary ({grid} tokens): give --prompt-lengths above it"
+                if any(r.figures.get("exact") for r in reuse_rows) and grid > config.chunk_tokens
+                else "no prompt had a full chunk to reuse")
+        status, rows = FAIL, rows + [Row("pool reuse", FAIL, f"{what}: nothing was tested")]
     identical = sum(1 for r in reuse_rows if "divergence_step" not in r.figures)
     diverged = [r for r in reuse_rows if "divergence_step" in r.figures]
     num_exact = sum(1 for r in reuse_rows if r.figures.get("exact"))
@@ -142,7 +168,7 @@ def run_service_level(config: ServiceConfig, after_prime: AfterPrime | None = No
         summary += "; divergences: " + ", ".join(
             f"{r.name} step {r.figures['divergence_step']} gap {_gap(r.figures.get('gap'))}" for r in diverged)
     figures = {"model": model, "replicas": list(config.replicas), "gap_threshold": config.gap_threshold,
-               "max_tokens": config.max_tokens, "requests": records}
+               "max_tokens": config.max_tokens, "grid_tokens": grid if num_exact else None, "requests": records}
     return LevelResult("service", status, summary, rows, figures, time.perf_counter() - started)
 
 
@@ -168,7 +194,8 @@ def _off_row(case: PromptCase, off: Completion) -> Row:
     return Row(f"{case.name} off", PASS, "reference: every prompt token computed", figures)
 
 
-def _reuse_row(config: ServiceConfig, case: PromptCase, run: str, off: Completion, got: Completion, reusable: int):
+def _reuse_row(config: ServiceConfig, case: PromptCase, run: str, off: Completion, got: Completion, reusable: int,
+               grid: int | None):
     is_exact = _is_deterministic(off) and _is_deterministic(got)
     cmp = compare_tokens(off.token_ids, got.token_ids, off.top_logprobs, config.gap_threshold, got.top_logprobs, is_exact)
     replica = case.replica_b if run == "pool" else case.replica_a
@@ -179,12 +206,19 @@ def _reuse_row(config: ServiceConfig, case: PromptCase, run: str, off: Completio
     if not cmp.is_identical:
         figures.update(divergence_step=cmp.divergence_step, gap=cmp.gap)
         if is_exact:
-            figures.update(reference_token=cmp.reference_token, token=cmp.candidate_token)
+            figures.update(reference_token=cmp.reference_token, token=cmp.candidate_token,
+                           reference_logprobs=cmp.reference_logprobs, logprobs=cmp.candidate_logprobs)
     problems = []
     if len(got.token_ids) != len(off.token_ids):
         problems.append(f"{len(got.token_ids)} tokens generated, the reference {len(off.token_ids)}")
     if not cmp.passed:
         problems.append(cmp.describe())
+    elif is_exact and not cmp.is_logprobs_compared:
+        problems.append(f"the exact rule needs both runs' logprobs; given at {cmp.num_logprob_steps} of "
+                        f"{cmp.num_compared} steps")
+    reused = got.reused("pool") + got.reused("local")
+    if is_exact and grid and (reused % grid or reused > reusable):
+        problems.append(f"reused {reused} tokens: not on the grid of {grid} tokens (at most {reusable} here)")
     if run == "pool" and reusable > 0 and got.reused("pool") == 0:
         problems.append(f"pool_tokens is 0 although {reusable} prompt tokens were primed on {case.replica_a}: "
                         "the run did not load from the pool")
@@ -193,6 +227,15 @@ def _reuse_row(config: ServiceConfig, case: PromptCase, run: str, off: Completio
               "gap": cmp.gap, "token_ids": got.token_ids, "reference_ids": off.token_ids,
               "identical": cmp.is_identical, "passed": not problems}
     return Row(f"{case.name} {run}", FAIL if problems else PASS, detail, figures), record
+
+
+def _grid_of(replica: str, timeout_s: float) -> int | None:
+    """The replica's deterministic grid, where its /admin/namespace says it (None: not said, or no answer)."""
+    try:
+        grid = get_json(replica.rstrip("/") + "/admin/namespace", timeout_s).get("grid_tokens")
+    except ServiceError:
+        return None
+    return int(grid) if grid else None
 
 
 def _is_deterministic(got: Completion) -> bool:

@@ -15,7 +15,19 @@ from kvshare.validate.service import ServiceConfig, run_service_level
 def service_config(config, replicas: tuple[str, ...]) -> ServiceConfig:
     return ServiceConfig(replicas=replicas, max_tokens=config.max_tokens, completion_lengths=config.prompt_lengths,
                          num_chat=config.num_chat, chunk_tokens=config.chunk_tokens, gap_threshold=config.gap_threshold,
-                         timeout_s=config.request_timeout_s, seed=config.seed)
+                         timeout_s=config.request_timeout_s, seed=config.seed,
+                         grid_tokens=None if config.replicas else grid_of_args(config.replica_args))
+
+
+def grid_of_args(replica_args: tuple[str, ...]) -> int | None:
+    """``--grid-tokens N`` (or ``=N``) among the arguments of the replicas validate starts; None: not given."""
+    value = None
+    for i, arg in enumerate(replica_args):
+        if arg == "--grid-tokens" and i + 1 < len(replica_args):
+            value = replica_args[i + 1]
+        elif arg.startswith("--grid-tokens="):
+            value = arg.split("=", 1)[1]
+    return int(value) if value is not None else None
 
 
 def run_service(config, device: str, console=None, after_prime=None) -> LevelResult:

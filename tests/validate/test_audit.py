@@ -111,7 +111,8 @@ class _ScriptedEngine:
         provenance = SimpleNamespace(local_tokens=0, pool_tokens=0, computed_tokens=len(ids))
         tops = [{5: -0.1, 6: -3.0}, {9: -0.6930, 6: -0.6935}]
         for i, (token, top) in enumerate(zip((5, 9), tops)):
-            yield SimpleNamespace(token_id=token, top_logprobs=top, finish_reason="length" if i else None,
+            yield SimpleNamespace(token_id=token, logprob=top[token], top_logprobs=top,
+                                  finish_reason="length" if i else None,
                                   provenance=provenance)
 
     def prompt_chunk_keys(self, ids, tenant=""):
