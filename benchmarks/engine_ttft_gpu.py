@@ -121,7 +121,7 @@ def role(args) -> dict:
     ids = prompt_ids(n)
     engine = Engine(EngineConfig(model=args.preset, device=DEVICE, pool_socket=args.pool,
                                  local_cache_bytes=args.local_cache_bytes, max_model_len=n + 64,
-                                 verify_fraction=args.verify_fraction))
+                                 verify_fraction=args.verify_fraction, kv_dtype=getattr(args, "kv_dtype", "auto")))
     params = SamplingParams(max_tokens=1, ignore_eos=True)
     out: dict = {"role": args.role, "kv_bytes": n * engine.layout.bytes_per_token}
     timeline = None
@@ -256,6 +256,7 @@ def main() -> int:
     p.add_argument("--pool")
     p.add_argument("--local-cache-bytes", type=int, default=0)
     p.add_argument("--verify-fraction", type=float, default=0.0)
+    p.add_argument("--kv-dtype", default="auto", help="the engines' KV dtype (EngineConfig.kv_dtype)")
     p.add_argument("--enqueue", default="", help="B: TransferConfig.load_enqueue (default: the config's default)")
     p.add_argument("--compare-enqueue", default="", help="comma list of other load_enqueue modes to run B with too")
     args = p.parse_args()

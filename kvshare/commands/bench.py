@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from kvshare.commands.serve import add_kv_dtype_argument
 from kvshare.units import parse_size
 
 EXPERIMENT_NAMES = ("ttft", "blocks", "sessions")
@@ -107,6 +108,7 @@ def _target_arguments(e: argparse.ArgumentParser) -> None:
     g.add_argument("--deterministic", action="store_true",
                    help="with --model: start the replicas in the deterministic mode (serve --deterministic); "
                         "outputs of deterministic replicas are checked by the exact rule")
+    add_kv_dtype_argument(g)
     g.add_argument("--port", type=int, default=None, help="first port for started processes (default: free ports)")
     g.add_argument("--tokenizer", default=None, help="model directory or preset whose tokenizer builds the prompts "
                                                      "(default: --model, else the served model's name)")
@@ -189,7 +191,11 @@ def _run_experiments(args: argparse.Namespace, names: tuple[str, ...]) -> int:
     if args.deterministic and not args.model:
         raise UserError("--deterministic starts replicas in the mode (with --model); replicas given by URL run in "
                         "the mode they were started in, which their responses say (kvshare.deterministic)")
+    if args.kv_dtype != "auto" and not args.model:
+        raise UserError("--kv-dtype starts replicas with that KV dtype (with --model); replicas given by URL run "
+                        "with the KV dtype they were started with")
     replica_args = tuple(args.replica_arg) + (("--deterministic",) if args.deterministic else ())
+    replica_args += ("--kv-dtype", args.kv_dtype) if args.kv_dtype != "auto" else ()
     try:
         configs = _configs(args, names)
         spec = TargetSpec(replica_urls=tuple(args.replica), off_replica_urls=tuple(args.off_replica), model=args.model,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvshare.commands.serve import add_deterministic_arguments
+from kvshare.commands.serve import add_deterministic_arguments, add_kv_dtype_argument
 from kvshare.units import parse_size
 
 
@@ -13,6 +13,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pool", default="off", help="the pool's Unix socket, or 'off' (default)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"), help="default: the model's")
+    add_kv_dtype_argument(p)
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt-file", help="file holding the prompt text ('-' for stdin)")
     prompt.add_argument("--prompt", help="the prompt text")
@@ -52,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     try:
         engine = Engine(EngineConfig(
-            model=args.model, device=args.device, dtype=args.dtype,
+            model=args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype,
             pool_socket=None if args.pool == "off" else args.pool, chunk_tokens=args.chunk_tokens,
             local_cache_bytes=args.local_cache_size, verify_checksums=args.verify_checksums,
             deterministic=args.deterministic, grid_tokens=args.grid_tokens,
@@ -90,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
             "prompt_tokens": len(prompt_ids),
             "provenance": {"local_tokens": provenance.local_tokens, "pool_tokens": provenance.pool_tokens,
                            "computed_tokens": provenance.computed_tokens},
-            "deterministic": provenance.is_deterministic,
+            "deterministic": provenance.is_deterministic, "kv_dtype": engine.layout.dtype,
             "model_load_s": round(load_s, 4), "ttft_s": round(first_token_s, 4), "total_s": round(total_s, 4),
         }))
     return 0

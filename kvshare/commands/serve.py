@@ -46,7 +46,16 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="context length: prompt plus output tokens (as vLLM: 4096, 32k, 32K; default: the model's)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="auto",
                    help="weights and KV dtype (default auto: the model's own)")
+    add_kv_dtype_argument(p)
     add_deterministic_arguments(p)
+
+
+def add_kv_dtype_argument(p: argparse.ArgumentParser) -> None:
+    """The built-in engine's KV dtype (serve, generate, up, bench)."""
+    from kvshare.engine.config import KV_DTYPE_CHOICES
+
+    p.add_argument("--kv-dtype", choices=KV_DTYPE_CHOICES, default="auto",
+                   help="the KV cache's dtype, so the pool pages' (default auto: the model's); fp8 is float8_e4m3fn with scale 1.0, half of bf16's bytes")
 
 
 def add_deterministic_arguments(p: argparse.ArgumentParser) -> None:
@@ -91,7 +100,8 @@ def engine_config(args: argparse.Namespace):
     from kvshare.engine.engine import EngineConfig
 
     pool = None if args.pool in (None, "off") else args.pool
-    return EngineConfig(model=args.model, device=args.device, dtype=DTYPES[args.dtype], pool_socket=pool,
+    return EngineConfig(model=args.model, device=args.device, dtype=DTYPES[args.dtype], kv_dtype=args.kv_dtype,
+                        pool_socket=pool,
                         local_cache_bytes=args.local_cache_size, chunk_tokens=args.chunk_tokens,
                         max_model_len=args.max_model_len, verify_checksums=args.verify_rate >= 1.0,
                         verify_fraction=min(args.verify_rate, 1.0), deterministic=args.deterministic,

@@ -15,6 +15,12 @@ from kvshare.keys import DEFAULT_CHUNK_TOKENS
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+# --kv-dtype: the storage dtype of the sequence KV (and so of the pool's pages); "auto" is the model's dtype.
+# fp8 is float8_e4m3fn with one per-tensor scale of 1.0 for K and V (vLLM's default without calibrated
+# scales): values are clamped to +-448 and cast; attention upcasts the cached K/V to the model's dtype.
+KV_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "float8_e4m3fn"}
+KV_DTYPE_CHOICES = ("auto", *KV_DTYPES)
+FP8_KV_SCALE = 1.0
 
 
 class UnsupportedModel(UserError):
@@ -60,6 +66,22 @@ class ModelConfig:
     def kv_bytes_per_token(self) -> int:
         itemsize = 4 if self.dtype == "float32" else 2
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * itemsize
+
+
+def kv_storage_dtype(kv_dtype: str, model_dtype: str) -> str:
+    """The KV storage dtype's name (kvshare.layout.DTYPE_ITEMSIZE) for a --kv-dtype choice and the model's dtype."""
+    if kv_dtype not in KV_DTYPE_CHOICES:
+        raise ValueError(f"kv_dtype must be one of {KV_DTYPE_CHOICES}, got {kv_dtype!r}")
+    return model_dtype if kv_dtype == "auto" else KV_DTYPES[kv_dtype]
+
+
+def kv_precision(storage_dtype: str) -> str:
+    """The namespace's kv_precision for a storage dtype: how stored values relate to the computed ones.
+
+    A float8 cache stores round(clamp(x / scale)); its scale is part of what the bytes mean, so a replica
+    with another scale never reads these pages. Other dtypes store the values as computed ("native").
+    """
+    return f"e4m3 scale {FP8_KV_SCALE}" if storage_dtype == "float8_e4m3fn" else "native"
 
 
 def _refuse(feature: str, detail: str) -> UnsupportedModel:
@@ -142,6 +164,7 @@ class EngineConfig:
     model: str  # a local HF model directory or a preset name (kvshare.engine.presets.PRESETS)
     device: str = "cpu"  # "cpu" | "cuda" | "cuda:N"
     dtype: str | None = None  # None: the model's own dtype
+    kv_dtype: str = "auto"  # KV_DTYPE_CHOICES: the sequence KV's (and the pool pages') dtype; auto: the model's
     model_name: str | None = None  # served name and the key namespace's model id; None: directory or preset name
     pool_socket: str | None = None  # None: no pool
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS  # tokens per shared chunk (one pool page)
@@ -169,6 +192,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        if self.kv_dtype not in KV_DTYPE_CHOICES:
+            raise ValueError(f"kv_dtype must be one of {KV_DTYPE_CHOICES}, got {self.kv_dtype!r}")
         for name in ("chunk_tokens", "prefill_chunk_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"EngineConfig.{name} must be positive, got {getattr(self, name)}")

@@ -24,7 +24,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
-from kvshare.engine.config import EngineConfig
+from kvshare.engine.config import EngineConfig, kv_precision, kv_storage_dtype
 from kvshare.engine.grid import grid_forward
 from kvshare.engine.grid_check import start_grid
 from kvshare.engine.kv_cache import KVBuffer
@@ -35,7 +35,6 @@ from kvshare.engine.prefix_cache import LocalPrefixCache
 from kvshare.engine.sampler import SamplingParams, TokenCounts, make_generator, sample
 from kvshare.engine.stats import EngineStats
 from kvshare.engine.timeline import Timeline, active
-from kvshare.engine.weights import TORCH_DTYPES
 from kvshare.keys import Namespace, chunk_keys, namespace_digest
 from kvshare.layout import KVLayout
 from kvshare.transfer import TransferConfig
@@ -89,17 +88,18 @@ class Engine:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's max_position_embeddings "
                              f"{mc.max_position_embeddings}")
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
-        self.layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.dtype, config.chunk_tokens)
+        kv_dtype = kv_storage_dtype(config.kv_dtype, mc.dtype)  # the KV's dtype, so the pool pages'
+        self.layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, kv_dtype, config.chunk_tokens)
         # the deterministic mode: its self-test refuses it (GridCheckFailed) where this device's kernels are not exact
         self.grid = start_grid(self.model, self.device, config.grid_len, config.chunk_tokens) if config.deterministic else None
         self.namespace = Namespace(
-            model_id=self.model_name, weights_fingerprint=loaded.weights_fingerprint, kv_dtype=mc.dtype,
-            num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+            model_id=self.model_name, weights_fingerprint=loaded.weights_fingerprint, kv_dtype=kv_dtype,
+            kv_precision=kv_precision(kv_dtype), num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
             chunk_tokens=config.chunk_tokens, engine_family="builtin",
             **(self.grid.namespace_fields() if self.grid is not None else {}),
         )
         self._digests: OrderedDict[str, bytes] = OrderedDict()  # namespace salt -> digest, LRU
-        self._kv = KVBuffer(self.layout, TORCH_DTYPES[mc.dtype], self.device, self.max_model_len)
+        self._kv = KVBuffer(self.layout, self.device, self.max_model_len)
         if config.preallocate_kv if config.preallocate_kv is not None else self.device.type == "cuda":
             self._kv.ensure(self.max_model_len)
         self._local = LocalPrefixCache(config.local_cache_bytes)
@@ -288,10 +288,31 @@ class Engine:
             if timeline is not None:
                 timeline.mark_device("forward_end", self.device)
         finally:
-            if self._pool is not None:
-                self._pool.finish_load(load)
+            verified_chunks = self._pool.finish_load(load) if self._pool is not None else 0
+        if verified_chunks < pool_chunks:  # a page failed the check that ran beside its copy: computed again
+            local_chunks, pool_chunks = self._reusable_after_check(local_chunks, verified_chunks)
+            cached_len = (local_chunks + pool_chunks) * c
+            if self.grid is None:
+                logits = self.model(prompt_ids[cached_len:], kv, cached_len, self.config.prefill_chunk_tokens)
+            else:
+                logits = grid_forward(self.model, prompt_ids[cached_len:], kv, cached_len, self.grid.grid_tokens)
         provenance = Provenance(local_chunks * c, pool_chunks * c, n - cached_len, self.grid is not None)
         return logits, provenance
+
+    def _reusable_after_check(self, local_chunks: int, verified_chunks: int) -> tuple[int, int]:
+        """(local, pool) chunks still reused when only the load's first ``verified_chunks`` passed their check.
+
+        On CUDA the pages are checked beside the copies (kvshare.transfer.verify), so the forward has already read
+        a bad page when the check ends; the prefill runs again from it (in the deterministic mode: from the grid
+        boundary before it)::
+
+            loaded   |== local ==|== pool ok ==|X bad|== pool ==|---- computed ----|
+            again    |== local ==|== pool ok ==|---------- computed again ---------|
+        """
+        used = local_chunks + verified_chunks
+        if self.grid is not None:
+            used = self.grid.reusable_chunks(used)
+        return min(local_chunks, used), max(0, used - local_chunks)
 
     @torch.inference_mode()
     def _publish(self, kv: torch.Tensor, keys: list[bytes], digest: bytes, options: RequestOptions) -> None:

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kvshare.engine.model import Transformer, attend, rope_cos_sin
+from kvshare.engine.model import Transformer, attend, rope_cos_sin, write_kv
 
 # CUDA: flash first, never cuDNN. Flash's forward is deterministic and was measured query-chunk-invariant on
 # the H200; cuDNN's was not invariant at any chunk size, and its one-query kernel not even repeatable
@@ -177,8 +177,7 @@ def _grid_step(layer, x: Tensor, kv: Tensor, start: int, cos: Tensor, sin: Tenso
     end = start + m
     h = pad_rows(x, grid_tokens)  # [G, E]
     q, k, v = attn.qkv(layer.input_layernorm(h), cos, sin)  # [G, Hq, D], [G, H, D], [G, H, D]
-    kv[0, :, start:end] = k[:m].transpose(0, 1)  # [H, m, D]
-    kv[1, :, start:end] = v[:m].transpose(0, 1)
+    write_kv(kv, start, k[:m], v[:m])  # [H, m, D] each, in the cache's dtype
     if before_attention is not None:
         before_attention()
     out = attend(q[:m].transpose(0, 1), kv[0, :, :end], kv[1, :, :end], start)  # [Hq, m, D]

@@ -1,5 +1,8 @@
 """The engine's sequence KV storage: one ``[L, 2, H, T_cap, D]`` tensor, reused across requests.
 
+Its dtype is the layout's, which is also the pool pages' (``EngineConfig.kv_dtype``: the model's dtype,
+or e.g. float8_e4m3fn at one byte per element, half of bf16's).
+
 Head-major (layer, k|v, kv_head, token, head_dim) so ``kv[l, 0, :, :n]`` is the
 ``[H, n, D]`` key view SDPA reads directly. One request at a time owns it. The
 capacity is a whole number of chunks, so chunk i is always ``kv[..., i*C:(i+1)*C, :]``::
@@ -12,14 +15,15 @@ from __future__ import annotations
 import torch
 
 from kvshare.layout import KVLayout
+from kvshare.transfer.layouts import torch_dtype
 
 
 class KVBuffer:
     """Grows (never shrinks) to the largest request seen; contents are only valid within a request."""
 
-    def __init__(self, layout: KVLayout, dtype: torch.dtype, device: torch.device, max_tokens: int) -> None:
+    def __init__(self, layout: KVLayout, device: torch.device, max_tokens: int) -> None:
         self.layout = layout
-        self.dtype = dtype
+        self.dtype = torch_dtype(layout.dtype)  # the layout's: the model's dtype, or the --kv-dtype chosen
         self.device = device
         self.max_tokens = max_tokens
         self._kv: torch.Tensor | None = None

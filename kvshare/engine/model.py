@@ -7,7 +7,8 @@ so a safetensors file loads by name and make-model writes a file transformers re
 The KV of one sequence lives outside the model, in the engine's tensor
 ``kv: [L, 2, H, T_cap, D]`` (layer, k|v, kv_head, token, head_dim): head-major, so
 ``kv[l, 0, :, :n]`` is the ``[H, n, D]`` key view that SDPA reads without a copy.
-K is stored after RoPE. A forward over tokens ``[start, start + T)`` writes their K/V at those
+K is stored after RoPE, in the cache's dtype (a float8 cache: clamped and cast, ``write_kv``); attention
+upcasts the cache to the model's dtype. A forward over tokens ``[start, start + T)`` writes their K/V at those
 positions and attends over ``[0, start + T)``::
 
     kv tokens  |==== cached (local / pool / earlier steps) ====|---- this forward ----|
@@ -97,8 +98,28 @@ class Attention(nn.Module):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
+def write_kv(kv: Tensor, start: int, k: Tensor, v: Tensor) -> None:
+    """kv [2, H, T_cap, D] at positions [start, start+n) <- k, v [n, H, D], cast to the cache's dtype.
+
+    A float8 cache (scale 1.0) saturates at its largest finite value, as vLLM's cast does: torch's CUDA
+    cast turns |x| >= 480 into NaN where its CPU cast saturates, so the clamp makes both devices alike.
+    """
+    n = k.shape[0]
+    if kv.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        bound = torch.finfo(kv.dtype).max
+        k, v = k.clamp(-bound, bound), v.clamp(-bound, bound)
+    kv[0, :, start : start + n] = k.transpose(0, 1)  # [H, n, D]
+    kv[1, :, start : start + n] = v.transpose(0, 1)
+
+
 def attend(q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
-    """q: [Hq, T, D] for positions [start, start+T); k, v: [H, start+T, D] -> [Hq, T, D]."""
+    """q: [Hq, T, D] for positions [start, start+T); k, v: [H, start+T, D] -> [Hq, T, D].
+
+    K and V stored in another dtype than q's (a float8 cache) are upcast to it first: attention computes in
+    the model's dtype.
+    """
+    if k.dtype != q.dtype:
+        k, v = k.to(q.dtype), v.to(q.dtype)  # [H, start+T, D] each: one layer's cache at a time
     num_queries, num_keys = q.shape[1], k.shape[1]
     gqa = q.shape[0] != k.shape[0]
     q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)  # [1, heads, tokens, D]
@@ -144,8 +165,7 @@ class DecoderLayer(nn.Module):
             b = min(num_tokens, a + chunk)
             qc, kc, vc = attn.qkv(self.input_layernorm(x[a:b]), cos[a:b], sin[a:b])
             q[:, a:b] = qc.transpose(0, 1)
-            kv[0, :, start + a : start + b] = kc.transpose(0, 1)  # [H, n, D]
-            kv[1, :, start + a : start + b] = vc.transpose(0, 1)
+            write_kv(kv, start + a, kc, vc)
         before_attention()  # e.g. wait until this layer's reused KV has arrived from the pool
         out = attend(q, kv[0, :, :end], kv[1, :, :end], start)  # [Hq, T, D]
         del q

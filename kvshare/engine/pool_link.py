@@ -20,7 +20,7 @@ import threading
 import time
 import weakref
 from contextlib import suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -31,7 +31,7 @@ from kvshare.layout import KVLayout
 from kvshare.pool.checksum import page_checksum
 from kvshare.pool.client import ChecksumMismatch, PoolClient, PoolRequestError, PoolUnavailable
 from kvshare.pool.protocol import FORMAT_VERSION, PageHeader
-from kvshare.transfer import TransferConfig, make_transfer
+from kvshare.transfer import ChunkChecksumMismatch, TransferConfig, make_transfer
 
 log = logging.getLogger(__name__)
 _LOST = (PoolUnavailable, TimeoutError)
@@ -44,6 +44,9 @@ class PoolLoad:
     num_chunks: int = 0
     handle: Any = None  # LoadHandle
     lease_id: int = 0
+    first_chunk: int = 0
+    keys: list[bytes] = field(default_factory=list)  # of the pages being loaded (to drop those found bad)
+    pages: list[PageHeader] = field(default_factory=list)
     cold_since: float | None = None  # perf_counter at the lookup of a prefill that reuses nothing: it gets timed
 
     def before_layer(self, layer: int) -> None:
@@ -194,16 +197,20 @@ class PoolLink:
             self.stats.pool_miss_chunks += len(keys) - lease.num_pages
             if not lease.pages:
                 return PoolLoad(cold_since=started if first_chunk == 0 else None)
-            load = PoolLoad(0, None, lease.lease_id)
+            load = PoolLoad(0, None, lease.lease_id, first_chunk)
             try:
                 try:
                     load.handle = self.transfer.load(kv, first_chunk, lease.pages)
-                    load.num_chunks = len(lease.pages)
-                except ChecksumMismatch as exc:
-                    pages = self._drop_bad_pages(keys, lease.pages, exc)
-                    if pages:
-                        load.handle = self.transfer.load(kv, first_chunk, pages)
-                    load.num_chunks = len(pages)
+                    load.pages = list(lease.pages)
+                except ChecksumMismatch as exc:  # a transfer that checks before it copies (CPU)
+                    first_bad = self._drop_bad_pages(keys, lease.pages)
+                    if first_bad is None:  # the transfer saw something we cannot reproduce: use none of it
+                        log.error("checksum mismatch not reproducible (%s); recomputing the whole run", exc)
+                    load.pages = lease.pages[: first_bad or 0]
+                    if load.pages:
+                        load.handle = self.transfer.load(kv, first_chunk, load.pages)
+                load.num_chunks = len(load.pages)
+                load.keys = keys[: load.num_chunks]
             except BaseException:
                 self.finish_load(load)  # releases the lease
                 raise
@@ -216,24 +223,28 @@ class PoolLink:
             log.warning("the pool refused a lookup: %s", exc)
             return PoolLoad()
 
-    def _drop_bad_pages(self, keys: list[bytes], pages: list[PageHeader], exc: ChecksumMismatch) -> list[PageHeader]:
-        """Drop every leased page that fails verification; returns the good run before the first bad one."""
+    def _drop_bad_pages(self, keys: list[bytes], pages: list[PageHeader]) -> int | None:
+        """Drop every leased page that fails verification on the host; the index of the first, None if none fails."""
         bad = [i for i, page in enumerate(pages) if not self._page_is_good(page)]
-        if not bad:  # the transfer saw something we cannot reproduce: use none of it
-            log.error("checksum mismatch not reproducible (%s); recomputing the whole run", exc)
-            return []
-        log.error("checksum mismatch on %d pooled chunk(s) (%s); dropping them and recomputing", len(bad), exc)
+        if not bad:
+            return None
+        log.error("checksum mismatch on %d pooled chunk(s); dropping them and recomputing from chunk %d",
+                  len(bad), bad[0])
         self.stats.checksum_failures += len(bad)
         self.stats.dropped_chunks += self.client.drop([keys[i] for i in bad])
-        return pages[: bad[0]]
+        return bad[0]
 
     def _page_is_good(self, page: PageHeader) -> bool:
         if page.page_bytes != self.layout.page_bytes or page.format_version != FORMAT_VERSION:
             return False
         return page_checksum(self.client.page(page.offset, page.page_bytes), page.checksum_kind) == page.checksum
 
-    def finish_load(self, load: PoolLoad) -> None:
-        """Wait for the whole load, then release its lease (fire and forget); time a cold prefill."""
+    def finish_load(self, load: PoolLoad) -> int:
+        """Wait for the whole load and its checks, then release its lease (fire and forget); time a cold prefill.
+
+        Returns the chunks of the load that may be used: all of them, or those before the first page that
+        failed a check run beside the copies (CUDA), which the caller computes again.
+        """
         if load.cold_since is not None:  # called after the prefill's forward: its kernels end before the clock stops
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -242,10 +253,33 @@ class PoolLink:
             load.handle.wait_all()
             self.stats.pool_bytes_loaded += load.handle.num_bytes
             self.stats.pool_load_seconds += getattr(load.handle, "seconds", 0.0) or 0.0
+            try:
+                load.handle.verify()
+            except ChunkChecksumMismatch as exc:  # the lease still holds the pages: find and drop the bad ones
+                load.num_chunks = self._settle_failed_check(load, exc)
             load.handle = None
         if load.lease_id and self.client is not None:
             self.client.release([load.lease_id])
         load.lease_id = 0
+        return load.num_chunks
+
+    def _settle_failed_check(self, load: PoolLoad, exc: ChunkChecksumMismatch) -> int:
+        """The chunks before the first bad page; every page that fails on the host too is dropped from the pool."""
+        first_bad = min(load.num_chunks, exc.chunk_index - load.first_chunk)
+        try:
+            first_bad_in_pool = self._drop_bad_pages(load.keys, load.pages)
+        except _LOST as lost:
+            self._lost(lost)
+            return first_bad
+        except PoolRequestError as refused:
+            self.stats.pool_errors += 1
+            log.warning("the pool refused a drop: %s", refused)
+            return first_bad
+        if first_bad_in_pool is None:  # bad bytes in the copy, not in the page: counted, the page stays
+            log.error("a pooled chunk failed its check in the copy (%s), not in the pool; recomputing from it", exc)
+            self.stats.checksum_failures += 1
+            return first_bad
+        return min(first_bad, first_bad_in_pool)
 
     def drop(self, keys: list[bytes]) -> int:
         """Remove committed chunks from the pool (an audit found them wrong); 0 when the pool is away."""
@@ -283,7 +317,7 @@ class PoolLink:
                 with suppress(*_LOST, PoolRequestError):
                     self.client.abort(reservation.reservation_id)
                 raise
-            self.client.commit(reservation.reservation_id, checksums)
+            self.client.commit(reservation.reservation_id, checksums, self.transfer.checksum_kind)
             self.stats.pool_stored_chunks += len(reservation.grants)
             self.stats.pool_bytes_stored += len(reservation.grants) * self.layout.page_bytes
             self.stats.pool_store_seconds += time.perf_counter() - start

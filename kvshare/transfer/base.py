@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from kvshare.layout import KVLayout
+from kvshare.pool.checksum import ChecksumKind
 from kvshare.pool.client import ChecksumMismatch
 from kvshare.transfer.layouts import torch_dtype
 
@@ -89,9 +90,21 @@ class LoadHandle:
     def wait_all(self) -> None:
         """Block until every copy has finished: the pages' lease may be released after this."""
 
+    def verify(self) -> None:
+        """Raise ChunkChecksumMismatch (the first bad page) when a check that ran beside the copies failed.
+
+        Waits for the copies and checks. A transfer that checks pages before copying them (CPU) raised in
+        load() already; here there is nothing left to check.
+        """
+
 
 class KVTransfer(ABC):
-    """Moves chunks between pool pages and one engine's KV tensor. One caller at a time."""
+    """Moves chunks between pool pages and one engine's KV tensor. One caller at a time.
+
+    ``checksum_kind`` is the kind of the checksums ``store`` returns, to be committed with them.
+    """
+
+    checksum_kind = ChecksumKind.XXH3
 
     def __init__(self, layout: KVLayout, client: "PoolClient", device: torch.device, config: TransferConfig) -> None:
         if client.arena is None:
@@ -109,12 +122,16 @@ class KVTransfer(ABC):
 
     @abstractmethod
     def load(self, kv: torch.Tensor, first_chunk: int, pages: Sequence["PageHeader"]) -> LoadHandle:
-        """Copy page i into kv[:, :, :, (first_chunk+i)*C : (first_chunk+i+1)*C, :]."""
+        """Copy page i into kv[:, :, :, (first_chunk+i)*C : (first_chunk+i+1)*C, :].
+
+        Pages chosen for verification are checked by their recorded kind, before the copy (raising
+        ChunkChecksumMismatch here) or beside it (reported by the handle's ``verify``)."""
 
     @abstractmethod
     def store(self, kv: torch.Tensor, first_chunk: int, offsets: Sequence[int], producer_stream=None) -> list[int]:
         """Copy chunks first_chunk.. into the (reserved) pages at ``offsets`` after the producer's work;
-        return one checksum per page, computed after the copies completed. Commit only after this returns."""
+        return one checksum per page (of ``checksum_kind``), known once the copies completed. Commit only after
+        this returns."""
 
     def inject_producer_delay(self, stream=None) -> None:
         """Validation hook: enqueue ``config.producer_delay_cycles`` of GPU sleep on the producer stream.

@@ -7,7 +7,7 @@ of the copy's time instead of more than it.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence
 
 from kvshare.pool.checksum import ChecksumKind, page_checksum
@@ -32,9 +32,16 @@ class PageHasher:
         kinds = [ChecksumKind.XXH3] * len(offsets) if kinds is None else list(kinds)
         if self._num_threads == 1 or len(offsets) * self._page_bytes < PARALLEL_MIN_BYTES:
             return [self.checksum(offset, kind) for offset, kind in zip(offsets, kinds)]
+        return list(self._executor().map(self.checksum, offsets, kinds))
+
+    def submit(self, offset: int, kind: ChecksumKind) -> "Future[int]":
+        """The page's checksum, computed on one of the threads while the caller goes on (the page must not change)."""
+        return self._executor().submit(self.checksum, offset, kind)
+
+    def _executor(self) -> ThreadPoolExecutor:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self._num_threads, thread_name_prefix="kvshare-checksum")
-        return list(self._pool.map(self.checksum, offsets, kinds))
+        return self._pool
 
     def close(self) -> None:
         if self._pool is not None:

@@ -3,9 +3,9 @@
 Two side streams and two staging buffers (double buffering)::
 
     load   copy stream:     H2D unit0 -> buf0 | H2D unit1 -> buf1 | H2D unit2 -> buf0 (after scatter0) ...
-           reshape stream:        scatter buf0 -> kv | scatter buf1 -> kv | ...   event per layer group
+           reshape stream:        scatter+WSUM32 buf0 -> kv | scatter+WSUM32 buf1 -> kv | ...   event per layer group
     store  producer stream: ... kernels writing kv | event
-           reshape stream:  (waits on it) gather kv -> buf0 | gather kv -> buf1 | ...
+           reshape stream:  (waits on it) gather kv -> buf0, WSUM32 | gather kv -> buf1, WSUM32 | ...
            copy stream:           D2H buf0 -> pages | D2H buf1 -> pages | ... event per page block
 
 A unit is a group of layers (a page row of >= min_copy_bytes) over a block of
@@ -14,6 +14,11 @@ reshape (token/head transpose) runs on the GPU at HBM speed. Every dependency
 is an explicit event: a store's copies never start before the producer's
 event; a load's scatter never starts before the caller's earlier work on kv;
 the compute stream reads layer l only after ``wait_layer(l)``.
+
+Checksums (kvshare.transfer.verify): a store sums WSUM32 of the staged bytes on the GPU and commits it;
+a load checks each chosen page by its recorded kind beside the copies (WSUM32 on the GPU from the staged
+bytes, XXH3 on host threads) and reports a bad page in ``verify()``, after the reader used the KV: the
+caller computes again from that page. The host never waits for a checksum before the forward.
 """
 
 from __future__ import annotations
@@ -24,12 +29,14 @@ from typing import Sequence
 
 import torch
 
-from kvshare.pool.client import ChecksumMismatch
-from kvshare.transfer.base import LAZY_GROUPS_AHEAD, KVTransfer, LoadHandle, TransferConfig
+from kvshare.pool.checksum import ChecksumKind
+from kvshare.transfer.base import LAZY_GROUPS_AHEAD, ChunkChecksumMismatch, KVTransfer, LoadHandle, TransferConfig
 from kvshare.transfer.copiers import make_copier
 from kvshare.transfer.layouts import as_bits, chunks_to_engine, chunks_view, engine_to_chunks
 from kvshare.transfer.plan import Unit, layer_groups, load_units, pages_per_unit, store_units
 from kvshare.transfer.registration import acquire_registration, release_registration
+from kvshare.transfer.verify import PageCheck, can_sum_staged, store_checksum_kind
+from kvshare.transfer.wsum import add_rows, as_unsigned
 
 NUM_STAGING = 2
 
@@ -43,8 +50,11 @@ class CudaLoadHandle(LoadHandle):
     compute stream waits on it (waiting on an event not yet recorded would not wait at all).
     """
 
-    def __init__(self, num_bytes: int, group_of_layer: list[int], num_groups: int, device, mode: str) -> None:
+    def __init__(self, num_bytes: int, group_of_layer: list[int], num_groups: int, device, mode: str,
+                 check: PageCheck, first_chunk: int, pages: Sequence, check_stream) -> None:
         super().__init__(num_bytes)
+        self.check = check  # the chosen pages' checksums, computed beside the copies (kvshare.transfer.verify)
+        self._first_chunk, self._pages, self._check_stream = first_chunk, list(pages), check_stream
         self._group_of_layer = group_of_layer
         self._group_events = [torch.cuda.Event() for _ in range(num_groups)]
         self._recorded = [threading.Event() for _ in range(num_groups)]
@@ -107,6 +117,15 @@ class CudaLoadHandle(LoadHandle):
         if self.seconds is None and self._error is None:
             self.seconds = self.start.elapsed_time(self.end) / 1e3
 
+    def verify(self) -> None:
+        self.wait_all()
+        if self._error is not None:  # wait_layer raised it already; no page was checked
+            return
+        with torch.cuda.stream(self._check_stream):  # read back on our idle stream, not behind the compute
+            bad = self.check.bad_pages()
+        if bad:
+            raise ChunkChecksumMismatch(self._first_chunk + bad[0], self._pages[bad[0]].offset)
+
 
 class CudaTransfer(KVTransfer):
     """Copies between the registered arena and a CUDA ``kv [L, 2, H, T, D]``. One caller at a time."""
@@ -142,6 +161,7 @@ class CudaTransfer(KVTransfer):
         self._closed = False
         self._pending: CudaLoadHandle | None = None  # a load whose copies may not all be enqueued yet
         self.last_store_copy_seconds: float | None = None  # GPU time of the last store's gathers and copies
+        self.checksum_kind = store_checksum_kind(layout, is_staged=True)  # WSUM32, summed here over the staged bytes
 
     # -- the interface ------------------------------------------------------------------------------
 
@@ -156,17 +176,16 @@ class CudaTransfer(KVTransfer):
         ready.record(torch.cuda.current_stream(self.device))
         self._reshape_stream.wait_event(ready)  # the scatter writes kv only after the caller's earlier work on it
         kv.record_stream(self._reshape_stream)
+        with torch.cuda.stream(self._reshape_stream):  # its sums accumulate there, after each copy lands
+            # pages are leased and immutable: XXH3 ones are hashed on host threads while the copies run
+            check = PageCheck(pages, self._pages_to_verify(len(offsets)), self._hasher, self.device,
+                              on_device=can_sum_staged(self.layout))
         handle = CudaLoadHandle(len(offsets) * self.layout.page_bytes, self._group_of_layer, len(self._groups),
-                                self.device, self.config.load_enqueue)
+                                self.device, self.config.load_enqueue, check, first_chunk, pages, self._reshape_stream)
         self._pending = handle
         handle.begin(self._load_steps(kv, first_chunk, offsets, handle))
         if handle._mode == "eager" and handle._error is not None:
             raise handle._error
-        try:  # pages are leased and immutable: hash them on the host while the copies run
-            self._verify_pages(pages, first_chunk, self._pages_to_verify(len(offsets)))
-        except ChecksumMismatch:
-            handle.wait_all()  # nothing may still write kv when the caller recomputes these chunks
-            raise
         return handle
 
     def _load_steps(self, kv: torch.Tensor, first_chunk: int, offsets: list[int], handle: CudaLoadHandle):
@@ -198,6 +217,8 @@ class CudaTransfer(KVTransfer):
                         with torch.cuda.stream(reshape):
                             layers = kv_bits[unit.layer_start : unit.layer_stop]
                             chunks_to_engine(layers, self._chunks(buf, unit), self._first_token(first_chunk, unit))
+                            if handle.check.needs_staged_sums:
+                                handle.check.add_staged(unit.page_start, unit.page_stop, *self._rows(buf, unit))
                         self._idle[buf].record(reshape)
                     handle.record_group(group, reshape)
                 yield group
@@ -225,6 +246,10 @@ class CudaTransfer(KVTransfer):
         kv_bits = as_bits(kv)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record(reshape)
+        on_device = self.checksum_kind == ChecksumKind.WSUM32
+        if on_device:
+            with torch.cuda.stream(reshape):
+                sums = torch.zeros(len(offsets), dtype=torch.int64, device=self.device)  # WSUM32 per page
         blocks = []
         for units in store_units(offsets, self.layout, cfg.min_copy_bytes, cfg.staging_bytes, self.extent_bytes):
             for unit in units:
@@ -233,6 +258,8 @@ class CudaTransfer(KVTransfer):
                 with torch.cuda.stream(reshape):
                     layers = kv_bits[unit.layer_start : unit.layer_stop]
                     engine_to_chunks(self._chunks(buf, unit), layers, self._first_token(first_chunk, unit))
+                    if on_device:  # the staged bytes, which the copy below writes to the pages
+                        add_rows(sums[unit.page_start : unit.page_stop], *self._rows(buf, unit))
                 gathered = torch.cuda.Event()
                 gathered.record(reshape)
                 copy.wait_event(gathered)
@@ -243,7 +270,11 @@ class CudaTransfer(KVTransfer):
             blocks.append((units[0].page_start, units[0].page_stop, block_done))
         end.record(copy)
         checksums: list[int] = []
-        for p0, p1, block_done in blocks:  # hash each block once its copies completed, while later ones run
+        if on_device:
+            end.synchronize()
+            with torch.cuda.stream(reshape):  # read back on our idle stream, not behind the compute
+                checksums = as_unsigned(sums)
+        for p0, p1, block_done in [] if on_device else blocks:  # hash each block once copied, while later ones run
             block_done.synchronize()
             checksums.extend(self._hasher.checksums(offsets[p0:p1]))
         end.synchronize()
@@ -291,6 +322,11 @@ class CudaTransfer(KVTransfer):
         buf = self._next_buffer
         self._next_buffer = (buf + 1) % NUM_STAGING
         return buf
+
+    def _rows(self, buf: int, unit: Unit) -> tuple[torch.Tensor, int]:
+        """The unit's staged pages as int32 words ``[n, W]`` and where they start in each page, in words."""
+        rows = self._staging[buf][: unit.num_bytes].view(torch.int32).view(unit.num_pages, -1)
+        return rows, unit.layer_start * self.layout.layer_bytes // 4
 
     def _chunks(self, buf: int, unit: Unit) -> torch.Tensor:
         return chunks_view(self._staging[buf], self.layout, unit.num_pages, unit.num_layers)  # [n, g, 2, C, H, D]

@@ -68,7 +68,8 @@ def load_order(transfer: CudaTransfer, offsets: list[int], sums: list[int], data
     lay, device = transfer.layout, transfer.device
     dst = sentinel_kv(lay, len(offsets) * lay.chunk_tokens, device)
     torch.cuda.synchronize(device)
-    headers = [PageHeader(offset=o, page_bytes=lay.page_bytes, checksum=s) for o, s in zip(offsets, sums)]
+    headers = [PageHeader(offset=o, page_bytes=lay.page_bytes, checksum=s, checksum_kind=transfer.checksum_kind)
+               for o, s in zip(offsets, sums)]
     handle = transfer.load(dst, 0, headers)
     if wait:
         for layer in range(lay.num_layers):

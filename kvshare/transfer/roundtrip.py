@@ -21,7 +21,7 @@ import torch
 from kvshare.layout import KVLayout
 from kvshare.pool.checksum import page_checksum
 from kvshare.pool.protocol import PageHeader
-from kvshare.transfer.base import TransferConfig
+from kvshare.transfer.base import ChunkChecksumMismatch, TransferConfig
 from kvshare.transfer.layouts import as_bits, torch_dtype
 from kvshare.transfer.reference import page_bytes_of, reference_engine_to_pages
 
@@ -103,8 +103,8 @@ def round_trip(transfer, client, cases, config: ByteCheckConfig, device) -> tupl
         src = random_kv(lay, capacity, config.seed + case_index, device)
         sums = transfer.store(src, first_chunk, offsets)
         for i, offset in enumerate(offsets):
-            if sums[i] != page_checksum(client.page(offset, lay.page_bytes)):
-                wrong += lay.page_bytes  # a checksum of other bytes than those in the page
+            if sums[i] != page_checksum(client.page(offset, lay.page_bytes), transfer.checksum_kind):
+                wrong += lay.page_bytes  # a checksum of other bytes than those in the page (GPU WSUM32: vs the host's)
         for i in sorted({0, len(offsets) - 1})[: config.reference_pages]:
             t0 = (first_chunk + i) * lay.chunk_tokens
             expected = page_bytes_of(reference_engine_to_pages(src[:, :, :, t0 : t0 + lay.chunk_tokens].cpu(), lay, 0, 1))
@@ -112,9 +112,13 @@ def round_trip(transfer, client, cases, config: ByteCheckConfig, device) -> tupl
             wrong += int((stored != np.frombuffer(expected, dtype=np.uint8)).sum())
             checked += lay.page_bytes
         dst = sentinel_kv(lay, capacity, device)
-        headers = [PageHeader(offset=o, page_bytes=lay.page_bytes, checksum=s) for o, s in zip(offsets, sums)]
+        headers = [PageHeader(offset=o, page_bytes=lay.page_bytes, checksum=s, checksum_kind=transfer.checksum_kind)
+                   for o, s in zip(offsets, sums)]
         handle = transfer.load(dst, first_chunk, headers)
-        handle.wait_all()
+        try:
+            handle.verify()  # every page checked by its kind (verify_fraction permitting) beside the copies
+        except ChunkChecksumMismatch as exc:
+            wrong += (first_chunk + len(offsets) - exc.chunk_index) * lay.page_bytes
         t0, t1 = first_chunk * lay.chunk_tokens, (first_chunk + len(offsets)) * lay.chunk_tokens
         wrong += mismatched_bytes(dst[:, :, :, t0:t1], src[:, :, :, t0:t1])
         wrong += bytes_not_sentinel(dst[:, :, :, :t0]) + bytes_not_sentinel(dst[:, :, :, t1:])

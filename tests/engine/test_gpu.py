@@ -159,3 +159,55 @@ def test_decode_step_is_deterministic():
         results.add(logits.cpu().numpy().tobytes() + kv[:, :, :, n].float().cpu().numpy().tobytes())
     engine.close()
     assert len(results) == 1, f"{len(results)} different results from 30 identical decode steps"
+
+
+def test_gpu_store_commits_wsum32_and_load_checks_it_beside_the_copies(pool_socket):
+    """GPU store -> GPU load moves the bytes exactly, with WSUM32 summed on the GPU both ways; a page spoiled
+    after commit is caught by the check beside the copies, dropped, and computed again from there."""
+    from kvshare.keys import chunk_keys, namespace_digest
+    from kvshare.pool.checksum import ChecksumKind, page_checksum
+    from kvshare.pool.client import PoolClient
+
+    def engine(kv_dtype: str = "auto") -> Engine:
+        return Engine(EngineConfig(model="tiny", device="cuda", chunk_tokens=CHUNK, pool_socket=pool_socket,
+                                   verify_checksums=True, kv_dtype=kv_dtype))
+
+    for kv_dtype in ("auto", "fp8"):
+        writer, reader = engine(kv_dtype), engine(kv_dtype)
+        ids = writer.tokenizer.encode(ascii_prompt(80, seed=41 + len(kv_dtype)))
+        cold, _ = run(writer, ids, COLD)
+        run(writer, ids, RequestOptions(use_pool=False))  # computed, kept in the writer's local cache
+        run(writer, ids, NO_LOCAL)  # ... and stored in the pool
+        keys = chunk_keys(namespace_digest(writer.namespace), ids, CHUNK)
+        assert run(reader, ids) == (cold, (0, 64, 16))
+        stored, loaded = writer._local.longest_prefix(keys), reader._local.longest_prefix(keys)
+        with PoolClient(pool_socket) as client:
+            pages = client.lookup(keys, writer.layout.page_bytes, lease=False).pages
+            assert len(pages) == 5 and {p.checksum_kind for p in pages} == {ChecksumKind.WSUM32}
+            for page in pages:  # the GPU's sums are the host's over the committed bytes
+                assert page.checksum == page_checksum(client.page(page.offset, page.page_bytes), ChecksumKind.WSUM32)
+            for s, l in zip(stored, loaded):
+                assert torch.equal(s.view(torch.uint8), l.view(torch.uint8))
+            client.page(pages[2].offset, pages[2].page_bytes)[5] ^= 0x40  # chunk 2 goes bad in the pool
+        checker = engine(kv_dtype)
+        assert run(checker, ids, NO_LOCAL) == (cold, (0, 32, 48))
+        assert (checker.stats().checksum_failures, checker.stats().dropped_chunks) == (1, 1)
+        for e in (writer, reader, checker):
+            e.close()
+
+
+def test_fp8_kv_on_gpu_halves_the_bytes_and_reuse_equals_recompute(pool_socket):
+    """The tiny model (float32) with fp8 KV on CUDA: a pool load gives the greedy tokens of an fp8 recompute."""
+    fp8 = Engine(EngineConfig(model="tiny", device="cuda", chunk_tokens=CHUNK, pool_socket=pool_socket,
+                              verify_checksums=True, kv_dtype="fp8"))
+    bf16 = Engine(EngineConfig(model="tiny", device="cuda", chunk_tokens=CHUNK, kv_dtype="bf16"))
+    assert bf16.layout.bytes_per_token == 2 * fp8.layout.bytes_per_token
+    reader = Engine(EngineConfig(model="tiny", device="cuda", chunk_tokens=CHUNK, pool_socket=pool_socket,
+                                 verify_checksums=True, kv_dtype="fp8"))
+    ids = fp8.tokenizer.encode(ascii_prompt(200, seed=43))
+    cold, _ = run(fp8, ids, COLD)
+    assert run(fp8, ids, NO_LOCAL) == (cold, (0, 0, 200))
+    assert run(reader, ids, NO_LOCAL) == (cold, (0, 192, 8))
+    assert reader.stats().pool_bytes_loaded == 12 * fp8.layout.page_bytes
+    for e in (fp8, bf16, reader):
+        e.close()

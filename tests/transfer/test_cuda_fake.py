@@ -140,18 +140,58 @@ def test_memcpy2d_without_cuda_bindings_fails_loudly(monkeypatch, client):
     CudaTransfer(LAYOUTS["f32"], client, CPU, TransferConfig(copy_method="torch")).close()
 
 
-def test_load_raises_on_a_corrupt_page(fake, client):
+@pytest.mark.parametrize("writer", ["gpu", "cpu"])
+def test_a_corrupt_page_is_reported_after_the_copies(fake, client, writer):
+    """The store records WSUM32 summed over the staged bytes; a load checks each page by its recorded kind
+    (WSUM32 from the staged bytes, XXH3 on host threads) beside the copies and reports a bad page in verify()."""
+    from kvshare.pool.checksum import ChecksumKind, page_checksum
+
     layout = LAYOUTS["f16"]
     scratch = reserve_scratch(client, layout.page_bytes, 3)
     try:
         with CudaTransfer(layout, client, CPU, TransferConfig(verify_fraction=1.0)) as transfer:
+            assert transfer.checksum_kind == ChecksumKind.WSUM32
             kv = random_kv(layout, 4 * layout.chunk_tokens, seed=5)
             sums = transfer.store(kv, 1, scratch.offsets)
+            assert sums == [page_checksum(client.page(o, layout.page_bytes), ChecksumKind.WSUM32) for o in scratch.offsets]
+            kind = ChecksumKind.WSUM32 if writer == "gpu" else ChecksumKind.XXH3
+            if writer == "cpu":  # as a CPU replica would have committed the same pages
+                sums = [page_checksum(client.page(o, layout.page_bytes)) for o in scratch.offsets]
+            headers = [PageHeader(offset=o, page_bytes=layout.page_bytes, checksum=s, checksum_kind=kind)
+                       for o, s in zip(scratch.offsets, sums)]
+            handle = transfer.load(torch.zeros_like(kv), 1, headers)
+            assert handle.check.needs_staged_sums == (writer == "gpu")
+            handle.verify()  # all good
             client.page(scratch.offsets[2], layout.page_bytes)[7] ^= 1
-            headers = [PageHeader(offset=o, page_bytes=layout.page_bytes, checksum=s) for o, s in zip(scratch.offsets, sums)]
+            handle = transfer.load(torch.zeros_like(kv), 1, headers)  # returns: nothing checked on the way
             with pytest.raises(ChunkChecksumMismatch) as info:
-                transfer.load(torch.zeros_like(kv), 1, headers)
+                handle.verify()
             assert info.value.chunk_index == 3
+    finally:
+        scratch.release(client)
+
+
+def test_a_byte_spoiled_in_the_staging_copy_is_caught(fake, client, monkeypatch):
+    """WSUM32 covers the bytes that reached the staging buffer: a bad copy is caught though the page is fine."""
+    layout = LAYOUTS["bf16"]
+    scratch = reserve_scratch(client, layout.page_bytes, 2)
+    try:
+        with CudaTransfer(layout, client, CPU, TransferConfig(verify_fraction=1.0, copy_method="torch")) as transfer:
+            kv = random_kv(layout, 2 * layout.chunk_tokens, seed=8)
+            sums = transfer.store(kv, 0, scratch.offsets)
+            headers = [PageHeader(offset=o, page_bytes=layout.page_bytes, checksum=s, checksum_kind=transfer.checksum_kind)
+                       for o, s in zip(scratch.offsets, sums)]
+            real = transfer._host_copies
+
+            def spoiled(unit, buf, stream, to_device):
+                real(unit, buf, stream, to_device)
+                if to_device and unit.page_stop == 2:
+                    transfer._staging[buf][unit.num_bytes - 1] ^= 0x10  # the last staged byte of page 1
+
+            monkeypatch.setattr(transfer, "_host_copies", spoiled)
+            with pytest.raises(ChunkChecksumMismatch) as info:
+                transfer.load(torch.zeros_like(kv), 0, headers).verify()
+            assert info.value.chunk_index == 1
     finally:
         scratch.release(client)
 
