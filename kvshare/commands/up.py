@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 
+from kvshare.commands.serve import add_kv_dtype_argument
 from kvshare.router.policy import POLICIES
 from kvshare.supervisor import RestartPolicy
 
@@ -29,6 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deterministic", action="store_true",
                    help="replicas in the built-in engine's deterministic mode (serve --deterministic): reuse gives "
                         "the same bits as recomputing")
+    add_kv_dtype_argument(p)
     p.add_argument("--pool-arg", action="append", default=[], help="extra argument for the pool (repeatable)")
     p.add_argument("--router-arg", action="append", default=[], help="extra argument for the router (repeatable)")
     p.add_argument("--api-key", action="append", default=[],
@@ -56,7 +58,11 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("up starts its own pool: use --pool-size SIZE, or --pool off")
     if args.deterministic and args.engine != "builtin":
         raise UserError("--deterministic is a mode of the built-in engine; vLLM replicas do not have it")
+    if args.kv_dtype != "auto" and args.engine != "builtin":
+        raise UserError("--kv-dtype sets the built-in engine's KV dtype; for vLLM replicas pass "
+                        "--replica-arg=--kv-cache-dtype=fp8")
     replica_args = tuple(args.replica_arg) + (("--deterministic",) if args.deterministic else ())
+    replica_args += ("--kv-dtype", args.kv_dtype) if args.kv_dtype != "auto" else ()
     try:
         config = ClusterConfig(num_replicas=args.replicas, model=args.model, engine=args.engine, device=args.device,
                                pool_size=None if args.pool == "off" else args.pool_size, policy=args.policy,
