@@ -169,7 +169,8 @@ def run_size(client, transfers: dict, model: str, tokens: int, repeats: int) -> 
             row = {"model": model, "tokens": tokens, "pages": num_pages, "bytes": num_bytes, "method": method}
             try:
                 sums = transfer.store(src, 0, scratch.offsets)
-                headers = [PageHeader(offset=o, page_bytes=lay.page_bytes, checksum=s) for o, s in zip(scratch.offsets, sums)]
+                headers = [PageHeader(offset=o, page_bytes=lay.page_bytes, checksum=s,
+                                      checksum_kind=transfer.checksum_kind) for o, s in zip(scratch.offsets, sums)]
                 store_copy_s = []
 
                 def store():
