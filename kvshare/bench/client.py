@@ -38,6 +38,7 @@ class BenchRequest:
     # and the top 2 give the gap at a divergence. Every request of every condition asks the same,
     # so the one top-2 selection per step costs every condition alike. None: ask for no logprobs.
     num_top_logprobs: int | None = TOP_LOGPROBS
+    timeline: bool = False  # ask a kvshare replica for the request's timeline (in the provenance object)
 
     def __post_init__(self) -> None:
         if self.kind not in ("completion", "chat"):
@@ -59,6 +60,8 @@ class BenchRequest:
                 body["logprobs"], body["top_logprobs"] = True, self.num_top_logprobs
         if self.use_pool is not None:
             body["kvshare"] = {"use_pool": self.use_pool, "use_local_cache": self.use_local_cache}
+            if self.timeline:
+                body["kvshare"]["timeline"] = True
         return body
 
     @property

@@ -1,0 +1,355 @@
+#!/usr/bin/env python3
+"""Cross-replica TTFT through the service, as a user measures it (issue 18), against the physical bound.
+
+Per case (model shape, prompt length) a fresh cluster: ``kvshare up --replicas 2 --policy round_robin``
+(``together``), or, where two replicas do not fit the GPU (the 32B shape), a pool, a router and one
+``kvshare serve`` at a time (``sequential``: A, then B in its place). Then, per path (``router``: through
+the router; ``replica``: to the replicas' own ports), two fresh random token-id prompts, each sent
+three times, streamed, max_tokens 16, temperature 0, the timeline asked for::
+
+    A cold  ->  B cross-replica (through the pool)  ->  A local hit        (TTFT = first streamed token)
+
+B's first request of the cluster is ``first_request``; the second prompt is the steady state. The bound
+is the cross request's KV bytes over the pinned host->device bandwidth measured in this run (a torch
+copy of 1 GiB; 55e9 B/s, flagged, when that fails). Replicas verify every loaded page (the default).
+Rows go to OUT/service_ttft.json (a rerun skips the cases it holds); a line per case, a table at the end.
+
+    export PYTHONPATH=.:/tmp/site
+    python3 benchmarks/service_ttft_gpu.py --out $OUT --cases 8b:32768,8b:131072,8b:262144
+    python3 benchmarks/service_ttft_gpu.py --out /tmp/st --device cpu --cases tiny:1024    # the CPU dry run
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+import numpy as np
+
+MODELS = {"8b": "qwen3-8b", "32b": "qwen3-32b", "tiny": "tiny"}
+GiB = 1 << 30
+FALLBACK_H2D = 55e9  # B/s: pinned H2D on the H200 in earlier runs
+# cold prefill seconds = a*n + b*n^2, fitted to the H200 figures (8B: 1.87 s at 32k, 13.3 s at 131k; 32B: 6 s, 48 s)
+COLD_FIT = {"qwen3-8b": (4.19e-5, 4.58e-10), "qwen3-32b": (1.17e-4, 2.01e-9), "tiny": (2e-4, 2e-8)}
+START_S = {"qwen3-8b": 60.0, "qwen3-32b": 45.0, "tiny": 20.0}  # one replica's start and warm-up (sequential: x2)
+
+
+def parse_cases(text: str) -> list[tuple[str, int]]:
+    cases = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, tokens = part.partition(":")
+        if name not in MODELS or not tokens.isdigit():
+            raise argparse.ArgumentTypeError(f"a case is SHAPE:TOKENS with SHAPE in {', '.join(MODELS)}; got {part!r}")
+        cases.append((MODELS[name], int(tokens)))
+    return cases
+
+
+def weights_bytes(c) -> int:
+    per_layer = c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads) + 3 * c.hidden_size * c.intermediate_size
+    return 2 * (c.num_layers * per_layer + 2 * c.vocab_size * c.hidden_size)
+
+
+def plan_case(model: str, tokens: int, args, gpu_bytes: int) -> dict:
+    """Prompt length, context, cache sizes and layout of one case (pure, from the model's shape)."""
+    from kvshare.engine.presets import PRESETS
+
+    c = PRESETS[model].config
+    chunk = 256
+    prompt = min(tokens, c.max_position_embeddings - args.max_tokens)
+    context = -(-(prompt + args.max_tokens) // chunk) * chunk
+    kv_token = c.kv_bytes_per_token
+    kv = prompt * kv_token
+    weights, kv_context = weights_bytes(c), context * kv_token
+    activations = prompt * (4 * c.hidden_size + 3 * c.num_heads * c.head_dim) * 2 + 2 * GiB
+    local = args.local_cache_size if args.local_cache_size is not None else int(kv * 1.05) + chunk * kv_token
+    budget = int(gpu_bytes * 0.92)
+    plan = {"model": model, "prompt_tokens": prompt, "context": context, "kv_bytes": kv,
+            "pool_size": args.pool_size or int(2.2 * kv) + 2 * GiB}
+    if args.device == "cpu":
+        return {**plan, "layout": args.layout if args.layout != "auto" else "together", "local_cache": local}
+    for layout, replicas in (("together", 2), ("sequential", 1)):
+        if args.layout not in ("auto", layout):
+            continue
+        for local_bytes in (local, 0):
+            if replicas * (weights + kv_context + local_bytes) + activations <= budget:
+                return {**plan, "layout": layout, "local_cache": local_bytes}
+    return {**plan, "layout": None, "local_cache": 0}
+
+
+def estimate_s(plan: dict, num_paths: int) -> float:
+    a, b = COLD_FIT.get(plan["model"], COLD_FIT["tiny"])
+    n = plan["prompt_tokens"]
+    starts = (2 if plan["layout"] == "sequential" else 1) * START_S.get(plan["model"], 30.0)
+    return starts + num_paths * 2 * (a * n + b * n * n + 8.0) + 20.0
+
+
+def measure_h2d(device: str) -> tuple[float, bool, int]:
+    """(bytes/s of a pinned 1 GiB host->device copy, measured?, GPU bytes), in a child so its memory goes."""
+    if device == "cpu":
+        return FALLBACK_H2D, False, 0
+    code = ("import torch, json\n"
+            "n = 1 << 30\nh = torch.empty(n, dtype=torch.uint8).pin_memory()\nd = torch.empty(n, dtype=torch.uint8, device='cuda')\n"
+            "best = 0.0\nfor _ in range(5):\n"
+            "    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)\n"
+            "    s.record(); d.copy_(h, non_blocking=True); e.record(); e.synchronize()\n"
+            "    best = max(best, n / (s.elapsed_time(e) / 1e3))\n"
+            "print(json.dumps([best, torch.cuda.mem_get_info()[1]]))\n")
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+        rate, total = json.loads(out.stdout.strip().splitlines()[-1])
+        return float(rate), True, int(total)
+    except (subprocess.SubprocessError, ValueError, IndexError) as exc:
+        print(f"the pinned copy failed ({exc}); the bound uses {FALLBACK_H2D:.3g} B/s", flush=True)
+        return FALLBACK_H2D, False, 139 * GiB
+
+
+def get_health(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+            return resp.status
+    except OSError:
+        return 0
+
+
+def wait_healthy(urls: list[str], procs: list[subprocess.Popen], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not all(get_health(u) == 200 for u in urls):
+        if any(p.poll() is not None for p in procs):
+            raise RuntimeError(f"a process exited before {urls} were healthy (see the logs)")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{urls} were not healthy within {timeout_s:.0f} s")
+        time.sleep(0.5)
+
+
+def stop(proc: subprocess.Popen | None, sig=signal.SIGINT) -> None:
+    """Stop one of our children cleanly (kvshare up stops its cluster on SIGINT), SIGKILL after 60 s."""
+    if proc is not None and proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+class Service:
+    """The cluster of one case: ``phase("A")`` and ``phase("B")`` bring up the replica(s) that step needs."""
+
+    def __init__(self, plan: dict, args, log_dir: str) -> None:
+        from kvshare.launch import free_port_block
+
+        self.plan, self.args, self.log_dir = plan, args, log_dir
+        self.port = free_port_block(3)
+        self.router = f"http://127.0.0.1:{self.port}"
+        self.urls = {"A": f"http://127.0.0.1:{self.port + 1}", "B": f"http://127.0.0.1:{self.port + 2}"}
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.tmp = tempfile.TemporaryDirectory(prefix="service-ttft-")
+        self.served = 0  # cross-replica requests B has served
+
+    def replica_args(self) -> list[str]:
+        p, a = self.plan, self.args
+        return [f"--local-cache-size={p['local_cache']}", f"--max-model-len={p['context']}",
+                f"--verify-rate={a.verify_rate}", *a.replica_arg]
+
+    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+        log = open(os.path.join(self.log_dir, f"{name}.log"), "ab")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if self.args.device == "cpu":  # as kvshare up does: one replica's threads per share of the cores
+            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // 2)))
+        self.procs[name] = subprocess.Popen([sys.executable, "-m", "kvshare", *argv], stdout=log, stderr=subprocess.STDOUT,
+                                            env=env, start_new_session=True)
+        return self.procs[name]
+
+    def start(self) -> None:
+        p, a = self.plan, self.args
+        common = ["--model", p["model"], "--device", a.device]
+        if p["layout"] == "together":
+            self._spawn("up", ["up", *common, "--replicas", "2", "--policy", "round_robin", "--port", str(self.port),
+                               "--pool-size", str(p["pool_size"]), *[f"--replica-arg={x}" for x in self.replica_args()]])
+            wait_healthy([self.router, *self.urls.values()], [self.procs["up"]], a.start_timeout)
+            return
+        from kvshare.pool.spawn import wait_for_pool
+
+        sock = os.path.join(self.tmp.name, "pool.sock")
+        self._spawn("pool", ["pool", "--size", str(p["pool_size"]), "--socket", sock])
+        wait_for_pool(sock, timeout_s=120, proc=self.procs["pool"])
+        self.common = [*common, "--pool", sock, *self.replica_args()]
+        self._spawn("router", ["route", "--policy", "round_robin", "--port", str(self.port),
+                               "--replica", self.urls["A"], "--replica", self.urls["B"]])
+
+    def phase(self, name: str) -> None:
+        """Sequential layout: replica ``name`` up, the other one stopped (together: both are up)."""
+        if self.plan["layout"] == "together":
+            return
+        other = "B" if name == "A" else "A"
+        stop(self.procs.pop(other, None), signal.SIGTERM)
+        port = self.port + (1 if name == "A" else 2)
+        self._spawn(name, ["serve", *self.common, "--port", str(port), "--replica-name", f"replica-{name}"])
+        wait_healthy([self.urls[name]], [self.procs[name]], self.args.start_timeout)
+        wait_healthy([self.router], [self.procs["router"]], 30)
+        time.sleep(2.5)  # the router's health loop (1 s) has seen the replica that went and the one that came
+
+    def close(self) -> None:
+        for name in ("up", "router", "A", "B", "pool"):
+            stop(self.procs.pop(name, None), signal.SIGINT if name == "up" else signal.SIGTERM)
+        self.tmp.cleanup()
+
+
+async def send(url: str, model: str, ids: list[int], max_tokens: int):
+    import aiohttp
+
+    from kvshare.bench.client import BenchRequest, send as bench_send
+
+    async with aiohttp.ClientSession() as session:
+        return await bench_send(session, BenchRequest(url=url, kind="completion", model=model, prompt=ids,
+                                                      max_tokens=max_tokens, timeline=True))
+
+
+def request(url: str, plan: dict, ids: list[int], args):
+    r = asyncio.run(send(url, plan["model"], ids, args.max_tokens))
+    if r.error:
+        raise RuntimeError(f"a request to {url} failed: {r.error}")
+    return r
+
+
+def run_case(plan: dict, args, h2d: tuple[float, bool], rng) -> list[dict]:
+    """Both paths' rows of one case."""
+    service = Service(plan, args, args.log_dir)
+    rows: list[dict] = []
+    try:
+        service.start()
+        prompts = {(path, k): rng.integers(0, args.vocab, plan["prompt_tokens"]).tolist()
+                   for path in args.paths for k in range(2)}
+        done: dict[tuple, dict] = {}
+        service.phase("A")
+        for (path, k), ids in prompts.items():  # A: cold, then (together: after B) local
+            url = service.router if path == "router" else service.urls["A"]
+            done[path, k] = {"cold": request(url, plan, ids, args)}
+            if plan["layout"] == "sequential":
+                done[path, k]["local"] = request(url, plan, ids, args)
+            else:
+                b = service.router if path == "router" else service.urls["B"]
+                done[path, k]["cross"] = request(b, plan, ids, args)
+                done[path, k]["local"] = request(url, plan, ids, args)
+                if path == "router":  # a spacer: round robin puts the next prompt's cold request on A again
+                    request(service.router, plan, ids[:16], args)
+        if plan["layout"] == "sequential":
+            service.phase("B")
+            for (path, k), ids in prompts.items():
+                url = service.router if path == "router" else service.urls["B"]
+                done[path, k]["cross"] = request(url, plan, ids, args)
+        order = sorted(done, key=lambda key: (args.paths.index(key[0]), key[1]))
+        for i, key in enumerate(order):
+            rows.append(make_row(plan, key[0], i == 0, done[key], h2d, args))
+    finally:
+        service.close()
+    return rows
+
+
+def make_row(plan: dict, path: str, is_first: bool, got: dict, h2d: tuple[float, bool], args) -> dict:
+    cold, cross, local = got["cold"], got["cross"], got["local"]
+    prov = cross.provenance or {}
+    from kvshare.engine.presets import PRESETS
+
+    kv = prov.get("pool_tokens", 0) * PRESETS[plan["model"]].config.kv_bytes_per_token
+    bound = kv / h2d[0] if kv else None
+    local_ok = (local.provenance or {}).get("local_tokens", 0) > 0
+    return {"model": plan["model"], "prompt_tokens": plan["prompt_tokens"], "path": path, "first_request": is_first,
+            "layout": plan["layout"], "cold_s": cold.ttft_s, "cross_s": cross.ttft_s,
+            "local_s": local.ttft_s if local_ok else None, "bound_s": bound,
+            "cross_over_bound": cross.ttft_s / bound if bound else None, "kv_bytes": kv,
+            "pool_tokens": prov.get("pool_tokens"), "computed_tokens": prov.get("computed_tokens"),
+            "cross_replica": prov.get("replica"), "cold_replica": (cold.provenance or {}).get("replica"),
+            "verified": args.verify_rate >= 1.0 and kv > 0, "tokens_equal": cross.token_ids == cold.token_ids,
+            "h2d_bytes_per_s": h2d[0], "h2d_measured": h2d[1], "local_cache_bytes": plan["local_cache"],
+            "timeline": prov.get("timeline"), "local_timeline": (local.provenance or {}).get("timeline")}
+
+
+def fmt(v, spec=".3f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def line(r: dict) -> str:
+    return (f"{r['model']} {r['prompt_tokens']:>7} {r['path']:<7} {'first ' if r['first_request'] else 'steady'} "
+            f"cold {fmt(r['cold_s'])} cross {fmt(r['cross_s'])} local {fmt(r['local_s'])} bound {fmt(r['bound_s'])} "
+            f"x{fmt(r['cross_over_bound'], '.2f')} verified={r['verified']} tokens_equal={r['tokens_equal']}")
+
+
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="folder of service_ttft.json and the logs")
+    p.add_argument("--cases", type=parse_cases, default=parse_cases("8b:32768,8b:131072,8b:262144,32b:32768,32b:131072"))
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--paths", type=lambda s: [x for x in s.split(",") if x in ("router", "replica")] or ["router"],
+                   default=["router", "replica"], help="router,replica (the first path gets B's first request)")
+    p.add_argument("--layout", choices=("auto", "together", "sequential"), default="auto")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--verify-rate", type=float, default=1.0)
+    p.add_argument("--pool-size", type=int, default=None, help="bytes (default 2.2 x a prompt's KV + 2 GiB)")
+    p.add_argument("--local-cache-size", type=int, default=None, help="bytes (default: a prompt's KV, where it fits)")
+    p.add_argument("--replica-arg", action="append", default=[], help="more replica arguments (repeatable)")
+    p.add_argument("--time-budget", type=float, default=540.0, help="seconds; a case that would end later is skipped")
+    p.add_argument("--start-timeout", type=float, default=300.0)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    started = time.monotonic()
+    os.makedirs(args.out, exist_ok=True)
+    args.log_dir = os.path.join(args.out, "service_ttft_logs")
+    os.makedirs(args.log_dir, exist_ok=True)
+    path = os.path.join(args.out, "service_ttft.json")
+    rows = json.load(open(path)) if os.path.exists(path) else []
+    have = {(r["model"], r["prompt_tokens"]) for r in rows}
+    rate, measured, gpu_bytes = measure_h2d(args.device)
+    print(f"pinned H2D {rate / 1e9:.1f} GB/s ({'measured' if measured else 'assumed'})", flush=True)
+    rng = np.random.default_rng(args.seed + int(time.time()))  # fresh prompts: nothing cached by an earlier run
+    signal.signal(signal.SIGTERM, _interrupt)  # timeout(1): stop the cluster, keep the rows
+    from kvshare.engine.presets import PRESETS
+
+    try:
+        for model, tokens in args.cases:
+            plan = plan_case(model, tokens, args, gpu_bytes)
+            args.vocab = min(PRESETS[model].config.vocab_size, 256 if model == "tiny" else 150000)
+            if (model, plan["prompt_tokens"]) in have:
+                print(f"{model} {plan['prompt_tokens']}: in {path} already", flush=True)
+                continue
+            if plan["layout"] is None:
+                print(f"{model} {plan['prompt_tokens']}: skipped (does not fit the GPU)", flush=True)
+                continue
+            need = estimate_s(plan, len(args.paths))
+            if time.monotonic() - started + need > args.time_budget:
+                print(f"{model} {plan['prompt_tokens']}: skipped (needs ~{need:.0f} s, the budget has "
+                      f"{args.time_budget - (time.monotonic() - started):.0f})", flush=True)
+                continue
+            t0 = time.monotonic()
+            new = run_case(plan, args, (rate, measured), rng)
+            for r in new:
+                print(line(r), flush=True)
+            print(f"  ({plan['layout']}, {time.monotonic() - t0:.0f} s; estimate {need:.0f} s)", flush=True)
+            rows += new
+            with open(path, "w") as f:
+                json.dump(rows, f, indent=1)
+    except KeyboardInterrupt:
+        print("stopped: the clusters were stopped, the rows so far are kept", flush=True)
+    print("\n| model | prompt | path | request | cold s | cross s | local s | bound s | cross/bound | verified | equal |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['model']} | {r['prompt_tokens']} | {r['path']} | {'first' if r['first_request'] else 'steady'} | "
+              f"{fmt(r['cold_s'])} | {fmt(r['cross_s'])} | {fmt(r['local_s'])} | {fmt(r['bound_s'])} | "
+              f"{fmt(r['cross_over_bound'], '.2f')} | {r['verified']} | {r['tokens_equal']} |")
+    return 0 if rows and all(r["tokens_equal"] and r["verified"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""benchmarks/service_ttft_gpu.py: its plan for the H200 shapes (pure) and a CPU dry run through kvshare up."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+
+HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+GiB = 1 << 30
+
+
+def load_bench():
+    path = os.path.join(HERE, "benchmarks", "service_ttft_gpu.py")
+    spec = importlib.util.spec_from_file_location("service_ttft_gpu", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def plan_args(**kw) -> argparse.Namespace:
+    base = dict(device="cuda", layout="auto", max_tokens=16, pool_size=None, local_cache_size=None)
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_plans_for_the_h200_cases():
+    bench = load_bench()
+    assert bench.parse_cases("8b:262144,32b:32768") == [("qwen3-8b", 262144), ("qwen3-32b", 32768)]
+    h200 = 139 * GiB
+    p256 = bench.plan_case("qwen3-8b", 262144, plan_args(), h200)
+    assert p256["prompt_tokens"] == 262144 - 16 and p256["context"] == 262144
+    assert abs(p256["kv_bytes"] / GiB - 36.0) < 0.01 and p256["pool_size"] < 100 * GiB  # host RAM: 128 GiB
+    assert p256["layout"] == "together" and p256["local_cache"] == 0  # two 36 GiB local caches do not fit
+    p128 = bench.plan_case("qwen3-8b", 131072, plan_args(), h200)
+    assert p128["layout"] == "together" and p128["local_cache"] > p128["kv_bytes"]
+    for tokens in (32768, 131072):  # two 61 GiB replicas never fit one H200
+        assert bench.plan_case("qwen3-32b", tokens, plan_args(), h200)["layout"] == "sequential"
+    assert bench.estimate_s(p256, 2) < 540  # one device call
+
+
+def test_dry_run_on_cpu_through_kvshare_up(tmp_path):
+    bench = load_bench()
+    rc = bench.main(["--out", str(tmp_path), "--device", "cpu", "--cases", "tiny:1024", "--time-budget", "400"])
+    rows = json.loads((tmp_path / "service_ttft.json").read_text())
+    assert rc == 0 and [(r["path"], r["first_request"]) for r in rows] == [
+        ("router", True), ("router", False), ("replica", False), ("replica", False)]
+    for r in rows:
+        assert r["cold_replica"] != r["cross_replica"] and r["pool_tokens"] == 768 and r["computed_tokens"] == 256
+        assert r["verified"] and r["tokens_equal"] and r["local_s"] is not None and r["bound_s"] > 0
+        assert r["timeline"]["load_end"] is not None and r["timeline"]["first_token_written"] >= r["timeline"]["parse"]
