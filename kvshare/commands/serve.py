@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
     if engine.grid is not None:  # its pages are shared only with replicas of the same grid and kernel build
         ready += f" deterministic (grid {engine.grid.grid_tokens}, kernels {engine.grid.kernel_build})"
     # the ready line once it listens and has warmed up (/health answers 503 "warming up" meanwhile);
-    # a failed warm-up stops the replica (SIGTERM: run_app's clean shutdown) and exits 1
+    # a failed warm-up stops the replica (SIGTERM: run_app's clean shutdown) and exits 2
     server.readiness.on_ready = lambda: print(ready, flush=True)
     server.readiness.on_failed = lambda exc: os.kill(os.getpid(), signal.SIGTERM)
     try:
