@@ -55,6 +55,10 @@ class Namespace:
     is_deterministic: bool = False
     grid_tokens: int | None = None  # tokens per prefill grid chunk (a multiple of chunk_tokens); only in the mode
     kernel_build: str = ""  # e.g. "cuda|NVIDIA H200|driver 12080|torch 2.11.0|cuda 12.8"; only in the mode
+    # How an engine's KV bytes were read into pages (e.g. vLLM's version, attention backend, block size and
+    # allocation: kvshare.integrations.vllm.guards): a layout change then never reads old pages. Left out of
+    # the digest when empty, so namespaces that do not set it keep the digests they always had.
+    kv_layout_id: str = ""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "chunk_tokens", "tp_size"):
@@ -84,6 +88,8 @@ def namespace_digest(namespace: Namespace) -> bytes:
     if not namespace.is_deterministic:  # digests of the default mode stay those stored before the mode existed
         for name in ("is_deterministic", "grid_tokens", "kernel_build"):
             del fields[name]
+    if not namespace.kv_layout_id:
+        del fields["kv_layout_id"]
     # sorted-key JSON is a canonical encoding: field order or Python version never change it
     canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
     return hashlib.blake2b(b"kvshare-ns-v1\0" + canonical.encode(), digest_size=KEY_BYTES).digest()

@@ -45,6 +45,7 @@ class ClusterConfig:
     api_keys: tuple[str, ...] = ()  # required by the router and every replica (Authorization: Bearer KEY)
     tenant_header: str = ""  # replicas salt the pool namespace with this header's value
     vllm_python: str | None = None
+    tensor_parallel_size: int = 1  # vLLM replicas only: ranks per replica (--tensor-parallel-size)
     ready_timeout_s: float = 300.0
     log_level: str = "WARNING"
 
@@ -53,6 +54,8 @@ class ClusterConfig:
             raise ValueError("--replicas must be at least 1")
         if self.engine not in ("builtin", "vllm"):
             raise ValueError(f"unknown engine {self.engine!r}; choose builtin or vllm")
+        if self.tensor_parallel_size != 1 and (self.engine != "vllm" or self.tensor_parallel_size < 1):
+            raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size}: vLLM replicas only, at least 1")
         if self.engine == "vllm" and (self.api_keys or self.tenant_header):
             raise ValueError("--api-key and --tenant-header apply to built-in replicas; for vLLM pass its own "
                              "--api-key with --replica-arg (tenants: the request's cache_salt)")
@@ -157,6 +160,7 @@ class Cluster:
                 python=cfg.vllm_python or sys.executable, served_model_name=self._served_name(),
                 replica=f"replica{i}", chunk_tokens=DEFAULT_CHUNK_TOKENS,
                 max_num_batched_tokens=DEFAULT_CHUNK_TOKENS, extra_args=cfg.replica_args,
+                tensor_parallel_size=cfg.tensor_parallel_size,
             ))
             return spec.argv, spec.env
         args = [*kv, "serve", "--model", cfg.model, "--device", cfg.device, "--host", cfg.host, "--port", str(port),

@@ -1,3 +1,4 @@
+import dataclasses
 import hashlib
 import struct
 
@@ -105,10 +106,12 @@ def test_the_default_mode_digest_is_what_it_was_before_the_mode_existed():
     import hashlib
     import json
 
-    fields = {k: v for k, v in NS.__dict__.items() if k not in DET}
+    # nor before kv_layout_id existed (an engine that does not set it keeps its digests)
+    fields = {k: v for k, v in NS.__dict__.items() if k not in DET and k != "kv_layout_id"}
     canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
     before = hashlib.blake2b(b"kvshare-ns-v1\0" + canonical.encode(), digest_size=16).digest()
     assert namespace_digest(NS) == before
+    assert namespace_digest(dataclasses.replace(NS, kv_layout_id="vllm0.32|cpu")) != before
 
 
 @pytest.mark.parametrize("fields", [

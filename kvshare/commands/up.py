@@ -26,6 +26,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080, help="router port; replicas take the next N ports")
     p.add_argument("--vllm-python", default=None, help="python of the virtual environment that holds vLLM")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="--engine vllm: tensor parallel ranks per replica (pages hold every KV head, so replicas "
+                        "of any size share them; on CPU each rank gets its share of the cores)")
     p.add_argument("--replica-arg", action="append", default=[], help="extra argument for every replica (repeatable)")
     p.add_argument("--deterministic", action="store_true",
                    help="replicas in the built-in engine's deterministic mode (serve --deterministic): reuse gives "
@@ -67,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
         config = ClusterConfig(num_replicas=args.replicas, model=args.model, engine=args.engine, device=args.device,
                                pool_size=None if args.pool == "off" else args.pool_size, policy=args.policy,
                                host=args.host, port=args.port, vllm_python=args.vllm_python,
+                               tensor_parallel_size=args.tensor_parallel_size,
                                replica_args=replica_args, pool_args=tuple(args.pool_arg),
                                router_args=tuple(args.router_arg), api_keys=tuple(args.api_key),
                                tenant_header=args.tenant_header)

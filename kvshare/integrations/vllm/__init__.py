@@ -19,6 +19,8 @@
     stats       the counters as vLLM's KVConnectorStats and Prometheus metrics (imports vLLM)
     pool_link   a pool connection that reconnects after the pool went away
     identity    the namespace of a model's KV (weights fingerprint, layout)
+    guards      the layout fingerprint, models with other state than attention KV, the KV dtype
+    tensor_parallel  a rank's KV heads, its part of a page's checksum, stores committed once all parts are in
     launch      the vLLM server command line with the connector configured
     bench       ``python -m kvshare.integrations.vllm.bench``: TTFT cold, local and cross-replica
 

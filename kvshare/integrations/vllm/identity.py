@@ -55,8 +55,10 @@ def default_model_id(model_dir: str) -> str:
     return os.path.basename(os.path.normpath(model_dir))
 
 
-def engine_namespace(model_dir: str, layout: KVLayout, engine_family: str, model_id: str = "") -> Namespace:
-    """The key namespace of a model directory served by ``engine_family`` with pages of ``layout``."""
+def engine_namespace(model_dir: str, layout: KVLayout, engine_family: str, model_id: str = "",
+                     kv_layout_id: str = "") -> Namespace:
+    """The key namespace of a model directory served by ``engine_family`` with pages of ``layout``
+    (``kv_layout_id``: how the engine's KV was read into them, kvshare.integrations.vllm.guards)."""
     return Namespace(
         model_id=model_id or default_model_id(model_dir),
         weights_fingerprint=model_fingerprint(model_dir),
@@ -66,4 +68,5 @@ def engine_namespace(model_dir: str, layout: KVLayout, engine_family: str, model
         head_dim=layout.head_dim,
         chunk_tokens=layout.chunk_tokens,
         engine_family=engine_family,
+        kv_layout_id=kv_layout_id,
     )

@@ -45,7 +45,10 @@ class VllmServerConfig:
     kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE (CPU only)
     # VLLM_CPU_OMP_THREADS_BIND (CPU only): None keeps vLLM's "auto" (threads pinned to cores, best on
     # a dedicated host); "nobind" lets the OS move them, better where other work shares the cores
+    # With tensor_parallel_size > 1 on CPU, None binds each rank's threads to its share of the cores this
+    # process may use ("0|1" on two cores; vLLM's "auto" refuses where there are fewer NUMA nodes than ranks)
     cpu_omp_threads_bind: str | None = None
+    tensor_parallel_size: int = 1  # --tensor-parallel-size: ranks share one model's heads (pages hold all heads)
     dtype: str = "auto"  # "float32" for exact comparisons on CPU
     device: str = "cpu"  # "cpu" | "cuda": which environment the server gets
     max_num_batched_tokens: int | None = None  # None: vLLM's default
@@ -64,6 +67,8 @@ class VllmServerConfig:
             raise ValueError(f"chunk_tokens {self.chunk_tokens} must be a multiple of block_size {self.block_size}")
         if self.kv_cache_gib <= 0:
             raise ValueError(f"kv_cache_gib must be a positive whole number of GiB, got {self.kv_cache_gib}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
 
@@ -124,6 +129,8 @@ def vllm_server_command(config: VllmServerConfig, base_env: dict[str, str] | Non
     ]
     if config.max_num_batched_tokens is not None:
         argv += ["--max-num-batched-tokens", str(config.max_num_batched_tokens)]
+    if config.tensor_parallel_size > 1:
+        argv += ["--tensor-parallel-size", str(config.tensor_parallel_size)]
     if config.pool_socket is not None:
         argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(config))]
     argv += list(config.extra_args)
@@ -140,10 +147,23 @@ def vllm_server_command(config: VllmServerConfig, base_env: dict[str, str] | Non
         env["KVSHARE_LOG_LEVEL"] = config.log_level
     if config.device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
-        if config.cpu_omp_threads_bind is not None:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu_omp_threads_bind
+        bind = config.cpu_omp_threads_bind
+        if bind is None and config.tensor_parallel_size > 1:
+            bind = rank_core_binds(sorted(os.sched_getaffinity(0)), config.tensor_parallel_size)
+        if bind is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = bind
         env.setdefault("CUDA_VISIBLE_DEVICES", "")
     return LaunchSpec(argv, env, config.base_url)
+
+
+def rank_core_binds(cores: list[int], num_ranks: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for ``num_ranks`` CPU ranks: the cores cut into equal consecutive shares,
+    one per rank ("0|1", "0,1|2,3"); refuses fewer cores than ranks."""
+    if len(cores) < num_ranks:
+        raise ValueError(f"{num_ranks} tensor parallel ranks on CPU need at least {num_ranks} cores, "
+                         f"this process may use {len(cores)}")
+    share = len(cores) // num_ranks
+    return "|".join(",".join(map(str, cores[r * share : (r + 1) * share])) for r in range(num_ranks))
 
 
 def is_ready(base_url: str, timeout_s: float = 2.0) -> bool:

@@ -13,6 +13,9 @@ the attention backend that reads them:
 ``FLASH_ATTN`` with a 5-D tensor (vLLM before the per-layer [B, H, N, C] views)
     ``[2, num_blocks, block_size, kv_heads, head_dim]``: K is ``t[0]``, V is ``t[1]``.
 
+An fp8 cache (``--kv-cache-dtype fp8``) comes as uint8 tensors; copies move bits, so it is read as
+is (``PagedLayout.dtype`` is the tensor's dtype, the pages' dtype is in the KVLayout).
+
 Every kind is reduced to one strided view ``[2, B, N, H, D]`` (K|V, block, slot, kv head,
 dim; no copy), so one indexing rule moves tokens for all of them; a canonical page is
 ``[L, 2, C, H, D]``. Two ways to move them:
@@ -80,8 +83,10 @@ def detect_layout(
             f"kvshare cannot read the KV cache of {where}: it knows {', '.join(KNOWN_BACKENDS)} "
             "(vLLM CPU and CUDA flash attention); choose one of those backends or run without the connector"
         )
-    if tensor.dtype != dtype:
-        raise UnsupportedKVLayout(f"{where}: expected dtype {dtype} (the model's KV dtype)")
+    # vLLM allocates an fp8 KV cache as uint8 (its STR_DTYPE_TO_TORCH_DTYPE): the same bytes
+    fp8_as_bytes = tensor.dtype == torch.uint8 and dtype.itemsize == 1 and dtype.is_floating_point
+    if tensor.dtype != dtype and not fp8_as_bytes:
+        raise UnsupportedKVLayout(f"{where}: expected dtype {dtype} (the KV cache's dtype)")
     if backend_name == "FLASH_ATTN" and tensor.dim() == 5:
         if shape[0] != 2 or shape[2:] != (block_size, num_kv_heads, head_dim):
             raise UnsupportedKVLayout(f"{where}: expected [2, blocks, {block_size}, {num_kv_heads}, {head_dim}]")

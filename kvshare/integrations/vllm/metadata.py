@@ -43,13 +43,39 @@ class LoadSpec:
 
 @dataclass(frozen=True)
 class StoreSpec:
-    """After this step's forward, put chunks ``first_chunk ..`` (one per key) into the pool."""
+    """After this step's forward, put chunks ``first_chunk ..`` (one per key) into the pool.
+
+    With one rank the worker reserves and commits the pages itself. With tensor parallelism the
+    scheduler has reserved them already (``reservation_id`` of the pool ``pool_pid``; ``grants``:
+    (index into keys, arena offset) of the chunks to write): each rank writes its heads and reports
+    a StorePart, and the scheduler commits once every rank's part is in.
+    """
 
     req_id: str
     namespace: bytes
     first_chunk: int
     keys: tuple[bytes, ...]
     block_ids: tuple[int, ...]
+    reservation_id: int = 0  # 0: not reserved yet (one rank)
+    grants: tuple[tuple[int, int], ...] = ()
+    pool_pid: int = 0
+
+    @property
+    def is_parted(self) -> bool:
+        """Whether the ranks write parts of pages the scheduler reserved."""
+        return self.reservation_id != 0
+
+
+@dataclass(frozen=True)
+class StorePart:
+    """Rank ``tp_rank``'s part of a reserved store: written (with its part of each granted page's WSUM32,
+    in grant order) or not (``reason``), which aborts the whole reservation."""
+
+    reservation_id: int
+    tp_rank: int
+    is_written: bool
+    checksums: tuple[int, ...] = ()
+    reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -127,9 +153,20 @@ class WorkerReport:
     """Worker -> scheduler, once per step: how each load of the step went."""
 
     loads: list[LoadOutcome] = field(default_factory=list)
+    stores: list[StorePart] = field(default_factory=list)  # tensor parallel: each rank's part of its stores
 
     def merged(self, other: "WorkerReport") -> "WorkerReport":
-        return WorkerReport(self.loads + other.loads)
+        return WorkerReport(self.loads + other.loads, self.stores + other.stores)
+
+    def loads_by_request(self) -> list[LoadOutcome]:
+        """One outcome per request: with tensor parallelism every rank reports its load, and the tokens
+        loaded are those every rank loaded (the shortest; vLLM recomputes the rest on all ranks)."""
+        merged: dict[str, LoadOutcome] = {}
+        for outcome in self.loads:
+            held = merged.get(outcome.req_id)
+            if held is None or outcome.loaded_end < held.loaded_end:
+                merged[outcome.req_id] = outcome
+        return list(merged.values())
 
 
 class PhaseTimes:

@@ -134,33 +134,30 @@ class RequestOptions:
 
 
 def kv_layout_of(vllm_config: Any, chunk_tokens: int) -> KVLayout:
-    """The pool page layout of the model vLLM serves (KV in the model's dtype)."""
+    """The pool page layout of the model vLLM serves: every KV head (whatever the tensor parallel size),
+    in the KV cache's dtype (the model's, or fp8 with ``--kv-cache-dtype fp8``)."""
+    from kvshare.integrations.vllm.guards import kv_dtype_of
+
     model, cache, parallel = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
-    if cache.cache_dtype not in ("auto", None):
-        raise ValueError(f"kvshare stores KV in the model's dtype; --kv-cache-dtype {cache.cache_dtype} is not supported")
-    dtype = str(model.dtype).replace("torch.", "")
+    if getattr(cache, "calculate_kv_scales", False):
+        raise ValueError("kvshare cannot share fp8 KV whose scales vLLM computes per replica (calculate_kv_scales); "
+                         "use scales from the checkpoint (or 1.0)")
     return KVLayout(
         num_layers=model.get_num_layers(parallel),
-        num_kv_heads=model.get_num_kv_heads(parallel),
+        num_kv_heads=model.get_total_num_kv_heads(),
         head_dim=model.get_head_size(),
-        dtype=dtype,
+        dtype=kv_dtype_of(cache.cache_dtype, str(model.dtype).replace("torch.", "")),
         chunk_tokens=chunk_tokens,
     )
 
 
-def check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
+def check_supported(vllm_config: Any) -> None:
     """Refuse, by name, set-ups the connector does not handle yet."""
     parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+    if parallel.pipeline_parallel_size != 1:
         raise ValueError(
-            "kvshare's vLLM connector supports tensor_parallel_size 1 and pipeline_parallel_size 1 only for now "
-            f"(got {parallel.tensor_parallel_size} and {parallel.pipeline_parallel_size}); "
-            "run several single-GPU replicas sharing one pool instead"
-        )
-    if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) != 1:
-        raise ValueError(
-            f"kvshare's vLLM connector needs one KV cache group (plain full attention); this model has "
-            f"{len(kv_cache_config.kv_cache_groups)} (hybrid or sliding-window layers are not supported)"
+            "kvshare's vLLM connector supports pipeline_parallel_size 1 only for now "
+            f"(got {parallel.pipeline_parallel_size}); use tensor parallelism or several replicas sharing one pool"
         )
 
 

@@ -7,7 +7,9 @@ runs in tests against a real pool without a vLLM server. Per request::
                 -> on_report (the step that loaded has finished: release the lease) -> finish
 
 Leases are taken and released by this process's own pool connection (only the
-connection that took a lease may release it); the worker only reads the pages.
+connection that took a lease may release it); the worker only reads the pages. With tensor
+parallelism (``tp_size`` > 1) this side also reserves the pages a step stores and commits them
+once every rank has reported its part (kvshare.integrations.vllm.tensor_parallel).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from kvshare.integrations.vllm.metadata import (
     PhaseTimes,
     StepPlan,
     StoreSpec,
+    StorePart,
     WorkerReport,
 )
 from kvshare.integrations.vllm.options import ConnectorConfig, RequestOptions, provenance
@@ -37,7 +40,9 @@ from kvshare.integrations.vllm.plan import (
     tokens_to_load,
 )
 from kvshare.integrations.vllm.pool_link import POOL_DOWN_ERRORS, PoolLink
+from kvshare.integrations.vllm.tensor_parallel import PartedStores
 from kvshare.keys import Namespace, extend_chunk_keys, namespace_digest
+from kvshare.pool.checksum import ChecksumKind
 from kvshare.pool.client import PoolRequestError
 
 log = logging.getLogger("kvshare.integrations")
@@ -73,7 +78,9 @@ class PoolScheduler:
         block_size: int,
         link: PoolLink,
         clock: Callable[[], float] = time.monotonic,
+        tp_size: int = 1,
     ) -> None:
+        """``tp_size``: the replica's tensor parallel ranks (above 1: stores are reserved and committed here)."""
         config.check_block_size(block_size)
         self.config = config
         self.block_size = block_size
@@ -85,6 +92,7 @@ class PoolScheduler:
         self._leases = LeaseBook(config.lease_ttl_s)
         self._requests: dict[str, _Request] = {}
         self._digests: dict[tuple[str, str], bytes] = {}  # (tenant salt, LoRA) -> namespace digest
+        self._parted = PartedStores(tp_size) if tp_size > 1 else None
 
     # -- requests --------------------------------------------------------------------
 
@@ -243,12 +251,63 @@ class PoolScheduler:
                 runs.append(range(start, previous + 1))
                 start = chunk
         block_ids = tuple(step.block_ids)
-        return [StoreSpec(step.req_id, request.ns_digest, r.start, tuple(keys[r.start : r.stop]), block_ids) for r in runs]
+        specs = [StoreSpec(step.req_id, request.ns_digest, r.start, tuple(keys[r.start : r.stop]), block_ids)
+                 for r in runs]
+        return specs if self._parted is None else [p for p in map(self._reserve, specs) if p is not None]
+
+    def _reserve(self, spec: StoreSpec) -> StoreSpec | None:
+        """Tensor parallel: the spec with pages reserved for its chunks the pool lacks (None: no pages)."""
+        client = self.link.client()
+        if client is None:
+            return None
+        try:
+            reservation = client.reserve(spec.namespace, list(spec.keys), self.page_bytes, spec.first_chunk)
+        except POOL_DOWN_ERRORS as exc:
+            self.counters.pool_errors += 1
+            self.link.failed(exc)
+            return None
+        except PoolRequestError as exc:
+            self.counters.pool_errors += 1
+            log.warning("kvshare: the pool refused a reserve: %s", exc)
+            return None
+        self.counters.skipped_stores += reservation.num_no_room
+        if not reservation.grants:
+            return None
+        self._parted.expect(reservation.reservation_id)
+        return dataclasses.replace(spec, reservation_id=reservation.reservation_id,
+                                   grants=tuple(reservation.grants), pool_pid=self.link.pool_pid)
+
+    def _settle_part(self, part: StorePart) -> None:
+        """A rank's part of a reserved store; the last one commits the pages (or aborts them)."""
+        done = self._parted.add(part) if self._parted is not None else None
+        if done is None:
+            return
+        reservation_id, checksums = done
+        client = self.link.client()
+        if client is None:
+            return  # the pool dropped our reservations with our connection
+        try:
+            if checksums is None:
+                client.abort(reservation_id)
+                return
+            committed = client.commit(reservation_id, checksums, ChecksumKind.WSUM32)
+        except POOL_DOWN_ERRORS as exc:
+            self.counters.pool_errors += 1
+            self.link.failed(exc)
+            return
+        except PoolRequestError as exc:
+            self.counters.pool_errors += 1
+            log.warning("kvshare: the pool refused a commit of reservation %d: %s", reservation_id, exc)
+            return
+        self.counters.stored_chunks += committed
+        self.counters.store_bytes += committed * self.page_bytes
 
     def on_report(self, report: WorkerReport) -> None:
         """The step that loaded has finished: release each load's lease and record what arrived."""
         C = self.config.chunk_tokens
-        for outcome in report.loads:
+        for part in report.stores:
+            self._settle_part(part)
+        for outcome in report.loads_by_request():
             held = self._leases.pop(outcome.req_id)
             self._release(held)
             request = self._requests.get(outcome.req_id)
@@ -290,4 +349,10 @@ class PoolScheduler:
         return len(self._leases)
 
     def close(self) -> None:
+        client = self.link.client() if self._parted is not None and len(self._parted) else None
+        for reservation_id in self._parted.pending() if client is not None else ():
+            try:
+                client.abort(reservation_id)
+            except (PoolRequestError, *POOL_DOWN_ERRORS):
+                break  # closing the connection below drops them too
         self.link.close()

@@ -41,6 +41,7 @@ from kvshare.integrations.vllm.pool_pages import PoolPages
 from kvshare.integrations.vllm.staged_loads import StagedLoads
 from kvshare.integrations.vllm.staged_stores import StagedStores
 from kvshare.integrations.vllm.staging import StagingEngine
+from kvshare.integrations.vllm.tensor_parallel import HeadSlice
 from kvshare.layout import KVLayout
 from kvshare.pool.checksum import ChecksumKind, page_checksum
 from kvshare.transfer.base import TransferConfig
@@ -64,10 +65,12 @@ class PoolKVWorker:
         transfer: TransferConfig = GPU_TRANSFER,
         staged: bool | None = None,
         staging_class: type[StagingEngine] = StagingEngine,
+        heads: HeadSlice | None = None,
     ) -> None:
         """``staged``: move KV through GPU staging (None: when the KV tensors are on CUDA; True on CPU
         tensors runs the same path under a fake CUDA, for tests). ``staging_class``: the validation's
-        deliberately unordered control replaces it."""
+        deliberately unordered control replaces it. ``heads``: the page heads this tensor parallel rank's
+        tensors hold (None: all, one rank)."""
         if not 0.0 <= verify_fraction <= 1.0:
             raise ValueError(f"verify_fraction must lie in [0, 1], got {verify_fraction}")
         self.kv_layout = kv_layout
@@ -75,6 +78,7 @@ class PoolKVWorker:
         self.verify_fraction = verify_fraction
         self.copy_threads = copy_threads
         self.counters = ConnectorCounters()
+        self.heads = heads or HeadSlice(0, 1, 0, kv_layout.num_kv_heads)
         self.pool = PoolPages(link, kv_layout, self.counters)  # lease checks, drops, reserve / commit / abort
         self.layers: list[torch.Tensor] = []
         self.paged: PagedLayout | None = None
@@ -90,6 +94,8 @@ class PoolKVWorker:
         """vLLM's KV tensors, one per model layer in layer order, all in layout ``paged``."""
         if len(layers) != self.kv_layout.num_layers:
             raise ValueError(f"vLLM registered {len(layers)} KV layers, the model has {self.kv_layout.num_layers}")
+        if paged.num_kv_heads != self.heads.num_heads:
+            raise ValueError(f"vLLM's KV tensors hold {paged.num_kv_heads} KV heads, this rank holds {self.heads}")
         self.layers = list(layers)
         self.paged = paged
         if self._copier is not None:
@@ -99,8 +105,11 @@ class PoolKVWorker:
         staged = self.device.type == "cuda" if self._staged is None else self._staged
         if not staged and self.device.type != "cpu":
             raise ValueError(f"KV tensors on {self.device} move through GPU staging only (staged=False needs CPU tensors)")
+        if staged and self.heads.tp_size > 1:
+            raise ValueError("kvshare's GPU copies do not handle tensor parallel ranks yet (tensor_parallel_size "
+                             f"{self.heads.tp_size}); on a GPU run replicas of tensor_parallel_size 1")
         self._staging = self._staging_class(self.layers, paged, self.kv_layout, self.transfer) if staged else None
-        self._copier = CpuBlockCopier(self.layers, paged, self.copy_threads) if not staged else None
+        self._copier = CpuBlockCopier(self.layers, paged, self.copy_threads, self.heads.heads) if not staged else None
 
     @property
     def is_staged(self) -> bool:
@@ -317,7 +326,7 @@ class PoolKVWorker:
         # prompt positions of the run, [n, hi - lo]
         positions = (first_chunk + torch.arange(run.num_pages))[:, None] * C + torch.arange(run.lo, run.hi)[None, :]
         slots = slots_of_positions(positions, block_ids, N, self.device)
-        window = pages[:, :, :, run.lo : run.hi]
+        window = pages[:, :, :, run.lo : run.hi, self.heads.heads]  # this rank's heads
         for index, layer in enumerate(self.layers):
             if into_kv:
                 scatter_tokens(layer, self.paged, window[:, index].transpose(0, 1), slots)  # [2, n, hi - lo, H, D]
@@ -343,7 +352,11 @@ class PoolKVWorker:
         if reservation is None:
             return 0
         try:
-            checksums = self._copy_out(client, spec, reservation.grants, times)
+            self.copy_out(client, spec, reservation.grants)
+            times.mark("copy")
+            checksums = self._checksums([client.page(offset, self.kv_layout.page_bytes)
+                                         for _, offset in reservation.grants])
+            times.mark("checksum")
         except Exception as exc:  # a bug in the copy: give the pages back; vLLM keeps serving
             log.error("kvshare: store for request %s failed", spec.req_id, exc_info=True)
             self.pool.abort(client, reservation.reservation_id, exc)
@@ -355,14 +368,11 @@ class PoolKVWorker:
         client = self.link.client()
         return StagedStores(self.pool, specs, self._staging, client) if client is not None and specs else None
 
-    def _copy_out(self, client, spec: StoreSpec, grants: list[tuple[int, int]], times: PhaseTimes) -> list[int]:
-        """Copy the granted chunks out of vLLM's blocks into their pages; one checksum per grant, in order."""
+    def copy_out(self, client, spec: StoreSpec, grants) -> None:
+        """Copy the granted chunks ((index into the spec's keys, page offset) each) out of vLLM's blocks into
+        their pages (this rank's heads of them)."""
         C, page_bytes = self.kv_layout.chunk_tokens, self.kv_layout.page_bytes
         slices = [PageSlice(index, spec.first_chunk + index, 0, C) for index, _ in grants]
         offsets = [offset for _, offset in grants]
         for run in copy_runs(slices, offsets, page_bytes, C, client.hello.extent_bytes):
             self._copy_run(client, offsets[run.first], run, slices[run.first].chunk, spec.block_ids, into_kv=False)
-        times.mark("copy")
-        checksums = self._checksums([client.page(offset, page_bytes) for offset in offsets])
-        times.mark("checksum")
-        return checksums

@@ -57,12 +57,23 @@ class Server:
                 self.proc.wait()
 
 
-def start_servers(configs: dict[str, VllmServerConfig], log_dir: str, timeout_s: float = 420) -> dict[str, Server]:
+def with_connector(spec: LaunchSpec, cls: str, module: str, env: dict[str, str] | None = None) -> LaunchSpec:
+    """``spec`` loading connector class ``cls`` from ``module`` instead of kvshare's (a test's subclass)."""
+    argv = list(spec.argv)
+    at = argv.index("--kv-transfer-config") + 1
+    transfer = json.loads(argv[at])
+    transfer.update(kv_connector=cls, kv_connector_module_path=module)
+    argv[at] = json.dumps(transfer)
+    return LaunchSpec(argv, {**spec.env, **(env or {})}, spec.base_url)
+
+
+def start_servers(configs: dict[str, VllmServerConfig | LaunchSpec], log_dir: str,
+                  timeout_s: float = 420) -> dict[str, Server]:
     """Start every server at once (they load in parallel) and wait until all are ready."""
     servers: dict[str, Server] = {}
     try:
         for name, config in configs.items():
-            spec = vllm_server_command(config)
+            spec = config if isinstance(config, LaunchSpec) else vllm_server_command(config)
             log_path = os.path.join(log_dir, f"vllm-{name}.log")
             with open(log_path, "w") as log:
                 proc = subprocess.Popen(spec.argv, env=spec.env, stdout=log, stderr=subprocess.STDOUT,

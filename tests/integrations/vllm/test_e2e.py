@@ -11,9 +11,8 @@ import time
 
 import pytest
 
-from kvshare.integrations.vllm.identity import engine_namespace
 from kvshare.integrations.vllm.launch import VllmServerConfig
-from kvshare.keys import chunk_keys, namespace_digest
+from kvshare.keys import chunk_keys
 from kvshare.layout import KVLayout
 from kvshare.pool.client import PoolClient
 from kvshare.pool.spawn import start_pool, stop_process
@@ -82,6 +81,14 @@ def cluster(tmp_path_factory):
 def pool_stats(socket_path):
     with PoolClient(socket_path, name="test") as client:
         return client.stats()
+
+
+def stored_keys(socket_path, prompt):
+    """The chunk keys of ``prompt`` in the namespace that holds its pages (the replicas' namespace carries
+    vLLM's layout fingerprint, which the test does not rebuild)."""
+    with PoolClient(socket_path, name="test") as client:
+        candidates = [chunk_keys(info.namespace, prompt, C) for info in client.list_namespaces().namespaces]
+        return max(candidates, key=lambda keys: len(client.lookup(keys, LAYOUT.page_bytes, lease=False).pages))
 
 
 def assert_same_answer(got, want):
@@ -160,8 +167,7 @@ def test_corrupted_page_is_detected_and_recomputed(cluster):
     servers, state = cluster
     prompt = prompt_of(6, 900)  # chunks 0..2
     complete(servers["A"], prompt)
-    digest = namespace_digest(engine_namespace(state["model"], LAYOUT, "vllm"))
-    keys = chunk_keys(digest, prompt, C)
+    keys = stored_keys(state["socket"], prompt)
     with PoolClient(state["socket"], name="vandal") as client:
         pages = client.lookup(keys, LAYOUT.page_bytes, lease=False).pages
         assert len(pages) == 3
@@ -194,7 +200,7 @@ def test_layered_loads_beside_the_forward_give_the_same_answer(cluster):
 
     prompt = prompt_of(31, 900)
     complete(servers["A"], prompt)
-    keys = chunk_keys(namespace_digest(engine_namespace(state["model"], LAYOUT, "vllm")), prompt, C)
+    keys = stored_keys(state["socket"], prompt)
     with PoolClient(state["socket"], name="vandal") as client:
         page = client.page(client.lookup(keys, LAYOUT.page_bytes, lease=False).pages[1].offset, LAYOUT.page_bytes)
         page[:] = page[::-1].copy()

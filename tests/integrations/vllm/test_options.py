@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvshare.integrations.vllm.launch import VllmServerConfig, kv_transfer_config, vllm_server_command
+from kvshare.integrations.vllm.launch import VllmServerConfig, kv_transfer_config, rank_core_binds, vllm_server_command
 from kvshare.integrations.vllm.options import (
     ConnectorConfig,
     RequestOptions,
@@ -49,33 +49,37 @@ def test_provenance_always_adds_up():
     assert provenance("A", 100, 80, 64)["computed_tokens"] == 0  # clipped, never negative
 
 
-def _vllm_config(tp=1, pp=1, cache_dtype="auto"):
+def _vllm_config(tp=1, pp=1, cache_dtype="auto", calculate_kv_scales=False):
     model = SimpleNamespace(
         dtype="torch.float32",
         get_num_layers=lambda parallel: 8,
-        get_num_kv_heads=lambda parallel: 2,
+        get_num_kv_heads=lambda parallel: max(1, 2 // parallel.tensor_parallel_size),
+        get_total_num_kv_heads=lambda: 2,
         get_head_size=lambda: 64,
     )
     parallel = SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp)
-    return SimpleNamespace(model_config=model, cache_config=SimpleNamespace(cache_dtype=cache_dtype), parallel_config=parallel)
+    cache = SimpleNamespace(cache_dtype=cache_dtype, calculate_kv_scales=calculate_kv_scales)
+    return SimpleNamespace(model_config=model, cache_config=cache, parallel_config=parallel)
 
 
-def test_tensor_parallel_and_hybrid_models_are_refused():
-    check_supported(_vllm_config(), SimpleNamespace(kv_cache_groups=[object()]))
-    with pytest.raises(ValueError, match="tensor_parallel_size 1"):
-        check_supported(_vllm_config(tp=2), None)
+def test_pipeline_parallel_is_refused_tensor_parallel_is_not():
+    check_supported(_vllm_config(tp=2))
     with pytest.raises(ValueError, match="pipeline_parallel_size"):
-        check_supported(_vllm_config(pp=2), None)
-    with pytest.raises(ValueError, match="one KV cache group"):
-        check_supported(_vllm_config(), SimpleNamespace(kv_cache_groups=[object(), object()]))
+        check_supported(_vllm_config(pp=2))
 
 
 def test_page_layout_from_the_vllm_config():
     layout = kv_layout_of(_vllm_config(), 256)
     assert (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype) == (8, 2, 64, "float32")
     assert layout.page_bytes == 2 << 20
-    with pytest.raises(ValueError, match="kv-cache-dtype fp8"):
-        kv_layout_of(_vllm_config(cache_dtype="fp8"), 256)
+    assert kv_layout_of(_vllm_config(tp=2), 256) == layout  # pages hold every head, whatever the TP size
+    fp8 = kv_layout_of(_vllm_config(cache_dtype="fp8"), 256)
+    assert fp8.dtype == "float8_e4m3fn" and fp8.page_bytes == layout.page_bytes // 4
+    assert kv_layout_of(_vllm_config(cache_dtype="fp8_e5m2"), 256).dtype == "float8_e5m2"
+    with pytest.raises(ValueError, match="kv-cache-dtype int8 is not supported"):
+        kv_layout_of(_vllm_config(cache_dtype="int8"), 256)
+    with pytest.raises(ValueError, match="calculate_kv_scales"):
+        kv_layout_of(_vllm_config(cache_dtype="fp8", calculate_kv_scales=True), 256)
 
 
 def test_server_command_line():
@@ -105,7 +109,31 @@ def test_server_command_line():
     debug = vllm_server_command(VllmServerConfig(model="m", port=1, log_level="DEBUG"), base_env={})
     assert debug.env["KVSHARE_LOG_LEVEL"] == "DEBUG"  # the connector's phase timings (bench --timings)
 
+    assert "--tensor-parallel-size" not in argv
+    tp = vllm_server_command(VllmServerConfig(model="m", port=1, tensor_parallel_size=2), base_env={})
+    assert tp.argv[tp.argv.index("--tensor-parallel-size") + 1] == "2"
+    assert tp.env["VLLM_CPU_OMP_THREADS_BIND"].count("|") == 1  # one share of the cores per rank
+    assert rank_core_binds([0, 1], 2) == "0|1" and rank_core_binds([0, 1, 2, 3, 4], 2) == "0,1|2,3"
+    with pytest.raises(ValueError, match="at least 4 cores"):
+        rank_core_binds([0, 1], 4)
+
     plain = vllm_server_command(VllmServerConfig(model="/models/tiny", port=8124, pool_socket=None))
     assert "--kv-transfer-config" not in plain.argv
     with pytest.raises(ValueError, match="multiple of block_size"):
         VllmServerConfig(model="m", port=1, chunk_tokens=100)
+
+
+def test_up_passes_tensor_parallel_size_to_vllm_replicas(tmp_path):
+    import argparse
+
+    from kvshare.commands.up import add_arguments
+    from kvshare.launch import Cluster, ClusterConfig
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args(["--engine", "vllm", "--tensor-parallel-size", "2"]).tensor_parallel_size == 2
+    (tmp_path / "config.json").write_text("{}")
+    argv, env = Cluster(ClusterConfig(engine="vllm", model=str(tmp_path), tensor_parallel_size=2))._replica_command(0, [])
+    assert argv[argv.index("--tensor-parallel-size") + 1] == "2" and "|" in env["VLLM_CPU_OMP_THREADS_BIND"]
+    with pytest.raises(ValueError, match="vLLM replicas only"):
+        ClusterConfig(engine="builtin", tensor_parallel_size=2)
