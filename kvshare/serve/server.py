@@ -151,7 +151,8 @@ class ReplicaServer:
         tenant = self._tenant(request, header_value)
         digest = namespace_digest(self.engine.namespace.with_tenant(tenant))
         return web.json_response({"model": self.engine.model_name, "replica": self.config.replica_name,
-                                  "is_tenant_salted": bool(tenant), "namespace": digest.hex()})
+                                  "is_tenant_salted": bool(tenant), "namespace": digest.hex(),
+                                  "grid_tokens": self.engine.namespace.grid_tokens})
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response(self.served.listing())
@@ -308,7 +309,7 @@ class ReplicaServer:
         self.metrics.generation_tokens.inc(out.num_tokens)
         if self.auditor is not None and out.finish_reason:  # audit hook: offer the finished request
             self.auditor.offer(prep.prompt_ids, prep.params, replace(prep.options, timeline=None), out.provenance,
-                               out.token_ids)
+                               out.token_ids, out.events)
         if prep.options.timeline is not None:
             log.info("timeline %s %s", rid, _json.encode(prep.options.timeline.as_dict()).decode())
         if response is None:
