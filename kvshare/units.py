@@ -25,6 +25,11 @@ def parse_size(text: str) -> int:
     return int(value)
 
 
+def parse_size_or_off(text: str) -> int:
+    """``parse_size``, where ``0`` or ``off`` means none at all (a cache turned off)."""
+    return 0 if str(text).strip().lower() in ("0", "off") else parse_size(text)
+
+
 _COUNT = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kKmMgG]?)\s*$")
 _COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from kvshare.commands.serve import add_deterministic_arguments, add_kv_dtype_argument
-from kvshare.units import parse_size
+from kvshare.units import parse_size, parse_size_or_off
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -24,7 +24,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--chunk-tokens", type=int, default=256, help="tokens per shared chunk (must match the other replicas)")
-    p.add_argument("--local-cache-size", type=parse_size, default="1GiB", help="local prefix cache bound")
+    p.add_argument("--local-cache-size", type=parse_size_or_off, default="1GiB",
+                   help="local prefix cache bound (0 or off: no local cache)")
     p.add_argument("--verify-checksums", action="store_true", help="verify every page loaded from the pool")
     p.add_argument("--tenant", default="", help="tenant salt of the key namespace")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")

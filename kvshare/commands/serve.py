@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from kvshare.units import parse_size
+from kvshare.units import parse_size, parse_size_or_off
 
 # vLLM's --dtype values -> the engine's (None: the model's own dtype)
 DTYPES = {"auto": None, "half": "float16", "float16": "float16", "bfloat16": "bfloat16", "float": "float32",
@@ -38,7 +38,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help="a Hugging Face model directory or a preset name (default tiny)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--pool", default=None, help="socket of a running pool, or 'off' (default: off)")
-    p.add_argument("--local-cache-size", type=parse_size, default="1GiB", help="local prefix cache size")
+    p.add_argument("--local-cache-size", type=parse_size_or_off, default="1GiB",
+                   help="local prefix cache size (0 or off: no local cache)")
     p.add_argument("--chunk-tokens", type=int, default=256, help="tokens per shared chunk")
     p.add_argument("--verify-rate", type=float, default=1.0,
                    help="fraction of pool loads whose page checksums are verified (default 1: all)")

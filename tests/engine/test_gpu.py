@@ -167,6 +167,7 @@ def test_gpu_store_commits_wsum32_and_load_checks_it_beside_the_copies(pool_sock
     from kvshare.keys import chunk_keys, namespace_digest
     from kvshare.pool.checksum import ChecksumKind, page_checksum
     from kvshare.pool.client import PoolClient
+    from kvshare.transfer.layouts import as_bits
 
     def engine(kv_dtype: str = "auto") -> Engine:
         return Engine(EngineConfig(model="tiny", device="cuda", chunk_tokens=CHUNK, pool_socket=pool_socket,
@@ -180,14 +181,16 @@ def test_gpu_store_commits_wsum32_and_load_checks_it_beside_the_copies(pool_sock
         run(writer, ids, NO_LOCAL)  # ... and stored in the pool
         keys = chunk_keys(namespace_digest(writer.namespace), ids, CHUNK)
         assert run(reader, ids) == (cold, (0, 64, 16))
-        stored, loaded = writer._local.longest_prefix(keys), reader._local.longest_prefix(keys)
+        loaded = reader._local.longest_prefix(keys)[:4]  # the reader's chunks 0..3 came from the pool
         with PoolClient(pool_socket) as client:
             pages = client.lookup(keys, writer.layout.page_bytes, lease=False).pages
             assert len(pages) == 5 and {p.checksum_kind for p in pages} == {ChecksumKind.WSUM32}
             for page in pages:  # the GPU's sums are the host's over the committed bytes
                 assert page.checksum == page_checksum(client.page(page.offset, page.page_bytes), ChecksumKind.WSUM32)
-            for s, l in zip(stored, loaded):
-                assert torch.equal(s.view(torch.uint8), l.view(torch.uint8))
+            assert len(loaded) == 4
+            for page, chunk in zip(pages, loaded):  # bytes loaded == bytes stored: engine [L,2,H,C,D] -> page [L,2,C,H,D]
+                held = as_bits(chunk).transpose(2, 3).contiguous().cpu().numpy().tobytes()
+                assert held == bytes(client.page(page.offset, page.page_bytes))
             client.page(pages[2].offset, pages[2].page_bytes)[5] ^= 0x40  # chunk 2 goes bad in the pool
         checker = engine(kv_dtype)
         assert run(checker, ids, NO_LOCAL) == (cold, (0, 32, 48))
