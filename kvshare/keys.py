@@ -138,13 +138,15 @@ def chunk_keys(
         count = min(count, max_chunks)
     keys: list[bytes] = []
     previous = ns_digest
+    try:
+        payload = memoryview(_le_u32(token_ids[: count * chunk_tokens]))  # one conversion for every chunk
+    except OverflowError as exc:
+        raise ValueError(f"token ids must lie in 0..{MAX_TOKEN_ID}: {exc}") from None
+    step = 4 * chunk_tokens
     for i in range(count):
-        chunk = token_ids[i * chunk_tokens : (i + 1) * chunk_tokens]
-        try:
-            payload = _le_u32(chunk)
-        except OverflowError as exc:
-            raise ValueError(f"token ids must lie in 0..{MAX_TOKEN_ID}: {exc}") from None
-        previous = hashlib.blake2b(previous + payload, digest_size=KEY_BYTES).digest()
+        h = hashlib.blake2b(previous, digest_size=KEY_BYTES)
+        h.update(payload[i * step : (i + 1) * step])
+        previous = h.digest()
         keys.append(previous)
     return keys
 

@@ -91,6 +91,15 @@ class _Facts(msgspec.Struct):
     cache_salt: object = None  # a string when valid; the replica refuses anything else
 
 
+class _PlacementFacts(msgspec.Struct):
+    """What policies other than cache_aware read: the prompt stays raw JSON, never built as Python objects
+    (a 128k-token prompt: ~15 ms of the router's time to first byte before)."""
+
+    user: str | None = None
+    messages: list[dict] | None = None
+    prompt: msgspec.Raw | None = None
+
+
 class RouterServer:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
@@ -197,20 +206,24 @@ class RouterServer:
 
     def _facts(self, request: web.Request, body: bytes) -> RouteFacts:
         session = request.headers.get(self.config.session_header)
+        hashes = self.config.policy == "cache_aware"  # the only policy that reads the prompt itself
+        kind = _Facts if hashes else _PlacementFacts
         try:
-            parsed = msgspec.json.decode(body, type=_Facts) if body else _Facts()
+            parsed = msgspec.json.decode(body, type=kind) if body else kind()
         except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):
-            parsed = _Facts()  # the replica will answer the bad request; just place it
+            parsed = kind()  # the replica will answer the bad request; just place it
         session = session or parsed.user
         turn, text = None, ""
         if parsed.messages is not None:
             turn = sum(1 for m in parsed.messages if isinstance(m, dict) and m.get("role") == "assistant")
-            text = "".join(f"{m.get('role')}:{m.get('content')}\n" for m in parsed.messages if isinstance(m, dict))
-        elif parsed.prompt is not None:
+            if hashes:
+                text = "".join(f"{m.get('role')}:{m.get('content')}\n" for m in parsed.messages if isinstance(m, dict))
+        elif hashes and parsed.prompt is not None:
             text = parsed.prompt if isinstance(parsed.prompt, str) else msgspec.json.encode(parsed.prompt).decode()
+        if not hashes:
+            return RouteFacts(session_id=session, chat_turn=turn, prefix_blocks=())
         salt = parsed.cache_salt if isinstance(parsed.cache_salt, str) else None
-        blocks = prefix_blocks(text, cache_salt=salt) if self.config.policy == "cache_aware" else ()
-        return RouteFacts(session_id=session, chat_turn=turn, prefix_blocks=blocks)
+        return RouteFacts(session_id=session, chat_turn=turn, prefix_blocks=prefix_blocks(text, cache_salt=salt))
 
     async def proxy(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()

@@ -192,13 +192,10 @@ class ReplicaServer:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         arrival = time.perf_counter()
-        req = A.decode(await request.read(), A.CompletionRequest)
+        req = A.decode_completion(await request.read())
         A.validate(req)
         prompt = A.prompt_of(req)
-        if isinstance(prompt, str):
-            prompt_ids = self.engine.tokenizer.encode(prompt)
-        else:
-            prompt_ids = list(prompt)
+        prompt_ids = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         prepared = self._prepare(request, req, prompt_ids, default_max_tokens=16, logprobs=req.logprobs, arrival=arrival)
         return await self._respond(request, req, prepared, chat=False)
 
@@ -220,7 +217,7 @@ class ReplicaServer:
         if not prompt_ids:
             raise A.ApiError(400, "the prompt is empty", param="prompt")
         vocab = self.engine.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids):
+        if not 0 <= min(prompt_ids) <= max(prompt_ids) < vocab:
             raise A.ApiError(400, f"token ids must lie in [0, {vocab})", param="prompt")
         max_tokens = self._max_tokens(req, len(prompt_ids), "messages" if default_max_tokens is None else "prompt",
                                       default_max_tokens or self.config.default_chat_max_tokens)
