@@ -90,3 +90,17 @@ class PoolLink:
 
     def close(self) -> None:
         self._drop_client()
+
+
+def guarded(link, counters, what: str, call: Callable, default=None):
+    """``call()``; or ``default`` when the pool is down (``link.failed``: retried later) or refused (a warning
+    naming ``what``), each counted in ``counters.pool_errors``. vLLM keeps serving either way."""
+    try:
+        return call()
+    except POOL_DOWN_ERRORS as exc:
+        counters.pool_errors += 1
+        link.failed(exc)
+    except PoolRequestError as exc:
+        counters.pool_errors += 1
+        log.warning("kvshare: the pool refused %s: %s", what, exc)
+    return default

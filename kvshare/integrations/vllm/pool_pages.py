@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 
 from kvshare.integrations.vllm.metadata import ConnectorCounters, PhaseTimes, StoreSpec
-from kvshare.integrations.vllm.pool_link import POOL_DOWN_ERRORS, PoolLink
+from kvshare.integrations.vllm.pool_link import POOL_DOWN_ERRORS, PoolLink, guarded
 from kvshare.layout import KVLayout
 from kvshare.pool.checksum import ChecksumKind
 from kvshare.pool.client import PoolRequestError
@@ -41,28 +41,15 @@ class PoolPages:
         client = self.link.client()
         if client is None:
             return
-        try:
-            client.drop([key])
-        except POOL_DOWN_ERRORS as exc:
-            self.counters.pool_errors += 1
-            self.link.failed(exc)
-        except PoolRequestError as exc:
-            self.counters.pool_errors += 1
-            log.warning("kvshare: the pool refused to drop a bad chunk: %s", exc)
+        guarded(self.link, self.counters, "to drop a bad chunk", lambda: client.drop([key]))
 
     def reserve(self, client, spec: StoreSpec, times: PhaseTimes):
         """Pages for the spec's chunks the pool does not hold yet, or None (none granted, or a pool error)."""
         if not spec.keys:
             return None
-        try:
-            reservation = client.reserve(spec.namespace, list(spec.keys), self.kv_layout.page_bytes, spec.first_chunk)
-        except POOL_DOWN_ERRORS as exc:
-            self.counters.pool_errors += 1
-            self.link.failed(exc)
-            return None
-        except PoolRequestError as exc:
-            self.counters.pool_errors += 1
-            log.warning("kvshare: the pool refused a reserve: %s", exc)
+        reservation = guarded(self.link, self.counters, "a reserve", lambda: client.reserve(
+            spec.namespace, list(spec.keys), self.kv_layout.page_bytes, spec.first_chunk))
+        if reservation is None:
             return None
         self.counters.skipped_stores += reservation.num_no_room
         times.mark("reserve")

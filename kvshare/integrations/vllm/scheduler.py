@@ -39,7 +39,7 @@ from kvshare.integrations.vllm.plan import (
     lookup_window,
     tokens_to_load,
 )
-from kvshare.integrations.vllm.pool_link import POOL_DOWN_ERRORS, PoolLink
+from kvshare.integrations.vllm.pool_link import POOL_DOWN_ERRORS, PoolLink, guarded
 from kvshare.integrations.vllm.tensor_parallel import PartedStores
 from kvshare.keys import Namespace, extend_chunk_keys, namespace_digest
 from kvshare.pool.checksum import ChecksumKind
@@ -168,15 +168,8 @@ class PoolScheduler:
         client = self.link.client()
         if client is None:
             return None
-        try:
-            lease = client.lookup(keys, self.page_bytes)
-        except POOL_DOWN_ERRORS as exc:
-            self.counters.pool_errors += 1
-            self.link.failed(exc)
-            return None
-        except PoolRequestError as exc:
-            self.counters.pool_errors += 1
-            log.warning("kvshare: the pool refused a lookup: %s", exc)
+        lease = guarded(self.link, self.counters, "a lookup", lambda: client.lookup(keys, self.page_bytes))
+        if lease is None:
             return None
         self.counters.lookups += 1
         if not lease.pages:
@@ -260,15 +253,9 @@ class PoolScheduler:
         client = self.link.client()
         if client is None:
             return None
-        try:
-            reservation = client.reserve(spec.namespace, list(spec.keys), self.page_bytes, spec.first_chunk)
-        except POOL_DOWN_ERRORS as exc:
-            self.counters.pool_errors += 1
-            self.link.failed(exc)
-            return None
-        except PoolRequestError as exc:
-            self.counters.pool_errors += 1
-            log.warning("kvshare: the pool refused a reserve: %s", exc)
+        reservation = guarded(self.link, self.counters, "a reserve", lambda: client.reserve(
+            spec.namespace, list(spec.keys), self.page_bytes, spec.first_chunk))
+        if reservation is None:
             return None
         self.counters.skipped_stores += reservation.num_no_room
         if not reservation.grants:
