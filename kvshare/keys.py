@@ -138,10 +138,16 @@ def chunk_keys(
         count = min(count, max_chunks)
     keys: list[bytes] = []
     previous = ns_digest
-    try:
-        payload = memoryview(_le_u32(token_ids[: count * chunk_tokens]))  # one conversion for every chunk
-    except OverflowError as exc:
-        raise ValueError(f"token ids must lie in 0..{MAX_TOKEN_ID}: {exc}") from None
+    head = token_ids[: count * chunk_tokens]
+    if hasattr(head, "dtype"):  # a numpy array of integers (the engine's): converted at once, range checked
+        if len(head) and (int(head.min()) < 0 or int(head.max()) > MAX_TOKEN_ID):
+            raise ValueError(f"token ids must lie in 0..{MAX_TOKEN_ID}")
+        payload = memoryview(head.astype("<u4").tobytes())
+    else:
+        try:
+            payload = memoryview(_le_u32(head))  # one conversion for every chunk
+        except OverflowError as exc:
+            raise ValueError(f"token ids must lie in 0..{MAX_TOKEN_ID}: {exc}") from None
     step = 4 * chunk_tokens
     for i in range(count):
         h = hashlib.blake2b(previous, digest_size=KEY_BYTES)

@@ -123,3 +123,14 @@ def test_the_default_mode_digest_is_what_it_was_before_the_mode_existed():
 def test_a_deterministic_namespace_is_checked(fields):
     with pytest.raises(ValueError):
         Namespace(**(NS.__dict__ | fields))
+
+
+def test_a_numpy_array_of_ids_gives_the_keys_of_the_list_and_its_range_is_checked():
+    import numpy as np
+
+    ids = list(range(1000, 1000 + 5 * 16 + 3))
+    digest = bytes(KEY_BYTES)
+    for dtype in (np.int64, np.int32, np.uint32):
+        assert chunk_keys(digest, np.asarray(ids, dtype=dtype), 16) == chunk_keys(digest, ids, 16)
+    with pytest.raises(ValueError, match="token ids must lie in"):
+        chunk_keys(digest, np.asarray([5] * 16 + [-1] * 16, dtype=np.int64), 16)

@@ -188,11 +188,10 @@ class Engine:
 
     def _stream(self, ids: np.ndarray, params: SamplingParams, options: RequestOptions) -> Iterator[TokenEvent]:
         with self._lock:  # held across yields: no other request may touch the sequence KV meanwhile
-            prompt = ids.tolist()
-            n = len(prompt)
+            n = len(ids)
             kv = self._kv.ensure(min(n + params.max_tokens, self.max_model_len))
             digest = self._digest(options.tenant)
-            keys = chunk_keys(digest, prompt, self.layout.chunk_tokens)
+            keys = chunk_keys(digest, ids, self.layout.chunk_tokens)  # the array itself: no list round trip
             if options.timeline is not None:
                 options.timeline.mark("hashing")
             started = time.perf_counter()
