@@ -48,4 +48,5 @@ def test_dry_run_on_cpu_through_kvshare_up(tmp_path):
     for r in rows:
         assert r["cold_replica"] != r["cross_replica"] and r["pool_tokens"] == 768 and r["computed_tokens"] == 256
         assert r["verified"] and r["tokens_equal"] and r["local_s"] is not None and r["bound_s"] > 0
+        assert r["output_verdict"] == "equal" and r["divergence_step"] is None
         assert r["timeline"]["load_end"] is not None and r["timeline"]["first_token_written"] >= r["timeline"]["parse"]
