@@ -38,13 +38,14 @@ import argparse
 import json
 import os
 import random
-import re
-import signal
-import subprocess
 import sys
-import threading
 import time
 import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # up_cluster beside this script
+
+from kvshare.validate.service_http import get_json, post_json  # noqa: E402
+from up_cluster import UpCluster  # noqa: E402
 
 ALIASES = {"8b": "qwen3-8b", "32b": "qwen3-32b", "tiny": "tiny"}
 TOP_LOGPROBS = 5
@@ -172,99 +173,18 @@ def _at(seq, i):
 # -- the service -----------------------------------------------------------------------------------------
 
 
-def post(url: str, body: dict, timeout_s: float) -> dict:
-    import urllib.error
-    import urllib.request
-
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            return json.loads(resp.read())
-    except urllib.error.HTTPError as err:
-        raise RuntimeError(f"POST {url} answered {err.code}: {err.read()[:400].decode(errors='replace')}") from None
-
-
-def get(url: str, timeout_s: float = 5.0) -> dict:
-    import urllib.request
-
-    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
-        return json.loads(resp.read())
-
-
 def complete(base: str, model: str, ids: list[int], max_tokens: int, extension: dict | None, timeout_s: float) -> dict:
     body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
             "return_token_ids": True, "logprobs": TOP_LOGPROBS}
     if extension is not None:
         body["kvshare"] = extension
     started = time.perf_counter()
-    out = post(base + "/v1/completions", body, timeout_s)
+    out = post_json(base + "/v1/completions", body, timeout_s)
     choice, p = out["choices"][0], out.get("kvshare") or {}
     return {"token_ids": [int(t) for t in choice["token_ids"]], "logprobs": step_logprobs(choice),
             "replica": p.get("replica"), "local_tokens": p.get("local_tokens"), "pool_tokens": p.get("pool_tokens"),
             "computed_tokens": p.get("computed_tokens"), "deterministic": p.get("deterministic"),
             "seconds": round(time.perf_counter() - started, 3)}
-
-
-class UpCluster:
-    """`python -m kvshare up` as a child process; stopped with SIGTERM (up stops its pool, replicas, router)."""
-
-    def __init__(self, args, model: str, max_model_len: int) -> None:
-        from kvshare.launch import free_port_block
-
-        self.port = free_port_block(3)
-        self.router = f"http://127.0.0.1:{self.port}"
-        self.replicas = [f"http://127.0.0.1:{self.port + 1 + i}" for i in range(2)]
-        replica_args = ["--chunk-tokens", str(args.chunk_tokens), "--grid-tokens", str(args.grid_tokens),
-                        "--max-model-len", str(max_model_len), "--verify-rate", "0"]
-        self.command = [sys.executable, "-m", "kvshare", "up", "--deterministic", "--model", model,
-                        "--device", args.device, "--replicas", "2", "--policy", "round_robin",
-                        "--pool-size", args.pool_size, "--port", str(self.port),
-                        *[f"--replica-arg={a}" for a in replica_args]]
-        self.lines: list[str] = []
-        self.pool_socket: str | None = None
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, timeout_s: float) -> "UpCluster":
-        print("$ " + " ".join(self.command), flush=True)
-        env = dict(os.environ, COLUMNS="1000")  # up prints through rich: no wrapped lines
-        self.proc = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env=env, start_new_session=True)
-        threading.Thread(target=self._read, daemon=True).start()
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"kvshare up exited {self.proc.returncode}:\n" + "\n".join(self.lines[-30:]))
-            if self.pool_socket and all(self._healthy(u) for u in (self.router, *self.replicas)):
-                return self
-            time.sleep(1.0)
-        raise TimeoutError(f"kvshare up not ready within {timeout_s:.0f} s:\n" + "\n".join(self.lines[-30:]))
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            line = line.rstrip("\n")
-            self.lines.append(line)
-            print(f"[up] {line}", flush=True)
-            m = re.match(r"\s*pool: (\S+)", line)
-            if m and m.group(1) != "off":
-                self.pool_socket = m.group(1)
-
-    @staticmethod
-    def _healthy(url: str) -> bool:
-        try:
-            return get(url + "/health").get("status") == "ok"
-        except Exception:
-            return False
-
-    def stop(self, timeout_s: float = 90.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:  # up did not stop its children in time: end the whole group
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(30)
-        print(f"kvshare up stopped (exit {self.proc.returncode})", flush=True)
 
 
 # -- the steps -------------------------------------------------------------------------------------------
@@ -325,7 +245,7 @@ def run_control(c: UpCluster, args, model: str, n: int, rng: random.Random, voca
     complete(a, model, ids, args.max_tokens, {}, args.request_timeout)  # stores the pages
     mc = get_preset(model).config
     layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.dtype, args.chunk_tokens)
-    digest = bytes.fromhex(get(b + "/admin/namespace")["namespace"])
+    digest = bytes.fromhex(get_json(b + "/admin/namespace")["namespace"])
     keys = chunk_keys(digest, ids, args.chunk_tokens)
     with PoolClient(c.pool_socket) as client:
         pages = client.lookup(keys, layout.page_bytes, lease=False).pages
@@ -353,7 +273,10 @@ def run_model(args, model: str, budget: Budget, out: dict, rng: random.Random) -
     if not budget.allows(f"{model} cluster start", START_S.get(model, 150.0) + (case_s(model, min(cases), args.max_tokens, args.device) if cases else 0), out["skipped"]):
         return
     vocab = get_preset(model).config.vocab_size if model in ALIASES.values() else 32000
-    cluster = UpCluster(args, model, max_model_len)
+    replica_args = ["--chunk-tokens", str(args.chunk_tokens), "--grid-tokens", str(args.grid_tokens),
+                    "--max-model-len", str(max_model_len), "--verify-rate", "0"]
+    cluster = UpCluster(["--deterministic", "--model", model, "--device", args.device, "--policy", "round_robin",
+                         "--pool-size", args.pool_size, *[f"--replica-arg={a}" for a in replica_args]])
     started = time.monotonic()
     try:
         cluster.start(timeout_s=max(600.0, START_S.get(model, 150.0) * 3))

@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 
-HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.benchmarks.loader import load_benchmark
+
 
 
 def load_bench():
-    path = os.path.join(HERE, "benchmarks", "deterministic_service_gpu.py")
-    spec = importlib.util.spec_from_file_location("deterministic_service_gpu", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("deterministic_service_gpu")
 
 
 def test_cases_parse_and_estimates_follow_the_h200_figures():

@@ -3,20 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import os
 
-HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.benchmarks.loader import load_benchmark
+
 GiB = 1 << 30
 
 
 def load_bench():
-    path = os.path.join(HERE, "benchmarks", "service_ttft_gpu.py")
-    spec = importlib.util.spec_from_file_location("service_ttft_gpu", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("service_ttft_gpu")
 
 
 def plan_args(**kw) -> argparse.Namespace:

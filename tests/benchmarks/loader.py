@@ -1,0 +1,16 @@
+"""Load a script of benchmarks/ as a module (the folder is not a package)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def load_benchmark(name: str):
+    """benchmarks/NAME.py, executed as the module NAME."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
