@@ -248,6 +248,13 @@ class Transformer(nn.Module):
         if weight.dtype == torch.float32:
             torch.matmul(h, weight.t(), out=out)
             return
+        if weight.is_cuda and _mm_to_float32(weight.device, weight.dtype):
+            # the same products, exact in float32 and summed in float32, without writing a float32 copy of the
+            # head first (at 8B: 1.2 GB read instead of ~6 GB moved, ~1.5 ms of every prefill and decode step)
+            for v0 in range(0, weight.shape[0], LOGITS_VOCAB_SLICE):
+                v1 = min(weight.shape[0], v0 + LOGITS_VOCAB_SLICE)
+                out[:, v0:v1] = torch.mm(h, weight[v0:v1].t(), out_dtype=torch.float32)
+            return
         h32 = h.float()
         for v0 in range(0, weight.shape[0], LOGITS_VOCAB_SLICE):
             v1 = min(weight.shape[0], v0 + LOGITS_VOCAB_SLICE)
@@ -256,3 +263,19 @@ class Transformer(nn.Module):
 
 def _no_op() -> None:
     pass
+
+
+_MM_TO_FLOAT32: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def _mm_to_float32(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch.mm(..., out_dtype=torch.float32)`` runs on ``device`` for ``dtype`` inputs (tried once)."""
+    known = _MM_TO_FLOAT32.get((str(device), dtype))
+    if known is None:
+        try:
+            a = torch.ones(1, 8, dtype=dtype, device=device)
+            known = torch.mm(a, a.t(), out_dtype=torch.float32).dtype == torch.float32
+        except (RuntimeError, TypeError, NotImplementedError):
+            known = False
+        _MM_TO_FLOAT32[str(device), dtype] = known
+    return known

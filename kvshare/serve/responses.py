@@ -31,6 +31,7 @@ class Prepared:
     options: Any
     stops: list[str]
     include_usage: bool
+    prompt_array: Any = None  # the same ids as one int64 numpy array, what the engine takes (None: build it)
 
 
 class ResponseBuilder:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import msgspec
+import numpy as np
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -217,7 +218,11 @@ class ReplicaServer:
         if not prompt_ids:
             raise A.ApiError(400, "the prompt is empty", param="prompt")
         vocab = self.engine.model_config.vocab_size
-        if not 0 <= min(prompt_ids) <= max(prompt_ids) < vocab:
+        try:  # one array, checked at once: a 32k-token list's min() and max() alone cost ~1 ms of TTFT
+            ids = np.fromiter(prompt_ids, dtype=np.int64, count=len(prompt_ids))
+        except OverflowError:
+            ids = None
+        if ids is None or not 0 <= ids.min() <= ids.max() < vocab:
             raise A.ApiError(400, f"token ids must lie in [0, {vocab})", param="prompt")
         max_tokens = self._max_tokens(req, len(prompt_ids), "messages" if default_max_tokens is None else "prompt",
                                       default_max_tokens or self.config.default_chat_max_tokens)
@@ -228,7 +233,7 @@ class ReplicaServer:
         if timeline is not None:
             timeline.mark("parse")  # read, decoded, checked and tokenized
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return Prepared(prompt_ids, params, options, A.stop_strings(req), include_usage)
+        return Prepared(prompt_ids, params, options, A.stop_strings(req), include_usage, ids)
 
     def _max_tokens(self, req, num_prompt: int, what: str, default: int) -> int:
         """The request's max_tokens, checked against --max-model-len (vLLM's message) and this replica's limits."""
@@ -257,7 +262,8 @@ class ReplicaServer:
 
     async def _respond(self, request: web.Request, req, prep: Prepared, chat: bool) -> web.StreamResponse:
         t_arrival = time.perf_counter()  # the metrics time from here (a timeline from the handler's start)
-        job = Job(prep.prompt_ids, prep.params, prep.options, asyncio.get_running_loop())
+        ids = prep.prompt_array if prep.prompt_array is not None else prep.prompt_ids
+        job = Job(ids, prep.params, prep.options, asyncio.get_running_loop())
         try:
             self.worker.submit(job)
         except QueueFull as exc:
@@ -282,6 +288,7 @@ class ReplicaServer:
                         await self._write(request, response, b"data: " + _json.encode(chunk) + b"\n\n")
                     if prep.options.timeline is not None and out.num_tokens == 1:
                         prep.options.timeline.mark("first_token_written")
+                job.first_written.set()  # the engine may go on (it waits for this after the first token)
                 if out.finish_reason:
                     break
         except (ConnectionResetError, _SlowClient):  # the client went away or stopped reading: free the engine
@@ -301,6 +308,7 @@ class ReplicaServer:
             return response
         finally:
             job.is_cancelled = True  # whatever happened, the engine need not go on for this request
+            job.first_written.set()
         self.metrics.e2e.observe(time.perf_counter() - t_arrival)
         self.metrics.requests.labels(out.finish_reason or "abort").inc()
         self.metrics.generation_tokens.inc(out.num_tokens)

@@ -27,13 +27,16 @@ class QueueFull(Exception):
 
 @dataclass(eq=False)
 class Job:
-    prompt_ids: list[int]
+    prompt_ids: Any  # list[int] or an int64 numpy array (the replica's: checked once, never copied again)
     params: Any  # engine SamplingParams
     options: Any  # engine RequestOptions
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     is_cancelled: bool = False
     started_s: float | None = None  # perf_counter() when the worker took the job off the queue
+    # set by the handler once the first token is on its way to the client: until then the engine does not go
+    # on (publishing the prompt's chunks runs Python on this thread and would hold the GIL the writer needs)
+    first_written: threading.Event = field(default_factory=threading.Event)
 
     def post(self, item: Any) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, item)
@@ -50,6 +53,7 @@ class Job:
 
 
 IDLE_POLL_S = 0.25  # with an idle task: how often an empty queue is re-checked for new idle work
+FIRST_WRITE_WAIT_S = 0.05  # at most this long the engine waits for the handler to write the first token
 
 
 class EngineWorker:
@@ -119,8 +123,10 @@ class EngineWorker:
                 if not job.is_cancelled:
                     events = self.engine.generate(job.prompt_ids, job.params, job.options)
                     try:
-                        for event in events:
+                        for i, event in enumerate(events):
                             job.post(event)
+                            if i == 0:
+                                job.first_written.wait(FIRST_WRITE_WAIT_S)
                             if job.is_cancelled:
                                 break
                     finally:

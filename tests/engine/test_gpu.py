@@ -214,3 +214,21 @@ def test_fp8_kv_on_gpu_halves_the_bytes_and_reuse_equals_recompute(pool_socket):
     assert reader.stats().pool_bytes_loaded == 12 * fp8.layout.page_bytes
     for e in (fp8, bf16, reader):
         e.close()
+
+
+def test_bf16_head_logits_in_float32_without_an_upcast_copy():
+    """The CUDA logits of a bf16 head (torch.mm to float32) equal the upcast head's to float32 rounding."""
+    from types import SimpleNamespace
+
+    from kvshare.engine import model as M
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(256, 40000, bias=False).to("cuda", torch.bfloat16)
+    h = torch.randn(3, 256, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(3, 40000, device="cuda", dtype=torch.float32)
+    M.Transformer.logits(SimpleNamespace(lm_head=head), h, out)
+    assert M._mm_to_float32(torch.device("cuda"), torch.bfloat16), "torch.mm(out_dtype=float32) is not available"
+    reference = h.double() @ head.weight.double().t()  # the exact products' sums
+    upcast = h.float() @ head.weight.float().t()  # what the engine computed before
+    assert (out.double() - reference).abs().max().item() <= 4 * (upcast.double() - reference).abs().max().item() + 1e-5
+    assert torch.equal(out.argmax(-1), upcast.argmax(-1))

@@ -132,3 +132,11 @@ def test_chat_logprob_bytes_are_the_tokens_raw_bytes(url):
                 assert t["token"] == "bytes:" + "".join("\\x%02x" % b for b in t["bytes"])
             else:
                 assert bytes(t["bytes"]).decode() == t["token"]
+
+
+@pytest.mark.parametrize("ids", [[1, -5, 2], [1, 10**6], [2**64 - 1], [10**20]])
+def test_token_ids_outside_the_vocabulary_get_400(url, ids):
+    status, out = call(url, "/v1/completions", {"prompt": ids, "max_tokens": 2})
+    assert status == 400, out
+    assert out["error"]["param"] == "prompt" and "token ids must lie in" in out["error"]["message"]
+    assert complete(url, prompt=[1, 2, 3])["token_ids"]  # and the replica serves the next request
