@@ -28,11 +28,13 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-import urllib.request
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # up_cluster beside this script
+
+from up_cluster import Cluster, ClusterSpec  # noqa: E402
 
 MODELS = {"8b": "qwen3-8b", "32b": "qwen3-32b", "tiny": "tiny"}
 GiB = 1 << 30
@@ -111,96 +113,12 @@ def measure_h2d(device: str) -> tuple[float, bool, int]:
         return FALLBACK_H2D, False, 139 * GiB
 
 
-def get_health(url: str) -> int:
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-            return resp.status
-    except OSError:
-        return 0
-
-
-def wait_healthy(urls: list[str], procs: list[subprocess.Popen], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not all(get_health(u) == 200 for u in urls):
-        if any(p.poll() is not None for p in procs):
-            raise RuntimeError(f"a process exited before {urls} were healthy (see the logs)")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{urls} were not healthy within {timeout_s:.0f} s")
-        time.sleep(0.5)
-
-
-def stop(proc: subprocess.Popen | None, sig=signal.SIGINT) -> None:
-    """Stop one of our children cleanly (kvshare up stops its cluster on SIGINT), SIGKILL after 60 s."""
-    if proc is not None and proc.poll() is None:
-        proc.send_signal(sig)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-class Service:
-    """The cluster of one case: ``phase("A")`` and ``phase("B")`` bring up the replica(s) that step needs."""
-
-    def __init__(self, plan: dict, args, log_dir: str) -> None:
-        from kvshare.launch import free_port_block
-
-        self.plan, self.args, self.log_dir = plan, args, log_dir
-        self.port = free_port_block(3)
-        self.router = f"http://127.0.0.1:{self.port}"
-        self.urls = {"A": f"http://127.0.0.1:{self.port + 1}", "B": f"http://127.0.0.1:{self.port + 2}"}
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.tmp = tempfile.TemporaryDirectory(prefix="service-ttft-")
-        self.served = 0  # cross-replica requests B has served
-
-    def replica_args(self) -> list[str]:
-        p, a = self.plan, self.args
-        return [f"--local-cache-size={p['local_cache']}", f"--max-model-len={p['context']}",
-                f"--verify-rate={a.verify_rate}", *a.replica_arg]
-
-    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
-        log = open(os.path.join(self.log_dir, f"{name}.log"), "ab")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        if self.args.device == "cpu":  # as kvshare up does: one replica's threads per share of the cores
-            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // 2)))
-        self.procs[name] = subprocess.Popen([sys.executable, "-m", "kvshare", *argv], stdout=log, stderr=subprocess.STDOUT,
-                                            env=env, start_new_session=True)
-        return self.procs[name]
-
-    def start(self) -> None:
-        p, a = self.plan, self.args
-        common = ["--model", p["model"], "--device", a.device]
-        if p["layout"] == "together":
-            self._spawn("up", ["up", *common, "--replicas", "2", "--policy", "round_robin", "--port", str(self.port),
-                               "--pool-size", str(p["pool_size"]), *[f"--replica-arg={x}" for x in self.replica_args()]])
-            wait_healthy([self.router, *self.urls.values()], [self.procs["up"]], a.start_timeout)
-            return
-        from kvshare.pool.spawn import wait_for_pool
-
-        sock = os.path.join(self.tmp.name, "pool.sock")
-        self._spawn("pool", ["pool", "--size", str(p["pool_size"]), "--socket", sock])
-        wait_for_pool(sock, timeout_s=120, proc=self.procs["pool"])
-        self.common = [*common, "--pool", sock, *self.replica_args()]
-        self._spawn("router", ["route", "--policy", "round_robin", "--port", str(self.port),
-                               "--replica", self.urls["A"], "--replica", self.urls["B"]])
-
-    def phase(self, name: str) -> None:
-        """Sequential layout: replica ``name`` up, the other one stopped (together: both are up)."""
-        if self.plan["layout"] == "together":
-            return
-        other = "B" if name == "A" else "A"
-        stop(self.procs.pop(other, None), signal.SIGTERM)
-        port = self.port + (1 if name == "A" else 2)
-        self._spawn(name, ["serve", *self.common, "--port", str(port), "--replica-name", f"replica-{name}"])
-        wait_healthy([self.urls[name]], [self.procs[name]], self.args.start_timeout)
-        wait_healthy([self.router], [self.procs["router"]], 30)
-        time.sleep(2.5)  # the router's health loop (1 s) has seen the replica that went and the one that came
-
-    def close(self) -> None:
-        for name in ("up", "router", "A", "B", "pool"):
-            stop(self.procs.pop(name, None), signal.SIGINT if name == "up" else signal.SIGTERM)
-        self.tmp.cleanup()
+def cluster_spec(plan: dict, args) -> ClusterSpec:
+    """The cluster of one case (up_cluster.py): the plan's layout, pool and replica arguments."""
+    return ClusterSpec(layout=plan["layout"], model=plan["model"], device=args.device, pool_size=str(plan["pool_size"]),
+                       replica_args=(f"--local-cache-size={plan['local_cache']}", f"--max-model-len={plan['context']}",
+                                     f"--verify-rate={args.verify_rate}", *args.replica_arg),
+                       start_timeout_s=args.start_timeout, log_dir=args.log_dir)
 
 
 async def send(url: str, model: str, ids: list[int], max_tokens: int):
@@ -222,35 +140,35 @@ def request(url: str, plan: dict, ids: list[int], args):
 
 def run_case(plan: dict, args, h2d: tuple[float, bool], rng) -> list[dict]:
     """Both paths' rows of one case."""
-    service = Service(plan, args, args.log_dir)
+    cluster = Cluster(cluster_spec(plan, args))
     rows: list[dict] = []
     try:
-        service.start()
+        cluster.start()
         prompts = {(path, k): rng.integers(0, args.vocab, plan["prompt_tokens"]).tolist()
                    for path in args.paths for k in range(2)}
         done: dict[tuple, dict] = {}
-        service.phase("A")
+        cluster.phase("A")
         for (path, k), ids in prompts.items():  # A: cold, then (together: after B) local
-            url = service.router if path == "router" else service.urls["A"]
+            url = cluster.router if path == "router" else cluster.urls["A"]
             done[path, k] = {"cold": request(url, plan, ids, args)}
             if plan["layout"] == "sequential":
                 done[path, k]["local"] = request(url, plan, ids, args)
             else:
-                b = service.router if path == "router" else service.urls["B"]
+                b = cluster.router if path == "router" else cluster.urls["B"]
                 done[path, k]["cross"] = request(b, plan, ids, args)
                 done[path, k]["local"] = request(url, plan, ids, args)
                 if path == "router":  # a spacer: round robin puts the next prompt's cold request on A again
-                    request(service.router, plan, ids[:16], args)
+                    request(cluster.router, plan, ids[:16], args)
         if plan["layout"] == "sequential":
-            service.phase("B")
+            cluster.phase("B")
             for (path, k), ids in prompts.items():
-                url = service.router if path == "router" else service.urls["B"]
+                url = cluster.router if path == "router" else cluster.urls["B"]
                 done[path, k]["cross"] = request(url, plan, ids, args)
         order = sorted(done, key=lambda key: (args.paths.index(key[0]), key[1]))
         for i, key in enumerate(order):
             rows.append(make_row(plan, key[0], i == 0, done[key], h2d, args))
     finally:
-        service.close()
+        cluster.stop()
     return rows
 
 
