@@ -149,6 +149,34 @@ def plan_unit(
     return Unit(l0, l1, p0, p1, copies)
 
 
+def head_copies(unit: Unit, layout: KVLayout, first_head: int, num_heads: int) -> tuple[RowCopy, ...]:
+    """The copies that move only heads ``first_head .. first_head + num_heads - 1`` of the unit's pages,
+    to or from staging that packs just those heads, ``[n, g, 2, C, h, D]``. A page row (layer, K/V,
+    token) holds every head; the copy's rows are these, its width the slice::
+
+        page row:   | head 0 | head 1 | head 2 | head 3 |      host pitch = H * D * itemsize
+        h = 2 of 4:                   |<---- width ---->|      staging: the slices back to back
+
+    The rows of a layer group do not continue evenly into the next page, so each page of a run is
+    one 2-D copy; a unit of every layer keeps one copy per run (its rows do continue)."""
+    if not (0 <= first_head and num_heads > 0 and first_head + num_heads <= layout.num_kv_heads):
+        raise ValueError(f"heads {first_head}..{first_head + num_heads - 1} outside the layout's {layout.num_kv_heads}")
+    head_bytes = layout.head_dim * layout.itemsize
+    pitch, width = layout.num_kv_heads * head_bytes, num_heads * head_bytes
+    rows_per_page = unit.num_layers * 2 * layout.chunk_tokens
+    stage_page = rows_per_page * width  # one page's slice in staging
+    copies: list[RowCopy] = []
+    for c in unit.copies:
+        first_page = c.stage_offset // c.width  # the run's first page, counted in the unit
+        host = c.host_offset + first_head * head_bytes
+        if unit.num_layers == layout.num_layers:
+            copies.append(RowCopy(host, pitch, first_page * stage_page, width, c.height * rows_per_page))
+            continue
+        copies.extend(RowCopy(host + k * c.host_pitch, pitch, (first_page + k) * stage_page, width, rows_per_page)
+                      for k in range(c.height))
+    return tuple(copies)
+
+
 def page_blocks(num_pages: int, block_pages: int) -> list[tuple[int, int]]:
     """[p0, p1) ranges of at most ``block_pages`` pages covering 0..num_pages-1."""
     return [(p0, min(p0 + block_pages, num_pages)) for p0 in range(0, num_pages, block_pages)]

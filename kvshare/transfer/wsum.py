@@ -39,6 +39,31 @@ def add_rows(acc: torch.Tensor, rows: torch.Tensor, word_offset: int) -> None:
     acc += s1 + s0 * word_offset
 
 
+def add_head_rows(acc: torch.Tensor, words: torch.Tensor, row_offset: int, first_head: int, num_kv_heads: int) -> None:
+    """``acc[n]`` (int64) += the WSUM32 terms of some heads of some rows of each page, their words given as
+    ``[n, R, h, W]`` int32: rows ``row_offset ..`` of a page of ``num_kv_heads`` heads of W words each,
+    heads ``first_head .. first_head + h - 1`` only (a tensor parallel rank's part of a page). Word
+    ``(r, k, w)`` of the page has index ``i = (r * H + k) * W + w``, so::
+
+        sum (i + 1) x = H W * sum_r r * rowsum_r + W * sum_k k * headsum_k + sum_w (w + 1) * colsum_w
+
+    as ``tensor_parallel.partial_wsum32`` on the host. Two reductions read the words once each.
+    Enqueued on the current stream; nothing is read back.
+    """
+    if words.dtype != torch.int32 or words.dim() != 4:
+        raise ValueError(f"words must be [n, R, h, W] int32, got {words.dtype} {tuple(words.shape)}")
+    n, num_rows, num_heads, num_words = words.shape
+    by_row_head = words.sum(dim=3)  # [n, R, h] int64, |.| <= W * 2**31
+    cols = words.sum(dim=(1, 2))  # [n, W] int64
+    device = words.device
+    row_ids = torch.arange(row_offset, row_offset + num_rows, dtype=torch.int64, device=device)
+    head_ids = torch.arange(first_head, first_head + num_heads, dtype=torch.int64, device=device)
+    col_weights = torch.arange(1, num_words + 1, dtype=torch.int64, device=device)
+    by_row = (by_row_head.sum(dim=2) * row_ids).sum(dim=1)
+    by_head = (by_row_head.sum(dim=1) * head_ids).sum(dim=1)
+    acc += by_row * (num_kv_heads * num_words) + by_head * num_words + (cols * col_weights).sum(dim=1)
+
+
 def page_sums(pages: torch.Tensor) -> torch.Tensor:
     """The WSUM32 of each of ``pages`` ``[n, ...]`` (any dtype; each page's bytes in memory order), as int64 ``[n]``."""
     rows = pages.reshape(pages.shape[0], -1).view(torch.uint8).view(torch.int32)

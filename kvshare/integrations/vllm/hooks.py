@@ -14,9 +14,10 @@ indices), and the H200 harness (benchmarks/vllm_harness_gpu.py) drives the same 
 
 On CPU, loads run in start_load (or, with ``overlap_load``, beside the forward on a helper thread)
 and stores in wait_for_save (a tensor parallel rank writes its heads into the pages the scheduler
-reserved and reports its part; kvshare.integrations.vllm.tensor_parallel). On a GPU (``worker.is_staged``) loads are enqueued in start_load and
-waited for per layer group on vLLM's stream, stores copy each layer out as it is saved; the host
-waits only in wait_for_save, for what it must know before the step's output counts.
+reserved and reports its part; kvshare.integrations.vllm.tensor_parallel). On a GPU
+(``worker.is_staged``) loads are enqueued in start_load and waited for per layer group on vLLM's
+stream, stores copy each layer out as it is saved (a rank's parts: staged_stores); the host waits
+only in wait_for_save, for what it must know before the step's output counts.
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ class WorkerHooks:
                 saving = self.worker.begin_stores(list(plan.stores))  # no layer was saved: all copied now
             if saving is not None:
                 saving.finish(self._may_store)
+                self._store_parts.extend(saving.parts)  # a tensor parallel rank's parts of the step's stores
         else:
             for spec in plan.stores:
                 if spec.is_parted:
@@ -168,6 +170,8 @@ class WorkerHooks:
 
 class _NoStores:
     """A step whose stores could not start (the pool unreachable): saved layers are dropped."""
+
+    parts: tuple = ()  # (begin_stores returns stores whenever a spec is a tensor parallel part)
 
     def save_layer(self, index: int) -> None:
         pass

@@ -10,7 +10,9 @@ host never waits: ``wait_layer(l)`` only makes vLLM's current stream wait for l'
 
 Verification: a WSUM32 page (written by a GPU) is summed on the GPU over its staged bytes, group by
 group, into one int64 per page, read back once, in ``finish``; an xxh3 page (written by a CPU writer)
-is hashed on host threads while the copies run (leased pages do not change). A bad page then ends
+is hashed on host threads while the copies run (leased pages do not change). Pages are staged whole
+whatever heads the rank holds, so a tensor parallel rank verifies every head and scatters only its
+own (``StagingEngine.own_heads``). A bad page then ends
 its load as a synchronous load would (``settle``): its blocks and all later ones are reported as load
 errors before the step's output counts, and vLLM recomputes them. Wrong KV is never served.
 
@@ -132,7 +134,7 @@ class StagedLoads:
                     index = buffers.take()
                     buffer = buffers.tensors[index]
                     copy.wait_event(buffers.idle[index])  # the previous scatter out of this buffer is done
-                    engine.host_copies(unit, buffer, copy, client, to_device=True)
+                    engine.host_copies(unit.copies, buffer, copy, client, to_device=True)
                     copied = torch.cuda.Event()
                     copied.record(copy)
                     reshape.wait_event(copied)
@@ -143,7 +145,7 @@ class StagedLoads:
 
     def _scatter(self, plan: _LoadPlan, unit: Unit, buffer: torch.Tensor) -> None:
         engine = self.engine
-        staged = engine.staged(buffer, unit)  # [n, g, 2, C, H, D]
+        staged = engine.own_heads(engine.staged(buffer, unit))  # [n, g, 2, C, h, D]: this rank's heads of whole pages
         pieces = [s for s in (clip(seg, unit.page_start, unit.page_stop) for seg in plan.segments) if s is not None]
         for j in range(unit.num_layers):
             for segment in pieces:

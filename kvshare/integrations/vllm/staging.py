@@ -15,6 +15,13 @@ page is checksummed whole on the GPU (kvshare.transfer.wsum); a load that starts
 page scatters only its own tokens. The scatter/gather between staging and vLLM's blocks is one
 advanced-indexing kernel per (layer, run of pages with the same token range), at HBM speed.
 
+A tensor parallel rank (``heads``: some of the page's KV heads, kvshare.integrations.vllm.tensor_parallel)
+loads whole pages the same way and scatters only its heads' columns of them; a store gathers its heads
+into staging packed ``[n, g, 2, C, h, D]`` and writes them with 2-D copies of the slice's width at the
+pitch of a page row of every head (kvshare.transfer.plan.head_copies), never touching the other heads'
+bytes, summing its part of each page's WSUM32 on the GPU (wsum.add_head_rows). With every head (one
+rank) none of this runs: the copies, kernels and sums are the ones above.
+
 Every dependency is an event: a load's scatters wait for vLLM's stream as it was at start_load_kv,
 vLLM's attention for its layer group's event, a store's gathers for the event recorded after the
 kernels that wrote the layer, each buffer's reuse for its previous user (``idle``).
@@ -31,13 +38,14 @@ from dataclasses import dataclass, field
 import torch
 
 from kvshare.integrations.vllm.layout import PagedLayout, as_bits
+from kvshare.integrations.vllm.tensor_parallel import HeadSlice
 from kvshare.layout import KVLayout
 from kvshare.transfer.base import TransferConfig
 from kvshare.transfer.copiers import make_copier
-from kvshare.transfer.layouts import chunks_view
-from kvshare.transfer.plan import Unit, layer_groups, load_units, pages_per_unit
+from kvshare.transfer.layouts import bits_dtype, chunks_view
+from kvshare.transfer.plan import RowCopy, Unit, head_copies, layer_groups, load_units, pages_per_unit
 from kvshare.transfer.registration import acquire_registration, release_registration
-from kvshare.transfer.wsum import add_rows, as_unsigned
+from kvshare.transfer.wsum import add_head_rows, add_rows, as_unsigned
 
 NUM_BUFFERS = 2  # per direction: one fills while the other drains
 
@@ -79,11 +87,19 @@ def segments_of(ranges: list[tuple[int, int]]) -> list[Segment]:
 
 
 class StagingEngine:
-    """Streams, staging buffers, the 2-D copier and the arena's registration of one worker's GPU."""
+    """Streams, staging buffers, the 2-D copier and the arena's registration of one worker's GPU.
 
-    def __init__(self, layers: list[torch.Tensor], paged: PagedLayout, kv_layout: KVLayout, config: TransferConfig) -> None:
+    ``heads``: the page heads ``layers`` hold (None: all of them, one rank)."""
+
+    def __init__(self, layers: list[torch.Tensor], paged: PagedLayout, kv_layout: KVLayout, config: TransferConfig,
+                 heads: HeadSlice | None = None) -> None:
         self.device = layers[0].device
         self.kv_layout, self.paged, self.config = kv_layout, paged, config
+        self.heads = heads or HeadSlice(0, 1, 0, kv_layout.num_kv_heads)
+        self.is_sliced = self.heads.num_heads != kv_layout.num_kv_heads  # a tensor parallel rank's heads only
+        if self.is_sliced and (kv_layout.head_dim * kv_layout.itemsize) % 4:
+            raise ValueError(f"a head of {kv_layout.head_dim} x {kv_layout.itemsize} bytes is not a whole number "
+                             "of 32-bit words: a rank's part of a page's WSUM32 cannot be summed")
         index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         self.copier = make_copier(config.copy_method, index)  # fails (no cuda-bindings) before anything is allocated
         self.groups = layer_groups(kv_layout.num_layers, kv_layout.layer_bytes, config.min_copy_bytes)
@@ -143,6 +159,9 @@ class StagingEngine:
             gather_staged(blocks, staged, slots, whole, 0)
             acc = torch.zeros(1, dtype=torch.int64, device=self.device)
             add_rows(acc, staged.view(1, -1).view(torch.int32), 0)
+            if self.is_sliced:  # staged holds this rank's heads: its part of a page's sum
+                add_head_rows(acc, staged.view(torch.int32).view(1, 2 * C, shape[3], -1), 0, self.heads.first_head,
+                              self.kv_layout.num_kv_heads)
             as_unsigned(acc)  # the read back (synchronizes this stream)
         self._warmed_up = True
 
@@ -156,15 +175,47 @@ class StagingEngine:
         cfg = self.config
         return list(load_units(offsets, self.kv_layout, cfg.min_copy_bytes, cfg.staging_bytes, client.hello.extent_bytes))
 
-    def host_copies(self, unit: Unit, buffer: torch.Tensor, stream, client, to_device: bool) -> None:
-        """The unit's 2-D copies between registered pages and ``buffer``, enqueued on ``stream``."""
-        for c in unit.copies:  # no copy may span two registrations ("invalid argument" on the H200)
+    def host_copies(self, copies: tuple[RowCopy, ...], buffer: torch.Tensor, stream, client, to_device: bool) -> None:
+        """2-D copies between registered pages and ``buffer``, enqueued on ``stream``."""
+        for c in copies:  # no copy may span two registrations ("invalid argument" on the H200)
             self.registration.check_span(c.host_offset, (c.height - 1) * c.host_pitch + c.width)
-        self.copier.copy(unit.copies, client, self.registration.base_ptr, buffer, stream, to_device)
+        self.copier.copy(copies, client, self.registration.base_ptr, buffer, stream, to_device)
 
     def staged(self, buffer: torch.Tensor, unit: Unit) -> torch.Tensor:
         """The unit's pages in ``buffer`` as integers ``[n, g, 2, C, H, D']`` (words of ``word_bytes``)."""
         return widen(chunks_view(buffer, self.kv_layout, unit.num_pages, unit.num_layers), self.word_bytes)
+
+    def own_heads(self, staged: torch.Tensor) -> torch.Tensor:
+        """This rank's heads of staged pages ``[..., H, D']``: ``[..., h, D']`` (a view; all heads: ``staged``)."""
+        return staged[..., self.heads.heads, :] if self.is_sliced else staged
+
+    # -- stores: whole pages with every head, a rank's heads packed --------------------------------
+
+    def store_copies(self, unit: Unit) -> tuple[RowCopy, ...]:
+        """The 2-D copies that write a store unit's staged bytes into its pages (a rank: its heads only)."""
+        if not self.is_sliced:
+            return unit.copies
+        return head_copies(unit, self.kv_layout, self.heads.first_head, self.heads.num_heads)
+
+    def store_staged(self, buffer: torch.Tensor, unit: Unit) -> torch.Tensor:
+        """Where a store unit's gathers write in ``buffer``: ``[n, g, 2, C, h, D']`` (h: this rank's heads)."""
+        if not self.is_sliced:
+            return self.staged(buffer, unit)
+        layout, h = self.kv_layout, self.heads.num_heads
+        shape = (unit.num_pages, unit.num_layers, 2, layout.chunk_tokens, h, layout.head_dim)
+        num_bytes = unit.num_pages * unit.row_bytes * h // layout.num_kv_heads
+        return widen(buffer[:num_bytes].view(bits_dtype(layout.itemsize)).view(shape), self.word_bytes)
+
+    def add_store_sums(self, acc: torch.Tensor, buffer: torch.Tensor, unit: Unit) -> None:
+        """``acc`` (one int64 per page of the unit) += the WSUM32 terms of the unit's staged bytes: the
+        page's whole rows, or, for a rank, its heads' part of them (summed over ranks: the page's)."""
+        if not self.is_sliced:
+            add_rows(acc, self.rows(buffer, unit), self.word_offset(unit))
+            return
+        C, rows = self.kv_layout.chunk_tokens, unit.num_layers * 2 * self.kv_layout.chunk_tokens
+        words = self.store_staged(buffer, unit).view(torch.int32)  # [n, g, 2, C, h, W]
+        add_head_rows(acc, words.view(unit.num_pages, rows, self.heads.num_heads, -1), unit.layer_start * 2 * C,
+                      self.heads.first_head, self.kv_layout.num_kv_heads)
 
     def rows(self, buffer: torch.Tensor, unit: Unit) -> torch.Tensor:
         """The unit's pages in ``buffer`` as 32-bit words ``[n, g * layer_bytes / 4]`` (for WSUM32)."""

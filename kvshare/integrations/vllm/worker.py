@@ -19,7 +19,8 @@ On CPU, runs of whole blocks move as numpy block copies over ``copy_threads`` th
 store goes layer group by layer group through GPU staging buffers with 2-D copies and events
 (staging, staged_loads, staged_stores): ``begin_load`` + ``start_layered`` enqueue a step's loads,
 ``begin_stores`` returns the step's stores, which copy each layer out as vLLM saves it; pages a GPU
-writes carry WSUM32 checksums, verified on the GPU by the next GPU reader.
+writes carry WSUM32 checksums, verified on the GPU by the next GPU reader. A tensor parallel rank
+(``heads``) copies only its heads of each page on either path.
 """
 
 from __future__ import annotations
@@ -105,10 +106,8 @@ class PoolKVWorker:
         staged = self.device.type == "cuda" if self._staged is None else self._staged
         if not staged and self.device.type != "cpu":
             raise ValueError(f"KV tensors on {self.device} move through GPU staging only (staged=False needs CPU tensors)")
-        if staged and self.heads.tp_size > 1:
-            raise ValueError("kvshare's GPU copies do not handle tensor parallel ranks yet (tensor_parallel_size "
-                             f"{self.heads.tp_size}); on a GPU run replicas of tensor_parallel_size 1")
-        self._staging = self._staging_class(self.layers, paged, self.kv_layout, self.transfer) if staged else None
+        self._staging = self._staging_class(self.layers, paged, self.kv_layout, self.transfer, self.heads) \
+            if staged else None
         self._copier = CpuBlockCopier(self.layers, paged, self.copy_threads, self.heads.heads) if not staged else None
 
     @property
@@ -364,9 +363,12 @@ class PoolKVWorker:
         return self.pool.commit(client, spec, reservation, checksums, ChecksumKind.XXH3, times)
 
     def begin_stores(self, specs: list[StoreSpec]) -> StagedStores | None:
-        """A step's stores on a GPU (None when the pool is unreachable): save_layer per layer, then finish."""
+        """A step's stores on a GPU: save_layer per layer, then finish. None when there are none, or the pool
+        is unreachable and no spec is a tensor parallel part (a part is reported even then: not written)."""
         client = self.link.client()
-        return StagedStores(self.pool, specs, self._staging, client) if client is not None and specs else None
+        if not specs or (client is None and not any(spec.is_parted for spec in specs)):
+            return None
+        return StagedStores(self.pool, specs, self._staging, client)
 
     def copy_out(self, client, spec: StoreSpec, grants) -> None:
         """Copy the granted chunks ((index into the spec's keys, page offset) each) out of vLLM's blocks into
