@@ -44,26 +44,35 @@ class StagedTPReplica:
             heads = head_slice(layout.num_kv_heads, rank, tp)
             layers, paged = paged_layers(order, layout.num_layers, num_blocks, block_size, heads.num_heads,
                                          layout.head_dim, dtype, device)
-            for layer, whole in zip(layers, self.full):
-                paged.kv_blocks(as_bits(layer)).copy_(whole[:, :, :, heads.heads])
             worker = PoolKVWorker(layout, PoolLink(socket_path, f"{name}-w{rank}"), staged=True, heads=heads,
                                   **({"transfer": transfer} if transfer is not None else {}))
             worker.register(layers, paged)
             self.ranks.append(WorkerHooks(worker, block_size))
+            for index in range(layout.num_layers):
+                self.write_heads(rank, index)
 
-    def step(self, req_id: str, prompt: list[int], block_ids: list[int]) -> tuple[StepPlan, WorkerReport]:
+    def write_heads(self, rank: int, index: int) -> None:
+        """Rank ``rank``'s heads of the full-head KV into its layer ``index`` (on the current stream)."""
+        worker = self.ranks[rank].worker
+        worker.paged.kv_blocks(as_bits(worker.layers[index])).copy_(self.full[index][:, :, :, worker.heads.heads])
+
+    def step(self, req_id: str, prompt: list[int], block_ids: list[int],
+             write_layer=None) -> tuple[StepPlan, WorkerReport]:
         """One prefill step of the whole prompt, each rank in turn in vLLM's hook order; the scheduler gets
-        the merged report (and commits the stores whose parts are all in)."""
+        the merged report (and commits the stores whose parts are all in). ``write_layer(rank, l)``: the
+        "attention layer" l of a rank, whose kernels write its KV."""
         s = self.scheduler
         s.add_request(req_id, prompt, None, None)
         external = s.match(req_id, 0)
         s.allocated(req_id, external, 0)
         plan = s.plan_step([ScheduledRequest(req_id, external, len(prompt) - external, block_ids)])
         report = WorkerReport()
-        for hooks in self.ranks:
+        for rank, hooks in enumerate(self.ranks):
             hooks.start_load(plan)
             for index in range(self.layout.num_layers):
                 hooks.wait_layer(index)
+                if write_layer is not None:
+                    write_layer(rank, index)
                 hooks.save_layer(index, plan)
             hooks.wait_for_save(plan)
             hooks.load_errors()
