@@ -1,35 +1,37 @@
-"""Pool ON == pool OFF, bitwise, through the service (issue 19): `kvshare up --deterministic`, as a user runs it.
+"""Pool ON == pool OFF, bitwise, through the service (issue 19): `kvshare serve --deterministic`, as a user runs it.
 
     PYTHONPATH=. python3 benchmarks/deterministic_service_gpu.py --out DIR
         [--cases 8b:32768,8b:131072,32b:32768,32b:131072] [--sessions 8b:32768] [--max-tokens 64]
-        [--grid-tokens 2048] [--time-budget 540] [--device cuda]
+        [--grid-tokens 2048] [--layout auto|together|sequential] [--time-budget 540] [--device cuda]
     PYTHONPATH=. python3 benchmarks/deterministic_service_gpu.py --out DIR --device cpu --model tiny --tokens 1024
-        (a dry run: the same steps on the tiny model)
+        [--layout sequential]   (a dry run: the same steps on the tiny model)
 
-Per model one cluster, started as a subprocess: `python -m kvshare up --deterministic --model PRESET
---device D --replicas 2 --policy round_robin --pool-size S --port P --replica-arg ...` (replicas with
---chunk-tokens, --grid-tokens, --max-model-len and --verify-rate 0: no checksum is verified in this run,
-so the flipped byte below reaches the model). Every request is a completion of token ids at temperature
-0 with --max-tokens tokens, ignore_eos, return_token_ids and top-5 logprobs; "logprobs" compared per step
-are the chosen token's logprob and the top-5 values. Pool OFF is the request extension
-{"use_pool": false, "use_local_cache": false} (nothing loaded, nothing stored: every token computed).
+Per model one cluster of child processes (up_cluster.py): a pool, a round-robin router and two replicas A and
+B, each `kvshare serve --deterministic --chunk-tokens C --grid-tokens G --max-model-len L --verify-rate 0
+--local-cache-size S` (no checksum is verified, so the flipped byte below reaches the model). The layout is
+``together`` (`kvshare up --replicas 2`) where two replicas fit the GPU, else ``sequential``: A serves every
+A step, then A is stopped and B started in its place against the same pool (the 32B shape on an H200).
+Every request is a completion of token ids at temperature 0 with --max-tokens tokens, ignore_eos,
+return_token_ids and top-5 logprobs; "logprobs" compared per step are the chosen token's logprob and the
+top-5 values. Pool OFF is the request extension {"use_pool": false, "use_local_cache": false}.
 
   per case (model, n), a fresh random prompt of n token ids:
-    off     replica0, pool and cache off         the reference
-    prime   replica0, pool and cache on          computes and stores every full chunk (checked too)
-    cross   replica1, {"use_local_cache": false} loads replica0's pages from the pool
-    local   replica0, {"use_pool": false}        reuses replica0's local prefix cache
-  per session (model, n): six turns through the router (round robin: turn k on replica k % 2), turn 0 a
+    off     A, pool and cache off           the reference
+    prime   A, pool and cache on            computes and stores every full chunk (checked too)
+    local   A, {"use_pool": false}          reuses A's local prefix cache
+    cross   B, {"use_local_cache": false}   loads A's pages from the pool (sequential: after B replaced A)
+  per model, the negative control: a fresh prompt of the model's shortest case, off and prime on A, then one
+    byte of one of its pooled pages flipped (the high byte of a K value of chunk 1, through the pool's shared
+    memory), then cross on B: the exact check must fail (case flipped_byte_control)
+  per session (model, n), together only: six turns through the router (turn k on replica k % 2), turn 0 a
     fresh n-token prompt, turn k the previous prompt + its output + --turn-tokens new ids; each turn against
-    its pool-off recompute on replica0 (case session_turn_k)
-  per model, the negative control: a fresh prompt of the model's shortest case, off and prime on replica0,
-    then one byte of one of its pooled pages flipped (the high byte of a K value of chunk 1, through the
-    pool's shared memory), then cross on replica1: the exact check must fail (case flipped_byte_control)
+    its pool-off recompute on A (case session_turn_k)
 
-Each row: model, prompt_tokens, case, tokens_equal, logprobs_equal, first_difference (step, both tokens and
-logprobs; null when equal), expected (equal | differ), passed, replica, local/pool/computed tokens, seconds.
-A step whose estimate (from the H200 figures of docs/results/h200/deterministic/) would end past
---time-budget is skipped and named in "skipped". Writes DIR/deterministic_service.json and a table.
+Each row: model, prompt_tokens, case, layout, tokens_equal, logprobs_equal, first_difference (step, both
+tokens and logprobs; null when equal), expected (equal | differ), passed, replica, local/pool/computed
+tokens, seconds. A step whose estimate (the H200 figures below) would end past --time-budget is skipped and
+named in "skipped"; in the sequential layout a step on A reserves B's start and every B part. Writes
+DIR/deterministic_service.json and a line per row.
 """
 
 from __future__ import annotations
@@ -38,46 +40,141 @@ import argparse
 import json
 import os
 import random
+import subprocess
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # up_cluster beside this script
 
 from kvshare.validate.service_http import get_json, post_json  # noqa: E402
-from up_cluster import UpCluster  # noqa: E402
+from up_cluster import Cluster, ClusterSpec  # noqa: E402
 
 ALIASES = {"8b": "qwen3-8b", "32b": "qwen3-32b", "tiny": "tiny"}
+GiB = 1 << 30
 TOP_LOGPROBS = 5
 POOL_OFF = {"use_pool": False, "use_local_cache": False}
 POOL_ONLY = {"use_pool": True, "use_local_cache": False}
 LOCAL_ONLY = {"use_pool": False, "use_local_cache": True}
-ROW_FIELDS = ("model", "prompt_tokens", "case", "tokens_equal", "logprobs_equal", "expected", "passed",
+ROW_FIELDS = ("model", "prompt_tokens", "case", "layout", "tokens_equal", "logprobs_equal", "expected", "passed",
               "first_difference", "replica", "local_tokens", "pool_tokens", "computed_tokens", "seconds")
 
-# Estimates (seconds) from docs/results/h200/deterministic/: the fast mode's cold prefill of the 8B shape
-# is ~1.9 s at 32k and ~13 s at 128k, i.e. 1.45 x + 0.45 x^2 with x = n / 32768; the mode at grid 2048 runs
-# at ~0.8x of it, the 32B shape takes ~3.3x the 8B. Decode and pool copies are rough allowances.
-MODEL_FACTOR = {"qwen3-8b": 1.0, "qwen3-32b": 3.3, "tiny": 0.05}
-START_S = {"qwen3-8b": 60.0, "qwen3-32b": 150.0, "tiny": 15.0}  # load two replicas, self-test, pool
-DECODE_S = {"qwen3-8b": 0.02, "qwen3-32b": 0.05, "tiny": 0.01}  # per generated token at 32k
+# Estimates (seconds), H200: the fast mode's cold prefill is a x + b x^2 with x = n / 32768 (8B: 1.9 s at 32k,
+# 13 s at 128k; 32B: 5.6 s and 46 s); the mode at grid 2048 runs at MODE_SPEED of it (docs/results/h200/
+# deterministic/). Decode per token at 32k (x 0.5 + 0.5 x) and the starts are from the session-4 service run.
+FAST_FIT = {"qwen3-8b": (1.45, 0.45), "qwen3-32b": (3.63, 1.97), "tiny": (0.0725, 0.0225)}
+MODE_SPEED = 0.8
+DECODE_S = {"qwen3-8b": 0.03, "qwen3-32b": 0.05, "tiny": 0.01}
+START_S = {"qwen3-8b": (60.0, 35.0), "qwen3-32b": (100.0, 45.0), "tiny": (15.0, 8.0)}  # (kvshare up of two, one serve)
 WEIGHT_BYTES = {"qwen3-8b": 16.4e9, "qwen3-32b": 65.5e9, "tiny": 0.0}
+GPU_RESERVE = 6e9  # activations and CUDA contexts of the replicas, beside weights, KV and local caches
+GPU_SHARE = 0.90  # of the free GPU memory the plan may fill
+MIN_LOCAL_CACHE = GiB  # smaller, the local step reuses too little to show anything
 
 
 def cold_s(model: str, n: int, device: str) -> float:
+    """The mode's cold prefill of n tokens (CPU: a rough dry-run figure)."""
+    a, b = FAST_FIT.get(model, FAST_FIT["qwen3-32b"])
     x = n / 32768
-    fast = (1.45 * x + 0.45 * x * x) * MODEL_FACTOR.get(model, 3.3)
-    return fast / 0.8 if device != "cpu" else fast * 20
+    fast = a * x + b * x * x
+    return fast / MODE_SPEED if device != "cpu" else fast * 20
 
 
-def case_s(model: str, n: int, max_tokens: int, device: str) -> float:
-    """off and prime compute the prompt; cross and local load it; four decodes of max_tokens."""
+def request_s(model: str, n: int, computed: int, max_tokens: int, device: str) -> float:
+    """One completion of an n-token prompt of which ``computed`` tokens are computed (the rest loaded)."""
     x = max(n / 32768, 0.05)
-    return 2 * cold_s(model, n, device) + 4 * max_tokens * DECODE_S.get(model, 0.05) * (0.5 + 0.5 * x) + 2 + 2 * x
+    prefill = cold_s(model, n, device) - cold_s(model, n - computed, device)
+    return prefill + max_tokens * DECODE_S.get(model, 0.05) * (0.5 + 0.5 * x) + 1.0 + 0.25 * x
 
 
-def session_s(model: str, n: int, turns: int, max_tokens: int, device: str) -> float:
-    return turns * (cold_s(model, n, device) + 2 * max_tokens * DECODE_S.get(model, 0.05) + 2)
+def reused_tokens(n: int, grid: int, limit: int | None = None) -> int:
+    """Tokens a request reuses: whole grid chunks, at least one prompt token computed, at most ``limit``."""
+    cap = n - 1 if limit is None else min(n - 1, limit)
+    return cap // grid * grid
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    kind: str  # case | control | session
+    tokens: int
+    a_s: float  # estimated seconds of its requests on A (a session: all of it)
+    b_s: float  # estimated seconds of its requests on B
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """One model's cluster and steps (pure: from the arguments and the GPU's free bytes)."""
+
+    model: str
+    layout: str | None  # None: does not fit, see reason
+    reason: str | None
+    max_model_len: int
+    local_cache_bytes: int
+    pool_bytes: int
+    vocab: int
+    start_s: float  # until A answers
+    swap_s: float  # sequential: A stopped, B answering (together: 0)
+    steps: tuple[Step, ...]
+    skipped: tuple[str, ...]  # steps the layout cannot run, with the reason
+
+
+def fit_layout(requested: str, replica_bytes: float, want_local: int, free_bytes: int | None) -> tuple[str | None, int, str | None]:
+    """(layout, local cache bytes, why none fits): together if two replicas fit, else sequential (one at a time)."""
+    if free_bytes is None:  # CPU: memory is not the limit of a dry run
+        return ("together" if requested == "auto" else requested), want_local, None
+    budget = GPU_SHARE * free_bytes - GPU_RESERVE
+    for layout, replicas in (("together", 2), ("sequential", 1)):
+        if requested not in ("auto", layout):
+            continue
+        room = budget / replicas - replica_bytes
+        if room >= MIN_LOCAL_CACHE:
+            return layout, int(min(want_local, room)), None
+    return None, 0, (f"no layout ({requested}) fits: a replica needs {replica_bytes / 1e9:.1f} GB (weights and KV) "
+                     f"and a 1 GiB local cache, {free_bytes / 1e9:.0f} GB free")
+
+
+def plan_model(args, model: str, free_bytes: int | None) -> ModelPlan:
+    from kvshare.engine.presets import get_preset
+
+    cfg = get_preset(model).config
+    kv_token, grid, m, dev = cfg.kv_bytes_per_token, args.grid_tokens, args.max_tokens, args.device
+    cases = [n for name, n in args.case_list if name == model]
+    sessions = [n for name, n in args.session_list if name == model]
+    session_len = {n: n + args.turns * (args.turn_tokens + m) for n in sessions}
+    longest = max([*cases, *session_len.values()])
+    max_model_len = -(-(longest + m + args.chunk_tokens) // args.chunk_tokens) * args.chunk_tokens
+    want_local = max([*cases, *sessions]) * kv_token * 21 // 20 + args.chunk_tokens * kv_token
+    layout, local, reason = fit_layout(args.layout, WEIGHT_BYTES.get(model, 0.0) + max_model_len * kv_token,
+                                       want_local, free_bytes)
+    control = min(cases) if cases and not args.no_control else None
+    stored = sum(cases) + (control or 0) + sum(session_len.values())  # every prompt's pages, held until B reads them
+    pool = args.pool_size or f"{-(-stored * kv_token * 5 // 4 // GiB) + 2}GiB"  # below the pool's 0.95 watermark
+
+    def full(n: int) -> float:
+        return request_s(model, n, n, m, dev)
+
+    def cross(n: int) -> float:
+        return request_s(model, n, n - reused_tokens(n, grid), m, dev)
+
+    steps = [Step(f"{model} case {n}", "case", n,
+                  2 * full(n) + request_s(model, n, n - reused_tokens(n, grid, local // kv_token), m, dev), cross(n))
+             for n in cases]
+    if control is not None:
+        steps.insert(1, Step(f"{model} control {control}", "control", control, 2 * full(control), cross(control)))
+    skipped = []
+    for n in sessions:
+        name = f"{model} session {n}"
+        if layout == "sequential":
+            skipped.append(f"{name} (a session needs A and B up at once: the together layout)")
+        else:
+            steps.append(Step(name, "session", n, args.turns * (full(n) + cross(n)), 0.0))
+    together_s, one_s = START_S.get(model, START_S["qwen3-32b"])
+    sequential = layout == "sequential"
+    return ModelPlan(model=model, layout=layout, reason=reason, max_model_len=max_model_len, local_cache_bytes=local,
+                     pool_bytes=pool, vocab=cfg.vocab_size, start_s=one_s + 5.0 if sequential else together_s,
+                     swap_s=one_s + 6.0 if sequential else 0.0, steps=tuple(steps), skipped=tuple(skipped))
 
 
 def parse_pairs(text: str) -> list[tuple[str, int]]:
@@ -94,17 +191,19 @@ def parse_pairs(text: str) -> list[tuple[str, int]]:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
-    p.add_argument("--device", default="cuda", help="passed to kvshare up --device (cpu, cuda, cuda:N)")
+    p.add_argument("--device", default="cuda", help="the replicas' --device (cpu, cuda, cuda:N)")
     p.add_argument("--cases", default="8b:32768,8b:131072,32b:32768,32b:131072", help="MODEL:TOKENS list")
     p.add_argument("--sessions", default="8b:32768", help="MODEL:TOKENS of six-turn sessions ('' for none)")
     p.add_argument("--model", default=None, help="shorthand: --cases and --sessions MODEL:--tokens")
     p.add_argument("--tokens", type=int, default=None)
+    p.add_argument("--layout", choices=("auto", "together", "sequential"), default="auto",
+                   help="auto: together where two replicas fit the GPU, else sequential")
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--turn-tokens", type=int, default=512, help="new user ids per session turn")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--chunk-tokens", type=int, default=256)
     p.add_argument("--grid-tokens", type=int, default=None, help="default 2048 on CUDA, the chunk on CPU")
-    p.add_argument("--pool-size", default=None, help="default 48GiB on CUDA, 2GiB on CPU")
+    p.add_argument("--pool-size", default=None, help="default: every prompt's pages x 1.25 + 2 GiB")
     p.add_argument("--no-control", action="store_true", help="skip the flipped-byte negative control")
     p.add_argument("--time-budget", type=float, default=540.0, help="seconds; steps that would end past it are skipped")
     p.add_argument("--request-timeout", type=float, default=600.0)
@@ -114,9 +213,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         pair = f"{args.model}:{args.tokens or 1024}"
         args.cases, args.sessions = pair, pair
     args.case_list, args.session_list = parse_pairs(args.cases), parse_pairs(args.sessions)
-    is_cpu = args.device == "cpu"
-    args.grid_tokens = args.grid_tokens or (args.chunk_tokens if is_cpu else 2048)
-    args.pool_size = args.pool_size or ("2GiB" if is_cpu else "48GiB")
+    args.grid_tokens = args.grid_tokens or (args.chunk_tokens if args.device == "cpu" else 2048)
     if args.grid_tokens % args.chunk_tokens:
         raise SystemExit(f"--grid-tokens {args.grid_tokens} must be a multiple of --chunk-tokens {args.chunk_tokens}")
     return args
@@ -133,6 +230,15 @@ class Budget:
         skipped.append(f"{step} (needs ~{needs_s:.0f} s, {self.seconds - elapsed:.0f} s left)")
         print(f"skip {step}: needs ~{needs_s:.0f} s, {self.seconds - elapsed:.0f} s of the budget left", flush=True)
         return False
+
+
+def gpu_free_bytes(device: str) -> int | None:
+    """Free bytes of ``device`` (None on CPU), asked in a child so this process holds no CUDA context."""
+    if device == "cpu":
+        return None
+    code = f"import torch; print(torch.cuda.mem_get_info(torch.device({device!r}))[0])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    return int(out.stdout.strip().splitlines()[-1])
 
 
 # -- comparison ------------------------------------------------------------------------------------------
@@ -170,9 +276,6 @@ def _at(seq, i):
     return seq[i] if i < len(seq) else None
 
 
-# -- the service -----------------------------------------------------------------------------------------
-
-
 def complete(base: str, model: str, ids: list[int], max_tokens: int, extension: dict | None, timeout_s: float) -> dict:
     body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
             "return_token_ids": True, "logprobs": TOP_LOGPROBS}
@@ -187,13 +290,6 @@ def complete(base: str, model: str, ids: list[int], max_tokens: int, extension: 
             "seconds": round(time.perf_counter() - started, 3)}
 
 
-# -- the steps -------------------------------------------------------------------------------------------
-
-
-def random_ids(rng: random.Random, n: int, vocab: int) -> list[int]:
-    return [rng.randrange(4, vocab - 4) for _ in range(n)]
-
-
 def make_row(model: str, n: int, case: str, reference: dict, got: dict, expected: str = "equal") -> dict:
     row = {"model": model, "prompt_tokens": n, "case": case, **compare(reference, got, expected)}
     row.update({k: got.get(k) for k in ("replica", "local_tokens", "pool_tokens", "computed_tokens", "seconds",
@@ -202,134 +298,158 @@ def make_row(model: str, n: int, case: str, reference: dict, got: dict, expected
     return row
 
 
-def run_case(c: UpCluster, args, model: str, n: int, rng: random.Random, vocab: int) -> list[dict]:
-    a, b = c.replicas
-    ids = random_ids(rng, n, vocab)
-    call = lambda url, ext: complete(url, model, ids, args.max_tokens, ext, args.request_timeout)  # noqa: E731
-    off = call(a, POOL_OFF)
-    rows = [make_row(model, n, "prime", off, call(a, {}))]
-    cross = call(b, POOL_ONLY)
-    rows.append(make_row(model, n, "cross", off, cross))
-    rows.append(make_row(model, n, "local", off, call(a, LOCAL_ONLY)))
+# -- the steps: a part on A, then (together: at once; sequential: once B replaced A) a part on B -------------
+
+
+def random_ids(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(4, vocab - 4) for _ in range(n)]
+
+
+def case_on_a(c: Cluster, args, plan: ModelPlan, n: int, rng: random.Random) -> dict:
+    ids = random_ids(rng, n, plan.vocab)
+    call = lambda ext: complete(c.urls["A"], plan.model, ids, args.max_tokens, ext, args.request_timeout)  # noqa: E731
+    off = call(POOL_OFF)
+    return {"ids": ids, "off": off, "prime": call({}), "local": call(LOCAL_ONLY)}
+
+
+def case_on_b(c: Cluster, args, plan: ModelPlan, n: int, got: dict) -> list[dict]:
+    cross = complete(c.urls["B"], plan.model, got["ids"], args.max_tokens, POOL_ONLY, args.request_timeout)
+    rows = [make_row(plan.model, n, case, got["off"], result)
+            for case, result in (("prime", got["prime"]), ("cross", cross), ("local", got["local"]))]
     for row in rows[1:]:
-        reused = (row["pool_tokens"] or 0) + (row["local_tokens"] or 0)
-        if reused == 0:  # equal because nothing was reused proves nothing
-            row["passed"] = False
-            row["error"] = "nothing reused"
+        if not (row["pool_tokens"] or 0) + (row["local_tokens"] or 0):  # equal because nothing was reused proves nothing
+            row["passed"], row["error"] = False, "nothing reused"
     return rows
 
 
-def run_session(c: UpCluster, args, model: str, n: int, rng: random.Random, vocab: int) -> list[dict]:
-    ids, rows = random_ids(rng, n, vocab), []
-    for turn in range(args.turns):
-        reference = complete(c.replicas[0], model, ids, args.max_tokens, POOL_OFF, args.request_timeout)
-        got = complete(c.router, model, ids, args.max_tokens, None, args.request_timeout)
-        row = make_row(model, len(ids), f"session_turn_{turn}", reference, got)
-        row["expected_replica"] = f"replica{turn % 2}"
-        if turn > 0 and not (got["pool_tokens"] or got["local_tokens"]):
-            row["passed"], row["error"] = False, "a later turn reused nothing"
-        rows.append(row)
-        ids = ids + got["token_ids"] + random_ids(rng, args.turn_tokens, vocab)
-    return rows
-
-
-def run_control(c: UpCluster, args, model: str, n: int, rng: random.Random, vocab: int) -> dict:
+def control_on_a(c: Cluster, args, plan: ModelPlan, n: int, rng: random.Random) -> dict:
     from kvshare.engine.presets import get_preset
     from kvshare.keys import chunk_keys
     from kvshare.layout import KVLayout
     from kvshare.pool.client import PoolClient
 
-    a, b = c.replicas
-    ids = random_ids(rng, n, vocab)
-    off = complete(a, model, ids, args.max_tokens, POOL_OFF, args.request_timeout)
-    complete(a, model, ids, args.max_tokens, {}, args.request_timeout)  # stores the pages
-    mc = get_preset(model).config
+    a = c.urls["A"]
+    ids = random_ids(rng, n, plan.vocab)
+    off = complete(a, plan.model, ids, args.max_tokens, POOL_OFF, args.request_timeout)
+    complete(a, plan.model, ids, args.max_tokens, {}, args.request_timeout)  # stores the pages
+    mc = get_preset(plan.model).config
     layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.dtype, args.chunk_tokens)
-    digest = bytes.fromhex(get_json(b + "/admin/namespace")["namespace"])
-    keys = chunk_keys(digest, ids, args.chunk_tokens)
+    digest = bytes.fromhex(get_json(a + "/admin/namespace")["namespace"])  # B's too: same model and arguments
     with PoolClient(c.pool_socket) as client:
-        pages = client.lookup(keys, layout.page_bytes, lease=False).pages
+        pages = client.lookup(chunk_keys(digest, ids, args.chunk_tokens), layout.page_bytes, lease=False).pages
         if len(pages) < 2:
             raise RuntimeError(f"the pool holds {len(pages)} pages of the control prompt; 2 or more needed")
         offset = 1000 * layout.itemsize + layout.itemsize - 1  # high byte (sign, exponent) of a K value, layer 0
         client.page(pages[1].offset, pages[1].page_bytes)[offset] ^= 0xFF  # chunk 1
-    got = complete(b, model, ids, args.max_tokens, POOL_ONLY, args.request_timeout)
-    row = make_row(model, n, "flipped_byte_control", off, got, expected="differ")
-    if not got["pool_tokens"]:
+    return {"ids": ids, "off": off}
+
+
+def control_on_b(c: Cluster, args, plan: ModelPlan, n: int, got: dict) -> list[dict]:
+    cross = complete(c.urls["B"], plan.model, got["ids"], args.max_tokens, POOL_ONLY, args.request_timeout)
+    row = make_row(plan.model, n, "flipped_byte_control", got["off"], cross, expected="differ")
+    if not cross["pool_tokens"]:
         row["passed"], row["error"] = False, "the control loaded nothing from the pool"
-    return row
+    return [row]
 
 
-def run_model(args, model: str, budget: Budget, out: dict, rng: random.Random) -> None:
-    cases = [n for m, n in args.case_list if m == model]
-    sessions = [n for m, n in args.session_list if m == model]
-    longest = max([*cases, *[n + args.turns * (args.turn_tokens + args.max_tokens) for n in sessions]])
-    max_model_len = -(-(longest + args.max_tokens + args.chunk_tokens) // args.chunk_tokens) * args.chunk_tokens
-    too_big = memory_problem(args.device, model, max_model_len)
-    if too_big:
-        out["skipped"].append(f"{model}: {too_big}")
-        print(f"skip {model}: {too_big}", flush=True)
-        return
-    if not budget.allows(f"{model} cluster start", START_S.get(model, 150.0) + (case_s(model, min(cases), args.max_tokens, args.device) if cases else 0), out["skipped"]):
-        return
-    vocab = get_preset(model).config.vocab_size if model in ALIASES.values() else 32000
-    replica_args = ["--chunk-tokens", str(args.chunk_tokens), "--grid-tokens", str(args.grid_tokens),
-                    "--max-model-len", str(max_model_len), "--verify-rate", "0"]
-    cluster = UpCluster(["--deterministic", "--model", model, "--device", args.device, "--policy", "round_robin",
-                         "--pool-size", args.pool_size, *[f"--replica-arg={a}" for a in replica_args]])
-    started = time.monotonic()
+def run_session(c: Cluster, args, plan: ModelPlan, n: int, rng: random.Random) -> list[dict]:
+    ids, rows = random_ids(rng, n, plan.vocab), []
+    for turn in range(args.turns):
+        reference = complete(c.urls["A"], plan.model, ids, args.max_tokens, POOL_OFF, args.request_timeout)
+        got = complete(c.router, plan.model, ids, args.max_tokens, None, args.request_timeout)
+        row = make_row(plan.model, len(ids), f"session_turn_{turn}", reference, got)
+        row["expected_replica"] = f"replica{turn % 2}"
+        if turn > 0 and not (got["pool_tokens"] or got["local_tokens"]):
+            row["passed"], row["error"] = False, "a later turn reused nothing"
+        rows.append(row)
+        ids = ids + got["token_ids"] + random_ids(rng, args.turn_tokens, plan.vocab)
+    return rows
+
+
+PARTS = {"case": (case_on_a, case_on_b), "control": (control_on_a, control_on_b), "session": (run_session, None)}
+
+
+# -- one model's cluster ---------------------------------------------------------------------------------
+
+
+def cluster_spec(args, plan: ModelPlan) -> ClusterSpec:
+    replica_args = ("--deterministic", "--chunk-tokens", str(args.chunk_tokens), "--grid-tokens", str(args.grid_tokens),
+                    "--max-model-len", str(plan.max_model_len), "--verify-rate", "0",
+                    "--local-cache-size", str(plan.local_cache_bytes))
+    return ClusterSpec(layout=plan.layout, model=plan.model, device=args.device, pool_size=plan.pool_bytes,
+                       replica_args=replica_args, start_timeout_s=max(600.0, 3 * plan.start_s))
+
+
+def attempt(name: str, fn, out: dict):
+    """fn()'s result, or None with the error recorded (the other steps still run)."""
     try:
-        cluster.start(timeout_s=max(600.0, START_S.get(model, 150.0) * 3))
-        out["clusters"].append({"model": model, "command": cluster.command, "start_s": round(time.monotonic() - started, 1),
-                                "max_model_len": max_model_len})
-        steps = [(f"{model} case {n}", case_s(model, n, args.max_tokens, args.device), run_case, n) for n in cases]
-        if not args.no_control and cases:
-            n = min(cases)
-            steps.insert(1, (f"{model} control {n}", case_s(model, n, args.max_tokens, args.device) * 0.75, run_control, n))
-        steps += [(f"{model} session {n}", session_s(model, n, args.turns, args.max_tokens, args.device), run_session, n)
-                  for n in sessions]
-        for name, needs_s, step, n in steps:
-            if not budget.allows(name, needs_s, out["skipped"]):
-                continue
-            t0 = time.monotonic()
-            try:
-                rows = step(cluster, args, model, n, rng, vocab)
-            except Exception as exc:
-                traceback.print_exc()
-                out["errors"].append(f"{name}: {type(exc).__name__}: {exc}")
-                continue
-            rows = rows if isinstance(rows, list) else [rows]
-            out["rows"] += rows
-            out["steps"].append({"step": name, "estimate_s": round(needs_s, 1), "seconds": round(time.monotonic() - t0, 1)})
-            for r in rows:
-                print(format_row(r), flush=True)
-    except Exception as exc:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - a step reports what failed and the run goes on
         traceback.print_exc()
-        out["errors"].append(f"{model} cluster: {type(exc).__name__}: {exc}")
+        out["errors"].append(f"{name}: {type(exc).__name__}: {exc}")
+        return None
+
+
+def run_model(args, plan: ModelPlan, budget: Budget, out: dict, rng: random.Random) -> None:
+    if plan.layout is None:
+        out["skipped"].append(f"{plan.model}: {plan.reason}")
+        print(f"skip {plan.model}: {plan.reason}", flush=True)
+        return
+    for reason in plan.skipped:
+        out["skipped"].append(reason)
+        print(f"skip {reason}", flush=True)
+    sequential = plan.layout == "sequential"
+    first = plan.steps[0].a_s + plan.steps[0].b_s if plan.steps else 0.0
+    if not budget.allows(f"{plan.model} cluster start", plan.start_s + plan.swap_s + first, out["skipped"]):
+        return
+    cluster = Cluster(cluster_spec(args, plan))
+    record = {"model": plan.model, "layout": plan.layout, "max_model_len": plan.max_model_len,
+              "local_cache_bytes": plan.local_cache_bytes, "pool_size": plan.pool_bytes}
+    out["clusters"].append(record)
+
+    def finish(step: Step, got, seconds_on_a: float) -> None:
+        t0 = time.monotonic()
+        on_b = PARTS[step.kind][1]
+        rows = got if on_b is None else attempt(step.name, lambda: on_b(cluster, args, plan, step.tokens, got), out)
+        if rows is None:
+            return
+        for r in rows:
+            r["layout"] = plan.layout
+            print(format_row(r), flush=True)
+        out["rows"] += rows
+        out["steps"].append({"step": step.name, "estimate_s": round(step.a_s + step.b_s, 1),
+                             "seconds": round(seconds_on_a + time.monotonic() - t0, 1)})
+
+    try:
+        t0 = time.monotonic()
+        cluster.start()
+        cluster.phase("A")
+        record["start_s"] = round(time.monotonic() - t0, 1)
+        waiting = []  # sequential: (step, what A returned, its seconds) until B is up
+        for step in plan.steps:
+            later = plan.swap_s + sum(s.b_s for s, _, _ in waiting) if sequential else 0.0
+            if not budget.allows(step.name, step.a_s + step.b_s + later, out["skipped"]):
+                continue
+            t1 = time.monotonic()
+            got = attempt(step.name, lambda: PARTS[step.kind][0](cluster, args, plan, step.tokens, rng), out)
+            if got is None:
+                continue
+            if sequential:
+                waiting.append((step, got, time.monotonic() - t1))
+            else:
+                finish(step, got, time.monotonic() - t1)
+        if waiting:
+            t0 = time.monotonic()
+            cluster.phase("B")
+            record["swap_s"] = round(time.monotonic() - t0, 1)
+            for step, got, seconds_on_a in waiting:
+                finish(step, got, seconds_on_a)
+    except Exception as exc:  # noqa: BLE001 - the cluster failed: recorded, the next model still runs
+        traceback.print_exc()
+        out["errors"].append(f"{plan.model} cluster: {type(exc).__name__}: {exc}")
     finally:
         cluster.stop()
-
-
-def get_preset(model: str):
-    from kvshare.engine.presets import get_preset as preset
-
-    return preset(model)
-
-
-def memory_problem(device: str, model: str, max_model_len: int) -> str | None:
-    """Why two replicas of ``model`` do not fit ``device`` (kvshare up puts both there), or None."""
-    if device == "cpu" or model not in WEIGHT_BYTES:
-        return None
-    import torch
-
-    mc = get_preset(model).config
-    kv = max_model_len * mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * 2
-    need = 2 * (WEIGHT_BYTES[model] + kv) + 6e9  # two replicas, their KV, activations and CUDA contexts
-    free, _ = torch.cuda.mem_get_info(torch.device(device))
-    if need > free:
-        return (f"two replicas need ~{need / 1e9:.0f} GB on {device} ({WEIGHT_BYTES[model] / 1e9:.1f} GB weights and "
-                f"{kv / 1e9:.1f} GB KV each), {free / 1e9:.0f} GB free: kvshare up places every replica on --device")
-    return None
+        record["commands"] = cluster.commands
 
 
 def format_row(r: dict) -> str:
@@ -346,10 +466,15 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     budget, rng = Budget(args.time_budget), random.Random(args.seed)
     out = {"settings": {k: v for k, v in vars(args).items() if k not in ("case_list", "session_list")},
-           "rows": [], "steps": [], "clusters": [], "skipped": [], "errors": []}
-    models = list(dict.fromkeys(m for m, _ in [*args.case_list, *args.session_list]))
-    for model in models:
-        run_model(args, model, budget, out, rng)
+           "plans": [], "rows": [], "steps": [], "clusters": [], "skipped": [], "errors": []}
+    free = gpu_free_bytes(args.device)
+    for model in dict.fromkeys(m for m, _ in [*args.case_list, *args.session_list]):
+        plan = plan_model(args, model, free)
+        out["plans"].append({**vars(plan), "steps": [vars(s) for s in plan.steps]})
+        print(f"{model}: {plan.layout or 'skipped'}, max_model_len {plan.max_model_len}, local cache "
+              f"{plan.local_cache_bytes / GiB:.1f} GiB, pool {plan.pool_bytes}; steps "
+              + ", ".join(f"{s.name} ~{s.a_s + s.b_s:.0f} s" for s in plan.steps), flush=True)
+        run_model(args, plan, budget, out, rng)
     out["passed"] = bool(out["rows"]) and all(r["passed"] for r in out["rows"]) and not out["errors"]
     out["seconds"] = round(time.monotonic() - budget.started, 1)
     path = os.path.join(args.out, "deterministic_service.json")
