@@ -19,6 +19,11 @@ One process, one pool daemon it starts. In order, each step only while the time 
         A pool only: its checksum finds the page, drops it and recomputes: equal again
      and, for contrast, the fast mode's pool reuse against its own cold run (an engine F);
   4. the speed step for each of --speed-models at the same length (e.g. the 32B shape).
+Step 3 holds engines A and B at once: it is skipped, with the reason, where their weights, KV and A's local
+cache do not fit the GPU (the 32B shape on an H200, at 32k already; its exactness runs through the service,
+one replica at a time: deterministic_service_gpu.py). The 32B shape's speed at 128k, one command of ~4-5 min:
+    python3 benchmarks/deterministic_gpu.py --out DIR --model qwen3-32b --tokens 131072 --repeats 1 \
+        --speed-models '' --time-budget 500
 Writes DIR/deterministic.json ({"rows": [...], "probes": {...}, ...}); every row has model,
 prompt_tokens, cold_speed_vs_fast_mode, tokens_equal and logprobs_equal (null where the row does not
 measure it), and a table on stdout.
@@ -125,6 +130,29 @@ def pool_bytes(page_bytes: int, num_chunks: int, num_namespaces: int) -> int:
     """A pool that holds a prompt's chunks in each namespace with room to spare, in whole GiB."""
     need = page_bytes * (num_chunks + 2) * num_namespaces * 1.25
     return int(-(-need // (1 << 30))) << 30
+
+
+def weights_bytes(cfg) -> int:
+    """Bytes of a model's weights, from its shape: projections and MLP per layer, the embedding and the head."""
+    per_layer = cfg.hidden_size * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + 3 * cfg.hidden_size * cfg.intermediate_size
+    tables = (1 if cfg.tie_word_embeddings else 2) * cfg.vocab_size * cfg.hidden_size
+    return (4 if cfg.dtype == "float32" else 2) * (cfg.num_layers * per_layer + tables)
+
+
+def exactness_bytes(cfg, tokens: int, max_tokens: int) -> int:
+    """GPU bytes of the exactness step: engines A and B at once (weights, KV of the context), A's local cache
+    holding the prompt, and 6 GB of activations and contexts."""
+    kv = cfg.kv_bytes_per_token
+    return 2 * (weights_bytes(cfg) + (tokens + max_tokens + 8) * kv) + tokens * kv + 6 * 10**9
+
+
+def exactness_misfit(cfg, name: str, tokens: int, max_tokens: int, gpu_bytes: int | None) -> str | None:
+    """Why the exactness step does not fit the GPU (None: it fits, or CPU)."""
+    need = exactness_bytes(cfg, tokens, max_tokens)
+    if gpu_bytes is None or need <= 0.92 * gpu_bytes:
+        return None
+    return (f"exactness (engines A and B of {name} at {tokens} tokens at once need ~{need / 1e9:.0f} GB, the GPU has "
+            f"{gpu_bytes / 1e9:.0f} GB; one replica at a time: deterministic_service_gpu.py --layout sequential)")
 
 
 def table(rows: list[dict]) -> str:
@@ -326,7 +354,11 @@ def main(argv=None) -> int:
             exactness_step(args, device, sock, rows, budget, skipped)
 
     step(f"speed of {args.model}", lambda: model_step(args.model, args, device, rows, probes, args.repeats))
-    if budget.allows("exactness", skipped):
+    gpu_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    misfit = exactness_misfit(get_preset(args.model).config, args.model, args.tokens, args.max_tokens, gpu_bytes)
+    if misfit:
+        skipped.append(misfit)
+    elif budget.allows("exactness", skipped):
         step("exactness", exactness)
     for name in args.speed_model_list:
         if name != args.model and budget.allows(f"speed of {name}", skipped, needs_s=args.speed_model_s):
