@@ -13,6 +13,11 @@ Per case, for bf16 KV and then fp8 KV (``EngineConfig.kv_dtype``), against a poo
 Quality, against bf16 KV: ``top1_agreement`` is the share of the 64 positions where fp8's argmax is bf16's;
 ``max/mean_logprob_delta`` are |logprob_fp8 - logprob_bf16| of bf16's top-1 token. Weights are the presets'
 synthetic ones. Writes ``OUT/fp8_kv.json``: one row per case and KV dtype.
+
+On an H200 (both dtypes of a case, estimated from the engine TTFT runs): 8b:131072 ~200 s, 32b:32768 ~140 s,
+32b:131072 ~370 s (bf16's B holds 65.5 GB of weights, 34 GB of KV and a 34 GB copy of the loaded bytes:
+~134 GB of 149). --budget-s only stops cases from starting, so split them over commands of ~590 s:
+    --cases 8b:131072,32b:32768 --budget-s 420      then      --cases 32b:131072 --budget-s 300
 """
 
 from __future__ import annotations
