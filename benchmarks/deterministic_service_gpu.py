@@ -40,6 +40,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -390,7 +391,8 @@ def attempt(name: str, fn, out: dict):
         return None
 
 
-def run_model(args, plan: ModelPlan, budget: Budget, out: dict, rng: random.Random) -> None:
+def run_model(args, plan: ModelPlan, budget: Budget, out: dict, rng: random.Random, save) -> None:
+    """The plan's steps on a cluster of its own; rows, steps, skips and errors go to ``out``, ``save()`` after each step."""
     if plan.layout is None:
         out["skipped"].append(f"{plan.model}: {plan.reason}")
         print(f"skip {plan.model}: {plan.reason}", flush=True)
@@ -419,6 +421,7 @@ def run_model(args, plan: ModelPlan, budget: Budget, out: dict, rng: random.Rand
         out["rows"] += rows
         out["steps"].append({"step": step.name, "estimate_s": round(step.a_s + step.b_s, 1),
                              "seconds": round(seconds_on_a + time.monotonic() - t0, 1)})
+        save()
 
     try:
         t0 = time.monotonic()
@@ -461,25 +464,40 @@ def format_row(r: dict) -> str:
             f"replica={r['replica']} {where}{' (' + r['error'] + ')' if r.get('error') else ''}")
 
 
+def save(out: dict, path: str, started: float) -> None:
+    """Write the JSON as it stands (after every step: a command stopped by its time limit keeps its rows)."""
+    out["passed"] = bool(out["rows"]) and all(r["passed"] for r in out["rows"]) and not out["errors"]
+    out["seconds"] = round(time.monotonic() - started, 1)
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt()
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     budget, rng = Budget(args.time_budget), random.Random(args.seed)
+    path = os.path.join(args.out, "deterministic_service.json")
     out = {"settings": {k: v for k, v in vars(args).items() if k not in ("case_list", "session_list")},
            "plans": [], "rows": [], "steps": [], "clusters": [], "skipped": [], "errors": []}
-    free = gpu_free_bytes(args.device)
-    for model in dict.fromkeys(m for m, _ in [*args.case_list, *args.session_list]):
-        plan = plan_model(args, model, free)
-        out["plans"].append({**vars(plan), "steps": [vars(s) for s in plan.steps]})
-        print(f"{model}: {plan.layout or 'skipped'}, max_model_len {plan.max_model_len}, local cache "
-              f"{plan.local_cache_bytes / GiB:.1f} GiB, pool {plan.pool_bytes}; steps "
-              + ", ".join(f"{s.name} ~{s.a_s + s.b_s:.0f} s" for s in plan.steps), flush=True)
-        run_model(args, plan, budget, out, rng)
-    out["passed"] = bool(out["rows"]) and all(r["passed"] for r in out["rows"]) and not out["errors"]
-    out["seconds"] = round(time.monotonic() - budget.started, 1)
-    path = os.path.join(args.out, "deterministic_service.json")
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # timeout(1): the clusters stopped, the rows kept
+    try:
+        free = gpu_free_bytes(args.device)
+        for model in dict.fromkeys(m for m, _ in [*args.case_list, *args.session_list]):
+            plan = plan_model(args, model, free)
+            out["plans"].append({**vars(plan), "steps": [vars(s) for s in plan.steps]})
+            print(f"{model}: {plan.layout or 'skipped'}, max_model_len {plan.max_model_len}, local cache "
+                  f"{plan.local_cache_bytes / GiB:.1f} GiB, pool {plan.pool_bytes}; steps "
+                  + ", ".join(f"{s.name} ~{s.a_s + s.b_s:.0f} s" for s in plan.steps), flush=True)
+            run_model(args, plan, budget, out, rng, lambda: save(out, path, budget.started))
+    except KeyboardInterrupt:
+        out["errors"].append("stopped (SIGTERM or Ctrl-C): the rows so far are kept")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        save(out, path, budget.started)
     print(f"wrote {path}: {len(out['rows'])} rows, passed {out['passed']}, skipped {len(out['skipped'])}, "
           f"errors {len(out['errors'])}, {out['seconds']} s", flush=True)
     return 0 if out["passed"] else 1
