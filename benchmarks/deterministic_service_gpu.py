@@ -113,7 +113,7 @@ class ModelPlan:
     reason: str | None
     max_model_len: int
     local_cache_bytes: int
-    pool_bytes: int
+    pool_size: str  # the pool's --size, e.g. "62GiB"
     vocab: int
     start_s: float  # until A answers
     swap_s: float  # sequential: A stopped, B answering (together: 0)
@@ -174,7 +174,7 @@ def plan_model(args, model: str, free_bytes: int | None) -> ModelPlan:
     together_s, one_s = START_S.get(model, START_S["qwen3-32b"])
     sequential = layout == "sequential"
     return ModelPlan(model=model, layout=layout, reason=reason, max_model_len=max_model_len, local_cache_bytes=local,
-                     pool_bytes=pool, vocab=cfg.vocab_size, start_s=one_s + 5.0 if sequential else together_s,
+                     pool_size=pool, vocab=cfg.vocab_size, start_s=one_s + 5.0 if sequential else together_s,
                      swap_s=one_s + 6.0 if sequential else 0.0, steps=tuple(steps), skipped=tuple(skipped))
 
 
@@ -377,7 +377,7 @@ def cluster_spec(args, plan: ModelPlan) -> ClusterSpec:
     replica_args = ("--deterministic", "--chunk-tokens", str(args.chunk_tokens), "--grid-tokens", str(args.grid_tokens),
                     "--max-model-len", str(plan.max_model_len), "--verify-rate", "0",
                     "--local-cache-size", str(plan.local_cache_bytes))
-    return ClusterSpec(layout=plan.layout, model=plan.model, device=args.device, pool_size=plan.pool_bytes,
+    return ClusterSpec(layout=plan.layout, model=plan.model, device=args.device, pool_size=plan.pool_size,
                        replica_args=replica_args, start_timeout_s=max(600.0, 3 * plan.start_s))
 
 
@@ -406,7 +406,7 @@ def run_model(args, plan: ModelPlan, budget: Budget, out: dict, rng: random.Rand
         return
     cluster = Cluster(cluster_spec(args, plan))
     record = {"model": plan.model, "layout": plan.layout, "max_model_len": plan.max_model_len,
-              "local_cache_bytes": plan.local_cache_bytes, "pool_size": plan.pool_bytes}
+              "local_cache_bytes": plan.local_cache_bytes, "pool_size": plan.pool_size}
     out["clusters"].append(record)
 
     def finish(step: Step, got, seconds_on_a: float) -> None:
@@ -490,7 +490,7 @@ def main(argv=None) -> int:
             plan = plan_model(args, model, free)
             out["plans"].append({**vars(plan), "steps": [vars(s) for s in plan.steps]})
             print(f"{model}: {plan.layout or 'skipped'}, max_model_len {plan.max_model_len}, local cache "
-                  f"{plan.local_cache_bytes / GiB:.1f} GiB, pool {plan.pool_bytes}; steps "
+                  f"{plan.local_cache_bytes / GiB:.1f} GiB, pool {plan.pool_size}; steps "
                   + ", ".join(f"{s.name} ~{s.a_s + s.b_s:.0f} s" for s in plan.steps), flush=True)
             run_model(args, plan, budget, out, rng, lambda: save(out, path, budget.started))
     except KeyboardInterrupt:

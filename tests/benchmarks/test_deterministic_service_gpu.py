@@ -45,7 +45,7 @@ def test_the_32b_shape_runs_sequential_and_the_8b_together_on_an_h200():
     assert [s.kind for s in p32.steps] == ["case", "control", "case"]  # the control on the shortest case
     assert p32.skipped and "together" in p32.skipped[0]  # sessions need A and B at once
     held = (32768 + 32768 + 131072) * kv  # every A-phase prompt stays pooled until B reads it
-    assert int(p32.pool_bytes.removesuffix("GiB")) * GiB * 0.9 > held
+    assert int(p32.pool_size.removesuffix("GiB")) * GiB * 0.9 > held
     assert total_s(p32) < 480  # one device command, with room for the estimates' error
     p8 = plans(bench, "--cases", "8b:131072", "--sessions", "")["qwen3-8b"]
     assert p8.layout == "together" and p8.swap_s == 0 and p8.local_cache_bytes > 131072 * 147456
@@ -53,7 +53,7 @@ def test_the_32b_shape_runs_sequential_and_the_8b_together_on_an_h200():
     forced = plans(bench, "--cases", "32b:131072", "--layout", "together")["qwen3-32b"]
     assert forced.layout is None and "fits" in forced.reason
     cpu = plans(bench, "--cases", "tiny:512", "--layout", "sequential", free=None)["tiny"]
-    assert cpu.layout == "sequential" and cpu.pool_bytes == "3GiB"
+    assert cpu.layout == "sequential" and cpu.pool_size == "3GiB"
 
 
 def test_a_cluster_spec_names_its_layout():
