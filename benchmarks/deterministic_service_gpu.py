@@ -146,7 +146,7 @@ def plan_model(args, model: str, free_bytes: int | None) -> ModelPlan:
     session_len = {n: n + args.turns * (args.turn_tokens + m) for n in sessions}
     longest = max([*cases, *session_len.values()])
     max_model_len = -(-(longest + m + args.chunk_tokens) // args.chunk_tokens) * args.chunk_tokens
-    want_local = max([*cases, *sessions]) * kv_token * 21 // 20 + args.chunk_tokens * kv_token
+    want_local = args.local_cache_size or max([*cases, *sessions]) * kv_token * 21 // 20 + args.chunk_tokens * kv_token
     layout, local, reason = fit_layout(args.layout, WEIGHT_BYTES.get(model, 0.0) + max_model_len * kv_token,
                                        want_local, free_bytes)
     control = min(cases) if cases and not args.no_control else None
@@ -205,6 +205,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--chunk-tokens", type=int, default=256)
     p.add_argument("--grid-tokens", type=int, default=None, help="default 2048 on CUDA, the chunk on CPU")
     p.add_argument("--pool-size", default=None, help="default: every prompt's pages x 1.25 + 2 GiB")
+    p.add_argument("--local-cache-size", type=int, default=None,
+                   help="bytes, at most (default: the longest prompt's KV, as far as the GPU has room)")
     p.add_argument("--no-control", action="store_true", help="skip the flipped-byte negative control")
     p.add_argument("--time-budget", type=float, default=540.0, help="seconds; steps that would end past it are skipped")
     p.add_argument("--request-timeout", type=float, default=600.0)
