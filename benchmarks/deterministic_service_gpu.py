@@ -136,6 +136,14 @@ def fit_layout(requested: str, replica_bytes: float, want_local: int, free_bytes
                      f"and a 1 GiB local cache, {free_bytes / 1e9:.0f} GB free")
 
 
+def fit_prompt(model: str, n: int, max_tokens: int) -> int:
+    """A case's prompt length within the model's positions with room for its tokens (32B at 131072: 131008)."""
+    from kvshare.engine.presets import PRESETS
+
+    preset = PRESETS.get(model)
+    return n if preset is None else min(n, preset.config.max_position_embeddings - max_tokens)
+
+
 def plan_model(args, model: str, free_bytes: int | None) -> ModelPlan:
     from kvshare.engine.presets import get_preset
 
@@ -145,7 +153,8 @@ def plan_model(args, model: str, free_bytes: int | None) -> ModelPlan:
     sessions = [n for name, n in args.session_list if name == model]
     session_len = {n: n + args.turns * (args.turn_tokens + m) for n in sessions}
     longest = max([*cases, *session_len.values()])
-    max_model_len = -(-(longest + m + args.chunk_tokens) // args.chunk_tokens) * args.chunk_tokens
+    max_model_len = min(-(-(longest + m + args.chunk_tokens) // args.chunk_tokens) * args.chunk_tokens,
+                        cfg.max_position_embeddings)
     want_local = args.local_cache_size or max([*cases, *sessions]) * kv_token * 21 // 20 + args.chunk_tokens * kv_token
     layout, local, reason = fit_layout(args.layout, WEIGHT_BYTES.get(model, 0.0) + max_model_len * kv_token,
                                        want_local, free_bytes)
@@ -215,7 +224,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.model is not None:
         pair = f"{args.model}:{args.tokens or 1024}"
         args.cases, args.sessions = pair, pair
-    args.case_list, args.session_list = parse_pairs(args.cases), parse_pairs(args.sessions)
+    args.case_list = [(m, fit_prompt(m, n, args.max_tokens)) for m, n in parse_pairs(args.cases)]
+    args.session_list = parse_pairs(args.sessions)
     args.grid_tokens = args.grid_tokens or (args.chunk_tokens if args.device == "cpu" else 2048)
     if args.grid_tokens % args.chunk_tokens:
         raise SystemExit(f"--grid-tokens {args.grid_tokens} must be a multiple of --chunk-tokens {args.chunk_tokens}")
