@@ -35,6 +35,15 @@ NUM_TOKENS = 64  # greedy tokens compared
 KV_BYTES_PER_TOKEN_BF16 = {"8b": 36 * 2 * 8 * 128 * 2, "32b": 64 * 2 * 8 * 128 * 2, "tiny": 8 * 2 * 2 * 64 * 2}
 
 
+def fit_prompt(preset_name: str, n: int) -> int:
+    """The prompt within the preset's positions, with a chunk of room for the engines' tokens (32B at 131072:
+    130816; the engines' max_model_len is the prompt + 128 and may not pass the model's 131072 positions)."""
+    from kvshare.engine.presets import PRESETS as SHAPES
+
+    preset = SHAPES.get(preset_name)
+    return n if preset is None else min(n, preset.config.max_position_embeddings - 256)
+
+
 def quality(args) -> dict:
     """Role A: cold prefill (stores the pages), the 64 teacher-forced distributions; bf16 also greedy tokens."""
     import torch
@@ -136,6 +145,7 @@ def main() -> int:
     from engine_ttft_gpu import PRESETS
 
     cases = [(args.model, args.tokens)] if args.model else [(m, int(t)) for m, t in (c.split(":") for c in args.cases.split(","))]
+    cases = [(m, fit_prompt(PRESETS.get(m, m), n)) for m, n in cases]
     os.makedirs(args.out, exist_ok=True)
     rows: list[dict] = []
     t0 = time.time()
