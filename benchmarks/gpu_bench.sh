@@ -5,9 +5,13 @@
 #
 #   benchmarks/gpu_bench.sh STEP [RESULTS]        (from the repository root, on the GPU machine)
 #
-#   32b-128k     blocks (OFF-ON-ON-OFF, 2 per block: no CIs) then ttft (1 prompt) at 128k,
-#                Qwen3-32B shape; the study's headline figure; blocks first, so that a call cut
-#                short has it and leaves the ttft for a continuation
+#   32b-128k     blocks (OFF-ON-ON-OFF, PER_BLOCK_128K per block, default 4: bootstrap CIs; primes
+#                two at a time, --prime-batch 2, as two 31.3 GiB primes are what an 80 GiB pool
+#                holds) then ttft (1 prompt) at 128k, Qwen3-32B shape; the study's headline figure;
+#                blocks first, so that a call cut short has it and leaves the ttft for a continuation
+#   8b-256k      blocks at 256k (256000 tokens), Qwen3-8B shape, PER_BLOCK_256K per block (default 4),
+#                primes two at a time (two 35 GiB primes in an 80 GiB pool), local caches off (two
+#                replicas with 256k of KV leave no room for them); the study's second headline
 #   32b-32k      kvshare validate (if the command exists), then ttft (2 prompts) and blocks
 #                (8 per block, bootstrap CIs) at 32k, Qwen3-32B shape
 #   8b-sessions  sessions: 2 replicas of the Qwen3-8B shape on the GPU, 6 turns, alternate vs
@@ -27,9 +31,10 @@
 # sends SIGTERM, which the harness treats as Ctrl-C (keeps what it measured). Run a step again
 # to continue it.
 # Estimates from the prefill times measured on the H200 (docs/results/h200) (32B cold prefill ~6 s at 32k, ~48 s at 128k; 8B
-# ~12 s at 128k; a 32B replica start ~15-25 s), not yet measured with this script:
-#   32b-128k ~9-10 min (4 OFF + 4 primes + 1 ttft cold prefill at 128k, 6 replica starts):
-#            likely one full call plus a short continuation for the ttft
+# ~13 s at 128k, ~48 s at 256k; a 32B replica start ~45 s), not yet measured with this script:
+#   32b-128k ~20 min with 4 per block (8 OFF + 8 primes + 1 ttft cold prefill at 128k, ~10 replica starts:
+#            each batch of primes is one switch A -> B): three calls, each continuing the last
+#   8b-256k  ~15 min with 4 per block (8 OFF + 8 primes at ~48 s, one cluster start): two calls
 #   8b-sessions ~5 min; 32b-32k ~6-7 min
 # In this order of priority if device time is short (the 128k blocks are the study's headline).
 #
@@ -39,7 +44,7 @@
 # $OUT receives gpu-results.tgz (the whole folder: records, report, plots, replica logs),
 # report.md, the two plots and this step's log.
 set -uo pipefail
-STEP=${1:?usage: benchmarks/gpu_bench.sh 32b-32k|32b-128k|8b-sessions|report [RESULTS]}
+STEP=${1:?usage: benchmarks/gpu_bench.sh 32b-32k|32b-128k|8b-256k|8b-sessions|report [RESULTS]}
 cd "$(dirname "$0")/.."
 RESULTS=${2:-results/gpu}
 TOTAL=${KVSHARE_BENCH_SECONDS:-520}
@@ -91,13 +96,14 @@ validate() {
 }
 
 # overridable for a dry run of this script on CPU, e.g. KVSHARE_BENCH_DRY=1 (tiny model, 1k/2k contexts)
-if [ -n "${KVSHARE_BENCH_DRY:-}" ]; then M32=tiny M8=tiny DEV=cpu POOL=2GiB CTX_A=1k CTX_B=2k; fi
+if [ -n "${KVSHARE_BENCH_DRY:-}" ]; then M32=tiny M8=tiny DEV=cpu POOL=2GiB CTX_A=1k CTX_B=2k CTX_C=3k; fi
 # the pool holds one block's primes below its 95% high watermark (above it, LRU evicts down to 90%,
 # tails first): 8 x 7.8 GiB at 32k, 2 x 31.3 GiB at 128k. With 66 GiB at 128k the second prime plus
 # the warm-ups crossed the watermark and the measured requests found only 446-450 of 500 chunks.
 [ "$STEP" = 32b-128k ] && POOL=${POOL:-80GiB}
-M32=${M32:-qwen3-32b} M8=${M8:-qwen3-8b} DEV=${DEV:-cuda} POOL=${POOL:-66GiB} CTX_A=${CTX_A:-32k} CTX_B=${CTX_B:-128k}
-PER_BLOCK_32K=${PER_BLOCK_32K:-8}
+[ "$STEP" = 8b-256k ] && POOL=${POOL:-80GiB}
+M32=${M32:-qwen3-32b} M8=${M8:-qwen3-8b} DEV=${DEV:-cuda} POOL=${POOL:-66GiB} CTX_A=${CTX_A:-32k} CTX_B=${CTX_B:-128k} CTX_C=${CTX_C:-256k}
+PER_BLOCK_32K=${PER_BLOCK_32K:-8} PER_BLOCK_128K=${PER_BLOCK_128K:-4} PER_BLOCK_256K=${PER_BLOCK_256K:-4}
 SESSION_CONTEXTS=${SESSION_CONTEXTS:-$CTX_A,$CTX_B}  # e.g. SESSION_CONTEXTS=128k to continue with 128k only
 GPU32=(--model "$M32" --device "$DEV" --sequential --replicas 2 --pool-size "$POOL" --unit-allowance 60)
 GPU8=(--model "$M8" --device "$DEV" --replicas 2 --pool-size "$POOL" --replica-arg=--local-cache-size=20GiB)
@@ -111,7 +117,12 @@ case $STEP in
     32b-128k)
         validate
         bench suite --experiments blocks,ttft "${GPU32[@]}" --replica-arg=--local-cache-size=32GiB \
-            --contexts "$CTX_B" --repetitions 1 --per-block 2 --max-tokens 16 --verify 0
+            --contexts "$CTX_B" --repetitions 1 --per-block "$PER_BLOCK_128K" --prime-batch 2 --max-tokens 16 --verify 0
+        ;;
+    8b-256k)
+        validate
+        bench blocks --model "$M8" --device "$DEV" --replicas 2 --pool-size "$POOL" --replica-arg=--local-cache-size=0 \
+            --contexts "$CTX_C" --per-block "$PER_BLOCK_256K" --prime-batch 2 --max-tokens 16 --verify 0
         ;;
     8b-sessions)
         validate

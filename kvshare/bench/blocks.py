@@ -11,7 +11,11 @@ has no pool), so B recomputes it::
     B          measure 0..k-1 measure 0..k-1 (pool)    measure 0..k-1 (pool)    measure 0..k-1
 
 Primes are batched per block so that with SequentialReplicas a block needs one switch
-A -> B. The prime's output (a full recompute) is the reference each measurement must
+A -> B. Where the pool cannot hold a block's primes at once (two 128k prompts of the 32B shape
+are 63 GiB; four are more than the H200 machine's 128 GiB of memory), ``prime_batch`` primes
+and measures that many at a time (each batch one switch A -> B with SequentialReplicas)::
+
+    prime_batch 2   A prime 0,1 | B measure 0,1 | A prime 2,3 | B measure 2,3 The prime's output (a full recompute) is the reference each measurement must
 equal; the first ``verify`` measured ON requests of a context are also re-sent to B with
 the pool and the local cache off (a recompute on the measuring replica) and compared.
 Statistics: kvshare.bench.stats (k-th OFF block paired with k-th ON block).
@@ -38,6 +42,7 @@ class BlocksConfig:
     max_tokens: int = 16
     prime_off: bool = False  # also prime OFF prompts on A (costs a cold prefill each; changes nothing on B)
     verify: int = 1  # measured ON requests per context re-sent with pool and local cache off
+    prime_batch: int | None = None  # primes sent before their measurements (None: the whole block)
     replica_a: int = 0
     replica_b: int = 1
 
@@ -48,6 +53,8 @@ class BlocksConfig:
             raise ValueError("per_block must be at least 1")
         if set(self.design) - {"off", "on"} or "on" not in self.design or "off" not in self.design:
             raise ValueError(f"the design is a sequence of 'off' and 'on' blocks with both, got {self.design}")
+        if self.prime_batch is not None and self.prime_batch < 1:
+            raise ValueError("prime_batch must be at least 1 (or None: the whole block)")
         if self.replica_a == self.replica_b:
             raise ValueError("cross-replica measurements need two different replicas")
 
@@ -83,10 +90,13 @@ async def run_block(config: BlocksConfig, num_tokens: int, block: int, condition
         records.append(record)
         return record
 
-    primes = []
-    if is_on or config.prime_off:
-        primes = [await one(i, config.replica_a, "prime", is_on) for i in range(config.per_block)]
-    measured = [await one(i, config.replica_b, "measure", is_on) for i in range(config.per_block)]
+    primes, measured = [], []
+    batch = config.prime_batch or config.per_block
+    for start in range(0, config.per_block, batch):
+        batch_ids = range(start, min(start + batch, config.per_block))
+        if is_on or config.prime_off:
+            primes += [await one(i, config.replica_a, "prime", is_on) for i in batch_ids]
+        measured += [await one(i, config.replica_b, "measure", is_on) for i in batch_ids]
     verified = [await one(i, config.replica_b, "verify", False, use_local_cache=False) for i in range(num_verify)]
     for i, record in enumerate(measured):
         reference = verified[i] if i < len(verified) else (primes[i] if primes else None)

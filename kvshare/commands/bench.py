@@ -70,6 +70,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             e.add_argument("--repetitions", type=int, default=3, help="ttft: prompts per context length")
         if name in ("blocks", "suite"):
             e.add_argument("--per-block", type=int, default=8, help="blocks: requests per block")
+            e.add_argument("--prime-batch", type=int, default=None,
+                           help="blocks: primes sent before their measurements, where the pool cannot hold a whole "
+                                "block's (default: the whole block)")
             e.add_argument("--design", type=_words, default=("off", "on", "on", "off"), help="blocks: block order")
             e.add_argument("--prime-off", action="store_true", help="blocks: prime OFF prompts on replica A too")
         if name in ("sessions", "suite"):
@@ -168,7 +171,8 @@ def _configs(args: argparse.Namespace, names: tuple[str, ...]) -> list:
             configs.append(TTFTConfig(contexts=args.contexts, repetitions=args.repetitions, max_tokens=args.max_tokens))
         elif name == "blocks":
             configs.append(BlocksConfig(contexts=args.contexts, per_block=args.per_block, design=args.design,
-                                        max_tokens=args.max_tokens, prime_off=args.prime_off, verify=args.verify))
+                                        max_tokens=args.max_tokens, prime_off=args.prime_off, verify=args.verify,
+                                        prime_batch=args.prime_batch))
         else:
             configs.append(SessionsConfig(
                 contexts=args.session_contexts or args.contexts, num_sessions=args.sessions, num_turns=args.turns,

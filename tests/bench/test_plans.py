@@ -50,3 +50,32 @@ def test_placement_is_the_routers():
     assert homes == {"a": 0, "b": 1}
     assert [sticky.replica("a", t) for t in range(1, 4)] == [0, 0, 0] and sticky.replica("b", 5) == 1
     assert sessions.Placer("alternate", 2, router_url="http://router").replica("s", 1) is None
+
+
+def test_blocks_prime_batch_primes_and_measures_in_turns():
+    """With prime_batch the pool holds only a batch of primes at once: A primes k, B measures them, and so on."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from kvshare.bench.records import Record
+
+    order: list[tuple[str, int]] = []
+
+    async def measure(request, **fields):
+        order.append((fields["role"], fields["position"]))
+        return Record(run_id="r", experiment="blocks", unit=fields["unit"], condition=fields["condition"],
+                      role=fields["role"], context_tokens=fields["context_tokens"], url=request.url,
+                      position=fields["position"])
+
+    ctx = SimpleNamespace(model="tiny", measure=measure, replica_for=lambda i, use_pool: (f"http://r{i}", use_pool),
+                          factory=SimpleNamespace(completion_prompt=lambda n, key: [1] * n))
+    config = blocks.BlocksConfig(contexts=(64,), per_block=5, prime_batch=2, verify=0)
+    records = asyncio.run(blocks.run_block(config, 64, 1, "on", 0, ctx))
+    assert order == [("prime", 0), ("prime", 1), ("measure", 0), ("measure", 1), ("prime", 2), ("prime", 3),
+                     ("measure", 2), ("measure", 3), ("prime", 4), ("measure", 4)]
+    assert len(records) == 10
+    order.clear()
+    asyncio.run(blocks.run_block(blocks.BlocksConfig(contexts=(64,), per_block=3, verify=0), 64, 1, "on", 0, ctx))
+    assert [role for role, _ in order] == ["prime"] * 3 + ["measure"] * 3  # the default: the whole block first
+    with pytest.raises(ValueError, match="prime_batch"):
+        blocks.BlocksConfig(contexts=(64,), prime_batch=0)
