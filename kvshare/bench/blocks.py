@@ -15,9 +15,11 @@ A -> B. Where the pool cannot hold a block's primes at once (two 128k prompts of
 are 63 GiB; four are more than the H200 machine's 128 GiB of memory), ``prime_batch`` primes
 and measures that many at a time (each batch one switch A -> B with SequentialReplicas)::
 
-    prime_batch 2   A prime 0,1 | B measure 0,1 | A prime 2,3 | B measure 2,3 The prime's output (a full recompute) is the reference each measurement must
-equal; the first ``verify`` measured ON requests of a context are also re-sent to B with
-the pool and the local cache off (a recompute on the measuring replica) and compared.
+    prime_batch 2   A prime 0,1 | B measure 0,1 | A prime 2,3 | B measure 2,3
+
+The prime's output (a full recompute) is the reference each measurement must equal; the
+first ``verify`` measured ON requests of a context are also re-sent to B with the pool and
+the local cache off (a recompute on the measuring replica) and compared.
 Statistics: kvshare.bench.stats (k-th OFF block paired with k-th ON block).
 """
 
