@@ -33,6 +33,7 @@ from kvshare.serve.readiness import Readiness
 from kvshare.serve.responses import Prepared, ResponseBuilder
 from kvshare.serve.sampling import sampling_params
 from kvshare.serve.tenancy import Unauthorized, check_api_key, namespace_salt, tenant_identity
+from kvshare.serve.warm_path import warm_request_path
 from kvshare.serve.worker import EngineWorker, Job, QueueFull
 
 log = logging.getLogger("kvshare.serve")
@@ -93,40 +94,10 @@ class ReplicaServer:
         """The engine's warm-up, then this server's own request path (its report gains "request_path")."""
         report = warm_up(engine)
         started = time.perf_counter()
-        self._warm_request_path()
+        warm_request_path(self.engine, self.served.names[0], self.config.replica_name)
         if hasattr(report, "step_seconds"):
             report.step_seconds["request_path"] = time.perf_counter() - started
         return report
-
-    def _warm_request_path(self) -> None:
-        """One token-id completion through the handler's host steps, streamed and not, with logprobs and a
-        timeline: the typed decode, the checks, the sampler's logprobs, the response's chunks and their
-        encoding. On the H200 a fresh replica's first request paid ~4 ms more than later ones in these steps
-        (parse +2 ms, first token written +2 ms). Nothing is loaded or stored, no metric counts it."""
-        from kvshare.engine.engine import RequestOptions
-        from kvshare.engine.timeline import Timeline
-
-        vocab = self.engine.model_config.vocab_size
-        ids = [i % vocab for i in range(min(self.engine.layout.chunk_tokens + 3, self.engine.max_model_len - 3))]
-        for stream in (True, False):
-            body = _json.encode({"model": self.served.names[0], "prompt": ids, "max_tokens": 2, "temperature": 0,
-                                 "logprobs": 2, "stream": stream, "ignore_eos": True, "return_token_ids": True,
-                                 "kvshare": {"timeline": True, "use_pool": False, "use_local_cache": False}})
-            req = A.decode_completion(body)
-            A.validate(req)
-            array = np.fromiter(A.prompt_of(req), dtype=np.int64)
-            params = sampling_params(req, 2, req.logprobs, vocab)
-            options = RequestOptions(use_pool=False, use_local_cache=False, timeline=Timeline(time.perf_counter()))
-            prep = Prepared(list(ids), params, options, A.stop_strings(req), False, array)
-            out = ResponseBuilder(req, prep, False, "cmpl-warmup", self.engine.tokenizer, self.config.replica_name)
-            with self.engine.uncounted():
-                for event in self.engine.generate(array, params, options):
-                    for chunk in out.add(event):
-                        _json.encode(chunk)
-                    options.timeline.mark("first_token_written")
-            for chunk in out.final_chunks():
-                _json.encode(chunk)
-            _json.encode(out.final_body())
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._errors])
@@ -304,6 +275,8 @@ class ReplicaServer:
         t_arrival = time.perf_counter()  # the metrics time from here (a timeline from the handler's start)
         ids = prep.prompt_array if prep.prompt_array is not None else prep.prompt_ids
         job = Job(ids, prep.params, prep.options, asyncio.get_running_loop())
+        if not req.stream:  # nothing is written before the end: the engine need not wait after the first token
+            job.first_written.set()
         try:
             self.worker.submit(job)
         except QueueFull as exc:
