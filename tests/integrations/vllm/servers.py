@@ -10,7 +10,11 @@ import subprocess
 import sys
 import time
 import urllib.request
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
+
+import pytest
 
 from kvshare.integrations.vllm.launch import LaunchSpec, VllmServerConfig, vllm_server_command, wait_until_ready
 
@@ -21,6 +25,28 @@ def vllm_python() -> str | None:
     if given:
         return given
     return sys.executable if importlib.util.find_spec("vllm") is not None else None
+
+
+def vllm_suite_marks() -> list:
+    """The marks of a test module of the vLLM suite: skipped where no interpreter has vLLM."""
+    return [pytest.mark.vllm, pytest.mark.slow,
+            pytest.mark.skipif(vllm_python() is None,
+                               reason="needs vLLM (set KVSHARE_VLLM_PYTHON to the vLLM venv's python)")]
+
+
+@contextmanager
+def private_socket(prefix: str) -> Iterator[str]:
+    """A pool socket's path in an owner-only directory of its own under /tmp (AF_UNIX paths must stay
+    short); the socket and the directory are removed afterwards, whatever pool used them."""
+    socket_dir = f"/tmp/{prefix}-{os.getpid()}"
+    os.makedirs(socket_dir, mode=0o700, exist_ok=True)
+    path = os.path.join(socket_dir, "pool.sock")
+    try:
+        yield path
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+        os.rmdir(socket_dir)
 
 
 def free_port() -> int:

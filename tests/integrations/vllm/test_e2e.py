@@ -27,16 +27,14 @@ from tests.integrations.vllm.servers import (
     provenance,
     start_servers,
     stop_servers,
+    private_socket,
     vllm_python,
+    vllm_suite_marks,
     wait_for_metric,
 )
 
 PYTHON = vllm_python()
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.slow,
-    pytest.mark.skipif(PYTHON is None, reason="needs vLLM (set KVSHARE_VLLM_PYTHON to the vLLM venv's python)"),
-]
+pytestmark = vllm_suite_marks()
 
 C = 256
 LAYOUT = KVLayout(num_layers=8, num_kv_heads=2, head_dim=64, dtype="float32", chunk_tokens=C)
@@ -53,29 +51,24 @@ def cluster(tmp_path_factory):
     """A pool, replicas A and B with the connector, C with it and overlap_load, and R without it (the reference)."""
     work = tmp_path_factory.mktemp("vllm-e2e")
     model = make_model_dir(str(work / "model"))
-    socket_dir = f"/tmp/kvshare-e2e-{os.getpid()}"
-    os.makedirs(socket_dir, mode=0o700, exist_ok=True)
-    socket_path = os.path.join(socket_dir, "pool.sock")
-    pool = start_pool(socket_path, "256MiB", POOL_ARGS)
-    common = dict(model=model, python=PYTHON, dtype="float32", max_model_len=4096, kv_cache_gib=1,
-                  max_num_batched_tokens=512, pool_retry_s=1.0)
-    configs = {
-        "A": VllmServerConfig(port=free_port(), pool_socket=socket_path, replica="A", **common),
-        "B": VllmServerConfig(port=free_port(), pool_socket=socket_path, replica="B", **common),
-        "R": VllmServerConfig(port=free_port(), pool_socket=None, replica="R", **common),
-        # loads copied layer by layer beside the forward (overlap_load, off by default)
-        "C": VllmServerConfig(port=free_port(), pool_socket=socket_path, replica="C", overlap_load=True, **common),
-    }
-    servers = start_servers(configs, str(work))
-    state = {"pool": pool, "socket": socket_path, "model": model, "work": work}
-    try:
-        yield servers, state
-    finally:
-        stop_servers(servers)
-        stop_process(state["pool"])
-        if os.path.exists(socket_path):
-            os.unlink(socket_path)
-        os.rmdir(socket_dir)
+    with private_socket("kvshare-e2e") as socket_path:
+        pool = start_pool(socket_path, "256MiB", POOL_ARGS)
+        common = dict(model=model, python=PYTHON, dtype="float32", max_model_len=4096, kv_cache_gib=1,
+                      max_num_batched_tokens=512, pool_retry_s=1.0)
+        configs = {
+            "A": VllmServerConfig(port=free_port(), pool_socket=socket_path, replica="A", **common),
+            "B": VllmServerConfig(port=free_port(), pool_socket=socket_path, replica="B", **common),
+            "R": VllmServerConfig(port=free_port(), pool_socket=None, replica="R", **common),
+            # loads copied layer by layer beside the forward (overlap_load, off by default)
+            "C": VllmServerConfig(port=free_port(), pool_socket=socket_path, replica="C", overlap_load=True, **common),
+        }
+        servers = start_servers(configs, str(work))
+        state = {"pool": pool, "socket": socket_path, "model": model, "work": work}
+        try:
+            yield servers, state
+        finally:
+            stop_servers(servers)
+            stop_process(state["pool"])
 
 
 def pool_stats(socket_path):

@@ -21,6 +21,7 @@ from kvshare.keys import Namespace, chunk_keys, namespace_digest
 from kvshare.layout import KVLayout
 from kvshare.pool.client import PoolClient
 from kvshare.pool.spawn import running_pool, start_pool, stop_process
+from tests.integrations.vllm.servers import private_socket
 
 L, H, D, N, C = 2, 2, 64, 32, 64
 NUM_BLOCKS = 40
@@ -339,57 +340,47 @@ def test_tenants_loras_and_multimodal_prompts_do_not_share(pool):
 
 
 def test_pool_killed_keeps_serving_cold_and_leased_pages_still_load():
-    socket_dir = f"/tmp/kvshare-test-{os.getpid()}"
-    os.makedirs(socket_dir, mode=0o700, exist_ok=True)
-    path = os.path.join(socket_dir, "pool.sock")
-    proc = start_pool(path, "16MiB", POOL_ARGS)
-    a, b = Replica(path, "A", seed=1), Replica(path, "B", seed=2)
-    try:
-        a.run_prefill("r1", PROMPT, BLOCKS_A)
-        b.scheduler.add_request("r2", PROMPT, None, None)
-        assert b.scheduler.match("r2", 0) == 256
-        b.scheduler.allocated("r2", 256, 0)
-        plan = b.scheduler.plan_step([ScheduledRequest("r2", 256, 44, BLOCKS_B)])
-        b.worker.link.client()  # the worker is connected before the pool dies
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-        outcome = b.worker.load(plan.loads[0])  # the arena stays mapped: verified bytes still load
-        assert outcome.is_complete
-        assert torch.equal(b.tokens(0, 256, BLOCKS_B), a.tokens(0, 256, BLOCKS_A))
-        for spec in plan.stores:
-            assert b.worker.store(spec) == 0
-        # with the pool gone, lookups answer 0 at once and nothing raises
-        a.scheduler.add_request("r3", PROMPT, None, None)
-        assert a.scheduler.match("r3", 0) == 0
-        assert a.scheduler.match("r3", 0) == 0
-        assert a.scheduler.counters.pool_errors + b.worker.counters.pool_errors >= 1
-    finally:
-        a.close(), b.close()
-        stop_process(proc)
-        if os.path.exists(path):
-            os.unlink(path)
-        os.rmdir(socket_dir)
+    with private_socket("kvshare-test") as path:
+        proc = start_pool(path, "16MiB", POOL_ARGS)
+        a, b = Replica(path, "A", seed=1), Replica(path, "B", seed=2)
+        try:
+            a.run_prefill("r1", PROMPT, BLOCKS_A)
+            b.scheduler.add_request("r2", PROMPT, None, None)
+            assert b.scheduler.match("r2", 0) == 256
+            b.scheduler.allocated("r2", 256, 0)
+            plan = b.scheduler.plan_step([ScheduledRequest("r2", 256, 44, BLOCKS_B)])
+            b.worker.link.client()  # the worker is connected before the pool dies
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+            outcome = b.worker.load(plan.loads[0])  # the arena stays mapped: verified bytes still load
+            assert outcome.is_complete
+            assert torch.equal(b.tokens(0, 256, BLOCKS_B), a.tokens(0, 256, BLOCKS_A))
+            for spec in plan.stores:
+                assert b.worker.store(spec) == 0
+            # with the pool gone, lookups answer 0 at once and nothing raises
+            a.scheduler.add_request("r3", PROMPT, None, None)
+            assert a.scheduler.match("r3", 0) == 0
+            assert a.scheduler.match("r3", 0) == 0
+            assert a.scheduler.counters.pool_errors + b.worker.counters.pool_errors >= 1
+        finally:
+            a.close(), b.close()
+            stop_process(proc)
 
 
 def test_lease_from_another_pool_is_refused():
-    socket_dir = f"/tmp/kvshare-test-{os.getpid()}"
-    os.makedirs(socket_dir, mode=0o700, exist_ok=True)
-    path = os.path.join(socket_dir, "pool.sock")
-    proc = start_pool(path, "16MiB", POOL_ARGS)
-    a, b = Replica(path, "A", seed=1), Replica(path, "B", seed=2)
-    try:
-        a.run_prefill("r1", PROMPT, BLOCKS_A)
-        b.scheduler.add_request("r2", PROMPT, None, None)
-        b.scheduler.match("r2", 0)
-        b.scheduler.allocated("r2", 256, 0)
-        plan = b.scheduler.plan_step([ScheduledRequest("r2", 256, 44, BLOCKS_B)])
-        stop_process(proc)  # the pool restarts between the lookup and the load
+    with private_socket("kvshare-test") as path:
         proc = start_pool(path, "16MiB", POOL_ARGS)
-        outcome = b.worker.load(plan.loads[0])
-        assert outcome.loaded_end == 0 and "lease lost" in outcome.reason
-    finally:
-        a.close(), b.close()
-        stop_process(proc)
-        if os.path.exists(path):
-            os.unlink(path)
-        os.rmdir(socket_dir)
+        a, b = Replica(path, "A", seed=1), Replica(path, "B", seed=2)
+        try:
+            a.run_prefill("r1", PROMPT, BLOCKS_A)
+            b.scheduler.add_request("r2", PROMPT, None, None)
+            b.scheduler.match("r2", 0)
+            b.scheduler.allocated("r2", 256, 0)
+            plan = b.scheduler.plan_step([ScheduledRequest("r2", 256, 44, BLOCKS_B)])
+            stop_process(proc)  # the pool restarts between the lookup and the load
+            proc = start_pool(path, "16MiB", POOL_ARGS)
+            outcome = b.worker.load(plan.loads[0])
+            assert outcome.loaded_end == 0 and "lease lost" in outcome.reason
+        finally:
+            a.close(), b.close()
+            stop_process(proc)

@@ -24,7 +24,9 @@ from tests.integrations.vllm.servers import (
     provenance,
     start_servers,
     stop_servers,
+    private_socket,
     vllm_python,
+    vllm_suite_marks,
     with_connector,
 )
 from tests.integrations.vllm.test_e2e import prompt_of
@@ -32,9 +34,7 @@ from tests.integrations.vllm.tiny_model import make_model_dir
 
 PYTHON = vllm_python()
 pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.slow,
-    pytest.mark.skipif(PYTHON is None, reason="needs vLLM (set KVSHARE_VLLM_PYTHON to the vLLM venv's python)"),
+    *vllm_suite_marks(),
     pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a TP=2 vLLM CPU server needs two cores"),
 ]
 
@@ -43,28 +43,23 @@ pytestmark = [
 def replicas(tmp_path_factory):
     work = tmp_path_factory.mktemp("vllm-tp")
     model = make_model_dir(str(work / "model"))
-    socket_dir = f"/tmp/kvshare-tp-{os.getpid()}"
-    os.makedirs(socket_dir, mode=0o700, exist_ok=True)
-    socket_path = os.path.join(socket_dir, "pool.sock")
-    pool = start_pool(socket_path, "256MiB", ("--extent-size", "64MiB", "--lease-ttl", "60"))
-    die_file = str(work / "die")
-    common = dict(model=model, python=PYTHON, dtype="float32", max_model_len=4096, kv_cache_gib=1,
-                  max_num_batched_tokens=512, pool_socket=socket_path)
-    t2 = vllm_server_command(VllmServerConfig(port=free_port(), replica="T2", tensor_parallel_size=2, **common))
-    configs = {
-        "T1": VllmServerConfig(port=free_port(), replica="T1", **common),
-        "T2": with_connector(t2, "DyingConnector", "tests.integrations.vllm.dying_connector",
-                             {"KVSHARE_TEST_DIE_FILE": die_file}),
-    }
-    servers = start_servers(configs, str(work))
-    try:
-        yield servers, socket_path, die_file
-    finally:
-        stop_servers(servers)
-        stop_process(pool)
-        if os.path.exists(socket_path):
-            os.unlink(socket_path)
-        os.rmdir(socket_dir)
+    with private_socket("kvshare-tp") as socket_path:
+        pool = start_pool(socket_path, "256MiB", ("--extent-size", "64MiB", "--lease-ttl", "60"))
+        die_file = str(work / "die")
+        common = dict(model=model, python=PYTHON, dtype="float32", max_model_len=4096, kv_cache_gib=1,
+                      max_num_batched_tokens=512, pool_socket=socket_path)
+        t2 = vllm_server_command(VllmServerConfig(port=free_port(), replica="T2", tensor_parallel_size=2, **common))
+        configs = {
+            "T1": VllmServerConfig(port=free_port(), replica="T1", **common),
+            "T2": with_connector(t2, "DyingConnector", "tests.integrations.vllm.dying_connector",
+                                 {"KVSHARE_TEST_DIE_FILE": die_file}),
+        }
+        servers = start_servers(configs, str(work))
+        try:
+            yield servers, socket_path, die_file
+        finally:
+            stop_servers(servers)
+            stop_process(pool)
 
 
 def pool_stats(socket_path):

@@ -10,14 +10,10 @@ import psutil
 import pytest
 
 from kvshare.launch import Cluster, ClusterConfig, free_port_block
-from tests.integrations.vllm.servers import vllm_python
+from tests.integrations.vllm.servers import vllm_python, vllm_suite_marks
 
 PYTHON = vllm_python()
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.slow,
-    pytest.mark.skipif(PYTHON is None, reason="needs vLLM (set KVSHARE_VLLM_PYTHON to the vLLM venv's python)"),
-]
+pytestmark = vllm_suite_marks()
 
 
 def _complete(url: str, prompt: str) -> dict:
