@@ -1,4 +1,4 @@
-"""benchmarks/deterministic_service_gpu.py: its plans for the H200 shapes (pure) and CPU dry runs of both layouts."""
+"""benchmarks/deterministic_service_gpu.py (and its plan, deterministic_service_plan.py): its plans for the H200 shapes (pure) and CPU dry runs of both layouts."""
 
 from __future__ import annotations
 
@@ -27,13 +27,13 @@ def total_s(plan) -> float:
 
 
 def test_cases_parse_and_estimates_follow_the_h200_figures():
-    bench = load_bench()
+    bench, estimates = load_bench(), load_benchmark("deterministic_service_plan")
     assert bench.parse_pairs("8b:32768,32b:131072") == [("qwen3-8b", 32768), ("qwen3-32b", 131072)]
-    assert abs(bench.cold_s("qwen3-8b", 32768, "cuda") - 1.9 / 0.8) < 1e-9
-    assert abs(bench.cold_s("qwen3-8b", 131072, "cuda") - 13.0 / 0.8) < 0.1
-    assert abs(bench.cold_s("qwen3-32b", 32768, "cuda") - 5.6 / 0.8) < 0.01
-    assert abs(bench.cold_s("qwen3-32b", 131072, "cuda") - 46.0 / 0.8) < 0.1
-    assert bench.reused_tokens(32768, 2048) == 30720 and bench.reused_tokens(32768, 2048, 7281) == 6144
+    assert abs(estimates.cold_s("qwen3-8b", 32768, "cuda") - 1.9 / 0.8) < 1e-9
+    assert abs(estimates.cold_s("qwen3-8b", 131072, "cuda") - 13.0 / 0.8) < 0.1
+    assert abs(estimates.cold_s("qwen3-32b", 32768, "cuda") - 5.6 / 0.8) < 0.01
+    assert abs(estimates.cold_s("qwen3-32b", 131072, "cuda") - 46.0 / 0.8) < 0.1
+    assert estimates.reused_tokens(32768, 2048) == 30720 and estimates.reused_tokens(32768, 2048, 7281) == 6144
 
 
 def test_the_32b_shape_runs_sequential_and_the_8b_together_on_an_h200():
