@@ -206,6 +206,8 @@ class Engine:
             try:
                 while True:
                     token = sample(logits[-1], params, generator, counts)
+                    if num_generated == 0 and options.timeline is not None:
+                        options.timeline.mark("first_token_sampled")
                     if counts is not None:
                         counts.add(token.token_id)
                     num_generated += 1
@@ -288,6 +290,8 @@ class Engine:
                 timeline.mark_device("forward_end", self.device)
         finally:
             verified_chunks = self._pool.finish_load(load) if self._pool is not None else 0
+            if timeline is not None and load.num_chunks:
+                timeline.mark("load_checked")  # the host knows every loaded page passed (or which did not)
         if verified_chunks < pool_chunks:  # a page failed the check that ran beside its copy: computed again
             local_chunks, pool_chunks = self._reusable_after_check(local_chunks, verified_chunks)
             cached_len = (local_chunks + pool_chunks) * c

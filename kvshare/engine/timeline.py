@@ -1,12 +1,13 @@
 """A request's timeline: when each step before its first token ended, in seconds since it arrived.
 
 Asked for with the request extension ``{"kvshare": {"timeline": true}}``; the replica fills it
-(serve: parse, first token written; engine: hashing, the load, the forward; pool link: the lease)
-and returns it in the response's ``kvshare`` object. A step that does not apply is None (no pool
-load: no lease, copy, load end)::
+(serve: body read, parse, first token written; engine: hashing, the load, the forward, the load's
+check, the first token sampled; pool link: the lease) and returns it in the response's ``kvshare``
+object. A step that does not apply is None (no pool load: no lease, copy, load end)::
 
-    arrival | parse | hashing | lookup_and_lease | first_copy_enqueued | load_issued
-            | first_layer_computed | load_end | forward_end | first_token_written
+    arrival | body_read | parse | hashing | lookup_and_lease | first_copy_enqueued | load_issued
+            | first_layer_computed | load_end | forward_end | load_checked | first_token_sampled
+            | first_token_written
 
 On CUDA the device steps (first layer, load end, forward end) are CUDA events, put on the host's
 clock through an anchor event recorded on the idle compute stream when the prefill starts; they
@@ -20,8 +21,8 @@ import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
-STEPS = ("parse", "hashing", "lookup_and_lease", "first_copy_enqueued", "load_issued", "first_layer_computed",
-         "load_end", "forward_end", "first_token_written")
+STEPS = ("body_read", "parse", "hashing", "lookup_and_lease", "first_copy_enqueued", "load_issued",
+         "first_layer_computed", "load_end", "forward_end", "load_checked", "first_token_sampled", "first_token_written")
 _active = threading.local()  # the timeline of the request the current thread runs (see ``note``)
 
 

@@ -94,7 +94,8 @@ class ReplicaServer:
         """The engine's warm-up, then this server's own request path (its report gains "request_path")."""
         report = warm_up(engine)
         started = time.perf_counter()
-        warm_request_path(self.engine, self.served.names[0], self.config.replica_name)
+        warm_request_path(self.engine, self.served.names[0], self.config.replica_name,
+                          self.config.max_prompt_tokens or None)
         if hasattr(report, "step_seconds"):
             report.step_seconds["request_path"] = time.perf_counter() - started
         return report
@@ -204,24 +205,31 @@ class ReplicaServer:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         arrival = time.perf_counter()
-        req = A.decode_completion(await request.read())
+        body = await request.read()
+        read_s = time.perf_counter()
+        req = A.decode_completion(body)
         A.validate(req)
         prompt = A.prompt_of(req)
         prompt_ids = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-        prepared = self._prepare(request, req, prompt_ids, default_max_tokens=16, logprobs=req.logprobs, arrival=arrival)
+        prepared = self._prepare(request, req, prompt_ids, default_max_tokens=16, logprobs=req.logprobs,
+                                 arrival=(arrival, read_s))
         return await self._respond(request, req, prepared, chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         arrival = time.perf_counter()
-        req = A.decode(await request.read(), A.ChatRequest)
+        body = await request.read()
+        read_s = time.perf_counter()
+        req = A.decode(body, A.ChatRequest)
         A.validate(req)
         prompt_ids = T.chat_prompt_ids(self.engine.tokenizer, req.messages)
         top = (req.top_logprobs or 0) if req.logprobs else None
-        prepared = self._prepare(request, req, prompt_ids, default_max_tokens=None, logprobs=top, arrival=arrival)
+        prepared = self._prepare(request, req, prompt_ids, default_max_tokens=None, logprobs=top,
+                                 arrival=(arrival, read_s))
         return await self._respond(request, req, prepared, chat=True)
 
     def _prepare(self, request, req, prompt_ids: list[int], default_max_tokens: int | None, logprobs,
-                 arrival: float) -> Prepared:
+                 arrival: tuple[float, float]) -> Prepared:
+        """The request checked and ready for the engine; ``arrival``: (handler start, body read) clock() values."""
         from kvshare.engine.engine import RequestOptions
         from kvshare.engine.timeline import Timeline
 
@@ -238,11 +246,12 @@ class ReplicaServer:
         max_tokens = self._max_tokens(req, len(prompt_ids), "messages" if default_max_tokens is None else "prompt",
                                       default_max_tokens or self.config.default_chat_max_tokens)
         params = sampling_params(req, max_tokens, logprobs, vocab)
-        timeline = Timeline(arrival) if req.kvshare.timeline else None
+        timeline = Timeline(arrival[0]) if req.kvshare.timeline else None
         options = RequestOptions(use_pool=req.kvshare.use_pool, use_local_cache=req.kvshare.use_local_cache,
                                  tenant=namespace_salt(self._tenant(request), req.cache_salt), timeline=timeline)
         if timeline is not None:
-            timeline.mark("parse")  # read, decoded, checked and tokenized
+            timeline.mark("body_read", arrival[1])
+            timeline.mark("parse")  # decoded, checked and tokenized
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return Prepared(prompt_ids, params, options, A.stop_strings(req), include_usage, ids)
 

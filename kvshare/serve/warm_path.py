@@ -3,7 +3,10 @@
 One token-id completion through the handler's host steps, streamed and not, with logprobs and
 a timeline: the typed decode, the checks, the sampler's logprobs, the response's chunks and
 their encoding. On the H200 a fresh replica's first request paid ~4 ms more than later ones in
-these steps (parse +2 ms, first token written +2 ms). Nothing is loaded or stored (pool and
+these steps (parse +2 ms, first token written +2 ms). Then the decode of one body of the longest
+prompt the replica takes, ids spread over the vocabulary, into its array: a fresh replica's first
+256k-token request paid ~17 ms more in parse than later ones, growing with the prompt (the
+allocator's first use of that much memory). Nothing is loaded or stored (pool and
 local cache off), the engine's counters leave it out (``Engine.uncounted``), and it never
 passes the HTTP layer, so no metric counts it.
 """
@@ -23,7 +26,7 @@ from kvshare.serve.sampling import sampling_params
 _json = msgspec.json.Encoder()
 
 
-def warm_request_path(engine: Any, model_name: str, replica_name: str) -> None:
+def warm_request_path(engine: Any, model_name: str, replica_name: str, max_prompt_tokens: int | None = None) -> None:
     from kvshare.engine.engine import RequestOptions
     from kvshare.engine.timeline import Timeline
 
@@ -48,3 +51,8 @@ def warm_request_path(engine: Any, model_name: str, replica_name: str) -> None:
         for chunk in out.final_chunks():
             _json.encode(chunk)
         _json.encode(out.final_body())
+    longest = engine.max_model_len - 1 if max_prompt_tokens is None else min(max_prompt_tokens, engine.max_model_len - 1)
+    spread = (np.arange(longest, dtype=np.int64) * 7919 + vocab // 2) % vocab  # multi-digit ids, as real ones are
+    body = _json.encode({"model": model_name, "prompt": spread.tolist(), "max_tokens": 1})
+    array = np.fromiter(A.prompt_of(A.decode_completion(body)), dtype=np.int64, count=longest)
+    array.min(), array.max()  # the range check a request's ids get

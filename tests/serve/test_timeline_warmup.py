@@ -20,9 +20,11 @@ from kvshare.engine.warmup import WARMUP_CHUNKS, warm_up, warmup_prompts
 from kvshare.serve.readiness import Readiness
 from tests.serve.live import LiveApp, call, metric
 
-ORDER = ("parse", "hashing", "lookup_and_lease", "first_copy_enqueued", "load_issued", "first_layer_computed",
-         "forward_end", "first_token_written")  # each at or after the one before (load_end: before forward_end)
-LOAD_STEPS = ("first_copy_enqueued", "load_issued", "load_end")
+ORDER = ("body_read", "parse", "hashing", "lookup_and_lease", "first_copy_enqueued", "load_issued",
+         "first_layer_computed", "forward_end", "first_token_sampled", "first_token_written")  # each at or after
+# the one before; load_end lies before forward_end, load_checked between load_end and first_token_sampled (on
+# CUDA the host may know the check before the device ends the forward)
+LOAD_STEPS = ("first_copy_enqueued", "load_issued", "load_end", "load_checked")
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +82,7 @@ def check_order(timeline: dict) -> None:
     assert times == sorted(times) and all(t >= 0 for t in times), timeline
     if timeline["load_end"] is not None:
         assert timeline["lookup_and_lease"] <= timeline["load_end"] <= timeline["forward_end"], timeline
+        assert timeline["load_end"] <= timeline["load_checked"] <= timeline["first_token_sampled"], timeline
 
 
 def test_health_is_503_until_the_warm_up_loaded_from_the_pool(replicas):
@@ -113,8 +116,9 @@ def test_timeline_of_a_cold_a_cross_replica_and_a_local_request(replicas):
     assert (cold["computed_tokens"], cross["pool_tokens"], local["local_tokens"]) == (1500, 1280, 1280)
     for answer in (cold, cross, local):
         check_order(answer["timeline"])
-        assert all(answer["timeline"][s] is not None for s in ("parse", "hashing", "first_layer_computed",
-                                                                "forward_end", "first_token_written"))
+        assert all(answer["timeline"][s] is not None for s in ("body_read", "parse", "hashing", "first_layer_computed",
+                                                                "forward_end", "first_token_sampled",
+                                                                "first_token_written"))
     assert all(cold["timeline"][s] is None for s in LOAD_STEPS)  # nothing loaded
     assert cold["timeline"]["lookup_and_lease"] is not None  # the pool was asked, and held nothing
     assert all(cross["timeline"][s] is not None for s in LOAD_STEPS)
@@ -172,3 +176,24 @@ def test_warmup_prompts_reuse_whole_chunks_and_fit_the_context():
     short = warmup_prompts(256, 260, 600)  # two chunks and two tokens do not fit: one chunk reused
     assert len(short[0]) == 512 and all(len(p) + 2 < 600 for p in short)
     assert [len(p) for p in warmup_prompts(256, 260, 200)] == [197]  # no whole chunk fits: a prefill only
+
+
+@pytest.mark.parametrize("max_prompt_tokens", [None, 3000])
+def test_request_path_warm_up_decodes_a_body_of_the_longest_prompt(monkeypatch, max_prompt_tokens):
+    from kvshare.engine.engine import Engine, EngineConfig
+    from kvshare.serve import api_types as A
+    from kvshare.serve.warm_path import warm_request_path
+
+    decoded: list[list[int]] = []
+    decode = A.decode_completion
+    monkeypatch.setattr(A, "decode_completion", lambda body: decoded.append(A.prompt_of(decode(body))) or decode(body))
+    engine = Engine(EngineConfig(model="tiny"))
+    try:
+        warm_request_path(engine, "tiny", "r", max_prompt_tokens)
+        stats = engine.stats()
+    finally:
+        engine.close()
+    vocab, longest = engine.model_config.vocab_size, min(max_prompt_tokens or 1 << 62, engine.max_model_len - 1)
+    assert [len(p) for p in decoded[-1:]] == [longest]  # after the two small requests: the longest body
+    assert 0 <= min(decoded[-1]) and max(decoded[-1]) < vocab and len(set(decoded[-1])) > vocab // 2
+    assert stats.num_requests == 0  # nothing of it is counted
