@@ -232,3 +232,18 @@ def test_bf16_head_logits_in_float32_without_an_upcast_copy():
     upcast = h.float() @ head.weight.float().t()  # what the engine computed before
     assert (out.double() - reference).abs().max().item() <= 4 * (upcast.double() - reference).abs().max().item() + 1e-5
     assert torch.equal(out.argmax(-1), upcast.argmax(-1))
+
+
+def test_greedy_step_on_the_gpu_equals_the_cpu_path():
+    from kvshare.engine.sampler import _greedy_where_logits_are, _with_logprobs
+
+    for seed in range(4):
+        row = (torch.randn(151936, generator=torch.Generator().manual_seed(seed)) * 3).to(torch.bfloat16)
+        got = _greedy_where_logits_are(row.cuda(), 5)
+        raw = row.float()
+        want = _with_logprobs(raw, int(torch.argmax(raw)), 5)
+        assert got.token_id == want.token_id
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-5)
+        assert list(got.top_logprobs) == list(want.top_logprobs) or sorted(got.top_logprobs.values()) == pytest.approx(
+            sorted(want.top_logprobs.values()), abs=1e-5)  # bf16 rows hold ties: their order may differ
+        assert _greedy_where_logits_are(row.cuda(), None).token_id == want.token_id

@@ -192,3 +192,36 @@ def test_extreme_penalties_still_sample():
 def test_sampling_params_refuse_out_of_range_values(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)
+
+
+def _greedy_on_cpu_row(logits: torch.Tensor, num_logprobs):
+    """The general path's greedy step on a CPU row: what the device path must give."""
+    from kvshare.engine.sampler import _with_logprobs
+
+    raw = logits.detach().float().cpu()
+    return _with_logprobs(raw, int(torch.argmax(raw)), num_logprobs)
+
+
+@pytest.mark.parametrize("num_logprobs", [None, 0, 1, 5, 20])
+def test_greedy_where_the_logits_are_equals_the_cpu_path(num_logprobs):
+    from kvshare.engine.sampler import _greedy_where_logits_are
+
+    rows = [torch.randn(1000, generator=torch.Generator().manual_seed(s)) * 4 for s in range(5)]
+    tied = torch.zeros(1000)
+    tied[[7, 3, 900]] = 2.0  # ties: the first maximal id wins on either path
+    banned = rows[0].clone()
+    banned[: 500] = -float("inf")
+    for row in rows + [tied, banned, rows[1].to(torch.bfloat16)]:
+        got = _greedy_where_logits_are(row, num_logprobs)
+        assert got == _greedy_on_cpu_row(row, num_logprobs)
+        assert got == sample(row, SamplingParams(logprobs=num_logprobs), make_generator(0))  # sample() takes it
+    assert _greedy_where_logits_are(tied, None).token_id == 3
+
+
+def test_greedy_with_a_bias_or_penalties_takes_the_general_path():
+    logits = torch.tensor([3.0, 2.0, 1.0])
+    biased = sample(logits, SamplingParams(logit_bias=((2, 5.0),), logprobs=1), make_generator(0))
+    assert biased.token_id == 2 and biased.logprob == pytest.approx(float(torch.log_softmax(logits, -1)[2]))
+    counts = TokenCounts(3, torch.tensor([0]))
+    penalised = sample(logits, SamplingParams(repetition_penalty=2.0), make_generator(0), counts)
+    assert penalised.token_id == 1  # 3.0 / 2 < 2.0
