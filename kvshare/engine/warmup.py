@@ -12,6 +12,12 @@ the rest through the real path, in a private namespace nothing a user sends can 
                overlapped with a suffix of one full chunk, page verification, the first decode
     3. load    a prompt of WARMUP_CHUNKS chunks and half a chunk: a partial-chunk suffix
     4. drop    the warm-up's chunks leave the pool again
+    5. suffix kernels (CUDA)  forwards of suffixes of SUFFIX_LENGTHS tokens over cached prefixes of
+               SUFFIX_PREFIXES tokens, with no pool: CUDA loads a kernel on its first launch, and the
+               attention and GEMM kernels a forward picks depend on its shape (flash's split-KV
+               variant at long keys, uneven lengths, small-M GEMMs). On the H200 a replica's first
+               load at 30999 tokens (a 23-token suffix) computed its first layer 71 ms late; its
+               first at 32768 ended its forward 5.7 ms later than the next one did.
 
 Its requests are left out of the engine's counters (``Engine.uncounted``), so /metrics
 shows only what users asked for. Where no pool is connected only the prefills run.
@@ -30,6 +36,8 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 WARMUP_CHUNKS = 2  # chunks the warm-up's loads reuse: two pages cover a run of consecutive pages
+SUFFIX_PREFIXES = (4096, 4153)  # cached tokens: even and uneven key lengths, long enough for split-KV attention
+SUFFIX_LENGTHS = (1, 23, 100, 256)  # a decode step; short, uneven and one-chunk suffixes
 WARMUP_SEED = 20261201
 
 
@@ -89,6 +97,37 @@ def warm_up(engine: Any) -> WarmupReport:
         t0 = time.perf_counter()
         engine.drop_chunks(sorted(keys))
         report.step_seconds["drop"] = time.perf_counter() - t0
+    if engine.device.type == "cuda":
+        t0 = time.perf_counter()
+        warm_suffix_kernels(engine)
+        report.step_seconds["suffix_kernels"] = time.perf_counter() - t0
     report.seconds = time.perf_counter() - started
     log.info("warm-up done in %.3f s: %s", report.seconds, report.as_dict())
     return report
+
+
+def warm_suffix_kernels(engine: Any, prefixes: tuple[int, ...] = SUFFIX_PREFIXES,
+                        lengths: tuple[int, ...] = SUFFIX_LENGTHS) -> int:
+    """Forwards of each suffix length over each cached prefix in the engine's KV (nothing is stored or
+    reused; the KV is scratch until the next request writes it). Returns how many ran; prefixes that
+    do not fit max_model_len are left out."""
+    import torch
+
+    fitting = [p for p in prefixes if p + max(lengths) < engine.max_model_len]
+    if not fitting:
+        return 0
+    generator = torch.Generator().manual_seed(WARMUP_SEED)
+    ids = torch.randint(0, engine.model_config.vocab_size, (max(fitting) + max(lengths),), generator=generator)
+    ids = ids.to(engine.device)
+    chunk = engine.config.prefill_chunk_tokens
+    ran = 0
+    with engine._lock, torch.inference_mode():
+        kv = engine._kv.ensure(len(ids))
+        engine.model(ids[: max(fitting)], kv, 0, chunk)  # the prefixes' KV (a cold prefill)
+        for prefix in fitting:
+            for n in lengths:
+                engine.model(ids[prefix : prefix + n], kv, prefix, chunk)
+                ran += 1
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize(engine.device)
+    return ran

@@ -197,3 +197,20 @@ def test_request_path_warm_up_decodes_a_body_of_the_longest_prompt(monkeypatch, 
     assert [len(p) for p in decoded[-1:]] == [longest]  # after the two small requests: the longest body
     assert 0 <= min(decoded[-1]) and max(decoded[-1]) < vocab and len(set(decoded[-1])) > vocab // 2
     assert stats.num_requests == 0  # nothing of it is counted
+
+
+def test_suffix_kernel_warm_up_runs_each_shape_and_leaves_outputs_alone():
+    from kvshare.engine.engine import Engine, EngineConfig, SamplingParams
+    from kvshare.engine.warmup import warm_suffix_kernels
+
+    engine = Engine(EngineConfig(model="tiny", max_model_len=512))
+    ids = prompt(9, 300)
+    params = SamplingParams(max_tokens=4, logprobs=2, ignore_eos=True)
+    try:
+        before = [(e.token_id, e.logprob) for e in engine.generate(ids, params)]
+        assert warm_suffix_kernels(engine, prefixes=(64, 69, 600), lengths=(1, 3, 16)) == 6  # 600 does not fit
+        assert warm_suffix_kernels(engine, prefixes=(600,), lengths=(1,)) == 0
+        again = [(e.token_id, e.logprob) for e in engine.generate(ids, params)]
+    finally:
+        engine.close()
+    assert again == before
