@@ -26,6 +26,7 @@ def run(args: argparse.Namespace) -> int:
     from aiohttp import web
 
     from kvshare.errors import UserError
+    from kvshare.heap import freeze_startup_heap
     from kvshare.preflight import check_ports_free
     from kvshare.router.proxy import RouterConfig, RouterServer
 
@@ -39,6 +40,7 @@ def run(args: argparse.Namespace) -> int:
     check_ports_free(config.host, {config.port: "the router"})
     server = RouterServer(config)
     ready = f"kvshare router ready: http://{config.host}:{config.port} policy={config.policy}"
+    freeze_startup_heap()  # the collector never walks the startup heap again (kvshare.heap)
     try:
         web.run_app(server.app(), host=config.host, port=config.port, print=lambda _: print(ready, flush=True),
                     access_log=None)

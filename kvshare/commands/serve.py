@@ -136,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
     from aiohttp import web
 
     from kvshare.errors import UserError
+    from kvshare.heap import freeze_startup_heap
     from kvshare.preflight import check_ports_free
     from kvshare.serve.server import ReplicaServer
 
@@ -153,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
     # a failed warm-up stops the replica (SIGTERM: run_app's clean shutdown) and exits 2
     server.readiness.on_ready = lambda: print(ready, flush=True)
     server.readiness.on_failed = lambda exc: os.kill(os.getpid(), signal.SIGTERM)
+    freeze_startup_heap()  # the collector never walks the startup heap again (kvshare.heap)
     try:
         web.run_app(server.app(), host=config.host, port=config.port, print=lambda _: server.readiness.listening(),
                     access_log=None)

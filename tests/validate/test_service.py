@@ -96,8 +96,10 @@ def test_service_level_passes_on_a_cluster_it_starts():
 def test_service_level_fails_when_a_page_is_poisoned_between_prime_and_measurement(cluster, namespace_engine):
     poisoned = []
 
-    def after_prime(case, prime):
-        poisoned.append(poison(cluster, namespace_engine, prime.prompt_token_ids or case.prompt))
+    def after_prime(case, prime):  # only the case under test: the prompts share their first chunks, and the
+        ids = prime.prompt_token_ids or case.prompt  # audit of an earlier poisoned case, run while the replica
+        if len(ids) == 75:  # idles, drops those chunks, racing the 75-token measurement (seen in CI)
+            poisoned.append(poison(cluster, namespace_engine, ids))
 
     config = ServiceConfig(replicas=tuple(cluster.replica_urls), max_tokens=8, completion_lengths=LENGTHS, num_chat=1,
                            chunk_tokens=CHUNK, seed=2)
