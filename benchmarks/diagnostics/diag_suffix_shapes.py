@@ -4,7 +4,9 @@ first token cost more for a prompt length the replica has not served before?
 One engine of the Qwen3-8B shape (no local cache) against a pool, warmed up as `kvshare serve` warms
 it; per prompt (fresh random ids): a cold request that stores it, then the same prompt loaded from
 the pool with a timeline, greedy, top-2 logprobs. Lengths repeat and change, so a cost paid once per
-shape shows as a slow first of each length. Prints one JSON line per loaded request.
+shape shows as a slow first of each length. Prints one JSON line per loaded request, with the load's
+bandwidth by its own CUDA events (start -> end) and by the timeline (first copy enqueued on the host
+-> load end on the device): where they differ, the copies started late.
 
     PYTHONPATH=.:/tmp/site python3 benchmarks/diagnostics/diag_suffix_shapes.py [MODEL]
 """
@@ -32,9 +34,16 @@ with running_pool("24GiB", quiet=True) as sock:
         ids = rng.integers(0, 150000, n)
         list(engine.generate(ids, params, RequestOptions(use_local_cache=False)))  # cold: stores the chunks
         timeline = Timeline(time.perf_counter())
+        before = engine.stats()
         events = list(engine.generate(ids, params, RequestOptions(use_local_cache=False, timeline=timeline)))
+        after = engine.stats()
         t = {k: (None if v is None else round(v * 1e3, 2)) for k, v in timeline.as_dict().items()}
+        device_s = after.pool_load_seconds - before.pool_load_seconds  # the load's start -> end CUDA events
+        num_bytes = after.pool_bytes_loaded - before.pool_bytes_loaded
         print(json.dumps({"tokens": n, "pool_tokens": events[0].provenance.pool_tokens,
+                          "device_load_ms": round(device_s * 1e3, 2),
+                          "device_load_GBps": round(num_bytes / device_s / 1e9, 2) if device_s else None,
+                          "host_load_GBps": round(num_bytes / (t["load_end"] - t["first_copy_enqueued"]) / 1e6, 2),
                           "tail_ms": round(t["forward_end"] - t["load_end"], 2),
                           "sample_ms": round(t["first_token_sampled"] - t["forward_end"], 2),
                           "first_token_ms": t["first_token_sampled"], "timeline_ms": t}), flush=True)
