@@ -339,16 +339,21 @@ def test_tenants_loras_and_multimodal_prompts_do_not_share(pool):
         a.close(), b.close()
 
 
+def plan_load_of_a_prefill(a: "Replica", b: "Replica"):
+    """A prefills PROMPT into the pool; B matches all 256 tokens of it and plans their load (returned)."""
+    a.run_prefill("r1", PROMPT, BLOCKS_A)
+    b.scheduler.add_request("r2", PROMPT, None, None)
+    assert b.scheduler.match("r2", 0) == 256
+    b.scheduler.allocated("r2", 256, 0)
+    return b.scheduler.plan_step([ScheduledRequest("r2", 256, 44, BLOCKS_B)])
+
+
 def test_pool_killed_keeps_serving_cold_and_leased_pages_still_load():
     with private_socket("kvshare-test") as path:
         proc = start_pool(path, "16MiB", POOL_ARGS)
         a, b = Replica(path, "A", seed=1), Replica(path, "B", seed=2)
         try:
-            a.run_prefill("r1", PROMPT, BLOCKS_A)
-            b.scheduler.add_request("r2", PROMPT, None, None)
-            assert b.scheduler.match("r2", 0) == 256
-            b.scheduler.allocated("r2", 256, 0)
-            plan = b.scheduler.plan_step([ScheduledRequest("r2", 256, 44, BLOCKS_B)])
+            plan = plan_load_of_a_prefill(a, b)
             b.worker.link.client()  # the worker is connected before the pool dies
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
@@ -372,11 +377,7 @@ def test_lease_from_another_pool_is_refused():
         proc = start_pool(path, "16MiB", POOL_ARGS)
         a, b = Replica(path, "A", seed=1), Replica(path, "B", seed=2)
         try:
-            a.run_prefill("r1", PROMPT, BLOCKS_A)
-            b.scheduler.add_request("r2", PROMPT, None, None)
-            b.scheduler.match("r2", 0)
-            b.scheduler.allocated("r2", 256, 0)
-            plan = b.scheduler.plan_step([ScheduledRequest("r2", 256, 44, BLOCKS_B)])
+            plan = plan_load_of_a_prefill(a, b)
             stop_process(proc)  # the pool restarts between the lookup and the load
             proc = start_pool(path, "16MiB", POOL_ARGS)
             outcome = b.worker.load(plan.loads[0])
