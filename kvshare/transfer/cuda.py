@@ -45,8 +45,8 @@ class CudaLoadHandle(LoadHandle):
     """A load in flight: one event per layer group on the reshape stream.
 
     Its copies are enqueued group by group by ``steps`` (a generator that yields after each
-    group), at once ("eager"), ahead of the reader's wait_layer ("lazy"), or by a thread
-    ("thread"). ``wait_layer`` makes sure the group's event has been recorded before the
+    group), at once ("eager"), ahead of the reader's wait_layer ("lazy"), or the first group by the
+    caller and the rest by a thread ("thread"). ``wait_layer`` makes sure the group's event has been recorded before the
     compute stream waits on it (waiting on an event not yet recorded would not wait at all).
     """
 
@@ -74,6 +74,9 @@ class CudaLoadHandle(LoadHandle):
         elif self._mode == "lazy":
             self._advance(LAZY_GROUPS_AHEAD)
         else:
+            # the first group here, by the caller: a thread started now gets the GIL only once the
+            # reader blocks in its first wait_layer, which delayed the first copy by 1.4-4.7 ms
+            self._advance(1)
             self._thread = threading.Thread(target=self._advance, args=(num_groups,), name="kvshare-load", daemon=True)
             self._thread.start()
 

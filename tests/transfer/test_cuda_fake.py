@@ -240,6 +240,45 @@ def test_load_waits_per_layer_and_reports_a_failed_enqueue(fake, client, monkeyp
         scratch.release(client)
 
 
+def test_the_thread_mode_enqueues_the_first_group_before_load_returns(fake, client, monkeypatch):
+    """With load_enqueue="thread" the caller enqueues the first layer group inside load(): a thread
+    started then would get the GIL only when the reader blocks in wait_layer. Here the thread is
+    held back until after load() returns, so only the caller can have enqueued that group."""
+    layout = LAYOUTS["bf16"]
+    scratch = reserve_scratch(client, layout.page_bytes, 4)
+    held: list = []
+
+    class HeldThread:
+        def __init__(self, target, args, **_):
+            self.run = lambda: target(*args)
+            held.append(self)
+
+        def start(self):
+            pass
+
+        def join(self):
+            self.run()
+
+    monkeypatch.setattr("kvshare.transfer.cuda.threading.Thread", HeldThread)
+    try:
+        config = TransferConfig(staging_bytes=1 << 20, min_copy_bytes=layout.layer_bytes, load_enqueue="thread")
+        with CudaTransfer(layout, client, CPU, config) as transfer:
+            data = random_kv(layout, 4 * layout.chunk_tokens, seed=7)
+            sums = transfer.store(data, 0, scratch.offsets)
+            headers = [PageHeader(offset=o, page_bytes=layout.page_bytes, checksum=s) for o, s in zip(scratch.offsets, sums)]
+            kv = torch.zeros_like(data)
+            handle = transfer.load(kv, 0, headers)
+            assert len(held) == 1 and handle.first_copy_s is not None
+            assert handle._recorded[0].is_set() and not handle._recorded[-1].is_set()
+            first_layers = handle._group_of_layer.count(0)
+            assert torch.equal(kv[:first_layers].view(torch.int16), data[:first_layers].view(torch.int16))
+            assert not kv[first_layers:].any()  # the rest is the thread's
+            handle.verify()  # joins the thread: every group, every page checked
+            assert torch.equal(kv.view(torch.int16), data.view(torch.int16))
+    finally:
+        scratch.release(client)
+
+
 def test_staging_too_small_for_one_row_is_refused(fake, client):
     layout = LAYOUTS["f32"]
     with pytest.raises(ValueError, match="staging"):
