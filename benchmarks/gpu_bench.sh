@@ -19,7 +19,9 @@
 #   report       only rewrite and print the report of RESULTS
 #
 # Environment: SESSION_CONTEXTS (8b-sessions' initial contexts, default "32k,128k"; e.g. 128k to
-# continue with 128k only), PER_BLOCK_32K (default 8), KVSHARE_BENCH_SECONDS (default 520).
+# continue with 128k only), PER_BLOCK_32K (default 8), KVSHARE_BENCH_SECONDS (default 520),
+# VALIDATED (set in a call that continues a step whose first call ran `kvshare validate` on the
+# same tree: skips it, ~30 s of device time; the log says so).
 #
 # 32B: two replicas with 128k of KV do not fit one GPU together, so replicas run one after the
 # other against one pool (kvshare bench --sequential): prime on replica A, stop it, start B,
@@ -86,7 +88,9 @@ bench() {  # kvshare bench ARGS..., stopped (SIGTERM) at the step's deadline
 }
 
 validate() {
-    if $PY -m kvshare validate --help >/dev/null 2>&1; then
+    if [ -n "${VALIDATED:-}" ]; then  # a continuation: the first call of this step validated this tree
+        echo "== kvshare validate skipped: VALIDATED=$VALIDATED (this step's first call ran it)"
+    elif $PY -m kvshare validate --help >/dev/null 2>&1; then
         echo "== kvshare validate --level bytes,helpers,full-pool"
         timeout --signal=TERM 180 $PY -m kvshare validate --level bytes,helpers,full-pool \
             || echo "VALIDATION FAILED OR TIMED OUT (exit $?): treat the numbers below with suspicion"
