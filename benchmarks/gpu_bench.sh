@@ -100,7 +100,7 @@ validate() {
 }
 
 # overridable for a dry run of this script on CPU, e.g. KVSHARE_BENCH_DRY=1 (tiny model, 1k/2k contexts)
-if [ -n "${KVSHARE_BENCH_DRY:-}" ]; then M32=tiny M8=tiny DEV=cpu POOL=2GiB CTX_A=1k CTX_B=2k CTX_C=3k; fi
+if [ -n "${KVSHARE_BENCH_DRY:-}" ]; then M32=tiny M8=tiny DEV=cpu POOL=2GiB CTX_A=1k CTX_B=2k CTX_C=3k LEN8=8192; fi
 # the pool holds one block's primes below its 95% high watermark (above it, LRU evicts down to 90%,
 # tails first): 8 x 7.8 GiB at 32k, 2 x 31.3 GiB at 128k. With 66 GiB at 128k the second prime plus
 # the warm-ups crossed the watermark and the measured requests found only 446-450 of 500 chunks.
@@ -110,7 +110,10 @@ M32=${M32:-qwen3-32b} M8=${M8:-qwen3-8b} DEV=${DEV:-cuda} POOL=${POOL:-66GiB} CT
 PER_BLOCK_32K=${PER_BLOCK_32K:-8} PER_BLOCK_128K=${PER_BLOCK_128K:-4} PER_BLOCK_256K=${PER_BLOCK_256K:-4}
 SESSION_CONTEXTS=${SESSION_CONTEXTS:-$CTX_A,$CTX_B}  # e.g. SESSION_CONTEXTS=128k to continue with 128k only
 GPU32=(--model "$M32" --device "$DEV" --sequential --replicas 2 --pool-size "$POOL" --unit-allowance 60)
-GPU8=(--model "$M8" --device "$DEV" --replicas 2 --pool-size "$POOL" --replica-arg=--local-cache-size=20GiB)
+# two 8B replicas share the GPU: the preset's 262144 positions would give each a 36 GiB sequence KV,
+# which with 20 GiB local caches overfills the GPU (session 7: out of memory); 131072 holds the 128k turns
+GPU8=(--model "$M8" --device "$DEV" --replicas 2 --pool-size "$POOL" --replica-arg=--local-cache-size=20GiB
+      --replica-arg=--max-model-len="${LEN8:-131072}")
 
 case $STEP in
     32b-32k)

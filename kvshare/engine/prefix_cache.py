@@ -13,8 +13,11 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
 
+import logging
+
 import torch
 
+log = logging.getLogger(__name__)
 
 @dataclass
 class PrefixCacheCounters:
@@ -22,6 +25,11 @@ class PrefixCacheCounters:
     miss_chunks: int = 0
     inserted_chunks: int = 0
     evicted_chunks: int = 0
+    out_of_memory: int = 0  # inserts the device had no room for (each one capped the capacity)
+
+
+def _copy_of(chunk: torch.Tensor) -> torch.Tensor:
+    return chunk.clone(memory_format=torch.contiguous_format)
 
 
 class LocalPrefixCache:
@@ -60,7 +68,22 @@ class LocalPrefixCache:
         if size > self.capacity_bytes:
             return False
         self._evict_until(self.capacity_bytes - size)
-        self._chunks[key] = chunk.clone(memory_format=torch.contiguous_format)
+        try:
+            copy = _copy_of(chunk)
+        except torch.OutOfMemoryError:
+            # the configured size does not fit beside what else holds the device (another replica on
+            # the same GPU, the sequence KV): the cache stops at what it holds and makes room within
+            # that (tails first, so a prefix's head stays); never an error for the request
+            self._cap(self.num_bytes)
+            if size > self.capacity_bytes:
+                return False
+            self._evict_until(self.capacity_bytes - size)
+            try:
+                copy = _copy_of(chunk)
+            except torch.OutOfMemoryError:
+                self._cap(self.num_bytes)
+                return False
+        self._chunks[key] = copy
         self.num_bytes += size
         self.counters.inserted_chunks += 1
         return True
@@ -78,6 +101,13 @@ class LocalPrefixCache:
     def clear(self) -> None:
         self._chunks.clear()
         self.num_bytes = 0
+
+    def _cap(self, capacity_bytes: int) -> None:
+        self.counters.out_of_memory += 1
+        log.warning("local prefix cache: the device is out of memory at %.2f GiB held (configured %.2f GiB); "
+                    "capped there: lower --local-cache-size or --max-model-len, or run fewer replicas on this device",
+                    capacity_bytes / 2**30, self.capacity_bytes / 2**30)
+        self.capacity_bytes = capacity_bytes
 
     def _evict_until(self, limit_bytes: int) -> None:
         while self.num_bytes > limit_bytes and self._chunks:

@@ -55,3 +55,35 @@ def test_lru_by_bytes_keeps_the_heads_of_chains():
 def test_a_chunk_larger_than_the_cache_is_not_kept():
     cache = LocalPrefixCache(CHUNK_BYTES - 1)
     assert not cache.insert(b"k", chunk(0)) and len(cache) == 0
+
+
+def test_a_device_out_of_memory_caps_the_cache_and_keeps_a_prefix_head(monkeypatch, caplog):
+    """A configured size that does not fit the device (another replica beside it, the sequence KV)
+    stops the cache where it stands: it makes room within what it holds (a chain's tail first) and
+    takes the chunk, or refuses it. Never an error for the request that offered the chunk."""
+    from kvshare.engine import prefix_cache
+
+    cache = LocalPrefixCache(10 * CHUNK_BYTES)
+    a, b = keys("a", 3), keys("b", 3)
+    insert_chain(cache, a)
+    real = prefix_cache._copy_of
+
+    def room_for_three(chunk):
+        if len(cache) >= 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 36.00 MiB.")
+        return real(chunk)
+
+    monkeypatch.setattr(prefix_cache, "_copy_of", room_for_three)
+    assert cache.insert(b[0], chunk(9)) is True
+    assert cache.capacity_bytes == 3 * CHUNK_BYTES and cache.counters.out_of_memory == 1
+    assert "out of memory" in caplog.text and "--local-cache-size" in caplog.text
+    assert a[2] not in cache and b[0] in cache  # the tail of a's chain made room
+    assert [float(c[0]) for c in cache.longest_prefix(a)] == [0.0, 1.0]
+    assert cache.insert(b[1], chunk(8)) is True and cache.counters.out_of_memory == 1  # within the cap: no OOM
+
+    def no_room(chunk):
+        raise torch.OutOfMemoryError("CUDA out of memory.")
+
+    monkeypatch.setattr(prefix_cache, "_copy_of", no_room)
+    assert cache.insert(b[2], chunk(7)) is False  # refused, not raised
+    assert cache.num_bytes <= cache.capacity_bytes < 3 * CHUNK_BYTES

@@ -66,6 +66,33 @@ def test_local_cache_bound_and_option(tiny_dir, prompts):
     assert run(engine, ids, RequestOptions(use_local_cache=False)) == (cold, (0, 0, 75))
 
 
+def test_a_local_cache_the_device_cannot_hold_never_fails_a_request(tiny_dir, prompts, pool_socket, monkeypatch):
+    """The H200 run of 2026-12-01 (session 7): two replicas on one GPU, each with a local cache too
+    large for what the other left, failed requests after their tokens were generated (OOM in the
+    local insert). Now the request completes with the cold tokens, the pool still gets the prompt,
+    and the cache stops at what it held."""
+    from kvshare.engine import prefix_cache
+
+    engine = Engine(EngineConfig(model=tiny_dir, chunk_tokens=CHUNK, pool_socket=pool_socket))
+    ids = engine.tokenizer.encode(prompts[75])
+    cold, _ = run(engine, ids, COLD)
+    real = prefix_cache._copy_of
+
+    def room_for_two(chunk):  # the device holds two chunks beside everything else
+        if len(engine._local) >= 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 36.00 MiB.")
+        return real(chunk)
+
+    monkeypatch.setattr(prefix_cache, "_copy_of", room_for_two)
+    assert run(engine, ids) == (cold, (0, 0, 75))  # completed, though the device had room for 2 of 4 chunks
+    stats = engine.stats()
+    assert stats.local_cache_chunks == 2 and stats.pool_stored_chunks == 75 // CHUNK
+    assert engine._local.capacity_bytes == 2 * engine.layout.page_bytes
+    # the cache kept the prompt's head (tails make room first): the next request takes it locally,
+    # the rest from the pool, and computes the same tokens
+    assert run(engine, ids) == (cold, (32, 32, 11))
+
+
 def test_pool_reuse_by_a_second_process(tiny_dir, prompts, pool_socket, tmp_path):
     a = Engine(EngineConfig(model=tiny_dir, chunk_tokens=CHUNK, pool_socket=pool_socket, verify_checksums=True))
     cold = {}
