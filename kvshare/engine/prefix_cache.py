@@ -65,24 +65,21 @@ class LocalPrefixCache:
             self._chunks.move_to_end(key)
             return False
         size = chunk.numel() * chunk.element_size()
-        if size > self.capacity_bytes:
-            return False
-        self._evict_until(self.capacity_bytes - size)
-        try:
-            copy = _copy_of(chunk)
-        except torch.OutOfMemoryError:
-            # the configured size does not fit beside what else holds the device (another replica on
-            # the same GPU, the sequence KV): the cache stops at what it holds and makes room within
-            # that (tails first, so a prefix's head stays); never an error for the request
-            self._cap(self.num_bytes)
+        # a device out of memory (the configured size does not fit beside what else holds it: another
+        # replica on the same GPU, the sequence KV) caps the cache at what it holds; it then makes room
+        # within that (tails first, so a prefix's head stays) and tries once more. Never an error for
+        # the request that offered the chunk.
+        for _attempt in range(2):
             if size > self.capacity_bytes:
                 return False
             self._evict_until(self.capacity_bytes - size)
             try:
                 copy = _copy_of(chunk)
+                break
             except torch.OutOfMemoryError:
                 self._cap(self.num_bytes)
-                return False
+        else:
+            return False
         self._chunks[key] = copy
         self.num_bytes += size
         self.counters.inserted_chunks += 1

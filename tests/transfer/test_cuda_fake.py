@@ -34,6 +34,13 @@ def fake(monkeypatch):
     return fake
 
 
+def stored_pages(transfer, layout, offsets, seed):
+    """Random KV of len(offsets) chunks stored into these pages; (the KV, the pages' headers)."""
+    data = random_kv(layout, len(offsets) * layout.chunk_tokens, seed=seed)
+    sums = transfer.store(data, 0, offsets)
+    return data, [PageHeader(offset=o, page_bytes=layout.page_bytes, checksum=s) for o, s in zip(offsets, sums)]
+
+
 @pytest.mark.parametrize("method", ["memcpy2d", "torch"])
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 @pytest.mark.parametrize("stress", [True, False])
@@ -205,9 +212,7 @@ def test_load_waits_per_layer_and_reports_a_failed_enqueue(fake, client, monkeyp
     try:
         config = TransferConfig(staging_bytes=1 << 20, min_copy_bytes=layout.layer_bytes, load_enqueue=enqueue)
         with CudaTransfer(layout, client, CPU, config) as transfer:
-            data = random_kv(layout, 4 * layout.chunk_tokens, seed=6)
-            sums = transfer.store(data, 0, scratch.offsets)
-            headers = [PageHeader(offset=o, page_bytes=layout.page_bytes, checksum=s) for o, s in zip(scratch.offsets, sums)]
+            data, headers = stored_pages(transfer, layout, scratch.offsets, seed=6)
             kv = torch.zeros_like(data)
             handle = transfer.load(kv, 0, headers)
             for layer in range(layout.num_layers):
@@ -263,9 +268,7 @@ def test_the_thread_mode_enqueues_the_first_group_before_load_returns(fake, clie
     try:
         config = TransferConfig(staging_bytes=1 << 20, min_copy_bytes=layout.layer_bytes, load_enqueue="thread")
         with CudaTransfer(layout, client, CPU, config) as transfer:
-            data = random_kv(layout, 4 * layout.chunk_tokens, seed=7)
-            sums = transfer.store(data, 0, scratch.offsets)
-            headers = [PageHeader(offset=o, page_bytes=layout.page_bytes, checksum=s) for o, s in zip(scratch.offsets, sums)]
+            data, headers = stored_pages(transfer, layout, scratch.offsets, seed=7)
             kv = torch.zeros_like(data)
             handle = transfer.load(kv, 0, headers)
             assert len(held) == 1 and handle.first_copy_s is not None
