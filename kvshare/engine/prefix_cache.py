@@ -9,15 +9,15 @@ most recently used: eviction takes chains from their ends, never from their star
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
 
-import logging
-
 import torch
 
 log = logging.getLogger(__name__)
+
 
 @dataclass
 class PrefixCacheCounters:

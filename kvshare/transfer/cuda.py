@@ -45,9 +45,10 @@ class CudaLoadHandle(LoadHandle):
     """A load in flight: one event per layer group on the reshape stream.
 
     Its copies are enqueued group by group by ``steps`` (a generator that yields after each
-    group), at once ("eager"), ahead of the reader's wait_layer ("lazy"), or the first group by the
-    caller and the rest by a thread ("thread"). ``wait_layer`` makes sure the group's event has been recorded before the
-    compute stream waits on it (waiting on an event not yet recorded would not wait at all).
+    group), at once ("eager"), ahead of the reader's wait_layer ("lazy"), or the first group by
+    the caller and the rest by a thread ("thread"). ``wait_layer`` makes sure the group's event
+    has been recorded before the compute stream waits on it (waiting on an event not yet
+    recorded would not wait at all).
     """
 
     def __init__(self, num_bytes: int, group_of_layer: list[int], num_groups: int, device, mode: str,
