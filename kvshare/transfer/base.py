@@ -47,7 +47,8 @@ class TransferConfig:
     # (needs cuda-bindings); "torch" makes one torch copy per page and layer group. No fallback.
     copy_method: str = "memcpy2d"
     min_copy_bytes: int = 2 << 20  # CUDA: layers are grouped so one page's row of a copy is at least this
-    staging_bytes: int = 256 << 20  # CUDA: each of the two GPU staging buffers
+    staging_bytes: int = 256 << 20  # CUDA: each GPU staging buffer
+    staging_buffers: int = 2  # CUDA: buffers the units rotate through; a copy into one waits for its last scatter
     verify_fraction: float = 0.0  # share of loaded pages whose checksum is checked (client.verify_checksums: all)
     checksum_threads: int = 0  # threads hashing pages (xxhash releases the GIL); 0: min(8, cores)
     producer_delay_cycles: int = 0  # validation: GPU sleep that inject_producer_delay() enqueues
@@ -63,6 +64,8 @@ class TransferConfig:
         for name in ("min_copy_bytes", "staging_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"TransferConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.staging_buffers < 2:  # one buffer would serialise every copy behind its own scatter
+            raise ValueError(f"TransferConfig.staging_buffers must be >= 2, got {self.staging_buffers}")
         if self.load_enqueue not in LOAD_ENQUEUE_MODES:
             raise ValueError(f"load_enqueue must be one of {LOAD_ENQUEUE_MODES}, got {self.load_enqueue!r}")
         if not 0.0 <= self.verify_fraction <= 1.0:

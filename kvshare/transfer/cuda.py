@@ -1,6 +1,6 @@
 """CudaTransfer: registered pool pages <-> a GPU KV tensor, through GPU staging buffers.
 
-Two side streams and two staging buffers (double buffering)::
+Two side streams and ``staging_buffers`` staging buffers (default two: double buffering)::
 
     load   copy stream:     H2D unit0 -> buf0 | H2D unit1 -> buf1 | H2D unit2 -> buf0 (after scatter0) ...
            reshape stream:        scatter+WSUM32 buf0 -> kv | scatter+WSUM32 buf1 -> kv | ...   event per layer group
@@ -37,9 +37,6 @@ from kvshare.transfer.plan import Unit, layer_groups, load_units, pages_per_unit
 from kvshare.transfer.registration import acquire_registration, release_registration
 from kvshare.transfer.verify import PageCheck, can_sum_staged, store_checksum_kind
 from kvshare.transfer.wsum import add_rows, as_unsigned
-
-NUM_STAGING = 2
-
 
 class CudaLoadHandle(LoadHandle):
     """A load in flight: one event per layer group on the reshape stream.
@@ -154,10 +151,9 @@ class CudaTransfer(KVTransfer):
                 # to the device's highest priority)
                 self._copy_stream = torch.cuda.Stream(self.device, priority=-1)
                 self._reshape_stream = torch.cuda.Stream(self.device, priority=-1)
-                self._staging = [
-                    torch.empty(config.staging_bytes, dtype=torch.uint8, device=self.device) for _ in range(NUM_STAGING)
-                ]
-                self._idle = [torch.cuda.Event() for _ in range(NUM_STAGING)]  # last use of each staging buffer
+                self._staging = [torch.empty(config.staging_bytes, dtype=torch.uint8, device=self.device)
+                                 for _ in range(config.staging_buffers)]
+                self._idle = [torch.cuda.Event() for _ in range(config.staging_buffers)]  # last use of each staging buffer
         except BaseException:
             release_registration(self.registration)
             raise
@@ -324,7 +320,7 @@ class CudaTransfer(KVTransfer):
 
     def _take_buffer(self) -> int:
         buf = self._next_buffer
-        self._next_buffer = (buf + 1) % NUM_STAGING
+        self._next_buffer = (buf + 1) % len(self._idle)
         return buf
 
     def _rows(self, buf: int, unit: Unit) -> tuple[torch.Tensor, int]:

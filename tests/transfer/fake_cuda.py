@@ -38,6 +38,7 @@ class FakeCuda:
         self.register_calls = 0
         self.fail_register_at: int | None = None  # fail the n-th cudaHostRegister (1-based)
         self.copies_2d: list[tuple] = []
+        self.device_ends: list[int] = []  # the device-side pointer of each 2-D copy
 
     # -- torch.cuda.cudart() -------------------------------------------------------------------
     def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
@@ -77,6 +78,7 @@ class FakeCuda:
         if not self.inside_one_registration(host, (height - 1) * pitch + width):
             return (Err.cudaErrorInvalidValue,)
         self.copies_2d.append((width, height))
+        self.device_ends.append(dst if kind == Kind.cudaMemcpyHostToDevice else src)
         for row in range(height):
             ctypes.memmove(dst + row * dpitch, src + row * spitch, width)
         return (Err.cudaSuccess,)

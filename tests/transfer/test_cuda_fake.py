@@ -64,6 +64,29 @@ def test_round_trip_through_staging(fake, client, method, name, stress, enqueue)
         scratch.release(client)
 
 
+@pytest.mark.parametrize("buffers", [3, 4])
+def test_round_trip_through_more_staging_buffers(fake, client, buffers):
+    layout = LAYOUTS["bf16"]
+    scratch = reserve_scratch(client, layout.page_bytes, 2 * EXTENT_BYTES // layout.page_bytes + 3)
+    try:
+        config = dataclasses.replace(stress_config(layout), staging_buffers=buffers)
+        with CudaTransfer(layout, client, CPU, config) as transfer:
+            stages = [(t.data_ptr(), t.data_ptr() + t.numel()) for t in transfer._staging]
+            assert len(stages) == buffers
+            checked, wrong = round_trip(transfer, client, make_cases(scratch.offsets, EXTENT_BYTES, seed=2),
+                                        ByteCheckConfig(layout=layout), CPU)
+            assert checked > 0 and wrong == 0
+            used = {i for ptr in fake.device_ends for i, (lo, hi) in enumerate(stages) if lo <= ptr < hi}
+            assert used == set(range(buffers))  # the units rotate through every buffer
+    finally:
+        scratch.release(client)
+
+
+def test_one_staging_buffer_is_refused():
+    with pytest.raises(ValueError, match="staging_buffers must be >= 2"):
+        TransferConfig(staging_buffers=1)
+
+
 def test_ordering_checks_move_the_right_bytes_when_ordered(fake, client):
     layout = LAYOUTS["bf16"]
     scratch = reserve_scratch(client, layout.page_bytes, 5)
