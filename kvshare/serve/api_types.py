@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from typing import Any, Union
 
 import msgspec
@@ -113,11 +114,12 @@ class CompletionRequest(_CompletionChecked, kw_only=True):
 
 
 class TokenIdsCompletionRequest(CompletionRequest, kw_only=True):
-    """A completion whose prompt is one list of token ids, decoded typed (a 128k-token prompt: ~3 ms, against
-    ~35 ms for the generic decode and the per-element checks of ``prompt_of``). msgspec's ``int`` refuses
-    JSON booleans and floats, so the list needs no further check."""
+    """A completion whose prompt is one list of token ids. msgspec checks the JSON and hands the list over
+    raw; ``decode_completion`` reads it into one int64 array (``prompt`` holds that array afterwards): a
+    262144-token prompt in ~7 ms, against ~14 ms for a typed ``list[int]`` and an array made from it, and
+    ~35 ms at 128k for the generic decode with ``prompt_of``'s per-element checks."""
 
-    prompt: list[int]
+    prompt: msgspec.Raw  # as decoded; the int64 array once read
 
 
 class ContentPart(msgspec.Struct):
@@ -145,12 +147,40 @@ ROLES = ("system", "user", "assistant", "developer", "tool")
 _AT_PATH = re.compile(r"at `\$\.([^`]*)`|field `([^`]*)`")
 
 
+_NOT_IN_TOKEN_IDS = b"0123456789, \t\r\n"  # what a JSON list of non-negative integers holds between its brackets
+
+
 def decode_completion(body: bytes) -> CompletionRequest:
-    """A completion request: typed at once where the prompt is token ids, else through the generic decode."""
+    """A completion request: at once where the prompt is one list of token ids, else through the generic decode."""
     try:
-        return msgspec.json.decode(body, type=TokenIdsCompletionRequest)
+        req = msgspec.json.decode(body, type=TokenIdsCompletionRequest)
     except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError):
+        req = None
+    ids = token_ids_array(bytes(req.prompt)) if req is not None else None
+    if ids is None:
         return decode(body, CompletionRequest)  # a text prompt or a batch; or an error, reported from here
+    return msgspec.structs.replace(req, prompt=ids)
+
+
+def token_ids_array(raw: bytes):
+    """A JSON array of non-negative integers (its syntax already checked) as one int64 numpy array; None for
+    any other JSON value. An integer beyond int64 reads as the int64 maximum, which no vocabulary holds."""
+    import numpy as np
+
+    if raw[:1] != b"[" or raw[-1:] != b"]":
+        return None
+    inner = raw[1:-1]
+    if inner.translate(None, _NOT_IN_TOKEN_IDS):  # a sign, a fraction, a nested list, a string, true...
+        return None
+    if not inner.strip():
+        return np.empty(0, dtype=np.int64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)  # older numpy warns where numpy 2.4 raises
+        try:  # text mode: whitespace around the commas is skipped
+            ids = np.fromstring(inner, dtype=np.int64, sep=",")
+        except (ValueError, DeprecationWarning):  # "could not be read to its end": not numbers and commas
+            return None
+    return ids  # all of them: valid JSON of digits, commas and whitespace is integers between commas
 
 
 def decode(body: bytes, kind: type) -> Any:

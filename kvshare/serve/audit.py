@@ -60,7 +60,7 @@ class AuditConfig:
 
 @dataclass
 class AuditSample:
-    prompt_ids: list[int]
+    prompt_ids: Any  # list[int] or an int64 numpy array
     options: Any  # the request's engine RequestOptions (reuse switches, tenant)
     served_ids: list[int] | None  # the first tokens served, if the request was greedy
     served_events: list | None  # their engine TokenEvents, when they carry logprobs (the exact rule compares them)
@@ -118,7 +118,8 @@ class Auditor:
             served_events = None
             if served is not None and events and params.logprobs is not None and events[0].logprob is not None:
                 served_events = list(events[: len(served)])
-            self._pending.append(AuditSample(list(prompt_ids), options, served, served_events, params,
+            kept = list(prompt_ids) if isinstance(prompt_ids, list) else prompt_ids.copy()  # or a numpy array
+            self._pending.append(AuditSample(kept, options, served, served_events, params,
                                              provenance.local_tokens, provenance.pool_tokens))
         self._show_pending()
         return True

@@ -26,7 +26,7 @@ from kvshare.serve.render import chat_logprobs, completion_logprobs
 class Prepared:
     """A validated request as the engine takes it (``params``: SamplingParams, ``options``: RequestOptions)."""
 
-    prompt_ids: list[int]
+    prompt_ids: Any  # list[int], or the int64 array a token-id completion was read into
     params: Any
     options: Any
     stops: list[str]
@@ -126,6 +126,7 @@ class ResponseBuilder:
             obj = "text_completion"
         if self.req.return_token_ids:
             choice["token_ids"] = self.token_ids
-            choice["prompt_token_ids"] = self.prep.prompt_ids
+            ids = self.prep.prompt_ids
+            choice["prompt_token_ids"] = ids if isinstance(ids, list) else ids.tolist()
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.req.model,
                 "choices": [choice], "usage": self.usage(), "kvshare": self.kvshare()}

@@ -227,20 +227,23 @@ class ReplicaServer:
                                  arrival=(arrival, read_s))
         return await self._respond(request, req, prepared, chat=True)
 
-    def _prepare(self, request, req, prompt_ids: list[int], default_max_tokens: int | None, logprobs,
+    def _prepare(self, request, req, prompt_ids, default_max_tokens: int | None, logprobs,
                  arrival: tuple[float, float]) -> Prepared:
         """The request checked and ready for the engine; ``arrival``: (handler start, body read) clock() values."""
         from kvshare.engine.engine import RequestOptions
         from kvshare.engine.timeline import Timeline
 
         req.model = self.served.resolve(req.model)  # responses name the first served name, as vLLM's do
-        if not prompt_ids:
+        if len(prompt_ids) == 0:
             raise A.ApiError(400, "the prompt is empty", param="prompt")
         vocab = self.engine.model_config.vocab_size
-        try:  # one array, checked at once: a 32k-token list's min() and max() alone cost ~1 ms of TTFT
-            ids = np.fromiter(prompt_ids, dtype=np.int64, count=len(prompt_ids))
-        except OverflowError:
-            ids = None
+        if isinstance(prompt_ids, np.ndarray):  # token ids read by decode_completion
+            ids = prompt_ids
+        else:
+            try:  # one array, checked at once: a 32k-token list's min() and max() alone cost ~1 ms of TTFT
+                ids = np.fromiter(prompt_ids, dtype=np.int64, count=len(prompt_ids))
+            except OverflowError:
+                ids = None
         if ids is None or not 0 <= ids.min() <= ids.max() < vocab:
             raise A.ApiError(400, f"token ids must lie in [0, {vocab})", param="prompt")
         max_tokens = self._max_tokens(req, len(prompt_ids), "messages" if default_max_tokens is None else "prompt",

@@ -39,7 +39,7 @@ def warm_request_path(engine: Any, model_name: str, replica_name: str, max_promp
                              "kvshare": {"timeline": True, "use_pool": False, "use_local_cache": False}})
         req = A.decode_completion(body)
         A.validate(req)
-        array = np.fromiter(A.prompt_of(req), dtype=np.int64)
+        array = np.asarray(A.prompt_of(req), dtype=np.int64)
         params = sampling_params(req, 2, req.logprobs, vocab)
         options = RequestOptions(use_pool=False, use_local_cache=False, timeline=Timeline(time.perf_counter()))
         prep = Prepared(list(ids), params, options, A.stop_strings(req), False, array)
@@ -55,5 +55,5 @@ def warm_request_path(engine: Any, model_name: str, replica_name: str, max_promp
     longest = engine.max_model_len - 1 if max_prompt_tokens is None else min(max_prompt_tokens, engine.max_model_len - 1)
     spread = (np.arange(longest, dtype=np.int64) * 7919 + vocab // 2) % vocab  # multi-digit ids, as real ones are
     body = _json.encode({"model": model_name, "prompt": spread.tolist(), "max_tokens": 1})
-    array = np.fromiter(A.prompt_of(A.decode_completion(body)), dtype=np.int64, count=longest)
+    array = np.asarray(A.prompt_of(A.decode_completion(body)), dtype=np.int64)
     array.min(), array.max()  # the range check a request's ids get

@@ -157,3 +157,59 @@ def test_type_errors_name_the_parameter():
         with pytest.raises(A.ApiError) as err:
             A.decode(body, A.ChatRequest)
         assert err.value.param == param, body
+
+
+# -- issue 18: token-id prompts read straight into one int64 array ----------------------------------
+
+
+@pytest.mark.parametrize("text", ["[5, 17,\n 3]", "[5,17,3]", " [ 5 , 17 , 3 ] ", "[\t5,\r\n17,3\n]"])
+def test_token_id_prompts_read_as_one_array_whatever_the_whitespace(text):
+    import numpy as np
+
+    req = A.decode_completion(b'{"model": "m", "prompt": ' + text.encode() + b', "max_tokens": 4}')
+    A.validate(req)
+    ids = A.prompt_of(req)
+    assert isinstance(ids, np.ndarray) and ids.dtype == np.int64 and ids.tolist() == [5, 17, 3]
+    assert req.max_tokens == 4
+
+
+def test_a_long_token_id_prompt_reads_exactly():
+    import json
+
+    import numpy as np
+
+    ids = np.random.default_rng(3).integers(0, 2**31, 50_000).tolist() + [0, 10**18]
+    req = A.decode_completion(json.dumps({"prompt": ids}).encode())
+    assert A.prompt_of(req).tolist() == ids
+
+
+@pytest.mark.parametrize("prompt, kept", [
+    ([1, -2, 3], [1, -2, 3]),  # a sign: the generic decode, then the server's range check (400)
+    ("text", "text"),
+    (["a"], "a"),
+    ([[1, 2]], [1, 2]),  # a one-element batch of token ids
+])
+def test_other_prompts_take_the_generic_decode(prompt, kept):
+    import json
+
+    req = A.decode_completion(json.dumps({"prompt": prompt}).encode())
+    assert type(req) is A.CompletionRequest and A.prompt_of(req) == kept
+
+
+@pytest.mark.parametrize("prompt", ["[1.5, 2]", "[true]", "[1e3]", '[1, "2"]'])
+def test_token_ids_that_are_not_integers_are_refused(prompt):
+    with pytest.raises(A.ApiError) as err:
+        A.validate(A.decode_completion(b'{"prompt": ' + prompt.encode() + b"}"))
+    assert err.value.status == 400 and err.value.param == "prompt"
+
+
+def test_the_array_reader_refuses_what_is_not_a_list_of_integers():
+    assert A.token_ids_array(b"[1,2]").tolist() == [1, 2]
+    assert A.token_ids_array(b"[]").tolist() == []
+    assert A.token_ids_array(b"[99999999999999999999999]").tolist() == [2**63 - 1]  # beyond any vocabulary
+    for raw in (b"[1,-2]", b"[1.0]", b"[[1]]", b'"12"', b"12"):
+        assert A.token_ids_array(raw) is None, raw
+    for body in (b'{"prompt": [1,2,]}', b'{"prompt": [1,,2]}', b'{"prompt": [1 2]}', b'{"prompt": [01]}'):
+        with pytest.raises(A.ApiError) as err:  # the array is read only once msgspec found the JSON valid
+            A.decode_completion(body)
+        assert err.value.code == "invalid_json", body

@@ -140,3 +140,16 @@ def test_token_ids_outside_the_vocabulary_get_400(url, ids):
     assert status == 400, out
     assert out["error"]["param"] == "prompt" and "token ids must lie in" in out["error"]["message"]
     assert complete(url, prompt=[1, 2, 3])["token_ids"]  # and the replica serves the next request
+
+
+def test_token_ids_read_as_an_array_serve_as_the_list_did(url):
+    """Issue 18: a token-id prompt is read into one array; spaced or compact, the answer and the
+    prompt_token_ids returned are the same, and the same as the text prompt's ids give."""
+    ids = complete(url, max_tokens=1)["prompt_token_ids"]
+    compact = complete(url, prompt=ids, temperature=0)
+    raw = ('{"prompt": [ ' + " ,\n ".join(map(str, ids)) + ' ], "max_tokens": 12, "ignore_eos": true, '
+           '"return_token_ids": true, "temperature": 0}').encode()
+    status, spaced = call(url, "/v1/completions", raw=raw)
+    assert status == 200, spaced
+    assert spaced["choices"][0]["token_ids"] == compact["token_ids"] == complete(url, temperature=0)["token_ids"]
+    assert spaced["choices"][0]["prompt_token_ids"] == compact["prompt_token_ids"] == ids
