@@ -15,7 +15,13 @@ same run against the same reference:
 Each variant: one warm-up, then REPEATS loads; GB/s of the median by the load's own CUDA events
 (start on the copy stream -> end after the last scatter), and the bytes checked equal after each.
 
-    PYTHONPATH=.:/tmp/site python3 benchmarks/diagnostics/diag_load_pipeline.py [TOKENS]
+With EXTENTS (pool extent sizes, e.g. 256MiB,1GiB,4GiB) only the copies alone and the loads with and
+without checks run, once per extent size, each against a pool of its own: a run of pages never
+crosses an extent (each is its own CUDA registration), so with the pool's default 256 MiB extents a
+32B-shape run holds at most 4 pages of 64 MiB, and each 2-D copy moves 8 MiB (the line printed per
+pool gives the number of copies and their mean size).
+
+    PYTHONPATH=.:/tmp/site python3 benchmarks/diagnostics/diag_load_pipeline.py [TOKENS [EXTENTS]]
 """
 import json
 import mmap
@@ -38,9 +44,11 @@ from kvshare.transfer.plan import load_units
 from kvshare.transfer.registration import acquire_registration, register_range, release_registration, unregister_range
 from kvshare.transfer.roundtrip import random_kv
 from kvshare.transfer.scratch import reserve_scratch
+from kvshare.units import parse_size
 
 GiB, MiB = 1 << 30, 1 << 20
 TOKENS = int(sys.argv[1]) if len(sys.argv) > 1 else 131072
+EXTENTS = sys.argv[2].split(",") if len(sys.argv) > 2 else None  # None: the pool's default, every variant
 REPEATS = 3
 LAYOUT = KVLayout(num_layers=64, num_kv_heads=8, head_dim=128, dtype="bfloat16", chunk_tokens=256)
 VARIANTS = [  # (name, TransferConfig fields, matmuls beside)
@@ -81,7 +89,8 @@ def median_seconds(enqueue) -> float:
     return statistics.median(times)
 
 
-def plan_copies_gbps(client, transfer: CudaTransfer, offsets: list[int], num_bytes: int) -> float:
+def plan_copies(client, transfer: CudaTransfer, offsets: list[int], num_bytes: int) -> tuple[float, int]:
+    """GB/s of the load's plan executed back to back on one stream, and how many 2-D copies it holds."""
     units = [u for group in load_units(offsets, LAYOUT, transfer.config.min_copy_bytes, transfer.config.staging_bytes,
                                        client.hello.extent_bytes) for u in group]
     copier = make_copier("memcpy2d", torch.cuda.current_device())
@@ -91,7 +100,7 @@ def plan_copies_gbps(client, transfer: CudaTransfer, offsets: list[int], num_byt
         for i, unit in enumerate(units):
             copier.copy(unit.copies, client, base, transfer._staging[i % 2], stream, to_device=True)
 
-    return num_bytes / median_seconds(enqueue) / 1e9
+    return num_bytes / median_seconds(enqueue) / 1e9, sum(len(u.copies) for u in units)
 
 
 def busy_side_stream(seconds: float) -> torch.cuda.Stream:
@@ -139,10 +148,21 @@ def measure(client, headers, src, dst, fields: dict, compute: bool) -> dict:
 
 
 def main() -> int:
+    ok = True
+    if EXTENTS is None:
+        return 0 if one_pool(None, VARIANTS) else 1
+    for extent in EXTENTS:
+        ok &= one_pool(extent, VARIANTS[:2])
+    return 0 if ok else 1
+
+
+def one_pool(extent: str | None, variants: list) -> bool:
     num_pages = TOKENS // LAYOUT.chunk_tokens
     num_bytes = num_pages * LAYOUT.page_bytes
     ok = True
-    with running_pool(num_bytes + 2 * GiB, quiet=True) as sock, PoolClient(sock, name="diag-load") as client:
+    extra = ("--extent-size", extent) if extent else ()
+    size = num_bytes + 2 * max(GiB, parse_size(extent) if extent else 0)
+    with running_pool(size, extra, quiet=True) as sock, PoolClient(sock, name="diag-load") as client:
         reg = acquire_registration(client)
         scratch = reserve_scratch(client, LAYOUT.page_bytes, num_pages)
         try:
@@ -153,18 +173,22 @@ def main() -> int:
                 headers = [PageHeader(offset=o, page_bytes=LAYOUT.page_bytes, checksum=s, checksum_kind=transfer.checksum_kind)
                            for o, s in zip(scratch.offsets, sums)]
                 ref = reference_gbps(dst.view(-1).view(torch.uint8)[: 4 * GiB])
-                copies = plan_copies_gbps(client, transfer, scratch.offsets, num_bytes)
-            print(json.dumps({"tokens": TOKENS, "GiB": round(num_bytes / GiB, 2), "registration_s": round(reg.seconds, 2),
-                              "reference_GBps": round(ref, 2), "plan_copies_GBps": round(copies, 2),
-                              "plan_copies_ratio": round(copies / ref, 3)}), flush=True)
-            for name, fields, compute in VARIANTS:
+                copies, num_copies = plan_copies(client, transfer, scratch.offsets, num_bytes)
+            print(json.dumps({"tokens": TOKENS, "GiB": round(num_bytes / GiB, 2), "extent": client.hello.extent_bytes,
+                              "registration_s": round(reg.seconds, 2), "reference_GBps": round(ref, 2),
+                              "plan_copies_GBps": round(copies, 2), "plan_copies_ratio": round(copies / ref, 3),
+                              "copies": num_copies, "MiB_per_copy": round(num_bytes / num_copies / MiB, 1)}), flush=True)
+            for name, fields, compute in variants:
                 row = measure(client, headers, src, dst, fields, compute)
                 ok &= row["exact"]
-                print(json.dumps({"variant": name, **row, "ratio": round(row["device_GBps"] / ref, 3)}), flush=True)
+                print(json.dumps({"variant": name, "extent": client.hello.extent_bytes, **row,
+                                  "ratio": round(row["device_GBps"] / ref, 3)}), flush=True)
+            del src, dst
+            torch.cuda.empty_cache()
         finally:
             scratch.release(client)
             release_registration(reg)
-    return 0 if ok else 1
+    return ok
 
 
 if __name__ == "__main__":
