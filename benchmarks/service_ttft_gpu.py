@@ -118,7 +118,7 @@ def cluster_spec(plan: dict, args) -> ClusterSpec:
     return ClusterSpec(layout=plan["layout"], model=plan["model"], device=args.device, pool_size=str(plan["pool_size"]),
                        replica_args=(f"--local-cache-size={plan['local_cache']}", f"--max-model-len={plan['context']}",
                                      f"--verify-rate={args.verify_rate}", *args.replica_arg),
-                       start_timeout_s=args.start_timeout, log_dir=args.log_dir)
+                       pool_args=tuple(args.pool_arg), start_timeout_s=args.start_timeout, log_dir=args.log_dir)
 
 
 async def send(url: str, model: str, ids: list[int], max_tokens: int):
@@ -188,6 +188,7 @@ def make_row(plan: dict, path: str, is_first: bool, got: dict, h2d: tuple[float,
             "cross_replica": prov.get("replica"), "cold_replica": (cold.provenance or {}).get("replica"),
             "verified": args.verify_rate >= 1.0 and kv > 0, "tokens_equal": cross.token_ids == cold.token_ids,
             "h2d_bytes_per_s": h2d[0], "h2d_measured": h2d[1], "local_cache_bytes": plan["local_cache"],
+            "pool_args": list(args.pool_arg),
             "timeline": prov.get("timeline"), "local_timeline": (local.provenance or {}).get("timeline"),
             **output_check(cold, cross)}
 
@@ -232,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pool-size", type=int, default=None, help="bytes (default 2.2 x a prompt's KV + 2 GiB)")
     p.add_argument("--local-cache-size", type=int, default=None, help="bytes (default: a prompt's KV, where it fits)")
     p.add_argument("--replica-arg", action="append", default=[], help="more replica arguments (repeatable)")
+    p.add_argument("--pool-arg", action="append", default=[],
+                   help="pool arguments, e.g. --pool-arg=--extent-size=1GiB (repeatable; rows record them)")
     p.add_argument("--time-budget", type=float, default=540.0, help="seconds; a case that would end later is skipped")
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--seed", type=int, default=0)
@@ -242,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.log_dir, exist_ok=True)
     path = os.path.join(args.out, "service_ttft.json")
     rows = json.load(open(path)) if os.path.exists(path) else []
-    have = {(r["model"], r["prompt_tokens"]) for r in rows}
+    have = {(r["model"], r["prompt_tokens"], tuple(r.get("pool_args", ()))) for r in rows}  # a case per pool set-up
     rate, measured, gpu_bytes = measure_h2d(args.device)
     print(f"pinned H2D {rate / 1e9:.1f} GB/s ({'measured' if measured else 'assumed'})", flush=True)
     rng = np.random.default_rng(args.seed + int(time.time()))  # fresh prompts: nothing cached by an earlier run
@@ -253,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         for model, tokens in args.cases:
             plan = plan_case(model, tokens, args, gpu_bytes)
             args.vocab = min(PRESETS[model].config.vocab_size, 256 if model == "tiny" else 150000)
-            if (model, plan["prompt_tokens"]) in have:
+            if (model, plan["prompt_tokens"], tuple(args.pool_arg)) in have:
                 print(f"{model} {plan['prompt_tokens']}: in {path} already", flush=True)
                 continue
             if plan["layout"] is None:

@@ -38,6 +38,7 @@ class ClusterSpec:
     device: str
     pool_size: str  # bytes or a size ("48GiB")
     replica_args: tuple[str, ...] = ()
+    pool_args: tuple[str, ...] = ()  # the pool's arguments past its size and socket (e.g. --extent-size=1GiB)
     policy: str = "round_robin"
     start_timeout_s: float = 300.0  # kvshare up, or one replica of the sequential layout
     log_dir: str | None = None  # each child's output to NAME.log there; None: printed as "[NAME] line"
@@ -75,7 +76,7 @@ class Cluster:
         if s.layout == "together":
             self._spawn("up", ["up", "--model", s.model, "--device", s.device, "--replicas", "2", "--policy", s.policy,
                                "--port", str(self.port), "--pool-size", str(s.pool_size),
-                               *[f"--replica-arg={a}" for a in s.replica_args]])
+                               *[f"--replica-arg={a}" for a in s.replica_args], *[f"--pool-arg={a}" for a in s.pool_args]])
             self._wait_ready([self.router, *self.urls.values()], ["up"], s.start_timeout_s,
                              until=lambda: self.pool_socket is not None)
             return self
@@ -83,7 +84,7 @@ class Cluster:
 
         self._tmp = tempfile.TemporaryDirectory(prefix="kvshare-bench-")
         sock = os.path.join(self._tmp.name, "pool.sock")
-        self._spawn("pool", ["pool", "--size", str(s.pool_size), "--socket", sock])
+        self._spawn("pool", ["pool", "--size", str(s.pool_size), "--socket", sock, *s.pool_args])
         wait_for_pool(sock, timeout_s=120, proc=self.procs["pool"])
         self.pool_socket = sock
         self._spawn("router", ["route", "--policy", s.policy, "--port", str(self.port),
