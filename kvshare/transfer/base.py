@@ -169,9 +169,10 @@ class KVTransfer(ABC):
     def _page_offsets(self, pages: Sequence["PageHeader"]) -> list[int]:
         from kvshare.pool.protocol import FORMAT_VERSION
 
+        page_bytes = self.layout.page_bytes  # once: a property chain, and a 256k load has 1023 pages
         for page in pages:
-            if page.page_bytes != self.layout.page_bytes:
-                raise ValueError(f"page at {page.offset} holds {page.page_bytes} bytes, the layout {self.layout.page_bytes}")
+            if page.page_bytes != page_bytes:
+                raise ValueError(f"page at {page.offset} holds {page.page_bytes} bytes, the layout {page_bytes}")
             if page.format_version != FORMAT_VERSION:
                 raise ChecksumMismatch(f"page at {page.offset} has format {page.format_version}, expected {FORMAT_VERSION}")
         return [page.offset for page in pages]

@@ -80,17 +80,16 @@ def page_runs(
     """Maximal runs of pages[start:stop] on consecutive offsets, each inside one extent."""
     stop = len(offsets) if stop is None else stop
     runs: list[PageRun] = []
-    for i in range(start, stop):
-        offset = offsets[i]
-        if runs:
-            last = runs[-1]
-            follows = offset == last.offset + last.num_pages * page_bytes
-            same_extent = extent_bytes is None or offset // extent_bytes == last.offset // extent_bytes
-            if follows and same_extent:
-                runs[-1] = PageRun(last.first, last.offset, last.num_pages + 1)
+    first = start  # the open run: pages first..i-1, from base (one PageRun per run, not per page: 1k-page loads)
+    for i in range(start + 1, stop + 1):
+        if i < stop:
+            offset, base = offsets[i], offsets[first]
+            follows = offset == base + (i - first) * page_bytes
+            if follows and (extent_bytes is None or offset // extent_bytes == base // extent_bytes):
                 continue
-        runs.append(PageRun(i, offset, 1))
-    return runs
+        runs.append(PageRun(first, offsets[first], i - first))
+        first = i
+    return runs if start < stop else []
 
 
 def layer_groups(num_layers: int, layer_bytes: int, min_copy_bytes: int) -> list[tuple[int, int]]:

@@ -31,6 +31,34 @@ def test_runs_split_at_gaps_and_extent_boundaries():
     assert [(r.first, r.num_pages) for r in page_runs(offsets, p, start=1, stop=5)] == [(1, 2), (3, 2)]
 
 
+def _runs_page_by_page(offsets, page_bytes, extent_bytes, start, stop):
+    """The definition, one page at a time: a page joins the run before it when it follows it in the same extent."""
+    runs = []
+    for i in range(start, stop):
+        if runs and offsets[i] == runs[-1][1] + runs[-1][2] * page_bytes and (
+                extent_bytes is None or offsets[i] // extent_bytes == runs[-1][1] // extent_bytes):
+            runs[-1][2] += 1
+        else:
+            runs.append([i, offsets[i], 1])
+    return [tuple(r) for r in runs]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_runs_equal_the_page_by_page_definition(seed):
+    import random
+
+    rng, p = random.Random(seed), 100
+    offsets, at = [], 0
+    for _ in range(rng.randrange(0, 60)):
+        at = rng.choice([at + p, at + p, at + p, rng.randrange(0, 50) * p])  # mostly consecutive, some jumps
+        offsets.append(at)
+    extent = rng.choice([None, 250, 400, 10_000])
+    start = rng.randrange(0, len(offsets) + 1)
+    stop = rng.randrange(start, len(offsets) + 1)
+    got = [(r.first, r.offset, r.num_pages) for r in page_runs(offsets, p, extent, start, stop)]
+    assert got == _runs_page_by_page(offsets, p, extent, start, stop)
+
+
 def test_layer_groups_reach_the_minimum_copy():
     assert layer_groups(36, 1 << 20, 2 << 20) == [(i, i + 2) for i in range(0, 36, 2)]  # Qwen3-8B: 1 MiB per layer
     assert layer_groups(5, 256, 600) == [(0, 5)]  # 3 layers reach 600 B; two groups of 3 do not fit 5
