@@ -80,7 +80,7 @@ def page_runs(
     """Maximal runs of pages[start:stop] on consecutive offsets, each inside one extent."""
     stop = len(offsets) if stop is None else stop
     runs: list[PageRun] = []
-    first = start  # the open run: pages first..i-1, from base (one PageRun per run, not per page: 1k-page loads)
+    first = start  # the open run: pages first..i-1 (one PageRun per run, not per page: a 256k load has 1023)
     for i in range(start + 1, stop + 1):
         if i < stop:
             offset, base = offsets[i], offsets[first]
@@ -89,7 +89,7 @@ def page_runs(
                 continue
         runs.append(PageRun(first, offsets[first], i - first))
         first = i
-    return runs if start < stop else []
+    return runs
 
 
 def layer_groups(num_layers: int, layer_bytes: int, min_copy_bytes: int) -> list[tuple[int, int]]:
