@@ -7,7 +7,8 @@ pages). Best of 30, milliseconds. Runs anywhere (CPU only: no copy is made).
     PYTHONPATH=. python3 benchmarks/diagnostics/diag_host_path.py
 """
 import json
-import time
+import os
+import sys
 from types import SimpleNamespace
 
 import torch
@@ -19,18 +20,12 @@ from kvshare.transfer.base import KVTransfer
 from kvshare.transfer.plan import load_units
 from kvshare.transfer.verify import PageCheck
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # diag_parse beside this script
+from diag_parse import best_ms  # noqa: E402
+
 MiB = 1 << 20
 EXTENT = 256 * MiB
 SHAPES = {"qwen3-8b 256k": (36, 1023), "qwen3-32b 128k": (64, 499)}
-
-
-def best_ms(fn, repeats: int = 30) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return round(min(times) * 1e3, 3)
 
 
 def main() -> None:
@@ -42,9 +37,10 @@ def main() -> None:
                  for i, o in enumerate(offsets)]
         chosen = list(range(num_pages))
         row = {"shape": name, "pages": num_pages,
-               "page_offsets_ms": best_ms(lambda: KVTransfer._page_offsets(SimpleNamespace(layout=layout), pages)),
-               "page_check_ms": best_ms(lambda: PageCheck(pages, chosen, None, torch.device("cpu"), on_device=True)),
-               "first_group_plan_ms": best_ms(lambda: next(load_units(offsets, layout, 2 * MiB, 256 * MiB, EXTENT)))}
+               "page_offsets_ms": best_ms(lambda: KVTransfer._page_offsets(SimpleNamespace(layout=layout), pages), 30),
+               "page_check_ms": best_ms(lambda: PageCheck(pages, chosen, None, torch.device("cpu"), on_device=True), 30),
+               "first_group_plan_ms": best_ms(lambda: next(load_units(offsets, layout, 2 * MiB, 256 * MiB, EXTENT)), 30)}
+        row = {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}
         row["total_ms"] = round(row["page_offsets_ms"] + row["page_check_ms"] + row["first_group_plan_ms"], 3)
         print(json.dumps(row), flush=True)
 
