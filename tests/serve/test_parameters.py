@@ -153,3 +153,9 @@ def test_token_ids_read_as_an_array_serve_as_the_list_did(url):
     assert status == 200, spaced
     assert spaced["choices"][0]["token_ids"] == compact["token_ids"] == complete(url, temperature=0)["token_ids"]
     assert spaced["choices"][0]["prompt_token_ids"] == compact["prompt_token_ids"] == ids
+
+
+@pytest.mark.parametrize("raw", [b'{"prompt": [], "max_tokens": 2}', b'{"prompt": [ \n ], "max_tokens": 2}'])
+def test_an_empty_token_id_prompt_gets_400(url, raw):
+    status, out = call(url, "/v1/completions", raw=raw)
+    assert status == 400 and out["error"]["param"] == "prompt" and "empty" in out["error"]["message"], out
