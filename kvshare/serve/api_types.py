@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import re
-import warnings
 from typing import Any, Union
 
 import msgspec
@@ -159,7 +158,8 @@ def decode_completion(body: bytes) -> CompletionRequest:
     ids = token_ids_array(bytes(req.prompt)) if req is not None else None
     if ids is None:
         return decode(body, CompletionRequest)  # a text prompt or a batch; or an error, reported from here
-    return msgspec.structs.replace(req, prompt=ids)
+    req.prompt = ids
+    return req
 
 
 def token_ids_array(raw: bytes):
@@ -174,13 +174,9 @@ def token_ids_array(raw: bytes):
         return None
     if not inner.strip():
         return np.empty(0, dtype=np.int64)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", DeprecationWarning)  # older numpy warns where numpy 2.4 raises
-        try:  # text mode: whitespace around the commas is skipped
-            ids = np.fromstring(inner, dtype=np.int64, sep=",")
-        except (ValueError, DeprecationWarning):  # "could not be read to its end": not numbers and commas
-            return None
-    return ids  # all of them: valid JSON of digits, commas and whitespace is integers between commas
+    # text mode, whitespace around the commas skipped; valid JSON of digits, commas and whitespace is integers
+    # between commas, so numpy reads all of them (no warnings filter: it would be process-wide, other threads too)
+    return np.fromstring(inner, dtype=np.int64, sep=",")
 
 
 def decode(body: bytes, kind: type) -> Any:
