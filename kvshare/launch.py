@@ -191,7 +191,7 @@ class Cluster:
         from kvshare import preflight
         from kvshare.errors import UserError
         from kvshare.keys import DEFAULT_CHUNK_TOKENS
-        from kvshare.pool.daemon import DEFAULT_EXTENT_BYTES
+        from kvshare.pool.allocator import default_extent_bytes
         from kvshare.units import parse_size
 
         cfg = self.config
@@ -201,7 +201,8 @@ class Cluster:
         if cfg.pool_size is not None:
             try:
                 size = parse_size(str(cfg.pool_size))
-                extent = parse_size(_flag_value(cfg.pool_args, "--extent-size") or str(DEFAULT_EXTENT_BYTES))
+                extent_flag = _flag_value(cfg.pool_args, "--extent-size")
+                extent = parse_size(extent_flag) if extent_flag else default_extent_bytes(size)
                 chunk_tokens = int(_flag_value(cfg.replica_args, "--chunk-tokens") or DEFAULT_CHUNK_TOKENS)
             except ValueError as exc:
                 raise UserError(str(exc)) from None

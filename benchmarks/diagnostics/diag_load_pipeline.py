@@ -21,7 +21,10 @@ crosses an extent (each is its own CUDA registration), so with the pool's defaul
 32B-shape run holds at most 4 pages of 64 MiB, and each 2-D copy moves 8 MiB (the line printed per
 pool gives the number of copies and their mean size).
 
-    PYTHONPATH=.:/tmp/site python3 benchmarks/diagnostics/diag_load_pipeline.py [TOKENS [EXTENTS]]
+SHAPE (32b, the default, or 8b) picks the KV layout: the Qwen3-32B shape (64 MiB pages) or the
+Qwen3-8B shape (36 MiB pages).
+
+    PYTHONPATH=.:/tmp/site python3 benchmarks/diagnostics/diag_load_pipeline.py [TOKENS [EXTENTS [SHAPE]]]
 """
 import json
 import mmap
@@ -48,9 +51,11 @@ from kvshare.units import parse_size
 
 GiB, MiB = 1 << 30, 1 << 20
 TOKENS = int(sys.argv[1]) if len(sys.argv) > 1 else 131072
-EXTENTS = sys.argv[2].split(",") if len(sys.argv) > 2 else None  # None: the pool's default, every variant
+EXTENTS = sys.argv[2].split(",") if len(sys.argv) > 2 and sys.argv[2] else None  # None: the pool's default, every variant
+SHAPE = sys.argv[3] if len(sys.argv) > 3 else "32b"
 REPEATS = 3
-LAYOUT = KVLayout(num_layers=64, num_kv_heads=8, head_dim=128, dtype="bfloat16", chunk_tokens=256)
+LAYOUT = KVLayout(num_layers={"32b": 64, "8b": 36}[SHAPE], num_kv_heads=8, head_dim=128, dtype="bfloat16",
+                  chunk_tokens=256)
 VARIANTS = [  # (name, TransferConfig fields, matmuls beside)
     ("2x256MiB", {}, False),
     ("2x256MiB checked", {"verify_fraction": 1.0}, False),
@@ -174,7 +179,7 @@ def one_pool(extent: str | None, variants: list) -> bool:
                            for o, s in zip(scratch.offsets, sums)]
                 ref = reference_gbps(dst.view(-1).view(torch.uint8)[: 4 * GiB])
                 copies, num_copies = plan_copies(client, transfer, scratch.offsets, num_bytes)
-            print(json.dumps({"tokens": TOKENS, "GiB": round(num_bytes / GiB, 2), "extent": client.hello.extent_bytes,
+            print(json.dumps({"shape": SHAPE, "tokens": TOKENS, "GiB": round(num_bytes / GiB, 2), "extent": client.hello.extent_bytes,
                               "registration_s": round(reg.seconds, 2), "reference_GBps": round(ref, 2),
                               "plan_copies_GBps": round(copies, 2), "plan_copies_ratio": round(copies / ref, 3),
                               "copies": num_copies, "MiB_per_copy": round(num_bytes / num_copies / MiB, 1)}), flush=True)

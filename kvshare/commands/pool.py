@@ -11,8 +11,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", "--pool-size", dest="size", type=parse_size, required=True,
                    help="arena size, e.g. 16GiB (up to the host's memory)")
     p.add_argument("--socket", default=None, help="Unix socket path (default: a private per-user directory)")
-    p.add_argument("--extent-size", type=parse_size, default="256MiB",
-                   help="allocation and CUDA registration unit; must hold the largest page (default 256MiB)")
+    p.add_argument("--extent-size", type=parse_size, default=None,
+                   help="allocation and CUDA registration unit; must hold the largest page (default: 1GiB for a "
+                        "pool of 16GiB or more, down to 256MiB for smaller pools, keeping at least 16 extents)")
     p.add_argument("--hugepages", action="store_true", help="back the arena with reserved 2 MiB hugepages")
     p.add_argument("--prefault", action="store_true", help="fault in every page at start")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")

@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvshare.pool import protocol as P
-from kvshare.pool.allocator import Allocator
+from kvshare.pool.allocator import Allocator, default_extent_bytes
 from kvshare.pool.arena import create_arena, map_arena, prefault
 from kvshare.pool.handlers import PoolHandlers, ServerCounters
 from kvshare.pool.index import IndexConfig, PoolError, PoolIndex
@@ -29,7 +29,6 @@ from kvshare.pool.remote import RemoteConfig, RemoteHooks, start_remote_tier
 
 log = logging.getLogger("kvshare.pool")
 
-DEFAULT_EXTENT_BYTES = 256 << 20
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
 _REMOTE_WAKEUP = "remote-wakeup"  # selector data of the remote tier's wake-up socket
 
@@ -40,7 +39,7 @@ class PoolConfig:
 
     socket_path: str
     size_bytes: int
-    extent_bytes: int = DEFAULT_EXTENT_BYTES
+    extent_bytes: int | None = None  # None: default_extent_bytes(size_bytes)
     hugepages: bool = False
     prefault: bool = False
     socket_mode: int = 0o600  # owner-only unless the operator says otherwise
@@ -56,6 +55,8 @@ class PoolConfig:
     def __post_init__(self) -> None:
         if self.size_bytes <= 0:
             raise ValueError(f"pool size must be positive, got {self.size_bytes}")
+        if self.extent_bytes is None:
+            object.__setattr__(self, "extent_bytes", default_extent_bytes(self.size_bytes))
         if self.extent_bytes <= 0:
             raise ValueError(f"extent size must be positive, got {self.extent_bytes}")
         if not self.socket_path:

@@ -82,3 +82,21 @@ def test_random_churn_keeps_integrity():
             live += [(o, size) for o in offsets(alloc.allocate(size, rng.randint(1, 6)))]
     alloc.check_integrity()
     assert len({o for o, _ in live}) == len(live)
+
+
+def test_default_extent_grows_with_the_arena():
+    from kvshare.pool.allocator import default_extent_bytes
+    from kvshare.pool.daemon import PoolConfig
+
+    MiB, GiB = 1 << 20, 1 << 30
+    # small arenas keep the old 256 MiB extents, so several page sizes still share them
+    assert default_extent_bytes(256 * MiB) == 256 * MiB
+    assert default_extent_bytes(4 * GiB) == 256 * MiB
+    assert default_extent_bytes(8 * GiB) == 512 * MiB
+    # arenas of serving size get 1 GiB: fewer, longer copies per load
+    assert default_extent_bytes(16 * GiB) == GiB
+    assert default_extent_bytes(80 * GiB) == GiB
+    for arena in (8 * GiB, 16 * GiB, 100 * GiB):  # at least 16 extents wherever the extent was lowered or not
+        assert arena // default_extent_bytes(arena) >= 16
+    assert PoolConfig(socket_path="/tmp/p.sock", size_bytes=80 * GiB).extent_bytes == GiB
+    assert PoolConfig(socket_path="/tmp/p.sock", size_bytes=80 * GiB, extent_bytes=256 * MiB).extent_bytes == 256 * MiB
