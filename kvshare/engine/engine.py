@@ -326,3 +326,5 @@ class Engine:
         if options.use_pool and self._pool is not None:
             producer = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
             self._pool.store(kv, keys, digest, producer)
+        if options.timeline is not None:
+            options.timeline.mark("published")

@@ -2,14 +2,20 @@
 
 Asked for with the request extension ``{"kvshare": {"timeline": true}}``; the replica fills it
 (serve: body read, parse, first token written; engine: hashing, the load, the forward, the load's
-check, the first token sampled; pool link: the lease) and returns it in the response's ``kvshare``
-object. A step that does not apply is None (no pool load: no lease, copy, load end)::
+check, the first token sampled, the prompt published; pool link: the lease) and returns it in the
+response's ``kvshare`` object. A step that does not apply is None (no pool load: no lease, copy, load
+start or end)::
 
-    arrival | body_read | parse | hashing | lookup_and_lease | first_copy_enqueued | load_issued
-            | first_layer_computed | load_end | forward_end | load_checked | first_token_sampled
-            | first_token_written
+    arrival | body_read | parse | hashing | lookup_and_lease | first_copy_enqueued | load_started
+            | load_issued | first_layer_computed | load_end | forward_end | load_checked
+            | first_token_sampled | first_token_written | published
 
-On CUDA the device steps (first layer, load end, forward end) are CUDA events, put on the host's
+``load_started`` is when the copy stream reached the load (its copies may wait there no longer), so
+``load_end - load_started`` is the load's own time on the device, whatever ran beside it; ``published``
+is when the prompt's chunks were in the local cache and the pool, after the first token (the store
+runs before the second token is computed).
+
+On CUDA the device steps (load start, first layer, load end, forward end) are CUDA events, put on the host's
 clock through an anchor event recorded on the idle compute stream when the prefill starts; they
 are read once the request's work is done (``as_dict``). On CPU every step is the host's clock.
 """
@@ -21,8 +27,9 @@ import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
-STEPS = ("body_read", "parse", "hashing", "lookup_and_lease", "first_copy_enqueued", "load_issued",
-         "first_layer_computed", "load_end", "forward_end", "load_checked", "first_token_sampled", "first_token_written")
+STEPS = ("body_read", "parse", "hashing", "lookup_and_lease", "first_copy_enqueued", "load_started", "load_issued",
+         "first_layer_computed", "load_end", "forward_end", "load_checked", "first_token_sampled", "first_token_written",
+         "published")
 _active = threading.local()  # the timeline of the request the current thread runs (see ``note``)
 
 
@@ -95,9 +102,13 @@ class Timeline:
                 first = getattr(self._load, "first_copy_s", None)
                 if first is not None:
                     self.mark("first_copy_enqueued", first)
-                end = getattr(self._load, "end", None)
+                start, end = getattr(self._load, "start", None), getattr(self._load, "end", None)
                 if end is not None and self._anchor is not None:
+                    if start is not None:
+                        self._events.setdefault("load_started", start)
                     self._events.setdefault("load_end", end)
+                elif first is not None:  # CPU: the copy ran when it was enqueued
+                    self.mark("load_started", first)
             times = dict(self._host)
             if self._anchor is not None:
                 host, anchor = self._anchor

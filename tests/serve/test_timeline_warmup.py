@@ -24,7 +24,7 @@ ORDER = ("body_read", "parse", "hashing", "lookup_and_lease", "first_copy_enqueu
          "first_layer_computed", "forward_end", "first_token_sampled", "first_token_written")  # each at or after
 # the one before; load_end lies before forward_end, load_checked between load_end and first_token_sampled (on
 # CUDA the host may know the check before the device ends the forward)
-LOAD_STEPS = ("first_copy_enqueued", "load_issued", "load_end", "load_checked")
+LOAD_STEPS = ("first_copy_enqueued", "load_started", "load_issued", "load_end", "load_checked")
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +81,7 @@ def check_order(timeline: dict) -> None:
     times = [timeline[s] for s in ORDER if timeline[s] is not None]
     assert times == sorted(times) and all(t >= 0 for t in times), timeline
     if timeline["load_end"] is not None:
+        assert timeline["lookup_and_lease"] <= timeline["load_started"] <= timeline["load_end"], timeline
         assert timeline["lookup_and_lease"] <= timeline["load_end"] <= timeline["forward_end"], timeline
         assert timeline["load_end"] <= timeline["load_checked"] <= timeline["first_token_sampled"], timeline
 
@@ -118,7 +119,9 @@ def test_timeline_of_a_cold_a_cross_replica_and_a_local_request(replicas):
         check_order(answer["timeline"])
         assert all(answer["timeline"][s] is not None for s in ("body_read", "parse", "hashing", "first_layer_computed",
                                                                 "forward_end", "first_token_sampled",
-                                                                "first_token_written"))
+                                                                "first_token_written", "published"))
+        # the prompt is offered to the local cache and the pool after the first token, never before it
+        assert answer["timeline"]["published"] >= answer["timeline"]["first_token_sampled"], answer["timeline"]
     assert all(cold["timeline"][s] is None for s in LOAD_STEPS)  # nothing loaded
     assert cold["timeline"]["lookup_and_lease"] is not None  # the pool was asked, and held nothing
     assert all(cross["timeline"][s] is not None for s in LOAD_STEPS)
