@@ -101,9 +101,12 @@ validate() {
 
 # overridable for a dry run of this script on CPU, e.g. KVSHARE_BENCH_DRY=1 (tiny model, 1k/2k contexts)
 if [ -n "${KVSHARE_BENCH_DRY:-}" ]; then M32=tiny M8=tiny DEV=cpu POOL=2GiB CTX_A=1k CTX_B=2k CTX_C=3k LEN8=8192; fi
-# the pool holds one block's primes below its 95% high watermark (above it, LRU evicts down to 90%,
-# tails first): 8 x 7.8 GiB at 32k, 2 x 31.3 GiB at 128k. With 66 GiB at 128k the second prime plus
-# the warm-ups crossed the watermark and the measured requests found only 446-450 of 500 chunks.
+# the pool holds one block's primes below its 90% low watermark (above 95%, LRU evicts down to 90%,
+# tails first): 8 x 7.8 GiB at 32k, 2 x 31.3 GiB at 128k. With 66 GiB, 2 x 31.3 GiB at 128k plus the
+# warm-ups crossed the watermark and the measured requests found only 446-450 of 500 chunks; 8 x 7.8
+# GiB at 32k (after the ttft unit's prompts) did the same: 71 of 125 chunks (2026-12-02). The report's
+# "min pool tokens (ON)" shows it.
+[ "$STEP" = 32b-32k ] && POOL=${POOL:-80GiB}
 [ "$STEP" = 32b-128k ] && POOL=${POOL:-80GiB}
 [ "$STEP" = 8b-256k ] && POOL=${POOL:-80GiB}
 M32=${M32:-qwen3-32b} M8=${M8:-qwen3-8b} DEV=${DEV:-cuda} POOL=${POOL:-66GiB} CTX_A=${CTX_A:-32k} CTX_B=${CTX_B:-128k} CTX_C=${CTX_C:-256k}

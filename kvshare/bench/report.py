@@ -166,8 +166,9 @@ def summary_lines(records: list[Record]) -> list[str]:
         off = f"{_s(r.off.median)} s {format_ci(r.off.ci)}" if r.off else "-"
         on = f"{_s(r.on.median)} s {format_ci(r.on.ci)}" if r.on else "-"
         lines.append(f"blocks   {_tokens(r.context):>6}: OFF {off} -> ON {on} ({_x(r.speedup)}; n {r.off.n if r.off else 0}"
-                     f"/{r.on.n if r.on else 0}; paired ON/OFF {_s(r.ratio.median if r.ratio else None, 4)}), "
-                     f"outputs {r.outputs}, failed {r.num_failed}")
+                     f"/{r.on.n if r.on else 0}; paired ON/OFF {_s(r.ratio.median if r.ratio else None, 4)}; "
+                     f"min ON pool tokens {r.min_on_pool_tokens if r.min_on_pool_tokens is not None else '-'} of "
+                     f"{r.context}), outputs {r.outputs}, failed {r.num_failed}")
     for r in sessions_rows(records):
         lines.append(f"sessions {_tokens(r.context):>6} {r.placement:>9}: OFF {_s(r.session_s['off'], 2)} s -> ON "
                      f"{_s(r.session_s['on'], 2)} s ({_pct(r.improvement)} faster; sessions {r.num_sessions['off']}/"

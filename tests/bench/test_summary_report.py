@@ -141,3 +141,15 @@ def test_the_h200_results_of_the_previous_version_still_render(tmp_path):
     text = open(path).read()
     assert "equal 3/4; near-tie 0; mismatch 0; gap unknown 1 (step 13)" in text  # ttft at 32k
     assert "| sessions | 32k | alternate/on | session 0 turn 5 | - | 22 | unknown | gap unknown | - | - |" in text
+
+
+def test_blocks_summary_line_shows_how_much_of_the_prompt_the_pool_held():
+    from kvshare.bench.report import summary_lines
+
+    (line,) = [line for line in summary_lines(blocks_records()) if line.startswith("blocks")]
+    assert "min ON pool tokens 127744 of 128000" in line
+    # a pool too small for a block's primes shows up in the line (the 32k blocks of 2026-12-02: 18176 of 32000)
+    short = [r if r.pool_tokens != 127_744 else r.__class__(**{**r.__dict__, "pool_tokens": 72_704})
+             for r in blocks_records()]
+    (line,) = [line for line in summary_lines(short) if line.startswith("blocks")]
+    assert "min ON pool tokens 72704 of 128000" in line
