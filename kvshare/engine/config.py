@@ -177,6 +177,7 @@ class EngineConfig:
     verify_checksums: bool = False  # verify every page loaded from the pool
     verify_fraction: float = 0.0  # else verify this share of loaded pages (sampled verification)
     producer_delay_cycles: int = 0  # validation (CUDA): GPU sleep before prefill writes KV the pool will store
+    staging_buffers: int = 2  # CUDA: GPU staging buffers a pool load or store rotates through (TransferConfig)
     pool_retry_s: float = 0.5  # first reconnect delay after the pool went away (doubles up to pool_retry_max_s)
     pool_retry_max_s: float = 30.0
     # chunk-invariant prefill (kvshare.engine.grid): every prompt token's KV and logits come out the same bits
@@ -199,6 +200,8 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be positive, got {getattr(self, name)}")
         if not 0.0 <= self.verify_fraction <= 1.0:
             raise ValueError(f"verify_fraction must lie in [0, 1], got {self.verify_fraction}")
+        if self.staging_buffers < 2:
+            raise ValueError(f"staging_buffers must be at least 2, got {self.staging_buffers}")
         if self.local_cache_bytes < 0:
             raise ValueError(f"local_cache_bytes must be >= 0, got {self.local_cache_bytes}")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -111,7 +111,8 @@ class Engine:
                 config.pool_socket, self.layout, self.device, self._stats,
                 verify_checksums=config.verify_checksums,
                 transfer_config=TransferConfig(verify_fraction=config.verify_fraction,
-                                               producer_delay_cycles=config.producer_delay_cycles),
+                                               producer_delay_cycles=config.producer_delay_cycles,
+                                               staging_buffers=config.staging_buffers),
                 retry_s=config.pool_retry_s, retry_max_s=config.pool_retry_max_s, name=f"engine:{self.model_name}",
             )
             # connect (and register the arena) now, and reconnect while no request runs when the pool goes away

@@ -163,6 +163,22 @@ def test_max_model_len_and_dtype_flags():
         assert status == 200 and out["usage"]["completion_tokens"] == 14
 
 
+def test_staging_buffers_flag_reaches_the_pool_transfer():
+    assert serve_command.engine_config(parse_serve([])).staging_buffers == 2
+    assert serve_command.engine_config(parse_serve(["--staging-buffers", "4"])).staging_buffers == 4
+    with pytest.raises(ValueError, match="staging_buffers must be at least 2"):
+        serve_command.engine_config(parse_serve(["--staging-buffers", "1"]))
+    from kvshare.engine.engine import Engine
+    from kvshare.pool.spawn import running_pool
+
+    with running_pool("64MiB", quiet=True) as sock:
+        engine = Engine(serve_command.engine_config(parse_serve(["--pool", sock, "--staging-buffers", "3"])))
+        try:
+            assert engine._pool.transfer_config.staging_buffers == 3
+        finally:
+            engine.close()
+
+
 def test_tokenize_refuses_what_chat_refuses_and_a_template_that_fails_is_a_400(engine):
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]
     chat_body = {"messages": image, "max_tokens": 1}
