@@ -188,7 +188,7 @@ def make_row(plan: dict, path: str, is_first: bool, got: dict, h2d: tuple[float,
             "cross_replica": prov.get("replica"), "cold_replica": (cold.provenance or {}).get("replica"),
             "verified": args.verify_rate >= 1.0 and kv > 0, "tokens_equal": cross.token_ids == cold.token_ids,
             "h2d_bytes_per_s": h2d[0], "h2d_measured": h2d[1], "local_cache_bytes": plan["local_cache"],
-            "pool_args": list(args.pool_arg),
+            "pool_args": list(args.pool_arg), "replica_args": list(args.replica_arg),
             "timeline": prov.get("timeline"), "local_timeline": (local.provenance or {}).get("timeline"),
             **output_check(cold, cross)}
 
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--verify-rate", type=float, default=1.0)
     p.add_argument("--pool-size", type=int, default=None, help="bytes (default 2.2 x a prompt's KV + 2 GiB)")
     p.add_argument("--local-cache-size", type=int, default=None, help="bytes (default: a prompt's KV, where it fits)")
-    p.add_argument("--replica-arg", action="append", default=[], help="more replica arguments (repeatable)")
+    p.add_argument("--replica-arg", action="append", default=[], help="more replica arguments, e.g. --replica-arg=--staging-buffers=4 (repeatable; rows record them)")
     p.add_argument("--pool-arg", action="append", default=[],
                    help="pool arguments, e.g. --pool-arg=--extent-size=1GiB (repeatable; rows record them)")
     p.add_argument("--time-budget", type=float, default=540.0, help="seconds; a case that would end later is skipped")
@@ -245,7 +245,10 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.log_dir, exist_ok=True)
     path = os.path.join(args.out, "service_ttft.json")
     rows = json.load(open(path)) if os.path.exists(path) else []
-    have = {(r["model"], r["prompt_tokens"], tuple(r.get("pool_args", ()))) for r in rows}  # a case per pool set-up
+    def setup(pool_args, replica_args) -> tuple:  # a case per pool and replica set-up
+        return tuple(pool_args), tuple(replica_args)
+
+    have = {(r["model"], r["prompt_tokens"], setup(r.get("pool_args", ()), r.get("replica_args", ()))) for r in rows}
     rate, measured, gpu_bytes = measure_h2d(args.device)
     print(f"pinned H2D {rate / 1e9:.1f} GB/s ({'measured' if measured else 'assumed'})", flush=True)
     rng = np.random.default_rng(args.seed + int(time.time()))  # fresh prompts: nothing cached by an earlier run
@@ -256,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         for model, tokens in args.cases:
             plan = plan_case(model, tokens, args, gpu_bytes)
             args.vocab = min(PRESETS[model].config.vocab_size, 256 if model == "tiny" else 150000)
-            if (model, plan["prompt_tokens"], tuple(args.pool_arg)) in have:
+            if (model, plan["prompt_tokens"], setup(args.pool_arg, args.replica_arg)) in have:
                 print(f"{model} {plan['prompt_tokens']}: in {path} already", flush=True)
                 continue
             if plan["layout"] is None:

@@ -37,11 +37,13 @@ def test_plans_for_the_h200_cases():
 def test_dry_run_on_cpu_through_kvshare_up(tmp_path):
     bench = load_bench()
     rc = bench.main(["--out", str(tmp_path), "--device", "cpu", "--cases", "tiny:1024", "--time-budget", "400",
-                     "--pool-arg=--extent-size=64MiB"])  # reaches the pool kvshare up starts (a bad one fails the start)
+                     "--pool-arg=--extent-size=64MiB", "--replica-arg=--staging-buffers=3"])
+    # the pool and replica arguments reach what kvshare up starts (a bad one fails the start)
     rows = json.loads((tmp_path / "service_ttft.json").read_text())
     assert rc == 0 and [(r["path"], r["first_request"]) for r in rows] == [
         ("router", True), ("router", False), ("replica", False), ("replica", False)]
     assert all(r["pool_args"] == ["--extent-size=64MiB"] for r in rows)
+    assert all(r["replica_args"] == ["--staging-buffers=3"] for r in rows)
     for r in rows:
         assert r["cold_replica"] != r["cross_replica"] and r["pool_tokens"] == 768 and r["computed_tokens"] == 256
         assert r["verified"] and r["tokens_equal"] and r["local_s"] is not None and r["bound_s"] > 0
