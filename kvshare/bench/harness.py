@@ -34,6 +34,7 @@ class HarnessConfig:
     unit_allowance_s: float = 0.0  # added to unit estimates taken from earlier runs (e.g. replica start-up)
     timeout_s: float = 3600.0  # per request
     use_extension: bool = True  # send the kvshare request extension (pool on/off per request)
+    timeline: bool = False  # ask kvshare replicas for each request's timeline (in the extension; records keep it)
     show_progress: bool = True
 
     def __post_init__(self) -> None:
@@ -94,7 +95,7 @@ class Harness:
             factory = PromptFactory(load_tokenizer(self.config.tokenizer or model),
                                     WorkloadConfig(nonce=run_id, system_tokens=self.config.system_tokens, seed=self.config.seed))
             ctx = BenchContext(run_id, session, self.replicas, model, factory, self.results, self.off_replicas,
-                               self.config.use_extension, self.config.timeout_s)
+                               self.config.use_extension, self.config.timeout_s, timeline=self.config.timeline)
             with self._progress() as progress:
                 for config in experiments:
                     module = EXPERIMENTS[type(config)]

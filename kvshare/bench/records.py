@@ -3,7 +3,7 @@
 A results folder::
 
     records.jsonl   every request, one JSON object a line (the source of truth; appended)
-    records.csv     the same without token ids and logprobs (rewritten from records.jsonl)
+    records.csv     the same without token ids, logprobs and timelines (rewritten from records.jsonl)
     runs.jsonl      one line per invocation: its arguments, endpoints and stop reason
     report.md       tables (rewritten after each run)
     *.png           plots
@@ -66,6 +66,7 @@ class Record:
     started_at: float = 0.0
     token_ids: list[int] | None = field(default=None, repr=False)
     top_logprobs: list[list[float]] | None = field(default=None, repr=False)  # per generated token: the top logprobs
+    timeline: dict | None = field(default=None, repr=False)  # the replica's timeline, when asked (bench --timeline)
 
     @property
     def is_ok(self) -> bool:
@@ -90,7 +91,7 @@ class Record:
         return OutputCheck(EQUAL) if self.matches_reference else OutputCheck(UNKNOWN, self.first_divergence)
 
 
-_NOT_IN_CSV = ("token_ids", "top_logprobs")
+_NOT_IN_CSV = ("token_ids", "top_logprobs", "timeline")
 CSV_FIELDS = [f.name for f in dataclasses.fields(Record) if f.name not in _NOT_IN_CSV]
 _FIELD_NAMES = {f.name for f in dataclasses.fields(Record)}
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Awaitable, Callable
 
 import aiohttp
@@ -35,6 +35,7 @@ class BenchContext:
     use_extension: bool = True  # send {"kvshare": {...}} (kvshare replicas; not plain vLLM servers)
     timeout_s: float = 3600.0
     on_request: Callable[[str], None] | None = None  # progress callback, given a short description
+    timeline: bool = False  # ask for each request's timeline where the extension is sent
 
     def replica_for(self, index: int, use_pool: bool) -> tuple[str, bool | None]:
         """(URL, use_pool to send) of replica ``index`` for a request with the pool on or off."""
@@ -51,6 +52,8 @@ class BenchContext:
         if self.on_request is not None:
             self.on_request(f"{fields.get('experiment')} {fields.get('condition')} {fields.get('role')} "
                             f"L={fields.get('context_tokens')}")
+        if self.timeline and request.use_pool is not None:
+            request = replace(request, timeline=True)
         started_at = time.time()
         response = await send(self.session, request, self.timeout_s)
         return to_record(response, request, run_id=self.run_id, started_at=started_at, **fields), response
@@ -68,7 +71,8 @@ def to_record(response: Response, request: BenchRequest, **fields: Any) -> Recor
         e2e_s=response.e2e_s,
         local_tokens=p.get("local_tokens"), pool_tokens=p.get("pool_tokens"), computed_tokens=p.get("computed_tokens"),
         cached_tokens=response.cached_tokens, deterministic=p.get("deterministic"), output_digest=output_digest(response.token_ids),
-        error=response.error, token_ids=response.token_ids, top_logprobs=response.top_logprobs or None, **fields,
+        error=response.error, token_ids=response.token_ids, top_logprobs=response.top_logprobs or None,
+        timeline=p.get("timeline"), **fields,
     )
 
 

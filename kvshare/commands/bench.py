@@ -99,6 +99,9 @@ def _target_arguments(e: argparse.ArgumentParser) -> None:
                    help="URL of a replica without a pool: pool-OFF requests go there, without the request extension")
     g.add_argument("--no-extension", action="store_true",
                    help="never send the kvshare request extension (servers that reject unknown fields)")
+    g.add_argument("--timeline", action="store_true",
+                   help="ask kvshare replicas for each request's timeline (where its time went, to the first token "
+                        "and the prompt's store after it); records.jsonl keeps it")
     g.add_argument("--model", default=None, help="start replicas of this model (directory or preset) instead")
     g.add_argument("--device", default="cpu")
     g.add_argument("--replicas", type=int, default=2, help="replicas to start with --model")
@@ -210,7 +213,7 @@ def _run_experiments(args: argparse.Namespace, names: tuple[str, ...]) -> int:
         config = HarnessConfig(out_dir=args.out, tokenizer=args.tokenizer or args.model, system_tokens=args.system_tokens,
                                seed=args.seed, time_budget_s=args.time_budget, unit_allowance_s=args.unit_allowance,
                                timeout_s=args.timeout, use_extension=not args.no_extension,
-                               show_progress=not args.no_progress)
+                               timeline=args.timeline and not args.no_extension, show_progress=not args.no_progress)
     except ValueError as exc:
         raise UserError(str(exc)) from None
     console = Console()

@@ -41,8 +41,8 @@ def cluster():
         c.stop()
 
 
-def run(cluster, out_dir, *configs):
-    harness = Harness(HarnessConfig(out_dir=str(out_dir), tokenizer="tiny", show_progress=False),
+def run(cluster, out_dir, *configs, timeline: bool = False):
+    harness = Harness(HarnessConfig(out_dir=str(out_dir), tokenizer="tiny", show_progress=False, timeline=timeline),
                       FixedReplicas(cluster.replica_urls))
     outcome = harness.run(list(configs))
     assert outcome.is_complete, outcome.runs
@@ -91,9 +91,21 @@ def test_ttft(cluster, tmp_path):
     with open(tmp_path / "records.csv") as f:
         header = f.readline()
     assert "output_check" in header and "divergence_gap" in header and "top_logprobs" not in header
+    assert all(r.timeline is None for r in records)  # not asked for
     # a second run resumes: everything is recorded, nothing is sent again
     outcome, again = run(cluster, tmp_path, TTFTConfig(contexts=(512, 1024), repetitions=1, max_tokens=8))
     assert outcome.runs["ttft"].num_skipped == 2 and outcome.runs["ttft"].num_done == 0 and len(again) == 6
+
+
+def test_records_keep_the_timeline_when_asked(cluster, tmp_path):
+    _, records = run(cluster, tmp_path, TTFTConfig(contexts=(600,), repetitions=1, max_tokens=4), timeline=True)
+    assert len(records) == 3
+    for r in records:
+        t = r.timeline
+        assert t is not None and t["first_token_sampled"] <= t["published"], t
+        assert (t["load_end"] is not None) == (r.condition == "cross"), (r.condition, t)
+    with open(tmp_path / "records.csv") as f:
+        assert "timeline" not in f.readline()
 
 
 def test_blocks(cluster, tmp_path):
