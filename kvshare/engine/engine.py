@@ -19,7 +19,7 @@ import time
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -35,6 +35,7 @@ from kvshare.engine.prefix_cache import LocalPrefixCache
 from kvshare.engine.sampler import SamplingParams, TokenCounts, make_generator, sample
 from kvshare.engine.stats import EngineStats
 from kvshare.engine.timeline import Timeline, active
+from kvshare.errors import RequestCancelled
 from kvshare.keys import Namespace, chunk_keys, namespace_digest
 from kvshare.layout import KVLayout
 from kvshare.transfer import TransferConfig
@@ -55,6 +56,9 @@ class RequestOptions:
     # cache_salt (kvshare.serve.tenancy.namespace_salt); requests of two salts never share a chunk
     tenant: str = ""
     timeline: Timeline | None = None  # {"kvshare": {"timeline": true}}: the steps of this request are timed
+    # asked before each layer of the prefill: True gives the request up there (RequestCancelled), so a client
+    # that left, or a replica that stops, does not hold the engine for the rest of a long prefill
+    is_cancelled: Callable[[], bool] | None = None
 
 
 @dataclass
@@ -275,6 +279,8 @@ class Engine:
             if load.handle is not None:
                 timeline.record_load(load.handle)
             before_layer = timeline.layer_hook(before_layer, self.device)
+        if options.is_cancelled is not None:
+            before_layer = _cancellable(before_layer, options.is_cancelled)
         try:
             if self._pool is not None and self.config.producer_delay_cycles:
                 self._pool.inject_producer_delay()  # validation: the store must still wait for this prefill
@@ -329,3 +335,13 @@ class Engine:
             self._pool.store(kv, keys, digest, producer)
         if options.timeline is not None:
             options.timeline.mark("published")
+
+
+def _cancellable(before_layer: Callable[[int], None], is_cancelled: Callable[[], bool]) -> Callable[[int], None]:
+    """``before_layer`` that first gives the request up when ``is_cancelled()``: the prefill's ``finally`` then
+    waits for the load's copies and releases its lease, and nothing of the prompt is published."""
+    def hook(layer: int) -> None:
+        if is_cancelled():
+            raise RequestCancelled(f"the request was cancelled before layer {layer} of its prefill")
+        before_layer(layer)
+    return hook

@@ -23,6 +23,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import kvshare
+from kvshare.errors import RequestCancelled
 from kvshare.serve import api_types as A
 from kvshare.serve import tokenize as T
 from kvshare.serve.audit import AuditConfig, Auditor
@@ -326,10 +327,14 @@ class ReplicaServer:
             raise
         except Exception as exc:
             job.is_cancelled = True
-            log.exception("request %s failed", rid)
+            if isinstance(exc, RequestCancelled):  # the replica is stopping (a client that left reads nothing)
+                error = A.ApiError(503, str(exc), error_type="server_error")
+            else:
+                log.exception("request %s failed", rid)
+                error = A.ApiError(500, f"the engine failed: {exc}", error_type="server_error")
             if response is None:
-                raise A.ApiError(500, f"the engine failed: {exc}", error_type="server_error") from None
-            await response.write(b"data: " + _json.encode(A.ApiError(500, str(exc), error_type="server_error").body()) + b"\n\n")
+                raise error from None
+            await response.write(b"data: " + _json.encode(error.body()) + b"\n\n")
             return response
         finally:
             job.is_cancelled = True  # whatever happened, the engine need not go on for this request

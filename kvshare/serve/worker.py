@@ -3,7 +3,8 @@
 The engine is not re-entrant (it owns one sequence's KV at a time), so the
 HTTP handlers never call it directly: they submit a Job and read its events
 from an asyncio queue. A job whose client went away is cancelled between
-tokens, so a disconnected or abandoned stream frees the engine.
+tokens, and during its prefill between layers, so a disconnected or abandoned
+request frees the engine; so is every job once the worker is stopping.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
+
+from kvshare.errors import RequestCancelled
 
 log = logging.getLogger("kvshare.serve")
 
@@ -67,6 +70,7 @@ class EngineWorker:
         # runs in this thread while no request waits, one unit per call; True when it did work (the audit)
         self.idle_task = idle_task
         self._queue: queue.Queue[Job | None] = queue.Queue()
+        self._is_stopping = False  # stop(): the running job gives up at its next layer or token, queued ones at once
         self._num_waiting = 0
         self._num_running = 0
         self._lock = threading.Lock()
@@ -84,6 +88,7 @@ class EngineWorker:
         self._thread.start()
 
     def stop(self) -> None:
+        self._is_stopping = True
         self._queue.put(None)
         self._thread.join(timeout=30)
 
@@ -119,19 +124,24 @@ class EngineWorker:
                 self._num_waiting -= 1
                 self._num_running += 1
             job.started_s = time.perf_counter()
+            is_cancelled = lambda job=job: job.is_cancelled or self._is_stopping  # noqa: E731
             try:
-                if not job.is_cancelled:
-                    events = self.engine.generate(job.prompt_ids, job.params, job.options)
+                if not is_cancelled():
+                    options = replace(job.options, is_cancelled=is_cancelled) if job.options is not None else None
+                    events = self.engine.generate(job.prompt_ids, job.params, options)
                     try:
                         for i, event in enumerate(events):
                             job.post(event)
                             if i == 0:
                                 job.first_written.wait(FIRST_WRITE_WAIT_S)
-                            if job.is_cancelled:
+                            if is_cancelled():
                                 break
                     finally:
                         events.close()  # runs the engine's clean-up (leases, stores) on a cancel too
                 job.post(_DONE)
+            except RequestCancelled as exc:  # its client left, or the replica stops: not an engine failure
+                log.info("%s", exc)
+                job.post(exc)
             except Exception as exc:  # reported to that request only; the worker keeps serving
                 log.exception("engine failed on a request")
                 job.post(exc)

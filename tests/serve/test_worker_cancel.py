@@ -1,0 +1,138 @@
+"""A replica that stops, or a client that leaves, frees the engine during a prefill, not only between tokens.
+
+A 46 s prefill (the 32B shape at 128k on the H200) used to outlast the worker's 30 s join at shutdown: the
+process then ended with the engine thread still in the forward ("terminate called without an active
+exception"). The worker now hands the engine a cancel check that the prefill asks before every layer.
+"""
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from kvshare.engine.engine import RequestOptions
+from kvshare.errors import RequestCancelled
+from kvshare.serve import worker as W
+
+
+class LongPrefill:
+    """A prefill of many layers: asks the request's cancel check before each, as the engine does."""
+
+    def __init__(self, num_layers: int = 6000, layer_s: float = 0.01) -> None:
+        self.num_layers, self.layer_s = num_layers, layer_s
+        self.started = threading.Event()
+        self.layers_done = 0
+
+    def generate(self, prompt_ids, params, options):
+        self.started.set()
+        for layer in range(self.num_layers):  # 60 s in all: longer than the worker's 30 s join
+            if options.is_cancelled is not None and options.is_cancelled():
+                raise RequestCancelled(f"the request was cancelled before layer {layer} of its prefill")
+            time.sleep(self.layer_s)
+            self.layers_done += 1
+        yield "first"
+
+
+async def submit(worker, engine_options=RequestOptions()):
+    job = W.Job([1, 2, 3], None, engine_options, asyncio.get_running_loop())
+    worker.submit(job)
+    return job
+
+
+async def outcome(job) -> object:
+    try:
+        return [e async for e in job.stream()]
+    except RequestCancelled as exc:
+        return exc
+
+
+def test_stop_during_a_prefill_ends_it_at_the_next_layer():
+    engine = LongPrefill()
+
+    async def go():
+        worker = W.EngineWorker(engine, max_requests=4)
+        worker.start()
+        running = await submit(worker)
+        queued = await submit(worker)
+        assert await asyncio.to_thread(engine.started.wait, 30)
+        await asyncio.to_thread(worker.stop)
+        return worker, await outcome(running), await outcome(queued)
+
+    worker, running, queued = asyncio.run(go())
+    assert not worker._thread.is_alive()  # joined, not left running in the forward
+    assert isinstance(running, RequestCancelled) and "before layer" in str(running)
+    assert engine.layers_done < engine.num_layers // 2  # it did not run on to the end of the prefill
+    assert queued == []  # a job still queued when the worker stops never reaches the engine
+
+
+def test_a_job_whose_client_left_stops_its_prefill_and_the_next_job_runs():
+    engine = LongPrefill(num_layers=6000)
+
+    async def go():
+        worker = W.EngineWorker(engine, max_requests=4)
+        worker.start()
+        first = await submit(worker)
+        assert await asyncio.to_thread(engine.started.wait, 30)
+        first.is_cancelled = True  # what the handler does when its client goes away
+        result = await outcome(first)
+        engine.num_layers = 3  # the next request is short
+        second = await submit(worker)
+        got = await outcome(second)
+        worker.stop()
+        return result, got
+
+    result, got = asyncio.run(go())
+    assert isinstance(result, RequestCancelled)
+    assert got == ["first"]
+
+
+def test_options_of_a_job_are_not_changed_for_the_caller():
+    """The worker gives the engine a copy of the job's options with the check; the job's own stay as they were."""
+    seen = []
+
+    class Capture:
+        def generate(self, prompt_ids, params, options):
+            seen.append(options)
+            yield "first"
+
+    async def go():
+        worker = W.EngineWorker(Capture(), max_requests=1)
+        worker.start()
+        options = RequestOptions(use_pool=False)
+        job = await submit(worker, options)
+        job.first_written.set()
+        await outcome(job)
+        worker.stop()
+        return job
+
+    job = asyncio.run(go())
+    assert job.options.is_cancelled is None and seen[0].is_cancelled is not None and seen[0].use_pool is False
+
+
+@pytest.mark.parametrize("flag", ["client", "stopping"])
+def test_the_check_says_cancelled_for_a_client_that_left_or_a_stopping_worker(flag):
+    seen = []
+
+    class Capture:
+        def generate(self, prompt_ids, params, options):
+            seen.append(options.is_cancelled)
+            yield "first"
+
+    async def go():
+        worker = W.EngineWorker(Capture(), max_requests=1)
+        worker.start()
+        job = await submit(worker)
+        job.first_written.set()
+        await outcome(job)
+        before = seen[0]()
+        if flag == "client":
+            job.is_cancelled = True
+            after = seen[0]()
+            worker.stop()
+        else:
+            worker.stop()
+            after = seen[0]()
+        return before, after
+
+    assert asyncio.run(go()) == (False, True)
