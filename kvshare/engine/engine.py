@@ -148,6 +148,7 @@ class Engine:
             local_hit_chunks=counters.hit_chunks, local_miss_chunks=counters.miss_chunks,
             local_inserted_chunks=counters.inserted_chunks, local_evicted_chunks=counters.evicted_chunks,
             local_cache_chunks=len(self._local), local_cache_bytes=self._local.num_bytes,
+            local_cache_capacity_bytes=self._local.capacity_bytes, local_out_of_memory=counters.out_of_memory,
         )
 
     @contextmanager

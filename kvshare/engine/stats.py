@@ -23,6 +23,8 @@ class EngineStats:
     local_evicted_chunks: int = 0
     local_cache_chunks: int = 0  # held now
     local_cache_bytes: int = 0  # held now
+    local_cache_capacity_bytes: int = 0  # the bound now: --local-cache-size, or less once the device ran out
+    local_out_of_memory: int = 0  # inserts the device had no room for (each capped the capacity)
 
     pool_lookups: int = 0
     pool_hit_chunks: int = 0

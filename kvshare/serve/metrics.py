@@ -27,6 +27,14 @@ ENGINE_COUNTERS = {
     "skipped_stores": ("kvshare:pool_skipped_stores", "Chunks not stored for lack of pool room"),
     "pool_errors": ("kvshare:pool_errors", "Pool requests that failed (pool down, refused)"),
     "local_hit_chunks": ("kvshare:local_cache_hit_chunks", "Chunks found in the local prefix cache"),
+    "local_out_of_memory": ("kvshare:local_cache_out_of_memory",
+                            "Local prefix cache inserts the device had no room for (each capped the cache)"),
+}
+# engine gauge -> (metric name, help)
+ENGINE_GAUGES = {
+    "local_cache_bytes": ("kvshare:local_cache_bytes", "KV bytes the local prefix cache holds"),
+    "local_cache_capacity_bytes": ("kvshare:local_cache_capacity_bytes",
+                                   "The local prefix cache's bound: --local-cache-size, or less once the device ran out"),
 }
 
 
@@ -39,6 +47,9 @@ class _EngineCollector(Collector):
         for key, (name, doc) in ENGINE_COUNTERS.items():
             if key in stats:
                 yield CounterMetricFamily(name, doc, value=stats[key])
+        for key, (name, doc) in ENGINE_GAUGES.items():
+            if key in stats:
+                yield GaugeMetricFamily(name, doc, value=stats[key])
         if stats.get("is_pool_configured"):  # a replica started with --pool SOCKET
             yield GaugeMetricFamily("kvshare:pool_connected", "1 while the replica is connected to its pool",
                                     value=int(bool(stats.get("is_pool_connected"))))
