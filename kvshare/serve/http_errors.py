@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from kvshare.errors import RequestCancelled
 from kvshare.serve.api_types import ApiError
 
 
@@ -29,3 +30,11 @@ def http_error(request: web.Request, exc: web.HTTPException) -> ApiError:
         return ApiError(405, f"{request.method} {request.path}: method not allowed (allowed: {allowed})",
                         code="method_not_allowed")
     return ApiError(exc.status, exc.reason)
+
+
+def engine_error(exc: Exception) -> ApiError:
+    """What a request whose engine run raised ``exc`` is answered: 503 when the replica gave it up as it
+    stopped (a client that left reads nothing), else 500 naming the failure."""
+    if isinstance(exc, RequestCancelled):
+        return ApiError(503, str(exc), error_type="server_error")
+    return ApiError(500, f"the engine failed: {exc}", error_type="server_error")

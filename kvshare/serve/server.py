@@ -23,11 +23,10 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import kvshare
-from kvshare.errors import RequestCancelled
 from kvshare.serve import api_types as A
 from kvshare.serve import tokenize as T
 from kvshare.serve.audit import AuditConfig, Auditor
-from kvshare.serve.http_errors import body_too_large, error_response, http_error
+from kvshare.serve.http_errors import body_too_large, engine_error, error_response, http_error
 from kvshare.serve.metrics import ReplicaMetrics
 from kvshare.serve.models import ServedModels
 from kvshare.serve.readiness import Readiness
@@ -327,11 +326,9 @@ class ReplicaServer:
             raise
         except Exception as exc:
             job.is_cancelled = True
-            if isinstance(exc, RequestCancelled):  # the replica is stopping (a client that left reads nothing)
-                error = A.ApiError(503, str(exc), error_type="server_error")
-            else:
+            error = engine_error(exc)
+            if error.status == 500:
                 log.exception("request %s failed", rid)
-                error = A.ApiError(500, f"the engine failed: {exc}", error_type="server_error")
             if response is None:
                 raise error from None
             await response.write(b"data: " + _json.encode(error.body()) + b"\n\n")

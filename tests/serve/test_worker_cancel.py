@@ -136,3 +136,13 @@ def test_the_check_says_cancelled_for_a_client_that_left_or_a_stopping_worker(fl
         return before, after
 
     assert asyncio.run(go()) == (False, True)
+
+
+def test_a_cancelled_request_is_answered_503_and_an_engine_failure_500():
+    from kvshare.serve.http_errors import engine_error
+
+    stopping = engine_error(RequestCancelled("the request was cancelled before layer 3 of its prefill"))
+    assert (stopping.status, stopping.body()["error"]["type"]) == (503, "server_error")
+    assert "before layer 3" in stopping.body()["error"]["message"]
+    failed = engine_error(RuntimeError("CUDA error"))
+    assert failed.status == 500 and failed.body()["error"]["message"] == "the engine failed: CUDA error"
