@@ -27,7 +27,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from kvshare.router.policy import POLICIES, ReplicaView, RouteFacts, Router, prefix_blocks
 from kvshare.serve.api_types import ApiError
 from kvshare.serve.http_errors import body_too_large, error_response, http_error
-from kvshare.serve.server import limit_send_buffer, version
+from kvshare.serve.connection import limit_send_buffer
+from kvshare.serve.server import version
 from kvshare.serve.tenancy import Unauthorized, check_api_key
 
 log = logging.getLogger("kvshare.router")
@@ -48,7 +49,7 @@ class RouterConfig:
     connect_timeout_s: float = 5.0
     api_keys: tuple[str, ...] = ()  # empty: no authentication
     write_timeout_s: float = 30.0  # a client that takes longer to accept one write of a response is dropped
-    stream_buffer_bytes: int = 256 << 10  # kernel send buffer towards a client (kvshare.serve.server.limit_send_buffer)
+    stream_buffer_bytes: int = 256 << 10  # kernel send buffer towards a client (kvshare.serve.connection.limit_send_buffer)
     instance_id: str = ""  # --instance-id: kvshare up's id of this process, reported by /health
 
     def __post_init__(self) -> None:

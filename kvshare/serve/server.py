@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
 import uuid
 from dataclasses import dataclass, replace
@@ -26,6 +25,7 @@ import kvshare
 from kvshare.serve import api_types as A
 from kvshare.serve import tokenize as T
 from kvshare.serve.audit import AuditConfig, Auditor
+from kvshare.serve.connection import is_gone, limit_send_buffer
 from kvshare.serve.http_errors import body_too_large, engine_error, error_response, http_error
 from kvshare.serve.metrics import ReplicaMetrics
 from kvshare.serve.models import ServedModels
@@ -286,7 +286,7 @@ class ReplicaServer:
     async def _respond(self, request: web.Request, req, prep: Prepared, chat: bool) -> web.StreamResponse:
         t_arrival = time.perf_counter()  # the metrics time from here (a timeline from the handler's start)
         ids = prep.prompt_array if prep.prompt_array is not None else prep.prompt_ids
-        job = Job(ids, prep.params, prep.options, asyncio.get_running_loop())
+        job = Job(ids, prep.params, prep.options, asyncio.get_running_loop(), client_gone=lambda: is_gone(request))
         if not req.stream:  # nothing is written before the end: the engine need not wait after the first token
             job.first_written.set()
         try:
@@ -375,18 +375,6 @@ class ReplicaServer:
 async def version(request: web.Request) -> web.Response:
     """GET /version, as vLLM's (which gives vLLM's version): kvshare's."""
     return web.json_response({"version": kvshare.__version__})
-
-
-def limit_send_buffer(request: web.Request, num_bytes: int) -> None:
-    """Bound the kernel's send buffer of a response's connection.
-
-    Linux grows a TCP send buffer up to net.ipv4.tcp_wmem's maximum (4 MiB by default) while the peer
-    does not read, so a stalled client would hold that much before a write ever waits and the write
-    timeout could start counting; like Redis's client output buffer limit, a stream gets a fixed bound.
-    """
-    sock = request.transport.get_extra_info("socket") if request.transport is not None else None
-    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, num_bytes)
 
 
 class _SlowClient(Exception):

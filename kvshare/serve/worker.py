@@ -36,6 +36,9 @@ class Job:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     is_cancelled: bool = False
+    # True once the client's connection is gone: asked with the rest before each prefill layer, since the
+    # handler learns of a lost connection only when it next writes (the first token, after the prefill)
+    client_gone: Callable[[], bool] | None = None
     started_s: float | None = None  # perf_counter() when the worker took the job off the queue
     # set by the handler once the first token is on its way to the client: until then the engine does not go
     # on (publishing the prompt's chunks runs Python on this thread and would hold the GIL the writer needs)
@@ -124,7 +127,7 @@ class EngineWorker:
                 self._num_waiting -= 1
                 self._num_running += 1
             job.started_s = time.perf_counter()
-            is_cancelled = lambda job=job: job.is_cancelled or self._is_stopping  # noqa: E731
+            is_cancelled = lambda job=job: job.is_cancelled or self._is_stopping or _is_gone(job)  # noqa: E731
             try:
                 if not is_cancelled():
                     options = replace(job.options, is_cancelled=is_cancelled) if job.options is not None else None
@@ -138,13 +141,22 @@ class EngineWorker:
                                 break
                     finally:
                         events.close()  # runs the engine's clean-up (leases, stores) on a cancel too
-                job.post(_DONE)
+                job.post(_gone_error() if _is_gone(job) else _DONE)
             except RequestCancelled as exc:  # its client left, or the replica stops: not an engine failure
                 log.info("%s", exc)
-                job.post(exc)
+                job.post(_gone_error() if _is_gone(job) else exc)
             except Exception as exc:  # reported to that request only; the worker keeps serving
                 log.exception("engine failed on a request")
                 job.post(exc)
             finally:
                 with self._lock:
                     self._num_running -= 1
+
+
+def _is_gone(job: Job) -> bool:
+    return job.client_gone is not None and job.client_gone()
+
+
+def _gone_error() -> ConnectionResetError:
+    """What the handler of a job whose client left reads instead of the end: what its next write would raise."""
+    return ConnectionResetError("the client went away")

@@ -1,0 +1,26 @@
+"""The client's connection, as a replica's (and the router's) handlers look at it."""
+
+from __future__ import annotations
+
+import socket
+
+from aiohttp import web
+
+
+def limit_send_buffer(request: web.Request, num_bytes: int) -> None:
+    """Bound the kernel's send buffer of a response's connection.
+
+    Linux grows a TCP send buffer up to net.ipv4.tcp_wmem's maximum (4 MiB by default) while the peer
+    does not read, so a stalled client would hold that much before a write ever waits and the write
+    timeout could start counting; like Redis's client output buffer limit, a stream gets a fixed bound.
+    """
+    sock = request.transport.get_extra_info("socket") if request.transport is not None else None
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, num_bytes)
+
+
+def is_gone(request: web.Request) -> bool:
+    """Whether the client's connection is closed. Read from the engine's thread between prefill layers: one
+    attribute of the transport, no I/O (the handler itself learns of it only at its next write)."""
+    transport = request.transport
+    return transport is None or transport.is_closing()
