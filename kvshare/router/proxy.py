@@ -27,12 +27,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from kvshare.router.policy import POLICIES, ReplicaView, RouteFacts, Router, prefix_blocks
 from kvshare.serve.api_types import ApiError
 from kvshare.serve.http_errors import body_too_large, error_response, http_error
-from kvshare.serve.connection import limit_send_buffer
+from kvshare.serve.connection import is_gone, limit_send_buffer
 from kvshare.serve.server import version
 from kvshare.serve.tenancy import Unauthorized, check_api_key
 
 log = logging.getLogger("kvshare.router")
 _HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "content-encoding"}
+CLIENT_POLL_S = 0.1  # while a response is relayed: how often the client's connection is looked at
 
 
 @dataclass(frozen=True)
@@ -264,6 +265,9 @@ class RouterServer:
         response = web.StreamResponse(status=upstream.status, headers=headers)
         limit_send_buffer(request, self.config.stream_buffer_bytes)
         await response.prepare(request)
+        # a client that leaves while the replica computes (a long prefill sends nothing) closes the replica's
+        # connection too, which lets the replica give the request up at its next layer
+        watch = asyncio.create_task(_close_when_gone(request, upstream))
         try:
             async for piece in upstream.content.iter_any():
                 try:
@@ -274,11 +278,26 @@ class RouterServer:
                     if request.transport is not None:
                         request.transport.abort()
                     return response
+                except ConnectionResetError:  # the client left: nothing to say about the replica
+                    return response
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            if is_gone(request):  # the watch closed the replica's connection for a client that left
+                return response
             log.warning("replica %s broke off a response: %s", replica.url, exc)
             replica.is_healthy = False
-        await response.write_eof()
+        finally:
+            watch.cancel()
+        try:
+            await response.write_eof()
+        except ConnectionResetError:
+            pass  # the client left after the last piece
         return response
+
+
+async def _close_when_gone(request: web.Request, upstream: aiohttp.ClientResponse) -> None:
+    while not is_gone(request):
+        await asyncio.sleep(CLIENT_POLL_S)
+    upstream.close()
 
 
 def _unavailable(message: str) -> ApiError:

@@ -148,44 +148,59 @@ def test_a_cancelled_request_is_answered_503_and_an_engine_failure_500():
     assert failed.status == 500 and failed.body()["error"]["message"] == "the engine failed: CUDA error"
 
 
-def test_a_client_that_disconnects_during_the_prefill_frees_the_engine():
-    """Through a real replica: the client closes its connection while the prefill runs; the engine is told at
-    its next layer (not after the whole prefill), and the next request is served."""
+class SlowPrefill:
+    """The tiny engine, whose prefill first spends up to 60 s in layers that ask the cancel check."""
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+        self.started, self.cancelled = threading.Event(), threading.Event()
+        self.slow = True
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def generate(self, prompt_ids, params, options):
+        if self.slow:
+            self.started.set()
+            for layer in range(6000):
+                if options.is_cancelled():
+                    self.cancelled.set()
+                    raise RequestCancelled(f"the request was cancelled before layer {layer} of its prefill")
+                time.sleep(0.01)
+        yield from self._engine.generate(prompt_ids, params, options)
+
+
+def leave_during_the_prefill(url: str, engine: SlowPrefill) -> None:
+    """A streamed request whose client closes its connection once the prefill runs."""
     import http.client
     import json
 
-    from tests.serve.live import call, metric, replica, tiny_engine
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    body = {"prompt": "once upon a time", "max_tokens": 4, "stream": True}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    assert engine.started.wait(30)
+    conn.sock.close()  # the client gives up while the prefill runs
+    conn.close()
 
-    class SlowPrefill:
-        """The tiny engine, whose prefill first spends up to 60 s in layers that ask the cancel check."""
 
-        def __init__(self, engine) -> None:
-            self._engine = engine
-            self.started, self.cancelled = threading.Event(), threading.Event()
-            self.slow = True
+@pytest.fixture(scope="module")
+def slow_engine():
+    from tests.serve.live import tiny_engine
 
-        def __getattr__(self, name):
-            return getattr(self._engine, name)
+    return SlowPrefill(tiny_engine())
 
-        def generate(self, prompt_ids, params, options):
-            if self.slow:
-                self.started.set()
-                for layer in range(6000):
-                    if options.is_cancelled():
-                        self.cancelled.set()
-                        raise RequestCancelled(f"the request was cancelled before layer {layer} of its prefill")
-                    time.sleep(0.01)
-            yield from self._engine.generate(prompt_ids, params, options)
 
-    engine = SlowPrefill(tiny_engine())
+def test_a_client_that_disconnects_during_the_prefill_frees_the_engine(slow_engine):
+    """Through a real replica: the client closes its connection while the prefill runs; the engine is told at
+    its next layer (not after the whole prefill), and the next request is served."""
+    from tests.serve.live import call, metric, replica
+
+    engine = slow_engine
+    engine.started.clear(), engine.cancelled.clear()
+    engine.slow = True
     with replica(engine) as url:
-        host, port = url.removeprefix("http://").split(":")
-        conn = http.client.HTTPConnection(host, int(port), timeout=60)
-        body = {"prompt": "once upon a time", "max_tokens": 4, "stream": True}
-        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-        assert engine.started.wait(30)
-        conn.sock.close()  # the client gives up while the prefill runs
-        conn.close()
+        leave_during_the_prefill(url, engine)
         assert engine.cancelled.wait(30), "the engine ran on after its client left"
         for _ in range(100):  # the handler counts it once the worker hands it the lost connection
             if metric(url, "kvshare:request_cancelled_total") == 1:
@@ -196,3 +211,23 @@ def test_a_client_that_disconnects_during_the_prefill_frees_the_engine():
         status, out = call(url, "/v1/completions", {"prompt": "once upon a time", "max_tokens": 2})
         assert status == 200 and out["usage"]["completion_tokens"] == 2
         assert metric(url, "kvshare:num_requests_running") == 0
+
+
+def test_through_the_router_too_and_the_replica_stays_healthy(slow_engine):
+    """The router waits on the replica while it computes; a client that leaves then makes the router close
+    its connection to the replica, which gives the request up, and the router does not blame the replica."""
+    from kvshare.router.proxy import RouterConfig, RouterServer
+    from tests.serve.live import LiveApp, call, replica
+
+    engine = slow_engine
+    engine.started.clear(), engine.cancelled.clear()
+    engine.slow = True
+    with replica(engine) as url:
+        router = RouterServer(RouterConfig(replicas=(url,), policy="round_robin"))
+        with LiveApp(router.app()) as r:
+            leave_during_the_prefill(r, engine)
+            assert engine.cancelled.wait(30), "the replica ran on after the router's client left"
+            assert all(state.is_healthy for state in router.replicas)
+            engine.slow = False
+            status, out = call(r, "/v1/completions", {"prompt": "once upon a time", "max_tokens": 2})
+            assert status == 200 and out["usage"]["completion_tokens"] == 2
