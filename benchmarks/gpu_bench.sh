@@ -106,9 +106,7 @@ if [ -n "${KVSHARE_BENCH_DRY:-}" ]; then M32=tiny M8=tiny DEV=cpu POOL=2GiB CTX_
 # warm-ups crossed the watermark and the measured requests found only 446-450 of 500 chunks; 8 x 7.8
 # GiB at 32k (after the ttft unit's prompts) did the same: 71 of 125 chunks (2026-12-02). The report's
 # "min pool tokens (ON)" shows it.
-[ "$STEP" = 32b-32k ] && POOL=${POOL:-80GiB}
-[ "$STEP" = 32b-128k ] && POOL=${POOL:-80GiB}
-[ "$STEP" = 8b-256k ] && POOL=${POOL:-80GiB}
+case $STEP in 32b-32k|32b-128k|8b-256k) POOL=${POOL:-80GiB} ;; esac
 M32=${M32:-qwen3-32b} M8=${M8:-qwen3-8b} DEV=${DEV:-cuda} POOL=${POOL:-66GiB} CTX_A=${CTX_A:-32k} CTX_B=${CTX_B:-128k} CTX_C=${CTX_C:-256k}
 PER_BLOCK_32K=${PER_BLOCK_32K:-8} PER_BLOCK_128K=${PER_BLOCK_128K:-4} PER_BLOCK_256K=${PER_BLOCK_256K:-4}
 SESSION_CONTEXTS=${SESSION_CONTEXTS:-$CTX_A,$CTX_B}  # e.g. SESSION_CONTEXTS=128k to continue with 128k only
