@@ -46,6 +46,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--staging-buffers", type=int, default=2,
                    help="CUDA: GPU staging buffers (256 MiB each) a pool load or store rotates through; more lets "
                         "the copies run further ahead of the scatters when compute shares the GPU (default 2)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: run decode steps eagerly instead of replaying CUDA graphs (as vllm serve's flag)")
     p.add_argument("--max-model-len", type=parse_max_model_len, default=None,
                    help="context length: prompt plus output tokens (as vLLM: 4096, 32k, 32K; default: the model's)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="auto",
@@ -109,7 +111,8 @@ def engine_config(args: argparse.Namespace):
                         local_cache_bytes=args.local_cache_size, chunk_tokens=args.chunk_tokens,
                         max_model_len=args.max_model_len, verify_checksums=args.verify_rate >= 1.0,
                         verify_fraction=min(args.verify_rate, 1.0), deterministic=args.deterministic,
-                        grid_tokens=args.grid_tokens, staging_buffers=args.staging_buffers)
+                        grid_tokens=args.grid_tokens, staging_buffers=args.staging_buffers,
+                        enforce_eager=args.enforce_eager)
 
 
 def serve_config(args: argparse.Namespace):

@@ -178,6 +178,7 @@ class EngineConfig:
     verify_fraction: float = 0.0  # else verify this share of loaded pages (sampled verification)
     producer_delay_cycles: int = 0  # validation (CUDA): GPU sleep before prefill writes KV the pool will store
     staging_buffers: int = 2  # CUDA: GPU staging buffers a pool load or store rotates through (TransferConfig)
+    enforce_eager: bool = False  # CUDA: decode steps launch every kernel (no CUDA graphs), as vLLM's --enforce-eager
     pool_retry_s: float = 0.5  # first reconnect delay after the pool went away (doubles up to pool_retry_max_s)
     pool_retry_max_s: float = 30.0
     # chunk-invariant prefill (kvshare.engine.grid): every prompt token's KV and logits come out the same bits

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from kvshare.engine.config import EngineConfig, kv_precision, kv_storage_dtype
+from kvshare.engine.decode_graph import DecodeGraphs
 from kvshare.engine.grid import grid_forward
 from kvshare.engine.grid_check import start_grid
 from kvshare.engine.kv_cache import KVBuffer
@@ -104,8 +105,14 @@ class Engine:
         )
         self._digests: OrderedDict[str, bytes] = OrderedDict()  # namespace salt -> digest, LRU
         self._kv = KVBuffer(self.layout, self.device, self.max_model_len)
+        # CUDA: a decode step replays captured graphs (kvshare.engine.decode_graph), captured at start-up where the
+        # KV is allocated then, else at the first decode step; --enforce-eager keeps every step eager
+        self._graphs: DecodeGraphs | None = None
+        self._use_graphs = self.device.type == "cuda" and not config.enforce_eager
         if config.preallocate_kv if config.preallocate_kv is not None else self.device.type == "cuda":
-            self._kv.ensure(self.max_model_len)
+            kv = self._kv.ensure(self.max_model_len)
+            if self._use_graphs:
+                self._decode_graphs(kv)
         self._local = LocalPrefixCache(config.local_cache_bytes)
         self._stats = EngineStats()
         self._lock = threading.Lock()  # one request at a time owns the sequence KV
@@ -179,6 +186,7 @@ class Engine:
             if self._pool is not None:
                 self._pool.close()
             self._local.clear()
+            self._graphs = None  # they hold the KV tensor
             self._kv.release()
 
     # -- one request -----------------------------------------------------------------
@@ -195,7 +203,10 @@ class Engine:
     def _stream(self, ids: np.ndarray, params: SamplingParams, options: RequestOptions) -> Iterator[TokenEvent]:
         with self._lock:  # held across yields: no other request may touch the sequence KV meanwhile
             n = len(ids)
-            kv = self._kv.ensure(min(n + params.max_tokens, self.max_model_len))
+            needed = min(n + params.max_tokens, self.max_model_len)
+            if self._kv.capacity < needed:
+                self._graphs = None  # they hold the KV tensor, which must go before a larger one comes
+            kv = self._kv.ensure(needed)
             digest = self._digest(options.tenant)
             keys = chunk_keys(digest, ids, self.layout.chunk_tokens)  # the array itself: no list round trip
             if options.timeline is not None:
@@ -248,8 +259,20 @@ class Engine:
 
     @torch.inference_mode()
     def _decode_step(self, kv: torch.Tensor, token_id: int, position: int) -> torch.Tensor:
+        """Logits [1, V] of the token after ``token_id`` at ``position`` (from graphs: valid until the next step)."""
+        if self._use_graphs:
+            return self._decode_graphs(kv).run(token_id, position)
         step = torch.tensor([token_id], device=self.device)
         return self.model(step, kv, position, self.config.prefill_chunk_tokens)
+
+    @torch.inference_mode()
+    def _decode_graphs(self, kv: torch.Tensor) -> DecodeGraphs:
+        if self._graphs is None or self._graphs.kv is not kv:
+            self._graphs = None
+            graphs = DecodeGraphs(self.model, kv)
+            graphs.capture()
+            self._graphs = graphs
+        return self._graphs
 
     @torch.inference_mode()
     def _prefill(self, kv: torch.Tensor, ids: np.ndarray, keys: list[bytes], options: RequestOptions):

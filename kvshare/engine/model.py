@@ -60,7 +60,12 @@ def rope_inv_freq(head_dim: int, theta: float, device: torch.device | None = Non
 def rope_cos_sin(inv_freq: Tensor, start: int, num_tokens: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """cos, sin for positions [start, start + num_tokens): each [T, D] in ``dtype``."""
     positions = torch.arange(start, start + num_tokens, device=inv_freq.device, dtype=torch.float32)
-    freqs = positions[:, None] * inv_freq[None, :]  # [T, D/2]
+    return rope_cos_sin_at(inv_freq, positions, dtype)
+
+
+def rope_cos_sin_at(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos, sin for the positions in the device tensor ``positions`` [T] (a captured decode step reads its own)."""
+    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -105,11 +110,27 @@ def write_kv(kv: Tensor, start: int, k: Tensor, v: Tensor) -> None:
     cast turns |x| >= 480 into NaN where its CPU cast saturates, so the clamp makes both devices alike.
     """
     n = k.shape[0]
-    if kv.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        bound = torch.finfo(kv.dtype).max
-        k, v = k.clamp(-bound, bound), v.clamp(-bound, bound)
+    k, v = _saturated(kv.dtype, k, v)
     kv[0, :, start : start + n] = k.transpose(0, 1)  # [H, n, D]
     kv[1, :, start : start + n] = v.transpose(0, 1)
+
+
+def write_kv_at(kv: Tensor, positions: Tensor, k: Tensor, v: Tensor) -> None:
+    """``write_kv`` at the positions held in the device tensor ``positions`` [n] (a captured decode step's)."""
+    k, v = _saturated(kv.dtype, k, v)
+    bits = _BITS[kv.element_size()]  # index_copy_ has no float8 kernels; the bytes are what it moves
+    kv[0].view(bits).index_copy_(1, positions, k.transpose(0, 1).to(kv.dtype).view(bits))
+    kv[1].view(bits).index_copy_(1, positions, v.transpose(0, 1).to(kv.dtype).view(bits))
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _saturated(dtype: torch.dtype, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        bound = torch.finfo(dtype).max
+        return k.clamp(-bound, bound), v.clamp(-bound, bound)
+    return k, v
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
@@ -224,11 +245,7 @@ class Transformer(nn.Module):
         dtype = self.model.embed_tokens.weight.dtype
         x = self.model.embed_tokens(tokens)  # [T, E]
         cos, sin = rope_cos_sin(self.inv_freq, start, num_tokens, dtype)  # [T, D]
-        if x.is_cuda:
-            backends = CUDA_DECODE_SDPA_BACKENDS if num_tokens == 1 else CUDA_SDPA_BACKENDS
-        else:
-            backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
-        with sdpa_kernel(backends, set_priority=True):
+        with sdpa_kernel(sdpa_backends(x.is_cuda, num_tokens), set_priority=True):
             for i, layer in enumerate(self.model.layers):
                 hook = (lambda i=i: before_layer(i)) if before_layer is not None else _no_op
                 x = layer(x, kv[i], start, cos, sin, chunk_tokens, hook)
@@ -259,6 +276,13 @@ class Transformer(nn.Module):
         for v0 in range(0, weight.shape[0], LOGITS_VOCAB_SLICE):
             v1 = min(weight.shape[0], v0 + LOGITS_VOCAB_SLICE)
             out[:, v0:v1] = h32 @ weight[v0:v1].float().t()
+
+
+def sdpa_backends(is_cuda: bool, num_queries: int) -> list[SDPBackend]:
+    """SDPA's backends in the order tried, for a forward of ``num_queries`` tokens."""
+    if is_cuda:
+        return CUDA_DECODE_SDPA_BACKENDS if num_queries == 1 else CUDA_SDPA_BACKENDS
+    return [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 
 
 def _no_op() -> None:
