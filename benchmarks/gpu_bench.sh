@@ -18,7 +18,8 @@
 #                sticky, pool off vs on, at 32k then 128k (2 sessions each, as time allows)
 #   report       only rewrite and print the report of RESULTS
 #
-# Environment: SESSION_CONTEXTS (8b-sessions' initial contexts, default "32k,128k"; e.g. 128k to
+# Environment: SESSIONS (8b-sessions: sessions per condition, default 2; their requests keep their
+# timelines), SESSION_CONTEXTS (8b-sessions' initial contexts, default "32k,128k"; e.g. 128k to
 # continue with 128k only), PER_BLOCK_32K (default 8), KVSHARE_BENCH_SECONDS (default 520),
 # VALIDATED (set in a call that continues a step whose first call ran `kvshare validate` on the
 # same tree: skips it, ~30 s of device time; the log says so).
@@ -134,8 +135,8 @@ case $STEP in
         ;;
     8b-sessions)
         validate
-        bench sessions "${GPU8[@]}" --contexts "$SESSION_CONTEXTS" --sessions 2 --turns 6 --turn-tokens 200 \
-            --answer-tokens 32 --verify 1
+        bench sessions "${GPU8[@]}" --contexts "$SESSION_CONTEXTS" --sessions "${SESSIONS:-2}" --turns 6 --turn-tokens 200 \
+            --answer-tokens 32 --verify 1 --timeline
         ;;
     report) ;;
     *) echo "unknown step $STEP"; exit 2 ;;

@@ -83,7 +83,8 @@ def test_qwen3_8b_shape_builds_fast_and_reuses_through_the_pool():
     from kvshare.pool.spawn import running_pool
 
     started = time.perf_counter()
-    a = Engine(EngineConfig(model="qwen3-8b", device="cuda", local_cache_bytes=4 << 30))
+    # max_model_len: two 8B engines live at once below, each would preallocate 36 GiB of KV at the preset's 262144
+    a = Engine(EngineConfig(model="qwen3-8b", device="cuda", local_cache_bytes=4 << 30, max_model_len=16384))
     assert time.perf_counter() - started < 60
     n = 8192
     ids = [int(t) for t in torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(0))]
@@ -91,11 +92,11 @@ def test_qwen3_8b_shape_builds_fast_and_reuses_through_the_pool():
     cold = list(a.generate(ids, params, COLD))
     with running_pool("4GiB", ("--extent-size", "256MiB"), quiet=True) as sock:
         a = Engine(EngineConfig(model="qwen3-8b", device="cuda", local_cache_bytes=4 << 30, pool_socket=sock,
-                                verify_checksums=True))
+                                verify_checksums=True, max_model_len=16384))
         computed = list(a.generate(ids, params))
         local = list(a.generate(ids, params))
         b = Engine(EngineConfig(model="qwen3-8b", device="cuda", local_cache_bytes=0, pool_socket=sock,
-                                verify_checksums=True))
+                                verify_checksums=True, max_model_len=16384))
         pooled = list(b.generate(ids, params))
     p = [(e[0].provenance.local_tokens, e[0].provenance.pool_tokens) for e in (computed, local, pooled)]
     assert p == [(0, 0), (n - 256, 0), (0, n - 256)]
@@ -126,7 +127,7 @@ def test_pool_load_gives_exactly_what_local_reuse_gives():
         local = list(a.generate(ids, params))
         a.close()
         b = Engine(EngineConfig(model="qwen3-8b", device="cuda", local_cache_bytes=0, pool_socket=sock,
-                                verify_checksums=True))
+                                verify_checksums=True, max_model_len=16384))
         reused = n - 256
         assert (local[0].provenance.local_tokens, local[0].provenance.pool_tokens) == (reused, 0)
         transfer = b._pool.transfer
