@@ -311,8 +311,7 @@ class Engine:
             pool_chunks = load.num_chunks
             if self.grid is None:
                 cached_len = (local_chunks + pool_chunks) * c
-                logits = self.model(prompt_ids[cached_len:], kv, cached_len, self.config.prefill_chunk_tokens,
-                                    before_layer=before_layer, beside_load=pool_chunks > 0)
+                logits = self.model(prompt_ids[cached_len:], kv, cached_len, self.config.prefill_chunk_tokens, before_layer=before_layer)
             else:
                 local_chunks, pool_chunks = self.grid.usable_prefix(local_chunks, load)
                 cached_len = (local_chunks + pool_chunks) * c

@@ -36,12 +36,6 @@ LOGITS_VOCAB_SLICE = 16384  # rows of a bf16 LM head upcast at a time (16384 x 5
 # flash gave one, and flash's step was faster too (33 vs 39 ms at 16k, 8B shape).
 CUDA_SDPA_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 CUDA_DECODE_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-# A suffix computed while a pool load still copies (``beside_load``): flash first. The load's scatter kernels need
-# SMs between its copies; beside cuDNN's attention the service's 256k / 128k loads ran at 0.945 / 0.908 of the
-# pinned copy against 0.998 / 0.995 alone on the H200 (session 10), and bf16 matmuls on every SM slowed a load
-# to 0.59 (session 8): a copy waits for its staging buffer's last scatter.
-CUDA_BESIDE_LOAD_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                                  SDPBackend.MATH]
 
 
 class RMSNorm(nn.Module):
@@ -239,13 +233,11 @@ class Transformer(nn.Module):
         chunk_tokens: int = 4096,
         before_layer: Callable[[int], None] | None = None,
         all_logits: bool = False,
-        beside_load: bool = False,
     ) -> Tensor:
         """tokens: [T] at positions [start, start+T); kv: [L, 2, H, T_cap, D] (written at those positions).
 
         Returns float32 logits: [T, V] with ``all_logits``, else [1, V] for the last token.
-        ``before_layer(l)`` runs before layer l's attention reads the cache; ``beside_load``: a pool load is
-        still copying into ``kv`` (CUDA_BESIDE_LOAD_SDPA_BACKENDS).
+        ``before_layer(l)`` runs before layer l's attention reads the cache.
         """
         num_tokens = tokens.shape[0]
         if start + num_tokens > kv.shape[3]:
@@ -253,7 +245,7 @@ class Transformer(nn.Module):
         dtype = self.model.embed_tokens.weight.dtype
         x = self.model.embed_tokens(tokens)  # [T, E]
         cos, sin = rope_cos_sin(self.inv_freq, start, num_tokens, dtype)  # [T, D]
-        with sdpa_kernel(sdpa_backends(x.is_cuda, num_tokens, beside_load), set_priority=True):
+        with sdpa_kernel(sdpa_backends(x.is_cuda, num_tokens), set_priority=True):
             for i, layer in enumerate(self.model.layers):
                 hook = (lambda i=i: before_layer(i)) if before_layer is not None else _no_op
                 x = layer(x, kv[i], start, cos, sin, chunk_tokens, hook)
@@ -286,12 +278,10 @@ class Transformer(nn.Module):
             out[:, v0:v1] = h32 @ weight[v0:v1].float().t()
 
 
-def sdpa_backends(is_cuda: bool, num_queries: int, beside_load: bool = False) -> list[SDPBackend]:
-    """SDPA's backends in the order tried, for a forward of ``num_queries`` tokens (beside a pool load or not)."""
+def sdpa_backends(is_cuda: bool, num_queries: int) -> list[SDPBackend]:
+    """SDPA's backends in the order tried, for a forward of ``num_queries`` tokens."""
     if is_cuda:
-        if num_queries == 1:
-            return CUDA_DECODE_SDPA_BACKENDS
-        return CUDA_BESIDE_LOAD_SDPA_BACKENDS if beside_load else CUDA_SDPA_BACKENDS
+        return CUDA_DECODE_SDPA_BACKENDS if num_queries == 1 else CUDA_SDPA_BACKENDS
     return [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 
 

@@ -13,7 +13,7 @@ import torch
 
 from kvshare.engine.config import EngineConfig
 from kvshare.engine.decode_graph import DecodeGraphs
-from kvshare.engine.engine import Engine, RequestOptions, SamplingParams
+from kvshare.engine.engine import Engine, SamplingParams
 from tests.engine.conftest import ascii_prompt
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -91,31 +91,3 @@ def test_an_engine_with_graphs_streams_what_an_eager_one_streams():
     for n in (33, 100, 300):
         ids = graphs.tokenizer.encode(ascii_prompt(n, seed=n))
         assert [e.token_id for e in graphs.generate(ids, params)] == [e.token_id for e in eager.generate(ids, params)]
-
-
-def test_only_a_suffix_beside_a_pool_load_asks_for_the_beside_load_backends(pool_socket):
-    """The prefill tells the model whether pool copies are still running beside it (flash before cuDNN on CUDA)."""
-    from kvshare.engine.model import CUDA_BESIDE_LOAD_SDPA_BACKENDS, CUDA_SDPA_BACKENDS, sdpa_backends
-    from tests.engine.test_reuse import COLD, run
-
-    assert sdpa_backends(True, 240, beside_load=True) == CUDA_BESIDE_LOAD_SDPA_BACKENDS != CUDA_SDPA_BACKENDS
-    assert sdpa_backends(True, 1, beside_load=True) == sdpa_backends(True, 1)  # decode: no load beside it
-    engines = [Engine(EngineConfig(model="tiny", chunk_tokens=16, pool_socket=pool_socket)) for _ in range(2)]
-    seen = []
-    for engine in engines:
-        forward = engine.model.forward
-
-        def spy(*args, forward=forward, **kwargs):
-            seen.append((args[0].shape[0], kwargs.get("beside_load", False)))
-            return forward(*args, **kwargs)
-        engine.model.forward = spy
-    ids = engines[0].tokenizer.encode(ascii_prompt(70, seed=5))
-    no_local = RequestOptions(use_local_cache=False)
-    cold, _ = run(engines[0], ids, COLD)
-    seen.clear()
-    assert run(engines[0], ids, no_local) == (cold, (0, 0, 70))  # computed (and stored): no load
-    assert seen[0] == (70, False)
-    seen.clear()
-    assert run(engines[1], ids, no_local) == (cold, (0, 64, 6))  # from the pool
-    assert seen[0] == (6, True)
-    assert all(not beside for _, beside in seen[1:])  # the decode steps

@@ -127,7 +127,7 @@ def test_pool_load_gives_exactly_what_local_reuse_gives():
         local = list(a.generate(ids, params))
         a.close()
         b = Engine(EngineConfig(model="qwen3-8b", device="cuda", local_cache_bytes=0, pool_socket=sock,
-                                verify_checksums=True, max_model_len=16384))
+                                verify_checksums=True, max_model_len=32768))
         reused = n - 256
         assert (local[0].provenance.local_tokens, local[0].provenance.pool_tokens) == (reused, 0)
         transfer = b._pool.transfer
