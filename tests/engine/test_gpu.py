@@ -122,7 +122,7 @@ def test_pool_load_gives_exactly_what_local_reuse_gives():
     params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=2)
     with running_pool("8GiB", ("--extent-size", "256MiB"), quiet=True) as sock:
         a = Engine(EngineConfig(model="qwen3-8b", device="cuda", local_cache_bytes=3 << 30, pool_socket=sock,
-                                verify_checksums=True))
+                                verify_checksums=True, max_model_len=32768))
         list(a.generate(ids, params))  # computes, stores in the pool and the local cache
         local = list(a.generate(ids, params))
         a.close()
