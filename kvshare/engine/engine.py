@@ -6,7 +6,8 @@ A request, in order::
     local     longest prefix of chunks held in the local prefix cache -> copied into kv
     pool      longest run after it that the pool holds -> leased, loaded layer by layer
     prefill   the rest of the prompt (at least its last token: its logits pick the first token)
-    stream    first token; then publish (local cache + pool store of the chunks the pool lacks); decode
+    stream    first token; then decode, while a thread publishes (local cache + pool store of the chunks the
+              pool lacks); the stream ends once both have
 
     prompt    |== local ==|==== pool ====|------ computed ------|
               0        local_len     cached_len               n
@@ -17,6 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Sequence
@@ -116,6 +118,8 @@ class Engine:
         self._local = LocalPrefixCache(config.local_cache_bytes)
         self._stats = EngineStats()
         self._lock = threading.Lock()  # one request at a time owns the sequence KV
+        # stores each prompt (local cache, pool) beside its decode steps; a request ends once its store has
+        self._publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvshare-publish")
         self._pool: PoolLink | None = None
         if config.pool_socket:
             self._pool = PoolLink(
@@ -188,6 +192,7 @@ class Engine:
             self._local.clear()
             self._graphs = None  # they hold the KV tensor
             self._kv.release()
+        self._publisher.shutdown(wait=True)
 
     # -- one request -----------------------------------------------------------------
 
@@ -219,7 +224,7 @@ class Engine:
             stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.tokenizer.eos_token_ids))
             position = n  # tokens whose KV is in kv
             num_generated = 0
-            is_published = False
+            publishing: Future | None = None
             try:
                 while True:
                     token = sample(logits[-1], params, generator, counts)
@@ -238,17 +243,20 @@ class Engine:
                     elif num_generated >= params.max_tokens or position + 1 >= self.max_model_len:
                         finish = "length"
                     yield TokenEvent(token.token_id, token.logprob, token.top_logprobs, finish, provenance)
-                    if not is_published:  # after the first token: publishing never delays it
-                        is_published = True
-                        self._publish(kv, keys, digest, options)
+                    if publishing is None:  # after the first token, and beside the decode: it delays no token
+                        publishing = self._publisher.submit(self._publish, kv, keys, digest, options)
                     if finish is not None:
                         break
-                    logits = self._decode_step(kv, token.token_id, position)
+                    logits = self._decode_step(kv, token.token_id, position)  # writes only positions >= n
                     position += 1
             finally:
                 # a consumer that closes the stream after the first token still leaves the prompt's chunks
-                if num_generated and not is_published:
+                if num_generated and publishing is None:
                     self._publish(kv, keys, digest, options)
+                if publishing is not None:  # the stream ends, and the next request may reuse kv, once it is stored
+                    error = publishing.exception()
+                    if error is not None:
+                        raise error
                 self._stats.decode_seconds += time.perf_counter() - started
 
     def _count_prompt(self, provenance: Provenance) -> None:

@@ -1,0 +1,73 @@
+"""A prompt is stored (local cache, pool) beside its decode steps, and its stream ends only once it is stored."""
+
+from __future__ import annotations
+
+import threading
+
+from kvshare.engine.config import EngineConfig
+from kvshare.engine.engine import Engine, RequestOptions, SamplingParams
+from tests.engine.conftest import ascii_prompt
+from tests.engine.test_reuse import COLD, run
+
+CHUNK = 16
+NO_LOCAL = RequestOptions(use_local_cache=False)
+
+
+def _held_publish(engine: Engine) -> tuple[threading.Event, threading.Event]:
+    """Make the engine's publish wait for ``release``; ``done`` is set once it has stored."""
+    release, done = threading.Event(), threading.Event()
+    publish = engine._publish
+
+    def held(*args):
+        assert release.wait(30)
+        publish(*args)
+        done.set()
+    engine._publish = held
+    return release, done
+
+
+def test_tokens_do_not_wait_for_the_store_and_the_stream_ends_after_it(pool_socket):
+    writer = Engine(EngineConfig(model="tiny", chunk_tokens=CHUNK, pool_socket=pool_socket))
+    reader = Engine(EngineConfig(model="tiny", chunk_tokens=CHUNK, pool_socket=pool_socket))
+    ids = writer.tokenizer.encode(ascii_prompt(75, seed=11))
+    cold, _ = run(reader, ids, COLD)
+    release, done = _held_publish(writer)
+    stream = writer.generate(ids, SamplingParams(max_tokens=len(cold), ignore_eos=True))
+    tokens, ended = [], threading.Event()
+
+    def consume():
+        for event in stream:
+            tokens.append(event.token_id)
+        ended.set()
+    consumer = threading.Thread(target=consume, daemon=True)
+    consumer.start()
+    for _ in range(1000):  # up to 10 s for every token
+        if len(tokens) == len(cold):
+            break
+        threading.Event().wait(0.01)
+    # every token came while the store was held back; the stream has not ended
+    assert tokens == cold and not done.is_set() and not ended.is_set()
+    release.set()
+    assert ended.wait(30) and done.is_set()
+    # what was stored is the prompt's KV: the other engine loads it and generates what a recompute does
+    assert run(reader, ids, NO_LOCAL) == (cold, (0, 64, 11))
+
+
+def test_a_failed_store_is_the_requests_error_and_the_engine_serves_on(pool_socket):
+    engine = Engine(EngineConfig(model="tiny", chunk_tokens=CHUNK, pool_socket=pool_socket))
+    ids = engine.tokenizer.encode(ascii_prompt(40, seed=12))
+    publish = engine._publish
+
+    def broken(*args):
+        raise RuntimeError("the store broke")
+    engine._publish = broken
+    stream = engine.generate(ids, SamplingParams(max_tokens=3, ignore_eos=True))
+    try:
+        list(stream)
+    except RuntimeError as exc:
+        assert "the store broke" in str(exc)
+    else:
+        raise AssertionError("the store's error was lost")
+    engine._publish = publish
+    cold, _ = run(engine, ids, COLD)
+    assert run(engine, ids) == (cold, (0, 0, 40))
