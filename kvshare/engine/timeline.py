@@ -12,8 +12,8 @@ start or end)::
 
 ``load_started`` is when the copy stream reached the load (its copies may wait there no longer), so
 ``load_end - load_started`` is the load's own time on the device, whatever ran beside it; ``published``
-is when the prompt's chunks were in the local cache and the pool, after the first token (the store
-runs before the second token is computed).
+is when the prompt's chunks were in the local cache and the pool, after the first token (a publish thread
+stores them beside the decode steps).
 
 On CUDA the device steps (load start, first layer, load end, forward end) are CUDA events, put on the host's
 clock through an anchor event recorded on the idle compute stream when the prefill starts; they

@@ -1,0 +1,150 @@
+"""Diagnostic for the H200 (issue 18): which part of the suffix's forward slows a pool load beside it.
+
+Alone, a 256k load of the 8B shape runs at 0.998 of one large copy (session 9); through the service,
+beside the forward of the 240-token suffix, at 0.89-0.95 (every service row since session 4), and
+neither four staging buffers nor flash attention in place of cuDNN changed that (session 10). This
+measures one engine's cross-replica prefill out of a real pool, in one run, by the load's own CUDA
+events (``load_end - load_started`` of the request's timeline), against a 1-D copy of 4 GiB out of
+registered memory:
+
+    alone           the same load, nothing beside it (PoolLink.load_prefix, then wait)
+    forward         the engine's prefill as a request runs it (every page checked)
+    no checks       the same, pages not checked
+    no attention    the forward with attention replaced by zeros (projections, MLP, waits remain)
+    attention only  the forward whose projections and MLP are skipped (attention and waits remain)
+    waits only      per layer only the wait for its KV (nothing computed)
+
+The pool holds a random KV of the prompt (stored by the engine itself, so the pages and their checksums
+are what a replica would store). Each variant: one warm-up, then REPEATS requests; the median.
+
+    PYTHONPATH=.:/tmp/site python3 benchmarks/diagnostics/diag_load_beside_forward.py [TOKENS [SHAPE [OUT]]]
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+import kvshare.engine.model as M
+from kvshare.engine.config import EngineConfig
+from kvshare.engine.engine import Engine, RequestOptions, SamplingParams
+from kvshare.engine.timeline import Timeline
+from kvshare.pool.spawn import running_pool
+
+REPEATS = 3
+
+
+def reference_copy_gbps() -> float:
+    host = torch.empty(4 << 30, dtype=torch.uint8).pin_memory()
+    dev = torch.empty_like(host, device="cuda")
+    times = []
+    for _ in range(4):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dev.copy_(host, non_blocking=True)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return host.numel() / statistics.median(times[1:]) / 1e9
+
+
+@contextmanager
+def patched(variant: str):
+    layer_forward = M.DecoderLayer.forward
+    attend = M.attend
+
+    def no_attention(q, k, v, start):
+        return torch.zeros_like(q)
+
+    def attention_only(self, x, kv, start, cos, sin, chunk, before_attention):
+        attn = self.self_attn
+        n = x.shape[0]
+        q = x.new_zeros(attn.num_heads, n, attn.head_dim)
+        before_attention()
+        attend(q, kv[0, :, : start + n], kv[1, :, : start + n], start)
+        return x
+
+    def waits_only(self, x, kv, start, cos, sin, chunk, before_attention):
+        before_attention()
+        return x
+
+    try:
+        if variant == "no attention":
+            M.attend = no_attention
+        elif variant == "attention only":
+            M.DecoderLayer.forward = attention_only
+        elif variant == "waits only":
+            M.DecoderLayer.forward = waits_only
+        yield
+    finally:
+        M.attend, M.DecoderLayer.forward = attend, layer_forward
+
+
+def main() -> None:
+    tokens = int(sys.argv[1]) if len(sys.argv) > 1 else 262128
+    shape = sys.argv[2] if len(sys.argv) > 2 else "8b"
+    out = sys.argv[3] if len(sys.argv) > 3 else "diag_load_beside_forward.json"
+    model = {"8b": "qwen3-8b", "32b": "qwen3-32b"}[shape]
+    reference = reference_copy_gbps()
+    print(f"reference: one 4 GiB copy out of pinned memory {reference:.2f} GB/s", flush=True)
+    ids = np.random.default_rng(0).integers(0, 100_000, tokens).astype(np.int64)
+    kv_bytes = None
+    rows = []
+    per_token = {"8b": 36, "32b": 64}[shape] * 2 * 8 * 128 * 2  # KV bytes per token (bf16, 8 KV heads of 128)
+    with running_pool(str(int(tokens * per_token * 1.15) + (2 << 30)), quiet=True) as sock:
+        engine = Engine(EngineConfig(model=model, device="cuda", pool_socket=sock, local_cache_bytes=0,
+                                     verify_checksums=True, max_model_len=tokens + 16))
+        kv = engine._kv.ensure(tokens + 16)
+        kv.normal_(0, 1)
+        keys = engine.prompt_chunk_keys(ids)
+        engine._pool.store(kv, keys, engine._digest(""), torch.cuda.current_stream())
+        kv_bytes = (len(ids) - 1) // engine.layout.chunk_tokens * engine.layout.page_bytes
+        print(f"stored {len(keys)} pages ({kv_bytes / 2**30:.1f} GiB)", flush=True)
+        params = SamplingParams(max_tokens=1, ignore_eos=True)
+
+        def by_request(engine: Engine) -> tuple[float, float]:
+            timeline = Timeline(time.perf_counter())
+            started = time.perf_counter()
+            list(engine.generate(ids, params, RequestOptions(use_local_cache=False, timeline=timeline)))
+            ttft = time.perf_counter() - started
+            steps = timeline.as_dict()
+            return steps["load_end"] - steps["load_started"], ttft
+
+        def alone(engine: Engine) -> tuple[float, float]:
+            link = engine._pool
+            reusable = (len(ids) - 1) // engine.layout.chunk_tokens
+            started = time.perf_counter()
+            load = link.load_prefix(engine._kv.ensure(tokens + 16), keys[:reusable], 0)
+            load.handle.wait_all()
+            seconds = load.handle.seconds
+            link.finish_load(load)
+            return seconds, time.perf_counter() - started
+
+        variants = [("alone", alone, "forward"), ("forward", by_request, "forward"),
+                    ("no checks", by_request, "forward"), ("no attention", by_request, "no attention"),
+                    ("attention only", by_request, "attention only"), ("waits only", by_request, "waits only"),
+                    ("forward (again, last)", by_request, "forward")]
+        for name, measure, patch in variants:
+            checked = name != "no checks"  # the link's and its client's flag: every page, or none
+            engine._pool.verify_checksums = engine._pool.client.verify_checksums = checked
+            with patched(patch), torch.inference_mode():
+                measure(engine)  # warm-up
+                results = [measure(engine) for _ in range(REPEATS)]
+            load_s = statistics.median(r[0] for r in results)
+            gbps = kv_bytes / load_s / 1e9
+            row = {"variant": name, "load_s": round(load_s, 4), "gbps": round(gbps, 2), "ratio": round(gbps / reference, 3),
+                   "host_s": round(statistics.median(r[1] for r in results), 4)}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    with open(out, "w") as f:
+        json.dump({"command": " ".join(sys.argv), "model": model, "tokens": tokens, "kv_bytes": kv_bytes,
+                   "reference_gbps": round(reference, 2), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
