@@ -7,7 +7,7 @@ A request, in order::
     pool      longest run after it that the pool holds -> leased, loaded layer by layer
     prefill   the rest of the prompt (at least its last token: its logits pick the first token)
     stream    first token; then decode, while a thread publishes (local cache + pool store of the chunks the
-              pool lacks); the stream ends once both have
+              pool lacks); the last token waits for the publish (a response that ended has its prompt stored)
 
     prompt    |== local ==|==== pool ====|------ computed ------|
               0        local_len     cached_len               n
@@ -242,8 +242,10 @@ class Engine:
                         finish = "stop"
                     elif num_generated >= params.max_tokens or position + 1 >= self.max_model_len:
                         finish = "length"
+                    if finish is not None and publishing is not None:
+                        _wait(publishing)  # a response's last token says its prompt is stored (the next turn's lookup)
                     yield TokenEvent(token.token_id, token.logprob, token.top_logprobs, finish, provenance)
-                    if publishing is None:  # after the first token, and beside the decode: it delays no token
+                    if publishing is None:  # after the first token, and beside the decode: it delays no other
                         publishing = self._publisher.submit(self._publish, kv, keys, digest, options)
                     if finish is not None:
                         break
@@ -254,9 +256,7 @@ class Engine:
                 if num_generated and publishing is None:
                     self._publish(kv, keys, digest, options)
                 if publishing is not None:  # the stream ends, and the next request may reuse kv, once it is stored
-                    error = publishing.exception()
-                    if error is not None:
-                        raise error
+                    _wait(publishing)
                 self._stats.decode_seconds += time.perf_counter() - started
 
     def _count_prompt(self, provenance: Provenance) -> None:
@@ -367,6 +367,13 @@ class Engine:
             self._pool.store(kv, keys, digest, producer)
         if options.timeline is not None:
             options.timeline.mark("published")
+
+
+def _wait(publishing: Future) -> None:
+    """Wait for a publish; its error is the request's."""
+    error = publishing.exception()
+    if error is not None:
+        raise error
 
 
 def _cancellable(before_layer: Callable[[int], None], is_cancelled: Callable[[], bool]) -> Callable[[int], None]:

@@ -26,31 +26,47 @@ def _held_publish(engine: Engine) -> tuple[threading.Event, threading.Event]:
     return release, done
 
 
-def test_tokens_do_not_wait_for_the_store_and_the_stream_ends_after_it(pool_socket):
+def test_tokens_do_not_wait_for_the_store_but_the_last_one_does(pool_socket):
+    """All tokens but the last arrive while the store is held back; the last one (a response's end, after which
+    a client sends its next turn to any replica) only once the prompt is stored."""
     writer = Engine(EngineConfig(model="tiny", chunk_tokens=CHUNK, pool_socket=pool_socket))
     reader = Engine(EngineConfig(model="tiny", chunk_tokens=CHUNK, pool_socket=pool_socket))
     ids = writer.tokenizer.encode(ascii_prompt(75, seed=11))
     cold, _ = run(reader, ids, COLD)
     release, done = _held_publish(writer)
     stream = writer.generate(ids, SamplingParams(max_tokens=len(cold), ignore_eos=True))
-    tokens, ended = [], threading.Event()
+    tokens, stored_at_last, ended = [], [], threading.Event()
 
     def consume():
         for event in stream:
             tokens.append(event.token_id)
+            if event.finish_reason is not None:
+                stored_at_last.append(done.is_set())
         ended.set()
     consumer = threading.Thread(target=consume, daemon=True)
     consumer.start()
-    for _ in range(1000):  # up to 10 s for every token
-        if len(tokens) == len(cold):
+    for _ in range(1000):  # up to 10 s for the tokens before the last
+        if len(tokens) == len(cold) - 1:
             break
         threading.Event().wait(0.01)
-    # every token came while the store was held back; the stream has not ended
-    assert tokens == cold and not done.is_set() and not ended.is_set()
+    threading.Event().wait(0.2)
+    assert tokens == cold[:-1] and not done.is_set() and not ended.is_set()
     release.set()
-    assert ended.wait(30) and done.is_set()
+    assert ended.wait(30) and tokens == cold and stored_at_last == [True]
     # what was stored is the prompt's KV: the other engine loads it and generates what a recompute does
     assert run(reader, ids, NO_LOCAL) == (cold, (0, 64, 11))
+
+
+def test_a_one_token_response_is_not_held_for_the_store(pool_socket):
+    """The first token never waits for the store, also when it is the last: the stream ends after the store."""
+    engine = Engine(EngineConfig(model="tiny", chunk_tokens=CHUNK, pool_socket=pool_socket))
+    ids = engine.tokenizer.encode(ascii_prompt(40, seed=13))
+    release, done = _held_publish(engine)
+    stream = engine.generate(ids, SamplingParams(max_tokens=1, ignore_eos=True))
+    event = next(stream)
+    assert event.finish_reason == "length" and not done.is_set()
+    release.set()
+    assert list(stream) == [] and done.is_set()
 
 
 def test_a_failed_store_is_the_requests_error_and_the_engine_serves_on(pool_socket):
