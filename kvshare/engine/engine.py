@@ -118,7 +118,7 @@ class Engine:
         self._local = LocalPrefixCache(config.local_cache_bytes)
         self._stats = EngineStats()
         self._lock = threading.Lock()  # one request at a time owns the sequence KV
-        # stores each prompt (local cache, pool) beside its decode steps; a request ends once its store has
+        # stores each prompt (local cache, pool) beside its decode steps; a request's last token waits for it
         self._publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvshare-publish")
         self._pool: PoolLink | None = None
         if config.pool_socket:
