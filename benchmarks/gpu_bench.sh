@@ -16,6 +16,10 @@
 #                (8 per block, bootstrap CIs) at 32k, Qwen3-32B shape
 #   8b-sessions  sessions: 2 replicas of the Qwen3-8B shape on the GPU, 6 turns, alternate vs
 #                sticky, pool off vs on, at 32k then 128k (2 sessions each, as time allows)
+#   32b-sessions the same sessions with 2 replicas of the Qwen3-32B shape, one GPU each
+#                (--device cuda:0,cuda:1: run on an nvidia-h200-x2 machine), as the study's 27B
+#                replicas ran; the 8B shape's prefill is fast enough beside its decode that at 32k an
+#                alternating session can save at most ~26% (session 10)
 #   report       only rewrite and print the report of RESULTS
 #
 # Environment: SESSIONS (8b-sessions: sessions per condition, default 2; their requests keep their
@@ -47,7 +51,7 @@
 # $OUT receives gpu-results.tgz (the whole folder: records, report, plots, replica logs),
 # report.md, the two plots and this step's log.
 set -uo pipefail
-STEP=${1:?usage: benchmarks/gpu_bench.sh 32b-32k|32b-128k|8b-256k|8b-sessions|report [RESULTS]}
+STEP=${1:?usage: benchmarks/gpu_bench.sh 32b-32k|32b-128k|8b-256k|8b-sessions|32b-sessions|report [RESULTS]}
 cd "$(dirname "$0")/.."
 RESULTS=${2:-results/gpu}
 TOTAL=${KVSHARE_BENCH_SECONDS:-520}
@@ -101,13 +105,13 @@ validate() {
 }
 
 # overridable for a dry run of this script on CPU, e.g. KVSHARE_BENCH_DRY=1 (tiny model, 1k/2k contexts)
-if [ -n "${KVSHARE_BENCH_DRY:-}" ]; then M32=tiny M8=tiny DEV=cpu POOL=2GiB CTX_A=1k CTX_B=2k CTX_C=3k LEN8=8192; fi
+if [ -n "${KVSHARE_BENCH_DRY:-}" ]; then M32=tiny M8=tiny DEV=cpu DEV2=cpu POOL=2GiB CTX_A=1k CTX_B=2k CTX_C=3k LEN8=8192 LEN32=8192; fi
 # the pool holds one block's primes below its 90% low watermark (above 95%, LRU evicts down to 90%,
 # tails first): 8 x 7.8 GiB at 32k, 2 x 31.3 GiB at 128k. With 66 GiB, 2 x 31.3 GiB at 128k plus the
 # warm-ups crossed the watermark and the measured requests found only 446-450 of 500 chunks; 8 x 7.8
 # GiB at 32k (after the ttft unit's prompts) did the same: 71 of 125 chunks (2026-12-02). The report's
 # "min pool tokens (ON)" shows it.
-case $STEP in 32b-32k|32b-128k|8b-256k) POOL=${POOL:-80GiB} ;; esac
+case $STEP in 32b-32k|32b-128k|8b-256k|32b-sessions) POOL=${POOL:-80GiB} ;; esac
 M32=${M32:-qwen3-32b} M8=${M8:-qwen3-8b} DEV=${DEV:-cuda} POOL=${POOL:-66GiB} CTX_A=${CTX_A:-32k} CTX_B=${CTX_B:-128k} CTX_C=${CTX_C:-256k}
 PER_BLOCK_32K=${PER_BLOCK_32K:-8} PER_BLOCK_128K=${PER_BLOCK_128K:-4} PER_BLOCK_256K=${PER_BLOCK_256K:-4}
 SESSION_CONTEXTS=${SESSION_CONTEXTS:-$CTX_A,$CTX_B}  # e.g. SESSION_CONTEXTS=128k to continue with 128k only
@@ -116,6 +120,10 @@ GPU32=(--model "$M32" --device "$DEV" --sequential --replicas 2 --pool-size "$PO
 # which with 20 GiB local caches overfills the GPU (session 7: out of memory); 131072 holds the 128k turns
 GPU8=(--model "$M8" --device "$DEV" --replicas 2 --pool-size "$POOL" --replica-arg=--local-cache-size=20GiB
       --replica-arg=--max-model-len="${LEN8:-131072}")
+# the study's placement: two replicas of the 32B shape, one GPU each (an nvidia-h200-x2 machine): 61 GiB of
+# weights, 32 GiB of sequence KV at 131072 and a 32 GiB local cache per GPU
+GPU32X2=(--model "$M32" --device "${DEV2:-cuda:0,cuda:1}" --replicas 2 --pool-size "$POOL"
+         --replica-arg=--local-cache-size=32GiB --replica-arg=--max-model-len="${LEN32:-131072}")
 
 case $STEP in
     32b-32k)
@@ -132,6 +140,11 @@ case $STEP in
         validate
         bench blocks --model "$M8" --device "$DEV" --replicas 2 --pool-size "$POOL" --replica-arg=--local-cache-size=0 \
             --contexts "$CTX_C" --per-block "$PER_BLOCK_256K" --prime-batch 2 --max-tokens 16 --verify 0
+        ;;
+    32b-sessions)
+        validate
+        bench sessions "${GPU32X2[@]}" --contexts "$SESSION_CONTEXTS" --sessions "${SESSIONS:-2}" --turns 6 \
+            --turn-tokens 200 --answer-tokens 32 --verify 1 --timeline
         ;;
     8b-sessions)
         validate

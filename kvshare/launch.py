@@ -60,8 +60,20 @@ class ClusterConfig:
             raise ValueError("--api-key and --tenant-header apply to built-in replicas; for vLLM pass its own "
                              "--api-key with --replica-arg (tenants: the request's cache_salt)")
 
+        devices = self.device.split(",")
+        if len(devices) > 1 and self.engine != "builtin":
+            raise ValueError("one --device per replica (a comma list) applies to built-in replicas; vLLM replicas "
+                             "take their GPUs from CUDA_VISIBLE_DEVICES and --replica-arg")
+        for device in devices:
+            if not (device == "cpu" or device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())):
+                raise ValueError(f"--device takes cpu, cuda, cuda:N or a comma list of them (one per replica, cycled), "
+                                 f"got {self.device!r}")
+
     def replica_url(self, i: int) -> str:
         return f"http://{self.host}:{self.port + 1 + i}"
+
+    def replica_device(self, i: int) -> str:
+        return replica_device(self.device, i)
 
     @property
     def router_url(self) -> str:
@@ -163,7 +175,7 @@ class Cluster:
                 tensor_parallel_size=cfg.tensor_parallel_size,
             ))
             return spec.argv, spec.env
-        args = [*kv, "serve", "--model", cfg.model, "--device", cfg.device, "--host", cfg.host, "--port", str(port),
+        args = [*kv, "serve", "--model", cfg.model, "--device", cfg.replica_device(i), "--host", cfg.host, "--port", str(port),
                      "--replica-name", f"replica{i}", "--pool", self.pool_socket or "off", *_key_args(cfg.api_keys),
                      *(["--tenant-header", cfg.tenant_header] if cfg.tenant_header else []), *cfg.replica_args]
         return args, kvshare_env(_cpu_threads_env(cfg))
@@ -273,6 +285,13 @@ def _unpoint_pool(socket_path: str | None) -> None:
                 os.unlink(up_pool_pointer())
     except OSError:
         pass
+
+
+def replica_device(devices: str, index: int) -> str:
+    """Replica ``index``'s device out of ``--device``: one for every replica, or a comma list cycled over them
+    (``cuda:0,cuda:1``: a GPU each, as the study's two replicas ran)."""
+    names = devices.split(",")
+    return names[index % len(names)]
 
 
 def _cpu_threads_env(cfg: ClusterConfig) -> dict | None:

@@ -16,6 +16,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+from kvshare.launch import replica_device
+
 
 class FixedReplicas:
     def __init__(self, urls: list[str], warm: bool = True, use_extension: bool = True) -> None:
@@ -123,7 +125,7 @@ class SequentialReplicas:
         from kvshare.pool.spawn import kvshare_command, kvshare_env
 
         cmd = [*kvshare_command("WARNING"), "serve", "--model", cfg.model,
-               "--device", cfg.device, "--host", cfg.host, "--port", str(cfg.port + index),
+               "--device", replica_device(cfg.device, index), "--host", cfg.host, "--port", str(cfg.port + index),
                "--replica-name", f"replica{index}", "--pool", self.socket_path, *cfg.replica_args]
         log = self._log(f"replica{index}")
         try:

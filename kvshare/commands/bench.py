@@ -103,7 +103,8 @@ def _target_arguments(e: argparse.ArgumentParser) -> None:
                    help="ask kvshare replicas for each request's timeline (where its time went, to the first token "
                         "and the prompt's store after it); records.jsonl keeps it")
     g.add_argument("--model", default=None, help="start replicas of this model (directory or preset) instead")
-    g.add_argument("--device", default="cpu")
+    g.add_argument("--device", default="cpu",
+                   help="with --model: cpu, cuda, cuda:N, or one per replica as a comma list, cycled")
     g.add_argument("--replicas", type=int, default=2, help="replicas to start with --model")
     g.add_argument("--pool-size", default="4GiB", help="size of the pool started with --model")
     g.add_argument("--pool-arg", action="append", default=[], help="extra argument for that pool (repeatable)")

@@ -19,7 +19,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--model", default="tiny", help="a model directory or preset (default tiny)")
     p.add_argument("--engine", choices=("builtin", "vllm"), default="builtin")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu",
+                   help="cpu, cuda, cuda:N, or one per replica as a comma list, cycled (cuda:0,cuda:1: a GPU each)")
     p.add_argument("--pool-size", default="4GiB", help="size of the pool this command starts")
     p.add_argument("--pool", default=None, help="'off' to run without a pool")
     p.add_argument("--policy", choices=POLICIES, default="round_robin")
