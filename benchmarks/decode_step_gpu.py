@@ -5,6 +5,9 @@ them), then STEPS decode steps eager (``Transformer.forward`` of one token, as `
 STEPS replayed from graphs, alternating in rounds so that drift of the machine hits both; each step is
 timed to its logits on the host (a sampled token needs them there). Also: the graphs' logits against
 the eager step's for the same token and position (max |difference|, same argmax), and the capture time.
+With ``--beside-copies`` also graph steps while another thread copies the KV out chunk by chunk (what the
+engine's publish thread does beside the decode: one small copy of a chunk after another), once with
+Python's default GIL switch interval and once with 0.1 ms: whether that thread's Python slows the steps.
 
     PYTHONPATH=. python3 benchmarks/decode_step_gpu.py --model qwen3-8b --contexts 32768,131072 --out decode.json
 """
@@ -13,6 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
+import threading
 import time
 
 import torch
@@ -29,6 +34,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20, help="steps of each kind per round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--beside-copies", action="store_true", help="also steps beside a thread copying KV chunks")
     args = ap.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
     engine = Engine(EngineConfig(model=args.model, device="cuda", max_model_len=max(contexts) + 1024,
@@ -65,12 +71,23 @@ def main() -> None:
                         int(logits[0].argmax())  # the host needs the token
                         times[kind].append(time.perf_counter() - t)
                         position += 1
+            if args.beside_copies:
+                for name, interval in (("graphs_beside_copies", sys.getswitchinterval()), ("graphs_beside_copies_0.1ms", 1e-4)):
+                    default_interval = sys.getswitchinterval()
+                    sys.setswitchinterval(interval)
+                    try:
+                        times[name], position = _beside_copies(graphs, kv, position, args.steps * args.rounds)
+                    finally:
+                        sys.setswitchinterval(default_interval)
         eager_ms = statistics.median(times["eager"]) * 1e3
         graph_ms = statistics.median(times["graphs"]) * 1e3
         row = {"model": args.model, "context": context, "eager_ms": round(eager_ms, 3), "graphs_ms": round(graph_ms, 3),
                "speedup": round(eager_ms / graph_ms, 2), "eager_p90_ms": round(_p90(times["eager"]) * 1e3, 3),
                "graphs_p90_ms": round(_p90(times["graphs"]) * 1e3, 3), "capture_s": round(capture_s, 3),
                "max_abs_logit_diff": diff, "same_argmax": same_argmax, "steps_each": len(times["eager"])}
+        for name in ("graphs_beside_copies", "graphs_beside_copies_0.1ms"):
+            if name in times:
+                row[name + "_ms"] = round(statistics.median(times[name]) * 1e3, 3)
         print(json.dumps(row), flush=True)
         rows.append(row)
         del graphs, kv, saved
@@ -78,6 +95,31 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump({"command": "benchmarks/decode_step_gpu.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
                    "device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+
+
+def _beside_copies(graphs: DecodeGraphs, kv: torch.Tensor, position: int, steps: int) -> tuple[list[float], int]:
+    """Graph steps while a thread copies 256-token chunks of the KV one by one (until the steps end)."""
+    stop = threading.Event()
+
+    def copy_chunks():
+        with torch.inference_mode():
+            i = 0
+            while not stop.is_set():
+                kv[:, :, :, (i % 64) * 256 : (i % 64 + 1) * 256].clone()
+                i += 1
+    thread = threading.Thread(target=copy_chunks, daemon=True)
+    thread.start()
+    times = []
+    try:
+        for _ in range(steps):
+            t = time.perf_counter()
+            int(graphs.run(17, position)[0].argmax())
+            times.append(time.perf_counter() - t)
+            position += 1
+    finally:
+        stop.set()
+        thread.join()
+    return times, position
 
 
 def _p90(values: list[float]) -> float:
