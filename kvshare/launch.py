@@ -72,9 +72,6 @@ class ClusterConfig:
     def replica_url(self, i: int) -> str:
         return f"http://{self.host}:{self.port + 1 + i}"
 
-    def replica_device(self, i: int) -> str:
-        return replica_device(self.device, i)
-
     @property
     def router_url(self) -> str:
         return f"http://{self.host}:{self.port}"
@@ -175,10 +172,14 @@ class Cluster:
                 tensor_parallel_size=cfg.tensor_parallel_size,
             ))
             return spec.argv, spec.env
-        args = [*kv, "serve", "--model", cfg.model, "--device", cfg.replica_device(i), "--host", cfg.host, "--port", str(port),
+        device, visible = gpu_of_replica(cfg.device, i)
+        args = [*kv, "serve", "--model", cfg.model, "--device", device, "--host", cfg.host, "--port", str(port),
                      "--replica-name", f"replica{i}", "--pool", self.pool_socket or "off", *_key_args(cfg.api_keys),
                      *(["--tenant-header", cfg.tenant_header] if cfg.tenant_header else []), *cfg.replica_args]
-        return args, kvshare_env(_cpu_threads_env(cfg))
+        env = kvshare_env(_cpu_threads_env(cfg))
+        if visible is not None:
+            env["CUDA_VISIBLE_DEVICES"] = visible
+        return args, env
 
     def _served_name(self) -> str:
         """vLLM's rule, and `kvshare serve`'s: the model id is the --model argument as given (a path stays a path)."""
@@ -287,11 +288,16 @@ def _unpoint_pool(socket_path: str | None) -> None:
         pass
 
 
-def replica_device(devices: str, index: int) -> str:
-    """Replica ``index``'s device out of ``--device``: one for every replica, or a comma list cycled over them
-    (``cuda:0,cuda:1``: a GPU each, as the study's two replicas ran)."""
+def gpu_of_replica(devices: str, index: int) -> tuple[str, str | None]:
+    """Replica ``index``'s ``--device`` out of ``kvshare up --device``, and its CUDA_VISIBLE_DEVICES (None: as
+    inherited). One device is every replica's; a comma list is cycled over them (``cuda:0,cuda:1``: a GPU
+    each, as the study's two replicas ran), and then a replica sees only its own GPU, as ``cuda`` (so that
+    its threads, streams and the pool's registration all use that one, as a vLLM replica's would)."""
     names = devices.split(",")
-    return names[index % len(names)]
+    device = names[index % len(names)]
+    if len(names) > 1 and device.startswith("cuda:"):
+        return "cuda", device[len("cuda:"):]
+    return device, None
 
 
 def _cpu_threads_env(cfg: ClusterConfig) -> dict | None:

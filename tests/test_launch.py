@@ -15,15 +15,20 @@ def test_vllm_replicas_prefill_in_steps_of_one_pool_chunk(tmp_path):
 
 
 def test_one_device_per_replica_as_a_comma_list(tmp_path):
-    """--device cuda:0,cuda:1 gives each replica its own GPU (cycled over more replicas); one device is everyone's."""
+    """--device cuda:0,cuda:1 gives each replica its own GPU (cycled over more replicas), seen as its only one;
+    one device is everyone's, with the environment as inherited."""
     import pytest
 
     cluster = Cluster(ClusterConfig(num_replicas=3, device="cuda:0,cuda:1"))
     cluster.pool_socket = str(tmp_path / "pool.sock")
-    devices = [argv[argv.index("--device") + 1] for argv, _ in (cluster._replica_command(i, []) for i in range(3))]
-    assert devices == ["cuda:0", "cuda:1", "cuda:0"]
-    single = ClusterConfig(num_replicas=2, device="cuda")
-    assert [single.replica_device(i) for i in range(2)] == ["cuda", "cuda"]
+    commands = [cluster._replica_command(i, []) for i in range(3)]
+    assert [argv[argv.index("--device") + 1] for argv, _ in commands] == ["cuda", "cuda", "cuda"]
+    assert [env["CUDA_VISIBLE_DEVICES"] for _, env in commands] == ["0", "1", "0"]
+    single = Cluster(ClusterConfig(num_replicas=2, device="cuda:1"))
+    single.pool_socket = cluster.pool_socket
+    argv, env = single._replica_command(1, [])
+    assert argv[argv.index("--device") + 1] == "cuda:1"
+    assert env.get("CUDA_VISIBLE_DEVICES") == __import__("os").environ.get("CUDA_VISIBLE_DEVICES")
     for bad in ("cuda:0,", "gpu", "cuda:x,cuda:1"):
         with pytest.raises(ValueError, match="--device takes cpu, cuda, cuda:N or a comma list"):
             ClusterConfig(device=bad)

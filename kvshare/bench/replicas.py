@@ -16,7 +16,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from kvshare.launch import replica_device
+from kvshare.launch import gpu_of_replica
 
 
 class FixedReplicas:
@@ -124,12 +124,16 @@ class SequentialReplicas:
         started = time.perf_counter()
         from kvshare.pool.spawn import kvshare_command, kvshare_env
 
+        device, visible = gpu_of_replica(cfg.device, index)
         cmd = [*kvshare_command("WARNING"), "serve", "--model", cfg.model,
-               "--device", replica_device(cfg.device, index), "--host", cfg.host, "--port", str(cfg.port + index),
+               "--device", device, "--host", cfg.host, "--port", str(cfg.port + index),
                "--replica-name", f"replica{index}", "--pool", self.socket_path, *cfg.replica_args]
+        env = kvshare_env()
+        if visible is not None:
+            env["CUDA_VISIBLE_DEVICES"] = visible
         log = self._log(f"replica{index}")
         try:
-            self._replica = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=kvshare_env())
+            self._replica = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         finally:
             _close(log)  # the child holds its own copy of the descriptor
         self._wait_ready(self.url_of(index))
