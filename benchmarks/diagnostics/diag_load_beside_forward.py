@@ -13,6 +13,14 @@ registered memory:
     no attention    the forward with attention replaced by zeros (projections, MLP, waits remain)
     attention only  the forward whose projections and MLP are skipped (attention and waits remain)
     waits only      per layer only the wait for its KV (nothing computed)
+    eager enqueue   the forward, every copy enqueued before the compute (TransferConfig.load_enqueue="eager")
+    switch 0.1 ms   the forward, Python's GIL switch interval 0.1 ms instead of 5 ms
+
+Every variant also times each unit's copies and scatter by CUDA events on their streams: ``copy_busy``
+(sum of the copies' own durations), ``copy_gaps`` (first copy's start to last copy's end, less the busy
+time: the copy stream waiting for a free staging buffer or for the enqueue), ``scatter_late`` (sum over
+units of scatter start minus its copy's end: a scatter waiting for SMs) and ``scatter_busy``. Slower
+copies point at the bus or memory; gaps at the staging pipeline or the host.
 
 The pool holds a random KV of the prompt (stored by the engine itself, so the pages and their checksums
 are what a replica would store). Each variant: one warm-up, then REPEATS requests; the median.
@@ -21,6 +29,7 @@ are what a replica would store). Each variant: one warm-up, then REPEATS request
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import sys
@@ -31,6 +40,7 @@ import numpy as np
 import torch
 
 import kvshare.engine.model as M
+import kvshare.transfer.cuda as TC
 from kvshare.engine.config import EngineConfig
 from kvshare.engine.engine import Engine, RequestOptions, SamplingParams
 from kvshare.engine.timeline import Timeline
@@ -85,6 +95,55 @@ def patched(variant: str):
         M.attend, M.DecoderLayer.forward = attend, layer_forward
 
 
+class UnitProbe:
+    """CUDA events around each unit's copies (copy stream) and scatter (reshape stream) of the loads in between."""
+
+    def __init__(self, transfer) -> None:
+        self.transfer, self.copies, self.scatters = transfer, [], []
+
+    @staticmethod
+    def _timed(fn, stream, into):
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record(stream)
+        fn()
+        after.record(stream)
+        into.append((before, after))
+
+    @contextmanager
+    def active(self):
+        host_copies, scatter = self.transfer._host_copies, TC.chunks_to_engine
+
+        def timed_copies(unit, buf, stream, to_device):
+            if not to_device:
+                return host_copies(unit, buf, stream, to_device)
+            self._timed(lambda: host_copies(unit, buf, stream, to_device), stream, self.copies)
+
+        def timed_scatter(*args):
+            self._timed(lambda: scatter(*args), torch.cuda.current_stream(), self.scatters)
+
+        self.transfer._host_copies, TC.chunks_to_engine = timed_copies, timed_scatter
+        try:
+            yield self
+        finally:
+            self.transfer._host_copies, TC.chunks_to_engine = host_copies, scatter
+
+    def reset(self) -> None:
+        self.copies, self.scatters = [], []
+
+    def summary(self) -> dict:
+        """Seconds, after the load ended (its events are all complete)."""
+        torch.cuda.synchronize()
+        ms = lambda a, b: a.elapsed_time(b)  # noqa: E731
+        busy = sum(ms(a, b) for a, b in self.copies)
+        span = ms(self.copies[0][0], self.copies[-1][1])
+        late = [ms(c[1], s[0]) for c, s in zip(self.copies, self.scatters)]
+        return {"units": len(self.copies), "copy_busy_s": round(busy / 1e3, 4), "copy_gaps_s": round((span - busy) / 1e3, 4),
+                "max_copy_s": round(max(ms(a, b) for a, b in self.copies) / 1e3, 4),
+                "scatter_late_s": round(sum(x for x in late if x > 0) / 1e3, 4),
+                "max_scatter_late_s": round(max(late) / 1e3, 4),
+                "scatter_busy_s": round(sum(ms(a, b) for a, b in self.scatters) / 1e3, 4)}
+
+
 def main() -> None:
     tokens = int(sys.argv[1]) if len(sys.argv) > 1 else 262128
     shape = sys.argv[2] if len(sys.argv) > 2 else "8b"
@@ -128,17 +187,31 @@ def main() -> None:
         variants = [("alone", alone, "forward"), ("forward", by_request, "forward"),
                     ("no checks", by_request, "forward"), ("no attention", by_request, "no attention"),
                     ("attention only", by_request, "attention only"), ("waits only", by_request, "waits only"),
-                    ("forward (again, last)", by_request, "forward")]
+                    ("eager enqueue", by_request, "forward"), ("switch 0.1 ms", by_request, "forward"),
+                    ("alone (again)", alone, "forward"), ("forward (again, last)", by_request, "forward")]
+        transfer = engine._pool.transfer
+        default_config, default_switch = transfer.config, sys.getswitchinterval()
         for name, measure, patch in variants:
             checked = name != "no checks"  # the link's and its client's flag: every page, or none
             engine._pool.verify_checksums = engine._pool.client.verify_checksums = checked
+            transfer.config = (dataclasses.replace(default_config, load_enqueue="eager") if name == "eager enqueue"
+                               else default_config)
+            sys.setswitchinterval(1e-4 if name == "switch 0.1 ms" else default_switch)
+            probe = UnitProbe(transfer)
             with patched(patch), torch.inference_mode():
                 measure(engine)  # warm-up
-                results = [measure(engine) for _ in range(REPEATS)]
+                results, probes = [], []
+                with probe.active():
+                    for _ in range(REPEATS):
+                        probe.reset()
+                        results.append(measure(engine))
+                        probes.append(probe.summary())
+            transfer.config, _ = default_config, sys.setswitchinterval(default_switch)
             load_s = statistics.median(r[0] for r in results)
             gbps = kv_bytes / load_s / 1e9
+            middle = sorted(range(REPEATS), key=lambda i: results[i][0])[REPEATS // 2]  # the median load's units
             row = {"variant": name, "load_s": round(load_s, 4), "gbps": round(gbps, 2), "ratio": round(gbps / reference, 3),
-                   "host_s": round(statistics.median(r[1] for r in results), 4)}
+                   "host_s": round(statistics.median(r[1] for r in results), 4), **probes[middle]}
             print(json.dumps(row), flush=True)
             rows.append(row)
     with open(out, "w") as f:
