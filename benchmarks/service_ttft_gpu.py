@@ -74,7 +74,7 @@ def plan_case(model: str, tokens: int, args, gpu_bytes: int) -> dict:
     local = args.local_cache_size if args.local_cache_size is not None else int(kv * 1.05) + chunk * kv_token
     budget = int(gpu_bytes * 0.92)
     plan = {"model": model, "prompt_tokens": prompt, "context": context, "kv_bytes": kv,
-            "pool_size": args.pool_size or int(2.2 * kv) + 2 * GiB}
+            "pool_size": (args.pool_size or int(2.2 * kv) + 2 * GiB) // (2 << 20) * (2 << 20)}  # whole 2 MiB pages (--hugepages)
     if args.device == "cpu":
         return {**plan, "layout": args.layout if args.layout != "auto" else "together", "local_cache": local}
     for layout, replicas in (("together", 2), ("sequential", 1)):

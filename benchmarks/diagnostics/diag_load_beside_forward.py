@@ -25,13 +25,22 @@ copies point at the bus or memory; gaps at the staging pipeline or the host.
 The pool holds a random KV of the prompt (stored by the engine itself, so the pages and their checksums
 are what a replica would store). Each variant: one warm-up, then REPEATS requests; the median.
 
-    PYTHONPATH=.:/tmp/site python3 benchmarks/diagnostics/diag_load_beside_forward.py [TOKENS [SHAPE [OUT]]]
+Session 11 found the load at 0.99 of the copy beside the forward here, in one process, where the service
+rows lose 5-11%; the options below bring the service's surroundings in one by one: ``--pool-bytes`` (the
+service's larger arena), ``--other-engine`` (a second process with its own engine on the same GPU,
+connected to the pool and its arena registered, idle: the service's other replica), ``--hugepages``
+(the arena on reserved 2 MiB pages; they must be reserved first), ``--variants`` (a subset, by name).
+
+    PYTHONPATH=.:/tmp/site python3 benchmarks/diagnostics/diag_load_beside_forward.py [TOKENS [SHAPE [OUT]]] [options]
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from contextlib import contextmanager
@@ -144,10 +153,44 @@ class UnitProbe:
                 "scatter_busy_s": round(sum(ms(a, b) for a, b in self.scatters) / 1e3, 4)}
 
 
+OTHER_ENGINE = """
+import sys
+from kvshare.engine.config import EngineConfig
+from kvshare.engine.engine import Engine
+model, sock, positions = sys.argv[1], sys.argv[2], int(sys.argv[3])
+engine = Engine(EngineConfig(model=model, device="cuda", pool_socket=sock, local_cache_bytes=0, max_model_len=positions))
+assert engine._pool.transfer is not None, "the other engine did not connect to the pool"
+print("ready", flush=True)
+sys.stdin.read()  # idle until the diagnostic closes our stdin
+"""
+
+
+@contextmanager
+def other_engine(model: str, sock: str, positions: int):
+    """A second process with an engine on the same GPU, connected to the pool (arena registered), idle."""
+    proc = subprocess.Popen([sys.executable, "-c", OTHER_ENGINE, model, sock, str(positions)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+    try:
+        line = proc.stdout.readline()
+        if line.strip() != "ready":
+            raise RuntimeError(f"the other engine did not start (exit {proc.wait()})")
+        yield proc
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=60)
+
+
 def main() -> None:
-    tokens = int(sys.argv[1]) if len(sys.argv) > 1 else 262128
-    shape = sys.argv[2] if len(sys.argv) > 2 else "8b"
-    out = sys.argv[3] if len(sys.argv) > 3 else "diag_load_beside_forward.json"
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("tokens", nargs="?", type=int, default=262128)
+    ap.add_argument("shape", nargs="?", default="8b", choices=("8b", "32b"))
+    ap.add_argument("out", nargs="?", default="diag_load_beside_forward.json")
+    ap.add_argument("--pool-bytes", type=int, default=0, help="the arena's size (default: the KV, +15%%, +2 GiB)")
+    ap.add_argument("--hugepages", action="store_true", help="the arena on reserved 2 MiB hugepages")
+    ap.add_argument("--other-engine", action="store_true", help="a second, idle engine process on the GPU")
+    ap.add_argument("--variants", default="", help="comma list of variant names to run (default: all)")
+    args = ap.parse_args()
+    tokens, shape, out = args.tokens, args.shape, args.out
     model = {"8b": "qwen3-8b", "32b": "qwen3-32b"}[shape]
     reference = reference_copy_gbps()
     print(f"reference: one 4 GiB copy out of pinned memory {reference:.2f} GB/s", flush=True)
@@ -155,7 +198,10 @@ def main() -> None:
     kv_bytes = None
     rows = []
     per_token = {"8b": 36, "32b": 64}[shape] * 2 * 8 * 128 * 2  # KV bytes per token (bf16, 8 KV heads of 128)
-    with running_pool(str(int(tokens * per_token * 1.15) + (2 << 30)), quiet=True) as sock:
+    pool_bytes = args.pool_bytes or int(tokens * per_token * 1.15) + (2 << 30)
+    pool_bytes -= pool_bytes % (2 << 20)  # hugepages take whole 2 MiB pages
+    with running_pool(str(pool_bytes), ("--hugepages",) if args.hugepages else (), quiet=True) as sock, \
+            (other_engine(model, sock, tokens + 16) if args.other_engine else _nothing()):
         engine = Engine(EngineConfig(model=model, device="cuda", pool_socket=sock, local_cache_bytes=0,
                                      verify_checksums=True, max_model_len=tokens + 16))
         kv = engine._kv.ensure(tokens + 16)
@@ -189,6 +235,12 @@ def main() -> None:
                     ("attention only", by_request, "attention only"), ("waits only", by_request, "waits only"),
                     ("eager enqueue", by_request, "forward"), ("switch 0.1 ms", by_request, "forward"),
                     ("alone (again)", alone, "forward"), ("forward (again, last)", by_request, "forward")]
+        if args.variants:
+            wanted = args.variants.split(",")
+            unknown = set(wanted) - {v[0] for v in variants}
+            if unknown:
+                raise SystemExit(f"unknown variants {sorted(unknown)}")
+            variants = [v for v in variants if v[0] in wanted]
         transfer = engine._pool.transfer
         default_config, default_switch = transfer.config, sys.getswitchinterval()
         for name, measure, patch in variants:
@@ -216,7 +268,13 @@ def main() -> None:
             rows.append(row)
     with open(out, "w") as f:
         json.dump({"command": " ".join(sys.argv), "model": model, "tokens": tokens, "kv_bytes": kv_bytes,
+                   "pool_bytes": pool_bytes, "hugepages": args.hugepages, "other_engine": args.other_engine,
                    "reference_gbps": round(reference, 2), "rows": rows}, f, indent=1)
+
+
+@contextmanager
+def _nothing():
+    yield None
 
 
 if __name__ == "__main__":
