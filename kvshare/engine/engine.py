@@ -15,11 +15,12 @@ A request, in order::
 
 from __future__ import annotations
 
+
 import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Sequence
 
@@ -120,6 +121,9 @@ class Engine:
         self._lock = threading.Lock()  # one request at a time owns the sequence KV
         # stores each prompt (local cache, pool) beside its decode steps; a request's last token waits for it
         self._publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvshare-publish")
+        # the local cache's copies run beside the pool's store, not before it (on the H200 the two in a row
+        # outlasted a 128k prompt's 31 decode steps, and the response's last token waited for them)
+        self._local_inserter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvshare-local-insert")
         self._pool: PoolLink | None = None
         if config.pool_socket:
             self._pool = PoolLink(
@@ -193,6 +197,7 @@ class Engine:
             self._graphs = None  # they hold the KV tensor
             self._kv.release()
         self._publisher.shutdown(wait=True)
+        self._local_inserter.shutdown(wait=True)
 
     # -- one request -----------------------------------------------------------------
 
@@ -358,15 +363,30 @@ class Engine:
 
     @torch.inference_mode()
     def _publish(self, kv: torch.Tensor, keys: list[bytes], digest: bytes, options: RequestOptions) -> None:
-        """Offer the prompt's full chunks to the local cache and the pool (each keeps what it lacks)."""
+        """Offer the prompt's full chunks to the local cache and the pool (each keeps what it lacks), the two side
+        by side: both only read ``kv``, and the request's lock is held until both are done."""
+        local = None
         if options.use_local_cache and self._local.capacity_bytes > 0:
-            for i in reversed(range(len(keys))):  # tail first: the head ends up most recently used
-                self._local.insert(keys[i], self._kv.chunk(kv, i))
-        if options.use_pool and self._pool is not None:
-            producer = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-            self._pool.store(kv, keys, digest, producer)
+            # the copies go on the stream the request's kernels ran on (as when this thread made them): after
+            # the prefill that wrote kv, before anything that writes kv next
+            stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+            local = self._local_inserter.submit(self._insert_locally, kv, keys, stream)
+        try:
+            if options.use_pool and self._pool is not None:
+                producer = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+                self._pool.store(kv, keys, digest, producer)
+        finally:
+            if local is not None:
+                _wait(local)
         if options.timeline is not None:
             options.timeline.mark("published")
+
+
+    @torch.inference_mode()
+    def _insert_locally(self, kv: torch.Tensor, keys: list[bytes], stream) -> None:
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            for i in reversed(range(len(keys))):  # tail first: the head ends up most recently used
+                self._local.insert(keys[i], self._kv.chunk(kv, i))
 
 
 def _wait(publishing: Future) -> None:

@@ -87,3 +87,30 @@ def test_a_failed_store_is_the_requests_error_and_the_engine_serves_on(pool_sock
     engine._publish = publish
     cold, _ = run(engine, ids, COLD)
     assert run(engine, ids) == (cold, (0, 0, 40))
+
+
+def test_the_local_copies_run_beside_the_pool_store(pool_socket):
+    """The local cache's copies and the pool's store of one prompt overlap (each waits here for the other to
+    have started: run one after the other, the first would wait in vain), and both keep the prompt's KV."""
+    writer = Engine(EngineConfig(model="tiny", chunk_tokens=CHUNK, pool_socket=pool_socket, local_cache_bytes=1 << 24))
+    reader = Engine(EngineConfig(model="tiny", chunk_tokens=CHUNK, pool_socket=pool_socket))
+    ids = writer.tokenizer.encode(ascii_prompt(75, seed=14))
+    cold, _ = run(reader, ids, COLD)
+    local_started, pool_started, overlapped = threading.Event(), threading.Event(), []
+    insert, store = writer._local.insert, writer._pool.store
+
+    def waiting_insert(*args):
+        local_started.set()
+        overlapped.append(pool_started.wait(10))
+        return insert(*args)
+
+    def waiting_store(*args):
+        pool_started.set()
+        overlapped.append(local_started.wait(10))
+        return store(*args)
+    writer._local.insert, writer._pool.store = waiting_insert, waiting_store
+    assert run(writer, ids) == (cold, (0, 0, 75))  # nothing of it held yet: computed, then stored both ways
+    assert overlapped == [True] * 5  # 4 chunks inserted, 1 store
+    writer._local.insert, writer._pool.store = insert, store
+    assert run(writer, ids) == (cold, (64, 0, 11))  # the local cache holds the prompt's 4 full chunks
+    assert run(reader, ids, NO_LOCAL) == (cold, (0, 64, 11))  # and the pool too
