@@ -20,7 +20,7 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Sequence
 
@@ -121,8 +121,7 @@ class Engine:
         self._lock = threading.Lock()  # one request at a time owns the sequence KV
         # stores each prompt (local cache, pool) beside its decode steps; a request's last token waits for it
         self._publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvshare-publish")
-        # the local cache's copies run beside the pool's store, not before it (on the H200 the two in a row
-        # outlasted a 128k prompt's 31 decode steps, and the response's last token waited for them)
+        # the local cache's copies, beside the pool's store (in a row they outlasted a 128k prompt's decode)
         self._local_inserter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvshare-local-insert")
         self._pool: PoolLink | None = None
         if config.pool_socket:
@@ -363,36 +362,31 @@ class Engine:
 
     @torch.inference_mode()
     def _publish(self, kv: torch.Tensor, keys: list[bytes], digest: bytes, options: RequestOptions) -> None:
-        """Offer the prompt's full chunks to the local cache and the pool (each keeps what it lacks), the two side
-        by side: both only read ``kv``, and the request's lock is held until both are done."""
-        local = None
-        if options.use_local_cache and self._local.capacity_bytes > 0:
-            # the copies go on the stream the request's kernels ran on (as when this thread made them): after
-            # the prefill that wrote kv, before anything that writes kv next
-            stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-            local = self._local_inserter.submit(self._insert_locally, kv, keys, stream)
+        """Offer the prompt's full chunks to the local cache and the pool (each keeps what it lacks), side by side:
+        both only read ``kv``; the request's lock is held until both are done."""
+        # the request's stream: the local copies go on it (after the prefill, before kv is written next)
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        local = (self._local_inserter.submit(self._insert_locally, kv, keys, stream)
+                 if options.use_local_cache and self._local.capacity_bytes > 0 else None)
         try:
             if options.use_pool and self._pool is not None:
-                producer = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-                self._pool.store(kv, keys, digest, producer)
+                self._pool.store(kv, keys, digest, stream)
         finally:
             if local is not None:
                 _wait(local)
         if options.timeline is not None:
             options.timeline.mark("published")
 
-
     @torch.inference_mode()
     def _insert_locally(self, kv: torch.Tensor, keys: list[bytes], stream) -> None:
-        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+        with torch.cuda.stream(stream):  # None (CPU): no stream
             for i in reversed(range(len(keys))):  # tail first: the head ends up most recently used
                 self._local.insert(keys[i], self._kv.chunk(kv, i))
 
 
 def _wait(publishing: Future) -> None:
     """Wait for a publish; its error is the request's."""
-    error = publishing.exception()
-    if error is not None:
+    if (error := publishing.exception()) is not None:
         raise error
 
 
