@@ -11,7 +11,7 @@ echo 45000 > /proc/sys/vm/nr_hugepages; grep -i hugepages_free /proc/meminfo
 timeout 200 python3 benchmarks/service_ttft_gpu.py --paths router --pool-arg=--hugepages --out $W/e1 \
   --cases 32b:131072 > $W/e1.log 2>&1; tail -n 4 $W/e1.log
 grep -rh "kvshare-load-probe" $W/e1/service_ttft_logs > $W/e1_probe.txt 2>/dev/null; cat $W/e1_probe.txt
-timeout $((470-SECONDS)) python3 benchmarks/diagnostics/diag_load_beside_forward.py 131056 32b $W/diag_32b_huge.json \
+timeout $((360-SECONDS)) python3 benchmarks/diagnostics/diag_load_beside_forward.py 131056 32b $W/diag_32b_huge.json \
   --pool-bytes 77728841728 --hugepages --variants "alone,forward,forward (again, last)" > $W/diag_32b_huge.log 2>&1
 cat $W/diag_32b_huge.log
 cd $OUT && tar czf results.tgz w && rm -rf w
