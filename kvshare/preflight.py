@@ -114,8 +114,10 @@ def check_pool_size(size_bytes: int, flag: str = "--size") -> None:
     if size_bytes > limit:
         raise UserError(f"{flag} {format_bytes(size_bytes)} is larger than {what}, {format_bytes(limit)}: "
                         f"choose a smaller size (`kvshare plan --model M --tokens N` sizes a pool)")
+    from kvshare.pool.arena import hugepages_free_bytes
+
     available = _meminfo("MemAvailable")
-    if size_bytes > available:
+    if size_bytes > available and hugepages_free_bytes() < size_bytes:  # reserved hugepages are not "available"
         log.warning("the pool's %s exceed the %s available now: its pages fill as KV is stored, and the machine "
                     "may swap or kill processes once memory runs out", format_bytes(size_bytes), format_bytes(available))
 

@@ -14,7 +14,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--extent-size", type=parse_size, default=None,
                    help="allocation and CUDA registration unit; must hold the largest page (default: 1GiB for a "
                         "pool of 16GiB or more, down to 256MiB for smaller pools, keeping at least 16 extents)")
-    p.add_argument("--hugepages", action="store_true", help="back the arena with reserved 2 MiB hugepages")
+    p.add_argument("--hugepages", nargs="?", const="on", default="auto", choices=("auto", "on", "off"),
+                   help="back the arena with reserved 2 MiB hugepages: auto (default) when enough are free, "
+                        "on (also plain --hugepages) or an error, off never; docs/operations.md, 'Hugepages'")
     p.add_argument("--prefault", action="store_true", help="fault in every page at start")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     p.add_argument("--metrics-host", default="127.0.0.1")
@@ -97,9 +99,10 @@ def run(args: argparse.Namespace) -> int:
     import signal
 
     from kvshare.errors import UserError
-    from kvshare.pool.arena import ArenaError
+    from kvshare.pool.arena import HUGEPAGE_BYTES, ArenaError
     from kvshare.pool.daemon import PoolServer
     from kvshare.preflight import check_pool_size, check_socket_dir
+    from kvshare.units import format_bytes
 
     try:
         config = config_from_args(args)
@@ -119,6 +122,12 @@ def run(args: argparse.Namespace) -> int:
 
         serve_metrics(lambda: server.stats_snapshot, args.metrics_port, args.metrics_host)
     remote = f" remote={config.remote.address.display}" if config.remote else ""
-    print(f"kvshare pool ready: socket={config.socket_path} size={config.size_bytes}{remote}", flush=True)
+    pages = server.handlers.arena_page_bytes
+    is_small = config.size_bytes < 1 << 30  # a page table's cost shows on GPU loads of GiBs, not on a small pool
+    hint = "" if pages >= HUGEPAGE_BYTES or config.hugepages == "off" or is_small else (
+        f" (too few free hugepages: `sysctl vm.nr_hugepages={-(-config.size_bytes // HUGEPAGE_BYTES)}` puts the "
+        f"arena on 2 MiB pages; docs/operations.md, Hugepages)")
+    print(f"kvshare pool ready: socket={config.socket_path} size={config.size_bytes} "
+          f"page={format_bytes(pages)}{remote}{hint}", flush=True)
     server.serve()
     return 0

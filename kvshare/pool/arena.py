@@ -6,10 +6,13 @@ a stopped pool leaves no segment behind in /dev/shm.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 
 HUGEPAGE_BYTES = 2 << 20
+
+log = logging.getLogger("kvshare.pool")
 
 
 class ArenaError(RuntimeError):
@@ -29,21 +32,40 @@ def hugepages_free_bytes(meminfo_path: str = "/proc/meminfo") -> int:
     return fields.get("HugePages_Free", 0) * fields.get("Hugepagesize", 0) * 1024
 
 
+HUGEPAGES_MODES = ("auto", "on", "off")
+
+
+def uses_hugepages(mode: str, size_bytes: int, free_hugepage_bytes: int) -> bool:
+    """Whether an arena of ``size_bytes`` goes on reserved 2 MiB hugepages (pure; ``on`` refuses what it cannot do).
+
+    ``auto`` (the default) takes them when enough are free and the size is whole 2 MiB pages; ``on``
+    demands them; ``off`` never uses them. A device reading host memory through an IOMMU (a GPU in a
+    virtual machine) pays per page translated: on the lent H200 a 256k load through the service ran at
+    0.95 of a pinned copy on 4 KiB pages and at 0.99 on hugepages (docs/operations.md, "Hugepages").
+    """
+    if mode not in HUGEPAGES_MODES:
+        raise ArenaError(f"--hugepages takes one of {', '.join(HUGEPAGES_MODES)}, got {mode!r}")
+    if mode == "off":
+        return False
+    is_whole = size_bytes % HUGEPAGE_BYTES == 0
+    is_enough = free_hugepage_bytes >= size_bytes
+    if mode == "auto":
+        return is_whole and is_enough
+    if not is_whole:
+        raise ArenaError(f"with --hugepages the pool size must be a multiple of 2 MiB, got {size_bytes}")
+    if not is_enough:
+        raise ArenaError(
+            f"--hugepages needs {size_bytes} bytes of free hugepages, but only {free_hugepage_bytes} are reserved; "
+            f"reserve them first (e.g. sysctl vm.nr_hugepages={size_bytes // HUGEPAGE_BYTES}) or leave --hugepages at auto"
+        )
+    return True
+
+
 def create_arena(size_bytes: int, hugepages: bool = False) -> int:
-    """A memfd of ``size_bytes``; with ``hugepages`` backed by reserved 2 MiB pages or an error."""
+    """A memfd of ``size_bytes``; with ``hugepages`` backed by reserved 2 MiB pages (``uses_hugepages`` decides)."""
     if size_bytes <= 0:
         raise ArenaError(f"arena size must be positive, got {size_bytes}")
-    flags = os.MFD_CLOEXEC
-    if hugepages:
-        available = hugepages_free_bytes()
-        if size_bytes % HUGEPAGE_BYTES:
-            raise ArenaError(f"with --hugepages the pool size must be a multiple of 2 MiB, got {size_bytes}")
-        if available < size_bytes:
-            raise ArenaError(
-                f"--hugepages needs {size_bytes} bytes of free hugepages, but only {available} are reserved; "
-                f"reserve them first (e.g. sysctl vm.nr_hugepages={size_bytes // HUGEPAGE_BYTES}) or drop --hugepages"
-            )
-        flags |= os.MFD_HUGETLB
+    flags = os.MFD_CLOEXEC | (os.MFD_HUGETLB if hugepages else 0)
     try:
         fd = os.memfd_create("kvshare-pool", flags)
     except OSError as exc:
@@ -54,6 +76,25 @@ def create_arena(size_bytes: int, hugepages: bool = False) -> int:
         os.close(fd)
         raise ArenaError(f"cannot size the arena to {size_bytes} bytes: {exc}") from None
     return fd
+
+
+def open_arena(size_bytes: int, mode: str = "auto") -> tuple[int, mmap.mmap, bool]:
+    """(memfd, its shared mapping, is on hugepages) of a new arena, hugepages chosen by ``mode``.
+
+    A hugetlb mapping reserves its pages when it is made, so a pool that lost a race for the last free
+    hugepages to another process learns it here: ``on`` reports it, ``auto`` goes on with 4 KiB pages.
+    """
+    is_huge = uses_hugepages(mode, size_bytes, hugepages_free_bytes())
+    fd = create_arena(size_bytes, is_huge)
+    try:
+        return fd, map_arena(fd, size_bytes), is_huge
+    except ArenaError:
+        os.close(fd)
+        if not is_huge or mode == "on":
+            raise
+    log.warning("the free hugepages were taken before this pool could map them: its arena is on 4 KiB pages")
+    fd = create_arena(size_bytes, False)
+    return fd, map_arena(fd, size_bytes), False
 
 
 def map_arena(fd: int, size_bytes: int) -> mmap.mmap:

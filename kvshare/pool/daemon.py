@@ -11,6 +11,7 @@ aborted and its leases released.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import selectors
 import socket
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 
 from kvshare.pool import protocol as P
 from kvshare.pool.allocator import Allocator, default_extent_bytes
-from kvshare.pool.arena import create_arena, map_arena, prefault
+from kvshare.pool.arena import HUGEPAGE_BYTES, HUGEPAGES_MODES, open_arena, prefault
 from kvshare.pool.handlers import PoolHandlers, ServerCounters
 from kvshare.pool.index import IndexConfig, PoolError, PoolIndex
 from kvshare.pool.remote import RemoteConfig, RemoteHooks, start_remote_tier
@@ -40,7 +41,7 @@ class PoolConfig:
     socket_path: str
     size_bytes: int
     extent_bytes: int | None = None  # None: default_extent_bytes(size_bytes)
-    hugepages: bool = False
+    hugepages: str = "auto"  # one of arena.HUGEPAGES_MODES: auto takes reserved 2 MiB pages when enough are free
     prefault: bool = False
     socket_mode: int = 0o600  # owner-only unless the operator says otherwise
     allowed_uids: tuple[int, ...] = ()  # empty: only the daemon's own uid
@@ -59,6 +60,8 @@ class PoolConfig:
             object.__setattr__(self, "extent_bytes", default_extent_bytes(self.size_bytes))
         if self.extent_bytes <= 0:
             raise ValueError(f"extent size must be positive, got {self.extent_bytes}")
+        if self.hugepages not in HUGEPAGES_MODES:
+            raise ValueError(f"hugepages must be one of {', '.join(HUGEPAGES_MODES)}, got {self.hugepages!r}")
         if not self.socket_path:
             raise ValueError("a socket path is required")
         if len(os.fsencode(self.socket_path)) > 107:
@@ -105,8 +108,8 @@ class PoolServer:
 
     def start(self) -> None:
         cfg = self.config
-        self._memfd = create_arena(cfg.size_bytes, cfg.hugepages)
-        self.arena = map_arena(self._memfd, cfg.size_bytes)
+        self._memfd, self.arena, is_huge = open_arena(cfg.size_bytes, cfg.hugepages)
+        self.handlers.arena_page_bytes = HUGEPAGE_BYTES if is_huge else mmap.PAGESIZE
         if cfg.prefault:
             prefault(self.arena)
         if os.path.exists(cfg.socket_path):
@@ -129,7 +132,8 @@ class PoolServer:
         self._selector.register(listener, selectors.EVENT_READ, None)
         self._start_remote()
         self._snapshot()
-        log.info("pool of %d bytes listening on %s", cfg.size_bytes, cfg.socket_path)
+        log.info("pool of %d bytes on %s pages listening on %s", cfg.size_bytes,
+                 "2 MiB huge" if is_huge else f"{mmap.PAGESIZE // 1024} KiB", cfg.socket_path)
 
     def serve(self) -> None:
         """Run until ``stop()``; then close every client and remove the socket."""

@@ -49,6 +49,7 @@ class PoolHandlers:
         self.allocator = index.allocator
         self.counters = counters
         self.remote: RemoteHooks | None = None  # set by the daemon once the arena exists (--remote)
+        self.arena_page_bytes = 0  # the OS page size backing the arena (2 MiB on hugepages), set once it exists
         self.started_at = clock()
         self._answer_later = answer_later
         self._clock = clock
@@ -221,6 +222,7 @@ class PoolHandlers:
         return {
             "capacity_bytes": alloc.arena_bytes,
             "extent_bytes": alloc.extent_bytes,
+            "arena_page_bytes": self.arena_page_bytes,
             "used_bytes": alloc.used_bytes,
             "free_bytes": alloc.arena_bytes - alloc.used_bytes,
             "pages_used": {str(size): n for size, n in alloc.page_sizes().items()},

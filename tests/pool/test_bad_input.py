@@ -1,5 +1,6 @@
 """Bad input gets an error reply (or the offending connection closed); everyone else keeps being served."""
 
+import mmap
 import os
 import socket
 import stat
@@ -165,11 +166,23 @@ def test_hugepages_without_reservation_is_a_clear_error(tmp_path):
     assert "hugepages" in proc.stderr and "reserve" in proc.stderr
 
 
-@pytest.mark.skipif(hugepages_free_bytes() == 0, reason="no hugepages are reserved on this machine")
-def test_hugepages_pool_serves(tmp_path):
-    with running_pool("64MiB", ("--hugepages", "--extent-size", "16MiB")) as path:
+@pytest.mark.skipif(hugepages_free_bytes() < 64 * MiB, reason="too few hugepages are reserved on this machine")
+@pytest.mark.parametrize("mode", [("--hugepages",), ()], ids=["on", "auto (the default)"])
+def test_hugepages_pool_serves(mode):
+    with running_pool("64MiB", (*mode, "--extent-size", "16MiB")) as path:
         workers.write_pages(path, "huge", 2, 1 * MiB)
         assert len(workers.read_pages(path, "huge", 2, 1 * MiB)) == 2
+        with PoolClient(path).connect() as client:
+            assert client.stats()["arena_page_bytes"] == 2 * MiB
+
+
+def test_hugepages_off_and_too_few_take_os_pages():
+    """Off never takes hugepages; a pool larger than the free hugepages (auto) serves on the OS's pages."""
+    too_large = f"{(hugepages_free_bytes() // MiB + 64) // 2 * 2}MiB"
+    for args in (("--hugepages", "off"), ()):
+        with running_pool(too_large if not args else "64MiB", (*args, "--extent-size", "16MiB")) as path:
+            with PoolClient(path).connect() as client:
+                assert client.stats()["arena_page_bytes"] == mmap.PAGESIZE
 
 
 def test_metrics_and_pool_stats_cli():
