@@ -165,11 +165,24 @@ def run_case(plan: dict, args, h2d: tuple[float, bool], rng) -> list[dict]:
                 url = cluster.router if path == "router" else cluster.urls["B"]
                 done[path, k]["cross"] = request(url, plan, ids, args)
         order = sorted(done, key=lambda key: (args.paths.index(key[0]), key[1]))
+        page = arena_page_bytes(cluster.pool_socket)
         for i, key in enumerate(order):
-            rows.append(make_row(plan, key[0], i == 0, done[key], h2d, args))
+            rows.append({**make_row(plan, key[0], i == 0, done[key], h2d, args), "arena_page_bytes": page})
     finally:
         cluster.stop()
     return rows
+
+
+def arena_page_bytes(socket_path: str | None) -> int | None:
+    """The OS page size under the pool's arena (2 MiB when --hugepages auto found enough reserved), from its stats."""
+    from kvshare.pool.client import PoolClient
+
+    try:
+        with PoolClient(socket_path, name="service-ttft").connect() as client:
+            return client.stats().get("arena_page_bytes")
+    except Exception as exc:  # a row without it is still a row
+        print(f"pool stats not read: {exc}", flush=True)
+        return None
 
 
 def make_row(plan: dict, path: str, is_first: bool, got: dict, h2d: tuple[float, bool], args) -> dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 
 from tests.benchmarks.loader import load_benchmark
 
@@ -44,6 +45,7 @@ def test_dry_run_on_cpu_through_kvshare_up(tmp_path):
         ("router", True), ("router", False), ("replica", False), ("replica", False)]
     assert all(r["pool_args"] == ["--extent-size=64MiB"] for r in rows)
     assert all(r["replica_args"] == ["--staging-buffers=3"] for r in rows)
+    assert all(r["arena_page_bytes"] in (mmap.PAGESIZE, 2 << 20) for r in rows)  # read from the pool's stats
     for r in rows:
         assert r["cold_replica"] != r["cross_replica"] and r["pool_tokens"] == 768 and r["computed_tokens"] == 256
         assert r["verified"] and r["tokens_equal"] and r["local_s"] is not None and r["bound_s"] > 0
