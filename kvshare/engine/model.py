@@ -17,6 +17,8 @@ positions and attends over ``[0, start + T)``::
 Attention runs over all T queries at once (one fused SDPA call): causal (q_len == kv_len) when
 start == 0, lower-right aligned causal when a suffix sits over a cached prefix. Only the
 projections and the MLP run in token chunks, which bounds activation memory at long context.
+Where only the last token's logits are wanted, the last layer writes every token's K/V but attends
+and runs its MLP for the last token alone.
 """
 
 from __future__ import annotations
@@ -176,8 +178,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: Tensor, kv: Tensor, start: int, cos: Tensor, sin: Tensor, chunk: int, before_attention: Callable[[], None]) -> Tensor:
-        """x: [T, E] residual stream (updated in place); kv: [2, H, T_cap, D] this layer's KV."""
+    def forward(self, x: Tensor, kv: Tensor, start: int, cos: Tensor, sin: Tensor, chunk: int,
+                before_attention: Callable[[], None], last_only: bool = False) -> Tensor:
+        """x: [T, E] residual stream (updated in place); kv: [2, H, T_cap, D] this layer's KV.
+
+        ``last_only`` (the model's last layer, when only the last token's logits are wanted): every token's
+        K/V is still written, but attention, o_proj and the MLP run for the last token alone, which sees
+        every key without a mask; returns that token's row [1, E]. After a load from the pool this layer's
+        compute is what is left once its KV has arrived: one query instead of a whole suffix's."""
         attn = self.self_attn
         num_tokens = x.shape[0]
         end = start + num_tokens
@@ -188,7 +196,12 @@ class DecoderLayer(nn.Module):
             q[:, a:b] = qc.transpose(0, 1)
             write_kv(kv, start + a, kc, vc)
         before_attention()  # e.g. wait until this layer's reused KV has arrived from the pool
-        out = attend(q, kv[0, :, :end], kv[1, :, :end], start)  # [Hq, T, D]
+        if last_only and num_tokens > 1:
+            q, x, start, num_tokens = q[:, -1:], x[-1:], end - 1, 1
+            with sdpa_kernel(sdpa_backends(q.is_cuda, 1), set_priority=True):  # a decode step's backends
+                out = attend(q, kv[0, :, :end], kv[1, :, :end], start)  # [Hq, 1, D]
+        else:
+            out = attend(q, kv[0, :, :end], kv[1, :, :end], start)  # [Hq, T, D]
         del q
         for a in range(0, num_tokens, chunk):
             b = min(num_tokens, a + chunk)
@@ -246,9 +259,10 @@ class Transformer(nn.Module):
         x = self.model.embed_tokens(tokens)  # [T, E]
         cos, sin = rope_cos_sin(self.inv_freq, start, num_tokens, dtype)  # [T, D]
         with sdpa_kernel(sdpa_backends(x.is_cuda, num_tokens), set_priority=True):
+            last = len(self.model.layers) - 1
             for i, layer in enumerate(self.model.layers):
                 hook = (lambda i=i: before_layer(i)) if before_layer is not None else _no_op
-                x = layer(x, kv[i], start, cos, sin, chunk_tokens, hook)
+                x = layer(x, kv[i], start, cos, sin, chunk_tokens, hook, last_only=i == last and not all_logits)
         if not all_logits:
             x = x[-1:]
         out = torch.empty(x.shape[0], self.config.vocab_size, dtype=torch.float32, device=x.device)

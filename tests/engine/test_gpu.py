@@ -31,6 +31,12 @@ def test_cuda_logits_match_cpu():
         suffix = gpu.model(ids[200:].cuda(), kv2, 200, all_logits=True).cpu()
     assert (got - expected).abs().max().item() < 1e-3
     assert (suffix - expected[200:]).abs().max().item() < 1e-3
+    with torch.inference_mode():  # the last token only: the last layer attends for one query (flash, no mask)
+        kv3 = torch.zeros_like(kv)
+        gpu.model(ids[:200].cuda(), kv3, 0)
+        last = gpu.model(ids[200:].cuda(), kv3, 200).cpu()
+    assert (last[0] - expected[-1]).abs().max().item() < 1e-3
+    assert torch.equal(kv3.cpu(), kv2.cpu())  # every suffix token's K/V written, the last layer's too
 
 
 def test_cuda_reuse_equals_cold(pool_socket):

@@ -62,6 +62,28 @@ def test_suffix_over_prefix_and_decode_match_full_recompute(pair):
     assert (torch.cat(steps) - expected[33:40]).abs().max().item() < TOL
 
 
+def test_last_token_only_matches_transformers_and_runs_the_last_mlp_once(pair):
+    """Without all_logits the last layer attends and runs its MLP for the last token alone (issue 18: the
+    compute left after a pool load's last layer arrives); its logits are still the full model's."""
+    reference, model, config = pair
+    ids = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(7))
+    expected = _reference_logits(reference, ids)
+    rows = []
+    hook = model.model.layers[-1].mlp.register_forward_hook(lambda _m, args, _out: rows.append(args[0].shape[0]))
+    try:
+        with torch.inference_mode():
+            cold = model(ids, _kv(config, 48), 0)  # a cold prefill: 40 queries, the last layer's for one
+            kv = _kv(config, 48)
+            model(ids[:24], kv, 0)
+            suffix = model(ids[24:], kv, 24)  # a suffix over a reused prefix
+    finally:
+        hook.remove()
+    assert cold.shape == suffix.shape == (1, expected.shape[1])
+    assert (cold[0] - expected[-1]).abs().max().item() < TOL
+    assert (suffix[0] - expected[-1]).abs().max().item() < TOL
+    assert rows == [1, 1, 1]  # one row per forward through the last MLP, not 40, 24 and 16
+
+
 def test_kv_is_stored_after_rope_like_transformers(pair):
     reference, model, config = pair
     ids = torch.randint(0, VOCAB, (16,), generator=torch.Generator().manual_seed(4))
