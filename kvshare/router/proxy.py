@@ -94,12 +94,11 @@ class _Facts(msgspec.Struct):
 
 
 class _PlacementFacts(msgspec.Struct):
-    """What policies other than cache_aware read: the prompt stays raw JSON, never built as Python objects
-    (a 128k-token prompt: ~15 ms of the router's time to first byte before)."""
+    """What alternate and sticky read: the prompt is skipped, never built as Python objects (a 128k-token
+    prompt: ~15 ms of the router's time to first byte when it was)."""
 
     user: str | None = None
     messages: list[dict] | None = None
-    prompt: msgspec.Raw | None = None
 
 
 class RouterServer:
@@ -207,6 +206,8 @@ class RouterServer:
     # -- proxying ------------------------------------------------------------------------
 
     def _facts(self, request: web.Request, body: bytes) -> RouteFacts:
+        if self.config.policy == "round_robin":
+            return RouteFacts()  # it reads nothing of the request: the body goes on unread (~2-3 ms at 128k)
         session = request.headers.get(self.config.session_header)
         hashes = self.config.policy == "cache_aware"  # the only policy that reads the prompt itself
         kind = _Facts if hashes else _PlacementFacts
