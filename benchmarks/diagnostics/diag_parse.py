@@ -1,9 +1,9 @@
 """How long a replica takes to read a token-id completion body into the int64 array the engine takes
 (issue 18: 9-14 ms of a 131k-token request's TTFT on the H200's host went to the parse).
 
-Per prompt length: ``decode_completion`` (msgspec checks the JSON, numpy reads the list) against the
-reference measured in the same run, a typed ``list[int]`` decode and ``np.fromiter`` (what the replica
-did before); best of 20, milliseconds, and the ratio. Runs anywhere (CPU only).
+Per prompt length: ``decode_completion`` (msgspec checks the JSON, numpy reads the list on up to
+``PARSE_THREADS`` threads) against references measured in the same run: the same on one thread, and a typed
+``list[int]`` decode and ``np.fromiter`` (what the replica did before); best of 20, milliseconds, and the ratios. Runs anywhere (CPU only).
 
     PYTHONPATH=. python3 benchmarks/diagnostics/diag_parse.py [LENGTHS]      e.g. 32768,131072,262144
 """
@@ -42,9 +42,19 @@ def main() -> None:
             prompt = msgspec.json.decode(body, type=_ListPrompt).prompt
             np.fromiter(prompt, dtype=np.int64, count=len(prompt))
 
-        old, new = best_ms(before), best_ms(lambda: A.prompt_of(A.decode_completion(body)))
+        def one_thread():
+            threads, A.PARSE_THREADS = A.PARSE_THREADS, 1
+            try:
+                A.prompt_of(A.decode_completion(body))
+            finally:
+                A.PARSE_THREADS = threads
+
+        old, single = best_ms(before), best_ms(one_thread)
+        new = best_ms(lambda: A.prompt_of(A.decode_completion(body)))
         print(json.dumps({"tokens": n, "body_MB": round(len(body) / 1e6, 2), "before_ms": round(old, 2),
-                          "now_ms": round(new, 2), "now_over_before": round(new / old, 3)}), flush=True)
+                          "one_thread_ms": round(single, 2), "now_ms": round(new, 2),
+                          "parse_threads": A.PARSE_THREADS, "now_over_before": round(new / old, 3),
+                          "now_over_one_thread": round(new / single, 3)}), flush=True)
 
 
 if __name__ == "__main__":

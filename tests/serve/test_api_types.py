@@ -213,3 +213,16 @@ def test_the_array_reader_refuses_what_is_not_a_list_of_integers():
         with pytest.raises(A.ApiError) as err:  # the array is read only once msgspec found the JSON valid
             A.decode_completion(body)
         assert err.value.code == "invalid_json", body
+
+
+@pytest.mark.parametrize("sep", [",", ", ", " ,\n ", ",\t"])
+def test_a_long_prompt_read_on_threads_equals_one_read(sep):
+    import numpy as np
+
+    ids = np.random.default_rng(5).integers(0, 10**12, 120_000)  # long numbers: a cut may fall inside one
+    raw = ("[ " + sep.join(str(i) for i in ids) + " ]").encode()
+    inner = raw[1:-1]
+    pieces = A._pieces(inner, 4)
+    assert len(pieces) == 4 and b",".join(pieces) == inner  # cut at commas only, nothing lost
+    assert A.token_ids_array(raw).tolist() == ids.tolist()
+    assert A._pieces(b"123", 4) == [b"123"] and A._pieces(b"1,2", 4) == [b"1", b"2"]
