@@ -8,7 +8,7 @@ Two side streams and ``staging_buffers`` staging buffers (default two: double bu
            reshape stream:  (waits on it) gather kv -> buf0, WSUM32 | gather kv -> buf1, WSUM32 | ...
            copy stream:           D2H buf0 -> pages | D2H buf1 -> pages | ... event per page block
 
-A unit is a group of layers (a page row of >= min_copy_bytes) over a block of
+A unit is a group of layers (a page row of >= min_copy_bytes; a load's last layer alone) over a block of
 pages; each run of consecutive pages in it is one 2-D copy (plan.py). The
 reshape (token/head transpose) runs on the GPU at HBM speed. Every dependency
 is an explicit event: a store's copies never start before the producer's
@@ -33,7 +33,7 @@ from kvshare.pool.checksum import ChecksumKind
 from kvshare.transfer.base import LAZY_GROUPS_AHEAD, ChunkChecksumMismatch, KVTransfer, LoadHandle, TransferConfig
 from kvshare.transfer.copiers import make_copier
 from kvshare.transfer.layouts import as_bits, chunks_to_engine, chunks_view, engine_to_chunks
-from kvshare.transfer.plan import Unit, layer_groups, load_units, pages_per_unit, store_units
+from kvshare.transfer.plan import Unit, last_layer_alone, layer_groups, load_units, pages_per_unit, store_units
 from kvshare.transfer.registration import acquire_registration, release_registration
 from kvshare.transfer.verify import PageCheck, can_sum_staged, store_checksum_kind
 from kvshare.transfer.wsum import add_rows, as_unsigned
@@ -138,8 +138,9 @@ class CudaTransfer(KVTransfer):
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._copier = make_copier(config.copy_method, self.device.index)  # fails before anything is pinned
-        self._groups = layer_groups(layout.num_layers, layout.layer_bytes, config.min_copy_bytes)
-        widest = max(l1 - l0 for l0, l1 in self._groups) * layout.layer_bytes
+        groups = layer_groups(layout.num_layers, layout.layer_bytes, config.min_copy_bytes)  # a store's
+        self._groups = last_layer_alone(groups)  # a load's: the last layer alone, only its compute after the last copy
+        widest = max(l1 - l0 for l0, l1 in groups) * layout.layer_bytes
         pages_per_unit(config.staging_bytes, widest)  # refuses a staging buffer that cannot hold one row
         self._group_of_layer = [g for g, (l0, l1) in enumerate(self._groups) for _ in range(l0, l1)]
         self.registration = acquire_registration(client)
@@ -203,7 +204,8 @@ class CudaTransfer(KVTransfer):
                 if cfg.load_delay_cycles:
                     with torch.cuda.stream(copy):
                         torch.cuda._sleep(cfg.load_delay_cycles)
-            for group, units in enumerate(load_units(offsets, self.layout, cfg.min_copy_bytes, cfg.staging_bytes, self.extent_bytes)):
+            plan = load_units(offsets, self.layout, cfg.min_copy_bytes, cfg.staging_bytes, self.extent_bytes, self._groups)
+            for group, units in enumerate(plan):
                 with torch.inference_mode(), torch.cuda.device(self.device):
                     for unit in units:
                         buf = self._take_buffer()

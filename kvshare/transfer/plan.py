@@ -108,6 +108,19 @@ def layer_groups(num_layers: int, layer_bytes: int, min_copy_bytes: int) -> list
     return groups
 
 
+def last_layer_alone(groups: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``groups`` with the last layer split off into a group of its own (where the last group holds more).
+
+    A load's reader computes layer l once group(l) has landed; with the last layer alone it computes every
+    other layer while that layer's copies still run, and what is left after the load's last copy is one
+    layer's compute (the built-in engine's last layer attends for one query) instead of a group's. Its rows
+    are narrower than ``min_copy_bytes``, for 1/L of the bytes."""
+    l0, l1 = groups[-1]
+    if l1 - l0 < 2:
+        return list(groups)
+    return list(groups[:-1]) + [(l0, l1 - 1), (l1 - 1, l1)]
+
+
 def pages_per_unit(staging_bytes: int, row_bytes: int) -> int:
     """Pages whose rows of ``row_bytes`` fit one staging buffer."""
     if row_bytes > staging_bytes:
@@ -182,13 +195,17 @@ def page_blocks(num_pages: int, block_pages: int) -> list[tuple[int, int]]:
 
 
 def load_units(
-    offsets: Sequence[int], layout: KVLayout, min_copy_bytes: int, staging_bytes: int, extent_bytes: int | None
+    offsets: Sequence[int], layout: KVLayout, min_copy_bytes: int, staging_bytes: int, extent_bytes: int | None,
+    groups: Sequence[tuple[int, int]] | None = None,
 ) -> Iterator[list[Unit]]:
     """Units of a load, per layer group in layer order: early layers land first, so compute can start.
+    ``groups``: the caller's layer groups (default ``layer_groups`` of ``min_copy_bytes``).
 
     Lazy (one group at a time), so a load's first copies start before the whole plan is made."""
     runs_of_block: dict[tuple[int, int], list[PageRun]] = {}  # the same page blocks recur in every group
-    for layers in layer_groups(layout.num_layers, layout.layer_bytes, min_copy_bytes):
+    if groups is None:
+        groups = layer_groups(layout.num_layers, layout.layer_bytes, min_copy_bytes)
+    for layers in groups:
         block = pages_per_unit(staging_bytes, (layers[1] - layers[0]) * layout.layer_bytes)
         units = []
         for pages in page_blocks(len(offsets), block):

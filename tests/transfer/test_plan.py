@@ -15,7 +15,7 @@ import torch
 
 from kvshare.layout import KVLayout
 from kvshare.transfer.layouts import as_bits, chunks_to_engine, chunks_view, engine_to_chunks, torch_dtype
-from kvshare.transfer.plan import layer_groups, load_units, page_runs, pages_per_unit, store_units
+from kvshare.transfer.plan import last_layer_alone, layer_groups, load_units, page_runs, pages_per_unit, store_units
 from kvshare.transfer.reference import page_bytes_of, reference_engine_to_pages
 from tests.transfer.helpers import bits_equal, random_kv
 
@@ -67,6 +67,17 @@ def test_layer_groups_reach_the_minimum_copy():
     assert layer_groups(4, 4 << 20, 2 << 20) == [(0, 1), (1, 2), (2, 3), (3, 4)]
     with pytest.raises(ValueError, match="staging"):
         pages_per_unit(1 << 20, 2 << 20)
+
+
+def test_a_loads_last_layer_goes_alone():
+    groups = last_layer_alone(layer_groups(36, 1 << 20, 2 << 20))  # Qwen3-8B's load in CudaTransfer
+    assert groups[:17] == [(i, i + 2) for i in range(0, 34, 2)] and groups[17:] == [(34, 35), (35, 36)]
+    assert last_layer_alone([(0, 5)]) == [(0, 4), (4, 5)]
+    assert last_layer_alone([(0, 1), (1, 2)]) == [(0, 1), (1, 2)]  # already alone
+    layout = KVLayout(num_layers=4, num_kv_heads=2, head_dim=8, chunk_tokens=4, dtype="float16")
+    units = list(load_units([0, layout.page_bytes], layout, 3 * layout.layer_bytes, 1 << 20, None,
+                            groups=last_layer_alone([(0, 4)])))
+    assert [(u.layer_start, u.layer_stop) for group in units for u in group] == [(0, 3), (3, 4)]
 
 
 def offset_patterns(num_pages: int) -> dict[str, list[int]]:
