@@ -1,9 +1,11 @@
 """How long a replica takes to read a token-id completion body into the int64 array the engine takes
-(issue 18: 9-14 ms of a 131k-token request's TTFT on the H200's host went to the parse).
+(issue 18: 9-17 ms of a 131k-262k-token request's TTFT on the H200's host went to the parse).
 
-Per prompt length: ``decode_completion`` (msgspec checks the JSON, numpy reads the list on up to
-``PARSE_THREADS`` threads) against references measured in the same run: the same on one thread, and a typed
-``list[int]`` decode and ``np.fromiter`` (what the replica did before); best of 20, milliseconds, and the ratios. Runs anywhere (CPU only).
+Per prompt length: ``decode_completion`` (the list cut out of the body and read by numpy on up to
+``token_ids.PARSE_THREADS`` threads, msgspec decoding the rest: kvshare.serve.token_ids) against references
+measured in the same run: the same on 1, 2, 4 and 8 threads; session 12's reader (msgspec checks the whole body, the
+list handed over raw and read by ``np.fromstring``); and a typed ``list[int]`` decode with ``np.fromiter``
+(before session 10). Best of 20, milliseconds, and the ratios. Runs anywhere (CPU only).
 
     PYTHONPATH=. python3 benchmarks/diagnostics/diag_parse.py [LENGTHS]      e.g. 32768,131072,262144
 """
@@ -15,6 +17,7 @@ import msgspec
 import numpy as np
 
 from kvshare.serve import api_types as A
+from kvshare.serve import token_ids as T
 
 
 class _ListPrompt(msgspec.Struct):  # the reference: the typed decode the replica used before
@@ -42,19 +45,26 @@ def main() -> None:
             prompt = msgspec.json.decode(body, type=_ListPrompt).prompt
             np.fromiter(prompt, dtype=np.int64, count=len(prompt))
 
-        def one_thread():
-            threads, A.PARSE_THREADS = A.PARSE_THREADS, 1
-            try:
-                A.prompt_of(A.decode_completion(body))
-            finally:
-                A.PARSE_THREADS = threads
+        def session12():
+            raw = bytes(msgspec.json.decode(body, type=A.TokenIdsCompletionRequest).prompt)
+            inner = raw[1:-1]
+            assert not inner.translate(None, b"0123456789, \t\r\n")
+            np.fromstring(inner, dtype=np.int64, sep=",")
 
-        old, single = best_ms(before), best_ms(one_thread)
-        new = best_ms(lambda: A.prompt_of(A.decode_completion(body)))
+        def on(threads: int) -> float:
+            default, T.PARSE_THREADS = T.PARSE_THREADS, threads
+            try:
+                return best_ms(lambda: A.decode_completion(body))
+            finally:
+                T.PARSE_THREADS = default
+
+        old, s12 = best_ms(before), best_ms(session12)
+        by_threads = {k: round(on(k), 2) for k in sorted({1, 2, 4, 8, T.PARSE_THREADS})}
+        new = best_ms(lambda: A.decode_completion(body))
         print(json.dumps({"tokens": n, "body_MB": round(len(body) / 1e6, 2), "before_ms": round(old, 2),
-                          "one_thread_ms": round(single, 2), "now_ms": round(new, 2),
-                          "parse_threads": A.PARSE_THREADS, "now_over_before": round(new / old, 3),
-                          "now_over_one_thread": round(new / single, 3)}), flush=True)
+                          "session12_ms": round(s12, 2), "now_ms": round(new, 2), "parse_threads": T.PARSE_THREADS,
+                          "ms_by_threads": by_threads, "now_over_session12": round(new / s12, 3),
+                          "now_over_one_thread": round(new / by_threads[1], 3)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -113,12 +113,12 @@ class CompletionRequest(_CompletionChecked, kw_only=True):
 
 
 class TokenIdsCompletionRequest(CompletionRequest, kw_only=True):
-    """A completion whose prompt is one list of token ids. msgspec checks the JSON and hands the list over
-    raw; ``decode_completion`` reads it into one int64 array (``prompt`` holds that array afterwards): a
-    262144-token prompt in ~9 ms, against ~14 ms for a typed ``list[int]`` and an array made from it, and
-    ~35 ms at 128k for the generic decode with ``prompt_of``'s per-element checks."""
+    """A completion whose prompt is one list of token ids: ``decode_completion`` reads the list into one
+    int64 array (``prompt`` holds that array afterwards) and msgspec the rest, where ``prompt`` is the
+    marker that stood in for the list. The generic decode with ``prompt_of``'s per-element checks took ~35 ms
+    at 128k."""
 
-    prompt: msgspec.Raw  # as decoded; the int64 array once read
+    prompt: msgspec.Raw  # as decoded (the marker); the int64 array once read
 
 
 class ContentPart(msgspec.Struct):
@@ -146,76 +146,24 @@ ROLES = ("system", "user", "assistant", "developer", "tool")
 _AT_PATH = re.compile(r"at `\$\.([^`]*)`|field `([^`]*)`")
 
 
-_NOT_IN_TOKEN_IDS = b"0123456789, \t\r\n"  # what a JSON list of non-negative integers holds between its brackets
-
-
 def decode_completion(body: bytes) -> CompletionRequest:
-    """A completion request: at once where the prompt is one list of token ids, else through the generic decode."""
-    try:
-        req = msgspec.json.decode(body, type=TokenIdsCompletionRequest)
-    except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError):
-        req = None
-    ids = token_ids_array(bytes(req.prompt)) if req is not None else None
-    if ids is None:
-        return decode(body, CompletionRequest)  # a text prompt or a batch; or an error, reported from here
-    req.prompt = ids
-    return req
+    """A completion request: at once where the prompt is one list of token ids (kvshare.serve.token_ids: the
+    list cut out of the body, read by numpy, the rest by msgspec), else through the generic decode."""
+    from kvshare.serve import token_ids
 
-
-def token_ids_array(raw: bytes):
-    """A JSON array of non-negative integers (its syntax already checked) as one int64 numpy array; None for
-    any other JSON value. An integer beyond int64 reads as the int64 maximum, which no vocabulary holds."""
-    import numpy as np
-
-    if raw[:1] != b"[" or raw[-1:] != b"]":
-        return None
-    inner = raw[1:-1]
-    if inner.translate(None, _NOT_IN_TOKEN_IDS):  # a sign, a fraction, a nested list, a string, true...
-        return None
-    if not inner.strip():
-        return np.empty(0, dtype=np.int64)
-    # text mode, whitespace around the commas skipped; valid JSON of digits, commas and whitespace is integers
-    # between commas, so numpy reads all of them (no warnings filter: it would be process-wide, other threads too).
-    # numpy reads text without the GIL: a long prompt is cut at commas and read on a few threads at once
-    pieces = _pieces(inner, min(PARSE_THREADS, len(inner) // PARSE_PIECE_BYTES))
-    if len(pieces) == 1:
-        return np.fromstring(inner, dtype=np.int64, sep=",")
-    return np.concatenate(list(_parse_pool().map(_read_ints, pieces)))
-
-
-PARSE_THREADS = 4  # a 262144-token prompt (1.9 MB): ~6 ms on one thread of the H200's host, ~2 ms on four
-PARSE_PIECE_BYTES = 128 << 10  # no thread gets less text than this (~18k token ids)
-_PARSE_POOL = None
-
-
-def _pieces(text: bytes, num: int) -> list[bytes]:
-    """``text`` (integers between commas) cut at commas into at most ``num`` pieces of about equal size."""
-    pieces, start = [], 0
-    for i in range(1, num):
-        cut = text.find(b",", max(start, len(text) * i // num))
-        if cut < 0:
-            break
-        pieces.append(text[start:cut])
-        start = cut + 1
-    pieces.append(text[start:])
-    return pieces
-
-
-def _read_ints(text: bytes):
-    import numpy as np
-
-    return np.fromstring(text, dtype=np.int64, sep=",")
-
-
-def _parse_pool():
-    global _PARSE_POOL
-    if _PARSE_POOL is None:
-        import os
-        from concurrent.futures import ThreadPoolExecutor
-
-        workers = max(1, min(PARSE_THREADS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1))
-        _PARSE_POOL = ThreadPoolExecutor(workers, thread_name_prefix="kvshare-parse")
-    return _PARSE_POOL
+    span = token_ids.find_list(body)
+    if span is not None:
+        start, end = span
+        try:
+            req = msgspec.json.decode(body[:start] + token_ids.MARK + body[end + 1 :], type=TokenIdsCompletionRequest)
+        except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError):
+            req = None
+        if req is not None and bytes(req.prompt) == token_ids.MARK:  # the list was the request's prompt
+            ids = token_ids.read_list(body[start : end + 1])
+            if ids is not None:
+                req.prompt = ids
+                return req
+    return decode(body, CompletionRequest)  # a text prompt or a batch; or an error, reported from here
 
 
 def decode(body: bytes, kind: type) -> Any:

@@ -201,28 +201,3 @@ def test_token_ids_that_are_not_integers_are_refused(prompt):
     with pytest.raises(A.ApiError) as err:
         A.validate(A.decode_completion(b'{"prompt": ' + prompt.encode() + b"}"))
     assert err.value.status == 400 and err.value.param == "prompt"
-
-
-def test_the_array_reader_refuses_what_is_not_a_list_of_integers():
-    assert A.token_ids_array(b"[1,2]").tolist() == [1, 2]
-    assert A.token_ids_array(b"[]").tolist() == []
-    assert A.token_ids_array(b"[99999999999999999999999]").tolist() == [2**63 - 1]  # beyond any vocabulary
-    for raw in (b"[1,-2]", b"[1.0]", b"[[1]]", b'"12"', b"12"):
-        assert A.token_ids_array(raw) is None, raw
-    for body in (b'{"prompt": [1,2,]}', b'{"prompt": [1,,2]}', b'{"prompt": [1 2]}', b'{"prompt": [01]}'):
-        with pytest.raises(A.ApiError) as err:  # the array is read only once msgspec found the JSON valid
-            A.decode_completion(body)
-        assert err.value.code == "invalid_json", body
-
-
-@pytest.mark.parametrize("sep", [",", ", ", " ,\n ", ",\t"])
-def test_a_long_prompt_read_on_threads_equals_one_read(sep):
-    import numpy as np
-
-    ids = np.random.default_rng(5).integers(0, 10**12, 120_000)  # long numbers: a cut may fall inside one
-    raw = ("[ " + sep.join(str(i) for i in ids) + " ]").encode()
-    inner = raw[1:-1]
-    pieces = A._pieces(inner, 4)
-    assert len(pieces) == 4 and b",".join(pieces) == inner  # cut at commas only, nothing lost
-    assert A.token_ids_array(raw).tolist() == ids.tolist()
-    assert A._pieces(b"123", 4) == [b"123"] and A._pieces(b"1,2", 4) == [b"1", b"2"]
