@@ -86,20 +86,11 @@ def child(args) -> None:
                       "load_ms": [round(s * 1e3, 1) for s in loads], "exact": exact}), flush=True)
 
 
-def median_seconds(enqueue, repeats: int = 3) -> float:
-    """Median GPU seconds of enqueue(stream) on the current stream, after one warm-up."""
-    import torch
+def median_seconds(enqueue) -> float:
+    """Median GPU seconds of enqueue(stream), after one warm-up: diag_load_pipeline's measure."""
+    from diag_load_pipeline import median_seconds as measured  # beside this file, on sys.path as its folder
 
-    stream, times = torch.cuda.current_stream(), []
-    for i in range(repeats + 1):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(stream)
-        enqueue(stream)
-        end.record(stream)
-        end.synchronize()
-        if i:
-            times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+    return measured(enqueue)
 
 
 def plan_copies_seconds(client, transfer, offsets: list[int], layout) -> float:
