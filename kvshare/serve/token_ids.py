@@ -107,7 +107,7 @@ def read_numbers(text: bytes) -> np.ndarray | None:
 
 
 def _skip_whitespace(body: bytes, i: int) -> int:
-    while body[i : i + 1] in (b" ", b"\t", b"\r", b"\n"):
+    while i < len(body) and body[i] in _WHITESPACE:
         i += 1
     return i
 
@@ -117,5 +117,6 @@ def _parse_pool():
     if _pool is None:
         from concurrent.futures import ThreadPoolExecutor
 
-        _pool = ThreadPoolExecutor(8, thread_name_prefix="kvshare-parse")  # started as they are needed (diag_parse: up to 8)
+        # threads start only as pieces need them: PARSE_THREADS of them, or up to 8 where diag_parse tries more
+        _pool = ThreadPoolExecutor(8, thread_name_prefix="kvshare-parse")
     return _pool
