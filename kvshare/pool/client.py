@@ -1,6 +1,10 @@
 """PoolClient: one connection to the pool daemon and a zero-copy map of its arena.
 
 Synchronous and thread-safe (one request in flight per client, under a lock).
+The client's holds (leases and reservations) belong to its holder token, kept
+across reconnects: ``close()`` says every copy has ended and ends them;
+``close(end_holds=False)`` (after a timeout or a lost link) leaves them to the
+pool, which keeps them while this process lives (kvshare.pool.holders).
 Page views are numpy arrays over the mapped arena: contiguous by construction,
 and asserted, because torch silently stages a non-contiguous pinned view
 through pageable memory.
@@ -23,6 +27,7 @@ import numpy as np
 from kvshare.pool import protocol as P
 from kvshare.pool.arena import map_arena
 from kvshare.pool.checksum import ChecksumKind, page_checksum
+from kvshare.pool.holders import TOKEN_BYTES
 
 
 class PoolUnavailable(ConnectionError):
@@ -70,8 +75,11 @@ class PoolClient:
         timeout_s: float = 30.0,
         verify_checksums: bool = False,
         spin_us: float = 200.0,
+        holder: bytes | None = None,
     ) -> None:
         self.socket_path = socket_path
+        # names this client's holds in the pool across reconnects (a new random token unless given)
+        self.holder = holder if holder is not None else os.urandom(TOKEN_BYTES)
         # Waiting for a reply first spins this long: a cross-core wake-up costs ~30 us on these VMs,
         # a spinning reader sees the reply in a few.
         self.spin_s = spin_us * 1e-6
@@ -96,7 +104,8 @@ class PoolClient:
         sock.settimeout(self.timeout_s)
         try:
             sock.connect(self.socket_path)
-            sock.sendall(P.encode(P.Hello(protocol_version=P.PROTOCOL_VERSION, client_name=self.name)))
+            sock.sendall(P.encode(P.Hello(protocol_version=P.PROTOCOL_VERSION, client_name=self.name,
+                                          holder=self.holder)))
             data, fds, _flags, _addr = socket.recv_fds(sock, 1 << 16, 1)
         except OSError as exc:
             sock.close()
@@ -129,7 +138,15 @@ class PoolClient:
         """Call ``hook`` before the arena is unmapped (close): e.g. to drop CUDA registrations of it."""
         self._unmap_hooks.append(hook)
 
-    def close(self) -> None:
+    def close(self, end_holds: bool = True) -> None:
+        """Close the connection and unmap the arena (after the unmap hooks).
+
+        ``end_holds``: the caller says every copy touching this client's pages has ended, so the pool
+        ends its holds now. Without it (a timeout, a lost link) the pool keeps them while this process
+        lives, or until their TTL, and a client with the same holder token can still release them.
+        """
+        if end_holds:
+            self._say_goodbye()
         self._close_socket()
         _run_hooks(self._unmap_hooks)
         self.arena = None
@@ -161,6 +178,17 @@ class PoolClient:
             return False  # open, nothing to read
         except OSError:
             return True
+
+    def _say_goodbye(self) -> None:
+        if not self._lock.acquire(timeout=self.timeout_s):
+            return  # a request is stuck on the socket: leave the holds to the pool
+        try:
+            if self._sock is not None:
+                self._send(P.encode(P.Goodbye()))
+        except (OSError, TimeoutError):
+            pass  # the pool is gone, or not reading: it keeps or ends the holds by its own rules
+        finally:
+            self._lock.release()
 
     def _close_socket(self) -> None:
         if self._sock is not None:

@@ -4,8 +4,8 @@ One thread runs the index (no locks, so every message is atomic). A selector
 loop accepts clients (checking their uid), reads frames from every client,
 hands each request to the handlers (handlers.py: the answers against the index
 and the remote tier) and sends the replies in order. A closed connection
-(including a client killed with -9) is a disconnect: its reservations are
-aborted and its leases released.
+ends its holder's reservations and leases only when the holder's process is
+gone (a client killed with -9); a live process keeps them (holders.py).
 """
 
 from __future__ import annotations
@@ -220,7 +220,7 @@ class PoolServer:
         client = _Client(sock=sock, client_id=self._next_client_id, pid=pid, uid=uid)
         self._next_client_id += 1
         self._clients[client.client_id] = client
-        self.handlers.connect(client.client_id)
+        self.handlers.connect(client.client_id, pid, uid)
         self._selector.register(sock, selectors.EVENT_READ, client)
         self.counters.connections += 1
 

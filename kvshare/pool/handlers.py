@@ -24,6 +24,7 @@ from typing import Callable
 
 from kvshare.keys import KEY_BYTES
 from kvshare.pool import protocol as P
+from kvshare.pool.holders import Holders
 from kvshare.pool.index import LookupResult, PoolError, PoolIndex
 from kvshare.pool.remote import RemoteHooks
 
@@ -38,6 +39,7 @@ class ServerCounters:
     errors: int = 0  # error replies of any kind
     protocol_errors: int = 0  # malformed or oversized frames, wrong version
     refused_peers: int = 0
+    orphaned_holders: int = 0  # connections closed while their process lived: their holds were kept
 
 
 class PoolHandlers:
@@ -54,6 +56,8 @@ class PoolHandlers:
         self._answer_later = answer_later
         self._clock = clock
         self._names: dict[int, str] = {}  # every connected client, by id: its name ("" until hello)
+        # The index keys holds by holder (holders.py), which outlives a connection of a live process.
+        self.holders = Holders()
         self._deferred: set[int] = set()  # clients whose lookup waits for the remote tier
         self._by_type = {
             P.Lookup: self.lookup,
@@ -68,12 +72,15 @@ class PoolHandlers:
             P.CheckIntegrity: self.check_integrity,
             P.ListNamespaces: self.list_namespaces,
             P.PrefillReport: self.prefill_report,
+            P.Goodbye: self.goodbye,
         }
 
     # -- clients ---------------------------------------------------------------
 
-    def connect(self, client_id: int) -> None:
+    def connect(self, client_id: int, pid: int = 0, uid: int = 0) -> None:
+        """A connection from process ``pid`` of ``uid`` (0: unknown, its holds end with the connection)."""
         self._names[client_id] = ""
+        self.holders.connect(client_id, pid, uid)
 
     def hello(self, client_id: int, request: P.Request) -> P.HelloReply:
         """Greet a client; raises PoolError (the daemon then closes the connection) for anything but a good hello."""
@@ -85,7 +92,11 @@ class PoolHandlers:
                 f"client speaks protocol {request.protocol_version}, this pool speaks {P.PROTOCOL_VERSION}; "
                 "run the same kvshare version on both sides",
             )
+        if len(request.holder) > P.MAX_HOLDER_BYTES:
+            raise PoolError("bad_holder", f"a holder token has at most {P.MAX_HOLDER_BYTES} bytes, "
+                                          f"got {len(request.holder)}")
         self._names[client_id] = request.client_name[:64]
+        self.holders.attach(client_id, request.holder, self._names[client_id])
         return P.HelloReply(
             protocol_version=P.PROTOCOL_VERSION,
             format_version=P.FORMAT_VERSION,
@@ -96,16 +107,40 @@ class PoolHandlers:
         )
 
     def disconnect(self, client_id: int) -> tuple[int, int]:
-        """A client went away: abort its reservations, release its leases; returns (aborted, released)."""
+        """A connection closed; returns (reservations aborted, leases released).
+
+        The holds of its holder end now only when no other connection speaks for it and its process is
+        gone; a live process's holds stay (orphaned) until it reconnects and ends them, it exits (seen on
+        ``tick``) or their TTL passes: a copy it enqueued may still touch their pages.
+        """
         self._names.pop(client_id, None)
         self._deferred.discard(client_id)  # its deferred lookup, if any, is never answered
-        aborted, released = self.index.disconnect(client_id)
+        holder = self.holders.detach(client_id)
+        if holder is None:  # no hello: its holds (if any) are keyed by the connection and end with it
+            return self._end_holds(client_id)
+        if holder.connections:  # another connection speaks for the holder
+            return 0, 0
+        if not holder.process.is_gone():
+            if self.index.num_holds(holder.holder_id):
+                self.counters.orphaned_holders += 1
+            else:
+                self.holders.forget(holder)
+            return 0, 0
+        self.holders.forget(holder)
+        return self._end_holds(holder.holder_id)
+
+    def _end_holds(self, holder_id: int) -> tuple[int, int]:
+        aborted, released = self.index.disconnect(holder_id)
         if self.remote is not None:
-            self.remote.on_disconnect(client_id)
+            self.remote.on_disconnect(holder_id)
         return aborted, released
 
     def name_of(self, client_id: int) -> str:
-        return self._names.get(client_id, "")
+        """The name a connection, or the holder of a lease, gave in its hello."""
+        return self._names.get(client_id, "") or self.holders.name(client_id)
+
+    def _holder(self, client_id: int) -> int:
+        return self.holders.holder_id(client_id)
 
     def is_deferred(self, client_id: int) -> bool:
         """Whether the client's lookup waits for the remote tier (its later messages must wait too)."""
@@ -127,7 +162,7 @@ class PoolHandlers:
             return P.ErrorReply("internal", f"{type(exc).__name__}: {exc}")
 
     def lookup(self, client_id: int, req: P.Lookup) -> P.Reply | None:
-        result = self.index.lookup(client_id, req.keys, req.page_bytes, self._clock(), lease=req.lease)
+        result = self.index.lookup(self._holder(client_id), req.keys, req.page_bytes, self._clock(), lease=req.lease)
         if self._defer_to_remote(client_id, req, result):
             return None  # answered by _finish_deferred_lookup
         return lookup_reply(result)
@@ -136,7 +171,7 @@ class PoolHandlers:
         errors = []
         for lease_id in req.lease_ids:
             try:
-                self.index.release(client_id, lease_id)
+                self.index.release(self._holder(client_id), lease_id)
             except PoolError as exc:
                 errors.append(exc)
         if not req.reply:
@@ -149,23 +184,31 @@ class PoolHandlers:
         return P.Ok(count=len(req.lease_ids))
 
     def reserve(self, client_id: int, req: P.Reserve) -> P.Reply:
-        result = self.index.reserve(client_id, req.namespace, req.keys, req.page_bytes, req.first_depth, self._clock())
+        holder_id = self._holder(client_id)
+        result = self.index.reserve(holder_id, req.namespace, req.keys, req.page_bytes, req.first_depth, self._clock())
         if self.remote is not None:
-            self.remote.on_reserve(client_id, result.reservation_id, [entry for _, entry in result.grants])
+            self.remote.on_reserve(holder_id, result.reservation_id, [entry for _, entry in result.grants])
         grants = [(i, entry.offset) for i, entry in result.grants]
         return P.ReserveReply(reservation_id=result.reservation_id, grants=grants, num_no_room=result.num_no_room)
 
     def commit(self, client_id: int, req: P.Commit) -> P.Reply:
-        count = self.index.commit(client_id, req.reservation_id, req.checksums, req.checksum_kind)
+        count = self.index.commit(self._holder(client_id), req.reservation_id, req.checksums, req.checksum_kind)
         if self.remote is not None:
             self.remote.on_commit(req.reservation_id)  # write-behind: queues, never waits
         return P.Ok(count=count)
 
     def abort(self, client_id: int, req: P.Abort) -> P.Reply:
-        count = self.index.abort(client_id, req.reservation_id)
+        count = self.index.abort(self._holder(client_id), req.reservation_id)
         if self.remote is not None:
             self.remote.on_abort(req.reservation_id)
         return P.Ok(count=count)
+
+    def goodbye(self, client_id: int, req: P.Goodbye) -> None:
+        """The holder's copies have all ended: its holds end now (no reply; the connection closes next)."""
+        aborted, released = self._end_holds(self._holder(client_id))
+        if aborted or released:
+            log.info("client %s said goodbye: aborted %d reservations, released %d leases",
+                     self.name_of(client_id) or client_id, aborted, released)
 
     def drop(self, client_id: int, req: P.Drop) -> P.Reply:
         return P.Ok(count=self.index.drop(req.keys))
@@ -207,8 +250,19 @@ class PoolHandlers:
     # -- between messages --------------------------------------------------------
 
     def tick(self, now: float) -> None:
-        """Expire leases past their TTL; answer promoting lookups past their deadline."""
-        self.index.expire(now)
+        """End holds past their TTL and those of orphaned holders whose process is gone; answer promoting
+        lookups past their deadline."""
+        self.index.expire_leases(now)
+        for reservation_id in self.index.expire_reservations(now):
+            if self.remote is not None:
+                self.remote.on_abort(reservation_id)
+        for holder in self.holders.orphans():
+            if holder.process.is_gone():
+                self._end_holds(holder.holder_id)
+                self.index.counters.ended_holders += 1
+                self.holders.forget(holder)
+            elif not self.index.num_holds(holder.holder_id):  # ended by TTL, or released after a reconnect
+                self.holders.forget(holder)
         if self.remote is not None:
             self.remote.tick(now)
 
@@ -254,26 +308,32 @@ class PoolHandlers:
         """On a partial local hit, let the remote tier fetch the rest before the client is answered."""
         if self.remote is None or not req.lease or len(result.entries) == len(req.keys):
             return False
-        on_done = functools.partial(self._finish_deferred_lookup, client_id, req, result.lease_id)
+        on_done = functools.partial(self._finish_deferred_lookup, client_id, self._holder(client_id), req,
+                                    result.lease_id)
         if not self.remote.promote(req.keys, req.page_bytes, len(result.entries), on_done):
             return False
         self._deferred.add(client_id)
         return True
 
-    def _finish_deferred_lookup(self, client_id: int, req: P.Lookup, pin_lease_id: int) -> None:
+    def _finish_deferred_lookup(self, client_id: int, holder_id: int, req: P.Lookup, pin_lease_id: int) -> None:
         """Answer a deferred lookup from the index as it is now (through ``answer_later``)."""
-        if client_id not in self._deferred:
-            return  # it left meanwhile; its leases went with it
+        if client_id not in self._deferred:  # its connection closed meanwhile: nobody reads the pin's pages
+            if pin_lease_id:
+                try:
+                    self.index.release(holder_id, pin_lease_id)
+                except PoolError:
+                    pass  # its holds ended meanwhile
+            return
         self._deferred.discard(client_id)
         try:
-            result = self.index.lookup(client_id, req.keys, req.page_bytes, self._clock(), is_counted=False)
+            result = self.index.lookup(holder_id, req.keys, req.page_bytes, self._clock(), is_counted=False)
             reply = lookup_reply(result)
         except Exception as exc:  # a bug: answer it like any handler's, keep serving the client
             log.exception("internal error answering a deferred lookup")
             reply = P.ErrorReply("internal", f"{type(exc).__name__}: {exc}")
         if pin_lease_id:  # the lease of the first, local-only answer kept the local prefix in place
             try:
-                self.index.release(client_id, pin_lease_id)
+                self.index.release(holder_id, pin_lease_id)
             except PoolError:
                 pass  # expired meanwhile
         self._answer_later(client_id, reply)

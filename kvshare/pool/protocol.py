@@ -5,7 +5,7 @@ msgpack-encoded message (a msgspec tagged union; no pickle anywhere)::
 
     | u32 length | msgpack {"type": "lookup", ...} |
 
-Each request gets exactly one reply, in order, except ``Release`` with
+Each request gets exactly one reply, in order, except ``Goodbye`` and ``Release`` with
 ``reply=False`` (fire and forget: the common case after a load, which would
 otherwise cost a round trip). The reply to ``Hello`` carries the arena's memfd
 as SCM_RIGHTS ancillary data.
@@ -21,7 +21,9 @@ import msgspec
 from kvshare.pool.checksum import ChecksumKind
 
 # 2: a page's checksum carries its kind (Commit.checksum_kind, PageHeader.checksum_kind)
-PROTOCOL_VERSION = 2
+# 3: Hello.holder names the holder of the client's holds across reconnects; Goodbye ends them
+PROTOCOL_VERSION = 3
+MAX_HOLDER_BYTES = 64
 FORMAT_VERSION = 1  # canonical page format (layout.py); bumped if the bytes of a page change meaning
 FRAME_HEADER = struct.Struct("<I")
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 20
@@ -35,8 +37,12 @@ class ProtocolError(Exception):
 
 
 class Hello(msgspec.Struct, tag="hello"):
+    """``holder``: a random token the client keeps across reconnects; the pool keys its holds by it (and the
+    uid), so a closed connection of a live process leaves them in place (kvshare.pool.holders)."""
+
     protocol_version: int
     client_name: str = ""
+    holder: bytes = b""
 
 
 class Lookup(msgspec.Struct, tag="lookup"):
@@ -114,8 +120,12 @@ class PrefillReport(msgspec.Struct, tag="prefill_report"):
     seconds: float
 
 
+class Goodbye(msgspec.Struct, tag="goodbye"):
+    """Every copy touching this holder's pages has ended: end all its leases and reservations. No reply."""
+
+
 Request = Union[Hello, Lookup, Release, Reserve, Commit, Abort, Drop, Flush, GetStats, ListLeases, CheckIntegrity,
-                ListNamespaces, PrefillReport]
+                ListNamespaces, PrefillReport, Goodbye]
 
 # -- replies ---------------------------------------------------------------------------
 

@@ -1,0 +1,123 @@
+"""Who holds the pool's leases and reservations: a holder outlives the connections it speaks through.
+
+A client names itself with a random token in its hello; the pool keys holds by
+(uid, token), so a client that reconnects after a timeout or a protocol error
+finds the holds it took before. A holder's holds end only when
+
+- it says so (``Goodbye``, or a release / commit / abort of each hold): its copies have ended,
+- its process is gone (pid from SO_PEERCRED, checked with the process's start time so a
+  reused pid is not taken for it), seen at disconnect or on the daemon's tick,
+- or their TTL passes (index.py: lease_ttl_s, reservation_ttl_s).
+
+A connection that closes while its process lives leaves the holder *orphaned*:
+its holds stay, because a copy the process enqueued may still touch their pages.
+Pure bookkeeping on the daemon's loop thread; the only I/O is reading /proc.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+TOKEN_BYTES = 16
+
+
+@dataclass(frozen=True)
+class Process:
+    """A peer process: pid and start time (clock ticks since boot; None when /proc could not tell)."""
+
+    pid: int
+    start_ticks: int | None
+
+    @classmethod
+    def of(cls, pid: int) -> "Process":
+        return cls(pid, process_start_ticks(pid)) if pid > 0 else cls(0, None)
+
+    def is_gone(self) -> bool:
+        """True only when the process has certainly exited (or its pid now names another process).
+
+        An unknown pid (0: no peer credentials, as in tests that drive the handlers directly) counts
+        as gone: there is no process whose copies could still run.
+        """
+        if self.pid <= 0:
+            return True
+        now = process_start_ticks(self.pid)
+        if now is None:  # no such process, or a zombie; or no /proc to ask: then it cannot be known gone
+            return os.path.exists("/proc/self/stat")
+        return self.start_ticks is not None and now != self.start_ticks
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """Field 22 of /proc/<pid>/stat; None when the process does not exist or is a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(b")") + 2 :].split()  # the command name may hold spaces and parentheses
+    if fields[0] in (b"Z", b"X"):  # exited, waiting to be reaped: its copies have ended
+        return None
+    return int(fields[19])
+
+
+@dataclass(eq=False)
+class Holder:
+    holder_id: int  # the id the index knows its holds by (the first connection's client id)
+    uid: int
+    token: bytes
+    process: Process
+    name: str = ""
+    connections: set[int] = field(default_factory=set)
+
+
+class Holders:
+    """Connections -> holders, and the orphaned holders whose process may still copy."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[tuple[int, bytes], Holder] = {}
+        self._by_client: dict[int, Holder] = {}
+        self._by_id: dict[int, Holder] = {}
+        self._peers: dict[int, tuple[int, Process]] = {}  # client id -> (uid, process), from accept
+
+    def connect(self, client_id: int, pid: int = 0, uid: int = 0) -> None:
+        self._peers[client_id] = (uid, Process.of(pid))
+
+    def attach(self, client_id: int, token: bytes, name: str) -> Holder:
+        """The holder ``client_id`` speaks for (after its hello): the one of the same uid and token, or a new one."""
+        uid, process = self._peers[client_id]
+        holder = self._by_key.get((uid, token)) if token else None
+        if holder is None or holder.process.pid != process.pid:  # a token is never shared between processes
+            holder = Holder(client_id, uid, token or client_id.to_bytes(8, "little"), process, name)
+            self._by_key[(uid, holder.token)] = holder
+            self._by_id[holder.holder_id] = holder
+        holder.connections.add(client_id)
+        self._by_client[client_id] = holder
+        return holder
+
+    def holder_id(self, client_id: int) -> int:
+        """The id the index keys this connection's holds by (the client id until hello)."""
+        holder = self._by_client.get(client_id)
+        return holder.holder_id if holder is not None else client_id
+
+    def name(self, holder_id: int) -> str:
+        holder = self._by_id.get(holder_id)
+        return holder.name if holder is not None else ""
+
+    def detach(self, client_id: int) -> Holder | None:
+        """A connection closed: the holder it spoke for (None before hello), with the connection removed."""
+        self._peers.pop(client_id, None)
+        holder = self._by_client.pop(client_id, None)
+        if holder is not None:
+            holder.connections.discard(client_id)
+        return holder
+
+    def orphans(self) -> list[Holder]:
+        return [h for h in self._by_id.values() if not h.connections]
+
+    def forget(self, holder: Holder) -> None:
+        """The holder's holds have ended and no connection speaks for it."""
+        if holder.connections:
+            return
+        self._by_id.pop(holder.holder_id, None)
+        if self._by_key.get((holder.uid, holder.token)) is holder:
+            del self._by_key[(holder.uid, holder.token)]
