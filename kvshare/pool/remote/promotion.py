@@ -100,6 +100,12 @@ class Promotions:
     def __len__(self) -> int:
         return len(self._jobs)
 
+    @property
+    def num_waiting(self) -> int:
+        """Jobs whose lookups still wait: those count against ``max_promotions``. A job answered at its
+        deadline whose fetch has not come back yet holds only its reservations, not a promotion slot."""
+        return sum(not job.is_answered for job in self._jobs)
+
     def start(self, keys: list[bytes], page_bytes: int, num_local: int, on_done: Callable[[], None]) -> bool:
         """Go on to the store for ``keys[num_local:]``; True: ``on_done()`` will be called once, later."""
         missing = keys[num_local:]
@@ -114,7 +120,7 @@ class Promotions:
             return True
         if self.index.entry(missing[0]) is not None:  # being written here (or a page of another size)
             return False
-        if len(self._jobs) >= self.config.max_promotions:
+        if self.num_waiting >= self.config.max_promotions:
             self.counters.promote_busy += 1
             return False
         if not self.breaker.allow():
@@ -225,7 +231,13 @@ class Promotions:
         job.outstanding -= 1
         job.arrived[batch.number] = (batch, result)
         while job.num_applied in job.arrived:
-            self._apply(job, *job.arrived.pop(job.num_applied))
+            applied = job.arrived.pop(job.num_applied)
+            try:
+                self._apply(job, *applied)
+            except Exception:  # a bug, or a reservation that expired meanwhile: the job ends here all the same
+                log.exception("remote promotion: applying a fetched batch failed")
+                self._abort(applied[0].reservations)
+                self._break(job)
             job.num_applied += 1
         self._fetch_more(job)
         self._maybe_finish(job)
@@ -297,7 +309,10 @@ class Promotions:
 
     def _abort(self, reservations) -> None:
         for reservation_id in reservations:
-            self.index.abort(self.promoter_id, reservation_id)
+            try:
+                self.index.abort(self.promoter_id, reservation_id)
+            except PoolError:
+                pass  # committed, or aborted by its TTL, already
 
     @staticmethod
     def _break(job: _PromoteJob) -> None:
@@ -339,13 +354,18 @@ class Promotions:
         if isinstance(result, BaseException) or result != expected:
             bad = len(placements) if isinstance(result, BaseException) else sum(a != b for a, b in zip(result, expected))
             log.error("remote promotion: %d page(s) differ from their checksum after the copy: %r", bad, result)
-            self.index.abort(self.promoter_id, reservation_id)
+            self._abort([reservation_id])
             self.counters.discarded_checksum += bad
             self._break(job)
         else:
-            self.index.commit(self.promoter_id, reservation_id, expected)
-            self._pin(job, [page.meta.key for page, _ in placements])
-            self._count_promoted(job, len(placements))
+            try:
+                self.index.commit(self.promoter_id, reservation_id, expected)
+            except PoolError as exc:  # aborted by its TTL meanwhile: the chain ends here
+                log.error("remote promotion: commit refused: %s", exc)
+                self._break(job)
+            else:
+                self._pin(job, [page.meta.key for page, _ in placements])
+                self._count_promoted(job, len(placements))
         self._fetch_more(job)  # a batch's memory is free again
         self._maybe_finish(job)
 

@@ -1,0 +1,88 @@
+"""Promotion jobs end on every path: driven on the loop thread's side with a fake reader pool (no Redis)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from kvshare.pool.allocator import Allocator
+from kvshare.pool.index import IndexConfig, PoolIndex
+from kvshare.pool.remote import workers as W
+from kvshare.pool.remote.breaker import CircuitBreaker
+from kvshare.pool.remote.config import RemoteConfig
+from kvshare.pool.remote.cost import PromotionCosts
+from kvshare.pool.remote.counters import RemoteCounters
+from kvshare.pool.remote.direct import LandedResult
+from kvshare.pool.remote.promotion import Promotions
+
+PAGE = 4096
+NS = b"n" * 16
+PROMOTER = 99
+
+
+def keys(tag: str, n: int) -> list[bytes]:
+    return [hashlib.blake2b(f"{tag}{i}".encode(), digest_size=16).digest() for i in range(n)]
+
+
+class Clock:
+    now = 10.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(index: PoolIndex, clock: Clock):
+    """Promotions whose fetches never start: each submitted task waits in ``tasks`` for the test to finish it."""
+    tasks: list[tuple] = []
+    config = RemoteConfig("redis://127.0.0.1:1", promote_timeout_s=1.0, max_promotions=2, num_readers=1)
+    arena = np.zeros(index.allocator.arena_bytes, dtype=np.uint8)
+    promotions = Promotions(config, index, PROMOTER, store=None, breaker=CircuitBreaker(3, 5.0),
+                            arena=arena, counters=RemoteCounters(), costs=PromotionCosts(),
+                            submit=lambda fn, args, on_result: tasks.append((fn, args, on_result)), clock=clock)
+    return promotions, tasks
+
+
+def local_head(index: PoolIndex, tag: str) -> list[bytes]:
+    """A chain whose first chunk the arena holds, so promotion reserves the rest before it fetches."""
+    chain = keys(tag, 3)
+    reserved = index.reserve(1, NS, chain[:1], PAGE, 0, 0.0)
+    index.commit(1, reserved.reservation_id, [0])
+    return chain
+
+
+def test_hung_fetches_answered_at_their_deadline_do_not_turn_promotion_off():
+    """Fails when promotions count every job still in flight (``len(self._jobs)``) against max_promotions:
+    two fetches that never come back then turn promotion off for good."""
+    clock = Clock()
+    index = PoolIndex(Allocator(64 * PAGE, 16 * PAGE))
+    promotions, tasks = make(index, clock)
+    answered = []
+    for tag in ("a", "b"):
+        chain = local_head(index, tag)
+        assert promotions.start(chain, PAGE, 1, lambda tag=tag: answered.append(tag))
+    assert not promotions.start(local_head(index, "c"), PAGE, 1, lambda: None)  # both slots busy
+    clock.now += 2.0
+    promotions.tick(clock.now)  # the deadline: the lookups are answered, the fetches still hang
+    assert sorted(answered) == ["a", "b"]
+    assert promotions.start(local_head(index, "d"), PAGE, 1, lambda: None)
+    assert index.num_reservations >= 2  # the hung fetches' pages stay reserved: a thread may still write them
+    index.check_integrity()
+
+
+def test_a_fetch_that_lands_after_its_reservation_expired_ends_the_job():
+    """Fails when a commit refused for an expired reservation escapes ``_on_fetched``: the job then never ends,
+    stays counted, and its keys stay claimed."""
+    clock = Clock()
+    index = PoolIndex(Allocator(64 * PAGE, 16 * PAGE), IndexConfig(reservation_ttl_s=30.0))
+    promotions, tasks = make(index, clock)
+    chain = local_head(index, "a")
+    assert promotions.start(chain, PAGE, 1, lambda: None)
+    (fn, args, on_result), = tasks
+    clock.now += 60.0
+    index.expire(clock.now)  # the writer hung past the reservation TTL
+    assert index.num_reservations == 0
+    on_result(LandedResult(checksums=[1, 2], end=None))  # the thread comes back at last
+    assert len(promotions) == 0 and promotions.num_waiting == 0
+    assert promotions.start(chain, PAGE, 1, lambda: None)  # the keys are free to promote again
+    index.check_integrity()
