@@ -108,6 +108,15 @@ def unregister_range(ptr: int) -> None:
     _check(_cudart().cudaHostUnregister(ptr), f"cudaHostUnregister({ptr:#x})")
 
 
+def _wait_for_copies() -> None:
+    """Wait for every copy this process enqueued on its GPU: a copy may still read or write pinned arena
+    pages (a failed load or store is given up between its enqueue and its event), and unpinning them
+    under it would corrupt the bytes or fault the copy."""
+    import torch
+
+    torch.cuda.synchronize()
+
+
 def acquire_registration(client) -> ArenaRegistration:
     """The client's whole arena registered with CUDA (done once per mapping, shared after)."""
     arena = client.arena
@@ -150,6 +159,7 @@ def _forget(registration: ArenaRegistration) -> None:
             return
         _registrations.pop(registration.base_ptr)
         registration.is_forgotten, registration.refs = True, 0
+        _wait_for_copies()
         for offset, _length in registration.pieces:
             try:
                 unregister_range(registration.base_ptr + offset)
@@ -158,7 +168,7 @@ def _forget(registration: ArenaRegistration) -> None:
 
 
 def release_registration(registration: ArenaRegistration) -> None:
-    """Drop one reference; the last one unregisters every piece. No copy may be in flight."""
+    """Drop one reference; the last one waits for the process's copies, then unregisters every piece."""
     with _lock:
         if registration.is_forgotten:
             return
@@ -166,6 +176,7 @@ def release_registration(registration: ArenaRegistration) -> None:
         if registration.refs > 0:
             return
         _registrations.pop(registration.base_ptr, None)
+        _wait_for_copies()
         errors = []
         for offset, _length in registration.pieces:
             try:

@@ -345,3 +345,27 @@ def test_loaded_cudart_libraries_are_found_in_the_process_maps(tmp_path):
         "7f06-7f07 rw-p 00000000 00:00 0 \n"
     )
     assert _loaded_cudart_paths(str(maps)) == [lib]
+
+
+@pytest.mark.parametrize("how", ["client closed", "last transfer closed"])
+def test_the_arena_is_unpinned_only_after_every_enqueued_copy_ended(fake, pool_socket, monkeypatch, how):
+    """A copy still in flight when a failure path gives the arena up (a lost link closes the client, a worker
+    drops its staging) must end before cudaHostUnregister: the device is synchronized first. Fails when
+    registration._wait_for_copies is removed (no synchronize precedes the unregistration)."""
+    from kvshare.pool.client import PoolClient
+
+    events: list[str] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append("synchronize"))
+    unregister = fake.cudaHostUnregister
+    monkeypatch.setattr(fake, "cudaHostUnregister", lambda ptr: events.append("unregister") or unregister(ptr))
+    client = PoolClient(pool_socket).connect()
+    transfer = CudaTransfer(LAYOUTS["f32"], client, CPU, TransferConfig(copy_method="torch"))
+    events.clear()
+    if how == "client closed":
+        client.close(end_holds=False)
+    else:
+        transfer._copy_stream.synchronize = lambda: None  # only the registration's own wait is under test
+        transfer.close()
+        client.close()
+    assert fake.registered == {} and "unregister" in events
+    assert events.index("synchronize") < events.index("unregister")
