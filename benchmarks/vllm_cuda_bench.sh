@@ -18,7 +18,7 @@ import os, time, torch
 from kvshare.integrations.vllm.layout import detect_layout
 from kvshare.integrations.vllm.metadata import WorkerReport
 from kvshare.integrations.vllm.options import ConnectorConfig
-from kvshare.integrations.vllm.pool_link import PoolLink
+from kvshare.pool.link import PoolLink
 from kvshare.integrations.vllm.scheduler import PoolScheduler, ScheduledRequest
 from kvshare.integrations.vllm.worker import PoolKVWorker
 from kvshare.keys import Namespace

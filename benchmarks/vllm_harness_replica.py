@@ -38,7 +38,7 @@ from kvshare.integrations.vllm.metadata import WorkerReport
 from kvshare.integrations.vllm.options import ConnectorConfig
 from kvshare.integrations.vllm.paged_tensors import paged_layers
 from kvshare.integrations.vllm.plan import tokens_to_load
-from kvshare.integrations.vllm.pool_link import PoolLink
+from kvshare.pool.link import PoolLink
 from kvshare.integrations.vllm.scheduler import PoolScheduler, ScheduledRequest
 from kvshare.integrations.vllm.staging import widen, word_bytes
 from kvshare.integrations.vllm.worker import PoolKVWorker

@@ -2,7 +2,8 @@
 
 The pool is an accelerator, never a dependency: when it cannot be reached
 (PoolUnavailable, a timeout) the request goes cold, the event is counted, and the
-link reconnects later with exponential backoff. A page whose checksum does not
+link (kvshare.pool.link: the one policy for timeouts, reconnects and holds)
+reconnects later with exponential backoff, keeping the holds a copy may still touch. A page whose checksum does not
 match is dropped from the pool and recomputed; a reserve without room stores less.
 
 ``start()`` also watches the link from a thread: while the pool is away it tries
@@ -30,6 +31,7 @@ from kvshare.engine.stats import EngineStats
 from kvshare.layout import KVLayout
 from kvshare.pool.checksum import page_checksum
 from kvshare.pool.client import ChecksumMismatch, PoolClient, PoolRequestError, PoolUnavailable
+from kvshare.pool.link import PoolLink as Link
 from kvshare.pool.protocol import FORMAT_VERSION, PageHeader
 from kvshare.transfer import ChunkChecksumMismatch, TransferConfig, make_transfer
 
@@ -75,20 +77,23 @@ class PoolLink:
         self.verify_checksums = verify_checksums
         self.transfer_config = transfer_config
         self.name = name
-        self._clock = clock
-        self._retry_s, self._retry_max_s = retry_s, retry_max_s
-        self._delay = retry_s
-        self._next_try = 0.0
+        self.link = Link(socket_path, name, retry_s=retry_s, retry_max_s=retry_max_s,
+                         verify_checksums=verify_checksums, clock=clock)
+        self.link.on_connect(self._use_client)
+        self.link.on_drop(self._close_transfer)
         self._lock = threading.Lock()  # connect and drop: the request thread and the watcher
         self._closed = threading.Event()
         self._is_stale = False  # the watcher saw the pool close the connection; the next use reconnects
         self._idle_lock: threading.Lock | None = None
-        self.client: PoolClient | None = None
         self.transfer = None
         self._cold_seconds: float | None = None  # the last cold prefill's time, reported with its store
         stats.is_pool_configured = True
 
     # -- connection ------------------------------------------------------------------
+
+    @property
+    def client(self) -> PoolClient | None:
+        return self.link.current
 
     def start(self, idle_lock: threading.Lock | None = None, watch_interval_s: float = 0.5) -> None:
         """Connect now (rather than in the first request) and watch the link until close().
@@ -126,53 +131,41 @@ class PoolLink:
                     self._idle_lock.release()
 
     def _connect_when_due(self) -> bool:
-        if self._clock() < self._next_try or self._closed.is_set():
+        if self._closed.is_set():
             return False
-        try:
-            client = PoolClient(self.socket_path, name=self.name, verify_checksums=self.verify_checksums).connect()
-        except _LOST as exc:
-            self._schedule_retry(f"the pool at {self.socket_path} is unreachable ({exc}); serving without it")
-            return False
-        try:
-            self.transfer = make_transfer(self.layout, client, self.device, self.transfer_config)
-        except BaseException:
-            client.close()
-            self._schedule_retry(f"cannot use the pool at {self.socket_path}")  # the watcher tries later, not at once
-            raise
-        if self.stats.pool_connects:
-            log.warning("connected to the pool at %s again", self.socket_path)
-        self.client = client
-        self._delay = self._retry_s
+        return self.link.client() is not None  # a transfer that cannot be set up raises (tried again later)
+
+    def _use_client(self, client: PoolClient) -> None:
+        """The link connected: the transfer over its arena."""
+        self.transfer = make_transfer(self.layout, client, self.device, self.transfer_config)
         self.stats.pool_connects += 1
         self.stats.is_pool_connected = True
-        return True
 
-    def _schedule_retry(self, reason: str) -> None:
-        log.warning("%s; next try in %.1f s", reason, self._delay)
-        self._next_try = self._clock() + self._delay
-        self._delay = min(self._delay * 2, self._retry_max_s)
+    def _close_transfer(self) -> None:
+        """The link gives a client up: the transfer waits for its copies and closes before the arena goes."""
+        transfer, self.transfer = self.transfer, None
+        if transfer is not None:
+            transfer.sync()
+            transfer.close()
 
     def _lost(self, exc: BaseException) -> None:
         with self._lock:
-            self._drop_client()
             self.stats.pool_unavailable += 1
-            self._schedule_retry(f"lost the pool: {exc}")
+            self.link.failed(exc)  # the holds stay: a copy of this process may still touch their pages
+            self._is_stale = False
+            self.stats.is_pool_connected = False
 
     def _drop_client(self) -> None:
-        """Close the client and its transfer (holding self._lock, in the request thread or at close)."""
-        if self.transfer is not None:
-            self.transfer.close()
-        if self.client is not None:
-            self.client.close()
-        self.client = None
-        self.transfer = None
+        """Give the client and its transfer up, keeping the holds (holding self._lock)."""
+        self.link.drop()
         self._is_stale = False
         self.stats.is_pool_connected = False
 
     def close(self) -> None:
         self._closed.set()
         with self._lock:
-            self._drop_client()
+            self.link.close()  # the transfer waited for its copies: the holds end
+            self.stats.is_pool_connected = False
 
     def inject_producer_delay(self) -> None:
         """Validation: a GPU sleep on the compute stream before it writes KV that will be stored."""
@@ -314,6 +307,7 @@ class PoolLink:
                 for first_chunk, offsets in _consecutive_runs(reservation.grants):
                     checksums += self.transfer.store(kv, first_chunk, offsets, producer_stream)
             except BaseException:
+                self.transfer.sync()  # copies queued before the failure end before their pages are given back
                 with suppress(*_LOST, PoolRequestError):
                     self.client.abort(reservation.reservation_id)
                 raise

@@ -142,6 +142,10 @@ class KVTransfer(ABC):
         A producer calls it before writing the KV it will store; no-op on CPU or when the delay is 0.
         """
 
+    def sync(self) -> None:
+        """Wait until every copy this transfer enqueued has ended: before a failure path gives the pages
+        (or the arena's registration) up. Every CPU copy has ended when its call returns."""
+
     def close(self) -> None:
         self._hasher.close()
 

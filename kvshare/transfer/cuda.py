@@ -288,6 +288,12 @@ class CudaTransfer(KVTransfer):
             with torch.cuda.stream(stream if stream is not None else torch.cuda.current_stream(self.device)):
                 torch.cuda._sleep(self.config.producer_delay_cycles)
 
+    def sync(self) -> None:
+        if not self._closed:
+            self._join_enqueue()
+            self._reshape_stream.synchronize()
+            self._copy_stream.synchronize()
+
     def close(self) -> None:
         if self._closed:
             return

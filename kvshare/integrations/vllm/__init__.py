@@ -17,7 +17,6 @@
     metadata    the specs and reports that pass between the two sides
     options     the connector's settings (kv_connector_extra_config, per-request params)
     stats       the counters as vLLM's KVConnectorStats and Prometheus metrics (imports vLLM)
-    pool_link   a pool connection that reconnects after the pool went away
     identity    the namespace of a model's KV (weights fingerprint, layout)
     guards      the layout fingerprint, models with other state than attention KV, the KV dtype
     tensor_parallel  a rank's KV heads, its part of a page's checksum, stores committed once all parts are in

@@ -88,7 +88,7 @@ def copy_bandwidth(num_tokens: int, repeats: int = 3) -> dict:
 
     from kvshare.integrations.vllm.layout import PagedLayout
     from kvshare.integrations.vllm.metadata import WorkerReport
-    from kvshare.integrations.vllm.pool_link import PoolLink
+    from kvshare.pool.link import PoolLink
     from kvshare.integrations.vllm.scheduler import PoolScheduler, ScheduledRequest
     from kvshare.integrations.vllm.worker import PoolKVWorker
     from kvshare.keys import Namespace

@@ -48,7 +48,7 @@ from kvshare.integrations.vllm.identity import engine_namespace
 from kvshare.integrations.vllm.layout import UnsupportedKVLayout, detect_layout
 from kvshare.integrations.vllm.metadata import StepPlan, WorkerReport
 from kvshare.integrations.vllm.options import PARAMS_KEY, ConnectorConfig, check_supported, kv_layout_of
-from kvshare.integrations.vllm.pool_link import PoolLink
+from kvshare.pool.link import PoolLink
 from kvshare.integrations.vllm.scheduler import PoolScheduler, ScheduledRequest
 from kvshare.integrations.vllm.stats import KVSharePromMetrics, KVShareStats
 from kvshare.integrations.vllm.tensor_parallel import head_slice

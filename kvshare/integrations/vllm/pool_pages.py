@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 
 from kvshare.integrations.vllm.metadata import ConnectorCounters, PhaseTimes, StoreSpec
-from kvshare.integrations.vllm.pool_link import POOL_DOWN_ERRORS, PoolLink, guarded
+from kvshare.pool.link import POOL_DOWN_ERRORS, PoolLink, guarded
 from kvshare.layout import KVLayout
 from kvshare.pool.checksum import ChecksumKind
 from kvshare.pool.client import PoolRequestError

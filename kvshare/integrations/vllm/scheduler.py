@@ -39,7 +39,7 @@ from kvshare.integrations.vllm.plan import (
     lookup_window,
     tokens_to_load,
 )
-from kvshare.integrations.vllm.pool_link import POOL_DOWN_ERRORS, PoolLink, guarded
+from kvshare.pool.link import POOL_DOWN_ERRORS, PoolLink, guarded
 from kvshare.integrations.vllm.tensor_parallel import PartedStores
 from kvshare.keys import Namespace, extend_chunk_keys, namespace_digest
 from kvshare.pool.checksum import ChecksumKind

@@ -37,7 +37,7 @@ from kvshare.integrations.vllm.layout import PagedLayout, gather_tokens, scatter
 from kvshare.integrations.vllm.metadata import ConnectorCounters, LoadOutcome, LoadSpec, PhaseTimes, StoreSpec
 from kvshare.integrations.vllm.overlap import BlockRun, LayeredLoad, LayeredLoads
 from kvshare.integrations.vllm.plan import CopyRun, PageSlice, copy_runs, page_slices
-from kvshare.integrations.vllm.pool_link import PoolLink
+from kvshare.pool.link import PoolLink
 from kvshare.integrations.vllm.pool_pages import PoolPages
 from kvshare.integrations.vllm.staged_loads import StagedLoads
 from kvshare.integrations.vllm.staged_stores import StagedStores

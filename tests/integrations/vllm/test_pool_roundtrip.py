@@ -14,7 +14,7 @@ import torch
 from kvshare.integrations.vllm.layout import PagedLayout, reference_gather
 from kvshare.integrations.vllm.metadata import LoadOutcome, WorkerReport
 from kvshare.integrations.vllm.options import ConnectorConfig
-from kvshare.integrations.vllm.pool_link import PoolLink
+from kvshare.pool.link import PoolLink
 from kvshare.integrations.vllm.scheduler import PoolScheduler, ScheduledRequest
 from kvshare.integrations.vllm.worker import PoolKVWorker
 from kvshare.keys import Namespace, chunk_keys, namespace_digest

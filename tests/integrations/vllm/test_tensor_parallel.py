@@ -13,7 +13,7 @@ from kvshare.integrations.vllm.hooks import WorkerHooks
 from kvshare.integrations.vllm.layout import PagedLayout, reference_gather
 from kvshare.integrations.vllm.metadata import LoadOutcome, StorePart, WorkerReport
 from kvshare.integrations.vllm.options import ConnectorConfig
-from kvshare.integrations.vllm.pool_link import PoolLink
+from kvshare.pool.link import PoolLink
 from kvshare.integrations.vllm.scheduler import PoolScheduler, ScheduledRequest
 from kvshare.integrations.vllm.tensor_parallel import PartedStores, head_slice, partial_wsum32
 from kvshare.integrations.vllm.worker import PoolKVWorker

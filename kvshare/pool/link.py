@@ -1,0 +1,166 @@
+"""PoolLink: one process's connection to the pool, the one policy for timeouts, reconnects and holds.
+
+An engine must keep serving (cold) when the pool is gone or slow, and must never
+let a page go while a copy it enqueued may still touch it. So:
+
+- Timeouts: a request that times out (``timeout_s``) raises and the connection is
+  dropped, but the holds stay: the pool keys them by this link's holder token, and
+  keeps them while this process lives (kvshare.pool.holders). A lookup the pool
+  answers late after promoting from its remote tier costs a request, never a page
+  under a copy.
+- Reconnects: after a failure, ``client()`` answers None at once until the backoff
+  (``retry_s`` doubling up to ``retry_max_s``) has passed, then connects again with
+  the same holder token, so leases and reservations taken before are released or
+  committed through the new connection.
+- Holds: they end when the owner says its copies have ended (release, commit, abort,
+  or ``close()``), when this process exits, or by the pool's TTLs. Before a client is
+  given up, the ``on_drop`` hooks run: the owner's transfers wait for their copies
+  there (and the arena's CUDA registration waits again before it unpins).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Callable
+
+from kvshare.pool.client import PoolClient, PoolRequestError, PoolUnavailable
+from kvshare.pool.holders import TOKEN_BYTES
+
+log = logging.getLogger("kvshare.pool.link")
+
+# What a pool call may raise when the pool is gone or stuck (besides a refusal, PoolRequestError).
+POOL_DOWN_ERRORS = (PoolUnavailable, TimeoutError, ConnectionError, OSError, EOFError)
+
+
+class PoolLink:
+    """A pool connection that an engine can lose and get back without ever blocking on it."""
+
+    def __init__(
+        self,
+        socket_path: str,
+        name: str,
+        timeout_s: float = 30.0,
+        retry_s: float = 0.5,
+        retry_max_s: float | None = None,
+        verify_checksums: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.socket_path = socket_path
+        self.name = name
+        self.timeout_s = timeout_s
+        self.retry_s = retry_s
+        self.retry_max_s = retry_s if retry_max_s is None else retry_max_s
+        self.verify_checksums = verify_checksums
+        self.holder = os.urandom(TOKEN_BYTES)  # names this process's holds in the pool, across reconnects
+        self._clock = clock
+        self._client: PoolClient | None = None
+        self._retry_at = 0.0
+        self._delay = retry_s
+        self._on_connect: list[Callable[[PoolClient], None]] = []
+        self._on_drop: list[Callable[[], None]] = []
+        self.num_failures = 0
+        self.num_connects = 0
+
+    def on_connect(self, hook: Callable[[PoolClient], None]) -> None:
+        """``hook(client)`` after each connect (e.g. set up a transfer); an exception gives the client up."""
+        self._on_connect.append(hook)
+
+    def on_drop(self, hook: Callable[[], None]) -> None:
+        """``hook()`` before a client is given up: wait for the copies that touch its pages, close transfers."""
+        self._on_drop.append(hook)
+
+    @property
+    def current(self) -> PoolClient | None:
+        """The client of the last connect, whether or not it is still connected; never connects."""
+        return self._client
+
+    def client(self) -> PoolClient | None:
+        """A connected client, or None while the pool is unreachable (tried again once the backoff passed)."""
+        if self._client is not None and self._client.is_connected:
+            return self._client
+        if self._client is not None:
+            self.drop()
+        if self._clock() < self._retry_at:
+            return None
+        client = PoolClient(self.socket_path, name=self.name, timeout_s=self.timeout_s,
+                            verify_checksums=self.verify_checksums, holder=self.holder)
+        try:
+            client.connect()
+        except (PoolRequestError, *POOL_DOWN_ERRORS) as exc:
+            self._schedule_retry(f"the pool at {self.socket_path} is unreachable ({exc}); serving without it")
+            return None
+        try:
+            for hook in self._on_connect:
+                hook(client)
+        except BaseException:
+            client.close(end_holds=False)
+            self._schedule_retry(f"cannot use the pool at {self.socket_path}")  # tried later, not at once
+            raise
+        if self.num_connects:
+            log.warning("kvshare: %s connected to the pool at %s again", self.name, self.socket_path)
+        else:
+            log.info("kvshare: %s connected to the pool at %s (pid %s)", self.name, self.socket_path,
+                     client.hello.server_pid if client.hello else "?")
+        self._client = client
+        self._delay = self.retry_s
+        self.num_connects += 1
+        return client
+
+    @property
+    def pool_pid(self) -> int:
+        """The connected pool daemon's pid (0 when not connected): names the arena leases refer to."""
+        client = self._client
+        return client.hello.server_pid if client is not None and client.hello is not None else 0
+
+    def failed(self, exc: BaseException) -> None:
+        """A call failed because the pool is gone or stuck: give the connection up (the holds stay) and
+        stop using the pool until the backoff passed."""
+        self.num_failures += 1
+        self.drop()
+        self._schedule_retry(f"pool call failed ({type(exc).__name__}: {exc}); serving without the pool")
+
+    def reconnect_now(self) -> PoolClient | None:
+        """Drop the current connection and try a new one immediately (the pool was restarted)."""
+        self.drop()
+        self._retry_at = 0.0
+        return self.client()
+
+    def drop(self) -> None:
+        """Give the client up, keeping its holds: the ``on_drop`` hooks first (copies end), then close."""
+        self._give_up(end_holds=False)
+
+    def close(self) -> None:
+        """The owner is done: every copy has ended (the hooks wait for them), so its holds end too."""
+        self._give_up(end_holds=True)
+
+    def _give_up(self, end_holds: bool) -> None:
+        client, self._client = self._client, None
+        if client is None:
+            return
+        try:
+            for hook in self._on_drop:
+                hook()
+        finally:
+            # the mapping goes once no view of it is left
+            client.close(end_holds=end_holds)
+
+    def _schedule_retry(self, reason: str) -> None:
+        log.warning("kvshare: %s; next try in %.1f s", reason, self._delay)
+        self._retry_at = self._clock() + self._delay
+        self._delay = min(self._delay * 2, self.retry_max_s)
+
+
+def guarded(link: PoolLink, counters, what: str, call: Callable, default=None):
+    """``call()``; or ``default`` when the pool is down (``link.failed``: retried later) or refused (a warning
+    naming ``what``), each counted in ``counters.pool_errors``. The engine keeps serving either way."""
+    try:
+        return call()
+    except POOL_DOWN_ERRORS as exc:
+        counters.pool_errors += 1
+        link.failed(exc)
+    except PoolRequestError as exc:
+        counters.pool_errors += 1
+        log.warning("kvshare: the pool refused %s: %s", what, exc)
+    return default
