@@ -78,14 +78,17 @@ def race_reader(socket_path: str, tag: str, n: int, page_bytes: int, seconds: fl
 
 
 def hold(socket_path: str, action: str, tag: str, n: int, page_bytes: int) -> None:
-    """Reserve (action 'reserve') or lease (action 'lease') and then wait to be killed."""
+    """Reserve (action 'reserve') or lease (action 'lease') and then wait to be killed; with a '-dropped'
+    suffix, close the connection first without ending the holds (as a timed-out request does)."""
     with PoolClient(socket_path, name=f"hold-{action}") as client:
-        if action == "reserve":
+        if action.startswith("reserve"):
             res = client.reserve(NS, make_keys(tag, n), page_bytes)
             assert res.grants
         else:
             lease = client.lookup(make_keys(tag, n), page_bytes)
             assert lease.num_pages == n
+        if action.endswith("-dropped"):
+            client.close(end_holds=False)
         print("ready", flush=True)
         time.sleep(600)
 
