@@ -167,3 +167,36 @@ def test_bad_requests_leave_index_intact():
             call()
     assert index.num_entries == 2 and index.num_writing == 0
     index.check_integrity()
+
+
+def test_a_reservation_nobody_commits_is_aborted_after_its_ttl():
+    """A writer that never commits nor aborts (its process alive, its connection gone) holds its pages only
+    until reservation_ttl_s. Fails when reservations never expire (expire() only looks at leases)."""
+    index = make(reservation_ttl_s=60.0)
+    res = index.reserve(1, NS, keys("w", 2), PAGE, 0, now=0.0)
+    assert index.expire(now=59.0) == 0 and index.num_writing == 2
+    assert index.expire(now=60.0) == 1
+    assert index.num_writing == 0 and index.allocator.used_bytes == 0 and index.counters.expired_reservations == 1
+    with pytest.raises(PoolError, match="does not exist"):  # a late commit is refused, never made visible
+        index.commit(1, res.reservation_id, [1, 2])
+    index.check_integrity()
+
+
+def test_eviction_for_another_page_size_takes_only_extents_nobody_holds():
+    """Room for a page size the arena lacks comes only from whole extents where no page is leased or being
+    written: in a held extent, evicting the other pages frees nothing for the new size and only destroys that
+    model's cache. Fails when such a reserve evicts every unleased entry in LRU order."""
+    index = make(pages=8, high_watermark=1.0, low_watermark=1.0)  # 2 extents of 4 pages
+    held, idle = keys("held", 4), keys("idle", 4)
+    store(index, held)  # extent 0
+    store(index, idle)  # extent 1
+    lease = index.lookup(2, held[:1], PAGE, now=0.0)  # a reader copies the first page of extent 0
+    index.lookup(3, idle + held, PAGE, now=0.0, lease=False)  # extent 1 most recently used, extent 0 oldest
+    big = index.reserve(4, NS, keys("big", 1), 4 * PAGE, 0, now=0.0)
+    assert len(big.grants) == 1 and big.grants[0][1].offset == 4 * PAGE  # extent 1, emptied whole
+    assert [e is not None for e in map(index.entry, held)] == [True] * 4  # the held extent kept its cache
+    assert index.lookup(5, held, PAGE, now=0.0).entries  # and still serves it
+    assert index.reserve(4, NS, keys("big2", 1), 4 * PAGE, 0, now=0.0).num_no_room == 1  # nothing else to take
+    assert len(index.lookup(5, held, PAGE, now=0.0, lease=False).entries) == 4
+    index.release(2, lease.lease_id)
+    index.check_integrity()
