@@ -60,6 +60,8 @@ class PoolLink:
         self._delay = retry_s
         self._on_connect: list[Callable[[PoolClient], None]] = []
         self._on_drop: list[Callable[[], None]] = []
+        self._ends_due: list[tuple[int, str, int]] = []  # (pool pid, "lease" | "reservation", id) to end
+        self._last_pool_pid = 0  # of the last connect: the pool that granted the holds still to end
         self.num_failures = 0
         self.num_connects = 0
 
@@ -106,7 +108,32 @@ class PoolLink:
         self._client = client
         self._delay = self.retry_s
         self.num_connects += 1
+        self._last_pool_pid = client.hello.server_pid
+        self._end_due_holds(client)
         return client
+
+    def end_later(self, lease_id: int = 0, reservation_id: int = 0) -> None:
+        """Release a lease / abort a reservation whose copies have ended, once the pool can be told (the next
+        connect to the same pool); meanwhile the pool keeps it."""
+        pid = self._last_pool_pid
+        if pid and lease_id:
+            self._ends_due.append((pid, "lease", lease_id))
+        if pid and reservation_id:
+            self._ends_due.append((pid, "reservation", reservation_id))
+
+    def _end_due_holds(self, client: PoolClient) -> None:
+        due, self._ends_due = self._ends_due, []
+        due = [(kind, hold_id) for pid, kind, hold_id in due if pid == client.hello.server_pid]  # else: gone with
+        try:  # the pool that granted them
+            client.release([hold_id for kind, hold_id in due if kind == "lease"])
+            for hold_id in [hold_id for kind, hold_id in due if kind == "reservation"]:
+                try:
+                    client.abort(hold_id)
+                except PoolRequestError:
+                    pass  # its TTL ended it already
+        except POOL_DOWN_ERRORS as exc:  # the next connect tries again
+            self._ends_due.extend((client.hello.server_pid, kind, hold_id) for kind, hold_id in due)
+            log.warning("kvshare: could not end %d holds after reconnecting: %s", len(due), exc)
 
     @property
     def pool_pid(self) -> int:

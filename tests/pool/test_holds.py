@@ -107,3 +107,24 @@ def test_a_client_with_the_same_token_releases_the_holds_and_close_ends_them(sma
     with PoolClient(small_pool) as checker:
         assert wait_until(lambda: checker.stats()["leases"] == 0)  # the goodbye of close() ended it
         assert taken.lease_id
+
+
+def test_holds_ended_while_the_link_was_down_are_ended_at_its_next_connect(small_pool):
+    """A lease whose copy ended and a reservation given up while the link was down (the scheduler's release,
+    the worker's abort) reach the pool when the link is back; until then the pool keeps them.
+    Fails without PoolLink.end_later (the holds stay until their TTL)."""
+    workers.write_pages(small_pool, "held", 2, PAGE)
+    link = PoolLink(small_pool, "scheduler", timeout_s=5.0, retry_s=0.01)
+    client = link.client()
+    lease = client.lookup(make_keys("held", 2), PAGE)
+    reserved = client.reserve(workers.NS, make_keys("new", 2), PAGE)
+    link.failed(TimeoutError("the pool did not answer"))
+    link.end_later(lease_id=lease.lease_id)
+    link.end_later(reservation_id=reserved.reservation_id)
+    with PoolClient(small_pool) as checker:
+        stats = checker.stats()
+        assert stats["leases"] == 1 and stats["reservations"] == 1  # kept while the link is down
+        assert wait_until(lambda: link.client() is not None, timeout=5.0)
+        assert wait_until(lambda: (s := checker.stats())["leases"] == 0 and s["reservations"] == 0)
+        checker.check_integrity()
+    link.close()

@@ -78,10 +78,12 @@ class PoolPages:
             log.warning("kvshare: store failed (%s: %s); its pages are aborted", type(exc).__name__, exc)
             if isinstance(exc, POOL_DOWN_ERRORS):
                 self.link.failed(exc)
-                return  # the daemon aborts a lost client's reservations itself
+                self.link.end_later(reservation_id=reservation_id)  # the pool keeps it until told
+                return
         try:
             client.abort(reservation_id)
         except POOL_DOWN_ERRORS as abort_exc:
             self.link.failed(abort_exc)
+            self.link.end_later(reservation_id=reservation_id)
         except PoolRequestError:
             pass

@@ -175,7 +175,7 @@ class PoolScheduler:
         if not lease.pages:
             return None
         pages = [PageRef(p.offset, p.page_bytes, p.checksum, p.checksum_kind) for p in lease.pages]
-        owner = (self.link.pool_pid, client.hello.client_id)
+        owner = (self.link.pool_pid, self.link.holder)
         held = HeldLease(lease.lease_id, first_chunk, pages, keys[: len(pages)], now, owner)
         self._leases.put(req_id, held)
         return held
@@ -272,7 +272,8 @@ class PoolScheduler:
         reservation_id, checksums = done
         client = self.link.client()
         if client is None:
-            return  # the pool dropped our reservations with our connection
+            self.link.end_later(reservation_id=reservation_id)  # the pool keeps it until told, or its TTL
+            return
         try:
             if checksums is None:
                 client.abort(reservation_id)
@@ -281,6 +282,7 @@ class PoolScheduler:
         except POOL_DOWN_ERRORS as exc:
             self.counters.pool_errors += 1
             self.link.failed(exc)
+            self.link.end_later(reservation_id=reservation_id)  # refused then, if the commit went through
             return
         except PoolRequestError as exc:
             self.counters.pool_errors += 1
@@ -323,11 +325,15 @@ class PoolScheduler:
     # -- pool --------------------------------------------------------------------------
 
     def _release(self, held: HeldLease | None) -> None:
-        """Release a lease through the connection that took it (a lost connection released it already)."""
+        """Release a lease through this link (the holder that took it, reconnected or not) while the pool that
+        granted it still runs."""
         if held is None or not held.lease_id:
             return
         client = self.link.client()
-        if client is None or (self.link.pool_pid, client.hello.client_id) != held.owner:
+        if client is None:
+            self.link.end_later(lease_id=held.lease_id)  # once the link is back (to the same pool)
+            return
+        if (self.link.pool_pid, self.link.holder) != held.owner:  # granted by a pool that is gone
             return
         client.release([held.lease_id])  # fire and forget; a broken socket closes the client
 
