@@ -27,6 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--high-watermark", type=float, default=0.95)
     p.add_argument("--low-watermark", type=float, default=0.90)
     p.add_argument("--lease-ttl", type=float, default=300.0, help="seconds before an unreleased lease expires")
+    p.add_argument("--reservation-ttl", type=float, default=600.0,
+                   help="seconds before a reservation never committed nor aborted is aborted (longer than any copy)")
     p.add_argument("--max-message-bytes", type=parse_size, default="1MiB")
     p.add_argument("--namespace-quota", type=parse_size, default=None, metavar="SIZE",
                    help="bytes one namespace (model + tenant) may hold; over it a store evicts that namespace's "
@@ -89,6 +91,7 @@ def config_from_args(args: argparse.Namespace):
         max_message_bytes=args.max_message_bytes,
         index=IndexConfig(
             high_watermark=args.high_watermark, low_watermark=args.low_watermark, lease_ttl_s=args.lease_ttl,
+            reservation_ttl_s=args.reservation_ttl,
             namespace_quota_bytes=args.namespace_quota or 0,
         ),
         remote=_remote_config_from_args(args),
