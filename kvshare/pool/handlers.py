@@ -40,6 +40,7 @@ class ServerCounters:
     protocol_errors: int = 0  # malformed or oversized frames, wrong version
     refused_peers: int = 0
     orphaned_holders: int = 0  # connections closed while their process lived: their holds were kept
+    ended_holders: int = 0  # orphaned holders whose process went away: their holds ended
 
 
 class PoolHandlers:
@@ -252,14 +253,14 @@ class PoolHandlers:
     def tick(self, now: float) -> None:
         """End holds past their TTL and those of orphaned holders whose process is gone; answer promoting
         lookups past their deadline."""
-        self.index.expire_leases(now)
+        self.index.expire(now)
         for reservation_id in self.index.expire_reservations(now):
             if self.remote is not None:
                 self.remote.on_abort(reservation_id)
         for holder in self.holders.orphans():
             if holder.process.is_gone():
                 self._end_holds(holder.holder_id)
-                self.index.counters.ended_holders += 1
+                self.counters.ended_holders += 1
                 self.holders.forget(holder)
             elif not self.index.num_holds(holder.holder_id):  # ended by TTL, or released after a reconnect
                 self.holders.forget(holder)

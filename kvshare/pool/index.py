@@ -27,6 +27,7 @@ from kvshare.keys import KEY_BYTES
 from kvshare.pool.allocator import Allocator
 from kvshare.pool.checksum import ChecksumKind
 from kvshare.pool.entries import Entry, EntryState, Lease, Reservation
+from kvshare.pool.eviction import victims
 from kvshare.pool.quota import NamespaceQuota
 
 
@@ -43,9 +44,7 @@ class IndexConfig:
     high_watermark: float = 0.95  # fraction of the arena in use that starts eviction
     low_watermark: float = 0.90  # ... and where it stops
     lease_ttl_s: float = 300.0
-    # A reservation whose holder never commits nor aborts (and whose process lives on) is aborted after
-    # this: longer than any copy into its pages can run, so no writer still touches a page it frees.
-    reservation_ttl_s: float = 600.0
+    reservation_ttl_s: float = 600.0  # longer than any copy into a reservation's pages can run
     max_keys: int = 4096  # per message
     namespace_quota_bytes: int = 0  # bytes one namespace may hold (writing + committed); 0: no quota
 
@@ -72,7 +71,6 @@ class IndexCounters:
     dropped_pages: int = 0
     expired_leases: int = 0
     expired_reservations: int = 0  # aborted by their TTL: a writer that never finished
-    ended_holders: int = 0  # holders whose process went away: their holds ended
     quota_evictions: int = 0  # pages a namespace over its quota evicted of its own
     quota_skipped_pages: int = 0  # pages a reserve did not grant because the namespace was at its quota
 
@@ -175,11 +173,7 @@ class PoolIndex:
         self._end_lease(lease)
 
     def expire(self, now: float) -> int:
-        """End every hold past its TTL (a reader or writer that hung); returns how many."""
-        return self.expire_leases(now) + len(self.expire_reservations(now))
-
-    def expire_leases(self, now: float) -> int:
-        """Release leases past their TTL; returns how many."""
+        """Release leases past their TTL (a reader that hung); returns how many."""
         expired = [lease for lease in self._leases.values() if lease.expires_at <= now]
         for lease in expired:
             self._end_lease(lease)
@@ -187,9 +181,8 @@ class PoolIndex:
         return len(expired)
 
     def expire_reservations(self, now: float) -> list[int]:
-        """Abort reservations past ``reservation_ttl_s``; returns their ids."""
-        ttl = self.config.reservation_ttl_s
-        stale = [r for r in self._reservations.values() if r.created_at + ttl <= now]
+        """Abort reservations older than ``reservation_ttl_s``; returns their ids."""
+        stale = [r for r in self._reservations.values() if r.created_at + self.config.reservation_ttl_s <= now]
         for reservation in stale:
             self._abort(reservation)
         self.counters.expired_reservations += len(stale)
@@ -292,9 +285,8 @@ class PoolIndex:
     # -- clients, eviction, administration ---------------------------------------
 
     def num_holds(self, client_id: int) -> int:
-        """Leases and reservations ``client_id`` holds."""
-        return (sum(lease.client_id == client_id for lease in self._leases.values())
-                + sum(r.client_id == client_id for r in self._reservations.values()))
+        holders = [h.client_id for h in self._leases.values()] + [h.client_id for h in self._reservations.values()]
+        return holders.count(client_id)
 
     def disconnect(self, client_id: int) -> tuple[int, int]:
         """A holder is done or gone (its process exited): abort its reservations, release its leases."""
@@ -356,43 +348,15 @@ class PoolIndex:
             self._evict(lambda: self.allocator.used_bytes <= target)
 
     def _evict(self, is_done, page_bytes: int = 0) -> None:
-        """Evict committed, unleased entries oldest first until ``is_done()``.
-
-        With ``page_bytes`` (room for pages of that size): an entry of another size is evicted only
-        together with every entry of its extent, and only from an extent no hold touches, since only a
-        whole free extent can take pages of another size; a held extent would give up its cache for nothing.
-        """
-        victims = iter(list(self._lru.values()))
-        by_extent: dict[int, list[Entry]] | None = None  # built on the first entry of another size
-        while not is_done():
-            entry = next((e for e in victims if e.num_leases == 0), None)
-            if entry is None:
+        """Evict committed, unleased entries oldest first until ``is_done()`` (eviction.victims: which)."""
+        for group in victims(list(self._lru.values()), self._leases.values(), self._reservations.values(),
+                             self.allocator.extent_bytes, page_bytes):
+            if is_done():
                 return
-            if not page_bytes or entry.page_bytes == page_bytes:
-                self._evict_one(entry)
-                continue
-            if by_extent is None:
-                by_extent = self._unheld_extents()
-            extent_entries = by_extent.pop(entry.offset // self.allocator.extent_bytes, None)
-            for other in extent_entries or ():
-                self._evict_one(other)
-
-    def _evict_one(self, entry: Entry) -> None:
-        self._remove_committed(entry)
-        self.counters.evictions += 1
-        self.counters.evicted_bytes += entry.page_bytes
-
-    def _unheld_extents(self) -> dict[int, list[Entry]]:
-        """Extent index -> its committed entries, for every extent where no page is leased or being written."""
-        extent_bytes = self.allocator.extent_bytes
-        held = {e.offset // extent_bytes for lease in self._leases.values() for e in lease.entries}
-        held |= {e.offset // extent_bytes for r in self._reservations.values() for e in r.entries}
-        by_extent: dict[int, list[Entry]] = {}
-        for entry in self._lru.values():
-            extent = entry.offset // extent_bytes
-            if extent not in held:
-                by_extent.setdefault(extent, []).append(entry)
-        return by_extent
+            for entry in group:
+                self._remove_committed(entry)
+                self.counters.evictions += 1
+                self.counters.evicted_bytes += entry.page_bytes
 
     def _check_keys(self, keys: list[bytes]) -> None:
         if len(keys) > self.config.max_keys:

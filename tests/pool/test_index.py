@@ -174,8 +174,8 @@ def test_a_reservation_nobody_commits_is_aborted_after_its_ttl():
     until reservation_ttl_s. Fails when reservations never expire (expire() only looks at leases)."""
     index = make(reservation_ttl_s=60.0)
     res = index.reserve(1, NS, keys("w", 2), PAGE, 0, now=0.0)
-    assert index.expire(now=59.0) == 0 and index.num_writing == 2
-    assert index.expire(now=60.0) == 1
+    assert index.expire_reservations(now=59.0) == [] and index.num_writing == 2
+    assert index.expire_reservations(now=60.0) == [res.reservation_id]
     assert index.num_writing == 0 and index.allocator.used_bytes == 0 and index.counters.expired_reservations == 1
     with pytest.raises(PoolError, match="does not exist"):  # a late commit is refused, never made visible
         index.commit(1, res.reservation_id, [1, 2])

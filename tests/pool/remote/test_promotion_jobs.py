@@ -80,7 +80,7 @@ def test_a_fetch_that_lands_after_its_reservation_expired_ends_the_job():
     assert promotions.start(chain, PAGE, 1, lambda: None)
     (fn, args, on_result), = tasks
     clock.now += 60.0
-    index.expire(clock.now)  # the writer hung past the reservation TTL
+    index.expire_reservations(clock.now)  # the writer hung past the reservation TTL
     assert index.num_reservations == 0
     on_result(LandedResult(checksums=[1, 2], end=None))  # the thread comes back at last
     assert len(promotions) == 0 and promotions.num_waiting == 0
