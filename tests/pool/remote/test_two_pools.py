@@ -99,6 +99,7 @@ def test_messages_behind_a_deferred_lookup_are_answered_in_order(redis_server, p
         while len(replies) < 3:
             buf += sock.recv(1 << 16)
             replies += [P.decode_reply(f) for f in P.split_frames(buf, 1 << 30)]
+        sock.sendall(P.encode(P.Goodbye()))  # its copies have ended: a live process's lease ends only so
         sock.close()
         first, stats, probe = replies
         assert isinstance(first, P.LookupReply) and len(first.pages) == 4 and first.lease_id
