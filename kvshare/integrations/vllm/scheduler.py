@@ -193,7 +193,7 @@ class PoolScheduler:
                 # never expected; the worker reports these tokens as failed, so vLLM recomputes them
                 log.error("kvshare: vLLM expects %d pool tokens for %s but no lease backs them", num_external_tokens, req_id)
                 self._release(self._leases.pop(req_id))
-                self._leases.put(req_id, HeldLease(0, 0, [], [], self._clock(), (self.link.pool_pid, 0),
+                self._leases.put(req_id, HeldLease(0, 0, [], [], self._clock(), (self.link.pool_pid, b""),
                                                    local_tokens, local_tokens + num_external_tokens,
                                                    LeaseState.SCHEDULED))
             return

@@ -385,3 +385,50 @@ def test_lease_from_another_pool_is_refused():
         finally:
             a.close(), b.close()
             stop_process(proc)
+
+
+def test_a_scheduler_lookup_that_times_out_keeps_the_leases_of_loads_still_to_run(pool):
+    """The scheduler's link times out on one lookup (the pool stopped past its timeout, as a lookup that
+    promotes from the remote tier can take longer than pool_timeout_s) while another request's lease waits
+    for the worker's copy. The lease must survive the dropped connection: under eviction pressure its pages
+    keep the bytes A committed, B loads exactly those, and the reconnected link releases the lease.
+    Fails when a closed connection ends its holder's holds (holders.Process.is_gone always True): the pages
+    are evicted and rewritten before B's worker copies them."""
+    import signal
+
+    from kvshare.pool.checksum import page_checksum
+
+    a, b = Replica(pool, "A", seed=1), Replica(pool, "B", seed=2)
+    try:
+        a.run_prefill("r1", PROMPT, BLOCKS_A)
+        b.scheduler.add_request("r2", PROMPT, None, None)
+        assert b.scheduler.match("r2", 0) == 256  # leased, the worker has not copied yet
+        link = b.scheduler.link
+        link.client().timeout_s = 0.3
+        pool_pid = link.pool_pid
+        os.kill(pool_pid, signal.SIGSTOP)
+        try:
+            b.scheduler.add_request("r3", list(range(5000, 5300)), None, None)
+            assert b.scheduler.match("r3", 0) == 0  # timed out: served cold
+        finally:
+            os.kill(pool_pid, signal.SIGCONT)
+        assert not link.current
+        with PoolClient(pool, name="pressure") as writer:  # every page nobody holds is evicted and rewritten
+            for round_ in range(8):
+                keys = [bytes([round_, i]) * 8 for i in range(32)]
+                reserved = writer.reserve(b"p" * 16, keys, LAYOUT.page_bytes)
+                for _, offset in reserved.grants:
+                    writer.page(offset, LAYOUT.page_bytes)[:] = 0xEE
+                writer.commit(reserved.reservation_id,
+                              [page_checksum(writer.page(o, LAYOUT.page_bytes)) for _, o in reserved.grants])
+        b.clock.now += 1.0  # the link's retry is due (within the lease TTL)
+        b.scheduler.allocated("r2", 256, 0)
+        plan = b.scheduler.plan_step([ScheduledRequest("r2", 0, len(PROMPT), BLOCKS_B)])
+        outcomes = b.load(plan.loads)
+        b.scheduler.on_report(WorkerReport(outcomes))
+        assert outcomes[0].is_complete
+        assert torch.equal(b.tokens(0, 256, BLOCKS_B), a.tokens(0, 256, BLOCKS_A))  # bytes loaded == stored
+        assert pool_stats(pool)["leases"] == 0  # released through the reconnected link
+    finally:
+        a.close()
+        b.close()
