@@ -128,3 +128,37 @@ def test_holds_ended_while_the_link_was_down_are_ended_at_its_next_connect(small
         assert wait_until(lambda: (s := checker.stats())["leases"] == 0 and s["reservations"] == 0)
         checker.check_integrity()
     link.close()
+
+
+def test_orphaned_holds_end_when_the_process_exits_and_a_reused_pid_is_not_taken_for_it():
+    """The handlers alone, with a real peer process: its holds outlive its connection, end on the tick after
+    it exited, and a pid whose start time differs (reused by another process) counts as gone.
+    Fails when disconnect ends every hold at once (the rule before holders)."""
+    from kvshare.pool import protocol as P
+    from kvshare.pool.holders import Process
+    from tests.pool.test_handlers import NS, make
+
+    peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        handlers, _, clock = make()
+        handlers.connect(1, pid=peer.pid, uid=os.getuid())
+        handlers.hello(1, P.Hello(protocol_version=P.PROTOCOL_VERSION, holder=b"t" * 16))
+        reserved = handlers.handle(1, P.Reserve(NS, make_keys("orphan", 2), PAGE))
+        assert handlers.disconnect(1) == (0, 0)  # the process lives: its copies may still run
+        handlers.tick(clock())
+        assert handlers.index.num_writing == 2 and handlers.counters.orphaned_holders == 1
+        handlers.connect(2, pid=peer.pid, uid=os.getuid())  # it reconnects with its token: the same holder
+        handlers.hello(2, P.Hello(protocol_version=P.PROTOCOL_VERSION, holder=b"t" * 16))
+        assert handlers.handle(2, P.Commit(reserved.reservation_id, [1, 2])) == P.Ok(count=2)
+        lease = handlers.handle(2, P.Lookup(make_keys("orphan", 2), PAGE))
+        assert handlers.disconnect(2) == (0, 0) and handlers.index.num_leases == 1
+        peer.kill()
+        peer.wait()
+        handlers.tick(clock())
+        assert handlers.index.num_leases == 0 and handlers.counters.ended_holders == 1 and lease.lease_id
+        handlers.index.check_integrity()
+    finally:
+        peer.kill()
+        peer.wait()
+    me = Process.of(os.getpid())
+    assert not me.is_gone() and Process(me.pid, me.start_ticks + 1).is_gone()
