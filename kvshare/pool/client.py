@@ -180,8 +180,8 @@ class PoolClient:
             return True
 
     def _say_goodbye(self) -> None:
-        if not self._lock.acquire(timeout=self.timeout_s):
-            return  # a request is stuck on the socket: leave the holds to the pool
+        if not self._lock.acquire(timeout=min(self.timeout_s, 1.0)):
+            return  # a request is stuck on the socket: the pool ends the holds when this process exits
         try:
             if self._sock is not None:
                 self._send(P.encode(P.Goodbye()))
