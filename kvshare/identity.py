@@ -273,3 +273,19 @@ def adapter_fingerprint(adapter_dir: str) -> str:
     files = _files(adapter_dir, ADAPTER_SUFFIXES, "LoRA adapter")
     config_json = _read_bytes(os.path.join(adapter_dir, "adapter_config.json"))
     return weights_fingerprint(config_json, files_digests(files, f"hashing adapter {os.path.basename(adapter_dir)}"))
+
+
+def cached_digest(path: str) -> bytes | None:
+    """The cached digest of ``path``'s current state; None when there is no valid entry for it."""
+    try:
+        return read_cached_digest(_file_key(os.stat(path)))
+    except OSError:
+        return None
+
+
+def forget_cached_digest(path: str) -> None:
+    """Drop the cache entry of ``path``'s current state (files that are about to be deleted)."""
+    try:
+        os.unlink(_entry_path(_file_key(os.stat(path))))
+    except OSError:
+        pass
