@@ -36,7 +36,7 @@ from kvshare.errors import UserError
 from kvshare.keys import weights_fingerprint
 from kvshare.paths import cache_dir
 
-RANGE_BYTES = 32 << 20  # a range hashed by one thread; part of the digest (ENTRY_FORMAT names it)
+RANGE_BYTES = 8 << 20  # a range hashed by one thread; part of the digest (ENTRY_FORMAT names it)
 READ_BYTES = 4 << 20  # one pread into a thread's buffer
 ENTRY_FORMAT = f"kvshare-file-digest-v1:xxh3-128:{RANGE_BYTES}"
 PROGRESS_AFTER_S = 1.0  # a progress bar appears once a first hash has taken this long
