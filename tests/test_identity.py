@@ -182,3 +182,14 @@ def test_what_cannot_be_fingerprinted_gets_a_clear_error(tmp_path):
     os.unlink(a + "/config.json")
     with pytest.raises(IdentityError, match="cannot read"):
         model_fingerprint(a)
+
+
+def test_a_progress_bar_on_stderr_only_when_a_first_hash_takes_a_while(tmp_path, monkeypatch, capsys):
+    a = write_checkpoint(tmp_path / "quick")
+    model_fingerprint(a)
+    assert capsys.readouterr().err == ""  # a fast hash prints nothing
+    monkeypatch.setattr(identity, "PROGRESS_AFTER_S", 0.0)  # as if every hash were slow
+    b = write_checkpoint(tmp_path / "slow", one_byte_changed())
+    model_fingerprint(b)
+    captured = capsys.readouterr()
+    assert "hashing slow's weights" in captured.err and captured.out == ""
