@@ -142,7 +142,7 @@ def read_cached_digest(key: dict) -> bytes | None:
 
 
 def write_cached_digest(key: dict, digest: bytes) -> None:
-    """Keep ``digest`` for the file state ``key`` (atomically, owner-only); a cache that cannot be written is skipped."""
+    """Keep ``digest`` for the file state ``key`` (atomically, owner-only); an unwritable cache is skipped."""
     path = _entry_path(key)
     if not _private_dir(os.path.dirname(os.path.dirname(path))) or not _private_dir(os.path.dirname(path)):
         return  # a cache directory someone else could write is never trusted: the next start hashes again
@@ -173,8 +173,11 @@ def file_digest(path: str, advance: Callable[[int], None] | None = None) -> byte
         return cached
     try:
         digest = hash_file(path, advance)
+        is_unchanged = _file_key(os.stat(path)) == key  # the bytes hashed are those of the state cached
     except OSError as exc:
         raise IdentityError(f"cannot read {path}: {exc.strerror}") from None
+    if not is_unchanged:
+        raise IdentityError(f"{path} changed while it was hashed; is it being written?")
     write_cached_digest(key, digest)
     return digest
 
@@ -254,7 +257,7 @@ def _read_bytes(path: str) -> bytes:
 def _files(directory: str, suffixes: tuple[str, ...], what: str) -> list[str]:
     if not os.path.isdir(directory):
         raise IdentityError(f"kvshare needs the {what} as a local directory to fingerprint its weights; "
-                            f"got {directory!r} (or name its identity with --model-revision)")
+                            f"got {directory!r}")
     files = sorted(p for p in glob.glob(os.path.join(directory, "*")) if p.endswith(suffixes) and os.path.isfile(p))
     if not files:
         raise IdentityError(f"{directory} holds no {' / '.join('*' + s for s in suffixes)} files to fingerprint")
@@ -263,7 +266,7 @@ def _files(directory: str, suffixes: tuple[str, ...], what: str) -> list[str]:
 
 def model_fingerprint(model_dir: str) -> str:
     """The content fingerprint of a local Hugging Face model directory (config.json and its *.safetensors)."""
-    files = _files(model_dir, WEIGHT_SUFFIXES, "model")
+    files = _files(model_dir, WEIGHT_SUFFIXES, "model (or its identity named by --model-revision / model_revision)")
     config_json = _read_bytes(os.path.join(model_dir, "config.json"))
     return weights_fingerprint(config_json, files_digests(files, f"hashing {os.path.basename(model_dir)}'s weights"))
 

@@ -20,7 +20,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help="a model directory or preset (default tiny)")
     p.add_argument("--engine", choices=("builtin", "vllm"), default="builtin")
     p.add_argument("--model-revision", default="", metavar="REVISION",
-                   help="name the model's identity yourself (e.g. a hub commit) instead of hashing its weights' bytes; replicas with one revision share KV, so it must name exactly these weights (default: hash them)")
+                   help="name the model's identity yourself (e.g. a hub commit) instead of hashing its weights' "
+                        "bytes; replicas with one revision share KV, so it must name exactly these weights "
+                        "(default: hash them)")
     p.add_argument("--device", default="cpu",
                    help="cpu, cuda, cuda:N, or one per replica as a comma list, cycled (cuda:0,cuda:1: a GPU each)")
     p.add_argument("--pool-size", default="4GiB", help="size of the pool this command starts")

@@ -158,7 +158,8 @@ class KVShareConnector(KVConnectorBase_V1):
         self._layer_index: dict[str, int] = {}  # vLLM layer name -> model layer index
         log.info("kvshare connector (%s%s) for %s, pool %s, chunk %d tokens, page %d bytes, layout %s", side,
                  f", rank {self._worker.heads.tp_rank} of {tp_size}" if self._worker is not None and tp_size > 1 else "",
-                 vllm_config.model_config.model, self.config.socket_path, self.config.chunk_tokens, self.kv_layout.page_bytes,
+                 vllm_config.model_config.model, self.config.socket_path, self.config.chunk_tokens,
+                 self.kv_layout.page_bytes,
                  self.fingerprint.text())
 
     @property
