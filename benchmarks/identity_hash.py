@@ -33,6 +33,7 @@ def drop_pages(paths: list[str]) -> None:
     for path in paths:
         fd = os.open(path, os.O_RDONLY)
         try:
+            os.fsync(fd)  # dirty pages (a file just written) are not dropped
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
