@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 import tests.integrations.vllm.test_pool_roundtrip as roundtrip
-from kvshare.integrations.vllm.identity import LoraIdentities, effective_config, vllm_namespace
+from kvshare.integrations.vllm.identity import LoraIdentities, vllm_namespace
 from kvshare.integrations.vllm.options import ConnectorConfig
 from kvshare.keys import namespace_digest
 from tests.integrations.vllm.test_cache_salt import matched, prefill
