@@ -10,7 +10,7 @@ does not fill a chunk is never shared (it is recomputed)::
              key_1 = H(key_0 || le_u32(chunk 1))
 
 ``ns`` is the namespace digest: everything that makes KV bytes differ between
-two engines that see the same tokens (weights, layout, precision, engine
+two engines that see the same tokens (weights' content, effective configuration, layout, precision, engine
 family, tensor-parallel slot, LoRA, tenant salt; in the deterministic mode
 also the prefill grid and the kernel build). H is blake2b with a 16-byte
 digest: a cryptographic hash, because prefix-cache keys have been attacked
@@ -35,6 +35,8 @@ MAX_TOKEN_ID = 2**32 - 1
 class Namespace:
     """Everything that must match for two engines to share KV bytes."""
 
+    # The model's identity: the user's explicit revision (--model-revision, model_revision), else empty and
+    # the weights' content fingerprint names it. A served name or a directory name never enters here.
     model_id: str
     weights_fingerprint: str
     kv_dtype: str
@@ -59,6 +61,8 @@ class Namespace:
     # allocation: kvshare.integrations.vllm.guards): a layout change then never reads old pages. Left out of
     # the digest when empty, so namespaces that do not set it keep the digests they always had.
     kv_layout_id: str = ""
+    # config_fingerprint of the configuration the engine runs the model with; left out of the digest when empty
+    config_id: str = ""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "chunk_tokens", "tp_size"):
@@ -88,24 +92,36 @@ def namespace_digest(namespace: Namespace) -> bytes:
     if not namespace.is_deterministic:  # digests of the default mode stay those stored before the mode existed
         for name in ("is_deterministic", "grid_tokens", "kernel_build"):
             del fields[name]
-    if not namespace.kv_layout_id:
-        del fields["kv_layout_id"]
+    for name in ("kv_layout_id", "config_id"):
+        if not fields[name]:
+            del fields[name]
     # sorted-key JSON is a canonical encoding: field order or Python version never change it
     canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
     return hashlib.blake2b(b"kvshare-ns-v1\0" + canonical.encode(), digest_size=KEY_BYTES).digest()
 
 
-def weights_fingerprint(config_json: bytes, safetensors_headers: Sequence[bytes]) -> str:
-    """Hex digest of a model's config.json and its safetensors headers (in file-name order).
+def weights_fingerprint(config_json: bytes, file_digests: Sequence[bytes]) -> str:
+    """Hex digest of a model's config.json and the content digests of its weights files (in file-name order).
 
-    The headers hold every tensor's name, dtype, shape and offsets, so any change of
-    architecture or checkpoint layout changes the fingerprint without hashing gigabytes.
+    Each file digest covers every byte of its file (kvshare.identity): two fine-tunes with equal
+    configs and equal safetensors headers still differ here. Names and paths are not hashed, so a copy or a
+    renamed directory of one checkpoint has the fingerprint of the original.
     """
-    h = hashlib.blake2b(digest_size=KEY_BYTES)
-    h.update(b"config\0" + config_json)
-    for header in safetensors_headers:
-        h.update(len(header).to_bytes(8, "little") + header)
+    h = hashlib.blake2b(b"kvshare-weights-v2\0", digest_size=KEY_BYTES)
+    h.update(len(config_json).to_bytes(8, "little") + config_json)
+    for digest in file_digests:
+        h.update(len(digest).to_bytes(8, "little") + digest)
     return h.hexdigest()
+
+
+def config_fingerprint(effective_config: dict) -> str:
+    """Hex digest of the configuration an engine runs a model with (dtype, overrides, rope, quantization, ...).
+
+    Sorted-key JSON is canonical; a value JSON cannot encode is hashed by its repr, so an unknown value still
+    separates two configurations rather than being dropped.
+    """
+    canonical = json.dumps(effective_config, sort_keys=True, separators=(",", ":"), default=repr)
+    return hashlib.blake2b(b"kvshare-config-v1\0" + canonical.encode(), digest_size=KEY_BYTES).hexdigest()
 
 
 def num_full_chunks(num_tokens: int, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> int:

@@ -44,6 +44,7 @@ class ClusterConfig:
     router_args: tuple[str, ...] = ()
     api_keys: tuple[str, ...] = ()  # required by the router and every replica (Authorization: Bearer KEY)
     tenant_header: str = ""  # replicas salt the pool namespace with this header's value
+    model_revision: str = ""  # names the model's identity in every replica's namespace; "": its weights' bytes
     vllm_python: str | None = None
     tensor_parallel_size: int = 1  # vLLM replicas only: ranks per replica (--tensor-parallel-size)
     ready_timeout_s: float = 300.0
@@ -169,13 +170,14 @@ class Cluster:
                 python=cfg.vllm_python or sys.executable, served_model_name=self._served_name(),
                 replica=f"replica{i}", chunk_tokens=DEFAULT_CHUNK_TOKENS,
                 max_num_batched_tokens=DEFAULT_CHUNK_TOKENS, extra_args=cfg.replica_args,
-                tensor_parallel_size=cfg.tensor_parallel_size,
+                tensor_parallel_size=cfg.tensor_parallel_size, model_revision=cfg.model_revision,
             ))
             return spec.argv, spec.env
         device, visible = gpu_of_replica(cfg.device, i)
         args = [*kv, "serve", "--model", cfg.model, "--device", device, "--host", cfg.host, "--port", str(port),
                      "--replica-name", f"replica{i}", "--pool", self.pool_socket or "off", *_key_args(cfg.api_keys),
-                     *(["--tenant-header", cfg.tenant_header] if cfg.tenant_header else []), *cfg.replica_args]
+                     *(["--tenant-header", cfg.tenant_header] if cfg.tenant_header else []),
+                     *(["--model-revision", cfg.model_revision] if cfg.model_revision else []), *cfg.replica_args]
         env = kvshare_env(_cpu_threads_env(cfg))
         if visible is not None:
             env["CUDA_VISIBLE_DEVICES"] = visible

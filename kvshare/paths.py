@@ -1,4 +1,4 @@
-"""Default locations of sockets and reports."""
+"""Default locations of sockets, reports and the user's cache."""
 
 from __future__ import annotations
 
@@ -11,6 +11,12 @@ def runtime_dir() -> str:
     path = base if base.endswith(f"kvshare-{os.getuid()}") else os.path.join(base, "kvshare")
     os.makedirs(path, mode=0o700, exist_ok=True)
     return path
+
+
+def cache_dir() -> str:
+    """The user's kvshare cache directory ($XDG_CACHE_HOME/kvshare, else ~/.cache/kvshare); not created here."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "kvshare")
 
 
 def default_pool_socket() -> str:

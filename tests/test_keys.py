@@ -8,6 +8,7 @@ from kvshare.keys import (
     KEY_BYTES,
     Namespace,
     chunk_keys,
+    config_fingerprint,
     extend_chunk_keys,
     namespace_digest,
     num_full_chunks,
@@ -61,6 +62,7 @@ def test_extend_reuses_computed_keys():
         {"tp_rank": 1, "tp_size": 2},
         {"lora_id": "adapter"},
         {"tenant_salt": "tenant-b"},
+        {"config_id": "rope-theta-5e5"},
     ],
 )
 def test_every_namespace_field_changes_the_digest(change):
@@ -84,11 +86,19 @@ def test_bad_inputs():
     assert num_full_chunks(255) == 0 and num_full_chunks(512) == 2 and num_full_chunks(0) == 0
 
 
-def test_weights_fingerprint_depends_on_config_and_headers():
-    base = weights_fingerprint(b"{}", [b"h1", b"h2"])
-    assert base != weights_fingerprint(b"{ }", [b"h1", b"h2"])
-    assert base != weights_fingerprint(b"{}", [b"h1", b"h3"])
-    assert base != weights_fingerprint(b"{}", [b"h1h2"])  # length-prefixed: no ambiguity
+def test_weights_fingerprint_depends_on_config_and_file_digests():
+    base = weights_fingerprint(b"{}", [b"d1", b"d2"])
+    assert base != weights_fingerprint(b"{ }", [b"d1", b"d2"])
+    assert base != weights_fingerprint(b"{}", [b"d1", b"d3"])
+    assert base != weights_fingerprint(b"{}", [b"d1d2"])  # length-prefixed: no ambiguity
+    assert base != weights_fingerprint(b"{}d", [b"1", b"d2"])
+
+
+def test_config_fingerprint_is_canonical_and_sees_every_value():
+    base = config_fingerprint({"rope_theta": 1e6, "dtype": "bfloat16"})
+    assert base == config_fingerprint({"dtype": "bfloat16", "rope_theta": 1e6})  # key order is not identity
+    assert base != config_fingerprint({"rope_theta": 5e5, "dtype": "bfloat16"})
+    assert config_fingerprint({"x": object}) != config_fingerprint({"x": None})  # unknown values still count
 
 
 DET = {"is_deterministic": True, "grid_tokens": 256, "kernel_build": "cuda|NVIDIA H200|sm_90"}
@@ -106,8 +116,8 @@ def test_the_default_mode_digest_is_what_it_was_before_the_mode_existed():
     import hashlib
     import json
 
-    # nor before kv_layout_id existed (an engine that does not set it keeps its digests)
-    fields = {k: v for k, v in NS.__dict__.items() if k not in DET and k != "kv_layout_id"}
+    # nor before kv_layout_id and config_id existed (a namespace that does not set them keeps its digests)
+    fields = {k: v for k, v in NS.__dict__.items() if k not in DET and k not in ("kv_layout_id", "config_id")}
     canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
     before = hashlib.blake2b(b"kvshare-ns-v1\0" + canonical.encode(), digest_size=16).digest()
     assert namespace_digest(NS) == before

@@ -37,6 +37,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """Engine flags shared by serve, generate and up."""
     p.add_argument("--model", default="tiny", help="a Hugging Face model directory or a preset name (default tiny)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--model-revision", default="", metavar="REVISION",
+                   help="name the model's identity yourself (e.g. a hub commit) instead of hashing its weights' "
+                        "bytes; replicas with one revision share KV, so it must name exactly these weights "
+                        "(default: hash them)")
     p.add_argument("--pool", default=None, help="socket of a running pool, or 'off' (default: off)")
     p.add_argument("--local-cache-size", type=parse_size_or_off, default="1GiB",
                    help="local prefix cache size (0 or off: no local cache)")
@@ -112,7 +116,7 @@ def engine_config(args: argparse.Namespace):
                         max_model_len=args.max_model_len, verify_checksums=args.verify_rate >= 1.0,
                         verify_fraction=min(args.verify_rate, 1.0), deterministic=args.deterministic,
                         grid_tokens=args.grid_tokens, staging_buffers=args.staging_buffers,
-                        enforce_eager=args.enforce_eager)
+                        enforce_eager=args.enforce_eager, model_revision=args.model_revision)
 
 
 def serve_config(args: argparse.Namespace):

@@ -19,6 +19,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--model", default="tiny", help="a model directory or preset (default tiny)")
     p.add_argument("--engine", choices=("builtin", "vllm"), default="builtin")
+    p.add_argument("--model-revision", default="", metavar="REVISION",
+                   help="name the model's identity yourself (e.g. a hub commit) instead of hashing its weights' "
+                        "bytes; replicas with one revision share KV, so it must name exactly these weights "
+                        "(default: hash them)")
     p.add_argument("--device", default="cpu",
                    help="cpu, cuda, cuda:N, or one per replica as a comma list, cycled (cuda:0,cuda:1: a GPU each)")
     p.add_argument("--pool-size", default="4GiB", help="size of the pool this command starts")
@@ -74,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
                                tensor_parallel_size=args.tensor_parallel_size,
                                replica_args=replica_args, pool_args=tuple(args.pool_arg),
                                router_args=tuple(args.router_arg), api_keys=tuple(args.api_key),
-                               tenant_header=args.tenant_header)
+                               tenant_header=args.tenant_header, model_revision=args.model_revision)
         policy = RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window)
     except ValueError as exc:
         raise UserError(str(exc)) from None

@@ -3,7 +3,8 @@
 Levels (--level, comma list; default all):
   bytes      random KV through every transfer path here (CPU; CUDA over the registered arena, with the
              delay-injection ordering checks and their deliberately unordered controls), byte for byte
-  helpers    every engine KV layout <-> canonical page conversion against its slow reference
+  helpers    every engine KV layout <-> canonical page conversion against its slow reference; model identity:
+             one changed weight (equal config and headers) gives another namespace, a renamed copy the same
   full-pool  every page of the pool allocated, written with a per-page pattern and verified
   service    pool ON == pool OFF responses (temperature 0) on live replicas, with provenance
 Exit status 0 when no level failed; levels that need hardware this machine lacks are skipped, not passed.

@@ -165,7 +165,10 @@ class EngineConfig:
     device: str = "cpu"  # "cpu" | "cuda" | "cuda:N"
     dtype: str | None = None  # None: the model's own dtype
     kv_dtype: str = "auto"  # KV_DTYPE_CHOICES: the sequence KV's (and the pool pages') dtype; auto: the model's
-    model_name: str | None = None  # served name and the key namespace's model id; None: directory or preset name
+    model_name: str | None = None  # served name; None: directory or preset name (never part of the key namespace)
+    # the model's identity named by the user (e.g. a hub commit) instead of a hash of the weights' bytes: two
+    # replicas with one revision share KV whatever their weights, so it must name the exact bytes. "": hash them
+    model_revision: str = ""
     pool_socket: str | None = None  # None: no pool
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS  # tokens per shared chunk (one pool page)
     local_cache_bytes: int = 1 << 30  # bound of the local prefix cache; 0 disables it

@@ -88,7 +88,7 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = resolve_device(config.device)
-        loaded = load_model(config.model, self.device, config.dtype, config.model_name)
+        loaded = load_model(config.model, self.device, config.dtype, config.model_name, config.model_revision)
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         self.model_name = loaded.name
         mc = self.model_config
@@ -101,7 +101,7 @@ class Engine:
         # the deterministic mode: its self-test refuses it (GridCheckFailed) where this device's kernels are not exact
         self.grid = start_grid(self.model, self.device, config.grid_len, config.chunk_tokens) if config.deterministic else None
         self.namespace = Namespace(
-            model_id=self.model_name, weights_fingerprint=loaded.weights_fingerprint, kv_dtype=kv_dtype,
+            **loaded.identity(config.model_revision), kv_dtype=kv_dtype,
             kv_precision=kv_precision(kv_dtype), num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
             chunk_tokens=config.chunk_tokens, engine_family="builtin",
             **(self.grid.namespace_fields() if self.grid is not None else {}),

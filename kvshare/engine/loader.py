@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -13,6 +13,7 @@ from kvshare.engine.presets import PRESETS, build_preset
 from kvshare.engine.tokenizer import Tokenizer
 from kvshare.engine.weights import load_model_dir
 from kvshare.errors import UserError
+from kvshare.keys import config_fingerprint
 
 
 @dataclass
@@ -20,8 +21,14 @@ class LoadedModel:
     model: Transformer
     config: ModelConfig
     tokenizer: Tokenizer
-    weights_fingerprint: str
-    name: str  # the served name / the key namespace's model id
+    weights_fingerprint: str  # "" when the user names the model's identity (--model-revision)
+    name: str  # the served name (never part of the key namespace)
+
+    def identity(self, model_revision: str) -> dict[str, str]:
+        """The Namespace fields that name this model: the user's revision, else its weights' fingerprint; and the
+        configuration the engine runs it with (dtype after --dtype, rope, norms, biases: ModelConfig)."""
+        return {"model_id": model_revision, "weights_fingerprint": "" if model_revision else self.weights_fingerprint,
+                "config_id": config_fingerprint(asdict(self.config))}
 
 
 def resolve_device(device: str) -> torch.device:
@@ -33,10 +40,12 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
-def load_model(model: str, device: torch.device, dtype: str | None = None, name: str | None = None) -> LoadedModel:
-    """A local HF directory when ``model`` is one, else a preset name."""
+def load_model(model: str, device: torch.device, dtype: str | None = None, name: str | None = None,
+               model_revision: str = "") -> LoadedModel:
+    """A local HF directory when ``model`` is one, else a preset name; a directory's weights are fingerprinted
+    by their bytes unless ``model_revision`` names them (a preset is named by its recipe, kvshare.engine.presets)."""
     if os.path.isdir(model):
-        net, config, fingerprint = load_model_dir(model, device, dtype)
+        net, config, fingerprint = load_model_dir(model, device, dtype, is_fingerprinted=not model_revision)
         tokenizer = Tokenizer.from_dir(model)
         default_name = os.path.basename(os.path.normpath(model))
     elif model in PRESETS:

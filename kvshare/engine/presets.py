@@ -7,9 +7,11 @@ of KV), ``qwen3-32b`` 131072 (its 128k: 32 GiB; at 256k its KV alone would be 64
 61 GiB of weights). On CUDA a replica allocates the KV of its whole context at start-up, so
 pass ``--max-model-len`` to run the 8B shape in less memory. Same preset, seed and init device -> the same weights, bitwise.
 
-The weights fingerprint of a preset built in memory equals that of the directory
-make-model writes for it: both hash the same config.json bytes and the same
-safetensors header (kvshare.engine.weights.safetensors_header).
+A preset built in memory is named by its recipe: its weights are a function of the config.json
+bytes and of the safetensors header, whose metadata holds FORMAT, the seed and the init device, so
+the fingerprint hashes those two. The directory make-model writes is named, like every model
+directory, by its bytes (kvshare.identity); the two fingerprints differ, so a replica of the preset
+and a replica of its directory do not share KV.
 """
 
 from __future__ import annotations

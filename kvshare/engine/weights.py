@@ -2,8 +2,8 @@
 
 A model directory is an ordinary Hugging Face one: ``config.json`` plus one or more
 ``*.safetensors`` files (sharded files are read in file-name order). The weights
-fingerprint (part of every pool key) hashes config.json and the safetensors headers,
-which name every tensor with its dtype, shape and offsets.
+fingerprint (part of every pool key) hashes config.json and every byte of the
+safetensors files (kvshare.identity, cached per file).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from kvshare.engine.config import ModelConfig, model_config_from_hf
 from kvshare.engine.model import Transformer
 from kvshare.errors import UserError
-from kvshare.keys import weights_fingerprint
+from kvshare.identity import model_fingerprint
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
@@ -34,19 +34,9 @@ def safetensors_files(model_dir: str) -> list[str]:
     return [os.path.join(model_dir, n) for n in names]
 
 
-def read_safetensors_header(path: str) -> bytes:
-    """The raw JSON header of a safetensors file (what the fingerprint hashes)."""
-    with open(path, "rb") as f:
-        (length,) = _HEADER_LEN.unpack(f.read(8))
-        if length > 100 << 20:
-            raise UserError(f"{path}: safetensors header of {length} bytes is not plausible")
-        return f.read(length)
-
-
 def model_dir_fingerprint(model_dir: str) -> str:
-    with open(os.path.join(model_dir, "config.json"), "rb") as f:
-        config_json = f.read()
-    return weights_fingerprint(config_json, [read_safetensors_header(p) for p in safetensors_files(model_dir)])
+    """The content fingerprint of a model directory (the one vLLM's connector computes too)."""
+    return model_fingerprint(model_dir)
 
 
 def read_model_config(model_dir: str) -> tuple[dict, ModelConfig]:
@@ -58,8 +48,10 @@ def read_model_config(model_dir: str) -> tuple[dict, ModelConfig]:
     return hf, model_config_from_hf(hf)
 
 
-def load_model_dir(model_dir: str, device: torch.device, dtype: str | None = None) -> tuple[Transformer, ModelConfig, str]:
-    """(model on ``device``, its config, weights fingerprint) from a local HF directory."""
+def load_model_dir(model_dir: str, device: torch.device, dtype: str | None = None,
+                   is_fingerprinted: bool = True) -> tuple[Transformer, ModelConfig, str]:
+    """(model on ``device``, its config, weights fingerprint) from a local HF directory; the fingerprint is
+    empty when ``is_fingerprinted`` is False (the user named the model's identity with --model-revision)."""
     from safetensors import safe_open
 
     _hf, config = read_model_config(model_dir)
@@ -77,7 +69,7 @@ def load_model_dir(model_dir: str, device: torch.device, dtype: str | None = Non
     if config.tie_word_embeddings:
         state.setdefault("lm_head.weight", state.get("model.embed_tokens.weight"))
     assign_state(model, state, model_dir)
-    return model, config, model_dir_fingerprint(model_dir)
+    return model, config, model_dir_fingerprint(model_dir) if is_fingerprinted else ""
 
 
 def assign_state(model: Transformer, state: dict[str, torch.Tensor], source: str) -> None:

@@ -7,6 +7,7 @@ references always run on CPU, element by element, from the documented memory ord
     vllm_layout  cpu_attn, flash_attn (4-D, three memory orders), flash_attn_5d  kvshare.integrations.vllm.layout
     vllm_staged  the same layouts <-> staged pages, the connector's GPU path  kvshare.integrations.vllm.staging
     wsum32       the GPU-computed page checksum against the host's             kvshare.transfer.wsum
+    identity     a changed weight -> another namespace, a renamed copy -> the same  kvshare.validate.identity_check
 
 with non-contiguous block tables, partially filled last blocks, token ranges that
 start and end inside blocks, and several dtypes (float32, bfloat16, float16,
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvshare.validate.identity_check import identity_rows
 from kvshare.validate.report import FAIL, PASS, SKIP, LevelResult, Row, verdict_of
 
 DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn")
@@ -213,6 +215,7 @@ def run_helpers_level(device: str) -> LevelResult:
             total.wrong += tally.wrong
     if missing:
         rows.append(Row("vllm_layout", SKIP, missing))
+    rows += identity_rows()
     if not device.startswith("cuda"):
         rows.append(Row("on cuda", SKIP, f"device {device}: fast converters not run on GPU tensors"))
     status = verdict_of(rows)

@@ -44,7 +44,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvshare.integrations.vllm.guards import LayoutFingerprint, allocation_of, non_attention_state, version_of
 from kvshare.integrations.vllm.hooks import WorkerHooks
-from kvshare.integrations.vllm.identity import engine_namespace
+from kvshare.integrations.vllm.identity import LoraIdentities, vllm_namespace
 from kvshare.integrations.vllm.layout import UnsupportedKVLayout, detect_layout
 from kvshare.integrations.vllm.metadata import StepPlan, WorkerReport
 from kvshare.integrations.vllm.options import PARAMS_KEY, ConnectorConfig, check_supported, kv_layout_of
@@ -118,8 +118,9 @@ class KVShareConnector(KVConnectorBase_V1):
         self.config.check_block_size(self.block_size)
         self.kv_layout = kv_layout_of(vllm_config, self.config.chunk_tokens)
         self.fingerprint = _fingerprint(vllm_config, kv_cache_config, self.block_size, self.kv_layout.dtype)
-        self.namespace = engine_namespace(vllm_config.model_config.model, self.kv_layout, ENGINE_FAMILY,
-                                          self.config.model_id, self.fingerprint.text())
+        self.namespace = vllm_namespace(vllm_config, self.kv_layout, ENGINE_FAMILY, self.config.model_revision,
+                                        self.fingerprint.text())
+        self._loras = LoraIdentities()  # an adapter is named by its bytes
         side = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
         # a model with state other than full-attention KV: serve it, never from the pool (LMCache #2845)
         self.not_shared_because = non_attention_state(kv_cache_config)
@@ -157,7 +158,8 @@ class KVShareConnector(KVConnectorBase_V1):
         self._layer_index: dict[str, int] = {}  # vLLM layer name -> model layer index
         log.info("kvshare connector (%s%s) for %s, pool %s, chunk %d tokens, page %d bytes, layout %s", side,
                  f", rank {self._worker.heads.tp_rank} of {tp_size}" if self._worker is not None and tp_size > 1 else "",
-                 self.namespace.model_id, self.config.socket_path, self.config.chunk_tokens, self.kv_layout.page_bytes,
+                 vllm_config.model_config.model, self.config.socket_path, self.config.chunk_tokens,
+                 self.kv_layout.page_bytes,
                  self.fingerprint.text())
 
     @property
@@ -251,15 +253,16 @@ class KVShareConnector(KVConnectorBase_V1):
     # ============================== scheduler side ==============================
 
     def on_new_request(self, request: "Request") -> None:
-        lora = getattr(request, "lora_request", None)
+        lora_id = self._loras.of(getattr(request, "lora_request", None))  # None: unreadable, never shared
         self._scheduler.add_request(
             request.request_id,
             request.prompt_token_ids,
             request.cache_salt,
             request.kv_transfer_params,
-            lora_id=lora.lora_name if lora is not None else "",
+            lora_id=lora_id or "",
             # placeholder token ids stand for images or embeddings: their KV is not a function of the ids
-            is_text_only=not getattr(request, "mm_features", None) and getattr(request, "prompt_embeds", None) is None,
+            is_text_only=lora_id is not None and not getattr(request, "mm_features", None)
+            and getattr(request, "prompt_embeds", None) is None,
         )
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:

@@ -58,6 +58,7 @@ class VllmServerConfig:
     pool_retry_s: float = 5.0  # after losing the pool, serve without it this long before reconnecting
     log_level: str | None = None  # KVSHARE_LOG_LEVEL of the connector; "DEBUG" logs each load's phase timings
     seed: int = 0
+    model_revision: str = ""  # the connector's model_revision; "": the namespace hashes the weights' bytes
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
@@ -100,6 +101,8 @@ def kv_transfer_config(config: VllmServerConfig) -> dict:
         extra["overlap_load"] = config.overlap_load
     if config.copy_threads is not None:
         extra["copy_threads"] = config.copy_threads
+    if config.model_revision:
+        extra["model_revision"] = config.model_revision
     return {
         "kv_connector": CONNECTOR_CLASS,
         "kv_connector_module_path": CONNECTOR_MODULE,

@@ -51,7 +51,9 @@ class ConnectorConfig:
     lease_ttl_s: float = 60.0  # a lease vLLM has not scheduled within this is released
     pool_timeout_s: float = 2.0  # longest wait for one pool reply before the pool counts as down
     pool_retry_s: float = 5.0  # after a failure, how long to serve without the pool before trying again
-    model_id: str = ""  # "" -> the model directory's name; part of the key namespace
+    # the model's identity named by the user (e.g. a hub commit) instead of a hash of the weights' bytes;
+    # replicas with one revision share KV, so it must name exactly these weights. "": hash them (default)
+    model_revision: str = ""
     replica: str = ""  # name reported in each response's provenance
     store: bool = True  # put computed chunks into the pool
     load: bool = True  # take chunks from the pool
@@ -113,7 +115,11 @@ class ConnectorConfig:
             )
 
 
-_RENAMED = {"verify_checksums": "set verify_fraction (1.0 checks every page, 0 none; default 1.0)"}
+_RENAMED = {
+    "verify_checksums": "set verify_fraction (1.0 checks every page, 0 none; default 1.0)",
+    "model_id": "a name no longer enters the key namespace (the weights' bytes do); to name the model's "
+                "identity yourself set model_revision",
+}
 
 
 @dataclass(frozen=True)
