@@ -41,6 +41,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="require this bearer token at the router and every replica (repeatable)")
     p.add_argument("--tenant-header", default="",
                    help="header whose value salts the pool namespace per tenant (e.g. X-Tenant-ID)")
+    p.add_argument("--admin-key-file", default="", metavar="PATH",
+                   help="file holding the key the router's /admin/ needs (default: $KVSHARE_ADMIN_KEY)")
+    p.add_argument("--provenance", choices=("off", "own-tenant", "all"), default="all",
+                   help="built-in replicas' --provenance (default all: up is one user's cluster; a shared one "
+                        "should say own-tenant, with --api-key or --tenant-header)")
+    p.add_argument("--expose-replica-header", action="store_true",
+                   help="the router adds X-KVShare-Replica to responses (it tells a client where a prefix lives)")
     p.add_argument("--max-restarts", type=int, default=RestartPolicy.max_restarts,
                    help="restarts of one child allowed within --restart-window; one more exit stops up (default 5)")
     p.add_argument("--restart-window", type=float, default=RestartPolicy.window_s, metavar="SECONDS",
@@ -74,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
                                tensor_parallel_size=args.tensor_parallel_size,
                                replica_args=replica_args, pool_args=tuple(args.pool_arg),
                                router_args=tuple(args.router_arg), api_keys=tuple(args.api_key),
-                               tenant_header=args.tenant_header)
+                               tenant_header=args.tenant_header, admin_key_file=args.admin_key_file,
+                               expose_replica_header=args.expose_replica_header, provenance=args.provenance)
         policy = RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window)
     except ValueError as exc:
         raise UserError(str(exc)) from None

@@ -37,6 +37,10 @@ from kvshare.serve.warm_path import warm_request_path
 from kvshare.serve.worker import EngineWorker, Job, QueueFull
 
 log = logging.getLogger("kvshare.serve")
+# who sees a request's provenance (where its prompt tokens came from, cached_tokens): it says whether a prefix was
+# in the caches already, so across the users of one namespace it is a prompt oracle. own-tenant: only requests
+# whose namespace is their own (a tenant identity or a cache_salt); off: nobody; all: everybody (one user)
+PROVENANCE = ("off", "own-tenant", "all")
 _json = msgspec.json.Encoder()
 
 
@@ -58,6 +62,8 @@ class ServeConfig:
     audit: AuditConfig = AuditConfig()  # --audit-rate: recompute a sample of reused requests cold (serve/audit.py)
     instance_id: str = ""  # --instance-id: kvshare up's id of this process, reported by /health
     warmup: bool = False  # run the warm-up (kvshare.engine.warmup) before reporting healthy; serve: on (--no-warmup)
+    provenance: str = "own-tenant"  # --provenance: to whom the "kvshare" object and cached_tokens are shown
+    max_tokenize_bytes: int = 1 << 20  # a /tokenize or /detokenize body larger than this gets 413
 
     def __post_init__(self) -> None:
         if self.max_body_bytes <= 0 or self.max_requests <= 0 or self.max_tokens_limit <= 0:
@@ -66,6 +72,10 @@ class ServeConfig:
             raise ValueError("write_timeout_s and stream_buffer_bytes must be positive")
         if any(not key or key != key.strip() for key in self.api_keys):
             raise ValueError("an API key must be non-empty and carry no surrounding spaces")
+        if self.provenance not in PROVENANCE:
+            raise ValueError(f"--provenance {self.provenance}: choose one of {', '.join(PROVENANCE)}")
+        if self.max_tokenize_bytes <= 0:
+            raise ValueError("max_tokenize_bytes must be positive")
 
 
 class ReplicaServer:
@@ -121,7 +131,7 @@ class ReplicaServer:
     @web.middleware
     async def _errors(self, request: web.Request, handler):
         try:
-            if self.config.api_keys and request.path.startswith(("/v1/", "/admin/")):
+            if self.config.api_keys and request.path.startswith(("/v1/", "/admin/", "/tokenize", "/detokenize")):
                 self._authenticate(request)
             return await handler(request)
         except A.ApiError as exc:
@@ -171,14 +181,25 @@ class ReplicaServer:
         return web.json_response(self.served.listing())
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        req = A.decode(await request.read(), T.TokenizeRequest)
+        req = A.decode(await self._tokenizer_body(request), T.TokenizeRequest)
         self.served.resolve(req.model)
-        return web.json_response(T.tokenize(req, self.engine.tokenizer, self.engine.max_model_len))
+        return web.json_response(await _off_loop(T.tokenize, req, self.engine.tokenizer, self.engine.max_model_len))
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        req = A.decode(await request.read(), T.DetokenizeRequest)
+        req = A.decode(await self._tokenizer_body(request), T.DetokenizeRequest)
         self.served.resolve(req.model)
-        return web.json_response(T.detokenize(req, self.engine.tokenizer, self.engine.model_config.vocab_size))
+        vocab = self.engine.model_config.vocab_size
+        return web.json_response(await _off_loop(T.detokenize, req, self.engine.tokenizer, vocab))
+
+    async def _tokenizer_body(self, request: web.Request) -> bytes:
+        """The body of a tokenizer call, at most max_tokenize_bytes (its work is linear in them)."""
+        limit = self.config.max_tokenize_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise body_too_large(limit)
+        body = await request.content.read(limit + 1)
+        if len(body) > limit:
+            raise body_too_large(limit)
+        return body
 
     async def ping(self, request: web.Request) -> web.Response:
         """GET or POST /ping: vLLM's (SageMaker's) liveness check, 200 with an empty body."""
@@ -200,6 +221,9 @@ class ReplicaServer:
         self.metrics.waiting.set(self.worker.num_waiting)
         self.metrics.running.set(self.worker.num_running)
         return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    def _is_provenance_shown(self, namespace_salt: str) -> bool:
+        return self.config.provenance == "all" or (self.config.provenance == "own-tenant" and bool(namespace_salt))
 
     # -- generation ----------------------------------------------------------------------
 
@@ -294,7 +318,8 @@ class ReplicaServer:
         except QueueFull as exc:
             raise A.ApiError(429, str(exc), code="too_many_requests", error_type="rate_limit_error") from None
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        out = ResponseBuilder(req, prep, chat, rid, self.engine.tokenizer, self.config.replica_name)
+        out = ResponseBuilder(req, prep, chat, rid, self.engine.tokenizer, self.config.replica_name,
+                              is_provenance_shown=self._is_provenance_shown(prep.options.tenant))
         response = None
         try:
             if req.stream:
@@ -370,6 +395,11 @@ class ReplicaServer:
             if request.transport is not None:
                 request.transport.abort()
             raise _SlowClient() from None
+
+
+async def _off_loop(fn: Callable, *args):
+    """``fn(*args)`` on the default executor: a tokenizer call on a large text must not stall every stream."""
+    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
 
 async def version(request: web.Request) -> web.Response:
