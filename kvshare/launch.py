@@ -44,8 +44,6 @@ class ClusterConfig:
     router_args: tuple[str, ...] = ()
     api_keys: tuple[str, ...] = ()  # required by the router and every replica (Authorization: Bearer KEY)
     tenant_header: str = ""  # replicas salt the pool namespace with this header's value (the router its prefix memory)
-    admin_key_file: str = ""  # the router's --admin-key-file ($KVSHARE_ADMIN_KEY reaches it through the environment)
-    expose_replica_header: bool = False  # the router's --expose-replica-header
     provenance: str = "all"  # the replicas' --provenance: all for one user (demo, bench); own-tenant when shared
     vllm_python: str | None = None
     tensor_parallel_size: int = 1  # vLLM replicas only: ranks per replica (--tensor-parallel-size)
@@ -126,8 +124,7 @@ class Cluster:
             self._spawn(ChildSpec("router", (*kv, "route", "--policy", cfg.policy, "--host", cfg.host,
                                              "--port", str(cfg.port),
                                              *sum((["--replica", u] for u in self.replica_urls), []),
-                                             *_key_args(cfg.api_keys), *self._router_tenancy_args(),
-                                             *cfg.router_args),
+                                             *_auth_args(cfg), *cfg.router_args),
                                   kvshare_env(), url=self.router_url, takes_instance_id=True))
             self._wait_http("router")
             _say(progress, f"router ready at {self.router_url}")
@@ -156,12 +153,6 @@ class Cluster:
         child = self.children.get(name)
         return child.output.lines() if child is not None else []
 
-    def _router_tenancy_args(self) -> list[str]:
-        cfg = self.config
-        return [*(["--tenant-header", cfg.tenant_header] if cfg.tenant_header else []),
-                *(["--admin-key-file", cfg.admin_key_file] if cfg.admin_key_file else []),
-                *(["--expose-replica-header"] if cfg.expose_replica_header else [])]
-
     def _replica_command(self, i: int, kv: list[str]) -> tuple[list[str], dict | None]:
         cfg = self.config
         port = cfg.port + 1 + i
@@ -184,8 +175,7 @@ class Cluster:
             return spec.argv, spec.env
         device, visible = gpu_of_replica(cfg.device, i)
         args = [*kv, "serve", "--model", cfg.model, "--device", device, "--host", cfg.host, "--port", str(port),
-                     "--replica-name", f"replica{i}", "--pool", self.pool_socket or "off", *_key_args(cfg.api_keys),
-                     *(["--tenant-header", cfg.tenant_header] if cfg.tenant_header else []),
+                     "--replica-name", f"replica{i}", "--pool", self.pool_socket or "off", *_auth_args(cfg),
                      "--provenance", cfg.provenance, *cfg.replica_args]
         env = kvshare_env(_cpu_threads_env(cfg))
         if visible is not None:
@@ -324,8 +314,9 @@ def _cpu_threads_env(cfg: ClusterConfig) -> dict | None:
     return dict(os.environ, OMP_NUM_THREADS=str(max(1, cores // cfg.num_replicas)))
 
 
-def _key_args(api_keys: tuple[str, ...]) -> list[str]:
-    return [arg for key in api_keys for arg in ("--api-key", key)]
+def _auth_args(cfg: ClusterConfig) -> list[str]:
+    tenant = ["--tenant-header", cfg.tenant_header] if cfg.tenant_header else []
+    return [arg for key in cfg.api_keys for arg in ("--api-key", key)] + tenant
 
 
 def health_answer(url: str, instance_id: str | None, timeout_s: float = 2.0) -> str:

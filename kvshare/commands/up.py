@@ -74,15 +74,16 @@ def run(args: argparse.Namespace) -> int:
                         "--replica-arg=--kv-cache-dtype=fp8")
     replica_args = tuple(args.replica_arg) + (("--deterministic",) if args.deterministic else ())
     replica_args += ("--kv-dtype", args.kv_dtype) if args.kv_dtype != "auto" else ()
+    router_args = tuple(args.router_arg) + (("--admin-key-file", args.admin_key_file) if args.admin_key_file else ())
+    router_args += ("--expose-replica-header",) if args.expose_replica_header else ()
     try:
         config = ClusterConfig(num_replicas=args.replicas, model=args.model, engine=args.engine, device=args.device,
                                pool_size=None if args.pool == "off" else args.pool_size, policy=args.policy,
                                host=args.host, port=args.port, vllm_python=args.vllm_python,
                                tensor_parallel_size=args.tensor_parallel_size,
                                replica_args=replica_args, pool_args=tuple(args.pool_arg),
-                               router_args=tuple(args.router_arg), api_keys=tuple(args.api_key),
-                               tenant_header=args.tenant_header, admin_key_file=args.admin_key_file,
-                               expose_replica_header=args.expose_replica_header, provenance=args.provenance)
+                               router_args=router_args, api_keys=tuple(args.api_key),
+                               tenant_header=args.tenant_header, provenance=args.provenance)
         policy = RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window)
     except ValueError as exc:
         raise UserError(str(exc)) from None

@@ -22,6 +22,16 @@ from typing import Any
 from kvshare.serve.detokenize import TextStream
 from kvshare.serve.render import chat_logprobs, completion_logprobs
 
+# who sees a request's provenance (where its prompt tokens came from, cached_tokens): it says whether a prefix was
+# in the caches already, so across the users of one namespace it is a prompt oracle. own-tenant: only requests
+# whose namespace is their own (a tenant identity or a cache_salt); off: nobody; all: everybody (one user)
+PROVENANCE = ("off", "own-tenant", "all")
+
+
+def is_provenance_shown(policy: str, namespace_salt: str) -> bool:
+    """Whether a request of this namespace salt (tenancy.namespace_salt) gets its provenance under ``policy``."""
+    return policy == "all" or (policy == "own-tenant" and bool(namespace_salt))
+
 
 @dataclass
 class Prepared:

@@ -25,22 +25,18 @@ import kvshare
 from kvshare.serve import api_types as A
 from kvshare.serve import tokenize as T
 from kvshare.serve.audit import AuditConfig, Auditor
-from kvshare.serve.connection import is_gone, limit_send_buffer
+from kvshare.serve.connection import is_gone, limit_send_buffer, read_capped
 from kvshare.serve.http_errors import body_too_large, engine_error, error_response, http_error
 from kvshare.serve.metrics import ReplicaMetrics
 from kvshare.serve.models import ServedModels
 from kvshare.serve.readiness import Readiness
-from kvshare.serve.responses import Prepared, ResponseBuilder
+from kvshare.serve.responses import PROVENANCE, Prepared, ResponseBuilder, is_provenance_shown
 from kvshare.serve.sampling import sampling_params
 from kvshare.serve.tenancy import Unauthorized, check_api_key, namespace_salt, tenant_identity
 from kvshare.serve.warm_path import warm_request_path
 from kvshare.serve.worker import EngineWorker, Job, QueueFull
 
 log = logging.getLogger("kvshare.serve")
-# who sees a request's provenance (where its prompt tokens came from, cached_tokens): it says whether a prefix was
-# in the caches already, so across the users of one namespace it is a prompt oracle. own-tenant: only requests
-# whose namespace is their own (a tenant identity or a cache_salt); off: nobody; all: everybody (one user)
-PROVENANCE = ("off", "own-tenant", "all")
 _json = msgspec.json.Encoder()
 
 
@@ -180,26 +176,18 @@ class ReplicaServer:
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response(self.served.listing())
 
+    # a tokenizer call's work is linear in its body: capped, and run off the loop so that no stream waits for it
     async def tokenize(self, request: web.Request) -> web.Response:
-        req = A.decode(await self._tokenizer_body(request), T.TokenizeRequest)
+        req = A.decode(await read_capped(request, self.config.max_tokenize_bytes), T.TokenizeRequest)
         self.served.resolve(req.model)
-        return web.json_response(await _off_loop(T.tokenize, req, self.engine.tokenizer, self.engine.max_model_len))
+        run = asyncio.get_running_loop().run_in_executor
+        return web.json_response(await run(None, T.tokenize, req, self.engine.tokenizer, self.engine.max_model_len))
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        req = A.decode(await self._tokenizer_body(request), T.DetokenizeRequest)
+        req = A.decode(await read_capped(request, self.config.max_tokenize_bytes), T.DetokenizeRequest)
         self.served.resolve(req.model)
-        vocab = self.engine.model_config.vocab_size
-        return web.json_response(await _off_loop(T.detokenize, req, self.engine.tokenizer, vocab))
-
-    async def _tokenizer_body(self, request: web.Request) -> bytes:
-        """The body of a tokenizer call, at most max_tokenize_bytes (its work is linear in them)."""
-        limit = self.config.max_tokenize_bytes
-        if request.content_length is not None and request.content_length > limit:
-            raise body_too_large(limit)
-        body = await request.content.read(limit + 1)
-        if len(body) > limit:
-            raise body_too_large(limit)
-        return body
+        run, vocab = asyncio.get_running_loop().run_in_executor, self.engine.model_config.vocab_size
+        return web.json_response(await run(None, T.detokenize, req, self.engine.tokenizer, vocab))
 
     async def ping(self, request: web.Request) -> web.Response:
         """GET or POST /ping: vLLM's (SageMaker's) liveness check, 200 with an empty body."""
@@ -221,9 +209,6 @@ class ReplicaServer:
         self.metrics.waiting.set(self.worker.num_waiting)
         self.metrics.running.set(self.worker.num_running)
         return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-    def _is_provenance_shown(self, namespace_salt: str) -> bool:
-        return self.config.provenance == "all" or (self.config.provenance == "own-tenant" and bool(namespace_salt))
 
     # -- generation ----------------------------------------------------------------------
 
@@ -319,7 +304,7 @@ class ReplicaServer:
             raise A.ApiError(429, str(exc), code="too_many_requests", error_type="rate_limit_error") from None
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         out = ResponseBuilder(req, prep, chat, rid, self.engine.tokenizer, self.config.replica_name,
-                              is_provenance_shown=self._is_provenance_shown(prep.options.tenant))
+                              is_provenance_shown=is_provenance_shown(self.config.provenance, prep.options.tenant))
         response = None
         try:
             if req.stream:
@@ -395,11 +380,6 @@ class ReplicaServer:
             if request.transport is not None:
                 request.transport.abort()
             raise _SlowClient() from None
-
-
-async def _off_loop(fn: Callable, *args):
-    """``fn(*args)`` on the default executor: a tokenizer call on a large text must not stall every stream."""
-    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
 
 async def version(request: web.Request) -> web.Response:
