@@ -11,12 +11,13 @@ URL forms::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import unquote, urlsplit
 
 MiB = 1 << 20
 MAX_PART_BYTES = 8 * MiB  # one value blocks a Redis server while it is read or written: keep each small
 MIN_PART_BYTES = 4096
+MIN_AUTH_KEY_BYTES = 16  # a page key shorter than a tag would be the weak point
 
 _SCHEMES = {"redis": (False, False), "rediss": (False, True), "unix": (False, False),
             "redis+cluster": (True, False), "rediss+cluster": (True, True)}
@@ -86,6 +87,10 @@ class RemoteConfig:
     max_promotions: int = 4  # promoting lookups in flight; more are answered from the arena alone
     breaker_failures: int = 3  # consecutive failed operations that open the circuit breaker
     breaker_reset_s: float = 5.0  # how long it stays open before one trial
+    # --remote-auth-key-file / $KVSHARE_REMOTE_AUTH_KEY: pages are tagged with it and read only with a valid tag
+    # (format.check_page); empty: the store is trusted
+    auth_key: bytes = field(default=b"", repr=False)
+    allow_hosts: tuple[str, ...] = ()  # --remote-allow-host: cluster nodes besides the URL's hosts
 
     def __post_init__(self) -> None:
         self.address  # validates the URL
@@ -95,6 +100,9 @@ class RemoteConfig:
             raise ValueError(f"remote TTL must be >= 0 seconds (0: none), got {self.ttl_s}")
         if not MIN_PART_BYTES <= self.part_bytes <= MAX_PART_BYTES:
             raise ValueError(f"remote part size must lie in {MIN_PART_BYTES}..{MAX_PART_BYTES} bytes, got {self.part_bytes}")
+        if self.auth_key and len(self.auth_key) < MIN_AUTH_KEY_BYTES:
+            raise ValueError(f"the remote page key must have at least {MIN_AUTH_KEY_BYTES} bytes, got "
+                             f"{len(self.auth_key)} (e.g. head -c 32 /dev/urandom | base64 > FILE)")
         for name in ("timeout_s", "promote_timeout_s", "breaker_reset_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"RemoteConfig.{name} must be positive, got {getattr(self, name)}")
