@@ -18,7 +18,7 @@ from kvshare.pool.remote.config import RemoteConfig
 from kvshare.pool.remote.format import (CHECKSUM, HEADER, HEADER_BYTES, UNAUTHENTICATED, BadRemoteValue, PageMeta,
                                         decode_page, encode_part, page_tag)
 from kvshare.pool.remote.reader import ReadError, StoreReader
-from kvshare.pool.remote.store import RemoteStore
+from kvshare.pool.remote.store import RemoteStore, RemoteStoreError
 from kvshare.pool.remote.workers import ERROR, fetch_pages
 from tests.pool.remote.conftest import (MiB, NAMESPACE, assert_pages_equal, make_keys, remote_stats, two_pools,
                                         wait_written, write_chain)
@@ -200,3 +200,27 @@ def test_a_slot_map_naming_another_host_is_refused(caplog):
     finally:
         reader.close()
         server.close()
+
+
+def test_redis_py_writes_go_only_to_nodes_the_reader_allows(redis_cluster, monkeypatch):
+    """Fails when the cluster client is built without address_remap: its writes then follow any slot map."""
+    url, servers = redis_cluster
+    store = RemoteStore(RemoteConfig(url).address, 5.0)
+    try:
+        store.put(["lie:{a}:0"], [b"x"])  # the configured nodes: allowed
+        assert store.get(["lie:{a}:0"], 0, 16) == [b"x"]
+    finally:
+        store.close()
+    store = RemoteStore(RemoteConfig(url).address, 5.0)
+    refused_port = servers[1].port
+
+    def check_node(host, port):
+        if port == refused_port:
+            raise ValueError(f"the cluster names node {host}:{port}, which is not among the configured nodes")
+
+    monkeypatch.setattr(store._reader, "check_node", check_node)
+    try:
+        with pytest.raises(RemoteStoreError, match="not among the configured nodes"):
+            store.put([f"lie:{{{i}}}:0" for i in range(50)], [b"x"] * 50)  # keys on every node
+    finally:
+        store.close()
