@@ -93,7 +93,8 @@ class StoreReader:
         self._idle: dict[Endpoint, list[RespConnection]] = {}
         self._is_closed = False
         if address.is_cluster:
-            self._seeds = [Endpoint(h, p, "", address.is_tls, address.username, address.password) for h, p in address.nodes]
+            self._seeds = [Endpoint(h, p, "", address.is_tls, address.username, address.password, 0, address.ca_file)
+                           for h, p in address.nodes]
             self._slots: list[Endpoint] | None = None  # slot -> primary; read on first use
         else:
             self._server = server_endpoint(address)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import socket
 import ssl
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 from urllib.parse import parse_qs, unquote, urlsplit
 
@@ -60,19 +60,22 @@ class Endpoint:
     unix_path: str = ""
     is_tls: bool = False
     username: str | None = None
-    password: str | None = None
+    password: str | None = field(default=None, repr=False)
     db: int = 0
+    ca_file: str = ""  # TLS: the CAs to check the server against; empty: the system's
 
 
 def server_endpoint(address: RemoteAddress) -> Endpoint:
-    """The endpoint of a single-server URL (redis://, rediss://, unix://)."""
+    """The endpoint of a single-server URL (redis://, rediss://, unix://); a password given apart from it wins."""
     parts = urlsplit(address.url)
-    username, password = unquote(parts.username or "") or None, unquote(parts.password or "") or None
+    username = unquote(parts.username or "") or None
+    password = address.password or unquote(parts.password or "") or None
     if parts.scheme == "unix":
         db = int(parse_qs(parts.query).get("db", ["0"])[0])
         return Endpoint(unix_path=parts.path, username=username, password=password, db=db)
     db = int(parts.path.strip("/") or 0)
-    return Endpoint(parts.hostname or "", parts.port or 6379, "", address.is_tls, username, password, db)
+    return Endpoint(parts.hostname or "", parts.port or 6379, "", address.is_tls, username, password, db,
+                    address.ca_file)
 
 
 def encode_command(*args: bytes | str | int) -> bytes:
@@ -100,7 +103,8 @@ class RespConnection:
             sock = socket.create_connection((endpoint.host, endpoint.port), timeout=timeout_s)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if endpoint.is_tls:
-                sock = ssl.create_default_context().wrap_socket(sock, server_hostname=endpoint.host)
+                context = ssl.create_default_context(cafile=endpoint.ca_file or None)
+                sock = context.wrap_socket(sock, server_hostname=endpoint.host)
         sock.settimeout(timeout_s)
         self._sock = sock
         self._buf = bytearray(_BUFFER_BYTES)

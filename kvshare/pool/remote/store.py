@@ -119,12 +119,13 @@ class RemoteStore:
         common = dict(socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s, retry=retry,
                       decode_responses=False)
         a = self.address
-        if not a.is_cluster:
-            return redis.Redis.from_url(a.url, **common)
+        if not a.is_cluster:  # the URL's own ssl_ca_certs reaches redis-py; a password given apart from it too
+            return redis.Redis.from_url(a.url, **common, **({"password": a.password} if a.password else {}))
         from redis.cluster import ClusterNode, RedisCluster
 
         return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in a.nodes], username=a.username,
-                            password=a.password, ssl=a.is_tls, address_remap=self._checked_node, **common)
+                            password=a.password, ssl=a.is_tls, ssl_ca_certs=a.ca_file or None,
+                            address_remap=self._checked_node, **common)
 
     def _checked_node(self, address: tuple[str, int]) -> tuple[str, int]:
         """redis-py's hook on every node it is about to use: writes go only where reads may (reader.check_node)."""

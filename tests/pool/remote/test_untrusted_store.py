@@ -5,6 +5,8 @@ None of it lands in a pool; each is refused where it is read, counted and logged
 
 import logging
 import socket
+import ssl
+import subprocess
 import threading
 import tracemalloc
 from dataclasses import replace
@@ -18,6 +20,7 @@ from kvshare.pool.remote.config import RemoteConfig
 from kvshare.pool.remote.format import (CHECKSUM, HEADER, HEADER_BYTES, UNAUTHENTICATED, BadRemoteValue, PageMeta,
                                         decode_page, encode_part, page_tag)
 from kvshare.pool.remote.reader import ReadError, StoreReader
+from kvshare.pool.remote.resp import RespConnection, server_endpoint
 from kvshare.pool.remote.store import RemoteStore, RemoteStoreError
 from kvshare.pool.remote.workers import ERROR, fetch_pages
 from tests.pool.remote.conftest import (MiB, NAMESPACE, assert_pages_equal, make_keys, remote_stats, two_pools,
@@ -100,8 +103,8 @@ def test_pages_tagged_under_another_key_or_none_fail_the_tag_and_a_right_tag_pas
 class LyingServer:
     """A RESP server on loopback: ``answer(command) -> bytes`` for each command; records when its client leaves."""
 
-    def __init__(self, answer) -> None:
-        self.answer = answer
+    def __init__(self, answer, tls=None) -> None:
+        self.answer, self.tls = answer, tls  # tls: a server-side SSLContext
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen()
@@ -119,6 +122,12 @@ class LyingServer:
 
     def _talk(self, conn: socket.socket) -> None:
         conn.settimeout(60)
+        if self.tls is not None:
+            try:
+                conn = self.tls.wrap_socket(conn, server_side=True)
+            except OSError:  # a client that refused our certificate
+                conn.close()
+                return
         buffer = b""
         with conn:
             while True:
@@ -224,3 +233,32 @@ def test_redis_py_writes_go_only_to_nodes_the_reader_allows(redis_cluster, monke
             store.put([f"lie:{{{i}}}:0" for i in range(50)], [b"x"] * 50)  # keys on every node
     finally:
         store.close()
+
+
+def test_tls_checks_the_server_against_the_given_ca_and_the_password_comes_from_apart(tmp_path):
+    """Fails when ?ssl_ca_certs is ignored (the system's CAs refuse the server) or RemoteConfig.password does not
+    reach AUTH."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True, timeout=60)
+    seen = []
+
+    def answer(command):
+        seen.append(command)
+        return b"+OK\r\n" if command[0] == b"AUTH" else b"+PONG\r\n"
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    server = LyingServer(answer, tls=context)
+
+    url = f"rediss://kv@127.0.0.1:{server.port}/0?ssl_ca_certs={cert}"
+    connection = RespConnection(server_endpoint(RemoteConfig(url, password="s3cret").address), 5.0)
+    assert connection.execute([("PING",)]) == [b"PONG"]
+    connection.close()
+    assert seen[0] == [b"AUTH", b"kv", b"s3cret"]
+    with pytest.raises(ssl.SSLError):  # the system's CAs do not know the server
+        RespConnection(server_endpoint(RemoteConfig(url.split("?")[0], password="s3cret").address), 5.0)
+    with pytest.raises(ValueError, match="give it once"):
+        RemoteConfig(f"rediss://kv:other@127.0.0.1:{server.port}", password="s3cret")
+    server.close()
