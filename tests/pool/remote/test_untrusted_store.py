@@ -143,7 +143,11 @@ class LyingServer:
                     command, buffer = _parse_command(buffer)
                     if command is None:
                         break
-                    conn.sendall(self.answer(command))
+                    try:
+                        conn.sendall(self.answer(command))
+                    except OSError:  # the client closed its end while answers were still going out
+                        self.client_closed.set()
+                        return
 
     def close(self) -> None:
         self.sock.close()
