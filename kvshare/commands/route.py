@@ -16,7 +16,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--session-header", default="X-Session-ID")
     p.add_argument("--session-ttl", type=float, default=3600.0)
     p.add_argument("--api-key", action="append", default=[],
-                   help="require this bearer token on /v1/ and /admin/ (repeatable); it is passed on to replicas")
+                   help="require this bearer token on /v1/, /tokenize and /detokenize (repeatable); it is passed on "
+                        "to replicas")
     p.add_argument("--admin-key-file", default="", metavar="PATH",
                    help="file holding the key /admin/ needs (default: $KVSHARE_ADMIN_KEY; API keys are not enough; "
                         "with API keys and no admin key, /admin/ is refused)")

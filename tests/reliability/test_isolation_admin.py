@@ -32,7 +32,8 @@ PAGE = 2 << 20
 def cluster(tmp_path_factory):
     admin_key_file = tmp_path_factory.mktemp("admin") / "admin.key"
     admin_key_file.write_text(ADMIN_KEY + "\n")
-    c = start("round_robin", api_keys=(KEY_A, KEY_B), tenant_header="X-Tenant-ID", admin_key_file=str(admin_key_file))
+    c = start("round_robin", api_keys=(KEY_A, KEY_B), tenant_header="X-Tenant-ID",
+              router_args=("--admin-key-file", str(admin_key_file)))
     yield c
     c.stop()
 
