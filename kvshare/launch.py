@@ -1,15 +1,13 @@
 """``kvshare up``: the pool, N replicas and the router as child processes, started and stopped together.
 
-Children run in their own process group (a Ctrl-C reaches only ``up``, which then
-stops them in order: router, replicas, pool) and get SIGTERM from the kernel if
-``up`` itself dies (PR_SET_PDEATHSIG), so nothing is orphaned (kvshare.children).
-The pool's arena is a memfd and its socket lives in a private temporary directory
-that is removed on exit: no shared-memory segment or socket is left behind.
+Children run in their own process group (a Ctrl-C reaches only ``up``, which then stops them in order: router,
+replicas, pool) and get SIGTERM from the kernel if ``up`` itself dies (PR_SET_PDEATHSIG), so nothing is orphaned
+(kvshare.children). The pool's arena is a memfd and its socket lives in a private temporary directory that is
+removed on exit: no shared-memory segment or socket is left behind.
 
-Before anything starts, the model, the ports and the pool's size are checked
-(kvshare.preflight); a child is ready when what answers is that child (its /health
-reports the instance id it was started with). ``kvshare up`` then supervises the
-children (kvshare.supervisor): ``restart`` starts one again from the same command.
+Before anything starts, the model, the ports and the pool's size are checked (kvshare.preflight); a child is ready
+when what answers is that child (its /health reports the instance id it was started with). ``kvshare up`` then
+supervises the children (kvshare.supervisor): ``restart`` starts one again from the same command.
 """
 
 from __future__ import annotations
@@ -43,7 +41,8 @@ class ClusterConfig:
     replica_args: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
     api_keys: tuple[str, ...] = ()  # required by the router and every replica (Authorization: Bearer KEY)
-    tenant_header: str = ""  # replicas salt the pool namespace with this header's value
+    tenant_header: str = ""  # replicas salt the pool namespace with this header's value (the router its prefix memory)
+    provenance: str = "all"  # the replicas' --provenance: all for one user (demo, bench); own-tenant when shared
     model_revision: str = ""  # names the model's identity in every replica's namespace; "": its weights' bytes
     vllm_python: str | None = None
     tensor_parallel_size: int = 1  # vLLM replicas only: ranks per replica (--tensor-parallel-size)
@@ -124,7 +123,7 @@ class Cluster:
             self._spawn(ChildSpec("router", (*kv, "route", "--policy", cfg.policy, "--host", cfg.host,
                                              "--port", str(cfg.port),
                                              *sum((["--replica", u] for u in self.replica_urls), []),
-                                             *_key_args(cfg.api_keys), *cfg.router_args),
+                                             *_auth_args(cfg), *cfg.router_args),
                                   kvshare_env(), url=self.router_url, takes_instance_id=True))
             self._wait_http("router")
             _say(progress, f"router ready at {self.router_url}")
@@ -175,8 +174,8 @@ class Cluster:
             return spec.argv, spec.env
         device, visible = gpu_of_replica(cfg.device, i)
         args = [*kv, "serve", "--model", cfg.model, "--device", device, "--host", cfg.host, "--port", str(port),
-                     "--replica-name", f"replica{i}", "--pool", self.pool_socket or "off", *_key_args(cfg.api_keys),
-                     *(["--tenant-header", cfg.tenant_header] if cfg.tenant_header else []),
+                     "--replica-name", f"replica{i}", "--pool", self.pool_socket or "off", *_auth_args(cfg),
+                     "--provenance", cfg.provenance,
                      *(["--model-revision", cfg.model_revision] if cfg.model_revision else []), *cfg.replica_args]
         env = kvshare_env(_cpu_threads_env(cfg))
         if visible is not None:
@@ -315,8 +314,9 @@ def _cpu_threads_env(cfg: ClusterConfig) -> dict | None:
     return dict(os.environ, OMP_NUM_THREADS=str(max(1, cores // cfg.num_replicas)))
 
 
-def _key_args(api_keys: tuple[str, ...]) -> list[str]:
-    return [arg for key in api_keys for arg in ("--api-key", key)]
+def _auth_args(cfg: ClusterConfig) -> list[str]:
+    tenant = ["--tenant-header", cfg.tenant_header] if cfg.tenant_header else []
+    return [arg for key in cfg.api_keys for arg in ("--api-key", key)] + tenant
 
 
 def health_answer(url: str, instance_id: str | None, timeout_s: float = 2.0) -> str:

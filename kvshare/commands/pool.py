@@ -59,19 +59,33 @@ def _add_remote_arguments(p: argparse.ArgumentParser) -> None:
                    help="consecutive failed store operations that open the circuit breaker")
     g.add_argument("--remote-breaker-reset", type=float, default=5.0,
                    help="seconds the breaker stays open before it lets one operation try")
+    g.add_argument("--remote-allow-host", action="append", default=[], metavar="HOST",
+                   help="a cluster node's host besides those of the URL (repeatable): slot maps and redirects to any "
+                        "other host are refused")
+    g.add_argument("--remote-password-file", default="", metavar="PATH",
+                   help="file holding the store's password (ACL user: in the URL, redis://USER@HOST:PORT; default: "
+                        "$KVSHARE_REMOTE_PASSWORD), so that it is not on the command line")
+    g.add_argument("--remote-auth-key-file", default="", metavar="PATH",
+                   help="file holding the page key (at least 16 bytes; default: $KVSHARE_REMOTE_AUTH_KEY): pages are "
+                        "tagged with it, and pages without a valid tag are treated as absent. Pools that share "
+                        "pages share the key (default: none, the store is trusted)")
 
 
 def _remote_config_from_args(args: argparse.Namespace):
     if not args.remote:
         return None
+    from kvshare.credentials import read_secret
     from kvshare.pool.remote.config import RemoteConfig
 
+    auth_key = read_secret("remote page key", args.remote_auth_key_file, "KVSHARE_REMOTE_AUTH_KEY").encode()
+    password = read_secret("remote password", args.remote_password_file, "KVSHARE_REMOTE_PASSWORD")
     return RemoteConfig(
         url=args.remote, prefix=args.remote_prefix, ttl_s=args.remote_ttl, part_bytes=args.remote_part_size,
         timeout_s=args.remote_timeout, write_queue_bytes=args.remote_write_queue, num_writers=args.remote_writers,
         num_readers=args.remote_readers, promote_timeout_s=args.remote_promote_timeout,
         promote_batch_bytes=args.remote_promote_batch, max_promotions=args.remote_max_promotions,
-        breaker_failures=args.remote_breaker_failures, breaker_reset_s=args.remote_breaker_reset,
+        breaker_failures=args.remote_breaker_failures, breaker_reset_s=args.remote_breaker_reset, auth_key=auth_key,
+        allow_hosts=tuple(args.remote_allow_host), password=password,
     )
 
 

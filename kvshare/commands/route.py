@@ -16,7 +16,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--session-header", default="X-Session-ID")
     p.add_argument("--session-ttl", type=float, default=3600.0)
     p.add_argument("--api-key", action="append", default=[],
-                   help="require this bearer token on /v1/ and /admin/ (repeatable); it is passed on to replicas")
+                   help="require this bearer token on /v1/, /tokenize and /detokenize (repeatable); it is passed on "
+                        "to replicas")
+    p.add_argument("--admin-key-file", default="", metavar="PATH",
+                   help="file holding the key /admin/ needs (default: $KVSHARE_ADMIN_KEY; API keys are not enough; "
+                        "with API keys and no admin key, /admin/ is refused)")
+    p.add_argument("--admin-key", default="", help="the admin key itself (visible in ps: prefer --admin-key-file)")
+    p.add_argument("--tenant-header", default="",
+                   help="the replicas' --tenant-header: cache_aware remembers prefixes per tenant, as the pool does")
+    p.add_argument("--expose-replica-header", action="store_true",
+                   help="add X-KVShare-Replica (the replica that served) to responses: it tells a client where a "
+                        "prefix lives, so it is off by default")
     p.add_argument("--write-timeout", type=float, default=30.0,
                    help="seconds a client may take to accept one write of a response before it is dropped")
     p.add_argument("--instance-id", default="", help="an id /health reports (kvshare up checks it is its child)")
@@ -30,11 +40,15 @@ def run(args: argparse.Namespace) -> int:
     from kvshare.preflight import check_ports_free
     from kvshare.router.proxy import RouterConfig, RouterServer
 
+    from kvshare.credentials import read_secret
+
     try:
+        admin_key = read_secret("admin key", args.admin_key_file, "KVSHARE_ADMIN_KEY", args.admin_key)
         config = RouterConfig(replicas=tuple(args.replica), policy=args.policy, host=args.host, port=args.port,
                               health_interval_s=args.health_interval, session_header=args.session_header,
                               session_ttl_s=args.session_ttl, api_keys=tuple(args.api_key),
-                              write_timeout_s=args.write_timeout, instance_id=args.instance_id)
+                              write_timeout_s=args.write_timeout, instance_id=args.instance_id, admin_key=admin_key,
+                              tenant_header=args.tenant_header, expose_replica_header=args.expose_replica_header)
     except ValueError as exc:
         raise UserError(str(exc)) from None
     check_ports_free(config.host, {config.port: "the router"})

@@ -92,6 +92,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", action="append", default=[], help="require this bearer token (repeatable)")
     p.add_argument("--tenant-header", default="", help="header whose value salts the pool namespace per tenant "
                    "(with --api-key it splits a key's namespace further; docs/reliability.md)")
+    p.add_argument("--provenance", choices=("off", "own-tenant", "all"), default="own-tenant",
+                   help="who gets the kvshare object (local/pool/computed tokens) and cached_tokens: all; only "
+                        "requests with a namespace of their own (a tenant or a cache_salt; the default); or nobody. "
+                        "For requests that share a namespace it says what others asked (docs/operations.md)")
+    p.add_argument("--max-tokenize-size", type=parse_size, default="1MiB",
+                   help="largest /tokenize or /detokenize body (larger: 413)")
     p.add_argument("--audit-rate", type=float, default=0.0,
                    help="share of requests served with reused KV that are recomputed cold when idle and compared "
                         "(a mismatch is counted, logged, and its chunks dropped; default 0: off)")
@@ -129,6 +135,7 @@ def serve_config(args: argparse.Namespace):
                        max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens_limit,
                        api_keys=tuple(args.api_key), tenant_header=args.tenant_header,
                        write_timeout_s=args.write_timeout, instance_id=args.instance_id, warmup=args.warmup,
+                       provenance=args.provenance, max_tokenize_bytes=args.max_tokenize_size,
                        audit=AuditConfig(rate=args.audit_rate, num_tokens=args.audit_tokens,
                                          gap_threshold=args.audit_gap_threshold))
 

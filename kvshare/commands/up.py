@@ -45,6 +45,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="require this bearer token at the router and every replica (repeatable)")
     p.add_argument("--tenant-header", default="",
                    help="header whose value salts the pool namespace per tenant (e.g. X-Tenant-ID)")
+    p.add_argument("--admin-key-file", default="", metavar="PATH",
+                   help="file holding the key the router's /admin/ needs (default: $KVSHARE_ADMIN_KEY)")
+    p.add_argument("--provenance", choices=("off", "own-tenant", "all"), default="all",
+                   help="built-in replicas' --provenance (default all: up is one user's cluster; a shared one "
+                        "should say own-tenant, with --api-key or --tenant-header)")
+    p.add_argument("--expose-replica-header", action="store_true",
+                   help="the router adds X-KVShare-Replica to responses (it tells a client where a prefix lives)")
     p.add_argument("--max-restarts", type=int, default=RestartPolicy.max_restarts,
                    help="restarts of one child allowed within --restart-window; one more exit stops up (default 5)")
     p.add_argument("--restart-window", type=float, default=RestartPolicy.window_s, metavar="SECONDS",
@@ -71,14 +78,17 @@ def run(args: argparse.Namespace) -> int:
                         "--replica-arg=--kv-cache-dtype=fp8")
     replica_args = tuple(args.replica_arg) + (("--deterministic",) if args.deterministic else ())
     replica_args += ("--kv-dtype", args.kv_dtype) if args.kv_dtype != "auto" else ()
+    router_args = tuple(args.router_arg) + (("--admin-key-file", args.admin_key_file) if args.admin_key_file else ())
+    router_args += ("--expose-replica-header",) if args.expose_replica_header else ()
     try:
         config = ClusterConfig(num_replicas=args.replicas, model=args.model, engine=args.engine, device=args.device,
                                pool_size=None if args.pool == "off" else args.pool_size, policy=args.policy,
                                host=args.host, port=args.port, vllm_python=args.vllm_python,
                                tensor_parallel_size=args.tensor_parallel_size,
                                replica_args=replica_args, pool_args=tuple(args.pool_arg),
-                               router_args=tuple(args.router_arg), api_keys=tuple(args.api_key),
-                               tenant_header=args.tenant_header, model_revision=args.model_revision)
+                               router_args=router_args, api_keys=tuple(args.api_key),
+                               tenant_header=args.tenant_header, provenance=args.provenance,
+                               model_revision=args.model_revision)
         policy = RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window)
     except ValueError as exc:
         raise UserError(str(exc)) from None

@@ -7,6 +7,8 @@ Levels (--level, comma list; default all):
              one changed weight (equal config and headers) gives another namespace, a renamed copy the same
   full-pool  every page of the pool allocated, written with a per-page pattern and verified
   service    pool ON == pool OFF responses (temperature 0) on live replicas, with provenance
+  isolation  two tenants, one prompt, on a cluster it starts (tenant header, --provenance own-tenant,
+             cache_aware router): no shared pages, no routing signal, no provenance signal (not in the default)
 Exit status 0 when no level failed; levels that need hardware this machine lacks are skipped, not passed.
 """
 
@@ -20,7 +22,8 @@ from kvshare.units import parse_size
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.add_argument("--level", default="bytes,helpers,full-pool,service",
-                   help="comma list of levels: bytes, helpers, full-pool, service (default: all)")
+                   help="comma list of levels: bytes, helpers, full-pool, service, isolation "
+                        "(default: all but isolation)")
     p.add_argument("--device", default="auto", help="auto (cuda when a GPU is seen), cpu, cuda or cuda:N")
     p.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="write the full report as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

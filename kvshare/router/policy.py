@@ -65,16 +65,17 @@ class SessionTable:
 
 
 def prefix_blocks(text: str, block_chars: int = PREFIX_BLOCK_CHARS, max_blocks: int = 512,
-                  cache_salt: str | None = None) -> tuple[bytes, ...]:
+                  salt: str = "") -> tuple[bytes, ...]:
     """Chained hashes of the full ``block_chars`` blocks of ``text`` (like the pool's chunk keys).
 
-    A request's cache_salt seeds the chain, as it salts the replicas' keys: requests of two salts never
-    match, so where one salt's prefix went never steers (nor, through ``kvshare.replica``, shows) another's.
+    ``salt`` is the request's namespace salt (kvshare.serve.tenancy.namespace_salt: its tenant identity, split
+    by its cache_salt), the one that salts the replicas' keys; it seeds the chain, so requests of two salts
+    never match: where one tenant's prefix went never steers (nor, through a replica header, shows) another's.
     """
     blocks, previous = [], b""
-    if cache_salt is not None:
-        salt = cache_salt.encode("utf-8", "surrogatepass")  # any JSON string, lone surrogates too
-        previous = hashlib.blake2b(b"cache_salt\0" + salt, digest_size=8).digest()
+    if salt:
+        seed = salt.encode("utf-8", "surrogatepass")  # any JSON string, lone surrogates too
+        previous = hashlib.blake2b(b"namespace_salt\0" + seed, digest_size=8).digest()
     for start in range(0, min(len(text), block_chars * max_blocks) - block_chars + 1, block_chars):
         previous = hashlib.blake2b(previous + text[start : start + block_chars].encode(), digest_size=8).digest()
         blocks.append(previous)

@@ -3,8 +3,10 @@
 Bytes of a response are passed on as they arrive (no buffering of streams). A
 request whose replica cannot be reached before the first byte of its response
 goes to the next replica the policy ranked; after the first byte it cannot move.
-With API keys set, /v1/ and /admin/ requests need one (``Authorization: Bearer KEY``),
-checked before anything is proxied; the header travels on to the replica.
+With API keys set, /v1/, /tokenize and /detokenize need one (``Authorization: Bearer KEY``),
+checked before anything is proxied; the header travels on to the replica. /admin/ needs the admin
+key (an API key is not enough: a tenant must not drain a replica others use); without an admin key
+it is open only where no API key is set either.
 
 Its own errors (no such route, no replica available, a bad key, a body too large) have the
 replicas' status, type and code (kvshare.serve.http_errors), so a client sees one API whether
@@ -29,7 +31,7 @@ from kvshare.serve.api_types import ApiError
 from kvshare.serve.http_errors import body_too_large, error_response, http_error
 from kvshare.serve.connection import is_gone, limit_send_buffer
 from kvshare.serve.server import version
-from kvshare.serve.tenancy import Unauthorized, check_api_key
+from kvshare.serve.tenancy import Unauthorized, check_api_key, namespace_salt, tenant_identity
 
 log = logging.getLogger("kvshare.router")
 _HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "content-encoding"}
@@ -49,9 +51,12 @@ class RouterConfig:
     max_sessions: int = 100_000
     connect_timeout_s: float = 5.0
     api_keys: tuple[str, ...] = ()  # empty: no authentication
+    admin_key: str = ""  # /admin/ needs it (--admin-key-file, $KVSHARE_ADMIN_KEY); none: open only without API keys
     write_timeout_s: float = 30.0  # a client that takes longer to accept one write of a response is dropped
     stream_buffer_bytes: int = 256 << 10  # kernel send buffer towards a client (kvshare.serve.connection.limit_send_buffer)
     instance_id: str = ""  # --instance-id: kvshare up's id of this process, reported by /health
+    tenant_header: str = ""  # the replicas' --tenant-header: with the API key it seeds cache_aware's prefix memory
+    expose_replica_header: bool = False  # X-KVShare-Replica on responses: says which replica holds a prefix
 
     def __post_init__(self) -> None:
         if not self.replicas:
@@ -59,7 +64,8 @@ class RouterConfig:
         for url in self.replicas:
             if not url.startswith(("http://", "https://")) or len(url.split("://", 1)[1].strip("/")) == 0:
                 raise ValueError(f"--replica {url}: give the replica's URL with its scheme, e.g. http://{url}")
-        if any(not key or key != key.strip() for key in self.api_keys):
+        keys = (*self.api_keys, self.admin_key) if self.admin_key else self.api_keys
+        if any(not key or key != key.strip() for key in keys):
             raise ValueError("an API key must be non-empty and carry no surrounding spaces")
         if self.write_timeout_s <= 0:
             raise ValueError(f"write_timeout_s must be positive, got {self.write_timeout_s}")
@@ -128,10 +134,17 @@ class RouterServer:
 
     @web.middleware
     async def _guard(self, request: web.Request, handler):
-        """API keys before anything else; aiohttp's own errors (404, 405, 413) as OpenAI-style bodies."""
-        if self.config.api_keys and request.path.startswith(("/v1/", "/admin/")):
+        """Keys before anything else; aiohttp's own errors (404, 405, 413) as OpenAI-style bodies."""
+        cfg = self.config
+        is_admin = request.path.startswith("/admin/")
+        if is_admin and cfg.api_keys and not cfg.admin_key:
+            return error_response(ApiError(403, "/admin/ needs the router's admin key, and none is set: start it with "
+                                                "--admin-key-file or $KVSHARE_ADMIN_KEY", code="admin_key_not_set",
+                                           error_type="permission_error"))
+        needed = (cfg.admin_key,) if is_admin and cfg.admin_key else cfg.api_keys
+        if needed and request.path.startswith(("/v1/", "/admin/", "/tokenize", "/detokenize")):
             try:
-                check_api_key(request.headers, self.config.api_keys)
+                check_api_key(request.headers, needed)
             except Unauthorized as exc:
                 return error_response(ApiError(401, str(exc), code="invalid_api_key", error_type="authentication_error"))
         try:
@@ -225,8 +238,15 @@ class RouterServer:
             text = parsed.prompt if isinstance(parsed.prompt, str) else msgspec.json.encode(parsed.prompt).decode()
         if not hashes:
             return RouteFacts(session_id=session, chat_turn=turn, prefix_blocks=())
-        salt = parsed.cache_salt if isinstance(parsed.cache_salt, str) else None
-        return RouteFacts(session_id=session, chat_turn=turn, prefix_blocks=prefix_blocks(text, cache_salt=salt))
+        salt = namespace_salt(self._tenant(request), parsed.cache_salt if isinstance(parsed.cache_salt, str) else None)
+        return RouteFacts(session_id=session, chat_turn=turn, prefix_blocks=prefix_blocks(text, salt=salt))
+
+    def _tenant(self, request: web.Request) -> str:
+        """The request's tenant identity, as the replicas derive it (the guard has checked its key)."""
+        cfg = self.config
+        header_value = request.headers.get(cfg.tenant_header, "") if cfg.tenant_header else ""
+        api_key = check_api_key(request.headers, cfg.api_keys) if cfg.api_keys else ""
+        return tenant_identity(api_key, header_value)
 
     async def proxy(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
@@ -262,7 +282,8 @@ class RouterServer:
 
     async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse, replica: ReplicaState):
         headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
-        headers["X-KVShare-Replica"] = replica.url
+        if self.config.expose_replica_header:  # off by default: it would tell any client where a prefix lives
+            headers["X-KVShare-Replica"] = replica.url
         response = web.StreamResponse(status=upstream.status, headers=headers)
         limit_send_buffer(request, self.config.stream_buffer_bytes)
         await response.prepare(request)

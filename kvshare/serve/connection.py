@@ -6,6 +6,8 @@ import socket
 
 from aiohttp import web
 
+from kvshare.serve.http_errors import body_too_large
+
 
 def limit_send_buffer(request: web.Request, num_bytes: int) -> None:
     """Bound the kernel's send buffer of a response's connection.
@@ -24,3 +26,13 @@ def is_gone(request: web.Request) -> bool:
     attribute of the transport, no I/O (the handler itself learns of it only at its next write)."""
     transport = request.transport
     return transport is None or transport.is_closing()
+
+
+async def read_capped(request: web.Request, limit: int) -> bytes:
+    """The request's body; an ApiError 413 (body_too_large) when it is longer than ``limit`` bytes."""
+    if request.content_length is not None and request.content_length > limit:
+        raise body_too_large(limit)
+    body = await request.content.read(limit + 1)
+    if len(body) > limit:
+        raise body_too_large(limit)
+    return body

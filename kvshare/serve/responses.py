@@ -7,9 +7,10 @@ The server feeds each ``TokenEvent`` to ``ResponseBuilder.add`` and writes what 
     not streaming  add() -> []; final_body() -> one completion / chat.completion body
 
 Every final answer carries ``usage`` (``cached_tokens``: local + pool) and the ``kvshare``
-object, the request's provenance: which replica, and how many prompt tokens came from its
-local cache, from the pool, and were computed; with ``{"kvshare": {"timeline": true}}`` also the
-request's ``timeline`` (kvshare.engine.timeline: seconds since arrival of each step to the first token).
+object, the request's provenance (both withheld where ServeConfig.provenance says so): which
+replica, and how many prompt tokens came from its local cache, from the pool, and were computed;
+with ``{"kvshare": {"timeline": true}}`` also the request's ``timeline`` (kvshare.engine.timeline:
+seconds since arrival of each step to the first token).
 """
 
 from __future__ import annotations
@@ -20,6 +21,16 @@ from typing import Any
 
 from kvshare.serve.detokenize import TextStream
 from kvshare.serve.render import chat_logprobs, completion_logprobs
+
+# who sees a request's provenance (where its prompt tokens came from, cached_tokens): it says whether a prefix was
+# in the caches already, so across the users of one namespace it is a prompt oracle. own-tenant: only requests
+# whose namespace is their own (a tenant identity or a cache_salt); off: nobody; all: everybody (one user)
+PROVENANCE = ("off", "own-tenant", "all")
+
+
+def is_provenance_shown(policy: str, namespace_salt: str) -> bool:
+    """Whether a request of this namespace salt (tenancy.namespace_salt) gets its provenance under ``policy``."""
+    return policy == "all" or (policy == "own-tenant" and bool(namespace_salt))
 
 
 @dataclass
@@ -37,9 +48,11 @@ class Prepared:
 class ResponseBuilder:
     """Accumulates one request's tokens into OpenAI bodies and stream chunks."""
 
-    def __init__(self, req, prep: Prepared, chat: bool, rid: str, tokenizer: Any, replica_name: str) -> None:
+    def __init__(self, req, prep: Prepared, chat: bool, rid: str, tokenizer: Any, replica_name: str,
+                 is_provenance_shown: bool = True) -> None:
         self.req, self.prep, self.chat, self.rid = req, prep, chat, rid
         self.tokenizer, self.replica_name = tokenizer, replica_name
+        self.is_provenance_shown = is_provenance_shown  # ServeConfig.provenance decided it for this request
         self.stream = TextStream(tokenizer.decode, prep.stops)
         self.token_ids: list[int] = []
         self.events: list[Any] = []
@@ -93,15 +106,21 @@ class ResponseBuilder:
         p = self.provenance
         cached = (p.local_tokens + p.pool_tokens) if p else 0
         n_prompt = len(self.prep.prompt_ids)
+        details = {"cached_tokens": cached} if self.is_provenance_shown else None  # null, as vLLM's by default
         return {"prompt_tokens": n_prompt, "completion_tokens": self.num_tokens,
-                "total_tokens": n_prompt + self.num_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
+                "total_tokens": n_prompt + self.num_tokens, "prompt_tokens_details": details}
 
     def kvshare(self) -> dict:
+        """The request's provenance, or {} where it is withheld: which replica served, what it held already and how
+        long its steps took are what another user of the namespace could learn the prompts of others from."""
+        if not self.is_provenance_shown:
+            return {}
+        timeline = {"timeline": self.prep.options.timeline.as_dict()} if self.prep.options.timeline is not None else {}
         p = self.provenance
         return {"replica": self.replica_name,
                 "local_tokens": p.local_tokens if p else 0, "pool_tokens": p.pool_tokens if p else 0,
                 "computed_tokens": p.computed_tokens if p else 0, "deterministic": bool(p and p.is_deterministic),
-                **({"timeline": self.prep.options.timeline.as_dict()} if self.prep.options.timeline is not None else {})}
+                **timeline}
 
     def final_chunks(self) -> list[dict]:
         last = self._chunk("" if not self.chat else {}, self.finish_reason or "stop")

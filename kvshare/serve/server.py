@@ -25,12 +25,12 @@ import kvshare
 from kvshare.serve import api_types as A
 from kvshare.serve import tokenize as T
 from kvshare.serve.audit import AuditConfig, Auditor
-from kvshare.serve.connection import is_gone, limit_send_buffer
+from kvshare.serve.connection import is_gone, limit_send_buffer, read_capped
 from kvshare.serve.http_errors import body_too_large, engine_error, error_response, http_error
 from kvshare.serve.metrics import ReplicaMetrics
 from kvshare.serve.models import ServedModels
 from kvshare.serve.readiness import Readiness
-from kvshare.serve.responses import Prepared, ResponseBuilder
+from kvshare.serve.responses import PROVENANCE, Prepared, ResponseBuilder, is_provenance_shown
 from kvshare.serve.sampling import sampling_params
 from kvshare.serve.tenancy import Unauthorized, check_api_key, namespace_salt, tenant_identity
 from kvshare.serve.warm_path import warm_request_path
@@ -58,6 +58,8 @@ class ServeConfig:
     audit: AuditConfig = AuditConfig()  # --audit-rate: recompute a sample of reused requests cold (serve/audit.py)
     instance_id: str = ""  # --instance-id: kvshare up's id of this process, reported by /health
     warmup: bool = False  # run the warm-up (kvshare.engine.warmup) before reporting healthy; serve: on (--no-warmup)
+    provenance: str = "own-tenant"  # --provenance: to whom the "kvshare" object and cached_tokens are shown
+    max_tokenize_bytes: int = 1 << 20  # a /tokenize or /detokenize body larger than this gets 413
 
     def __post_init__(self) -> None:
         if self.max_body_bytes <= 0 or self.max_requests <= 0 or self.max_tokens_limit <= 0:
@@ -66,6 +68,10 @@ class ServeConfig:
             raise ValueError("write_timeout_s and stream_buffer_bytes must be positive")
         if any(not key or key != key.strip() for key in self.api_keys):
             raise ValueError("an API key must be non-empty and carry no surrounding spaces")
+        if self.provenance not in PROVENANCE:
+            raise ValueError(f"--provenance {self.provenance}: choose one of {', '.join(PROVENANCE)}")
+        if self.max_tokenize_bytes <= 0:
+            raise ValueError("max_tokenize_bytes must be positive")
 
 
 class ReplicaServer:
@@ -121,7 +127,7 @@ class ReplicaServer:
     @web.middleware
     async def _errors(self, request: web.Request, handler):
         try:
-            if self.config.api_keys and request.path.startswith(("/v1/", "/admin/")):
+            if self.config.api_keys and request.path.startswith(("/v1/", "/admin/", "/tokenize", "/detokenize")):
                 self._authenticate(request)
             return await handler(request)
         except A.ApiError as exc:
@@ -170,15 +176,18 @@ class ReplicaServer:
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response(self.served.listing())
 
+    # a tokenizer call's work is linear in its body: capped, and run off the loop so that no stream waits for it
     async def tokenize(self, request: web.Request) -> web.Response:
-        req = A.decode(await request.read(), T.TokenizeRequest)
+        req = A.decode(await read_capped(request, self.config.max_tokenize_bytes), T.TokenizeRequest)
         self.served.resolve(req.model)
-        return web.json_response(T.tokenize(req, self.engine.tokenizer, self.engine.max_model_len))
+        run = asyncio.get_running_loop().run_in_executor
+        return web.json_response(await run(None, T.tokenize, req, self.engine.tokenizer, self.engine.max_model_len))
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        req = A.decode(await request.read(), T.DetokenizeRequest)
+        req = A.decode(await read_capped(request, self.config.max_tokenize_bytes), T.DetokenizeRequest)
         self.served.resolve(req.model)
-        return web.json_response(T.detokenize(req, self.engine.tokenizer, self.engine.model_config.vocab_size))
+        run, vocab = asyncio.get_running_loop().run_in_executor, self.engine.model_config.vocab_size
+        return web.json_response(await run(None, T.detokenize, req, self.engine.tokenizer, vocab))
 
     async def ping(self, request: web.Request) -> web.Response:
         """GET or POST /ping: vLLM's (SageMaker's) liveness check, 200 with an empty body."""
@@ -294,7 +303,8 @@ class ReplicaServer:
         except QueueFull as exc:
             raise A.ApiError(429, str(exc), code="too_many_requests", error_type="rate_limit_error") from None
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        out = ResponseBuilder(req, prep, chat, rid, self.engine.tokenizer, self.config.replica_name)
+        out = ResponseBuilder(req, prep, chat, rid, self.engine.tokenizer, self.config.replica_name,
+                              is_provenance_shown=is_provenance_shown(self.config.provenance, prep.options.tenant))
         response = None
         try:
             if req.stream:

@@ -16,7 +16,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 PASS, FAIL, SKIP, CAUGHT = "pass", "fail", "skip", "caught"
-LEVELS = ("bytes", "helpers", "full-pool", "service")  # the ladder, in the order the report shows it
+LEVELS = ("bytes", "helpers", "full-pool", "service", "isolation")  # the ladder, in the order the report shows it
+DEFAULT_LEVELS = LEVELS[:4]  # isolation starts a cluster of its own: asked for by name
 
 
 @dataclass

@@ -16,16 +16,16 @@ import traceback
 from contextlib import ExitStack
 from dataclasses import dataclass
 
-from kvshare.validate.report import FAIL, LEVELS, LevelResult, ValidateReport
+from kvshare.validate.report import DEFAULT_LEVELS, FAIL, LEVELS, LevelResult, ValidateReport
 
 log = logging.getLogger("kvshare.validate")
-RUN_ORDER = ("full-pool", "bytes", "helpers", "service")
+RUN_ORDER = ("full-pool", "bytes", "helpers", "service", "isolation")
 POOL_LEVELS = ("bytes", "full-pool")
 
 
 @dataclass(frozen=True)
 class ValidateConfig:
-    levels: tuple[str, ...] = LEVELS
+    levels: tuple[str, ...] = DEFAULT_LEVELS
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     pool: str | None = None  # socket of a running pool; None: start one of pool_size
     pool_size: int = 4 << 30
@@ -92,6 +92,12 @@ def _run_level(level: str, config: ValidateConfig, session, device: str, console
 
             return run_full_pool_level(session, config.page_size, show_progress=config.progress,
                                        num_threads=config.threads, console=console)
+        if level == "isolation":
+            from kvshare.validate.isolation import run_isolation_level
+
+            return run_isolation_level(config.model, device, config.service_pool_size,
+                                       ("--chunk-tokens", str(config.chunk_tokens), *config.replica_args),
+                                       config.request_timeout_s)
         from kvshare.validate.service_run import run_service
 
         return run_service(config, device, console)

@@ -21,15 +21,19 @@ from tests.pool.conftest import make_keys
 from tests.reliability.conftest import call, completion, health, is_openai_error, pool_is_clean, start
 
 pytestmark = pytest.mark.reliability
-KEY_A, KEY_B = "key-a-0123456789", "key-b-9876543210"
+KEY_A, KEY_B, ADMIN_KEY = "key-a-0123456789", "key-b-9876543210", "admin-key-0123456789"
 A, B = {"Authorization": f"Bearer {KEY_A}"}, {"Authorization": f"Bearer {KEY_B}"}
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 PROMPT = "A tenant's confidential preamble, which no one else may reuse or time. " * 12  # ~850 tokens: 3 chunks
 PAGE = 2 << 20
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    c = start("round_robin", api_keys=(KEY_A, KEY_B), tenant_header="X-Tenant-ID")
+def cluster(tmp_path_factory):
+    admin_key_file = tmp_path_factory.mktemp("admin") / "admin.key"
+    admin_key_file.write_text(ADMIN_KEY + "\n")
+    c = start("round_robin", api_keys=(KEY_A, KEY_B), tenant_header="X-Tenant-ID",
+              router_args=("--admin-key-file", str(admin_key_file)))
     yield c
     c.stop()
 
@@ -124,13 +128,14 @@ def test_list_leases_with_their_ages(cluster):
 
 def test_drain_a_replica_from_the_router_and_resume_it(cluster):
     r0 = cluster.replica_urls[0]
-    status, out = call(cluster.router_url, "/admin/drain", {"replica": r0, "drain": True}, A)
+    assert call(cluster.router_url, "/admin/drain", {"replica": r0, "drain": True}, A)[0] == 401  # a tenant's key
+    status, out = call(cluster.router_url, "/admin/drain", {"replica": r0, "drain": True}, ADMIN)
     assert status == 200 and out["draining"] is True
     assert health(cluster.router_url)["replicas"][0]["draining"] is True
     served = {completion(cluster.router_url, f"drained {i}", A)[1]["kvshare"]["replica"] for i in range(4)}
     assert served == {"replica1"}
-    assert call(cluster.router_url, "/admin/drain", {"replica": "http://127.0.0.1:1"}, A)[0] == 404
-    assert call(cluster.router_url, "/admin/drain", {"nothing": 1}, A)[0] == 400
-    assert call(cluster.router_url, "/admin/drain", {"replica": r0, "drain": False}, A)[0] == 200
+    assert call(cluster.router_url, "/admin/drain", {"replica": "http://127.0.0.1:1"}, ADMIN)[0] == 404
+    assert call(cluster.router_url, "/admin/drain", {"nothing": 1}, ADMIN)[0] == 400
+    assert call(cluster.router_url, "/admin/drain", {"replica": r0, "drain": False}, ADMIN)[0] == 200
     served = {completion(cluster.router_url, f"resumed {i}", A)[1]["kvshare"]["replica"] for i in range(4)}
     assert served == {"replica0", "replica1"}

@@ -120,15 +120,15 @@ def test_a_salt_that_is_not_a_non_empty_string_is_a_400(cluster, salt):
 
 def test_cache_aware_routing_matches_prefixes_of_one_salt_only():
     text = BODY * 2
-    unsalted, a, b = prefix_blocks(text), prefix_blocks(text, cache_salt="a"), prefix_blocks(text, cache_salt="b")
+    unsalted, a, b = prefix_blocks(text), prefix_blocks(text, salt="a"), prefix_blocks(text, salt="b")
     assert len(unsalted) == len(a) == len(b) > 0
     assert not set(unsalted) & set(a) and not set(a) & set(b) and not set(unsalted) & set(b)
-    assert prefix_blocks(text, cache_salt="a") == a
+    assert prefix_blocks(text, salt="a") == a
     router = Router("cache_aware", 2)
     idle = [ReplicaView(0, True, 0), ReplicaView(1, True, 0)]
     home = router.choose(RouteFacts(prefix_blocks=a), idle, now=0.0)[0]
     assert router.choose(RouteFacts(prefix_blocks=a), idle, now=0.0)[0] == home  # the same salt follows its prefix
     # another salt's request is placed as if nothing were cached (round robin), whichever replica holds a's prefix
-    picks = {router.choose(RouteFacts(prefix_blocks=prefix_blocks(text, cache_salt=f"s{i}")), idle, 0.0)[0]
+    picks = {router.choose(RouteFacts(prefix_blocks=prefix_blocks(text, salt=f"s{i}")), idle, 0.0)[0]
              for i in range(4)}
     assert picks == {0, 1}

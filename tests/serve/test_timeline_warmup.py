@@ -45,8 +45,9 @@ def replicas():
     with running_pool("256MiB", quiet=True) as sock:
         make = lambda: Engine(EngineConfig(model="tiny", pool_socket=sock, local_cache_bytes=64 << 20,
                                            verify_checksums=True))
-        server_a = ReplicaServer(make(), ServeConfig(replica_name="A"))
-        server_b = ReplicaServer(make(), ServeConfig(replica_name="B", warmup=True), warm_up=slow_warm_up)
+        server_a = ReplicaServer(make(), ServeConfig(replica_name="A", provenance="all"))
+        server_b = ReplicaServer(make(), ServeConfig(replica_name="B", warmup=True, provenance="all"),
+                                 warm_up=slow_warm_up)
         server_b.readiness.on_ready = lambda: announced.append("ready")
         with LiveApp(server_a.app()) as a, LiveApp(server_b.app()) as b:
             server_b.readiness.listening()  # what run_app's print callback does in kvshare serve

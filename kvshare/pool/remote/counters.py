@@ -40,6 +40,7 @@ class RemoteCounters:
     discarded_fingerprint: int = 0
     discarded_truncated: int = 0
     discarded_missing_part: int = 0
+    discarded_unauthenticated: int = 0  # pages without a valid tag for the page key (a store that lies)
 
 
 # every reason a remote page is discarded for has its counter

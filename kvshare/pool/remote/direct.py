@@ -3,14 +3,15 @@
 The loop has reserved one arena page per chunk (invisible until commit, owned by the
 tier's promoter id). Here, the replies of one pipelined GET land in those pages::
 
-    reply of part j of page p:  $len | header (72 B) -> checked later | payload -> arena[offset_p + part offset, ...)
+    reply of part j of page p:  $len | header (88 B) -> checked later | payload -> arena[offset_p + part offset, ...)
 
 The header's part offset says where a payload goes; a header that cannot be a
 part of the page, or a payload that would overrun it, is read and dropped. Then
 every check of format.check_parts runs (the same as for values fetched whole:
 versions, key, size, namespace, depth, part order and offsets, lengths), and the
 page's xxh3-64 is taken once, as the page now lies in the arena: it is both the
-check against the writer's checksum and the checksum the loop commits. A page
+check against the writer's checksum and the checksum the loop commits (with a
+page key, the page's tag is checked over the same bytes: format.check_page). A page
 that fails stays reserved here and is aborted by the loop; nothing of it is seen.
 """
 
@@ -23,8 +24,8 @@ import numpy as np
 from kvshare.pool.checksum import page_checksum
 from kvshare.pool.remote.breaker import CircuitBreaker
 from kvshare.pool.remote.config import MIN_PART_BYTES, RemoteConfig
-from kvshare.pool.remote.format import (BROKEN, HEADER, HEADER_BYTES, MAGIC, BadRemoteValue, check_checksum,
-                                        check_parts, num_parts, part_keys, part_place)
+from kvshare.pool.remote.format import (BROKEN, HEADER, HEADER_BYTES, MAGIC, BadRemoteValue, check_page, check_parts,
+                                        max_value_bytes, num_parts, part_keys, part_place)
 from kvshare.pool.remote.store import RemoteStore, RemoteStoreError
 from kvshare.pool.remote.workers import BREAKER, ERROR, MISS, delete_quietly
 
@@ -59,7 +60,7 @@ def fetch_into(store: RemoteStore, breaker: CircuitBreaker, cfg: RemoteConfig, a
 
     def read(names: list[str], where: list[tuple[int, int]]) -> None:
         slots[:] = where
-        store.read(names, cfg.ttl_s, HEADER_BYTES, place)
+        store.read(names, cfg.ttl_s, HEADER_BYTES, place, max_value_bytes(page_bytes))
 
     try:
         read([k for key, _ in pages for k in part_keys(cfg.prefix, key, count)],
@@ -79,8 +80,9 @@ def fetch_into(store: RemoteStore, breaker: CircuitBreaker, cfg: RemoteConfig, a
             if checked is None:
                 result.end = MISS
                 break
-            checksum = page_checksum(arena[offset : offset + page_bytes])
-            check_checksum(checked[0], checksum)
+            page = arena[offset : offset + page_bytes]
+            checksum = page_checksum(page)
+            check_page(checked[0], checksum, [page], cfg.auth_key)
         except BadRemoteValue as exc:
             result.end = exc.reason
             result.discarded.append((exc.reason, f"chunk {key.hex()}: {exc}"))

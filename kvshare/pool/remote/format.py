@@ -3,8 +3,8 @@
 A page (one chunk, ``page_bytes``) travels as ``part_count`` values of at most
 ``part_bytes`` each (header included), so no single value blocks the store for long::
 
-    key of part i   {prefix}:v1:{<chunk key, 32 hex>}:i     (the braces are a cluster hash tag)
-    value           | header (72 B) | payload: page bytes [part_offset, part_offset + len) |
+    key of part i   {prefix}:v2:{<chunk key, 32 hex>}:i     (the braces are a cluster hash tag)
+    value           | header (88 B) | payload: page bytes [part_offset, part_offset + len) |
 
 Sizes follow the store's allocator: Redis and Valkey (jemalloc) round a string
 of 2^k + a few bytes up to the next size class, 2^k * 1.25, so a 2 MiB page
@@ -18,7 +18,7 @@ header; the last part holds the few hundred bytes left::
 
     header  magic "KVSR" | format version u16 | page format version u16 | part index u16 |
             part count u16 | depth u32 | page bytes u64 | part offset u64 | page checksum u64 |
-            chunk key 16 B | namespace digest 16 B                      (little endian)
+            chunk key 16 B | namespace digest 16 B | page tag 16 B      (little endian)
 
 The hash tag puts every part of a page on one cluster node (one slot), so a
 page is fetched in one round trip and a node loss loses whole pages; pages
@@ -27,28 +27,43 @@ the namespace digest (model, weights, KV layout, tenant), so the key alone
 says what the bytes mean; the header repeats the key, the namespace and the
 page size (the layout fingerprint a reader checks), and the whole-page
 xxh3-64 checksum recorded at the local commit.
+
+The store is a network service that may be shared or taken over, and a checksum
+written by whoever wrote the bytes proves nothing about them. With a page key
+(``RemoteConfig.auth_key``) every page carries a tag, keyed BLAKE2b-128 (a MAC)
+over its namespace, chunk key, depth, size and bytes; a reader with the key
+treats a page without a valid tag as absent (counted as ``unauthenticated``,
+logged, never deleted: it may be another deployment's). Without a key the tag is
+zeros and the store is trusted.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import struct
 from dataclasses import dataclass
 
 import xxhash
 
 from kvshare.keys import KEY_BYTES
+from kvshare.pool.remote.config import MAX_PART_BYTES
 from kvshare.pool.protocol import FORMAT_VERSION
 
-REMOTE_FORMAT_VERSION = 1
+REMOTE_FORMAT_VERSION = 2  # 2: the page tag
 MAGIC = b"KVSR"
-HEADER = struct.Struct("<4sHHHHIQQQ16s16s")
-HEADER_BYTES = HEADER.size  # 72
+HEADER = struct.Struct("<4sHHHHIQQQ16s16s16s")
+HEADER_BYTES = HEADER.size  # 88
+TAG_BYTES = 16
+NO_TAG = bytes(TAG_BYTES)  # the tag of a page written without a page key
 
 # why a value was discarded (the names of the counters in stats["remote"])
 CHECKSUM, VERSION, FINGERPRINT, TRUNCATED, MISSING_PART = "checksum", "version", "fingerprint", "truncated", "missing_part"
-REASONS = (CHECKSUM, VERSION, FINGERPRINT, TRUNCATED, MISSING_PART)
+UNAUTHENTICATED = "unauthenticated"
+REASONS = (CHECKSUM, VERSION, FINGERPRINT, TRUNCATED, MISSING_PART, UNAUTHENTICATED)
 # reasons that mean the stored value itself is broken (deleted so a writer can replace it);
-# a missing part may be a write in progress, a foreign fingerprint someone else's valid page
+# a missing part may be a write in progress, a foreign fingerprint someone else's valid page,
+# and a page without a valid tag is not ours to judge
 BROKEN = (CHECKSUM, VERSION, TRUNCATED)
 
 
@@ -69,6 +84,7 @@ class PageMeta:
     depth: int
     page_bytes: int
     checksum: int
+    tag: bytes = NO_TAG  # page_tag() under the writer's page key; NO_TAG without one
 
 
 @dataclass(frozen=True)
@@ -94,6 +110,11 @@ def part_payload_bytes(page_bytes: int, part_bytes: int) -> int:
     return size - HEADER_BYTES - VALUE_SLACK
 
 
+def max_value_bytes(page_bytes: int) -> int:
+    """The longest value a part of a page can be (header and payload), whatever part size its writer used."""
+    return HEADER_BYTES + min(page_bytes, MAX_PART_BYTES)
+
+
 def num_parts(page_bytes: int, part_bytes: int) -> int:
     return -(-page_bytes // part_payload_bytes(page_bytes, part_bytes))
 
@@ -109,7 +130,7 @@ def part_keys(prefix: str, key: bytes, count: int) -> list[str]:
 def encode_part(meta: PageMeta, index: int, count: int, part_offset: int, payload) -> bytes:
     """One stored value: the header, then ``payload`` (any buffer; copied once)."""
     header = HEADER.pack(MAGIC, REMOTE_FORMAT_VERSION, FORMAT_VERSION, index, count, meta.depth,
-                         meta.page_bytes, part_offset, meta.checksum, meta.key, meta.namespace)
+                         meta.page_bytes, part_offset, meta.checksum, meta.key, meta.namespace, meta.tag)
     return b"".join((header, payload))
 
 
@@ -120,12 +141,13 @@ def part_count_of(value: bytes) -> int | None:
     return HEADER.unpack_from(value)[4]
 
 
-def decode_page(values: list[bytes | None], key: bytes, page_bytes: int, namespace: bytes | None) -> RemotePage | None:
+def decode_page(values: list[bytes | None], key: bytes, page_bytes: int, namespace: bytes | None,
+                auth_key: bytes = b"") -> RemotePage | None:
     """Check the values of a page's parts (in part order); None when the store holds no part of it.
 
     Raises BadRemoteValue when a part is missing or malformed, the header names another
     version, key, size or namespace (``namespace`` None: any), or the bytes do not match
-    the page checksum.
+    the page checksum (or, with ``auth_key``, the page tag).
     """
     parts = [None if v is None else (v[:HEADER_BYTES], len(v) - min(len(v), HEADER_BYTES)) for v in values]
     checked = check_parts(parts, key, page_bytes, namespace)
@@ -136,7 +158,7 @@ def decode_page(values: list[bytes | None], key: bytes, page_bytes: int, namespa
     digest = xxhash.xxh3_64()
     for payload in payloads:
         digest.update(payload)
-    check_checksum(meta, digest.intdigest())
+    check_page(meta, digest.intdigest(), payloads, auth_key)
     return RemotePage(meta, payloads)
 
 
@@ -146,7 +168,7 @@ def check_parts(parts: list[tuple[bytes, int] | None], key: bytes, page_bytes: i
 
     Returns the page's header and its part count (a reader may have asked for more).
 
-    Every check but the checksum (``check_checksum``, over the payloads once they lie in
+    Every check but those of the bytes (``check_page``, over the payloads once they lie in
     place): the parts' payloads, in order, then cover the page exactly. ``depth`` None: any.
     """
     if all(p is None for p in parts):
@@ -157,7 +179,7 @@ def check_parts(parts: list[tuple[bytes, int] | None], key: bytes, page_bytes: i
     count = first[4]
     if len(parts) < count or any(p is None for p in parts[:count]):
         raise BadRemoteValue(MISSING_PART, f"{sum(p is not None for p in parts[:count])} of {count} parts present")
-    meta = PageMeta(key=key, namespace=first[10], depth=first[5], page_bytes=first[6], checksum=first[8])
+    meta = PageMeta(key=key, namespace=first[10], depth=first[5], page_bytes=first[6], checksum=first[8], tag=first[11])
     if meta.page_bytes != page_bytes:
         raise BadRemoteValue(FINGERPRINT, f"page of {meta.page_bytes} bytes where {page_bytes} were asked for")
     if namespace is not None and meta.namespace != namespace:
@@ -169,7 +191,8 @@ def check_parts(parts: list[tuple[bytes, int] | None], key: bytes, page_bytes: i
         fields = _header(head, payload_bytes, key)
         if fields[3] != index or fields[4] != count:
             raise BadRemoteValue(MISSING_PART, f"value {index} is part {fields[3]} of {fields[4]} (a torn write)")
-        if (fields[5], fields[6], fields[8], fields[10]) != (meta.depth, meta.page_bytes, meta.checksum, meta.namespace):
+        if (fields[5], fields[6], fields[8], fields[10], fields[11]) != (meta.depth, meta.page_bytes, meta.checksum,
+                                                                        meta.namespace, meta.tag):
             raise BadRemoteValue(MISSING_PART, f"part {index} belongs to another write of this page")
         if fields[7] != offset:
             raise BadRemoteValue(TRUNCATED, f"part {index} starts at byte {fields[7]}, expected {offset}")
@@ -181,7 +204,24 @@ def check_parts(parts: list[tuple[bytes, int] | None], key: bytes, page_bytes: i
     return meta, count
 
 
-def check_checksum(meta: PageMeta, checksum: int) -> None:
+def page_tag(auth_key: bytes, meta: PageMeta, pieces) -> bytes:
+    """Keyed BLAKE2b-128 over what a page is: namespace, chunk key, depth, size, then its bytes (``pieces``)."""
+    if len(auth_key) > hashlib.blake2b.MAX_KEY_SIZE:
+        auth_key = hashlib.blake2b(auth_key).digest()
+    mac = hashlib.blake2b(key=auth_key, digest_size=TAG_BYTES, person=b"kvshare-page")
+    mac.update(struct.pack("<16s16sIQ", meta.namespace, meta.key, meta.depth, meta.page_bytes))
+    for piece in pieces:
+        mac.update(piece)
+    return mac.digest()
+
+
+def check_page(meta: PageMeta, checksum: int, pieces, auth_key: bytes = b"") -> None:
+    """The check of a page's bytes (``pieces``, in order, whose xxh3-64 is ``checksum``) against its header.
+
+    With ``auth_key`` the tag first: a page without a valid one is not ours, whatever its checksum says.
+    """
+    if auth_key and not hmac.compare_digest(page_tag(auth_key, meta, pieces), meta.tag):
+        raise BadRemoteValue(UNAUTHENTICATED, "page without a valid tag for this pool's page key")
     if checksum != meta.checksum:
         raise BadRemoteValue(CHECKSUM, "page bytes do not match the checksum recorded at commit")
 

@@ -10,19 +10,26 @@ A connection is taken from its node's pool for one pipeline and put back after
 it; one that fails is closed. A pooled connection that turns out broken (the
 store restarted) is replaced and the pipeline sent once more; a timeout is not
 retried. A cluster's slot map comes from CLUSTER SLOTS and is read again after
-a MOVED reply (that pipeline is then sent once more). Every failure surfaces as
-ReadError; the caller counts it and tells the circuit breaker.
+a MOVED reply (that pipeline is then sent once more). A map that names a node
+outside the configured ones (the URL's hosts and ``allowed_hosts``, by name or
+address) is refused: a store that lies must not send reads, and the pages they
+fill, to a host of its choosing. Every failure surfaces as ReadError; the caller
+counts it and tells the circuit breaker.
 """
 
 from __future__ import annotations
 
+import logging
+import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Callable
 
 from kvshare.pool.remote.config import RemoteAddress
-from kvshare.pool.remote.resp import Endpoint, RespConnection, RespError, server_endpoint
+from kvshare.pool.remote.resp import MAX_REPLY_BYTES, Endpoint, ReplyTooLong, RespConnection, RespError, server_endpoint
+
+log = logging.getLogger("kvshare.pool.remote")
 
 NUM_SLOTS = 16384
 # place(key index, head, rest length) -> where the rest of that key's value goes (None: drop it)
@@ -35,6 +42,21 @@ class ReadError(Exception):
 
 class _Moved(Exception):
     pass
+
+
+class _Refused(ValueError):
+    """The cluster named a node that is not among the configured ones."""
+
+
+def _names_and_addresses(hosts: list[str]) -> set[str]:
+    """``hosts`` and the addresses they resolve to (a name that does not resolve stands for itself only)."""
+    found = set(hosts)
+    for host in hosts:
+        try:
+            found.update(info[4][0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM))
+        except (OSError, UnicodeError):
+            pass
+    return found
 
 
 def crc16(data: bytes) -> int:
@@ -62,21 +84,27 @@ def key_slot(key: str) -> int:
 class StoreReader:
     """Pipelined GETs against one server or a cluster; thread-safe."""
 
-    def __init__(self, address: RemoteAddress, timeout_s: float) -> None:
+    def __init__(self, address: RemoteAddress, timeout_s: float, allowed_hosts: tuple[str, ...] = ()) -> None:
         self.address = address
         self.timeout_s = timeout_s
+        self.allowed_hosts = allowed_hosts  # cluster nodes besides the URL's (RemoteConfig.allow_hosts)
+        self._allowed: set[str] | None = None  # their names and addresses; resolved on first use
         self._lock = threading.Lock()
         self._idle: dict[Endpoint, list[RespConnection]] = {}
         self._is_closed = False
         if address.is_cluster:
-            self._seeds = [Endpoint(h, p, "", address.is_tls, address.username, address.password) for h, p in address.nodes]
+            self._seeds = [Endpoint(h, p, "", address.is_tls, address.username, address.password, 0, address.ca_file)
+                           for h, p in address.nodes]
             self._slots: list[Endpoint] | None = None  # slot -> primary; read on first use
         else:
             self._server = server_endpoint(address)
         self._fanout: ThreadPoolExecutor | None = None  # reads of one call on several nodes at once
 
-    def read(self, keys: list[str], ttl_s: int, head_bytes: int, place: PlaceAt) -> list[int | None]:
-        """GET (GETEX with ``ttl_s``) every key; its length, or None where absent. Raises ReadError."""
+    def read(self, keys: list[str], ttl_s: int, head_bytes: int, place: PlaceAt,
+             max_value_bytes: int) -> list[int | None]:
+        """GET (GETEX with ``ttl_s``) every key, each at most ``max_value_bytes``; its length, or None where absent.
+
+        Raises ReadError (a value over the bound too: the store is lying or holds what this reader cannot use)."""
         if not keys:
             return []
         lengths: list[int | None] = [None] * len(keys)
@@ -85,10 +113,11 @@ class StoreReader:
                 groups = self._by_node(list(range(len(keys))), keys)
                 if len(groups) == 1:
                     [(endpoint, indices)] = groups.items()
-                    self._read_node(endpoint, indices, keys, ttl_s, head_bytes, place, lengths)
+                    self._read_node(endpoint, indices, keys, ttl_s, head_bytes, place, lengths, max_value_bytes)
                 else:
                     pool = self._fanout_pool()
-                    futures = [pool.submit(self._read_node, e, ix, keys, ttl_s, head_bytes, place, lengths)
+                    futures = [pool.submit(self._read_node, e, ix, keys, ttl_s, head_bytes, place, lengths,
+                                           max_value_bytes)
                                for e, ix in groups.items()]
                     # every node's read ends before this returns: none may write into a page after it
                     errors = [f.exception() for f in futures]
@@ -102,11 +131,14 @@ class StoreReader:
                 if attempt:
                     raise ReadError(f"{self.address.display}: keys kept moving between cluster nodes") from None
             except (OSError, EOFError, RespError, ValueError) as exc:
+                if isinstance(exc, (ReplyTooLong, _Refused)):
+                    log.warning("remote store %s: %s; nothing of that read is used", self.address.display, exc)
                 raise ReadError(f"{self.address.display}: {type(exc).__name__}: {exc}") from None
         raise AssertionError("unreachable")
 
-    def get(self, keys: list[str], ttl_s: int = 0) -> list[bytearray | None]:
-        """Whole values (a fresh buffer each, received straight into it), None where absent."""
+    def get(self, keys: list[str], ttl_s: int = 0, max_value_bytes: int = MAX_REPLY_BYTES) -> list[bytearray | None]:
+        """Whole values of at most ``max_value_bytes`` (a fresh buffer each, received straight into it), None where
+        absent."""
         values: list[bytearray | None] = [None] * len(keys)
 
         def into_new_buffer(i: int, head: bytes, rest: int) -> memoryview:
@@ -114,7 +146,7 @@ class StoreReader:
             value[: len(head)] = head
             return memoryview(value)[len(head) :]
 
-        self.read(keys, ttl_s, 4096, into_new_buffer)
+        self.read(keys, ttl_s, 4096, into_new_buffer, max_value_bytes)
         return values
 
     def close(self) -> None:
@@ -131,7 +163,7 @@ class StoreReader:
     # -- one node ---------------------------------------------------------------------
 
     def _read_node(self, endpoint: Endpoint, indices: list[int], keys: list[str], ttl_s: int, head_bytes: int,
-                   place: PlaceAt, lengths: list) -> None:
+                   place: PlaceAt, lengths: list, max_value_bytes: int) -> None:
         commands = [("GETEX", keys[i], "EX", ttl_s) if ttl_s else ("GET", keys[i]) for i in indices]
         connection, is_reused = self._take(endpoint)
         try:
@@ -145,7 +177,8 @@ class StoreReader:
                 connection.send(commands)
             moved = None
             for i in indices:
-                reply = connection.read_bulk_into(head_bytes, lambda head, rest, i=i: place(i, head, rest))
+                reply = connection.read_bulk_into(head_bytes, lambda head, rest, i=i: place(i, head, rest),
+                                                  max_value_bytes)
                 if isinstance(reply, RespError):
                     if str(reply).startswith(("MOVED", "ASK")):
                         moved = reply  # read the other replies, so the connection stays usable
@@ -208,7 +241,11 @@ class StoreReader:
                 if isinstance(reply, RespError):
                     raise reply
                 slots = self._parse_slots(reply, seed)
+                for endpoint in set(slots):
+                    self.check_node(endpoint.host, endpoint.port)
                 break
+            except _Refused:
+                raise
             except (OSError, EOFError, RespError, ValueError) as exc:
                 error = exc
         else:
@@ -216,6 +253,16 @@ class StoreReader:
         with self._lock:
             self._slots = slots
         return slots
+
+    def check_node(self, host: str, port: int) -> None:
+        """Raise (_Refused, a ValueError) unless ``host`` is one of the configured nodes' hosts, by name or address."""
+        with self._lock:
+            if self._allowed is None:
+                self._allowed = _names_and_addresses([h for h, _ in self.address.nodes] + list(self.allowed_hosts))
+            allowed = self._allowed
+        if host not in allowed and not (_names_and_addresses([host]) & allowed):
+            raise _Refused(f"the cluster names node {host}:{port}, which is not among the configured nodes: add it "
+                           "to the URL or to --remote-allow-host if it is yours")
 
     @staticmethod
     def _parse_slots(reply: list, seed: Endpoint) -> list[Endpoint]:

@@ -13,24 +13,42 @@ Only what the data path needs: commands out as RESP arrays; simple strings,
 errors, integers, bulk strings, nil and arrays in. An error reply is returned
 as a RespError value (the pipeline goes on); a broken or timed-out connection
 raises OSError or EOFError, and the connection must then be closed.
+
+No length the server sends is taken as given: a bulk reply longer than its
+caller's bound (a page part: format.max_value_bytes) or than MAX_REPLY_BYTES
+(every other reply), or an array longer than MAX_ARRAY_ITEMS, raises
+ReplyTooLong before a byte of it is allocated or read.
 """
 
 from __future__ import annotations
 
 import socket
 import ssl
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from kvshare.pool.remote.config import RemoteAddress
 
 _BUFFER_BYTES = 1 << 16
+MAX_REPLY_BYTES = 1 << 20  # a reply other than a page part (set-up, CLUSTER SLOTS, small values)
+MAX_ARRAY_ITEMS = 1 << 16  # CLUSTER SLOTS of a cluster with every slot a range of its own: 16384
 Place = Callable[[bytes, int], "memoryview | None"]  # (head, rest length) -> where the rest goes; None: drop it
 
 
 class RespError(Exception):
     """An error reply of the server (``-ERR ...``, ``-MOVED 3999 host:port``)."""
+
+
+class ReplyTooLong(EOFError):
+    """The server announced a reply longer than the reader's bound: the connection is out of step, close it."""
+
+
+def _checked_length(line: bytes, limit: int, what: str) -> int:
+    length = int(line[1:])
+    if length > limit:
+        raise ReplyTooLong(f"the store announced a {what} {length} long where at most {limit} can be right")
+    return length
 
 
 @dataclass(frozen=True)
@@ -42,19 +60,22 @@ class Endpoint:
     unix_path: str = ""
     is_tls: bool = False
     username: str | None = None
-    password: str | None = None
+    password: str | None = field(default=None, repr=False)
     db: int = 0
+    ca_file: str = ""  # TLS: the CAs to check the server against; empty: the system's
 
 
 def server_endpoint(address: RemoteAddress) -> Endpoint:
-    """The endpoint of a single-server URL (redis://, rediss://, unix://)."""
+    """The endpoint of a single-server URL (redis://, rediss://, unix://); a password given apart from it wins."""
     parts = urlsplit(address.url)
-    username, password = unquote(parts.username or "") or None, unquote(parts.password or "") or None
+    username = unquote(parts.username or "") or None
+    password = address.password or unquote(parts.password or "") or None
     if parts.scheme == "unix":
         db = int(parse_qs(parts.query).get("db", ["0"])[0])
         return Endpoint(unix_path=parts.path, username=username, password=password, db=db)
     db = int(parts.path.strip("/") or 0)
-    return Endpoint(parts.hostname or "", parts.port or 6379, "", address.is_tls, username, password, db)
+    return Endpoint(parts.hostname or "", parts.port or 6379, "", address.is_tls, username, password, db,
+                    address.ca_file)
 
 
 def encode_command(*args: bytes | str | int) -> bytes:
@@ -82,7 +103,8 @@ class RespConnection:
             sock = socket.create_connection((endpoint.host, endpoint.port), timeout=timeout_s)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if endpoint.is_tls:
-                sock = ssl.create_default_context().wrap_socket(sock, server_hostname=endpoint.host)
+                context = ssl.create_default_context(cafile=endpoint.ca_file or None)
+                sock = context.wrap_socket(sock, server_hostname=endpoint.host)
         sock.settimeout(timeout_s)
         self._sock = sock
         self._buf = bytearray(_BUFFER_BYTES)
@@ -122,7 +144,7 @@ class RespConnection:
         line = self._line()
         kind, rest = line[:1], line[1:]
         if kind == b"$":
-            length = int(rest)
+            length = _checked_length(line, MAX_REPLY_BYTES, "reply")
             if length < 0:
                 return None
             value = bytearray(length)
@@ -136,18 +158,19 @@ class RespConnection:
         if kind == b"-":
             return RespError(rest.decode(errors="replace"))
         if kind == b"*":
-            count = int(rest)
+            count = _checked_length(line, MAX_ARRAY_ITEMS, "reply array")
             return None if count < 0 else [self.read_reply() for _ in range(count)]
         raise EOFError(f"not a RESP reply: {bytes(line[:40])!r}")
 
-    def read_bulk_into(self, head_bytes: int, place: Place) -> int | None | RespError:
-        """A bulk reply: its first ``head_bytes`` go to ``place``, the rest where it says; its length, None or an error."""
+    def read_bulk_into(self, head_bytes: int, place: Place, max_bytes: int) -> int | None | RespError:
+        """A bulk reply of at most ``max_bytes``: its first ``head_bytes`` go to ``place``, the rest where it says;
+        its length, None or an error."""
         line = self._line()
         if line[:1] != b"$":
             if line[:1] == b"-":
                 return RespError(bytes(line[1:]).decode(errors="replace"))
             raise EOFError(f"expected a bulk reply, got {bytes(line[:40])!r}")
-        length = int(line[1:])
+        length = _checked_length(line, max_bytes, "value")
         if length < 0:
             return None
         head = bytearray(min(length, head_bytes))

@@ -23,32 +23,36 @@ class RemoteStoreError(Exception):
 
 
 class RemoteStore:
-    def __init__(self, address: RemoteAddress, timeout_s: float) -> None:
+    def __init__(self, address: RemoteAddress, timeout_s: float, allowed_hosts: tuple[str, ...] = ()) -> None:
+        """``allowed_hosts``: cluster nodes besides the URL's that the cluster may send reads and writes to."""
         if importlib.util.find_spec("redis") is None:  # fail at start, not in the first write
             raise RuntimeError("the remote tier needs the redis client: pip install 'kvshare[remote]'")
         self.address = address
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
         self._redis = None  # built on first use: a cluster client contacts the nodes when it is built
-        self._reader = StoreReader(address, timeout_s)  # connects on first use
+        self._reader = StoreReader(address, timeout_s, allowed_hosts)  # connects on first use
 
     # -- operations ------------------------------------------------------------------
 
-    def get(self, keys: list[str], ttl_s: int = 0) -> list[bytearray | None]:
-        """Values of ``keys`` (None where absent); with ``ttl_s`` their expiry is refreshed (GETEX)."""
+    def get(self, keys: list[str], ttl_s: int, max_value_bytes: int) -> list[bytearray | None]:
+        """Values of ``keys`` (None where absent; a longer one fails the call); with ``ttl_s`` their expiry is
+        refreshed (GETEX)."""
         try:
-            return self._reader.get(keys, ttl_s)
+            return self._reader.get(keys, ttl_s, max_value_bytes)
         except ReadError as exc:
             raise RemoteStoreError(str(exc)) from None
 
-    def read(self, keys: list[str], ttl_s: int, head_bytes: int, place: PlaceAt) -> list[int | None]:
-        """GET ``keys``; ``place(i, first head_bytes of value i, rest length)`` says where the rest goes.
+    def read(self, keys: list[str], ttl_s: int, head_bytes: int, place: PlaceAt,
+             max_value_bytes: int) -> list[int | None]:
+        """GET ``keys``, each at most ``max_value_bytes`` (a longer one fails the call); ``place(i, first head_bytes
+        of value i, rest length)`` says where the rest goes.
 
         Returns each value's length (None: absent). When it returns or raises, no byte is
         written anywhere any more.
         """
         try:
-            return self._reader.read(keys, ttl_s, head_bytes, place)
+            return self._reader.read(keys, ttl_s, head_bytes, place, max_value_bytes)
         except ReadError as exc:
             raise RemoteStoreError(str(exc)) from None
 
@@ -115,9 +119,20 @@ class RemoteStore:
         common = dict(socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s, retry=retry,
                       decode_responses=False)
         a = self.address
-        if not a.is_cluster:
-            return redis.Redis.from_url(a.url, **common)
+        if not a.is_cluster:  # the URL's own ssl_ca_certs reaches redis-py; a password given apart from it too
+            return redis.Redis.from_url(a.url, **common, **({"password": a.password} if a.password else {}))
         from redis.cluster import ClusterNode, RedisCluster
 
         return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in a.nodes], username=a.username,
-                            password=a.password, ssl=a.is_tls, **common)
+                            password=a.password, ssl=a.is_tls, ssl_ca_certs=a.ca_file or None,
+                            address_remap=self._checked_node, **common)
+
+    def _checked_node(self, address: tuple[str, int]) -> tuple[str, int]:
+        """redis-py's hook on every node it is about to use: writes go only where reads may (reader.check_node)."""
+        from redis.exceptions import RedisClusterException
+
+        try:
+            self._reader.check_node(*address)
+        except ValueError as exc:
+            raise RedisClusterException(str(exc)) from None
+        return address

@@ -68,7 +68,7 @@ class RemoteTier:
         self._read_window_s = lease_ttl_s - 2 * (config.timeout_s + config.promote_timeout_s)
         self._write_budget = min(config.write_queue_bytes, index.allocator.arena_bytes // 4)
         self._clock = clock
-        self.store = RemoteStore(config.address, config.timeout_s)
+        self.store = RemoteStore(config.address, config.timeout_s, config.allow_hosts)
         self.breaker = CircuitBreaker(config.breaker_failures, config.breaker_reset_s)
         self.counters = RemoteCounters()
         self._writers = ThreadPoolExecutor(config.num_writers, thread_name_prefix="kvshare-remote-write")

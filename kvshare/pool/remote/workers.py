@@ -9,7 +9,7 @@ included, so every counter has one writer).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import numpy as np
@@ -18,7 +18,8 @@ from kvshare.pool.checksum import page_checksum
 from kvshare.pool.remote.breaker import CircuitBreaker
 from kvshare.pool.remote.config import MIN_PART_BYTES, RemoteConfig
 from kvshare.pool.remote.format import (BROKEN, BadRemoteValue, PageMeta, RemotePage, decode_page, encode_part,
-                                        num_parts, part_count_of, part_keys, part_payload_bytes)
+                                        max_value_bytes, num_parts, page_tag, part_count_of, part_keys,
+                                        part_payload_bytes)
 from kvshare.pool.remote.store import RemoteStore, RemoteStoreError
 
 MISS, ERROR, BREAKER = "miss", "error", "breaker"  # why a fetch stopped, besides the discard reasons
@@ -85,7 +86,7 @@ def write_pages(store: RemoteStore, breaker: CircuitBreaker, cfg: RemoteConfig, 
             result.num_breaker += left
             break
         try:
-            values = _encode_page(arena, page, cfg.part_bytes, read_deadline)
+            values = _encode_page(arena, page, cfg, read_deadline)
         except _PastDeadline:
             result.num_expired += left
             break
@@ -113,22 +114,23 @@ class _ArenaPageBad(Exception):
     """The arena's bytes disagree with the checksum recorded at commit."""
 
 
-def _encode_page(arena: np.ndarray, page: PageToWrite, part_bytes: int, read_deadline: float) -> list[bytes]:
-    """The values of a page's parts, copied out of the arena while its pin surely holds."""
+def _encode_page(arena: np.ndarray, page: PageToWrite, cfg: RemoteConfig, read_deadline: float) -> list[bytes]:
+    """The values of a page's parts (tagged with the page key, if any), copied out of the arena while its pin holds."""
     page_bytes = page.meta.page_bytes
     if time.monotonic() > read_deadline:
         raise _PastDeadline()
     view = arena[page.offset : page.offset + page_bytes]
     if page_checksum(view) != page.meta.checksum:
         raise _ArenaPageBad()  # never spread a page the arena does not hold as committed
-    payload_bytes = part_payload_bytes(page_bytes, part_bytes)
-    count = num_parts(page_bytes, part_bytes)
+    meta = replace(page.meta, tag=page_tag(cfg.auth_key, page.meta, [view])) if cfg.auth_key else page.meta
+    payload_bytes = part_payload_bytes(page_bytes, cfg.part_bytes)
+    count = num_parts(page_bytes, cfg.part_bytes)
     values = []
     for i in range(count):
         if time.monotonic() > read_deadline:
             raise _PastDeadline()
         start = i * payload_bytes
-        values.append(encode_part(page.meta, i, count, start, view[start : min(start + payload_bytes, page_bytes)]))
+        values.append(encode_part(meta, i, count, start, view[start : min(start + payload_bytes, page_bytes)]))
     return values
 
 
@@ -140,7 +142,8 @@ def fetch_pages(store: RemoteStore, breaker: CircuitBreaker, cfg: RemoteConfig, 
     count = num_parts(page_bytes, cfg.part_bytes)
     result = FetchResult([], None)
     try:
-        flat = store.get([k for key in keys for k in part_keys(cfg.prefix, key, count)], cfg.ttl_s)
+        flat = store.get([k for key in keys for k in part_keys(cfg.prefix, key, count)], cfg.ttl_s,
+                         max_value_bytes(page_bytes))
         groups = [flat[i * count : (i + 1) * count] for i in range(len(keys))]
         _fetch_extra_parts(store, cfg, keys, groups, page_bytes)
         breaker.record_success()
@@ -149,7 +152,7 @@ def fetch_pages(store: RemoteStore, breaker: CircuitBreaker, cfg: RemoteConfig, 
         return FetchResult([], ERROR, num_errors=1)
     for key, values in zip(keys, groups):
         try:
-            page = decode_page(values, key, page_bytes, namespace)
+            page = decode_page(values, key, page_bytes, namespace, cfg.auth_key)
         except BadRemoteValue as exc:
             result.end = exc.reason
             result.discarded.append((exc.reason, f"chunk {key.hex()}: {exc}"))
@@ -173,7 +176,7 @@ def _fetch_extra_parts(store: RemoteStore, cfg: RemoteConfig, keys: list[bytes],
         if claimed is not None and len(values) < claimed <= limit:
             wanted.append((values, part_keys(cfg.prefix, key, claimed)[len(values) :]))
     if wanted:
-        extra = store.get([k for _, ks in wanted for k in ks], cfg.ttl_s)
+        extra = store.get([k for _, ks in wanted for k in ks], cfg.ttl_s, max_value_bytes(page_bytes))
         for values, ks in wanted:
             values.extend(extra[: len(ks)])
             del extra[: len(ks)]

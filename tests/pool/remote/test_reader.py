@@ -51,10 +51,11 @@ def test_replies_of_every_kind_and_bulk_values_in_place(redis_server):
             return memoryview(dest)[len(head) : len(head) + rest]
 
         c.send([("GET", "rd:big"), ("GET", "rd:small"), ("GET", "rd:none"), ("GET", "rd:big")])
-        assert c.read_bulk_into(100, place) == len(big)
-        assert c.read_bulk_into(100, lambda head, rest: None) == 3  # dropped
-        assert c.read_bulk_into(100, place) is None
-        assert c.read_bulk_into(100, lambda head, rest: None) == len(big)  # dropped; the stream stays in step
+        n = len(big)
+        assert c.read_bulk_into(100, place, n) == n
+        assert c.read_bulk_into(100, lambda head, rest: None, n) == 3  # dropped
+        assert c.read_bulk_into(100, place, n) is None
+        assert c.read_bulk_into(100, lambda head, rest: None, n) == n  # dropped; the stream stays in step
         assert heads[0] == big[:100] and dest[100:].tobytes() == big[100:]
         assert c.execute([("GET", "rd:small")]) == [b"xyz"]
     finally:

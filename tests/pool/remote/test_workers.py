@@ -31,8 +31,10 @@ class MemoryStore:
         if self.is_down:
             raise RemoteStoreError("down")
 
-    def get(self, keys, ttl_s=0):
+    def get(self, keys, ttl_s, max_value_bytes):
         self._call()
+        if any(len(self.values.get(k, b"")) > max_value_bytes for k in keys):
+            raise RemoteStoreError("a value over the bound")
         return [self.values.get(k) for k in keys]
 
     def count_existing(self, groups):

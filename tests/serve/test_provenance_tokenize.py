@@ -1,0 +1,71 @@
+"""Who sees a request's provenance (--provenance), and the tokenizer endpoints' key, size cap and thread."""
+
+import threading
+
+import pytest
+
+from kvshare.serve import server as server_module
+from kvshare.serve.server import ReplicaServer, ServeConfig
+from tests.serve.live import LiveApp, call
+
+KEY = "key-0123456789"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+PROMPT = "The same preamble that someone else may have sent before. " * 40  # > 2 chunks of the tiny model
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from kvshare.engine.engine import Engine, EngineConfig
+
+    return Engine(EngineConfig(model="tiny", local_cache_bytes=64 << 20))
+
+
+def _replica(engine, **config) -> LiveApp:
+    return LiveApp(ReplicaServer(engine, ServeConfig(replica_name="replica0", **config)).app())
+
+
+def _complete(url: str, **extra) -> dict:
+    status, body = call(url, "/v1/completions", {"model": "tiny", "prompt": PROMPT, "max_tokens": 1, **extra})
+    assert status == 200, body
+    return body
+
+
+def test_provenance_is_shown_only_where_the_namespace_is_the_callers_own(engine):
+    """Fails when every response carries local_tokens/pool_tokens (and cached_tokens) whatever --provenance says:
+    in a namespace shared by several users they say whether someone else sent the prompt before."""
+    with _replica(engine, provenance="own-tenant") as url:
+        _complete(url)
+        shared = _complete(url)  # a repeat: the local cache holds the prefix
+        assert "local_tokens" not in shared["kvshare"] and "replica" not in shared["kvshare"], shared["kvshare"]
+        assert shared["usage"]["prompt_tokens_details"] is None
+        _complete(url, cache_salt="mine")
+        own = _complete(url, cache_salt="mine")  # a namespace of its own: its provenance is its own history
+        assert own["kvshare"]["local_tokens"] > 0 and own["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    with _replica(engine, provenance="off") as url:
+        assert _complete(url, cache_salt="mine")["kvshare"] == {}
+    with _replica(engine, provenance="all") as url:
+        assert _complete(url)["kvshare"]["local_tokens"] > 0  # one user: the repeat shows where its KV came from
+    with pytest.raises(ValueError, match="--provenance"):
+        ServeConfig(provenance="some")
+
+
+def test_tokenizer_endpoints_need_a_key_have_a_size_cap_and_run_off_the_event_loop(engine, monkeypatch):
+    """Fails when /tokenize and /detokenize answer without a key, take any body size, or tokenize on the loop
+    (a 1 MB body then stalls every stream of the replica)."""
+    threads = []
+    tokenize = server_module.T.tokenize
+
+    def recording_tokenize(*args):
+        threads.append(threading.current_thread())
+        return tokenize(*args)
+
+    monkeypatch.setattr(server_module.T, "tokenize", recording_tokenize)
+    with _replica(engine, api_keys=(KEY,), max_tokenize_bytes=4096) as url:
+        for path, body in (("/tokenize", {"prompt": "hello"}), ("/detokenize", {"tokens": [104, 105]})):
+            status, out = call(url, path, body)
+            assert status == 401 and out["error"]["code"] == "invalid_api_key", out
+            assert call(url, path, body, headers=AUTH)[0] == 200
+        status, out = call(url, "/tokenize", {"prompt": "x" * 5000}, headers=AUTH)
+        assert status == 413 and out["error"]["code"] == "body_too_large", out
+        assert set(out["error"]) == {"message", "type", "param", "code"}
+    assert threads and all(t.name != "live-app" for t in threads), threads  # the app's loop runs in "live-app"
