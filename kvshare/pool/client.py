@@ -42,8 +42,11 @@ class ChecksumMismatch(RuntimeError):
 
 
 @dataclass(frozen=True)
-class Lease:
-    """Pages of the longest committed prefix, pinned until released."""
+class LeaseGrant:
+    """What a client is given for a lease: pages of the longest committed prefix, pinned until released.
+
+    The pool's own record of the lease (holder, entries, expiry) is ``kvshare.pool.entries.Lease``.
+    """
 
     lease_id: int
     pages: list[P.PageHeader]
@@ -223,10 +226,10 @@ class PoolClient:
         if not poller.poll(self.timeout_s * 1000):
             raise TimeoutError(f"the pool did not answer within {self.timeout_s} s")
 
-    def lookup(self, keys: list[bytes], page_bytes: int, lease: bool = True) -> Lease:
+    def lookup(self, keys: list[bytes], page_bytes: int, lease: bool = True) -> LeaseGrant:
         """Longest committed prefix of ``keys``, leased so it cannot be evicted while read."""
         reply = self._call(P.Lookup(keys=list(keys), page_bytes=page_bytes, lease=lease))
-        return Lease(lease_id=reply.lease_id, pages=reply.pages)
+        return LeaseGrant(lease_id=reply.lease_id, pages=reply.pages)
 
     def release(self, lease_ids: list[int], wait: bool = False) -> None:
         """Release leases; without ``wait`` no reply is awaited (the message still arrives in order)."""
