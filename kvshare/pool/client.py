@@ -57,8 +57,11 @@ class LeaseGrant:
 
 
 @dataclass(frozen=True)
-class Reservation:
-    """Pages granted for writing: (index into the keys asked for, page offset)."""
+class ReservationGrant:
+    """What a client is given for a reservation: pages to write, (index into the keys asked for, page offset).
+
+    The pool's own record of the reservation is ``kvshare.pool.entries.Reservation``.
+    """
 
     reservation_id: int
     grants: list[tuple[int, int]]
@@ -247,9 +250,9 @@ class PoolClient:
             except OSError:
                 self._close_socket()
 
-    def reserve(self, namespace: bytes, keys: list[bytes], page_bytes: int, first_depth: int = 0) -> Reservation:
+    def reserve(self, namespace: bytes, keys: list[bytes], page_bytes: int, first_depth: int = 0) -> ReservationGrant:
         reply = self._call(P.Reserve(namespace=namespace, keys=list(keys), page_bytes=page_bytes, first_depth=first_depth))
-        return Reservation(reply.reservation_id, [tuple(g) for g in reply.grants], reply.num_no_room)
+        return ReservationGrant(reply.reservation_id, [tuple(g) for g in reply.grants], reply.num_no_room)
 
     def commit(self, reservation_id: int, checksums: list[int], checksum_kind: ChecksumKind = ChecksumKind.XXH3) -> int:
         """Make the reservation's pages visible, one checksum of ``checksum_kind`` per page (in grant order)."""

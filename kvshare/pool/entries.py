@@ -44,6 +44,8 @@ class Lease:
 
 @dataclass(eq=False)
 class Reservation:
+    """The pool's record of a reservation: which client writes which entries (a client sees a ReservationGrant)."""
+
     reservation_id: int
     client_id: int
     entries: list[Entry]
