@@ -19,14 +19,14 @@
 #   32b-sessions the same sessions with 2 replicas of the Qwen3-32B shape, one GPU each
 #                (--device cuda:0,cuda:1: run on an nvidia-h200-x2 machine), as the study's 27B
 #                replicas ran; the 8B shape's prefill is fast enough beside its decode that at 32k an
-#                alternating session can save at most ~26% (session 10)
+#                alternating session can save at most ~26% (the runs of 2026-12-02 at d602ddb)
 #   report       only rewrite and print the report of RESULTS
 #
 # Environment: SESSIONS (8b-sessions: sessions per condition, default 2; their requests keep their
 # timelines), SESSION_CONTEXTS (8b-sessions' initial contexts, default "32k,128k"; e.g. 128k to
 # continue with 128k only), PER_BLOCK_32K (default 8), KVSHARE_BENCH_SECONDS (default 520),
 # VALIDATED (set in a call that continues a step whose first call ran `kvshare validate` on the
-# same tree: skips it, ~30 s of device time; the log says so).
+# same tree: skips it, ~30 s of GPU time; the log says so).
 #
 # 32B: two replicas with 128k of KV do not fit one GPU together, so replicas run one after the
 # other against one pool (kvshare bench --sequential): prime on replica A, stop it, start B,
@@ -37,13 +37,13 @@
 # 520 s: under the 600 s a device command may run, with room to stop the replicas); `timeout`
 # sends SIGTERM, which the harness treats as Ctrl-C (keeps what it measured). Run a step again
 # to continue it.
-# Estimates from the prefill times measured on the H200 (docs/results/h200) (32B cold prefill ~6 s at 32k, ~48 s at 128k; 8B
+# Estimates from the prefill times measured on the H200 (docs/results/README.md) (32B cold prefill ~6 s at 32k, ~48 s at 128k; 8B
 # ~13 s at 128k, ~48 s at 256k; a 32B replica start ~45 s), not yet measured with this script:
 #   32b-128k ~20 min with 4 per block (8 OFF + 8 primes + 1 ttft cold prefill at 128k, ~10 replica starts:
 #            each batch of primes is one switch A -> B): three calls, each continuing the last
 #   8b-256k  ~15 min with 4 per block (8 OFF + 8 primes at ~48 s, one cluster start): two calls
 #   8b-sessions ~5 min; 32b-32k ~6-7 min
-# In this order of priority if device time is short (the 128k blocks are the study's headline).
+# In this order of priority if GPU time is short (the 128k blocks are the study's headline).
 #
 # Between calls (the machine starts bare each time), on the calling side:
 #   run:   carry [".whl", "results/gpu"], command "benchmarks/gpu_bench.sh 32b-128k"
@@ -117,7 +117,7 @@ PER_BLOCK_32K=${PER_BLOCK_32K:-8} PER_BLOCK_128K=${PER_BLOCK_128K:-4} PER_BLOCK_
 SESSION_CONTEXTS=${SESSION_CONTEXTS:-$CTX_A,$CTX_B}  # e.g. SESSION_CONTEXTS=128k to continue with 128k only
 GPU32=(--model "$M32" --device "$DEV" --sequential --replicas 2 --pool-size "$POOL" --unit-allowance 60)
 # two 8B replicas share the GPU: the preset's 262144 positions would give each a 36 GiB sequence KV,
-# which with 20 GiB local caches overfills the GPU (session 7: out of memory); 131072 holds the 128k turns
+# which with 20 GiB local caches overfills the GPU (the runs of 2026-12-01 at 237d68f: out of memory); 131072 holds the 128k turns
 GPU8=(--model "$M8" --device "$DEV" --replicas 2 --pool-size "$POOL" --replica-arg=--local-cache-size=20GiB
       --replica-arg=--max-model-len="${LEN8:-131072}")
 # the study's placement: two replicas of the 32B shape, one GPU each (an nvidia-h200-x2 machine): 61 GiB of

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 11, call 1: GPU tests, where a load loses speed beside the forward, decode steps beside copies.
+# The runs of 2026-12-03 at 117fb68, run 1: GPU tests, where a load loses speed beside the forward, decode steps beside copies.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
 W=$OUT/w; mkdir -p $W

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 11, call 2: call 1 found the load at 0.99 of the copy beside the forward in one process, where the
+# The runs of 2026-12-03 at 117fb68, run 2: run 1 found the load at 0.99 of the copy beside the forward in one process, where the
 # service loses 5-11%. (D0) the 8B 128k service row with every load's units timed in the replicas
 # (load_probe/sitecustomize.py); then the arena on reserved 2 MiB hugepages: (D2) the 8B 256k row and (D3) the
 # 32B 128k row, both headlines, probed the same way.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 11, call 3 (the device time left): GPU tests after the publish change (local copies beside the pool's
+# The runs of 2026-12-03 at 117fb68, run 3 (the GPU time left): GPU tests after the publish change (local copies beside the pool's
 # store); the 32B 128k headline on hugepages a second time; the 32B load in one process on the service's
 # hugepage arena (is the 32B service's 0.94-0.95 the arena or the service?).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1

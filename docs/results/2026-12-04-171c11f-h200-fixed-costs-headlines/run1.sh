@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 13, call 1: GPU tests (the model's last-layer change is GPU code); the parse on the host's cores; the
+# The runs of 2026-12-04 at 171c11f, run 1: GPU tests (the model's last-layer change is GPU code); the parse on the host's cores; the
 # two headlines and the 8B 32k row through the router with the pool's default, after the three fixed-cost changes.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Session 13, call 2: GPU tests (a load's last layer now goes alone: GPU code); the new prompt reader against
-# session 12's on the host's cores; the two headlines and the 32B 32k row through the router, pool default.
+# The runs of 2026-12-04 at 171c11f, run 2: GPU tests (a load's last layer now goes alone: GPU code); the new prompt reader against
+# the runs of 2026-12-04 at c73dae1' on the host's cores; the two headlines and the 32B 32k row through the router, pool default.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
 W=$OUT/w; mkdir -p $W

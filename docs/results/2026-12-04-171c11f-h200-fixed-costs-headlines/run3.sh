@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Session 13, call 3: the reader's threads at most 4 (call 2's diag_parse); the 32B 128k row again with every
-# load's units timed (its loads ran at 0.91 of the copy in call 2, against 8B's 1.0); the 8B 32k and 128k rows.
+# The runs of 2026-12-04 at 171c11f, run 3: the reader's threads at most 4 (run 2's diag_parse); the 32B 128k row again with every
+# load's units timed (its loads ran at 0.91 of the copy in run 2, against 8B's 1.0); the 8B 32k and 128k rows.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
 W=$OUT/w; mkdir -p $W

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 13, call 4 (device time left ~9.5 min): both headlines again on call 3's tree, no probe.
+# The runs of 2026-12-04 at 171c11f, run 4 (GPU time left ~9.5 min): both headlines again on run 3's tree, no probe.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
 W=$OUT/w; mkdir -p $W

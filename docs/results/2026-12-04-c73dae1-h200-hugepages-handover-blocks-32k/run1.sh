@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 12, call 1: GPU tests on this tree (the publish change of session 11 and --hugepages auto never ran
+# The runs of 2026-12-04 at c73dae1, run 1: GPU tests on this tree (the publish change of the runs of 2026-12-03 at 117fb68 and --hugepages auto never ran
 # on the GPU); hugepages reserved as docs/operations.md says; the pool's hugepage tests; does a load run slower
 # in a process that did not write the pages (diag_arena_handover, the 32B shape, on hugepages); the 8B 256k
 # headline through the router with the pool's default (--hugepages auto).

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 12, call 3 (device time left ~13 min): the 32B 128k headline through the router with the pool's
+# The runs of 2026-12-04 at c73dae1, run 3 (GPU time left ~13 min): the 32B 128k headline through the router with the pool's
 # default (--hugepages auto, hugepages reserved); the 32B load in one process on a pool of the service's size
 # (72 GiB) on hugepages; then, as time allows, the 8B 256k row again with every load's units timed (load_probe).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
