@@ -45,9 +45,8 @@ def test_no_organisational_words_in_the_tree():
             continue
         text = path.read_text(encoding="utf-8", errors="replace")
         found += [f"{path.relative_to(ROOT)}: {hit}" for hit in hits(text)]
-    assert not found, f"{len(found)} organisational words; rewrite them as what ran, where, at which commit:\n" + "\n".join(
-        found[:40]
-    )
+    advice = "rewrite them as what ran, where, at which commit"
+    assert not found, f"{len(found)} organisational words; {advice}:\n" + "\n".join(found[:40])
 
 
 @pytest.mark.parametrize("text", ["the runs of session 13", "session12/README.md", "the tenth session's runs",
@@ -61,6 +60,7 @@ def test_each_pattern_catches_its_word(text):
                                   "kvshare bench sessions --session-contexts 32k", "tiny session 512",
                                   "the hook calls start_load_kv", "a multi-turn session", "sessions 32k, 128k",
                                   "most recent call last",
-                                  "each ON sticky session 0.07-0.29 s longer", "2026-12-04-171c11f-h200-service-ttft run 3"])
+                                  "each ON sticky session 0.07-0.29 s longer",
+                                  "2026-12-04-171c11f-h200-service-ttft run 3"])
 def test_domain_words_pass(text):
     assert not hits(text)
