@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The study's experiments on the H200 (built-in engine, synthetic Qwen3 shapes), one step per
-# device call; each step appends to a results folder, so a step cut short is continued by
+# command of at most 10 minutes; each step appends to a results folder, so a step cut short is continued by
 # running it again with the same folder.
 #
 #   benchmarks/gpu_bench.sh STEP [RESULTS]        (from the repository root, on the GPU machine)
