@@ -4,7 +4,7 @@ plans and budgets, tracker numbers). The domain's own words stay: multi-turn ses
 X-Session-ID, `kvshare bench sessions`) and function calls.
 
 Fails on the tree before docs/results was renamed by date and commit (commit b6aae56: 862 hits, e.g. the
-folder names under docs/results/h200/ and "(issue 18)" in module docstrings).
+numbered folder names of docs/results and "(issue 18)" in module docstrings).
 """
 
 import re
