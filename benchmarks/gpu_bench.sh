@@ -37,7 +37,8 @@
 # 520 s: under the 600 s a device command may run, with room to stop the replicas); `timeout`
 # sends SIGTERM, which the harness treats as Ctrl-C (keeps what it measured). Run a step again
 # to continue it.
-# Estimates from the prefill times measured on the H200 (docs/results/README.md) (32B cold prefill ~6 s at 32k, ~48 s at 128k; 8B
+# Estimates from the prefill times measured on the H200 (docs/results/README.md)
+# (32B cold prefill ~6 s at 32k, ~48 s at 128k; 8B
 # ~13 s at 128k, ~48 s at 256k; a 32B replica start ~45 s), not yet measured with this script:
 #   32b-128k ~20 min with 4 per block (8 OFF + 8 primes + 1 ttft cold prefill at 128k, ~10 replica starts:
 #            each batch of primes is one switch A -> B): three calls, each continuing the last
@@ -117,7 +118,8 @@ PER_BLOCK_32K=${PER_BLOCK_32K:-8} PER_BLOCK_128K=${PER_BLOCK_128K:-4} PER_BLOCK_
 SESSION_CONTEXTS=${SESSION_CONTEXTS:-$CTX_A,$CTX_B}  # e.g. SESSION_CONTEXTS=128k to continue with 128k only
 GPU32=(--model "$M32" --device "$DEV" --sequential --replicas 2 --pool-size "$POOL" --unit-allowance 60)
 # two 8B replicas share the GPU: the preset's 262144 positions would give each a 36 GiB sequence KV,
-# which with 20 GiB local caches overfills the GPU (the runs of 2026-12-01 at 237d68f: out of memory); 131072 holds the 128k turns
+# which with 20 GiB local caches overfills the GPU (out of memory in the runs of 2026-12-01 at 237d68f);
+# 131072 holds the 128k turns
 GPU8=(--model "$M8" --device "$DEV" --replicas 2 --pool-size "$POOL" --replica-arg=--local-cache-size=20GiB
       --replica-arg=--max-model-len="${LEN8:-131072}")
 # the study's placement: two replicas of the 32B shape, one GPU each (an nvidia-h200-x2 machine): 61 GiB of

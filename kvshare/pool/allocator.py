@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 # own CUDA registration), so an extent bounds the longest 2-D copy of a load. On the H200 a 128k load
 # of the Qwen3-32B shape ran at 0.974 of one 1-D copy with 256 MiB extents (4096 copies of 8 MiB) and
 # at 0.995 with 1 GiB (1024 of 32 MiB); the 8B shape at 256k at 0.984 and 0.998; 4 GiB added at most
-# 0.004 (docs/results/2026-12-02-cfe763f-h200-pool-extents-service-256k). Small arenas keep 256 MiB extents and at least 16 of them, so
-# that several page sizes (models) still share the arena.
+# 0.004 (docs/results/2026-12-02-cfe763f-h200-pool-extents-service-256k). Small arenas keep 256 MiB extents
+# and at least 16 of them, so that several page sizes (models) still share the arena.
 MIN_DEFAULT_EXTENT_BYTES = 256 << 20
 MAX_DEFAULT_EXTENT_BYTES = 1 << 30
 MIN_DEFAULT_EXTENTS = 16
