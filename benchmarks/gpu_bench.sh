@@ -8,7 +8,7 @@
 #   32b-128k     blocks (OFF-ON-ON-OFF, PER_BLOCK_128K per block, default 4: bootstrap CIs; primes
 #                two at a time, --prime-batch 2, as two 31.3 GiB primes are what an 80 GiB pool
 #                holds) then ttft (1 prompt) at 128k, Qwen3-32B shape; the study's headline figure;
-#                blocks first, so that a call cut short has it and leaves the ttft for a continuation
+#                blocks first, so that a command cut short has it and leaves the ttft for a continuation
 #   8b-256k      blocks at 256k (256000 tokens), Qwen3-8B shape, PER_BLOCK_256K per block (default 4),
 #                primes two at a time (two 35 GiB primes in an 80 GiB pool), local caches off (two
 #                replicas with 256k of KV leave no room for them); the study's second headline
@@ -25,7 +25,7 @@
 # Environment: SESSIONS (8b-sessions: sessions per condition, default 2; their requests keep their
 # timelines), SESSION_CONTEXTS (8b-sessions' initial contexts, default "32k,128k"; e.g. 128k to
 # continue with 128k only), PER_BLOCK_32K (default 8), KVSHARE_BENCH_SECONDS (default 520),
-# VALIDATED (set in a call that continues a step whose first call ran `kvshare validate` on the
+# VALIDATED (set in a command that continues a step whose first command ran `kvshare validate` on the
 # same tree: skips it, ~30 s of GPU time; the log says so).
 #
 # 32B: two replicas with 128k of KV do not fit one GPU together, so replicas run one after the
@@ -41,12 +41,12 @@
 # (32B cold prefill ~6 s at 32k, ~48 s at 128k; 8B
 # ~13 s at 128k, ~48 s at 256k; a 32B replica start ~45 s), not yet measured with this script:
 #   32b-128k ~20 min with 4 per block (8 OFF + 8 primes + 1 ttft cold prefill at 128k, ~10 replica starts:
-#            each batch of primes is one switch A -> B): three calls, each continuing the last
-#   8b-256k  ~15 min with 4 per block (8 OFF + 8 primes at ~48 s, one cluster start): two calls
+#            each batch of primes is one switch A -> B): three commands, each continuing the last
+#   8b-256k  ~15 min with 4 per block (8 OFF + 8 primes at ~48 s, one cluster start): two commands
 #   8b-sessions ~5 min; 32b-32k ~6-7 min
 # In this order of priority if GPU time is short (the 128k blocks are the study's headline).
 #
-# Between calls (the machine starts bare each time), on the calling side:
+# Between commands (the machine starts bare each time), on the machine that starts them:
 #   run:   carry [".whl", "results/gpu"], command "benchmarks/gpu_bench.sh 32b-128k"
 #   after: mkdir -p results/gpu && tar xzf <files_at>/gpu-results.tgz -C results/gpu
 # $OUT receives gpu-results.tgz (the whole folder: records, report, plots, replica logs),
@@ -94,8 +94,8 @@ bench() {  # kvshare bench ARGS..., stopped (SIGTERM) at the step's deadline
 }
 
 validate() {
-    if [ -n "${VALIDATED:-}" ]; then  # a continuation: the first call of this step validated this tree
-        echo "== kvshare validate skipped: VALIDATED=$VALIDATED (this step's first call ran it)"
+    if [ -n "${VALIDATED:-}" ]; then  # a continuation: the first command of this step validated this tree
+        echo "== kvshare validate skipped: VALIDATED=$VALIDATED (this step's first command ran it)"
     elif $PY -m kvshare validate --help >/dev/null 2>&1; then
         echo "== kvshare validate --level bytes,helpers,full-pool"
         timeout --signal=TERM 180 $PY -m kvshare validate --level bytes,helpers,full-pool \
