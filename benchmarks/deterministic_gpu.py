@@ -1,4 +1,4 @@
-"""The engine's deterministic mode on the H200 (issue 19): what cold prefill costs, and pool ON == pool OFF bitwise.
+"""The engine's deterministic mode on the H200: what cold prefill costs, and pool ON == pool OFF bitwise.
 
     PYTHONPATH=. python3 benchmarks/deterministic_gpu.py --out DIR [--model qwen3-8b] [--tokens 32768]
         [--grids 256,2048] [--speed-models qwen3-32b] [--max-tokens 64] [--time-budget 200]

@@ -1,4 +1,4 @@
-"""Pool ON == pool OFF, bitwise, through the service (issue 19): `kvshare serve --deterministic`, as a user runs it.
+"""Pool ON == pool OFF, bitwise, through the service: `kvshare serve --deterministic`, as a user runs it.
 
     PYTHONPATH=. python3 benchmarks/deterministic_service_gpu.py --out DIR
         [--cases 8b:32768,8b:131072,32b:32768,32b:131072] [--sessions 8b:32768] [--max-tokens 64]

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 GiB = 1 << 30
 
 # Estimates (seconds), H200: the fast mode's cold prefill is a x + b x^2 with x = n / 32768 (8B: 1.9 s at 32k,
-# 13 s at 128k; 32B: 5.6 s and 46 s); the mode at grid 2048 runs at MODE_SPEED of it (docs/results/h200/
+# 13 s at 128k; 32B: 5.6 s and 46 s); the mode at grid 2048 runs at MODE_SPEED of it (docs/results/
 # deterministic/). Decode per token at 32k (x 0.5 + 0.5 x) and the starts are from the session-4 service run.
 FAST_FIT = {"qwen3-8b": (1.45, 0.45), "qwen3-32b": (3.63, 1.97), "tiny": (0.0725, 0.0225)}
 MODE_SPEED = 0.8

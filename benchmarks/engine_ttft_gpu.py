@@ -11,7 +11,7 @@ against one pool daemon, as two replicas would:
      copy of the same number of KV bytes (the reference bandwidth), and the suffix's
      own compute time (a forward over the tail after the prefix is in place).
 Also in the run: the bf16 matmul rate (8192^3), against which the cold prefill's
-FLOP rate is given. Targets (issue 3): pool -> GPU load >= 0.9 of the contiguous copy;
+FLOP rate is given. Targets: pool -> GPU load >= 0.9 of the contiguous copy;
 cross TTFT <= 1.15 x max(KV bytes / copy bandwidth, suffix compute); cold prefill
 >= 60% of the matmul rate at 32k (8B) and 128k (32B).
 """

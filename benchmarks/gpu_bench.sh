@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The study's experiments on the H200 (built-in engine, synthetic Qwen3 shapes), one step per
-# device call; each step appends to a results folder, so a step cut short is continued by
+# command of at most 10 minutes; each step appends to a results folder, so a step cut short is continued by
 # running it again with the same folder.
 #
 #   benchmarks/gpu_bench.sh STEP [RESULTS]        (from the repository root, on the GPU machine)
@@ -8,7 +8,7 @@
 #   32b-128k     blocks (OFF-ON-ON-OFF, PER_BLOCK_128K per block, default 4: bootstrap CIs; primes
 #                two at a time, --prime-batch 2, as two 31.3 GiB primes are what an 80 GiB pool
 #                holds) then ttft (1 prompt) at 128k, Qwen3-32B shape; the study's headline figure;
-#                blocks first, so that a call cut short has it and leaves the ttft for a continuation
+#                blocks first, so that a command cut short has it and leaves the ttft for a continuation
 #   8b-256k      blocks at 256k (256000 tokens), Qwen3-8B shape, PER_BLOCK_256K per block (default 4),
 #                primes two at a time (two 35 GiB primes in an 80 GiB pool), local caches off (two
 #                replicas with 256k of KV leave no room for them); the study's second headline
@@ -19,14 +19,14 @@
 #   32b-sessions the same sessions with 2 replicas of the Qwen3-32B shape, one GPU each
 #                (--device cuda:0,cuda:1: run on an nvidia-h200-x2 machine), as the study's 27B
 #                replicas ran; the 8B shape's prefill is fast enough beside its decode that at 32k an
-#                alternating session can save at most ~26% (session 10)
+#                alternating session can save at most ~26% (the runs of 2026-12-02 at d602ddb)
 #   report       only rewrite and print the report of RESULTS
 #
 # Environment: SESSIONS (8b-sessions: sessions per condition, default 2; their requests keep their
 # timelines), SESSION_CONTEXTS (8b-sessions' initial contexts, default "32k,128k"; e.g. 128k to
 # continue with 128k only), PER_BLOCK_32K (default 8), KVSHARE_BENCH_SECONDS (default 520),
-# VALIDATED (set in a call that continues a step whose first call ran `kvshare validate` on the
-# same tree: skips it, ~30 s of device time; the log says so).
+# VALIDATED (set in a command that continues a step whose first command ran `kvshare validate` on the
+# same tree: skips it, ~30 s of GPU time; the log says so).
 #
 # 32B: two replicas with 128k of KV do not fit one GPU together, so replicas run one after the
 # other against one pool (kvshare bench --sequential): prime on replica A, stop it, start B,
@@ -37,15 +37,16 @@
 # 520 s: under the 600 s a device command may run, with room to stop the replicas); `timeout`
 # sends SIGTERM, which the harness treats as Ctrl-C (keeps what it measured). Run a step again
 # to continue it.
-# Estimates from the prefill times measured on the H200 (docs/results/h200) (32B cold prefill ~6 s at 32k, ~48 s at 128k; 8B
+# Estimates from the prefill times measured on the H200 (docs/results/README.md)
+# (32B cold prefill ~6 s at 32k, ~48 s at 128k; 8B
 # ~13 s at 128k, ~48 s at 256k; a 32B replica start ~45 s), not yet measured with this script:
 #   32b-128k ~20 min with 4 per block (8 OFF + 8 primes + 1 ttft cold prefill at 128k, ~10 replica starts:
-#            each batch of primes is one switch A -> B): three calls, each continuing the last
-#   8b-256k  ~15 min with 4 per block (8 OFF + 8 primes at ~48 s, one cluster start): two calls
+#            each batch of primes is one switch A -> B): three commands, each continuing the last
+#   8b-256k  ~15 min with 4 per block (8 OFF + 8 primes at ~48 s, one cluster start): two commands
 #   8b-sessions ~5 min; 32b-32k ~6-7 min
-# In this order of priority if device time is short (the 128k blocks are the study's headline).
+# In this order of priority if GPU time is short (the 128k blocks are the study's headline).
 #
-# Between calls (the machine starts bare each time), on the calling side:
+# Between commands (the machine starts bare each time), on the machine that starts them:
 #   run:   carry [".whl", "results/gpu"], command "benchmarks/gpu_bench.sh 32b-128k"
 #   after: mkdir -p results/gpu && tar xzf <files_at>/gpu-results.tgz -C results/gpu
 # $OUT receives gpu-results.tgz (the whole folder: records, report, plots, replica logs),
@@ -93,8 +94,8 @@ bench() {  # kvshare bench ARGS..., stopped (SIGTERM) at the step's deadline
 }
 
 validate() {
-    if [ -n "${VALIDATED:-}" ]; then  # a continuation: the first call of this step validated this tree
-        echo "== kvshare validate skipped: VALIDATED=$VALIDATED (this step's first call ran it)"
+    if [ -n "${VALIDATED:-}" ]; then  # a continuation: the first command of this step validated this tree
+        echo "== kvshare validate skipped: VALIDATED=$VALIDATED (this step's first command ran it)"
     elif $PY -m kvshare validate --help >/dev/null 2>&1; then
         echo "== kvshare validate --level bytes,helpers,full-pool"
         timeout --signal=TERM 180 $PY -m kvshare validate --level bytes,helpers,full-pool \
@@ -117,7 +118,8 @@ PER_BLOCK_32K=${PER_BLOCK_32K:-8} PER_BLOCK_128K=${PER_BLOCK_128K:-4} PER_BLOCK_
 SESSION_CONTEXTS=${SESSION_CONTEXTS:-$CTX_A,$CTX_B}  # e.g. SESSION_CONTEXTS=128k to continue with 128k only
 GPU32=(--model "$M32" --device "$DEV" --sequential --replicas 2 --pool-size "$POOL" --unit-allowance 60)
 # two 8B replicas share the GPU: the preset's 262144 positions would give each a 36 GiB sequence KV,
-# which with 20 GiB local caches overfills the GPU (session 7: out of memory); 131072 holds the 128k turns
+# which with 20 GiB local caches overfills the GPU (out of memory in the runs of 2026-12-01 at 237d68f);
+# 131072 holds the 128k turns
 GPU8=(--model "$M8" --device "$DEV" --replicas 2 --pool-size "$POOL" --replica-arg=--local-cache-size=20GiB
       --replica-arg=--max-model-len="${LEN8:-131072}")
 # the study's placement: two replicas of the 32B shape, one GPU each (an nvidia-h200-x2 machine): 61 GiB of

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Cross-replica TTFT through the service, as a user measures it (issue 18), against the physical bound.
+"""Cross-replica TTFT through the service, as a user measures it, against the physical bound.
 
 Per case (model shape, prompt length) a fresh cluster: ``kvshare up --replicas 2 --policy round_robin``
 (``together``), or, where two replicas do not fit the GPU (the 32B shape), a pool, a router and one

@@ -1,6 +1,7 @@
-"""Benchmarks: the pool's data and control planes (pool), and the study's experiments: ttft (cold,
-local and cross-replica reuse), blocks (OFF-ON-ON-OFF, paired, bootstrap intervals), sessions
-(alternate vs sticky placement, pool off vs on), suite (several in one run) and report.
+"""Benchmarks: the pool's data and control planes (pool), a replica's read of a token-id prompt
+(parse), and the study's experiments: ttft (cold, local and cross-replica reuse), blocks
+(OFF-ON-ON-OFF, paired, bootstrap intervals), sessions (alternate vs sticky placement, pool off
+vs on), suite (several in one run) and report.
 They talk HTTP to OpenAI-compatible servers (--replica URL, e.g. a kvshare cluster or vLLM
 servers) or start their own (--model M); results are appended to --out and a rerun of the
 same command skips what was measured. Context lengths take k = 1000 tokens (128k = 128000)."""
@@ -56,6 +57,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     pool.add_argument("--repeats", type=int, default=3)
     pool.add_argument("--lookup-ops", type=int, default=20000)
     pool.add_argument("--json", action="store_true", help="print the figures as JSON")
+    parse = sub.add_parser("parse", help="a replica's read of a token-id prompt by thread count, vs a typed decode")
+    parse.add_argument("--lengths", type=parse_tokens, default=(32768, 131072, 262144),
+                       help="prompt lengths in tokens, e.g. 32768,128k")
+    parse.add_argument("--repeats", type=int, default=20, help="best of this many reads")
+    parse.add_argument("--json", action="store_true", help="print one JSON line per length")
     helps = {"ttft": "TTFT cold / local reuse / cross-replica reuse by context length",
              "blocks": "the blocked OFF-ON-ON-OFF design: cross-replica TTFT, paired, bootstrap CIs",
              "sessions": "multi-turn sessions: alternate vs sticky placement, pool off vs on",
@@ -141,6 +147,8 @@ def _run_arguments(e: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.experiment == "pool":
         return _run_pool(args)
+    if args.experiment == "parse":
+        return _run_parse(args)
     if args.experiment == "report":
         from kvshare.bench.records import ResultsDir
         from kvshare.bench.report import print_tables, write_report
@@ -271,4 +279,31 @@ def _run_pool(args: argparse.Namespace) -> int:
         for row in summary_rows(result):
             table.add_row(*row)
         Console().print(table)
+    return 0
+
+
+def _run_parse(args: argparse.Namespace) -> int:
+    from kvshare.bench.parse_bench import ParseBenchConfig, run_parse_bench
+    from kvshare.errors import UserError
+
+    try:
+        cfg = ParseBenchConfig(lengths=tuple(args.lengths), repeats=args.repeats)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    rows = run_parse_bench(cfg)
+    if args.json:
+        for row in rows:
+            print(json.dumps(row))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    threads = list(rows[0]["ms_by_threads"])
+    table = Table(title=f"kvshare bench parse (ms, best of {cfg.repeats})")
+    for col in ("tokens", "body MB", *(f"{k} thread{'s' if k > 1 else ''}" for k in threads), "typed list[int]"):
+        table.add_column(col, justify="right")
+    for row in rows:
+        by_threads = (f"{row['ms_by_threads'][k]:.2f}" for k in threads)
+        table.add_row(str(row["tokens"]), f"{row['body_bytes'] / 1e6:.2f}", *by_threads, f"{row['typed_list_ms']:.2f}")
+    Console().print(table)
     return 0

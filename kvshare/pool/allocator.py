@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 # own CUDA registration), so an extent bounds the longest 2-D copy of a load. On the H200 a 128k load
 # of the Qwen3-32B shape ran at 0.974 of one 1-D copy with 256 MiB extents (4096 copies of 8 MiB) and
 # at 0.995 with 1 GiB (1024 of 32 MiB); the 8B shape at 256k at 0.984 and 0.998; 4 GiB added at most
-# 0.004 (docs/results/h200/session9). Small arenas keep 256 MiB extents and at least 16 of them, so
-# that several page sizes (models) still share the arena.
+# 0.004 (docs/results/2026-12-02-cfe763f-h200-pool-extents-service-256k). Small arenas keep 256 MiB extents
+# and at least 16 of them, so that several page sizes (models) still share the arena.
 MIN_DEFAULT_EXTENT_BYTES = 256 << 20
 MAX_DEFAULT_EXTENT_BYTES = 1 << 30
 MIN_DEFAULT_EXTENTS = 16
@@ -40,8 +40,11 @@ def default_extent_bytes(arena_bytes: int) -> int:
 
 
 @dataclass(frozen=True)
-class PageRun:
-    """``num_pages`` consecutive pages of ``page_bytes`` starting at byte ``offset``."""
+class AllocatedRun:
+    """``num_pages`` consecutive pages of ``page_bytes`` starting at byte ``offset``, taken from one extent.
+
+    (A transfer's view of a call's pages that lie consecutive in the arena is ``kvshare.transfer.plan.PageRun``.)
+    """
 
     offset: int
     page_bytes: int
@@ -143,10 +146,10 @@ class Allocator:
                 "start the pool with a larger --extent-size (and a pool at least that large)"
             )
 
-    def allocate(self, page_bytes: int, num_pages: int) -> list[PageRun]:
+    def allocate(self, page_bytes: int, num_pages: int) -> list[AllocatedRun]:
         """Up to ``num_pages`` pages, as few runs as possible; fewer (or none) when the arena is full."""
         self.check_page_size(page_bytes)
-        runs: list[PageRun] = []
+        runs: list[AllocatedRun] = []
         wanted = num_pages
         while wanted > 0:
             run = self._take_run(page_bytes, wanted)
@@ -180,7 +183,7 @@ class Allocator:
             return None
         return extent, slot
 
-    def _take_run(self, page_bytes: int, wanted: int) -> PageRun | None:
+    def _take_run(self, page_bytes: int, wanted: int) -> AllocatedRun | None:
         own = self._by_size.get(page_bytes, ())
         pattern = b"\x01" * wanted
         for idx in own:  # first fit of a whole run in an extent of this size (bytearray.find is C)
@@ -222,12 +225,13 @@ class Allocator:
         extent.free_slots = bytearray()
         self._free_extents.add(idx)
 
-    def _mark(self, idx: int, first: int, count: int) -> PageRun:
+    def _mark(self, idx: int, first: int, count: int) -> AllocatedRun:
         extent = self._extents[idx]
         extent.free_slots[first : first + count] = bytes(count)
         extent.num_used += count
         self.used_bytes += count * extent.page_bytes
-        return PageRun(offset=extent.base + first * extent.page_bytes, page_bytes=extent.page_bytes, num_pages=count)
+        offset = extent.base + first * extent.page_bytes
+        return AllocatedRun(offset=offset, page_bytes=extent.page_bytes, num_pages=count)
 
     def check_integrity(self) -> None:
         """Raise AssertionError if the bookkeeping contradicts itself."""

@@ -47,8 +47,11 @@ class ChecksumMismatch(RuntimeError):
 
 
 @dataclass(frozen=True)
-class Lease:
-    """Pages of the longest committed prefix, pinned until released."""
+class LeaseGrant:
+    """What a client is given for a lease: pages of the longest committed prefix, pinned until released.
+
+    The pool's own record of the lease (holder, entries, expiry) is ``kvshare.pool.entries.Lease``.
+    """
 
     lease_id: int
     pages: list[P.PageHeader]
@@ -59,8 +62,11 @@ class Lease:
 
 
 @dataclass(frozen=True)
-class Reservation:
-    """Pages granted for writing: (index into the keys asked for, page offset)."""
+class ReservationGrant:
+    """What a client is given for a reservation: pages to write, (index into the keys asked for, page offset).
+
+    The pool's own record of the reservation is ``kvshare.pool.entries.Reservation``.
+    """
 
     reservation_id: int
     grants: list[tuple[int, int]]
@@ -251,10 +257,10 @@ class PoolClient:
         if not poller.poll(self.timeout_s * 1000):
             raise TimeoutError(f"the pool did not answer within {self.timeout_s} s")
 
-    def lookup(self, keys: list[bytes], page_bytes: int, lease: bool = True) -> Lease:
+    def lookup(self, keys: list[bytes], page_bytes: int, lease: bool = True) -> LeaseGrant:
         """Longest committed prefix of ``keys``, leased so it cannot be evicted while read."""
         reply = self._call(P.Lookup(keys=list(keys), page_bytes=page_bytes, lease=lease))
-        return Lease(lease_id=reply.lease_id, pages=reply.pages)
+        return LeaseGrant(lease_id=reply.lease_id, pages=reply.pages)
 
     def release(self, lease_ids: list[int], wait: bool = False) -> None:
         """Release leases; without ``wait`` no reply is awaited (the message still arrives in order)."""
@@ -272,9 +278,9 @@ class PoolClient:
             except OSError:
                 self._close_socket()
 
-    def reserve(self, namespace: bytes, keys: list[bytes], page_bytes: int, first_depth: int = 0) -> Reservation:
+    def reserve(self, namespace: bytes, keys: list[bytes], page_bytes: int, first_depth: int = 0) -> ReservationGrant:
         reply = self._call(P.Reserve(namespace=namespace, keys=list(keys), page_bytes=page_bytes, first_depth=first_depth))
-        return Reservation(reply.reservation_id, [tuple(g) for g in reply.grants], reply.num_no_room)
+        return ReservationGrant(reply.reservation_id, [tuple(g) for g in reply.grants], reply.num_no_room)
 
     def commit(self, reservation_id: int, checksums: list[int], checksum_kind: ChecksumKind = ChecksumKind.XXH3) -> int:
         """Make the reservation's pages visible, one checksum of ``checksum_kind`` per page (in grant order)."""

@@ -33,6 +33,8 @@ class Entry:
 
 @dataclass(eq=False)
 class Lease:
+    """The pool's record of a lease: which client holds which entries, until when (a client sees a LeaseGrant)."""
+
     lease_id: int
     client_id: int
     entries: list[Entry]
@@ -42,6 +44,8 @@ class Lease:
 
 @dataclass(eq=False)
 class Reservation:
+    """The pool's record of a reservation: which client writes which entries (a client sees a ReservationGrant)."""
+
     reservation_id: int
     client_id: int
     entries: list[Entry]

@@ -1,4 +1,4 @@
-"""A completion's prompt of token ids read from its JSON body into one int64 array (issue 18).
+"""A completion's prompt of token ids read from its JSON body into one int64 array.
 
 A prompt of 262144 token ids is ~1.9 MB of JSON, nearly all of the body. msgspec checking that list and
 numpy reading it took ~13 ms of such a request's time to first token on the H200's host, before the
@@ -27,7 +27,8 @@ PROMPT_KEY = b'"prompt"'
 MARK = b'"kvshare-prompt-' + os.urandom(12).hex().encode() + b'"'
 _CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 # threads reading a long prompt: 4 where there are 8 cores or more. On the H200's host (16 cores) a 131072-token
-# body took 8.6 ms on one thread, 5.0 on two, 4.2 on four and 4.7 on eight (diag_parse.py, session 13)
+# body took 8.6 ms on one thread, 5.0 on two, 4.2 on four and 4.7 on eight (2026-12-04, commit a88001c;
+# `kvshare bench parse` measures it)
 PARSE_THREADS = max(1, min(4, _CORES // 2))
 PARSE_PIECE_BYTES = 64 << 10  # no thread gets less text than this (~9000 token ids)
 _WHITESPACE = b" \t\r\n"  # JSON's
@@ -117,6 +118,7 @@ def _parse_pool():
     if _pool is None:
         from concurrent.futures import ThreadPoolExecutor
 
-        # threads start only as pieces need them: PARSE_THREADS of them, or up to 8 where diag_parse tries more
+        # threads start only as pieces need them: PARSE_THREADS of them, or up to 8 where `kvshare bench parse`
+        # tries more
         _pool = ThreadPoolExecutor(8, thread_name_prefix="kvshare-parse")
     return _pool

@@ -5,8 +5,8 @@ a timeline: the typed decode, the checks, the sampler's logprobs, the response's
 their encoding. On the H200 a fresh replica's first request paid ~4 ms more than later ones in
 these steps (parse +2 ms, first token written +2 ms). Then the decode of one body of the longest
 prompt the replica takes, ids spread over the vocabulary, into its array: a fresh replica's first
-256k-token request had paid ~17 ms more in parse than later ones (session 5, H200); with this
-step a first 131056-token request parsed no slower than the next (9.1 vs 12.3 ms, session 6),
+256k-token request had paid ~17 ms more in parse than later ones (the runs of 2026-12-01 at 680646f, H200); with this
+step a first 131056-token request parsed no slower than the next (9.1 vs 12.3 ms, the runs of 2026-12-01 at bc152e4),
 while a first 32k-token one still parses ~1.2 ms slower (cause not found). Nothing is loaded or stored (pool and
 local cache off), the engine's counters leave it out (``Engine.uncounted``), and it never
 passes the HTTP layer, so no metric counts it.

@@ -132,10 +132,12 @@ def test_no_divergence_table_when_every_output_is_equal():
 
 
 def test_the_h200_results_of_the_previous_version_still_render(tmp_path):
-    """docs/results/h200/bench was written before the output check: its differences render with the gap unknown."""
+    """docs/results/2026-11-29-cabf0e2-h200-transfer-engine-bench/bench was written before the output check: its
+    differences render with the gap unknown."""
     import shutil
 
-    source = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "results", "h200", "bench", "records.jsonl")
+    source = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "results",
+                          "2026-11-29-cabf0e2-h200-transfer-engine-bench", "bench", "records.jsonl")
     shutil.copy(source, tmp_path / "records.jsonl")
     path, tables_ = write_report(ResultsDir(str(tmp_path)))
     text = open(path).read()

@@ -63,7 +63,7 @@ def test_suffix_over_prefix_and_decode_match_full_recompute(pair):
 
 
 def test_last_token_only_matches_transformers_and_runs_the_last_mlp_once(pair):
-    """Without all_logits the last layer attends and runs its MLP for the last token alone (issue 18: the
+    """Without all_logits the last layer attends and runs its MLP for the last token alone (the
     compute left after a pool load's last layer arrives); its logits are still the full model's."""
     reference, model, config = pair
     ids = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(7))

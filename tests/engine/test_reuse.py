@@ -67,7 +67,7 @@ def test_local_cache_bound_and_option(tiny_dir, prompts):
 
 
 def test_a_local_cache_the_device_cannot_hold_never_fails_a_request(tiny_dir, prompts, pool_socket, monkeypatch):
-    """The H200 run of 2026-12-01 (session 7): two replicas on one GPU, each with a local cache too
+    """The H200 run of 2026-12-01 at 237d68f: two replicas on one GPU, each with a local cache too
     large for what the other left, failed requests after their tokens were generated (OOM in the
     local insert). Now the request completes with the cold tokens, the pool still gets the prompt,
     and the cache stops at what it held."""

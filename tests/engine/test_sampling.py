@@ -96,7 +96,7 @@ def test_tiny_temperature_and_top_p_do_not_break_sampling():
     assert sample(logits, SamplingParams(temperature=0.7, top_p=1e-6), make_generator(1)).token_id == 1
 
 
-# -- the parameters vLLM and OpenAI add (issue 16, item 5) -------------------------------------------
+# -- the parameters vLLM and OpenAI add -------------------------------------------
 
 
 def _drawn(logits, params, num_seeds=300):

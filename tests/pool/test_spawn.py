@@ -1,4 +1,4 @@
-"""Children are started so that the working directory cannot shadow the package (issue 16, item 2)."""
+"""Children are started so that the working directory cannot shadow the package."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The router answers like a replica: the same status and OpenAI error body for what either refuses, the
-vLLM endpoints forwarded (/tokenize, /detokenize) or answered (/version, /ping) (issue 16, item 6)."""
+vLLM endpoints forwarded (/tokenize, /detokenize) or answered (/version, /ping)."""
 
 import socket
 import time

@@ -56,7 +56,7 @@ def test_completion_prompt_forms_and_extension():
     assert A.message_text(A.ChatMessage(role="user", content=[A.ContentPart(type="text", text="x")])) == "x"
 
 
-# -- issue 16: cache_salt (item 1) and parameters honoured or refused, never ignored (item 5) ----------
+# -- cache_salt (item 1) and parameters honoured or refused, never ignored (item 5) ----------
 
 
 def completion(**extra):
@@ -159,7 +159,7 @@ def test_type_errors_name_the_parameter():
         assert err.value.param == param, body
 
 
-# -- issue 18: token-id prompts read straight into one int64 array ----------------------------------
+# -- token-id prompts read straight into one int64 array ----------------------------------
 
 
 @pytest.mark.parametrize("text", ["[5, 17,\n 3]", "[5,17,3]", " [ 5 , 17 , 3 ] ", "[\t5,\r\n17,3\n]"])

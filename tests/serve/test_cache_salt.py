@@ -1,4 +1,4 @@
-"""``cache_salt`` (vLLM's: requests with different salts never share cached KV), on real replicas (issue 16, item 1).
+"""``cache_salt`` (vLLM's: requests with different salts never share cached KV), on real replicas.
 
 A pool and two built-in replicas behind a cache_aware router (``kvshare up``'s Cluster). The
 salt joins the namespace digest beside the tenant salt, so it splits the local prefix cache

@@ -1,4 +1,4 @@
-"""Sampling parameters and logprobs through a replica's HTTP API (issue 16, items 5 and 8).
+"""Sampling parameters and logprobs through a replica's HTTP API.
 
 Every parameter changes the answer the way vLLM's does, or is refused with a 400 naming it;
 none is accepted and ignored. In-process replica (tests/serve/live.py), the tiny model.
@@ -143,7 +143,7 @@ def test_token_ids_outside_the_vocabulary_get_400(url, ids):
 
 
 def test_token_ids_read_as_an_array_serve_as_the_list_did(url):
-    """Issue 18: a token-id prompt is read into one array; spaced or compact, the answer and the
+    """A token-id prompt is read into one array; spaced or compact, the answer and the
     prompt_token_ids returned are the same, and the same as the text prompt's ids give."""
     ids = complete(url, max_tokens=1)["prompt_token_ids"]
     compact = complete(url, prompt=ids, temperature=0)

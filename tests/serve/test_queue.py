@@ -1,4 +1,4 @@
-"""The built-in engine serves one request at a time; /metrics says so (issue 16, item 9).
+"""The built-in engine serves one request at a time; /metrics says so.
 
 A gate holds the engine's first request, so the state asserted (one running, the rest queued) is not a race.
 """

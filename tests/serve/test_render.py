@@ -1,4 +1,4 @@
-"""Logprobs bodies (kvshare.serve.render): byte tokens keep distinct names and their raw bytes (issue 16, item 8)."""
+"""Logprobs bodies (kvshare.serve.render): byte tokens keep distinct names and their raw bytes."""
 
 from __future__ import annotations
 

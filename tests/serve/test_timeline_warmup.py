@@ -1,4 +1,4 @@
-"""A request's timeline and a replica's warm-up (issue 18), on real replicas of the tiny model against one pool.
+"""A request's timeline and a replica's warm-up, on real replicas of the tiny model against one pool.
 
 Replica A computes a prompt cold and stores it; replica B (warmed up first) loads it from the pool;
 both answer through a router too. A request that asks (``{"kvshare": {"timeline": true}}``) gets the

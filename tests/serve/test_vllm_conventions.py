@@ -1,4 +1,4 @@
-"""vLLM's conventions on a replica, so tools written for `vllm serve` work unchanged (issue 16, item 6).
+"""vLLM's conventions on a replica, so tools written for `vllm serve` work unchanged.
 
 The shapes are those of vLLM 0.32 (vllm/entrypoints/serve/engine/protocol.py: ModelCard, ModelPermission;
 serve/tokenize/protocol.py; instrumentator/basic.py: /version; sagemaker/api_router.py: GET and POST /ping).

@@ -37,6 +37,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvshare.transfer.layouts import as_bits  # integer views: copies move bytes exactly (NaN payloads too)
+
 KNOWN_BACKENDS = ("CPU_ATTN", "FLASH_ATTN")
 
 
@@ -117,14 +119,6 @@ def slots_of_positions(positions: torch.Tensor, block_ids, block_size: int, devi
     """(block index, slot in block) tensors, shaped like ``positions`` (prompt token positions)."""
     table = torch.as_tensor(block_ids, dtype=torch.long)
     return table[positions // block_size].to(device), (positions % block_size).to(device)
-
-
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def as_bits(t: torch.Tensor) -> torch.Tensor:
-    """The same memory as integers of the same width: copies move bytes exactly (NaN payloads too)."""
-    return t.view(_BITS[t.element_size()])
 
 
 def scatter_tokens(layer: torch.Tensor, layout: PagedLayout, kv: torch.Tensor, slots: tuple) -> None:

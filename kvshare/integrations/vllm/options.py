@@ -123,13 +123,16 @@ _RENAMED = {
 
 
 @dataclass(frozen=True)
-class RequestOptions:
-    """A request's ``kv_transfer_params["kvshare"]``; anything unrecognised leaves the defaults."""
+class TransferParams:
+    """A vLLM request's ``kv_transfer_params["kvshare"]``; anything unrecognised leaves the defaults.
+
+    (The built-in engine's per-request options are ``kvshare.engine.engine.RequestOptions``.)
+    """
 
     use_pool: bool = True
 
     @classmethod
-    def from_params(cls, params: Any) -> "RequestOptions":
+    def from_params(cls, params: Any) -> "TransferParams":
         if not isinstance(params, dict):
             return cls()
         ours = params.get(PARAMS_KEY)

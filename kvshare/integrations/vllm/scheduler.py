@@ -30,7 +30,7 @@ from kvshare.integrations.vllm.metadata import (
     StorePart,
     WorkerReport,
 )
-from kvshare.integrations.vllm.options import ConnectorConfig, RequestOptions, provenance
+from kvshare.integrations.vllm.options import ConnectorConfig, TransferParams, provenance
 from kvshare.integrations.vllm.plan import (
     HeldLease,
     LeaseBook,
@@ -51,7 +51,7 @@ log = logging.getLogger("kvshare.integrations")
 @dataclass
 class _Request:
     prompt: Sequence[int]
-    options: RequestOptions
+    options: TransferParams
     ns_digest: bytes
     keys: list[bytes] = field(default_factory=list)  # keys of the prompt's full chunks, filled on demand
     local_tokens: int = 0
@@ -111,9 +111,9 @@ class PoolScheduler:
         if scope not in self._digests:
             fields = dataclasses.replace(self.namespace, tenant_salt=scope[0], lora_id=scope[1])
             self._digests[scope] = namespace_digest(fields)
-        options = RequestOptions.from_params(params)
+        options = TransferParams.from_params(params)
         if not is_text_only or prompt_token_ids is None:
-            options = RequestOptions(use_pool=False)
+            options = TransferParams(use_pool=False)
         self._requests[req_id] = _Request(prompt_token_ids or [], options, self._digests[scope])
 
     def has_request(self, req_id: str) -> bool:

@@ -60,7 +60,7 @@ class StorePool(Protocol):
 @dataclass
 class _StorePlan:
     spec: StoreSpec
-    reservation: object  # kvshare.pool.client.Reservation; None: the scheduler's (a tensor parallel part)
+    reservation: object  # kvshare.pool.client.ReservationGrant; None: the scheduler's (a tensor parallel part)
     grants: tuple  # (index into the spec's keys, page offset) of each page written
     units: list[list[Unit]]  # per layer group
     slots: tuple  # (block, slot) per token of each granted page, [n, C] each, on the device

@@ -1,4 +1,4 @@
-"""``--engine vllm``: the connector's scheduler salts pool keys with vLLM's request.cache_salt (issue 16, item 1).
+"""``--engine vllm``: the connector's scheduler salts pool keys with vLLM's request.cache_salt.
 
 vLLM honours cache_salt in its own prefix cache; across replicas the pool must too. Two
 connector sides over a real pool, no vLLM needed (tests/integrations/vllm/test_pool_roundtrip.py's

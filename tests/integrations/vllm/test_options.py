@@ -8,7 +8,7 @@ import pytest
 from kvshare.integrations.vllm.launch import VllmServerConfig, kv_transfer_config, rank_core_binds, vllm_server_command
 from kvshare.integrations.vllm.options import (
     ConnectorConfig,
-    RequestOptions,
+    TransferParams,
     check_supported,
     kv_layout_of,
     provenance,
@@ -37,11 +37,11 @@ def test_extra_config_is_parsed_and_checked():
 
 
 def test_request_options_default_to_the_pool_on():
-    assert RequestOptions.from_params(None).use_pool
-    assert RequestOptions.from_params({"other_connector": 1}).use_pool
-    assert not RequestOptions.from_params({"kvshare": {"use_pool": False}}).use_pool
-    assert RequestOptions.from_params({"kvshare": {"use_pool": "false"}}).use_pool  # only a JSON false turns it off
-    assert RequestOptions.from_params({"kvshare": "off"}).use_pool
+    assert TransferParams.from_params(None).use_pool
+    assert TransferParams.from_params({"other_connector": 1}).use_pool
+    assert not TransferParams.from_params({"kvshare": {"use_pool": False}}).use_pool
+    assert TransferParams.from_params({"kvshare": {"use_pool": "false"}}).use_pool  # only a JSON false turns it off
+    assert TransferParams.from_params({"kvshare": "off"}).use_pool
 
 
 def test_provenance_always_adds_up():
