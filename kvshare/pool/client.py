@@ -244,8 +244,12 @@ class PoolClient:
             except OSError:
                 self._close_socket()
 
-    def reserve(self, namespace: bytes, keys: list[bytes], page_bytes: int, first_depth: int = 0) -> Reservation:
-        reply = self._call(P.Reserve(namespace=namespace, keys=list(keys), page_bytes=page_bytes, first_depth=first_depth))
+    def reserve(self, namespace: bytes, keys: list[bytes], page_bytes: int, first_depth: int = 0,
+                token_ids=None) -> Reservation:
+        """Pages for ``keys``; ``token_ids`` (the chunks' tokens, in order) lets the pool announce them in KV events."""
+        tokens_le32 = b"" if token_ids is None else np.asarray(token_ids, dtype="<u4").tobytes()
+        reply = self._call(P.Reserve(namespace=namespace, keys=list(keys), page_bytes=page_bytes,
+                                     first_depth=first_depth, tokens_le32=tokens_le32))
         return Reservation(reply.reservation_id, [tuple(g) for g in reply.grants], reply.num_no_room)
 
     def commit(self, reservation_id: int, checksums: list[int], checksum_kind: ChecksumKind = ChecksumKind.XXH3) -> int:

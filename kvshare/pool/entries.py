@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
 
 from kvshare.pool.checksum import ChecksumKind
 
@@ -29,6 +32,11 @@ class Entry:
     checksum: int = 0
     checksum_kind: ChecksumKind = ChecksumKind.XXH3
     is_dropped: bool = False  # removed from view; page freed when the last lease goes
+    parent_key: bytes | None = None  # the chunk before this one in its chain, when the writer named it
+    tokens_le32: bytes = b""  # the chunk's token ids (little-endian u32) when the writer sent them: KV events
+
+    def token_ids(self) -> list[int]:
+        return np.frombuffer(self.tokens_le32, dtype="<u4").tolist()
 
 
 @dataclass(eq=False)
@@ -46,3 +54,11 @@ class Reservation:
     client_id: int
     entries: list[Entry]
     created_at: float
+
+
+class IndexListener(Protocol):
+    """Told of every visibility change (KV events): pages committed, and committed pages removed."""
+
+    def committed(self, entries: list[Entry]) -> None: ...
+
+    def removed(self, entry: Entry) -> None: ...

@@ -149,7 +149,8 @@ class PoolHandlers:
         return P.Ok(count=len(req.lease_ids))
 
     def reserve(self, client_id: int, req: P.Reserve) -> P.Reply:
-        result = self.index.reserve(client_id, req.namespace, req.keys, req.page_bytes, req.first_depth, self._clock())
+        result = self.index.reserve(client_id, req.namespace, req.keys, req.page_bytes, req.first_depth, self._clock(),
+                                    req.tokens_le32)
         if self.remote is not None:
             self.remote.on_reserve(client_id, result.reservation_id, [entry for _, entry in result.grants])
         grants = [(i, entry.offset) for i, entry in result.grants]

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from kvshare.keys import KEY_BYTES
 from kvshare.pool.allocator import Allocator
 from kvshare.pool.checksum import ChecksumKind
-from kvshare.pool.entries import Entry, EntryState, Lease, Reservation
+from kvshare.pool.entries import Entry, EntryState, IndexListener, Lease, Reservation
 from kvshare.pool.quota import NamespaceQuota
 
 
@@ -98,6 +98,7 @@ class PoolIndex:
         self._reservations: dict[int, Reservation] = {}
         self.quota = NamespaceQuota(config.namespace_quota_bytes)
         self._next_id = 1
+        self.listener: IndexListener | None = None
 
     # -- queries -------------------------------------------------------------
 
@@ -187,10 +188,18 @@ class PoolIndex:
     # -- writes --------------------------------------------------------------
 
     def reserve(
-        self, client_id: int, namespace: bytes, keys: list[bytes], page_bytes: int, first_depth: int, now: float
+        self, client_id: int, namespace: bytes, keys: list[bytes], page_bytes: int, first_depth: int, now: float,
+        tokens_le32: bytes = b"",
     ) -> ReserveResult:
-        """Pages for the keys nobody holds yet, invisible until commit. Never blocks: no room -> fewer grants."""
+        """Pages for the keys nobody holds yet, invisible until commit. Never blocks: no room -> fewer grants.
+
+        ``tokens_le32``: the chunks' token ids (u32 LE, as many per key) or nothing; kept for KV events only.
+        """
         self._check_keys(keys)
+        if tokens_le32 and len(tokens_le32) % (4 * len(keys)):
+            raise PoolError("bad_token_ids",
+                            f"{len(tokens_le32)} bytes of token ids do not split over {len(keys)} keys")
+        chunk_bytes = len(tokens_le32) // len(keys) if tokens_le32 else 0
         if len(namespace) != KEY_BYTES:
             raise PoolError("bad_namespace", f"namespace must be {KEY_BYTES} bytes, got {len(namespace)}")
         if first_depth < 0:
@@ -222,7 +231,9 @@ class PoolIndex:
         reservation_id = self._new_id()
         grants = []
         for i, offset in zip(granted, offsets):
-            entry = Entry(keys[i], namespace, offset, page_bytes, first_depth + i, EntryState.WRITING, reservation_id)
+            entry = Entry(keys[i], namespace, offset, page_bytes, first_depth + i, EntryState.WRITING, reservation_id,
+                          parent_key=keys[i - 1] if i > 0 else None,
+                          tokens_le32=tokens_le32[i * chunk_bytes : (i + 1) * chunk_bytes])
             self._entries[entry.key] = entry
             self.quota.add(namespace, page_bytes)
             grants.append((i, entry))
@@ -246,6 +257,8 @@ class PoolIndex:
         for entry in sorted(reservation.entries, key=lambda e: -e.depth):  # tail first: head most recent
             self._lru[entry.key] = entry
         self.counters.committed_pages += len(reservation.entries)
+        if self.listener is not None:
+            self.listener.committed(reservation.entries)
         self._evict_above_watermark()
         return len(reservation.entries)
 
@@ -306,6 +319,8 @@ class PoolIndex:
     def _remove_committed(self, entry: Entry) -> None:
         del self._entries[entry.key]
         del self._lru[entry.key]
+        if self.listener is not None:
+            self.listener.removed(entry)
         if entry.num_leases:
             entry.is_dropped = True
         else:

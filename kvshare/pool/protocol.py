@@ -53,12 +53,17 @@ class Release(msgspec.Struct, tag="release"):
 
 
 class Reserve(msgspec.Struct, tag="reserve"):
-    """Pages for ``keys`` (chunks ``first_depth``, ``first_depth + 1``, ... of one chain)."""
+    """Pages for ``keys`` (chunks ``first_depth``, ``first_depth + 1``, ... of one chain).
+
+    ``tokens_le32``: optionally the chunks' token ids, little-endian u32, the same count per key; the pool
+    keeps them only to announce the pages in KV events (a foreign indexer rehashes them).
+    """
 
     namespace: bytes
     keys: list[bytes]
     page_bytes: int
     first_depth: int = 0
+    tokens_le32: bytes = b""
 
 
 class Commit(msgspec.Struct, tag="commit"):
