@@ -9,6 +9,7 @@ pool size that cannot work, a child that exits before it is ready).
 from __future__ import annotations
 
 import argparse
+import os
 
 from kvshare.commands.serve import add_kv_dtype_argument
 from kvshare.router.policy import POLICIES
@@ -45,6 +46,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="restarts of one child allowed within --restart-window; one more exit stops up (default 5)")
     p.add_argument("--restart-window", type=float, default=RestartPolicy.window_s, metavar="SECONDS",
                    help="the window of --max-restarts (default 60)")
+    p.add_argument("--kv-events", default=None, metavar="ENDPOINT",
+                   help="the pool publishes KV events here (tcp://*:PORT or ipc://PATH), on every replica's topic "
+                        "kv@replicaN@MODEL; --policy pool_aware reads them")
+    p.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT", help="the pool's replay socket")
+    p.add_argument("--kv-events-pool-topic", action="store_true",
+                   help="one pool topic (kv@kvshare-pool@kvshare) instead of one per replica")
+
+
+def kv_events_args(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The pool's and the router's arguments for --kv-events (both empty without it)."""
+    if not args.kv_events:
+        if args.policy == "pool_aware":
+            raise ValueError("--policy pool_aware reads the pool's KV events: add --kv-events tcp://*:PORT")
+        return (), ()
+    endpoints = [e for e in (args.kv_events, args.kv_events_replay) if e]
+    if any(e.startswith("tcp://") and "*" not in e for e in endpoints) or args.pool == "off":
+        raise ValueError("up's pool binds its KV events: give tcp://*:PORT or ipc://PATH, and a pool")
+    model = os.path.basename(os.path.normpath(args.model))
+    topics = () if args.kv_events_pool_topic else tuple(f"kv@replica{i}@{model}" for i in range(args.replicas))
+    pool = ("--kv-events", args.kv_events, *(("--kv-events-replay", args.kv_events_replay) if args.kv_events_replay
+                                           else ()), *(a for t in topics for a in ("--kv-events-topic", t)))
+    local = [e.replace("*", "127.0.0.1") for e in endpoints]  # the router connects where the pool binds
+    router = ("--kv-events", local[0], "--kv-events-topic", topics[0] if topics else "kv@", "--model", args.model,
+              *(("--kv-events-replay", local[1]) if len(local) > 1 else ()))
+    return pool, router if args.policy == "pool_aware" else ()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -68,12 +94,13 @@ def run(args: argparse.Namespace) -> int:
     replica_args = tuple(args.replica_arg) + (("--deterministic",) if args.deterministic else ())
     replica_args += ("--kv-dtype", args.kv_dtype) if args.kv_dtype != "auto" else ()
     try:
+        pool_events, router_events = kv_events_args(args)
         config = ClusterConfig(num_replicas=args.replicas, model=args.model, engine=args.engine, device=args.device,
                                pool_size=None if args.pool == "off" else args.pool_size, policy=args.policy,
                                host=args.host, port=args.port, vllm_python=args.vllm_python,
                                tensor_parallel_size=args.tensor_parallel_size,
-                               replica_args=replica_args, pool_args=tuple(args.pool_arg),
-                               router_args=tuple(args.router_arg), api_keys=tuple(args.api_key),
+                               replica_args=replica_args, pool_args=tuple(args.pool_arg) + pool_events,
+                               router_args=tuple(args.router_arg) + router_events, api_keys=tuple(args.api_key),
                                tenant_header=args.tenant_header)
         policy = RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window)
     except ValueError as exc:
