@@ -134,9 +134,9 @@ class Router:
             order = _rotate(everyone, home)
         elif self.policy == "cache_aware":
             order = self._cache_aware(facts, replicas)
-        elif self.policy == "pool_aware" and self.pool_aware is not None and (order := self.pool_aware.order(
-                facts.prompt_ids, facts.cache_salt, [r.num_in_flight for r in replicas],
-                [r.is_available for r in replicas], self._next, now)) is not None:
+        elif self.policy == "pool_aware" and self.pool_aware is not None:
+            order = self.pool_aware.order(facts.prompt_ids, facts.cache_salt, [r.num_in_flight for r in replicas],
+                                          [r.is_available for r in replicas], self._next, now)
             self._next = (self._next + 1) % n
         else:
             order = _rotate(everyone, self._next)

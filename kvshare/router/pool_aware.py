@@ -295,7 +295,7 @@ class PoolAwareConfig:
 
 
 class PoolAwarePlacer:
-    """Ranks replicas by T_r while the events are live; otherwise says why not (the caller falls back)."""
+    """Ranks replicas by T_r while the events are live, in turn (round robin) while they are not."""
 
     def __init__(self, num_replicas: int, cost: CostModel, feed: EventFeed, tokenizer=None) -> None:
         self.cost = cost
@@ -307,8 +307,9 @@ class PoolAwarePlacer:
         self.fallback_reason: str | None = None  # the last reason, while falling back
 
     def order(self, prompt_ids, cache_salt: str | None, in_flight: list[int], is_available: list[bool],
-              rotation: int, now: float) -> list[int] | None:
-        """Preference order, or None when the events cannot be trusted (counted and logged once per outage)."""
+              rotation: int, now: float) -> list[int]:
+        """Preference order; round robin from ``rotation`` while the events cannot be trusted (each such request
+        counted, each outage logged once). Either way the first choice is remembered as holding the prompt."""
         reason = self.feed.why_not_live(now)
         if reason != self.fallback_reason:
             if reason is None:
@@ -316,10 +317,6 @@ class PoolAwarePlacer:
             else:
                 log.warning("pool_aware: falling back to round robin: %s", reason)
             self.fallback_reason = reason
-        if reason is not None:
-            self.num_fallbacks += 1
-            self.on_fallback()
-            return None
         ids = list(prompt_ids or ())
         with self.feed.lock:
             chunk_tokens = self.feed.index.chunk_tokens
@@ -327,8 +324,13 @@ class PoolAwarePlacer:
         hashes = chain(ids, chunk_tokens, cache_salt)
         if pool_tokens < len(hashes) * chunk_tokens:
             self.feed.expect(now)  # the replica will store the rest: the pool should announce it
-        times = [expected_ttft(self.cost, len(ids), self.sent.held_tokens(i, hashes, chunk_tokens), pool_tokens, q)
-                 for i, q in enumerate(in_flight)]
+        if reason is not None:
+            self.num_fallbacks += 1
+            self.on_fallback()
+            times = [0.0] * len(in_flight)
+        else:
+            times = [expected_ttft(self.cost, len(ids), self.sent.held_tokens(i, hashes, chunk_tokens), pool_tokens,
+                                   q) for i, q in enumerate(in_flight)]
         order = rank(times, is_available, rotation)
         self.sent.remember(order[0], hashes)
         return order
