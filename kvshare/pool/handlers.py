@@ -93,6 +93,7 @@ class PoolHandlers:
             extent_bytes=self.allocator.extent_bytes,
             client_id=client_id,
             server_pid=os.getpid(),
+            wants_token_ids=self.index.listener is not None,
         )
 
     def disconnect(self, client_id: int) -> tuple[int, int]:

@@ -25,6 +25,7 @@ PROTOCOL_VERSION = 2
 FORMAT_VERSION = 1  # canonical page format (layout.py); bumped if the bytes of a page change meaning
 FRAME_HEADER = struct.Struct("<I")
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 20
+MAX_RESERVE_TOKEN_BYTES = 512 << 10  # Reserve.tokens_le32 at most (128k tokens): the message stays under 1 MiB
 
 
 class ProtocolError(Exception):
@@ -142,6 +143,7 @@ class HelloReply(msgspec.Struct, tag="hello_reply"):
     extent_bytes: int
     client_id: int
     server_pid: int
+    wants_token_ids: bool = False  # the pool publishes KV events: a Reserve may carry its chunks' token ids
 
 
 class LookupReply(msgspec.Struct, tag="lookup_reply"):

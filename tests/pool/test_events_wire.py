@@ -151,3 +151,11 @@ def test_every_committed_page_once_and_every_removal_through_gaps_and_replay(tmp
     assert by_hash[h(chain_a[1])].parent_block_hash == h(chain_a[0])
     assert by_hash[h(chain_a[1])].token_ids == tokens_a[CHUNK : 2 * CHUNK]
     assert {e.medium for e in stored} == {"CPU"}
+
+
+def test_a_pool_without_events_is_sent_no_token_ids(pool):
+    """A Reserve carries token ids only to a pool that publishes them (hello says so)."""
+    with PoolClient(pool) as client:
+        assert client.hello.wants_token_ids is False
+        granted = store(client, make_keys("quiet", 2), list(range(2 * CHUNK)))
+        assert len(granted) == 2
