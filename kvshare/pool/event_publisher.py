@@ -104,6 +104,9 @@ class EventPublisher:
         """Send what is queued, then close the sockets."""
         self._queue.put(None)
         self._thread.join(timeout=5.0)
+        if self._thread.is_alive():  # still sending: terminating the context now would wait for it
+            log.warning("KV events still queued at exit were not sent")
+            return
         self._close_sockets()
 
     def _close_sockets(self) -> None:
@@ -193,6 +196,11 @@ class PoolEvents:
             self._announced.discard(entry.key)
             hashes = [E.external_hash(entry.key, self.config.hash_kind)]
             self.publisher.put(E.block_removed(self.config.encoding, hashes))
+
+    def stats(self) -> dict[str, int]:
+        """Batches and events sent, replay requests answered (read from the daemon's thread: plain ints)."""
+        pub = self.publisher
+        return {"batches": pub.num_batches, "events": pub.num_events, "replays": pub.num_replays}
 
     def close(self) -> None:
         self.publisher.close()

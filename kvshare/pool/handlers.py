@@ -239,6 +239,7 @@ class PoolHandlers:
             "uptime_s": round(self._clock() - self.started_at, 3),
             **counters,
             **({"remote": self.remote.stats()} if self.remote is not None else {}),
+            **({"kv_events": self.index.listener.stats()} if self.index.listener is not None else {}),
         }
 
     def _integrity_problem(self) -> str | None:

@@ -140,8 +140,10 @@ def test_every_committed_page_once_and_every_removal_through_gaps_and_replay(tmp
                 if len(removed) == len(committed):
                     break
                 sub.poll(100)
+            counts = client.stats()["kv_events"]
         finally:
             sub.close()
+    assert counts["replays"] >= 1 and counts["events"] >= len(sub.events) and counts["batches"] >= len(sub.seqs)
     assert sub.num_replays >= 1 and sub.seqs == list(range(len(sub.seqs)))
     assert isinstance(sub.events[0], AllBlocksCleared)
     stored = [e for e in sub.events if isinstance(e, BlockStored)]
