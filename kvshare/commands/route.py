@@ -36,6 +36,9 @@ def _add_pool_aware_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-events-max-silence", type=float, default=30.0, metavar="SECONDS",
                    help="no batch this long after prompts the pool did not hold: round robin until one comes")
     g.add_argument("--model", default=None, help="the replicas' model directory or preset (its tokenizer)")
+    g.add_argument("--replica-kv-events", action="append", default=[], metavar="ENDPOINT",
+                   help="a replica's own KV events (vLLM's --kv-events-config endpoint), one per --replica in order: "
+                        "its GPU prefix cache from them instead of what the router sent it")
     cost = CostModel()
     g.add_argument("--kv-bytes-per-token", type=int, default=cost.kv_bytes_per_token)
     g.add_argument("--load-bandwidth", type=float, default=cost.load_bytes_per_s / 1e9, metavar="GB/S",
@@ -56,6 +59,7 @@ def _pool_aware_config(args: argparse.Namespace):
         cost=CostModel(kv_bytes_per_token=args.kv_bytes_per_token, load_bytes_per_s=args.load_bandwidth * 1e9,
                        prefill_tokens_per_s=args.prefill_rate, queue_s_per_request=args.queue_seconds),
         max_lag_s=args.kv_events_max_lag, max_silence_s=args.kv_events_max_silence,
+        replica_endpoints=tuple(args.replica_kv_events),
     )
 
 

@@ -20,6 +20,7 @@ from typing import Any, Union
 import msgspec
 
 MEDIUM_CPU = "CPU"  # a pool page: llm-d and Dynamo score an unknown medium as if it were on the GPU
+MEDIUM_GPU = "GPU"  # a block in a replica's own (GPU) prefix cache
 SEQ_BYTES = 8
 END_SEQ = -1  # the replay's last message carries this sequence
 ENCODINGS = ("map", "positional")

@@ -14,16 +14,14 @@ request finds nothing of the pool here and is placed on queue and prefill alone.
 When the events stop (a routed prompt's new chunks are not announced in time), lag, or cannot be decoded,
 the policy falls back to round robin until they are live again, with a metric and a log line.
 
-Pure parts (the index, the sent memory, ``expected_ttft``, ``rank``) take ``now`` and need no socket;
-``EventFeed`` is the thread with the ZMQ subscription (pyzmq, imported there only).
+Pure: the index, the sent memory, ``expected_ttft``, ``rank`` and the placer take ``now`` and need no socket;
+kvshare.router.event_feed is the thread with the ZMQ subscription.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import threading
-import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -80,9 +78,11 @@ def held_chunks(hashes: list[bytes], held) -> int:
 
 
 class PoolPrefixIndex:
-    """The pool's pages (medium CPU) as chains of token hashes, kept from its KV events."""
+    """The blocks one publisher holds as chains of token hashes, kept from its KV events: the pool's (medium
+    CPU), or a replica's GPU prefix cache (medium GPU, or none as older vLLM sends)."""
 
-    def __init__(self) -> None:
+    def __init__(self, media: tuple[str | None, ...] = (E.MEDIUM_CPU,)) -> None:
+        self.media = media
         self.chunk_tokens = DEFAULT_CHUNK_TOKENS
         self._by_block: dict[int | bytes, bytes] = {}  # the event's block hash -> our chain hash
         self._held: set[bytes] = set()
@@ -100,7 +100,7 @@ class PoolPrefixIndex:
         elif isinstance(event, (E.BlockRemoved, E.PositionalBlockRemoved)):
             for block in event.block_hashes:
                 self._held.discard(self._by_block.pop(block, None))
-        elif event.medium == E.MEDIUM_CPU and event.token_ids and event.block_size > 0:
+        elif event.medium in self.media and event.token_ids and event.block_size > 0 and not _is_keyed(event):
             # no token ids: a salted page (or a foreign one) that a prompt's tokens cannot match
             parent_block = event.parent_block_hash
             parent = chain_seed(None) if parent_block is None else self._by_block.get(parent_block)
@@ -117,6 +117,12 @@ class PoolPrefixIndex:
         if cache_salt is not None:
             return 0
         return held_chunks(chain(ids, self.chunk_tokens, None), self._held) * self.chunk_tokens
+
+
+def _is_keyed(event) -> bool:
+    """A block whose hash took more than its tokens (vLLM's extra_keys: a cache_salt, a LoRA, media): a prompt's
+    tokens alone must not match it (another tenant's block would steer placement)."""
+    return bool(getattr(event, "extra_keys", None) or getattr(event, "lora_name", None) or event.lora_id)
 
 
 class SentMemory:
@@ -152,125 +158,6 @@ def rank(times: list[float], is_available: list[bool], rotation: int) -> list[in
     return sorted(range(n), key=lambda i: (not is_available[i], times[i], (i - rotation) % n))
 
 
-class EventFeed:
-    """Subscribes to the pool's KV events (one topic) and keeps a PoolPrefixIndex; says whether they are live."""
-
-    def __init__(self, endpoint: str, topic: str, replay_endpoint: str | None = None, encoding: str = "map",
-                 max_lag_s: float = 5.0, max_silence_s: float = 30.0) -> None:
-        self.endpoint, self.topic, self.replay_endpoint, self.encoding = endpoint, topic, replay_endpoint, encoding
-        self.max_lag_s, self.max_silence_s = max_lag_s, max_silence_s
-        self.index = PoolPrefixIndex()
-        self.lock = threading.Lock()  # the index, between this thread and the router's loop
-        self.last_seq = -1
-        self.lag_s = 0.0
-        self.num_gaps_lost = 0  # gaps replay could not fill: the index was cleared (it may only miss pages)
-        self._expected_since: float | None = None  # a routed prompt had chunks the pool did not announce yet
-        self._is_stopping = False
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> "EventFeed":
-        self._thread = threading.Thread(target=self._run, name="kv-events-feed", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._is_stopping = True
-        if self._thread is not None:
-            self._thread.join(timeout=2.0)
-
-    def expect(self, now: float) -> None:
-        """A routed prompt has chunks the pool does not hold: its store should be announced."""
-        if self._expected_since is None:
-            self._expected_since = now
-
-    def why_not_live(self, now: float) -> str | None:
-        """None while the events can be trusted; else a one-line reason."""
-        if self.last_seq < 0:
-            return f"no KV events received from {self.endpoint} yet"
-        if self.lag_s > self.max_lag_s:
-            return f"KV events lag {self.lag_s:.1f} s (limit {self.max_lag_s:.1f} s)"
-        if self._expected_since is not None and now - self._expected_since > self.max_silence_s:
-            return f"no KV events for {now - self._expected_since:.0f} s after prompts the pool did not hold"
-        return None
-
-    def _run(self) -> None:
-        import zmq
-
-        ctx = zmq.Context()
-        sub = ctx.socket(zmq.SUB)
-        sub.connect(self.endpoint)
-        sub.setsockopt_string(zmq.SUBSCRIBE, self.topic)
-        replay = None
-        if self.replay_endpoint:
-            replay = ctx.socket(zmq.DEALER)  # the ROUTER answers one request with many messages
-            replay.connect(self.replay_endpoint)
-        try:
-            while not self._is_stopping:
-                if not sub.poll(100):
-                    continue
-                frames = sub.recv_multipart()
-                if len(frames) != 3 or len(frames[1]) != E.SEQ_BYTES:
-                    log.warning("ignored a KV events message of %d frames", len(frames))
-                    continue
-                self._receive(E.seq_of(frames[1]), frames[2], replay)
-        finally:
-            for sock in (sub, replay):
-                if sock is not None:
-                    sock.close(linger=0)
-            ctx.term()
-
-    def _receive(self, seq: int, payload: bytes, replay) -> None:
-        if seq <= self.last_seq:  # the publisher started again from 0: it begins with AllBlocksCleared
-            self.last_seq = seq - 1
-        if seq > self.last_seq + 1 and replay is not None:
-            for r_seq, r_payload in self._replayed(replay, self.last_seq + 1, seq):
-                self._apply(r_seq, r_payload)
-        if seq > self.last_seq + 1:
-            self.num_gaps_lost += 1
-            log.warning("KV events %d..%d lost (no replay of them): the pool index starts again", self.last_seq + 1,
-                        seq - 1)
-            with self.lock:
-                self.index.clear()  # what remains can only miss pages, never claim a page the pool lost
-        self.last_seq = seq - 1
-        self._apply(seq, payload)
-
-    def _replayed(self, replay, start: int, end: int) -> list[tuple[int, bytes]]:
-        replay.send_multipart((b"", E.seq_bytes(start)))
-        got = []
-        while replay.poll(2000):
-            frames = replay.recv_multipart()
-            if len(frames) != 4:
-                continue
-            _, topic, seq_frame, payload = frames
-            r_seq = E.seq_of(seq_frame)
-            if r_seq == E.END_SEQ:
-                break
-            if topic.decode(errors="replace") == self.topic and start <= r_seq < end:
-                got.append((r_seq, payload))
-        got.sort()
-        contiguous = []
-        for r_seq, payload in got:
-            if r_seq == start + len(contiguous):
-                contiguous.append((r_seq, payload))
-        return contiguous
-
-    def _apply(self, seq: int, payload: bytes) -> None:
-        try:
-            batch = E.decode_batch(payload, self.encoding)
-        except ValueError as exc:
-            log.warning("KV event batch %d: %s; the pool index starts again", seq, exc)
-            with self.lock:
-                self.index.clear()
-            self.last_seq = seq
-            return
-        with self.lock:
-            for event in batch.events:
-                self.index.apply(event)
-        self.last_seq = seq
-        self.lag_s = max(0.0, time.time() - batch.ts)
-        self._expected_since = None
-
-
 @dataclass(frozen=True)
 class PoolAwareConfig:
     """``kvshare route --policy pool_aware --kv-events ENDPOINT [--kv-events-replay ...] --model MODEL``."""
@@ -283,6 +170,7 @@ class PoolAwareConfig:
     cost: CostModel = CostModel()
     max_lag_s: float = 5.0
     max_silence_s: float = 30.0
+    replica_endpoints: tuple[str, ...] = ()  # each replica's own KV events (vLLM's --kv-events-config), in order
 
     def __post_init__(self) -> None:
         if not self.endpoint.startswith(("tcp://", "ipc://", "inproc://")):
@@ -297,9 +185,10 @@ class PoolAwareConfig:
 class PoolAwarePlacer:
     """Ranks replicas by T_r while the events are live, in turn (round robin) while they are not."""
 
-    def __init__(self, num_replicas: int, cost: CostModel, feed: EventFeed, tokenizer=None) -> None:
+    def __init__(self, num_replicas: int, cost: CostModel, feed, tokenizer=None, replica_feeds: list | None = None) -> None:
         self.cost = cost
         self.feed = feed
+        self.replica_feeds = replica_feeds or []  # each replica's GPU events, where it publishes them
         self.tokenizer = tokenizer
         self.sent = SentMemory(num_replicas)
         self.num_fallbacks = 0
@@ -329,11 +218,27 @@ class PoolAwarePlacer:
             self.on_fallback()
             times = [0.0] * len(in_flight)
         else:
-            times = [expected_ttft(self.cost, len(ids), self.sent.held_tokens(i, hashes, chunk_tokens), pool_tokens,
-                                   q) for i, q in enumerate(in_flight)]
+            times = [expected_ttft(self.cost, len(ids), self._gpu_tokens(i, ids, cache_salt, hashes, chunk_tokens, now),
+                                   pool_tokens, q) for i, q in enumerate(in_flight)]
         order = rank(times, is_available, rotation)
         self.sent.remember(order[0], hashes)
         return order
+
+    def _gpu_tokens(self, i: int, ids, cache_salt, hashes, chunk_tokens: int, now: float) -> int:
+        """Replica i's GPU prefix: from its own events while they are live, else what this router sent it."""
+        feed = self.replica_feeds[i] if i < len(self.replica_feeds) else None
+        if feed is not None and feed.why_not_live(now) is None:
+            with feed.lock:
+                return feed.index.held_tokens(ids, cache_salt)
+        return self.sent.held_tokens(i, hashes, chunk_tokens)
+
+    def start(self) -> None:
+        for feed in (self.feed, *self.replica_feeds):
+            feed.start()
+
+    def stop(self) -> None:
+        for feed in (self.feed, *self.replica_feeds):
+            feed.stop()
 
     def prompt_ids(self, prompt, messages) -> list[int] | None:
         """The token ids a replica would compute for the request; None where this router cannot tell."""
@@ -347,25 +252,3 @@ class PoolAwarePlacer:
         except Exception as exc:  # a malformed request: the replica answers it; place it without a prefix
             log.debug("pool_aware: no token ids for a request (%s)", exc)
         return None
-
-
-def attach_pool_aware(router, config: PoolAwareConfig, registry) -> PoolAwarePlacer:
-    """A placer for ``router`` (its feed not started yet), with its metrics in ``registry``."""
-    from prometheus_client import Counter, Gauge
-
-    from kvshare.engine.loader import load_tokenizer
-
-    feed = EventFeed(config.endpoint, config.topic, config.replay_endpoint, config.encoding, config.max_lag_s,
-                     config.max_silence_s)
-    placer = PoolAwarePlacer(router.num_replicas, config.cost, feed, load_tokenizer(config.model))
-    router.pool_aware = placer
-    fallbacks = Counter("kvshare_router_pool_aware_fallbacks", "Requests placed round robin because the pool's "
-                        "KV events were not live", registry=registry)
-    placer.on_fallback = fallbacks.inc
-    Gauge("kvshare_router_kv_events_live", "1 while the pool's KV events are trusted", registry=registry
-          ).set_function(lambda: float(feed.why_not_live(time.monotonic()) is None))
-    Gauge("kvshare_router_kv_events_lag_seconds", "Age of the last KV event batch when it arrived",
-          registry=registry).set_function(lambda: feed.lag_s)
-    Gauge("kvshare_router_pool_index_chunks", "Chunks the pool holds by its KV events (untenanted)",
-          registry=registry).set_function(lambda: float(len(feed.index)))
-    return placer

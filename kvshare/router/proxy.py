@@ -25,7 +25,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvshare.router.policy import POLICIES, ReplicaView, RouteFacts, Router, prefix_blocks
-from kvshare.router.pool_aware import PoolAwareConfig, attach_pool_aware
+from kvshare.router.event_feed import attach_pool_aware
+from kvshare.router.pool_aware import PoolAwareConfig
 from kvshare.serve.api_types import ApiError
 from kvshare.serve.http_errors import body_too_large, error_response, http_error
 from kvshare.serve.connection import is_gone, limit_send_buffer
@@ -156,13 +157,13 @@ class RouterServer:
         self._session = aiohttp.ClientSession(timeout=timeout, auto_decompress=False)
         self._health_task = asyncio.create_task(self._health_loop())
         if self.pool_aware is not None:
-            self.pool_aware.feed.start()
+            self.pool_aware.start()
 
     async def _stop(self, app) -> None:
         if self._health_task:
             self._health_task.cancel()
         if self.pool_aware is not None:
-            self.pool_aware.feed.stop()
+            self.pool_aware.stop()
         if self._session:
             await self._session.close()
 

@@ -6,8 +6,8 @@ import pytest
 
 from kvshare.pool import events as E
 from kvshare.router.policy import ReplicaView, RouteFacts, Router
-from kvshare.router.pool_aware import (CostModel, EventFeed, PoolAwarePlacer, PoolPrefixIndex, chain,
-                                       expected_ttft, rank)
+from kvshare.router.event_feed import EventFeed
+from kvshare.router.pool_aware import CostModel, PoolAwarePlacer, PoolPrefixIndex, chain, expected_ttft, rank
 
 CHUNK = 4
 COST = CostModel(kv_bytes_per_token=1000, load_bytes_per_s=1e6, prefill_tokens_per_s=1000, queue_s_per_request=0.1)
@@ -129,3 +129,30 @@ def test_a_feed_that_never_received_is_not_live():
 def test_chain_is_seeded_by_the_salt():
     assert chain(list(range(8)), CHUNK, None) != chain(list(range(8)), CHUNK, "s")
     assert len(chain(list(range(9)), CHUNK, None)) == 2  # full chunks only
+
+
+def test_a_block_hashed_with_more_than_its_tokens_is_not_indexed():
+    """vLLM puts a cache_salt, a LoRA or media in extra_keys: tokens alone must not match such a block.
+    Fails when PoolPrefixIndex.apply indexes keyed blocks."""
+    index = PoolPrefixIndex(media=(E.MEDIUM_GPU, None))
+    keyed = E.BlockStored([1], None, [0, 1, 2, 3], CHUNK, None, E.MEDIUM_GPU, None, extra_keys=[("tenant-a",)])
+    lora = E.BlockStored([2], None, [0, 1, 2, 3], CHUNK, None, E.MEDIUM_GPU, "adapter")
+    plain = E.BlockStored([3], None, [0, 1, 2, 3], CHUNK, None, None, None)
+    for event in (keyed, lora):
+        index.apply(event)
+    assert len(index) == 0
+    index.apply(plain)  # older vLLM sends no medium: a replica's own block
+    assert index.held_tokens([0, 1, 2, 3], None) == CHUNK
+    assert PoolPrefixIndex().held_tokens([0, 1, 2, 3], None) == 0  # the pool's index takes CPU blocks only
+
+
+def test_a_replica_that_publishes_its_gpu_blocks_is_credited_from_them():
+    """Fails when the placer ignores a replica's own events (it never sent replica 1 this prompt)."""
+    prompt = list(range(256))
+    router = placer_with(stored_chain(prompt))
+    gpu = FakeFeed([])
+    gpu.index.media = (E.MEDIUM_GPU,)
+    gpu.index.apply(E.BlockStored([9], None, prompt, 256, None, E.MEDIUM_GPU, None))
+    router.pool_aware.replica_feeds = [FakeFeed([]), gpu]
+    # replica 0 is idle but must load 256 tokens (0.256 s); replica 1 holds them on its GPU: 2 in flight (0.2 s)
+    assert router.choose(RouteFacts(prompt_ids=prompt), views(0, 2), now=0.0)[0] == 1
