@@ -46,6 +46,7 @@ class ClusterConfig:
     tenant_header: str = ""  # replicas salt the pool namespace with this header's value
     vllm_python: str | None = None
     tensor_parallel_size: int = 1  # vLLM replicas only: ranks per replica (--tensor-parallel-size)
+    replica_kv_events_port: int | None = None  # vLLM replicas publish their own KV events on this port + i
     ready_timeout_s: float = 300.0
     log_level: str = "WARNING"
 
@@ -170,6 +171,7 @@ class Cluster:
                 replica=f"replica{i}", chunk_tokens=DEFAULT_CHUNK_TOKENS,
                 max_num_batched_tokens=DEFAULT_CHUNK_TOKENS, extra_args=cfg.replica_args,
                 tensor_parallel_size=cfg.tensor_parallel_size,
+                kv_events_port=None if cfg.replica_kv_events_port is None else cfg.replica_kv_events_port + i,
             ))
             return spec.argv, spec.env
         device, visible = gpu_of_replica(cfg.device, i)

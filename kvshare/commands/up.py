@@ -52,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT", help="the pool's replay socket")
     p.add_argument("--kv-events-pool-topic", action="store_true",
                    help="one pool topic (kv@kvshare-pool@kvshare) instead of one per replica")
+    p.add_argument("--replica-kv-events-port", type=int, default=None, metavar="PORT",
+                   help="--engine vllm: replica i publishes its own KV events on tcp://*:PORT+i (--kv-events-config); "
+                        "--policy pool_aware reads them for the replicas' GPU prefix caches")
 
 
 def kv_events_args(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -69,7 +72,9 @@ def kv_events_args(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[str
                                            else ()), *(a for t in topics for a in ("--kv-events-topic", t)))
     local = [e.replace("*", "127.0.0.1") for e in endpoints]  # the router connects where the pool binds
     router = ("--kv-events", local[0], "--kv-events-topic", topics[0] if topics else "kv@", "--model", args.model,
-              *(("--kv-events-replay", local[1]) if len(local) > 1 else ()))
+              *(("--kv-events-replay", local[1]) if len(local) > 1 else ()),
+              *(a for i in range(args.replicas) if args.replica_kv_events_port is not None
+                for a in ("--replica-kv-events", f"tcp://127.0.0.1:{args.replica_kv_events_port + i}")))
     return pool, router if args.policy == "pool_aware" else ()
 
 
@@ -88,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("up starts its own pool: use --pool-size SIZE, or --pool off")
     if args.deterministic and args.engine != "builtin":
         raise UserError("--deterministic is a mode of the built-in engine; vLLM replicas do not have it")
+    if args.replica_kv_events_port is not None and args.engine != "vllm":
+        raise UserError("--replica-kv-events-port: vLLM replicas publish KV events; the built-in engine does not")
     if args.kv_dtype != "auto" and args.engine != "builtin":
         raise UserError("--kv-dtype sets the built-in engine's KV dtype; for vLLM replicas pass "
                         "--replica-arg=--kv-cache-dtype=fp8")
@@ -101,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
                                tensor_parallel_size=args.tensor_parallel_size,
                                replica_args=replica_args, pool_args=tuple(args.pool_arg) + pool_events,
                                router_args=tuple(args.router_arg) + router_events, api_keys=tuple(args.api_key),
-                               tenant_header=args.tenant_header)
+                               tenant_header=args.tenant_header, replica_kv_events_port=args.replica_kv_events_port)
         policy = RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window)
     except ValueError as exc:
         raise UserError(str(exc)) from None

@@ -41,6 +41,9 @@ def test_up_flags_give_the_pool_a_topic_per_replica_and_the_router_the_local_end
                     "kv@replica0@tiny", "--kv-events-topic", "kv@replica1@tiny")
     assert router == ("--kv-events", "tcp://127.0.0.1:5557", "--kv-events-topic", "kv@replica0@tiny", "--model",
                       "tiny", "--kv-events-replay", "tcp://127.0.0.1:5558")
+    _, router = up.kv_events_args(up_args("--policy", "pool_aware", "--kv-events", "ipc:///tmp/ev",
+                                          "--replica-kv-events-port", "5600"))
+    assert router[-4:] == ("--replica-kv-events", "tcp://127.0.0.1:5600", "--replica-kv-events", "tcp://127.0.0.1:5601")
     with pytest.raises(ValueError, match="pool_aware"):
         up.kv_events_args(up_args("--policy", "pool_aware"))
     with pytest.raises(ValueError, match=r"tcp://\*:PORT"):
