@@ -23,6 +23,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from functools import partial
 
 from kvshare.keys import DEFAULT_CHUNK_TOKENS
 from kvshare.pool import events as E
@@ -60,6 +61,11 @@ class KVEventsConfig:
 
 def _is_bind_endpoint(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def _built(item):
+    """A queued event, or a function that builds it (deferred to this thread)."""
+    return item() if callable(item) else item
 
 
 class EventPublisher:
@@ -125,7 +131,7 @@ class EventPublisher:
                 continue
             events, is_closing = [], first is None
             if first is not None:
-                events.append(first)
+                events.append(_built(first))
             while len(events) < self.config.max_events_per_batch and not is_closing:
                 try:
                     event = self._queue.get_nowait()
@@ -134,7 +140,7 @@ class EventPublisher:
                 if event is None:
                     is_closing = True
                 else:
-                    events.append(event)
+                    events.append(_built(event))
             if events:
                 self._send(events)
             if is_closing:
@@ -180,15 +186,16 @@ class PoolEvents:
             parent = entry.parent_key
             if entry.depth > 0 and (parent is None or parent not in self._announced):
                 continue
-            tokens = entry.token_ids()
             self._announced.add(entry.key)
-            self.publisher.put(E.block_stored(
-                self.config.encoding,
-                [E.external_hash(entry.key, self.config.hash_kind)],
-                None if entry.depth == 0 else E.external_hash(parent, self.config.hash_kind),
-                tokens,
-                len(tokens) or self.config.block_size,
-            ))
+            # built on the publisher's thread: a 128k-token commit's token lists cost the daemon's loop ~3 ms
+            self.publisher.put(partial(self._stored, entry, None if entry.depth == 0 else parent))
+
+    def _stored(self, entry: Entry, parent: bytes | None):
+        tokens = entry.token_ids()
+        kind = self.config.hash_kind
+        return E.block_stored(self.config.encoding, [E.external_hash(entry.key, kind)],
+                              None if parent is None else E.external_hash(parent, kind), tokens,
+                              len(tokens) or self.config.block_size)
 
     def removed(self, entry: Entry) -> None:
         """A page left the index (evicted, dropped, flushed)."""

@@ -30,7 +30,7 @@ class ListPublisher:
         self.events = []
 
     def put(self, event):
-        self.events.append(event)
+        self.events.append(event() if callable(event) else event)  # a stored page is built when it is sent
 
     def close(self):
         pass
