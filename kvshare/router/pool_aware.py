@@ -185,7 +185,8 @@ class PoolAwareConfig:
 class PoolAwarePlacer:
     """Ranks replicas by T_r while the events are live, in turn (round robin) while they are not."""
 
-    def __init__(self, num_replicas: int, cost: CostModel, feed, tokenizer=None, replica_feeds: list | None = None) -> None:
+    def __init__(self, num_replicas: int, cost: CostModel, feed, tokenizer=None,
+                 replica_feeds: list | None = None) -> None:
         self.cost = cost
         self.feed = feed
         self.replica_feeds = replica_feeds or []  # each replica's GPU events, where it publishes them
