@@ -11,12 +11,15 @@ it stopped.
 from __future__ import annotations
 
 import collections
+import json
 import ctypes
 import os
 import secrets
 import signal
 import subprocess
 import threading
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from typing import IO, Mapping
 
@@ -97,3 +100,18 @@ class OutputTail:
 def _die_with_parent() -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+def health_answer(url: str, instance_id: str | None, timeout_s: float = 2.0) -> str:
+    """``ready`` when ``url``/health answers 200 (as ``instance_id``, when given); ``other`` when another
+    server answers in its place; ``no`` otherwise."""
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=timeout_s) as resp:
+            if resp.status != 200:
+                return "no"
+            if instance_id is None:
+                return "ready"
+            body = json.loads(resp.read() or b"{}")
+    except (urllib.error.URLError, OSError, ValueError):
+        return "no"
+    return "ready" if isinstance(body, dict) and body.get("instance_id") == instance_id else "other"

@@ -12,17 +12,14 @@ supervises the children (kvshare.supervisor): ``restart`` starts one again from 
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 
-from kvshare.children import Child, ChildSpec, describe_exit, start_child
+from kvshare.children import Child, ChildSpec, describe_exit, health_answer, start_child
 from kvshare.pool.client import PoolUnavailable
 from kvshare.pool.spawn import kvshare_command, kvshare_env, stop_process, wait_for_pool
 
@@ -46,6 +43,7 @@ class ClusterConfig:
     model_revision: str = ""  # names the model's identity in every replica's namespace; "": its weights' bytes
     vllm_python: str | None = None
     tensor_parallel_size: int = 1  # vLLM replicas only: ranks per replica (--tensor-parallel-size)
+    replica_kv_events_port: int | None = None  # vLLM replicas publish their own KV events on this port + i
     ready_timeout_s: float = 300.0
     log_level: str = "WARNING"
 
@@ -159,17 +157,18 @@ class Cluster:
             from kvshare.integrations.vllm.launch import VllmServerConfig, vllm_server_command
             from kvshare.keys import DEFAULT_CHUNK_TOKENS
 
-            # prefill steps of one pool chunk: a replica that loads k chunks computes the rest in the same steps
-            # (same shapes, same kernels) as the replica that computed the whole prompt, so a request served
-            # alone gets the same logits bit for bit. With vLLM's default budget the full prompt is one step and
-            # the tail over a loaded prefix another shape: vLLM CPU rounds them differently, 1e-2 in logprobs in
-            # bf16 (what vLLM's "auto" runs a float32 preset in), 1e-5 in float32. --replica-arg overrides it.
+            # prefill steps of one pool chunk: a replica that loads k chunks computes the rest in the same steps (same
+            # shapes, same kernels) as the replica that computed the whole prompt, so a request served alone gets the
+            # same logits bit for bit. With vLLM's default budget the full prompt is one step and the tail over a
+            # loaded prefix another shape: vLLM CPU rounds them differently, 1e-2 in logprobs in bf16 (what vLLM's
+            # "auto" runs a float32 preset in), 1e-5 in float32. --replica-arg overrides it.
             spec = vllm_server_command(VllmServerConfig(
                 model=self._vllm_model_dir(), port=port, host=cfg.host, pool_socket=self.pool_socket,
                 python=cfg.vllm_python or sys.executable, served_model_name=self._served_name(),
                 replica=f"replica{i}", chunk_tokens=DEFAULT_CHUNK_TOKENS,
                 max_num_batched_tokens=DEFAULT_CHUNK_TOKENS, extra_args=cfg.replica_args,
                 tensor_parallel_size=cfg.tensor_parallel_size, model_revision=cfg.model_revision,
+                kv_events_port=None if cfg.replica_kv_events_port is None else cfg.replica_kv_events_port + i,
             ))
             return spec.argv, spec.env
         device, visible = gpu_of_replica(cfg.device, i)
@@ -317,21 +316,6 @@ def _cpu_threads_env(cfg: ClusterConfig) -> dict | None:
 def _auth_args(cfg: ClusterConfig) -> list[str]:
     tenant = ["--tenant-header", cfg.tenant_header] if cfg.tenant_header else []
     return [arg for key in cfg.api_keys for arg in ("--api-key", key)] + tenant
-
-
-def health_answer(url: str, instance_id: str | None, timeout_s: float = 2.0) -> str:
-    """``ready`` when ``url``/health answers 200 (as ``instance_id``, when given); ``other`` when another
-    server answers in its place; ``no`` otherwise."""
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=timeout_s) as resp:
-            if resp.status != 200:
-                return "no"
-            if instance_id is None:
-                return "ready"
-            body = json.loads(resp.read() or b"{}")
-    except (urllib.error.URLError, OSError, ValueError):
-        return "no"
-    return "ready" if isinstance(body, dict) and body.get("instance_id") == instance_id else "other"
 
 
 def wait_http_ready(url: str, proc: subprocess.Popen | None, timeout_s: float, name: str = "the server",

@@ -1,5 +1,7 @@
 """kvshare up's child commands (no process started)."""
 
+import json
+
 from kvshare.keys import DEFAULT_CHUNK_TOKENS
 from kvshare.launch import Cluster, ClusterConfig
 
@@ -34,3 +36,15 @@ def test_one_device_per_replica_as_a_comma_list(tmp_path):
             ClusterConfig(device=bad)
     with pytest.raises(ValueError, match="applies to built-in replicas"):
         ClusterConfig(engine="vllm", model=str(tmp_path), device="cuda:0,cuda:1")
+
+
+def test_vllm_replicas_publish_their_own_kv_events_on_their_port_and_topic(tmp_path):
+    cluster = Cluster(ClusterConfig(engine="vllm", model=str(tmp_path), replica_kv_events_port=5600))
+    cluster.pool_socket = str(tmp_path / "pool.sock")
+    argv, _env = cluster._replica_command(1, [])
+    config = json.loads(argv[argv.index("--kv-events-config") + 1])
+    assert config == {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5601",
+                      "topic": f"kv@replica1@{tmp_path.name}"}
+    plain = Cluster(ClusterConfig(engine="vllm", model=str(tmp_path)))
+    plain.pool_socket = cluster.pool_socket
+    assert "--kv-events-config" not in plain._replica_command(0, [])[0]

@@ -84,7 +84,8 @@ class Harness:
         import aiohttp
 
         from kvshare.bench.client import model_name
-        from kvshare.bench.workload import PromptFactory, WorkloadConfig, load_tokenizer
+        from kvshare.bench.workload import PromptFactory, WorkloadConfig
+        from kvshare.engine.loader import load_tokenizer
 
         run_id = time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
         started = time.monotonic()

@@ -18,7 +18,6 @@ byte-level one).
 from __future__ import annotations
 
 import hashlib
-import os
 import random
 import re
 from dataclasses import dataclass
@@ -27,20 +26,6 @@ from typing import Any
 _WORD = re.compile(r"^ ?[A-Za-z]{1,12}$")
 MAX_SCAN_IDS = 50_000
 MAX_FIT_ATTEMPTS = 12
-
-
-def load_tokenizer(model: str):
-    """The tokenizer of a model directory (its tokenizer.json) or of a built-in preset (byte level)."""
-    from kvshare.engine.tokenizer import Tokenizer
-    from kvshare.errors import UserError
-
-    if os.path.isdir(model):
-        return Tokenizer.from_dir(model)
-    from kvshare.engine.presets import PRESETS  # imports torch: only for preset names
-
-    if model in PRESETS:
-        return Tokenizer.byte_level(PRESETS[model].config.max_position_embeddings)
-    raise UserError(f"--tokenizer/--model {model!r} is neither a model directory nor a preset ({', '.join(PRESETS)})")
 
 
 def filler_vocabulary(tokenizer: Any, sample_seed: int = 0) -> list[int]:

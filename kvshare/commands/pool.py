@@ -34,6 +34,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="bytes one namespace (model + tenant) may hold; over it a store evicts that namespace's "
                         "own least recently used chunks, then stores fewer (default: no quota)")
     _add_remote_arguments(p)
+    _add_event_arguments(p)
+
+
+def _add_event_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of the KV events (kvshare.pool.event_publisher.KVEventsConfig; docs/operations.md, KV events)."""
+    g = p.add_argument_group("KV events (what the pool holds, in vLLM's wire format, for llm-d, Dynamo, pool_aware)")
+    g.add_argument("--kv-events", default=None, metavar="ENDPOINT",
+                   help="publish commits and evictions on a ZMQ PUB socket, e.g. tcp://*:5557")
+    g.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT",
+                   help="answer replay requests (start sequence -> buffered batches) on a ROUTER socket here")
+    g.add_argument("--kv-events-topic", action="append", default=[], metavar="TOPIC",
+                   help="publish every batch on this topic, e.g. kv@<replica>@<model> (repeatable; "
+                        "default: one pool topic, kv@kvshare-pool@kvshare)")
+    g.add_argument("--kv-events-positional", action="store_true",
+                   help="encode events as arrays (vLLM before 0.26) instead of maps")
+    g.add_argument("--kv-events-bytes-hashes", action="store_true",
+                   help="block hashes as the chunk keys' 16 bytes instead of 64-bit ints (vLLM's default)")
+    g.add_argument("--kv-events-block-size", type=int, default=256,
+                   help="tokens per page, announced for pages whose writer sent no token ids")
+
+
+def _events_config_from_args(args: argparse.Namespace):
+    if not args.kv_events:
+        return None
+    from kvshare.pool.event_publisher import POOL_TOPIC, KVEventsConfig
+
+    return KVEventsConfig(
+        endpoint=args.kv_events, replay_endpoint=args.kv_events_replay,
+        topics=tuple(args.kv_events_topic) or (POOL_TOPIC,),
+        encoding="positional" if args.kv_events_positional else "map",
+        hash_kind="bytes" if args.kv_events_bytes_hashes else "int", block_size=args.kv_events_block_size,
+    )
 
 
 def _add_remote_arguments(p: argparse.ArgumentParser) -> None:
@@ -109,6 +141,7 @@ def config_from_args(args: argparse.Namespace):
             namespace_quota_bytes=args.namespace_quota or 0,
         ),
         remote=_remote_config_from_args(args),
+        kv_events=_events_config_from_args(args),
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from kvshare.router.policy import POLICIES
+from kvshare.router.pool_aware import CostModel, PoolAwareConfig
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -30,6 +31,46 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--write-timeout", type=float, default=30.0,
                    help="seconds a client may take to accept one write of a response before it is dropped")
     p.add_argument("--instance-id", default="", help="an id /health reports (kvshare up checks it is its child)")
+    _add_pool_aware_arguments(p)
+
+
+def _add_pool_aware_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of --policy pool_aware (kvshare.router.pool_aware.PoolAwareConfig and CostModel)."""
+    g = p.add_argument_group("pool_aware (place by expected TTFT from the pool's KV events)")
+    g.add_argument("--kv-events", default=None, metavar="ENDPOINT", help="the pool's KV events, tcp://HOST:PORT")
+    g.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT", help="the pool's replay socket")
+    g.add_argument("--kv-events-topic", default="kv@", help="topic (prefix) to subscribe to; one replica's topic")
+    g.add_argument("--kv-events-positional", action="store_true", help="events encoded as arrays (vLLM < 0.26)")
+    g.add_argument("--kv-events-max-lag", type=float, default=5.0, metavar="SECONDS",
+                   help="batches older than this on arrival: round robin until they are fresh again")
+    g.add_argument("--kv-events-max-silence", type=float, default=30.0, metavar="SECONDS",
+                   help="no batch this long after prompts the pool did not hold: round robin until one comes")
+    g.add_argument("--model", default=None, help="the replicas' model directory or preset (its tokenizer)")
+    g.add_argument("--replica-kv-events", action="append", default=[], metavar="ENDPOINT",
+                   help="a replica's own KV events (vLLM's --kv-events-config endpoint), one per --replica in order: "
+                        "its GPU prefix cache from them instead of what the router sent it")
+    cost = CostModel()
+    g.add_argument("--kv-bytes-per-token", type=int, default=cost.kv_bytes_per_token)
+    g.add_argument("--load-bandwidth", type=float, default=cost.load_bytes_per_s / 1e9, metavar="GB/S",
+                   help="pool -> replica load bandwidth")
+    g.add_argument("--prefill-rate", type=float, default=cost.prefill_tokens_per_s, metavar="TOKENS/S")
+    g.add_argument("--queue-seconds", type=float, default=cost.queue_s_per_request,
+                   help="expected wait behind one request in flight on a replica")
+
+
+def _pool_aware_config(args: argparse.Namespace):
+    if args.policy != "pool_aware" and not args.kv_events:
+        return None
+    if not args.kv_events or not args.model:
+        raise ValueError("--policy pool_aware needs --kv-events ENDPOINT (the pool's) and --model (the replicas')")
+    return PoolAwareConfig(
+        endpoint=args.kv_events, model=args.model, replay_endpoint=args.kv_events_replay, topic=args.kv_events_topic,
+        encoding="positional" if args.kv_events_positional else "map",
+        cost=CostModel(kv_bytes_per_token=args.kv_bytes_per_token, load_bytes_per_s=args.load_bandwidth * 1e9,
+                       prefill_tokens_per_s=args.prefill_rate, queue_s_per_request=args.queue_seconds),
+        max_lag_s=args.kv_events_max_lag, max_silence_s=args.kv_events_max_silence,
+        replica_endpoints=tuple(args.replica_kv_events),
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
                               health_interval_s=args.health_interval, session_header=args.session_header,
                               session_ttl_s=args.session_ttl, api_keys=tuple(args.api_key),
                               write_timeout_s=args.write_timeout, instance_id=args.instance_id, admin_key=admin_key,
-                              tenant_header=args.tenant_header, expose_replica_header=args.expose_replica_header)
+                              tenant_header=args.tenant_header, expose_replica_header=args.expose_replica_header,
+                              pool_aware=_pool_aware_config(args))
     except ValueError as exc:
         raise UserError(str(exc)) from None
     check_ports_free(config.host, {config.port: "the router"})

@@ -9,6 +9,7 @@ pool size that cannot work, a child that exits before it is ready).
 from __future__ import annotations
 
 import argparse
+import os
 
 from kvshare.commands.serve import add_kv_dtype_argument
 from kvshare.router.policy import POLICIES
@@ -56,6 +57,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="restarts of one child allowed within --restart-window; one more exit stops up (default 5)")
     p.add_argument("--restart-window", type=float, default=RestartPolicy.window_s, metavar="SECONDS",
                    help="the window of --max-restarts (default 60)")
+    p.add_argument("--kv-events", default=None, metavar="ENDPOINT",
+                   help="the pool publishes KV events here (tcp://*:PORT or ipc://PATH), on every replica's topic "
+                        "kv@replicaN@MODEL; --policy pool_aware reads them")
+    p.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT", help="the pool's replay socket")
+    p.add_argument("--kv-events-pool-topic", action="store_true",
+                   help="one pool topic (kv@kvshare-pool@kvshare) instead of one per replica")
+    p.add_argument("--replica-kv-events-port", type=int, default=None, metavar="PORT",
+                   help="--engine vllm: replica i publishes its own KV events on tcp://*:PORT+i (--kv-events-config); "
+                        "--policy pool_aware reads them for the replicas' GPU prefix caches")
+
+
+def kv_events_args(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The pool's and the router's arguments for --kv-events (both empty without it)."""
+    if not args.kv_events:
+        if args.policy == "pool_aware":
+            raise ValueError("--policy pool_aware reads the pool's KV events: add --kv-events tcp://*:PORT")
+        return (), ()
+    endpoints = [e for e in (args.kv_events, args.kv_events_replay) if e]
+    if any(e.startswith("tcp://") and "*" not in e for e in endpoints) or args.pool == "off":
+        raise ValueError("up's pool binds its KV events: give tcp://*:PORT or ipc://PATH, and a pool")
+    model = os.path.basename(os.path.normpath(args.model))
+    topics = () if args.kv_events_pool_topic else tuple(f"kv@replica{i}@{model}" for i in range(args.replicas))
+    pool = ("--kv-events", args.kv_events, *(("--kv-events-replay", args.kv_events_replay) if args.kv_events_replay
+                                           else ()), *(a for t in topics for a in ("--kv-events-topic", t)))
+    local = [e.replace("*", "127.0.0.1") for e in endpoints]  # the router connects where the pool binds
+    router = ("--kv-events", local[0], "--kv-events-topic", topics[0] if topics else "kv@", "--model", args.model,
+              *(("--kv-events-replay", local[1]) if len(local) > 1 else ()),
+              *(a for i in range(args.replicas) if args.replica_kv_events_port is not None
+                for a in ("--replica-kv-events", f"tcp://127.0.0.1:{args.replica_kv_events_port + i}")))
+    return pool, router if args.policy == "pool_aware" else ()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -73,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("up starts its own pool: use --pool-size SIZE, or --pool off")
     if args.deterministic and args.engine != "builtin":
         raise UserError("--deterministic is a mode of the built-in engine; vLLM replicas do not have it")
+    if args.replica_kv_events_port is not None and args.engine != "vllm":
+        raise UserError("--replica-kv-events-port: vLLM replicas publish KV events; the built-in engine does not")
     if args.kv_dtype != "auto" and args.engine != "builtin":
         raise UserError("--kv-dtype sets the built-in engine's KV dtype; for vLLM replicas pass "
                         "--replica-arg=--kv-cache-dtype=fp8")
@@ -81,14 +114,15 @@ def run(args: argparse.Namespace) -> int:
     router_args = tuple(args.router_arg) + (("--admin-key-file", args.admin_key_file) if args.admin_key_file else ())
     router_args += ("--expose-replica-header",) if args.expose_replica_header else ()
     try:
+        pool_events, router_events = kv_events_args(args)
         config = ClusterConfig(num_replicas=args.replicas, model=args.model, engine=args.engine, device=args.device,
                                pool_size=None if args.pool == "off" else args.pool_size, policy=args.policy,
                                host=args.host, port=args.port, vllm_python=args.vllm_python,
                                tensor_parallel_size=args.tensor_parallel_size,
-                               replica_args=replica_args, pool_args=tuple(args.pool_arg),
-                               router_args=router_args, api_keys=tuple(args.api_key),
+                               replica_args=replica_args, pool_args=tuple(args.pool_arg) + pool_events,
+                               router_args=router_args + router_events, api_keys=tuple(args.api_key),
                                tenant_header=args.tenant_header, provenance=args.provenance,
-                               model_revision=args.model_revision)
+                               model_revision=args.model_revision, replica_kv_events_port=args.replica_kv_events_port)
         policy = RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window)
     except ValueError as exc:
         raise UserError(str(exc)) from None

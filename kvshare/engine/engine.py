@@ -250,7 +250,7 @@ class Engine:
                         _wait(publishing)  # a response's last token says its prompt is stored (the next turn's lookup)
                     yield TokenEvent(token.token_id, token.logprob, token.top_logprobs, finish, provenance)
                     if publishing is None:  # after the first token, and beside the decode: it delays no other
-                        publishing = self._publisher.submit(self._publish, kv, keys, digest, options)
+                        publishing = self._publisher.submit(self._publish, kv, keys, digest, options, ids)
                     if finish is not None:
                         break
                     logits = self._decode_step(kv, token.token_id, position)  # writes only positions >= n
@@ -258,7 +258,7 @@ class Engine:
             finally:
                 # a consumer that closes the stream after the first token still leaves the prompt's chunks
                 if num_generated and publishing is None:
-                    self._publish(kv, keys, digest, options)
+                    self._publish(kv, keys, digest, options, ids)
                 if publishing is not None:  # the stream ends, and the next request may reuse kv, once it is stored
                     _wait(publishing)
                 self._stats.decode_seconds += time.perf_counter() - started
@@ -361,7 +361,7 @@ class Engine:
         return min(local_chunks, used), max(0, used - local_chunks)
 
     @torch.inference_mode()
-    def _publish(self, kv: torch.Tensor, keys: list[bytes], digest: bytes, options: RequestOptions) -> None:
+    def _publish(self, kv: torch.Tensor, keys: list[bytes], digest: bytes, options: RequestOptions, ids) -> None:
         """Offer the prompt's full chunks to the local cache and the pool (each keeps what it lacks), side by side:
         both only read ``kv``; the request's lock is held until both are done."""
         # the request's stream: the local copies go on it (after the prefill, before kv is written next)
@@ -370,7 +370,7 @@ class Engine:
                  if options.use_local_cache and self._local.capacity_bytes > 0 else None)
         try:
             if options.use_pool and self._pool is not None:
-                self._pool.store(kv, keys, digest, stream)
+                self._pool.store(kv, keys, digest, stream, None if options.tenant else ids)
         finally:
             if local is not None:
                 _wait(local)

@@ -55,3 +55,12 @@ def load_model(model: str, device: torch.device, dtype: str | None = None, name:
     else:
         raise UserError(f"--model {model!r} is neither a model directory nor a preset ({', '.join(PRESETS)})")
     return LoadedModel(net, config, tokenizer, fingerprint, name or default_name)
+
+
+def load_tokenizer(model: str):
+    """The tokenizer of a model directory (its tokenizer.json) or of a built-in preset (byte level)."""
+    if os.path.isdir(model):
+        return Tokenizer.from_dir(model)
+    if model in PRESETS:
+        return Tokenizer.byte_level(PRESETS[model].config.max_position_embeddings)
+    raise UserError(f"--tokenizer/--model {model!r} is neither a model directory nor a preset ({', '.join(PRESETS)})")

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from kvshare.pool import protocol as P
 from kvshare.pool.allocator import Allocator, default_extent_bytes
 from kvshare.pool.arena import HUGEPAGE_BYTES, HUGEPAGES_MODES, open_arena, prefault
+from kvshare.pool.event_publisher import KVEventsConfig, open_pool_events
 from kvshare.pool.handlers import PoolHandlers, ServerCounters
 from kvshare.pool.index import IndexConfig, PoolError, PoolIndex
 from kvshare.pool.remote import RemoteConfig, RemoteHooks, start_remote_tier
@@ -52,6 +53,7 @@ class PoolConfig:
     # wake-up costs ~30 us on these VMs, so a client's next message is seen sooner when it comes soon.
     busy_poll_us: float = 100.0
     remote: RemoteConfig | None = None  # the remote tier (--remote URL); None: this host's arena only
+    kv_events: KVEventsConfig | None = None  # publish commits and removals as vLLM KV events (--kv-events)
 
     def __post_init__(self) -> None:
         if self.size_bytes <= 0:
@@ -103,11 +105,13 @@ class PoolServer:
         self.arena = None
         self.remote: RemoteHooks | None = None  # when config.remote is set (started in start())
         self._is_stopping = False
+        self.events = None  # PoolEvents when config.kv_events is set (started in start())
 
     # -- lifecycle -------------------------------------------------------------
 
     def start(self) -> None:
         cfg = self.config
+        self.events = open_pool_events(cfg.kv_events, self.index)  # first: a bad endpoint leaves nothing behind
         self._memfd, self.arena, is_huge = open_arena(cfg.size_bytes, cfg.hugepages)
         self.handlers.arena_page_bytes = HUGEPAGE_BYTES if is_huge else mmap.PAGESIZE
         if cfg.prefault:
@@ -187,6 +191,9 @@ class PoolServer:
 
     def close(self) -> None:
         self._close_remote()
+        if self.events is not None:
+            self.events.close()
+            self.events = None
         for client in list(self._clients.values()):
             self._drop_client(client)
         if self._listener is not None:

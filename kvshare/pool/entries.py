@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
 
 from kvshare.pool.checksum import ChecksumKind
 
@@ -29,6 +32,11 @@ class Entry:
     checksum: int = 0
     checksum_kind: ChecksumKind = ChecksumKind.XXH3
     is_dropped: bool = False  # removed from view; page freed when the last lease goes
+    parent_key: bytes | None = None  # the chunk before this one in its chain, when the writer named it
+    tokens_le32: bytes = b""  # the chunk's token ids (little-endian u32) when the writer sent them: KV events
+
+    def token_ids(self) -> list[int]:
+        return np.frombuffer(self.tokens_le32, dtype="<u4").tolist()
 
 
 @dataclass(eq=False)
@@ -50,3 +58,42 @@ class Reservation:
     client_id: int
     entries: list[Entry]
     created_at: float
+
+
+class IndexListener(Protocol):
+    """Told of every visibility change (KV events): pages committed, and committed pages removed."""
+
+    def committed(self, entries: list[Entry]) -> None: ...
+
+    def removed(self, entry: Entry) -> None: ...
+
+
+@dataclass
+class IndexCounters:
+    lookups: int = 0
+    hit_chunks: int = 0
+    miss_chunks: int = 0
+    reserved_pages: int = 0
+    committed_pages: int = 0
+    aborted_pages: int = 0
+    skipped_stores: int = 0  # pages a reserve could not grant for lack of room
+    evictions: int = 0
+    evicted_bytes: int = 0
+    dropped_pages: int = 0
+    expired_leases: int = 0
+    expired_reservations: int = 0  # aborted by their TTL: a writer that never finished
+    quota_evictions: int = 0  # pages a namespace over its quota evicted of its own
+    quota_skipped_pages: int = 0  # pages a reserve did not grant because the namespace was at its quota
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    lease_id: int  # 0 when nothing was leased
+    entries: list[Entry]
+
+
+@dataclass(frozen=True)
+class ReserveResult:
+    reservation_id: int  # 0 when nothing was granted
+    grants: list[tuple[int, Entry]]  # (index into the request's keys, entry to write)
+    num_no_room: int

@@ -25,7 +25,8 @@ from typing import Callable
 from kvshare.keys import KEY_BYTES
 from kvshare.pool import protocol as P
 from kvshare.pool.holders import Holders
-from kvshare.pool.index import LookupResult, PoolError, PoolIndex
+from kvshare.pool.entries import LookupResult
+from kvshare.pool.index import PoolError, PoolIndex
 from kvshare.pool.remote import RemoteHooks
 
 log = logging.getLogger("kvshare.pool")
@@ -105,6 +106,7 @@ class PoolHandlers:
             extent_bytes=self.allocator.extent_bytes,
             client_id=client_id,
             server_pid=os.getpid(),
+            wants_token_ids=self.index.listener is not None,
         )
 
     def disconnect(self, client_id: int) -> tuple[int, int]:
@@ -186,7 +188,8 @@ class PoolHandlers:
 
     def reserve(self, client_id: int, req: P.Reserve) -> P.Reply:
         holder_id = self._holder(client_id)
-        result = self.index.reserve(holder_id, req.namespace, req.keys, req.page_bytes, req.first_depth, self._clock())
+        result = self.index.reserve(holder_id, req.namespace, req.keys, req.page_bytes, req.first_depth, self._clock(),
+                                    req.tokens_le32)
         if self.remote is not None:
             self.remote.on_reserve(holder_id, result.reservation_id, [entry for _, entry in result.grants])
         grants = [(i, entry.offset) for i, entry in result.grants]
@@ -292,6 +295,7 @@ class PoolHandlers:
             "uptime_s": round(self._clock() - self.started_at, 3),
             **counters,
             **({"remote": self.remote.stats()} if self.remote is not None else {}),
+            **({"kv_events": self.index.listener.stats()} if self.index.listener is not None else {}),
         }
 
     def _integrity_problem(self) -> str | None:

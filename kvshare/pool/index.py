@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from kvshare.keys import KEY_BYTES
 from kvshare.pool.allocator import Allocator
 from kvshare.pool.checksum import ChecksumKind
-from kvshare.pool.entries import Entry, EntryState, Lease, Reservation
+from kvshare.pool.entries import (Entry, EntryState, IndexCounters, IndexListener, Lease, LookupResult, Reservation,
+                                  ReserveResult)
 from kvshare.pool.eviction import victims
 from kvshare.pool.quota import NamespaceQuota
 
@@ -57,37 +58,6 @@ class IndexConfig:
             raise ValueError(f"namespace_quota_bytes must be >= 0, got {self.namespace_quota_bytes}")
 
 
-@dataclass
-class IndexCounters:
-    lookups: int = 0
-    hit_chunks: int = 0
-    miss_chunks: int = 0
-    reserved_pages: int = 0
-    committed_pages: int = 0
-    aborted_pages: int = 0
-    skipped_stores: int = 0  # pages a reserve could not grant for lack of room
-    evictions: int = 0
-    evicted_bytes: int = 0
-    dropped_pages: int = 0
-    expired_leases: int = 0
-    expired_reservations: int = 0  # aborted by their TTL: a writer that never finished
-    quota_evictions: int = 0  # pages a namespace over its quota evicted of its own
-    quota_skipped_pages: int = 0  # pages a reserve did not grant because the namespace was at its quota
-
-
-@dataclass(frozen=True)
-class LookupResult:
-    lease_id: int  # 0 when nothing was leased
-    entries: list[Entry]
-
-
-@dataclass(frozen=True)
-class ReserveResult:
-    reservation_id: int  # 0 when nothing was granted
-    grants: list[tuple[int, Entry]]  # (index into the request's keys, entry to write)
-    num_no_room: int
-
-
 class PoolIndex:
     """Key -> page map with leases, reservations and LRU eviction."""
 
@@ -101,6 +71,7 @@ class PoolIndex:
         self._reservations: dict[int, Reservation] = {}
         self.quota = NamespaceQuota(config.namespace_quota_bytes)
         self._next_id = 1
+        self.listener: IndexListener | None = None
 
     # -- queries -------------------------------------------------------------
 
@@ -198,10 +169,18 @@ class PoolIndex:
     # -- writes --------------------------------------------------------------
 
     def reserve(
-        self, client_id: int, namespace: bytes, keys: list[bytes], page_bytes: int, first_depth: int, now: float
+        self, client_id: int, namespace: bytes, keys: list[bytes], page_bytes: int, first_depth: int, now: float,
+        tokens_le32: bytes = b"",
     ) -> ReserveResult:
-        """Pages for the keys nobody holds yet, invisible until commit. Never blocks: no room -> fewer grants."""
+        """Pages for the keys nobody holds yet, invisible until commit. Never blocks: no room -> fewer grants.
+
+        ``tokens_le32``: the chunks' token ids (u32 LE, as many per key) or nothing; kept for KV events only.
+        """
         self._check_keys(keys)
+        if tokens_le32 and len(tokens_le32) % (4 * len(keys)):
+            raise PoolError("bad_token_ids",
+                            f"{len(tokens_le32)} bytes of token ids do not split over {len(keys)} keys")
+        chunk_bytes = len(tokens_le32) // len(keys) if tokens_le32 else 0
         if len(namespace) != KEY_BYTES:
             raise PoolError("bad_namespace", f"namespace must be {KEY_BYTES} bytes, got {len(namespace)}")
         if first_depth < 0:
@@ -233,7 +212,9 @@ class PoolIndex:
         reservation_id = self._new_id()
         grants = []
         for i, offset in zip(granted, offsets):
-            entry = Entry(keys[i], namespace, offset, page_bytes, first_depth + i, EntryState.WRITING, reservation_id)
+            entry = Entry(keys[i], namespace, offset, page_bytes, first_depth + i, EntryState.WRITING, reservation_id,
+                          parent_key=keys[i - 1] if i > 0 else None,
+                          tokens_le32=tokens_le32[i * chunk_bytes : (i + 1) * chunk_bytes])
             self._entries[entry.key] = entry
             self.quota.add(namespace, page_bytes)
             grants.append((i, entry))
@@ -257,6 +238,8 @@ class PoolIndex:
         for entry in sorted(reservation.entries, key=lambda e: -e.depth):  # tail first: head most recent
             self._lru[entry.key] = entry
         self.counters.committed_pages += len(reservation.entries)
+        if self.listener is not None:
+            self.listener.committed(reservation.entries)
         self._evict_above_watermark()
         return len(reservation.entries)
 
@@ -321,6 +304,8 @@ class PoolIndex:
     def _remove_committed(self, entry: Entry) -> None:
         del self._entries[entry.key]
         del self._lru[entry.key]
+        if self.listener is not None:
+            self.listener.removed(entry)
         if entry.num_leases:
             entry.is_dropped = True
         else:

@@ -64,6 +64,8 @@ class PoolCollector(Collector):
         for name, value in stats.get("remote", {}).items():
             if isinstance(value, (int, float)):
                 yield GaugeMetricFamily(self._prefix + "remote_" + name, f"Remote tier: {name}", value=value)
+        for name, value in stats.get("kv_events", {}).items():
+            yield CounterMetricFamily(self._prefix + "kv_events_" + name, f"KV events: {name}", value=value)
 
 
 def serve_metrics(read_stats: Callable[[], dict], port: int, host: str = "127.0.0.1") -> None:

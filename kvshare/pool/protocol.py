@@ -27,6 +27,7 @@ MAX_HOLDER_BYTES = 64
 FORMAT_VERSION = 1  # canonical page format (layout.py); bumped if the bytes of a page change meaning
 FRAME_HEADER = struct.Struct("<I")
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 20
+MAX_RESERVE_TOKEN_BYTES = 512 << 10  # Reserve.tokens_le32 at most (128k tokens): the message stays under 1 MiB
 
 
 class ProtocolError(Exception):
@@ -59,12 +60,17 @@ class Release(msgspec.Struct, tag="release"):
 
 
 class Reserve(msgspec.Struct, tag="reserve"):
-    """Pages for ``keys`` (chunks ``first_depth``, ``first_depth + 1``, ... of one chain)."""
+    """Pages for ``keys`` (chunks ``first_depth``, ``first_depth + 1``, ... of one chain).
+
+    ``tokens_le32``: optionally the chunks' token ids, little-endian u32, the same count per key; the pool
+    keeps them only to announce the pages in KV events (a foreign indexer rehashes them).
+    """
 
     namespace: bytes
     keys: list[bytes]
     page_bytes: int
     first_depth: int = 0
+    tokens_le32: bytes = b""
 
 
 class Commit(msgspec.Struct, tag="commit"):
@@ -147,6 +153,7 @@ class HelloReply(msgspec.Struct, tag="hello_reply"):
     extent_bytes: int
     client_id: int
     server_pid: int
+    wants_token_ids: bool = False  # the pool publishes KV events: a Reserve may carry its chunks' token ids
 
 
 class LookupReply(msgspec.Struct, tag="lookup_reply"):

@@ -8,6 +8,9 @@
 - ``cache_aware``: the replica that most likely holds the prompt's prefix in its local
   cache (the longest run of prompt blocks it was sent before), unless it is much busier
   than the least loaded one.
+- ``pool_aware``: the least expected time to first token from what the pool really holds (its KV
+  events) and what each replica was sent (kvshare.router.pool_aware); round robin while the events
+  are not live.
 
 Each policy returns replica indices in order of preference; the proxy tries them in
 that order, so a replica that is down is skipped.
@@ -19,7 +22,7 @@ import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-POLICIES = ("round_robin", "alternate", "sticky", "cache_aware")
+POLICIES = ("round_robin", "alternate", "sticky", "cache_aware", "pool_aware")
 PREFIX_BLOCK_CHARS = 512  # cache_aware compares prompts in blocks of this many characters
 
 
@@ -30,6 +33,8 @@ class RouteFacts:
     session_id: str | None = None
     chat_turn: int | None = None  # assistant messages in a chat request
     prefix_blocks: tuple[bytes, ...] = ()  # chained hashes of the prompt's text blocks
+    prompt_ids: list[int] | None = None  # pool_aware: the prompt's token ids
+    cache_salt: str | None = None  # pool_aware: the request's cache_salt
 
 
 @dataclass(frozen=True)
@@ -102,6 +107,7 @@ class Router:
     prefix_memory_blocks: int = 200_000
     _next: int = 0
     _prefixes: list[OrderedDict] = field(default_factory=list)
+    pool_aware: object = None  # a kvshare.router.pool_aware.PoolAwarePlacer, for the pool_aware policy
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -129,6 +135,10 @@ class Router:
             order = _rotate(everyone, home)
         elif self.policy == "cache_aware":
             order = self._cache_aware(facts, replicas)
+        elif self.policy == "pool_aware" and self.pool_aware is not None:
+            order = self.pool_aware.order(facts.prompt_ids, facts.cache_salt, [r.num_in_flight for r in replicas],
+                                          [r.is_available for r in replicas], self._next, now)
+            self._next = (self._next + 1) % n
         else:
             order = _rotate(everyone, self._next)
             self._next = (self._next + 1) % n

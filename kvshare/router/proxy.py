@@ -27,6 +27,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvshare.router.policy import POLICIES, ReplicaView, RouteFacts, Router, prefix_blocks
+from kvshare.router.event_feed import attach_pool_aware
+from kvshare.router.pool_aware import PoolAwareConfig
 from kvshare.serve.api_types import ApiError
 from kvshare.serve.http_errors import body_too_large, error_response, http_error
 from kvshare.serve.connection import is_gone, limit_send_buffer
@@ -57,6 +59,7 @@ class RouterConfig:
     instance_id: str = ""  # --instance-id: kvshare up's id of this process, reported by /health
     tenant_header: str = ""  # the replicas' --tenant-header: with the API key it seeds cache_aware's prefix memory
     expose_replica_header: bool = False  # X-KVShare-Replica on responses: says which replica holds a prefix
+    pool_aware: PoolAwareConfig | None = None  # the pool's KV events, for --policy pool_aware
 
     def __post_init__(self) -> None:
         if not self.replicas:
@@ -71,6 +74,8 @@ class RouterConfig:
             raise ValueError(f"write_timeout_s must be positive, got {self.write_timeout_s}")
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if self.policy == "pool_aware" and self.pool_aware is None:
+            raise ValueError("--policy pool_aware needs the pool's KV events: --kv-events ENDPOINT")
 
 
 @dataclass
@@ -115,6 +120,8 @@ class RouterServer:
         self.policy.sessions.ttl_s = config.session_ttl_s
         self.policy.sessions.max_sessions = config.max_sessions
         self.metrics = _Metrics()
+        self.pool_aware = (attach_pool_aware(self.policy, config.pool_aware, self.metrics.registry)
+                           if config.policy == "pool_aware" else None)
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task | None = None
 
@@ -162,10 +169,14 @@ class RouterServer:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout_s)
         self._session = aiohttp.ClientSession(timeout=timeout, auto_decompress=False)
         self._health_task = asyncio.create_task(self._health_loop())
+        if self.pool_aware is not None:
+            self.pool_aware.start()
 
     async def _stop(self, app) -> None:
         if self._health_task:
             self._health_task.cancel()
+        if self.pool_aware is not None:
+            self.pool_aware.stop()
         if self._session:
             await self._session.close()
 
@@ -222,7 +233,7 @@ class RouterServer:
         if self.config.policy == "round_robin":
             return RouteFacts()  # it reads nothing of the request: the body goes on unread (~2-3 ms at 128k)
         session = request.headers.get(self.config.session_header)
-        hashes = self.config.policy == "cache_aware"  # the only policy that reads the prompt itself
+        hashes = self.config.policy in ("cache_aware", "pool_aware")  # the policies that read the prompt itself
         kind = _Facts if hashes else _PlacementFacts
         try:
             parsed = msgspec.json.decode(body, type=kind) if body else kind()
@@ -239,6 +250,9 @@ class RouterServer:
         if not hashes:
             return RouteFacts(session_id=session, chat_turn=turn, prefix_blocks=())
         salt = namespace_salt(self._tenant(request), parsed.cache_salt if isinstance(parsed.cache_salt, str) else None)
+        if self.pool_aware is not None:
+            return RouteFacts(session_id=session, chat_turn=turn, cache_salt=salt or None,
+                              prompt_ids=self.pool_aware.prompt_ids(parsed.prompt, parsed.messages))
         return RouteFacts(session_id=session, chat_turn=turn, prefix_blocks=prefix_blocks(text, salt=salt))
 
     def _tenant(self, request: web.Request) -> str:

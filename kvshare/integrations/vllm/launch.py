@@ -59,6 +59,7 @@ class VllmServerConfig:
     log_level: str | None = None  # KVSHARE_LOG_LEVEL of the connector; "DEBUG" logs each load's phase timings
     seed: int = 0
     model_revision: str = ""  # the connector's model_revision; "": the namespace hashes the weights' bytes
+    kv_events_port: int | None = None  # vLLM's own KV events on tcp://*:PORT, topic kv@<replica>@<model name>
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
@@ -136,6 +137,11 @@ def vllm_server_command(config: VllmServerConfig, base_env: dict[str, str] | Non
         argv += ["--tensor-parallel-size", str(config.tensor_parallel_size)]
     if config.pool_socket is not None:
         argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(config))]
+    if config.kv_events_port is not None:
+        name = os.path.basename(os.path.normpath(config.served_model_name or config.model))
+        argv += ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "topic":
+                                                   f"kv@{config.replica}@{name}",
+                                                   "endpoint": f"tcp://*:{config.kv_events_port}"})]
     argv += list(config.extra_args)
 
     env = dict(os.environ if base_env is None else base_env)

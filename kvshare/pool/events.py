@@ -1,0 +1,145 @@
+"""KV events in vLLM's wire format (vllm/distributed/kv_events.py), for routers that read vLLM's events.
+
+A publisher sends one ZMQ multipart message per batch, on each of its topics::
+
+    | topic (utf-8) | seq: 8-byte big-endian | msgpack EventBatch |
+
+``EventBatch`` is an array ``[ts, events, data_parallel_rank]``; each event is a tagged struct,
+map-encoded (``{"type": "BlockStored", "block_hashes": [...], ...}``, vLLM >= 0.26) by default or
+positional (``["BlockStored", [...], ...]``, older vLLM) behind ``encoding="positional"``. A replay
+socket (ZMQ ROUTER) answers a client's 8-byte start sequence with every buffered batch from it on,
+then one message whose sequence is -1.
+
+Pure: structs, hash conversion and one encode/decode path; no sockets (event_publisher.py has them).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+
+MEDIUM_CPU = "CPU"  # a pool page: llm-d and Dynamo score an unknown medium as if it were on the GPU
+MEDIUM_GPU = "GPU"  # a block in a replica's own (GPU) prefix cache
+SEQ_BYTES = 8
+END_SEQ = -1  # the replay's last message carries this sequence
+ENCODINGS = ("map", "positional")
+HASH_KINDS = ("int", "bytes")
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+# -- map-encoded events (vLLM >= 0.26): the fields vLLM declares without a default are always sent ---------
+
+
+class BlockStored(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+
+
+class BlockRemoved(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    block_hashes: list[int | bytes]
+    medium: str | None
+
+
+class AllBlocksCleared(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+# -- positional events (older vLLM): ["BlockStored", hashes, parent, tokens, block_size, lora_id, medium] ----
+
+
+class PositionalBlockStored(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag="BlockStored"):
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+
+
+class PositionalBlockRemoved(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag="BlockRemoved"):
+    block_hashes: list[int | bytes]
+    medium: str | None
+
+
+class PositionalAllBlocksCleared(msgspec.Struct, array_like=True, omit_defaults=True, gc=False,
+                                 tag="AllBlocksCleared"):
+    pass
+
+
+MapEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+PositionalEvent = Union[PositionalBlockStored, PositionalBlockRemoved, PositionalAllBlocksCleared]
+_REMOVED = {"map": BlockRemoved, "positional": PositionalBlockRemoved}
+_CLEARED = {"map": AllBlocksCleared, "positional": PositionalAllBlocksCleared}
+
+
+class MapBatch(EventBatch):
+    events: list[MapEvent]
+
+
+class PositionalBatch(EventBatch):
+    events: list[PositionalEvent]
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoders = {"map": msgspec.msgpack.Decoder(MapBatch), "positional": msgspec.msgpack.Decoder(PositionalBatch)}
+
+
+def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+
+
+def external_hash(key: bytes, kind: str) -> int | bytes:
+    """A chunk key as an event's block hash: its low 64 bits as an unsigned int (vLLM's default), or its bytes."""
+    if kind == "bytes":
+        return key
+    return int.from_bytes(key, "big") & ((1 << 64) - 1)
+
+
+def block_stored(encoding: str, hashes: list[int | bytes], parent: int | bytes | None, token_ids: list[int],
+                 block_size: int) -> BlockStored | PositionalBlockStored:
+    """Blocks now held in host memory (``medium="CPU"``), no LoRA (its bytes are in the key's namespace)."""
+    fields = (hashes, parent, token_ids, block_size, None, MEDIUM_CPU)
+    return BlockStored(*fields, None) if encoding == "map" else PositionalBlockStored(*fields)
+
+
+def block_removed(encoding: str, hashes: list[int | bytes]) -> BlockRemoved | PositionalBlockRemoved:
+    return _REMOVED[encoding](hashes, MEDIUM_CPU)
+
+
+def all_blocks_cleared(encoding: str) -> AllBlocksCleared | PositionalAllBlocksCleared:
+    return _CLEARED[encoding]()
+
+
+def encode_batch(batch: EventBatch) -> bytes:
+    return _encoder.encode(batch)
+
+
+def decode_batch(payload: bytes, encoding: str = "map") -> EventBatch:
+    """One batch's payload; raises ValueError with a one-line reason when it is not a batch of ``encoding``."""
+    try:
+        return _decoders[encoding].decode(payload)
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"not a {encoding}-encoded KV event batch: {exc}") from None
+
+
+def seq_bytes(seq: int) -> bytes:
+    return seq.to_bytes(SEQ_BYTES, "big", signed=True)
+
+
+def seq_of(frame: bytes) -> int:
+    if len(frame) != SEQ_BYTES:
+        raise ValueError(f"a sequence frame has {SEQ_BYTES} bytes, got {len(frame)}")
+    return int.from_bytes(frame, "big", signed=True)

@@ -1,0 +1,163 @@
+"""The ZMQ side of ``pool_aware``: a thread per publisher (the pool, or a replica) that keeps its KV events as a
+PoolPrefixIndex, fills gaps from the replay socket, and says whether the events can be trusted.
+
+pyzmq is imported in the thread only (the ``events`` extra).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from kvshare.pool import events as E
+from kvshare.router.pool_aware import PoolAwareConfig, PoolAwarePlacer, PoolPrefixIndex
+
+log = logging.getLogger("kvshare.router.pool_aware")
+
+
+class EventFeed:
+    """Subscribes to the pool's KV events (one topic) and keeps a PoolPrefixIndex; says whether they are live."""
+
+    def __init__(self, endpoint: str, topic: str, replay_endpoint: str | None = None, encoding: str = "map",
+                 max_lag_s: float = 5.0, max_silence_s: float = 30.0,
+                 media: tuple[str | None, ...] = (E.MEDIUM_CPU,)) -> None:
+        self.endpoint, self.topic, self.replay_endpoint, self.encoding = endpoint, topic, replay_endpoint, encoding
+        self.max_lag_s, self.max_silence_s = max_lag_s, max_silence_s
+        self.index = PoolPrefixIndex(media)
+        self.lock = threading.Lock()  # the index, between this thread and the router's loop
+        self.last_seq = -1
+        self.lag_s = 0.0
+        self.num_gaps_lost = 0  # gaps replay could not fill: the index was cleared (it may only miss pages)
+        self._expected_since: float | None = None  # a routed prompt had chunks the pool did not announce yet
+        self._is_stopping = False
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> "EventFeed":
+        self._thread = threading.Thread(target=self._run, name="kv-events-feed", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._is_stopping = True
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)
+
+    def expect(self, now: float) -> None:
+        """A routed prompt has chunks the pool does not hold: its store should be announced."""
+        if self._expected_since is None:
+            self._expected_since = now
+
+    def why_not_live(self, now: float) -> str | None:
+        """None while the events can be trusted; else a one-line reason."""
+        if self.last_seq < 0:
+            return f"no KV events received from {self.endpoint} yet"
+        if self.lag_s > self.max_lag_s:
+            return f"KV events lag {self.lag_s:.1f} s (limit {self.max_lag_s:.1f} s)"
+        if self._expected_since is not None and now - self._expected_since > self.max_silence_s:
+            return f"no KV events for {now - self._expected_since:.0f} s after prompts the pool did not hold"
+        return None
+
+    def _run(self) -> None:
+        import zmq
+
+        ctx = zmq.Context()
+        sub = ctx.socket(zmq.SUB)
+        sub.connect(self.endpoint)
+        sub.setsockopt_string(zmq.SUBSCRIBE, self.topic)
+        replay = None
+        if self.replay_endpoint:
+            replay = ctx.socket(zmq.DEALER)  # the ROUTER answers one request with many messages
+            replay.connect(self.replay_endpoint)
+        try:
+            while not self._is_stopping:
+                if not sub.poll(100):
+                    continue
+                frames = sub.recv_multipart()
+                if len(frames) != 3 or len(frames[1]) != E.SEQ_BYTES:
+                    log.warning("ignored a KV events message of %d frames", len(frames))
+                    continue
+                self._receive(E.seq_of(frames[1]), frames[2], replay)
+        finally:
+            for sock in (sub, replay):
+                if sock is not None:
+                    sock.close(linger=0)
+            ctx.term()
+
+    def _receive(self, seq: int, payload: bytes, replay) -> None:
+        if seq <= self.last_seq:  # the publisher started again from 0: it begins with AllBlocksCleared
+            self.last_seq = seq - 1
+        if seq > self.last_seq + 1 and replay is not None:
+            for r_seq, r_payload in self._replayed(replay, self.last_seq + 1, seq):
+                self._apply(r_seq, r_payload)
+        if seq > self.last_seq + 1:
+            self.num_gaps_lost += 1
+            log.warning("KV events %d..%d lost (no replay of them): the pool index starts again", self.last_seq + 1,
+                        seq - 1)
+            with self.lock:
+                self.index.clear()  # what remains can only miss pages, never claim a page the pool lost
+        self.last_seq = seq - 1
+        self._apply(seq, payload)
+
+    def _replayed(self, replay, start: int, end: int) -> list[tuple[int, bytes]]:
+        replay.send_multipart((b"", E.seq_bytes(start)))
+        got = []
+        while replay.poll(2000):
+            frames = replay.recv_multipart()
+            if len(frames) != 4:
+                continue
+            _, topic, seq_frame, payload = frames
+            r_seq = E.seq_of(seq_frame)
+            if r_seq == E.END_SEQ:
+                break
+            if topic.decode(errors="replace") == self.topic and start <= r_seq < end:
+                got.append((r_seq, payload))
+        got.sort()
+        contiguous = []
+        for r_seq, payload in got:
+            if r_seq == start + len(contiguous):
+                contiguous.append((r_seq, payload))
+        return contiguous
+
+    def _apply(self, seq: int, payload: bytes) -> None:
+        try:
+            batch = E.decode_batch(payload, self.encoding)
+        except ValueError as exc:
+            log.warning("KV event batch %d: %s; the pool index starts again", seq, exc)
+            with self.lock:
+                self.index.clear()
+            self.last_seq = seq
+            return
+        with self.lock:
+            for event in batch.events:
+                self.index.apply(event)
+        self.last_seq = seq
+        self.lag_s = max(0.0, time.time() - batch.ts)
+        self._expected_since = None
+
+
+def attach_pool_aware(router, config: PoolAwareConfig, registry) -> PoolAwarePlacer:
+    """A placer for ``router`` (its feed not started yet), with its metrics in ``registry``."""
+    from prometheus_client import Counter, Gauge
+
+    from kvshare.engine.loader import load_tokenizer
+
+    feed = EventFeed(config.endpoint, config.topic, config.replay_endpoint, config.encoding, config.max_lag_s,
+                     config.max_silence_s)
+    if config.replica_endpoints and len(config.replica_endpoints) != router.num_replicas:
+        raise ValueError(f"--replica-kv-events: one per replica ({router.num_replicas}), got "
+                         f"{len(config.replica_endpoints)}")
+    replica_feeds = [EventFeed(e, "", None, config.encoding, config.max_lag_s, config.max_silence_s,
+                               media=(E.MEDIUM_GPU, None)) for e in config.replica_endpoints]
+    placer = PoolAwarePlacer(router.num_replicas, config.cost, feed, load_tokenizer(config.model), replica_feeds)
+    router.pool_aware = placer
+    fallbacks = Counter("kvshare_router_pool_aware_fallbacks", "Requests placed round robin because the pool's "
+                        "KV events were not live", registry=registry)
+    placer.on_fallback = fallbacks.inc
+    Gauge("kvshare_router_kv_events_live", "1 while the pool's KV events are trusted", registry=registry
+          ).set_function(lambda: float(feed.why_not_live(time.monotonic()) is None))
+    Gauge("kvshare_router_kv_events_lag_seconds", "Age of the last KV event batch when it arrived",
+          registry=registry).set_function(lambda: feed.lag_s)
+    Gauge("kvshare_router_pool_index_chunks", "Chunks the pool holds by its KV events (untenanted)",
+          registry=registry).set_function(lambda: float(len(feed.index)))
+    return placer

@@ -1,0 +1,255 @@
+"""The ``pool_aware`` policy: the replica with the least expected time to first token, from what is really held.
+
+For a prompt of ``n`` tokens and each replica ``r``::
+
+    T_r = queue wait on r + (pool tokens not on r's GPU) x KV bytes per token / load bandwidth
+          + (n - tokens r or the pool holds) / prefill rate
+
+What the pool holds comes from its KV events (kvshare.pool.events: the pages it committed and has not
+evicted, with their token ids); what a replica holds on its GPU is what this router sent it (its own
+memory, as ``cache_aware`` keeps). Tenants never see each other's prefixes: every chain of hashes is seeded
+by the request's cache_salt, and the pool announces token ids only for pages no tenant salted, so a salted
+request finds nothing of the pool here and is placed on queue and prefill alone.
+
+When the events stop (a routed prompt's new chunks are not announced in time), lag, or cannot be decoded,
+the policy falls back to round robin until they are live again, with a metric and a log line.
+
+Pure: the index, the sent memory, ``expected_ttft``, ``rank`` and the placer take ``now`` and need no socket;
+kvshare.router.event_feed is the thread with the ZMQ subscription.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvshare.keys import DEFAULT_CHUNK_TOKENS
+from kvshare.pool import events as E
+
+log = logging.getLogger("kvshare.router.pool_aware")
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """The terms of T_r; defaults: the Qwen3-8B shape (bf16 KV) on an H200 through the service."""
+
+    kv_bytes_per_token: int = 147_456  # 36 layers x (K, V) x 8 heads x 128 x 2 bytes
+    load_bytes_per_s: float = 20e9
+    prefill_tokens_per_s: float = 20_000.0
+    queue_s_per_request: float = 0.5  # expected wait behind one request in flight on the replica
+
+    def __post_init__(self) -> None:
+        if min(self.kv_bytes_per_token, self.load_bytes_per_s, self.prefill_tokens_per_s) <= 0:
+            raise ValueError("KV bytes per token, load bandwidth and prefill rate must be positive")
+        if self.queue_s_per_request < 0:
+            raise ValueError("the queue wait per request must be >= 0")
+
+
+def chain_seed(cache_salt: str | None) -> bytes:
+    if cache_salt is None:
+        return b""
+    return hashlib.blake2b(b"cache_salt\0" + cache_salt.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+
+
+def chunk_hash(parent: bytes, tokens) -> bytes:
+    return hashlib.blake2b(parent + np.asarray(tokens, dtype="<u4").tobytes(), digest_size=8).digest()
+
+
+def chain(ids, chunk_tokens: int, cache_salt: str | None) -> list[bytes]:
+    """Chained hashes of the full chunks of ``ids``, seeded by the salt."""
+    hashes, previous = [], chain_seed(cache_salt)
+    for start in range(0, len(ids) - chunk_tokens + 1, chunk_tokens):
+        previous = chunk_hash(previous, ids[start : start + chunk_tokens])
+        hashes.append(previous)
+    return hashes
+
+
+def held_chunks(hashes: list[bytes], held) -> int:
+    count = 0
+    for h in hashes:
+        if h not in held:
+            break
+        count += 1
+    return count
+
+
+class PoolPrefixIndex:
+    """The blocks one publisher holds as chains of token hashes, kept from its KV events: the pool's (medium
+    CPU), or a replica's GPU prefix cache (medium GPU, or none as older vLLM sends)."""
+
+    def __init__(self, media: tuple[str | None, ...] = (E.MEDIUM_CPU,)) -> None:
+        self.media = media
+        self.chunk_tokens = DEFAULT_CHUNK_TOKENS
+        self._by_block: dict[int | bytes, bytes] = {}  # the event's block hash -> our chain hash
+        self._held: set[bytes] = set()
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def clear(self) -> None:
+        self._by_block.clear()
+        self._held.clear()
+
+    def apply(self, event) -> None:
+        if isinstance(event, (E.AllBlocksCleared, E.PositionalAllBlocksCleared)):
+            self.clear()
+        elif isinstance(event, (E.BlockRemoved, E.PositionalBlockRemoved)):
+            for block in event.block_hashes:
+                self._held.discard(self._by_block.pop(block, None))
+        elif event.medium in self.media and event.token_ids and event.block_size > 0 and not _is_keyed(event):
+            # no token ids: a salted page (or a foreign one) that a prompt's tokens cannot match
+            parent_block = event.parent_block_hash
+            parent = chain_seed(None) if parent_block is None else self._by_block.get(parent_block)
+            if parent is None or len(event.token_ids) != len(event.block_hashes) * event.block_size:
+                return  # its parent is unknown: a chain we cannot extend
+            self.chunk_tokens = event.block_size
+            for i, block in enumerate(event.block_hashes):
+                parent = chunk_hash(parent, event.token_ids[i * event.block_size : (i + 1) * event.block_size])
+                self._by_block[block] = parent
+                self._held.add(parent)
+
+    def held_tokens(self, ids, cache_salt: str | None) -> int:
+        """Tokens of the prompt's longest prefix the pool holds (0 for a salted prompt: see the module)."""
+        if cache_salt is not None:
+            return 0
+        return held_chunks(chain(ids, self.chunk_tokens, None), self._held) * self.chunk_tokens
+
+
+def _is_keyed(event) -> bool:
+    """A block whose hash took more than its tokens (vLLM's extra_keys: a cache_salt, a LoRA, media): a prompt's
+    tokens alone must not match it (another tenant's block would steer placement)."""
+    return bool(getattr(event, "extra_keys", None) or getattr(event, "lora_name", None) or event.lora_id)
+
+
+class SentMemory:
+    """What this router sent each replica (its GPU prefix cache, most likely): bounded LRU of chain hashes."""
+
+    def __init__(self, num_replicas: int, max_chunks: int = 200_000) -> None:
+        self.max_chunks = max_chunks
+        self._sent = [OrderedDict() for _ in range(num_replicas)]
+
+    def held_tokens(self, i: int, hashes: list[bytes], chunk_tokens: int) -> int:
+        return held_chunks(hashes, self._sent[i]) * chunk_tokens
+
+    def remember(self, i: int, hashes: list[bytes]) -> None:
+        memory = self._sent[i]
+        for h in hashes:
+            memory[h] = None
+            memory.move_to_end(h)
+        while len(memory) > self.max_chunks:
+            memory.popitem(last=False)
+
+
+def expected_ttft(cost: CostModel, num_tokens: int, gpu_tokens: int, pool_tokens: int, num_in_flight: int) -> float:
+    """T_r in seconds: queue, the load of what only the pool holds, the prefill of what nobody holds."""
+    load_tokens = max(0, pool_tokens - gpu_tokens)
+    computed = num_tokens - max(gpu_tokens, pool_tokens)
+    return (num_in_flight * cost.queue_s_per_request + load_tokens * cost.kv_bytes_per_token / cost.load_bytes_per_s
+            + computed / cost.prefill_tokens_per_s)
+
+
+def rank(times: list[float], is_available: list[bool], rotation: int) -> list[int]:
+    """Replica indices, available ones first, least T_r first; ties in turn from ``rotation``."""
+    n = len(times)
+    return sorted(range(n), key=lambda i: (not is_available[i], times[i], (i - rotation) % n))
+
+
+@dataclass(frozen=True)
+class PoolAwareConfig:
+    """``kvshare route --policy pool_aware --kv-events ENDPOINT [--kv-events-replay ...] --model MODEL``."""
+
+    endpoint: str  # the pool's KV events (its PUB socket), e.g. tcp://127.0.0.1:5557
+    model: str  # the replicas' model directory or preset: its tokenizer turns prompts into token ids
+    replay_endpoint: str | None = None
+    topic: str = "kv@"  # a prefix: the pool publishes each batch on every replica's topic; subscribe to one
+    encoding: str = "map"
+    cost: CostModel = CostModel()
+    max_lag_s: float = 5.0
+    max_silence_s: float = 30.0
+    replica_endpoints: tuple[str, ...] = ()  # each replica's own KV events (vLLM's --kv-events-config), in order
+
+    def __post_init__(self) -> None:
+        if not self.endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError(f"--kv-events takes tcp://HOST:PORT or ipc://PATH, got {self.endpoint!r}")
+        if "*" in self.endpoint:
+            raise ValueError(f"--kv-events {self.endpoint}: the router connects; give the pool's host, not *")
+        E.check_choice("KV events encoding", self.encoding, E.ENCODINGS)
+        if self.max_lag_s <= 0 or self.max_silence_s <= 0:
+            raise ValueError("the KV events' lag and silence limits must be positive")
+
+
+class PoolAwarePlacer:
+    """Ranks replicas by T_r while the events are live, in turn (round robin) while they are not."""
+
+    def __init__(self, num_replicas: int, cost: CostModel, feed, tokenizer=None,
+                 replica_feeds: list | None = None) -> None:
+        self.cost = cost
+        self.feed = feed
+        self.replica_feeds = replica_feeds or []  # each replica's GPU events, where it publishes them
+        self.tokenizer = tokenizer
+        self.sent = SentMemory(num_replicas)
+        self.num_fallbacks = 0
+        self.on_fallback = lambda: None  # a metric's inc
+        self.fallback_reason: str | None = None  # the last reason, while falling back
+
+    def order(self, prompt_ids, cache_salt: str | None, in_flight: list[int], is_available: list[bool],
+              rotation: int, now: float) -> list[int]:
+        """Preference order; round robin from ``rotation`` while the events cannot be trusted (each such request
+        counted, each outage logged once). Either way the first choice is remembered as holding the prompt."""
+        reason = self.feed.why_not_live(now)
+        if reason != self.fallback_reason:
+            if reason is None:
+                log.info("pool_aware: KV events live again; placing by expected TTFT")
+            else:
+                log.warning("pool_aware: falling back to round robin: %s", reason)
+            self.fallback_reason = reason
+        ids = list(prompt_ids or ())
+        with self.feed.lock:
+            chunk_tokens = self.feed.index.chunk_tokens
+            pool_tokens = self.feed.index.held_tokens(ids, cache_salt)
+        hashes = chain(ids, chunk_tokens, cache_salt)
+        if pool_tokens < len(hashes) * chunk_tokens:
+            self.feed.expect(now)  # the replica will store the rest: the pool should announce it
+        if reason is not None:
+            self.num_fallbacks += 1
+            self.on_fallback()
+            times = [0.0] * len(in_flight)
+        else:
+            times = [expected_ttft(self.cost, len(ids), self._gpu_tokens(i, ids, cache_salt, hashes, chunk_tokens, now),
+                                   pool_tokens, q) for i, q in enumerate(in_flight)]
+        order = rank(times, is_available, rotation)
+        self.sent.remember(order[0], hashes)
+        return order
+
+    def _gpu_tokens(self, i: int, ids, cache_salt, hashes, chunk_tokens: int, now: float) -> int:
+        """Replica i's GPU prefix: from its own events while they are live, else what this router sent it."""
+        feed = self.replica_feeds[i] if i < len(self.replica_feeds) else None
+        if feed is not None and feed.why_not_live(now) is None:
+            with feed.lock:
+                return feed.index.held_tokens(ids, cache_salt)
+        return self.sent.held_tokens(i, hashes, chunk_tokens)
+
+    def start(self) -> None:
+        for feed in (self.feed, *self.replica_feeds):
+            feed.start()
+
+    def stop(self) -> None:
+        for feed in (self.feed, *self.replica_feeds):
+            feed.stop()
+
+    def prompt_ids(self, prompt, messages) -> list[int] | None:
+        """The token ids a replica would compute for the request; None where this router cannot tell."""
+        try:
+            if messages is not None:
+                return list(self.tokenizer.apply_chat_template(messages))
+            if isinstance(prompt, str):
+                return self.tokenizer.encode(prompt)
+            if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                return prompt
+        except Exception as exc:  # a malformed request: the replica answers it; place it without a prefix
+            log.debug("pool_aware: no token ids for a request (%s)", exc)
+        return None
