@@ -195,7 +195,7 @@ class RouterServer:
         try:
             body = await request.json()
             url, drain = str(body["replica"]).rstrip("/"), bool(body.get("drain", True))
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             raise ApiError(400, 'expected {"replica": URL, "drain": true|false}', code="invalid_value") from None
         for replica in self.replicas:
             if replica.url == url:
@@ -213,7 +213,7 @@ class RouterServer:
         kind = _Facts if hashes else _PlacementFacts
         try:
             parsed = msgspec.json.decode(body, type=kind) if body else kind()
-        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):
+        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError):
             parsed = kind()  # the replica will answer the bad request; just place it
         session = session or parsed.user
         turn, text = None, ""

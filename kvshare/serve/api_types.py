@@ -156,7 +156,7 @@ def decode_completion(body: bytes) -> CompletionRequest:
         start, end = span
         try:
             req = msgspec.json.decode(body[:start] + token_ids.MARK + body[end + 1 :], type=TokenIdsCompletionRequest)
-        except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError):
+        except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError, RecursionError):
             req = None
         if req is not None and bytes(req.prompt) == token_ids.MARK:  # the list was the request's prompt
             ids = token_ids.read_list(body[start : end + 1])
@@ -173,6 +173,8 @@ def decode(body: bytes, kind: type) -> Any:
         raise ApiError(400, f"invalid request: {exc}", param=_param_of(str(exc)), code="invalid_value") from None
     except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # found by fuzzing: bytes that are not UTF-8 gave a 500
         raise ApiError(400, f"malformed JSON: {exc}", code="invalid_json") from None
+    except RecursionError:  # msgspec's nesting limit: a body like [[[[...]]]] 1000 levels deep
+        raise ApiError(400, "malformed JSON: nested too deeply", code="invalid_json") from None
 
 
 def _param_of(message: str) -> str | None:
