@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 
+from kvshare.commands import tcp_port
 from kvshare.commands.serve import add_kv_dtype_argument
 from kvshare.router.policy import POLICIES
 from kvshare.supervisor import RestartPolicy
@@ -25,7 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pool", default=None, help="'off' to run without a pool")
     p.add_argument("--policy", choices=POLICIES, default="round_robin")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8080, help="router port; replicas take the next N ports")
+    p.add_argument("--port", type=tcp_port, default=8080, help="router port; replicas take the next N ports")
     p.add_argument("--vllm-python", default=None, help="python of the virtual environment that holds vLLM")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="--engine vllm: tensor parallel ranks per replica (pages hold every KV head, so replicas "

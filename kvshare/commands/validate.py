@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import argparse
 
+from kvshare.commands import RawDescriptionDefaultsHelpFormatter
 from kvshare.units import parse_size
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.formatter_class = RawDescriptionDefaultsHelpFormatter
     p.add_argument("--level", default="bytes,helpers,full-pool,service",
                    help="comma list of levels: bytes, helpers, full-pool, service (default: all)")
     p.add_argument("--device", default="auto", help="auto (cuda when a GPU is seen), cpu, cuda or cuda:N")
