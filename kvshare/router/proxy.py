@@ -83,6 +83,8 @@ class _Metrics:
         self.failovers = Counter("kvshare_router:failovers", "Requests moved to another replica before the first byte", registry=r)
         self.errors = Counter("kvshare_router:errors", "Requests no replica could take", registry=r)
         self.latency = Histogram("kvshare_router:request_latency_seconds", "Time to the end of the response", registry=r)
+        self.broken_responses = Counter("kvshare_router:broken_responses", "Responses a replica broke off after "
+                                        "the first byte (streams end with an error event)", ["replica"], registry=r)
         self.healthy = Gauge("kvshare_router:replica_healthy", "1 if the replica answered its last health check", ["replica"], registry=r)
 
 
@@ -286,6 +288,10 @@ class RouterServer:
                 return response
             log.warning("replica %s broke off a response: %s", replica.url, exc)
             replica.is_healthy = False
+            replica.last_error = f"broke off a response: {type(exc).__name__}: {exc}"
+            self.metrics.broken_responses.labels(replica.url).inc()
+            await _end_broken_response(request, response, upstream, replica.url)
+            return response
         finally:
             watch.cancel()
         try:
@@ -299,6 +305,23 @@ async def _close_when_gone(request: web.Request, upstream: aiohttp.ClientRespons
     while not is_gone(request):
         await asyncio.sleep(CLIENT_POLL_S)
     upstream.close()
+
+
+async def _end_broken_response(request: web.Request, response: web.StreamResponse,
+                               upstream: aiohttp.ClientResponse, url: str) -> None:
+    """A replica died mid-response: a stream ends with an OpenAI error event and no ``[DONE]``, so no client
+    takes the cut-off text for a whole answer; any other body is cut off (the connection is reset)."""
+    if upstream.content_type == "text/event-stream":
+        error = ApiError(502, f"replica {url} failed during the response; the output is incomplete",
+                         error_type="server_error", code="replica_failed")
+        try:
+            await response.write(b"data: " + msgspec.json.encode(error.body()) + b"\n\n")
+            await response.write_eof()
+            return
+        except ConnectionResetError:
+            return
+    if request.transport is not None:
+        request.transport.abort()
 
 
 def _unavailable(message: str) -> ApiError:
