@@ -25,7 +25,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvshare.router.policy import POLICIES, ReplicaView, RouteFacts, Router, prefix_blocks
-from kvshare.serve.api_types import ApiError
+from kvshare.serve.api_types import ApiError, decode
 from kvshare.serve.http_errors import body_too_large, error_response, http_error
 from kvshare.serve.connection import is_gone, limit_send_buffer
 from kvshare.serve.server import version
@@ -86,6 +86,11 @@ class _Metrics:
         self.broken_responses = Counter("kvshare_router:broken_responses", "Responses a replica broke off after "
                                         "the first byte (streams end with an error event)", ["replica"], registry=r)
         self.healthy = Gauge("kvshare_router:replica_healthy", "1 if the replica answered its last health check", ["replica"], registry=r)
+
+
+class _DrainRequest(msgspec.Struct, forbid_unknown_fields=True):
+    replica: str
+    drain: bool = True
 
 
 class _Facts(msgspec.Struct):
@@ -194,11 +199,8 @@ class RouterServer:
 
     async def drain(self, request: web.Request) -> web.Response:
         """POST {"replica": URL, "drain": true|false}: stop (or resume) sending new requests to it."""
-        try:
-            body = await request.json()
-            url, drain = str(body["replica"]).rstrip("/"), bool(body.get("drain", True))
-        except (ValueError, KeyError, TypeError, RecursionError):
-            raise ApiError(400, 'expected {"replica": URL, "drain": true|false}', code="invalid_value") from None
+        body = decode(await request.read(), _DrainRequest)  # the replicas' decode: their errors and codes
+        url, drain = body.replica.rstrip("/"), body.drain
         for replica in self.replicas:
             if replica.url == url:
                 replica.is_draining = drain

@@ -105,6 +105,7 @@ class ReplicaServer:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{name:.+}", self.model)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/version", version)
@@ -169,6 +170,10 @@ class ReplicaServer:
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response(self.served.listing())
+
+    async def model(self, request: web.Request) -> web.Response:
+        """GET /v1/models/{name}: one served name's card (a path served as its name keeps its slashes)."""
+        return web.json_response(self.served.card(request.match_info["name"]))
 
     async def tokenize(self, request: web.Request) -> web.Response:
         req = A.decode(await request.read(), T.TokenizeRequest)
