@@ -40,6 +40,7 @@ class ClusterConfig:
     policy: str = "round_robin"
     host: str = "127.0.0.1"
     port: int = 8080  # the router; replicas take port+1 .. port+N
+    name: str = ""  # the pool's name for pool-stats / pool-admin --name (kvshare.paths); "": the port
     replica_args: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
     api_keys: tuple[str, ...] = ()  # required by the router and every replica (Authorization: Bearer KEY)
@@ -49,9 +50,16 @@ class ClusterConfig:
     ready_timeout_s: float = 300.0
     log_level: str = "WARNING"
 
+    @property
+    def pool_name(self) -> str:
+        return self.name or str(self.port)
+
     def __post_init__(self) -> None:
+        from kvshare.paths import check_pool_name
+
         if self.num_replicas < 1:
             raise ValueError("--replicas must be at least 1")
+        check_pool_name(self.pool_name)
         if self.engine not in ("builtin", "vllm"):
             raise ValueError(f"unknown engine {self.engine!r}; choose builtin or vllm")
         if self.tensor_parallel_size != 1 and (self.engine != "vllm" or self.tensor_parallel_size < 1):
@@ -111,7 +119,7 @@ class Cluster:
                 self._spawn(ChildSpec("pool", (*kv, "pool", "--size", str(cfg.pool_size), "--socket",
                                                self.pool_socket, *cfg.pool_args), kvshare_env()))
                 self._wait_pool()
-                _point_to_pool(self.pool_socket)  # so kvshare pool-stats / pool-admin find it with no --socket
+                _point_to_pool(self.config.pool_name, self.pool_socket)  # so kvshare pool-stats / pool-admin find it with no --socket
                 _say(progress, "pool ready")
             for i in range(cfg.num_replicas):
                 argv, env = self._replica_command(i, kv)
@@ -256,7 +264,7 @@ class Cluster:
             if proc is not None:
                 stop_process(proc, timeout_s=15)
         if self._tmp is not None:
-            _unpoint_pool(self.pool_socket)
+            _unpoint_pool(self.config.pool_name, self.pool_socket)
             self._tmp.cleanup()
             self._tmp = None
 
@@ -267,23 +275,23 @@ class Cluster:
         self.stop()
 
 
-def _point_to_pool(socket_path: str) -> None:
+def _point_to_pool(name: str, socket_path: str) -> None:
     from kvshare.paths import up_pool_pointer
 
-    tmp = up_pool_pointer() + f".{os.getpid()}"
+    tmp = os.path.join(os.path.dirname(up_pool_pointer(name)), f".pointer.{os.getpid()}")
     with open(tmp, "w") as f:
         f.write(socket_path)
-    os.replace(tmp, up_pool_pointer())  # the last up started wins
+    os.replace(tmp, up_pool_pointer(name))  # one pointer per name: a second up of the same name replaces it
 
 
-def _unpoint_pool(socket_path: str | None) -> None:
-    """Remove the pointer if it still names this cluster's pool (another up may have replaced it)."""
+def _unpoint_pool(name: str, socket_path: str | None) -> None:
+    """Remove the pointer if it still names this cluster's pool (another up of its name may have replaced it)."""
     from kvshare.paths import up_pool_pointer
 
     try:
-        with open(up_pool_pointer()) as f:
+        with open(up_pool_pointer(name)) as f:
             if f.read().strip() == socket_path:
-                os.unlink(up_pool_pointer())
+                os.unlink(up_pool_pointer(name))
     except OSError:
         pass
 
