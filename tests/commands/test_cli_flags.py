@@ -49,3 +49,17 @@ def test_plan_takes_kv_dtype_and_the_old_dtype_with_a_notice():
     assert proc.returncode == 0 and '"kv_dtype": "bfloat16"' in proc.stdout
     assert proc.stderr.strip() == "kvshare plan: --dtype is deprecated; use --kv-dtype bf16"
     assert run_cli("plan", "--model", "qwen3-32b", "--tokens", "10", "--dtype", "int4").returncode == 2
+
+
+def test_demo_checks_its_ports_before_it_benchmarks_the_pool(tmp_path):
+    """Fails when demo finds the router's port taken only after the pool's benchmark (a minute in)."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1] - 1  # replica0 takes port + 1: the one in use
+        proc = run_cli("demo", "--port", str(port), "--out", str(tmp_path / "report"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert f"port {port + 1} (replica0)" in proc.stderr and "is in use" in proc.stderr
+    assert "shared pool" not in proc.stdout and not (tmp_path / "report").exists()
