@@ -26,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from kvshare.router.policy import POLICIES, ReplicaView, RouteFacts, Router, prefix_blocks
 from kvshare.serve.api_types import ApiError, decode
+from kvshare.serve.metrics import LATENCY_BUCKETS
 from kvshare.serve.http_errors import body_too_large, error_response, http_error
 from kvshare.serve.connection import is_gone, limit_send_buffer
 from kvshare.serve.server import version
@@ -79,13 +80,14 @@ class ReplicaState:
 class _Metrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("kvshare_router:requests", "Requests routed", ["replica"], registry=r)
-        self.failovers = Counter("kvshare_router:failovers", "Requests moved to another replica before the first byte", registry=r)
-        self.errors = Counter("kvshare_router:errors", "Requests no replica could take", registry=r)
-        self.latency = Histogram("kvshare_router:request_latency_seconds", "Time to the end of the response", registry=r)
-        self.broken_responses = Counter("kvshare_router:broken_responses", "Responses a replica broke off after "
+        self.requests = Counter("kvshare_router_requests", "Requests routed", ["replica"], registry=r)
+        self.failovers = Counter("kvshare_router_failovers", "Requests moved to another replica before the first byte", registry=r)
+        self.errors = Counter("kvshare_router_errors", "Requests no replica could take", registry=r)
+        self.latency = Histogram("kvshare_router_request_latency_seconds", "Time to the end of the response",
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.broken_responses = Counter("kvshare_router_broken_responses", "Responses a replica broke off after "
                                         "the first byte (streams end with an error event)", ["replica"], registry=r)
-        self.healthy = Gauge("kvshare_router:replica_healthy", "1 if the replica answered its last health check", ["replica"], registry=r)
+        self.healthy = Gauge("kvshare_router_replica_healthy", "1 if the replica answered its last health check", ["replica"], registry=r)
 
 
 class _DrainRequest(msgspec.Struct, forbid_unknown_fields=True):

@@ -78,7 +78,8 @@ class ReplicaServer:
         self.readiness = Readiness(config.warmup)
         if config.warmup and warm_up is None:
             from kvshare.engine.warmup import warm_up
-        self.metrics = ReplicaMetrics(lambda: _as_dict(engine.stats()))
+        self.metrics = ReplicaMetrics(lambda: _as_dict(engine.stats()),
+                                      (config.served_model_names or (engine.config.model,))[0])
         # audit hook: sampled reused requests are recomputed cold by the worker while no request waits
         self.auditor = (Auditor(engine, config.audit, self.metrics.registry, is_busy=lambda: self.worker.num_waiting > 0)
                         if config.audit.rate > 0 else None)
