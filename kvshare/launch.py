@@ -177,7 +177,7 @@ class Cluster:
                 python=cfg.vllm_python or sys.executable, served_model_name=self._served_name(),
                 replica=f"replica{i}", chunk_tokens=DEFAULT_CHUNK_TOKENS,
                 max_num_batched_tokens=DEFAULT_CHUNK_TOKENS, extra_args=cfg.replica_args,
-                tensor_parallel_size=cfg.tensor_parallel_size,
+                tensor_parallel_size=cfg.tensor_parallel_size, tmp_dir=self._private_dir(f"replica{i}-tmp"),
             ))
             return spec.argv, spec.env
         device, visible = gpu_of_replica(cfg.device, i)
@@ -188,6 +188,15 @@ class Cluster:
         if visible is not None:
             env["CUDA_VISIBLE_DEVICES"] = visible
         return args, env
+
+    def _private_dir(self, name: str) -> str:
+        """A directory of this cluster's own, removed when it stops (with whatever its children left there)."""
+        if self._tmp is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="kvshare-up-")
+            os.chmod(self._tmp.name, 0o700)
+        path = os.path.join(self._tmp.name, name)
+        os.makedirs(path, exist_ok=True)
+        return path
 
     def _served_name(self) -> str:
         """vLLM's rule, and `kvshare serve`'s: the model id is the --model argument as given (a path stays a path)."""

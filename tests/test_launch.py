@@ -1,5 +1,7 @@
 """kvshare up's child commands (no process started)."""
 
+import os
+
 from kvshare.keys import DEFAULT_CHUNK_TOKENS
 from kvshare.launch import Cluster, ClusterConfig
 
@@ -34,3 +36,20 @@ def test_one_device_per_replica_as_a_comma_list(tmp_path):
             ClusterConfig(device=bad)
     with pytest.raises(ValueError, match="applies to built-in replicas"):
         ClusterConfig(engine="vllm", model=str(tmp_path), device="cuda:0,cuda:1")
+
+
+def test_vllm_replicas_leave_their_rendezvous_files_in_a_directory_the_cluster_removes(tmp_path):
+    """Fails when a vLLM replica inherits TMPDIR: its tensor-parallel ranks' vllm_dist_* files (vLLM's
+    get_file_store_init_method) stayed behind in /dev/shm or /tmp after every run."""
+    (tmp_path / "config.json").write_text("{}")
+    cluster = Cluster(ClusterConfig(engine="vllm", model=str(tmp_path), tensor_parallel_size=2))
+    dirs = []
+    for i in range(2):
+        _, env = cluster._replica_command(i, [])
+        dirs.append(env["TMPDIR"])
+        with open(os.path.join(env["TMPDIR"], "vllm_dist_0123"), "w") as f:  # what a rank leaves
+            f.write("x")
+    assert len(set(dirs)) == 2 and all(d.startswith(cluster._tmp.name) for d in dirs)
+    assert oct(os.stat(cluster._tmp.name).st_mode & 0o777) == "0o700"
+    cluster.stop()
+    assert not any(os.path.exists(d) for d in dirs)
