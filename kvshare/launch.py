@@ -60,6 +60,8 @@ class ClusterConfig:
         if self.num_replicas < 1:
             raise ValueError("--replicas must be at least 1")
         check_pool_name(self.pool_name)
+        if self.port + self.num_replicas > 65535:
+            raise ValueError(f"--port {self.port}: the replicas take the next {self.num_replicas} ports, past 65535")
         if self.engine not in ("builtin", "vllm"):
             raise ValueError(f"unknown engine {self.engine!r}; choose builtin or vllm")
         if self.tensor_parallel_size != 1 and (self.engine != "vllm" or self.tensor_parallel_size < 1):

@@ -28,6 +28,9 @@ def test_up_with_a_bad_port_exits_2_without_a_traceback():
     proc = run_cli("up", "--port", "70000")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == "kvshare up: error: argument --port: 70000 is not a TCP port (1-65535)"
+    proc = run_cli("up", "--port", "65535", "--replicas", "2")  # the replicas' ports would pass 65535
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "the replicas take the next 2 ports, past 65535" in proc.stderr.strip().splitlines()[-1]
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
