@@ -121,7 +121,8 @@ class Cluster:
                 self._spawn(ChildSpec("pool", (*kv, "pool", "--size", str(cfg.pool_size), "--socket",
                                                self.pool_socket, *cfg.pool_args), kvshare_env()))
                 self._wait_pool()
-                _point_to_pool(self.config.pool_name, self.pool_socket)  # so kvshare pool-stats / pool-admin find it with no --socket
+                # so kvshare pool-stats / pool-admin find it with no --socket
+                _point_to_pool(self.config.pool_name, self.pool_socket)
                 _say(progress, "pool ready")
             for i in range(cfg.num_replicas):
                 argv, env = self._replica_command(i, kv)

@@ -85,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
         socket_path = args.socket or find_pool_socket(args.name)
         with PoolClient(socket_path, name="pool-admin") as client:
             if args.action == "flush":
-                if namespace is not None and namespace not in {n.namespace for n in client.list_namespaces().namespaces}:
+                held = {n.namespace for n in client.list_namespaces().namespaces} if namespace is not None else set()
+                if namespace is not None and namespace not in held:
                     raise UserError(f"the pool at {socket_path} holds no namespace {namespace.hex()}; "
                                     f"`kvshare pool-admin namespaces` lists them")
                 _confirm(f"flush {'namespace ' + namespace.hex() if namespace else 'every chunk'} "

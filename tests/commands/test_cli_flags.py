@@ -27,7 +27,8 @@ def test_a_port_out_of_range_is_refused_in_one_line(argv, capsys):
 def test_up_with_a_bad_port_exits_2_without_a_traceback():
     proc = run_cli("up", "--port", "70000")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines()[-1] == "kvshare up: error: argument --port: 70000 is not a TCP port (1-65535)"
+    last_line = proc.stderr.strip().splitlines()[-1]
+    assert last_line == "kvshare up: error: argument --port: 70000 is not a TCP port (1-65535)"
     proc = run_cli("up", "--port", "65535", "--replicas", "2")  # the replicas' ports would pass 65535
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "the replicas take the next 2 ports, past 65535" in proc.stderr.strip().splitlines()[-1]
@@ -39,7 +40,8 @@ def test_help_shows_the_defaults(command):
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command").choices[command]
     for action in sub._actions:
-        if action.option_strings and action.nargs != 0 and action.default not in (None, False, "", [], (), "==SUPPRESS=="):
+        has_default = action.default not in (None, False, "", [], (), "==SUPPRESS==")
+        if action.option_strings and action.nargs != 0 and has_default:
             shown = " ".join(sub._get_formatter()._format_action(action).split())
             assert "default" in shown.lower(), (command, shown)
 
