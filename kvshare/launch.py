@@ -25,6 +25,7 @@ import urllib.request
 from dataclasses import dataclass, field
 
 from kvshare.children import Child, ChildSpec, describe_exit, start_child
+from kvshare.paths import point_to_pool, unpoint_pool
 from kvshare.pool.client import PoolUnavailable
 from kvshare.pool.spawn import kvshare_command, kvshare_env, stop_process, wait_for_pool
 
@@ -122,7 +123,7 @@ class Cluster:
                                                self.pool_socket, *cfg.pool_args), kvshare_env()))
                 self._wait_pool()
                 # so kvshare pool-stats / pool-admin find it with no --socket
-                _point_to_pool(self.config.pool_name, self.pool_socket)
+                point_to_pool(self.config.pool_name, self.pool_socket)
                 _say(progress, "pool ready")
             for i in range(cfg.num_replicas):
                 argv, env = self._replica_command(i, kv)
@@ -276,7 +277,7 @@ class Cluster:
             if proc is not None:
                 stop_process(proc, timeout_s=15)
         if self._tmp is not None:
-            _unpoint_pool(self.config.pool_name, self.pool_socket)
+            unpoint_pool(self.config.pool_name, self.pool_socket)
             self._tmp.cleanup()
             self._tmp = None
 
@@ -285,27 +286,6 @@ class Cluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def _point_to_pool(name: str, socket_path: str) -> None:
-    from kvshare.paths import up_pool_pointer
-
-    tmp = os.path.join(os.path.dirname(up_pool_pointer(name)), f".pointer.{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(socket_path)
-    os.replace(tmp, up_pool_pointer(name))  # one pointer per name: a second up of the same name replaces it
-
-
-def _unpoint_pool(name: str, socket_path: str | None) -> None:
-    """Remove the pointer if it still names this cluster's pool (another up of its name may have replaced it)."""
-    from kvshare.paths import up_pool_pointer
-
-    try:
-        with open(up_pool_pointer(name)) as f:
-            if f.read().strip() == socket_path:
-                os.unlink(up_pool_pointer(name))
-    except OSError:
-        pass
 
 
 def gpu_of_replica(devices: str, index: int) -> tuple[str, str | None]:

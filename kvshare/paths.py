@@ -35,6 +35,24 @@ def up_pool_pointer(name: str) -> str:
     return os.path.join(runtime_dir(), _POINTER_PREFIX + check_pool_name(name))
 
 
+def point_to_pool(name: str, socket_path: str) -> None:
+    """Write ``kvshare up --name NAME``'s pointer to its pool's socket (a second up of that name replaces it)."""
+    tmp = os.path.join(runtime_dir(), f".pointer.{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(socket_path)
+    os.replace(tmp, up_pool_pointer(name))
+
+
+def unpoint_pool(name: str, socket_path: str | None) -> None:
+    """Remove the pointer if it still names this cluster's pool (another up of its name may have replaced it)."""
+    try:
+        with open(up_pool_pointer(name)) as f:
+            if f.read().strip() == socket_path:
+                os.unlink(up_pool_pointer(name))
+    except OSError:
+        pass
+
+
 def running_up_pools() -> dict[str, str]:
     """Pool name -> socket path of every ``kvshare up`` of this user whose pool socket still exists."""
     pools = {}
