@@ -12,6 +12,7 @@ import logging
 import sys
 
 import kvshare
+from kvshare.commands import DefaultsHelpFormatter
 from kvshare.errors import UserError
 
 # subcommand -> module under kvshare.commands (each has add_arguments(parser) and run(args) -> int)
@@ -54,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (module, help_text) in COMMANDS.items():
         mod = importlib.import_module(f"kvshare.commands.{module}")
         command = sub.add_parser(name, help=help_text, description=(mod.__doc__ or help_text).strip(),
-                                 parents=[common])
+                                 parents=[common], formatter_class=DefaultsHelpFormatter)
         mod.add_arguments(command)
         command.set_defaults(_module=mod)
     return parser

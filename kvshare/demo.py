@@ -67,6 +67,13 @@ def run_demo(args: argparse.Namespace) -> int:
     from kvshare.launch import Cluster, ClusterConfig
     from kvshare.pool.spawn import running_pool
 
+    from kvshare.preflight import check_ports_free
+
+    config = ClusterConfig(num_replicas=args.replicas, model="tiny", pool_size="4GiB", policy="alternate",
+                           port=args.port)
+    # the cluster's ports before the pool's minute of benchmarks, not after it
+    check_ports_free(config.host, {config.port: "the router",
+                                   **{config.port + 1 + i: f"replica{i}" for i in range(config.num_replicas)}})
     console = Console()
     os.makedirs(args.out, exist_ok=True)
     console.rule("1. the shared pool")
@@ -91,8 +98,6 @@ def run_demo(args: argparse.Namespace) -> int:
     pool_ok = stored == loaded and found == NUM_PAGES
 
     console.rule("2. kvshare up: pool + 2 replicas + router, tiny model on CPU")
-    config = ClusterConfig(num_replicas=args.replicas, model="tiny", pool_size="4GiB", policy="alternate",
-                           port=args.port)
     bench_dir = os.path.join(args.out, "bench")
     shutil.rmtree(bench_dir, ignore_errors=True)  # a demo run starts fresh (kvshare bench resumes instead)
     cluster = Cluster(config)

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvshare.children import Child, ChildSpec, describe_exit, health_answer, start_child
+from kvshare.paths import point_to_pool, unpoint_pool
 from kvshare.pool.client import PoolUnavailable
 from kvshare.pool.spawn import kvshare_command, kvshare_env, stop_process, wait_for_pool
 
@@ -35,6 +36,7 @@ class ClusterConfig:
     policy: str = "round_robin"
     host: str = "127.0.0.1"
     port: int = 8080  # the router; replicas take port+1 .. port+N
+    name: str = ""  # the pool's name for pool-stats / pool-admin --name (kvshare.paths); "": the port
     replica_args: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
     api_keys: tuple[str, ...] = ()  # required by the router and every replica (Authorization: Bearer KEY)
@@ -47,9 +49,18 @@ class ClusterConfig:
     ready_timeout_s: float = 300.0
     log_level: str = "WARNING"
 
+    @property
+    def pool_name(self) -> str:
+        return self.name or str(self.port)
+
     def __post_init__(self) -> None:
+        from kvshare.paths import check_pool_name
+
         if self.num_replicas < 1:
             raise ValueError("--replicas must be at least 1")
+        check_pool_name(self.pool_name)
+        if self.port + self.num_replicas > 65535:
+            raise ValueError(f"--port {self.port}: the replicas take the next {self.num_replicas} ports, past 65535")
         if self.engine not in ("builtin", "vllm"):
             raise ValueError(f"unknown engine {self.engine!r}; choose builtin or vllm")
         if self.tensor_parallel_size != 1 and (self.engine != "vllm" or self.tensor_parallel_size < 1):
@@ -109,7 +120,8 @@ class Cluster:
                 self._spawn(ChildSpec("pool", (*kv, "pool", "--size", str(cfg.pool_size), "--socket",
                                                self.pool_socket, *cfg.pool_args), kvshare_env()))
                 self._wait_pool()
-                _point_to_pool(self.pool_socket)  # so kvshare pool-stats / pool-admin find it with no --socket
+                # so kvshare pool-stats / pool-admin find it with no --socket
+                point_to_pool(self.config.pool_name, self.pool_socket)
                 _say(progress, "pool ready")
             for i in range(cfg.num_replicas):
                 argv, env = self._replica_command(i, kv)
@@ -169,6 +181,7 @@ class Cluster:
                 max_num_batched_tokens=DEFAULT_CHUNK_TOKENS, extra_args=cfg.replica_args,
                 tensor_parallel_size=cfg.tensor_parallel_size, model_revision=cfg.model_revision,
                 kv_events_port=None if cfg.replica_kv_events_port is None else cfg.replica_kv_events_port + i,
+                tmp_dir=self._private_dir(f"replica{i}-tmp"),
             ))
             return spec.argv, spec.env
         device, visible = gpu_of_replica(cfg.device, i)
@@ -180,6 +193,15 @@ class Cluster:
         if visible is not None:
             env["CUDA_VISIBLE_DEVICES"] = visible
         return args, env
+
+    def _private_dir(self, name: str) -> str:
+        """A directory of this cluster's own, removed when it stops (with whatever its children left there)."""
+        if self._tmp is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="kvshare-up-")
+            os.chmod(self._tmp.name, 0o700)
+        path = os.path.join(self._tmp.name, name)
+        os.makedirs(path, exist_ok=True)
+        return path
 
     def _served_name(self) -> str:
         """vLLM's rule, and `kvshare serve`'s: the model id is the --model argument as given (a path stays a path)."""
@@ -256,7 +278,7 @@ class Cluster:
             if proc is not None:
                 stop_process(proc, timeout_s=15)
         if self._tmp is not None:
-            _unpoint_pool(self.pool_socket)
+            unpoint_pool(self.config.pool_name, self.pool_socket)
             self._tmp.cleanup()
             self._tmp = None
 
@@ -265,27 +287,6 @@ class Cluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def _point_to_pool(socket_path: str) -> None:
-    from kvshare.paths import up_pool_pointer
-
-    tmp = up_pool_pointer() + f".{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(socket_path)
-    os.replace(tmp, up_pool_pointer())  # the last up started wins
-
-
-def _unpoint_pool(socket_path: str | None) -> None:
-    """Remove the pointer if it still names this cluster's pool (another up may have replaced it)."""
-    from kvshare.paths import up_pool_pointer
-
-    try:
-        with open(up_pool_pointer()) as f:
-            if f.read().strip() == socket_path:
-                os.unlink(up_pool_pointer())
-    except OSError:
-        pass
 
 
 def gpu_of_replica(devices: str, index: int) -> tuple[str, str | None]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 
 def runtime_dir() -> str:
@@ -23,20 +24,73 @@ def default_pool_socket() -> str:
     return os.path.join(runtime_dir(), "pool.sock")
 
 
-def up_pool_pointer() -> str:
-    """The file where ``kvshare up`` writes its pool's socket path (the socket lives in up's private dir)."""
-    return os.path.join(runtime_dir(), "up-pool-socket")
+_POOL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_POINTER_PREFIX = "up-pool-socket."
 
 
-def find_pool_socket() -> str:
-    """The socket a pool command with no --socket talks to: the default one if a pool listens there,
-    else the pool of the last ``kvshare up`` still running, else the default (whose error names it)."""
-    default = default_pool_socket()
-    if os.path.exists(default):
-        return default
+def check_pool_name(name: str) -> str:
+    """A cluster's pool name (``kvshare up --name``): letters, digits, ``.``, ``_``, ``-``; raises ValueError."""
+    if not _POOL_NAME.fullmatch(name):
+        raise ValueError(f"--name {name!r}: a pool name takes letters, digits, '.', '_' and '-' (at most 64)")
+    return name
+
+
+def up_pool_pointer(name: str) -> str:
+    """The file where ``kvshare up --name NAME`` writes its pool's socket path (the socket lives in up's
+    private dir); one per name, so two clusters on a host never take each other's place."""
+    return os.path.join(runtime_dir(), _POINTER_PREFIX + check_pool_name(name))
+
+
+def point_to_pool(name: str, socket_path: str) -> None:
+    """Write ``kvshare up --name NAME``'s pointer to its pool's socket (a second up of that name replaces it)."""
+    tmp = os.path.join(runtime_dir(), f".pointer.{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(socket_path)
+    os.replace(tmp, up_pool_pointer(name))
+
+
+def unpoint_pool(name: str, socket_path: str | None) -> None:
+    """Remove the pointer if it still names this cluster's pool (another up of its name may have replaced it)."""
     try:
-        with open(up_pool_pointer()) as f:
-            pointed = f.read().strip()
+        with open(up_pool_pointer(name)) as f:
+            if f.read().strip() == socket_path:
+                os.unlink(up_pool_pointer(name))
     except OSError:
+        pass
+
+
+def running_up_pools() -> dict[str, str]:
+    """Pool name -> socket path of every ``kvshare up`` of this user whose pool socket still exists."""
+    pools = {}
+    for entry in sorted(os.listdir(runtime_dir())):
+        if not entry.startswith(_POINTER_PREFIX) or not _POOL_NAME.fullmatch(entry[len(_POINTER_PREFIX) :]):
+            continue
+        try:
+            with open(os.path.join(runtime_dir(), entry)) as f:
+                pointed = f.read().strip()
+        except OSError:
+            continue
+        if pointed and os.path.exists(pointed):
+            pools[entry[len(_POINTER_PREFIX) :]] = pointed
+    return pools
+
+
+def find_pool_socket(name: str | None = None) -> str:
+    """The socket a pool command with no --socket talks to: the pool of ``kvshare up --name NAME``; with no
+    name, the default socket if a pool listens there, else the one running ``kvshare up``'s. Raises
+    UserError where that is not one pool (several clusters, or no cluster of that name)."""
+    from kvshare.errors import UserError
+
+    pools = running_up_pools()
+    if name is not None:
+        if name not in pools:
+            running = ", ".join(pools) or "none"
+            raise UserError(f"no running kvshare up pool is named {name!r} (running: {running})")
+        return pools[name]
+    default = default_pool_socket()
+    if os.path.exists(default) or not pools:
         return default
-    return pointed if pointed and os.path.exists(pointed) else default
+    if len(pools) > 1:
+        raise UserError(f"several kvshare up pools run here ({', '.join(pools)}): choose one with --name NAME "
+                        f"or --socket PATH")
+    return next(iter(pools.values()))

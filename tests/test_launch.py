@@ -1,6 +1,7 @@
 """kvshare up's child commands (no process started)."""
 
 import json
+import os
 
 from kvshare.keys import DEFAULT_CHUNK_TOKENS
 from kvshare.launch import Cluster, ClusterConfig
@@ -48,3 +49,18 @@ def test_vllm_replicas_publish_their_own_kv_events_on_their_port_and_topic(tmp_p
     plain = Cluster(ClusterConfig(engine="vllm", model=str(tmp_path)))
     plain.pool_socket = cluster.pool_socket
     assert "--kv-events-config" not in plain._replica_command(0, [])[0]
+def test_vllm_replicas_leave_their_rendezvous_files_in_a_directory_the_cluster_removes(tmp_path):
+    """Fails when a vLLM replica inherits TMPDIR: its tensor-parallel ranks' vllm_dist_* files (vLLM's
+    get_file_store_init_method) stayed behind in /dev/shm or /tmp after every run."""
+    (tmp_path / "config.json").write_text("{}")
+    cluster = Cluster(ClusterConfig(engine="vllm", model=str(tmp_path), tensor_parallel_size=2))
+    dirs = []
+    for i in range(2):
+        _, env = cluster._replica_command(i, [])
+        dirs.append(env["TMPDIR"])
+        with open(os.path.join(env["TMPDIR"], "vllm_dist_0123"), "w") as f:  # what a rank leaves
+            f.write("x")
+    assert len(set(dirs)) == 2 and all(d.startswith(cluster._tmp.name) for d in dirs)
+    assert oct(os.stat(cluster._tmp.name).st_mode & 0o777) == "0o700"
+    cluster.stop()
+    assert not any(os.path.exists(d) for d in dirs)

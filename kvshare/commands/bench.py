@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from kvshare.commands import tcp_port
 from kvshare.commands.serve import add_kv_dtype_argument
 from kvshare.units import parse_size
 
@@ -122,7 +123,7 @@ def _target_arguments(e: argparse.ArgumentParser) -> None:
                    help="with --model: start the replicas in the deterministic mode (serve --deterministic); "
                         "outputs of deterministic replicas are checked by the exact rule")
     add_kv_dtype_argument(g)
-    g.add_argument("--port", type=int, default=None, help="first port for started processes (default: free ports)")
+    g.add_argument("--port", type=tcp_port, default=None, help="first port for started processes (default: free ports)")
     g.add_argument("--tokenizer", default=None, help="model directory or preset whose tokenizer builds the prompts "
                                                      "(default: --model, else the served model's name)")
 

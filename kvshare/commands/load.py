@@ -5,6 +5,7 @@ errors and mismatches. Exits 1 on any error, mismatch or unfinished request, or 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 
 
@@ -48,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UserError(str(exc)) from None
     try:
-        summary = run_load(config)
+        with load_progress(config.duration_s) as on_progress:
+            summary = run_load(config, on_progress)
     except RuntimeError as exc:
         raise UserError(str(exc)) from None
     is_pool_ok = True
@@ -59,3 +61,25 @@ def run(args: argparse.Namespace) -> int:
     print(json.dumps(summary, indent=2) if args.json else render(summary), flush=True)
     is_clean = summary["errors"] == 0 and summary["mismatches"] == 0 and summary["unfinished"] == 0
     return 0 if is_clean and is_pool_ok and summary["references_not_cold"] == 0 else 1
+
+
+@contextlib.contextmanager
+def load_progress(duration_s: float, console=None):
+    """A progress bar on stderr (rich; ``console``: another rich Console): the run's time, requests, errors,
+    response bytes and their rate."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from kvshare.units import format_bytes
+
+    columns = (TextColumn("load"), BarColumn(), TimeElapsedColumn(), TextColumn("{task.fields[detail]}"))
+    with Progress(*columns, console=console or Console(stderr=True), transient=True) as progress:
+        task = progress.add_task("load", total=duration_s, detail="starting")
+
+        def on_progress(tally, elapsed_s: float) -> None:
+            rate = tally.num_bytes / elapsed_s if elapsed_s > 0 else 0.0
+            progress.update(task, completed=min(elapsed_s, duration_s),
+                            detail=f"{tally.num_ok} ok, {tally.num_errors} errors, "
+                                   f"{format_bytes(tally.num_bytes)} at {format_bytes(rate)}/s")
+
+        yield on_progress

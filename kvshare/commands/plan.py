@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 
+from kvshare.commands.serve import add_kv_dtype_argument
 from kvshare.units import parse_count
 
 
@@ -14,9 +15,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=_count, required=True,
                    help="cached tokens the pool should hold (4096, 100k = 100000, 32K = 32768)")
     p.add_argument("--chunk-tokens", type=int, default=256)
-    p.add_argument("--dtype", default=None, help="KV dtype if it differs from the model's (e.g. bfloat16)")
+    add_kv_dtype_argument(p)
+    p.add_argument("--dtype", action=_DeprecatedDtype, dest="kv_dtype", default=argparse.SUPPRESS,
+                   help="deprecated spelling of --kv-dtype (also takes torch names such as bfloat16)")
     p.add_argument("--high-watermark", type=float, default=0.95, help="the pool's eviction threshold")
     p.add_argument("--json", action="store_true")
+
+
+class _DeprecatedDtype(argparse.Action):
+    """``--dtype X``: stored as ``--kv-dtype``, with a one-line notice on stderr."""
+
+    def __call__(self, parser, namespace, value, option_string=None) -> None:
+        import sys
+
+        from kvshare.engine.config import KV_DTYPE_CHOICES, KV_DTYPES
+
+        kv_dtype = {torch_name: name for name, torch_name in KV_DTYPES.items()}.get(value, value)
+        if kv_dtype not in KV_DTYPE_CHOICES:
+            parser.error(f"argument --dtype: {value!r} is not a KV dtype; choose one of {', '.join(KV_DTYPE_CHOICES)}")
+        print(f"kvshare plan: --dtype is deprecated; use --kv-dtype {kv_dtype}", file=sys.stderr)
+        setattr(namespace, self.dest, kv_dtype)
 
 
 def _count(text: str) -> int:
@@ -61,8 +79,12 @@ def plan(config, tokens: int, chunk_tokens: int, dtype: str | None, high_waterma
 def run(args: argparse.Namespace) -> int:
     from kvshare.errors import UserError
 
+    from kvshare.engine.config import kv_storage_dtype
+
     try:
-        result = plan(model_config(args.model), args.tokens, args.chunk_tokens, args.dtype, args.high_watermark)
+        config = model_config(args.model)
+        dtype = kv_storage_dtype(args.kv_dtype, config.dtype)
+        result = plan(config, args.tokens, args.chunk_tokens, dtype, args.high_watermark)
     except (ValueError, KeyError, OSError) as exc:
         raise UserError(str(exc)) from None
     if args.json:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from kvshare.commands import tcp_port
 from kvshare.units import parse_size
 
 
@@ -18,7 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="back the arena with reserved 2 MiB hugepages: auto (default) when enough are free, "
                         "on (also plain --hugepages) or an error, off never; docs/operations.md, 'Hugepages'")
     p.add_argument("--prefault", action="store_true", help="fault in every page at start")
-    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    p.add_argument("--metrics-port", type=tcp_port, default=None, help="serve Prometheus metrics on this port")
     p.add_argument("--metrics-host", default="127.0.0.1")
     p.add_argument("--socket-mode", type=lambda s: int(s, 8), default=0o600,
                    help="socket file mode, octal (default 0600: owner only)")

@@ -8,6 +8,7 @@ import json
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--socket", "--pool", dest="socket", default=None, help="the pool's Unix socket")
+    p.add_argument("--name", default=None, help="the pool of `kvshare up --name NAME` (its port when not named)")
     sub = p.add_subparsers(dest="action", required=True)
     flush = sub.add_parser("flush", help="drop committed chunks (all when no namespace is named)")
     which = flush.add_mutually_exclusive_group()
@@ -17,6 +18,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flush.add_argument("--tenant", default=None,
                        help="with --replica: the tenant header's value (default: the replica's untenanted namespace)")
     flush.add_argument("--api-key", default=None, help="with --replica: the bearer token (with keys, it names the tenant)")
+    flush.add_argument("--yes", action="store_true", help="flush without asking (needed where stdin is no terminal)")
     sub.add_parser("leases", help="list leases with their ages")
     sub.add_parser("namespaces", help="list namespaces with their chunks and bytes (and the quota)")
 
@@ -42,6 +44,21 @@ def replica_namespace(url: str, tenant: str | None, api_key: str | None, timeout
         raise UserError(f"cannot reach the replica at {url}: {exc}") from None
 
 
+def _confirm(action: str, is_confirmed: bool) -> None:
+    """Ask before a destructive action (naming the pool it hits) unless --yes; no terminal: refuse."""
+    import sys
+
+    from kvshare.errors import UserError
+
+    if is_confirmed:
+        return
+    if not sys.stdin.isatty():
+        raise UserError(f"will not {action} without asking: add --yes")
+    answer = input(f"{action}? [y/N] ")
+    if answer.strip().lower() not in ("y", "yes"):
+        raise UserError("nothing flushed")
+
+
 def _namespace(text: str) -> bytes:
     from kvshare.errors import UserError
 
@@ -65,9 +82,16 @@ def run(args: argparse.Namespace) -> int:
             namespace = bytes.fromhex(named["namespace"])
         elif args.action == "flush" and args.namespace:
             namespace = _namespace(args.namespace)
-        with PoolClient(args.socket or find_pool_socket(), name="pool-admin") as client:
+        socket_path = args.socket or find_pool_socket(args.name)
+        with PoolClient(socket_path, name="pool-admin") as client:
             if args.action == "flush":
-                out = {"dropped": client.flush(namespace)}
+                held = {n.namespace for n in client.list_namespaces().namespaces} if namespace is not None else set()
+                if namespace is not None and namespace not in held:
+                    raise UserError(f"the pool at {socket_path} holds no namespace {namespace.hex()}; "
+                                    f"`kvshare pool-admin namespaces` lists them")
+                _confirm(f"flush {'namespace ' + namespace.hex() if namespace else 'every chunk'} "
+                         f"of the pool at {socket_path}", args.yes)
+                out = {"dropped": client.flush(namespace), "pool": socket_path}
                 if namespace is not None:
                     out["namespace"] = namespace.hex()
                 if named:

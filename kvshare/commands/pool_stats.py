@@ -8,6 +8,7 @@ import json
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--socket", "--pool", dest="socket", default=None, help="the pool's Unix socket (default: kvshare's default socket, else the pool of a running kvshare up)")
+    p.add_argument("--name", default=None, help="the pool of `kvshare up --name NAME` (its port when not named)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -16,7 +17,7 @@ def run(args: argparse.Namespace) -> int:
     from kvshare.pool.client import PoolClient, PoolUnavailable
 
     try:
-        with PoolClient(args.socket or find_pool_socket(), name="pool-stats") as client:
+        with PoolClient(args.socket or find_pool_socket(args.name), name="pool-stats") as client:
             print(json.dumps(client.stats(), indent=2, sort_keys=True))
     except PoolUnavailable as exc:
         raise UserError(str(exc)) from None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from kvshare.commands import tcp_port
 from kvshare.router.policy import POLICIES
 from kvshare.router.pool_aware import CostModel, PoolAwareConfig
 
@@ -12,7 +13,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replica", action="append", required=True, help="replica base URL (repeat for each)")
     p.add_argument("--policy", choices=POLICIES, default="round_robin")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--port", type=tcp_port, default=8080)
     p.add_argument("--health-interval", type=float, default=1.0, help="seconds between health checks")
     p.add_argument("--session-header", default="X-Session-ID")
     p.add_argument("--session-ttl", type=float, default=3600.0)

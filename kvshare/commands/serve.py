@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import re
 
+from kvshare.commands import tcp_port
 from kvshare.units import parse_size, parse_size_or_off
 
 # vLLM's --dtype values -> the engine's (None: the model's own dtype)
@@ -81,7 +82,7 @@ def add_deterministic_arguments(p: argparse.ArgumentParser) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p)
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=tcp_port, default=8000)
     p.add_argument("--replica-name", default=None, help="name reported in responses (default host:port)")
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="model ids requests may name; the first is reported in responses (default: --model as given)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from kvshare.commands import tcp_port
 from kvshare.commands.serve import add_kv_dtype_argument
 from kvshare.router.policy import POLICIES
 from kvshare.supervisor import RestartPolicy
@@ -30,7 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pool", default=None, help="'off' to run without a pool")
     p.add_argument("--policy", choices=POLICIES, default="round_robin")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8080, help="router port; replicas take the next N ports")
+    p.add_argument("--port", type=tcp_port, default=8080, help="router port; replicas take the next N ports")
+    p.add_argument("--name", default="", help="the pool's name for pool-stats / pool-admin --name (default: the port)")
     p.add_argument("--vllm-python", default=None, help="python of the virtual environment that holds vLLM")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="--engine vllm: tensor parallel ranks per replica (pages hold every KV head, so replicas "
@@ -117,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
         pool_events, router_events = kv_events_args(args)
         config = ClusterConfig(num_replicas=args.replicas, model=args.model, engine=args.engine, device=args.device,
                                pool_size=None if args.pool == "off" else args.pool_size, policy=args.policy,
-                               host=args.host, port=args.port, vllm_python=args.vllm_python,
+                               host=args.host, port=args.port, name=args.name, vllm_python=args.vllm_python,
                                tensor_parallel_size=args.tensor_parallel_size,
                                replica_args=replica_args, pool_args=tuple(args.pool_arg) + pool_events,
                                router_args=router_args + router_events, api_keys=tuple(args.api_key),
@@ -139,7 +141,8 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"[bold]kvshare up[/bold]: router {cluster.router_url} (policy {config.policy})")
         for i, url in enumerate(cluster.replica_urls):
             console.print(f"  replica{i}: {url}")
-        console.print(f"  pool: {cluster.pool_socket or 'off'}")
+        console.print(f"  pool: {cluster.pool_socket or 'off'}"
+                      + (f" (pool-stats / pool-admin --name {config.pool_name})" if cluster.pool_socket else ""))
         console.print("Ctrl-C stops everything.")
         while not stop.wait(0.5):
             supervisor.poll()

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import argparse
 
+from kvshare.commands import RawDescriptionDefaultsHelpFormatter
 from kvshare.units import parse_size
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.formatter_class = RawDescriptionDefaultsHelpFormatter
     p.add_argument("--level", default="bytes,helpers,full-pool,service",
                    help="comma list of levels: bytes, helpers, full-pool, service, isolation "
                         "(default: all but isolation)")

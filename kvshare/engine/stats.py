@@ -40,5 +40,5 @@ class EngineStats:
     pool_unavailable: int = 0  # times a request went without the pool because it could not be reached
     pool_connects: int = 0  # successful (re)connections
     is_pool_configured: bool = False  # the engine was given a pool socket
-    is_pool_connected: bool = False  # ... and is connected to it now (kvshare:pool_connected)
+    is_pool_connected: bool = False  # ... and is connected to it now (kvshare_pool_connected)
     pool_errors: int = 0  # requests the pool refused (logged); the request still completes

@@ -25,6 +25,7 @@ class Outcome:
     provenance: dict | None = None
     replica: str | None = None
     error: str | None = None  # None: a complete, well-formed answer
+    num_bytes: int = 0  # of the response body as received
     top_logprobs: list[dict] = field(default_factory=list)  # reference answers: top-2 per step
 
     @property
@@ -41,11 +42,15 @@ async def post(session: aiohttp.ClientSession, url: str, path: str, body: dict[s
                                 timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             out.status = resp.status
             if resp.status != 200:
-                out.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
+                raw = await resp.read()
+                out.num_bytes = len(raw)
+                out.error = f"HTTP {resp.status}: {raw.decode(errors='replace')[:300]}"
             elif body.get("stream"):
                 await _read_stream(resp, out, started)
             else:
-                _read_body(await resp.json(), out)
+                raw = await resp.read()
+                out.num_bytes = len(raw)
+                _read_body(json.loads(raw), out)
     except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
         out.error = f"{type(exc).__name__}: {exc}"[:300]
     out.e2e_s = time.perf_counter() - started
@@ -56,6 +61,7 @@ async def _read_stream(resp: aiohttp.ClientResponse, out: Outcome, started: floa
     got = Response()
     buffer, is_done = b"", False
     async for piece in resp.content.iter_any():
+        out.num_bytes += len(piece)
         buffer += piece
         events, buffer = split_events(buffer)
         for event in events:

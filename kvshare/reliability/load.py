@@ -16,6 +16,7 @@ import socket
 import time
 import urllib.parse
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 import aiohttp
 
@@ -23,6 +24,7 @@ from kvshare.reliability.exchange import Outcome, post
 from kvshare.reliability.summary import LoadTally
 from kvshare.reliability.workload import Conversation, documents, reference_body
 
+PROGRESS_INTERVAL_S = 0.5  # how often on_progress hears of a run
 ERROR_PAUSE_S = 0.5  # a session that saw an error waits this long (no error storm against a dead server)
 
 
@@ -85,8 +87,10 @@ def require_loopback(url: str) -> None:
 class LoadRun:
     """One run: sessions, the tally, the clock."""
 
-    def __init__(self, config: LoadConfig) -> None:
+    def __init__(self, config: LoadConfig, on_progress: Callable[[LoadTally, float], None] | None = None) -> None:
+        """``on_progress(tally, elapsed_s)``: called every PROGRESS_INTERVAL_S while the run goes on."""
         self.config = config
+        self.on_progress = on_progress
         self.docs = documents(config.seed, config.num_documents, config.min_document_chars, config.max_document_chars)
         self.tally = LoadTally(started_at=time.monotonic())
         self.model = config.model
@@ -113,7 +117,11 @@ class LoadRun:
             started = time.monotonic()
             stop_at = started + cfg.duration_s
             tasks = [asyncio.create_task(self._session(i, stop_at)) for i in range(cfg.num_sessions)]
+            ticker = asyncio.create_task(self._report_progress(started)) if self.on_progress else None
             _, pending = await asyncio.wait(tasks, timeout=cfg.deadline_s + 5.0)
+            if ticker is not None:
+                ticker.cancel()
+                self.on_progress(self.tally, time.monotonic() - started)
             for task in pending:  # past the hard bound: cut off (counted as unfinished)
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
@@ -123,6 +131,11 @@ class LoadRun:
             elapsed = time.monotonic() - started
         shown = {k: v for k, v in asdict(cfg).items() if k != "api_key"}
         return self.tally.summary(elapsed, shown | {"model": self.model}, unfinished=len(pending))
+
+    async def _report_progress(self, started: float) -> None:
+        while True:
+            await asyncio.sleep(PROGRESS_INTERVAL_S)
+            self.on_progress(self.tally, time.monotonic() - started)
 
     async def _model_name(self) -> str:
         headers = self._headers(0, with_session=False)
@@ -169,9 +182,9 @@ class LoadRun:
         return out
 
 
-def run_load(config: LoadConfig) -> dict:
+def run_load(config: LoadConfig, on_progress: Callable[[LoadTally, float], None] | None = None) -> dict:
     """Run the load and return its summary (kvshare.reliability.summary.LoadTally.summary)."""
-    return asyncio.run(LoadRun(config).run())
+    return asyncio.run(LoadRun(config, on_progress).run())
 
 
 def check_pool(socket_path: str, settle_s: float = 10.0) -> dict:

@@ -38,6 +38,7 @@ class LoadTally:
     num_reference_errors: int = 0
     num_reference_not_cold: int = 0  # a pool-off reference that still reused KV (the switch did not hold)
     num_conversations: int = 0
+    num_bytes: int = 0  # response bytes received (requests and references)
     latencies_s: list[float] = field(default_factory=list)
     ttfts_s: list[float] = field(default_factory=list)
     prompt_tokens: list[int] = field(default_factory=list)
@@ -48,6 +49,7 @@ class LoadTally:
     details: list[dict] = field(default_factory=list)
 
     def add(self, out: Outcome) -> None:
+        self.num_bytes += out.num_bytes
         if out.status == 429:
             self.num_rate_limited += 1
         elif not out.is_ok:
@@ -67,6 +69,7 @@ class LoadTally:
 
     def add_check(self, out: Outcome, ref: Outcome, what: str) -> None:
         """Compare a served answer with its pool-off reference (both complete)."""
+        self.num_bytes += ref.num_bytes
         self.reference_latencies_s.append(ref.e2e_s)
         if not ref.is_ok:
             self.num_reference_errors += 1

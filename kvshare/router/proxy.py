@@ -29,7 +29,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from kvshare.router.policy import POLICIES, ReplicaView, RouteFacts, Router, prefix_blocks
 from kvshare.router.event_feed import attach_pool_aware
 from kvshare.router.pool_aware import PoolAwareConfig
-from kvshare.serve.api_types import ApiError
+from kvshare.serve.api_types import ApiError, decode
+from kvshare.serve.metrics import LATENCY_BUCKETS
 from kvshare.serve.http_errors import body_too_large, error_response, http_error
 from kvshare.serve.connection import is_gone, limit_send_buffer
 from kvshare.serve.server import version
@@ -90,11 +91,19 @@ class ReplicaState:
 class _Metrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("kvshare_router:requests", "Requests routed", ["replica"], registry=r)
-        self.failovers = Counter("kvshare_router:failovers", "Requests moved to another replica before the first byte", registry=r)
-        self.errors = Counter("kvshare_router:errors", "Requests no replica could take", registry=r)
-        self.latency = Histogram("kvshare_router:request_latency_seconds", "Time to the end of the response", registry=r)
-        self.healthy = Gauge("kvshare_router:replica_healthy", "1 if the replica answered its last health check", ["replica"], registry=r)
+        self.requests = Counter("kvshare_router_requests", "Requests routed", ["replica"], registry=r)
+        self.failovers = Counter("kvshare_router_failovers", "Requests moved to another replica before the first byte", registry=r)
+        self.errors = Counter("kvshare_router_errors", "Requests no replica could take", registry=r)
+        self.latency = Histogram("kvshare_router_request_latency_seconds", "Time to the end of the response",
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.broken_responses = Counter("kvshare_router_broken_responses", "Responses a replica broke off after "
+                                        "the first byte (streams end with an error event)", ["replica"], registry=r)
+        self.healthy = Gauge("kvshare_router_replica_healthy", "1 if the replica answered its last health check", ["replica"], registry=r)
+
+
+class _DrainRequest(msgspec.Struct, forbid_unknown_fields=True):
+    replica: str
+    drain: bool = True
 
 
 class _Facts(msgspec.Struct):
@@ -216,11 +225,8 @@ class RouterServer:
 
     async def drain(self, request: web.Request) -> web.Response:
         """POST {"replica": URL, "drain": true|false}: stop (or resume) sending new requests to it."""
-        try:
-            body = await request.json()
-            url, drain = str(body["replica"]).rstrip("/"), bool(body.get("drain", True))
-        except (ValueError, KeyError, TypeError):
-            raise ApiError(400, 'expected {"replica": URL, "drain": true|false}', code="invalid_value") from None
+        body = decode(await request.read(), _DrainRequest)  # the replicas' decode: their errors and codes
+        url, drain = body.replica.rstrip("/"), body.drain
         for replica in self.replicas:
             if replica.url == url:
                 replica.is_draining = drain
@@ -237,7 +243,7 @@ class RouterServer:
         kind = _Facts if hashes else _PlacementFacts
         try:
             parsed = msgspec.json.decode(body, type=kind) if body else kind()
-        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):
+        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError):
             parsed = kind()  # the replica will answer the bad request; just place it
         session = session or parsed.user
         turn, text = None, ""
@@ -321,6 +327,10 @@ class RouterServer:
                 return response
             log.warning("replica %s broke off a response: %s", replica.url, exc)
             replica.is_healthy = False
+            replica.last_error = f"broke off a response: {type(exc).__name__}: {exc}"
+            self.metrics.broken_responses.labels(replica.url).inc()
+            await _end_broken_response(request, response, upstream, replica.url)
+            return response
         finally:
             watch.cancel()
         try:
@@ -334,6 +344,23 @@ async def _close_when_gone(request: web.Request, upstream: aiohttp.ClientRespons
     while not is_gone(request):
         await asyncio.sleep(CLIENT_POLL_S)
     upstream.close()
+
+
+async def _end_broken_response(request: web.Request, response: web.StreamResponse,
+                               upstream: aiohttp.ClientResponse, url: str) -> None:
+    """A replica died mid-response: a stream ends with an OpenAI error event and no ``[DONE]``, so no client
+    takes the cut-off text for a whole answer; any other body is cut off (the connection is reset)."""
+    if upstream.content_type == "text/event-stream":
+        error = ApiError(502, f"replica {url} failed during the response; the output is incomplete",
+                         error_type="server_error", code="replica_failed")
+        try:
+            await response.write(b"data: " + msgspec.json.encode(error.body()) + b"\n\n")
+            await response.write_eof()
+            return
+        except ConnectionResetError:
+            return
+    if request.transport is not None:
+        request.transport.abort()
 
 
 def _unavailable(message: str) -> ApiError:

@@ -156,7 +156,7 @@ def decode_completion(body: bytes) -> CompletionRequest:
         start, end = span
         try:
             req = msgspec.json.decode(body[:start] + token_ids.MARK + body[end + 1 :], type=TokenIdsCompletionRequest)
-        except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError):
+        except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError, RecursionError):
             req = None
         if req is not None and bytes(req.prompt) == token_ids.MARK:  # the list was the request's prompt
             ids = token_ids.read_list(body[start : end + 1])
@@ -173,6 +173,8 @@ def decode(body: bytes, kind: type) -> Any:
         raise ApiError(400, f"invalid request: {exc}", param=_param_of(str(exc)), code="invalid_value") from None
     except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # found by fuzzing: bytes that are not UTF-8 gave a 500
         raise ApiError(400, f"malformed JSON: {exc}", code="invalid_json") from None
+    except RecursionError:  # msgspec's nesting limit: a body like [[[[...]]]] 1000 levels deep
+        raise ApiError(400, "malformed JSON: nested too deeply", code="invalid_json") from None
 
 
 def _param_of(message: str) -> str | None:
@@ -216,8 +218,11 @@ def validate(req: CompletionRequest | ChatRequest) -> None:
     _refuse_unsupported(req, UNSUPPORTED_COMMON)
     _refuse_unsupported(req, UNSUPPORTED_COMPLETION if isinstance(req, CompletionRequest) else UNSUPPORTED_CHAT)
     _check_sampling(req)
-    if req.n != 1:
-        raise ApiError(400, "only n=1 is supported", param="n")
+    if req.n < 1:
+        raise ApiError(400, "n must be at least 1", param="n")
+    if req.n > 1:
+        raise ApiError(400, "n > 1 is not supported by this server (the built-in engine runs one answer per "
+                            "request); send n requests", param="n", code="unsupported_parameter")
     if not 0.0 <= req.temperature <= 2.0:
         raise ApiError(400, "temperature must lie in [0, 2]", param="temperature")
     if not 0.0 < req.top_p <= 1.0:
@@ -229,7 +234,7 @@ def validate(req: CompletionRequest | ChatRequest) -> None:
         raise ApiError(400, "stop takes at most 4 non-empty strings", param="stop")
     if isinstance(req, CompletionRequest):
         if req.echo:
-            raise ApiError(400, "echo is not supported", param="echo")
+            raise ApiError(400, "echo is not supported by this server", param="echo", code="unsupported_parameter")
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
             raise ApiError(400, f"logprobs must lie in [0, {MAX_LOGPROBS}]", param="logprobs")
         prompt_of(req)
@@ -246,6 +251,8 @@ def validate(req: CompletionRequest | ChatRequest) -> None:
                                    code="unsupported_parameter")
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
             raise ApiError(400, f"top_logprobs must lie in [0, {MAX_LOGPROBS}]", param="top_logprobs")
+        if req.top_logprobs and not req.logprobs:  # vLLM's rule and message
+            raise ApiError(400, "when using `top_logprobs`, `logprobs` must be set to true.", param="top_logprobs")
 
 
 def prompt_of(req: CompletionRequest) -> str | list[int]:
@@ -255,7 +262,8 @@ def prompt_of(req: CompletionRequest) -> str | list[int]:
         return prompt  # integers, checked by the typed decode
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
-            raise ApiError(400, "a batch of prompts is not supported; send one prompt per request", param="prompt")
+            raise ApiError(400, "a batch of prompts is not supported; send one prompt per request", param="prompt",
+                           code="unsupported_parameter")
         prompt = prompt[0]
     if isinstance(prompt, list) and not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         raise ApiError(400, "prompt must be a string or a list of token ids (integers)", param="prompt")

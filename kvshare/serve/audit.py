@@ -20,7 +20,7 @@ the served request's own ``logprobs`` (the cold run asks for at least that many)
 request asked for no logprobs (or sampled), the served ids are checked against the cold ones and a
 greedy replay with the request's reuse options supplies the reused run's logprobs.
 
-A mismatch is counted (``kvshare:audit_mismatches_total``), logged with the chunk
+A mismatch is counted (``kvshare_audit_mismatches_total``), logged with the chunk
 keys involved, and every full chunk of the prompt is dropped from the pool and the
 local cache: the reused ones (one of them is wrong) and the ones computed on top of
 them (they attended to it). The next request with that prefix recomputes. An audit
@@ -249,7 +249,7 @@ def _step_logprobs(event, k: int) -> list[float]:
 
 
 class _AuditMetrics:
-    """Prometheus counters of the audit, on the replica's registry (kvshare:audit_*_total)."""
+    """Prometheus counters of the audit, on the replica's registry (kvshare_audit_*_total)."""
 
     HELP = {
         "checks": "Requests with reused KV recomputed cold and compared",
@@ -265,8 +265,8 @@ class _AuditMetrics:
     def __init__(self, registry) -> None:
         from prometheus_client import Counter, Gauge
 
-        self._counters = {name: Counter(f"kvshare:audit_{name}", text, registry=registry) for name, text in self.HELP.items()}
-        self.pending = Gauge("kvshare:audit_pending", "Sampled requests waiting to be audited (or being audited)",
+        self._counters = {name: Counter(f"kvshare_audit_{name}", text, registry=registry) for name, text in self.HELP.items()}
+        self.pending = Gauge("kvshare_audit_pending", "Sampled requests waiting to be audited (or being audited)",
                              registry=registry)
 
     def inc(self, name: str, n: int) -> None:

@@ -42,6 +42,13 @@ class ServedModels:
         """The body of GET /v1/models."""
         return {"object": "list", "data": [self._card(name) for name in self.names]}
 
+    def card(self, name: str) -> dict:
+        """The body of GET /v1/models/{name} (OpenAI's retrieve); 404 for a name not served."""
+        if name not in self.names:
+            raise ApiError(404, f"The model `{name}` does not exist. Valid aliases: {', '.join(self.names)}.",
+                           param="model", code="model_not_found")
+        return self._card(name)
+
     def _card(self, name: str) -> dict:
         permission = {"id": f"modelperm-{uuid.uuid5(uuid.NAMESPACE_URL, name).hex}", "object": "model_permission",
                       "created": self.created, "allow_create_engine": False, "allow_sampling": True,

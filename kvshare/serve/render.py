@@ -26,20 +26,33 @@ def token_name(tokenizer: Any, token_id: int) -> tuple[str, bytes | None]:
         return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw
 
 
-def completion_logprobs(tokenizer: Any, events: list[Any]) -> dict:
-    tokens, token_logprobs, top, offsets = [], [], [], []
-    # text_offset: characters of the answer's text before each token; bytes of a split character count once
-    text = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    offset = 0
+class TextOffsets:
+    """``text_offset``: characters of the answer's text before each token; bytes of a split character count
+    once and special tokens not at all. One per answer, so the offsets of a stream's chunks run on."""
+
+    def __init__(self) -> None:
+        self._text = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.offset = 0
+
+    def advance(self, tokenizer: Any, token_id: int, raw: bytes | None) -> int:
+        """The offset of this token; the next one's is past its text."""
+        at = self.offset
+        if raw is not None and not tokenizer.is_special(token_id):  # special tokens are not in the text
+            self.offset += len(self._text.decode(raw))
+        return at
+
+
+def completion_logprobs(tokenizer: Any, events: list[Any], offsets: TextOffsets | None = None) -> dict:
+    """``offsets``: where the answer's text stands before ``events`` (a stream passes one per answer)."""
+    offsets = offsets or TextOffsets()
+    tokens, token_logprobs, top, text_offset = [], [], [], []
     for event in events:
         name, raw = token_name(tokenizer, event.token_id)
         tokens.append(name)
         token_logprobs.append(event.logprob)
         top.append({token_name(tokenizer, t)[0]: lp for t, lp in (event.top_logprobs or {}).items()})
-        offsets.append(offset)
-        if raw is not None and not tokenizer.is_special(event.token_id):  # special tokens are not in the text
-            offset += len(text.decode(raw))
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+        text_offset.append(offsets.advance(tokenizer, event.token_id, raw))
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": text_offset}
 
 
 def chat_logprobs(tokenizer: Any, events: list[Any]) -> dict:

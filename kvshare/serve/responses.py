@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvshare.serve.detokenize import TextStream
-from kvshare.serve.render import chat_logprobs, completion_logprobs
+from kvshare.serve.render import TextOffsets, chat_logprobs, completion_logprobs
 
 # who sees a request's provenance (where its prompt tokens came from, cached_tokens): it says whether a prefix was
 # in the caches already, so across the users of one namespace it is a prompt oracle. own-tenant: only requests
@@ -60,6 +60,7 @@ class ResponseBuilder:
         self.finish_reason: str | None = None
         self.created = int(time.time())
         self._sent_role = False
+        self._stream_offsets = TextOffsets()  # text_offset across a stream's chunks
 
     @property
     def num_tokens(self) -> int:
@@ -85,7 +86,8 @@ class ResponseBuilder:
             self._sent_role = True
         wants_logprobs = self.prep.params.logprobs is not None
         if piece or wants_logprobs:  # no empty chunks: clients time the first content token
-            chunks.append(self._chunk(piece, None, self._logprobs([event]) if wants_logprobs else None))
+            logprobs = self._logprobs([event], self._stream_offsets) if wants_logprobs else None
+            chunks.append(self._chunk(piece, None, logprobs))
         return chunks
 
     def _chunk(self, piece, finish_reason, logprobs=None) -> dict:
@@ -98,9 +100,9 @@ class ResponseBuilder:
         return {"id": self.rid, "object": "text_completion", "created": self.created, "model": self.req.model,
                 "choices": [choice]}
 
-    def _logprobs(self, events):
+    def _logprobs(self, events, offsets: TextOffsets | None = None):
         tok = self.tokenizer
-        return chat_logprobs(tok, events) if self.chat else completion_logprobs(tok, events)
+        return chat_logprobs(tok, events) if self.chat else completion_logprobs(tok, events, offsets)
 
     def usage(self) -> dict:
         p = self.provenance

@@ -1,10 +1,9 @@
 """The replica's HTTP server: OpenAI completions and chat (streaming or not), models, health, metrics.
 
-Routes, validation, the engine queue and stream writes live here; the response bodies and
-stream chunks are assembled by ``responses.ResponseBuilder``. The routes ``vllm serve`` adds
-(/tokenize, /detokenize, /version, /ping) answer in vLLM's shapes, so its tools work unchanged;
-the served names follow vLLM's rule (``models.ServedModels``). The engine runs one request at
-a time (``worker.EngineWorker``): the others wait in its queue.
+Routes, validation, the engine queue and stream writes live here; the response bodies and stream chunks are assembled
+by ``responses.ResponseBuilder``. The routes ``vllm serve`` adds (/tokenize, /detokenize, /version, /ping) answer in
+vLLM's shapes, so its tools work unchanged; the served names follow vLLM's rule (``models.ServedModels``). The engine
+runs one request at a time (``worker.EngineWorker``): the others wait in its queue.
 """
 
 from __future__ import annotations
@@ -84,7 +83,8 @@ class ReplicaServer:
         self.readiness = Readiness(config.warmup)
         if config.warmup and warm_up is None:
             from kvshare.engine.warmup import warm_up
-        self.metrics = ReplicaMetrics(lambda: _as_dict(engine.stats()))
+        self.metrics = ReplicaMetrics(lambda: _as_dict(engine.stats()),
+                                      (config.served_model_names or (engine.config.model,))[0])
         # audit hook: sampled reused requests are recomputed cold by the worker while no request waits
         self.auditor = (Auditor(engine, config.audit, self.metrics.registry, is_busy=lambda: self.worker.num_waiting > 0)
                         if config.audit.rate > 0 else None)
@@ -111,6 +111,7 @@ class ReplicaServer:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{name:.+}", self.model)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/version", version)
@@ -176,6 +177,10 @@ class ReplicaServer:
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response(self.served.listing())
 
+    async def model(self, request: web.Request) -> web.Response:
+        """GET /v1/models/{name}: one served name's card (a path served as its name keeps its slashes)."""
+        return web.json_response(self.served.card(request.match_info["name"]))
+
     # a tokenizer call's work is linear in its body: capped, and run off the loop so that no stream waits for it
     async def tokenize(self, request: web.Request) -> web.Response:
         req = A.decode(await read_capped(request, self.config.max_tokenize_bytes), T.TokenizeRequest)
@@ -215,8 +220,7 @@ class ReplicaServer:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         arrival = time.perf_counter()
         body = await request.read()
-        read_s = time.perf_counter()
-        req = A.decode_completion(body)
+        read_s, req = time.perf_counter(), A.decode_completion(body)
         A.validate(req)
         prompt = A.prompt_of(req)
         prompt_ids = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
@@ -227,8 +231,7 @@ class ReplicaServer:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         arrival = time.perf_counter()
         body = await request.read()
-        read_s = time.perf_counter()
-        req = A.decode(body, A.ChatRequest)
+        read_s, req = time.perf_counter(), A.decode(body, A.ChatRequest)
         A.validate(req)
         prompt_ids = T.chat_prompt_ids(self.engine.tokenizer, req.messages)
         top = (req.top_logprobs or 0) if req.logprobs else None

@@ -17,7 +17,7 @@ from tests.serve.up_process import get_json
 
 def gauge(url: str, name: str) -> float | None:
     text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
-    values = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")]
+    values = [float(line.split()[-1]) for line in text.splitlines() if line.split(" ")[0].split("{")[0] == name]
     return values[0] if values else None
 
 
@@ -37,7 +37,7 @@ def test_serve_with_an_unreachable_pool_says_so_and_connects_when_one_listens(tm
                    "the replica to answer")
         status, health = get_json(url + "/health")
         assert status == 200 and health["pool"] == "unreachable" and health["instance_id"] == "r-1"
-        assert gauge(url, "kvshare:pool_connected") == 0
+        assert gauge(url, "kvshare_pool_connected") == 0
         tries = lambda: re.findall(r"the pool at \S+ is unreachable .*; serving without it; next try in ([0-9.]+) s",
                                    log_path.read_text())
         wait_until(lambda: len(tries()) >= 3, 30, "the warning to repeat")  # without any request
@@ -47,7 +47,7 @@ def test_serve_with_an_unreachable_pool_says_so_and_connects_when_one_listens(tm
 
         pool = start_pool(socket_path, "64MiB", log_level="WARNING")
         wait_until(lambda: get_json(url + "/health")[1].get("pool") == "connected", 60, "the replica to connect")
-        assert gauge(url, "kvshare:pool_connected") == 1
+        assert gauge(url, "kvshare_pool_connected") == 1
     finally:
         replica.terminate()
         replica.wait(60)

@@ -1,5 +1,5 @@
 """The engine's pool link watches the pool without waiting for a request: it notices a pool that died,
-connects to a new one at the same socket, and reports either state (kvshare:pool_connected, /health)."""
+connects to a new one at the same socket, and reports either state (kvshare_pool_connected, /health)."""
 
 from __future__ import annotations
 

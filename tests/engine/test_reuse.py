@@ -88,7 +88,7 @@ def test_a_local_cache_the_device_cannot_hold_never_fails_a_request(tiny_dir, pr
     stats = engine.stats()
     assert stats.local_cache_chunks == 2 and stats.pool_stored_chunks == 75 // CHUNK
     assert engine._local.capacity_bytes == 2 * engine.layout.page_bytes
-    # what /metrics shows (kvshare:local_cache_out_of_memory_total, kvshare:local_cache_capacity_bytes)
+    # what /metrics shows (kvshare_local_cache_out_of_memory_total, kvshare_local_cache_capacity_bytes)
     assert stats.local_out_of_memory == 1 and stats.local_cache_capacity_bytes == 2 * engine.layout.page_bytes
     # the cache kept the prompt's head (tails make room first): the next request takes it locally,
     # the rest from the pool, and computes the same tokens

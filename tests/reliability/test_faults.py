@@ -80,7 +80,7 @@ def test_replica_killed_mid_stream_router_and_other_replica_keep_serving_pool_ke
         read_until(stream, b"data:")  # the stream is under way
         with PoolClient(cluster.pool_socket, name="test") as pool:
             clients_before = pool.stats()["clients"]
-        served_before = metric(cluster.replica_urls[1], "kvshare:request_success_total")
+        served_before = metric(cluster.replica_urls[1], "kvshare_request_success_total")
         os.kill(cluster.processes["replica0"].pid, signal.SIGKILL)
         cluster.processes["replica0"].wait(30)
         assert b"data: [DONE]" not in read_all(stream)  # the stream broke off
@@ -90,7 +90,7 @@ def test_replica_killed_mid_stream_router_and_other_replica_keep_serving_pool_ke
         # everything else, including requests routed to it after its death, was served
         assert summary["errors"] <= 6 and set(summary["errors_by_kind"]) <= {"HTTP 200"}, summary["errors_by_kind"]
         assert summary["ok"] >= 30
-        assert metric(cluster.replica_urls[1], "kvshare:request_success_total") > served_before + 10
+        assert metric(cluster.replica_urls[1], "kvshare_request_success_total") > served_before + 10
         status, out = completion(cluster.router_url, "after the crash")
         assert status == 200 and out["kvshare"]["replica"] == "replica1"
         assert [r["healthy"] for r in health(cluster.router_url)["replicas"]] == [False, True]
@@ -166,7 +166,7 @@ def test_pool_full_under_load_evicts_but_never_leased_pages_and_no_request_fails
         assert summary["errors"] == 0 and summary["mismatches"] == 0 and summary["unfinished"] == 0
         assert summary["ok"] >= 20 and summary["checked"] >= 3
         for url in cluster.replica_urls:  # every page loaded matched its checksum: none was reused under a reader
-            assert metric(url, "kvshare:pool_checksum_failures_total") == 0
+            assert metric(url, "kvshare_pool_checksum_failures_total") == 0
         pool_is_clean(cluster.pool_socket)
         report("pool full", **load_figures(summary), evictions=stats["evictions"], skipped_stores=stats["skipped_stores"],
                pinned_pages_intact=2)
@@ -180,7 +180,7 @@ def test_clients_that_leave_or_stop_reading_free_the_request():
         url = cluster.replica_urls[0]
         # a reader that stops reading: its small window fills, the replica's write times out, the engine is freed
         slow = open_stream(url, long_stream(6000), rcvbuf=4096)
-        wait_until(lambda: metric(url, "kvshare:request_slow_client_total") >= 1, 120, "the replica to drop the slow reader")
+        wait_until(lambda: metric(url, "kvshare_request_slow_client_total") >= 1, 120, "the replica to drop the slow reader")
         wait_until(lambda: health(url)["running"] == 0, 30, "the engine to stop the slow reader's request")
         status, out = completion(url, "and the next one")
         assert status == 200 and out["usage"]["completion_tokens"] == 6
@@ -192,16 +192,16 @@ def test_clients_that_leave_or_stop_reading_free_the_request():
                    120, "the router and replicas to let go of the slow reader")
         slow.close()
         # a client that leaves mid-stream through the router
-        before = sum(metric(u, "kvshare:request_cancelled_total") for u in cluster.replica_urls)
+        before = sum(metric(u, "kvshare_request_cancelled_total") for u in cluster.replica_urls)
         gone = open_stream(cluster.router_url, long_stream(6000))
         read_until(gone, b"data:")
         gone.shutdown(socket.SHUT_RDWR)
         gone.close()
-        wait_until(lambda: sum(metric(u, "kvshare:request_cancelled_total") for u in cluster.replica_urls) > before,
+        wait_until(lambda: sum(metric(u, "kvshare_request_cancelled_total") for u in cluster.replica_urls) > before,
                    60, "a replica to notice the client left")
         wait_until(lambda: all(health(u)["running"] == 0 for u in cluster.replica_urls), 30, "the engines to be idle")
         pool_is_clean(cluster.pool_socket)
-        report("slow and vanishing clients", slow_client_drops=metric(url, "kvshare:request_slow_client_total"),
-               cancelled=sum(metric(u, "kvshare:request_cancelled_total") for u in cluster.replica_urls))
+        report("slow and vanishing clients", slow_client_drops=metric(url, "kvshare_request_slow_client_total"),
+               cancelled=sum(metric(u, "kvshare_request_cancelled_total") for u in cluster.replica_urls))
     finally:
         cluster.stop()

@@ -102,8 +102,8 @@ def test_flush_one_tenants_namespace_by_name_and_list_namespaces(cluster):
     assert call(r0, "/admin/namespace?tenant=red", headers=B)[1]["namespace"] != digest["red"]  # B's key: B's space
     listed = {row["namespace"]: row for row in pool_admin(cluster, "namespaces")["namespaces"]}
     assert listed[digest["red"]]["entries"] == 3 and listed[digest["blue"]]["entries"] == 3
-    out = pool_admin(cluster, "flush", "--replica", r0, "--tenant", "red", "--api-key", KEY_A)
-    assert out == {"dropped": 3, "namespace": digest["red"], "model": "tiny"}
+    out = pool_admin(cluster, "flush", "--replica", r0, "--tenant", "red", "--api-key", KEY_A, "--yes")
+    assert out == {"dropped": 3, "namespace": digest["red"], "model": "tiny", "pool": cluster.pool_socket}
     listed = {row["namespace"]: row for row in pool_admin(cluster, "namespaces")["namespaces"]}
     assert digest["red"] not in listed and listed[digest["blue"]]["entries"] == 3  # blue untouched
     no_local = {"kvshare": {"use_local_cache": False}}

@@ -55,10 +55,10 @@ def call(url: str, path: str, body=None, method: str | None = None, raw: bytes |
 
 
 def metric(url: str, name: str) -> float | None:
-    """One unlabelled Prometheus sample of ``url``/metrics; None when absent."""
+    """One Prometheus sample of ``url``/metrics, with whatever labels it has (model_name); None when absent."""
     text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
     for line in text.splitlines():
-        if line.split(" ")[0] == name:
+        if line.split(" ")[0].split("{")[0] == name:
             return float(line.split()[-1])
     return None
 

@@ -123,7 +123,7 @@ def test_client_disconnect_mid_stream_frees_the_request(cluster):
 
     def cancelled():
         text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
-        line = [ln for ln in text.splitlines() if ln.startswith("kvshare:request_cancelled_total")]
+        line = [ln for ln in text.splitlines() if ln.startswith("kvshare_request_cancelled_total")]
         return line and float(line[0].split()[-1]) >= 1
 
     deadline = time.monotonic() + 60

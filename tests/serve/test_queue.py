@@ -42,15 +42,15 @@ def engine():
 def test_one_request_runs_the_rest_wait_and_metrics_show_the_queue(engine):
     body = {"prompt": "once upon a time", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
     with replica(engine) as url, concurrent.futures.ThreadPoolExecutor(3) as pool:
-        assert metric(url, "kvshare:max_num_running_requests") == 1
+        assert metric(url, "kvshare_max_num_running_requests") == 1
         futures = [pool.submit(call, url, "/v1/completions", body) for _ in range(3)]
-        wait_for(lambda: metric(url, "kvshare:num_requests_waiting") == 2, "two queued requests")
-        assert metric(url, "kvshare:num_requests_running") == 1
+        wait_for(lambda: metric(url, "kvshare_num_requests_waiting") == 2, "two queued requests")
+        assert metric(url, "kvshare_num_requests_running") == 1
         assert call(url, "/health")[1]["waiting"] == 2
         time.sleep(0.2)  # queue time the waiting requests accrue while the first is held
         engine.gate.set()
         results = [f.result(120) for f in futures]
         assert all(status == 200 for status, _ in results), results
-        assert metric(url, "kvshare:num_requests_waiting") == 0 and metric(url, "kvshare:num_requests_running") == 0
-        assert metric(url, "kvshare:request_queue_time_seconds_count") == 3
-        assert metric(url, "kvshare:request_queue_time_seconds_sum") >= 0.4  # two requests waited >= 0.2 s each
+        assert metric(url, "kvshare_num_requests_waiting") == 0 and metric(url, "kvshare_num_requests_running") == 0
+        assert metric(url, "kvshare_request_queue_time_seconds_count") == 3
+        assert metric(url, "kvshare_request_queue_time_seconds_sum") >= 0.4  # two requests waited >= 0.2 s each

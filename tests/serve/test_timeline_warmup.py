@@ -104,9 +104,9 @@ def test_health_is_503_until_the_warm_up_loaded_from_the_pool(replicas):
     # the request path ran too (decode, sampler's logprobs, the response's chunks), after the engine's steps
     assert warmup["step_seconds"]["request_path"] > 0
     # its requests are not counted, and its chunks left the pool again
-    assert metric(b, "kvshare:pool_hit_chunks_total") in (0.0, None)
-    assert metric(b, "kvshare:prompt_tokens_total") in (0.0, None)
-    assert metric(b, "kvshare:generation_tokens_total") in (0.0, None)
+    assert metric(b, "kvshare_pool_hit_chunks_total") in (0.0, None)
+    assert metric(b, "kvshare_prompt_tokens_total") in (0.0, None)
+    assert metric(b, "kvshare_generation_tokens_total") in (0.0, None)
 
 
 def test_timeline_of_a_cold_a_cross_replica_and_a_local_request(replicas):

@@ -52,7 +52,8 @@ def foreign_health():
 def test_up_starts_from_a_directory_holding_a_kvshare_folder_and_stops_clean(tmp_path):
     (tmp_path / "kvshare").mkdir()
     (tmp_path / "kvshare" / "__init__.py").write_text("")  # would shadow the package for `python -m kvshare`
-    up = UpProcess("--replicas", "1", "--pool-size", "64MiB", cwd=tmp_path, port=free_port_block(2))
+    port = free_port_block(2)
+    up = UpProcess("--replicas", "1", "--pool-size", "64MiB", cwd=tmp_path, port=port)
     try:
         up.wait_ready(1)
         out = completion(up.router_url, "hello from a shadowed directory")
@@ -102,7 +103,8 @@ def test_pool_stats_with_no_socket_finds_the_pool_up_started(tmp_path, monkeypat
     runtime.mkdir(mode=0o700)
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
     env = kvshare_env()
-    up = UpProcess("--replicas", "1", "--pool-size", "64MiB", cwd=tmp_path, port=free_port_block(2))
+    port = free_port_block(2)
+    up = UpProcess("--replicas", "1", "--pool-size", "64MiB", cwd=tmp_path, port=port)
     try:
         up.wait_ready(1)
         out = subprocess.run([sys.executable, "-P", "-m", "kvshare", "pool-stats"], env=env, capture_output=True,
@@ -111,7 +113,7 @@ def test_pool_stats_with_no_socket_finds_the_pool_up_started(tmp_path, monkeypat
         assert json.loads(out.stdout)["capacity_bytes"] == 64 << 20
     finally:
         assert up.stop() == 0, up.output()
-    assert not (runtime / "kvshare" / "up-pool-socket").exists()
+    assert not (runtime / "kvshare" / f"up-pool-socket.{port}").exists()
     out = subprocess.run([sys.executable, "-P", "-m", "kvshare", "pool-stats"], env=env, capture_output=True,
                          text=True, timeout=60)
     assert out.returncode != 0 and "pool.sock" in out.stderr and "Traceback" not in out.stderr

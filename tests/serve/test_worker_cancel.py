@@ -203,18 +203,18 @@ def test_a_client_that_disconnects_during_the_prefill_frees_the_engine(slow_engi
         leave_during_the_prefill(url, engine)
         assert engine.cancelled.wait(30), "the engine ran on after its client left"
         for _ in range(100):  # the handler counts it once the worker hands it the lost connection
-            if metric(url, "kvshare:request_cancelled_total") == 1:
+            if metric(url, "kvshare_request_cancelled_total") == 1:
                 break
             time.sleep(0.1)
-        assert metric(url, "kvshare:request_cancelled_total") == 1
+        assert metric(url, "kvshare_request_cancelled_total") == 1
         engine.slow = False
         status, out = call(url, "/v1/completions", {"prompt": "once upon a time", "max_tokens": 2})
         assert status == 200 and out["usage"]["completion_tokens"] == 2
         for _ in range(50):  # the response leaves at its last token; the worker counts the job done just after
-            if metric(url, "kvshare:num_requests_running") == 0:
+            if metric(url, "kvshare_num_requests_running") == 0:
                 break
             time.sleep(0.1)
-        assert metric(url, "kvshare:num_requests_running") == 0
+        assert metric(url, "kvshare_num_requests_running") == 0
 
 
 def test_through_the_router_too_and_the_replica_stays_healthy(slow_engine):

@@ -62,8 +62,8 @@ def test_audit_catches_a_poisoned_pool_page_drops_its_chunks_and_the_next_reques
     assert (auditor.counts.dropped_local, auditor.counts.dropped_pool) == (4, 4)
     assert pool_chunks(pool_socket, writer, ids) == 0 and replica.stats().local_cache_chunks == 0
     text = generate_latest(registry).decode()
-    assert "kvshare:audit_mismatches_total 1.0" in text and "kvshare:audit_checks_total 1.0" in text
-    assert "kvshare:audit_dropped_pool_total 4.0" in text
+    assert "kvshare_audit_mismatches_total 1.0" in text and "kvshare_audit_checks_total 1.0" in text
+    assert "kvshare_audit_dropped_pool_total 4.0" in text
 
     again, provenance = serve(replica, auditor, ids)  # nothing left to reuse: recomputed, right
     assert provenance == (0, 0, 75) and again == cold

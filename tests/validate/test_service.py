@@ -57,8 +57,8 @@ def audit_counts(url: str) -> dict[str, float]:
 
     with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
         text = resp.read().decode()
-    counts = {m.group(1): float(m.group(2)) for m in re.finditer(r"^kvshare:audit_(\w+)_total (\S+)$", text, re.M)}
-    counts["pending"] = float(re.search(r"^kvshare:audit_pending (\S+)$", text, re.M).group(1))
+    counts = {m.group(1): float(m.group(2)) for m in re.finditer(r"^kvshare_audit_(\w+)_total (\S+)$", text, re.M)}
+    counts["pending"] = float(re.search(r"^kvshare_audit_pending (\S+)$", text, re.M).group(1))
     return counts
 
 

@@ -57,6 +57,9 @@ class VllmServerConfig:
     copy_threads: int | None = None  # threads of the connector's CPU copies; None: the connector's default
     pool_retry_s: float = 5.0  # after losing the pool, serve without it this long before reconnecting
     log_level: str | None = None  # KVSHARE_LOG_LEVEL of the connector; "DEBUG" logs each load's phase timings
+    # TMPDIR of the server and its workers: vLLM's tensor-parallel rendezvous files (vllm_dist_*) go there, so
+    # a directory of the launcher's own is removed with whatever they left (None: the inherited TMPDIR)
+    tmp_dir: str | None = None
     seed: int = 0
     model_revision: str = ""  # the connector's model_revision; "": the namespace hashes the weights' bytes
     kv_events_port: int | None = None  # vLLM's own KV events on tcp://*:PORT, topic kv@<replica>@<model name>
@@ -154,6 +157,8 @@ def vllm_server_command(config: VllmServerConfig, base_env: dict[str, str] | Non
     env["PYTHONSAFEPATH"] = "1"
     if config.log_level is not None:
         env["KVSHARE_LOG_LEVEL"] = config.log_level
+    if config.tmp_dir is not None:
+        env["TMPDIR"] = config.tmp_dir
     if config.device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
         bind = config.cpu_omp_threads_bind
