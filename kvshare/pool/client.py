@@ -21,7 +21,7 @@ from typing import Callable
 import numpy as np
 
 from kvshare.pool import protocol as P
-from kvshare.pool.arena import map_arena
+from kvshare.pool.arena import ArenaError, check_sealed, map_arena
 from kvshare.pool.checksum import ChecksumKind, page_checksum
 
 
@@ -113,6 +113,10 @@ class PoolClient:
                 raise PoolRequestError(
                     "version_mismatch", f"pool stores page format {reply.format_version}, this client {P.FORMAT_VERSION}"
                 )
+            try:
+                check_sealed(fds[0])
+            except ArenaError as exc:
+                raise PoolRequestError("unsealed_arena", str(exc)) from None
             self._mmap = map_arena(fds[0], reply.arena_bytes)
         except BaseException:
             for fd in fds:
