@@ -23,6 +23,7 @@ import numpy as np
 from kvshare.pool import protocol as P
 from kvshare.pool.arena import ArenaError, check_sealed, map_arena
 from kvshare.pool.checksum import ChecksumKind, page_checksum
+from kvshare.pool.peers import peer_credentials, untrusted_pool_reason
 
 
 class PoolUnavailable(ConnectionError):
@@ -96,6 +97,11 @@ class PoolClient:
         sock.settimeout(self.timeout_s)
         try:
             sock.connect(self.socket_path)
+            reason = untrusted_pool_reason(peer_credentials(sock).uid, os.getuid(),
+                                           os.stat(os.path.dirname(os.path.abspath(self.socket_path))), self.socket_path)
+            if reason is not None:
+                sock.close()
+                raise PoolRequestError("untrusted_pool", reason)
             sock.sendall(P.encode(P.Hello(protocol_version=P.PROTOCOL_VERSION, client_name=self.name)))
             data, fds, _flags, _addr = socket.recv_fds(sock, 1 << 16, 1)
         except OSError as exc:

@@ -16,7 +16,6 @@ import os
 import selectors
 import socket
 import stat
-import struct
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -26,11 +25,11 @@ from kvshare.pool.allocator import Allocator, default_extent_bytes
 from kvshare.pool.arena import HUGEPAGE_BYTES, HUGEPAGES_MODES, open_arena, prefault
 from kvshare.pool.handlers import PoolHandlers, ServerCounters
 from kvshare.pool.index import IndexConfig, PoolError, PoolIndex
+from kvshare.pool.peers import peer_credentials
 from kvshare.pool.remote import RemoteConfig, RemoteHooks, start_remote_tier
 
 log = logging.getLogger("kvshare.pool")
 
-_PEERCRED = struct.Struct("3i")  # pid, uid, gid
 _REMOTE_WAKEUP = "remote-wakeup"  # selector data of the remote tier's wake-up socket
 
 
@@ -208,7 +207,7 @@ class PoolServer:
             sock, _ = self._listener.accept()
         except (BlockingIOError, InterruptedError):
             return
-        pid, uid, _gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+        pid, uid, _gid = peer_credentials(sock)
         allowed = self.config.allowed_uids or (os.getuid(),)
         if uid not in allowed:
             self.counters.refused_peers += 1
