@@ -105,7 +105,10 @@ class PoolClient:
             sock.sendall(P.encode(P.Hello(protocol_version=P.PROTOCOL_VERSION, client_name=self.name)))
             data, fds, _flags, _addr = socket.recv_fds(sock, 1 << 16, 1)
         except OSError as exc:
+            refusal = _refusal_before_close(sock)
             sock.close()
+            if refusal is not None:
+                raise PoolRequestError(refusal.code, refusal.message) from None
             raise PoolUnavailable(f"cannot reach the pool at {self.socket_path}: {exc}") from None
         self._sock = sock
         self._inbuf = bytearray(data)
@@ -312,6 +315,17 @@ class PoolClient:
         if self.verify_checksums and page_checksum(view, header.checksum_kind) != header.checksum:
             raise ChecksumMismatch(f"page at offset {header.offset} does not match its checksum")
         return view
+
+
+def _refusal_before_close(sock: socket.socket) -> P.ErrorReply | None:
+    """The error a pool sent before it closed the connection (a refused uid), if one is waiting to be read."""
+    try:
+        data = sock.recv(1 << 16, socket.MSG_DONTWAIT)
+        frames = P.split_frames(bytearray(data), 1 << 20)
+        reply = P.decode_reply(frames[0]) if frames else None
+    except (OSError, P.ProtocolError):
+        return None
+    return reply if isinstance(reply, P.ErrorReply) else None
 
 
 def _run_hooks(hooks: list[Callable[[], None]]) -> None:
