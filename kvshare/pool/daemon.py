@@ -3,13 +3,17 @@
 One thread runs the index (no locks, so every message is atomic). A selector
 loop accepts clients (checking their uid), reads frames from every client,
 hands each request to the handlers (handlers.py: the answers against the index
-and the remote tier) and sends the replies in order. A closed connection
+and the remote tier) and sends the replies in order, never blocking on one client: a client that
+does not read its replies stops being read once a little is unsent and is
+closed when its unsent output passes a bound; one that sends anything but a
+well-formed hello first, or nothing for a while, is closed. A closed connection
 (including a client killed with -9) is a disconnect: its reservations are
 aborted and its leases released.
 """
 
 from __future__ import annotations
 
+import array
 import logging
 import mmap
 import os
@@ -31,6 +35,12 @@ from kvshare.pool.remote import RemoteConfig, RemoteHooks, start_remote_tier
 log = logging.getLogger("kvshare.pool")
 
 _REMOTE_WAKEUP = "remote-wakeup"  # selector data of the remote tier's wake-up socket
+# A hello is a few dozen bytes: a client announcing a longer first frame is not speaking the protocol.
+_MAX_HELLO_BYTES = 4096
+# Unsent replies past which a client's requests are no longer read, until it reads: a client that never reads then
+# fills its own socket buffer and blocks, costing the loop nothing (one read's replies can pass it; the bound is
+# PoolConfig.max_unsent_bytes).
+_READ_PAUSE_BYTES = 256 << 10
 
 
 @dataclass(frozen=True)
@@ -45,6 +55,8 @@ class PoolConfig:
     socket_mode: int = 0o600  # owner-only unless the operator says otherwise
     allowed_uids: tuple[int, ...] = ()  # empty: only the daemon's own uid
     max_message_bytes: int = P.DEFAULT_MAX_MESSAGE_BYTES
+    max_unsent_bytes: int = 16 << 20  # a client whose unsent replies pass this is closed (it is not reading them)
+    hello_timeout_s: float = 5.0  # a connection that has not said hello by then is closed
     index: IndexConfig = field(default_factory=IndexConfig)
     tick_s: float = 0.25  # lease expiry and stats snapshot period
     # After activity the loop polls without sleeping this long before it blocks: a cross-core
@@ -75,7 +87,9 @@ class _Client:
     client_id: int
     pid: int
     uid: int
+    connected_at: float = 0.0  # time.monotonic() at accept
     is_greeted: bool = False
+    is_arena_owed: bool = False  # the arena's memfd goes with the first unsent byte (the hello reply's)
     inbuf: bytearray = field(default_factory=bytearray)
     outbuf: bytearray = field(default_factory=bytearray)
     is_closing: bool = False
@@ -102,6 +116,7 @@ class PoolServer:
         self.arena = None
         self.remote: RemoteHooks | None = None  # when config.remote is set (started in start())
         self._is_stopping = False
+        self._is_accept_paused = False
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -169,6 +184,7 @@ class PoolServer:
                         self._drop_client(client)
                 now = time.monotonic()
                 if now >= next_tick:
+                    self._close_silent_clients(now)
                     self.handlers.tick(now)
                     self._snapshot()
                     next_tick = now + self.config.tick_s
@@ -189,7 +205,8 @@ class PoolServer:
         for client in list(self._clients.values()):
             self._drop_client(client)
         if self._listener is not None:
-            self._selector.unregister(self._listener)
+            if not self._is_accept_paused:
+                self._selector.unregister(self._listener)
             self._listener.close()
             self._listener = None
             try:
@@ -207,6 +224,12 @@ class PoolServer:
             sock, _ = self._listener.accept()
         except (BlockingIOError, InterruptedError):
             return
+        except OSError as exc:  # out of file descriptors: stop accepting until the next tick, serve who is here
+            log.warning("cannot accept a client (%s); accepting again in %.2f s", exc, self.config.tick_s)
+            self.counters.errors += 1
+            self._selector.unregister(self._listener)
+            self._is_accept_paused = True
+            return
         pid, uid, _gid = peer_credentials(sock)
         allowed = self.config.allowed_uids or (os.getuid(),)
         if uid not in allowed:
@@ -216,12 +239,22 @@ class PoolServer:
             sock.close()
             return
         sock.setblocking(False)
-        client = _Client(sock=sock, client_id=self._next_client_id, pid=pid, uid=uid)
+        client = _Client(sock=sock, client_id=self._next_client_id, pid=pid, uid=uid, connected_at=time.monotonic())
         self._next_client_id += 1
         self._clients[client.client_id] = client
         self.handlers.connect(client.client_id)
         self._selector.register(sock, selectors.EVENT_READ, client)
         self.counters.connections += 1
+
+    def _close_silent_clients(self, now: float) -> None:
+        """Close connections that have not said hello within hello_timeout_s; accept again if accepting paused."""
+        deadline = now - self.config.hello_timeout_s
+        for client in [c for c in self._clients.values() if not c.is_greeted and c.connected_at < deadline]:
+            self.counters.protocol_errors += 1
+            self._fail_and_close(client, "hello_required", f"no hello within {self.config.hello_timeout_s} s")
+        if self._is_accept_paused and self._listener is not None:
+            self._selector.register(self._listener, selectors.EVENT_READ, None)
+            self._is_accept_paused = False
 
     def _drop_client(self, client: _Client) -> None:
         if client.client_id not in self._clients:
@@ -248,6 +281,12 @@ class PoolServer:
             self._drop_client(client)
             return
         client.inbuf += data
+        if not client.is_greeted and len(client.inbuf) >= P.FRAME_HEADER.size:
+            (length,) = P.FRAME_HEADER.unpack_from(client.inbuf)
+            if length > _MAX_HELLO_BYTES:
+                self.counters.protocol_errors += 1
+                self._fail_and_close(client, "hello_required", f"a first message of {length} bytes is not a hello")
+                return
         try:
             frames = P.split_frames(client.inbuf, self.config.max_message_bytes)
         except P.ProtocolError as exc:
@@ -271,6 +310,9 @@ class PoolServer:
             request = P.decode_request(payload)
         except P.ProtocolError as exc:
             self.counters.protocol_errors += 1
+            if not client.is_greeted:  # not a kvshare client: nothing it says later can be trusted either
+                self._fail_and_close(client, "hello_required", f"the first message must be hello ({exc})")
+                return
             self._reply(client, P.ErrorReply("malformed", str(exc)))
             return
         if not client.is_greeted:
@@ -288,14 +330,10 @@ class PoolServer:
             self._fail_and_close(client, exc.code, str(exc))
             return
         client.is_greeted = True
-        self._flush(client)  # nothing may precede the reply that carries the fd
-        try:
-            client.sock.setblocking(True)
-            socket.send_fds(client.sock, [P.encode(reply)], [self._memfd])
-        except OSError:
-            self._drop_client(client)
-        else:
-            client.sock.setblocking(False)
+        # Nothing is sent before hello, so the hello reply is the first unsent byte: _flush attaches the fd to it.
+        assert not client.outbuf, "a reply was queued before the hello reply"
+        client.is_arena_owed = True
+        client.outbuf += P.encode(reply)
 
     def _answer_deferred(self, client_id: int, reply: P.Reply) -> None:
         """The reply to a lookup the remote tier completed; then the client's messages that waited for it."""
@@ -316,16 +354,29 @@ class PoolServer:
         self._drop_client(client)
 
     def _flush(self, client: _Client) -> None:
+        """Send what the socket takes now (never blocks); the rest waits for POLLOUT, within the client's bound."""
         if client.outbuf:
             try:
-                sent = client.sock.send(client.outbuf)
+                if client.is_arena_owed:  # the fd travels with the first byte that goes
+                    fds = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [self._memfd]))]
+                    sent = client.sock.sendmsg([client.outbuf], fds)
+                    client.is_arena_owed = False
+                else:
+                    sent = client.sock.send(client.outbuf)
             except (BlockingIOError, InterruptedError):
                 sent = 0
             except OSError:
                 self._drop_client(client)
                 return
             del client.outbuf[:sent]
-        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if client.outbuf else 0)
+        if len(client.outbuf) > self.config.max_unsent_bytes:
+            self.counters.errors += 1
+            log.warning("closing client %s (pid %d): %d bytes of replies unread (bound %d)", self._label(client),
+                        client.pid, len(client.outbuf), self.config.max_unsent_bytes)
+            self._drop_client(client)
+            return
+        is_reading = len(client.outbuf) <= _READ_PAUSE_BYTES
+        events = (selectors.EVENT_READ if is_reading else 0) | (selectors.EVENT_WRITE if client.outbuf else 0)
         if self._selector.get_key(client.sock).events != events:
             self._selector.modify(client.sock, events, client)
 
