@@ -271,8 +271,8 @@ class PoolServer:
                      label, client.pid, aborted, released)
 
     def _on_readable(self, client: _Client) -> None:
-        try:
-            data = client.sock.recv(1 << 16)
+        try:  # before hello, no more than a hello can hold: what a stranger sends costs the loop little
+            data = client.sock.recv(1 << 16 if client.is_greeted else _MAX_HELLO_BYTES + P.FRAME_HEADER.size)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
