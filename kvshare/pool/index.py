@@ -21,6 +21,7 @@ Pure bookkeeping over an Allocator: no sockets, no clocks (callers pass
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kvshare.keys import KEY_BYTES
@@ -355,28 +356,65 @@ class PoolIndex:
         return self._next_id - 1
 
     def check_integrity(self) -> None:
-        """Raise AssertionError if the index and the allocator disagree."""
-        self.allocator.check_integrity()
+        """Raise AssertionError if the index and the allocator disagree (the whole pass at once)."""
+        for _ in self._integrity_items():
+            pass
+
+    def integrity_steps(self, max_items: int) -> Iterator[int]:
+        """check_integrity cut into steps: yields after each ``max_items`` items checked (entries, lease and
+        reservation entries, extents), with how many, so a pass over any number of pages costs its caller a bounded
+        amount of work at a time. Raises AssertionError as check_integrity does, at the step that finds it.
+
+        The index must not change between steps (the iterators over its dicts would be stale): a caller that lets
+        requests in between drops the pass and starts a new one.
+        """
+        num_checked = 0
+        for _ in self._integrity_items():
+            num_checked += 1
+            if num_checked >= max_items:
+                yield num_checked
+                num_checked = 0
+        yield num_checked
+
+    def _integrity_items(self) -> Iterator[None]:
+        """The checks of check_integrity, yielding after each item checked."""
+        yield from self.allocator.integrity_items()
         leased: dict[int, int] = {}
         for lease in self._leases.values():
             for entry in lease.entries:
                 leased[id(entry)] = leased.get(id(entry), 0) + 1
-        writing = {id(e) for r in self._reservations.values() for e in r.entries}
+                yield
+        writing: set[int] = set()
+        for reservation in self._reservations.values():
+            for entry in reservation.entries:
+                writing.add(id(entry))
+                yield
         live_pages = 0
+        num_committed = 0
+        held: dict[bytes, int] = {}  # bytes per namespace, for the quota
         for key, entry in self._entries.items():
+            yield
             assert entry.key == key
             assert not entry.is_dropped
             assert self.allocator.is_allocated(entry.offset, entry.page_bytes), f"entry page {entry.offset} not allocated"
             assert entry.num_leases == leased.get(id(entry), 0), "lease count disagrees with leases"
             if entry.state is EntryState.COMMITTED:
                 assert key in self._lru and id(entry) not in writing
+                num_committed += 1
             else:
                 assert key not in self._lru and id(entry) in writing
                 assert entry.num_leases == 0, "a writing entry is leased"
             live_pages += entry.page_bytes
-        assert len(self._lru) == sum(e.state is EntryState.COMMITTED for e in self._entries.values())
-        dropped = {id(e): e for lease in self._leases.values() for e in lease.entries if e.is_dropped}
-        self.quota.check_integrity(list(self._entries.values()) + list(dropped.values()))
+            held[entry.namespace] = held.get(entry.namespace, 0) + entry.page_bytes
+        assert len(self._lru) == num_committed
+        dropped: dict[int, Entry] = {}
+        for lease in self._leases.values():
+            for entry in lease.entries:
+                if entry.is_dropped and id(entry) not in dropped:
+                    dropped[id(entry)] = entry
+                    held[entry.namespace] = held.get(entry.namespace, 0) + entry.page_bytes
+                yield
+        self.quota.check_held(held)
         for entry in dropped.values():
             assert self.allocator.is_allocated(entry.offset, entry.page_bytes)
             live_pages += entry.page_bytes
