@@ -24,6 +24,7 @@ from kvshare.pool import protocol as P
 from kvshare.pool.arena import ArenaError, check_sealed, map_arena
 from kvshare.pool.checksum import ChecksumKind, page_checksum
 from kvshare.pool.peers import peer_credentials, untrusted_pool_reason
+from kvshare.pool.spin import SpinPolicy
 
 
 class PoolUnavailable(ConnectionError):
@@ -73,9 +74,8 @@ class PoolClient:
         spin_us: float = 200.0,
     ) -> None:
         self.socket_path = socket_path
-        # Waiting for a reply first spins this long: a cross-core wake-up costs ~30 us on these VMs,
-        # a spinning reader sees the reply in a few.
-        self.spin_s = spin_us * 1e-6
+        # Waiting for a reply first spins up to this long while spinning pays (spin.py says when it does).
+        self.spin = SpinPolicy(spin_us * 1e-6)
         self.name = name or f"pid{os.getpid()}"
         self.timeout_s = timeout_s
         self.verify_checksums = verify_checksums
@@ -207,15 +207,23 @@ class PoolClient:
 
     def _recv_some(self) -> bytes:
         sock = self._sock
-        spin_until = time.perf_counter() + self.spin_s
+        window_s = self.spin.window_s()
+        spin_until = time.perf_counter() + window_s
+        is_spinning = window_s > 0
         while True:
             try:
                 chunk = sock.recv(1 << 16)
             except BlockingIOError:
-                if time.perf_counter() < spin_until:
+                if is_spinning and time.perf_counter() < spin_until:
+                    os.sched_yield()  # a pool on this core runs now; costs one syscall when none waits
                     continue
+                if is_spinning:
+                    self.spin.record(False)
+                    is_spinning = False
                 self._wait(select.POLLIN)
                 continue
+            if is_spinning:
+                self.spin.record(True)
             if not chunk:
                 raise EOFError("the pool closed the connection")
             return chunk

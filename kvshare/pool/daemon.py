@@ -30,6 +30,7 @@ from kvshare.pool.arena import HUGEPAGE_BYTES, HUGEPAGES_MODES, open_arena, pref
 from kvshare.pool.handlers import PoolHandlers, ServerCounters
 from kvshare.pool.index import IndexConfig, PoolError, PoolIndex
 from kvshare.pool.peers import peer_credentials
+from kvshare.pool.spin import SpinPolicy
 from kvshare.pool.remote import RemoteConfig, RemoteHooks, start_remote_tier
 
 log = logging.getLogger("kvshare.pool")
@@ -62,8 +63,8 @@ class PoolConfig:
     hello_timeout_s: float = 5.0  # a connection that has not said hello by then is closed
     index: IndexConfig = field(default_factory=IndexConfig)
     tick_s: float = 0.25  # lease expiry and stats snapshot period
-    # After activity the loop polls without sleeping this long before it blocks: a cross-core
-    # wake-up costs ~30 us on these VMs, so a client's next message is seen sooner when it comes soon.
+    # After activity the loop polls without sleeping up to this long before it blocks, while that pays (spin.py):
+    # a cross-core wake-up costs ~30 us on these VMs, so a client's next message is seen sooner when it comes soon.
     busy_poll_us: float = 100.0
     remote: RemoteConfig | None = None  # the remote tier (--remote URL); None: this host's arena only
 
@@ -156,15 +157,22 @@ class PoolServer:
         """Run until ``stop()``; then close every client and remove the socket."""
         assert self._selector is not None, "start() first"
         next_tick = time.monotonic()
-        busy_poll_s = self.config.busy_poll_us * 1e-6
+        busy_poll = SpinPolicy(self.config.busy_poll_us * 1e-6)
         last_activity = 0.0
+        is_polling_after_activity = False
         is_checked_since_activity = True
         integrity_pass = None  # the idle integrity pass under way (a generator): one step per idle turn
         try:
             while not self._is_stopping:
                 events = self._selector.select(timeout=0)
-                while not events and time.perf_counter() - last_activity < busy_poll_s:
-                    events = self._selector.select(timeout=0)
+                if not events and is_polling_after_activity:  # busy-poll after activity, while that pays
+                    is_polling_after_activity = False
+                    window_s = busy_poll.window_s()
+                    while not events and time.perf_counter() - last_activity < window_s:
+                        os.sched_yield()  # a client on this core runs now; costs one syscall when none waits
+                        events = self._selector.select(timeout=0)
+                    if window_s > 0:
+                        busy_poll.record(bool(events))
                 if events:
                     integrity_pass = None  # requests may change the index: a new pass starts when idle again
                 elif integrity_pass is not None:  # expiry waits for the pass, which only runs while idle
@@ -175,6 +183,7 @@ class PoolServer:
                     events = self._selector.select(timeout=self.config.tick_s)
                 if events:
                     last_activity = time.perf_counter()
+                    is_polling_after_activity = True
                 for key, mask in events:
                     if key.data is None:
                         self._accept()
