@@ -97,8 +97,8 @@ class PoolClient:
         sock.settimeout(self.timeout_s)
         try:
             sock.connect(self.socket_path)
-            reason = untrusted_pool_reason(peer_credentials(sock).uid, os.getuid(),
-                                           os.stat(os.path.dirname(os.path.abspath(self.socket_path))), self.socket_path)
+            socket_dir = os.stat(os.path.dirname(os.path.abspath(self.socket_path)))
+            reason = untrusted_pool_reason(peer_credentials(sock).uid, os.getuid(), socket_dir, self.socket_path)
             if reason is not None:
                 sock.close()
                 raise PoolRequestError("untrusted_pool", reason)
