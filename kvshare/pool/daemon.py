@@ -13,7 +13,6 @@ aborted and its leases released.
 
 from __future__ import annotations
 
-import array
 import logging
 import mmap
 import os
@@ -21,12 +20,12 @@ import selectors
 import socket
 import stat
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 from kvshare.pool import protocol as P
 from kvshare.pool.allocator import Allocator, default_extent_bytes
 from kvshare.pool.arena import HUGEPAGE_BYTES, HUGEPAGES_MODES, open_arena, prefault
+from kvshare.pool.connection import MAX_HELLO_BYTES, Connection, send_now, socket_is_live
 from kvshare.pool.handlers import PoolHandlers, ServerCounters
 from kvshare.pool.index import IndexConfig, PoolError, PoolIndex
 from kvshare.pool.peers import peer_credentials
@@ -36,12 +35,6 @@ from kvshare.pool.remote import RemoteConfig, RemoteHooks, start_remote_tier
 log = logging.getLogger("kvshare.pool")
 
 _REMOTE_WAKEUP = "remote-wakeup"  # selector data of the remote tier's wake-up socket
-# A hello is a few dozen bytes: a client announcing a longer first frame is not speaking the protocol.
-_MAX_HELLO_BYTES = 4096
-# Unsent replies past which a client's requests are no longer read, until it reads: a client that never reads then
-# fills its own socket buffer and blocks, costing the loop nothing (one read's replies can pass it; the bound is
-# PoolConfig.max_unsent_bytes).
-_READ_PAUSE_BYTES = 256 << 10
 # Items (entries, extents) the idle integrity pass checks per loop turn: ~1 ms (a whole pass took 0.41 s over 200k
 # pages, ~2 us an item), so a request that arrives during the pass waits at most one step.
 _INTEGRITY_ITEMS_PER_STEP = 500
@@ -85,23 +78,6 @@ class PoolConfig:
             self.remote.check_lease_ttl(self.index.lease_ttl_s)
 
 
-@dataclass(eq=False)
-class _Client:
-    sock: socket.socket
-    client_id: int
-    pid: int
-    uid: int
-    connected_at: float = 0.0  # time.monotonic() at accept
-    is_greeted: bool = False
-    is_arena_owed: bool = False  # the arena's memfd goes with the first unsent byte (the hello reply's)
-    inbuf: bytearray = field(default_factory=bytearray)
-    outbuf: bytearray = field(default_factory=bytearray)
-    is_closing: bool = False
-    # frames not handled yet: while a reply is deferred (a lookup that goes on to the remote tier),
-    # the client's later messages wait here, so every client is answered in order
-    pending: deque = field(default_factory=deque)
-
-
 class PoolServer:
     """The daemon's state; ``start`` creates the arena and socket, ``serve`` runs the loop."""
 
@@ -112,7 +88,7 @@ class PoolServer:
         self.counters = ServerCounters()
         self.handlers = PoolHandlers(self.index, self.counters, self._answer_deferred)
         self.stats_snapshot: dict = {}
-        self._clients: dict[int, _Client] = {}
+        self._clients: dict[int, Connection] = {}
         self._next_client_id = 1
         self._selector: selectors.BaseSelector | None = None
         self._listener: socket.socket | None = None
@@ -133,7 +109,7 @@ class PoolServer:
         if os.path.exists(cfg.socket_path):
             if not stat.S_ISSOCK(os.stat(cfg.socket_path).st_mode):
                 raise FileExistsError(f"{cfg.socket_path} exists and is not a socket")
-            if _socket_is_live(cfg.socket_path):
+            if socket_is_live(cfg.socket_path):
                 raise FileExistsError(f"a pool is already listening on {cfg.socket_path}")
             os.unlink(cfg.socket_path)  # stale socket of a dead daemon
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -254,11 +230,11 @@ class PoolServer:
         if uid not in allowed:
             self.counters.refused_peers += 1
             log.warning("refused a client with uid %d (pid %d); allowed uids: %s", uid, pid, allowed)
-            _send_now(sock, P.encode(P.ErrorReply("not_allowed", f"uid {uid} may not use this pool")))
+            send_now(sock, P.encode(P.ErrorReply("not_allowed", f"uid {uid} may not use this pool")))
             sock.close()
             return
         sock.setblocking(False)
-        client = _Client(sock=sock, client_id=self._next_client_id, pid=pid, uid=uid, connected_at=time.monotonic())
+        client = Connection(sock=sock, client_id=self._next_client_id, pid=pid, uid=uid, connected_at=time.monotonic())
         self._next_client_id += 1
         self._clients[client.client_id] = client
         self.handlers.connect(client.client_id)
@@ -275,7 +251,7 @@ class PoolServer:
             self._selector.register(self._listener, selectors.EVENT_READ, None)
             self._is_accept_paused = False
 
-    def _drop_client(self, client: _Client) -> None:
+    def _drop_client(self, client: Connection) -> None:
         if client.client_id not in self._clients:
             return
         del self._clients[client.client_id]
@@ -289,20 +265,16 @@ class PoolServer:
             log.info("client %s (pid %d) left: aborted %d reservations, released %d leases",
                      label, client.pid, aborted, released)
 
-    def _on_readable(self, client: _Client) -> None:
-        try:  # before hello, no more than a hello can hold: what a stranger sends costs the loop little
-            data = client.sock.recv(1 << 16 if client.is_greeted else _MAX_HELLO_BYTES + P.FRAME_HEADER.size)
-        except (BlockingIOError, InterruptedError):
+    def _on_readable(self, client: Connection) -> None:
+        data = client.recv_some()
+        if data is None:
             return
-        except OSError:
-            data = b""
         if not data:
             self._drop_client(client)
             return
         client.inbuf += data
-        if not client.is_greeted and len(client.inbuf) >= P.FRAME_HEADER.size:
-            (length,) = P.FRAME_HEADER.unpack_from(client.inbuf)
-            if length > _MAX_HELLO_BYTES:
+        if not client.is_greeted and (length := client.first_frame_bytes()) is not None:
+            if length > MAX_HELLO_BYTES:
                 self.counters.protocol_errors += 1
                 self._fail_and_close(client, "hello_required", f"a first message of {length} bytes is not a hello")
                 return
@@ -315,7 +287,7 @@ class PoolServer:
         client.pending.extend(frames)
         self._handle_pending(client)
 
-    def _handle_pending(self, client: _Client) -> None:
+    def _handle_pending(self, client: Connection) -> None:
         """Handle the client's frames in order until one is deferred; then flush its replies."""
         while client.pending and not self.handlers.is_deferred(client.client_id):
             self._handle_frame(client, client.pending.popleft())
@@ -323,7 +295,7 @@ class PoolServer:
                 return
         self._flush(client)
 
-    def _handle_frame(self, client: _Client, payload: bytes) -> None:
+    def _handle_frame(self, client: Connection, payload: bytes) -> None:
         self.counters.requests += 1
         try:
             request = P.decode_request(payload)
@@ -341,7 +313,7 @@ class PoolServer:
         if reply is not None:
             self._reply(client, reply)
 
-    def _on_hello(self, client: _Client, request: P.Request) -> None:
+    def _on_hello(self, client: Connection, request: P.Request) -> None:
         try:
             reply = self.handlers.hello(client.client_id, request)
         except PoolError as exc:
@@ -360,46 +332,36 @@ class PoolServer:
         self._reply(client, reply)
         self._handle_pending(client)
 
-    def _reply(self, client: _Client, reply: P.Reply) -> None:
+    def _reply(self, client: Connection, reply: P.Reply) -> None:
         if isinstance(reply, P.ErrorReply):
             self.counters.errors += 1
         client.outbuf += P.encode(reply)
 
-    def _fail_and_close(self, client: _Client, code: str, message: str) -> None:
+    def _fail_and_close(self, client: Connection, code: str, message: str) -> None:
         self.counters.errors += 1
         log.warning("closing client %s (pid %d): %s", self._label(client), client.pid, message)
-        _send_now(client.sock, P.encode(P.ErrorReply(code, message)))
+        send_now(client.sock, P.encode(P.ErrorReply(code, message)))
         client.is_closing = True
         self._drop_client(client)
 
-    def _flush(self, client: _Client) -> None:
+    def _flush(self, client: Connection) -> None:
         """Send what the socket takes now (never blocks); the rest waits for POLLOUT, within the client's bound."""
-        if client.outbuf:
-            try:
-                if client.is_arena_owed:  # the fd travels with the first byte that goes
-                    fds = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [self._memfd]))]
-                    sent = client.sock.sendmsg([client.outbuf], fds)
-                    client.is_arena_owed = False
-                else:
-                    sent = client.sock.send(client.outbuf)
-            except (BlockingIOError, InterruptedError):
-                sent = 0
-            except OSError:
-                self._drop_client(client)
-                return
-            del client.outbuf[:sent]
+        try:
+            client.send_unsent(self._memfd)
+        except OSError:
+            self._drop_client(client)
+            return
         if len(client.outbuf) > self.config.max_unsent_bytes:
             self.counters.errors += 1
             log.warning("closing client %s (pid %d): %d bytes of replies unread (bound %d)", self._label(client),
                         client.pid, len(client.outbuf), self.config.max_unsent_bytes)
             self._drop_client(client)
             return
-        is_reading = len(client.outbuf) <= _READ_PAUSE_BYTES
-        events = (selectors.EVENT_READ if is_reading else 0) | (selectors.EVENT_WRITE if client.outbuf else 0)
+        events = (selectors.EVENT_READ if client.is_reading else 0) | (selectors.EVENT_WRITE if client.outbuf else 0)
         if self._selector.get_key(client.sock).events != events:
             self._selector.modify(client.sock, events, client)
 
-    def _label(self, client: _Client) -> str | int:
+    def _label(self, client: Connection) -> str | int:
         return self.handlers.name_of(client.client_id) or client.client_id
 
     # -- the remote tier (kvshare.pool.remote, through RemoteHooks; None without --remote) ---------
@@ -422,23 +384,3 @@ class PoolServer:
 
     def _snapshot(self) -> None:
         self.stats_snapshot = self.handlers.stats()  # read by the metrics thread; replaced, never mutated
-
-
-def _send_now(sock: socket.socket, data: bytes) -> None:
-    """Best-effort send of a final error before closing."""
-    try:
-        sock.setblocking(False)
-        sock.send(data)
-    except OSError:
-        pass
-
-
-def _socket_is_live(path: str) -> bool:
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(path)
-        return True
-    except OSError:
-        return False
-    finally:
-        probe.close()

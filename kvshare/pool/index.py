@@ -28,6 +28,7 @@ from kvshare.keys import KEY_BYTES
 from kvshare.pool.allocator import Allocator
 from kvshare.pool.checksum import ChecksumKind
 from kvshare.pool.entries import Entry, EntryState, Lease, Reservation
+from kvshare.pool.integrity import integrity_items, integrity_steps
 from kvshare.pool.quota import NamespaceQuota
 
 
@@ -357,65 +358,9 @@ class PoolIndex:
 
     def check_integrity(self) -> None:
         """Raise AssertionError if the index and the allocator disagree (the whole pass at once)."""
-        for _ in self._integrity_items():
+        for _ in integrity_items(self):
             pass
 
     def integrity_steps(self, max_items: int) -> Iterator[int]:
-        """check_integrity cut into steps: yields after each ``max_items`` items checked (entries, lease and
-        reservation entries, extents), with how many, so a pass over any number of pages costs its caller a bounded
-        amount of work at a time. Raises AssertionError as check_integrity does, at the step that finds it.
-
-        The index must not change between steps (the iterators over its dicts would be stale): a caller that lets
-        requests in between drops the pass and starts a new one.
-        """
-        num_checked = 0
-        for _ in self._integrity_items():
-            num_checked += 1
-            if num_checked >= max_items:
-                yield num_checked
-                num_checked = 0
-        yield num_checked
-
-    def _integrity_items(self) -> Iterator[None]:
-        """The checks of check_integrity, yielding after each item checked."""
-        yield from self.allocator.integrity_items()
-        leased: dict[int, int] = {}
-        for lease in self._leases.values():
-            for entry in lease.entries:
-                leased[id(entry)] = leased.get(id(entry), 0) + 1
-                yield
-        writing: set[int] = set()
-        for reservation in self._reservations.values():
-            for entry in reservation.entries:
-                writing.add(id(entry))
-                yield
-        live_pages = 0
-        num_committed = 0
-        held: dict[bytes, int] = {}  # bytes per namespace, for the quota
-        for key, entry in self._entries.items():
-            yield
-            assert entry.key == key
-            assert not entry.is_dropped
-            assert self.allocator.is_allocated(entry.offset, entry.page_bytes), f"entry page {entry.offset} not allocated"
-            assert entry.num_leases == leased.get(id(entry), 0), "lease count disagrees with leases"
-            if entry.state is EntryState.COMMITTED:
-                assert key in self._lru and id(entry) not in writing
-                num_committed += 1
-            else:
-                assert key not in self._lru and id(entry) in writing
-                assert entry.num_leases == 0, "a writing entry is leased"
-            live_pages += entry.page_bytes
-            held[entry.namespace] = held.get(entry.namespace, 0) + entry.page_bytes
-        assert len(self._lru) == num_committed
-        dropped: dict[int, Entry] = {}
-        for lease in self._leases.values():
-            for entry in lease.entries:
-                if entry.is_dropped and id(entry) not in dropped:
-                    dropped[id(entry)] = entry
-                    held[entry.namespace] = held.get(entry.namespace, 0) + entry.page_bytes
-                yield
-        self.quota.check_held(held)
-        for entry in dropped.values():
-            assert self.allocator.is_allocated(entry.offset, entry.page_bytes)
-            live_pages += entry.page_bytes
-        assert live_pages == self.allocator.used_bytes, f"{live_pages} bytes in entries, allocator says {self.allocator.used_bytes}"
+        """check_integrity cut into steps of at most ``max_items`` items each (integrity.py)."""
+        return integrity_steps(self, max_items)
