@@ -215,7 +215,6 @@ class PoolClient:
                 chunk = sock.recv(1 << 16)
             except BlockingIOError:
                 if is_spinning and time.perf_counter() < spin_until:
-                    os.sched_yield()  # a pool on this core runs now; costs one syscall when none waits
                     continue
                 if is_spinning:
                     self.spin.record(False)

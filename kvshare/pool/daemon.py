@@ -145,7 +145,6 @@ class PoolServer:
                     is_polling_after_activity = False
                     window_s = busy_poll.window_s()
                     while not events and time.perf_counter() - last_activity < window_s:
-                        os.sched_yield()  # a client on this core runs now; costs one syscall when none waits
                         events = self._selector.select(timeout=0)
                     if window_s > 0:
                         busy_poll.record(bool(events))
