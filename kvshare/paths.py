@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import os
 import re
+import stat
+
+
+class UnsafeDirectory(PermissionError):
+    """A directory for sockets that someone other than this user could write (and so put a socket of theirs in)."""
 
 
 def runtime_dir() -> str:
-    """A private per-user directory for sockets (mode 0700)."""
+    """A private per-user directory for sockets (mode 0700); refused when another user owns it or may write it."""
     base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/kvshare-{os.getuid()}"
     path = base if base.endswith(f"kvshare-{os.getuid()}") else os.path.join(base, "kvshare")
     os.makedirs(path, mode=0o700, exist_ok=True)
+    check_private_dir(path)
     return path
 
 
@@ -18,6 +24,23 @@ def cache_dir() -> str:
     """The user's kvshare cache directory ($XDG_CACHE_HOME/kvshare, else ~/.cache/kvshare); not created here."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "kvshare")
+def check_private_dir(path: str) -> None:
+    """Raise UnsafeDirectory unless ``path`` is a real directory of this user that nobody else may write.
+
+    /tmp/kvshare-UID can be created by anyone before this user's first run; a directory of theirs (or one open to
+    every user) would let them swap the pool's socket for their own and be sent every replica's requests.
+    """
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode):
+        raise UnsafeDirectory(f"{path} is not a directory (a link or a file is there): remove it and run again")
+    if info.st_uid != os.getuid():
+        raise UnsafeDirectory(
+            f"{path} belongs to uid {info.st_uid}, not to you (uid {os.getuid()}): remove it (as root or its owner) "
+            f"or set XDG_RUNTIME_DIR to a directory of yours"
+        )
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise UnsafeDirectory(f"{path} may be written by other users (mode {stat.S_IMODE(info.st_mode):o}): "
+                              f"chmod 700 {path}")
 
 
 def default_pool_socket() -> str:

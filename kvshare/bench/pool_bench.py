@@ -3,9 +3,15 @@
 Data plane: a writer process puts pages (reserve, copy in, checksum, commit) and a
 separate reader process gets them (lookup-and-lease, copy out, release). Both
 bandwidths are reported as a ratio against a plain memcpy of the same bytes
-between two private buffers, measured in the same run, with the absolute GB/s
-beside it. Control plane: one client, one request in flight at a time,
-lookup-and-lease + release of a chain of committed keys.
+between two private buffers, measured in the same run the way the copy is (a
+torch copy in the writer process, the same threads, medians of the passes), with
+the absolute GB/s beside it. Control plane: one client, one request in flight at
+a time, lookup-and-lease + release of a chain of committed keys.
+
+Every result records the CPU pressure (Linux PSI, /proc/pressure/cpu: the share
+of time some runnable task waited for a core) over the run and flags a run as
+contended past ``CONTENDED_PSI_PCT``: its latencies say more about the
+neighbours than about the pool.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 NAMESPACE = hashlib.blake2b(b"kvshare-bench-pool", digest_size=16).digest()
+CONTENDED_PSI_PCT = 10.0  # "some" CPU pressure (avg10) above which a run is flagged as contended
+PSI_CPU_PATH = "/proc/pressure/cpu"
 
 
 @dataclass(frozen=True)
@@ -40,16 +48,30 @@ def bench_keys(tag: str, count: int) -> list[bytes]:
     return [hashlib.blake2b(f"{tag}/{i}".encode(), digest_size=16).digest() for i in range(count)]
 
 
-def _memcpy_gbps(num_bytes: int, repeats: int) -> float:
-    src = np.random.default_rng(0).integers(0, 255, num_bytes, dtype=np.uint8)
-    dst = np.empty_like(src)
-    np.copyto(dst, src)  # fault in
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - t0)
-    return num_bytes / best / 1e9
+def parse_psi_some_avg10(text: str) -> float | None:
+    """The ``some avg10`` figure (percent) of a /proc/pressure file's text; None when it has none."""
+    for line in text.splitlines():
+        kind, *fields = line.split()
+        if kind == "some":
+            values = dict(field.split("=", 1) for field in fields)
+            try:
+                return float(values["avg10"])
+            except (KeyError, ValueError):
+                return None
+    return None
+
+
+def cpu_pressure_pct(path: str = PSI_CPU_PATH) -> float | None:
+    """CPU pressure now (PSI some avg10, percent); None where the kernel has no PSI."""
+    try:
+        with open(path) as f:
+            return parse_psi_some_avg10(f.read())
+    except OSError:
+        return None
+
+
+def _median(values: list[float]) -> float:
+    return float(np.median(values))
 
 
 def grant_runs(grants: list[tuple[int, int]], page_bytes: int) -> list[tuple[int, int, int]]:
@@ -82,6 +104,12 @@ def _writer(cfg: PoolBenchConfig, tag: str, queue) -> None:
     rng = np.random.default_rng(1)
     data = rng.integers(0, 255, (cfg.num_pages, cfg.page_bytes), dtype=np.uint8)
     times = []
+    memcpy_dst = torch.empty((cfg.num_pages, cfg.page_bytes), dtype=torch.uint8)
+    memcpy_times = []
+    for _ in range(cfg.repeats + 1):  # the reference: the same copy into a private buffer (the first faults it in)
+        t0 = time.perf_counter()
+        memcpy_dst.copy_(torch.from_numpy(data))
+        memcpy_times.append(time.perf_counter() - t0)
     with PoolClient(cfg.socket_path, name="bench-writer") as client:
         for rep in range(cfg.repeats + 1):  # the first pass faults the arena's pages in and is not timed
             keys = bench_keys(f"{tag}/{rep}", cfg.num_pages)
@@ -113,7 +141,7 @@ def _writer(cfg: PoolBenchConfig, tag: str, queue) -> None:
                     torch.from_numpy(run).copy_(torch.from_numpy(data[start + first : start + first + count]))
                 client.abort(res.reservation_id)
             copy_times.append(time.perf_counter() - t0)
-    queue.put({"put_s": min(times), "put_copy_only_s": min(copy_times),
+    queue.put({"put_s": _median(times), "put_copy_only_s": _median(copy_times), "memcpy_s": _median(memcpy_times[1:]),
                "checksum": [int(page_checksum(d)) for d in data[:4]]})
 
 
@@ -142,7 +170,7 @@ def _reader(cfg: PoolBenchConfig, tag: str, queue) -> None:
                     first_sums = [int(page_checksum(p)) for p in out[:4].numpy()]
             if rep > 1:  # the first pass maps the pages into this process and is not timed
                 times.append(time.perf_counter() - t0)
-    queue.put({"get_s": min(times), "checksum": first_sums})
+    queue.put({"get_s": _median(times), "checksum": first_sums})
 
 
 def _control_plane(cfg: PoolBenchConfig, queue) -> None:
@@ -190,13 +218,16 @@ def run_pool_bench(cfg: PoolBenchConfig) -> dict:
     """Run every measurement and return the figures (keys as in ``kvshare bench pool --json``)."""
     tag = f"run{os.getpid()}-{time.time_ns()}"
     total = cfg.num_pages * cfg.page_bytes
-    memcpy_gbps = _memcpy_gbps(total, cfg.repeats + 2)
+    pressures = [cpu_pressure_pct()]
     checksum_gbps = _checksum_gbps(cfg.page_bytes, cfg.num_pages)
     written = _in_process(_writer, cfg, tag)
     read = _in_process(_reader, cfg, tag)
     if written["checksum"] != read["checksum"]:
         raise RuntimeError("the reader got different bytes than the writer stored")
     control = _in_process(_control_plane, cfg)
+    pressures.append(cpu_pressure_pct())
+    pressure = None if None in pressures else max(pressures)
+    memcpy_gbps = total / written["memcpy_s"] / 1e9
     put_gbps = total / written["put_s"] / 1e9
     put_copy_gbps = total / written["put_copy_only_s"] / 1e9
     get_gbps = total / read["get_s"] / 1e9
@@ -214,6 +245,8 @@ def run_pool_bench(cfg: PoolBenchConfig) -> dict:
         "lookup_ops_per_s": round(control["lookup_ops_per_s"], 1),
         "lookup_p50_us": round(control["lookup_p50_us"], 1),
         "lookup_p99_us": round(control["lookup_p99_us"], 1),
+        "cpu_pressure_pct": pressure,  # PSI some avg10, the higher of the run's start and end; None without PSI
+        "is_contended": pressure is not None and pressure > CONTENDED_PSI_PCT,
         "config": asdict(cfg),
     }
 
@@ -228,4 +261,7 @@ def summary_rows(result: dict) -> list[tuple[str, str, str]]:
         ("get: lookup+lease+copy+release", f"{result['get_gbps']:.2f} GB/s", f"{result['get_ratio_vs_memcpy']:.2f}x memcpy"),
         ("page checksum (xxh3-64), part of put", f"{result['checksum_gbps']:.2f} GB/s", ""),
         ("lookup-and-lease + release", f"{result['lookup_ops_per_s']:,.0f} /s", f"p50 {result['lookup_p50_us']:.0f} us, p99 {result['lookup_p99_us']:.0f} us"),
+        ("CPU pressure (PSI some avg10)", "n/a" if result["cpu_pressure_pct"] is None else
+         f"{result['cpu_pressure_pct']:.1f} %", "CONTENDED: other work waited for the cores" if result["is_contended"]
+         else ""),
     ]

@@ -16,6 +16,7 @@ spans two registrations. Pure bookkeeping: no memory is touched here.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 
@@ -235,8 +236,14 @@ class Allocator:
 
     def check_integrity(self) -> None:
         """Raise AssertionError if the bookkeeping contradicts itself."""
+        for _ in self.integrity_items():
+            pass
+
+    def integrity_items(self) -> Iterator[None]:
+        """check_integrity one extent at a time: yields after each extent (a resumable pass; see PoolIndex)."""
         used = 0
         for idx, extent in enumerate(self._extents):
+            yield
             if extent.page_bytes == 0:
                 assert idx in self._free_extents, f"extent {idx} has no page size but is not free"
                 assert extent.num_used == 0 and not extent.free_slots
@@ -244,7 +251,7 @@ class Allocator:
             assert idx not in self._free_extents, f"extent {idx} is both free and in use"
             assert idx in self._by_size.get(extent.page_bytes, ()), f"extent {idx} missing from its size list"
             assert extent.num_slots == extent.length // extent.page_bytes
-            n_used = extent.num_slots - sum(extent.free_slots)
+            n_used = extent.num_slots - extent.free_slots.count(1)
             assert n_used == extent.num_used, f"extent {idx}: {n_used} slots used, counter says {extent.num_used}"
             assert extent.num_used > 0, f"extent {idx} is empty but still holds page size {extent.page_bytes}"
             used += n_used * extent.page_bytes

@@ -1,16 +1,25 @@
 """The shared-memory arena: a memfd that the daemon creates and clients map.
 
 The memfd is anonymous: it disappears with the last process that holds it, so
-a stopped pool leaves no segment behind in /dev/shm.
+a stopped pool leaves no segment behind in /dev/shm. It is sealed at its size
+(no shrink, no grow, no further seals) before any client sees it: a client that
+ftruncates its copy of the fd gets EPERM instead of making every other mapping
+fault with SIGBUS.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
 import os
 
 HUGEPAGE_BYTES = 2 << 20
+# The size seals, which a client demands before it maps an arena, and the seal on seals, which the daemon adds so
+# nobody can take them off: the size never changes again, while writes stay allowed (clients write pages).
+# hugetlbfs memfds take these seals too (Linux >= 4.16).
+SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+ARENA_SEALS = SIZE_SEALS | fcntl.F_SEAL_SEAL
 
 log = logging.getLogger("kvshare.pool")
 
@@ -62,10 +71,13 @@ def uses_hugepages(mode: str, size_bytes: int, free_hugepage_bytes: int) -> bool
 
 
 def create_arena(size_bytes: int, hugepages: bool = False) -> int:
-    """A memfd of ``size_bytes``; with ``hugepages`` backed by reserved 2 MiB pages (``uses_hugepages`` decides)."""
+    """A memfd of ``size_bytes``, sealed at that size; with ``hugepages`` backed by reserved 2 MiB pages.
+
+    A memfd that cannot be sealed is refused (ArenaError): an unsealed arena lets any client crash the others.
+    """
     if size_bytes <= 0:
         raise ArenaError(f"arena size must be positive, got {size_bytes}")
-    flags = os.MFD_CLOEXEC | (os.MFD_HUGETLB if hugepages else 0)
+    flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | (os.MFD_HUGETLB if hugepages else 0)
     try:
         fd = os.memfd_create("kvshare-pool", flags)
     except OSError as exc:
@@ -75,6 +87,11 @@ def create_arena(size_bytes: int, hugepages: bool = False) -> int:
     except OSError as exc:
         os.close(fd)
         raise ArenaError(f"cannot size the arena to {size_bytes} bytes: {exc}") from None
+    try:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, ARENA_SEALS)
+    except OSError as exc:
+        os.close(fd)
+        raise ArenaError(f"cannot seal the arena's size ({exc}); this kernel is too old to share it safely") from None
     return fd
 
 
@@ -95,6 +112,16 @@ def open_arena(size_bytes: int, mode: str = "auto") -> tuple[int, mmap.mmap, boo
     log.warning("the free hugepages were taken before this pool could map them: its arena is on 4 KiB pages")
     fd = create_arena(size_bytes, False)
     return fd, map_arena(fd, size_bytes), False
+
+
+def check_sealed(fd: int) -> None:
+    """Raise ArenaError unless the memfd's size is sealed (a peer could otherwise shrink it under our mapping)."""
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError as exc:
+        raise ArenaError(f"the pool's arena is not a sealable memfd ({exc}); refusing to map it") from None
+    if seals & SIZE_SEALS != SIZE_SEALS:
+        raise ArenaError("the pool's arena is not sealed against resizing; refusing to map it (upgrade the pool)")
 
 
 def map_arena(fd: int, size_bytes: int) -> mmap.mmap:

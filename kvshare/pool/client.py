@@ -25,9 +25,11 @@ from typing import Callable
 import numpy as np
 
 from kvshare.pool import protocol as P
-from kvshare.pool.arena import map_arena
+from kvshare.pool.arena import ArenaError, check_sealed, map_arena
 from kvshare.pool.checksum import ChecksumKind, page_checksum
 from kvshare.pool.holders import TOKEN_BYTES
+from kvshare.pool.peers import peer_credentials, untrusted_pool_reason
+from kvshare.pool.spin import SpinPolicy
 
 
 class PoolUnavailable(ConnectionError):
@@ -86,9 +88,8 @@ class PoolClient:
         self.socket_path = socket_path
         # names this client's holds in the pool across reconnects (a new random token unless given)
         self.holder = holder if holder is not None else os.urandom(TOKEN_BYTES)
-        # Waiting for a reply first spins this long: a cross-core wake-up costs ~30 us on these VMs,
-        # a spinning reader sees the reply in a few.
-        self.spin_s = spin_us * 1e-6
+        # Waiting for a reply first spins up to this long while spinning pays (spin.py says when it does).
+        self.spin = SpinPolicy(spin_us * 1e-6)
         self.name = name or f"pid{os.getpid()}"
         self.timeout_s = timeout_s
         self.verify_checksums = verify_checksums
@@ -110,11 +111,19 @@ class PoolClient:
         sock.settimeout(self.timeout_s)
         try:
             sock.connect(self.socket_path)
+            socket_dir = os.stat(os.path.dirname(os.path.abspath(self.socket_path)))
+            reason = untrusted_pool_reason(peer_credentials(sock).uid, os.getuid(), socket_dir, self.socket_path)
+            if reason is not None:
+                sock.close()
+                raise PoolRequestError("untrusted_pool", reason)
             sock.sendall(P.encode(P.Hello(protocol_version=P.PROTOCOL_VERSION, client_name=self.name,
                                           holder=self.holder)))
             data, fds, _flags, _addr = socket.recv_fds(sock, 1 << 16, 1)
         except OSError as exc:
+            refusal = _refusal_before_close(sock)
             sock.close()
+            if refusal is not None:
+                raise PoolRequestError(refusal.code, refusal.message) from None
             raise PoolUnavailable(f"cannot reach the pool at {self.socket_path}: {exc}") from None
         self._sock = sock
         self._inbuf = bytearray(data)
@@ -128,6 +137,10 @@ class PoolClient:
                 raise PoolRequestError(
                     "version_mismatch", f"pool stores page format {reply.format_version}, this client {P.FORMAT_VERSION}"
                 )
+            try:
+                check_sealed(fds[0])
+            except ArenaError as exc:
+                raise PoolRequestError("unsealed_arena", str(exc)) from None
             self._mmap = map_arena(fds[0], reply.arena_bytes)
         except BaseException:
             for fd in fds:
@@ -228,15 +241,22 @@ class PoolClient:
 
     def _recv_some(self) -> bytes:
         sock = self._sock
-        spin_until = time.perf_counter() + self.spin_s
+        window_s = self.spin.window_s()
+        spin_until = time.perf_counter() + window_s
+        is_spinning = window_s > 0
         while True:
             try:
                 chunk = sock.recv(1 << 16)
             except BlockingIOError:
-                if time.perf_counter() < spin_until:
+                if is_spinning and time.perf_counter() < spin_until:
                     continue
+                if is_spinning:
+                    self.spin.record(False)
+                    is_spinning = False
                 self._wait(select.POLLIN)
                 continue
+            if is_spinning:
+                self.spin.record(True)
             if not chunk:
                 raise EOFError("the pool closed the connection")
             return chunk
@@ -345,6 +365,17 @@ class PoolClient:
         if self.verify_checksums and page_checksum(view, header.checksum_kind) != header.checksum:
             raise ChecksumMismatch(f"page at offset {header.offset} does not match its checksum")
         return view
+
+
+def _refusal_before_close(sock: socket.socket) -> P.ErrorReply | None:
+    """The error a pool sent before it closed the connection (a refused uid), if one is waiting to be read."""
+    try:
+        data = sock.recv(1 << 16, socket.MSG_DONTWAIT)
+        frames = P.split_frames(bytearray(data), 1 << 20)
+        reply = P.decode_reply(frames[0]) if frames else None
+    except (OSError, P.ProtocolError):
+        return None
+    return reply if isinstance(reply, P.ErrorReply) else None
 
 
 def _run_hooks(hooks: list[Callable[[], None]]) -> None:

@@ -3,7 +3,10 @@
 One thread runs the index (no locks, so every message is atomic). A selector
 loop accepts clients (checking their uid), reads frames from every client,
 hands each request to the handlers (handlers.py: the answers against the index
-and the remote tier) and sends the replies in order. A closed connection
+and the remote tier) and sends the replies in order, never blocking on one client: a client that
+does not read its replies stops being read once a little is unsent and is
+closed when its unsent output passes a bound; one that sends anything but a
+well-formed hello first, or nothing for a while, is closed. A closed connection
 ends its holder's reservations and leases only when the holder's process is
 gone (a client killed with -9); a live process keeps them (holders.py).
 """
@@ -16,23 +19,26 @@ import os
 import selectors
 import socket
 import stat
-import struct
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 from kvshare.pool import protocol as P
 from kvshare.pool.allocator import Allocator, default_extent_bytes
 from kvshare.pool.arena import HUGEPAGE_BYTES, HUGEPAGES_MODES, open_arena, prefault
+from kvshare.pool.connection import MAX_HELLO_BYTES, Connection, send_now, socket_is_live
 from kvshare.pool.event_publisher import KVEventsConfig, open_pool_events
 from kvshare.pool.handlers import PoolHandlers, ServerCounters
 from kvshare.pool.index import IndexConfig, PoolError, PoolIndex
+from kvshare.pool.peers import peer_credentials
+from kvshare.pool.spin import SpinPolicy
 from kvshare.pool.remote import RemoteConfig, RemoteHooks, start_remote_tier
 
 log = logging.getLogger("kvshare.pool")
 
-_PEERCRED = struct.Struct("3i")  # pid, uid, gid
 _REMOTE_WAKEUP = "remote-wakeup"  # selector data of the remote tier's wake-up socket
+# Items (entries, extents) the idle integrity pass checks per loop turn: ~1 ms (a whole pass took 0.41 s over 200k
+# pages, ~2 us an item), so a request that arrives during the pass waits at most one step.
+_INTEGRITY_ITEMS_PER_STEP = 500
 
 
 @dataclass(frozen=True)
@@ -47,10 +53,12 @@ class PoolConfig:
     socket_mode: int = 0o600  # owner-only unless the operator says otherwise
     allowed_uids: tuple[int, ...] = ()  # empty: only the daemon's own uid
     max_message_bytes: int = P.DEFAULT_MAX_MESSAGE_BYTES
+    max_unsent_bytes: int = 16 << 20  # a client whose unsent replies pass this is closed (it is not reading them)
+    hello_timeout_s: float = 5.0  # a connection that has not said hello by then is closed
     index: IndexConfig = field(default_factory=IndexConfig)
     tick_s: float = 0.25  # lease expiry and stats snapshot period
-    # After activity the loop polls without sleeping this long before it blocks: a cross-core
-    # wake-up costs ~30 us on these VMs, so a client's next message is seen sooner when it comes soon.
+    # After activity the loop polls without sleeping up to this long before it blocks, while that pays (spin.py):
+    # a cross-core wake-up costs ~30 us on these VMs, so a client's next message is seen sooner when it comes soon.
     busy_poll_us: float = 100.0
     remote: RemoteConfig | None = None  # the remote tier (--remote URL); None: this host's arena only
     kv_events: KVEventsConfig | None = None  # publish commits and removals as vLLM KV events (--kv-events)
@@ -72,21 +80,6 @@ class PoolConfig:
             self.remote.check_lease_ttl(self.index.lease_ttl_s)
 
 
-@dataclass(eq=False)
-class _Client:
-    sock: socket.socket
-    client_id: int
-    pid: int
-    uid: int
-    is_greeted: bool = False
-    inbuf: bytearray = field(default_factory=bytearray)
-    outbuf: bytearray = field(default_factory=bytearray)
-    is_closing: bool = False
-    # frames not handled yet: while a reply is deferred (a lookup that goes on to the remote tier),
-    # the client's later messages wait here, so every client is answered in order
-    pending: deque = field(default_factory=deque)
-
-
 class PoolServer:
     """The daemon's state; ``start`` creates the arena and socket, ``serve`` runs the loop."""
 
@@ -97,7 +90,7 @@ class PoolServer:
         self.counters = ServerCounters()
         self.handlers = PoolHandlers(self.index, self.counters, self._answer_deferred)
         self.stats_snapshot: dict = {}
-        self._clients: dict[int, _Client] = {}
+        self._clients: dict[int, Connection] = {}
         self._next_client_id = 1
         self._selector: selectors.BaseSelector | None = None
         self._listener: socket.socket | None = None
@@ -106,6 +99,7 @@ class PoolServer:
         self.remote: RemoteHooks | None = None  # when config.remote is set (started in start())
         self._is_stopping = False
         self.events = None  # PoolEvents when config.kv_events is set (started in start())
+        self._is_accept_paused = False
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -119,7 +113,7 @@ class PoolServer:
         if os.path.exists(cfg.socket_path):
             if not stat.S_ISSOCK(os.stat(cfg.socket_path).st_mode):
                 raise FileExistsError(f"{cfg.socket_path} exists and is not a socket")
-            if _socket_is_live(cfg.socket_path):
+            if socket_is_live(cfg.socket_path):
                 raise FileExistsError(f"a pool is already listening on {cfg.socket_path}")
             os.unlink(cfg.socket_path)  # stale socket of a dead daemon
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -143,18 +137,32 @@ class PoolServer:
         """Run until ``stop()``; then close every client and remove the socket."""
         assert self._selector is not None, "start() first"
         next_tick = time.monotonic()
-        busy_poll_s = self.config.busy_poll_us * 1e-6
+        busy_poll = SpinPolicy(self.config.busy_poll_us * 1e-6)
         last_activity = 0.0
+        is_polling_after_activity = False
         is_checked_since_activity = True
+        integrity_pass = None  # the idle integrity pass under way (a generator): one step per idle turn
         try:
             while not self._is_stopping:
                 events = self._selector.select(timeout=0)
-                while not events and time.perf_counter() - last_activity < busy_poll_s:
-                    events = self._selector.select(timeout=0)
-                if not events:
+                if not events and is_polling_after_activity:  # busy-poll after activity, while that pays
+                    is_polling_after_activity = False
+                    window_s = busy_poll.window_s()
+                    while not events and time.perf_counter() - last_activity < window_s:
+                        events = self._selector.select(timeout=0)
+                    if window_s > 0:
+                        busy_poll.record(bool(events))
+                if events:
+                    integrity_pass = None  # requests may change the index: a new pass starts when idle again
+                elif integrity_pass is not None:  # expiry waits for the pass, which only runs while idle
+                    if next(integrity_pass, None) is None:
+                        integrity_pass = None
+                    continue
+                else:
                     events = self._selector.select(timeout=self.config.tick_s)
                 if events:
                     last_activity = time.perf_counter()
+                    is_polling_after_activity = True
                 for key, mask in events:
                     if key.data is None:
                         self._accept()
@@ -174,11 +182,12 @@ class PoolServer:
                         self._drop_client(client)
                 now = time.monotonic()
                 if now >= next_tick:
+                    self._close_silent_clients(now)
                     self.handlers.tick(now)
                     self._snapshot()
                     next_tick = now + self.config.tick_s
                     if not events and not is_checked_since_activity:
-                        self.handlers.check_when_idle()
+                        integrity_pass = self.handlers.check_when_idle(_INTEGRITY_ITEMS_PER_STEP)
                         is_checked_since_activity = True
                 if events:
                     is_checked_since_activity = False
@@ -197,7 +206,8 @@ class PoolServer:
         for client in list(self._clients.values()):
             self._drop_client(client)
         if self._listener is not None:
-            self._selector.unregister(self._listener)
+            if not self._is_accept_paused:
+                self._selector.unregister(self._listener)
             self._listener.close()
             self._listener = None
             try:
@@ -215,23 +225,39 @@ class PoolServer:
             sock, _ = self._listener.accept()
         except (BlockingIOError, InterruptedError):
             return
-        pid, uid, _gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+        except OSError as exc:  # out of file descriptors: stop accepting until the next tick, serve who is here
+            log.warning("cannot accept a client (%s); accepting again in %.2f s", exc, self.config.tick_s)
+            self.counters.errors += 1
+            self._selector.unregister(self._listener)
+            self._is_accept_paused = True
+            return
+        pid, uid, _gid = peer_credentials(sock)
         allowed = self.config.allowed_uids or (os.getuid(),)
         if uid not in allowed:
             self.counters.refused_peers += 1
             log.warning("refused a client with uid %d (pid %d); allowed uids: %s", uid, pid, allowed)
-            _send_now(sock, P.encode(P.ErrorReply("not_allowed", f"uid {uid} may not use this pool")))
+            send_now(sock, P.encode(P.ErrorReply("not_allowed", f"uid {uid} may not use this pool")))
             sock.close()
             return
         sock.setblocking(False)
-        client = _Client(sock=sock, client_id=self._next_client_id, pid=pid, uid=uid)
+        client = Connection(sock=sock, client_id=self._next_client_id, pid=pid, uid=uid, connected_at=time.monotonic())
         self._next_client_id += 1
         self._clients[client.client_id] = client
         self.handlers.connect(client.client_id, pid, uid)
         self._selector.register(sock, selectors.EVENT_READ, client)
         self.counters.connections += 1
 
-    def _drop_client(self, client: _Client) -> None:
+    def _close_silent_clients(self, now: float) -> None:
+        """Close connections that have not said hello within hello_timeout_s; accept again if accepting paused."""
+        deadline = now - self.config.hello_timeout_s
+        for client in [c for c in self._clients.values() if not c.is_greeted and c.connected_at < deadline]:
+            self.counters.protocol_errors += 1
+            self._fail_and_close(client, "hello_required", f"no hello within {self.config.hello_timeout_s} s")
+        if self._is_accept_paused and self._listener is not None:
+            self._selector.register(self._listener, selectors.EVENT_READ, None)
+            self._is_accept_paused = False
+
+    def _drop_client(self, client: Connection) -> None:
         if client.client_id not in self._clients:
             return
         del self._clients[client.client_id]
@@ -245,17 +271,19 @@ class PoolServer:
             log.info("client %s (pid %d) left: aborted %d reservations, released %d leases",
                      label, client.pid, aborted, released)
 
-    def _on_readable(self, client: _Client) -> None:
-        try:
-            data = client.sock.recv(1 << 16)
-        except (BlockingIOError, InterruptedError):
+    def _on_readable(self, client: Connection) -> None:
+        data = client.recv_some()
+        if data is None:
             return
-        except OSError:
-            data = b""
         if not data:
             self._drop_client(client)
             return
         client.inbuf += data
+        if not client.is_greeted and (length := client.first_frame_bytes()) is not None:
+            if length > MAX_HELLO_BYTES:
+                self.counters.protocol_errors += 1
+                self._fail_and_close(client, "hello_required", f"a first message of {length} bytes is not a hello")
+                return
         try:
             frames = P.split_frames(client.inbuf, self.config.max_message_bytes)
         except P.ProtocolError as exc:
@@ -265,7 +293,7 @@ class PoolServer:
         client.pending.extend(frames)
         self._handle_pending(client)
 
-    def _handle_pending(self, client: _Client) -> None:
+    def _handle_pending(self, client: Connection) -> None:
         """Handle the client's frames in order until one is deferred; then flush its replies."""
         while client.pending and not self.handlers.is_deferred(client.client_id):
             self._handle_frame(client, client.pending.popleft())
@@ -273,12 +301,15 @@ class PoolServer:
                 return
         self._flush(client)
 
-    def _handle_frame(self, client: _Client, payload: bytes) -> None:
+    def _handle_frame(self, client: Connection, payload: bytes) -> None:
         self.counters.requests += 1
         try:
             request = P.decode_request(payload)
         except P.ProtocolError as exc:
             self.counters.protocol_errors += 1
+            if not client.is_greeted:  # not a kvshare client: nothing it says later can be trusted either
+                self._fail_and_close(client, "hello_required", f"the first message must be hello ({exc})")
+                return
             self._reply(client, P.ErrorReply("malformed", str(exc)))
             return
         if not client.is_greeted:
@@ -288,7 +319,7 @@ class PoolServer:
         if reply is not None:
             self._reply(client, reply)
 
-    def _on_hello(self, client: _Client, request: P.Request) -> None:
+    def _on_hello(self, client: Connection, request: P.Request) -> None:
         try:
             reply = self.handlers.hello(client.client_id, request)
         except PoolError as exc:
@@ -296,14 +327,10 @@ class PoolServer:
             self._fail_and_close(client, exc.code, str(exc))
             return
         client.is_greeted = True
-        self._flush(client)  # nothing may precede the reply that carries the fd
-        try:
-            client.sock.setblocking(True)
-            socket.send_fds(client.sock, [P.encode(reply)], [self._memfd])
-        except OSError:
-            self._drop_client(client)
-        else:
-            client.sock.setblocking(False)
+        # Nothing is sent before hello, so the hello reply is the first unsent byte: _flush attaches the fd to it.
+        assert not client.outbuf, "a reply was queued before the hello reply"
+        client.is_arena_owed = True
+        client.outbuf += P.encode(reply)
 
     def _answer_deferred(self, client_id: int, reply: P.Reply) -> None:
         """The reply to a lookup the remote tier completed; then the client's messages that waited for it."""
@@ -311,33 +338,36 @@ class PoolServer:
         self._reply(client, reply)
         self._handle_pending(client)
 
-    def _reply(self, client: _Client, reply: P.Reply) -> None:
+    def _reply(self, client: Connection, reply: P.Reply) -> None:
         if isinstance(reply, P.ErrorReply):
             self.counters.errors += 1
         client.outbuf += P.encode(reply)
 
-    def _fail_and_close(self, client: _Client, code: str, message: str) -> None:
+    def _fail_and_close(self, client: Connection, code: str, message: str) -> None:
         self.counters.errors += 1
         log.warning("closing client %s (pid %d): %s", self._label(client), client.pid, message)
-        _send_now(client.sock, P.encode(P.ErrorReply(code, message)))
+        send_now(client.sock, P.encode(P.ErrorReply(code, message)))
         client.is_closing = True
         self._drop_client(client)
 
-    def _flush(self, client: _Client) -> None:
-        if client.outbuf:
-            try:
-                sent = client.sock.send(client.outbuf)
-            except (BlockingIOError, InterruptedError):
-                sent = 0
-            except OSError:
-                self._drop_client(client)
-                return
-            del client.outbuf[:sent]
-        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if client.outbuf else 0)
+    def _flush(self, client: Connection) -> None:
+        """Send what the socket takes now (never blocks); the rest waits for POLLOUT, within the client's bound."""
+        try:
+            client.send_unsent(self._memfd)
+        except OSError:
+            self._drop_client(client)
+            return
+        if len(client.outbuf) > self.config.max_unsent_bytes:
+            self.counters.errors += 1
+            log.warning("closing client %s (pid %d): %d bytes of replies unread (bound %d)", self._label(client),
+                        client.pid, len(client.outbuf), self.config.max_unsent_bytes)
+            self._drop_client(client)
+            return
+        events = (selectors.EVENT_READ if client.is_reading else 0) | (selectors.EVENT_WRITE if client.outbuf else 0)
         if self._selector.get_key(client.sock).events != events:
             self._selector.modify(client.sock, events, client)
 
-    def _label(self, client: _Client) -> str | int:
+    def _label(self, client: Connection) -> str | int:
         return self.handlers.name_of(client.client_id) or client.client_id
 
     # -- the remote tier (kvshare.pool.remote, through RemoteHooks; None without --remote) ---------
@@ -360,23 +390,3 @@ class PoolServer:
 
     def _snapshot(self) -> None:
         self.stats_snapshot = self.handlers.stats()  # read by the metrics thread; replaced, never mutated
-
-
-def _send_now(sock: socket.socket, data: bytes) -> None:
-    """Best-effort send of a final error before closing."""
-    try:
-        sock.setblocking(False)
-        sock.send(data)
-    except OSError:
-        pass
-
-
-def _socket_is_live(path: str) -> bool:
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(path)
-        return True
-    except OSError:
-        return False
-    finally:
-        probe.close()

@@ -20,7 +20,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 from kvshare.keys import KEY_BYTES
 from kvshare.pool import protocol as P
@@ -270,8 +270,13 @@ class PoolHandlers:
         if self.remote is not None:
             self.remote.tick(now)
 
-    def check_when_idle(self) -> None:
-        if self._integrity_problem() is not None:  # say so loudly, keep serving what is consistent
+    def check_when_idle(self, max_items: int) -> Iterator[int]:
+        """An integrity pass in steps of at most ``max_items`` items (PoolIndex.integrity_steps), for the loop to run
+        one step per idle turn; a problem is logged and counted (say so loudly, keep serving what is consistent)."""
+        try:
+            yield from self.index.integrity_steps(max_items)
+        except AssertionError as exc:
+            log.error("integrity check failed: %s", exc)
             self.counters.errors += 1
 
     def stats(self) -> dict:

@@ -21,6 +21,7 @@ Pure bookkeeping over an Allocator: no sockets, no clocks (callers pass
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kvshare.keys import KEY_BYTES
@@ -29,6 +30,7 @@ from kvshare.pool.checksum import ChecksumKind
 from kvshare.pool.entries import (Entry, EntryState, IndexCounters, IndexListener, Lease, LookupResult, Reservation,
                                   ReserveResult)
 from kvshare.pool.eviction import victims
+from kvshare.pool.integrity import integrity_items, integrity_steps
 from kvshare.pool.quota import NamespaceQuota
 
 
@@ -355,29 +357,10 @@ class PoolIndex:
         return self._next_id - 1
 
     def check_integrity(self) -> None:
-        """Raise AssertionError if the index and the allocator disagree."""
-        self.allocator.check_integrity()
-        leased: dict[int, int] = {}
-        for lease in self._leases.values():
-            for entry in lease.entries:
-                leased[id(entry)] = leased.get(id(entry), 0) + 1
-        writing = {id(e) for r in self._reservations.values() for e in r.entries}
-        live_pages = 0
-        for key, entry in self._entries.items():
-            assert entry.key == key
-            assert not entry.is_dropped
-            assert self.allocator.is_allocated(entry.offset, entry.page_bytes), f"entry page {entry.offset} not allocated"
-            assert entry.num_leases == leased.get(id(entry), 0), "lease count disagrees with leases"
-            if entry.state is EntryState.COMMITTED:
-                assert key in self._lru and id(entry) not in writing
-            else:
-                assert key not in self._lru and id(entry) in writing
-                assert entry.num_leases == 0, "a writing entry is leased"
-            live_pages += entry.page_bytes
-        assert len(self._lru) == sum(e.state is EntryState.COMMITTED for e in self._entries.values())
-        dropped = {id(e): e for lease in self._leases.values() for e in lease.entries if e.is_dropped}
-        self.quota.check_integrity(list(self._entries.values()) + list(dropped.values()))
-        for entry in dropped.values():
-            assert self.allocator.is_allocated(entry.offset, entry.page_bytes)
-            live_pages += entry.page_bytes
-        assert live_pages == self.allocator.used_bytes, f"{live_pages} bytes in entries, allocator says {self.allocator.used_bytes}"
+        """Raise AssertionError if the index and the allocator disagree (the whole pass at once)."""
+        for _ in integrity_items(self):
+            pass
+
+    def integrity_steps(self, max_items: int) -> Iterator[int]:
+        """check_integrity cut into steps of at most ``max_items`` items each (integrity.py)."""
+        return integrity_steps(self, max_items)

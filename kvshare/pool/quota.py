@@ -79,4 +79,8 @@ class NamespaceQuota:
         by_namespace: dict[bytes, int] = {}
         for entry in live:
             by_namespace[entry.namespace] = by_namespace.get(entry.namespace, 0) + entry.page_bytes
+        self.check_held(by_namespace)
+
+    def check_held(self, by_namespace: dict[bytes, int]) -> None:
+        """Raise AssertionError unless ``by_namespace`` (bytes of the live entries, summed by the caller) is held."""
         assert by_namespace == self._held, "bytes per namespace disagree with the entries"
