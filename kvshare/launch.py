@@ -61,9 +61,11 @@ class ClusterConfig:
                              "--api-key with --replica-arg (tenants: the request's cache_salt)")
 
         devices = self.device.split(",")
-        if len(devices) > 1 and self.engine != "builtin":
-            raise ValueError("one --device per replica (a comma list) applies to built-in replicas; vLLM replicas "
-                             "take their GPUs from CUDA_VISIBLE_DEVICES and --replica-arg")
+        if self.engine == "vllm" and len(devices) > 1 and "cpu" in devices:
+            raise ValueError(f"--device {self.device}: vLLM replicas run all on CPU or all on GPUs, not mixed")
+        if self.engine == "vllm" and self.tensor_parallel_size > 1 and self.device != "cpu" and len(devices) > 1:
+            raise ValueError("--tensor-parallel-size with vLLM on GPUs: give --device cuda (each replica's ranks "
+                             "take the GPUs CUDA_VISIBLE_DEVICES lists), not a list of one GPU per replica")
         for device in devices:
             if not (device == "cpu" or device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())):
                 raise ValueError(f"--device takes cpu, cuda, cuda:N or a comma list of them (one per replica, cycled), "
@@ -164,13 +166,22 @@ class Cluster:
             # alone gets the same logits bit for bit. With vLLM's default budget the full prompt is one step and
             # the tail over a loaded prefix another shape: vLLM CPU rounds them differently, 1e-2 in logprobs in
             # bf16 (what vLLM's "auto" runs a float32 preset in), 1e-5 in float32. --replica-arg overrides it.
+            # On a GPU vLLM's defaults apply (its step budget, the model's context length, compiled graphs).
+            device, visible = gpu_of_replica(cfg.device, i)
+            on_gpu = device != "cpu"
+            if device.startswith("cuda:"):  # vLLM takes its GPU from CUDA_VISIBLE_DEVICES, as cuda
+                visible = device[len("cuda:"):]
             spec = vllm_server_command(VllmServerConfig(
                 model=self._vllm_model_dir(), port=port, host=cfg.host, pool_socket=self.pool_socket,
-                python=cfg.vllm_python or sys.executable, served_model_name=self._served_name(),
+                python=cfg.vllm_python or find_vllm_python(), served_model_name=self._served_name(),
                 replica=f"replica{i}", chunk_tokens=DEFAULT_CHUNK_TOKENS,
-                max_num_batched_tokens=DEFAULT_CHUNK_TOKENS, extra_args=cfg.replica_args,
-                tensor_parallel_size=cfg.tensor_parallel_size,
+                max_num_batched_tokens=None if on_gpu else DEFAULT_CHUNK_TOKENS, extra_args=cfg.replica_args,
+                tensor_parallel_size=cfg.tensor_parallel_size, device="cuda" if on_gpu else "cpu",
+                max_model_len=None if on_gpu else 4096,
+                gpu_memory_utilization=gpu_memory_share(cfg, i) if on_gpu else None,
             ))
+            if visible is not None:
+                spec.env["CUDA_VISIBLE_DEVICES"] = visible
             return spec.argv, spec.env
         device, visible = gpu_of_replica(cfg.device, i)
         args = [*kv, "serve", "--model", cfg.model, "--device", device, "--host", cfg.host, "--port", str(port),
@@ -226,7 +237,7 @@ class Cluster:
         if cfg.engine == "vllm":
             from kvshare.integrations.vllm.launch import check_vllm_python
 
-            problem = check_vllm_python(cfg.vllm_python or sys.executable)
+            problem = check_vllm_python(cfg.vllm_python or find_vllm_python())
             if problem:
                 raise RuntimeError(problem + " (name the vLLM environment's interpreter with --vllm-python)")
 
@@ -298,6 +309,41 @@ def gpu_of_replica(devices: str, index: int) -> tuple[str, str | None]:
     if len(names) > 1 and device.startswith("cuda:"):
         return "cuda", device[len("cuda:"):]
     return device, None
+
+
+VLLM_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default share of a GPU for one replica
+
+
+def gpu_memory_share(cfg: ClusterConfig, index: int) -> float | None:
+    """--gpu-memory-utilization of vLLM replica ``index``: vLLM's 0.9 split evenly between the replicas that
+    share its GPU (two on one GPU: 0.45 each); None (vLLM's default) when it has a GPU to itself or when
+    --replica-arg sets the flag."""
+    if any(arg.split("=")[0] == "--gpu-memory-utilization" for arg in cfg.replica_args):
+        return None
+    mine = gpu_of_replica(cfg.device, index)
+    sharing = sum(gpu_of_replica(cfg.device, j) == mine for j in range(cfg.num_replicas))
+    return None if sharing == 1 else round(VLLM_GPU_MEMORY_UTILIZATION / sharing, 3)
+
+
+def find_vllm_python() -> str:
+    """The interpreter that runs vLLM when --vllm-python is not given: this one when it can import vLLM
+    (installed here, or on PYTHONPATH), else the one named by the ``vllm`` command on PATH, else this one
+    (the preflight then says what is missing)."""
+    import importlib.util
+    import shutil
+
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    script = shutil.which("vllm")
+    if script is not None:
+        try:
+            with open(script, "rb") as f:
+                first = f.readline().decode(errors="replace").strip()
+        except OSError:
+            first = ""
+        if first.startswith("#!") and os.path.isfile(first[2:].split()[0]):
+            return first[2:].split()[0]
+    return sys.executable
 
 
 def _cpu_threads_env(cfg: ClusterConfig) -> dict | None:
