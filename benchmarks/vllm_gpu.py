@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
                     row.update(cold_s=cold["ttft_s"], cross_s=None, local_s=local["ttft_s"],
                                local_cached_tokens=local["cached_tokens"], first_request=first,
                                local_kind="vllm-cpu-offloading (same replica, GPU prefix cache reset)",
-                               bound_s=(local["cached_tokens"] or 0) * per_token / h2d if args.device == "cuda" else None,
+                               bound_s=(local["cached_tokens"] or 0) * per_token / h2d if h2d == h2d else None,
                                **compare(cold, local))
                 first = False
                 rows.add(row)
