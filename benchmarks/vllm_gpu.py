@@ -183,8 +183,6 @@ def main(argv: list[str] | None = None) -> int:
                "--kv-offloading-size", f"{args.offloading_gib:g}"]
         urls = [f"http://127.0.0.1:{args.port + 1}"]
     print("$ " + " ".join(cmd), flush=True)
-    with open(os.path.join(args.out, f"{args.engine}.cmd"), "w") as f:
-        f.write(" ".join(cmd) + "\n")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         ready_s = max(wait_ready(u, proc, args.ready_timeout_s) for u in urls)

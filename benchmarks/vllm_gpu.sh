@@ -20,7 +20,7 @@ T0=$(date +%s)
 left() { echo $((BUDGET_S - ($(date +%s) - T0))); }
 export PYTHONUNBUFFERED=1
 
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 mkdir -p /tmp/vk && cp "$VK"/vllm026-* /tmp/vk/ && bash "$VK/install_on_device.sh" > "$OUT/install.log" 2>&1 \
     || { tail -20 "$OUT/install.log"; exit 1; }
 tail -1 "$OUT/install.log"
