@@ -47,15 +47,19 @@ def check_version(version: str, allow_untested: bool = False) -> str:
     return minor
 
 
-def kv_cache_layout(kv_cache_config: Any) -> str:
+def kv_cache_layout(kv_cache_config: Any, vllm_config: Any = None) -> str:
     """vLLM's resolved KV cache layout ("NHD", "HND"), or "" where it does not say."""
     if kv_cache_config is not None and hasattr(kv_cache_config, "kv_cache_layout"):
         return kv_cache_config.kv_cache_layout or ""  # vLLM >= 0.32
-    try:  # vLLM 0.26: a process-wide setting (the environment or the connector's preference)
+    try:  # vLLM 0.26: a process-wide setting (the environment, else the connector's preference)
+        from vllm.config import get_current_vllm_config_or_none, set_current_vllm_config
         from vllm.v1.attention.backends.utils import get_kv_cache_layout
     except ImportError:
         return ""
-    return get_kv_cache_layout() or ""
+    if vllm_config is None or get_current_vllm_config_or_none() is not None:
+        return get_kv_cache_layout() or ""
+    with set_current_vllm_config(vllm_config):  # it reads the current config; a scheduler process has none set
+        return get_kv_cache_layout() or ""
 
 
 class BlockTables:

@@ -324,7 +324,7 @@ def _fingerprint(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | No
         vllm_version=version_of(vllm.__version__),
         device=current_platform.device_type,
         attention_backend=backend.name if backend is not None else "auto",
-        kv_cache_layout=kv_cache_layout(kv_cache_config),
+        kv_cache_layout=kv_cache_layout(kv_cache_config, vllm_config),
         block_size=block_size,
         kv_dtype=kv_dtype,
         allocation=allocation_of(kv_cache_config),
