@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=2, help="prompts per length (the first is B's first request)")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=135168)
-    p.add_argument("--pool-size", default="48GiB")
+    p.add_argument("--pool-size", default="40GiB")
     p.add_argument("--offloading-gib", type=float, default=40.0)
     p.add_argument("--port", type=int, default=8200)
     p.add_argument("--ready-timeout-s", type=float, default=400)
