@@ -158,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--offloading-gib", type=float, default=40.0)
     p.add_argument("--port", type=int, default=8200)
     p.add_argument("--ready-timeout-s", type=float, default=400)
+    p.add_argument("--replica-arg", action="append", default=[], help="kvshare up --replica-arg (repeatable)")
     p.add_argument("--device", default="cuda", help="cpu: a dry run of this script with vLLM CPU (no bound)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
@@ -173,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.engine == "kvshare":
         cmd = [sys.executable, "-m", "kvshare", "up", "--engine", "vllm", "--device", args.device, "--replicas", "2",
                "--model", args.model_dir, "--pool-size", args.pool_size, "--port", str(args.port),
-               f"--replica-arg=--max-model-len={args.max_model_len}"]
+               f"--replica-arg=--max-model-len={args.max_model_len}", *(f"--replica-arg={a}" for a in args.replica_arg)]
         urls = [f"http://127.0.0.1:{args.port + 1}", f"http://127.0.0.1:{args.port + 2}"]
     else:
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model_dir,

@@ -37,7 +37,7 @@ for engine in $ENGINES; do
     need=200; [ "$engine" = kvshare ] && need=260
     if [ "$(left)" -lt $need ]; then echo "skipped $engine: $(left) s left"; continue; fi
     timeout $(( $(left) - 10 )) python3 benchmarks/vllm_gpu.py --engine "$engine" --model-dir $MODEL \
-        --lengths $LENGTHS --out "$OUT" 2>&1 | tee -a "$OUT/driver.log"
+        --lengths $LENGTHS --out "$OUT" ${DRIVER_ARGS:-} 2>&1 | tee -a "$OUT/driver.log"
     echo "$engine done at $(( $(date +%s) - T0 )) s"
 done
 grep -E "Traceback|Error|error:" "$OUT"/kvshare.log 2>/dev/null | head -20
