@@ -115,13 +115,20 @@ class Cluster:
                 self._wait_pool()
                 _point_to_pool(self.pool_socket)  # so kvshare pool-stats / pool-admin find it with no --socket
                 _say(progress, "pool ready")
+            ready: set[int] = set()
             for i in range(cfg.num_replicas):
+                for j in starts_after(cfg, i):
+                    if j not in ready:
+                        self._wait_http(f"replica{j}")
+                        ready.add(j)
+                        _say(progress, f"replica {j} ready at {cfg.replica_url(j)}")
                 argv, env = self._replica_command(i, kv)
                 self._spawn(ChildSpec(f"replica{i}", tuple(argv), env, url=cfg.replica_url(i),
                                       takes_instance_id=cfg.engine == "builtin"))
             for i, url in enumerate(self.replica_urls):
-                self._wait_http(f"replica{i}")
-                _say(progress, f"replica {i} ready at {url}")
+                if i not in ready:
+                    self._wait_http(f"replica{i}")
+                    _say(progress, f"replica {i} ready at {url}")
             self._spawn(ChildSpec("router", (*kv, "route", "--policy", cfg.policy, "--host", cfg.host,
                                              "--port", str(cfg.port),
                                              *sum((["--replica", u] for u in self.replica_urls), []),
@@ -323,6 +330,19 @@ def gpu_memory_share(cfg: ClusterConfig, index: int) -> float | None:
     mine = gpu_of_replica(cfg.device, index)
     sharing = sum(gpu_of_replica(cfg.device, j) == mine for j in range(cfg.num_replicas))
     return None if sharing == 1 else round(VLLM_GPU_MEMORY_UTILIZATION / sharing, 3)
+
+
+def starts_after(cfg: ClusterConfig, index: int) -> list[int]:
+    """The replicas that must be ready before replica ``index`` starts: for vLLM on a GPU, the earlier ones on
+    its GPU. vLLM sizes its KV cache from the memory it sees taken while it profiles, so a neighbour loading its
+    weights at the same time shrinks it (two 8B-shape replicas started together on one H200 at 0.45 each: the
+    second got 1.54 GiB of KV and refused to start). With --kv-cache-memory-bytes vLLM does not size it so."""
+    if cfg.engine != "vllm" or cfg.device == "cpu":
+        return []
+    if any(arg.split("=")[0] == "--kv-cache-memory-bytes" for arg in cfg.replica_args):
+        return []
+    mine = gpu_of_replica(cfg.device, index)
+    return [j for j in range(index) if gpu_of_replica(cfg.device, j) == mine]
 
 
 def find_vllm_python() -> str:

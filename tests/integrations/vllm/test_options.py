@@ -207,3 +207,17 @@ def test_vllm_python_found_on_path(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", f"{python.parent}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)  # this python has no vLLM
     assert launch.find_vllm_python() == str(python)
+
+
+def test_vllm_replicas_on_one_gpu_start_one_after_another():
+    """Fails when replicas sharing a GPU start together (vLLM then sizes the second's KV from a busy GPU)."""
+    from kvshare.launch import ClusterConfig, starts_after
+
+    shared = ClusterConfig(engine="vllm", device="cuda", num_replicas=3)
+    assert [starts_after(shared, i) for i in range(3)] == [[], [0], [0, 1]]
+    apart = ClusterConfig(engine="vllm", device="cuda:0,cuda:1", num_replicas=2)
+    assert [starts_after(apart, i) for i in range(2)] == [[], []]
+    sized = ClusterConfig(engine="vllm", device="cuda", num_replicas=2, replica_args=("--kv-cache-memory-bytes=24G",))
+    assert starts_after(sized, 1) == []
+    assert starts_after(ClusterConfig(engine="vllm", num_replicas=2), 1) == []  # CPU
+    assert starts_after(ClusterConfig(engine="builtin", device="cuda", num_replicas=2), 1) == []
