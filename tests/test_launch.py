@@ -32,5 +32,6 @@ def test_one_device_per_replica_as_a_comma_list(tmp_path):
     for bad in ("cuda:0,", "gpu", "cuda:x,cuda:1"):
         with pytest.raises(ValueError, match="--device takes cpu, cuda, cuda:N or a comma list"):
             ClusterConfig(device=bad)
-    with pytest.raises(ValueError, match="applies to built-in replicas"):
-        ClusterConfig(engine="vllm", model=str(tmp_path), device="cuda:0,cuda:1")
+    ClusterConfig(engine="vllm", model=str(tmp_path), device="cuda:0,cuda:1")  # vLLM replicas: a GPU each too
+    with pytest.raises(ValueError, match="not mixed"):
+        ClusterConfig(engine="vllm", model=str(tmp_path), device="cuda:0,cpu")
