@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 
 from kvshare.children import Child, ChildSpec, describe_exit, health_answer, start_child
 from kvshare.paths import point_to_pool, unpoint_pool
+from kvshare.placement import cpu_threads_env, find_vllm_python, gpu_memory_share, gpu_of_replica, starts_after
 from kvshare.pool.client import PoolUnavailable
 from kvshare.pool.spawn import kvshare_command, kvshare_env, stop_process, wait_for_pool
 
@@ -70,9 +70,11 @@ class ClusterConfig:
                              "--api-key with --replica-arg (tenants: the request's cache_salt)")
 
         devices = self.device.split(",")
-        if len(devices) > 1 and self.engine != "builtin":
-            raise ValueError("one --device per replica (a comma list) applies to built-in replicas; vLLM replicas "
-                             "take their GPUs from CUDA_VISIBLE_DEVICES and --replica-arg")
+        if self.engine == "vllm" and len(devices) > 1 and "cpu" in devices:
+            raise ValueError(f"--device {self.device}: vLLM replicas run all on CPU or all on GPUs, not mixed")
+        if self.engine == "vllm" and self.tensor_parallel_size > 1 and self.device != "cpu" and len(devices) > 1:
+            raise ValueError("--tensor-parallel-size with vLLM on GPUs: give --device cuda (each replica's ranks "
+                             "take the GPUs CUDA_VISIBLE_DEVICES lists), not a list of one GPU per replica")
         for device in devices:
             if not (device == "cpu" or device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())):
                 raise ValueError(f"--device takes cpu, cuda, cuda:N or a comma list of them (one per replica, cycled), "
@@ -123,13 +125,20 @@ class Cluster:
                 # so kvshare pool-stats / pool-admin find it with no --socket
                 point_to_pool(self.config.pool_name, self.pool_socket)
                 _say(progress, "pool ready")
+            ready: set[int] = set()
             for i in range(cfg.num_replicas):
+                for j in starts_after(cfg, i):
+                    if j not in ready:
+                        self._wait_http(f"replica{j}")
+                        ready.add(j)
+                        _say(progress, f"replica {j} ready at {cfg.replica_url(j)}")
                 argv, env = self._replica_command(i, kv)
                 self._spawn(ChildSpec(f"replica{i}", tuple(argv), env, url=cfg.replica_url(i),
                                       takes_instance_id=cfg.engine == "builtin"))
             for i, url in enumerate(self.replica_urls):
-                self._wait_http(f"replica{i}")
-                _say(progress, f"replica {i} ready at {url}")
+                if i not in ready:
+                    self._wait_http(f"replica{i}")
+                    _say(progress, f"replica {i} ready at {url}")
             self._spawn(ChildSpec("router", (*kv, "route", "--policy", cfg.policy, "--host", cfg.host,
                                              "--port", str(cfg.port),
                                              *sum((["--replica", u] for u in self.replica_urls), []),
@@ -169,27 +178,37 @@ class Cluster:
             from kvshare.integrations.vllm.launch import VllmServerConfig, vllm_server_command
             from kvshare.keys import DEFAULT_CHUNK_TOKENS
 
-            # prefill steps of one pool chunk: a replica that loads k chunks computes the rest in the same steps (same
-            # shapes, same kernels) as the replica that computed the whole prompt, so a request served alone gets the
-            # same logits bit for bit. With vLLM's default budget the full prompt is one step and the tail over a
-            # loaded prefix another shape: vLLM CPU rounds them differently, 1e-2 in logprobs in bf16 (what vLLM's
-            # "auto" runs a float32 preset in), 1e-5 in float32. --replica-arg overrides it.
+            # prefill steps of one pool chunk: a replica that loads k chunks computes the rest in the same steps
+            # (same shapes, same kernels) as the replica that computed the whole prompt, so a request served
+            # alone gets the same logits bit for bit. With vLLM's default budget the full prompt is one step and
+            # the tail over a loaded prefix another shape: vLLM CPU rounds them differently, 1e-2 in logprobs in
+            # bf16 (what vLLM's "auto" runs a float32 preset in), 1e-5 in float32. --replica-arg overrides it.
+            # On a GPU vLLM's defaults apply (its step budget, the model's context length, compiled graphs).
+            device, visible = gpu_of_replica(cfg.device, i)
+            on_gpu = device != "cpu"
+            if device.startswith("cuda:"):  # vLLM takes its GPU from CUDA_VISIBLE_DEVICES, as cuda
+                visible = device[len("cuda:"):]
             spec = vllm_server_command(VllmServerConfig(
                 model=self._vllm_model_dir(), port=port, host=cfg.host, pool_socket=self.pool_socket,
-                python=cfg.vllm_python or sys.executable, served_model_name=self._served_name(),
+                python=cfg.vllm_python or find_vllm_python(), served_model_name=self._served_name(),
                 replica=f"replica{i}", chunk_tokens=DEFAULT_CHUNK_TOKENS,
-                max_num_batched_tokens=DEFAULT_CHUNK_TOKENS, extra_args=cfg.replica_args,
-                tensor_parallel_size=cfg.tensor_parallel_size, model_revision=cfg.model_revision,
+                max_num_batched_tokens=None if on_gpu else DEFAULT_CHUNK_TOKENS, extra_args=cfg.replica_args,
+                tensor_parallel_size=cfg.tensor_parallel_size, device="cuda" if on_gpu else "cpu",
+                max_model_len=None if on_gpu else 4096,
+                gpu_memory_utilization=gpu_memory_share(cfg, i) if on_gpu else None,
+                model_revision=cfg.model_revision,
                 kv_events_port=None if cfg.replica_kv_events_port is None else cfg.replica_kv_events_port + i,
                 tmp_dir=self._private_dir(f"replica{i}-tmp"),
             ))
+            if visible is not None:
+                spec.env["CUDA_VISIBLE_DEVICES"] = visible
             return spec.argv, spec.env
         device, visible = gpu_of_replica(cfg.device, i)
         args = [*kv, "serve", "--model", cfg.model, "--device", device, "--host", cfg.host, "--port", str(port),
                      "--replica-name", f"replica{i}", "--pool", self.pool_socket or "off", *_auth_args(cfg),
                      "--provenance", cfg.provenance,
                      *(["--model-revision", cfg.model_revision] if cfg.model_revision else []), *cfg.replica_args]
-        env = kvshare_env(_cpu_threads_env(cfg))
+        env = kvshare_env(cpu_threads_env(cfg))
         if visible is not None:
             env["CUDA_VISIBLE_DEVICES"] = visible
         return args, env
@@ -248,7 +267,7 @@ class Cluster:
         if cfg.engine == "vllm":
             from kvshare.integrations.vllm.launch import check_vllm_python
 
-            problem = check_vllm_python(cfg.vllm_python or sys.executable)
+            problem = check_vllm_python(cfg.vllm_python or find_vllm_python())
             if problem:
                 raise RuntimeError(problem + " (name the vLLM environment's interpreter with --vllm-python)")
 
@@ -287,31 +306,6 @@ class Cluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def gpu_of_replica(devices: str, index: int) -> tuple[str, str | None]:
-    """Replica ``index``'s ``--device`` out of ``kvshare up --device``, and its CUDA_VISIBLE_DEVICES (None: as
-    inherited). One device is every replica's; a comma list is cycled over them (``cuda:0,cuda:1``: a GPU
-    each, as the study's two replicas ran), and then a replica sees only its own GPU, as ``cuda`` (so that
-    its threads, streams and the pool's registration all use that one, as a vLLM replica's would)."""
-    names = devices.split(",")
-    device = names[index % len(names)]
-    if len(names) > 1 and device.startswith("cuda:"):
-        return "cuda", device[len("cuda:"):]
-    return device, None
-
-
-def _cpu_threads_env(cfg: ClusterConfig) -> dict | None:
-    """On CPU, split the cores between the replicas (unless OMP_NUM_THREADS is set).
-
-    Each replica's torch would otherwise run one thread per core; with N replicas on the same cores
-    the threads of one parallel region wait on descheduled siblings: on a busy 2-core machine a
-    200-token prefill took 4.4 s with 2 threads per replica and 0.12 s with 1.
-    """
-    if cfg.device != "cpu" or "OMP_NUM_THREADS" in os.environ:
-        return None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return dict(os.environ, OMP_NUM_THREADS=str(max(1, cores // cfg.num_replicas)))
 
 
 def _auth_args(cfg: ClusterConfig) -> list[str]:

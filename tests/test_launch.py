@@ -35,8 +35,9 @@ def test_one_device_per_replica_as_a_comma_list(tmp_path):
     for bad in ("cuda:0,", "gpu", "cuda:x,cuda:1"):
         with pytest.raises(ValueError, match="--device takes cpu, cuda, cuda:N or a comma list"):
             ClusterConfig(device=bad)
-    with pytest.raises(ValueError, match="applies to built-in replicas"):
-        ClusterConfig(engine="vllm", model=str(tmp_path), device="cuda:0,cuda:1")
+    ClusterConfig(engine="vllm", model=str(tmp_path), device="cuda:0,cuda:1")  # vLLM replicas: a GPU each too
+    with pytest.raises(ValueError, match="not mixed"):
+        ClusterConfig(engine="vllm", model=str(tmp_path), device="cuda:0,cpu")
 
 
 def test_vllm_replicas_publish_their_own_kv_events_on_their_port_and_topic(tmp_path):
@@ -49,6 +50,8 @@ def test_vllm_replicas_publish_their_own_kv_events_on_their_port_and_topic(tmp_p
     plain = Cluster(ClusterConfig(engine="vllm", model=str(tmp_path)))
     plain.pool_socket = cluster.pool_socket
     assert "--kv-events-config" not in plain._replica_command(0, [])[0]
+
+
 def test_vllm_replicas_leave_their_rendezvous_files_in_a_directory_the_cluster_removes(tmp_path):
     """Fails when a vLLM replica inherits TMPDIR: its tensor-parallel ranks' vllm_dist_* files (vLLM's
     get_file_store_init_method) stayed behind in /dev/shm or /tmp after every run."""

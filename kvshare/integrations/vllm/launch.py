@@ -6,8 +6,12 @@ in its own virtual environment (``--vllm-python``): nothing here imports it.
 
 The server runs with the connector (unless ``pool_socket`` is None), prompt-token
 details on (so ``usage.prompt_tokens_details.cached_tokens`` counts reused prompt
-tokens), eager mode and vLLM's CPU settings: block size 32 (the CPU attention kernels
-need a multiple of 32), ``VLLM_CPU_KVCACHE_SPACE`` GiB of KV, a small ``max_model_len``.
+tokens) and block size 32 (the CPU attention kernels need a multiple of 32; FlashAttention
+takes any multiple of 16). On CPU: eager mode (compiling the model takes minutes on a small
+CPU machine and buys little there), ``VLLM_CPU_KVCACHE_SPACE`` GiB of KV, a small
+``max_model_len``. On CUDA: vLLM's defaults (torch.compile and CUDA graphs on), the model's own
+context length unless ``max_model_len`` is given, and ``gpu_memory_utilization`` when several
+replicas share a GPU.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ class VllmServerConfig:
     python: str = sys.executable  # the vLLM virtual environment's interpreter (--vllm-python)
     served_model_name: str | None = None
     replica: str = ""  # the name reported in kv_transfer_params["kvshare"]["replica"]
-    max_model_len: int = 4096
+    max_model_len: int | None = 4096  # None: the model's own (vLLM's default)
     block_size: int = 32
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE (CPU only)
@@ -52,6 +56,7 @@ class VllmServerConfig:
     dtype: str = "auto"  # "float32" for exact comparisons on CPU
     device: str = "cpu"  # "cpu" | "cuda": which environment the server gets
     max_num_batched_tokens: int | None = None  # None: vLLM's default
+    gpu_memory_utilization: float | None = None  # CUDA: this replica's share of its GPU; None: vLLM's default
     verify_fraction: float | None = None  # share of loaded pages verified; None: the connector's default
     overlap_load: bool | None = None  # CPU loads copied beside the forward; None: the connector's default
     copy_threads: int | None = None  # threads of the connector's CPU copies; None: the connector's default
@@ -76,6 +81,8 @@ class VllmServerConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization}")
 
     @property
     def base_url(self) -> str:
@@ -125,15 +132,19 @@ def vllm_server_command(config: VllmServerConfig, base_env: dict[str, str] | Non
         "--host", config.host,
         "--port", str(config.port),
         "--served-model-name", config.served_model_name or os.path.basename(os.path.normpath(config.model)),
-        "--max-model-len", str(config.max_model_len),
         "--block-size", str(config.block_size),
         "--dtype", config.dtype,
         "--seed", str(config.seed),
-        "--enforce-eager",
         "--enable-prefix-caching",
         "--enable-prompt-tokens-details",
         "--disable-uvicorn-access-log",
     ]
+    if config.max_model_len is not None:
+        argv += ["--max-model-len", str(config.max_model_len)]
+    if config.device == "cpu":
+        argv += ["--enforce-eager"]
+    if config.gpu_memory_utilization is not None:
+        argv += ["--gpu-memory-utilization", f"{config.gpu_memory_utilization:g}"]
     if config.max_num_batched_tokens is not None:
         argv += ["--max-num-batched-tokens", str(config.max_num_batched_tokens)]
     if config.tensor_parallel_size > 1:

@@ -57,6 +57,7 @@ class ConnectorConfig:
     replica: str = ""  # name reported in each response's provenance
     store: bool = True  # put computed chunks into the pool
     load: bool = True  # take chunks from the pool
+    allow_untested_vllm: bool = False  # run on a vLLM minor the connector was not tested with (compat)
 
     def __post_init__(self) -> None:
         if self.chunk_tokens <= 0:

@@ -137,3 +137,87 @@ def test_up_passes_tensor_parallel_size_to_vllm_replicas(tmp_path):
     assert argv[argv.index("--tensor-parallel-size") + 1] == "2" and "|" in env["VLLM_CPU_OMP_THREADS_BIND"]
     with pytest.raises(ValueError, match="vLLM replicas only"):
         ClusterConfig(engine="builtin", tensor_parallel_size=2)
+
+
+def test_cuda_server_command_keeps_vllms_compiled_defaults():
+    """Fails when --enforce-eager is passed on CUDA (CUDA graphs and torch.compile off)."""
+    spec = vllm_server_command(VllmServerConfig(model="m", port=1, device="cuda", max_model_len=None,
+                                                gpu_memory_utilization=0.45), base_env={})
+    assert "--enforce-eager" not in spec.argv and "--max-model-len" not in spec.argv
+    assert spec.argv[spec.argv.index("--gpu-memory-utilization") + 1] == "0.45"
+    assert "VLLM_CPU_KVCACHE_SPACE" not in spec.env and "CUDA_VISIBLE_DEVICES" not in spec.env
+    assert "--enforce-eager" in vllm_server_command(VllmServerConfig(model="m", port=1), base_env={}).argv  # CPU
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        VllmServerConfig(model="m", port=1, device="cuda", gpu_memory_utilization=1.5)
+
+
+def _vllm_replicas(tmp_path, device: str, replicas: int = 2, replica_args: tuple = ()) -> list[tuple[list, dict]]:
+    from kvshare.launch import Cluster, ClusterConfig
+
+    (tmp_path / "config.json").write_text("{}")
+    cluster = Cluster(ClusterConfig(engine="vllm", model=str(tmp_path), device=device, num_replicas=replicas,
+                                    vllm_python="/venv/bin/python", replica_args=replica_args))
+    return [cluster._replica_command(i, []) for i in range(replicas)]
+
+
+def _flag(argv: list, name: str):
+    return argv[argv.index(name) + 1] if name in argv else None
+
+
+def test_up_vllm_two_replicas_share_one_gpu(tmp_path):
+    """Fails when replicas on one GPU each take vLLM's default 0.9 of it (the second then cannot start)."""
+    (a, env_a), (b, env_b) = _vllm_replicas(tmp_path, "cuda")
+    assert _flag(a, "--gpu-memory-utilization") == _flag(b, "--gpu-memory-utilization") == "0.45"
+    for argv, env in ((a, env_a), (b, env_b)):
+        assert "--enforce-eager" not in argv and "--max-num-batched-tokens" not in argv
+        assert "--max-model-len" not in argv and "VLLM_CPU_KVCACHE_SPACE" not in env
+        assert argv[0] == "/venv/bin/python"
+    assert _flag(a, "--port") != _flag(b, "--port")
+    assert "CUDA_VISIBLE_DEVICES" not in env_a or env_a["CUDA_VISIBLE_DEVICES"] == env_b["CUDA_VISIBLE_DEVICES"]
+    (own, _), _ = _vllm_replicas(tmp_path, "cuda", replica_args=("--gpu-memory-utilization=0.3",))
+    assert _flag(own, "--gpu-memory-utilization") is None and "--gpu-memory-utilization=0.3" in own
+
+
+def test_up_vllm_one_replica_per_gpu(tmp_path):
+    """Fails when a list of GPUs is refused for vLLM replicas or each replica does not see only its own GPU."""
+    (a, env_a), (b, env_b) = _vllm_replicas(tmp_path, "cuda:0,cuda:1")
+    assert (env_a["CUDA_VISIBLE_DEVICES"], env_b["CUDA_VISIBLE_DEVICES"]) == ("0", "1")
+    assert _flag(a, "--gpu-memory-utilization") is None and _flag(b, "--gpu-memory-utilization") is None
+    (c, env_c), = _vllm_replicas(tmp_path, "cuda:1", replicas=1)
+    assert env_c["CUDA_VISIBLE_DEVICES"] == "1"
+    three = _vllm_replicas(tmp_path, "cuda:0,cuda:1", replicas=3)  # cycled: two share GPU 0
+    assert [_flag(argv, "--gpu-memory-utilization") for argv, _ in three] == ["0.45", None, "0.45"]
+    from kvshare.launch import ClusterConfig
+
+    with pytest.raises(ValueError, match="not mixed"):
+        ClusterConfig(engine="vllm", device="cpu,cuda:0")
+
+
+def test_vllm_python_found_on_path(tmp_path, monkeypatch):
+    import importlib.util
+    import os
+
+    from kvshare import launch
+
+    python = tmp_path / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text("")
+    (tmp_path / "venv" / "bin" / "vllm").write_text(f"#!{python}\nimport vllm\n")
+    os.chmod(tmp_path / "venv" / "bin" / "vllm", 0o755)
+    monkeypatch.setenv("PATH", f"{python.parent}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)  # this python has no vLLM
+    assert launch.find_vllm_python() == str(python)
+
+
+def test_vllm_replicas_on_one_gpu_start_one_after_another():
+    """Fails when replicas sharing a GPU start together (vLLM then sizes the second's KV from a busy GPU)."""
+    from kvshare.launch import ClusterConfig, starts_after
+
+    shared = ClusterConfig(engine="vllm", device="cuda", num_replicas=3)
+    assert [starts_after(shared, i) for i in range(3)] == [[], [0], [0, 1]]
+    apart = ClusterConfig(engine="vllm", device="cuda:0,cuda:1", num_replicas=2)
+    assert [starts_after(apart, i) for i in range(2)] == [[], []]
+    sized = ClusterConfig(engine="vllm", device="cuda", num_replicas=2, replica_args=("--kv-cache-memory-bytes=24G",))
+    assert starts_after(sized, 1) == []
+    assert starts_after(ClusterConfig(engine="vllm", num_replicas=2), 1) == []  # CPU
+    assert starts_after(ClusterConfig(engine="builtin", device="cuda", num_replicas=2), 1) == []

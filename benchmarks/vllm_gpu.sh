@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Real vLLM 0.26 on the H200: install the slim vLLM bundle, write the Qwen3-8B-shape model, then
+# benchmarks/vllm_gpu.py: kvshare (two replicas on one GPU, one pool: cold, cross-replica, local) and
+# vLLM's native CPU offloading (a local hit) on the same prompt lengths. Results: $OUT/rows.json, logs.
+#
+#   bash benchmarks/vllm_gpu.sh [LENGTHS...]        (default 32768 131072)
+#
+# Needs, in .vk/ (ignored, carried): vllm026-sm90.tar.xz.part-aa, SHA256SUMS, install_on_device.sh
+# (from the vLLM bundle build). ENGINES="kvshare vllm-offloading" (default both), BUDGET_S (default 560):
+# an engine is skipped when less than its estimated time is left.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/vllm_gpu_out}
+mkdir -p "$OUT"
+VK=${VK_DIR:-.vk}
+LENGTHS=${*:-32768 131072}
+ENGINES=${ENGINES:-kvshare vllm-offloading}
+BUDGET_S=${BUDGET_S:-560}
+T0=$(date +%s)
+left() { echo $((BUDGET_S - ($(date +%s) - T0))); }
+export PYTHONUNBUFFERED=1
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+mkdir -p /tmp/vk && cp "$VK"/vllm026-* /tmp/vk/ && bash "$VK/install_on_device.sh" > "$OUT/install.log" 2>&1 \
+    || { tail -20 "$OUT/install.log"; exit 1; }
+tail -1 "$OUT/install.log"
+# shellcheck disable=SC1091
+source /tmp/site/vllm_env.sh
+export PYTHONPATH=$PWD:$PYTHONPATH
+python3 -c "import vllm, kvshare.integrations.vllm.connector as c; print('connector loads on vLLM', vllm.__version__)" \
+    2>&1 | tail -3
+MODEL=/tmp/m8b
+[ -f $MODEL/config.json ] || python3 -m kvshare make-model qwen3-8b --out $MODEL --device cuda 2>&1 | tail -2
+echo "model written at $(( $(date +%s) - T0 )) s"
+
+for engine in $ENGINES; do
+    need=200; [ "$engine" = kvshare ] && need=260
+    if [ "$(left)" -lt $need ]; then echo "skipped $engine: $(left) s left"; continue; fi
+    timeout $(( $(left) - 10 )) python3 benchmarks/vllm_gpu.py --engine "$engine" --model-dir $MODEL \
+        --lengths $LENGTHS --out "$OUT" ${DRIVER_ARGS:-} 2>&1 | tee -a "$OUT/driver.log"
+    echo "$engine done at $(( $(date +%s) - T0 )) s"
+done
+grep -E "Traceback|Error|error:" "$OUT"/kvshare.log 2>/dev/null | head -20
