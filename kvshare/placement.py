@@ -6,10 +6,16 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from kvshare.launch import ClusterConfig
+
+class ClusterConfig(Protocol):
+    """What placement reads of ``kvshare.launch.ClusterConfig``."""
+
+    engine: str
+    device: str
+    num_replicas: int
+    replica_args: tuple[str, ...]
 
 
 def gpu_of_replica(devices: str, index: int) -> tuple[str, str | None]:
