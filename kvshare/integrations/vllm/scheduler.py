@@ -329,11 +329,13 @@ class PoolScheduler:
         granted it still runs."""
         if held is None or not held.lease_id:
             return
-        client = self.link.client()
-        if client is None:
-            self.link.end_later(lease_id=held.lease_id)  # once the link is back (to the same pool)
+        if held.owner[1] != self.link.holder:
             return
-        if (self.link.pool_pid, self.link.holder) != held.owner:  # granted by a pool that is gone
+        client = self.link.client()
+        if client is None:  # once the link is back to the pool that granted it
+            self.link.end_later(lease_id=held.lease_id, pool_pid=held.owner[0])
+            return
+        if self.link.pool_pid != held.owner[0]:  # granted by a pool that is gone
             return
         client.release([held.lease_id])  # fire and forget; a broken socket closes the client
 

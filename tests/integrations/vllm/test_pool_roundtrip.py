@@ -432,3 +432,27 @@ def test_a_scheduler_lookup_that_times_out_keeps_the_leases_of_loads_still_to_ru
     finally:
         a.close()
         b.close()
+
+
+def test_a_lease_of_an_earlier_pool_released_while_the_link_is_down_never_ends_a_lease_of_this_pool(pool):
+    """A lease granted by a pool that is gone (another pool pid) is released while the link is down. Lease
+    ids restart in every pool, so the same id may name a lease this holder took from the pool it reconnects
+    to, whose copy still runs: that lease must stay.
+    Fails when the scheduler files the release under the link's last pool instead of the lease's own."""
+    from kvshare.integrations.vllm.plan import HeldLease
+
+    a, b = Replica(pool, "A", seed=1), Replica(pool, "B", seed=2)
+    try:
+        a.run_prefill("r1", PROMPT, BLOCKS_A)
+        link = b.scheduler.link
+        live = link.client().lookup(chunk_keys(namespace_digest(NAMESPACE), PROMPT, C), LAYOUT.page_bytes)
+        assert live.lease_id and pool_stats(pool)["leases"] == 1
+        stale = HeldLease(live.lease_id, 0, [], [], b.clock.now, (link.pool_pid + 1, link.holder))
+        link.failed(TimeoutError("the pool did not answer"))
+        b.scheduler._release(stale)
+        b.clock.now += 1.0  # the link's retry is due
+        assert link.client() is not None
+        assert pool_stats(pool)["leases"] == 1  # the live lease of the same id is kept
+    finally:
+        a.close()
+        b.close()
