@@ -456,3 +456,36 @@ def test_a_lease_of_an_earlier_pool_released_while_the_link_is_down_never_ends_a
     finally:
         a.close()
         b.close()
+
+
+def test_a_tensor_parallel_store_reserved_in_an_earlier_pool_never_commits_a_reservation_of_this_pool():
+    """The scheduler reserves pages for a tensor parallel store; the pool restarts; the link reconnects and
+    reserves again, in the new pool, under the same reservation id (ids restart in every pool). The ranks'
+    parts of the first store then arrive: they must not commit the second reservation, whose pages no rank
+    has written yet.
+    Fails when the scheduler settles a store on whatever pool its link is connected to now."""
+    from kvshare.integrations.vllm.metadata import StorePart, StoreSpec
+
+    keys = tuple(chunk_keys(namespace_digest(NAMESPACE), PROMPT, C))
+    digest = namespace_digest(NAMESPACE)
+    with private_socket("kvshare-test") as path:
+        proc = start_pool(path, "16MiB", POOL_ARGS)
+        clock = FakeClock()
+        config = ConnectorConfig(pool_socket=path, chunk_tokens=C, replica="tp")
+        scheduler = PoolScheduler(config, NAMESPACE, LAYOUT.page_bytes, N, PoolLink(path, "tp-sched", clock=clock),
+                                  clock=clock, tp_size=2)
+        try:
+            first = scheduler._reserve(StoreSpec("r1", digest, 0, keys, (0,)))
+            stop_process(proc)
+            proc = start_pool(path, "16MiB", POOL_ARGS)
+            assert scheduler.link.reconnect_now() is not None
+            second = scheduler._reserve(StoreSpec("r2", digest, 0, keys, (0,)))
+            assert second.reservation_id == first.reservation_id and second.pool_pid != first.pool_pid
+            assert pool_stats(path)["reservations"] == 1
+            for rank in range(2):
+                part = StorePart(first.reservation_id, first.pool_pid, rank, True, (1,) * len(first.grants))
+                scheduler._settle_part(part)
+            assert pool_stats(path)["reservations"] == 1  # the new pool's reservation still waits for its parts
+        finally:
+            scheduler.close()
+            stop_process(proc)
