@@ -179,8 +179,10 @@ class PoolClient:
     def __enter__(self) -> "PoolClient":
         return self.connect() if self._sock is None else self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        # Left by an exception, a copy into or out of this client's pages may still run: the holds stay
+        # (until this process exits, a client with the same token ends them, or their TTL).
+        self.close(end_holds=exc_type is None)
 
     @property
     def is_connected(self) -> bool:

@@ -112,10 +112,14 @@ class PoolLink:
         self._end_due_holds(client)
         return client
 
-    def end_later(self, lease_id: int = 0, reservation_id: int = 0) -> None:
+    def end_later(self, lease_id: int = 0, reservation_id: int = 0, pool_pid: int = 0) -> None:
         """Release a lease / abort a reservation whose copies have ended, once the pool can be told (the next
-        connect to the same pool); meanwhile the pool keeps it."""
-        pid = self._last_pool_pid
+        connect to the same pool); meanwhile the pool keeps it.
+
+        ``pool_pid``: the pool that granted the hold (0: the pool of the last connect). Hold ids restart in
+        every pool, so a hold of an earlier pool must never be ended on this one: it may name a live hold.
+        """
+        pid = pool_pid or self._last_pool_pid
         if pid and lease_id:
             self._ends_due.append((pid, "lease", lease_id))
         if pid and reservation_id:

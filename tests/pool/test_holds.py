@@ -109,6 +109,23 @@ def test_a_client_with_the_same_token_releases_the_holds_and_close_ends_them(sma
         assert taken.lease_id
 
 
+def test_a_with_block_left_by_an_exception_keeps_the_holds(small_pool):
+    """An exception may leave a ``with PoolClient`` block while a copy into or out of its pages still runs
+    (a CUDA copy, a copy thread): the holds must outlive the block, as after a timeout, until this process
+    exits, a client with the same token ends them, or their TTL.
+    Fails when __exit__ says goodbye whatever the exit (the lease is released at once)."""
+    workers.write_pages(small_pool, "held", 2, PAGE)
+    client = PoolClient(small_pool)
+    with pytest.raises(RuntimeError, match="copy failed"):
+        with client:
+            lease = client.lookup(make_keys("held", 2), PAGE)
+            raise RuntimeError("copy failed")
+    with PoolClient(small_pool, holder=client.holder) as same_holder:
+        assert same_holder.stats()["leases"] == 1
+        same_holder.release([lease.lease_id], wait=True)
+        assert same_holder.stats()["leases"] == 0
+
+
 def test_holds_ended_while_the_link_was_down_are_ended_at_its_next_connect(small_pool):
     """A lease whose copy ended and a reservation given up while the link was down (the scheduler's release,
     the worker's abort) reach the pool when the link is back; until then the pool keeps them.

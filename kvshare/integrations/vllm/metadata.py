@@ -72,6 +72,7 @@ class StorePart:
     in grant order) or not (``reason``), which aborts the whole reservation."""
 
     reservation_id: int
+    pool_pid: int  # the pool that granted the reservation: ids restart in every pool
     tp_rank: int
     is_written: bool
     checksums: tuple[int, ...] = ()

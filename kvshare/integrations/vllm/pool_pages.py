@@ -78,12 +78,12 @@ class PoolPages:
             log.warning("kvshare: store failed (%s: %s); its pages are aborted", type(exc).__name__, exc)
             if isinstance(exc, POOL_DOWN_ERRORS):
                 self.link.failed(exc)
-                self.link.end_later(reservation_id=reservation_id)  # the pool keeps it until told
+                self.link.end_later(reservation_id=reservation_id, pool_pid=client.hello.server_pid)
                 return
         try:
             client.abort(reservation_id)
         except POOL_DOWN_ERRORS as abort_exc:
             self.link.failed(abort_exc)
-            self.link.end_later(reservation_id=reservation_id)
+            self.link.end_later(reservation_id=reservation_id, pool_pid=client.hello.server_pid)
         except PoolRequestError:
             pass

@@ -260,7 +260,7 @@ class PoolScheduler:
         self.counters.skipped_stores += reservation.num_no_room
         if not reservation.grants:
             return None
-        self._parted.expect(reservation.reservation_id)
+        self._parted.expect(reservation.reservation_id, self.link.pool_pid)
         return dataclasses.replace(spec, reservation_id=reservation.reservation_id,
                                    grants=tuple(reservation.grants), pool_pid=self.link.pool_pid)
 
@@ -270,9 +270,12 @@ class PoolScheduler:
         if done is None:
             return
         reservation_id, checksums = done
+        pool_pid = part.pool_pid
         client = self.link.client()
-        if client is None:
-            self.link.end_later(reservation_id=reservation_id)  # the pool keeps it until told, or its TTL
+        if client is None:  # the pool keeps it until told, or its TTL
+            self.link.end_later(reservation_id=reservation_id, pool_pid=pool_pid)
+            return
+        if self.link.pool_pid != pool_pid:  # granted by a pool that is gone; the id may name a live reservation
             return
         try:
             if checksums is None:
@@ -282,7 +285,8 @@ class PoolScheduler:
         except POOL_DOWN_ERRORS as exc:
             self.counters.pool_errors += 1
             self.link.failed(exc)
-            self.link.end_later(reservation_id=reservation_id)  # refused then, if the commit went through
+            # refused then, if the commit went through
+            self.link.end_later(reservation_id=reservation_id, pool_pid=pool_pid)
             return
         except PoolRequestError as exc:
             self.counters.pool_errors += 1
@@ -329,11 +333,13 @@ class PoolScheduler:
         granted it still runs."""
         if held is None or not held.lease_id:
             return
-        client = self.link.client()
-        if client is None:
-            self.link.end_later(lease_id=held.lease_id)  # once the link is back (to the same pool)
+        if held.owner[1] != self.link.holder:
             return
-        if (self.link.pool_pid, self.link.holder) != held.owner:  # granted by a pool that is gone
+        client = self.link.client()
+        if client is None:  # once the link is back to the pool that granted it
+            self.link.end_later(lease_id=held.lease_id, pool_pid=held.owner[0])
+            return
+        if self.link.pool_pid != held.owner[0]:  # granted by a pool that is gone
             return
         client.release([held.lease_id])  # fire and forget; a broken socket closes the client
 
@@ -343,7 +349,7 @@ class PoolScheduler:
 
     def close(self) -> None:
         client = self.link.client() if self._parted is not None and len(self._parted) else None
-        for reservation_id in self._parted.pending() if client is not None else ():
+        for reservation_id in self._parted.pending(self.link.pool_pid) if client is not None else ():
             try:
                 client.abort(reservation_id)
             except (PoolRequestError, *POOL_DOWN_ERRORS):

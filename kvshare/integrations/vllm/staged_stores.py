@@ -195,8 +195,8 @@ class StagedStores:
             if not may_commit(spec):
                 reason = FAILED_LOAD
             written = not reason  # reason "": a replicated head another rank writes, reported as 0
-            self.parts.append(StorePart(spec.reservation_id, rank, written, (0,) * len(spec.grants) if written else (),
-                                        reason))
+            self.parts.append(StorePart(spec.reservation_id, spec.pool_pid, rank, written,
+                                        (0,) * len(spec.grants) if written else (), reason))
         if not self._plans:
             return 0
         engine = self.engine
@@ -233,7 +233,8 @@ class StagedStores:
         """This rank's part of a parted spec it copied: its heads' part of each page's WSUM32, or why not."""
         rank = self.engine.heads.tp_rank
         if not may_store:
-            return StorePart(spec.reservation_id, rank, False, reason=FAILED_LOAD)
+            return StorePart(spec.reservation_id, spec.pool_pid, rank, False, reason=FAILED_LOAD)
         if self._error is not None:
-            return StorePart(spec.reservation_id, rank, False, reason=f"{type(self._error).__name__}: {self._error}")
-        return StorePart(spec.reservation_id, rank, True, tuple(checksums))
+            return StorePart(spec.reservation_id, spec.pool_pid, rank, False,
+                             reason=f"{type(self._error).__name__}: {self._error}")
+        return StorePart(spec.reservation_id, spec.pool_pid, rank, True, tuple(checksums))

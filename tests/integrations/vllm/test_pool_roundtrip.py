@@ -432,3 +432,60 @@ def test_a_scheduler_lookup_that_times_out_keeps_the_leases_of_loads_still_to_ru
     finally:
         a.close()
         b.close()
+
+
+def test_a_lease_of_an_earlier_pool_released_while_the_link_is_down_never_ends_a_lease_of_this_pool(pool):
+    """A lease granted by a pool that is gone (another pool pid) is released while the link is down. Lease
+    ids restart in every pool, so the same id may name a lease this holder took from the pool it reconnects
+    to, whose copy still runs: that lease must stay.
+    Fails when the scheduler files the release under the link's last pool instead of the lease's own."""
+    from kvshare.integrations.vllm.plan import HeldLease
+
+    a, b = Replica(pool, "A", seed=1), Replica(pool, "B", seed=2)
+    try:
+        a.run_prefill("r1", PROMPT, BLOCKS_A)
+        link = b.scheduler.link
+        live = link.client().lookup(chunk_keys(namespace_digest(NAMESPACE), PROMPT, C), LAYOUT.page_bytes)
+        assert live.lease_id and pool_stats(pool)["leases"] == 1
+        stale = HeldLease(live.lease_id, 0, [], [], b.clock.now, (link.pool_pid + 1, link.holder))
+        link.failed(TimeoutError("the pool did not answer"))
+        b.scheduler._release(stale)
+        b.clock.now += 1.0  # the link's retry is due
+        assert link.client() is not None
+        assert pool_stats(pool)["leases"] == 1  # the live lease of the same id is kept
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_tensor_parallel_store_reserved_in_an_earlier_pool_never_commits_a_reservation_of_this_pool():
+    """The scheduler reserves pages for a tensor parallel store; the pool restarts; the link reconnects and
+    reserves again, in the new pool, under the same reservation id (ids restart in every pool). The ranks'
+    parts of the first store then arrive: they must not commit the second reservation, whose pages no rank
+    has written yet.
+    Fails when the scheduler settles a store on whatever pool its link is connected to now."""
+    from kvshare.integrations.vllm.metadata import StorePart, StoreSpec
+
+    keys = tuple(chunk_keys(namespace_digest(NAMESPACE), PROMPT, C))
+    digest = namespace_digest(NAMESPACE)
+    with private_socket("kvshare-test") as path:
+        proc = start_pool(path, "16MiB", POOL_ARGS)
+        clock = FakeClock()
+        config = ConnectorConfig(pool_socket=path, chunk_tokens=C, replica="tp")
+        scheduler = PoolScheduler(config, NAMESPACE, LAYOUT.page_bytes, N, PoolLink(path, "tp-sched", clock=clock),
+                                  clock=clock, tp_size=2)
+        try:
+            first = scheduler._reserve(StoreSpec("r1", digest, 0, keys, (0,)))
+            stop_process(proc)
+            proc = start_pool(path, "16MiB", POOL_ARGS)
+            assert scheduler.link.reconnect_now() is not None
+            second = scheduler._reserve(StoreSpec("r2", digest, 0, keys, (0,)))
+            assert second.reservation_id == first.reservation_id and second.pool_pid != first.pool_pid
+            assert pool_stats(path)["reservations"] == 1
+            for rank in range(2):
+                part = StorePart(first.reservation_id, first.pool_pid, rank, True, (1,) * len(first.grants))
+                scheduler._settle_part(part)
+            assert pool_stats(path)["reservations"] == 1  # the new pool's reservation still waits for its parts
+        finally:
+            scheduler.close()
+            stop_process(proc)
