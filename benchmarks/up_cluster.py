@@ -103,7 +103,7 @@ class Cluster:
                 self._stop(other)
         port = self.port + 1 + PHASES.index(name)
         self._spawn(name, ["serve", "--model", s.model, "--device", s.device, "--pool", self.pool_socket,
-                           *s.replica_args, "--port", str(port), "--replica-name", f"replica-{name}"])
+                           "--provenance", "all", *s.replica_args, "--port", str(port), "--replica-name", f"replica-{name}"])
         self._wait_ready([self.urls[name]], [name], s.start_timeout_s)
         self._wait_ready([self.router], ["router"], 30.0)
         time.sleep(2.5)  # the router's health loop (1 s) has seen the replica that went and the one that came

@@ -127,7 +127,8 @@ class SequentialReplicas:
         device, visible = gpu_of_replica(cfg.device, index)
         cmd = [*kvshare_command("WARNING"), "serve", "--model", cfg.model,
                "--device", device, "--host", cfg.host, "--port", str(cfg.port + index),
-               "--replica-name", f"replica{index}", "--pool", self.socket_path, *cfg.replica_args]
+               "--replica-name", f"replica{index}", "--pool", self.socket_path,
+               "--provenance", "all", *cfg.replica_args]  # the benchmark reads where each prompt token came from
         env = kvshare_env()
         if visible is not None:
             env["CUDA_VISIBLE_DEVICES"] = visible
