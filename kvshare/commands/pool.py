@@ -32,8 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds before a reservation never committed nor aborted is aborted (longer than any copy)")
     p.add_argument("--max-message-bytes", type=parse_size, default="1MiB")
     p.add_argument("--namespace-quota", type=parse_size, default=None, metavar="SIZE",
-                   help="bytes one namespace (model + tenant) may hold; over it a store evicts that namespace's "
-                        "own least recently used chunks, then stores fewer (default: no quota)")
+                   help="bytes one account (a tenant identity, whatever cache_salt it sends; else one namespace) "
+                        "may hold; over it a store evicts that account's own least recently used chunks, then "
+                        "stores fewer (default: no quota)")
     _add_remote_arguments(p)
     _add_event_arguments(p)
 

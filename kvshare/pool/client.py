@@ -301,8 +301,9 @@ class PoolClient:
                 self._close_socket()
 
     def reserve(self, namespace: bytes, keys: list[bytes], page_bytes: int, first_depth: int = 0,
-                token_ids=None) -> ReservationGrant:
+                token_ids=None, account: bytes = b"") -> ReservationGrant:
         """Pages for ``keys``; ``token_ids`` (the chunks' tokens, in order) lets the pool announce them in KV events.
+        ``account`` (P.Reserve): whose quota the pages count against; empty: the namespace's.
 
         The tokens travel only to a pool that publishes events, and only up to MAX_RESERVE_TOKEN_BYTES (a longer
         run is announced without them: invisible to an indexer that rehashes tokens, never wrong)."""
@@ -310,7 +311,7 @@ class PoolClient:
         tokens_le32 = np.asarray(token_ids, dtype="<u4").tobytes() if wanted else b""
         tokens_le32 = tokens_le32 if len(tokens_le32) <= P.MAX_RESERVE_TOKEN_BYTES else b""
         reply = self._call(P.Reserve(namespace=namespace, keys=list(keys), page_bytes=page_bytes,
-                                     first_depth=first_depth, tokens_le32=tokens_le32))
+                                     first_depth=first_depth, tokens_le32=tokens_le32, account=account))
         return ReservationGrant(reply.reservation_id, [tuple(g) for g in reply.grants], reply.num_no_room)
 
     def commit(self, reservation_id: int, checksums: list[int], checksum_kind: ChecksumKind = ChecksumKind.XXH3) -> int:

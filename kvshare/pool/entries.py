@@ -34,6 +34,12 @@ class Entry:
     is_dropped: bool = False  # removed from view; page freed when the last lease goes
     parent_key: bytes | None = None  # the chunk before this one in its chain, when the writer named it
     tokens_le32: bytes = b""  # the chunk's token ids (little-endian u32) when the writer sent them: KV events
+    account: bytes = b""  # whose quota holds the page, when the writer named one (quota.py)
+
+    @property
+    def quota_owner(self) -> bytes:
+        """What the quota charges for this page: the writer's account, else the namespace."""
+        return self.account or self.namespace
 
     def token_ids(self) -> list[int]:
         return np.frombuffer(self.tokens_le32, dtype="<u4").tolist()

@@ -189,7 +189,7 @@ class PoolHandlers:
     def reserve(self, client_id: int, req: P.Reserve) -> P.Reply:
         holder_id = self._holder(client_id)
         result = self.index.reserve(holder_id, req.namespace, req.keys, req.page_bytes, req.first_depth, self._clock(),
-                                    req.tokens_le32)
+                                    req.tokens_le32, req.account)
         if self.remote is not None:
             self.remote.on_reserve(holder_id, result.reservation_id, [entry for _, entry in result.grants])
         grants = [(i, entry.offset) for i, entry in result.grants]

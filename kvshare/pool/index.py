@@ -8,8 +8,8 @@ State machine of one entry::
 
 Only COMMITTED entries are visible to lookups. Eviction walks committed,
 unleased entries in LRU order between a high and a low watermark. With a
-namespace quota (quota.py), a reserve over it evicts that namespace's own
-entries and grants fewer pages when that is not enough. A lookup
+quota (quota.py, per account or else per namespace), a reserve over it evicts
+that owner's own entries and grants fewer pages when that is not enough. A lookup
 touches its matched chain from tail to head and a commit adds from tail to
 head, so in the LRU order a chain's tail is always older than its head and is
 evicted first (evicting chunk i strands chunks i+1 and later).
@@ -49,7 +49,7 @@ class IndexConfig:
     lease_ttl_s: float = 300.0
     reservation_ttl_s: float = 600.0  # longer than any copy into a reservation's pages can run
     max_keys: int = 4096  # per message
-    namespace_quota_bytes: int = 0  # bytes one namespace may hold (writing + committed); 0: no quota
+    namespace_quota_bytes: int = 0  # bytes one account (or namespace) may hold (writing + committed); 0: no quota
 
     def __post_init__(self) -> None:
         if not 0.0 < self.low_watermark <= self.high_watermark <= 1.0:
@@ -172,11 +172,12 @@ class PoolIndex:
 
     def reserve(
         self, client_id: int, namespace: bytes, keys: list[bytes], page_bytes: int, first_depth: int, now: float,
-        tokens_le32: bytes = b"",
+        tokens_le32: bytes = b"", account: bytes = b"",
     ) -> ReserveResult:
         """Pages for the keys nobody holds yet, invisible until commit. Never blocks: no room -> fewer grants.
 
         ``tokens_le32``: the chunks' token ids (u32 LE, as many per key) or nothing; kept for KV events only.
+        ``account``: whose quota the pages count against (quota.py), or nothing: the namespace's.
         """
         self._check_keys(keys)
         if tokens_le32 and len(tokens_le32) % (4 * len(keys)):
@@ -185,6 +186,8 @@ class PoolIndex:
         chunk_bytes = len(tokens_le32) // len(keys) if tokens_le32 else 0
         if len(namespace) != KEY_BYTES:
             raise PoolError("bad_namespace", f"namespace must be {KEY_BYTES} bytes, got {len(namespace)}")
+        if account and len(account) != KEY_BYTES:
+            raise PoolError("bad_account", f"account must be {KEY_BYTES} bytes or empty, got {len(account)}")
         if first_depth < 0:
             raise PoolError("bad_depth", f"first_depth must be >= 0, got {first_depth}")
         try:
@@ -198,7 +201,7 @@ class PoolIndex:
             return ReserveResult(reservation_id=0, grants=[], num_no_room=0)
         over_quota = 0
         if self.quota.is_limited:
-            wanted, over_quota = self._fit_quota(namespace, keys, wanted, page_bytes)
+            wanted, over_quota = self._fit_quota(account or namespace, keys, wanted, page_bytes)
             if not wanted:
                 return ReserveResult(reservation_id=0, grants=[], num_no_room=over_quota)
         free = self.allocator.num_free_pages(page_bytes)
@@ -216,9 +219,9 @@ class PoolIndex:
         for i, offset in zip(granted, offsets):
             entry = Entry(keys[i], namespace, offset, page_bytes, first_depth + i, EntryState.WRITING, reservation_id,
                           parent_key=keys[i - 1] if i > 0 else None,
-                          tokens_le32=tokens_le32[i * chunk_bytes : (i + 1) * chunk_bytes])
+                          tokens_le32=tokens_le32[i * chunk_bytes : (i + 1) * chunk_bytes], account=account)
             self._entries[entry.key] = entry
-            self.quota.add(namespace, page_bytes)
+            self.quota.add(entry.quota_owner, page_bytes)
             grants.append((i, entry))
         self._reservations[reservation_id] = Reservation(reservation_id, client_id, [e for _, e in grants], now)
         self.counters.reserved_pages += len(grants)
@@ -314,17 +317,17 @@ class PoolIndex:
             self._free(entry)
 
     def _free(self, entry: Entry) -> None:
-        """Give an entry's page back to the allocator and take it off its namespace's bytes."""
+        """Give an entry's page back to the allocator and take it off its owner's bytes."""
         self.allocator.free(entry.offset, entry.page_bytes)
-        self.quota.remove(entry.namespace, entry.page_bytes)
+        self.quota.remove(entry.quota_owner, entry.page_bytes)
 
-    def _fit_quota(self, namespace: bytes, keys: list[bytes], wanted: list[int], page_bytes: int) -> tuple[list[int], int]:
-        """Make room under the namespace's quota from its own LRU entries; returns (wanted that fit, pages over)."""
-        for entry in self.quota.victims(namespace, set(keys), len(wanted) * page_bytes, self._lru.values()):
+    def _fit_quota(self, owner: bytes, keys: list[bytes], wanted: list[int], page_bytes: int) -> tuple[list[int], int]:
+        """Make room under the owner's quota from its own LRU entries; returns (wanted that fit, pages over)."""
+        for entry in self.quota.victims(owner, set(keys), len(wanted) * page_bytes, self._lru.values()):
             self._remove_committed(entry)
             self.counters.quota_evictions += 1
             self.counters.evicted_bytes += entry.page_bytes
-        over = self.quota.num_over(namespace, len(wanted), page_bytes)
+        over = self.quota.num_over(owner, len(wanted), page_bytes)
         self.counters.quota_skipped_pages += over
         return wanted[: len(wanted) - over], over
 

@@ -59,14 +59,14 @@ def integrity_items(index) -> Iterator[None]:
             assert key not in index._lru and id(entry) in writing
             assert entry.num_leases == 0, "a writing entry is leased"
         live_pages += entry.page_bytes
-        held[entry.namespace] = held.get(entry.namespace, 0) + entry.page_bytes
+        held[entry.quota_owner] = held.get(entry.quota_owner, 0) + entry.page_bytes
     assert len(index._lru) == num_committed
     dropped: dict[int, Entry] = {}
     for lease in index._leases.values():
         for entry in lease.entries:
             if entry.is_dropped and id(entry) not in dropped:
                 dropped[id(entry)] = entry
-                held[entry.namespace] = held.get(entry.namespace, 0) + entry.page_bytes
+                held[entry.quota_owner] = held.get(entry.quota_owner, 0) + entry.page_bytes
             yield
     index.quota.check_held(held)
     for entry in dropped.values():

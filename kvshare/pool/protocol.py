@@ -64,6 +64,8 @@ class Reserve(msgspec.Struct, tag="reserve"):
 
     ``tokens_le32``: optionally the chunks' token ids, little-endian u32, the same count per key; the pool
     keeps them only to announce the pages in KV events (a foreign indexer rehashes them).
+    ``account``: whose quota the pages count against (a 16-byte digest of the tenant identity, without the
+    request's cache_salt); empty: the namespace's own, as for a writer that names no account.
     """
 
     namespace: bytes
@@ -71,6 +73,7 @@ class Reserve(msgspec.Struct, tag="reserve"):
     page_bytes: int
     first_depth: int = 0
     tokens_le32: bytes = b""
+    account: bytes = b""
 
 
 class Commit(msgspec.Struct, tag="commit"):

@@ -10,7 +10,7 @@ import hashlib
 import pytest
 
 from kvshare.pool.allocator import Allocator
-from kvshare.pool.index import IndexConfig, PoolIndex
+from kvshare.pool.index import IndexConfig, PoolError, PoolIndex
 
 MiB = 1 << 20
 PAGE = 1 * MiB
@@ -192,3 +192,47 @@ class QuotaMachine(RuleBasedStateMachine):
 
 TestQuotaMachine = QuotaMachine.TestCase
 TestQuotaMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+ACCOUNT_A, ACCOUNT_B = b"a" * 16, b"b" * 16
+
+
+def store_as(index, ns, ks, account):
+    res = index.reserve(1, ns, ks, PAGE, 0, now=0.0, account=account)
+    if res.reservation_id:
+        index.commit(1, res.reservation_id, [0] * len(res.grants))
+    return res
+
+
+def test_an_account_holds_one_quota_across_all_its_namespaces():
+    """Namespaces differ per cache_salt; an account charges them all to one quota (fails when the index
+    charges the namespace instead of the account: each salt would get its own quota)."""
+    index = make(quota_pages=4)
+    salted = [hashlib.blake2b(f"salt{i}".encode(), digest_size=16).digest() for i in range(5)]
+    for i, ns in enumerate(salted):
+        store_as(index, ns, keys(f"s{i}", 3), ACCOUNT_A)
+    assert held(index, ACCOUNT_A) == 4 * PAGE and index.allocator.used_bytes == 4 * PAGE
+    assert index.counters.quota_evictions == 11  # each new salt evicted the account's oldest chunks
+    assert len(index.lookup(2, keys("s4", 3), PAGE, now=0.0, lease=False).entries) == 3  # the newest stays whole
+    index.check_integrity()
+
+
+def test_two_accounts_keep_their_own_quota_and_no_account_is_charged_per_namespace():
+    index = make(quota_pages=4)
+    store_as(index, A, keys("a", 4), ACCOUNT_A)
+    store_as(index, B, keys("b", 4), ACCOUNT_B)
+    store_as(index, B, keys("b2", 2), ACCOUNT_B)  # B over its quota evicts its own, never A's
+    assert held(index, ACCOUNT_A) == 4 * PAGE and held(index, ACCOUNT_B) == 4 * PAGE
+    assert len(index.lookup(2, keys("a", 4), PAGE, now=0.0, lease=False).entries) == 4
+    # a writer that names no account (an older client) is charged per namespace, as before accounts existed
+    c = b"C" * 16
+    store_as(index, c, keys("c", 6), b"")
+    assert held(index, c) == 4 * PAGE and held(index, ACCOUNT_A) == 4 * PAGE
+    index.check_integrity()
+
+
+def test_an_account_of_the_wrong_length_is_refused():
+    index = make()
+    with pytest.raises(PoolError, match="account must be 16 bytes"):
+        index.reserve(1, A, keys("a", 1), PAGE, 0, now=0.0, account=b"short")
+    assert index.allocator.used_bytes == 0
