@@ -15,7 +15,6 @@ A request, in order::
 
 from __future__ import annotations
 
-
 import threading
 import time
 from collections import OrderedDict
@@ -56,9 +55,8 @@ UNCOUNTED_FIELDS = ("num_requests", "prompt_tokens_local", "prompt_tokens_pool",
 class RequestOptions:
     use_pool: bool = True  # the request extension {"kvshare": {"use_pool": false}}
     use_local_cache: bool = True
-    # salts the key namespace of the local cache and the pool: the tenant identity, with the request's
-    # cache_salt (kvshare.serve.tenancy.namespace_salt); requests of two salts never share a chunk
-    tenant: str = ""
+    tenant: str = ""  # salts local cache and pool keys: identity + cache_salt (kvshare.serve.tenancy.namespace_salt)
+    account: str | None = None  # the identity alone, whatever cache_salt: pays the pool quota; None: ``tenant``
     timeline: Timeline | None = None  # {"kvshare": {"timeline": true}}: the steps of this request are timed
     # asked before each layer of the prefill: True gives the request up there (RequestCancelled), so a client
     # that left, or a replica that stops, does not hold the engine for the rest of a long prefill
@@ -218,6 +216,7 @@ class Engine:
             kv = self._kv.ensure(needed)
             digest = self._digest(options.tenant)
             keys = chunk_keys(digest, ids, self.layout.chunk_tokens)  # the array itself: no list round trip
+            account = digest if options.account is None else self._digest(options.account)
             if options.timeline is not None:
                 options.timeline.mark("hashing")
             started = time.perf_counter()
@@ -250,7 +249,7 @@ class Engine:
                         _wait(publishing)  # a response's last token says its prompt is stored (the next turn's lookup)
                     yield TokenEvent(token.token_id, token.logprob, token.top_logprobs, finish, provenance)
                     if publishing is None:  # after the first token, and beside the decode: it delays no other
-                        publishing = self._publisher.submit(self._publish, kv, keys, digest, options, ids)
+                        publishing = self._publisher.submit(self._publish, kv, keys, digest, account, options, ids)
                     if finish is not None:
                         break
                     logits = self._decode_step(kv, token.token_id, position)  # writes only positions >= n
@@ -258,7 +257,7 @@ class Engine:
             finally:
                 # a consumer that closes the stream after the first token still leaves the prompt's chunks
                 if num_generated and publishing is None:
-                    self._publish(kv, keys, digest, options, ids)
+                    self._publish(kv, keys, digest, account, options, ids)
                 if publishing is not None:  # the stream ends, and the next request may reuse kv, once it is stored
                     _wait(publishing)
                 self._stats.decode_seconds += time.perf_counter() - started
@@ -361,16 +360,17 @@ class Engine:
         return min(local_chunks, used), max(0, used - local_chunks)
 
     @torch.inference_mode()
-    def _publish(self, kv: torch.Tensor, keys: list[bytes], digest: bytes, options: RequestOptions, ids) -> None:
+    def _publish(self, kv: torch.Tensor, keys: list[bytes], digest: bytes, account: bytes, options: RequestOptions,
+                 ids) -> None:
         """Offer the prompt's full chunks to the local cache and the pool (each keeps what it lacks), side by side:
-        both only read ``kv``; the request's lock is held until both are done."""
+        both only read ``kv``; the request's lock is held until both are done. ``account``: whose pool quota."""
         # the request's stream: the local copies go on it (after the prefill, before kv is written next)
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         local = (self._local_inserter.submit(self._insert_locally, kv, keys, stream)
                  if options.use_local_cache and self._local.capacity_bytes > 0 else None)
         try:
             if options.use_pool and self._pool is not None:
-                self._pool.store(kv, keys, digest, stream, None if options.tenant else ids)
+                self._pool.store(kv, keys, digest, stream, None if options.tenant else ids, account)
         finally:
             if local is not None:
                 _wait(local)

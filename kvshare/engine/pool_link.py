@@ -293,11 +293,12 @@ class PoolLink:
     # -- store -----------------------------------------------------------------------
 
     def store(self, kv: torch.Tensor, keys: list[bytes], namespace: bytes, producer_stream=None,
-              token_ids=None) -> None:
+              token_ids=None, account: bytes = b"") -> None:
         """Store chunks 0..len(keys)-1 of ``kv`` that the pool does not hold yet (commit after the copy).
 
         ``token_ids`` (the prompt's, from its first token) let the pool announce the pages in KV events: the
         engine passes them only where no tenant salts the keys (an indexer that rehashes them cannot salt).
+        ``account``: whose pool quota the pages count against (kvshare.pool.protocol.Reserve); empty: the namespace's.
         """
         if not keys or not self.connected():
             return
@@ -305,7 +306,7 @@ class PoolLink:
         try:
             reservation = self.client.reserve(namespace, keys, self.layout.page_bytes, first_depth=0,
                                               token_ids=None if token_ids is None else
-                                              token_ids[: len(keys) * self.layout.chunk_tokens])
+                                              token_ids[: len(keys) * self.layout.chunk_tokens], account=account)
             self.stats.pool_skipped_stores += reservation.num_no_room
             if not reservation.grants:
                 return

@@ -21,6 +21,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import kvshare
+from kvshare.keys import namespace_digest
 from kvshare.serve import api_types as A
 from kvshare.serve import tokenize as T
 from kvshare.serve.audit import AuditConfig, Auditor
@@ -31,7 +32,7 @@ from kvshare.serve.models import ServedModels
 from kvshare.serve.readiness import Readiness
 from kvshare.serve.responses import PROVENANCE, Prepared, ResponseBuilder, is_provenance_shown
 from kvshare.serve.sampling import sampling_params
-from kvshare.serve.tenancy import Unauthorized, check_api_key, namespace_salt, tenant_identity
+from kvshare.serve.tenancy import Unauthorized, account_identity, check_api_key, namespace_salt, tenant_identity
 from kvshare.serve.warm_path import warm_request_path
 from kvshare.serve.worker import EngineWorker, Job, QueueFull
 
@@ -148,12 +149,12 @@ class ReplicaServer:
         except Unauthorized as exc:
             raise A.ApiError(401, str(exc), code="invalid_api_key", error_type="authentication_error") from None
 
-    def _tenant(self, request: web.Request, header_value: str | None = None) -> str:
-        """The request's tenant identity (kvshare.serve.tenancy); the middleware has checked its key."""
+    def _identities(self, request: web.Request, header_value: str | None = None) -> tuple[str, str]:
+        """(tenant identity, account) of a request (kvshare.serve.tenancy); the middleware has checked its key."""
         if header_value is None:
             header_value = request.headers.get(self.config.tenant_header, "") if self.config.tenant_header else ""
         api_key = check_api_key(request.headers, self.config.api_keys) if self.config.api_keys else ""
-        return tenant_identity(api_key, header_value)
+        return tenant_identity(api_key, header_value), account_identity(api_key, header_value)
 
     async def namespace(self, request: web.Request) -> web.Response:
         """GET /admin/namespace[?tenant=VALUE]: the pool namespace digest of this request's tenant.
@@ -162,13 +163,11 @@ class ReplicaServer:
         rest, so a caller learns only namespaces of its own key. Flush one with
         ``kvshare pool-admin flush --namespace HEX`` (or ``--replica URL --tenant VALUE``).
         """
-        from kvshare.keys import namespace_digest
-
         header_value = request.query.get("tenant")
         if header_value is not None and not self.config.tenant_header:
             raise A.ApiError(400, "this replica takes no tenant header (--tenant-header); its tenants come from "
                                   "API keys only", param="tenant")
-        tenant = self._tenant(request, header_value)
+        tenant, _ = self._identities(request, header_value)
         digest = namespace_digest(self.engine.namespace.with_tenant(tenant))
         return web.json_response({"model": self.engine.model_name, "replica": self.config.replica_name,
                                   "is_tenant_salted": bool(tenant), "namespace": digest.hex(),
@@ -262,8 +261,9 @@ class ReplicaServer:
                                       default_max_tokens or self.config.default_chat_max_tokens)
         params = sampling_params(req, max_tokens, logprobs, vocab)
         timeline = Timeline(arrival[0]) if req.kvshare.timeline else None
+        tenant, account = self._identities(request)
         options = RequestOptions(use_pool=req.kvshare.use_pool, use_local_cache=req.kvshare.use_local_cache,
-                                 tenant=namespace_salt(self._tenant(request), req.cache_salt), timeline=timeline)
+                                 tenant=namespace_salt(tenant, req.cache_salt), account=account, timeline=timeline)
         if timeline is not None:
             timeline.mark("body_read", arrival[1])
             timeline.mark("parse")  # decoded, checked and tokenized

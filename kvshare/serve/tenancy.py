@@ -15,6 +15,14 @@ splits its tenant's namespace further, in the local prefix cache and the pool al
     no cache_salt     tenant                         as above: unsalted requests keep their namespace
     cache_salt S      tenant + NUL "cache_salt=" + S  a salt reaches only its own tenant's share
 
+Pool quotas are charged to the account, not to the salt: a client chooses its cache_salt
+(and, with an API key, its tenant header), so an account per salt would let it hold a
+quota per value it sends. The account is the authenticated identity alone::
+
+    API keys set      "key:" + H(key)                the key, whatever tenant header it sends
+    tenant header     value                          the gateway's word
+    neither           ""                             one shared account
+
 The NUL keeps the pairing one to one: a tenant identity never holds one (HTTP header values
 cannot; key identities are hex), so no (tenant, salt) pair and no bare tenant spell the same salt.
 
@@ -59,6 +67,11 @@ CACHE_SALT_SEPARATOR = "\0cache_salt="
 def namespace_salt(tenant: str, cache_salt: str | None) -> str:
     """Namespace.tenant_salt of a request: its tenant identity, split by its cache_salt when it sends one."""
     return tenant if cache_salt is None else tenant + CACHE_SALT_SEPARATOR + cache_salt
+
+
+def account_identity(api_key: str, header_value: str) -> str:
+    """Whose pool quota a request's pages count against (see the table above); ``api_key`` is "" without keys."""
+    return key_tenant(api_key) if api_key else header_value
 
 
 def tenant_identity(api_key: str, header_value: str) -> str:
