@@ -108,7 +108,10 @@ def run(args: argparse.Namespace) -> int:
                 reply = client.list_namespaces()
                 rows = [{"namespace": n.namespace.hex(), "entries": n.num_entries, "bytes": n.num_bytes}
                         for n in reply.namespaces]
-                print(json.dumps({"quota_bytes": reply.quota_bytes, "namespaces": rows}, indent=2))
+                owners = [{"owner": n.namespace.hex(), "entries": n.num_entries, "bytes": n.num_bytes}
+                          for n in reply.accounts]
+                print(json.dumps({"quota_bytes": reply.quota_bytes, "namespaces": rows, "quota_owners": owners},
+                                 indent=2))
     except (PoolUnavailable, ValueError) as exc:
         raise UserError(str(exc)) from None
     return 0

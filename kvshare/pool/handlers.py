@@ -234,7 +234,9 @@ class PoolHandlers:
 
     def list_namespaces(self, client_id: int, req: P.ListNamespaces) -> P.Reply:
         rows = [P.NamespaceInfo(ns, n, b) for ns, n, b in self.index.namespaces()]
-        return P.NamespacesReply(namespaces=rows, quota_bytes=self.index.config.namespace_quota_bytes)
+        accounts = [P.NamespaceInfo(owner, n, b) for owner, n, b in self.index.accounts()]
+        return P.NamespacesReply(namespaces=rows, quota_bytes=self.index.config.namespace_quota_bytes,
+                                 accounts=accounts)
 
     def prefill_report(self, client_id: int, req: P.PrefillReport) -> P.Reply:
         if len(req.namespace) != KEY_BYTES or req.page_bytes < 1 or req.num_chunks < 1 or not 0 < req.seconds < math.inf:

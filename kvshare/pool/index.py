@@ -104,7 +104,17 @@ class PoolIndex:
         return self._entries.get(key)
 
     def namespaces(self) -> list[tuple[bytes, int, int]]:
-        """(namespace, committed entries, bytes held) of every namespace that holds pages, largest first."""
+        """(namespace, committed entries, bytes held) of every namespace that holds pages, largest first.
+
+        By namespace, whatever account a quota charges them to (an account may span namespaces)."""
+        rows: dict[bytes, tuple[int, int]] = {}
+        for entry in self._entries.values():
+            num, held = rows.get(entry.namespace, (0, 0))
+            rows[entry.namespace] = (num + (entry.state is EntryState.COMMITTED), held + entry.page_bytes)
+        return sorted(((ns, num, held) for ns, (num, held) in rows.items()), key=lambda row: -row[2])
+
+    def accounts(self) -> list[tuple[bytes, int, int]]:
+        """(quota owner, committed entries, bytes held) of every owner that holds pages, largest first."""
         return self.quota.rows(self._lru.values())
 
     # -- lookups and leases ----------------------------------------------------

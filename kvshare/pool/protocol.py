@@ -199,6 +199,8 @@ class NamespaceInfo(msgspec.Struct, array_like=True):
 class NamespacesReply(msgspec.Struct, tag="namespaces_reply"):
     namespaces: list[NamespaceInfo]
     quota_bytes: int  # 0: no quota
+    # what each quota owner holds: an account where a writer named one (it may span namespaces), else a namespace
+    accounts: list[NamespaceInfo] = []
 
 
 class ErrorReply(msgspec.Struct, tag="error"):

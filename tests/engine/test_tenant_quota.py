@@ -39,7 +39,7 @@ def engine_and_pool(tiny_dir):
 
 def held_bytes(socket_path: str) -> dict[bytes, int]:
     with PoolClient(socket_path) as client:
-        return {row.namespace: row.num_bytes for row in client.list_namespaces().namespaces}
+        return {row.namespace: row.num_bytes for row in client.list_namespaces().accounts}
 
 
 def send(engine: Engine, tenant: str, salt: str, seed: int, account: str | None) -> None:

@@ -138,4 +138,8 @@ def test_a_flood_of_hostile_clients_keeps_lookups_within_2x_of_their_p99():
     print(f"lookup+release p99: {p99_quiet:.0f} us quiet, {p99_flooded:.0f} us flooded "
           f"(p50 {np.median(quiet):.0f} / {np.median(flooded):.0f} us); pool errors {stats['errors']}")
     assert stats["protocol_errors"] > 0  # the flood reached the pool and was refused
-    assert p99_flooded <= 2 * p99_quiet, f"p99 {p99_flooded:.0f} us under the flood, {p99_quiet:.0f} us without"
+    # The flood's own processes share the runner's two cores with the pool and this client: below 1 ms a p99
+    # measures the scheduler's time slices, not the pool, so the quiet p99 counts as at least 1 ms. A pool that
+    # reads or answers the flood's clients in its loop stalls the well-behaved one for seconds, far past this.
+    reference_us = max(p99_quiet, 1000.0)
+    assert p99_flooded <= 2 * reference_us, f"p99 {p99_flooded:.0f} us under the flood, {p99_quiet:.0f} us without"

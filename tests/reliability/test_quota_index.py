@@ -33,8 +33,9 @@ def store(index, ns, ks, client=1):
     return res
 
 
-def held(index, ns):
-    return {row[0]: row[2] for row in index.namespaces()}.get(ns, 0)
+def held(index, owner):
+    """Bytes the quota charges ``owner`` (an account, or a namespace written without one)."""
+    return {row[0]: row[2] for row in index.accounts()}.get(owner, 0)
 
 
 def test_over_quota_evicts_own_lru_and_never_other_namespaces():
