@@ -133,6 +133,11 @@ class PoolClient:
                 raise PoolRequestError(reply.code, reply.message)
             if not isinstance(reply, P.HelloReply) or not fds:
                 raise P.ProtocolError("the pool's hello reply carried no arena")
+            if reply.protocol_version != P.PROTOCOL_VERSION or len(reply.pool_id) != P.POOL_ID_BYTES:
+                raise PoolRequestError(
+                    "version_mismatch", f"pool speaks protocol {reply.protocol_version}, this client "
+                    f"{P.PROTOCOL_VERSION}; run the same kvshare version on both sides"
+                )
             if reply.format_version != P.FORMAT_VERSION:
                 raise PoolRequestError(
                     "version_mismatch", f"pool stores page format {reply.format_version}, this client {P.FORMAT_VERSION}"

@@ -239,6 +239,9 @@ class PoolServer:
             send_now(sock, P.encode(P.ErrorReply("not_allowed", f"uid {uid} may not use this pool")))
             sock.close()
             return
+        if pid == 0:  # a process in another pid namespace: whether it is gone cannot be known (holders.py)
+            log.info("client of uid %d from another pid namespace: its holds outlive its connections until it says "
+                     "goodbye or their TTL passes", uid)
         sock.setblocking(False)
         client = Connection(sock=sock, client_id=self._next_client_id, pid=pid, uid=uid, connected_at=time.monotonic())
         self._next_client_id += 1
