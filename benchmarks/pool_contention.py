@@ -3,8 +3,8 @@
 Starts a pool, commits a chain of keys, then alternates phases: quiet (nothing else of ours runs) and contended
 (``--burners`` processes spinning ``while 1: pass``, as a replica's tokenizer and scheduler beside the pool on a
 small host). Each phase runs lookup-and-lease + release back to back for ``--seconds`` and prints the rate, p50,
-p99 and the CPU pressure of the phase (PSI "some", the share of the phase in which a runnable task waited for a
-core, from /proc/pressure/cpu's total). Alternating phases keeps a drift of the machine's other load out of the
+p99 and the CPU pressure of the phase (PSI "some": the share of the phase in which some runnable task waited for
+a core, from /proc/pressure/cpu's total; near 0 on a quiet machine, near 100 with the burners). Alternating phases keeps a drift of the machine's other load out of the
 quiet-vs-contended comparison; run it on a quiet machine for absolute figures.
 
     PYTHONPATH=$PWD python benchmarks/pool_contention.py --rounds 3 --seconds 4 --burners 2
@@ -21,49 +21,12 @@ import subprocess
 import sys
 import time
 
+from kvshare.bench.pool_bench import lookup_round_trips
 from kvshare.pool.client import PoolClient
 from kvshare.pool.spawn import running_pool
 
 NAMESPACE = hashlib.blake2b(b"kvshare-bench-contention", digest_size=16).digest()
 PAGE_BYTES = 4096
-PSI_CPU_PATH = "/proc/pressure/cpu"
-
-
-def psi_some_total_us() -> int | None:
-    """Microseconds (since boot) in which some runnable task waited for a core; None without PSI."""
-    try:
-        with open(PSI_CPU_PATH) as f:
-            for line in f:
-                if line.startswith("some "):
-                    return int(line.rsplit("total=", 1)[1])
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def run_phase(client: PoolClient, keys: list[bytes], seconds: float) -> dict:
-    """Lookup-and-lease + release back to back for ``seconds``: the rate and latency percentiles."""
-    latencies = []
-    psi_start = psi_some_total_us()
-    t_start = time.perf_counter()
-    deadline = t_start + seconds
-    while True:
-        t0 = time.perf_counter()
-        if t0 >= deadline:
-            break
-        lease = client.lookup(keys, PAGE_BYTES)
-        client.release([lease.lease_id])
-        latencies.append(time.perf_counter() - t0)
-    elapsed = time.perf_counter() - t_start
-    client.stats()  # a round trip: every release has been handled before the next phase
-    psi_end = psi_some_total_us()
-    latencies.sort()
-    return {
-        "ops_per_s": round(len(latencies) / elapsed, 1),
-        "p50_us": round(latencies[len(latencies) // 2] * 1e6, 1),
-        "p99_us": round(latencies[int(len(latencies) * 0.99)] * 1e6, 1),
-        "psi_some_pct": None if None in (psi_start, psi_end) else round((psi_end - psi_start) / elapsed / 1e4, 1),
-    }
 
 
 def start_burners(count: int) -> list[subprocess.Popen]:
@@ -92,7 +55,7 @@ def main() -> None:
         with PoolClient(socket_path, name="bench-contention") as client:
             reservation = client.reserve(NAMESPACE, keys, PAGE_BYTES)
             client.commit(reservation.reservation_id, [0] * len(reservation.grants))
-            run_phase(client, keys, 0.5)  # warm up
+            lookup_round_trips(client, keys, PAGE_BYTES, seconds=0.5)  # warm up
             if not args.json:
                 print(f"{'phase':<12} {'ops/s':>9} {'p50 us':>8} {'p99 us':>8} {'PSI some %':>11}")
             for round_no in range(args.rounds):
@@ -101,16 +64,18 @@ def main() -> None:
                     try:
                         if burners:
                             time.sleep(0.3)  # let the burners take their cores
-                        result = {"round": round_no, "phase": phase, "burners": num_burners,
-                                  **run_phase(client, keys, args.seconds)}
+                        figures = lookup_round_trips(client, keys, PAGE_BYTES, seconds=args.seconds)
                     finally:
                         stop_burners(burners)
                     if args.json:
-                        print(json.dumps(result), flush=True)
+                        print(json.dumps({"round": round_no, "phase": phase, "burners": num_burners,
+                                          **{k: v if v is None else round(v, 1) for k, v in figures.items()}}),
+                              flush=True)
                     else:
-                        psi = "n/a" if result["psi_some_pct"] is None else f"{result['psi_some_pct']:.1f}"
-                        print(f"{phase:<12} {result['ops_per_s']:>9,.0f} {result['p50_us']:>8.1f} "
-                              f"{result['p99_us']:>8.1f} {psi:>11}", flush=True)
+                        waited = figures["cpu_waited_pct"]
+                        psi = "n/a" if waited is None else f"{waited:.1f}"
+                        print(f"{phase:<12} {figures['lookup_ops_per_s']:>9,.0f} {figures['lookup_p50_us']:>8.1f} "
+                              f"{figures['lookup_p99_us']:>8.1f} {psi:>11}", flush=True)
 
 
 if __name__ == "__main__":
