@@ -4,8 +4,9 @@ Starts a pool, commits a chain of keys, then alternates phases: quiet (nothing e
 (``--burners`` processes spinning ``while 1: pass``, as a replica's tokenizer and scheduler beside the pool on a
 small host). Each phase runs lookup-and-lease + release back to back for ``--seconds`` and prints the rate, p50,
 p99 and the CPU pressure of the phase (PSI "some": the share of the phase in which some runnable task waited for
-a core, from /proc/pressure/cpu's total; near 0 on a quiet machine, near 100 with the burners). Alternating phases keeps a drift of the machine's other load out of the
-quiet-vs-contended comparison; run it on a quiet machine for absolute figures.
+a core, from /proc/pressure/cpu's total; near 0 on a quiet machine, near 100 with the burners). Alternating phases
+keeps a drift of the machine's other load out of the quiet-vs-contended comparison; run it on a quiet machine for
+absolute figures: a "quiet" phase whose PSI is high says the machine was not.
 
     PYTHONPATH=$PWD python benchmarks/pool_contention.py --rounds 3 --seconds 4 --burners 2
 
