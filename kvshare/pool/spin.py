@@ -6,9 +6,9 @@ pays while the other end runs on another core that nothing else wants. When
 the cores are oversubscribed (a replica's tokenizer and scheduler beside the
 pool on a 2-core host), a spinning client and a busy-polling daemon wait each
 other out: each spin holds a core the reply needs, and a task that spins uses
-its fair share of the CPU, so the scheduler stops preferring it when it wakes.
-A task that sleeps at once uses little, and is run first when its message
-comes. So a wait spins only while
+its fair share of the CPU, so the scheduler no longer favours it when it wakes.
+A task that sleeps at once uses little CPU and is eligible to run before the
+busy ones when its message comes. So a wait spins only while
 
 - no task waits for a core (``CpuPressure``: the share of the last interval in
   which some runnable task waited, Linux PSI), and
