@@ -24,9 +24,11 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from kvshare.pool.spin import CONTENDED_SHARE, PSI_CPU_PATH
+
 NAMESPACE = hashlib.blake2b(b"kvshare-bench-pool", digest_size=16).digest()
-CONTENDED_PSI_PCT = 10.0  # "some" CPU pressure (avg10) above which a run is flagged as contended
-PSI_CPU_PATH = "/proc/pressure/cpu"
+# "some" CPU pressure (avg10) above which a run is flagged as contended: where the pool's waits stop spinning
+CONTENDED_PSI_PCT = CONTENDED_SHARE * 100
 
 
 @dataclass(frozen=True)
