@@ -89,8 +89,7 @@ class PoolClient:
         # names this client's holds in the pool across reconnects (a new random token unless given)
         self.holder = holder if holder is not None else os.urandom(TOKEN_BYTES)
         # Waiting for a reply first spins up to this long while spinning pays (spin.py says when it does).
-        self._pressure = CpuPressure()
-        self.spin = SpinPolicy(spin_us * 1e-6, self._pressure.is_contended)
+        self.spin = SpinPolicy(spin_us * 1e-6, CpuPressure().is_contended)
         self.name = name or f"pid{os.getpid()}"
         self.timeout_s = timeout_s
         self.verify_checksums = verify_checksums
@@ -179,7 +178,6 @@ class PoolClient:
         if end_holds:
             self._say_goodbye()
         self._close_socket()
-        self._pressure.close()
         _run_hooks(self._unmap_hooks)
         self.arena = None
         if self._mmap is not None:

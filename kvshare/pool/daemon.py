@@ -137,8 +137,7 @@ class PoolServer:
         """Run until ``stop()``; then close every client and remove the socket."""
         assert self._selector is not None, "start() first"
         next_tick = time.monotonic()
-        pressure = CpuPressure()
-        busy_poll = SpinPolicy(self.config.busy_poll_us * 1e-6, pressure.is_contended)
+        busy_poll = SpinPolicy(self.config.busy_poll_us * 1e-6, CpuPressure().is_contended)
         last_activity = 0.0
         is_polling_after_activity = False
         is_checked_since_activity = True
@@ -196,7 +195,6 @@ class PoolServer:
                 if events:
                     is_checked_since_activity = False
         finally:
-            pressure.close()
             self.close()
 
     def stop(self) -> None:

@@ -34,7 +34,7 @@ PSI_CPU_PATH = "/proc/pressure/cpu"
 # that a runnable task (maybe the other end) wants. Quiet 2-core VM with the pool busy: under 2 %; two burners
 # beside it: 70-99 % (benchmarks/pool_contention.py).
 CONTENDED_SHARE = 0.10
-PRESSURE_INTERVAL_S = 0.05  # how stale a pressure reading may be (one /proc read per interval: ~25 us)
+PRESSURE_INTERVAL_S = 0.05  # how stale a pressure reading may be (one /proc read per interval: ~30 us)
 
 
 class CpuPressure:
@@ -42,22 +42,22 @@ class CpuPressure:
 
     def __init__(self, path: str = PSI_CPU_PATH, interval_s: float = PRESSURE_INTERVAL_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        self.path = path
         self.interval_s = interval_s
         self._clock = clock
-        try:
-            self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            self._fd = -1  # a kernel without PSI: only the misses decide
+        self._has_psi = os.path.exists(path)  # without PSI only the misses decide
         self._read_at = clock()
-        self._waited_us = self._read_waited_us()
+        self._waited_us = self._read_waited_us() if self._has_psi else 0
         self._is_contended = False
 
     def _read_waited_us(self) -> int:
-        """The "some" line's total: microseconds in which some runnable task waited for a core (0 without PSI)."""
-        if self._fd < 0:
-            return 0
+        """The "some" line's total: microseconds in which some runnable task waited for a core."""
         try:
-            text = os.pread(self._fd, 256, 0)
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                text = os.read(fd, 256)
+            finally:
+                os.close(fd)
             line = text[: text.index(b"\n")]
             return int(line[line.rindex(b"total=") + 6 :])
         except (OSError, ValueError):
@@ -66,17 +66,12 @@ class CpuPressure:
     def is_contended(self) -> bool:
         now = self._clock()
         elapsed_s = now - self._read_at
-        if self._fd < 0 or elapsed_s < self.interval_s:
+        if not self._has_psi or elapsed_s < self.interval_s:
             return self._is_contended
         waited_us = self._read_waited_us()
         self._is_contended = (waited_us - self._waited_us) * 1e-6 > CONTENDED_SHARE * elapsed_s
         self._read_at, self._waited_us = now, waited_us
         return self._is_contended
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
 
 
 class SpinPolicy:

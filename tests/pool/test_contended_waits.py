@@ -32,9 +32,6 @@ class Contended:
     def is_contended(self) -> bool:
         return self.is_always
 
-    def close(self) -> None:
-        pass
-
 
 class CountingSocket:
     """The client's socket, counting the receives that do not wait (a spin polls with them)."""

@@ -59,7 +59,6 @@ def test_cpu_pressure_is_the_share_of_the_last_interval_in_which_tasks_waited_fo
     assert pressure.is_contended()
     clock.now = 0.3
     assert not pressure.is_contended()
-    pressure.close()
     assert not CpuPressure(str(tmp_path / "no-psi")).is_contended()  # a kernel without PSI: never contended
 
 
