@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Callable
+from collections.abc import Callable
 
 MAX_MISSES = 4
 PROBE_EVERY = 64
