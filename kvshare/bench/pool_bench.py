@@ -24,9 +24,11 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from kvshare.pool.spin import CONTENDED_SHARE, PSI_CPU_PATH
+
 NAMESPACE = hashlib.blake2b(b"kvshare-bench-pool", digest_size=16).digest()
-CONTENDED_PSI_PCT = 10.0  # "some" CPU pressure (avg10) above which a run is flagged as contended
-PSI_CPU_PATH = "/proc/pressure/cpu"
+# "some" CPU pressure (avg10) above which a run is flagged as contended: where the pool's waits stop spinning
+CONTENDED_PSI_PCT = CONTENDED_SHARE * 100
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,46 @@ def parse_psi_some_avg10(text: str) -> float | None:
             except (KeyError, ValueError):
                 return None
     return None
+
+
+def cpu_waited_us(path: str = PSI_CPU_PATH) -> int | None:
+    """Microseconds since boot in which some runnable task waited for a core (PSI some total); None without PSI."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("some "):
+                    return int(line.rsplit("total=", 1)[1])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def lookup_round_trips(client, keys: list[bytes], page_bytes: int, num_ops: int = 0, seconds: float = 0.0) -> dict:
+    """Lookup-and-lease + release back to back, ``num_ops`` times or for ``seconds``: the rate, p50 and p99, and
+    the share of the time some runnable task waited for a core (PSI; None without it)."""
+    if num_ops <= 0 and seconds <= 0:
+        raise ValueError("give a number of round trips or a duration")
+    latencies = []
+    waited_start = cpu_waited_us()
+    t_start = time.perf_counter()
+    deadline = t_start + seconds if seconds > 0 else float("inf")
+    while len(latencies) < (num_ops if num_ops > 0 else float("inf")):
+        t0 = time.perf_counter()
+        if t0 >= deadline:
+            break
+        lease = client.lookup(keys, page_bytes)
+        client.release([lease.lease_id])
+        latencies.append(time.perf_counter() - t0)
+    total = time.perf_counter() - t_start
+    client.stats()  # round trip: every release has been handled
+    waited_end = cpu_waited_us()
+    latencies.sort()
+    return {
+        "lookup_ops_per_s": len(latencies) / total,
+        "lookup_p50_us": latencies[len(latencies) // 2] * 1e6,
+        "lookup_p99_us": latencies[int(len(latencies) * 0.99)] * 1e6,
+        "cpu_waited_pct": None if None in (waited_start, waited_end) else (waited_end - waited_start) / total / 1e4,
+    }
 
 
 def cpu_pressure_pct(path: str = PSI_CPU_PATH) -> float | None:
@@ -181,23 +223,8 @@ def _control_plane(cfg: PoolBenchConfig, queue) -> None:
     with PoolClient(cfg.socket_path, name="bench-control") as client:
         res = client.reserve(NAMESPACE, keys, page_bytes)
         client.commit(res.reservation_id, [0] * len(res.grants))
-        for _ in range(500):  # warm up
-            client.release([client.lookup(keys, page_bytes).lease_id])
-        latencies = []
-        t_start = time.perf_counter()
-        for _ in range(cfg.lookup_ops):
-            t0 = time.perf_counter()
-            lease = client.lookup(keys, page_bytes)
-            client.release([lease.lease_id])
-            latencies.append(time.perf_counter() - t0)
-        total = time.perf_counter() - t_start
-        client.stats()  # round trip: every release has been handled
-    latencies.sort()
-    queue.put({
-        "lookup_ops_per_s": cfg.lookup_ops / total,
-        "lookup_p50_us": latencies[len(latencies) // 2] * 1e6,
-        "lookup_p99_us": latencies[int(len(latencies) * 0.99)] * 1e6,
-    })
+        lookup_round_trips(client, keys, page_bytes, num_ops=500)  # warm up
+        queue.put(lookup_round_trips(client, keys, page_bytes, num_ops=cfg.lookup_ops))
 
 
 def _in_process(target, *args) -> dict:

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import mmap
 import os
-import select
 import socket
+import struct
 import threading
 import time
 import weakref
@@ -29,7 +29,7 @@ from kvshare.pool.arena import ArenaError, check_sealed, map_arena
 from kvshare.pool.checksum import ChecksumKind, page_checksum
 from kvshare.pool.holders import TOKEN_BYTES
 from kvshare.pool.peers import peer_credentials, untrusted_pool_reason
-from kvshare.pool.spin import SpinPolicy
+from kvshare.pool.spin import CpuPressure, SpinPolicy
 
 
 class PoolUnavailable(ConnectionError):
@@ -89,7 +89,7 @@ class PoolClient:
         # names this client's holds in the pool across reconnects (a new random token unless given)
         self.holder = holder if holder is not None else os.urandom(TOKEN_BYTES)
         # Waiting for a reply first spins up to this long while spinning pays (spin.py says when it does).
-        self.spin = SpinPolicy(spin_us * 1e-6)
+        self.spin = SpinPolicy(spin_us * 1e-6, CpuPressure().is_contended)
         self.name = name or f"pid{os.getpid()}"
         self.timeout_s = timeout_s
         self.verify_checksums = verify_checksums
@@ -133,6 +133,11 @@ class PoolClient:
                 raise PoolRequestError(reply.code, reply.message)
             if not isinstance(reply, P.HelloReply) or not fds:
                 raise P.ProtocolError("the pool's hello reply carried no arena")
+            if reply.protocol_version != P.PROTOCOL_VERSION or len(reply.pool_id) != P.POOL_ID_BYTES:
+                raise PoolRequestError(
+                    "version_mismatch", f"pool speaks protocol {reply.protocol_version}, this client "
+                    f"{P.PROTOCOL_VERSION}; run the same kvshare version on both sides"
+                )
             if reply.format_version != P.FORMAT_VERSION:
                 raise PoolRequestError(
                     "version_mismatch", f"pool stores page format {reply.format_version}, this client {P.FORMAT_VERSION}"
@@ -148,7 +153,13 @@ class PoolClient:
             self._close_socket()
             raise
         os.close(fds[0])  # the mapping keeps the memfd alive
-        sock.setblocking(False)  # waits go through _wait (spin, then poll with the timeout)
+        # Blocking, with the timeout in the kernel (SO_RCVTIMEO / SO_SNDTIMEO): a wait that does not spin is one
+        # recv, the fewest syscalls and wake-ups a reply can cost; a spin polls with MSG_DONTWAIT (_recv_some).
+        sock.settimeout(None)
+        timeout_s = max(self.timeout_s, 1e-3)  # a zero timeval would mean no timeout at all
+        timeval = struct.pack("ll", int(timeout_s), int(timeout_s % 1 * 1e6))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
         self.arena = np.frombuffer(self._mmap, dtype=np.uint8)
         self.hello = reply
         return self
@@ -242,42 +253,32 @@ class PoolClient:
             self._inbuf += self._recv_some()
 
     def _recv_some(self) -> bytes:
+        """What the socket holds next: polled without sleeping for the spin window (spin.py), then waited for
+        in one blocking recv of at most ``timeout_s``."""
         sock = self._sock
         window_s = self.spin.window_s()
-        spin_until = time.perf_counter() + window_s
-        is_spinning = window_s > 0
-        while True:
-            try:
-                chunk = sock.recv(1 << 16)
-            except BlockingIOError:
-                if is_spinning and time.perf_counter() < spin_until:
-                    continue
-                if is_spinning:
+        if window_s > 0:
+            spin_until = time.perf_counter() + window_s
+            while True:
+                try:
+                    chunk = sock.recv(1 << 16, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    if time.perf_counter() < spin_until:
+                        continue
                     self.spin.record(False)
-                    is_spinning = False
-                self._wait(select.POLLIN)
-                continue
-            if is_spinning:
+                    break
                 self.spin.record(True)
-            if not chunk:
-                raise EOFError("the pool closed the connection")
-            return chunk
+                return _chunk_or_eof(chunk)
+        try:
+            return _chunk_or_eof(sock.recv(1 << 16))
+        except BlockingIOError:  # SO_RCVTIMEO passed
+            raise TimeoutError(f"the pool did not answer within {self.timeout_s} s") from None
 
     def _send(self, data: bytes) -> None:
-        view = memoryview(data)
-        while view:
-            try:
-                sent = self._sock.send(view)
-            except BlockingIOError:
-                self._wait(select.POLLOUT)
-                continue
-            view = view[sent:]
-
-    def _wait(self, events: int) -> None:
-        poller = select.poll()
-        poller.register(self._sock, events)
-        if not poller.poll(self.timeout_s * 1000):
-            raise TimeoutError(f"the pool did not answer within {self.timeout_s} s")
+        try:
+            self._sock.sendall(data)
+        except BlockingIOError:  # SO_SNDTIMEO passed: the pool does not read
+            raise TimeoutError(f"the pool took no request for {self.timeout_s} s") from None
 
     def lookup(self, keys: list[bytes], page_bytes: int, lease: bool = True) -> LeaseGrant:
         """Longest committed prefix of ``keys``, leased so it cannot be evicted while read."""
@@ -368,6 +369,12 @@ class PoolClient:
         if self.verify_checksums and page_checksum(view, header.checksum_kind) != header.checksum:
             raise ChecksumMismatch(f"page at offset {header.offset} does not match its checksum")
         return view
+
+
+def _chunk_or_eof(chunk: bytes) -> bytes:
+    if not chunk:
+        raise EOFError("the pool closed the connection")
+    return chunk
 
 
 def _refusal_before_close(sock: socket.socket) -> P.ErrorReply | None:

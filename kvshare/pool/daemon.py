@@ -30,7 +30,7 @@ from kvshare.pool.event_publisher import KVEventsConfig, open_pool_events
 from kvshare.pool.handlers import PoolHandlers, ServerCounters
 from kvshare.pool.index import IndexConfig, PoolError, PoolIndex
 from kvshare.pool.peers import peer_credentials
-from kvshare.pool.spin import SpinPolicy
+from kvshare.pool.spin import CpuPressure, SpinPolicy
 from kvshare.pool.remote import RemoteConfig, RemoteHooks, start_remote_tier
 
 log = logging.getLogger("kvshare.pool")
@@ -137,17 +137,20 @@ class PoolServer:
         """Run until ``stop()``; then close every client and remove the socket."""
         assert self._selector is not None, "start() first"
         next_tick = time.monotonic()
-        busy_poll = SpinPolicy(self.config.busy_poll_us * 1e-6)
+        busy_poll = SpinPolicy(self.config.busy_poll_us * 1e-6, CpuPressure().is_contended)
         last_activity = 0.0
         is_polling_after_activity = False
         is_checked_since_activity = True
         integrity_pass = None  # the idle integrity pass under way (a generator): one step per idle turn
         try:
             while not self._is_stopping:
-                events = self._selector.select(timeout=0)
-                if not events and is_polling_after_activity:  # busy-poll after activity, while that pays
+                window_s = 0.0
+                if is_polling_after_activity:  # busy-poll after activity, while that pays (spin.py)
                     is_polling_after_activity = False
                     window_s = busy_poll.window_s()
+                events = []
+                if window_s > 0 or integrity_pass is not None:  # else one blocking select below: one syscall
+                    events = self._selector.select(timeout=0)
                     while not events and time.perf_counter() - last_activity < window_s:
                         events = self._selector.select(timeout=0)
                     if window_s > 0:
@@ -239,6 +242,9 @@ class PoolServer:
             send_now(sock, P.encode(P.ErrorReply("not_allowed", f"uid {uid} may not use this pool")))
             sock.close()
             return
+        if pid == 0:  # a process in another pid namespace: whether it is gone cannot be known (holders.py)
+            log.info("client of uid %d from another pid namespace: its holds outlive its connections until it says "
+                     "goodbye or their TTL passes", uid)
         sock.setblocking(False)
         client = Connection(sock=sock, client_id=self._next_client_id, pid=pid, uid=uid, connected_at=time.monotonic())
         self._next_client_id += 1

@@ -55,6 +55,7 @@ class PoolHandlers:
         self.remote: RemoteHooks | None = None  # set by the daemon once the arena exists (--remote)
         self.arena_page_bytes = 0  # the OS page size backing the arena (2 MiB on hugepages), set once it exists
         self.started_at = clock()
+        self.pool_id = os.urandom(P.POOL_ID_BYTES)  # this daemon instance, told apart from any with the same pid
         self._answer_later = answer_later
         self._clock = clock
         self._names: dict[int, str] = {}  # every connected client, by id: its name ("" until hello)
@@ -80,7 +81,8 @@ class PoolHandlers:
     # -- clients ---------------------------------------------------------------
 
     def connect(self, client_id: int, pid: int = 0, uid: int = 0) -> None:
-        """A connection from process ``pid`` of ``uid`` (0: unknown, its holds end with the connection)."""
+        """A connection from process ``pid`` of ``uid``; pid 0: not known (another pid namespace), so the holds of
+        its holder outlive its connections until a Goodbye or their TTL (holders.Process.is_gone)."""
         self._names[client_id] = ""
         self.holders.connect(client_id, pid, uid)
 
@@ -106,6 +108,7 @@ class PoolHandlers:
             extent_bytes=self.allocator.extent_bytes,
             client_id=client_id,
             server_pid=os.getpid(),
+            pool_id=self.pool_id,
             wants_token_ids=self.index.listener is not None,
         )
 

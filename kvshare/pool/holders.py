@@ -9,6 +9,10 @@ finds the holds it took before. A holder's holds end only when
   reused pid is not taken for it), seen at disconnect or on the daemon's tick,
 - or their TTL passes (index.py: lease_ttl_s, reservation_ttl_s).
 
+A peer whose pid the kernel cannot name (SO_PEERCRED gives 0 for a process in another
+pid namespace: a client in a container) can never be known gone, so its holds are
+never ended early: they stay until it says so or their TTL passes.
+
 A connection that closes while its process lives leaves the holder *orphaned*:
 its holds stay, because a copy the process enqueued may still touch their pages.
 Pure bookkeeping on the daemon's loop thread; the only I/O is reading /proc.
@@ -24,7 +28,7 @@ TOKEN_BYTES = 16
 
 @dataclass(frozen=True)
 class Process:
-    """A peer process: pid and start time (clock ticks since boot; None when /proc could not tell)."""
+    """A peer process: pid (0: not known) and start time (clock ticks since boot; None when /proc could not tell)."""
 
     pid: int
     start_ticks: int | None
@@ -36,11 +40,12 @@ class Process:
     def is_gone(self) -> bool:
         """True only when the process has certainly exited (or its pid now names another process).
 
-        An unknown pid (0: no peer credentials, as in tests that drive the handlers directly) counts
-        as gone: there is no process whose copies could still run.
+        An unknown pid (0: the peer runs in another pid namespace, where SO_PEERCRED cannot name it) is
+        never gone: whether its copies have ended cannot be known, so its holds wait for a Goodbye or
+        their TTL (fail safe: a page under a copy is never handed to another writer).
         """
         if self.pid <= 0:
-            return True
+            return False
         now = process_start_ticks(self.pid)
         if now is None:  # no such process, or a zombie; or no /proc to ask: then it cannot be known gone
             return os.path.exists("/proc/self/stat")

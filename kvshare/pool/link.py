@@ -60,8 +60,8 @@ class PoolLink:
         self._delay = retry_s
         self._on_connect: list[Callable[[PoolClient], None]] = []
         self._on_drop: list[Callable[[], None]] = []
-        self._ends_due: list[tuple[int, str, int]] = []  # (pool pid, "lease" | "reservation", id) to end
-        self._last_pool_pid = 0  # of the last connect: the pool that granted the holds still to end
+        self._ends_due: list[tuple[bytes, str, int]] = []  # (pool id, "lease" | "reservation", hold id) to end
+        self._last_pool_id = b""  # of the last connect: the pool that granted the holds still to end
         self.num_failures = 0
         self.num_connects = 0
 
@@ -101,34 +101,38 @@ class PoolLink:
             self._schedule_retry(f"cannot use the pool at {self.socket_path}")  # tried later, not at once
             raise
         if self.num_connects:
-            log.warning("kvshare: %s connected to the pool at %s again", self.name, self.socket_path)
+            log.warning("kvshare: %s connected to the pool at %s again (%s)", self.name, self.socket_path,
+                        "the same pool" if client.hello.pool_id == self._last_pool_id
+                        else "a new pool: the holds of the old one ended with it")
         else:
             log.info("kvshare: %s connected to the pool at %s (pid %s)", self.name, self.socket_path,
                      client.hello.server_pid if client.hello else "?")
         self._client = client
         self._delay = self.retry_s
         self.num_connects += 1
-        self._last_pool_pid = client.hello.server_pid
+        self._last_pool_id = client.hello.pool_id
         self._end_due_holds(client)
         return client
 
-    def end_later(self, lease_id: int = 0, reservation_id: int = 0, pool_pid: int = 0) -> None:
+    def end_later(self, lease_id: int = 0, reservation_id: int = 0, pool_id: bytes = b"") -> None:
         """Release a lease / abort a reservation whose copies have ended, once the pool can be told (the next
         connect to the same pool); meanwhile the pool keeps it.
 
-        ``pool_pid``: the pool that granted the hold (0: the pool of the last connect). Hold ids restart in
-        every pool, so a hold of an earlier pool must never be ended on this one: it may name a live hold.
+        ``pool_id``: the pool that granted the hold (HelloReply.pool_id; empty: the pool of the last connect).
+        Hold ids restart in every pool, so a hold of an earlier pool must never be ended on this one: it may
+        name a live hold. A pool's pid does not tell pools apart (a restarted daemon may get the old pid).
         """
-        pid = pool_pid or self._last_pool_pid
-        if pid and lease_id:
-            self._ends_due.append((pid, "lease", lease_id))
-        if pid and reservation_id:
-            self._ends_due.append((pid, "reservation", reservation_id))
+        pool_id = pool_id or self._last_pool_id
+        if pool_id and lease_id:
+            self._ends_due.append((pool_id, "lease", lease_id))
+        if pool_id and reservation_id:
+            self._ends_due.append((pool_id, "reservation", reservation_id))
 
     def _end_due_holds(self, client: PoolClient) -> None:
         due, self._ends_due = self._ends_due, []
-        due = [(kind, hold_id) for pid, kind, hold_id in due if pid == client.hello.server_pid]  # else: gone with
-        try:  # the pool that granted them
+        # the others went with the pool that granted them
+        due = [(kind, hold_id) for pool_id, kind, hold_id in due if pool_id == client.hello.pool_id]
+        try:
             client.release([hold_id for kind, hold_id in due if kind == "lease"])
             for hold_id in [hold_id for kind, hold_id in due if kind == "reservation"]:
                 try:
@@ -136,14 +140,14 @@ class PoolLink:
                 except PoolRequestError:
                     pass  # its TTL ended it already
         except POOL_DOWN_ERRORS as exc:  # the next connect tries again
-            self._ends_due.extend((client.hello.server_pid, kind, hold_id) for kind, hold_id in due)
+            self._ends_due.extend((client.hello.pool_id, kind, hold_id) for kind, hold_id in due)
             log.warning("kvshare: could not end %d holds after reconnecting: %s", len(due), exc)
 
     @property
-    def pool_pid(self) -> int:
-        """The connected pool daemon's pid (0 when not connected): names the arena leases refer to."""
+    def pool_id(self) -> bytes:
+        """The id of the pool of the last connect (empty before one): names the arena and the holds' ids."""
         client = self._client
-        return client.hello.server_pid if client is not None and client.hello is not None else 0
+        return client.hello.pool_id if client is not None and client.hello is not None else b""
 
     def failed(self, exc: BaseException) -> None:
         """A call failed because the pool is gone or stuck: give the connection up (the holds stay) and

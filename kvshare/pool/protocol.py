@@ -22,8 +22,10 @@ from kvshare.pool.checksum import ChecksumKind
 
 # 2: a page's checksum carries its kind (Commit.checksum_kind, PageHeader.checksum_kind)
 # 3: Hello.holder names the holder of the client's holds across reconnects; Goodbye ends them
-PROTOCOL_VERSION = 3
+# 4: HelloReply.pool_id names the daemon instance (a pid is reused: PID 1 in every container)
+PROTOCOL_VERSION = 4
 MAX_HOLDER_BYTES = 64
+POOL_ID_BYTES = 16
 FORMAT_VERSION = 1  # canonical page format (layout.py); bumped if the bytes of a page change meaning
 FRAME_HEADER = struct.Struct("<I")
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 20
@@ -150,12 +152,17 @@ class PageHeader(msgspec.Struct, array_like=True):
 
 
 class HelloReply(msgspec.Struct, tag="hello_reply"):
+    """``pool_id``: random bytes drawn when the daemon starts (POOL_ID_BYTES). Lease and reservation ids restart
+    in every daemon, so a client names the pool that granted a hold by this id, never by ``server_pid``: a
+    restarted daemon may have the old one's pid (PID 1 in a container). ``server_pid`` is for people and logs."""
+
     protocol_version: int
     format_version: int
     arena_bytes: int
     extent_bytes: int
     client_id: int
     server_pid: int
+    pool_id: bytes
     wants_token_ids: bool = False  # the pool publishes KV events: a Reserve may carry its chunks' token ids
 
 

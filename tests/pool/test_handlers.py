@@ -1,6 +1,7 @@
 """The daemon's message handlers driven directly: no socket, no process, a fake clock and a fake remote tier."""
 
 import hashlib
+import subprocess
 
 import pytest
 
@@ -73,8 +74,15 @@ def make(pages=16, remote=None, **cfg):
     return handlers, answers, clock
 
 
-def greet(handlers, client_id, name="test"):
-    handlers.connect(client_id)
+def exited_pid() -> int:
+    """The pid of a process that has exited and been reaped: a peer known to be gone."""
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def greet(handlers, client_id, name="test", pid=0):
+    handlers.connect(client_id, pid=pid)
     return handlers.hello(client_id, P.Hello(protocol_version=P.PROTOCOL_VERSION, client_name=name))
 
 
@@ -135,7 +143,7 @@ def test_a_first_message_other_than_a_good_hello_is_refused():
 
 def test_disconnect_aborts_reservations_and_releases_leases():
     handlers, _, _ = make()
-    greet(handlers, 1, "reader")
+    greet(handlers, 1, "reader", pid=exited_pid())  # its process is gone: its holds end with the connection
     store(handlers, 1, keys("a", 2))
     lease = handlers.handle(1, P.Lookup(keys("a", 2), PAGE))
     handlers.handle(1, P.Reserve(NS, keys("b", 3), PAGE))
@@ -164,7 +172,7 @@ def test_tick_expires_leases_and_stats_count_everything():
 def test_remote_hooks_see_reserve_commit_abort_and_disconnect():
     remote = FakeRemote()
     handlers, _, _ = make(remote=remote)
-    greet(handlers, 1)
+    greet(handlers, 1, pid=exited_pid())
     first = store(handlers, 1, keys("a", 2))
     second = handlers.handle(1, P.Reserve(NS, keys("b", 1), PAGE))
     handlers.handle(1, P.Abort(second.reservation_id))

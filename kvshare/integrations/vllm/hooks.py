@@ -121,12 +121,12 @@ class WorkerHooks:
         WSUM32; or why not (which aborts the reservation: no page is ever visible with a head missing)."""
         worker, rank = self.worker, self.worker.heads.tp_rank
         if not may_store:
-            return StorePart(spec.reservation_id, spec.pool_pid, rank, False, reason="computed from a load that failed")
+            return StorePart(spec.reservation_id, spec.pool_id, rank, False, reason="computed from a load that failed")
         if not worker.heads.is_writer:  # a replicated head another rank writes
-            return StorePart(spec.reservation_id, spec.pool_pid, rank, True, (0,) * len(spec.grants))
-        client, reason = worker.pool.client_for(spec.pool_pid)
+            return StorePart(spec.reservation_id, spec.pool_id, rank, True, (0,) * len(spec.grants))
+        client, reason = worker.pool.client_for(spec.pool_id)
         if client is None:
-            return StorePart(spec.reservation_id, spec.pool_pid, rank, False, reason=reason)
+            return StorePart(spec.reservation_id, spec.pool_id, rank, False, reason=reason)
         try:
             worker.copy_out(client, spec, spec.grants)
             page_bytes = worker.kv_layout.page_bytes
@@ -134,8 +134,8 @@ class WorkerHooks:
                          for _, offset in spec.grants)
         except Exception as exc:  # a bug in the copy: the reservation is aborted; vLLM keeps serving
             log.error("kvshare: rank %d's part of the store for request %s failed", rank, spec.req_id, exc_info=True)
-            return StorePart(spec.reservation_id, spec.pool_pid, rank, False, reason=f"{type(exc).__name__}: {exc}")
-        return StorePart(spec.reservation_id, spec.pool_pid, rank, True, sums)
+            return StorePart(spec.reservation_id, spec.pool_id, rank, False, reason=f"{type(exc).__name__}: {exc}")
+        return StorePart(spec.reservation_id, spec.pool_id, rank, True, sums)
 
     def _may_store(self, spec: StoreSpec) -> bool:
         if spec.req_id in self._failed_loads or not self.worker.layers:

@@ -27,12 +27,12 @@ class LoadSpec:
     """Copy prompt tokens ``token_start .. token_end - 1`` from leased pages into vLLM's blocks.
 
     ``pages[i]`` holds chunk ``first_chunk + i``; ``block_ids`` is the request's block table
-    (block j holds tokens ``j * block_size ..``). ``pool_pid`` names the pool the lease
+    (block j holds tokens ``j * block_size ..``). ``pool_id`` names the pool the lease
     came from: a worker mapped onto another pool's arena must not read these offsets.
     """
 
     req_id: str
-    pool_pid: int
+    pool_id: bytes
     first_chunk: int
     pages: tuple[PageRef, ...]
     keys: tuple[bytes, ...]
@@ -46,7 +46,7 @@ class StoreSpec:
     """After this step's forward, put chunks ``first_chunk ..`` (one per key) into the pool.
 
     With one rank the worker reserves and commits the pages itself. With tensor parallelism the
-    scheduler has reserved them already (``reservation_id`` of the pool ``pool_pid``; ``grants``:
+    scheduler has reserved them already (``reservation_id`` of the pool ``pool_id``; ``grants``:
     (index into keys, arena offset) of the chunks to write): each rank writes its heads and reports
     a StorePart, and the scheduler commits once every rank's part is in.
     """
@@ -58,7 +58,7 @@ class StoreSpec:
     block_ids: tuple[int, ...]
     reservation_id: int = 0  # 0: not reserved yet (one rank)
     grants: tuple[tuple[int, int], ...] = ()
-    pool_pid: int = 0
+    pool_id: bytes = b""
 
     @property
     def is_parted(self) -> bool:
@@ -72,7 +72,7 @@ class StorePart:
     in grant order) or not (``reason``), which aborts the whole reservation."""
 
     reservation_id: int
-    pool_pid: int  # the pool that granted the reservation: ids restart in every pool
+    pool_id: bytes  # the pool that granted the reservation: ids restart in every pool
     tp_rank: int
     is_written: bool
     checksums: tuple[int, ...] = ()

@@ -60,8 +60,8 @@ class FixedLink:
         return self._client
 
     @property
-    def pool_pid(self) -> int:
-        return self._client.hello.server_pid
+    def pool_id(self) -> bytes:
+        return self._client.hello.pool_id
 
     def reconnect_now(self):
         return self._client
@@ -150,7 +150,7 @@ class _Bench:
         lease = self.client.lookup(list(self.keys), LAYOUT.page_bytes)
         refs = tuple(PageRef(p.offset, p.page_bytes, p.checksum, p.checksum_kind) for p in lease.pages)
         C = LAYOUT.chunk_tokens
-        spec = LoadSpec("load", self.client.hello.server_pid, 0, refs, self.keys, 0, NUM_PAGES * C, tuple(self.blocks_b))
+        spec = LoadSpec("load", self.client.hello.pool_id, 0, refs, self.keys, 0, NUM_PAGES * C, tuple(self.blocks_b))
         for layer in self.layers:
             as_bits(layer).fill_(SENTINEL)
         before = [layer.clone() for layer in self.layers]

@@ -259,7 +259,7 @@ class HeldLease:
     pages: list  # PageHeader-like: offset, page_bytes, checksum
     keys: list[bytes]  # keys of the leased chunks (to drop a page found bad)
     taken_at: float
-    owner: tuple[int, bytes] = (0, b"")  # (pool pid, holder token) of the link that took it
+    owner: tuple[bytes, bytes] = (b"", b"")  # (pool id, holder token) of the link that took it
     token_start: int = 0
     token_end: int = 0
     state: LeaseState = LeaseState.PENDING

@@ -25,15 +25,16 @@ class PoolPages:
         self.kv_layout = kv_layout
         self.counters = counters
 
-    def client_for(self, pool_pid: int):
-        """The client mapped onto the arena of the pool ``pool_pid`` (reconnecting once), or (None, why)."""
+    def client_for(self, pool_id: bytes):
+        """The client mapped onto the arena of the pool ``pool_id`` (reconnecting once), or (None, why)."""
         client = self.link.client()
-        if client is not None and self.link.pool_pid != pool_pid:
+        if client is not None and self.link.pool_id != pool_id:
             client = self.link.reconnect_now()  # the pool was restarted since our last call
         if client is None:
             return None, "the pool is unreachable"
-        if self.link.pool_pid != pool_pid:
-            return None, f"lease lost: it came from pool pid {pool_pid}, the pool now is pid {self.link.pool_pid}"
+        if self.link.pool_id != pool_id:
+            return None, (f"lease lost: it came from pool {pool_id.hex()[:8]}, the pool now is "
+                          f"{self.link.pool_id.hex()[:8]} (restarted)")
         return client, ""
 
     def drop(self, key: bytes) -> None:
@@ -78,12 +79,12 @@ class PoolPages:
             log.warning("kvshare: store failed (%s: %s); its pages are aborted", type(exc).__name__, exc)
             if isinstance(exc, POOL_DOWN_ERRORS):
                 self.link.failed(exc)
-                self.link.end_later(reservation_id=reservation_id, pool_pid=client.hello.server_pid)
+                self.link.end_later(reservation_id=reservation_id, pool_id=client.hello.pool_id)
                 return
         try:
             client.abort(reservation_id)
         except POOL_DOWN_ERRORS as abort_exc:
             self.link.failed(abort_exc)
-            self.link.end_later(reservation_id=reservation_id, pool_pid=client.hello.server_pid)
+            self.link.end_later(reservation_id=reservation_id, pool_id=client.hello.pool_id)
         except PoolRequestError:
             pass

@@ -175,7 +175,7 @@ class PoolScheduler:
         if not lease.pages:
             return None
         pages = [PageRef(p.offset, p.page_bytes, p.checksum, p.checksum_kind) for p in lease.pages]
-        owner = (self.link.pool_pid, self.link.holder)
+        owner = (self.link.pool_id, self.link.holder)
         held = HeldLease(lease.lease_id, first_chunk, pages, keys[: len(pages)], now, owner)
         self._leases.put(req_id, held)
         return held
@@ -193,7 +193,7 @@ class PoolScheduler:
                 # never expected; the worker reports these tokens as failed, so vLLM recomputes them
                 log.error("kvshare: vLLM expects %d pool tokens for %s but no lease backs them", num_external_tokens, req_id)
                 self._release(self._leases.pop(req_id))
-                self._leases.put(req_id, HeldLease(0, 0, [], [], self._clock(), (self.link.pool_pid, b""),
+                self._leases.put(req_id, HeldLease(0, 0, [], [], self._clock(), (self.link.pool_id, b""),
                                                    local_tokens, local_tokens + num_external_tokens,
                                                    LeaseState.SCHEDULED))
             return
@@ -260,9 +260,9 @@ class PoolScheduler:
         self.counters.skipped_stores += reservation.num_no_room
         if not reservation.grants:
             return None
-        self._parted.expect(reservation.reservation_id, self.link.pool_pid)
+        self._parted.expect(reservation.reservation_id, self.link.pool_id)
         return dataclasses.replace(spec, reservation_id=reservation.reservation_id,
-                                   grants=tuple(reservation.grants), pool_pid=self.link.pool_pid)
+                                   grants=tuple(reservation.grants), pool_id=self.link.pool_id)
 
     def _settle_part(self, part: StorePart) -> None:
         """A rank's part of a reserved store; the last one commits the pages (or aborts them)."""
@@ -270,12 +270,12 @@ class PoolScheduler:
         if done is None:
             return
         reservation_id, checksums = done
-        pool_pid = part.pool_pid
+        pool_id = part.pool_id
         client = self.link.client()
         if client is None:  # the pool keeps it until told, or its TTL
-            self.link.end_later(reservation_id=reservation_id, pool_pid=pool_pid)
+            self.link.end_later(reservation_id=reservation_id, pool_id=pool_id)
             return
-        if self.link.pool_pid != pool_pid:  # granted by a pool that is gone; the id may name a live reservation
+        if self.link.pool_id != pool_id:  # granted by a pool that is gone; the id may name a live reservation
             return
         try:
             if checksums is None:
@@ -286,7 +286,7 @@ class PoolScheduler:
             self.counters.pool_errors += 1
             self.link.failed(exc)
             # refused then, if the commit went through
-            self.link.end_later(reservation_id=reservation_id, pool_pid=pool_pid)
+            self.link.end_later(reservation_id=reservation_id, pool_id=pool_id)
             return
         except PoolRequestError as exc:
             self.counters.pool_errors += 1
@@ -337,9 +337,9 @@ class PoolScheduler:
             return
         client = self.link.client()
         if client is None:  # once the link is back to the pool that granted it
-            self.link.end_later(lease_id=held.lease_id, pool_pid=held.owner[0])
+            self.link.end_later(lease_id=held.lease_id, pool_id=held.owner[0])
             return
-        if self.link.pool_pid != held.owner[0]:  # granted by a pool that is gone
+        if self.link.pool_id != held.owner[0]:  # granted by a pool that is gone
             return
         client.release([held.lease_id])  # fire and forget; a broken socket closes the client
 
@@ -349,7 +349,7 @@ class PoolScheduler:
 
     def close(self) -> None:
         client = self.link.client() if self._parted is not None and len(self._parted) else None
-        for reservation_id in self._parted.pending(self.link.pool_pid) if client is not None else ():
+        for reservation_id in self._parted.pending(self.link.pool_id) if client is not None else ():
             try:
                 client.abort(reservation_id)
             except (PoolRequestError, *POOL_DOWN_ERRORS):

@@ -49,7 +49,7 @@ class StorePool(Protocol):
 
     def reserve(self, client, spec: StoreSpec, times: PhaseTimes): ...
 
-    def client_for(self, pool_pid: int): ...
+    def client_for(self, pool_id: bytes): ...
 
     def commit(self, client, spec: StoreSpec, reservation, checksums: list[int], kind: ChecksumKind,
                times: PhaseTimes) -> int: ...
@@ -128,7 +128,7 @@ class StagedStores:
         writes nothing ("" for a replicated head another rank writes: it reports 0)."""
         if not self.engine.heads.is_writer:
             return ""
-        client, reason = self.worker.client_for(spec.pool_pid)
+        client, reason = self.worker.client_for(spec.pool_id)
         if client is None:
             return reason
         if self.client is not None and client is not self.client:
@@ -195,7 +195,7 @@ class StagedStores:
             if not may_commit(spec):
                 reason = FAILED_LOAD
             written = not reason  # reason "": a replicated head another rank writes, reported as 0
-            self.parts.append(StorePart(spec.reservation_id, spec.pool_pid, rank, written,
+            self.parts.append(StorePart(spec.reservation_id, spec.pool_id, rank, written,
                                         (0,) * len(spec.grants) if written else (), reason))
         if not self._plans:
             return 0
@@ -233,8 +233,8 @@ class StagedStores:
         """This rank's part of a parted spec it copied: its heads' part of each page's WSUM32, or why not."""
         rank = self.engine.heads.tp_rank
         if not may_store:
-            return StorePart(spec.reservation_id, spec.pool_pid, rank, False, reason=FAILED_LOAD)
+            return StorePart(spec.reservation_id, spec.pool_id, rank, False, reason=FAILED_LOAD)
         if self._error is not None:
-            return StorePart(spec.reservation_id, spec.pool_pid, rank, False,
+            return StorePart(spec.reservation_id, spec.pool_id, rank, False,
                              reason=f"{type(self._error).__name__}: {self._error}")
-        return StorePart(spec.reservation_id, spec.pool_pid, rank, True, tuple(checksums))
+        return StorePart(spec.reservation_id, spec.pool_id, rank, True, tuple(checksums))

@@ -90,24 +90,24 @@ class PartedStores:
 
     def __init__(self, tp_size: int) -> None:
         self.tp_size = tp_size
-        # (pool pid, reservation id) -> tp rank -> its part; ids restart in every pool, so the pid tells apart
+        # (pool id, reservation id) -> tp rank -> its part; ids restart in every pool, so the pool id tells apart
         # the parts of a reservation of a pool that is gone from those of a new one of the same id
-        self._parts: dict[tuple[int, int], dict[int, StorePart]] = {}
+        self._parts: dict[tuple[bytes, int], dict[int, StorePart]] = {}
 
-    def expect(self, reservation_id: int, pool_pid: int) -> None:
-        self._parts[pool_pid, reservation_id] = {}
+    def expect(self, reservation_id: int, pool_id: bytes) -> None:
+        self._parts[pool_id, reservation_id] = {}
 
     def add(self, part: StorePart) -> tuple[int, list[int] | None] | None:
         """Record a rank's part; once the reservation has all of them: (reservation id, the page checksums
         to commit, or None to abort it). None while parts are missing."""
-        parts = self._parts.get((part.pool_pid, part.reservation_id))
+        parts = self._parts.get((part.pool_id, part.reservation_id))
         if parts is None:
             log.error("kvshare: a store part for reservation %d that is not pending", part.reservation_id)
             return None
         parts[part.tp_rank] = part
         if len(parts) < self.tp_size:
             return None
-        del self._parts[part.pool_pid, part.reservation_id]
+        del self._parts[part.pool_id, part.reservation_id]
         if not all(p.is_written for p in parts.values()):
             failed = sorted(r for r, p in parts.items() if not p.is_written)
             log.warning("kvshare: rank(s) %s could not write their part of reservation %d (%s); its pages are aborted",
@@ -116,9 +116,9 @@ class PartedStores:
         sums = [sum(column) % MOD64 for column in zip(*(p.checksums for p in parts.values()))]
         return part.reservation_id, sums
 
-    def pending(self, pool_pid: int) -> list[int]:
-        """The ids of the reservations of pool ``pool_pid`` whose parts are not all in."""
-        return [reservation_id for pid, reservation_id in self._parts if pid == pool_pid]
+    def pending(self, pool_id: bytes) -> list[int]:
+        """The ids of the reservations of pool ``pool_id`` whose parts are not all in."""
+        return [reservation_id for pid, reservation_id in self._parts if pid == pool_id]
 
     def __len__(self) -> int:
         return len(self._parts)

@@ -165,7 +165,7 @@ class PoolKVWorker:
             outcomes, _ = self.start_layered([layered], wait_now=True).finish()
             return outcomes[0]
         times = PhaseTimes()
-        client, reason = self.pool.client_for(spec.pool_pid) if spec.pages else (None, "no lease backs the load")
+        client, reason = self.pool.client_for(spec.pool_id) if spec.pages else (None, "no lease backs the load")
         times.mark("client")
         loaded_end = spec.token_start
         if client is not None:
@@ -182,7 +182,7 @@ class PoolKVWorker:
         if self._copier is None and self._staging is None:
             return self.load(spec)
         times = PhaseTimes()
-        client, reason = self.pool.client_for(spec.pool_pid) if spec.pages else (None, "no lease backs the load")
+        client, reason = self.pool.client_for(spec.pool_id) if spec.pages else (None, "no lease backs the load")
         if client is None:
             return self.outcome(spec, spec.token_start, reason, times)
         if self._staging is not None:

@@ -14,7 +14,7 @@ class DyingConnector(KVShareConnector):
         plan, armed = self._plan(), os.environ.get("KVSHARE_TEST_DIE_FILE", "")
         if self._worker is not None and self._worker.heads.tp_rank == 1 and plan.stores and os.path.exists(armed):
             spec = plan.stores[0]
-            client, _ = self._worker.pool.client_for(spec.pool_pid)
+            client, _ = self._worker.pool.client_for(spec.pool_id)
             self._worker.copy_out(client, spec, spec.grants[: (len(spec.grants) + 1) // 2])
             os._exit(17)
         super().wait_for_save()

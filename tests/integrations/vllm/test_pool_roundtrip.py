@@ -405,7 +405,7 @@ def test_a_scheduler_lookup_that_times_out_keeps_the_leases_of_loads_still_to_ru
         assert b.scheduler.match("r2", 0) == 256  # leased, the worker has not copied yet
         link = b.scheduler.link
         link.client().timeout_s = 0.3
-        pool_pid = link.pool_pid
+        pool_pid = link.current.hello.server_pid
         os.kill(pool_pid, signal.SIGSTOP)
         try:
             b.scheduler.add_request("r3", list(range(5000, 5300)), None, None)
@@ -435,7 +435,7 @@ def test_a_scheduler_lookup_that_times_out_keeps_the_leases_of_loads_still_to_ru
 
 
 def test_a_lease_of_an_earlier_pool_released_while_the_link_is_down_never_ends_a_lease_of_this_pool(pool):
-    """A lease granted by a pool that is gone (another pool pid) is released while the link is down. Lease
+    """A lease granted by a pool that is gone (another pool id) is released while the link is down. Lease
     ids restart in every pool, so the same id may name a lease this holder took from the pool it reconnects
     to, whose copy still runs: that lease must stay.
     Fails when the scheduler files the release under the link's last pool instead of the lease's own."""
@@ -447,7 +447,7 @@ def test_a_lease_of_an_earlier_pool_released_while_the_link_is_down_never_ends_a
         link = b.scheduler.link
         live = link.client().lookup(chunk_keys(namespace_digest(NAMESPACE), PROMPT, C), LAYOUT.page_bytes)
         assert live.lease_id and pool_stats(pool)["leases"] == 1
-        stale = HeldLease(live.lease_id, 0, [], [], b.clock.now, (link.pool_pid + 1, link.holder))
+        stale = HeldLease(live.lease_id, 0, [], [], b.clock.now, (bytes(16), link.holder))
         link.failed(TimeoutError("the pool did not answer"))
         b.scheduler._release(stale)
         b.clock.now += 1.0  # the link's retry is due
@@ -480,10 +480,10 @@ def test_a_tensor_parallel_store_reserved_in_an_earlier_pool_never_commits_a_res
             proc = start_pool(path, "16MiB", POOL_ARGS)
             assert scheduler.link.reconnect_now() is not None
             second = scheduler._reserve(StoreSpec("r2", digest, 0, keys, (0,)))
-            assert second.reservation_id == first.reservation_id and second.pool_pid != first.pool_pid
+            assert second.reservation_id == first.reservation_id and second.pool_id != first.pool_id
             assert pool_stats(path)["reservations"] == 1
             for rank in range(2):
-                part = StorePart(first.reservation_id, first.pool_pid, rank, True, (1,) * len(first.grants))
+                part = StorePart(first.reservation_id, first.pool_id, rank, True, (1,) * len(first.grants))
                 scheduler._settle_part(part)
             assert pool_stats(path)["reservations"] == 1  # the new pool's reservation still waits for its parts
         finally:

@@ -60,9 +60,9 @@ def test_the_ranks_partial_wsums_add_up_to_the_pages(dtype, heads, tp):
     parts = [partial_wsum32(page, layout, s) for s in (head_slice(heads, r, tp) for r in range(tp)) if s.is_writer]
     assert sum(parts) % MOD64 == wsum32(page)
     book = PartedStores(tp)
-    book.expect(7, 1)
+    book.expect(7, b"p" * 16)
     for rank, part in enumerate(parts + [0] * (tp - len(parts))):
-        done = book.add(StorePart(7, 1, rank, True, (part, 0)))
+        done = book.add(StorePart(7, b"p" * 16, rank, True, (part, 0)))
     assert done == (7, [wsum32(page), 0]) and not len(book)
 
 
