@@ -50,7 +50,7 @@ def load_model(model: str, device: torch.device, dtype: str | None = None, name:
         default_name = os.path.basename(os.path.normpath(model))
     elif model in PRESETS:
         net, config, fingerprint = build_preset(model, device, dtype)
-        tokenizer = Tokenizer.byte_level(config.max_position_embeddings)
+        tokenizer = Tokenizer.for_preset(PRESETS[model].tokenizer, config.max_position_embeddings)
         default_name = model
     else:
         raise UserError(f"--model {model!r} is neither a model directory nor a preset ({', '.join(PRESETS)})")
@@ -58,9 +58,9 @@ def load_model(model: str, device: torch.device, dtype: str | None = None, name:
 
 
 def load_tokenizer(model: str):
-    """The tokenizer of a model directory (its tokenizer.json) or of a built-in preset (byte level)."""
+    """The tokenizer of a model directory (its tokenizer.json) or of a built-in preset (byte level or BPE)."""
     if os.path.isdir(model):
         return Tokenizer.from_dir(model)
     if model in PRESETS:
-        return Tokenizer.byte_level(PRESETS[model].config.max_position_embeddings)
+        return Tokenizer.for_preset(PRESETS[model].tokenizer, PRESETS[model].config.max_position_embeddings)
     raise UserError(f"--tokenizer/--model {model!r} is neither a model directory nor a preset ({', '.join(PRESETS)})")

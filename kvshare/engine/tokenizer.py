@@ -1,4 +1,4 @@
-"""Tokenizers: the presets' byte-level one, and a reader for any HF ``tokenizer.json``.
+"""Tokenizers: the presets' (byte level, or the BPE of kvshare.engine.bpe), and a reader for any HF ``tokenizer.json``.
 
 The byte-level tokenizer maps byte b to token id b (every ASCII character is one token,
 so a prompt of exactly N tokens is N ASCII characters) plus four special tokens. It is
@@ -14,6 +14,7 @@ import os
 import re
 from typing import Sequence
 
+from kvshare.engine.token_cache import PieceEncoder, TokenCache, TokenCacheConfig
 from kvshare.errors import UserError
 
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>")
@@ -60,8 +61,22 @@ def build_byte_tokenizer():
     return tok
 
 
+PRESET_TOKENIZERS = ("byte", "bpe")
+
+
+def preset_tokenizer_files(kind: str, max_length: int):
+    """(``tokenizers.Tokenizer``, tokenizer_config.json) of a preset's tokenizer: ``byte`` or ``bpe``."""
+    if kind == "byte":
+        return build_byte_tokenizer(), byte_tokenizer_config(max_length)
+    if kind == "bpe":
+        from kvshare.engine.bpe import preset_bpe_tokenizer
+
+        return preset_bpe_tokenizer(), byte_tokenizer_config(max_length)
+    raise ValueError(f"unknown preset tokenizer {kind!r}; choose one of {', '.join(PRESET_TOKENIZERS)}")
+
+
 def byte_tokenizer_config(max_length: int) -> dict:
-    """tokenizer_config.json for the byte tokenizer (no automatic BOS: prompt length = characters)."""
+    """tokenizer_config.json of both preset tokenizers (the same special tokens and ids, no automatic BOS)."""
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": "<|bos|>",
@@ -91,8 +106,12 @@ def render_chat(template: str, messages: Sequence[dict], add_generation_prompt: 
 class Tokenizer:
     """encode/decode/chat template over a tokenizer.json and its tokenizer_config.json."""
 
-    def __init__(self, tokenizer, config: dict, eos_token_ids: Sequence[int] = ()) -> None:
+    def __init__(self, tokenizer, config: dict, eos_token_ids: Sequence[int] = (),
+                 cache_config: TokenCacheConfig = TokenCacheConfig(), tokenizer_json: str | None = None) -> None:
+        """``tokenizer_json``: the tokenizer.json text ``tokenizer`` was read from (saves writing it out again)."""
         self._tok = tokenizer
+        # long texts: cut, cached and batched where that gives the same ids (kvshare.engine.token_cache)
+        self._pieces = PieceEncoder(tokenizer, cache_config, tokenizer_json=tokenizer_json)
         self.config = config
         self.chat_template: str | None = config.get("chat_template")
         self.bos_token = _token_text(config.get("bos_token"))
@@ -114,14 +133,31 @@ class Tokenizer:
         config = _read_json(os.path.join(model_dir, "tokenizer_config.json"))
         generation = _read_json(os.path.join(model_dir, "generation_config.json"))
         eos = generation.get("eos_token_id", [])
-        return cls(HFTokenizer.from_file(path), config, eos if isinstance(eos, list) else [eos])
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        return cls(HFTokenizer.from_str(text), config, eos if isinstance(eos, list) else [eos], tokenizer_json=text)
 
     @classmethod
     def byte_level(cls, max_length: int) -> "Tokenizer":
-        return cls(build_byte_tokenizer(), byte_tokenizer_config(max_length), [EOS_ID, IM_END_ID])
+        return cls.for_preset("byte", max_length)
+
+    @classmethod
+    def for_preset(cls, kind: str, max_length: int) -> "Tokenizer":
+        tokenizer, config = preset_tokenizer_files(kind, max_length)
+        text = None
+        if kind == "bpe":
+            from kvshare.engine.bpe import preset_bpe_text
+
+            text = preset_bpe_text()
+        return cls(tokenizer, config, [EOS_ID, IM_END_ID], tokenizer_json=text)
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        """The text's ids, no special tokens added; equal to one plain encode of the whole text."""
+        return self._pieces.encode(text)
+
+    @property
+    def token_cache(self) -> TokenCache:
+        return self._pieces.cache
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         # ids the tokenizer does not know (a model vocabulary larger than the tokenizer's) decode to nothing
