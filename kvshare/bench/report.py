@@ -38,7 +38,8 @@ def _pct(value: float | None) -> str:
 def _overheads(overheads: dict[str, float | None] | None) -> str:
     if overheads is None:
         return "-"
-    return " / ".join("-" if overheads.get(c) is None else f"{100 * overheads[c]:+.1f}%" for c in ("cold", "local", "cross"))
+    return " / ".join("-" if overheads.get(c) is None else f"{100 * overheads[c]:+.1f}%"
+                      for c in ("cold", "local", "cross"))
 
 
 def _tokens(n: int) -> str:

@@ -22,7 +22,16 @@ import os
 import random
 from typing import Iterator
 
-from kvshare.engine.tokenizer import BYTE_VOCAB_SIZE, SPECIAL_TOKENS, _bytes_to_unicode
+from kvshare.engine.tokenizer import (
+    BYTE_VOCAB_SIZE,
+    EOS_ID,
+    IM_END_ID,
+    SPECIAL_TOKENS,
+    Tokenizer,
+    build_byte_tokenizer,
+    byte_tokenizer_config,
+    bytes_to_unicode,
+)
 
 # Qwen2's (and Qwen3's) pre-tokenizer split: letters with one leading non-letter, single digits, punctuation runs
 PRETOKENIZE_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -84,7 +93,7 @@ def train_bpe(vocab_size: int = PRESET_VOCAB_SIZE, num_words: int = PRESET_NUM_W
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[])
     trained.train_from_iterator(generated_corpus(num_words, seed), trainer)
     merges = [tuple(m) for m in json.loads(trained.to_str())["model"]["merges"]]
-    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    vocab = {ch: b for b, ch in bytes_to_unicode().items()}
     vocab.update({t: 256 + i for i, t in enumerate(SPECIAL_TOKENS)})
     for left, right in merges:
         vocab.setdefault(left + right, len(vocab))
@@ -107,9 +116,29 @@ def preset_bpe_text() -> str:
 
 def preset_bpe_tokenizer():
     """A ``tokenizers.Tokenizer`` of the presets' BPE (each call a fresh object)."""
-    from tokenizers import Tokenizer
+    from tokenizers import Tokenizer as HFTokenizer
 
-    return Tokenizer.from_str(preset_bpe_text())
+    return HFTokenizer.from_str(preset_bpe_text())
+
+
+PRESET_TOKENIZERS = ("byte", "bpe")
+
+
+def preset_tokenizer_files(kind: str, max_length: int):
+    """(``tokenizers.Tokenizer``, tokenizer_config.json) of a preset's tokenizer: ``byte`` or ``bpe`` (both
+    carry the same special tokens, ids and chat template)."""
+    if kind == "byte":
+        return build_byte_tokenizer(), byte_tokenizer_config(max_length)
+    if kind == "bpe":
+        return preset_bpe_tokenizer(), byte_tokenizer_config(max_length)
+    raise ValueError(f"unknown preset tokenizer {kind!r}; choose one of {', '.join(PRESET_TOKENIZERS)}")
+
+
+def preset_tokenizer(kind: str, max_length: int) -> Tokenizer:
+    """The engine's Tokenizer of a preset's tokenizer."""
+    tokenizer, config = preset_tokenizer_files(kind, max_length)
+    return Tokenizer(tokenizer, config, [EOS_ID, IM_END_ID],
+                     tokenizer_json=preset_bpe_text() if kind == "bpe" else None)
 
 
 def write_preset_bpe_data(path: str = DATA_FILE) -> None:

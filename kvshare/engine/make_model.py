@@ -18,8 +18,9 @@ import shutil
 
 import torch
 
+from kvshare.engine.bpe import preset_tokenizer_files
 from kvshare.engine.presets import build_preset, config_json_bytes, file_metadata, get_preset, preset_hf_config, preset_tensors
-from kvshare.engine.tokenizer import BOS_ID, EOS_ID, IM_END_ID, preset_tokenizer_files
+from kvshare.engine.tokenizer import BOS_ID, EOS_ID, IM_END_ID
 from kvshare.engine.weights import TORCH_DTYPES, model_dir_fingerprint, write_safetensors
 from kvshare.errors import UserError
 from kvshare.units import format_bytes

@@ -105,7 +105,8 @@ def splittable_reason(tokenizer_json: dict) -> str | None:
         return "the pre-tokenizer is not a known byte-level split"
     for added in tokenizer_json.get("added_tokens") or []:
         content = added.get("content", "")
-        if any(ch.isspace() for ch in content) or added.get("lstrip") or added.get("rstrip") or added.get("single_word"):
+        is_stripping = added.get("lstrip") or added.get("rstrip") or added.get("single_word")
+        if any(ch.isspace() for ch in content) or is_stripping:
             return f"added token {content!r} holds whitespace or strips it"
     return None
 

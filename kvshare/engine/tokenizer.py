@@ -1,4 +1,4 @@
-"""Tokenizers: the presets' (byte level, or the BPE of kvshare.engine.bpe), and a reader for any HF ``tokenizer.json``.
+"""Tokenizers: the presets' byte-level one (their BPE: kvshare.engine.bpe), and a reader for any HF ``tokenizer.json``.
 
 The byte-level tokenizer maps byte b to token id b (every ASCII character is one token,
 so a prompt of exactly N tokens is N ASCII characters) plus four special tokens. It is
@@ -31,7 +31,7 @@ CHAT_TEMPLATE = (
 )
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's printable stand-in character for every byte (what the ByteLevel pre-tokenizer emits)."""
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     chars = printable[:]
@@ -44,14 +44,14 @@ def _bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(printable, chars)}
 
 
-_UNICODE_TO_BYTE = {ch: b for b, ch in _bytes_to_unicode().items()}
+_UNICODE_TO_BYTE = {ch: b for b, ch in bytes_to_unicode().items()}
 
 
 def build_byte_tokenizer():
     """A ``tokenizers.Tokenizer``: id b for byte b, then the special tokens at 256.."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    vocab = {ch: b for b, ch in bytes_to_unicode().items()}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
@@ -59,20 +59,6 @@ def build_byte_tokenizer():
     if tok.get_vocab_size() != BYTE_VOCAB_SIZE or tok.token_to_id("<|im_end|>") != IM_END_ID:
         raise RuntimeError("byte tokenizer ids are not laid out as expected")
     return tok
-
-
-PRESET_TOKENIZERS = ("byte", "bpe")
-
-
-def preset_tokenizer_files(kind: str, max_length: int):
-    """(``tokenizers.Tokenizer``, tokenizer_config.json) of a preset's tokenizer: ``byte`` or ``bpe``."""
-    if kind == "byte":
-        return build_byte_tokenizer(), byte_tokenizer_config(max_length)
-    if kind == "bpe":
-        from kvshare.engine.bpe import preset_bpe_tokenizer
-
-        return preset_bpe_tokenizer(), byte_tokenizer_config(max_length)
-    raise ValueError(f"unknown preset tokenizer {kind!r}; choose one of {', '.join(PRESET_TOKENIZERS)}")
 
 
 def byte_tokenizer_config(max_length: int) -> dict:
@@ -139,17 +125,7 @@ class Tokenizer:
 
     @classmethod
     def byte_level(cls, max_length: int) -> "Tokenizer":
-        return cls.for_preset("byte", max_length)
-
-    @classmethod
-    def for_preset(cls, kind: str, max_length: int) -> "Tokenizer":
-        tokenizer, config = preset_tokenizer_files(kind, max_length)
-        text = None
-        if kind == "bpe":
-            from kvshare.engine.bpe import preset_bpe_text
-
-            text = preset_bpe_text()
-        return cls(tokenizer, config, [EOS_ID, IM_END_ID], tokenizer_json=text)
+        return cls(build_byte_tokenizer(), byte_tokenizer_config(max_length), [EOS_ID, IM_END_ID])
 
     def encode(self, text: str) -> list[int]:
         """The text's ids, no special tokens added; equal to one plain encode of the whole text."""

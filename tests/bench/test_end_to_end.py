@@ -180,7 +180,8 @@ def test_cli_ttft_with_a_users_text_client(cluster, tmp_path):
 
     out = tmp_path / "text"
     argv = ["--log-level", "WARNING", "bench", "ttft", "--client", "text", "--contexts", "600", "--repetitions", "2",
-            "--max-tokens", "4", "--out", str(out), "--no-progress"] + sum((["--replica", u] for u in cluster.replica_urls), [])
+            "--max-tokens", "4", "--out", str(out), "--no-progress"]
+    argv += sum((["--replica", u] for u in cluster.replica_urls), [])
     assert main(argv) == 0
     records = ResultsDir(str(out)).load()
     assert len(records) == 12 and all(r.is_ok for r in records)

@@ -48,8 +48,8 @@ def _small_bpe(pattern: str | None, nfc: bool = False, vocab_size: int = 600):
 @functools.cache
 def _tokenizers() -> dict[str, tuple[object, str]]:
     """name -> (tokenizer, its tokenizer.json text): built once, each encoder then skips writing it out."""
-    toks = {"preset-bpe": preset_bpe_tokenizer(), "gpt2": _small_bpe(None), "qwen2-nfc": _small_bpe(QWEN2_PATTERN, True),
-            "llama3": _small_bpe(LLAMA3_PATTERN)}
+    toks = {"preset-bpe": preset_bpe_tokenizer(), "gpt2": _small_bpe(None),
+            "qwen2-nfc": _small_bpe(QWEN2_PATTERN, nfc=True), "llama3": _small_bpe(LLAMA3_PATTERN)}
     return {name: (tok, tok.to_str()) for name, tok in toks.items()}
 
 
