@@ -8,7 +8,8 @@ For each length: the chat (one user message of generated words, rendered with th
     next turn   the text with an answer and a new 256-token user turn appended (all but the tail cached)
 
 best of --repeats, wall and CPU milliseconds, against 5% of the cross-replica hit measured on the H200
-(issue figures: 32k 0.100 s, 128k 0.383 s, 256k 0.757 s). Every path's ids are checked against plain.
+(kvshare up on the H200, 8B shape: 32k 0.100 s, 128k 0.383 s, 256k 0.757 s).
+Every path's ids are checked against plain.
 
     python benchmarks/tokenize_cost.py [--lengths 32768,131072,262144] [--repeats 3] [--json]
 """
@@ -27,7 +28,7 @@ from kvshare.bench.workload import PromptFactory, WorkloadConfig  # noqa: E402
 from kvshare.engine.loader import load_tokenizer  # noqa: E402
 from kvshare.engine.token_cache import TokenCache  # noqa: E402
 
-H200_CROSS_S = {32768: 0.100, 131072: 0.383, 262144: 0.757}  # kvshare up, 8B shape, issue 41's table
+H200_CROSS_S = {32768: 0.100, 131072: 0.383, 262144: 0.757}  # kvshare up, 8B shape, 2 replicas, token-id client
 
 
 def best_of(fn, repeats: int, before=None) -> tuple[float, float, list[int]]:

@@ -77,8 +77,12 @@ class _TokenizerHead(msgspec.Struct):
 
 
 def read_head(tokenizer_json: str | bytes) -> dict:
-    """The splitting-relevant fields of a tokenizer.json, as plain values (fast: a 131k vocabulary is skipped)."""
-    return msgspec.to_builtins(msgspec.json.decode(tokenizer_json, type=_TokenizerHead))
+    """The splitting-relevant fields of a tokenizer.json, as plain values (fast: a 131k vocabulary is skipped);
+    a file of another shape gives {} (not splittable)."""
+    try:
+        return msgspec.to_builtins(msgspec.json.decode(tokenizer_json, type=_TokenizerHead))
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return {}
 
 
 def splittable_reason(tokenizer_json: dict) -> str | None:

@@ -150,6 +150,14 @@ def test_tokenizers_it_cannot_prove_safe_are_encoded_whole(change):
     assert len(encoder.cache) == 0
 
 
+def test_a_tokenizer_json_of_another_shape_is_not_splittable():
+    from kvshare.engine.token_cache import read_head, splittable_reason
+
+    assert splittable_reason(read_head('{"model": {"type": "BPE", "dropout": "high"}}')) is not None
+    assert splittable_reason(read_head("[]")) is not None
+    assert splittable_reason(read_head('{"model": {"type": "BPE"}, "pre_tokenizer": {"type": "ByteLevel"}}')) is None
+
+
 def test_the_presets_tokenizers():
     assert _encoder("preset-bpe", TokenCacheConfig()).is_splittable
     assert GPT2_PATTERN != QWEN2_PATTERN != LLAMA3_PATTERN
