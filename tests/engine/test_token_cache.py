@@ -18,7 +18,7 @@ from kvshare.engine.token_cache import (
     TokenCacheConfig,
     safe_cuts,
 )
-from kvshare.engine.tokenizer import SPECIAL_TOKENS, Tokenizer, byte_tokenizer_config
+from kvshare.engine.tokenizer import SPECIAL_TOKENS, Tokenizer, byte_tokenizer_config, render_chat
 
 EVERY_CUT = TokenCacheConfig(piece_chars=1, min_chars=0)  # a cut at every safe point: the most edges
 
@@ -88,6 +88,7 @@ def test_cuts_of_a_text_are_the_cuts_of_its_extension(text, more, piece_chars):
 
 
 def test_the_next_turn_encodes_only_its_last_pieces():
+    """Fails when the piece encoder skips its cache lookup (every piece is then encoded again)."""
     bpe, text = _tokenizers()["preset-bpe"]
     tok = Tokenizer(bpe, byte_tokenizer_config(4096), cache_config=TokenCacheConfig(piece_chars=64, min_chars=0),
                     tokenizer_json=text)
@@ -163,3 +164,25 @@ def test_the_presets_tokenizers():
     assert GPT2_PATTERN != QWEN2_PATTERN != LLAMA3_PATTERN
     byte = Tokenizer.byte_level(64)  # one word for the whole text: nothing to cut, encoded whole
     assert not byte._pieces.is_splittable and byte.encode("ab c") == [97, 98, 32, 99]
+
+
+def test_the_chat_path_reuses_the_previous_turns_pieces():
+    """serve's chat path (chat_prompt_ids: template, then encode): the next turn's ids equal a plain encode of
+    its rendered text, and every piece of the previous turn but its last comes from the cache (fails when the
+    piece encoder skips its cache lookup)."""
+    from kvshare.serve import api_types as A
+    from kvshare.serve.tokenize import chat_prompt_ids
+
+    bpe, text = _tokenizers()["preset-bpe"]
+    tok = Tokenizer(bpe, byte_tokenizer_config(1 << 20), cache_config=TokenCacheConfig(piece_chars=256, min_chars=0),
+                    tokenizer_json=text)
+    words = " ".join(tok.decode([i]).strip() for i in range(100_000, 103_000))
+    turn = [A.ChatMessage(role="system", content="Be brief."), A.ChatMessage(role="user", content=words)]
+    first = chat_prompt_ids(tok, turn)
+    turn += [A.ChatMessage(role="assistant", content="Sure."), A.ChatMessage(role="user", content="And then?")]
+    misses = tok.token_cache.num_misses
+    second = chat_prompt_ids(tok, turn)
+    rendered = render_chat(tok.chat_template, [{"role": m.role, "content": m.content} for m in turn], True,
+                           bos_token="", eos_token="")
+    assert second == tok._pieces.plain(rendered) and second[:len(first) - 3] == first[:len(first) - 3]
+    assert tok.token_cache.num_misses - misses <= 2 and tok.token_cache.num_hits >= 10
