@@ -5,6 +5,9 @@ OpenAI-compatible server; kvshare replicas add provenance (the ``kvshare`` objec
 the final chunk) and, with ``return_token_ids``, the generated token ids (vLLM returns
 them too). Every request asks for the top-2 logprobs of each generated token: the gap
 between them says whether a differing output parted at a near tie (kvshare.outputs).
+A user's client (``is_user_client``: text through /v1/chat/completions) builds and encodes
+its body inside the clock, through the openai SDK where installed, else the same request
+through aiohttp; the SDK is never imported by ``import kvshare``.
 """
 
 from __future__ import annotations
@@ -40,12 +43,17 @@ class BenchRequest:
     # so the one top-2 selection per step costs every condition alike. None: ask for no logprobs.
     num_top_logprobs: int | None = TOP_LOGPROBS
     timeline: bool = False  # ask a kvshare replica for the request's timeline (in the provenance object)
+    # a user's client: the body is built and JSON-encoded inside the clock, through the openai SDK where it is
+    # installed (as an application does); False: encoded before the clock (a load generator's own cost)
+    is_user_client: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in ("completion", "chat"):
             raise ValueError(f"unknown request kind {self.kind!r}")
         if (self.kind == "completion") != (self.prompt is not None) or (self.kind == "chat") != (self.messages is not None):
             raise ValueError("a completion request takes prompt ids, a chat request takes messages")
+        if self.is_user_client and self.kind != "chat":
+            raise ValueError("a user's client sends chat messages (text)")
 
     def body(self) -> dict:
         body: dict[str, Any] = {"model": self.model, "max_tokens": self.max_tokens, "temperature": 0.0,
@@ -165,13 +173,17 @@ def step_top_logprobs(logprobs: dict) -> list[list[float]]:
 
 async def send(session: aiohttp.ClientSession, request: BenchRequest, timeout_s: float = 3600.0) -> Response:
     """Send one streaming request and time it; failures are returned in ``error``, never raised."""
+    if request.is_user_client and openai_version() is not None:
+        return await _send_openai(request, timeout_s)
     response = Response()
     headers = {"X-Session-ID": request.session_id} if request.session_id else {}
     headers["Content-Type"] = "application/json"
-    # encoded before the clock starts: a load generator's own JSON encoding (stdlib json: ~20 ms for a
-    # 128k-token prompt) is not the service's time to first token
-    data = msgspec.json.encode(request.body())
     started = time.perf_counter()
+    if request.is_user_client:  # as the SDK does (httpx's json=): stdlib json, inside the clock
+        data = json.dumps(request.body()).encode()
+    else:  # before the clock: a load generator's own JSON encoding (~20 ms for 128k token ids) is not the service's
+        data = msgspec.json.encode(request.body())
+        started = time.perf_counter()
     try:
         async with session.post(request.url.rstrip("/") + request.path, data=data, headers=headers,
                                 timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
@@ -193,6 +205,49 @@ async def send(session: aiohttp.ClientSession, request: BenchRequest, timeout_s:
         response.error = f"{type(exc).__name__}: {exc}"
     finally:
         response.e2e_s = time.perf_counter() - started
+    if response.error is None and response.first_chunk_s is None:
+        response.error = "the stream ended without a chunk"
+    return response
+
+
+def openai_version() -> str | None:
+    """The installed openai SDK's version (the user's client of text requests), None without it."""
+    try:
+        import openai
+    except ImportError:
+        return None
+    return openai.__version__
+
+
+_SDK_ARGUMENTS = ("model", "messages", "max_tokens", "temperature", "stream", "stream_options", "logprobs",
+                  "top_logprobs")
+
+
+async def _send_openai(request: BenchRequest, timeout_s: float) -> Response:
+    """``send`` through the openai SDK's streaming chat call; the rest of the body goes in ``extra_body``."""
+    import openai
+
+    response = Response()
+    client = openai.AsyncOpenAI(base_url=request.url.rstrip("/") + "/v1", api_key="kvshare-bench", max_retries=0,
+                                timeout=timeout_s)
+    headers = {"X-Session-ID": request.session_id} if request.session_id else None
+    started = time.perf_counter()
+    try:
+        body = request.body()
+        arguments = {name: body.pop(name) for name in _SDK_ARGUMENTS if name in body}
+        raw = await client.chat.completions.with_raw_response.create(**arguments, extra_body=body,
+                                                                     extra_headers=headers)
+        response.routed_to = raw.headers.get("X-KVShare-Replica")
+        async for chunk in raw.parse():
+            response.events += 1
+            absorb(response, chunk.to_dict(), time.perf_counter() - started)
+    except openai.APIStatusError as exc:
+        response.error = f"HTTP {exc.status_code}: {str(exc)[:500]}"
+    except (openai.APIError, OSError, ValueError) as exc:
+        response.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        response.e2e_s = time.perf_counter() - started
+        await client.close()
     if response.error is None and response.first_chunk_s is None:
         response.error = "the stream ended without a chunk"
     return response

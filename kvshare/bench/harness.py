@@ -57,7 +57,7 @@ class HarnessOutcome:
 def record_kind(r: Record) -> str:
     """The unit kind a record belongs to (as the experiments name their units' kinds)."""
     if r.experiment == "ttft":
-        return f"ttft/L={r.context_tokens}"
+        return r.unit  # a ttft unit is its own kind: ttft/L=N, ttft/text/L=N
     return f"{r.experiment}/L={r.context_tokens}/{r.condition}"
 
 
@@ -113,7 +113,8 @@ class Harness:
                     self.results.log_run({
                         "run_id": run_id, "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t0)),
                         "experiment": module.EXPERIMENT, "model": model, "endpoints": self._endpoints(),
-                        "config": _plain(config), "harness": _plain(self.config), "seconds": round(time.time() - t0, 1),
+                        "config": _plain(config), "harness": _plain(self.config), "user_client": _user_client(),
+                        "seconds": round(time.time() - t0, 1),
                         "units_done": result.num_done, "units_skipped": result.num_skipped, "units_left": result.num_left,
                         "stop_reason": result.stop_reason})
                     if result.stop_reason != "complete":
@@ -151,6 +152,14 @@ class Harness:
 
         return Progress(TextColumn("{task.description:<40}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         console=self.console, transient=False)
+
+
+def _user_client() -> str:
+    """What sends a user's text requests (kvshare.bench.client)."""
+    from kvshare.bench.client import openai_version
+
+    version = openai_version()
+    return f"openai {version}" if version else "aiohttp"
 
 
 def _plain(config: Any) -> dict:

@@ -38,9 +38,10 @@ def _ttft_plot(records: list[Record], path: str) -> bool:
         errs.append(None if ci is None else (value - ci.low, ci.high - value))
 
     for row in ttft_rows(records):
-        add("cold (ttft)", row.context, row.medians["cold"])
-        add("local reuse (ttft)", row.context, row.medians["local"])
-        add("cross-replica, pool (ttft)", row.context, row.medians["cross"])
+        text = "" if row.client == "token_ids" else f", {row.client}"
+        add(f"cold (ttft{text})", row.context, row.medians["cold"])
+        add(f"local reuse (ttft{text})", row.context, row.medians["local"])
+        add(f"cross-replica, pool (ttft{text})", row.context, row.medians["cross"])
     for row in blocks_rows(records):
         add("cross-replica, pool OFF (blocks)", row.context, row.off.median if row.off else None, row.off.ci if row.off else None)
         add("cross-replica, pool ON (blocks)", row.context, row.on.median if row.on else None, row.on.ci if row.on else None)

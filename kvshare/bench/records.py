@@ -53,6 +53,8 @@ class Record:
     computed_tokens: int | None = None
     cached_tokens: int | None = None
     deterministic: bool | None = None  # the replica's deterministic mode (its kvshare object); None: not said
+    client: str | None = None  # ttft: token_ids (a load generator's ids) | text (a user's chat client); None: ids
+    text_overhead: float | None = None  # text rows: TTFT over the same request's as token ids, minus 1
     output_digest: str | None = None
     # the output against the unit's reference request (kvshare.outputs); None: not compared
     matches_reference: bool | None = None  # output token ids equal the reference's

@@ -35,6 +35,13 @@ def _pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.0f}%"
 
 
+def _overheads(overheads: dict[str, float | None] | None) -> str:
+    if overheads is None:
+        return "-"
+    return " / ".join("-" if overheads.get(c) is None else f"{100 * overheads[c]:+.1f}%"
+                      for c in ("cold", "local", "cross"))
+
+
 def _tokens(n: int) -> str:
     return f"{n // 1000}k" if n >= 1000 and n % 1000 == 0 else str(n)
 
@@ -45,12 +52,17 @@ def tables(records: list[Record]) -> list[Table]:
     if ttft:
         out.append(Table(
             "TTFT: cold, local reuse (same replica), cross-replica reuse (pool)",
-            ("context", "cold s", "local s", "cross s", "cold/cross", "pool tokens (cross)", "outputs", "n", "failed"),
-            tuple((_tokens(r.context), _s(r.medians["cold"]), _s(r.medians["local"]), _s(r.medians["cross"]),
-                   _x(r.cross_speedup), "-" if r.cross_pool_tokens is None else str(r.cross_pool_tokens),
+            ("context", "client", "cold s", "local s", "cross s", "cold/cross", "text adds (cold/local/cross)",
+             "pool tokens (cross)", "outputs", "n", "failed"),
+            tuple((_tokens(r.context), r.client, _s(r.medians["cold"]), _s(r.medians["local"]), _s(r.medians["cross"]),
+                   _x(r.cross_speedup), _overheads(r.text_overheads),
+                   "-" if r.cross_pool_tokens is None else str(r.cross_pool_tokens),
                    str(r.outputs), str(r.counts["cross"]), str(r.num_failed)) for r in ttft),
-            "Medians of time to first content token (client side, streamed). Outputs: token ids of local and cross "
-            "requests against the cold request's (see the divergence table for any that part)."))
+            "Medians of time to first content token (client side, streamed). Client: token_ids (prompt ids to "
+            "/v1/completions, encoded before the clock) or text (chat text through a user's client, encoded inside "
+            "the clock); text adds: the median of each text request's TTFT over its pair's as token ids, minus 1. "
+            "Outputs: token ids of local and cross requests against the cold request's (see the divergence table "
+            "for any that part)."))
     blocks = blocks_rows(records)
     if blocks:
         out.append(Table(
@@ -160,8 +172,9 @@ def summary_lines(records: list[Record]) -> list[str]:
     lines = []
     for r in ttft_rows(records):
         m = r.medians
-        lines.append(f"ttft     {_tokens(r.context):>6}: cold {_s(m['cold'])} s, local {_s(m['local'])} s, cross "
-                     f"{_s(m['cross'])} s ({_x(r.cross_speedup)}), outputs {r.outputs}, failed {r.num_failed}")
+        client = "" if r.client == "token_ids" else f" {r.client} (adds {_overheads(r.text_overheads)})"
+        lines.append(f"ttft     {_tokens(r.context):>6}{client}: cold {_s(m['cold'])} s, local {_s(m['local'])} s, "
+                     f"cross {_s(m['cross'])} s ({_x(r.cross_speedup)}), outputs {r.outputs}, failed {r.num_failed}")
     for r in blocks_rows(records):
         off = f"{_s(r.off.median)} s {format_ci(r.off.ci)}" if r.off else "-"
         on = f"{_s(r.on.median)} s {format_ci(r.on.ci)}" if r.on else "-"

@@ -53,6 +53,8 @@ class TTFTRow:
     cross_pool_tokens: int | None  # median pool tokens of the cross requests
     num_failed: int
     outputs: OutputTally
+    client: str = "token_ids"  # token_ids | text (kvshare.bench.ttft)
+    text_overheads: dict[str, float | None] | None = None  # text rows: condition -> median text_overhead
 
     @property
     def cross_speedup(self) -> float | None:
@@ -61,16 +63,24 @@ class TTFTRow:
 
 
 def ttft_rows(records: list[Record]) -> list[TTFTRow]:
+    """One row per context length and client (records without a client sent token ids)."""
     rows = []
-    for context, group in _by_context(records, "ttft").items():
-        medians, counts = {}, {}
-        for condition in ("cold", "local", "cross"):
-            times = [r.ttft_s for r in _ok(group, condition=condition)]
-            medians[condition] = median(times) if times else None
-            counts[condition] = len(times)
-        pool = [r.pool_tokens for r in _ok(group, condition="cross") if r.pool_tokens is not None]
-        rows.append(TTFTRow(context, medians, counts, int(median(pool)) if pool else None,
-                            sum(not r.is_ok for r in group), outputs_of(group)))
+    for context, by_context in _by_context(records, "ttft").items():
+        clients: dict[str, list[Record]] = defaultdict(list)
+        for r in by_context:
+            clients[r.client or "token_ids"].append(r)
+        for client, group in sorted(clients.items(), key=lambda item: item[0] != "token_ids"):
+            medians, counts, overheads = {}, {}, {}
+            for condition in ("cold", "local", "cross"):
+                done = _ok(group, condition=condition)
+                medians[condition] = median([r.ttft_s for r in done]) if done else None
+                counts[condition] = len(done)
+                paired = [r.text_overhead for r in done if r.text_overhead is not None]
+                overheads[condition] = median(paired) if paired else None
+            pool = [r.pool_tokens for r in _ok(group, condition="cross") if r.pool_tokens is not None]
+            rows.append(TTFTRow(context, medians, counts, int(median(pool)) if pool else None,
+                                sum(not r.is_ok for r in group), outputs_of(group), client,
+                                overheads if client == "text" else None))
     return rows
 
 

@@ -75,6 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             e.add_argument("--experiments", type=_words, default=EXPERIMENT_NAMES, help="comma list of ttft,blocks,sessions")
         if name in ("ttft", "suite"):
             e.add_argument("--repetitions", type=int, default=3, help="ttft: prompts per context length")
+            e.add_argument("--client", choices=("token_ids", "text"), default="token_ids",
+                           help="ttft: token_ids (prompt ids to /v1/completions) or text (chat text through a user's "
+                                "client, the openai SDK where installed; each paired with its ids: text_overhead)")
         if name in ("blocks", "suite"):
             e.add_argument("--per-block", type=int, default=8, help="blocks: requests per block")
             e.add_argument("--prime-batch", type=int, default=None,
@@ -181,7 +184,8 @@ def _configs(args: argparse.Namespace, names: tuple[str, ...]) -> list:
     configs = []
     for name in names:
         if name == "ttft":
-            configs.append(TTFTConfig(contexts=args.contexts, repetitions=args.repetitions, max_tokens=args.max_tokens))
+            configs.append(TTFTConfig(contexts=args.contexts, repetitions=args.repetitions, max_tokens=args.max_tokens,
+                                      client=args.client))
         elif name == "blocks":
             configs.append(BlocksConfig(contexts=args.contexts, per_block=args.per_block, design=args.design,
                                         max_tokens=args.max_tokens, prime_off=args.prime_off, verify=args.verify,

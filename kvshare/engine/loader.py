@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from kvshare.engine.bpe import preset_tokenizer
 from kvshare.engine.config import ModelConfig
 from kvshare.engine.model import Transformer
 from kvshare.engine.presets import PRESETS, build_preset
@@ -50,7 +51,7 @@ def load_model(model: str, device: torch.device, dtype: str | None = None, name:
         default_name = os.path.basename(os.path.normpath(model))
     elif model in PRESETS:
         net, config, fingerprint = build_preset(model, device, dtype)
-        tokenizer = Tokenizer.byte_level(config.max_position_embeddings)
+        tokenizer = preset_tokenizer(PRESETS[model].tokenizer, config.max_position_embeddings)
         default_name = model
     else:
         raise UserError(f"--model {model!r} is neither a model directory nor a preset ({', '.join(PRESETS)})")
@@ -58,9 +59,9 @@ def load_model(model: str, device: torch.device, dtype: str | None = None, name:
 
 
 def load_tokenizer(model: str):
-    """The tokenizer of a model directory (its tokenizer.json) or of a built-in preset (byte level)."""
+    """The tokenizer of a model directory (its tokenizer.json) or of a built-in preset (byte level or BPE)."""
     if os.path.isdir(model):
         return Tokenizer.from_dir(model)
     if model in PRESETS:
-        return Tokenizer.byte_level(PRESETS[model].config.max_position_embeddings)
+        return preset_tokenizer(PRESETS[model].tokenizer, PRESETS[model].config.max_position_embeddings)
     raise UserError(f"--tokenizer/--model {model!r} is neither a model directory nor a preset ({', '.join(PRESETS)})")

@@ -2,7 +2,7 @@
 
     DIR/config.json               the preset's config (sorted keys: the bytes are part of the fingerprint)
     DIR/model.safetensors         weights, written with a deterministic header
-    DIR/tokenizer.json            the byte-level tokenizer
+    DIR/tokenizer.json            the preset's tokenizer: byte level (tiny) or the BPE of kvshare.engine.bpe
     DIR/tokenizer_config.json     special tokens and the ChatML chat template
     DIR/generation_config.json    bos / eos ids
 
@@ -18,8 +18,9 @@ import shutil
 
 import torch
 
+from kvshare.engine.bpe import preset_tokenizer_files
 from kvshare.engine.presets import build_preset, config_json_bytes, file_metadata, get_preset, preset_hf_config, preset_tensors
-from kvshare.engine.tokenizer import BOS_ID, EOS_ID, IM_END_ID, build_byte_tokenizer, byte_tokenizer_config
+from kvshare.engine.tokenizer import BOS_ID, EOS_ID, IM_END_ID
 from kvshare.engine.weights import TORCH_DTYPES, model_dir_fingerprint, write_safetensors
 from kvshare.errors import UserError
 from kvshare.units import format_bytes
@@ -57,13 +58,20 @@ def write_model_dir(name: str, out_dir: str, device: str = "cpu", dtype: str | N
     draw_device = dev.type if preset.draw_on_device else "cpu"
     write_safetensors(os.path.join(out_dir, "model.safetensors"), tensors, file_metadata(preset, draw_device))
     del model, tensors
-    build_byte_tokenizer().save(os.path.join(out_dir, "tokenizer.json"))
-    _write_json(os.path.join(out_dir, "tokenizer_config.json"), byte_tokenizer_config(config.max_position_embeddings))
+    write_tokenizer_files(name, out_dir)
+    return model_dir_fingerprint(out_dir)  # what an engine loading the directory uses (its bytes' fingerprint)
+
+
+def write_tokenizer_files(name: str, out_dir: str) -> None:
+    """The tokenizer files of preset ``name`` (the same bytes on every run): what transformers and vLLM read."""
+    preset = get_preset(name)
+    tokenizer, tokenizer_config = preset_tokenizer_files(preset.tokenizer, preset.config.max_position_embeddings)
+    _write(os.path.join(out_dir, "tokenizer.json"), tokenizer.to_str(pretty=True).encode())
+    _write_json(os.path.join(out_dir, "tokenizer_config.json"), tokenizer_config)
     _write_json(os.path.join(out_dir, "special_tokens_map.json"),
                 {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|eos|>"})
     _write_json(os.path.join(out_dir, "generation_config.json"),
                 {"bos_token_id": BOS_ID, "eos_token_id": [EOS_ID, IM_END_ID], "pad_token_id": EOS_ID})
-    return model_dir_fingerprint(out_dir)  # what an engine loading the directory uses (its bytes' fingerprint)
 
 
 def _write(path: str, data: bytes) -> None:

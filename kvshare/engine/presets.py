@@ -2,7 +2,9 @@
 
 ``tiny`` is the CPU model of tests, the demo and vLLM CPU runs; ``qwen3-8b`` and
 ``qwen3-32b`` have exactly the shapes of those models for GPU benchmarks and are built
-directly on the device. Contexts: ``qwen3-8b`` takes 262144 positions (the study's 256k: 36 GiB
+directly on the device. ``tiny`` keeps the 260-token byte tokenizer (its vocabulary is 260); the Qwen3
+shapes carry the 131072-token BPE of kvshare.engine.bpe, so a text prompt costs what it does with a real
+checkpoint. Contexts: ``qwen3-8b`` takes 262144 positions (the study's 256k: 36 GiB
 of KV), ``qwen3-32b`` 131072 (its 128k: 32 GiB; at 256k its KV alone would be 64 GiB beside
 61 GiB of weights). On CUDA a replica allocates the KV of its whole context at start-up, so
 pass ``--max-model-len`` to run the 8B shape in less memory. Same preset, seed and init device -> the same weights, bitwise.
@@ -41,6 +43,7 @@ class Preset:
     linear_gain: float  # std of a projection entry = gain / sqrt(fan_in)
     head_gain: float  # the same for an untied LM head
     draw_on_device: bool  # False: drawn on the CPU (same weights on every device); True: on the target device (fast)
+    tokenizer: str = "byte"  # "byte" (260 tokens) or "bpe" (131072 tokens, kvshare.engine.bpe): what text costs
 
     @property
     def config(self) -> ModelConfig:
@@ -90,13 +93,13 @@ PRESETS: dict[str, Preset] = {
         "qwen3-8b",
         _qwen3_config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                       max_position_embeddings=262144, dtype="bfloat16", **_rope(1e6)),
-        seed=8, embed_std=1.0, linear_gain=1.0, head_gain=8.0, draw_on_device=True,
+        seed=8, embed_std=1.0, linear_gain=1.0, head_gain=8.0, draw_on_device=True, tokenizer="bpe",
     ),
     "qwen3-32b": Preset(
         "qwen3-32b",
         _qwen3_config(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
                       dtype="bfloat16", **_rope(1e6)),
-        seed=32, embed_std=1.0, linear_gain=1.0, head_gain=8.0, draw_on_device=True,
+        seed=32, embed_std=1.0, linear_gain=1.0, head_gain=8.0, draw_on_device=True, tokenizer="bpe",
     ),
 }
 

@@ -1,4 +1,4 @@
-"""Tokenizers: the presets' byte-level one, and a reader for any HF ``tokenizer.json``.
+"""Tokenizers: the presets' byte-level one (their BPE: kvshare.engine.bpe), and a reader for any HF ``tokenizer.json``.
 
 The byte-level tokenizer maps byte b to token id b (every ASCII character is one token,
 so a prompt of exactly N tokens is N ASCII characters) plus four special tokens. It is
@@ -14,6 +14,7 @@ import os
 import re
 from typing import Sequence
 
+from kvshare.engine.token_cache import PieceEncoder, TokenCache, TokenCacheConfig
 from kvshare.errors import UserError
 
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>")
@@ -30,7 +31,7 @@ CHAT_TEMPLATE = (
 )
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's printable stand-in character for every byte (what the ByteLevel pre-tokenizer emits)."""
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     chars = printable[:]
@@ -43,14 +44,14 @@ def _bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(printable, chars)}
 
 
-_UNICODE_TO_BYTE = {ch: b for b, ch in _bytes_to_unicode().items()}
+_UNICODE_TO_BYTE = {ch: b for b, ch in bytes_to_unicode().items()}
 
 
 def build_byte_tokenizer():
     """A ``tokenizers.Tokenizer``: id b for byte b, then the special tokens at 256.."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    vocab = {ch: b for b, ch in bytes_to_unicode().items()}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
@@ -61,7 +62,7 @@ def build_byte_tokenizer():
 
 
 def byte_tokenizer_config(max_length: int) -> dict:
-    """tokenizer_config.json for the byte tokenizer (no automatic BOS: prompt length = characters)."""
+    """tokenizer_config.json of both preset tokenizers (the same special tokens and ids, no automatic BOS)."""
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": "<|bos|>",
@@ -91,8 +92,12 @@ def render_chat(template: str, messages: Sequence[dict], add_generation_prompt: 
 class Tokenizer:
     """encode/decode/chat template over a tokenizer.json and its tokenizer_config.json."""
 
-    def __init__(self, tokenizer, config: dict, eos_token_ids: Sequence[int] = ()) -> None:
+    def __init__(self, tokenizer, config: dict, eos_token_ids: Sequence[int] = (),
+                 cache_config: TokenCacheConfig = TokenCacheConfig(), tokenizer_json: str | None = None) -> None:
+        """``tokenizer_json``: the tokenizer.json text ``tokenizer`` was read from (saves writing it out again)."""
         self._tok = tokenizer
+        # long texts: cut, cached and batched where that gives the same ids (kvshare.engine.token_cache)
+        self._pieces = PieceEncoder(tokenizer, cache_config, tokenizer_json=tokenizer_json)
         self.config = config
         self.chat_template: str | None = config.get("chat_template")
         self.bos_token = _token_text(config.get("bos_token"))
@@ -114,14 +119,21 @@ class Tokenizer:
         config = _read_json(os.path.join(model_dir, "tokenizer_config.json"))
         generation = _read_json(os.path.join(model_dir, "generation_config.json"))
         eos = generation.get("eos_token_id", [])
-        return cls(HFTokenizer.from_file(path), config, eos if isinstance(eos, list) else [eos])
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        return cls(HFTokenizer.from_str(text), config, eos if isinstance(eos, list) else [eos], tokenizer_json=text)
 
     @classmethod
     def byte_level(cls, max_length: int) -> "Tokenizer":
         return cls(build_byte_tokenizer(), byte_tokenizer_config(max_length), [EOS_ID, IM_END_ID])
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        """The text's ids, no special tokens added; equal to one plain encode of the whole text."""
+        return self._pieces.encode(text)
+
+    @property
+    def token_cache(self) -> TokenCache:
+        return self._pieces.cache
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         # ids the tokenizer does not know (a model vocabulary larger than the tokenizer's) decode to nothing

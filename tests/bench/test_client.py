@@ -8,6 +8,7 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
+from kvshare.bench import client as client_module
 from kvshare.bench.client import (
     BenchRequest, Response, absorb, event_data, model_name, send, split_events, step_top_logprobs,
 )
@@ -139,3 +140,36 @@ def test_requests_check_their_kind():
         BenchRequest("http://x", "completion", "m", messages=[])
     with pytest.raises(ValueError):
         BenchRequest("http://x", "embedding", "m", prompt=[1])
+
+
+@pytest.mark.parametrize("library", ["openai", "aiohttp"])
+def test_a_users_client_sends_the_same_chat_and_reads_the_same_stream(library, monkeypatch):
+    """Text through /v1/chat/completions as a user's client: the openai SDK where installed, else aiohttp;
+    the same body, provenance, token ids and top-2 logprobs either way."""
+    if library == "openai":
+        pytest.importorskip("openai")
+    else:
+        monkeypatch.setattr(client_module, "openai_version", lambda: None)
+    app = fake_app(first_token_delay_s=0.05)
+
+    async def go(session, url):
+        request = BenchRequest(url, "chat", "fake-model", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                               use_pool=True, session_id="s1", is_user_client=True)
+        return await send(session, request)
+
+    response = asyncio.run(_with_server(app, go))
+    assert response.error is None, response.error
+    assert response.text == "Hello" and response.token_ids == [1, 2, 3]
+    assert response.provenance["pool_tokens"] == 256 and response.cached_tokens == 256
+    assert response.routed_to == "http://fake" and response.top_logprobs == [[-1.0, -1.5]]
+    assert 0.05 <= response.ttft_s <= response.e2e_s
+    sent = app[SEEN][0]
+    assert sent["path"] == "/v1/chat/completions" and sent["session"] == "s1"
+    body = sent["body"]
+    assert body["messages"] == [{"role": "user", "content": "hi"}] and body["kvshare"]["use_pool"] is True
+    assert body["return_token_ids"] is True and body["ignore_eos"] is True and body["top_logprobs"] == 2
+
+
+def test_a_users_client_sends_text_only():
+    with pytest.raises(ValueError, match="chat messages"):
+        BenchRequest("http://x", "completion", "m", prompt=[1], is_user_client=True)

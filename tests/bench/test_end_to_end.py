@@ -6,6 +6,7 @@ between pool ON and a recompute), the report and the plots; never timings.
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -170,6 +171,35 @@ def test_cli_against_running_replicas(cluster, tmp_path):
     assert main(argv) == 0
     assert_outputs_written(out, "ttft_by_context.png")
     assert main(["bench", "report", "--out", str(out)]) == 0
+
+
+def test_cli_ttft_with_a_users_text_client(cluster, tmp_path):
+    """`kvshare bench ttft --client text`: chat text through a user's client, every request paired with its
+    prompt as token ids under the same condition; text rows carry text_overhead, the tables a row per client."""
+    from kvshare.cli import main
+
+    out = tmp_path / "text"
+    argv = ["--log-level", "WARNING", "bench", "ttft", "--client", "text", "--contexts", "600", "--repetitions", "2",
+            "--max-tokens", "4", "--out", str(out), "--no-progress"]
+    argv += sum((["--replica", u] for u in cluster.replica_urls), [])
+    assert main(argv) == 0
+    records = ResultsDir(str(out)).load()
+    assert len(records) == 12 and all(r.is_ok for r in records)
+    assert sorted({(r.condition, r.client) for r in records}) == sorted(
+        (c, k) for c in ("cold", "local", "cross") for k in ("text", "token_ids"))
+    for r in records:
+        assert r.prompt_tokens == 600 and r.completion_tokens == 4  # the rendered chat: exactly the asked length
+        if r.condition == "cold":
+            assert (r.replica, r.local_tokens, r.pool_tokens) == ("replica0", 0, 0)  # the pair's second too
+        elif r.condition == "cross":  # the pair's second ignores what the first left in replica1's local cache
+            assert (r.replica, r.local_tokens, r.pool_tokens) == ("replica1", 0, reusable(600))
+        if (r.condition, r.client) != ("cold", "text"):
+            assert_equal_to(r, "cold")  # text and token ids give the same output
+        assert (r.text_overhead is not None) == (r.client == "text")
+    text = (out / "report.md").read_text()
+    assert "| 600 | text |" in text and "| 600 | token_ids |" in text
+    run_info = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
+    assert run_info[-1]["config"]["client"] == "text" and run_info[-1]["user_client"].startswith(("openai", "aiohttp"))
 
 
 def test_demo_hook(cluster, tmp_path, capsys):

@@ -1,0 +1,153 @@
+"""The large presets' tokenizer: a byte-level BPE of 131072 tokens trained with ``tokenizers`` on generated text.
+
+A 260-token byte tokenizer makes tokenization nearly free and so hides what a text prompt costs; this
+one costs what a real checkpoint's does (Qwen2's pre-tokenizer pattern, a vocabulary of the same order).
+Its ids::
+
+    0..255        byte b -> id b (GPT-2's printable stand-in characters), as the byte tokenizer
+    256..259      <|bos|> <|eos|> <|im_start|> <|im_end|>, as the byte tokenizer
+    260..131071   merged tokens, in merge order
+
+The trained file ships in the package (``data/preset_bpe.json.xz``, about 0.7 MB; training takes ~12 s
+on two cores): every make-model run writes the same bytes whatever ``tokenizers`` version is installed.
+``train_bpe`` rebuilds it from the recipe below (tests/engine/test_bpe.py compares, marked slow).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import lzma
+import os
+import random
+from typing import Iterator
+
+from kvshare.engine.tokenizer import (
+    BYTE_VOCAB_SIZE,
+    EOS_ID,
+    IM_END_ID,
+    SPECIAL_TOKENS,
+    Tokenizer,
+    build_byte_tokenizer,
+    byte_tokenizer_config,
+    bytes_to_unicode,
+)
+
+# Qwen2's (and Qwen3's) pre-tokenizer split: letters with one leading non-letter, single digits, punctuation runs
+PRETOKENIZE_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                       r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+PRESET_VOCAB_SIZE = 131072
+PRESET_NUM_WORDS = 150_000  # distinct generated words: enough pairs for PRESET_VOCAB_SIZE tokens
+PRESET_SEED = 20261205
+DATA_FILE = os.path.join(os.path.dirname(__file__), "data", "preset_bpe.json.xz")
+
+_CONSONANTS = "bcdfghjklmnprstvwz"
+_VOWELS = "aeiou"
+
+
+def generated_words(num_words: int, seed: int) -> list[str]:
+    """``num_words`` distinct pronounceable words of 1-4 syllables, in a seeded order."""
+    rng = random.Random(seed)
+    syllables = [c + v for c in _CONSONANTS for v in _VOWELS]
+    syllables += [s + end for s in syllables for end in "nrst"]
+    words: set[str] = set()
+    while len(words) < num_words:
+        words.add("".join(rng.choice(syllables) for _ in range(rng.choice((1, 2, 2, 3, 3, 4)))))
+    ordered = sorted(words)
+    rng.shuffle(ordered)
+    return ordered
+
+
+def generated_corpus(num_words: int, seed: int) -> Iterator[str]:
+    """Lines of generated prose and code: every word lower-case and capitalised, with punctuation, digits,
+    indentation and blank lines (so runs of spaces and newlines get tokens of their own, as in real vocabularies)."""
+    words = generated_words(num_words, seed)
+    rng = random.Random(seed + 1)
+    for start in range(0, len(words), 64):
+        chunk = words[start:start + 64]
+        yield " ".join(chunk) + ". " + str(rng.randrange(10_000)) + ",\n"
+        yield " ".join(w.capitalize() for w in chunk) + "; (" + rng.choice(chunk) + ")\n\n"
+        yield "    " + chunk[0] + " = " + chunk[1] + "(" + chunk[2] + ")\n\t\t" + chunk[3] + "  # " + chunk[4] + "\n"
+
+
+def _base_tokenizer(vocab: dict[str, int] | None = None, merges: list[tuple[str, str]] | None = None):
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.BPE() if vocab is None else models.BPE(vocab=vocab, merges=merges or []))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def train_bpe(vocab_size: int = PRESET_VOCAB_SIZE, num_words: int = PRESET_NUM_WORDS, seed: int = PRESET_SEED):
+    """Train the BPE on the generated corpus and lay its ids out as the module docstring shows (deterministic)."""
+    from tokenizers import AddedToken, pre_tokenizers, trainers
+
+    if vocab_size <= BYTE_VOCAB_SIZE:
+        raise ValueError(f"a BPE vocabulary must be larger than the {BYTE_VOCAB_SIZE} bytes and special tokens")
+    trained = _base_tokenizer()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(SPECIAL_TOKENS), min_frequency=1, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[])
+    trained.train_from_iterator(generated_corpus(num_words, seed), trainer)
+    merges = [tuple(m) for m in json.loads(trained.to_str())["model"]["merges"]]
+    vocab = {ch: b for b, ch in bytes_to_unicode().items()}
+    vocab.update({t: 256 + i for i, t in enumerate(SPECIAL_TOKENS)})
+    for left, right in merges:
+        vocab.setdefault(left + right, len(vocab))
+    tok = _base_tokenizer(vocab, merges)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    return tok
+
+
+def preset_bpe_json() -> str:
+    """The shipped tokenizer.json text of the presets' BPE."""
+    with lzma.open(DATA_FILE, "rt", encoding="utf-8") as f:
+        return f.read()
+
+
+@functools.lru_cache(maxsize=1)
+def preset_bpe_text() -> str:
+    """preset_bpe_json(), read once per process."""
+    return preset_bpe_json()
+
+
+def preset_bpe_tokenizer():
+    """A ``tokenizers.Tokenizer`` of the presets' BPE (each call a fresh object)."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    return HFTokenizer.from_str(preset_bpe_text())
+
+
+PRESET_TOKENIZERS = ("byte", "bpe")
+
+
+def preset_tokenizer_files(kind: str, max_length: int):
+    """(``tokenizers.Tokenizer``, tokenizer_config.json) of a preset's tokenizer: ``byte`` or ``bpe`` (both
+    carry the same special tokens, ids and chat template)."""
+    if kind == "byte":
+        return build_byte_tokenizer(), byte_tokenizer_config(max_length)
+    if kind == "bpe":
+        return preset_bpe_tokenizer(), byte_tokenizer_config(max_length)
+    raise ValueError(f"unknown preset tokenizer {kind!r}; choose one of {', '.join(PRESET_TOKENIZERS)}")
+
+
+def preset_tokenizer(kind: str, max_length: int) -> Tokenizer:
+    """The engine's Tokenizer of a preset's tokenizer."""
+    tokenizer, config = preset_tokenizer_files(kind, max_length)
+    return Tokenizer(tokenizer, config, [EOS_ID, IM_END_ID],
+                     tokenizer_json=preset_bpe_text() if kind == "bpe" else None)
+
+
+def write_preset_bpe_data(path: str = DATA_FILE) -> None:
+    """Train and write the shipped file (``python -m kvshare.engine.bpe``)."""
+    text = train_bpe().to_str()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with lzma.open(path, "wt", encoding="utf-8", preset=9) as f:
+        f.write(text)
+
+
+if __name__ == "__main__":
+    write_preset_bpe_data()
