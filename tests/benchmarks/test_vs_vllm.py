@@ -1,0 +1,91 @@
+"""benchmarks/vs_vllm.py: its rows carry the headline's schema, the table and README show them, and ``--client
+text`` is refused (before anything starts) until kvshare's bench client sends text (pure, no servers)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.benchmarks.loader import load_benchmark
+
+COMMON = {"model": "qwen3-8b", "bound_kind": "pinned-h2d", "vllm_version": "0.26.0", "commit": "abc1234",
+          "command": "benchmarks/vs_vllm.py --lengths 32768", "hardware": "NVIDIA H200"}
+KV_BYTES_PER_TOKEN = 147456  # the 8B shape: 36 layers x 2 x 8 heads x 128 x 2 bytes
+RATE = 55e9
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_benchmark("vs_vllm")
+
+
+def kvshare_figures(client="token_ids", **kw):
+    return {"prompt_tokens": 32768, "prompt_index": 0, "client": client, "first_request": True, "cold_s": 1.5,
+            "cross_s": 0.1, "local_s": 0.05, "pool_tokens": 32768, "tokens_equal": True, **kw}
+
+
+def test_a_row_holds_every_field_of_the_schema_and_the_ratios(bench):
+    vllm = {"cold_s": 1.25, "local_s": 0.052, "cpu_tier_s": 0.173, "cached_tokens": 32768}
+    row = bench.make_row(COMMON, kvshare_figures(), vllm, RATE, KV_BYTES_PER_TOKEN)
+    assert set(bench.ROW_FIELDS) <= set(row)
+    for name in ("model", "prompt_tokens", "client", "cold_s", "vllm_cold_s", "cold_over_vllm", "cross_s", "bound_s",
+                 "cross_over_bound", "first_request", "text_overhead", "commit", "command", "hardware"):
+        assert name in bench.ROW_FIELDS  # the fields the headline's JSON rows must carry
+    assert row["cold_over_vllm"] == pytest.approx(1.5 / 1.25)
+    assert row["bound_s"] == pytest.approx(32768 * KV_BYTES_PER_TOKEN / RATE)
+    assert row["cross_over_bound"] == pytest.approx(0.1 / row["bound_s"])
+    assert row["cross_over_vllm_cpu_tier"] == pytest.approx(0.1 / 0.173)
+    assert row["text_overhead"] is None and row["client"] == "token_ids"
+    json.dumps(row)  # rows.json holds plain JSON
+
+
+def test_a_text_row_says_what_text_adds_to_the_same_request_sent_as_token_ids(bench):
+    row = bench.make_row(COMMON, kvshare_figures("text", cross_s=0.105, token_ids_cross_s=0.1), None, RATE,
+                         KV_BYTES_PER_TOKEN)
+    assert row["text_overhead"] == pytest.approx(0.05)
+    assert row["vllm_cold_s"] is None and row["cold_over_vllm"] is None  # vLLM not measured: no ratio invented
+
+
+def test_no_bound_without_loaded_tokens(bench):
+    row = bench.make_row(COMMON, kvshare_figures(pool_tokens=0), None, RATE, KV_BYTES_PER_TOKEN)
+    assert row["bound_s"] is None and row["cross_over_bound"] is None
+
+
+def test_a_row_without_the_common_fields_is_refused(bench):
+    with pytest.raises(ValueError, match="hardware"):
+        bench.make_row({k: v for k, v in COMMON.items() if k != "hardware"}, kvshare_figures(), None, RATE, 1)
+
+
+def test_the_table_and_readme_show_both_engines_side_by_side(bench):
+    rows = [bench.make_row(COMMON, kvshare_figures(), {"cold_s": 1.25, "local_s": 0.052, "cpu_tier_s": 0.173,
+                                                       "cached_tokens": 32768}, RATE, KV_BYTES_PER_TOKEN),
+            bench.make_row(COMMON, kvshare_figures("text", first_request=False, cross_s=0.11, token_ids_cross_s=0.1),
+                           None, RATE, KV_BYTES_PER_TOKEN)]
+    text = bench.table(rows)
+    lines = text.splitlines()
+    assert len(lines) == 2 + len(rows) and all(line.count("|") == lines[0].count("|") for line in lines)
+    assert "| qwen3-8b | 32768 | token_ids | first | 1.500 | 1.250 | 1.20 | 0.050 | 0.052 | 0.100 |" in lines[2]
+    assert lines[3].endswith("| - | +10.0% |") and "| steady |" in lines[3]
+    meta = {"date": "2026-12-06", "commit": "abc1234", "label": "plumbing run on 2 CPU cores",
+            "hardware": "2 CPU cores", "loadavg": "2.0 / 3.0", "vllm_version": "0.32.0",
+            "vllm_python": "/venv/bin/python",
+            "model": "tiny", "model_dir": "/tmp/m", "bound_note": "KV bytes / a host memcpy's rate",
+            "command": "benchmarks/vs_vllm.py --device cpu",
+            "engine_commands": ["python -m kvshare up --model /tmp/m"],
+            "notes": ["vLLM's native CPU offloading runs only on GPUs"]}
+    readme = bench.readme(rows, meta)
+    assert "**plumbing run on 2 CPU cores.**" in readme and text in readme
+    assert "benchmarks/vs_vllm.py --device cpu\npython -m kvshare up --model /tmp/m\n" in readme
+    assert bench.result_dir_name("2026-12-06", "abc1234") == "2026-12-06-abc1234-vs-vllm"
+
+
+def test_the_text_client_is_refused_until_the_bench_client_sends_text(bench, monkeypatch, capsys):
+    from kvshare.bench import client
+
+    monkeypatch.delattr(client, "CLIENT_MODES", raising=False)
+    assert "--client token_ids" in bench.text_client_refusal()
+    assert bench.main(["--client", "text", "--preset", "tiny", "--out", "/nonexistent/never-written"]) == 2
+    assert "needs kvshare's bench client to send text" in capsys.readouterr().err
+    monkeypatch.setattr(client, "CLIENT_MODES", ("token_ids", "text"), raising=False)
+    assert bench.text_client_refusal() is None
