@@ -58,15 +58,18 @@ OFFLOADING_ON_CPU = ("vLLM's native CPU offloading runs only on GPUs (vLLM 0.32 
 
 
 def text_client_refusal() -> str | None:
-    """None when kvshare's bench client sends text through /v1/chat/completions (its ``CLIENT_MODES`` names
-    ``text``); else why ``--client text`` cannot run yet, in words."""
+    """None when kvshare's bench client sends a request's prompt as text through /v1/chat/completions (its
+    ``CLIENT_MODES`` names ``text`` and ``BenchRequest`` takes ``client``); else why ``--client text`` cannot run
+    yet, in words. This script passes ``client`` through and measures whatever the client sends."""
+    from dataclasses import fields
+
     from kvshare.bench import client
 
-    if "text" in getattr(client, "CLIENT_MODES", ()):
+    if "text" in getattr(client, "CLIENT_MODES", ()) and "client" in {f.name for f in fields(client.BenchRequest)}:
         return None
     return ("--client text needs kvshare's bench client to send text through /v1/chat/completions "
-            "(kvshare.bench.client.CLIENT_MODES with 'text'); this tree's client sends token ids only: "
-            "run with --client token_ids")
+            "(kvshare.bench.client.CLIENT_MODES with 'text', BenchRequest.client); this tree's client sends "
+            "token ids only: run with --client token_ids")
 
 
 # -- rows and the table (pure) -----------------------------------------------------------------------------
@@ -100,6 +103,14 @@ def make_row(common: dict, kv: dict, vl: dict | None, bound_rate: float, kv_byte
     if missing:
         raise ValueError(f"a row lacks {', '.join(missing)}: give them in common")
     return row
+
+
+def with_token_ids_twins(figures: list[dict]) -> list[dict]:
+    """Each text measurement with ``token_ids_cross_s``: the cross-replica TTFT of the token-id prompt of the same
+    length and index (another random prompt of that length: a load's time depends on its length, not its ids)."""
+    cross = {(f["prompt_tokens"], f["prompt_index"]): f["cross_s"] for f in figures if f["client"] == "token_ids"}
+    return [{**f, "token_ids_cross_s": cross.get((f["prompt_tokens"], f["prompt_index"]))}
+            if f["client"] == "text" else f for f in figures]
 
 
 def fmt(value, spec: str = ".3f") -> str:
@@ -184,19 +195,20 @@ def memcpy_rate(num_bytes: int = 512 << 20) -> float:
     return num_bytes / best
 
 
-async def _send(url: str, model: str, ids: list[int], max_tokens: int, use_pool: bool | None):
+async def _send(url: str, model: str, ids: list[int], max_tokens: int, use_pool: bool | None, client: str):
     import aiohttp
 
     from kvshare.bench.client import BenchRequest, send
 
+    mode = {} if client == "token_ids" else {"client": client}  # the bench client turns the ids into its mode's
     async with aiohttp.ClientSession() as session:
         return await send(session, BenchRequest(url=url, kind="completion", model=model, prompt=ids,
-                                                max_tokens=max_tokens, use_pool=use_pool))
+                                                max_tokens=max_tokens, use_pool=use_pool, **mode))
 
 
-def request(url: str, model: str, ids: list[int], max_tokens: int, use_pool: bool | None):
-    """One streamed greedy completion through kvshare's bench client; a failed request ends the run."""
-    response = asyncio.run(_send(url, model, ids, max_tokens, use_pool))
+def request(url: str, model: str, ids: list[int], max_tokens: int, use_pool: bool | None, client: str = "token_ids"):
+    """One streamed greedy request through kvshare's bench client; a failed request ends the run."""
+    response = asyncio.run(_send(url, model, ids, max_tokens, use_pool, client))
     if response.error:
         raise RuntimeError(f"a request to {url} failed: {response.error}")
     return response
@@ -207,8 +219,9 @@ def served_model(url: str) -> str:
         return json.load(resp)["data"][0]["id"]
 
 
-def run_kvshare(length: int, prompts: list[list[int]], args, model_dir: str) -> tuple[list[dict], list[str]]:
-    """kvshare's measurements of one length's prompts on a fresh ``kvshare up`` (service_ttft_gpu's plan)."""
+def run_kvshare(length: int, prompts: dict[str, list[list[int]]], args, model_dir: str) -> tuple[list[dict], list[str]]:
+    """kvshare's measurements of one length's prompts per client on a fresh ``kvshare up`` (service_ttft_gpu's
+    plan). B's first request of the cluster is the first client's first prompt."""
     from service_ttft_gpu import cluster_spec, plan_case
     from up_cluster import Cluster
 
@@ -222,20 +235,22 @@ def run_kvshare(length: int, prompts: list[list[int]], args, model_dir: str) -> 
         a, b = cluster.urls["A"], cluster.urls["B"]
         cluster.phase("A")
         model = served_model(a)
-        got = []
-        for ids in prompts:
-            cold = request(a, model, ids, args.max_tokens, True)
-            cross = request(b, model, ids, args.max_tokens, True) if plan["layout"] == "together" else None
-            local = request(a, model, ids, args.max_tokens, True)
-            got.append([cold, cross, local])
+        got = {}
+        for client, ids_list in prompts.items():
+            for k, ids in enumerate(ids_list):
+                cold = request(a, model, ids, args.max_tokens, True, client)
+                together = plan["layout"] == "together"
+                cross = request(b, model, ids, args.max_tokens, True, client) if together else None
+                got[client, k] = [cold, cross, request(a, model, ids, args.max_tokens, True, client)]
         if plan["layout"] == "sequential":
             cluster.phase("B")
-            for k, ids in enumerate(prompts):
-                got[k][1] = request(b, model, ids, args.max_tokens, True)
-        for k, (cold, cross, local) in enumerate(got):
+            for client, ids_list in prompts.items():
+                for k, ids in enumerate(ids_list):
+                    got[client, k][1] = request(b, model, ids, args.max_tokens, True, client)
+        for i, ((client, k), (cold, cross, local)) in enumerate(got.items()):
             prov = cross.provenance or {}
             local_hit = (local.provenance or {}).get("local_tokens", 0) > 0
-            out.append({"prompt_tokens": length, "prompt_index": k, "client": "token_ids", "first_request": k == 0,
+            out.append({"prompt_tokens": length, "prompt_index": k, "client": client, "first_request": i == 0,
                         "cold_s": cold.ttft_s, "cross_s": cross.ttft_s, "local_s": local.ttft_s if local_hit else None,
                         "pool_tokens": prov.get("pool_tokens"), "tokens_equal": cross.token_ids == cold.token_ids})
     finally:
@@ -244,15 +259,15 @@ def run_kvshare(length: int, prompts: list[list[int]], args, model_dir: str) -> 
     return out, commands
 
 
-def run_vllm(lengths: list[int], prompts: dict[int, list[list[int]]], args, model_dir: str) -> tuple[dict, str]:
-    """vLLM's measurements per (length, prompt index): cold, GPU hit and (with offloading) CPU-tier hit."""
+def run_vllm(prompts: dict[tuple[int, str], list[list[int]]], args, model_dir: str) -> tuple[dict, str]:
+    """vLLM's measurements per (length, client, prompt index): cold, GPU hit and (with offloading) CPU-tier hit."""
     from kvshare.integrations.vllm.launch import VllmServerConfig, vllm_server_command, wait_until_ready
     from kvshare.launch import free_port_block
 
     offloading = args.vllm_offloading_gib > 0 and args.device != "cpu"
     extra = ("--kv-offloading-size", f"{args.vllm_offloading_gib:g}") if offloading else ()
     chunk = 256
-    context = -(-(max(lengths) + args.max_tokens) // chunk) * chunk
+    context = -(-(max(args.lengths) + args.max_tokens) // chunk) * chunk
     config = VllmServerConfig(model=model_dir, port=free_port_block(1), python=args.vllm_python, pool_socket=None,
                               replica="vllm", max_model_len=context, device="cpu" if args.device == "cpu" else "cuda",
                               dtype=args.model_dtype, kv_cache_gib=args.vllm_cpu_kv_gib,
@@ -268,18 +283,18 @@ def run_vllm(lengths: list[int], prompts: dict[int, list[list[int]]], args, mode
         model = served_model(spec.base_url)
         rng = np.random.default_rng(args.seed + 1)  # a warm-up prompt that shares nothing with the measured ones
         request(spec.base_url, model, rng.integers(0, args.vocab, 300).tolist(), 4, None)
-        for length in lengths:
-            for k, ids in enumerate(prompts[length]):
-                cold = request(spec.base_url, model, ids, args.max_tokens, None)
-                local = request(spec.base_url, model, ids, args.max_tokens, None)
+        for (length, client), ids_list in prompts.items():
+            for k, ids in enumerate(ids_list):
+                cold = request(spec.base_url, model, ids, args.max_tokens, None, client)
+                local = request(spec.base_url, model, ids, args.max_tokens, None, client)
                 tier = None
                 if offloading:
                     reset = urllib.request.Request(spec.base_url + "/reset_prefix_cache", data=b"", method="POST")
                     urllib.request.urlopen(reset, timeout=60).read()
-                    tier = request(spec.base_url, model, ids, args.max_tokens, None)
-                out[length, k] = {"cold_s": cold.ttft_s, "local_s": local.ttft_s,
-                                  "cpu_tier_s": tier.ttft_s if tier else None,
-                                  "cached_tokens": (tier or local).cached_tokens}
+                    tier = request(spec.base_url, model, ids, args.max_tokens, None, client)
+                out[length, client, k] = {"cold_s": cold.ttft_s, "local_s": local.ttft_s,
+                                          "cpu_tier_s": tier.ttft_s if tier else None,
+                                          "cached_tokens": (tier or local).cached_tokens}
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -363,19 +378,21 @@ def main(argv: list[str] | None = None) -> int:
         bound_note = f"KV bytes / pinned host->device ({rate / 1e9:.1f} GB/s, {how})"
     print(f"bound rate {rate / 1e9:.1f} GB/s ({bound_kind})", flush=True)
     rng = np.random.default_rng(args.seed + int(time.time()))  # fresh prompts: nothing cached by an earlier run
-    prompts = {n: [rng.integers(0, args.vocab, n).tolist() for _ in range(args.prompts)] for n in args.lengths}
+    # a prompt per (length, client, index): a text prompt never meets the KV of its token-id twin
+    prompts = {(n, c): [rng.integers(0, args.vocab, n).tolist() for _ in range(args.prompts)]
+               for n in args.lengths for c in args.client}
     kv_rows, engine_commands = [], []
     for length in args.lengths:
-        got, commands = run_kvshare(length, prompts[length], args, model_dir)
-        kv_rows += got
+        got, commands = run_kvshare(length, {c: prompts[length, c] for c in args.client}, args, model_dir)
+        kv_rows += with_token_ids_twins(got)
         engine_commands += [c for c in commands if c not in engine_commands]
     version = vllm_version(args.vllm_python)
-    vl, vllm_command = run_vllm(args.lengths, prompts, args, model_dir)
+    vl, vllm_command = run_vllm(prompts, args, model_dir)
     engine_commands.append(vllm_command)
     common = {"model": args.preset, "bound_kind": bound_kind, "vllm_version": version, "commit": commit,
               "command": command, "hardware": hardware(args.device)}
-    rows = [make_row(common, r, vl.get((r["prompt_tokens"], r["prompt_index"])), rate, mc.kv_bytes_per_token)
-            for r in kv_rows]
+    rows = [make_row(common, r, vl.get((r["prompt_tokens"], r["client"], r["prompt_index"])), rate,
+                     mc.kv_bytes_per_token) for r in kv_rows]
     tier = f"--kv-offloading-size {args.vllm_offloading_gib:g}" if args.device != "cpu" else "no CPU tier"
     notes = ["kvshare: `kvshare up` with its defaults (2 replicas, built-in engine, every loaded page verified), "
              "the replica arguments of service_ttft_gpu's plan (a prompt's KV fits the local cache)"

@@ -3,6 +3,7 @@ text`` is refused (before anything starts) until kvshare's bench client sends te
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -88,4 +89,21 @@ def test_the_text_client_is_refused_until_the_bench_client_sends_text(bench, mon
     assert bench.main(["--client", "text", "--preset", "tiny", "--out", "/nonexistent/never-written"]) == 2
     assert "needs kvshare's bench client to send text" in capsys.readouterr().err
     monkeypatch.setattr(client, "CLIENT_MODES", ("token_ids", "text"), raising=False)
+    assert bench.text_client_refusal() is not None  # a mode named, but no BenchRequest.client to pass it through
+
+    @dataclasses.dataclass(frozen=True)
+    class TextRequest(client.BenchRequest):
+        client: str = "token_ids"
+
+    monkeypatch.setattr(client, "BenchRequest", TextRequest)
     assert bench.text_client_refusal() is None
+
+
+def test_text_figures_meet_their_token_id_twins(bench):
+    figures = [kvshare_figures(), kvshare_figures("text", cross_s=0.12),
+               kvshare_figures("text", prompt_tokens=131072, cross_s=0.4)]
+    twinned = bench.with_token_ids_twins(figures)
+    assert twinned[0] == figures[0] and twinned[1]["token_ids_cross_s"] == 0.1
+    assert twinned[2]["token_ids_cross_s"] is None  # no token-id prompt of that length: no overhead invented
+    row = bench.make_row(COMMON, twinned[1], None, RATE, KV_BYTES_PER_TOKEN)
+    assert row["text_overhead"] == pytest.approx(0.2)
