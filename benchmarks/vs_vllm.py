@@ -14,7 +14,10 @@ pinned H2D on CUDA; on CPU a pool load is a host memcpy, so the bound there is a
 vLLM's native CPU offloading runs only on GPUs (vLLM 0.32 CPU refuses it), so a CPU run has no CPU-tier column.
 
 Rows (``rows.json``), the table and the exact command lines go to a folder named by date and commit
-(``--out``, default ``docs/results/<date>-<commit>-vs-vllm``); each engine's logs to ``logs/`` there.
+(``--out``, default ``docs/results/<date>-<commit>-vs-vllm``); each engine's logs to ``logs/`` there. Each
+engine's figures are kept in ``measurements.json`` there as its phase ends: where one command cannot run both
+within a time limit, ``--engines kvshare`` and then ``--engines vllm`` with the same ``--out`` make one table
+(the prompts come from ``--seed``, so both phases send the same requests; every server starts empty).
 
     # the GPU machine (vLLM 0.26 from the bundle): benchmarks/vs_vllm.sh
     # CPU, the plumbing (vLLM CPU 0.32 in its venv):
@@ -45,6 +48,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)  # up_cluster and service_ttft_gpu beside this script
 
 CLIENTS = ("token_ids", "text")
+ENGINES = ("kvshare", "vllm")
 # the row schema: every row carries these keys (None where a figure does not apply)
 ROW_FIELDS = ("model", "prompt_tokens", "client", "first_request", "cold_s", "vllm_cold_s", "cold_over_vllm",
               "local_s", "vllm_local_s", "vllm_cpu_tier_s", "cross_s", "bound_s", "cross_over_bound",
@@ -156,6 +160,41 @@ def readme(rows: list[dict], meta: dict) -> str:
 
 
 # -- the run -----------------------------------------------------------------------------------------------
+
+
+class Measurements:
+    """Each engine's figures in OUT/measurements.json, written as its phase ends: a phase that another command
+    of the same plan ran (``--engines``) completes the table; a file of another plan is refused."""
+
+    def __init__(self, path: str, plan: dict) -> None:
+        self.path = path
+        self.data: dict = {"plan": plan, "commands": [], "phases": {}}
+        if os.path.exists(path):
+            with open(path) as f:
+                data = json.load(f)
+            if data.get("plan") != plan:
+                raise SystemExit(f"vs_vllm: {path} holds measurements of another plan ({data.get('plan')}); "
+                                 "give another --out")
+            self.data = data
+
+    def add_command(self, command: str) -> None:
+        self.data["commands"].append(command)
+        self._write()
+
+    def commands(self) -> list[str]:
+        return list(self.data["commands"])
+
+    def put(self, phase: str, value: dict) -> None:
+        self.data["phases"][phase] = value
+        self._write()
+
+    def get(self, phase: str) -> dict | None:
+        return self.data["phases"].get(phase)
+
+    def _write(self) -> None:
+        with open(self.path + ".tmp", "w") as f:
+            json.dump(self.data, f)
+        os.replace(self.path + ".tmp", self.path)
 
 
 def git_commit() -> str:
@@ -322,6 +361,9 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--prompts", type=int, default=2, help="prompts per length (the first is B's first request)")
     p.add_argument("--client", choices=CLIENTS, action="append", default=None,
                    help="token_ids (default) and/or text (through /v1/chat/completions; repeatable)")
+    p.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES),
+                   help="the phases this command runs (default both); a phase measured by an earlier command with "
+                        "the same --out and plan is kept, so each engine may have a command of its own")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--vllm-python", default=sys.executable, help="the interpreter of vLLM's environment")
     p.add_argument("--vllm-offloading-gib", type=float, default=40.0, help="vLLM's --kv-offloading-size (0: off)")
@@ -368,42 +410,66 @@ def main(argv: list[str] | None = None) -> int:
     with open(os.path.join(model_dir, "config.json")) as f:
         mc = model_config_from_hf(json.load(f))
     args.model_dtype, args.vocab = mc.dtype, min(mc.vocab_size, 256 if args.preset == "tiny" else 150000)
-    if args.device == "cpu":
-        rate, bound_kind, args.gpu_bytes = memcpy_rate(), "host-memcpy", 0
-        bound_note = f"KV bytes / a host memcpy's rate ({rate / 1e9:.1f} GB/s, measured here): a CPU replica's load"
-    else:
-        rate, measured, args.gpu_bytes = measure_h2d("cuda")
-        bound_kind = "pinned-h2d" if measured else "pinned-h2d-assumed"
-        how = "measured here" if measured else "assumed: the copy failed"
-        bound_note = f"KV bytes / pinned host->device ({rate / 1e9:.1f} GB/s, {how})"
-    print(f"bound rate {rate / 1e9:.1f} GB/s ({bound_kind})", flush=True)
-    rng = np.random.default_rng(args.seed + int(time.time()))  # fresh prompts: nothing cached by an earlier run
+    # the same seed, the same prompts: a phase run by another command (--engines) measures the same requests, and
+    # every server starts empty (a fresh pool and replicas, a fresh vLLM), so nothing is cached from earlier runs
+    rng = np.random.default_rng(args.seed)
     # a prompt per (length, client, index): a text prompt never meets the KV of its token-id twin
     prompts = {(n, c): [rng.integers(0, args.vocab, n).tolist() for _ in range(args.prompts)]
                for n in args.lengths for c in args.client}
-    kv_rows, engine_commands = [], []
-    for length in args.lengths:
-        got, commands = run_kvshare(length, {c: prompts[length, c] for c in args.client}, args, model_dir)
-        kv_rows += with_token_ids_twins(got)
-        engine_commands += [c for c in commands if c not in engine_commands]
-    version = vllm_version(args.vllm_python)
-    vl, vllm_command = run_vllm(prompts, args, model_dir)
-    engine_commands.append(vllm_command)
+    plan = {"preset": args.preset, "device": args.device, "lengths": args.lengths, "clients": args.client,
+            "prompts": args.prompts, "seed": args.seed, "max_tokens": args.max_tokens}
+    saved = Measurements(os.path.join(out, "measurements.json"), plan)
+    saved.add_command(command)
+    if "kvshare" in args.engines:
+        if args.device == "cpu":
+            rate, bound_kind, args.gpu_bytes = memcpy_rate(), "host-memcpy", 0
+            bound_note = f"KV bytes / a host memcpy's rate ({rate / 1e9:.1f} GB/s, measured here): a CPU replica's load"
+        else:
+            rate, measured, args.gpu_bytes = measure_h2d("cuda")
+            bound_kind = "pinned-h2d" if measured else "pinned-h2d-assumed"
+            how = "measured in the kvshare phase" if measured else "assumed: the copy failed"
+            bound_note = f"KV bytes / pinned host->device ({rate / 1e9:.1f} GB/s, {how})"
+        print(f"bound rate {rate / 1e9:.1f} GB/s ({bound_kind})", flush=True)
+        figures, commands = [], []
+        for length in args.lengths:
+            got, started = run_kvshare(length, {c: prompts[length, c] for c in args.client}, args, model_dir)
+            figures += with_token_ids_twins(got)
+            commands += [c for c in started if c not in commands]
+        saved.put("kvshare", {"figures": figures, "commands": commands, "bound_rate": rate, "bound_kind": bound_kind,
+                              "bound_note": bound_note, "hardware": hardware(args.device), "commit": commit})
+    if "vllm" in args.engines:
+        version = vllm_version(args.vllm_python)
+        vl, vllm_command = run_vllm(prompts, args, model_dir)
+        saved.put("vllm", {"figures": [{"prompt_tokens": n, "client": c, "prompt_index": k, **v}
+                                       for (n, c, k), v in vl.items()],
+                           "command": vllm_command, "version": version, "commit": commit})
+    kv, vllm = saved.get("kvshare"), saved.get("vllm")
+    if kv is None:
+        print(f"measured vLLM only; the table waits for the kvshare phase (--engines kvshare --out {out})", flush=True)
+        return 0
+    vl = {(f["prompt_tokens"], f["client"], f["prompt_index"]): f for f in (vllm or {}).get("figures", [])}
+    rate, bound_kind, bound_note = kv["bound_rate"], kv["bound_kind"], kv["bound_note"]
+    version = vllm["version"] if vllm else None
+    commit = kv["commit"] if vllm is None or vllm["commit"] == kv["commit"] else f"{kv['commit']}+{vllm['commit']}"
+    command = "; ".join(saved.commands())
+    engine_commands = kv["commands"] + ([vllm["command"]] if vllm else [])
     common = {"model": args.preset, "bound_kind": bound_kind, "vllm_version": version, "commit": commit,
-              "command": command, "hardware": hardware(args.device)}
+              "command": command, "hardware": kv["hardware"]}
     rows = [make_row(common, r, vl.get((r["prompt_tokens"], r["client"], r["prompt_index"])), rate,
-                     mc.kv_bytes_per_token) for r in kv_rows]
+                     mc.kv_bytes_per_token) for r in kv["figures"]]
     tier = f"--kv-offloading-size {args.vllm_offloading_gib:g}" if args.device != "cpu" else "no CPU tier"
     notes = ["kvshare: `kvshare up` with its defaults (2 replicas, built-in engine, every loaded page verified), "
              "the replica arguments of service_ttft_gpu's plan (a prompt's KV fits the local cache)"
              + "".join(f", {a}" for a in args.replica_arg) + f"; vLLM: one replica, prefix caching on, {tier}."]
+    if vllm is None:
+        notes.append("vLLM was not measured (its columns are empty): run this command with --engines vllm.")
     if args.device == "cpu":
         notes.append(OFFLOADING_ON_CPU + ": the vLLM CPU-tier column is empty.")
         notes.append("On CPU the local hits are each engine's own prefix cache in host memory.")
     meta = {"date": date, "commit": commit, "label": args.label, "hardware": common["hardware"],
             "vllm_version": version, "vllm_python": args.vllm_python, "model": args.preset, "model_dir": model_dir,
             "bound_note": bound_note, "loadavg": f"{load_before:.1f} / {os.getloadavg()[0]:.1f}",
-            "command": command, "engine_commands": engine_commands, "notes": notes}
+            "command": command.replace("; ", "\n"), "engine_commands": engine_commands, "notes": notes}
     with open(os.path.join(out, "rows.json"), "w") as f:
         json.dump(rows, f, indent=1)
     with open(os.path.join(out, "README.md"), "w") as f:

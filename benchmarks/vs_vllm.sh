@@ -7,7 +7,10 @@
 #
 # Needs, in .vk/ (ignored, carried): vllm026-sm90.tar.xz.part-aa, SHA256SUMS, install_on_device.sh (from the
 # vLLM bundle build, ../shared/vllm-gpu/README.md). PRESET (default qwen3-8b), ATTENTION (the built-in engine's
-# --attention: auto, the default, takes the bundle's vllm_flash_attn), CLIENTS (default token_ids), DRIVER_ARGS.
+# --attention: auto, the default, takes the bundle's vllm_flash_attn), CLIENTS (default token_ids), ENGINES
+# (default "kvshare vllm"; one per command where both do not fit a time limit: the same RESULTS folder completes
+# the table; on a machine that gives each command a fresh $OUT, set RESULTS=/tmp/vs-vllm-results in both and the
+# folder is copied to $OUT at the end of each), DRIVER_ARGS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/vs_vllm_out}
@@ -17,6 +20,8 @@ LENGTHS=${*:-32768 131072}
 PRESET=${PRESET:-qwen3-8b}
 ATTENTION=${ATTENTION:-auto}
 CLIENTS=${CLIENTS:-token_ids}
+ENGINES=${ENGINES:-kvshare vllm}
+RESULTS=${RESULTS:-$OUT/vs-vllm}
 export PYTHONUNBUFFERED=1
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -34,5 +39,6 @@ client_args=()
 for c in $CLIENTS; do client_args+=(--client "$c"); done
 # shellcheck disable=SC2086
 python3 benchmarks/vs_vllm.py --preset "$PRESET" --model-dir "$MODEL" --device cuda --vllm-python python3 \
-    --lengths $LENGTHS "${client_args[@]}" --replica-arg="--attention=$ATTENTION" --out "$OUT/vs-vllm" \
-    ${DRIVER_ARGS:-} 2>&1 | tee "$OUT/driver.log"
+    --lengths $LENGTHS "${client_args[@]}" --engines $ENGINES --replica-arg="--attention=$ATTENTION" \
+    --out "$RESULTS" ${DRIVER_ARGS:-} 2>&1 | tee -a "$OUT/driver.log"
+[ "$RESULTS" = "$OUT/vs-vllm" ] || cp -r "$RESULTS" "$OUT/vs-vllm"

@@ -107,3 +107,58 @@ def test_text_figures_meet_their_token_id_twins(bench):
     assert twinned[2]["token_ids_cross_s"] is None  # no token-id prompt of that length: no overhead invented
     row = bench.make_row(COMMON, twinned[1], None, RATE, KV_BYTES_PER_TOKEN)
     assert row["text_overhead"] == pytest.approx(0.2)
+
+
+def test_a_phase_measured_by_another_command_completes_the_table_and_another_plan_is_refused(bench, tmp_path):
+    path = str(tmp_path / "measurements.json")
+    plan = {"preset": "qwen3-8b", "lengths": [32768], "seed": 0}
+    first = bench.Measurements(path, plan)
+    first.add_command("python benchmarks/vs_vllm.py --engines kvshare")
+    first.put("kvshare", {"figures": [kvshare_figures()]})
+    second = bench.Measurements(path, dict(plan))
+    second.add_command("python benchmarks/vs_vllm.py --engines vllm")
+    assert second.get("kvshare") == {"figures": [kvshare_figures()]} and second.get("vllm") is None
+    assert second.commands() == ["python benchmarks/vs_vllm.py --engines kvshare",
+                                 "python benchmarks/vs_vllm.py --engines vllm"]
+    with pytest.raises(SystemExit, match="another plan"):
+        bench.Measurements(path, {**plan, "lengths": [131072]})
+
+
+def test_two_commands_one_engine_each_make_one_table_of_the_same_prompts(bench, tmp_path, monkeypatch):
+    """main() end to end with the engines replaced by recorders: the kvshare command and the vLLM command send the
+    same prompts, and the second one writes the table of both."""
+    from kvshare.engine.presets import get_preset, preset_hf_config
+
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(preset_hf_config(get_preset("tiny"))))
+    sent: dict[str, list] = {"kvshare": [], "vllm": []}
+
+    def fake_kvshare(length, prompts, args, model_dir):
+        sent["kvshare"] += [ids for ids_list in prompts.values() for ids in ids_list]
+        return [kvshare_figures(prompt_tokens=length, prompt_index=k, first_request=k == 0, pool_tokens=256)
+                for k in range(len(prompts["token_ids"]))], ["python -m kvshare up --model M"]
+
+    def fake_vllm(prompts, args, model_dir):
+        sent["vllm"] += [ids for ids_list in prompts.values() for ids in ids_list]
+        return {(n, c, k): {"cold_s": 3.0, "local_s": 0.5, "cpu_tier_s": None, "cached_tokens": 256}
+                for (n, c), ids_list in prompts.items() for k in range(len(ids_list))}, "python -m vllm... --model M"
+
+    monkeypatch.setattr(bench, "run_kvshare", fake_kvshare)
+    monkeypatch.setattr(bench, "run_vllm", fake_vllm)
+    monkeypatch.setattr(bench, "memcpy_rate", lambda: 5e9)
+    monkeypatch.setattr(bench, "vllm_version", lambda python: "0.32.0")
+    out = tmp_path / "out"
+    common = ["--preset", "tiny", "--device", "cpu", "--lengths", "512", "--model-dir", str(model_dir),
+              "--out", str(out)]
+    assert bench.main([*common, "--engines", "kvshare"]) == 0
+    first = json.loads((out / "rows.json").read_text())
+    assert first[0]["vllm_cold_s"] is None  # the table so far: kvshare alone
+    assert bench.main([*common, "--engines", "vllm"]) == 0
+    rows = json.loads((out / "rows.json").read_text())
+    assert sent["kvshare"] == sent["vllm"] and len(sent["vllm"]) == 2 and len(sent["vllm"][0]) == 512
+    assert [r["cold_over_vllm"] for r in rows] == [pytest.approx(0.5), pytest.approx(0.5)]
+    assert rows[0]["bound_s"] == pytest.approx(256 * get_preset("tiny").config.kv_bytes_per_token / 5e9)
+    readme = (out / "README.md").read_text()
+    assert "--engines kvshare" in readme and "--engines vllm" in readme and "python -m vllm... --model M" in readme
+    assert "vLLM 0.32.0" in readme and "no GPU" in readme
