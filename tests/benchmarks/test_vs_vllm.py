@@ -42,6 +42,7 @@ def test_a_row_holds_every_field_of_the_schema_and_the_ratios(bench):
 
 
 def test_a_text_row_says_what_text_adds_to_the_same_request_sent_as_token_ids(bench):
+    """Fails when text_overhead is the ratio of the two TTFTs instead of the fraction that text adds."""
     row = bench.make_row(COMMON, kvshare_figures("text", cross_s=0.105, token_ids_cross_s=0.1), None, RATE,
                          KV_BYTES_PER_TOKEN)
     assert row["text_overhead"] == pytest.approx(0.05)

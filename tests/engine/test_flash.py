@@ -109,6 +109,7 @@ def broken_flash_libraries(tmp_path, monkeypatch):
 
 
 def test_absent_or_broken_libraries_fall_back_to_sdpa(broken_flash_libraries):
+    """Fails when find_flash_kernel catches only ImportError: a build for another CUDA raises RuntimeError."""
     kernel, reasons = flash.find_flash_kernel()
     assert kernel is None
     assert reasons[0].startswith("vllm.vllm_flash_attn: ModuleNotFoundError")
