@@ -140,3 +140,17 @@ def test_an_engine_refuses_flash_attention_where_it_cannot_run():
         Engine(EngineConfig(model="tiny", attention="flash"))
     with pytest.raises(ValueError, match="attention must be one of"):
         EngineConfig(model="tiny", attention="fa3")
+
+
+def test_serve_attention_reaches_the_engine_config():
+    """Fails when serve's --attention is parsed but not handed to EngineConfig."""
+    import argparse
+
+    from kvshare.commands import serve
+
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    assert serve.engine_config(parser.parse_args([])).attention == "auto"
+    assert serve.engine_config(parser.parse_args(["--attention", "sdpa"])).attention == "sdpa"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--attention", "fa3"])
