@@ -147,8 +147,8 @@ def readme(rows: list[dict], meta: dict) -> str:
     if meta.get("label"):
         out += [f"**{meta['label']}.**", ""]
     out += [f"Hardware: {meta['hardware']}. vLLM {meta['vllm_version']} ({meta['vllm_python']}). "
-            f"Model: {meta['model']} (`{meta['model_dir']}`). Bound: {meta['bound_note']}. "
-            f"Load average before / after: {meta['loadavg']}.", "",
+            f"Model: {meta['model']} (`{meta['model_dir']}`). Bound: {meta['bound_note']}."
+            + (f" Load average before / after each phase: {meta['loadavg']}." if meta.get("loadavg") else ""), "",
             "Commands (this run):", "", "```sh", meta["command"], *meta["engine_commands"], "```", "",
             table(rows), "", "Local hit: the same prompt again on the replica that computed it (its own prefix cache, "
             "in GPU memory on a GPU). Cross-replica: replica B, which never saw the prompt, loads it from the pool. "
@@ -361,9 +361,10 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--prompts", type=int, default=2, help="prompts per length (the first is B's first request)")
     p.add_argument("--client", choices=CLIENTS, action="append", default=None,
                    help="token_ids (default) and/or text (through /v1/chat/completions; repeatable)")
-    p.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES),
+    p.add_argument("--engines", nargs="*", choices=ENGINES, default=list(ENGINES),
                    help="the phases this command runs (default both); a phase measured by an earlier command with "
-                        "the same --out and plan is kept, so each engine may have a command of its own")
+                        "the same --out and plan is kept, so each engine may have a command of its own; none "
+                        "(--engines alone): the table and README again from the phases kept")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--vllm-python", default=sys.executable, help="the interpreter of vLLM's environment")
     p.add_argument("--vllm-offloading-gib", type=float, default=40.0, help="vLLM's --kv-offloading-size (0: off)")
@@ -419,7 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     plan = {"preset": args.preset, "device": args.device, "lengths": args.lengths, "clients": args.client,
             "prompts": args.prompts, "seed": args.seed, "max_tokens": args.max_tokens}
     saved = Measurements(os.path.join(out, "measurements.json"), plan)
-    saved.add_command(command)
+    if args.engines:  # none: only the table again, from the phases kept
+        saved.add_command(command)
     if "kvshare" in args.engines:
         if args.device == "cpu":
             rate, bound_kind, args.gpu_bytes = memcpy_rate(), "host-memcpy", 0
@@ -436,13 +438,16 @@ def main(argv: list[str] | None = None) -> int:
             figures += with_token_ids_twins(got)
             commands += [c for c in started if c not in commands]
         saved.put("kvshare", {"figures": figures, "commands": commands, "bound_rate": rate, "bound_kind": bound_kind,
+                              "loadavg": f"{load_before:.1f} / {os.getloadavg()[0]:.1f}",
                               "bound_note": bound_note, "hardware": hardware(args.device), "commit": commit})
     if "vllm" in args.engines:
+        load_before = os.getloadavg()[0]
         version = vllm_version(args.vllm_python)
         vl, vllm_command = run_vllm(prompts, args, model_dir)
         saved.put("vllm", {"figures": [{"prompt_tokens": n, "client": c, "prompt_index": k, **v}
                                        for (n, c, k), v in vl.items()],
-                           "command": vllm_command, "version": version, "commit": commit})
+                           "command": vllm_command, "version": version, "commit": commit,
+                           "loadavg": f"{load_before:.1f} / {os.getloadavg()[0]:.1f}"})
     kv, vllm = saved.get("kvshare"), saved.get("vllm")
     if kv is None:
         print(f"measured vLLM only; the table waits for the kvshare phase (--engines kvshare --out {out})", flush=True)
@@ -451,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     rate, bound_kind, bound_note = kv["bound_rate"], kv["bound_kind"], kv["bound_note"]
     version = vllm["version"] if vllm else None
     commit = kv["commit"] if vllm is None or vllm["commit"] == kv["commit"] else f"{kv['commit']}+{vllm['commit']}"
-    command = "; ".join(saved.commands())
+    command = "\n".join(saved.commands())  # one line each
     engine_commands = kv["commands"] + ([vllm["command"]] if vllm else [])
     common = {"model": args.preset, "bound_kind": bound_kind, "vllm_version": version, "commit": commit,
               "command": command, "hardware": kv["hardware"]}
@@ -468,8 +473,9 @@ def main(argv: list[str] | None = None) -> int:
         notes.append("On CPU the local hits are each engine's own prefix cache in host memory.")
     meta = {"date": date, "commit": commit, "label": args.label, "hardware": common["hardware"],
             "vllm_version": version, "vllm_python": args.vllm_python, "model": args.preset, "model_dir": model_dir,
-            "bound_note": bound_note, "loadavg": f"{load_before:.1f} / {os.getloadavg()[0]:.1f}",
-            "command": command.replace("; ", "\n"), "engine_commands": engine_commands, "notes": notes}
+            "bound_note": bound_note, "loadavg": "; ".join(f"{p} {saved.get(p)['loadavg']}" for p in ENGINES
+                                                            if saved.get(p) and "loadavg" in saved.get(p)),
+            "command": command, "engine_commands": engine_commands, "notes": notes}
     with open(os.path.join(out, "rows.json"), "w") as f:
         json.dump(rows, f, indent=1)
     with open(os.path.join(out, "README.md"), "w") as f:

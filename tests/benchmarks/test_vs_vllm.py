@@ -151,7 +151,7 @@ def test_two_commands_one_engine_each_make_one_table_of_the_same_prompts(bench, 
     monkeypatch.setattr(bench, "vllm_version", lambda python: "0.32.0")
     out = tmp_path / "out"
     common = ["--preset", "tiny", "--device", "cpu", "--lengths", "512", "--model-dir", str(model_dir),
-              "--out", str(out)]
+              "--out", str(out), "--label", "a plumbing run; its timings say nothing"]
     assert bench.main([*common, "--engines", "kvshare"]) == 0
     first = json.loads((out / "rows.json").read_text())
     assert first[0]["vllm_cold_s"] is None  # the table so far: kvshare alone
@@ -163,3 +163,7 @@ def test_two_commands_one_engine_each_make_one_table_of_the_same_prompts(bench, 
     readme = (out / "README.md").read_text()
     assert "--engines kvshare" in readme and "--engines vllm" in readme and "python -m vllm... --model M" in readme
     assert "vLLM 0.32.0" in readme and "no GPU" in readme
+    commands = [line for line in readme.splitlines() if line.startswith("python benchmarks/vs_vllm.py")]
+    assert len(commands) == 2 and all("say nothing'" in line for line in commands)  # one line each, label and all
+    assert bench.main([*common, "--engines"]) == 0  # the table again from the phases kept: no command added
+    assert (out / "README.md").read_text() == readme and json.loads((out / "rows.json").read_text()) == rows
