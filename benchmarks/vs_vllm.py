@@ -13,6 +13,12 @@ the cross request's KV bytes (pool tokens x KV bytes per token) over the host->d
 pinned H2D on CUDA; on CPU a pool load is a host memcpy, so the bound there is a 512 MiB memcpy's rate (say so).
 vLLM's native CPU offloading runs only on GPUs (vLLM 0.32 CPU refuses it), so a CPU run has no CPU-tier column.
 
+Clients (``--client``, repeatable): ``token_ids`` sends random ids to /v1/completions; ``text`` sends chat messages
+that the model's chat template renders to exactly the prompt length, through the bench client's user mode
+(``BenchRequest.is_user_client``: the openai SDK where installed, the body encoded inside the clock; refused where
+the client lacks it). A text row's ``text_overhead`` is its cross-replica TTFT over that of the token-id prompt of
+the same length and index, minus 1.
+
 Rows (``rows.json``), the table and the exact command lines go to a folder named by date and commit
 (``--out``, default ``docs/results/<date>-<commit>-vs-vllm``); each engine's logs to ``logs/`` there. Each
 engine's figures are kept in ``measurements.json`` there as its phase ends: where one command cannot run both
@@ -30,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import functools
 import json
 import os
 import platform
@@ -62,18 +69,17 @@ OFFLOADING_ON_CPU = ("vLLM's native CPU offloading runs only on GPUs (vLLM 0.32 
 
 
 def text_client_refusal() -> str | None:
-    """None when kvshare's bench client sends a request's prompt as text through /v1/chat/completions (its
-    ``CLIENT_MODES`` names ``text`` and ``BenchRequest`` takes ``client``); else why ``--client text`` cannot run
-    yet, in words. This script passes ``client`` through and measures whatever the client sends."""
+    """None when kvshare's bench client has a user's mode (``BenchRequest.is_user_client``: chat text through
+    /v1/chat/completions, the body built and encoded inside the clock); else why ``--client text`` cannot run."""
     from dataclasses import fields
 
     from kvshare.bench import client
 
-    if "text" in getattr(client, "CLIENT_MODES", ()) and "client" in {f.name for f in fields(client.BenchRequest)}:
+    if "is_user_client" in {f.name for f in fields(client.BenchRequest)}:
         return None
-    return ("--client text needs kvshare's bench client to send text through /v1/chat/completions "
-            "(kvshare.bench.client.CLIENT_MODES with 'text', BenchRequest.client); this tree's client sends "
-            "token ids only: run with --client token_ids")
+    return ("--client text needs kvshare's bench client to send chat text as a user's client does "
+            "(kvshare.bench.client.BenchRequest.is_user_client); this tree's client has no such mode: "
+            "run with --client token_ids")
 
 
 # -- rows and the table (pure) -----------------------------------------------------------------------------
@@ -234,23 +240,41 @@ def memcpy_rate(num_bytes: int = 512 << 20) -> float:
     return num_bytes / best
 
 
-async def _send(url: str, model: str, ids: list[int], max_tokens: int, use_pool: bool | None, client: str):
+async def _send(url: str, model: str, prompt: list, max_tokens: int, use_pool: bool | None, client: str):
     import aiohttp
 
     from kvshare.bench.client import BenchRequest, send
 
-    mode = {} if client == "token_ids" else {"client": client}  # the bench client turns the ids into its mode's
+    if client == "text":  # chat messages through a user's client (text_client_refusal says it exists)
+        request = BenchRequest(url=url, kind="chat", model=model, messages=prompt, max_tokens=max_tokens,
+                               use_pool=use_pool, is_user_client=True)
+    else:
+        request = BenchRequest(url=url, kind="completion", model=model, prompt=prompt, max_tokens=max_tokens,
+                               use_pool=use_pool)
     async with aiohttp.ClientSession() as session:
-        return await send(session, BenchRequest(url=url, kind="completion", model=model, prompt=ids,
-                                                max_tokens=max_tokens, use_pool=use_pool, **mode))
+        return await send(session, request)
 
 
-def request(url: str, model: str, ids: list[int], max_tokens: int, use_pool: bool | None, client: str = "token_ids"):
-    """One streamed greedy request through kvshare's bench client; a failed request ends the run."""
-    response = asyncio.run(_send(url, model, ids, max_tokens, use_pool, client))
+def request(url: str, model: str, prompt: list, max_tokens: int, use_pool: bool | None, client: str = "token_ids"):
+    """One streamed greedy request through kvshare's bench client (``prompt``: token ids, or chat messages for
+    ``client`` text); a failed request ends the run."""
+    response = asyncio.run(_send(url, model, prompt, max_tokens, use_pool, client))
     if response.error:
         raise RuntimeError(f"a request to {url} failed: {response.error}")
     return response
+
+
+def chat_prompt(model_dir: str, seed: int, num_tokens: int, tag: str) -> list[dict]:
+    """Chat messages whose rendered prompt (the model's chat template) is exactly ``num_tokens`` tokens."""
+    return prompt_factory(model_dir, seed).chat_messages(num_tokens, tag)
+
+
+@functools.lru_cache(maxsize=2)
+def prompt_factory(model_dir: str, seed: int):
+    from kvshare.bench.workload import PromptFactory, WorkloadConfig
+    from kvshare.engine.tokenizer import Tokenizer
+
+    return PromptFactory(Tokenizer.from_dir(model_dir), WorkloadConfig(nonce=f"vs-vllm-{seed}", seed=seed))
 
 
 def served_model(url: str) -> str:
@@ -415,7 +439,8 @@ def main(argv: list[str] | None = None) -> int:
     # every server starts empty (a fresh pool and replicas, a fresh vLLM), so nothing is cached from earlier runs
     rng = np.random.default_rng(args.seed)
     # a prompt per (length, client, index): a text prompt never meets the KV of its token-id twin
-    prompts = {(n, c): [rng.integers(0, args.vocab, n).tolist() for _ in range(args.prompts)]
+    prompts = {(n, c): [rng.integers(0, args.vocab, n).tolist() if c == "token_ids" else
+                        chat_prompt(model_dir, args.seed, n, f"vs-vllm/{n}/{k}") for k in range(args.prompts)]
                for n in args.lengths for c in args.client}
     plan = {"preset": args.preset, "device": args.device, "lengths": args.lengths, "clients": args.client,
             "prompts": args.prompts, "seed": args.seed, "max_tokens": args.max_tokens}

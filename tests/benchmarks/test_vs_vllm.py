@@ -85,19 +85,32 @@ def test_the_table_and_readme_show_both_engines_side_by_side(bench):
 def test_the_text_client_is_refused_until_the_bench_client_sends_text(bench, monkeypatch, capsys):
     from kvshare.bench import client
 
-    monkeypatch.delattr(client, "CLIENT_MODES", raising=False)
+    @dataclasses.dataclass(frozen=True)
+    class IdsOnly:  # the fields a client without a user's mode has
+        url: str
+
+    monkeypatch.setattr(client, "BenchRequest", IdsOnly)
     assert "--client token_ids" in bench.text_client_refusal()
     assert bench.main(["--client", "text", "--preset", "tiny", "--out", "/nonexistent/never-written"]) == 2
-    assert "needs kvshare's bench client to send text" in capsys.readouterr().err
-    monkeypatch.setattr(client, "CLIENT_MODES", ("token_ids", "text"), raising=False)
-    assert bench.text_client_refusal() is not None  # a mode named, but no BenchRequest.client to pass it through
+    assert "send chat text as a user's client does" in capsys.readouterr().err
 
     @dataclasses.dataclass(frozen=True)
-    class TextRequest(client.BenchRequest):
-        client: str = "token_ids"
+    class WithUserMode:
+        url: str
+        is_user_client: bool = False
 
-    monkeypatch.setattr(client, "BenchRequest", TextRequest)
+    monkeypatch.setattr(client, "BenchRequest", WithUserMode)
     assert bench.text_client_refusal() is None
+
+
+def test_a_text_prompt_renders_to_its_length_through_the_models_chat_template(bench, tmp_path):
+    from kvshare.engine.make_model import write_model_dir
+    from kvshare.engine.tokenizer import Tokenizer
+
+    write_model_dir("tiny", str(tmp_path))
+    messages = bench.chat_prompt(str(tmp_path), 0, 300, "vs-vllm/300/0")
+    assert messages[-1]["role"] == "user"
+    assert len(Tokenizer.from_dir(str(tmp_path)).apply_chat_template(messages)) == 300
 
 
 def test_text_figures_meet_their_token_id_twins(bench):
