@@ -420,7 +420,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.preset not in PRESETS:
         print(f"vs_vllm: unknown preset {args.preset!r}; one of {', '.join(PRESETS)}", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout still stops the servers (finally)
     load_before = os.getloadavg()[0]
     command = shlex.join(["python", os.path.relpath(sys.argv[0], ROOT) if argv is None else "benchmarks/vs_vllm.py",
                           *(sys.argv[1:] if argv is None else argv)])
@@ -511,4 +510,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout still stops the servers (finally)
     sys.exit(main())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import signal
 
 import pytest
 
@@ -168,7 +169,9 @@ def test_two_commands_one_engine_each_make_one_table_of_the_same_prompts(bench, 
     assert bench.main([*common, "--engines", "kvshare"]) == 0
     first = json.loads((out / "rows.json").read_text())
     assert first[0]["vllm_cold_s"] is None  # the table so far: kvshare alone
+    before = signal.getsignal(signal.SIGTERM)
     assert bench.main([*common, "--engines", "vllm"]) == 0
+    assert signal.getsignal(signal.SIGTERM) is before  # main() leaves the process's signal handlers alone
     rows = json.loads((out / "rows.json").read_text())
     assert sent["kvshare"] == sent["vllm"] and len(sent["vllm"]) == 2 and len(sent["vllm"][0]) == 512
     assert [r["cold_over_vllm"] for r in rows] == [pytest.approx(0.5), pytest.approx(0.5)]
