@@ -53,6 +53,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "the copies run further ahead of the scatters when compute shares the GPU (default 2)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run decode steps eagerly instead of replaying CUDA graphs (as vllm serve's flag)")
+    from kvshare.engine.config import ATTENTION_CHOICES
+
+    p.add_argument("--attention", choices=ATTENTION_CHOICES, default="auto",
+                   help="prefill attention: auto = FlashAttention's varlen kernel (vLLM's vllm_flash_attn or "
+                        "flash_attn) on CUDA in bf16/fp16 where one loads, else SDPA; flash = that or an error; "
+                        "sdpa = SDPA (the deterministic mode always keeps its SDPA kernels)")
     p.add_argument("--max-model-len", type=parse_max_model_len, default=None,
                    help="context length: prompt plus output tokens (as vLLM: 4096, 32k, 32K; default: the model's)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="auto",
@@ -123,7 +129,8 @@ def engine_config(args: argparse.Namespace):
                         max_model_len=args.max_model_len, verify_checksums=args.verify_rate >= 1.0,
                         verify_fraction=min(args.verify_rate, 1.0), deterministic=args.deterministic,
                         grid_tokens=args.grid_tokens, staging_buffers=args.staging_buffers,
-                        enforce_eager=args.enforce_eager, model_revision=args.model_revision)
+                        enforce_eager=args.enforce_eager, model_revision=args.model_revision,
+                        attention=args.attention)
 
 
 def serve_config(args: argparse.Namespace):
@@ -166,6 +173,8 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         raise UserError(str(exc)) from None
     ready = f"kvshare replica ready: http://{config.host}:{config.port} model={server.served.name}"
+    if engine.device.type == "cuda":  # which prefill attention kernel runs (kvshare.engine.flash)
+        ready += f" attention={engine.attention.name}"
     if engine.grid is not None:  # its pages are shared only with replicas of the same grid and kernel build
         ready += f" deterministic (grid {engine.grid.grid_tokens}, kernels {engine.grid.kernel_build})"
     # the ready line once it listens and has warmed up (/health answers 503 "warming up" meanwhile);

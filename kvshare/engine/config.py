@@ -20,6 +20,7 @@ SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 # scales): values are clamped to +-448 and cast; attention upcasts the cached K/V to the model's dtype.
 KV_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "float8_e4m3fn"}
 KV_DTYPE_CHOICES = ("auto", *KV_DTYPES)
+ATTENTION_CHOICES = ("auto", "flash", "sdpa")  # a prefill's attention (kvshare.engine.flash)
 FP8_KV_SCALE = 1.0
 
 
@@ -188,6 +189,9 @@ class EngineConfig:
     # whether the chunks before it were computed in this request or reused; slower cold prefill
     deterministic: bool = False
     grid_tokens: int | None = None  # the mode's grid: a multiple of chunk_tokens; None: chunk_tokens
+    # prefill attention (ATTENTION_CHOICES): auto = FlashAttention's varlen kernel where a
+    # library for it loads on CUDA (bf16/fp16), else SDPA; flash = that or an error; sdpa = SDPA always
+    attention: str = "auto"
 
     @property
     def grid_len(self) -> int:
@@ -212,6 +216,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
             raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
+        if self.attention not in ATTENTION_CHOICES:
+            raise ValueError(f"attention must be one of {ATTENTION_CHOICES}, got {self.attention!r}")
         if self.grid_tokens is not None:
             if not self.deterministic:
                 raise ValueError("grid_tokens sets the grid of the deterministic mode: it needs deterministic=True")

@@ -28,6 +28,7 @@ import torch
 
 from kvshare.engine.config import EngineConfig, kv_precision, kv_storage_dtype
 from kvshare.engine.decode_graph import DecodeGraphs
+from kvshare.engine.flash import use_attention
 from kvshare.engine.grid import grid_forward
 from kvshare.engine.grid_check import start_grid
 from kvshare.engine.kv_cache import KVBuffer
@@ -88,8 +89,7 @@ class Engine:
         self.device = resolve_device(config.device)
         loaded = load_model(config.model, self.device, config.dtype, config.model_name, config.model_revision)
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
-        self.model_name = loaded.name
-        mc = self.model_config
+        self.model_name, mc = loaded.name, self.model_config
         if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's max_position_embeddings "
                              f"{mc.max_position_embeddings}")
@@ -98,6 +98,7 @@ class Engine:
         self.layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, kv_dtype, config.chunk_tokens)
         # the deterministic mode: its self-test refuses it (GridCheckFailed) where this device's kernels are not exact
         self.grid = start_grid(self.model, self.device, config.grid_len, config.chunk_tokens) if config.deterministic else None
+        self.attention = use_attention(self.model, config.attention, self.device, config.deterministic)  # prefill's
         self.namespace = Namespace(
             **loaded.identity(config.model_revision), kv_dtype=kv_dtype,
             kv_precision=kv_precision(kv_dtype), num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
@@ -106,8 +107,7 @@ class Engine:
         )
         self._digests: OrderedDict[str, bytes] = OrderedDict()  # namespace salt -> digest, LRU
         self._kv = KVBuffer(self.layout, self.device, self.max_model_len)
-        # CUDA: a decode step replays captured graphs (kvshare.engine.decode_graph), captured at start-up where the
-        # KV is allocated then, else at the first decode step; --enforce-eager keeps every step eager
+        # CUDA: decode steps replay graphs (kvshare.engine.decode_graph) captured with the KV, else at the first step
         self._graphs: DecodeGraphs | None = None
         self._use_graphs = self.device.type == "cuda" and not config.enforce_eager
         if config.preallocate_kv if config.preallocate_kv is not None else self.device.type == "cuda":

@@ -14,7 +14,8 @@ positions and attends over ``[0, start + T)``::
     kv tokens  |==== cached (local / pool / earlier steps) ====|---- this forward ----|
                0                                             start              start+T
 
-Attention runs over all T queries at once (one fused SDPA call): causal (q_len == kv_len) when
+Attention runs over all T queries at once (one fused SDPA call, or FlashAttention's varlen kernel where the
+engine chose it: kvshare.engine.flash): causal (q_len == kv_len) when
 start == 0, lower-right aligned causal when a suffix sits over a cached prefix. Only the
 projections and the MLP run in token chunks, which bounds activation memory at long context.
 Where only the last token's logits are wanted, the last layer writes every token's K/V but attends
@@ -179,13 +180,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x: Tensor, kv: Tensor, start: int, cos: Tensor, sin: Tensor, chunk: int,
-                before_attention: Callable[[], None], last_only: bool = False) -> Tensor:
+                before_attention: Callable[[], None], last_only: bool = False,
+                prefill_attention: Callable[[Tensor, Tensor, Tensor, int], Tensor] | None = None) -> Tensor:
         """x: [T, E] residual stream (updated in place); kv: [2, H, T_cap, D] this layer's KV.
 
         ``last_only`` (the model's last layer, when only the last token's logits are wanted): every token's
         K/V is still written, but attention, o_proj and the MLP run for the last token alone, which sees
         every key without a mask; returns that token's row [1, E]. After a load from the pool this layer's
-        compute is what is left once its KV has arrived: one query instead of a whole suffix's."""
+        compute is what is left once its KV has arrived: one query instead of a whole suffix's.
+        ``prefill_attention`` (``attend``'s signature) replaces SDPA for more than one query."""
         attn = self.self_attn
         num_tokens = x.shape[0]
         end = start + num_tokens
@@ -201,7 +204,8 @@ class DecoderLayer(nn.Module):
             with sdpa_kernel(sdpa_backends(q.is_cuda, 1), set_priority=True):  # a decode step's backends
                 out = attend(q, kv[0, :, :end], kv[1, :, :end], start)  # [Hq, 1, D]
         else:
-            out = attend(q, kv[0, :, :end], kv[1, :, :end], start)  # [Hq, T, D]
+            attention = prefill_attention if prefill_attention is not None and num_tokens > 1 else attend
+            out = attention(q, kv[0, :, :end], kv[1, :, :end], start)  # [Hq, T, D]
         del q
         for a in range(0, num_tokens, chunk):
             b = min(num_tokens, a + chunk)
@@ -230,6 +234,8 @@ class Transformer(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.inv_freq: Tensor | None = None  # [D/2], set by setup_buffers once weights sit on their device
+        # a prefill's attention in place of SDPA (``attend``'s signature; kvshare.engine.flash); None: SDPA
+        self.prefill_attention: Callable[[Tensor, Tensor, Tensor, int], Tensor] | None = None
 
     def setup_buffers(self) -> None:
         """(Re)compute non-parameter state on the weights' device (call after loading or moving)."""
@@ -262,7 +268,8 @@ class Transformer(nn.Module):
             last = len(self.model.layers) - 1
             for i, layer in enumerate(self.model.layers):
                 hook = (lambda i=i: before_layer(i)) if before_layer is not None else _no_op
-                x = layer(x, kv[i], start, cos, sin, chunk_tokens, hook, last_only=i == last and not all_logits)
+                x = layer(x, kv[i], start, cos, sin, chunk_tokens, hook, last_only=i == last and not all_logits,
+                          prefill_attention=self.prefill_attention)
         if not all_logits:
             x = x[-1:]
         out = torch.empty(x.shape[0], self.config.vocab_size, dtype=torch.float32, device=x.device)
