@@ -9,7 +9,7 @@ from kvshare.integrations.vllm.metadata import LoadOutcome, WorkerReport
 from kvshare.integrations.vllm.options import ConnectorConfig
 from kvshare.integrations.vllm.scheduler import PoolScheduler, ScheduledRequest
 from kvshare.integrations.vllm.worker import PoolKVWorker
-from kvshare.keys import Namespace
+from kvshare.keys import Namespace, chunk_keys, namespace_digest
 from kvshare.layout import KVLayout
 from kvshare.pool.client import PoolClient
 from kvshare.pool.link import PoolLink
@@ -117,3 +117,9 @@ def plan_load_of_a_prefill(a: "Replica", b: "Replica"):
     b.scheduler.allocated("r2", 256, 0)
     return b.scheduler.plan_step([ScheduledRequest("r2", 256, 44, BLOCKS_B)])
 
+
+def flip_a_byte_of_chunk_2(pool):
+    keys = chunk_keys(namespace_digest(NAMESPACE), PROMPT, C)
+    with PoolClient(pool, name="vandal") as client:
+        pages = client.lookup(keys, LAYOUT.page_bytes, lease=False).pages
+        client.page(pages[2].offset, LAYOUT.page_bytes)[1000] ^= 0xFF

@@ -10,8 +10,6 @@ import pytest
 import torch
 
 from kvshare.integrations.vllm.scheduler import ScheduledRequest
-from kvshare.keys import chunk_keys, namespace_digest
-from kvshare.pool.client import PoolClient
 from tests.integrations.vllm.pool_replicas import (  # noqa: F401 (pool_fixture: the fixture ``pool``)
     BLOCKS_A,
     BLOCKS_B,
@@ -23,6 +21,7 @@ from tests.integrations.vllm.pool_replicas import (  # noqa: F401 (pool_fixture:
     C,
     N,
     Replica,
+    flip_a_byte_of_chunk_2,
     pool_fixture,
     pool_stats,
 )
@@ -101,13 +100,6 @@ def test_a_prompt_of_whole_chunks_leaves_its_last_block(pool, layered):
         assert torch.equal(b.tokens(0, 256 - N, BLOCKS_B), a.tokens(0, 256 - N, BLOCKS_A))
     finally:
         a.close(), b.close()
-
-
-def flip_a_byte_of_chunk_2(pool):
-    keys = chunk_keys(namespace_digest(NAMESPACE), PROMPT, C)
-    with PoolClient(pool, name="vandal") as client:
-        pages = client.lookup(keys, LAYOUT.page_bytes, lease=False).pages
-        client.page(pages[2].offset, LAYOUT.page_bytes)[1000] ^= 0xFF
 
 
 @LAYERED
