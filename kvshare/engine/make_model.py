@@ -50,20 +50,27 @@ def write_model_dir(name: str, out_dir: str, device: str = "cpu", dtype: str | N
         if free < size * 1.05:
             raise UserError(f"{out_dir} has {format_bytes(free)} free; preset {name} needs {format_bytes(size)}")
     dev = torch.device(device)
-    model, config, _recipe = build_preset(name, dev, dtype)
-    hf = preset_hf_config(preset, dtype)
-    _write(os.path.join(out_dir, "config.json"), config_json_bytes(hf))
+    model, _config, _recipe = build_preset(name, dev, dtype)
     tensors = preset_tensors(model)
     draw_device = dev.type if preset.draw_on_device else "cpu"
     write_safetensors(os.path.join(out_dir, "model.safetensors"), tensors, file_metadata(preset, draw_device))
     del model, tensors
+    write_model_files(name, out_dir, dtype)
+    return model_dir_fingerprint(out_dir)  # what an engine loading the directory uses (its bytes' fingerprint)
+
+
+def write_model_files(name: str, out_dir: str, dtype: str | None = None) -> None:
+    """Everything of preset ``name``'s directory but its weights: the config, the tokenizer and the generation config
+    (alone, for an engine that draws its own random weights: vLLM's ``--load-format dummy``)."""
+    hf = preset_hf_config(get_preset(name), dtype)
+    os.makedirs(out_dir, exist_ok=True)
+    _write(os.path.join(out_dir, "config.json"), config_json_bytes(hf))
     build_byte_tokenizer().save(os.path.join(out_dir, "tokenizer.json"))
-    _write_json(os.path.join(out_dir, "tokenizer_config.json"), byte_tokenizer_config(config.max_position_embeddings))
+    _write_json(os.path.join(out_dir, "tokenizer_config.json"), byte_tokenizer_config(hf["max_position_embeddings"]))
     _write_json(os.path.join(out_dir, "special_tokens_map.json"),
                 {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|eos|>"})
     _write_json(os.path.join(out_dir, "generation_config.json"),
                 {"bos_token_id": BOS_ID, "eos_token_id": [EOS_ID, IM_END_ID], "pad_token_id": EOS_ID})
-    return model_dir_fingerprint(out_dir)  # what an engine loading the directory uses (its bytes' fingerprint)
 
 
 def _write(path: str, data: bytes) -> None:
