@@ -52,7 +52,7 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import vllm_gpu_client as client  # noqa: E402 (beside this file)
 
@@ -332,7 +332,7 @@ def mode_store_cost(run: Run) -> None:
 def mode_load(run: Run) -> None:
     a = run.args
     tally = client.run_sessions(run.router, run.served, run.vocab, a.sessions, a.duration_s, a.document_tokens,
-                                a.turn_tokens, a.max_model_len - 16, a.max_tokens, a.seed)
+                                a.turn_tokens, min(a.load_max_context, a.max_model_len - 16), a.max_tokens, a.seed)
     row = gpu_rows.load_row(**run.base_row(), pool="off" if a.setup == "kvshare-pool-off" else "on",
                             num_sessions=a.sessions, duration_s=a.duration_s, ttfts_s=tally.ttfts_s,
                             num_errors=len(tally.errors), num_requests=tally.num_requests,
@@ -434,6 +434,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--duration-s", type=float, default=180.0)
     p.add_argument("--document-tokens", type=int, default=4096, help="load: shared opening of each conversation")
     p.add_argument("--turn-tokens", type=int, default=256, help="load: new tokens of each turn")
+    p.add_argument("--load-max-context", type=int, default=16384, help="load: a conversation ends before this")
     p.add_argument("--bench-prefix-len", type=int, default=8192)
     p.add_argument("--bench-suffix-len", type=int, default=256)
     p.add_argument("--bench-num-prefixes", type=int, default=4)
