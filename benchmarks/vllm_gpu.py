@@ -297,7 +297,7 @@ def mode_ttft(run: Run) -> None:
                 time.sleep(a.settle_s)  # LMCache stores after the request ends
                 cross = run.complete(run.urls[1], prompt)
                 local = run.complete(run.urls[0], prompt)
-                kind = "vllm-gpu-prefix-cache"
+                kind = "vllm-prefix-cache (A)"
             run.rows.add({"mode": "ttft", **gpu_rows.ttft_row(
                 **run.base_row(), prompt_tokens=length, engine=engine, cold=cold, cross=cross, local=local,
                 kv_bytes_per_token=run.per_token, h2d_bytes_per_s=run.h2d, first_request=run.first, local_kind=kind)})
@@ -385,7 +385,7 @@ def run_restart(run: Run, env: dict, log) -> None:
                 run.rows.add({"mode": "ttft", **gpu_rows.ttft_row(
                     **run.base_row(), prompt_tokens=length, engine="kvshare", cold=cold, cross=cross, local=local,
                     kv_bytes_per_token=run.per_token, h2d_bytes_per_s=run.h2d, first_request=run.first,
-                    local_kind="vllm-gpu-prefix-cache (B, after its load)")})
+                    local_kind="vllm-prefix-cache (B, after its load)")})
                 run.first = False
 
 

