@@ -58,6 +58,7 @@ import vllm_gpu_client as client  # noqa: E402 (beside this file)
 
 from kvshare.integrations.vllm import gpu_rows  # noqa: E402
 from kvshare.integrations.vllm.launch import VllmServerConfig, vllm_server_command, wait_until_ready  # noqa: E402
+from kvshare.placement import VLLM_GPU_MEMORY_UTILIZATION  # noqa: E402
 
 SETUPS = {  # what each setup can measure; the first mode is its default
     "kvshare": ("ttft", "startup", "on-off", "load", "bench-serve"),
@@ -189,7 +190,7 @@ def server_config(run: Run, port: int, replica: str, **fields) -> VllmServerConf
     a = run.args
     gpu_share = None
     if a.device == "cuda" and fields.pop("shares_gpu", False) and not a.kv_cache_memory_bytes:
-        gpu_share = 0.45  # vLLM's 0.9 split between two replicas, as `kvshare up` splits it
+        gpu_share = VLLM_GPU_MEMORY_UTILIZATION / 2  # vLLM's share of one replica split, as `kvshare up` splits it
     return VllmServerConfig(model=a.model_dir, port=port, python=sys.executable, served_model_name=run.served,
                             replica=replica, max_model_len=a.max_model_len, device=a.device,
                             gpu_memory_utilization=gpu_share, load_format=a.load_format,
@@ -347,14 +348,15 @@ def mode_bench_serve(run: Run) -> None:
     cmd = client.bench_serve_command(run.router, run.served, a.model_dir, a.out, name, a.bench_prefix_len,
                                      a.bench_suffix_len, a.bench_num_prefixes, a.bench_output_len,
                                      a.bench_num_prompts, a.bench_concurrency)
-    print("$ " + " ".join(cmd), flush=True)
+    shown = ["vllm", "bench", "serve", *cmd[3:]]  # what it runs, as vLLM's command line says it
+    print("$ " + " ".join(shown), flush=True)
     code = client.run_bench_serve(cmd, os.path.join(a.out, f"bench-serve-{a.setup}.log"), a.bench_timeout_s)
     if code != 0 or not os.path.exists(os.path.join(a.out, name)):
         raise RuntimeError(f"vllm bench serve exited with {code} (see {a.out}/bench-serve-{a.setup}.log)")
     with open(os.path.join(a.out, name)) as f:
         result = json.load(f)
     target = f"router, pool {'off' if a.setup == 'kvshare-pool-off' else 'on'}"
-    run.rows.add(gpu_rows.bench_serve_row(**run.base_row(), target=target, result=result, command=cmd))
+    run.rows.add(gpu_rows.bench_serve_row(**run.base_row(), target=target, result=result, command=shown))
 
 
 def mode_startup(run: Run) -> None:
