@@ -188,8 +188,8 @@ def stop(proc: subprocess.Popen) -> None:
 def server_config(run: Run, port: int, replica: str, **fields) -> VllmServerConfig:
     """One vLLM replica of this run, as kvshare.integrations.vllm.launch builds every vLLM command."""
     a = run.args
-    gpu_share = None
-    if a.device == "cuda" and fields.pop("shares_gpu", False) and not a.kv_cache_memory_bytes:
+    gpu_share, shares_gpu = None, fields.pop("shares_gpu", False)
+    if a.device == "cuda" and shares_gpu and not a.kv_cache_memory_bytes:
         gpu_share = VLLM_GPU_MEMORY_UTILIZATION / 2  # vLLM's share of one replica split, as `kvshare up` splits it
     return VllmServerConfig(model=a.model_dir, port=port, python=sys.executable, served_model_name=run.served,
                             replica=replica, max_model_len=a.max_model_len, device=a.device,

@@ -49,3 +49,20 @@ def test_every_step_of_the_gpu_plan_is_a_command_the_driver_accepts(tmp_path):
         args = driver().parse_args(argv[2:])
         setups.add(args.setup)
     assert setups == set(driver().SETUPS)  # every setup runs somewhere in the plan
+
+
+def test_replicas_that_share_a_gpu_split_it_unless_their_kv_size_is_given():
+    """Fails when a replica config of the driver keeps its private ``shares_gpu`` flag (a TypeError on CPU)."""
+    from types import SimpleNamespace
+
+    bench = driver()
+
+    def config(*flags, **fields):
+        args = bench.parse_args(["--setup", "store-cost", "--model-dir", "m", "--out", "o", *flags])
+        return bench.server_config(SimpleNamespace(args=args, served="m"), 8001, "A", **fields)
+
+    assert config(shares_gpu=True).gpu_memory_utilization == 0.45
+    assert config(shares_gpu=False).gpu_memory_utilization is None
+    assert config("--device", "cpu", shares_gpu=True).gpu_memory_utilization is None
+    sized = config("--kv-cache-memory-bytes", "24G", shares_gpu=True)
+    assert sized.gpu_memory_utilization is None and "--kv-cache-memory-bytes=24G" in sized.extra_args
