@@ -326,6 +326,7 @@ def mode_store_cost(run: Run) -> None:
         for i in range(a.store_cost_requests):
             pair = ((0, storing), (1, plain)) if i % 2 == 0 else ((1, plain), (0, storing))  # ABBA
             for index, into in pair:
+                time.sleep(a.settle_s)  # vLLM busy-polls its queues for a while after a step: not into the next
                 into.append(run.complete(run.urls[index], run.prompt(length), a.decode_tokens))
         run.rows.add(gpu_rows.store_cost_row(**run.base_row(), prompt_tokens=length, storing=storing, plain=plain))
 
@@ -451,7 +452,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lmcache-l1-gb", type=float, default=40.0)
     p.add_argument("--kv-cache-memory-bytes", default="",
                    help="every replica's --kv-cache-memory-bytes (then replicas sharing a GPU may start together)")
-    p.add_argument("--settle-s", type=float, default=1.0, help="pause between a cold request and the cross one")
+    p.add_argument("--settle-s", type=float, default=1.0,
+                   help="pause between a cold request and the cross one, and before each store-cost request")
     p.add_argument("--port", type=int, default=8200)
     p.add_argument("--ready-timeout-s", type=float, default=400)
     p.add_argument("--replica-arg", action="append", default=[], help="an argument for every vLLM replica")
