@@ -2,8 +2,18 @@
 
 import pytest
 
-from kvshare.integrations.vllm.gpu_rows import (ROW_FIELDS, Completion, bench_serve_row, compare, load_row,
-                                                on_off_row, percentile, startup_row, store_cost_row, ttft_row)
+from kvshare.integrations.vllm.gpu_rows import (
+    ROW_FIELDS,
+    Completion,
+    bench_serve_row,
+    compare,
+    load_row,
+    on_off_row,
+    percentile,
+    startup_row,
+    store_cost_row,
+    ttft_row,
+)
 
 COMMON = {"model": "qwen3-8b", "vllm_version": "0.26.0"}
 
