@@ -1,29 +1,47 @@
 #!/usr/bin/env python3
-"""Real vLLM on a GPU: kvshare's cross-replica TTFT against the bound and against vLLM's own CPU offloading.
+"""Real vLLM on a GPU, measured through HTTP as a vLLM user would: kvshare against vLLM's own CPU offloading and
+LMCache. ``--setup`` says what is started, ``--modes`` what is measured on it (rows: OUT/rows.json, each row
+written as it is taken, with the fields of kvshare.integrations.vllm.gpu_rows; servers' output: OUT/<setup>.log).
 
-``kvshare`` (the default): ``kvshare up --engine vllm --device cuda --replicas 2`` (two vLLM replicas on one GPU,
-one pool, vLLM's defaults: torch.compile and CUDA graphs on). Per prompt length, two fresh random token-id
-prompts (the first is replica B's first request of the cluster, the second the steady state), each:
+setups (every vLLM command line comes from kvshare.integrations.vllm.launch, `kvshare up` included):
 
-    A cold  ->  B cross-replica (B never saw it: the prefix comes from the pool)  ->  A again (vLLM's GPU hit)
+  kvshare           kvshare up --engine vllm --replicas 2 --policy alternate (two replicas, one pool, a router;
+                    on one GPU each gets 0.45 of it and they start one after the other)
+  kvshare-pool-off  the same with --pool off (plain vLLM replicas behind the router)
+  kvshare-restart   a pool and one replica at a time: A computes every prompt, stops; B starts and loads them
+                    (a shape of which two replicas do not fit one GPU: the pool keeps the pages meanwhile)
+  vllm-offloading   one plain vLLM with --kv-offloading-size (vLLM's native CPU tier)
+  lmcache-mp        LMCache's multi-process server and two vLLM replicas with LMCacheMPConnector (refused, with
+                    what to do, when lmcache is not importable)
+  store-cost        a pool, one replica with the connector and one without, side by side
 
-``--engine vllm-offloading``: one plain vLLM server with ``--kv-offloading-size`` (vLLM's native CPU tier), per
-prompt: cold, then vLLM's GPU prefix cache reset (``/reset_prefix_cache``, dev mode) and the same prompt again:
-a hit from its CPU tier on the same replica (``local_s``).
+modes:
 
-TTFT is the time to the first streamed token (max_tokens 16, temperature 0, top-2 logprobs). The bound is the
-cross request's loaded KV bytes (cached prompt tokens x KV bytes per token) over the pinned host->device
-bandwidth measured in this run (torch, 1 GiB). Greedy tokens of B's cross run are compared with A's cold run:
-``tokens_equal``, else ``first_divergence`` and the cold run's top-2 logprob gap there. Rows go to OUT/rows.json
-as each is taken; the servers' output to OUT/<engine>.log.
+  ttft         per length, fresh random token-id prompts (the first is the first request of B):
+               A cold -> B cross-replica (B never saw it) -> A again (local hit). vllm-offloading: cold, then
+               /reset_prefix_cache, then again (a hit from its CPU tier, same replica). Bound: the hit's KV bytes
+               over the pinned host->device rate measured in this run.
+  on-off       A cold (stores) -> B with the pool off for the request -> B's prefix cache reset -> B with the
+               pool: greedy tokens and logprobs of B's pool load against its own cold run
+  store-cost   cold TTFT and decode rate (--decode-tokens) with the connector storing vs plain vLLM,
+               requests alternating ABBA, each prompt fresh
+  load         --sessions concurrent multi-turn sessions through the router for --duration-s; errors, TTFT
+               p50/p99 (run it on kvshare and on kvshare-pool-off)
+  bench-serve  `vllm bench serve` (vLLM's own client) with its prefix_repetition dataset against the router
+  startup      when each replica of `kvshare up` started and served, and the KV cache vLLM sized for it
 
     python3 benchmarks/vllm_gpu.py --model-dir /tmp/m8b --lengths 32768 131072 --out $OUT
-    python3 benchmarks/vllm_gpu.py --engine vllm-offloading --model-dir /tmp/m8b --lengths 32768 --out $OUT
+    python3 benchmarks/vllm_gpu.py --setup kvshare --modes startup on-off bench-serve --model-dir /tmp/m8b --out $OUT
+    python3 benchmarks/vllm_gpu.py --setup vllm-offloading --model-dir /tmp/m8b --lengths 32768 --out $OUT
+
+``--device cpu`` runs every setup with vLLM CPU (a plumbing check: no bound, CPU timings).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
 import json
 import os
 import random
@@ -31,46 +49,29 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
-import urllib.request
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import vllm_gpu_client as client  # noqa: E402 (beside this file)
 
-def stream_completion(url: str, model: str, prompt: list[int], max_tokens: int, timeout_s: float) -> dict:
-    """One streamed greedy completion: ttft_s, the token ids, each one's top-2 logprobs, cached prompt tokens."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-            "logprobs": 2, "return_tokens_as_token_ids": True, "ignore_eos": True,
-            "stream_options": {"include_usage": True}}
-    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    started = time.perf_counter()
-    ttft, tokens, tops, cached = None, [], [], None
-    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[5:])
-            for choice in chunk.get("choices") or []:
-                if ttft is None:
-                    ttft = time.perf_counter() - started
-                lp = choice.get("logprobs") or {}
-                tokens += [int(t.split(":")[-1]) for t in lp.get("tokens") or []]
-                tops += [sorted(top.values(), reverse=True) for top in lp.get("top_logprobs") or [] if top]
-            usage = chunk.get("usage")
-            if usage:
-                cached = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens"))
-    return {"ttft_s": ttft, "tokens": tokens, "tops": tops, "cached_tokens": cached}
+from kvshare.integrations.vllm import gpu_rows  # noqa: E402
+from kvshare.integrations.vllm.launch import VllmServerConfig, vllm_server_command, wait_until_ready  # noqa: E402
+from kvshare.placement import VLLM_GPU_MEMORY_UTILIZATION  # noqa: E402
 
-
-def compare(cold: dict, other: dict) -> dict:
-    if other["tokens"] == cold["tokens"]:
-        return {"tokens_equal": True, "first_divergence": None, "top2_gap": None}
-    i = next((k for k, (a, b) in enumerate(zip(cold["tokens"], other["tokens"])) if a != b),
-             min(len(cold["tokens"]), len(other["tokens"])))
-    top = cold["tops"][i] if i < len(cold["tops"]) else []
-    return {"tokens_equal": False, "first_divergence": i, "top2_gap": (top[0] - top[1]) if len(top) > 1 else None}
+SETUPS = {  # what each setup can measure; the first mode is its default
+    "kvshare": ("ttft", "startup", "on-off", "load", "bench-serve"),
+    "kvshare-pool-off": ("load", "startup", "bench-serve"),
+    "kvshare-restart": ("ttft",),
+    "vllm-offloading": ("ttft",),
+    "lmcache-mp": ("ttft",),
+    "store-cost": ("store-cost",),
+}
+ENGINE_OF_SETUP = {"vllm-offloading": "vllm-offloading", "lmcache-mp": "lmcache-mp"}  # the others: kvshare
+LMCACHE_MISSING = ("--setup lmcache-mp needs LMCache importable by this interpreter ({python}); on the GPU machine "
+                   "run `bash .vk/lmcache_install.sh` and `. /tmp/lmc_site/lmc_env.sh` first (../shared/vllm-gpu/"
+                   "README.md, \"LMCache beside it\"). Nothing was started.")
 
 
 def pinned_h2d() -> float:
@@ -101,20 +102,77 @@ def model_facts(model_dir: str) -> tuple[int, int]:
     return c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * head_dim * 2, c["vocab_size"]
 
 
-def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> float:
-    started = time.monotonic()
-    while True:
-        try:
-            with urllib.request.urlopen(url + "/v1/models", timeout=2) as resp:
-                if resp.status == 200:
-                    return time.monotonic() - started
-        except OSError:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError(f"exited with {proc.returncode} before {url} was ready")
-        if time.monotonic() - started > timeout_s:
-            raise TimeoutError(f"{url} not ready within {timeout_s:.0f} s")
-        time.sleep(1)
+def vllm_version() -> str:
+    out = subprocess.run([sys.executable, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
+                         text=True)
+    return out.stdout.strip() or "unknown"
+
+
+def tree_commit() -> str | None:
+    """The commit of this tree ($KVSHARE_COMMIT where the tree travels without its .git)."""
+    if os.environ.get("KVSHARE_COMMIT"):
+        return os.environ["KVSHARE_COMMIT"]
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.abspath(__file__)))
+    return out.stdout.strip() or None
+
+
+class Rows:
+    """OUT/rows.json, rewritten after every row (a run cut by a time limit keeps what it took)."""
+
+    def __init__(self, path: str, common: dict) -> None:
+        self.path = path
+        self.common = common
+        self.rows = json.load(open(path)) if os.path.exists(path) else []
+
+    def add(self, row: dict) -> None:
+        self.rows.append({**row, **self.common})
+        with open(self.path, "w") as f:
+            json.dump(self.rows, f, indent=1)
+        print(json.dumps(row), flush=True)
+
+
+class Run:
+    """What every mode reads: the arguments, the model's facts, the servers' URLs, where rows go."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.version = vllm_version()
+        self.h2d = pinned_h2d() if args.device == "cuda" else None
+        self.per_token, self.vocab = model_facts(args.model_dir)
+        self.rows = Rows(os.path.join(args.out, "rows.json"),
+                         {"setup": args.setup, "device": args.device, "commit": tree_commit()})
+        self.rng = random.Random(args.seed)
+        self.urls: list[str] = []  # replicas: A, B
+        self.router: str | None = None
+        self.served = args.model_dir  # vLLM's model name: --model as given
+        self.log_path = os.path.join(args.out, f"{args.setup}.log")
+        self.first = True  # the next cross request is B's first
+        print(f"vLLM {self.version}; pinned H2D {(self.h2d or 0) / 1e9:.1f} GB/s; KV {self.per_token} B/token",
+              flush=True)
+
+    def prompt(self, length: int) -> list[int]:
+        lo = min(300, self.vocab // 10)  # clear of the special tokens at either end
+        return [self.rng.randrange(lo, self.vocab - lo) for _ in range(length)]
+
+    def complete(self, url: str, prompt: list[int], max_tokens: int | None = None, **extra) -> client.Completion:
+        return client.stream_completion(url, self.served, prompt, max_tokens or self.args.max_tokens, 900,
+                                        extra=extra or None)
+
+    def base_row(self) -> dict:
+        return {"model": self.args.model_name, "vllm_version": self.version}
+
+
+def env_for_servers(args: argparse.Namespace) -> dict:
+    env = dict(os.environ, VLLM_LOGGING_STREAM="ext://sys.stderr", VLLM_SERVER_DEV_MODE="1", PYTHONUNBUFFERED="1")
+    if args.batch_invariant:
+        env["VLLM_BATCH_INVARIANT"] = "1"
+    return env
+
+
+def start(argv: list[str], env: dict, log) -> subprocess.Popen:
+    print("$ " + " ".join(argv), flush=True)
+    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -127,104 +185,310 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def vllm_version() -> str:
-    out = subprocess.run([sys.executable, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
-                         text=True)
-    return out.stdout.strip() or "unknown"
+def server_config(run: Run, port: int, replica: str, **fields) -> VllmServerConfig:
+    """One vLLM replica of this run, as kvshare.integrations.vllm.launch builds every vLLM command."""
+    a = run.args
+    gpu_share, shares_gpu = None, fields.pop("shares_gpu", False)
+    if a.device == "cuda" and shares_gpu and not a.kv_cache_memory_bytes:
+        gpu_share = VLLM_GPU_MEMORY_UTILIZATION / 2  # vLLM's share of one replica split, as `kvshare up` splits it
+    return VllmServerConfig(model=a.model_dir, port=port, python=sys.executable, served_model_name=run.served,
+                            replica=replica, max_model_len=a.max_model_len, device=a.device,
+                            gpu_memory_utilization=gpu_share, load_format=a.load_format,
+                            model_revision=a.model_revision, extra_args=tuple(replica_args(a)), **fields)
 
 
-class Rows:
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.rows = json.load(open(path)) if os.path.exists(path) else []
-
-    def add(self, row: dict) -> None:
-        self.rows.append(row)
-        with open(self.path, "w") as f:
-            json.dump(self.rows, f, indent=1)
-        print(json.dumps({k: v for k, v in row.items() if k not in ("tokens",)}), flush=True)
+def replica_args(a: argparse.Namespace) -> list[str]:
+    extra = list(a.replica_arg)
+    if a.kv_cache_memory_bytes:
+        extra.append(f"--kv-cache-memory-bytes={a.kv_cache_memory_bytes}")
+    return extra
 
 
-def main(argv: list[str] | None = None) -> int:
+@contextlib.contextmanager
+def servers(run: Run, configs: list[VllmServerConfig], env: dict, log, together: bool):
+    """Start vLLM servers (one after the other unless ``together``: replicas sharing a GPU must not size their KV
+    while another loads), yield when all are ready, stop them after."""
+    procs = []
+    try:
+        for config in configs:
+            spec = vllm_server_command(config, env)
+            procs.append((start(spec.argv, spec.env, log), spec))
+            if not together:
+                wait_until_ready(spec.base_url, procs[-1][0], run.args.ready_timeout_s)
+        for proc, spec in procs:
+            wait_until_ready(spec.base_url, proc, run.args.ready_timeout_s)
+        yield [spec.base_url for _, spec in procs]
+    finally:
+        for proc, _ in procs:
+            stop(proc)
+
+
+@contextlib.contextmanager
+def pool(run: Run, log):
+    from kvshare.pool.spawn import start_pool, stop_process
+
+    with tempfile.TemporaryDirectory(prefix="kvshare-gpu-bench-") as tmp:
+        proc = start_pool(os.path.join(tmp, "pool.sock"), run.args.pool_size, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            yield os.path.join(tmp, "pool.sock")
+        finally:
+            stop_process(proc, timeout_s=30)
+
+
+@contextlib.contextmanager
+def kvshare_up(run: Run, env: dict, log, pool_on: bool):
+    """`kvshare up --engine vllm`: two replicas and the router (alternate: turn k of a session on replica k mod 2)."""
+    from kvshare.launch import wait_http_ready
+
+    a = run.args
+    cmd = [sys.executable, "-m", "kvshare", "up", "--engine", "vllm", "--device", a.device, "--replicas", "2",
+           "--model", a.model_dir, "--port", str(a.port), "--policy", "alternate",
+           *(["--pool-size", a.pool_size] if pool_on else ["--pool", "off"]),
+           f"--replica-arg=--max-model-len={a.max_model_len}", *(f"--replica-arg={x}" for x in replica_args(a)),
+           *(["--model-revision", a.model_revision] if a.model_revision else [])]
+    proc = start(cmd, env, log)
+    try:
+        run.urls = [f"http://127.0.0.1:{a.port + 1}", f"http://127.0.0.1:{a.port + 2}"]
+        run.router = f"http://127.0.0.1:{a.port}"
+        for url in run.urls:
+            wait_until_ready(url, proc, a.ready_timeout_s * 2)
+        wait_http_ready(run.router, proc, a.ready_timeout_s, "the router")
+        yield
+    finally:
+        stop(proc)
+
+
+@contextlib.contextmanager
+def lmcache_server(run: Run, env: dict, log):
+    """LMCache's multi-process server (a CPU KV pool the replicas share), ready when it says it runs."""
+    a = run.args
+    argv = [sys.executable, "-m", "lmcache.v1.multiprocess.server", "--host", "127.0.0.1", "--port",
+            str(a.lmcache_port), "--l1-size-gb", f"{a.lmcache_l1_gb:g}", "--eviction-policy", "LRU"]
+    server_log = os.path.join(a.out, "lmcache-server.log")
+    with open(server_log, "w") as own:
+        proc = start(argv, dict(env, LMCACHE_TRACK_USAGE="false", DO_NOT_TRACK="1"), own)
+    try:
+        deadline = time.monotonic() + 120
+        while "cache server is running" not in open(server_log, errors="replace").read():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the LMCache server did not start (see {server_log})")
+            time.sleep(1)
+        yield
+    finally:
+        stop(proc)
+
+
+def warm_up(run: Run) -> None:
+    """A short prompt of its own on each replica (no shared prefix): the first request pays one-time costs."""
+    for url in run.urls:
+        run.complete(url, run.prompt(600), 4)
+
+
+def mode_ttft(run: Run) -> None:
+    a, engine = run.args, ENGINE_OF_SETUP.get(run.args.setup, "kvshare")
+    for length in a.lengths:
+        for _ in range(a.prompts):
+            prompt = run.prompt(length)
+            cold = run.complete(run.urls[0], prompt)
+            if engine == "vllm-offloading":
+                client.post(run.urls[0], "/reset_prefix_cache")
+                cross, local = None, run.complete(run.urls[0], prompt)
+                kind = "vllm-cpu-offloading (same replica, GPU prefix cache reset)"
+            else:
+                time.sleep(a.settle_s)  # LMCache stores after the request ends
+                cross = run.complete(run.urls[1], prompt)
+                local = run.complete(run.urls[0], prompt)
+                kind = "vllm-prefix-cache (A)"
+            run.rows.add({"mode": "ttft", **gpu_rows.ttft_row(
+                **run.base_row(), prompt_tokens=length, engine=engine, cold=cold, cross=cross, local=local,
+                kv_bytes_per_token=run.per_token, h2d_bytes_per_s=run.h2d, first_request=run.first, local_kind=kind)})
+            run.first = False
+
+
+def mode_on_off(run: Run) -> None:
+    a = run.args
+    for length in a.lengths:
+        for _ in range(a.prompts):
+            prompt = run.prompt(length)
+            run.complete(run.urls[0], prompt, a.on_off_tokens)  # A computes it and stores it
+            off = run.complete(run.urls[1], prompt, a.on_off_tokens,
+                               kv_transfer_params={"kvshare": {"use_pool": False}})
+            client.post(run.urls[1], "/reset_prefix_cache")
+            on = run.complete(run.urls[1], prompt, a.on_off_tokens)
+            run.rows.add(gpu_rows.on_off_row(**run.base_row(), prompt_tokens=length, off=off, on=on,
+                                             batch_invariant=a.batch_invariant))
+
+
+def mode_store_cost(run: Run) -> None:
+    a = run.args
+    for length in a.lengths:
+        storing, plain = [], []
+        for i in range(a.store_cost_requests):
+            pair = ((0, storing), (1, plain)) if i % 2 == 0 else ((1, plain), (0, storing))  # ABBA
+            for index, into in pair:
+                time.sleep(a.settle_s)  # vLLM busy-polls its queues for a while after a step: not into the next
+                into.append(run.complete(run.urls[index], run.prompt(length), a.decode_tokens))
+        run.rows.add(gpu_rows.store_cost_row(**run.base_row(), prompt_tokens=length, storing=storing, plain=plain))
+
+
+def mode_load(run: Run) -> None:
+    a = run.args
+    tally = client.run_sessions(run.router, run.served, run.vocab, a.sessions, a.duration_s, a.document_tokens,
+                                a.turn_tokens, min(a.load_max_context, a.max_model_len - 16), a.max_tokens, a.seed)
+    row = gpu_rows.load_row(**run.base_row(), pool="off" if a.setup == "kvshare-pool-off" else "on",
+                            num_sessions=a.sessions, duration_s=a.duration_s, ttfts_s=tally.ttfts_s,
+                            num_errors=len(tally.errors), num_requests=tally.num_requests,
+                            cached_tokens=tally.cached_tokens, prompt_tokens=tally.prompt_tokens)
+    row["first_errors"] = tally.errors[:5]
+    run.rows.add(row)
+
+
+def mode_bench_serve(run: Run) -> None:
+    a = run.args
+    name = f"bench-serve-{a.setup}.json"
+    cmd = client.bench_serve_command(run.router, run.served, a.model_dir, a.out, name, a.bench_prefix_len,
+                                     a.bench_suffix_len, a.bench_num_prefixes, a.bench_output_len,
+                                     a.bench_num_prompts, a.bench_concurrency)
+    shown = ["vllm", "bench", "serve", *cmd[3:]]  # what it runs, as vLLM's command line says it
+    print("$ " + " ".join(shown), flush=True)
+    code = client.run_bench_serve(cmd, os.path.join(a.out, f"bench-serve-{a.setup}.log"), a.bench_timeout_s)
+    if code != 0 or not os.path.exists(os.path.join(a.out, name)):
+        raise RuntimeError(f"vllm bench serve exited with {code} (see {a.out}/bench-serve-{a.setup}.log)")
+    with open(os.path.join(a.out, name)) as f:
+        result = json.load(f)
+    target = f"router, pool {'off' if a.setup == 'kvshare-pool-off' else 'on'}"
+    run.rows.add(gpu_rows.bench_serve_row(**run.base_row(), target=target, result=result, command=shown))
+
+
+def mode_startup(run: Run) -> None:
+    with open(run.log_path, errors="replace") as f:
+        lines = f.read().splitlines()
+    run.rows.add(gpu_rows.startup_row(**run.base_row(), device=run.args.device, log_lines=lines))
+
+
+MODES = {"ttft": mode_ttft, "on-off": mode_on_off, "store-cost": mode_store_cost, "load": mode_load,
+         "bench-serve": mode_bench_serve, "startup": mode_startup}
+
+
+def run_restart(run: Run, env: dict, log) -> None:
+    """kvshare-restart: A computes every prompt and stops; B starts on the same pool and loads them."""
+    a = run.args
+    prompts = [(length, run.prompt(length)) for length in a.lengths for _ in range(a.prompts)]
+    with pool(run, log) as socket_path:
+        with servers(run, [server_config(run, a.port + 1, "A", pool_socket=socket_path)], env, log, True) as urls:
+            run.urls = urls
+            warm_up(run)
+            colds = [run.complete(urls[0], prompt) for _, prompt in prompts]
+        with servers(run, [server_config(run, a.port + 2, "B", pool_socket=socket_path)], env, log, True) as urls:
+            run.urls = urls
+            warm_up(run)
+            for (length, prompt), cold in zip(prompts, colds):
+                cross = run.complete(urls[0], prompt)
+                local = run.complete(urls[0], prompt)
+                run.rows.add({"mode": "ttft", **gpu_rows.ttft_row(
+                    **run.base_row(), prompt_tokens=length, engine="kvshare", cold=cold, cross=cross, local=local,
+                    kv_bytes_per_token=run.per_token, h2d_bytes_per_s=run.h2d, first_request=run.first,
+                    local_kind="vllm-prefix-cache (B, after its load)")})
+                run.first = False
+
+
+@contextlib.contextmanager
+def setup(run: Run, env: dict, log):
+    """Start what ``--setup`` names; yield once it serves; stop it after."""
+    a = run.args
+    two = a.device == "cpu" or bool(a.kv_cache_memory_bytes)  # may start together
+    if a.setup in ("kvshare", "kvshare-pool-off"):
+        with kvshare_up(run, env, log, pool_on=a.setup == "kvshare"):
+            yield
+    elif a.setup == "vllm-offloading":
+        config = server_config(run, a.port + 1, "A", kv_offloading_gib=a.offloading_gib)
+        with servers(run, [config], env, log, True) as run.urls:
+            yield
+    elif a.setup == "lmcache-mp":
+        with lmcache_server(run, env, log):
+            configs = [server_config(run, a.port + 1 + i, name, lmcache_mp_port=a.lmcache_port, shares_gpu=True)
+                       for i, name in enumerate("AB")]
+            with servers(run, configs, env, log, two) as run.urls:
+                yield
+    elif a.setup == "store-cost":
+        with pool(run, log) as socket_path:
+            configs = [server_config(run, a.port + 1, "A", pool_socket=socket_path, shares_gpu=True),
+                       server_config(run, a.port + 2, "R", shares_gpu=True)]
+            with servers(run, configs, env, log, two) as run.urls:
+                yield
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--engine", choices=("kvshare", "vllm-offloading"), default="kvshare")
+    p.add_argument("--setup", choices=tuple(SETUPS), default="kvshare")
+    p.add_argument("--modes", nargs="+", choices=tuple(MODES), default=None, help="default: the setup's first")
     p.add_argument("--model-dir", required=True)
-    p.add_argument("--model-name", default="qwen3-8b")
+    p.add_argument("--model-name", default="qwen3-8b", help="the shape's name in the rows")
+    p.add_argument("--load-format", default=None, help="vLLM's --load-format (dummy: random weights, none read)")
+    p.add_argument("--model-revision", default="", help="the connector's model_revision (needed with dummy weights)")
     p.add_argument("--lengths", type=int, nargs="+", default=[32768])
     p.add_argument("--prompts", type=int, default=2, help="prompts per length (the first is B's first request)")
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--on-off-tokens", type=int, default=32, help="tokens compared per on-off prompt")
+    p.add_argument("--batch-invariant", action="store_true", help="VLLM_BATCH_INVARIANT=1 for the servers")
+    p.add_argument("--decode-tokens", type=int, default=128, help="store-cost: tokens per request (decode rate)")
+    p.add_argument("--store-cost-requests", type=int, default=4, help="store-cost: requests per server and length")
+    p.add_argument("--sessions", type=int, default=16)
+    p.add_argument("--duration-s", type=float, default=180.0)
+    p.add_argument("--document-tokens", type=int, default=4096, help="load: shared opening of each conversation")
+    p.add_argument("--turn-tokens", type=int, default=256, help="load: new tokens of each turn")
+    p.add_argument("--load-max-context", type=int, default=16384, help="load: a conversation ends before this")
+    p.add_argument("--bench-prefix-len", type=int, default=8192)
+    p.add_argument("--bench-suffix-len", type=int, default=256)
+    p.add_argument("--bench-num-prefixes", type=int, default=4)
+    p.add_argument("--bench-output-len", type=int, default=64)
+    p.add_argument("--bench-num-prompts", type=int, default=64)
+    p.add_argument("--bench-concurrency", type=int, default=8)
+    p.add_argument("--bench-timeout-s", type=float, default=400)
     p.add_argument("--max-model-len", type=int, default=135168)
     p.add_argument("--pool-size", default="40GiB")
     p.add_argument("--offloading-gib", type=float, default=40.0)
+    p.add_argument("--lmcache-port", type=int, default=5555)
+    p.add_argument("--lmcache-l1-gb", type=float, default=40.0)
+    p.add_argument("--kv-cache-memory-bytes", default="",
+                   help="every replica's --kv-cache-memory-bytes (then replicas sharing a GPU may start together)")
+    p.add_argument("--settle-s", type=float, default=1.0,
+                   help="pause between a cold request and the cross one, and before each store-cost request")
     p.add_argument("--port", type=int, default=8200)
     p.add_argument("--ready-timeout-s", type=float, default=400)
-    p.add_argument("--replica-arg", action="append", default=[], help="kvshare up --replica-arg (repeatable)")
-    p.add_argument("--device", default="cuda", help="cpu: a dry run of this script with vLLM CPU (no bound)")
+    p.add_argument("--replica-arg", action="append", default=[], help="an argument for every vLLM replica")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                   help="cpu: a plumbing run with vLLM CPU (no bound)")
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    args.modes = args.modes or [SETUPS[args.setup][0]]
+    wrong = [m for m in args.modes if m not in SETUPS[args.setup]]
+    if wrong:
+        p.error(f"--setup {args.setup} measures {', '.join(SETUPS[args.setup])}, not {', '.join(wrong)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.setup == "lmcache-mp" and importlib.util.find_spec("lmcache") is None:
+        print("vllm_gpu.py: error: " + LMCACHE_MISSING.format(python=sys.executable), file=sys.stderr)
+        return 2
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout still stops the servers (finally)
     os.makedirs(args.out, exist_ok=True)
-    rows = Rows(os.path.join(args.out, "rows.json"))
-    version = vllm_version()
-    h2d = pinned_h2d() if args.device == "cuda" else float("nan")
-    per_token, vocab = model_facts(args.model_dir)
-    print(f"vLLM {version}; pinned H2D {h2d / 1e9:.1f} GB/s; KV {per_token} B/token", flush=True)
-    env = dict(os.environ, VLLM_LOGGING_STREAM="ext://sys.stderr", VLLM_SERVER_DEV_MODE="1")
-    log = open(os.path.join(args.out, f"{args.engine}.log"), "w")
-    if args.engine == "kvshare":
-        cmd = [sys.executable, "-m", "kvshare", "up", "--engine", "vllm", "--device", args.device, "--replicas", "2",
-               "--model", args.model_dir, "--pool-size", args.pool_size, "--port", str(args.port),
-               f"--replica-arg=--max-model-len={args.max_model_len}", *(f"--replica-arg={a}" for a in args.replica_arg)]
-        urls = [f"http://127.0.0.1:{args.port + 1}", f"http://127.0.0.1:{args.port + 2}"]
-    else:
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model_dir,
-               "--port", str(args.port + 1), "--served-model-name", args.model_dir, "--block-size", "32",
-               "--max-model-len", str(args.max_model_len), "--enable-prefix-caching",
-               "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
-               "--kv-offloading-size", f"{args.offloading_gib:g}"]
-        urls = [f"http://127.0.0.1:{args.port + 1}"]
-    print("$ " + " ".join(cmd), flush=True)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    try:
-        ready_s = max(wait_ready(u, proc, args.ready_timeout_s) for u in urls)
-        print(f"ready in {ready_s:.0f} s", flush=True)
-        model = args.model_dir
-        rng = random.Random(0)
-        lo = min(300, vocab // 10)  # clear of the special tokens at either end
-        for i, u in enumerate(urls):  # warm-up: a short prompt of its own on each replica (no shared prefix)
-            stream_completion(u, model, [rng.randrange(lo, vocab - lo) for _ in range(600)], 4, 300)
-        first = True
-        for length in args.lengths:
-            for k in range(args.prompts):
-                prompt = [rng.randrange(lo, vocab - lo) for _ in range(length)]
-                row = {"model": args.model_name, "prompt_tokens": length, "vllm_version": version,
-                       "engine": args.engine, "ready_s": round(ready_s, 1),
-                       "h2d_gbps": round(h2d / 1e9, 2) if args.device == "cuda" else None}
-                cold = stream_completion(urls[0], model, prompt, args.max_tokens, 900)
-                if args.engine == "kvshare":
-                    cross = stream_completion(urls[1], model, prompt, args.max_tokens, 900)
-                    local = stream_completion(urls[0], model, prompt, args.max_tokens, 900)
-                    loaded = (cross["cached_tokens"] or 0) * per_token
-                    bound = loaded / h2d if args.device == "cuda" else None
-                    row.update(cold_s=cold["ttft_s"], cross_s=cross["ttft_s"], local_s=local["ttft_s"],
-                               bound_s=bound, cross_over_bound=cross["ttft_s"] / bound if bound else None,
-                               cross_cached_tokens=cross["cached_tokens"], local_cached_tokens=local["cached_tokens"],
-                               loaded_bytes=loaded, first_request=first, local_kind="vllm-gpu-prefix-cache",
-                               **compare(cold, cross))
-                else:
-                    req = urllib.request.Request(urls[0] + "/reset_prefix_cache", data=b"", method="POST")
-                    urllib.request.urlopen(req, timeout=60).read()
-                    local = stream_completion(urls[0], model, prompt, args.max_tokens, 900)
-                    row.update(cold_s=cold["ttft_s"], cross_s=None, local_s=local["ttft_s"],
-                               local_cached_tokens=local["cached_tokens"], first_request=first,
-                               local_kind="vllm-cpu-offloading (same replica, GPU prefix cache reset)",
-                               bound_s=(local["cached_tokens"] or 0) * per_token / h2d if h2d == h2d else None,
-                               **compare(cold, local))
-                first = False
-                rows.add(row)
-    finally:
-        stop(proc)
-        log.close()
+    run = Run(args)
+    env = env_for_servers(args)
+    with open(run.log_path, "a") as log:
+        if args.setup == "kvshare-restart":
+            run_restart(run, env, log)
+            return 0
+        with setup(run, env, log):
+            print(f"{args.setup} ready", flush=True)
+            warm_up(run)
+            for mode in args.modes:
+                started = time.monotonic()
+                MODES[mode](run)
+                print(f"{mode} done in {time.monotonic() - started:.0f} s", flush=True)
     return 0
 
 

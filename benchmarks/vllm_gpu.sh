@@ -6,8 +6,9 @@
 #   bash benchmarks/vllm_gpu.sh [LENGTHS...]        (default 32768 131072)
 #
 # Needs, in .vk/ (ignored, carried): vllm026-sm90.tar.xz.part-aa, SHA256SUMS, install_on_device.sh
-# (from the vLLM bundle build). ENGINES="kvshare vllm-offloading" (default both), BUDGET_S (default 560):
-# an engine is skipped when less than its estimated time is left.
+# (from the vLLM bundle build). ENGINES="kvshare vllm-offloading" (default both; the driver's --setup), BUDGET_S
+# (default 560): an engine is skipped when less than its estimated time is left. The other measurements (store
+# cost, pool ON == OFF, the load run, vllm bench serve, LMCache, the 32B shape): benchmarks/vllm_gpu_all.sh.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/vllm_gpu_out}
@@ -36,7 +37,7 @@ echo "model written at $(( $(date +%s) - T0 )) s"
 for engine in $ENGINES; do
     need=200; [ "$engine" = kvshare ] && need=260
     if [ "$(left)" -lt $need ]; then echo "skipped $engine: $(left) s left"; continue; fi
-    timeout $(( $(left) - 10 )) python3 benchmarks/vllm_gpu.py --engine "$engine" --model-dir $MODEL \
+    timeout $(( $(left) - 10 )) python3 benchmarks/vllm_gpu.py --setup "$engine" --model-dir $MODEL \
         --lengths $LENGTHS --out "$OUT" ${DRIVER_ARGS:-} 2>&1 | tee -a "$OUT/driver.log"
     echo "$engine done at $(( $(date +%s) - T0 )) s"
 done

@@ -24,6 +24,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where to build: the qwen3 presets draw their weights there (part of their identity); tiny always on the CPU")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"), help="default: the preset's")
     p.add_argument("--yes", action="store_true", help="write a GPU preset on a machine without a GPU without asking")
+    p.add_argument("--no-weights", action="store_true",
+                   help="write the config and tokenizer only, for an engine that draws its own random weights "
+                        "(vLLM --load-format dummy); such a directory has no weights fingerprint")
 
 
 def confirm_large_write(preset: str, num_bytes: int, out: str, has_gpu: bool, is_yes: bool,
@@ -46,11 +49,15 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from kvshare.engine.make_model import preset_weight_bytes, write_model_dir
+    from kvshare.engine.make_model import preset_weight_bytes, write_model_dir, write_model_files
     from kvshare.errors import UserError
 
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise UserError(f"--out {args.out} is a file; name a directory to write the model into")
+    if args.no_weights:
+        write_model_files(args.preset, args.out, args.dtype)
+        print(json.dumps({"preset": args.preset, "out": args.out, "weights_fingerprint": None}))
+        return 0
     confirm_large_write(args.preset, preset_weight_bytes(args.preset, args.dtype), args.out,
                         has_gpu=torch.cuda.is_available(), is_yes=args.yes, is_tty=sys.stdin.isatty())
     try:

@@ -51,15 +51,22 @@ def write_model_dir(name: str, out_dir: str, device: str = "cpu", dtype: str | N
         if free < size * 1.05:
             raise UserError(f"{out_dir} has {format_bytes(free)} free; preset {name} needs {format_bytes(size)}")
     dev = torch.device(device)
-    model, config, _recipe = build_preset(name, dev, dtype)
-    hf = preset_hf_config(preset, dtype)
-    _write(os.path.join(out_dir, "config.json"), config_json_bytes(hf))
+    model, _config, _recipe = build_preset(name, dev, dtype)
     tensors = preset_tensors(model)
     draw_device = dev.type if preset.draw_on_device else "cpu"
     write_safetensors(os.path.join(out_dir, "model.safetensors"), tensors, file_metadata(preset, draw_device))
     del model, tensors
-    write_tokenizer_files(name, out_dir)
+    write_model_files(name, out_dir, dtype)
     return model_dir_fingerprint(out_dir)  # what an engine loading the directory uses (its bytes' fingerprint)
+
+
+def write_model_files(name: str, out_dir: str, dtype: str | None = None) -> None:
+    """Everything of preset ``name``'s directory but its weights: the config and the tokenizer files
+    (alone, for an engine that draws its own random weights: vLLM's ``--load-format dummy``)."""
+    hf = preset_hf_config(get_preset(name), dtype)
+    os.makedirs(out_dir, exist_ok=True)
+    _write(os.path.join(out_dir, "config.json"), config_json_bytes(hf))
+    write_tokenizer_files(name, out_dir)
 
 
 def write_tokenizer_files(name: str, out_dir: str) -> None:

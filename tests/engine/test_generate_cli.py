@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pathlib
 import subprocess
 import sys
 
@@ -40,3 +41,16 @@ def test_make_model_prints_its_fingerprint(tmp_path, tiny_dir):
 
     out = json.loads(kvshare("make-model", "tiny", "--out", str(tmp_path / "m")).stdout)
     assert out["weights_fingerprint"] == model_dir_fingerprint(tiny_dir)
+
+
+def test_make_model_no_weights_writes_the_same_files_but_the_weights(tmp_path, tiny_dir):
+    """A GPU shape for vLLM's --load-format dummy: its config and tokenizer, no 65 GB of weights and no question
+    asked on a machine without a GPU. Fails when make-model has no --no-weights (it then writes or refuses)."""
+    full = pathlib.Path(tiny_dir)
+    kvshare("make-model", "tiny", "--out", str(tmp_path / "t"), "--no-weights")
+    written = sorted(p.name for p in (tmp_path / "t").iterdir())
+    assert written == sorted(p.name for p in full.iterdir() if p.suffix != ".safetensors")
+    assert all((tmp_path / "t" / name).read_bytes() == (full / name).read_bytes() for name in written)
+    kvshare("make-model", "qwen3-32b", "--out", str(tmp_path / "b"), "--no-weights")
+    config = json.loads((tmp_path / "b" / "config.json").read_text())
+    assert config["num_hidden_layers"] == 64 and not list((tmp_path / "b").glob("*.safetensors"))

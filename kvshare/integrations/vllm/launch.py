@@ -68,6 +68,10 @@ class VllmServerConfig:
     seed: int = 0
     model_revision: str = ""  # the connector's model_revision; "": the namespace hashes the weights' bytes
     kv_events_port: int | None = None  # vLLM's own KV events on tcp://*:PORT, topic kv@<replica>@<model name>
+    # Other KV tiers, for comparisons (each instead of kvshare's connector: vLLM runs one KV connector):
+    kv_offloading_gib: float | None = None  # --kv-offloading-size: vLLM's own CPU offloading tier
+    lmcache_mp_port: int | None = None  # LMCache's multi-process server on tcp://127.0.0.1:PORT (LMCacheMPConnector)
+    load_format: str | None = None  # --load-format ("dummy": random weights, no weight files read); None: vLLM's
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
@@ -83,6 +87,12 @@ class VllmServerConfig:
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization}")
+        tiers = [name for name, value in (("pool_socket", self.pool_socket), ("kv_offloading_gib",
+                 self.kv_offloading_gib), ("lmcache_mp_port", self.lmcache_mp_port)) if value is not None]
+        if len(tiers) > 1:
+            raise ValueError(f"vLLM runs one KV connector: give one of {' and '.join(tiers)}")
+        if self.kv_offloading_gib is not None and self.kv_offloading_gib <= 0:
+            raise ValueError(f"kv_offloading_gib must be positive, got {self.kv_offloading_gib}")
 
     @property
     def base_url(self) -> str:
@@ -124,6 +134,13 @@ def kv_transfer_config(config: VllmServerConfig) -> dict:
     }
 
 
+def lmcache_mp_transfer_config(port: int) -> dict:
+    """The --kv-transfer-config value that connects a replica to LMCache's multi-process server (vLLM's
+    LMCacheMPConnector; the server runs apart, ``python -m lmcache.v1.multiprocess.server --port PORT``)."""
+    return {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": port}}
+
+
 def vllm_server_command(config: VllmServerConfig, base_env: dict[str, str] | None = None) -> LaunchSpec:
     """Command line and environment of one vLLM OpenAI server (no side effects)."""
     argv = [
@@ -151,6 +168,12 @@ def vllm_server_command(config: VllmServerConfig, base_env: dict[str, str] | Non
         argv += ["--tensor-parallel-size", str(config.tensor_parallel_size)]
     if config.pool_socket is not None:
         argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(config))]
+    if config.lmcache_mp_port is not None:
+        argv += ["--kv-transfer-config", json.dumps(lmcache_mp_transfer_config(config.lmcache_mp_port))]
+    if config.kv_offloading_gib is not None:
+        argv += ["--kv-offloading-size", f"{config.kv_offloading_gib:g}"]
+    if config.load_format is not None:
+        argv += ["--load-format", config.load_format]
     if config.kv_events_port is not None:
         name = os.path.basename(os.path.normpath(config.served_model_name or config.model))
         argv += ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "topic":

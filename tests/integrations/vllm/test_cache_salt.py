@@ -9,7 +9,7 @@ chunk and the reverse.
 from kvshare.integrations.vllm.metadata import WorkerReport
 from kvshare.integrations.vllm.scheduler import ScheduledRequest
 from kvshare.keys import namespace_digest
-from tests.integrations.vllm.test_pool_roundtrip import BLOCKS_A, NAMESPACE, PROMPT, Replica, pool  # noqa: F401
+from tests.integrations.vllm.pool_replicas import BLOCKS_A, NAMESPACE, PROMPT, Replica, pool_fixture  # noqa: F401
 
 OTHER_PROMPT = list(range(400, 700))
 REUSABLE = 256  # PROMPT's four full chunks of 64 tokens

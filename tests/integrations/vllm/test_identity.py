@@ -2,7 +2,7 @@
 
 No vLLM needed: vLLM's config is stood in for by objects with the attributes the connector reads
 (tests/integrations/vllm/test_identity_vllm.py builds real ones); pages go through a real pool
-with the connector's scheduler and worker (test_pool_roundtrip's Replica).
+with the connector's scheduler and worker (pool_replicas' Replica).
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from types import SimpleNamespace
 
 import pytest
 
-import tests.integrations.vllm.test_pool_roundtrip as roundtrip
+import tests.integrations.vllm.pool_replicas as shared
 from kvshare.integrations.vllm.identity import LoraIdentities, vllm_namespace
 from kvshare.integrations.vllm.options import ConnectorConfig
 from kvshare.keys import namespace_digest
+from tests.integrations.vllm.pool_replicas import LAYOUT, PROMPT, Replica, pool_fixture  # noqa: F401
 from tests.integrations.vllm.test_cache_salt import matched, prefill
-from tests.integrations.vllm.test_pool_roundtrip import LAYOUT, PROMPT, Replica, pool  # noqa: F401
 from tests.test_identity import one_byte_changed, write_checkpoint
 
 REUSABLE = 256  # PROMPT's four full chunks
@@ -57,7 +57,7 @@ def test_two_checkpoints_called_model_never_share_a_page_a_renamed_copy_does(tmp
                   (("A", a), ("B", b), ("copy", copy))}
     replicas = {}
     for name, namespace in namespaces.items():
-        monkeypatch.setattr(roundtrip, "NAMESPACE", namespace)  # what Replica's scheduler keys its requests by
+        monkeypatch.setattr(shared, "NAMESPACE", namespace)  # what Replica's scheduler keys its requests by
         replicas[name] = Replica(pool, name, seed=len(replicas) + 1)
     try:
         assert prefill(replicas["A"], "r1", PROMPT, None) == 0
@@ -121,7 +121,7 @@ def test_lora_adapters_share_by_bytes_not_by_name(tmp_path, pool):  # noqa: F811
         s.add_request("r1", PROMPT, None, None, lora_id=ids.of(lora("support", one)))
         external = s.match("r1", 0)
         s.allocated("r1", external, 0)
-        plan = s.plan_step([roundtrip.ScheduledRequest("r1", external, len(PROMPT), roundtrip.BLOCKS_A)])
+        plan = s.plan_step([shared.ScheduledRequest("r1", external, len(PROMPT), shared.BLOCKS_A)])
         for spec in plan.stores:
             a.worker.store(spec)
         s.finish("r1")

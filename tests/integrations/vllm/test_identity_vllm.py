@@ -11,15 +11,15 @@ import shutil
 
 import pytest
 
-import tests.integrations.vllm.test_pool_roundtrip as roundtrip
+import tests.integrations.vllm.pool_replicas as shared
 from kvshare.integrations.vllm.identity import vllm_namespace
 from kvshare.integrations.vllm.launch import VllmServerConfig
 from kvshare.keys import namespace_digest
 from kvshare.pool.spawn import start_pool, stop_process
+from tests.integrations.vllm.pool_replicas import LAYOUT, PROMPT, Replica, pool_fixture  # noqa: F401
 from tests.integrations.vllm.servers import (complete, free_port, private_socket, provenance, start_servers,
                                              stop_servers, vllm_python, vllm_suite_marks)
 from tests.integrations.vllm.test_cache_salt import matched, prefill
-from tests.integrations.vllm.test_pool_roundtrip import LAYOUT, PROMPT, Replica, pool  # noqa: F401
 from tests.integrations.vllm.tiny_model import make_model_dir
 
 pytestmark = vllm_suite_marks()
@@ -64,7 +64,7 @@ def test_changed_weights_never_share_a_page_a_renamed_copy_does(namespaces, pool
     """Fails on the directory-name model_id with the header-only fingerprint (B matched A's 256 tokens)."""
     replicas = {}
     for seed, name in enumerate(("A", "B", "copy", "rope"), start=1):
-        monkeypatch.setattr(roundtrip, "NAMESPACE", namespaces[name])  # what Replica's scheduler keys by
+        monkeypatch.setattr(shared, "NAMESPACE", namespaces[name])  # what Replica's scheduler keys by
         replicas[name] = Replica(pool, name, seed=seed)
     try:
         assert prefill(replicas["A"], "r1", PROMPT, None) == 0

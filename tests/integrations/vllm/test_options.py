@@ -1,6 +1,7 @@
 """Connector settings, per-request options, refusals and the server command line (no vLLM needed)."""
 
 import json
+import pathlib
 from types import SimpleNamespace
 
 import pytest
@@ -149,6 +150,33 @@ def test_cuda_server_command_keeps_vllms_compiled_defaults():
     assert "--enforce-eager" in vllm_server_command(VllmServerConfig(model="m", port=1), base_env={}).argv  # CPU
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         VllmServerConfig(model="m", port=1, device="cuda", gpu_memory_utilization=1.5)
+
+
+def test_the_other_kv_tiers_compared_with_kvshare_come_from_the_same_command():
+    """vLLM's own CPU offloading and LMCache's MP connector are fields of the one command builder; vLLM runs one KV
+    connector, so two tiers at once are refused. Fails when either flag is left out of the command line."""
+    offload = vllm_server_command(VllmServerConfig(model="m", port=1, device="cuda", kv_offloading_gib=40),
+                                  base_env={}).argv
+    assert offload[offload.index("--kv-offloading-size") + 1] == "40" and "--kv-transfer-config" not in offload
+    lmcache = vllm_server_command(VllmServerConfig(model="m", port=1, lmcache_mp_port=5555, load_format="dummy"),
+                                  base_env={}).argv
+    transfer = json.loads(lmcache[lmcache.index("--kv-transfer-config") + 1])
+    assert transfer["kv_connector"] == "LMCacheMPConnector"
+    assert transfer["kv_connector_extra_config"] == {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": 5555}
+    assert lmcache[lmcache.index("--load-format") + 1] == "dummy"
+    with pytest.raises(ValueError, match="one KV connector"):
+        VllmServerConfig(model="m", port=1, pool_socket="/p.sock", lmcache_mp_port=5555)
+    with pytest.raises(ValueError, match="one KV connector"):
+        VllmServerConfig(model="m", port=1, pool_socket="/p.sock", kv_offloading_gib=1)
+
+
+def test_no_benchmark_or_module_builds_a_vllm_server_command_of_its_own():
+    """launch.vllm_server_command is the one place a vLLM server's command line is built. Fails when a script under
+    benchmarks/ or a module of kvshare/ spells vLLM's server module itself (benchmarks/vllm_gpu.py once did)."""
+    root = pathlib.Path(__file__).resolve().parents[3]
+    spelled = [str(path.relative_to(root)) for folder in ("kvshare", "benchmarks") for path in (root / folder).rglob("*")
+               if path.suffix in (".py", ".sh") and "vllm.entrypoints.openai.api_server" in path.read_text()]
+    assert spelled == ["kvshare/integrations/vllm/launch.py"]
 
 
 def _vllm_replicas(tmp_path, device: str, replicas: int = 2, replica_args: tuple = ()) -> list[tuple[list, dict]]:

@@ -15,13 +15,13 @@ from kvshare.integrations.vllm.metadata import WorkerReport
 from kvshare.integrations.vllm.overlap import LayeredLoad
 from kvshare.integrations.vllm.scheduler import ScheduledRequest
 from kvshare.pool.checksum import page_checksum
-from tests.integrations.vllm.test_pool_roundtrip import (  # noqa: F401
+from tests.integrations.vllm.pool_replicas import (  # noqa: F401
     BLOCKS_A,
     BLOCKS_B,
     PROMPT,
     Replica,
     flip_a_byte_of_chunk_2,
-    pool,
+    pool_fixture,
 )
 
 LAYERS = 2

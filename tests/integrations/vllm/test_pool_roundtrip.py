@@ -1,119 +1,30 @@
-"""The connector's two sides against a real pool, with vLLM-shaped CPU tensors (no vLLM needed).
+"""The connector's two sides against a real pool, with vLLM-shaped CPU tensors (no vLLM needed): the round trip.
 
 Replica A computes a prompt (stores), replica B loads it into other blocks: the bytes B
 holds afterwards must be the bytes A computed, and only where the load was planned.
 """
 
-import os
 import random
-import signal
 
 import pytest
 import torch
 
-from kvshare.integrations.vllm.layout import PagedLayout, reference_gather
-from kvshare.integrations.vllm.metadata import LoadOutcome, WorkerReport
-from kvshare.integrations.vllm.options import ConnectorConfig
-from kvshare.pool.link import PoolLink
-from kvshare.integrations.vllm.scheduler import PoolScheduler, ScheduledRequest
-from kvshare.integrations.vllm.worker import PoolKVWorker
-from kvshare.keys import Namespace, chunk_keys, namespace_digest
-from kvshare.layout import KVLayout
-from kvshare.pool.client import PoolClient
-from kvshare.pool.spawn import running_pool, start_pool, stop_process
-from tests.integrations.vllm.servers import private_socket
-
-L, H, D, N, C = 2, 2, 64, 32, 64
-NUM_BLOCKS = 40
-LAYOUT = KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, dtype="float32", chunk_tokens=C)
-NAMESPACE = Namespace("tiny", "f" * 32, "float32", L, H, D, chunk_tokens=C, engine_family="vllm")
-POOL_ARGS = ("--extent-size", "4MiB")
-LAYERED = pytest.mark.parametrize("layered", [False, True], ids=["before-forward", "layered"])
-
-
-class FakeClock:
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self):
-        return self.now
-
-
-class Replica:
-    """One vLLM replica's connector sides over fake CPU_ATTN KV tensors."""
-
-    def __init__(self, socket_path, name, seed, clock=None, rng=None, layered=False, **config):
-        self.layered = layered  # loads copied layer by layer beside the forward, as the connector does on CPU
-        self.num_layered = 0  # loads that took that path (the others fell back to a synchronous load)
-        self.config = ConnectorConfig(pool_socket=socket_path, chunk_tokens=C, replica=name, **config)
-        self.clock = clock or FakeClock()
-        self.scheduler = PoolScheduler(self.config, NAMESPACE, LAYOUT.page_bytes, N,
-                                       PoolLink(socket_path, f"{name}-sched", clock=self.clock), clock=self.clock)
-        self.worker = PoolKVWorker(LAYOUT, PoolLink(socket_path, f"{name}-worker", clock=self.clock),
-                                   verify_fraction=self.config.verify_fraction, copy_threads=self.config.copy_threads,
-                                   rng=rng)
-        gen = torch.Generator().manual_seed(seed)
-        self.layers = [torch.randn(NUM_BLOCKS, H, N, 2 * D, generator=gen) for _ in range(L)]
-        self.paged = PagedLayout("cpu_attn", NUM_BLOCKS, N, H, D, torch.float32)
-        self.worker.register(self.layers, self.paged)
-
-    def run_prefill(self, req_id, prompt, block_ids, local=0, step_tokens=None):
-        """Schedule a prompt like vLLM would: lookup, allocate, then prefill steps; returns the load outcome."""
-        self.scheduler.add_request(req_id, prompt, None, None)
-        external = self.scheduler.match(req_id, local)
-        self.scheduler.allocated(req_id, external, local)
-        computed, outcome = local + external, None  # vLLM counts loaded tokens as computed
-        while computed < len(prompt):
-            n = min(step_tokens or len(prompt), len(prompt) - computed)
-            plan = self.scheduler.plan_step([ScheduledRequest(req_id, computed, n, block_ids)])
-            outcomes = self.load(plan.loads)
-            for spec in plan.stores:  # after it
-                self.worker.store(spec)
-            self.scheduler.on_report(WorkerReport(outcomes))
-            outcome = outcomes[0] if outcomes else outcome
-            computed += n
-        return external, outcome
-
-    def load(self, specs):
-        """The step's loads: all before the forward, or (``layered``) each attention layer of the forward
-        waiting for its own layer, as the connector runs them on CPU."""
-        if not self.layered:
-            return [self.worker.load(spec) for spec in specs]
-        begun = [self.worker.begin_load(spec) for spec in specs]
-        layered = [load for load in begun if not isinstance(load, LoadOutcome)]
-        self.num_layered += len(layered)
-        if not layered:
-            return begun  # loads the layered path does not take ran synchronously
-        loads = self.worker.start_layered(layered)
-        for index in range(L):  # the forward's attention layers
-            loads.wait_layer(index)
-        outcomes, all_waited = loads.finish()
-        assert all_waited
-        finished = iter(outcomes)
-        return [load if isinstance(load, LoadOutcome) else next(finished) for load in begun]
-
-    def tokens(self, start, num, block_ids):
-        return torch.stack([reference_gather(layer, self.paged, start, num, block_ids) for layer in self.layers])
-
-    def close(self):
-        self.scheduler.close()
-        self.worker.close()
-
-
-@pytest.fixture
-def pool():
-    with running_pool("16MiB", POOL_ARGS) as path:
-        yield path
-
-
-def pool_stats(path):
-    with PoolClient(path, name="test") as client:
-        return client.stats()
-
-
-PROMPT = list(range(3, 303))  # 300 tokens: chunks 0..3 (256 tokens) and a 44-token tail
-BLOCKS_A = list(range(0, 10))
-BLOCKS_B = list(range(39, 29, -1))  # other blocks, in another order
+from kvshare.integrations.vllm.scheduler import ScheduledRequest
+from tests.integrations.vllm.pool_replicas import (  # noqa: F401 (pool_fixture: the fixture ``pool``)
+    BLOCKS_A,
+    BLOCKS_B,
+    LAYERED,
+    LAYOUT,
+    NAMESPACE,
+    NUM_BLOCKS,
+    PROMPT,
+    C,
+    N,
+    Replica,
+    flip_a_byte_of_chunk_2,
+    pool_fixture,
+    pool_stats,
+)
 
 
 @LAYERED
@@ -189,13 +100,6 @@ def test_a_prompt_of_whole_chunks_leaves_its_last_block(pool, layered):
         assert torch.equal(b.tokens(0, 256 - N, BLOCKS_B), a.tokens(0, 256 - N, BLOCKS_A))
     finally:
         a.close(), b.close()
-
-
-def flip_a_byte_of_chunk_2(pool):
-    keys = chunk_keys(namespace_digest(NAMESPACE), PROMPT, C)
-    with PoolClient(pool, name="vandal") as client:
-        pages = client.lookup(keys, LAYOUT.page_bytes, lease=False).pages
-        client.page(pages[2].offset, LAYOUT.page_bytes)[1000] ^= 0xFF
 
 
 @LAYERED
@@ -337,155 +241,3 @@ def test_tenants_loras_and_multimodal_prompts_do_not_share(pool):
         assert b.scheduler.match("r5", 0) == 256  # the control: same scope, shared
     finally:
         a.close(), b.close()
-
-
-def plan_load_of_a_prefill(a: "Replica", b: "Replica"):
-    """A prefills PROMPT into the pool; B matches all 256 tokens of it and plans their load (returned)."""
-    a.run_prefill("r1", PROMPT, BLOCKS_A)
-    b.scheduler.add_request("r2", PROMPT, None, None)
-    assert b.scheduler.match("r2", 0) == 256
-    b.scheduler.allocated("r2", 256, 0)
-    return b.scheduler.plan_step([ScheduledRequest("r2", 256, 44, BLOCKS_B)])
-
-
-def test_pool_killed_keeps_serving_cold_and_leased_pages_still_load():
-    with private_socket("kvshare-test") as path:
-        proc = start_pool(path, "16MiB", POOL_ARGS)
-        a, b = Replica(path, "A", seed=1), Replica(path, "B", seed=2)
-        try:
-            plan = plan_load_of_a_prefill(a, b)
-            b.worker.link.client()  # the worker is connected before the pool dies
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
-            outcome = b.worker.load(plan.loads[0])  # the arena stays mapped: verified bytes still load
-            assert outcome.is_complete
-            assert torch.equal(b.tokens(0, 256, BLOCKS_B), a.tokens(0, 256, BLOCKS_A))
-            for spec in plan.stores:
-                assert b.worker.store(spec) == 0
-            # with the pool gone, lookups answer 0 at once and nothing raises
-            a.scheduler.add_request("r3", PROMPT, None, None)
-            assert a.scheduler.match("r3", 0) == 0
-            assert a.scheduler.match("r3", 0) == 0
-            assert a.scheduler.counters.pool_errors + b.worker.counters.pool_errors >= 1
-        finally:
-            a.close(), b.close()
-            stop_process(proc)
-
-
-def test_lease_from_another_pool_is_refused():
-    with private_socket("kvshare-test") as path:
-        proc = start_pool(path, "16MiB", POOL_ARGS)
-        a, b = Replica(path, "A", seed=1), Replica(path, "B", seed=2)
-        try:
-            plan = plan_load_of_a_prefill(a, b)
-            stop_process(proc)  # the pool restarts between the lookup and the load
-            proc = start_pool(path, "16MiB", POOL_ARGS)
-            outcome = b.worker.load(plan.loads[0])
-            assert outcome.loaded_end == 0 and "lease lost" in outcome.reason
-        finally:
-            a.close(), b.close()
-            stop_process(proc)
-
-
-def test_a_scheduler_lookup_that_times_out_keeps_the_leases_of_loads_still_to_run(pool):
-    """The scheduler's link times out on one lookup (the pool stopped past its timeout, as a lookup that
-    promotes from the remote tier can take longer than pool_timeout_s) while another request's lease waits
-    for the worker's copy. The lease must survive the dropped connection: under eviction pressure its pages
-    keep the bytes A committed, B loads exactly those, and the reconnected link releases the lease.
-    Fails when a closed connection ends its holder's holds (holders.Process.is_gone always True): the pages
-    are evicted and rewritten before B's worker copies them."""
-    import signal
-
-    from kvshare.pool.checksum import page_checksum
-
-    a, b = Replica(pool, "A", seed=1), Replica(pool, "B", seed=2)
-    try:
-        a.run_prefill("r1", PROMPT, BLOCKS_A)
-        b.scheduler.add_request("r2", PROMPT, None, None)
-        assert b.scheduler.match("r2", 0) == 256  # leased, the worker has not copied yet
-        link = b.scheduler.link
-        link.client().timeout_s = 0.3
-        pool_pid = link.current.hello.server_pid
-        os.kill(pool_pid, signal.SIGSTOP)
-        try:
-            b.scheduler.add_request("r3", list(range(5000, 5300)), None, None)
-            assert b.scheduler.match("r3", 0) == 0  # timed out: served cold
-        finally:
-            os.kill(pool_pid, signal.SIGCONT)
-        assert not link.current
-        with PoolClient(pool, name="pressure") as writer:  # every page nobody holds is evicted and rewritten
-            for round_ in range(8):
-                keys = [bytes([round_, i]) * 8 for i in range(32)]
-                reserved = writer.reserve(b"p" * 16, keys, LAYOUT.page_bytes)
-                for _, offset in reserved.grants:
-                    writer.page(offset, LAYOUT.page_bytes)[:] = 0xEE
-                writer.commit(reserved.reservation_id,
-                              [page_checksum(writer.page(o, LAYOUT.page_bytes)) for _, o in reserved.grants])
-        b.clock.now += 1.0  # the link's retry is due (within the lease TTL)
-        b.scheduler.allocated("r2", 256, 0)
-        plan = b.scheduler.plan_step([ScheduledRequest("r2", 0, len(PROMPT), BLOCKS_B)])
-        outcomes = b.load(plan.loads)
-        b.scheduler.on_report(WorkerReport(outcomes))
-        assert outcomes[0].is_complete
-        assert torch.equal(b.tokens(0, 256, BLOCKS_B), a.tokens(0, 256, BLOCKS_A))  # bytes loaded == stored
-        assert pool_stats(pool)["leases"] == 0  # released through the reconnected link
-    finally:
-        a.close()
-        b.close()
-
-
-def test_a_lease_of_an_earlier_pool_released_while_the_link_is_down_never_ends_a_lease_of_this_pool(pool):
-    """A lease granted by a pool that is gone (another pool id) is released while the link is down. Lease
-    ids restart in every pool, so the same id may name a lease this holder took from the pool it reconnects
-    to, whose copy still runs: that lease must stay.
-    Fails when the scheduler files the release under the link's last pool instead of the lease's own."""
-    from kvshare.integrations.vllm.plan import HeldLease
-
-    a, b = Replica(pool, "A", seed=1), Replica(pool, "B", seed=2)
-    try:
-        a.run_prefill("r1", PROMPT, BLOCKS_A)
-        link = b.scheduler.link
-        live = link.client().lookup(chunk_keys(namespace_digest(NAMESPACE), PROMPT, C), LAYOUT.page_bytes)
-        assert live.lease_id and pool_stats(pool)["leases"] == 1
-        stale = HeldLease(live.lease_id, 0, [], [], b.clock.now, (bytes(16), link.holder))
-        link.failed(TimeoutError("the pool did not answer"))
-        b.scheduler._release(stale)
-        b.clock.now += 1.0  # the link's retry is due
-        assert link.client() is not None
-        assert pool_stats(pool)["leases"] == 1  # the live lease of the same id is kept
-    finally:
-        a.close()
-        b.close()
-
-
-def test_a_tensor_parallel_store_reserved_in_an_earlier_pool_never_commits_a_reservation_of_this_pool():
-    """The scheduler reserves pages for a tensor parallel store; the pool restarts; the link reconnects and
-    reserves again, in the new pool, under the same reservation id (ids restart in every pool). The ranks'
-    parts of the first store then arrive: they must not commit the second reservation, whose pages no rank
-    has written yet.
-    Fails when the scheduler settles a store on whatever pool its link is connected to now."""
-    from kvshare.integrations.vllm.metadata import StorePart, StoreSpec
-
-    keys = tuple(chunk_keys(namespace_digest(NAMESPACE), PROMPT, C))
-    digest = namespace_digest(NAMESPACE)
-    with private_socket("kvshare-test") as path:
-        proc = start_pool(path, "16MiB", POOL_ARGS)
-        clock = FakeClock()
-        config = ConnectorConfig(pool_socket=path, chunk_tokens=C, replica="tp")
-        scheduler = PoolScheduler(config, NAMESPACE, LAYOUT.page_bytes, N, PoolLink(path, "tp-sched", clock=clock),
-                                  clock=clock, tp_size=2)
-        try:
-            first = scheduler._reserve(StoreSpec("r1", digest, 0, keys, (0,)))
-            stop_process(proc)
-            proc = start_pool(path, "16MiB", POOL_ARGS)
-            assert scheduler.link.reconnect_now() is not None
-            second = scheduler._reserve(StoreSpec("r2", digest, 0, keys, (0,)))
-            assert second.reservation_id == first.reservation_id and second.pool_id != first.pool_id
-            assert pool_stats(path)["reservations"] == 1
-            for rank in range(2):
-                part = StorePart(first.reservation_id, first.pool_id, rank, True, (1,) * len(first.grants))
-                scheduler._settle_part(part)
-            assert pool_stats(path)["reservations"] == 1  # the new pool's reservation still waits for its parts
-        finally:
-            scheduler.close()
-            stop_process(proc)

@@ -13,7 +13,6 @@ from kvshare.integrations.vllm.hooks import WorkerHooks
 from kvshare.integrations.vllm.layout import PagedLayout, reference_gather
 from kvshare.integrations.vllm.metadata import LoadOutcome, StorePart, WorkerReport
 from kvshare.integrations.vllm.options import ConnectorConfig
-from kvshare.pool.link import PoolLink
 from kvshare.integrations.vllm.scheduler import PoolScheduler, ScheduledRequest
 from kvshare.integrations.vllm.tensor_parallel import PartedStores, head_slice, partial_wsum32
 from kvshare.integrations.vllm.worker import PoolKVWorker
@@ -21,7 +20,8 @@ from kvshare.keys import chunk_keys, namespace_digest
 from kvshare.layout import KVLayout
 from kvshare.pool.checksum import MOD64, wsum32
 from kvshare.pool.client import PoolClient
-from tests.integrations.vllm.test_pool_roundtrip import (  # noqa: F401
+from kvshare.pool.link import PoolLink
+from tests.integrations.vllm.pool_replicas import (  # noqa: F401
     BLOCKS_A,
     BLOCKS_B,
     LAYOUT,
@@ -34,7 +34,7 @@ from tests.integrations.vllm.test_pool_roundtrip import (  # noqa: F401
     L,
     N,
     Replica,
-    pool,
+    pool_fixture,
     pool_stats,
 )
 

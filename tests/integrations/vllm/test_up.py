@@ -9,7 +9,9 @@ import urllib.request
 import psutil
 import pytest
 
+from kvshare.integrations.vllm.gpu_rows import on_off_row
 from kvshare.launch import Cluster, ClusterConfig, free_port_block
+from tests.benchmarks.loader import load_benchmark
 from tests.integrations.vllm.servers import vllm_python, vllm_suite_marks
 
 PYTHON = vllm_python()
@@ -24,7 +26,8 @@ def _complete(url: str, prompt: str) -> dict:
         return json.loads(resp.read())
 
 
-def test_up_with_vllm_replicas_shares_the_pool_through_the_router():
+def test_up_with_vllm_replicas_shares_the_pool_through_the_router(monkeypatch):
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")  # /reset_prefix_cache, as benchmarks/vllm_gpu.py runs them
     cluster = Cluster(ClusterConfig(engine="vllm", vllm_python=PYTHON, model="tiny", num_replicas=2,
                                     policy="round_robin", port=free_port_block(3), pool_size="1GiB",
                                     ready_timeout_s=400))
@@ -40,8 +43,27 @@ def test_up_with_vllm_replicas_shares_the_pool_through_the_router():
         assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= b["pool_tokens"]
         assert second["choices"][0]["text"] == first["choices"][0]["text"]
         assert second["choices"][0]["logprobs"]["token_logprobs"] == first["choices"][0]["logprobs"]["token_logprobs"]
+        pool_on_equals_pool_off(*cluster.replica_urls)
     finally:
         cluster.stop()
     family = [c for c in children if c.is_running()]
     gone, alive = psutil.wait_procs(family, timeout=60)
     assert not alive
+
+
+def pool_on_equals_pool_off(a: str, b: str) -> None:
+    """benchmarks/vllm_gpu.py's on-off mode against real vLLM: B's answer with the pool off for the request (its own
+    cold run), then, its prefix cache reset, with the prefix loaded from the pool. 1100 tokens: both runs compute
+    the last 76 in one step of the same shape, so vLLM CPU gives the same bits. Fails when the request's
+    ``use_pool: false`` does not reach the connector (the OFF run then loads from the pool too)."""
+    client = load_benchmark("vllm_gpu_client")
+    prompt = [30 + (7 * i) % 200 for i in range(1100)]
+    client.stream_completion(a, "tiny", prompt, 8, 300)  # A computes it and stores its 4 chunks
+    off = client.stream_completion(b, "tiny", prompt, 8, 300,
+                                   extra={"kv_transfer_params": {"kvshare": {"use_pool": False}}})
+    client.post(b, "/reset_prefix_cache")
+    on = client.stream_completion(b, "tiny", prompt, 8, 300)
+    assert off.cached_tokens == 0 and on.cached_tokens == 1024
+    row = on_off_row(model="tiny", prompt_tokens=len(prompt), vllm_version="0.32", off=off, on=on,
+                     batch_invariant=False)
+    assert row["tokens_equal"] and row["logprobs_equal"], row

@@ -1,0 +1,117 @@
+#!/usr/bin/env bash
+# Every vLLM GPU measurement of benchmarks/vllm_gpu.py that docs/vllm.md ("On a GPU") lists, in steps that each
+# fit one 10-minute command on the GPU machine (one H200, 128 GiB host memory, 64 GiB disk).
+#
+#   bash benchmarks/vllm_gpu_all.sh              print the plan (also written to $OUT/plan.txt)
+#   bash benchmarks/vllm_gpu_all.sh 3            run step 3; steps may be given together (2 3) if time allows
+#   DRY=1 bash benchmarks/vllm_gpu_all.sh 3      print step 3's driver commands, run nothing
+#
+# Each step installs the vLLM bundle and writes the model it needs when the machine is fresh (a warm machine keeps
+# /tmp/site and /tmp/m8b: the step then starts at once). Needs, in .vk/ (ignored, carried with the command):
+# vllm026-sm90.tar.xz.part-aa, SHA256SUMS, install_on_device.sh (../shared/vllm-gpu/README.md); step 5 also
+# lmcache053.tar.xz, SHA256SUMS.lmcache and lmcache_install.sh. Results: $OUT/stepN/ (rows.json, the servers' logs,
+# commands.txt with every command line as run). KVSHARE_COMMIT names the tree in the rows (the tree travels
+# without its .git).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/vllm_gpu_all}
+VK=${VK_DIR:-.vk}
+DRY=${DRY:-0}
+M8=/tmp/m8b
+M32=/tmp/m32b
+L8="32768 131072"
+L32_SHORT=32768
+L32_LONG=131040  # the 32B shape's context is 131072: room for the 16 generated tokens
+
+plan() {
+    cat <<EOF
+step  minutes  what (setup: modes; model; lengths)
+1     7-8      kvshare: startup on-off; 8B; 32768 x2. Two replicas on one GPU at 0.45 each, started one after
+               the other (no --kv-cache-memory-bytes): the start order and each replica's KV size; then pool
+               ON == OFF on replica B (greedy tokens and logprobs, 32 steps)
+2     8        kvshare: load bench-serve; 8B. 16 sessions x 180 s through the router (alternate), then
+               vllm bench serve (prefix_repetition: 4 prefixes of 8192 tokens, 64 prompts, concurrency 8)
+3     8        kvshare-pool-off: load bench-serve; 8B. The same with --pool off
+4     6        store-cost; 8B; 32768 131072. A replica with the connector beside plain vLLM, 4+4 cold requests
+               each (ABBA), 128 tokens each: cold TTFT and decode rate
+5     6        lmcache-mp: ttft; 8B; 32768 131072 x2. LMCache 0.5.3's MP server, two vLLM replicas with
+               LMCacheMPConnector (vLLM's defaults; if they do not start, rerun with
+               LMCACHE_REPLICA_ARG=--enforce-eager, as the study's run was)
+6     8        kvshare-restart: ttft; 32B (--load-format dummy); 32768 x2. A computes, stops; B loads
+7     9        kvshare-restart: ttft; 32B; 131040 x1
+8     7        vllm-offloading: ttft; 32B; 32768 131040 x1. vLLM's CPU tier (local hit) beside rows 6-7
+Each step: install ~0.5 min and the 8B model ~1.5 min on a fresh machine (both skipped on a warm one).
+EOF
+}
+
+prepare() {  # the vLLM bundle, its environment, and the model directories this step needs
+    if [ ! -f /tmp/site/vllm_env.sh ]; then
+        mkdir -p /tmp/vk && cp "$VK"/vllm026-* /tmp/vk/ && bash "$VK/install_on_device.sh" > "$OUT/install.log" 2>&1 \
+            || { tail -20 "$OUT/install.log"; exit 1; }
+    fi
+    # shellcheck disable=SC1091
+    source /tmp/site/vllm_env.sh
+    export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1
+    case " $* " in *" 8b "*) [ -f $M8/config.json ] \
+        || python3 -m kvshare make-model qwen3-8b --out $M8 --device cuda 2>&1 | tail -1;; esac
+    case " $* " in *" 32b "*) [ -f $M32/config.json ] \
+        || python3 -m kvshare make-model qwen3-32b --out $M32 --no-weights 2>&1 | tail -1;; esac
+}
+
+driver() {  # STEP SECONDS ARGS...: one run of the driver under a time limit, its command line kept
+    local step=$1 limit=$2; shift 2
+    local dir=$OUT/step$step
+    local cmd=(python3 benchmarks/vllm_gpu.py --out "$dir" "$@")
+    if [ "$DRY" = 1 ]; then echo "${cmd[*]}"; return 0; fi
+    mkdir -p "$dir"
+    echo "timeout $limit ${cmd[*]}" | tee -a "$dir/commands.txt"
+    timeout "$limit" "${cmd[@]}" 2>&1 | tee -a "$dir/driver.log"
+    grep -hE "Traceback|Error|error:" "$dir"/*.log 2>/dev/null | grep -v "driver.log" | head -10
+}
+
+step() {
+    local n=$1 t0
+    t0=$(date +%s)
+    case $n in
+        1) [ "$DRY" = 1 ] || prepare 8b
+           driver 1 450 --setup kvshare --modes startup on-off --model-dir $M8 --lengths 32768 --prompts 2 ;;
+        2) [ "$DRY" = 1 ] || prepare 8b
+           driver 2 480 --setup kvshare --modes load bench-serve --model-dir $M8 --kv-cache-memory-bytes 24G \
+               --sessions 16 --duration-s 180 ;;
+        3) [ "$DRY" = 1 ] || prepare 8b
+           driver 3 480 --setup kvshare-pool-off --modes load bench-serve --model-dir $M8 \
+               --kv-cache-memory-bytes 24G --sessions 16 --duration-s 180 ;;
+        4) [ "$DRY" = 1 ] || prepare 8b
+           driver 4 420 --setup store-cost --model-dir $M8 --kv-cache-memory-bytes 24G --lengths $L8 ;;
+        5) if [ "$DRY" != 1 ]; then
+               prepare 8b
+               cp "$VK"/lmcache053.tar.xz /tmp/vk/ && bash "$VK/lmcache_install.sh" > "$OUT/lmcache-install.log" 2>&1 \
+                   || { tail -20 "$OUT/lmcache-install.log"; return 1; }
+               # shellcheck disable=SC1091
+               source /tmp/lmc_site/lmc_env.sh
+               export PYTHONPATH=$PWD:$PYTHONPATH
+           fi
+           driver 5 420 --setup lmcache-mp --model-dir $M8 --kv-cache-memory-bytes 24G --lengths $L8 --prompts 2 \
+               ${LMCACHE_REPLICA_ARG:+--replica-arg=$LMCACHE_REPLICA_ARG} ;;
+        6) [ "$DRY" = 1 ] || prepare 32b
+           driver 6 540 --setup kvshare-restart --model-dir $M32 --model-name qwen3-32b --load-format dummy \
+               --model-revision qwen3-32b-vllm-dummy-seed --max-model-len 131072 --pool-size 48GiB \
+               --lengths $L32_SHORT --prompts 2 ;;
+        7) [ "$DRY" = 1 ] || prepare 32b
+           driver 7 560 --setup kvshare-restart --model-dir $M32 --model-name qwen3-32b --load-format dummy \
+               --model-revision qwen3-32b-vllm-dummy-seed --max-model-len 131072 --pool-size 48GiB \
+               --lengths $L32_LONG --prompts 1 ;;
+        8) [ "$DRY" = 1 ] || prepare 32b
+           driver 8 480 --setup vllm-offloading --model-dir $M32 --model-name qwen3-32b --load-format dummy \
+               --max-model-len 131072 --offloading-gib 48 --lengths $L32_SHORT $L32_LONG --prompts 1 ;;
+        *) echo "no step $n (steps 1-8; no argument prints the plan)"; return 2 ;;
+    esac
+    [ "$DRY" = 1 ] || echo "step $n done in $(( $(date +%s) - t0 )) s"
+}
+
+mkdir -p "$OUT"
+if [ $# -eq 0 ]; then plan | tee "$OUT/plan.txt"; exit 0; fi
+[ "$DRY" = 1 ] || nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+status=0
+for n in "$@"; do step "$n" || status=$?; done
+exit $status

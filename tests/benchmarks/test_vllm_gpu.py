@@ -1,0 +1,68 @@
+"""benchmarks/vllm_gpu.py and vllm_gpu_all.sh without vLLM or a GPU: what they refuse, and that every step of the
+GPU plan is a command line the driver accepts."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shlex
+import subprocess
+
+import pytest
+
+from tests.benchmarks.loader import ROOT, load_benchmark
+
+
+def driver():
+    return load_benchmark("vllm_gpu")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("lmcache") is not None, reason="lmcache is importable here")
+def test_lmcache_setup_refuses_cleanly_where_lmcache_is_not_importable(tmp_path, capsys):
+    """Fails when the LMCache setup starts anything (or dies with a traceback) before it knows lmcache imports."""
+    code = driver().main(["--setup", "lmcache-mp", "--model-dir", str(tmp_path), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and "lmcache_install.sh" in err and "Nothing was started" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_mode_its_setup_cannot_measure_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        driver().parse_args(["--setup", "vllm-offloading", "--modes", "load", "--model-dir", "m", "--out", "o"])
+    assert "measures ttft, not load" in capsys.readouterr().err
+    args = driver().parse_args(["--setup", "store-cost", "--model-dir", "m", "--out", "o"])
+    assert args.modes == ["store-cost"]
+
+
+def test_every_step_of_the_gpu_plan_is_a_command_the_driver_accepts(tmp_path):
+    """Fails when a step names a setup, a mode or a flag the driver does not have (found on the GPU otherwise)."""
+    script = os.path.join(ROOT, "benchmarks", "vllm_gpu_all.sh")
+    env = dict(os.environ, DRY="1", OUT=str(tmp_path))
+    plan = subprocess.run(["bash", script], env=env, capture_output=True, text=True, timeout=30).stdout
+    steps = [line.split()[0] for line in plan.splitlines() if line[:1].isdigit()]
+    assert steps == [str(n) for n in range(1, len(steps) + 1)] and len(steps) >= 7
+    setups = set()
+    for n in steps:
+        done = subprocess.run(["bash", script, n], env=env, capture_output=True, text=True, timeout=30)
+        argv = shlex.split(done.stdout.strip())
+        assert done.returncode == 0 and argv[:2] == ["python3", "benchmarks/vllm_gpu.py"], done.stdout + done.stderr
+        args = driver().parse_args(argv[2:])
+        setups.add(args.setup)
+    assert setups == set(driver().SETUPS)  # every setup runs somewhere in the plan
+
+
+def test_replicas_that_share_a_gpu_split_it_unless_their_kv_size_is_given():
+    """Fails when a replica config of the driver keeps its private ``shares_gpu`` flag (a TypeError on CPU)."""
+    from types import SimpleNamespace
+
+    bench = driver()
+
+    def config(*flags, **fields):
+        args = bench.parse_args(["--setup", "store-cost", "--model-dir", "m", "--out", "o", *flags])
+        return bench.server_config(SimpleNamespace(args=args, served="m"), 8001, "A", **fields)
+
+    assert config(shares_gpu=True).gpu_memory_utilization == 0.45
+    assert config(shares_gpu=False).gpu_memory_utilization is None
+    assert config("--device", "cpu", shares_gpu=True).gpu_memory_utilization is None
+    sized = config("--kv-cache-memory-bytes", "24G", shares_gpu=True)
+    assert sized.gpu_memory_utilization is None and "--kv-cache-memory-bytes=24G" in sized.extra_args
