@@ -1,4 +1,4 @@
-"""WSUM32 page checksums with torch: on the GPU over staged bytes, equal to the host's ``wsum32``.
+"""WSUM32 page checksums with torch: the GPU kernel behind kvshare.pool.checksum, equal to the host's ``wsum32``.
 
 kvshare.pool.checksum defines the kind: ``sum_i (i + 1) * int32(word_i) mod 2**64`` over a page.
 A GPU sees a page in pieces (the layer groups of a staging unit), so each piece is summed on
