@@ -41,8 +41,8 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 import xxhash
 
-MOD64 = 1 << 64
-WSUM_BLOCK_WORDS = 1024  # words per row of the [rows, K] decomposition below (a power of two)
+from kvshare.pool.wsum import MOD64, block_words, page_sums
+
 PARALLEL_MIN_BYTES = 64 << 20  # PageHasher: below this, thread hand-off costs more than it saves
 
 
@@ -83,8 +83,6 @@ def page_checksum(data, kind: ChecksumKind = ChecksumKind.XXH3) -> int:
     torch = sys.modules.get("torch")  # a tensor exists only where torch was imported
     if torch is not None and isinstance(data, torch.Tensor):
         if kind == ChecksumKind.WSUM32 and data.device.type != "cpu":
-            from kvshare.pool.wsum import page_sums
-
             return int(page_sums(data.reshape(1, -1))[0]) % MOD64
         data = data.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
     if kind == ChecksumKind.XXH3:
@@ -92,14 +90,6 @@ def page_checksum(data, kind: ChecksumKind = ChecksumKind.XXH3) -> int:
     if kind == ChecksumKind.WSUM32:
         return wsum32(data)
     raise ValueError(f"unknown checksum kind {kind!r}; known: {[k.name for k in ChecksumKind]}")
-
-
-def block_words(num_words: int) -> int:
-    """K: the largest power of two <= WSUM_BLOCK_WORDS dividing ``num_words`` (rows of K words)."""
-    k = WSUM_BLOCK_WORDS
-    while k > 1 and num_words % k:
-        k //= 2
-    return k
 
 
 def wsum32(data) -> int:
