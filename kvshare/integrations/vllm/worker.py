@@ -5,8 +5,9 @@ layer order, their PagedLayout, and the specs the scheduler side planned.
 
 ``load`` runs before the step's forward and is synchronous: the pages chosen for
 verification (every page with ``verify_fraction`` 1, else a share of them that
-kvshare.pool.checksum's PageSampler draws) are checked there, before any of their bytes are used; the first page that fails (checksum, a
-lease from another pool, a pool gone) ends the load there, and the tokens from that
+kvshare.pool.checksum's PageSampler draws) are checked there, before any of their bytes
+are used; the first page that fails (checksum, a lease from another pool, a pool gone)
+ends the load there, and the tokens from that
 point are reported so that vLLM recomputes them. ``begin_load`` plans the same load to be
 copied layer by layer beside the forward (kvshare.integrations.vllm.overlap), where the
 checksums are only known after the forward read the bytes; the tokens from a bad page on
