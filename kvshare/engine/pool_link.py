@@ -29,7 +29,7 @@ import torch
 from kvshare.engine import timeline
 from kvshare.engine.stats import EngineStats
 from kvshare.layout import KVLayout
-from kvshare.pool.checksum import page_checksum
+from kvshare.pool.checksum import is_valid
 from kvshare.pool.client import ChecksumMismatch, PoolClient, PoolRequestError, PoolUnavailable
 from kvshare.pool.link import PoolLink as Link
 from kvshare.pool.protocol import FORMAT_VERSION, PageHeader
@@ -230,7 +230,7 @@ class PoolLink:
     def _page_is_good(self, page: PageHeader) -> bool:
         if page.page_bytes != self.layout.page_bytes or page.format_version != FORMAT_VERSION:
             return False
-        return page_checksum(self.client.page(page.offset, page.page_bytes), page.checksum_kind) == page.checksum
+        return is_valid(self.client.page(page.offset, page.page_bytes), page)
 
     def finish_load(self, load: PoolLoad) -> int:
         """Wait for the whole load and its checks, then release its lease (fire and forget); time a cold prefill.

@@ -26,7 +26,7 @@ import numpy as np
 
 from kvshare.pool import protocol as P
 from kvshare.pool.arena import ArenaError, check_sealed, map_arena
-from kvshare.pool.checksum import ChecksumKind, page_checksum
+from kvshare.pool.checksum import ChecksumKind, is_valid
 from kvshare.pool.holders import TOKEN_BYTES
 from kvshare.pool.peers import peer_credentials, untrusted_pool_reason
 from kvshare.pool.spin import CpuPressure, SpinPolicy
@@ -366,7 +366,7 @@ class PoolClient:
         view = self.page(header.offset, header.page_bytes)
         if header.format_version != P.FORMAT_VERSION:
             raise ChecksumMismatch(f"page at {header.offset} has format {header.format_version}")
-        if self.verify_checksums and page_checksum(view, header.checksum_kind) != header.checksum:
+        if self.verify_checksums and not is_valid(view, header):
             raise ChecksumMismatch(f"page at offset {header.offset} does not match its checksum")
         return view
 

@@ -17,11 +17,13 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from kvshare.layout import KVLayout
-from kvshare.pool.checksum import ChecksumKind
+from kvshare.pool.checksum import ChecksumKind, PageHasher, PageSampler
 from kvshare.pool.client import ChecksumMismatch
 from kvshare.transfer.layouts import torch_dtype
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from kvshare.pool.client import PoolClient
     from kvshare.pool.protocol import PageHeader
 
@@ -118,10 +120,8 @@ class KVTransfer(ABC):
         self.config = config
         self.dtype = torch_dtype(layout.dtype)
         self.extent_bytes: int = client.hello.extent_bytes
-        self._verify_credit = 0.0
-        from kvshare.transfer.checksums import PageHasher
-
-        self._hasher = PageHasher(client, layout.page_bytes, config.num_checksum_threads)
+        self._sampler = PageSampler(config.verify_fraction)
+        self._hasher = PageHasher(config.num_checksum_threads)
 
     @abstractmethod
     def load(self, kv: torch.Tensor, first_chunk: int, pages: Sequence["PageHeader"]) -> LoadHandle:
@@ -182,22 +182,21 @@ class KVTransfer(ABC):
         return [page.offset for page in pages]
 
     def _pages_to_verify(self, num_pages: int) -> list[int]:
-        """Indices of the pages whose checksum this load checks (all, or an exact share of them)."""
-        if self.client.verify_checksums or self.config.verify_fraction >= 1.0:
+        """Indices of the pages whose checksum this load checks (all, or a share of them: PageSampler)."""
+        if self.client.verify_checksums:
             return list(range(num_pages))
-        chosen = []
-        for i in range(num_pages):
-            self._verify_credit += self.config.verify_fraction
-            if self._verify_credit >= 1.0:
-                self._verify_credit -= 1.0
-                chosen.append(i)
-        return chosen
+        return self._sampler.choose(num_pages)
+
+    def _page(self, offset: int) -> "np.ndarray":
+        """Zero-copy view of the page at ``offset`` in the arena."""
+        return self.client.page(offset, self.layout.page_bytes)
 
     def _verify_pages(self, pages: Sequence["PageHeader"], first_chunk: int, indices: list[int]) -> None:
+        """Raise ChunkChecksumMismatch for the first of the pages at ``indices`` whose bytes are not valid."""
         if not indices:
             return
-        sums = self._hasher.checksums([pages[i].offset for i in indices], [pages[i].checksum_kind for i in indices])
-        for i, value in zip(indices, sums):
-            if value != pages[i].checksum:
+        valid = self._hasher.valid([self._page(pages[i].offset) for i in indices], [pages[i] for i in indices])
+        for i, is_good in zip(indices, valid):
+            if not is_good:
                 raise ChunkChecksumMismatch(first_chunk + i, pages[i].offset)
 

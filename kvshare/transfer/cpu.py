@@ -43,7 +43,7 @@ class CpuTransfer(KVTransfer):
         kv_bits = as_bits(kv)
         for run in page_runs(offsets, self.layout.page_bytes, self.extent_bytes):
             engine_to_chunks(self._run_view(run), kv_bits, (first_chunk + run.first) * self.layout.chunk_tokens)
-        return self._hasher.checksums(offsets)
+        return self._hasher.checksums([self._page(offset) for offset in offsets], self.checksum_kind)
 
     def _run_view(self, run: PageRun) -> torch.Tensor:
         """The run's pages as an integer tensor [n, L, 2, C, H, D] over the arena (no copy)."""

@@ -30,13 +30,13 @@ from typing import Sequence
 import torch
 
 from kvshare.pool.checksum import ChecksumKind
+from kvshare.pool.wsum import add_rows, as_unsigned
 from kvshare.transfer.base import LAZY_GROUPS_AHEAD, ChunkChecksumMismatch, KVTransfer, LoadHandle, TransferConfig
 from kvshare.transfer.copiers import make_copier
 from kvshare.transfer.layouts import as_bits, chunks_to_engine, chunks_view, engine_to_chunks
 from kvshare.transfer.plan import Unit, last_layer_alone, layer_groups, load_units, pages_per_unit, store_units
 from kvshare.transfer.registration import acquire_registration, release_registration
 from kvshare.transfer.verify import PageCheck, can_sum_staged, store_checksum_kind
-from kvshare.transfer.wsum import add_rows, as_unsigned
 
 class CudaLoadHandle(LoadHandle):
     """A load in flight: one event per layer group on the reshape stream.
@@ -179,7 +179,7 @@ class CudaTransfer(KVTransfer):
         kv.record_stream(self._reshape_stream)
         with torch.cuda.stream(self._reshape_stream):  # its sums accumulate there, after each copy lands
             # pages are leased and immutable: XXH3 ones are hashed on host threads while the copies run
-            check = PageCheck(pages, self._pages_to_verify(len(offsets)), self._hasher, self.device,
+            check = PageCheck(pages, self._pages_to_verify(len(offsets)), self.client, self._hasher, self.device,
                               on_device=can_sum_staged(self.layout))
         handle = CudaLoadHandle(len(offsets) * self.layout.page_bytes, self._group_of_layer, len(self._groups),
                                 self.device, self.config.load_enqueue, check, first_chunk, pages, self._reshape_stream)
@@ -278,7 +278,7 @@ class CudaTransfer(KVTransfer):
                 checksums = as_unsigned(sums)
         for p0, p1, block_done in [] if on_device else blocks:  # hash each block once copied, while later ones run
             block_done.synchronize()
-            checksums.extend(self._hasher.checksums(offsets[p0:p1]))
+            checksums.extend(self._hasher.checksums([self._page(offset) for offset in offsets[p0:p1]]))
         end.synchronize()
         self.last_store_copy_seconds = start.elapsed_time(end) / 1e3
         return checksums

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from kvshare.layout import KVLayout
-from kvshare.pool.checksum import page_checksum
+from kvshare.pool.checksum import is_valid
 from kvshare.pool.protocol import PageHeader
 from kvshare.transfer.base import ChunkChecksumMismatch, TransferConfig
 from kvshare.transfer.layouts import as_bits, torch_dtype
@@ -102,8 +102,10 @@ def round_trip(transfer, client, cases, config: ByteCheckConfig, device) -> tupl
         capacity = (first_chunk + len(offsets) + 1) * lay.chunk_tokens
         src = random_kv(lay, capacity, config.seed + case_index, device)
         sums = transfer.store(src, first_chunk, offsets)
-        for i, offset in enumerate(offsets):
-            if sums[i] != page_checksum(client.page(offset, lay.page_bytes), transfer.checksum_kind):
+        headers = [PageHeader(offset=o, page_bytes=lay.page_bytes, checksum=s, checksum_kind=transfer.checksum_kind)
+                   for o, s in zip(offsets, sums)]
+        for header in headers:
+            if not is_valid(client.page(header.offset, lay.page_bytes), header):
                 wrong += lay.page_bytes  # a checksum of other bytes than those in the page (GPU WSUM32: vs the host's)
         for i in sorted({0, len(offsets) - 1})[: config.reference_pages]:
             t0 = (first_chunk + i) * lay.chunk_tokens
@@ -112,8 +114,6 @@ def round_trip(transfer, client, cases, config: ByteCheckConfig, device) -> tupl
             wrong += int((stored != np.frombuffer(expected, dtype=np.uint8)).sum())
             checked += lay.page_bytes
         dst = sentinel_kv(lay, capacity, device)
-        headers = [PageHeader(offset=o, page_bytes=lay.page_bytes, checksum=s, checksum_kind=transfer.checksum_kind)
-                   for o, s in zip(offsets, sums)]
         handle = transfer.load(dst, first_chunk, headers)
         try:
             handle.verify()  # every page checked by its kind (verify_fraction permitting) beside the copies

@@ -1,7 +1,7 @@
 """Which checksum a transfer records, and the check of a load's pages that runs beside its copies.
 
 A page's checksum carries its kind (kvshare.pool.checksum). A GPU transfer records WSUM32, summed on
-the GPU over the staged bytes it copies out (kvshare.transfer.wsum); a CPU transfer records XXH3
+the GPU over the staged bytes it copies out (kvshare.pool.wsum); a CPU transfer records XXH3
 (xxhash on host cores, cheaper there than numpy's wsum32). A load checks each chosen page by the kind
 its writer recorded, without holding up the caller::
 
@@ -11,6 +11,8 @@ its writer recorded, without holding up the caller::
 
 So a page written by a CPU replica and one written by a GPU replica both verify on either. The sums
 cover the bytes that actually reached the staging buffer, so a bad copy is caught as well as a bad page.
+Both end in the one check of kvshare.pool.checksum (``is_valid`` on the host threads of its PageHasher,
+``checksum_is_valid`` for the GPU's sums).
 """
 
 from __future__ import annotations
@@ -20,12 +22,12 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from kvshare.layout import KVLayout
-from kvshare.pool.checksum import ChecksumKind
-from kvshare.transfer.wsum import add_rows, as_unsigned
+from kvshare.pool.checksum import ChecksumKind, PageHasher, checksum_is_valid
+from kvshare.pool.wsum import add_rows, as_unsigned
 
 if TYPE_CHECKING:
+    from kvshare.pool.client import PoolClient
     from kvshare.pool.protocol import PageHeader
-    from kvshare.transfer.checksums import PageHasher
 
 
 def can_sum_staged(layout: KVLayout) -> bool:
@@ -42,15 +44,18 @@ class PageCheck:
     """The check of one load's chosen pages, each by its kind; ``bad_pages`` once the copies completed.
 
     ``on_device``: WSUM32 pages are summed from the staged bytes (``add_staged``); False: on the host too.
+    ``client``: whose arena holds the pages (``client.page``), read by ``hasher``'s threads.
     """
 
-    def __init__(self, pages: Sequence["PageHeader"], chosen: Sequence[int], hasher: "PageHasher",
-                 device: torch.device, on_device: bool) -> None:
+    def __init__(self, pages: Sequence["PageHeader"], chosen: Sequence[int], client: "PoolClient",
+                 hasher: PageHasher, device: torch.device, on_device: bool) -> None:
         self._pages = list(pages)
         self._chosen = list(chosen)
         kinds = [ChecksumKind(page.checksum_kind) for page in self._pages]
         self._device_pages = {i for i in self._chosen if on_device and kinds[i] == ChecksumKind.WSUM32}
-        self._host = {i: hasher.submit(self._pages[i].offset, kinds[i]) for i in self._chosen if i not in self._device_pages}
+        self._host = {i: hasher.submit_valid(client.page(self._pages[i].offset, self._pages[i].page_bytes),
+                                             self._pages[i])
+                      for i in self._chosen if i not in self._device_pages}
         # WSUM32 of every page of the load, [n] int64; allocated on the caller's current stream
         self._acc = torch.zeros(len(self._pages), dtype=torch.int64, device=device) if self._device_pages else None
         self._bad: list[int] | None = None
@@ -72,7 +77,7 @@ class PageCheck:
         """Indices of the chosen pages whose checksum does not match (in page order). Call after the copies completed."""
         if self._bad is None:
             sums = as_unsigned(self._acc) if self._acc is not None else []
-            self._bad = [i for i in self._chosen
-                         if (sums[i] if i in self._device_pages else self._host[i].result()) != self._pages[i].checksum]
+            self._bad = [i for i in self._chosen if not (checksum_is_valid(self._pages[i], sums[i])
+                                                         if i in self._device_pages else self._host[i].result())]
             self._acc = None
         return self._bad

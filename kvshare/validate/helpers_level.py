@@ -6,7 +6,7 @@ references always run on CPU, element by element, from the documented memory ord
     engine       kv [L, 2, H, T, D] <-> pages [n, L, 2, C, H, D]       kvshare.transfer.layouts
     vllm_layout  cpu_attn, flash_attn (4-D, three memory orders), flash_attn_5d  kvshare.integrations.vllm.layout
     vllm_staged  the same layouts <-> staged pages, the connector's GPU path  kvshare.integrations.vllm.staging
-    wsum32       the GPU-computed page checksum against the host's             kvshare.transfer.wsum
+    wsum32       the GPU-computed page checksum against the host's             kvshare.pool.wsum
     identity     a changed weight -> another namespace, a renamed copy -> the same  kvshare.validate.identity_check
 
 with non-contiguous block tables, partially filled last blocks, token ranges that
@@ -161,7 +161,7 @@ def check_vllm_staged(kind, device: str, tally: Tally) -> None:
 def check_wsum32(device: str, tally: Tally) -> None:
     """WSUM32 page checksums in torch on ``device`` (whole pages and in pieces) against the host's numpy."""
     from kvshare.pool.checksum import wsum32
-    from kvshare.transfer.wsum import add_rows, as_unsigned, page_sums
+    from kvshare.pool.wsum import add_rows, as_unsigned, page_sums
 
     def as_tensor(values: list[int]) -> torch.Tensor:  # unsigned 64-bit values, exactly, as int64 bits
         return torch.tensor([v - (1 << 64) if v >= 1 << 63 else v for v in values], dtype=torch.int64)

@@ -12,6 +12,7 @@ from kvshare.keys import chunk_keys, namespace_digest
 from kvshare.pool.client import PoolClient
 from tests.engine.conftest import ascii_prompt
 from tests.engine.test_reuse import COLD, run
+from tests.verdicts import spy_verdicts
 
 CHUNK = 16
 NO_LOCAL = RequestOptions(use_local_cache=False)
@@ -49,3 +50,20 @@ def test_corrupted_page_is_caught_dropped_and_recomputed(tiny_dir, pool_socket):
     again = engine(True)
     assert run(again, ids, NO_LOCAL) == (cold, (0, 64, 16))
     assert again.stats().checksum_failures == 0
+
+
+def test_the_check_and_the_drop_ask_the_one_verification_point(tiny_dir, pool_socket, monkeypatch):
+    """The transfer's check before its copy and the engine's search for the pages to drop both ask
+    kvshare.pool.checksum about the bad page. Fails when either compares checksums itself: the bad
+    page's checksum would reach the spy once, not twice."""
+    engine = Engine(EngineConfig(model=tiny_dir, chunk_tokens=CHUNK, pool_socket=pool_socket, verify_checksums=True))
+    ids = engine.tokenizer.encode(ascii_prompt(80, seed=23))
+    run(engine, ids)  # stores chunks 0..4
+    keys = chunk_keys(namespace_digest(engine.namespace), ids, CHUNK)
+    with PoolClient(pool_socket) as client:
+        bad = client.lookup(keys, engine.layout.page_bytes, lease=False).pages[3]
+        client.page(bad.offset, bad.page_bytes)[7] ^= 0x01
+    calls = spy_verdicts(monkeypatch)
+    _, provenance = run(Engine(engine.config), ids, NO_LOCAL)
+    assert provenance == (0, 48, 32)  # chunks 0-2 loaded; from the bad chunk 3 on, computed
+    assert [recorded for recorded, _ in calls].count(bad.checksum) == 2

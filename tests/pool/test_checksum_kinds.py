@@ -8,7 +8,7 @@ import torch
 
 from kvshare.pool import protocol as P
 from kvshare.pool.checksum import ChecksumKind, block_words, page_checksum, wsum32, wsum32_reference
-from kvshare.transfer.wsum import add_rows, as_unsigned, page_sums
+from kvshare.pool.wsum import add_rows, as_unsigned, page_sums
 from tests.pool.test_handlers import NS, PAGE, greet, keys, make
 
 

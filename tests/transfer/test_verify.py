@@ -6,26 +6,33 @@ import numpy as np
 import torch
 
 from kvshare.layout import KVLayout
-from kvshare.pool.checksum import ChecksumKind, page_checksum
+from kvshare.pool.checksum import ChecksumKind, PageHasher, page_checksum
 from kvshare.pool.protocol import PageHeader
 from kvshare.transfer.verify import PageCheck, can_sum_staged, store_checksum_kind
 
 PAGE_BYTES = 4096
 
 
-class ArenaHasher:
-    """What PageCheck needs of a PageHasher, over a numpy arena; records which kinds it hashed."""
+class ArenaClient:
+    """What PageCheck needs of a PoolClient: views of a numpy arena's pages."""
 
     def __init__(self, arena: np.ndarray) -> None:
-        self.arena, self.kinds = arena, []
+        self.arena = arena
 
-    def submit(self, offset: int, kind: ChecksumKind):
-        from concurrent.futures import Future
+    def page(self, offset: int, num_bytes: int) -> np.ndarray:
+        return self.arena[offset : offset + num_bytes]
 
-        self.kinds.append(kind)
-        future: Future = Future()
-        future.set_result(page_checksum(self.arena[offset : offset + PAGE_BYTES], kind))
-        return future
+
+class RecordingHasher(PageHasher):
+    """A PageHasher that records the kinds of the pages it was given to check on the host."""
+
+    def __init__(self) -> None:
+        super().__init__(1)
+        self.kinds = []
+
+    def submit_valid(self, page, header):
+        self.kinds.append(ChecksumKind(header.checksum_kind))
+        return super().submit_valid(page, header)
 
 
 def test_kinds_chosen_per_transfer():
@@ -45,9 +52,9 @@ def test_each_page_is_checked_by_its_kind_and_bad_ones_reported():
     arena[2 * PAGE_BYTES + 5] ^= 1  # page 2 (WSUM32) and page 3 (XXH3) go bad after commit
     arena[3 * PAGE_BYTES + 9] ^= 1
 
-    def staged_check(chosen, on_device=True) -> tuple[PageCheck, ArenaHasher]:
-        hasher = ArenaHasher(arena)
-        check = PageCheck(headers, chosen, hasher, torch.device("cpu"), on_device=on_device)
+    def staged_check(chosen, on_device=True) -> tuple[PageCheck, RecordingHasher]:
+        hasher = RecordingHasher()
+        check = PageCheck(headers, chosen, ArenaClient(arena), hasher, torch.device("cpu"), on_device=on_device)
         words = torch.from_numpy(arena.copy()).view(torch.int32).view(4, -1)  # [pages, W]
         half = words.shape[1] // 2
         for lo, hi in ((0, half), (half, words.shape[1])):  # two layer groups, in any order

@@ -37,6 +37,7 @@ import xxhash
 from kvshare.integrations.vllm.metadata import LoadOutcome, LoadSpec, PhaseTimes
 from kvshare.integrations.vllm.plan import CopyRun, PageSlice
 from kvshare.layout import KVLayout
+from kvshare.pool.checksum import checksum_is_valid
 
 if TYPE_CHECKING:
     from kvshare.integrations.vllm.block_copy import CpuBlockCopier
@@ -78,7 +79,7 @@ class LayeredLoadWorker(Protocol):
     @property
     def copier(self) -> CpuBlockCopier | None: ...
 
-    def settle(self, spec: LoadSpec, pieces: list[PageSlice], chosen: list[bool], sums: Iterator[int],
+    def settle(self, spec: LoadSpec, pieces: list[PageSlice], chosen: list[bool], verdicts: Iterator[bool],
                reason: str) -> tuple[int, str]: ...
 
     def outcome(self, spec: LoadSpec, loaded_end: int, reason: str, times: PhaseTimes) -> LoadOutcome: ...
@@ -93,7 +94,7 @@ class LayeredLoads:
         self.num_layers = worker.kv_layout.num_layers
         self._landed = [threading.Event() for _ in range(self.num_layers)]
         self._waited: set[int] = set()
-        self._sums: list[list[int]] = [[] for _ in loads]
+        self._verdicts: list[list[bool]] = [[] for _ in loads]  # per load, per chosen page: is it valid
         self._error: BaseException | None = None
         self._seconds = [{"copy": 0.0, "checksum": 0.0} for _ in loads]  # per load, on the helper
         self._wait_seconds = 0.0  # the forward's waits for layers, all loads together
@@ -121,7 +122,9 @@ class LayeredLoads:
                         seconds["copy"] += copied - started
                         seconds["checksum"] += time.perf_counter() - copied
                 self._landed[index].set()
-            self._sums = [[h.intdigest() for h in load_hashers if h is not None] for load_hashers in hashers]
+            self._verdicts = [[checksum_is_valid(load.spec.pages[piece.page_index], hasher.intdigest())
+                               for piece, hasher in zip(load.pieces, load_hashers) if hasher is not None]
+                              for load, load_hashers in zip(self.loads, hashers)]
         except BaseException as exc:  # reported by finish(): the loads fail, vLLM recomputes
             self._error = exc
 
@@ -141,7 +144,7 @@ class LayeredLoads:
             self._error = self._error or exc
         all_waited = len(self._waited) == self.num_layers
         outcomes = []
-        for load, sums, seconds in zip(self.loads, self._sums, self._seconds):
+        for load, verdicts, seconds in zip(self.loads, self._verdicts, self._seconds):
             for phase, value in seconds.items():
                 load.times.add(phase, value)
             load.times.seconds["forward_waited"] = self._wait_seconds  # logged, not part of the load's time
@@ -154,7 +157,8 @@ class LayeredLoads:
                 loaded_end, reason = spec.token_start, f"the forward never waited for layers {missing}"
             else:
                 try:
-                    loaded_end, reason = self.worker.settle(spec, load.pieces, load.chosen, iter(sums), load.reason)
+                    loaded_end, reason = self.worker.settle(spec, load.pieces, load.chosen, iter(verdicts),
+                                                            load.reason)
                 except Exception as exc:  # e.g. dropping a bad page hit a pool error: this load fails, not the step
                     loaded_end, reason = spec.token_start, f"{type(exc).__name__} while checking the load: {exc}"
             outcomes.append(self.worker.outcome(spec, loaded_end, reason, load.times))

@@ -31,9 +31,9 @@ import torch
 from kvshare.integrations.vllm.metadata import LoadOutcome
 from kvshare.integrations.vllm.overlap import LayeredLoad, LayeredLoadWorker
 from kvshare.integrations.vllm.staging import Segment, StagingEngine, scatter_staged, segments_of
-from kvshare.pool.checksum import ChecksumKind, page_checksum
+from kvshare.pool.checksum import ChecksumKind, checksum_is_valid
+from kvshare.pool.wsum import add_rows, as_unsigned
 from kvshare.transfer.plan import Unit
-from kvshare.transfer.wsum import add_rows, as_unsigned
 
 log = logging.getLogger("kvshare.integrations")
 
@@ -47,7 +47,7 @@ class _LoadPlan:
     segments: list[Segment]
     slots: tuple  # (block, slot) per token of each page, [n, C] each, on the device
     base: int  # this load's first page in the step's accumulator
-    host_sums: dict  # piece index -> future of an xxh3 page's checksum
+    host_checks: dict  # piece index -> future of an xxh3 page's verdict (is_valid, on the hashing threads)
     is_gpu_verified: bool  # some chosen page is WSUM32: sum every unit on the GPU
 
 
@@ -97,12 +97,12 @@ class StagedLoads:
             raise ValueError(f"the load of {spec.req_id} reaches past the request's {len(spec.block_ids)} blocks")
         offsets, kinds = [r.offset for r in refs], [ChecksumKind(r.checksum_kind) for r in refs]
         slots = self.engine.slots(spec.block_ids, [p.chunk for p in load.pieces], self.engine.load_copy)
-        host_sums = {i: self.engine.hash_pool().submit(page_checksum, client.page(r.offset, r.page_bytes), kind)
-                     for i, (r, kind, chosen) in enumerate(zip(refs, kinds, load.chosen))
-                     if chosen and kind == ChecksumKind.XXH3}
+        host_checks = {i: self.engine.hasher.submit_valid(client.page(r.offset, r.page_bytes), r)
+                       for i, (r, kind, chosen) in enumerate(zip(refs, kinds, load.chosen))
+                       if chosen and kind == ChecksumKind.XXH3}
         is_gpu_verified = any(c and k == ChecksumKind.WSUM32 for c, k in zip(load.chosen, kinds))
         return _LoadPlan(load, offsets, kinds, self.engine.units(offsets, client),
-                         segments_of([(p.lo, p.hi) for p in load.pieces]), slots, base, host_sums, is_gpu_verified)
+                         segments_of([(p.lo, p.hi) for p in load.pieces]), slots, base, host_checks, is_gpu_verified)
 
     def _enqueue(self) -> None:
         engine, cfg = self.engine, self.engine.config
@@ -187,18 +187,22 @@ class StagedLoads:
                 loaded_end, reason = spec.token_start, f"the forward never waited for layers {missing}"
             else:
                 try:
-                    sums = self._sums(self._plans[index], gpu_sums)
-                    loaded_end, reason = self.worker.settle(spec, load.pieces, load.chosen, iter(sums), load.reason)
+                    verdicts = self._verdicts(self._plans[index], gpu_sums)
+                    loaded_end, reason = self.worker.settle(spec, load.pieces, load.chosen, iter(verdicts),
+                                                            load.reason)
                 except Exception as exc:  # e.g. dropping a bad page hit a pool error: this load fails, not the step
                     loaded_end, reason = spec.token_start, f"{type(exc).__name__} while checking the load: {exc}"
             outcomes.append(self.worker.outcome(spec, loaded_end, reason, load.times))
         self._plans, self._acc = [], None  # the device tensors go (every use of them has completed)
         return outcomes, all_waited
 
-    def _sums(self, plan: _LoadPlan, gpu_sums: list[int]) -> list[int]:
-        """The checksum of each chosen page, in page order: from the GPU (WSUM32) or the host threads (xxh3)."""
-        sums = []
+    def _verdicts(self, plan: _LoadPlan, gpu_sums: list[int]) -> list[bool]:
+        """Whether each chosen page is valid, in page order: its sum from the GPU (WSUM32) or its check on the
+        host threads (xxh3)."""
+        refs = [plan.load.spec.pages[p.page_index] for p in plan.load.pieces]
+        verdicts = []
         for i, (chosen, kind) in enumerate(zip(plan.load.chosen, plan.kinds)):
             if chosen:
-                sums.append(gpu_sums[plan.base + i] if kind == ChecksumKind.WSUM32 else plan.host_sums[i].result())
-        return sums
+                verdicts.append(checksum_is_valid(refs[i], gpu_sums[plan.base + i]) if kind == ChecksumKind.WSUM32
+                                else plan.host_checks[i].result())
+        return verdicts

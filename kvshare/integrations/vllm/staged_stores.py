@@ -34,8 +34,8 @@ from kvshare.integrations.vllm.metadata import PhaseTimes, StorePart, StoreSpec
 from kvshare.integrations.vllm.staging import Segment, StagingEngine, gather_staged
 from kvshare.layout import KVLayout
 from kvshare.pool.checksum import ChecksumKind
+from kvshare.pool.wsum import as_unsigned
 from kvshare.transfer.plan import Unit
-from kvshare.transfer.wsum import as_unsigned
 
 log = logging.getLogger("kvshare.integrations")
 

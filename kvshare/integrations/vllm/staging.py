@@ -11,7 +11,7 @@ page a group's layers are one contiguous row of >= ``min_copy_bytes``, so each r
 back to back in the arena inside one extent (= one CUDA registration) moves as ONE
 cudaMemcpy2DAsync (kvshare.transfer.copiers) between registered pages and packed staging rows,
 every host range checked to lie inside one registration. Pages are always staged whole, so every
-page is checksummed whole on the GPU (kvshare.transfer.wsum); a load that starts or ends inside a
+page is checksummed whole on the GPU (kvshare.pool.wsum); a load that starts or ends inside a
 page scatters only its own tokens. The scatter/gather between staging and vLLM's blocks is one
 advanced-indexing kernel per (layer, run of pages with the same token range), at HBM speed.
 
@@ -32,7 +32,6 @@ the validation (kvshare.integrations.vllm.ordercheck) overrides it.
 from __future__ import annotations
 
 import contextlib
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -40,12 +39,13 @@ import torch
 from kvshare.integrations.vllm.layout import PagedLayout, as_bits
 from kvshare.integrations.vllm.tensor_parallel import HeadSlice
 from kvshare.layout import KVLayout
+from kvshare.pool.checksum import PageHasher
+from kvshare.pool.wsum import add_head_rows, add_rows, as_unsigned
 from kvshare.transfer.base import TransferConfig
 from kvshare.transfer.copiers import make_copier
 from kvshare.transfer.layouts import bits_dtype, chunks_view
 from kvshare.transfer.plan import RowCopy, Unit, head_copies, layer_groups, load_units, pages_per_unit
 from kvshare.transfer.registration import acquire_registration, release_registration
-from kvshare.transfer.wsum import add_head_rows, add_rows, as_unsigned
 
 NUM_BUFFERS = 2  # per direction: one fills while the other drains
 
@@ -121,7 +121,7 @@ class StagingEngine:
         self.registration = None
         self._registered_arena = None  # the mapping registered (kept alive while it is)
         self._warmed_up = False
-        self._hash_pool: ThreadPoolExecutor | None = None
+        self.hasher = PageHasher(config.num_checksum_threads)  # checks xxh3 pages (CPU writers') beside the copies
 
     def _on_device(self):
         return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
@@ -248,12 +248,6 @@ class StagingEngine:
         with torch.cuda.stream(stream):
             return t.pin_memory().to(self.device, non_blocking=True)
 
-    def hash_pool(self) -> ThreadPoolExecutor:
-        """Threads that verify xxh3-kind pages (written by CPU writers) while the copies run."""
-        if self._hash_pool is None:
-            self._hash_pool = ThreadPoolExecutor(self.config.num_checksum_threads, thread_name_prefix="kvshare-verify")
-        return self._hash_pool
-
     def order_after_producer(self, stream, produced) -> None:
         """A store's first read of vLLM's blocks waits for the kernels that wrote them."""
         stream.wait_event(produced)
@@ -261,9 +255,7 @@ class StagingEngine:
     def close(self) -> None:
         for stream in (self.load_copy, self.load_reshape, self.store_reshape, self.store_copy):
             stream.synchronize()
-        if self._hash_pool is not None:
-            self._hash_pool.shutdown(wait=True)
-            self._hash_pool = None
+        self.hasher.close()
         self._release_registration()
 
 

@@ -4,9 +4,10 @@ Independent of vLLM (tested with plain tensors): it is given the per-layer KV te
 layer order, their PagedLayout, and the specs the scheduler side planned.
 
 ``load`` runs before the step's forward and is synchronous: the pages chosen for
-verification (every page with ``verify_fraction`` 1, else a random share of them) are
-checked before any of their bytes are used; the first page that fails (checksum, a
-lease from another pool, a pool gone) ends the load there, and the tokens from that
+verification (every page with ``verify_fraction`` 1, else a share of them that
+kvshare.pool.checksum's PageSampler draws) are checked there, before any of their bytes
+are used; the first page that fails (checksum, a lease from another pool, a pool gone)
+ends the load there, and the tokens from that
 point are reported so that vLLM recomputes them. ``begin_load`` plans the same load to be
 copied layer by layer beside the forward (kvshare.integrations.vllm.overlap), where the
 checksums are only known after the forward read the bytes; the tokens from a bad page on
@@ -44,7 +45,7 @@ from kvshare.integrations.vllm.staged_stores import StagedStores
 from kvshare.integrations.vllm.staging import StagingEngine
 from kvshare.integrations.vllm.tensor_parallel import HeadSlice
 from kvshare.layout import KVLayout
-from kvshare.pool.checksum import ChecksumKind, page_checksum
+from kvshare.pool.checksum import ChecksumKind, PageHasher, PageSampler
 from kvshare.transfer.base import TransferConfig
 
 log = logging.getLogger("kvshare.integrations")
@@ -72,8 +73,7 @@ class PoolKVWorker:
         tensors runs the same path under a fake CUDA, for tests). ``staging_class``: the validation's
         deliberately unordered control replaces it. ``heads``: the page heads this tensor parallel rank's
         tensors hold (None: all, one rank)."""
-        if not 0.0 <= verify_fraction <= 1.0:
-            raise ValueError(f"verify_fraction must lie in [0, 1], got {verify_fraction}")
+        self._sampler = PageSampler(verify_fraction, rng)  # which pages a load checks
         self.kv_layout = kv_layout
         self.link = link
         self.verify_fraction = verify_fraction
@@ -84,7 +84,7 @@ class PoolKVWorker:
         self.layers: list[torch.Tensor] = []
         self.paged: PagedLayout | None = None
         self._copier: CpuBlockCopier | None = None  # on CPU: whole-block copies
-        self._rng = rng or random.Random()  # which pages a sampled verification checks
+        self._hasher = PageHasher(copy_threads, initializer=leave_the_callers_cores)  # on CPU: checksums
         self._loader: ThreadPoolExecutor | None = None  # on CPU: the thread that copies loads beside the forward
         self.transfer = transfer
         self._staged = staged
@@ -133,6 +133,7 @@ class PoolKVWorker:
         if self._loader is not None:
             self._loader.shutdown(wait=True)
             self._loader = None
+        self._hasher.close()
         self.link.close()
 
     @property
@@ -189,7 +190,7 @@ class PoolKVWorker:
             pieces, reason = self._pieces(spec)
             if not pieces:
                 return self.outcome(spec, spec.token_start, reason, times)
-            return LayeredLoad(spec, pieces, [self._draw_verification() for _ in pieces], reason, times, client=client)
+            return LayeredLoad(spec, pieces, [self._sampler.draw() for _ in pieces], reason, times, client=client)
         try:
             if any(spec.pages[i].checksum_kind != ChecksumKind.XXH3 for i in range(len(spec.pages))):
                 return self.load(spec)  # the layered CPU copy streams xxh3 only; a GPU-written page loads now
@@ -199,7 +200,7 @@ class PoolKVWorker:
                              client.hello.extent_bytes)
             if not pieces or not all(self._copier_takes(pieces[run.first].chunk, run) for run in runs):
                 return self.load(spec)  # nothing to copy, or not whole blocks (the token copy): now
-            layered = LayeredLoad(spec, pieces, [self._draw_verification() for _ in pieces], reason, times)
+            layered = LayeredLoad(spec, pieces, [self._sampler.draw() for _ in pieces], reason, times)
             layered.runs = [self._block_run(client, offsets[run.first], run, pieces[run.first].chunk, spec.block_ids)
                             for run in runs]
         except Exception as exc:
@@ -236,16 +237,16 @@ class PoolKVWorker:
                 return pieces[:index], f"page of {size} bytes, this model's pages have {page_bytes}"
         return pieces, ""
 
-    def settle(self, spec: LoadSpec, pieces: list[PageSlice], chosen: list[bool], sums: Iterator[int],
+    def settle(self, spec: LoadSpec, pieces: list[PageSlice], chosen: list[bool], verdicts: Iterator[bool],
                reason: str) -> tuple[int, str]:
-        """Where a load's trusted tokens end: at the first chosen page whose checksum (next of ``sums``, one
-        per chosen page in order) differs from the pool's, which is then dropped from the pool."""
+        """Where a load's trusted tokens end: at the first chosen page found not valid (next of ``verdicts``,
+        one per chosen page in order, from kvshare.pool.checksum), which is then dropped from the pool."""
         trusted = 0
         for piece, is_chosen in zip(pieces, chosen):
             ref = spec.pages[piece.page_index]
             if is_chosen:
                 self.counters.verified_pages += 1
-                if next(sums) != ref.checksum:
+                if not next(verdicts):
                     self.counters.checksum_failures += 1
                     self.pool.drop(spec.keys[piece.page_index])
                     reason = f"checksum mismatch in chunk {piece.chunk} (page at offset {ref.offset})"
@@ -265,14 +266,13 @@ class PoolKVWorker:
         pieces, reason = self._pieces(spec)
         if not pieces:
             return spec.token_start, reason
-        # the draws in page order; the chosen pages' checksums all at once, spread over the copy threads
+        # the draws in page order; the chosen pages checked all at once, spread over the hashing threads
         # (checksumming each page and copying it right after, while in cache, measured slower: 15-20 ms
         # against 11-13 ms for 8k tokens, cold caches or not)
-        chosen = [self._draw_verification() for _ in pieces]
+        chosen = [self._sampler.draw() for _ in pieces]
         refs = [spec.pages[p.page_index] for p, c in zip(pieces, chosen) if c]
-        views = [client.page(ref.offset, page_bytes) for ref in refs]
-        sums = self._checksums(views, [ref.checksum_kind for ref in refs])
-        loaded_end, reason = self.settle(spec, pieces, chosen, iter(sums), reason)
+        verdicts = self._hasher.valid([client.page(ref.offset, page_bytes) for ref in refs], refs)
+        loaded_end, reason = self.settle(spec, pieces, chosen, iter(verdicts), reason)
         times.mark("verify")
         trusted = [p for p in pieces if p.chunk * C + p.lo < loaded_end]
         offsets = [spec.pages[p.page_index].offset for p in trusted]
@@ -280,19 +280,6 @@ class PoolKVWorker:
             self._copy_run(client, offsets[run.first], run, trusted[run.first].chunk, spec.block_ids, into_kv=True)
         times.mark("copy")
         return loaded_end, reason
-
-    def _checksums(self, pages: list, kinds: list | None = None) -> list[int]:
-        """``page_checksum`` of each page (of its kind; None: xxh3), spread over the copy threads (xxhash
-        and numpy release the GIL)."""
-        items = list(zip(pages, kinds or [ChecksumKind.XXH3] * len(pages)))
-        if self._copier is not None:
-            return self._copier.map(lambda item: page_checksum(*item), items)
-        return [page_checksum(*item) for item in items]
-
-    def _draw_verification(self) -> bool:
-        """Whether a page's checksum is checked: always at 1.0, else with that probability (random, so a
-        bad page cannot hide at a position that is never checked)."""
-        return self.verify_fraction >= 1.0 or self._rng.random() < self.verify_fraction
 
     def _copier_takes(self, first_chunk: int, run: CopyRun) -> bool:
         """Whether the CPU block copier can move the run: it starts and ends on block boundaries."""
@@ -353,8 +340,8 @@ class PoolKVWorker:
         try:
             self.copy_out(client, spec, reservation.grants)
             times.mark("copy")
-            checksums = self._checksums([client.page(offset, self.kv_layout.page_bytes)
-                                         for _, offset in reservation.grants])
+            checksums = self._hasher.checksums([client.page(offset, self.kv_layout.page_bytes)
+                                                for _, offset in reservation.grants])
             times.mark("checksum")
         except Exception as exc:  # a bug in the copy: give the pages back; vLLM keeps serving
             log.error("kvshare: store for request %s failed", spec.req_id, exc_info=True)

@@ -43,10 +43,12 @@ import hashlib
 import hmac
 import struct
 from dataclasses import dataclass
+from typing import ClassVar
 
 import xxhash
 
 from kvshare.keys import KEY_BYTES
+from kvshare.pool.checksum import ChecksumKind, checksum_is_valid
 from kvshare.pool.remote.config import MAX_PART_BYTES
 from kvshare.pool.protocol import FORMAT_VERSION
 
@@ -85,6 +87,7 @@ class PageMeta:
     page_bytes: int
     checksum: int
     tag: bytes = NO_TAG  # page_tag() under the writer's page key; NO_TAG without one
+    checksum_kind: ClassVar[ChecksumKind] = ChecksumKind.XXH3  # the only kind a remote value holds
 
 
 @dataclass(frozen=True)
@@ -222,7 +225,7 @@ def check_page(meta: PageMeta, checksum: int, pieces, auth_key: bytes = b"") -> 
     """
     if auth_key and not hmac.compare_digest(page_tag(auth_key, meta, pieces), meta.tag):
         raise BadRemoteValue(UNAUTHENTICATED, "page without a valid tag for this pool's page key")
-    if checksum != meta.checksum:
+    if not checksum_is_valid(meta, checksum):
         raise BadRemoteValue(CHECKSUM, "page bytes do not match the checksum recorded at commit")
 
 

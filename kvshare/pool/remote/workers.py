@@ -14,7 +14,7 @@ from typing import Callable
 
 import numpy as np
 
-from kvshare.pool.checksum import page_checksum
+from kvshare.pool.checksum import is_valid, page_checksum
 from kvshare.pool.remote.breaker import CircuitBreaker
 from kvshare.pool.remote.config import MIN_PART_BYTES, RemoteConfig
 from kvshare.pool.remote.format import (BROKEN, BadRemoteValue, PageMeta, RemotePage, decode_page, encode_part,
@@ -120,7 +120,7 @@ def _encode_page(arena: np.ndarray, page: PageToWrite, cfg: RemoteConfig, read_d
     if time.monotonic() > read_deadline:
         raise _PastDeadline()
     view = arena[page.offset : page.offset + page_bytes]
-    if page_checksum(view) != page.meta.checksum:
+    if not is_valid(view, page.meta):
         raise _ArenaPageBad()  # never spread a page the arena does not hold as committed
     meta = replace(page.meta, tag=page_tag(cfg.auth_key, page.meta, [view])) if cfg.auth_key else page.meta
     payload_bytes = part_payload_bytes(page_bytes, cfg.part_bytes)

@@ -25,6 +25,7 @@ from tests.integrations.vllm.pool_replicas import (  # noqa: F401 (pool_fixture:
     pool_fixture,
     pool_stats,
 )
+from tests.verdicts import spy_verdicts
 
 
 @LAYERED
@@ -135,8 +136,29 @@ def test_without_verification_the_corrupted_byte_would_be_served(pool, layered):
         a.close(), b.close()
 
 
+@LAYERED
+@pytest.mark.parametrize("forced", [None, True], ids=["checked", "forced-valid"])
+def test_each_load_refuses_a_corrupt_page_through_the_one_check(pool, monkeypatch, layered, forced):
+    """The synchronous load and the layered CPU load ask kvshare.pool.checksum whether a page is valid.
+
+    Fails when either compares checksums itself: forced valid, it would still stop at the bad page.
+    """
+    a, b = Replica(pool, "A", seed=1), Replica(pool, "B", seed=2, verify_fraction=1.0, layered=layered)
+    try:
+        a.run_prefill("r1", PROMPT, BLOCKS_A)
+        flip_a_byte_of_chunk_2(pool)
+        calls = spy_verdicts(monkeypatch, forced)
+        _, outcome = b.run_prefill("r2", PROMPT, BLOCKS_B)
+        assert b.num_layered == int(layered)
+        assert outcome.is_complete == bool(forced) and (forced or outcome.loaded_end == 2 * C)
+        assert len(calls) >= 3  # pages 0, 1 and the bad 2 at least
+    finally:
+        a.close(), b.close()
+
+
 class FixedDraw:
-    """An rng whose every draw is ``value``: a sampled verification that always (0.0) or never (0.99) picks."""
+    """An rng whose every draw is ``value``: at ``verify_fraction`` 0.5, PageSampler then checks the even pages
+    of a load (0.0: its credit of 0.5 exceeds every draw) or the odd ones (0.99: only a credit of 1 does)."""
 
     def __init__(self, value):
         self.value = value
@@ -155,7 +177,7 @@ def test_sampled_verification_checks_the_pages_it_draws(pool, draw, is_detected,
         flip_a_byte_of_chunk_2(pool)
         _, outcome = b.run_prefill("r2", PROMPT, BLOCKS_B)
         assert (outcome.loaded_end == 2 * C) == is_detected and outcome.is_complete != is_detected
-        assert b.worker.counters.verified_pages == (3 if is_detected else 0)  # pages 0, 1, then the bad one
+        assert b.worker.counters.verified_pages == 2  # half the pages: 0 and the bad 2, or 1 and 3
         assert b.worker.counters.checksum_failures == int(is_detected)
     finally:
         a.close(), b.close()

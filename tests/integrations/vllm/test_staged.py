@@ -23,6 +23,7 @@ from kvshare.pool.spawn import running_pool
 from kvshare.transfer.base import TransferConfig
 from tests.integrations.vllm.staged_replica import Replica
 from tests.transfer import fake_cuda
+from tests.verdicts import spy_verdicts
 
 CPU = torch.device("cpu")
 N = 8  # block size
@@ -160,6 +161,30 @@ def test_a_cpu_writers_xxh3_pages_verify_on_host_threads_and_catch_corruption(fa
         cpu_writer.close(), b.close()
 
 
+@pytest.mark.parametrize("writer", ["gpu", "cpu"])  # WSUM32 summed on the GPU; XXH3 on the host threads
+@pytest.mark.parametrize("forced", [None, True], ids=["checked", "forced-valid"])
+def test_the_staged_load_refuses_a_corrupt_page_through_the_one_check(fake, flushed, monkeypatch, writer, forced):
+    """Fails when the staged load compares checksums itself: forced valid, it would still stop at page 3."""
+    a = replica(flushed, "A") if writer == "gpu" else \
+        Replica(flushed, "C", LAYOUT, "cpu_attn", NUM_BLOCKS, N, CPU, staged=False)
+    b = replica(flushed, "B")
+    try:
+        a.fill(8)
+        a.step("a", PROMPT, blocks_a())
+        client = b.worker.link.client()
+        lease = client.lookup(keys_of(b, 10), LAYOUT.page_bytes)
+        kind = ChecksumKind.WSUM32 if writer == "gpu" else ChecksumKind.XXH3
+        assert {p.checksum_kind for p in lease.pages} == {kind}
+        client.page(lease.pages[3].offset, LAYOUT.page_bytes)[100] ^= 0x10
+        calls = spy_verdicts(monkeypatch, forced)
+        outcome = b.step("b", PROMPT, blocks_b())
+        client.release([lease.lease_id], wait=True)
+        assert outcome.is_complete == bool(forced) and (forced or outcome.loaded_end == 3 * 32)
+        assert lease.pages[3].checksum in [recorded for recorded, _ in calls]
+    finally:
+        a.close(), b.close()
+
+
 def test_a_gpu_writers_pages_verify_on_a_cpu_reader(fake, flushed):
     a = replica(flushed, "A")
     cpu_reader = Replica(flushed, "C", LAYOUT, "cpu_attn", NUM_BLOCKS, N, CPU, staged=False, overlap_load=True)
@@ -248,7 +273,7 @@ def test_hooks_without_loads_or_stores_do_nothing(fake, flushed):
 
 def test_wsum32_sums_of_a_page_in_pieces_on_torch_equal_the_hosts():
     from kvshare.pool.checksum import wsum32
-    from kvshare.transfer.wsum import add_rows, as_unsigned
+    from kvshare.pool.wsum import add_rows, as_unsigned
 
     rng = np.random.default_rng(0)
     page = rng.integers(0, 256, LAYOUT.page_bytes, dtype=np.uint8)

@@ -17,9 +17,9 @@ from kvshare.integrations.vllm.tensor_parallel import head_slice, partial_wsum32
 from kvshare.layout import KVLayout
 from kvshare.pool.checksum import MOD64, ChecksumKind, page_checksum, wsum32
 from kvshare.pool.client import PoolClient
+from kvshare.pool.wsum import add_head_rows, as_unsigned
 from kvshare.transfer.base import TransferConfig
 from kvshare.transfer.plan import head_copies, layer_groups, plan_unit
-from kvshare.transfer.wsum import add_head_rows, as_unsigned
 from tests.integrations.vllm.staged_replica import Replica
 from tests.integrations.vllm.staged_tp import StagedTPReplica
 from tests.integrations.vllm.test_staged import (  # noqa: F401

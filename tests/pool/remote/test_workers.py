@@ -9,9 +9,10 @@ import pytest
 from kvshare.pool.checksum import page_checksum
 from kvshare.pool.remote.breaker import OPEN, CircuitBreaker
 from kvshare.pool.remote.config import RemoteConfig
-from kvshare.pool.remote.format import PageMeta, num_parts
+from kvshare.pool.remote.format import CHECKSUM, HEADER_BYTES, PageMeta, num_parts, part_keys
 from kvshare.pool.remote.store import RemoteStoreError
 from kvshare.pool.remote.workers import MISS, PageToWrite, copy_pages, fetch_pages, write_pages
+from tests.verdicts import spy_verdicts
 
 pytestmark = pytest.mark.remote
 PAGE = 64 << 10
@@ -109,6 +110,30 @@ def test_a_page_that_fails_its_checksum_is_not_spread():
     store = MemoryStore()
     result = write(store, breaker, cfg, arena, pages)
     assert (result.num_written, result.num_bad) == (2, 1)
+
+
+@pytest.mark.parametrize("forced", [None, True], ids=["checked", "forced-valid"])
+def test_write_behind_and_fetch_refuse_a_corrupt_page_through_the_one_check(monkeypatch, forced):
+    """The write-behind (an arena page) and the fetch (a stored value) ask kvshare.pool.checksum.
+
+    Fails when either compares checksums itself: forced valid, it would still refuse the page.
+    """
+    cfg, arena, pages, breaker = setup()
+    store = MemoryStore()
+    write(store, breaker, cfg, arena, pages)
+    arena[PAGE + 5] ^= 1  # page 1 changed in the arena after its commit
+    first_part = part_keys(cfg.prefix, pages[2].meta.key, num_parts(PAGE, cfg.part_bytes))[0]
+    value = bytearray(store.values[first_part])
+    value[HEADER_BYTES + 3] ^= 1  # page 2's stored bytes changed in the store
+    store.values[first_part] = bytes(value)
+    calls = spy_verdicts(monkeypatch, forced)
+    written = write(MemoryStore(), breaker, cfg, arena, pages)
+    fetched = fetch_pages(store, breaker, cfg, [p.meta.key for p in pages], PAGE, NS)
+    if forced:
+        assert written.num_bad == 0 and len(fetched.pages) == 3
+    else:
+        assert written.num_bad == 1 and len(fetched.pages) == 2 and fetched.end == CHECKSUM
+    assert len(calls) == 6  # three arena pages written, three stored pages fetched
 
 
 def test_store_down_opens_the_breaker_and_then_nothing_is_sent():

@@ -1,4 +1,4 @@
-"""WSUM32 page checksums with torch: on the GPU over staged bytes, equal to the host's ``wsum32``.
+"""WSUM32 page checksums with torch: the GPU kernel behind kvshare.pool.checksum, equal to the host's ``wsum32``.
 
 kvshare.pool.checksum defines the kind: ``sum_i (i + 1) * int32(word_i) mod 2**64`` over a page.
 A GPU sees a page in pieces (the layer groups of a staging unit), so each piece is summed on
@@ -15,9 +15,21 @@ identity in ``wsum32``'s docstring), two reductions that read the staged bytes o
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
-from kvshare.pool.checksum import MOD64, block_words
+if TYPE_CHECKING:
+    import torch
+
+MOD64 = 1 << 64
+WSUM_BLOCK_WORDS = 1024  # words per row of the [rows, K] decomposition (a power of two)
+
+
+def block_words(num_words: int) -> int:
+    """K: the largest power of two <= WSUM_BLOCK_WORDS dividing ``num_words`` (rows of K words)."""
+    k = WSUM_BLOCK_WORDS
+    while k > 1 and num_words % k:
+        k //= 2
+    return k
 
 
 def add_rows(acc: torch.Tensor, rows: torch.Tensor, word_offset: int) -> None:
@@ -25,6 +37,8 @@ def add_rows(acc: torch.Tensor, rows: torch.Tensor, word_offset: int) -> None:
 
     Enqueued on the current stream; nothing is read back.
     """
+    import torch  # here, not above: kvshare.pool.checksum imports this module without torch
+
     if rows.dtype != torch.int32 or rows.dim() != 2 or rows.stride(-1) != 1:
         raise ValueError(f"rows must be [n, W] int32 with unit inner stride, got {rows.dtype} {tuple(rows.shape)}")
     n, num_words = rows.shape
@@ -50,6 +64,8 @@ def add_head_rows(acc: torch.Tensor, words: torch.Tensor, row_offset: int, first
     as ``tensor_parallel.partial_wsum32`` on the host. Two reductions read the words once each.
     Enqueued on the current stream; nothing is read back.
     """
+    import torch  # here, not above: kvshare.pool.checksum imports this module without torch
+
     if words.dtype != torch.int32 or words.dim() != 4:
         raise ValueError(f"words must be [n, R, h, W] int32, got {words.dtype} {tuple(words.shape)}")
     n, num_rows, num_heads, num_words = words.shape
@@ -66,6 +82,8 @@ def add_head_rows(acc: torch.Tensor, words: torch.Tensor, row_offset: int, first
 
 def page_sums(pages: torch.Tensor) -> torch.Tensor:
     """The WSUM32 of each of ``pages`` ``[n, ...]`` (any dtype; each page's bytes in memory order), as int64 ``[n]``."""
+    import torch  # here, not above: kvshare.pool.checksum imports this module without torch
+
     rows = pages.reshape(pages.shape[0], -1).view(torch.uint8).view(torch.int32)
     acc = torch.zeros(pages.shape[0], dtype=torch.int64, device=pages.device)
     add_rows(acc, rows, 0)
