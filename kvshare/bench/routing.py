@@ -157,7 +157,7 @@ class Replayer:
 
 
 def kv_bytes_per_token(model: str) -> int:
-    from kvshare.engine.config import model_config_of
+    from kvshare.engine.presets import model_config_of
 
     return model_config_of(model).kv_bytes_per_token
 

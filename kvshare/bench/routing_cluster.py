@@ -69,7 +69,7 @@ class RoutingCluster:
         self._cluster: Cluster | None = None
         self._routers: dict[str, tuple[str, object]] = {}  # name -> (URL, Child)
 
-    def __enter__(self) -> "RoutingCluster":
+    def __enter__(self) -> RoutingCluster:
         try:
             self.start()
         except BaseException:
@@ -162,7 +162,7 @@ class RoutingCluster:
         return None
 
     def stop(self) -> None:
-        for url, child in self._routers.values():
+        for _, child in self._routers.values():
             stop_process(child.proc, timeout_s=10)
         self._routers.clear()
         if self._cluster is not None:

@@ -10,8 +10,8 @@ take a bootstrap interval of their mean over the runs (kvshare.bench.stats).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from statistics import fmean
-from typing import Sequence
 
 from kvshare.bench.records import Record
 from kvshare.bench.stats import bootstrap_ci, percentile
@@ -75,8 +75,10 @@ def summarize(rows: list[dict]) -> list[dict]:
             "rate": rate, "condition": condition, "num_runs": len(group),
             "num_requests": sum(row["num_requests"] for row in group),
             "num_errors": sum(row["num_errors"] for row in group),
-            "ttft_first_p50": _pct_ci(pooled["ttft_first_s"], 50), "ttft_first_p99": _pct_ci(pooled["ttft_first_s"], 99),
-            "ttft_later_p50": _pct_ci(pooled["ttft_later_s"], 50), "ttft_later_p99": _pct_ci(pooled["ttft_later_s"], 99),
+            "ttft_first_p50": _pct_ci(pooled["ttft_first_s"], 50),
+            "ttft_first_p99": _pct_ci(pooled["ttft_first_s"], 99),
+            "ttft_later_p50": _pct_ci(pooled["ttft_later_s"], 50),
+            "ttft_later_p99": _pct_ci(pooled["ttft_later_s"], 99),
             "router_added_p99": _pct_ci(pooled["router_added_s"], 99),
             "prefill_tokens": _mean_ci([row["prefill_tokens"] for row in group]),
             "pool_bytes_loaded": _mean_ci([row["pool_bytes_loaded"] for row in group]),

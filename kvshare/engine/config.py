@@ -219,16 +219,3 @@ class EngineConfig:
                 raise ValueError(f"grid_tokens must be a positive multiple of chunk_tokens {self.chunk_tokens}, "
                                  f"got {self.grid_tokens}")
 
-
-def model_config_of(model: str) -> ModelConfig:
-    """The config of a model directory (its config.json) or of a preset, without loading any weights."""
-    import json
-    import os
-
-    path = os.path.join(model, "config.json")
-    if os.path.isfile(path):
-        with open(path) as f:
-            return model_config_from_hf(json.load(f))
-    from kvshare.engine.presets import get_preset
-
-    return get_preset(model).config
