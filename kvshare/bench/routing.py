@@ -212,13 +212,25 @@ def run_routing(config: RoutingConfig, target: RoutingTarget, out_dir: str, comm
             "config": dataclasses.asdict(config), "target": dataclasses.asdict(target),
             "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     rows: list[dict] = []
+    started = time.time()
+
+    def replayed(row: dict) -> None:  # the report is rewritten after every replay: a run cut short keeps one
+        meta["seconds"] = round(time.time() - started, 1)
+        write_summary(results, rows, meta)
+        if on_replay is not None:
+            on_replay(row)
+
     for run in range(config.num_runs):
         order = conditions[run % len(conditions):] + conditions[: run % len(conditions)]
         with RoutingCluster(target, tuple(c.router for c in conditions)) as cluster:
             asyncio.run(_run_one(config, cluster, trace, order, run, run_id, results, rows, tokenizer or target.model,
-                                 timeout_s, on_replay))
-    meta["seconds"] = round(time.time() - time.mktime(time.strptime(meta["started"], "%Y-%m-%d %H:%M:%S")), 1)
+                                 timeout_s, replayed))
     results.log_run(meta)
+    return write_summary(results, rows, meta)
+
+
+def write_summary(results: ResultsDir, rows: list[dict], meta: dict) -> tuple[list[dict], str]:
+    """summary.json and routing.md from the replays' rows; (the summary, the report's path)."""
     summary = summarize(rows)
     with open(results.file("summary.json"), "w") as f:
         json.dump({"meta": meta, "summary": summary}, f, indent=1)
