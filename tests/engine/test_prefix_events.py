@@ -94,16 +94,20 @@ def test_an_engine_publishes_its_prompt_and_the_router_index_reads_it(tiny_dir, 
     config = KVEventsConfig(endpoint=endpoint, replay_endpoint=replay, topics=("kv@replica0@tiny",), block_size=16)
     subscriber = Subscriber(endpoint, replay, "kv@replica0@tiny")
     engine = Engine(EngineConfig(model=tiny_dir, chunk_tokens=16, kv_events=config))
+    ids = engine.tokenizer.encode(ascii_prompt(40, seed=3))  # 2 full chunks and 8 tokens
     try:
-        ids = engine.tokenizer.encode(ascii_prompt(40, seed=3))  # 2 full chunks and 8 tokens
-        list(engine.generate(ids, SamplingParams(max_tokens=2), RequestOptions(use_pool=False)))
-        deadline = time.monotonic() + 30
-        while sum(isinstance(e, BlockStored) for e in subscriber.events) < 2 and time.monotonic() < deadline:
-            subscriber.poll(100)
+        # a subscriber that joined after a batch went out learns of it from the next batch's sequence (a gap,
+        # filled by replay): later prompts make those batches
+        for seed in range(3, 9):
+            prompt = ids if seed == 3 else engine.tokenizer.encode(ascii_prompt(20, seed=seed))
+            list(engine.generate(prompt, SamplingParams(max_tokens=2), RequestOptions(use_pool=False)))
+            deadline = time.monotonic() + 3
+            while sum(isinstance(e, BlockStored) for e in subscriber.events) < 2 and time.monotonic() < deadline:
+                subscriber.poll(100)
     finally:
         engine.close()
         subscriber.close()
-    stored = [e for e in subscriber.events if isinstance(e, BlockStored)]
+    stored = [e for e in subscriber.events if isinstance(e, BlockStored)][:2]  # the first prompt's, in order
     assert [list(e.token_ids) for e in stored] == [list(ids[:16]), list(ids[16:32])]
     assert {e.medium for e in stored} == {"GPU"} and stored[1].parent_block_hash == stored[0].block_hashes[0]
     index = PoolPrefixIndex(media=(E.MEDIUM_GPU, None))
