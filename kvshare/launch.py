@@ -45,7 +45,7 @@ class ClusterConfig:
     model_revision: str = ""  # names the model's identity in every replica's namespace; "": its weights' bytes
     vllm_python: str | None = None
     tensor_parallel_size: int = 1  # vLLM replicas only: ranks per replica (--tensor-parallel-size)
-    replica_kv_events_port: int | None = None  # vLLM replicas publish their own KV events on this port + i
+    replica_kv_events_port: int | None = None  # replica i publishes its own KV events on this port + i
     ready_timeout_s: float = 300.0
     log_level: str = "WARNING"
 
@@ -207,7 +207,9 @@ class Cluster:
         args = [*kv, "serve", "--model", cfg.model, "--device", device, "--host", cfg.host, "--port", str(port),
                      "--replica-name", f"replica{i}", "--pool", self.pool_socket or "off", *_auth_args(cfg),
                      "--provenance", cfg.provenance,
-                     *(["--model-revision", cfg.model_revision] if cfg.model_revision else []), *cfg.replica_args]
+                     *(["--model-revision", cfg.model_revision] if cfg.model_revision else []),
+                     *(["--kv-events", f"tcp://*:{cfg.replica_kv_events_port + i}"]
+                       if cfg.replica_kv_events_port is not None else []), *cfg.replica_args]
         env = kvshare_env(cpu_threads_env(cfg))
         if visible is not None:
             env["CUDA_VISIBLE_DEVICES"] = visible

@@ -1,7 +1,8 @@
 """Benchmarks: the pool's data and control planes (pool), a replica's read of a token-id prompt
 (parse), and the study's experiments: ttft (cold, local and cross-replica reuse), blocks
 (OFF-ON-ON-OFF, paired, bootstrap intervals), sessions (alternate vs sticky placement, pool off
-vs on), suite (several in one run) and report.
+vs on), suite (several in one run), routing (many sessions over shared system prompts at swept
+arrival rates, through every placement policy's router) and report.
 They talk HTTP to OpenAI-compatible servers (--replica URL, e.g. a kvshare cluster or vLLM
 servers) or start their own (--model M); results are appended to --out and a rerun of the
 same command skips what was measured. Context lengths take k = 1000 tokens (128k = 128000)."""
@@ -12,6 +13,7 @@ import argparse
 import json
 
 from kvshare.commands import tcp_port
+from kvshare.commands.bench_routing import add_routing_arguments, run_routing
 from kvshare.commands.serve import add_kv_dtype_argument
 from kvshare.units import parse_size
 
@@ -97,6 +99,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             e.add_argument("--router", type=_router, action="append", default=[],
                            help="send a placement's turns through a router: alternate=URL or sticky=URL "
                                 "(default: place turns directly, with the router's own policy code)")
+    add_routing_arguments(sub, _words)
     report = sub.add_parser("report", help="rewrite report.md, records.csv and plots of a results folder")
     report.add_argument("--out", default="results/bench", help="the results folder")
     report.add_argument("--compact", action="store_true", help="print headline lines instead of the tables")
@@ -153,6 +156,8 @@ def run(args: argparse.Namespace) -> int:
         return _run_pool(args)
     if args.experiment == "parse":
         return _run_parse(args)
+    if args.experiment == "routing":
+        return run_routing(args)
     if args.experiment == "report":
         from kvshare.bench.records import ResultsDir
         from kvshare.bench.report import print_tables, write_report

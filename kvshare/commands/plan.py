@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 from kvshare.commands.serve import add_kv_dtype_argument
 from kvshare.units import parse_count
@@ -47,18 +46,6 @@ def _count(text: str) -> int:
     return value
 
 
-def model_config(model: str):
-    from kvshare.engine.config import model_config_from_hf
-
-    path = os.path.join(model, "config.json")
-    if os.path.isfile(path):
-        with open(path) as f:
-            return model_config_from_hf(json.load(f))
-    from kvshare.engine.presets import get_preset
-
-    return get_preset(model).config
-
-
 def plan(config, tokens: int, chunk_tokens: int, dtype: str | None, high_watermark: float) -> dict:
     from kvshare.layout import KVLayout
     from kvshare.units import format_bytes
@@ -80,9 +67,10 @@ def run(args: argparse.Namespace) -> int:
     from kvshare.errors import UserError
 
     from kvshare.engine.config import kv_storage_dtype
+    from kvshare.engine.presets import model_config_of
 
     try:
-        config = model_config(args.model)
+        config = model_config_of(args.model)
         dtype = kv_storage_dtype(args.kv_dtype, config.dtype)
         result = plan(config, args.tokens, args.chunk_tokens, dtype, args.high_watermark)
     except (ValueError, KeyError, OSError) as exc:

@@ -57,6 +57,9 @@ def _add_pool_aware_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-rate", type=float, default=cost.prefill_tokens_per_s, metavar="TOKENS/S")
     g.add_argument("--queue-seconds", type=float, default=cost.queue_s_per_request,
                    help="expected wait behind one request in flight on a replica")
+    g.add_argument("--no-pool-term", dest="use_pool_term", action="store_false",
+                   help="the GPU-only variant: credit a replica only with what its GPU holds, never the pool's pages "
+                        "(what a router that cannot see the pool does; a baseline for the pool term)")
 
 
 def _pool_aware_config(args: argparse.Namespace):
@@ -68,7 +71,8 @@ def _pool_aware_config(args: argparse.Namespace):
         endpoint=args.kv_events, model=args.model, replay_endpoint=args.kv_events_replay, topic=args.kv_events_topic,
         encoding="positional" if args.kv_events_positional else "map",
         cost=CostModel(kv_bytes_per_token=args.kv_bytes_per_token, load_bytes_per_s=args.load_bandwidth * 1e9,
-                       prefill_tokens_per_s=args.prefill_rate, queue_s_per_request=args.queue_seconds),
+                       prefill_tokens_per_s=args.prefill_rate, queue_s_per_request=args.queue_seconds,
+                       use_pool_term=args.use_pool_term),
         max_lag_s=args.kv_events_max_lag, max_silence_s=args.kv_events_max_silence,
         replica_endpoints=tuple(args.replica_kv_events),
     )

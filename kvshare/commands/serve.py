@@ -114,6 +114,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--write-timeout", type=float, default=30.0,
                    help="seconds a streaming client may take to accept one write before it is dropped")
     p.add_argument("--instance-id", default="", help="an id /health reports (kvshare up checks it is its child)")
+    p.add_argument("--kv-events", default=None, metavar="ENDPOINT",
+                   help="publish the local prefix cache's KV events here (tcp://*:PORT or ipc://PATH), in vLLM's "
+                        "format with medium GPU, on topic kv@<replica name>@<model>; pool_aware routers read them "
+                        "with --replica-kv-events")
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="report healthy at once, without the warm-up (a tiny prefill, pool store and pool load in a "
                         "private namespace) that takes the one-time costs out of the first request's TTFT")
@@ -130,7 +134,20 @@ def engine_config(args: argparse.Namespace):
                         verify_fraction=min(args.verify_rate, 1.0), deterministic=args.deterministic,
                         grid_tokens=args.grid_tokens, staging_buffers=args.staging_buffers,
                         enforce_eager=args.enforce_eager, model_revision=args.model_revision,
-                        attention=args.attention)
+                        attention=args.attention, kv_events=_kv_events_config(args))
+
+
+def _kv_events_config(args: argparse.Namespace):
+    """serve --kv-events: the local prefix cache's publisher (None without it)."""
+    import os
+
+    from kvshare.pool.event_publisher import KVEventsConfig
+
+    if not args.kv_events:
+        return None
+    name = args.replica_name or f"{args.host}:{args.port}"
+    topic = f"kv@{name}@{os.path.basename(os.path.normpath(args.model))}"
+    return KVEventsConfig(endpoint=args.kv_events, topics=(topic,), block_size=args.chunk_tokens)
 
 
 def serve_config(args: argparse.Namespace):

@@ -66,8 +66,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-events-pool-topic", action="store_true",
                    help="one pool topic (kv@kvshare-pool@kvshare) instead of one per replica")
     p.add_argument("--replica-kv-events-port", type=int, default=None, metavar="PORT",
-                   help="--engine vllm: replica i publishes its own KV events on tcp://*:PORT+i (--kv-events-config); "
-                        "--policy pool_aware reads them for the replicas' GPU prefix caches")
+                   help="replica i publishes its own (GPU) prefix cache's KV events on tcp://*:PORT+i (vLLM: "
+                        "--kv-events-config; built-in: serve --kv-events); --policy pool_aware reads them for the "
+                        "replicas' GPU prefix caches")
 
 
 def kv_events_args(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -106,8 +107,6 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("up starts its own pool: use --pool-size SIZE, or --pool off")
     if args.deterministic and args.engine != "builtin":
         raise UserError("--deterministic is a mode of the built-in engine; vLLM replicas do not have it")
-    if args.replica_kv_events_port is not None and args.engine != "vllm":
-        raise UserError("--replica-kv-events-port: vLLM replicas publish KV events; the built-in engine does not")
     if args.kv_dtype != "auto" and args.engine != "builtin":
         raise UserError("--kv-dtype sets the built-in engine's KV dtype; for vLLM replicas pass "
                         "--replica-arg=--kv-cache-dtype=fp8")

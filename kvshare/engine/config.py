@@ -9,9 +9,13 @@ No torch here: dtypes are named by string.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvshare.errors import UserError
 from kvshare.keys import DEFAULT_CHUNK_TOKENS
+
+if TYPE_CHECKING:
+    from kvshare.pool.event_publisher import KVEventsConfig
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
@@ -173,6 +177,7 @@ class EngineConfig:
     pool_socket: str | None = None  # None: no pool
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS  # tokens per shared chunk (one pool page)
     local_cache_bytes: int = 1 << 30  # bound of the local prefix cache; 0 disables it
+    kv_events: KVEventsConfig | None = None  # publish the local prefix cache's KV events (kvshare.engine.prefix_events)
     prefill_chunk_tokens: int = 4096  # projections and MLP run over this many tokens at a time
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     # allocate the sequence KV for max_model_len at start-up rather than inside the first long request's
@@ -224,3 +229,7 @@ class EngineConfig:
             if self.grid_tokens <= 0 or self.grid_tokens % self.chunk_tokens:
                 raise ValueError(f"grid_tokens must be a positive multiple of chunk_tokens {self.chunk_tokens}, "
                                  f"got {self.grid_tokens}")
+        if self.kv_events is not None and self.kv_events.block_size != self.chunk_tokens:
+            raise ValueError(f"the local cache's KV events announce chunks of {self.chunk_tokens} tokens: their "
+                             f"block_size must say so, got {self.kv_events.block_size}")
+

@@ -114,7 +114,7 @@ class Engine:
             kv = self._kv.ensure(self.max_model_len)
             if self._use_graphs:
                 self._decode_graphs(kv)
-        self._local = LocalPrefixCache(config.local_cache_bytes)
+        self._local = LocalPrefixCache(config.local_cache_bytes, config.kv_events)  # kv_events: announce it
         self._stats = EngineStats()
         self._lock = threading.Lock()  # one request at a time owns the sequence KV
         # stores each prompt (local cache, pool) beside its decode steps; a request's last token waits for it
@@ -190,7 +190,7 @@ class Engine:
         with self._lock:
             if self._pool is not None:
                 self._pool.close()
-            self._local.clear()
+            self._local.close()
             self._graphs = None  # they hold the KV tensor
             self._kv.release()
         self._publisher.shutdown(wait=True)
@@ -366,7 +366,8 @@ class Engine:
         both only read ``kv``; the request's lock is held until both are done. ``account``: whose pool quota."""
         # the request's stream: the local copies go on it (after the prefill, before kv is written next)
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        local = (self._local_inserter.submit(self._insert_locally, kv, keys, stream)
+        local = (self._local_inserter.submit(self._insert_locally, kv, keys, stream,
+                                             None if options.tenant else ids)  # a tenant's ids: never announced
                  if options.use_local_cache and self._local.capacity_bytes > 0 else None)
         try:
             if options.use_pool and self._pool is not None:
@@ -378,10 +379,9 @@ class Engine:
             options.timeline.mark("published")
 
     @torch.inference_mode()
-    def _insert_locally(self, kv: torch.Tensor, keys: list[bytes], stream) -> None:
+    def _insert_locally(self, kv: torch.Tensor, keys: list[bytes], stream, ids) -> None:
         with torch.cuda.stream(stream):  # None (CPU): no stream
-            for i in reversed(range(len(keys))):  # tail first: the head ends up most recently used
-                self._local.insert(keys[i], self._kv.chunk(kv, i))
+            self._local.insert_prompt(keys, lambda i: self._kv.chunk(kv, i), ids)
 
 
 def _wait(publishing: Future) -> None:

@@ -11,10 +11,16 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING
 
 import torch
+
+from kvshare.engine.prefix_events import PrefixCacheEvents, open_prefix_events
+
+if TYPE_CHECKING:
+    from kvshare.pool.event_publisher import KVEventsConfig
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +39,11 @@ def _copy_of(chunk: torch.Tensor) -> torch.Tensor:
 
 
 class LocalPrefixCache:
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, kv_events: KVEventsConfig | None = None) -> None:
         self.capacity_bytes = capacity_bytes
         self.num_bytes = 0
+        # told of every prompt inserted, every removal and clear; with ``kv_events`` it publishes them
+        self.listener: PrefixCacheEvents | None = open_prefix_events(kv_events)
         self.counters = PrefixCacheCounters()
         self._chunks: OrderedDict[bytes, torch.Tensor] = OrderedDict()  # key -> [L, 2, H, C, D]
 
@@ -85,6 +93,14 @@ class LocalPrefixCache:
         self.counters.inserted_chunks += 1
         return True
 
+    def insert_prompt(self, keys: Sequence[bytes], chunk_of: Callable[[int], torch.Tensor], ids=None) -> None:
+        """Insert a prompt's chunks (``chunk_of(i)``: chunk i's KV), tail first so the head ends up most recently
+        used, then announce them to the listener with ``ids`` (the prompt's token ids; None: a tenant's)."""
+        for i in reversed(range(len(keys))):
+            self.insert(keys[i], chunk_of(i))
+        if self.listener is not None:
+            self.listener.stored(keys, ids, self.__contains__)
+
     def discard(self, keys: Sequence[bytes]) -> int:
         """Remove these chunks (found wrong by an audit); returns how many were held."""
         removed = 0
@@ -93,11 +109,21 @@ class LocalPrefixCache:
             if chunk is not None:
                 self.num_bytes -= chunk.numel() * chunk.element_size()
                 removed += 1
+                if self.listener is not None:
+                    self.listener.removed(key)
         return removed
 
     def clear(self) -> None:
         self._chunks.clear()
         self.num_bytes = 0
+        if self.listener is not None:
+            self.listener.cleared()
+
+    def close(self) -> None:
+        """Clear, and stop publishing."""
+        self.clear()
+        if self.listener is not None:
+            self.listener.close()
 
     def _cap(self, capacity_bytes: int) -> None:
         self.counters.out_of_memory += 1
@@ -108,6 +134,8 @@ class LocalPrefixCache:
 
     def _evict_until(self, limit_bytes: int) -> None:
         while self.num_bytes > limit_bytes and self._chunks:
-            _key, chunk = self._chunks.popitem(last=False)
+            key, chunk = self._chunks.popitem(last=False)
             self.num_bytes -= chunk.numel() * chunk.element_size()
             self.counters.evicted_chunks += 1
+            if self.listener is not None:
+                self.listener.removed(key)

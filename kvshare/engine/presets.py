@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -108,6 +109,15 @@ def get_preset(name: str) -> Preset:
     if name not in PRESETS:
         raise UserError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
     return PRESETS[name]
+
+
+def model_config_of(model: str) -> ModelConfig:
+    """The config of a model directory (its config.json) or of a preset, without loading any weights."""
+    path = os.path.join(model, "config.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            return model_config_from_hf(json.load(f))
+    return get_preset(model).config
 
 
 def preset_hf_config(preset: Preset, dtype: str | None = None) -> dict:

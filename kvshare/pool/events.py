@@ -109,14 +109,16 @@ def external_hash(key: bytes, kind: str) -> int | bytes:
 
 
 def block_stored(encoding: str, hashes: list[int | bytes], parent: int | bytes | None, token_ids: list[int],
-                 block_size: int) -> BlockStored | PositionalBlockStored:
-    """Blocks now held in host memory (``medium="CPU"``), no LoRA (its bytes are in the key's namespace)."""
-    fields = (hashes, parent, token_ids, block_size, None, MEDIUM_CPU)
+                 block_size: int, medium: str = MEDIUM_CPU) -> BlockStored | PositionalBlockStored:
+    """Blocks now held (the pool's: ``medium="CPU"``; a replica's prefix cache: ``"GPU"``), no LoRA (its bytes
+    are in the key's namespace)."""
+    fields = (hashes, parent, token_ids, block_size, None, medium)
     return BlockStored(*fields, None) if encoding == "map" else PositionalBlockStored(*fields)
 
 
-def block_removed(encoding: str, hashes: list[int | bytes]) -> BlockRemoved | PositionalBlockRemoved:
-    return _REMOVED[encoding](hashes, MEDIUM_CPU)
+def block_removed(encoding: str, hashes: list[int | bytes], medium: str = MEDIUM_CPU
+                  ) -> BlockRemoved | PositionalBlockRemoved:
+    return _REMOVED[encoding](hashes, medium)
 
 
 def all_blocks_cleared(encoding: str) -> AllBlocksCleared | PositionalAllBlocksCleared:

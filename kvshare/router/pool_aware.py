@@ -11,6 +11,9 @@ memory, as ``cache_aware`` keeps). Tenants never see each other's prefixes: ever
 by the request's cache_salt, and the pool announces token ids only for pages no tenant salted, so a salted
 request finds nothing of the pool here and is placed on queue and prefill alone.
 
+``CostModel(use_pool_term=False)`` (``kvshare route --no-pool-term``) is the GPU-only variant: the pool's pages
+are left out of T_r, as a router that sees only the replicas' GPU caches would place.
+
 When the events stop (a routed prompt's new chunks are not announced in time), lag, or cannot be decoded,
 the policy falls back to round robin until they are live again, with a metric and a log line.
 
@@ -41,6 +44,9 @@ class CostModel:
     load_bytes_per_s: float = 20e9
     prefill_tokens_per_s: float = 20_000.0
     queue_s_per_request: float = 0.5  # expected wait behind one request in flight on the replica
+    # False: the GPU-only variant (what llm-d's precise prefix scorer does): a replica is credited only with
+    # what its own GPU holds; the pool's pages are invisible, so a prefix only the pool holds counts as prefill
+    use_pool_term: bool = True
 
     def __post_init__(self) -> None:
         if min(self.kv_bytes_per_token, self.load_bytes_per_s, self.prefill_tokens_per_s) <= 0:
@@ -146,6 +152,8 @@ class SentMemory:
 
 def expected_ttft(cost: CostModel, num_tokens: int, gpu_tokens: int, pool_tokens: int, num_in_flight: int) -> float:
     """T_r in seconds: queue, the load of what only the pool holds, the prefill of what nobody holds."""
+    if not cost.use_pool_term:
+        pool_tokens = 0
     load_tokens = max(0, pool_tokens - gpu_tokens)
     computed = num_tokens - max(gpu_tokens, pool_tokens)
     return (num_in_flight * cost.queue_s_per_request + load_tokens * cost.kv_bytes_per_token / cost.load_bytes_per_s

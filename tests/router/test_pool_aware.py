@@ -1,5 +1,6 @@
 """pool_aware: the index kept from the pool's KV events, T_r, the ranking, the fallback (no process, no socket)."""
 
+import dataclasses
 import time
 
 import pytest
@@ -156,3 +157,23 @@ def test_a_replica_that_publishes_its_gpu_blocks_is_credited_from_them():
     router.pool_aware.replica_feeds = [FakeFeed([]), gpu]
     # replica 0 is idle but must load 256 tokens (0.256 s); replica 1 holds them on its GPU: 2 in flight (0.2 s)
     assert router.choose(RouteFacts(prompt_ids=prompt), views(0, 2), now=0.0)[0] == 1
+
+
+def test_the_gpu_only_variant_leaves_the_pool_out_of_t_r():
+    """Without the pool term a prefix only the pool holds is prefill, so the busy replica holding half of it on
+    its GPU wins where the full policy sends the prompt to the idle replica that loads it. Fails when
+    expected_ttft ignores use_pool_term."""
+    full = CostModel(kv_bytes_per_token=1000, load_bytes_per_s=1e7, prefill_tokens_per_s=1000, queue_s_per_request=0.1)
+    gpu_only = dataclasses.replace(full, use_pool_term=False)
+    assert expected_ttft(gpu_only, 1000, 500, 1000, 1) == pytest.approx(0.1 + 0.5)
+    assert expected_ttft(gpu_only, 1000, 0, 1000, 0) == pytest.approx(1.0)
+    prompt = list(range(4000, 4000 + 256))
+    chosen = {}
+    for name, cost in (("full", full), ("gpu_only", gpu_only)):
+        router = Router("pool_aware", 2)
+        router.pool_aware = PoolAwarePlacer(2, cost, FakeFeed(stored_chain(prompt)))
+        router.pool_aware.sent.remember(0, chain(prompt, CHUNK, None)[:32])  # replica 0 was sent half of it
+        chosen[name] = router.choose(RouteFacts(prompt_ids=prompt), views(1, 0), now=0.0)[0]
+    # full: 0.1 + 128 tokens loaded (0.0128 s) on replica 0 vs 256 loaded (0.0256 s) on replica 1
+    # GPU-only: 0.1 + 128 tokens of prefill (0.128 s) on replica 0 vs 256 of prefill (0.256 s) on replica 1
+    assert chosen == {"full": 1, "gpu_only": 0}

@@ -1,0 +1,263 @@
+"""The routing workload (``kvshare bench routing``): one trace replayed through every policy's router.
+
+For each run (a fresh RoutingCluster), each rate (ascending) and each condition (in an order rotated by
+the run, so no condition always goes first), the trace (kvshare.bench.routing_trace) is replayed with
+content of its own: every prompt carries a tag of (run, rate, condition), so no replay finds another's
+prefixes (what earlier replays left in the caches is only evicted). Same trace, same seeds, same lengths
+and arrivals under every condition.
+
+Results (the folder given by --out)::
+
+    records.jsonl   every request (kvshare.bench.records.Record; its timeline says when the replica wrote the
+                    first token: the router's added latency is the client's TTFT minus that)
+    routing.jsonl   one row per replay (kvshare.bench.routing_summary.replay_row), with the replicas' pool bytes
+                    loaded, the router's fallbacks and its KV events' lag sampled over the replay
+    runs.jsonl      the command, the commit, the hardware, the sizes and the config of each invocation
+    summary.json, routing.md   per (rate, condition) over the runs, with bootstrap intervals
+
+After each replay the last turns of ``num_verify`` sessions are sent again to the replica that served them
+with the pool and its local cache off; their outputs must equal the measured ones (no wrong KV under any
+policy, the events-dropped control included).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import platform
+import subprocess
+import time
+import uuid
+from dataclasses import dataclass
+
+from kvshare.bench.client import BenchRequest
+from kvshare.bench.records import Record, ResultsDir
+from kvshare.bench.routing_cluster import RoutingCluster, RoutingTarget
+from kvshare.bench.routing_summary import markdown, replay_row, summarize
+from kvshare.bench.routing_trace import Condition, RoutingConfig, SessionPlan, Trace, make_trace, parse_condition
+from kvshare.bench.runner import BenchContext, mark_matches
+
+EXPERIMENT = "routing"
+LAG_POLL_S = 0.25
+POOL_BYTES_LOADED = "kvshare_pool_bytes_loaded_total"
+FALLBACKS = "kvshare_router_pool_aware_fallbacks_total"
+EVENT_LAG = "kvshare_router_kv_events_lag_seconds"
+EVENTS_LIVE = "kvshare_router_kv_events_live"
+
+
+@dataclass
+class Replayer:
+    """What every replay of one run uses."""
+
+    ctx: BenchContext
+    cluster: RoutingCluster
+    trace: Trace
+    config: RoutingConfig
+
+    async def replay(self, condition: Condition, rate: float, run: int) -> tuple[list[Record], dict]:
+        """The trace at ``rate`` sessions/s through ``condition``'s router: its records and its row."""
+        key = f"{EXPERIMENT}/rate={rate:g}/{condition.name}/run={run}"
+        url = self.cluster.url(condition.router)
+        before = await self._counters(url)
+        lag: list[float] = []
+        live: list[bool] = []
+        poll = (asyncio.create_task(self._sample_lag(url, lag, live)) if condition.router.startswith("pool_aware")
+                else None)
+        started = time.perf_counter()
+        try:
+            sessions = await asyncio.gather(*(self._session(p, condition, rate, run, key, url)
+                                              for p in self.trace.sessions))
+        finally:
+            if poll is not None:
+                poll.cancel()
+        wall_s = time.perf_counter() - started
+        records = [r for session_records, _ in sessions for r in session_records]
+        records += await self._verify(sessions, condition, run, key)
+        after = await self._counters(url)
+        fallbacks = after[1] - before[1] if after[1] is not None and before[1] is not None else None
+        row = replay_row(key, rate, condition.name, run, records, wall_s, after[0] - before[0], fallbacks, lag)
+        row["events_live_share"] = sum(live) / len(live) if live else None
+        return records, row
+
+    async def _session(self, plan: SessionPlan, condition: Condition, rate: float, run: int, key: str,
+                       url: str) -> tuple[list[Record], tuple[BenchRequest, Record] | None]:
+        """One session's turns in order, each sent when the last answer is in; a failed turn ends the session."""
+        await asyncio.sleep(plan.start_s / rate)
+        factory, tag = self.ctx.factory, f"{self.ctx.run_id}/{key}"
+        session_id = f"{tag}/s{plan.index}"
+        system_tag = f"{tag}/system{plan.prompt}"
+        system_tokens = self.trace.system_tokens[plan.prompt]
+        body = factory.user_text(system_tokens, system_tag)
+        history, records, last = [], [], None
+        for turn, (num_user, num_answer) in enumerate(zip(plan.user_tokens, plan.answer_tokens)):
+            head = factory.header(system_tag if condition.is_shared else f"{session_id}/t{turn}")
+            user = {"role": "user", "content": factory.user_text(num_user, f"{session_id}/{turn}")}
+            messages = [{"role": "system", "content": head + body}, *history, user]
+            request = BenchRequest(url, "chat", self.ctx.model, messages=messages, max_tokens=num_answer,
+                                   use_pool=condition.use_pool, session_id=session_id)
+            record, response = await self.ctx.exchange(
+                request, experiment=EXPERIMENT, unit=key, condition=condition.name, role="measure",
+                context_tokens=system_tokens, session=plan.index, turn=turn, placement=condition.router, block=run)
+            records.append(record)
+            if not record.is_ok:
+                break
+            history += [user, {"role": "assistant", "content": response.text}]
+            last = (request, record)
+        return records, last
+
+    async def _verify(self, sessions, condition: Condition, run: int, key: str) -> list[Record]:
+        """Last turns sent again to the replica that served them, recomputed: outputs must be equal."""
+        out = []
+        lasts = [last for _, last in sessions if last is not None][: self.config.num_verify]
+        for request, measured in lasts:
+            replica = self.cluster.replica_url(measured.replica)
+            if replica is None:
+                continue
+            again = dataclasses.replace(request, url=replica, use_pool=False, use_local_cache=False)
+            verify = await self.ctx.measure(again, experiment=EXPERIMENT, unit=key, condition=condition.name,
+                                            role="verify", context_tokens=measured.context_tokens,
+                                            session=measured.session, turn=measured.turn,
+                                            placement=condition.router, block=run)
+            mark_matches([measured], verify)
+            out.append(verify)
+        return out
+
+    async def _counters(self, router_url: str) -> tuple[float, float | None]:
+        """(pool bytes the replicas loaded, the router's pool_aware fallbacks or None) so far."""
+        loaded = 0.0
+        for url in self.cluster.replica_urls:
+            loaded += (await self._metrics(url)).get(POOL_BYTES_LOADED, 0.0)
+        return loaded, (await self._metrics(router_url)).get(FALLBACKS)
+
+    async def _metrics(self, url: str) -> dict[str, float]:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        async with self.ctx.session.get(url + "/metrics") as resp:
+            text = await resp.text()
+        sums: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
+        return sums
+
+    async def _sample_lag(self, router_url: str, lags: list[float], live: list[bool]) -> None:
+        """Every LAG_POLL_S: whether the router trusts its events, and the last batch's lag when one arrived
+        (the gauge reads 0 before any batch: not a lag)."""
+        seen = None
+        while True:
+            metrics = await self._metrics(router_url)
+            is_live, lag = metrics.get(EVENTS_LIVE) == 1.0, metrics.get(EVENT_LAG)
+            live.append(is_live)
+            if lag is not None and (is_live or lag > 0) and lag != seen:  # each batch's lag once
+                lags.append(lag)
+                seen = lag
+            await asyncio.sleep(LAG_POLL_S)
+
+
+def kv_bytes_per_token(model: str) -> int:
+    from kvshare.engine.presets import model_config_of
+
+    return model_config_of(model).kv_bytes_per_token
+
+
+def describe_host() -> str:
+    """The machine, in words: CPU model and cores, and the GPU where there is one."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    text = f"{cpu}, {len(os.sched_getaffinity(0))} cores usable"
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            text += f", {torch.cuda.get_device_name(0)}"
+    except ImportError:
+        pass
+    return text
+
+
+def commit_of_tree() -> str | None:
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        out = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                           text=True, timeout=10).stdout.strip()
+    return out.stdout.strip() + ("+changes" if dirty else "")
+
+
+def run_routing(config: RoutingConfig, target: RoutingTarget, out_dir: str, command: str, tokenizer: str | None = None,
+                timeout_s: float = 600.0, on_replay=None) -> tuple[list[dict], str]:
+    """Every run, rate and condition; (the summary, the report's path). ``on_replay(row)`` after each replay."""
+    results = ResultsDir(out_dir)
+    trace = make_trace(config)
+    conditions = [parse_condition(name) for name in config.conditions]
+    run_id = time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
+    sizes = (f"{config.num_sessions} sessions over {config.num_prompts} system prompts of {config.system_tokens} "
+             f"tokens, {config.num_turns} turns (user {config.user_tokens}, answers {config.answer_tokens} tokens); "
+             f"working set {trace.working_set_tokens()} tokens; {target.num_replicas} replicas of {target.model} "
+             f"on {target.device}, local cache {target.local_cache_bytes >> 20} MiB each, pool "
+             f"{target.pool_bytes >> 20} MiB")
+    meta = {"run_id": run_id, "experiment": EXPERIMENT, "command": command, "commit": commit_of_tree(),
+            "hardware": describe_host(), "sizes": sizes, "num_runs": config.num_runs,
+            "config": dataclasses.asdict(config), "target": dataclasses.asdict(target),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    rows: list[dict] = []
+    started = time.time()
+
+    def replayed(row: dict) -> None:  # the report is rewritten after every replay: a run cut short keeps one
+        meta["seconds"] = round(time.time() - started, 1)
+        write_summary(results, rows, meta)
+        if on_replay is not None:
+            on_replay(row)
+
+    for run in range(config.num_runs):
+        order = conditions[run % len(conditions):] + conditions[: run % len(conditions)]
+        with RoutingCluster(target, tuple(c.router for c in conditions)) as cluster:
+            asyncio.run(_run_one(config, cluster, trace, order, run, run_id, results, rows, tokenizer or target.model,
+                                 timeout_s, replayed))
+    results.log_run(meta)
+    return write_summary(results, rows, meta)
+
+
+def write_summary(results: ResultsDir, rows: list[dict], meta: dict) -> tuple[list[dict], str]:
+    """summary.json and routing.md from the replays' rows; (the summary, the report's path)."""
+    summary = summarize(rows)
+    with open(results.file("summary.json"), "w") as f:
+        json.dump({"meta": meta, "summary": summary}, f, indent=1)
+    path = results.file("routing.md")
+    with open(path, "w") as f:
+        f.write(markdown(summary, meta))
+    return summary, path
+
+
+async def _run_one(config, cluster, trace, order, run, run_id, results, rows, tokenizer, timeout_s, on_replay):
+    import aiohttp
+
+    from kvshare.bench.client import model_name
+    from kvshare.bench.workload import PromptFactory, WorkloadConfig
+    from kvshare.engine.loader import load_tokenizer
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True, limit=0)) as session:
+        model = await model_name(session, cluster.replica_urls[0])
+        factory = PromptFactory(load_tokenizer(tokenizer), WorkloadConfig(nonce=f"{run_id}-{run}", seed=config.seed))
+        ctx = BenchContext(run_id, session, None, model, factory, results, timeout_s=timeout_s, timeline=True)
+        replayer = Replayer(ctx, cluster, trace, config)
+        for rate in sorted(config.rates):
+            for condition in order:
+                records, row = await replayer.replay(condition, rate, run)
+                results.append(records)
+                with open(results.file("routing.jsonl"), "a") as f:
+                    f.write(json.dumps({"run_id": run_id, **row}) + "\n")
+                rows.append(row)
+                if on_replay is not None:
+                    on_replay(row)

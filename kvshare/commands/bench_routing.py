@@ -1,0 +1,123 @@
+"""`kvshare bench routing`: sessions over shared system prompts through a router per placement policy
+(kvshare.bench.routing), on a cluster it starts; token counts scale with --scale."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from kvshare.units import parse_count
+
+
+def _token_range(text: str) -> tuple[int, int]:
+    """'4000-6000' or '4k-6k' -> (4000, 6000); one count gives a range of one."""
+    low, _, high = str(text).partition("-")
+    try:
+        values = parse_count(low), parse_count(high or low)
+    except ValueError:
+        values = (0, 0)
+    if min(values) < 1 or values[0] > values[1]:
+        raise argparse.ArgumentTypeError(f"expected a token range LOW-HIGH, got {text!r} (example: 4000-6000)")
+    return values
+
+
+def _rates(text: str) -> tuple[float, ...]:
+    try:
+        rates = tuple(float(part) for part in str(text).split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of rates: {text!r} (example: 0.5,1,2,4)") from None
+    if not rates or min(rates) <= 0:
+        raise argparse.ArgumentTypeError("arrival rates are sessions per second above 0")
+    return rates
+
+
+def add_routing_arguments(sub, words) -> None:
+    """The `bench routing` subcommand's flags, on the `bench` subparsers."""
+    from kvshare.bench.routing_trace import CONTROLS, DEFAULT_CONDITIONS, RoutingConfig
+
+    d = RoutingConfig()
+    e = sub.add_parser("routing", help="sessions over shared system prompts through every policy's router",
+                       description="Many multi-turn sessions over a few shared system prompts, Poisson arrivals "
+                                   "swept over --rates, replayed through a router per placement policy on one "
+                                   "cluster it starts (pool with KV events, replicas whose local cache holds "
+                                   "1/--gpu-share of the working set). Token counts are multiplied by --scale.")
+    g = e.add_argument_group("cluster")
+    g.add_argument("--model", required=True, help="model directory or preset of the replicas it starts")
+    g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, or one per replica as a comma list")
+    g.add_argument("--replicas", type=int, default=2)
+    g.add_argument("--replica-arg", action="append", default=[], help="extra argument for every replica (repeatable)")
+    g.add_argument("--router-arg", action="append", default=[],
+                   help="extra argument for every router (repeatable), e.g. pool_aware's "
+                        "--router-arg=--prefill-rate=2500")
+    g.add_argument("--tokenizer", default=None, help="model directory or preset whose tokenizer builds the prompts")
+    w = e.add_argument_group("workload")
+    w.add_argument("--sessions", type=int, default=d.num_sessions)
+    w.add_argument("--prompts", type=int, default=d.num_prompts, help="shared system prompts")
+    w.add_argument("--turns", type=int, default=d.num_turns)
+    w.add_argument("--system-tokens", type=_token_range, default=d.system_tokens, help="range, e.g. 4000-6000")
+    w.add_argument("--user-tokens", type=_token_range, default=d.user_tokens, help="range, e.g. 200-1200")
+    w.add_argument("--answer-tokens", type=_token_range, default=d.answer_tokens, help="range, e.g. 100-300")
+    w.add_argument("--scale", type=float, default=1.0, help="multiplies every token range (0.1: a CPU-sized run)")
+    w.add_argument("--rates", type=_rates, default=d.rates, help="session arrivals per second, e.g. 0.5,1,2,4")
+    w.add_argument("--conditions", type=words, default=DEFAULT_CONDITIONS + CONTROLS,
+                   help=f"comma list of POLICY/on|off and controls ({', '.join(CONTROLS)})")
+    w.add_argument("--runs", type=int, default=d.num_runs, help="the whole sweep this many times, on fresh clusters")
+    w.add_argument("--gpu-share", type=float, default=d.gpu_share,
+                   help="the working set over one replica's local (GPU) KV cache")
+    w.add_argument("--pool-share", type=float, default=d.pool_share, help="the pool's size over the working set")
+    w.add_argument("--verify", type=int, default=d.num_verify,
+                   help="last turns per replay re-sent with every cache off; outputs must be equal")
+    w.add_argument("--seed", type=int, default=d.seed)
+    w.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    w.add_argument("--out", default="results/routing", help="results folder (records appended)")
+
+
+def run_routing(args: argparse.Namespace) -> int:
+    import shlex
+    import sys
+
+    from rich.console import Console
+
+    from kvshare.bench.report import Table, print_tables
+    from kvshare.bench.routing import kv_bytes_per_token
+    from kvshare.bench.routing import run_routing as run
+    from kvshare.bench.routing_cluster import RoutingTarget
+    from kvshare.bench.routing_summary import HEADERS, highest_complete_rate, table_rows
+    from kvshare.bench.routing_trace import RoutingConfig, make_trace, scaled
+    from kvshare.errors import UserError
+
+    if args.scale <= 0:
+        raise UserError("--scale must be above 0")
+    try:
+        config = RoutingConfig(
+            num_sessions=args.sessions, num_prompts=args.prompts, num_turns=args.turns,
+            system_tokens=scaled(args.system_tokens, args.scale), user_tokens=scaled(args.user_tokens, args.scale),
+            answer_tokens=scaled(args.answer_tokens, args.scale), rates=args.rates, conditions=args.conditions,
+            num_runs=args.runs, gpu_share=args.gpu_share, pool_share=args.pool_share, num_verify=args.verify,
+            seed=args.seed)
+        per_token = kv_bytes_per_token(args.model)
+        working_set = make_trace(config).working_set_tokens() * per_token
+        target = RoutingTarget(model=args.model, device=args.device, num_replicas=args.replicas,
+                               local_cache_bytes=int(working_set / config.gpu_share),
+                               pool_bytes=max(int(working_set * config.pool_share), 64 << 20),
+                               kv_bytes_per_token=per_token, replica_args=tuple(args.replica_arg),
+                               router_args=tuple(args.router_arg))
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    console = Console()
+
+    def show(row: dict) -> None:
+        console.print(f"{time.strftime('%H:%M:%S')} rate {row['rate']:g} {row['condition']} run {row['run']}: "
+                      f"{row['num_requests']} requests, {row['num_errors']} failed, {row['wall_s']:.1f} s",
+                      highlight=False)
+
+    command = "kvshare " + shlex.join(sys.argv[1:])
+    try:
+        summary, path = run(config, target, args.out, command, args.tokenizer, args.timeout, on_replay=show)
+    except (RuntimeError, TimeoutError, ValueError) as exc:  # a cluster that does not start
+        raise UserError(f"{type(exc).__name__}: {exc}") from None
+    print_tables([Table("kvshare bench routing", HEADERS, tuple(table_rows(summary)), "")], console)
+    rate = highest_complete_rate(summary)
+    console.print(f"every condition completed every request up to: {'none' if rate is None else f'{rate:g}/s'}")
+    console.print(f"report: {path}")
+    return 0 if rate is not None else 3
