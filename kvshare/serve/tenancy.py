@@ -23,6 +23,12 @@ quota per value it sends. The account is the authenticated identity alone::
     tenant header     value                          the gateway's word
     neither           ""                             one shared account
 
+A vLLM replica sees no API key or tenant header of its own (the router authenticates), so the
+router names the account in the body it forwards, ``kv_transfer_params["kvshare"]["account"]``,
+with ``account_tag``: an HMAC under a key the router and the replicas share (``$KVSHARE_ACCOUNT_KEY``).
+The connector takes an account only with a valid tag, so a client that reaches a replica directly
+cannot choose one; without it the request is charged to the shared account.
+
 The NUL keeps the pairing one to one: a tenant identity never holds one (HTTP header values
 cannot; key identities are hex), so no (tenant, salt) pair and no bare tenant spell the same salt.
 
@@ -72,6 +78,28 @@ def namespace_salt(tenant: str, cache_salt: str | None) -> str:
 def account_identity(api_key: str, header_value: str) -> str:
     """Whose pool quota a request's pages count against (see the table above); ``api_key`` is "" without keys."""
     return key_tenant(api_key) if api_key else header_value
+
+
+ACCOUNT_KEY_ENV = "KVSHARE_ACCOUNT_KEY"  # the key of account_tag, shared by the router and the vLLM replicas
+MIN_ACCOUNT_KEY_CHARS = 16
+
+
+def check_account_key(key: str) -> str:
+    """``key`` if it is long enough to sign accounts with; raises ValueError (one line) otherwise."""
+    if len(key) < MIN_ACCOUNT_KEY_CHARS:
+        raise ValueError(f"the account key must have at least {MIN_ACCOUNT_KEY_CHARS} characters, "
+                         f"got {len(key)} (e.g. head -c 32 /dev/urandom | base64 > FILE)")
+    return key
+
+
+def account_tag(key: str, account: str) -> str:
+    """The router's proof that it named ``account``: HMAC-SHA256 under the shared account key, in hex."""
+    return hmac.new(key.encode(), b"kvshare-account\0" + account.encode(), hashlib.sha256).hexdigest()
+
+
+def is_account_tag_valid(key: str, account: str, tag: str) -> bool:
+    """Whether ``tag`` is ``account_tag(key, account)`` (compared in constant time); False without a key."""
+    return bool(key) and hmac.compare_digest(account_tag(key, account).encode(), tag.encode())
 
 
 def tenant_identity(api_key: str, header_value: str) -> str:
