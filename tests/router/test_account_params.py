@@ -43,9 +43,9 @@ def _forwarded(url: str, path: str, body: dict, headers: dict) -> dict:
     return json.loads(answer["body"])
 
 
+FORGED_ENTRY = {"use_pool": False, "account": "victim", "account_tag": account_tag("guessed-key-0000", "victim")}
 FORGED = {"prompt": "hello", "cache_salt": "s-1", "max_tokens": 3,
-          "kv_transfer_params": {"other": [1, 2], "kvshare": {"use_pool": False, "account": "victim",
-                                                               "account_tag": account_tag("guessed-key-0000", "victim")}}}
+          "kv_transfer_params": {"other": [1, 2], "kvshare": FORGED_ENTRY}}
 
 
 def test_a_client_sent_account_is_replaced_by_the_authenticated_one():
