@@ -138,6 +138,7 @@ class TransferParams:
     # whose pool quota the request's pages count against (kvshare.serve.tenancy): the router's ``account``,
     # taken only with a valid ``account_tag`` under the replica's account key; None: the shared account
     account: str | None = None
+    is_account_refused: bool = False  # an account was named without a valid tag (or the replica has no key)
 
     @classmethod
     def from_params(cls, params: Any, account_key: str = "") -> "TransferParams":
@@ -151,8 +152,10 @@ class TransferParams:
             return cls()
         use_pool = ours.get("use_pool", True)
         account, tag = ours.get("account"), ours.get("account_tag")
-        is_signed = isinstance(account, str) and isinstance(tag, str) and is_account_tag_valid(account_key, account, tag)
-        return cls(use_pool=use_pool if isinstance(use_pool, bool) else True, account=account if is_signed else None)
+        is_signed = (isinstance(account, str) and isinstance(tag, str)
+                     and is_account_tag_valid(account_key, account, tag))
+        return cls(use_pool=use_pool if isinstance(use_pool, bool) else True, account=account if is_signed else None,
+                   is_account_refused=account is not None and not is_signed)
 
 
 def kv_layout_of(vllm_config: Any, chunk_tokens: int) -> KVLayout:

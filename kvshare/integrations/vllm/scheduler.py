@@ -97,6 +97,7 @@ class PoolScheduler:
         self._digests: dict[tuple[str, str], bytes] = {}  # (tenant salt, LoRA) -> namespace digest
         self._account_key = account_key
         self._accounts: dict[str, bytes] = {}  # account -> its digest (the pool's Reserve.account)
+        self._has_refused_an_account = False  # warned once: a misconfigured key would otherwise go unnoticed
         self._parted = PartedStores(tp_size) if tp_size > 1 else None
 
     # -- requests --------------------------------------------------------------------
@@ -118,6 +119,11 @@ class PoolScheduler:
             self._digests[scope] = namespace_digest(fields)
         options = TransferParams.from_params(params, self._account_key)
         account = self._account(options.account or "")
+        if options.is_account_refused and not self._has_refused_an_account:
+            self._has_refused_an_account = True
+            log.warning("kvshare: a request names a pool account without a valid tag under this replica's account "
+                        "key (%s); it is charged to the shared account. Give the router and the replicas one key "
+                        "($KVSHARE_ACCOUNT_KEY)", "set" if self._account_key else "none set")
         if not is_text_only or prompt_token_ids is None:
             options = TransferParams(use_pool=False)
         self._requests[req_id] = _Request(prompt_token_ids or [], options, self._digests[scope], account)

@@ -157,3 +157,6 @@ def test_only_an_account_tagged_with_the_replicas_key_is_taken():
     assert TransferParams.from_params({"kvshare": {"account": 7, "account_tag": 7}}, KEY).account is None
     assert TransferParams.from_params(signed("alice") | {"kvshare": {"use_pool": False}}, KEY) == \
         TransferParams(use_pool=False)
+    assert TransferParams.from_params(signed("alice", key="x" * 20), KEY).is_account_refused
+    assert not TransferParams.from_params(signed("alice"), KEY).is_account_refused
+    assert not TransferParams.from_params({"kvshare": {}}, KEY).is_account_refused
