@@ -29,16 +29,16 @@ def with_account(body: bytes, account: str, tag: str) -> bytes:
     client sent; the rest of the body is kept. A body that is not a JSON object, or whose kv_transfer_params
     is not one, goes on as it is: the replica refuses it."""
     try:
-        parsed = msgspec.json.decode(body)
-    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
+        # the other values stay raw bytes: a prompt of 128k token ids decoded into Python ints took 50-70 ms
+        fields = msgspec.json.decode(body, type=dict[str, msgspec.Raw])
+        params = msgspec.json.decode(fields.get("kv_transfer_params", b"null"))
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError):
         return body
-    if not isinstance(parsed, dict):
-        return body
-    params = parsed.get("kv_transfer_params")
     if params is None:
-        params = parsed["kv_transfer_params"] = {}
+        params = {}
     if not isinstance(params, dict):
         return body
     ours = params.get(PARAMS_KEY)
     params[PARAMS_KEY] = {**(ours if isinstance(ours, dict) else {}), "account": account, "account_tag": tag}
-    return msgspec.json.encode(parsed)
+    fields["kv_transfer_params"] = msgspec.Raw(msgspec.json.encode(params))
+    return msgspec.json.encode(fields)
