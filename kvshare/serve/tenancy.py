@@ -28,6 +28,8 @@ router names the account in the body it forwards, ``kv_transfer_params["kvshare"
 with ``account_tag``: an HMAC under a key the router and the replicas share (``$KVSHARE_ACCOUNT_KEY``).
 The connector takes an account only with a valid tag, so a client that reaches a replica directly
 cannot choose one; without it the request is charged to the shared account.
+It sets the request's ``cache_salt`` too, to ``vllm_cache_salt(namespace_salt(tenant, client's salt))``:
+vLLM and the connector salt by cache_salt alone, so the tenant must be in it.
 
 The NUL keeps the pairing one to one: a tenant identity never holds one (HTTP header values
 cannot; key identities are hex), so no (tenant, salt) pair and no bare tenant spell the same salt.
@@ -73,6 +75,18 @@ CACHE_SALT_SEPARATOR = "\0cache_salt="
 def namespace_salt(tenant: str, cache_salt: str | None) -> str:
     """Namespace.tenant_salt of a request: its tenant identity, split by its cache_salt when it sends one."""
     return tenant if cache_salt is None else tenant + CACHE_SALT_SEPARATOR + cache_salt
+
+
+VLLM_CACHE_SALT_PREFIX = "kvshare-"
+
+
+def vllm_cache_salt(salt: str) -> str | None:
+    """The cache_salt a vLLM replica gets for namespace salt ``salt`` (namespace_salt), None for "" (the shared
+    namespace). vLLM refuses a cache_salt over 128 characters or holding '@', '/', '\\' or NUL, which tenant
+    identities and namespace_salt hold, so it gets a digest: one to one as far as BLAKE2b-256 collides never."""
+    if not salt:
+        return None
+    return VLLM_CACHE_SALT_PREFIX + hashlib.blake2b(salt.encode("utf-8", "surrogatepass"), digest_size=32).hexdigest()
 
 
 def account_identity(api_key: str, header_value: str) -> str:

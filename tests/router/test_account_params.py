@@ -12,7 +12,7 @@ import pytest
 from aiohttp import web
 
 from kvshare.integrations.vllm.options import TransferParams
-from kvshare.router.accounts import with_account
+from kvshare.router.accounts import vllm_body
 from kvshare.router.proxy import RouterConfig, RouterServer
 from kvshare.serve.tenancy import account_identity, account_tag, key_tenant
 from tests.serve.live import LiveApp, call
@@ -85,13 +85,13 @@ def test_without_an_account_key_the_body_goes_on_untouched():
 
 @pytest.mark.parametrize("body", [b"not json", b"[1, 2]", b'{"kv_transfer_params": "x"}', b""])
 def test_a_body_the_replica_refuses_goes_on_as_it_is(body):
-    assert with_account(body, "a", "t") == body
+    assert vllm_body("POST", "/v1/completions", body, ("a", "t"), None) == body
 
 
 def test_an_empty_kv_transfer_params_gets_the_account():
     for body in (b'{"prompt": "x"}', b'{"prompt": "x", "kv_transfer_params": null}',
                  b'{"prompt": "x", "kv_transfer_params": {"kvshare": 3}}'):
-        assert json.loads(with_account(body, "a", "t")) == \
+        assert json.loads(vllm_body("POST", "/v1/completions", body, ("a", "t"), None)) == \
             {"prompt": "x", "kv_transfer_params": {"kvshare": {"account": "a", "account_tag": "t"}}}
 
 
