@@ -13,13 +13,11 @@ supervises the children (kvshare.supervisor): ``restart`` starts one again from 
 from __future__ import annotations
 
 import os
-import secrets
 import subprocess
 import tempfile
-import time
 from dataclasses import dataclass, field
 
-from kvshare.children import Child, ChildSpec, describe_exit, health_answer, start_child
+from kvshare.children import Child, ChildSpec, health_answer, start_child, wait_http_ready
 from kvshare.paths import point_to_pool, unpoint_pool
 from kvshare.placement import cpu_threads_env, find_vllm_python, gpu_memory_share, gpu_of_replica, starts_after
 from kvshare.pool.client import PoolUnavailable
@@ -40,13 +38,9 @@ class ClusterConfig:
     name: str = ""  # the pool's name for pool-stats / pool-admin --name (kvshare.paths); "": the port
     replica_args: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
-    # required by the router and every built-in replica (Authorization: Bearer KEY); vLLM replicas listen on
-    # loopback behind the router, which salts their requests per tenant (kvshare.router.accounts)
-    api_keys: tuple[str, ...] = ()
+    api_keys: tuple[str, ...] = ()  # required by the router and built-in replicas (vLLM's sit behind the router)
     tenant_header: str = ""  # replicas salt the pool namespace with this header's value (the router its prefix memory)
-    # vLLM replicas: the file of the key the router signs pool accounts with; "": $KVSHARE_ACCOUNT_KEY, else up
-    # writes a random one into the cluster's private directory
-    account_key_file: str = ""
+    account_key_file: str = ""  # vLLM replicas: the router's account key; "": $KVSHARE_ACCOUNT_KEY, else up's own
     provenance: str = "all"  # the replicas' --provenance: all for one user (demo, bench); own-tenant when shared
     model_revision: str = ""  # names the model's identity in every replica's namespace; "": its weights' bytes
     vllm_python: str | None = None
@@ -226,6 +220,7 @@ class Cluster:
         """vLLM replicas with a pool: the account key's file ("": $KVSHARE_ACCOUNT_KEY, which every child inherits).
         Without either, a random key in this cluster's private directory (0600 in a 0700 directory, removed on
         stop), so the router's accounts are taken by the connectors with no flag; never on a command line."""
+        from kvshare.credentials import write_new_secret
         from kvshare.serve.tenancy import ACCOUNT_KEY_ENV
 
         cfg = self.config
@@ -233,11 +228,7 @@ class Cluster:
             return ""
         if cfg.account_key_file or os.environ.get(ACCOUNT_KEY_ENV):
             return cfg.account_key_file
-        path = os.path.join(self._private_dir("secrets"), "account.key")
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_urlsafe(32))
-        return path
+        return write_new_secret(os.path.join(self._private_dir("secrets"), "account.key"))
 
     def _router_command(self, kv: list[str]) -> list[str]:
         """The router in front of the replicas; it authenticates. With vLLM replicas it salts each tenant's
@@ -301,14 +292,11 @@ class Cluster:
                 layout = preflight.model_layout(cfg.model, chunk_tokens)
                 preflight.check_pool_holds_a_page(size, extent, layout, cfg.model)
         if cfg.engine == "vllm":
-            from kvshare.credentials import read_secret
             from kvshare.integrations.vllm.launch import check_vllm_python
-            from kvshare.serve.tenancy import ACCOUNT_KEY_ENV, check_account_key
+            from kvshare.serve.tenancy import read_account_key
 
             try:
-                key = read_secret("account key", cfg.account_key_file, ACCOUNT_KEY_ENV)
-                if key:
-                    check_account_key(key)
+                read_account_key(cfg.account_key_file)
             except ValueError as exc:
                 raise UserError(str(exc)) from None
 
@@ -356,25 +344,6 @@ class Cluster:
 def _auth_args(cfg: ClusterConfig) -> list[str]:
     tenant = ["--tenant-header", cfg.tenant_header] if cfg.tenant_header else []
     return [arg for key in cfg.api_keys for arg in ("--api-key", key)] + tenant
-
-
-def wait_http_ready(url: str, proc: subprocess.Popen | None, timeout_s: float, name: str = "the server",
-                    instance_id: str | None = None) -> None:
-    """Poll ``url``/health until it answers 200 (as ``instance_id``, when given: the process just started, not
-    another that holds the port); raise if ``proc`` exits first or time runs out."""
-    deadline = time.monotonic() + timeout_s
-    other = ""
-    while True:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{name} at {url} exited ({describe_exit(proc.returncode)}) before it was ready{other}")
-        answer = health_answer(url, instance_id)
-        if answer == "ready":
-            return
-        if answer == "other":
-            other = f"; another server answers at {url} (not the {name} just started): its port is taken"
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{name} at {url} was not ready within {timeout_s} s{other}")
-        time.sleep(0.2)
 
 
 def free_port_block(count: int, host: str = "127.0.0.1", attempts: int = 200) -> int:

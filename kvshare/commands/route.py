@@ -92,11 +92,11 @@ def run(args: argparse.Namespace) -> int:
     from kvshare.router.proxy import RouterConfig, RouterServer
 
     from kvshare.credentials import read_secret
-    from kvshare.serve.tenancy import ACCOUNT_KEY_ENV
+    from kvshare.serve.tenancy import read_account_key
 
     try:
         admin_key = read_secret("admin key", args.admin_key_file, "KVSHARE_ADMIN_KEY", args.admin_key)
-        account_key = read_secret("account key", args.account_key_file, ACCOUNT_KEY_ENV)
+        account_key = read_account_key(args.account_key_file)
         config = RouterConfig(replicas=tuple(args.replica), policy=args.policy, host=args.host, port=args.port,
                               health_interval_s=args.health_interval, session_header=args.session_header,
                               session_ttl_s=args.session_ttl, api_keys=tuple(args.api_key),

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import msgspec
 
-from kvshare.serve.tenancy import namespace_salt, vllm_cache_salt
+from kvshare.serve.tenancy import account_tag, namespace_salt, vllm_cache_salt
 
 ACCOUNT_PATHS = ("/v1/completions", "/v1/chat/completions")  # the requests whose KV a replica stores
 PARAMS_KEY = "kvshare"  # the connector's entry in kv_transfer_params (kvshare.integrations.vllm.options)
@@ -33,11 +33,19 @@ class BodyRefused(ValueError):
         self.param = param
 
 
-def vllm_body(method: str, path: str, body: bytes, account: tuple[str, str] | None, tenant: str | None) -> bytes:
-    """The body a vLLM replica gets. ``account``: (account, tag) a completion names, None: none is signed;
-    ``tenant``: the authenticated tenant identity whose salt every POST /v1/ body carries, None: no tenants
-    (the client's cache_salt goes on). Raises BodyRefused where a tenant's body is not a JSON object."""
-    signs = account is not None and method == "POST" and path in ACCOUNT_PATHS
+def replica_salt(engine: str, tenant: str | None, cache_salt: str | None) -> str:
+    """The salt of a request's keys on a replica ("": none): what a built-in replica derives itself, what the
+    router writes for vLLM replicas with tenants, else (``tenant`` None) the client's own cache_salt."""
+    if engine != "vllm":
+        return namespace_salt(tenant or "", cache_salt)
+    return (cache_salt if tenant is None else vllm_cache_salt(namespace_salt(tenant, cache_salt))) or ""
+
+
+def vllm_body(method: str, path: str, body: bytes, key: str, account: str, tenant: str | None) -> bytes:
+    """The body a vLLM replica gets. ``key``: the account key, with which a completion names ``account``
+    ("": none is signed); ``tenant``: the authenticated tenant identity whose salt every POST /v1/ body carries,
+    None: no tenants (the client's cache_salt goes on). Raises BodyRefused where a tenant's body cannot carry it."""
+    signs = bool(key) and method == "POST" and path in ACCOUNT_PATHS
     salts = tenant is not None and method == "POST" and path.startswith("/v1/")  # any endpoint vLLM salts
     if not (signs or salts):
         return body
@@ -50,7 +58,7 @@ def vllm_body(method: str, path: str, body: bytes, account: tuple[str, str] | No
         return body  # the replica refuses it
     if salts:
         _salt(fields, tenant)
-    if signs and not _sign(fields, *account):
+    if signs and not _sign(fields, account, account_tag(key, account)):
         if salts:
             raise BodyRefused("kv_transfer_params must be a JSON object", param="kv_transfer_params")
         return body

@@ -26,7 +26,7 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from kvshare.router.accounts import BodyRefused, vllm_body
+from kvshare.router.accounts import BodyRefused, replica_salt, vllm_body
 from kvshare.router.policy import POLICIES, ReplicaView, RouteFacts, Router, prefix_blocks
 from kvshare.router.event_feed import attach_pool_aware
 from kvshare.router.pool_aware import PoolAwareConfig
@@ -35,8 +35,7 @@ from kvshare.serve.metrics import LATENCY_BUCKETS
 from kvshare.serve.http_errors import body_too_large, error_response, http_error
 from kvshare.serve.connection import is_gone, limit_send_buffer
 from kvshare.serve.server import version
-from kvshare.serve.tenancy import Unauthorized, account_identity, account_tag, check_account_key, check_api_key
-from kvshare.serve.tenancy import namespace_salt, tenant_identity, vllm_cache_salt
+from kvshare.serve.tenancy import Unauthorized, account_identity, check_account_key, check_api_key, tenant_identity
 
 log = logging.getLogger("kvshare.router")
 _HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "content-encoding"}
@@ -64,8 +63,7 @@ class RouterConfig:
     expose_replica_header: bool = False  # X-KVShare-Replica on responses: says which replica holds a prefix
     pool_aware: PoolAwareConfig | None = None  # the pool's KV events, for --policy pool_aware
     account_key: str = ""  # --account-key-file: completions name their pool account for vLLM (router.accounts)
-    # --engine: what the replicas run. vLLM replicas see no tenant, so with tenants the router salts their bodies
-    engine: str = "builtin"
+    engine: str = "builtin"  # --engine: what the replicas run; vllm: the router salts tenants' bodies (accounts)
 
     def __post_init__(self) -> None:
         if not self.replicas:
@@ -264,7 +262,8 @@ class RouterServer:
             text = parsed.prompt if isinstance(parsed.prompt, str) else msgspec.json.encode(parsed.prompt).decode()
         if not hashes:
             return RouteFacts(session_id=session, chat_turn=turn, prefix_blocks=())
-        salt = self._replica_salt(request, parsed.cache_salt if isinstance(parsed.cache_salt, str) else None)
+        salt = replica_salt(self.config.engine, self._salted_tenant(request),
+                            parsed.cache_salt if isinstance(parsed.cache_salt, str) else None)
         if self.pool_aware is not None:
             return RouteFacts(session_id=session, chat_turn=turn, cache_salt=salt or None,
                               prompt_ids=self.pool_aware.prompt_ids(parsed.prompt, parsed.messages))
@@ -280,32 +279,21 @@ class RouterServer:
         """The request's tenant identity, as the replicas derive it."""
         return tenant_identity(*self._credentials(request))
 
-    @property
-    def _salts_for_vllm(self) -> bool:
-        """Whether the router writes each request's cache_salt: vLLM replicas with tenants (keys or a header)."""
+    def _salted_tenant(self, request: web.Request) -> str | None:
+        """The tenant whose salt the replica's keys carry; None: vLLM replicas without tenants (the client's salt)."""
         cfg = self.config
-        return cfg.engine == "vllm" and bool(cfg.api_keys or cfg.tenant_header)
-
-    def _replica_salt(self, request: web.Request, cache_salt: str | None) -> str:
-        """The salt of the replica's keys for a request ("" for none): what the built-in replica derives from the
-        headers, the cache_salt the router writes for vLLM replicas with tenants, else the client's own."""
-        if self.config.engine == "builtin":
-            return namespace_salt(self._tenant(request), cache_salt)
-        if self._salts_for_vllm:
-            return vllm_cache_salt(namespace_salt(self._tenant(request), cache_salt)) or ""
-        return cache_salt or ""
+        return None if cfg.engine == "vllm" and not (cfg.api_keys or cfg.tenant_header) else self._tenant(request)
 
     def _forwarded_body(self, request: web.Request, body: bytes) -> bytes:
-        """The body a replica gets: for vLLM replicas, with the account signed and the tenant's cache_salt
-        (kvshare.router.accounts); a body that cannot carry them is refused (400)."""
+        """The body a replica gets: to vLLM replicas, with the account signed and the tenant's cache_salt
+        (kvshare.router.accounts, the same headers built-in replicas read); one that cannot carry them: 400."""
         cfg = self.config
-        if not (cfg.account_key or self._salts_for_vllm):
+        tenant = self._salted_tenant(request) if cfg.engine == "vllm" else None
+        if not (cfg.account_key or tenant is not None):
             return body
-        account = account_identity(*self._credentials(request))  # the account built-in replicas derive
         try:
-            return vllm_body(request.method, request.path, body,
-                             (account, account_tag(cfg.account_key, account)) if cfg.account_key else None,
-                             self._tenant(request) if self._salts_for_vllm else None)
+            return vllm_body(request.method, request.path, body, cfg.account_key,
+                             account_identity(*self._credentials(request)), tenant)
         except BodyRefused as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
 

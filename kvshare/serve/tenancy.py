@@ -106,6 +106,15 @@ def check_account_key(key: str) -> str:
     return key
 
 
+def read_account_key(file: str = "") -> str:
+    """The key the router signs vLLM pool accounts with, from ``file``, else $KVSHARE_ACCOUNT_KEY; "" when neither
+    is set. Raises ValueError (one line) for an unreadable or short key."""
+    from kvshare.credentials import read_secret
+
+    key = read_secret("account key", file, ACCOUNT_KEY_ENV)
+    return check_account_key(key) if key else ""
+
+
 def account_tag(key: str, account: str) -> str:
     """The router's proof that it named ``account``: HMAC-SHA256 under the shared account key, in hex."""
     return hmac.new(key.encode(), b"kvshare-account\0" + account.encode(), hashlib.sha256).hexdigest()

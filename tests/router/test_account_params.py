@@ -85,14 +85,15 @@ def test_without_an_account_key_the_body_goes_on_untouched():
 
 @pytest.mark.parametrize("body", [b"not json", b"[1, 2]", b'{"kv_transfer_params": "x"}', b""])
 def test_a_body_the_replica_refuses_goes_on_as_it_is(body):
-    assert vllm_body("POST", "/v1/completions", body, ("a", "t"), None) == body
+    assert vllm_body("POST", "/v1/completions", body, ACCOUNT_KEY, "a", None) == body
 
 
 def test_an_empty_kv_transfer_params_gets_the_account():
+    tag = account_tag(ACCOUNT_KEY, "a")
     for body in (b'{"prompt": "x"}', b'{"prompt": "x", "kv_transfer_params": null}',
                  b'{"prompt": "x", "kv_transfer_params": {"kvshare": 3}}'):
-        assert json.loads(vllm_body("POST", "/v1/completions", body, ("a", "t"), None)) == \
-            {"prompt": "x", "kv_transfer_params": {"kvshare": {"account": "a", "account_tag": "t"}}}
+        assert json.loads(vllm_body("POST", "/v1/completions", body, ACCOUNT_KEY, "a", None)) == \
+            {"prompt": "x", "kv_transfer_params": {"kvshare": {"account": "a", "account_tag": tag}}}
 
 
 def test_the_account_key_must_be_long_enough():

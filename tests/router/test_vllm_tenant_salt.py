@@ -121,9 +121,9 @@ def test_a_body_that_cannot_carry_the_tenants_salt_never_reaches_the_replica(raw
 
 def test_only_posts_under_v1_are_salted():
     body = b'{"prompt": "x", "cache_salt": "s"}'
-    assert vllm_body("POST", "/tokenize", body, None, "acme") == body  # computes no KV
-    assert vllm_body("GET", "/v1/models", b"", None, "acme") == b""
-    assert json.loads(vllm_body("POST", "/v1/completions", body, None, "acme"))["cache_salt"] == \
+    assert vllm_body("POST", "/tokenize", body, "", "", "acme") == body  # computes no KV
+    assert vllm_body("GET", "/v1/models", b"", "", "", "acme") == b""
+    assert json.loads(vllm_body("POST", "/v1/completions", body, "", "", "acme"))["cache_salt"] == \
         vllm_cache_salt(namespace_salt("acme", "s"))
 
 

@@ -110,11 +110,9 @@ def _log_through_vllm() -> None:
 def _account_key(config: ConnectorConfig) -> str:
     """The key the router signs accounts with (kvshare.serve.tenancy), from its file or $KVSHARE_ACCOUNT_KEY;
     "" when neither is set: every request is charged to the model's shared account."""
-    from kvshare.credentials import read_secret
-    from kvshare.serve.tenancy import ACCOUNT_KEY_ENV, check_account_key
+    from kvshare.serve.tenancy import read_account_key
 
-    key = read_secret("account key", config.account_key_file, ACCOUNT_KEY_ENV)
-    return check_account_key(key) if key else ""
+    return read_account_key(config.account_key_file)
 
 
 class KVShareConnector(KVConnectorBase_V1):

@@ -17,24 +17,26 @@ PYTHON = vllm_python()
 pytestmark = vllm_suite_marks()
 
 
-API_KEY = "key-of-one-tenant-0123"
+API_KEY, OTHER_KEY = "key-of-one-tenant-0123", "key-of-another-tenant-4567"
 
 
-def _complete(url: str, prompt: str, **extra) -> dict:
+def _complete(url: str, prompt: str, key: str = API_KEY, **extra) -> dict:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 1, **extra}
     req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
+                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
     with urllib.request.urlopen(req, timeout=300) as resp:
         return json.loads(resp.read())
 
 
 def test_up_with_vllm_replicas_shares_the_pool_through_the_router(monkeypatch):
-    """With an account key the router and the replicas share, every salt of one API key is charged to one
-    account. Fails when the connector reserves with no account: each cache_salt's namespace is its own owner."""
-    monkeypatch.setenv("KVSHARE_ACCOUNT_KEY", "account-key-of-this-cluster-0123")  # the children inherit it
+    """With the account key up writes itself, every salt of one API key is charged to one account, and another
+    key's same prompt reuses nothing, in the pool or vLLM's prefix cache. Fails when the connector reserves with
+    no account (each cache_salt's namespace is its own owner), or when the router forwards the client's
+    cache_salt: the other key's request then reuses the first key's blocks."""
+    monkeypatch.delenv("KVSHARE_ACCOUNT_KEY", raising=False)
     cluster = Cluster(ClusterConfig(engine="vllm", vllm_python=PYTHON, model="tiny", num_replicas=2,
                                     policy="round_robin", port=free_port_block(3), pool_size="1GiB",
-                                    ready_timeout_s=400, router_args=("--api-key", API_KEY)))
+                                    ready_timeout_s=400, api_keys=(API_KEY, OTHER_KEY)))
     cluster.start()
     try:
         children = [psutil.Process(p.pid) for p in cluster.processes.values()]
@@ -53,6 +55,9 @@ def test_up_with_vllm_replicas_shares_the_pool_through_the_router(monkeypatch):
             held = client.list_namespaces()
         assert len(held.namespaces) == 3, held  # no salt, s1, s2
         assert [row.num_bytes for row in held.accounts] == [sum(row.num_bytes for row in held.namespaces)], held
+        other = _complete(cluster.router_url, prompt, key=OTHER_KEY)  # both replicas hold the prompt by now
+        assert other["kv_transfer_params"]["kvshare"]["pool_tokens"] == 0
+        assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     finally:
         cluster.stop()
     family = [c for c in children if c.is_running()]
