@@ -18,6 +18,7 @@ import secrets
 import signal
 import subprocess
 import threading
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -115,3 +116,22 @@ def health_answer(url: str, instance_id: str | None, timeout_s: float = 2.0) -> 
     except (urllib.error.URLError, OSError, ValueError):
         return "no"
     return "ready" if isinstance(body, dict) and body.get("instance_id") == instance_id else "other"
+
+
+def wait_http_ready(url: str, proc: subprocess.Popen | None, timeout_s: float, name: str = "the server",
+                    instance_id: str | None = None) -> None:
+    """Poll ``url``/health until it answers 200 (as ``instance_id``, when given: the process just started, not
+    another that holds the port); raise if ``proc`` exits first or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    other = ""
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{name} at {url} exited ({describe_exit(proc.returncode)}) before it was ready{other}")
+        answer = health_answer(url, instance_id)
+        if answer == "ready":
+            return
+        if answer == "other":
+            other = f"; another server answers at {url} (not the {name} just started): its port is taken"
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{name} at {url} was not ready within {timeout_s} s{other}")
+        time.sleep(0.2)

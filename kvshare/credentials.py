@@ -32,3 +32,12 @@ def read_secret(what: str, file: str = "", env: str = "", value: str = "") -> st
     if secret != secret.strip():
         raise ValueError(f"the {what} from {source} has surrounding spaces")
     return secret
+
+
+def write_new_secret(path: str) -> str:
+    """``path``, a new file (mode 0600, refused if it exists) holding a random 32-byte secret, URL-safe base64."""
+    import secrets
+
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        f.write(secrets.token_urlsafe(32))
+    return path

@@ -15,10 +15,9 @@ from __future__ import annotations
 import os
 import subprocess
 import tempfile
-import time
 from dataclasses import dataclass, field
 
-from kvshare.children import Child, ChildSpec, describe_exit, health_answer, start_child
+from kvshare.children import Child, ChildSpec, health_answer, start_child, wait_http_ready
 from kvshare.paths import point_to_pool, unpoint_pool
 from kvshare.placement import cpu_threads_env, find_vllm_python, gpu_memory_share, gpu_of_replica, starts_after
 from kvshare.pool.client import PoolUnavailable
@@ -39,8 +38,9 @@ class ClusterConfig:
     name: str = ""  # the pool's name for pool-stats / pool-admin --name (kvshare.paths); "": the port
     replica_args: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
-    api_keys: tuple[str, ...] = ()  # required by the router and every replica (Authorization: Bearer KEY)
+    api_keys: tuple[str, ...] = ()  # required by the router and built-in replicas (vLLM's sit behind the router)
     tenant_header: str = ""  # replicas salt the pool namespace with this header's value (the router its prefix memory)
+    account_key_file: str = ""  # vLLM replicas: the router's account key; "": $KVSHARE_ACCOUNT_KEY, else up's own
     provenance: str = "all"  # the replicas' --provenance: all for one user (demo, bench); own-tenant when shared
     model_revision: str = ""  # names the model's identity in every replica's namespace; "": its weights' bytes
     vllm_python: str | None = None
@@ -65,9 +65,8 @@ class ClusterConfig:
             raise ValueError(f"unknown engine {self.engine!r}; choose builtin or vllm")
         if self.tensor_parallel_size != 1 and (self.engine != "vllm" or self.tensor_parallel_size < 1):
             raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size}: vLLM replicas only, at least 1")
-        if self.engine == "vllm" and (self.api_keys or self.tenant_header):
-            raise ValueError("--api-key and --tenant-header apply to built-in replicas; for vLLM pass its own "
-                             "--api-key with --replica-arg (tenants: the request's cache_salt)")
+        if self.account_key_file and self.engine != "vllm":
+            raise ValueError("--account-key-file: vLLM replicas' pool accounts; built-in replicas derive their own")
 
         devices = self.device.split(",")
         if self.engine == "vllm" and len(devices) > 1 and "cpu" in devices:
@@ -80,8 +79,13 @@ class ClusterConfig:
                 raise ValueError(f"--device takes cpu, cuda, cuda:N or a comma list of them (one per replica, cycled), "
                                  f"got {self.device!r}")
 
+    @property
+    def replica_host(self) -> str:
+        """Where replicas listen: vLLM replicas check no key of their own, so only the router reaches them."""
+        return "127.0.0.1" if self.engine == "vllm" else self.host
+
     def replica_url(self, i: int) -> str:
-        return f"http://{self.host}:{self.port + 1 + i}"
+        return f"http://{self.replica_host}:{self.port + 1 + i}"
 
     @property
     def router_url(self) -> str:
@@ -95,6 +99,7 @@ class Cluster:
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     children: dict[str, Child] = field(default_factory=dict)  # how each was started, its output
     _tmp: tempfile.TemporaryDirectory | None = None
+    account_key_file: str = ""  # vLLM replicas: the file the router and the connectors read the account key from
 
     @property
     def router_url(self) -> str:
@@ -125,6 +130,7 @@ class Cluster:
                 # so kvshare pool-stats / pool-admin find it with no --socket
                 point_to_pool(self.config.pool_name, self.pool_socket)
                 _say(progress, "pool ready")
+            self.account_key_file = self._account_key_file()
             ready: set[int] = set()
             for i in range(cfg.num_replicas):
                 for j in starts_after(cfg, i):
@@ -139,11 +145,8 @@ class Cluster:
                 if i not in ready:
                     self._wait_http(f"replica{i}")
                     _say(progress, f"replica {i} ready at {url}")
-            self._spawn(ChildSpec("router", (*kv, "route", "--policy", cfg.policy, "--host", cfg.host,
-                                             "--port", str(cfg.port),
-                                             *sum((["--replica", u] for u in self.replica_urls), []),
-                                             *_auth_args(cfg), *cfg.router_args),
-                                  kvshare_env(), url=self.router_url, takes_instance_id=True))
+            self._spawn(ChildSpec("router", tuple(self._router_command(kv)), kvshare_env(), url=self.router_url,
+                                  takes_instance_id=True))
             self._wait_http("router")
             _say(progress, f"router ready at {self.router_url}")
         except BaseException:
@@ -189,7 +192,7 @@ class Cluster:
             if device.startswith("cuda:"):  # vLLM takes its GPU from CUDA_VISIBLE_DEVICES, as cuda
                 visible = device[len("cuda:"):]
             spec = vllm_server_command(VllmServerConfig(
-                model=self._vllm_model_dir(), port=port, host=cfg.host, pool_socket=self.pool_socket,
+                model=self._vllm_model_dir(), port=port, host=cfg.replica_host, pool_socket=self.pool_socket,
                 python=cfg.vllm_python or find_vllm_python(), served_model_name=self._served_name(),
                 replica=f"replica{i}", chunk_tokens=DEFAULT_CHUNK_TOKENS,
                 max_num_batched_tokens=None if on_gpu else DEFAULT_CHUNK_TOKENS, extra_args=cfg.replica_args,
@@ -198,7 +201,7 @@ class Cluster:
                 gpu_memory_utilization=gpu_memory_share(cfg, i) if on_gpu else None,
                 model_revision=cfg.model_revision,
                 kv_events_port=None if cfg.replica_kv_events_port is None else cfg.replica_kv_events_port + i,
-                tmp_dir=self._private_dir(f"replica{i}-tmp"),
+                tmp_dir=self._private_dir(f"replica{i}-tmp"), account_key_file=self.account_key_file,
             ))
             if visible is not None:
                 spec.env["CUDA_VISIBLE_DEVICES"] = visible
@@ -214,6 +217,30 @@ class Cluster:
         if visible is not None:
             env["CUDA_VISIBLE_DEVICES"] = visible
         return args, env
+
+    def _account_key_file(self) -> str:
+        """vLLM replicas with a pool: the account key's file ("": $KVSHARE_ACCOUNT_KEY, which every child inherits).
+        Without either, a random key in this cluster's private directory (0600 in a 0700 directory, removed on
+        stop), so the router's accounts are taken by the connectors with no flag; never on a command line."""
+        from kvshare.credentials import write_new_secret
+        from kvshare.serve.tenancy import ACCOUNT_KEY_ENV
+
+        cfg = self.config
+        if cfg.engine != "vllm" or self.pool_socket is None:
+            return ""
+        if cfg.account_key_file or os.environ.get(ACCOUNT_KEY_ENV):
+            return cfg.account_key_file
+        return write_new_secret(os.path.join(self._private_dir("secrets"), "account.key"))
+
+    def _router_command(self, kv: list[str]) -> list[str]:
+        """The router in front of the replicas; it authenticates. With vLLM replicas it salts each tenant's
+        requests itself and signs their pool accounts (kvshare.router.accounts)."""
+        cfg = self.config
+        engine = ["--engine", cfg.engine] if cfg.engine != "builtin" else []
+        account = ["--account-key-file", self.account_key_file] if self.account_key_file else []
+        return [*kv, "route", "--policy", cfg.policy, "--host", cfg.host, "--port", str(cfg.port),
+                *sum((["--replica", u] for u in self.replica_urls), []), *_auth_args(cfg), *engine, *account,
+                *cfg.router_args]
 
     def _private_dir(self, name: str) -> str:
         """A directory of this cluster's own, removed when it stops (with whatever its children left there)."""
@@ -252,8 +279,8 @@ class Cluster:
 
         cfg = self.config
         preflight.check_model(cfg.model)
-        preflight.check_ports_free(cfg.host, {cfg.port: "the router", **{
-            cfg.port + 1 + i: f"replica{i}" for i in range(cfg.num_replicas)}})
+        preflight.check_ports_free(cfg.host, {cfg.port: "the router"})
+        preflight.check_ports_free(cfg.replica_host, {cfg.port + 1 + i: f"replica{i}" for i in range(cfg.num_replicas)})
         if cfg.pool_size is not None:
             try:
                 size = parse_size(str(cfg.pool_size))
@@ -268,6 +295,12 @@ class Cluster:
                 preflight.check_pool_holds_a_page(size, extent, layout, cfg.model)
         if cfg.engine == "vllm":
             from kvshare.integrations.vllm.launch import check_vllm_python
+            from kvshare.serve.tenancy import read_account_key
+
+            try:
+                read_account_key(cfg.account_key_file)
+            except ValueError as exc:
+                raise UserError(str(exc)) from None
 
             problem = check_vllm_python(cfg.vllm_python or find_vllm_python())
             if problem:
@@ -313,25 +346,6 @@ class Cluster:
 def _auth_args(cfg: ClusterConfig) -> list[str]:
     tenant = ["--tenant-header", cfg.tenant_header] if cfg.tenant_header else []
     return [arg for key in cfg.api_keys for arg in ("--api-key", key)] + tenant
-
-
-def wait_http_ready(url: str, proc: subprocess.Popen | None, timeout_s: float, name: str = "the server",
-                    instance_id: str | None = None) -> None:
-    """Poll ``url``/health until it answers 200 (as ``instance_id``, when given: the process just started, not
-    another that holds the port); raise if ``proc`` exits first or time runs out."""
-    deadline = time.monotonic() + timeout_s
-    other = ""
-    while True:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{name} at {url} exited ({describe_exit(proc.returncode)}) before it was ready{other}")
-        answer = health_answer(url, instance_id)
-        if answer == "ready":
-            return
-        if answer == "other":
-            other = f"; another server answers at {url} (not the {name} just started): its port is taken"
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{name} at {url} was not ready within {timeout_s} s{other}")
-        time.sleep(0.2)
 
 
 def free_port_block(count: int, host: str = "127.0.0.1", attempts: int = 200) -> int:

@@ -67,3 +67,91 @@ def test_vllm_replicas_leave_their_rendezvous_files_in_a_directory_the_cluster_r
     assert oct(os.stat(cluster._tmp.name).st_mode & 0o777) == "0o700"
     cluster.stop()
     assert not any(os.path.exists(d) for d in dirs)
+
+
+def _vllm_cluster(tmp_path, **fields) -> Cluster:
+    cluster = Cluster(ClusterConfig(engine="vllm", model=str(tmp_path), **fields))
+    cluster.pool_socket = str(tmp_path / "pool.sock")
+    cluster.account_key_file = cluster._account_key_file()
+    return cluster
+
+
+def _connector_extra(argv: list[str]) -> dict:
+    return json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+
+
+def test_vllm_tenants_authenticate_at_the_router_with_a_key_up_writes_itself(tmp_path, monkeypatch):
+    """Fails when up refuses --api-key / --tenant-header with vLLM replicas, or leaves the router unaware of
+    the engine behind it (it would not salt the tenants' requests) or without the account key."""
+    monkeypatch.delenv("KVSHARE_ACCOUNT_KEY", raising=False)
+    cluster = _vllm_cluster(tmp_path, host="0.0.0.0", api_keys=("key-a-0123456789",), tenant_header="X-Tenant")
+    try:
+        path = cluster.account_key_file
+        assert path.startswith(cluster._tmp.name + os.sep)  # the cluster's private directory, removed on stop
+        assert oct(os.stat(path).st_mode & 0o777) == "0o600"
+        with open(path) as f:
+            key = f.read()
+        assert len(key) >= 32
+        router = cluster._router_command([])
+        flags = {router[i]: router[i + 1] for i in range(len(router) - 1) if router[i].startswith("--")}
+        assert flags["--api-key"] == "key-a-0123456789" and flags["--tenant-header"] == "X-Tenant"
+        assert flags["--engine"] == "vllm" and flags["--account-key-file"] == path
+        assert flags["--host"] == "0.0.0.0"  # the router faces the clients ...
+        for i in range(2):
+            argv, env = cluster._replica_command(i, [])
+            assert argv[argv.index("--host") + 1] == "127.0.0.1"  # ... the replicas only it
+            assert _connector_extra(argv)["account_key_file"] == path
+            assert "key-a-0123456789" not in argv and key not in " ".join(argv + router)  # never a command line
+            assert key not in env.values()
+        assert cluster.replica_urls[0].startswith("http://127.0.0.1:")
+    finally:
+        cluster.stop()
+    assert not os.path.exists(path)
+
+
+def test_a_users_account_key_wins_over_the_one_up_writes(tmp_path, monkeypatch):
+    import pytest
+
+    monkeypatch.delenv("KVSHARE_ACCOUNT_KEY", raising=False)
+    given = tmp_path / "account.key"
+    given.write_text("a-key-the-user-chose-0123")
+    cluster = _vllm_cluster(tmp_path, account_key_file=str(given))
+    assert cluster.account_key_file == str(given) and cluster._tmp is None  # nothing written
+    assert _connector_extra(cluster._replica_command(0, [])[0])["account_key_file"] == str(given)
+    router = cluster._router_command([])
+    assert router[router.index("--account-key-file") + 1] == str(given)
+    cluster.stop()
+    monkeypatch.setenv("KVSHARE_ACCOUNT_KEY", "a-key-in-the-environment-01")  # every child inherits it
+    from_env = _vllm_cluster(tmp_path)
+    assert from_env.account_key_file == "" and "--account-key-file" not in from_env._router_command([])
+    assert "account_key_file" not in _connector_extra(from_env._replica_command(0, [])[0])
+    from_env.stop()
+    with pytest.raises(ValueError, match="--account-key-file: vLLM replicas"):
+        ClusterConfig(account_key_file=str(given))
+    builtin = Cluster(ClusterConfig(api_keys=("key-a-0123456789",)))
+    assert "--engine" not in builtin._router_command([])  # built-in replicas salt themselves
+
+
+def test_up_with_vllm_takes_api_keys_and_a_tenant_header(tmp_path, monkeypatch):
+    """`kvshare up --engine vllm --api-key K --tenant-header H` parses and reaches the cluster as given."""
+    import pytest
+
+    import kvshare.launch
+    from kvshare.cli import build_parser
+    from kvshare.commands import up
+    from kvshare.errors import UserError
+
+    seen = []
+
+    class _Stop(Cluster):
+        def start(self, progress=None):
+            seen.append(self.config)
+            raise RuntimeError("not started in this test")
+
+    monkeypatch.setattr(kvshare.launch, "Cluster", _Stop)
+    monkeypatch.setattr("signal.signal", lambda *_: None)  # up's Ctrl-C handler would outlive the test
+    args = build_parser().parse_args(["up", "--engine", "vllm", "--model", str(tmp_path), "--api-key",
+                                      "key-a-0123456789", "--tenant-header", "X-Tenant", "--port", "18080"])
+    with pytest.raises(UserError, match="not started in this test"):
+        up.run(args)
+    assert seen[0].api_keys == ("key-a-0123456789",) and seen[0].tenant_header == "X-Tenant"

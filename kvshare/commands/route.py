@@ -26,6 +26,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--admin-key", default="", help="the admin key itself (visible in ps: prefer --admin-key-file)")
     p.add_argument("--tenant-header", default="",
                    help="the replicas' --tenant-header: cache_aware remembers prefixes per tenant, as the pool does")
+    p.add_argument("--account-key-file", default="", metavar="PATH",
+                   help="vLLM replicas: file holding the key (default: $KVSHARE_ACCOUNT_KEY) the router signs each "
+                        "completion's pool account with (the API key, else the tenant header), written into "
+                        "kv_transfer_params; the replicas' connector takes the same key. Default: none, and vLLM "
+                        "replicas charge every request to one shared account")
+    p.add_argument("--engine", choices=("builtin", "vllm"), default="builtin",
+                   help="what the replicas run. vllm: with --api-key or --tenant-header the router sets each "
+                        "request's cache_salt to its tenant's (the client's cache_salt splits only its own share), "
+                        "since vLLM replicas see no tenant; built-in replicas salt themselves. Default builtin")
     p.add_argument("--expose-replica-header", action="store_true",
                    help="add X-KVShare-Replica (the replica that served) to responses: it tells a client where a "
                         "prefix lives, so it is off by default")
@@ -87,15 +96,18 @@ def run(args: argparse.Namespace) -> int:
     from kvshare.router.proxy import RouterConfig, RouterServer
 
     from kvshare.credentials import read_secret
+    from kvshare.serve.tenancy import read_account_key
 
     try:
         admin_key = read_secret("admin key", args.admin_key_file, "KVSHARE_ADMIN_KEY", args.admin_key)
+        account_key = read_account_key(args.account_key_file)
         config = RouterConfig(replicas=tuple(args.replica), policy=args.policy, host=args.host, port=args.port,
                               health_interval_s=args.health_interval, session_header=args.session_header,
                               session_ttl_s=args.session_ttl, api_keys=tuple(args.api_key),
                               write_timeout_s=args.write_timeout, instance_id=args.instance_id, admin_key=admin_key,
                               tenant_header=args.tenant_header, expose_replica_header=args.expose_replica_header,
-                              pool_aware=_pool_aware_config(args))
+                              pool_aware=_pool_aware_config(args), account_key=account_key,
+                              engine=args.engine)
     except ValueError as exc:
         raise UserError(str(exc)) from None
     check_ports_free(config.host, {config.port: "the router"})

@@ -45,9 +45,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pool-arg", action="append", default=[], help="extra argument for the pool (repeatable)")
     p.add_argument("--router-arg", action="append", default=[], help="extra argument for the router (repeatable)")
     p.add_argument("--api-key", action="append", default=[],
-                   help="require this bearer token at the router and every replica (repeatable)")
+                   help="require this bearer token at the router and every built-in replica (repeatable; vLLM "
+                        "replicas listen on loopback behind the router, which salts each key's requests)")
     p.add_argument("--tenant-header", default="",
                    help="header whose value salts the pool namespace per tenant (e.g. X-Tenant-ID)")
+    p.add_argument("--account-key-file", default="", metavar="PATH",
+                   help="--engine vllm: file holding the key the router signs each request's pool account with and "
+                        "the replicas' connector checks (default: $KVSHARE_ACCOUNT_KEY, else a random key up writes "
+                        "into its private runtime directory)")
     p.add_argument("--admin-key-file", default="", metavar="PATH",
                    help="file holding the key the router's /admin/ needs (default: $KVSHARE_ADMIN_KEY)")
     p.add_argument("--provenance", choices=("off", "own-tenant", "all"), default="all",
@@ -123,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
                                replica_args=replica_args, pool_args=tuple(args.pool_arg) + pool_events,
                                router_args=router_args + router_events, api_keys=tuple(args.api_key),
                                tenant_header=args.tenant_header, provenance=args.provenance,
+                               account_key_file=args.account_key_file,
                                model_revision=args.model_revision, replica_kv_events_port=args.replica_kv_events_port)
         policy = RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window)
     except ValueError as exc:

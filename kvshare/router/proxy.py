@@ -26,6 +26,7 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from kvshare.router.accounts import BodyRefused, replica_salt, vllm_body
 from kvshare.router.policy import POLICIES, ReplicaView, RouteFacts, Router, prefix_blocks
 from kvshare.router.event_feed import attach_pool_aware
 from kvshare.router.pool_aware import PoolAwareConfig
@@ -34,7 +35,7 @@ from kvshare.serve.metrics import LATENCY_BUCKETS
 from kvshare.serve.http_errors import body_too_large, error_response, http_error
 from kvshare.serve.connection import is_gone, limit_send_buffer
 from kvshare.serve.server import version
-from kvshare.serve.tenancy import Unauthorized, check_api_key, namespace_salt, tenant_identity
+from kvshare.serve.tenancy import Unauthorized, account_identity, check_account_key, check_api_key, tenant_identity
 
 log = logging.getLogger("kvshare.router")
 _HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "content-encoding"}
@@ -61,6 +62,8 @@ class RouterConfig:
     tenant_header: str = ""  # the replicas' --tenant-header: with the API key it seeds cache_aware's prefix memory
     expose_replica_header: bool = False  # X-KVShare-Replica on responses: says which replica holds a prefix
     pool_aware: PoolAwareConfig | None = None  # the pool's KV events, for --policy pool_aware
+    account_key: str = ""  # --account-key-file: completions name their pool account for vLLM (router.accounts)
+    engine: str = "builtin"  # --engine: what the replicas run; vllm: the router salts tenants' bodies (accounts)
 
     def __post_init__(self) -> None:
         if not self.replicas:
@@ -75,6 +78,10 @@ class RouterConfig:
             raise ValueError(f"write_timeout_s must be positive, got {self.write_timeout_s}")
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if self.account_key:
+            check_account_key(self.account_key)
+        if self.engine not in ("builtin", "vllm"):
+            raise ValueError(f"unknown engine {self.engine!r}; choose builtin or vllm")
         if self.policy == "pool_aware" and self.pool_aware is None:
             raise ValueError("--policy pool_aware needs the pool's KV events: --kv-events ENDPOINT")
 
@@ -255,22 +262,45 @@ class RouterServer:
             text = parsed.prompt if isinstance(parsed.prompt, str) else msgspec.json.encode(parsed.prompt).decode()
         if not hashes:
             return RouteFacts(session_id=session, chat_turn=turn, prefix_blocks=())
-        salt = namespace_salt(self._tenant(request), parsed.cache_salt if isinstance(parsed.cache_salt, str) else None)
+        salt = replica_salt(self.config.engine, self._salted_tenant(request),
+                            parsed.cache_salt if isinstance(parsed.cache_salt, str) else None)
         if self.pool_aware is not None:
             return RouteFacts(session_id=session, chat_turn=turn, cache_salt=salt or None,
                               prompt_ids=self.pool_aware.prompt_ids(parsed.prompt, parsed.messages))
         return RouteFacts(session_id=session, chat_turn=turn, prefix_blocks=prefix_blocks(text, salt=salt))
 
-    def _tenant(self, request: web.Request) -> str:
-        """The request's tenant identity, as the replicas derive it (the guard has checked its key)."""
+    def _credentials(self, request: web.Request) -> tuple[str, str]:
+        """(API key, tenant header value) of a request, "" where not configured (the guard has checked its key)."""
         cfg = self.config
         header_value = request.headers.get(cfg.tenant_header, "") if cfg.tenant_header else ""
-        api_key = check_api_key(request.headers, cfg.api_keys) if cfg.api_keys else ""
-        return tenant_identity(api_key, header_value)
+        return check_api_key(request.headers, cfg.api_keys) if cfg.api_keys else "", header_value
+
+    def _tenant(self, request: web.Request) -> str:
+        """The request's tenant identity, as the replicas derive it."""
+        return tenant_identity(*self._credentials(request))
+
+    def _salted_tenant(self, request: web.Request) -> str | None:
+        """The tenant whose salt the replica's keys carry; None: vLLM replicas without tenants (the client's salt)."""
+        cfg = self.config
+        return None if cfg.engine == "vllm" and not (cfg.api_keys or cfg.tenant_header) else self._tenant(request)
+
+    def _forwarded_body(self, request: web.Request, body: bytes) -> bytes:
+        """The body a replica gets: to vLLM replicas, with the account signed and the tenant's cache_salt
+        (kvshare.router.accounts, the same headers built-in replicas read); one that cannot carry them: 400."""
+        cfg = self.config
+        tenant = self._salted_tenant(request) if cfg.engine == "vllm" else None
+        if not (cfg.account_key or tenant is not None):
+            return body
+        try:
+            return vllm_body(request.method, request.path, body, cfg.account_key,
+                             account_identity(*self._credentials(request)), tenant)
+        except BodyRefused as exc:
+            raise ApiError(400, str(exc), param=exc.param) from None
 
     async def proxy(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
         facts = self._facts(request, body)
+        body = self._forwarded_body(request, body)
         views = [ReplicaView(i, r.is_healthy and not r.is_draining, r.num_in_flight) for i, r in enumerate(self.replicas)]
         order = self.policy.choose(facts, views, time.monotonic())
         order = [i for i in order if not self.replicas[i].is_draining]

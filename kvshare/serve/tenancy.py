@@ -23,6 +23,14 @@ quota per value it sends. The account is the authenticated identity alone::
     tenant header     value                          the gateway's word
     neither           ""                             one shared account
 
+A vLLM replica sees no API key or tenant header of its own (the router authenticates), so the
+router names the account in the body it forwards, ``kv_transfer_params["kvshare"]["account"]``,
+with ``account_tag``: an HMAC under a key the router and the replicas share (``$KVSHARE_ACCOUNT_KEY``).
+The connector takes an account only with a valid tag, so a client that reaches a replica directly
+cannot choose one; without it the request is charged to the shared account.
+It sets the request's ``cache_salt`` too, to ``vllm_cache_salt(namespace_salt(tenant, client's salt))``:
+vLLM and the connector salt by cache_salt alone, so the tenant must be in it.
+
 The NUL keeps the pairing one to one: a tenant identity never holds one (HTTP header values
 cannot; key identities are hex), so no (tenant, salt) pair and no bare tenant spell the same salt.
 
@@ -69,9 +77,52 @@ def namespace_salt(tenant: str, cache_salt: str | None) -> str:
     return tenant if cache_salt is None else tenant + CACHE_SALT_SEPARATOR + cache_salt
 
 
+VLLM_CACHE_SALT_PREFIX = "kvshare-"
+
+
+def vllm_cache_salt(salt: str) -> str | None:
+    """The cache_salt a vLLM replica gets for namespace salt ``salt`` (namespace_salt), None for "" (the shared
+    namespace). vLLM refuses a cache_salt over 128 characters or holding '@', '/', '\\' or NUL, which tenant
+    identities and namespace_salt hold, so it gets a digest: one to one as far as BLAKE2b-256 collides never."""
+    if not salt:
+        return None
+    return VLLM_CACHE_SALT_PREFIX + hashlib.blake2b(salt.encode("utf-8", "surrogatepass"), digest_size=32).hexdigest()
+
+
 def account_identity(api_key: str, header_value: str) -> str:
     """Whose pool quota a request's pages count against (see the table above); ``api_key`` is "" without keys."""
     return key_tenant(api_key) if api_key else header_value
+
+
+ACCOUNT_KEY_ENV = "KVSHARE_ACCOUNT_KEY"  # the key of account_tag, shared by the router and the vLLM replicas
+MIN_ACCOUNT_KEY_CHARS = 16
+
+
+def check_account_key(key: str) -> str:
+    """``key`` if it is long enough to sign accounts with; raises ValueError (one line) otherwise."""
+    if len(key) < MIN_ACCOUNT_KEY_CHARS:
+        raise ValueError(f"the account key must have at least {MIN_ACCOUNT_KEY_CHARS} characters, "
+                         f"got {len(key)} (e.g. head -c 32 /dev/urandom | base64 > FILE)")
+    return key
+
+
+def read_account_key(file: str = "") -> str:
+    """The key the router signs vLLM pool accounts with, from ``file``, else $KVSHARE_ACCOUNT_KEY; "" when neither
+    is set. Raises ValueError (one line) for an unreadable or short key."""
+    from kvshare.credentials import read_secret
+
+    key = read_secret("account key", file, ACCOUNT_KEY_ENV)
+    return check_account_key(key) if key else ""
+
+
+def account_tag(key: str, account: str) -> str:
+    """The router's proof that it named ``account``: HMAC-SHA256 under the shared account key, in hex."""
+    return hmac.new(key.encode(), b"kvshare-account\0" + account.encode(), hashlib.sha256).hexdigest()
+
+
+def is_account_tag_valid(key: str, account: str, tag: str) -> bool:
+    """Whether ``tag`` is ``account_tag(key, account)`` (compared in constant time); False without a key."""
+    return bool(key) and hmac.compare_digest(account_tag(key, account).encode(), tag.encode())
 
 
 def tenant_identity(api_key: str, header_value: str) -> str:

@@ -107,6 +107,14 @@ def _log_through_vllm() -> None:
     ours.propagate = False
 
 
+def _account_key(config: ConnectorConfig) -> str:
+    """The key the router signs accounts with (kvshare.serve.tenancy), from its file or $KVSHARE_ACCOUNT_KEY;
+    "" when neither is set: every request is charged to the model's shared account."""
+    from kvshare.serve.tenancy import read_account_key
+
+    return read_account_key(config.account_key_file)
+
+
 class KVShareConnector(KVConnectorBase_V1):
     _cache_hit_source = HOST_HIT_SOURCE
 
@@ -150,7 +158,7 @@ class KVShareConnector(KVConnectorBase_V1):
                 log.warning('kvshare: kv_load_failure_policy is not "recompute": a page that fails its checksum '
                             "fails its request instead of being recomputed")
             self._scheduler = PoolScheduler(self.config, self.namespace, self.kv_layout.page_bytes, self.block_size, link,
-                                            tp_size=tp_size)
+                                            tp_size=tp_size, account_key=_account_key(self.config))
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 

@@ -67,6 +67,7 @@ class VllmServerConfig:
     tmp_dir: str | None = None
     seed: int = 0
     model_revision: str = ""  # the connector's model_revision; "": the namespace hashes the weights' bytes
+    account_key_file: str = ""  # the connector's account_key_file (the router's account key); "": its default
     kv_events_port: int | None = None  # vLLM's own KV events on tcp://*:PORT, topic kv@<replica>@<model name>
     # Other KV tiers, for comparisons (each instead of kvshare's connector: vLLM runs one KV connector):
     kv_offloading_gib: float | None = None  # --kv-offloading-size: vLLM's own CPU offloading tier
@@ -124,6 +125,8 @@ def kv_transfer_config(config: VllmServerConfig) -> dict:
         extra["copy_threads"] = config.copy_threads
     if config.model_revision:
         extra["model_revision"] = config.model_revision
+    if config.account_key_file:
+        extra["account_key_file"] = config.account_key_file
     return {
         "kv_connector": CONNECTOR_CLASS,
         "kv_connector_module_path": CONNECTOR_MODULE,

@@ -59,6 +59,7 @@ class StoreSpec:
     reservation_id: int = 0  # 0: not reserved yet (one rank)
     grants: tuple[tuple[int, int], ...] = ()
     pool_id: bytes = b""
+    account: bytes = b""  # whose pool quota the pages count against (kvshare.pool.protocol.Reserve); b"": namespace
 
     @property
     def is_parted(self) -> bool:

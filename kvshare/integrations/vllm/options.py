@@ -8,6 +8,7 @@ Pure: parsing and validation only. The connector is configured with::
                            "kv_connector_extra_config": {"pool_socket": "/run/kvshare/pool.sock"}}'
 
 and a request opts out of the pool with ``"kv_transfer_params": {"kvshare": {"use_pool": false}}``.
+The router names the request's account there too (``account``, ``account_tag``: kvshare.serve.tenancy).
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ class ConnectorConfig:
     store: bool = True  # put computed chunks into the pool
     load: bool = True  # take chunks from the pool
     allow_untested_vllm: bool = False  # run on a vLLM minor the connector was not tested with (compat)
+    # file holding the key the router signs accounts with (kvshare.serve.tenancy.account_tag); "": the variable
+    # $KVSHARE_ACCOUNT_KEY, else none: every request is charged to the namespace's shared account
+    account_key_file: str = ""
 
     def __post_init__(self) -> None:
         if self.chunk_tokens <= 0:
@@ -131,16 +135,27 @@ class TransferParams:
     """
 
     use_pool: bool = True
+    # whose pool quota the request's pages count against (kvshare.serve.tenancy): the router's ``account``,
+    # taken only with a valid ``account_tag`` under the replica's account key; None: the shared account
+    account: str | None = None
+    is_account_refused: bool = False  # an account was named without a valid tag (or the replica has no key)
 
     @classmethod
-    def from_params(cls, params: Any) -> "TransferParams":
+    def from_params(cls, params: Any, account_key: str = "") -> "TransferParams":
+        """``account_key`` ("" : none configured, so no account is taken) checks the router's account tag."""
+        from kvshare.serve.tenancy import is_account_tag_valid
+
         if not isinstance(params, dict):
             return cls()
         ours = params.get(PARAMS_KEY)
         if not isinstance(ours, dict):
             return cls()
         use_pool = ours.get("use_pool", True)
-        return cls(use_pool=use_pool if isinstance(use_pool, bool) else True)
+        account, tag = ours.get("account"), ours.get("account_tag")
+        is_signed = (isinstance(account, str) and isinstance(tag, str)
+                     and is_account_tag_valid(account_key, account, tag))
+        return cls(use_pool=use_pool if isinstance(use_pool, bool) else True, account=account if is_signed else None,
+                   is_account_refused=account is not None and not is_signed)
 
 
 def kv_layout_of(vllm_config: Any, chunk_tokens: int) -> KVLayout:

@@ -49,7 +49,7 @@ class PoolPages:
         if not spec.keys:
             return None
         reservation = guarded(self.link, self.counters, "a reserve", lambda: client.reserve(
-            spec.namespace, list(spec.keys), self.kv_layout.page_bytes, spec.first_chunk))
+            spec.namespace, list(spec.keys), self.kv_layout.page_bytes, spec.first_chunk, account=spec.account))
         if reservation is None:
             return None
         self.counters.skipped_stores += reservation.num_no_room

@@ -53,6 +53,7 @@ class _Request:
     prompt: Sequence[int]
     options: TransferParams
     ns_digest: bytes
+    account: bytes  # whose pool quota its stores count against (PoolScheduler._account)
     keys: list[bytes] = field(default_factory=list)  # keys of the prompt's full chunks, filled on demand
     local_tokens: int = 0
     pool_tokens: int = 0  # loaded and verified
@@ -79,8 +80,10 @@ class PoolScheduler:
         link: PoolLink,
         clock: Callable[[], float] = time.monotonic,
         tp_size: int = 1,
+        account_key: str = "",
     ) -> None:
-        """``tp_size``: the replica's tensor parallel ranks (above 1: stores are reserved and committed here)."""
+        """``tp_size``: the replica's tensor parallel ranks (above 1: stores are reserved and committed here);
+        ``account_key``: the key the router signs each request's account with ("": no account is taken)."""
         config.check_block_size(block_size)
         self.config = config
         self.block_size = block_size
@@ -92,6 +95,9 @@ class PoolScheduler:
         self._leases = LeaseBook(config.lease_ttl_s)
         self._requests: dict[str, _Request] = {}
         self._digests: dict[tuple[str, str], bytes] = {}  # (tenant salt, LoRA) -> namespace digest
+        self._account_key = account_key
+        self._accounts: dict[str, bytes] = {}  # account -> its digest (the pool's Reserve.account)
+        self._has_refused_an_account = False  # warned once: a misconfigured key would otherwise go unnoticed
         self._parted = PartedStores(tp_size) if tp_size > 1 else None
 
     # -- requests --------------------------------------------------------------------
@@ -111,10 +117,25 @@ class PoolScheduler:
         if scope not in self._digests:
             fields = dataclasses.replace(self.namespace, tenant_salt=scope[0], lora_id=scope[1])
             self._digests[scope] = namespace_digest(fields)
-        options = TransferParams.from_params(params)
+        options = TransferParams.from_params(params, self._account_key)
+        account = self._account(options.account or "")
+        if options.is_account_refused and not self._has_refused_an_account:
+            self._has_refused_an_account = True
+            log.warning("kvshare: a request names a pool account without a valid tag under this replica's account "
+                        "key (%s); it is charged to the shared account. Give the router and the replicas one key "
+                        "($KVSHARE_ACCOUNT_KEY)", "set" if self._account_key else "none set")
         if not is_text_only or prompt_token_ids is None:
             options = TransferParams(use_pool=False)
-        self._requests[req_id] = _Request(prompt_token_ids or [], options, self._digests[scope])
+        self._requests[req_id] = _Request(prompt_token_ids or [], options, self._digests[scope], account)
+
+    def _account(self, account: str) -> bytes:
+        """The pool account of a request: the digest of the namespace salted by the account alone, never by
+        cache_salt or LoRA, which a client chooses (a quota per value would let it hold one per value it sends).
+        A request the router did not sign for has account "": the one shared account of this model."""
+        if account not in self._accounts:
+            self._accounts[account] = namespace_digest(dataclasses.replace(self.namespace, tenant_salt=account,
+                                                                          lora_id=""))
+        return self._accounts[account]
 
     def has_request(self, req_id: str) -> bool:
         return req_id in self._requests
@@ -244,8 +265,8 @@ class PoolScheduler:
                 runs.append(range(start, previous + 1))
                 start = chunk
         block_ids = tuple(step.block_ids)
-        specs = [StoreSpec(step.req_id, request.ns_digest, r.start, tuple(keys[r.start : r.stop]), block_ids)
-                 for r in runs]
+        specs = [StoreSpec(step.req_id, request.ns_digest, r.start, tuple(keys[r.start : r.stop]), block_ids,
+                           account=request.account) for r in runs]
         return specs if self._parted is None else [p for p in map(self._reserve, specs) if p is not None]
 
     def _reserve(self, spec: StoreSpec) -> StoreSpec | None:
@@ -254,7 +275,7 @@ class PoolScheduler:
         if client is None:
             return None
         reservation = guarded(self.link, self.counters, "a reserve", lambda: client.reserve(
-            spec.namespace, list(spec.keys), self.page_bytes, spec.first_chunk))
+            spec.namespace, list(spec.keys), self.page_bytes, spec.first_chunk, account=spec.account))
         if reservation is None:
             return None
         self.counters.skipped_stores += reservation.num_no_room

@@ -11,6 +11,7 @@ import pytest
 
 from kvshare.integrations.vllm.gpu_rows import on_off_row
 from kvshare.launch import Cluster, ClusterConfig, free_port_block
+from kvshare.pool.client import PoolClient
 from tests.benchmarks.loader import load_benchmark
 from tests.integrations.vllm.servers import vllm_python, vllm_suite_marks
 
@@ -18,19 +19,27 @@ PYTHON = vllm_python()
 pytestmark = vllm_suite_marks()
 
 
-def _complete(url: str, prompt: str) -> dict:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 1}
+API_KEY, OTHER_KEY = "key-of-one-tenant-0123", "key-of-another-tenant-4567"
+
+
+def _complete(url: str, prompt: str, key: str = API_KEY, **extra) -> dict:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 1, **extra}
     req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
     with urllib.request.urlopen(req, timeout=300) as resp:
         return json.loads(resp.read())
 
 
 def test_up_with_vllm_replicas_shares_the_pool_through_the_router(monkeypatch):
+    """With the account key up writes itself, every salt of one API key is charged to one account, and another
+    key's same prompt reuses nothing, in the pool or vLLM's prefix cache. Fails when the connector reserves with
+    no account (each cache_salt's namespace is its own owner), or when the router forwards the client's
+    cache_salt: the other key's request then reuses the first key's blocks."""
     monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")  # /reset_prefix_cache, as benchmarks/vllm_gpu.py runs them
+    monkeypatch.delenv("KVSHARE_ACCOUNT_KEY", raising=False)
     cluster = Cluster(ClusterConfig(engine="vllm", vllm_python=PYTHON, model="tiny", num_replicas=2,
                                     policy="round_robin", port=free_port_block(3), pool_size="1GiB",
-                                    ready_timeout_s=400))
+                                    ready_timeout_s=400, api_keys=(API_KEY, OTHER_KEY)))
     cluster.start()
     try:
         children = [psutil.Process(p.pid) for p in cluster.processes.values()]
@@ -43,6 +52,15 @@ def test_up_with_vllm_replicas_shares_the_pool_through_the_router(monkeypatch):
         assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= b["pool_tokens"]
         assert second["choices"][0]["text"] == first["choices"][0]["text"]
         assert second["choices"][0]["logprobs"]["token_logprobs"] == first["choices"][0]["logprobs"]["token_logprobs"]
+        for salt in ("s1", "s2"):
+            _complete(cluster.router_url, prompt, cache_salt=salt)
+        with PoolClient(cluster.pool_socket, name="test") as client:
+            held = client.list_namespaces()
+        assert len(held.namespaces) == 3, held  # no salt, s1, s2
+        assert [row.num_bytes for row in held.accounts] == [sum(row.num_bytes for row in held.namespaces)], held
+        other = _complete(cluster.router_url, prompt, key=OTHER_KEY)  # both replicas hold the prompt by now
+        assert other["kv_transfer_params"]["kvshare"]["pool_tokens"] == 0
+        assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         pool_on_equals_pool_off(*cluster.replica_urls)
     finally:
         cluster.stop()
