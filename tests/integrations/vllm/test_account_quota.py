@@ -3,7 +3,7 @@
 The connector's two sides against a real pool with a 4-page quota, over vLLM-shaped CPU tensors (no vLLM
 needed). Every cache_salt makes its own namespace, so a quota per namespace would let a client hold a quota
 per salt it sends. A request carries its account in ``kv_transfer_params["kvshare"]`` with the router's
-tag (kvshare.router.accounts.with_account); without a valid tag it is charged to the model's one shared account.
+tag (kvshare.router.accounts.vllm_body); without a valid tag it is charged to the model's one shared account.
 """
 
 import dataclasses
@@ -21,8 +21,7 @@ from kvshare.layout import KVLayout
 from kvshare.pool.client import PoolClient
 from kvshare.pool.link import PoolLink
 from kvshare.pool.spawn import running_pool
-from kvshare.router.accounts import with_account
-from kvshare.serve.tenancy import account_tag
+from kvshare.router.accounts import vllm_body
 
 L, H, D, N, C = 2, 2, 64, 32, 64
 LAYOUT = KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, dtype="float32", chunk_tokens=C)
@@ -41,8 +40,8 @@ def signed(account: str, key: str = KEY) -> dict:
     """kv_transfer_params as the router forwards them (its own encoding, read back)."""
     import msgspec
 
-    return msgspec.json.decode(with_account(b'{"prompt": [1]}', account, account_tag(key, account)))[
-        "kv_transfer_params"]
+    body = vllm_body("POST", "/v1/completions", b'{"prompt": [1]}', key, account, None)
+    return msgspec.json.decode(body)["kv_transfer_params"]
 
 
 def account_of(account: str) -> bytes:
