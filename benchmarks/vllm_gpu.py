@@ -56,6 +56,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import vllm_gpu_client as client  # noqa: E402 (beside this file)
 
+from kvshare.children import stop_group  # noqa: E402
 from kvshare.integrations.vllm import gpu_rows  # noqa: E402
 from kvshare.integrations.vllm.launch import VllmServerConfig, vllm_server_command, wait_until_ready  # noqa: E402
 from kvshare.placement import VLLM_GPU_MEMORY_UTILIZATION  # noqa: E402
@@ -175,16 +176,6 @@ def start(argv: list[str], env: dict, log) -> subprocess.Popen:
     return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
 def server_config(run: Run, port: int, replica: str, **fields) -> VllmServerConfig:
     """One vLLM replica of this run, as kvshare.integrations.vllm.launch builds every vLLM command."""
     a = run.args
@@ -220,7 +211,7 @@ def servers(run: Run, configs: list[VllmServerConfig], env: dict, log, together:
         yield [spec.base_url for _, spec in procs]
     finally:
         for proc, _ in procs:
-            stop(proc)
+            stop_group(proc)
 
 
 @contextlib.contextmanager
@@ -255,7 +246,7 @@ def kvshare_up(run: Run, env: dict, log, pool_on: bool):
         wait_http_ready(run.router, proc, a.ready_timeout_s, "the router")
         yield
     finally:
-        stop(proc)
+        stop_group(proc)
 
 
 @contextlib.contextmanager
@@ -275,7 +266,7 @@ def lmcache_server(run: Run, env: dict, log):
             time.sleep(1)
         yield
     finally:
-        stop(proc)
+        stop_group(proc)
 
 
 def warm_up(run: Run) -> None:

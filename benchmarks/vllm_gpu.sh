@@ -22,12 +22,8 @@ left() { echo $((BUDGET_S - ($(date +%s) - T0))); }
 export PYTHONUNBUFFERED=1
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-mkdir -p /tmp/vk && cp "$VK"/vllm026-* /tmp/vk/ && bash "$VK/install_on_device.sh" > "$OUT/install.log" 2>&1 \
-    || { tail -20 "$OUT/install.log"; exit 1; }
-tail -1 "$OUT/install.log"
-# shellcheck disable=SC1091
-source /tmp/site/vllm_env.sh
-export PYTHONPATH=$PWD:$PYTHONPATH
+# shellcheck source=benchmarks/vllm_bundle.sh
+source benchmarks/vllm_bundle.sh || exit 1
 python3 -c "import vllm, kvshare.integrations.vllm.connector as c; print('connector loads on vLLM', vllm.__version__)" \
     2>&1 | tail -3
 MODEL=/tmp/m8b

@@ -45,13 +45,9 @@ EOF
 }
 
 prepare() {  # the vLLM bundle, its environment, and the model directories this step needs
-    if [ ! -f /tmp/site/vllm_env.sh ]; then
-        mkdir -p /tmp/vk && cp "$VK"/vllm026-* /tmp/vk/ && bash "$VK/install_on_device.sh" > "$OUT/install.log" 2>&1 \
-            || { tail -20 "$OUT/install.log"; exit 1; }
-    fi
-    # shellcheck disable=SC1091
-    source /tmp/site/vllm_env.sh
-    export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1
+    # shellcheck source=benchmarks/vllm_bundle.sh
+    source benchmarks/vllm_bundle.sh || exit 1
+    export PYTHONUNBUFFERED=1
     case " $* " in *" 8b "*) [ -f $M8/config.json ] \
         || python3 -m kvshare make-model qwen3-8b --out $M8 --device cuda 2>&1 | tail -1;; esac
     case " $* " in *" 32b "*) [ -f $M32/config.json ] \

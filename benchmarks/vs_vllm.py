@@ -28,7 +28,7 @@ within a time limit, ``--engines kvshare`` and then ``--engines vllm`` with the 
     # the GPU machine (vLLM 0.26 from the bundle): benchmarks/vs_vllm.sh
     # CPU, the plumbing (vLLM CPU 0.32 in its venv):
     python benchmarks/vs_vllm.py --preset tiny --device cpu --lengths 512 1024 \\
-        --vllm-python /work/main/.venv-vllm/bin/python --label "plumbing run on 2 CPU cores"
+        --vllm-python .venv-vllm/bin/python --label "plumbing run on 2 CPU cores"
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ import datetime
 import functools
 import json
 import os
-import platform
 import shlex
 import signal
 import subprocess
@@ -211,23 +210,6 @@ def git_commit() -> str:
     return commit + ("-dirty" if dirty else "")
 
 
-def hardware(device: str) -> str:
-    cores = len(os.sched_getaffinity(0))
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    if device == "cpu":
-        return f"{cores} CPU cores ({cpu}), no GPU"
-    # nvidia-smi, not torch: a CUDA context in this process would hold GPU memory through the whole run
-    done = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
-                          capture_output=True, text=True)
-    gpus = "; ".join(done.stdout.strip().splitlines()) or "a GPU nvidia-smi did not name"
-    return f"{gpus}, {cores} CPU cores ({cpu})"
-
-
 def memcpy_rate(num_bytes: int = 512 << 20) -> float:
     """Bytes/s of one host memcpy of ``num_bytes`` (best of 5): a CPU replica's pool load is such a copy."""
     src = np.ones(num_bytes, dtype=np.uint8)
@@ -324,6 +306,7 @@ def run_kvshare(length: int, prompts: dict[str, list[list[int]]], args, model_di
 
 def run_vllm(prompts: dict[tuple[int, str], list[list[int]]], args, model_dir: str) -> tuple[dict, str]:
     """vLLM's measurements per (length, client, prompt index): cold, GPU hit and (with offloading) CPU-tier hit."""
+    from kvshare.children import stop_group
     from kvshare.integrations.vllm.launch import VllmServerConfig, vllm_server_command, wait_until_ready
     from kvshare.launch import free_port_block
 
@@ -359,13 +342,7 @@ def run_vllm(prompts: dict[tuple[int, str], list[list[int]]], args, model_dir: s
                                           "cpu_tier_s": tier.ttft_s if tier else None,
                                           "cached_tokens": (tier or local).cached_tokens}
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_group(proc)
         log.close()
     return out, shlex.join(spec.argv)
 
@@ -414,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from service_ttft_gpu import measure_h2d
 
+    from kvshare.bench.records import describe_host
     from kvshare.engine.config import model_config_from_hf
     from kvshare.engine.presets import PRESETS
 
@@ -463,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
             commands += [c for c in started if c not in commands]
         saved.put("kvshare", {"figures": figures, "commands": commands, "bound_rate": rate, "bound_kind": bound_kind,
                               "loadavg": f"{load_before:.1f} / {os.getloadavg()[0]:.1f}",
-                              "bound_note": bound_note, "hardware": hardware(args.device), "commit": commit})
+                              "bound_note": bound_note, "hardware": describe_host(args.device), "commit": commit})
     if "vllm" in args.engines:
         load_before = os.getloadavg()[0]
         version = vllm_version(args.vllm_python)

@@ -25,12 +25,8 @@ RESULTS=${RESULTS:-$OUT/vs-vllm}
 export PYTHONUNBUFFERED=1
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-mkdir -p /tmp/vk && cp "$VK"/vllm026-* /tmp/vk/ && bash "$VK/install_on_device.sh" > "$OUT/install.log" 2>&1 \
-    || { tail -20 "$OUT/install.log"; exit 1; }
-tail -1 "$OUT/install.log"
-# shellcheck disable=SC1091
-source /tmp/site/vllm_env.sh
-export PYTHONPATH=$PWD:$PYTHONPATH
+# shellcheck source=benchmarks/vllm_bundle.sh
+source benchmarks/vllm_bundle.sh || exit 1
 python3 -c "import vllm; from kvshare.engine.flash import find_flash_kernel as f; k, why = f(); \
 print('vLLM', vllm.__version__, '| built-in engine prefill attention:', k.name if k else why)" 2>&1 | tail -2
 MODEL=/tmp/vs-vllm-$PRESET

@@ -135,3 +135,15 @@ def wait_http_ready(url: str, proc: subprocess.Popen | None, timeout_s: float, n
         if time.monotonic() > deadline:
             raise TimeoutError(f"{name} at {url} was not ready within {timeout_s} s{other}")
         time.sleep(0.2)
+
+
+def stop_group(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    """Ends ``proc``'s process group (a server started with start_new_session and its workers): SIGTERM, then
+    SIGKILL after ``timeout_s``; returns once ``proc`` has exited."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -20,6 +20,9 @@ import dataclasses
 import hashlib
 import json
 import os
+import platform
+import shutil
+import subprocess
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -164,3 +167,21 @@ class ResultsDir:
                     row.pop(name)
                 writer.writerow(row)
         return path
+
+
+def describe_host(device: str = "auto") -> str:
+    """The machine, in words, for a result's ``hardware``: CPU model, usable cores, and the GPUs nvidia-smi names
+    (not torch: a CUDA context in the measuring process would hold GPU memory through the run); ``device`` "cpu":
+    the GPUs are left out."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    text = f"{cpu}, {len(os.sched_getaffinity(0))} cores usable"
+    if device == "cpu" or shutil.which("nvidia-smi") is None:
+        return text + ", no GPU"
+    done = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                          capture_output=True, text=True)
+    return text + ", " + ("; ".join(done.stdout.strip().splitlines()) or "a GPU nvidia-smi did not name")

@@ -26,14 +26,13 @@ import asyncio
 import dataclasses
 import json
 import os
-import platform
 import subprocess
 import time
 import uuid
 from dataclasses import dataclass
 
 from kvshare.bench.client import BenchRequest
-from kvshare.bench.records import Record, ResultsDir
+from kvshare.bench.records import Record, ResultsDir, describe_host
 from kvshare.bench.routing_cluster import RoutingCluster, RoutingTarget
 from kvshare.bench.routing_summary import markdown, replay_row, summarize
 from kvshare.bench.routing_trace import Condition, RoutingConfig, SessionPlan, Trace, make_trace, parse_condition
@@ -160,25 +159,6 @@ def kv_bytes_per_token(model: str) -> int:
     from kvshare.engine.presets import model_config_of
 
     return model_config_of(model).kv_bytes_per_token
-
-
-def describe_host() -> str:
-    """The machine, in words: CPU model and cores, and the GPU where there is one."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    text = f"{cpu}, {len(os.sched_getaffinity(0))} cores usable"
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            text += f", {torch.cuda.get_device_name(0)}"
-    except ImportError:
-        pass
-    return text
 
 
 def commit_of_tree() -> str | None:
