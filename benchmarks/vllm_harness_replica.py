@@ -1,6 +1,6 @@
 """One replica process of benchmarks/vllm_harness_gpu.py (started by it; not meant to be run by hand).
 
-The connector's two sides (PoolScheduler, and PoolKVWorker through kvshare.integrations.vllm.hooks,
+The connector's two sides (PoolScheduler, and PoolKVWorker through kvshare.integrations.vllm.worker's WorkerHooks,
 the very object KVShareConnector forwards vLLM's calls to) over vLLM-0.32-shaped flash-attention
 KV tensors, driven in the order vLLM's GPU model runner calls them, per step::
 
@@ -32,7 +32,7 @@ import torch
 
 from kvshare.engine.model import CUDA_DECODE_SDPA_BACKENDS, CUDA_SDPA_BACKENDS, DecoderLayer, RMSNorm, rope_cos_sin, rope_inv_freq
 from kvshare.engine.presets import PRESETS
-from kvshare.integrations.vllm.hooks import WorkerHooks
+from kvshare.integrations.vllm.worker import PoolKVWorker, WorkerHooks
 from kvshare.integrations.vllm.layout import as_bits, slots_of_positions
 from kvshare.integrations.vllm.metadata import WorkerReport
 from kvshare.integrations.vllm.options import ConnectorConfig
@@ -41,7 +41,6 @@ from kvshare.integrations.vllm.plan import tokens_to_load
 from kvshare.pool.link import PoolLink
 from kvshare.integrations.vllm.scheduler import PoolScheduler, ScheduledRequest
 from kvshare.integrations.vllm.staging import widen, word_bytes
-from kvshare.integrations.vllm.worker import PoolKVWorker
 from kvshare.keys import Namespace
 from kvshare.layout import KVLayout
 from kvshare.pool.client import PoolClient

@@ -1,27 +1,42 @@
 """kvshare's KV connector for vLLM: load it with ``kv_connector_module_path`` ``kvshare.integrations.vllm``.
 
+vLLM's hooks, in the order it calls them, through four files (connector, then one side, then the device)::
+
+    get_num_new_matched_tokens, update_state_after_alloc,   connector -> scheduler
+    build_connector_meta, request_finished
+    start_load_kv, wait_for_layer_load, save_kv_layer,      connector -> worker -> gpu (on a GPU)
+    wait_for_save, get_block_ids_with_load_errors                              -> cpu (on CPU)
+
     connector   KVShareConnector, the KVConnectorBase_V1 face vLLM loads (imports vLLM)
     scheduler   the scheduler side: lookups, leases, each step's loads and stores (no vLLM)
-    hooks       the worker side's per-step hooks in vLLM's call order (what the connector forwards to)
-    worker      the worker side: copies between pool pages and vLLM's paged KV (no vLLM)
-    pool_pages  the worker side's pool calls: lease checks, drops, reserve / commit / abort
+    worker      the worker side: the per-step hooks (WorkerHooks) and PoolKVWorker, which moves KV (no vLLM)
+    gpu         on a GPU: a step's loads per layer group on vLLM's stream, verified on the GPU, and its stores,
+                each layer group copied out after the kernels that wrote it
+    cpu         on CPU: loads verified then copied before the forward, stores after it
+
+Beneath them, plain modules:
+
     staging     on a GPU: streams, staging buffers, 2-D copies, the scatter/gather into vLLM's blocks
-    staged_loads   on a GPU: a step's loads, per layer group on vLLM's stream, verified on the GPU
-    staged_stores  on a GPU: a step's stores, each layer group copied out after the kernels that wrote it
-    overlap     on CPU: a step's loads copied layer by layer beside the forward
-    paged_tensors  vLLM-shaped KV tensors of every accepted memory order (tests, validation, the GPU harness)
-    ordercheck  the GPU path's byte and delay-injection ordering checks (kvshare validate --level bytes)
-    layout      vLLM's KV tensor layouts and token/block views of them
+    overlap     on CPU: a step's loads copied layer by layer beside the forward (and the layered-load record)
     block_copy  whole-block numpy copies over a few threads (CPU)
+    pool_pages  the worker side's pool calls: lease checks, drops, reserve / commit / abort
+    tensor_parallel  a rank's KV heads, its part of a page's checksum, stores committed once all parts are in
+    layout      vLLM's KV tensor layouts and token/block views of them
     plan        chunk/block arithmetic of loads and stores (pure)
     metadata    the specs and reports that pass between the two sides
     options     the connector's settings (kv_connector_extra_config, per-request params)
     stats       the counters as vLLM's KVConnectorStats and Prometheus metrics (imports vLLM)
     identity    the namespace of a model's KV (weights fingerprint, layout)
     guards      the layout fingerprint, models with other state than attention KV, the KV dtype
-    tensor_parallel  a rank's KV heads, its part of a page's checksum, stores committed once all parts are in
+    compat      what differs between the vLLM versions the connector supports
+
+Beside them, not hooks:
+
+    paged_tensors  vLLM-shaped KV tensors of every accepted memory order (tests, validation, the GPU harness)
+    ordercheck  the GPU path's byte and delay-injection ordering checks (kvshare validate --level bytes)
     launch      the vLLM server command line with the connector configured
     bench       ``python -m kvshare.integrations.vllm.bench``: TTFT cold, local and cross-replica
+    gpu_rows    the GPU benchmark's rows (pure)
 
 vLLM loads the class as ``getattr(importlib.import_module(path), "KVShareConnector")``; the
 package resolves that name on first access (PEP 562), so importing the package or any of its

@@ -9,12 +9,12 @@ Load it with::
 
 vLLM builds one instance per role. The SCHEDULER one (PoolScheduler) hashes each
 prompt's full chunks, leases the longest run the pool holds beyond vLLM's own prefix
-hit and plans every step's loads and stores. The WORKER one (PoolKVWorker, driven per step by
-kvshare.integrations.vllm.hooks) copies the leased pages into the step's freshly allocated
-blocks: on a GPU enqueued in start_load_kv and waited for per layer group on vLLM's stream
-(staged_loads), on CPU before the forward (or, with ``overlap_load``, beside it: overlap); and
-copies the chunks the step completed into reserved pages (on a GPU each layer as it is saved:
-staged_stores; on CPU after the forward), then commits them.
+hit and plans every step's loads and stores. The WORKER one (worker: WorkerHooks per step, over
+PoolKVWorker) copies the leased pages into the step's freshly allocated blocks: on a GPU enqueued
+in start_load_kv and waited for per layer group on vLLM's stream (gpu), on CPU before the forward
+(cpu; or, with ``overlap_load``, beside it: overlap); and copies the chunks the step completed into
+reserved pages (on a GPU each layer as it is saved: gpu; on CPU after the forward: cpu), then commits them.
+A reader follows vLLM's hooks through four files: this one, scheduler, worker, then gpu or cpu.
 A page that fails its checksum, a lease lost to a pool restart or a pool that is gone
 ends a load early: its blocks are reported as load errors and vLLM recomputes them
 (with ``kv_load_failure_policy: recompute``; vLLM's default "fail" fails the request).
@@ -51,7 +51,6 @@ from kvshare.integrations.vllm.compat import (
     kv_cache_layout,
 )
 from kvshare.integrations.vllm.guards import LayoutFingerprint, allocation_of, non_attention_state, version_of
-from kvshare.integrations.vllm.hooks import WorkerHooks
 from kvshare.integrations.vllm.identity import LoraIdentities, vllm_namespace
 from kvshare.integrations.vllm.layout import UnsupportedKVLayout, detect_layout
 from kvshare.integrations.vllm.metadata import StepPlan, WorkerReport
@@ -60,7 +59,7 @@ from kvshare.pool.link import PoolLink
 from kvshare.integrations.vllm.scheduler import PoolScheduler, ScheduledRequest
 from kvshare.integrations.vllm.stats import KVSharePromMetrics, KVShareStats
 from kvshare.integrations.vllm.tensor_parallel import head_slice
-from kvshare.integrations.vllm.worker import PoolKVWorker
+from kvshare.integrations.vllm.worker import PoolKVWorker, WorkerHooks
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -152,7 +151,7 @@ class KVShareConnector(KVConnectorBase_V1):
         )
         self._scheduler: PoolScheduler | None = None
         self._worker: PoolKVWorker | None = None
-        self._hooks: WorkerHooks | None = None  # the worker side's per-step state (kvshare.integrations.vllm.hooks)
+        self._hooks: WorkerHooks | None = None  # the worker side's per-step state (kvshare.integrations.vllm.worker)
         if role == KVConnectorRole.SCHEDULER:
             if getattr(transfer, "kv_load_failure_policy", "fail") != "recompute":
                 log.warning('kvshare: kv_load_failure_policy is not "recompute": a page that fails its checksum '

@@ -2,7 +2,7 @@
 
 The study's worst bug was a copy that did not depend on the producer's stream. For each memory
 order vLLM's flash attention may hand over (kvshare.integrations.vllm.paged_tensors) and each copy
-method, through the worker's staged path (staging, staged_loads, staged_stores):
+method, through the worker's staged path (staging, gpu):
 
 - round trip: a store of random KV, then a load into other (descending) blocks: bytes equal, every
   page verified on the GPU, nothing outside the loaded blocks touched;

@@ -56,7 +56,7 @@ class BlockRun:
 class LayeredLoad:
     """One request's load, planned: its page slices, which of them are verified, its block runs (CPU).
 
-    The GPU's layered loads (kvshare.integrations.vllm.staged_loads) take the same plan and report
+    The GPU's layered loads (kvshare.integrations.vllm.gpu) take the same plan and report
     through the same ``settle`` / ``outcome`` of the worker."""
 
     spec: LoadSpec
@@ -65,7 +65,7 @@ class LayeredLoad:
     reason: str  # why the pieces end before the spec does ("" if they do not)
     times: PhaseTimes
     runs: list[BlockRun] = field(default_factory=list)  # CPU: the block runs to copy
-    client: Any = None  # GPU (staged_loads): the pool connection whose arena holds the pages
+    client: Any = None  # GPU (gpu.StagedLoads): the pool connection whose arena holds the pages
 
 
 class LayeredLoadWorker(Protocol):

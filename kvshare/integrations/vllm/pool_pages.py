@@ -7,6 +7,7 @@ link marked down, and the caller told "none" (no client, no reservation, nothing
 from __future__ import annotations
 
 import logging
+from typing import Protocol
 
 from kvshare.integrations.vllm.metadata import ConnectorCounters, PhaseTimes, StoreSpec
 from kvshare.pool.link import POOL_DOWN_ERRORS, PoolLink, guarded
@@ -15,6 +16,21 @@ from kvshare.pool.checksum import ChecksumKind
 from kvshare.pool.client import PoolRequestError
 
 log = logging.getLogger("kvshare.integrations")
+
+
+class StorePool(Protocol):
+    """What the GPU stores need to reserve, commit and abort pages (PoolPages is one)."""
+
+    kv_layout: KVLayout
+
+    def reserve(self, client, spec: StoreSpec, times: PhaseTimes): ...
+
+    def client_for(self, pool_id: bytes): ...
+
+    def commit(self, client, spec: StoreSpec, reservation, checksums: list[int], kind: ChecksumKind,
+               times: PhaseTimes) -> int: ...
+
+    def abort(self, client, reservation_id: int, exc: BaseException | None) -> None: ...
 
 
 class PoolPages:

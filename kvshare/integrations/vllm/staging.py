@@ -86,6 +86,12 @@ def segments_of(ranges: list[tuple[int, int]]) -> list[Segment]:
     return segments
 
 
+def clip(segment: Segment, first: int, stop: int) -> Segment | None:
+    """The part of ``segment`` inside pages ``first .. stop - 1``, or None."""
+    a, b = max(segment.first, first), min(segment.stop, stop)
+    return Segment(a, b, segment.lo, segment.hi) if a < b else None
+
+
 class StagingEngine:
     """Streams, staging buffers, the 2-D copier and the arena's registration of one worker's GPU.
 

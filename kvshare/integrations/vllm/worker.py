@@ -1,27 +1,32 @@
-"""The vLLM connector's worker side: copies between pool pages and vLLM's paged KV.
+"""The connector's worker side: its hooks, one step at a time, in the order vLLM 0.32's model runner calls them.
 
-Independent of vLLM (tested with plain tensors): it is given the per-layer KV tensors in
-layer order, their PagedLayout, and the specs the scheduler side planned.
+No vLLM here: ``connector.KVShareConnector`` forwards vLLM's calls (layer names turned into layer
+indices), and the H200 harness (benchmarks/vllm_harness_gpu.py) drives the same object directly::
 
-``load`` runs before the step's forward and is synchronous: the pages chosen for
-verification (every page with ``verify_fraction`` 1, else a share of them that
-kvshare.pool.checksum's PageSampler draws) are checked there, before any of their bytes
-are used; the first page that fails (checksum, a lease from another pool, a pool gone)
-ends the load there, and the tokens from that
-point are reported so that vLLM recomputes them. ``begin_load`` plans the same load to be
-copied layer by layer beside the forward (kvshare.integrations.vllm.overlap), where the
-checksums are only known after the forward read the bytes; the tokens from a bad page on
-are reported the same way before the step's output counts. Stores run after the forward: reserve
-pages for the chunks, copy each chunk out of vLLM's blocks, checksum, commit. A page is
-visible to other replicas only after its commit, and never holds a partial copy.
+    start_load(plan)        start_load_kv: before the forward when the step loads (sync loads);
+                            after it when it does not (vLLM then starts it late)
+    wait_layer(l)           wait_for_layer_load, before attention layer l reads its KV
+    save_layer(l, plan)     save_kv_layer, after attention layer l wrote its KV
+    wait_for_save(plan)     after the forward: loads settled, then stores committed (or aborted)
+    load_errors()           get_block_ids_with_load_errors, the same step: blocks vLLM recomputes
+    take_outcomes()         build_connector_worker_meta: how each load went, for the scheduler side
+    take_store_parts()      ... and, with tensor parallelism, this rank's part of each reserved store
 
-On CPU, runs of whole blocks move as numpy block copies over ``copy_threads`` threads
-(block_copy); anything else as a torch token scatter/gather. On a GPU ("staged") every load and
-store goes layer group by layer group through GPU staging buffers with 2-D copies and events
-(staging, staged_loads, staged_stores): ``begin_load`` + ``start_layered`` enqueue a step's loads,
-``begin_stores`` returns the step's stores, which copy each layer out as vLLM saves it; pages a GPU
-writes carry WSUM32 checksums, verified on the GPU by the next GPU reader. A tensor parallel rank
-(``heads``) copies only its heads of each page on either path.
+On CPU, loads run in start_load (or, with ``overlap_load``, beside the forward on a helper thread)
+and stores in wait_for_save (a tensor parallel rank writes its heads into the pages the scheduler
+reserved and reports its part; kvshare.integrations.vllm.tensor_parallel). On a GPU
+(``worker.is_staged``) loads are enqueued in start_load and waited for per layer group on vLLM's
+stream, stores copy each layer out as it is saved (a rank's parts: gpu.StagedStores); the host waits
+only in wait_for_save, for what it must know before the step's output counts.
+
+``WorkerHooks`` keeps a step's state; ``PoolKVWorker`` moves KV between the pool and vLLM's paged
+KV tensors (given in layer order with their PagedLayout): on CPU through ``cpu.CpuCopies``, on a GPU
+("staged") through ``gpu.StagedLoads`` / ``gpu.StagedStores``: ``begin_load`` + ``start_layered``
+enqueue a step's loads, ``begin_stores`` returns the step's stores, which copy each layer out as vLLM
+saves it; pages a GPU writes carry WSUM32 checksums, verified on the GPU by the next GPU reader.
+``begin_load`` on CPU plans a load copied layer by layer beside the forward (overlap), where the
+checksums are only known after the forward read the bytes; ``settle`` says where a load's trusted
+tokens end either way, and the tokens from a bad page on are reported before the step's output counts.
 """
 
 from __future__ import annotations
@@ -34,18 +39,20 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from kvshare.integrations.vllm.block_copy import CpuBlockCopier, leave_the_callers_cores
-from kvshare.integrations.vllm.layout import PagedLayout, gather_tokens, scatter_tokens, slots_of_positions
-from kvshare.integrations.vllm.metadata import ConnectorCounters, LoadOutcome, LoadSpec, PhaseTimes, StoreSpec
-from kvshare.integrations.vllm.overlap import BlockRun, LayeredLoad, LayeredLoads
-from kvshare.integrations.vllm.plan import CopyRun, PageSlice, copy_runs, page_slices
-from kvshare.pool.link import PoolLink
+from kvshare.integrations.vllm.cpu import CpuCopies
+from kvshare.integrations.vllm.gpu import StagedLoads, StagedStores
+from kvshare.integrations.vllm.layout import PagedLayout
+from kvshare.integrations.vllm.metadata import (
+    ConnectorCounters, LoadOutcome, LoadSpec, PhaseTimes, StepPlan, StorePart, StoreSpec,
+)
+from kvshare.integrations.vllm.overlap import LayeredLoad, LayeredLoads
+from kvshare.integrations.vllm.plan import PageSlice, blocks_of_tokens, copy_runs, page_slices
 from kvshare.integrations.vllm.pool_pages import PoolPages
-from kvshare.integrations.vllm.staged_loads import StagedLoads
-from kvshare.integrations.vllm.staged_stores import StagedStores
 from kvshare.integrations.vllm.staging import StagingEngine
 from kvshare.integrations.vllm.tensor_parallel import HeadSlice
 from kvshare.layout import KVLayout
 from kvshare.pool.checksum import ChecksumKind, PageHasher, PageSampler
+from kvshare.pool.link import PoolLink
 from kvshare.transfer.base import TransferConfig
 
 log = logging.getLogger("kvshare.integrations")
@@ -54,7 +61,135 @@ log = logging.getLogger("kvshare.integrations")
 GPU_TRANSFER = TransferConfig(staging_bytes=128 << 20)
 
 
-class PoolKVWorker:
+class WorkerHooks:
+    """One worker's per-step connector state: its layered loads, its stores, the blocks to recompute."""
+
+    def __init__(self, worker: PoolKVWorker, block_size: int, overlap_load: bool = False) -> None:
+        self.worker = worker
+        self.block_size = block_size
+        self._overlap = overlap_load  # CPU: copy loads beside the forward
+        self._layer_waits = True  # GPU: vLLM's forward waits per layer (off once a step showed it does not)
+        self._outcomes: list[LoadOutcome] = []
+        self._store_parts: list[StorePart] = []
+        self._invalid_blocks: set[int] = set()
+        self._failed_loads: set[str] = set()
+        self._layered = None  # this step's loads copying beside the forward (LayeredLoads | StagedLoads)
+        self._saving = None  # this step's GPU stores (StagedStores), from its first saved layer on
+        self.step_times = PhaseTimes()
+
+    def start_load(self, plan: StepPlan) -> None:
+        self._finish_layered()  # (a step always ends in wait_for_save first; this only guards against a skipped one)
+        self.step_times = PhaseTimes()  # this step's load, forward and save (logged at DEBUG)
+        worker, layered = self.worker, []
+        for spec in plan.loads:
+            if not worker.layers:
+                reason = "no KV registered"
+                outcome = LoadOutcome(spec.req_id, spec.token_start, spec.token_end, spec.token_start, reason)
+            elif self._overlap or worker.is_staged:
+                outcome = worker.begin_load(spec)
+            else:
+                outcome = worker.load(spec)
+            if isinstance(outcome, LoadOutcome):
+                self._settle_load(spec, outcome)
+            else:
+                layered.append(outcome)
+        if layered:
+            self._layered = worker.start_layered(layered, wait_now=worker.is_staged and not self._layer_waits)
+        self.step_times.mark("load")
+
+    def wait_layer(self, index: int) -> None:
+        if self._layered is not None:
+            self._layered.wait_layer(index)
+
+    def save_layer(self, index: int, plan: StepPlan) -> None:
+        """On a GPU, copy layer ``index`` of the step's stores out now (on CPU stores wait for wait_for_save)."""
+        if not self.worker.is_staged or not plan.stores:
+            return
+        if self._saving is None:
+            self._saving = self.worker.begin_stores(list(plan.stores)) or _NoStores()
+        self._saving.save_layer(index)
+
+    def wait_for_save(self, plan: StepPlan) -> None:
+        times = self.step_times
+        times.mark("forward")
+        self._finish_layered()
+        times.mark("load_finish")
+        if self.worker.is_staged:
+            saving, self._saving = self._saving, None
+            if saving is None and plan.stores and self.worker.layers:
+                saving = self.worker.begin_stores(list(plan.stores))  # no layer was saved: all copied now
+            if saving is not None:
+                saving.finish(self._may_store)
+                self._store_parts.extend(saving.parts)  # a tensor parallel rank's parts of the step's stores
+        else:
+            for spec in plan.stores:
+                if spec.is_parted:
+                    self._store_parts.append(self.worker.store_part(spec, self._may_store(spec)))
+                elif self._may_store(spec):
+                    self.worker.store(spec)
+        self._failed_loads.clear()
+        times.mark("save")
+        if plan.loads or plan.stores:
+            log.debug("kvshare timing: step - loads=%d stores=%d tokens=%d %s", len(plan.loads), len(plan.stores),
+                      plan.num_tokens, times.line())
+
+    def load_errors(self) -> set[int]:
+        self._finish_layered()  # already done by wait_for_save, unless vLLM deferred that past this call
+        invalid, self._invalid_blocks = self._invalid_blocks, set()
+        return invalid
+
+    def take_outcomes(self) -> list[LoadOutcome]:
+        outcomes, self._outcomes = self._outcomes, []
+        return outcomes
+
+    def take_store_parts(self) -> list[StorePart]:
+        parts, self._store_parts = self._store_parts, []
+        return parts
+
+    def _may_store(self, spec: StoreSpec) -> bool:
+        if spec.req_id in self._failed_loads or not self.worker.layers:
+            return False  # this step computed from KV that failed to load: nothing of it may be stored
+        # nor if it read blocks another request's failed load was to fill (a prefix hit on them)
+        return not self._invalid_blocks.intersection(spec.block_ids)
+
+    def _settle_load(self, spec: LoadSpec, outcome: LoadOutcome) -> None:
+        self._outcomes.append(outcome)
+        if not outcome.is_complete:
+            self._failed_loads.add(spec.req_id)
+            self._invalid_blocks.update(
+                blocks_of_tokens(outcome.loaded_end, outcome.token_end, self.block_size, list(spec.block_ids))
+            )
+
+    def _finish_layered(self) -> None:
+        """Wait for the step's layered loads; their failures become load errors, as synchronous ones."""
+        layered, self._layered = self._layered, None
+        if layered is None:
+            return
+        outcomes, all_waited = layered.finish()
+        if not all_waited:
+            if self.worker.is_staged:
+                self._layer_waits = False
+            else:
+                self._overlap = False
+            log.warning("kvshare: vLLM's forward did not wait for every layer's load (no wait_for_layer_load "
+                        "calls?); this step's loads are recomputed and later loads complete before the forward reads")
+        for load, outcome in zip(layered.loads, outcomes):
+            self._settle_load(load.spec, outcome)
+
+
+class _NoStores:
+    """A step whose stores could not start (the pool unreachable): saved layers are dropped."""
+
+    parts: tuple = ()  # (begin_stores returns stores whenever a spec is a tensor parallel part)
+
+    def save_layer(self, index: int) -> None:
+        pass
+
+    def finish(self, may_commit) -> int:
+        return 0
+
+
+class PoolKVWorker(CpuCopies):
     """Moves KV between the pool and one vLLM worker's paged KV tensors."""
 
     def __init__(
@@ -155,30 +290,8 @@ class PoolKVWorker:
 
     # -- loads ---------------------------------------------------------------------
 
-    def load(self, spec: LoadSpec) -> LoadOutcome:
-        """Copy the spec's tokens into vLLM's blocks; stops at the first page that cannot be trusted.
-
-        On a GPU the same staged path as a step's layered loads, vLLM's stream waiting for all of it."""
-        if self._staging is not None:
-            layered = self.begin_load(spec)
-            if isinstance(layered, LoadOutcome):
-                return layered
-            outcomes, _ = self.start_layered([layered], wait_now=True).finish()
-            return outcomes[0]
-        times = PhaseTimes()
-        client, reason = self.pool.client_for(spec.pool_id) if spec.pages else (None, "no lease backs the load")
-        times.mark("client")
-        loaded_end = spec.token_start
-        if client is not None:
-            try:
-                loaded_end, reason = self._copy_in(client, spec, times)
-            except Exception as exc:  # a bug or a vanished mapping: recompute, keep serving
-                log.error("kvshare: load for request %s failed", spec.req_id, exc_info=True)
-                loaded_end, reason = spec.token_start, f"{type(exc).__name__}: {exc}"
-        return self.outcome(spec, loaded_end, reason, times)
-
     def begin_load(self, spec: LoadSpec) -> LayeredLoad | LoadOutcome:
-        """A load to copy layer by layer beside the forward (on a GPU: staged_loads; on CPU whole blocks:
+        """A load to copy layer by layer beside the forward (on a GPU: gpu.StagedLoads; on CPU whole blocks:
         the overlap module), or, where that cannot be, the outcome of loading it now."""
         if self._copier is None and self._staging is None:
             return self.load(spec)
@@ -260,94 +373,7 @@ class PoolKVWorker:
             reason = "the lease does not cover the whole load"
         return loaded_end, reason
 
-    def _copy_in(self, client, spec: LoadSpec, times: PhaseTimes) -> tuple[int, str]:
-        """Verify, then copy; returns (end of the tokens copied, why it stopped early or "")."""
-        page_bytes, C = self.kv_layout.page_bytes, self.kv_layout.chunk_tokens
-        pieces, reason = self._pieces(spec)
-        if not pieces:
-            return spec.token_start, reason
-        # the draws in page order; the chosen pages checked all at once, spread over the hashing threads
-        # (checksumming each page and copying it right after, while in cache, measured slower: 15-20 ms
-        # against 11-13 ms for 8k tokens, cold caches or not)
-        chosen = [self._sampler.draw() for _ in pieces]
-        refs = [spec.pages[p.page_index] for p, c in zip(pieces, chosen) if c]
-        verdicts = self._hasher.valid([client.page(ref.offset, page_bytes) for ref in refs], refs)
-        loaded_end, reason = self.settle(spec, pieces, chosen, iter(verdicts), reason)
-        times.mark("verify")
-        trusted = [p for p in pieces if p.chunk * C + p.lo < loaded_end]
-        offsets = [spec.pages[p.page_index].offset for p in trusted]
-        for run in copy_runs(trusted, offsets, page_bytes, C, client.hello.extent_bytes):
-            self._copy_run(client, offsets[run.first], run, trusted[run.first].chunk, spec.block_ids, into_kv=True)
-        times.mark("copy")
-        return loaded_end, reason
-
-    def _copier_takes(self, first_chunk: int, run: CopyRun) -> bool:
-        """Whether the CPU block copier can move the run: it starts and ends on block boundaries."""
-        N = self.paged.block_size
-        return self._copier is not None and (first_chunk * self.kv_layout.chunk_tokens + run.lo) % N == 0 \
-            and run.hi % N == 0
-
-    def _block_run(self, client, offset: int, run: CopyRun, first_chunk: int, block_ids) -> BlockRun:
-        """The run's pages as a [n, L, 2, C, H, D] view of the arena and the vLLM blocks its tokens go to."""
-        N = self.paged.block_size
-        raw = client.run(offset, self.kv_layout.page_bytes, run.num_pages).view(self._copier.dtype)
-        pages = raw.reshape(run.num_pages, *self.kv_layout.page_shape)
-        first_block = (first_chunk * self.kv_layout.chunk_tokens + run.lo) // N
-        num_blocks = run.num_pages * (run.hi - run.lo) // N
-        return BlockRun(run, pages, block_ids[first_block : first_block + num_blocks])
-
-    def _copy_run(self, client, offset: int, run: CopyRun, first_chunk: int, block_ids, into_kv: bool) -> None:
-        """Tokens ``run.lo .. run.hi - 1`` of the run's pages (chunks ``first_chunk ..``) into vLLM's blocks
-        (``into_kv``) or out of them into the pages (CPU: whole blocks, or tokens)."""
-        C, N = self.kv_layout.chunk_tokens, self.paged.block_size
-        if self._copier_takes(first_chunk, run):
-            block_run = self._block_run(client, offset, run, first_chunk, block_ids)
-            if into_kv:
-                self._copier.to_blocks(block_run.pages, run.lo, run.hi, block_run.block_ids)
-            else:
-                self._copier.from_blocks(block_run.pages, run.lo, run.hi, block_run.block_ids)
-            return
-        raw = torch.from_numpy(client.run(offset, self.kv_layout.page_bytes, run.num_pages))
-        pages = raw.view(self.paged.dtype).view(run.num_pages, *self.kv_layout.page_shape)  # [n, L, 2, C, H, D]
-        # prompt positions of the run, [n, hi - lo]
-        positions = (first_chunk + torch.arange(run.num_pages))[:, None] * C + torch.arange(run.lo, run.hi)[None, :]
-        slots = slots_of_positions(positions, block_ids, N, self.device)
-        window = pages[:, :, :, run.lo : run.hi, self.heads.heads]  # this rank's heads
-        for index, layer in enumerate(self.layers):
-            if into_kv:
-                scatter_tokens(layer, self.paged, window[:, index].transpose(0, 1), slots)  # [2, n, hi - lo, H, D]
-            else:
-                gather_tokens(layer, self.paged, slots, window[:, index].transpose(0, 1))
-
     # -- stores --------------------------------------------------------------------
-
-    def store(self, spec: StoreSpec) -> int:
-        """Reserve, fill and commit pages for the spec's chunks; returns how many were committed.
-
-        On a GPU the staged path of a step's stores, every layer copied out after vLLM's current stream."""
-        if self._staging is not None:
-            stores = self.begin_stores([spec])
-            if stores is None:
-                return 0
-            for index in range(self.kv_layout.num_layers):
-                stores.save_layer(index)
-            return stores.finish(lambda _: True)
-        client = self.link.client()
-        times = PhaseTimes()
-        reservation = self.pool.reserve(client, spec, times) if client is not None else None
-        if reservation is None:
-            return 0
-        try:
-            self.copy_out(client, spec, reservation.grants)
-            times.mark("copy")
-            checksums = self._hasher.checksums([client.page(offset, self.kv_layout.page_bytes)
-                                                for _, offset in reservation.grants])
-            times.mark("checksum")
-        except Exception as exc:  # a bug in the copy: give the pages back; vLLM keeps serving
-            log.error("kvshare: store for request %s failed", spec.req_id, exc_info=True)
-            self.pool.abort(client, reservation.reservation_id, exc)
-            return 0
-        return self.pool.commit(client, spec, reservation, checksums, ChecksumKind.XXH3, times)
 
     def begin_stores(self, specs: list[StoreSpec]) -> StagedStores | None:
         """A step's stores on a GPU: save_layer per layer, then finish. None when there are none, or the pool
@@ -356,12 +382,3 @@ class PoolKVWorker:
         if not specs or (client is None and not any(spec.is_parted for spec in specs)):
             return None
         return StagedStores(self.pool, specs, self._staging, client)
-
-    def copy_out(self, client, spec: StoreSpec, grants) -> None:
-        """Copy the granted chunks ((index into the spec's keys, page offset) each) out of vLLM's blocks into
-        their pages (this rank's heads of them)."""
-        C, page_bytes = self.kv_layout.chunk_tokens, self.kv_layout.page_bytes
-        slices = [PageSlice(index, spec.first_chunk + index, 0, C) for index, _ in grants]
-        offsets = [offset for _, offset in grants]
-        for run in copy_runs(slices, offsets, page_bytes, C, client.hello.extent_bytes):
-            self._copy_run(client, offsets[run.first], run, slices[run.first].chunk, spec.block_ids, into_kv=False)

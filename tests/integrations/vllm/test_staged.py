@@ -1,4 +1,4 @@
-"""The connector's GPU path (staging, staged_loads, staged_stores, hooks) on CPU tensors under the fake CUDA.
+"""The connector's GPU path (staging, gpu, worker) on CPU tensors under the fake CUDA.
 
 tests/transfer/fake_cuda.py stands in for torch.cuda and cuda-bindings: streams and events run in
 program order, cudaMemcpy2DAsync really copies rows (memmove) after checking each host range lies
