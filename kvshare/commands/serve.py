@@ -120,7 +120,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "with --replica-kv-events")
     p.add_argument("--token-cache-dir", default=None, metavar="DIR",
                    help="share long prompts' token ids with the other replicas of this user that name DIR (a private "
-                        "directory, created 0700; kvshare up passes its own; default: off, this replica's cache only)")
+                        "directory, created 0700; kvshare up passes its own; 'off' or no flag: this replica's only)")
     p.add_argument("--token-cache-size", type=parse_size, default="256MiB",
                    help="bytes of token ids kept in --token-cache-dir, least recently used out (default 256MiB)")
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
@@ -175,7 +175,7 @@ def build_engine(args: argparse.Namespace):
     from kvshare.engine.token_share import SharedPieces, TokenShareConfig
 
     shared = None  # the directory is checked before the model loads
-    if args.token_cache_dir:
+    if args.token_cache_dir not in (None, "off"):
         shared = SharedPieces(TokenShareConfig(args.token_cache_dir, args.token_cache_size))
     engine = Engine(engine_config(args))
     engine.tokenizer.share_pieces(shared)

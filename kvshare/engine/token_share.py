@@ -11,9 +11,10 @@ first replica encodes is written to a directory every replica of the cluster rea
 Why files in a private directory, not a shared-memory segment: a segment needs an allocator, an index and a lock
 that every process agrees on (a second pool), and a writer that dies holding the lock stalls the others. A
 file is written to a temporary name and renamed over its final one (atomic: a reader sees a whole entry or
-none), a dead writer leaves only a temporary file (removed by the next trim), and reads are page-cache hits
-(a piece of 8192 characters: one open and one read, about 20 us). The directory is checked like the pool's
-socket directory (kvshare.paths.check_private_dir: this user's, written by nobody else).
+none), a dead writer leaves only a temporary file (removed by the next trim), and a read is one open and one
+read from the page cache (a 128k-token prompt's 99 pieces: 6-9 ms of CPU on a loaded 2-core machine, most of it
+building the lists of ids; benchmarks/tokenize_cost.py, column "other"). The directory is checked like the
+pool's socket directory (kvshare.paths.check_private_dir: this user's, written by nobody else).
 
 An entry is used only when every header field equals what the reader expects (format version, the full
 tokenizer identity, the piece's hash and byte length), the file is exactly as long as its id count says and

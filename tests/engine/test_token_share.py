@@ -222,3 +222,25 @@ def test_serve_and_up_share_one_directory(tmp_path):
 
 def test_entry_names_keep_tokenizers_apart():
     assert entry_name(b"a" * 16, b"p" * 16) != entry_name(b"b" * 16, b"p" * 16)
+
+
+def test_serve_gives_its_tokenizer_the_shared_level(tmp_path, monkeypatch):
+    """--token-cache-dir DIR reaches the engine's tokenizer; 'off' leaves it without; a directory others may write
+    is refused with a one-line error (fails when build_engine does not attach the level)."""
+    from types import SimpleNamespace
+
+    import kvshare.engine.engine
+    from kvshare.cli import build_parser
+    from kvshare.commands.serve import build_engine
+    from kvshare.engine.tokenizer import Tokenizer
+
+    # the engine's model is not what is tested: a stand-in with the real tokenizer class
+    monkeypatch.setattr(kvshare.engine.engine, "Engine",
+                        lambda config: SimpleNamespace(tokenizer=Tokenizer.byte_level(64)))
+    engine = build_engine(build_parser().parse_args(["serve", "--token-cache-dir", str(tmp_path / "t")]))
+    assert engine.tokenizer._pieces.shared.directory == str(tmp_path / "t")
+    engine = build_engine(build_parser().parse_args(["serve", "--token-cache-dir", "off"]))
+    assert engine.tokenizer._pieces.shared is None
+    os.chmod(tmp_path, 0o777)
+    with pytest.raises(UserError, match="--token-cache-dir"):
+        build_engine(build_parser().parse_args(["serve", "--token-cache-dir", str(tmp_path)]))
