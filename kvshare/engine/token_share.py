@@ -21,7 +21,8 @@ tokenizer identity, the piece's hash and byte length), the file is exactly as lo
 the ids hash to the recorded checksum; anything else (a torn, truncated, foreign or older-format file, an
 unreadable one) is a miss and the piece is encoded (fail closed).
 
-The directory is bounded in bytes: files go least recently used first (a hit touches its file's mtime). Each
+The directory is bounded in bytes: files go least recently used first (a hit touches its file's mtime, unless
+that is less than 10 s old). Each
 process counts what it wrote since it last listed the directory and lists it again (trimming to 7/8 of the
 bound) once that count would pass the bound or reaches 1/16 of it, so the directory holds at most
 ``max_bytes`` plus 1/16 of it per other process writing at the same time.
@@ -48,6 +49,7 @@ HEADER = struct.Struct("<8sI16s16sQQ16s")
 SUFFIX = ".ids"
 _TMP_PREFIX = ".tmp-"
 STALE_TMP_S = 60.0  # a temporary file older than this was left by a writer that died
+TOUCH_AFTER_NS = 10 * 10**9  # the LRU order's granularity: a hit touches a file last written or touched before
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,7 @@ class SharedPieces:
             self.num_misses += 1
             return None
         try:
+            info = os.fstat(fd)
             # a byte-level BPE gives at most one id per byte: anything longer is no entry of this piece
             data = os.read(fd, HEADER.size + 4 * piece_nbytes + 1)
         except OSError:
@@ -126,11 +129,12 @@ class SharedPieces:
             self.num_misses += 1
             return None
         self.num_hits += 1
-        try:
-            now = time.time_ns()  # recently used: trimmed last (set, not the file system's coarser clock)
-            os.utime(path, ns=(now, now))
-        except OSError:
-            pass
+        now = time.time_ns()
+        if now - info.st_mtime_ns > TOUCH_AFTER_NS:  # recently used: trimmed last
+            try:  # (a file touched lately is not touched again: on a journaled file system utime may wait)
+                os.utime(path, ns=(now, now))
+            except OSError:
+                pass
         return ids
 
     def put_many(self, entries: Sequence[tuple[bytes, bytes, int, Sequence[int]]]) -> None:
