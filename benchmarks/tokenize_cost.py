@@ -114,7 +114,7 @@ def main() -> int:
     factory = PromptFactory(tok, WorkloadConfig(nonce="tokenize-cost"))
     names = ("plain", "first", "first+share", "other", "again", "next turn")
     print(f"{'tokens':>7} {'chars':>8} | " + " | ".join(f"{n:>15}" for n in names) + " | 5% of H200 hit   "
-          f"(ms: wall/cpu)", file=sys.stderr)
+          "(ms: wall/cpu)", file=sys.stderr)
     try:
         for n in (int(x) for x in args.lengths.split(",")):
             row = measure(tok, other, factory, n, args.repeats)
