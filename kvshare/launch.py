@@ -209,7 +209,7 @@ class Cluster:
         device, visible = gpu_of_replica(cfg.device, i)
         args = [*kv, "serve", "--model", cfg.model, "--device", device, "--host", cfg.host, "--port", str(port),
                      "--replica-name", f"replica{i}", "--pool", self.pool_socket or "off", *_auth_args(cfg),
-                     "--provenance", cfg.provenance,
+                     "--provenance", cfg.provenance, "--token-cache-dir", self._private_dir("token-cache"),
                      *(["--model-revision", cfg.model_revision] if cfg.model_revision else []),
                      *(["--kv-events", f"tcp://*:{cfg.replica_kv_events_port + i}"]
                        if cfg.replica_kv_events_port is not None else []), *cfg.replica_args]
@@ -248,7 +248,7 @@ class Cluster:
             self._tmp = tempfile.TemporaryDirectory(prefix="kvshare-up-")
             os.chmod(self._tmp.name, 0o700)
         path = os.path.join(self._tmp.name, name)
-        os.makedirs(path, exist_ok=True)
+        os.makedirs(path, mode=0o700, exist_ok=True)
         return path
 
     def _served_name(self) -> str:

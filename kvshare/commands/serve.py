@@ -118,6 +118,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="publish the local prefix cache's KV events here (tcp://*:PORT or ipc://PATH), in vLLM's "
                         "format with medium GPU, on topic kv@<replica name>@<model>; pool_aware routers read them "
                         "with --replica-kv-events")
+    p.add_argument("--token-cache-dir", default=None, metavar="DIR",
+                   help="share long prompts' token ids with the other replicas of this user that name DIR (a private "
+                        "directory, created 0700; kvshare up passes its own; 'off' or no flag: this replica's only)")
+    p.add_argument("--token-cache-size", type=parse_size, default="256MiB",
+                   help="bytes of token ids kept in --token-cache-dir, least recently used out (default 256MiB)")
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="report healthy at once, without the warm-up (a tiny prefill, pool store and pool load in a "
                         "private namespace) that takes the one-time costs out of the first request's TTFT")
@@ -167,8 +172,14 @@ def serve_config(args: argparse.Namespace):
 
 def build_engine(args: argparse.Namespace):
     from kvshare.engine.engine import Engine
+    from kvshare.engine.token_share import SharedPieces, TokenShareConfig
 
-    return Engine(engine_config(args))
+    shared = None  # the directory is checked before the model loads
+    if args.token_cache_dir not in (None, "off"):
+        shared = SharedPieces(TokenShareConfig(args.token_cache_dir, args.token_cache_size))
+    engine = Engine(engine_config(args))
+    engine.tokenizer.share_pieces(shared)
+    return engine
 
 
 def run(args: argparse.Namespace) -> int:

@@ -20,6 +20,8 @@ tokens without whitespace or stripping), encode(text) == encode(text[:p]) + enco
   NFC boundary (it composes with nothing before it).
 
 Any other tokenizer, or one that fails the probe at construction, is encoded whole (fail closed).
+A second level (kvshare.engine.token_share) shares pieces between the processes of one user on one host:
+a piece this process misses is looked up there before it is encoded, and what it encodes is written there.
 tests/engine/test_token_cache.py checks the equality on random unicode texts with hypothesis.
 """
 
@@ -29,10 +31,13 @@ import string
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import msgspec
 import xxhash
+
+if TYPE_CHECKING:
+    from kvshare.engine.token_share import SharedPieces
 
 # the GPT-2 pattern (ByteLevel's own regex), Qwen2/Qwen3's, Llama 3's
 GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -180,8 +185,10 @@ class PieceEncoder:
     """encode(text) of one ``tokenizers.Tokenizer``: cut, cached and batched where that is safe, else whole."""
 
     def __init__(self, tokenizer: Any, config: TokenCacheConfig = TokenCacheConfig(),
-                 cache: TokenCache | None = None, tokenizer_json: str | None = None) -> None:
-        """``tokenizer_json``: the text ``tokenizer`` was read from (default: ``tokenizer.to_str()``)."""
+                 cache: TokenCache | None = None, tokenizer_json: str | None = None,
+                 shared: SharedPieces | None = None) -> None:
+        """``tokenizer_json``: the text ``tokenizer`` was read from (default: ``tokenizer.to_str()``); ``shared``:
+        the second level, pieces other processes of this user encoded (kvshare.engine.token_share)."""
         self._tok = tokenizer
         self.config = config
         text = (tokenizer_json if tokenizer_json is not None else tokenizer.to_str()).encode()
@@ -189,8 +196,12 @@ class PieceEncoder:
         self.cache = cache if cache is not None else TokenCache(config.max_bytes)
         self._encode_batch = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
         self.not_splittable = splittable_reason(read_head(text))
+        self.shared: SharedPieces | None = None  # set after the probe: its pieces are not written out
+        self.num_encoded = 0
         if self.not_splittable is None and self._pieces_ids(_PROBE, 37) != self.plain(_PROBE):
             self.not_splittable = "the probe's pieces do not encode to the whole text's ids"
+        self.shared = shared
+        self.num_encoded = 0  # pieces encoded since (found in neither level)
 
     @property
     def is_splittable(self) -> bool:
@@ -207,14 +218,26 @@ class PieceEncoder:
     def _pieces_ids(self, text: str, piece_chars: int) -> list[int]:
         bounds = [0, *safe_cuts(text, piece_chars), len(text)]
         pieces = [text[a:b] for a, b in zip(bounds, bounds[1:])]
-        keys = [(self.identity, xxhash.xxh3_128_digest(p.encode("utf-8", "surrogatepass"))) for p in pieces]
+        raw = [p.encode("utf-8", "surrogatepass") for p in pieces]
+        keys = [(self.identity, xxhash.xxh3_128_digest(b)) for b in raw]
         found = [self.cache.get(k) for k in keys]
         missing = [i for i, ids in enumerate(found) if ids is None]
+        if missing and self.shared is not None:  # pieces another process of this user encoded
+            identity = bytes.fromhex(self.identity)
+            for i in missing:
+                found[i] = self.shared.get(identity, keys[i][1], len(raw[i]))
+                if found[i] is not None:
+                    self.cache.put(keys[i], found[i])
+            missing = [i for i in missing if found[i] is None]
         if missing:
             encoded = self._encode_batch([pieces[i] for i in missing], add_special_tokens=False)
+            self.num_encoded += len(missing)
             for i, enc in zip(missing, encoded):
                 found[i] = enc.ids
                 self.cache.put(keys[i], found[i])
+            if self.shared is not None:
+                identity = bytes.fromhex(self.identity)
+                self.shared.put_many([(identity, keys[i][1], len(raw[i]), found[i]) for i in missing])
         out: list[int] = []
         for ids in found:
             out += ids

@@ -15,6 +15,7 @@ import re
 from typing import Sequence
 
 from kvshare.engine.token_cache import PieceEncoder, TokenCache, TokenCacheConfig
+from kvshare.engine.token_share import SharedPieces
 from kvshare.errors import UserError
 
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>")
@@ -134,6 +135,10 @@ class Tokenizer:
     @property
     def token_cache(self) -> TokenCache:
         return self._pieces.cache
+
+    def share_pieces(self, shared: SharedPieces | None) -> None:
+        """Look pieces up in (and write them to) ``shared`` too: the level other replicas on this host fill."""
+        self._pieces.shared = shared
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         # ids the tokenizer does not know (a model vocabulary larger than the tokenizer's) decode to nothing
