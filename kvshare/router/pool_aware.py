@@ -5,6 +5,10 @@ For a prompt of ``n`` tokens and each replica ``r``::
     T_r = queue wait on r + (pool tokens not on r's GPU) x KV bytes per token / load bandwidth
           + (n - tokens r or the pool holds) / prefill rate
 
+The load and prefill rates and the queue wait (requests in flight x a request's recent time on r) are measured
+per replica from the responses the router relays (kvshare.router.calibration); the flags give their values
+until enough responses have been seen.
+
 What the pool holds comes from its KV events (kvshare.pool.events: the pages it committed and has not
 evicted, with their token ids); what a replica holds on its GPU is what this router sent it (its own
 memory, as ``cache_aware`` keeps). Tenants never see each other's prefixes: every chain of hashes is seeded
@@ -32,13 +36,15 @@ import numpy as np
 
 from kvshare.keys import DEFAULT_CHUNK_TOKENS
 from kvshare.pool import events as E
+from kvshare.router.calibration import Calibration, Rates
 
 log = logging.getLogger("kvshare.router.pool_aware")
 
 
 @dataclass(frozen=True)
 class CostModel:
-    """The terms of T_r; defaults: the Qwen3-8B shape (bf16 KV) on an H200 through the service."""
+    """The starting terms of T_r (measured ones replace them: kvshare.router.calibration); defaults: the Qwen3-8B
+    shape (bf16 KV) on an H200 through the service."""
 
     kv_bytes_per_token: int = 147_456  # 36 layers x (K, V) x 8 heads x 128 x 2 bytes
     load_bytes_per_s: float = 20e9
@@ -53,6 +59,12 @@ class CostModel:
             raise ValueError("KV bytes per token, load bandwidth and prefill rate must be positive")
         if self.queue_s_per_request < 0:
             raise ValueError("the queue wait per request must be >= 0")
+
+    def prior_rates(self) -> Rates:
+        """These terms as per-token seconds: the calibration's starting values."""
+        return Rates(overhead_s=0.0, prefill_s_per_token=1.0 / self.prefill_tokens_per_s,
+                     load_s_per_token=self.kv_bytes_per_token / self.load_bytes_per_s,
+                     service_s=self.queue_s_per_request)
 
 
 def chain_seed(cache_salt: str | None) -> bytes:
@@ -150,14 +162,17 @@ class SentMemory:
             memory.popitem(last=False)
 
 
-def expected_ttft(cost: CostModel, num_tokens: int, gpu_tokens: int, pool_tokens: int, num_in_flight: int) -> float:
-    """T_r in seconds: queue, the load of what only the pool holds, the prefill of what nobody holds."""
+def expected_ttft(cost: CostModel, num_tokens: int, gpu_tokens: int, pool_tokens: int, num_in_flight: int,
+                  rates: Rates | None = None) -> float:
+    """T_r in seconds: queue, the load of what only the pool holds, the prefill of what nobody holds; by the
+    replica's measured ``rates``, else the cost model's own."""
+    r = cost.prior_rates() if rates is None else rates
     if not cost.use_pool_term:
         pool_tokens = 0
     load_tokens = max(0, pool_tokens - gpu_tokens)
     computed = num_tokens - max(gpu_tokens, pool_tokens)
-    return (num_in_flight * cost.queue_s_per_request + load_tokens * cost.kv_bytes_per_token / cost.load_bytes_per_s
-            + computed / cost.prefill_tokens_per_s)
+    return (r.overhead_s + num_in_flight * r.service_s + load_tokens * r.load_s_per_token
+            + computed * r.prefill_s_per_token)
 
 
 def rank(times: list[float], is_available: list[bool], rotation: int) -> list[int]:
@@ -200,6 +215,7 @@ class PoolAwarePlacer:
         self.replica_feeds = replica_feeds or []  # each replica's GPU events, where it publishes them
         self.tokenizer = tokenizer
         self.sent = SentMemory(num_replicas)
+        self.calibration = Calibration(cost.prior_rates(), num_replicas)
         self.num_fallbacks = 0
         self.on_fallback = lambda: None  # a metric's inc
         self.fallback_reason: str | None = None  # the last reason, while falling back
@@ -228,7 +244,7 @@ class PoolAwarePlacer:
             times = [0.0] * len(in_flight)
         else:
             times = [expected_ttft(self.cost, len(ids), self._gpu_tokens(i, ids, cache_salt, hashes, chunk_tokens, now),
-                                   pool_tokens, q) for i, q in enumerate(in_flight)]
+                                   pool_tokens, q, self.calibration.rates(i)) for i, q in enumerate(in_flight)]
         order = rank(times, is_available, rotation)
         self.sent.remember(order[0], hashes)
         return order

@@ -27,6 +27,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvshare.router.accounts import BodyRefused, replica_salt, vllm_body
+from kvshare.router.calibration import ResponseTiming
 from kvshare.router.policy import POLICIES, ReplicaView, RouteFacts, Router, prefix_blocks
 from kvshare.router.event_feed import attach_pool_aware
 from kvshare.router.pool_aware import PoolAwareConfig
@@ -136,7 +137,8 @@ class RouterServer:
         self.policy.sessions.ttl_s = config.session_ttl_s
         self.policy.sessions.max_sessions = config.max_sessions
         self.metrics = _Metrics()
-        self.pool_aware = (attach_pool_aware(self.policy, config.pool_aware, self.metrics.registry)
+        self.pool_aware = (attach_pool_aware(self.policy, config.pool_aware, self.metrics.registry,
+                                             [r.url for r in self.replicas])
                            if config.policy == "pool_aware" else None)
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task | None = None
@@ -310,6 +312,7 @@ class RouterServer:
         for attempt, i in enumerate(order):
             replica = self.replicas[i]
             replica.num_in_flight += 1
+            sent_s = time.monotonic()
             try:
                 upstream = await self._session.request(request.method, replica.url + request.path_qs,
                                                        data=body or None, headers=headers)
@@ -322,7 +325,9 @@ class RouterServer:
                 continue
             try:
                 self.metrics.requests.labels(replica.url).inc()
-                return await self._relay(request, upstream, replica)
+                timing = None if self.pool_aware is None else ResponseTiming(
+                    self.pool_aware.calibration, i, sent_s, upstream.content_type == "text/event-stream")
+                return await self._relay(request, upstream, replica, timing)
             finally:
                 upstream.release()
                 replica.num_in_flight -= 1
@@ -330,7 +335,8 @@ class RouterServer:
         self.metrics.errors.inc()
         raise _unavailable(f"no replica could take the request: {last_error}")
 
-    async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse, replica: ReplicaState):
+    async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse, replica: ReplicaState,
+                     timing: ResponseTiming | None = None):
         headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
         if self.config.expose_replica_header:  # off by default: it would tell any client where a prefix lives
             headers["X-KVShare-Replica"] = replica.url
@@ -342,6 +348,8 @@ class RouterServer:
         watch = asyncio.create_task(_close_when_gone(request, upstream))
         try:
             async for piece in upstream.content.iter_any():
+                if timing is not None:  # pool_aware's measured terms (kvshare.router.calibration)
+                    timing.piece(piece, time.monotonic())
                 try:
                     async with asyncio.timeout(self.config.write_timeout_s):
                         await response.write(piece)
@@ -363,6 +371,8 @@ class RouterServer:
             return response
         finally:
             watch.cancel()
+        if timing is not None and upstream.status == 200:
+            timing.end(time.monotonic())
         try:
             await response.write_eof()
         except ConnectionResetError:
