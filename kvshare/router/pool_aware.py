@@ -27,12 +27,12 @@ kvshare.router.event_feed is the thread with the ZMQ subscription.
 
 from __future__ import annotations
 
+import array
 import hashlib
 import logging
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass
-
-import numpy as np
 
 from kvshare.keys import DEFAULT_CHUNK_TOKENS
 from kvshare.pool import events as E
@@ -73,15 +73,28 @@ def chain_seed(cache_salt: str | None) -> bytes:
     return hashlib.blake2b(b"cache_salt\0" + cache_salt.encode("utf-8", "surrogatepass"), digest_size=8).digest()
 
 
+def le_u32(ids) -> bytes:
+    """Token ids as little-endian 4-byte unsigned integers (array's conversion of a list: 5x numpy's)."""
+    data = array.array("I", ids)
+    if data.itemsize != 4:
+        raise RuntimeError("this platform's C unsigned int is not 4 bytes; token ids cannot be hashed here")
+    if sys.byteorder != "little":
+        data.byteswap()
+    return data.tobytes()
+
+
 def chunk_hash(parent: bytes, tokens) -> bytes:
-    return hashlib.blake2b(parent + np.asarray(tokens, dtype="<u4").tobytes(), digest_size=8).digest()
+    return hashlib.blake2b(parent + le_u32(tokens), digest_size=8).digest()
 
 
 def chain(ids, chunk_tokens: int, cache_salt: str | None) -> list[bytes]:
-    """Chained hashes of the full chunks of ``ids``, seeded by the salt."""
+    """Chained hashes of the full chunks of ``ids``, seeded by the salt: ``chunk_hash`` of each chunk in turn,
+    over the prompt's bytes converted once (converting chunk by chunk cost more than the hashes)."""
     hashes, previous = [], chain_seed(cache_salt)
-    for start in range(0, len(ids) - chunk_tokens + 1, chunk_tokens):
-        previous = chunk_hash(previous, ids[start : start + chunk_tokens])
+    data = memoryview(le_u32(ids))
+    step = 4 * chunk_tokens
+    for start in range(0, len(data) - step + 1, step):
+        previous = hashlib.blake2b(previous + data[start : start + step], digest_size=8).digest()
         hashes.append(previous)
     return hashes
 
@@ -134,7 +147,11 @@ class PoolPrefixIndex:
         """Tokens of the prompt's longest prefix the pool holds (0 for a salted prompt: see the module)."""
         if cache_salt is not None:
             return 0
-        return held_chunks(chain(ids, self.chunk_tokens, None), self._held) * self.chunk_tokens
+        return self.held_tokens_of(chain(ids, self.chunk_tokens, None), cache_salt)
+
+    def held_tokens_of(self, hashes: list[bytes], cache_salt: str | None) -> int:
+        """``held_tokens`` of a prompt whose ``chain`` at this index's chunk size is ``hashes``."""
+        return 0 if cache_salt is not None else held_chunks(hashes, self._held) * self.chunk_tokens
 
 
 def _is_keyed(event) -> bool:
@@ -231,11 +248,11 @@ class PoolAwarePlacer:
             else:
                 log.warning("pool_aware: falling back to round robin: %s", reason)
             self.fallback_reason = reason
-        ids = list(prompt_ids or ())
+        ids = prompt_ids or []
+        chunk_tokens = self.feed.index.chunk_tokens  # set once, from the first event: the pool's page size
+        hashes = chain(ids, chunk_tokens, cache_salt)  # the one chain: the pool's lookup and the sent memory
         with self.feed.lock:
-            chunk_tokens = self.feed.index.chunk_tokens
-            pool_tokens = self.feed.index.held_tokens(ids, cache_salt)
-        hashes = chain(ids, chunk_tokens, cache_salt)
+            pool_tokens = self.feed.index.held_tokens_of(hashes, cache_salt)
         if pool_tokens < len(hashes) * chunk_tokens:
             self.feed.expect(now)  # the replica will store the rest: the pool should announce it
         if reason is not None:
@@ -273,7 +290,8 @@ class PoolAwarePlacer:
             if isinstance(prompt, str):
                 return self.tokenizer.encode(prompt)
             if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                return prompt
+                # ids beyond 4 bytes hash to nothing the pool holds: the replica refuses them; place without a prefix
+                return prompt if not prompt or (min(prompt) >= 0 and max(prompt) < 1 << 32) else None
         except Exception as exc:  # a malformed request: the replica answers it; place it without a prefix
             log.debug("pool_aware: no token ids for a request (%s)", exc)
         return None

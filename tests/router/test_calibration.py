@@ -11,7 +11,7 @@ from prometheus_client import generate_latest
 
 from kvshare.router.calibration import Calibration, CalibrationConfig, Rates, ReplicaRates, provenance_of
 from kvshare.router.policy import ReplicaView, RouteFacts, Router
-from kvshare.router.pool_aware import CostModel, PoolAwareConfig, PoolAwarePlacer, chain
+from kvshare.router.pool_aware import CostModel, PoolAwareConfig, PoolAwarePlacer, chain, chain_seed, chunk_hash
 from kvshare.router.proxy import RouterConfig, RouterServer
 from tests.router.test_pool_aware import FakeFeed
 from tests.test_metrics_names import lint
@@ -155,3 +155,31 @@ def test_the_router_times_a_relayed_stream_and_reads_its_provenance():
                 time.sleep(0.02)
     [(computed, pool, prefill_s)] = server.pool_aware.calibration.replicas[0].samples
     assert (computed, pool) == (40, 512) and prefill_s >= 0.04
+
+
+def test_the_chain_of_a_prompt_is_its_chunk_hashes_in_turn():
+    """The one conversion of the whole prompt hashes what the index hashes chunk by chunk from the events."""
+    ids = list(range(70_000, 70_000 + 600))
+    parent, expected = chain_seed("s"), []
+    for start in (0, 256):
+        parent = chunk_hash(parent, ids[start : start + 256])
+        expected.append(parent)
+    assert chain(ids, 256, "s") == expected
+
+
+def test_token_ids_that_no_4_byte_id_holds_are_placed_without_a_prefix():
+    """Fails when such a prompt's ids are passed on (hashing them raised OverflowError inside the router)."""
+    placer = PoolAwarePlacer(2, FLAGS, FakeFeed([]))
+    assert placer.prompt_ids([1, 2, 1 << 32], None) is None and placer.prompt_ids([-1, 2], None) is None
+    assert placer.prompt_ids([0, 2, (1 << 32) - 1], None) == [0, 2, (1 << 32) - 1]
+
+
+def test_a_chat_template_is_compiled_once():
+    """Fails when every render compiles the template again (13-28 ms of the router's placement per request)."""
+    from kvshare.engine.tokenizer import CHAT_TEMPLATE, _compiled_chat_template, render_chat
+
+    messages = [{"role": "user", "content": "hi"}]
+    first = render_chat(CHAT_TEMPLATE, messages)
+    misses = _compiled_chat_template.cache_info().misses
+    assert render_chat(CHAT_TEMPLATE, messages) == first == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert _compiled_chat_template.cache_info().misses == misses
