@@ -1,4 +1,4 @@
-"""pool_aware's cost terms measured from the responses the router relays (pure: every call takes its times).
+"""pool_aware's cost terms measured from the responses the router relays (pure but for ``ResponseTiming.pieces``).
 
 For each response the router knows when it sent the request, when the first byte of a stream's body came (a
 replica writes a stream's headers at once and its first data chunk with the first token), when the response
@@ -20,6 +20,7 @@ values are used as they are.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, replace
 
@@ -190,13 +191,22 @@ def provenance_of(tail: bytes) -> tuple[int, int] | None:
 
 class ResponseTiming:
     """A relayed response's times and end, for ``Calibration.observe``: ``piece`` for each piece as it arrives,
-    ``end`` once it ended whole."""
+    ``end`` once it ended whole (``pieces`` does both around an upstream response)."""
 
     def __init__(self, calibration: Calibration, replica: int, sent_s: float, is_stream: bool) -> None:
         self.calibration, self.replica, self.sent_s, self.is_stream = calibration, replica, sent_s, is_stream
         self.first_byte_s: float | None = None
         self._tail: deque[bytes] = deque()
         self._tail_bytes = 0
+
+    async def pieces(self, upstream):
+        """The pieces of an aiohttp ClientResponse's body as they arrive, timed; a 200 read to its end is
+        observed (one left early, or that failed, is not)."""
+        async for data in upstream.content.iter_any():
+            self.piece(data, time.monotonic())
+            yield data
+        if upstream.status == 200:
+            self.end(time.monotonic())
 
     def piece(self, data: bytes, now: float) -> None:
         if self.first_byte_s is None and data:

@@ -164,7 +164,7 @@ def attach_pool_aware(router, config: PoolAwareConfig, registry, replica_names: 
           registry=registry).set_function(lambda: float(len(feed.index)))
     calibration = placer.calibration
     if replica_names is not None:
-        calibration.names = list(replica_names)
+        calibration.names = [name.rstrip("/") for name in replica_names]
     terms = [("prefill_seconds_per_token", "Measured seconds per prompt token a replica computes",
               "prefill_s_per_token"),
              ("load_seconds_per_token", "Measured seconds per prompt token a replica loads from the pool",

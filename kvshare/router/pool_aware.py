@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from kvshare.keys import DEFAULT_CHUNK_TOKENS
 from kvshare.pool import events as E
-from kvshare.router.calibration import Calibration, Rates
+from kvshare.router.calibration import Calibration, Rates, ResponseTiming
 
 log = logging.getLogger("kvshare.router.pool_aware")
 
@@ -273,6 +273,10 @@ class PoolAwarePlacer:
             with feed.lock:
                 return feed.index.held_tokens(ids, cache_salt)
         return self.sent.held_tokens(i, hashes, chunk_tokens)
+
+    def timing(self, replica: int, sent_s: float, upstream) -> ResponseTiming:
+        """The measurement of one relayed response (an aiohttp ClientResponse) for this placer's calibration."""
+        return ResponseTiming(self.calibration, replica, sent_s, upstream.content_type == "text/event-stream")
 
     def start(self) -> None:
         for feed in (self.feed, *self.replica_feeds):

@@ -27,7 +27,6 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvshare.router.accounts import BodyRefused, replica_salt, vllm_body
-from kvshare.router.calibration import ResponseTiming
 from kvshare.router.policy import POLICIES, ReplicaView, RouteFacts, Router, prefix_blocks
 from kvshare.router.event_feed import attach_pool_aware
 from kvshare.router.pool_aware import PoolAwareConfig
@@ -137,8 +136,7 @@ class RouterServer:
         self.policy.sessions.ttl_s = config.session_ttl_s
         self.policy.sessions.max_sessions = config.max_sessions
         self.metrics = _Metrics()
-        self.pool_aware = (attach_pool_aware(self.policy, config.pool_aware, self.metrics.registry,
-                                             [r.url for r in self.replicas])
+        self.pool_aware = (attach_pool_aware(self.policy, config.pool_aware, self.metrics.registry, config.replicas)
                            if config.policy == "pool_aware" else None)
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task | None = None
@@ -325,8 +323,7 @@ class RouterServer:
                 continue
             try:
                 self.metrics.requests.labels(replica.url).inc()
-                timing = None if self.pool_aware is None else ResponseTiming(
-                    self.pool_aware.calibration, i, sent_s, upstream.content_type == "text/event-stream")
+                timing = None if self.pool_aware is None else self.pool_aware.timing(i, sent_s, upstream)
                 return await self._relay(request, upstream, replica, timing)
             finally:
                 upstream.release()
@@ -335,8 +332,7 @@ class RouterServer:
         self.metrics.errors.inc()
         raise _unavailable(f"no replica could take the request: {last_error}")
 
-    async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse, replica: ReplicaState,
-                     timing: ResponseTiming | None = None):
+    async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse, replica: ReplicaState, timing=None):
         headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
         if self.config.expose_replica_header:  # off by default: it would tell any client where a prefix lives
             headers["X-KVShare-Replica"] = replica.url
@@ -347,9 +343,7 @@ class RouterServer:
         # connection too, which lets the replica give the request up at its next layer
         watch = asyncio.create_task(_close_when_gone(request, upstream))
         try:
-            async for piece in upstream.content.iter_any():
-                if timing is not None:  # pool_aware's measured terms (kvshare.router.calibration)
-                    timing.piece(piece, time.monotonic())
+            async for piece in upstream.content.iter_any() if timing is None else timing.pieces(upstream):
                 try:
                     async with asyncio.timeout(self.config.write_timeout_s):
                         await response.write(piece)
@@ -371,8 +365,6 @@ class RouterServer:
             return response
         finally:
             watch.cancel()
-        if timing is not None and upstream.status == 200:
-            timing.end(time.monotonic())
         try:
             await response.write_eof()
         except ConnectionResetError:
