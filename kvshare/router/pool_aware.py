@@ -279,8 +279,17 @@ class PoolAwarePlacer:
         return ResponseTiming(self.calibration, replica, sent_s, upstream.content_type == "text/event-stream")
 
     def start(self) -> None:
+        self.warm_up()
         for feed in (self.feed, *self.replica_feeds):
             feed.start()
+
+    def warm_up(self) -> None:
+        """Pay the one-time costs of a placement (the chat template's compile, the tokenizer's first calls) before
+        the router serves: on a fresh router they made its first request's placement 100-130 ms on 2 CPU cores."""
+        if self.tokenizer is not None and getattr(self.tokenizer, "chat_template", None):
+            self.prompt_ids(None, [{"role": "user", "content": "warm up"}])
+        if self.tokenizer is not None:
+            chain(self.prompt_ids("warm up", None) or [], 1, None)
 
     def stop(self) -> None:
         for feed in (self.feed, *self.replica_feeds):

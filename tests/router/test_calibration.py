@@ -183,3 +183,18 @@ def test_a_chat_template_is_compiled_once():
     misses = _compiled_chat_template.cache_info().misses
     assert render_chat(CHAT_TEMPLATE, messages) == first == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert _compiled_chat_template.cache_info().misses == misses
+
+
+def test_starting_a_placer_compiles_its_chat_template_before_the_first_request():
+    """Fails when start() leaves the one-time costs to the first request (no warm_up)."""
+    from kvshare.engine.loader import load_tokenizer
+    from kvshare.engine.tokenizer import _compiled_chat_template
+
+    _compiled_chat_template.cache_clear()
+    placer = PoolAwarePlacer(2, FLAGS, FakeFeed([]), load_tokenizer("tiny"))
+    placer.feed.start = lambda: None  # no subscription here
+    placer.start()
+    misses = _compiled_chat_template.cache_info().misses
+    assert misses == 1
+    assert placer.prompt_ids(None, [{"role": "user", "content": "a question"}])
+    assert _compiled_chat_template.cache_info().misses == misses
