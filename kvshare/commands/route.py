@@ -62,10 +62,14 @@ def _add_pool_aware_arguments(p: argparse.ArgumentParser) -> None:
     cost = CostModel()
     g.add_argument("--kv-bytes-per-token", type=int, default=cost.kv_bytes_per_token)
     g.add_argument("--load-bandwidth", type=float, default=cost.load_bytes_per_s / 1e9, metavar="GB/S",
-                   help="pool -> replica load bandwidth")
-    g.add_argument("--prefill-rate", type=float, default=cost.prefill_tokens_per_s, metavar="TOKENS/S")
+                   help="pool -> replica load bandwidth, until measured (each replica's is then fitted from the "
+                        "responses the router relays: kvshare_router_pool_aware_load_seconds_per_token)")
+    g.add_argument("--prefill-rate", type=float, default=cost.prefill_tokens_per_s, metavar="TOKENS/S",
+                   help="prompt tokens a replica computes per second, until measured (then fitted per replica: "
+                        "kvshare_router_pool_aware_prefill_seconds_per_token)")
     g.add_argument("--queue-seconds", type=float, default=cost.queue_s_per_request,
-                   help="expected wait behind one request in flight on a replica")
+                   help="expected wait behind one request in flight on a replica, until measured (then the "
+                        "replica's recent time per request: kvshare_router_pool_aware_service_seconds)")
     g.add_argument("--no-pool-term", dest="use_pool_term", action="store_false",
                    help="the GPU-only variant: credit a replica only with what its GPU holds, never the pool's pages "
                         "(what a router that cannot see the pool does; a baseline for the pool term)")

@@ -9,6 +9,7 @@ Chat templates are rendered with plain jinja2, in the sandbox transformers uses.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -79,6 +80,14 @@ def byte_tokenizer_config(max_length: int) -> dict:
 
 def render_chat(template: str, messages: Sequence[dict], add_generation_prompt: bool = True, **extra) -> str:
     """Render a chat template with jinja2's immutable sandbox, as transformers does."""
+    return _compiled_chat_template(template).render(messages=list(messages),
+                                                    add_generation_prompt=add_generation_prompt, **extra)
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled_chat_template(template: str):
+    """The template compiled once (compiling a model's chat template took 13-28 ms, rendering it a fraction of
+    that); a jinja2 Template holds no state between renders, so one serves every thread."""
     from jinja2.exceptions import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -87,7 +96,7 @@ def render_chat(template: str, messages: Sequence[dict], add_generation_prompt: 
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
-    return env.from_string(template).render(messages=list(messages), add_generation_prompt=add_generation_prompt, **extra)
+    return env.from_string(template)
 
 
 class Tokenizer:

@@ -136,8 +136,10 @@ class EventFeed:
         self._expected_since = None
 
 
-def attach_pool_aware(router, config: PoolAwareConfig, registry) -> PoolAwarePlacer:
-    """A placer for ``router`` (its feed not started yet), with its metrics in ``registry``."""
+def attach_pool_aware(router, config: PoolAwareConfig, registry, replica_names: list[str] | None = None
+                      ) -> PoolAwarePlacer:
+    """A placer for ``router`` (its feed not started yet), with its metrics in ``registry`` (each replica's
+    measured terms labelled by its name in ``replica_names``)."""
     from prometheus_client import Counter, Gauge
 
     from kvshare.engine.loader import load_tokenizer
@@ -160,4 +162,19 @@ def attach_pool_aware(router, config: PoolAwareConfig, registry) -> PoolAwarePla
           registry=registry).set_function(lambda: feed.lag_s)
     Gauge("kvshare_router_pool_index_chunks", "Chunks the pool holds by its KV events (untenanted)",
           registry=registry).set_function(lambda: float(len(feed.index)))
+    calibration = placer.calibration
+    if replica_names is not None:
+        calibration.names = [name.rstrip("/") for name in replica_names]
+    terms = [("prefill_seconds_per_token", "Measured seconds per prompt token a replica computes",
+              "prefill_s_per_token"),
+             ("load_seconds_per_token", "Measured seconds per prompt token a replica loads from the pool",
+              "load_s_per_token"),
+             ("service_seconds", "Measured time a request holds a replica (the queue wait per request ahead)",
+              "service_s"),
+             ("overhead_seconds", "Measured time to first token a replica adds to every request", "overhead_s"),
+             ("rate_samples", "Responses behind a replica's measured rates (0: the flags' values)", "num_samples")]
+    for name, help_text, field in terms:
+        gauge = Gauge(f"kvshare_router_pool_aware_{name}", help_text, ["replica"], registry=registry)
+        for i, replica in enumerate(calibration.names):
+            gauge.labels(replica).set_function(lambda i=i, field=field: float(getattr(calibration.rates(i), field)))
     return placer

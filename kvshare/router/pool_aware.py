@@ -5,6 +5,10 @@ For a prompt of ``n`` tokens and each replica ``r``::
     T_r = queue wait on r + (pool tokens not on r's GPU) x KV bytes per token / load bandwidth
           + (n - tokens r or the pool holds) / prefill rate
 
+The load and prefill rates and the queue wait (requests in flight x a request's recent time on r) are measured
+per replica from the responses the router relays (kvshare.router.calibration); the flags give their values
+until enough responses have been seen.
+
 What the pool holds comes from its KV events (kvshare.pool.events: the pages it committed and has not
 evicted, with their token ids); what a replica holds on its GPU is what this router sent it (its own
 memory, as ``cache_aware`` keeps). Tenants never see each other's prefixes: every chain of hashes is seeded
@@ -23,22 +27,24 @@ kvshare.router.event_feed is the thread with the ZMQ subscription.
 
 from __future__ import annotations
 
+import array
 import hashlib
 import logging
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import numpy as np
-
 from kvshare.keys import DEFAULT_CHUNK_TOKENS
 from kvshare.pool import events as E
+from kvshare.router.calibration import Calibration, Rates, ResponseTiming
 
 log = logging.getLogger("kvshare.router.pool_aware")
 
 
 @dataclass(frozen=True)
 class CostModel:
-    """The terms of T_r; defaults: the Qwen3-8B shape (bf16 KV) on an H200 through the service."""
+    """The starting terms of T_r (measured ones replace them: kvshare.router.calibration); defaults: the Qwen3-8B
+    shape (bf16 KV) on an H200 through the service."""
 
     kv_bytes_per_token: int = 147_456  # 36 layers x (K, V) x 8 heads x 128 x 2 bytes
     load_bytes_per_s: float = 20e9
@@ -54,6 +60,12 @@ class CostModel:
         if self.queue_s_per_request < 0:
             raise ValueError("the queue wait per request must be >= 0")
 
+    def prior_rates(self) -> Rates:
+        """These terms as per-token seconds: the calibration's starting values."""
+        return Rates(overhead_s=0.0, prefill_s_per_token=1.0 / self.prefill_tokens_per_s,
+                     load_s_per_token=self.kv_bytes_per_token / self.load_bytes_per_s,
+                     service_s=self.queue_s_per_request)
+
 
 def chain_seed(cache_salt: str | None) -> bytes:
     if cache_salt is None:
@@ -61,15 +73,28 @@ def chain_seed(cache_salt: str | None) -> bytes:
     return hashlib.blake2b(b"cache_salt\0" + cache_salt.encode("utf-8", "surrogatepass"), digest_size=8).digest()
 
 
+def le_u32(ids) -> bytes:
+    """Token ids as little-endian 4-byte unsigned integers (array's conversion of a list: 5x numpy's)."""
+    data = array.array("I", ids)
+    if data.itemsize != 4:
+        raise RuntimeError("this platform's C unsigned int is not 4 bytes; token ids cannot be hashed here")
+    if sys.byteorder != "little":
+        data.byteswap()
+    return data.tobytes()
+
+
 def chunk_hash(parent: bytes, tokens) -> bytes:
-    return hashlib.blake2b(parent + np.asarray(tokens, dtype="<u4").tobytes(), digest_size=8).digest()
+    return hashlib.blake2b(parent + le_u32(tokens), digest_size=8).digest()
 
 
 def chain(ids, chunk_tokens: int, cache_salt: str | None) -> list[bytes]:
-    """Chained hashes of the full chunks of ``ids``, seeded by the salt."""
+    """Chained hashes of the full chunks of ``ids``, seeded by the salt: ``chunk_hash`` of each chunk in turn,
+    over the prompt's bytes converted once (converting chunk by chunk cost more than the hashes)."""
     hashes, previous = [], chain_seed(cache_salt)
-    for start in range(0, len(ids) - chunk_tokens + 1, chunk_tokens):
-        previous = chunk_hash(previous, ids[start : start + chunk_tokens])
+    data = memoryview(le_u32(ids))
+    step = 4 * chunk_tokens
+    for start in range(0, len(data) - step + 1, step):
+        previous = hashlib.blake2b(previous + data[start : start + step], digest_size=8).digest()
         hashes.append(previous)
     return hashes
 
@@ -122,7 +147,11 @@ class PoolPrefixIndex:
         """Tokens of the prompt's longest prefix the pool holds (0 for a salted prompt: see the module)."""
         if cache_salt is not None:
             return 0
-        return held_chunks(chain(ids, self.chunk_tokens, None), self._held) * self.chunk_tokens
+        return self.held_tokens_of(chain(ids, self.chunk_tokens, None), cache_salt)
+
+    def held_tokens_of(self, hashes: list[bytes], cache_salt: str | None) -> int:
+        """``held_tokens`` of a prompt whose ``chain`` at this index's chunk size is ``hashes``."""
+        return 0 if cache_salt is not None else held_chunks(hashes, self._held) * self.chunk_tokens
 
 
 def _is_keyed(event) -> bool:
@@ -150,14 +179,17 @@ class SentMemory:
             memory.popitem(last=False)
 
 
-def expected_ttft(cost: CostModel, num_tokens: int, gpu_tokens: int, pool_tokens: int, num_in_flight: int) -> float:
-    """T_r in seconds: queue, the load of what only the pool holds, the prefill of what nobody holds."""
+def expected_ttft(cost: CostModel, num_tokens: int, gpu_tokens: int, pool_tokens: int, num_in_flight: int,
+                  rates: Rates | None = None) -> float:
+    """T_r in seconds: queue, the load of what only the pool holds, the prefill of what nobody holds; by the
+    replica's measured ``rates``, else the cost model's own."""
+    r = cost.prior_rates() if rates is None else rates
     if not cost.use_pool_term:
         pool_tokens = 0
     load_tokens = max(0, pool_tokens - gpu_tokens)
     computed = num_tokens - max(gpu_tokens, pool_tokens)
-    return (num_in_flight * cost.queue_s_per_request + load_tokens * cost.kv_bytes_per_token / cost.load_bytes_per_s
-            + computed / cost.prefill_tokens_per_s)
+    return (r.overhead_s + num_in_flight * r.service_s + load_tokens * r.load_s_per_token
+            + computed * r.prefill_s_per_token)
 
 
 def rank(times: list[float], is_available: list[bool], rotation: int) -> list[int]:
@@ -200,6 +232,7 @@ class PoolAwarePlacer:
         self.replica_feeds = replica_feeds or []  # each replica's GPU events, where it publishes them
         self.tokenizer = tokenizer
         self.sent = SentMemory(num_replicas)
+        self.calibration = Calibration(cost.prior_rates(), num_replicas)
         self.num_fallbacks = 0
         self.on_fallback = lambda: None  # a metric's inc
         self.fallback_reason: str | None = None  # the last reason, while falling back
@@ -215,11 +248,11 @@ class PoolAwarePlacer:
             else:
                 log.warning("pool_aware: falling back to round robin: %s", reason)
             self.fallback_reason = reason
-        ids = list(prompt_ids or ())
+        ids = prompt_ids or []
+        chunk_tokens = self.feed.index.chunk_tokens  # set once, from the first event: the pool's page size
+        hashes = chain(ids, chunk_tokens, cache_salt)  # the one chain: the pool's lookup and the sent memory
         with self.feed.lock:
-            chunk_tokens = self.feed.index.chunk_tokens
-            pool_tokens = self.feed.index.held_tokens(ids, cache_salt)
-        hashes = chain(ids, chunk_tokens, cache_salt)
+            pool_tokens = self.feed.index.held_tokens_of(hashes, cache_salt)
         if pool_tokens < len(hashes) * chunk_tokens:
             self.feed.expect(now)  # the replica will store the rest: the pool should announce it
         if reason is not None:
@@ -228,7 +261,7 @@ class PoolAwarePlacer:
             times = [0.0] * len(in_flight)
         else:
             times = [expected_ttft(self.cost, len(ids), self._gpu_tokens(i, ids, cache_salt, hashes, chunk_tokens, now),
-                                   pool_tokens, q) for i, q in enumerate(in_flight)]
+                                   pool_tokens, q, self.calibration.rates(i)) for i, q in enumerate(in_flight)]
         order = rank(times, is_available, rotation)
         self.sent.remember(order[0], hashes)
         return order
@@ -241,9 +274,22 @@ class PoolAwarePlacer:
                 return feed.index.held_tokens(ids, cache_salt)
         return self.sent.held_tokens(i, hashes, chunk_tokens)
 
+    def timing(self, replica: int, sent_s: float, upstream) -> ResponseTiming:
+        """The measurement of one relayed response (an aiohttp ClientResponse) for this placer's calibration."""
+        return ResponseTiming(self.calibration, replica, sent_s, upstream.content_type == "text/event-stream")
+
     def start(self) -> None:
+        self.warm_up()
         for feed in (self.feed, *self.replica_feeds):
             feed.start()
+
+    def warm_up(self) -> None:
+        """Pay the one-time costs of a placement (the chat template's compile, the tokenizer's first calls) before
+        the router serves: on a fresh router they made its first request's placement 100-130 ms on 2 CPU cores."""
+        if self.tokenizer is not None and getattr(self.tokenizer, "chat_template", None):
+            self.prompt_ids(None, [{"role": "user", "content": "warm up"}])
+        if self.tokenizer is not None:
+            chain(self.prompt_ids("warm up", None) or [], 1, None)
 
     def stop(self) -> None:
         for feed in (self.feed, *self.replica_feeds):
@@ -257,7 +303,8 @@ class PoolAwarePlacer:
             if isinstance(prompt, str):
                 return self.tokenizer.encode(prompt)
             if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                return prompt
+                # ids beyond 4 bytes hash to nothing the pool holds: the replica refuses them; place without a prefix
+                return prompt if not prompt or (min(prompt) >= 0 and max(prompt) < 1 << 32) else None
         except Exception as exc:  # a malformed request: the replica answers it; place it without a prefix
             log.debug("pool_aware: no token ids for a request (%s)", exc)
         return None

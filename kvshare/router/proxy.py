@@ -136,7 +136,7 @@ class RouterServer:
         self.policy.sessions.ttl_s = config.session_ttl_s
         self.policy.sessions.max_sessions = config.max_sessions
         self.metrics = _Metrics()
-        self.pool_aware = (attach_pool_aware(self.policy, config.pool_aware, self.metrics.registry)
+        self.pool_aware = (attach_pool_aware(self.policy, config.pool_aware, self.metrics.registry, config.replicas)
                            if config.policy == "pool_aware" else None)
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task | None = None
@@ -310,6 +310,7 @@ class RouterServer:
         for attempt, i in enumerate(order):
             replica = self.replicas[i]
             replica.num_in_flight += 1
+            sent_s = time.monotonic()
             try:
                 upstream = await self._session.request(request.method, replica.url + request.path_qs,
                                                        data=body or None, headers=headers)
@@ -322,7 +323,8 @@ class RouterServer:
                 continue
             try:
                 self.metrics.requests.labels(replica.url).inc()
-                return await self._relay(request, upstream, replica)
+                timing = None if self.pool_aware is None else self.pool_aware.timing(i, sent_s, upstream)
+                return await self._relay(request, upstream, replica, timing)
             finally:
                 upstream.release()
                 replica.num_in_flight -= 1
@@ -330,7 +332,7 @@ class RouterServer:
         self.metrics.errors.inc()
         raise _unavailable(f"no replica could take the request: {last_error}")
 
-    async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse, replica: ReplicaState):
+    async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse, replica: ReplicaState, timing=None):
         headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
         if self.config.expose_replica_header:  # off by default: it would tell any client where a prefix lives
             headers["X-KVShare-Replica"] = replica.url
@@ -341,7 +343,7 @@ class RouterServer:
         # connection too, which lets the replica give the request up at its next layer
         watch = asyncio.create_task(_close_when_gone(request, upstream))
         try:
-            async for piece in upstream.content.iter_any():
+            async for piece in upstream.content.iter_any() if timing is None else timing.pieces(upstream):
                 try:
                     async with asyncio.timeout(self.config.write_timeout_s):
                         await response.write(piece)
