@@ -4,7 +4,6 @@ in one blocking recv and the daemon in one blocking select, so each leaves the c
 from __future__ import annotations
 
 import socket
-import threading
 import time
 
 import pytest
@@ -13,9 +12,10 @@ from kvshare.pool import client as pool_client
 from kvshare.pool import daemon as pool_daemon
 from kvshare.pool import protocol as P
 from kvshare.pool.client import PoolClient
-from kvshare.pool.daemon import PoolConfig, PoolServer
+from kvshare.pool.daemon import PoolServer
 from kvshare.pool.spin import MAX_MISSES
-from tests.pool.conftest import MiB, make_keys
+from tests.pool.conftest import make_keys
+from tests.pool.test_pool_identity import pool_in_this_process
 
 NS = b"n" * 16
 NUM_ROUND_TRIPS = 200
@@ -83,17 +83,12 @@ def quiet_pool(tmp_path, monkeypatch):
 def pool_on_a_thread(tmp_path, monkeypatch, pressure):
     monkeypatch.setattr(pool_daemon, "CpuPressure", pressure)
     monkeypatch.setattr(pool_client, "CpuPressure", pressure)
-    server = PoolServer(PoolConfig(socket_path=str(tmp_path / "pool.sock"), size_bytes=16 * MiB,
-                                   extent_bytes=4 * MiB, hugepages="off"))
-    server.start()
-    server._selector = CountingSelector(server._selector)
-    thread = threading.Thread(target=server.serve, daemon=True)
-    thread.start()
-    try:
+
+    def count_selects(server):
+        server._selector = CountingSelector(server._selector)
+
+    with pool_in_this_process(str(tmp_path / "pool.sock"), count_selects) as server:
         yield server
-    finally:
-        server.stop()
-        thread.join(10)
 
 
 def round_trips(server: PoolServer) -> tuple[int, int]:
