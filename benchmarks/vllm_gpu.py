@@ -56,6 +56,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import vllm_gpu_client as client  # noqa: E402 (beside this file)
 
+from kvshare.bench.records import tree_commit  # noqa: E402
 from kvshare.children import stop_group  # noqa: E402
 from kvshare.integrations.vllm import gpu_rows  # noqa: E402
 from kvshare.integrations.vllm.launch import VllmServerConfig, vllm_server_command, wait_until_ready  # noqa: E402
@@ -108,14 +109,6 @@ def vllm_version() -> str:
                          text=True)
     return out.stdout.strip() or "unknown"
 
-
-def tree_commit() -> str | None:
-    """The commit of this tree ($KVSHARE_COMMIT where the tree travels without its .git)."""
-    if os.environ.get("KVSHARE_COMMIT"):
-        return os.environ["KVSHARE_COMMIT"]
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                         cwd=os.path.dirname(os.path.abspath(__file__)))
-    return out.stdout.strip() or None
 
 
 class Rows:

@@ -116,13 +116,6 @@ class Measurements:
         os.replace(self.path + ".tmp", self.path)
 
 
-def git_commit() -> str:
-    done = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short=7", "HEAD"], capture_output=True, text=True)
-    commit = done.stdout.strip() or "unknown"
-    dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True).stdout.strip()
-    return commit + ("-dirty" if dirty else "")
-
 
 def memcpy_rate(num_bytes: int = 512 << 20) -> float:
     """Bytes/s of one host memcpy of ``num_bytes`` (best of 5): a CPU replica's pool load is such a copy."""
@@ -305,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from service_ttft_gpu import measure_h2d
 
-    from kvshare.bench.records import describe_host
+    from kvshare.bench.records import describe_host, tree_commit
     from kvshare.engine.config import model_config_from_hf
     from kvshare.engine.presets import PRESETS
 
@@ -315,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()[0]
     command = shlex.join(["python", os.path.relpath(sys.argv[0], ROOT) if argv is None else "benchmarks/vs_vllm.py",
                           *(sys.argv[1:] if argv is None else argv)])
-    date, commit = datetime.date.today().isoformat(), git_commit()
+    date, commit = datetime.date.today().isoformat(), tree_commit() or "unknown"
     out = args.out or os.path.join(ROOT, "docs", "results", result_dir_name(date, commit))
     args.log_dir = os.path.join(out, "logs")
     os.makedirs(args.log_dir, exist_ok=True)

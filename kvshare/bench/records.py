@@ -185,3 +185,22 @@ def describe_host(device: str = "auto") -> str:
     done = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
                           capture_output=True, text=True)
     return text + ", " + ("; ".join(done.stdout.strip().splitlines()) or "a GPU nvidia-smi did not name")
+
+
+def tree_commit() -> str | None:
+    """The commit of this tree for a result's ``commit``: ``$KVSHARE_COMMIT`` where the tree travels without its
+    .git (a GPU machine gets a copy), else git's short hash with "+changes" when tracked files differ from it; None
+    where neither says."""
+    if os.environ.get("KVSHARE_COMMIT"):
+        return os.environ["KVSHARE_COMMIT"]
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        out = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             timeout=10)
+        if out.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() + ("+changes" if dirty else "")

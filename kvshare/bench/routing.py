@@ -25,14 +25,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import os
-import subprocess
 import time
 import uuid
 from dataclasses import dataclass
 
 from kvshare.bench.client import BenchRequest
-from kvshare.bench.records import Record, ResultsDir, describe_host
+from kvshare.bench.records import Record, ResultsDir, describe_host, tree_commit
 from kvshare.bench.routing_cluster import RoutingCluster, RoutingTarget
 from kvshare.bench.routing_summary import markdown, replay_row, summarize
 from kvshare.bench.routing_trace import Condition, RoutingConfig, SessionPlan, Trace, make_trace, parse_condition
@@ -161,19 +159,6 @@ def kv_bytes_per_token(model: str) -> int:
     return model_config_of(model).kv_bytes_per_token
 
 
-def commit_of_tree() -> str | None:
-    here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        out = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if out.returncode != 0:
-        return None
-    dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                           text=True, timeout=10).stdout.strip()
-    return out.stdout.strip() + ("+changes" if dirty else "")
-
 
 def run_routing(config: RoutingConfig, target: RoutingTarget, out_dir: str, command: str, tokenizer: str | None = None,
                 timeout_s: float = 600.0, on_replay=None) -> tuple[list[dict], str]:
@@ -187,7 +172,7 @@ def run_routing(config: RoutingConfig, target: RoutingTarget, out_dir: str, comm
              f"working set {trace.working_set_tokens()} tokens; {target.num_replicas} replicas of {target.model} "
              f"on {target.device}, local cache {target.local_cache_bytes >> 20} MiB each, pool "
              f"{target.pool_bytes >> 20} MiB")
-    meta = {"run_id": run_id, "experiment": EXPERIMENT, "command": command, "commit": commit_of_tree(),
+    meta = {"run_id": run_id, "experiment": EXPERIMENT, "command": command, "commit": tree_commit(),
             "hardware": describe_host(), "sizes": sizes, "num_runs": config.num_runs,
             "config": dataclasses.asdict(config), "target": dataclasses.asdict(target),
             "started": time.strftime("%Y-%m-%d %H:%M:%S")}

@@ -124,3 +124,14 @@ def test_an_interrupt_keeps_completed_units_and_drops_the_current_one(tmp_path):
     outcome = asyncio.run(run_units(ctx_for(tmp_path), units, clock=clock))
     assert outcome.stop_reason.startswith("interrupted") and outcome.num_left == 2
     assert ResultsDir(str(tmp_path)).completed_units() == {"sessions/a/0"}
+
+
+def test_tree_commit_names_a_copied_tree_by_the_environment(monkeypatch):
+    """A tree copied without its .git (the GPU machine's) is named by $KVSHARE_COMMIT; here, git names it."""
+    from kvshare.bench.records import tree_commit
+
+    monkeypatch.setenv("KVSHARE_COMMIT", "abc1234")
+    assert tree_commit() == "abc1234"
+    monkeypatch.delenv("KVSHARE_COMMIT")
+    named = tree_commit()
+    assert named is None or named.split("+")[0] != "abc1234" and len(named.split("+")[0]) >= 7
