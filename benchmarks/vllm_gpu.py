@@ -21,8 +21,9 @@ modes:
                A cold -> B cross-replica (B never saw it) -> A again (local hit). vllm-offloading: cold, then
                /reset_prefix_cache, then again (a hit from its CPU tier, same replica). Bound: the hit's KV bytes
                over the pinned host->device rate measured in this run.
-  on-off       A cold (stores) -> B with the pool off for the request -> B's prefix cache reset -> B with the
-               pool: greedy tokens and logprobs of B's pool load against its own cold run
+  on-off       A cold (stores) -> B with the pool off for the request -> B again, pool off (its own GPU prefix
+               hit) -> B's prefix cache reset -> B with the pool: greedy tokens and logprobs of B's pool load
+               against its own cold run, and against its own prefix hit (the same reuse with B's own bytes)
   store-cost   cold TTFT and decode rate (--decode-tokens) with the connector storing vs plain vLLM,
                requests alternating ABBA, each prompt fresh
   load         --sessions concurrent multi-turn sessions through the router for --duration-s; errors, TTFT
@@ -294,13 +295,14 @@ def mode_on_off(run: Run) -> None:
     for length in a.lengths:
         for _ in range(a.prompts):
             prompt = run.prompt(length)
-            run.complete(run.urls[0], prompt, a.on_off_tokens)  # A computes it and stores it
-            off = run.complete(run.urls[1], prompt, a.on_off_tokens,
-                               kv_transfer_params={"kvshare": {"use_pool": False}})
+            pool_off = {"kvshare": {"use_pool": False}}
+            a_cold = run.complete(run.urls[0], prompt, a.on_off_tokens)  # A computes it and stores it
+            off = run.complete(run.urls[1], prompt, a.on_off_tokens, kv_transfer_params=pool_off)
+            own_hit = run.complete(run.urls[1], prompt, a.on_off_tokens, kv_transfer_params=pool_off)
             client.post(run.urls[1], "/reset_prefix_cache")
             on = run.complete(run.urls[1], prompt, a.on_off_tokens)
             run.rows.add(gpu_rows.on_off_row(**run.base_row(), prompt_tokens=length, off=off, on=on,
-                                             batch_invariant=a.batch_invariant))
+                                             batch_invariant=a.batch_invariant, own_hit=own_hit, a_cold=a_cold))
 
 
 def mode_store_cost(run: Run) -> None:

@@ -85,13 +85,26 @@ def ttft_row(*, model: str, prompt_tokens: int, vllm_version: str, engine: str, 
 
 
 def on_off_row(*, model: str, prompt_tokens: int, vllm_version: str, off: Completion, on: Completion,
-               batch_invariant: bool) -> dict:
+               batch_invariant: bool, own_hit: Completion | None = None, a_cold: Completion | None = None) -> dict:
     """Pool ON == OFF on one replica: its greedy tokens and logprobs with the prefix loaded from the pool (``on``)
-    against its own cold run with the pool off for the request (``off``)."""
-    return {"mode": "on-off", "model": model, "prompt_tokens": prompt_tokens, "vllm_version": vllm_version,
-            "engine": "kvshare", "cold_s": off.ttft_s, "cross_s": on.ttft_s, "cross_cached_tokens": on.cached_tokens,
-            "off_cached_tokens": off.cached_tokens, "tokens_compared": len(off.tokens),
-            "batch_invariant": batch_invariant, **compare(off, on)}
+    against its own cold run with the pool off for the request (``off``).
+
+    vLLM's kernels are not batch-invariant: a suffix computed against a cached prefix is not bitwise the cold
+    prefill, whoever supplies the prefix. Two controls separate that from the bytes: ``own_hit`` (the replica's own
+    GPU prefix hit of the prompt, pool off) reuses as many tokens as the pool load and computes the same suffix
+    with the same kernels, so ``own_hit_*`` says whether the pool's prefix equals the replica's own, bitwise where
+    the two replicas' cold runs are (``replicas_cold_*``: A's cold run against B's)."""
+    row = {"mode": "on-off", "model": model, "prompt_tokens": prompt_tokens, "vllm_version": vllm_version,
+           "engine": "kvshare", "cold_s": off.ttft_s, "cross_s": on.ttft_s, "cross_cached_tokens": on.cached_tokens,
+           "off_cached_tokens": off.cached_tokens, "tokens_compared": len(off.tokens),
+           "batch_invariant": batch_invariant, **compare(off, on)}
+    if own_hit is not None:
+        row["own_hit_s"], row["own_hit_cached_tokens"] = own_hit.ttft_s, own_hit.cached_tokens
+        row["own_hit_same_split"] = own_hit.cached_tokens == on.cached_tokens
+        row.update({f"own_hit_{k}": v for k, v in compare(own_hit, on).items()})
+    if a_cold is not None:
+        row.update({f"replicas_cold_{k}": v for k, v in compare(a_cold, off).items()})
+    return row
 
 
 def store_cost_row(*, model: str, prompt_tokens: int, vllm_version: str, storing: list[Completion],

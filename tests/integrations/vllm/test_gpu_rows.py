@@ -132,3 +132,21 @@ def test_startup_row_reads_the_order_and_the_kv_sizes_from_ups_log():
     together = UP_LOG.replace("replica1| (APIServer pid=967) INFO 12-05 05:16:50", "replica1| (APIServer pid=967) "
                               "INFO 12-05 05:14:53")
     assert startup_row(**COMMON, device="cuda", log_lines=together.splitlines())["started_in_order"] is False
+
+
+def test_on_off_row_separates_the_prefix_bytes_from_vllms_reuse_numerics():
+    """A pool load that departs from the cold run but equals the replica's own prefix hit is vLLM's reuse numerics;
+    one that departs from the own hit too is a different prefix. Fails when the own-hit comparison is dropped or
+    compares the wrong pair (the cold run instead of the own hit)."""
+    cold_b = completion(1.0, tokens=(5, 6, 7), logprobs=(-0.1, -0.2, -0.3), cached=0)
+    own = completion(0.1, tokens=(5, 6, 8), logprobs=(-0.1, -0.25, -0.3), cached=1024)
+    same = completion(0.2, tokens=(5, 6, 8), logprobs=(-0.1, -0.25, -0.3), cached=1024)
+    row = on_off_row(**COMMON, prompt_tokens=1100, off=cold_b, on=same, batch_invariant=False, own_hit=own,
+                     a_cold=cold_b)
+    assert not row["tokens_equal"] and row["first_divergence"] == 2
+    assert row["own_hit_tokens_equal"] and row["own_hit_logprobs_equal"] and row["own_hit_same_split"]
+    assert row["replicas_cold_logprobs_equal"] and row["own_hit_s"] == 0.1
+    other = completion(0.2, tokens=(5, 9, 8), logprobs=(-0.1, -0.4, -0.3), cached=992)
+    row = on_off_row(**COMMON, prompt_tokens=1100, off=cold_b, on=other, batch_invariant=False, own_hit=own)
+    assert not row["own_hit_tokens_equal"] and row["own_hit_first_divergence"] == 1
+    assert row["own_hit_same_split"] is False and "replicas_cold_tokens_equal" not in row
