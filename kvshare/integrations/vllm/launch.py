@@ -223,6 +223,17 @@ def connector_reserved_cpus(tensor_parallel_size: int) -> int:
     return tensor_parallel_size
 
 
+def reserved_cpus_advice(env: dict[str, str], tensor_parallel_size: int) -> str | None:
+    """What to set where vLLM CPU, started with the connector, keeps its extra core (None: nothing to set): with
+    VLLM_CPU_NUM_OF_RESERVED_CPU unset and vLLM's automatic binding, vLLM keeps one more core per rank off its
+    OpenMP threads than without the connector (``connector_reserved_cpus``)."""
+    if env.get(RESERVED_CPUS_ENV) or env.get("VLLM_CPU_OMP_THREADS_BIND", "auto") != "auto":
+        return None
+    return (f"set {RESERVED_CPUS_ENV}={connector_reserved_cpus(tensor_parallel_size)} to give vLLM's OpenMP threads "
+            "the cores plain vLLM gets: vLLM keeps one more core per rank off them for a KV connector, and "
+            "kvshare's needs none (docs/vllm.md, \"CPU cores\")")
+
+
 def rank_core_binds(cores: list[int], num_ranks: int) -> str:
     """VLLM_CPU_OMP_THREADS_BIND for ``num_ranks`` CPU ranks: the cores cut into equal consecutive shares,
     one per rank ("0|1", "0,1|2,3"); refuses fewer cores than ranks."""

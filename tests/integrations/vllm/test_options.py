@@ -6,7 +6,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvshare.integrations.vllm.launch import VllmServerConfig, kv_transfer_config, rank_core_binds, vllm_server_command
+from kvshare.integrations.vllm.launch import (
+    VllmServerConfig,
+    kv_transfer_config,
+    rank_core_binds,
+    reserved_cpus_advice,
+    vllm_server_command,
+)
 from kvshare.integrations.vllm.options import (
     ConnectorConfig,
     TransferParams,
@@ -137,6 +143,17 @@ def test_a_cpu_replica_with_the_connector_gets_the_openmp_cores_of_plain_vllm():
     assert given.env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "3"  # an operator's value stands
     gpu = vllm_server_command(VllmServerConfig(model="m", port=1, pool_socket="/p", device="cuda"), base_env={})
     assert "VLLM_CPU_NUM_OF_RESERVED_CPU" not in gpu.env
+
+
+def test_vllm_started_by_hand_with_the_connector_is_told_which_cores_to_give_back():
+    """The connector's warning where vLLM was started without kvshare's launch (its environment then lacks the
+    reservation): none where the reservation or an explicit binding is set."""
+    advice = reserved_cpus_advice({}, 2)
+    assert advice is not None and "VLLM_CPU_NUM_OF_RESERVED_CPU=2" in advice
+    assert reserved_cpus_advice({"VLLM_CPU_OMP_THREADS_BIND": "auto"}, 1) is not None
+    assert reserved_cpus_advice(vllm_server_command(VllmServerConfig(model="m", port=1, pool_socket="/p"),
+                                                    base_env={}).env, 1) is None  # kvshare up's replicas
+    assert reserved_cpus_advice({"VLLM_CPU_OMP_THREADS_BIND": "0-3"}, 1) is None  # cores chosen by hand
 
 
 def test_up_passes_tensor_parallel_size_to_vllm_replicas(tmp_path):
