@@ -14,7 +14,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     which = flush.add_mutually_exclusive_group()
     which.add_argument("--namespace", default=None, help="hex namespace digest (see `namespaces`)")
     which.add_argument("--replica", default=None, metavar="URL",
-                       help="the namespace a replica uses for --tenant (asked at URL/admin/namespace)")
+                       help="the namespace a replica uses for --tenant (asked at URL/admin/namespace; a vLLM "
+                       "replica's connector names it for one request salted as the router salts the tenant's)")
     flush.add_argument("--tenant", default=None,
                        help="with --replica: the tenant header's value (default: the replica's untenanted namespace)")
     flush.add_argument("--api-key", default=None, help="with --replica: the bearer token (with keys, it names the tenant)")
@@ -24,24 +25,69 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def replica_namespace(url: str, tenant: str | None, api_key: str | None, timeout_s: float = 10.0) -> dict:
-    """GET URL/admin/namespace: the namespace digest a replica uses for a tenant."""
+    """The namespace digest a replica uses for a tenant: a built-in replica's GET URL/admin/namespace, else (a
+    server without that endpoint) what a vLLM replica's connector names for one request of the tenant."""
     import urllib.error
     import urllib.parse
-    import urllib.request
 
     from kvshare.errors import UserError
 
     query = "?" + urllib.parse.urlencode({"tenant": tenant}) if tenant is not None else ""
-    req = urllib.request.Request(url.rstrip("/") + "/admin/namespace" + query,
-                                 headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
     try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            return json.loads(resp.read())
+        return _get_json(url, "/admin/namespace" + query, api_key, timeout_s)
     except urllib.error.HTTPError as err:
+        if err.code == 404:
+            return vllm_replica_namespace(url, tenant, api_key, timeout_s)
         detail = err.read().decode(errors="replace")[:300]
         raise UserError(f"{url} refused the namespace query ({err.code}): {detail}") from None
     except (urllib.error.URLError, OSError) as exc:
         raise UserError(f"cannot reach the replica at {url}: {exc}") from None
+
+
+def vllm_replica_namespace(url: str, tenant: str | None, api_key: str | None, timeout_s: float = 10.0) -> dict:
+    """The namespace a vLLM replica's connector keys a tenant's unsalted requests by: it names a request's
+    namespace in kv_transfer_params["kvshare"]. Asked with one request of one prompt token and the pool off for
+    it, carrying the cache_salt the router gives that tenant's requests (kvshare.router.accounts.replica_salt;
+    with --api-key the key's identity, as the router derives it from the same key)."""
+    import urllib.error
+
+    from kvshare.errors import UserError
+    from kvshare.router.accounts import PARAMS_KEY, replica_salt
+    from kvshare.serve.tenancy import tenant_identity
+
+    try:
+        models = _get_json(url, "/v1/models", api_key, timeout_s).get("data") or []
+        if not models:
+            raise ValueError("it lists no model at /v1/models")
+        model = models[0]["id"]
+        salt = replica_salt("vllm", tenant_identity(api_key or "", tenant or ""), None)
+        body = {"model": model, "prompt": [0], "max_tokens": 1, "kv_transfer_params": {PARAMS_KEY: {"use_pool": False}},
+                **({"cache_salt": salt} if salt else {})}
+        reply = _get_json(url, "/v1/completions", api_key, timeout_s, body)
+    except urllib.error.HTTPError as err:
+        detail = err.read().decode(errors="replace")[:300]
+        raise UserError(f"{url} has no /admin/namespace (not a kvshare replica) and refused a vLLM completion "
+                        f"({err.code}): {detail}") from None
+    except (urllib.error.URLError, OSError, ValueError, LookupError, TypeError) as exc:
+        raise UserError(f"{url} has no /admin/namespace and answered no vLLM completion: {exc}") from None
+    namespace = ((reply.get("kv_transfer_params") or {}).get(PARAMS_KEY) or {}).get("namespace")
+    if not isinstance(namespace, str):
+        raise UserError(f"{url} is neither a kvshare replica nor a vLLM replica with kvshare's connector "
+                        "(its completions name no kvshare namespace)")
+    return {"model": model, "namespace": namespace, "is_tenant_salted": bool(salt)}
+
+
+def _get_json(url: str, path: str, api_key: str | None, timeout_s: float, body: dict | None = None):
+    """GET (or with ``body``, POST) URL/path; the JSON it answers. Raises urllib's errors."""
+    import urllib.request
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    data = None
+    if body is not None:
+        data, headers = json.dumps(body).encode(), {**headers, "Content-Type": "application/json"}
+    req = urllib.request.Request(url.rstrip("/") + path, data=data, headers=headers)
+    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+        return json.loads(resp.read())
 
 
 def _confirm(action: str, is_confirmed: bool) -> None:

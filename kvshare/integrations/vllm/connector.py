@@ -106,6 +106,17 @@ def _log_through_vllm() -> None:
     ours.propagate = False
 
 
+def _advise_on_cpu_cores(tp_size: int) -> None:
+    """On vLLM CPU, a warning where vLLM keeps a core off its OpenMP threads for this connector (launch)."""
+    from vllm.platforms import current_platform
+
+    from kvshare.integrations.vllm.launch import reserved_cpus_advice
+
+    advice = reserved_cpus_advice(dict(os.environ), tp_size) if current_platform.device_type == "cpu" else None
+    if advice is not None:
+        log.warning("kvshare: %s", advice)
+
+
 def _account_key(config: ConnectorConfig) -> str:
     """The key the router signs accounts with (kvshare.serve.tenancy), from its file or $KVSHARE_ACCOUNT_KEY;
     "" when neither is set: every request is charged to the model's shared account."""
@@ -153,6 +164,7 @@ class KVShareConnector(KVConnectorBase_V1):
         self._worker: PoolKVWorker | None = None
         self._hooks: WorkerHooks | None = None  # the worker side's per-step state (kvshare.integrations.vllm.worker)
         if role == KVConnectorRole.SCHEDULER:
+            _advise_on_cpu_cores(tp_size)
             if getattr(transfer, "kv_load_failure_policy", "fail") != "recompute":
                 log.warning('kvshare: kv_load_failure_policy is not "recompute": a page that fails its checksum '
                             "fails its request instead of being recomputed")

@@ -9,7 +9,8 @@ details on (so ``usage.prompt_tokens_details.cached_tokens`` counts reused promp
 tokens) and block size 32 (the CPU attention kernels need a multiple of 32; FlashAttention
 takes any multiple of 16). On CPU: eager mode (compiling the model takes minutes on a small
 CPU machine and buys little there), ``VLLM_CPU_KVCACHE_SPACE`` GiB of KV, a small
-``max_model_len``. On CUDA: vLLM's defaults (torch.compile and CUDA graphs on), the model's own
+``max_model_len``, and with the connector the OpenMP cores plain vLLM would get
+(``connector_reserved_cpus``). On CUDA: vLLM's defaults (torch.compile and CUDA graphs on), the model's own
 context length unless ``max_model_len`` is given, and ``gpu_memory_utilization`` when several
 replicas share a GPU.
 """
@@ -30,6 +31,7 @@ from kvshare.keys import DEFAULT_CHUNK_TOKENS
 
 CONNECTOR_CLASS = "KVShareConnector"
 CONNECTOR_MODULE = "kvshare.integrations.vllm"
+RESERVED_CPUS_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"  # vLLM CPU: cores kept off the OpenMP threads
 
 
 @dataclass(frozen=True)
@@ -203,8 +205,33 @@ def vllm_server_command(config: VllmServerConfig, base_env: dict[str, str] | Non
             bind = rank_core_binds(sorted(os.sched_getaffinity(0)), config.tensor_parallel_size)
         if bind is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = bind
+        if config.pool_socket is not None:
+            env.setdefault(RESERVED_CPUS_ENV, str(connector_reserved_cpus(config.tensor_parallel_size)))
         env.setdefault("CUDA_VISIBLE_DEVICES", "")
     return LaunchSpec(argv, env, config.base_url)
+
+
+def connector_reserved_cpus(tensor_parallel_size: int) -> int:
+    """VLLM_CPU_NUM_OF_RESERVED_CPU of a CPU replica with kvshare's connector: the cores vLLM keeps off its
+    OpenMP threads without a connector, one per rank (for its scheduler and API processes).
+
+    Given any KV connector, vLLM 0.32 keeps one more core per rank (meant for NIXL's transfers). kvshare's
+    connector needs none: its copies run inside the step. With that core a replica with the connector runs
+    other OpenMP threads than plain vLLM: on 2 cores the reservation covers every core, which vLLM then
+    ignores, and the replica ran 2 threads on cores other processes share, decoding several times slower than
+    plain vLLM with 1 beside it (docs/vllm.md, "CPU cores"). With this value both get the same cores."""
+    return tensor_parallel_size
+
+
+def reserved_cpus_advice(env: dict[str, str], tensor_parallel_size: int) -> str | None:
+    """What to set where vLLM CPU, started with the connector, keeps its extra core (None: nothing to set): with
+    VLLM_CPU_NUM_OF_RESERVED_CPU unset and vLLM's automatic binding, vLLM keeps one more core per rank off its
+    OpenMP threads than without the connector (``connector_reserved_cpus``)."""
+    if env.get(RESERVED_CPUS_ENV) or env.get("VLLM_CPU_OMP_THREADS_BIND", "auto") != "auto":
+        return None
+    return (f"set {RESERVED_CPUS_ENV}={connector_reserved_cpus(tensor_parallel_size)} to give vLLM's OpenMP threads "
+            "the cores plain vLLM gets: vLLM keeps one more core per rank off them for a KV connector, and "
+            "kvshare's needs none (docs/vllm.md, \"CPU cores\")")
 
 
 def rank_core_binds(cores: list[int], num_ranks: int) -> str:

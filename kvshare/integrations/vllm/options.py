@@ -186,13 +186,16 @@ def check_supported(vllm_config: Any) -> None:
         )
 
 
-def provenance(replica: str, num_prompt_tokens: int, local_tokens: int, pool_tokens: int) -> dict[str, Any]:
-    """Where a request's prompt tokens came from, as returned in kv_transfer_params["kvshare"]."""
+def provenance(replica: str, num_prompt_tokens: int, local_tokens: int, pool_tokens: int,
+               namespace: bytes = b"") -> dict[str, Any]:
+    """Where a request's prompt tokens came from, as returned in kv_transfer_params["kvshare"], and the pool
+    namespace its keys are in (hex; ``kvshare pool-admin flush --replica URL --tenant T`` reads it)."""
     local_tokens = max(min(local_tokens, num_prompt_tokens), 0)
     pool_tokens = max(min(pool_tokens, num_prompt_tokens - local_tokens), 0)
-    return {
+    origin = {
         "replica": replica,
         "local_tokens": local_tokens,
         "pool_tokens": pool_tokens,
         "computed_tokens": num_prompt_tokens - local_tokens - pool_tokens,
     }
+    return {**origin, "namespace": namespace.hex()} if namespace else origin

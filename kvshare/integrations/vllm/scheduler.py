@@ -345,7 +345,8 @@ class PoolScheduler:
             self._release(self._leases.pop(req_id))
         if request is None:
             return None
-        return provenance(self.config.replica, len(request.prompt), request.local_tokens, request.pool_tokens + in_flight)
+        return provenance(self.config.replica, len(request.prompt), request.local_tokens,
+                          request.pool_tokens + in_flight, request.ns_digest)
 
     # -- pool --------------------------------------------------------------------------
 

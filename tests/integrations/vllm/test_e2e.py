@@ -95,14 +95,17 @@ def test_prompt_computed_on_a_is_served_by_b_from_the_pool(cluster):
     servers, state = cluster
     prompt = prompt_of(1, 1100)  # 4 full chunks and a 76-token tail; prefill over 3 steps of 512
     first = complete(servers["A"], prompt)
-    assert provenance(first) == {"replica": "A", "local_tokens": 0, "pool_tokens": 0, "computed_tokens": 1100}
+    namespace = provenance(first)["namespace"]  # the same on both replicas
+    assert provenance(first) == {"replica": "A", "local_tokens": 0, "pool_tokens": 0, "computed_tokens": 1100,
+                                 "namespace": namespace}
     stats = pool_stats(state["socket"])
     assert stats["entries"] == 4  # every full chunk stored, across the chunked-prefill steps
     hits_before = stats["hit_chunks"]
 
     second = complete(servers["B"], prompt)
     assert cached_tokens(second) == 1024
-    assert provenance(second) == {"replica": "B", "local_tokens": 0, "pool_tokens": 1024, "computed_tokens": 76}
+    assert provenance(second) == {"replica": "B", "local_tokens": 0, "pool_tokens": 1024, "computed_tokens": 76,
+                                  "namespace": namespace}
     stats = pool_stats(state["socket"])
     assert stats["hit_chunks"] - hits_before == 4
     assert stats["leases"] == 0  # released as soon as the load step finished

@@ -6,7 +6,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvshare.integrations.vllm.launch import VllmServerConfig, kv_transfer_config, rank_core_binds, vllm_server_command
+from kvshare.integrations.vllm.launch import (
+    VllmServerConfig,
+    kv_transfer_config,
+    rank_core_binds,
+    reserved_cpus_advice,
+    vllm_server_command,
+)
 from kvshare.integrations.vllm.options import (
     ConnectorConfig,
     TransferParams,
@@ -122,6 +128,32 @@ def test_server_command_line():
     assert "--kv-transfer-config" not in plain.argv
     with pytest.raises(ValueError, match="multiple of block_size"):
         VllmServerConfig(model="m", port=1, chunk_tokens=100)
+
+
+def test_a_cpu_replica_with_the_connector_gets_the_openmp_cores_of_plain_vllm():
+    """vLLM CPU keeps one more core per rank off its OpenMP threads when any KV connector is configured; on 2 cores
+    that made the replica with the connector run 2 threads where plain vLLM ran 1 (decode 3.6x slower beside it).
+    Fails when vllm_server_command leaves VLLM_CPU_NUM_OF_RESERVED_CPU unset for a replica with the connector."""
+    ours = vllm_server_command(VllmServerConfig(model="m", port=1, pool_socket="/p"), base_env={})
+    assert ours.env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"  # what vLLM reserves for one rank without a connector
+    plain = vllm_server_command(VllmServerConfig(model="m", port=1), base_env={})
+    assert "VLLM_CPU_NUM_OF_RESERVED_CPU" not in plain.env  # vLLM's own choice, the same 1
+    given = vllm_server_command(VllmServerConfig(model="m", port=1, pool_socket="/p"),
+                                base_env={"VLLM_CPU_NUM_OF_RESERVED_CPU": "3"})
+    assert given.env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "3"  # an operator's value stands
+    gpu = vllm_server_command(VllmServerConfig(model="m", port=1, pool_socket="/p", device="cuda"), base_env={})
+    assert "VLLM_CPU_NUM_OF_RESERVED_CPU" not in gpu.env
+
+
+def test_vllm_started_by_hand_with_the_connector_is_told_which_cores_to_give_back():
+    """The connector's warning where vLLM was started without kvshare's launch (its environment then lacks the
+    reservation): none where the reservation or an explicit binding is set."""
+    advice = reserved_cpus_advice({}, 2)
+    assert advice is not None and "VLLM_CPU_NUM_OF_RESERVED_CPU=2" in advice
+    assert reserved_cpus_advice({"VLLM_CPU_OMP_THREADS_BIND": "auto"}, 1) is not None
+    assert reserved_cpus_advice(vllm_server_command(VllmServerConfig(model="m", port=1, pool_socket="/p"),
+                                                    base_env={}).env, 1) is None  # kvshare up's replicas
+    assert reserved_cpus_advice({"VLLM_CPU_OMP_THREADS_BIND": "0-3"}, 1) is None  # cores chosen by hand
 
 
 def test_up_passes_tensor_parallel_size_to_vllm_replicas(tmp_path):

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvshare.integrations.vllm.scheduler import ScheduledRequest
+from kvshare.keys import namespace_digest
 from tests.integrations.vllm.pool_replicas import (  # noqa: F401 (pool_fixture: the fixture ``pool``)
     BLOCKS_A,
     BLOCKS_B,
@@ -42,7 +43,8 @@ def test_cross_replica_bytes_equal(pool, layered):
         assert torch.equal(b.tokens(0, 256, BLOCKS_B), a.tokens(0, 256, BLOCKS_A))  # bytes loaded == bytes stored
         assert not torch.equal(b.tokens(256, 44, BLOCKS_B), a.tokens(256, 44, BLOCKS_A))  # the tail was not loaded
         assert pool_stats(pool)["leases"] == 0  # released once the step that loaded reported
-        assert b.scheduler.finish("r2") == {"replica": "B", "local_tokens": 0, "pool_tokens": 256, "computed_tokens": 44}
+        assert b.scheduler.finish("r2") == {"replica": "B", "local_tokens": 0, "pool_tokens": 256,
+                                            "computed_tokens": 44, "namespace": namespace_digest(NAMESPACE).hex()}
         assert b.worker.counters.stored_chunks == 0  # nothing new to store
     finally:
         a.close(), b.close()

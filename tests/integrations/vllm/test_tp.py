@@ -87,10 +87,12 @@ def test_tp2_and_tp1_share_pages_both_ways_and_a_dead_rank_leaves_none(replicas)
 
     # TP=1 stores, TP=2 loads: each rank its head of every page
     p1 = prompt_of(41, 1100)
-    assert provenance(complete(t1, p1))["pool_tokens"] == 0
+    stored = provenance(complete(t1, p1))
+    assert stored["pool_tokens"] == 0
     assert pool_stats(socket_path)["entries"] == 4
     got = complete(t2, p1)
-    assert provenance(got) == {"replica": "T2", "local_tokens": 0, "pool_tokens": 1024, "computed_tokens": 76}
+    assert provenance(got) == {"replica": "T2", "local_tokens": 0, "pool_tokens": 1024, "computed_tokens": 76,
+                               "namespace": stored["namespace"]}  # one namespace for every TP size
     assert_close_answer(got, cold(t2, p1))
     salted = complete(t2, p1, cache_salt="tenant-b")  # a salt never reaches unsalted pages
     assert provenance(salted)["pool_tokens"] == 0

@@ -13,6 +13,7 @@ from kvshare.integrations.vllm.gpu_rows import on_off_row
 from kvshare.launch import Cluster, ClusterConfig, free_port_block
 from kvshare.pool.client import PoolClient
 from tests.benchmarks.loader import load_benchmark
+from tests.commands.test_errors import kvshare
 from tests.integrations.vllm.servers import vllm_python, vllm_suite_marks
 
 PYTHON = vllm_python()
@@ -61,12 +62,30 @@ def test_up_with_vllm_replicas_shares_the_pool_through_the_router(monkeypatch):
         other = _complete(cluster.router_url, prompt, key=OTHER_KEY)  # both replicas hold the prompt by now
         assert other["kv_transfer_params"]["kvshare"]["pool_tokens"] == 0
         assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        flush_one_keys_namespace(cluster, a["namespace"])
         pool_on_equals_pool_off(*cluster.replica_urls)
     finally:
         cluster.stop()
     family = [c for c in children if c.is_running()]
     gone, alive = psutil.wait_procs(family, timeout=60)
     assert not alive
+
+
+def flush_one_keys_namespace(cluster: Cluster, namespace: str) -> None:
+    """``pool-admin flush --replica URL --api-key KEY`` against a vLLM replica drops the namespace of that key's
+    unsalted requests (the one their provenance names) and no other. Fails when pool-admin asks only
+    /admin/namespace, which vLLM answers 404."""
+    def held() -> dict[str, int]:
+        with PoolClient(cluster.pool_socket, name="test") as client:
+            return {row.namespace.hex(): row.num_entries for row in client.list_namespaces().namespaces}
+
+    before = held()
+    done = kvshare("pool-admin", "--socket", cluster.pool_socket, "flush", "--replica", cluster.replica_urls[0],
+                   "--api-key", API_KEY, "--yes")
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["namespace"] == namespace and out["dropped"] == before[namespace] > 0, (out, before)
+    assert held() == {digest: n for digest, n in before.items() if digest != namespace}
 
 
 def pool_on_equals_pool_off(a: str, b: str) -> None:
