@@ -1,8 +1,8 @@
-"""Benchmarks: the pool's data and control planes (pool), a replica's read of a token-id prompt
-(parse), and the study's experiments: ttft (cold, local and cross-replica reuse), blocks
-(OFF-ON-ON-OFF, paired, bootstrap intervals), sessions (alternate vs sticky placement, pool off
-vs on), suite (several in one run), routing (many sessions over shared system prompts at swept
-arrival rates, through every placement policy's router) and report.
+"""Benchmarks: the pool's data and control planes (pool) and a replica's read of a token-id prompt (parse), both
+in kvshare.commands.bench_micro, and the study's experiments: ttft (cold, local and cross-replica reuse), blocks
+(OFF-ON-ON-OFF, paired, bootstrap intervals), sessions (alternate vs sticky placement, pool off vs on), suite
+(several in one run), routing (many sessions over shared system prompts at swept arrival rates, through every
+placement policy's router) and report.
 They talk HTTP to OpenAI-compatible servers (--replica URL, e.g. a kvshare cluster or vLLM
 servers) or start their own (--model M); results are appended to --out and a rerun of the
 same command skips what was measured. Context lengths take k = 1000 tokens (128k = 128000)."""
@@ -10,12 +10,11 @@ same command skips what was measured. Context lengths take k = 1000 tokens (128k
 from __future__ import annotations
 
 import argparse
-import json
 
 from kvshare.commands import tcp_port
+from kvshare.commands.bench_micro import add_micro_arguments, run_parse, run_pool
 from kvshare.commands.bench_routing import add_routing_arguments, run_routing
 from kvshare.commands.serve import add_kv_dtype_argument
-from kvshare.units import parse_size
 
 EXPERIMENT_NAMES = ("ttft", "blocks", "sessions")
 
@@ -52,19 +51,7 @@ def _router(text: str) -> tuple[str, str]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="experiment", required=True)
-    pool = sub.add_parser("pool", help="pool put/get bandwidth vs memcpy, lookup-and-lease latency")
-    pool.add_argument("--pool", default=None, help="socket of a running pool (default: start one)")
-    pool.add_argument("--pool-size", type=parse_size, default="1GiB", help="size of the pool this command starts")
-    pool.add_argument("--page-size", type=parse_size, default="2MiB")
-    pool.add_argument("--pages", type=int, default=128, help="pages per pass")
-    pool.add_argument("--repeats", type=int, default=3)
-    pool.add_argument("--lookup-ops", type=int, default=20000)
-    pool.add_argument("--json", action="store_true", help="print the figures as JSON")
-    parse = sub.add_parser("parse", help="a replica's read of a token-id prompt by thread count, vs a typed decode")
-    parse.add_argument("--lengths", type=parse_tokens, default=(32768, 131072, 262144),
-                       help="prompt lengths in tokens, e.g. 32768,128k")
-    parse.add_argument("--repeats", type=int, default=20, help="best of this many reads")
-    parse.add_argument("--json", action="store_true", help="print one JSON line per length")
+    add_micro_arguments(sub, parse_tokens)
     helps = {"ttft": "TTFT cold / local reuse / cross-replica reuse by context length",
              "blocks": "the blocked OFF-ON-ON-OFF design: cross-replica TTFT, paired, bootstrap CIs",
              "sessions": "multi-turn sessions: alternate vs sticky placement, pool off vs on",
@@ -153,9 +140,9 @@ def _run_arguments(e: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.experiment == "pool":
-        return _run_pool(args)
+        return run_pool(args)
     if args.experiment == "parse":
-        return _run_parse(args)
+        return run_parse(args)
     if args.experiment == "routing":
         return run_routing(args)
     if args.experiment == "report":
@@ -258,62 +245,3 @@ def _run_experiments(args: argparse.Namespace, names: tuple[str, ...]) -> int:
     if outcome.interrupted or any("interrupted" in r.stop_reason for r in outcome.runs.values()):
         return 130
     return 0 if outcome.is_complete else 3
-
-
-def _run_pool(args: argparse.Namespace) -> int:
-    import contextlib
-
-    from kvshare.bench.pool_bench import PoolBenchConfig, run_pool_bench, summary_rows
-    from kvshare.errors import UserError
-    from kvshare.pool.spawn import running_pool
-
-    if args.pool == "off":
-        raise UserError("bench pool measures the pool: --pool off makes no sense here")
-    pool_ctx = contextlib.nullcontext(args.pool) if args.pool else running_pool(args.pool_size, quiet=True)
-    with pool_ctx as socket_path:
-        try:
-            cfg = PoolBenchConfig(socket_path=socket_path, page_bytes=args.page_size, num_pages=args.pages,
-                                  repeats=args.repeats, lookup_ops=args.lookup_ops)
-        except ValueError as exc:
-            raise UserError(str(exc)) from None
-        result = run_pool_bench(cfg)
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        from rich.console import Console
-        from rich.table import Table
-
-        table = Table(title="kvshare bench pool")
-        for col in ("measure", "figure", "against"):
-            table.add_column(col)
-        for row in summary_rows(result):
-            table.add_row(*row)
-        Console().print(table)
-    return 0
-
-
-def _run_parse(args: argparse.Namespace) -> int:
-    from kvshare.bench.parse_bench import ParseBenchConfig, run_parse_bench
-    from kvshare.errors import UserError
-
-    try:
-        cfg = ParseBenchConfig(lengths=tuple(args.lengths), repeats=args.repeats)
-    except ValueError as exc:
-        raise UserError(str(exc)) from None
-    rows = run_parse_bench(cfg)
-    if args.json:
-        for row in rows:
-            print(json.dumps(row))
-        return 0
-    from rich.console import Console
-    from rich.table import Table
-
-    threads = list(rows[0]["ms_by_threads"])
-    table = Table(title=f"kvshare bench parse (ms, best of {cfg.repeats})")
-    for col in ("tokens", "body MB", *(f"{k} thread{'s' if k > 1 else ''}" for k in threads), "typed list[int]"):
-        table.add_column(col, justify="right")
-    for row in rows:
-        by_threads = (f"{row['ms_by_threads'][k]:.2f}" for k in threads)
-        table.add_row(str(row["tokens"]), f"{row['body_bytes'] / 1e6:.2f}", *by_threads, f"{row['typed_list_ms']:.2f}")
-    Console().print(table)
-    return 0
