@@ -10,7 +10,7 @@ from typing import Protocol
 
 
 class ClusterConfig(Protocol):
-    """What placement reads of ``kvshare.launch.ClusterConfig``."""
+    """What placement reads of ``kvshare.cluster_config.ClusterConfig``."""
 
     engine: str
     device: str
