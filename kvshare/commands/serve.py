@@ -157,7 +157,7 @@ def _kv_events_config(args: argparse.Namespace):
 
 def serve_config(args: argparse.Namespace):
     from kvshare.serve.audit import AuditConfig
-    from kvshare.serve.server import ServeConfig
+    from kvshare.serve.config import ServeConfig
 
     return ServeConfig(host=args.host, port=args.port, replica_name=args.replica_name or f"{args.host}:{args.port}",
                        served_model_names=tuple(args.served_model_name or ()),

@@ -72,6 +72,7 @@ def tiny_engine(model: str = "tiny", **config):
 
 def replica(engine, **config) -> LiveApp:
     """A replica (ReplicaServer) around ``engine``, served in-process."""
-    from kvshare.serve.server import ReplicaServer, ServeConfig
+    from kvshare.serve.config import ServeConfig
+    from kvshare.serve.server import ReplicaServer
 
     return LiveApp(ReplicaServer(engine, ServeConfig(replica_name="replica0", **config)).app())

@@ -33,7 +33,8 @@ def replicas():
     from kvshare.engine.engine import Engine, EngineConfig
     from kvshare.pool.spawn import running_pool
     from kvshare.router.proxy import RouterConfig, RouterServer
-    from kvshare.serve.server import ReplicaServer, ServeConfig
+    from kvshare.serve.config import ServeConfig
+    from kvshare.serve.server import ReplicaServer
 
     gate = threading.Event()
     announced: list[str] = []
