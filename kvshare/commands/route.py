@@ -97,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
     from kvshare.errors import UserError
     from kvshare.heap import freeze_startup_heap
     from kvshare.preflight import check_ports_free
-    from kvshare.router.proxy import RouterConfig, RouterServer
+    from kvshare.router.config import RouterConfig
+    from kvshare.router.proxy import RouterServer
 
     from kvshare.credentials import read_secret
     from kvshare.serve.tenancy import read_account_key

@@ -18,9 +18,9 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
@@ -35,54 +35,20 @@ from kvshare.engine.kv_cache import KVBuffer
 from kvshare.engine.loader import load_model, resolve_device
 from kvshare.engine.pool_link import PoolLink, PoolLoad
 from kvshare.engine.prefix_cache import LocalPrefixCache
-# SamplingParams lives with the sampler and is re-exported: callers build it as kvshare.engine.engine.SamplingParams
+from kvshare.engine.publish import PromptPublisher, wait_for
+
+# a request's types and SamplingParams live in their own modules and are re-exported: callers build them as
+# kvshare.engine.engine.RequestOptions and kvshare.engine.engine.SamplingParams
+from kvshare.engine.request import Provenance, RequestOptions, TokenEvent
 from kvshare.engine.sampler import SamplingParams, TokenCounts, make_generator, sample
-from kvshare.engine.stats import EngineStats
-from kvshare.engine.timeline import Timeline, active
+from kvshare.engine.stats import REQUEST_COUNTERS, EngineStats
+from kvshare.engine.timeline import active
 from kvshare.errors import RequestCancelled
 from kvshare.keys import Namespace, chunk_keys, namespace_digest
 from kvshare.layout import KVLayout
 from kvshare.transfer import TransferConfig
 
 MAX_CACHED_DIGESTS = 4096  # namespace digests kept (one per tenant and cache_salt seen lately)
-# EngineStats counters of requests (restored by uncounted()); connection state and failures always count
-UNCOUNTED_FIELDS = ("num_requests", "prompt_tokens_local", "prompt_tokens_pool", "prompt_tokens_computed",
-                    "generated_tokens", "prefill_seconds", "decode_seconds", "pool_lookups", "pool_hit_chunks",
-                    "pool_miss_chunks", "pool_bytes_loaded", "pool_load_seconds", "pool_stored_chunks",
-                    "pool_bytes_stored", "pool_store_seconds", "pool_skipped_stores", "dropped_chunks")
-
-
-@dataclass(frozen=True)
-class RequestOptions:
-    use_pool: bool = True  # the request extension {"kvshare": {"use_pool": false}}
-    use_local_cache: bool = True
-    tenant: str = ""  # salts local cache and pool keys: identity + cache_salt (kvshare.serve.tenancy.namespace_salt)
-    account: str | None = None  # the identity alone, whatever cache_salt: pays the pool quota; None: ``tenant``
-    timeline: Timeline | None = None  # {"kvshare": {"timeline": true}}: the steps of this request are timed
-    # asked before each layer of the prefill: True gives the request up there (RequestCancelled), so a client
-    # that left, or a replica that stops, does not hold the engine for the rest of a long prefill
-    is_cancelled: Callable[[], bool] | None = None
-
-
-@dataclass
-class Provenance:
-    """Where each prompt token's KV came from."""
-
-    local_tokens: int
-    pool_tokens: int
-    computed_tokens: int
-    is_deterministic: bool = False  # prefilled on the deterministic mode's grid (kvshare.engine.grid)
-
-
-@dataclass
-class TokenEvent:
-    token_id: int
-    logprob: float | None
-    top_logprobs: dict[int, float] | None
-    finish_reason: str | None  # None until the last event: "stop" | "length"
-    provenance: Provenance  # the same object in every event of a request
-
-
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -117,10 +83,6 @@ class Engine:
         self._local = LocalPrefixCache(config.local_cache_bytes, config.kv_events)  # kv_events: announce it
         self._stats = EngineStats()
         self._lock = threading.Lock()  # one request at a time owns the sequence KV
-        # stores each prompt (local cache, pool) beside its decode steps; a request's last token waits for it
-        self._publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvshare-publish")
-        # the local cache's copies, beside the pool's store (in a row they outlasted a 128k prompt's decode)
-        self._local_inserter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvshare-local-insert")
         self._pool: PoolLink | None = None
         if config.pool_socket:
             self._pool = PoolLink(
@@ -133,6 +95,8 @@ class Engine:
             )
             # connect (and register the arena) now, and reconnect while no request runs when the pool goes away
             self._pool.start(idle_lock=self._lock)
+        # stores each prompt (local cache, pool) beside its decode steps; a request's last token waits for it
+        self._publisher = PromptPublisher(self._local, self._kv, self._pool, self.device)
 
     # -- public API ------------------------------------------------------------------
 
@@ -170,7 +134,7 @@ class Engine:
         try:
             yield
         finally:
-            for name in UNCOUNTED_FIELDS:
+            for name in REQUEST_COUNTERS:
                 setattr(self._stats, name, getattr(before, name))
 
     # -- used by the replica's audit (kvshare.serve.audit) ------------------------------------
@@ -193,8 +157,7 @@ class Engine:
             self._local.close()
             self._graphs = None  # they hold the KV tensor
             self._kv.release()
-        self._publisher.shutdown(wait=True)
-        self._local_inserter.shutdown(wait=True)
+        self._publisher.close()
 
     # -- one request -----------------------------------------------------------------
 
@@ -246,7 +209,7 @@ class Engine:
                     elif num_generated >= params.max_tokens or position + 1 >= self.max_model_len:
                         finish = "length"
                     if finish is not None and publishing is not None:
-                        _wait(publishing)  # a response's last token says its prompt is stored (the next turn's lookup)
+                        wait_for(publishing)  # a response's last token says its prompt is stored (the next turn's lookup)
                     yield TokenEvent(token.token_id, token.logprob, token.top_logprobs, finish, provenance)
                     if publishing is None:  # after the first token, and beside the decode: it delays no other
                         publishing = self._publisher.submit(self._publish, kv, keys, digest, account, options, ids)
@@ -259,7 +222,7 @@ class Engine:
                 if num_generated and publishing is None:
                     self._publish(kv, keys, digest, account, options, ids)
                 if publishing is not None:  # the stream ends, and the next request may reuse kv, once it is stored
-                    _wait(publishing)
+                    wait_for(publishing)
                 self._stats.decode_seconds += time.perf_counter() - started
 
     def _count_prompt(self, provenance: Provenance) -> None:
@@ -359,35 +322,10 @@ class Engine:
             used = self.grid.reusable_chunks(used)
         return min(local_chunks, used), max(0, used - local_chunks)
 
-    @torch.inference_mode()
     def _publish(self, kv: torch.Tensor, keys: list[bytes], digest: bytes, account: bytes, options: RequestOptions,
                  ids) -> None:
-        """Offer the prompt's full chunks to the local cache and the pool (each keeps what it lacks), side by side:
-        both only read ``kv``; the request's lock is held until both are done. ``account``: whose pool quota."""
-        # the request's stream: the local copies go on it (after the prefill, before kv is written next)
-        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        local = (self._local_inserter.submit(self._insert_locally, kv, keys, stream,
-                                             None if options.tenant else ids)  # a tenant's ids: never announced
-                 if options.use_local_cache and self._local.capacity_bytes > 0 else None)
-        try:
-            if options.use_pool and self._pool is not None:
-                self._pool.store(kv, keys, digest, stream, None if options.tenant else ids, account)
-        finally:
-            if local is not None:
-                _wait(local)
-        if options.timeline is not None:
-            options.timeline.mark("published")
-
-    @torch.inference_mode()
-    def _insert_locally(self, kv: torch.Tensor, keys: list[bytes], stream, ids) -> None:
-        with torch.cuda.stream(stream):  # None (CPU): no stream
-            self._local.insert_prompt(keys, lambda i: self._kv.chunk(kv, i), ids)
-
-
-def _wait(publishing: Future) -> None:
-    """Wait for a publish; its error is the request's."""
-    if (error := publishing.exception()) is not None:
-        raise error
+        """The prompt's full chunks to the local cache and the pool (kvshare.engine.publish)."""
+        self._publisher.publish(kv, keys, digest, account, options, ids)
 
 
 def _cancellable(before_layer: Callable[[int], None], is_cancelled: Callable[[], bool]) -> Callable[[int], None]:

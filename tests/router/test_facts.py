@@ -1,4 +1,4 @@
-"""What the router reads from a request body to place it (kvshare.router.proxy.RouterServer._facts)."""
+"""What the router reads from a request body to place it (kvshare.router.facts, through RouterServer._facts)."""
 
 import json
 from types import SimpleNamespace
