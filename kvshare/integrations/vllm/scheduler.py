@@ -27,7 +27,6 @@ from kvshare.integrations.vllm.metadata import (
     PhaseTimes,
     StepPlan,
     StoreSpec,
-    StorePart,
     WorkerReport,
 )
 from kvshare.integrations.vllm.options import ConnectorConfig, TransferParams, provenance
@@ -39,11 +38,9 @@ from kvshare.integrations.vllm.plan import (
     lookup_window,
     tokens_to_load,
 )
-from kvshare.pool.link import POOL_DOWN_ERRORS, PoolLink, guarded
-from kvshare.integrations.vllm.tensor_parallel import PartedStores
+from kvshare.integrations.vllm.tensor_parallel import TensorParallelStores
 from kvshare.keys import Namespace, extend_chunk_keys, namespace_digest
-from kvshare.pool.checksum import ChecksumKind
-from kvshare.pool.client import PoolRequestError
+from kvshare.pool.link import PoolLink, guarded
 
 log = logging.getLogger("kvshare.integrations")
 
@@ -98,7 +95,7 @@ class PoolScheduler:
         self._account_key = account_key
         self._accounts: dict[str, bytes] = {}  # account -> its digest (the pool's Reserve.account)
         self._has_refused_an_account = False  # warned once: a misconfigured key would otherwise go unnoticed
-        self._parted = PartedStores(tp_size) if tp_size > 1 else None
+        self._parted = TensorParallelStores(tp_size, link, self.counters, page_bytes) if tp_size > 1 else None
 
     # -- requests --------------------------------------------------------------------
 
@@ -267,60 +264,14 @@ class PoolScheduler:
         block_ids = tuple(step.block_ids)
         specs = [StoreSpec(step.req_id, request.ns_digest, r.start, tuple(keys[r.start : r.stop]), block_ids,
                            account=request.account) for r in runs]
-        return specs if self._parted is None else [p for p in map(self._reserve, specs) if p is not None]
-
-    def _reserve(self, spec: StoreSpec) -> StoreSpec | None:
-        """Tensor parallel: the spec with pages reserved for its chunks the pool lacks (None: no pages)."""
-        client = self.link.client()
-        if client is None:
-            return None
-        reservation = guarded(self.link, self.counters, "a reserve", lambda: client.reserve(
-            spec.namespace, list(spec.keys), self.page_bytes, spec.first_chunk, account=spec.account))
-        if reservation is None:
-            return None
-        self.counters.skipped_stores += reservation.num_no_room
-        if not reservation.grants:
-            return None
-        self._parted.expect(reservation.reservation_id, self.link.pool_id)
-        return dataclasses.replace(spec, reservation_id=reservation.reservation_id,
-                                   grants=tuple(reservation.grants), pool_id=self.link.pool_id)
-
-    def _settle_part(self, part: StorePart) -> None:
-        """A rank's part of a reserved store; the last one commits the pages (or aborts them)."""
-        done = self._parted.add(part) if self._parted is not None else None
-        if done is None:
-            return
-        reservation_id, checksums = done
-        pool_id = part.pool_id
-        client = self.link.client()
-        if client is None:  # the pool keeps it until told, or its TTL
-            self.link.end_later(reservation_id=reservation_id, pool_id=pool_id)
-            return
-        if self.link.pool_id != pool_id:  # granted by a pool that is gone; the id may name a live reservation
-            return
-        try:
-            if checksums is None:
-                client.abort(reservation_id)
-                return
-            committed = client.commit(reservation_id, checksums, ChecksumKind.WSUM32)
-        except POOL_DOWN_ERRORS as exc:
-            self.counters.pool_errors += 1
-            self.link.failed(exc)
-            # refused then, if the commit went through
-            self.link.end_later(reservation_id=reservation_id, pool_id=pool_id)
-            return
-        except PoolRequestError as exc:
-            self.counters.pool_errors += 1
-            log.warning("kvshare: the pool refused a commit of reservation %d: %s", reservation_id, exc)
-            return
-        self.counters.stored_chunks += committed
-        self.counters.store_bytes += committed * self.page_bytes
+        return specs if self._parted is None else [p for p in map(self._parted.reserve, specs) if p is not None]
 
     def on_report(self, report: WorkerReport) -> None:
         """The step that loaded has finished: release each load's lease and record what arrived."""
         C = self.config.chunk_tokens
         for part in report.stores:
-            self._settle_part(part)
+            if self._parted is not None:
+                self._parted.settle(part)
         for outcome in report.loads_by_request():
             held = self._leases.pop(outcome.req_id)
             self._release(held)
@@ -369,10 +320,6 @@ class PoolScheduler:
         return len(self._leases)
 
     def close(self) -> None:
-        client = self.link.client() if self._parted is not None and len(self._parted) else None
-        for reservation_id in self._parted.pending(self.link.pool_id) if client is not None else ():
-            try:
-                client.abort(reservation_id)
-            except (PoolRequestError, *POOL_DOWN_ERRORS):
-                break  # closing the connection below drops them too
+        if self._parted is not None:
+            self._parted.abort_pending()
         self.link.close()

@@ -162,16 +162,16 @@ def test_a_tensor_parallel_store_reserved_in_an_earlier_pool_never_commits_a_res
         scheduler = PoolScheduler(config, NAMESPACE, LAYOUT.page_bytes, N, PoolLink(path, "tp-sched", clock=clock),
                                   clock=clock, tp_size=2)
         try:
-            first = scheduler._reserve(StoreSpec("r1", digest, 0, keys, (0,)))
+            first = scheduler._parted.reserve(StoreSpec("r1", digest, 0, keys, (0,)))
             stop_process(proc)
             proc = start_pool(path, "16MiB", POOL_ARGS)
             assert scheduler.link.reconnect_now() is not None
-            second = scheduler._reserve(StoreSpec("r2", digest, 0, keys, (0,)))
+            second = scheduler._parted.reserve(StoreSpec("r2", digest, 0, keys, (0,)))
             assert second.reservation_id == first.reservation_id and second.pool_id != first.pool_id
             assert pool_stats(path)["reservations"] == 1
             for rank in range(2):
                 part = StorePart(first.reservation_id, first.pool_id, rank, True, (1,) * len(first.grants))
-                scheduler._settle_part(part)
+                scheduler._parted.settle(part)
             assert pool_stats(path)["reservations"] == 1  # the new pool's reservation still waits for its parts
         finally:
             scheduler.close()
