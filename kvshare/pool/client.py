@@ -19,7 +19,6 @@ import struct
 import threading
 import time
 import weakref
-from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -27,52 +26,12 @@ import numpy as np
 from kvshare.pool import protocol as P
 from kvshare.pool.arena import ArenaError, check_sealed, map_arena
 from kvshare.pool.checksum import ChecksumKind, is_valid
+
+# the grants and errors live in kvshare.pool.grants and are re-exported: callers import them from here
+from kvshare.pool.grants import ChecksumMismatch, LeaseGrant, PoolRequestError, PoolUnavailable, ReservationGrant
 from kvshare.pool.holders import TOKEN_BYTES
 from kvshare.pool.peers import peer_credentials, untrusted_pool_reason
 from kvshare.pool.spin import CpuPressure, SpinPolicy
-
-
-class PoolUnavailable(ConnectionError):
-    """The pool daemon cannot be reached (not started, stopped or crashed)."""
-
-
-class PoolRequestError(RuntimeError):
-    """The daemon refused a request; ``code`` says why in one word."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-
-
-class ChecksumMismatch(RuntimeError):
-    """A page's bytes do not match the checksum recorded at commit."""
-
-
-@dataclass(frozen=True)
-class LeaseGrant:
-    """What a client is given for a lease: pages of the longest committed prefix, pinned until released.
-
-    The pool's own record of the lease (holder, entries, expiry) is ``kvshare.pool.entries.Lease``.
-    """
-
-    lease_id: int
-    pages: list[P.PageHeader]
-
-    @property
-    def num_pages(self) -> int:
-        return len(self.pages)
-
-
-@dataclass(frozen=True)
-class ReservationGrant:
-    """What a client is given for a reservation: pages to write, (index into the keys asked for, page offset).
-
-    The pool's own record of the reservation is ``kvshare.pool.entries.Reservation``.
-    """
-
-    reservation_id: int
-    grants: list[tuple[int, int]]
-    num_no_room: int
 
 
 class PoolClient:
