@@ -125,7 +125,7 @@ def _remote_config_from_args(args: argparse.Namespace):
 
 def config_from_args(args: argparse.Namespace):
     from kvshare.paths import default_pool_socket
-    from kvshare.pool.daemon import PoolConfig
+    from kvshare.pool.config import PoolConfig
     from kvshare.pool.index import IndexConfig
 
     return PoolConfig(

@@ -24,8 +24,8 @@ from typing import Callable, Iterator
 
 from kvshare.keys import KEY_BYTES
 from kvshare.pool import protocol as P
-from kvshare.pool.holders import Holders
 from kvshare.pool.entries import LookupResult
+from kvshare.pool.holders import Holders
 from kvshare.pool.index import PoolError, PoolIndex
 from kvshare.pool.remote import RemoteHooks
 

@@ -22,13 +22,21 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 from kvshare.keys import KEY_BYTES
 from kvshare.pool.allocator import Allocator
 from kvshare.pool.checksum import ChecksumKind
-from kvshare.pool.entries import (Entry, EntryState, IndexCounters, IndexListener, Lease, LookupResult, Reservation,
-                                  ReserveResult)
+from kvshare.pool.config import IndexConfig
+from kvshare.pool.entries import (
+    Entry,
+    EntryState,
+    IndexCounters,
+    IndexListener,
+    Lease,
+    LookupResult,
+    Reservation,
+    ReserveResult,
+)
 from kvshare.pool.eviction import victims
 from kvshare.pool.integrity import integrity_items, integrity_steps
 from kvshare.pool.quota import NamespaceQuota
@@ -40,24 +48,6 @@ class PoolError(Exception):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.code = code
-
-
-@dataclass(frozen=True)
-class IndexConfig:
-    high_watermark: float = 0.95  # fraction of the arena in use that starts eviction
-    low_watermark: float = 0.90  # ... and where it stops
-    lease_ttl_s: float = 300.0
-    reservation_ttl_s: float = 600.0  # longer than any copy into a reservation's pages can run
-    max_keys: int = 4096  # per message
-    namespace_quota_bytes: int = 0  # bytes one account (or namespace) may hold (writing + committed); 0: no quota
-
-    def __post_init__(self) -> None:
-        if not 0.0 < self.low_watermark <= self.high_watermark <= 1.0:
-            raise ValueError("watermarks must satisfy 0 < low <= high <= 1")
-        if self.lease_ttl_s <= 0 or self.reservation_ttl_s <= 0 or self.max_keys <= 0:
-            raise ValueError("lease_ttl_s, reservation_ttl_s and max_keys must be positive")
-        if self.namespace_quota_bytes < 0:
-            raise ValueError(f"namespace_quota_bytes must be >= 0, got {self.namespace_quota_bytes}")
 
 
 class PoolIndex:

@@ -24,8 +24,19 @@ import numpy as np
 from kvshare.pool.checksum import page_checksum
 from kvshare.pool.remote.breaker import CircuitBreaker
 from kvshare.pool.remote.config import MIN_PART_BYTES, RemoteConfig
-from kvshare.pool.remote.format import (BROKEN, HEADER, HEADER_BYTES, MAGIC, BadRemoteValue, check_page, check_parts,
-                                        max_value_bytes, num_parts, part_keys, part_place)
+from kvshare.pool.remote.format import (
+    BROKEN,
+    HEADER,
+    HEADER_BYTES,
+    MAGIC,
+    BadRemoteValue,
+    check_page,
+    check_parts,
+    max_value_bytes,
+    num_parts,
+    part_keys,
+    part_place,
+)
 from kvshare.pool.remote.store import RemoteStore, RemoteStoreError
 from kvshare.pool.remote.workers import BREAKER, ERROR, MISS, delete_quietly
 

@@ -49,8 +49,8 @@ import xxhash
 
 from kvshare.keys import KEY_BYTES
 from kvshare.pool.checksum import ChecksumKind, checksum_is_valid
-from kvshare.pool.remote.config import MAX_PART_BYTES
 from kvshare.pool.protocol import FORMAT_VERSION
+from kvshare.pool.remote.config import MAX_PART_BYTES
 
 REMOTE_FORMAT_VERSION = 2  # 2: the page tag
 MAGIC = b"KVSR"

@@ -17,9 +17,20 @@ import numpy as np
 from kvshare.pool.checksum import is_valid, page_checksum
 from kvshare.pool.remote.breaker import CircuitBreaker
 from kvshare.pool.remote.config import MIN_PART_BYTES, RemoteConfig
-from kvshare.pool.remote.format import (BROKEN, BadRemoteValue, PageMeta, RemotePage, decode_page, encode_part,
-                                        max_value_bytes, num_parts, page_tag, part_count_of, part_keys,
-                                        part_payload_bytes)
+from kvshare.pool.remote.format import (
+    BROKEN,
+    BadRemoteValue,
+    PageMeta,
+    RemotePage,
+    decode_page,
+    encode_part,
+    max_value_bytes,
+    num_parts,
+    page_tag,
+    part_count_of,
+    part_keys,
+    part_payload_bytes,
+)
 from kvshare.pool.remote.store import RemoteStore, RemoteStoreError
 
 MISS, ERROR, BREAKER = "miss", "error", "breaker"  # why a fetch stopped, besides the discard reasons
