@@ -169,8 +169,10 @@ def run_size(client, transfers: dict, model: str, tokens: int, repeats: int) -> 
             row = {"model": model, "tokens": tokens, "pages": num_pages, "bytes": num_bytes, "method": method}
             try:
                 sums = transfer.store(src, 0, scratch.offsets)
-                headers = [PageHeader(offset=o, page_bytes=lay.page_bytes, checksum=s,
-                                      checksum_kind=transfer.checksum_kind) for o, s in zip(scratch.offsets, sums)]
+                headers = [
+                    PageHeader(offset=o, page_bytes=lay.page_bytes, checksum=s, checksum_kind=transfer.checksum_kind)
+                    for o, s in zip(scratch.offsets, sums)
+                ]
                 store_copy_s = []
 
                 def store():
@@ -212,12 +214,18 @@ def short(row: dict) -> str:
 
 
 def table(results: dict) -> str:
-    lines = [f"device: {results['env']['device']}, torch {results['env']['torch']}, cuda-bindings {results['env']['cuda_bindings']}"]
+    lines = [
+        f"device: {results['env']['device']}, torch {results['env']['torch']}, cuda-bindings {results['env']['cuda_bindings']}"
+    ]
     pool = results.get("pool", {})
     if pool:
-        lines.append(f"pool: {pool['size_bytes'] / GiB:.0f} GiB, extents {pool['extent_bytes'] / GiB:.2f} GiB, "
-                     f"registration {pool['registration_s']:.2f} s ({pool['size_bytes'] / pool['registration_s'] / 1e9:.1f} GB/s)")
-    lines.append(f"{'model':5} {'tokens':>7} {'GiB':>6} {'method':9} {'load GB/s':>9} {'ratio':>6} {'store GB/s':>10} {'ratio':>6} {'+cksum':>7} {'ref h2d/d2h':>12} exact")
+        lines.append(
+            f"pool: {pool['size_bytes'] / GiB:.0f} GiB, extents {pool['extent_bytes'] / GiB:.2f} GiB, "
+            f"registration {pool['registration_s']:.2f} s ({pool['size_bytes'] / pool['registration_s'] / 1e9:.1f} GB/s)"
+        )
+    lines.append(
+        f"{'model':5} {'tokens':>7} {'GiB':>6} {'method':9} {'load GB/s':>9} {'ratio':>6} {'store GB/s':>10} {'ratio':>6} {'+cksum':>7} {'ref h2d/d2h':>12} exact"
+    )
     for r in results["runs"]:
         head = f"{r['model']:5} {r['tokens']:>7} {r['bytes'] / GiB:>6.2f} {r['method']:9}"
         if "error" in r:
@@ -277,12 +285,20 @@ def main(argv=None) -> int:
 
     extent = parse_size(args.extent_size)
     size = pool_bytes(args, extent)
-    print(f"transfer_gpu: {results['env']}\nstarting a {size / GiB:.0f} GiB pool (extents {extent / GiB:.2f} GiB)", flush=True)
+    print(
+        f"transfer_gpu: {results['env']}\nstarting a {size / GiB:.0f} GiB pool (extents {extent / GiB:.2f} GiB)",
+        flush=True,
+    )
     try:
         with running_pool(size, ("--extent-size", str(extent)), stdout=subprocess.DEVNULL) as socket_path:
             with PoolClient(socket_path, name="transfer-bench") as client:
                 reg = acquire_registration(client)  # held for the whole run; the transfers share it
-                results["pool"] = {"size_bytes": size, "extent_bytes": extent, "registration_s": reg.seconds, "pieces": len(reg.pieces)}
+                results["pool"] = {
+                    "size_bytes": size,
+                    "extent_bytes": extent,
+                    "registration_s": reg.seconds,
+                    "pieces": len(reg.pieces),
+                }
                 print(f"registered {size / GiB:.0f} GiB in {len(reg.pieces)} pieces: {reg.seconds:.2f} s", flush=True)
                 try:
                     for model in args.models:
@@ -316,7 +332,9 @@ def run_bytecheck(args) -> dict:
     print("byte check (delay-injection) ...", flush=True)
     with running_pool("512MiB", ("--extent-size", "64MiB"), stdout=subprocess.DEVNULL) as socket_path:
         with PoolClient(socket_path, name="transfer-bench-bytecheck") as client:
-            report = bytecheck(client, ByteCheckConfig(copy_methods=tuple(args.methods), delay_cycles=args.delay_cycles))
+            report = bytecheck(
+                client, ByteCheckConfig(copy_methods=tuple(args.methods), delay_cycles=args.delay_cycles)
+            )
     return {
         "ok": report.ok,
         "table": report.table(),

@@ -70,9 +70,11 @@ SETUPS = {  # what each setup can measure; the first mode is its default
     "store-cost": ("store-cost",),
 }
 ENGINE_OF_SETUP = {"vllm-offloading": "vllm-offloading", "lmcache-mp": "lmcache-mp"}  # the others: kvshare
-LMCACHE_MISSING = ("--setup lmcache-mp needs LMCache importable by this interpreter ({python}); on the GPU machine "
-                   "run `bash .vk/lmcache_install.sh` and `. /tmp/lmc_site/lmc_env.sh` first (../shared/vllm-gpu/"
-                   "README.md, \"LMCache beside it\"). Nothing was started.")
+LMCACHE_MISSING = (
+    "--setup lmcache-mp needs LMCache importable by this interpreter ({python}); on the GPU machine "
+    "run `bash .vk/lmcache_install.sh` and `. /tmp/lmc_site/lmc_env.sh` first (../shared/vllm-gpu/"
+    'README.md, "LMCache beside it"). Nothing was started.'
+)
 
 
 def pinned_h2d() -> float:
@@ -104,8 +106,7 @@ def model_facts(model_dir: str) -> tuple[int, int]:
 
 
 def vllm_version() -> str:
-    out = subprocess.run([sys.executable, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
-                         text=True)
+    out = subprocess.run([sys.executable, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True)
     return out.stdout.strip() or "unknown"
 
 
@@ -113,8 +114,12 @@ def tree_commit() -> str | None:
     """The commit of this tree ($KVSHARE_COMMIT where the tree travels without its .git)."""
     if os.environ.get("KVSHARE_COMMIT"):
         return os.environ["KVSHARE_COMMIT"]
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                         cwd=os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        cwd=os.path.dirname(os.path.abspath(__file__)),
+    )
     return out.stdout.strip() or None
 
 
@@ -141,24 +146,27 @@ class Run:
         self.version = vllm_version()
         self.h2d = pinned_h2d() if args.device == "cuda" else None
         self.per_token, self.vocab = model_facts(args.model_dir)
-        self.rows = Rows(os.path.join(args.out, "rows.json"),
-                         {"setup": args.setup, "device": args.device, "commit": tree_commit()})
+        self.rows = Rows(
+            os.path.join(args.out, "rows.json"), {"setup": args.setup, "device": args.device, "commit": tree_commit()}
+        )
         self.rng = random.Random(args.seed)
         self.urls: list[str] = []  # replicas: A, B
         self.router: str | None = None
         self.served = args.model_dir  # vLLM's model name: --model as given
         self.log_path = os.path.join(args.out, f"{args.setup}.log")
         self.first = True  # the next cross request is B's first
-        print(f"vLLM {self.version}; pinned H2D {(self.h2d or 0) / 1e9:.1f} GB/s; KV {self.per_token} B/token",
-              flush=True)
+        print(
+            f"vLLM {self.version}; pinned H2D {(self.h2d or 0) / 1e9:.1f} GB/s; KV {self.per_token} B/token", flush=True
+        )
 
     def prompt(self, length: int) -> list[int]:
         lo = min(300, self.vocab // 10)  # clear of the special tokens at either end
         return [self.rng.randrange(lo, self.vocab - lo) for _ in range(length)]
 
     def complete(self, url: str, prompt: list[int], max_tokens: int | None = None, **extra) -> client.Completion:
-        return client.stream_completion(url, self.served, prompt, max_tokens or self.args.max_tokens, 900,
-                                        extra=extra or None)
+        return client.stream_completion(
+            url, self.served, prompt, max_tokens or self.args.max_tokens, 900, extra=extra or None
+        )
 
     def base_row(self) -> dict:
         return {"model": self.args.model_name, "vllm_version": self.version}
@@ -182,10 +190,20 @@ def server_config(run: Run, port: int, replica: str, **fields) -> VllmServerConf
     gpu_share, shares_gpu = None, fields.pop("shares_gpu", False)
     if a.device == "cuda" and shares_gpu and not a.kv_cache_memory_bytes:
         gpu_share = VLLM_GPU_MEMORY_UTILIZATION / 2  # vLLM's share of one replica split, as `kvshare up` splits it
-    return VllmServerConfig(model=a.model_dir, port=port, python=sys.executable, served_model_name=run.served,
-                            replica=replica, max_model_len=a.max_model_len, device=a.device,
-                            gpu_memory_utilization=gpu_share, load_format=a.load_format,
-                            model_revision=a.model_revision, extra_args=tuple(replica_args(a)), **fields)
+    return VllmServerConfig(
+        model=a.model_dir,
+        port=port,
+        python=sys.executable,
+        served_model_name=run.served,
+        replica=replica,
+        max_model_len=a.max_model_len,
+        device=a.device,
+        gpu_memory_utilization=gpu_share,
+        load_format=a.load_format,
+        model_revision=a.model_revision,
+        extra_args=tuple(replica_args(a)),
+        **fields,
+    )
 
 
 def replica_args(a: argparse.Namespace) -> list[str]:
@@ -232,11 +250,28 @@ def kvshare_up(run: Run, env: dict, log, pool_on: bool):
     from kvshare.launch import wait_http_ready
 
     a = run.args
-    cmd = [sys.executable, "-m", "kvshare", "up", "--engine", "vllm", "--device", a.device, "--replicas", "2",
-           "--model", a.model_dir, "--port", str(a.port), "--policy", "alternate",
-           *(["--pool-size", a.pool_size] if pool_on else ["--pool", "off"]),
-           f"--replica-arg=--max-model-len={a.max_model_len}", *(f"--replica-arg={x}" for x in replica_args(a)),
-           *(["--model-revision", a.model_revision] if a.model_revision else [])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvshare",
+        "up",
+        "--engine",
+        "vllm",
+        "--device",
+        a.device,
+        "--replicas",
+        "2",
+        "--model",
+        a.model_dir,
+        "--port",
+        str(a.port),
+        "--policy",
+        "alternate",
+        *(["--pool-size", a.pool_size] if pool_on else ["--pool", "off"]),
+        f"--replica-arg=--max-model-len={a.max_model_len}",
+        *(f"--replica-arg={x}" for x in replica_args(a)),
+        *(["--model-revision", a.model_revision] if a.model_revision else []),
+    ]
     proc = start(cmd, env, log)
     try:
         run.urls = [f"http://127.0.0.1:{a.port + 1}", f"http://127.0.0.1:{a.port + 2}"]
@@ -253,8 +288,19 @@ def kvshare_up(run: Run, env: dict, log, pool_on: bool):
 def lmcache_server(run: Run, env: dict, log):
     """LMCache's multi-process server (a CPU KV pool the replicas share), ready when it says it runs."""
     a = run.args
-    argv = [sys.executable, "-m", "lmcache.v1.multiprocess.server", "--host", "127.0.0.1", "--port",
-            str(a.lmcache_port), "--l1-size-gb", f"{a.lmcache_l1_gb:g}", "--eviction-policy", "LRU"]
+    argv = [
+        sys.executable,
+        "-m",
+        "lmcache.v1.multiprocess.server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(a.lmcache_port),
+        "--l1-size-gb",
+        f"{a.lmcache_l1_gb:g}",
+        "--eviction-policy",
+        "LRU",
+    ]
     server_log = os.path.join(a.out, "lmcache-server.log")
     with open(server_log, "w") as own:
         proc = start(argv, dict(env, LMCACHE_TRACK_USAGE="false", DO_NOT_TRACK="1"), own)
@@ -290,9 +336,23 @@ def mode_ttft(run: Run) -> None:
                 cross = run.complete(run.urls[1], prompt)
                 local = run.complete(run.urls[0], prompt)
                 kind = "vllm-prefix-cache (A)"
-            run.rows.add({"mode": "ttft", **gpu_rows.ttft_row(
-                **run.base_row(), prompt_tokens=length, engine=engine, cold=cold, cross=cross, local=local,
-                kv_bytes_per_token=run.per_token, h2d_bytes_per_s=run.h2d, first_request=run.first, local_kind=kind)})
+            run.rows.add(
+                {
+                    "mode": "ttft",
+                    **gpu_rows.ttft_row(
+                        **run.base_row(),
+                        prompt_tokens=length,
+                        engine=engine,
+                        cold=cold,
+                        cross=cross,
+                        local=local,
+                        kv_bytes_per_token=run.per_token,
+                        h2d_bytes_per_s=run.h2d,
+                        first_request=run.first,
+                        local_kind=kind,
+                    ),
+                }
+            )
             run.first = False
 
 
@@ -302,12 +362,16 @@ def mode_on_off(run: Run) -> None:
         for _ in range(a.prompts):
             prompt = run.prompt(length)
             run.complete(run.urls[0], prompt, a.on_off_tokens)  # A computes it and stores it
-            off = run.complete(run.urls[1], prompt, a.on_off_tokens,
-                               kv_transfer_params={"kvshare": {"use_pool": False}})
+            off = run.complete(
+                run.urls[1], prompt, a.on_off_tokens, kv_transfer_params={"kvshare": {"use_pool": False}}
+            )
             client.post(run.urls[1], "/reset_prefix_cache")
             on = run.complete(run.urls[1], prompt, a.on_off_tokens)
-            run.rows.add(gpu_rows.on_off_row(**run.base_row(), prompt_tokens=length, off=off, on=on,
-                                             batch_invariant=a.batch_invariant))
+            run.rows.add(
+                gpu_rows.on_off_row(
+                    **run.base_row(), prompt_tokens=length, off=off, on=on, batch_invariant=a.batch_invariant
+                )
+            )
 
 
 def mode_store_cost(run: Run) -> None:
@@ -324,12 +388,29 @@ def mode_store_cost(run: Run) -> None:
 
 def mode_load(run: Run) -> None:
     a = run.args
-    tally = client.run_sessions(run.router, run.served, run.vocab, a.sessions, a.duration_s, a.document_tokens,
-                                a.turn_tokens, min(a.load_max_context, a.max_model_len - 16), a.max_tokens, a.seed)
-    row = gpu_rows.load_row(**run.base_row(), pool="off" if a.setup == "kvshare-pool-off" else "on",
-                            num_sessions=a.sessions, duration_s=a.duration_s, ttfts_s=tally.ttfts_s,
-                            num_errors=len(tally.errors), num_requests=tally.num_requests,
-                            cached_tokens=tally.cached_tokens, prompt_tokens=tally.prompt_tokens)
+    tally = client.run_sessions(
+        run.router,
+        run.served,
+        run.vocab,
+        a.sessions,
+        a.duration_s,
+        a.document_tokens,
+        a.turn_tokens,
+        min(a.load_max_context, a.max_model_len - 16),
+        a.max_tokens,
+        a.seed,
+    )
+    row = gpu_rows.load_row(
+        **run.base_row(),
+        pool="off" if a.setup == "kvshare-pool-off" else "on",
+        num_sessions=a.sessions,
+        duration_s=a.duration_s,
+        ttfts_s=tally.ttfts_s,
+        num_errors=len(tally.errors),
+        num_requests=tally.num_requests,
+        cached_tokens=tally.cached_tokens,
+        prompt_tokens=tally.prompt_tokens,
+    )
     row["first_errors"] = tally.errors[:5]
     run.rows.add(row)
 
@@ -337,9 +418,19 @@ def mode_load(run: Run) -> None:
 def mode_bench_serve(run: Run) -> None:
     a = run.args
     name = f"bench-serve-{a.setup}.json"
-    cmd = client.bench_serve_command(run.router, run.served, a.model_dir, a.out, name, a.bench_prefix_len,
-                                     a.bench_suffix_len, a.bench_num_prefixes, a.bench_output_len,
-                                     a.bench_num_prompts, a.bench_concurrency)
+    cmd = client.bench_serve_command(
+        run.router,
+        run.served,
+        a.model_dir,
+        a.out,
+        name,
+        a.bench_prefix_len,
+        a.bench_suffix_len,
+        a.bench_num_prefixes,
+        a.bench_output_len,
+        a.bench_num_prompts,
+        a.bench_concurrency,
+    )
     shown = ["vllm", "bench", "serve", *cmd[3:]]  # what it runs, as vLLM's command line says it
     print("$ " + " ".join(shown), flush=True)
     code = client.run_bench_serve(cmd, os.path.join(a.out, f"bench-serve-{a.setup}.log"), a.bench_timeout_s)
@@ -357,8 +448,14 @@ def mode_startup(run: Run) -> None:
     run.rows.add(gpu_rows.startup_row(**run.base_row(), device=run.args.device, log_lines=lines))
 
 
-MODES = {"ttft": mode_ttft, "on-off": mode_on_off, "store-cost": mode_store_cost, "load": mode_load,
-         "bench-serve": mode_bench_serve, "startup": mode_startup}
+MODES = {
+    "ttft": mode_ttft,
+    "on-off": mode_on_off,
+    "store-cost": mode_store_cost,
+    "load": mode_load,
+    "bench-serve": mode_bench_serve,
+    "startup": mode_startup,
+}
 
 
 def run_restart(run: Run, env: dict, log) -> None:
@@ -376,10 +473,23 @@ def run_restart(run: Run, env: dict, log) -> None:
             for (length, prompt), cold in zip(prompts, colds):
                 cross = run.complete(urls[0], prompt)
                 local = run.complete(urls[0], prompt)
-                run.rows.add({"mode": "ttft", **gpu_rows.ttft_row(
-                    **run.base_row(), prompt_tokens=length, engine="kvshare", cold=cold, cross=cross, local=local,
-                    kv_bytes_per_token=run.per_token, h2d_bytes_per_s=run.h2d, first_request=run.first,
-                    local_kind="vllm-prefix-cache (B, after its load)")})
+                run.rows.add(
+                    {
+                        "mode": "ttft",
+                        **gpu_rows.ttft_row(
+                            **run.base_row(),
+                            prompt_tokens=length,
+                            engine="kvshare",
+                            cold=cold,
+                            cross=cross,
+                            local=local,
+                            kv_bytes_per_token=run.per_token,
+                            h2d_bytes_per_s=run.h2d,
+                            first_request=run.first,
+                            local_kind="vllm-prefix-cache (B, after its load)",
+                        ),
+                    }
+                )
                 run.first = False
 
 
@@ -397,14 +507,18 @@ def setup(run: Run, env: dict, log):
             yield
     elif a.setup == "lmcache-mp":
         with lmcache_server(run, env, log):
-            configs = [server_config(run, a.port + 1 + i, name, lmcache_mp_port=a.lmcache_port, shares_gpu=True)
-                       for i, name in enumerate("AB")]
+            configs = [
+                server_config(run, a.port + 1 + i, name, lmcache_mp_port=a.lmcache_port, shares_gpu=True)
+                for i, name in enumerate("AB")
+            ]
             with servers(run, configs, env, log, two) as run.urls:
                 yield
     elif a.setup == "store-cost":
         with pool(run, log) as socket_path:
-            configs = [server_config(run, a.port + 1, "A", pool_socket=socket_path, shares_gpu=True),
-                       server_config(run, a.port + 2, "R", shares_gpu=True)]
+            configs = [
+                server_config(run, a.port + 1, "A", pool_socket=socket_path, shares_gpu=True),
+                server_config(run, a.port + 2, "R", shares_gpu=True),
+            ]
             with servers(run, configs, env, log, two) as run.urls:
                 yield
 
@@ -441,15 +555,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--offloading-gib", type=float, default=40.0)
     p.add_argument("--lmcache-port", type=int, default=5555)
     p.add_argument("--lmcache-l1-gb", type=float, default=40.0)
-    p.add_argument("--kv-cache-memory-bytes", default="",
-                   help="every replica's --kv-cache-memory-bytes (then replicas sharing a GPU may start together)")
-    p.add_argument("--settle-s", type=float, default=1.0,
-                   help="pause between a cold request and the cross one, and before each store-cost request")
+    p.add_argument(
+        "--kv-cache-memory-bytes",
+        default="",
+        help="every replica's --kv-cache-memory-bytes (then replicas sharing a GPU may start together)",
+    )
+    p.add_argument(
+        "--settle-s",
+        type=float,
+        default=1.0,
+        help="pause between a cold request and the cross one, and before each store-cost request",
+    )
     p.add_argument("--port", type=int, default=8200)
     p.add_argument("--ready-timeout-s", type=float, default=400)
     p.add_argument("--replica-arg", action="append", default=[], help="an argument for every vLLM replica")
-    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
-                   help="cpu: a plumbing run with vLLM CPU (no bound)")
+    p.add_argument(
+        "--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a plumbing run with vLLM CPU (no bound)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)

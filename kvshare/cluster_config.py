@@ -54,12 +54,16 @@ class ClusterConfig:
         if self.engine == "vllm" and len(devices) > 1 and "cpu" in devices:
             raise ValueError(f"--device {self.device}: vLLM replicas run all on CPU or all on GPUs, not mixed")
         if self.engine == "vllm" and self.tensor_parallel_size > 1 and self.device != "cpu" and len(devices) > 1:
-            raise ValueError("--tensor-parallel-size with vLLM on GPUs: give --device cuda (each replica's ranks "
-                             "take the GPUs CUDA_VISIBLE_DEVICES lists), not a list of one GPU per replica")
+            raise ValueError(
+                "--tensor-parallel-size with vLLM on GPUs: give --device cuda (each replica's ranks "
+                "take the GPUs CUDA_VISIBLE_DEVICES lists), not a list of one GPU per replica"
+            )
         for device in devices:
             if not (device == "cpu" or device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())):
-                raise ValueError(f"--device takes cpu, cuda, cuda:N or a comma list of them (one per replica, cycled), "
-                                 f"got {self.device!r}")
+                raise ValueError(
+                    f"--device takes cpu, cuda, cuda:N or a comma list of them (one per replica, cycled), "
+                    f"got {self.device!r}"
+                )
 
     @property
     def replica_host(self) -> str:

@@ -69,11 +69,14 @@ def run_demo(args: argparse.Namespace) -> int:
 
     from kvshare.preflight import check_ports_free
 
-    config = ClusterConfig(num_replicas=args.replicas, model="tiny", pool_size="4GiB", policy="alternate",
-                           port=args.port)
+    config = ClusterConfig(
+        num_replicas=args.replicas, model="tiny", pool_size="4GiB", policy="alternate", port=args.port
+    )
     # the cluster's ports before the pool's minute of benchmarks, not after it
-    check_ports_free(config.host, {config.port: "the router",
-                                   **{config.port + 1 + i: f"replica{i}" for i in range(config.num_replicas)}})
+    check_ports_free(
+        config.host,
+        {config.port: "the router", **{config.port + 1 + i: f"replica{i}" for i in range(config.num_replicas)}},
+    )
     console = Console()
     os.makedirs(args.out, exist_ok=True)
     console.rule("1. the shared pool")

@@ -72,8 +72,10 @@ class Namespace:
             raise ValueError(f"tp_rank {self.tp_rank} outside tp_size {self.tp_size}")
         if self.is_deterministic:
             if self.grid_tokens is None or self.grid_tokens <= 0 or self.grid_tokens % self.chunk_tokens:
-                raise ValueError(f"a deterministic namespace needs grid_tokens, a positive multiple of chunk_tokens "
-                                 f"{self.chunk_tokens}; got {self.grid_tokens}")
+                raise ValueError(
+                    f"a deterministic namespace needs grid_tokens, a positive multiple of chunk_tokens "
+                    f"{self.chunk_tokens}; got {self.grid_tokens}"
+                )
             if not self.kernel_build:
                 raise ValueError("a deterministic namespace needs its kernel_build")
         elif self.grid_tokens is not None or self.kernel_build:

@@ -57,8 +57,13 @@ class Cluster:
                 self._tmp = tempfile.TemporaryDirectory(prefix="kvshare-up-")
                 os.chmod(self._tmp.name, 0o700)
                 self.pool_socket = os.path.join(self._tmp.name, "pool.sock")
-                self._spawn(ChildSpec("pool", (*kv, "pool", "--size", str(cfg.pool_size), "--socket",
-                                               self.pool_socket, *cfg.pool_args), kvshare_env()))
+                self._spawn(
+                    ChildSpec(
+                        "pool",
+                        (*kv, "pool", "--size", str(cfg.pool_size), "--socket", self.pool_socket, *cfg.pool_args),
+                        kvshare_env(),
+                    )
+                )
                 self._wait_pool()
                 # so kvshare pool-stats / pool-admin find it with no --socket
                 point_to_pool(self.config.pool_name, self.pool_socket)
@@ -72,14 +77,28 @@ class Cluster:
                         ready.add(j)
                         _say(progress, f"replica {j} ready at {cfg.replica_url(j)}")
                 argv, env = self._replica_command(i, kv)
-                self._spawn(ChildSpec(f"replica{i}", tuple(argv), env, url=cfg.replica_url(i),
-                                      takes_instance_id=cfg.engine == "builtin"))
+                self._spawn(
+                    ChildSpec(
+                        f"replica{i}",
+                        tuple(argv),
+                        env,
+                        url=cfg.replica_url(i),
+                        takes_instance_id=cfg.engine == "builtin",
+                    )
+                )
             for i, url in enumerate(self.replica_urls):
                 if i not in ready:
                     self._wait_http(f"replica{i}")
                     _say(progress, f"replica {i} ready at {url}")
-            self._spawn(ChildSpec("router", tuple(self._router_command(kv)), kvshare_env(), url=self.router_url,
-                                  takes_instance_id=True))
+            self._spawn(
+                ChildSpec(
+                    "router",
+                    tuple(self._router_command(kv)),
+                    kvshare_env(),
+                    url=self.router_url,
+                    takes_instance_id=True,
+                )
+            )
             self._wait_http("router")
             _say(progress, f"router ready at {self.router_url}")
         except BaseException:
@@ -123,29 +142,61 @@ class Cluster:
             device, visible = gpu_of_replica(cfg.device, i)
             on_gpu = device != "cpu"
             if device.startswith("cuda:"):  # vLLM takes its GPU from CUDA_VISIBLE_DEVICES, as cuda
-                visible = device[len("cuda:"):]
-            spec = vllm_server_command(VllmServerConfig(
-                model=self._vllm_model_dir(), port=port, host=cfg.replica_host, pool_socket=self.pool_socket,
-                python=cfg.vllm_python or find_vllm_python(), served_model_name=self._served_name(),
-                replica=f"replica{i}", chunk_tokens=DEFAULT_CHUNK_TOKENS,
-                max_num_batched_tokens=None if on_gpu else DEFAULT_CHUNK_TOKENS, extra_args=cfg.replica_args,
-                tensor_parallel_size=cfg.tensor_parallel_size, device="cuda" if on_gpu else "cpu",
-                max_model_len=None if on_gpu else 4096,
-                gpu_memory_utilization=gpu_memory_share(cfg, i) if on_gpu else None,
-                model_revision=cfg.model_revision,
-                kv_events_port=None if cfg.replica_kv_events_port is None else cfg.replica_kv_events_port + i,
-                tmp_dir=self._private_dir(f"replica{i}-tmp"), account_key_file=self.account_key_file,
-            ))
+                visible = device[len("cuda:") :]
+            spec = vllm_server_command(
+                VllmServerConfig(
+                    model=self._vllm_model_dir(),
+                    port=port,
+                    host=cfg.replica_host,
+                    pool_socket=self.pool_socket,
+                    python=cfg.vllm_python or find_vllm_python(),
+                    served_model_name=self._served_name(),
+                    replica=f"replica{i}",
+                    chunk_tokens=DEFAULT_CHUNK_TOKENS,
+                    max_num_batched_tokens=None if on_gpu else DEFAULT_CHUNK_TOKENS,
+                    extra_args=cfg.replica_args,
+                    tensor_parallel_size=cfg.tensor_parallel_size,
+                    device="cuda" if on_gpu else "cpu",
+                    max_model_len=None if on_gpu else 4096,
+                    gpu_memory_utilization=gpu_memory_share(cfg, i) if on_gpu else None,
+                    model_revision=cfg.model_revision,
+                    kv_events_port=None if cfg.replica_kv_events_port is None else cfg.replica_kv_events_port + i,
+                    tmp_dir=self._private_dir(f"replica{i}-tmp"),
+                    account_key_file=self.account_key_file,
+                )
+            )
             if visible is not None:
                 spec.env["CUDA_VISIBLE_DEVICES"] = visible
             return spec.argv, spec.env
         device, visible = gpu_of_replica(cfg.device, i)
-        args = [*kv, "serve", "--model", cfg.model, "--device", device, "--host", cfg.host, "--port", str(port),
-                     "--replica-name", f"replica{i}", "--pool", self.pool_socket or "off", *_auth_args(cfg),
-                     "--provenance", cfg.provenance, "--token-cache-dir", self._private_dir("token-cache"),
-                     *(["--model-revision", cfg.model_revision] if cfg.model_revision else []),
-                     *(["--kv-events", f"tcp://*:{cfg.replica_kv_events_port + i}"]
-                       if cfg.replica_kv_events_port is not None else []), *cfg.replica_args]
+        args = [
+            *kv,
+            "serve",
+            "--model",
+            cfg.model,
+            "--device",
+            device,
+            "--host",
+            cfg.host,
+            "--port",
+            str(port),
+            "--replica-name",
+            f"replica{i}",
+            "--pool",
+            self.pool_socket or "off",
+            *_auth_args(cfg),
+            "--provenance",
+            cfg.provenance,
+            "--token-cache-dir",
+            self._private_dir("token-cache"),
+            *(["--model-revision", cfg.model_revision] if cfg.model_revision else []),
+            *(
+                ["--kv-events", f"tcp://*:{cfg.replica_kv_events_port + i}"]
+                if cfg.replica_kv_events_port is not None
+                else []
+            ),
+            *cfg.replica_args,
+        ]
         env = kvshare_env(cpu_threads_env(cfg))
         if visible is not None:
             env["CUDA_VISIBLE_DEVICES"] = visible
@@ -171,9 +222,21 @@ class Cluster:
         cfg = self.config
         engine = ["--engine", cfg.engine] if cfg.engine != "builtin" else []
         account = ["--account-key-file", self.account_key_file] if self.account_key_file else []
-        return [*kv, "route", "--policy", cfg.policy, "--host", cfg.host, "--port", str(cfg.port),
-                *sum((["--replica", u] for u in self.replica_urls), []), *_auth_args(cfg), *engine, *account,
-                *cfg.router_args]
+        return [
+            *kv,
+            "route",
+            "--policy",
+            cfg.policy,
+            "--host",
+            cfg.host,
+            "--port",
+            str(cfg.port),
+            *sum((["--replica", u] for u in self.replica_urls), []),
+            *_auth_args(cfg),
+            *engine,
+            *account,
+            *cfg.router_args,
+        ]
 
     def _private_dir(self, name: str) -> str:
         """A directory of this cluster's own, removed when it stops (with whatever its children left there)."""

@@ -26,7 +26,7 @@ def gpu_of_replica(devices: str, index: int) -> tuple[str, str | None]:
     names = devices.split(",")
     device = names[index % len(names)]
     if len(names) > 1 and device.startswith("cuda:"):
-        return "cuda", device[len("cuda:"):]
+        return "cuda", device[len("cuda:") :]
     return device, None
 
 

@@ -53,9 +53,11 @@ class CrashLoop(Exception):
     def __init__(self, name: str, returncode: int, num_exits: int, policy: RestartPolicy, tail: list[str]) -> None:
         self.name, self.returncode = name, returncode
         lines = "\n".join(f"  {line}" for line in tail) or "  (it wrote nothing to stderr)"
-        super().__init__(f"{name} crash-looped: it exited {num_exits} times within {policy.window_s:g} s "
-                         f"(--max-restarts {policy.max_restarts}; the last exit: {describe_exit(returncode)}); "
-                         f"its last lines:\n{lines}")
+        super().__init__(
+            f"{name} crash-looped: it exited {num_exits} times within {policy.window_s:g} s "
+            f"(--max-restarts {policy.max_restarts}; the last exit: {describe_exit(returncode)}); "
+            f"its last lines:\n{lines}"
+        )
 
 
 class Supervised(Protocol):

@@ -21,8 +21,12 @@ def add_micro_arguments(sub, parse_tokens: Callable[[str], tuple[int, ...]]) -> 
     pool.add_argument("--lookup-ops", type=int, default=20000)
     pool.add_argument("--json", action="store_true", help="print the figures as JSON")
     parse = sub.add_parser("parse", help="a replica's read of a token-id prompt by thread count, vs a typed decode")
-    parse.add_argument("--lengths", type=parse_tokens, default=(32768, 131072, 262144),
-                       help="prompt lengths in tokens, e.g. 32768,128k")
+    parse.add_argument(
+        "--lengths",
+        type=parse_tokens,
+        default=(32768, 131072, 262144),
+        help="prompt lengths in tokens, e.g. 32768,128k",
+    )
     parse.add_argument("--repeats", type=int, default=20, help="best of this many reads")
     parse.add_argument("--json", action="store_true", help="print one JSON line per length")
 
@@ -39,8 +43,13 @@ def run_pool(args: argparse.Namespace) -> int:
     pool_ctx = contextlib.nullcontext(args.pool) if args.pool else running_pool(args.pool_size, quiet=True)
     with pool_ctx as socket_path:
         try:
-            cfg = PoolBenchConfig(socket_path=socket_path, page_bytes=args.page_size, num_pages=args.pages,
-                                  repeats=args.repeats, lookup_ops=args.lookup_ops)
+            cfg = PoolBenchConfig(
+                socket_path=socket_path,
+                page_bytes=args.page_size,
+                num_pages=args.pages,
+                repeats=args.repeats,
+                lookup_ops=args.lookup_ops,
+            )
         except ValueError as exc:
             raise UserError(str(exc)) from None
         result = run_pool_bench(cfg)

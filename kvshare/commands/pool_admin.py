@@ -13,11 +13,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flush = sub.add_parser("flush", help="drop committed chunks (all when no namespace is named)")
     which = flush.add_mutually_exclusive_group()
     which.add_argument("--namespace", default=None, help="hex namespace digest (see `namespaces`)")
-    which.add_argument("--replica", default=None, metavar="URL",
-                       help="the namespace a replica uses for --tenant (asked at URL/admin/namespace)")
-    flush.add_argument("--tenant", default=None,
-                       help="with --replica: the tenant header's value (default: the replica's untenanted namespace)")
-    flush.add_argument("--api-key", default=None, help="with --replica: the bearer token (with keys, it names the tenant)")
+    which.add_argument(
+        "--replica",
+        default=None,
+        metavar="URL",
+        help="the namespace a replica uses for --tenant (asked at URL/admin/namespace)",
+    )
+    flush.add_argument(
+        "--tenant",
+        default=None,
+        help="with --replica: the tenant header's value (default: the replica's untenanted namespace)",
+    )
+    flush.add_argument(
+        "--api-key", default=None, help="with --replica: the bearer token (with keys, it names the tenant)"
+    )
     flush.add_argument("--yes", action="store_true", help="flush without asking (needed where stdin is no terminal)")
     sub.add_parser("leases", help="list leases with their ages")
     sub.add_parser("namespaces", help="list namespaces with their chunks and bytes (and the quota)")
@@ -32,8 +41,9 @@ def replica_namespace(url: str, tenant: str | None, api_key: str | None, timeout
     from kvshare.errors import UserError
 
     query = "?" + urllib.parse.urlencode({"tenant": tenant}) if tenant is not None else ""
-    req = urllib.request.Request(url.rstrip("/") + "/admin/namespace" + query,
-                                 headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    req = urllib.request.Request(
+        url.rstrip("/") + "/admin/namespace" + query, headers={"Authorization": f"Bearer {api_key}"} if api_key else {}
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:
             return json.loads(resp.read())
@@ -65,7 +75,9 @@ def _namespace(text: str) -> bytes:
     try:
         return bytes.fromhex(text)
     except ValueError:
-        raise UserError(f"--namespace {text!r} is not a hex digest; `kvshare pool-admin namespaces` lists them") from None
+        raise UserError(
+            f"--namespace {text!r} is not a hex digest; `kvshare pool-admin namespaces` lists them"
+        ) from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -87,10 +99,15 @@ def run(args: argparse.Namespace) -> int:
             if args.action == "flush":
                 held = {n.namespace for n in client.list_namespaces().namespaces} if namespace is not None else set()
                 if namespace is not None and namespace not in held:
-                    raise UserError(f"the pool at {socket_path} holds no namespace {namespace.hex()}; "
-                                    f"`kvshare pool-admin namespaces` lists them")
-                _confirm(f"flush {'namespace ' + namespace.hex() if namespace else 'every chunk'} "
-                         f"of the pool at {socket_path}", args.yes)
+                    raise UserError(
+                        f"the pool at {socket_path} holds no namespace {namespace.hex()}; "
+                        f"`kvshare pool-admin namespaces` lists them"
+                    )
+                _confirm(
+                    f"flush {'namespace ' + namespace.hex() if namespace else 'every chunk'} "
+                    f"of the pool at {socket_path}",
+                    args.yes,
+                )
                 out = {"dropped": client.flush(namespace), "pool": socket_path}
                 if namespace is not None:
                     out["namespace"] = namespace.hex()
@@ -99,19 +116,28 @@ def run(args: argparse.Namespace) -> int:
                 print(json.dumps(out))
             elif args.action == "leases":
                 leases = [
-                    {"lease_id": l.lease_id, "client_id": l.client_id, "client": l.client_name,
-                     "pages": l.num_pages, "age_s": l.age_s}
+                    {
+                        "lease_id": l.lease_id,
+                        "client_id": l.client_id,
+                        "client": l.client_name,
+                        "pages": l.num_pages,
+                        "age_s": l.age_s,
+                    }
                     for l in client.list_leases()
                 ]
                 print(json.dumps(leases, indent=2))
             else:
                 reply = client.list_namespaces()
-                rows = [{"namespace": n.namespace.hex(), "entries": n.num_entries, "bytes": n.num_bytes}
-                        for n in reply.namespaces]
-                owners = [{"owner": n.namespace.hex(), "entries": n.num_entries, "bytes": n.num_bytes}
-                          for n in reply.accounts]
-                print(json.dumps({"quota_bytes": reply.quota_bytes, "namespaces": rows, "quota_owners": owners},
-                                 indent=2))
+                rows = [
+                    {"namespace": n.namespace.hex(), "entries": n.num_entries, "bytes": n.num_bytes}
+                    for n in reply.namespaces
+                ]
+                owners = [
+                    {"owner": n.namespace.hex(), "entries": n.num_entries, "bytes": n.num_bytes} for n in reply.accounts
+                ]
+                print(
+                    json.dumps({"quota_bytes": reply.quota_bytes, "namespaces": rows, "quota_owners": owners}, indent=2)
+                )
     except (PoolUnavailable, ValueError) as exc:
         raise UserError(str(exc)) from None
     return 0

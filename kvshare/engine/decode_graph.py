@@ -132,4 +132,3 @@ class DecodeGraphs:
             self.capture()
         graphs = self._graphs
         return self._run(token_id, position, lambda index: graphs[index].replay())
-

@@ -49,6 +49,8 @@ from kvshare.layout import KVLayout
 from kvshare.transfer import TransferConfig
 
 MAX_CACHED_DIGESTS = 4096  # namespace digests kept (one per tenant and cache_salt seen lately)
+
+
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -57,18 +59,27 @@ class Engine:
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         self.model_name, mc = loaded.name, self.model_config
         if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
-            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's max_position_embeddings "
-                             f"{mc.max_position_embeddings}")
+            raise ValueError(
+                f"max_model_len {config.max_model_len} exceeds the model's max_position_embeddings "
+                f"{mc.max_position_embeddings}"
+            )
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         kv_dtype = kv_storage_dtype(config.kv_dtype, mc.dtype)  # the KV's dtype, so the pool pages'
         self.layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, kv_dtype, config.chunk_tokens)
         # the deterministic mode: its self-test refuses it (GridCheckFailed) where this device's kernels are not exact
-        self.grid = start_grid(self.model, self.device, config.grid_len, config.chunk_tokens) if config.deterministic else None
+        self.grid = (
+            start_grid(self.model, self.device, config.grid_len, config.chunk_tokens) if config.deterministic else None
+        )
         self.attention = use_attention(self.model, config.attention, self.device, config.deterministic)  # prefill's
         self.namespace = Namespace(
-            **loaded.identity(config.model_revision), kv_dtype=kv_dtype,
-            kv_precision=kv_precision(kv_dtype), num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
-            chunk_tokens=config.chunk_tokens, engine_family="builtin",
+            **loaded.identity(config.model_revision),
+            kv_dtype=kv_dtype,
+            kv_precision=kv_precision(kv_dtype),
+            num_layers=mc.num_layers,
+            num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim,
+            chunk_tokens=config.chunk_tokens,
+            engine_family="builtin",
             **(self.grid.namespace_fields() if self.grid is not None else {}),
         )
         self._digests: OrderedDict[str, bytes] = OrderedDict()  # namespace salt -> digest, LRU
@@ -86,12 +97,19 @@ class Engine:
         self._pool: PoolLink | None = None
         if config.pool_socket:
             self._pool = PoolLink(
-                config.pool_socket, self.layout, self.device, self._stats,
+                config.pool_socket,
+                self.layout,
+                self.device,
+                self._stats,
                 verify_checksums=config.verify_checksums,
-                transfer_config=TransferConfig(verify_fraction=config.verify_fraction,
-                                               producer_delay_cycles=config.producer_delay_cycles,
-                                               staging_buffers=config.staging_buffers),
-                retry_s=config.pool_retry_s, retry_max_s=config.pool_retry_max_s, name=f"engine:{self.model_name}",
+                transfer_config=TransferConfig(
+                    verify_fraction=config.verify_fraction,
+                    producer_delay_cycles=config.producer_delay_cycles,
+                    staging_buffers=config.staging_buffers,
+                ),
+                retry_s=config.pool_retry_s,
+                retry_max_s=config.pool_retry_max_s,
+                name=f"engine:{self.model_name}",
             )
             # connect (and register the arena) now, and reconnect while no request runs when the pool goes away
             self._pool.start(idle_lock=self._lock)
@@ -101,30 +119,41 @@ class Engine:
     # -- public API ------------------------------------------------------------------
 
     def generate(
-        self, prompt_ids: Sequence[int], params: SamplingParams = SamplingParams(), options: RequestOptions = RequestOptions()
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams = SamplingParams(),
+        options: RequestOptions = RequestOptions(),
     ) -> Iterator[TokenEvent]:
         """Stream the continuation of ``prompt_ids``; blocking. Exhaust or close() the iterator."""
         ids = np.asarray(prompt_ids)  # checked as one array: a long prompt's list passes cost milliseconds of TTFT
         if ids.size == 0:
             raise ValueError("the prompt has no tokens")
         if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
-            raise ValueError(f"the prompt must be a flat sequence of integer token ids, got {ids.dtype} of shape {ids.shape}")
+            raise ValueError(
+                f"the prompt must be a flat sequence of integer token ids, got {ids.dtype} of shape {ids.shape}"
+            )
         vocab = self.model_config.vocab_size
         if ids.min() < 0 or ids.max() >= vocab:
             bad = ids[(ids < 0) | (ids >= vocab)]
             raise ValueError(f"token id {int(bad[0])} lies outside the vocabulary 0..{vocab - 1}")
         if ids.size >= self.max_model_len:
-            raise ValueError(f"the prompt has {ids.size} tokens; max_model_len {self.max_model_len} leaves no room to generate")
+            raise ValueError(
+                f"the prompt has {ids.size} tokens; max_model_len {self.max_model_len} leaves no room to generate"
+            )
         return self._stream(ids.astype(np.int64, copy=False), params, options)
 
     def stats(self) -> EngineStats:
         counters = self._local.counters
         return replace(
             self._stats,
-            local_hit_chunks=counters.hit_chunks, local_miss_chunks=counters.miss_chunks,
-            local_inserted_chunks=counters.inserted_chunks, local_evicted_chunks=counters.evicted_chunks,
-            local_cache_chunks=len(self._local), local_cache_bytes=self._local.num_bytes,
-            local_cache_capacity_bytes=self._local.capacity_bytes, local_out_of_memory=counters.out_of_memory,
+            local_hit_chunks=counters.hit_chunks,
+            local_miss_chunks=counters.miss_chunks,
+            local_inserted_chunks=counters.inserted_chunks,
+            local_evicted_chunks=counters.evicted_chunks,
+            local_cache_chunks=len(self._local),
+            local_cache_bytes=self._local.num_bytes,
+            local_cache_capacity_bytes=self._local.capacity_bytes,
+            local_out_of_memory=counters.out_of_memory,
         )
 
     @contextmanager
@@ -209,7 +238,9 @@ class Engine:
                     elif num_generated >= params.max_tokens or position + 1 >= self.max_model_len:
                         finish = "length"
                     if finish is not None and publishing is not None:
-                        wait_for(publishing)  # a response's last token says its prompt is stored (the next turn's lookup)
+                        wait_for(
+                            publishing
+                        )  # a response's last token says its prompt is stored (the next turn's lookup)
                     yield TokenEvent(token.token_id, token.logprob, token.top_logprobs, finish, provenance)
                     if publishing is None:  # after the first token, and beside the decode: it delays no other
                         publishing = self._publisher.submit(self._publish, kv, keys, digest, account, options, ids)
@@ -285,12 +316,20 @@ class Engine:
             pool_chunks = load.num_chunks
             if self.grid is None:
                 cached_len = (local_chunks + pool_chunks) * c
-                logits = self.model(prompt_ids[cached_len:], kv, cached_len, self.config.prefill_chunk_tokens, before_layer=before_layer)
+                logits = self.model(
+                    prompt_ids[cached_len:], kv, cached_len, self.config.prefill_chunk_tokens, before_layer=before_layer
+                )
             else:
                 local_chunks, pool_chunks = self.grid.usable_prefix(local_chunks, load)
                 cached_len = (local_chunks + pool_chunks) * c
-                logits = grid_forward(self.model, prompt_ids[cached_len:], kv, cached_len, self.grid.grid_tokens,
-                                      before_layer=before_layer)
+                logits = grid_forward(
+                    self.model,
+                    prompt_ids[cached_len:],
+                    kv,
+                    cached_len,
+                    self.grid.grid_tokens,
+                    before_layer=before_layer,
+                )
             if timeline is not None:
                 timeline.mark_device("forward_end", self.device)
         finally:
@@ -322,8 +361,9 @@ class Engine:
             used = self.grid.reusable_chunks(used)
         return min(local_chunks, used), max(0, used - local_chunks)
 
-    def _publish(self, kv: torch.Tensor, keys: list[bytes], digest: bytes, account: bytes, options: RequestOptions,
-                 ids) -> None:
+    def _publish(
+        self, kv: torch.Tensor, keys: list[bytes], digest: bytes, account: bytes, options: RequestOptions, ids
+    ) -> None:
         """The prompt's full chunks to the local cache and the pool (kvshare.engine.publish)."""
         self._publisher.publish(kv, keys, digest, account, options, ids)
 
@@ -331,8 +371,10 @@ class Engine:
 def _cancellable(before_layer: Callable[[int], None], is_cancelled: Callable[[], bool]) -> Callable[[int], None]:
     """``before_layer`` that first gives the request up when ``is_cancelled()``: the prefill's ``finally`` then
     waits for the load's copies and releases its lease, and nothing of the prompt is published."""
+
     def hook(layer: int) -> None:
         if is_cancelled():
             raise RequestCancelled(f"the request was cancelled before layer {layer} of its prefill")
         before_layer(layer)
+
     return hook

@@ -29,15 +29,20 @@ class PromptPublisher:
         return self._executor.submit(publish, *args)
 
     @torch.inference_mode()
-    def publish(self, kv: torch.Tensor, keys: list[bytes], digest: bytes, account: bytes, options: RequestOptions,
-                ids) -> None:
+    def publish(
+        self, kv: torch.Tensor, keys: list[bytes], digest: bytes, account: bytes, options: RequestOptions, ids
+    ) -> None:
         """Offer the prompt's full chunks to the local cache and the pool (each keeps what it lacks), side by side:
         both only read ``kv``; the request's lock is held until both are done. ``account``: whose pool quota."""
         # the request's stream: the local copies go on it (after the prefill, before kv is written next)
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        local = (self._local_inserter.submit(self._insert_locally, kv, keys, stream,
-                                             None if options.tenant else ids)  # a tenant's ids: never announced
-                 if options.use_local_cache and self._local.capacity_bytes > 0 else None)
+        local = (
+            self._local_inserter.submit(
+                self._insert_locally, kv, keys, stream, None if options.tenant else ids
+            )  # a tenant's ids: never announced
+            if options.use_local_cache and self._local.capacity_bytes > 0
+            else None
+        )
         try:
             if options.use_pool and self._pool is not None:
                 self._pool.store(kv, keys, digest, stream, None if options.tenant else ids, account)

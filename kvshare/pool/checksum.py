@@ -187,8 +187,9 @@ class PageHasher:
 
     def _executor(self) -> ThreadPoolExecutor:
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(self._num_threads, thread_name_prefix="kvshare-checksum",
-                                            initializer=self._initializer)
+            self._pool = ThreadPoolExecutor(
+                self._num_threads, thread_name_prefix="kvshare-checksum", initializer=self._initializer
+            )
         return self._pool
 
     def close(self) -> None:

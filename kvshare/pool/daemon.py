@@ -91,8 +91,12 @@ class PoolServer:
         self._selector.register(listener, selectors.EVENT_READ, None)
         self._start_remote()
         self._snapshot()
-        log.info("pool of %d bytes on %s pages listening on %s", cfg.size_bytes,
-                 "2 MiB huge" if is_huge else f"{mmap.PAGESIZE // 1024} KiB", cfg.socket_path)
+        log.info(
+            "pool of %d bytes on %s pages listening on %s",
+            cfg.size_bytes,
+            "2 MiB huge" if is_huge else f"{mmap.PAGESIZE // 1024} KiB",
+            cfg.socket_path,
+        )
 
     def serve(self) -> None:
         """Run until ``stop()``; then close every client and remove the socket."""
@@ -204,8 +208,11 @@ class PoolServer:
             sock.close()
             return
         if pid == 0:  # a process in another pid namespace: whether it is gone cannot be known (holders.py)
-            log.info("client of uid %d from another pid namespace: its holds outlive its connections until it says "
-                     "goodbye or their TTL passes", uid)
+            log.info(
+                "client of uid %d from another pid namespace: its holds outlive its connections until it says "
+                "goodbye or their TTL passes",
+                uid,
+            )
         sock.setblocking(False)
         client = Connection(sock=sock, client_id=self._next_client_id, pid=pid, uid=uid, connected_at=time.monotonic())
         self._next_client_id += 1
@@ -235,8 +242,13 @@ class PoolServer:
         aborted, released = self.handlers.disconnect(client.client_id)
         self.counters.disconnects += 1
         if aborted or released:
-            log.info("client %s (pid %d) left: aborted %d reservations, released %d leases",
-                     label, client.pid, aborted, released)
+            log.info(
+                "client %s (pid %d) left: aborted %d reservations, released %d leases",
+                label,
+                client.pid,
+                aborted,
+                released,
+            )
 
     def _on_readable(self, client: Connection) -> None:
         data = client.recv_some()
@@ -326,8 +338,13 @@ class PoolServer:
             return
         if len(client.outbuf) > self.config.max_unsent_bytes:
             self.counters.errors += 1
-            log.warning("closing client %s (pid %d): %d bytes of replies unread (bound %d)", self._label(client),
-                        client.pid, len(client.outbuf), self.config.max_unsent_bytes)
+            log.warning(
+                "closing client %s (pid %d): %d bytes of replies unread (bound %d)",
+                self._label(client),
+                client.pid,
+                len(client.outbuf),
+                self.config.max_unsent_bytes,
+            )
             self._drop_client(client)
             return
         events = (selectors.EVENT_READ if client.is_reading else 0) | (selectors.EVENT_WRITE if client.outbuf else 0)
@@ -344,8 +361,9 @@ class PoolServer:
             return
         writer_id, promoter_id = self._next_client_id, self._next_client_id + 1  # the tier's own client ids
         self._next_client_id += 2
-        self.remote = start_remote_tier(self.config.remote, self.index, self.arena, self.config.index.lease_ttl_s,
-                                        writer_id, promoter_id)
+        self.remote = start_remote_tier(
+            self.config.remote, self.index, self.arena, self.config.index.lease_ttl_s, writer_id, promoter_id
+        )
         self.handlers.remote = self.remote
         self._selector.register(self.remote.wakeup, selectors.EVENT_READ, _REMOTE_WAKEUP)
 

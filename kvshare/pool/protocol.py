@@ -135,8 +135,22 @@ class Goodbye(msgspec.Struct, tag="goodbye"):
     """Every copy touching this holder's pages has ended: end all its leases and reservations. No reply."""
 
 
-Request = Union[Hello, Lookup, Release, Reserve, Commit, Abort, Drop, Flush, GetStats, ListLeases, CheckIntegrity,
-                ListNamespaces, PrefillReport, Goodbye]
+Request = Union[
+    Hello,
+    Lookup,
+    Release,
+    Reserve,
+    Commit,
+    Abort,
+    Drop,
+    Flush,
+    GetStats,
+    ListLeases,
+    CheckIntegrity,
+    ListNamespaces,
+    PrefillReport,
+    Goodbye,
+]
 
 # -- replies ---------------------------------------------------------------------------
 

@@ -55,6 +55,10 @@ def route_facts(
         return RouteFacts(session_id=session, chat_turn=turn, prefix_blocks=())
     salt = salt_of(parsed.cache_salt if isinstance(parsed.cache_salt, str) else None)
     if pool_aware is not None:
-        return RouteFacts(session_id=session, chat_turn=turn, cache_salt=salt or None,
-                          prompt_ids=pool_aware.prompt_ids(parsed.prompt, parsed.messages))
+        return RouteFacts(
+            session_id=session,
+            chat_turn=turn,
+            cache_salt=salt or None,
+            prompt_ids=pool_aware.prompt_ids(parsed.prompt, parsed.messages),
+        )
     return RouteFacts(session_id=session, chat_turn=turn, prefix_blocks=prefix_blocks(text, salt=salt))

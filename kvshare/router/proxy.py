@@ -56,13 +56,25 @@ class _Metrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
         self.requests = Counter("kvshare_router_requests", "Requests routed", ["replica"], registry=r)
-        self.failovers = Counter("kvshare_router_failovers", "Requests moved to another replica before the first byte", registry=r)
+        self.failovers = Counter(
+            "kvshare_router_failovers", "Requests moved to another replica before the first byte", registry=r
+        )
         self.errors = Counter("kvshare_router_errors", "Requests no replica could take", registry=r)
-        self.latency = Histogram("kvshare_router_request_latency_seconds", "Time to the end of the response",
-                                 buckets=LATENCY_BUCKETS, registry=r)
-        self.broken_responses = Counter("kvshare_router_broken_responses", "Responses a replica broke off after "
-                                        "the first byte (streams end with an error event)", ["replica"], registry=r)
-        self.healthy = Gauge("kvshare_router_replica_healthy", "1 if the replica answered its last health check", ["replica"], registry=r)
+        self.latency = Histogram(
+            "kvshare_router_request_latency_seconds",
+            "Time to the end of the response",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.broken_responses = Counter(
+            "kvshare_router_broken_responses",
+            "Responses a replica broke off after the first byte (streams end with an error event)",
+            ["replica"],
+            registry=r,
+        )
+        self.healthy = Gauge(
+            "kvshare_router_replica_healthy", "1 if the replica answered its last health check", ["replica"], registry=r
+        )
 
 
 class _DrainRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -78,8 +90,11 @@ class RouterServer:
         self.policy.sessions.ttl_s = config.session_ttl_s
         self.policy.sessions.max_sessions = config.max_sessions
         self.metrics = _Metrics()
-        self.pool_aware = (attach_pool_aware(self.policy, config.pool_aware, self.metrics.registry, config.replicas)
-                           if config.policy == "pool_aware" else None)
+        self.pool_aware = (
+            attach_pool_aware(self.policy, config.pool_aware, self.metrics.registry, config.replicas)
+            if config.policy == "pool_aware"
+            else None
+        )
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task | None = None
 
@@ -103,15 +118,23 @@ class RouterServer:
         cfg = self.config
         is_admin = request.path.startswith("/admin/")
         if is_admin and cfg.api_keys and not cfg.admin_key:
-            return error_response(ApiError(403, "/admin/ needs the router's admin key, and none is set: start it with "
-                                                "--admin-key-file or $KVSHARE_ADMIN_KEY", code="admin_key_not_set",
-                                           error_type="permission_error"))
+            return error_response(
+                ApiError(
+                    403,
+                    "/admin/ needs the router's admin key, and none is set: start it with "
+                    "--admin-key-file or $KVSHARE_ADMIN_KEY",
+                    code="admin_key_not_set",
+                    error_type="permission_error",
+                )
+            )
         needed = (cfg.admin_key,) if is_admin and cfg.admin_key else cfg.api_keys
         if needed and request.path.startswith(("/v1/", "/admin/", "/tokenize", "/detokenize")):
             try:
                 check_api_key(request.headers, needed)
             except Unauthorized as exc:
-                return error_response(ApiError(401, str(exc), code="invalid_api_key", error_type="authentication_error"))
+                return error_response(
+                    ApiError(401, str(exc), code="invalid_api_key", error_type="authentication_error")
+                )
         try:
             return await handler(request)
         except ApiError as exc:
@@ -156,12 +179,26 @@ class RouterServer:
         self.metrics.healthy.labels(replica.url).set(1 if replica.is_healthy else 0)
 
     async def health(self, request: web.Request) -> web.Response:
-        replicas = [{"url": r.url, "healthy": r.is_healthy, "draining": r.is_draining, "in_flight": r.num_in_flight,
-                     "error": r.last_error} for r in self.replicas]
+        replicas = [
+            {
+                "url": r.url,
+                "healthy": r.is_healthy,
+                "draining": r.is_draining,
+                "in_flight": r.num_in_flight,
+                "error": r.last_error,
+            }
+            for r in self.replicas
+        ]
         ok = any(r.is_healthy and not r.is_draining for r in self.replicas)
-        return web.json_response({"status": "ok" if ok else "unavailable", "policy": self.config.policy,
-                                  "replicas": replicas, "instance_id": self.config.instance_id},
-                                 status=200 if ok else 503)
+        return web.json_response(
+            {
+                "status": "ok" if ok else "unavailable",
+                "policy": self.config.policy,
+                "replicas": replicas,
+                "instance_id": self.config.instance_id,
+            },
+            status=200 if ok else 503,
+        )
 
     async def ping(self, request: web.Request) -> web.Response:
         """GET or POST /ping (vLLM's): 200 with an empty body while some replica can take requests."""
@@ -187,8 +224,9 @@ class RouterServer:
     def _facts(self, request: web.Request, body: bytes) -> RouteFacts:
         """What the policy reads of this request (kvshare.router.facts); its keys' salt as the replica derives it."""
         salt_of = lambda cache_salt: replica_salt(self.config.engine, self._salted_tenant(request), cache_salt)
-        return route_facts(self.config.policy, body, request.headers.get(self.config.session_header), salt_of,
-                           self.pool_aware)
+        return route_facts(
+            self.config.policy, body, request.headers.get(self.config.session_header), salt_of, self.pool_aware
+        )
 
     def _credentials(self, request: web.Request) -> tuple[str, str]:
         """(API key, tenant header value) of a request, "" where not configured (the guard has checked its key)."""
@@ -213,8 +251,14 @@ class RouterServer:
         if not (cfg.account_key or tenant is not None):
             return body
         try:
-            return vllm_body(request.method, request.path, body, cfg.account_key,
-                             account_identity(*self._credentials(request)), tenant)
+            return vllm_body(
+                request.method,
+                request.path,
+                body,
+                cfg.account_key,
+                account_identity(*self._credentials(request)),
+                tenant,
+            )
         except BodyRefused as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
 
@@ -222,7 +266,9 @@ class RouterServer:
         body = await request.read()
         facts = self._facts(request, body)
         body = self._forwarded_body(request, body)
-        views = [ReplicaView(i, r.is_healthy and not r.is_draining, r.num_in_flight) for i, r in enumerate(self.replicas)]
+        views = [
+            ReplicaView(i, r.is_healthy and not r.is_draining, r.num_in_flight) for i, r in enumerate(self.replicas)
+        ]
         order = self.policy.choose(facts, views, time.monotonic())
         order = [i for i in order if not self.replicas[i].is_draining]
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
@@ -233,8 +279,9 @@ class RouterServer:
             replica.num_in_flight += 1
             sent_s = time.monotonic()
             try:
-                upstream = await self._session.request(request.method, replica.url + request.path_qs,
-                                                       data=body or None, headers=headers)
+                upstream = await self._session.request(
+                    request.method, replica.url + request.path_qs, data=body or None, headers=headers
+                )
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
                 replica.num_in_flight -= 1
                 replica.is_healthy = False
@@ -296,13 +343,18 @@ async def _close_when_gone(request: web.Request, upstream: aiohttp.ClientRespons
     upstream.close()
 
 
-async def _end_broken_response(request: web.Request, response: web.StreamResponse,
-                               upstream: aiohttp.ClientResponse, url: str) -> None:
+async def _end_broken_response(
+    request: web.Request, response: web.StreamResponse, upstream: aiohttp.ClientResponse, url: str
+) -> None:
     """A replica died mid-response: a stream ends with an OpenAI error event and no ``[DONE]``, so no client
     takes the cut-off text for a whole answer; any other body is cut off (the connection is reset)."""
     if upstream.content_type == "text/event-stream":
-        error = ApiError(502, f"replica {url} failed during the response; the output is incomplete",
-                         error_type="server_error", code="replica_failed")
+        error = ApiError(
+            502,
+            f"replica {url} failed during the response; the output is incomplete",
+            error_type="server_error",
+            code="replica_failed",
+        )
         try:
             await response.write(b"data: " + msgspec.json.encode(error.body()) + b"\n\n")
             await response.write_eof()

@@ -40,22 +40,37 @@ def checked_max_tokens(
     model's context (--max-model-len, vLLM's message) and this replica's limits; ``what`` names the prompt's
     field ("prompt" or "messages") in the messages."""
     if num_prompt >= context:
-        raise ApiError(400, f"This model's maximum context length is {context} tokens. However, your prompt "
-                            f"contains {num_prompt} input tokens, which leaves no room for an output token. "
-                            f"Please reduce the length of the {what}.", param=what, code="context_length_exceeded")
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {context} tokens. However, your prompt "
+            f"contains {num_prompt} input tokens, which leaves no room for an output token. "
+            f"Please reduce the length of the {what}.",
+            param=what,
+            code="context_length_exceeded",
+        )
     if max_prompt_tokens and num_prompt > max_prompt_tokens:
-        raise ApiError(400, f"the prompt has {num_prompt} tokens; this replica takes at most "
-                            f"{max_prompt_tokens} (--max-prompt-tokens)", param=what,
-                       code="context_length_exceeded")
+        raise ApiError(
+            400,
+            f"the prompt has {num_prompt} tokens; this replica takes at most {max_prompt_tokens} (--max-prompt-tokens)",
+            param=what,
+            code="context_length_exceeded",
+        )
     room = context - num_prompt
     if requested is None:
         return min(default, room, max_tokens_limit)
     if requested > room:
-        raise ApiError(400, f"This model's maximum context length is {context} tokens. However, you requested "
-                            f"{num_prompt + requested} tokens ({num_prompt} in the {what}, {requested} in the "
-                            f"completion). Please reduce the length of the {what} or completion.",
-                       param="max_tokens", code="context_length_exceeded")
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {context} tokens. However, you requested "
+            f"{num_prompt + requested} tokens ({num_prompt} in the {what}, {requested} in the "
+            f"completion). Please reduce the length of the {what} or completion.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
     if not 1 <= requested <= max_tokens_limit:
-        raise ApiError(400, f"max_tokens must lie in [1, {max_tokens_limit}] on this replica (--max-tokens-limit)",
-                       param="max_tokens")
+        raise ApiError(
+            400,
+            f"max_tokens must lie in [1, {max_tokens_limit}] on this replica (--max-tokens-limit)",
+            param="max_tokens",
+        )
     return requested

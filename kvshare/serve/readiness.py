@@ -20,8 +20,12 @@ WARMING_UP, READY, FAILED = "warming up", "ok", "warm-up failed"
 class Readiness:
     """The warm-up's state and the ready line's gate (the engine thread and the event loop both call it)."""
 
-    def __init__(self, is_warming_up: bool, on_ready: Callable[[], None] = lambda: None,
-                 on_failed: Callable[[BaseException], None] = lambda exc: None) -> None:
+    def __init__(
+        self,
+        is_warming_up: bool,
+        on_ready: Callable[[], None] = lambda: None,
+        on_failed: Callable[[BaseException], None] = lambda exc: None,
+    ) -> None:
         self.status = WARMING_UP if is_warming_up else READY
         self.report: Any = None  # the WarmupReport, once done
         self.error = ""

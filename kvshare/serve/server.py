@@ -52,25 +52,39 @@ class ReplicaServer:
         self.readiness = Readiness(config.warmup)
         if config.warmup and warm_up is None:
             from kvshare.engine.warmup import warm_up
-        self.metrics = ReplicaMetrics(lambda: _as_dict(engine.stats()),
-                                      (config.served_model_names or (engine.config.model,))[0])
+        self.metrics = ReplicaMetrics(
+            lambda: _as_dict(engine.stats()), (config.served_model_names or (engine.config.model,))[0]
+        )
         # audit hook: sampled reused requests are recomputed cold by the worker while no request waits
-        self.auditor = (Auditor(engine, config.audit, self.metrics.registry, is_busy=lambda: self.worker.num_waiting > 0)
-                        if config.audit.rate > 0 else None)
-        self.worker = EngineWorker(engine, config.max_requests, idle_task=self.auditor.run_one if self.auditor else None,
-                                   first_task=(lambda: self.readiness.run_warmup(
-                                       lambda e: self._warm_up(warm_up, e), engine)) if config.warmup else None)
+        self.auditor = (
+            Auditor(engine, config.audit, self.metrics.registry, is_busy=lambda: self.worker.num_waiting > 0)
+            if config.audit.rate > 0
+            else None
+        )
+        self.worker = EngineWorker(
+            engine,
+            config.max_requests,
+            idle_task=self.auditor.run_one if self.auditor else None,
+            first_task=(lambda: self.readiness.run_warmup(lambda e: self._warm_up(warm_up, e), engine))
+            if config.warmup
+            else None,
+        )
         self.metrics.max_running.set(self.worker.max_running)
         self.started_at = time.time()
-        self.served = ServedModels(config.served_model_names or (engine.config.model,), root=engine.config.model,
-                                   max_model_len=engine.max_model_len, created=int(self.started_at))
+        self.served = ServedModels(
+            config.served_model_names or (engine.config.model,),
+            root=engine.config.model,
+            max_model_len=engine.max_model_len,
+            created=int(self.started_at),
+        )
 
     def _warm_up(self, warm_up: Callable[[Any], Any], engine: Any):
         """The engine's warm-up, then this server's own request path (its report gains "request_path")."""
         report = warm_up(engine)
         started = time.perf_counter()
-        warm_request_path(self.engine, self.served.names[0], self.config.replica_name,
-                          self.config.max_prompt_tokens or None)
+        warm_request_path(
+            self.engine, self.served.names[0], self.config.replica_name, self.config.max_prompt_tokens or None
+        )
         if hasattr(report, "step_seconds"):
             report.step_seconds["request_path"] = time.perf_counter() - started
         return report
@@ -133,13 +147,22 @@ class ReplicaServer:
         """
         header_value = request.query.get("tenant")
         if header_value is not None and not self.config.tenant_header:
-            raise A.ApiError(400, "this replica takes no tenant header (--tenant-header); its tenants come from "
-                                  "API keys only", param="tenant")
+            raise A.ApiError(
+                400,
+                "this replica takes no tenant header (--tenant-header); its tenants come from API keys only",
+                param="tenant",
+            )
         tenant, _ = self._identities(request, header_value)
         digest = namespace_digest(self.engine.namespace.with_tenant(tenant))
-        return web.json_response({"model": self.engine.model_name, "replica": self.config.replica_name,
-                                  "is_tenant_salted": bool(tenant), "namespace": digest.hex(),
-                                  "grid_tokens": self.engine.namespace.grid_tokens})
+        return web.json_response(
+            {
+                "model": self.engine.model_name,
+                "replica": self.config.replica_name,
+                "is_tenant_salted": bool(tenant),
+                "namespace": digest.hex(),
+                "grid_tokens": self.engine.namespace.grid_tokens,
+            }
+        )
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response(self.served.listing())
@@ -170,12 +193,26 @@ class ReplicaServer:
 
         503 before the warm-up has run ("warming up") and after it failed ("warm-up failed")."""
         stats = _as_dict(self.engine.stats())
-        pool = "connected" if stats.get("is_pool_connected") else "unreachable" if stats.get("is_pool_configured") else "off"
+        pool = (
+            "connected"
+            if stats.get("is_pool_connected")
+            else "unreachable"
+            if stats.get("is_pool_configured")
+            else "off"
+        )
         ready = self.readiness
-        return web.json_response({"status": ready.status, "replica": self.config.replica_name,
-                                  "waiting": self.worker.num_waiting, "running": self.worker.num_running,
-                                  "pool": pool, "instance_id": self.config.instance_id, **ready.health_fields()},
-                                 status=200 if ready.is_ready else 503)
+        return web.json_response(
+            {
+                "status": ready.status,
+                "replica": self.config.replica_name,
+                "waiting": self.worker.num_waiting,
+                "running": self.worker.num_running,
+                "pool": pool,
+                "instance_id": self.config.instance_id,
+                **ready.health_fields(),
+            },
+            status=200 if ready.is_ready else 503,
+        )
 
     async def metrics_text(self, request: web.Request) -> web.Response:
         self.metrics.waiting.set(self.worker.num_waiting)
@@ -191,8 +228,9 @@ class ReplicaServer:
         A.validate(req)
         prompt = A.prompt_of(req)
         prompt_ids = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-        prepared = self._prepare(request, req, prompt_ids, default_max_tokens=16, logprobs=req.logprobs,
-                                 arrival=(arrival, read_s))
+        prepared = self._prepare(
+            request, req, prompt_ids, default_max_tokens=16, logprobs=req.logprobs, arrival=(arrival, read_s)
+        )
         return await self._respond(request, req, prepared, chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
@@ -202,12 +240,14 @@ class ReplicaServer:
         A.validate(req)
         prompt_ids = T.chat_prompt_ids(self.engine.tokenizer, req.messages)
         top = (req.top_logprobs or 0) if req.logprobs else None
-        prepared = self._prepare(request, req, prompt_ids, default_max_tokens=None, logprobs=top,
-                                 arrival=(arrival, read_s))
+        prepared = self._prepare(
+            request, req, prompt_ids, default_max_tokens=None, logprobs=top, arrival=(arrival, read_s)
+        )
         return await self._respond(request, req, prepared, chat=True)
 
-    def _prepare(self, request, req, prompt_ids, default_max_tokens: int | None, logprobs,
-                 arrival: tuple[float, float]) -> Prepared:
+    def _prepare(
+        self, request, req, prompt_ids, default_max_tokens: int | None, logprobs, arrival: tuple[float, float]
+    ) -> Prepared:
         """The request checked and ready for the engine; ``arrival``: (handler start, body read) clock() values."""
         from kvshare.engine.engine import RequestOptions
         from kvshare.engine.timeline import Timeline
@@ -216,14 +256,24 @@ class ReplicaServer:
         vocab = self.engine.model_config.vocab_size
         ids = checked_prompt_ids(prompt_ids, vocab)
         max_tokens = checked_max_tokens(
-            A.requested_max_tokens(req), len(prompt_ids), "messages" if default_max_tokens is None else "prompt",
-            default_max_tokens or self.config.default_chat_max_tokens, context=self.engine.max_model_len,
-            max_prompt_tokens=self.config.max_prompt_tokens, max_tokens_limit=self.config.max_tokens_limit)
+            A.requested_max_tokens(req),
+            len(prompt_ids),
+            "messages" if default_max_tokens is None else "prompt",
+            default_max_tokens or self.config.default_chat_max_tokens,
+            context=self.engine.max_model_len,
+            max_prompt_tokens=self.config.max_prompt_tokens,
+            max_tokens_limit=self.config.max_tokens_limit,
+        )
         params = sampling_params(req, max_tokens, logprobs, vocab)
         timeline = Timeline(arrival[0]) if req.kvshare.timeline else None
         tenant, account = self._identities(request)
-        options = RequestOptions(use_pool=req.kvshare.use_pool, use_local_cache=req.kvshare.use_local_cache,
-                                 tenant=namespace_salt(tenant, req.cache_salt), account=account, timeline=timeline)
+        options = RequestOptions(
+            use_pool=req.kvshare.use_pool,
+            use_local_cache=req.kvshare.use_local_cache,
+            tenant=namespace_salt(tenant, req.cache_salt),
+            account=account,
+            timeline=timeline,
+        )
         if timeline is not None:
             timeline.mark("body_read", arrival[1])
             timeline.mark("parse")  # decoded, checked and tokenized
@@ -241,12 +291,21 @@ class ReplicaServer:
         except QueueFull as exc:
             raise A.ApiError(429, str(exc), code="too_many_requests", error_type="rate_limit_error") from None
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        out = ResponseBuilder(req, prep, chat, rid, self.engine.tokenizer, self.config.replica_name,
-                              is_provenance_shown=is_provenance_shown(self.config.provenance, prep.options.tenant))
+        out = ResponseBuilder(
+            req,
+            prep,
+            chat,
+            rid,
+            self.engine.tokenizer,
+            self.config.replica_name,
+            is_provenance_shown=is_provenance_shown(self.config.provenance, prep.options.tenant),
+        )
         response = None
         try:
             if req.stream:
-                response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+                response = web.StreamResponse(
+                    headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+                )
                 limit_send_buffer(request, self.config.stream_buffer_bytes)
                 await response.prepare(request)
             async for event in job.stream():
@@ -288,8 +347,14 @@ class ReplicaServer:
         self.metrics.requests.labels(out.finish_reason or "abort").inc()
         self.metrics.generation_tokens.inc(out.num_tokens)
         if self.auditor is not None and out.finish_reason:  # audit hook: offer the finished request
-            self.auditor.offer(prep.prompt_ids, prep.params, replace(prep.options, timeline=None), out.provenance,
-                               out.token_ids, out.events)
+            self.auditor.offer(
+                prep.prompt_ids,
+                prep.params,
+                replace(prep.options, timeline=None),
+                out.provenance,
+                out.token_ids,
+                out.events,
+            )
         if prep.options.timeline is not None:
             log.info("timeline %s %s", rid, _json.encode(prep.options.timeline.as_dict()).decode())
         if response is None:

@@ -28,8 +28,11 @@ def test_the_session_header_wins_over_the_user():
 
 
 def test_alternate_counts_the_chat_turn():
-    messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
-                {"role": "user", "content": "c"}]
+    messages = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+        {"role": "user", "content": "c"},
+    ]
     facts = _facts("alternate", {"messages": messages, "user": "bob"})
     assert (facts.session_id, facts.chat_turn) == ("bob", 1)
 

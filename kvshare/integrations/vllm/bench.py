@@ -50,10 +50,17 @@ from kvshare.pool.spawn import kvshare_command, kvshare_env, start_pool, stop_pr
 
 def first_token_seconds(base_url: str, model: str, prompt: list[int], timeout_s: float = 600) -> tuple[float, int]:
     """Seconds to the first streamed completion token, and the prompt tokens vLLM reported as cached."""
-    body = {"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}}
-    request = urllib.request.Request(f"{base_url}/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": 2,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    request = urllib.request.Request(
+        f"{base_url}/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     started = time.perf_counter()
     ttft, cached = None, -1
     with urllib.request.urlopen(request, timeout=timeout_s) as response:
@@ -93,12 +100,22 @@ def run(args: argparse.Namespace) -> dict:
     work = tempfile.mkdtemp(prefix="kvshare-vllm-bench-")
     model = args.model or os.path.join(work, "model")
     if not args.model:
-        subprocess.run([*kvshare_command("WARNING"), "make-model", "tiny", "--out", model], check=True,
-                       stdout=subprocess.DEVNULL, env=kvshare_env())
+        subprocess.run(
+            [*kvshare_command("WARNING"), "make-model", "tiny", "--out", model],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            env=kvshare_env(),
+        )
     socket_path = os.path.join(work, "pool.sock")
     pool = start_pool(socket_path, args.pool_size, ("--prefault",), stdout=subprocess.DEVNULL)
-    common = dict(model=model, python=args.vllm_python, dtype="float32", kv_cache_gib=args.kv_cache_gib,
-                  max_model_len=max(args.lengths) + 64, cpu_omp_threads_bind=args.omp_bind or None)
+    common = dict(
+        model=model,
+        python=args.vllm_python,
+        dtype="float32",
+        kv_cache_gib=args.kv_cache_gib,
+        max_model_len=max(args.lengths) + 64,
+        cpu_omp_threads_bind=args.omp_bind or None,
+    )
     log_level = "DEBUG" if args.timings else None
     common["verify_fraction"] = args.verify_fraction  # None: the connector's default (every page)
     common["overlap_load"] = {"on": True, "off": False}.get(args.overlap_load)  # None: the connector's default
@@ -113,8 +130,10 @@ def run(args: argparse.Namespace) -> dict:
         for name, config in configs.items():
             spec = vllm_server_command(config)
             log = open(os.path.join(work, f"vllm-{name}.log"), "w")
-            procs[name] = (subprocess.Popen(spec.argv, env=spec.env, stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True), spec)
+            procs[name] = (
+                subprocess.Popen(spec.argv, env=spec.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True),
+                spec,
+            )
         for name, (proc, spec) in procs.items():
             wait_until_ready(spec.base_url, proc, timeout_s=600)
         url = {name: spec.base_url for name, (_, spec) in procs.items()}
@@ -127,8 +146,14 @@ def run(args: argparse.Namespace) -> dict:
             for repeat in range(args.repeats):
                 prompt = [rng.randrange(256) for _ in range(length)]
                 row = {"length": length, "repeat": repeat}
-                for label, name in (("cold_R", "R"), ("cold_A", "A"), ("local_A", "A"), ("local_R", "R"), ("cross_B", "B"),
-                                    ("local_B", "B")):
+                for label, name in (
+                    ("cold_R", "R"),
+                    ("cold_A", "A"),
+                    ("local_A", "A"),
+                    ("local_R", "R"),
+                    ("cross_B", "B"),
+                    ("local_B", "B"),
+                ):
                     time.sleep(args.settle_s)
                     row[label], row[f"{label}_cached"] = first_token_seconds(url[name], served, prompt)
                 rows.append(row)
@@ -156,11 +181,21 @@ def run(args: argparse.Namespace) -> dict:
         shutil.rmtree(work, ignore_errors=True)
     verify = args.verify_fraction if args.verify_fraction is not None else ConnectorConfig().verify_fraction
     overlap = args.overlap_load != "off" if args.overlap_load else ConnectorConfig().overlap_load
-    return {"rows": rows, "counters": counters, "timings": timings, "verify_fraction": verify, "overlap_load": overlap,
-            "copy_threads": args.copy_threads or ConnectorConfig().copy_threads, "settle_s": args.settle_s,
-            "lengths": args.lengths, "repeats": args.repeats,
-            "loadavg": [round(load_before, 2), round(os.getloadavg()[0], 2)], "omp_bind": args.omp_bind,
-            "machine": f"{os.cpu_count()} CPUs", "model": "tiny preset (kvshare make-model tiny)"}
+    return {
+        "rows": rows,
+        "counters": counters,
+        "timings": timings,
+        "verify_fraction": verify,
+        "overlap_load": overlap,
+        "copy_threads": args.copy_threads or ConnectorConfig().copy_threads,
+        "settle_s": args.settle_s,
+        "lengths": args.lengths,
+        "repeats": args.repeats,
+        "loadavg": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        "omp_bind": args.omp_bind,
+        "machine": f"{os.cpu_count()} CPUs",
+        "model": "tiny preset (kvshare make-model tiny)",
+    }
 
 
 def summary(result: dict) -> list[dict]:
@@ -172,11 +207,18 @@ def summary(result: dict) -> list[dict]:
         if not rows:
             continue
         cross, local = statistics.median(r["cross_B"] for r in rows), statistics.median(r["local_A"] for r in rows)
-        out.append({"length": length, "cross_over_local_hit": cross / local,
-                    "cross_over_local_hit_min": min(r["cross_B"] for r in rows) / min(r["local_A"] for r in rows),
-                    "cross_s": cross, "local_hit_s": local,
-                    "cold_s": statistics.median(r["cold_R"] for r in rows), "repeats": len(rows),
-                    "cached_tokens_on_b": sorted({r["cross_B_cached"] for r in rows})})
+        out.append(
+            {
+                "length": length,
+                "cross_over_local_hit": cross / local,
+                "cross_over_local_hit_min": min(r["cross_B"] for r in rows) / min(r["local_A"] for r in rows),
+                "cross_s": cross,
+                "local_hit_s": local,
+                "cold_s": statistics.median(r["cold_R"] for r in rows),
+                "repeats": len(rows),
+                "cached_tokens_on_b": sorted({r["cross_B_cached"] for r in rows}),
+            }
+        )
     return out
 
 
@@ -204,13 +246,22 @@ def report(result: dict) -> str:
     def rate(c, what):
         seconds = c.get(f"vllm:kvshare_{what}_seconds_total", 0.0)
         num_bytes = c.get(f"vllm:kvshare_{what}_bytes_total", 0.0)
-        return f"{num_bytes / seconds / 1e9:.2f} GB/s ({num_bytes / 2**20:.0f} MiB in {seconds:.3f} s)" if seconds else "n/a"
+        return (
+            f"{num_bytes / seconds / 1e9:.2f} GB/s ({num_bytes / 2**20:.0f} MiB in {seconds:.3f} s)"
+            if seconds
+            else "n/a"
+        )
 
-    overlap = {True: ", copied layer by layer beside the forward", False: ", before the forward"}.get(result.get("overlap_load"), "")
-    lines += ["", f"requests {result.get('settle_s', 0)} s apart (vLLM's queues busy-poll for 1 s after a step)",
-              f"load (B, checksums of {result.get('verify_fraction', 1.0):.0%} of pages verified{overlap}): {rate(b, 'load')}; "
-              f"store (A, with checksums): {rate(a, 'store')}",
-              f"load average before / after: {result['loadavg'][0]} / {result['loadavg'][1]} ({result['machine']})"]
+    overlap = {True: ", copied layer by layer beside the forward", False: ", before the forward"}.get(
+        result.get("overlap_load"), ""
+    )
+    lines += [
+        "",
+        f"requests {result.get('settle_s', 0)} s apart (vLLM's queues busy-poll for 1 s after a step)",
+        f"load (B, checksums of {result.get('verify_fraction', 1.0):.0%} of pages verified{overlap}): {rate(b, 'load')}; "
+        f"store (A, with checksums): {rate(a, 'store')}",
+        f"load average before / after: {result['loadavg'][0]} / {result['loadavg'][1]} ({result['machine']})",
+    ]
     if result.get("timings"):
         lines += timing_report(result["timings"])
     return "\n".join(lines)
@@ -224,22 +275,45 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--pool-size", default="2GiB")
     parser.add_argument("--kv-cache-gib", type=int, default=2)
-    parser.add_argument("--omp-bind", default="",
-                        help="VLLM_CPU_OMP_THREADS_BIND for the servers (default: vLLM's own, auto)")
-    parser.add_argument("--overlap-load", choices=("on", "off"), default=None,
-                        help="copy loads layer by layer beside the forward (default: the connector's, off)")
-    parser.add_argument("--settle-s", type=float, default=1.5,
-                        help="pause before each measured request: after a step, vLLM's engine and worker processes "
-                             "busy-poll their queues for 1 s, which on a small machine slows whichever server "
-                             "is measured next (default 1.5)")
-    parser.add_argument("--copy-threads", type=int, default=None,
-                        help="threads of the connector's CPU copies in A and B (default: the connector's, 2)")
-    parser.add_argument("--verify-fraction", type=float, default=None,
-                        help="share of loaded pages whose checksum A and B check (default: the connector's, 1.0)")
-    parser.add_argument("--timings", action="store_true",
-                        help="log the connector's phase timings in A and B (debug log) and report their medians")
-    parser.add_argument("--copy-only", action="store_true",
-                        help="only the connector's copies (no vLLM): store and load one prompt per length")
+    parser.add_argument(
+        "--omp-bind", default="", help="VLLM_CPU_OMP_THREADS_BIND for the servers (default: vLLM's own, auto)"
+    )
+    parser.add_argument(
+        "--overlap-load",
+        choices=("on", "off"),
+        default=None,
+        help="copy loads layer by layer beside the forward (default: the connector's, off)",
+    )
+    parser.add_argument(
+        "--settle-s",
+        type=float,
+        default=1.5,
+        help="pause before each measured request: after a step, vLLM's engine and worker processes "
+        "busy-poll their queues for 1 s, which on a small machine slows whichever server "
+        "is measured next (default 1.5)",
+    )
+    parser.add_argument(
+        "--copy-threads",
+        type=int,
+        default=None,
+        help="threads of the connector's CPU copies in A and B (default: the connector's, 2)",
+    )
+    parser.add_argument(
+        "--verify-fraction",
+        type=float,
+        default=None,
+        help="share of loaded pages whose checksum A and B check (default: the connector's, 1.0)",
+    )
+    parser.add_argument(
+        "--timings",
+        action="store_true",
+        help="log the connector's phase timings in A and B (debug log) and report their medians",
+    )
+    parser.add_argument(
+        "--copy-only",
+        action="store_true",
+        help="only the connector's copies (no vLLM): store and load one prompt per length",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="folder for ttft.json and ttft.md")
     args = parser.parse_args(argv)

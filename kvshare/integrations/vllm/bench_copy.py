@@ -36,12 +36,24 @@ def copy_bandwidth(num_tokens: int, repeats: int = 3) -> dict:
         sides = []
         defaults = ConnectorConfig(pool_socket=sock)
         for name in ("A", "B"):
-            worker = PoolKVWorker(layout, PoolLink(sock, name + "w"), verify_fraction=defaults.verify_fraction,
-                                  copy_threads=defaults.copy_threads)
-            worker.register([torch.randn(num_blocks, H, N, 2 * D) for _ in range(L)],
-                            PagedLayout("cpu_attn", num_blocks, N, H, D, torch.float32))
-            sides.append((PoolScheduler(ConnectorConfig(pool_socket=sock), namespace, layout.page_bytes, N,
-                                        PoolLink(sock, name + "s")), worker))
+            worker = PoolKVWorker(
+                layout,
+                PoolLink(sock, name + "w"),
+                verify_fraction=defaults.verify_fraction,
+                copy_threads=defaults.copy_threads,
+            )
+            worker.register(
+                [torch.randn(num_blocks, H, N, 2 * D) for _ in range(L)],
+                PagedLayout("cpu_attn", num_blocks, N, H, D, torch.float32),
+            )
+            sides.append(
+                (
+                    PoolScheduler(
+                        ConnectorConfig(pool_socket=sock), namespace, layout.page_bytes, N, PoolLink(sock, name + "s")
+                    ),
+                    worker,
+                )
+            )
         (sa, wa), (sb, wb) = sides
         prompt, blocks = list(range(num_tokens + 1)), list(range(num_blocks))
         sa.add_request("a", prompt, None, None)
@@ -70,6 +82,11 @@ def copy_bandwidth(num_tokens: int, repeats: int = 3) -> dict:
             worker.close()
     num_bytes = num_tokens * layout.bytes_per_token
     best = {order: min(times) for order, times in loads.items()}
-    return {"tokens": num_tokens, "bytes": num_bytes, "store_s": store_s, "store_GBps": num_bytes / store_s / 1e9,
-            **{f"load_{order}_s": t for order, t in best.items()},
-            **{f"load_{order}_GBps": num_bytes / t / 1e9 for order, t in best.items()}}
+    return {
+        "tokens": num_tokens,
+        "bytes": num_bytes,
+        "store_s": store_s,
+        "store_GBps": num_bytes / store_s / 1e9,
+        **{f"load_{order}_s": t for order, t in best.items()},
+        **{f"load_{order}_GBps": num_bytes / t / 1e9 for order, t in best.items()},
+    }

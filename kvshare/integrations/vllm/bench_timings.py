@@ -29,10 +29,13 @@ def timing_report(timings: dict[str, list[dict]]) -> list[str]:
     for server, records in sorted(timings.items()):
         groups: dict[tuple, list[dict]] = {}
         for r in records:
-            size = {"load": f"tokens={r.get('tokens')}", "store": f"chunks={r.get('chunks')}",
-                    "match": f"chunks={r.get('chunks')} hit={r.get('hit')}",
-                    "step": f"loads={r.get('loads')} stores={r.get('stores')}"
-                            + (f" tokens={r['tokens']}" if "tokens" in r else "")}.get(r["what"], "")
+            size = {
+                "load": f"tokens={r.get('tokens')}",
+                "store": f"chunks={r.get('chunks')}",
+                "match": f"chunks={r.get('chunks')} hit={r.get('hit')}",
+                "step": f"loads={r.get('loads')} stores={r.get('stores')}"
+                + (f" tokens={r['tokens']}" if "tokens" in r else ""),
+            }.get(r["what"], "")
             groups.setdefault((r["what"], size), []).append(r)
         for (what, size), group in sorted(groups.items()):
             phases = [k for k, v in group[0].items() if isinstance(v, float)]

@@ -117,7 +117,9 @@ def _account_key(config: ConnectorConfig) -> str:
 class KVShareConnector(KVConnectorBase_V1):
     _cache_hit_source = HOST_HIT_SOURCE
 
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig | None" = None):
+    def __init__(
+        self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig | None" = None
+    ):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         _log_through_vllm()
         import vllm
@@ -130,8 +132,9 @@ class KVShareConnector(KVConnectorBase_V1):
         self.config.check_block_size(self.block_size)
         self.kv_layout = kv_layout_of(vllm_config, self.config.chunk_tokens)
         self.fingerprint = _fingerprint(vllm_config, kv_cache_config, self.block_size, self.kv_layout.dtype)
-        self.namespace = vllm_namespace(vllm_config, self.kv_layout, ENGINE_FAMILY, self.config.model_revision,
-                                        self.fingerprint.text())
+        self.namespace = vllm_namespace(
+            vllm_config, self.kv_layout, ENGINE_FAMILY, self.config.model_revision, self.fingerprint.text()
+        )
         self._loras = LoraIdentities()  # an adapter is named by its bytes
         side = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
         # a model with state other than full-attention KV: serve it, never from the pool (LMCache #2845)
@@ -139,9 +142,12 @@ class KVShareConnector(KVConnectorBase_V1):
         if self.not_shared_because is not None:
             self.config = replace(self.config, load=False, store=False)
             if role == KVConnectorRole.SCHEDULER:
-                log.warning("kvshare: %s has %s; the pool is off for it (0 pool hits, nothing stored), since a "
-                            "restore of its attention KV alone would give wrong answers",
-                            vllm_config.model_config.model, self.not_shared_because)
+                log.warning(
+                    "kvshare: %s has %s; the pool is off for it (0 pool hits, nothing stored), since a "
+                    "restore of its attention KV alone would give wrong answers",
+                    vllm_config.model_config.model,
+                    self.not_shared_because,
+                )
         tp_size = vllm_config.parallel_config.tensor_parallel_size
         link = PoolLink(
             self.config.socket_path,
@@ -154,26 +160,46 @@ class KVShareConnector(KVConnectorBase_V1):
         self._hooks: WorkerHooks | None = None  # the worker side's per-step state (kvshare.integrations.vllm.worker)
         if role == KVConnectorRole.SCHEDULER:
             if getattr(transfer, "kv_load_failure_policy", "fail") != "recompute":
-                log.warning('kvshare: kv_load_failure_policy is not "recompute": a page that fails its checksum '
-                            "fails its request instead of being recomputed")
-            self._scheduler = PoolScheduler(self.config, self.namespace, self.kv_layout.page_bytes, self.block_size, link,
-                                            tp_size=tp_size, account_key=_account_key(self.config))
+                log.warning(
+                    'kvshare: kv_load_failure_policy is not "recompute": a page that fails its checksum '
+                    "fails its request instead of being recomputed"
+                )
+            self._scheduler = PoolScheduler(
+                self.config,
+                self.namespace,
+                self.kv_layout.page_bytes,
+                self.block_size,
+                link,
+                tp_size=tp_size,
+                account_key=_account_key(self.config),
+            )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-            heads = head_slice(self.kv_layout.num_kv_heads, get_tensor_model_parallel_rank() if tp_size > 1 else 0,
-                               tp_size)
-            self._worker = PoolKVWorker(self.kv_layout, link, verify_fraction=self.config.verify_fraction,
-                                        copy_threads=self.config.copy_threads, transfer=self.config.gpu_transfer,
-                                        heads=heads)
+            heads = head_slice(
+                self.kv_layout.num_kv_heads, get_tensor_model_parallel_rank() if tp_size > 1 else 0, tp_size
+            )
+            self._worker = PoolKVWorker(
+                self.kv_layout,
+                link,
+                verify_fraction=self.config.verify_fraction,
+                copy_threads=self.config.copy_threads,
+                transfer=self.config.gpu_transfer,
+                heads=heads,
+            )
             self._hooks = WorkerHooks(self._worker, self.block_size, overlap_load=self.config.overlap_load)
         self._layer_index: dict[str, int] = {}  # vLLM layer name -> model layer index
         self._block_tables = BlockTables()  # kept only where vLLM gives no block tables (compat)
-        log.info("kvshare connector (%s%s) for %s, pool %s, chunk %d tokens, page %d bytes, layout %s", side,
-                 f", rank {self._worker.heads.tp_rank} of {tp_size}" if self._worker is not None and tp_size > 1 else "",
-                 vllm_config.model_config.model, self.config.socket_path, self.config.chunk_tokens,
-                 self.kv_layout.page_bytes,
-                 self.fingerprint.text())
+        log.info(
+            "kvshare connector (%s%s) for %s, pool %s, chunk %d tokens, page %d bytes, layout %s",
+            side,
+            f", rank {self._worker.heads.tp_rank} of {tp_size}" if self._worker is not None and tp_size > 1 else "",
+            vllm_config.model_config.model,
+            self.config.socket_path,
+            self.config.chunk_tokens,
+            self.kv_layout.page_bytes,
+            self.fingerprint.text(),
+        )
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -219,7 +245,9 @@ class KVShareConnector(KVConnectorBase_V1):
             )
         self._worker.register(layers, layout)
         self._worker.prepare()
-        log.info("kvshare: reading vLLM KV as %s (%d blocks of %d tokens)", layout.kind, layout.num_blocks, layout.block_size)
+        log.info(
+            "kvshare: reading vLLM KV as %s (%d blocks of %d tokens)", layout.kind, layout.num_blocks, layout.block_size
+        )
 
     def _plan(self) -> StepPlan:
         if not self.has_connector_metadata():
@@ -274,7 +302,8 @@ class KVShareConnector(KVConnectorBase_V1):
             request.kv_transfer_params,
             lora_id=lora_id or "",
             # placeholder token ids stand for images or embeddings: their KV is not a function of the ids
-            is_text_only=lora_id is not None and not getattr(request, "mm_features", None)
+            is_text_only=lora_id is not None
+            and not getattr(request, "mm_features", None)
             and getattr(request, "prompt_embeds", None) is None,
         )
 
@@ -323,8 +352,9 @@ class KVShareConnector(KVConnectorBase_V1):
         return KVSharePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
 
-def _fingerprint(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None", block_size: int,
-                 kv_dtype: str) -> LayoutFingerprint:
+def _fingerprint(
+    vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None", block_size: int, kv_dtype: str
+) -> LayoutFingerprint:
     """This engine's KV layout fingerprint (the same in the scheduler and every worker process)."""
     import vllm
     from vllm.platforms import current_platform

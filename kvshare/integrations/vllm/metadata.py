@@ -174,8 +174,8 @@ class WorkerReport:
 class PhaseTimes:
     """Wall-clock seconds per named phase of one operation, for the connector's timing log::
 
-        times = PhaseTimes(); ...; times.mark("verify"); ...; times.mark("copy")
-        times.line() -> "verify=12.1ms copy=30.2ms total=42.3ms thread_cpu=40.0ms"
+    times = PhaseTimes(); ...; times.mark("verify"); ...; times.mark("copy")
+    times.line() -> "verify=12.1ms copy=30.2ms total=42.3ms thread_cpu=40.0ms"
     """
 
     def __init__(self, clock=time.perf_counter, cpu_clock=time.thread_time) -> None:

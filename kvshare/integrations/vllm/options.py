@@ -109,7 +109,9 @@ class ConnectorConfig:
             try:
                 values[name] = kind(value)
             except (TypeError, ValueError):
-                raise ValueError(f"kv_connector_extra_config.{name} must be of type {kind.__name__}, got {value!r}") from None
+                raise ValueError(
+                    f"kv_connector_extra_config.{name} must be of type {kind.__name__}, got {value!r}"
+                ) from None
         return cls(**values)
 
     def check_block_size(self, block_size: int) -> None:
@@ -123,7 +125,7 @@ class ConnectorConfig:
 _RENAMED = {
     "verify_checksums": "set verify_fraction (1.0 checks every page, 0 none; default 1.0)",
     "model_id": "a name no longer enters the key namespace (the weights' bytes do); to name the model's "
-                "identity yourself set model_revision",
+    "identity yourself set model_revision",
 }
 
 
@@ -152,10 +154,14 @@ class TransferParams:
             return cls()
         use_pool = ours.get("use_pool", True)
         account, tag = ours.get("account"), ours.get("account_tag")
-        is_signed = (isinstance(account, str) and isinstance(tag, str)
-                     and is_account_tag_valid(account_key, account, tag))
-        return cls(use_pool=use_pool if isinstance(use_pool, bool) else True, account=account if is_signed else None,
-                   is_account_refused=account is not None and not is_signed)
+        is_signed = (
+            isinstance(account, str) and isinstance(tag, str) and is_account_tag_valid(account_key, account, tag)
+        )
+        return cls(
+            use_pool=use_pool if isinstance(use_pool, bool) else True,
+            account=account if is_signed else None,
+            is_account_refused=account is not None and not is_signed,
+        )
 
 
 def kv_layout_of(vllm_config: Any, chunk_tokens: int) -> KVLayout:
@@ -165,8 +171,10 @@ def kv_layout_of(vllm_config: Any, chunk_tokens: int) -> KVLayout:
 
     model, cache, parallel = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
     if getattr(cache, "calculate_kv_scales", False):
-        raise ValueError("kvshare cannot share fp8 KV whose scales vLLM computes per replica (calculate_kv_scales); "
-                         "use scales from the checkpoint (or 1.0)")
+        raise ValueError(
+            "kvshare cannot share fp8 KV whose scales vLLM computes per replica (calculate_kv_scales); "
+            "use scales from the checkpoint (or 1.0)"
+        )
     return KVLayout(
         num_layers=model.get_num_layers(parallel),
         num_kv_heads=model.get_total_num_kv_heads(),

@@ -118,9 +118,12 @@ class PoolScheduler:
         account = self._account(options.account or "")
         if options.is_account_refused and not self._has_refused_an_account:
             self._has_refused_an_account = True
-            log.warning("kvshare: a request names a pool account without a valid tag under this replica's account "
-                        "key (%s); it is charged to the shared account. Give the router and the replicas one key "
-                        "($KVSHARE_ACCOUNT_KEY)", "set" if self._account_key else "none set")
+            log.warning(
+                "kvshare: a request names a pool account without a valid tag under this replica's account "
+                "key (%s); it is charged to the shared account. Give the router and the replicas one key "
+                "($KVSHARE_ACCOUNT_KEY)",
+                "set" if self._account_key else "none set",
+            )
         if not is_text_only or prompt_token_ids is None:
             options = TransferParams(use_pool=False)
         self._requests[req_id] = _Request(prompt_token_ids or [], options, self._digests[scope], account)
@@ -130,8 +133,9 @@ class PoolScheduler:
         cache_salt or LoRA, which a client chooses (a quota per value would let it hold one per value it sends).
         A request the router did not sign for has account "": the one shared account of this model."""
         if account not in self._accounts:
-            self._accounts[account] = namespace_digest(dataclasses.replace(self.namespace, tenant_salt=account,
-                                                                          lora_id=""))
+            self._accounts[account] = namespace_digest(
+                dataclasses.replace(self.namespace, tenant_salt=account, lora_id="")
+            )
         return self._accounts[account]
 
     def has_request(self, req_id: str) -> bool:
@@ -169,8 +173,13 @@ class PoolScheduler:
             times.mark("hash")
             held = self._lookup(req_id, keys, window.first_chunk, now)
             times.mark("lookup")
-            log.debug("kvshare timing: match %s chunks=%d hit=%d %s", req_id, len(keys),
-                      len(held.pages) if held is not None else 0, times.line())
+            log.debug(
+                "kvshare timing: match %s chunks=%d hit=%d %s",
+                req_id,
+                len(keys),
+                len(held.pages) if held is not None else 0,
+                times.line(),
+            )
             if held is None:
                 return 0
         num_tokens = tokens_to_load(
@@ -209,11 +218,24 @@ class PoolScheduler:
         if held is None or held.state is not LeaseState.PENDING:
             if num_external_tokens:
                 # never expected; the worker reports these tokens as failed, so vLLM recomputes them
-                log.error("kvshare: vLLM expects %d pool tokens for %s but no lease backs them", num_external_tokens, req_id)
+                log.error(
+                    "kvshare: vLLM expects %d pool tokens for %s but no lease backs them", num_external_tokens, req_id
+                )
                 self._release(self._leases.pop(req_id))
-                self._leases.put(req_id, HeldLease(0, 0, [], [], self._clock(), (self.link.pool_id, b""),
-                                                   local_tokens, local_tokens + num_external_tokens,
-                                                   LeaseState.SCHEDULED))
+                self._leases.put(
+                    req_id,
+                    HeldLease(
+                        0,
+                        0,
+                        [],
+                        [],
+                        self._clock(),
+                        (self.link.pool_id, b""),
+                        local_tokens,
+                        local_tokens + num_external_tokens,
+                        LeaseState.SCHEDULED,
+                    ),
+                )
             return
         if num_external_tokens == 0:
             self._release(self._leases.pop(req_id))
@@ -238,16 +260,28 @@ class PoolScheduler:
                 continue
             held = self._leases.get(step.req_id)
             if held is not None and held.state is LeaseState.SCHEDULED:
-                loads.append(LoadSpec(
-                    step.req_id, held.owner[0], held.first_chunk, tuple(held.pages), tuple(held.keys),
-                    held.token_start, held.token_end, tuple(step.block_ids),
-                ))
+                loads.append(
+                    LoadSpec(
+                        step.req_id,
+                        held.owner[0],
+                        held.first_chunk,
+                        tuple(held.pages),
+                        tuple(held.keys),
+                        held.token_start,
+                        held.token_end,
+                        tuple(step.block_ids),
+                    )
+                )
                 self._leases.mark(step.req_id, LeaseState.IN_FLIGHT)
                 request.pool_chunks = range(held.first_chunk, held.first_chunk + len(held.pages))
             if self.config.store and request.options.use_pool:
-                done = chunks_completed(step.computed_before, step.computed_before + step.num_scheduled, len(request.prompt), C)
+                done = chunks_completed(
+                    step.computed_before, step.computed_before + step.num_scheduled, len(request.prompt), C
+                )
                 stores.extend(self._store_specs(step, request, [c for c in done if c not in request.pool_chunks]))
-        for req_id, held in self._leases.with_state(LeaseState.SCHEDULED):  # allocated but not scheduled: never expected
+        for req_id, held in self._leases.with_state(
+            LeaseState.SCHEDULED
+        ):  # allocated but not scheduled: never expected
             log.error("kvshare: request %s was allocated a pool load but not scheduled; releasing its lease", req_id)
             self._release(self._leases.pop(req_id))
         return StepPlan(tuple(loads), tuple(stores))
@@ -262,8 +296,17 @@ class PoolScheduler:
                 runs.append(range(start, previous + 1))
                 start = chunk
         block_ids = tuple(step.block_ids)
-        specs = [StoreSpec(step.req_id, request.ns_digest, r.start, tuple(keys[r.start : r.stop]), block_ids,
-                           account=request.account) for r in runs]
+        specs = [
+            StoreSpec(
+                step.req_id,
+                request.ns_digest,
+                r.start,
+                tuple(keys[r.start : r.stop]),
+                block_ids,
+                account=request.account,
+            )
+            for r in runs
+        ]
         return specs if self._parted is None else [p for p in map(self._parted.reserve, specs) if p is not None]
 
     def on_report(self, report: WorkerReport) -> None:
@@ -296,7 +339,9 @@ class PoolScheduler:
             self._release(self._leases.pop(req_id))
         if request is None:
             return None
-        return provenance(self.config.replica, len(request.prompt), request.local_tokens, request.pool_tokens + in_flight)
+        return provenance(
+            self.config.replica, len(request.prompt), request.local_tokens, request.pool_tokens + in_flight
+        )
 
     # -- pool --------------------------------------------------------------------------
 

@@ -114,8 +114,12 @@ class PartedStores:
         del self._parts[part.pool_id, part.reservation_id]
         if not all(p.is_written for p in parts.values()):
             failed = sorted(r for r, p in parts.items() if not p.is_written)
-            log.warning("kvshare: rank(s) %s could not write their part of reservation %d (%s); its pages are aborted",
-                        failed, part.reservation_id, "; ".join(p.reason for p in parts.values() if p.reason))
+            log.warning(
+                "kvshare: rank(s) %s could not write their part of reservation %d (%s); its pages are aborted",
+                failed,
+                part.reservation_id,
+                "; ".join(p.reason for p in parts.values() if p.reason),
+            )
             return part.reservation_id, None
         sums = [sum(column) % MOD64 for column in zip(*(p.checksums for p in parts.values()))]
         return part.reservation_id, sums
@@ -143,16 +147,23 @@ class TensorParallelStores:
         client = self.link.client()
         if client is None:
             return None
-        reservation = guarded(self.link, self.counters, "a reserve", lambda: client.reserve(
-            spec.namespace, list(spec.keys), self.page_bytes, spec.first_chunk, account=spec.account))
+        reservation = guarded(
+            self.link,
+            self.counters,
+            "a reserve",
+            lambda: client.reserve(
+                spec.namespace, list(spec.keys), self.page_bytes, spec.first_chunk, account=spec.account
+            ),
+        )
         if reservation is None:
             return None
         self.counters.skipped_stores += reservation.num_no_room
         if not reservation.grants:
             return None
         self.book.expect(reservation.reservation_id, self.link.pool_id)
-        return dataclasses.replace(spec, reservation_id=reservation.reservation_id,
-                                   grants=tuple(reservation.grants), pool_id=self.link.pool_id)
+        return dataclasses.replace(
+            spec, reservation_id=reservation.reservation_id, grants=tuple(reservation.grants), pool_id=self.link.pool_id
+        )
 
     def settle(self, part: StorePart) -> None:
         """A rank's part of a reserved store; the last one commits the pages (or aborts them)."""

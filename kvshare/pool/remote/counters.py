@@ -65,4 +65,6 @@ class RemoteCounters:
 
 
 # every reason a remote page is discarded for has its counter
-assert set(REASONS) == {n.removeprefix("discarded_") for n in RemoteCounters.__dataclass_fields__ if n.startswith("discarded_")}
+assert set(REASONS) == {
+    n.removeprefix("discarded_") for n in RemoteCounters.__dataclass_fields__ if n.startswith("discarded_")
+}

@@ -57,8 +57,9 @@ class RemoteHooks(Protocol):
         """Stop the worker threads and the store client; no ``on_done`` is called afterwards."""
 
 
-def start_remote_tier(config: RemoteConfig, index: PoolIndex, arena, lease_ttl_s: float,
-                      writer_id: int, promoter_id: int) -> RemoteHooks:
+def start_remote_tier(
+    config: RemoteConfig, index: PoolIndex, arena, lease_ttl_s: float, writer_id: int, promoter_id: int
+) -> RemoteHooks:
     """Start the tier's threads over ``arena`` (the daemon's mapping); its own client ids pin and promote pages."""
     from kvshare.pool.remote.tier import RemoteTier  # imported (numpy, threads) only when --remote is given
 

@@ -48,9 +48,19 @@ PROBE_PAGES = 1  # fetched as values, before the chain is known to be in the sto
 class Promotions:
     """The promoting lookups under way; every method runs on the loop thread."""
 
-    def __init__(self, config: RemoteConfig, index: PoolIndex, promoter_id: int, store: RemoteStore,
-                 breaker: CircuitBreaker, arena: np.ndarray, counters: RemoteCounters, costs: PromotionCosts,
-                 submit: Callable[[Callable, tuple, Callable], None], clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        config: RemoteConfig,
+        index: PoolIndex,
+        promoter_id: int,
+        store: RemoteStore,
+        breaker: CircuitBreaker,
+        arena: np.ndarray,
+        counters: RemoteCounters,
+        costs: PromotionCosts,
+        submit: Callable[[Callable, tuple, Callable], None],
+        clock: Callable[[], float],
+    ) -> None:
         self.config = config
         self.index = index
         self.promoter_id = promoter_id
@@ -127,11 +137,13 @@ class Promotions:
         for job in self._jobs:
             job.waiters.clear()
 
-    def _new_job(self, keys: list[bytes], page_bytes: int, namespace: bytes | None, depth: int | None,
-                 waiters: list, now: float) -> None:
+    def _new_job(
+        self, keys: list[bytes], page_bytes: int, namespace: bytes | None, depth: int | None, waiters: list, now: float
+    ) -> None:
         batch_len = max(1, self.config.promote_batch_bytes // page_bytes)
-        job = PromoteJob(keys, page_bytes, namespace, depth, waiters, now + self.config.promote_timeout_s,
-                          batch_len, now)
+        job = PromoteJob(
+            keys, page_bytes, namespace, depth, waiters, now + self.config.promote_timeout_s, batch_len, now
+        )
         self._jobs.add(job)
         for key in keys:
             self._job_of_key.setdefault(key, job)
@@ -141,8 +153,11 @@ class Promotions:
 
     def _fetch_more(self, job: PromoteJob) -> None:
         # batches in flight (being fetched, waiting for their turn, being copied): at most num_readers
-        while (not job.is_ended and job.num_asked < len(job.keys)
-               and job.outstanding + len(job.arrived) < self.config.num_readers):
+        while (
+            not job.is_ended
+            and job.num_asked < len(job.keys)
+            and job.outstanding + len(job.arrived) < self.config.num_readers
+        ):
             if self._can_land(job):
                 self._send_direct(job)
             else:  # first a probe of one page; while it is out, the next batch as values (as a probe is)
@@ -158,7 +173,9 @@ class Promotions:
     def _send_as_values(self, job: PromoteJob, num_keys: int) -> None:
         batch = Batch(job.num_batches, job.num_asked, min(num_keys, len(job.keys) - job.num_asked))
         keys = job.keys[batch.start : batch.start + batch.num_keys]
-        self._send(job, batch, W.fetch_pages, (self.store, self.breaker, self.config, keys, job.page_bytes, job.namespace))
+        self._send(
+            job, batch, W.fetch_pages, (self.store, self.breaker, self.config, keys, job.page_bytes, job.namespace)
+        )
 
     def _send_direct(self, job: PromoteJob) -> None:
         """Reserve the next batch's pages (one reservation each, so a chain that ends mid-batch keeps its head)."""
@@ -167,8 +184,9 @@ class Promotions:
         reservations, pages = [], []
         for i, key in enumerate(keys):
             try:
-                reserved = self.index.reserve(self.promoter_id, job.namespace, [key], job.page_bytes,
-                                              job.first_depth + start + i, now)
+                reserved = self.index.reserve(
+                    self.promoter_id, job.namespace, [key], job.page_bytes, job.first_depth + start + i, now
+                )
             except PoolError as exc:
                 log.error("remote promotion: reserve refused: %s", exc)
                 break
@@ -184,8 +202,21 @@ class Promotions:
             job.break_chain()
             return
         batch = Batch(job.num_batches, start, len(pages), tuple(reservations))
-        self._send(job, batch, fetch_into, (self.store, self.breaker, self.config, self._arena, pages, job.page_bytes,
-                                            job.namespace, job.first_depth + start))
+        self._send(
+            job,
+            batch,
+            fetch_into,
+            (
+                self.store,
+                self.breaker,
+                self.config,
+                self._arena,
+                pages,
+                job.page_bytes,
+                job.namespace,
+                job.first_depth + start,
+            ),
+        )
 
     def _send(self, job: PromoteJob, batch: Batch, fn: Callable, args: tuple) -> None:
         job.num_asked += batch.num_keys
@@ -244,7 +275,9 @@ class Promotions:
             same = [p.meta.namespace == job.namespace for p in pages]
             if not all(same):
                 pages = pages[: same.index(False)]
-                self.counters.count_fetch(W.FetchResult([], None, discarded=[("fingerprint", "chunk of another namespace")]))
+                self.counters.count_fetch(
+                    W.FetchResult([], None, discarded=[("fingerprint", "chunk of another namespace")])
+                )
                 job.break_chain()
         if pages:
             job.namespace = pages[0].meta.namespace
@@ -286,8 +319,9 @@ class Promotions:
         """Reserve arena pages (as the promoter) for fetched pages and have a thread copy them in."""
         keys = [p.meta.key for p in pages]
         try:
-            reserved = self.index.reserve(self.promoter_id, job.namespace, keys, job.page_bytes,
-                                          pages[0].meta.depth, self._clock())
+            reserved = self.index.reserve(
+                self.promoter_id, job.namespace, keys, job.page_bytes, pages[0].meta.depth, self._clock()
+            )
         except PoolError as exc:
             log.error("remote promotion: reserve refused: %s", exc)
             job.break_chain()
@@ -302,12 +336,19 @@ class Promotions:
         on_copied = functools.partial(self._on_copied, job, reserved.reservation_id, placements)
         self._submit(W.copy_pages, (self._arena, placements), on_copied)
 
-    def _on_copied(self, job: PromoteJob, reservation_id: int, placements: list[tuple[RemotePage, int]],
-                   result: list[int] | BaseException) -> None:
+    def _on_copied(
+        self,
+        job: PromoteJob,
+        reservation_id: int,
+        placements: list[tuple[RemotePage, int]],
+        result: list[int] | BaseException,
+    ) -> None:
         job.outstanding -= 1
         expected = [page.meta.checksum for page, _ in placements]
         if isinstance(result, BaseException) or result != expected:
-            bad = len(placements) if isinstance(result, BaseException) else sum(a != b for a, b in zip(result, expected))
+            bad = (
+                len(placements) if isinstance(result, BaseException) else sum(a != b for a, b in zip(result, expected))
+            )
             log.error("remote promotion: %d page(s) differ from their checksum after the copy: %r", bad, result)
             self._abort([reservation_id])
             self.counters.discarded_checksum += bad

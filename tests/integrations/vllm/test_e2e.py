@@ -53,8 +53,15 @@ def cluster(tmp_path_factory):
     model = make_model_dir(str(work / "model"))
     with private_socket("kvshare-e2e") as socket_path:
         pool = start_pool(socket_path, "256MiB", POOL_ARGS)
-        common = dict(model=model, python=PYTHON, dtype="float32", max_model_len=4096, kv_cache_gib=1,
-                      max_num_batched_tokens=512, pool_retry_s=1.0)
+        common = dict(
+            model=model,
+            python=PYTHON,
+            dtype="float32",
+            max_model_len=4096,
+            kv_cache_gib=1,
+            max_num_batched_tokens=512,
+            pool_retry_s=1.0,
+        )
         configs = {
             "A": VllmServerConfig(port=free_port(), pool_socket=socket_path, replica="A", **common),
             "B": VllmServerConfig(port=free_port(), pool_socket=socket_path, replica="B", **common),

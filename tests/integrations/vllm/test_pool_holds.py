@@ -106,8 +106,10 @@ def test_a_scheduler_lookup_that_times_out_keeps_the_leases_of_loads_still_to_ru
                 reserved = writer.reserve(b"p" * 16, keys, LAYOUT.page_bytes)
                 for _, offset in reserved.grants:
                     writer.page(offset, LAYOUT.page_bytes)[:] = 0xEE
-                writer.commit(reserved.reservation_id,
-                              [page_checksum(writer.page(o, LAYOUT.page_bytes)) for _, o in reserved.grants])
+                writer.commit(
+                    reserved.reservation_id,
+                    [page_checksum(writer.page(o, LAYOUT.page_bytes)) for _, o in reserved.grants],
+                )
         b.clock.now += 1.0  # the link's retry is due (within the lease TTL)
         b.scheduler.allocated("r2", 256, 0)
         plan = b.scheduler.plan_step([ScheduledRequest("r2", 0, len(PROMPT), BLOCKS_B)])
@@ -159,8 +161,9 @@ def test_a_tensor_parallel_store_reserved_in_an_earlier_pool_never_commits_a_res
         proc = start_pool(path, "16MiB", POOL_ARGS)
         clock = FakeClock()
         config = ConnectorConfig(pool_socket=path, chunk_tokens=C, replica="tp")
-        scheduler = PoolScheduler(config, NAMESPACE, LAYOUT.page_bytes, N, PoolLink(path, "tp-sched", clock=clock),
-                                  clock=clock, tp_size=2)
+        scheduler = PoolScheduler(
+            config, NAMESPACE, LAYOUT.page_bytes, N, PoolLink(path, "tp-sched", clock=clock), clock=clock, tp_size=2
+        )
         try:
             first = scheduler._parted.reserve(StoreSpec("r1", digest, 0, keys, (0,)))
             stop_process(proc)

@@ -46,13 +46,21 @@ def replicas(tmp_path_factory):
     with private_socket("kvshare-tp") as socket_path:
         pool = start_pool(socket_path, "256MiB", ("--extent-size", "64MiB", "--lease-ttl", "60"))
         die_file = str(work / "die")
-        common = dict(model=model, python=PYTHON, dtype="float32", max_model_len=4096, kv_cache_gib=1,
-                      max_num_batched_tokens=512, pool_socket=socket_path)
+        common = dict(
+            model=model,
+            python=PYTHON,
+            dtype="float32",
+            max_model_len=4096,
+            kv_cache_gib=1,
+            max_num_batched_tokens=512,
+            pool_socket=socket_path,
+        )
         t2 = vllm_server_command(VllmServerConfig(port=free_port(), replica="T2", tensor_parallel_size=2, **common))
         configs = {
             "T1": VllmServerConfig(port=free_port(), replica="T1", **common),
-            "T2": with_connector(t2, "DyingConnector", "tests.integrations.vllm.dying_connector",
-                                 {"KVSHARE_TEST_DIE_FILE": die_file}),
+            "T2": with_connector(
+                t2, "DyingConnector", "tests.integrations.vllm.dying_connector", {"KVSHARE_TEST_DIE_FILE": die_file}
+            ),
         }
         servers = start_servers(configs, str(work))
         try:

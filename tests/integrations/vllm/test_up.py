@@ -24,8 +24,11 @@ API_KEY, OTHER_KEY = "key-of-one-tenant-0123", "key-of-another-tenant-4567"
 
 def _complete(url: str, prompt: str, key: str = API_KEY, **extra) -> dict:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 1, **extra}
-    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+    req = urllib.request.Request(
+        url + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"},
+    )
     with urllib.request.urlopen(req, timeout=300) as resp:
         return json.loads(resp.read())
 
@@ -37,9 +40,19 @@ def test_up_with_vllm_replicas_shares_the_pool_through_the_router(monkeypatch):
     cache_salt: the other key's request then reuses the first key's blocks."""
     monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")  # /reset_prefix_cache, as benchmarks/vllm_gpu.py runs them
     monkeypatch.delenv("KVSHARE_ACCOUNT_KEY", raising=False)
-    cluster = Cluster(ClusterConfig(engine="vllm", vllm_python=PYTHON, model="tiny", num_replicas=2,
-                                    policy="round_robin", port=free_port_block(3), pool_size="1GiB",
-                                    ready_timeout_s=400, api_keys=(API_KEY, OTHER_KEY)))
+    cluster = Cluster(
+        ClusterConfig(
+            engine="vllm",
+            vllm_python=PYTHON,
+            model="tiny",
+            num_replicas=2,
+            policy="round_robin",
+            port=free_port_block(3),
+            pool_size="1GiB",
+            ready_timeout_s=400,
+            api_keys=(API_KEY, OTHER_KEY),
+        )
+    )
     cluster.start()
     try:
         children = [psutil.Process(p.pid) for p in cluster.processes.values()]
@@ -77,11 +90,13 @@ def pool_on_equals_pool_off(a: str, b: str) -> None:
     client = load_benchmark("vllm_gpu_client")
     prompt = [30 + (7 * i) % 200 for i in range(1100)]
     client.stream_completion(a, "tiny", prompt, 8, 300)  # A computes it and stores its 4 chunks
-    off = client.stream_completion(b, "tiny", prompt, 8, 300,
-                                   extra={"kv_transfer_params": {"kvshare": {"use_pool": False}}})
+    off = client.stream_completion(
+        b, "tiny", prompt, 8, 300, extra={"kv_transfer_params": {"kvshare": {"use_pool": False}}}
+    )
     client.post(b, "/reset_prefix_cache")
     on = client.stream_completion(b, "tiny", prompt, 8, 300)
     assert off.cached_tokens == 0 and on.cached_tokens == 1024
-    row = on_off_row(model="tiny", prompt_tokens=len(prompt), vllm_version="0.32", off=off, on=on,
-                     batch_invariant=False)
+    row = on_off_row(
+        model="tiny", prompt_tokens=len(prompt), vllm_version="0.32", off=off, on=on, batch_invariant=False
+    )
     assert row["tokens_equal"] and row["logprobs_equal"], row
