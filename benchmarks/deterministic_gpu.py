@@ -264,7 +264,6 @@ def speed_step(model, device, tokens: int, grids: list[int], repeats: int) -> di
         for name, run in runs.items():
             timed(device, lambda: run(min(tokens, 4097)))  # kernels chosen, workspaces allocated
             out[name] = min(timed(device, lambda: run(tokens)) for _ in range(repeats))
-    del kv
     return out
 
 
@@ -387,7 +386,6 @@ def exactness_step(args, device, sock: str, rows: list, budget: Budget, skipped:
 
 def model_step(name: str, args, device, rows: list, probes: dict, repeats: int) -> None:
     """Self-test, probes and speed of one preset; fills args.speed[name]."""
-    import torch
 
     from kvshare.engine.grid_check import check_grid
     from kvshare.engine.presets import build_preset

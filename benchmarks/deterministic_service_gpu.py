@@ -48,9 +48,10 @@ import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # up_cluster and the plan beside this script
 
-from kvshare.validate.service_http import get_json, post_json  # noqa: E402
 from deterministic_service_plan import GiB, ModelPlan, Step, fit_prompt, plan_model  # noqa: E402
 from up_cluster import Cluster, ClusterSpec  # noqa: E402
+
+from kvshare.validate.service_http import get_json, post_json  # noqa: E402
 
 ALIASES = {"8b": "qwen3-8b", "32b": "qwen3-32b", "tiny": "tiny"}
 TOP_LOGPROBS = 5

@@ -258,7 +258,7 @@ def run_case(model: str, tokens: int, pool_size: str, out_dir: str, local_cache_
                 case.setdefault("compare", {})[mode] = {k: result[k] for k in ("cross_first", "cross")}
             else:
                 case.update(result)
-    cross, kv = case["cross"], case["kv_bytes"]
+    cross = case["cross"]
     case["load_gbps"] = cross["pool_bytes"] / cross["pool_load_s"] / 1e9 if cross["pool_load_s"] else None
     case["load_ratio_vs_contiguous"] = (case["load_gbps"] / case["contiguous_h2d_gbps"]) if case["load_gbps"] else None
     bound = max(cross["pool_bytes"] / (case["contiguous_h2d_gbps"] * 1e9), case["suffix_compute_s"])

@@ -144,7 +144,8 @@ def cluster_spec(plan: dict, args) -> ClusterSpec:
 async def send(url: str, model: str, ids: list[int], max_tokens: int):
     import aiohttp
 
-    from kvshare.bench.client import BenchRequest, send as bench_send
+    from kvshare.bench.client import BenchRequest
+    from kvshare.bench.client import send as bench_send
 
     async with aiohttp.ClientSession() as session:
         return await bench_send(

@@ -141,7 +141,6 @@ def pinned_reference(dev_bytes, repeats: int) -> dict:
         d2h = timed(lambda: host.copy_(dev_bytes, non_blocking=True), repeats)
     finally:
         unregister_range(host.data_ptr())
-    del host
     return {"pin_s": pin_s, "h2d": summary(dev_bytes.numel(), h2d), "d2h": summary(dev_bytes.numel(), d2h)}
 
 
@@ -150,8 +149,8 @@ def run_size(client, transfers: dict, model: str, tokens: int, repeats: int) -> 
     import torch
 
     from kvshare.pool.protocol import PageHeader
-    from kvshare.transfer.roundtrip import random_kv
     from kvshare.transfer.layouts import as_bits
+    from kvshare.transfer.roundtrip import random_kv
     from kvshare.transfer.scratch import reserve_scratch
 
     lay = layout_of(model)
@@ -197,7 +196,7 @@ def run_size(client, transfers: dict, model: str, tokens: int, repeats: int) -> 
             row["reference"] = reference
             rows.append(row)
             print(f"  {model} {tokens} {method}: {short(row)}", flush=True)
-        del src, dst
+        src = dst = None  # this size's tensors go before the cache is emptied
         torch.cuda.empty_cache()
     finally:
         scratch.release(client)
@@ -275,8 +274,6 @@ def main(argv=None) -> int:
     def save():
         with open(json_path, "w") as f:
             json.dump(results, f, indent=1, default=str)
-
-    import torch
 
     from kvshare.pool.client import PoolClient
     from kvshare.pool.spawn import running_pool

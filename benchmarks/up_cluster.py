@@ -62,7 +62,7 @@ class Cluster:
         self.lines: dict[str, list[str]] = {}  # child name -> its last output lines
         self._tmp: tempfile.TemporaryDirectory | None = None
 
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Cluster:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -70,7 +70,7 @@ class Cluster:
 
     # -- life cycle ---------------------------------------------------------------------------------------
 
-    def start(self) -> "Cluster":
+    def start(self) -> Cluster:
         """together: kvshare up, until router, replicas and pool answer; sequential: the pool and the router."""
         s = self.spec
         if s.layout == "together":

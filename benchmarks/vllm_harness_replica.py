@@ -39,18 +39,18 @@ from kvshare.engine.model import (
     rope_inv_freq,
 )
 from kvshare.engine.presets import PRESETS
-from kvshare.integrations.vllm.worker import PoolKVWorker, WorkerHooks
 from kvshare.integrations.vllm.layout import as_bits, slots_of_positions
 from kvshare.integrations.vllm.metadata import WorkerReport
 from kvshare.integrations.vllm.options import ConnectorConfig
 from kvshare.integrations.vllm.paged_tensors import paged_layers
 from kvshare.integrations.vllm.plan import tokens_to_load
-from kvshare.pool.link import PoolLink
 from kvshare.integrations.vllm.scheduler import PoolScheduler, ScheduledRequest
 from kvshare.integrations.vllm.staging import widen, word_bytes
+from kvshare.integrations.vllm.worker import PoolKVWorker, WorkerHooks
 from kvshare.keys import Namespace
 from kvshare.layout import KVLayout
 from kvshare.pool.client import PoolClient
+from kvshare.pool.link import PoolLink
 
 BLOCK_SIZE, CHUNK, VOCAB, SEED, MLP_CHUNK = 16, 256, 4096, 1234, 4096
 

@@ -11,8 +11,8 @@ it stopped.
 from __future__ import annotations
 
 import collections
-import json
 import ctypes
+import json
 import os
 import secrets
 import signal
@@ -21,8 +21,9 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import IO, Mapping
+from typing import IO
 
 _PR_SET_PDEATHSIG = 1
 NUM_TAIL_LINES = 20
@@ -46,7 +47,7 @@ class Child:
     spec: ChildSpec
     proc: subprocess.Popen
     instance_id: str | None  # what its /health must report, when the spec takes one
-    output: "OutputTail"
+    output: OutputTail
 
 
 def start_child(spec: ChildSpec, is_verbose: bool = False) -> Child:

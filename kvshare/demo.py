@@ -66,7 +66,6 @@ def run_demo(args: argparse.Namespace) -> int:
     from kvshare.bench.pool_bench import PoolBenchConfig, run_pool_bench, summary_rows
     from kvshare.launch import Cluster, ClusterConfig
     from kvshare.pool.spawn import running_pool
-
     from kvshare.preflight import check_ports_free
 
     config = ClusterConfig(

@@ -29,8 +29,8 @@ import struct
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Sequence
 
 from kvshare.errors import UserError
 from kvshare.keys import weights_fingerprint

@@ -23,8 +23,8 @@ import hashlib
 import json
 import sys
 from array import array
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Sequence
 
 KEY_BYTES = 16
 DEFAULT_CHUNK_TOKENS = 256
@@ -81,7 +81,7 @@ class Namespace:
         elif self.grid_tokens is not None or self.kernel_build:
             raise ValueError("grid_tokens and kernel_build belong to a deterministic namespace only")
 
-    def with_tenant(self, tenant_salt: str) -> "Namespace":
+    def with_tenant(self, tenant_salt: str) -> Namespace:
         """The same namespace for another tenant (salted keys never collide across tenants)."""
         fields = asdict(self)
         fields["tenant_salt"] = tenant_salt

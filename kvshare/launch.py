@@ -48,7 +48,7 @@ class Cluster:
         self.processes[spec.name] = child.proc
         return child.proc
 
-    def start(self, progress=None) -> "Cluster":
+    def start(self, progress=None) -> Cluster:
         cfg = self.config
         kv = kvshare_command(cfg.log_level)
         try:
@@ -332,7 +332,7 @@ class Cluster:
             self._tmp.cleanup()
             self._tmp = None
 
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Cluster:
         return self.start() if not self.processes else self
 
     def __exit__(self, *exc) -> None:

@@ -32,8 +32,8 @@ service level (kvshare.validate) and the bench's tables (kvshare.bench) share it
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 DEFAULT_GAP_THRESHOLD = 1e-3
 

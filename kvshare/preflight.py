@@ -18,7 +18,7 @@ import json
 import logging
 import os
 import socket
-from typing import Mapping
+from collections.abc import Mapping
 
 from kvshare.errors import UserError
 from kvshare.layout import KVLayout

@@ -14,8 +14,9 @@ go away by retrying.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Protocol
 
 from kvshare.children import describe_exit
 

@@ -23,8 +23,8 @@ import os
 import platform
 import shutil
 import subprocess
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 from kvshare.outputs import EQUAL, UNKNOWN, OutputCheck
 

@@ -82,7 +82,7 @@ class SequentialReplicas:
     def num_replicas(self) -> int:
         return self.config.num_replicas
 
-    def start(self) -> "SequentialReplicas":
+    def start(self) -> SequentialReplicas:
         from kvshare.pool.spawn import start_pool
 
         self._tmp = tempfile.TemporaryDirectory(prefix="kvshare-bench-")

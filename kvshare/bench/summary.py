@@ -7,8 +7,8 @@ tables count the others as failures. Times are client-side seconds.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 from kvshare.bench.outputs import OutputTally, tally
 from kvshare.bench.records import Record

@@ -9,8 +9,8 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 from kvshare.bench.replicas import FixedReplicas, SequentialConfig, SequentialReplicas
 from kvshare.launch import free_port_block

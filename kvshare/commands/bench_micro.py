@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Callable
+from collections.abc import Callable
 
 from kvshare.units import parse_size
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from kvshare.commands.serve import add_deterministic_arguments, add_kv_dtype_argument
-from kvshare.units import parse_size, parse_size_or_off
+from kvshare.units import parse_size_or_off
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

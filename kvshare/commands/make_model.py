@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from kvshare.preflight import PRESET_NAMES  # kvshare.engine.presets.PRESETS (not imported here: torch)
 

@@ -81,10 +81,9 @@ def plan(config, tokens: int, chunk_tokens: int, dtype: str | None, high_waterma
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvshare.errors import UserError
-
     from kvshare.engine.config import kv_storage_dtype
     from kvshare.engine.presets import model_config_of
+    from kvshare.errors import UserError
 
     try:
         config = model_config_of(args.model)

@@ -160,13 +160,12 @@ def _pool_aware_config(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     from aiohttp import web
 
+    from kvshare.credentials import read_secret
     from kvshare.errors import UserError
     from kvshare.heap import freeze_startup_heap
     from kvshare.preflight import check_ports_free
     from kvshare.router.config import RouterConfig
     from kvshare.router.proxy import RouterServer
-
-    from kvshare.credentials import read_secret
     from kvshare.serve.tenancy import read_account_key
 
     try:

@@ -20,7 +20,7 @@ import json
 import lzma
 import os
 import random
-from typing import Iterator
+from collections.abc import Iterator
 
 from kvshare.engine.tokenizer import (
     BYTE_VOCAB_SIZE,

@@ -21,7 +21,7 @@ is read and written in them) and captured again when the engine hands over anoth
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor

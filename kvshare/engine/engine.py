@@ -18,10 +18,10 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch

@@ -30,8 +30,8 @@ flash first on CUDA: already deterministic).
 from __future__ import annotations
 
 import platform
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F

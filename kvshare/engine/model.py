@@ -24,7 +24,7 @@ and runs its MLP for the last token alone.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

@@ -4,8 +4,9 @@ read the request's KV; the request holds the engine until its publish is done (`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

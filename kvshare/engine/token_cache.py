@@ -30,8 +30,9 @@ from __future__ import annotations
 import string
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import xxhash

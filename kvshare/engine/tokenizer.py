@@ -13,7 +13,7 @@ import functools
 import json
 import os
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 from kvshare.engine.token_cache import PieceEncoder, TokenCache, TokenCacheConfig
 from kvshare.engine.token_share import SharedPieces
@@ -131,7 +131,7 @@ class Tokenizer:
         self._special_ids = frozenset(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
 
     @classmethod
-    def from_dir(cls, model_dir: str) -> "Tokenizer":
+    def from_dir(cls, model_dir: str) -> Tokenizer:
         from tokenizers import Tokenizer as HFTokenizer
 
         path = os.path.join(model_dir, "tokenizer.json")
@@ -145,7 +145,7 @@ class Tokenizer:
         return cls(HFTokenizer.from_str(text), config, eos if isinstance(eos, list) else [eos], tokenizer_json=text)
 
     @classmethod
-    def byte_level(cls, max_length: int) -> "Tokenizer":
+    def byte_level(cls, max_length: int) -> Tokenizer:
         return cls(build_byte_tokenizer(), byte_tokenizer_config(max_length), [EOS_ID, IM_END_ID])
 
     def encode(self, text: str) -> list[int]:

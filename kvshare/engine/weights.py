@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 

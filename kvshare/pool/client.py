@@ -19,7 +19,7 @@ import struct
 import threading
 import time
 import weakref
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -65,7 +65,7 @@ class PoolClient:
 
     # -- connection --------------------------------------------------------------
 
-    def connect(self) -> "PoolClient":
+    def connect(self) -> PoolClient:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(self.timeout_s)
         try:
@@ -149,7 +149,7 @@ class PoolClient:
                 pass  # views still exist; the mapping goes with the last of them
             self._mmap = None
 
-    def __enter__(self) -> "PoolClient":
+    def __enter__(self) -> PoolClient:
         return self.connect() if self._sock is None else self
 
     def __exit__(self, exc_type, exc, tb) -> None:

@@ -15,7 +15,7 @@ Pure: structs, hash conversion and one encode/decode path; no sockets (event_pub
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
@@ -77,8 +77,8 @@ class PositionalAllBlocksCleared(msgspec.Struct, array_like=True, omit_defaults=
     pass
 
 
-MapEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
-PositionalEvent = Union[PositionalBlockStored, PositionalBlockRemoved, PositionalAllBlocksCleared]
+MapEvent = BlockStored | BlockRemoved | AllBlocksCleared
+PositionalEvent = PositionalBlockStored | PositionalBlockRemoved | PositionalAllBlocksCleared
 _REMOVED = {"map": BlockRemoved, "positional": PositionalBlockRemoved}
 _CLEARED = {"map": AllBlocksCleared, "positional": PositionalAllBlocksCleared}
 

@@ -19,8 +19,8 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 from kvshare.keys import KEY_BYTES
 from kvshare.pool import protocol as P

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from kvshare.pool.client import PoolClient, PoolRequestError, PoolUnavailable
 from kvshare.pool.holders import TOKEN_BYTES

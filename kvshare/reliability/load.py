@@ -15,8 +15,8 @@ import random
 import socket
 import time
 import urllib.parse
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable
 
 import aiohttp
 

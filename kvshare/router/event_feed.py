@@ -40,7 +40,7 @@ class EventFeed:
         self._is_stopping = False
         self._thread: threading.Thread | None = None
 
-    def start(self) -> "EventFeed":
+    def start(self) -> EventFeed:
         self._thread = threading.Thread(target=self._run, name="kv-events-feed", daemon=True)
         self._thread.start()
         return self

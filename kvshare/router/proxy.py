@@ -173,7 +173,7 @@ class RouterServer:
             async with self._session.get(replica.url + "/health", timeout=aiohttp.ClientTimeout(total=2)) as resp:
                 replica.is_healthy = resp.status == 200
                 replica.last_error = "" if replica.is_healthy else f"health answered {resp.status}"
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             replica.is_healthy = False
             replica.last_error = f"{type(exc).__name__}: {exc}"
         self.metrics.healthy.labels(replica.url).set(1 if replica.is_healthy else 0)
@@ -274,7 +274,7 @@ class RouterServer:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
         t0 = time.perf_counter()
         last_error = "no replica is available"
-        for attempt, i in enumerate(order):
+        for i in order:
             replica = self.replicas[i]
             replica.num_in_flight += 1
             sent_s = time.monotonic()
@@ -282,7 +282,7 @@ class RouterServer:
                 upstream = await self._session.request(
                     request.method, replica.url + request.path_qs, data=body or None, headers=headers
                 )
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
                 replica.num_in_flight -= 1
                 replica.is_healthy = False
                 replica.last_error = last_error = f"{type(exc).__name__}: {exc}"
@@ -319,7 +319,7 @@ class RouterServer:
                     return response
                 except ConnectionResetError:  # the client left: nothing to say about the replica
                     return response
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             if is_gone(request):  # the watch closed the replica's connection for a client that left
                 return response
             log.warning("replica %s broke off a response: %s", replica.url, exc)

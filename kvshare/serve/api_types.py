@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
@@ -94,28 +94,28 @@ def _unsupported_fields(name: str, table: dict[str, tuple], base: type) -> type:
 
 
 class _Common(msgspec.Struct, kw_only=True):
-    model: Union[str, None] = None  # optional, as in vLLM: the replica serves one model (under one or more names)
-    max_tokens: Union[int, None] = None
+    model: str | None = None  # optional, as in vLLM: the replica serves one model (under one or more names)
+    max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     n: int = 1
     stream: bool = False
-    stream_options: Union[StreamOptions, None] = None
-    stop: Union[str, list[str], None] = None
-    seed: Union[int, None] = None
-    user: Union[str, None] = None
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    user: str | None = None
     ignore_eos: bool = False
     return_token_ids: bool = False
     kvshare: KVShareOptions = msgspec.field(default_factory=KVShareOptions)
-    cache_salt: Union[str, None] = None  # vLLM's: requests with different salts never share cached KV
+    cache_salt: str | None = None  # vLLM's: requests with different salts never share cached KV
     # sampling, with vLLM's semantics (kvshare.engine.sampler)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    top_k: Union[int, None] = None  # None, 0 or -1: off
+    top_k: int | None = None  # None, 0 or -1: off
     min_p: float = 0.0
-    logit_bias: Union[dict[str, float], None] = None  # token id (a JSON object key, so a string) -> bias
-    stop_token_ids: Union[list[int], None] = None
+    logit_bias: dict[str, float] | None = None  # token id (a JSON object key, so a string) -> bias
+    stop_token_ids: list[int] | None = None
 
 
 _CommonChecked = _unsupported_fields("_CommonChecked", UNSUPPORTED_COMMON, _Common)
@@ -124,8 +124,8 @@ _ChatChecked = _unsupported_fields("_ChatChecked", UNSUPPORTED_CHAT, _CommonChec
 
 
 class CompletionRequest(_CompletionChecked, kw_only=True):
-    prompt: Union[str, list]  # a string, token ids, or a one-element batch of either (checked in prompt_of)
-    logprobs: Union[int, None] = None
+    prompt: str | list  # a string, token ids, or a one-element batch of either (checked in prompt_of)
+    logprobs: int | None = None
     echo: bool = False
 
 
@@ -145,15 +145,15 @@ class ContentPart(msgspec.Struct):
 
 class ChatMessage(msgspec.Struct):
     role: str
-    content: Union[str, list[ContentPart], None] = None
-    name: Union[str, None] = None
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
 
 
 class ChatRequest(_ChatChecked, kw_only=True):
     messages: list[ChatMessage]
-    max_completion_tokens: Union[int, None] = None
+    max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: Union[int, None] = None
+    top_logprobs: int | None = None
 
 
 MAX_LOGPROBS = 5

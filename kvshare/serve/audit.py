@@ -33,8 +33,9 @@ import logging
 import random
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 from kvshare.outputs import DEFAULT_GAP_THRESHOLD, Comparison, compare_tokens, top2_gap
 

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from typing import Mapping
+from collections.abc import Mapping
 
 BEARER = "Bearer "
 

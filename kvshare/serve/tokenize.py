@@ -9,7 +9,7 @@ the logprobs name it (vLLM gives the vocabulary's raw strings, e.g. ``Ġhello``)
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
@@ -19,9 +19,9 @@ from kvshare.serve import api_types as A
 class TokenizeRequest(msgspec.Struct, kw_only=True):
     """vLLM's TokenizeCompletionRequest (``prompt``) or TokenizeChatRequest (``messages``) in one struct."""
 
-    model: Union[str, None] = None
-    prompt: Union[str, None] = None
-    messages: Union[list[A.ChatMessage], None] = None
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[A.ChatMessage] | None = None
     add_special_tokens: bool = False
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -35,7 +35,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
-    model: Union[str, None] = None
+    model: str | None = None
     tokens: list[int]
 
 

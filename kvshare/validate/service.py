@@ -34,8 +34,8 @@ from __future__ import annotations
 import os
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from kvshare.outputs import DEFAULT_GAP_THRESHOLD, compare_tokens
 from kvshare.validate.report import FAIL, PASS, SKIP, LevelResult, Row, verdict_of

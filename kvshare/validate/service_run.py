@@ -7,8 +7,8 @@ free ports, runs the level against the replicas directly, and stops everything.
 
 from __future__ import annotations
 
-from kvshare.validate.report import LevelResult
 from kvshare.launch import free_port_block
+from kvshare.validate.report import LevelResult
 from kvshare.validate.service import ServiceConfig, run_service_level
 
 

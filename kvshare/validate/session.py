@@ -64,7 +64,7 @@ class PoolSession:
         self._registration = None
         self.registration_seconds: float | None = None
 
-    def __enter__(self) -> "PoolSession":
+    def __enter__(self) -> PoolSession:
         from kvshare.pool.client import PoolClient, PoolUnavailable
         from kvshare.pool.spawn import running_pool
 

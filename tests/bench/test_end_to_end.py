@@ -16,8 +16,8 @@ from kvshare.bench.harness import Harness, HarnessConfig
 from kvshare.bench.records import ResultsDir
 from kvshare.bench.replicas import FixedReplicas
 from kvshare.bench.sessions import SessionsConfig
-from kvshare.launch import free_port_block as free_port_base
 from kvshare.bench.ttft import TTFTConfig
+from kvshare.launch import free_port_block as free_port_base
 
 CHUNK = 256
 

@@ -59,8 +59,8 @@ def test_a_step_beyond_the_kv_is_refused():
 
 
 def test_enforce_eager_reaches_the_engine_config():
-    from kvshare.commands import serve as serve_command
     from kvshare.cli import build_parser
+    from kvshare.commands import serve as serve_command
 
     args = build_parser().parse_args(["serve", "--model", "tiny"])
     assert serve_command.engine_config(args).enforce_eager is False

@@ -4,7 +4,6 @@ import socket
 import threading
 
 import msgspec
-import pytest
 
 from kvshare.pool import protocol as P
 from kvshare.pool.client import PoolClient

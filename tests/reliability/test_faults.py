@@ -84,7 +84,7 @@ def read_all(sock: socket.socket) -> bytes:
     try:
         while chunk := sock.recv(65536):
             data += chunk
-    except (ConnectionResetError, socket.timeout):
+    except (TimeoutError, ConnectionResetError):
         pass
     return data
 

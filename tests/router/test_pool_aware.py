@@ -6,8 +6,8 @@ import time
 import pytest
 
 from kvshare.pool import events as E
-from kvshare.router.policy import ReplicaView, RouteFacts, Router
 from kvshare.router.event_feed import EventFeed
+from kvshare.router.policy import ReplicaView, RouteFacts, Router
 from kvshare.router.pool_aware import CostModel, PoolAwarePlacer, PoolPrefixIndex, chain, expected_ttft, rank
 
 CHUNK = 4

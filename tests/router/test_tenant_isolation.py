@@ -21,7 +21,7 @@ REPLICAS = ("http://127.0.0.1:1", "http://127.0.0.1:2")
 def _placements(router: RouterServer, sent: list[tuple[dict, str]]) -> list[int]:
     """The first choice of each (headers, prompt) in turn, through the router's own reading of the request."""
     views = [ReplicaView(i, True, 0) for i in range(len(REPLICAS))]
-    body = lambda prompt: ('{"model": "m", "prompt": "%s"}' % prompt).encode()
+    body = lambda prompt: f'{{"model": "m", "prompt": "{prompt}"}}'.encode()
     return [router.policy.choose(router._facts(SimpleNamespace(headers=h), body(p)), views, 0.0)[0] for h, p in sent]
 
 

@@ -68,7 +68,7 @@ def test_openai_sdk_chat_and_completions_streaming_and_not(cluster):
 
 def _two_turns(url: str, session: str, extension: dict) -> list[dict]:
     turns, messages = [], [{"role": "user", "content": LONG}]
-    for turn in range(2):
+    for _ in range(2):
         body = {
             "model": "tiny",
             "messages": messages,

@@ -140,7 +140,7 @@ def test_completion_top_logprobs_keep_byte_tokens_apart(url):
     assert sum(any(key.startswith("bytes:") for key in top) for top in tops) >= 2
     assert [len(top) for top in tops] == [5] * 8  # five tokens asked for, five keys in every step
     for token_id, name in zip(out["token_ids"], out["logprobs"]["tokens"]):  # (no special token under ignore_eos here)
-        assert name == (chr(token_id) if token_id < 128 else "bytes:\\x%02x" % token_id)
+        assert name == (chr(token_id) if token_id < 128 else f"bytes:\\x{token_id:02x}")
 
 
 def test_chat_logprob_bytes_are_the_tokens_raw_bytes(url):
@@ -155,7 +155,7 @@ def test_chat_logprob_bytes_are_the_tokens_raw_bytes(url):
         assert len(names) == len(set(names)) == 5
         for t in step["top_logprobs"]:
             if t["token"].startswith("bytes:"):
-                assert t["token"] == "bytes:" + "".join("\\x%02x" % b for b in t["bytes"])
+                assert t["token"] == "bytes:" + "".join(f"\\x{b:02x}" for b in t["bytes"])
             else:
                 assert bytes(t["bytes"]).decode() == t["token"]
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import http.server
 import json
 import subprocess
-import threading
 import sys
+import threading
 import time
 
 import psutil

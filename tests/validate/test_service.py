@@ -12,10 +12,9 @@ import time
 
 import pytest
 
-from kvshare.launch import Cluster, ClusterConfig
+from kvshare.launch import Cluster, ClusterConfig, free_port_block
 from kvshare.validate.report import FAIL, PASS
 from kvshare.validate.runner import ValidateConfig
-from kvshare.launch import free_port_block
 from kvshare.validate.service import ServiceConfig, run_service_level
 from kvshare.validate.service_http import POOL_OFF, POOL_ONLY, get_json, request
 from tests.validate.conftest import CHUNK, make_engine

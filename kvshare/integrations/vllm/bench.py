@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> dict:
                 subprocess.Popen(spec.argv, env=spec.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True),
                 spec,
             )
-        for name, (proc, spec) in procs.items():
+        for proc, spec in procs.values():
             wait_until_ready(spec.base_url, proc, timeout_s=600)
         url = {name: spec.base_url for name, (_, spec) in procs.items()}
         served = os.path.basename(os.path.normpath(model))

@@ -55,11 +55,11 @@ from kvshare.integrations.vllm.identity import LoraIdentities, vllm_namespace
 from kvshare.integrations.vllm.layout import UnsupportedKVLayout, detect_layout
 from kvshare.integrations.vllm.metadata import StepPlan, WorkerReport
 from kvshare.integrations.vllm.options import PARAMS_KEY, ConnectorConfig, check_supported, kv_layout_of
-from kvshare.pool.link import PoolLink
 from kvshare.integrations.vllm.scheduler import PoolScheduler, ScheduledRequest
 from kvshare.integrations.vllm.stats import KVSharePromMetrics, KVShareStats
 from kvshare.integrations.vllm.tensor_parallel import head_slice
 from kvshare.integrations.vllm.worker import PoolKVWorker, WorkerHooks
+from kvshare.pool.link import PoolLink
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -85,7 +85,7 @@ class KVShareWorkerMetadata(KVConnectorWorkerMetadata):
     def __init__(self, report: WorkerReport) -> None:
         self.report = report
 
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> "KVShareWorkerMetadata":
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVShareWorkerMetadata:
         assert isinstance(other, KVShareWorkerMetadata)
         return KVShareWorkerMetadata(self.report.merged(other.report))
 
@@ -117,9 +117,7 @@ def _account_key(config: ConnectorConfig) -> str:
 class KVShareConnector(KVConnectorBase_V1):
     _cache_hit_source = HOST_HIT_SOURCE
 
-    def __init__(
-        self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig | None" = None
-    ):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         _log_through_vllm()
         import vllm
@@ -293,7 +291,7 @@ class KVShareConnector(KVConnectorBase_V1):
 
     # ============================== scheduler side ==============================
 
-    def on_new_request(self, request: "Request") -> None:
+    def on_new_request(self, request: Request) -> None:
         lora_id = self._loras.of(getattr(request, "lora_request", None))  # None: unreadable, never shared
         self._scheduler.add_request(
             request.request_id,
@@ -307,17 +305,17 @@ class KVShareConnector(KVConnectorBase_V1):
             and getattr(request, "prompt_embeds", None) is None,
         )
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if not self._scheduler.has_request(request.request_id):
             self.on_new_request(request)
         return self._scheduler.match(request.request_id, num_computed_tokens), False
 
-    def update_state_after_alloc(self, request: "Request", blocks: Any, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
         stats = getattr(request, "prefill_stats", None)  # None when vLLM runs without stats
         local = stats.num_local_cached_tokens if stats is not None else None
         self._scheduler.allocated(request.request_id, num_external_tokens, local)
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         num_scheduled = scheduler_output.num_scheduled_tokens
         block_ids_of = block_ids_source(self, scheduler_output, self._block_tables)
         steps = [
@@ -336,7 +334,7 @@ class KVShareConnector(KVConnectorBase_V1):
         if isinstance(meta, KVShareWorkerMetadata):
             self._scheduler.on_report(meta.report)
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         origin = self._scheduler.finish(request.request_id)
         self._block_tables.forget(request.request_id)
         return False, ({PARAMS_KEY: origin} if origin is not None else None)
@@ -353,7 +351,7 @@ class KVShareConnector(KVConnectorBase_V1):
 
 
 def _fingerprint(
-    vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None", block_size: int, kv_dtype: str
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, block_size: int, kv_dtype: str
 ) -> LayoutFingerprint:
     """This engine's KV layout fingerprint (the same in the scheduler and every worker process)."""
     import vllm

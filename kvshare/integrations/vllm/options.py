@@ -79,7 +79,7 @@ class ConnectorConfig:
             raise ValueError(f"cuda_staging_mib must be >= 2 (one 2 MiB row), got {self.cuda_staging_mib}")
 
     @property
-    def gpu_transfer(self) -> "TransferConfig":
+    def gpu_transfer(self) -> TransferConfig:
         """The GPU path's copy settings (kvshare.integrations.vllm.staging)."""
         from kvshare.transfer.base import TransferConfig
 
@@ -90,7 +90,7 @@ class ConnectorConfig:
         return self.pool_socket or default_pool_socket()
 
     @classmethod
-    def from_extra_config(cls, extra: dict[str, Any] | None) -> "ConnectorConfig":
+    def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
         extra = dict(extra or {})
         for old, hint in _RENAMED.items():
             if old in extra:
@@ -143,7 +143,7 @@ class TransferParams:
     is_account_refused: bool = False  # an account was named without a valid tag (or the replica has no key)
 
     @classmethod
-    def from_params(cls, params: Any, account_key: str = "") -> "TransferParams":
+    def from_params(cls, params: Any, account_key: str = "") -> TransferParams:
         """``account_key`` ("" : none configured, so no account is taken) checks the router's account tag."""
         from kvshare.serve.tenancy import is_account_tag_valid
 

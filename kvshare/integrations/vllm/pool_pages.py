@@ -10,10 +10,10 @@ import logging
 from typing import Protocol
 
 from kvshare.integrations.vllm.metadata import ConnectorCounters, PhaseTimes, StoreSpec
-from kvshare.pool.link import POOL_DOWN_ERRORS, PoolLink, guarded
 from kvshare.layout import KVLayout
 from kvshare.pool.checksum import ChecksumKind
 from kvshare.pool.client import PoolRequestError
+from kvshare.pool.link import POOL_DOWN_ERRORS, PoolLink, guarded
 
 log = logging.getLogger("kvshare.integrations")
 

@@ -17,8 +17,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from kvshare.integrations.vllm.metadata import (
     ConnectorCounters,
@@ -279,9 +280,8 @@ class PoolScheduler:
                     step.computed_before, step.computed_before + step.num_scheduled, len(request.prompt), C
                 )
                 stores.extend(self._store_specs(step, request, [c for c in done if c not in request.pool_chunks]))
-        for req_id, held in self._leases.with_state(
-            LeaseState.SCHEDULED
-        ):  # allocated but not scheduled: never expected
+        # allocated but not scheduled: never expected
+        for req_id, _ in self._leases.with_state(LeaseState.SCHEDULED):
             log.error("kvshare: request %s was allocated a pool load but not scheduled; releasing its lease", req_id)
             self._release(self._leases.pop(req_id))
         return StepPlan(tuple(loads), tuple(stores))

@@ -110,7 +110,7 @@ class RemoteConfig:
     def __post_init__(self) -> None:
         if self.password and urlsplit(self.url).password:
             raise ValueError("the remote password is in the URL and given again (file or environment): give it once")
-        self.address  # validates the URL
+        _ = self.address  # parsing the URL validates it
         if not self.prefix or any(c in self.prefix for c in "{} \n"):
             raise ValueError(f"remote prefix must be non-empty without braces or spaces, got {self.prefix!r}")
         if self.ttl_s < 0:

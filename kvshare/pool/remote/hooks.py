@@ -13,7 +13,8 @@ kvshare.pool.remote is theirs to touch::
 from __future__ import annotations
 
 import socket
-from typing import TYPE_CHECKING, Callable, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from kvshare.pool.entries import Entry

@@ -22,9 +22,9 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import Callable
 
 from kvshare.pool.remote.config import RemoteAddress
 from kvshare.pool.remote.resp import MAX_REPLY_BYTES, Endpoint, ReplyTooLong, RespConnection, RespError, server_endpoint

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import socket
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from kvshare.pool.remote.config import RemoteAddress

@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import torch
 
-from kvshare.integrations.vllm.worker import PoolKVWorker, WorkerHooks
 from kvshare.integrations.vllm.layout import as_bits, reference_gather
 from kvshare.integrations.vllm.metadata import WorkerReport
 from kvshare.integrations.vllm.options import ConnectorConfig
 from kvshare.integrations.vllm.paged_tensors import fill_random_, paged_layers
-from kvshare.pool.link import PoolLink
 from kvshare.integrations.vllm.scheduler import PoolScheduler, ScheduledRequest
+from kvshare.integrations.vllm.worker import PoolKVWorker, WorkerHooks
 from kvshare.keys import Namespace
 from kvshare.layout import KVLayout
+from kvshare.pool.link import PoolLink
 
 
 def namespace_of(layout: KVLayout, model: str = "staged-test") -> Namespace:

@@ -16,7 +16,6 @@ from kvshare.keys import chunk_keys
 from kvshare.layout import KVLayout
 from kvshare.pool.client import PoolClient
 from kvshare.pool.spawn import start_pool, stop_process
-from tests.integrations.vllm.tiny_model import make_model_dir
 from tests.integrations.vllm.servers import (
     answer,
     cached_tokens,
@@ -24,14 +23,15 @@ from tests.integrations.vllm.servers import (
     free_port,
     metric,
     post,
+    private_socket,
     provenance,
     start_servers,
     stop_servers,
-    private_socket,
     vllm_python,
     vllm_suite_marks,
     wait_for_metric,
 )
+from tests.integrations.vllm.tiny_model import make_model_dir
 
 PYTHON = vllm_python()
 pytestmark = vllm_suite_marks()

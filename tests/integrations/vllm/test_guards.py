@@ -150,7 +150,8 @@ def test_allocation_kinds():
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM's spec classes")
 def test_vllms_own_specs():
     from vllm.v1.kv_cache_interface import FullAttentionSpec as Full
-    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec as Mamba
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.kv_cache_interface import MambaSpec as Mamba
 
     full = Full(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32)
     mamba = Mamba(block_size=32, shapes=((4, 64),), dtypes=(torch.float32,))

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from kvshare.integrations.vllm.worker import PoolKVWorker, WorkerHooks
 from kvshare.integrations.vllm.layout import PagedLayout, reference_gather
 from kvshare.integrations.vllm.metadata import LoadOutcome, StorePart, WorkerReport
 from kvshare.integrations.vllm.options import ConnectorConfig
 from kvshare.integrations.vllm.scheduler import PoolScheduler, ScheduledRequest
 from kvshare.integrations.vllm.tensor_parallel import PartedStores, head_slice, partial_wsum32
+from kvshare.integrations.vllm.worker import PoolKVWorker, WorkerHooks
 from kvshare.keys import chunk_keys, namespace_digest
 from kvshare.layout import KVLayout
 from kvshare.pool.checksum import MOD64, wsum32

@@ -7,7 +7,6 @@ import json
 import urllib.request
 
 import psutil
-import pytest
 
 from kvshare.integrations.vllm.gpu_rows import on_off_row
 from kvshare.launch import Cluster, ClusterConfig, free_port_block

@@ -70,7 +70,7 @@ class RedisServer:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}"
 
-    def start(self) -> "RedisServer":
+    def start(self) -> RedisServer:
         """Start (or restart, on the same port) and wait until it answers; a server that does not is killed."""
         cmd = [
             "redis-server",

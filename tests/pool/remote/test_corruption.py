@@ -7,8 +7,8 @@ import pytest
 from kvshare.pool.client import PoolClient
 from kvshare.pool.remote.format import HEADER, HEADER_BYTES, num_parts, part_keys
 from tests.pool.remote.conftest import (
-    MiB,
     NAMESPACE,
+    MiB,
     assert_pages_equal,
     make_keys,
     remote_stats,

@@ -10,7 +10,7 @@ from kvshare.pool.client import PoolClient, PoolRequestError
 from kvshare.pool.metrics import PoolCollector
 from kvshare.pool.remote.cost import REMEASURE_S, FetchFit, PrefillFit, PromotionCosts, fit_nonnegative, promote_len
 from kvshare.pool.spawn import running_pool
-from tests.pool.remote.conftest import MiB, NAMESPACE, make_keys, pool_args, remote_stats, wait_written, write_chain
+from tests.pool.remote.conftest import NAMESPACE, MiB, make_keys, pool_args, remote_stats, wait_written, write_chain
 
 pytestmark = pytest.mark.remote
 PAGE = 1 * MiB

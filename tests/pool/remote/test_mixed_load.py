@@ -11,7 +11,6 @@ from kvshare.pool.client import PoolClient
 from tests.pool.remote.conftest import (
     HAS_REDIS,
     NO_REDIS,
-    MiB,
     RedisServer,
     make_keys,
     page_data,

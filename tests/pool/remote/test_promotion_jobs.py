@@ -8,7 +8,6 @@ import numpy as np
 
 from kvshare.pool.allocator import Allocator
 from kvshare.pool.index import IndexConfig, PoolIndex
-from kvshare.pool.remote import workers as W
 from kvshare.pool.remote.breaker import CircuitBreaker
 from kvshare.pool.remote.config import RemoteConfig
 from kvshare.pool.remote.cost import PromotionCosts

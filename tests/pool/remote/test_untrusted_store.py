@@ -33,8 +33,8 @@ from kvshare.pool.remote.resp import RespConnection, server_endpoint
 from kvshare.pool.remote.store import RemoteStore, RemoteStoreError
 from kvshare.pool.remote.workers import ERROR, fetch_pages
 from tests.pool.remote.conftest import (
-    MiB,
     NAMESPACE,
+    MiB,
     assert_pages_equal,
     make_keys,
     remote_stats,
@@ -42,7 +42,7 @@ from tests.pool.remote.conftest import (
     wait_written,
     write_chain,
 )
-from tests.pool.remote.test_corruption import PARTS, PAGE, _lookup
+from tests.pool.remote.test_corruption import PAGE, PARTS, _lookup
 
 pytestmark = pytest.mark.remote
 PAGE_KEY = b"a page key of the pools on every host"
