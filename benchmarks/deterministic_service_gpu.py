@@ -352,7 +352,8 @@ def attempt(name: str, fn, out: dict):
 
 
 def run_model(args, plan: ModelPlan, budget: Budget, out: dict, rng: random.Random, save) -> None:
-    """The plan's steps on a cluster of its own; rows, steps, skips and errors go to ``out``, ``save()`` after each step."""
+    """The plan's steps on a cluster of its own; rows, steps, skips and errors go to ``out``, ``save()`` after
+    each step."""
     if plan.layout is None:
         out["skipped"].append(f"{plan.model}: {plan.reason}")
         print(f"skip {plan.model}: {plan.reason}", flush=True)

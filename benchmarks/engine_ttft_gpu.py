@@ -315,16 +315,19 @@ def main() -> int:
             print(
                 f"{c['preset']:10s} {n:7d} tok  cold {c['cold']['ttft_s']:7.3f}s ({c['cold_pct_of_matmul']:4.0f}% of "
                 f"{c['matmul_tflops']:.0f} TF){first}  local {local:6.3f}s  cross {c['cross']['ttft_s']:6.3f}s "
-                f"(first {c['cross_first']['ttft_s']:.3f}s) pool_tok {c['cross']['pool']}  load {c['load_gbps'] or 0:5.1f} GB/s "
+                f"(first {c['cross_first']['ttft_s']:.3f}s) pool_tok {c['cross']['pool']}  "
+                f"load {c['load_gbps'] or 0:5.1f} GB/s "
                 f"= {c['load_ratio_vs_contiguous'] or 0:.2f}x contig {c['contiguous_h2d_gbps']:.1f}  "
-                f"suffix {c['suffix_compute_s']:.3f}s  bound {c['bound_s']:.3f}s  cross/bound {c['cross_over_bound']:.2f}",
+                f"suffix {c['suffix_compute_s']:.3f}s  bound {c['bound_s']:.3f}s  "
+                f"cross/bound {c['cross_over_bound']:.2f}",
                 flush=True,
             )
             print(f"    timeline (ms): {c['cross'].get('timeline')}", flush=True)
             print(f"    load enqueued: {c.get('load_enqueue')}", flush=True)
             for mode, w in c.get("compare", {}).items():
                 print(
-                    f"    load enqueued {mode}: cross {w['cross']['ttft_s']:.3f}s (first {w['cross_first']['ttft_s']:.3f}s) "
+                    f"    load enqueued {mode}: cross {w['cross']['ttft_s']:.3f}s "
+                    f"(first {w['cross_first']['ttft_s']:.3f}s) "
                     f"cross/bound {w['cross_over_bound']:.2f}; timeline (ms): {w['cross'].get('timeline')}",
                     flush=True,
                 )

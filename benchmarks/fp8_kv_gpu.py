@@ -248,7 +248,8 @@ def main() -> int:
                 rows.append(row)
                 print(
                     f"{row['model']:10s} {n:7d} tok  kv {row['kv_dtype']:13s} cross {row['cross_s']:.3f}s "
-                    f"bound {row['bound_s']:.3f}s ({row['cross_over_bound']:.2f}x)  vs bf16 {row['cross_speedup_vs_bf16']:.2f}x  "
+                    f"bound {row['bound_s']:.3f}s ({row['cross_over_bound']:.2f}x)  "
+                    f"vs bf16 {row['cross_speedup_vs_bf16']:.2f}x  "
                     f"kv {row['kv_bytes'] / 2**30:.2f} GiB  top1 {row['top1_agreement']:.3f}  "
                     f"dlogprob max {row['max_logprob_delta']:.4f} mean {row['mean_logprob_delta']:.4f}",
                     flush=True,

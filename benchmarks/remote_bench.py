@@ -9,10 +9,11 @@ Byte level: N pages (the tiny model's KV for ``--tokens`` tokens: 8 layers x K,V
 back, (a) one pipelined GET of exactly the same values from the same server on a plain socket, its
 replies read into one buffer and not parsed (the ceiling of any client), (b) a lookup on pool B
 (arena emptied before each) that promotes them: fetch, verify, land in the arena, commit, answer,
-and (c) the same GETs through redis-py (last: its freed bytes objects slowed what came right after). The pools' arenas are faulted in at start (``--prefault``, as
-in a pool that has served a while); one untimed round, then medians of ``--repeats``; the ratio
-is the median of the repeats' raw-GET / promote ratios. Then the promotion again from a cluster of ``--cluster-nodes``
-primaries on loopback (one machine: the nodes share its cores with the pools).
+and (c) the same GETs through redis-py (last: its freed bytes objects slowed what came right after).
+The pools' arenas are faulted in at start (``--prefault``, as in a pool that has served a while); one
+untimed round, then medians of ``--repeats``; the ratio is the median of the repeats' raw-GET / promote
+ratios. Then the promotion again from a cluster of ``--cluster-nodes`` primaries on loopback (one
+machine: the nodes share its cores with the pools).
 
 Engine level (skip with --no-engine): the tiny model on CPU, the same prompt, time to first token
 cold (engine on A computes and stores), through the store (a fresh engine on B: the lookup
@@ -314,7 +315,8 @@ def report(result: dict) -> str:
     ms = lambda xs: statistics.median(xs) * 1e3  # noqa: E731
     lines = [
         f"remote tier, {b['pages']} pages of {b['page_bytes'] >> 20} MiB = {mib:.0f} MiB (tiny model, {b['tokens']} "
-        f"tokens), parts of {b['part_bytes'] >> 20} MiB, batches of {b['batch_bytes'] >> 20} MiB, {b['readers']} readers, "
+        f"tokens), parts of {b['part_bytes'] >> 20} MiB, batches of {b['batch_bytes'] >> 20} MiB, "
+        f"{b['readers']} readers, "
         f"{b['repeats']} repeats, medians; {result['cores']} cores, load {result['load']:.1f}",
         f"  raw-socket pipelined GET  {b['raw_get_gb_s']:.2f} GB/s  ({ms(b['raw_get_s']):.0f} ms)",
         f"  redis-py pipelined GET    {b['redispy_get_gb_s']:.2f} GB/s  ({ms(b['redispy_get_s']):.0f} ms)",

@@ -106,7 +106,8 @@ def measure_h2d(device: str) -> tuple[float, bool, int]:
         return FALLBACK_H2D, False, 0
     code = (
         "import torch, json\n"
-        "n = 1 << 30\nh = torch.empty(n, dtype=torch.uint8).pin_memory()\nd = torch.empty(n, dtype=torch.uint8, device='cuda')\n"
+        "n = 1 << 30\nh = torch.empty(n, dtype=torch.uint8).pin_memory()\n"
+        "d = torch.empty(n, dtype=torch.uint8, device='cuda')\n"
         "best = 0.0\nfor _ in range(5):\n"
         "    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)\n"
         "    s.record(); d.copy_(h, non_blocking=True); e.record(); e.synchronize()\n"

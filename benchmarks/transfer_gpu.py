@@ -207,23 +207,25 @@ def short(row: dict) -> str:
     if "error" in row:
         return "ERROR " + row["error"]
     return (
-        f"load {row['load']['gbps']:.1f} GB/s ({row['load_ratio']:.2f}), store {row['store']['copy_only_gbps']:.1f} GB/s "
+        f"load {row['load']['gbps']:.1f} GB/s ({row['load_ratio']:.2f}), "
+        f"store {row['store']['copy_only_gbps']:.1f} GB/s "
         f"({row['store_ratio']:.2f}), store+checksums {row['store']['gbps']:.1f} GB/s, exact={row['exact']}"
     )
 
 
 def table(results: dict) -> str:
-    lines = [
-        f"device: {results['env']['device']}, torch {results['env']['torch']}, cuda-bindings {results['env']['cuda_bindings']}"
-    ]
+    env = results["env"]
+    lines = [f"device: {env['device']}, torch {env['torch']}, cuda-bindings {env['cuda_bindings']}"]
     pool = results.get("pool", {})
     if pool:
         lines.append(
             f"pool: {pool['size_bytes'] / GiB:.0f} GiB, extents {pool['extent_bytes'] / GiB:.2f} GiB, "
-            f"registration {pool['registration_s']:.2f} s ({pool['size_bytes'] / pool['registration_s'] / 1e9:.1f} GB/s)"
+            f"registration {pool['registration_s']:.2f} s "
+            f"({pool['size_bytes'] / pool['registration_s'] / 1e9:.1f} GB/s)"
         )
     lines.append(
-        f"{'model':5} {'tokens':>7} {'GiB':>6} {'method':9} {'load GB/s':>9} {'ratio':>6} {'store GB/s':>10} {'ratio':>6} {'+cksum':>7} {'ref h2d/d2h':>12} exact"
+        f"{'model':5} {'tokens':>7} {'GiB':>6} {'method':9} {'load GB/s':>9} {'ratio':>6} {'store GB/s':>10} "
+        f"{'ratio':>6} {'+cksum':>7} {'ref h2d/d2h':>12} exact"
     )
     for r in results["runs"]:
         head = f"{r['model']:5} {r['tokens']:>7} {r['bytes'] / GiB:>6.2f} {r['method']:9}"
@@ -233,7 +235,8 @@ def table(results: dict) -> str:
         flag = lambda x: f"{x:.2f}" + ("*" if x < 0.9 else " ")  # noqa: E731
         ref = r["reference"]
         lines.append(
-            f"{head} {r['load']['gbps']:>9.1f} {flag(r['load_ratio']):>6} {r['store']['copy_only_gbps']:>10.1f} {flag(r['store_ratio']):>6} "
+            f"{head} {r['load']['gbps']:>9.1f} {flag(r['load_ratio']):>6} "
+            f"{r['store']['copy_only_gbps']:>10.1f} {flag(r['store_ratio']):>6} "
             f"{r['store']['gbps']:>7.1f} {ref['h2d']['gbps']:>5.1f}/{ref['d2h']['gbps']:<6.1f} {r['exact']}"
         )
     lines.append("(* ratio below the 0.9 target; +cksum: store GB/s including checksums, what a caller waits for)")

@@ -49,7 +49,8 @@ class ClusterSpec:
 
 
 class Cluster:
-    """The child processes of one ``ClusterSpec``; ``start()``, then ``phase("A")`` / ``phase("B")``, then ``stop()``."""
+    """The child processes of one ``ClusterSpec``: ``start()``, then ``phase("A")`` / ``phase("B")``, then
+    ``stop()``."""
 
     def __init__(self, spec: ClusterSpec) -> None:
         self.spec = spec

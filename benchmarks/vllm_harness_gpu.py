@@ -1,7 +1,8 @@
 """The vLLM connector on the H200, vLLM-shaped: replica A computes and stores, replica B (a fresh process) loads.
 
     PYTHONPATH=. python3 benchmarks/vllm_harness_gpu.py --out DIR [--cases 8b:32768,8b:131072,32b:32768,32b:131072]
-    PYTHONPATH=. python3 benchmarks/vllm_harness_gpu.py --out DIR --cases tiny:1024 --device cpu   (a dry run of the logic)
+    PYTHONPATH=. python3 benchmarks/vllm_harness_gpu.py --out DIR --cases tiny:1024 --device cpu
+        (the last: a dry run of the logic)
 
 vLLM cannot be installed on the GPU machine, so the connector's own scheduler and worker objects
 (PoolScheduler; PoolKVWorker through kvshare.integrations.vllm.worker, which KVShareConnector

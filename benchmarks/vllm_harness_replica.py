@@ -4,9 +4,11 @@ The connector's two sides (PoolScheduler, and PoolKVWorker through kvshare.integ
 the very object KVShareConnector forwards vLLM's calls to) over vLLM-0.32-shaped flash-attention
 KV tensors, driven in the order vLLM's GPU model runner calls them, per step::
 
-    scheduler  get_num_new_matched_tokens (match) -> update_state_after_alloc (allocated) -> build_connector_meta (plan_step)
-    worker     start_load_kv -> per layer: [KV update of the step's tokens] wait_for_layer_load, attention, save_kv_layer
-               -> wait_for_save -> get_block_ids_with_load_errors -> build_connector_worker_meta -> request_finished
+    scheduler  get_num_new_matched_tokens (match) -> update_state_after_alloc (allocated)
+               -> build_connector_meta (plan_step)
+    worker     start_load_kv -> per layer: [KV update of the step's tokens] wait_for_layer_load, attention,
+               save_kv_layer -> wait_for_save -> get_block_ids_with_load_errors -> build_connector_worker_meta
+               -> request_finished
 
 The compute is a real decoder layer of the preset's shape (kvshare.engine.model.DecoderLayer, random
 weights; ONE layer's weights applied at every one of the L layers to save memory), attention reading

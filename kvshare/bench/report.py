@@ -137,7 +137,8 @@ def tables(records: list[Record]) -> list[Table]:
                 ),
                 f"Primed on replica A, measured on replica B. Bootstrap 95% intervals of the median (fixed seed) "
                 f"where a condition has at least {MIN_N_FOR_CI} requests. Paired ratio: median over positions of "
-                f"ON/OFF, the k-th OFF block paired with the k-th ON block. Outputs: measured ON token ids (and the primes') "
+                f"ON/OFF, the k-th OFF block paired with the k-th ON block. "
+                f"Outputs: measured ON token ids (and the primes') "
                 f"against a recompute of the same prompt.",
             )
         )
@@ -236,7 +237,8 @@ def divergence_table(parted: list[Record]) -> Table:
             "output token",
         ),
         tuple(rows),
-        "The rule (docs/validate.md): with reuse, token ids equal a recompute's; on bf16 up to the first step whose top-2 logprob gap "
+        "The rule (docs/validate.md): with reuse, token ids equal a recompute's; "
+        "on bf16 up to the first step whose top-2 logprob gap "
         "(the reference's top-1 minus top-2 logprob) is below 1e-3. Step: the first differing token (from 0). "
         "Near tie: parted at such a step (allowed). MISMATCH: parted at a larger gap, or one output is longer: "
         "reuse changed the output. Gap unknown: no logprobs for that step (records written before the bench "

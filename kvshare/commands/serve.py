@@ -109,7 +109,8 @@ def add_kv_dtype_argument(p: argparse.ArgumentParser) -> None:
         "--kv-dtype",
         choices=KV_DTYPE_CHOICES,
         default="auto",
-        help="the KV cache's dtype, so the pool pages' (default auto: the model's); fp8 is float8_e4m3fn with scale 1.0, half of bf16's bytes",
+        help="the KV cache's dtype, so the pool pages' (default auto: the model's); "
+        "fp8 is float8_e4m3fn with scale 1.0, half of bf16's bytes",
     )
 
 

@@ -7,7 +7,8 @@ shapes carry the 131072-token BPE of kvshare.engine.bpe, so a text prompt costs 
 checkpoint. Contexts: ``qwen3-8b`` takes 262144 positions (the study's 256k: 36 GiB
 of KV), ``qwen3-32b`` 131072 (its 128k: 32 GiB; at 256k its KV alone would be 64 GiB beside
 61 GiB of weights). On CUDA a replica allocates the KV of its whole context at start-up, so
-pass ``--max-model-len`` to run the 8B shape in less memory. Same preset, seed and init device -> the same weights, bitwise.
+pass ``--max-model-len`` to run the 8B shape in less memory. Same preset, seed and init device -> the same
+weights, bitwise.
 
 A preset built in memory is named by its recipe: its weights are a function of the config.json
 bytes and of the safetensors header, whose metadata holds FORMAT, the seed and the init device, so

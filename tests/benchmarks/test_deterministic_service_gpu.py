@@ -1,4 +1,5 @@
-"""benchmarks/deterministic_service_gpu.py (and its plan, deterministic_service_plan.py): its plans for the H200 shapes (pure) and CPU dry runs of both layouts."""
+"""benchmarks/deterministic_service_gpu.py (and its plan, deterministic_service_plan.py): its plans for the H200
+shapes (pure) and CPU dry runs of both layouts."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Decoding: greedy, seeded sampling, top-p/top-k/min-p, logit_bias, penalties, stop tokens, max_tokens, logprobs, limits."""
+"""Decoding: greedy, seeded sampling, top-p/top-k/min-p, logit_bias, penalties, stop tokens, max_tokens, logprobs,
+limits."""
 
 from __future__ import annotations
 

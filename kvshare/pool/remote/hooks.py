@@ -43,7 +43,8 @@ class RemoteHooks(Protocol):
         """Fetch ``keys[num_local:]`` from the store into the index; True: ``on_done()`` is called once, later."""
 
     def on_prefill(self, namespace: bytes, page_bytes: int, num_chunks: int, seconds: float) -> None:
-        """A replica prefilled ``num_chunks`` chunks of ``namespace`` cold in ``seconds``: promote only what beats that."""
+        """A replica prefilled ``num_chunks`` chunks of ``namespace`` cold in ``seconds``: promote only what
+        beats that."""
 
     def poll(self) -> None:
         """Apply the results the worker threads handed back (``wakeup`` was readable)."""
