@@ -36,7 +36,13 @@ _UNFORMATTED = re.compile(r"^(?:Would reformat: (?P<old>\S+)|(?P<path>\S+?):\d+:
 
 
 def _ruff() -> str:
-    path = shutil.which("ruff")
+    """The ruff binary of this interpreter's environment (pip's ruff package), else the one on PATH."""
+    try:
+        from ruff.__main__ import find_ruff_bin
+
+        return str(find_ruff_bin())
+    except (ImportError, FileNotFoundError):
+        path = shutil.which("ruff")
     if path is None:
         pytest.skip("ruff is not installed (it is a dev dependency: pip install -e .[dev])")
     return path
