@@ -260,9 +260,8 @@ def case_on_b(c: Cluster, args, plan: ModelPlan, n: int, got: dict) -> list[dict
         for case, result in (("prime", got["prime"]), ("cross", cross), ("local", got["local"]))
     ]
     for row in rows[1:]:
-        if not (row["pool_tokens"] or 0) + (
-            row["local_tokens"] or 0
-        ):  # equal because nothing was reused proves nothing
+        # equal because nothing was reused proves nothing
+        if not (row["pool_tokens"] or 0) + (row["local_tokens"] or 0):
             row["passed"], row["error"] = False, "nothing reused"
     return rows
 

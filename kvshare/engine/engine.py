@@ -238,9 +238,8 @@ class Engine:
                     elif num_generated >= params.max_tokens or position + 1 >= self.max_model_len:
                         finish = "length"
                     if finish is not None and publishing is not None:
-                        wait_for(
-                            publishing
-                        )  # a response's last token says its prompt is stored (the next turn's lookup)
+                        # a response's last token says its prompt is stored (the next turn's lookup)
+                        wait_for(publishing)
                     yield TokenEvent(token.token_id, token.logprob, token.top_logprobs, finish, provenance)
                     if publishing is None:  # after the first token, and beside the decode: it delays no other
                         publishing = self._publisher.submit(self._publish, kv, keys, digest, account, options, ids)

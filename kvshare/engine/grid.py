@@ -99,9 +99,8 @@ def kernel_build(device: torch.device) -> str:
     (a reduction split over more threads may round differently).
     """
     if device.type == "cuda":
-        props = torch.cuda.get_device_properties(
-            device
-        )  # SMs too: a MIG slice of the same GPU may split work otherwise
+        # SMs too: a MIG slice of the same GPU may split work otherwise
+        props = torch.cuda.get_device_properties(device)
         return "|".join(
             (
                 "cuda",

@@ -37,10 +37,9 @@ class PromptPublisher:
         both only read ``kv``; the request's lock is held until both are done. ``account``: whose pool quota."""
         # the request's stream: the local copies go on it (after the prefill, before kv is written next)
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        announced = None if options.tenant else ids  # a tenant's ids: never announced
         local = (
-            self._local_inserter.submit(
-                self._insert_locally, kv, keys, stream, None if options.tenant else ids
-            )  # a tenant's ids: never announced
+            self._local_inserter.submit(self._insert_locally, kv, keys, stream, announced)
             if options.use_local_cache and self._local.capacity_bytes > 0
             else None
         )

@@ -25,9 +25,8 @@ class RouterConfig:
     api_keys: tuple[str, ...] = ()  # empty: no authentication
     admin_key: str = ""  # /admin/ needs it (--admin-key-file, $KVSHARE_ADMIN_KEY); none: open only without API keys
     write_timeout_s: float = 30.0  # a client that takes longer to accept one write of a response is dropped
-    stream_buffer_bytes: int = (
-        256 << 10
-    )  # kernel send buffer towards a client (kvshare.serve.connection.limit_send_buffer)
+    # kernel send buffer towards a client (kvshare.serve.connection.limit_send_buffer)
+    stream_buffer_bytes: int = 256 << 10
     instance_id: str = ""  # --instance-id: kvshare up's id of this process, reported by /health
     tenant_header: str = ""  # the replicas' --tenant-header: with the API key it seeds cache_aware's prefix memory
     expose_replica_header: bool = False  # X-KVShare-Replica on responses: says which replica holds a prefix

@@ -52,9 +52,8 @@ def test_local_reuse_equals_cold(tiny_dir, prompts):
     cold, _ = run(engine, ids, COLD)
     assert run(engine, ids) == (cold, (32, 0, 40))
     stats = engine.stats()
-    assert (
-        stats.prompt_tokens_local == 48 + 64 + 32 and stats.local_cache_chunks == 4 + 4 + 2
-    )  # the third prompt shares two chunks
+    # the third prompt shares two chunks
+    assert stats.prompt_tokens_local == 48 + 64 + 32 and stats.local_cache_chunks == 4 + 4 + 2
 
 
 def test_local_cache_bound_and_option(tiny_dir, prompts):
