@@ -11,6 +11,7 @@ Python's default GIL switch interval and once with 0.1 ms: whether that thread's
 
     PYTHONPATH=. python3 benchmarks/decode_step_gpu.py --model qwen3-8b --contexts 32768,131072 --out decode.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,8 +38,16 @@ def main() -> None:
     ap.add_argument("--beside-copies", action="store_true", help="also steps beside a thread copying KV chunks")
     args = ap.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
-    engine = Engine(EngineConfig(model=args.model, device="cuda", max_model_len=max(contexts) + 1024,
-                                 preallocate_kv=False, enforce_eager=True, local_cache_bytes=0))
+    engine = Engine(
+        EngineConfig(
+            model=args.model,
+            device="cuda",
+            max_model_len=max(contexts) + 1024,
+            preallocate_kv=False,
+            enforce_eager=True,
+            local_cache_bytes=0,
+        )
+    )
     mc, model = engine.model_config, engine.model
     rows = []
     for context in contexts:
@@ -72,7 +81,10 @@ def main() -> None:
                         times[kind].append(time.perf_counter() - t)
                         position += 1
             if args.beside_copies:
-                for name, interval in (("graphs_beside_copies", sys.getswitchinterval()), ("graphs_beside_copies_0.1ms", 1e-4)):
+                for name, interval in (
+                    ("graphs_beside_copies", sys.getswitchinterval()),
+                    ("graphs_beside_copies_0.1ms", 1e-4),
+                ):
                     default_interval = sys.getswitchinterval()
                     sys.setswitchinterval(interval)
                     try:
@@ -81,10 +93,19 @@ def main() -> None:
                         sys.setswitchinterval(default_interval)
         eager_ms = statistics.median(times["eager"]) * 1e3
         graph_ms = statistics.median(times["graphs"]) * 1e3
-        row = {"model": args.model, "context": context, "eager_ms": round(eager_ms, 3), "graphs_ms": round(graph_ms, 3),
-               "speedup": round(eager_ms / graph_ms, 2), "eager_p90_ms": round(_p90(times["eager"]) * 1e3, 3),
-               "graphs_p90_ms": round(_p90(times["graphs"]) * 1e3, 3), "capture_s": round(capture_s, 3),
-               "max_abs_logit_diff": diff, "same_argmax": same_argmax, "steps_each": len(times["eager"])}
+        row = {
+            "model": args.model,
+            "context": context,
+            "eager_ms": round(eager_ms, 3),
+            "graphs_ms": round(graph_ms, 3),
+            "speedup": round(eager_ms / graph_ms, 2),
+            "eager_p90_ms": round(_p90(times["eager"]) * 1e3, 3),
+            "graphs_p90_ms": round(_p90(times["graphs"]) * 1e3, 3),
+            "capture_s": round(capture_s, 3),
+            "max_abs_logit_diff": diff,
+            "same_argmax": same_argmax,
+            "steps_each": len(times["eager"]),
+        }
         for name in ("graphs_beside_copies", "graphs_beside_copies_0.1ms"):
             if name in times:
                 row[name + "_ms"] = round(statistics.median(times[name]) * 1e3, 3)
@@ -93,8 +114,17 @@ def main() -> None:
         del graphs, kv, saved
         torch.cuda.empty_cache()
     with open(args.out, "w") as f:
-        json.dump({"command": "benchmarks/decode_step_gpu.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
-                   "device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+        json.dump(
+            {
+                "command": "benchmarks/decode_step_gpu.py "
+                + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
+                "device": torch.cuda.get_device_name(),
+                "torch": torch.__version__,
+                "rows": rows,
+            },
+            f,
+            indent=1,
+        )
 
 
 def _beside_copies(graphs: DecodeGraphs, kv: torch.Tensor, position: int, steps: int) -> tuple[list[float], int]:
@@ -107,6 +137,7 @@ def _beside_copies(graphs: DecodeGraphs, kv: torch.Tensor, position: int, steps:
             while not stop.is_set():
                 kv[:, :, :, (i % 64) * 256 : (i % 64 + 1) * 256].clone()
                 i += 1
+
     thread = threading.Thread(target=copy_chunks, daemon=True)
     thread.start()
     times = []

@@ -39,11 +39,28 @@ import sys
 import time
 import traceback
 
-ROW_FIELDS = ("model", "prompt_tokens", "check", "mode", "grid_tokens", "cold_speed_vs_fast_mode", "tokens_equal",
-              "logprobs_equal", "expected", "passed", "first_difference", "local_tokens", "pool_tokens")
+ROW_FIELDS = (
+    "model",
+    "prompt_tokens",
+    "check",
+    "mode",
+    "grid_tokens",
+    "cold_speed_vs_fast_mode",
+    "tokens_equal",
+    "logprobs_equal",
+    "expected",
+    "passed",
+    "first_difference",
+    "local_tokens",
+    "pool_tokens",
+)
 CHECKS = {  # check -> what the row must show (None: information only)
-    "cross-replica": "equal", "local": "equal", "flipped byte, checksums off": "differ",
-    "flipped byte, checksums on": "equal", "fast mode pool reuse (contrast)": None, "speed": None,
+    "cross-replica": "equal",
+    "local": "equal",
+    "flipped byte, checksums off": "differ",
+    "flipped byte, checksums on": "equal",
+    "fast mode pool reuse (contrast)": None,
+    "speed": None,
 }
 
 
@@ -53,13 +70,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda")
     p.add_argument("--model", default="qwen3-8b", help="preset of the exactness runs")
     p.add_argument("--tokens", type=int, default=32768, help="prompt tokens")
-    p.add_argument("--grids", default="256,2048", help="grids whose cold prefill is timed (multiples of --chunk-tokens)")
+    p.add_argument(
+        "--grids", default="256,2048", help="grids whose cold prefill is timed (multiples of --chunk-tokens)"
+    )
     p.add_argument("--speed-models", default="qwen3-32b", help="presets timed too, if the budget allows ('' for none)")
     p.add_argument("--chunk-tokens", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--time-budget", type=float, default=210.0, help="seconds; a step that would end past it is skipped")
-    p.add_argument("--speed-model-s", type=float, default=70.0, help="seconds one --speed-models step needs (32B at 32k)")
+    p.add_argument(
+        "--speed-model-s", type=float, default=70.0, help="seconds one --speed-models step needs (32B at 32k)"
+    )
     args = p.parse_args(argv)
     args.grid_list = parse_grids(args.grids, args.chunk_tokens)
     if args.chunk_tokens not in args.grid_list:  # the exactness runs' grid is always timed
@@ -94,23 +115,46 @@ def compare_runs(reference: list, candidate: list) -> dict:
 
     ref_ids, got_ids = [e.token_id for e in reference], [e.token_id for e in candidate]
     logprobs_equal = len(reference) == len(candidate) and all(
-        a.logprob == b.logprob and a.top_logprobs == b.top_logprobs for a, b in zip(reference, candidate))
+        a.logprob == b.logprob and a.top_logprobs == b.top_logprobs for a, b in zip(reference, candidate)
+    )
     tops = [[e.logprob, *(e.top_logprobs or {}).values()] for e in reference]
     got_tops = [[e.logprob, *(e.top_logprobs or {}).values()] for e in candidate]
     cmp = compare_tokens(ref_ids, got_ids, tops, candidate_top_logprobs=got_tops, is_exact=True)
-    return {"tokens_equal": ref_ids == got_ids, "logprobs_equal": logprobs_equal,
-            "first_difference": None if cmp.is_identical else cmp.describe()}
+    return {
+        "tokens_equal": ref_ids == got_ids,
+        "logprobs_equal": logprobs_equal,
+        "first_difference": None if cmp.is_identical else cmp.describe(),
+    }
 
 
-def make_row(model: str, tokens: int, check: str, mode: str, grid: int | None, speed: float | None,
-             comparison: dict | None = None, provenance=None, **extra) -> dict:
+def make_row(
+    model: str,
+    tokens: int,
+    check: str,
+    mode: str,
+    grid: int | None,
+    speed: float | None,
+    comparison: dict | None = None,
+    provenance=None,
+    **extra,
+) -> dict:
     expected = CHECKS[check]
     comparison = comparison or {"tokens_equal": None, "logprobs_equal": None, "first_difference": None}
     exact = comparison["tokens_equal"] is True and comparison["logprobs_equal"] is True
     passed = None if expected is None else (exact if expected == "equal" else not exact)
-    row = {"model": model, "prompt_tokens": tokens, "check": check, "mode": mode, "grid_tokens": grid,
-           "cold_speed_vs_fast_mode": speed, **comparison, "expected": expected, "passed": passed,
-           "local_tokens": getattr(provenance, "local_tokens", None), "pool_tokens": getattr(provenance, "pool_tokens", None)}
+    row = {
+        "model": model,
+        "prompt_tokens": tokens,
+        "check": check,
+        "mode": mode,
+        "grid_tokens": grid,
+        "cold_speed_vs_fast_mode": speed,
+        **comparison,
+        "expected": expected,
+        "passed": passed,
+        "local_tokens": getattr(provenance, "local_tokens", None),
+        "pool_tokens": getattr(provenance, "pool_tokens", None),
+    }
     return {**row, **extra}
 
 
@@ -134,7 +178,10 @@ def pool_bytes(page_bytes: int, num_chunks: int, num_namespaces: int) -> int:
 
 def weights_bytes(cfg) -> int:
     """Bytes of a model's weights, from its shape: projections and MLP per layer, the embedding and the head."""
-    per_layer = cfg.hidden_size * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + 3 * cfg.hidden_size * cfg.intermediate_size
+    per_layer = (
+        cfg.hidden_size * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+        + 3 * cfg.hidden_size * cfg.intermediate_size
+    )
     tables = (1 if cfg.tie_word_embeddings else 2) * cfg.vocab_size * cfg.hidden_size
     return (4 if cfg.dtype == "float32" else 2) * (cfg.num_layers * per_layer + tables)
 
@@ -151,13 +198,24 @@ def exactness_misfit(cfg, name: str, tokens: int, max_tokens: int, gpu_bytes: in
     need = exactness_bytes(cfg, tokens, max_tokens)
     if gpu_bytes is None or need <= 0.92 * gpu_bytes:
         return None
-    return (f"exactness (engines A and B of {name} at {tokens} tokens at once need ~{need / 1e9:.0f} GB, the GPU has "
-            f"{gpu_bytes / 1e9:.0f} GB; one replica at a time: deterministic_service_gpu.py --layout sequential)")
+    return (
+        f"exactness (engines A and B of {name} at {tokens} tokens at once need ~{need / 1e9:.0f} GB, the GPU has "
+        f"{gpu_bytes / 1e9:.0f} GB; one replica at a time: deterministic_service_gpu.py --layout sequential)"
+    )
 
 
 def table(rows: list[dict]) -> str:
-    cols = ("model", "prompt_tokens", "check", "mode", "grid_tokens", "cold_speed_vs_fast_mode", "tokens_equal",
-            "logprobs_equal", "passed")
+    cols = (
+        "model",
+        "prompt_tokens",
+        "check",
+        "mode",
+        "grid_tokens",
+        "cold_speed_vs_fast_mode",
+        "tokens_equal",
+        "logprobs_equal",
+        "passed",
+    )
     lines = [" | ".join(cols)]
     lines += [" | ".join(str(r.get(c)) for c in cols) for r in rows]
     return "\n".join(lines)
@@ -194,8 +252,9 @@ def speed_step(model, device, tokens: int, grids: list[int], repeats: int) -> di
     from kvshare.engine.grid import grid_forward
 
     c = model.config
-    kv = torch.empty(c.num_layers, 2, c.num_kv_heads, tokens, c.head_dim,
-                     dtype=model.model.embed_tokens.weight.dtype, device=device)
+    kv = torch.empty(
+        c.num_layers, 2, c.num_kv_heads, tokens, c.head_dim, dtype=model.model.embed_tokens.weight.dtype, device=device
+    )
     ids = torch.tensor(prompt_ids(tokens, c.vocab_size), device=device)
     runs = {"fast": lambda n: model(ids[:n], kv, 0, 4096)}
     for g in grids:
@@ -205,7 +264,6 @@ def speed_step(model, device, tokens: int, grids: list[int], repeats: int) -> di
         for name, run in runs.items():
             timed(device, lambda: run(min(tokens, 4097)))  # kernels chosen, workspaces allocated
             out[name] = min(timed(device, lambda: run(tokens)) for _ in range(repeats))
-    del kv
     return out
 
 
@@ -225,15 +283,17 @@ def invariance_probe(model, device, grid: int, n: int = 4096) -> dict:
     with torch.inference_mode(), sdpa_kernel(grid_backends(device), set_priority=True):
         whole = attend(q, k, v, 0)
         out["attention_query_chunk_invariant"] = all(
-            torch.equal(attend(q[:, s:s + grid], k[:, :s + grid], v[:, :s + grid], s), whole[:, s:s + grid])
-            for s in range(0, n, grid))
+            torch.equal(attend(q[:, s : s + grid], k[:, : s + grid], v[:, : s + grid], s), whole[:, s : s + grid])
+            for s in range(0, n, grid)
+        )
         layer = model.model.layers[0]
         for name in ("q_proj", "o_proj", "gate_proj", "down_proj"):
             linear = getattr(layer.self_attn, name, None) or getattr(layer.mlp, name)
             x = rand(n, linear.in_features)
             full = linear(x)
             out[f"{name}_rows_invariant_{grid}_vs_{n}"] = all(
-                torch.equal(linear(x[s:s + grid]), full[s:s + grid]) for s in range(0, n, grid))
+                torch.equal(linear(x[s : s + grid]), full[s : s + grid]) for s in range(0, n, grid)
+            )
     return out
 
 
@@ -245,15 +305,27 @@ def exactness_step(args, device, sock: str, rows: list, budget: Budget, skipped:
     from kvshare.keys import chunk_keys, namespace_digest
     from kvshare.pool.client import PoolClient
 
-    cold, pool_only, local_only = (RequestOptions(use_pool=False, use_local_cache=False),
-                                   RequestOptions(use_local_cache=False), RequestOptions(use_pool=False))
+    cold, pool_only, local_only = (
+        RequestOptions(use_pool=False, use_local_cache=False),
+        RequestOptions(use_local_cache=False),
+        RequestOptions(use_pool=False),
+    )
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, logprobs=5)
     n = args.tokens
 
     def engine(deterministic: bool, verify: bool, local_bytes: int) -> Engine:
-        return Engine(EngineConfig(model=args.model, device=args.device, pool_socket=sock, chunk_tokens=args.chunk_tokens,
-                                   local_cache_bytes=local_bytes, verify_checksums=verify, max_model_len=n + args.max_tokens + 8,
-                                   deterministic=deterministic))
+        return Engine(
+            EngineConfig(
+                model=args.model,
+                device=args.device,
+                pool_socket=sock,
+                chunk_tokens=args.chunk_tokens,
+                local_cache_bytes=local_bytes,
+                verify_checksums=verify,
+                max_model_len=n + args.max_tokens + 8,
+                deterministic=deterministic,
+            )
+        )
 
     def run(e: Engine, options) -> list:
         return list(e.generate(ids, params, options))
@@ -261,8 +333,17 @@ def exactness_step(args, device, sock: str, rows: list, budget: Budget, skipped:
     a = engine(True, True, 64 << 30)
     ids = prompt_ids(n, a.model_config.vocab_size)
     speed = args.speed.get(args.model)
-    row = lambda check, ref, got, **kw: make_row(args.model, n, check, "deterministic", args.chunk_tokens, speed,  # noqa: E731
-                                                 compare_runs(ref, got), got[0].provenance, **kw)
+    row = lambda check, ref, got, **kw: make_row(
+        args.model,
+        n,
+        check,
+        "deterministic",
+        args.chunk_tokens,
+        speed,  # noqa: E731
+        compare_runs(ref, got),
+        got[0].provenance,
+        **kw,
+    )
     reference = run(a, cold)
     run(a, RequestOptions())  # stores every full chunk in the pool and the local cache
     b = engine(True, False, 0)
@@ -274,8 +355,9 @@ def exactness_step(args, device, sock: str, rows: list, budget: Budget, skipped:
         itemsize = 4 if a.model_config.dtype == "float32" else 2
         client.page(page.offset, page.page_bytes)[flip_offset(itemsize)] ^= 0xFF  # chunk 1, layer 0, a K value
     rows.append(row("flipped byte, checksums off", reference, run(b, pool_only)))
-    rows.append(row("flipped byte, checksums on", reference, run(a, pool_only),
-                    checksum_failures=a.stats().checksum_failures))
+    rows.append(
+        row("flipped byte, checksums on", reference, run(a, pool_only), checksum_failures=a.stats().checksum_failures)
+    )
     a.close()
     b.close()
     del a, b
@@ -287,14 +369,23 @@ def exactness_step(args, device, sock: str, rows: list, budget: Budget, skipped:
         reference = run(f, cold)
         run(f, RequestOptions())
         got = run(f, pool_only)
-        rows.append(make_row(args.model, n, "fast mode pool reuse (contrast)", "fast", None, speed,
-                             compare_runs(reference, got), got[0].provenance))
+        rows.append(
+            make_row(
+                args.model,
+                n,
+                "fast mode pool reuse (contrast)",
+                "fast",
+                None,
+                speed,
+                compare_runs(reference, got),
+                got[0].provenance,
+            )
+        )
         f.close()
 
 
 def model_step(name: str, args, device, rows: list, probes: dict, repeats: int) -> None:
     """Self-test, probes and speed of one preset; fills args.speed[name]."""
-    import torch
 
     from kvshare.engine.grid_check import check_grid
     from kvshare.engine.presets import build_preset
@@ -303,17 +394,29 @@ def model_step(name: str, args, device, rows: list, probes: dict, repeats: int) 
     model.setup_buffers()
     started = time.perf_counter()
     results = check_grid(model, device, args.chunk_tokens)
-    probes[name] = {"self_test": {r.name: r.is_exact or r.detail for r in results},
-                    "self_test_s": round(time.perf_counter() - started, 2),
-                    **invariance_probe(model, device, args.chunk_tokens, min(4096, args.tokens))}
+    probes[name] = {
+        "self_test": {r.name: r.is_exact or r.detail for r in results},
+        "self_test_s": round(time.perf_counter() - started, 2),
+        **invariance_probe(model, device, args.chunk_tokens, min(4096, args.tokens)),
+    }
     seconds = speed_step(model, device, args.tokens, args.grid_list, repeats)
     probes[name]["cold_prefill_s"] = {k: round(v, 3) for k, v in seconds.items()}
     for g in args.grid_list:
         ratio = speed_ratio(seconds["fast"], seconds[f"grid {g}"])
         if g == args.chunk_tokens:
             args.speed[name] = ratio
-        rows.append(make_row(name, args.tokens, "speed", "deterministic", g, ratio, cold_fast_s=round(seconds["fast"], 3),
-                             cold_deterministic_s=round(seconds[f"grid {g}"], 3)))
+        rows.append(
+            make_row(
+                name,
+                args.tokens,
+                "speed",
+                "deterministic",
+                g,
+                ratio,
+                cold_fast_s=round(seconds["fast"], 3),
+                cold_deterministic_s=round(seconds[f"grid {g}"], 3),
+            )
+        )
     del model
 
 
@@ -363,10 +466,16 @@ def main(argv=None) -> int:
     for name in args.speed_model_list:
         if name != args.model and budget.allows(f"speed of {name}", skipped, needs_s=args.speed_model_s):
             step(f"speed of {name}", lambda name=name: model_step(name, args, device, rows, probes, 1))
-    result = {"rows": rows, "probes": probes, "skipped": skipped, "errors": errors, "kernel_build": kernel_build(device),
-              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "elapsed_s": round(time.monotonic() - budget.started, 1),
-              "passed": not errors and all(r["passed"] is not False for r in rows)}
+    result = {
+        "rows": rows,
+        "probes": probes,
+        "skipped": skipped,
+        "errors": errors,
+        "kernel_build": kernel_build(device),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "elapsed_s": round(time.monotonic() - budget.started, 1),
+        "passed": not errors and all(r["passed"] is not False for r in rows),
+    }
     with open(os.path.join(args.out, "deterministic.json"), "w") as f:
         json.dump(result, f, indent=2)
     print(table(rows))

@@ -48,20 +48,36 @@ import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # up_cluster and the plan beside this script
 
-from kvshare.validate.service_http import get_json, post_json  # noqa: E402
 from deterministic_service_plan import GiB, ModelPlan, Step, fit_prompt, plan_model  # noqa: E402
 from up_cluster import Cluster, ClusterSpec  # noqa: E402
+
+from kvshare.validate.service_http import get_json, post_json  # noqa: E402
 
 ALIASES = {"8b": "qwen3-8b", "32b": "qwen3-32b", "tiny": "tiny"}
 TOP_LOGPROBS = 5
 POOL_OFF = {"use_pool": False, "use_local_cache": False}
 POOL_ONLY = {"use_pool": True, "use_local_cache": False}
 LOCAL_ONLY = {"use_pool": False, "use_local_cache": True}
-ROW_FIELDS = ("model", "prompt_tokens", "case", "layout", "tokens_equal", "logprobs_equal", "expected", "passed",
-              "first_difference", "replica", "local_tokens", "pool_tokens", "computed_tokens", "seconds")
+ROW_FIELDS = (
+    "model",
+    "prompt_tokens",
+    "case",
+    "layout",
+    "tokens_equal",
+    "logprobs_equal",
+    "expected",
+    "passed",
+    "first_difference",
+    "replica",
+    "local_tokens",
+    "pool_tokens",
+    "computed_tokens",
+    "seconds",
+)
+
 
 def parse_pairs(text: str) -> list[tuple[str, int]]:
-    """"8b:32768,32b:131072" -> [("qwen3-8b", 32768), ("qwen3-32b", 131072)]."""
+    """ "8b:32768,32b:131072" -> [("qwen3-8b", 32768), ("qwen3-32b", 131072)]."""
     pairs = []
     for item in filter(None, (t.strip() for t in text.split(","))):
         name, _, tokens = item.partition(":")
@@ -79,16 +95,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sessions", default="8b:32768", help="MODEL:TOKENS of six-turn sessions ('' for none)")
     p.add_argument("--model", default=None, help="shorthand: --cases and --sessions MODEL:--tokens")
     p.add_argument("--tokens", type=int, default=None)
-    p.add_argument("--layout", choices=("auto", "together", "sequential"), default="auto",
-                   help="auto: together where two replicas fit the GPU, else sequential")
+    p.add_argument(
+        "--layout",
+        choices=("auto", "together", "sequential"),
+        default="auto",
+        help="auto: together where two replicas fit the GPU, else sequential",
+    )
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--turn-tokens", type=int, default=512, help="new user ids per session turn")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--chunk-tokens", type=int, default=256)
     p.add_argument("--grid-tokens", type=int, default=None, help="default 2048 on CUDA, the chunk on CPU")
     p.add_argument("--pool-size", default=None, help="default: every prompt's pages x 1.25 + 2 GiB")
-    p.add_argument("--local-cache-size", type=int, default=None,
-                   help="bytes, at most (default: the longest prompt's KV, as far as the GPU has room)")
+    p.add_argument(
+        "--local-cache-size",
+        type=int,
+        default=None,
+        help="bytes, at most (default: the longest prompt's KV, as far as the GPU has room)",
+    )
     p.add_argument("--no-control", action="store_true", help="skip the flipped-byte negative control")
     p.add_argument("--time-budget", type=float, default=540.0, help="seconds; steps that would end past it are skipped")
     p.add_argument("--request-timeout", type=float, default=600.0)
@@ -134,8 +158,10 @@ def step_logprobs(choice: dict) -> list[list[float]]:
     """Per generated step: the chosen token's logprob, then the top values (sorted; text keys may collapse)."""
     lp = choice.get("logprobs") or {}
     chosen, tops = lp.get("token_logprobs") or [], lp.get("top_logprobs") or []
-    return [[float(c) if c is not None else float("nan"), *sorted(map(float, (t or {}).values()), reverse=True)]
-            for c, t in zip(chosen, tops)]
+    return [
+        [float(c) if c is not None else float("nan"), *sorted(map(float, (t or {}).values()), reverse=True)]
+        for c, t in zip(chosen, tops)
+    ]
 
 
 def compare(reference: dict, got: dict, expected: str = "equal") -> dict:
@@ -146,16 +172,28 @@ def compare(reference: dict, got: dict, expected: str = "equal") -> dict:
     ref_lp, lp = reference["logprobs"], got["logprobs"]
     cmp = compare_tokens(ref_ids, ids, ref_lp, candidate_top_logprobs=lp, is_exact=True)
     tokens_equal = ref_ids == ids
-    logprobs_equal = len(ref_lp) == len(lp) == len(ids) and not cmp.is_logprob_divergence and (
-        tokens_equal and cmp.is_identical)
+    logprobs_equal = (
+        len(ref_lp) == len(lp) == len(ids) and not cmp.is_logprob_divergence and (tokens_equal and cmp.is_identical)
+    )
     first = None
     if not (tokens_equal and logprobs_equal):
         step = cmp.divergence_step if cmp.divergence_step is not None else cmp.num_compared
-        first = {"step": step, "reference_token": _at(ref_ids, step), "token": _at(ids, step),
-                 "reference_logprobs": _at(ref_lp, step), "logprobs": _at(lp, step), "detail": cmp.describe()}
+        first = {
+            "step": step,
+            "reference_token": _at(ref_ids, step),
+            "token": _at(ids, step),
+            "reference_logprobs": _at(ref_lp, step),
+            "logprobs": _at(lp, step),
+            "detail": cmp.describe(),
+        }
     is_equal = tokens_equal and logprobs_equal
-    return {"tokens_equal": tokens_equal, "logprobs_equal": logprobs_equal, "first_difference": first,
-            "expected": expected, "passed": is_equal if expected == "equal" else not is_equal}
+    return {
+        "tokens_equal": tokens_equal,
+        "logprobs_equal": logprobs_equal,
+        "first_difference": first,
+        "expected": expected,
+        "passed": is_equal if expected == "equal" else not is_equal,
+    }
 
 
 def _at(seq, i):
@@ -163,23 +201,40 @@ def _at(seq, i):
 
 
 def complete(base: str, model: str, ids: list[int], max_tokens: int, extension: dict | None, timeout_s: float) -> dict:
-    body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-            "return_token_ids": True, "logprobs": TOP_LOGPROBS}
+    body = {
+        "model": model,
+        "prompt": ids,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "logprobs": TOP_LOGPROBS,
+    }
     if extension is not None:
         body["kvshare"] = extension
     started = time.perf_counter()
     out = post_json(base + "/v1/completions", body, timeout_s)
     choice, p = out["choices"][0], out.get("kvshare") or {}
-    return {"token_ids": [int(t) for t in choice["token_ids"]], "logprobs": step_logprobs(choice),
-            "replica": p.get("replica"), "local_tokens": p.get("local_tokens"), "pool_tokens": p.get("pool_tokens"),
-            "computed_tokens": p.get("computed_tokens"), "deterministic": p.get("deterministic"),
-            "seconds": round(time.perf_counter() - started, 3)}
+    return {
+        "token_ids": [int(t) for t in choice["token_ids"]],
+        "logprobs": step_logprobs(choice),
+        "replica": p.get("replica"),
+        "local_tokens": p.get("local_tokens"),
+        "pool_tokens": p.get("pool_tokens"),
+        "computed_tokens": p.get("computed_tokens"),
+        "deterministic": p.get("deterministic"),
+        "seconds": round(time.perf_counter() - started, 3),
+    }
 
 
 def make_row(model: str, n: int, case: str, reference: dict, got: dict, expected: str = "equal") -> dict:
     row = {"model": model, "prompt_tokens": n, "case": case, **compare(reference, got, expected)}
-    row.update({k: got.get(k) for k in ("replica", "local_tokens", "pool_tokens", "computed_tokens", "seconds",
-                                        "deterministic")})
+    row.update(
+        {
+            k: got.get(k)
+            for k in ("replica", "local_tokens", "pool_tokens", "computed_tokens", "seconds", "deterministic")
+        }
+    )
     row["reference_seconds"] = reference.get("seconds")
     return row
 
@@ -200,10 +255,13 @@ def case_on_a(c: Cluster, args, plan: ModelPlan, n: int, rng: random.Random) -> 
 
 def case_on_b(c: Cluster, args, plan: ModelPlan, n: int, got: dict) -> list[dict]:
     cross = complete(c.urls["B"], plan.model, got["ids"], args.max_tokens, POOL_ONLY, args.request_timeout)
-    rows = [make_row(plan.model, n, case, got["off"], result)
-            for case, result in (("prime", got["prime"]), ("cross", cross), ("local", got["local"]))]
+    rows = [
+        make_row(plan.model, n, case, got["off"], result)
+        for case, result in (("prime", got["prime"]), ("cross", cross), ("local", got["local"]))
+    ]
     for row in rows[1:]:
-        if not (row["pool_tokens"] or 0) + (row["local_tokens"] or 0):  # equal because nothing was reused proves nothing
+        # equal because nothing was reused proves nothing
+        if not (row["pool_tokens"] or 0) + (row["local_tokens"] or 0):
             row["passed"], row["error"] = False, "nothing reused"
     return rows
 
@@ -259,11 +317,27 @@ PARTS = {"case": (case_on_a, case_on_b), "control": (control_on_a, control_on_b)
 
 
 def cluster_spec(args, plan: ModelPlan) -> ClusterSpec:
-    replica_args = ("--deterministic", "--chunk-tokens", str(args.chunk_tokens), "--grid-tokens", str(args.grid_tokens),
-                    "--max-model-len", str(plan.max_model_len), "--verify-rate", "0",
-                    "--local-cache-size", str(plan.local_cache_bytes))
-    return ClusterSpec(layout=plan.layout, model=plan.model, device=args.device, pool_size=plan.pool_size,
-                       replica_args=replica_args, start_timeout_s=max(600.0, 3 * plan.start_s))
+    replica_args = (
+        "--deterministic",
+        "--chunk-tokens",
+        str(args.chunk_tokens),
+        "--grid-tokens",
+        str(args.grid_tokens),
+        "--max-model-len",
+        str(plan.max_model_len),
+        "--verify-rate",
+        "0",
+        "--local-cache-size",
+        str(plan.local_cache_bytes),
+    )
+    return ClusterSpec(
+        layout=plan.layout,
+        model=plan.model,
+        device=args.device,
+        pool_size=plan.pool_size,
+        replica_args=replica_args,
+        start_timeout_s=max(600.0, 3 * plan.start_s),
+    )
 
 
 def attempt(name: str, fn, out: dict):
@@ -277,7 +351,8 @@ def attempt(name: str, fn, out: dict):
 
 
 def run_model(args, plan: ModelPlan, budget: Budget, out: dict, rng: random.Random, save) -> None:
-    """The plan's steps on a cluster of its own; rows, steps, skips and errors go to ``out``, ``save()`` after each step."""
+    """The plan's steps on a cluster of its own; rows, steps, skips and errors go to ``out``, ``save()`` after
+    each step."""
     if plan.layout is None:
         out["skipped"].append(f"{plan.model}: {plan.reason}")
         print(f"skip {plan.model}: {plan.reason}", flush=True)
@@ -290,8 +365,13 @@ def run_model(args, plan: ModelPlan, budget: Budget, out: dict, rng: random.Rand
     if not budget.allows(f"{plan.model} cluster start", plan.start_s + plan.swap_s + first, out["skipped"]):
         return
     cluster = Cluster(cluster_spec(args, plan))
-    record = {"model": plan.model, "layout": plan.layout, "max_model_len": plan.max_model_len,
-              "local_cache_bytes": plan.local_cache_bytes, "pool_size": plan.pool_size}
+    record = {
+        "model": plan.model,
+        "layout": plan.layout,
+        "max_model_len": plan.max_model_len,
+        "local_cache_bytes": plan.local_cache_bytes,
+        "pool_size": plan.pool_size,
+    }
     out["clusters"].append(record)
 
     def finish(step: Step, got, seconds_on_a: float) -> None:
@@ -304,8 +384,13 @@ def run_model(args, plan: ModelPlan, budget: Budget, out: dict, rng: random.Rand
             r["layout"] = plan.layout
             print(format_row(r), flush=True)
         out["rows"] += rows
-        out["steps"].append({"step": step.name, "estimate_s": round(step.a_s + step.b_s, 1),
-                             "seconds": round(seconds_on_a + time.monotonic() - t0, 1)})
+        out["steps"].append(
+            {
+                "step": step.name,
+                "estimate_s": round(step.a_s + step.b_s, 1),
+                "seconds": round(seconds_on_a + time.monotonic() - t0, 1),
+            }
+        )
         save()
 
     try:
@@ -343,10 +428,12 @@ def run_model(args, plan: ModelPlan, budget: Budget, out: dict, rng: random.Rand
 def format_row(r: dict) -> str:
     diff = r["first_difference"]
     where = "-" if diff is None else f"step {diff['step']}: {diff['reference_token']} vs {diff['token']}"
-    return (f"{r['model']:<10} {r['prompt_tokens']:>7} {r['case']:<22} tokens_equal={r['tokens_equal']!s:<5} "
-            f"logprobs_equal={r['logprobs_equal']!s:<5} expected={r['expected']:<6} "
-            f"{'PASS' if r['passed'] else 'FAIL'} pool={r['pool_tokens']} local={r['local_tokens']} "
-            f"replica={r['replica']} {where}{' (' + r['error'] + ')' if r.get('error') else ''}")
+    return (
+        f"{r['model']:<10} {r['prompt_tokens']:>7} {r['case']:<22} tokens_equal={r['tokens_equal']!s:<5} "
+        f"logprobs_equal={r['logprobs_equal']!s:<5} expected={r['expected']:<6} "
+        f"{'PASS' if r['passed'] else 'FAIL'} pool={r['pool_tokens']} local={r['local_tokens']} "
+        f"replica={r['replica']} {where}{' (' + r['error'] + ')' if r.get('error') else ''}"
+    )
 
 
 def save(out: dict, path: str, started: float) -> None:
@@ -366,25 +453,38 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     budget, rng = Budget(args.time_budget), random.Random(args.seed)
     path = os.path.join(args.out, "deterministic_service.json")
-    out = {"settings": {k: v for k, v in vars(args).items() if k not in ("case_list", "session_list")},
-           "plans": [], "rows": [], "steps": [], "clusters": [], "skipped": [], "errors": []}
+    out = {
+        "settings": {k: v for k, v in vars(args).items() if k not in ("case_list", "session_list")},
+        "plans": [],
+        "rows": [],
+        "steps": [],
+        "clusters": [],
+        "skipped": [],
+        "errors": [],
+    }
     previous = signal.signal(signal.SIGTERM, _interrupt)  # timeout(1): the clusters stopped, the rows kept
     try:
         free = gpu_free_bytes(args.device)
         for model in dict.fromkeys(m for m, _ in [*args.case_list, *args.session_list]):
             plan = plan_model(args, model, free)
             out["plans"].append({**vars(plan), "steps": [vars(s) for s in plan.steps]})
-            print(f"{model}: {plan.layout or 'skipped'}, max_model_len {plan.max_model_len}, local cache "
-                  f"{plan.local_cache_bytes / GiB:.1f} GiB, pool {plan.pool_size}; steps "
-                  + ", ".join(f"{s.name} ~{s.a_s + s.b_s:.0f} s" for s in plan.steps), flush=True)
+            print(
+                f"{model}: {plan.layout or 'skipped'}, max_model_len {plan.max_model_len}, local cache "
+                f"{plan.local_cache_bytes / GiB:.1f} GiB, pool {plan.pool_size}; steps "
+                + ", ".join(f"{s.name} ~{s.a_s + s.b_s:.0f} s" for s in plan.steps),
+                flush=True,
+            )
             run_model(args, plan, budget, out, rng, lambda: save(out, path, budget.started))
     except KeyboardInterrupt:
         out["errors"].append("stopped (SIGTERM or Ctrl-C): the rows so far are kept")
     finally:
         signal.signal(signal.SIGTERM, previous)
         save(out, path, budget.started)
-    print(f"wrote {path}: {len(out['rows'])} rows, passed {out['passed']}, skipped {len(out['skipped'])}, "
-          f"errors {len(out['errors'])}, {out['seconds']} s", flush=True)
+    print(
+        f"wrote {path}: {len(out['rows'])} rows, passed {out['passed']}, skipped {len(out['skipped'])}, "
+        f"errors {len(out['errors'])}, {out['seconds']} s",
+        flush=True,
+    )
     return 0 if out["passed"] else 1
 
 

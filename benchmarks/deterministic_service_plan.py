@@ -69,7 +69,9 @@ class ModelPlan:
     skipped: tuple[str, ...]  # steps the layout cannot run, with the reason
 
 
-def fit_layout(requested: str, replica_bytes: float, want_local: int, free_bytes: int | None) -> tuple[str | None, int, str | None]:
+def fit_layout(
+    requested: str, replica_bytes: float, want_local: int, free_bytes: int | None
+) -> tuple[str | None, int, str | None]:
     """(layout, local cache bytes, why none fits): together if two replicas fit, else sequential (one at a time)."""
     if free_bytes is None:  # CPU: memory is not the limit of a dry run
         return ("together" if requested == "auto" else requested), want_local, None
@@ -80,8 +82,14 @@ def fit_layout(requested: str, replica_bytes: float, want_local: int, free_bytes
         room = budget / replicas - replica_bytes
         if room >= MIN_LOCAL_CACHE:
             return layout, int(min(want_local, room)), None
-    return None, 0, (f"no layout ({requested}) fits: a replica needs {replica_bytes / 1e9:.1f} GB (weights and KV) "
-                     f"and a 1 GiB local cache, {free_bytes / 1e9:.0f} GB free")
+    return (
+        None,
+        0,
+        (
+            f"no layout ({requested}) fits: a replica needs {replica_bytes / 1e9:.1f} GB (weights and KV) "
+            f"and a 1 GiB local cache, {free_bytes / 1e9:.0f} GB free"
+        ),
+    )
 
 
 def fit_prompt(model: str, n: int, max_tokens: int) -> int:
@@ -101,11 +109,13 @@ def plan_model(args, model: str, free_bytes: int | None) -> ModelPlan:
     sessions = [n for name, n in args.session_list if name == model]
     session_len = {n: n + args.turns * (args.turn_tokens + m) for n in sessions}
     longest = max([*cases, *session_len.values()])
-    max_model_len = min(-(-(longest + m + args.chunk_tokens) // args.chunk_tokens) * args.chunk_tokens,
-                        cfg.max_position_embeddings)
+    max_model_len = min(
+        -(-(longest + m + args.chunk_tokens) // args.chunk_tokens) * args.chunk_tokens, cfg.max_position_embeddings
+    )
     want_local = args.local_cache_size or max([*cases, *sessions]) * kv_token * 21 // 20 + args.chunk_tokens * kv_token
-    layout, local, reason = fit_layout(args.layout, WEIGHT_BYTES.get(model, 0.0) + max_model_len * kv_token,
-                                       want_local, free_bytes)
+    layout, local, reason = fit_layout(
+        args.layout, WEIGHT_BYTES.get(model, 0.0) + max_model_len * kv_token, want_local, free_bytes
+    )
     control = min(cases) if cases and not args.no_control else None
     stored = sum(cases) + (control or 0) + sum(session_len.values())  # every prompt's pages, held until B reads them
     pool = args.pool_size or f"{-(-stored * kv_token * 5 // 4 // GiB) + 2}GiB"  # below the pool's 0.95 watermark
@@ -116,9 +126,16 @@ def plan_model(args, model: str, free_bytes: int | None) -> ModelPlan:
     def cross(n: int) -> float:
         return request_s(model, n, n - reused_tokens(n, grid), m, dev)
 
-    steps = [Step(f"{model} case {n}", "case", n,
-                  2 * full(n) + request_s(model, n, n - reused_tokens(n, grid, local // kv_token), m, dev), cross(n))
-             for n in cases]
+    steps = [
+        Step(
+            f"{model} case {n}",
+            "case",
+            n,
+            2 * full(n) + request_s(model, n, n - reused_tokens(n, grid, local // kv_token), m, dev),
+            cross(n),
+        )
+        for n in cases
+    ]
     if control is not None:
         steps.insert(1, Step(f"{model} control {control}", "control", control, 2 * full(control), cross(control)))
     skipped = []
@@ -130,6 +147,16 @@ def plan_model(args, model: str, free_bytes: int | None) -> ModelPlan:
             steps.append(Step(name, "session", n, args.turns * (full(n) + cross(n)), 0.0))
     together_s, one_s = START_S.get(model, START_S["qwen3-32b"])
     sequential = layout == "sequential"
-    return ModelPlan(model=model, layout=layout, reason=reason, max_model_len=max_model_len, local_cache_bytes=local,
-                     pool_size=pool, vocab=cfg.vocab_size, start_s=one_s + 5.0 if sequential else together_s,
-                     swap_s=one_s + 6.0 if sequential else 0.0, steps=tuple(steps), skipped=tuple(skipped))
+    return ModelPlan(
+        model=model,
+        layout=layout,
+        reason=reason,
+        max_model_len=max_model_len,
+        local_cache_bytes=local,
+        pool_size=pool,
+        vocab=cfg.vocab_size,
+        start_s=one_s + 5.0 if sequential else together_s,
+        swap_s=one_s + 6.0 if sequential else 0.0,
+        steps=tuple(steps),
+        skipped=tuple(skipped),
+    )

@@ -119,9 +119,17 @@ def role(args) -> dict:
 
     n = args.tokens
     ids = prompt_ids(n)
-    engine = Engine(EngineConfig(model=args.preset, device=DEVICE, pool_socket=args.pool,
-                                 local_cache_bytes=args.local_cache_bytes, max_model_len=n + 64,
-                                 verify_fraction=args.verify_fraction, kv_dtype=getattr(args, "kv_dtype", "auto")))
+    engine = Engine(
+        EngineConfig(
+            model=args.preset,
+            device=DEVICE,
+            pool_socket=args.pool,
+            local_cache_bytes=args.local_cache_bytes,
+            max_model_len=n + 64,
+            verify_fraction=args.verify_fraction,
+            kv_dtype=getattr(args, "kv_dtype", "auto"),
+        )
+    )
     params = SamplingParams(max_tokens=1, ignore_eos=True)
     out: dict = {"role": args.role, "kv_bytes": n * engine.layout.bytes_per_token}
     timeline = None
@@ -141,10 +149,15 @@ def role(args) -> dict:
         stream.close()
         after = engine.stats()
         p = event.provenance
-        result = {"ttft_s": dt, "local": p.local_tokens, "pool": p.pool_tokens, "computed": p.computed_tokens,
-                  "pool_bytes": after.pool_bytes_loaded - before.pool_bytes_loaded,
-                  "pool_load_s": after.pool_load_seconds - before.pool_load_seconds,
-                  "store_s": after.pool_store_seconds - before.pool_store_seconds}
+        result = {
+            "ttft_s": dt,
+            "local": p.local_tokens,
+            "pool": p.pool_tokens,
+            "computed": p.computed_tokens,
+            "pool_bytes": after.pool_bytes_loaded - before.pool_bytes_loaded,
+            "pool_load_s": after.pool_load_seconds - before.pool_load_seconds,
+            "store_s": after.pool_store_seconds - before.pool_store_seconds,
+        }
         if timeline is not None:
             result["timeline"] = timeline.summary()
         return result
@@ -190,10 +203,10 @@ def role(args) -> dict:
         kv = engine._kv.ensure(n + 1)
         toks = torch.tensor(ids, device=DEVICE)
         with torch.inference_mode():
-            engine.model(toks[n - tail:], kv, n - tail)
+            engine.model(toks[n - tail :], kv, n - tail)
             sync()
             t0 = time.perf_counter()
-            engine.model(toks[n - tail:], kv, n - tail)
+            engine.model(toks[n - tail :], kv, n - tail)
             sync()
         out["suffix_compute_s"] = time.perf_counter() - t0
         out["suffix_tokens"] = tail
@@ -220,8 +233,22 @@ def run_case(model: str, tokens: int, pool_size: str, out_dir: str, local_cache_
     roles = [("A", ""), ("B", "")] + [("B", mode) for mode in compare]
     with running_pool(pool_size, ("--extent-size", "256MiB"), quiet=True) as sock:
         for r, mode in roles:
-            cmd = [sys.executable, __file__, "--role", r, "--preset", preset, "--tokens", str(tokens), "--pool", sock,
-                   "--local-cache-bytes", str(local_cache_bytes if r == "A" else 0), "--enqueue", mode]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--role",
+                r,
+                "--preset",
+                preset,
+                "--tokens",
+                str(tokens),
+                "--pool",
+                sock,
+                "--local-cache-bytes",
+                str(local_cache_bytes if r == "A" else 0),
+                "--enqueue",
+                mode,
+            ]
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=540)
             if proc.returncode:
                 case[f"error_{r}{mode}"] = proc.stderr[-3000:]
@@ -231,7 +258,7 @@ def run_case(model: str, tokens: int, pool_size: str, out_dir: str, local_cache_
                 case.setdefault("compare", {})[mode] = {k: result[k] for k in ("cross_first", "cross")}
             else:
                 case.update(result)
-    cross, kv = case["cross"], case["kv_bytes"]
+    cross = case["cross"]
     case["load_gbps"] = cross["pool_bytes"] / cross["pool_load_s"] / 1e9 if cross["pool_load_s"] else None
     case["load_ratio_vs_contiguous"] = (case["load_gbps"] / case["contiguous_h2d_gbps"]) if case["load_gbps"] else None
     bound = max(cross["pool_bytes"] / (case["contiguous_h2d_gbps"] * 1e9), case["suffix_compute_s"])
@@ -280,18 +307,30 @@ def main() -> int:
         if "cross" in case:
             c = case
             local = c["local"]["ttft_s"] if c.get("local") else float("nan")
-            first = f" (first {c['cold_first']['ttft_s']:.3f}s {c['cold_first_pct_of_matmul']:.0f}%)" if "cold_first" in c else ""
-            print(f"{c['preset']:10s} {n:7d} tok  cold {c['cold']['ttft_s']:7.3f}s ({c['cold_pct_of_matmul']:4.0f}% of "
-                  f"{c['matmul_tflops']:.0f} TF){first}  local {local:6.3f}s  cross {c['cross']['ttft_s']:6.3f}s "
-                  f"(first {c['cross_first']['ttft_s']:.3f}s) pool_tok {c['cross']['pool']}  load {c['load_gbps'] or 0:5.1f} GB/s "
-                  f"= {c['load_ratio_vs_contiguous'] or 0:.2f}x contig {c['contiguous_h2d_gbps']:.1f}  "
-                  f"suffix {c['suffix_compute_s']:.3f}s  bound {c['bound_s']:.3f}s  cross/bound {c['cross_over_bound']:.2f}",
-                  flush=True)
+            first = (
+                f" (first {c['cold_first']['ttft_s']:.3f}s {c['cold_first_pct_of_matmul']:.0f}%)"
+                if "cold_first" in c
+                else ""
+            )
+            print(
+                f"{c['preset']:10s} {n:7d} tok  cold {c['cold']['ttft_s']:7.3f}s ({c['cold_pct_of_matmul']:4.0f}% of "
+                f"{c['matmul_tflops']:.0f} TF){first}  local {local:6.3f}s  cross {c['cross']['ttft_s']:6.3f}s "
+                f"(first {c['cross_first']['ttft_s']:.3f}s) pool_tok {c['cross']['pool']}  "
+                f"load {c['load_gbps'] or 0:5.1f} GB/s "
+                f"= {c['load_ratio_vs_contiguous'] or 0:.2f}x contig {c['contiguous_h2d_gbps']:.1f}  "
+                f"suffix {c['suffix_compute_s']:.3f}s  bound {c['bound_s']:.3f}s  "
+                f"cross/bound {c['cross_over_bound']:.2f}",
+                flush=True,
+            )
             print(f"    timeline (ms): {c['cross'].get('timeline')}", flush=True)
             print(f"    load enqueued: {c.get('load_enqueue')}", flush=True)
             for mode, w in c.get("compare", {}).items():
-                print(f"    load enqueued {mode}: cross {w['cross']['ttft_s']:.3f}s (first {w['cross_first']['ttft_s']:.3f}s) "
-                      f"cross/bound {w['cross_over_bound']:.2f}; timeline (ms): {w['cross'].get('timeline')}", flush=True)
+                print(
+                    f"    load enqueued {mode}: cross {w['cross']['ttft_s']:.3f}s "
+                    f"(first {w['cross_first']['ttft_s']:.3f}s) "
+                    f"cross/bound {w['cross_over_bound']:.2f}; timeline (ms): {w['cross'].get('timeline')}",
+                    flush=True,
+                )
         else:
             errors = "".join(v[-800:] for k, v in case.items() if k.startswith("error_"))
             print(f"{model}:{tokens} FAILED: {errors}", flush=True)

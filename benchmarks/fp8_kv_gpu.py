@@ -56,8 +56,16 @@ def quality(args) -> dict:
 
     n = args.tokens
     ids = ttft.prompt_ids(n)
-    engine = Engine(EngineConfig(model=args.preset, device=ttft.DEVICE, pool_socket=args.pool, local_cache_bytes=0,
-                                 max_model_len=n + 2 * NUM_TOKENS, kv_dtype=args.kv_dtype))
+    engine = Engine(
+        EngineConfig(
+            model=args.preset,
+            device=ttft.DEVICE,
+            pool_socket=args.pool,
+            local_cache_bytes=0,
+            max_model_len=n + 2 * NUM_TOKENS,
+            kv_dtype=args.kv_dtype,
+        )
+    )
     cold_off = RequestOptions(use_pool=False, use_local_cache=False)
     list(engine.generate(ttft.prompt_ids(300), SamplingParams(max_tokens=2, ignore_eos=True), cold_off))  # warm-up
     reference = None
@@ -77,8 +85,13 @@ def quality(args) -> dict:
     with torch.inference_mode():
         logprobs = torch.log_softmax(engine.model(forced, kv, n - 1, all_logits=True), dim=-1)  # [64, V]
     top1 = logprobs.argmax(dim=-1).tolist()
-    out = {"cold_s": cold_s, "kv_dtype": engine.layout.dtype, "kv_bytes": n * engine.layout.bytes_per_token,
-           "tokens": tokens, "top1": top1}
+    out = {
+        "cold_s": cold_s,
+        "kv_dtype": engine.layout.dtype,
+        "kv_bytes": n * engine.layout.bytes_per_token,
+        "tokens": tokens,
+        "top1": top1,
+    }
     if reference is None:
         out["lp_top1"] = logprobs.gather(1, torch.tensor(top1, device=logprobs.device)[:, None])[:, 0].tolist()
         out.update(top1_agreement=1.0, max_logprob_delta=0.0, mean_logprob_delta=0.0)
@@ -86,8 +99,11 @@ def quality(args) -> dict:
         ref_top1 = torch.tensor(reference["top1"], device=logprobs.device)
         lp = logprobs.gather(1, ref_top1[:, None])[:, 0].cpu()
         deltas = (lp - torch.tensor(reference["lp_top1"])).abs()
-        out.update(top1_agreement=sum(a == b for a, b in zip(top1, reference["top1"])) / NUM_TOKENS,
-                   max_logprob_delta=float(deltas.max()), mean_logprob_delta=float(deltas.mean()))
+        out.update(
+            top1_agreement=sum(a == b for a, b in zip(top1, reference["top1"])) / NUM_TOKENS,
+            max_logprob_delta=float(deltas.max()),
+            mean_logprob_delta=float(deltas.mean()),
+        )
     engine.close()
     return out
 
@@ -106,20 +122,65 @@ def run_dtype(model: str, preset: str, n: int, kv_dtype: str, reference: str | N
     kv_gib = n * KV_BYTES_PER_TOKEN_BF16[model] / 2**30 * (0.5 if kv_dtype == "fp8" else 1.0)
     with running_pool(f"{int(kv_gib * 1.3) + 2}GiB", ("--extent-size", "256MiB"), quiet=True) as sock:
         started = time.time()
-        q = _child([sys.executable, __file__, "--role", "quality", "--preset", preset, "--tokens", str(n), "--pool", sock,
-                    "--kv-dtype", kv_dtype] + (["--reference", reference] if reference else []), timeout_s)
-        b = _child([sys.executable, os.path.join(HERE, "engine_ttft_gpu.py"), "--role", "B", "--preset", preset,
-                    "--tokens", str(n), "--pool", sock, "--local-cache-bytes", "0", "--kv-dtype", kv_dtype],
-                   timeout_s - (time.time() - started))
+        q = _child(
+            [
+                sys.executable,
+                __file__,
+                "--role",
+                "quality",
+                "--preset",
+                preset,
+                "--tokens",
+                str(n),
+                "--pool",
+                sock,
+                "--kv-dtype",
+                kv_dtype,
+            ]
+            + (["--reference", reference] if reference else []),
+            timeout_s,
+        )
+        b = _child(
+            [
+                sys.executable,
+                os.path.join(HERE, "engine_ttft_gpu.py"),
+                "--role",
+                "B",
+                "--preset",
+                preset,
+                "--tokens",
+                str(n),
+                "--pool",
+                sock,
+                "--local-cache-bytes",
+                "0",
+                "--kv-dtype",
+                kv_dtype,
+            ],
+            timeout_s - (time.time() - started),
+        )
     cross = b["cross"]
     bound = max(cross["pool_bytes"] / (b["contiguous_h2d_gbps"] * 1e9), b["suffix_compute_s"])
-    row = {"model": preset, "prompt_tokens": n, "kv_dtype": q["kv_dtype"], "cross_s": cross["ttft_s"], "bound_s": bound,
-           "cross_over_bound": cross["ttft_s"] / bound, "kv_bytes": q["kv_bytes"],
-           "top1_agreement": q["top1_agreement"], "max_logprob_delta": q["max_logprob_delta"],
-           "mean_logprob_delta": q["mean_logprob_delta"], "cold_s": q["cold_s"], "cross_first_s": b["cross_first"]["ttft_s"],
-           "cross_runs_s": b["cross_runs_s"], "pool_tokens": cross["pool"], "pool_bytes": cross["pool_bytes"],
-           "pool_load_s": cross["pool_load_s"], "suffix_compute_s": b["suffix_compute_s"],
-           "contiguous_h2d_gbps": b["contiguous_h2d_gbps"]}
+    row = {
+        "model": preset,
+        "prompt_tokens": n,
+        "kv_dtype": q["kv_dtype"],
+        "cross_s": cross["ttft_s"],
+        "bound_s": bound,
+        "cross_over_bound": cross["ttft_s"] / bound,
+        "kv_bytes": q["kv_bytes"],
+        "top1_agreement": q["top1_agreement"],
+        "max_logprob_delta": q["max_logprob_delta"],
+        "mean_logprob_delta": q["mean_logprob_delta"],
+        "cold_s": q["cold_s"],
+        "cross_first_s": b["cross_first"]["ttft_s"],
+        "cross_runs_s": b["cross_runs_s"],
+        "pool_tokens": cross["pool"],
+        "pool_bytes": cross["pool_bytes"],
+        "pool_load_s": cross["pool_load_s"],
+        "suffix_compute_s": b["suffix_compute_s"],
+        "contiguous_h2d_gbps": b["contiguous_h2d_gbps"],
+    }
     return row, q
 
 
@@ -130,7 +191,9 @@ def main() -> int:
     p.add_argument("--model", default=None, help="with --tokens: one case (e.g. --model tiny --tokens 1024)")
     p.add_argument("--tokens", type=int, default=None)
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of the logic")
-    p.add_argument("--budget-s", type=float, default=290.0, help="cases not started within this many seconds are skipped")
+    p.add_argument(
+        "--budget-s", type=float, default=290.0, help="cases not started within this many seconds are skipped"
+    )
     p.add_argument("--role", choices=("quality",))
     p.add_argument("--preset")
     p.add_argument("--pool")
@@ -144,7 +207,11 @@ def main() -> int:
     sys.path.insert(0, HERE)
     from engine_ttft_gpu import PRESETS
 
-    cases = [(args.model, args.tokens)] if args.model else [(m, int(t)) for m, t in (c.split(":") for c in args.cases.split(","))]
+    cases = (
+        [(args.model, args.tokens)]
+        if args.model
+        else [(m, int(t)) for m, t in (c.split(":") for c in args.cases.split(","))]
+    )
     cases = [(m, fit_prompt(PRESETS.get(m, m), n)) for m, n in cases]
     os.makedirs(args.out, exist_ok=True)
     rows: list[dict] = []
@@ -155,14 +222,22 @@ def main() -> int:
             for kv_dtype in ("bf16", "fp8"):
                 left = args.budget_s - (time.time() - t0)
                 if left <= 0:
-                    rows.append({"model": PRESETS[model], "prompt_tokens": n, "kv_dtype": kv_dtype, "skipped": "time budget"})
+                    rows.append(
+                        {"model": PRESETS[model], "prompt_tokens": n, "kv_dtype": kv_dtype, "skipped": "time budget"}
+                    )
                     continue
                 reference = os.path.join(tmp, f"{model}_{n}_bf16.json") if kv_dtype == "fp8" else None
                 try:
                     row, q = run_dtype(model, PRESETS[model], n, kv_dtype, reference, min(540.0, left + 120.0))
                 except Exception as exc:  # noqa: BLE001 - recorded in the row; the other cases still run
-                    rows.append({"model": PRESETS[model], "prompt_tokens": n, "kv_dtype": kv_dtype,
-                                 "error": f"{type(exc).__name__}: {exc}"})
+                    rows.append(
+                        {
+                            "model": PRESETS[model],
+                            "prompt_tokens": n,
+                            "kv_dtype": kv_dtype,
+                            "error": f"{type(exc).__name__}: {exc}",
+                        }
+                    )
                     print(f"{model}:{n} {kv_dtype} FAILED: {exc}", flush=True)
                     break  # fp8 needs bf16's reference
                 if kv_dtype == "bf16":
@@ -171,15 +246,22 @@ def main() -> int:
                         json.dump({k: q[k] for k in ("tokens", "top1", "lp_top1")}, f)
                 row["cross_speedup_vs_bf16"] = bf16["cross_s"] / row["cross_s"]
                 rows.append(row)
-                print(f"{row['model']:10s} {n:7d} tok  kv {row['kv_dtype']:13s} cross {row['cross_s']:.3f}s "
-                      f"bound {row['bound_s']:.3f}s ({row['cross_over_bound']:.2f}x)  vs bf16 {row['cross_speedup_vs_bf16']:.2f}x  "
-                      f"kv {row['kv_bytes'] / 2**30:.2f} GiB  top1 {row['top1_agreement']:.3f}  "
-                      f"dlogprob max {row['max_logprob_delta']:.4f} mean {row['mean_logprob_delta']:.4f}", flush=True)
+                print(
+                    f"{row['model']:10s} {n:7d} tok  kv {row['kv_dtype']:13s} cross {row['cross_s']:.3f}s "
+                    f"bound {row['bound_s']:.3f}s ({row['cross_over_bound']:.2f}x)  "
+                    f"vs bf16 {row['cross_speedup_vs_bf16']:.2f}x  "
+                    f"kv {row['kv_bytes'] / 2**30:.2f} GiB  top1 {row['top1_agreement']:.3f}  "
+                    f"dlogprob max {row['max_logprob_delta']:.4f} mean {row['mean_logprob_delta']:.4f}",
+                    flush=True,
+                )
                 with open(os.path.join(args.out, "fp8_kv.json"), "w") as f:
                     json.dump({"device": args.device, "num_tokens_compared": NUM_TOKENS, "rows": rows}, f, indent=1)
     with open(os.path.join(args.out, "fp8_kv.json"), "w") as f:
-        json.dump({"device": args.device, "num_tokens_compared": NUM_TOKENS, "wall_s": time.time() - t0, "rows": rows},
-                  f, indent=1)
+        json.dump(
+            {"device": args.device, "num_tokens_compared": NUM_TOKENS, "wall_s": time.time() - t0, "rows": rows},
+            f,
+            indent=1,
+        )
     return 0 if rows and all("error" not in r for r in rows) else 1
 
 

@@ -73,8 +73,21 @@ def main() -> None:
     if args.preset:
         model_dir = os.path.join(args.work or tempfile.mkdtemp(prefix="kvshare-bench-"), args.preset)
         if not os.path.exists(os.path.join(model_dir, "config.json")):
-            subprocess.run([sys.executable, "-m", "kvshare", "make-model", args.preset, "--out", model_dir,
-                            "--device", args.device], check=True, stdout=subprocess.DEVNULL)
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "kvshare",
+                    "make-model",
+                    args.preset,
+                    "--out",
+                    model_dir,
+                    "--device",
+                    args.device,
+                ],
+                check=True,
+                stdout=subprocess.DEVNULL,
+            )
     files = sorted(f for f in glob.glob(os.path.join(model_dir, "*")) if f.endswith(WEIGHT_SUFFIXES))
     num_bytes = sum(os.path.getsize(f) for f in files)
     result = {"model": model_dir, "files": len(files), "bytes": num_bytes, "cores": os.cpu_count(), "states": {}}
@@ -83,8 +96,13 @@ def main() -> None:
         cold = state == "cold"
         cat_s = timed(lambda: subprocess.run(cat, check=True, stdout=subprocess.DEVNULL), files, cold, args.repeats)
         hash_s = timed(lambda: first_hash(model_dir), files, cold, args.repeats)
-        result["states"][state] = {"cat_s": cat_s, "first_hash_s": hash_s, "ratio": hash_s / cat_s,
-                                   "hash_gb_s": num_bytes / hash_s / 1e9, "cat_gb_s": num_bytes / cat_s / 1e9}
+        result["states"][state] = {
+            "cat_s": cat_s,
+            "first_hash_s": hash_s,
+            "ratio": hash_s / cat_s,
+            "hash_gb_s": num_bytes / hash_s / 1e9,
+            "cat_gb_s": num_bytes / cat_s / 1e9,
+        }
     with tempfile.TemporaryDirectory(prefix="kvshare-bench-cache-") as cache:
         os.environ["XDG_CACHE_HOME"] = cache
         model_fingerprint(model_dir)  # fills the cache, as the first start did
@@ -96,8 +114,10 @@ def main() -> None:
     result["restart_ms"] = statistics.median(restarts) * 1e3
     print(f"{model_dir}: {len(files)} files, {num_bytes / 1e9:.2f} GB, {os.cpu_count()} cores")
     for state, r in result["states"].items():
-        print(f"  {state:4}  cat {r['cat_s']:.3f} s ({r['cat_gb_s']:.2f} GB/s)  first hash {r['first_hash_s']:.3f} s "
-              f"({r['hash_gb_s']:.2f} GB/s)  hash/cat {r['ratio']:.2f}")
+        print(
+            f"  {state:4}  cat {r['cat_s']:.3f} s ({r['cat_gb_s']:.2f} GB/s)  first hash {r['first_hash_s']:.3f} s "
+            f"({r['hash_gb_s']:.2f} GB/s)  hash/cat {r['ratio']:.2f}"
+        )
     print(f"  restart (digests cached): {result['restart_ms']:.2f} ms")
     print(json.dumps(result))
     if args.json_out:

@@ -69,14 +69,25 @@ def main() -> None:
                     finally:
                         stop_burners(burners)
                     if args.json:
-                        print(json.dumps({"round": round_no, "phase": phase, "burners": num_burners,
-                                          **{k: v if v is None else round(v, 1) for k, v in figures.items()}}),
-                              flush=True)
+                        print(
+                            json.dumps(
+                                {
+                                    "round": round_no,
+                                    "phase": phase,
+                                    "burners": num_burners,
+                                    **{k: v if v is None else round(v, 1) for k, v in figures.items()},
+                                }
+                            ),
+                            flush=True,
+                        )
                     else:
                         waited = figures["cpu_waited_pct"]
                         psi = "n/a" if waited is None else f"{waited:.1f}"
-                        print(f"{phase:<12} {figures['lookup_ops_per_s']:>9,.0f} {figures['lookup_p50_us']:>8.1f} "
-                              f"{figures['lookup_p99_us']:>8.1f} {psi:>11}", flush=True)
+                        print(
+                            f"{phase:<12} {figures['lookup_ops_per_s']:>9,.0f} {figures['lookup_p50_us']:>8.1f} "
+                            f"{figures['lookup_p99_us']:>8.1f} {psi:>11}",
+                            flush=True,
+                        )
 
 
 if __name__ == "__main__":

@@ -9,10 +9,11 @@ Byte level: N pages (the tiny model's KV for ``--tokens`` tokens: 8 layers x K,V
 back, (a) one pipelined GET of exactly the same values from the same server on a plain socket, its
 replies read into one buffer and not parsed (the ceiling of any client), (b) a lookup on pool B
 (arena emptied before each) that promotes them: fetch, verify, land in the arena, commit, answer,
-and (c) the same GETs through redis-py (last: its freed bytes objects slowed what came right after). The pools' arenas are faulted in at start (``--prefault``, as
-in a pool that has served a while); one untimed round, then medians of ``--repeats``; the ratio
-is the median of the repeats' raw-GET / promote ratios. Then the promotion again from a cluster of ``--cluster-nodes``
-primaries on loopback (one machine: the nodes share its cores with the pools).
+and (c) the same GETs through redis-py (last: its freed bytes objects slowed what came right after).
+The pools' arenas are faulted in at start (``--prefault``, as in a pool that has served a while); one
+untimed round, then medians of ``--repeats``; the ratio is the median of the repeats' raw-GET / promote
+ratios. Then the promotion again from a cluster of ``--cluster-nodes`` primaries on loopback (one
+machine: the nodes share its cores with the pools).
 
 Engine level (skip with --no-engine): the tiny model on CPU, the same prompt, time to first token
 cold (engine on A computes and stores), through the store (a fresh engine on B: the lookup
@@ -67,8 +68,19 @@ def free_port(pair: bool = False) -> int:
 
 
 def _start_redis(port: int, workdir: str, cluster: bool) -> subprocess.Popen:
-    cmd = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-           "--dir", workdir]
+    cmd = [
+        "redis-server",
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--dir",
+        workdir,
+    ]
     if cluster:
         cmd += ["--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
@@ -99,11 +111,18 @@ def redis_on_loopback(num_nodes: int = 1):
             yield f"redis://127.0.0.1:{ports[0]}"
             return
         nodes = [f"127.0.0.1:{p}" for p in ports]
-        subprocess.run(["redis-cli", "--cluster", "create", *nodes, "--cluster-yes"], check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60)
+        subprocess.run(
+            ["redis-cli", "--cluster", "create", *nodes, "--cluster-yes"],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            timeout=60,
+        )
         for _ in range(500):
-            info = [subprocess.run(["redis-cli", "-p", str(p), "cluster", "info"], capture_output=True, text=True).stdout
-                    for p in ports]
+            info = [
+                subprocess.run(["redis-cli", "-p", str(p), "cluster", "info"], capture_output=True, text=True).stdout
+                for p in ports
+            ]
             if all("cluster_state:ok" in i for i in info):
                 break
             time.sleep(0.05)
@@ -166,12 +185,28 @@ def byte_level(url: str, args, with_gets: bool = True) -> dict:
     prefix = f"bench{os.getpid()}"
     keys = [hashlib.blake2b(f"{prefix}/{i}".encode(), digest_size=16).digest() for i in range(num_pages)]
     # --prefault: the arena's pages are faulted in, as in a pool that has served a while
-    pool_args = ("--extent-size", "64MiB", "--prefault", "--remote", url, "--remote-prefix", prefix,
-                 "--remote-part-size", str(args.part_size), "--remote-promote-batch", str(args.batch),
-                 "--remote-readers", str(args.readers))
+    pool_args = (
+        "--extent-size",
+        "64MiB",
+        "--prefault",
+        "--remote",
+        url,
+        "--remote-prefix",
+        prefix,
+        "--remote-part-size",
+        str(args.part_size),
+        "--remote-promote-batch",
+        str(args.batch),
+        "--remote-readers",
+        str(args.readers),
+    )
     size = str(max(256 << 20, 2 * total))
-    with running_pool(size, pool_args, quiet=True) as a, running_pool(size, pool_args, quiet=True) as b, \
-            PoolClient(a) as ca, PoolClient(b) as cb:
+    with (
+        running_pool(size, pool_args, quiet=True) as a,
+        running_pool(size, pool_args, quiet=True) as b,
+        PoolClient(a) as ca,
+        PoolClient(b) as cb,
+    ):
         write_pages(ca, keys, page_bytes)
         wait_for(lambda: ca.stats()["remote"]["written_pages"] == num_pages)
         names = [k for key in keys for k in part_keys(prefix, key, num_parts(page_bytes, args.part_size))]
@@ -201,17 +236,30 @@ def byte_level(url: str, args, with_gets: bool = True) -> dict:
         cb.release([lease.lease_id], wait=True)
         remote = cb.stats()["remote"]
         assert remote["discarded_checksum"] == 0 and remote["promoted_pages"] == num_pages * (args.repeats + 1)
-    out = {"tokens": args.tokens, "pages": num_pages, "page_bytes": page_bytes, "bytes": total,
-           "part_bytes": args.part_size, "batch_bytes": args.batch, "readers": args.readers, "repeats": args.repeats,
-           "promote_s": promote_s, "promote_gb_s": total / statistics.median(promote_s) / 1e9,
-           "local_lookup_ms": local_lookup_s * 1e3, "store_bytes_per_s": remote["store_bytes_per_s"]}
+    out = {
+        "tokens": args.tokens,
+        "pages": num_pages,
+        "page_bytes": page_bytes,
+        "bytes": total,
+        "part_bytes": args.part_size,
+        "batch_bytes": args.batch,
+        "readers": args.readers,
+        "repeats": args.repeats,
+        "promote_s": promote_s,
+        "promote_gb_s": total / statistics.median(promote_s) / 1e9,
+        "local_lookup_ms": local_lookup_s * 1e3,
+        "store_bytes_per_s": remote["store_bytes_per_s"],
+    }
     if with_gets:
-        out |= {"raw_get_s": raw_s, "redispy_get_s": get_s,
-                "raw_get_gb_s": total / statistics.median(raw_s) / 1e9,
-                "redispy_get_gb_s": total / statistics.median(get_s) / 1e9,
-                # per repeat, raw GET and promotion measured back to back: the median of those pairs' ratios
-                "promote_ratio_vs_raw_get": statistics.median(r / p for r, p in zip(raw_s, promote_s)),
-                "promote_ratio_vs_redispy_get": statistics.median(g / p for g, p in zip(get_s, promote_s))}
+        out |= {
+            "raw_get_s": raw_s,
+            "redispy_get_s": get_s,
+            "raw_get_gb_s": total / statistics.median(raw_s) / 1e9,
+            "redispy_get_gb_s": total / statistics.median(get_s) / 1e9,
+            # per repeat, raw GET and promotion measured back to back: the median of those pairs' ratios
+            "promote_ratio_vs_raw_get": statistics.median(r / p for r, p in zip(raw_s, promote_s)),
+            "promote_ratio_vs_redispy_get": statistics.median(g / p for g, p in zip(get_s, promote_s)),
+        }
     return out
 
 
@@ -232,8 +280,11 @@ def engine_level(url: str, args) -> dict:
         rest = [first.token_id] + [e.token_id for e in events]
         return elapsed, rest, first.provenance
 
-    with running_pool("512MiB", pool_args, quiet=True) as a, running_pool("512MiB", pool_args, quiet=True) as b, \
-            PoolClient(a) as ca:
+    with (
+        running_pool("512MiB", pool_args, quiet=True) as a,
+        running_pool("512MiB", pool_args, quiet=True) as b,
+        PoolClient(a) as ca,
+    ):
         config = dict(model="tiny", max_model_len=args.tokens + 64, local_cache_bytes=0)
         engine_a = Engine(EngineConfig(pool_socket=a, **config))
         ids = engine_a.tokenizer.encode(text)
@@ -248,9 +299,14 @@ def engine_level(url: str, args) -> dict:
         local_s, local_ids, local_prov = ttft(engine_b2, ids)
         engine_b2.close()
     assert remote_ids == cold_ids == local_ids, "reuse changed the output"
-    return {"prompt_tokens": len(ids), "cold_ttft_s": cold_s, "remote_ttft_s": remote_s,
-            "remote_pool_tokens": remote_prov.pool_tokens, "arena_ttft_s": local_s,
-            "arena_pool_tokens": local_prov.pool_tokens}
+    return {
+        "prompt_tokens": len(ids),
+        "cold_ttft_s": cold_s,
+        "remote_ttft_s": remote_s,
+        "remote_pool_tokens": remote_prov.pool_tokens,
+        "arena_ttft_s": local_s,
+        "arena_pool_tokens": local_prov.pool_tokens,
+    }
 
 
 def report(result: dict) -> str:
@@ -259,7 +315,8 @@ def report(result: dict) -> str:
     ms = lambda xs: statistics.median(xs) * 1e3  # noqa: E731
     lines = [
         f"remote tier, {b['pages']} pages of {b['page_bytes'] >> 20} MiB = {mib:.0f} MiB (tiny model, {b['tokens']} "
-        f"tokens), parts of {b['part_bytes'] >> 20} MiB, batches of {b['batch_bytes'] >> 20} MiB, {b['readers']} readers, "
+        f"tokens), parts of {b['part_bytes'] >> 20} MiB, batches of {b['batch_bytes'] >> 20} MiB, "
+        f"{b['readers']} readers, "
         f"{b['repeats']} repeats, medians; {result['cores']} cores, load {result['load']:.1f}",
         f"  raw-socket pipelined GET  {b['raw_get_gb_s']:.2f} GB/s  ({ms(b['raw_get_s']):.0f} ms)",
         f"  redis-py pipelined GET    {b['redispy_get_gb_s']:.2f} GB/s  ({ms(b['redispy_get_s']):.0f} ms)",
@@ -270,8 +327,10 @@ def report(result: dict) -> str:
     ]
     if "cluster" in result:
         c = result["cluster"]
-        lines.append(f"  promote, {c['nodes']}-node cluster  {c['promote_gb_s']:.2f} GB/s  ({ms(c['promote_s']):.0f} ms): "
-                     f"{c['promote_gb_s'] / b['promote_gb_s']:.2f}x one node")
+        lines.append(
+            f"  promote, {c['nodes']}-node cluster  {c['promote_gb_s']:.2f} GB/s  ({ms(c['promote_s']):.0f} ms): "
+            f"{c['promote_gb_s'] / b['promote_gb_s']:.2f}x one node"
+        )
     if "engine_level" in result:
         e = result["engine_level"]
         lines += [
@@ -287,12 +346,27 @@ def report(result: dict) -> str:
 def summary(result: dict) -> dict:
     """The one-line figures of --json."""
     b = result["bytes_level"]
-    out = {k: b[k] for k in ("raw_get_gb_s", "redispy_get_gb_s", "promote_gb_s", "promote_ratio_vs_raw_get",
-                              "bytes", "page_bytes", "batch_bytes", "readers", "repeats")}
+    out = {
+        k: b[k]
+        for k in (
+            "raw_get_gb_s",
+            "redispy_get_gb_s",
+            "promote_gb_s",
+            "promote_ratio_vs_raw_get",
+            "bytes",
+            "page_bytes",
+            "batch_bytes",
+            "readers",
+            "repeats",
+        )
+    }
     out |= {"cores": result["cores"], "load": round(result["load"], 2)}
     if "cluster" in result:
-        out |= {"cluster_promote_gb_s": result["cluster"]["promote_gb_s"], "cluster_nodes": result["cluster"]["nodes"],
-                "cluster_ratio_vs_one_node": result["cluster"]["promote_gb_s"] / b["promote_gb_s"]}
+        out |= {
+            "cluster_promote_gb_s": result["cluster"]["promote_gb_s"],
+            "cluster_nodes": result["cluster"]["nodes"],
+            "cluster_ratio_vs_one_node": result["cluster"]["promote_gb_s"] / b["promote_gb_s"],
+        }
     else:
         out["cluster_promote_gb_s"] = None
     if "engine_level" in result:

@@ -55,7 +55,9 @@ def parse_cases(text: str) -> list[tuple[str, int]]:
 
 
 def weights_bytes(c) -> int:
-    per_layer = c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads) + 3 * c.hidden_size * c.intermediate_size
+    per_layer = (
+        c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads) + 3 * c.hidden_size * c.intermediate_size
+    )
     return 2 * (c.num_layers * per_layer + 2 * c.vocab_size * c.hidden_size)
 
 
@@ -73,8 +75,13 @@ def plan_case(model: str, tokens: int, args, gpu_bytes: int) -> dict:
     activations = prompt * (4 * c.hidden_size + 3 * c.num_heads * c.head_dim) * 2 + 2 * GiB
     local = args.local_cache_size if args.local_cache_size is not None else int(kv * 1.05) + chunk * kv_token
     budget = int(gpu_bytes * 0.92)
-    plan = {"model": model, "prompt_tokens": prompt, "context": context, "kv_bytes": kv,
-            "pool_size": (args.pool_size or int(2.2 * kv) + 2 * GiB) // (2 << 20) * (2 << 20)}  # whole 2 MiB pages (--hugepages)
+    plan = {
+        "model": model,
+        "prompt_tokens": prompt,
+        "context": context,
+        "kv_bytes": kv,
+        "pool_size": (args.pool_size or int(2.2 * kv) + 2 * GiB) // (2 << 20) * (2 << 20),
+    }  # whole 2 MiB pages (--hugepages)
     if args.device == "cpu":
         return {**plan, "layout": args.layout if args.layout != "auto" else "together", "local_cache": local}
     for layout, replicas in (("together", 2), ("sequential", 1)):
@@ -97,13 +104,16 @@ def measure_h2d(device: str) -> tuple[float, bool, int]:
     """(bytes/s of a pinned 1 GiB host->device copy, measured?, GPU bytes), in a child so its memory goes."""
     if device == "cpu":
         return FALLBACK_H2D, False, 0
-    code = ("import torch, json\n"
-            "n = 1 << 30\nh = torch.empty(n, dtype=torch.uint8).pin_memory()\nd = torch.empty(n, dtype=torch.uint8, device='cuda')\n"
-            "best = 0.0\nfor _ in range(5):\n"
-            "    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)\n"
-            "    s.record(); d.copy_(h, non_blocking=True); e.record(); e.synchronize()\n"
-            "    best = max(best, n / (s.elapsed_time(e) / 1e3))\n"
-            "print(json.dumps([best, torch.cuda.mem_get_info()[1]]))\n")
+    code = (
+        "import torch, json\n"
+        "n = 1 << 30\nh = torch.empty(n, dtype=torch.uint8).pin_memory()\n"
+        "d = torch.empty(n, dtype=torch.uint8, device='cuda')\n"
+        "best = 0.0\nfor _ in range(5):\n"
+        "    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)\n"
+        "    s.record(); d.copy_(h, non_blocking=True); e.record(); e.synchronize()\n"
+        "    best = max(best, n / (s.elapsed_time(e) / 1e3))\n"
+        "print(json.dumps([best, torch.cuda.mem_get_info()[1]]))\n"
+    )
     try:
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
         rate, total = json.loads(out.stdout.strip().splitlines()[-1])
@@ -115,20 +125,34 @@ def measure_h2d(device: str) -> tuple[float, bool, int]:
 
 def cluster_spec(plan: dict, args) -> ClusterSpec:
     """The cluster of one case (up_cluster.py): the plan's layout, pool and replica arguments."""
-    return ClusterSpec(layout=plan["layout"], model=plan["model"], device=args.device, pool_size=str(plan["pool_size"]),
-                       replica_args=(f"--local-cache-size={plan['local_cache']}", f"--max-model-len={plan['context']}",
-                                     f"--verify-rate={args.verify_rate}", *args.replica_arg),
-                       pool_args=tuple(args.pool_arg), start_timeout_s=args.start_timeout, log_dir=args.log_dir)
+    return ClusterSpec(
+        layout=plan["layout"],
+        model=plan["model"],
+        device=args.device,
+        pool_size=str(plan["pool_size"]),
+        replica_args=(
+            f"--local-cache-size={plan['local_cache']}",
+            f"--max-model-len={plan['context']}",
+            f"--verify-rate={args.verify_rate}",
+            *args.replica_arg,
+        ),
+        pool_args=tuple(args.pool_arg),
+        start_timeout_s=args.start_timeout,
+        log_dir=args.log_dir,
+    )
 
 
 async def send(url: str, model: str, ids: list[int], max_tokens: int):
     import aiohttp
 
-    from kvshare.bench.client import BenchRequest, send as bench_send
+    from kvshare.bench.client import BenchRequest
+    from kvshare.bench.client import send as bench_send
 
     async with aiohttp.ClientSession() as session:
-        return await bench_send(session, BenchRequest(url=url, kind="completion", model=model, prompt=ids,
-                                                      max_tokens=max_tokens, timeline=True))
+        return await bench_send(
+            session,
+            BenchRequest(url=url, kind="completion", model=model, prompt=ids, max_tokens=max_tokens, timeline=True),
+        )
 
 
 def request(url: str, plan: dict, ids: list[int], args):
@@ -144,8 +168,11 @@ def run_case(plan: dict, args, h2d: tuple[float, bool], rng) -> list[dict]:
     rows: list[dict] = []
     try:
         cluster.start()
-        prompts = {(path, k): rng.integers(0, args.vocab, plan["prompt_tokens"]).tolist()
-                   for path in args.paths for k in range(2)}
+        prompts = {
+            (path, k): rng.integers(0, args.vocab, plan["prompt_tokens"]).tolist()
+            for path in args.paths
+            for k in range(2)
+        }
         done: dict[tuple, dict] = {}
         cluster.phase("A")
         for (path, k), ids in prompts.items():  # A: cold, then (together: after B) local
@@ -193,17 +220,33 @@ def make_row(plan: dict, path: str, is_first: bool, got: dict, h2d: tuple[float,
     kv = prov.get("pool_tokens", 0) * PRESETS[plan["model"]].config.kv_bytes_per_token
     bound = kv / h2d[0] if kv else None
     local_ok = (local.provenance or {}).get("local_tokens", 0) > 0
-    return {"model": plan["model"], "prompt_tokens": plan["prompt_tokens"], "path": path, "first_request": is_first,
-            "layout": plan["layout"], "cold_s": cold.ttft_s, "cross_s": cross.ttft_s,
-            "local_s": local.ttft_s if local_ok else None, "bound_s": bound,
-            "cross_over_bound": cross.ttft_s / bound if bound else None, "kv_bytes": kv,
-            "pool_tokens": prov.get("pool_tokens"), "computed_tokens": prov.get("computed_tokens"),
-            "cross_replica": prov.get("replica"), "cold_replica": (cold.provenance or {}).get("replica"),
-            "verified": args.verify_rate >= 1.0 and kv > 0, "tokens_equal": cross.token_ids == cold.token_ids,
-            "h2d_bytes_per_s": h2d[0], "h2d_measured": h2d[1], "local_cache_bytes": plan["local_cache"],
-            "pool_args": list(args.pool_arg), "replica_args": list(args.replica_arg),
-            "timeline": prov.get("timeline"), "local_timeline": (local.provenance or {}).get("timeline"),
-            **output_check(cold, cross)}
+    return {
+        "model": plan["model"],
+        "prompt_tokens": plan["prompt_tokens"],
+        "path": path,
+        "first_request": is_first,
+        "layout": plan["layout"],
+        "cold_s": cold.ttft_s,
+        "cross_s": cross.ttft_s,
+        "local_s": local.ttft_s if local_ok else None,
+        "bound_s": bound,
+        "cross_over_bound": cross.ttft_s / bound if bound else None,
+        "kv_bytes": kv,
+        "pool_tokens": prov.get("pool_tokens"),
+        "computed_tokens": prov.get("computed_tokens"),
+        "cross_replica": prov.get("replica"),
+        "cold_replica": (cold.provenance or {}).get("replica"),
+        "verified": args.verify_rate >= 1.0 and kv > 0,
+        "tokens_equal": cross.token_ids == cold.token_ids,
+        "h2d_bytes_per_s": h2d[0],
+        "h2d_measured": h2d[1],
+        "local_cache_bytes": plan["local_cache"],
+        "pool_args": list(args.pool_arg),
+        "replica_args": list(args.replica_arg),
+        "timeline": prov.get("timeline"),
+        "local_timeline": (local.provenance or {}).get("timeline"),
+        **output_check(cold, cross),
+    }
 
 
 def output_check(cold, cross) -> dict:
@@ -211,8 +254,9 @@ def output_check(cold, cross) -> dict:
     within the gap threshold is a near tie of bf16 rounding, not a wrong load), with the step and gap."""
     from kvshare.outputs import check_outputs
 
-    check = check_outputs(cold.token_ids, cross.token_ids, cold.top_logprobs or None,
-                          output_top_logprobs=cross.top_logprobs or None)
+    check = check_outputs(
+        cold.token_ids, cross.token_ids, cold.top_logprobs or None, output_top_logprobs=cross.top_logprobs or None
+    )
     if check is None:
         return {"output_verdict": None, "divergence_step": None, "top2_gap": None}
     return {"output_verdict": check.verdict, "divergence_step": check.step, "top2_gap": check.gap}
@@ -223,10 +267,12 @@ def fmt(v, spec=".3f") -> str:
 
 
 def line(r: dict) -> str:
-    return (f"{r['model']} {r['prompt_tokens']:>7} {r['path']:<7} {'first ' if r['first_request'] else 'steady'} "
-            f"cold {fmt(r['cold_s'])} cross {fmt(r['cross_s'])} local {fmt(r['local_s'])} bound {fmt(r['bound_s'])} "
-            f"x{fmt(r['cross_over_bound'], '.2f')} verified={r['verified']} tokens_equal={r['tokens_equal']} "
-            f"outputs={r.get('output_verdict')} (step {r.get('divergence_step')}, gap {fmt(r.get('top2_gap'), '.3g')})")
+    return (
+        f"{r['model']} {r['prompt_tokens']:>7} {r['path']:<7} {'first ' if r['first_request'] else 'steady'} "
+        f"cold {fmt(r['cold_s'])} cross {fmt(r['cross_s'])} local {fmt(r['local_s'])} bound {fmt(r['bound_s'])} "
+        f"x{fmt(r['cross_over_bound'], '.2f')} verified={r['verified']} tokens_equal={r['tokens_equal']} "
+        f"outputs={r.get('output_verdict')} (step {r.get('divergence_step')}, gap {fmt(r.get('top2_gap'), '.3g')})"
+    )
 
 
 def _interrupt(*_) -> None:
@@ -236,18 +282,33 @@ def _interrupt(*_) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="folder of service_ttft.json and the logs")
-    p.add_argument("--cases", type=parse_cases, default=parse_cases("8b:32768,8b:131072,8b:262144,32b:32768,32b:131072"))
+    p.add_argument(
+        "--cases", type=parse_cases, default=parse_cases("8b:32768,8b:131072,8b:262144,32b:32768,32b:131072")
+    )
     p.add_argument("--device", default="cuda")
-    p.add_argument("--paths", type=lambda s: [x for x in s.split(",") if x in ("router", "replica")] or ["router"],
-                   default=["router", "replica"], help="router,replica (the first path gets B's first request)")
+    p.add_argument(
+        "--paths",
+        type=lambda s: [x for x in s.split(",") if x in ("router", "replica")] or ["router"],
+        default=["router", "replica"],
+        help="router,replica (the first path gets B's first request)",
+    )
     p.add_argument("--layout", choices=("auto", "together", "sequential"), default="auto")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--verify-rate", type=float, default=1.0)
     p.add_argument("--pool-size", type=int, default=None, help="bytes (default 2.2 x a prompt's KV + 2 GiB)")
     p.add_argument("--local-cache-size", type=int, default=None, help="bytes (default: a prompt's KV, where it fits)")
-    p.add_argument("--replica-arg", action="append", default=[], help="more replica arguments, e.g. --replica-arg=--staging-buffers=4 (repeatable; rows record them)")
-    p.add_argument("--pool-arg", action="append", default=[],
-                   help="pool arguments, e.g. --pool-arg=--extent-size=1GiB (repeatable; rows record them)")
+    p.add_argument(
+        "--replica-arg",
+        action="append",
+        default=[],
+        help="more replica arguments, e.g. --replica-arg=--staging-buffers=4 (repeatable; rows record them)",
+    )
+    p.add_argument(
+        "--pool-arg",
+        action="append",
+        default=[],
+        help="pool arguments, e.g. --pool-arg=--extent-size=1GiB (repeatable; rows record them)",
+    )
     p.add_argument("--time-budget", type=float, default=540.0, help="seconds; a case that would end later is skipped")
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--seed", type=int, default=0)
@@ -258,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.log_dir, exist_ok=True)
     path = os.path.join(args.out, "service_ttft.json")
     rows = json.load(open(path)) if os.path.exists(path) else []
+
     def setup(pool_args, replica_args) -> tuple:  # a case per pool and replica set-up
         return tuple(pool_args), tuple(replica_args)
 
@@ -280,8 +342,11 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             need = estimate_s(plan, len(args.paths))
             if time.monotonic() - started + need > args.time_budget:
-                print(f"{model} {plan['prompt_tokens']}: skipped (needs ~{need:.0f} s, the budget has "
-                      f"{args.time_budget - (time.monotonic() - started):.0f})", flush=True)
+                print(
+                    f"{model} {plan['prompt_tokens']}: skipped (needs ~{need:.0f} s, the budget has "
+                    f"{args.time_budget - (time.monotonic() - started):.0f})",
+                    flush=True,
+                )
                 continue
             t0 = time.monotonic()
             new = run_case(plan, args, (rate, measured), rng)
@@ -293,12 +358,16 @@ def main(argv: list[str] | None = None) -> int:
                 json.dump(rows, f, indent=1)
     except KeyboardInterrupt:
         print("stopped: the clusters were stopped, the rows so far are kept", flush=True)
-    print("\n| model | prompt | path | request | cold s | cross s | local s | bound s | cross/bound | verified | equal |")
+    print(
+        "\n| model | prompt | path | request | cold s | cross s | local s | bound s | cross/bound | verified | equal |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        print(f"| {r['model']} | {r['prompt_tokens']} | {r['path']} | {'first' if r['first_request'] else 'steady'} | "
-              f"{fmt(r['cold_s'])} | {fmt(r['cross_s'])} | {fmt(r['local_s'])} | {fmt(r['bound_s'])} | "
-              f"{fmt(r['cross_over_bound'], '.2f')} | {r['verified']} | {r['tokens_equal']} ({r.get('output_verdict')}) |")
+        print(
+            f"| {r['model']} | {r['prompt_tokens']} | {r['path']} | {'first' if r['first_request'] else 'steady'} | "
+            f"{fmt(r['cold_s'])} | {fmt(r['cross_s'])} | {fmt(r['local_s'])} | {fmt(r['bound_s'])} | "
+            f"{fmt(r['cross_over_bound'], '.2f')} | {r['verified']} | {r['tokens_equal']} ({r.get('output_verdict')}) |"
+        )
     # B's outputs must equal A's or part at a near tie (the fast mode's bf16 rounding); a mismatch fails
     return 0 if rows and all(r.get("output_verdict") in ("equal", "near-tie") and r["verified"] for r in rows) else 1
 

@@ -48,9 +48,14 @@ def main() -> None:
     out = "".join(stream.add(i) for i in token_ids) + stream.finish()
     seconds = time.perf_counter() - started
     assert out == tok.decode(token_ids) and not stream.is_stopped
-    result = {"tokens": args.tokens, "stop_strings": args.stops, "seconds": round(seconds, 4),
-              "us_per_token": round(seconds / args.tokens * 1e6, 2), "chars": len(out),
-              "chars_scanned": stream.num_scanned}
+    result = {
+        "tokens": args.tokens,
+        "stop_strings": args.stops,
+        "seconds": round(seconds, 4),
+        "us_per_token": round(seconds / args.tokens * 1e6, 2),
+        "chars": len(out),
+        "chars_scanned": stream.num_scanned,
+    }
     if args.with_full_rescan:
         started = time.perf_counter()
         full_rescan(tok.decode, stops, token_ids)

@@ -54,8 +54,10 @@ def best_of(fn, repeats: int, before=None) -> tuple[float, float, list[int]]:
 def measure(tok, other, factory: PromptFactory, num_tokens: int, repeats: int) -> dict:
     """``other``: a second tokenizer of the same model whose shared level is the one ``tok`` writes to."""
     messages = factory.chat_messages(num_tokens, f"cost/{num_tokens}")
-    turn = messages + [{"role": "assistant", "content": "an answer"},
-                       {"role": "user", "content": factory.user_text(256, f"turn/{num_tokens}")}]
+    turn = messages + [
+        {"role": "assistant", "content": "an answer"},
+        {"role": "user", "content": factory.user_text(256, f"turn/{num_tokens}")},
+    ]
     from kvshare.engine.tokenizer import render_chat
 
     text = render_chat(tok.chat_template, messages, True, bos_token="", eos_token="")
@@ -79,8 +81,11 @@ def measure(tok, other, factory: PromptFactory, num_tokens: int, repeats: int) -
     tok.share_pieces(shared)
     first_shared = best_of(lambda: tok.encode(text), repeats, before=clear_all)
     encoded = other._pieces.num_encoded
-    other_seen = best_of(lambda: other.encode(text), repeats,
-                         before=lambda: setattr(other._pieces, "cache", TokenCache(pieces.config.max_bytes)))
+    other_seen = best_of(
+        lambda: other.encode(text),
+        repeats,
+        before=lambda: setattr(other._pieces, "cache", TokenCache(pieces.config.max_bytes)),
+    )
     assert other._pieces.num_encoded == encoded, "the second tokenizer encoded pieces the shared level holds"
     tok.share_pieces(None)
     again = best_of(lambda: tok.encode(text), repeats)
@@ -89,8 +94,14 @@ def measure(tok, other, factory: PromptFactory, num_tokens: int, repeats: int) -
     assert next_turn[2] == pieces.plain(text_turn), "ids differ from plain"
     assert len(plain[2]) == num_tokens, (len(plain[2]), num_tokens)
     row = {"tokens": num_tokens, "chars": len(text), "cpus": os.cpu_count()}
-    paths = (("plain", plain), ("first", first), ("first_shared", first_shared), ("other", other_seen),
-             ("again", again), ("next_turn", next_turn))
+    paths = (
+        ("plain", plain),
+        ("first", first),
+        ("first_shared", first_shared),
+        ("other", other_seen),
+        ("again", again),
+        ("next_turn", next_turn),
+    )
     for name, (wall, cpu, _ids) in paths:
         row[f"{name}_ms"], row[f"{name}_cpu_ms"] = round(wall, 2), round(cpu, 2)
     if num_tokens in H200_CROSS_S:
@@ -113,8 +124,10 @@ def main() -> int:
     other.share_pieces(SharedPieces(TokenShareConfig(share_dir)))
     factory = PromptFactory(tok, WorkloadConfig(nonce="tokenize-cost"))
     names = ("plain", "first", "first+share", "other", "again", "next turn")
-    print(f"{'tokens':>7} {'chars':>8} | " + " | ".join(f"{n:>15}" for n in names) + " | 5% of H200 hit   "
-          "(ms: wall/cpu)", file=sys.stderr)
+    print(
+        f"{'tokens':>7} {'chars':>8} | " + " | ".join(f"{n:>15}" for n in names) + " | 5% of H200 hit   (ms: wall/cpu)",
+        file=sys.stderr,
+    )
     try:
         for n in (int(x) for x in args.lengths.split(",")):
             row = measure(tok, other, factory, n, args.repeats)

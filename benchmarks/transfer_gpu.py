@@ -141,7 +141,6 @@ def pinned_reference(dev_bytes, repeats: int) -> dict:
         d2h = timed(lambda: host.copy_(dev_bytes, non_blocking=True), repeats)
     finally:
         unregister_range(host.data_ptr())
-    del host
     return {"pin_s": pin_s, "h2d": summary(dev_bytes.numel(), h2d), "d2h": summary(dev_bytes.numel(), d2h)}
 
 
@@ -150,8 +149,8 @@ def run_size(client, transfers: dict, model: str, tokens: int, repeats: int) -> 
     import torch
 
     from kvshare.pool.protocol import PageHeader
-    from kvshare.transfer.roundtrip import random_kv
     from kvshare.transfer.layouts import as_bits
+    from kvshare.transfer.roundtrip import random_kv
     from kvshare.transfer.scratch import reserve_scratch
 
     lay = layout_of(model)
@@ -169,8 +168,10 @@ def run_size(client, transfers: dict, model: str, tokens: int, repeats: int) -> 
             row = {"model": model, "tokens": tokens, "pages": num_pages, "bytes": num_bytes, "method": method}
             try:
                 sums = transfer.store(src, 0, scratch.offsets)
-                headers = [PageHeader(offset=o, page_bytes=lay.page_bytes, checksum=s,
-                                      checksum_kind=transfer.checksum_kind) for o, s in zip(scratch.offsets, sums)]
+                headers = [
+                    PageHeader(offset=o, page_bytes=lay.page_bytes, checksum=s, checksum_kind=transfer.checksum_kind)
+                    for o, s in zip(scratch.offsets, sums)
+                ]
                 store_copy_s = []
 
                 def store():
@@ -195,7 +196,7 @@ def run_size(client, transfers: dict, model: str, tokens: int, repeats: int) -> 
             row["reference"] = reference
             rows.append(row)
             print(f"  {model} {tokens} {method}: {short(row)}", flush=True)
-        del src, dst
+        src = dst = None  # this size's tensors go before the cache is emptied
         torch.cuda.empty_cache()
     finally:
         scratch.release(client)
@@ -206,18 +207,26 @@ def short(row: dict) -> str:
     if "error" in row:
         return "ERROR " + row["error"]
     return (
-        f"load {row['load']['gbps']:.1f} GB/s ({row['load_ratio']:.2f}), store {row['store']['copy_only_gbps']:.1f} GB/s "
+        f"load {row['load']['gbps']:.1f} GB/s ({row['load_ratio']:.2f}), "
+        f"store {row['store']['copy_only_gbps']:.1f} GB/s "
         f"({row['store_ratio']:.2f}), store+checksums {row['store']['gbps']:.1f} GB/s, exact={row['exact']}"
     )
 
 
 def table(results: dict) -> str:
-    lines = [f"device: {results['env']['device']}, torch {results['env']['torch']}, cuda-bindings {results['env']['cuda_bindings']}"]
+    env = results["env"]
+    lines = [f"device: {env['device']}, torch {env['torch']}, cuda-bindings {env['cuda_bindings']}"]
     pool = results.get("pool", {})
     if pool:
-        lines.append(f"pool: {pool['size_bytes'] / GiB:.0f} GiB, extents {pool['extent_bytes'] / GiB:.2f} GiB, "
-                     f"registration {pool['registration_s']:.2f} s ({pool['size_bytes'] / pool['registration_s'] / 1e9:.1f} GB/s)")
-    lines.append(f"{'model':5} {'tokens':>7} {'GiB':>6} {'method':9} {'load GB/s':>9} {'ratio':>6} {'store GB/s':>10} {'ratio':>6} {'+cksum':>7} {'ref h2d/d2h':>12} exact")
+        lines.append(
+            f"pool: {pool['size_bytes'] / GiB:.0f} GiB, extents {pool['extent_bytes'] / GiB:.2f} GiB, "
+            f"registration {pool['registration_s']:.2f} s "
+            f"({pool['size_bytes'] / pool['registration_s'] / 1e9:.1f} GB/s)"
+        )
+    lines.append(
+        f"{'model':5} {'tokens':>7} {'GiB':>6} {'method':9} {'load GB/s':>9} {'ratio':>6} {'store GB/s':>10} "
+        f"{'ratio':>6} {'+cksum':>7} {'ref h2d/d2h':>12} exact"
+    )
     for r in results["runs"]:
         head = f"{r['model']:5} {r['tokens']:>7} {r['bytes'] / GiB:>6.2f} {r['method']:9}"
         if "error" in r:
@@ -226,7 +235,8 @@ def table(results: dict) -> str:
         flag = lambda x: f"{x:.2f}" + ("*" if x < 0.9 else " ")  # noqa: E731
         ref = r["reference"]
         lines.append(
-            f"{head} {r['load']['gbps']:>9.1f} {flag(r['load_ratio']):>6} {r['store']['copy_only_gbps']:>10.1f} {flag(r['store_ratio']):>6} "
+            f"{head} {r['load']['gbps']:>9.1f} {flag(r['load_ratio']):>6} "
+            f"{r['store']['copy_only_gbps']:>10.1f} {flag(r['store_ratio']):>6} "
             f"{r['store']['gbps']:>7.1f} {ref['h2d']['gbps']:>5.1f}/{ref['d2h']['gbps']:<6.1f} {r['exact']}"
         )
     lines.append("(* ratio below the 0.9 target; +cksum: store GB/s including checksums, what a caller waits for)")
@@ -268,8 +278,6 @@ def main(argv=None) -> int:
         with open(json_path, "w") as f:
             json.dump(results, f, indent=1, default=str)
 
-    import torch
-
     from kvshare.pool.client import PoolClient
     from kvshare.pool.spawn import running_pool
     from kvshare.transfer.registration import acquire_registration, release_registration
@@ -277,12 +285,20 @@ def main(argv=None) -> int:
 
     extent = parse_size(args.extent_size)
     size = pool_bytes(args, extent)
-    print(f"transfer_gpu: {results['env']}\nstarting a {size / GiB:.0f} GiB pool (extents {extent / GiB:.2f} GiB)", flush=True)
+    print(
+        f"transfer_gpu: {results['env']}\nstarting a {size / GiB:.0f} GiB pool (extents {extent / GiB:.2f} GiB)",
+        flush=True,
+    )
     try:
         with running_pool(size, ("--extent-size", str(extent)), stdout=subprocess.DEVNULL) as socket_path:
             with PoolClient(socket_path, name="transfer-bench") as client:
                 reg = acquire_registration(client)  # held for the whole run; the transfers share it
-                results["pool"] = {"size_bytes": size, "extent_bytes": extent, "registration_s": reg.seconds, "pieces": len(reg.pieces)}
+                results["pool"] = {
+                    "size_bytes": size,
+                    "extent_bytes": extent,
+                    "registration_s": reg.seconds,
+                    "pieces": len(reg.pieces),
+                }
                 print(f"registered {size / GiB:.0f} GiB in {len(reg.pieces)} pieces: {reg.seconds:.2f} s", flush=True)
                 try:
                     for model in args.models:
@@ -316,7 +332,9 @@ def run_bytecheck(args) -> dict:
     print("byte check (delay-injection) ...", flush=True)
     with running_pool("512MiB", ("--extent-size", "64MiB"), stdout=subprocess.DEVNULL) as socket_path:
         with PoolClient(socket_path, name="transfer-bench-bytecheck") as client:
-            report = bytecheck(client, ByteCheckConfig(copy_methods=tuple(args.methods), delay_cycles=args.delay_cycles))
+            report = bytecheck(
+                client, ByteCheckConfig(copy_methods=tuple(args.methods), delay_cycles=args.delay_cycles)
+            )
     return {
         "ok": report.ok,
         "table": report.table(),

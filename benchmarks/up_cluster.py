@@ -49,7 +49,8 @@ class ClusterSpec:
 
 
 class Cluster:
-    """The child processes of one ``ClusterSpec``; ``start()``, then ``phase("A")`` / ``phase("B")``, then ``stop()``."""
+    """The child processes of one ``ClusterSpec``: ``start()``, then ``phase("A")`` / ``phase("B")``, then
+    ``stop()``."""
 
     def __init__(self, spec: ClusterSpec) -> None:
         self.spec = spec
@@ -62,7 +63,7 @@ class Cluster:
         self.lines: dict[str, list[str]] = {}  # child name -> its last output lines
         self._tmp: tempfile.TemporaryDirectory | None = None
 
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Cluster:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -70,15 +71,36 @@ class Cluster:
 
     # -- life cycle ---------------------------------------------------------------------------------------
 
-    def start(self) -> "Cluster":
+    def start(self) -> Cluster:
         """together: kvshare up, until router, replicas and pool answer; sequential: the pool and the router."""
         s = self.spec
         if s.layout == "together":
-            self._spawn("up", ["up", "--model", s.model, "--device", s.device, "--replicas", "2", "--policy", s.policy,
-                               "--port", str(self.port), "--pool-size", str(s.pool_size),
-                               *[f"--replica-arg={a}" for a in s.replica_args], *[f"--pool-arg={a}" for a in s.pool_args]])
-            self._wait_ready([self.router, *self.urls.values()], ["up"], s.start_timeout_s,
-                             until=lambda: self.pool_socket is not None)
+            self._spawn(
+                "up",
+                [
+                    "up",
+                    "--model",
+                    s.model,
+                    "--device",
+                    s.device,
+                    "--replicas",
+                    "2",
+                    "--policy",
+                    s.policy,
+                    "--port",
+                    str(self.port),
+                    "--pool-size",
+                    str(s.pool_size),
+                    *[f"--replica-arg={a}" for a in s.replica_args],
+                    *[f"--pool-arg={a}" for a in s.pool_args],
+                ],
+            )
+            self._wait_ready(
+                [self.router, *self.urls.values()],
+                ["up"],
+                s.start_timeout_s,
+                until=lambda: self.pool_socket is not None,
+            )
             return self
         from kvshare.pool.spawn import wait_for_pool
 
@@ -87,8 +109,20 @@ class Cluster:
         self._spawn("pool", ["pool", "--size", str(s.pool_size), "--socket", sock, *s.pool_args])
         wait_for_pool(sock, timeout_s=120, proc=self.procs["pool"])
         self.pool_socket = sock
-        self._spawn("router", ["route", "--policy", s.policy, "--port", str(self.port),
-                               "--replica", self.urls["A"], "--replica", self.urls["B"]])
+        self._spawn(
+            "router",
+            [
+                "route",
+                "--policy",
+                s.policy,
+                "--port",
+                str(self.port),
+                "--replica",
+                self.urls["A"],
+                "--replica",
+                self.urls["B"],
+            ],
+        )
         return self
 
     def phase(self, name: str) -> None:
@@ -102,8 +136,25 @@ class Cluster:
             if other != name:
                 self._stop(other)
         port = self.port + 1 + PHASES.index(name)
-        self._spawn(name, ["serve", "--model", s.model, "--device", s.device, "--pool", self.pool_socket,
-                           "--provenance", "all", *s.replica_args, "--port", str(port), "--replica-name", f"replica-{name}"])
+        self._spawn(
+            name,
+            [
+                "serve",
+                "--model",
+                s.model,
+                "--device",
+                s.device,
+                "--pool",
+                self.pool_socket,
+                "--provenance",
+                "all",
+                *s.replica_args,
+                "--port",
+                str(port),
+                "--replica-name",
+                f"replica-{name}",
+            ],
+        )
         self._wait_ready([self.urls[name]], [name], s.start_timeout_s)
         self._wait_ready([self.router], ["router"], 30.0)
         time.sleep(2.5)  # the router's health loop (1 s) has seen the replica that went and the one that came
@@ -124,8 +175,15 @@ class Cluster:
         env = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="1000")  # up prints through rich: no wrapped lines
         if argv[0] == "serve" and self.spec.device == "cpu":  # as kvshare up does: a replica's share of the cores
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // 2)))
-        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
-                                env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            env=env,
+            start_new_session=True,
+        )
         self.commands[name], self.procs[name], self.lines[name] = command, proc, []
         threading.Thread(target=self._read, args=(name, proc), daemon=True).start()
         return proc
@@ -155,8 +213,10 @@ class Cluster:
         while True:
             for name in names:
                 if self.procs[name].poll() is not None:
-                    raise RuntimeError(f"{name} exited {self.procs[name].returncode} before {urls} were ready:\n"
-                                       + "\n".join(self.lines[name][-30:]))
+                    raise RuntimeError(
+                        f"{name} exited {self.procs[name].returncode} before {urls} were ready:\n"
+                        + "\n".join(self.lines[name][-30:])
+                    )
             if until() and all(health_answer(u, None, 5.0) == "ready" for u in urls):
                 return
             if time.monotonic() > deadline:

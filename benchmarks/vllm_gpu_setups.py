@@ -57,10 +57,8 @@ def model_facts(model_dir: str) -> tuple[int, int]:
 
 
 def vllm_version() -> str:
-    out = subprocess.run([sys.executable, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
-                         text=True)
+    out = subprocess.run([sys.executable, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True)
     return out.stdout.strip() or "unknown"
-
 
 
 class Rows:
@@ -86,24 +84,27 @@ class Run:
         self.version = vllm_version()
         self.h2d = pinned_h2d() if args.device == "cuda" else None
         self.per_token, self.vocab = model_facts(args.model_dir)
-        self.rows = Rows(os.path.join(args.out, "rows.json"),
-                         {"setup": args.setup, "device": args.device, "commit": tree_commit()})
+        self.rows = Rows(
+            os.path.join(args.out, "rows.json"), {"setup": args.setup, "device": args.device, "commit": tree_commit()}
+        )
         self.rng = random.Random(args.seed)
         self.urls: list[str] = []  # replicas: A, B
         self.router: str | None = None
         self.served = args.model_dir  # vLLM's model name: --model as given
         self.log_path = os.path.join(args.out, f"{args.setup}.log")
         self.first = True  # the next cross request is B's first
-        print(f"vLLM {self.version}; pinned H2D {(self.h2d or 0) / 1e9:.1f} GB/s; KV {self.per_token} B/token",
-              flush=True)
+        print(
+            f"vLLM {self.version}; pinned H2D {(self.h2d or 0) / 1e9:.1f} GB/s; KV {self.per_token} B/token", flush=True
+        )
 
     def prompt(self, length: int) -> list[int]:
         lo = min(300, self.vocab // 10)  # clear of the special tokens at either end
         return [self.rng.randrange(lo, self.vocab - lo) for _ in range(length)]
 
     def complete(self, url: str, prompt: list[int], max_tokens: int | None = None, **extra) -> client.Completion:
-        return client.stream_completion(url, self.served, prompt, max_tokens or self.args.max_tokens, 900,
-                                        extra=extra or None)
+        return client.stream_completion(
+            url, self.served, prompt, max_tokens or self.args.max_tokens, 900, extra=extra or None
+        )
 
     def base_row(self) -> dict:
         return {"model": self.args.model_name, "vllm_version": self.version}
@@ -127,10 +128,20 @@ def server_config(run: Run, port: int, replica: str, **fields) -> VllmServerConf
     gpu_share, shares_gpu = None, fields.pop("shares_gpu", False)
     if a.device == "cuda" and shares_gpu and not a.kv_cache_memory_bytes:
         gpu_share = VLLM_GPU_MEMORY_UTILIZATION / 2  # vLLM's share of one replica split, as `kvshare up` splits it
-    return VllmServerConfig(model=a.model_dir, port=port, python=sys.executable, served_model_name=run.served,
-                            replica=replica, max_model_len=a.max_model_len, device=a.device,
-                            gpu_memory_utilization=gpu_share, load_format=a.load_format,
-                            model_revision=a.model_revision, extra_args=tuple(replica_args(a)), **fields)
+    return VllmServerConfig(
+        model=a.model_dir,
+        port=port,
+        python=sys.executable,
+        served_model_name=run.served,
+        replica=replica,
+        max_model_len=a.max_model_len,
+        device=a.device,
+        gpu_memory_utilization=gpu_share,
+        load_format=a.load_format,
+        model_revision=a.model_revision,
+        extra_args=tuple(replica_args(a)),
+        **fields,
+    )
 
 
 def replica_args(a: argparse.Namespace) -> list[str]:
@@ -177,11 +188,28 @@ def kvshare_up(run: Run, env: dict, log, pool_on: bool):
     from kvshare.launch import wait_http_ready
 
     a = run.args
-    cmd = [sys.executable, "-m", "kvshare", "up", "--engine", "vllm", "--device", a.device, "--replicas", "2",
-           "--model", a.model_dir, "--port", str(a.port), "--policy", "alternate",
-           *(["--pool-size", a.pool_size] if pool_on else ["--pool", "off"]),
-           f"--replica-arg=--max-model-len={a.max_model_len}", *(f"--replica-arg={x}" for x in replica_args(a)),
-           *(["--model-revision", a.model_revision] if a.model_revision else [])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvshare",
+        "up",
+        "--engine",
+        "vllm",
+        "--device",
+        a.device,
+        "--replicas",
+        "2",
+        "--model",
+        a.model_dir,
+        "--port",
+        str(a.port),
+        "--policy",
+        "alternate",
+        *(["--pool-size", a.pool_size] if pool_on else ["--pool", "off"]),
+        f"--replica-arg=--max-model-len={a.max_model_len}",
+        *(f"--replica-arg={x}" for x in replica_args(a)),
+        *(["--model-revision", a.model_revision] if a.model_revision else []),
+    ]
     proc = start(cmd, env, log)
     try:
         run.urls = [f"http://127.0.0.1:{a.port + 1}", f"http://127.0.0.1:{a.port + 2}"]
@@ -198,8 +226,19 @@ def kvshare_up(run: Run, env: dict, log, pool_on: bool):
 def lmcache_server(run: Run, env: dict, log):
     """LMCache's multi-process server (a CPU KV pool the replicas share), ready when it says it runs."""
     a = run.args
-    argv = [sys.executable, "-m", "lmcache.v1.multiprocess.server", "--host", "127.0.0.1", "--port",
-            str(a.lmcache_port), "--l1-size-gb", f"{a.lmcache_l1_gb:g}", "--eviction-policy", "LRU"]
+    argv = [
+        sys.executable,
+        "-m",
+        "lmcache.v1.multiprocess.server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(a.lmcache_port),
+        "--l1-size-gb",
+        f"{a.lmcache_l1_gb:g}",
+        "--eviction-policy",
+        "LRU",
+    ]
     server_log = os.path.join(a.out, "lmcache-server.log")
     with open(server_log, "w") as own:
         proc = start(argv, dict(env, LMCACHE_TRACK_USAGE="false", DO_NOT_TRACK="1"), own)
@@ -228,13 +267,17 @@ def setup(run: Run, env: dict, log):
             yield
     elif a.setup == "lmcache-mp":
         with lmcache_server(run, env, log):
-            configs = [server_config(run, a.port + 1 + i, name, lmcache_mp_port=a.lmcache_port, shares_gpu=True)
-                       for i, name in enumerate("AB")]
+            configs = [
+                server_config(run, a.port + 1 + i, name, lmcache_mp_port=a.lmcache_port, shares_gpu=True)
+                for i, name in enumerate("AB")
+            ]
             with servers(run, configs, env, log, two) as run.urls:
                 yield
     elif a.setup == "store-cost":
         with pool(run, log) as socket_path:
-            configs = [server_config(run, a.port + 1, "A", pool_socket=socket_path, shares_gpu=True),
-                       server_config(run, a.port + 2, "R", shares_gpu=True)]
+            configs = [
+                server_config(run, a.port + 1, "A", pool_socket=socket_path, shares_gpu=True),
+                server_config(run, a.port + 2, "R", shares_gpu=True),
+            ]
             with servers(run, configs, env, log, two) as run.urls:
                 yield

@@ -1,7 +1,8 @@
 """The vLLM connector on the H200, vLLM-shaped: replica A computes and stores, replica B (a fresh process) loads.
 
     PYTHONPATH=. python3 benchmarks/vllm_harness_gpu.py --out DIR [--cases 8b:32768,8b:131072,32b:32768,32b:131072]
-    PYTHONPATH=. python3 benchmarks/vllm_harness_gpu.py --out DIR --cases tiny:1024 --device cpu   (a dry run of the logic)
+    PYTHONPATH=. python3 benchmarks/vllm_harness_gpu.py --out DIR --cases tiny:1024 --device cpu
+        (the last: a dry run of the logic)
 
 vLLM cannot be installed on the GPU machine, so the connector's own scheduler and worker objects
 (PoolScheduler; PoolKVWorker through kvshare.integrations.vllm.worker, which KVShareConnector
@@ -36,11 +37,36 @@ ROOT = os.path.dirname(HERE)
 MODELS = {"8b": "qwen3-8b", "32b": "qwen3-32b", "tiny": "tiny"}
 DEFAULT_CASES = "8b:32768,8b:131072,32b:32768,32b:131072"
 EXTENT_MIB = 512
-ROW_FIELDS = ("model", "prompt_tokens", "prefix_tokens", "suffix_tokens", "load_bytes", "load_s", "load_gbps",
-              "pinned_h2d_gbps", "load_ratio_vs_pinned", "store_bytes", "store_s", "store_gbps", "pinned_d2h_gbps",
-              "store_ratio_vs_pinned", "load_unverified_s", "verify_share_of_load", "compute_s", "step_s",
-              "step_over_bound", "tokens_equal", "logits_bitwise_equal", "max_abs_logit_diff", "first_divergence",
-              "top2_gap_at_divergence", "load_complete", "cold_prefill_s", "register_s", "error")
+ROW_FIELDS = (
+    "model",
+    "prompt_tokens",
+    "prefix_tokens",
+    "suffix_tokens",
+    "load_bytes",
+    "load_s",
+    "load_gbps",
+    "pinned_h2d_gbps",
+    "load_ratio_vs_pinned",
+    "store_bytes",
+    "store_s",
+    "store_gbps",
+    "pinned_d2h_gbps",
+    "store_ratio_vs_pinned",
+    "load_unverified_s",
+    "verify_share_of_load",
+    "compute_s",
+    "step_s",
+    "step_over_bound",
+    "tokens_equal",
+    "logits_bitwise_equal",
+    "max_abs_logit_diff",
+    "first_divergence",
+    "top2_gap_at_divergence",
+    "load_complete",
+    "cold_prefill_s",
+    "register_s",
+    "error",
+)
 
 
 @dataclass(frozen=True)
@@ -93,8 +119,13 @@ def compare_logits(a, b) -> dict:
     if first is not None:
         top2 = torch.log_softmax(a[first].double(), -1).topk(2).values
         gap = float(top2[0] - top2[1])
-    return {"tokens_equal": bool(same_tokens.all()), "logits_bitwise_equal": bool(torch.equal(a, b)),
-            "max_abs_logit_diff": float((a - b).abs().max()), "first_divergence": first, "top2_gap_at_divergence": gap}
+    return {
+        "tokens_equal": bool(same_tokens.all()),
+        "logits_bitwise_equal": bool(torch.equal(a, b)),
+        "max_abs_logit_diff": float((a - b).abs().max()),
+        "first_divergence": first,
+        "top2_gap_at_divergence": gap,
+    }
 
 
 def make_row(case: Case, a: dict, b: dict, logits: dict) -> dict:
@@ -103,34 +134,71 @@ def make_row(case: Case, a: dict, b: dict, logits: dict) -> dict:
     compute_s, step_s = min(b["compute_s"]), min(b["step_s"])
     load_bytes, store_bytes = b["load_bytes_per_step"], a["store_bytes"]
     row = {
-        "model": case.preset, "prompt_tokens": case.prompt_tokens, "prefix_tokens": b["prefix_tokens"],
-        "suffix_tokens": case.prompt_tokens - b["prefix_tokens"], "load_bytes": load_bytes, "load_s": load_s,
-        "load_gbps": load_bytes / load_s / 1e9, "pinned_h2d_gbps": load_bytes / b["pinned_h2d_s"] / 1e9,
-        "load_ratio_vs_pinned": b["pinned_h2d_s"] / load_s, "store_bytes": store_bytes, "store_s": a["store_s"],
-        "store_gbps": store_bytes / a["store_s"] / 1e9, "pinned_d2h_gbps": store_bytes / a["pinned_d2h_s"] / 1e9,
-        "store_ratio_vs_pinned": a["pinned_d2h_s"] / a["store_s"], "store_again_s": a["store_again_s"],
-        "store_again_ratio_vs_pinned": a["pinned_d2h_s"] / a["store_again_s"], "load_unverified_s": unverified_s,
-        "verify_share_of_load": (load_s - unverified_s) / load_s, "compute_s": compute_s, "step_s": step_s,
-        "step_over_bound": step_s / max(load_s, compute_s), **logits,
-        "load_complete": b["incomplete_loads"] == 0 and b["load_errors"] == 0 and b["loaded_tokens"] == b["prefix_tokens"],
-        "cold_prefill_s": a["cold_step_s"], "register_s": {"A": a["register_s"], "B": b["register_s"]}, "error": None,
+        "model": case.preset,
+        "prompt_tokens": case.prompt_tokens,
+        "prefix_tokens": b["prefix_tokens"],
+        "suffix_tokens": case.prompt_tokens - b["prefix_tokens"],
+        "load_bytes": load_bytes,
+        "load_s": load_s,
+        "load_gbps": load_bytes / load_s / 1e9,
+        "pinned_h2d_gbps": load_bytes / b["pinned_h2d_s"] / 1e9,
+        "load_ratio_vs_pinned": b["pinned_h2d_s"] / load_s,
+        "store_bytes": store_bytes,
+        "store_s": a["store_s"],
+        "store_gbps": store_bytes / a["store_s"] / 1e9,
+        "pinned_d2h_gbps": store_bytes / a["pinned_d2h_s"] / 1e9,
+        "store_ratio_vs_pinned": a["pinned_d2h_s"] / a["store_s"],
+        "store_again_s": a["store_again_s"],
+        "store_again_ratio_vs_pinned": a["pinned_d2h_s"] / a["store_again_s"],
+        "load_unverified_s": unverified_s,
+        "verify_share_of_load": (load_s - unverified_s) / load_s,
+        "compute_s": compute_s,
+        "step_s": step_s,
+        "step_over_bound": step_s / max(load_s, compute_s),
+        **logits,
+        "load_complete": b["incomplete_loads"] == 0
+        and b["load_errors"] == 0
+        and b["loaded_tokens"] == b["prefix_tokens"],
+        "cold_prefill_s": a["cold_step_s"],
+        "register_s": {"A": a["register_s"], "B": b["register_s"]},
+        "error": None,
         "raw": {"A": a, "B": b},
     }
     return row
 
 
 def error_row(case: Case, error: str) -> dict:
-    return {**{field: None for field in ROW_FIELDS}, "model": case.preset, "prompt_tokens": case.prompt_tokens,
-            "error": error}
+    return {
+        **{field: None for field in ROW_FIELDS},
+        "model": case.preset,
+        "prompt_tokens": case.prompt_tokens,
+        "error": error,
+    }
 
 
-def run_replica(role: str, case: Case, socket_path: str, device: str, tmp: str, timeout_s: float,
-                profile: str | None = None) -> dict:
+def run_replica(
+    role: str, case: Case, socket_path: str, device: str, tmp: str, timeout_s: float, profile: str | None = None
+) -> dict:
     """One replica as a fresh process; its figures."""
     result, logits = os.path.join(tmp, f"{role}.json"), os.path.join(tmp, f"{role}_logits.pt")
-    cmd = [sys.executable, os.path.join(HERE, "vllm_harness_replica.py"), "--role", role, "--preset", case.preset,
-           "--tokens", str(case.prompt_tokens), "--socket", socket_path, "--device", device, "--logits", logits,
-           "--result", result]
+    cmd = [
+        sys.executable,
+        os.path.join(HERE, "vllm_harness_replica.py"),
+        "--role",
+        role,
+        "--preset",
+        case.preset,
+        "--tokens",
+        str(case.prompt_tokens),
+        "--socket",
+        socket_path,
+        "--device",
+        device,
+        "--logits",
+        logits,
+        "--result",
+        result,
+    ]
     if profile:
         os.makedirs(profile, exist_ok=True)
         cmd += ["--profile", profile]
@@ -155,30 +223,58 @@ def run_case(case: Case, device: str, timeout_s: float, profile: str | None = No
     c = PRESETS[case.preset].config
     page_bytes = KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, c.dtype, 256).page_bytes
     size = pool_mib(page_bytes, case.prompt_tokens)
-    with tempfile.TemporaryDirectory(prefix="vllm-harness-") as tmp, \
-            running_pool(f"{size}MiB", ("--extent-size", f"{min(EXTENT_MIB, size)}MiB"), quiet=True) as socket_path:
+    with (
+        tempfile.TemporaryDirectory(prefix="vllm-harness-") as tmp,
+        running_pool(f"{size}MiB", ("--extent-size", f"{min(EXTENT_MIB, size)}MiB"), quiet=True) as socket_path,
+    ):
         where = os.path.join(profile, case.name.replace(":", "_")) if profile else None
         a = run_replica("A", case, socket_path, device, tmp, timeout_s, where)
         b = run_replica("B", case, socket_path, device, tmp, timeout_s, where)
-        logits = compare_logits(torch.load(os.path.join(tmp, "A_logits.pt")), torch.load(os.path.join(tmp, "B_logits.pt")))
+        logits = compare_logits(
+            torch.load(os.path.join(tmp, "A_logits.pt")), torch.load(os.path.join(tmp, "B_logits.pt"))
+        )
     row = make_row(case, a, b, logits)
     row["pool_mib"] = size
     return row
 
 
 def table(rows: list[dict]) -> str:
-    head = ("case", "load GB/s", "pinned", "load x", "store GB/s", "pinned", "store x", "verify", "step/bound", "tokens")
+    head = (
+        "case",
+        "load GB/s",
+        "pinned",
+        "load x",
+        "store GB/s",
+        "pinned",
+        "store x",
+        "verify",
+        "step/bound",
+        "tokens",
+    )
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for r in rows:
         name = f"{r['model']} {r['prompt_tokens']}"
         if r.get("error"):
             lines.append(f"{name} | error: {r['error'].splitlines()[0][:120]}")
             continue
-        lines.append(" | ".join([
-            name, f"{r['load_gbps']:.1f}", f"{r['pinned_h2d_gbps']:.1f}", f"{r['load_ratio_vs_pinned']:.2f}",
-            f"{r['store_gbps']:.1f}", f"{r['pinned_d2h_gbps']:.1f}", f"{r['store_ratio_vs_pinned']:.2f}",
-            f"{r['verify_share_of_load']:+.3f}", f"{r['step_over_bound']:.2f} ({r['step_s'] * 1e3:.0f} ms)",
-            "equal" if r["tokens_equal"] else f"differ at {r['first_divergence']} (gap {r['top2_gap_at_divergence']:.2g})"]))
+        lines.append(
+            " | ".join(
+                [
+                    name,
+                    f"{r['load_gbps']:.1f}",
+                    f"{r['pinned_h2d_gbps']:.1f}",
+                    f"{r['load_ratio_vs_pinned']:.2f}",
+                    f"{r['store_gbps']:.1f}",
+                    f"{r['pinned_d2h_gbps']:.1f}",
+                    f"{r['store_ratio_vs_pinned']:.2f}",
+                    f"{r['verify_share_of_load']:+.3f}",
+                    f"{r['step_over_bound']:.2f} ({r['step_s'] * 1e3:.0f} ms)",
+                    "equal"
+                    if r["tokens_equal"]
+                    else f"differ at {r['first_divergence']} (gap {r['top2_gap_at_divergence']:.2g})",
+                ]
+            )
+        )
     return "\n".join(lines)
 
 
@@ -188,10 +284,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--cases", default=DEFAULT_CASES, help=f"MODEL:TOKENS,... (default {DEFAULT_CASES})")
     parser.add_argument("--device", default="cuda", help="cuda (the H200 run) or cpu (a dry run of the logic)")
     parser.add_argument("--timeout-s", type=float, default=300.0, help="longest run of one replica process")
-    parser.add_argument("--budget-s", type=float, default=0.0,
-                        help="start no case after this many seconds (0: no limit); skipped cases get a row saying so")
-    parser.add_argument("--profile", default=None,
-                        help="a directory for torch profiler traces (chrome JSON) of each step's first run")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=0.0,
+        help="start no case after this many seconds (0: no limit); skipped cases get a row saying so",
+    )
+    parser.add_argument(
+        "--profile", default=None, help="a directory for torch profiler traces (chrome JSON) of each step's first run"
+    )
     args = parser.parse_args(argv)
     args.case_list = parse_cases(args.cases)
     return args

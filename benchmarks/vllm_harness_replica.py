@@ -4,9 +4,11 @@ The connector's two sides (PoolScheduler, and PoolKVWorker through kvshare.integ
 the very object KVShareConnector forwards vLLM's calls to) over vLLM-0.32-shaped flash-attention
 KV tensors, driven in the order vLLM's GPU model runner calls them, per step::
 
-    scheduler  get_num_new_matched_tokens (match) -> update_state_after_alloc (allocated) -> build_connector_meta (plan_step)
-    worker     start_load_kv -> per layer: [KV update of the step's tokens] wait_for_layer_load, attention, save_kv_layer
-               -> wait_for_save -> get_block_ids_with_load_errors -> build_connector_worker_meta -> request_finished
+    scheduler  get_num_new_matched_tokens (match) -> update_state_after_alloc (allocated)
+               -> build_connector_meta (plan_step)
+    worker     start_load_kv -> per layer: [KV update of the step's tokens] wait_for_layer_load, attention,
+               save_kv_layer -> wait_for_save -> get_block_ids_with_load_errors -> build_connector_worker_meta
+               -> request_finished
 
 The compute is a real decoder layer of the preset's shape (kvshare.engine.model.DecoderLayer, random
 weights; ONE layer's weights applied at every one of the L layers to save memory), attention reading
@@ -30,20 +32,27 @@ import time
 import numpy as np
 import torch
 
-from kvshare.engine.model import CUDA_DECODE_SDPA_BACKENDS, CUDA_SDPA_BACKENDS, DecoderLayer, RMSNorm, rope_cos_sin, rope_inv_freq
+from kvshare.engine.model import (
+    CUDA_DECODE_SDPA_BACKENDS,
+    CUDA_SDPA_BACKENDS,
+    DecoderLayer,
+    RMSNorm,
+    rope_cos_sin,
+    rope_inv_freq,
+)
 from kvshare.engine.presets import PRESETS
-from kvshare.integrations.vllm.worker import PoolKVWorker, WorkerHooks
 from kvshare.integrations.vllm.layout import as_bits, slots_of_positions
 from kvshare.integrations.vllm.metadata import WorkerReport
 from kvshare.integrations.vllm.options import ConnectorConfig
 from kvshare.integrations.vllm.paged_tensors import paged_layers
 from kvshare.integrations.vllm.plan import tokens_to_load
-from kvshare.pool.link import PoolLink
 from kvshare.integrations.vllm.scheduler import PoolScheduler, ScheduledRequest
 from kvshare.integrations.vllm.staging import widen, word_bytes
+from kvshare.integrations.vllm.worker import PoolKVWorker, WorkerHooks
 from kvshare.keys import Namespace
 from kvshare.layout import KVLayout
 from kvshare.pool.client import PoolClient
+from kvshare.pool.link import PoolLink
 
 BLOCK_SIZE, CHUNK, VOCAB, SEED, MLP_CHUNK = 16, 256, 4096, 1234, 4096
 
@@ -92,18 +101,31 @@ class Replica:
         self.layout = KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, c.dtype, CHUNK)
         self.prompt = prompt_of(args.tokens)
         num_blocks = -(-args.tokens // BLOCK_SIZE) + 8
-        self.kv_layers, self.paged = paged_layers("LBNHC", c.num_layers, num_blocks, BLOCK_SIZE, c.num_kv_heads,
-                                                  c.head_dim, self.model.dtype, self.device)
+        self.kv_layers, self.paged = paged_layers(
+            "LBNHC", c.num_layers, num_blocks, BLOCK_SIZE, c.num_kv_heads, c.head_dim, self.model.dtype, self.device
+        )
         blocks = list(range(num_blocks))
         self.block_ids = blocks if args.role == "A" else blocks[::-1]  # B: descending, as a long-running vLLM
         # [2, B, N, H, D'] views of each layer as wide integers, as the connector's GPU path indexes them
         self.word_bytes = word_bytes(self.kv_layers, self.paged)
         self.blocks = [widen(self.paged.kv_blocks(as_bits(layer)), self.word_bytes) for layer in self.kv_layers]
-        self.scratch = torch.zeros(2, c.num_kv_heads, args.tokens, c.head_dim, dtype=self.model.dtype, device=self.device)
+        self.scratch = torch.zeros(
+            2, c.num_kv_heads, args.tokens, c.head_dim, dtype=self.model.dtype, device=self.device
+        )
         config = ConnectorConfig(pool_socket=args.socket, chunk_tokens=CHUNK, replica=args.role)
-        namespace = Namespace(f"harness-{args.preset}", "0" * 32, c.dtype, c.num_layers, c.num_kv_heads, c.head_dim,
-                              CHUNK, engine_family="vllm")
-        self.scheduler = PoolScheduler(config, namespace, self.layout.page_bytes, BLOCK_SIZE, PoolLink(args.socket, f"{args.role}-s"))
+        namespace = Namespace(
+            f"harness-{args.preset}",
+            "0" * 32,
+            c.dtype,
+            c.num_layers,
+            c.num_kv_heads,
+            c.head_dim,
+            CHUNK,
+            engine_family="vllm",
+        )
+        self.scheduler = PoolScheduler(
+            config, namespace, self.layout.page_bytes, BLOCK_SIZE, PoolLink(args.socket, f"{args.role}-s")
+        )
         self.worker = PoolKVWorker(self.layout, PoolLink(args.socket, f"{args.role}-w"), copy_threads=2)
         started = time.perf_counter()
         self.worker.register(self.kv_layers, self.paged)
@@ -173,6 +195,7 @@ class Replica:
         kernels = torch.nn.attention.sdpa_kernel(backends) if self.device.type == "cuda" else contextlib.nullcontext()
         with torch.inference_mode(), kernels:
             for index, blocks in enumerate(self.blocks):
+
                 def before_attention(blocks=blocks, index=index):
                     # vLLM's KV update: the step's K/V into its slots; then wait for the layer's load; then
                     # attention's read of the layer's blocks (gathered into the contiguous scratch)
@@ -195,8 +218,13 @@ class Replica:
         kept under it and, with ``--profile``, the first run of each name is traced (kernels and copies)."""
         sync(self.device)
         tracing = bool(name and name not in self.phases and self.args.profile and self.device.type == "cuda")
-        context = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                     torch.profiler.ProfilerActivity.CUDA]) if tracing else contextlib.nullcontext()
+        context = (
+            torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            )
+            if tracing
+            else contextlib.nullcontext()
+        )
         with context as prof:
             started = time.perf_counter()
             result = fn()
@@ -254,8 +282,16 @@ class Replica:
 
     def role_b(self) -> dict:
         T, P = self.args.tokens, prefix_len(self.args.tokens)
-        out: dict = {"register_s": self.register_s, "prefix_tokens": P, "load_s": [], "load_unverified_s": [],
-                     "step_s": [], "compute_s": [], "load_errors": 0, "incomplete_loads": 0}
+        out: dict = {
+            "register_s": self.register_s,
+            "prefix_tokens": P,
+            "load_s": [],
+            "load_unverified_s": [],
+            "step_s": [],
+            "compute_s": [],
+            "load_errors": 0,
+            "incomplete_loads": 0,
+        }
 
         def load_step(compute: bool):
             rid = self.new_id("b")
@@ -317,9 +353,12 @@ class Probe:
 
     def take(self, wall_s: float) -> dict:
         host = {name: t - self.marks[i][1] for i, (name, t) in enumerate(self.marks[1:])}
-        return {"wall_s": wall_s, "host_s": host,
-                "load_gpu_s": [getattr(x, "seconds", None) for x in self.loads],
-                "store_gpu_s": [getattr(x, "seconds", None) for x in self.stores]}
+        return {
+            "wall_s": wall_s,
+            "host_s": host,
+            "load_gpu_s": [getattr(x, "seconds", None) for x in self.loads],
+            "store_gpu_s": [getattr(x, "seconds", None) for x in self.stores],
+        }
 
 
 def pinned_copy_s(num_bytes: int, device: torch.device, to_device: bool, repeats: int = 2) -> float:

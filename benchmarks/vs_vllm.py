@@ -53,12 +53,21 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)  # up_cluster, service_ttft_gpu and vs_vllm_rows beside this script
 from vs_vllm_rows import (  # noqa: E402,F401 (ROW_FIELDS, readme: part of this script's interface)
-    ROW_FIELDS, make_row, ratio, readme, result_dir_name, table, with_token_ids_twins)
+    ROW_FIELDS,
+    make_row,
+    ratio,
+    readme,
+    result_dir_name,
+    table,
+    with_token_ids_twins,
+)
 
 CLIENTS = ("token_ids", "text")
 ENGINES = ("kvshare", "vllm")
-OFFLOADING_ON_CPU = ("vLLM's native CPU offloading runs only on GPUs (vLLM 0.32 CPU: 'CPU Offloading is "
-                     "currently only supported on CUDA-alike and XPU GPUs')")
+OFFLOADING_ON_CPU = (
+    "vLLM's native CPU offloading runs only on GPUs (vLLM 0.32 CPU: 'CPU Offloading is "
+    "currently only supported on CUDA-alike and XPU GPUs')"
+)
 
 
 # -- the client mode ---------------------------------------------------------------------------------------
@@ -73,9 +82,11 @@ def text_client_refusal() -> str | None:
 
     if "is_user_client" in {f.name for f in fields(client.BenchRequest)}:
         return None
-    return ("--client text needs kvshare's bench client to send chat text as a user's client does "
-            "(kvshare.bench.client.BenchRequest.is_user_client); this tree's client has no such mode: "
-            "run with --client token_ids")
+    return (
+        "--client text needs kvshare's bench client to send chat text as a user's client does "
+        "(kvshare.bench.client.BenchRequest.is_user_client); this tree's client has no such mode: "
+        "run with --client token_ids"
+    )
 
 
 # -- the run -----------------------------------------------------------------------------------------------
@@ -92,8 +103,9 @@ class Measurements:
             with open(path) as f:
                 data = json.load(f)
             if data.get("plan") != plan:
-                raise SystemExit(f"vs_vllm: {path} holds measurements of another plan ({data.get('plan')}); "
-                                 "give another --out")
+                raise SystemExit(
+                    f"vs_vllm: {path} holds measurements of another plan ({data.get('plan')}); give another --out"
+                )
             self.data = data
 
     def add_command(self, command: str) -> None:
@@ -116,7 +128,6 @@ class Measurements:
         os.replace(self.path + ".tmp", self.path)
 
 
-
 def memcpy_rate(num_bytes: int = 512 << 20) -> float:
     """Bytes/s of one host memcpy of ``num_bytes`` (best of 5): a CPU replica's pool load is such a copy."""
     src = np.ones(num_bytes, dtype=np.uint8)
@@ -135,11 +146,19 @@ async def _send(url: str, model: str, prompt: list, max_tokens: int, use_pool: b
     from kvshare.bench.client import BenchRequest, send
 
     if client == "text":  # chat messages through a user's client (text_client_refusal says it exists)
-        request = BenchRequest(url=url, kind="chat", model=model, messages=prompt, max_tokens=max_tokens,
-                               use_pool=use_pool, is_user_client=True)
+        request = BenchRequest(
+            url=url,
+            kind="chat",
+            model=model,
+            messages=prompt,
+            max_tokens=max_tokens,
+            use_pool=use_pool,
+            is_user_client=True,
+        )
     else:
-        request = BenchRequest(url=url, kind="completion", model=model, prompt=prompt, max_tokens=max_tokens,
-                               use_pool=use_pool)
+        request = BenchRequest(
+            url=url, kind="completion", model=model, prompt=prompt, max_tokens=max_tokens, use_pool=use_pool
+        )
     async with aiohttp.ClientSession() as session:
         return await send(session, request)
 
@@ -202,9 +221,19 @@ def run_kvshare(length: int, prompts: dict[str, list[list[int]]], args, model_di
         for i, ((client, k), (cold, cross, local)) in enumerate(got.items()):
             prov = cross.provenance or {}
             local_hit = (local.provenance or {}).get("local_tokens", 0) > 0
-            out.append({"prompt_tokens": length, "prompt_index": k, "client": client, "first_request": i == 0,
-                        "cold_s": cold.ttft_s, "cross_s": cross.ttft_s, "local_s": local.ttft_s if local_hit else None,
-                        "pool_tokens": prov.get("pool_tokens"), "tokens_equal": cross.token_ids == cold.token_ids})
+            out.append(
+                {
+                    "prompt_tokens": length,
+                    "prompt_index": k,
+                    "client": client,
+                    "first_request": i == 0,
+                    "cold_s": cold.ttft_s,
+                    "cross_s": cross.ttft_s,
+                    "local_s": local.ttft_s if local_hit else None,
+                    "pool_tokens": prov.get("pool_tokens"),
+                    "tokens_equal": cross.token_ids == cold.token_ids,
+                }
+            )
     finally:
         cluster.stop()
     commands = [shlex.join(c) for c in cluster.commands.values()]
@@ -221,10 +250,19 @@ def run_vllm(prompts: dict[tuple[int, str], list[list[int]]], args, model_dir: s
     extra = ("--kv-offloading-size", f"{args.vllm_offloading_gib:g}") if offloading else ()
     chunk = 256
     context = -(-(max(args.lengths) + args.max_tokens) // chunk) * chunk
-    config = VllmServerConfig(model=model_dir, port=free_port_block(1), python=args.vllm_python, pool_socket=None,
-                              replica="vllm", max_model_len=context, device="cpu" if args.device == "cpu" else "cuda",
-                              dtype=args.model_dtype, kv_cache_gib=args.vllm_cpu_kv_gib,
-                              cpu_omp_threads_bind="nobind" if args.device == "cpu" else None, extra_args=extra)
+    config = VllmServerConfig(
+        model=model_dir,
+        port=free_port_block(1),
+        python=args.vllm_python,
+        pool_socket=None,
+        replica="vllm",
+        max_model_len=context,
+        device="cpu" if args.device == "cpu" else "cuda",
+        dtype=args.model_dtype,
+        kv_cache_gib=args.vllm_cpu_kv_gib,
+        cpu_omp_threads_bind="nobind" if args.device == "cpu" else None,
+        extra_args=extra,
+    )
     spec = vllm_server_command(config)
     env = dict(spec.env, VLLM_SERVER_DEV_MODE="1")  # /reset_prefix_cache: the next hit comes from the CPU tier
     log = open(os.path.join(args.log_dir, "vllm.log"), "w")
@@ -245,9 +283,12 @@ def run_vllm(prompts: dict[tuple[int, str], list[list[int]]], args, model_dir: s
                     reset = urllib.request.Request(spec.base_url + "/reset_prefix_cache", data=b"", method="POST")
                     urllib.request.urlopen(reset, timeout=60).read()
                     tier = request(spec.base_url, model, ids, args.max_tokens, None, client)
-                out[length, client, k] = {"cold_s": cold.ttft_s, "local_s": local.ttft_s,
-                                          "cpu_tier_s": tier.ttft_s if tier else None,
-                                          "cached_tokens": (tier or local).cached_tokens}
+                out[length, client, k] = {
+                    "cold_s": cold.ttft_s,
+                    "local_s": local.ttft_s,
+                    "cpu_tier_s": tier.ttft_s if tier else None,
+                    "cached_tokens": (tier or local).cached_tokens,
+                }
     finally:
         stop_group(proc)
         log.close()
@@ -255,24 +296,39 @@ def run_vllm(prompts: dict[tuple[int, str], list[list[int]]], args, model_dir: s
 
 
 def vllm_version(python: str) -> str:
-    done = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True,
-                          env=dict(os.environ, CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "")))
+    done = subprocess.run(
+        [python, "-c", "import vllm; print(vllm.__version__)"],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "")),
+    )
     return done.stdout.strip().splitlines()[-1] if done.returncode == 0 and done.stdout.strip() else "unknown"
 
 
 def parse_args(argv: list[str] | None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--preset", default="qwen3-8b", help="kvshare make-model preset (tiny, qwen3-8b, qwen3-32b)")
     p.add_argument("--model-dir", default=None, help="where the preset is written (default /tmp/vs-vllm-PRESET)")
     p.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072])
     p.add_argument("--prompts", type=int, default=2, help="prompts per length (the first is B's first request)")
-    p.add_argument("--client", choices=CLIENTS, action="append", default=None,
-                   help="token_ids (default) and/or text (through /v1/chat/completions; repeatable)")
-    p.add_argument("--engines", nargs="*", choices=ENGINES, default=list(ENGINES),
-                   help="the phases this command runs (default both); a phase measured by an earlier command with "
-                        "the same --out and plan is kept, so each engine may have a command of its own; none "
-                        "(--engines alone): the table and README again from the phases kept")
+    p.add_argument(
+        "--client",
+        choices=CLIENTS,
+        action="append",
+        default=None,
+        help="token_ids (default) and/or text (through /v1/chat/completions; repeatable)",
+    )
+    p.add_argument(
+        "--engines",
+        nargs="*",
+        choices=ENGINES,
+        default=list(ENGINES),
+        help="the phases this command runs (default both); a phase measured by an earlier command with "
+        "the same --out and plan is kept, so each engine may have a command of its own; none "
+        "(--engines alone): the table and README again from the phases kept",
+    )
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--vllm-python", default=sys.executable, help="the interpreter of vLLM's environment")
     p.add_argument("--vllm-offloading-gib", type=float, default=40.0, help="vLLM's --kv-offloading-size (0: off)")
@@ -306,16 +362,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"vs_vllm: unknown preset {args.preset!r}; one of {', '.join(PRESETS)}", file=sys.stderr)
         return 2
     load_before = os.getloadavg()[0]
-    command = shlex.join(["python", os.path.relpath(sys.argv[0], ROOT) if argv is None else "benchmarks/vs_vllm.py",
-                          *(sys.argv[1:] if argv is None else argv)])
+    command = shlex.join(
+        [
+            "python",
+            os.path.relpath(sys.argv[0], ROOT) if argv is None else "benchmarks/vs_vllm.py",
+            *(sys.argv[1:] if argv is None else argv),
+        ]
+    )
     date, commit = datetime.date.today().isoformat(), tree_commit() or "unknown"
     out = args.out or os.path.join(ROOT, "docs", "results", result_dir_name(date, commit))
     args.log_dir = os.path.join(out, "logs")
     os.makedirs(args.log_dir, exist_ok=True)
     model_dir = args.model_dir or f"/tmp/vs-vllm-{args.preset}"
     if not os.path.exists(os.path.join(model_dir, "config.json")):
-        subprocess.run([sys.executable, "-m", "kvshare", "make-model", args.preset, "--out", model_dir,
-                        "--device", args.device], check=True)
+        subprocess.run(
+            [sys.executable, "-m", "kvshare", "make-model", args.preset, "--out", model_dir, "--device", args.device],
+            check=True,
+        )
     with open(os.path.join(model_dir, "config.json")) as f:
         mc = model_config_from_hf(json.load(f))
     args.model_dtype, args.vocab = mc.dtype, min(mc.vocab_size, 256 if args.preset == "tiny" else 150000)
@@ -323,11 +386,25 @@ def main(argv: list[str] | None = None) -> int:
     # every server starts empty (a fresh pool and replicas, a fresh vLLM), so nothing is cached from earlier runs
     rng = np.random.default_rng(args.seed)
     # a prompt per (length, client, index): a text prompt never meets the KV of its token-id twin
-    prompts = {(n, c): [rng.integers(0, args.vocab, n).tolist() if c == "token_ids" else
-                        chat_prompt(model_dir, args.seed, n, f"vs-vllm/{n}/{k}") for k in range(args.prompts)]
-               for n in args.lengths for c in args.client}
-    plan = {"preset": args.preset, "device": args.device, "lengths": args.lengths, "clients": args.client,
-            "prompts": args.prompts, "seed": args.seed, "max_tokens": args.max_tokens}
+    prompts = {
+        (n, c): [
+            rng.integers(0, args.vocab, n).tolist()
+            if c == "token_ids"
+            else chat_prompt(model_dir, args.seed, n, f"vs-vllm/{n}/{k}")
+            for k in range(args.prompts)
+        ]
+        for n in args.lengths
+        for c in args.client
+    }
+    plan = {
+        "preset": args.preset,
+        "device": args.device,
+        "lengths": args.lengths,
+        "clients": args.client,
+        "prompts": args.prompts,
+        "seed": args.seed,
+        "max_tokens": args.max_tokens,
+    }
     saved = Measurements(os.path.join(out, "measurements.json"), plan)
     if args.engines:  # none: only the table again, from the phases kept
         saved.add_command(command)
@@ -346,17 +423,33 @@ def main(argv: list[str] | None = None) -> int:
             got, started = run_kvshare(length, {c: prompts[length, c] for c in args.client}, args, model_dir)
             figures += with_token_ids_twins(got)
             commands += [c for c in started if c not in commands]
-        saved.put("kvshare", {"figures": figures, "commands": commands, "bound_rate": rate, "bound_kind": bound_kind,
-                              "loadavg": f"{load_before:.1f} / {os.getloadavg()[0]:.1f}",
-                              "bound_note": bound_note, "hardware": describe_host(args.device), "commit": commit})
+        saved.put(
+            "kvshare",
+            {
+                "figures": figures,
+                "commands": commands,
+                "bound_rate": rate,
+                "bound_kind": bound_kind,
+                "loadavg": f"{load_before:.1f} / {os.getloadavg()[0]:.1f}",
+                "bound_note": bound_note,
+                "hardware": describe_host(args.device),
+                "commit": commit,
+            },
+        )
     if "vllm" in args.engines:
         load_before = os.getloadavg()[0]
         version = vllm_version(args.vllm_python)
         vl, vllm_command = run_vllm(prompts, args, model_dir)
-        saved.put("vllm", {"figures": [{"prompt_tokens": n, "client": c, "prompt_index": k, **v}
-                                       for (n, c, k), v in vl.items()],
-                           "command": vllm_command, "version": version, "commit": commit,
-                           "loadavg": f"{load_before:.1f} / {os.getloadavg()[0]:.1f}"})
+        saved.put(
+            "vllm",
+            {
+                "figures": [{"prompt_tokens": n, "client": c, "prompt_index": k, **v} for (n, c, k), v in vl.items()],
+                "command": vllm_command,
+                "version": version,
+                "commit": commit,
+                "loadavg": f"{load_before:.1f} / {os.getloadavg()[0]:.1f}",
+            },
+        )
     kv, vllm = saved.get("kvshare"), saved.get("vllm")
     if kv is None:
         print(f"measured vLLM only; the table waits for the kvshare phase (--engines kvshare --out {out})", flush=True)
@@ -367,24 +460,47 @@ def main(argv: list[str] | None = None) -> int:
     commit = kv["commit"] if vllm is None or vllm["commit"] == kv["commit"] else f"{kv['commit']}+{vllm['commit']}"
     command = "\n".join(saved.commands())  # one line each
     engine_commands = kv["commands"] + ([vllm["command"]] if vllm else [])
-    common = {"model": args.preset, "bound_kind": bound_kind, "vllm_version": version, "commit": commit,
-              "command": command, "hardware": kv["hardware"]}
-    rows = [make_row(common, r, vl.get((r["prompt_tokens"], r["client"], r["prompt_index"])), rate,
-                     mc.kv_bytes_per_token) for r in kv["figures"]]
+    common = {
+        "model": args.preset,
+        "bound_kind": bound_kind,
+        "vllm_version": version,
+        "commit": commit,
+        "command": command,
+        "hardware": kv["hardware"],
+    }
+    rows = [
+        make_row(common, r, vl.get((r["prompt_tokens"], r["client"], r["prompt_index"])), rate, mc.kv_bytes_per_token)
+        for r in kv["figures"]
+    ]
     tier = f"--kv-offloading-size {args.vllm_offloading_gib:g}" if args.device != "cpu" else "no CPU tier"
-    notes = ["kvshare: `kvshare up` with its defaults (2 replicas, built-in engine, every loaded page verified), "
-             "the replica arguments of service_ttft_gpu's plan (a prompt's KV fits the local cache)"
-             + "".join(f", {a}" for a in args.replica_arg) + f"; vLLM: one replica, prefix caching on, {tier}."]
+    notes = [
+        "kvshare: `kvshare up` with its defaults (2 replicas, built-in engine, every loaded page verified), "
+        "the replica arguments of service_ttft_gpu's plan (a prompt's KV fits the local cache)"
+        + "".join(f", {a}" for a in args.replica_arg)
+        + f"; vLLM: one replica, prefix caching on, {tier}."
+    ]
     if vllm is None:
         notes.append("vLLM was not measured (its columns are empty): run this command with --engines vllm.")
     if args.device == "cpu":
         notes.append(OFFLOADING_ON_CPU + ": the vLLM CPU-tier column is empty.")
         notes.append("On CPU the local hits are each engine's own prefix cache in host memory.")
-    meta = {"date": date, "commit": commit, "label": args.label, "hardware": common["hardware"],
-            "vllm_version": version, "vllm_python": args.vllm_python, "model": args.preset, "model_dir": model_dir,
-            "bound_note": bound_note, "loadavg": "; ".join(f"{p} {saved.get(p)['loadavg']}" for p in ENGINES
-                                                            if saved.get(p) and "loadavg" in saved.get(p)),
-            "command": command, "engine_commands": engine_commands, "notes": notes}
+    meta = {
+        "date": date,
+        "commit": commit,
+        "label": args.label,
+        "hardware": common["hardware"],
+        "vllm_version": version,
+        "vllm_python": args.vllm_python,
+        "model": args.preset,
+        "model_dir": model_dir,
+        "bound_note": bound_note,
+        "loadavg": "; ".join(
+            f"{p} {saved.get(p)['loadavg']}" for p in ENGINES if saved.get(p) and "loadavg" in saved.get(p)
+        ),
+        "command": command,
+        "engine_commands": engine_commands,
+        "notes": notes,
+    }
     with open(os.path.join(out, "rows.json"), "w") as f:
         json.dump(rows, f, indent=1)
     with open(os.path.join(out, "README.md"), "w") as f:

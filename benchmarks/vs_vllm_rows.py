@@ -4,10 +4,32 @@ vLLM's, the markdown table and the result folder's README."""
 from __future__ import annotations
 
 # the row schema: every row carries these keys (None where a figure does not apply)
-ROW_FIELDS = ("model", "prompt_tokens", "client", "first_request", "cold_s", "vllm_cold_s", "cold_over_vllm",
-              "local_s", "vllm_local_s", "vllm_cpu_tier_s", "cross_s", "bound_s", "cross_over_bound",
-              "cross_over_vllm_cpu_tier", "text_overhead", "pool_tokens", "vllm_cached_tokens", "bound_kind",
-              "bound_bytes_per_s", "tokens_equal", "vllm_version", "commit", "command", "hardware")
+ROW_FIELDS = (
+    "model",
+    "prompt_tokens",
+    "client",
+    "first_request",
+    "cold_s",
+    "vllm_cold_s",
+    "cold_over_vllm",
+    "local_s",
+    "vllm_local_s",
+    "vllm_cpu_tier_s",
+    "cross_s",
+    "bound_s",
+    "cross_over_bound",
+    "cross_over_vllm_cpu_tier",
+    "text_overhead",
+    "pool_tokens",
+    "vllm_cached_tokens",
+    "bound_kind",
+    "bound_bytes_per_s",
+    "tokens_equal",
+    "vllm_version",
+    "commit",
+    "command",
+    "hardware",
+)
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -26,14 +48,27 @@ def make_row(common: dict, kv: dict, vl: dict | None, bound_rate: float, kv_byte
     text_overhead = None
     if kv["client"] == "text" and kv.get("token_ids_cross_s"):
         text_overhead = kv["cross_s"] / kv["token_ids_cross_s"] - 1.0
-    row = {**common, "prompt_tokens": kv["prompt_tokens"], "client": kv["client"],
-           "first_request": kv["first_request"], "cold_s": kv["cold_s"], "vllm_cold_s": vl.get("cold_s"),
-           "cold_over_vllm": ratio(kv["cold_s"], vl.get("cold_s")), "local_s": kv.get("local_s"),
-           "vllm_local_s": vl.get("local_s"), "vllm_cpu_tier_s": vl.get("cpu_tier_s"), "cross_s": kv["cross_s"],
-           "bound_s": bound, "cross_over_bound": ratio(kv["cross_s"], bound),
-           "cross_over_vllm_cpu_tier": ratio(kv["cross_s"], vl.get("cpu_tier_s")), "text_overhead": text_overhead,
-           "pool_tokens": kv.get("pool_tokens"), "vllm_cached_tokens": vl.get("cached_tokens"),
-           "bound_bytes_per_s": bound_rate, "tokens_equal": kv.get("tokens_equal")}
+    row = {
+        **common,
+        "prompt_tokens": kv["prompt_tokens"],
+        "client": kv["client"],
+        "first_request": kv["first_request"],
+        "cold_s": kv["cold_s"],
+        "vllm_cold_s": vl.get("cold_s"),
+        "cold_over_vllm": ratio(kv["cold_s"], vl.get("cold_s")),
+        "local_s": kv.get("local_s"),
+        "vllm_local_s": vl.get("local_s"),
+        "vllm_cpu_tier_s": vl.get("cpu_tier_s"),
+        "cross_s": kv["cross_s"],
+        "bound_s": bound,
+        "cross_over_bound": ratio(kv["cross_s"], bound),
+        "cross_over_vllm_cpu_tier": ratio(kv["cross_s"], vl.get("cpu_tier_s")),
+        "text_overhead": text_overhead,
+        "pool_tokens": kv.get("pool_tokens"),
+        "vllm_cached_tokens": vl.get("cached_tokens"),
+        "bound_bytes_per_s": bound_rate,
+        "tokens_equal": kv.get("tokens_equal"),
+    }
     missing = [k for k in ROW_FIELDS if k not in row]
     if missing:
         raise ValueError(f"a row lacks {', '.join(missing)}: give them in common")
@@ -44,8 +79,10 @@ def with_token_ids_twins(figures: list[dict]) -> list[dict]:
     """Each text measurement with ``token_ids_cross_s``: the cross-replica TTFT of the token-id prompt of the same
     length and index (another random prompt of that length: a load's time depends on its length, not its ids)."""
     cross = {(f["prompt_tokens"], f["prompt_index"]): f["cross_s"] for f in figures if f["client"] == "token_ids"}
-    return [{**f, "token_ids_cross_s": cross.get((f["prompt_tokens"], f["prompt_index"]))}
-            if f["client"] == "text" else f for f in figures]
+    return [
+        {**f, "token_ids_cross_s": cross.get((f["prompt_tokens"], f["prompt_index"]))} if f["client"] == "text" else f
+        for f in figures
+    ]
 
 
 def fmt(value, spec: str = ".3f") -> str:
@@ -54,17 +91,20 @@ def fmt(value, spec: str = ".3f") -> str:
 
 def table(rows: list[dict]) -> str:
     """The headline table (markdown), one line per row, kvshare and vLLM side by side."""
-    lines = ["| model | prompt tokens | client | request | kvshare cold s | vLLM cold s | cold / vLLM "
-             "| kvshare local hit s | vLLM local hit s | kvshare cross-replica s | bound s | cross / bound "
-             "| vLLM CPU-tier hit s | text overhead |",
-             "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| model | prompt tokens | client | request | kvshare cold s | vLLM cold s | cold / vLLM "
+        "| kvshare local hit s | vLLM local hit s | kvshare cross-replica s | bound s | cross / bound "
+        "| vLLM CPU-tier hit s | text overhead |",
+        "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for r in rows:
         overhead = "-" if r["text_overhead"] is None else f"{r['text_overhead']:+.1%}"
         lines.append(
             f"| {r['model']} | {r['prompt_tokens']} | {r['client']} | {'first' if r['first_request'] else 'steady'} "
             f"| {fmt(r['cold_s'])} | {fmt(r['vllm_cold_s'])} | {fmt(r['cold_over_vllm'], '.2f')} "
             f"| {fmt(r['local_s'])} | {fmt(r['vllm_local_s'])} | {fmt(r['cross_s'])} | {fmt(r['bound_s'])} "
-            f"| {fmt(r['cross_over_bound'], '.2f')} | {fmt(r['vllm_cpu_tier_s'])} | {overhead} |")
+            f"| {fmt(r['cross_over_bound'], '.2f')} | {fmt(r['vllm_cpu_tier_s'])} | {overhead} |"
+        )
     return "\n".join(lines)
 
 
@@ -77,14 +117,25 @@ def readme(rows: list[dict], meta: dict) -> str:
     out = [f"# kvshare vs vLLM, {meta['date']}, commit {meta['commit']}", ""]
     if meta.get("label"):
         out += [f"**{meta['label']}.**", ""]
-    out += [f"Hardware: {meta['hardware']}. vLLM {meta['vllm_version']} ({meta['vllm_python']}). "
-            f"Model: {meta['model']} (`{meta['model_dir']}`). Bound: {meta['bound_note']}."
-            + (f" Load average before / after each phase: {meta['loadavg']}." if meta.get("loadavg") else ""), "",
-            "Commands (this run):", "", "```sh", meta["command"], *meta["engine_commands"], "```", "",
-            table(rows), "", "Local hit: the same prompt again on the replica that computed it (its own prefix cache, "
-            "in GPU memory on a GPU). Cross-replica: replica B, which never saw the prompt, loads it from the pool. "
-            "vLLM CPU-tier hit: the same prompt after vLLM's GPU prefix cache was reset (its native CPU offloading).",
-            ""]
+    out += [
+        f"Hardware: {meta['hardware']}. vLLM {meta['vllm_version']} ({meta['vllm_python']}). "
+        f"Model: {meta['model']} (`{meta['model_dir']}`). Bound: {meta['bound_note']}."
+        + (f" Load average before / after each phase: {meta['loadavg']}." if meta.get("loadavg") else ""),
+        "",
+        "Commands (this run):",
+        "",
+        "```sh",
+        meta["command"],
+        *meta["engine_commands"],
+        "```",
+        "",
+        table(rows),
+        "",
+        "Local hit: the same prompt again on the replica that computed it (its own prefix cache, "
+        "in GPU memory on a GPU). Cross-replica: replica B, which never saw the prompt, loads it from the pool. "
+        "vLLM CPU-tier hit: the same prompt after vLLM's GPU prefix cache was reset (its native CPU offloading).",
+        "",
+    ]
     out += [f"- {note}" for note in meta.get("notes", [])]
     out += ["", "Every row's fields are in `rows.json`; the servers' output in `logs/`."]
     return "\n".join(out) + "\n"

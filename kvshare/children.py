@@ -11,8 +11,8 @@ it stopped.
 from __future__ import annotations
 
 import collections
-import json
 import ctypes
+import json
 import os
 import secrets
 import signal
@@ -21,8 +21,9 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import IO, Mapping
+from typing import IO
 
 _PR_SET_PDEATHSIG = 1
 NUM_TAIL_LINES = 20
@@ -46,7 +47,7 @@ class Child:
     spec: ChildSpec
     proc: subprocess.Popen
     instance_id: str | None  # what its /health must report, when the spec takes one
-    output: "OutputTail"
+    output: OutputTail
 
 
 def start_child(spec: ChildSpec, is_verbose: bool = False) -> Child:
@@ -56,9 +57,14 @@ def start_child(spec: ChildSpec, is_verbose: bool = False) -> Child:
     if spec.takes_instance_id:
         instance_id = secrets.token_hex(8)
         argv += ["--instance-id", instance_id]
-    proc = subprocess.Popen(argv, stdout=None if is_verbose else subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True, preexec_fn=_die_with_parent,
-                            env=dict(spec.env) if spec.env is not None else None)
+    proc = subprocess.Popen(
+        argv,
+        stdout=None if is_verbose else subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        preexec_fn=_die_with_parent,
+        env=dict(spec.env) if spec.env is not None else None,
+    )
     return Child(spec, proc, instance_id, OutputTail(proc.stderr, f"{spec.name}| "))
 
 
@@ -118,8 +124,9 @@ def health_answer(url: str, instance_id: str | None, timeout_s: float = 2.0) -> 
     return "ready" if isinstance(body, dict) and body.get("instance_id") == instance_id else "other"
 
 
-def wait_http_ready(url: str, proc: subprocess.Popen | None, timeout_s: float, name: str = "the server",
-                    instance_id: str | None = None) -> None:
+def wait_http_ready(
+    url: str, proc: subprocess.Popen | None, timeout_s: float, name: str = "the server", instance_id: str | None = None
+) -> None:
     """Poll ``url``/health until it answers 200 (as ``instance_id``, when given: the process just started, not
     another that holds the port); raise if ``proc`` exits first or time runs out."""
     deadline = time.monotonic() + timeout_s

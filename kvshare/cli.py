@@ -54,8 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, help_text) in COMMANDS.items():
         mod = importlib.import_module(f"kvshare.commands.{module}")
-        command = sub.add_parser(name, help=help_text, description=(mod.__doc__ or help_text).strip(),
-                                 parents=[common], formatter_class=DefaultsHelpFormatter)
+        command = sub.add_parser(
+            name,
+            help=help_text,
+            description=(mod.__doc__ or help_text).strip(),
+            parents=[common],
+            formatter_class=DefaultsHelpFormatter,
+        )
         mod.add_arguments(command)
         command.set_defaults(_module=mod)
     return parser

@@ -66,14 +66,16 @@ def run_demo(args: argparse.Namespace) -> int:
     from kvshare.bench.pool_bench import PoolBenchConfig, run_pool_bench, summary_rows
     from kvshare.launch import Cluster, ClusterConfig
     from kvshare.pool.spawn import running_pool
-
     from kvshare.preflight import check_ports_free
 
-    config = ClusterConfig(num_replicas=args.replicas, model="tiny", pool_size="4GiB", policy="alternate",
-                           port=args.port)
+    config = ClusterConfig(
+        num_replicas=args.replicas, model="tiny", pool_size="4GiB", policy="alternate", port=args.port
+    )
     # the cluster's ports before the pool's minute of benchmarks, not after it
-    check_ports_free(config.host, {config.port: "the router",
-                                   **{config.port + 1 + i: f"replica{i}" for i in range(config.num_replicas)}})
+    check_ports_free(
+        config.host,
+        {config.port: "the router", **{config.port + 1 + i: f"replica{i}" for i in range(config.num_replicas)}},
+    )
     console = Console()
     os.makedirs(args.out, exist_ok=True)
     console.rule("1. the shared pool")

@@ -29,8 +29,8 @@ import struct
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Sequence
 
 from kvshare.errors import UserError
 from kvshare.keys import weights_fingerprint
@@ -54,8 +54,13 @@ class IdentityError(UserError, ValueError):
 
 
 def _file_key(st: os.stat_result) -> dict:
-    return {"dev": st.st_dev, "ino": st.st_ino, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-            "ctime_ns": st.st_ctime_ns}
+    return {
+        "dev": st.st_dev,
+        "ino": st.st_ino,
+        "size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+        "ctime_ns": st.st_ctime_ns,
+    }
 
 
 def hash_file(path: str, advance: Callable[[int], None] | None = None, num_threads: int | None = None) -> bytes:
@@ -132,7 +137,7 @@ def read_cached_digest(key: dict) -> bytes | None:
         with os.fdopen(os.dup(fd), "rb") as f:
             entry = json.loads(f.read())
         body = entry["body"]
-        if (entry["check"] != _entry_check(body) or body["format"] != ENTRY_FORMAT or body["key"] != key):
+        if entry["check"] != _entry_check(body) or body["format"] != ENTRY_FORMAT or body["key"] != key:
             return None
         digest = bytes.fromhex(body["digest"])
         return digest if len(digest) == 16 else None
@@ -204,8 +209,13 @@ class _Progress:
                 from rich.console import Console
                 from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
-                self.bar = Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                                    TransferSpeedColumn(), console=Console(file=sys.stderr))
+                self.bar = Progress(
+                    "[progress.description]{task.description}",
+                    BarColumn(),
+                    DownloadColumn(),
+                    TransferSpeedColumn(),
+                    console=Console(file=sys.stderr),
+                )
                 self.bar.start()
                 self.task = self.bar.add_task(self.label, total=self.total)
             if self.bar is not None:
@@ -257,8 +267,9 @@ def _read_bytes(path: str) -> bytes:
 
 def _files(directory: str, suffixes: tuple[str, ...], what: str) -> list[str]:
     if not os.path.isdir(directory):
-        raise IdentityError(f"kvshare needs the {what} as a local directory to fingerprint its weights; "
-                            f"got {directory!r}")
+        raise IdentityError(
+            f"kvshare needs the {what} as a local directory to fingerprint its weights; got {directory!r}"
+        )
     files = sorted(p for p in glob.glob(os.path.join(directory, "*")) if p.endswith(suffixes) and os.path.isfile(p))
     if not files:
         raise IdentityError(f"{directory} holds no {' / '.join('*' + s for s in suffixes)} files to fingerprint")

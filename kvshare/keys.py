@@ -23,8 +23,8 @@ import hashlib
 import json
 import sys
 from array import array
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Sequence
 
 KEY_BYTES = 16
 DEFAULT_CHUNK_TOKENS = 256
@@ -72,14 +72,16 @@ class Namespace:
             raise ValueError(f"tp_rank {self.tp_rank} outside tp_size {self.tp_size}")
         if self.is_deterministic:
             if self.grid_tokens is None or self.grid_tokens <= 0 or self.grid_tokens % self.chunk_tokens:
-                raise ValueError(f"a deterministic namespace needs grid_tokens, a positive multiple of chunk_tokens "
-                                 f"{self.chunk_tokens}; got {self.grid_tokens}")
+                raise ValueError(
+                    f"a deterministic namespace needs grid_tokens, a positive multiple of chunk_tokens "
+                    f"{self.chunk_tokens}; got {self.grid_tokens}"
+                )
             if not self.kernel_build:
                 raise ValueError("a deterministic namespace needs its kernel_build")
         elif self.grid_tokens is not None or self.kernel_build:
             raise ValueError("grid_tokens and kernel_build belong to a deterministic namespace only")
 
-    def with_tenant(self, tenant_salt: str) -> "Namespace":
+    def with_tenant(self, tenant_salt: str) -> Namespace:
         """The same namespace for another tenant (salted keys never collide across tenants)."""
         fields = asdict(self)
         fields["tenant_salt"] = tenant_salt

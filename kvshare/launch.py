@@ -18,78 +18,11 @@ import tempfile
 from dataclasses import dataclass, field
 
 from kvshare.children import Child, ChildSpec, health_answer, start_child, wait_http_ready
+from kvshare.cluster_config import ClusterConfig
 from kvshare.paths import point_to_pool, unpoint_pool
 from kvshare.placement import cpu_threads_env, find_vllm_python, gpu_memory_share, gpu_of_replica, starts_after
 from kvshare.pool.client import PoolUnavailable
 from kvshare.pool.spawn import kvshare_command, kvshare_env, stop_process, wait_for_pool
-
-
-@dataclass(frozen=True)
-class ClusterConfig:
-    num_replicas: int = 2
-    model: str = "tiny"
-    engine: str = "builtin"  # or "vllm"
-    device: str = "cpu"
-    pool_size: str | None = "4GiB"  # None: run without a pool
-    pool_args: tuple[str, ...] = ()
-    policy: str = "round_robin"
-    host: str = "127.0.0.1"
-    port: int = 8080  # the router; replicas take port+1 .. port+N
-    name: str = ""  # the pool's name for pool-stats / pool-admin --name (kvshare.paths); "": the port
-    replica_args: tuple[str, ...] = ()
-    router_args: tuple[str, ...] = ()
-    api_keys: tuple[str, ...] = ()  # required by the router and built-in replicas (vLLM's sit behind the router)
-    tenant_header: str = ""  # replicas salt the pool namespace with this header's value (the router its prefix memory)
-    account_key_file: str = ""  # vLLM replicas: the router's account key; "": $KVSHARE_ACCOUNT_KEY, else up's own
-    provenance: str = "all"  # the replicas' --provenance: all for one user (demo, bench); own-tenant when shared
-    model_revision: str = ""  # names the model's identity in every replica's namespace; "": its weights' bytes
-    vllm_python: str | None = None
-    tensor_parallel_size: int = 1  # vLLM replicas only: ranks per replica (--tensor-parallel-size)
-    replica_kv_events_port: int | None = None  # replica i publishes its own KV events on this port + i
-    ready_timeout_s: float = 300.0
-    log_level: str = "WARNING"
-
-    @property
-    def pool_name(self) -> str:
-        return self.name or str(self.port)
-
-    def __post_init__(self) -> None:
-        from kvshare.paths import check_pool_name
-
-        if self.num_replicas < 1:
-            raise ValueError("--replicas must be at least 1")
-        check_pool_name(self.pool_name)
-        if self.port + self.num_replicas > 65535:
-            raise ValueError(f"--port {self.port}: the replicas take the next {self.num_replicas} ports, past 65535")
-        if self.engine not in ("builtin", "vllm"):
-            raise ValueError(f"unknown engine {self.engine!r}; choose builtin or vllm")
-        if self.tensor_parallel_size != 1 and (self.engine != "vllm" or self.tensor_parallel_size < 1):
-            raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size}: vLLM replicas only, at least 1")
-        if self.account_key_file and self.engine != "vllm":
-            raise ValueError("--account-key-file: vLLM replicas' pool accounts; built-in replicas derive their own")
-
-        devices = self.device.split(",")
-        if self.engine == "vllm" and len(devices) > 1 and "cpu" in devices:
-            raise ValueError(f"--device {self.device}: vLLM replicas run all on CPU or all on GPUs, not mixed")
-        if self.engine == "vllm" and self.tensor_parallel_size > 1 and self.device != "cpu" and len(devices) > 1:
-            raise ValueError("--tensor-parallel-size with vLLM on GPUs: give --device cuda (each replica's ranks "
-                             "take the GPUs CUDA_VISIBLE_DEVICES lists), not a list of one GPU per replica")
-        for device in devices:
-            if not (device == "cpu" or device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())):
-                raise ValueError(f"--device takes cpu, cuda, cuda:N or a comma list of them (one per replica, cycled), "
-                                 f"got {self.device!r}")
-
-    @property
-    def replica_host(self) -> str:
-        """Where replicas listen: vLLM replicas check no key of their own, so only the router reaches them."""
-        return "127.0.0.1" if self.engine == "vllm" else self.host
-
-    def replica_url(self, i: int) -> str:
-        return f"http://{self.replica_host}:{self.port + 1 + i}"
-
-    @property
-    def router_url(self) -> str:
-        return f"http://{self.host}:{self.port}"
 
 
 @dataclass
@@ -115,7 +48,7 @@ class Cluster:
         self.processes[spec.name] = child.proc
         return child.proc
 
-    def start(self, progress=None) -> "Cluster":
+    def start(self, progress=None) -> Cluster:
         cfg = self.config
         kv = kvshare_command(cfg.log_level)
         try:
@@ -124,8 +57,13 @@ class Cluster:
                 self._tmp = tempfile.TemporaryDirectory(prefix="kvshare-up-")
                 os.chmod(self._tmp.name, 0o700)
                 self.pool_socket = os.path.join(self._tmp.name, "pool.sock")
-                self._spawn(ChildSpec("pool", (*kv, "pool", "--size", str(cfg.pool_size), "--socket",
-                                               self.pool_socket, *cfg.pool_args), kvshare_env()))
+                self._spawn(
+                    ChildSpec(
+                        "pool",
+                        (*kv, "pool", "--size", str(cfg.pool_size), "--socket", self.pool_socket, *cfg.pool_args),
+                        kvshare_env(),
+                    )
+                )
                 self._wait_pool()
                 # so kvshare pool-stats / pool-admin find it with no --socket
                 point_to_pool(self.config.pool_name, self.pool_socket)
@@ -139,14 +77,28 @@ class Cluster:
                         ready.add(j)
                         _say(progress, f"replica {j} ready at {cfg.replica_url(j)}")
                 argv, env = self._replica_command(i, kv)
-                self._spawn(ChildSpec(f"replica{i}", tuple(argv), env, url=cfg.replica_url(i),
-                                      takes_instance_id=cfg.engine == "builtin"))
+                self._spawn(
+                    ChildSpec(
+                        f"replica{i}",
+                        tuple(argv),
+                        env,
+                        url=cfg.replica_url(i),
+                        takes_instance_id=cfg.engine == "builtin",
+                    )
+                )
             for i, url in enumerate(self.replica_urls):
                 if i not in ready:
                     self._wait_http(f"replica{i}")
                     _say(progress, f"replica {i} ready at {url}")
-            self._spawn(ChildSpec("router", tuple(self._router_command(kv)), kvshare_env(), url=self.router_url,
-                                  takes_instance_id=True))
+            self._spawn(
+                ChildSpec(
+                    "router",
+                    tuple(self._router_command(kv)),
+                    kvshare_env(),
+                    url=self.router_url,
+                    takes_instance_id=True,
+                )
+            )
             self._wait_http("router")
             _say(progress, f"router ready at {self.router_url}")
         except BaseException:
@@ -190,29 +142,61 @@ class Cluster:
             device, visible = gpu_of_replica(cfg.device, i)
             on_gpu = device != "cpu"
             if device.startswith("cuda:"):  # vLLM takes its GPU from CUDA_VISIBLE_DEVICES, as cuda
-                visible = device[len("cuda:"):]
-            spec = vllm_server_command(VllmServerConfig(
-                model=self._vllm_model_dir(), port=port, host=cfg.replica_host, pool_socket=self.pool_socket,
-                python=cfg.vllm_python or find_vllm_python(), served_model_name=self._served_name(),
-                replica=f"replica{i}", chunk_tokens=DEFAULT_CHUNK_TOKENS,
-                max_num_batched_tokens=None if on_gpu else DEFAULT_CHUNK_TOKENS, extra_args=cfg.replica_args,
-                tensor_parallel_size=cfg.tensor_parallel_size, device="cuda" if on_gpu else "cpu",
-                max_model_len=None if on_gpu else 4096,
-                gpu_memory_utilization=gpu_memory_share(cfg, i) if on_gpu else None,
-                model_revision=cfg.model_revision,
-                kv_events_port=None if cfg.replica_kv_events_port is None else cfg.replica_kv_events_port + i,
-                tmp_dir=self._private_dir(f"replica{i}-tmp"), account_key_file=self.account_key_file,
-            ))
+                visible = device[len("cuda:") :]
+            spec = vllm_server_command(
+                VllmServerConfig(
+                    model=self._vllm_model_dir(),
+                    port=port,
+                    host=cfg.replica_host,
+                    pool_socket=self.pool_socket,
+                    python=cfg.vllm_python or find_vllm_python(),
+                    served_model_name=self._served_name(),
+                    replica=f"replica{i}",
+                    chunk_tokens=DEFAULT_CHUNK_TOKENS,
+                    max_num_batched_tokens=None if on_gpu else DEFAULT_CHUNK_TOKENS,
+                    extra_args=cfg.replica_args,
+                    tensor_parallel_size=cfg.tensor_parallel_size,
+                    device="cuda" if on_gpu else "cpu",
+                    max_model_len=None if on_gpu else 4096,
+                    gpu_memory_utilization=gpu_memory_share(cfg, i) if on_gpu else None,
+                    model_revision=cfg.model_revision,
+                    kv_events_port=None if cfg.replica_kv_events_port is None else cfg.replica_kv_events_port + i,
+                    tmp_dir=self._private_dir(f"replica{i}-tmp"),
+                    account_key_file=self.account_key_file,
+                )
+            )
             if visible is not None:
                 spec.env["CUDA_VISIBLE_DEVICES"] = visible
             return spec.argv, spec.env
         device, visible = gpu_of_replica(cfg.device, i)
-        args = [*kv, "serve", "--model", cfg.model, "--device", device, "--host", cfg.host, "--port", str(port),
-                     "--replica-name", f"replica{i}", "--pool", self.pool_socket or "off", *_auth_args(cfg),
-                     "--provenance", cfg.provenance, "--token-cache-dir", self._private_dir("token-cache"),
-                     *(["--model-revision", cfg.model_revision] if cfg.model_revision else []),
-                     *(["--kv-events", f"tcp://*:{cfg.replica_kv_events_port + i}"]
-                       if cfg.replica_kv_events_port is not None else []), *cfg.replica_args]
+        args = [
+            *kv,
+            "serve",
+            "--model",
+            cfg.model,
+            "--device",
+            device,
+            "--host",
+            cfg.host,
+            "--port",
+            str(port),
+            "--replica-name",
+            f"replica{i}",
+            "--pool",
+            self.pool_socket or "off",
+            *_auth_args(cfg),
+            "--provenance",
+            cfg.provenance,
+            "--token-cache-dir",
+            self._private_dir("token-cache"),
+            *(["--model-revision", cfg.model_revision] if cfg.model_revision else []),
+            *(
+                ["--kv-events", f"tcp://*:{cfg.replica_kv_events_port + i}"]
+                if cfg.replica_kv_events_port is not None
+                else []
+            ),
+            *cfg.replica_args,
+        ]
         env = kvshare_env(cpu_threads_env(cfg))
         if visible is not None:
             env["CUDA_VISIBLE_DEVICES"] = visible
@@ -238,9 +222,21 @@ class Cluster:
         cfg = self.config
         engine = ["--engine", cfg.engine] if cfg.engine != "builtin" else []
         account = ["--account-key-file", self.account_key_file] if self.account_key_file else []
-        return [*kv, "route", "--policy", cfg.policy, "--host", cfg.host, "--port", str(cfg.port),
-                *sum((["--replica", u] for u in self.replica_urls), []), *_auth_args(cfg), *engine, *account,
-                *cfg.router_args]
+        return [
+            *kv,
+            "route",
+            "--policy",
+            cfg.policy,
+            "--host",
+            cfg.host,
+            "--port",
+            str(cfg.port),
+            *sum((["--replica", u] for u in self.replica_urls), []),
+            *_auth_args(cfg),
+            *engine,
+            *account,
+            *cfg.router_args,
+        ]
 
     def _private_dir(self, name: str) -> str:
         """A directory of this cluster's own, removed when it stops (with whatever its children left there)."""
@@ -336,7 +332,7 @@ class Cluster:
             self._tmp.cleanup()
             self._tmp = None
 
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Cluster:
         return self.start() if not self.processes else self
 
     def __exit__(self, *exc) -> None:

@@ -32,8 +32,8 @@ service level (kvshare.validate) and the bench's tables (kvshare.bench) share it
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 DEFAULT_GAP_THRESHOLD = 1e-3
 
@@ -80,17 +80,25 @@ class Comparison:
         if self.is_identical:
             if not self.is_exact:
                 return f"identical ({self.num_compared} tokens)"
-            what = ("ids and logprobs" if self.is_logprobs_compared
-                    else f"ids; logprobs at {self.num_logprob_steps} of them")
+            what = (
+                "ids and logprobs"
+                if self.is_logprobs_compared
+                else f"ids; logprobs at {self.num_logprob_steps} of them"
+            )
             return f"identical ({self.num_compared} tokens, {what})"
         gap = "unknown" if self.gap is None else f"{self.gap:.3g}"
         if self.is_exact:
-            what = (f"logprobs differ (both token {self.reference_token})" if self.is_logprob_divergence
-                    else f"token {self.reference_token} (reference) vs {self.candidate_token}")
+            what = (
+                f"logprobs differ (both token {self.reference_token})"
+                if self.is_logprob_divergence
+                else f"token {self.reference_token} (reference) vs {self.candidate_token}"
+            )
             if self.reference_logprobs is not None or self.candidate_logprobs is not None:
                 what += f", logprobs {_values(self.reference_logprobs)} vs {_values(self.candidate_logprobs)}"
-            return (f"differs at step {self.divergence_step} of {self.num_compared}: {what}, top-2 gap {gap} "
-                    "(exact mode: any difference is a mismatch)")
+            return (
+                f"differs at step {self.divergence_step} of {self.num_compared}: {what}, top-2 gap {gap} "
+                "(exact mode: any difference is a mismatch)"
+            )
         verdict = "near tie, tolerated" if self.is_tolerated else f"gap >= {self.threshold:g}: mismatch"
         return f"diverged at step {self.divergence_step} of {self.num_compared}, top-2 gap {gap} ({verdict})"
 
@@ -121,13 +129,24 @@ def compare_tokens(
     for step in range(n):
         ref, got = int(reference[step]), int(candidate[step])
         both_known = _known(reference_top_logprobs, step) and _known(candidate_top_logprobs, step)
-        is_logprob_divergence = ref == got and is_exact and _logprobs_differ(reference_top_logprobs,
-                                                                               candidate_top_logprobs, step)
+        is_logprob_divergence = (
+            ref == got and is_exact and _logprobs_differ(reference_top_logprobs, candidate_top_logprobs, step)
+        )
         if ref != got or is_logprob_divergence:
             gap = top2_gap(reference_top_logprobs[step]) if _known(reference_top_logprobs, step) else None
-            return Comparison(n, step, gap, threshold, is_exact, ref, got, is_logprob_divergence,
-                              _at_step(reference_top_logprobs, step), _at_step(candidate_top_logprobs, step),
-                              num_logprob_steps + both_known)
+            return Comparison(
+                n,
+                step,
+                gap,
+                threshold,
+                is_exact,
+                ref,
+                got,
+                is_logprob_divergence,
+                _at_step(reference_top_logprobs, step),
+                _at_step(candidate_top_logprobs, step),
+                num_logprob_steps + both_known,
+            )
         num_logprob_steps += both_known
     return Comparison(n, None, None, threshold, is_exact, num_logprob_steps=num_logprob_steps)
 
@@ -194,11 +213,14 @@ def format_gap(gap: float | None) -> str:
     return "unknown" if gap is None else f"{gap:.2g}"
 
 
-def check_outputs(reference: Sequence[int] | None, output: Sequence[int] | None,
-                  reference_top_logprobs: Sequence[Sequence[float]] | None = None,
-                  threshold: float = DEFAULT_GAP_THRESHOLD,
-                  output_top_logprobs: Sequence[Sequence[float]] | None = None,
-                  is_exact: bool = False) -> OutputCheck | None:
+def check_outputs(
+    reference: Sequence[int] | None,
+    output: Sequence[int] | None,
+    reference_top_logprobs: Sequence[Sequence[float]] | None = None,
+    threshold: float = DEFAULT_GAP_THRESHOLD,
+    output_top_logprobs: Sequence[Sequence[float]] | None = None,
+    is_exact: bool = False,
+) -> OutputCheck | None:
     """``output`` against ``reference`` (token ids; ``reference_top_logprobs[i]``: the reference's top
     logprobs at step i); None when either output is unknown (a failed request). ``is_exact``: the exact
     rule (equal or mismatch, logprobs compared too)."""

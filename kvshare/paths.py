@@ -24,6 +24,8 @@ def cache_dir() -> str:
     """The user's kvshare cache directory ($XDG_CACHE_HOME/kvshare, else ~/.cache/kvshare); not created here."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "kvshare")
+
+
 def check_private_dir(path: str) -> None:
     """Raise UnsafeDirectory unless ``path`` is a real directory of this user that nobody else may write.
 
@@ -39,8 +41,9 @@ def check_private_dir(path: str) -> None:
             f"or set XDG_RUNTIME_DIR to a directory of yours"
         )
     if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise UnsafeDirectory(f"{path} may be written by other users (mode {stat.S_IMODE(info.st_mode):o}): "
-                              f"chmod 700 {path}")
+        raise UnsafeDirectory(
+            f"{path} may be written by other users (mode {stat.S_IMODE(info.st_mode):o}): chmod 700 {path}"
+        )
 
 
 def default_pool_socket() -> str:
@@ -114,6 +117,7 @@ def find_pool_socket(name: str | None = None) -> str:
     if os.path.exists(default) or not pools:
         return default
     if len(pools) > 1:
-        raise UserError(f"several kvshare up pools run here ({', '.join(pools)}): choose one with --name NAME "
-                        f"or --socket PATH")
+        raise UserError(
+            f"several kvshare up pools run here ({', '.join(pools)}): choose one with --name NAME or --socket PATH"
+        )
     return next(iter(pools.values()))

@@ -10,7 +10,7 @@ from typing import Protocol
 
 
 class ClusterConfig(Protocol):
-    """What placement reads of ``kvshare.launch.ClusterConfig``."""
+    """What placement reads of ``kvshare.cluster_config.ClusterConfig``."""
 
     engine: str
     device: str
@@ -26,7 +26,7 @@ def gpu_of_replica(devices: str, index: int) -> tuple[str, str | None]:
     names = devices.split(",")
     device = names[index % len(names)]
     if len(names) > 1 and device.startswith("cuda:"):
-        return "cuda", device[len("cuda:"):]
+        return "cuda", device[len("cuda:") :]
     return device, None
 
 

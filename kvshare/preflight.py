@@ -18,7 +18,7 @@ import json
 import logging
 import os
 import socket
-from typing import Mapping
+from collections.abc import Mapping
 
 from kvshare.errors import UserError
 from kvshare.layout import KVLayout
@@ -44,8 +44,10 @@ def check_model(model: str, flag: str = "--model") -> None:
     """``model`` is a model directory (with config.json) or a preset name."""
     if os.path.isdir(model):
         if not os.path.isfile(os.path.join(model, "config.json")):
-            raise UserError(f"{flag} {model}: the directory holds no config.json (a Hugging Face model directory "
-                            f"does; `kvshare make-model tiny --out DIR` writes one)")
+            raise UserError(
+                f"{flag} {model}: the directory holds no config.json (a Hugging Face model directory "
+                f"does; `kvshare make-model tiny --out DIR` writes one)"
+            )
         return
     if model not in PRESET_KV_SHAPES:
         what = "no such directory" if os.sep in model or model.startswith(".") else "not a directory"
@@ -88,8 +90,10 @@ def check_ports_free(host: str, ports: Mapping[int, str], flag: str = "--port") 
         if exc is None:
             continue
         if exc.errno == errno.EADDRINUSE:
-            raise UserError(f"port {port} ({what}) on {host} is in use: another process listens there; "
-                            f"stop it or choose another {flag}")
+            raise UserError(
+                f"port {port} ({what}) on {host} is in use: another process listens there; "
+                f"stop it or choose another {flag}"
+            )
         raise UserError(f"cannot listen on {host}:{port} ({what}): {exc.strerror or exc}")
 
 
@@ -108,18 +112,26 @@ def memory_limit() -> tuple[int, str]:
 def check_pool_size(size_bytes: int, flag: str = "--size") -> None:
     """Refuse a pool below MIN_POOL_BYTES or above the memory this process may use; warn above what is free."""
     if size_bytes < MIN_POOL_BYTES:
-        raise UserError(f"{flag} {format_bytes(size_bytes)} is below the minimum of {format_bytes(MIN_POOL_BYTES)} "
-                        f"(one page of the tiny model is 2 MiB; `kvshare plan --model M --tokens N` sizes a pool)")
+        raise UserError(
+            f"{flag} {format_bytes(size_bytes)} is below the minimum of {format_bytes(MIN_POOL_BYTES)} "
+            f"(one page of the tiny model is 2 MiB; `kvshare plan --model M --tokens N` sizes a pool)"
+        )
     limit, what = memory_limit()
     if size_bytes > limit:
-        raise UserError(f"{flag} {format_bytes(size_bytes)} is larger than {what}, {format_bytes(limit)}: "
-                        f"choose a smaller size (`kvshare plan --model M --tokens N` sizes a pool)")
+        raise UserError(
+            f"{flag} {format_bytes(size_bytes)} is larger than {what}, {format_bytes(limit)}: "
+            f"choose a smaller size (`kvshare plan --model M --tokens N` sizes a pool)"
+        )
     from kvshare.pool.arena import hugepages_free_bytes
 
     available = _meminfo("MemAvailable")
     if size_bytes > available and hugepages_free_bytes() < size_bytes:  # reserved hugepages are not "available"
-        log.warning("the pool's %s exceed the %s available now: its pages fill as KV is stored, and the machine "
-                    "may swap or kill processes once memory runs out", format_bytes(size_bytes), format_bytes(available))
+        log.warning(
+            "the pool's %s exceed the %s available now: its pages fill as KV is stored, and the machine "
+            "may swap or kill processes once memory runs out",
+            format_bytes(size_bytes),
+            format_bytes(available),
+        )
 
 
 def check_pool_holds_a_page(pool_bytes: int, extent_bytes: int, layout: KVLayout, model: str) -> None:
@@ -127,17 +139,20 @@ def check_pool_holds_a_page(pool_bytes: int, extent_bytes: int, layout: KVLayout
     extent = min(extent_bytes, pool_bytes)
     if layout.page_bytes > extent:
         which = "pool" if extent == pool_bytes else "pool's extent (--pool-arg --extent-size)"
-        raise UserError(f"one {layout.chunk_tokens}-token page of {model} is {format_bytes(layout.page_bytes)}, "
-                        f"larger than the {which}, {format_bytes(extent)}: give a larger --pool-size "
-                        f"(`kvshare plan --model {model} --tokens N` sizes one), or --pool off")
+        raise UserError(
+            f"one {layout.chunk_tokens}-token page of {model} is {format_bytes(layout.page_bytes)}, "
+            f"larger than the {which}, {format_bytes(extent)}: give a larger --pool-size "
+            f"(`kvshare plan --model {model} --tokens N` sizes one), or --pool off"
+        )
 
 
 def check_socket_dir(socket_path: str, flag: str = "--socket") -> None:
     """The directory a Unix socket is to be created in exists."""
     directory = os.path.dirname(os.path.abspath(socket_path))
     if not os.path.isdir(directory):
-        raise UserError(f"{flag} {socket_path}: the directory {directory} does not exist (create it, or choose "
-                        f"another path)")
+        raise UserError(
+            f"{flag} {socket_path}: the directory {directory} does not exist (create it, or choose another path)"
+        )
 
 
 def _meminfo(field: str, path: str = "/proc/meminfo") -> int:

@@ -14,8 +14,9 @@ go away by retrying.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Protocol
 
 from kvshare.children import describe_exit
 
@@ -53,9 +54,11 @@ class CrashLoop(Exception):
     def __init__(self, name: str, returncode: int, num_exits: int, policy: RestartPolicy, tail: list[str]) -> None:
         self.name, self.returncode = name, returncode
         lines = "\n".join(f"  {line}" for line in tail) or "  (it wrote nothing to stderr)"
-        super().__init__(f"{name} crash-looped: it exited {num_exits} times within {policy.window_s:g} s "
-                         f"(--max-restarts {policy.max_restarts}; the last exit: {describe_exit(returncode)}); "
-                         f"its last lines:\n{lines}")
+        super().__init__(
+            f"{name} crash-looped: it exited {num_exits} times within {policy.window_s:g} s "
+            f"(--max-restarts {policy.max_restarts}; the last exit: {describe_exit(returncode)}); "
+            f"its last lines:\n{lines}"
+        )
 
 
 class Supervised(Protocol):

@@ -144,6 +144,7 @@ def layer_violations(graph: dict[str, set[str]], layers: list[tuple[str, list[st
 
 # -- kvshare itself --------------------------------------------------------------------------------------
 
+
 def _kvshare() -> tuple[dict[str, set[str]], list[tuple[str, list[str]]]]:
     return import_graph(ROOT / "kvshare"), read_layers((ROOT / "docs" / "architecture.md").read_text())
 
@@ -160,19 +161,24 @@ def test_kvshare_imports_point_down_the_layers():
 
 def test_every_package_is_named_in_docs_architecture():
     text = (ROOT / "docs" / "architecture.md").read_text()
-    packages = sorted(p.parent.relative_to(ROOT).as_posix().replace("/", ".")
-                      for p in (ROOT / "kvshare").rglob("__init__.py"))
+    packages = sorted(
+        p.parent.relative_to(ROOT).as_posix().replace("/", ".") for p in (ROOT / "kvshare").rglob("__init__.py")
+    )
     missing = [p for p in packages if f"`{p}`" not in text]
     assert missing == [], f"docs/architecture.md does not name {missing}"
 
 
 def test_no_kvshare_file_is_over_the_line_limit():
-    long = {str(p.relative_to(ROOT)): n for p in (ROOT / "kvshare").rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in (ROOT / "kvshare").rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
     assert long == {}
 
 
 # -- negative controls: the checks fail on a tree that breaks them ------------------------------------------
+
 
 def _fixture(tmp_path: Path, files: dict[str, str]) -> Path:
     for rel, text in files.items():
@@ -186,34 +192,43 @@ FIXTURE_LAYERS = [("low", ["pkg.low", "pkg"]), ("high", ["pkg.high"])]
 
 
 def test_a_cycle_in_a_fixture_tree_is_found(tmp_path):
-    pkg = _fixture(tmp_path, {
-        "__init__.py": "",
-        "low/__init__.py": "",
-        "low/a.py": "from pkg.low import b\n",
-        "low/b.py": "from . import c\n",
-        "low/c.py": "import pkg.low.a\n",
-        "low/d.py": "from pkg.low.a import something\n",
-    })
+    pkg = _fixture(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "low/__init__.py": "",
+            "low/a.py": "from pkg.low import b\n",
+            "low/b.py": "from . import c\n",
+            "low/c.py": "import pkg.low.a\n",
+            "low/d.py": "from pkg.low.a import something\n",
+        },
+    )
     assert find_cycles(import_graph(pkg)) == [["pkg.low.a", "pkg.low.b", "pkg.low.c"]]
 
 
 def test_a_type_checking_import_closes_a_cycle_too(tmp_path):
-    pkg = _fixture(tmp_path, {
-        "__init__.py": "",
-        "a.py": "import pkg.b\n",
-        "b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.a import A\n",
-    })
+    pkg = _fixture(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "a.py": "import pkg.b\n",
+            "b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.a import A\n",
+        },
+    )
     assert find_cycles(import_graph(pkg)) == [["pkg.a", "pkg.b"]]
 
 
 def test_an_upward_import_in_a_fixture_tree_is_found(tmp_path):
-    pkg = _fixture(tmp_path, {
-        "__init__.py": "",
-        "low/__init__.py": "",
-        "low/x.py": "def f():\n    from pkg.high.y import g\n",  # a lazy import counts as well
-        "high/__init__.py": "",
-        "high/y.py": "from pkg.low.x import f\n",
-    })
+    pkg = _fixture(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "low/__init__.py": "",
+            "low/x.py": "def f():\n    from pkg.high.y import g\n",  # a lazy import counts as well
+            "high/__init__.py": "",
+            "high/y.py": "from pkg.low.x import f\n",
+        },
+    )
     problems = layer_violations(import_graph(pkg), FIXTURE_LAYERS)
     assert problems == ["pkg.low.x (low) imports pkg.high.y (high), a higher layer"]
     assert find_cycles(import_graph(pkg)) == [["pkg.high.y", "pkg.low.x"]]

@@ -55,7 +55,8 @@ def test_one_changed_weight_changes_the_fingerprint_equal_headers_and_config(tmp
     a = write_checkpoint(tmp_path / "a" / "model")
     b = write_checkpoint(tmp_path / "b" / "model", one_byte_changed())  # both directories are called `model`
     assert identity.read_safetensors_header(a + "/model.safetensors") == identity.read_safetensors_header(
-        b + "/model.safetensors")
+        b + "/model.safetensors"
+    )
     assert model_fingerprint(a) != model_fingerprint(b)
 
 

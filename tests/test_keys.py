@@ -124,12 +124,15 @@ def test_the_default_mode_digest_is_what_it_was_before_the_mode_existed():
     assert namespace_digest(dataclasses.replace(NS, kv_layout_id="vllm0.32|cpu")) != before
 
 
-@pytest.mark.parametrize("fields", [
-    {"is_deterministic": True},  # no grid
-    {"is_deterministic": True, "grid_tokens": 300, "kernel_build": "x"},  # not a multiple of the chunk
-    {"is_deterministic": True, "grid_tokens": 256},  # no kernel build
-    {"grid_tokens": 256},  # a grid outside the mode
-])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"is_deterministic": True},  # no grid
+        {"is_deterministic": True, "grid_tokens": 300, "kernel_build": "x"},  # not a multiple of the chunk
+        {"is_deterministic": True, "grid_tokens": 256},  # no kernel build
+        {"grid_tokens": 256},  # a grid outside the mode
+    ],
+)
 def test_a_deterministic_namespace_is_checked(fields):
     with pytest.raises(ValueError):
         Namespace(**(NS.__dict__ | fields))

@@ -45,8 +45,12 @@ def test_vllm_replicas_publish_their_own_kv_events_on_their_port_and_topic(tmp_p
     cluster.pool_socket = str(tmp_path / "pool.sock")
     argv, _env = cluster._replica_command(1, [])
     config = json.loads(argv[argv.index("--kv-events-config") + 1])
-    assert config == {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5601",
-                      "topic": f"kv@replica1@{tmp_path.name}"}
+    assert config == {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": "tcp://*:5601",
+        "topic": f"kv@replica1@{tmp_path.name}",
+    }
     plain = Cluster(ClusterConfig(engine="vllm", model=str(tmp_path)))
     plain.pool_socket = cluster.pool_socket
     assert "--kv-events-config" not in plain._replica_command(0, [])[0]
@@ -150,8 +154,21 @@ def test_up_with_vllm_takes_api_keys_and_a_tenant_header(tmp_path, monkeypatch):
 
     monkeypatch.setattr(kvshare.launch, "Cluster", _Stop)
     monkeypatch.setattr("signal.signal", lambda *_: None)  # up's Ctrl-C handler would outlive the test
-    args = build_parser().parse_args(["up", "--engine", "vllm", "--model", str(tmp_path), "--api-key",
-                                      "key-a-0123456789", "--tenant-header", "X-Tenant", "--port", "18080"])
+    args = build_parser().parse_args(
+        [
+            "up",
+            "--engine",
+            "vllm",
+            "--model",
+            str(tmp_path),
+            "--api-key",
+            "key-a-0123456789",
+            "--tenant-header",
+            "X-Tenant",
+            "--port",
+            "18080",
+        ]
+    )
     with pytest.raises(UserError, match="not started in this test"):
         up.run(args)
     assert seen[0].api_keys == ("key-a-0123456789",) and seen[0].tenant_header == "X-Tenant"

@@ -1,6 +1,6 @@
 import pytest
 
-from kvshare.layout import K, V, KVLayout
+from kvshare.layout import K, KVLayout, V
 
 
 def test_page_arithmetic():

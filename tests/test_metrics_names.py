@@ -19,8 +19,22 @@ from tests.pool.conftest import free_port
 from tests.serve.live import LiveApp, call, replica, tiny_engine
 
 _NAME = re.compile(r"[a-z_][a-z0-9_]*")
-_NON_BASE_UNITS = ("milliseconds", "microseconds", "nanoseconds", "minutes", "hours", "days", "kilobytes",
-                   "megabytes", "gigabytes", "kibibytes", "mebibytes", "gibibytes", "percent", "millis")
+_NON_BASE_UNITS = (
+    "milliseconds",
+    "microseconds",
+    "nanoseconds",
+    "minutes",
+    "hours",
+    "days",
+    "kilobytes",
+    "megabytes",
+    "gigabytes",
+    "kibibytes",
+    "mebibytes",
+    "gibibytes",
+    "percent",
+    "millis",
+)
 
 
 def lint(text: str) -> list[str]:
@@ -28,16 +42,25 @@ def lint(text: str) -> list[str]:
     problems, helps, types = [], {}, {}
     for line in text.splitlines():
         if line.startswith("# HELP "):
-            name, _, help_text = line[len("# HELP "):].partition(" ")
+            name, _, help_text = line[len("# HELP ") :].partition(" ")
             helps[name] = help_text
         elif line.startswith("# TYPE "):
-            name, _, kind = line[len("# TYPE "):].partition(" ")
+            name, _, kind = line[len("# TYPE ") :].partition(" ")
             types[name] = kind
         elif line and not line.startswith("#"):
             sample = re.split(r"[{ ]", line, maxsplit=1)[0]
-            family = next((f for f in types if sample == f or (sample.startswith(f + "_") and sample[len(f):] in
-                                                               ("_bucket", "_sum", "_count", "_created", "_total"))),
-                          None)
+            family = next(
+                (
+                    f
+                    for f in types
+                    if sample == f
+                    or (
+                        sample.startswith(f + "_")
+                        and sample[len(f) :] in ("_bucket", "_sum", "_count", "_created", "_total")
+                    )
+                ),
+                None,
+            )
             if family is None:
                 problems.append(f"{sample}: a sample of no TYPEd family")
             for label in re.findall(r'([A-Za-z_:][A-Za-z0-9_:]*)="', line.partition("{")[2]):
@@ -66,9 +89,11 @@ def scrape(url: str) -> str:
 
 
 def test_the_lint_finds_what_promtool_finds():
-    bad = ("# HELP kvshare:requests Requests\n# TYPE kvshare:requests counter\nkvshare:requests 1.0\n"
-           "# TYPE kvshare_up_total gauge\nkvshare_up_total 1.0\n# HELP vllm_ms Time\n# TYPE vllm_ms counter\n"
-           "vllm_ms_total 1.0\n")
+    bad = (
+        "# HELP kvshare:requests Requests\n# TYPE kvshare:requests counter\nkvshare:requests 1.0\n"
+        "# TYPE kvshare_up_total gauge\nkvshare_up_total 1.0\n# HELP vllm_ms Time\n# TYPE vllm_ms counter\n"
+        "vllm_ms_total 1.0\n"
+    )
     problems = lint(bad)
     assert any("not a snake_case name without colons" in p for p in problems)
     assert any("no help text" in p for p in problems) and any("non-counter" in p for p in problems)
@@ -98,8 +123,10 @@ def test_replica_and_router_metrics_pass_promtools_rules(urls):
 
 def test_latency_histograms_reach_past_two_minutes(urls):
     """Fails with the router's default buckets, which stopped at 10 s (a 256k cold prefill takes ~47 s)."""
-    for url, name in [(urls[0], "kvshare_e2e_request_latency_seconds"),
-                      (urls[1], "kvshare_router_request_latency_seconds")]:
+    for url, name in [
+        (urls[0], "kvshare_e2e_request_latency_seconds"),
+        (urls[1], "kvshare_router_request_latency_seconds"),
+    ]:
         bounds = [float(b) for b in re.findall(name + r'_bucket\{[^}]*le="([0-9.e+]+)"', scrape(url))]
         assert max(bounds) >= 120, (name, bounds)
 

@@ -1,4 +1,5 @@
-"""The output-equality rule (docs/validate.md, "What correct means") as the audit, the service level and the bench apply it.
+"""The output-equality rule (docs/validate.md, "What correct means") as the audit, the service level and the bench
+apply it.
 
 Output checks with known answers: equal, a near tie (allowed), a mismatch (never passed off as equal).
 """

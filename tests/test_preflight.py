@@ -25,9 +25,20 @@ def test_model_is_a_directory_with_config_json_or_a_preset(tmp_path):
         preflight.check_model("/nope")
     with pytest.raises(UserError, match="holds no config.json"):
         preflight.check_model(str(tmp_path))
-    (tmp_path / "config.json").write_text(json.dumps({
-        "model_type": "llama", "num_attention_heads": 4, "hidden_size": 256, "vocab_size": 260,
-        "intermediate_size": 1024, "num_hidden_layers": 3, "num_key_value_heads": 2, "dtype": "bfloat16"}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "num_attention_heads": 4,
+                "hidden_size": 256,
+                "vocab_size": 260,
+                "intermediate_size": 1024,
+                "num_hidden_layers": 3,
+                "num_key_value_heads": 2,
+                "dtype": "bfloat16",
+            }
+        )
+    )
     preflight.check_model(str(tmp_path))
     assert preflight.model_layout(str(tmp_path), 256) == KVLayout(3, 2, 64, "bfloat16", 256)
 

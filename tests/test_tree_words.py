@@ -49,18 +49,39 @@ def test_no_organisational_words_in_the_tree():
     assert not found, f"{len(found)} organisational words; {advice}:\n" + "\n".join(found[:40])
 
 
-@pytest.mark.parametrize("text", ["the runs of session 13", "session12/README.md", "the tenth session's runs",
-                                  "call 3 script", "call2.sh", "Device plan", "device time", "issue 18",
-                                  "Issue #7", "session 13's tree"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "the runs of session 13",
+        "session12/README.md",
+        "the tenth session's runs",
+        "call 3 script",
+        "call2.sh",
+        "Device plan",
+        "device time",
+        "issue 18",
+        "Issue #7",
+        "session 13's tree",
+    ],
+)
 def test_each_pattern_catches_its_word(text):
     assert hits(text)
 
 
-@pytest.mark.parametrize("text", ["| sessions | 32k | alternate/on | session 0 turn 5 |", "X-Session-ID",
-                                  "kvshare bench sessions --session-contexts 32k", "tiny session 512",
-                                  "the hook calls start_load_kv", "a multi-turn session", "sessions 32k, 128k",
-                                  "most recent call last",
-                                  "each ON sticky session 0.07-0.29 s longer",
-                                  "2026-12-04-171c11f-h200-service-ttft run 3"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "| sessions | 32k | alternate/on | session 0 turn 5 |",
+        "X-Session-ID",
+        "kvshare bench sessions --session-contexts 32k",
+        "tiny session 512",
+        "the hook calls start_load_kv",
+        "a multi-turn session",
+        "sessions 32k, 128k",
+        "most recent call last",
+        "each ON sticky session 0.07-0.29 s longer",
+        "2026-12-04-171c11f-h200-service-ttft run 3",
+    ],
+)
 def test_domain_words_pass(text):
     assert not hits(text)

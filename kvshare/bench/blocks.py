@@ -63,21 +63,30 @@ class BlocksConfig:
 
 def units(config: BlocksConfig, num_replicas: int) -> list[Unit]:
     if max(config.replica_a, config.replica_b) >= num_replicas:
-        raise ValueError(f"blocks primes on replica {config.replica_a} and measures on {config.replica_b}; "
-                         f"give at least {max(config.replica_a, config.replica_b) + 1} replicas (got {num_replicas})")
+        raise ValueError(
+            f"blocks primes on replica {config.replica_a} and measures on {config.replica_b}; "
+            f"give at least {max(config.replica_a, config.replica_b) + 1} replicas (got {num_replicas})"
+        )
     out = []
     for n in config.contexts:
         first_on = config.design.index("on")
         for b, condition in enumerate(config.design):
             num_verify = min(config.verify, config.per_block) if b == first_on else 0
             num_requests = config.per_block * (1 + (condition == "on" or config.prime_off)) + num_verify
-            out.append(Unit(f"{EXPERIMENT}/L={n}/b={b}", f"{EXPERIMENT}/L={n}/{condition}", num_requests,
-                            partial(run_block, config, n, b, condition, num_verify)))
+            out.append(
+                Unit(
+                    f"{EXPERIMENT}/L={n}/b={b}",
+                    f"{EXPERIMENT}/L={n}/{condition}",
+                    num_requests,
+                    partial(run_block, config, n, b, condition, num_verify),
+                )
+            )
     return out
 
 
-async def run_block(config: BlocksConfig, num_tokens: int, block: int, condition: str, num_verify: int,
-                    ctx: BenchContext) -> list[Record]:
+async def run_block(
+    config: BlocksConfig, num_tokens: int, block: int, condition: str, num_verify: int, ctx: BenchContext
+) -> list[Record]:
     is_on = condition == "on"
     unit = f"{EXPERIMENT}/L={num_tokens}/b={block}"
     prompts = [ctx.factory.completion_prompt(num_tokens, f"{unit}/{i}") for i in range(config.per_block)]
@@ -85,10 +94,25 @@ async def run_block(config: BlocksConfig, num_tokens: int, block: int, condition
 
     async def one(i: int, replica: int, role: str, use_pool: bool, use_local_cache: bool = True) -> Record:
         url, send_pool = ctx.replica_for(replica, use_pool)
-        request = BenchRequest(url, "completion", ctx.model, prompt=prompts[i], max_tokens=config.max_tokens,
-                               use_pool=send_pool, use_local_cache=use_local_cache)
-        record = await ctx.measure(request, experiment=EXPERIMENT, unit=unit, condition=condition, role=role,
-                                   context_tokens=num_tokens, block=block, position=i)
+        request = BenchRequest(
+            url,
+            "completion",
+            ctx.model,
+            prompt=prompts[i],
+            max_tokens=config.max_tokens,
+            use_pool=send_pool,
+            use_local_cache=use_local_cache,
+        )
+        record = await ctx.measure(
+            request,
+            experiment=EXPERIMENT,
+            unit=unit,
+            condition=condition,
+            role=role,
+            context_tokens=num_tokens,
+            block=block,
+            position=i,
+        )
         records.append(record)
         return record
 

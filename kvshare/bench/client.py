@@ -50,15 +50,23 @@ class BenchRequest:
     def __post_init__(self) -> None:
         if self.kind not in ("completion", "chat"):
             raise ValueError(f"unknown request kind {self.kind!r}")
-        if (self.kind == "completion") != (self.prompt is not None) or (self.kind == "chat") != (self.messages is not None):
+        if (self.kind == "completion") != (self.prompt is not None) or (self.kind == "chat") != (
+            self.messages is not None
+        ):
             raise ValueError("a completion request takes prompt ids, a chat request takes messages")
         if self.is_user_client and self.kind != "chat":
             raise ValueError("a user's client sends chat messages (text)")
 
     def body(self) -> dict:
-        body: dict[str, Any] = {"model": self.model, "max_tokens": self.max_tokens, "temperature": 0.0,
-                                "stream": True, "stream_options": {"include_usage": True},
-                                "ignore_eos": True, "return_token_ids": True}
+        body: dict[str, Any] = {
+            "model": self.model,
+            "max_tokens": self.max_tokens,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
         if self.kind == "completion":
             body["prompt"] = self.prompt
             if self.num_top_logprobs is not None:
@@ -157,8 +165,10 @@ def step_top_logprobs(logprobs: dict) -> list[list[float]]:
     entry equal to it leaves the second unknown rather than inventing a tie.
     """
     if "content" in logprobs:  # chat: candidates are a list, nothing merges
-        return [[float(c["logprob"]) for c in (step.get("top_logprobs") or []) if c.get("logprob") is not None]
-                for step in logprobs.get("content") or []]
+        return [
+            [float(c["logprob"]) for c in (step.get("top_logprobs") or []) if c.get("logprob") is not None]
+            for step in logprobs.get("content") or []
+        ]
     tops = logprobs.get("top_logprobs") or []
     chosen = logprobs.get("token_logprobs") or []
     steps = []
@@ -185,8 +195,12 @@ async def send(session: aiohttp.ClientSession, request: BenchRequest, timeout_s:
         data = msgspec.json.encode(request.body())
         started = time.perf_counter()
     try:
-        async with session.post(request.url.rstrip("/") + request.path, data=data, headers=headers,
-                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+        async with session.post(
+            request.url.rstrip("/") + request.path,
+            data=data,
+            headers=headers,
+            timeout=aiohttp.ClientTimeout(total=timeout_s),
+        ) as resp:
             response.routed_to = resp.headers.get("X-KVShare-Replica")
             if resp.status != 200:
                 response.error = f"HTTP {resp.status}: {(await resp.text())[:500]}"
@@ -219,8 +233,16 @@ def openai_version() -> str | None:
     return openai.__version__
 
 
-_SDK_ARGUMENTS = ("model", "messages", "max_tokens", "temperature", "stream", "stream_options", "logprobs",
-                  "top_logprobs")
+_SDK_ARGUMENTS = (
+    "model",
+    "messages",
+    "max_tokens",
+    "temperature",
+    "stream",
+    "stream_options",
+    "logprobs",
+    "top_logprobs",
+)
 
 
 async def _send_openai(request: BenchRequest, timeout_s: float) -> Response:
@@ -228,15 +250,17 @@ async def _send_openai(request: BenchRequest, timeout_s: float) -> Response:
     import openai
 
     response = Response()
-    client = openai.AsyncOpenAI(base_url=request.url.rstrip("/") + "/v1", api_key="kvshare-bench", max_retries=0,
-                                timeout=timeout_s)
+    client = openai.AsyncOpenAI(
+        base_url=request.url.rstrip("/") + "/v1", api_key="kvshare-bench", max_retries=0, timeout=timeout_s
+    )
     headers = {"X-Session-ID": request.session_id} if request.session_id else None
     started = time.perf_counter()
     try:
         body = request.body()
         arguments = {name: body.pop(name) for name in _SDK_ARGUMENTS if name in body}
-        raw = await client.chat.completions.with_raw_response.create(**arguments, extra_body=body,
-                                                                     extra_headers=headers)
+        raw = await client.chat.completions.with_raw_response.create(
+            **arguments, extra_body=body, extra_headers=headers
+        )
         response.routed_to = raw.headers.get("X-KVShare-Replica")
         async for chunk in raw.parse():
             response.events += 1

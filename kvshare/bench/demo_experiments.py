@@ -33,8 +33,14 @@ SCALES = {
 }
 
 
-def run_demo_experiments(target: Any, out_dir: str, scale: str = "small", console: Any = None,
-                         tokenizer: str | None = None, show_progress: bool = True) -> HarnessOutcome:
+def run_demo_experiments(
+    target: Any,
+    out_dir: str,
+    scale: str = "small",
+    console: Any = None,
+    tokenizer: str | None = None,
+    show_progress: bool = True,
+) -> HarnessOutcome:
     """Run ttft, blocks and sessions at ``scale`` against ``target`` and print the tables.
 
     ``target``: a started ``kvshare.launch.Cluster`` (its replicas are used directly; the
@@ -48,8 +54,11 @@ def run_demo_experiments(target: Any, out_dir: str, scale: str = "small", consol
     urls = list(getattr(target, "replica_urls", target))
     if tokenizer is None and hasattr(target, "config"):
         tokenizer = target.config.model
-    harness = Harness(HarnessConfig(out_dir=out_dir, tokenizer=tokenizer, show_progress=show_progress),
-                      FixedReplicas(urls), console=console)
+    harness = Harness(
+        HarnessConfig(out_dir=out_dir, tokenizer=tokenizer, show_progress=show_progress),
+        FixedReplicas(urls),
+        console=console,
+    )
     outcome = harness.run(list(SCALES[scale]))
     print_tables(outcome.tables, console)
     return outcome

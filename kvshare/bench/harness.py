@@ -93,30 +93,60 @@ class Harness:
         async with aiohttp.ClientSession(connector=connector) as session:
             # a sequential set knows its model's name: asking a replica would start one the first unit may not need
             model = getattr(self.replicas, "served_name", None) or await model_name(session, self.replicas.activate(0))
-            factory = PromptFactory(load_tokenizer(self.config.tokenizer or model),
-                                    WorkloadConfig(nonce=run_id, system_tokens=self.config.system_tokens, seed=self.config.seed))
-            ctx = BenchContext(run_id, session, self.replicas, model, factory, self.results, self.off_replicas,
-                               self.config.use_extension, self.config.timeout_s, timeline=self.config.timeline)
+            factory = PromptFactory(
+                load_tokenizer(self.config.tokenizer or model),
+                WorkloadConfig(nonce=run_id, system_tokens=self.config.system_tokens, seed=self.config.seed),
+            )
+            ctx = BenchContext(
+                run_id,
+                session,
+                self.replicas,
+                model,
+                factory,
+                self.results,
+                self.off_replicas,
+                self.config.use_extension,
+                self.config.timeout_s,
+                timeline=self.config.timeline,
+            )
             with self._progress() as progress:
                 for config in experiments:
                     module = EXPERIMENTS[type(config)]
                     units = module.units(config, self.replicas.num_replicas)
-                    estimates = {k: v + self.config.unit_allowance_s
-                                 for k, v in past_durations(self.results.load(), module.EXPERIMENT, record_kind).items()}
+                    estimates = {
+                        k: v + self.config.unit_allowance_s
+                        for k, v in past_durations(self.results.load(), module.EXPERIMENT, record_kind).items()
+                    }
                     budget = None
                     if self.config.time_budget_s is not None:
                         budget = max(self.config.time_budget_s - (time.monotonic() - started), 1e-3)
                     t0 = time.time()
-                    result = await run_units(ctx, units, estimates, budget, progress,
-                                             on_unit=None if progress is not None else self._log_unit)
+                    result = await run_units(
+                        ctx,
+                        units,
+                        estimates,
+                        budget,
+                        progress,
+                        on_unit=None if progress is not None else self._log_unit,
+                    )
                     outcome.runs[module.EXPERIMENT] = result
-                    self.results.log_run({
-                        "run_id": run_id, "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t0)),
-                        "experiment": module.EXPERIMENT, "model": model, "endpoints": self._endpoints(),
-                        "config": _plain(config), "harness": _plain(self.config), "user_client": _user_client(),
-                        "seconds": round(time.time() - t0, 1),
-                        "units_done": result.num_done, "units_skipped": result.num_skipped, "units_left": result.num_left,
-                        "stop_reason": result.stop_reason})
+                    self.results.log_run(
+                        {
+                            "run_id": run_id,
+                            "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t0)),
+                            "experiment": module.EXPERIMENT,
+                            "model": model,
+                            "endpoints": self._endpoints(),
+                            "config": _plain(config),
+                            "harness": _plain(self.config),
+                            "user_client": _user_client(),
+                            "seconds": round(time.time() - t0, 1),
+                            "units_done": result.num_done,
+                            "units_skipped": result.num_skipped,
+                            "units_left": result.num_left,
+                            "stop_reason": result.stop_reason,
+                        }
+                    )
                     if result.stop_reason != "complete":
                         break
         outcome.report_path, outcome.tables = write_report(self.results)
@@ -129,9 +159,12 @@ class Harness:
         ttfts = [r.ttft_s for r in records if r.is_ok and r.role == "measure"]
         failed = sum(not r.is_ok for r in records)
         outputs = outputs_of(records)
-        line = (f"{time.strftime('%H:%M:%S')} {key}: {len(records)} requests in {seconds:.1f} s"
-                + (f", median TTFT {median(ttfts):.3f} s" if ttfts else "") + (f", {failed} FAILED" if failed else "")
-                + (f", outputs {outputs}" if outputs.num_equal < outputs.num_compared else ""))
+        line = (
+            f"{time.strftime('%H:%M:%S')} {key}: {len(records)} requests in {seconds:.1f} s"
+            + (f", median TTFT {median(ttfts):.3f} s" if ttfts else "")
+            + (f", {failed} FAILED" if failed else "")
+            + (f", outputs {outputs}" if outputs.num_equal < outputs.num_compared else "")
+        )
         if self.console is not None:
             self.console.print(line, highlight=False)
         else:
@@ -150,8 +183,14 @@ class Harness:
             return contextlib.nullcontext(None)
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        return Progress(TextColumn("{task.description:<40}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        console=self.console, transient=False)
+        return Progress(
+            TextColumn("{task.description:<40}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=self.console,
+            transient=False,
+        )
 
 
 def _user_client() -> str:

@@ -7,8 +7,8 @@ kvshare.outputs's; this module only counts them and lists the divergences a cell
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 from kvshare.outputs import EQUAL, MISMATCH, NEAR_TIE, UNKNOWN, OutputCheck
 

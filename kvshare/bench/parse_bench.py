@@ -70,7 +70,14 @@ def run_parse_bench(config: ParseBenchConfig) -> list[dict]:
                 T.PARSE_THREADS = default
 
         by_threads = {k: round(on(k), 3) for k in sorted({*THREAD_COUNTS, T.PARSE_THREADS})}
-        rows.append({"tokens": n, "body_bytes": len(body), "parse_threads": T.PARSE_THREADS,
-                     "ms_by_threads": by_threads, "default_ms": by_threads[T.PARSE_THREADS],
-                     "typed_list_ms": round(best_ms(typed, config.repeats), 3)})
+        rows.append(
+            {
+                "tokens": n,
+                "body_bytes": len(body),
+                "parse_threads": T.PARSE_THREADS,
+                "ms_by_threads": by_threads,
+                "default_ms": by_threads[T.PARSE_THREADS],
+                "typed_list_ms": round(best_ms(typed, config.repeats), 3),
+            }
+        )
     return rows

@@ -43,8 +43,18 @@ def _ttft_plot(records: list[Record], path: str) -> bool:
         add(f"local reuse (ttft{text})", row.context, row.medians["local"])
         add(f"cross-replica, pool (ttft{text})", row.context, row.medians["cross"])
     for row in blocks_rows(records):
-        add("cross-replica, pool OFF (blocks)", row.context, row.off.median if row.off else None, row.off.ci if row.off else None)
-        add("cross-replica, pool ON (blocks)", row.context, row.on.median if row.on else None, row.on.ci if row.on else None)
+        add(
+            "cross-replica, pool OFF (blocks)",
+            row.context,
+            row.off.median if row.off else None,
+            row.off.ci if row.off else None,
+        )
+        add(
+            "cross-replica, pool ON (blocks)",
+            row.context,
+            row.on.median if row.on else None,
+            row.on.ci if row.on else None,
+        )
     if not series:
         return False
     fig, ax = plt.subplots(figsize=(7, 4.5))

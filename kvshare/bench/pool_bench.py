@@ -183,8 +183,14 @@ def _writer(cfg: PoolBenchConfig, tag: str, queue) -> None:
                     torch.from_numpy(run).copy_(torch.from_numpy(data[start + first : start + first + count]))
                 client.abort(res.reservation_id)
             copy_times.append(time.perf_counter() - t0)
-    queue.put({"put_s": _median(times), "put_copy_only_s": _median(copy_times), "memcpy_s": _median(memcpy_times[1:]),
-               "checksum": [int(page_checksum(d)) for d in data[:4]]})
+    queue.put(
+        {
+            "put_s": _median(times),
+            "put_copy_only_s": _median(copy_times),
+            "memcpy_s": _median(memcpy_times[1:]),
+            "checksum": [int(page_checksum(d)) for d in data[:4]],
+        }
+    )
 
 
 def _reader(cfg: PoolBenchConfig, tag: str, queue) -> None:
@@ -282,13 +288,30 @@ def summary_rows(result: dict) -> list[tuple[str, str, str]]:
     """(measure, figure, reference) rows for a table."""
     return [
         ("memcpy (reference)", f"{result['memcpy_gbps']:.2f} GB/s", "1.00x"),
-        ("put: reserve+copy+checksum+commit", f"{result['put_gbps']:.2f} GB/s", f"{result['put_ratio_vs_memcpy']:.2f}x memcpy"),
-        ("put data plane alone: reserve+copy (aborted)", f"{result['put_copy_only_gbps']:.2f} GB/s",
-         f"{result['put_copy_only_ratio_vs_memcpy']:.2f}x memcpy"),
-        ("get: lookup+lease+copy+release", f"{result['get_gbps']:.2f} GB/s", f"{result['get_ratio_vs_memcpy']:.2f}x memcpy"),
+        (
+            "put: reserve+copy+checksum+commit",
+            f"{result['put_gbps']:.2f} GB/s",
+            f"{result['put_ratio_vs_memcpy']:.2f}x memcpy",
+        ),
+        (
+            "put data plane alone: reserve+copy (aborted)",
+            f"{result['put_copy_only_gbps']:.2f} GB/s",
+            f"{result['put_copy_only_ratio_vs_memcpy']:.2f}x memcpy",
+        ),
+        (
+            "get: lookup+lease+copy+release",
+            f"{result['get_gbps']:.2f} GB/s",
+            f"{result['get_ratio_vs_memcpy']:.2f}x memcpy",
+        ),
         ("page checksum (xxh3-64), part of put", f"{result['checksum_gbps']:.2f} GB/s", ""),
-        ("lookup-and-lease + release", f"{result['lookup_ops_per_s']:,.0f} /s", f"p50 {result['lookup_p50_us']:.0f} us, p99 {result['lookup_p99_us']:.0f} us"),
-        ("CPU pressure (PSI some avg10)", "n/a" if result["cpu_pressure_pct"] is None else
-         f"{result['cpu_pressure_pct']:.1f} %", "CONTENDED: other work waited for the cores" if result["is_contended"]
-         else ""),
+        (
+            "lookup-and-lease + release",
+            f"{result['lookup_ops_per_s']:,.0f} /s",
+            f"p50 {result['lookup_p50_us']:.0f} us, p99 {result['lookup_p99_us']:.0f} us",
+        ),
+        (
+            "CPU pressure (PSI some avg10)",
+            "n/a" if result["cpu_pressure_pct"] is None else f"{result['cpu_pressure_pct']:.1f} %",
+            "CONTENDED: other work waited for the cores" if result["is_contended"] else "",
+        ),
     ]

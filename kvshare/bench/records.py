@@ -23,8 +23,8 @@ import os
 import platform
 import shutil
 import subprocess
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 from kvshare.outputs import EQUAL, UNKNOWN, OutputCheck
 
@@ -82,15 +82,25 @@ class Record:
         if check is None:
             return
         self.matches_reference, self.first_divergence, self.output_check = check.is_equal, check.step, check.verdict
-        self.divergence_gap, self.reference_token, self.output_token = check.gap, check.reference_token, check.output_token
+        self.divergence_gap, self.reference_token, self.output_token = (
+            check.gap,
+            check.reference_token,
+            check.output_token,
+        )
         self.compared_with = compared_with
 
     def check(self) -> OutputCheck | None:
         """The recorded check; records of the previous version carry only matches_reference and
         first_divergence: a difference there has an unknown gap."""
         if self.output_check is not None:
-            return OutputCheck(self.output_check, self.first_divergence, self.divergence_gap, self.reference_token,
-                               self.output_token, self.deterministic is True)
+            return OutputCheck(
+                self.output_check,
+                self.first_divergence,
+                self.divergence_gap,
+                self.reference_token,
+                self.output_token,
+                self.deterministic is True,
+            )
         if self.matches_reference is None:
             return None
         return OutputCheck(EQUAL) if self.matches_reference else OutputCheck(UNKNOWN, self.first_divergence)
@@ -182,8 +192,9 @@ def describe_host(device: str = "auto") -> str:
     text = f"{cpu}, {len(os.sched_getaffinity(0))} cores usable"
     if device == "cpu" or shutil.which("nvidia-smi") is None:
         return text + ", no GPU"
-    done = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"], capture_output=True, text=True
+    )
     return text + ", " + ("; ".join(done.stdout.strip().splitlines()) or "a GPU nvidia-smi did not name")
 
 
@@ -195,12 +206,17 @@ def tree_commit() -> str | None:
         return os.environ["KVSHARE_COMMIT"]
     here = os.path.dirname(os.path.abspath(__file__))
     try:
-        out = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             timeout=10)
+        out = subprocess.run(
+            ["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        )
         if out.returncode != 0:
             return None
-        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip() + ("+changes" if dirty else "")

@@ -82,7 +82,7 @@ class SequentialReplicas:
     def num_replicas(self) -> int:
         return self.config.num_replicas
 
-    def start(self) -> "SequentialReplicas":
+    def start(self) -> SequentialReplicas:
         from kvshare.pool.spawn import start_pool
 
         self._tmp = tempfile.TemporaryDirectory(prefix="kvshare-bench-")
@@ -90,8 +90,14 @@ class SequentialReplicas:
         self.socket_path = os.path.join(self._tmp.name, "pool.sock")
         log = self._log("pool")
         try:
-            self._pool = start_pool(self.socket_path, self.config.pool_size, self.config.pool_args, "WARNING",
-                                    stdout=log, stderr=subprocess.STDOUT)
+            self._pool = start_pool(
+                self.socket_path,
+                self.config.pool_size,
+                self.config.pool_args,
+                "WARNING",
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         finally:
             _close(log)
         return self
@@ -125,10 +131,25 @@ class SequentialReplicas:
         from kvshare.pool.spawn import kvshare_command, kvshare_env
 
         device, visible = gpu_of_replica(cfg.device, index)
-        cmd = [*kvshare_command("WARNING"), "serve", "--model", cfg.model,
-               "--device", device, "--host", cfg.host, "--port", str(cfg.port + index),
-               "--replica-name", f"replica{index}", "--pool", self.socket_path,
-               "--provenance", "all", *cfg.replica_args]  # the benchmark reads where each prompt token came from
+        cmd = [
+            *kvshare_command("WARNING"),
+            "serve",
+            "--model",
+            cfg.model,
+            "--device",
+            device,
+            "--host",
+            cfg.host,
+            "--port",
+            str(cfg.port + index),
+            "--replica-name",
+            f"replica{index}",
+            "--pool",
+            self.socket_path,
+            "--provenance",
+            "all",
+            *cfg.replica_args,
+        ]  # the benchmark reads where each prompt token came from
         env = kvshare_env()
         if visible is not None:
             env["CUDA_VISIBLE_DEVICES"] = visible
@@ -149,8 +170,9 @@ class SequentialReplicas:
     def _wait_ready(self, url: str) -> None:
         from kvshare.launch import wait_http_ready
 
-        wait_http_ready(url, self._replica, self.config.ready_timeout_s,
-                        f"the replica (log: {self.config.log_dir or 'its output'})")
+        wait_http_ready(
+            url, self._replica, self.config.ready_timeout_s, f"the replica (log: {self.config.log_dir or 'its output'})"
+        )
 
     def _stop_replica(self) -> None:
         from kvshare.pool.spawn import stop_process
@@ -161,9 +183,15 @@ class SequentialReplicas:
         self.active = None
 
     def describe(self) -> dict:
-        return {"mode": "sequential", "model": self.config.model, "device": self.config.device,
-                "replicas": [self.url_of(i) for i in range(self.num_replicas)], "pool_size": self.config.pool_size,
-                "replica_args": list(self.config.replica_args), "replica_start_s": [round(s, 2) for s in self.start_seconds]}
+        return {
+            "mode": "sequential",
+            "model": self.config.model,
+            "device": self.config.device,
+            "replicas": [self.url_of(i) for i in range(self.num_replicas)],
+            "pool_size": self.config.pool_size,
+            "replica_args": list(self.config.replica_args),
+            "replica_start_s": [round(s, 2) for s in self.start_seconds],
+        }
 
     def close(self) -> None:
         from kvshare.pool.spawn import stop_process

@@ -9,7 +9,14 @@ from dataclasses import dataclass
 from kvshare.bench.records import Record, ResultsDir
 from kvshare.bench.stats import MIN_N_FOR_CI
 from kvshare.bench.summary import (
-    STUDY_BLOCKS, STUDY_BLOCKS_REQUESTS, STUDY_SESSIONS, blocks_rows, divergences, format_ci, nearest, sessions_rows,
+    STUDY_BLOCKS,
+    STUDY_BLOCKS_REQUESTS,
+    STUDY_SESSIONS,
+    blocks_rows,
+    divergences,
+    format_ci,
+    nearest,
+    sessions_rows,
     ttft_rows,
 )
 from kvshare.outputs import MISMATCH, NEAR_TIE, UNKNOWN
@@ -38,8 +45,9 @@ def _pct(value: float | None) -> str:
 def _overheads(overheads: dict[str, float | None] | None) -> str:
     if overheads is None:
         return "-"
-    return " / ".join("-" if overheads.get(c) is None else f"{100 * overheads[c]:+.1f}%"
-                      for c in ("cold", "local", "cross"))
+    return " / ".join(
+        "-" if overheads.get(c) is None else f"{100 * overheads[c]:+.1f}%" for c in ("cold", "local", "cross")
+    )
 
 
 def _tokens(n: int) -> str:
@@ -50,53 +58,136 @@ def tables(records: list[Record]) -> list[Table]:
     out = []
     ttft = ttft_rows(records)
     if ttft:
-        out.append(Table(
-            "TTFT: cold, local reuse (same replica), cross-replica reuse (pool)",
-            ("context", "client", "cold s", "local s", "cross s", "cold/cross", "text adds (cold/local/cross)",
-             "pool tokens (cross)", "outputs", "n", "failed"),
-            tuple((_tokens(r.context), r.client, _s(r.medians["cold"]), _s(r.medians["local"]), _s(r.medians["cross"]),
-                   _x(r.cross_speedup), _overheads(r.text_overheads),
-                   "-" if r.cross_pool_tokens is None else str(r.cross_pool_tokens),
-                   str(r.outputs), str(r.counts["cross"]), str(r.num_failed)) for r in ttft),
-            "Medians of time to first content token (client side, streamed). Client: token_ids (prompt ids to "
-            "/v1/completions, encoded before the clock) or text (chat text through a user's client, encoded inside "
-            "the clock); text adds: the median of each text request's TTFT over its pair's as token ids, minus 1. "
-            "Outputs: token ids of local and cross requests against the cold request's (see the divergence table "
-            "for any that part)."))
+        out.append(
+            Table(
+                "TTFT: cold, local reuse (same replica), cross-replica reuse (pool)",
+                (
+                    "context",
+                    "client",
+                    "cold s",
+                    "local s",
+                    "cross s",
+                    "cold/cross",
+                    "text adds (cold/local/cross)",
+                    "pool tokens (cross)",
+                    "outputs",
+                    "n",
+                    "failed",
+                ),
+                tuple(
+                    (
+                        _tokens(r.context),
+                        r.client,
+                        _s(r.medians["cold"]),
+                        _s(r.medians["local"]),
+                        _s(r.medians["cross"]),
+                        _x(r.cross_speedup),
+                        _overheads(r.text_overheads),
+                        "-" if r.cross_pool_tokens is None else str(r.cross_pool_tokens),
+                        str(r.outputs),
+                        str(r.counts["cross"]),
+                        str(r.num_failed),
+                    )
+                    for r in ttft
+                ),
+                "Medians of time to first content token (client side, streamed). Client: token_ids (prompt ids to "
+                "/v1/completions, encoded before the clock) or text (chat text through a user's client, encoded inside "
+                "the clock); text adds: the median of each text request's TTFT over its pair's as token ids, minus 1. "
+                "Outputs: token ids of local and cross requests against the cold request's (see the divergence table "
+                "for any that part).",
+            )
+        )
     blocks = blocks_rows(records)
     if blocks:
-        out.append(Table(
-            "Blocked design: cross-replica TTFT, pool OFF vs ON (OFF-ON-ON-OFF)",
-            ("context", "n OFF", "OFF median s", "OFF 95% CI", "n ON", "ON median s", "ON 95% CI",
-             "paired ON/OFF", "ratio 95% CI", "speedup", "min pool tokens (ON)", "outputs", "failed"),
-            tuple((_tokens(r.context), str(r.off.n if r.off else 0), _s(r.off.median if r.off else None),
-                   format_ci(r.off.ci if r.off else None), str(r.on.n if r.on else 0),
-                   _s(r.on.median if r.on else None), format_ci(r.on.ci if r.on else None),
-                   _s(r.ratio.median if r.ratio else None, 4), format_ci(r.ratio.ci if r.ratio else None),
-                   _x(r.speedup), "-" if r.min_on_pool_tokens is None else str(r.min_on_pool_tokens),
-                   str(r.outputs), str(r.num_failed)) for r in blocks),
-            f"Primed on replica A, measured on replica B. Bootstrap 95% intervals of the median (fixed seed) "
-            f"where a condition has at least {MIN_N_FOR_CI} requests. Paired ratio: median over positions of "
-            f"ON/OFF, the k-th OFF block paired with the k-th ON block. Outputs: measured ON token ids (and the primes') "
-            f"against a recompute of the same prompt."))
+        out.append(
+            Table(
+                "Blocked design: cross-replica TTFT, pool OFF vs ON (OFF-ON-ON-OFF)",
+                (
+                    "context",
+                    "n OFF",
+                    "OFF median s",
+                    "OFF 95% CI",
+                    "n ON",
+                    "ON median s",
+                    "ON 95% CI",
+                    "paired ON/OFF",
+                    "ratio 95% CI",
+                    "speedup",
+                    "min pool tokens (ON)",
+                    "outputs",
+                    "failed",
+                ),
+                tuple(
+                    (
+                        _tokens(r.context),
+                        str(r.off.n if r.off else 0),
+                        _s(r.off.median if r.off else None),
+                        format_ci(r.off.ci if r.off else None),
+                        str(r.on.n if r.on else 0),
+                        _s(r.on.median if r.on else None),
+                        format_ci(r.on.ci if r.on else None),
+                        _s(r.ratio.median if r.ratio else None, 4),
+                        format_ci(r.ratio.ci if r.ratio else None),
+                        _x(r.speedup),
+                        "-" if r.min_on_pool_tokens is None else str(r.min_on_pool_tokens),
+                        str(r.outputs),
+                        str(r.num_failed),
+                    )
+                    for r in blocks
+                ),
+                f"Primed on replica A, measured on replica B. Bootstrap 95% intervals of the median (fixed seed) "
+                f"where a condition has at least {MIN_N_FOR_CI} requests. Paired ratio: median over positions of "
+                f"ON/OFF, the k-th OFF block paired with the k-th ON block. "
+                f"Outputs: measured ON token ids (and the primes') "
+                f"against a recompute of the same prompt.",
+            )
+        )
     sessions = sessions_rows(records)
     if sessions:
-        out.append(Table(
-            "Multi-turn sessions: total session time, pool OFF vs ON",
-            ("initial context", "placement", "sessions OFF/ON", "session OFF s", "session ON s", "ON faster by",
-             "outputs", "failed"),
-            tuple((_tokens(r.context), r.placement, f"{r.num_sessions['off']}/{r.num_sessions['on']}",
-                   _s(r.session_s["off"], 2), _s(r.session_s["on"], 2), _pct(r.improvement), str(r.outputs),
-                   str(r.num_failed)) for r in sessions),
-            "Session time: sum of the turns' end-to-end times (median over sessions). Outputs: the last turn of "
-            "verified ON sessions against a recompute."))
+        out.append(
+            Table(
+                "Multi-turn sessions: total session time, pool OFF vs ON",
+                (
+                    "initial context",
+                    "placement",
+                    "sessions OFF/ON",
+                    "session OFF s",
+                    "session ON s",
+                    "ON faster by",
+                    "outputs",
+                    "failed",
+                ),
+                tuple(
+                    (
+                        _tokens(r.context),
+                        r.placement,
+                        f"{r.num_sessions['off']}/{r.num_sessions['on']}",
+                        _s(r.session_s["off"], 2),
+                        _s(r.session_s["on"], 2),
+                        _pct(r.improvement),
+                        str(r.outputs),
+                        str(r.num_failed),
+                    )
+                    for r in sessions
+                ),
+                "Session time: sum of the turns' end-to-end times (median over sessions). Outputs: the last turn of "
+                "verified ON sessions against a recompute.",
+            )
+        )
         num_turns = max(len(t) for r in sessions for t in r.turn_ttft.values())
-        out.append(Table(
-            "Per-turn TTFT (median, seconds)",
-            ("initial context", "placement", "pool") + tuple(f"turn {t}" for t in range(num_turns)),
-            tuple((_tokens(r.context), r.placement, pool) + tuple(_s(v) for v in r.turn_ttft[pool])
-                  + ("-",) * (num_turns - len(r.turn_ttft[pool]))
-                  for r in sessions for pool in ("off", "on"))))
+        out.append(
+            Table(
+                "Per-turn TTFT (median, seconds)",
+                ("initial context", "placement", "pool") + tuple(f"turn {t}" for t in range(num_turns)),
+                tuple(
+                    (_tokens(r.context), r.placement, pool)
+                    + tuple(_s(v) for v in r.turn_ttft[pool])
+                    + ("-",) * (num_turns - len(r.turn_ttft[pool]))
+                    for r in sessions
+                    for pool in ("off", "on")
+                ),
+            )
+        )
     parted = divergences(records)
     if parted:
         out.append(divergence_table(parted))
@@ -117,19 +208,42 @@ def divergence_table(parted: list[Record]) -> Table:
         else:
             request = f"{r.role} #{r.position}"
         gap = "unknown" if check.gap is None else f"{check.gap:.3g}"
-        rows.append((r.experiment, _tokens(r.context_tokens), r.condition, request, r.compared_with or "-",
-                     _id(check.step), gap, _VERDICT_TEXT[check.verdict], _id(check.reference_token),
-                     _id(check.output_token)))
+        rows.append(
+            (
+                r.experiment,
+                _tokens(r.context_tokens),
+                r.condition,
+                request,
+                r.compared_with or "-",
+                _id(check.step),
+                gap,
+                _VERDICT_TEXT[check.verdict],
+                _id(check.reference_token),
+                _id(check.output_token),
+            )
+        )
     return Table(
         "Outputs that part from their reference",
-        ("experiment", "context", "condition", "request", "compared with", "step", "top-2 gap", "verdict",
-         "reference token", "output token"),
+        (
+            "experiment",
+            "context",
+            "condition",
+            "request",
+            "compared with",
+            "step",
+            "top-2 gap",
+            "verdict",
+            "reference token",
+            "output token",
+        ),
         tuple(rows),
-        "The rule (docs/validate.md): with reuse, token ids equal a recompute's; on bf16 up to the first step whose top-2 logprob gap "
+        "The rule (docs/validate.md): with reuse, token ids equal a recompute's; "
+        "on bf16 up to the first step whose top-2 logprob gap "
         "(the reference's top-1 minus top-2 logprob) is below 1e-3. Step: the first differing token (from 0). "
         "Near tie: parted at such a step (allowed). MISMATCH: parted at a larger gap, or one output is longer: "
         "reuse changed the output. Gap unknown: no logprobs for that step (records written before the bench "
-        "asked for them, or a server that returned none).")
+        "asked for them, or a server that returned none).",
+    )
 
 
 def _id(value: int | None) -> str:
@@ -143,28 +257,59 @@ def study_table(blocks, sessions) -> Table:
         mine = measured_blocks.get(nearest(context, {c: None for c in measured_blocks}) or -1)
         study = f"{off:.3f} s -> {on:.3f} s ({off / on:.0f}x; {STUDY_BLOCKS_REQUESTS} requests)"
         if mine is not None and mine.off and mine.on:
-            here = (f"{mine.off.median:.3f} s -> {mine.on.median:.3f} s ({_x(mine.speedup)}; "
-                    f"{mine.off.n + mine.on.n} requests, at {_tokens(mine.context)})")
+            here = (
+                f"{mine.off.median:.3f} s -> {mine.on.median:.3f} s ({_x(mine.speedup)}; "
+                f"{mine.off.n + mine.on.n} requests, at {_tokens(mine.context)})"
+            )
         else:
             here = "not measured"
         rows.append((f"cross-replica TTFT median OFF -> ON at {_tokens(context)}", study, here))
     for context, gain in STUDY_SESSIONS.items():
         alt = [r for r in sessions if r.placement == "alternate" and nearest(context, {r.context: None})]
         here = ", ".join(f"{_pct(r.improvement)} at {_tokens(r.context)}" for r in alt) or "not measured"
-        rows.append((f"six-turn sessions, alternating placement, {_tokens(context)} initial", f"~{gain:.0%} faster", here))
+        rows.append(
+            (f"six-turn sessions, alternating placement, {_tokens(context)} initial", f"~{gain:.0%} faster", here)
+        )
     # the shape of the result at whatever contexts were measured (a demo on a small model, say)
-    rows.append(("cross-replica TTFT median OFF -> ON, every context measured here", "-",
-                 "; ".join(f"{_s(r.off.median)} s -> {_s(r.on.median)} s ({_x(r.speedup)}) at {_tokens(r.context)}"
-                           for r in blocks if r.off and r.on) or "not measured"))
-    rows.append(("sessions, alternating placement, every initial context measured here", "-",
-                 ", ".join(f"{_pct(r.improvement)} at {_tokens(r.context)} ({max(len(t) for t in r.turn_ttft.values())} turns)"
-                           for r in sessions if r.placement == "alternate") or "not measured"))
+    rows.append(
+        (
+            "cross-replica TTFT median OFF -> ON, every context measured here",
+            "-",
+            "; ".join(
+                f"{_s(r.off.median)} s -> {_s(r.on.median)} s ({_x(r.speedup)}) at {_tokens(r.context)}"
+                for r in blocks
+                if r.off and r.on
+            )
+            or "not measured",
+        )
+    )
+    rows.append(
+        (
+            "sessions, alternating placement, every initial context measured here",
+            "-",
+            ", ".join(
+                f"{_pct(r.improvement)} at {_tokens(r.context)} ({max(len(t) for t in r.turn_ttft.values())} turns)"
+                for r in sessions
+                if r.placement == "alternate"
+            )
+            or "not measured",
+        )
+    )
     sticky = [r for r in sessions if r.placement == "sticky"]
-    rows.append(("sessions, fixed (sticky) placement", "gained little",
-                 ", ".join(f"{_pct(r.improvement)} at {_tokens(r.context)}" for r in sticky) or "not measured"))
-    return Table("Beside the study's published figures", ("figure", "study", "measured here"), tuple(rows),
-                 "The study: two single-GPU replicas of a 27B model sharing a 256 GiB host pool. Figures here come "
-                 "from whatever model and machine these records were measured on (see the runs below).")
+    rows.append(
+        (
+            "sessions, fixed (sticky) placement",
+            "gained little",
+            ", ".join(f"{_pct(r.improvement)} at {_tokens(r.context)}" for r in sticky) or "not measured",
+        )
+    )
+    return Table(
+        "Beside the study's published figures",
+        ("figure", "study", "measured here"),
+        tuple(rows),
+        "The study: two single-GPU replicas of a 27B model sharing a 256 GiB host pool. Figures here come "
+        "from whatever model and machine these records were measured on (see the runs below).",
+    )
 
 
 def summary_lines(records: list[Record]) -> list[str]:
@@ -173,19 +318,25 @@ def summary_lines(records: list[Record]) -> list[str]:
     for r in ttft_rows(records):
         m = r.medians
         client = "" if r.client == "token_ids" else f" {r.client} (adds {_overheads(r.text_overheads)})"
-        lines.append(f"ttft     {_tokens(r.context):>6}{client}: cold {_s(m['cold'])} s, local {_s(m['local'])} s, "
-                     f"cross {_s(m['cross'])} s ({_x(r.cross_speedup)}), outputs {r.outputs}, failed {r.num_failed}")
+        lines.append(
+            f"ttft     {_tokens(r.context):>6}{client}: cold {_s(m['cold'])} s, local {_s(m['local'])} s, "
+            f"cross {_s(m['cross'])} s ({_x(r.cross_speedup)}), outputs {r.outputs}, failed {r.num_failed}"
+        )
     for r in blocks_rows(records):
         off = f"{_s(r.off.median)} s {format_ci(r.off.ci)}" if r.off else "-"
         on = f"{_s(r.on.median)} s {format_ci(r.on.ci)}" if r.on else "-"
-        lines.append(f"blocks   {_tokens(r.context):>6}: OFF {off} -> ON {on} ({_x(r.speedup)}; n {r.off.n if r.off else 0}"
-                     f"/{r.on.n if r.on else 0}; paired ON/OFF {_s(r.ratio.median if r.ratio else None, 4)}; "
-                     f"min ON pool tokens {r.min_on_pool_tokens if r.min_on_pool_tokens is not None else '-'} of "
-                     f"{r.context}), outputs {r.outputs}, failed {r.num_failed}")
+        lines.append(
+            f"blocks   {_tokens(r.context):>6}: OFF {off} -> ON {on} ({_x(r.speedup)}; n {r.off.n if r.off else 0}"
+            f"/{r.on.n if r.on else 0}; paired ON/OFF {_s(r.ratio.median if r.ratio else None, 4)}; "
+            f"min ON pool tokens {r.min_on_pool_tokens if r.min_on_pool_tokens is not None else '-'} of "
+            f"{r.context}), outputs {r.outputs}, failed {r.num_failed}"
+        )
     for r in sessions_rows(records):
-        lines.append(f"sessions {_tokens(r.context):>6} {r.placement:>9}: OFF {_s(r.session_s['off'], 2)} s -> ON "
-                     f"{_s(r.session_s['on'], 2)} s ({_pct(r.improvement)} faster; sessions {r.num_sessions['off']}/"
-                     f"{r.num_sessions['on']}), outputs {r.outputs}, failed {r.num_failed}")
+        lines.append(
+            f"sessions {_tokens(r.context):>6} {r.placement:>9}: OFF {_s(r.session_s['off'], 2)} s -> ON "
+            f"{_s(r.session_s['on'], 2)} s ({_pct(r.improvement)} faster; sessions {r.num_sessions['off']}/"
+            f"{r.num_sessions['on']}), outputs {r.outputs}, failed {r.num_failed}"
+        )
     return lines
 
 
@@ -202,8 +353,10 @@ def markdown(tables_: list[Table], runs: list[dict], plots: list[str]) -> str:
     if runs:
         lines += ["## Runs", ""]
         for run in runs:
-            lines.append(f"- `{run.get('run_id')}` {run.get('started', '')}: {run.get('experiment')} on "
-                         f"{json.dumps(run.get('endpoints'))}, model {run.get('model')}; {run.get('stop_reason', '')}")
+            lines.append(
+                f"- `{run.get('run_id')}` {run.get('started', '')}: {run.get('experiment')} on "
+                f"{json.dumps(run.get('endpoints'))}, model {run.get('model')}; {run.get('stop_reason', '')}"
+            )
         lines.append("")
     return "\n".join(lines)
 

@@ -60,12 +60,14 @@ class Replayer:
         before = await self._counters(url)
         lag: list[float] = []
         live: list[bool] = []
-        poll = (asyncio.create_task(self._sample_lag(url, lag, live)) if condition.router.startswith("pool_aware")
-                else None)
+        poll = (
+            asyncio.create_task(self._sample_lag(url, lag, live)) if condition.router.startswith("pool_aware") else None
+        )
         started = time.perf_counter()
         try:
-            sessions = await asyncio.gather(*(self._session(p, condition, rate, run, key, url)
-                                              for p in self.trace.sessions))
+            sessions = await asyncio.gather(
+                *(self._session(p, condition, rate, run, key, url) for p in self.trace.sessions)
+            )
         finally:
             if poll is not None:
                 poll.cancel()
@@ -78,8 +80,9 @@ class Replayer:
         row["events_live_share"] = sum(live) / len(live) if live else None
         return records, row
 
-    async def _session(self, plan: SessionPlan, condition: Condition, rate: float, run: int, key: str,
-                       url: str) -> tuple[list[Record], tuple[BenchRequest, Record] | None]:
+    async def _session(
+        self, plan: SessionPlan, condition: Condition, rate: float, run: int, key: str, url: str
+    ) -> tuple[list[Record], tuple[BenchRequest, Record] | None]:
         """One session's turns in order, each sent when the last answer is in; a failed turn ends the session."""
         await asyncio.sleep(plan.start_s / rate)
         factory, tag = self.ctx.factory, f"{self.ctx.run_id}/{key}"
@@ -92,11 +95,27 @@ class Replayer:
             head = factory.header(system_tag if condition.is_shared else f"{session_id}/t{turn}")
             user = {"role": "user", "content": factory.user_text(num_user, f"{session_id}/{turn}")}
             messages = [{"role": "system", "content": head + body}, *history, user]
-            request = BenchRequest(url, "chat", self.ctx.model, messages=messages, max_tokens=num_answer,
-                                   use_pool=condition.use_pool, session_id=session_id)
+            request = BenchRequest(
+                url,
+                "chat",
+                self.ctx.model,
+                messages=messages,
+                max_tokens=num_answer,
+                use_pool=condition.use_pool,
+                session_id=session_id,
+            )
             record, response = await self.ctx.exchange(
-                request, experiment=EXPERIMENT, unit=key, condition=condition.name, role="measure",
-                context_tokens=system_tokens, session=plan.index, turn=turn, placement=condition.router, block=run)
+                request,
+                experiment=EXPERIMENT,
+                unit=key,
+                condition=condition.name,
+                role="measure",
+                context_tokens=system_tokens,
+                session=plan.index,
+                turn=turn,
+                placement=condition.router,
+                block=run,
+            )
             records.append(record)
             if not record.is_ok:
                 break
@@ -113,10 +132,18 @@ class Replayer:
             if replica is None:
                 continue
             again = dataclasses.replace(request, url=replica, use_pool=False, use_local_cache=False)
-            verify = await self.ctx.measure(again, experiment=EXPERIMENT, unit=key, condition=condition.name,
-                                            role="verify", context_tokens=measured.context_tokens,
-                                            session=measured.session, turn=measured.turn,
-                                            placement=condition.router, block=run)
+            verify = await self.ctx.measure(
+                again,
+                experiment=EXPERIMENT,
+                unit=key,
+                condition=condition.name,
+                role="verify",
+                context_tokens=measured.context_tokens,
+                session=measured.session,
+                turn=measured.turn,
+                placement=condition.router,
+                block=run,
+            )
             mark_matches([measured], verify)
             out.append(verify)
         return out
@@ -159,23 +186,39 @@ def kv_bytes_per_token(model: str) -> int:
     return model_config_of(model).kv_bytes_per_token
 
 
-
-def run_routing(config: RoutingConfig, target: RoutingTarget, out_dir: str, command: str, tokenizer: str | None = None,
-                timeout_s: float = 600.0, on_replay=None) -> tuple[list[dict], str]:
+def run_routing(
+    config: RoutingConfig,
+    target: RoutingTarget,
+    out_dir: str,
+    command: str,
+    tokenizer: str | None = None,
+    timeout_s: float = 600.0,
+    on_replay=None,
+) -> tuple[list[dict], str]:
     """Every run, rate and condition; (the summary, the report's path). ``on_replay(row)`` after each replay."""
     results = ResultsDir(out_dir)
     trace = make_trace(config)
     conditions = [parse_condition(name) for name in config.conditions]
     run_id = time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
-    sizes = (f"{config.num_sessions} sessions over {config.num_prompts} system prompts of {config.system_tokens} "
-             f"tokens, {config.num_turns} turns (user {config.user_tokens}, answers {config.answer_tokens} tokens); "
-             f"working set {trace.working_set_tokens()} tokens; {target.num_replicas} replicas of {target.model} "
-             f"on {target.device}, local cache {target.local_cache_bytes >> 20} MiB each, pool "
-             f"{target.pool_bytes >> 20} MiB")
-    meta = {"run_id": run_id, "experiment": EXPERIMENT, "command": command, "commit": tree_commit(),
-            "hardware": describe_host(), "sizes": sizes, "num_runs": config.num_runs,
-            "config": dataclasses.asdict(config), "target": dataclasses.asdict(target),
-            "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    sizes = (
+        f"{config.num_sessions} sessions over {config.num_prompts} system prompts of {config.system_tokens} "
+        f"tokens, {config.num_turns} turns (user {config.user_tokens}, answers {config.answer_tokens} tokens); "
+        f"working set {trace.working_set_tokens()} tokens; {target.num_replicas} replicas of {target.model} "
+        f"on {target.device}, local cache {target.local_cache_bytes >> 20} MiB each, pool "
+        f"{target.pool_bytes >> 20} MiB"
+    )
+    meta = {
+        "run_id": run_id,
+        "experiment": EXPERIMENT,
+        "command": command,
+        "commit": tree_commit(),
+        "hardware": describe_host(),
+        "sizes": sizes,
+        "num_runs": config.num_runs,
+        "config": dataclasses.asdict(config),
+        "target": dataclasses.asdict(target),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
     rows: list[dict] = []
     started = time.time()
 
@@ -186,10 +229,23 @@ def run_routing(config: RoutingConfig, target: RoutingTarget, out_dir: str, comm
             on_replay(row)
 
     for run in range(config.num_runs):
-        order = conditions[run % len(conditions):] + conditions[: run % len(conditions)]
+        order = conditions[run % len(conditions) :] + conditions[: run % len(conditions)]
         with RoutingCluster(target, tuple(c.router for c in conditions)) as cluster:
-            asyncio.run(_run_one(config, cluster, trace, order, run, run_id, results, rows, tokenizer or target.model,
-                                 timeout_s, replayed))
+            asyncio.run(
+                _run_one(
+                    config,
+                    cluster,
+                    trace,
+                    order,
+                    run,
+                    run_id,
+                    results,
+                    rows,
+                    tokenizer or target.model,
+                    timeout_s,
+                    replayed,
+                )
+            )
     results.log_run(meta)
     return write_summary(results, rows, meta)
 

@@ -90,20 +90,41 @@ class RoutingCluster:
         t = self.target
         os.chmod(self._tmp.name, 0o700)
         port = free_port_block(1 + t.num_replicas + len(self.router_names))
-        pool_args = ("--kv-events", self._events("events"), "--kv-events-replay", self._events("replay"),
-                     *(a for i in range(t.num_replicas) for a in ("--kv-events-topic", self._topic(i))))
-        cluster = Cluster(ClusterConfig(
-            num_replicas=t.num_replicas, model=t.model, device=t.device, pool_size=_mib(t.pool_bytes),
-            pool_args=pool_args, policy="round_robin", port=port, log_level=t.log_level,
-            replica_args=("--local-cache-size", _mib(t.local_cache_bytes), *t.replica_args),
-            router_args=t.router_args, ready_timeout_s=600))
+        pool_args = (
+            "--kv-events",
+            self._events("events"),
+            "--kv-events-replay",
+            self._events("replay"),
+            *(a for i in range(t.num_replicas) for a in ("--kv-events-topic", self._topic(i))),
+        )
+        cluster = Cluster(
+            ClusterConfig(
+                num_replicas=t.num_replicas,
+                model=t.model,
+                device=t.device,
+                pool_size=_mib(t.pool_bytes),
+                pool_args=pool_args,
+                policy="round_robin",
+                port=port,
+                log_level=t.log_level,
+                replica_args=("--local-cache-size", _mib(t.local_cache_bytes), *t.replica_args),
+                router_args=t.router_args,
+                ready_timeout_s=600,
+            )
+        )
         # the other routers start beside the pool and replicas (their ports are known): a router health-checks
         # its replicas until they answer, and a ZMQ subscriber may connect before the pool binds
         for k, name in enumerate(n for n in self.router_names if n != "round_robin"):
             url = f"http://127.0.0.1:{port + 1 + t.num_replicas + k}"
-            argv = (*kvshare_command(t.log_level), "route", "--port", url.rsplit(":", 1)[1],
-                    *(a for u in cluster.replica_urls for a in ("--replica", u)), *self._router_args(name),
-                    *t.router_args)
+            argv = (
+                *kvshare_command(t.log_level),
+                "route",
+                "--port",
+                url.rsplit(":", 1)[1],
+                *(a for u in cluster.replica_urls for a in ("--replica", u)),
+                *self._router_args(name),
+                *t.router_args,
+            )
             child = start_child(ChildSpec(f"router-{name}", argv, kvshare_env(), url=url, takes_instance_id=True))
             self._routers[name] = (url, child)
         self._cluster = cluster
@@ -139,11 +160,29 @@ class RoutingCluster:
             return ("--policy", name)
         cost = ("--kv-bytes-per-token", str(self.target.kv_bytes_per_token)) if self.target.kv_bytes_per_token else ()
         if name == "pool_aware_dropped":  # subscribed where nothing is ever published: the events are lost
-            return ("--policy", "pool_aware", "--kv-events", self._events("nobody"), "--model", self.target.model,
-                    *cost)
-        return ("--policy", "pool_aware", "--kv-events", self._events("events"), "--kv-events-replay",
-                self._events("replay"), "--kv-events-topic", self._topic(0), "--model", self.target.model, *cost,
-                *(("--no-pool-term",) if name == "pool_aware_gpu" else ()))
+            return (
+                "--policy",
+                "pool_aware",
+                "--kv-events",
+                self._events("nobody"),
+                "--model",
+                self.target.model,
+                *cost,
+            )
+        return (
+            "--policy",
+            "pool_aware",
+            "--kv-events",
+            self._events("events"),
+            "--kv-events-replay",
+            self._events("replay"),
+            "--kv-events-topic",
+            self._topic(0),
+            "--model",
+            self.target.model,
+            *cost,
+            *(("--no-pool-term",) if name == "pool_aware_gpu" else ()),
+        )
 
     def url(self, router: str) -> str:
         if router == "round_robin":

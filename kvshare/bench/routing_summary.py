@@ -26,8 +26,17 @@ def router_added_s(r: Record) -> float | None:
     return r.ttft_s - written
 
 
-def replay_row(key: str, rate: float, condition: str, run: int, records: list[Record], wall_s: float,
-               pool_bytes_loaded: float, fallbacks: float | None, lag_samples: list[float]) -> dict:
+def replay_row(
+    key: str,
+    rate: float,
+    condition: str,
+    run: int,
+    records: list[Record],
+    wall_s: float,
+    pool_bytes_loaded: float,
+    fallbacks: float | None,
+    lag_samples: list[float],
+) -> dict:
     """One replay's figures (``records``: its measured and verify requests)."""
     measured = [r for r in records if r.role == "measure"]
     ok = [r for r in measured if r.is_ok]
@@ -36,15 +45,26 @@ def replay_row(key: str, rate: float, condition: str, run: int, records: list[Re
     span = (max(ended) - min(r.started_at for r in ok)) if ok else 0.0
     output_tokens = sum(r.completion_tokens or 0 for r in ok)
     return {
-        "unit": key, "rate": rate, "condition": condition, "run": run, "num_requests": len(measured),
-        "num_errors": len(measured) - len(ok), "wall_s": round(wall_s, 3),
-        "ttft_first_s": [r.ttft_s for r in ok if r.turn == 0], "ttft_later_s": [r.ttft_s for r in ok if r.turn],
+        "unit": key,
+        "rate": rate,
+        "condition": condition,
+        "run": run,
+        "num_requests": len(measured),
+        "num_errors": len(measured) - len(ok),
+        "wall_s": round(wall_s, 3),
+        "ttft_first_s": [r.ttft_s for r in ok if r.turn == 0],
+        "ttft_later_s": [r.ttft_s for r in ok if r.turn],
         "router_added_s": [a for a in map(router_added_s, ok) if a is not None],
-        "prefill_tokens": sum(r.computed_tokens or 0 for r in ok), "local_tokens": sum(r.local_tokens or 0 for r in ok),
-        "pool_tokens": sum(r.pool_tokens or 0 for r in ok), "pool_bytes_loaded": pool_bytes_loaded,
-        "output_tokens": output_tokens, "output_tokens_per_s": output_tokens / span if span > 0 else 0.0,
-        "per_replica": dict(Counter(r.replica for r in ok)), "fallbacks": fallbacks,
-        "event_lag_s": lag_samples, "outputs_compared": len(verified),
+        "prefill_tokens": sum(r.computed_tokens or 0 for r in ok),
+        "local_tokens": sum(r.local_tokens or 0 for r in ok),
+        "pool_tokens": sum(r.pool_tokens or 0 for r in ok),
+        "pool_bytes_loaded": pool_bytes_loaded,
+        "output_tokens": output_tokens,
+        "output_tokens_per_s": output_tokens / span if span > 0 else 0.0,
+        "per_replica": dict(Counter(r.replica for r in ok)),
+        "fallbacks": fallbacks,
+        "event_lag_s": lag_samples,
+        "outputs_compared": len(verified),
         "outputs_equal": sum(r.output_check == EQUAL for r in verified),
     }
 
@@ -68,25 +88,31 @@ def summarize(rows: list[dict]) -> list[dict]:
         groups.setdefault((row["rate"], row["condition"]), []).append(row)
     out = []
     for (rate, condition), group in sorted(groups.items(), key=lambda kv: kv[0][0]):
-        pooled = {name: [v for row in group for v in row[name]]
-                  for name in ("ttft_first_s", "ttft_later_s", "router_added_s", "event_lag_s")}
+        pooled = {
+            name: [v for row in group for v in row[name]]
+            for name in ("ttft_first_s", "ttft_later_s", "router_added_s", "event_lag_s")
+        }
         fallbacks = [row["fallbacks"] for row in group if row["fallbacks"] is not None]
-        out.append({
-            "rate": rate, "condition": condition, "num_runs": len(group),
-            "num_requests": sum(row["num_requests"] for row in group),
-            "num_errors": sum(row["num_errors"] for row in group),
-            "ttft_first_p50": _pct_ci(pooled["ttft_first_s"], 50),
-            "ttft_first_p99": _pct_ci(pooled["ttft_first_s"], 99),
-            "ttft_later_p50": _pct_ci(pooled["ttft_later_s"], 50),
-            "ttft_later_p99": _pct_ci(pooled["ttft_later_s"], 99),
-            "router_added_p99": _pct_ci(pooled["router_added_s"], 99),
-            "prefill_tokens": _mean_ci([row["prefill_tokens"] for row in group]),
-            "pool_bytes_loaded": _mean_ci([row["pool_bytes_loaded"] for row in group]),
-            "output_tokens_per_s": _mean_ci([row["output_tokens_per_s"] for row in group]),
-            "event_lag_max_s": max(pooled["event_lag_s"]) if pooled["event_lag_s"] else None,
-            "fallbacks": sum(fallbacks) if fallbacks else None,
-            "outputs": f"{sum(r['outputs_equal'] for r in group)}/{sum(r['outputs_compared'] for r in group)}",
-        })
+        out.append(
+            {
+                "rate": rate,
+                "condition": condition,
+                "num_runs": len(group),
+                "num_requests": sum(row["num_requests"] for row in group),
+                "num_errors": sum(row["num_errors"] for row in group),
+                "ttft_first_p50": _pct_ci(pooled["ttft_first_s"], 50),
+                "ttft_first_p99": _pct_ci(pooled["ttft_first_s"], 99),
+                "ttft_later_p50": _pct_ci(pooled["ttft_later_s"], 50),
+                "ttft_later_p99": _pct_ci(pooled["ttft_later_s"], 99),
+                "router_added_p99": _pct_ci(pooled["router_added_s"], 99),
+                "prefill_tokens": _mean_ci([row["prefill_tokens"] for row in group]),
+                "pool_bytes_loaded": _mean_ci([row["pool_bytes_loaded"] for row in group]),
+                "output_tokens_per_s": _mean_ci([row["output_tokens_per_s"] for row in group]),
+                "event_lag_max_s": max(pooled["event_lag_s"]) if pooled["event_lag_s"] else None,
+                "fallbacks": sum(fallbacks) if fallbacks else None,
+                "outputs": f"{sum(r['outputs_equal'] for r in group)}/{sum(r['outputs_compared'] for r in group)}",
+            }
+        )
     return out
 
 
@@ -103,30 +129,64 @@ def _fig(f: dict | None, scale: float = 1.0, digits: int = 3) -> str:
     return f"{f['value'] * scale:.{digits}f} [{f['low'] * scale:.{digits}f}, {f['high'] * scale:.{digits}f}]"
 
 
-HEADERS = ("rate /s", "condition", "TTFT p50 first", "TTFT p99 first", "TTFT p50 later", "TTFT p99 later",
-           "prefill tokens / run", "pool MB / run", "output tok/s", "router added p99 ms", "event lag max s",
-           "fallbacks", "errors", "outputs equal")
+HEADERS = (
+    "rate /s",
+    "condition",
+    "TTFT p50 first",
+    "TTFT p99 first",
+    "TTFT p50 later",
+    "TTFT p99 later",
+    "prefill tokens / run",
+    "pool MB / run",
+    "output tok/s",
+    "router added p99 ms",
+    "event lag max s",
+    "fallbacks",
+    "errors",
+    "outputs equal",
+)
 
 
 def table_rows(summary: list[dict]) -> list[tuple[str, ...]]:
-    return [(f"{s['rate']:g}", s["condition"], _fig(s["ttft_first_p50"]), _fig(s["ttft_first_p99"]),
-             _fig(s["ttft_later_p50"]), _fig(s["ttft_later_p99"]), _fig(s["prefill_tokens"], digits=0),
-             _fig(s["pool_bytes_loaded"], 1e-6, 1), _fig(s["output_tokens_per_s"], digits=1),
-             _fig(s["router_added_p99"], 1e3, 2),
-             "-" if s["event_lag_max_s"] is None else f"{s['event_lag_max_s']:.3f}",
-             "-" if s["fallbacks"] is None else f"{s['fallbacks']:.0f}", str(s["num_errors"]), s["outputs"])
-            for s in summary]
+    return [
+        (
+            f"{s['rate']:g}",
+            s["condition"],
+            _fig(s["ttft_first_p50"]),
+            _fig(s["ttft_first_p99"]),
+            _fig(s["ttft_later_p50"]),
+            _fig(s["ttft_later_p99"]),
+            _fig(s["prefill_tokens"], digits=0),
+            _fig(s["pool_bytes_loaded"], 1e-6, 1),
+            _fig(s["output_tokens_per_s"], digits=1),
+            _fig(s["router_added_p99"], 1e3, 2),
+            "-" if s["event_lag_max_s"] is None else f"{s['event_lag_max_s']:.3f}",
+            "-" if s["fallbacks"] is None else f"{s['fallbacks']:.0f}",
+            str(s["num_errors"]),
+            s["outputs"],
+        )
+        for s in summary
+    ]
 
 
 def markdown(summary: list[dict], meta: dict) -> str:
     """The report: what ran (command, commit, hardware, sizes), then one table of every (rate, condition)."""
-    lines = ["# Routing workload", "", f"- command: `{meta.get('command')}`", f"- commit: {meta.get('commit')}",
-             f"- hardware: {meta.get('hardware')}", f"- sizes: {meta.get('sizes')}",
-             f"- runs: {meta.get('num_runs')}; figures are value [95% bootstrap interval]: percentiles over every "
-             "run's requests, per-run totals as their mean over the runs", ""]
+    lines = [
+        "# Routing workload",
+        "",
+        f"- command: `{meta.get('command')}`",
+        f"- commit: {meta.get('commit')}",
+        f"- hardware: {meta.get('hardware')}",
+        f"- sizes: {meta.get('sizes')}",
+        f"- runs: {meta.get('num_runs')}; figures are value [95% bootstrap interval]: percentiles over every "
+        "run's requests, per-run totals as their mean over the runs",
+        "",
+    ]
     rate = highest_complete_rate(summary)
-    lines.append(f"Highest rate at which every condition completed every request: "
-                 f"{'none' if rate is None else f'{rate:g} sessions/s'}.")
+    lines.append(
+        f"Highest rate at which every condition completed every request: "
+        f"{'none' if rate is None else f'{rate:g} sessions/s'}."
+    )
     lines += ["", "| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
     lines += ["| " + " | ".join(row) + " |" for row in table_rows(summary)]
     return "\n".join(lines) + "\n"

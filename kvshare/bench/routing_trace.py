@@ -24,8 +24,15 @@ from dataclasses import dataclass
 
 ROUTER_POLICIES = ("round_robin", "alternate", "sticky", "cache_aware", "pool_aware", "pool_aware_gpu")
 CONTROLS = ("no_shared_prefix", "events_dropped")
-DEFAULT_CONDITIONS = ("round_robin/off", "round_robin/on", "alternate/on", "sticky/on", "cache_aware/on",
-                      "pool_aware/on", "pool_aware_gpu/on")
+DEFAULT_CONDITIONS = (
+    "round_robin/off",
+    "round_robin/on",
+    "alternate/on",
+    "sticky/on",
+    "cache_aware/on",
+    "pool_aware/on",
+    "pool_aware_gpu/on",
+)
 
 
 @dataclass(frozen=True)
@@ -46,8 +53,10 @@ def parse_condition(name: str) -> Condition:
         return Condition(name, "pool_aware_dropped", True)
     policy, sep, pool = name.partition("/")
     if not sep or policy not in ROUTER_POLICIES or pool not in ("on", "off"):
-        raise ValueError(f"unknown condition {name!r}: give POLICY/on or POLICY/off with a policy of "
-                         f"{', '.join(ROUTER_POLICIES)}, or a control: {', '.join(CONTROLS)}")
+        raise ValueError(
+            f"unknown condition {name!r}: give POLICY/on or POLICY/off with a policy of "
+            f"{', '.join(ROUTER_POLICIES)}, or a control: {', '.join(CONTROLS)}"
+        )
     return Condition(name, policy, pool == "on")
 
 
@@ -84,8 +93,10 @@ class RoutingConfig:
         for name in self.conditions:
             parse_condition(name)
         if self.gpu_share < 1 or self.pool_share < 1:
-            raise ValueError("the working set must exceed one replica's cache (--gpu-share >= 1) and fit the pool "
-                             "(--pool-share >= 1)")
+            raise ValueError(
+                "the working set must exceed one replica's cache (--gpu-share >= 1) and fit the pool "
+                "(--pool-share >= 1)"
+            )
         if self.num_verify < 0:
             raise ValueError("--verify must be >= 0")
 

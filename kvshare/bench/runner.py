@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import aiohttp
 
@@ -50,8 +51,10 @@ class BenchContext:
     async def exchange(self, request: BenchRequest, **fields: Any) -> tuple[Record, Response]:
         """Send ``request``: its record (carrying ``fields``) and the response itself."""
         if self.on_request is not None:
-            self.on_request(f"{fields.get('experiment')} {fields.get('condition')} {fields.get('role')} "
-                            f"L={fields.get('context_tokens')}")
+            self.on_request(
+                f"{fields.get('experiment')} {fields.get('condition')} {fields.get('role')} "
+                f"L={fields.get('context_tokens')}"
+            )
         if self.timeline and request.use_pool is not None:
             request = replace(request, timeline=True)
         started_at = time.time()
@@ -65,14 +68,26 @@ def to_record(response: Response, request: BenchRequest, **fields: Any) -> Recor
     if prompt_tokens is None and request.prompt is not None:
         prompt_tokens = len(request.prompt)
     return Record(
-        url=request.url, prompt_tokens=prompt_tokens, completion_tokens=response.completion_tokens,
-        use_pool=request.use_pool, replica=p.get("replica") or response.routed_to or request.url,
-        ttft_s=response.ttft_s, first_text_s=response.first_text_s, first_chunk_s=response.first_chunk_s,
+        url=request.url,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=response.completion_tokens,
+        use_pool=request.use_pool,
+        replica=p.get("replica") or response.routed_to or request.url,
+        ttft_s=response.ttft_s,
+        first_text_s=response.first_text_s,
+        first_chunk_s=response.first_chunk_s,
         e2e_s=response.e2e_s,
-        local_tokens=p.get("local_tokens"), pool_tokens=p.get("pool_tokens"), computed_tokens=p.get("computed_tokens"),
-        cached_tokens=response.cached_tokens, deterministic=p.get("deterministic"), output_digest=output_digest(response.token_ids),
-        error=response.error, token_ids=response.token_ids, top_logprobs=response.top_logprobs or None,
-        timeline=p.get("timeline"), **fields,
+        local_tokens=p.get("local_tokens"),
+        pool_tokens=p.get("pool_tokens"),
+        computed_tokens=p.get("computed_tokens"),
+        cached_tokens=response.cached_tokens,
+        deterministic=p.get("deterministic"),
+        output_digest=output_digest(response.token_ids),
+        error=response.error,
+        token_ids=response.token_ids,
+        top_logprobs=response.top_logprobs or None,
+        timeline=p.get("timeline"),
+        **fields,
     )
 
 
@@ -87,8 +102,16 @@ def mark_matches(records: list[Record], reference: Record | None) -> None:
     for r in records:
         if r is not reference:
             is_exact = reference.deterministic is True and r.deterministic is True
-            r.set_check(check_outputs(reference.token_ids, r.token_ids, reference.top_logprobs,
-                                      output_top_logprobs=r.top_logprobs, is_exact=is_exact), compared_with)
+            r.set_check(
+                check_outputs(
+                    reference.token_ids,
+                    r.token_ids,
+                    reference.top_logprobs,
+                    output_top_logprobs=r.top_logprobs,
+                    is_exact=is_exact,
+                ),
+                compared_with,
+            )
 
 
 MAX_FAILED_UNITS_IN_A_ROW = 2  # then the endpoints are broken: stop rather than record failures
@@ -124,9 +147,15 @@ def past_durations(records: list[Record], experiment: str, kind_of: Callable[[Re
     return longest
 
 
-async def run_units(ctx: BenchContext, units: list[Unit], estimates: dict[str, float] | None = None,
-                    time_budget_s: float | None = None, progress: Any = None, clock: Callable[[], float] = time.monotonic,
-                    on_unit: Callable[[str, float, list[Record]], None] | None = None) -> RunOutcome:
+async def run_units(
+    ctx: BenchContext,
+    units: list[Unit],
+    estimates: dict[str, float] | None = None,
+    time_budget_s: float | None = None,
+    progress: Any = None,
+    clock: Callable[[], float] = time.monotonic,
+    on_unit: Callable[[str, float, list[Record]], None] | None = None,
+) -> RunOutcome:
     """Run the units not yet recorded, in order; see the module docstring."""
     done = ctx.results.completed_units()
     todo = [u for u in units if u.key not in done]
@@ -141,9 +170,13 @@ async def run_units(ctx: BenchContext, units: list[Unit], estimates: dict[str, f
         elapsed = clock() - started
         estimate = estimates.get(unit.kind)
         if time_budget_s is not None and estimate is not None and elapsed + estimate > time_budget_s:
-            outcome.num_left, outcome.stop_reason = len(todo) - i, (
-                f"time budget: {elapsed:.0f} s used of {time_budget_s:.0f} s and the next unit ({unit.key}) "
-                f"takes about {estimate:.0f} s; run the same command again to continue")
+            outcome.num_left, outcome.stop_reason = (
+                len(todo) - i,
+                (
+                    f"time budget: {elapsed:.0f} s used of {time_budget_s:.0f} s and the next unit ({unit.key}) "
+                    f"takes about {estimate:.0f} s; run the same command again to continue"
+                ),
+            )
             break
         unit_started = clock()
         try:
@@ -156,8 +189,10 @@ async def run_units(ctx: BenchContext, units: list[Unit], estimates: dict[str, f
         num_failed_in_a_row = num_failed_in_a_row + 1 if records and len(failures) == len(records) else 0
         if num_failed_in_a_row >= MAX_FAILED_UNITS_IN_A_ROW:
             outcome.num_done += 1
-            outcome.num_left, outcome.stop_reason = len(todo) - i - 1, (
-                f"{num_failed_in_a_row} units in a row failed entirely; the last error: {failures[-1]}")
+            outcome.num_left, outcome.stop_reason = (
+                len(todo) - i - 1,
+                (f"{num_failed_in_a_row} units in a row failed entirely; the last error: {failures[-1]}"),
+            )
             break
         took = clock() - unit_started
         outcome.durations[unit.key] = took

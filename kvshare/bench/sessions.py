@@ -65,8 +65,14 @@ def units(config: SessionsConfig, num_replicas: int) -> list[Unit]:
                 for pool in config.pools:
                     key = f"{EXPERIMENT}/L={n}/{placement}/{pool}/s={s}"
                     is_verified = pool == "on" and s < config.verify
-                    out.append(Unit(key, f"{EXPERIMENT}/L={n}/{placement}/{pool}", config.num_turns + is_verified,
-                                    partial(run_session, config, placers[placement], n, pool, s, is_verified)))
+                    out.append(
+                        Unit(
+                            key,
+                            f"{EXPERIMENT}/L={n}/{placement}/{pool}",
+                            config.num_turns + is_verified,
+                            partial(run_session, config, placers[placement], n, pool, s, is_verified),
+                        )
+                    )
     return out
 
 
@@ -91,37 +97,60 @@ class Placer:
         return self._policy.choose(RouteFacts(session_id=session_id, chat_turn=turn), views, time.monotonic())[0]
 
 
-async def run_session(config: SessionsConfig, placer: Placer, num_tokens: int, pool: str, index: int,
-                      is_verified: bool, ctx: BenchContext) -> list[Record]:
+async def run_session(
+    config: SessionsConfig, placer: Placer, num_tokens: int, pool: str, index: int, is_verified: bool, ctx: BenchContext
+) -> list[Record]:
     placement = placer.placement
     unit = f"{EXPERIMENT}/L={num_tokens}/{placement}/{pool}/s={index}"
     session_id = f"{ctx.factory.config.nonce}:{unit}"
     use_pool = pool == "on"
     messages = ctx.factory.chat_messages(num_tokens, unit)
     records: list[Record] = []
-    fields = dict(experiment=EXPERIMENT, unit=unit, condition=f"{placement}/{pool}", context_tokens=num_tokens,
-                  session=index, placement=placement)
+    fields = dict(
+        experiment=EXPERIMENT,
+        unit=unit,
+        condition=f"{placement}/{pool}",
+        context_tokens=num_tokens,
+        session=index,
+        placement=placement,
+    )
     answer, url = "", ""
     for turn in range(config.num_turns):
         if turn:
-            messages = messages + [{"role": "assistant", "content": answer},
-                                   {"role": "user", "content": ctx.factory.user_text(config.turn_tokens, f"{unit}/{turn}")}]
+            messages = messages + [
+                {"role": "assistant", "content": answer},
+                {"role": "user", "content": ctx.factory.user_text(config.turn_tokens, f"{unit}/{turn}")},
+            ]
         replica = placer.replica(session_id, turn)
         if replica is None:
             url, send_pool = placer.router_url, use_pool if ctx.use_extension else None
         else:
             url, send_pool = ctx.replica_for(replica, use_pool)
-        request = BenchRequest(url, "chat", ctx.model, messages=messages, max_tokens=config.answer_tokens,
-                               use_pool=send_pool, session_id=session_id)
+        request = BenchRequest(
+            url,
+            "chat",
+            ctx.model,
+            messages=messages,
+            max_tokens=config.answer_tokens,
+            use_pool=send_pool,
+            session_id=session_id,
+        )
         record, response = await ctx.exchange(request, role="measure", turn=turn, **fields)
         records.append(record)
         answer = response.text
     if is_verified:
         # the last turn again where it went (same URL and session: a router places it the same way),
         # recomputed from scratch: its output must equal the measured one
-        request = BenchRequest(url, "chat", ctx.model, messages=messages, max_tokens=config.answer_tokens,
-                               use_pool=False if ctx.use_extension else None, use_local_cache=False,
-                               session_id=session_id)
+        request = BenchRequest(
+            url,
+            "chat",
+            ctx.model,
+            messages=messages,
+            max_tokens=config.answer_tokens,
+            use_pool=False if ctx.use_extension else None,
+            use_local_cache=False,
+            session_id=session_id,
+        )
         verify = await ctx.measure(request, role="verify", turn=config.num_turns - 1, **fields)
         records.append(verify)
         mark_matches([records[-2]], verify)

@@ -14,8 +14,8 @@ members of a pair alike, and the design is balanced in time (OFF, ON, ON, OFF).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 DEFAULT_RESAMPLES = 2000
 DEFAULT_SEED = 20261129

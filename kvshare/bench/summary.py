@@ -7,8 +7,8 @@ tables count the others as failures. Times are client-side seconds.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 from kvshare.bench.outputs import OutputTally, tally
 from kvshare.bench.records import Record
@@ -78,9 +78,18 @@ def ttft_rows(records: list[Record]) -> list[TTFTRow]:
                 paired = [r.text_overhead for r in done if r.text_overhead is not None]
                 overheads[condition] = median(paired) if paired else None
             pool = [r.pool_tokens for r in _ok(group, condition="cross") if r.pool_tokens is not None]
-            rows.append(TTFTRow(context, medians, counts, int(median(pool)) if pool else None,
-                                sum(not r.is_ok for r in group), outputs_of(group), client,
-                                overheads if client == "text" else None))
+            rows.append(
+                TTFTRow(
+                    context,
+                    medians,
+                    counts,
+                    int(median(pool)) if pool else None,
+                    sum(not r.is_ok for r in group),
+                    outputs_of(group),
+                    client,
+                    overheads if client == "text" else None,
+                )
+            )
     return rows
 
 
@@ -115,10 +124,18 @@ def blocks_rows(records: list[Record]) -> list[BlocksRow]:
         off = [t for c, ts in design if c == "off" for t in ts if t is not None]
         on = [t for c, ts in design if c == "on" for t in ts if t is not None]
         pool = [r.pool_tokens for r in measured if r.condition == "on" and r.pool_tokens is not None]
-        rows.append(BlocksRow(
-            context, summarize(off) if off else None, summarize(on) if on else None,
-            summarize(paired_ratios(pairs)) if pairs else None, len(pairs), min(pool) if pool else None,
-            sum(not r.is_ok for r in group), outputs_of(group)))
+        rows.append(
+            BlocksRow(
+                context,
+                summarize(off) if off else None,
+                summarize(on) if on else None,
+                summarize(paired_ratios(pairs)) if pairs else None,
+                len(pairs),
+                min(pool) if pool else None,
+                sum(not r.is_ok for r in group),
+                outputs_of(group),
+            )
+        )
     return rows
 
 
@@ -159,8 +176,17 @@ def sessions_rows(records: list[Record]) -> list[SessionsRow]:
                     times = [r.ttft_s for r in _ok(turns, turn=t)]
                     per_turn.append(median(times) if times else None)
                 turn_ttft[pool] = per_turn
-            rows.append(SessionsRow(context, placement, session_s, num_sessions, turn_ttft,
-                                    sum(not r.is_ok for r in mine), outputs_of(mine)))
+            rows.append(
+                SessionsRow(
+                    context,
+                    placement,
+                    session_s,
+                    num_sessions,
+                    turn_ttft,
+                    sum(not r.is_ok for r in mine),
+                    outputs_of(mine),
+                )
+            )
     return rows
 
 

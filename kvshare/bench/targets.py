@@ -9,8 +9,8 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 from kvshare.bench.replicas import FixedReplicas, SequentialConfig, SequentialReplicas
 from kvshare.launch import free_port_block
@@ -48,10 +48,18 @@ def open_target(spec: TargetSpec, progress=None) -> Iterator[tuple[object, objec
         yield FixedReplicas(list(spec.replica_urls), use_extension=spec.use_extension), off
         return
     if spec.is_sequential:
-        replicas = SequentialReplicas(SequentialConfig(
-            model=spec.model, device=spec.device, num_replicas=spec.num_replicas, pool_size=spec.pool_size,
-            pool_args=spec.pool_args, replica_args=spec.replica_args,
-            port=spec.port or free_port_block(spec.num_replicas), log_dir=spec.log_dir))
+        replicas = SequentialReplicas(
+            SequentialConfig(
+                model=spec.model,
+                device=spec.device,
+                num_replicas=spec.num_replicas,
+                pool_size=spec.pool_size,
+                pool_args=spec.pool_args,
+                replica_args=spec.replica_args,
+                port=spec.port or free_port_block(spec.num_replicas),
+                log_dir=spec.log_dir,
+            )
+        )
         try:
             replicas.start()
             yield replicas, off
@@ -60,10 +68,18 @@ def open_target(spec: TargetSpec, progress=None) -> Iterator[tuple[object, objec
         return
     from kvshare.launch import Cluster, ClusterConfig
 
-    cluster = Cluster(ClusterConfig(
-        num_replicas=spec.num_replicas, model=spec.model, device=spec.device, pool_size=spec.pool_size,
-        pool_args=spec.pool_args, replica_args=spec.replica_args, port=spec.port or free_port_block(spec.num_replicas + 1),
-        log_level="WARNING"))
+    cluster = Cluster(
+        ClusterConfig(
+            num_replicas=spec.num_replicas,
+            model=spec.model,
+            device=spec.device,
+            pool_size=spec.pool_size,
+            pool_args=spec.pool_args,
+            replica_args=spec.replica_args,
+            port=spec.port or free_port_block(spec.num_replicas + 1),
+            log_level="WARNING",
+        )
+    )
     try:
         cluster.start(progress=progress)
         yield FixedReplicas(cluster.replica_urls), off

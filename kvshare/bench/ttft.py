@@ -54,25 +54,48 @@ class TTFTConfig:
 
 def units(config: TTFTConfig, num_replicas: int) -> list[Unit]:
     if max(config.replica_a, config.replica_b) >= num_replicas:
-        raise ValueError(f"ttft measures cross-replica reuse on replicas {config.replica_a} and {config.replica_b}; "
-                         f"give at least {max(config.replica_a, config.replica_b) + 1} replicas (got {num_replicas})")
+        raise ValueError(
+            f"ttft measures cross-replica reuse on replicas {config.replica_a} and {config.replica_b}; "
+            f"give at least {max(config.replica_a, config.replica_b) + 1} replicas (got {num_replicas})"
+        )
     if config.client == "text":
-        return [Unit(f"{EXPERIMENT}/text/L={n}", f"{EXPERIMENT}/text/L={n}", 6 * config.repetitions,
-                     partial(run_text_context, config, n)) for n in config.contexts]
-    return [Unit(f"{EXPERIMENT}/L={n}", f"{EXPERIMENT}/L={n}", 3 * config.repetitions, partial(run_context, config, n))
-            for n in config.contexts]
+        return [
+            Unit(
+                f"{EXPERIMENT}/text/L={n}",
+                f"{EXPERIMENT}/text/L={n}",
+                6 * config.repetitions,
+                partial(run_text_context, config, n),
+            )
+            for n in config.contexts
+        ]
+    return [
+        Unit(f"{EXPERIMENT}/L={n}", f"{EXPERIMENT}/L={n}", 3 * config.repetitions, partial(run_context, config, n))
+        for n in config.contexts
+    ]
 
 
 async def run_context(config: TTFTConfig, num_tokens: int, ctx: BenchContext) -> list[Record]:
-    prompts = [ctx.factory.completion_prompt(num_tokens, f"{EXPERIMENT}/{num_tokens}/{r}") for r in range(config.repetitions)]
+    prompts = [
+        ctx.factory.completion_prompt(num_tokens, f"{EXPERIMENT}/{num_tokens}/{r}") for r in range(config.repetitions)
+    ]
     unit = f"{EXPERIMENT}/L={num_tokens}"
     records: list[Record] = []
 
     async def one(prompt: list[int], replica: int, condition: str, position: int) -> Record:
         url, use_pool = ctx.replica_for(replica, use_pool=True)
-        request = BenchRequest(url, "completion", ctx.model, prompt=prompt, max_tokens=config.max_tokens, use_pool=use_pool)
-        record = await ctx.measure(request, experiment=EXPERIMENT, unit=unit, condition=condition,
-                                   role="measure", context_tokens=num_tokens, position=position, client="token_ids")
+        request = BenchRequest(
+            url, "completion", ctx.model, prompt=prompt, max_tokens=config.max_tokens, use_pool=use_pool
+        )
+        record = await ctx.measure(
+            request,
+            experiment=EXPERIMENT,
+            unit=unit,
+            condition=condition,
+            role="measure",
+            context_tokens=num_tokens,
+            position=position,
+            client="token_ids",
+        )
         records.append(record)
         return record
 
@@ -105,13 +128,36 @@ async def run_text_context(config: TTFTConfig, num_tokens: int, ctx: BenchContex
             elif out and condition == "cross":
                 use_local_cache = False
             if client == "text":
-                request = BenchRequest(url, "chat", ctx.model, messages=chats[r], max_tokens=config.max_tokens,
-                                       use_pool=use_pool, use_local_cache=use_local_cache, is_user_client=True)
+                request = BenchRequest(
+                    url,
+                    "chat",
+                    ctx.model,
+                    messages=chats[r],
+                    max_tokens=config.max_tokens,
+                    use_pool=use_pool,
+                    use_local_cache=use_local_cache,
+                    is_user_client=True,
+                )
             else:
-                request = BenchRequest(url, "completion", ctx.model, prompt=prompt_ids[r], max_tokens=config.max_tokens,
-                                       use_pool=use_pool, use_local_cache=use_local_cache)
-            out[client] = await ctx.measure(request, experiment=EXPERIMENT, unit=unit, condition=condition,
-                                            role="measure", context_tokens=num_tokens, position=r, client=client)
+                request = BenchRequest(
+                    url,
+                    "completion",
+                    ctx.model,
+                    prompt=prompt_ids[r],
+                    max_tokens=config.max_tokens,
+                    use_pool=use_pool,
+                    use_local_cache=use_local_cache,
+                )
+            out[client] = await ctx.measure(
+                request,
+                experiment=EXPERIMENT,
+                unit=unit,
+                condition=condition,
+                role="measure",
+                context_tokens=num_tokens,
+                position=r,
+                client=client,
+            )
             records.append(out[client])
         text, ids = out["text"], out.get("token_ids")
         if ids is not None and text.is_ok and ids.is_ok and ids.ttft_s > 0:

@@ -42,7 +42,9 @@ def filler_vocabulary(tokenizer: Any, sample_seed: int = 0) -> list[int]:
         sample = [rng.choice(candidates) for _ in range(512)]
         if tokenizer.encode(tokenizer.decode(sample)) == sample:
             return candidates
-    raise ValueError("found no one-token words that round-trip through this tokenizer; cannot build exact-length prompts")
+    raise ValueError(
+        "found no one-token words that round-trip through this tokenizer; cannot build exact-length prompts"
+    )
 
 
 def _rng(*parts: object) -> random.Random:
@@ -99,8 +101,10 @@ class PromptFactory:
             if actual == num_tokens:
                 return messages
             count += num_tokens - actual
-        raise ValueError(f"could not fit a chat prompt of exactly {num_tokens} tokens (the template and header "
-                         f"need more, or the tokenizer merges filler words)")
+        raise ValueError(
+            f"could not fit a chat prompt of exactly {num_tokens} tokens (the template and header "
+            f"need more, or the tokenizer merges filler words)"
+        )
 
     def user_text(self, num_tokens: int, tag: str) -> str:
         """A follow-up user message of about ``num_tokens`` tokens (exact for the filler part)."""

@@ -1,8 +1,8 @@
-"""Benchmarks: the pool's data and control planes (pool), a replica's read of a token-id prompt
-(parse), and the study's experiments: ttft (cold, local and cross-replica reuse), blocks
-(OFF-ON-ON-OFF, paired, bootstrap intervals), sessions (alternate vs sticky placement, pool off
-vs on), suite (several in one run), routing (many sessions over shared system prompts at swept
-arrival rates, through every placement policy's router) and report.
+"""Benchmarks: the pool's data and control planes (pool) and a replica's read of a token-id prompt (parse), both
+in kvshare.commands.bench_micro, and the study's experiments: ttft (cold, local and cross-replica reuse), blocks
+(OFF-ON-ON-OFF, paired, bootstrap intervals), sessions (alternate vs sticky placement, pool off vs on), suite
+(several in one run), routing (many sessions over shared system prompts at swept arrival rates, through every
+placement policy's router) and report.
 They talk HTTP to OpenAI-compatible servers (--replica URL, e.g. a kvshare cluster or vLLM
 servers) or start their own (--model M); results are appended to --out and a rerun of the
 same command skips what was measured. Context lengths take k = 1000 tokens (128k = 128000)."""
@@ -10,12 +10,11 @@ same command skips what was measured. Context lengths take k = 1000 tokens (128k
 from __future__ import annotations
 
 import argparse
-import json
 
 from kvshare.commands import tcp_port
+from kvshare.commands.bench_micro import add_micro_arguments, run_parse, run_pool
 from kvshare.commands.bench_routing import add_routing_arguments, run_routing
 from kvshare.commands.serve import add_kv_dtype_argument
-from kvshare.units import parse_size
 
 EXPERIMENT_NAMES = ("ttft", "blocks", "sessions")
 
@@ -52,53 +51,62 @@ def _router(text: str) -> tuple[str, str]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="experiment", required=True)
-    pool = sub.add_parser("pool", help="pool put/get bandwidth vs memcpy, lookup-and-lease latency")
-    pool.add_argument("--pool", default=None, help="socket of a running pool (default: start one)")
-    pool.add_argument("--pool-size", type=parse_size, default="1GiB", help="size of the pool this command starts")
-    pool.add_argument("--page-size", type=parse_size, default="2MiB")
-    pool.add_argument("--pages", type=int, default=128, help="pages per pass")
-    pool.add_argument("--repeats", type=int, default=3)
-    pool.add_argument("--lookup-ops", type=int, default=20000)
-    pool.add_argument("--json", action="store_true", help="print the figures as JSON")
-    parse = sub.add_parser("parse", help="a replica's read of a token-id prompt by thread count, vs a typed decode")
-    parse.add_argument("--lengths", type=parse_tokens, default=(32768, 131072, 262144),
-                       help="prompt lengths in tokens, e.g. 32768,128k")
-    parse.add_argument("--repeats", type=int, default=20, help="best of this many reads")
-    parse.add_argument("--json", action="store_true", help="print one JSON line per length")
-    helps = {"ttft": "TTFT cold / local reuse / cross-replica reuse by context length",
-             "blocks": "the blocked OFF-ON-ON-OFF design: cross-replica TTFT, paired, bootstrap CIs",
-             "sessions": "multi-turn sessions: alternate vs sticky placement, pool off vs on",
-             "suite": "several experiments in one run (--experiments), sharing the replicas"}
+    add_micro_arguments(sub, parse_tokens)
+    helps = {
+        "ttft": "TTFT cold / local reuse / cross-replica reuse by context length",
+        "blocks": "the blocked OFF-ON-ON-OFF design: cross-replica TTFT, paired, bootstrap CIs",
+        "sessions": "multi-turn sessions: alternate vs sticky placement, pool off vs on",
+        "suite": "several experiments in one run (--experiments), sharing the replicas",
+    }
     for name, help_text in helps.items():
         e = sub.add_parser(name, help=help_text, description=help_text)
         _target_arguments(e)
         _run_arguments(e)
         if name == "suite":
-            e.add_argument("--experiments", type=_words, default=EXPERIMENT_NAMES, help="comma list of ttft,blocks,sessions")
+            e.add_argument(
+                "--experiments", type=_words, default=EXPERIMENT_NAMES, help="comma list of ttft,blocks,sessions"
+            )
         if name in ("ttft", "suite"):
             e.add_argument("--repetitions", type=int, default=3, help="ttft: prompts per context length")
-            e.add_argument("--client", choices=("token_ids", "text"), default="token_ids",
-                           help="ttft: token_ids (prompt ids to /v1/completions) or text (chat text through a user's "
-                                "client, the openai SDK where installed; each paired with its ids: text_overhead)")
+            e.add_argument(
+                "--client",
+                choices=("token_ids", "text"),
+                default="token_ids",
+                help="ttft: token_ids (prompt ids to /v1/completions) or text (chat text through a user's "
+                "client, the openai SDK where installed; each paired with its ids: text_overhead)",
+            )
         if name in ("blocks", "suite"):
             e.add_argument("--per-block", type=int, default=8, help="blocks: requests per block")
-            e.add_argument("--prime-batch", type=int, default=None,
-                           help="blocks: primes sent before their measurements, where the pool cannot hold a whole "
-                                "block's (default: the whole block)")
+            e.add_argument(
+                "--prime-batch",
+                type=int,
+                default=None,
+                help="blocks: primes sent before their measurements, where the pool cannot hold a whole "
+                "block's (default: the whole block)",
+            )
             e.add_argument("--design", type=_words, default=("off", "on", "on", "off"), help="blocks: block order")
             e.add_argument("--prime-off", action="store_true", help="blocks: prime OFF prompts on replica A too")
         if name in ("sessions", "suite"):
-            e.add_argument("--session-contexts", type=parse_tokens, default=None,
-                           help="sessions: initial contexts (default: --contexts)")
+            e.add_argument(
+                "--session-contexts",
+                type=parse_tokens,
+                default=None,
+                help="sessions: initial contexts (default: --contexts)",
+            )
             e.add_argument("--sessions", type=int, default=2, help="sessions per context, placement and pool")
             e.add_argument("--turns", type=int, default=6)
             e.add_argument("--turn-tokens", type=int, default=256, help="new user tokens per turn")
             e.add_argument("--answer-tokens", type=int, default=32, help="generated tokens per turn")
             e.add_argument("--placements", type=_words, default=("alternate", "sticky"))
             e.add_argument("--pools", type=_words, default=("off", "on"))
-            e.add_argument("--router", type=_router, action="append", default=[],
-                           help="send a placement's turns through a router: alternate=URL or sticky=URL "
-                                "(default: place turns directly, with the router's own policy code)")
+            e.add_argument(
+                "--router",
+                type=_router,
+                action="append",
+                default=[],
+                help="send a placement's turns through a router: alternate=URL or sticky=URL "
+                "(default: place turns directly, with the router's own policy code)",
+            )
     add_routing_arguments(sub, _words)
     report = sub.add_parser("report", help="rewrite report.md, records.csv and plots of a results folder")
     report.add_argument("--out", default="results/bench", help="the results folder")
@@ -108,30 +116,55 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _target_arguments(e: argparse.ArgumentParser) -> None:
     g = e.add_argument_group("where to send requests")
     g.add_argument("--replica", action="append", default=[], help="URL of a running replica (repeat; A first, then B)")
-    g.add_argument("--off-replica", action="append", default=[],
-                   help="URL of a replica without a pool: pool-OFF requests go there, without the request extension")
-    g.add_argument("--no-extension", action="store_true",
-                   help="never send the kvshare request extension (servers that reject unknown fields)")
-    g.add_argument("--timeline", action="store_true",
-                   help="ask kvshare replicas for each request's timeline (where its time went, to the first token "
-                        "and the prompt's store after it); records.jsonl keeps it")
+    g.add_argument(
+        "--off-replica",
+        action="append",
+        default=[],
+        help="URL of a replica without a pool: pool-OFF requests go there, without the request extension",
+    )
+    g.add_argument(
+        "--no-extension",
+        action="store_true",
+        help="never send the kvshare request extension (servers that reject unknown fields)",
+    )
+    g.add_argument(
+        "--timeline",
+        action="store_true",
+        help="ask kvshare replicas for each request's timeline (where its time went, to the first token "
+        "and the prompt's store after it); records.jsonl keeps it",
+    )
     g.add_argument("--model", default=None, help="start replicas of this model (directory or preset) instead")
-    g.add_argument("--device", default="cpu",
-                   help="with --model: cpu, cuda, cuda:N, or one per replica as a comma list, cycled")
+    g.add_argument(
+        "--device", default="cpu", help="with --model: cpu, cuda, cuda:N, or one per replica as a comma list, cycled"
+    )
     g.add_argument("--replicas", type=int, default=2, help="replicas to start with --model")
     g.add_argument("--pool-size", default="4GiB", help="size of the pool started with --model")
     g.add_argument("--pool-arg", action="append", default=[], help="extra argument for that pool (repeatable)")
-    g.add_argument("--replica-arg", action="append", default=[],
-                   help="extra argument for every started replica (repeatable), e.g. --replica-arg=--local-cache-size=20GiB")
-    g.add_argument("--sequential", action="store_true",
-                   help="with --model: start the replicas one at a time against one pool (a model that fits once)")
-    g.add_argument("--deterministic", action="store_true",
-                   help="with --model: start the replicas in the deterministic mode (serve --deterministic); "
-                        "outputs of deterministic replicas are checked by the exact rule")
+    g.add_argument(
+        "--replica-arg",
+        action="append",
+        default=[],
+        help="extra argument for every started replica (repeatable), e.g. --replica-arg=--local-cache-size=20GiB",
+    )
+    g.add_argument(
+        "--sequential",
+        action="store_true",
+        help="with --model: start the replicas one at a time against one pool (a model that fits once)",
+    )
+    g.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="with --model: start the replicas in the deterministic mode (serve --deterministic); "
+        "outputs of deterministic replicas are checked by the exact rule",
+    )
     add_kv_dtype_argument(g)
     g.add_argument("--port", type=tcp_port, default=None, help="first port for started processes (default: free ports)")
-    g.add_argument("--tokenizer", default=None, help="model directory or preset whose tokenizer builds the prompts "
-                                                     "(default: --model, else the served model's name)")
+    g.add_argument(
+        "--tokenizer",
+        default=None,
+        help="model directory or preset whose tokenizer builds the prompts "
+        "(default: --model, else the served model's name)",
+    )
 
 
 def _run_arguments(e: argparse.ArgumentParser) -> None:
@@ -140,12 +173,20 @@ def _run_arguments(e: argparse.ArgumentParser) -> None:
     g.add_argument("--contexts", type=parse_tokens, default=(1024, 8000), help="context lengths, e.g. 1024,8k,32k")
     g.add_argument("--max-tokens", type=int, default=16, help="generated tokens per ttft/blocks request")
     g.add_argument("--system-tokens", type=int, default=0, help="shared system prompt before each unique head")
-    g.add_argument("--verify", type=int, default=1,
-                   help="outputs re-checked against a recompute: blocks ON requests, sessions ON sessions, per context")
+    g.add_argument(
+        "--verify",
+        type=int,
+        default=1,
+        help="outputs re-checked against a recompute: blocks ON requests, sessions ON sessions, per context",
+    )
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--time-budget", type=float, default=None, help="seconds; stop before a unit that would end later")
-    g.add_argument("--unit-allowance", type=float, default=0.0,
-                   help="seconds added to unit estimates from earlier runs (replica start-up with --sequential)")
+    g.add_argument(
+        "--unit-allowance",
+        type=float,
+        default=0.0,
+        help="seconds added to unit estimates from earlier runs (replica start-up with --sequential)",
+    )
     g.add_argument("--timeout", type=float, default=3600.0, help="seconds per request")
     g.add_argument("--no-progress", action="store_true", help="no progress bar: one line per unit instead")
     g.add_argument("--no-tables", action="store_true", help="do not print the tables at the end")
@@ -153,9 +194,9 @@ def _run_arguments(e: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.experiment == "pool":
-        return _run_pool(args)
+        return run_pool(args)
     if args.experiment == "parse":
-        return _run_parse(args)
+        return run_parse(args)
     if args.experiment == "routing":
         return run_routing(args)
     if args.experiment == "report":
@@ -189,17 +230,37 @@ def _configs(args: argparse.Namespace, names: tuple[str, ...]) -> list:
     configs = []
     for name in names:
         if name == "ttft":
-            configs.append(TTFTConfig(contexts=args.contexts, repetitions=args.repetitions, max_tokens=args.max_tokens,
-                                      client=args.client))
+            configs.append(
+                TTFTConfig(
+                    contexts=args.contexts, repetitions=args.repetitions, max_tokens=args.max_tokens, client=args.client
+                )
+            )
         elif name == "blocks":
-            configs.append(BlocksConfig(contexts=args.contexts, per_block=args.per_block, design=args.design,
-                                        max_tokens=args.max_tokens, prime_off=args.prime_off, verify=args.verify,
-                                        prime_batch=args.prime_batch))
+            configs.append(
+                BlocksConfig(
+                    contexts=args.contexts,
+                    per_block=args.per_block,
+                    design=args.design,
+                    max_tokens=args.max_tokens,
+                    prime_off=args.prime_off,
+                    verify=args.verify,
+                    prime_batch=args.prime_batch,
+                )
+            )
         else:
-            configs.append(SessionsConfig(
-                contexts=args.session_contexts or args.contexts, num_sessions=args.sessions, num_turns=args.turns,
-                turn_tokens=args.turn_tokens, answer_tokens=args.answer_tokens, placements=args.placements,
-                pools=args.pools, verify=args.verify, routers=tuple(args.router)))
+            configs.append(
+                SessionsConfig(
+                    contexts=args.session_contexts or args.contexts,
+                    num_sessions=args.sessions,
+                    num_turns=args.turns,
+                    turn_tokens=args.turn_tokens,
+                    answer_tokens=args.answer_tokens,
+                    placements=args.placements,
+                    pools=args.pools,
+                    verify=args.verify,
+                    routers=tuple(args.router),
+                )
+            )
     return configs
 
 
@@ -215,24 +276,45 @@ def _run_experiments(args: argparse.Namespace, names: tuple[str, ...]) -> int:
     from kvshare.errors import UserError
 
     if args.deterministic and not args.model:
-        raise UserError("--deterministic starts replicas in the mode (with --model); replicas given by URL run in "
-                        "the mode they were started in, which their responses say (kvshare.deterministic)")
+        raise UserError(
+            "--deterministic starts replicas in the mode (with --model); replicas given by URL run in "
+            "the mode they were started in, which their responses say (kvshare.deterministic)"
+        )
     if args.kv_dtype != "auto" and not args.model:
-        raise UserError("--kv-dtype starts replicas with that KV dtype (with --model); replicas given by URL run "
-                        "with the KV dtype they were started with")
+        raise UserError(
+            "--kv-dtype starts replicas with that KV dtype (with --model); replicas given by URL run "
+            "with the KV dtype they were started with"
+        )
     replica_args = tuple(args.replica_arg) + (("--deterministic",) if args.deterministic else ())
     replica_args += ("--kv-dtype", args.kv_dtype) if args.kv_dtype != "auto" else ()
     try:
         configs = _configs(args, names)
-        spec = TargetSpec(replica_urls=tuple(args.replica), off_replica_urls=tuple(args.off_replica), model=args.model,
-                          device=args.device, num_replicas=args.replicas, pool_size=args.pool_size,
-                          pool_args=tuple(args.pool_arg), replica_args=replica_args,
-                          is_sequential=args.sequential, port=args.port, log_dir=os.path.join(args.out, "logs"),
-                          use_extension=not args.no_extension)
-        config = HarnessConfig(out_dir=args.out, tokenizer=args.tokenizer or args.model, system_tokens=args.system_tokens,
-                               seed=args.seed, time_budget_s=args.time_budget, unit_allowance_s=args.unit_allowance,
-                               timeout_s=args.timeout, use_extension=not args.no_extension,
-                               timeline=args.timeline and not args.no_extension, show_progress=not args.no_progress)
+        spec = TargetSpec(
+            replica_urls=tuple(args.replica),
+            off_replica_urls=tuple(args.off_replica),
+            model=args.model,
+            device=args.device,
+            num_replicas=args.replicas,
+            pool_size=args.pool_size,
+            pool_args=tuple(args.pool_arg),
+            replica_args=replica_args,
+            is_sequential=args.sequential,
+            port=args.port,
+            log_dir=os.path.join(args.out, "logs"),
+            use_extension=not args.no_extension,
+        )
+        config = HarnessConfig(
+            out_dir=args.out,
+            tokenizer=args.tokenizer or args.model,
+            system_tokens=args.system_tokens,
+            seed=args.seed,
+            time_budget_s=args.time_budget,
+            unit_allowance_s=args.unit_allowance,
+            timeout_s=args.timeout,
+            use_extension=not args.no_extension,
+            timeline=args.timeline and not args.no_extension,
+            show_progress=not args.no_progress,
+        )
     except ValueError as exc:
         raise UserError(str(exc)) from None
     console = Console()
@@ -252,68 +334,11 @@ def _run_experiments(args: argparse.Namespace, names: tuple[str, ...]) -> int:
     if not args.no_tables:
         print_tables(outcome.tables, console)
     for name, result in outcome.runs.items():
-        console.print(f"{name}: {result.num_done} units run, {result.num_skipped} already recorded, "
-                      f"{result.num_left} left: {result.stop_reason}")
+        console.print(
+            f"{name}: {result.num_done} units run, {result.num_skipped} already recorded, "
+            f"{result.num_left} left: {result.stop_reason}"
+        )
     console.print(f"report: {outcome.report_path}")
     if outcome.interrupted or any("interrupted" in r.stop_reason for r in outcome.runs.values()):
         return 130
     return 0 if outcome.is_complete else 3
-
-
-def _run_pool(args: argparse.Namespace) -> int:
-    import contextlib
-
-    from kvshare.bench.pool_bench import PoolBenchConfig, run_pool_bench, summary_rows
-    from kvshare.errors import UserError
-    from kvshare.pool.spawn import running_pool
-
-    if args.pool == "off":
-        raise UserError("bench pool measures the pool: --pool off makes no sense here")
-    pool_ctx = contextlib.nullcontext(args.pool) if args.pool else running_pool(args.pool_size, quiet=True)
-    with pool_ctx as socket_path:
-        try:
-            cfg = PoolBenchConfig(socket_path=socket_path, page_bytes=args.page_size, num_pages=args.pages,
-                                  repeats=args.repeats, lookup_ops=args.lookup_ops)
-        except ValueError as exc:
-            raise UserError(str(exc)) from None
-        result = run_pool_bench(cfg)
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        from rich.console import Console
-        from rich.table import Table
-
-        table = Table(title="kvshare bench pool")
-        for col in ("measure", "figure", "against"):
-            table.add_column(col)
-        for row in summary_rows(result):
-            table.add_row(*row)
-        Console().print(table)
-    return 0
-
-
-def _run_parse(args: argparse.Namespace) -> int:
-    from kvshare.bench.parse_bench import ParseBenchConfig, run_parse_bench
-    from kvshare.errors import UserError
-
-    try:
-        cfg = ParseBenchConfig(lengths=tuple(args.lengths), repeats=args.repeats)
-    except ValueError as exc:
-        raise UserError(str(exc)) from None
-    rows = run_parse_bench(cfg)
-    if args.json:
-        for row in rows:
-            print(json.dumps(row))
-        return 0
-    from rich.console import Console
-    from rich.table import Table
-
-    threads = list(rows[0]["ms_by_threads"])
-    table = Table(title=f"kvshare bench parse (ms, best of {cfg.repeats})")
-    for col in ("tokens", "body MB", *(f"{k} thread{'s' if k > 1 else ''}" for k in threads), "typed list[int]"):
-        table.add_column(col, justify="right")
-    for row in rows:
-        by_threads = (f"{row['ms_by_threads'][k]:.2f}" for k in threads)
-        table.add_row(str(row["tokens"]), f"{row['body_bytes'] / 1e6:.2f}", *by_threads, f"{row['typed_list_ms']:.2f}")
-    Console().print(table)
-    return 0

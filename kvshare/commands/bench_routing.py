@@ -36,19 +36,25 @@ def add_routing_arguments(sub, words) -> None:
     from kvshare.bench.routing_trace import CONTROLS, DEFAULT_CONDITIONS, RoutingConfig
 
     d = RoutingConfig()
-    e = sub.add_parser("routing", help="sessions over shared system prompts through every policy's router",
-                       description="Many multi-turn sessions over a few shared system prompts, Poisson arrivals "
-                                   "swept over --rates, replayed through a router per placement policy on one "
-                                   "cluster it starts (pool with KV events, replicas whose local cache holds "
-                                   "1/--gpu-share of the working set). Token counts are multiplied by --scale.")
+    e = sub.add_parser(
+        "routing",
+        help="sessions over shared system prompts through every policy's router",
+        description="Many multi-turn sessions over a few shared system prompts, Poisson arrivals "
+        "swept over --rates, replayed through a router per placement policy on one "
+        "cluster it starts (pool with KV events, replicas whose local cache holds "
+        "1/--gpu-share of the working set). Token counts are multiplied by --scale.",
+    )
     g = e.add_argument_group("cluster")
     g.add_argument("--model", required=True, help="model directory or preset of the replicas it starts")
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, or one per replica as a comma list")
     g.add_argument("--replicas", type=int, default=2)
     g.add_argument("--replica-arg", action="append", default=[], help="extra argument for every replica (repeatable)")
-    g.add_argument("--router-arg", action="append", default=[],
-                   help="extra argument for every router (repeatable), e.g. pool_aware's "
-                        "--router-arg=--prefill-rate=2500")
+    g.add_argument(
+        "--router-arg",
+        action="append",
+        default=[],
+        help="extra argument for every router (repeatable), e.g. pool_aware's --router-arg=--prefill-rate=2500",
+    )
     g.add_argument("--tokenizer", default=None, help="model directory or preset whose tokenizer builds the prompts")
     w = e.add_argument_group("workload")
     w.add_argument("--sessions", type=int, default=d.num_sessions)
@@ -59,14 +65,23 @@ def add_routing_arguments(sub, words) -> None:
     w.add_argument("--answer-tokens", type=_token_range, default=d.answer_tokens, help="range, e.g. 100-300")
     w.add_argument("--scale", type=float, default=1.0, help="multiplies every token range (0.1: a CPU-sized run)")
     w.add_argument("--rates", type=_rates, default=d.rates, help="session arrivals per second, e.g. 0.5,1,2,4")
-    w.add_argument("--conditions", type=words, default=DEFAULT_CONDITIONS + CONTROLS,
-                   help=f"comma list of POLICY/on|off and controls ({', '.join(CONTROLS)})")
+    w.add_argument(
+        "--conditions",
+        type=words,
+        default=DEFAULT_CONDITIONS + CONTROLS,
+        help=f"comma list of POLICY/on|off and controls ({', '.join(CONTROLS)})",
+    )
     w.add_argument("--runs", type=int, default=d.num_runs, help="the whole sweep this many times, on fresh clusters")
-    w.add_argument("--gpu-share", type=float, default=d.gpu_share,
-                   help="the working set over one replica's local (GPU) KV cache")
+    w.add_argument(
+        "--gpu-share", type=float, default=d.gpu_share, help="the working set over one replica's local (GPU) KV cache"
+    )
     w.add_argument("--pool-share", type=float, default=d.pool_share, help="the pool's size over the working set")
-    w.add_argument("--verify", type=int, default=d.num_verify,
-                   help="last turns per replay re-sent with every cache off; outputs must be equal")
+    w.add_argument(
+        "--verify",
+        type=int,
+        default=d.num_verify,
+        help="last turns per replay re-sent with every cache off; outputs must be equal",
+    )
     w.add_argument("--seed", type=int, default=d.seed)
     w.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     w.add_argument("--out", default="results/routing", help="results folder (records appended)")
@@ -90,26 +105,42 @@ def run_routing(args: argparse.Namespace) -> int:
         raise UserError("--scale must be above 0")
     try:
         config = RoutingConfig(
-            num_sessions=args.sessions, num_prompts=args.prompts, num_turns=args.turns,
-            system_tokens=scaled(args.system_tokens, args.scale), user_tokens=scaled(args.user_tokens, args.scale),
-            answer_tokens=scaled(args.answer_tokens, args.scale), rates=args.rates, conditions=args.conditions,
-            num_runs=args.runs, gpu_share=args.gpu_share, pool_share=args.pool_share, num_verify=args.verify,
-            seed=args.seed)
+            num_sessions=args.sessions,
+            num_prompts=args.prompts,
+            num_turns=args.turns,
+            system_tokens=scaled(args.system_tokens, args.scale),
+            user_tokens=scaled(args.user_tokens, args.scale),
+            answer_tokens=scaled(args.answer_tokens, args.scale),
+            rates=args.rates,
+            conditions=args.conditions,
+            num_runs=args.runs,
+            gpu_share=args.gpu_share,
+            pool_share=args.pool_share,
+            num_verify=args.verify,
+            seed=args.seed,
+        )
         per_token = kv_bytes_per_token(args.model)
         working_set = make_trace(config).working_set_tokens() * per_token
-        target = RoutingTarget(model=args.model, device=args.device, num_replicas=args.replicas,
-                               local_cache_bytes=int(working_set / config.gpu_share),
-                               pool_bytes=max(int(working_set * config.pool_share), 64 << 20),
-                               kv_bytes_per_token=per_token, replica_args=tuple(args.replica_arg),
-                               router_args=tuple(args.router_arg))
+        target = RoutingTarget(
+            model=args.model,
+            device=args.device,
+            num_replicas=args.replicas,
+            local_cache_bytes=int(working_set / config.gpu_share),
+            pool_bytes=max(int(working_set * config.pool_share), 64 << 20),
+            kv_bytes_per_token=per_token,
+            replica_args=tuple(args.replica_arg),
+            router_args=tuple(args.router_arg),
+        )
     except ValueError as exc:
         raise UserError(str(exc)) from None
     console = Console()
 
     def show(row: dict) -> None:
-        console.print(f"{time.strftime('%H:%M:%S')} rate {row['rate']:g} {row['condition']} run {row['run']}: "
-                      f"{row['num_requests']} requests, {row['num_errors']} failed, {row['wall_s']:.1f} s",
-                      highlight=False)
+        console.print(
+            f"{time.strftime('%H:%M:%S')} rate {row['rate']:g} {row['condition']} run {row['run']}: "
+            f"{row['num_requests']} requests, {row['num_errors']} failed, {row['wall_s']:.1f} s",
+            highlight=False,
+        )
 
     command = "kvshare " + shlex.join(sys.argv[1:])
     try:

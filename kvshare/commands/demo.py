@@ -10,8 +10,12 @@ from kvshare.commands import tcp_port
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="kvshare-report", help="folder for the demo's report")
-    p.add_argument("--scale", choices=("small", "smoke"), default="small",
-                   help="small: contexts up to 8k tokens, a few minutes; smoke: seconds")
+    p.add_argument(
+        "--scale",
+        choices=("small", "smoke"),
+        default="small",
+        help="small: contexts up to 8k tokens, a few minutes; smoke: seconds",
+    )
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--port", type=tcp_port, default=8080, help="router port; replicas take the next ports")
 

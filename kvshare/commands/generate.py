@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 
 from kvshare.commands.serve import add_deterministic_arguments, add_kv_dtype_argument
-from kvshare.units import parse_size, parse_size_or_off
+from kvshare.units import parse_size_or_off
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="a local HF model directory or a preset name (tiny, qwen3-8b, qwen3-32b)")
+    p.add_argument(
+        "--model", required=True, help="a local HF model directory or a preset name (tiny, qwen3-8b, qwen3-32b)"
+    )
     p.add_argument("--pool", default="off", help="the pool's Unix socket, or 'off' (default)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"), help="default: the model's")
@@ -23,9 +25,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--chunk-tokens", type=int, default=256, help="tokens per shared chunk (must match the other replicas)")
-    p.add_argument("--local-cache-size", type=parse_size_or_off, default="1GiB",
-                   help="local prefix cache bound (0 or off: no local cache)")
+    p.add_argument(
+        "--chunk-tokens", type=int, default=256, help="tokens per shared chunk (must match the other replicas)"
+    )
+    p.add_argument(
+        "--local-cache-size",
+        type=parse_size_or_off,
+        default="1GiB",
+        help="local prefix cache bound (0 or off: no local cache)",
+    )
     p.add_argument("--verify-checksums", action="store_true", help="verify every page loaded from the pool")
     p.add_argument("--tenant", default="", help="tenant salt of the key namespace")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
@@ -53,20 +61,33 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"cannot read the prompt: {exc}") from None
     started = time.perf_counter()
     try:
-        engine = Engine(EngineConfig(
-            model=args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype,
-            pool_socket=None if args.pool == "off" else args.pool, chunk_tokens=args.chunk_tokens,
-            local_cache_bytes=args.local_cache_size, verify_checksums=args.verify_checksums,
-            deterministic=args.deterministic, grid_tokens=args.grid_tokens,
-        ))
+        engine = Engine(
+            EngineConfig(
+                model=args.model,
+                device=args.device,
+                dtype=args.dtype,
+                kv_dtype=args.kv_dtype,
+                pool_socket=None if args.pool == "off" else args.pool,
+                chunk_tokens=args.chunk_tokens,
+                local_cache_bytes=args.local_cache_size,
+                verify_checksums=args.verify_checksums,
+                deterministic=args.deterministic,
+                grid_tokens=args.grid_tokens,
+            )
+        )
     except ValueError as exc:
         raise UserError(str(exc)) from None
     load_s = time.perf_counter() - started
     tok = engine.tokenizer
     prompt_ids = tok.apply_chat_template([{"role": "user", "content": text}]) if args.chat else tok.encode(text)
     try:
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                seed=args.seed, ignore_eos=args.ignore_eos)
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            seed=args.seed,
+            ignore_eos=args.ignore_eos,
+        )
         started = time.perf_counter()
         token_ids, first_token_s, finish, provenance = [], None, None, None
         printed = ""
@@ -77,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
             finish, provenance = event.finish_reason, event.provenance
             text = tok.decode(token_ids)
             if not args.json and not text.endswith("\ufffd"):  # hold back a partial UTF-8 character
-                print(text[len(printed):], end="", flush=True)
+                print(text[len(printed) :], end="", flush=True)
                 printed = text
         total_s = time.perf_counter() - started
     except ValueError as exc:
@@ -85,14 +106,26 @@ def run(args: argparse.Namespace) -> int:
     finally:
         engine.close()
     if not args.json:
-        print(tok.decode(token_ids)[len(printed):])
+        print(tok.decode(token_ids)[len(printed) :])
     else:
-        print(json.dumps({
-            "text": tok.decode(token_ids), "token_ids": token_ids, "finish_reason": finish,
-            "prompt_tokens": len(prompt_ids),
-            "provenance": {"local_tokens": provenance.local_tokens, "pool_tokens": provenance.pool_tokens,
-                           "computed_tokens": provenance.computed_tokens},
-            "deterministic": provenance.is_deterministic, "kv_dtype": engine.layout.dtype,
-            "model_load_s": round(load_s, 4), "ttft_s": round(first_token_s, 4), "total_s": round(total_s, 4),
-        }))
+        print(
+            json.dumps(
+                {
+                    "text": tok.decode(token_ids),
+                    "token_ids": token_ids,
+                    "finish_reason": finish,
+                    "prompt_tokens": len(prompt_ids),
+                    "provenance": {
+                        "local_tokens": provenance.local_tokens,
+                        "pool_tokens": provenance.pool_tokens,
+                        "computed_tokens": provenance.computed_tokens,
+                    },
+                    "deterministic": provenance.is_deterministic,
+                    "kv_dtype": engine.layout.dtype,
+                    "model_load_s": round(load_s, 4),
+                    "ttft_s": round(first_token_s, 4),
+                    "total_s": round(total_s, 4),
+                }
+            )
+        )
     return 0

@@ -22,13 +22,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check-share", type=float, default=0.1, help="share of answers compared with a pool-off reference")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None, help="model name (default: the first the server lists)")
-    p.add_argument("--api-key", default=os.environ.get("KVSHARE_API_KEY"),
-                   help="bearer token (default: $KVSHARE_API_KEY)")
+    p.add_argument(
+        "--api-key", default=os.environ.get("KVSHARE_API_KEY"), help="bearer token (default: $KVSHARE_API_KEY)"
+    )
     p.add_argument("--tenant-header", default="", help="spread sessions over --tenants tenants by this header")
     p.add_argument("--tenants", type=int, default=0)
     p.add_argument("--request-timeout", type=float, default=120.0, help="seconds one request may take")
-    p.add_argument("--pool", default=None, metavar="SOCKET",
-                   help="after the run, check this pool: no leases or reservations left, index consistent")
+    p.add_argument(
+        "--pool",
+        default=None,
+        metavar="SOCKET",
+        help="after the run, check this pool: no leases or reservations left, index consistent",
+    )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
 
 
@@ -40,12 +45,24 @@ def run(args: argparse.Namespace) -> int:
     from kvshare.reliability.summary import render
 
     try:
-        config = LoadConfig(url=args.url, num_sessions=args.sessions, duration_s=args.duration, max_tokens=args.max_tokens,
-                            min_document_chars=args.min_document, max_document_chars=args.max_document,
-                            max_context_tokens=args.max_context, num_documents=args.documents,
-                            chat_share=args.chat_share, check_share=args.check_share, seed=args.seed, model=args.model,
-                            api_key=args.api_key, tenant_header=args.tenant_header, num_tenants=args.tenants,
-                            request_timeout_s=args.request_timeout)
+        config = LoadConfig(
+            url=args.url,
+            num_sessions=args.sessions,
+            duration_s=args.duration,
+            max_tokens=args.max_tokens,
+            min_document_chars=args.min_document,
+            max_document_chars=args.max_document,
+            max_context_tokens=args.max_context,
+            num_documents=args.documents,
+            chat_share=args.chat_share,
+            check_share=args.check_share,
+            seed=args.seed,
+            model=args.model,
+            api_key=args.api_key,
+            tenant_header=args.tenant_header,
+            num_tenants=args.tenants,
+            request_timeout_s=args.request_timeout,
+        )
     except ValueError as exc:
         raise UserError(str(exc)) from None
     try:
@@ -56,8 +73,11 @@ def run(args: argparse.Namespace) -> int:
     is_pool_ok = True
     if args.pool:
         summary["pool"] = check_pool(args.pool)
-        is_pool_ok = (summary["pool"]["integrity"] == "ok" and summary["pool"]["leases"] == 0
-                      and summary["pool"]["reservations"] == 0)
+        is_pool_ok = (
+            summary["pool"]["integrity"] == "ok"
+            and summary["pool"]["leases"] == 0
+            and summary["pool"]["reservations"] == 0
+        )
     print(json.dumps(summary, indent=2) if args.json else render(summary), flush=True)
     is_clean = summary["errors"] == 0 and summary["mismatches"] == 0 and summary["unfinished"] == 0
     return 0 if is_clean and is_pool_ok and summary["references_not_cold"] == 0 else 1
@@ -78,8 +98,11 @@ def load_progress(duration_s: float, console=None):
 
         def on_progress(tally, elapsed_s: float) -> None:
             rate = tally.num_bytes / elapsed_s if elapsed_s > 0 else 0.0
-            progress.update(task, completed=min(elapsed_s, duration_s),
-                            detail=f"{tally.num_ok} ok, {tally.num_errors} errors, "
-                                   f"{format_bytes(tally.num_bytes)} at {format_bytes(rate)}/s")
+            progress.update(
+                task,
+                completed=min(elapsed_s, duration_s),
+                detail=f"{tally.num_ok} ok, {tally.num_errors} errors, "
+                f"{format_bytes(tally.num_bytes)} at {format_bytes(rate)}/s",
+            )
 
         yield on_progress

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from kvshare.preflight import PRESET_NAMES  # kvshare.engine.presets.PRESETS (not imported here: torch)
 
@@ -20,17 +20,25 @@ CONFIRM_ABOVE_BYTES = 1 << 30  # larger presets are meant for a GPU
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("preset", choices=PRESET_NAMES, help="tiny (CPU), or qwen3-8b / qwen3-32b shapes (GPU, bf16)")
     p.add_argument("--out", required=True, help="directory to write (created if missing)")
-    p.add_argument("--device", default="cpu",
-                   help="where to build: the qwen3 presets draw their weights there (part of their identity); tiny always on the CPU")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="where to build: the qwen3 presets draw their weights there (part of their identity); "
+        "tiny always on the CPU",
+    )
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"), help="default: the preset's")
     p.add_argument("--yes", action="store_true", help="write a GPU preset on a machine without a GPU without asking")
-    p.add_argument("--no-weights", action="store_true",
-                   help="write the config and tokenizer only, for an engine that draws its own random weights "
-                        "(vLLM --load-format dummy); such a directory has no weights fingerprint")
+    p.add_argument(
+        "--no-weights",
+        action="store_true",
+        help="write the config and tokenizer only, for an engine that draws its own random weights "
+        "(vLLM --load-format dummy); such a directory has no weights fingerprint",
+    )
 
 
-def confirm_large_write(preset: str, num_bytes: int, out: str, has_gpu: bool, is_yes: bool,
-                        is_tty: bool, ask: Callable[[str], str] = input) -> None:
+def confirm_large_write(
+    preset: str, num_bytes: int, out: str, has_gpu: bool, is_yes: bool, is_tty: bool, ask: Callable[[str], str] = input
+) -> None:
     """Raise UserError unless writing ``num_bytes`` of ``preset`` is wanted: small, a GPU here, --yes, or a 'y'."""
     from kvshare.errors import UserError
     from kvshare.units import format_bytes
@@ -58,8 +66,14 @@ def run(args: argparse.Namespace) -> int:
         write_model_files(args.preset, args.out, args.dtype)
         print(json.dumps({"preset": args.preset, "out": args.out, "weights_fingerprint": None}))
         return 0
-    confirm_large_write(args.preset, preset_weight_bytes(args.preset, args.dtype), args.out,
-                        has_gpu=torch.cuda.is_available(), is_yes=args.yes, is_tty=sys.stdin.isatty())
+    confirm_large_write(
+        args.preset,
+        preset_weight_bytes(args.preset, args.dtype),
+        args.out,
+        has_gpu=torch.cuda.is_available(),
+        is_yes=args.yes,
+        is_tty=sys.stdin.isatty(),
+    )
     try:
         fingerprint = write_model_dir(args.preset, args.out, device=args.device, dtype=args.dtype)
     except OSError as exc:  # a directory we may not write, a full disk

@@ -11,12 +11,21 @@ from kvshare.units import parse_count
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="a model directory (config.json) or a preset name")
-    p.add_argument("--tokens", type=_count, required=True,
-                   help="cached tokens the pool should hold (4096, 100k = 100000, 32K = 32768)")
+    p.add_argument(
+        "--tokens",
+        type=_count,
+        required=True,
+        help="cached tokens the pool should hold (4096, 100k = 100000, 32K = 32768)",
+    )
     p.add_argument("--chunk-tokens", type=int, default=256)
     add_kv_dtype_argument(p)
-    p.add_argument("--dtype", action=_DeprecatedDtype, dest="kv_dtype", default=argparse.SUPPRESS,
-                   help="deprecated spelling of --kv-dtype (also takes torch names such as bfloat16)")
+    p.add_argument(
+        "--dtype",
+        action=_DeprecatedDtype,
+        dest="kv_dtype",
+        default=argparse.SUPPRESS,
+        help="deprecated spelling of --kv-dtype (also takes torch names such as bfloat16)",
+    )
     p.add_argument("--high-watermark", type=float, default=0.95, help="the pool's eviction threshold")
     p.add_argument("--json", action="store_true")
 
@@ -55,19 +64,26 @@ def plan(config, tokens: int, chunk_tokens: int, dtype: str | None, high_waterma
     data = pages * layout.page_bytes
     pool = int(data / high_watermark)
     return {
-        "layers": layout.num_layers, "kv_heads": layout.num_kv_heads, "head_dim": layout.head_dim,
-        "kv_dtype": layout.dtype, "bytes_per_token": layout.bytes_per_token, "page_bytes": layout.page_bytes,
-        "chunk_tokens": chunk_tokens, "tokens": tokens, "pages": pages, "kv_bytes": data,
-        "pool_size_bytes": pool, "pool_size": f"{-(-pool // (1 << 30))}GiB",
+        "layers": layout.num_layers,
+        "kv_heads": layout.num_kv_heads,
+        "head_dim": layout.head_dim,
+        "kv_dtype": layout.dtype,
+        "bytes_per_token": layout.bytes_per_token,
+        "page_bytes": layout.page_bytes,
+        "chunk_tokens": chunk_tokens,
+        "tokens": tokens,
+        "pages": pages,
+        "kv_bytes": data,
+        "pool_size_bytes": pool,
+        "pool_size": f"{-(-pool // (1 << 30))}GiB",
         "min_extent_size": format_bytes(layout.page_bytes),
     }
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvshare.errors import UserError
-
     from kvshare.engine.config import kv_storage_dtype
     from kvshare.engine.presets import model_config_of
+    from kvshare.errors import UserError
 
     try:
         config = model_config_of(args.model)
@@ -80,10 +96,14 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from kvshare.units import format_bytes
 
-    print(f"{args.model}: {result['layers']} layers x 2 (K,V) x {result['kv_heads']} KV heads x {result['head_dim']}"
-          f" x {result['kv_dtype']} = {result['bytes_per_token']} bytes per token")
-    print(f"one {args.chunk_tokens}-token page: {format_bytes(result['page_bytes'])}"
-          f" (the pool's --extent-size must be at least this)")
+    print(
+        f"{args.model}: {result['layers']} layers x 2 (K,V) x {result['kv_heads']} KV heads x {result['head_dim']}"
+        f" x {result['kv_dtype']} = {result['bytes_per_token']} bytes per token"
+    )
+    print(
+        f"one {args.chunk_tokens}-token page: {format_bytes(result['page_bytes'])}"
+        f" (the pool's --extent-size must be at least this)"
+    )
     print(f"{args.tokens} cached tokens: {result['pages']} pages, {format_bytes(result['kv_bytes'])} of KV")
     print(f"pool size with eviction starting at {args.high_watermark:.0%}: --size {result['pool_size']}")
     return 0

@@ -13,12 +13,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     flush = sub.add_parser("flush", help="drop committed chunks (all when no namespace is named)")
     which = flush.add_mutually_exclusive_group()
     which.add_argument("--namespace", default=None, help="hex namespace digest (see `namespaces`)")
-    which.add_argument("--replica", default=None, metavar="URL",
-                       help="the namespace a replica uses for --tenant (asked at URL/admin/namespace; a vLLM "
-                       "replica's connector names it for one request salted as the router salts the tenant's)")
-    flush.add_argument("--tenant", default=None,
-                       help="with --replica: the tenant header's value (default: the replica's untenanted namespace)")
-    flush.add_argument("--api-key", default=None, help="with --replica: the bearer token (with keys, it names the tenant)")
+    which.add_argument(
+        "--replica",
+        default=None,
+        metavar="URL",
+        help="the namespace a replica uses for --tenant (asked at URL/admin/namespace; a vLLM "
+        "replica's connector names it for one request salted as the router salts the tenant's)",
+    )
+    flush.add_argument(
+        "--tenant",
+        default=None,
+        help="with --replica: the tenant header's value (default: the replica's untenanted namespace)",
+    )
+    flush.add_argument(
+        "--api-key", default=None, help="with --replica: the bearer token (with keys, it names the tenant)"
+    )
     flush.add_argument("--yes", action="store_true", help="flush without asking (needed where stdin is no terminal)")
     sub.add_parser("leases", help="list leases with their ages")
     sub.add_parser("namespaces", help="list namespaces with their chunks and bytes (and the quota)")
@@ -61,19 +70,28 @@ def vllm_replica_namespace(url: str, tenant: str | None, api_key: str | None, ti
             raise ValueError("it lists no model at /v1/models")
         model = models[0]["id"]
         salt = replica_salt("vllm", tenant_identity(api_key or "", tenant or ""), None)
-        body = {"model": model, "prompt": [0], "max_tokens": 1, "kv_transfer_params": {PARAMS_KEY: {"use_pool": False}},
-                **({"cache_salt": salt} if salt else {})}
+        body = {
+            "model": model,
+            "prompt": [0],
+            "max_tokens": 1,
+            "kv_transfer_params": {PARAMS_KEY: {"use_pool": False}},
+            **({"cache_salt": salt} if salt else {}),
+        }
         reply = _get_json(url, "/v1/completions", api_key, timeout_s, body)
     except urllib.error.HTTPError as err:
         detail = err.read().decode(errors="replace")[:300]
-        raise UserError(f"{url} has no /admin/namespace (not a kvshare replica) and refused a vLLM completion "
-                        f"({err.code}): {detail}") from None
+        raise UserError(
+            f"{url} has no /admin/namespace (not a kvshare replica) and refused a vLLM completion "
+            f"({err.code}): {detail}"
+        ) from None
     except (urllib.error.URLError, OSError, ValueError, LookupError, TypeError) as exc:
         raise UserError(f"{url} has no /admin/namespace and answered no vLLM completion: {exc}") from None
     namespace = ((reply.get("kv_transfer_params") or {}).get(PARAMS_KEY) or {}).get("namespace")
     if not isinstance(namespace, str):
-        raise UserError(f"{url} is neither a kvshare replica nor a vLLM replica with kvshare's connector "
-                        "(its completions name no kvshare namespace)")
+        raise UserError(
+            f"{url} is neither a kvshare replica nor a vLLM replica with kvshare's connector "
+            "(its completions name no kvshare namespace)"
+        )
     return {"model": model, "namespace": namespace, "is_tenant_salted": bool(salt)}
 
 
@@ -111,7 +129,9 @@ def _namespace(text: str) -> bytes:
     try:
         return bytes.fromhex(text)
     except ValueError:
-        raise UserError(f"--namespace {text!r} is not a hex digest; `kvshare pool-admin namespaces` lists them") from None
+        raise UserError(
+            f"--namespace {text!r} is not a hex digest; `kvshare pool-admin namespaces` lists them"
+        ) from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -133,10 +153,15 @@ def run(args: argparse.Namespace) -> int:
             if args.action == "flush":
                 held = {n.namespace for n in client.list_namespaces().namespaces} if namespace is not None else set()
                 if namespace is not None and namespace not in held:
-                    raise UserError(f"the pool at {socket_path} holds no namespace {namespace.hex()}; "
-                                    f"`kvshare pool-admin namespaces` lists them")
-                _confirm(f"flush {'namespace ' + namespace.hex() if namespace else 'every chunk'} "
-                         f"of the pool at {socket_path}", args.yes)
+                    raise UserError(
+                        f"the pool at {socket_path} holds no namespace {namespace.hex()}; "
+                        f"`kvshare pool-admin namespaces` lists them"
+                    )
+                _confirm(
+                    f"flush {'namespace ' + namespace.hex() if namespace else 'every chunk'} "
+                    f"of the pool at {socket_path}",
+                    args.yes,
+                )
                 out = {"dropped": client.flush(namespace), "pool": socket_path}
                 if namespace is not None:
                     out["namespace"] = namespace.hex()
@@ -145,19 +170,28 @@ def run(args: argparse.Namespace) -> int:
                 print(json.dumps(out))
             elif args.action == "leases":
                 leases = [
-                    {"lease_id": l.lease_id, "client_id": l.client_id, "client": l.client_name,
-                     "pages": l.num_pages, "age_s": l.age_s}
+                    {
+                        "lease_id": l.lease_id,
+                        "client_id": l.client_id,
+                        "client": l.client_name,
+                        "pages": l.num_pages,
+                        "age_s": l.age_s,
+                    }
                     for l in client.list_leases()
                 ]
                 print(json.dumps(leases, indent=2))
             else:
                 reply = client.list_namespaces()
-                rows = [{"namespace": n.namespace.hex(), "entries": n.num_entries, "bytes": n.num_bytes}
-                        for n in reply.namespaces]
-                owners = [{"owner": n.namespace.hex(), "entries": n.num_entries, "bytes": n.num_bytes}
-                          for n in reply.accounts]
-                print(json.dumps({"quota_bytes": reply.quota_bytes, "namespaces": rows, "quota_owners": owners},
-                                 indent=2))
+                rows = [
+                    {"namespace": n.namespace.hex(), "entries": n.num_entries, "bytes": n.num_bytes}
+                    for n in reply.namespaces
+                ]
+                owners = [
+                    {"owner": n.namespace.hex(), "entries": n.num_entries, "bytes": n.num_bytes} for n in reply.accounts
+                ]
+                print(
+                    json.dumps({"quota_bytes": reply.quota_bytes, "namespaces": rows, "quota_owners": owners}, indent=2)
+                )
     except (PoolUnavailable, ValueError) as exc:
         raise UserError(str(exc)) from None
     return 0

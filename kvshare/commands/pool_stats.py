@@ -7,7 +7,13 @@ import json
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--socket", "--pool", dest="socket", default=None, help="the pool's Unix socket (default: kvshare's default socket, else the pool of a running kvshare up)")
+    p.add_argument(
+        "--socket",
+        "--pool",
+        dest="socket",
+        default=None,
+        help="the pool's Unix socket (default: kvshare's default socket, else the pool of a running kvshare up)",
+    )
     p.add_argument("--name", default=None, help="the pool of `kvshare up --name NAME` (its port when not named)")
 
 

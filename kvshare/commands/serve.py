@@ -13,8 +13,14 @@ from kvshare.commands import tcp_port
 from kvshare.units import parse_size, parse_size_or_off
 
 # vLLM's --dtype values -> the engine's (None: the model's own dtype)
-DTYPES = {"auto": None, "half": "float16", "float16": "float16", "bfloat16": "bfloat16", "float": "float32",
-          "float32": "float32"}
+DTYPES = {
+    "auto": None,
+    "half": "float16",
+    "float16": "float16",
+    "bfloat16": "bfloat16",
+    "float": "float32",
+    "float32": "float32",
+}
 _MULTIPLIERS = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}  # vLLM's human_readable_int
 
 
@@ -38,31 +44,59 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """Engine flags shared by serve, generate and up."""
     p.add_argument("--model", default="tiny", help="a Hugging Face model directory or a preset name (default tiny)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--model-revision", default="", metavar="REVISION",
-                   help="name the model's identity yourself (e.g. a hub commit) instead of hashing its weights' "
-                        "bytes; replicas with one revision share KV, so it must name exactly these weights "
-                        "(default: hash them)")
+    p.add_argument(
+        "--model-revision",
+        default="",
+        metavar="REVISION",
+        help="name the model's identity yourself (e.g. a hub commit) instead of hashing its weights' "
+        "bytes; replicas with one revision share KV, so it must name exactly these weights "
+        "(default: hash them)",
+    )
     p.add_argument("--pool", default=None, help="socket of a running pool, or 'off' (default: off)")
-    p.add_argument("--local-cache-size", type=parse_size_or_off, default="1GiB",
-                   help="local prefix cache size (0 or off: no local cache)")
+    p.add_argument(
+        "--local-cache-size",
+        type=parse_size_or_off,
+        default="1GiB",
+        help="local prefix cache size (0 or off: no local cache)",
+    )
     p.add_argument("--chunk-tokens", type=int, default=256, help="tokens per shared chunk")
-    p.add_argument("--verify-rate", type=float, default=1.0,
-                   help="fraction of pool loads whose page checksums are verified (default 1: all)")
-    p.add_argument("--staging-buffers", type=int, default=2,
-                   help="CUDA: GPU staging buffers (256 MiB each) a pool load or store rotates through; more lets "
-                        "the copies run further ahead of the scatters when compute shares the GPU (default 2)")
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="CUDA: run decode steps eagerly instead of replaying CUDA graphs (as vllm serve's flag)")
+    p.add_argument(
+        "--verify-rate",
+        type=float,
+        default=1.0,
+        help="fraction of pool loads whose page checksums are verified (default 1: all)",
+    )
+    p.add_argument(
+        "--staging-buffers",
+        type=int,
+        default=2,
+        help="CUDA: GPU staging buffers (256 MiB each) a pool load or store rotates through; more lets "
+        "the copies run further ahead of the scatters when compute shares the GPU (default 2)",
+    )
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="CUDA: run decode steps eagerly instead of replaying CUDA graphs (as vllm serve's flag)",
+    )
     from kvshare.engine.config import ATTENTION_CHOICES
 
-    p.add_argument("--attention", choices=ATTENTION_CHOICES, default="auto",
-                   help="prefill attention: auto = FlashAttention's varlen kernel (vLLM's vllm_flash_attn or "
-                        "flash_attn) on CUDA in bf16/fp16 where one loads, else SDPA; flash = that or an error; "
-                        "sdpa = SDPA (the deterministic mode always keeps its SDPA kernels)")
-    p.add_argument("--max-model-len", type=parse_max_model_len, default=None,
-                   help="context length: prompt plus output tokens (as vLLM: 4096, 32k, 32K; default: the model's)")
-    p.add_argument("--dtype", choices=tuple(DTYPES), default="auto",
-                   help="weights and KV dtype (default auto: the model's own)")
+    p.add_argument(
+        "--attention",
+        choices=ATTENTION_CHOICES,
+        default="auto",
+        help="prefill attention: auto = FlashAttention's varlen kernel (vLLM's vllm_flash_attn or "
+        "flash_attn) on CUDA in bf16/fp16 where one loads, else SDPA; flash = that or an error; "
+        "sdpa = SDPA (the deterministic mode always keeps its SDPA kernels)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=parse_max_model_len,
+        default=None,
+        help="context length: prompt plus output tokens (as vLLM: 4096, 32k, 32K; default: the model's)",
+    )
+    p.add_argument(
+        "--dtype", choices=tuple(DTYPES), default="auto", help="weights and KV dtype (default auto: the model's own)"
+    )
     add_kv_dtype_argument(p)
     add_deterministic_arguments(p)
 
@@ -71,18 +105,30 @@ def add_kv_dtype_argument(p: argparse.ArgumentParser) -> None:
     """The built-in engine's KV dtype (serve, generate, up, bench)."""
     from kvshare.engine.config import KV_DTYPE_CHOICES
 
-    p.add_argument("--kv-dtype", choices=KV_DTYPE_CHOICES, default="auto",
-                   help="the KV cache's dtype, so the pool pages' (default auto: the model's); fp8 is float8_e4m3fn with scale 1.0, half of bf16's bytes")
+    p.add_argument(
+        "--kv-dtype",
+        choices=KV_DTYPE_CHOICES,
+        default="auto",
+        help="the KV cache's dtype, so the pool pages' (default auto: the model's); "
+        "fp8 is float8_e4m3fn with scale 1.0, half of bf16's bytes",
+    )
 
 
 def add_deterministic_arguments(p: argparse.ArgumentParser) -> None:
     """The built-in engine's deterministic mode (serve, generate)."""
-    p.add_argument("--deterministic", action="store_true",
-                   help="chunk-invariant prefill: reuse gives the same bits as recomputing (ids and logprobs), and "
-                        "the audit demands exact equality; slower cold prefill (docs/validate.md)")
-    p.add_argument("--grid-tokens", type=int, default=None,
-                   help="with --deterministic: tokens per prefill grid chunk, a multiple of --chunk-tokens (default "
-                        "--chunk-tokens); reuse is rounded down to it")
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="chunk-invariant prefill: reuse gives the same bits as recomputing (ids and logprobs), and "
+        "the audit demands exact equality; slower cold prefill (docs/validate.md)",
+    )
+    p.add_argument(
+        "--grid-tokens",
+        type=int,
+        default=None,
+        help="with --deterministic: tokens per prefill grid chunk, a multiple of --chunk-tokens (default "
+        "--chunk-tokens); reuse is rounded down to it",
+    )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -90,56 +136,112 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=tcp_port, default=8000)
     p.add_argument("--replica-name", default=None, help="name reported in responses (default host:port)")
-    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                   help="model ids requests may name; the first is reported in responses (default: --model as given)")
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="model ids requests may name; the first is reported in responses (default: --model as given)",
+    )
     p.add_argument("--max-requests", type=int, default=64, help="queued + running requests before 429")
     p.add_argument("--max-prompt-tokens", type=int, default=None)
     p.add_argument("--max-tokens-limit", type=int, default=8192)
     p.add_argument("--max-body-size", type=parse_size, default="16MiB")
     p.add_argument("--api-key", action="append", default=[], help="require this bearer token (repeatable)")
-    p.add_argument("--tenant-header", default="", help="header whose value salts the pool namespace per tenant "
-                   "(with --api-key it splits a key's namespace further; docs/reliability.md)")
-    p.add_argument("--provenance", choices=("off", "own-tenant", "all"), default="own-tenant",
-                   help="who gets the kvshare object (local/pool/computed tokens) and cached_tokens: all; only "
-                        "requests with a namespace of their own (a tenant or a cache_salt; the default); or nobody. "
-                        "For requests that share a namespace it says what others asked (docs/operations.md)")
-    p.add_argument("--max-tokenize-size", type=parse_size, default="1MiB",
-                   help="largest /tokenize or /detokenize body (larger: 413)")
-    p.add_argument("--audit-rate", type=float, default=0.0,
-                   help="share of requests served with reused KV that are recomputed cold when idle and compared "
-                        "(a mismatch is counted, logged, and its chunks dropped; default 0: off)")
+    p.add_argument(
+        "--tenant-header",
+        default="",
+        help="header whose value salts the pool namespace per tenant "
+        "(with --api-key it splits a key's namespace further; docs/reliability.md)",
+    )
+    p.add_argument(
+        "--provenance",
+        choices=("off", "own-tenant", "all"),
+        default="own-tenant",
+        help="who gets the kvshare object (local/pool/computed tokens) and cached_tokens: all; only "
+        "requests with a namespace of their own (a tenant or a cache_salt; the default); or nobody. "
+        "For requests that share a namespace it says what others asked (docs/operations.md)",
+    )
+    p.add_argument(
+        "--max-tokenize-size",
+        type=parse_size,
+        default="1MiB",
+        help="largest /tokenize or /detokenize body (larger: 413)",
+    )
+    p.add_argument(
+        "--audit-rate",
+        type=float,
+        default=0.0,
+        help="share of requests served with reused KV that are recomputed cold when idle and compared "
+        "(a mismatch is counted, logged, and its chunks dropped; default 0: off)",
+    )
     p.add_argument("--audit-tokens", type=int, default=8, help="generated tokens an audit compares (default 8)")
-    p.add_argument("--audit-gap-threshold", type=float, default=1e-3,
-                   help="an audit tolerates a divergence at a step whose top-2 logprob gap is below this")
-    p.add_argument("--write-timeout", type=float, default=30.0,
-                   help="seconds a streaming client may take to accept one write before it is dropped")
+    p.add_argument(
+        "--audit-gap-threshold",
+        type=float,
+        default=1e-3,
+        help="an audit tolerates a divergence at a step whose top-2 logprob gap is below this",
+    )
+    p.add_argument(
+        "--write-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a streaming client may take to accept one write before it is dropped",
+    )
     p.add_argument("--instance-id", default="", help="an id /health reports (kvshare up checks it is its child)")
-    p.add_argument("--kv-events", default=None, metavar="ENDPOINT",
-                   help="publish the local prefix cache's KV events here (tcp://*:PORT or ipc://PATH), in vLLM's "
-                        "format with medium GPU, on topic kv@<replica name>@<model>; pool_aware routers read them "
-                        "with --replica-kv-events")
-    p.add_argument("--token-cache-dir", default=None, metavar="DIR",
-                   help="share long prompts' token ids with the other replicas of this user that name DIR (a private "
-                        "directory, created 0700; kvshare up passes its own; 'off' or no flag: this replica's only)")
-    p.add_argument("--token-cache-size", type=parse_size, default="256MiB",
-                   help="bytes of token ids kept in --token-cache-dir, least recently used out (default 256MiB)")
-    p.add_argument("--no-warmup", dest="warmup", action="store_false",
-                   help="report healthy at once, without the warm-up (a tiny prefill, pool store and pool load in a "
-                        "private namespace) that takes the one-time costs out of the first request's TTFT")
+    p.add_argument(
+        "--kv-events",
+        default=None,
+        metavar="ENDPOINT",
+        help="publish the local prefix cache's KV events here (tcp://*:PORT or ipc://PATH), in vLLM's "
+        "format with medium GPU, on topic kv@<replica name>@<model>; pool_aware routers read them "
+        "with --replica-kv-events",
+    )
+    p.add_argument(
+        "--token-cache-dir",
+        default=None,
+        metavar="DIR",
+        help="share long prompts' token ids with the other replicas of this user that name DIR (a private "
+        "directory, created 0700; kvshare up passes its own; 'off' or no flag: this replica's only)",
+    )
+    p.add_argument(
+        "--token-cache-size",
+        type=parse_size,
+        default="256MiB",
+        help="bytes of token ids kept in --token-cache-dir, least recently used out (default 256MiB)",
+    )
+    p.add_argument(
+        "--no-warmup",
+        dest="warmup",
+        action="store_false",
+        help="report healthy at once, without the warm-up (a tiny prefill, pool store and pool load in a "
+        "private namespace) that takes the one-time costs out of the first request's TTFT",
+    )
 
 
 def engine_config(args: argparse.Namespace):
     from kvshare.engine.engine import EngineConfig
 
     pool = None if args.pool in (None, "off") else args.pool
-    return EngineConfig(model=args.model, device=args.device, dtype=DTYPES[args.dtype], kv_dtype=args.kv_dtype,
-                        pool_socket=pool,
-                        local_cache_bytes=args.local_cache_size, chunk_tokens=args.chunk_tokens,
-                        max_model_len=args.max_model_len, verify_checksums=args.verify_rate >= 1.0,
-                        verify_fraction=min(args.verify_rate, 1.0), deterministic=args.deterministic,
-                        grid_tokens=args.grid_tokens, staging_buffers=args.staging_buffers,
-                        enforce_eager=args.enforce_eager, model_revision=args.model_revision,
-                        attention=args.attention, kv_events=_kv_events_config(args))
+    return EngineConfig(
+        model=args.model,
+        device=args.device,
+        dtype=DTYPES[args.dtype],
+        kv_dtype=args.kv_dtype,
+        pool_socket=pool,
+        local_cache_bytes=args.local_cache_size,
+        chunk_tokens=args.chunk_tokens,
+        max_model_len=args.max_model_len,
+        verify_checksums=args.verify_rate >= 1.0,
+        verify_fraction=min(args.verify_rate, 1.0),
+        deterministic=args.deterministic,
+        grid_tokens=args.grid_tokens,
+        staging_buffers=args.staging_buffers,
+        enforce_eager=args.enforce_eager,
+        model_revision=args.model_revision,
+        attention=args.attention,
+        kv_events=_kv_events_config(args),
+    )
 
 
 def _kv_events_config(args: argparse.Namespace):
@@ -157,17 +259,26 @@ def _kv_events_config(args: argparse.Namespace):
 
 def serve_config(args: argparse.Namespace):
     from kvshare.serve.audit import AuditConfig
-    from kvshare.serve.server import ServeConfig
+    from kvshare.serve.config import ServeConfig
 
-    return ServeConfig(host=args.host, port=args.port, replica_name=args.replica_name or f"{args.host}:{args.port}",
-                       served_model_names=tuple(args.served_model_name or ()),
-                       max_body_bytes=args.max_body_size, max_requests=args.max_requests,
-                       max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens_limit,
-                       api_keys=tuple(args.api_key), tenant_header=args.tenant_header,
-                       write_timeout_s=args.write_timeout, instance_id=args.instance_id, warmup=args.warmup,
-                       provenance=args.provenance, max_tokenize_bytes=args.max_tokenize_size,
-                       audit=AuditConfig(rate=args.audit_rate, num_tokens=args.audit_tokens,
-                                         gap_threshold=args.audit_gap_threshold))
+    return ServeConfig(
+        host=args.host,
+        port=args.port,
+        replica_name=args.replica_name or f"{args.host}:{args.port}",
+        served_model_names=tuple(args.served_model_name or ()),
+        max_body_bytes=args.max_body_size,
+        max_requests=args.max_requests,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_tokens_limit=args.max_tokens_limit,
+        api_keys=tuple(args.api_key),
+        tenant_header=args.tenant_header,
+        write_timeout_s=args.write_timeout,
+        instance_id=args.instance_id,
+        warmup=args.warmup,
+        provenance=args.provenance,
+        max_tokenize_bytes=args.max_tokenize_size,
+        audit=AuditConfig(rate=args.audit_rate, num_tokens=args.audit_tokens, gap_threshold=args.audit_gap_threshold),
+    )
 
 
 def build_engine(args: argparse.Namespace):
@@ -211,8 +322,13 @@ def run(args: argparse.Namespace) -> int:
     server.readiness.on_failed = lambda exc: os.kill(os.getpid(), signal.SIGTERM)
     freeze_startup_heap()  # the collector never walks the startup heap again (kvshare.heap)
     try:
-        web.run_app(server.app(), host=config.host, port=config.port, print=lambda _: server.readiness.listening(),
-                    access_log=None)
+        web.run_app(
+            server.app(),
+            host=config.host,
+            port=config.port,
+            print=lambda _: server.readiness.listening(),
+            access_log=None,
+        )
     except OSError as exc:  # the port was taken while the model loaded
         raise UserError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}") from None
     if server.readiness.error:

@@ -21,12 +21,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--model", default="tiny", help="a model directory or preset (default tiny)")
     p.add_argument("--engine", choices=("builtin", "vllm"), default="builtin")
-    p.add_argument("--model-revision", default="", metavar="REVISION",
-                   help="name the model's identity yourself (e.g. a hub commit) instead of hashing its weights' "
-                        "bytes; replicas with one revision share KV, so it must name exactly these weights "
-                        "(default: hash them)")
-    p.add_argument("--device", default="cpu",
-                   help="cpu, cuda, cuda:N, or one per replica as a comma list, cycled (cuda:0,cuda:1: a GPU each)")
+    p.add_argument(
+        "--model-revision",
+        default="",
+        metavar="REVISION",
+        help="name the model's identity yourself (e.g. a hub commit) instead of hashing its weights' "
+        "bytes; replicas with one revision share KV, so it must name exactly these weights "
+        "(default: hash them)",
+    )
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu, cuda, cuda:N, or one per replica as a comma list, cycled (cuda:0,cuda:1: a GPU each)",
+    )
     p.add_argument("--pool-size", default="4GiB", help="size of the pool this command starts")
     p.add_argument("--pool", default=None, help="'off' to run without a pool")
     p.add_argument("--policy", choices=POLICIES, default="round_robin")
@@ -34,46 +41,95 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=tcp_port, default=8080, help="router port; replicas take the next N ports")
     p.add_argument("--name", default="", help="the pool's name for pool-stats / pool-admin --name (default: the port)")
     p.add_argument("--vllm-python", default=None, help="python of the virtual environment that holds vLLM")
-    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
-                   help="--engine vllm: tensor parallel ranks per replica (pages hold every KV head, so replicas "
-                        "of any size share them; on CPU each rank gets its share of the cores)")
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="--engine vllm: tensor parallel ranks per replica (pages hold every KV head, so replicas "
+        "of any size share them; on CPU each rank gets its share of the cores)",
+    )
     p.add_argument("--replica-arg", action="append", default=[], help="extra argument for every replica (repeatable)")
-    p.add_argument("--deterministic", action="store_true",
-                   help="replicas in the built-in engine's deterministic mode (serve --deterministic): reuse gives "
-                        "the same bits as recomputing")
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="replicas in the built-in engine's deterministic mode (serve --deterministic): reuse gives "
+        "the same bits as recomputing",
+    )
     add_kv_dtype_argument(p)
     p.add_argument("--pool-arg", action="append", default=[], help="extra argument for the pool (repeatable)")
     p.add_argument("--router-arg", action="append", default=[], help="extra argument for the router (repeatable)")
-    p.add_argument("--api-key", action="append", default=[],
-                   help="require this bearer token at the router and every built-in replica (repeatable; vLLM "
-                        "replicas listen on loopback behind the router, which salts each key's requests)")
-    p.add_argument("--tenant-header", default="",
-                   help="header whose value salts the pool namespace per tenant (e.g. X-Tenant-ID)")
-    p.add_argument("--account-key-file", default="", metavar="PATH",
-                   help="--engine vllm: file holding the key the router signs each request's pool account with and "
-                        "the replicas' connector checks (default: $KVSHARE_ACCOUNT_KEY, else a random key up writes "
-                        "into its private runtime directory)")
-    p.add_argument("--admin-key-file", default="", metavar="PATH",
-                   help="file holding the key the router's /admin/ needs (default: $KVSHARE_ADMIN_KEY)")
-    p.add_argument("--provenance", choices=("off", "own-tenant", "all"), default="all",
-                   help="built-in replicas' --provenance (default all: up is one user's cluster; a shared one "
-                        "should say own-tenant, with --api-key or --tenant-header)")
-    p.add_argument("--expose-replica-header", action="store_true",
-                   help="the router adds X-KVShare-Replica to responses (it tells a client where a prefix lives)")
-    p.add_argument("--max-restarts", type=int, default=RestartPolicy.max_restarts,
-                   help="restarts of one child allowed within --restart-window; one more exit stops up (default 5)")
-    p.add_argument("--restart-window", type=float, default=RestartPolicy.window_s, metavar="SECONDS",
-                   help="the window of --max-restarts (default 60)")
-    p.add_argument("--kv-events", default=None, metavar="ENDPOINT",
-                   help="the pool publishes KV events here (tcp://*:PORT or ipc://PATH), on every replica's topic "
-                        "kv@replicaN@MODEL; --policy pool_aware reads them")
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="require this bearer token at the router and every built-in replica (repeatable; vLLM "
+        "replicas listen on loopback behind the router, which salts each key's requests)",
+    )
+    p.add_argument(
+        "--tenant-header", default="", help="header whose value salts the pool namespace per tenant (e.g. X-Tenant-ID)"
+    )
+    p.add_argument(
+        "--account-key-file",
+        default="",
+        metavar="PATH",
+        help="--engine vllm: file holding the key the router signs each request's pool account with and "
+        "the replicas' connector checks (default: $KVSHARE_ACCOUNT_KEY, else a random key up writes "
+        "into its private runtime directory)",
+    )
+    p.add_argument(
+        "--admin-key-file",
+        default="",
+        metavar="PATH",
+        help="file holding the key the router's /admin/ needs (default: $KVSHARE_ADMIN_KEY)",
+    )
+    p.add_argument(
+        "--provenance",
+        choices=("off", "own-tenant", "all"),
+        default="all",
+        help="built-in replicas' --provenance (default all: up is one user's cluster; a shared one "
+        "should say own-tenant, with --api-key or --tenant-header)",
+    )
+    p.add_argument(
+        "--expose-replica-header",
+        action="store_true",
+        help="the router adds X-KVShare-Replica to responses (it tells a client where a prefix lives)",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=RestartPolicy.max_restarts,
+        help="restarts of one child allowed within --restart-window; one more exit stops up (default 5)",
+    )
+    p.add_argument(
+        "--restart-window",
+        type=float,
+        default=RestartPolicy.window_s,
+        metavar="SECONDS",
+        help="the window of --max-restarts (default 60)",
+    )
+    p.add_argument(
+        "--kv-events",
+        default=None,
+        metavar="ENDPOINT",
+        help="the pool publishes KV events here (tcp://*:PORT or ipc://PATH), on every replica's topic "
+        "kv@replicaN@MODEL; --policy pool_aware reads them",
+    )
     p.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT", help="the pool's replay socket")
-    p.add_argument("--kv-events-pool-topic", action="store_true",
-                   help="one pool topic (kv@kvshare-pool@kvshare) instead of one per replica")
-    p.add_argument("--replica-kv-events-port", type=int, default=None, metavar="PORT",
-                   help="replica i publishes its own (GPU) prefix cache's KV events on tcp://*:PORT+i (vLLM: "
-                        "--kv-events-config; built-in: serve --kv-events); --policy pool_aware reads them for the "
-                        "replicas' GPU prefix caches")
+    p.add_argument(
+        "--kv-events-pool-topic",
+        action="store_true",
+        help="one pool topic (kv@kvshare-pool@kvshare) instead of one per replica",
+    )
+    p.add_argument(
+        "--replica-kv-events-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="replica i publishes its own (GPU) prefix cache's KV events on tcp://*:PORT+i (vLLM: "
+        "--kv-events-config; built-in: serve --kv-events); --policy pool_aware reads them for the "
+        "replicas' GPU prefix caches",
+    )
 
 
 def kv_events_args(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -87,13 +143,28 @@ def kv_events_args(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[str
         raise ValueError("up's pool binds its KV events: give tcp://*:PORT or ipc://PATH, and a pool")
     model = os.path.basename(os.path.normpath(args.model))
     topics = () if args.kv_events_pool_topic else tuple(f"kv@replica{i}@{model}" for i in range(args.replicas))
-    pool = ("--kv-events", args.kv_events, *(("--kv-events-replay", args.kv_events_replay) if args.kv_events_replay
-                                           else ()), *(a for t in topics for a in ("--kv-events-topic", t)))
+    pool = (
+        "--kv-events",
+        args.kv_events,
+        *(("--kv-events-replay", args.kv_events_replay) if args.kv_events_replay else ()),
+        *(a for t in topics for a in ("--kv-events-topic", t)),
+    )
     local = [e.replace("*", "127.0.0.1") for e in endpoints]  # the router connects where the pool binds
-    router = ("--kv-events", local[0], "--kv-events-topic", topics[0] if topics else "kv@", "--model", args.model,
-              *(("--kv-events-replay", local[1]) if len(local) > 1 else ()),
-              *(a for i in range(args.replicas) if args.replica_kv_events_port is not None
-                for a in ("--replica-kv-events", f"tcp://127.0.0.1:{args.replica_kv_events_port + i}")))
+    router = (
+        "--kv-events",
+        local[0],
+        "--kv-events-topic",
+        topics[0] if topics else "kv@",
+        "--model",
+        args.model,
+        *(("--kv-events-replay", local[1]) if len(local) > 1 else ()),
+        *(
+            a
+            for i in range(args.replicas)
+            if args.replica_kv_events_port is not None
+            for a in ("--replica-kv-events", f"tcp://127.0.0.1:{args.replica_kv_events_port + i}")
+        ),
+    )
     return pool, router if args.policy == "pool_aware" else ()
 
 
@@ -113,23 +184,37 @@ def run(args: argparse.Namespace) -> int:
     if args.deterministic and args.engine != "builtin":
         raise UserError("--deterministic is a mode of the built-in engine; vLLM replicas do not have it")
     if args.kv_dtype != "auto" and args.engine != "builtin":
-        raise UserError("--kv-dtype sets the built-in engine's KV dtype; for vLLM replicas pass "
-                        "--replica-arg=--kv-cache-dtype=fp8")
+        raise UserError(
+            "--kv-dtype sets the built-in engine's KV dtype; for vLLM replicas pass --replica-arg=--kv-cache-dtype=fp8"
+        )
     replica_args = tuple(args.replica_arg) + (("--deterministic",) if args.deterministic else ())
     replica_args += ("--kv-dtype", args.kv_dtype) if args.kv_dtype != "auto" else ()
     router_args = tuple(args.router_arg) + (("--admin-key-file", args.admin_key_file) if args.admin_key_file else ())
     router_args += ("--expose-replica-header",) if args.expose_replica_header else ()
     try:
         pool_events, router_events = kv_events_args(args)
-        config = ClusterConfig(num_replicas=args.replicas, model=args.model, engine=args.engine, device=args.device,
-                               pool_size=None if args.pool == "off" else args.pool_size, policy=args.policy,
-                               host=args.host, port=args.port, name=args.name, vllm_python=args.vllm_python,
-                               tensor_parallel_size=args.tensor_parallel_size,
-                               replica_args=replica_args, pool_args=tuple(args.pool_arg) + pool_events,
-                               router_args=router_args + router_events, api_keys=tuple(args.api_key),
-                               tenant_header=args.tenant_header, provenance=args.provenance,
-                               account_key_file=args.account_key_file,
-                               model_revision=args.model_revision, replica_kv_events_port=args.replica_kv_events_port)
+        config = ClusterConfig(
+            num_replicas=args.replicas,
+            model=args.model,
+            engine=args.engine,
+            device=args.device,
+            pool_size=None if args.pool == "off" else args.pool_size,
+            policy=args.policy,
+            host=args.host,
+            port=args.port,
+            name=args.name,
+            vllm_python=args.vllm_python,
+            tensor_parallel_size=args.tensor_parallel_size,
+            replica_args=replica_args,
+            pool_args=tuple(args.pool_arg) + pool_events,
+            router_args=router_args + router_events,
+            api_keys=tuple(args.api_key),
+            tenant_header=args.tenant_header,
+            provenance=args.provenance,
+            account_key_file=args.account_key_file,
+            model_revision=args.model_revision,
+            replica_kv_events_port=args.replica_kv_events_port,
+        )
         policy = RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window)
     except ValueError as exc:
         raise UserError(str(exc)) from None
@@ -138,16 +223,22 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     cluster = Cluster(config)
-    supervisor = Supervisor(cluster, policy, ready_timeout_s=config.ready_timeout_s,
-                            say=lambda msg: console.print(msg, markup=False, highlight=False))
+    supervisor = Supervisor(
+        cluster,
+        policy,
+        ready_timeout_s=config.ready_timeout_s,
+        say=lambda msg: console.print(msg, markup=False, highlight=False),
+    )
     try:
         with console.status("starting the cluster...") as status:
             cluster.start(progress=lambda msg: status.update(msg))
         console.print(f"[bold]kvshare up[/bold]: router {cluster.router_url} (policy {config.policy})")
         for i, url in enumerate(cluster.replica_urls):
             console.print(f"  replica{i}: {url}")
-        console.print(f"  pool: {cluster.pool_socket or 'off'}"
-                      + (f" (pool-stats / pool-admin --name {config.pool_name})" if cluster.pool_socket else ""))
+        console.print(
+            f"  pool: {cluster.pool_socket or 'off'}"
+            + (f" (pool-stats / pool-admin --name {config.pool_name})" if cluster.pool_socket else "")
+        )
         console.print("Ctrl-C stops everything.")
         while not stop.wait(0.5):
             supervisor.poll()

@@ -20,7 +20,7 @@ import json
 import lzma
 import os
 import random
-from typing import Iterator
+from collections.abc import Iterator
 
 from kvshare.engine.tokenizer import (
     BYTE_VOCAB_SIZE,
@@ -34,8 +34,10 @@ from kvshare.engine.tokenizer import (
 )
 
 # Qwen2's (and Qwen3's) pre-tokenizer split: letters with one leading non-letter, single digits, punctuation runs
-PRETOKENIZE_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                       r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+PRETOKENIZE_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 PRESET_VOCAB_SIZE = 131072
 PRESET_NUM_WORDS = 150_000  # distinct generated words: enough pairs for PRESET_VOCAB_SIZE tokens
 PRESET_SEED = 20261205
@@ -64,7 +66,7 @@ def generated_corpus(num_words: int, seed: int) -> Iterator[str]:
     words = generated_words(num_words, seed)
     rng = random.Random(seed + 1)
     for start in range(0, len(words), 64):
-        chunk = words[start:start + 64]
+        chunk = words[start : start + 64]
         yield " ".join(chunk) + ". " + str(rng.randrange(10_000)) + ",\n"
         yield " ".join(w.capitalize() for w in chunk) + "; (" + rng.choice(chunk) + ")\n\n"
         yield "    " + chunk[0] + " = " + chunk[1] + "(" + chunk[2] + ")\n\t\t" + chunk[3] + "  # " + chunk[4] + "\n"
@@ -74,10 +76,12 @@ def _base_tokenizer(vocab: dict[str, int] | None = None, merges: list[tuple[str,
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
     tok = Tokenizer(models.BPE() if vocab is None else models.BPE(vocab=vocab, merges=merges or []))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_PATTERN), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     return tok
 
@@ -89,8 +93,13 @@ def train_bpe(vocab_size: int = PRESET_VOCAB_SIZE, num_words: int = PRESET_NUM_W
     if vocab_size <= BYTE_VOCAB_SIZE:
         raise ValueError(f"a BPE vocabulary must be larger than the {BYTE_VOCAB_SIZE} bytes and special tokens")
     trained = _base_tokenizer()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(SPECIAL_TOKENS), min_frequency=1, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[])
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(SPECIAL_TOKENS),
+        min_frequency=1,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[],
+    )
     trained.train_from_iterator(generated_corpus(num_words, seed), trainer)
     merges = [tuple(m) for m in json.loads(trained.to_str())["model"]["merges"]]
     vocab = {ch: b for b, ch in bytes_to_unicode().items()}
@@ -137,8 +146,9 @@ def preset_tokenizer_files(kind: str, max_length: int):
 def preset_tokenizer(kind: str, max_length: int) -> Tokenizer:
     """The engine's Tokenizer of a preset's tokenizer."""
     tokenizer, config = preset_tokenizer_files(kind, max_length)
-    return Tokenizer(tokenizer, config, [EOS_ID, IM_END_ID],
-                     tokenizer_json=preset_bpe_text() if kind == "bpe" else None)
+    return Tokenizer(
+        tokenizer, config, [EOS_ID, IM_END_ID], tokenizer_json=preset_bpe_text() if kind == "bpe" else None
+    )
 
 
 def write_preset_bpe_data(path: str = DATA_FILE) -> None:

@@ -56,10 +56,20 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.arch not in SUPPORTED_ARCHS:
-            raise UnsupportedModel(f"architecture {self.arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})")
+            raise UnsupportedModel(
+                f"architecture {self.arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})"
+            )
         if self.dtype not in SUPPORTED_DTYPES:
             raise UnsupportedModel(f"dtype {self.dtype!r} is not supported (supported: {', '.join(SUPPORTED_DTYPES)})")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
@@ -116,7 +126,9 @@ def _refuse_unsupported(hf: dict, model_type: str) -> None:
         if hf.get(key):
             raise _refuse("mixture-of-experts layers (MoE)", f"{key} = {hf[key]}")
     if hf.get("use_sliding_window"):
-        raise _refuse("sliding window attention", f"use_sliding_window = true, sliding_window = {hf.get('sliding_window')}")
+        raise _refuse(
+            "sliding window attention", f"use_sliding_window = true, sliding_window = {hf.get('sliding_window')}"
+        )
     if model_type == "llama" and hf.get("sliding_window"):
         raise _refuse("sliding window attention", f"sliding_window = {hf['sliding_window']}")
     layer_types = hf.get("layer_types") or []
@@ -227,9 +239,12 @@ class EngineConfig:
             if not self.deterministic:
                 raise ValueError("grid_tokens sets the grid of the deterministic mode: it needs deterministic=True")
             if self.grid_tokens <= 0 or self.grid_tokens % self.chunk_tokens:
-                raise ValueError(f"grid_tokens must be a positive multiple of chunk_tokens {self.chunk_tokens}, "
-                                 f"got {self.grid_tokens}")
+                raise ValueError(
+                    f"grid_tokens must be a positive multiple of chunk_tokens {self.chunk_tokens}, "
+                    f"got {self.grid_tokens}"
+                )
         if self.kv_events is not None and self.kv_events.block_size != self.chunk_tokens:
-            raise ValueError(f"the local cache's KV events announce chunks of {self.chunk_tokens} tokens: their "
-                             f"block_size must say so, got {self.kv_events.block_size}")
-
+            raise ValueError(
+                f"the local cache's KV events announce chunks of {self.chunk_tokens} tokens: their "
+                f"block_size must say so, got {self.kv_events.block_size}"
+            )

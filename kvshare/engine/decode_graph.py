@@ -21,7 +21,7 @@ is read and written in them) and captured again when the engine hands over anoth
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -132,4 +132,3 @@ class DecodeGraphs:
             self.capture()
         graphs = self._graphs
         return self._run(token_id, position, lambda index: graphs[index].replay())
-

@@ -18,10 +18,10 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
-from typing import Callable, Iterator, Sequence
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -35,52 +35,20 @@ from kvshare.engine.kv_cache import KVBuffer
 from kvshare.engine.loader import load_model, resolve_device
 from kvshare.engine.pool_link import PoolLink, PoolLoad
 from kvshare.engine.prefix_cache import LocalPrefixCache
-# SamplingParams lives with the sampler and is re-exported: callers build it as kvshare.engine.engine.SamplingParams
+from kvshare.engine.publish import PromptPublisher, wait_for
+
+# a request's types and SamplingParams live in their own modules and are re-exported: callers build them as
+# kvshare.engine.engine.RequestOptions and kvshare.engine.engine.SamplingParams
+from kvshare.engine.request import Provenance, RequestOptions, TokenEvent
 from kvshare.engine.sampler import SamplingParams, TokenCounts, make_generator, sample
-from kvshare.engine.stats import EngineStats
-from kvshare.engine.timeline import Timeline, active
+from kvshare.engine.stats import REQUEST_COUNTERS, EngineStats
+from kvshare.engine.timeline import active
 from kvshare.errors import RequestCancelled
 from kvshare.keys import Namespace, chunk_keys, namespace_digest
 from kvshare.layout import KVLayout
 from kvshare.transfer import TransferConfig
 
 MAX_CACHED_DIGESTS = 4096  # namespace digests kept (one per tenant and cache_salt seen lately)
-# EngineStats counters of requests (restored by uncounted()); connection state and failures always count
-UNCOUNTED_FIELDS = ("num_requests", "prompt_tokens_local", "prompt_tokens_pool", "prompt_tokens_computed",
-                    "generated_tokens", "prefill_seconds", "decode_seconds", "pool_lookups", "pool_hit_chunks",
-                    "pool_miss_chunks", "pool_bytes_loaded", "pool_load_seconds", "pool_stored_chunks",
-                    "pool_bytes_stored", "pool_store_seconds", "pool_skipped_stores", "dropped_chunks")
-
-
-@dataclass(frozen=True)
-class RequestOptions:
-    use_pool: bool = True  # the request extension {"kvshare": {"use_pool": false}}
-    use_local_cache: bool = True
-    tenant: str = ""  # salts local cache and pool keys: identity + cache_salt (kvshare.serve.tenancy.namespace_salt)
-    account: str | None = None  # the identity alone, whatever cache_salt: pays the pool quota; None: ``tenant``
-    timeline: Timeline | None = None  # {"kvshare": {"timeline": true}}: the steps of this request are timed
-    # asked before each layer of the prefill: True gives the request up there (RequestCancelled), so a client
-    # that left, or a replica that stops, does not hold the engine for the rest of a long prefill
-    is_cancelled: Callable[[], bool] | None = None
-
-
-@dataclass
-class Provenance:
-    """Where each prompt token's KV came from."""
-
-    local_tokens: int
-    pool_tokens: int
-    computed_tokens: int
-    is_deterministic: bool = False  # prefilled on the deterministic mode's grid (kvshare.engine.grid)
-
-
-@dataclass
-class TokenEvent:
-    token_id: int
-    logprob: float | None
-    top_logprobs: dict[int, float] | None
-    finish_reason: str | None  # None until the last event: "stop" | "length"
-    provenance: Provenance  # the same object in every event of a request
 
 
 class Engine:
@@ -91,18 +59,27 @@ class Engine:
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         self.model_name, mc = loaded.name, self.model_config
         if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
-            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's max_position_embeddings "
-                             f"{mc.max_position_embeddings}")
+            raise ValueError(
+                f"max_model_len {config.max_model_len} exceeds the model's max_position_embeddings "
+                f"{mc.max_position_embeddings}"
+            )
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         kv_dtype = kv_storage_dtype(config.kv_dtype, mc.dtype)  # the KV's dtype, so the pool pages'
         self.layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, kv_dtype, config.chunk_tokens)
         # the deterministic mode: its self-test refuses it (GridCheckFailed) where this device's kernels are not exact
-        self.grid = start_grid(self.model, self.device, config.grid_len, config.chunk_tokens) if config.deterministic else None
+        self.grid = (
+            start_grid(self.model, self.device, config.grid_len, config.chunk_tokens) if config.deterministic else None
+        )
         self.attention = use_attention(self.model, config.attention, self.device, config.deterministic)  # prefill's
         self.namespace = Namespace(
-            **loaded.identity(config.model_revision), kv_dtype=kv_dtype,
-            kv_precision=kv_precision(kv_dtype), num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
-            chunk_tokens=config.chunk_tokens, engine_family="builtin",
+            **loaded.identity(config.model_revision),
+            kv_dtype=kv_dtype,
+            kv_precision=kv_precision(kv_dtype),
+            num_layers=mc.num_layers,
+            num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim,
+            chunk_tokens=config.chunk_tokens,
+            engine_family="builtin",
             **(self.grid.namespace_fields() if self.grid is not None else {}),
         )
         self._digests: OrderedDict[str, bytes] = OrderedDict()  # namespace salt -> digest, LRU
@@ -117,50 +94,66 @@ class Engine:
         self._local = LocalPrefixCache(config.local_cache_bytes, config.kv_events)  # kv_events: announce it
         self._stats = EngineStats()
         self._lock = threading.Lock()  # one request at a time owns the sequence KV
-        # stores each prompt (local cache, pool) beside its decode steps; a request's last token waits for it
-        self._publisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvshare-publish")
-        # the local cache's copies, beside the pool's store (in a row they outlasted a 128k prompt's decode)
-        self._local_inserter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvshare-local-insert")
         self._pool: PoolLink | None = None
         if config.pool_socket:
             self._pool = PoolLink(
-                config.pool_socket, self.layout, self.device, self._stats,
+                config.pool_socket,
+                self.layout,
+                self.device,
+                self._stats,
                 verify_checksums=config.verify_checksums,
-                transfer_config=TransferConfig(verify_fraction=config.verify_fraction,
-                                               producer_delay_cycles=config.producer_delay_cycles,
-                                               staging_buffers=config.staging_buffers),
-                retry_s=config.pool_retry_s, retry_max_s=config.pool_retry_max_s, name=f"engine:{self.model_name}",
+                transfer_config=TransferConfig(
+                    verify_fraction=config.verify_fraction,
+                    producer_delay_cycles=config.producer_delay_cycles,
+                    staging_buffers=config.staging_buffers,
+                ),
+                retry_s=config.pool_retry_s,
+                retry_max_s=config.pool_retry_max_s,
+                name=f"engine:{self.model_name}",
             )
             # connect (and register the arena) now, and reconnect while no request runs when the pool goes away
             self._pool.start(idle_lock=self._lock)
+        # stores each prompt (local cache, pool) beside its decode steps; a request's last token waits for it
+        self._publisher = PromptPublisher(self._local, self._kv, self._pool, self.device)
 
     # -- public API ------------------------------------------------------------------
 
     def generate(
-        self, prompt_ids: Sequence[int], params: SamplingParams = SamplingParams(), options: RequestOptions = RequestOptions()
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams = SamplingParams(),
+        options: RequestOptions = RequestOptions(),
     ) -> Iterator[TokenEvent]:
         """Stream the continuation of ``prompt_ids``; blocking. Exhaust or close() the iterator."""
         ids = np.asarray(prompt_ids)  # checked as one array: a long prompt's list passes cost milliseconds of TTFT
         if ids.size == 0:
             raise ValueError("the prompt has no tokens")
         if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
-            raise ValueError(f"the prompt must be a flat sequence of integer token ids, got {ids.dtype} of shape {ids.shape}")
+            raise ValueError(
+                f"the prompt must be a flat sequence of integer token ids, got {ids.dtype} of shape {ids.shape}"
+            )
         vocab = self.model_config.vocab_size
         if ids.min() < 0 or ids.max() >= vocab:
             bad = ids[(ids < 0) | (ids >= vocab)]
             raise ValueError(f"token id {int(bad[0])} lies outside the vocabulary 0..{vocab - 1}")
         if ids.size >= self.max_model_len:
-            raise ValueError(f"the prompt has {ids.size} tokens; max_model_len {self.max_model_len} leaves no room to generate")
+            raise ValueError(
+                f"the prompt has {ids.size} tokens; max_model_len {self.max_model_len} leaves no room to generate"
+            )
         return self._stream(ids.astype(np.int64, copy=False), params, options)
 
     def stats(self) -> EngineStats:
         counters = self._local.counters
         return replace(
             self._stats,
-            local_hit_chunks=counters.hit_chunks, local_miss_chunks=counters.miss_chunks,
-            local_inserted_chunks=counters.inserted_chunks, local_evicted_chunks=counters.evicted_chunks,
-            local_cache_chunks=len(self._local), local_cache_bytes=self._local.num_bytes,
-            local_cache_capacity_bytes=self._local.capacity_bytes, local_out_of_memory=counters.out_of_memory,
+            local_hit_chunks=counters.hit_chunks,
+            local_miss_chunks=counters.miss_chunks,
+            local_inserted_chunks=counters.inserted_chunks,
+            local_evicted_chunks=counters.evicted_chunks,
+            local_cache_chunks=len(self._local),
+            local_cache_bytes=self._local.num_bytes,
+            local_cache_capacity_bytes=self._local.capacity_bytes,
+            local_out_of_memory=counters.out_of_memory,
         )
 
     @contextmanager
@@ -170,7 +163,7 @@ class Engine:
         try:
             yield
         finally:
-            for name in UNCOUNTED_FIELDS:
+            for name in REQUEST_COUNTERS:
                 setattr(self._stats, name, getattr(before, name))
 
     # -- used by the replica's audit (kvshare.serve.audit) ------------------------------------
@@ -193,8 +186,7 @@ class Engine:
             self._local.close()
             self._graphs = None  # they hold the KV tensor
             self._kv.release()
-        self._publisher.shutdown(wait=True)
-        self._local_inserter.shutdown(wait=True)
+        self._publisher.close()
 
     # -- one request -----------------------------------------------------------------
 
@@ -246,7 +238,8 @@ class Engine:
                     elif num_generated >= params.max_tokens or position + 1 >= self.max_model_len:
                         finish = "length"
                     if finish is not None and publishing is not None:
-                        _wait(publishing)  # a response's last token says its prompt is stored (the next turn's lookup)
+                        # a response's last token says its prompt is stored (the next turn's lookup)
+                        wait_for(publishing)
                     yield TokenEvent(token.token_id, token.logprob, token.top_logprobs, finish, provenance)
                     if publishing is None:  # after the first token, and beside the decode: it delays no other
                         publishing = self._publisher.submit(self._publish, kv, keys, digest, account, options, ids)
@@ -259,7 +252,7 @@ class Engine:
                 if num_generated and publishing is None:
                     self._publish(kv, keys, digest, account, options, ids)
                 if publishing is not None:  # the stream ends, and the next request may reuse kv, once it is stored
-                    _wait(publishing)
+                    wait_for(publishing)
                 self._stats.decode_seconds += time.perf_counter() - started
 
     def _count_prompt(self, provenance: Provenance) -> None:
@@ -322,12 +315,20 @@ class Engine:
             pool_chunks = load.num_chunks
             if self.grid is None:
                 cached_len = (local_chunks + pool_chunks) * c
-                logits = self.model(prompt_ids[cached_len:], kv, cached_len, self.config.prefill_chunk_tokens, before_layer=before_layer)
+                logits = self.model(
+                    prompt_ids[cached_len:], kv, cached_len, self.config.prefill_chunk_tokens, before_layer=before_layer
+                )
             else:
                 local_chunks, pool_chunks = self.grid.usable_prefix(local_chunks, load)
                 cached_len = (local_chunks + pool_chunks) * c
-                logits = grid_forward(self.model, prompt_ids[cached_len:], kv, cached_len, self.grid.grid_tokens,
-                                      before_layer=before_layer)
+                logits = grid_forward(
+                    self.model,
+                    prompt_ids[cached_len:],
+                    kv,
+                    cached_len,
+                    self.grid.grid_tokens,
+                    before_layer=before_layer,
+                )
             if timeline is not None:
                 timeline.mark_device("forward_end", self.device)
         finally:
@@ -359,42 +360,20 @@ class Engine:
             used = self.grid.reusable_chunks(used)
         return min(local_chunks, used), max(0, used - local_chunks)
 
-    @torch.inference_mode()
-    def _publish(self, kv: torch.Tensor, keys: list[bytes], digest: bytes, account: bytes, options: RequestOptions,
-                 ids) -> None:
-        """Offer the prompt's full chunks to the local cache and the pool (each keeps what it lacks), side by side:
-        both only read ``kv``; the request's lock is held until both are done. ``account``: whose pool quota."""
-        # the request's stream: the local copies go on it (after the prefill, before kv is written next)
-        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        local = (self._local_inserter.submit(self._insert_locally, kv, keys, stream,
-                                             None if options.tenant else ids)  # a tenant's ids: never announced
-                 if options.use_local_cache and self._local.capacity_bytes > 0 else None)
-        try:
-            if options.use_pool and self._pool is not None:
-                self._pool.store(kv, keys, digest, stream, None if options.tenant else ids, account)
-        finally:
-            if local is not None:
-                _wait(local)
-        if options.timeline is not None:
-            options.timeline.mark("published")
-
-    @torch.inference_mode()
-    def _insert_locally(self, kv: torch.Tensor, keys: list[bytes], stream, ids) -> None:
-        with torch.cuda.stream(stream):  # None (CPU): no stream
-            self._local.insert_prompt(keys, lambda i: self._kv.chunk(kv, i), ids)
-
-
-def _wait(publishing: Future) -> None:
-    """Wait for a publish; its error is the request's."""
-    if (error := publishing.exception()) is not None:
-        raise error
+    def _publish(
+        self, kv: torch.Tensor, keys: list[bytes], digest: bytes, account: bytes, options: RequestOptions, ids
+    ) -> None:
+        """The prompt's full chunks to the local cache and the pool (kvshare.engine.publish)."""
+        self._publisher.publish(kv, keys, digest, account, options, ids)
 
 
 def _cancellable(before_layer: Callable[[int], None], is_cancelled: Callable[[], bool]) -> Callable[[int], None]:
     """``before_layer`` that first gives the request up when ``is_cancelled()``: the prefill's ``finally`` then
     waits for the load's copies and releases its lease, and nothing of the prompt is published."""
+
     def hook(layer: int) -> None:
         if is_cancelled():
             raise RequestCancelled(f"the request was cancelled before layer {layer} of its prefill")
         before_layer(layer)
+
     return hook

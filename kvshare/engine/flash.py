@@ -47,8 +47,9 @@ def _vllm_kernel() -> FlashKernel:
     mod = importlib.import_module("vllm.vllm_flash_attn")
     for version in (3, 2):
         if mod.is_fa_version_supported(version):
-            return FlashKernel(f"vllm_flash_attn FA{version}", mod.flash_attn_varlen_func,
-                               {"fa_version": version, "num_splits": 1})
+            return FlashKernel(
+                f"vllm_flash_attn FA{version}", mod.flash_attn_varlen_func, {"fa_version": version, "num_splits": 1}
+            )
     raise ImportError(f"vllm_flash_attn supports neither FA3 nor FA2 here: {mod.fa_version_unsupported_reason(2)}")
 
 
@@ -95,8 +96,9 @@ class AttentionChoice:
     reason: str  # why this one
 
 
-def select_attention(choice: str, device: torch.device, dtype: torch.dtype, head_dim: int,
-                     deterministic: bool = False) -> AttentionChoice:
+def select_attention(
+    choice: str, device: torch.device, dtype: torch.dtype, head_dim: int, deterministic: bool = False
+) -> AttentionChoice:
     """The prefill attention for ``--attention choice``; ``flash`` where none can run raises AttentionUnavailable."""
     if choice not in ATTENTION_CHOICES:
         raise ValueError(f"attention must be one of {', '.join(ATTENTION_CHOICES)}, got {choice!r}")
@@ -104,8 +106,10 @@ def select_attention(choice: str, device: torch.device, dtype: torch.dtype, head
         return AttentionChoice("sdpa", None, "asked for")
     if deterministic:
         if choice == "flash":
-            raise AttentionUnavailable("--attention flash: the deterministic mode runs its own chunk-invariant SDPA "
-                                       "kernels (checked at start-up); use --attention auto or sdpa with it")
+            raise AttentionUnavailable(
+                "--attention flash: the deterministic mode runs its own chunk-invariant SDPA "
+                "kernels (checked at start-up); use --attention auto or sdpa with it"
+            )
         return AttentionChoice("sdpa", None, "the deterministic mode keeps its grid's SDPA kernels")
     unfit = flash_unfit(device, dtype, head_dim)
     kernel, reasons = (None, []) if unfit else find_flash_kernel()
@@ -142,14 +146,25 @@ class FlashPrefill:
             k, v = k.to(q.dtype), v.to(q.dtype)  # a float8 cache: attention computes in the model's dtype
         num_queries, num_keys = q.shape[1], k.shape[1]
         cu_q, cu_k = self._cu_seqlens(num_queries, num_keys, q.device)
-        out = self.kernel.varlen(q=q.transpose(0, 1), k=k.transpose(0, 1), v=v.transpose(0, 1),
-                                 cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=num_queries,
-                                 max_seqlen_k=num_keys, causal=True, **self.kernel.extra)  # [T, Hq, D]
+        out = self.kernel.varlen(
+            q=q.transpose(0, 1),
+            k=k.transpose(0, 1),
+            v=v.transpose(0, 1),
+            cu_seqlens_q=cu_q,
+            cu_seqlens_k=cu_k,
+            max_seqlen_q=num_queries,
+            max_seqlen_k=num_keys,
+            causal=True,
+            **self.kernel.extra,
+        )  # [T, Hq, D]
         return out.transpose(0, 1)
 
     def _cu_seqlens(self, num_queries: int, num_keys: int, device: torch.device) -> tuple[Tensor, Tensor]:
         key = (num_queries, num_keys, device)
         if self._seqlens is None or self._seqlens[0] != key:  # every layer of one forward reuses them
-            self._seqlens = (key, torch.tensor([0, num_queries], dtype=torch.int32, device=device),
-                             torch.tensor([0, num_keys], dtype=torch.int32, device=device))
+            self._seqlens = (
+                key,
+                torch.tensor([0, num_queries], dtype=torch.int32, device=device),
+                torch.tensor([0, num_keys], dtype=torch.int32, device=device),
+            )
         return self._seqlens[1], self._seqlens[2]

@@ -30,8 +30,8 @@ flash first on CUDA: already deterministic).
 from __future__ import annotations
 
 import platform
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -58,8 +58,10 @@ class Grid:
 
     def __post_init__(self) -> None:
         if self.chunk_tokens <= 0 or self.grid_tokens <= 0 or self.grid_tokens % self.chunk_tokens:
-            raise ValueError(f"the grid ({self.grid_tokens} tokens) must be a positive multiple of the chunk "
-                             f"({self.chunk_tokens} tokens)")
+            raise ValueError(
+                f"the grid ({self.grid_tokens} tokens) must be a positive multiple of the chunk "
+                f"({self.chunk_tokens} tokens)"
+            )
 
     @property
     def chunks_per_grid(self) -> int:
@@ -97,13 +99,29 @@ def kernel_build(device: torch.device) -> str:
     (a reduction split over more threads may round differently).
     """
     if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)  # SMs too: a MIG slice of the same GPU may split work otherwise
-        return "|".join(("cuda", props.name, f"sm_{props.major}{props.minor}", f"{props.multi_processor_count} SMs",
-                         f"driver {_cuda_driver_version()}",
-                         f"torch {torch.__version__}", f"cuda {torch.version.cuda}",
-                         f"cudnn {torch.backends.cudnn.version()}"))
-    return "|".join(("cpu", platform.machine(), torch.backends.cpu.get_cpu_capability(),
-                     f"threads {torch.get_num_threads()}", f"torch {torch.__version__}"))
+        # SMs too: a MIG slice of the same GPU may split work otherwise
+        props = torch.cuda.get_device_properties(device)
+        return "|".join(
+            (
+                "cuda",
+                props.name,
+                f"sm_{props.major}{props.minor}",
+                f"{props.multi_processor_count} SMs",
+                f"driver {_cuda_driver_version()}",
+                f"torch {torch.__version__}",
+                f"cuda {torch.version.cuda}",
+                f"cudnn {torch.backends.cudnn.version()}",
+            )
+        )
+    return "|".join(
+        (
+            "cpu",
+            platform.machine(),
+            torch.backends.cpu.get_cpu_capability(),
+            f"threads {torch.get_num_threads()}",
+            f"torch {torch.__version__}",
+        )
+    )
 
 
 def _cuda_driver_version() -> str:
@@ -166,8 +184,16 @@ def grid_forward(
     return out
 
 
-def _grid_step(layer, x: Tensor, kv: Tensor, start: int, cos: Tensor, sin: Tensor, grid_tokens: int,
-               before_attention: Callable[[], None] | None) -> None:
+def _grid_step(
+    layer,
+    x: Tensor,
+    kv: Tensor,
+    start: int,
+    cos: Tensor,
+    sin: Tensor,
+    grid_tokens: int,
+    before_attention: Callable[[], None] | None,
+) -> None:
     """One layer over one grid chunk: x [m, E] rows at positions [start, start+m), m <= G (updated in place).
 
     kv: [2, H, T_cap, D] this layer's KV, holding positions [0, start) already.

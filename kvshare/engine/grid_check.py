@@ -53,8 +53,12 @@ def start_grid(model: Transformer, device: torch.device, grid_tokens: int, chunk
     grid = Grid(grid_tokens, chunk_tokens, kernel_build(device))  # checks the grid's size first
     started = time.perf_counter()
     require_exact_grid(model, device, grid_tokens)
-    log.info("deterministic mode: grid of %d tokens, kernels exact here (self-test %.1f s); kernel build %s",
-                grid_tokens, time.perf_counter() - started, grid.kernel_build)
+    log.info(
+        "deterministic mode: grid of %d tokens, kernels exact here (self-test %.1f s); kernel build %s",
+        grid_tokens,
+        time.perf_counter() - started,
+        grid.kernel_build,
+    )
     return grid
 
 
@@ -62,9 +66,11 @@ def check_grid(model: Transformer, device: torch.device, grid_tokens: int) -> li
     """Every check's result (none raises); ``require_exact_grid`` turns a failure into an error."""
     generator = torch.Generator(device="cpu").manual_seed(SEED)
     with torch.inference_mode():
-        return [_check_attention(model, device, grid_tokens, generator),
-                _check_matmuls(model, device, grid_tokens, generator),
-                _check_end_to_end(model, device, grid_tokens, generator)]
+        return [
+            _check_attention(model, device, grid_tokens, generator),
+            _check_matmuls(model, device, grid_tokens, generator),
+            _check_end_to_end(model, device, grid_tokens, generator),
+        ]
 
 
 def require_exact_grid(model: Transformer, device: torch.device, grid_tokens: int) -> list[CheckResult]:
@@ -77,7 +83,8 @@ def require_exact_grid(model: Transformer, device: torch.device, grid_tokens: in
             f"the deterministic mode is refused on {device} ({model.model.embed_tokens.weight.dtype}, grid "
             f"{grid_tokens} tokens): computed two ways, {what}. Its exactness needs kernels that give the same bits "
             "for the same inputs wherever they live; serve without --deterministic, or try another --dtype or "
-            "--grid-tokens")
+            "--grid-tokens"
+        )
     return results
 
 
@@ -124,8 +131,15 @@ def _check_attention(model: Transformer, device, grid: int, generator) -> CheckR
 def _check_matmuls(model: Transformer, device, grid: int, generator) -> CheckResult:
     layer = model.model.layers[0]
     attn, mlp = layer.self_attn, layer.mlp
-    linears = {"q_proj": attn.q_proj, "k_proj": attn.k_proj, "v_proj": attn.v_proj, "o_proj": attn.o_proj,
-               "gate_proj": mlp.gate_proj, "up_proj": mlp.up_proj, "down_proj": mlp.down_proj}
+    linears = {
+        "q_proj": attn.q_proj,
+        "k_proj": attn.k_proj,
+        "v_proj": attn.v_proj,
+        "o_proj": attn.o_proj,
+        "gate_proj": mlp.gate_proj,
+        "up_proj": mlp.up_proj,
+        "down_proj": mlp.down_proj,
+    }
     dtype = model.model.embed_tokens.weight.dtype
     for name, linear in linears.items():
         rows = _random((grid // 2 + 1, linear.in_features), dtype, device, generator)  # a tail of a grid chunk

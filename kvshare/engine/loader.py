@@ -28,8 +28,11 @@ class LoadedModel:
     def identity(self, model_revision: str) -> dict[str, str]:
         """The Namespace fields that name this model: the user's revision, else its weights' fingerprint; and the
         configuration the engine runs it with (dtype after --dtype, rope, norms, biases: ModelConfig)."""
-        return {"model_id": model_revision, "weights_fingerprint": "" if model_revision else self.weights_fingerprint,
-                "config_id": config_fingerprint(asdict(self.config))}
+        return {
+            "model_id": model_revision,
+            "weights_fingerprint": "" if model_revision else self.weights_fingerprint,
+            "config_id": config_fingerprint(asdict(self.config)),
+        }
 
 
 def resolve_device(device: str) -> torch.device:
@@ -41,8 +44,9 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
-def load_model(model: str, device: torch.device, dtype: str | None = None, name: str | None = None,
-               model_revision: str = "") -> LoadedModel:
+def load_model(
+    model: str, device: torch.device, dtype: str | None = None, name: str | None = None, model_revision: str = ""
+) -> LoadedModel:
     """A local HF directory when ``model`` is one, else a preset name; a directory's weights are fingerprinted
     by their bytes unless ``model_revision`` names them (a preset is named by its recipe, kvshare.engine.presets)."""
     if os.path.isdir(model):

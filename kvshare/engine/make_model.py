@@ -19,7 +19,14 @@ import shutil
 import torch
 
 from kvshare.engine.bpe import preset_tokenizer_files
-from kvshare.engine.presets import build_preset, config_json_bytes, file_metadata, get_preset, preset_hf_config, preset_tensors
+from kvshare.engine.presets import (
+    build_preset,
+    config_json_bytes,
+    file_metadata,
+    get_preset,
+    preset_hf_config,
+    preset_tensors,
+)
 from kvshare.engine.tokenizer import BOS_ID, EOS_ID, IM_END_ID
 from kvshare.engine.weights import TORCH_DTYPES, model_dir_fingerprint, write_safetensors
 from kvshare.errors import UserError
@@ -45,8 +52,12 @@ def write_model_dir(name: str, out_dir: str, device: str = "cpu", dtype: str | N
     size = preset_weight_bytes(name, dtype)
     os.makedirs(out_dir, exist_ok=True)
     if size > LARGE_BYTES:
-        log.warning("preset %s has %s of weights; writing them to %s (the GPU presets are normally built on the device)",
-                    name, format_bytes(size), out_dir)
+        log.warning(
+            "preset %s has %s of weights; writing them to %s (the GPU presets are normally built on the device)",
+            name,
+            format_bytes(size),
+            out_dir,
+        )
         free = shutil.disk_usage(out_dir).free
         if free < size * 1.05:
             raise UserError(f"{out_dir} has {format_bytes(free)} free; preset {name} needs {format_bytes(size)}")
@@ -75,10 +86,14 @@ def write_tokenizer_files(name: str, out_dir: str) -> None:
     tokenizer, tokenizer_config = preset_tokenizer_files(preset.tokenizer, preset.config.max_position_embeddings)
     _write(os.path.join(out_dir, "tokenizer.json"), tokenizer.to_str(pretty=True).encode())
     _write_json(os.path.join(out_dir, "tokenizer_config.json"), tokenizer_config)
-    _write_json(os.path.join(out_dir, "special_tokens_map.json"),
-                {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|eos|>"})
-    _write_json(os.path.join(out_dir, "generation_config.json"),
-                {"bos_token_id": BOS_ID, "eos_token_id": [EOS_ID, IM_END_ID], "pad_token_id": EOS_ID})
+    _write_json(
+        os.path.join(out_dir, "special_tokens_map.json"),
+        {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|eos|>"},
+    )
+    _write_json(
+        os.path.join(out_dir, "generation_config.json"),
+        {"bos_token_id": BOS_ID, "eos_token_id": [EOS_ID, IM_END_ID], "pad_token_id": EOS_ID},
+    )
 
 
 def _write(path: str, data: bytes) -> None:

@@ -24,7 +24,7 @@ and runs its MLP for the last token alone.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +37,12 @@ LOGITS_VOCAB_SLICE = 16384  # rows of a bf16 LM head upcast at a time (16384 x 5
 # the fallback order. A decode step (one query) goes to flash first: cuDNN's one-query attention gave
 # two different results for the same inputs on the H200 (30 repeats, logits up to 0.1 apart) where
 # flash gave one, and flash's step was faster too (33 vs 39 ms at 16k, 8B shape).
-CUDA_SDPA_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+CUDA_SDPA_BACKENDS = [
+    SDPBackend.CUDNN_ATTENTION,
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.MATH,
+]
 CUDA_DECODE_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -179,9 +184,18 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: Tensor, kv: Tensor, start: int, cos: Tensor, sin: Tensor, chunk: int,
-                before_attention: Callable[[], None], last_only: bool = False,
-                prefill_attention: Callable[[Tensor, Tensor, Tensor, int], Tensor] | None = None) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        kv: Tensor,
+        start: int,
+        cos: Tensor,
+        sin: Tensor,
+        chunk: int,
+        before_attention: Callable[[], None],
+        last_only: bool = False,
+        prefill_attention: Callable[[Tensor, Tensor, Tensor, int], Tensor] | None = None,
+    ) -> Tensor:
         """x: [T, E] residual stream (updated in place); kv: [2, H, T_cap, D] this layer's KV.
 
         ``last_only`` (the model's last layer, when only the last token's logits are wanted): every token's
@@ -268,8 +282,17 @@ class Transformer(nn.Module):
             last = len(self.model.layers) - 1
             for i, layer in enumerate(self.model.layers):
                 hook = (lambda i=i: before_layer(i)) if before_layer is not None else _no_op
-                x = layer(x, kv[i], start, cos, sin, chunk_tokens, hook, last_only=i == last and not all_logits,
-                          prefill_attention=self.prefill_attention)
+                x = layer(
+                    x,
+                    kv[i],
+                    start,
+                    cos,
+                    sin,
+                    chunk_tokens,
+                    hook,
+                    last_only=i == last and not all_logits,
+                    prefill_attention=self.prefill_attention,
+                )
         if not all_logits:
             x = x[-1:]
         out = torch.empty(x.shape[0], self.config.vocab_size, dtype=torch.float32, device=x.device)

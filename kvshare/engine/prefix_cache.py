@@ -127,9 +127,12 @@ class LocalPrefixCache:
 
     def _cap(self, capacity_bytes: int) -> None:
         self.counters.out_of_memory += 1
-        log.warning("local prefix cache: the device is out of memory at %.2f GiB held (configured %.2f GiB); "
-                    "capped there: lower --local-cache-size or --max-model-len, or run fewer replicas on this device",
-                    capacity_bytes / 2**30, self.capacity_bytes / 2**30)
+        log.warning(
+            "local prefix cache: the device is out of memory at %.2f GiB held (configured %.2f GiB); "
+            "capped there: lower --local-cache-size or --max-model-len, or run fewer replicas on this device",
+            capacity_bytes / 2**30,
+            self.capacity_bytes / 2**30,
+        )
         self.capacity_bytes = capacity_bytes
 
     def _evict_until(self, limit_bytes: int) -> None:

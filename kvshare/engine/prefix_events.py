@@ -42,18 +42,24 @@ class PrefixCacheEvents:
             if key in self._announced or not is_held(key) or (parent is not None and parent not in self._announced):
                 continue
             self._announced.add(key)
-            tokens = [] if ids is None else [int(t) for t in ids[i * c:(i + 1) * c]]
-            self.publisher.put(E.block_stored(
-                self.encoding, [E.external_hash(key, self.hash_kind)],
-                None if parent is None else E.external_hash(parent, self.hash_kind), tokens,
-                c,
-                medium=E.MEDIUM_GPU))
+            tokens = [] if ids is None else [int(t) for t in ids[i * c : (i + 1) * c]]
+            self.publisher.put(
+                E.block_stored(
+                    self.encoding,
+                    [E.external_hash(key, self.hash_kind)],
+                    None if parent is None else E.external_hash(parent, self.hash_kind),
+                    tokens,
+                    c,
+                    medium=E.MEDIUM_GPU,
+                )
+            )
 
     def removed(self, key: bytes) -> None:
         if key in self._announced:
             self._announced.discard(key)
-            self.publisher.put(E.block_removed(self.encoding, [E.external_hash(key, self.hash_kind)],
-                                               medium=E.MEDIUM_GPU))
+            self.publisher.put(
+                E.block_removed(self.encoding, [E.external_hash(key, self.hash_kind)], medium=E.MEDIUM_GPU)
+            )
 
     def cleared(self) -> None:
         if self._announced:

@@ -7,7 +7,8 @@ shapes carry the 131072-token BPE of kvshare.engine.bpe, so a text prompt costs 
 checkpoint. Contexts: ``qwen3-8b`` takes 262144 positions (the study's 256k: 36 GiB
 of KV), ``qwen3-32b`` 131072 (its 128k: 32 GiB; at 256k its KV alone would be 64 GiB beside
 61 GiB of weights). On CUDA a replica allocates the KV of its whole context at start-up, so
-pass ``--max-model-len`` to run the 8B shape in less memory. Same preset, seed and init device -> the same weights, bitwise.
+pass ``--max-model-len`` to run the 8B shape in less memory. Same preset, seed and init device -> the same
+weights, bitwise.
 
 A preset built in memory is named by its recipe: its weights are a function of the config.json
 bytes and of the safetensors header, whose metadata holds FORMAT, the seed and the init device, so
@@ -53,21 +54,42 @@ class Preset:
 
 def _llama_config(**kw) -> dict:
     base = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-        "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0, "initializer_range": 0.02,
-        "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "use_cache": True,
-        "bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pretraining_tp": 1,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+        "pretraining_tp": 1,
     }
     return {**base, **kw}
 
 
 def _qwen3_config(**kw) -> dict:
     base = {
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_act": "silu", "vocab_size": 151936,
-        "num_key_value_heads": 8, "head_dim": 128, "attention_bias": False, "attention_dropout": 0.0,
-        "initializer_range": 0.02, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "use_cache": True,
-        "max_position_embeddings": 131072, "use_sliding_window": False, "sliding_window": None,
-        "bos_token_id": BOS_ID, "eos_token_id": EOS_ID,
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_act": "silu",
+        "vocab_size": 151936,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "max_position_embeddings": 131072,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
     }
     return {**base, **kw}
 
@@ -84,23 +106,57 @@ PRESETS: dict[str, Preset] = {
     "tiny": Preset(
         "tiny",
         _llama_config(
-            vocab_size=260, hidden_size=256, intermediate_size=1024, num_hidden_layers=8,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=32768,
-            dtype="float32", **_rope(1e6),
+            vocab_size=260,
+            hidden_size=256,
+            intermediate_size=1024,
+            num_hidden_layers=8,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            max_position_embeddings=32768,
+            dtype="float32",
+            **_rope(1e6),
         ),
-        seed=20261129, embed_std=1.0, linear_gain=2.0, head_gain=4.0, draw_on_device=False,
+        seed=20261129,
+        embed_std=1.0,
+        linear_gain=2.0,
+        head_gain=4.0,
+        draw_on_device=False,
     ),
     "qwen3-8b": Preset(
         "qwen3-8b",
-        _qwen3_config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                      max_position_embeddings=262144, dtype="bfloat16", **_rope(1e6)),
-        seed=8, embed_std=1.0, linear_gain=1.0, head_gain=8.0, draw_on_device=True, tokenizer="bpe",
+        _qwen3_config(
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_hidden_layers=36,
+            num_attention_heads=32,
+            max_position_embeddings=262144,
+            dtype="bfloat16",
+            **_rope(1e6),
+        ),
+        seed=8,
+        embed_std=1.0,
+        linear_gain=1.0,
+        head_gain=8.0,
+        draw_on_device=True,
+        tokenizer="bpe",
     ),
     "qwen3-32b": Preset(
         "qwen3-32b",
-        _qwen3_config(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
-                      dtype="bfloat16", **_rope(1e6)),
-        seed=32, embed_std=1.0, linear_gain=1.0, head_gain=8.0, draw_on_device=True, tokenizer="bpe",
+        _qwen3_config(
+            hidden_size=5120,
+            intermediate_size=25600,
+            num_hidden_layers=64,
+            num_attention_heads=64,
+            dtype="bfloat16",
+            **_rope(1e6),
+        ),
+        seed=32,
+        embed_std=1.0,
+        linear_gain=1.0,
+        head_gain=8.0,
+        draw_on_device=True,
+        tokenizer="bpe",
     ),
 }
 
@@ -166,7 +222,9 @@ def build_preset(name: str, device: torch.device, dtype: str | None = None) -> t
             fill = 1.0 if tensor_name.endswith("norm.weight") else 0.0
             state[tensor_name] = torch.full(meta.shape, fill, dtype=target, device=device)
         else:  # drawn in float32 whatever the target dtype, so dtypes differ only by rounding
-            values = torch.empty(meta.shape, dtype=torch.float32, device=draw_device).normal_(0.0, std, generator=generator)
+            values = torch.empty(meta.shape, dtype=torch.float32, device=draw_device).normal_(
+                0.0, std, generator=generator
+            )
             state[tensor_name] = values.to(device=device, dtype=target)
     if config.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]

@@ -159,7 +159,9 @@ def _greedy_where_logits_are(logits: torch.Tensor, num_logprobs: int | None) -> 
         return SampledToken(int(token), None, None)
     logprobs = torch.log_softmax(raw, dim=-1)
     values, ids = torch.topk(logprobs, min(num_logprobs, logprobs.shape[0]))
-    packed = torch.cat([token.view(1).double(), logprobs[token].view(1).double(), values.double(), ids.double()]).tolist()
+    packed = torch.cat(
+        [token.view(1).double(), logprobs[token].view(1).double(), values.double(), ids.double()]
+    ).tolist()
     k = len(values)
     top = {int(i): v for i, v in zip(packed[2 + k :], packed[2 : 2 + k])} if num_logprobs > 0 else None
     return SampledToken(int(packed[0]), packed[1], top)

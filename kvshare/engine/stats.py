@@ -42,3 +42,25 @@ class EngineStats:
     is_pool_configured: bool = False  # the engine was given a pool socket
     is_pool_connected: bool = False  # ... and is connected to it now (kvshare_pool_connected)
     pool_errors: int = 0  # requests the pool refused (logged); the request still completes
+
+
+# the counters of requests (Engine.uncounted restores them); connection state and failures always count
+REQUEST_COUNTERS = (
+    "num_requests",
+    "prompt_tokens_local",
+    "prompt_tokens_pool",
+    "prompt_tokens_computed",
+    "generated_tokens",
+    "prefill_seconds",
+    "decode_seconds",
+    "pool_lookups",
+    "pool_hit_chunks",
+    "pool_miss_chunks",
+    "pool_bytes_loaded",
+    "pool_load_seconds",
+    "pool_stored_chunks",
+    "pool_bytes_stored",
+    "pool_store_seconds",
+    "pool_skipped_stores",
+    "dropped_chunks",
+)

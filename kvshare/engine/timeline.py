@@ -24,12 +24,26 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any
 
-STEPS = ("body_read", "parse", "hashing", "lookup_and_lease", "first_copy_enqueued", "load_started", "load_issued",
-         "first_layer_computed", "load_end", "forward_end", "load_checked", "first_token_sampled", "first_token_written",
-         "published")
+STEPS = (
+    "body_read",
+    "parse",
+    "hashing",
+    "lookup_and_lease",
+    "first_copy_enqueued",
+    "load_started",
+    "load_issued",
+    "first_layer_computed",
+    "load_end",
+    "forward_end",
+    "load_checked",
+    "first_token_sampled",
+    "first_token_written",
+    "published",
+)
 _active = threading.local()  # the timeline of the request the current thread runs (see ``note``)
 
 
@@ -82,10 +96,12 @@ class Timeline:
 
     def layer_hook(self, before_layer: Callable[[int], None], device) -> Callable[[int], None]:
         """``before_layer`` that also marks first_layer_computed when layer 1 is about to read the cache."""
+
         def hook(layer: int) -> None:
             if layer == 1:
                 self.mark_device("first_layer_computed", device)
             before_layer(layer)
+
         return hook
 
     def record_load(self, handle: Any) -> None:

@@ -30,8 +30,9 @@ from __future__ import annotations
 import string
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import xxhash
@@ -41,14 +42,18 @@ if TYPE_CHECKING:
 
 # the GPT-2 pattern (ByteLevel's own regex), Qwen2/Qwen3's, Llama 3's
 GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 LLAMA3_PATTERN = QWEN2_PATTERN.replace(r"|\p{N}|", r"|\p{N}{1,3}|")
 SPLITTABLE_PATTERNS = frozenset({GPT2_PATTERN, QWEN2_PATTERN, LLAMA3_PATTERN})
 _SAFE_LEFT = frozenset(string.punctuation)
 # a probe of what the fast path meets (special tokens, unicode, numbers, punctuation, runs of spaces)
-_PROBE = ("<|im_start|>user\nThe café's 12345 naïve  résumés, (don't) stop: 東京 is 大きい. Ünïcödé "
-          "words\tand tabs;  double  spaces. x! 3.14 and $5 'quoted' <|im_end|> end") * 24
+_PROBE = (
+    "<|im_start|>user\nThe café's 12345 naïve  résumés, (don't) stop: 東京 is 大きい. Ünïcödé "
+    "words\tand tabs;  double  spaces. x! 3.14 and $5 'quoted' <|im_end|> end"
+) * 24
 
 
 @dataclass(frozen=True)
@@ -105,8 +110,12 @@ def splittable_reason(tokenizer_json: dict) -> str | None:
             return "the ByteLevel pre-tokenizer adds a prefix space or splits nothing"
     elif pre.get("type") == "Sequence" and len(pre.get("pretokenizers", [])) == 2:
         split, byte_level = pre["pretokenizers"]
-        if (split.get("type") != "Split" or (split.get("pattern") or {}).get("Regex") not in SPLITTABLE_PATTERNS
-                or split.get("behavior") != "Isolated" or split.get("invert")):
+        if (
+            split.get("type") != "Split"
+            or (split.get("pattern") or {}).get("Regex") not in SPLITTABLE_PATTERNS
+            or split.get("behavior") != "Isolated"
+            or split.get("invert")
+        ):
             return "the split pattern is not one of the known ones"
         if byte_level.get("type") != "ByteLevel" or byte_level.get("add_prefix_space") or byte_level.get("use_regex"):
             return "the split is not followed by a plain ByteLevel"
@@ -184,9 +193,14 @@ def entry_bytes(ids: Sequence[int]) -> int:
 class PieceEncoder:
     """encode(text) of one ``tokenizers.Tokenizer``: cut, cached and batched where that is safe, else whole."""
 
-    def __init__(self, tokenizer: Any, config: TokenCacheConfig = TokenCacheConfig(),
-                 cache: TokenCache | None = None, tokenizer_json: str | None = None,
-                 shared: SharedPieces | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        config: TokenCacheConfig = TokenCacheConfig(),
+        cache: TokenCache | None = None,
+        tokenizer_json: str | None = None,
+        shared: SharedPieces | None = None,
+    ) -> None:
         """``tokenizer_json``: the text ``tokenizer`` was read from (default: ``tokenizer.to_str()``); ``shared``:
         the second level, pieces other processes of this user encoded (kvshare.engine.token_share)."""
         self._tok = tokenizer

@@ -69,8 +69,10 @@ def entry_name(identity: bytes, piece_hash: bytes) -> str:
 def pack_entry(identity: bytes, piece_hash: bytes, piece_nbytes: int, ids: Sequence[int]) -> bytes:
     """An entry file's bytes: the header, then the ids as little-endian uint32."""
     body = np.asarray(ids, dtype="<u4").tobytes()
-    return HEADER.pack(MAGIC, FORMAT_VERSION, identity, piece_hash, piece_nbytes, len(ids),
-                       xxhash.xxh3_128_digest(body)) + body
+    return (
+        HEADER.pack(MAGIC, FORMAT_VERSION, identity, piece_hash, piece_nbytes, len(ids), xxhash.xxh3_128_digest(body))
+        + body
+    )
 
 
 def unpack_entry(data: bytes, identity: bytes, piece_hash: bytes, piece_nbytes: int) -> list[int] | None:
@@ -78,10 +80,16 @@ def unpack_entry(data: bytes, identity: bytes, piece_hash: bytes, piece_nbytes: 
     if len(data) < HEADER.size:
         return None
     magic, version, entry_identity, entry_hash, nbytes, count, checksum = HEADER.unpack_from(data)
-    if (magic != MAGIC or version != FORMAT_VERSION or entry_identity != identity or entry_hash != piece_hash
-            or nbytes != piece_nbytes or len(data) != HEADER.size + 4 * count):
+    if (
+        magic != MAGIC
+        or version != FORMAT_VERSION
+        or entry_identity != identity
+        or entry_hash != piece_hash
+        or nbytes != piece_nbytes
+        or len(data) != HEADER.size + 4 * count
+    ):
         return None
-    body = memoryview(data)[HEADER.size:]
+    body = memoryview(data)[HEADER.size :]
     if xxhash.xxh3_128_digest(body) != checksum:
         return None
     return np.frombuffer(body, dtype="<u4").tolist()
@@ -148,8 +156,9 @@ class SharedPieces:
             with self._lock:
                 self.num_bytes += len(data)
                 self._written_since_trim += len(data)
-                is_due = (self.num_bytes > self.config.max_bytes
-                          or self._written_since_trim >= self.config.max_bytes // 16)
+                is_due = (
+                    self.num_bytes > self.config.max_bytes or self._written_since_trim >= self.config.max_bytes // 16
+                )
             if is_due:
                 self.trim()
 

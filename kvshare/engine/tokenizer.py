@@ -13,7 +13,7 @@ import functools
 import json
 import os
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 from kvshare.engine.token_cache import PieceEncoder, TokenCache, TokenCacheConfig
 from kvshare.engine.token_share import SharedPieces
@@ -35,7 +35,9 @@ CHAT_TEMPLATE = (
 
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's printable stand-in character for every byte (what the ByteLevel pre-tokenizer emits)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars = printable[:]
     extra = 0
     for b in range(256):
@@ -80,8 +82,9 @@ def byte_tokenizer_config(max_length: int) -> dict:
 
 def render_chat(template: str, messages: Sequence[dict], add_generation_prompt: bool = True, **extra) -> str:
     """Render a chat template with jinja2's immutable sandbox, as transformers does."""
-    return _compiled_chat_template(template).render(messages=list(messages),
-                                                    add_generation_prompt=add_generation_prompt, **extra)
+    return _compiled_chat_template(template).render(
+        messages=list(messages), add_generation_prompt=add_generation_prompt, **extra
+    )
 
 
 @functools.lru_cache(maxsize=16)
@@ -102,8 +105,14 @@ def _compiled_chat_template(template: str):
 class Tokenizer:
     """encode/decode/chat template over a tokenizer.json and its tokenizer_config.json."""
 
-    def __init__(self, tokenizer, config: dict, eos_token_ids: Sequence[int] = (),
-                 cache_config: TokenCacheConfig = TokenCacheConfig(), tokenizer_json: str | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        config: dict,
+        eos_token_ids: Sequence[int] = (),
+        cache_config: TokenCacheConfig = TokenCacheConfig(),
+        tokenizer_json: str | None = None,
+    ) -> None:
         """``tokenizer_json``: the tokenizer.json text ``tokenizer`` was read from (saves writing it out again)."""
         self._tok = tokenizer
         # long texts: cut, cached and batched where that gives the same ids (kvshare.engine.token_cache)
@@ -115,12 +124,14 @@ class Tokenizer:
         eos = tokenizer.token_to_id(self.eos_token) if self.eos_token else None
         self.eos_token_id: int | None = eos
         # every id that ends generation unless ignore_eos (the tokenizer's eos and generation_config's)
-        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys([*(i for i in [eos] if i is not None), *eos_token_ids]))
+        self.eos_token_ids: tuple[int, ...] = tuple(
+            dict.fromkeys([*(i for i in [eos] if i is not None), *eos_token_ids])
+        )
         self.vocab_size = tokenizer.get_vocab_size()
         self._special_ids = frozenset(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
 
     @classmethod
-    def from_dir(cls, model_dir: str) -> "Tokenizer":
+    def from_dir(cls, model_dir: str) -> Tokenizer:
         from tokenizers import Tokenizer as HFTokenizer
 
         path = os.path.join(model_dir, "tokenizer.json")
@@ -134,7 +145,7 @@ class Tokenizer:
         return cls(HFTokenizer.from_str(text), config, eos if isinstance(eos, list) else [eos], tokenizer_json=text)
 
     @classmethod
-    def byte_level(cls, max_length: int) -> "Tokenizer":
+    def byte_level(cls, max_length: int) -> Tokenizer:
         return cls(build_byte_tokenizer(), byte_tokenizer_config(max_length), [EOS_ID, IM_END_ID])
 
     def encode(self, text: str) -> list[int]:
@@ -181,8 +192,11 @@ class Tokenizer:
         if not self.chat_template:
             raise UserError("this model's tokenizer has no chat template (use a completion request)")
         text = render_chat(
-            self.chat_template, messages, add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+            self.chat_template,
+            messages,
+            add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
         )
         return self.encode(text)
 

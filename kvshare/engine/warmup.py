@@ -51,9 +51,12 @@ class WarmupReport:
     step_seconds: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
-        return {"seconds": round(self.seconds, 4), "pool_chunks_stored": self.pool_chunks_stored,
-                "pool_chunks_loaded": self.pool_chunks_loaded,
-                "step_seconds": {k: round(v, 4) for k, v in self.step_seconds.items()}}
+        return {
+            "seconds": round(self.seconds, 4),
+            "pool_chunks_stored": self.pool_chunks_stored,
+            "pool_chunks_loaded": self.pool_chunks_loaded,
+            "step_seconds": {k: round(v, 4) for k, v in self.step_seconds.items()},
+        }
 
 
 def warmup_prompts(chunk_tokens: int, vocab_size: int, max_model_len: int) -> list[list[int]]:
@@ -106,8 +109,9 @@ def warm_up(engine: Any) -> WarmupReport:
     return report
 
 
-def warm_suffix_kernels(engine: Any, prefixes: tuple[int, ...] = SUFFIX_PREFIXES,
-                        lengths: tuple[int, ...] = SUFFIX_LENGTHS) -> int:
+def warm_suffix_kernels(
+    engine: Any, prefixes: tuple[int, ...] = SUFFIX_PREFIXES, lengths: tuple[int, ...] = SUFFIX_LENGTHS
+) -> int:
     """Forwards of each suffix length over each cached prefix in the engine's KV (nothing is stored or
     reused; the KV is scratch until the next request writes it). Returns how many ran; prefixes that
     do not fit max_model_len are left out."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -48,8 +48,9 @@ def read_model_config(model_dir: str) -> tuple[dict, ModelConfig]:
     return hf, model_config_from_hf(hf)
 
 
-def load_model_dir(model_dir: str, device: torch.device, dtype: str | None = None,
-                   is_fingerprinted: bool = True) -> tuple[Transformer, ModelConfig, str]:
+def load_model_dir(
+    model_dir: str, device: torch.device, dtype: str | None = None, is_fingerprinted: bool = True
+) -> tuple[Transformer, ModelConfig, str]:
     """(model on ``device``, its config, weights fingerprint) from a local HF directory; the fingerprint is
     empty when ``is_fingerprinted`` is False (the user named the model's identity with --model-revision)."""
     from safetensors import safe_open
@@ -78,10 +79,14 @@ def assign_state(model: Transformer, state: dict[str, torch.Tensor], source: str
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
-        raise UserError(f"{source}: weights do not match the configuration: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise UserError(
+            f"{source}: weights do not match the configuration: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
     for name, tensor in expected.items():
         if tuple(state[name].shape) != tuple(tensor.shape):
-            raise UserError(f"{source}: {name} has shape {tuple(state[name].shape)}, the configuration needs {tuple(tensor.shape)}")
+            raise UserError(
+                f"{source}: {name} has shape {tuple(state[name].shape)}, the configuration needs {tuple(tensor.shape)}"
+            )
     model.load_state_dict(state, strict=True, assign=True)
     model.setup_buffers()
     model.eval()
@@ -93,7 +98,11 @@ def safetensors_header(tensors: Iterable[tuple[str, torch.dtype, tuple[int, ...]
     offset = 0
     for name, dtype, shape in tensors:
         num_bytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + num_bytes]}
+        header[name] = {
+            "dtype": SAFETENSORS_DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + num_bytes],
+        }
         offset += num_bytes
     text = json.dumps(header, separators=(",", ":")).encode()
     return text + b" " * (-len(text) % 8)  # pad so the data (and every tensor in it) starts 8-aligned

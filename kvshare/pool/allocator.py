@@ -19,7 +19,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-
 # A pool's default extent grows with its arena: a run of pages never crosses an extent (each is its
 # own CUDA registration), so an extent bounds the longest 2-D copy of a load. On the H200 a 128k load
 # of the Qwen3-32B shape ran at 0.974 of one 1-D copy with 256 MiB extents (4096 copies of 8 MiB) and

@@ -65,7 +65,8 @@ def uses_hugepages(mode: str, size_bytes: int, free_hugepage_bytes: int) -> bool
     if not is_enough:
         raise ArenaError(
             f"--hugepages needs {size_bytes} bytes of free hugepages, but only {free_hugepage_bytes} are reserved; "
-            f"reserve them first (e.g. sysctl vm.nr_hugepages={size_bytes // HUGEPAGE_BYTES}) or leave --hugepages at auto"
+            f"reserve them first (e.g. sysctl vm.nr_hugepages={size_bytes // HUGEPAGE_BYTES}) "
+            "or leave --hugepages at auto"
         )
     return True
 

@@ -35,8 +35,9 @@ from __future__ import annotations
 import enum
 import random
 import sys
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Protocol, Sequence
+from typing import Protocol
 
 import numpy as np
 import xxhash
@@ -178,7 +179,7 @@ class PageHasher:
             return [is_valid(page, header) for page, header in zip(pages, headers)]
         return list(self._executor().map(is_valid, pages, headers))
 
-    def submit_valid(self, page, header: Recorded) -> "Future[bool]":
+    def submit_valid(self, page, header: Recorded) -> Future[bool]:
         """``is_valid`` of the page, on one of the threads while the caller goes on (the page must not change)."""
         return self._executor().submit(is_valid, page, header)
 
@@ -187,8 +188,9 @@ class PageHasher:
 
     def _executor(self) -> ThreadPoolExecutor:
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(self._num_threads, thread_name_prefix="kvshare-checksum",
-                                            initializer=self._initializer)
+            self._pool = ThreadPoolExecutor(
+                self._num_threads, thread_name_prefix="kvshare-checksum", initializer=self._initializer
+            )
         return self._pool
 
     def close(self) -> None:

@@ -19,60 +19,19 @@ import struct
 import threading
 import time
 import weakref
-from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
 from kvshare.pool import protocol as P
 from kvshare.pool.arena import ArenaError, check_sealed, map_arena
 from kvshare.pool.checksum import ChecksumKind, is_valid
+
+# the grants and errors live in kvshare.pool.grants and are re-exported: callers import them from here
+from kvshare.pool.grants import ChecksumMismatch, LeaseGrant, PoolRequestError, PoolUnavailable, ReservationGrant
 from kvshare.pool.holders import TOKEN_BYTES
 from kvshare.pool.peers import peer_credentials, untrusted_pool_reason
 from kvshare.pool.spin import CpuPressure, SpinPolicy
-
-
-class PoolUnavailable(ConnectionError):
-    """The pool daemon cannot be reached (not started, stopped or crashed)."""
-
-
-class PoolRequestError(RuntimeError):
-    """The daemon refused a request; ``code`` says why in one word."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-
-
-class ChecksumMismatch(RuntimeError):
-    """A page's bytes do not match the checksum recorded at commit."""
-
-
-@dataclass(frozen=True)
-class LeaseGrant:
-    """What a client is given for a lease: pages of the longest committed prefix, pinned until released.
-
-    The pool's own record of the lease (holder, entries, expiry) is ``kvshare.pool.entries.Lease``.
-    """
-
-    lease_id: int
-    pages: list[P.PageHeader]
-
-    @property
-    def num_pages(self) -> int:
-        return len(self.pages)
-
-
-@dataclass(frozen=True)
-class ReservationGrant:
-    """What a client is given for a reservation: pages to write, (index into the keys asked for, page offset).
-
-    The pool's own record of the reservation is ``kvshare.pool.entries.Reservation``.
-    """
-
-    reservation_id: int
-    grants: list[tuple[int, int]]
-    num_no_room: int
 
 
 class PoolClient:
@@ -106,7 +65,7 @@ class PoolClient:
 
     # -- connection --------------------------------------------------------------
 
-    def connect(self) -> "PoolClient":
+    def connect(self) -> PoolClient:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(self.timeout_s)
         try:
@@ -116,8 +75,9 @@ class PoolClient:
             if reason is not None:
                 sock.close()
                 raise PoolRequestError("untrusted_pool", reason)
-            sock.sendall(P.encode(P.Hello(protocol_version=P.PROTOCOL_VERSION, client_name=self.name,
-                                          holder=self.holder)))
+            sock.sendall(
+                P.encode(P.Hello(protocol_version=P.PROTOCOL_VERSION, client_name=self.name, holder=self.holder))
+            )
             data, fds, _flags, _addr = socket.recv_fds(sock, 1 << 16, 1)
         except OSError as exc:
             refusal = _refusal_before_close(sock)
@@ -135,12 +95,14 @@ class PoolClient:
                 raise P.ProtocolError("the pool's hello reply carried no arena")
             if reply.protocol_version != P.PROTOCOL_VERSION or len(reply.pool_id) != P.POOL_ID_BYTES:
                 raise PoolRequestError(
-                    "version_mismatch", f"pool speaks protocol {reply.protocol_version}, this client "
-                    f"{P.PROTOCOL_VERSION}; run the same kvshare version on both sides"
+                    "version_mismatch",
+                    f"pool speaks protocol {reply.protocol_version}, this client "
+                    f"{P.PROTOCOL_VERSION}; run the same kvshare version on both sides",
                 )
             if reply.format_version != P.FORMAT_VERSION:
                 raise PoolRequestError(
-                    "version_mismatch", f"pool stores page format {reply.format_version}, this client {P.FORMAT_VERSION}"
+                    "version_mismatch",
+                    f"pool stores page format {reply.format_version}, this client {P.FORMAT_VERSION}",
                 )
             try:
                 check_sealed(fds[0])
@@ -187,7 +149,7 @@ class PoolClient:
                 pass  # views still exist; the mapping goes with the last of them
             self._mmap = None
 
-    def __enter__(self) -> "PoolClient":
+    def __enter__(self) -> PoolClient:
         return self.connect() if self._sock is None else self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -301,8 +263,15 @@ class PoolClient:
             except OSError:
                 self._close_socket()
 
-    def reserve(self, namespace: bytes, keys: list[bytes], page_bytes: int, first_depth: int = 0,
-                token_ids=None, account: bytes = b"") -> ReservationGrant:
+    def reserve(
+        self,
+        namespace: bytes,
+        keys: list[bytes],
+        page_bytes: int,
+        first_depth: int = 0,
+        token_ids=None,
+        account: bytes = b"",
+    ) -> ReservationGrant:
         """Pages for ``keys``; ``token_ids`` (the chunks' tokens, in order) lets the pool announce them in KV events.
         ``account`` (P.Reserve): whose quota the pages count against; empty: the namespace's.
 
@@ -311,13 +280,23 @@ class PoolClient:
         wanted = token_ids is not None and self.hello is not None and self.hello.wants_token_ids
         tokens_le32 = np.asarray(token_ids, dtype="<u4").tobytes() if wanted else b""
         tokens_le32 = tokens_le32 if len(tokens_le32) <= P.MAX_RESERVE_TOKEN_BYTES else b""
-        reply = self._call(P.Reserve(namespace=namespace, keys=list(keys), page_bytes=page_bytes,
-                                     first_depth=first_depth, tokens_le32=tokens_le32, account=account))
+        reply = self._call(
+            P.Reserve(
+                namespace=namespace,
+                keys=list(keys),
+                page_bytes=page_bytes,
+                first_depth=first_depth,
+                tokens_le32=tokens_le32,
+                account=account,
+            )
+        )
         return ReservationGrant(reply.reservation_id, [tuple(g) for g in reply.grants], reply.num_no_room)
 
     def commit(self, reservation_id: int, checksums: list[int], checksum_kind: ChecksumKind = ChecksumKind.XXH3) -> int:
         """Make the reservation's pages visible, one checksum of ``checksum_kind`` per page (in grant order)."""
-        return self._call(P.Commit(reservation_id=reservation_id, checksums=checksums, checksum_kind=checksum_kind)).count
+        return self._call(
+            P.Commit(reservation_id=reservation_id, checksums=checksums, checksum_kind=checksum_kind)
+        ).count
 
     def abort(self, reservation_id: int) -> int:
         return self._call(P.Abort(reservation_id=reservation_id)).count

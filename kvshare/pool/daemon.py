@@ -20,18 +20,18 @@ import selectors
 import socket
 import stat
 import time
-from dataclasses import dataclass, field
 
 from kvshare.pool import protocol as P
-from kvshare.pool.allocator import Allocator, default_extent_bytes
-from kvshare.pool.arena import HUGEPAGE_BYTES, HUGEPAGES_MODES, open_arena, prefault
+from kvshare.pool.allocator import Allocator
+from kvshare.pool.arena import HUGEPAGE_BYTES, open_arena, prefault
+from kvshare.pool.config import PoolConfig
 from kvshare.pool.connection import MAX_HELLO_BYTES, Connection, send_now, socket_is_live
-from kvshare.pool.event_publisher import KVEventsConfig, open_pool_events
+from kvshare.pool.event_publisher import open_pool_events
 from kvshare.pool.handlers import PoolHandlers, ServerCounters
-from kvshare.pool.index import IndexConfig, PoolError, PoolIndex
+from kvshare.pool.index import PoolError, PoolIndex
 from kvshare.pool.peers import peer_credentials
+from kvshare.pool.remote import RemoteHooks, start_remote_tier
 from kvshare.pool.spin import CpuPressure, SpinPolicy
-from kvshare.pool.remote import RemoteConfig, RemoteHooks, start_remote_tier
 
 log = logging.getLogger("kvshare.pool")
 
@@ -39,45 +39,6 @@ _REMOTE_WAKEUP = "remote-wakeup"  # selector data of the remote tier's wake-up s
 # Items (entries, extents) the idle integrity pass checks per loop turn: ~1 ms (a whole pass took 0.41 s over 200k
 # pages, ~2 us an item), so a request that arrives during the pass waits at most one step.
 _INTEGRITY_ITEMS_PER_STEP = 500
-
-
-@dataclass(frozen=True)
-class PoolConfig:
-    """Everything ``kvshare pool`` takes; validated on construction."""
-
-    socket_path: str
-    size_bytes: int
-    extent_bytes: int | None = None  # None: default_extent_bytes(size_bytes)
-    hugepages: str = "auto"  # one of arena.HUGEPAGES_MODES: auto takes reserved 2 MiB pages when enough are free
-    prefault: bool = False
-    socket_mode: int = 0o600  # owner-only unless the operator says otherwise
-    allowed_uids: tuple[int, ...] = ()  # empty: only the daemon's own uid
-    max_message_bytes: int = P.DEFAULT_MAX_MESSAGE_BYTES
-    max_unsent_bytes: int = 16 << 20  # a client whose unsent replies pass this is closed (it is not reading them)
-    hello_timeout_s: float = 5.0  # a connection that has not said hello by then is closed
-    index: IndexConfig = field(default_factory=IndexConfig)
-    tick_s: float = 0.25  # lease expiry and stats snapshot period
-    # After activity the loop polls without sleeping up to this long before it blocks, while that pays (spin.py):
-    # a cross-core wake-up costs ~30 us on these VMs, so a client's next message is seen sooner when it comes soon.
-    busy_poll_us: float = 100.0
-    remote: RemoteConfig | None = None  # the remote tier (--remote URL); None: this host's arena only
-    kv_events: KVEventsConfig | None = None  # publish commits and removals as vLLM KV events (--kv-events)
-
-    def __post_init__(self) -> None:
-        if self.size_bytes <= 0:
-            raise ValueError(f"pool size must be positive, got {self.size_bytes}")
-        if self.extent_bytes is None:
-            object.__setattr__(self, "extent_bytes", default_extent_bytes(self.size_bytes))
-        if self.extent_bytes <= 0:
-            raise ValueError(f"extent size must be positive, got {self.extent_bytes}")
-        if self.hugepages not in HUGEPAGES_MODES:
-            raise ValueError(f"hugepages must be one of {', '.join(HUGEPAGES_MODES)}, got {self.hugepages!r}")
-        if not self.socket_path:
-            raise ValueError("a socket path is required")
-        if len(os.fsencode(self.socket_path)) > 107:
-            raise ValueError(f"socket path too long for a Unix socket (max 107 bytes): {self.socket_path}")
-        if self.remote is not None:
-            self.remote.check_lease_ttl(self.index.lease_ttl_s)
 
 
 class PoolServer:
@@ -130,8 +91,12 @@ class PoolServer:
         self._selector.register(listener, selectors.EVENT_READ, None)
         self._start_remote()
         self._snapshot()
-        log.info("pool of %d bytes on %s pages listening on %s", cfg.size_bytes,
-                 "2 MiB huge" if is_huge else f"{mmap.PAGESIZE // 1024} KiB", cfg.socket_path)
+        log.info(
+            "pool of %d bytes on %s pages listening on %s",
+            cfg.size_bytes,
+            "2 MiB huge" if is_huge else f"{mmap.PAGESIZE // 1024} KiB",
+            cfg.socket_path,
+        )
 
     def serve(self) -> None:
         """Run until ``stop()``; then close every client and remove the socket."""
@@ -243,8 +208,11 @@ class PoolServer:
             sock.close()
             return
         if pid == 0:  # a process in another pid namespace: whether it is gone cannot be known (holders.py)
-            log.info("client of uid %d from another pid namespace: its holds outlive its connections until it says "
-                     "goodbye or their TTL passes", uid)
+            log.info(
+                "client of uid %d from another pid namespace: its holds outlive its connections until it says "
+                "goodbye or their TTL passes",
+                uid,
+            )
         sock.setblocking(False)
         client = Connection(sock=sock, client_id=self._next_client_id, pid=pid, uid=uid, connected_at=time.monotonic())
         self._next_client_id += 1
@@ -274,8 +242,13 @@ class PoolServer:
         aborted, released = self.handlers.disconnect(client.client_id)
         self.counters.disconnects += 1
         if aborted or released:
-            log.info("client %s (pid %d) left: aborted %d reservations, released %d leases",
-                     label, client.pid, aborted, released)
+            log.info(
+                "client %s (pid %d) left: aborted %d reservations, released %d leases",
+                label,
+                client.pid,
+                aborted,
+                released,
+            )
 
     def _on_readable(self, client: Connection) -> None:
         data = client.recv_some()
@@ -365,8 +338,13 @@ class PoolServer:
             return
         if len(client.outbuf) > self.config.max_unsent_bytes:
             self.counters.errors += 1
-            log.warning("closing client %s (pid %d): %d bytes of replies unread (bound %d)", self._label(client),
-                        client.pid, len(client.outbuf), self.config.max_unsent_bytes)
+            log.warning(
+                "closing client %s (pid %d): %d bytes of replies unread (bound %d)",
+                self._label(client),
+                client.pid,
+                len(client.outbuf),
+                self.config.max_unsent_bytes,
+            )
             self._drop_client(client)
             return
         events = (selectors.EVENT_READ if client.is_reading else 0) | (selectors.EVENT_WRITE if client.outbuf else 0)
@@ -383,8 +361,9 @@ class PoolServer:
             return
         writer_id, promoter_id = self._next_client_id, self._next_client_id + 1  # the tier's own client ids
         self._next_client_id += 2
-        self.remote = start_remote_tier(self.config.remote, self.index, self.arena, self.config.index.lease_ttl_s,
-                                        writer_id, promoter_id)
+        self.remote = start_remote_tier(
+            self.config.remote, self.index, self.arena, self.config.index.lease_ttl_s, writer_id, promoter_id
+        )
         self.handlers.remote = self.remote
         self._selector.register(self.remote.wakeup, selectors.EVENT_READ, _REMOTE_WAKEUP)
 

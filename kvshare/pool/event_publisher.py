@@ -193,9 +193,13 @@ class PoolEvents:
     def _stored(self, entry: Entry, parent: bytes | None):
         tokens = entry.token_ids()
         kind = self.config.hash_kind
-        return E.block_stored(self.config.encoding, [E.external_hash(entry.key, kind)],
-                              None if parent is None else E.external_hash(parent, kind), tokens,
-                              len(tokens) or self.config.block_size)
+        return E.block_stored(
+            self.config.encoding,
+            [E.external_hash(entry.key, kind)],
+            None if parent is None else E.external_hash(parent, kind),
+            tokens,
+            len(tokens) or self.config.block_size,
+        )
 
     def removed(self, entry: Entry) -> None:
         """A page left the index (evicted, dropped, flushed)."""
@@ -219,6 +223,10 @@ def open_pool_events(config: KVEventsConfig | None, index) -> PoolEvents | None:
         return None
     events = PoolEvents(config, EventPublisher(config))
     index.listener = events
-    log.info("KV events on %s (replay %s), topics %s", config.endpoint, config.replay_endpoint or "off",
-             ", ".join(config.topics))
+    log.info(
+        "KV events on %s (replay %s), topics %s",
+        config.endpoint,
+        config.replay_endpoint or "off",
+        ", ".join(config.topics),
+    )
     return events

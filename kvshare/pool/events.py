@@ -15,7 +15,7 @@ Pure: structs, hash conversion and one encode/decode path; no sockets (event_pub
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
@@ -73,13 +73,12 @@ class PositionalBlockRemoved(msgspec.Struct, array_like=True, omit_defaults=True
     medium: str | None
 
 
-class PositionalAllBlocksCleared(msgspec.Struct, array_like=True, omit_defaults=True, gc=False,
-                                 tag="AllBlocksCleared"):
+class PositionalAllBlocksCleared(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag="AllBlocksCleared"):
     pass
 
 
-MapEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
-PositionalEvent = Union[PositionalBlockStored, PositionalBlockRemoved, PositionalAllBlocksCleared]
+MapEvent = BlockStored | BlockRemoved | AllBlocksCleared
+PositionalEvent = PositionalBlockStored | PositionalBlockRemoved | PositionalAllBlocksCleared
 _REMOVED = {"map": BlockRemoved, "positional": PositionalBlockRemoved}
 _CLEARED = {"map": AllBlocksCleared, "positional": PositionalAllBlocksCleared}
 
@@ -108,16 +107,23 @@ def external_hash(key: bytes, kind: str) -> int | bytes:
     return int.from_bytes(key, "big") & ((1 << 64) - 1)
 
 
-def block_stored(encoding: str, hashes: list[int | bytes], parent: int | bytes | None, token_ids: list[int],
-                 block_size: int, medium: str = MEDIUM_CPU) -> BlockStored | PositionalBlockStored:
+def block_stored(
+    encoding: str,
+    hashes: list[int | bytes],
+    parent: int | bytes | None,
+    token_ids: list[int],
+    block_size: int,
+    medium: str = MEDIUM_CPU,
+) -> BlockStored | PositionalBlockStored:
     """Blocks now held (the pool's: ``medium="CPU"``; a replica's prefix cache: ``"GPU"``), no LoRA (its bytes
     are in the key's namespace)."""
     fields = (hashes, parent, token_ids, block_size, None, medium)
     return BlockStored(*fields, None) if encoding == "map" else PositionalBlockStored(*fields)
 
 
-def block_removed(encoding: str, hashes: list[int | bytes], medium: str = MEDIUM_CPU
-                  ) -> BlockRemoved | PositionalBlockRemoved:
+def block_removed(
+    encoding: str, hashes: list[int | bytes], medium: str = MEDIUM_CPU
+) -> BlockRemoved | PositionalBlockRemoved:
     return _REMOVED[encoding](hashes, medium)
 
 

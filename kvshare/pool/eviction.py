@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 from kvshare.pool.entries import Entry, Lease, Reservation
 
 
-def victims(lru: list[Entry], leases: Iterable[Lease], reservations: Iterable[Reservation], extent_bytes: int,
-            page_bytes: int = 0) -> Iterator[list[Entry]]:
+def victims(
+    lru: list[Entry],
+    leases: Iterable[Lease],
+    reservations: Iterable[Reservation],
+    extent_bytes: int,
+    page_bytes: int = 0,
+) -> Iterator[list[Entry]]:
     """Groups of entries to evict, in LRU order (``lru`` oldest first); never a leased one.
 
     Each unleased entry alone, except when the room is for pages of ``page_bytes`` (a reserve): then an
@@ -30,8 +35,9 @@ def victims(lru: list[Entry], leases: Iterable[Lease], reservations: Iterable[Re
             yield group
 
 
-def unheld_extents(lru: list[Entry], leases: Iterable[Lease], reservations: Iterable[Reservation],
-                   extent_bytes: int) -> dict[int, list[Entry]]:
+def unheld_extents(
+    lru: list[Entry], leases: Iterable[Lease], reservations: Iterable[Reservation], extent_bytes: int
+) -> dict[int, list[Entry]]:
     """Extent index -> its committed entries, for every extent where no page is leased or being written."""
     held = {e.offset // extent_bytes for lease in leases for e in lease.entries}
     held |= {e.offset // extent_bytes for r in reservations for e in r.entries}

@@ -19,13 +19,13 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 from kvshare.keys import KEY_BYTES
 from kvshare.pool import protocol as P
-from kvshare.pool.holders import Holders
 from kvshare.pool.entries import LookupResult
+from kvshare.pool.holders import Holders
 from kvshare.pool.index import PoolError, PoolIndex
 from kvshare.pool.remote import RemoteHooks
 
@@ -47,8 +47,13 @@ class ServerCounters:
 class PoolHandlers:
     """One method per message type; ``answer_later(client_id, reply)`` delivers a deferred lookup's reply."""
 
-    def __init__(self, index: PoolIndex, counters: ServerCounters, answer_later: Callable[[int, P.Reply], None],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        index: PoolIndex,
+        counters: ServerCounters,
+        answer_later: Callable[[int, P.Reply], None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.index = index
         self.allocator = index.allocator
         self.counters = counters
@@ -97,8 +102,9 @@ class PoolHandlers:
                 "run the same kvshare version on both sides",
             )
         if len(request.holder) > P.MAX_HOLDER_BYTES:
-            raise PoolError("bad_holder", f"a holder token has at most {P.MAX_HOLDER_BYTES} bytes, "
-                                          f"got {len(request.holder)}")
+            raise PoolError(
+                "bad_holder", f"a holder token has at most {P.MAX_HOLDER_BYTES} bytes, got {len(request.holder)}"
+            )
         self._names[client_id] = request.client_name[:64]
         self.holders.attach(client_id, request.holder, self._names[client_id])
         return P.HelloReply(
@@ -191,8 +197,16 @@ class PoolHandlers:
 
     def reserve(self, client_id: int, req: P.Reserve) -> P.Reply:
         holder_id = self._holder(client_id)
-        result = self.index.reserve(holder_id, req.namespace, req.keys, req.page_bytes, req.first_depth, self._clock(),
-                                    req.tokens_le32, req.account)
+        result = self.index.reserve(
+            holder_id,
+            req.namespace,
+            req.keys,
+            req.page_bytes,
+            req.first_depth,
+            self._clock(),
+            req.tokens_le32,
+            req.account,
+        )
         if self.remote is not None:
             self.remote.on_reserve(holder_id, result.reservation_id, [entry for _, entry in result.grants])
         grants = [(i, entry.offset) for i, entry in result.grants]
@@ -214,8 +228,12 @@ class PoolHandlers:
         """The holder's copies have all ended: its holds end now (no reply; the connection closes next)."""
         aborted, released = self._end_holds(self._holder(client_id))
         if aborted or released:
-            log.info("client %s said goodbye: aborted %d reservations, released %d leases",
-                     self.name_of(client_id) or client_id, aborted, released)
+            log.info(
+                "client %s said goodbye: aborted %d reservations, released %d leases",
+                self.name_of(client_id) or client_id,
+                aborted,
+                released,
+            )
 
     def drop(self, client_id: int, req: P.Drop) -> P.Reply:
         return P.Ok(count=self.index.drop(req.keys))
@@ -229,8 +247,13 @@ class PoolHandlers:
     def list_leases(self, client_id: int, req: P.ListLeases) -> P.Reply:
         now = self._clock()
         leases = [
-            P.LeaseInfo(lease.lease_id, lease.client_id, self.name_of(lease.client_id), len(lease.entries),
-                        round(now - lease.created_at, 3))
+            P.LeaseInfo(
+                lease.lease_id,
+                lease.client_id,
+                self.name_of(lease.client_id),
+                len(lease.entries),
+                round(now - lease.created_at, 3),
+            )
             for lease in self.index.leases()
         ]
         return P.LeasesReply(leases=leases)
@@ -238,13 +261,22 @@ class PoolHandlers:
     def list_namespaces(self, client_id: int, req: P.ListNamespaces) -> P.Reply:
         rows = [P.NamespaceInfo(ns, n, b) for ns, n, b in self.index.namespaces()]
         accounts = [P.NamespaceInfo(owner, n, b) for owner, n, b in self.index.accounts()]
-        return P.NamespacesReply(namespaces=rows, quota_bytes=self.index.config.namespace_quota_bytes,
-                                 accounts=accounts)
+        return P.NamespacesReply(
+            namespaces=rows, quota_bytes=self.index.config.namespace_quota_bytes, accounts=accounts
+        )
 
     def prefill_report(self, client_id: int, req: P.PrefillReport) -> P.Reply:
-        if len(req.namespace) != KEY_BYTES or req.page_bytes < 1 or req.num_chunks < 1 or not 0 < req.seconds < math.inf:
-            raise PoolError("bad_report", f"a prefill report needs a {KEY_BYTES}-byte namespace, a page size, "
-                                          f"at least one chunk and a positive time; got {req}")
+        if (
+            len(req.namespace) != KEY_BYTES
+            or req.page_bytes < 1
+            or req.num_chunks < 1
+            or not 0 < req.seconds < math.inf
+        ):
+            raise PoolError(
+                "bad_report",
+                f"a prefill report needs a {KEY_BYTES}-byte namespace, a page size, "
+                f"at least one chunk and a positive time; got {req}",
+            )
         if self.remote is None:
             return P.Ok(count=0)
         self.remote.on_prefill(req.namespace, req.page_bytes, req.num_chunks, req.seconds)
@@ -323,8 +355,9 @@ class PoolHandlers:
         """On a partial local hit, let the remote tier fetch the rest before the client is answered."""
         if self.remote is None or not req.lease or len(result.entries) == len(req.keys):
             return False
-        on_done = functools.partial(self._finish_deferred_lookup, client_id, self._holder(client_id), req,
-                                    result.lease_id)
+        on_done = functools.partial(
+            self._finish_deferred_lookup, client_id, self._holder(client_id), req, result.lease_id
+        )
         if not self.remote.promote(req.keys, req.page_bytes, len(result.entries), on_done):
             return False
         self._deferred.add(client_id)

@@ -34,7 +34,7 @@ class Process:
     start_ticks: int | None
 
     @classmethod
-    def of(cls, pid: int) -> "Process":
+    def of(cls, pid: int) -> Process:
         return cls(pid, process_start_ticks(pid)) if pid > 0 else cls(0, None)
 
     def is_gone(self) -> bool:

@@ -22,13 +22,21 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 from kvshare.keys import KEY_BYTES
 from kvshare.pool.allocator import Allocator
 from kvshare.pool.checksum import ChecksumKind
-from kvshare.pool.entries import (Entry, EntryState, IndexCounters, IndexListener, Lease, LookupResult, Reservation,
-                                  ReserveResult)
+from kvshare.pool.config import IndexConfig
+from kvshare.pool.entries import (
+    Entry,
+    EntryState,
+    IndexCounters,
+    IndexListener,
+    Lease,
+    LookupResult,
+    Reservation,
+    ReserveResult,
+)
 from kvshare.pool.eviction import victims
 from kvshare.pool.integrity import integrity_items, integrity_steps
 from kvshare.pool.quota import NamespaceQuota
@@ -40,24 +48,6 @@ class PoolError(Exception):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.code = code
-
-
-@dataclass(frozen=True)
-class IndexConfig:
-    high_watermark: float = 0.95  # fraction of the arena in use that starts eviction
-    low_watermark: float = 0.90  # ... and where it stops
-    lease_ttl_s: float = 300.0
-    reservation_ttl_s: float = 600.0  # longer than any copy into a reservation's pages can run
-    max_keys: int = 4096  # per message
-    namespace_quota_bytes: int = 0  # bytes one account (or namespace) may hold (writing + committed); 0: no quota
-
-    def __post_init__(self) -> None:
-        if not 0.0 < self.low_watermark <= self.high_watermark <= 1.0:
-            raise ValueError("watermarks must satisfy 0 < low <= high <= 1")
-        if self.lease_ttl_s <= 0 or self.reservation_ttl_s <= 0 or self.max_keys <= 0:
-            raise ValueError("lease_ttl_s, reservation_ttl_s and max_keys must be positive")
-        if self.namespace_quota_bytes < 0:
-            raise ValueError(f"namespace_quota_bytes must be >= 0, got {self.namespace_quota_bytes}")
 
 
 class PoolIndex:
@@ -119,8 +109,15 @@ class PoolIndex:
 
     # -- lookups and leases ----------------------------------------------------
 
-    def lookup(self, client_id: int, keys: list[bytes], page_bytes: int, now: float, lease: bool = True,
-               is_counted: bool = True) -> LookupResult:
+    def lookup(
+        self,
+        client_id: int,
+        keys: list[bytes],
+        page_bytes: int,
+        now: float,
+        lease: bool = True,
+        is_counted: bool = True,
+    ) -> LookupResult:
         """Longest committed prefix of ``keys``; leased (pinned) when ``lease``.
 
         ``is_counted=False`` leaves the lookup counters alone: for the pool's own pins, and the second
@@ -181,8 +178,15 @@ class PoolIndex:
     # -- writes --------------------------------------------------------------
 
     def reserve(
-        self, client_id: int, namespace: bytes, keys: list[bytes], page_bytes: int, first_depth: int, now: float,
-        tokens_le32: bytes = b"", account: bytes = b"",
+        self,
+        client_id: int,
+        namespace: bytes,
+        keys: list[bytes],
+        page_bytes: int,
+        first_depth: int,
+        now: float,
+        tokens_le32: bytes = b"",
+        account: bytes = b"",
     ) -> ReserveResult:
         """Pages for the keys nobody holds yet, invisible until commit. Never blocks: no room -> fewer grants.
 
@@ -191,8 +195,9 @@ class PoolIndex:
         """
         self._check_keys(keys)
         if tokens_le32 and len(tokens_le32) % (4 * len(keys)):
-            raise PoolError("bad_token_ids",
-                            f"{len(tokens_le32)} bytes of token ids do not split over {len(keys)} keys")
+            raise PoolError(
+                "bad_token_ids", f"{len(tokens_le32)} bytes of token ids do not split over {len(keys)} keys"
+            )
         chunk_bytes = len(tokens_le32) // len(keys) if tokens_le32 else 0
         if len(namespace) != KEY_BYTES:
             raise PoolError("bad_namespace", f"namespace must be {KEY_BYTES} bytes, got {len(namespace)}")
@@ -227,9 +232,18 @@ class PoolIndex:
         reservation_id = self._new_id()
         grants = []
         for i, offset in zip(granted, offsets):
-            entry = Entry(keys[i], namespace, offset, page_bytes, first_depth + i, EntryState.WRITING, reservation_id,
-                          parent_key=keys[i - 1] if i > 0 else None,
-                          tokens_le32=tokens_le32[i * chunk_bytes : (i + 1) * chunk_bytes], account=account)
+            entry = Entry(
+                keys[i],
+                namespace,
+                offset,
+                page_bytes,
+                first_depth + i,
+                EntryState.WRITING,
+                reservation_id,
+                parent_key=keys[i - 1] if i > 0 else None,
+                tokens_le32=tokens_le32[i * chunk_bytes : (i + 1) * chunk_bytes],
+                account=account,
+            )
             self._entries[entry.key] = entry
             self.quota.add(entry.quota_owner, page_bytes)
             grants.append((i, entry))
@@ -237,14 +251,13 @@ class PoolIndex:
         self.counters.reserved_pages += len(grants)
         return ReserveResult(reservation_id=reservation_id, grants=grants, num_no_room=no_room)
 
-    def commit(self, client_id: int, reservation_id: int, checksums: list[int],
-               checksum_kind: ChecksumKind = ChecksumKind.XXH3) -> int:
+    def commit(
+        self, client_id: int, reservation_id: int, checksums: list[int], checksum_kind: ChecksumKind = ChecksumKind.XXH3
+    ) -> int:
         """Make a reservation's pages visible with their checksums (all of one kind); returns pages committed."""
         reservation = self._owned_reservation(client_id, reservation_id)
         if len(checksums) != len(reservation.entries):
-            raise PoolError(
-                "bad_checksums", f"commit needs {len(reservation.entries)} checksums, got {len(checksums)}"
-            )
+            raise PoolError("bad_checksums", f"commit needs {len(reservation.entries)} checksums, got {len(checksums)}")
         del self._reservations[reservation_id]
         for entry, checksum in zip(reservation.entries, checksums):
             entry.state = EntryState.COMMITTED
@@ -349,8 +362,13 @@ class PoolIndex:
 
     def _evict(self, is_done, page_bytes: int = 0) -> None:
         """Evict committed, unleased entries oldest first until ``is_done()`` (eviction.victims: which)."""
-        for group in victims(list(self._lru.values()), self._leases.values(), self._reservations.values(),
-                             self.allocator.extent_bytes, page_bytes):
+        for group in victims(
+            list(self._lru.values()),
+            self._leases.values(),
+            self._reservations.values(),
+            self.allocator.extent_bytes,
+            page_bytes,
+        ):
             if is_done():
                 return
             for entry in group:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from kvshare.pool.client import PoolClient, PoolRequestError, PoolUnavailable
 from kvshare.pool.holders import TOKEN_BYTES
@@ -86,8 +86,13 @@ class PoolLink:
             self.drop()
         if self._clock() < self._retry_at:
             return None
-        client = PoolClient(self.socket_path, name=self.name, timeout_s=self.timeout_s,
-                            verify_checksums=self.verify_checksums, holder=self.holder)
+        client = PoolClient(
+            self.socket_path,
+            name=self.name,
+            timeout_s=self.timeout_s,
+            verify_checksums=self.verify_checksums,
+            holder=self.holder,
+        )
         try:
             client.connect()
         except (PoolRequestError, *POOL_DOWN_ERRORS) as exc:
@@ -101,12 +106,21 @@ class PoolLink:
             self._schedule_retry(f"cannot use the pool at {self.socket_path}")  # tried later, not at once
             raise
         if self.num_connects:
-            log.warning("kvshare: %s connected to the pool at %s again (%s)", self.name, self.socket_path,
-                        "the same pool" if client.hello.pool_id == self._last_pool_id
-                        else "a new pool: the holds of the old one ended with it")
+            log.warning(
+                "kvshare: %s connected to the pool at %s again (%s)",
+                self.name,
+                self.socket_path,
+                "the same pool"
+                if client.hello.pool_id == self._last_pool_id
+                else "a new pool: the holds of the old one ended with it",
+            )
         else:
-            log.info("kvshare: %s connected to the pool at %s (pid %s)", self.name, self.socket_path,
-                     client.hello.server_pid if client.hello else "?")
+            log.info(
+                "kvshare: %s connected to the pool at %s (pid %s)",
+                self.name,
+                self.socket_path,
+                client.hello.server_pid if client.hello else "?",
+            )
         self._client = client
         self._delay = self.retry_s
         self.num_connects += 1

@@ -14,7 +14,6 @@ as SCM_RIGHTS ancillary data.
 from __future__ import annotations
 
 import struct
-from typing import Union
 
 import msgspec
 
@@ -135,8 +134,22 @@ class Goodbye(msgspec.Struct, tag="goodbye"):
     """Every copy touching this holder's pages has ended: end all its leases and reservations. No reply."""
 
 
-Request = Union[Hello, Lookup, Release, Reserve, Commit, Abort, Drop, Flush, GetStats, ListLeases, CheckIntegrity,
-                ListNamespaces, PrefillReport, Goodbye]
+Request = (
+    Hello
+    | Lookup
+    | Release
+    | Reserve
+    | Commit
+    | Abort
+    | Drop
+    | Flush
+    | GetStats
+    | ListLeases
+    | CheckIntegrity
+    | ListNamespaces
+    | PrefillReport
+    | Goodbye
+)
 
 # -- replies ---------------------------------------------------------------------------
 
@@ -215,7 +228,7 @@ class ErrorReply(msgspec.Struct, tag="error"):
     message: str
 
 
-Reply = Union[HelloReply, LookupReply, ReserveReply, Ok, StatsReply, LeasesReply, NamespacesReply, ErrorReply]
+Reply = HelloReply | LookupReply | ReserveReply | Ok | StatsReply | LeasesReply | NamespacesReply | ErrorReply
 
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(Request)

@@ -21,7 +21,7 @@ Pure bookkeeping: the index removes the entries ``victims`` names and counts the
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from kvshare.pool.entries import Entry
 

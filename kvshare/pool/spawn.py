@@ -9,7 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Iterator, Mapping
+from collections.abc import Iterator, Mapping
 
 import kvshare
 from kvshare.pool.client import PoolClient, PoolRequestError, PoolUnavailable

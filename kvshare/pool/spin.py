@@ -40,8 +40,12 @@ PRESSURE_INTERVAL_S = 0.05  # how stale a pressure reading may be (one /proc rea
 class CpuPressure:
     """Whether runnable tasks waited for a core lately: PSI "some" over the last interval (no PSI: never)."""
 
-    def __init__(self, path: str = PSI_CPU_PATH, interval_s: float = PRESSURE_INTERVAL_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        path: str = PSI_CPU_PATH,
+        interval_s: float = PRESSURE_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.path = path
         self.interval_s = interval_s
         self._clock = clock

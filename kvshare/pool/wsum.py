@@ -33,7 +33,8 @@ def block_words(num_words: int) -> int:
 
 
 def add_rows(acc: torch.Tensor, rows: torch.Tensor, word_offset: int) -> None:
-    """``acc[n]`` (int64) += the WSUM32 contribution of ``rows`` ``[n, W]`` (int32, words ``word_offset ..`` of each page).
+    """``acc[n]`` (int64) += the WSUM32 contribution of ``rows`` ``[n, W]`` (int32, words ``word_offset ..`` of
+    each page).
 
     Enqueued on the current stream; nothing is read back.
     """

@@ -33,13 +33,15 @@ class Outcome:
         return self.error is None
 
 
-async def post(session: aiohttp.ClientSession, url: str, path: str, body: dict[str, Any], headers: dict[str, str],
-               timeout_s: float) -> Outcome:
+async def post(
+    session: aiohttp.ClientSession, url: str, path: str, body: dict[str, Any], headers: dict[str, str], timeout_s: float
+) -> Outcome:
     out = Outcome()
     started = time.perf_counter()
     try:
-        async with session.post(url.rstrip("/") + path, json=body, headers=headers,
-                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+        async with session.post(
+            url.rstrip("/") + path, json=body, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)
+        ) as resp:
             out.status = resp.status
             if resp.status != 200:
                 raw = await resp.read()
@@ -71,7 +73,11 @@ async def _read_stream(resp: aiohttp.ClientResponse, out: Outcome, started: floa
             elif data is not None:
                 absorb(got, json.loads(data), time.perf_counter() - started)
     out.ttft_s, out.text, out.token_ids = got.ttft_s, got.text, got.token_ids
-    out.prompt_tokens, out.provenance, out.replica = got.prompt_tokens, got.provenance, (got.provenance or {}).get("replica")
+    out.prompt_tokens, out.provenance, out.replica = (
+        got.prompt_tokens,
+        got.provenance,
+        (got.provenance or {}).get("replica"),
+    )
     if got.error is not None:
         out.error = f"error in stream: {got.error}"[:300]
     elif not is_done or got.finish_reason is None:
@@ -98,4 +104,6 @@ def _top_logprobs(logprobs: dict | None) -> list[dict]:
         return []
     if "top_logprobs" in logprobs:  # completions
         return [dict(step or {}) for step in logprobs["top_logprobs"] or []]
-    return [{c["token"]: c["logprob"] for c in step.get("top_logprobs") or []} for step in logprobs.get("content") or []]
+    return [
+        {c["token"]: c["logprob"] for c in step.get("top_logprobs") or []} for step in logprobs.get("content") or []
+    ]

@@ -15,8 +15,8 @@ import random
 import socket
 import time
 import urllib.parse
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable
 
 import aiohttp
 
@@ -56,8 +56,10 @@ class LoadConfig:
         if not 0 < self.min_document_chars <= self.max_document_chars:
             raise ValueError("document sizes must satisfy 0 < min <= max")
         if self.max_context_tokens < self.max_document_chars + 200:
-            raise ValueError(f"max_context_tokens ({self.max_context_tokens}) must leave room for a few turns after "
-                             f"a document of {self.max_document_chars} characters")
+            raise ValueError(
+                f"max_context_tokens ({self.max_context_tokens}) must leave room for a few turns after "
+                f"a document of {self.max_document_chars} characters"
+            )
         if not 0.0 <= self.check_share <= 1.0 or not 0.0 <= self.chat_share <= 1.0:
             raise ValueError("check_share and chat_share must lie in [0, 1]")
         if self.num_tenants < 0 or (self.num_tenants and not self.tenant_header):
@@ -81,7 +83,9 @@ def require_loopback(url: str) -> None:
         raise ValueError(f"cannot resolve {parts.hostname!r}: {exc}") from None
     addresses = {info[4][0] for info in infos}
     if not addresses or not all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses):
-        raise ValueError(f"the load tool sends traffic to loopback addresses only; {parts.hostname} is {sorted(addresses)}")
+        raise ValueError(
+            f"the load tool sends traffic to loopback addresses only; {parts.hostname} is {sorted(addresses)}"
+        )
 
 
 class LoadRun:
@@ -176,8 +180,9 @@ class LoadRun:
             return None
         if rng.random() < cfg.check_share:
             # the reference has no session header: a pool-off answer may come from any replica
-            ref = await post(self._http, cfg.url, path, reference_body(body), self._headers(index, False),
-                             cfg.request_timeout_s)
+            ref = await post(
+                self._http, cfg.url, path, reference_body(body), self._headers(index, False), cfg.request_timeout_s
+            )
             self.tally.add_check(out, ref, f"session {index} {conv.kind} turn {conv.num_turns}")
         return out
 
@@ -203,6 +208,16 @@ def check_pool(socket_path: str, settle_s: float = 10.0) -> dict:
             integrity = "ok"
         except PoolRequestError as exc:
             integrity = str(exc)
-    keys = ("entries", "leases", "reservations", "evictions", "quota_evictions", "skipped_stores",
-            "hit_chunks", "committed_pages", "errors", "protocol_errors")
+    keys = (
+        "entries",
+        "leases",
+        "reservations",
+        "evictions",
+        "quota_evictions",
+        "skipped_stores",
+        "hit_chunks",
+        "committed_pages",
+        "errors",
+        "protocol_errors",
+    )
     return {k: stats.get(k) for k in keys} | {"integrity": integrity}

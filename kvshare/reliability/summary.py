@@ -85,9 +85,17 @@ class LoadTally:
         if step is not None:
             self.num_mismatches += 1
             gap = top2_gap(ref.top_logprobs[step]) if step < len(ref.top_logprobs) else None
-            self._detail({"mismatch": what, "step": step, "served": (out.token_ids or [])[step:step + 4],
-                          "reference": (ref.token_ids or [])[step:step + 4], "reference_top2_gap": gap,
-                          "provenance": out.provenance, "prompt_tokens": out.prompt_tokens})
+            self._detail(
+                {
+                    "mismatch": what,
+                    "step": step,
+                    "served": (out.token_ids or [])[step : step + 4],
+                    "reference": (ref.token_ids or [])[step : step + 4],
+                    "reference_top2_gap": gap,
+                    "provenance": out.provenance,
+                    "prompt_tokens": out.prompt_tokens,
+                }
+            )
 
     def _detail(self, item: dict) -> None:
         if len(self.details) < MAX_DETAILS:
@@ -109,7 +117,9 @@ class LoadTally:
             "references_not_cold": self.num_reference_not_cold,
             "conversations": self.num_conversations,
             "requests_per_s": round(self.num_ok / elapsed_s, 3) if elapsed_s > 0 else 0.0,
-            "requests_per_s_with_references": round((self.num_ok + self.num_checked) / elapsed_s, 3) if elapsed_s > 0 else 0.0,
+            "requests_per_s_with_references": round((self.num_ok + self.num_checked) / elapsed_s, 3)
+            if elapsed_s > 0
+            else 0.0,
             "latency_s": distribution(self.latencies_s),
             "ttft_s": distribution(self.ttfts_s),
             "reference_latency_s": distribution(self.reference_latencies_s),
@@ -124,9 +134,12 @@ class LoadTally:
 def distribution(values: list[float], digits: int = 3) -> dict:
     if not values:
         return {"n": 0}
-    return {"n": len(values), "mean": round(sum(values) / len(values), digits),
-            **{f"p{q}": round(percentile(values, q), digits) for q in (50, 95, 99)},
-            "max": round(max(values), digits)}
+    return {
+        "n": len(values),
+        "mean": round(sum(values) / len(values), digits),
+        **{f"p{q}": round(percentile(values, q), digits) for q in (50, 95, 99)},
+        "max": round(max(values), digits),
+    }
 
 
 def _kind(out: Outcome) -> str:

@@ -59,9 +59,15 @@ class Conversation:
 
     def body(self, model: str, max_tokens: int) -> dict[str, Any]:
         """The next request (streamed, greedy, with the generated token ids returned)."""
-        body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-                                "stream_options": {"include_usage": True}, "ignore_eos": True,
-                                "return_token_ids": True}
+        body: dict[str, Any] = {
+            "model": model,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
         if self.kind == "chat":
             body["messages"] = [dict(m) for m in self.messages]
         else:

@@ -122,8 +122,13 @@ def _ridge(x: np.ndarray, y: np.ndarray, theta0: np.ndarray, prior_samples: floa
 class Calibration:
     """Every replica's fit, and when each replica last finished a response (where the next one's service began)."""
 
-    def __init__(self, prior: Rates, num_replicas: int, config: CalibrationConfig = CalibrationConfig(),
-                 names: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        prior: Rates,
+        num_replicas: int,
+        config: CalibrationConfig = CalibrationConfig(),
+        names: list[str] | None = None,
+    ) -> None:
         self.replicas = [ReplicaRates(prior, config) for _ in range(num_replicas)]
         self.names = names or [str(i) for i in range(num_replicas)]
         self._last_end_s = [float("-inf")] * num_replicas
@@ -132,8 +137,15 @@ class Calibration:
     def rates(self, i: int) -> Rates:
         return self.replicas[i].rates
 
-    def observe(self, i: int, sent_s: float, first_byte_s: float | None, end_s: float,
-                computed_tokens: int | None, pool_tokens: int | None) -> None:
+    def observe(
+        self,
+        i: int,
+        sent_s: float,
+        first_byte_s: float | None,
+        end_s: float,
+        computed_tokens: int | None,
+        pool_tokens: int | None,
+    ) -> None:
         """One relayed response; ``first_byte_s`` None for one that is not a stream, token counts None where the
         replica withheld its provenance (then only its service time counts)."""
         last_end_s = self._last_end_s[i]
@@ -149,12 +161,22 @@ class Calibration:
 
     def _log_if_moved(self, i: int) -> None:
         now, then = self.rates(i), self._logged[i]
-        pairs = ((now.prefill_s_per_token, then.prefill_s_per_token), (now.load_s_per_token, then.load_s_per_token),
-                 (now.service_s, then.service_s))
+        pairs = (
+            (now.prefill_s_per_token, then.prefill_s_per_token),
+            (now.load_s_per_token, then.load_s_per_token),
+            (now.service_s, then.service_s),
+        )
         if any(max(a, b) > CHANGE_LOGGED * min(a, b) for a, b in pairs if min(a, b) > 0):
-            log.info("pool_aware: replica %s measured prefill %.0f tokens/s, pool load %.0f tokens/s, service %.3f s, "
-                     "overhead %.3f s (%d samples)", self.names[i], 1 / now.prefill_s_per_token,
-                     1 / now.load_s_per_token, now.service_s, now.overhead_s, now.num_samples)
+            log.info(
+                "pool_aware: replica %s measured prefill %.0f tokens/s, pool load %.0f tokens/s, service %.3f s, "
+                "overhead %.3f s (%d samples)",
+                self.names[i],
+                1 / now.prefill_s_per_token,
+                1 / now.load_s_per_token,
+                now.service_s,
+                now.overhead_s,
+                now.num_samples,
+            )
             self._logged[i] = now
 
 
@@ -171,8 +193,11 @@ class _Final(msgspec.Struct):
 def provenance_of(tail: bytes) -> tuple[int, int] | None:
     """(computed tokens, pool tokens) from the end of a response (an SSE stream or one JSON body), the last
     ``kvshare`` object in it; None where the replica withheld it or the tail holds none whole."""
-    bodies = [tail] if not tail.lstrip().startswith(b"data:") and b"\n\ndata:" not in tail else [
-        event.strip()[len(b"data:"):] for event in tail.split(b"\n\n") if event.strip().startswith(b"data:")]
+    bodies = (
+        [tail]
+        if not tail.lstrip().startswith(b"data:") and b"\n\ndata:" not in tail
+        else [event.strip()[len(b"data:") :] for event in tail.split(b"\n\n") if event.strip().startswith(b"data:")]
+    )
     for body in reversed(bodies):
         if b"kvshare" not in body:
             continue
@@ -181,8 +206,11 @@ def provenance_of(tail: bytes) -> tuple[int, int] | None:
         except (msgspec.DecodeError, msgspec.ValidationError):
             continue
         p = final.kvshare
-        if p is None and final.kv_transfer_params is not None and isinstance(
-                final.kv_transfer_params.get("kvshare"), dict):
+        if (
+            p is None
+            and final.kv_transfer_params is not None
+            and isinstance(final.kv_transfer_params.get("kvshare"), dict)
+        ):
             p = msgspec.convert(final.kv_transfer_params["kvshare"], _Provenance, strict=False)
         if p is not None and p.computed_tokens is not None and p.pool_tokens is not None:
             return p.computed_tokens, p.pool_tokens
@@ -219,5 +247,6 @@ class ResponseTiming:
     def end(self, now: float) -> None:
         counts = provenance_of(b"".join(self._tail))
         computed, pool = counts if counts is not None else (None, None)
-        self.calibration.observe(self.replica, self.sent_s, self.first_byte_s if self.is_stream else None, now,
-                                 computed, pool)
+        self.calibration.observe(
+            self.replica, self.sent_s, self.first_byte_s if self.is_stream else None, now, computed, pool
+        )

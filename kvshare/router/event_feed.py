@@ -19,9 +19,16 @@ log = logging.getLogger("kvshare.router.pool_aware")
 class EventFeed:
     """Subscribes to the pool's KV events (one topic) and keeps a PoolPrefixIndex; says whether they are live."""
 
-    def __init__(self, endpoint: str, topic: str, replay_endpoint: str | None = None, encoding: str = "map",
-                 max_lag_s: float = 5.0, max_silence_s: float = 30.0,
-                 media: tuple[str | None, ...] = (E.MEDIUM_CPU,)) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        topic: str,
+        replay_endpoint: str | None = None,
+        encoding: str = "map",
+        max_lag_s: float = 5.0,
+        max_silence_s: float = 30.0,
+        media: tuple[str | None, ...] = (E.MEDIUM_CPU,),
+    ) -> None:
         self.endpoint, self.topic, self.replay_endpoint, self.encoding = endpoint, topic, replay_endpoint, encoding
         self.max_lag_s, self.max_silence_s = max_lag_s, max_silence_s
         self.index = PoolPrefixIndex(media)
@@ -33,7 +40,7 @@ class EventFeed:
         self._is_stopping = False
         self._thread: threading.Thread | None = None
 
-    def start(self) -> "EventFeed":
+    def start(self) -> EventFeed:
         self._thread = threading.Thread(target=self._run, name="kv-events-feed", daemon=True)
         self._thread.start()
         return self
@@ -92,8 +99,9 @@ class EventFeed:
                 self._apply(r_seq, r_payload)
         if seq > self.last_seq + 1:
             self.num_gaps_lost += 1
-            log.warning("KV events %d..%d lost (no replay of them): the pool index starts again", self.last_seq + 1,
-                        seq - 1)
+            log.warning(
+                "KV events %d..%d lost (no replay of them): the pool index starts again", self.last_seq + 1, seq - 1
+            )
             with self.lock:
                 self.index.clear()  # what remains can only miss pages, never claim a page the pool lost
         self.last_seq = seq - 1
@@ -136,43 +144,57 @@ class EventFeed:
         self._expected_since = None
 
 
-def attach_pool_aware(router, config: PoolAwareConfig, registry, replica_names: list[str] | None = None
-                      ) -> PoolAwarePlacer:
+def attach_pool_aware(
+    router, config: PoolAwareConfig, registry, replica_names: list[str] | None = None
+) -> PoolAwarePlacer:
     """A placer for ``router`` (its feed not started yet), with its metrics in ``registry`` (each replica's
     measured terms labelled by its name in ``replica_names``)."""
     from prometheus_client import Counter, Gauge
 
     from kvshare.engine.loader import load_tokenizer
 
-    feed = EventFeed(config.endpoint, config.topic, config.replay_endpoint, config.encoding, config.max_lag_s,
-                     config.max_silence_s)
+    feed = EventFeed(
+        config.endpoint, config.topic, config.replay_endpoint, config.encoding, config.max_lag_s, config.max_silence_s
+    )
     if config.replica_endpoints and len(config.replica_endpoints) != router.num_replicas:
-        raise ValueError(f"--replica-kv-events: one per replica ({router.num_replicas}), got "
-                         f"{len(config.replica_endpoints)}")
-    replica_feeds = [EventFeed(e, "", None, config.encoding, config.max_lag_s, config.max_silence_s,
-                               media=(E.MEDIUM_GPU, None)) for e in config.replica_endpoints]
+        raise ValueError(
+            f"--replica-kv-events: one per replica ({router.num_replicas}), got {len(config.replica_endpoints)}"
+        )
+    replica_feeds = [
+        EventFeed(e, "", None, config.encoding, config.max_lag_s, config.max_silence_s, media=(E.MEDIUM_GPU, None))
+        for e in config.replica_endpoints
+    ]
     placer = PoolAwarePlacer(router.num_replicas, config.cost, feed, load_tokenizer(config.model), replica_feeds)
     router.pool_aware = placer
-    fallbacks = Counter("kvshare_router_pool_aware_fallbacks", "Requests placed round robin because the pool's "
-                        "KV events were not live", registry=registry)
+    fallbacks = Counter(
+        "kvshare_router_pool_aware_fallbacks",
+        "Requests placed round robin because the pool's KV events were not live",
+        registry=registry,
+    )
     placer.on_fallback = fallbacks.inc
-    Gauge("kvshare_router_kv_events_live", "1 while the pool's KV events are trusted", registry=registry
-          ).set_function(lambda: float(feed.why_not_live(time.monotonic()) is None))
-    Gauge("kvshare_router_kv_events_lag_seconds", "Age of the last KV event batch when it arrived",
-          registry=registry).set_function(lambda: feed.lag_s)
-    Gauge("kvshare_router_pool_index_chunks", "Chunks the pool holds by its KV events (untenanted)",
-          registry=registry).set_function(lambda: float(len(feed.index)))
+    Gauge("kvshare_router_kv_events_live", "1 while the pool's KV events are trusted", registry=registry).set_function(
+        lambda: float(feed.why_not_live(time.monotonic()) is None)
+    )
+    Gauge(
+        "kvshare_router_kv_events_lag_seconds", "Age of the last KV event batch when it arrived", registry=registry
+    ).set_function(lambda: feed.lag_s)
+    Gauge(
+        "kvshare_router_pool_index_chunks", "Chunks the pool holds by its KV events (untenanted)", registry=registry
+    ).set_function(lambda: float(len(feed.index)))
     calibration = placer.calibration
     if replica_names is not None:
         calibration.names = [name.rstrip("/") for name in replica_names]
-    terms = [("prefill_seconds_per_token", "Measured seconds per prompt token a replica computes",
-              "prefill_s_per_token"),
-             ("load_seconds_per_token", "Measured seconds per prompt token a replica loads from the pool",
-              "load_s_per_token"),
-             ("service_seconds", "Measured time a request holds a replica (the queue wait per request ahead)",
-              "service_s"),
-             ("overhead_seconds", "Measured time to first token a replica adds to every request", "overhead_s"),
-             ("rate_samples", "Responses behind a replica's measured rates (0: the flags' values)", "num_samples")]
+    terms = [
+        ("prefill_seconds_per_token", "Measured seconds per prompt token a replica computes", "prefill_s_per_token"),
+        (
+            "load_seconds_per_token",
+            "Measured seconds per prompt token a replica loads from the pool",
+            "load_s_per_token",
+        ),
+        ("service_seconds", "Measured time a request holds a replica (the queue wait per request ahead)", "service_s"),
+        ("overhead_seconds", "Measured time to first token a replica adds to every request", "overhead_s"),
+        ("rate_samples", "Responses behind a replica's measured rates (0: the flags' values)", "num_samples"),
+    ]
     for name, help_text, field in terms:
         gauge = Gauge(f"kvshare_router_pool_aware_{name}", help_text, ["replica"], registry=registry)
         for i, replica in enumerate(calibration.names):

@@ -69,8 +69,9 @@ class SessionTable:
         return len(self._items)
 
 
-def prefix_blocks(text: str, block_chars: int = PREFIX_BLOCK_CHARS, max_blocks: int = 512,
-                  salt: str = "") -> tuple[bytes, ...]:
+def prefix_blocks(
+    text: str, block_chars: int = PREFIX_BLOCK_CHARS, max_blocks: int = 512, salt: str = ""
+) -> tuple[bytes, ...]:
     """Chained hashes of the full ``block_chars`` blocks of ``text`` (like the pool's chunk keys).
 
     ``salt`` is the request's namespace salt (kvshare.serve.tenancy.namespace_salt: its tenant identity, split
@@ -129,15 +130,24 @@ class Router:
         elif self.policy == "sticky" and facts.session_id is not None:
             home = self.sessions.get(facts.session_id, now)
             if home is None:
-                home = min(everyone, key=lambda i: (not replicas[i].is_available, replicas[i].num_in_flight, (i - self._next) % n))
+                home = min(
+                    everyone,
+                    key=lambda i: (not replicas[i].is_available, replicas[i].num_in_flight, (i - self._next) % n),
+                )
                 self._next = (self._next + 1) % n
             self.sessions.put(facts.session_id, home, now)
             order = _rotate(everyone, home)
         elif self.policy == "cache_aware":
             order = self._cache_aware(facts, replicas)
         elif self.policy == "pool_aware" and self.pool_aware is not None:
-            order = self.pool_aware.order(facts.prompt_ids, facts.cache_salt, [r.num_in_flight for r in replicas],
-                                          [r.is_available for r in replicas], self._next, now)
+            order = self.pool_aware.order(
+                facts.prompt_ids,
+                facts.cache_salt,
+                [r.num_in_flight for r in replicas],
+                [r.is_available for r in replicas],
+                self._next,
+                now,
+            )
             self._next = (self._next + 1) % n
         else:
             order = _rotate(everyone, self._next)

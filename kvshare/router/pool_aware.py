@@ -62,9 +62,12 @@ class CostModel:
 
     def prior_rates(self) -> Rates:
         """These terms as per-token seconds: the calibration's starting values."""
-        return Rates(overhead_s=0.0, prefill_s_per_token=1.0 / self.prefill_tokens_per_s,
-                     load_s_per_token=self.kv_bytes_per_token / self.load_bytes_per_s,
-                     service_s=self.queue_s_per_request)
+        return Rates(
+            overhead_s=0.0,
+            prefill_s_per_token=1.0 / self.prefill_tokens_per_s,
+            load_s_per_token=self.kv_bytes_per_token / self.load_bytes_per_s,
+            service_s=self.queue_s_per_request,
+        )
 
 
 def chain_seed(cache_salt: str | None) -> bytes:
@@ -179,8 +182,9 @@ class SentMemory:
             memory.popitem(last=False)
 
 
-def expected_ttft(cost: CostModel, num_tokens: int, gpu_tokens: int, pool_tokens: int, num_in_flight: int,
-                  rates: Rates | None = None) -> float:
+def expected_ttft(
+    cost: CostModel, num_tokens: int, gpu_tokens: int, pool_tokens: int, num_in_flight: int, rates: Rates | None = None
+) -> float:
     """T_r in seconds: queue, the load of what only the pool holds, the prefill of what nobody holds; by the
     replica's measured ``rates``, else the cost model's own."""
     r = cost.prior_rates() if rates is None else rates
@@ -188,8 +192,9 @@ def expected_ttft(cost: CostModel, num_tokens: int, gpu_tokens: int, pool_tokens
         pool_tokens = 0
     load_tokens = max(0, pool_tokens - gpu_tokens)
     computed = num_tokens - max(gpu_tokens, pool_tokens)
-    return (r.overhead_s + num_in_flight * r.service_s + load_tokens * r.load_s_per_token
-            + computed * r.prefill_s_per_token)
+    return (
+        r.overhead_s + num_in_flight * r.service_s + load_tokens * r.load_s_per_token + computed * r.prefill_s_per_token
+    )
 
 
 def rank(times: list[float], is_available: list[bool], rotation: int) -> list[int]:
@@ -225,8 +230,9 @@ class PoolAwareConfig:
 class PoolAwarePlacer:
     """Ranks replicas by T_r while the events are live, in turn (round robin) while they are not."""
 
-    def __init__(self, num_replicas: int, cost: CostModel, feed, tokenizer=None,
-                 replica_feeds: list | None = None) -> None:
+    def __init__(
+        self, num_replicas: int, cost: CostModel, feed, tokenizer=None, replica_feeds: list | None = None
+    ) -> None:
         self.cost = cost
         self.feed = feed
         self.replica_feeds = replica_feeds or []  # each replica's GPU events, where it publishes them
@@ -237,8 +243,15 @@ class PoolAwarePlacer:
         self.on_fallback = lambda: None  # a metric's inc
         self.fallback_reason: str | None = None  # the last reason, while falling back
 
-    def order(self, prompt_ids, cache_salt: str | None, in_flight: list[int], is_available: list[bool],
-              rotation: int, now: float) -> list[int]:
+    def order(
+        self,
+        prompt_ids,
+        cache_salt: str | None,
+        in_flight: list[int],
+        is_available: list[bool],
+        rotation: int,
+        now: float,
+    ) -> list[int]:
         """Preference order; round robin from ``rotation`` while the events cannot be trusted (each such request
         counted, each outage logged once). Either way the first choice is remembered as holding the prompt."""
         reason = self.feed.why_not_live(now)
@@ -260,8 +273,17 @@ class PoolAwarePlacer:
             self.on_fallback()
             times = [0.0] * len(in_flight)
         else:
-            times = [expected_ttft(self.cost, len(ids), self._gpu_tokens(i, ids, cache_salt, hashes, chunk_tokens, now),
-                                   pool_tokens, q, self.calibration.rates(i)) for i, q in enumerate(in_flight)]
+            times = [
+                expected_ttft(
+                    self.cost,
+                    len(ids),
+                    self._gpu_tokens(i, ids, cache_salt, hashes, chunk_tokens, now),
+                    pool_tokens,
+                    q,
+                    self.calibration.rates(i),
+                )
+                for i, q in enumerate(in_flight)
+            ]
         order = rank(times, is_available, rotation)
         self.sent.remember(order[0], hashes)
         return order

@@ -27,63 +27,20 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvshare.router.accounts import BodyRefused, replica_salt, vllm_body
-from kvshare.router.policy import POLICIES, ReplicaView, RouteFacts, Router, prefix_blocks
+from kvshare.router.config import RouterConfig
 from kvshare.router.event_feed import attach_pool_aware
-from kvshare.router.pool_aware import PoolAwareConfig
+from kvshare.router.facts import route_facts
+from kvshare.router.policy import ReplicaView, RouteFacts, Router
 from kvshare.serve.api_types import ApiError, decode
-from kvshare.serve.metrics import LATENCY_BUCKETS
+from kvshare.serve.connection import SlowClient, is_gone, limit_send_buffer, write_within
 from kvshare.serve.http_errors import body_too_large, error_response, http_error
-from kvshare.serve.connection import is_gone, limit_send_buffer
+from kvshare.serve.metrics import LATENCY_BUCKETS
 from kvshare.serve.server import version
-from kvshare.serve.tenancy import Unauthorized, account_identity, check_account_key, check_api_key, tenant_identity
+from kvshare.serve.tenancy import Unauthorized, account_identity, check_api_key, tenant_identity
 
 log = logging.getLogger("kvshare.router")
 _HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "content-encoding"}
 CLIENT_POLL_S = 0.1  # while a response is relayed: how often the client's connection is looked at
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    replicas: tuple[str, ...]
-    policy: str = "round_robin"
-    host: str = "127.0.0.1"
-    port: int = 8080
-    health_interval_s: float = 1.0
-    max_body_bytes: int = 16 << 20
-    session_header: str = "X-Session-ID"
-    session_ttl_s: float = 3600.0
-    max_sessions: int = 100_000
-    connect_timeout_s: float = 5.0
-    api_keys: tuple[str, ...] = ()  # empty: no authentication
-    admin_key: str = ""  # /admin/ needs it (--admin-key-file, $KVSHARE_ADMIN_KEY); none: open only without API keys
-    write_timeout_s: float = 30.0  # a client that takes longer to accept one write of a response is dropped
-    stream_buffer_bytes: int = 256 << 10  # kernel send buffer towards a client (kvshare.serve.connection.limit_send_buffer)
-    instance_id: str = ""  # --instance-id: kvshare up's id of this process, reported by /health
-    tenant_header: str = ""  # the replicas' --tenant-header: with the API key it seeds cache_aware's prefix memory
-    expose_replica_header: bool = False  # X-KVShare-Replica on responses: says which replica holds a prefix
-    pool_aware: PoolAwareConfig | None = None  # the pool's KV events, for --policy pool_aware
-    account_key: str = ""  # --account-key-file: completions name their pool account for vLLM (router.accounts)
-    engine: str = "builtin"  # --engine: what the replicas run; vllm: the router salts tenants' bodies (accounts)
-
-    def __post_init__(self) -> None:
-        if not self.replicas:
-            raise ValueError("give at least one --replica URL")
-        for url in self.replicas:
-            if not url.startswith(("http://", "https://")) or len(url.split("://", 1)[1].strip("/")) == 0:
-                raise ValueError(f"--replica {url}: give the replica's URL with its scheme, e.g. http://{url}")
-        keys = (*self.api_keys, self.admin_key) if self.admin_key else self.api_keys
-        if any(not key or key != key.strip() for key in keys):
-            raise ValueError("an API key must be non-empty and carry no surrounding spaces")
-        if self.write_timeout_s <= 0:
-            raise ValueError(f"write_timeout_s must be positive, got {self.write_timeout_s}")
-        if self.policy not in POLICIES:
-            raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
-        if self.account_key:
-            check_account_key(self.account_key)
-        if self.engine not in ("builtin", "vllm"):
-            raise ValueError(f"unknown engine {self.engine!r}; choose builtin or vllm")
-        if self.policy == "pool_aware" and self.pool_aware is None:
-            raise ValueError("--policy pool_aware needs the pool's KV events: --kv-events ENDPOINT")
 
 
 @dataclass
@@ -99,33 +56,30 @@ class _Metrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
         self.requests = Counter("kvshare_router_requests", "Requests routed", ["replica"], registry=r)
-        self.failovers = Counter("kvshare_router_failovers", "Requests moved to another replica before the first byte", registry=r)
+        self.failovers = Counter(
+            "kvshare_router_failovers", "Requests moved to another replica before the first byte", registry=r
+        )
         self.errors = Counter("kvshare_router_errors", "Requests no replica could take", registry=r)
-        self.latency = Histogram("kvshare_router_request_latency_seconds", "Time to the end of the response",
-                                 buckets=LATENCY_BUCKETS, registry=r)
-        self.broken_responses = Counter("kvshare_router_broken_responses", "Responses a replica broke off after "
-                                        "the first byte (streams end with an error event)", ["replica"], registry=r)
-        self.healthy = Gauge("kvshare_router_replica_healthy", "1 if the replica answered its last health check", ["replica"], registry=r)
+        self.latency = Histogram(
+            "kvshare_router_request_latency_seconds",
+            "Time to the end of the response",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.broken_responses = Counter(
+            "kvshare_router_broken_responses",
+            "Responses a replica broke off after the first byte (streams end with an error event)",
+            ["replica"],
+            registry=r,
+        )
+        self.healthy = Gauge(
+            "kvshare_router_replica_healthy", "1 if the replica answered its last health check", ["replica"], registry=r
+        )
 
 
 class _DrainRequest(msgspec.Struct, forbid_unknown_fields=True):
     replica: str
     drain: bool = True
-
-
-class _Facts(msgspec.Struct):
-    user: str | None = None
-    messages: list[dict] | None = None
-    prompt: object = None
-    cache_salt: object = None  # a string when valid; the replica refuses anything else
-
-
-class _PlacementFacts(msgspec.Struct):
-    """What alternate and sticky read: the prompt is skipped, never built as Python objects (a 128k-token
-    prompt: ~15 ms of the router's time to first byte when it was)."""
-
-    user: str | None = None
-    messages: list[dict] | None = None
 
 
 class RouterServer:
@@ -136,8 +90,11 @@ class RouterServer:
         self.policy.sessions.ttl_s = config.session_ttl_s
         self.policy.sessions.max_sessions = config.max_sessions
         self.metrics = _Metrics()
-        self.pool_aware = (attach_pool_aware(self.policy, config.pool_aware, self.metrics.registry, config.replicas)
-                           if config.policy == "pool_aware" else None)
+        self.pool_aware = (
+            attach_pool_aware(self.policy, config.pool_aware, self.metrics.registry, config.replicas)
+            if config.policy == "pool_aware"
+            else None
+        )
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task | None = None
 
@@ -161,15 +118,23 @@ class RouterServer:
         cfg = self.config
         is_admin = request.path.startswith("/admin/")
         if is_admin and cfg.api_keys and not cfg.admin_key:
-            return error_response(ApiError(403, "/admin/ needs the router's admin key, and none is set: start it with "
-                                                "--admin-key-file or $KVSHARE_ADMIN_KEY", code="admin_key_not_set",
-                                           error_type="permission_error"))
+            return error_response(
+                ApiError(
+                    403,
+                    "/admin/ needs the router's admin key, and none is set: start it with "
+                    "--admin-key-file or $KVSHARE_ADMIN_KEY",
+                    code="admin_key_not_set",
+                    error_type="permission_error",
+                )
+            )
         needed = (cfg.admin_key,) if is_admin and cfg.admin_key else cfg.api_keys
         if needed and request.path.startswith(("/v1/", "/admin/", "/tokenize", "/detokenize")):
             try:
                 check_api_key(request.headers, needed)
             except Unauthorized as exc:
-                return error_response(ApiError(401, str(exc), code="invalid_api_key", error_type="authentication_error"))
+                return error_response(
+                    ApiError(401, str(exc), code="invalid_api_key", error_type="authentication_error")
+                )
         try:
             return await handler(request)
         except ApiError as exc:
@@ -208,18 +173,32 @@ class RouterServer:
             async with self._session.get(replica.url + "/health", timeout=aiohttp.ClientTimeout(total=2)) as resp:
                 replica.is_healthy = resp.status == 200
                 replica.last_error = "" if replica.is_healthy else f"health answered {resp.status}"
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             replica.is_healthy = False
             replica.last_error = f"{type(exc).__name__}: {exc}"
         self.metrics.healthy.labels(replica.url).set(1 if replica.is_healthy else 0)
 
     async def health(self, request: web.Request) -> web.Response:
-        replicas = [{"url": r.url, "healthy": r.is_healthy, "draining": r.is_draining, "in_flight": r.num_in_flight,
-                     "error": r.last_error} for r in self.replicas]
+        replicas = [
+            {
+                "url": r.url,
+                "healthy": r.is_healthy,
+                "draining": r.is_draining,
+                "in_flight": r.num_in_flight,
+                "error": r.last_error,
+            }
+            for r in self.replicas
+        ]
         ok = any(r.is_healthy and not r.is_draining for r in self.replicas)
-        return web.json_response({"status": "ok" if ok else "unavailable", "policy": self.config.policy,
-                                  "replicas": replicas, "instance_id": self.config.instance_id},
-                                 status=200 if ok else 503)
+        return web.json_response(
+            {
+                "status": "ok" if ok else "unavailable",
+                "policy": self.config.policy,
+                "replicas": replicas,
+                "instance_id": self.config.instance_id,
+            },
+            status=200 if ok else 503,
+        )
 
     async def ping(self, request: web.Request) -> web.Response:
         """GET or POST /ping (vLLM's): 200 with an empty body while some replica can take requests."""
@@ -243,31 +222,11 @@ class RouterServer:
     # -- proxying ------------------------------------------------------------------------
 
     def _facts(self, request: web.Request, body: bytes) -> RouteFacts:
-        if self.config.policy == "round_robin":
-            return RouteFacts()  # it reads nothing of the request: the body goes on unread (~2-3 ms at 128k)
-        session = request.headers.get(self.config.session_header)
-        hashes = self.config.policy in ("cache_aware", "pool_aware")  # the policies that read the prompt itself
-        kind = _Facts if hashes else _PlacementFacts
-        try:
-            parsed = msgspec.json.decode(body, type=kind) if body else kind()
-        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError):
-            parsed = kind()  # the replica will answer the bad request; just place it
-        session = session or parsed.user
-        turn, text = None, ""
-        if parsed.messages is not None:
-            turn = sum(1 for m in parsed.messages if isinstance(m, dict) and m.get("role") == "assistant")
-            if hashes:
-                text = "".join(f"{m.get('role')}:{m.get('content')}\n" for m in parsed.messages if isinstance(m, dict))
-        elif hashes and parsed.prompt is not None:
-            text = parsed.prompt if isinstance(parsed.prompt, str) else msgspec.json.encode(parsed.prompt).decode()
-        if not hashes:
-            return RouteFacts(session_id=session, chat_turn=turn, prefix_blocks=())
-        salt = replica_salt(self.config.engine, self._salted_tenant(request),
-                            parsed.cache_salt if isinstance(parsed.cache_salt, str) else None)
-        if self.pool_aware is not None:
-            return RouteFacts(session_id=session, chat_turn=turn, cache_salt=salt or None,
-                              prompt_ids=self.pool_aware.prompt_ids(parsed.prompt, parsed.messages))
-        return RouteFacts(session_id=session, chat_turn=turn, prefix_blocks=prefix_blocks(text, salt=salt))
+        """What the policy reads of this request (kvshare.router.facts); its keys' salt as the replica derives it."""
+        salt_of = lambda cache_salt: replica_salt(self.config.engine, self._salted_tenant(request), cache_salt)
+        return route_facts(
+            self.config.policy, body, request.headers.get(self.config.session_header), salt_of, self.pool_aware
+        )
 
     def _credentials(self, request: web.Request) -> tuple[str, str]:
         """(API key, tenant header value) of a request, "" where not configured (the guard has checked its key)."""
@@ -292,8 +251,14 @@ class RouterServer:
         if not (cfg.account_key or tenant is not None):
             return body
         try:
-            return vllm_body(request.method, request.path, body, cfg.account_key,
-                             account_identity(*self._credentials(request)), tenant)
+            return vllm_body(
+                request.method,
+                request.path,
+                body,
+                cfg.account_key,
+                account_identity(*self._credentials(request)),
+                tenant,
+            )
         except BodyRefused as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
 
@@ -301,20 +266,23 @@ class RouterServer:
         body = await request.read()
         facts = self._facts(request, body)
         body = self._forwarded_body(request, body)
-        views = [ReplicaView(i, r.is_healthy and not r.is_draining, r.num_in_flight) for i, r in enumerate(self.replicas)]
+        views = [
+            ReplicaView(i, r.is_healthy and not r.is_draining, r.num_in_flight) for i, r in enumerate(self.replicas)
+        ]
         order = self.policy.choose(facts, views, time.monotonic())
         order = [i for i in order if not self.replicas[i].is_draining]
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
         t0 = time.perf_counter()
         last_error = "no replica is available"
-        for attempt, i in enumerate(order):
+        for i in order:
             replica = self.replicas[i]
             replica.num_in_flight += 1
             sent_s = time.monotonic()
             try:
-                upstream = await self._session.request(request.method, replica.url + request.path_qs,
-                                                       data=body or None, headers=headers)
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                upstream = await self._session.request(
+                    request.method, replica.url + request.path_qs, data=body or None, headers=headers
+                )
+            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
                 replica.num_in_flight -= 1
                 replica.is_healthy = False
                 replica.last_error = last_error = f"{type(exc).__name__}: {exc}"
@@ -345,16 +313,13 @@ class RouterServer:
         try:
             async for piece in upstream.content.iter_any() if timing is None else timing.pieces(upstream):
                 try:
-                    async with asyncio.timeout(self.config.write_timeout_s):
-                        await response.write(piece)
-                except TimeoutError:  # the client stopped reading; let go of it and of the replica
+                    await write_within(request, response, piece, self.config.write_timeout_s)
+                except SlowClient:  # the client stopped reading; let go of it and of the replica
                     log.warning("a client did not read for %.1f s; dropping its response", self.config.write_timeout_s)
-                    if request.transport is not None:
-                        request.transport.abort()
                     return response
                 except ConnectionResetError:  # the client left: nothing to say about the replica
                     return response
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             if is_gone(request):  # the watch closed the replica's connection for a client that left
                 return response
             log.warning("replica %s broke off a response: %s", replica.url, exc)
@@ -378,13 +343,18 @@ async def _close_when_gone(request: web.Request, upstream: aiohttp.ClientRespons
     upstream.close()
 
 
-async def _end_broken_response(request: web.Request, response: web.StreamResponse,
-                               upstream: aiohttp.ClientResponse, url: str) -> None:
+async def _end_broken_response(
+    request: web.Request, response: web.StreamResponse, upstream: aiohttp.ClientResponse, url: str
+) -> None:
     """A replica died mid-response: a stream ends with an OpenAI error event and no ``[DONE]``, so no client
     takes the cut-off text for a whole answer; any other body is cut off (the connection is reset)."""
     if upstream.content_type == "text/event-stream":
-        error = ApiError(502, f"replica {url} failed during the response; the output is incomplete",
-                         error_type="server_error", code="replica_failed")
+        error = ApiError(
+            502,
+            f"replica {url} failed during the response; the output is incomplete",
+            error_type="server_error",
+            code="replica_failed",
+        )
         try:
             await response.write(b"data: " + msgspec.json.encode(error.body()) + b"\n\n")
             await response.write_eof()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
@@ -22,8 +22,14 @@ import msgspec
 class ApiError(Exception):
     """An OpenAI-style error: HTTP status, message, type, param, code."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 error_type: str = "invalid_request_error") -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        error_type: str = "invalid_request_error",
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.error_type = status, message, param, code, error_type
 
@@ -46,8 +52,12 @@ class StreamOptions(msgspec.Struct):
 # Parameters the built-in engine does not implement -> the values that mean "off" (accepted).
 UNSUPPORTED_COMMON: dict[str, tuple] = {
     "response_format": (None, {"type": "text"}),
-    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
-    "guided_decoding_backend": (None,), "structured_outputs": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "guided_decoding_backend": (None,),
+    "structured_outputs": (None,),
     "bad_words": (None, []),
     "allowed_token_ids": (None,),
     "min_tokens": (None, 0),
@@ -63,11 +73,18 @@ UNSUPPORTED_COMMON: dict[str, tuple] = {
 UNSUPPORTED_COMPLETION: dict[str, tuple] = {"best_of": (None, 1), "suffix": (None, ""), "prompt_embeds": (None,)}
 UNSUPPORTED_CHAT: dict[str, tuple] = {
     # with no tools to call, "auto" picks none of them
-    "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "functions": (None, []),
     "function_call": (None, "none", "auto"),
-    "audio": (None,), "modalities": (None, ["text"]),
-    "chat_template": (None,), "chat_template_kwargs": (None, {}), "add_generation_prompt": (None, True),
-    "continue_final_message": (None, False), "documents": (None,), "mm_processor_kwargs": (None,),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "chat_template": (None,),
+    "chat_template_kwargs": (None, {}),
+    "add_generation_prompt": (None, True),
+    "continue_final_message": (None, False),
+    "documents": (None,),
+    "mm_processor_kwargs": (None,),
 }
 
 
@@ -77,28 +94,28 @@ def _unsupported_fields(name: str, table: dict[str, tuple], base: type) -> type:
 
 
 class _Common(msgspec.Struct, kw_only=True):
-    model: Union[str, None] = None  # optional, as in vLLM: the replica serves one model (under one or more names)
-    max_tokens: Union[int, None] = None
+    model: str | None = None  # optional, as in vLLM: the replica serves one model (under one or more names)
+    max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     n: int = 1
     stream: bool = False
-    stream_options: Union[StreamOptions, None] = None
-    stop: Union[str, list[str], None] = None
-    seed: Union[int, None] = None
-    user: Union[str, None] = None
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    user: str | None = None
     ignore_eos: bool = False
     return_token_ids: bool = False
     kvshare: KVShareOptions = msgspec.field(default_factory=KVShareOptions)
-    cache_salt: Union[str, None] = None  # vLLM's: requests with different salts never share cached KV
+    cache_salt: str | None = None  # vLLM's: requests with different salts never share cached KV
     # sampling, with vLLM's semantics (kvshare.engine.sampler)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    top_k: Union[int, None] = None  # None, 0 or -1: off
+    top_k: int | None = None  # None, 0 or -1: off
     min_p: float = 0.0
-    logit_bias: Union[dict[str, float], None] = None  # token id (a JSON object key, so a string) -> bias
-    stop_token_ids: Union[list[int], None] = None
+    logit_bias: dict[str, float] | None = None  # token id (a JSON object key, so a string) -> bias
+    stop_token_ids: list[int] | None = None
 
 
 _CommonChecked = _unsupported_fields("_CommonChecked", UNSUPPORTED_COMMON, _Common)
@@ -107,8 +124,8 @@ _ChatChecked = _unsupported_fields("_ChatChecked", UNSUPPORTED_CHAT, _CommonChec
 
 
 class CompletionRequest(_CompletionChecked, kw_only=True):
-    prompt: Union[str, list]  # a string, token ids, or a one-element batch of either (checked in prompt_of)
-    logprobs: Union[int, None] = None
+    prompt: str | list  # a string, token ids, or a one-element batch of either (checked in prompt_of)
+    logprobs: int | None = None
     echo: bool = False
 
 
@@ -128,15 +145,15 @@ class ContentPart(msgspec.Struct):
 
 class ChatMessage(msgspec.Struct):
     role: str
-    content: Union[str, list[ContentPart], None] = None
-    name: Union[str, None] = None
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
 
 
 class ChatRequest(_ChatChecked, kw_only=True):
     messages: list[ChatMessage]
-    max_completion_tokens: Union[int, None] = None
+    max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: Union[int, None] = None
+    top_logprobs: int | None = None
 
 
 MAX_LOGPROBS = 5
@@ -189,8 +206,13 @@ def _refuse_unsupported(req: CompletionRequest | ChatRequest, table: dict[str, t
     for name, neutral in table.items():
         if getattr(req, name) not in neutral:
             allowed = " or ".join(json.dumps(v) for v in neutral)
-            raise ApiError(400, f"{name} is not supported by this server (the built-in engine does not implement it); "
-                                f"leave it out or send {allowed}", param=name, code="unsupported_parameter")
+            raise ApiError(
+                400,
+                f"{name} is not supported by this server (the built-in engine does not implement it); "
+                f"leave it out or send {allowed}",
+                param=name,
+                code="unsupported_parameter",
+            )
 
 
 def _check_sampling(req: CompletionRequest | ChatRequest) -> None:
@@ -209,8 +231,9 @@ def _check_sampling(req: CompletionRequest | ChatRequest) -> None:
         if not (key.isascii() and key.isdigit()):  # JSON object keys are strings: token ids written out
             raise ApiError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
         if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
-            raise ApiError(400, f"logit_bias values must lie in [-100, 100], got {bias} for token {key}",
-                           param="logit_bias")
+            raise ApiError(
+                400, f"logit_bias values must lie in [-100, 100], got {bias} for token {key}", param="logit_bias"
+            )
 
 
 def validate(req: CompletionRequest | ChatRequest) -> None:
@@ -221,8 +244,12 @@ def validate(req: CompletionRequest | ChatRequest) -> None:
     if req.n < 1:
         raise ApiError(400, "n must be at least 1", param="n")
     if req.n > 1:
-        raise ApiError(400, "n > 1 is not supported by this server (the built-in engine runs one answer per "
-                            "request); send n requests", param="n", code="unsupported_parameter")
+        raise ApiError(
+            400,
+            "n > 1 is not supported by this server (the built-in engine runs one answer per request); send n requests",
+            param="n",
+            code="unsupported_parameter",
+        )
     if not 0.0 <= req.temperature <= 2.0:
         raise ApiError(400, "temperature must lie in [0, 2]", param="temperature")
     if not 0.0 < req.top_p <= 1.0:
@@ -246,9 +273,12 @@ def validate(req: CompletionRequest | ChatRequest) -> None:
                 raise ApiError(400, f"unknown role {message.role!r}", param=f"messages[{i}].role")
             for j, part in enumerate(message.content if isinstance(message.content, list) else []):
                 if part.type != "text":
-                    raise ApiError(400, f"content parts of type {part.type!r} are not supported (the built-in engine "
-                                        f"reads text only)", param=f"messages[{i}].content[{j}].type",
-                                   code="unsupported_parameter")
+                    raise ApiError(
+                        400,
+                        f"content parts of type {part.type!r} are not supported (the built-in engine reads text only)",
+                        param=f"messages[{i}].content[{j}].type",
+                        code="unsupported_parameter",
+                    )
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
             raise ApiError(400, f"top_logprobs must lie in [0, {MAX_LOGPROBS}]", param="top_logprobs")
         if req.top_logprobs and not req.logprobs:  # vLLM's rule and message
@@ -262,8 +292,12 @@ def prompt_of(req: CompletionRequest) -> str | list[int]:
         return prompt  # integers, checked by the typed decode
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
-            raise ApiError(400, "a batch of prompts is not supported; send one prompt per request", param="prompt",
-                           code="unsupported_parameter")
+            raise ApiError(
+                400,
+                "a batch of prompts is not supported; send one prompt per request",
+                param="prompt",
+                code="unsupported_parameter",
+            )
         prompt = prompt[0]
     if isinstance(prompt, list) and not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         raise ApiError(400, "prompt must be a string or a list of token ids (integers)", param="prompt")

@@ -33,8 +33,9 @@ import logging
 import random
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 from kvshare.outputs import DEFAULT_GAP_THRESHOLD, Comparison, compare_tokens, top2_gap
 
@@ -119,8 +120,11 @@ class Auditor:
             if served is not None and events and params.logprobs is not None and events[0].logprob is not None:
                 served_events = list(events[: len(served)])
             kept = list(prompt_ids) if isinstance(prompt_ids, list) else prompt_ids.copy()  # or a numpy array
-            self._pending.append(AuditSample(kept, options, served, served_events, params,
-                                             provenance.local_tokens, provenance.pool_tokens))
+            self._pending.append(
+                AuditSample(
+                    kept, options, served, served_events, params, provenance.local_tokens, provenance.pool_tokens
+                )
+            )
         self._show_pending()
         return True
 
@@ -174,8 +178,13 @@ class Auditor:
                     return
                 served = replayed
             if result.is_identical:
-                result = compare_tokens(cold, served[:n], cold_steps, is_exact=True,
-                                        candidate_top_logprobs=[_step_logprobs(e, k) for e in served_events])
+                result = compare_tokens(
+                    cold,
+                    served[:n],
+                    cold_steps,
+                    is_exact=True,
+                    candidate_top_logprobs=[_step_logprobs(e, k) for e in served_events],
+                )
             if result.divergence_step is not None:  # the gap of the cold run's own top values
                 step = result.divergence_step
                 result = replace(result, gap=top2_gap(top[step]) if step < len(top) else None)
@@ -213,8 +222,13 @@ class Auditor:
             "audit MISMATCH: a %d-token prompt served with reused KV differs from its cold recompute (%s). "
             "Reused chunks: local %s, pool %s; computed on top of them: %s. Dropped %d chunks from the local cache "
             "and %d from the pool; the next request with this prefix recomputes.",
-            len(sample.prompt_ids), result.describe(), hexes[:num_local], hexes[num_local : num_local + num_pool],
-            hexes[num_local + num_pool :], dropped_local, dropped_pool,
+            len(sample.prompt_ids),
+            result.describe(),
+            hexes[:num_local],
+            hexes[num_local : num_local + num_pool],
+            hexes[num_local + num_pool :],
+            dropped_local,
+            dropped_pool,
         )
 
     def _generate(self, prompt_ids, params, options, keep_events: bool = False):
@@ -265,9 +279,12 @@ class _AuditMetrics:
     def __init__(self, registry) -> None:
         from prometheus_client import Counter, Gauge
 
-        self._counters = {name: Counter(f"kvshare_audit_{name}", text, registry=registry) for name, text in self.HELP.items()}
-        self.pending = Gauge("kvshare_audit_pending", "Sampled requests waiting to be audited (or being audited)",
-                             registry=registry)
+        self._counters = {
+            name: Counter(f"kvshare_audit_{name}", text, registry=registry) for name, text in self.HELP.items()
+        }
+        self.pending = Gauge(
+            "kvshare_audit_pending", "Sampled requests waiting to be audited (or being audited)", registry=registry
+        )
 
     def inc(self, name: str, n: int) -> None:
         self._counters[name].inc(n)

@@ -1,7 +1,8 @@
-"""The client's connection, as a replica's (and the router's) handlers look at it."""
+"""The client's connection, as a replica's (and the router's) handlers look at it and write to it."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 
 from aiohttp import web
@@ -36,3 +37,22 @@ async def read_capped(request: web.Request, limit: int) -> bytes:
     if len(body) > limit:
         raise body_too_large(limit)
     return body
+
+
+class SlowClient(Exception):
+    """A streaming client stopped reading: one write did not complete within its timeout."""
+
+
+async def write_within(request: web.Request, response: web.StreamResponse, data: bytes, timeout_s: float) -> None:
+    """One write of a stream; a client that does not take it within ``timeout_s`` is disconnected (SlowClient).
+
+    A write waits only when the connection's buffers are full, i.e. the client stopped reading: without a
+    bound such a client would hold its handler (and the router's connection) open for ever.
+    """
+    try:
+        async with asyncio.timeout(timeout_s):
+            await response.write(data)
+    except TimeoutError:
+        if request.transport is not None:
+            request.transport.abort()
+        raise SlowClient() from None

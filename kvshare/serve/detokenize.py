@@ -20,7 +20,7 @@ for only in the text it could newly end in::
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 
 class TextStream:

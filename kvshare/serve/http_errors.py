@@ -27,8 +27,9 @@ def http_error(request: web.Request, exc: web.HTTPException) -> ApiError:
         return ApiError(404, f"{request.method} {request.path}: no such endpoint", code="not_found")
     if isinstance(exc, web.HTTPMethodNotAllowed):
         allowed = ", ".join(sorted(exc.allowed_methods))
-        return ApiError(405, f"{request.method} {request.path}: method not allowed (allowed: {allowed})",
-                        code="method_not_allowed")
+        return ApiError(
+            405, f"{request.method} {request.path}: method not allowed (allowed: {allowed})", code="method_not_allowed"
+        )
     return ApiError(exc.status, exc.reason)
 
 

@@ -13,7 +13,7 @@ long prompts show as one running, five waiting, and queue times that grow by one
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -32,14 +32,18 @@ ENGINE_COUNTERS = {
     "skipped_stores": ("kvshare_pool_skipped_stores", "Chunks not stored for lack of pool room"),
     "pool_errors": ("kvshare_pool_errors", "Pool requests that failed (pool down, refused)"),
     "local_hit_chunks": ("kvshare_local_cache_hit_chunks", "Chunks found in the local prefix cache"),
-    "local_out_of_memory": ("kvshare_local_cache_out_of_memory",
-                            "Local prefix cache inserts the device had no room for (each capped the cache)"),
+    "local_out_of_memory": (
+        "kvshare_local_cache_out_of_memory",
+        "Local prefix cache inserts the device had no room for (each capped the cache)",
+    ),
 }
 # engine gauge -> (metric name, help)
 ENGINE_GAUGES = {
     "local_cache_bytes": ("kvshare_local_cache_bytes", "KV bytes the local prefix cache holds"),
-    "local_cache_capacity_bytes": ("kvshare_local_cache_capacity_bytes",
-                                   "The local prefix cache's bound: --local-cache-size, or less once the device ran out"),
+    "local_cache_capacity_bytes": (
+        "kvshare_local_cache_capacity_bytes",
+        "The local prefix cache's bound: --local-cache-size, or less once the device ran out",
+    ),
 }
 
 
@@ -57,8 +61,9 @@ class _EngineCollector(Collector):
             if key in stats:
                 yield self._one(GaugeMetricFamily(name, doc, labels=["model_name"]), stats[key])
         if stats.get("is_pool_configured"):  # a replica started with --pool SOCKET
-            family = GaugeMetricFamily("kvshare_pool_connected", "1 while the replica is connected to its pool",
-                                       labels=["model_name"])
+            family = GaugeMetricFamily(
+                "kvshare_pool_connected", "1 while the replica is connected to its pool", labels=["model_name"]
+            )
             yield self._one(family, int(bool(stats.get("is_pool_connected"))))
 
     def _one(self, family, value):
@@ -81,33 +86,57 @@ class ReplicaMetrics:
         """``model_name``: the served name, vLLM's ``model_name`` label on every metric."""
         self.registry = CollectorRegistry()
         r, m, model = self.registry, ["model_name"], model_name
-        self.requests = _ByLabel(Counter("kvshare_request_success", "Finished requests", [*m, "finished_reason"],
-                                         registry=r), model)
-        self.errors = _ByLabel(Counter("kvshare_request_errors", "Requests answered with an error", [*m, "status"],
-                                       registry=r), model)
-        self.ttft = Histogram("kvshare_time_to_first_token_seconds", "Time to first token", m,
-                              buckets=LATENCY_BUCKETS, registry=r).labels(model)
-        self.e2e = Histogram("kvshare_e2e_request_latency_seconds", "End-to-end request latency", m,
-                             buckets=LATENCY_BUCKETS, registry=r).labels(model)
+        self.requests = _ByLabel(
+            Counter("kvshare_request_success", "Finished requests", [*m, "finished_reason"], registry=r), model
+        )
+        self.errors = _ByLabel(
+            Counter("kvshare_request_errors", "Requests answered with an error", [*m, "status"], registry=r), model
+        )
+        self.ttft = Histogram(
+            "kvshare_time_to_first_token_seconds", "Time to first token", m, buckets=LATENCY_BUCKETS, registry=r
+        ).labels(model)
+        self.e2e = Histogram(
+            "kvshare_e2e_request_latency_seconds", "End-to-end request latency", m, buckets=LATENCY_BUCKETS, registry=r
+        ).labels(model)
         self.prompt_tokens = Counter("kvshare_prompt_tokens", "Prompt tokens", m, registry=r).labels(model)
-        self.prompt_tokens_by_source = _ByLabel(Counter(
-            "kvshare_prompt_tokens_by_source", "Prompt tokens by where their KV came from", [*m, "source"], registry=r
-        ), model)
+        self.prompt_tokens_by_source = _ByLabel(
+            Counter(
+                "kvshare_prompt_tokens_by_source",
+                "Prompt tokens by where their KV came from",
+                [*m, "source"],
+                registry=r,
+            ),
+            model,
+        )
         self.generation_tokens = Counter("kvshare_generation_tokens", "Generated tokens", m, registry=r).labels(model)
-        self.waiting = Gauge("kvshare_num_requests_waiting",
-                             "Requests queued for the engine (the built-in engine runs one at a time)", m,
-                             registry=r).labels(model)
-        self.running = Gauge("kvshare_num_requests_running", "Requests the engine is running", m,
-                             registry=r).labels(model)
-        self.max_running = Gauge("kvshare_max_num_running_requests",
-                                 "Requests the engine runs at once (built-in: 1; --engine vllm batches)", m,
-                                 registry=r).labels(model)
-        self.queue_time = Histogram("kvshare_request_queue_time_seconds", "Time a request waited for the engine", m,
-                                    buckets=LATENCY_BUCKETS, registry=r).labels(model)
-        self.cancelled = Counter("kvshare_request_cancelled", "Requests whose client went away", m,
-                                 registry=r).labels(model)
-        self.slow_clients = Counter("kvshare_request_slow_client", "Streams dropped because the client stopped reading",
-                                    m, registry=r).labels(model)
+        self.waiting = Gauge(
+            "kvshare_num_requests_waiting",
+            "Requests queued for the engine (the built-in engine runs one at a time)",
+            m,
+            registry=r,
+        ).labels(model)
+        self.running = Gauge("kvshare_num_requests_running", "Requests the engine is running", m, registry=r).labels(
+            model
+        )
+        self.max_running = Gauge(
+            "kvshare_max_num_running_requests",
+            "Requests the engine runs at once (built-in: 1; --engine vllm batches)",
+            m,
+            registry=r,
+        ).labels(model)
+        self.queue_time = Histogram(
+            "kvshare_request_queue_time_seconds",
+            "Time a request waited for the engine",
+            m,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        ).labels(model)
+        self.cancelled = Counter("kvshare_request_cancelled", "Requests whose client went away", m, registry=r).labels(
+            model
+        )
+        self.slow_clients = Counter(
+            "kvshare_request_slow_client", "Streams dropped because the client stopped reading", m, registry=r
+        ).labels(model)
         r.register(_EngineCollector(read_engine_stats, model))
 
     def observe_provenance(self, local: int, pool: int, computed: int) -> None:

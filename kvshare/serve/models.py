@@ -34,8 +34,12 @@ class ServedModels:
     def resolve(self, requested: str | None) -> str:
         """The name to report for a request that named ``requested``; 404 when it is not served."""
         if requested and requested not in self.names:
-            raise ApiError(404, f"The model `{requested}` does not exist. Valid aliases: {', '.join(self.names)}.",
-                           param="model", code="model_not_found")
+            raise ApiError(
+                404,
+                f"The model `{requested}` does not exist. Valid aliases: {', '.join(self.names)}.",
+                param="model",
+                code="model_not_found",
+            )
         return self.name
 
     def listing(self) -> dict:
@@ -45,14 +49,36 @@ class ServedModels:
     def card(self, name: str) -> dict:
         """The body of GET /v1/models/{name} (OpenAI's retrieve); 404 for a name not served."""
         if name not in self.names:
-            raise ApiError(404, f"The model `{name}` does not exist. Valid aliases: {', '.join(self.names)}.",
-                           param="model", code="model_not_found")
+            raise ApiError(
+                404,
+                f"The model `{name}` does not exist. Valid aliases: {', '.join(self.names)}.",
+                param="model",
+                code="model_not_found",
+            )
         return self._card(name)
 
     def _card(self, name: str) -> dict:
-        permission = {"id": f"modelperm-{uuid.uuid5(uuid.NAMESPACE_URL, name).hex}", "object": "model_permission",
-                      "created": self.created, "allow_create_engine": False, "allow_sampling": True,
-                      "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
-                      "allow_fine_tuning": False, "organization": "*", "group": None, "is_blocking": False}
-        return {"id": name, "object": "model", "created": self.created, "owned_by": OWNED_BY, "root": self.root,
-                "parent": None, "max_model_len": self.max_model_len, "permission": [permission]}
+        permission = {
+            "id": f"modelperm-{uuid.uuid5(uuid.NAMESPACE_URL, name).hex}",
+            "object": "model_permission",
+            "created": self.created,
+            "allow_create_engine": False,
+            "allow_sampling": True,
+            "allow_logprobs": True,
+            "allow_search_indices": False,
+            "allow_view": True,
+            "allow_fine_tuning": False,
+            "organization": "*",
+            "group": None,
+            "is_blocking": False,
+        }
+        return {
+            "id": name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": OWNED_BY,
+            "root": self.root,
+            "parent": None,
+            "max_model_len": self.max_model_len,
+            "permission": [permission],
+        }

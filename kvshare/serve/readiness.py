@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 log = logging.getLogger("kvshare.serve")
 
@@ -20,8 +21,12 @@ WARMING_UP, READY, FAILED = "warming up", "ok", "warm-up failed"
 class Readiness:
     """The warm-up's state and the ready line's gate (the engine thread and the event loop both call it)."""
 
-    def __init__(self, is_warming_up: bool, on_ready: Callable[[], None] = lambda: None,
-                 on_failed: Callable[[BaseException], None] = lambda exc: None) -> None:
+    def __init__(
+        self,
+        is_warming_up: bool,
+        on_ready: Callable[[], None] = lambda: None,
+        on_failed: Callable[[BaseException], None] = lambda exc: None,
+    ) -> None:
         self.status = WARMING_UP if is_warming_up else READY
         self.report: Any = None  # the WarmupReport, once done
         self.error = ""

@@ -48,8 +48,16 @@ class Prepared:
 class ResponseBuilder:
     """Accumulates one request's tokens into OpenAI bodies and stream chunks."""
 
-    def __init__(self, req, prep: Prepared, chat: bool, rid: str, tokenizer: Any, replica_name: str,
-                 is_provenance_shown: bool = True) -> None:
+    def __init__(
+        self,
+        req,
+        prep: Prepared,
+        chat: bool,
+        rid: str,
+        tokenizer: Any,
+        replica_name: str,
+        is_provenance_shown: bool = True,
+    ) -> None:
         self.req, self.prep, self.chat, self.rid = req, prep, chat, rid
         self.tokenizer, self.replica_name = tokenizer, replica_name
         self.is_provenance_shown = is_provenance_shown  # ServeConfig.provenance decided it for this request
@@ -94,11 +102,21 @@ class ResponseBuilder:
         if self.chat:
             delta = piece if isinstance(piece, dict) else ({"content": piece} if piece else {})
             choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-            return {"id": self.rid, "object": "chat.completion.chunk", "created": self.created,
-                    "model": self.req.model, "choices": [choice]}
+            return {
+                "id": self.rid,
+                "object": "chat.completion.chunk",
+                "created": self.created,
+                "model": self.req.model,
+                "choices": [choice],
+            }
         choice = {"index": 0, "text": piece, "logprobs": logprobs, "finish_reason": finish_reason}
-        return {"id": self.rid, "object": "text_completion", "created": self.created, "model": self.req.model,
-                "choices": [choice]}
+        return {
+            "id": self.rid,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.req.model,
+            "choices": [choice],
+        }
 
     def _logprobs(self, events, offsets: TextOffsets | None = None):
         tok = self.tokenizer
@@ -109,8 +127,12 @@ class ResponseBuilder:
         cached = (p.local_tokens + p.pool_tokens) if p else 0
         n_prompt = len(self.prep.prompt_ids)
         details = {"cached_tokens": cached} if self.is_provenance_shown else None  # null, as vLLM's by default
-        return {"prompt_tokens": n_prompt, "completion_tokens": self.num_tokens,
-                "total_tokens": n_prompt + self.num_tokens, "prompt_tokens_details": details}
+        return {
+            "prompt_tokens": n_prompt,
+            "completion_tokens": self.num_tokens,
+            "total_tokens": n_prompt + self.num_tokens,
+            "prompt_tokens_details": details,
+        }
 
     def kvshare(self) -> dict:
         """The request's provenance, or {} where it is withheld: which replica served, what it held already and how
@@ -119,10 +141,14 @@ class ResponseBuilder:
             return {}
         timeline = {"timeline": self.prep.options.timeline.as_dict()} if self.prep.options.timeline is not None else {}
         p = self.provenance
-        return {"replica": self.replica_name,
-                "local_tokens": p.local_tokens if p else 0, "pool_tokens": p.pool_tokens if p else 0,
-                "computed_tokens": p.computed_tokens if p else 0, "deterministic": bool(p and p.is_deterministic),
-                **timeline}
+        return {
+            "replica": self.replica_name,
+            "local_tokens": p.local_tokens if p else 0,
+            "pool_tokens": p.pool_tokens if p else 0,
+            "computed_tokens": p.computed_tokens if p else 0,
+            "deterministic": bool(p and p.is_deterministic),
+            **timeline,
+        }
 
     def final_chunks(self) -> list[dict]:
         last = self._chunk("" if not self.chat else {}, self.finish_reason or "stop")
@@ -131,23 +157,47 @@ class ResponseBuilder:
             last["choices"][0]["token_ids"] = self.token_ids
         chunks = [last]
         if self.prep.include_usage:
-            chunks.append({"id": self.rid, "object": last["object"], "created": self.created, "model": self.req.model,
-                           "choices": [], "usage": self.usage(), "kvshare": self.kvshare()})
+            chunks.append(
+                {
+                    "id": self.rid,
+                    "object": last["object"],
+                    "created": self.created,
+                    "model": self.req.model,
+                    "choices": [],
+                    "usage": self.usage(),
+                    "kvshare": self.kvshare(),
+                }
+            )
         return chunks
 
     def final_body(self) -> dict:
         logprobs = self._logprobs(self.events) if self.prep.params.logprobs is not None else None
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": self.stream.text},
-                      "logprobs": logprobs, "finish_reason": self.finish_reason or "stop"}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": self.stream.text},
+                "logprobs": logprobs,
+                "finish_reason": self.finish_reason or "stop",
+            }
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": self.stream.text, "logprobs": logprobs,
-                      "finish_reason": self.finish_reason or "stop"}
+            choice = {
+                "index": 0,
+                "text": self.stream.text,
+                "logprobs": logprobs,
+                "finish_reason": self.finish_reason or "stop",
+            }
             obj = "text_completion"
         if self.req.return_token_ids:
             choice["token_ids"] = self.token_ids
             ids = self.prep.prompt_ids
             choice["prompt_token_ids"] = ids if isinstance(ids, list) else ids.tolist()
-        return {"id": self.rid, "object": obj, "created": self.created, "model": self.req.model,
-                "choices": [choice], "usage": self.usage(), "kvshare": self.kvshare()}
+        return {
+            "id": self.rid,
+            "object": obj,
+            "created": self.created,
+            "model": self.req.model,
+            "choices": [choice],
+            "usage": self.usage(),
+            "kvshare": self.kvshare(),
+        }

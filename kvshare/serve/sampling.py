@@ -20,8 +20,9 @@ GREEDY_BELOW_TEMPERATURE = 1e-5
 MIN_TOP_P = 1e-6
 
 
-def sampling_params(req: A.CompletionRequest | A.ChatRequest, max_tokens: int, logprobs: int | None,
-                    vocab_size: int) -> Any:
+def sampling_params(
+    req: A.CompletionRequest | A.ChatRequest, max_tokens: int, logprobs: int | None, vocab_size: int
+) -> Any:
     """The engine's SamplingParams for a validated request; ApiError(400) for token ids outside the vocabulary."""
     from kvshare.engine.sampler import SamplingParams  # torch: imported where used
 
@@ -32,10 +33,19 @@ def sampling_params(req: A.CompletionRequest | A.ChatRequest, max_tokens: int, l
     # found by fuzzing: a temperature of 1e-82 overflowed the scaled logits to inf, and sampling failed with a 500
     temperature = 0.0 if req.temperature < GREEDY_BELOW_TEMPERATURE else req.temperature
     return SamplingParams(
-        max_tokens=max_tokens, temperature=temperature, top_p=max(req.top_p, MIN_TOP_P),
-        top_k=max(req.top_k or 0, 0), min_p=req.min_p, presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty, logit_bias=logit_bias,
-        seed=req.seed, stop_token_ids=stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=max(req.top_p, MIN_TOP_P),
+        top_k=max(req.top_k or 0, 0),
+        min_p=req.min_p,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty,
+        logit_bias=logit_bias,
+        seed=req.seed,
+        stop_token_ids=stop_token_ids,
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
     )
 
 

@@ -1,9 +1,10 @@
 """The replica's HTTP server: OpenAI completions and chat (streaming or not), models, health, metrics.
 
-Routes, validation, the engine queue and stream writes live here; the response bodies and stream chunks are assembled
-by ``responses.ResponseBuilder``. The routes ``vllm serve`` adds (/tokenize, /detokenize, /version, /ping) answer in
-vLLM's shapes, so its tools work unchanged; the served names follow vLLM's rule (``models.ServedModels``). The engine
-runs one request at a time (``worker.EngineWorker``): the others wait in its queue.
+Routes, the engine queue and stream writes live here; a request's limits are checked by ``limits``, the response
+bodies and stream chunks are assembled by ``responses.ResponseBuilder``. The routes ``vllm serve`` adds
+(/tokenize, /detokenize, /version, /ping) answer in vLLM's shapes, so its tools work unchanged; the served names
+follow vLLM's rule (``models.ServedModels``). The engine runs one request at a time (``worker.EngineWorker``): the
+others wait in its queue.
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass, replace
-from typing import Any, Callable
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
 
 import msgspec
-import numpy as np
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -24,13 +25,15 @@ import kvshare
 from kvshare.keys import namespace_digest
 from kvshare.serve import api_types as A
 from kvshare.serve import tokenize as T
-from kvshare.serve.audit import AuditConfig, Auditor
-from kvshare.serve.connection import is_gone, limit_send_buffer, read_capped
+from kvshare.serve.audit import Auditor
+from kvshare.serve.config import ServeConfig
+from kvshare.serve.connection import SlowClient, is_gone, limit_send_buffer, read_capped, write_within
 from kvshare.serve.http_errors import body_too_large, engine_error, error_response, http_error
+from kvshare.serve.limits import checked_max_tokens, checked_prompt_ids
 from kvshare.serve.metrics import ReplicaMetrics
 from kvshare.serve.models import ServedModels
 from kvshare.serve.readiness import Readiness
-from kvshare.serve.responses import PROVENANCE, Prepared, ResponseBuilder, is_provenance_shown
+from kvshare.serve.responses import Prepared, ResponseBuilder, is_provenance_shown
 from kvshare.serve.sampling import sampling_params
 from kvshare.serve.tenancy import Unauthorized, account_identity, check_api_key, namespace_salt, tenant_identity
 from kvshare.serve.warm_path import warm_request_path
@@ -38,40 +41,6 @@ from kvshare.serve.worker import EngineWorker, Job, QueueFull
 
 log = logging.getLogger("kvshare.serve")
 _json = msgspec.json.Encoder()
-
-
-@dataclass(frozen=True)
-class ServeConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    replica_name: str = "replica"
-    served_model_names: tuple[str, ...] = ()  # empty: the engine's --model argument as given (vLLM's rule)
-    max_body_bytes: int = 16 << 20
-    max_requests: int = 64  # queued + running; more get 429
-    max_prompt_tokens: int | None = None  # default: the model's context
-    max_tokens_limit: int = 8192
-    default_chat_max_tokens: int = 1024
-    api_keys: tuple[str, ...] = ()  # empty: no authentication (/v1/ and /admin/ need a key when set)
-    tenant_header: str = ""  # e.g. "X-Tenant-ID": its value salts the pool namespace (kvshare.serve.tenancy)
-    write_timeout_s: float = 30.0  # a client that takes longer to accept one write of a stream is dropped
-    stream_buffer_bytes: int = 256 << 10  # kernel send buffer of a stream (bounds what a stalled client holds)
-    audit: AuditConfig = AuditConfig()  # --audit-rate: recompute a sample of reused requests cold (serve/audit.py)
-    instance_id: str = ""  # --instance-id: kvshare up's id of this process, reported by /health
-    warmup: bool = False  # run the warm-up (kvshare.engine.warmup) before reporting healthy; serve: on (--no-warmup)
-    provenance: str = "own-tenant"  # --provenance: to whom the "kvshare" object and cached_tokens are shown
-    max_tokenize_bytes: int = 1 << 20  # a /tokenize or /detokenize body larger than this gets 413
-
-    def __post_init__(self) -> None:
-        if self.max_body_bytes <= 0 or self.max_requests <= 0 or self.max_tokens_limit <= 0:
-            raise ValueError("limits must be positive")
-        if self.write_timeout_s <= 0 or self.stream_buffer_bytes <= 0:
-            raise ValueError("write_timeout_s and stream_buffer_bytes must be positive")
-        if any(not key or key != key.strip() for key in self.api_keys):
-            raise ValueError("an API key must be non-empty and carry no surrounding spaces")
-        if self.provenance not in PROVENANCE:
-            raise ValueError(f"--provenance {self.provenance}: choose one of {', '.join(PROVENANCE)}")
-        if self.max_tokenize_bytes <= 0:
-            raise ValueError("max_tokenize_bytes must be positive")
 
 
 class ReplicaServer:
@@ -84,25 +53,39 @@ class ReplicaServer:
         self.readiness = Readiness(config.warmup)
         if config.warmup and warm_up is None:
             from kvshare.engine.warmup import warm_up
-        self.metrics = ReplicaMetrics(lambda: _as_dict(engine.stats()),
-                                      (config.served_model_names or (engine.config.model,))[0])
+        self.metrics = ReplicaMetrics(
+            lambda: _as_dict(engine.stats()), (config.served_model_names or (engine.config.model,))[0]
+        )
         # audit hook: sampled reused requests are recomputed cold by the worker while no request waits
-        self.auditor = (Auditor(engine, config.audit, self.metrics.registry, is_busy=lambda: self.worker.num_waiting > 0)
-                        if config.audit.rate > 0 else None)
-        self.worker = EngineWorker(engine, config.max_requests, idle_task=self.auditor.run_one if self.auditor else None,
-                                   first_task=(lambda: self.readiness.run_warmup(
-                                       lambda e: self._warm_up(warm_up, e), engine)) if config.warmup else None)
+        self.auditor = (
+            Auditor(engine, config.audit, self.metrics.registry, is_busy=lambda: self.worker.num_waiting > 0)
+            if config.audit.rate > 0
+            else None
+        )
+        self.worker = EngineWorker(
+            engine,
+            config.max_requests,
+            idle_task=self.auditor.run_one if self.auditor else None,
+            first_task=(lambda: self.readiness.run_warmup(lambda e: self._warm_up(warm_up, e), engine))
+            if config.warmup
+            else None,
+        )
         self.metrics.max_running.set(self.worker.max_running)
         self.started_at = time.time()
-        self.served = ServedModels(config.served_model_names or (engine.config.model,), root=engine.config.model,
-                                   max_model_len=engine.max_model_len, created=int(self.started_at))
+        self.served = ServedModels(
+            config.served_model_names or (engine.config.model,),
+            root=engine.config.model,
+            max_model_len=engine.max_model_len,
+            created=int(self.started_at),
+        )
 
     def _warm_up(self, warm_up: Callable[[Any], Any], engine: Any):
         """The engine's warm-up, then this server's own request path (its report gains "request_path")."""
         report = warm_up(engine)
         started = time.perf_counter()
-        warm_request_path(self.engine, self.served.names[0], self.config.replica_name,
-                          self.config.max_prompt_tokens or None)
+        warm_request_path(
+            self.engine, self.served.names[0], self.config.replica_name, self.config.max_prompt_tokens or None
+        )
         if hasattr(report, "step_seconds"):
             report.step_seconds["request_path"] = time.perf_counter() - started
         return report
@@ -165,13 +148,22 @@ class ReplicaServer:
         """
         header_value = request.query.get("tenant")
         if header_value is not None and not self.config.tenant_header:
-            raise A.ApiError(400, "this replica takes no tenant header (--tenant-header); its tenants come from "
-                                  "API keys only", param="tenant")
+            raise A.ApiError(
+                400,
+                "this replica takes no tenant header (--tenant-header); its tenants come from API keys only",
+                param="tenant",
+            )
         tenant, _ = self._identities(request, header_value)
         digest = namespace_digest(self.engine.namespace.with_tenant(tenant))
-        return web.json_response({"model": self.engine.model_name, "replica": self.config.replica_name,
-                                  "is_tenant_salted": bool(tenant), "namespace": digest.hex(),
-                                  "grid_tokens": self.engine.namespace.grid_tokens})
+        return web.json_response(
+            {
+                "model": self.engine.model_name,
+                "replica": self.config.replica_name,
+                "is_tenant_salted": bool(tenant),
+                "namespace": digest.hex(),
+                "grid_tokens": self.engine.namespace.grid_tokens,
+            }
+        )
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response(self.served.listing())
@@ -202,12 +194,26 @@ class ReplicaServer:
 
         503 before the warm-up has run ("warming up") and after it failed ("warm-up failed")."""
         stats = _as_dict(self.engine.stats())
-        pool = "connected" if stats.get("is_pool_connected") else "unreachable" if stats.get("is_pool_configured") else "off"
+        pool = (
+            "connected"
+            if stats.get("is_pool_connected")
+            else "unreachable"
+            if stats.get("is_pool_configured")
+            else "off"
+        )
         ready = self.readiness
-        return web.json_response({"status": ready.status, "replica": self.config.replica_name,
-                                  "waiting": self.worker.num_waiting, "running": self.worker.num_running,
-                                  "pool": pool, "instance_id": self.config.instance_id, **ready.health_fields()},
-                                 status=200 if ready.is_ready else 503)
+        return web.json_response(
+            {
+                "status": ready.status,
+                "replica": self.config.replica_name,
+                "waiting": self.worker.num_waiting,
+                "running": self.worker.num_running,
+                "pool": pool,
+                "instance_id": self.config.instance_id,
+                **ready.health_fields(),
+            },
+            status=200 if ready.is_ready else 503,
+        )
 
     async def metrics_text(self, request: web.Request) -> web.Response:
         self.metrics.waiting.set(self.worker.num_waiting)
@@ -223,8 +229,9 @@ class ReplicaServer:
         A.validate(req)
         prompt = A.prompt_of(req)
         prompt_ids = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-        prepared = self._prepare(request, req, prompt_ids, default_max_tokens=16, logprobs=req.logprobs,
-                                 arrival=(arrival, read_s))
+        prepared = self._prepare(
+            request, req, prompt_ids, default_max_tokens=16, logprobs=req.logprobs, arrival=(arrival, read_s)
+        )
         return await self._respond(request, req, prepared, chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
@@ -234,66 +241,45 @@ class ReplicaServer:
         A.validate(req)
         prompt_ids = T.chat_prompt_ids(self.engine.tokenizer, req.messages)
         top = (req.top_logprobs or 0) if req.logprobs else None
-        prepared = self._prepare(request, req, prompt_ids, default_max_tokens=None, logprobs=top,
-                                 arrival=(arrival, read_s))
+        prepared = self._prepare(
+            request, req, prompt_ids, default_max_tokens=None, logprobs=top, arrival=(arrival, read_s)
+        )
         return await self._respond(request, req, prepared, chat=True)
 
-    def _prepare(self, request, req, prompt_ids, default_max_tokens: int | None, logprobs,
-                 arrival: tuple[float, float]) -> Prepared:
+    def _prepare(
+        self, request, req, prompt_ids, default_max_tokens: int | None, logprobs, arrival: tuple[float, float]
+    ) -> Prepared:
         """The request checked and ready for the engine; ``arrival``: (handler start, body read) clock() values."""
         from kvshare.engine.engine import RequestOptions
         from kvshare.engine.timeline import Timeline
 
         req.model = self.served.resolve(req.model)  # responses name the first served name, as vLLM's do
-        if len(prompt_ids) == 0:
-            raise A.ApiError(400, "the prompt is empty", param="prompt")
         vocab = self.engine.model_config.vocab_size
-        if isinstance(prompt_ids, np.ndarray):  # token ids read by decode_completion
-            ids = prompt_ids
-        else:
-            try:  # one array, checked at once: a 32k-token list's min() and max() alone cost ~1 ms of TTFT
-                ids = np.fromiter(prompt_ids, dtype=np.int64, count=len(prompt_ids))
-            except OverflowError:
-                ids = None
-        if ids is None or not 0 <= ids.min() <= ids.max() < vocab:
-            raise A.ApiError(400, f"token ids must lie in [0, {vocab})", param="prompt")
-        max_tokens = self._max_tokens(req, len(prompt_ids), "messages" if default_max_tokens is None else "prompt",
-                                      default_max_tokens or self.config.default_chat_max_tokens)
+        ids = checked_prompt_ids(prompt_ids, vocab)
+        max_tokens = checked_max_tokens(
+            A.requested_max_tokens(req),
+            len(prompt_ids),
+            "messages" if default_max_tokens is None else "prompt",
+            default_max_tokens or self.config.default_chat_max_tokens,
+            context=self.engine.max_model_len,
+            max_prompt_tokens=self.config.max_prompt_tokens,
+            max_tokens_limit=self.config.max_tokens_limit,
+        )
         params = sampling_params(req, max_tokens, logprobs, vocab)
         timeline = Timeline(arrival[0]) if req.kvshare.timeline else None
         tenant, account = self._identities(request)
-        options = RequestOptions(use_pool=req.kvshare.use_pool, use_local_cache=req.kvshare.use_local_cache,
-                                 tenant=namespace_salt(tenant, req.cache_salt), account=account, timeline=timeline)
+        options = RequestOptions(
+            use_pool=req.kvshare.use_pool,
+            use_local_cache=req.kvshare.use_local_cache,
+            tenant=namespace_salt(tenant, req.cache_salt),
+            account=account,
+            timeline=timeline,
+        )
         if timeline is not None:
             timeline.mark("body_read", arrival[1])
             timeline.mark("parse")  # decoded, checked and tokenized
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return Prepared(prompt_ids, params, options, A.stop_strings(req), include_usage, ids)
-
-    def _max_tokens(self, req, num_prompt: int, what: str, default: int) -> int:
-        """The request's max_tokens, checked against --max-model-len (vLLM's message) and this replica's limits."""
-        context = self.engine.max_model_len
-        if num_prompt >= context:
-            raise A.ApiError(400, f"This model's maximum context length is {context} tokens. However, your prompt "
-                                  f"contains {num_prompt} input tokens, which leaves no room for an output token. "
-                                  f"Please reduce the length of the {what}.", param=what, code="context_length_exceeded")
-        if self.config.max_prompt_tokens and num_prompt > self.config.max_prompt_tokens:
-            raise A.ApiError(400, f"the prompt has {num_prompt} tokens; this replica takes at most "
-                                  f"{self.config.max_prompt_tokens} (--max-prompt-tokens)", param=what,
-                             code="context_length_exceeded")
-        room, limit = context - num_prompt, self.config.max_tokens_limit
-        max_tokens = A.requested_max_tokens(req)
-        if max_tokens is None:
-            return min(default, room, limit)
-        if max_tokens > room:
-            raise A.ApiError(400, f"This model's maximum context length is {context} tokens. However, you requested "
-                                  f"{num_prompt + max_tokens} tokens ({num_prompt} in the {what}, {max_tokens} in the "
-                                  f"completion). Please reduce the length of the {what} or completion.",
-                             param="max_tokens", code="context_length_exceeded")
-        if not 1 <= max_tokens <= limit:
-            raise A.ApiError(400, f"max_tokens must lie in [1, {limit}] on this replica (--max-tokens-limit)",
-                             param="max_tokens")
-        return max_tokens
 
     async def _respond(self, request: web.Request, req, prep: Prepared, chat: bool) -> web.StreamResponse:
         t_arrival = time.perf_counter()  # the metrics time from here (a timeline from the handler's start)
@@ -306,12 +292,21 @@ class ReplicaServer:
         except QueueFull as exc:
             raise A.ApiError(429, str(exc), code="too_many_requests", error_type="rate_limit_error") from None
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        out = ResponseBuilder(req, prep, chat, rid, self.engine.tokenizer, self.config.replica_name,
-                              is_provenance_shown=is_provenance_shown(self.config.provenance, prep.options.tenant))
+        out = ResponseBuilder(
+            req,
+            prep,
+            chat,
+            rid,
+            self.engine.tokenizer,
+            self.config.replica_name,
+            is_provenance_shown=is_provenance_shown(self.config.provenance, prep.options.tenant),
+        )
         response = None
         try:
             if req.stream:
-                response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+                response = web.StreamResponse(
+                    headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+                )
                 limit_send_buffer(request, self.config.stream_buffer_bytes)
                 await response.prepare(request)
             async for event in job.stream():
@@ -329,7 +324,7 @@ class ReplicaServer:
                 job.first_written.set()  # the engine may go on (it waits for this after the first token)
                 if out.finish_reason:
                     break
-        except (ConnectionResetError, _SlowClient):  # the client went away or stopped reading: free the engine
+        except (ConnectionResetError, SlowClient):  # the client went away or stopped reading: free the engine
             job.is_cancelled = True
             self.metrics.cancelled.inc()
             return response
@@ -353,8 +348,14 @@ class ReplicaServer:
         self.metrics.requests.labels(out.finish_reason or "abort").inc()
         self.metrics.generation_tokens.inc(out.num_tokens)
         if self.auditor is not None and out.finish_reason:  # audit hook: offer the finished request
-            self.auditor.offer(prep.prompt_ids, prep.params, replace(prep.options, timeline=None), out.provenance,
-                               out.token_ids, out.events)
+            self.auditor.offer(
+                prep.prompt_ids,
+                prep.params,
+                replace(prep.options, timeline=None),
+                out.provenance,
+                out.token_ids,
+                out.events,
+            )
         if prep.options.timeline is not None:
             log.info("timeline %s %s", rid, _json.encode(prep.options.timeline.as_dict()).decode())
         if response is None:
@@ -364,34 +365,23 @@ class ReplicaServer:
                 await self._write(request, response, b"data: " + _json.encode(chunk) + b"\n\n")
             await self._write(request, response, b"data: [DONE]\n\n")
             await response.write_eof()
-        except (ConnectionResetError, _SlowClient):
+        except (ConnectionResetError, SlowClient):
             pass  # the client left (or stalled) after the last token: nothing was lost
         return response
 
     async def _write(self, request: web.Request, response: web.StreamResponse, data: bytes) -> None:
-        """One write of a stream; a client that does not take it within write_timeout_s is disconnected.
-
-        A write waits only when the connection's buffers are full, i.e. the client stopped reading: without a
-        bound such a client would hold its handler (and the router's connection) open for ever.
-        """
+        """One write of a stream (kvshare.serve.connection.write_within): a client that stalls is counted, dropped."""
         try:
-            async with asyncio.timeout(self.config.write_timeout_s):
-                await response.write(data)
-        except TimeoutError:
+            await write_within(request, response, data, self.config.write_timeout_s)
+        except SlowClient:
             self.metrics.slow_clients.inc()
             log.warning("a client did not read for %.1f s; dropping its stream", self.config.write_timeout_s)
-            if request.transport is not None:
-                request.transport.abort()
-            raise _SlowClient() from None
+            raise
 
 
 async def version(request: web.Request) -> web.Response:
     """GET /version, as vLLM's (which gives vLLM's version): kvshare's."""
     return web.json_response({"version": kvshare.__version__})
-
-
-class _SlowClient(Exception):
-    """A streaming client stopped reading (write_timeout_s passed without progress)."""
 
 
 def _as_dict(stats: Any) -> dict:

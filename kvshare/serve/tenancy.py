@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from typing import Mapping
+from collections.abc import Mapping
 
 BEARER = "Bearer "
 
@@ -52,7 +52,7 @@ class Unauthorized(Exception):
 
 def bearer_token(headers: Mapping[str, str]) -> str:
     header = headers.get("Authorization", "")
-    return header[len(BEARER):].strip() if header.startswith(BEARER) else ""
+    return header[len(BEARER) :].strip() if header.startswith(BEARER) else ""
 
 
 def check_api_key(headers: Mapping[str, str], api_keys: tuple[str, ...]) -> str:
@@ -101,8 +101,10 @@ MIN_ACCOUNT_KEY_CHARS = 16
 def check_account_key(key: str) -> str:
     """``key`` if it is long enough to sign accounts with; raises ValueError (one line) otherwise."""
     if len(key) < MIN_ACCOUNT_KEY_CHARS:
-        raise ValueError(f"the account key must have at least {MIN_ACCOUNT_KEY_CHARS} characters, "
-                         f"got {len(key)} (e.g. head -c 32 /dev/urandom | base64 > FILE)")
+        raise ValueError(
+            f"the account key must have at least {MIN_ACCOUNT_KEY_CHARS} characters, "
+            f"got {len(key)} (e.g. head -c 32 /dev/urandom | base64 > FILE)"
+        )
     return key
 
 

@@ -9,7 +9,7 @@ the logprobs name it (vLLM gives the vocabulary's raw strings, e.g. ``Ġhello``)
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
@@ -19,9 +19,9 @@ from kvshare.serve import api_types as A
 class TokenizeRequest(msgspec.Struct, kw_only=True):
     """vLLM's TokenizeCompletionRequest (``prompt``) or TokenizeChatRequest (``messages``) in one struct."""
 
-    model: Union[str, None] = None
-    prompt: Union[str, None] = None
-    messages: Union[list[A.ChatMessage], None] = None
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[A.ChatMessage] | None = None
     add_special_tokens: bool = False
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -35,7 +35,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
-    model: Union[str, None] = None
+    model: str | None = None
     tokens: list[int]
 
 
@@ -50,8 +50,9 @@ def chat_prompt_ids(tokenizer: Any, messages: list[A.ChatMessage], add_generatio
     from kvshare.errors import UserError
 
     try:
-        return tokenizer.apply_chat_template([{"role": m.role, "content": A.message_text(m)} for m in messages],
-                                             add_generation_prompt)
+        return tokenizer.apply_chat_template(
+            [{"role": m.role, "content": A.message_text(m)} for m in messages], add_generation_prompt
+        )
     except (UserError, TemplateError) as exc:
         raise A.ApiError(400, f"the chat template cannot render these messages: {exc}", param="messages") from None
 
@@ -62,11 +63,16 @@ def tokenize(req: TokenizeRequest, tokenizer: Any, max_model_len: int) -> dict:
         raise A.ApiError(400, "give either prompt (a completion's text) or messages (a chat)", param="prompt")
     for name in _REFUSED:
         if getattr(req, name) is not None:
-            raise A.ApiError(400, f"{name} is not supported: kvshare renders chats with the model's own template",
-                             param=name)
+            raise A.ApiError(
+                400, f"{name} is not supported: kvshare renders chats with the model's own template", param=name
+            )
     if req.add_special_tokens:
-        raise A.ApiError(400, "kvshare adds no special tokens to prompts (a request runs the prompt's own tokens); "
-                              "leave add_special_tokens out or false", param="add_special_tokens")
+        raise A.ApiError(
+            400,
+            "kvshare adds no special tokens to prompts (a request runs the prompt's own tokens); "
+            "leave add_special_tokens out or false",
+            param="add_special_tokens",
+        )
     if req.prompt is not None:
         ids = tokenizer.encode(req.prompt)
     else:

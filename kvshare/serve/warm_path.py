@@ -34,9 +34,19 @@ def warm_request_path(engine: Any, model_name: str, replica_name: str, max_promp
     vocab = engine.model_config.vocab_size
     ids = [i % vocab for i in range(min(engine.layout.chunk_tokens + 3, engine.max_model_len - 3))]
     for stream in (True, False):
-        body = _json.encode({"model": model_name, "prompt": ids, "max_tokens": 2, "temperature": 0,
-                             "logprobs": 2, "stream": stream, "ignore_eos": True, "return_token_ids": True,
-                             "kvshare": {"timeline": True, "use_pool": False, "use_local_cache": False}})
+        body = _json.encode(
+            {
+                "model": model_name,
+                "prompt": ids,
+                "max_tokens": 2,
+                "temperature": 0,
+                "logprobs": 2,
+                "stream": stream,
+                "ignore_eos": True,
+                "return_token_ids": True,
+                "kvshare": {"timeline": True, "use_pool": False, "use_local_cache": False},
+            }
+        )
         req = A.decode_completion(body)
         A.validate(req)
         array = np.asarray(A.prompt_of(req), dtype=np.int64)
@@ -52,7 +62,9 @@ def warm_request_path(engine: Any, model_name: str, replica_name: str, max_promp
         for chunk in out.final_chunks():
             _json.encode(chunk)
         _json.encode(out.final_body())
-    longest = engine.max_model_len - 1 if max_prompt_tokens is None else min(max_prompt_tokens, engine.max_model_len - 1)
+    longest = (
+        engine.max_model_len - 1 if max_prompt_tokens is None else min(max_prompt_tokens, engine.max_model_len - 1)
+    )
     spread = (np.arange(longest, dtype=np.int64) * 7919 + vocab // 2) % vocab  # multi-digit ids, as real ones are
     body = _json.encode({"model": model_name, "prompt": spread.tolist(), "max_tokens": 1})
     array = np.asarray(A.prompt_of(A.decode_completion(body)), dtype=np.int64)

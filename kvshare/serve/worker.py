@@ -14,8 +14,9 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any
 
 from kvshare.errors import RequestCancelled
 
@@ -65,8 +66,13 @@ FIRST_WRITE_WAIT_S = 0.05  # at most this long the engine waits for the handler 
 class EngineWorker:
     max_running = 1  # jobs the engine runs at once: the rest wait, first come first served
 
-    def __init__(self, engine: Any, max_requests: int, idle_task: Callable[[], bool] | None = None,
-                 first_task: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        max_requests: int,
+        idle_task: Callable[[], bool] | None = None,
+        first_task: Callable[[], None] | None = None,
+    ) -> None:
         self.engine = engine
         self.max_requests = max_requests
         self.first_task = first_task  # runs in this thread before the first request (the warm-up)

@@ -43,8 +43,13 @@ def run_bytes_level(session, layouts=LAYOUTS) -> LevelResult:
         if max_pages is not None:
             config = ByteCheckConfig(layout=layout, cuda=session.is_cuda, max_pages=max_pages)
         report = run_bytecheck(session.client, config)
-        figures["layouts"][name] = {"page_bytes": layout.page_bytes, "dtype": layout.dtype, "pages": report.num_pages,
-                                    "extent_boundaries": report.extent_boundaries, "notes": list(report.notes)}
+        figures["layouts"][name] = {
+            "page_bytes": layout.page_bytes,
+            "dtype": layout.dtype,
+            "pages": report.num_pages,
+            "extent_boundaries": report.extent_boundaries,
+            "notes": list(report.notes),
+        }
         figures["extent_boundaries"] += report.extent_boundaries
         for r in report.results:
             rows.append(_row(f"{name} {format_bytes(layout.page_bytes)} {r.path}", r))
@@ -69,14 +74,24 @@ def run_bytes_level(session, layouts=LAYOUTS) -> LevelResult:
         rows.append(Row("cuda paths", SKIP, f"device {session.device}: CUDA paths not run"))
     status = verdict_of(rows)
     if figures["extent_boundaries"] == 0:
-        rows.append(Row("extent boundaries", FAIL, "no case crossed an extent (registration) boundary: the pool is "
-                                                   "too small or too full for the check"))
+        rows.append(
+            Row(
+                "extent boundaries",
+                FAIL,
+                "no case crossed an extent (registration) boundary: the pool is too small or too full for the check",
+            )
+        )
         status = FAIL
-    ordering = (f"{figures['controls_caught']} deliberately unordered controls caught" if session.is_cuda
-                else "delay/ordering checks need CUDA: skipped")
-    summary = (f"{format_bytes(figures['bytes_checked'])} compared, {figures['bytes_wrong']} wrong; "
-               f"{len(layouts)} page sizes; {figures['extent_boundaries']} extent boundaries crossed; "
-               f"paths run: {', '.join(sorted(paths))}; {ordering}")
+    ordering = (
+        f"{figures['controls_caught']} deliberately unordered controls caught"
+        if session.is_cuda
+        else "delay/ordering checks need CUDA: skipped"
+    )
+    summary = (
+        f"{format_bytes(figures['bytes_checked'])} compared, {figures['bytes_wrong']} wrong; "
+        f"{len(layouts)} page sizes; {figures['extent_boundaries']} extent boundaries crossed; "
+        f"paths run: {', '.join(sorted(paths))}; {ordering}"
+    )
     return LevelResult("bytes", status, summary, rows, figures, time.perf_counter() - started)
 
 
@@ -92,12 +107,20 @@ def _vllm_staged_results(session) -> list:
 
 
 def _row(name: str, r) -> Row:
-    figures = {"cases": r.num_cases, "bytes": r.bytes_checked, "wrong": r.mismatched_bytes, "seconds": round(r.seconds, 3)}
+    figures = {
+        "cases": r.num_cases,
+        "bytes": r.bytes_checked,
+        "wrong": r.mismatched_bytes,
+        "seconds": round(r.seconds, 3),
+    }
     if r.skipped:
         return Row(name, SKIP, r.skipped)
     if r.kind == "control":
         status = CAUGHT if r.caught else FAIL
-        detail = ("deliberately unordered variant: wrong bytes seen, so the check can see this bug"
-                  if r.caught else "the deliberately unordered variant came out right: the check cannot see the bug here")
+        detail = (
+            "deliberately unordered variant: wrong bytes seen, so the check can see this bug"
+            if r.caught
+            else "the deliberately unordered variant came out right: the check cannot see the bug here"
+        )
         return Row(name, status, "; ".join(p for p in (detail, r.detail) if p), figures)
     return Row(name, PASS if r.passed else FAIL, r.detail, figures)

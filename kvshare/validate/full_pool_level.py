@@ -19,20 +19,31 @@ from kvshare.validate.report import FAIL, PASS, SKIP, LevelResult, Row
 PHASES = (("fault_in", "fault-in"), ("pin", "pin"), ("write", "write"), ("verify", "verify"))
 
 
-def run_full_pool_level(session, page_bytes: int, show_progress: bool = True, num_threads: int | None = None,
-                        console=None, corrupt_page: int | None = None) -> LevelResult:
+def run_full_pool_level(
+    session,
+    page_bytes: int,
+    show_progress: bool = True,
+    num_threads: int | None = None,
+    console=None,
+    corrupt_page: int | None = None,
+) -> LevelResult:
     """``corrupt_page``: negative control (flip a byte of that page after writing)."""
     client = session.client
     extent = int(client.hello.extent_bytes)
     if page_bytes > extent:
-        return LevelResult("full-pool", FAIL, error=f"--page-size {format_bytes(page_bytes)} exceeds the pool's extent "
-                                                    f"{format_bytes(extent)}: no page could be allocated")
+        return LevelResult(
+            "full-pool",
+            FAIL,
+            error=f"--page-size {format_bytes(page_bytes)} exceeds the pool's extent "
+            f"{format_bytes(extent)}: no page could be allocated",
+        )
     before = client.stats()
     started = time.perf_counter()
     pin = (lambda: session.register_arena(prefault=False)) if session.is_cuda else None  # fault-in ran just before
     with _progress_bar(console, show_progress) as progress:
-        result = check_full_pool(client, page_bytes, pin=pin, progress=progress, corrupt_page=corrupt_page,
-                                 num_threads=num_threads)
+        result = check_full_pool(
+            client, page_bytes, pin=pin, progress=progress, corrupt_page=corrupt_page, num_threads=num_threads
+        )
     seconds = time.perf_counter() - started
     arena = result.arena_bytes
     rows = []
@@ -42,14 +53,27 @@ def run_full_pool_level(session, page_bytes: int, show_progress: bool = True, nu
             continue
         s = result.seconds[key]
         figures = {"seconds": round(s, 3), "GB/s": round(arena / s / 1e9, 2) if s > 0 else None}
-        rows.append(Row(name, PASS if key != "verify" or not result.bad_pages else FAIL,
-                        result.pinned if key == "pin" else "", figures))
+        rows.append(
+            Row(
+                name,
+                PASS if key != "verify" or not result.bad_pages else FAIL,
+                result.pinned if key == "pin" else "",
+                figures,
+            )
+        )
     pages_ok = result.num_pages == result.expected_pages and result.num_pages > 0
     detail = f"{result.num_pages} of {result.expected_pages} pages of {format_bytes(page_bytes)} reserved"
     if not pages_ok and before.get("used_bytes"):
         detail += f" (the pool held {format_bytes(before['used_bytes'])} before: not idle)"
-    rows.insert(0, Row("allocate", PASS if pages_ok else FAIL, detail,
-                       {"arena": format_bytes(arena), "extent": format_bytes(extent)}))
+    rows.insert(
+        0,
+        Row(
+            "allocate",
+            PASS if pages_ok else FAIL,
+            detail,
+            {"arena": format_bytes(arena), "extent": format_bytes(extent)},
+        ),
+    )
     if result.bad_pages:
         rows.append(Row("pattern", FAIL, f"{len(result.bad_pages)} pages wrong, first {result.bad_pages[:8]}"))
     status = PASS if result.passed else FAIL
@@ -57,9 +81,16 @@ def run_full_pool_level(session, page_bytes: int, show_progress: bool = True, nu
     summary = f"{format_bytes(arena)} in {result.num_pages} pages of {format_bytes(page_bytes)}: {times}"
     if result.bad_pages:
         summary += f"; {len(result.bad_pages)} bad pages"
-    figures = {"arena_bytes": arena, "page_bytes": page_bytes, "extent_bytes": extent, "num_pages": result.num_pages,
-               "expected_pages": result.expected_pages, "bad_pages": result.bad_pages[:64],
-               "seconds": {k: round(v, 3) for k, v in result.seconds.items()}, "pinned": result.pinned}
+    figures = {
+        "arena_bytes": arena,
+        "page_bytes": page_bytes,
+        "extent_bytes": extent,
+        "num_pages": result.num_pages,
+        "expected_pages": result.expected_pages,
+        "bad_pages": result.bad_pages[:64],
+        "seconds": {k: round(v, 3) for k, v in result.seconds.items()},
+        "pinned": result.pinned,
+    }
     return LevelResult("full-pool", status, summary, rows, figures, seconds)
 
 
@@ -77,8 +108,14 @@ class _progress_bar:
             return None
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        self._progress = Progress(TextColumn("full-pool {task.description:>8}"), BarColumn(), MofNCompleteColumn(),
-                                  TimeElapsedColumn(), console=self.console, transient=False)
+        self._progress = Progress(
+            TextColumn("full-pool {task.description:>8}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=self.console,
+            transient=False,
+        )
         self._progress.start()
         return self.update
 

@@ -59,7 +59,9 @@ def random_bits(shape, dtype: str, seed: int) -> torch.Tensor:
     t = torch.empty(shape, dtype=torch_dtype(dtype))
     bits = as_bits(t)
     info = torch.iinfo(bits.dtype)
-    bits.copy_(torch.randint(info.min, info.max, bits.shape, dtype=bits.dtype, generator=torch.Generator().manual_seed(seed)))
+    bits.copy_(
+        torch.randint(info.min, info.max, bits.shape, dtype=bits.dtype, generator=torch.Generator().manual_seed(seed))
+    )
     return t
 
 
@@ -154,7 +156,9 @@ def check_vllm_staged(kind, device: str, tally: Tally) -> None:
             S.gather_staged(blocks, S.widen(out, width), slots, segment, 0)
             want = torch.zeros_like(V.as_bits(staged))
             for page, chunk in enumerate(chunks):
-                want[page, :, lo:hi] = V.as_bits(V.reference_gather(view(slow_base), layout, chunk * C + lo, hi - lo, block_ids))
+                want[page, :, lo:hi] = V.as_bits(
+                    V.reference_gather(view(slow_base), layout, chunk * C + lo, hi - lo, block_ids)
+                )
             tally.compare(f"staged gather {what}", out, want)
 
 
@@ -208,8 +212,14 @@ def run_helpers_level(device: str) -> LevelResult:
                 tally.failures.append(f"raised {type(exc).__name__}: {exc}")
             ok = not tally.failures and tally.cases > 0
             detail = "" if ok else f"{len(tally.failures)} wrong: " + "; ".join(tally.failures[:3])
-            rows.append(Row(f"{name} on {dev}", PASS if ok else FAIL, detail,
-                            {"cases": tally.cases, "bytes": tally.bytes, "wrong": tally.wrong}))
+            rows.append(
+                Row(
+                    f"{name} on {dev}",
+                    PASS if ok else FAIL,
+                    detail,
+                    {"cases": tally.cases, "bytes": tally.bytes, "wrong": tally.wrong},
+                )
+            )
             total.cases += tally.cases
             total.bytes += tally.bytes
             total.wrong += tally.wrong
@@ -219,7 +229,9 @@ def run_helpers_level(device: str) -> LevelResult:
     if not device.startswith("cuda"):
         rows.append(Row("on cuda", SKIP, f"device {device}: fast converters not run on GPU tensors"))
     status = verdict_of(rows)
-    summary = (f"{len(families)} layouts x {len(devices)} device(s) ({', '.join(devices)}): {total.cases} cases, "
-               f"{total.bytes} bytes compared with the references, {total.wrong} wrong")
+    summary = (
+        f"{len(families)} layouts x {len(devices)} device(s) ({', '.join(devices)}): {total.cases} cases, "
+        f"{total.bytes} bytes compared with the references, {total.wrong} wrong"
+    )
     figures = {"cases": total.cases, "bytes": total.bytes, "wrong": total.wrong, "devices": devices}
     return LevelResult("helpers", status, summary, rows, figures, time.perf_counter() - started)

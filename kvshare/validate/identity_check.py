@@ -16,8 +16,13 @@ import shutil
 import struct
 import tempfile
 
-from kvshare.identity import (cached_digest, file_digest, forget_cached_digest, model_fingerprint,
-                              read_safetensors_header)
+from kvshare.identity import (
+    cached_digest,
+    file_digest,
+    forget_cached_digest,
+    model_fingerprint,
+    read_safetensors_header,
+)
 from kvshare.keys import Namespace, namespace_digest
 from kvshare.validate.report import CAUGHT, FAIL, PASS, Row
 
@@ -56,12 +61,24 @@ def identity_rows() -> list[Row]:
                 forget_cached_digest(path)
         same_headers = read_safetensors_header(files[0]) == read_safetensors_header(files[1])
     return [
-        Row("identity: one changed weight, equal config and headers -> another namespace",
-            PASS if _namespace(fa) != _namespace(fb) else FAIL, "" if fa != fb else f"both {fa}"),
-        Row("identity: a copy under another name -> the same namespace",
-            PASS if _namespace(fa) == _namespace(fcopy) else FAIL, "" if fa == fcopy else f"{fa} != {fcopy}"),
-        Row("identity: a file's digest is cached by its stat (a restart reads no weights)",
-            PASS if is_cached else FAIL, "" if is_cached else "no cache entry after the first hash"),
-        Row("identity control: a header-only identity would share the pair",
-            CAUGHT if same_headers else FAIL, "config.json and safetensors headers equal, only the bytes differ"),
+        Row(
+            "identity: one changed weight, equal config and headers -> another namespace",
+            PASS if _namespace(fa) != _namespace(fb) else FAIL,
+            "" if fa != fb else f"both {fa}",
+        ),
+        Row(
+            "identity: a copy under another name -> the same namespace",
+            PASS if _namespace(fa) == _namespace(fcopy) else FAIL,
+            "" if fa == fcopy else f"{fa} != {fcopy}",
+        ),
+        Row(
+            "identity: a file's digest is cached by its stat (a restart reads no weights)",
+            PASS if is_cached else FAIL,
+            "" if is_cached else "no cache entry after the first hash",
+        ),
+        Row(
+            "identity control: a header-only identity would share the pair",
+            CAUGHT if same_headers else FAIL,
+            "config.json and safetensors headers equal, only the bytes differ",
+        ),
     ]

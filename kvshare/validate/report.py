@@ -109,8 +109,13 @@ class ValidateReport:
             text = escape(level.summary) + (f" [red]{escape(level.error)}[/red]" if level.error else "")
             summary.add_row(level.level, _styled(level.status), f"{level.seconds:.1f} s", text)
         console.print(summary)
-        console.print("[bold green]all levels passed[/bold green]" if self.ok and any(r.status == PASS for r in self.levels)
-                      else "[bold red]FAILED[/bold red]" if not self.ok else "[yellow]nothing passed (all skipped)[/yellow]")
+        console.print(
+            "[bold green]all levels passed[/bold green]"
+            if self.ok and any(r.status == PASS for r in self.levels)
+            else "[bold red]FAILED[/bold red]"
+            if not self.ok
+            else "[yellow]nothing passed (all skipped)[/yellow]"
+        )
 
 
 def _row_text(row: Row) -> str:

@@ -50,7 +50,9 @@ class ValidateConfig:
     def __post_init__(self) -> None:
         unknown = [lv for lv in self.levels if lv not in LEVELS]
         if unknown or not self.levels:
-            raise ValueError(f"unknown level(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(LEVELS)}")
+            raise ValueError(
+                f"unknown level(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(LEVELS)}"
+            )
         if self.page_size > self.extent_size:
             raise ValueError(f"--page-size {self.page_size} must not exceed --extent-size {self.extent_size}")
 
@@ -59,14 +61,24 @@ def run_validate(config: ValidateConfig, console=None) -> ValidateReport:
     from kvshare.validate.session import PoolSession, PoolSpec, resolve_device
 
     device = resolve_device(config.device)
-    report = ValidateReport([], settings={"levels": list(config.levels), "device": device, "pool": config.pool,
-                                          "pool_size": config.pool_size, "extent_size": config.extent_size,
-                                          "page_size": config.page_size})
+    report = ValidateReport(
+        [],
+        settings={
+            "levels": list(config.levels),
+            "device": device,
+            "pool": config.pool,
+            "pool_size": config.pool_size,
+            "extent_size": config.extent_size,
+            "page_size": config.page_size,
+        },
+    )
     selected = [lv for lv in RUN_ORDER if lv in config.levels]
     with ExitStack() as stack:
         session = None
         if any(lv in POOL_LEVELS for lv in selected):
-            session = stack.enter_context(PoolSession(PoolSpec(config.pool, config.pool_size, config.extent_size), device))
+            session = stack.enter_context(
+                PoolSession(PoolSpec(config.pool, config.pool_size, config.extent_size), device)
+            )
             report.settings.update(pool_socket=session.socket, started_pool=session.started_pool)
         for level in selected:
             _say(console, f"[bold]level {level}[/bold] ...")
@@ -90,14 +102,19 @@ def _run_level(level: str, config: ValidateConfig, session, device: str, console
         if level == "full-pool":
             from kvshare.validate.full_pool_level import run_full_pool_level
 
-            return run_full_pool_level(session, config.page_size, show_progress=config.progress,
-                                       num_threads=config.threads, console=console)
+            return run_full_pool_level(
+                session, config.page_size, show_progress=config.progress, num_threads=config.threads, console=console
+            )
         if level == "isolation":
             from kvshare.validate.isolation import run_isolation_level
 
-            return run_isolation_level(config.model, device, config.service_pool_size,
-                                       ("--chunk-tokens", str(config.chunk_tokens), *config.replica_args),
-                                       config.request_timeout_s)
+            return run_isolation_level(
+                config.model,
+                device,
+                config.service_pool_size,
+                ("--chunk-tokens", str(config.chunk_tokens), *config.replica_args),
+                config.request_timeout_s,
+            )
         from kvshare.validate.service_run import run_service
 
         return run_service(config, device, console)

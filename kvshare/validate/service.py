@@ -34,17 +34,28 @@ from __future__ import annotations
 import os
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from kvshare.outputs import DEFAULT_GAP_THRESHOLD, compare_tokens
 from kvshare.validate.report import FAIL, PASS, SKIP, LevelResult, Row, verdict_of
-from kvshare.validate.service_http import (LOCAL_ONLY, POOL_OFF, POOL_ONLY, Completion, ServiceError, get_json, model_of,
-                                           request, tokenize)
+from kvshare.validate.service_http import (
+    LOCAL_ONLY,
+    POOL_OFF,
+    POOL_ONLY,
+    Completion,
+    ServiceError,
+    get_json,
+    model_of,
+    request,
+    tokenize,
+)
 
-WORDS = ("pool replica chunk page cache prefix token layer stream event commit lease arena extent kernel "
-         "copy store load verify router session turn model weight tensor head block table host device "
-         "memory latency reuse sharing state right wrong order delay byte check").split()
+WORDS = (
+    "pool replica chunk page cache prefix token layer stream event commit lease arena extent kernel "
+    "copy store load verify router session turn model weight tensor head block table host device "
+    "memory latency reuse sharing state right wrong order delay byte check"
+).split()
 
 
 @dataclass(frozen=True)
@@ -65,8 +76,10 @@ class ServiceConfig:
         if self.max_tokens < 1 or self.chunk_tokens < 1 or self.gap_threshold < 0:
             raise ValueError("max_tokens and chunk_tokens must be positive, the gap threshold >= 0")
         if self.grid_tokens is not None and (self.grid_tokens < 1 or self.grid_tokens % self.chunk_tokens):
-            raise ValueError(f"the grid ({self.grid_tokens} tokens) must be a positive multiple of the chunk "
-                             f"({self.chunk_tokens} tokens)")
+            raise ValueError(
+                f"the grid ({self.grid_tokens} tokens) must be a positive multiple of the chunk "
+                f"({self.chunk_tokens} tokens)"
+            )
 
 
 def reusable_tokens(prompt_tokens: int, chunk_tokens: int, grid_tokens: int | None = None) -> int:
@@ -106,18 +119,25 @@ def build_cases(config: ServiceConfig, model: str, max_model_len: int | None) ->
         ids = tokenize(first, model, text, config.timeout_s)
         if len(ids) < length:
             raise ServiceError(f"a text of {len(text)} characters gave only {len(ids)} tokens, {length} wanted")
-        cases.append(PromptCase(f"completion {length} tok", ids[:length], config.replicas[i % n],
-                                config.replicas[(i + 1) % n]))
+        cases.append(
+            PromptCase(f"completion {length} tok", ids[:length], config.replicas[i % n], config.replicas[(i + 1) % n])
+        )
     for j in range(config.num_chat):
         k = len(cases)
         words = int(config.chunk_tokens * (1.5 + j) / tokens_per_word)
         messages = [{"role": "user", "content": f"validate {nonce} chat {j}: " + _words(rng, words)}]
         if j % 2:  # a later turn of a conversation
-            messages = [{"role": "system", "content": "You answer briefly."}, *messages,
-                        {"role": "assistant", "content": _words(rng, 24)},
-                        {"role": "user", "content": "And then? " + _words(rng, 12)}]
-        cases.append(PromptCase(f"chat {j} ({len(messages)} messages)", messages, config.replicas[k % n],
-                                config.replicas[(k + 1) % n]))
+            messages = [
+                {"role": "system", "content": "You answer briefly."},
+                *messages,
+                {"role": "assistant", "content": _words(rng, 24)},
+                {"role": "user", "content": "And then? " + _words(rng, 12)},
+            ]
+        cases.append(
+            PromptCase(
+                f"chat {j} ({len(messages)} messages)", messages, config.replicas[k % n], config.replicas[(k + 1) % n]
+            )
+        )
     return cases
 
 
@@ -129,7 +149,9 @@ def run_service_level(config: ServiceConfig, after_prime: AfterPrime | None = No
         model, max_model_len = model_of(config.replicas[0])
         cases = build_cases(config, model, max_model_len)
     except (ServiceError, KeyError, IndexError) as exc:
-        return LevelResult("service", FAIL, error=f"cannot build the prompt set: {exc}", seconds=time.perf_counter() - started)
+        return LevelResult(
+            "service", FAIL, error=f"cannot build the prompt set: {exc}", seconds=time.perf_counter() - started
+        )
     grid = config.grid_tokens or _grid_of(config.replicas[0], config.timeout_s) or config.chunk_tokens
     expected_pool = loaded_pool = 0
     reuse_rows: list[Row] = []
@@ -154,25 +176,38 @@ def run_service_level(config: ServiceConfig, after_prime: AfterPrime | None = No
             loaded_pool += int(runs["pool"].reused("pool") > 0)
     status = verdict_of(rows) if rows else SKIP
     if expected_pool == 0 and status == PASS:
-        what = (f"no prompt reached a grid boundary ({grid} tokens): give --prompt-lengths above it"
-                if any(r.figures.get("exact") for r in reuse_rows) and grid > config.chunk_tokens
-                else "no prompt had a full chunk to reuse")
+        what = (
+            f"no prompt reached a grid boundary ({grid} tokens): give --prompt-lengths above it"
+            if any(r.figures.get("exact") for r in reuse_rows) and grid > config.chunk_tokens
+            else "no prompt had a full chunk to reuse"
+        )
         status, rows = FAIL, rows + [Row("pool reuse", FAIL, f"{what}: nothing was tested")]
     identical = sum(1 for r in reuse_rows if "divergence_step" not in r.figures)
     diverged = [r for r in reuse_rows if "divergence_step" in r.figures]
     num_exact = sum(1 for r in reuse_rows if r.figures.get("exact"))
     rule = f" (held to the exact rule, ids and logprobs: {num_exact})" if num_exact else ""
-    summary = (f"{len(cases)} prompts x 3 reuse runs on {len(config.replicas)} replica(s): {identical}/{len(reuse_rows)} "
-               f"identical to pool off{rule}; pool loads where expected {loaded_pool}/{expected_pool}")
+    summary = (
+        f"{len(cases)} prompts x 3 reuse runs on {len(config.replicas)} replica(s): {identical}/{len(reuse_rows)} "
+        f"identical to pool off{rule}; pool loads where expected {loaded_pool}/{expected_pool}"
+    )
     if diverged:
         summary += "; divergences: " + ", ".join(
-            f"{r.name} step {r.figures['divergence_step']} gap {_gap(r.figures.get('gap'))}" for r in diverged)
-    figures = {"model": model, "replicas": list(config.replicas), "gap_threshold": config.gap_threshold,
-               "max_tokens": config.max_tokens, "grid_tokens": grid if num_exact else None, "requests": records}
+            f"{r.name} step {r.figures['divergence_step']} gap {_gap(r.figures.get('gap'))}" for r in diverged
+        )
+    figures = {
+        "model": model,
+        "replicas": list(config.replicas),
+        "gap_threshold": config.gap_threshold,
+        "max_tokens": config.max_tokens,
+        "grid_tokens": grid if num_exact else None,
+        "requests": records,
+    }
     return LevelResult("service", status, summary, rows, figures, time.perf_counter() - started)
 
 
-def _run_case(config: ServiceConfig, model: str, case: PromptCase, after_prime: AfterPrime | None) -> dict[str, Completion]:
+def _run_case(
+    config: ServiceConfig, model: str, case: PromptCase, after_prime: AfterPrime | None
+) -> dict[str, Completion]:
     def call(replica: str, extension: dict | None) -> Completion:
         return request(replica, model, case.prompt, config.max_tokens, extension, config.timeout_s)
 
@@ -189,43 +224,72 @@ def _off_row(case: PromptCase, off: Completion) -> Row:
     if off.provenance is None:
         return Row(f"{case.name} off", FAIL, "no kvshare provenance in the response: not a kvshare replica?", figures)
     if off.reused("pool") or off.reused("local") or off.cached_tokens:
-        return Row(f"{case.name} off", FAIL, "the pool-off request reused KV: the replica ignores the kvshare extension",
-                   figures)
+        return Row(
+            f"{case.name} off",
+            FAIL,
+            "the pool-off request reused KV: the replica ignores the kvshare extension",
+            figures,
+        )
     return Row(f"{case.name} off", PASS, "reference: every prompt token computed", figures)
 
 
-def _reuse_row(config: ServiceConfig, case: PromptCase, run: str, off: Completion, got: Completion, reusable: int,
-               grid: int | None):
+def _reuse_row(
+    config: ServiceConfig, case: PromptCase, run: str, off: Completion, got: Completion, reusable: int, grid: int | None
+):
     is_exact = _is_deterministic(off) and _is_deterministic(got)
-    cmp = compare_tokens(off.token_ids, got.token_ids, off.top_logprobs, config.gap_threshold, got.top_logprobs, is_exact)
+    cmp = compare_tokens(
+        off.token_ids, got.token_ids, off.top_logprobs, config.gap_threshold, got.top_logprobs, is_exact
+    )
     replica = case.replica_b if run == "pool" else case.replica_a
-    figures = {"replica": _name(got, replica), "prompt": got.prompt_tokens, "reusable": reusable,
-               "pool": got.reused("pool"), "local": got.reused("local"), "cached": got.cached_tokens}
+    figures = {
+        "replica": _name(got, replica),
+        "prompt": got.prompt_tokens,
+        "reusable": reusable,
+        "pool": got.reused("pool"),
+        "local": got.reused("local"),
+        "cached": got.cached_tokens,
+    }
     if is_exact:
         figures["exact"] = True
     if not cmp.is_identical:
         figures.update(divergence_step=cmp.divergence_step, gap=cmp.gap)
         if is_exact:
-            figures.update(reference_token=cmp.reference_token, token=cmp.candidate_token,
-                           reference_logprobs=cmp.reference_logprobs, logprobs=cmp.candidate_logprobs)
+            figures.update(
+                reference_token=cmp.reference_token,
+                token=cmp.candidate_token,
+                reference_logprobs=cmp.reference_logprobs,
+                logprobs=cmp.candidate_logprobs,
+            )
     problems = []
     if len(got.token_ids) != len(off.token_ids):
         problems.append(f"{len(got.token_ids)} tokens generated, the reference {len(off.token_ids)}")
     if not cmp.passed:
         problems.append(cmp.describe())
     elif is_exact and not cmp.is_logprobs_compared:
-        problems.append(f"the exact rule needs both runs' logprobs; given at {cmp.num_logprob_steps} of "
-                        f"{cmp.num_compared} steps")
+        problems.append(
+            f"the exact rule needs both runs' logprobs; given at {cmp.num_logprob_steps} of {cmp.num_compared} steps"
+        )
     reused = got.reused("pool") + got.reused("local")
     if is_exact and grid and (reused % grid or reused > reusable):
         problems.append(f"reused {reused} tokens: not on the grid of {grid} tokens (at most {reusable} here)")
     if run == "pool" and reusable > 0 and got.reused("pool") == 0:
-        problems.append(f"pool_tokens is 0 although {reusable} prompt tokens were primed on {case.replica_a}: "
-                        "the run did not load from the pool")
+        problems.append(
+            f"pool_tokens is 0 although {reusable} prompt tokens were primed on {case.replica_a}: "
+            "the run did not load from the pool"
+        )
     detail = "; ".join(problems) if problems else cmp.describe()
-    record = {"case": case.name, "run": run, "url": replica, **figures, "divergence_step": cmp.divergence_step,
-              "gap": cmp.gap, "token_ids": got.token_ids, "reference_ids": off.token_ids,
-              "identical": cmp.is_identical, "passed": not problems}
+    record = {
+        "case": case.name,
+        "run": run,
+        "url": replica,
+        **figures,
+        "divergence_step": cmp.divergence_step,
+        "gap": cmp.gap,
+        "token_ids": got.token_ids,
+        "reference_ids": off.token_ids,
+        "identical": cmp.is_identical,
+        "passed": not problems,
+    }
     return Row(f"{case.name} {run}", FAIL if problems else PASS, detail, figures), record
 
 

@@ -71,8 +71,13 @@ def model_of(replica: str) -> tuple[str, int | None]:
 def request(replica: str, model: str, prompt, max_tokens: int, extension: dict | None, timeout_s: float) -> Completion:
     """``prompt``: token ids (completions) or a list of messages (chat)."""
     chat = bool(prompt) and isinstance(prompt[0], dict)
-    body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-                            "return_token_ids": True}
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
     if extension is not None:
         body["kvshare"] = extension
     if chat:
@@ -85,8 +90,14 @@ def request(replica: str, model: str, prompt, max_tokens: int, extension: dict |
 
 def tokenize(replica: str, model: str, text: str, timeout_s: float) -> list[int]:
     """The prompt ids of ``text`` as the replica tokenizes it (one token generated, pool and cache off)."""
-    body = {"model": model, "prompt": text, "max_tokens": 1, "temperature": 0.0, "return_token_ids": True,
-            "kvshare": POOL_OFF}
+    body = {
+        "model": model,
+        "prompt": text,
+        "max_tokens": 1,
+        "temperature": 0.0,
+        "return_token_ids": True,
+        "kvshare": POOL_OFF,
+    }
     out = post_json(replica.rstrip("/") + "/v1/completions", body, timeout_s)
     ids = out["choices"][0].get("prompt_token_ids")
     if not ids:
@@ -101,10 +112,19 @@ def parse(body: dict, chat: bool) -> Completion:
         raise ServiceError("the response carries no token_ids (the server ignored return_token_ids)")
     logprobs = choice.get("logprobs") or {}
     if chat:
-        steps = [[float(t["logprob"]) for t in (step.get("top_logprobs") or [])] for step in logprobs.get("content") or []]
+        steps = [
+            [float(t["logprob"]) for t in (step.get("top_logprobs") or [])] for step in logprobs.get("content") or []
+        ]
     else:
         steps = [[float(v) for v in (step or {}).values()] for step in logprobs.get("top_logprobs") or []]
     usage = body.get("usage") or {}
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-    return Completion([int(t) for t in token_ids], steps, choice.get("prompt_token_ids"), int(usage.get("prompt_tokens", 0)),
-                      None if cached is None else int(cached), body.get("kvshare"), body)
+    return Completion(
+        [int(t) for t in token_ids],
+        steps,
+        choice.get("prompt_token_ids"),
+        int(usage.get("prompt_tokens", 0)),
+        None if cached is None else int(cached),
+        body.get("kvshare"),
+        body,
+    )

@@ -7,16 +7,23 @@ free ports, runs the level against the replicas directly, and stops everything.
 
 from __future__ import annotations
 
-from kvshare.validate.report import LevelResult
 from kvshare.launch import free_port_block
+from kvshare.validate.report import LevelResult
 from kvshare.validate.service import ServiceConfig, run_service_level
 
 
 def service_config(config, replicas: tuple[str, ...]) -> ServiceConfig:
-    return ServiceConfig(replicas=replicas, max_tokens=config.max_tokens, completion_lengths=config.prompt_lengths,
-                         num_chat=config.num_chat, chunk_tokens=config.chunk_tokens, gap_threshold=config.gap_threshold,
-                         timeout_s=config.request_timeout_s, seed=config.seed,
-                         grid_tokens=None if config.replicas else grid_of_args(config.replica_args))
+    return ServiceConfig(
+        replicas=replicas,
+        max_tokens=config.max_tokens,
+        completion_lengths=config.prompt_lengths,
+        num_chat=config.num_chat,
+        chunk_tokens=config.chunk_tokens,
+        gap_threshold=config.gap_threshold,
+        timeout_s=config.request_timeout_s,
+        seed=config.seed,
+        grid_tokens=None if config.replicas else grid_of_args(config.replica_args),
+    )
 
 
 def grid_of_args(replica_args: tuple[str, ...]) -> int | None:
@@ -35,10 +42,15 @@ def run_service(config, device: str, console=None, after_prime=None) -> LevelRes
         return run_service_level(service_config(config, tuple(config.replicas)), after_prime)
     from kvshare.launch import Cluster, ClusterConfig
 
-    cluster_config = ClusterConfig(num_replicas=config.num_replicas, model=config.model, device=device,
-                                   pool_size=config.service_pool_size, port=free_port_block(config.num_replicas + 1),
-                                   replica_args=("--chunk-tokens", str(config.chunk_tokens), *config.replica_args),
-                                   ready_timeout_s=600.0)
+    cluster_config = ClusterConfig(
+        num_replicas=config.num_replicas,
+        model=config.model,
+        device=device,
+        pool_size=config.service_pool_size,
+        port=free_port_block(config.num_replicas + 1),
+        replica_args=("--chunk-tokens", str(config.chunk_tokens), *config.replica_args),
+        ready_timeout_s=600.0,
+    )
     cluster = Cluster(cluster_config)
     if console is not None:
         console.print(f"starting {config.num_replicas} replicas of {config.model} on {device} (kvshare up) ...")
@@ -47,6 +59,11 @@ def run_service(config, device: str, console=None, after_prime=None) -> LevelRes
         result = run_service_level(service_config(config, tuple(cluster.replica_urls)), after_prime)
     finally:
         cluster.stop()
-    result.figures["cluster"] = {"model": config.model, "device": device, "replicas": cluster_config.num_replicas,
-                                 "pool_size": config.service_pool_size, "replica_args": list(config.replica_args)}
+    result.figures["cluster"] = {
+        "model": config.model,
+        "device": device,
+        "replicas": cluster_config.num_replicas,
+        "pool_size": config.service_pool_size,
+        "replica_args": list(config.replica_args),
+    }
     return result

@@ -30,8 +30,10 @@ def _memlock_hint(num_bytes: int) -> str:
 
     soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     limit = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft} bytes"
-    return (f"pinning the {num_bytes}-byte arena may need RLIMIT_MEMLOCK at least that large (ulimit -l is {limit}; "
-            "ulimit -l unlimited, LimitMEMLOCK=infinity, docker --ulimit memlock=-1)")
+    return (
+        f"pinning the {num_bytes}-byte arena may need RLIMIT_MEMLOCK at least that large (ulimit -l is {limit}; "
+        "ulimit -l unlimited, LimitMEMLOCK=infinity, docker --ulimit memlock=-1)"
+    )
 
 
 def resolve_device(name: str) -> str:
@@ -62,14 +64,16 @@ class PoolSession:
         self._registration = None
         self.registration_seconds: float | None = None
 
-    def __enter__(self) -> "PoolSession":
+    def __enter__(self) -> PoolSession:
         from kvshare.pool.client import PoolClient, PoolUnavailable
         from kvshare.pool.spawn import running_pool
 
         try:
             if self.socket is None:
                 if self.spec.extent_bytes > self.spec.size_bytes:
-                    raise UserError(f"--extent-size {self.spec.extent_bytes} exceeds --pool-size {self.spec.size_bytes}")
+                    raise UserError(
+                        f"--extent-size {self.spec.extent_bytes} exceeds --pool-size {self.spec.size_bytes}"
+                    )
                 self.socket = self._stack.enter_context(
                     running_pool(self.spec.size_bytes, ("--extent-size", str(self.spec.extent_bytes)), quiet=True)
                 )
@@ -111,8 +115,10 @@ class PoolSession:
             self.registration_seconds = time.perf_counter() - start
             self._stack.callback(release_registration, self._registration)
         reg = self._registration
-        return (f"cudaHostRegister {len(reg.pieces)} pieces of <= {reg.extent_bytes >> 20} MiB "
-                f"({reg.arena_bytes / (1 << 30):.2f} GiB) in {self.registration_seconds:.2f} s")
+        return (
+            f"cudaHostRegister {len(reg.pieces)} pieces of <= {reg.extent_bytes >> 20} MiB "
+            f"({reg.arena_bytes / (1 << 30):.2f} GiB) in {self.registration_seconds:.2f} s"
+        )
 
     def _prefault(self, num_threads: int | None = None) -> None:
         from concurrent.futures import ThreadPoolExecutor

@@ -18,7 +18,9 @@ def fake_app(first_token_delay_s: float = 0.05, status: int = 200) -> web.Applic
         body = await request.json()
         seen.append({"path": request.path, "body": body, "session": request.headers.get("X-Session-ID")})
         if status != 200:
-            return web.json_response({"error": {"message": "bad request", "type": "invalid_request_error"}}, status=status)
+            return web.json_response(
+                {"error": {"message": "bad request", "type": "invalid_request_error"}}, status=status
+            )
         chat = request.path.endswith("chat/completions")
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "X-KVShare-Replica": "http://fake"})
         await resp.prepare(request)
@@ -38,8 +40,15 @@ def fake_app(first_token_delay_s: float = 0.05, status: int = 200) -> web.Applic
         await asyncio.sleep(0.02)
         # a token that decodes to no text, seen only through its logprobs entry
         if chat:
-            logprobs = {"content": [{"token": "", "logprob": -1.0, "top_logprobs": [
-                {"token": "", "logprob": -1.0}, {"token": "x", "logprob": -1.5}]}]}
+            logprobs = {
+                "content": [
+                    {
+                        "token": "",
+                        "logprob": -1.0,
+                        "top_logprobs": [{"token": "", "logprob": -1.0}, {"token": "x", "logprob": -1.5}],
+                    }
+                ]
+            }
         else:
             logprobs = {"tokens": [""], "token_logprobs": [-1.0], "top_logprobs": [{"": -1.0, "x": -1.5}]}
         await send(piece("", logprobs=logprobs))
@@ -48,8 +57,11 @@ def fake_app(first_token_delay_s: float = 0.05, status: int = 200) -> web.Applic
         await send(piece("lo"))
         provenance = {"replica": "fake0", "local_tokens": 0, "pool_tokens": 256, "computed_tokens": 44}
         await send(piece("", "length", token_ids=[1, 2, 3]), kvshare=provenance)
-        await send({}, usage={"prompt_tokens": 300, "completion_tokens": 3,
-                              "prompt_tokens_details": {"cached_tokens": 256}}, kvshare=provenance)
+        await send(
+            {},
+            usage={"prompt_tokens": 300, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 256}},
+            kvshare=provenance,
+        )
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp

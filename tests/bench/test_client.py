@@ -10,7 +10,14 @@ from aiohttp.test_utils import TestServer
 
 from kvshare.bench import client as client_module
 from kvshare.bench.client import (
-    BenchRequest, Response, absorb, event_data, model_name, send, split_events, step_top_logprobs,
+    BenchRequest,
+    Response,
+    absorb,
+    event_data,
+    model_name,
+    send,
+    split_events,
+    step_top_logprobs,
 )
 from tests.bench.fake_server import SEEN, fake_app
 
@@ -46,14 +53,52 @@ def test_a_token_without_text_counts_through_its_logprobs():
 
 def test_top_logprobs_of_both_shapes_accumulate_per_token():
     r = Response()
-    absorb(r, {"choices": [{"text": "", "logprobs": {"tokens": ["a"], "token_logprobs": [-0.1],
-                                                     "top_logprobs": [{"a": -0.1, "b": -2.0}]}}]}, 0.1)
-    absorb(r, {"choices": [{"text": "", "logprobs": {"tokens": ["c"], "token_logprobs": [-0.3],
-                                                     "top_logprobs": [{"c": -0.3, "d": -0.4}]}}]}, 0.2)
+    absorb(
+        r,
+        {
+            "choices": [
+                {
+                    "text": "",
+                    "logprobs": {"tokens": ["a"], "token_logprobs": [-0.1], "top_logprobs": [{"a": -0.1, "b": -2.0}]},
+                }
+            ]
+        },
+        0.1,
+    )
+    absorb(
+        r,
+        {
+            "choices": [
+                {
+                    "text": "",
+                    "logprobs": {"tokens": ["c"], "token_logprobs": [-0.3], "top_logprobs": [{"c": -0.3, "d": -0.4}]},
+                }
+            ]
+        },
+        0.2,
+    )
     assert r.top_logprobs == [[-0.1, -2.0], [-0.3, -0.4]]
     chat = Response()
-    absorb(chat, {"choices": [{"delta": {"content": "a"}, "logprobs": {"content": [
-        {"token": "a", "logprob": -0.1, "top_logprobs": [{"token": "a", "logprob": -0.1}, {"token": "a", "logprob": -0.7}]}]}}]}, 0.1)
+    absorb(
+        chat,
+        {
+            "choices": [
+                {
+                    "delta": {"content": "a"},
+                    "logprobs": {
+                        "content": [
+                            {
+                                "token": "a",
+                                "logprob": -0.1,
+                                "top_logprobs": [{"token": "a", "logprob": -0.1}, {"token": "a", "logprob": -0.7}],
+                            }
+                        ]
+                    },
+                }
+            ]
+        },
+        0.1,
+    )
     assert chat.top_logprobs == [[-0.1, -0.7]]  # a list: candidates of the same text both stay
 
 
@@ -83,9 +128,16 @@ def test_send_reads_stream_provenance_and_token_ids(kind):
     app = fake_app(first_token_delay_s=0.1)
 
     async def go(session, url):
-        request = BenchRequest(url, kind, "fake-model", prompt=[1, 2] if kind == "completion" else None,
-                               messages=[{"role": "user", "content": "hi"}] if kind == "chat" else None,
-                               max_tokens=3, use_pool=False, session_id="s1")
+        request = BenchRequest(
+            url,
+            kind,
+            "fake-model",
+            prompt=[1, 2] if kind == "completion" else None,
+            messages=[{"role": "user", "content": "hi"}] if kind == "chat" else None,
+            max_tokens=3,
+            use_pool=False,
+            session_id="s1",
+        )
         return await send(session, request), await model_name(session, url)
 
     response, name = asyncio.run(_with_server(app, go))
@@ -153,8 +205,16 @@ def test_a_users_client_sends_the_same_chat_and_reads_the_same_stream(library, m
     app = fake_app(first_token_delay_s=0.05)
 
     async def go(session, url):
-        request = BenchRequest(url, "chat", "fake-model", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
-                               use_pool=True, session_id="s1", is_user_client=True)
+        request = BenchRequest(
+            url,
+            "chat",
+            "fake-model",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=3,
+            use_pool=True,
+            session_id="s1",
+            is_user_client=True,
+        )
         return await send(session, request)
 
     response = asyncio.run(_with_server(app, go))

@@ -16,8 +16,8 @@ from kvshare.bench.harness import Harness, HarnessConfig
 from kvshare.bench.records import ResultsDir
 from kvshare.bench.replicas import FixedReplicas
 from kvshare.bench.sessions import SessionsConfig
-from kvshare.launch import free_port_block as free_port_base
 from kvshare.bench.ttft import TTFTConfig
+from kvshare.launch import free_port_block as free_port_base
 
 CHUNK = 256
 
@@ -33,8 +33,17 @@ def cluster():
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("OMP_NUM_THREADS", "1")  # two replicas on a shared 2-core machine: no thread oversubscription
-        c = Cluster(ClusterConfig(num_replicas=2, model="tiny", pool_size="1GiB", policy="alternate",
-                                  port=free_port_base(3), log_level="WARNING", ready_timeout_s=120))
+        c = Cluster(
+            ClusterConfig(
+                num_replicas=2,
+                model="tiny",
+                pool_size="1GiB",
+                policy="alternate",
+                port=free_port_base(3),
+                log_level="WARNING",
+                ready_timeout_s=120,
+            )
+        )
         c.start()
     try:
         yield c
@@ -43,8 +52,10 @@ def cluster():
 
 
 def run(cluster, out_dir, *configs, timeline: bool = False):
-    harness = Harness(HarnessConfig(out_dir=str(out_dir), tokenizer="tiny", show_progress=False, timeline=timeline),
-                      FixedReplicas(cluster.replica_urls))
+    harness = Harness(
+        HarnessConfig(out_dir=str(out_dir), tokenizer="tiny", show_progress=False, timeline=timeline),
+        FixedReplicas(cluster.replica_urls),
+    )
     outcome = harness.run(list(configs))
     assert outcome.is_complete, outcome.runs
     return outcome, ResultsDir(str(out_dir)).load()
@@ -113,7 +124,9 @@ def test_blocks(cluster, tmp_path):
     _, records = run(cluster, tmp_path, BlocksConfig(contexts=(1024,), per_block=2, max_tokens=8, verify=1))
     assert all(r.is_ok for r in records)
     measured = [r for r in records if r.role == "measure"]
-    assert [(r.block, r.condition) for r in measured] == [(0, "off")] * 2 + [(1, "on")] * 2 + [(2, "on")] * 2 + [(3, "off")] * 2
+    assert [(r.block, r.condition) for r in measured] == [(0, "off")] * 2 + [(1, "on")] * 2 + [(2, "on")] * 2 + [
+        (3, "off")
+    ] * 2
     for r in measured:
         assert r.replica == "replica1" and r.local_tokens == 0
         assert r.pool_tokens == (reusable(1024) if r.condition == "on" else 0)
@@ -132,12 +145,21 @@ def test_blocks(cluster, tmp_path):
 
 
 def test_sessions(cluster, tmp_path):
-    config = SessionsConfig(contexts=(1024,), num_sessions=1, num_turns=3, turn_tokens=64, answer_tokens=8, verify=1,
-                            routers=(("alternate", cluster.router_url),))  # alternate through the real router
+    config = SessionsConfig(
+        contexts=(1024,),
+        num_sessions=1,
+        num_turns=3,
+        turn_tokens=64,
+        answer_tokens=8,
+        verify=1,
+        routers=(("alternate", cluster.router_url),),
+    )  # alternate through the real router
     _, records = run(cluster, tmp_path, config)
     assert all(r.is_ok for r in records)
-    turns = {c: [r for r in records if r.condition == c and r.role == "measure"]
-             for c in ("alternate/off", "alternate/on", "sticky/off", "sticky/on")}
+    turns = {
+        c: [r for r in records if r.condition == c and r.role == "measure"]
+        for c in ("alternate/off", "alternate/on", "sticky/off", "sticky/on")
+    }
     assert all([r.turn for r in t] == [0, 1, 2] for t in turns.values())
     assert [r.replica for r in turns["alternate/on"]] == ["replica0", "replica1", "replica0"]
     assert [r.replica for r in turns["alternate/off"]] == ["replica0", "replica1", "replica0"]
@@ -166,8 +188,21 @@ def test_cli_against_running_replicas(cluster, tmp_path):
     from kvshare.cli import main
 
     out = tmp_path / "cli"
-    argv = ["--log-level", "WARNING", "bench", "ttft", "--contexts", "600", "--repetitions", "1", "--max-tokens", "4",
-            "--out", str(out), "--no-progress"] + sum((["--replica", u] for u in cluster.replica_urls), [])
+    argv = [
+        "--log-level",
+        "WARNING",
+        "bench",
+        "ttft",
+        "--contexts",
+        "600",
+        "--repetitions",
+        "1",
+        "--max-tokens",
+        "4",
+        "--out",
+        str(out),
+        "--no-progress",
+    ] + sum((["--replica", u] for u in cluster.replica_urls), [])
     assert main(argv) == 0
     assert_outputs_written(out, "ttft_by_context.png")
     assert main(["bench", "report", "--out", str(out)]) == 0
@@ -179,14 +214,30 @@ def test_cli_ttft_with_a_users_text_client(cluster, tmp_path):
     from kvshare.cli import main
 
     out = tmp_path / "text"
-    argv = ["--log-level", "WARNING", "bench", "ttft", "--client", "text", "--contexts", "600", "--repetitions", "2",
-            "--max-tokens", "4", "--out", str(out), "--no-progress"]
+    argv = [
+        "--log-level",
+        "WARNING",
+        "bench",
+        "ttft",
+        "--client",
+        "text",
+        "--contexts",
+        "600",
+        "--repetitions",
+        "2",
+        "--max-tokens",
+        "4",
+        "--out",
+        str(out),
+        "--no-progress",
+    ]
     argv += sum((["--replica", u] for u in cluster.replica_urls), [])
     assert main(argv) == 0
     records = ResultsDir(str(out)).load()
     assert len(records) == 12 and all(r.is_ok for r in records)
     assert sorted({(r.condition, r.client) for r in records}) == sorted(
-        (c, k) for c in ("cold", "local", "cross") for k in ("text", "token_ids"))
+        (c, k) for c in ("cold", "local", "cross") for k in ("text", "token_ids")
+    )
     for r in records:
         assert r.prompt_tokens == 600 and r.completion_tokens == 4  # the rendered chat: exactly the asked length
         if r.condition == "cold":
@@ -216,20 +267,32 @@ def test_blocks_with_sequential_replicas(tmp_path):
     """The GPU set-up on CPU: one pool, replica A primes and is stopped, then B starts and is measured."""
     from kvshare.bench.replicas import SequentialConfig, SequentialReplicas
 
-    replicas = SequentialReplicas(SequentialConfig(model="tiny", pool_size="512MiB", port=free_port_base(2),
-                                                   log_dir=str(tmp_path / "logs"), ready_timeout_s=120))
+    replicas = SequentialReplicas(
+        SequentialConfig(
+            model="tiny",
+            pool_size="512MiB",
+            port=free_port_base(2),
+            log_dir=str(tmp_path / "logs"),
+            ready_timeout_s=120,
+        )
+    )
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("OMP_NUM_THREADS", "1")
         replicas.start()
         try:
             harness = Harness(HarnessConfig(out_dir=str(tmp_path), show_progress=False), replicas)
-            outcome = harness.run([BlocksConfig(contexts=(600,), per_block=1, design=("on", "off"), max_tokens=4, verify=0)])
+            outcome = harness.run(
+                [BlocksConfig(contexts=(600,), per_block=1, design=("on", "off"), max_tokens=4, verify=0)]
+            )
         finally:
             replicas.close()
     assert outcome.is_complete
     records = ResultsDir(str(tmp_path)).load()
-    assert [(r.block, r.role, r.replica) for r in records] == [(0, "prime", "replica0"), (0, "measure", "replica1"),
-                                                               (1, "measure", "replica1")]
+    assert [(r.block, r.role, r.replica) for r in records] == [
+        (0, "prime", "replica0"),
+        (0, "measure", "replica1"),
+        (1, "measure", "replica1"),
+    ]
     on, off = records[1], records[2]
     assert on.pool_tokens == reusable(600) and on.local_tokens == 0
     assert_equal_to(on, "prime")

@@ -12,7 +12,9 @@ from tests.test_outputs import REFERENCE, TOPS  # the same known answers
 
 
 def test_tally_of_a_row():
-    checks = [check_outputs(REFERENCE, list(REFERENCE), TOPS)] * 3 + [check_outputs(REFERENCE, [10, 11, 12, 77, 14], TOPS)]
+    checks = [check_outputs(REFERENCE, list(REFERENCE), TOPS)] * 3 + [
+        check_outputs(REFERENCE, [10, 11, 12, 77, 14], TOPS)
+    ]
     assert str(tally(checks + [None])) == "equal 3/4; near-tie 0; mismatch 1 (step 3, gap 0.031)"
     assert not tally(checks).is_clean
     near = check_outputs(REFERENCE, [10, 11, 99, 98, 97], TOPS)
@@ -25,8 +27,17 @@ def test_tally_of_a_row():
 
 
 def rec(condition: str, role: str = "measure", token_ids=None, top_logprobs=None) -> Record:
-    return Record(run_id="r", experiment="ttft", unit="ttft/L=8", condition=condition, role=role, context_tokens=8,
-                  url="http://x", token_ids=token_ids, top_logprobs=top_logprobs)
+    return Record(
+        run_id="r",
+        experiment="ttft",
+        unit="ttft/L=8",
+        condition=condition,
+        role=role,
+        context_tokens=8,
+        url="http://x",
+        token_ids=token_ids,
+        top_logprobs=top_logprobs,
+    )
 
 
 def test_mark_matches_records_the_verdict_the_gap_and_the_tokens():

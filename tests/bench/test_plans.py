@@ -10,7 +10,12 @@ from kvshare.bench import blocks, sessions, ttft
 def test_blocks_plan():
     plan = blocks.units(blocks.BlocksConfig(contexts=(1000, 2000), per_block=3, verify=2), num_replicas=2)
     assert [u.key for u in plan[:4]] == [f"blocks/L=1000/b={b}" for b in range(4)]
-    assert [u.kind for u in plan[:4]] == ["blocks/L=1000/off", "blocks/L=1000/on", "blocks/L=1000/on", "blocks/L=1000/off"]
+    assert [u.kind for u in plan[:4]] == [
+        "blocks/L=1000/off",
+        "blocks/L=1000/on",
+        "blocks/L=1000/on",
+        "blocks/L=1000/off",
+    ]
     # OFF: 3 measurements; ON: 3 primes + 3 measurements (+2 verifications in the first ON block)
     assert [u.num_requests for u in plan[:4]] == [3, 8, 6, 3]
     assert len(plan) == 8 and len({u.key for u in plan}) == 8
@@ -18,7 +23,9 @@ def test_blocks_plan():
 
 def test_ttft_and_sessions_plans():
     assert [(u.key, u.num_requests) for u in ttft.units(ttft.TTFTConfig(contexts=(512, 1024), repetitions=2), 2)] == [
-        ("ttft/L=512", 6), ("ttft/L=1024", 6)]
+        ("ttft/L=512", 6),
+        ("ttft/L=1024", 6),
+    ]
     plan = sessions.units(sessions.SessionsConfig(contexts=(1000,), num_sessions=2, num_turns=6, verify=1), 2)
     assert len(plan) == 2 * 2 * 2  # sessions x placements x pools
     assert plan[0].key == "sessions/L=1000/alternate/off/s=0"
@@ -35,8 +42,9 @@ def test_cross_replica_experiments_refuse_one_replica():
         sessions.units(sessions.SessionsConfig(contexts=(512,)), 1)
 
 
-@pytest.mark.parametrize("bad", [dict(design=("on", "on")), dict(design=("off", "maybe")), dict(per_block=0),
-                                 dict(replica_a=1, replica_b=1)])
+@pytest.mark.parametrize(
+    "bad", [dict(design=("on", "on")), dict(design=("off", "maybe")), dict(per_block=0), dict(replica_a=1, replica_b=1)]
+)
 def test_blocks_config_refuses_bad_designs(bad):
     with pytest.raises(ValueError):
         blocks.BlocksConfig(contexts=(512,), **bad)
@@ -63,16 +71,37 @@ def test_blocks_prime_batch_primes_and_measures_in_turns():
 
     async def measure(request, **fields):
         order.append((fields["role"], fields["position"]))
-        return Record(run_id="r", experiment="blocks", unit=fields["unit"], condition=fields["condition"],
-                      role=fields["role"], context_tokens=fields["context_tokens"], url=request.url,
-                      position=fields["position"])
+        return Record(
+            run_id="r",
+            experiment="blocks",
+            unit=fields["unit"],
+            condition=fields["condition"],
+            role=fields["role"],
+            context_tokens=fields["context_tokens"],
+            url=request.url,
+            position=fields["position"],
+        )
 
-    ctx = SimpleNamespace(model="tiny", measure=measure, replica_for=lambda i, use_pool: (f"http://r{i}", use_pool),
-                          factory=SimpleNamespace(completion_prompt=lambda n, key: [1] * n))
+    ctx = SimpleNamespace(
+        model="tiny",
+        measure=measure,
+        replica_for=lambda i, use_pool: (f"http://r{i}", use_pool),
+        factory=SimpleNamespace(completion_prompt=lambda n, key: [1] * n),
+    )
     config = blocks.BlocksConfig(contexts=(64,), per_block=5, prime_batch=2, verify=0)
     records = asyncio.run(blocks.run_block(config, 64, 1, "on", 0, ctx))
-    assert order == [("prime", 0), ("prime", 1), ("measure", 0), ("measure", 1), ("prime", 2), ("prime", 3),
-                     ("measure", 2), ("measure", 3), ("prime", 4), ("measure", 4)]
+    assert order == [
+        ("prime", 0),
+        ("prime", 1),
+        ("measure", 0),
+        ("measure", 1),
+        ("prime", 2),
+        ("prime", 3),
+        ("measure", 2),
+        ("measure", 3),
+        ("prime", 4),
+        ("measure", 4),
+    ]
     assert len(records) == 10
     order.clear()
     asyncio.run(blocks.run_block(blocks.BlocksConfig(contexts=(64,), per_block=3, verify=0), 64, 1, "on", 0, ctx))

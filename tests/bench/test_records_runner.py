@@ -11,9 +11,20 @@ from kvshare.bench.runner import Unit, past_durations, run_units
 
 
 def rec(unit: str, run_id: str = "r1", error: str | None = None, e2e: float = 1.0, **kw) -> Record:
-    return Record(run_id=run_id, experiment=unit.split("/")[0], unit=unit, condition="on", role="measure",
-                  context_tokens=512, url="http://x", ttft_s=None if error else 0.5, e2e_s=e2e, error=error,
-                  token_ids=[1, 2], **kw)
+    return Record(
+        run_id=run_id,
+        experiment=unit.split("/")[0],
+        unit=unit,
+        condition="on",
+        role="measure",
+        context_tokens=512,
+        url="http://x",
+        ttft_s=None if error else 0.5,
+        e2e_s=e2e,
+        error=error,
+        token_ids=[1, 2],
+        **kw,
+    )
 
 
 def test_append_load_and_csv(tmp_path):
@@ -46,8 +57,17 @@ def test_failed_units_are_not_complete_and_a_rerun_replaces_them(tmp_path):
 
 def test_the_output_check_round_trips_and_logprobs_stay_out_of_the_csv(tmp_path):
     results = ResultsDir(str(tmp_path))
-    r = rec("ttft/L=512", top_logprobs=[[-0.1, -0.5], [-0.2, -0.2005]], output_check="near-tie", first_divergence=1,
-            divergence_gap=0.0005, reference_token=7, output_token=9, matches_reference=False, compared_with="cold")
+    r = rec(
+        "ttft/L=512",
+        top_logprobs=[[-0.1, -0.5], [-0.2, -0.2005]],
+        output_check="near-tie",
+        first_divergence=1,
+        divergence_gap=0.0005,
+        reference_token=7,
+        output_token=9,
+        matches_reference=False,
+        compared_with="cold",
+    )
     results.append([r])
     (loaded,) = results.load()
     assert loaded == r and loaded.check().verdict == "near-tie"
@@ -60,9 +80,11 @@ def test_the_output_check_round_trips_and_logprobs_stay_out_of_the_csv(tmp_path)
 def test_records_of_the_previous_version_load(tmp_path):
     """A line written before the output check: no output_check, gap, tokens or logprobs."""
     results = ResultsDir(str(tmp_path))
-    line = ('{"run_id": "r0", "experiment": "ttft", "unit": "ttft/L=512", "condition": "local", "role": "measure", '
-            '"context_tokens": 512, "url": "http://x", "ttft_s": 0.1, "matches_reference": false, '
-            '"first_divergence": 13, "token_ids": [1, 2]}\n')
+    line = (
+        '{"run_id": "r0", "experiment": "ttft", "unit": "ttft/L=512", "condition": "local", "role": "measure", '
+        '"context_tokens": 512, "url": "http://x", "ttft_s": 0.1, "matches_reference": false, '
+        '"first_divergence": 13, "token_ids": [1, 2]}\n'
+    )
     with open(results.file("records.jsonl"), "w") as f:
         f.write(line)
     (old,) = results.load()
@@ -119,8 +141,11 @@ def test_units_failing_entirely_twice_in_a_row_stop_the_run(tmp_path):
 
 def test_an_interrupt_keeps_completed_units_and_drops_the_current_one(tmp_path):
     clock, calls = FakeClock(), []
-    units = [make_unit("sessions/a/0", clock, 1.0, calls), make_unit("sessions/a/1", clock, 1.0, calls, raise_=KeyboardInterrupt()),
-             make_unit("sessions/a/2", clock, 1.0, calls)]
+    units = [
+        make_unit("sessions/a/0", clock, 1.0, calls),
+        make_unit("sessions/a/1", clock, 1.0, calls, raise_=KeyboardInterrupt()),
+        make_unit("sessions/a/2", clock, 1.0, calls),
+    ]
     outcome = asyncio.run(run_units(ctx_for(tmp_path), units, clock=clock))
     assert outcome.stop_reason.startswith("interrupted") and outcome.num_left == 2
     assert ResultsDir(str(tmp_path)).completed_units() == {"sessions/a/0"}

@@ -28,7 +28,8 @@ def test_the_trace_is_a_function_of_the_seed_with_prompts_spread_evenly():
     assert all(400 <= n <= 600 for n in trace.system_tokens)
     assert trace.num_requests == 30
     assert trace.working_set_tokens() == sum(trace.system_tokens) + sum(
-        sum(s.user_tokens) + sum(s.answer_tokens) for s in trace.sessions)
+        sum(s.user_tokens) + sum(s.answer_tokens) for s in trace.sessions
+    )
 
 
 def test_conditions_and_sizes_are_checked():
@@ -47,15 +48,35 @@ def test_conditions_and_sizes_are_checked():
 
 
 def record(turn, ttft, replica, computed, pool=0, role="measure", written=None, started=0.0, e2e=1.0, check=None):
-    return Record("r", "routing", "u", "c", role, 100, "url", completion_tokens=10, replica=replica, turn=turn,
-                  ttft_s=ttft, e2e_s=e2e, computed_tokens=computed, pool_tokens=pool, local_tokens=0,
-                  started_at=started, output_check=check,
-                  timeline=None if written is None else {"first_token_written": written})
+    return Record(
+        "r",
+        "routing",
+        "u",
+        "c",
+        role,
+        100,
+        "url",
+        completion_tokens=10,
+        replica=replica,
+        turn=turn,
+        ttft_s=ttft,
+        e2e_s=e2e,
+        computed_tokens=computed,
+        pool_tokens=pool,
+        local_tokens=0,
+        started_at=started,
+        output_check=check,
+        timeline=None if written is None else {"first_token_written": written},
+    )
 
 
 def test_a_replay_row_splits_first_and_later_turns_and_the_summary_pools_runs():
-    records = [record(0, 0.5, "replica0", 300, written=0.4, check="equal"), record(1, 0.2, "replica1", 50, 250),
-               record(1, None, None, 0), record(1, 0.1, "replica0", 0, role="verify")]
+    records = [
+        record(0, 0.5, "replica0", 300, written=0.4, check="equal"),
+        record(1, 0.2, "replica1", 50, 250),
+        record(1, None, None, 0),
+        record(1, 0.1, "replica0", 0, role="verify"),
+    ]
     row = replay_row("k", 2.0, "pool_aware/on", 0, records, 3.0, 4096.0, 0.0, [0.01])
     assert row["ttft_first_s"] == [0.5] and row["ttft_later_s"] == [0.2]
     assert row["num_requests"] == 3 and row["num_errors"] == 1
@@ -84,13 +105,27 @@ def test_the_controls_through_real_routers_on_cpu(tmp_path, monkeypatch):
 
     pytest.importorskip("zmq")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # two replicas on a shared machine: no thread oversubscription
-    config = RoutingConfig(num_sessions=4, num_prompts=2, num_turns=2, system_tokens=(300, 400),
-                           user_tokens=(20, 40), answer_tokens=(2, 4), rates=(4.0,),
-                           conditions=("no_shared_prefix", "events_dropped"), num_runs=1, num_verify=1)
+    config = RoutingConfig(
+        num_sessions=4,
+        num_prompts=2,
+        num_turns=2,
+        system_tokens=(300, 400),
+        user_tokens=(20, 40),
+        answer_tokens=(2, 4),
+        rates=(4.0,),
+        conditions=("no_shared_prefix", "events_dropped"),
+        num_runs=1,
+        num_verify=1,
+    )
     per_token = kv_bytes_per_token("tiny")
     working_set = make_trace(config).working_set_tokens() * per_token
-    target = RoutingTarget(model="tiny", local_cache_bytes=working_set // 2, pool_bytes=64 << 20,
-                           kv_bytes_per_token=per_token, replica_args=("--no-warmup",))
+    target = RoutingTarget(
+        model="tiny",
+        local_cache_bytes=working_set // 2,
+        pool_bytes=64 << 20,
+        kv_bytes_per_token=per_token,
+        replica_args=("--no-warmup",),
+    )
     summary, report = run_routing(config, target, str(tmp_path), "kvshare bench routing (test)")
 
     rows = {row["condition"]: row for row in map(json.loads, (tmp_path / "routing.jsonl").read_text().splitlines())}

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from kvshare.bench.stats import (
-    Interval, bootstrap_ci, improvement, median, pair_blocks, paired_ratios, percentile, summarize,
+    Interval,
+    bootstrap_ci,
+    improvement,
+    median,
+    pair_blocks,
+    paired_ratios,
+    percentile,
+    summarize,
 )
 
 

@@ -12,22 +12,42 @@ from kvshare.bench.summary import blocks_rows, sessions_rows, ttft_rows
 
 
 def r(experiment, condition, ttft, context=128_000, role="measure", **kw) -> Record:
-    defaults = dict(run_id="r", unit=f"{experiment}/{kw.get('block', kw.get('session', 0))}/{condition}",
-                    url="http://x", e2e_s=ttft + 0.5)
+    defaults = dict(
+        run_id="r",
+        unit=f"{experiment}/{kw.get('block', kw.get('session', 0))}/{condition}",
+        url="http://x",
+        e2e_s=ttft + 0.5,
+    )
     defaults.update(kw)
-    return Record(experiment=experiment, condition=condition, role=role, context_tokens=context, ttft_s=ttft,
-                  **defaults)
+    return Record(
+        experiment=experiment, condition=condition, role=role, context_tokens=context, ttft_s=ttft, **defaults
+    )
 
 
 def blocks_records(context=128_000):
     out = []
-    design = [("off", [30.0, 32.0, 34.0]), ("on", [0.6, 0.7, 0.5]), ("on", [0.6, 0.8, 0.6]), ("off", [31.0, 30.0, 40.0])]
+    design = [
+        ("off", [30.0, 32.0, 34.0]),
+        ("on", [0.6, 0.7, 0.5]),
+        ("on", [0.6, 0.8, 0.6]),
+        ("off", [31.0, 30.0, 40.0]),
+    ]
     for b, (condition, times) in enumerate(design):
         for i, t in enumerate(times):
             if condition == "on":
                 out.append(r("blocks", condition, 30.0, context, role="prime", block=b, position=i))
-            out.append(r("blocks", condition, t, context, block=b, position=i, pool_tokens=127_744 if condition == "on" else 0,
-                         matches_reference=True if condition == "on" else None))
+            out.append(
+                r(
+                    "blocks",
+                    condition,
+                    t,
+                    context,
+                    block=b,
+                    position=i,
+                    pool_tokens=127_744 if condition == "on" else 0,
+                    matches_reference=True if condition == "on" else None,
+                )
+            )
     return out
 
 
@@ -54,9 +74,13 @@ def test_failed_requests_are_counted_not_measured():
 
 
 def test_ttft_row():
-    records = [r("ttft", "cold", 8.0, 32_000), r("ttft", "local", 0.2, 32_000, matches_reference=True),
-               r("ttft", "cross", 0.4, 32_000, pool_tokens=31_744, matches_reference=True),
-               r("ttft", "cold", 10.0, 32_000), r("ttft", "cross", 0.6, 32_000, pool_tokens=31_744, matches_reference=False)]
+    records = [
+        r("ttft", "cold", 8.0, 32_000),
+        r("ttft", "local", 0.2, 32_000, matches_reference=True),
+        r("ttft", "cross", 0.4, 32_000, pool_tokens=31_744, matches_reference=True),
+        r("ttft", "cold", 10.0, 32_000),
+        r("ttft", "cross", 0.6, 32_000, pool_tokens=31_744, matches_reference=False),
+    ]
     (row,) = ttft_rows(records)
     assert row.medians == {"cold": 9.0, "local": 0.2, "cross": 0.5}
     assert row.cross_speedup == pytest.approx(18.0) and row.cross_pool_tokens == 31_744
@@ -70,8 +94,18 @@ def sessions_records():
     for pool, turns in (("off", [10.0, 10.0, 1.0]), ("on", [10.0, 1.0, 1.0])):
         for s in range(2):
             for t, ttft in enumerate(turns):
-                out.append(r("sessions", f"alternate/{pool}", ttft, 32_000, session=s, turn=t, placement="alternate",
-                             e2e_s=ttft))
+                out.append(
+                    r(
+                        "sessions",
+                        f"alternate/{pool}",
+                        ttft,
+                        32_000,
+                        session=s,
+                        turn=t,
+                        placement="alternate",
+                        e2e_s=ttft,
+                    )
+                )
     for pool in ("off", "on"):
         for t, ttft in enumerate([10.0, 1.0, 1.0]):
             out.append(r("sessions", f"sticky/{pool}", ttft, 32_000, session=0, turn=t, placement="sticky", e2e_s=ttft))
@@ -89,8 +123,11 @@ def test_sessions_rows():
 
 def test_report_tables_study_figures_and_plots_are_written(tmp_path):
     results = ResultsDir(str(tmp_path))
-    results.append(blocks_records() + sessions_records()
-                   + [r("ttft", "cold", 8.0, 32_000), r("ttft", "cross", 0.4, 32_000, pool_tokens=31_744)])
+    results.append(
+        blocks_records()
+        + sessions_records()
+        + [r("ttft", "cold", 8.0, 32_000), r("ttft", "cross", 0.4, 32_000, pool_tokens=31_744)]
+    )
     results.log_run({"run_id": "r", "experiment": "blocks", "model": "m", "endpoints": {}, "stop_reason": "complete"})
     path, tables_ = write_report(results)
     text = open(path).read()
@@ -110,24 +147,48 @@ def test_tables_of_no_records_hold_only_the_study():
 
 
 def test_divergences_are_counted_per_row_and_listed_one_by_one():
-    near = dict(output_check="near-tie", matches_reference=False, first_divergence=4, divergence_gap=4e-4,
-                reference_token=11, output_token=12, compared_with="cold")
-    bad = dict(output_check="mismatch", matches_reference=False, first_divergence=5, divergence_gap=0.031,
-               reference_token=21, output_token=22, compared_with="cold")
+    near = dict(
+        output_check="near-tie",
+        matches_reference=False,
+        first_divergence=4,
+        divergence_gap=4e-4,
+        reference_token=11,
+        output_token=12,
+        compared_with="cold",
+    )
+    bad = dict(
+        output_check="mismatch",
+        matches_reference=False,
+        first_divergence=5,
+        divergence_gap=0.031,
+        reference_token=21,
+        output_token=22,
+        compared_with="cold",
+    )
     equal = dict(output_check="equal", matches_reference=True, compared_with="cold")
-    records = [r("ttft", "cold", 8.0, 32_000, position=0), r("ttft", "local", 0.2, 32_000, position=0, **equal),
-               r("ttft", "cross", 0.4, 32_000, position=0, **near), r("ttft", "cold", 8.0, 32_000, position=1),
-               r("ttft", "local", 0.2, 32_000, position=1, **equal), r("ttft", "cross", 0.4, 32_000, position=1, **bad)]
+    records = [
+        r("ttft", "cold", 8.0, 32_000, position=0),
+        r("ttft", "local", 0.2, 32_000, position=0, **equal),
+        r("ttft", "cross", 0.4, 32_000, position=0, **near),
+        r("ttft", "cold", 8.0, 32_000, position=1),
+        r("ttft", "local", 0.2, 32_000, position=1, **equal),
+        r("ttft", "cross", 0.4, 32_000, position=1, **bad),
+    ]
     (row,) = ttft_rows(records)
     assert str(row.outputs) == "equal 2/4; near-tie 1 (step 4, gap 0.0004); mismatch 1 (step 5, gap 0.031)"
     by_title = {t.title: t for t in tables(records)}
     table = by_title["Outputs that part from their reference"]
-    assert table.rows == (("ttft", "32k", "cross", "measure #0", "cold", "4", "0.0004", "near tie (allowed)", "11", "12"),
-                          ("ttft", "32k", "cross", "measure #1", "cold", "5", "0.031", "MISMATCH", "21", "22"))
+    assert table.rows == (
+        ("ttft", "32k", "cross", "measure #0", "cold", "4", "0.0004", "near tie (allowed)", "11", "12"),
+        ("ttft", "32k", "cross", "measure #1", "cold", "5", "0.031", "MISMATCH", "21", "22"),
+    )
 
 
 def test_no_divergence_table_when_every_output_is_equal():
-    records = [r("ttft", "cold", 8.0, 32_000), r("ttft", "cross", 0.4, 32_000, output_check="equal", matches_reference=True)]
+    records = [
+        r("ttft", "cold", 8.0, 32_000),
+        r("ttft", "cross", 0.4, 32_000, output_check="equal", matches_reference=True),
+    ]
     assert all(not t.title.startswith("Outputs that part") for t in tables(records))
 
 
@@ -136,8 +197,16 @@ def test_the_h200_results_of_the_previous_version_still_render(tmp_path):
     differences render with the gap unknown."""
     import shutil
 
-    source = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "results",
-                          "2026-11-29-cabf0e2-h200-transfer-engine-bench", "bench", "records.jsonl")
+    source = os.path.join(
+        os.path.dirname(__file__),
+        "..",
+        "..",
+        "docs",
+        "results",
+        "2026-11-29-cabf0e2-h200-transfer-engine-bench",
+        "bench",
+        "records.jsonl",
+    )
     shutil.copy(source, tmp_path / "records.jsonl")
     path, tables_ = write_report(ResultsDir(str(tmp_path)))
     text = open(path).read()
@@ -151,7 +220,9 @@ def test_blocks_summary_line_shows_how_much_of_the_prompt_the_pool_held():
     (line,) = [line for line in summary_lines(blocks_records()) if line.startswith("blocks")]
     assert "min ON pool tokens 127744 of 128000" in line
     # a pool too small for a block's primes shows up in the line (the 32k blocks of 2026-12-02: 18176 of 32000)
-    short = [r if r.pool_tokens != 127_744 else r.__class__(**{**r.__dict__, "pool_tokens": 72_704})
-             for r in blocks_records()]
+    short = [
+        r if r.pool_tokens != 127_744 else r.__class__(**{**r.__dict__, "pool_tokens": 72_704})
+        for r in blocks_records()
+    ]
     (line,) = [line for line in summary_lines(short) if line.startswith("blocks")]
     assert "min ON pool tokens 72704 of 128000" in line

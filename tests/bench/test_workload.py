@@ -24,10 +24,15 @@ def bpe_tok():
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    text = ("the quick brown fox jumps over the lazy dog while the cache holds the state of every request "
-            "and the pool shares it between replicas that never saw the prompt before ") * 50
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|eos|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    text = (
+        "the quick brown fox jumps over the lazy dog while the cache holds the state of every request "
+        "and the pool shares it between replicas that never saw the prompt before "
+    ) * 50
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|eos|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator([text], trainer)
     return Tokenizer(tok, {"eos_token": "<|eos|>", "chat_template": CHAT_TEMPLATE})
 
@@ -69,8 +74,10 @@ def test_chat_prompts_grow_by_appending(byte_tok):
     factory = PromptFactory(byte_tok, WorkloadConfig(nonce="run1"))
     messages = factory.chat_messages(600, "s/0")
     first = byte_tok.apply_chat_template(messages)
-    longer = messages + [{"role": "assistant", "content": "an answer"},
-                         {"role": "user", "content": factory.user_text(50, "s/0/1")}]
+    longer = messages + [
+        {"role": "assistant", "content": "an answer"},
+        {"role": "user", "content": factory.user_text(50, "s/0/1")},
+    ]
     second = byte_tok.apply_chat_template(longer)
     assert second[: len(first)] == first and len(second) > len(first) + 50
 

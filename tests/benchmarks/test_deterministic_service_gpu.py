@@ -1,4 +1,5 @@
-"""benchmarks/deterministic_service_gpu.py (and its plan, deterministic_service_plan.py): its plans for the H200 shapes (pure) and CPU dry runs of both layouts."""
+"""benchmarks/deterministic_service_gpu.py (and its plan, deterministic_service_plan.py): its plans for the H200
+shapes (pure) and CPU dry runs of both layouts."""
 
 from __future__ import annotations
 
@@ -63,9 +64,29 @@ def test_a_cluster_spec_names_its_layout():
 
 
 def run_dry(bench, tmp_path, *extra: str) -> tuple[int, dict]:
-    rc = bench.main(["--out", str(tmp_path), "--device", "cpu", "--model", "tiny", "--tokens", "512",
-                     "--chunk-tokens", "128", "--max-tokens", "8", "--turns", "3", "--turn-tokens", "128",
-                     "--time-budget", "300", *extra])
+    rc = bench.main(
+        [
+            "--out",
+            str(tmp_path),
+            "--device",
+            "cpu",
+            "--model",
+            "tiny",
+            "--tokens",
+            "512",
+            "--chunk-tokens",
+            "128",
+            "--max-tokens",
+            "8",
+            "--turns",
+            "3",
+            "--turn-tokens",
+            "128",
+            "--time-budget",
+            "300",
+            *extra,
+        ]
+    )
     return rc, json.loads((tmp_path / "deterministic_service.json").read_text())
 
 
@@ -85,8 +106,15 @@ def test_dry_run_on_cpu_together_is_exact_and_the_flipped_byte_fails(tmp_path):
     rc, out = run_dry(load_bench(), tmp_path)
     assert rc == 0 and out["passed"] and not out["errors"] and not out["skipped"], out
     rows = {r["case"]: r for r in out["rows"]}
-    assert set(rows) == {"prime", "cross", "local", "flipped_byte_control",
-                         "session_turn_0", "session_turn_1", "session_turn_2"}
+    assert set(rows) == {
+        "prime",
+        "cross",
+        "local",
+        "flipped_byte_control",
+        "session_turn_0",
+        "session_turn_1",
+        "session_turn_2",
+    }
     check_reuse_rows(rows, "replica1")
     for name in ("session_turn_1", "session_turn_2"):
         assert rows[name]["tokens_equal"] and rows[name]["logprobs_equal"] and rows[name]["deterministic"]

@@ -37,12 +37,28 @@ def test_plans_for_the_h200_cases():
 
 def test_dry_run_on_cpu_through_kvshare_up(tmp_path):
     bench = load_bench()
-    rc = bench.main(["--out", str(tmp_path), "--device", "cpu", "--cases", "tiny:1024", "--time-budget", "400",
-                     "--pool-arg=--extent-size=64MiB", "--replica-arg=--staging-buffers=3"])
+    rc = bench.main(
+        [
+            "--out",
+            str(tmp_path),
+            "--device",
+            "cpu",
+            "--cases",
+            "tiny:1024",
+            "--time-budget",
+            "400",
+            "--pool-arg=--extent-size=64MiB",
+            "--replica-arg=--staging-buffers=3",
+        ]
+    )
     # the pool and replica arguments reach what kvshare up starts (a bad one fails the start)
     rows = json.loads((tmp_path / "service_ttft.json").read_text())
     assert rc == 0 and [(r["path"], r["first_request"]) for r in rows] == [
-        ("router", True), ("router", False), ("replica", False), ("replica", False)]
+        ("router", True),
+        ("router", False),
+        ("replica", False),
+        ("replica", False),
+    ]
     assert all(r["pool_args"] == ["--extent-size=64MiB"] for r in rows)
     assert all(r["replica_args"] == ["--staging-buffers=3"] for r in rows)
     assert all(r["arena_page_bytes"] in (mmap.PAGESIZE, 2 << 20) for r in rows)  # read from the pool's stats

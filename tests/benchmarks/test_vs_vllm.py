@@ -11,8 +11,14 @@ import pytest
 
 from tests.benchmarks.loader import load_benchmark
 
-COMMON = {"model": "qwen3-8b", "bound_kind": "pinned-h2d", "vllm_version": "0.26.0", "commit": "abc1234",
-          "command": "benchmarks/vs_vllm.py --lengths 32768", "hardware": "NVIDIA H200"}
+COMMON = {
+    "model": "qwen3-8b",
+    "bound_kind": "pinned-h2d",
+    "vllm_version": "0.26.0",
+    "commit": "abc1234",
+    "command": "benchmarks/vs_vllm.py --lengths 32768",
+    "hardware": "NVIDIA H200",
+}
 KV_BYTES_PER_TOKEN = 147456  # the 8B shape: 36 layers x 2 x 8 heads x 128 x 2 bytes
 RATE = 55e9
 
@@ -23,16 +29,40 @@ def bench():
 
 
 def kvshare_figures(client="token_ids", **kw):
-    return {"prompt_tokens": 32768, "prompt_index": 0, "client": client, "first_request": True, "cold_s": 1.5,
-            "cross_s": 0.1, "local_s": 0.05, "pool_tokens": 32768, "tokens_equal": True, **kw}
+    return {
+        "prompt_tokens": 32768,
+        "prompt_index": 0,
+        "client": client,
+        "first_request": True,
+        "cold_s": 1.5,
+        "cross_s": 0.1,
+        "local_s": 0.05,
+        "pool_tokens": 32768,
+        "tokens_equal": True,
+        **kw,
+    }
 
 
 def test_a_row_holds_every_field_of_the_schema_and_the_ratios(bench):
     vllm = {"cold_s": 1.25, "local_s": 0.052, "cpu_tier_s": 0.173, "cached_tokens": 32768}
     row = bench.make_row(COMMON, kvshare_figures(), vllm, RATE, KV_BYTES_PER_TOKEN)
     assert set(bench.ROW_FIELDS) <= set(row)
-    for name in ("model", "prompt_tokens", "client", "cold_s", "vllm_cold_s", "cold_over_vllm", "cross_s", "bound_s",
-                 "cross_over_bound", "first_request", "text_overhead", "commit", "command", "hardware"):
+    for name in (
+        "model",
+        "prompt_tokens",
+        "client",
+        "cold_s",
+        "vllm_cold_s",
+        "cold_over_vllm",
+        "cross_s",
+        "bound_s",
+        "cross_over_bound",
+        "first_request",
+        "text_overhead",
+        "commit",
+        "command",
+        "hardware",
+    ):
         assert name in bench.ROW_FIELDS  # the fields the headline's JSON rows must carry
     assert row["cold_over_vllm"] == pytest.approx(1.5 / 1.25)
     assert row["bound_s"] == pytest.approx(32768 * KV_BYTES_PER_TOKEN / RATE)
@@ -44,8 +74,9 @@ def test_a_row_holds_every_field_of_the_schema_and_the_ratios(bench):
 
 def test_a_text_row_says_what_text_adds_to_the_same_request_sent_as_token_ids(bench):
     """Fails when text_overhead is the ratio of the two TTFTs instead of the fraction that text adds."""
-    row = bench.make_row(COMMON, kvshare_figures("text", cross_s=0.105, token_ids_cross_s=0.1), None, RATE,
-                         KV_BYTES_PER_TOKEN)
+    row = bench.make_row(
+        COMMON, kvshare_figures("text", cross_s=0.105, token_ids_cross_s=0.1), None, RATE, KV_BYTES_PER_TOKEN
+    )
     assert row["text_overhead"] == pytest.approx(0.05)
     assert row["vllm_cold_s"] is None and row["cold_over_vllm"] is None  # vLLM not measured: no ratio invented
 
@@ -61,22 +92,42 @@ def test_a_row_without_the_common_fields_is_refused(bench):
 
 
 def test_the_table_and_readme_show_both_engines_side_by_side(bench):
-    rows = [bench.make_row(COMMON, kvshare_figures(), {"cold_s": 1.25, "local_s": 0.052, "cpu_tier_s": 0.173,
-                                                       "cached_tokens": 32768}, RATE, KV_BYTES_PER_TOKEN),
-            bench.make_row(COMMON, kvshare_figures("text", first_request=False, cross_s=0.11, token_ids_cross_s=0.1),
-                           None, RATE, KV_BYTES_PER_TOKEN)]
+    rows = [
+        bench.make_row(
+            COMMON,
+            kvshare_figures(),
+            {"cold_s": 1.25, "local_s": 0.052, "cpu_tier_s": 0.173, "cached_tokens": 32768},
+            RATE,
+            KV_BYTES_PER_TOKEN,
+        ),
+        bench.make_row(
+            COMMON,
+            kvshare_figures("text", first_request=False, cross_s=0.11, token_ids_cross_s=0.1),
+            None,
+            RATE,
+            KV_BYTES_PER_TOKEN,
+        ),
+    ]
     text = bench.table(rows)
     lines = text.splitlines()
     assert len(lines) == 2 + len(rows) and all(line.count("|") == lines[0].count("|") for line in lines)
     assert "| qwen3-8b | 32768 | token_ids | first | 1.500 | 1.250 | 1.20 | 0.050 | 0.052 | 0.100 |" in lines[2]
     assert lines[3].endswith("| - | +10.0% |") and "| steady |" in lines[3]
-    meta = {"date": "2026-12-06", "commit": "abc1234", "label": "plumbing run on 2 CPU cores",
-            "hardware": "2 CPU cores", "loadavg": "2.0 / 3.0", "vllm_version": "0.32.0",
-            "vllm_python": "/venv/bin/python",
-            "model": "tiny", "model_dir": "/tmp/m", "bound_note": "KV bytes / a host memcpy's rate",
-            "command": "benchmarks/vs_vllm.py --device cpu",
-            "engine_commands": ["python -m kvshare up --model /tmp/m"],
-            "notes": ["vLLM's native CPU offloading runs only on GPUs"]}
+    meta = {
+        "date": "2026-12-06",
+        "commit": "abc1234",
+        "label": "plumbing run on 2 CPU cores",
+        "hardware": "2 CPU cores",
+        "loadavg": "2.0 / 3.0",
+        "vllm_version": "0.32.0",
+        "vllm_python": "/venv/bin/python",
+        "model": "tiny",
+        "model_dir": "/tmp/m",
+        "bound_note": "KV bytes / a host memcpy's rate",
+        "command": "benchmarks/vs_vllm.py --device cpu",
+        "engine_commands": ["python -m kvshare up --model /tmp/m"],
+        "notes": ["vLLM's native CPU offloading runs only on GPUs"],
+    }
     readme = bench.readme(rows, meta)
     assert "**plumbing run on 2 CPU cores.**" in readme and text in readme
     assert "benchmarks/vs_vllm.py --device cpu\npython -m kvshare up --model /tmp/m\n" in readme
@@ -115,8 +166,11 @@ def test_a_text_prompt_renders_to_its_length_through_the_models_chat_template(be
 
 
 def test_text_figures_meet_their_token_id_twins(bench):
-    figures = [kvshare_figures(), kvshare_figures("text", cross_s=0.12),
-               kvshare_figures("text", prompt_tokens=131072, cross_s=0.4)]
+    figures = [
+        kvshare_figures(),
+        kvshare_figures("text", cross_s=0.12),
+        kvshare_figures("text", prompt_tokens=131072, cross_s=0.4),
+    ]
     twinned = bench.with_token_ids_twins(figures)
     assert twinned[0] == figures[0] and twinned[1]["token_ids_cross_s"] == 0.1
     assert twinned[2]["token_ids_cross_s"] is None  # no token-id prompt of that length: no overhead invented
@@ -133,8 +187,10 @@ def test_a_phase_measured_by_another_command_completes_the_table_and_another_pla
     second = bench.Measurements(path, dict(plan))
     second.add_command("python benchmarks/vs_vllm.py --engines vllm")
     assert second.get("kvshare") == {"figures": [kvshare_figures()]} and second.get("vllm") is None
-    assert second.commands() == ["python benchmarks/vs_vllm.py --engines kvshare",
-                                 "python benchmarks/vs_vllm.py --engines vllm"]
+    assert second.commands() == [
+        "python benchmarks/vs_vllm.py --engines kvshare",
+        "python benchmarks/vs_vllm.py --engines vllm",
+    ]
     with pytest.raises(SystemExit, match="another plan"):
         bench.Measurements(path, {**plan, "lengths": [131072]})
 
@@ -151,21 +207,38 @@ def test_two_commands_one_engine_each_make_one_table_of_the_same_prompts(bench, 
 
     def fake_kvshare(length, prompts, args, model_dir):
         sent["kvshare"] += [ids for ids_list in prompts.values() for ids in ids_list]
-        return [kvshare_figures(prompt_tokens=length, prompt_index=k, first_request=k == 0, pool_tokens=256)
-                for k in range(len(prompts["token_ids"]))], ["python -m kvshare up --model M"]
+        return [
+            kvshare_figures(prompt_tokens=length, prompt_index=k, first_request=k == 0, pool_tokens=256)
+            for k in range(len(prompts["token_ids"]))
+        ], ["python -m kvshare up --model M"]
 
     def fake_vllm(prompts, args, model_dir):
         sent["vllm"] += [ids for ids_list in prompts.values() for ids in ids_list]
-        return {(n, c, k): {"cold_s": 3.0, "local_s": 0.5, "cpu_tier_s": None, "cached_tokens": 256}
-                for (n, c), ids_list in prompts.items() for k in range(len(ids_list))}, "python -m vllm... --model M"
+        return {
+            (n, c, k): {"cold_s": 3.0, "local_s": 0.5, "cpu_tier_s": None, "cached_tokens": 256}
+            for (n, c), ids_list in prompts.items()
+            for k in range(len(ids_list))
+        }, "python -m vllm... --model M"
 
     monkeypatch.setattr(bench, "run_kvshare", fake_kvshare)
     monkeypatch.setattr(bench, "run_vllm", fake_vllm)
     monkeypatch.setattr(bench, "memcpy_rate", lambda: 5e9)
     monkeypatch.setattr(bench, "vllm_version", lambda python: "0.32.0")
     out = tmp_path / "out"
-    common = ["--preset", "tiny", "--device", "cpu", "--lengths", "512", "--model-dir", str(model_dir),
-              "--out", str(out), "--label", "a plumbing run; its timings say nothing"]
+    common = [
+        "--preset",
+        "tiny",
+        "--device",
+        "cpu",
+        "--lengths",
+        "512",
+        "--model-dir",
+        str(model_dir),
+        "--out",
+        str(out),
+        "--label",
+        "a plumbing run; its timings say nothing",
+    ]
     assert bench.main([*common, "--engines", "kvshare"]) == 0
     first = json.loads((out / "rows.json").read_text())
     assert first[0]["vllm_cold_s"] is None  # the table so far: kvshare alone

@@ -12,10 +12,17 @@ def run_cli(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "kvshare", *argv], capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("argv", [["up", "--port", "70000"], ["serve", "--port", "70000"],
-                                  ["route", "--replica", "http://127.0.0.1:1", "--port", "-1"],
-                                  ["pool", "--size", "1GiB", "--metrics-port", "65536"],
-                                  ["demo", "--port", "http"], ["bench", "ttft", "--port", "0"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["up", "--port", "70000"],
+        ["serve", "--port", "70000"],
+        ["route", "--replica", "http://127.0.0.1:1", "--port", "-1"],
+        ["pool", "--size", "1GiB", "--metrics-port", "65536"],
+        ["demo", "--port", "http"],
+        ["bench", "ttft", "--port", "0"],
+    ],
+)
 def test_a_port_out_of_range_is_refused_in_one_line(argv, capsys):
     """Fails when --port is type=int: the value reached the server and 70000 raised a traceback."""
     with pytest.raises(SystemExit) as exited:

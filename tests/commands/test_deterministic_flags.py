@@ -11,8 +11,13 @@ from kvshare.commands import serve
 
 
 def kvshare(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-P", "-m", "kvshare", *args], capture_output=True, text=True, timeout=300,
-                          stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [sys.executable, "-P", "-m", "kvshare", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def test_serve_maps_the_flags_onto_the_engine_config():
@@ -25,16 +30,31 @@ def test_serve_maps_the_flags_onto_the_engine_config():
 
 
 def test_generate_in_the_mode_says_so():
-    result = kvshare("generate", "--model", "tiny", "--prompt", "a prompt of a few chunks " * 3, "--max-tokens", "3",
-                     "--ignore-eos", "--chunk-tokens", "16", "--deterministic", "--json")
+    result = kvshare(
+        "generate",
+        "--model",
+        "tiny",
+        "--prompt",
+        "a prompt of a few chunks " * 3,
+        "--max-tokens",
+        "3",
+        "--ignore-eos",
+        "--chunk-tokens",
+        "16",
+        "--deterministic",
+        "--json",
+    )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["deterministic"] is True
 
 
 def test_a_grid_that_is_no_multiple_of_the_chunk_is_refused():
-    result = kvshare("generate", "--model", "tiny", "--prompt", "x", "--chunk-tokens", "16", "--deterministic",
-                     "--grid-tokens", "24")
-    assert result.returncode == 2 and "multiple of chunk_tokens 16" in result.stderr and "Traceback" not in result.stderr
+    result = kvshare(
+        "generate", "--model", "tiny", "--prompt", "x", "--chunk-tokens", "16", "--deterministic", "--grid-tokens", "24"
+    )
+    assert (
+        result.returncode == 2 and "multiple of chunk_tokens 16" in result.stderr and "Traceback" not in result.stderr
+    )
 
 
 def test_up_and_bench_refuse_the_mode_where_it_cannot_apply():

@@ -16,8 +16,14 @@ from kvshare.errors import UserError
 
 
 def kvshare(*args: str, timeout: float = 120, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-P", "-m", "kvshare", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [sys.executable, "-P", "-m", "kvshare", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def refused(result: subprocess.CompletedProcess, *fragments: str) -> str:
@@ -47,8 +53,10 @@ def test_up_with_a_pool_smaller_than_one_page_of_the_model(tmp_path):
 
 def test_serve_and_route_on_a_port_in_use_say_so_in_one_line(busy_port):
     refused(kvshare("serve", "--port", str(busy_port)), f"port {busy_port} (this replica) on 127.0.0.1 is in use")
-    refused(kvshare("route", "--port", str(busy_port), "--replica", "http://127.0.0.1:1"),
-            f"port {busy_port} (the router) on 127.0.0.1 is in use")
+    refused(
+        kvshare("route", "--port", str(busy_port), "--replica", "http://127.0.0.1:1"),
+        f"port {busy_port} (the router) on 127.0.0.1 is in use",
+    )
 
 
 def test_route_replica_without_a_scheme():
@@ -60,8 +68,10 @@ def test_pool_size_and_socket_directory(tmp_path):
     refused(kvshare("pool", "--size", "1k", "--socket", sock), "--size 1.00 KiB is below the minimum")
     refused(kvshare("pool", "--size", "100TiB", "--socket", sock), "--size 100.00 TiB is larger than")
     missing = tmp_path / "missing"
-    refused(kvshare("pool", "--size", "16MiB", "--socket", str(missing / "pool.sock")),
-            f"the directory {missing} does not exist")
+    refused(
+        kvshare("pool", "--size", "16MiB", "--socket", str(missing / "pool.sock")),
+        f"the directory {missing} does not exist",
+    )
 
 
 def test_pool_admin_flush_with_a_namespace_that_is_not_hex():
@@ -100,6 +110,8 @@ def test_make_model_asks_on_a_terminal():
 def test_log_level_after_the_subcommand_and_validated():
     out = kvshare("plan", "--model", "tiny", "--tokens", "1000", "--json", "--log-level", "debug")
     assert out.returncode == 0, out.stderr
-    refused(kvshare("plan", "--model", "tiny", "--tokens", "1000", "--log-level", "loud"),
-            "argument --log-level: 'loud' is not a log level")
+    refused(
+        kvshare("plan", "--model", "tiny", "--tokens", "1000", "--log-level", "loud"),
+        "argument --log-level: 'loud' is not a log level",
+    )
     refused(kvshare("--log-level", "loud", "plan", "--model", "tiny", "--tokens", "1000"), "'loud' is not a log level")

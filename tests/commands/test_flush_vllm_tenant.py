@@ -60,8 +60,9 @@ class _VllmLike(BaseHTTPRequestHandler):
             s.add_request(req_id, body["prompt"], body.get("cache_salt"), body.get("kv_transfer_params"))
             assert s.match(req_id, 0) == 0  # the pool is off for it: no lookup
             params = {"kvshare": s.finish(req_id)}  # request_finished's kv_transfer_params
-        self._answer(200, {"object": "text_completion", "choices": [{"index": 0, "text": "x"}],
-                           "kv_transfer_params": params})
+        self._answer(
+            200, {"object": "text_completion", "choices": [{"index": 0, "text": "x"}], "kv_transfer_params": params}
+        )
 
 
 @pytest.fixture
@@ -97,8 +98,12 @@ def test_flush_by_tenant_finds_a_vllm_replicas_namespace_of_that_tenant_only(poo
 
     result = kvshare("pool-admin", "--socket", pool, "flush", "--replica", url, "--tenant", "acme", "--yes")
     assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout) == {"dropped": CHUNKS, "namespace": digest["acme"].hex(), "model": "tiny",
-                                         "pool": pool}
+    assert json.loads(result.stdout) == {
+        "dropped": CHUNKS,
+        "namespace": digest["acme"].hex(),
+        "model": "tiny",
+        "pool": pool,
+    }
     left = namespaces(pool)
     assert digest["acme"] not in left  # the tenant's pages are gone
     assert left[digest["other"]] == CHUNKS and left[namespace_digest(NAMESPACE)] == CHUNKS  # the others' stay
@@ -111,8 +116,9 @@ def test_flush_by_tenant_with_an_api_key_salts_as_the_router(pool, vllm_like):  
     replica, _, url = vllm_like
     salt = replica_salt("vllm", tenant_identity("key-of-a", "team"), None)
     prefill(replica, "r-keyed", PROMPT, salt)
-    result = kvshare("pool-admin", "--socket", pool, "flush", "--replica", url, "--tenant", "team",
-                     "--api-key", "key-of-a", "--yes")
+    result = kvshare(
+        "pool-admin", "--socket", pool, "flush", "--replica", url, "--tenant", "team", "--api-key", "key-of-a", "--yes"
+    )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["namespace"] == namespace_digest(NAMESPACE.with_tenant(salt)).hex()
     assert namespace_digest(NAMESPACE.with_tenant(salt)) not in namespaces(pool)
@@ -121,5 +127,7 @@ def test_flush_by_tenant_with_an_api_key_salts_as_the_router(pool, vllm_like):  
 def test_a_vllm_server_without_the_connector_is_named(pool, vllm_like):  # noqa: F811
     _, handler, url = vllm_like
     handler.replica = None
-    refused(kvshare("pool-admin", "--socket", pool, "flush", "--replica", url, "--tenant", "acme", "--yes"),
-            "neither a kvshare replica nor a vLLM replica with kvshare's connector")
+    refused(
+        kvshare("pool-admin", "--socket", pool, "flush", "--replica", url, "--tenant", "acme", "--yes"),
+        "neither a kvshare replica nor a vLLM replica with kvshare's connector",
+    )

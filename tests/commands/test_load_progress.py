@@ -10,8 +10,10 @@ def test_load_reports_progress_with_the_bytes_received():
     """Fails when run_load takes no progress callback (the command printed nothing for its whole duration)."""
     seen = []
     with LiveApp(fake_app(first_token_delay_s=0.01)) as url:
-        summary = run_load(LoadConfig(url=url, num_sessions=2, duration_s=1.2, model="m", check_share=0.0),
-                           lambda tally, elapsed_s: seen.append((elapsed_s, tally.num_bytes)))
+        summary = run_load(
+            LoadConfig(url=url, num_sessions=2, duration_s=1.2, model="m", check_share=0.0),
+            lambda tally, elapsed_s: seen.append((elapsed_s, tally.num_bytes)),
+        )
     assert len(seen) >= 2 and seen[-1][0] >= 1.0
     assert [b for _, b in seen] == sorted(b for _, b in seen) and seen[-1][1] > 0
     assert summary["unfinished"] == 0

@@ -53,8 +53,10 @@ def test_flush_names_its_pool_asks_first_and_refuses_a_namespace_it_lacks():
             res = client.reserve(namespace, make_keys("flush-names", 1), 4096)
             client.commit(res.reservation_id, [0])
         refused(kvshare("pool-admin", "--socket", socket_path, "flush"), "without asking: add --yes")
-        refused(kvshare("pool-admin", "--socket", socket_path, "flush", "--namespace", "ab" * 16, "--yes"),
-                "holds no namespace " + "ab" * 16)
+        refused(
+            kvshare("pool-admin", "--socket", socket_path, "flush", "--namespace", "ab" * 16, "--yes"),
+            "holds no namespace " + "ab" * 16,
+        )
         out = kvshare("pool-admin", "--socket", socket_path, "flush", "--namespace", namespace.hex(), "--yes")
         assert out.returncode == 0, out.stderr
         assert json.loads(out.stdout) == {"dropped": 1, "namespace": namespace.hex(), "pool": socket_path}

@@ -28,18 +28,37 @@ def test_serve_with_an_unreachable_pool_says_so_and_connects_when_one_listens(tm
     url = f"http://127.0.0.1:{port}"
     log_path = tmp_path / "serve.log"
     with open(log_path, "wb") as log:
-        replica = subprocess.Popen([sys.executable, "-P", "-m", "kvshare", "serve", "--port", str(port), "--pool",
-                                    socket_path, "--instance-id", "r-1"], stdout=log, stderr=subprocess.STDOUT,
-                                   env=kvshare_env())
+        replica = subprocess.Popen(
+            [
+                sys.executable,
+                "-P",
+                "-m",
+                "kvshare",
+                "serve",
+                "--port",
+                str(port),
+                "--pool",
+                socket_path,
+                "--instance-id",
+                "r-1",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=kvshare_env(),
+        )
     pool = None
     try:
-        wait_until(lambda: get_json(url + "/health", timeout=2)[0] == 200 or replica.poll() is not None, 180,
-                   "the replica to answer")
+        wait_until(
+            lambda: get_json(url + "/health", timeout=2)[0] == 200 or replica.poll() is not None,
+            180,
+            "the replica to answer",
+        )
         status, health = get_json(url + "/health")
         assert status == 200 and health["pool"] == "unreachable" and health["instance_id"] == "r-1"
         assert gauge(url, "kvshare_pool_connected") == 0
-        tries = lambda: re.findall(r"the pool at \S+ is unreachable .*; serving without it; next try in ([0-9.]+) s",
-                                   log_path.read_text())
+        tries = lambda: re.findall(
+            r"the pool at \S+ is unreachable .*; serving without it; next try in ([0-9.]+) s", log_path.read_text()
+        )
         wait_until(lambda: len(tries()) >= 3, 30, "the warning to repeat")  # without any request
         delays = [float(d) for d in tries()]
         assert delays[:3] == sorted(delays[:3]) and delays[2] > delays[0], delays  # backoff

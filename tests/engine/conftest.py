@@ -27,9 +27,18 @@ def write_hf_model(kind: str, out_dir: str, seed: int = 0):
     spec = dict(HF_CONFIGS[kind])
     model_type = spec.pop("model_type")
     config = AutoConfig.for_model(
-        model_type, vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
-        initializer_range=0.2, rope_theta=10000.0, **spec,
+        model_type,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        initializer_range=0.2,
+        rope_theta=10000.0,
+        **spec,
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
@@ -61,7 +70,9 @@ def pool_socket():
     """A fresh pool that keeps every committed page (no watermark eviction)."""
     from kvshare.pool.spawn import running_pool
 
-    with running_pool("64MiB", ("--extent-size", "8MiB", "--high-watermark", "1", "--low-watermark", "1"), quiet=True) as path:
+    with running_pool(
+        "64MiB", ("--extent-size", "8MiB", "--high-watermark", "1", "--low-watermark", "1"), quiet=True
+    ) as path:
         yield path
 
 

@@ -27,8 +27,12 @@ def test_make_model_writes_the_same_tokenizer_files_every_time(tmp_path):
         os.makedirs(out)
         write_tokenizer_files("qwen3-8b", out)
     assert _digests(a) == _digests(b)
-    assert set(_digests(a)) == {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                                "generation_config.json"}
+    assert set(_digests(a)) == {
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "generation_config.json",
+    }
 
 
 def test_the_preset_bpe_is_large_and_keeps_the_byte_tokenizers_ids(tmp_path):
@@ -36,8 +40,12 @@ def test_the_preset_bpe_is_large_and_keeps_the_byte_tokenizers_ids(tmp_path):
     tok = Tokenizer.from_dir(str(tmp_path))
     assert tok.vocab_size == PRESET_VOCAB_SIZE >= 100_000
     assert tok.vocab_size <= get_preset("qwen3-32b").config.vocab_size
-    assert [tok._tok.token_to_id(t) for t in ("<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>")] == \
-        [BOS_ID, EOS_ID, IM_START_ID, IM_END_ID]
+    assert [tok._tok.token_to_id(t) for t in ("<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>")] == [
+        BOS_ID,
+        EOS_ID,
+        IM_START_ID,
+        IM_END_ID,
+    ]
     assert tok.encode("a") == [97] and tok.decode(tok.encode("Hello there, 東京!")) == "Hello there, 東京!"
     text = tok.decode(list(range(120_000, 120_300)))  # late merges: whole generated words
     assert len(tok.encode(text)) < len(text) / 4  # merged words, not bytes

@@ -30,6 +30,7 @@ def cancel_at(layer: int):
     def is_cancelled() -> bool:
         asked.append(len(asked))
         return len(asked) > layer
+
     return is_cancelled, asked
 
 

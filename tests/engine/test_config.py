@@ -7,8 +7,13 @@ import pytest
 from kvshare.engine.config import EngineConfig, UnsupportedModel, model_config_from_hf
 
 BASE = {
-    "model_type": "llama", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "model_type": "llama",
+    "vocab_size": 100,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
 }
 
 
@@ -36,11 +41,21 @@ def test_unsupported_features_are_refused_by_name(extra, named):
 
 
 def test_supported_variants_parse():
-    llama = model_config_from_hf({**BASE, "rope_scaling": None, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}})
-    assert (llama.arch, llama.head_dim, llama.rope_theta, llama.qk_norm, llama.qkv_bias) == ("llama", 16, 5e5, False, False)
+    llama = model_config_from_hf(
+        {**BASE, "rope_scaling": None, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}
+    )
+    assert (llama.arch, llama.head_dim, llama.rope_theta, llama.qk_norm, llama.qkv_bias) == (
+        "llama",
+        16,
+        5e5,
+        False,
+        False,
+    )
     qwen2 = model_config_from_hf({**BASE, "model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": False})
     assert (qwen2.qkv_bias, qwen2.o_bias) == (True, False)
-    qwen3 = model_config_from_hf({**BASE, "model_type": "qwen3", "head_dim": 128, "layer_types": ["full_attention"] * 2})
+    qwen3 = model_config_from_hf(
+        {**BASE, "model_type": "qwen3", "head_dim": 128, "layer_types": ["full_attention"] * 2}
+    )
     assert (qwen3.qk_norm, qwen3.head_dim, qwen3.qkv_bias) == (True, 128, False)
 
 

@@ -20,7 +20,9 @@ NO_LOCAL = RequestOptions(use_local_cache=False)
 
 def test_corrupted_page_is_caught_dropped_and_recomputed(tiny_dir, pool_socket):
     def engine(verify: bool) -> Engine:
-        return Engine(EngineConfig(model=tiny_dir, chunk_tokens=CHUNK, pool_socket=pool_socket, verify_checksums=verify))
+        return Engine(
+            EngineConfig(model=tiny_dir, chunk_tokens=CHUNK, pool_socket=pool_socket, verify_checksums=verify)
+        )
 
     writer = engine(True)
     ids = writer.tokenizer.encode(ascii_prompt(80, seed=11))

@@ -22,8 +22,15 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def _prefilled(engine: Engine, num_tokens: int, kv_dtype=None):
     ids = torch.tensor(engine.tokenizer.encode(ascii_prompt(num_tokens, seed=num_tokens)), device=engine.device)
     mc = engine.model_config
-    kv = torch.zeros(mc.num_layers, 2, mc.num_kv_heads, 96, mc.head_dim, device=engine.device,
-                     dtype=kv_dtype or engine.model.model.embed_tokens.weight.dtype)
+    kv = torch.zeros(
+        mc.num_layers,
+        2,
+        mc.num_kv_heads,
+        96,
+        mc.head_dim,
+        device=engine.device,
+        dtype=kv_dtype or engine.model.model.embed_tokens.weight.dtype,
+    )
     with torch.inference_mode():
         engine.model(ids, kv, 0)
     return ids, kv
@@ -52,8 +59,8 @@ def test_a_step_beyond_the_kv_is_refused():
 
 
 def test_enforce_eager_reaches_the_engine_config():
-    from kvshare.commands import serve as serve_command
     from kvshare.cli import build_parser
+    from kvshare.commands import serve as serve_command
 
     args = build_parser().parse_args(["serve", "--model", "tiny"])
     assert serve_command.engine_config(args).enforce_eager is False

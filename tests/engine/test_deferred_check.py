@@ -26,8 +26,13 @@ def staged(monkeypatch):
     from kvshare.transfer.cuda import CudaTransfer
 
     fake_cuda.install(monkeypatch, fake_cuda.FakeCuda())
-    monkeypatch.setattr(pool_link, "make_transfer", lambda layout, client, device, config: CudaTransfer(
-        layout, client, device, TransferConfig(**{**config.__dict__, "copy_method": "torch"})))
+    monkeypatch.setattr(
+        pool_link,
+        "make_transfer",
+        lambda layout, client, device, config: CudaTransfer(
+            layout, client, device, TransferConfig(**{**config.__dict__, "copy_method": "torch"})
+        ),
+    )
 
 
 def test_a_page_bad_after_commit_is_recomputed_after_the_forward(tiny_dir, pool_socket, staged):

@@ -68,7 +68,9 @@ def test_without_the_grid_local_reuse_rounds_differently(tiny_dir, dtype):
         e._local.clear()
         if not local_reuse_against_cold(e, length, seed).is_identical:
             return
-    pytest.skip(f"on this CPU none of the {dtype} control prompts {CONTROLS[dtype]} rounds differently without the grid")
+    pytest.skip(
+        f"on this CPU none of the {dtype} control prompts {CONTROLS[dtype]} rounds differently without the grid"
+    )
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -84,8 +86,9 @@ def test_local_reuse_of_a_prefix_is_bitwise_cold(tiny_dir, dtype):
 def test_pool_on_equals_pool_off_bitwise_across_engines_and_locally(tiny_dir, pool_socket, dtype):
     a = engine(tiny_dir, dtype, True, pool_socket=pool_socket, verify_checksums=True)
     # another engine, its KV preallocated: another capacity, so other strides and addresses than a's
-    b = engine(tiny_dir, dtype, True, pool_socket=pool_socket, verify_checksums=True, preallocate_kv=True,
-               max_model_len=1024)
+    b = engine(
+        tiny_dir, dtype, True, pool_socket=pool_socket, verify_checksums=True, preallocate_kv=True, max_model_len=1024
+    )
     ids = a.tokenizer.encode(ascii_prompt(150, seed=7))
     cold = run(a, ids, COLD)
     assert cold[2] == (0, 0, 150)

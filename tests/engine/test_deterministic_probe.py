@@ -31,7 +31,11 @@ def event(token_id, logprob, top):
 
 def test_runs_are_compared_bitwise(probe):
     ref = [event(5, -0.1, {5: -0.1, 6: -3.0}), event(7, -0.5, {7: -0.5, 2: -0.9})]
-    assert probe.compare_runs(ref, list(ref)) == {"tokens_equal": True, "logprobs_equal": True, "first_difference": None}
+    assert probe.compare_runs(ref, list(ref)) == {
+        "tokens_equal": True,
+        "logprobs_equal": True,
+        "first_difference": None,
+    }
     moved = [ref[0], event(7, -0.5000001, {7: -0.5000001, 2: -0.9})]
     out = probe.compare_runs(ref, moved)
     assert out["tokens_equal"] and not out["logprobs_equal"] and "step 1" in out["first_difference"]
@@ -65,14 +69,37 @@ def test_arguments_budget_and_sizes(probe):
 
 
 def test_a_tiny_dry_run_end_to_end(probe, tmp_path):
-    argv = ["--out", str(tmp_path), "--device", "cpu", "--model", "tiny", "--tokens", "72", "--chunk-tokens", "16",
-            "--grids", "16,32", "--speed-models", "", "--max-tokens", "3", "--repeats", "1"]
+    argv = [
+        "--out",
+        str(tmp_path),
+        "--device",
+        "cpu",
+        "--model",
+        "tiny",
+        "--tokens",
+        "72",
+        "--chunk-tokens",
+        "16",
+        "--grids",
+        "16,32",
+        "--speed-models",
+        "",
+        "--max-tokens",
+        "3",
+        "--repeats",
+        "1",
+    ]
     assert probe.main(argv) == 0
     result = json.loads((tmp_path / "deterministic.json").read_text())
     checks = {r["check"]: r for r in result["rows"] if r["check"] != "speed"}
     assert checks["cross-replica"]["tokens_equal"] and checks["cross-replica"]["logprobs_equal"]
     assert checks["cross-replica"]["pool_tokens"] == 64 and checks["local"]["local_tokens"] == 64
-    assert checks["flipped byte, checksums off"]["passed"] and not checks["flipped byte, checksums off"]["logprobs_equal"]
-    assert checks["flipped byte, checksums on"]["passed"] and checks["flipped byte, checksums on"]["checksum_failures"] == 1
+    assert (
+        checks["flipped byte, checksums off"]["passed"] and not checks["flipped byte, checksums off"]["logprobs_equal"]
+    )
+    assert (
+        checks["flipped byte, checksums on"]["passed"]
+        and checks["flipped byte, checksums on"]["checksum_failures"] == 1
+    )
     assert [r["grid_tokens"] for r in result["rows"] if r["check"] == "speed"] == [16, 32]
     assert all(result["probes"]["tiny"]["self_test"].values()) and result["passed"]

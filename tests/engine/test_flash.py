@@ -29,8 +29,13 @@ def reference_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     if calls is not None:
         calls.append(extra)
     mask = causal_lower_right(q.shape[0], k.shape[0])
-    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                         attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        attn_mask=mask,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
     return out[0].transpose(0, 1).contiguous()
 
 

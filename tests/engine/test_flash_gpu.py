@@ -17,8 +17,11 @@ from kvshare.engine.model import attend
 
 HAS_CUDA = torch.cuda.is_available()
 KERNEL = find_flash_kernel()[0] if HAS_CUDA else None
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA"),
-              pytest.mark.skipif(KERNEL is None, reason="needs vllm.vllm_flash_attn or flash_attn")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA"),
+    pytest.mark.skipif(KERNEL is None, reason="needs vllm.vllm_flash_attn or flash_attn"),
+]
 BF16_ATOL = 2e-2  # outputs are convex combinations of N(0, 1) values; bf16 keeps 8 bits of mantissa
 
 
@@ -41,8 +44,11 @@ def test_flash_prefill_equals_sdpa_within_bf16(start, num_queries):
 def _engine(attention: str, dtype: str = "bfloat16", **kw):
     from kvshare.engine.engine import Engine
 
-    return Engine(EngineConfig(model="tiny", device="cuda", dtype=dtype, attention=attention,
-                               local_cache_bytes=0, max_model_len=4096, **kw))
+    return Engine(
+        EngineConfig(
+            model="tiny", device="cuda", dtype=dtype, attention=attention, local_cache_bytes=0, max_model_len=4096, **kw
+        )
+    )
 
 
 def _prefill(engine, ids: torch.Tensor, start_split: int | None = None):
@@ -69,9 +75,11 @@ def test_an_engine_on_flash_attention_is_as_close_to_float32_as_on_sdpa():
         errors = {}
         for name, engine in (("flash", flash_engine), ("sdpa", sdpa_engine)):
             logits, kv = _prefill(engine, ids, split)
-            errors[name] = ((logits.float().log_softmax(-1) - reference).abs().max().item(),
-                            int((logits.argmax(-1) != exact.argmax(-1)).sum()),
-                            (kv.float() - exact_kv).abs().max().item())
+            errors[name] = (
+                (logits.float().log_softmax(-1) - reference).abs().max().item(),
+                int((logits.argmax(-1) != exact.argmax(-1)).sum()),
+                (kv.float() - exact_kv).abs().max().item(),
+            )
         (flash_logits, flash_flips, flash_kv), (sdpa_logits, sdpa_flips, sdpa_kv) = errors["flash"], errors["sdpa"]
         assert flash_logits <= 2 * sdpa_logits + 0.05, errors
         assert flash_flips <= sdpa_flips + ids.shape[0] // 50, errors
@@ -84,8 +92,10 @@ def test_the_deterministic_mode_is_bitwise_stable_and_keeps_sdpa():
     from kvshare.engine.engine import RequestOptions, SamplingParams
 
     ids = [int(i) for i in (torch.arange(1300) * 11) % 250]
-    runs = [list(engine.generate(ids, SamplingParams(max_tokens=8, logprobs=2), RequestOptions(use_local_cache=False)))
-            for _ in range(2)]
+    runs = [
+        list(engine.generate(ids, SamplingParams(max_tokens=8, logprobs=2), RequestOptions(use_local_cache=False)))
+        for _ in range(2)
+    ]
     first, second = ([(e.token_id, e.logprob) for e in run] for run in runs)
     assert first == second
 

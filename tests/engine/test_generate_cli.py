@@ -9,7 +9,9 @@ import sys
 
 
 def kvshare(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvshare", *args], capture_output=True, text=True, timeout=120, check=check)
+    return subprocess.run(
+        [sys.executable, "-m", "kvshare", *args], capture_output=True, text=True, timeout=120, check=check
+    )
 
 
 def test_generate_json_without_pool(tiny_dir, tmp_path):
@@ -18,11 +20,28 @@ def test_generate_json_without_pool(tiny_dir, tmp_path):
 
     prompt = tmp_path / "p.txt"
     prompt.write_text("Tell me a story about a cat.")
-    out = json.loads(kvshare("generate", "--model", tiny_dir, "--pool", "off", "--prompt-file", str(prompt),
-                             "--max-tokens", "6", "--ignore-eos", "--json").stdout)
+    out = json.loads(
+        kvshare(
+            "generate",
+            "--model",
+            tiny_dir,
+            "--pool",
+            "off",
+            "--prompt-file",
+            str(prompt),
+            "--max-tokens",
+            "6",
+            "--ignore-eos",
+            "--json",
+        ).stdout
+    )
     engine = Engine(EngineConfig(model=tiny_dir))
-    expected = [e.token_id for e in engine.generate(engine.tokenizer.encode(prompt.read_text()),
-                                                    SamplingParams(max_tokens=6, ignore_eos=True))]
+    expected = [
+        e.token_id
+        for e in engine.generate(
+            engine.tokenizer.encode(prompt.read_text()), SamplingParams(max_tokens=6, ignore_eos=True)
+        )
+    ]
     assert out["token_ids"] == expected
     assert out["text"] == engine.tokenizer.decode(expected)
     assert out["provenance"] == {"local_tokens": 0, "pool_tokens": 0, "computed_tokens": 28}

@@ -22,8 +22,16 @@ NO_LOCAL = RequestOptions(use_local_cache=False)
 
 
 def engine(model: str, kv_dtype: str, pool: str | None = None, **kw) -> Engine:
-    return Engine(EngineConfig(model=model, chunk_tokens=CHUNK, pool_socket=pool, verify_checksums=pool is not None,
-                               kv_dtype=kv_dtype, **kw))
+    return Engine(
+        EngineConfig(
+            model=model,
+            chunk_tokens=CHUNK,
+            pool_socket=pool,
+            verify_checksums=pool is not None,
+            kv_dtype=kv_dtype,
+            **kw,
+        )
+    )
 
 
 def test_kv_dtype_choices_and_bytes_per_token(tiny_dir):

@@ -17,8 +17,16 @@ POOL_ARGS = ("--extent-size", "8MiB")
 
 
 def _engine(tiny_dir: str, socket_path: str) -> Engine:
-    return Engine(EngineConfig(model=tiny_dir, chunk_tokens=CHUNK, pool_socket=socket_path,
-                               verify_checksums=True, pool_retry_s=0.05, pool_retry_max_s=0.2))
+    return Engine(
+        EngineConfig(
+            model=tiny_dir,
+            chunk_tokens=CHUNK,
+            pool_socket=socket_path,
+            verify_checksums=True,
+            pool_retry_s=0.05,
+            pool_retry_max_s=0.2,
+        )
+    )
 
 
 def test_no_pool_means_cold(tiny_dir, tmp_path):

@@ -18,8 +18,9 @@ def test_a_killed_pool_is_noticed_and_its_replacement_connected_without_a_reques
     os.chmod(tmp_path, 0o700)
     socket_path = str(tmp_path / "pool.sock")
     pool = start_pool(socket_path, "32MiB", POOL_ARGS, log_level="WARNING")
-    engine = Engine(EngineConfig(model=tiny_dir, chunk_tokens=16, pool_socket=socket_path,
-                                 pool_retry_s=0.05, pool_retry_max_s=0.2))
+    engine = Engine(
+        EngineConfig(model=tiny_dir, chunk_tokens=16, pool_socket=socket_path, pool_retry_s=0.05, pool_retry_max_s=0.2)
+    )
     try:
         assert engine.stats().is_pool_configured and engine.stats().is_pool_connected
         os.kill(pool.pid, signal.SIGKILL)

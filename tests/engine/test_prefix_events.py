@@ -112,6 +112,14 @@ def test_an_engine_publishes_its_prompt_and_the_router_index_reads_it(tiny_dir, 
     assert {e.medium for e in stored} == {"GPU"} and stored[1].parent_block_hash == stored[0].block_hashes[0]
     index = PoolPrefixIndex(media=(E.MEDIUM_GPU, None))
     for event in stored:
-        index.apply(E.block_stored("map", event.block_hashes, event.parent_block_hash, event.token_ids,
-                                   event.block_size, medium=event.medium))
+        index.apply(
+            E.block_stored(
+                "map",
+                event.block_hashes,
+                event.parent_block_hash,
+                event.token_ids,
+                event.block_size,
+                medium=event.medium,
+            )
+        )
     assert index.held_tokens(list(ids), None) == 32

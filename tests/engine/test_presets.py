@@ -40,9 +40,13 @@ def test_tiny_preset_shape():
     assert c.max_position_embeddings >= 16384 and c.dtype == "float32"
 
 
-@pytest.mark.parametrize(("name", "layers", "hidden", "inter", "billions"), [
-    ("qwen3-8b", 36, 4096, 12288, 8.19), ("qwen3-32b", 64, 5120, 25600, 32.76),
-])
+@pytest.mark.parametrize(
+    ("name", "layers", "hidden", "inter", "billions"),
+    [
+        ("qwen3-8b", 36, 4096, 12288, 8.19),
+        ("qwen3-32b", 64, 5120, 25600, 32.76),
+    ],
+)
 def test_qwen3_preset_shapes(name, layers, hidden, inter, billions):
     c = get_preset(name).config
     assert (c.arch, c.num_layers, c.hidden_size, c.intermediate_size) == ("qwen3", layers, hidden, inter)
@@ -75,7 +79,10 @@ def test_make_model_dir_loads_in_transformers(tiny_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
     text = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
     assert text == render_chat(CHAT_TEMPLATE, MESSAGES, add_generation_prompt=True)  # plain jinja2 agrees
-    assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHello there<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        text
+        == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHello there<|im_end|>\n<|im_start|>assistant\n"
+    )
     engine = Engine(EngineConfig(model=tiny_dir))
     ids = engine.tokenizer.apply_chat_template(MESSAGES)
     assert ids == tokenizer(text, add_special_tokens=False)["input_ids"]

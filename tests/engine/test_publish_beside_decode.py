@@ -22,6 +22,7 @@ def _held_publish(engine: Engine) -> tuple[threading.Event, threading.Event]:
         assert release.wait(30)
         publish(*args)
         done.set()
+
     engine._publish = held
     return release, done
 
@@ -43,6 +44,7 @@ def test_tokens_do_not_wait_for_the_store_but_the_last_one_does(pool_socket):
             if event.finish_reason is not None:
                 stored_at_last.append(done.is_set())
         ended.set()
+
     consumer = threading.Thread(target=consume, daemon=True)
     consumer.start()
     for _ in range(1000):  # up to 10 s for the tokens before the last
@@ -76,6 +78,7 @@ def test_a_failed_store_is_the_requests_error_and_the_engine_serves_on(pool_sock
 
     def broken(*args):
         raise RuntimeError("the store broke")
+
     engine._publish = broken
     stream = engine.generate(ids, SamplingParams(max_tokens=3, ignore_eos=True))
     try:
@@ -108,6 +111,7 @@ def test_the_local_copies_run_beside_the_pool_store(pool_socket):
         pool_started.set()
         overlapped.append(local_started.wait(10))
         return store(*args)
+
     writer._local.insert, writer._pool.store = waiting_insert, waiting_store
     assert run(writer, ids) == (cold, (0, 0, 75))  # nothing of it held yet: computed, then stored both ways
     assert overlapped == [True] * 5  # 4 chunks inserted, 1 store

@@ -52,7 +52,8 @@ def test_local_reuse_equals_cold(tiny_dir, prompts):
     cold, _ = run(engine, ids, COLD)
     assert run(engine, ids) == (cold, (32, 0, 40))
     stats = engine.stats()
-    assert stats.prompt_tokens_local == 48 + 64 + 32 and stats.local_cache_chunks == 4 + 4 + 2  # the third prompt shares two chunks
+    # the third prompt shares two chunks
+    assert stats.prompt_tokens_local == 48 + 64 + 32 and stats.local_cache_chunks == 4 + 4 + 2
 
 
 def test_local_cache_bound_and_option(tiny_dir, prompts):
@@ -106,9 +107,25 @@ def test_pool_reuse_by_a_second_process(tiny_dir, prompts, pool_socket, tmp_path
     for n, text in prompts.items():  # a process that never saw the prompts
         prompt_file = tmp_path / f"prompt{n}.txt"
         prompt_file.write_text(text)
-        cmd = [sys.executable, "-m", "kvshare", "generate", "--model", tiny_dir, "--pool", pool_socket,
-               "--chunk-tokens", str(CHUNK), "--prompt-file", str(prompt_file), "--max-tokens", "12",
-               "--ignore-eos", "--verify-checksums", "--json"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvshare",
+            "generate",
+            "--model",
+            tiny_dir,
+            "--pool",
+            pool_socket,
+            "--chunk-tokens",
+            str(CHUNK),
+            "--prompt-file",
+            str(prompt_file),
+            "--max-tokens",
+            "12",
+            "--ignore-eos",
+            "--verify-checksums",
+            "--json",
+        ]
         out = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120).stdout)
         r = reused_tokens(n)
         assert out["token_ids"] == cold[n]

@@ -1,4 +1,5 @@
-"""Decoding: greedy, seeded sampling, top-p/top-k/min-p, logit_bias, penalties, stop tokens, max_tokens, logprobs, limits."""
+"""Decoding: greedy, seeded sampling, top-p/top-k/min-p, logit_bias, penalties, stop tokens, max_tokens, logprobs,
+limits."""
 
 from __future__ import annotations
 
@@ -161,8 +162,9 @@ def test_logit_bias_forces_a_token_in_the_engine(engine):
     assert banned[0] != greedy[0]
 
 
-@pytest.mark.parametrize("penalty", [{"presence_penalty": 2.0}, {"frequency_penalty": 2.0},
-                                     {"repetition_penalty": 3.0}])
+@pytest.mark.parametrize(
+    "penalty", [{"presence_penalty": 2.0}, {"frequency_penalty": 2.0}, {"repetition_penalty": 3.0}]
+)
 def test_penalties_turn_greedy_away_from_tokens_already_seen(engine, penalty):
     prompt = engine.tokenizer.encode("The sampling test prompt")
     greedy, _ = _ids(engine, max_tokens=60, ignore_eos=True)
@@ -182,13 +184,23 @@ def test_extreme_penalties_still_sample():
     tiny = SamplingParams(temperature=1e-4, repetition_penalty=1e-38)  # 30 / 1e-38 is inf in float32
     assert process_logits(logits, tiny, counts)[0] == float("inf")
     assert sample(logits, tiny, make_generator(0), counts).token_id in (0, 1)  # no NaN probabilities
-    assert sample(logits, SamplingParams(temperature=2.0, repetition_penalty=1e30), make_generator(0),
-                  counts).token_id in (0, 1, 2, 3)
+    assert sample(
+        logits, SamplingParams(temperature=2.0, repetition_penalty=1e30), make_generator(0), counts
+    ).token_id in (0, 1, 2, 3)
 
 
-@pytest.mark.parametrize("bad", [{"top_k": -1}, {"min_p": 1.5}, {"presence_penalty": 2.5}, {"frequency_penalty": -3},
-                                 {"repetition_penalty": 0.0}, {"logit_bias": ((1, 101.0),)},
-                                 {"temperature": float("nan")}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"top_k": -1},
+        {"min_p": 1.5},
+        {"presence_penalty": 2.5},
+        {"frequency_penalty": -3},
+        {"repetition_penalty": 0.0},
+        {"logit_bias": ((1, 101.0),)},
+        {"temperature": float("nan")},
+    ],
+)
 def test_sampling_params_refuse_out_of_range_values(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)
@@ -210,7 +222,7 @@ def test_greedy_where_the_logits_are_equals_the_cpu_path(num_logprobs):
     tied = torch.zeros(1000)
     tied[[7, 3, 900]] = 2.0  # ties: the first maximal id wins on either path
     banned = rows[0].clone()
-    banned[: 500] = -float("inf")
+    banned[:500] = -float("inf")
     for row in rows + [tied, banned, rows[1].to(torch.bfloat16)]:
         got = _greedy_where_logits_are(row, num_logprobs)
         assert got == _greedy_on_cpu_row(row, num_logprobs)

@@ -29,8 +29,7 @@ def engine_and_pool(tiny_dir):
     args = ("--extent-size", "8MiB", "--high-watermark", "1", "--low-watermark", "1", "--namespace-quota", quota)
     with running_pool("64MiB", args, quiet=True) as socket_path:
         # no local cache: every request stores its chunks in the pool
-        engine = Engine(EngineConfig(model=tiny_dir, chunk_tokens=CHUNK, pool_socket=socket_path,
-                                     local_cache_bytes=0))
+        engine = Engine(EngineConfig(model=tiny_dir, chunk_tokens=CHUNK, pool_socket=socket_path, local_cache_bytes=0))
         try:
             yield engine, socket_path
         finally:

@@ -31,16 +31,26 @@ def _small_bpe(pattern: str | None, nfc: bool = False, vocab_size: int = 600):
     if pattern is None:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     else:
-        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
-                                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     if nfc:
         tok.normalizer = normalizers.NFC()
     tok.decoder = decoders.ByteLevel()
-    corpus = ["The cafe's naive resumes don't stop: 12345 words, and tabs\tand  spaces.\n" * 3,
-              "東京 is 大きい. Ünïcödé áccents é (quoted) 'it' we'll 3.14 $5 -- ok!?\n" * 3,
-              "    indented  code\n\n\t\tx   =  y  \n  \n" * 3] * 20  # merged whitespace runs, as real vocabularies
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    corpus = [
+        "The cafe's naive resumes don't stop: 12345 words, and tabs\tand  spaces.\n" * 3,
+        "東京 is 大きい. Ünïcödé áccents é (quoted) 'it' we'll 3.14 $5 -- ok!?\n" * 3,
+        "    indented  code\n\n\t\tx   =  y  \n  \n" * 3,
+    ] * 20  # merged whitespace runs, as real vocabularies
+    tok.train_from_iterator(
+        corpus,
+        trainers.BpeTrainer(
+            vocab_size=vocab_size, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     return tok
 
@@ -48,8 +58,12 @@ def _small_bpe(pattern: str | None, nfc: bool = False, vocab_size: int = 600):
 @functools.cache
 def _tokenizers() -> dict[str, tuple[object, str]]:
     """name -> (tokenizer, its tokenizer.json text): built once, each encoder then skips writing it out."""
-    toks = {"preset-bpe": preset_bpe_tokenizer(), "gpt2": _small_bpe(None),
-            "qwen2-nfc": _small_bpe(QWEN2_PATTERN, nfc=True), "llama3": _small_bpe(LLAMA3_PATTERN)}
+    toks = {
+        "preset-bpe": preset_bpe_tokenizer(),
+        "gpt2": _small_bpe(None),
+        "qwen2-nfc": _small_bpe(QWEN2_PATTERN, nfc=True),
+        "llama3": _small_bpe(LLAMA3_PATTERN),
+    }
     return {name: (tok, tok.to_str()) for name, tok in toks.items()}
 
 
@@ -58,9 +72,49 @@ def _encoder(name: str, config: TokenCacheConfig, cache: TokenCache | None = Non
     return PieceEncoder(tok, config, cache, tokenizer_json=text)
 
 
-FRAGMENTS = [" ", "  ", "   ", "\t", "\n", " \n", "\r\n", "a", "the", " word", "Word", "'s", "'ll", "don't", "123", "4",
-             ".", ",", "!?", "(", ")", "--", "é", "e\u0301", "\u0301", "東京", "大きい", "Ü", "\u00a0", "\u3000",
-             "\u2028", "\u001c", "\u0085", "<|im_start|>", "<|im_end|>", "<|im", "|>", "🙂", "\u200b", "ǅ", "Ⅻ"]
+FRAGMENTS = [
+    " ",
+    "  ",
+    "   ",
+    "\t",
+    "\n",
+    " \n",
+    "\r\n",
+    "a",
+    "the",
+    " word",
+    "Word",
+    "'s",
+    "'ll",
+    "don't",
+    "123",
+    "4",
+    ".",
+    ",",
+    "!?",
+    "(",
+    ")",
+    "--",
+    "é",
+    "e\u0301",
+    "\u0301",
+    "東京",
+    "大きい",
+    "Ü",
+    "\u00a0",
+    "\u3000",
+    "\u2028",
+    "\u001c",
+    "\u0085",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|im",
+    "|>",
+    "🙂",
+    "\u200b",
+    "ǅ",
+    "Ⅻ",
+]
 texts = st.lists(st.one_of(st.sampled_from(FRAGMENTS), st.text(max_size=6)), max_size=60).map("".join)
 
 
@@ -90,8 +144,12 @@ def test_cuts_of_a_text_are_the_cuts_of_its_extension(text, more, piece_chars):
 def test_the_next_turn_encodes_only_its_last_pieces():
     """Fails when the piece encoder skips its cache lookup (every piece is then encoded again)."""
     bpe, text = _tokenizers()["preset-bpe"]
-    tok = Tokenizer(bpe, byte_tokenizer_config(4096), cache_config=TokenCacheConfig(piece_chars=64, min_chars=0),
-                    tokenizer_json=text)
+    tok = Tokenizer(
+        bpe,
+        byte_tokenizer_config(4096),
+        cache_config=TokenCacheConfig(piece_chars=64, min_chars=0),
+        tokenizer_json=text,
+    )
     first = "<|im_start|>user\n" + " ".join(f"bako{i} zu" for i in range(400)) + "<|im_end|>\n"
     second = first + "<|im_start|>assistant\nsure thing<|im_end|>\n<|im_start|>user\nand more words<|im_end|>\n"
     assert tok.encode(first) == tok._pieces.plain(first)
@@ -138,8 +196,9 @@ def test_tokenizers_it_cannot_prove_safe_are_encoded_whole(change):
     elif change == "metaspace":
         tok.pre_tokenizer = pre_tokenizers.Metaspace()
     elif change == "unknown_pattern":
-        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r"\S+\s?"), behavior="isolated"),
-                                                     pre_tokenizers.ByteLevel(use_regex=False)])
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(r"\S+\s?"), behavior="isolated"), pre_tokenizers.ByteLevel(use_regex=False)]
+        )
     elif change == "lowercase":
         tok.normalizer = normalizers.Lowercase()
     else:
@@ -174,15 +233,20 @@ def test_the_chat_path_reuses_the_previous_turns_pieces():
     from kvshare.serve.tokenize import chat_prompt_ids
 
     bpe, text = _tokenizers()["preset-bpe"]
-    tok = Tokenizer(bpe, byte_tokenizer_config(1 << 20), cache_config=TokenCacheConfig(piece_chars=256, min_chars=0),
-                    tokenizer_json=text)
+    tok = Tokenizer(
+        bpe,
+        byte_tokenizer_config(1 << 20),
+        cache_config=TokenCacheConfig(piece_chars=256, min_chars=0),
+        tokenizer_json=text,
+    )
     words = " ".join(tok.decode([i]).strip() for i in range(100_000, 103_000))
     turn = [A.ChatMessage(role="system", content="Be brief."), A.ChatMessage(role="user", content=words)]
     first = chat_prompt_ids(tok, turn)
     turn += [A.ChatMessage(role="assistant", content="Sure."), A.ChatMessage(role="user", content="And then?")]
     misses = tok.token_cache.num_misses
     second = chat_prompt_ids(tok, turn)
-    rendered = render_chat(tok.chat_template, [{"role": m.role, "content": m.content} for m in turn], True,
-                           bos_token="", eos_token="")
-    assert second == tok._pieces.plain(rendered) and second[:len(first) - 3] == first[:len(first) - 3]
+    rendered = render_chat(
+        tok.chat_template, [{"role": m.role, "content": m.content} for m in turn], True, bos_token="", eos_token=""
+    )
+    assert second == tok._pieces.plain(rendered) and second[: len(first) - 3] == first[: len(first) - 3]
     assert tok.token_cache.num_misses - misses <= 2 and tok.token_cache.num_hits >= 10

@@ -99,8 +99,7 @@ def _spoil(path: str, how: str, directory) -> None:
         f.write(data)
 
 
-@pytest.mark.parametrize("how", ["flipped_id", "truncated", "extended", "empty", "version", "piece_length",
-                                 "symlink"])
+@pytest.mark.parametrize("how", ["flipped_id", "truncated", "extended", "empty", "version", "piece_length", "symlink"])
 def test_a_spoiled_entry_is_encoded_instead(tmp_path, how):
     """Every entry spoiled one way: the second encoder encodes every piece, and its ids equal a plain encode
     (fails, with ids that differ from plain, when unpack_entry's checksum or header comparison is dropped)."""
@@ -120,7 +119,7 @@ def test_another_tokenizers_entry_is_not_taken(tmp_path):
     a.encode(TEXT)
     for path in _entry_paths(tmp_path):
         name = os.path.basename(path)
-        os.rename(path, os.path.join(tmp_path, b.identity + name[len(a.identity):]))
+        os.rename(path, os.path.join(tmp_path, b.identity + name[len(a.identity) :]))
     assert b.encode(TEXT) == _plain("gpt2", TEXT) != _plain("preset-bpe", TEXT)
     assert b.num_encoded == _num_pieces(TEXT)
 
@@ -213,8 +212,9 @@ def test_serve_and_up_share_one_directory(tmp_path):
     assert (args.token_cache_dir, args.token_cache_size) == (str(tmp_path), 1 << 20)
     cluster = Cluster(ClusterConfig(num_replicas=2))
     try:
-        dirs = {argv[argv.index("--token-cache-dir") + 1] for argv, _env in map(cluster._replica_command, (0, 1),
-                                                                                  ([], []))}
+        dirs = {
+            argv[argv.index("--token-cache-dir") + 1] for argv, _env in map(cluster._replica_command, (0, 1), ([], []))
+        }
         assert len(dirs) == 1
         SharedPieces(TokenShareConfig(dirs.pop()))  # private: accepted
     finally:
@@ -236,8 +236,9 @@ def test_serve_gives_its_tokenizer_the_shared_level(tmp_path, monkeypatch):
     from kvshare.engine.tokenizer import Tokenizer
 
     # the engine's model is not what is tested: a stand-in with the real tokenizer class
-    monkeypatch.setattr(kvshare.engine.engine, "Engine",
-                        lambda config: SimpleNamespace(tokenizer=Tokenizer.byte_level(64)))
+    monkeypatch.setattr(
+        kvshare.engine.engine, "Engine", lambda config: SimpleNamespace(tokenizer=Tokenizer.byte_level(64))
+    )
     engine = build_engine(build_parser().parse_args(["serve", "--token-cache-dir", str(tmp_path / "t")]))
     assert engine.tokenizer._pieces.shared.directory == str(tmp_path / "t")
     engine = build_engine(build_parser().parse_args(["serve", "--token-cache-dir", "off"]))

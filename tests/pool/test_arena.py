@@ -18,13 +18,16 @@ from tests.pool.conftest import MiB, make_keys
 GiB = 1 << 30
 
 
-@pytest.mark.parametrize("size, free, expected", [
-    (4 * GiB, 4 * GiB, True),  # exactly enough
-    (4 * GiB, 8 * GiB, True),
-    (4 * GiB, 4 * GiB - HUGEPAGE_BYTES, False),  # one page short: the OS's pages, not part of each
-    (4 * GiB, 0, False),  # none reserved (CI, most hosts)
-    (4 * GiB + 4096, 8 * GiB, False),  # not whole 2 MiB pages
-])
+@pytest.mark.parametrize(
+    "size, free, expected",
+    [
+        (4 * GiB, 4 * GiB, True),  # exactly enough
+        (4 * GiB, 8 * GiB, True),
+        (4 * GiB, 4 * GiB - HUGEPAGE_BYTES, False),  # one page short: the OS's pages, not part of each
+        (4 * GiB, 0, False),  # none reserved (CI, most hosts)
+        (4 * GiB + 4096, 8 * GiB, False),  # not whole 2 MiB pages
+    ],
+)
 def test_auto_takes_hugepages_only_when_enough_are_free(size, free, expected):
     assert uses_hugepages("auto", size, free) is expected
 
@@ -69,8 +72,9 @@ def test_a_client_cannot_resize_the_arena_and_the_pool_keeps_serving(pool):
         reservation = client.reserve(b"n" * 16, keys, page_bytes)
         for i, (_, offset) in enumerate(reservation.grants):
             client.page(offset, page_bytes)[:] = i + 1
-        client.commit(reservation.reservation_id, [page_checksum(client.page(o, page_bytes)) for _, o in
-                                                   reservation.grants])
+        client.commit(
+            reservation.reservation_id, [page_checksum(client.page(o, page_bytes)) for _, o in reservation.grants]
+        )
         lease = client.lookup(keys, page_bytes)
         assert [int(client.read_checked(h)[-1]) for h in lease.pages] == [1, 2]
         client.release([lease.lease_id], wait=True)

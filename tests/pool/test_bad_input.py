@@ -97,8 +97,11 @@ def test_other_clients_reservations_and_leases_are_not_yours(shared_pool):
     with PoolClient(shared_pool) as a, PoolClient(shared_pool) as b:
         res = a.reserve(b"o" * 16, make_keys("owned-new", 1), 1 * MiB)
         lease = a.lookup(make_keys("owned", 2), 1 * MiB)
-        for call in (lambda: b.commit(res.reservation_id, [0]), lambda: b.abort(res.reservation_id),
-                     lambda: b.release([lease.lease_id], wait=True)):
+        for call in (
+            lambda: b.commit(res.reservation_id, [0]),
+            lambda: b.abort(res.reservation_id),
+            lambda: b.release([lease.lease_id], wait=True),
+        ):
             with pytest.raises(PoolRequestError) as err:
                 call()
             assert err.value.code == "not_owner"
@@ -115,15 +118,17 @@ def test_other_clients_reservations_and_leases_are_not_yours(shared_pool):
     healthy(shared_pool)
 
 
-_valid = st.sampled_from([
-    P.Lookup(keys=make_keys("f", 3), page_bytes=1 * MiB),
-    P.Reserve(namespace=b"f" * 16, keys=make_keys("f", 2), page_bytes=1 * MiB),
-    P.Commit(reservation_id=2, checksums=[1]),
-    P.Release(lease_ids=[1, 2, 3]),
-    P.Abort(reservation_id=1),
-    P.Drop(keys=make_keys("f", 1)),
-    P.GetStats(),
-])
+_valid = st.sampled_from(
+    [
+        P.Lookup(keys=make_keys("f", 3), page_bytes=1 * MiB),
+        P.Reserve(namespace=b"f" * 16, keys=make_keys("f", 2), page_bytes=1 * MiB),
+        P.Commit(reservation_id=2, checksums=[1]),
+        P.Release(lease_ids=[1, 2, 3]),
+        P.Abort(reservation_id=1),
+        P.Drop(keys=make_keys("f", 1)),
+        P.GetStats(),
+    ]
+)
 
 
 @st.composite
@@ -160,7 +165,9 @@ def test_socket_is_owner_only_and_uid_check(shared_pool):
 def test_hugepages_without_reservation_is_a_clear_error(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "kvshare", "pool", "--size", "64MiB", "--hugepages", "--socket", str(tmp_path / "s")],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 2
     assert "hugepages" in proc.stderr and "reserve" in proc.stderr
@@ -195,12 +202,28 @@ def test_metrics_and_pool_stats_cli():
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         assert "kvshare_pool_capacity_bytes 1.6777216e+07" in text
         assert "kvshare_pool_committed_pages_total 2.0" in text
-        out = subprocess.run([sys.executable, "-m", "kvshare", "pool-stats", "--socket", path],
-                             capture_output=True, text=True, timeout=60, check=True).stdout
+        out = subprocess.run(
+            [sys.executable, "-m", "kvshare", "pool-stats", "--socket", path],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
         import json
 
         stats = json.loads(out)
-        for field in ("capacity_bytes", "pages_used", "pages_free", "entries", "leases", "reservations",
-                      "evictions", "hit_chunks", "miss_chunks", "skipped_stores", "errors"):
+        for field in (
+            "capacity_bytes",
+            "pages_used",
+            "pages_free",
+            "entries",
+            "leases",
+            "reservations",
+            "evictions",
+            "hit_chunks",
+            "miss_chunks",
+            "skipped_stores",
+            "errors",
+        ):
             assert field in stats
         assert stats["entries"] == 2

@@ -36,7 +36,10 @@ def test_wsum32_of_a_page_summed_in_pieces_in_any_order_is_the_pages():
     for piece in (4, 1, 5, 0, 3, 2):
         add_rows(acc, words[piece * 1024 : (piece + 1) * 1024].view(1, -1), piece * 1024)
     assert as_unsigned(acc) == [wsum32(page)]
-    assert as_unsigned(page_sums(torch.from_numpy(np.stack([page, page[::-1].copy()])))) == [wsum32(page), wsum32(page[::-1].copy())]
+    assert as_unsigned(page_sums(torch.from_numpy(np.stack([page, page[::-1].copy()])))) == [
+        wsum32(page),
+        wsum32(page[::-1].copy()),
+    ]
 
 
 def test_every_flipped_byte_and_every_swap_of_two_words_changes_wsum32():
@@ -72,7 +75,11 @@ def test_the_kind_recorded_at_commit_comes_back_with_each_lookup():
     cpu_keys, gpu_keys = keys("cpu", 2), keys("gpu", 2)
     for ks, kind in ((cpu_keys, None), (gpu_keys, ChecksumKind.WSUM32)):
         reserved = handlers.handle(1, P.Reserve(NS, ks, PAGE))
-        commit = P.Commit(reserved.reservation_id, [5, 6]) if kind is None else P.Commit(reserved.reservation_id, [5, 6], kind)
+        commit = (
+            P.Commit(reserved.reservation_id, [5, 6])
+            if kind is None
+            else P.Commit(reserved.reservation_id, [5, 6], kind)
+        )
         assert handlers.handle(1, commit) == P.Ok(count=2)
     assert [p.checksum_kind for p in handlers.handle(2, P.Lookup(cpu_keys, PAGE)).pages] == [ChecksumKind.XXH3] * 2
     assert [p.checksum_kind for p in handlers.handle(2, P.Lookup(gpu_keys, PAGE)).pages] == [ChecksumKind.WSUM32] * 2

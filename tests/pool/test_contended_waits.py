@@ -125,6 +125,7 @@ def test_with_cores_to_spare_both_ends_poll_before_they_sleep(quiet_pool):
 def test_a_reply_that_does_not_come_within_the_timeout_ends_the_wait(contended_pool):
     """The blocking receive's timeout is the socket's (SO_RCVTIMEO). Fails without it: the wait lasts as long as
     the pool is stuck and then gets the late reply."""
+
     def stuck(client_id, request):
         time.sleep(0.6)
         return P.Ok()

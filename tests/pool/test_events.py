@@ -70,7 +70,7 @@ def test_cleared_first_then_pages_announced_only_at_commit_with_parents_and_toke
     events = stored(pub)
     assert [e.block_hashes for e in events] == [[k] for k in ks]
     assert [e.parent_block_hash for e in events] == [None, ks[0], ks[1]]
-    assert [e.token_ids for e in events] == [toks[i * CHUNK:(i + 1) * CHUNK] for i in range(3)]
+    assert [e.token_ids for e in events] == [toks[i * CHUNK : (i + 1) * CHUNK] for i in range(3)]
     assert {(e.medium, e.block_size) for e in events} == {("CPU", CHUNK)}
 
 
@@ -110,8 +110,11 @@ def test_token_ids_that_do_not_split_over_the_keys_are_refused():
 
 @pytest.mark.parametrize("encoding", E.ENCODINGS)
 def test_batches_round_trip_in_both_encodings(encoding):
-    events = [E.all_blocks_cleared(encoding), E.block_stored(encoding, [7], None, [1, 2], 2),
-              E.block_removed(encoding, [7])]
+    events = [
+        E.all_blocks_cleared(encoding),
+        E.block_stored(encoding, [7], None, [1, 2], 2),
+        E.block_removed(encoding, [7]),
+    ]
     payload = E.encode_batch(E.EventBatch(ts=1.5, events=events, data_parallel_rank=0))
     raw = msgspec.msgpack.decode(payload)
     assert raw[0] == 1.5 and len(raw[1]) == 3

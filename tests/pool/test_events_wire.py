@@ -115,8 +115,22 @@ def test_every_committed_page_once_and_every_removal_through_gaps_and_replay(tmp
     """Fails when the replay socket sends no buffered batch: the late subscriber's gap from sequence 0 is
     never filled ("sequence jumped from -1 to 2")."""
     endpoint, replay = f"ipc://{tmp_path}/ev", f"ipc://{tmp_path}/replay"
-    args = ("--extent-size", "4MiB", "--high-watermark", "1", "--low-watermark", "1", "--kv-events", endpoint,
-            "--kv-events-replay", replay, "--kv-events-topic", "kv@r0@tiny", "--kv-events-topic", "kv@r1@tiny")
+    args = (
+        "--extent-size",
+        "4MiB",
+        "--high-watermark",
+        "1",
+        "--low-watermark",
+        "1",
+        "--kv-events",
+        endpoint,
+        "--kv-events-replay",
+        replay,
+        "--kv-events-topic",
+        "kv@r0@tiny",
+        "--kv-events-topic",
+        "kv@r1@tiny",
+    )
     with running_pool("16MiB", args, quiet=True) as path, PoolClient(path) as client:
         chain_a = make_keys("a", 8)
         tokens_a = list(range(8 * CHUNK))

@@ -177,9 +177,13 @@ def test_remote_hooks_see_reserve_commit_abort_and_disconnect():
     second = handlers.handle(1, P.Reserve(NS, keys("b", 1), PAGE))
     handlers.handle(1, P.Abort(second.reservation_id))
     handlers.disconnect(1)
-    assert remote.calls == [("reserve", 1, first.reservation_id, 2), ("commit", first.reservation_id),
-                            ("reserve", 1, second.reservation_id, 1), ("abort", second.reservation_id),
-                            ("disconnect", 1)]
+    assert remote.calls == [
+        ("reserve", 1, first.reservation_id, 2),
+        ("commit", first.reservation_id),
+        ("reserve", 1, second.reservation_id, 1),
+        ("abort", second.reservation_id),
+        ("disconnect", 1),
+    ]
     assert handlers.stats()["remote"] == {"promotions": 0}
 
 
@@ -221,8 +225,18 @@ def test_a_full_hit_a_busy_tier_and_a_client_that_left_are_not_deferred():
 
 def test_the_remote_tier_implements_every_hook():
     hooks = [name for name, value in vars(RemoteHooks).items() if callable(value) and not name.startswith("_")]
-    assert set(hooks) == {"on_reserve", "on_commit", "on_abort", "on_disconnect", "promote", "on_prefill", "poll",
-                          "tick", "stats", "close"}
+    assert set(hooks) == {
+        "on_reserve",
+        "on_commit",
+        "on_abort",
+        "on_disconnect",
+        "promote",
+        "on_prefill",
+        "poll",
+        "tick",
+        "stats",
+        "close",
+    }
     assert all(callable(getattr(RemoteTier, name, None)) for name in hooks)
 
 
@@ -232,8 +246,12 @@ def test_a_prefill_report_goes_to_the_tier_and_a_bad_one_is_refused():
     greet(handlers, 1)
     assert handlers.handle(1, P.PrefillReport(bytes(16), PAGE, 8, 0.5)) == P.Ok(count=1)
     assert remote.calls[-1] == ("prefill", PAGE, 8, 0.5)
-    for bad in (P.PrefillReport(b"short", PAGE, 8, 0.5), P.PrefillReport(bytes(16), PAGE, 0, 0.5),
-                P.PrefillReport(bytes(16), PAGE, 8, 0.0), P.PrefillReport(bytes(16), PAGE, 8, float("nan"))):
+    for bad in (
+        P.PrefillReport(b"short", PAGE, 8, 0.5),
+        P.PrefillReport(bytes(16), PAGE, 0, 0.5),
+        P.PrefillReport(bytes(16), PAGE, 8, 0.0),
+        P.PrefillReport(bytes(16), PAGE, 8, float("nan")),
+    ):
         assert handlers.handle(1, bad).code == "bad_report"
     plain, _, _ = make()
     greet(plain, 1)

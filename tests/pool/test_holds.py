@@ -74,8 +74,12 @@ def test_a_live_process_keeps_its_holds_after_its_connection_closed_until_it_exi
     """A process whose connection closed without a goodbye (a timeout, a protocol error) may still be copying:
     its reservation stays, and no other writer is handed its pages, until the process exits.
     Fails when a closed connection ends its holder's holds (holders.Process.is_gone always True)."""
-    proc = subprocess.Popen([sys.executable, "-m", "tests.pool.workers", small_pool, "reserve-dropped", "orphan", "4",
-                             str(PAGE)], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.pool.workers", small_pool, "reserve-dropped", "orphan", "4", str(PAGE)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
     try:
         assert proc.stdout.readline().strip() == "ready"
         with PoolClient(small_pool) as client:

@@ -4,7 +4,6 @@ import socket
 import threading
 
 import msgspec
-import pytest
 
 from kvshare.pool import protocol as P
 from kvshare.pool.client import PoolClient
@@ -42,7 +41,7 @@ def send_until_blocked(sock: socket.socket, data: bytes, timeout_s: float = 2.0)
     view, sent = memoryview(data), 0
     try:
         while sent < len(data):
-            sent += sock.send(view[sent:sent + (1 << 16)])
+            sent += sock.send(view[sent : sent + (1 << 16)])
     except (TimeoutError, BrokenPipeError, ConnectionResetError):
         pass
     return sent
@@ -91,8 +90,9 @@ def test_a_client_that_never_reads_is_not_read_either(shared_pool):
 
 def test_a_client_whose_unsent_replies_pass_the_bound_is_closed(tmp_path):
     """Fails when _flush has no bound on a client's unsent replies: the connection stays open."""
-    config = PoolConfig(socket_path=str(tmp_path / "p.sock"), size_bytes=16 * MiB, hugepages="off",
-                        max_unsent_bytes=256 << 10)
+    config = PoolConfig(
+        socket_path=str(tmp_path / "p.sock"), size_bytes=16 * MiB, hugepages="off", max_unsent_bytes=256 << 10
+    )
     server = PoolServer(config)
     server.start()
     thread = threading.Thread(target=server.serve, daemon=True)
@@ -117,8 +117,9 @@ def test_a_client_whose_unsent_replies_pass_the_bound_is_closed(tmp_path):
 
 def test_a_silent_connection_is_closed_after_the_hello_timeout(tmp_path):
     """Fails when the loop does not close connections that never say hello."""
-    config = PoolConfig(socket_path=str(tmp_path / "p.sock"), size_bytes=4 * MiB, hugepages="off",
-                        hello_timeout_s=0.2, tick_s=0.05)
+    config = PoolConfig(
+        socket_path=str(tmp_path / "p.sock"), size_bytes=4 * MiB, hugepages="off", hello_timeout_s=0.2, tick_s=0.05
+    )
     server = PoolServer(config)
     server.start()
     thread = threading.Thread(target=server.serve, daemon=True)

@@ -129,7 +129,7 @@ def test_lease_expiry_and_drop_of_leased_entry():
     index = make(lease_ttl_s=10.0)
     ks = keys("a", 2)
     store(index, ks)
-    lease = index.lookup(1, ks, PAGE, now=0.0)
+    index.lookup(1, ks, PAGE, now=0.0)  # leased: the drop frees the pages only after the lease
     assert index.drop(ks) == 2
     assert index.lookup(1, ks, PAGE, now=0.0).entries == []
     used = index.allocator.used_bytes

@@ -46,8 +46,9 @@ def test_a_planted_inconsistency_is_found_at_a_later_step():
 
 def test_the_daemon_finds_a_planted_inconsistency_when_idle(tmp_path):
     """The serve loop runs the pass step by step while idle and counts what it finds."""
-    config = PoolConfig(socket_path=str(tmp_path / "p.sock"), size_bytes=16 * MiB, extent_bytes=4 * MiB,
-                        hugepages="off", tick_s=0.02)
+    config = PoolConfig(
+        socket_path=str(tmp_path / "p.sock"), size_bytes=16 * MiB, extent_bytes=4 * MiB, hugepages="off", tick_s=0.02
+    )
     server = PoolServer(config)
     server.start()
     thread = threading.Thread(target=server.serve, daemon=True)

@@ -14,14 +14,17 @@ def dir_stat(uid: int, mode: int) -> os.stat_result:
     return os.stat_result((stat.S_IFDIR | mode, 0, 0, 2, uid, uid, 4096, 0, 0, 0))
 
 
-@pytest.mark.parametrize("pool_uid, dir_uid, mode, is_trusted", [
-    (1000, 1000, 0o700, True),  # the client's own uid
-    (0, 1000, 0o777, True),  # root
-    (2000, 2000, 0o750, True),  # another user who alone may write the socket's directory (a shared pool)
-    (2000, 2000, 0o770, False),  # ... but the directory's group may write it too
-    (2000, 1000, 0o700, False),  # another user's pool in a directory it does not own
-    (2000, 3000, 0o755, False),
-])
+@pytest.mark.parametrize(
+    "pool_uid, dir_uid, mode, is_trusted",
+    [
+        (1000, 1000, 0o700, True),  # the client's own uid
+        (0, 1000, 0o777, True),  # root
+        (2000, 2000, 0o750, True),  # another user who alone may write the socket's directory (a shared pool)
+        (2000, 2000, 0o770, False),  # ... but the directory's group may write it too
+        (2000, 1000, 0o700, False),  # another user's pool in a directory it does not own
+        (2000, 3000, 0o755, False),
+    ],
+)
 def test_which_pools_a_client_trusts(pool_uid, dir_uid, mode, is_trusted):
     reason = untrusted_pool_reason(pool_uid, 1000, dir_stat(dir_uid, mode), "/run/kvshare/pool.sock")
     assert (reason is None) is is_trusted

@@ -21,8 +21,7 @@ PAGE = 1 * MiB
 def pool_in_this_process(socket_path: str, before_serve=None):
     """A daemon on a thread of this process: every such daemon has this process's pid. ``before_serve(server)``
     runs between start and the serving loop."""
-    server = PoolServer(PoolConfig(socket_path=socket_path, size_bytes=16 * MiB, extent_bytes=4 * MiB,
-                                   hugepages="off"))
+    server = PoolServer(PoolConfig(socket_path=socket_path, size_bytes=16 * MiB, extent_bytes=4 * MiB, hugepages="off"))
     server.start()
     if before_serve is not None:
         before_serve(server)

@@ -64,7 +64,9 @@ def test_racing_writers_exactly_one_commit_wins_and_readers_see_whole_pages(pool
 def _hold(pool, action, tag, n, page_bytes):
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.pool.workers", pool, action, tag, str(n), str(page_bytes)],
-        stdout=subprocess.PIPE, text=True, cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
     )
     assert proc.stdout.readline().strip() == "ready"
     return proc

@@ -18,8 +18,11 @@ def test_the_child_command_leaves_the_working_directory_off_sys_path():
 
 def test_every_kvshare_child_is_started_through_kvshare_command():
     plain = re.compile(r"""["']-m["']\s*,\s*["']kvshare["']""")
-    offenders = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
-                 if p.name != "spawn.py" and plain.search(p.read_text())]
+    offenders = [
+        str(p.relative_to(PACKAGE))
+        for p in PACKAGE.rglob("*.py")
+        if p.name != "spawn.py" and plain.search(p.read_text())
+    ]
     assert offenders == []
 
 
@@ -32,6 +35,7 @@ def test_the_child_imports_this_package():
 def test_vllm_servers_leave_the_working_directory_off_sys_path_too():
     from kvshare.integrations.vllm.launch import VllmServerConfig, vllm_server_command
 
-    spec = vllm_server_command(VllmServerConfig(model="/m", port=1, host="127.0.0.1", pool_socket=None,
-                                                python="python3", replica="r"))
+    spec = vllm_server_command(
+        VllmServerConfig(model="/m", port=1, host="127.0.0.1", pool_socket=None, python="python3", replica="r")
+    )
     assert spec.env["PYTHONSAFEPATH"] == "1"

@@ -39,8 +39,9 @@ class FakeClock:
 
 
 def write_psi(path, waited_us: int) -> None:
-    path.write_text(f"some avg10=0.00 avg60=0.00 avg300=0.00 total={waited_us}\n"
-                    "full avg10=0.00 avg60=0.00 avg300=0.00 total=0\n")
+    path.write_text(
+        f"some avg10=0.00 avg60=0.00 avg300=0.00 total={waited_us}\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
+    )
 
 
 def test_cpu_pressure_is_the_share_of_the_last_interval_in_which_tasks_waited_for_a_core(tmp_path):

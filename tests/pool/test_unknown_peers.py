@@ -23,8 +23,15 @@ def test_a_closed_connection_of_a_peer_in_another_pid_namespace_keeps_its_holds(
     timeout; its copy may still run) keeps its lease, over several ticks; a reconnect with its token ends it.
     Fails when an unknown pid counts as gone (holders.Process.is_gone true for pid 0: the lease ends at once)."""
     monkeypatch.setattr(pool_daemon, "peer_credentials", lambda sock: PeerCredentials(0, os.getuid(), os.getgid()))
-    server = PoolServer(PoolConfig(socket_path=str(tmp_path / "pool.sock"), size_bytes=16 * MiB,
-                                   extent_bytes=4 * MiB, hugepages="off", tick_s=0.02))
+    server = PoolServer(
+        PoolConfig(
+            socket_path=str(tmp_path / "pool.sock"),
+            size_bytes=16 * MiB,
+            extent_bytes=4 * MiB,
+            hugepages="off",
+            tick_s=0.02,
+        )
+    )
     server.start()
     thread = threading.Thread(target=server.serve, daemon=True)
     thread.start()

@@ -24,8 +24,18 @@ from kvshare.pool.checksum import page_checksum
 from kvshare.pool.client import PoolClient
 from kvshare.pool.spawn import start_pool
 from tests.pool.conftest import make_keys
-from tests.reliability.conftest import (BackgroundLoad, cold, completion, health, load_figures, metric, pool_is_clean,
-                                        report, start, wait_until)
+from tests.reliability.conftest import (
+    BackgroundLoad,
+    cold,
+    completion,
+    health,
+    load_figures,
+    metric,
+    pool_is_clean,
+    report,
+    start,
+    wait_until,
+)
 
 pytestmark = pytest.mark.reliability
 PAGE = 2 << 20  # one 256-token chunk of the tiny model (8 layers x K,V x 2 heads x 64 x float32)
@@ -40,14 +50,24 @@ def open_stream(url: str, body: dict, rcvbuf: int | None = None) -> socket.socke
     sock.settimeout(60)
     sock.connect((parts.hostname, parts.port))
     data = json.dumps(body).encode()
-    sock.sendall(f"POST {body.pop('_path', '/v1/completions')} HTTP/1.1\r\nHost: {parts.netloc}\r\n"
-                 f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+    sock.sendall(
+        f"POST {body.pop('_path', '/v1/completions')} HTTP/1.1\r\nHost: {parts.netloc}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
     return sock
 
 
 def long_stream(max_tokens: int = 3000) -> dict:
-    return {"model": "tiny", "prompt": "tell me everything", "max_tokens": max_tokens, "stream": True,
-            "ignore_eos": True, "temperature": 0, "logprobs": 5}
+    return {
+        "model": "tiny",
+        "prompt": "tell me everything",
+        "max_tokens": max_tokens,
+        "stream": True,
+        "ignore_eos": True,
+        "temperature": 0,
+        "logprobs": 5,
+    }
 
 
 def read_until(sock: socket.socket, marker: bytes) -> bytes:
@@ -64,7 +84,7 @@ def read_all(sock: socket.socket) -> bytes:
     try:
         while chunk := sock.recv(65536):
             data += chunk
-    except (ConnectionResetError, socket.timeout):
+    except (TimeoutError, ConnectionResetError):
         pass
     return data
 
@@ -73,8 +93,9 @@ def test_replica_killed_mid_stream_router_and_other_replica_keep_serving_pool_ke
     cluster = start("round_robin")
     try:
         victim_url = cluster.replica_urls[0]
-        load = BackgroundLoad(cluster.router_url, num_sessions=6, duration_s=25, check_share=0.3, max_tokens=6,
-                              request_timeout_s=60)
+        load = BackgroundLoad(
+            cluster.router_url, num_sessions=6, duration_s=25, check_share=0.3, max_tokens=6, request_timeout_s=60
+        )
         time.sleep(6)
         stream = open_stream(victim_url, long_stream())
         read_until(stream, b"data:")  # the stream is under way
@@ -96,8 +117,14 @@ def test_replica_killed_mid_stream_router_and_other_replica_keep_serving_pool_ke
         assert [r["healthy"] for r in health(cluster.router_url)["replicas"]] == [False, True]
         stats = pool_is_clean(cluster.pool_socket)  # the dead replica's leases and reservations are gone
         assert stats["clients"] <= clients_before - 1
-        report("kill -9 replica", **load_figures(summary), errors_by_kind=summary["errors_by_kind"],
-               pool_leases=stats["leases"], pool_reservations=stats["reservations"], pool_disconnects=stats["disconnects"])
+        report(
+            "kill -9 replica",
+            **load_figures(summary),
+            errors_by_kind=summary["errors_by_kind"],
+            pool_leases=stats["leases"],
+            pool_reservations=stats["reservations"],
+            pool_disconnects=stats["disconnects"],
+        )
     finally:
         cluster.stop()
 
@@ -106,8 +133,9 @@ def test_pool_killed_replicas_serve_cold_and_reconnect_after_restart_on_the_same
     cluster = start("alternate", pool_size="256MiB")
     sock_path = cluster.pool_socket
     try:
-        load = BackgroundLoad(cluster.router_url, num_sessions=4, duration_s=30, check_share=0.5, max_tokens=6,
-                              request_timeout_s=60)
+        load = BackgroundLoad(
+            cluster.router_url, num_sessions=4, duration_s=30, check_share=0.5, max_tokens=6, request_timeout_s=60
+        )
         time.sleep(6)
         os.kill(cluster.processes["pool"].pid, signal.SIGKILL)
         cluster.processes["pool"].wait(30)
@@ -154,8 +182,9 @@ def test_pool_full_under_load_evicts_but_never_leased_pages_and_no_request_fails
             pool.commit(res.reservation_id, sums)
             lease = pool.lookup(keys[:2], PAGE)  # pin two; the other two are fair game
             assert lease.num_pages == 2
-            load = BackgroundLoad(cluster.router_url, num_sessions=4, duration_s=25, check_share=0.3, max_tokens=6,
-                                  request_timeout_s=60)
+            load = BackgroundLoad(
+                cluster.router_url, num_sessions=4, duration_s=25, check_share=0.3, max_tokens=6, request_timeout_s=60
+            )
             summary = load.result()
             stats = pool.stats()
             assert stats["evictions"] > 0  # the pool was full, and eviction kept making room
@@ -168,8 +197,13 @@ def test_pool_full_under_load_evicts_but_never_leased_pages_and_no_request_fails
         for url in cluster.replica_urls:  # every page loaded matched its checksum: none was reused under a reader
             assert metric(url, "kvshare_pool_checksum_failures_total") == 0
         pool_is_clean(cluster.pool_socket)
-        report("pool full", **load_figures(summary), evictions=stats["evictions"], skipped_stores=stats["skipped_stores"],
-               pinned_pages_intact=2)
+        report(
+            "pool full",
+            **load_figures(summary),
+            evictions=stats["evictions"],
+            skipped_stores=stats["skipped_stores"],
+            pinned_pages_intact=2,
+        )
     finally:
         cluster.stop()
 
@@ -180,16 +214,25 @@ def test_clients_that_leave_or_stop_reading_free_the_request():
         url = cluster.replica_urls[0]
         # a reader that stops reading: its small window fills, the replica's write times out, the engine is freed
         slow = open_stream(url, long_stream(6000), rcvbuf=4096)
-        wait_until(lambda: metric(url, "kvshare_request_slow_client_total") >= 1, 120, "the replica to drop the slow reader")
+        wait_until(
+            lambda: metric(url, "kvshare_request_slow_client_total") >= 1, 120, "the replica to drop the slow reader"
+        )
         wait_until(lambda: health(url)["running"] == 0, 30, "the engine to stop the slow reader's request")
         status, out = completion(url, "and the next one")
         assert status == 200 and out["usage"]["completion_tokens"] == 6
         slow.close()
         # the same through the router: it drops the client, and the replica behind it frees the request
         slow = open_stream(cluster.router_url, long_stream(6000), rcvbuf=4096)
-        wait_until(lambda: all(health(u)["running"] == 0 and health(u)["waiting"] == 0 for u in cluster.replica_urls)
-                   and health(cluster.router_url)["replicas"][0]["in_flight"] + health(cluster.router_url)["replicas"][1]["in_flight"] == 0,
-                   120, "the router and replicas to let go of the slow reader")
+        wait_until(
+            lambda: (
+                all(health(u)["running"] == 0 and health(u)["waiting"] == 0 for u in cluster.replica_urls)
+                and health(cluster.router_url)["replicas"][0]["in_flight"]
+                + health(cluster.router_url)["replicas"][1]["in_flight"]
+                == 0
+            ),
+            120,
+            "the router and replicas to let go of the slow reader",
+        )
         slow.close()
         # a client that leaves mid-stream through the router
         before = sum(metric(u, "kvshare_request_cancelled_total") for u in cluster.replica_urls)
@@ -197,11 +240,17 @@ def test_clients_that_leave_or_stop_reading_free_the_request():
         read_until(gone, b"data:")
         gone.shutdown(socket.SHUT_RDWR)
         gone.close()
-        wait_until(lambda: sum(metric(u, "kvshare_request_cancelled_total") for u in cluster.replica_urls) > before,
-                   60, "a replica to notice the client left")
+        wait_until(
+            lambda: sum(metric(u, "kvshare_request_cancelled_total") for u in cluster.replica_urls) > before,
+            60,
+            "a replica to notice the client left",
+        )
         wait_until(lambda: all(health(u)["running"] == 0 for u in cluster.replica_urls), 30, "the engines to be idle")
         pool_is_clean(cluster.pool_socket)
-        report("slow and vanishing clients", slow_client_drops=metric(url, "kvshare_request_slow_client_total"),
-               cancelled=sum(metric(u, "kvshare_request_cancelled_total") for u in cluster.replica_urls))
+        report(
+            "slow and vanishing clients",
+            slow_client_drops=metric(url, "kvshare_request_slow_client_total"),
+            cancelled=sum(metric(u, "kvshare_request_cancelled_total") for u in cluster.replica_urls),
+        )
     finally:
         cluster.stop()

@@ -19,21 +19,38 @@ from tests.reliability.conftest import cold, completion, health, is_openai_error
 pytestmark = pytest.mark.reliability
 PATHS = ("/v1/completions", "/v1/chat/completions")
 
-json_scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70),
-                         st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=40))
-json_values = st.recursive(json_scalars, lambda inner: st.one_of(st.lists(inner, max_size=5),
-                                                                st.dictionaries(st.text(max_size=10), inner, max_size=5)),
-                           max_leaves=12)
-messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "tool", "x"]),
-                                           "content": st.one_of(st.text(max_size=60), json_values)}),
-                    max_size=4)
+json_scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=40),
+)
+json_values = st.recursive(
+    json_scalars,
+    lambda inner: st.one_of(st.lists(inner, max_size=5), st.dictionaries(st.text(max_size=10), inner, max_size=5)),
+    max_leaves=12,
+)
+messages = st.lists(
+    st.fixed_dictionaries(
+        {
+            "role": st.sampled_from(["system", "user", "assistant", "tool", "x"]),
+            "content": st.one_of(st.text(max_size=60), json_values),
+        }
+    ),
+    max_size=4,
+)
 ints = st.one_of(st.integers(-3, 40), st.sampled_from([-(2**63) - 1, -(2**63), 2**31, 2**63 - 1, 2**63, 2**64, 2**70]))
 floats = st.one_of(st.floats(-1, 3), st.sampled_from([0.0, -0.0, 1e-300, 1e300, 2.0, 2.0000001]))
 # each field: values of the right type at and past its edges (mostly valid bodies), or any JSON at all
 FIELDS = {
     "model": st.one_of(st.just("tiny"), st.text(max_size=8), json_values),
-    "prompt": st.one_of(st.text(max_size=80), st.lists(st.one_of(st.integers(-5, 300), ints), max_size=40),
-                        st.lists(st.lists(st.integers(0, 300), max_size=5), max_size=2), json_values),
+    "prompt": st.one_of(
+        st.text(max_size=80),
+        st.lists(st.one_of(st.integers(-5, 300), ints), max_size=40),
+        st.lists(st.lists(st.integers(0, 300), max_size=5), max_size=2),
+        json_values,
+    ),
     "messages": st.one_of(messages, json_values),
     "max_tokens": st.one_of(ints, st.none(), json_values),
     "max_completion_tokens": st.one_of(ints, st.none()),
@@ -51,11 +68,14 @@ FIELDS = {
     "return_token_ids": st.booleans(),
     "presence_penalty": st.one_of(floats, json_values),
     "user": st.one_of(st.text(max_size=10), json_values),
-    "kvshare": st.one_of(st.fixed_dictionaries({}, optional={"use_pool": st.booleans(),
-                                                             "use_local_cache": st.booleans()}), json_values),
+    "kvshare": st.one_of(
+        st.fixed_dictionaries({}, optional={"use_pool": st.booleans(), "use_local_cache": st.booleans()}), json_values
+    ),
 }
-BASE = {"/v1/completions": {"model": "tiny", "prompt": "fuzz me", "max_tokens": 4},
-        "/v1/chat/completions": {"model": "tiny", "messages": [{"role": "user", "content": "fuzz me"}], "max_tokens": 4}}
+BASE = {
+    "/v1/completions": {"model": "tiny", "prompt": "fuzz me", "max_tokens": 4},
+    "/v1/chat/completions": {"model": "tiny", "messages": [{"role": "user", "content": "fuzz me"}], "max_tokens": 4},
+}
 
 
 @st.composite
@@ -78,7 +98,9 @@ TYPED = {  # values of the right type only, near the edges: most of these bodies
     "seed": st.one_of(st.none(), st.integers(-(2**63), 2**63 - 1)),
     "stream": st.booleans(),
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
-    "stop": st.one_of(st.none(), st.text(min_size=1, max_size=3), st.lists(st.text(min_size=1, max_size=3), max_size=4)),
+    "stop": st.one_of(
+        st.none(), st.text(min_size=1, max_size=3), st.lists(st.text(min_size=1, max_size=3), max_size=4)
+    ),
     "ignore_eos": st.booleans(),
     "return_token_ids": st.booleans(),
     "user": st.text(max_size=20),
@@ -93,9 +115,15 @@ def typed_bodies(draw, path: str) -> bytes:
         body[name] = draw(TYPED[name])
     if path.endswith("chat/completions"):
         body.pop("prompt", None)
-        body["messages"] = draw(st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),
-                                                                "content": st.text(max_size=100)}),
-                                         min_size=1, max_size=4))
+        body["messages"] = draw(
+            st.lists(
+                st.fixed_dictionaries(
+                    {"role": st.sampled_from(["system", "user", "assistant"]), "content": st.text(max_size=100)}
+                ),
+                min_size=1,
+                max_size=4,
+            )
+        )
         if draw(st.booleans()):
             body.update(logprobs=True, top_logprobs=draw(st.integers(0, 5)))
     elif draw(st.booleans()):
@@ -112,8 +140,14 @@ def byte_mutations(draw, path: str) -> bytes:
 
 
 def bodies(path: str):
-    return st.one_of(typed_bodies(path), typed_bodies(path), mutated_bodies(path), byte_mutations(path),
-                     json_values.map(lambda v: json.dumps(v).encode()), st.binary(max_size=64))
+    return st.one_of(
+        typed_bodies(path),
+        typed_bodies(path),
+        mutated_bodies(path),
+        byte_mutations(path),
+        json_values.map(lambda v: json.dumps(v).encode()),
+        st.binary(max_size=64),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +169,7 @@ def check_answer(url: str, path: str, raw: bytes) -> int:
         assert is_openai_error(json.loads(data)), (status, raw, data[:500])
         return status
     if kind.startswith("text/event-stream"):
-        events = [e[len(b"data: "):] for e in data.split(b"\n\n") if e.startswith(b"data: ")]
+        events = [e[len(b"data: ") :] for e in data.split(b"\n\n") if e.startswith(b"data: ")]
         assert events and events[-1] == b"[DONE]", (raw, data[-500:])
         chunks = [json.loads(e) for e in events[:-1]]
         assert not any("error" in c for c in chunks), (raw, data[-500:])
@@ -147,8 +181,9 @@ def check_answer(url: str, path: str, raw: bytes) -> int:
 
 
 @pytest.mark.parametrize("path", PATHS)
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                  HealthCheck.too_slow])
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(data=st.data())
 def test_fuzz_endpoints_answer_2xx_or_4xx_with_an_error_body(cluster, path, data):
     raw = data.draw(bodies(path))
@@ -157,12 +192,15 @@ def test_fuzz_endpoints_answer_2xx_or_4xx_with_an_error_body(cluster, path, data
     event(f"HTTP {status}")  # --hypothesis-show-statistics: how many answers reached the engine
 
 
-@pytest.mark.parametrize("path, raw", [  # what the fuzzing found (each was a 500), kept as regressions
-    ("/v1/completions", b"\x80" + json.dumps(BASE["/v1/completions"]).encode()),  # not UTF-8
-    ("/v1/completions", json.dumps({**BASE["/v1/completions"], "seed": 2**65}).encode()),  # torch: overflow
-    ("/v1/completions", json.dumps({**BASE["/v1/completions"], "temperature": 1e-82}).encode()),  # logits / T = inf
-    ("/v1/chat/completions", json.dumps({**BASE["/v1/chat/completions"], "top_p": 1e-82}).encode()),  # 0 in float32
-])
+@pytest.mark.parametrize(
+    "path, raw",
+    [  # what the fuzzing found (each was a 500), kept as regressions
+        ("/v1/completions", b"\x80" + json.dumps(BASE["/v1/completions"]).encode()),  # not UTF-8
+        ("/v1/completions", json.dumps({**BASE["/v1/completions"], "seed": 2**65}).encode()),  # torch: overflow
+        ("/v1/completions", json.dumps({**BASE["/v1/completions"], "temperature": 1e-82}).encode()),  # logits / T = inf
+        ("/v1/chat/completions", json.dumps({**BASE["/v1/chat/completions"], "top_p": 1e-82}).encode()),  # 0 in float32
+    ],
+)
 def test_fuzz_findings_stay_fixed(cluster, path, raw):
     for url in (cluster.replica_urls[0], cluster.router_url):
         check_answer(url, path, raw)

@@ -19,19 +19,32 @@ MiB = 1 << 20
 QUOTA = 6 * MiB
 NAMESPACES = [bytes([65 + i]) * 16 for i in range(3)]
 
-reserves = st.tuples(st.just("reserve"), st.integers(0, 2), st.integers(0, 2), st.integers(0, 15), st.integers(1, 6),
-                     st.sampled_from([MiB, MiB, MiB, 2 * MiB, 3, 1 << 40]))
+reserves = st.tuples(
+    st.just("reserve"),
+    st.integers(0, 2),
+    st.integers(0, 2),
+    st.integers(0, 15),
+    st.integers(1, 6),
+    st.sampled_from([MiB, MiB, MiB, 2 * MiB, 3, 1 << 40]),
+)
 commits = st.tuples(st.just("commit"), st.integers(0, 2), st.integers(-1, 8))
-ops = st.lists(st.one_of(
-    reserves, reserves, commits, commits,
-    st.tuples(st.just("abort"), st.integers(0, 2), st.integers(-1, 8)),
-    st.tuples(st.just("lookup"), st.integers(0, 2), st.integers(0, 2), st.integers(0, 15), st.booleans()),
-    st.tuples(st.just("release"), st.integers(0, 2), st.integers(-1, 8)),
-    st.tuples(st.just("drop"), st.integers(0, 2), st.integers(0, 15)),
-    st.tuples(st.just("flush"), st.integers(0, 2), st.integers(-1, 2)),
-    st.tuples(st.just("namespaces"), st.integers(0, 2)),
-    st.tuples(st.just("close"), st.integers(0, 2)),
-), min_size=10, max_size=60)
+ops = st.lists(
+    st.one_of(
+        reserves,
+        reserves,
+        commits,
+        commits,
+        st.tuples(st.just("abort"), st.integers(0, 2), st.integers(-1, 8)),
+        st.tuples(st.just("lookup"), st.integers(0, 2), st.integers(0, 2), st.integers(0, 15), st.booleans()),
+        st.tuples(st.just("release"), st.integers(0, 2), st.integers(-1, 8)),
+        st.tuples(st.just("drop"), st.integers(0, 2), st.integers(0, 15)),
+        st.tuples(st.just("flush"), st.integers(0, 2), st.integers(-1, 2)),
+        st.tuples(st.just("namespaces"), st.integers(0, 2)),
+        st.tuples(st.just("close"), st.integers(0, 2)),
+    ),
+    min_size=10,
+    max_size=60,
+)
 
 
 @pytest.fixture(scope="module")

@@ -102,8 +102,10 @@ def lookup_latencies_us(client: PoolClient, keys: list[bytes], n: int) -> list[f
 
 
 def start_flood(path: str, client: PoolClient) -> list[subprocess.Popen]:
-    procs = [subprocess.Popen([sys.executable, "-c", FLOOD, path, "30"], stdout=subprocess.PIPE, env=kvshare_env())
-             for _ in range(2)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", FLOOD, path, "30"], stdout=subprocess.PIPE, env=kvshare_env())
+        for _ in range(2)
+    ]
     for proc in procs:
         assert proc.stdout.readline().strip() == b"ready", "the flood did not reach its steady state"
     num_requests = client.stats()["requests"]
@@ -135,8 +137,10 @@ def test_a_flood_of_hostile_clients_keeps_lookups_within_2x_of_their_p99():
                         proc.wait()
             stats = client.stats()
     p99_quiet, p99_flooded = np.percentile(quiet, 99), np.percentile(flooded, 99)
-    print(f"lookup+release p99: {p99_quiet:.0f} us quiet, {p99_flooded:.0f} us flooded "
-          f"(p50 {np.median(quiet):.0f} / {np.median(flooded):.0f} us); pool errors {stats['errors']}")
+    print(
+        f"lookup+release p99: {p99_quiet:.0f} us quiet, {p99_flooded:.0f} us flooded "
+        f"(p50 {np.median(quiet):.0f} / {np.median(flooded):.0f} us); pool errors {stats['errors']}"
+    )
     assert stats["protocol_errors"] > 0  # the flood reached the pool and was refused
     # The flood's own processes share the runner's two cores with the pool and this client: below 1 ms a p99
     # measures the scheduler's time slices, not the pool, so the quiet p99 counts as at least 1 ms. A pool that

@@ -32,8 +32,12 @@ PAGE = 2 << 20
 def cluster(tmp_path_factory):
     admin_key_file = tmp_path_factory.mktemp("admin") / "admin.key"
     admin_key_file.write_text(ADMIN_KEY + "\n")
-    c = start("round_robin", api_keys=(KEY_A, KEY_B), tenant_header="X-Tenant-ID",
-              router_args=("--admin-key-file", str(admin_key_file)))
+    c = start(
+        "round_robin",
+        api_keys=(KEY_A, KEY_B),
+        tenant_header="X-Tenant-ID",
+        router_args=("--admin-key-file", str(admin_key_file)),
+    )
     yield c
     c.stop()
 
@@ -43,8 +47,12 @@ def kv(out: dict) -> tuple[int, int]:
 
 
 def pool_admin(cluster, *args) -> dict | list:
-    out = subprocess.run([sys.executable, "-m", "kvshare", "pool-admin", "--socket", cluster.pool_socket, *args],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "kvshare", "pool-admin", "--socket", cluster.pool_socket, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 

@@ -22,10 +22,22 @@ PAGE = 2 << 20
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = start("round_robin", replicas=1, tenant_header="X-Tenant-ID",
-              pool_args=("--namespace-quota", "8MiB", "--max-message-bytes", "64KiB"),
-              replica_args=("--max-prompt-tokens", "1024", "--max-tokens-limit", "16", "--max-body-size", "64KiB",
-                            "--max-requests", "2"))
+    c = start(
+        "round_robin",
+        replicas=1,
+        tenant_header="X-Tenant-ID",
+        pool_args=("--namespace-quota", "8MiB", "--max-message-bytes", "64KiB"),
+        replica_args=(
+            "--max-prompt-tokens",
+            "1024",
+            "--max-tokens-limit",
+            "16",
+            "--max-body-size",
+            "64KiB",
+            "--max-requests",
+            "2",
+        ),
+    )
     yield c
     c.stop()
 
@@ -35,15 +47,28 @@ def still_serves(url: str) -> None:
     assert status == 200 and out["usage"]["completion_tokens"] == 2
 
 
-@pytest.mark.parametrize("path, body, status, param, code", [
-    ("/v1/completions", {"prompt": "x" * 1025}, 400, "prompt", "context_length_exceeded"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 1100}]}, 400, "messages",
-     "context_length_exceeded"),
-    ("/v1/completions", {"prompt": "x", "max_tokens": 17}, 400, "max_tokens", None),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 17}, 400,
-     "max_tokens", None),
-    ("/v1/completions", {"prompt": "x" * (70 << 10)}, 413, None, "body_too_large"),
-])
+@pytest.mark.parametrize(
+    "path, body, status, param, code",
+    [
+        ("/v1/completions", {"prompt": "x" * 1025}, 400, "prompt", "context_length_exceeded"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x" * 1100}]},
+            400,
+            "messages",
+            "context_length_exceeded",
+        ),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 17}, 400, "max_tokens", None),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 17},
+            400,
+            "max_tokens",
+            None,
+        ),
+        ("/v1/completions", {"prompt": "x" * (70 << 10)}, 413, None, "body_too_large"),
+    ],
+)
 def test_request_limits_answer_4xx_with_an_error_body(cluster, path, body, status, param, code):
     url = cluster.replica_urls[0]
     for target in (url, cluster.router_url):  # the router passes the replica's answer on unchanged
@@ -54,8 +79,11 @@ def test_request_limits_answer_4xx_with_an_error_body(cluster, path, body, statu
 
 
 def test_a_request_without_max_tokens_gets_the_limit_not_an_error(cluster):
-    status, out = call(cluster.router_url, "/v1/chat/completions",
-                       {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True})
+    status, out = call(
+        cluster.router_url,
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True},
+    )
     assert status == 200 and out["usage"]["completion_tokens"] == 16
 
 
@@ -96,16 +124,25 @@ def test_namespace_quota_bounds_one_tenant_and_never_touches_another(cluster):
     calm_text = "The calm tenant's prompt. " * 31  # ~800 tokens: 3 chunks = 6 MiB, under the 8 MiB quota
     assert completion(url, calm_text, calm)[0] == 200
     # the header salts the namespace: flood, with calm's prompt, reuses nothing (and stores its own 3 chunks)
-    assert completion(url, calm_text, flood)[1]["kvshare"] == {"replica": "replica0", "local_tokens": 0,
-                                                                "pool_tokens": 0, "computed_tokens": 806,
-                                                                "deterministic": False}
+    assert completion(url, calm_text, flood)[1]["kvshare"] == {
+        "replica": "replica0",
+        "local_tokens": 0,
+        "pool_tokens": 0,
+        "computed_tokens": 806,
+        "deterministic": False,
+    }
     for i in range(5):  # 15 more chunks of flood's: far over its quota
         status, out = completion(url, f"flood {i} " + "more and more " * 60, flood)
         assert status == 200, out
     calm_ns = call(url, "/admin/namespace?tenant=calm")[1]["namespace"]
     flood_ns = call(url, "/admin/namespace?tenant=flood")[1]["namespace"]
-    listing = subprocess.run([sys.executable, "-m", "kvshare", "pool-admin", "--socket", cluster.pool_socket,
-                              "namespaces"], capture_output=True, text=True, timeout=60, check=True).stdout
+    listing = subprocess.run(
+        [sys.executable, "-m", "kvshare", "pool-admin", "--socket", cluster.pool_socket, "namespaces"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
     rows = {row["namespace"]: row for row in json.loads(listing)["namespaces"]}
     assert json.loads(listing)["quota_bytes"] == 8 << 20
     assert rows[flood_ns]["bytes"] <= 8 << 20 and rows[calm_ns]["entries"] == 3
@@ -113,5 +150,10 @@ def test_namespace_quota_bounds_one_tenant_and_never_touches_another(cluster):
     assert stats["quota_evictions"] > 0 and stats["evictions"] == 0  # the quota, not global pressure, evicted
     out = completion(url, calm_text, calm, kvshare={"use_local_cache": False})[1]
     assert out["kvshare"]["pool_tokens"] == 768  # calm's chunks are all still in the pool
-    report("namespace quota", flood_bytes=rows[flood_ns]["bytes"], calm_entries=rows[calm_ns]["entries"],
-           quota_evictions=stats["quota_evictions"], quota_skipped_pages=stats["quota_skipped_pages"])
+    report(
+        "namespace quota",
+        flood_bytes=rows[flood_ns]["bytes"],
+        calm_entries=rows[calm_ns]["entries"],
+        quota_evictions=stats["quota_evictions"],
+        quota_skipped_pages=stats["quota_skipped_pages"],
+    )

@@ -44,8 +44,11 @@ def test_comparison_and_tally():
     tally.add(Outcome(status=429, error="HTTP 429: full"))
     tally.add(Outcome(status=0, error="ServerDisconnectedError: gone"))
     tally.add_check(good, Outcome(status=200, token_ids=[1, 2, 3], provenance={}), "same")
-    tally.add_check(good, Outcome(status=200, token_ids=[1, 9, 3], provenance={},
-                                  top_logprobs=[{}, {"9": -0.1, "2": -0.2}]), "differs")
+    tally.add_check(
+        good,
+        Outcome(status=200, token_ids=[1, 9, 3], provenance={}, top_logprobs=[{}, {"9": -0.1, "2": -0.2}]),
+        "differs",
+    )
     s = tally.summary(1.0, {}, 0)
     assert (s["ok"], s["errors"], s["rate_limited"], s["checked"], s["mismatches"]) == (1, 1, 1, 2, 1)
     assert s["details"][-1]["step"] == 1 and s["details"][-1]["reference_top2_gap"] == pytest.approx(0.1)
@@ -81,13 +84,20 @@ class WrongWhenPooled:
             ids[-1] = 8
         prov = {"replica": "fake", "local_tokens": 0, "pool_tokens": 0 if is_off else 256, "computed_tokens": 1}
         if not body.get("stream"):
-            return web.json_response({"choices": [{"text": "x", "token_ids": ids, "finish_reason": "length"}],
-                                      "usage": {"prompt_tokens": 10}, "kvshare": prov})
+            return web.json_response(
+                {
+                    "choices": [{"text": "x", "token_ids": ids, "finish_reason": "length"}],
+                    "usage": {"prompt_tokens": 10},
+                    "kvshare": prov,
+                }
+            )
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        for chunk in ({"choices": [{"text": "x"}]},
-                      {"choices": [{"text": "", "finish_reason": "length", "token_ids": ids}], "kvshare": prov},
-                      {"choices": [], "usage": {"prompt_tokens": 10}}):
+        for chunk in (
+            {"choices": [{"text": "x"}]},
+            {"choices": [{"text": "", "finish_reason": "length", "token_ids": ids}], "kvshare": prov},
+            {"choices": [], "usage": {"prompt_tokens": 10}},
+        ):
             await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         return resp
@@ -114,8 +124,18 @@ def test_negative_control_a_server_that_answers_wrongly_with_the_pool_is_caught(
     thread.start()
     ready.wait(10)
     try:
-        summary = asyncio.run(LoadRun(LoadConfig(url=f"http://127.0.0.1:{port}", num_sessions=2, duration_s=1.0,
-                                                 chat_share=0.0, check_share=1.0, request_timeout_s=10)).run())
+        summary = asyncio.run(
+            LoadRun(
+                LoadConfig(
+                    url=f"http://127.0.0.1:{port}",
+                    num_sessions=2,
+                    duration_s=1.0,
+                    chat_share=0.0,
+                    check_share=1.0,
+                    request_timeout_s=10,
+                )
+            ).run()
+        )
     finally:
         loop.call_soon_threadsafe(loop.stop)
     assert summary["errors"] == 0 and summary["checked"] > 3
@@ -127,9 +147,29 @@ def test_load_cli_against_a_cluster_no_errors_no_mismatches():
     cluster = start("alternate")
     try:
         out = subprocess.run(
-            [sys.executable, "-m", "kvshare", "load", "--url", cluster.router_url, "--sessions", "8", "--duration", "20",
-             "--check-share", "0.3", "--max-tokens", "6", "--pool", cluster.pool_socket, "--json"],
-            capture_output=True, text=True, timeout=200)
+            [
+                sys.executable,
+                "-m",
+                "kvshare",
+                "load",
+                "--url",
+                cluster.router_url,
+                "--sessions",
+                "8",
+                "--duration",
+                "20",
+                "--check-share",
+                "0.3",
+                "--max-tokens",
+                "6",
+                "--pool",
+                cluster.pool_socket,
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=200,
+        )
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         summary = json.loads(out.stdout)
         report("load", **load_figures(summary), pool=summary["pool"])

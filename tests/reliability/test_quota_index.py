@@ -129,8 +129,10 @@ class QuotaMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.index = PoolIndex(Allocator(16 * PAGE, 4 * PAGE),
-                               IndexConfig(high_watermark=0.9, low_watermark=0.7, namespace_quota_bytes=QUOTA_PAGES * PAGE))
+        self.index = PoolIndex(
+            Allocator(16 * PAGE, 4 * PAGE),
+            IndexConfig(high_watermark=0.9, low_watermark=0.7, namespace_quota_bytes=QUOTA_PAGES * PAGE),
+        )
         self.reservations: list[tuple[int, int, int]] = []  # (client, reservation id, pages)
         self.leases: list[tuple[int, int]] = []
 

@@ -30,8 +30,9 @@ SHARED = "a long prefix that one replica computes and the other loads from the p
 
 def complete(url: str, prompt: str, timeout: float = 60) -> dict:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
-    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return json.loads(resp.read())
 
@@ -86,8 +87,11 @@ def test_up_restarts_a_killed_replica_pool_and_router_and_answers_stay_the_same(
             os.kill(victim.pid, signal.SIGKILL)
             wait_until(lambda: replaced(up, name, victim.pid), 60, f"up to start {name} again", interval_s=0.2)
             if name == "pool":  # both replicas reconnect to the new pool without a request and share through it
-                wait_until(lambda: all(get_json(u + "/health")[1].get("pool") == "connected" for u in replica_urls),
-                           60, "the replicas to reconnect to the new pool")
+                wait_until(
+                    lambda: all(get_json(u + "/health")[1].get("pool") == "connected" for u in replica_urls),
+                    60,
+                    "the replicas to reconnect to the new pool",
+                )
             up.wait_ready(2, timeout_s=120)
             back = time.monotonic()
             wait_until(lambda: loop.num_ok_since(back) >= 4, 120, f"requests to succeed after {name} came back")
@@ -97,17 +101,26 @@ def test_up_restarts_a_killed_replica_pool_and_router_and_answers_stay_the_same(
         assert complete(replica_urls[1], prompt)["kvshare"]["pool_tokens"] >= 512  # through the new pool
         loop.stop()
         assert up.proc.poll() is None, up.output()
-        for line in ("replica1 exited (killed by SIGKILL); starting it again", "pool exited (killed by SIGKILL)",
-                     "router exited (killed by SIGKILL)", "replica1 is back", "pool is back", "router is back"):
+        for line in (
+            "replica1 exited (killed by SIGKILL); starting it again",
+            "pool exited (killed by SIGKILL)",
+            "router exited (killed by SIGKILL)",
+            "replica1 is back",
+            "pool is back",
+            "router is back",
+        ):
             assert line in up.output(), up.output()
         records = loop.records
         assert all(same for *_x, ok, same in records if ok), "an answer changed"
         # a request failed only within a failover window (from just before a kill until the cluster was whole)
         failed = [r for r in records if not r[2]]
         assert not [r for r in failed if not any(k - 1 <= r[0] <= b for k, b in windows.values())], (windows, failed)
-        report("up supervises: kill -9 replica, pool, router", requests=len(records),
-               failed={name: sum(1 for r in failed if k - 1 <= r[0] <= b) for name, (k, b) in windows.items()},
-               failover_s={name: round(b - k, 1) for name, (k, b) in windows.items()})
+        report(
+            "up supervises: kill -9 replica, pool, router",
+            requests=len(records),
+            failed={name: sum(1 for r in failed if k - 1 <= r[0] <= b) for name, (k, b) in windows.items()},
+            failover_s={name: round(b - k, 1) for name, (k, b) in windows.items()},
+        )
     finally:
         children = up.descendants()
         rc = up.stop()
@@ -116,8 +129,18 @@ def test_up_restarts_a_killed_replica_pool_and_router_and_answers_stay_the_same(
 
 
 def test_a_child_that_keeps_dying_crash_loops_and_up_exits_1_naming_it(tmp_path):
-    up = UpProcess("--replicas", "1", "--pool-size", "64MiB", "--max-restarts", "2", "--restart-window", "120",
-                   cwd=tmp_path, port=free_port_block(2))
+    up = UpProcess(
+        "--replicas",
+        "1",
+        "--pool-size",
+        "64MiB",
+        "--max-restarts",
+        "2",
+        "--restart-window",
+        "120",
+        cwd=tmp_path,
+        port=free_port_block(2),
+    )
     try:
         up.wait_ready(1)
         children = up.descendants()
@@ -131,6 +154,8 @@ def test_a_child_that_keeps_dying_crash_loops_and_up_exits_1_naming_it(tmp_path)
         up.stop()
     out = up.output()
     assert rc == 1, out
-    assert ("replica0 crash-looped: it exited 3 times within 120 s (--max-restarts 2; the last exit: killed by "
-            "SIGKILL); its last lines:") in out
+    assert (
+        "replica0 crash-looped: it exited 3 times within 120 s (--max-restarts 2; the last exit: killed by "
+        "SIGKILL); its last lines:"
+    ) in out
     assert not [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]

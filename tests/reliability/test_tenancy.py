@@ -5,15 +5,21 @@ import pytest
 from kvshare.keys import Namespace, namespace_digest
 from kvshare.launch import ClusterConfig
 from kvshare.router.proxy import RouterConfig
-from kvshare.serve.server import ServeConfig
+from kvshare.serve.config import ServeConfig
 from kvshare.serve.tenancy import Unauthorized, bearer_token, check_api_key, key_tenant, tenant_identity
 
 
 def test_api_key_check_accepts_only_configured_bearer_tokens():
     keys = ("alpha-key", "beta-key")
     assert check_api_key({"Authorization": "Bearer beta-key"}, keys) == "beta-key"
-    for headers in ({}, {"Authorization": "beta-key"}, {"Authorization": "Bearer "}, {"Authorization": "Bearer beta"},
-                    {"Authorization": "Basic YmV0YS1rZXk="}, {"Authorization": "Bearer beta-key-and-more"}):
+    for headers in (
+        {},
+        {"Authorization": "beta-key"},
+        {"Authorization": "Bearer "},
+        {"Authorization": "Bearer beta"},
+        {"Authorization": "Basic YmV0YS1rZXk="},
+        {"Authorization": "Bearer beta-key-and-more"},
+    ):
         with pytest.raises(Unauthorized):
             check_api_key(headers, keys)
     assert bearer_token({"Authorization": "Bearer  spaced "}) == "spaced"
@@ -48,8 +54,9 @@ def test_up_route_and_serve_take_keys_and_tenant_header_flags():
     from kvshare.cli import build_parser
 
     parser = build_parser()
-    up = parser.parse_args(["up", "--api-key", "k1", "--api-key", "k2", "--tenant-header", "X-Tenant-ID",
-                            "--router-arg=--write-timeout=5"])
+    up = parser.parse_args(
+        ["up", "--api-key", "k1", "--api-key", "k2", "--tenant-header", "X-Tenant-ID", "--router-arg=--write-timeout=5"]
+    )
     assert up.api_key == ["k1", "k2"] and up.tenant_header == "X-Tenant-ID" and up.router_arg == ["--write-timeout=5"]
     route = parser.parse_args(["route", "--replica", "http://127.0.0.1:1", "--api-key", "k1", "--write-timeout", "3"])
     assert route.api_key == ["k1"] and route.write_timeout == 3.0

@@ -44,15 +44,20 @@ def _forwarded(url: str, path: str, body: dict, headers: dict) -> dict:
 
 
 FORGED_ENTRY = {"use_pool": False, "account": "victim", "account_tag": account_tag("guessed-key-0000", "victim")}
-FORGED = {"prompt": "hello", "cache_salt": "s-1", "max_tokens": 3,
-          "kv_transfer_params": {"other": [1, 2], "kvshare": FORGED_ENTRY}}
+FORGED = {
+    "prompt": "hello",
+    "cache_salt": "s-1",
+    "max_tokens": 3,
+    "kv_transfer_params": {"other": [1, 2], "kvshare": FORGED_ENTRY},
+}
 
 
 def test_a_client_sent_account_is_replaced_by_the_authenticated_one():
     """Fails when the router forwards the body as the client sent it: the replica then reads the client's
     account ("victim", a tag under another key), or when the client's kvshare entry wins over the router's."""
-    config = RouterConfig(replicas=("http://127.0.0.1:1",), api_keys=(KEY_A, KEY_B), tenant_header="X-Tenant",
-                          account_key=ACCOUNT_KEY)
+    config = RouterConfig(
+        replicas=("http://127.0.0.1:1",), api_keys=(KEY_A, KEY_B), tenant_header="X-Tenant", account_key=ACCOUNT_KEY
+    )
     with LiveApp(_echo_replica()) as replica_url:
         router = RouterServer(dataclasses.replace(config, replicas=(replica_url,)))
         with LiveApp(router.app()) as url:
@@ -66,8 +71,11 @@ def test_a_client_sent_account_is_replaced_by_the_authenticated_one():
                     assert params == TransferParams(use_pool=False, account=key_tenant(KEY_A)), sent
                     # the rest of the body goes on as the client sent it
                     assert sent["kv_transfer_params"]["other"] == [1, 2], sent
-                    assert {k: sent[k] for k in ("prompt", "cache_salt", "max_tokens")} == \
-                        {"prompt": "hello", "cache_salt": "s-1", "max_tokens": 3}
+                    assert {k: sent[k] for k in ("prompt", "cache_salt", "max_tokens")} == {
+                        "prompt": "hello",
+                        "cache_salt": "s-1",
+                        "max_tokens": 3,
+                    }
             other = _forwarded(url, "/v1/completions", {"prompt": "x"}, {"Authorization": f"Bearer {KEY_B}"})
             assert TransferParams.from_params(other["kv_transfer_params"], ACCOUNT_KEY).account == key_tenant(KEY_B)
             tokenized = _forwarded(url, "/tokenize", {"prompt": "x"}, {"Authorization": f"Bearer {KEY_B}"})
@@ -90,10 +98,15 @@ def test_a_body_the_replica_refuses_goes_on_as_it_is(body):
 
 def test_an_empty_kv_transfer_params_gets_the_account():
     tag = account_tag(ACCOUNT_KEY, "a")
-    for body in (b'{"prompt": "x"}', b'{"prompt": "x", "kv_transfer_params": null}',
-                 b'{"prompt": "x", "kv_transfer_params": {"kvshare": 3}}'):
-        assert json.loads(vllm_body("POST", "/v1/completions", body, ACCOUNT_KEY, "a", None)) == \
-            {"prompt": "x", "kv_transfer_params": {"kvshare": {"account": "a", "account_tag": tag}}}
+    for body in (
+        b'{"prompt": "x"}',
+        b'{"prompt": "x", "kv_transfer_params": null}',
+        b'{"prompt": "x", "kv_transfer_params": {"kvshare": 3}}',
+    ):
+        assert json.loads(vllm_body("POST", "/v1/completions", body, ACCOUNT_KEY, "a", None)) == {
+            "prompt": "x",
+            "kv_transfer_params": {"kvshare": {"account": "a", "account_tag": tag}},
+        }
 
 
 def test_the_account_key_must_be_long_enough():

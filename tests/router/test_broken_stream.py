@@ -61,7 +61,7 @@ def test_a_stream_cut_off_by_its_replica_ends_with_an_error_event_and_no_done():
         router = RouterServer(RouterConfig(replicas=(replica_url,), health_interval_s=60))
         with LiveApp(router.app()) as router_url:
             status, received, ended = raw_post(router_url, {"prompt": "x", "stream": True})
-            events = [line[len(b"data: "):] for line in received.split(b"\n\n") if line.startswith(b"data: ")]
+            events = [line[len(b"data: ") :] for line in received.split(b"\n\n") if line.startswith(b"data: ")]
             assert status == 200 and ended == "eof" and b"[DONE]" not in received
             assert [json.loads(e)["choices"][0]["text"] for e in events[:2]] == ["Once", " upon"]
             error = json.loads(events[-1])["error"]

@@ -68,8 +68,10 @@ def test_the_queue_term_is_the_replicas_measured_service_time():
 
 
 def test_a_stream_tail_and_a_body_give_the_provenance_and_a_withheld_one_none():
-    final = (b'data: {"choices":[{"text":"x"}],"kvshare":{"replica":"a","local_tokens":3,"pool_tokens":512,'
-             b'"computed_tokens":40,"timeline":{"arrival":0.0}}}\n\ndata: [DONE]\n\n')
+    final = (
+        b'data: {"choices":[{"text":"x"}],"kvshare":{"replica":"a","local_tokens":3,"pool_tokens":512,'
+        b'"computed_tokens":40,"timeline":{"arrival":0.0}}}\n\ndata: [DONE]\n\n'
+    )
     assert provenance_of(b'"ignored half an event"}\n\n' + final) == (40, 512)
     assert provenance_of(b'{"choices":[],"kvshare":{"pool_tokens":0,"computed_tokens":9}}') == (9, 0)
     assert provenance_of(b'{"kv_transfer_params":{"kvshare":{"pool_tokens":256,"computed_tokens":1}}}') == (1, 256)
@@ -102,8 +104,11 @@ def test_t_r_places_by_the_measured_rates_where_the_flags_would_place_elsewhere(
 
 def test_a_pool_aware_routers_measured_terms_pass_promtools_rules():
     """Fails when the measured terms are not exported (no kvshare_router_pool_aware_*_per_token series)."""
-    config = RouterConfig(replicas=("http://127.0.0.1:1",), policy="pool_aware",
-                          pool_aware=PoolAwareConfig(endpoint="tcp://127.0.0.1:1", model="tiny", cost=FLAGS))
+    config = RouterConfig(
+        replicas=("http://127.0.0.1:1",),
+        policy="pool_aware",
+        pool_aware=PoolAwareConfig(endpoint="tcp://127.0.0.1:1", model="tiny", cost=FLAGS),
+    )
     text = generate_latest(RouterServer(config).metrics.registry).decode()
     assert lint(text) == []
     assert 'kvshare_router_pool_aware_prefill_seconds_per_token{replica="http://127.0.0.1:1"} 0.0005' in text
@@ -140,13 +145,17 @@ def test_the_router_times_a_relayed_stream_and_reads_its_provenance():
     fake.router.add_post("/v1/completions", completions)
     fake.router.add_get("/health", health)
     with LiveApp(fake) as replica_url:
-        config = RouterConfig(replicas=(replica_url,), policy="pool_aware",
-                              pool_aware=PoolAwareConfig(endpoint="tcp://127.0.0.1:1", model="tiny", cost=FLAGS))
+        config = RouterConfig(
+            replicas=(replica_url,),
+            policy="pool_aware",
+            pool_aware=PoolAwareConfig(endpoint="tcp://127.0.0.1:1", model="tiny", cost=FLAGS),
+        )
         server = RouterServer(config)
         with LiveApp(server.app()) as router_url:
             body = json.dumps({"prompt": "hello", "max_tokens": 2, "stream": True}).encode()
-            req = urllib.request.Request(router_url + "/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
+            req = urllib.request.Request(
+                router_url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
+            )
             with urllib.request.urlopen(req, timeout=60) as resp:
                 assert b"[DONE]" in resp.read()
             for _ in range(100):  # the relay records the end after the last write

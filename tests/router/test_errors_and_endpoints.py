@@ -29,17 +29,21 @@ def closed_port_url() -> str:
         return f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
-@pytest.mark.parametrize("method, path, raw", [
-    ("GET", "/nope", None),  # answered by the router itself
-    ("POST", "/nope", b"{}"),
-    ("GET", "/v1/completions", None),  # 405
-    ("DELETE", "/v1/models", None),
-    ("POST", "/v1/nope", b"{}"),  # forwarded
-    ("POST", "/v1/completions", b"{not json"),
-    ("POST", "/v1/completions", b'{"model": "nope", "prompt": "x"}'),
-    ("POST", "/tokenize", b"{not json"),
-    ("POST", "/v1/completions", b'{"prompt": "' + b"x" * (MAX_BODY + 10) + b'"}'),  # 413
-], ids=lambda v: v[:40].decode() if isinstance(v, bytes) else str(v))
+@pytest.mark.parametrize(
+    "method, path, raw",
+    [
+        ("GET", "/nope", None),  # answered by the router itself
+        ("POST", "/nope", b"{}"),
+        ("GET", "/v1/completions", None),  # 405
+        ("DELETE", "/v1/models", None),
+        ("POST", "/v1/nope", b"{}"),  # forwarded
+        ("POST", "/v1/completions", b"{not json"),
+        ("POST", "/v1/completions", b'{"model": "nope", "prompt": "x"}'),
+        ("POST", "/tokenize", b"{not json"),
+        ("POST", "/v1/completions", b'{"prompt": "' + b"x" * (MAX_BODY + 10) + b'"}'),  # 413
+    ],
+    ids=lambda v: v[:40].decode() if isinstance(v, bytes) else str(v),
+)
 def test_router_and_replica_answer_errors_alike(urls, method, path, raw):
     router_url, replica_url = urls
     got_router = call(router_url, path, method=method, raw=raw)
@@ -51,8 +55,11 @@ def test_router_and_replica_answer_errors_alike(urls, method, path, raw):
 
 def test_vllm_endpoints_through_the_router(urls):
     router_url, replica_url = urls
-    for path, body in [("/tokenize", {"prompt": "hello there"}), ("/detokenize", {"tokens": [104, 105]}),
-                       ("/tokenize", {"messages": [{"role": "user", "content": "hi"}]})]:
+    for path, body in [
+        ("/tokenize", {"prompt": "hello there"}),
+        ("/detokenize", {"tokens": [104, 105]}),
+        ("/tokenize", {"messages": [{"role": "user", "content": "hi"}]}),
+    ]:
         assert call(router_url, path, body) == call(replica_url, path, body)
         assert call(router_url, path, body)[0] == 200
     assert call(router_url, "/version") == (200, {"version": kvshare.__version__})

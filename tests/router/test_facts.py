@@ -1,4 +1,4 @@
-"""What the router reads from a request body to place it (kvshare.router.proxy.RouterServer._facts)."""
+"""What the router reads from a request body to place it (kvshare.router.facts, through RouterServer._facts)."""
 
 import json
 from types import SimpleNamespace
@@ -28,8 +28,11 @@ def test_the_session_header_wins_over_the_user():
 
 
 def test_alternate_counts_the_chat_turn():
-    messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
-                {"role": "user", "content": "c"}]
+    messages = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+        {"role": "user", "content": "c"},
+    ]
     facts = _facts("alternate", {"messages": messages, "user": "bob"})
     assert (facts.session_id, facts.chat_turn) == ("bob", 1)
 

@@ -6,8 +6,8 @@ import time
 import pytest
 
 from kvshare.pool import events as E
-from kvshare.router.policy import ReplicaView, RouteFacts, Router
 from kvshare.router.event_feed import EventFeed
+from kvshare.router.policy import ReplicaView, RouteFacts, Router
 from kvshare.router.pool_aware import CostModel, PoolAwarePlacer, PoolPrefixIndex, chain, expected_ttft, rank
 
 CHUNK = 4
@@ -19,7 +19,7 @@ def stored_chain(ids, first_hash=100, parent=None):
     events = []
     for i in range(len(ids) // CHUNK):
         block = first_hash + i
-        events.append(E.block_stored("map", [block], parent, ids[i * CHUNK:(i + 1) * CHUNK], CHUNK))
+        events.append(E.block_stored("map", [block], parent, ids[i * CHUNK : (i + 1) * CHUNK], CHUNK))
         parent = block
     return events
 
@@ -51,8 +51,12 @@ def test_a_salted_prompt_never_matches_what_the_pool_announced():
 
 
 def test_a_page_without_tokens_or_with_an_unknown_parent_is_not_indexed():
-    index = index_of([E.block_stored("map", [1], None, [], CHUNK),  # salted page: no token ids
-                      E.block_stored("map", [2], 77, [4, 5, 6, 7], CHUNK)])  # parent never announced
+    index = index_of(
+        [
+            E.block_stored("map", [1], None, [], CHUNK),  # salted page: no token ids
+            E.block_stored("map", [2], 77, [4, 5, 6, 7], CHUNK),
+        ]
+    )  # parent never announced
     assert len(index) == 0
 
 

@@ -35,14 +35,32 @@ def metric(router_url, name):
 
 
 def test_up_flags_give_the_pool_a_topic_per_replica_and_the_router_the_local_endpoints():
-    pool, router = up.kv_events_args(up_args("--policy", "pool_aware", "--kv-events", "tcp://*:5557",
-                                             "--kv-events-replay", "tcp://*:5558"))
-    assert pool == ("--kv-events", "tcp://*:5557", "--kv-events-replay", "tcp://*:5558", "--kv-events-topic",
-                    "kv@replica0@tiny", "--kv-events-topic", "kv@replica1@tiny")
-    assert router == ("--kv-events", "tcp://127.0.0.1:5557", "--kv-events-topic", "kv@replica0@tiny", "--model",
-                      "tiny", "--kv-events-replay", "tcp://127.0.0.1:5558")
-    _, router = up.kv_events_args(up_args("--policy", "pool_aware", "--kv-events", "ipc:///tmp/ev",
-                                          "--replica-kv-events-port", "5600"))
+    pool, router = up.kv_events_args(
+        up_args("--policy", "pool_aware", "--kv-events", "tcp://*:5557", "--kv-events-replay", "tcp://*:5558")
+    )
+    assert pool == (
+        "--kv-events",
+        "tcp://*:5557",
+        "--kv-events-replay",
+        "tcp://*:5558",
+        "--kv-events-topic",
+        "kv@replica0@tiny",
+        "--kv-events-topic",
+        "kv@replica1@tiny",
+    )
+    assert router == (
+        "--kv-events",
+        "tcp://127.0.0.1:5557",
+        "--kv-events-topic",
+        "kv@replica0@tiny",
+        "--model",
+        "tiny",
+        "--kv-events-replay",
+        "tcp://127.0.0.1:5558",
+    )
+    _, router = up.kv_events_args(
+        up_args("--policy", "pool_aware", "--kv-events", "ipc:///tmp/ev", "--replica-kv-events-port", "5600")
+    )
     assert router[-4:] == ("--replica-kv-events", "tcp://127.0.0.1:5600", "--replica-kv-events", "tcp://127.0.0.1:5601")
     with pytest.raises(ValueError, match="pool_aware"):
         up.kv_events_args(up_args("--policy", "pool_aware"))
@@ -55,11 +73,19 @@ def test_the_router_indexes_what_the_pool_commits_and_places_a_repeat_where_it_i
     """The first request is placed round robin (no event yet); its commit's batch reaches the router past the
     gap (replay). Fails when the engine sends no token ids with its reserves (the index stays at 0 chunks), and
     when a request placed during the fallback is not remembered (the repeat went to the other replica)."""
-    args = up_args("--policy", "pool_aware", "--kv-events", f"ipc://{tmp_path}/ev", "--kv-events-replay",
-                   f"ipc://{tmp_path}/rep")
+    args = up_args(
+        "--policy", "pool_aware", "--kv-events", f"ipc://{tmp_path}/ev", "--kv-events-replay", f"ipc://{tmp_path}/rep"
+    )
     pool_events, router_events = up.kv_events_args(args)
-    cfg = ClusterConfig(num_replicas=2, policy="pool_aware", port=free_port_block(3), pool_size="512MiB",
-                        ready_timeout_s=120, pool_args=pool_events, router_args=router_events)
+    cfg = ClusterConfig(
+        num_replicas=2,
+        policy="pool_aware",
+        port=free_port_block(3),
+        pool_size="512MiB",
+        ready_timeout_s=120,
+        pool_args=pool_events,
+        router_args=router_events,
+    )
     cluster = Cluster(cfg).start()
     try:
         url = cluster.router_url

@@ -21,14 +21,17 @@ REPLICAS = ("http://127.0.0.1:1", "http://127.0.0.1:2")
 def _placements(router: RouterServer, sent: list[tuple[dict, str]]) -> list[int]:
     """The first choice of each (headers, prompt) in turn, through the router's own reading of the request."""
     views = [ReplicaView(i, True, 0) for i in range(len(REPLICAS))]
-    body = lambda prompt: ('{"model": "m", "prompt": "%s"}' % prompt).encode()
+    body = lambda prompt: f'{{"model": "m", "prompt": "{prompt}"}}'.encode()
     return [router.policy.choose(router._facts(SimpleNamespace(headers=h), body(p)), views, 0.0)[0] for h, p in sent]
 
 
-@pytest.mark.parametrize("config, a, b", [
-    (dict(api_keys=(KEY_A, KEY_B)), {"Authorization": f"Bearer {KEY_A}"}, {"Authorization": f"Bearer {KEY_B}"}),
-    (dict(tenant_header="X-Tenant-ID"), {"X-Tenant-ID": "a"}, {"X-Tenant-ID": "b"}),
-])
+@pytest.mark.parametrize(
+    "config, a, b",
+    [
+        (dict(api_keys=(KEY_A, KEY_B)), {"Authorization": f"Bearer {KEY_A}"}, {"Authorization": f"Bearer {KEY_B}"}),
+        (dict(tenant_header="X-Tenant-ID"), {"X-Tenant-ID": "a"}, {"X-Tenant-ID": "b"}),
+    ],
+)
 def test_tenant_b_is_placed_alike_whatever_tenant_a_sent(config, a, b):
     """Fails when the router's prefix_blocks are not seeded with the tenant identity: B's request then follows the
     replica A's prompt went to (0) where, had A sent something else, round robin would have picked 1."""

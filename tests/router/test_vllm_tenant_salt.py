@@ -61,18 +61,24 @@ def _bearer(key: str) -> dict:
 def test_two_tenants_get_their_own_cache_salt_whatever_they_send():
     """Fails when the router forwards vLLM bodies with the client's cache_salt (or none): the two keys' requests
     then reach vLLM with one salt, and share its prefix-cache blocks and pool pages."""
-    config = RouterConfig(replicas=("http://127.0.0.1:1",), api_keys=(KEY_A, KEY_B), engine="vllm",
-                          account_key=ACCOUNT_KEY)
-    requests = [(_bearer(key), {"prompt": "hi", **({"cache_salt": salt} if salt else {})})
-                for key in (KEY_A, KEY_B) for salt in (None, "s-1")]
+    config = RouterConfig(
+        replicas=("http://127.0.0.1:1",), api_keys=(KEY_A, KEY_B), engine="vllm", account_key=ACCOUNT_KEY
+    )
+    requests = [
+        (_bearer(key), {"prompt": "hi", **({"cache_salt": salt} if salt else {})})
+        for key in (KEY_A, KEY_B)
+        for salt in (None, "s-1")
+    ]
     salts = _forwarded_salts(config, requests)
-    assert salts == [vllm_cache_salt(namespace_salt(key_tenant(key), salt))
-                     for key in (KEY_A, KEY_B) for salt in (None, "s-1")]
+    assert salts == [
+        vllm_cache_salt(namespace_salt(key_tenant(key), salt)) for key in (KEY_A, KEY_B) for salt in (None, "s-1")
+    ]
     assert len(set(salts)) == 4  # the client's salt splits its own tenant's share, never reaches another's
     for salt in salts:  # what vLLM takes (vllm.entrypoints.generate.base.protocol.validate_cache_salt)
         assert 0 < len(salt) <= 128 and not set(salt) & set("@/\\\0"), salt
-    chat = _forwarded_salts(config, [(_bearer(KEY_A), {"messages": [{"role": "user", "content": "hi"}]})],
-                            path="/v1/chat/completions")
+    chat = _forwarded_salts(
+        config, [(_bearer(KEY_A), {"messages": [{"role": "user", "content": "hi"}]})], path="/v1/chat/completions"
+    )
     assert chat == [vllm_cache_salt(key_tenant(KEY_A))]
     responses = _forwarded_salts(config, [(_bearer(KEY_A), {"input": "hi"})], path="/v1/responses")
     assert responses == [vllm_cache_salt(key_tenant(KEY_A))]  # every endpoint vLLM salts, not only completions
@@ -82,11 +88,18 @@ def test_a_client_salt_cannot_spell_another_tenants_salt():
     """Fails when the router writes the tenant's salt only where the client sent none, or passes the client's
     salt on: tenant "" (no header) sending another tenant's forwarded salt, or its name, would then share it."""
     config = RouterConfig(replicas=("http://127.0.0.1:1",), tenant_header="X-Tenant", engine="vllm")
-    acme = _forwarded_salts(config, [({"X-Tenant": "acme"}, {"prompt": "hi"}),
-                                     ({"X-Tenant": "acme"}, {"prompt": "hi", "cache_salt": "s"})])
+    acme = _forwarded_salts(
+        config, [({"X-Tenant": "acme"}, {"prompt": "hi"}), ({"X-Tenant": "acme"}, {"prompt": "hi", "cache_salt": "s"})]
+    )
     guesses = [*acme, "acme", namespace_salt("acme", "s"), "acme\0cache_salt=s"]
-    others = _forwarded_salts(config, [(headers, {"prompt": "hi", "cache_salt": guess}) for guess in guesses
-                                       for headers in ({}, {"X-Tenant": "acm"}, {"X-Tenant": "e"})])
+    others = _forwarded_salts(
+        config,
+        [
+            (headers, {"prompt": "hi", "cache_salt": guess})
+            for guess in guesses
+            for headers in ({}, {"X-Tenant": "acm"}, {"X-Tenant": "e"})
+        ],
+    )
     assert not set(others) & set(acme), (acme, others)
     assert _forwarded_salts(config, [({}, {"prompt": "hi"})]) == [None]  # the shared namespace: vLLM's own
 
@@ -94,8 +107,9 @@ def test_a_client_salt_cannot_spell_another_tenants_salt():
 def test_built_in_replicas_get_the_clients_salt_as_sent():
     """Built-in replicas salt themselves from the tenant header; the router must not salt them twice."""
     config = RouterConfig(replicas=("http://127.0.0.1:1",), api_keys=(KEY_A,), account_key=ACCOUNT_KEY)
-    assert _forwarded_salts(config, [(_bearer(KEY_A), {"prompt": "hi", "cache_salt": "s-1"}),
-                                     (_bearer(KEY_A), {"prompt": "hi"})]) == ["s-1", None]
+    assert _forwarded_salts(
+        config, [(_bearer(KEY_A), {"prompt": "hi", "cache_salt": "s-1"}), (_bearer(KEY_A), {"prompt": "hi"})]
+    ) == ["s-1", None]
 
 
 def test_vllm_replicas_without_tenants_get_the_clients_salt():
@@ -103,9 +117,17 @@ def test_vllm_replicas_without_tenants_get_the_clients_salt():
     assert _forwarded_salts(config, [({}, {"prompt": "hi", "cache_salt": "s-1"})]) == ["s-1"]
 
 
-@pytest.mark.parametrize("raw, param", [(b"not json", None), (b'["a"]', None), (b'{"cache_salt": ""}', "cache_salt"),
-                                        (b'{"cache_salt": 5}', "cache_salt"), (b'{"prompt": NaN}', None),
-                                        (b'{"kv_transfer_params": "x"}', "kv_transfer_params")])
+@pytest.mark.parametrize(
+    "raw, param",
+    [
+        (b"not json", None),
+        (b'["a"]', None),
+        (b'{"cache_salt": ""}', "cache_salt"),
+        (b'{"cache_salt": 5}', "cache_salt"),
+        (b'{"prompt": NaN}', None),
+        (b'{"kv_transfer_params": "x"}', "kv_transfer_params"),
+    ],
+)
 def test_a_body_that_cannot_carry_the_tenants_salt_never_reaches_the_replica(raw, param):
     """Fails when such a body goes on as it is: a parser laxer than the router's (Python's json takes NaN)
     would give vLLM the client's own cache_salt, which may spell another tenant's."""
@@ -123,8 +145,9 @@ def test_only_posts_under_v1_are_salted():
     body = b'{"prompt": "x", "cache_salt": "s"}'
     assert vllm_body("POST", "/tokenize", body, "", "", "acme") == body  # computes no KV
     assert vllm_body("GET", "/v1/models", b"", "", "", "acme") == b""
-    assert json.loads(vllm_body("POST", "/v1/completions", body, "", "", "acme"))["cache_salt"] == \
-        vllm_cache_salt(namespace_salt("acme", "s"))
+    assert json.loads(vllm_body("POST", "/v1/completions", body, "", "", "acme"))["cache_salt"] == vllm_cache_salt(
+        namespace_salt("acme", "s")
+    )
 
 
 def test_the_engine_is_checked():

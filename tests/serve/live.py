@@ -40,12 +40,14 @@ class LiveApp:
         self._loop.close()
 
 
-def call(url: str, path: str, body=None, method: str | None = None, raw: bytes | None = None,
-         headers: dict | None = None) -> tuple[int, object]:
+def call(
+    url: str, path: str, body=None, method: str | None = None, raw: bytes | None = None, headers: dict | None = None
+) -> tuple[int, object]:
     """(status, parsed JSON body or b"" when empty) of one request; HTTP errors are returned, not raised."""
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-    req = urllib.request.Request(url + path, data=data, method=method,
-                                 headers={"Content-Type": "application/json", **(headers or {})})
+    req = urllib.request.Request(
+        url + path, data=data, method=method, headers={"Content-Type": "application/json", **(headers or {})}
+    )
     try:
         with urllib.request.urlopen(req, timeout=120) as resp:
             status, payload = resp.status, resp.read()
@@ -72,6 +74,7 @@ def tiny_engine(model: str = "tiny", **config):
 
 def replica(engine, **config) -> LiveApp:
     """A replica (ReplicaServer) around ``engine``, served in-process."""
-    from kvshare.serve.server import ReplicaServer, ServeConfig
+    from kvshare.serve.config import ServeConfig
+    from kvshare.serve.server import ReplicaServer
 
     return LiveApp(ReplicaServer(engine, ServeConfig(replica_name="replica0", **config)).app())

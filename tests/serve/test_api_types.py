@@ -90,30 +90,69 @@ def test_namespace_salt_keeps_salts_and_tenants_apart():
 
 
 REFUSED = [
-    ("/v1/completions", "best_of", 2), ("/v1/completions", "suffix", "tail"), ("/v1/completions", "prompt_embeds", "x"),
+    ("/v1/completions", "best_of", 2),
+    ("/v1/completions", "suffix", "tail"),
+    ("/v1/completions", "prompt_embeds", "x"),
     ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
     ("/v1/chat/completions", "tool_choice", "required"),
     ("/v1/chat/completions", "functions", [{"name": "f"}]),
     ("/v1/chat/completions", "modalities", ["text", "audio"]),
     ("/v1/chat/completions", "chat_template", "{{ messages }}"),
     ("/v1/chat/completions", "add_generation_prompt", False),
-] + [(path, name, value) for path in ("/v1/completions", "/v1/chat/completions") for name, value in [
-    ("response_format", {"type": "json_object"}), ("guided_json", {"type": "object"}), ("guided_regex", "a+"),
-    ("guided_choice", ["yes", "no"]), ("guided_grammar", "root ::= 'a'"), ("structured_outputs", {"regex": "a"}),
-    ("bad_words", ["bad"]), ("allowed_token_ids", [1, 2]), ("min_tokens", 4), ("use_beam_search", True),
-    ("prompt_logprobs", 1), ("include_stop_str_in_output", True), ("skip_special_tokens", False),
-]]
+] + [
+    (path, name, value)
+    for path in ("/v1/completions", "/v1/chat/completions")
+    for name, value in [
+        ("response_format", {"type": "json_object"}),
+        ("guided_json", {"type": "object"}),
+        ("guided_regex", "a+"),
+        ("guided_choice", ["yes", "no"]),
+        ("guided_grammar", "root ::= 'a'"),
+        ("structured_outputs", {"regex": "a"}),
+        ("bad_words", ["bad"]),
+        ("allowed_token_ids", [1, 2]),
+        ("min_tokens", 4),
+        ("use_beam_search", True),
+        ("prompt_logprobs", 1),
+        ("include_stop_str_in_output", True),
+        ("skip_special_tokens", False),
+    ]
+]
 NEUTRAL = [
-    ("/v1/completions", {"best_of": 1, "suffix": "", "response_format": {"type": "text"}, "bad_words": [],
-                         "min_tokens": 0, "frequency_penalty": 0, "presence_penalty": 0.0, "top_k": -1}),
-    ("/v1/chat/completions", {"tools": [], "tool_choice": "none", "response_format": None, "guided_json": None,
-                              "modalities": ["text"], "add_generation_prompt": True, "repetition_penalty": 1}),
+    (
+        "/v1/completions",
+        {
+            "best_of": 1,
+            "suffix": "",
+            "response_format": {"type": "text"},
+            "bad_words": [],
+            "min_tokens": 0,
+            "frequency_penalty": 0,
+            "presence_penalty": 0.0,
+            "top_k": -1,
+        },
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "tools": [],
+            "tool_choice": "none",
+            "response_format": None,
+            "guided_json": None,
+            "modalities": ["text"],
+            "add_generation_prompt": True,
+            "repetition_penalty": 1,
+        },
+    ),
 ]
 
 
 def _request(path, **extra):
-    return A.decode(completion(**extra), A.CompletionRequest) if path == "/v1/completions" else \
-        A.decode(chat(**extra), A.ChatRequest)
+    return (
+        A.decode(completion(**extra), A.CompletionRequest)
+        if path == "/v1/completions"
+        else A.decode(chat(**extra), A.ChatRequest)
+    )
 
 
 @pytest.mark.parametrize("path, name, value", REFUSED)
@@ -131,20 +170,28 @@ def test_parameters_at_their_neutral_value_are_accepted(path, extra):
 
 def test_image_parts_are_refused_naming_the_part():
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
-    req = A.decode(chat(messages=[{"role": "user", "content": [{"type": "text", "text": "what is it?"}, image]}]),
-                   A.ChatRequest)
+    req = A.decode(
+        chat(messages=[{"role": "user", "content": [{"type": "text", "text": "what is it?"}, image]}]), A.ChatRequest
+    )
     with pytest.raises(A.ApiError) as err:
         A.validate(req)
     assert err.value.status == 400 and err.value.param == "messages[0].content[1].type"
     A.validate(A.decode(chat(messages=[{"role": "user", "content": [{"type": "text", "text": "x"}]}]), A.ChatRequest))
 
 
-@pytest.mark.parametrize("extra, param", [
-    ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -2.1}, "frequency_penalty"),
-    ({"repetition_penalty": 0}, "repetition_penalty"), ({"top_k": -2}, "top_k"), ({"min_p": 1.1}, "min_p"),
-    ({"logit_bias": {"12": 101}}, "logit_bias"), ({"logit_bias": {"x": 1}}, "logit_bias"),
-    ({"logit_bias": {"-3": 1}}, "logit_bias"),
-])
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -2.1}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 1.1}, "min_p"),
+        ({"logit_bias": {"12": 101}}, "logit_bias"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"logit_bias": {"-3": 1}}, "logit_bias"),
+    ],
+)
 def test_sampling_ranges_name_the_parameter(extra, param):
     with pytest.raises(A.ApiError) as err:
         A.validate(_request("/v1/completions", **extra))
@@ -152,8 +199,12 @@ def test_sampling_ranges_name_the_parameter(extra, param):
 
 
 def test_type_errors_name_the_parameter():
-    for body, param in ((chat(top_k="3"), "top_k"), (chat(stop_token_ids=["a"]), "stop_token_ids[0]"),
-                        (chat(logit_bias={"1": "a"}), "logit_bias"), (chat(messages=[{"role": 3}]), "messages[0].role")):
+    for body, param in (
+        (chat(top_k="3"), "top_k"),
+        (chat(stop_token_ids=["a"]), "stop_token_ids[0]"),
+        (chat(logit_bias={"1": "a"}), "logit_bias"),
+        (chat(messages=[{"role": 3}]), "messages[0].role"),
+    ):
         with pytest.raises(A.ApiError) as err:
             A.decode(body, A.ChatRequest)
         assert err.value.param == param, body
@@ -183,12 +234,15 @@ def test_a_long_token_id_prompt_reads_exactly():
     assert A.prompt_of(req).tolist() == ids
 
 
-@pytest.mark.parametrize("prompt, kept", [
-    ([1, -2, 3], [1, -2, 3]),  # a sign: the generic decode, then the server's range check (400)
-    ("text", "text"),
-    (["a"], "a"),
-    ([[1, 2]], [1, 2]),  # a one-element batch of token ids
-])
+@pytest.mark.parametrize(
+    "prompt, kept",
+    [
+        ([1, -2, 3], [1, -2, 3]),  # a sign: the generic decode, then the server's range check (400)
+        ("text", "text"),
+        (["a"], "a"),
+        ([[1, 2]], [1, 2]),  # a one-element batch of token ids
+    ],
+)
 def test_other_prompts_take_the_generic_decode(prompt, kept):
     import json
 

@@ -30,16 +30,23 @@ class _ScriptedEngine:
         self.num_runs = 0
 
     def events(self, is_reused: bool, num_prompt: int = 40):
-        provenance = SimpleNamespace(local_tokens=16 if is_reused else 0, pool_tokens=0,
-                                     computed_tokens=num_prompt - (16 if is_reused else 0))
+        provenance = SimpleNamespace(
+            local_tokens=16 if is_reused else 0, pool_tokens=0, computed_tokens=num_prompt - (16 if is_reused else 0)
+        )
         out = []
         for i, (token, top) in enumerate(zip(TOKENS, TOPS)):
             top = dict(top)
             if is_reused and i == self.step:
                 top[token] += self.shift
-            out.append(SimpleNamespace(token_id=token, logprob=top[token], top_logprobs=top,
-                                       finish_reason="length" if i == len(TOKENS) - 1 else None,
-                                       provenance=provenance))
+            out.append(
+                SimpleNamespace(
+                    token_id=token,
+                    logprob=top[token],
+                    top_logprobs=top,
+                    finish_reason="length" if i == len(TOKENS) - 1 else None,
+                    provenance=provenance,
+                )
+            )
         return out
 
     def generate(self, ids, params, options):
@@ -57,8 +64,9 @@ class _ScriptedEngine:
 def _audit(engine, params, with_events: bool) -> Auditor:
     auditor = Auditor(engine, AuditConfig(rate=1.0, num_tokens=3))
     served = engine.events(True)
-    assert auditor.offer(list(range(40)), params, RequestOptions(), REUSED, list(TOKENS),
-                         served if with_events else None)
+    assert auditor.offer(
+        list(range(40)), params, RequestOptions(), REUSED, list(TOKENS), served if with_events else None
+    )
     assert auditor.run_one()
     return auditor
 
@@ -114,8 +122,9 @@ def test_a_deterministic_engine_passes_its_own_exact_audit_of_local_reuse():
         for params in (SamplingParams(max_tokens=4, ignore_eos=True, logprobs=3), SamplingParams(max_tokens=4)):
             events = list(engine.generate(ids, params, RequestOptions(use_pool=False)))
             assert events[0].provenance.local_tokens == 64  # 4 chunks, on the grid of 32
-            assert auditor.offer(ids, params, RequestOptions(use_pool=False), events[0].provenance,
-                                 [e.token_id for e in events], events)
+            assert auditor.offer(
+                ids, params, RequestOptions(use_pool=False), events[0].provenance, [e.token_id for e in events], events
+            )
             assert auditor.run_one()
             assert auditor.last.is_identical and auditor.last.is_logprobs_compared, auditor.last.describe()
         assert auditor.counts.checks == 2 and auditor.counts.mismatches == 0

@@ -31,7 +31,9 @@ def cluster():
 
 
 def post(url: str, path: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=120) as resp:
             return resp.status, json.loads(resp.read())
@@ -108,8 +110,10 @@ def test_the_router_forwards_the_salt(cluster):
 @pytest.mark.parametrize("salt", [7, "", ["a"], None])
 def test_a_salt_that_is_not_a_non_empty_string_is_a_400(cluster, salt):
     for url in (cluster.router_url, cluster.replica_urls[0]):
-        for path, body in (("/v1/completions", {"prompt": "x"}),
-                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+        for path, body in (
+            ("/v1/completions", {"prompt": "x"}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+        ):
             status, out = post(url, path, body | {"cache_salt": salt, "max_tokens": 1})
             if salt is None:  # null is "no salt"
                 assert status == 200, out
@@ -129,6 +133,5 @@ def test_cache_aware_routing_matches_prefixes_of_one_salt_only():
     home = router.choose(RouteFacts(prefix_blocks=a), idle, now=0.0)[0]
     assert router.choose(RouteFacts(prefix_blocks=a), idle, now=0.0)[0] == home  # the same salt follows its prefix
     # another salt's request is placed as if nothing were cached (round robin), whichever replica holds a's prefix
-    picks = {router.choose(RouteFacts(prefix_blocks=prefix_blocks(text, salt=f"s{i}")), idle, 0.0)[0]
-             for i in range(4)}
+    picks = {router.choose(RouteFacts(prefix_blocks=prefix_blocks(text, salt=f"s{i}")), idle, 0.0)[0] for i in range(4)}
     assert picks == {0, 1}

@@ -35,22 +35,32 @@ def post(url: str, body, path="/v1/chat/completions", raw: bytes | None = None):
 def test_openai_sdk_chat_and_completions_streaming_and_not(cluster):
     client = sdk(cluster.router_url)
     assert [m.id for m in client.models.list().data] == ["tiny"]
-    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hello"}],
-                                          max_tokens=6, temperature=0)
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=6, temperature=0
+    )
     assert chat.choices[0].finish_reason in ("length", "stop") and chat.usage.completion_tokens >= 1
-    assert chat.kvshare["computed_tokens"] + chat.kvshare["pool_tokens"] + chat.kvshare["local_tokens"] == chat.usage.prompt_tokens
+    assert (
+        chat.kvshare["computed_tokens"] + chat.kvshare["pool_tokens"] + chat.kvshare["local_tokens"]
+        == chat.usage.prompt_tokens
+    )
     comp = client.completions.create(model="tiny", prompt="once upon a time", max_tokens=6, temperature=0)
     assert comp.usage.completion_tokens == 6 and isinstance(comp.choices[0].text, str)
-    stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hello"}],
-                                            max_tokens=6, temperature=0, stream=True,
-                                            stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hello"}],
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == chat.choices[0].message.content  # streaming and not give the same tokens
     assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
     assert chunks[-1].kvshare["replica"].startswith("replica")
-    comp_stream = list(client.completions.create(model="tiny", prompt="once upon a time", max_tokens=6,
-                                                 temperature=0, stream=True))
+    comp_stream = list(
+        client.completions.create(model="tiny", prompt="once upon a time", max_tokens=6, temperature=0, stream=True)
+    )
     assert "".join(c.choices[0].text for c in comp_stream if c.choices) == comp.choices[0].text
     finals = [c for c in comp_stream if c.choices and c.choices[0].finish_reason]
     assert finals and finals[-1].kvshare["computed_tokens"] > 0
@@ -58,16 +68,27 @@ def test_openai_sdk_chat_and_completions_streaming_and_not(cluster):
 
 def _two_turns(url: str, session: str, extension: dict) -> list[dict]:
     turns, messages = [], [{"role": "user", "content": LONG}]
-    for turn in range(2):
-        body = {"model": "tiny", "messages": messages, "max_tokens": 8, "temperature": 0, "return_token_ids": True,
-                "kvshare": extension}
-        req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json", "X-Session-ID": session})
+    for _ in range(2):
+        body = {
+            "model": "tiny",
+            "messages": messages,
+            "max_tokens": 8,
+            "temperature": 0,
+            "return_token_ids": True,
+            "kvshare": extension,
+        }
+        req = urllib.request.Request(
+            url + "/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json", "X-Session-ID": session},
+        )
         with urllib.request.urlopen(req, timeout=120) as resp:
             out = json.loads(resp.read())
         turns.append(out)
-        messages = messages + [{"role": "assistant", "content": out["choices"][0]["message"]["content"]},
-                               {"role": "user", "content": "And then? " * 5}]
+        messages = messages + [
+            {"role": "assistant", "content": out["choices"][0]["message"]["content"]},
+            {"role": "user", "content": "And then? " * 5},
+        ]
     return turns
 
 
@@ -160,9 +181,13 @@ def test_killed_replica_router_sends_requests_to_the_other():
 def test_up_sigterm_leaves_no_processes_sockets_or_shared_memory(tmp_path):
     port = free_port_block(3)
     env = dict(os.environ, TMPDIR=str(tmp_path))
-    proc = subprocess.Popen([sys.executable, "-m", "kvshare", "up", "--replicas", "2", "--port", str(port),
-                             "--pool-size", "256MiB"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvshare", "up", "--replicas", "2", "--port", str(port), "--pool-size", "256MiB"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     out = ""
     deadline = time.monotonic() + 120
     while "Ctrl-C stops everything" not in out:

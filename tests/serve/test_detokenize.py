@@ -67,5 +67,5 @@ def test_incremental_text_equals_the_tokenizers_full_decode():
 
 def test_an_incomplete_character_at_the_end_is_released_by_finish():
     s = TextStream(byte_decode, [])
-    out = "".join(s.add(b) for b in "ab".encode() + "é".encode()[:1])
+    out = "".join(s.add(b) for b in b"ab" + "é".encode()[:1])
     assert out == "ab" and s.finish() == "\ufffd"

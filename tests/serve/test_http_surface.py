@@ -21,11 +21,13 @@ def nested(depth: int, opener: bytes = b"[", closer: bytes = b"]") -> bytes:
 def bodies_nested_at(depth: int) -> list[tuple[str, bytes]]:
     """(path, body): nesting in the prompt, in a parameter decoded as any JSON, in chat messages."""
     deep_list, deep_object = nested(depth), nested(depth, b'{"a":', b"}")
-    return [("/v1/completions", b'{"prompt": ' + deep_list + b"}"),
-            ("/v1/completions", b'{"prompt": "x", "guided_json": ' + deep_object + b"}"),
-            ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": ' + deep_list + b"}]}"),
-            ("/v1/chat/completions", b'{"messages": [], "tools": ' + deep_object + b"}"),
-            ("/tokenize", b'{"prompt": ' + deep_list + b"}")]
+    return [
+        ("/v1/completions", b'{"prompt": ' + deep_list + b"}"),
+        ("/v1/completions", b'{"prompt": "x", "guided_json": ' + deep_object + b"}"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": ' + deep_list + b"}]}"),
+        ("/v1/chat/completions", b'{"messages": [], "tools": ' + deep_object + b"}"),
+        ("/tokenize", b'{"prompt": ' + deep_list + b"}"),
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -58,17 +60,24 @@ def _decode_any(body: bytes) -> None:
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(depth=st.integers(1, 20_000), width=st.integers(0, 500),
-       shape=st.sampled_from(["list", "object", "prompt", "messages", "mixed"]))
+@given(
+    depth=st.integers(1, 20_000),
+    width=st.integers(0, 500),
+    shape=st.sampled_from(["list", "object", "prompt", "messages", "mixed"]),
+)
 def test_body_parsers_answer_any_depth_and_size_with_an_api_error(depth, width, shape):
     """Fails when a RecursionError (or any exception but ApiError) escapes the body parsers."""
     deep = nested(depth) if shape != "object" else nested(depth, b'{"a":', b"}")
     if shape == "mixed":
         deep = b'[{"a":' * (depth // 2) + b"1" + b"}]" * (depth // 2)
     padding = b", " + b", ".join(b"%d" % i for i in range(width)) if width else b""
-    for body in (deep, b'{"prompt": [' + deep + padding + b"]}", b'{"prompt": "x", "stop": ' + deep + b"}",
-                 b'{"messages": [{"role": "user", "content": "x", "name": ' + deep + b"}]}",
-                 b'{"prompt": [1' + padding + b"], \"logit_bias\": " + deep + b"}"):
+    for body in (
+        deep,
+        b'{"prompt": [' + deep + padding + b"]}",
+        b'{"prompt": "x", "stop": ' + deep + b"}",
+        b'{"messages": [{"role": "user", "content": "x", "name": ' + deep + b"}]}",
+        b'{"prompt": [1' + padding + b'], "logit_bias": ' + deep + b"}",
+    ):
         _decode_any(body)
 
 
@@ -76,14 +85,17 @@ def chat_body(**extra) -> bytes:
     return json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}).encode()
 
 
-@pytest.mark.parametrize("path, body, param", [
-    ("/v1/completions", {"prompt": "x", "n": 2}, "n"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 3}, "n"),
-    ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),
-    ("/v1/completions", {"prompt": "x", "best_of": 2}, "best_of"),
-    ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
-    ("/v1/completions", {"prompt": [[1, 2], [3]]}, "prompt"),
-])
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", {"prompt": "x", "n": 2}, "n"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 3}, "n"),
+        ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),
+        ("/v1/completions", {"prompt": "x", "best_of": 2}, "best_of"),
+        ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
+        ("/v1/completions", {"prompt": [[1, 2], [3]]}, "prompt"),
+    ],
+)
 def test_parameters_not_implemented_are_refused_as_unsupported_alike(urls, path, body, param):
     """Fails when n, echo or a batch of prompts is refused with code null."""
     answers = [call(url, path, body) for url in urls]
@@ -113,13 +125,14 @@ def test_a_model_is_retrieved_by_its_name(urls):
 def stream_offsets(url: str, **body) -> list[int]:
     import urllib.request
 
-    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
     offsets = []
     with urllib.request.urlopen(req, timeout=120) as resp:
         for line in resp.read().split(b"\n\n"):
             if line.startswith(b"data: {"):
-                choice = json.loads(line[len(b"data: "):])["choices"][0]
+                choice = json.loads(line[len(b"data: ") :])["choices"][0]
                 offsets += (choice.get("logprobs") or {}).get("text_offset", [])
     return offsets
 

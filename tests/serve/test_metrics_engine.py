@@ -19,8 +19,11 @@ def scrape(stats: EngineStats) -> dict[str, float]:
 
 
 def test_local_cache_out_of_memory_and_capacity_are_exported():
-    values = scrape(EngineStats(local_out_of_memory=3, local_cache_bytes=2 << 20, local_cache_capacity_bytes=4 << 20,
-                                local_hit_chunks=7))
+    values = scrape(
+        EngineStats(
+            local_out_of_memory=3, local_cache_bytes=2 << 20, local_cache_capacity_bytes=4 << 20, local_hit_chunks=7
+        )
+    )
     assert values["kvshare_local_cache_out_of_memory_total"] == 3
     assert values["kvshare_local_cache_bytes"] == 2 << 20
     assert values["kvshare_local_cache_capacity_bytes"] == 4 << 20

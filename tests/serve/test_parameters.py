@@ -21,15 +21,21 @@ def url():
 
 
 def complete(url, **body):
-    status, out = call(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 12, "ignore_eos": True,
-                                                "return_token_ids": True} | body)
+    status, out = call(
+        url,
+        "/v1/completions",
+        {"prompt": PROMPT, "max_tokens": 12, "ignore_eos": True, "return_token_ids": True} | body,
+    )
     assert status == 200, out
     return out["choices"][0]
 
 
 def chat(url, **body):
-    return call(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4,
-                                              "ignore_eos": True} | body)
+    return call(
+        url,
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "ignore_eos": True} | body,
+    )
 
 
 def test_top_k_one_and_min_p_one_equal_greedy(url):
@@ -61,8 +67,9 @@ def test_stop_token_ids_end_with_stop_and_leave_the_token_out_of_the_text(url):
     assert status == 400 and err["error"]["param"] == "stop_token_ids"
 
 
-@pytest.mark.parametrize("penalty", [{"presence_penalty": 2.0}, {"frequency_penalty": 2.0},
-                                     {"repetition_penalty": 3.0}])
+@pytest.mark.parametrize(
+    "penalty", [{"presence_penalty": 2.0}, {"frequency_penalty": 2.0}, {"repetition_penalty": 3.0}]
+)
 def test_penalties_change_greedy_output_away_from_seen_tokens(url, penalty):
     greedy = complete(url, temperature=0, max_tokens=60)["token_ids"]
     penalised = complete(url, temperature=0, max_tokens=60, **penalty)["token_ids"]
@@ -72,17 +79,27 @@ def test_penalties_change_greedy_output_away_from_seen_tokens(url, penalty):
     assert greedy[step] in seen  # only tokens seen before are penalised
 
 
-@pytest.mark.parametrize("path, name, value", [
-    ("/v1/completions", "best_of", 3), ("/v1/completions", "suffix", "!"),
-    ("/v1/completions", "response_format", {"type": "json_object"}), ("/v1/completions", "guided_regex", "a+"),
-    ("/v1/chat/completions", "guided_json", {"type": "object"}), ("/v1/chat/completions", "guided_choice", ["a"]),
-    ("/v1/chat/completions", "guided_grammar", "root ::= 'a'"),
-    ("/v1/chat/completions", "structured_outputs", {"choice": ["a"]}),
-    ("/v1/chat/completions", "bad_words", ["x"]),
-    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    ("/v1/chat/completions", "tool_choice", {"type": "function", "function": {"name": "f"}}),
-    ("/v1/chat/completions", "response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
-])
+@pytest.mark.parametrize(
+    "path, name, value",
+    [
+        ("/v1/completions", "best_of", 3),
+        ("/v1/completions", "suffix", "!"),
+        ("/v1/completions", "response_format", {"type": "json_object"}),
+        ("/v1/completions", "guided_regex", "a+"),
+        ("/v1/chat/completions", "guided_json", {"type": "object"}),
+        ("/v1/chat/completions", "guided_choice", ["a"]),
+        ("/v1/chat/completions", "guided_grammar", "root ::= 'a'"),
+        ("/v1/chat/completions", "structured_outputs", {"choice": ["a"]}),
+        ("/v1/chat/completions", "bad_words", ["x"]),
+        ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+        ("/v1/chat/completions", "tool_choice", {"type": "function", "function": {"name": "f"}}),
+        (
+            "/v1/chat/completions",
+            "response_format",
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}},
+        ),
+    ],
+)
 def test_unimplemented_parameters_get_400_naming_them(url, path, name, value):
     base = {"prompt": PROMPT} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
     status, err = call(url, path, base | {name: value, "max_tokens": 2})
@@ -94,8 +111,16 @@ def test_image_parts_get_400_and_neutral_values_are_served(url):
     image = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
     status, err = chat(url, messages=[{"role": "user", "content": [{"type": "text", "text": "what?"}, image]}])
     assert status == 400 and err["error"]["param"] == "messages[0].content[1].type"
-    status, out = chat(url, temperature=0, tools=[], tool_choice="none", response_format={"type": "text"},
-                       frequency_penalty=0, presence_penalty=0, best_of=None)
+    status, out = chat(
+        url,
+        temperature=0,
+        tools=[],
+        tool_choice="none",
+        response_format={"type": "text"},
+        frequency_penalty=0,
+        presence_penalty=0,
+        best_of=None,
+    )
     assert status == 200 and out["usage"]["completion_tokens"] == 4
     status, plain = chat(url, temperature=0)
     assert out["choices"][0]["message"] == plain["choices"][0]["message"]  # neutral values change nothing
@@ -115,12 +140,13 @@ def test_completion_top_logprobs_keep_byte_tokens_apart(url):
     assert sum(any(key.startswith("bytes:") for key in top) for top in tops) >= 2
     assert [len(top) for top in tops] == [5] * 8  # five tokens asked for, five keys in every step
     for token_id, name in zip(out["token_ids"], out["logprobs"]["tokens"]):  # (no special token under ignore_eos here)
-        assert name == (chr(token_id) if token_id < 128 else "bytes:\\x%02x" % token_id)
+        assert name == (chr(token_id) if token_id < 128 else f"bytes:\\x{token_id:02x}")
 
 
 def test_chat_logprob_bytes_are_the_tokens_raw_bytes(url):
-    status, out = chat(url, temperature=0, max_tokens=3, logprobs=True, top_logprobs=5,
-                       logit_bias={"228": 100}, return_token_ids=True)
+    status, out = chat(
+        url, temperature=0, max_tokens=3, logprobs=True, top_logprobs=5, logit_bias={"228": 100}, return_token_ids=True
+    )
     assert status == 200
     content = out["choices"][0]["logprobs"]["content"]
     assert [c["token"] for c in content] == ["bytes:\\xe4"] * 3 and [c["bytes"] for c in content] == [[228]] * 3
@@ -129,7 +155,7 @@ def test_chat_logprob_bytes_are_the_tokens_raw_bytes(url):
         assert len(names) == len(set(names)) == 5
         for t in step["top_logprobs"]:
             if t["token"].startswith("bytes:"):
-                assert t["token"] == "bytes:" + "".join("\\x%02x" % b for b in t["bytes"])
+                assert t["token"] == "bytes:" + "".join(f"\\x{b:02x}" for b in t["bytes"])
             else:
                 assert bytes(t["bytes"]).decode() == t["token"]
 
@@ -147,8 +173,10 @@ def test_token_ids_read_as_an_array_serve_as_the_list_did(url):
     prompt_token_ids returned are the same, and the same as the text prompt's ids give."""
     ids = complete(url, max_tokens=1)["prompt_token_ids"]
     compact = complete(url, prompt=ids, temperature=0)
-    raw = ('{"prompt": [ ' + " ,\n ".join(map(str, ids)) + ' ], "max_tokens": 12, "ignore_eos": true, '
-           '"return_token_ids": true, "temperature": 0}').encode()
+    raw = (
+        '{"prompt": [ ' + " ,\n ".join(map(str, ids)) + ' ], "max_tokens": 12, "ignore_eos": true, '
+        '"return_token_ids": true, "temperature": 0}'
+    ).encode()
     status, spaced = call(url, "/v1/completions", raw=raw)
     assert status == 200, spaced
     assert spaced["choices"][0]["token_ids"] == compact["token_ids"] == complete(url, temperature=0)["token_ids"]

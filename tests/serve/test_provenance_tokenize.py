@@ -5,7 +5,8 @@ import threading
 import pytest
 
 from kvshare.serve import server as server_module
-from kvshare.serve.server import ReplicaServer, ServeConfig
+from kvshare.serve.config import ServeConfig
+from kvshare.serve.server import ReplicaServer
 from tests.serve.live import LiveApp, call
 
 KEY = "key-0123456789"

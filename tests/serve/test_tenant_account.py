@@ -29,7 +29,9 @@ def test_requests_with_any_salt_or_tenant_header_name_their_key_as_account():
             headers = {"Authorization": "Bearer key-a"} | ({"X-Tenant": team} if team else {})
             status, out = call(url, "/v1/completions", body, headers=headers)
             assert status == 200, out
-    assert [o.tenant for o in seen] == [namespace_salt(tenant_identity("key-a", "red"), "s1"),
-                                        namespace_salt(tenant_identity("key-a", "blue"), "s2"),
-                                        tenant_identity("key-a", "")]
+    assert [o.tenant for o in seen] == [
+        namespace_salt(tenant_identity("key-a", "red"), "s1"),
+        namespace_salt(tenant_identity("key-a", "blue"), "s2"),
+        tenant_identity("key-a", ""),
+    ]
     assert [o.account for o in seen] == [key_tenant("key-a")] * 3

@@ -20,8 +20,18 @@ from kvshare.engine.warmup import WARMUP_CHUNKS, warm_up, warmup_prompts
 from kvshare.serve.readiness import Readiness
 from tests.serve.live import LiveApp, call, metric
 
-ORDER = ("body_read", "parse", "hashing", "lookup_and_lease", "first_copy_enqueued", "load_issued",
-         "first_layer_computed", "forward_end", "first_token_sampled", "first_token_written")  # each at or after
+ORDER = (
+    "body_read",
+    "parse",
+    "hashing",
+    "lookup_and_lease",
+    "first_copy_enqueued",
+    "load_issued",
+    "first_layer_computed",
+    "forward_end",
+    "first_token_sampled",
+    "first_token_written",
+)  # each at or after
 # the one before; load_end lies before forward_end, load_checked between load_end and first_token_sampled (on
 # CUDA the host may know the check before the device ends the forward)
 LOAD_STEPS = ("first_copy_enqueued", "load_started", "load_issued", "load_end", "load_checked")
@@ -33,7 +43,8 @@ def replicas():
     from kvshare.engine.engine import Engine, EngineConfig
     from kvshare.pool.spawn import running_pool
     from kvshare.router.proxy import RouterConfig, RouterServer
-    from kvshare.serve.server import ReplicaServer, ServeConfig
+    from kvshare.serve.config import ServeConfig
+    from kvshare.serve.server import ReplicaServer
 
     gate = threading.Event()
     announced: list[str] = []
@@ -43,11 +54,13 @@ def replicas():
         return warm_up(engine)
 
     with running_pool("256MiB", quiet=True) as sock:
-        make = lambda: Engine(EngineConfig(model="tiny", pool_socket=sock, local_cache_bytes=64 << 20,
-                                           verify_checksums=True))
+        make = lambda: Engine(
+            EngineConfig(model="tiny", pool_socket=sock, local_cache_bytes=64 << 20, verify_checksums=True)
+        )
         server_a = ReplicaServer(make(), ServeConfig(replica_name="A", provenance="all"))
-        server_b = ReplicaServer(make(), ServeConfig(replica_name="B", warmup=True, provenance="all"),
-                                 warm_up=slow_warm_up)
+        server_b = ReplicaServer(
+            make(), ServeConfig(replica_name="B", warmup=True, provenance="all"), warm_up=slow_warm_up
+        )
         server_b.readiness.on_ready = lambda: announced.append("ready")
         with LiveApp(server_a.app()) as a, LiveApp(server_b.app()) as b:
             server_b.readiness.listening()  # what run_app's print callback does in kvshare serve
@@ -65,8 +78,9 @@ def prompt(seed: int, n: int = 1500) -> list[int]:
 def stream(url: str, ids: list[int], timeline: bool = True) -> dict:
     """The ``kvshare`` object of a streamed completion (from the last chunk that carries one)."""
     body = {"prompt": ids, "max_tokens": 3, "temperature": 0, "stream": True, "kvshare": {"timeline": timeline}}
-    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     found = None
     with urllib.request.urlopen(req, timeout=120) as resp:
         for line in resp:
@@ -118,9 +132,19 @@ def test_timeline_of_a_cold_a_cross_replica_and_a_local_request(replicas):
     assert (cold["computed_tokens"], cross["pool_tokens"], local["local_tokens"]) == (1500, 1280, 1280)
     for answer in (cold, cross, local):
         check_order(answer["timeline"])
-        assert all(answer["timeline"][s] is not None for s in ("body_read", "parse", "hashing", "first_layer_computed",
-                                                                "forward_end", "first_token_sampled",
-                                                                "first_token_written", "published"))
+        assert all(
+            answer["timeline"][s] is not None
+            for s in (
+                "body_read",
+                "parse",
+                "hashing",
+                "first_layer_computed",
+                "forward_end",
+                "first_token_sampled",
+                "first_token_written",
+                "published",
+            )
+        )
         # the prompt is offered to the local cache and the pool after the first token, never before it
         assert answer["timeline"]["published"] >= answer["timeline"]["first_token_sampled"], answer["timeline"]
     assert all(cold["timeline"][s] is None for s in LOAD_STEPS)  # nothing loaded

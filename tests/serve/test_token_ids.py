@@ -18,9 +18,29 @@ def test_the_reader_takes_json_lists_of_non_negative_integers():
     assert T.read_list(b"[99999999999999999999999]").tolist() == [2**63 - 1]  # beyond any vocabulary
 
 
-@pytest.mark.parametrize("raw", [b"[1,-2]", b"[1.0]", b"[1e3]", b"[[1]]", b'"12"', b"12", b"[true]", b'[1, "2"]',
-                                 b"[1,,2]", b"[1,2,]", b"[,1]", b"[1 2]", b"[1, 2 3]", b"[01]", b"[1, 007]", b"[,]",
-                                 b"[1\x0b2]", b"[1,\xff]"])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"[1,-2]",
+        b"[1.0]",
+        b"[1e3]",
+        b"[[1]]",
+        b'"12"',
+        b"12",
+        b"[true]",
+        b'[1, "2"]',
+        b"[1,,2]",
+        b"[1,2,]",
+        b"[,1]",
+        b"[1 2]",
+        b"[1, 2 3]",
+        b"[01]",
+        b"[1, 007]",
+        b"[,]",
+        b"[1\x0b2]",
+        b"[1,\xff]",
+    ],
+)
 def test_the_reader_refuses_everything_else(raw):
     assert T.read_list(raw) is None, raw
 
@@ -45,23 +65,27 @@ def test_one_bad_number_anywhere_in_a_long_list_refuses_it(where):
 
 def test_decode_completion_cuts_the_prompt_out_and_keeps_the_rest():
     ids = np.random.default_rng(7).integers(0, 151_936, 50_000).tolist()
-    body = json.dumps({"model": "m", "max_tokens": 3, "prompt": ids, "temperature": 0.5, "user": "u",
-                       "kvshare": {"timeline": True}}).encode()
+    body = json.dumps(
+        {"model": "m", "max_tokens": 3, "prompt": ids, "temperature": 0.5, "user": "u", "kvshare": {"timeline": True}}
+    ).encode()
     req = A.decode_completion(body)
     assert type(req) is A.TokenIdsCompletionRequest and isinstance(req.prompt, np.ndarray)
     assert req.prompt.tolist() == ids
     assert (req.model, req.max_tokens, req.temperature, req.user, req.kvshare.timeline) == ("m", 3, 0.5, "u", True)
 
 
-@pytest.mark.parametrize("body, prompt", [
-    # a "prompt" key that is not the request's: inside a string, in another object, before the real one
-    (b'{"user": "\\"prompt\\": [1]", "prompt": [5, 6]}', [5, 6]),
-    (b'{"kvshare": {"use_pool": true}, "stop": ["\\"prompt\\":[9]"], "prompt": [7]}', [7]),
-    (b'{"prompt": "text [1, 2]"}', "text [1, 2]"),
-    (b'{"prompt": [[1, 2]]}', [1, 2]),  # a one-element batch
-    (b'{"prompt": [1, -2]}', [1, -2]),  # refused later by the replica's range check
-    (b'{"prompt" : \n [3 ,4]}', [3, 4]),
-])
+@pytest.mark.parametrize(
+    "body, prompt",
+    [
+        # a "prompt" key that is not the request's: inside a string, in another object, before the real one
+        (b'{"user": "\\"prompt\\": [1]", "prompt": [5, 6]}', [5, 6]),
+        (b'{"kvshare": {"use_pool": true}, "stop": ["\\"prompt\\":[9]"], "prompt": [7]}', [7]),
+        (b'{"prompt": "text [1, 2]"}', "text [1, 2]"),
+        (b'{"prompt": [[1, 2]]}', [1, 2]),  # a one-element batch
+        (b'{"prompt": [1, -2]}', [1, -2]),  # refused later by the replica's range check
+        (b'{"prompt" : \n [3 ,4]}', [3, 4]),
+    ],
+)
 def test_what_the_cut_cannot_take_goes_through_msgspec(body, prompt):
     got = A.prompt_of(A.decode_completion(body))
     assert (got.tolist() if isinstance(got, np.ndarray) else got) == prompt
@@ -73,8 +97,17 @@ def test_a_marker_in_the_body_is_a_clients_string_not_ours():
     assert json.loads(T.MARK).startswith("kvshare-prompt-") and len(T.MARK) > 30  # a per-process nonce
 
 
-@pytest.mark.parametrize("body", [b'{"prompt": [1,2,]}', b'{"prompt": [1,,2]}', b'{"prompt": [1 2]}',
-                                  b'{"prompt": [01]}', b'{"prompt": [1, 2], "max_tokens": }', b'{"prompt": [1]'])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"prompt": [1,2,]}',
+        b'{"prompt": [1,,2]}',
+        b'{"prompt": [1 2]}',
+        b'{"prompt": [01]}',
+        b'{"prompt": [1, 2], "max_tokens": }',
+        b'{"prompt": [1]',
+    ],
+)
 def test_malformed_json_is_answered_as_before(body):
     with pytest.raises(A.ApiError) as err:
         A.decode_completion(body)

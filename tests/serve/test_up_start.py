@@ -6,8 +6,8 @@ from __future__ import annotations
 import http.server
 import json
 import subprocess
-import threading
 import sys
+import threading
 import time
 
 import psutil
@@ -87,8 +87,9 @@ def test_readiness_is_the_child_just_started_not_whoever_answers_on_its_port(for
 
 
 def test_a_replica_that_exits_at_start_stops_up_naming_it_and_its_last_lines(tmp_path):
-    up = UpProcess("--replicas", "1", "--pool", "off", "--replica-arg=--no-such-flag", cwd=tmp_path,
-                   port=free_port_block(2))
+    up = UpProcess(
+        "--replicas", "1", "--pool", "off", "--replica-arg=--no-such-flag", cwd=tmp_path, port=free_port_block(2)
+    )
     rc = up.proc.wait(120)
     out = up.output()
     assert rc == 2, out
@@ -107,13 +108,15 @@ def test_pool_stats_with_no_socket_finds_the_pool_up_started(tmp_path, monkeypat
     up = UpProcess("--replicas", "1", "--pool-size", "64MiB", cwd=tmp_path, port=port)
     try:
         up.wait_ready(1)
-        out = subprocess.run([sys.executable, "-P", "-m", "kvshare", "pool-stats"], env=env, capture_output=True,
-                             text=True, timeout=60)
+        out = subprocess.run(
+            [sys.executable, "-P", "-m", "kvshare", "pool-stats"], env=env, capture_output=True, text=True, timeout=60
+        )
         assert out.returncode == 0, out.stderr
         assert json.loads(out.stdout)["capacity_bytes"] == 64 << 20
     finally:
         assert up.stop() == 0, up.output()
     assert not (runtime / "kvshare" / f"up-pool-socket.{port}").exists()
-    out = subprocess.run([sys.executable, "-P", "-m", "kvshare", "pool-stats"], env=env, capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-P", "-m", "kvshare", "pool-stats"], env=env, capture_output=True, text=True, timeout=60
+    )
     assert out.returncode != 0 and "pool.sock" in out.stderr and "Traceback" not in out.stderr

@@ -16,8 +16,20 @@ from kvshare.launch import Cluster, ClusterConfig
 from tests.serve.live import call, replica, tiny_engine
 
 MODEL_CARD_FIELDS = {"id", "object", "created", "owned_by", "root", "parent", "max_model_len", "permission"}
-PERMISSION_FIELDS = {"id", "object", "created", "allow_create_engine", "allow_sampling", "allow_logprobs",
-                     "allow_search_indices", "allow_view", "allow_fine_tuning", "organization", "group", "is_blocking"}
+PERMISSION_FIELDS = {
+    "id",
+    "object",
+    "created",
+    "allow_create_engine",
+    "allow_sampling",
+    "allow_logprobs",
+    "allow_search_indices",
+    "allow_view",
+    "allow_fine_tuning",
+    "organization",
+    "group",
+    "is_blocking",
+}
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +69,7 @@ def test_the_model_id_is_the_model_argument_as_given(model_dir):
     # `kvshare up` starts replicas with --model as given and no --served-model-name; vLLM replicas get it named
     cluster = Cluster(ClusterConfig(model=given))
     argv, _ = cluster._replica_command(0, [])
-    args = parse_serve(argv[argv.index("serve") + 1:])
+    args = parse_serve(argv[argv.index("serve") + 1 :])
     assert args.model == given and args.served_model_name is None
     assert serve_command.serve_config(args).served_model_names == () and cluster._served_name() == given
 
@@ -75,8 +87,9 @@ def test_several_served_model_names_the_first_is_reported(engine):
         assert status == 404 and out["error"]["param"] == "model"
         assert "Valid aliases: main, alias" in out["error"]["message"]
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-        chat = client.chat.completions.create(model="alias", messages=[{"role": "user", "content": "hi"}],
-                                              max_tokens=2, temperature=0)
+        chat = client.chat.completions.create(
+            model="alias", messages=[{"role": "user", "content": "hi"}], max_tokens=2, temperature=0
+        )
         assert chat.model == "main"
 
 
@@ -84,8 +97,11 @@ def test_model_may_be_left_out(engine):
     with replica(engine) as url:
         status, out = complete(url)
         assert status == 200 and out["model"] == "tiny" and out["usage"]["completion_tokens"] == 2
-        status, out = call(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                                                          "max_tokens": 2, "stream": False})
+        status, out = call(
+            url,
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": False},
+        )
         assert status == 200 and out["model"] == "tiny"
 
 
@@ -141,8 +157,11 @@ def test_max_model_len_and_dtype_flags():
     args = parse_serve(["--max-model-len", "64", "--dtype", "bfloat16"])
     config = serve_command.engine_config(args)
     assert config.max_model_len == 64 and config.dtype == "bfloat16"
-    assert [serve_command.engine_config(parse_serve(["--dtype", d])).dtype for d in ("auto", "half", "float")] == \
-        [None, "float16", "float32"]
+    assert [serve_command.engine_config(parse_serve(["--dtype", d])).dtype for d in ("auto", "half", "float")] == [
+        None,
+        "float16",
+        "float32",
+    ]
     assert [parse_serve(["--max-model-len", v]).max_model_len for v in ("32k", "32K", "auto")] == [32000, 32768, None]
     with pytest.raises(SystemExit):
         parse_serve(["--dtype", "int8"])
@@ -155,8 +174,10 @@ def test_max_model_len_and_dtype_flags():
         status, out = complete(url, prompt="x" * 50, max_tokens=20)
         assert status == 400 and out["error"]["param"] == "max_tokens"
         assert out["error"]["code"] == "context_length_exceeded"
-        assert out["error"]["message"].startswith("This model's maximum context length is 64 tokens. However, you "
-                                                  "requested 70 tokens (50 in the prompt, 20 in the completion).")
+        assert out["error"]["message"].startswith(
+            "This model's maximum context length is 64 tokens. However, you "
+            "requested 70 tokens (50 in the prompt, 20 in the completion)."
+        )
         status, out = complete(url, prompt="x" * 64, max_tokens=1)
         assert status == 400 and out["error"]["param"] == "prompt" and "64 input tokens" in out["error"]["message"]
         status, out = complete(url, prompt="x" * 50, max_tokens=14, ignore_eos=True)
@@ -190,8 +211,10 @@ def test_tokenize_refuses_what_chat_refuses_and_a_template_that_fails_is_a_400(e
         try:
             for broken in (None, "{{ raise_exception('this template takes no system message') }}"):
                 engine.tokenizer.chat_template = broken  # a model without a template; one that refuses the messages
-                for path, body in (("/tokenize", {"messages": [{"role": "user", "content": "hi"}]}),
-                                   ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+                for path, body in (
+                    ("/tokenize", {"messages": [{"role": "user", "content": "hi"}]}),
+                    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                ):
                     status, out = call(url, path, body)
                     assert status == 400 and out["error"]["param"] == "messages", (broken, path, out)
         finally:

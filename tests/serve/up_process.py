@@ -34,9 +34,15 @@ class UpProcess:
         self.router_url = f"http://127.0.0.1:{port}"
         self.log_path = os.path.join(cwd, "up.log")
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen([sys.executable, "-P", "-m", "kvshare", "up", "--port", str(port), *args],
-                                         cwd=cwd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=kvshare_env(), start_new_session=True)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-P", "-m", "kvshare", "up", "--port", str(port), *args],
+                cwd=cwd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=kvshare_env(),
+                start_new_session=True,
+            )
 
     def output(self) -> str:
         with open(self.log_path, errors="replace") as f:

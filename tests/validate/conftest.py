@@ -12,8 +12,9 @@ CHUNK = 16  # in-process engines: small chunks keep the tiny model's prompts sho
 @pytest.fixture(scope="module")
 def pool_socket():
     """A 64 MiB pool with 8 MiB extents that keeps every committed page (one per test module)."""
-    with running_pool("64MiB", ("--extent-size", "8MiB", "--high-watermark", "1", "--low-watermark", "1"),
-                      quiet=True) as path:
+    with running_pool(
+        "64MiB", ("--extent-size", "8MiB", "--high-watermark", "1", "--low-watermark", "1"), quiet=True
+    ) as path:
         yield path
 
 

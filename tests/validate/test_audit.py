@@ -43,7 +43,9 @@ def test_audit_passes_reuse_and_skips_cold_requests(writer):
     assert auditor.last.is_identical and auditor.last.num_compared == 8
 
 
-def test_audit_catches_a_poisoned_pool_page_drops_its_chunks_and_the_next_request_recomputes(pool_socket, writer, replica):
+def test_audit_catches_a_poisoned_pool_page_drops_its_chunks_and_the_next_request_recomputes(
+    pool_socket, writer, replica
+):
     ids = prompt(75, seed=2)
     cold = [e.token_id for e in writer.generate(ids, GREEDY, COLD)]
     list(writer.generate(ids, GREEDY))  # stores chunks 0..3 in the pool
@@ -111,9 +113,13 @@ class _ScriptedEngine:
         provenance = SimpleNamespace(local_tokens=0, pool_tokens=0, computed_tokens=len(ids))
         tops = [{5: -0.1, 6: -3.0}, {9: -0.6930, 6: -0.6935}]
         for i, (token, top) in enumerate(zip((5, 9), tops)):
-            yield SimpleNamespace(token_id=token, logprob=top[token], top_logprobs=top,
-                                  finish_reason="length" if i else None,
-                                  provenance=provenance)
+            yield SimpleNamespace(
+                token_id=token,
+                logprob=top[token],
+                top_logprobs=top,
+                finish_reason="length" if i else None,
+                provenance=provenance,
+            )
 
     def prompt_chunk_keys(self, ids, tenant=""):
         return [b"k" * 16]

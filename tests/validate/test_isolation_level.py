@@ -5,10 +5,14 @@ import pytest
 from kvshare.validate.isolation import Answer, isolation_rows, run_isolation_level
 from kvshare.validate.report import FAIL, PASS
 
-SHOWN = {"kvshare": {"replica": "replica0", "local_tokens": 512, "pool_tokens": 0},
-         "usage": {"prompt_tokens_details": {"cached_tokens": 512}}}
-NOTHING_REUSED = {"kvshare": {"replica": "replica1", "local_tokens": 0, "pool_tokens": 0},
-                  "usage": {"prompt_tokens_details": {"cached_tokens": 0}}}
+SHOWN = {
+    "kvshare": {"replica": "replica0", "local_tokens": 512, "pool_tokens": 0},
+    "usage": {"prompt_tokens_details": {"cached_tokens": 512}},
+}
+NOTHING_REUSED = {
+    "kvshare": {"replica": "replica1", "local_tokens": 0, "pool_tokens": 0},
+    "usage": {"prompt_tokens_details": {"cached_tokens": 0}},
+}
 WITHHELD = {"kvshare": {}, "usage": {"prompt_tokens_details": None}}
 
 

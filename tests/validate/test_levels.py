@@ -56,8 +56,12 @@ def test_helpers_level_passes_on_cpu():
     result = run_helpers_level("cpu")
     assert result.status == PASS, [r for r in result.rows if r.status == FAIL]
     names = {r.name for r in result.rows if r.status == PASS}
-    assert {"engine [L,2,H,T,D] on cpu", "vllm_layout cpu_attn on cpu",
-            "vllm_layout flash_attn_5d on cpu", "vllm_layout flash_attn NHD on cpu"} <= names
+    assert {
+        "engine [L,2,H,T,D] on cpu",
+        "vllm_layout cpu_attn on cpu",
+        "vllm_layout flash_attn_5d on cpu",
+        "vllm_layout flash_attn NHD on cpu",
+    } <= names
     assert result.figures["cases"] >= 144 and result.figures["wrong"] == 0
     if not torch.cuda.is_available():
         assert any(r.status == SKIP and "cuda" in r.name for r in result.rows)
@@ -105,14 +109,33 @@ def test_report_verdicts_and_exit_code():
 
 def test_cli_runs_levels_writes_json_and_sets_the_exit_code(tmp_path):
     out = tmp_path / "v.json"
-    cmd = [sys.executable, "-m", "kvshare", "validate", "--level", "bytes,helpers,full-pool", "--device", "cpu",
-           "--pool-size", "64MiB", "--extent-size", "8MiB", "--no-progress", "--json", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvshare",
+        "validate",
+        "--level",
+        "bytes,helpers,full-pool",
+        "--device",
+        "cpu",
+        "--pool-size",
+        "64MiB",
+        "--extent-size",
+        "8MiB",
+        "--no-progress",
+        "--json",
+        str(out),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "kvshare validate" in proc.stdout and "all levels passed" in proc.stdout
     report = json.loads(out.read_text())
     assert report["ok"] and [lv["level"] for lv in report["levels"]] == ["bytes", "helpers", "full-pool"]
     assert all(lv["status"] == PASS for lv in report["levels"])
-    bad = subprocess.run([sys.executable, "-m", "kvshare", "validate", "--level", "bytes,nonsense"],
-                         capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [sys.executable, "-m", "kvshare", "validate", "--level", "bytes,nonsense"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2 and "unknown level" in bad.stderr

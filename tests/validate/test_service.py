@@ -12,10 +12,9 @@ import time
 
 import pytest
 
-from kvshare.launch import Cluster, ClusterConfig
+from kvshare.launch import Cluster, ClusterConfig, free_port_block
 from kvshare.validate.report import FAIL, PASS
 from kvshare.validate.runner import ValidateConfig
-from kvshare.launch import free_port_block
 from kvshare.validate.service import ServiceConfig, run_service_level
 from kvshare.validate.service_http import POOL_OFF, POOL_ONLY, get_json, request
 from tests.validate.conftest import CHUNK, make_engine
@@ -26,8 +25,9 @@ REPLICA_ARGS = ("--chunk-tokens", str(CHUNK), "--verify-rate", "0", "--audit-rat
 
 @pytest.fixture(scope="module")
 def cluster():
-    config = ClusterConfig(num_replicas=2, pool_size="256MiB", port=free_port_block(3), replica_args=REPLICA_ARGS,
-                           ready_timeout_s=180)
+    config = ClusterConfig(
+        num_replicas=2, pool_size="256MiB", port=free_port_block(3), replica_args=REPLICA_ARGS, ready_timeout_s=180
+    )
     c = Cluster(config).start()
     yield c
     c.stop()
@@ -82,8 +82,15 @@ def wait_for(url: str, name: str, at_least: float, timeout_s: float = 90.0) -> d
 def test_service_level_passes_on_a_cluster_it_starts():
     from kvshare.validate.service_run import run_service
 
-    config = ValidateConfig(levels=("service",), chunk_tokens=CHUNK, prompt_lengths=LENGTHS, num_chat=2, max_tokens=8,
-                            replica_args=("--verify-rate", "0"), seed=1)
+    config = ValidateConfig(
+        levels=("service",),
+        chunk_tokens=CHUNK,
+        prompt_lengths=LENGTHS,
+        num_chat=2,
+        max_tokens=8,
+        replica_args=("--verify-rate", "0"),
+        seed=1,
+    )
     result = run_service(config, "cpu")
     assert result.status == PASS, [(r.name, r.detail) for r in result.rows if r.status != PASS]
     runs = [r for r in result.figures["requests"] if r["run"] == "pool"]
@@ -101,8 +108,14 @@ def test_service_level_fails_when_a_page_is_poisoned_between_prime_and_measureme
         if len(ids) == 75:  # idles, drops those chunks, racing the 75-token measurement (seen in CI)
             poisoned.append(poison(cluster, namespace_engine, ids))
 
-    config = ServiceConfig(replicas=tuple(cluster.replica_urls), max_tokens=8, completion_lengths=LENGTHS, num_chat=1,
-                           chunk_tokens=CHUNK, seed=2)
+    config = ServiceConfig(
+        replicas=tuple(cluster.replica_urls),
+        max_tokens=8,
+        completion_lengths=LENGTHS,
+        num_chat=1,
+        chunk_tokens=CHUNK,
+        seed=2,
+    )
     result = run_service_level(config, after_prime)
     assert result.status == FAIL and sum(poisoned) > 0
     rows = {r.name: r for r in result.rows}
@@ -140,8 +153,15 @@ def test_service_level_holds_deterministic_replicas_to_the_exact_rule():
     """Replicas started with --deterministic (bf16): pool ON == pool OFF, ids and logprobs, every run."""
     from kvshare.validate.service_run import run_service
 
-    config = ValidateConfig(levels=("service",), chunk_tokens=CHUNK, prompt_lengths=LENGTHS, num_chat=1, max_tokens=6,
-                            replica_args=("--verify-rate", "0", "--deterministic", "--dtype", "bfloat16"), seed=3)
+    config = ValidateConfig(
+        levels=("service",),
+        chunk_tokens=CHUNK,
+        prompt_lengths=LENGTHS,
+        num_chat=1,
+        max_tokens=6,
+        replica_args=("--verify-rate", "0", "--deterministic", "--dtype", "bfloat16"),
+        seed=3,
+    )
     result = run_service(config, "cpu")
     assert result.status == PASS, [(r.name, r.detail) for r in result.rows if r.status != PASS]
     records = result.figures["requests"]

@@ -23,10 +23,16 @@ CONFIG = ServiceConfig(replicas=("http://a", "http://b"), chunk_tokens=16)
 
 
 def completion(pool: int = 0, local: int = 0, tops=TOPS, deterministic: bool = True) -> Completion:
-    provenance = {"replica": "r", "pool_tokens": pool, "local_tokens": local, "computed_tokens": 60 - pool - local,
-                  "deterministic": deterministic}
-    return Completion(list(IDS), [list(t) for t in tops] if tops is not None else [], None, 60, pool + local,
-                      provenance)
+    provenance = {
+        "replica": "r",
+        "pool_tokens": pool,
+        "local_tokens": local,
+        "computed_tokens": 60 - pool - local,
+        "deterministic": deterministic,
+    }
+    return Completion(
+        list(IDS), [list(t) for t in tops] if tops is not None else [], None, 60, pool + local, provenance
+    )
 
 
 def test_reusable_tokens_round_down_to_the_chunk_then_the_grid():
@@ -65,8 +71,15 @@ def test_a_perturbed_logprob_fails_the_exact_check_and_names_both_values():
     assert row.figures["reference_logprobs"] == (-0.5, -1.5) and row.figures["logprobs"] == (moved[2][0], -1.5)
     assert "logprobs differ (both token 7)" in row.detail and f"{moved[2][0]:.9g}" in row.detail
     # the gap rule (replicas outside the mode) compares ids only: the same responses pass
-    loose = _reuse_row(CONFIG, CASE, "local", completion(deterministic=False),
-                       completion(local=48, tops=moved, deterministic=False), 48, None)[0]
+    loose = _reuse_row(
+        CONFIG,
+        CASE,
+        "local",
+        completion(deterministic=False),
+        completion(local=48, tops=moved, deterministic=False),
+        48,
+        None,
+    )[0]
     assert loose.status == PASS
     assert compare_tokens(IDS, IDS, TOPS, candidate_top_logprobs=moved, is_exact=True).divergence_step == 2
 
@@ -81,9 +94,17 @@ def test_service_level_on_a_grid_coarser_than_the_chunk_passes_and_loads_on_the_
     from kvshare.validate.runner import ValidateConfig
     from kvshare.validate.service_run import run_service
 
-    config = ValidateConfig(levels=("service",), num_replicas=2, service_pool_size="256MiB", chunk_tokens=16,
-                            prompt_lengths=(32, 40, 75), num_chat=0, max_tokens=4, seed=5,
-                            replica_args=("--verify-rate", "0", "--deterministic", "--grid-tokens", "32"))
+    config = ValidateConfig(
+        levels=("service",),
+        num_replicas=2,
+        service_pool_size="256MiB",
+        chunk_tokens=16,
+        prompt_lengths=(32, 40, 75),
+        num_chat=0,
+        max_tokens=4,
+        seed=5,
+        replica_args=("--verify-rate", "0", "--deterministic", "--grid-tokens", "32"),
+    )
     result = run_service(config, "cpu")
     assert result.status == PASS, [(r.name, r.detail) for r in result.rows]
     pool = {r["case"]: r["pool"] for r in result.figures["requests"] if r["run"] == "pool"}

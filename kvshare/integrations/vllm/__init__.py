@@ -36,6 +36,8 @@ Beside them, not hooks:
     ordercheck  the GPU path's byte and delay-injection ordering checks (kvshare validate --level bytes)
     launch      the vLLM server command line with the connector configured
     bench       ``python -m kvshare.integrations.vllm.bench``: TTFT cold, local and cross-replica
+    bench_copy  its ``--copy-only``: the connector's store and load of one prompt, without vLLM
+    bench_timings  its ``--timings``: the connector's debug timing lines, parsed and summarised (pure)
     gpu_rows    the GPU benchmark's rows (pure)
 
 vLLM loads the class as ``getattr(importlib.import_module(path), "KVShareConnector")``; the

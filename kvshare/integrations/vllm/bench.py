@@ -20,8 +20,8 @@ machine that slowed whichever server was measured next (cross (B) came right aft
 ``--timings`` runs A and B with the connector's debug log on and reports the median of each
 phase of their loads, stores, lookups and steps (``kvshare timing:`` lines of the servers' logs).
 ``--copy-only`` measures only the connector's store and load of one prompt (vLLM-CPU-shaped
-tensors of the tiny preset, no vLLM). TTFT is the time to the first streamed token of a completion; usage.prompt_tokens_details
-.cached_tokens of each request is kept with it. It prints a markdown
+tensors of the tiny preset, no vLLM). TTFT is the time to the first streamed token of a completion;
+usage.prompt_tokens_details.cached_tokens of each request is kept with it. It prints a markdown
 table (medians) and the connector's load/store bandwidth from the servers' /metrics,
 and writes every measurement to OUT/ttft.json.
 """
@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import random
-import re
 import shutil
 import socket
 import statistics
@@ -42,6 +41,8 @@ import tempfile
 import time
 import urllib.request
 
+from kvshare.integrations.vllm.bench_copy import copy_bandwidth
+from kvshare.integrations.vllm.bench_timings import parse_timings, timing_report
 from kvshare.integrations.vllm.launch import VllmServerConfig, vllm_server_command, wait_until_ready
 from kvshare.integrations.vllm.options import ConnectorConfig
 from kvshare.pool.spawn import kvshare_command, kvshare_env, start_pool, stop_process
@@ -49,10 +50,17 @@ from kvshare.pool.spawn import kvshare_command, kvshare_env, start_pool, stop_pr
 
 def first_token_seconds(base_url: str, model: str, prompt: list[int], timeout_s: float = 600) -> tuple[float, int]:
     """Seconds to the first streamed completion token, and the prompt tokens vLLM reported as cached."""
-    body = {"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}}
-    request = urllib.request.Request(f"{base_url}/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": 2,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    request = urllib.request.Request(
+        f"{base_url}/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     started = time.perf_counter()
     ttft, cached = None, -1
     with urllib.request.urlopen(request, timeout=timeout_s) as response:
@@ -76,109 +84,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-COLD_FLUSH_BYTES = 1 << 30
-
-
-def copy_bandwidth(num_tokens: int, repeats: int = 3) -> dict:
-    """The worker's store and load of one prompt on vLLM-CPU-shaped tensors of the tiny preset (no vLLM),
-    with the connector's default settings; loads into an ascending and a descending block table, and
-    ("cold") into the ascending one after 1 GiB of other writes pushed the pages out of the caches."""
-    import numpy as np
-    import torch
-
-    from kvshare.integrations.vllm.layout import PagedLayout
-    from kvshare.integrations.vllm.metadata import WorkerReport
-    from kvshare.pool.link import PoolLink
-    from kvshare.integrations.vllm.scheduler import PoolScheduler, ScheduledRequest
-    from kvshare.integrations.vllm.worker import PoolKVWorker
-    from kvshare.keys import Namespace
-    from kvshare.layout import KVLayout
-    from kvshare.pool.spawn import running_pool
-
-    L, H, D, N = 8, 2, 64, 32
-    layout = KVLayout(L, H, D, "float32")
-    namespace = Namespace("tiny", "0" * 32, "float32", L, H, D, engine_family="vllm")
-    num_blocks = num_tokens // N + 8
-    size = (num_tokens // layout.chunk_tokens + 4) * layout.page_bytes
-    with running_pool(size, ("--prefault",), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as sock:
-        sides = []
-        defaults = ConnectorConfig(pool_socket=sock)
-        for name in ("A", "B"):
-            worker = PoolKVWorker(layout, PoolLink(sock, name + "w"), verify_fraction=defaults.verify_fraction,
-                                  copy_threads=defaults.copy_threads)
-            worker.register([torch.randn(num_blocks, H, N, 2 * D) for _ in range(L)],
-                            PagedLayout("cpu_attn", num_blocks, N, H, D, torch.float32))
-            sides.append((PoolScheduler(ConnectorConfig(pool_socket=sock), namespace, layout.page_bytes, N,
-                                        PoolLink(sock, name + "s")), worker))
-        (sa, wa), (sb, wb) = sides
-        prompt, blocks = list(range(num_tokens + 1)), list(range(num_blocks))
-        sa.add_request("a", prompt, None, None)
-        sa.allocated("a", sa.match("a", 0), 0)
-        started = time.perf_counter()
-        for spec in sa.plan_step([ScheduledRequest("a", 0, num_tokens + 1, blocks)]).stores:
-            wa.store(spec)
-        store_s = time.perf_counter() - started
-        loads: dict[str, list[float]] = {"ascending": [], "descending": [], "cold": []}
-        flush = np.empty(COLD_FLUSH_BYTES, dtype=np.uint8)  # larger than the L3 cache of the machines here
-        for i in range(repeats):
-            for order, table in (("ascending", blocks), ("descending", blocks[::-1]), ("cold", blocks)):
-                if order == "cold":  # as in a serving replica: the pages were stored long ago, caches hold other work
-                    flush.fill(i + 1)
-                req = f"b{i}-{order}"
-                sb.add_request(req, prompt, None, None)
-                n = sb.match(req, 0)
-                sb.allocated(req, n, 0)
-                plan = sb.plan_step([ScheduledRequest(req, n, num_tokens + 1 - n, table)])
-                started = time.perf_counter()
-                outcome = wb.load(plan.loads[0])
-                loads[order].append(time.perf_counter() - started)
-                sb.on_report(WorkerReport([outcome]))
-                sb.finish(req)
-        for worker in (wa, wb):
-            worker.close()
-    num_bytes = num_tokens * layout.bytes_per_token
-    best = {order: min(times) for order, times in loads.items()}
-    return {"tokens": num_tokens, "bytes": num_bytes, "store_s": store_s, "store_GBps": num_bytes / store_s / 1e9,
-            **{f"load_{order}_s": t for order, t in best.items()},
-            **{f"load_{order}_GBps": num_bytes / t / 1e9 for order, t in best.items()}}
-
-
-_TIMING = re.compile(r"kvshare timing: (\w+) (\S+) (.*)$")
-
-
-def parse_timings(log_text: str) -> list[dict]:
-    """The connector's ``kvshare timing:`` debug lines as {"what", "req", field: value} (ms fields in seconds)."""
-    records = []
-    for line in log_text.splitlines():
-        match = _TIMING.search(line)
-        if match is None:
-            continue
-        record: dict = {"what": match.group(1), "req": match.group(2)}
-        for pair in match.group(3).split():
-            name, _, value = pair.partition("=")
-            record[name] = float(value[:-2]) / 1e3 if value.endswith("ms") else int(value)
-        records.append(record)
-    return records
-
-
-def timing_report(timings: dict[str, list[dict]]) -> list[str]:
-    """Median ms of every phase, per server, kind of record and size (tokens, chunks or step shape)."""
-    lines = ["", "| server | what | size | count | median phases (ms) |", "| --- | --- | --- | ---: | --- |"]
-    for server, records in sorted(timings.items()):
-        groups: dict[tuple, list[dict]] = {}
-        for r in records:
-            size = {"load": f"tokens={r.get('tokens')}", "store": f"chunks={r.get('chunks')}",
-                    "match": f"chunks={r.get('chunks')} hit={r.get('hit')}",
-                    "step": f"loads={r.get('loads')} stores={r.get('stores')}"
-                            + (f" tokens={r['tokens']}" if "tokens" in r else "")}.get(r["what"], "")
-            groups.setdefault((r["what"], size), []).append(r)
-        for (what, size), group in sorted(groups.items()):
-            phases = [k for k, v in group[0].items() if isinstance(v, float)]
-            text = " ".join(f"{k} {statistics.median(g[k] for g in group) * 1e3:.1f}" for k in phases)
-            lines.append(f"| {server} | {what} | {size} | {len(group)} | {text} |")
-    return lines
-
-
 def metrics(base_url: str) -> dict[str, float]:
     with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as response:
         text = response.read().decode()
@@ -195,12 +100,22 @@ def run(args: argparse.Namespace) -> dict:
     work = tempfile.mkdtemp(prefix="kvshare-vllm-bench-")
     model = args.model or os.path.join(work, "model")
     if not args.model:
-        subprocess.run([*kvshare_command("WARNING"), "make-model", "tiny", "--out", model], check=True,
-                       stdout=subprocess.DEVNULL, env=kvshare_env())
+        subprocess.run(
+            [*kvshare_command("WARNING"), "make-model", "tiny", "--out", model],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            env=kvshare_env(),
+        )
     socket_path = os.path.join(work, "pool.sock")
     pool = start_pool(socket_path, args.pool_size, ("--prefault",), stdout=subprocess.DEVNULL)
-    common = dict(model=model, python=args.vllm_python, dtype="float32", kv_cache_gib=args.kv_cache_gib,
-                  max_model_len=max(args.lengths) + 64, cpu_omp_threads_bind=args.omp_bind or None)
+    common = dict(
+        model=model,
+        python=args.vllm_python,
+        dtype="float32",
+        kv_cache_gib=args.kv_cache_gib,
+        max_model_len=max(args.lengths) + 64,
+        cpu_omp_threads_bind=args.omp_bind or None,
+    )
     log_level = "DEBUG" if args.timings else None
     common["verify_fraction"] = args.verify_fraction  # None: the connector's default (every page)
     common["overlap_load"] = {"on": True, "off": False}.get(args.overlap_load)  # None: the connector's default
@@ -215,9 +130,11 @@ def run(args: argparse.Namespace) -> dict:
         for name, config in configs.items():
             spec = vllm_server_command(config)
             log = open(os.path.join(work, f"vllm-{name}.log"), "w")
-            procs[name] = (subprocess.Popen(spec.argv, env=spec.env, stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True), spec)
-        for name, (proc, spec) in procs.items():
+            procs[name] = (
+                subprocess.Popen(spec.argv, env=spec.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True),
+                spec,
+            )
+        for proc, spec in procs.values():
             wait_until_ready(spec.base_url, proc, timeout_s=600)
         url = {name: spec.base_url for name, (_, spec) in procs.items()}
         served = os.path.basename(os.path.normpath(model))
@@ -229,8 +146,14 @@ def run(args: argparse.Namespace) -> dict:
             for repeat in range(args.repeats):
                 prompt = [rng.randrange(256) for _ in range(length)]
                 row = {"length": length, "repeat": repeat}
-                for label, name in (("cold_R", "R"), ("cold_A", "A"), ("local_A", "A"), ("local_R", "R"), ("cross_B", "B"),
-                                    ("local_B", "B")):
+                for label, name in (
+                    ("cold_R", "R"),
+                    ("cold_A", "A"),
+                    ("local_A", "A"),
+                    ("local_R", "R"),
+                    ("cross_B", "B"),
+                    ("local_B", "B"),
+                ):
                     time.sleep(args.settle_s)
                     row[label], row[f"{label}_cached"] = first_token_seconds(url[name], served, prompt)
                 rows.append(row)
@@ -258,11 +181,21 @@ def run(args: argparse.Namespace) -> dict:
         shutil.rmtree(work, ignore_errors=True)
     verify = args.verify_fraction if args.verify_fraction is not None else ConnectorConfig().verify_fraction
     overlap = args.overlap_load != "off" if args.overlap_load else ConnectorConfig().overlap_load
-    return {"rows": rows, "counters": counters, "timings": timings, "verify_fraction": verify, "overlap_load": overlap,
-            "copy_threads": args.copy_threads or ConnectorConfig().copy_threads, "settle_s": args.settle_s,
-            "lengths": args.lengths, "repeats": args.repeats,
-            "loadavg": [round(load_before, 2), round(os.getloadavg()[0], 2)], "omp_bind": args.omp_bind,
-            "machine": f"{os.cpu_count()} CPUs", "model": "tiny preset (kvshare make-model tiny)"}
+    return {
+        "rows": rows,
+        "counters": counters,
+        "timings": timings,
+        "verify_fraction": verify,
+        "overlap_load": overlap,
+        "copy_threads": args.copy_threads or ConnectorConfig().copy_threads,
+        "settle_s": args.settle_s,
+        "lengths": args.lengths,
+        "repeats": args.repeats,
+        "loadavg": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        "omp_bind": args.omp_bind,
+        "machine": f"{os.cpu_count()} CPUs",
+        "model": "tiny preset (kvshare make-model tiny)",
+    }
 
 
 def summary(result: dict) -> list[dict]:
@@ -274,11 +207,18 @@ def summary(result: dict) -> list[dict]:
         if not rows:
             continue
         cross, local = statistics.median(r["cross_B"] for r in rows), statistics.median(r["local_A"] for r in rows)
-        out.append({"length": length, "cross_over_local_hit": cross / local,
-                    "cross_over_local_hit_min": min(r["cross_B"] for r in rows) / min(r["local_A"] for r in rows),
-                    "cross_s": cross, "local_hit_s": local,
-                    "cold_s": statistics.median(r["cold_R"] for r in rows), "repeats": len(rows),
-                    "cached_tokens_on_b": sorted({r["cross_B_cached"] for r in rows})})
+        out.append(
+            {
+                "length": length,
+                "cross_over_local_hit": cross / local,
+                "cross_over_local_hit_min": min(r["cross_B"] for r in rows) / min(r["local_A"] for r in rows),
+                "cross_s": cross,
+                "local_hit_s": local,
+                "cold_s": statistics.median(r["cold_R"] for r in rows),
+                "repeats": len(rows),
+                "cached_tokens_on_b": sorted({r["cross_B_cached"] for r in rows}),
+            }
+        )
     return out
 
 
@@ -298,21 +238,30 @@ def report(result: dict) -> str:
             v = {k: stat(r[k] for r in rows) if all(k in r for r in rows) else None for k in keys}
             local_b = f"{v['local_B']:.3f} s" if v["local_B"] is not None else "n/a"  # not measured before 2026-12-01
             lines.append(
-                f"| {length} | {name} of {len(rows)} | {v['cold_R']:.3f} s | {v['cold_A']:.3f} s | {v['local_A']:.3f} s | "
-                f"{v['local_R']:.3f} s | {v['cross_B']:.3f} s | {local_b} | {v['cross_B'] / v['local_A']:.2f}x | {cached} |"
+                f"| {length} | {name} of {len(rows)} | {v['cold_R']:.3f} s | {v['cold_A']:.3f} s | "
+                f"{v['local_A']:.3f} s | {v['local_R']:.3f} s | {v['cross_B']:.3f} s | {local_b} | "
+                f"{v['cross_B'] / v['local_A']:.2f}x | {cached} |"
             )
     a, b = result["counters"]["A"], result["counters"]["B"]
 
     def rate(c, what):
         seconds = c.get(f"vllm:kvshare_{what}_seconds_total", 0.0)
         num_bytes = c.get(f"vllm:kvshare_{what}_bytes_total", 0.0)
-        return f"{num_bytes / seconds / 1e9:.2f} GB/s ({num_bytes / 2**20:.0f} MiB in {seconds:.3f} s)" if seconds else "n/a"
+        if not seconds:
+            return "n/a"
+        return f"{num_bytes / seconds / 1e9:.2f} GB/s ({num_bytes / 2**20:.0f} MiB in {seconds:.3f} s)"
 
-    overlap = {True: ", copied layer by layer beside the forward", False: ", before the forward"}.get(result.get("overlap_load"), "")
-    lines += ["", f"requests {result.get('settle_s', 0)} s apart (vLLM's queues busy-poll for 1 s after a step)",
-              f"load (B, checksums of {result.get('verify_fraction', 1.0):.0%} of pages verified{overlap}): {rate(b, 'load')}; "
-              f"store (A, with checksums): {rate(a, 'store')}",
-              f"load average before / after: {result['loadavg'][0]} / {result['loadavg'][1]} ({result['machine']})"]
+    overlap = {True: ", copied layer by layer beside the forward", False: ", before the forward"}.get(
+        result.get("overlap_load"), ""
+    )
+    lines += [
+        "",
+        f"requests {result.get('settle_s', 0)} s apart (vLLM's queues busy-poll for 1 s after a step)",
+        f"load (B, checksums of {result.get('verify_fraction', 1.0):.0%} of pages verified{overlap}): "
+        f"{rate(b, 'load')}; "
+        f"store (A, with checksums): {rate(a, 'store')}",
+        f"load average before / after: {result['loadavg'][0]} / {result['loadavg'][1]} ({result['machine']})",
+    ]
     if result.get("timings"):
         lines += timing_report(result["timings"])
     return "\n".join(lines)
@@ -326,22 +275,45 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--pool-size", default="2GiB")
     parser.add_argument("--kv-cache-gib", type=int, default=2)
-    parser.add_argument("--omp-bind", default="",
-                        help="VLLM_CPU_OMP_THREADS_BIND for the servers (default: vLLM's own, auto)")
-    parser.add_argument("--overlap-load", choices=("on", "off"), default=None,
-                        help="copy loads layer by layer beside the forward (default: the connector's, off)")
-    parser.add_argument("--settle-s", type=float, default=1.5,
-                        help="pause before each measured request: after a step, vLLM's engine and worker processes "
-                             "busy-poll their queues for 1 s, which on a small machine slows whichever server "
-                             "is measured next (default 1.5)")
-    parser.add_argument("--copy-threads", type=int, default=None,
-                        help="threads of the connector's CPU copies in A and B (default: the connector's, 2)")
-    parser.add_argument("--verify-fraction", type=float, default=None,
-                        help="share of loaded pages whose checksum A and B check (default: the connector's, 1.0)")
-    parser.add_argument("--timings", action="store_true",
-                        help="log the connector's phase timings in A and B (debug log) and report their medians")
-    parser.add_argument("--copy-only", action="store_true",
-                        help="only the connector's copies (no vLLM): store and load one prompt per length")
+    parser.add_argument(
+        "--omp-bind", default="", help="VLLM_CPU_OMP_THREADS_BIND for the servers (default: vLLM's own, auto)"
+    )
+    parser.add_argument(
+        "--overlap-load",
+        choices=("on", "off"),
+        default=None,
+        help="copy loads layer by layer beside the forward (default: the connector's, off)",
+    )
+    parser.add_argument(
+        "--settle-s",
+        type=float,
+        default=1.5,
+        help="pause before each measured request: after a step, vLLM's engine and worker processes "
+        "busy-poll their queues for 1 s, which on a small machine slows whichever server "
+        "is measured next (default 1.5)",
+    )
+    parser.add_argument(
+        "--copy-threads",
+        type=int,
+        default=None,
+        help="threads of the connector's CPU copies in A and B (default: the connector's, 2)",
+    )
+    parser.add_argument(
+        "--verify-fraction",
+        type=float,
+        default=None,
+        help="share of loaded pages whose checksum A and B check (default: the connector's, 1.0)",
+    )
+    parser.add_argument(
+        "--timings",
+        action="store_true",
+        help="log the connector's phase timings in A and B (debug log) and report their medians",
+    )
+    parser.add_argument(
+        "--copy-only",
+        action="store_true",
+        help="only the connector's copies (no vLLM): store and load one prompt per length",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="folder for ttft.json and ttft.md")
     args = parser.parse_args(argv)

@@ -52,14 +52,15 @@ from kvshare.integrations.vllm.compat import (
 )
 from kvshare.integrations.vllm.guards import LayoutFingerprint, allocation_of, non_attention_state, version_of
 from kvshare.integrations.vllm.identity import LoraIdentities, vllm_namespace
+from kvshare.integrations.vllm.launch import advise_on_cpu_cores
 from kvshare.integrations.vllm.layout import UnsupportedKVLayout, detect_layout
 from kvshare.integrations.vllm.metadata import StepPlan, WorkerReport
 from kvshare.integrations.vllm.options import PARAMS_KEY, ConnectorConfig, check_supported, kv_layout_of
-from kvshare.pool.link import PoolLink
 from kvshare.integrations.vllm.scheduler import PoolScheduler, ScheduledRequest
 from kvshare.integrations.vllm.stats import KVSharePromMetrics, KVShareStats
 from kvshare.integrations.vllm.tensor_parallel import head_slice
 from kvshare.integrations.vllm.worker import PoolKVWorker, WorkerHooks
+from kvshare.pool.link import PoolLink
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -85,7 +86,7 @@ class KVShareWorkerMetadata(KVConnectorWorkerMetadata):
     def __init__(self, report: WorkerReport) -> None:
         self.report = report
 
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> "KVShareWorkerMetadata":
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVShareWorkerMetadata:
         assert isinstance(other, KVShareWorkerMetadata)
         return KVShareWorkerMetadata(self.report.merged(other.report))
 
@@ -106,17 +107,6 @@ def _log_through_vllm() -> None:
     ours.propagate = False
 
 
-def _advise_on_cpu_cores(tp_size: int) -> None:
-    """On vLLM CPU, a warning where vLLM keeps a core off its OpenMP threads for this connector (launch)."""
-    from vllm.platforms import current_platform
-
-    from kvshare.integrations.vllm.launch import reserved_cpus_advice
-
-    advice = reserved_cpus_advice(dict(os.environ), tp_size) if current_platform.device_type == "cpu" else None
-    if advice is not None:
-        log.warning("kvshare: %s", advice)
-
-
 def _account_key(config: ConnectorConfig) -> str:
     """The key the router signs accounts with (kvshare.serve.tenancy), from its file or $KVSHARE_ACCOUNT_KEY;
     "" when neither is set: every request is charged to the model's shared account."""
@@ -128,7 +118,7 @@ def _account_key(config: ConnectorConfig) -> str:
 class KVShareConnector(KVConnectorBase_V1):
     _cache_hit_source = HOST_HIT_SOURCE
 
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig | None" = None):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         _log_through_vllm()
         import vllm
@@ -141,8 +131,9 @@ class KVShareConnector(KVConnectorBase_V1):
         self.config.check_block_size(self.block_size)
         self.kv_layout = kv_layout_of(vllm_config, self.config.chunk_tokens)
         self.fingerprint = _fingerprint(vllm_config, kv_cache_config, self.block_size, self.kv_layout.dtype)
-        self.namespace = vllm_namespace(vllm_config, self.kv_layout, ENGINE_FAMILY, self.config.model_revision,
-                                        self.fingerprint.text())
+        self.namespace = vllm_namespace(
+            vllm_config, self.kv_layout, ENGINE_FAMILY, self.config.model_revision, self.fingerprint.text()
+        )
         self._loras = LoraIdentities()  # an adapter is named by its bytes
         side = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
         # a model with state other than full-attention KV: serve it, never from the pool (LMCache #2845)
@@ -150,9 +141,12 @@ class KVShareConnector(KVConnectorBase_V1):
         if self.not_shared_because is not None:
             self.config = replace(self.config, load=False, store=False)
             if role == KVConnectorRole.SCHEDULER:
-                log.warning("kvshare: %s has %s; the pool is off for it (0 pool hits, nothing stored), since a "
-                            "restore of its attention KV alone would give wrong answers",
-                            vllm_config.model_config.model, self.not_shared_because)
+                log.warning(
+                    "kvshare: %s has %s; the pool is off for it (0 pool hits, nothing stored), since a "
+                    "restore of its attention KV alone would give wrong answers",
+                    vllm_config.model_config.model,
+                    self.not_shared_because,
+                )
         tp_size = vllm_config.parallel_config.tensor_parallel_size
         link = PoolLink(
             self.config.socket_path,
@@ -164,28 +158,48 @@ class KVShareConnector(KVConnectorBase_V1):
         self._worker: PoolKVWorker | None = None
         self._hooks: WorkerHooks | None = None  # the worker side's per-step state (kvshare.integrations.vllm.worker)
         if role == KVConnectorRole.SCHEDULER:
-            _advise_on_cpu_cores(tp_size)
+            advise_on_cpu_cores(tp_size)
             if getattr(transfer, "kv_load_failure_policy", "fail") != "recompute":
-                log.warning('kvshare: kv_load_failure_policy is not "recompute": a page that fails its checksum '
-                            "fails its request instead of being recomputed")
-            self._scheduler = PoolScheduler(self.config, self.namespace, self.kv_layout.page_bytes, self.block_size, link,
-                                            tp_size=tp_size, account_key=_account_key(self.config))
+                log.warning(
+                    'kvshare: kv_load_failure_policy is not "recompute": a page that fails its checksum '
+                    "fails its request instead of being recomputed"
+                )
+            self._scheduler = PoolScheduler(
+                self.config,
+                self.namespace,
+                self.kv_layout.page_bytes,
+                self.block_size,
+                link,
+                tp_size=tp_size,
+                account_key=_account_key(self.config),
+            )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-            heads = head_slice(self.kv_layout.num_kv_heads, get_tensor_model_parallel_rank() if tp_size > 1 else 0,
-                               tp_size)
-            self._worker = PoolKVWorker(self.kv_layout, link, verify_fraction=self.config.verify_fraction,
-                                        copy_threads=self.config.copy_threads, transfer=self.config.gpu_transfer,
-                                        heads=heads)
+            heads = head_slice(
+                self.kv_layout.num_kv_heads, get_tensor_model_parallel_rank() if tp_size > 1 else 0, tp_size
+            )
+            self._worker = PoolKVWorker(
+                self.kv_layout,
+                link,
+                verify_fraction=self.config.verify_fraction,
+                copy_threads=self.config.copy_threads,
+                transfer=self.config.gpu_transfer,
+                heads=heads,
+            )
             self._hooks = WorkerHooks(self._worker, self.block_size, overlap_load=self.config.overlap_load)
         self._layer_index: dict[str, int] = {}  # vLLM layer name -> model layer index
         self._block_tables = BlockTables()  # kept only where vLLM gives no block tables (compat)
-        log.info("kvshare connector (%s%s) for %s, pool %s, chunk %d tokens, page %d bytes, layout %s", side,
-                 f", rank {self._worker.heads.tp_rank} of {tp_size}" if self._worker is not None and tp_size > 1 else "",
-                 vllm_config.model_config.model, self.config.socket_path, self.config.chunk_tokens,
-                 self.kv_layout.page_bytes,
-                 self.fingerprint.text())
+        log.info(
+            "kvshare connector (%s%s) for %s, pool %s, chunk %d tokens, page %d bytes, layout %s",
+            side,
+            f", rank {self._worker.heads.tp_rank} of {tp_size}" if self._worker is not None and tp_size > 1 else "",
+            vllm_config.model_config.model,
+            self.config.socket_path,
+            self.config.chunk_tokens,
+            self.kv_layout.page_bytes,
+            self.fingerprint.text(),
+        )
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -231,7 +245,9 @@ class KVShareConnector(KVConnectorBase_V1):
             )
         self._worker.register(layers, layout)
         self._worker.prepare()
-        log.info("kvshare: reading vLLM KV as %s (%d blocks of %d tokens)", layout.kind, layout.num_blocks, layout.block_size)
+        log.info(
+            "kvshare: reading vLLM KV as %s (%d blocks of %d tokens)", layout.kind, layout.num_blocks, layout.block_size
+        )
 
     def _plan(self) -> StepPlan:
         if not self.has_connector_metadata():
@@ -277,7 +293,7 @@ class KVShareConnector(KVConnectorBase_V1):
 
     # ============================== scheduler side ==============================
 
-    def on_new_request(self, request: "Request") -> None:
+    def on_new_request(self, request: Request) -> None:
         lora_id = self._loras.of(getattr(request, "lora_request", None))  # None: unreadable, never shared
         self._scheduler.add_request(
             request.request_id,
@@ -286,21 +302,22 @@ class KVShareConnector(KVConnectorBase_V1):
             request.kv_transfer_params,
             lora_id=lora_id or "",
             # placeholder token ids stand for images or embeddings: their KV is not a function of the ids
-            is_text_only=lora_id is not None and not getattr(request, "mm_features", None)
+            is_text_only=lora_id is not None
+            and not getattr(request, "mm_features", None)
             and getattr(request, "prompt_embeds", None) is None,
         )
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if not self._scheduler.has_request(request.request_id):
             self.on_new_request(request)
         return self._scheduler.match(request.request_id, num_computed_tokens), False
 
-    def update_state_after_alloc(self, request: "Request", blocks: Any, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
         stats = getattr(request, "prefill_stats", None)  # None when vLLM runs without stats
         local = stats.num_local_cached_tokens if stats is not None else None
         self._scheduler.allocated(request.request_id, num_external_tokens, local)
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         num_scheduled = scheduler_output.num_scheduled_tokens
         block_ids_of = block_ids_source(self, scheduler_output, self._block_tables)
         steps = [
@@ -319,7 +336,7 @@ class KVShareConnector(KVConnectorBase_V1):
         if isinstance(meta, KVShareWorkerMetadata):
             self._scheduler.on_report(meta.report)
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         origin = self._scheduler.finish(request.request_id)
         self._block_tables.forget(request.request_id)
         return False, ({PARAMS_KEY: origin} if origin is not None else None)
@@ -335,8 +352,9 @@ class KVShareConnector(KVConnectorBase_V1):
         return KVSharePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
 
-def _fingerprint(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None", block_size: int,
-                 kv_dtype: str) -> LayoutFingerprint:
+def _fingerprint(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, block_size: int, kv_dtype: str
+) -> LayoutFingerprint:
     """This engine's KV layout fingerprint (the same in the scheduler and every worker process)."""
     import vllm
     from vllm.platforms import current_platform

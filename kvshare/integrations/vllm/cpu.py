@@ -80,8 +80,11 @@ class CpuCopies:
     def _copier_takes(self, first_chunk: int, run: CopyRun) -> bool:
         """Whether the CPU block copier can move the run: it starts and ends on block boundaries."""
         N = self.paged.block_size
-        return self._copier is not None and (first_chunk * self.kv_layout.chunk_tokens + run.lo) % N == 0 \
+        return (
+            self._copier is not None
+            and (first_chunk * self.kv_layout.chunk_tokens + run.lo) % N == 0
             and run.hi % N == 0
+        )
 
     def _block_run(self, client, offset: int, run: CopyRun, first_chunk: int, block_ids) -> BlockRun:
         """The run's pages as a [n, L, 2, C, H, D] view of the arena and the vLLM blocks its tokens go to."""
@@ -134,8 +137,9 @@ class CpuCopies:
         try:
             self.copy_out(client, spec, reservation.grants)
             times.mark("copy")
-            checksums = self._hasher.checksums([client.page(offset, self.kv_layout.page_bytes)
-                                                for _, offset in reservation.grants])
+            checksums = self._hasher.checksums(
+                [client.page(offset, self.kv_layout.page_bytes) for _, offset in reservation.grants]
+            )
             times.mark("checksum")
         except Exception as exc:  # a bug in the copy: give the pages back; vLLM keeps serving
             log.error("kvshare: store for request %s failed", spec.req_id, exc_info=True)
@@ -166,8 +170,10 @@ class CpuCopies:
         try:
             worker.copy_out(client, spec, spec.grants)
             page_bytes = worker.kv_layout.page_bytes
-            sums = tuple(partial_wsum32(client.page(offset, page_bytes), worker.kv_layout, worker.heads)
-                         for _, offset in spec.grants)
+            sums = tuple(
+                partial_wsum32(client.page(offset, page_bytes), worker.kv_layout, worker.heads)
+                for _, offset in spec.grants
+            )
         except Exception as exc:  # a bug in the copy: the reservation is aborted; vLLM keeps serving
             log.error("kvshare: rank %d's part of the store for request %s failed", rank, spec.req_id, exc_info=True)
             return StorePart(spec.reservation_id, spec.pool_id, rank, False, reason=f"{type(exc).__name__}: {exc}")

@@ -12,8 +12,20 @@ import statistics
 from dataclasses import dataclass
 
 ENGINES = ("kvshare", "vllm-offloading", "lmcache-mp")
-ROW_FIELDS = ("model", "prompt_tokens", "vllm_version", "engine", "cold_s", "cross_s", "local_s", "bound_s",
-              "cross_over_bound", "first_request", "tokens_equal", "first_divergence")
+ROW_FIELDS = (
+    "model",
+    "prompt_tokens",
+    "vllm_version",
+    "engine",
+    "cold_s",
+    "cross_s",
+    "local_s",
+    "bound_s",
+    "cross_over_bound",
+    "first_request",
+    "tokens_equal",
+    "first_divergence",
+)
 STORE_COST_GOAL = 1.05  # the connector storing may make a cold request at most 5% slower
 LOGPROB_ATOL = 1e-6  # logprobs closer than this count as equal (they travel as JSON floats)
 
@@ -52,8 +64,13 @@ def compare(reference: Completion, other: Completion) -> dict:
     gap = None
     if first is not None and first < len(reference.tops) and len(reference.tops[first]) > 1:
         gap = reference.tops[first][0] - reference.tops[first][1]
-    return {"tokens_equal": first is None, "first_divergence": first, "top2_gap": gap,
-            "logprobs_equal": first is None and max_diff <= LOGPROB_ATOL, "max_logprob_diff": max_diff}
+    return {
+        "tokens_equal": first is None,
+        "first_divergence": first,
+        "top2_gap": gap,
+        "logprobs_equal": first is None and max_diff <= LOGPROB_ATOL,
+        "max_logprob_diff": max_diff,
+    }
 
 
 def bound_seconds(cached_tokens: int | None, kv_bytes_per_token: int, h2d_bytes_per_s: float | None) -> float | None:
@@ -63,9 +80,20 @@ def bound_seconds(cached_tokens: int | None, kv_bytes_per_token: int, h2d_bytes_
     return cached_tokens * kv_bytes_per_token / h2d_bytes_per_s
 
 
-def ttft_row(*, model: str, prompt_tokens: int, vllm_version: str, engine: str, cold: Completion,
-             cross: Completion | None, local: Completion | None, kv_bytes_per_token: int,
-             h2d_bytes_per_s: float | None, first_request: bool, local_kind: str) -> dict:
+def ttft_row(
+    *,
+    model: str,
+    prompt_tokens: int,
+    vllm_version: str,
+    engine: str,
+    cold: Completion,
+    cross: Completion | None,
+    local: Completion | None,
+    kv_bytes_per_token: int,
+    h2d_bytes_per_s: float | None,
+    first_request: bool,
+    local_kind: str,
+) -> dict:
     """A cold / cross-replica / local-hit row. The bound is that of the cross request's hit (of the local one
     where there is no cross request: vLLM's own offloading reaches only its replica); tokens are those of the
     cross request (else the local one) against the cold run."""
@@ -73,19 +101,36 @@ def ttft_row(*, model: str, prompt_tokens: int, vllm_version: str, engine: str, 
         raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
     hit = cross if cross is not None else local
     bound = bound_seconds(hit.cached_tokens if hit else None, kv_bytes_per_token, h2d_bytes_per_s)
-    row = {"model": model, "prompt_tokens": prompt_tokens, "vllm_version": vllm_version, "engine": engine,
-           "cold_s": cold.ttft_s, "cross_s": cross.ttft_s if cross else None,
-           "local_s": local.ttft_s if local else None,
-           "bound_s": bound, "cross_over_bound": cross.ttft_s / bound if cross and bound else None,
-           "first_request": first_request, "local_kind": local_kind,
-           "cross_cached_tokens": cross.cached_tokens if cross else None,
-           "local_cached_tokens": local.cached_tokens if local else None}
+    row = {
+        "model": model,
+        "prompt_tokens": prompt_tokens,
+        "vllm_version": vllm_version,
+        "engine": engine,
+        "cold_s": cold.ttft_s,
+        "cross_s": cross.ttft_s if cross else None,
+        "local_s": local.ttft_s if local else None,
+        "bound_s": bound,
+        "cross_over_bound": cross.ttft_s / bound if cross and bound else None,
+        "first_request": first_request,
+        "local_kind": local_kind,
+        "cross_cached_tokens": cross.cached_tokens if cross else None,
+        "local_cached_tokens": local.cached_tokens if local else None,
+    }
     row.update(compare(cold, hit) if hit else {"tokens_equal": None, "first_divergence": None})
     return row
 
 
-def on_off_row(*, model: str, prompt_tokens: int, vllm_version: str, off: Completion, on: Completion,
-               batch_invariant: bool, own_hit: Completion | None = None, a_cold: Completion | None = None) -> dict:
+def on_off_row(
+    *,
+    model: str,
+    prompt_tokens: int,
+    vllm_version: str,
+    off: Completion,
+    on: Completion,
+    batch_invariant: bool,
+    own_hit: Completion | None = None,
+    a_cold: Completion | None = None,
+) -> dict:
     """Pool ON == OFF on one replica: its greedy tokens and logprobs with the prefix loaded from the pool (``on``)
     against its own cold run with the pool off for the request (``off``).
 
@@ -94,10 +139,20 @@ def on_off_row(*, model: str, prompt_tokens: int, vllm_version: str, off: Comple
     GPU prefix hit of the prompt, pool off) reuses as many tokens as the pool load and computes the same suffix
     with the same kernels, so ``own_hit_*`` says whether the pool's prefix equals the replica's own, bitwise where
     the two replicas' cold runs are (``replicas_cold_*``: A's cold run against B's)."""
-    row = {"mode": "on-off", "model": model, "prompt_tokens": prompt_tokens, "vllm_version": vllm_version,
-           "engine": "kvshare", "cold_s": off.ttft_s, "cross_s": on.ttft_s, "cross_cached_tokens": on.cached_tokens,
-           "off_cached_tokens": off.cached_tokens, "tokens_compared": len(off.tokens),
-           "batch_invariant": batch_invariant, **compare(off, on)}
+    row = {
+        "mode": "on-off",
+        "model": model,
+        "prompt_tokens": prompt_tokens,
+        "vllm_version": vllm_version,
+        "engine": "kvshare",
+        "cold_s": off.ttft_s,
+        "cross_s": on.ttft_s,
+        "cross_cached_tokens": on.cached_tokens,
+        "off_cached_tokens": off.cached_tokens,
+        "tokens_compared": len(off.tokens),
+        "batch_invariant": batch_invariant,
+        **compare(off, on),
+    }
     if own_hit is not None:
         row["own_hit_s"], row["own_hit_cached_tokens"] = own_hit.ttft_s, own_hit.cached_tokens
         row["own_hit_same_split"] = own_hit.cached_tokens == on.cached_tokens
@@ -107,8 +162,9 @@ def on_off_row(*, model: str, prompt_tokens: int, vllm_version: str, off: Comple
     return row
 
 
-def store_cost_row(*, model: str, prompt_tokens: int, vllm_version: str, storing: list[Completion],
-                   plain: list[Completion]) -> dict:
+def store_cost_row(
+    *, model: str, prompt_tokens: int, vllm_version: str, storing: list[Completion], plain: list[Completion]
+) -> dict:
     """Cold TTFT and decode rate with the connector storing every prompt against plain vLLM (medians); the
     goal is met when neither is more than 5% worse."""
     if not storing or not plain:
@@ -123,11 +179,21 @@ def store_cost_row(*, model: str, prompt_tokens: int, vllm_version: str, storing
     rate_off = median(c.decode_tokens_per_s for c in plain)
     ttft_ratio = cold_on / cold_off
     decode_ratio = rate_off / rate_on if rate_on and rate_off else None  # > 1: slower with the connector
-    return {"mode": "store-cost", "model": model, "prompt_tokens": prompt_tokens, "vllm_version": vllm_version,
-            "engine": "kvshare", "cold_s": cold_on, "cold_plain_s": cold_off, "cold_ratio": ttft_ratio,
-            "decode_tokens_per_s": rate_on, "decode_plain_tokens_per_s": rate_off, "decode_slowdown": decode_ratio,
-            "requests": len(storing), "goal_met": ttft_ratio <= STORE_COST_GOAL
-            and (decode_ratio is None or decode_ratio <= STORE_COST_GOAL)}
+    return {
+        "mode": "store-cost",
+        "model": model,
+        "prompt_tokens": prompt_tokens,
+        "vllm_version": vllm_version,
+        "engine": "kvshare",
+        "cold_s": cold_on,
+        "cold_plain_s": cold_off,
+        "cold_ratio": ttft_ratio,
+        "decode_tokens_per_s": rate_on,
+        "decode_plain_tokens_per_s": rate_off,
+        "decode_slowdown": decode_ratio,
+        "requests": len(storing),
+        "goal_met": ttft_ratio <= STORE_COST_GOAL and (decode_ratio is None or decode_ratio <= STORE_COST_GOAL),
+    }
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -141,26 +207,64 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[low] + (ordered[high] - ordered[low]) * (at - low)
 
 
-def load_row(*, model: str, vllm_version: str, pool: str, num_sessions: int, duration_s: float,
-             ttfts_s: list[float], num_errors: int, num_requests: int, cached_tokens: int, prompt_tokens: int) -> dict:
+def load_row(
+    *,
+    model: str,
+    vllm_version: str,
+    pool: str,
+    num_sessions: int,
+    duration_s: float,
+    ttfts_s: list[float],
+    num_errors: int,
+    num_requests: int,
+    cached_tokens: int,
+    prompt_tokens: int,
+) -> dict:
     """A load run through the router: TTFT percentiles, errors, and the share of prompt tokens not computed."""
-    return {"mode": "load", "model": model, "vllm_version": vllm_version, "engine": "kvshare", "pool": pool,
-            "sessions": num_sessions, "duration_s": duration_s, "requests": num_requests, "errors": num_errors,
-            "ttft_p50_s": percentile(ttfts_s, 50), "ttft_p99_s": percentile(ttfts_s, 99),
-            "cached_share": cached_tokens / prompt_tokens if prompt_tokens else None}
+    return {
+        "mode": "load",
+        "model": model,
+        "vllm_version": vllm_version,
+        "engine": "kvshare",
+        "pool": pool,
+        "sessions": num_sessions,
+        "duration_s": duration_s,
+        "requests": num_requests,
+        "errors": num_errors,
+        "ttft_p50_s": percentile(ttfts_s, 50),
+        "ttft_p99_s": percentile(ttfts_s, 99),
+        "cached_share": cached_tokens / prompt_tokens if prompt_tokens else None,
+    }
 
 
-BENCH_SERVE_KEYS = ("completed", "failed", "duration", "request_throughput", "output_throughput",
-                    "total_token_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
-                    "median_tpot_ms", "p99_tpot_ms")
+BENCH_SERVE_KEYS = (
+    "completed",
+    "failed",
+    "duration",
+    "request_throughput",
+    "output_throughput",
+    "total_token_throughput",
+    "mean_ttft_ms",
+    "median_ttft_ms",
+    "p99_ttft_ms",
+    "mean_tpot_ms",
+    "median_tpot_ms",
+    "p99_tpot_ms",
+)
 
 
 def bench_serve_row(*, model: str, vllm_version: str, target: str, result: dict, command: list[str]) -> dict:
     """The figures of a ``vllm bench serve --save-result`` JSON file, as vLLM's own client measured them."""
     if "completed" not in result:
         raise ValueError("not a vllm bench serve result: it has no 'completed' count")
-    row = {"mode": "bench-serve", "model": model, "vllm_version": vllm_version, "engine": "kvshare",
-           "target": target, "command": " ".join(command)}
+    row = {
+        "mode": "bench-serve",
+        "model": model,
+        "vllm_version": vllm_version,
+        "engine": "kvshare",
+        "target": target,
+        "command": " ".join(command),
+    }
     row.update({key: result.get(key) for key in BENCH_SERVE_KEYS})
     if row["failed"] is None and "num_prompts" in result:
         row["failed"] = result["num_prompts"] - result["completed"]
@@ -202,11 +306,19 @@ def startup_row(*, model: str, vllm_version: str, device: str, log_lines: list[s
         if size:
             kv_device = size.group(1)
             kv_tokens.setdefault(replica, int(size.group(2).replace(",", "")))
-    names = sorted(first, key=lambda name: int(name[len("replica"):]))
+    names = sorted(first, key=lambda name: int(name[len("replica") :]))
     in_order = all(names[i - 1] in serving and first[names[i]] >= serving[names[i - 1]] for i in range(1, len(names)))
     sizes = [kv_tokens[n] for n in names if n in kv_tokens]
-    return {"mode": "startup", "model": model, "vllm_version": vllm_version, "engine": "kvshare", "device": device,
-            "replicas": len(names), "started_in_order": in_order if len(names) > 1 else None,
-            "kv_cache_device": kv_device, "kv_cache_tokens": {n: kv_tokens.get(n) for n in names},
-            "kv_cache_tokens_min_over_max": min(sizes) / max(sizes) if len(sizes) == len(names) and sizes else None,
-            "serving_after_s": {n: serving[n] - first[names[0]] for n in names if n in serving}}
+    return {
+        "mode": "startup",
+        "model": model,
+        "vllm_version": vllm_version,
+        "engine": "kvshare",
+        "device": device,
+        "replicas": len(names),
+        "started_in_order": in_order if len(names) > 1 else None,
+        "kv_cache_device": kv_device,
+        "kv_cache_tokens": {n: kv_tokens.get(n) for n in names},
+        "kv_cache_tokens_min_over_max": min(sizes) / max(sizes) if len(sizes) == len(names) and sizes else None,
+        "serving_after_s": {n: serving[n] - first[names[0]] for n in names if n in serving},
+    }

@@ -30,8 +30,10 @@ def kv_dtype_of(cache_dtype: str | None, model_dtype: str) -> str:
         return model_dtype
     if cache_dtype in KV_CACHE_DTYPES:
         return KV_CACHE_DTYPES[cache_dtype]
-    raise ValueError(f"kvshare stores KV in the model's dtype or fp8; --kv-cache-dtype {cache_dtype} is not supported "
-                     f"(supported: auto, {', '.join(KV_CACHE_DTYPES)})")
+    raise ValueError(
+        f"kvshare stores KV in the model's dtype or fp8; --kv-cache-dtype {cache_dtype} is not supported "
+        f"(supported: auto, {', '.join(KV_CACHE_DTYPES)})"
+    )
 
 
 def non_attention_state(kv_cache_config: Any) -> str | None:
@@ -75,8 +77,11 @@ def allocation_of(kv_cache_config: Any) -> str:
         if len(layers) <= 1:
             kinds.add("per_layer")
         else:
-            kinds.add("block_outer" if getattr(tensor, "layer_stride", 0) < getattr(tensor, "block_stride", 0)
-                      else "layer_outer")
+            kinds.add(
+                "block_outer"
+                if getattr(tensor, "layer_stride", 0) < getattr(tensor, "block_stride", 0)
+                else "layer_outer"
+            )
     return "+".join(sorted(kinds)) or "per_layer"
 
 
@@ -98,14 +103,18 @@ class LayoutFingerprint:
 
     def text(self) -> str:
         """The fingerprint as the namespace carries it; ``pages=all_heads``: any TP size reads the same pages."""
-        return (f"vllm{self.vllm_version}|{self.device}|{self.attention_backend}|{self.kv_cache_layout or '-'}"
-                f"|block{self.block_size}|{self.kv_dtype}|{self.allocation}|pages=all_heads")
+        return (
+            f"vllm{self.vllm_version}|{self.device}|{self.attention_backend}|{self.kv_cache_layout or '-'}"
+            f"|block{self.block_size}|{self.kv_dtype}|{self.allocation}|pages=all_heads"
+        )
 
     def check_kind(self, kind: str) -> None:
         """Refuse a paged layout the fingerprint did not promise (the namespace would then name the wrong one)."""
         if kind not in LAYOUT_KINDS.get(self.device, ()):
-            raise ValueError(f"vLLM's KV tensors read as {kind!r}, but this replica's namespace fingerprint "
-                             f"({self.text()}) expects {LAYOUT_KINDS.get(self.device, ())}")
+            raise ValueError(
+                f"vLLM's KV tensors read as {kind!r}, but this replica's namespace fingerprint "
+                f"({self.text()}) expects {LAYOUT_KINDS.get(self.device, ())}"
+            )
 
 
 def version_of(vllm_version: str) -> str:

@@ -59,8 +59,14 @@ def effective_config(vllm_config: Any) -> dict:
     return config
 
 
-def engine_namespace(model_dir: str, layout: KVLayout, engine_family: str, model_revision: str = "",
-                     kv_layout_id: str = "", config_id: str = "") -> Namespace:
+def engine_namespace(
+    model_dir: str,
+    layout: KVLayout,
+    engine_family: str,
+    model_revision: str = "",
+    kv_layout_id: str = "",
+    config_id: str = "",
+) -> Namespace:
     """The key namespace of a model directory served by ``engine_family`` with pages of ``layout``
     (``kv_layout_id``: how the engine's KV was read into them, kvshare.integrations.vllm.guards;
     ``config_id``: config_fingerprint of effective_config). ``model_revision`` names the weights
@@ -79,11 +85,18 @@ def engine_namespace(model_dir: str, layout: KVLayout, engine_family: str, model
     )
 
 
-def vllm_namespace(vllm_config: Any, layout: KVLayout, engine_family: str, model_revision: str = "",
-                   kv_layout_id: str = "") -> Namespace:
+def vllm_namespace(
+    vllm_config: Any, layout: KVLayout, engine_family: str, model_revision: str = "", kv_layout_id: str = ""
+) -> Namespace:
     """engine_namespace of the model vLLM serves, with the configuration it serves it with."""
-    return engine_namespace(vllm_config.model_config.model, layout, engine_family, model_revision, kv_layout_id,
-                            config_fingerprint(effective_config(vllm_config)))
+    return engine_namespace(
+        vllm_config.model_config.model,
+        layout,
+        engine_family,
+        model_revision,
+        kv_layout_id,
+        config_fingerprint(effective_config(vllm_config)),
+    )
 
 
 class LoraIdentities:
@@ -94,7 +107,7 @@ class LoraIdentities:
         self._lock = threading.Lock()
 
     def of(self, lora_request: Any) -> str | None:
-        """"" without an adapter; None when the adapter's bytes cannot be read (its requests skip the pool)."""
+        """ "" without an adapter; None when the adapter's bytes cannot be read (its requests skip the pool)."""
         if lora_request is None:
             return ""
         path = str(getattr(lora_request, "lora_path", "") or getattr(lora_request, "path", "") or "")
@@ -104,7 +117,10 @@ class LoraIdentities:
                 try:
                     self._known[key] = "lora:" + adapter_fingerprint(os.path.abspath(path)) if path else None
                 except IdentityError as exc:
-                    log.warning("kvshare: LoRA adapter %s is not shared through the pool: %s",
-                                getattr(lora_request, "lora_name", path), exc)
+                    log.warning(
+                        "kvshare: LoRA adapter %s is not shared through the pool: %s",
+                        getattr(lora_request, "lora_name", path),
+                        exc,
+                    )
                     self._known[key] = None
             return self._known[key]

@@ -18,6 +18,7 @@ replicas share a GPU.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -90,8 +91,15 @@ class VllmServerConfig:
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization}")
-        tiers = [name for name, value in (("pool_socket", self.pool_socket), ("kv_offloading_gib",
-                 self.kv_offloading_gib), ("lmcache_mp_port", self.lmcache_mp_port)) if value is not None]
+        tiers = [
+            name
+            for name, value in (
+                ("pool_socket", self.pool_socket),
+                ("kv_offloading_gib", self.kv_offloading_gib),
+                ("lmcache_mp_port", self.lmcache_mp_port),
+            )
+            if value is not None
+        ]
         if len(tiers) > 1:
             raise ValueError(f"vLLM runs one KV connector: give one of {' and '.join(tiers)}")
         if self.kv_offloading_gib is not None and self.kv_offloading_gib <= 0:
@@ -142,21 +150,33 @@ def kv_transfer_config(config: VllmServerConfig) -> dict:
 def lmcache_mp_transfer_config(port: int) -> dict:
     """The --kv-transfer-config value that connects a replica to LMCache's multi-process server (vLLM's
     LMCacheMPConnector; the server runs apart, ``python -m lmcache.v1.multiprocess.server --port PORT``)."""
-    return {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": port}}
+    return {
+        "kv_connector": "LMCacheMPConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": port},
+    }
 
 
 def vllm_server_command(config: VllmServerConfig, base_env: dict[str, str] | None = None) -> LaunchSpec:
     """Command line and environment of one vLLM OpenAI server (no side effects)."""
     argv = [
-        config.python, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", config.model,
-        "--host", config.host,
-        "--port", str(config.port),
-        "--served-model-name", config.served_model_name or os.path.basename(os.path.normpath(config.model)),
-        "--block-size", str(config.block_size),
-        "--dtype", config.dtype,
-        "--seed", str(config.seed),
+        config.python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        config.model,
+        "--host",
+        config.host,
+        "--port",
+        str(config.port),
+        "--served-model-name",
+        config.served_model_name or os.path.basename(os.path.normpath(config.model)),
+        "--block-size",
+        str(config.block_size),
+        "--dtype",
+        config.dtype,
+        "--seed",
+        str(config.seed),
         "--enable-prefix-caching",
         "--enable-prompt-tokens-details",
         "--disable-uvicorn-access-log",
@@ -181,9 +201,17 @@ def vllm_server_command(config: VllmServerConfig, base_env: dict[str, str] | Non
         argv += ["--load-format", config.load_format]
     if config.kv_events_port is not None:
         name = os.path.basename(os.path.normpath(config.served_model_name or config.model))
-        argv += ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "topic":
-                                                   f"kv@{config.replica}@{name}",
-                                                   "endpoint": f"tcp://*:{config.kv_events_port}"})]
+        argv += [
+            "--kv-events-config",
+            json.dumps(
+                {
+                    "enable_kv_cache_events": True,
+                    "publisher": "zmq",
+                    "topic": f"kv@{config.replica}@{name}",
+                    "endpoint": f"tcp://*:{config.kv_events_port}",
+                }
+            ),
+        ]
     argv += list(config.extra_args)
 
     env = dict(os.environ if base_env is None else base_env)
@@ -229,17 +257,30 @@ def reserved_cpus_advice(env: dict[str, str], tensor_parallel_size: int) -> str 
     OpenMP threads than without the connector (``connector_reserved_cpus``)."""
     if env.get(RESERVED_CPUS_ENV) or env.get("VLLM_CPU_OMP_THREADS_BIND", "auto") != "auto":
         return None
-    return (f"set {RESERVED_CPUS_ENV}={connector_reserved_cpus(tensor_parallel_size)} to give vLLM's OpenMP threads "
-            "the cores plain vLLM gets: vLLM keeps one more core per rank off them for a KV connector, and "
-            "kvshare's needs none (docs/vllm.md, \"CPU cores\")")
+    return (
+        f"set {RESERVED_CPUS_ENV}={connector_reserved_cpus(tensor_parallel_size)} to give vLLM's OpenMP threads "
+        "the cores plain vLLM gets: vLLM keeps one more core per rank off them for a KV connector, and "
+        'kvshare\'s needs none (docs/vllm.md, "CPU cores")'
+    )
+
+
+def advise_on_cpu_cores(tensor_parallel_size: int) -> None:
+    """On vLLM CPU, a warning at the connector's start where vLLM keeps a core off its OpenMP threads for it."""
+    from vllm.platforms import current_platform
+
+    advice = reserved_cpus_advice(dict(os.environ), tensor_parallel_size)
+    if current_platform.device_type == "cpu" and advice is not None:
+        logging.getLogger("kvshare.integrations").warning("kvshare: %s", advice)
 
 
 def rank_core_binds(cores: list[int], num_ranks: int) -> str:
     """VLLM_CPU_OMP_THREADS_BIND for ``num_ranks`` CPU ranks: the cores cut into equal consecutive shares,
     one per rank ("0|1", "0,1|2,3"); refuses fewer cores than ranks."""
     if len(cores) < num_ranks:
-        raise ValueError(f"{num_ranks} tensor parallel ranks on CPU need at least {num_ranks} cores, "
-                         f"this process may use {len(cores)}")
+        raise ValueError(
+            f"{num_ranks} tensor parallel ranks on CPU need at least {num_ranks} cores, "
+            f"this process may use {len(cores)}"
+        )
     share = len(cores) // num_ranks
     return "|".join(",".join(map(str, cores[r * share : (r + 1) * share])) for r in range(num_ranks))
 

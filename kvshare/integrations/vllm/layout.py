@@ -97,7 +97,8 @@ def detect_layout(
         return PagedLayout("flash_attn_5d", shape[1], block_size, num_kv_heads, head_dim, dtype)
     if tensor.dim() != 4 or shape[1:] != (num_kv_heads, block_size, 2 * head_dim):
         raise UnsupportedKVLayout(
-            f"{where}: expected [blocks, {num_kv_heads} kv heads, {block_size} block size, {2 * head_dim} = 2 x head_dim]"
+            f"{where}: expected [blocks, {num_kv_heads} kv heads, {block_size} block size, "
+            f"{2 * head_dim} = 2 x head_dim]"
         )
     if backend_name == "CPU_ATTN":
         # the kernel's .view(B, H, 2N, D) needs each block's [H, N, 2D] to be dense
@@ -174,8 +175,8 @@ def _block_range(blocks: np.ndarray, first_block: int, num_pages: int, blocks_pe
 
 
 def write_blocks(blocks: np.ndarray, kv: np.ndarray, first_block: int, step: int = 1) -> None:
-    """Copy ``kv`` ``[2, P, b, N, H, D]`` (P pages of b whole blocks) into blocks ``first_block, first_block + step, ...``
-    of ``blocks`` (a ``blocks_array``), page by page."""
+    """Copy ``kv`` ``[2, P, b, N, H, D]`` (P pages of b whole blocks) into blocks
+    ``first_block, first_block + step, ...`` of ``blocks`` (a ``blocks_array``), page by page."""
     np.copyto(_block_range(blocks, first_block, kv.shape[1], kv.shape[2], step), kv, casting="no")
 
 

@@ -127,7 +127,7 @@ class ConnectorCounters:
     pool_errors: int = 0  # failed calls to the pool daemon
     expired_leases: int = 0  # leases released because vLLM never scheduled the request
 
-    def add(self, other: "ConnectorCounters | dict") -> None:
+    def add(self, other: ConnectorCounters | dict) -> None:
         values = other if isinstance(other, dict) else asdict(other)
         for f in fields(self):
             if f.name in values:
@@ -139,7 +139,7 @@ class ConnectorCounters:
     def is_zero(self) -> bool:
         return not any(getattr(self, f.name) for f in fields(self))
 
-    def take(self) -> "ConnectorCounters":
+    def take(self) -> ConnectorCounters:
         """This interval's counts; resets them here."""
         taken = ConnectorCounters(**asdict(self))
         for f in fields(self):
@@ -157,7 +157,7 @@ class WorkerReport:
     loads: list[LoadOutcome] = field(default_factory=list)
     stores: list[StorePart] = field(default_factory=list)  # tensor parallel: each rank's part of its stores
 
-    def merged(self, other: "WorkerReport") -> "WorkerReport":
+    def merged(self, other: WorkerReport) -> WorkerReport:
         return WorkerReport(self.loads + other.loads, self.stores + other.stores)
 
     def loads_by_request(self) -> list[LoadOutcome]:
@@ -174,8 +174,8 @@ class WorkerReport:
 class PhaseTimes:
     """Wall-clock seconds per named phase of one operation, for the connector's timing log::
 
-        times = PhaseTimes(); ...; times.mark("verify"); ...; times.mark("copy")
-        times.line() -> "verify=12.1ms copy=30.2ms total=42.3ms thread_cpu=40.0ms"
+    times = PhaseTimes(); ...; times.mark("verify"); ...; times.mark("copy")
+    times.line() -> "verify=12.1ms copy=30.2ms total=42.3ms thread_cpu=40.0ms"
     """
 
     def __init__(self, clock=time.perf_counter, cpu_clock=time.thread_time) -> None:

@@ -79,7 +79,7 @@ class ConnectorConfig:
             raise ValueError(f"cuda_staging_mib must be >= 2 (one 2 MiB row), got {self.cuda_staging_mib}")
 
     @property
-    def gpu_transfer(self) -> "TransferConfig":
+    def gpu_transfer(self) -> TransferConfig:
         """The GPU path's copy settings (kvshare.integrations.vllm.staging)."""
         from kvshare.transfer.base import TransferConfig
 
@@ -90,7 +90,7 @@ class ConnectorConfig:
         return self.pool_socket or default_pool_socket()
 
     @classmethod
-    def from_extra_config(cls, extra: dict[str, Any] | None) -> "ConnectorConfig":
+    def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
         extra = dict(extra or {})
         for old, hint in _RENAMED.items():
             if old in extra:
@@ -109,7 +109,9 @@ class ConnectorConfig:
             try:
                 values[name] = kind(value)
             except (TypeError, ValueError):
-                raise ValueError(f"kv_connector_extra_config.{name} must be of type {kind.__name__}, got {value!r}") from None
+                raise ValueError(
+                    f"kv_connector_extra_config.{name} must be of type {kind.__name__}, got {value!r}"
+                ) from None
         return cls(**values)
 
     def check_block_size(self, block_size: int) -> None:
@@ -123,7 +125,7 @@ class ConnectorConfig:
 _RENAMED = {
     "verify_checksums": "set verify_fraction (1.0 checks every page, 0 none; default 1.0)",
     "model_id": "a name no longer enters the key namespace (the weights' bytes do); to name the model's "
-                "identity yourself set model_revision",
+    "identity yourself set model_revision",
 }
 
 
@@ -141,7 +143,7 @@ class TransferParams:
     is_account_refused: bool = False  # an account was named without a valid tag (or the replica has no key)
 
     @classmethod
-    def from_params(cls, params: Any, account_key: str = "") -> "TransferParams":
+    def from_params(cls, params: Any, account_key: str = "") -> TransferParams:
         """``account_key`` ("" : none configured, so no account is taken) checks the router's account tag."""
         from kvshare.serve.tenancy import is_account_tag_valid
 
@@ -152,10 +154,14 @@ class TransferParams:
             return cls()
         use_pool = ours.get("use_pool", True)
         account, tag = ours.get("account"), ours.get("account_tag")
-        is_signed = (isinstance(account, str) and isinstance(tag, str)
-                     and is_account_tag_valid(account_key, account, tag))
-        return cls(use_pool=use_pool if isinstance(use_pool, bool) else True, account=account if is_signed else None,
-                   is_account_refused=account is not None and not is_signed)
+        is_signed = (
+            isinstance(account, str) and isinstance(tag, str) and is_account_tag_valid(account_key, account, tag)
+        )
+        return cls(
+            use_pool=use_pool if isinstance(use_pool, bool) else True,
+            account=account if is_signed else None,
+            is_account_refused=account is not None and not is_signed,
+        )
 
 
 def kv_layout_of(vllm_config: Any, chunk_tokens: int) -> KVLayout:
@@ -165,8 +171,10 @@ def kv_layout_of(vllm_config: Any, chunk_tokens: int) -> KVLayout:
 
     model, cache, parallel = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
     if getattr(cache, "calculate_kv_scales", False):
-        raise ValueError("kvshare cannot share fp8 KV whose scales vLLM computes per replica (calculate_kv_scales); "
-                         "use scales from the checkpoint (or 1.0)")
+        raise ValueError(
+            "kvshare cannot share fp8 KV whose scales vLLM computes per replica (calculate_kv_scales); "
+            "use scales from the checkpoint (or 1.0)"
+        )
     return KVLayout(
         num_layers=model.get_num_layers(parallel),
         num_kv_heads=model.get_total_num_kv_heads(),
@@ -186,8 +194,9 @@ def check_supported(vllm_config: Any) -> None:
         )
 
 
-def provenance(replica: str, num_prompt_tokens: int, local_tokens: int, pool_tokens: int,
-               namespace: bytes = b"") -> dict[str, Any]:
+def provenance(
+    replica: str, num_prompt_tokens: int, local_tokens: int, pool_tokens: int, namespace: bytes = b""
+) -> dict[str, Any]:
     """Where a request's prompt tokens came from, as returned in kv_transfer_params["kvshare"], and the pool
     namespace its keys are in (hex; ``kvshare pool-admin flush --replica URL --tenant T`` reads it)."""
     local_tokens = max(min(local_tokens, num_prompt_tokens), 0)

@@ -78,20 +78,32 @@ class _Bench:
 
     def __init__(self, client, order: str, method: str, device, delay_cycles: int, seed: int) -> None:
         self.client, self.device, self.seed = client, device, seed
-        self.layers, self.paged = paged_layers(order, LAYOUT.num_layers, NUM_BLOCKS, BLOCK_SIZE, LAYOUT.num_kv_heads,
-                                               LAYOUT.head_dim, getattr(torch, LAYOUT.dtype), device)
+        self.layers, self.paged = paged_layers(
+            order,
+            LAYOUT.num_layers,
+            NUM_BLOCKS,
+            BLOCK_SIZE,
+            LAYOUT.num_kv_heads,
+            LAYOUT.head_dim,
+            getattr(torch, LAYOUT.dtype),
+            device,
+        )
         config = dataclasses.replace(SMALL, copy_method=method)
         delayed = dataclasses.replace(config, load_delay_cycles=delay_cycles)
         self.delay_cycles = delay_cycles
         self.workers = {}
-        for name, cfg, cls in (("plain", config, StagingEngine), ("delayed", delayed, StagingEngine),
-                               ("unordered", config, UnorderedStaging)):
+        for name, cfg, cls in (
+            ("plain", config, StagingEngine),
+            ("delayed", delayed, StagingEngine),
+            ("unordered", config, UnorderedStaging),
+        ):
             worker = PoolKVWorker(LAYOUT, FixedLink(client), transfer=cfg, staged=True, staging_class=cls)
             worker.register(self.layers, self.paged)
             self.workers[name] = worker
         self.namespace = hashlib.blake2b(b"kvshare-vllm-ordercheck" + os.urandom(8), digest_size=KEY_BYTES).digest()
-        self.keys = tuple(hashlib.blake2b(self.namespace + bytes([i]), digest_size=KEY_BYTES).digest()
-                          for i in range(NUM_PAGES))
+        self.keys = tuple(
+            hashlib.blake2b(self.namespace + bytes([i]), digest_size=KEY_BYTES).digest() for i in range(NUM_PAGES)
+        )
         self.blocks_a = list(range(NUM_PAGES * LAYOUT.chunk_tokens // BLOCK_SIZE))
         self.blocks_b = list(range(NUM_BLOCKS - 1, NUM_BLOCKS - 1 - len(self.blocks_a), -1))
 
@@ -106,7 +118,9 @@ class _Bench:
     def _expected_pages(self, fresh: list[torch.Tensor]) -> torch.Tensor:
         """The canonical pages of ``fresh`` at blocks_a, [n, L, 2, C, H, D] as integers (slow reference, CPU)."""
         C = LAYOUT.chunk_tokens
-        per_layer = [reference_gather(f.cpu(), self.paged, 0, NUM_PAGES * C, self.blocks_a) for f in fresh]  # [2, T, H, D]
+        per_layer = [
+            reference_gather(f.cpu(), self.paged, 0, NUM_PAGES * C, self.blocks_a) for f in fresh
+        ]  # [2, T, H, D]
         stacked = torch.stack(per_layer).unflatten(2, (NUM_PAGES, C))  # [L, 2, n, C, H, D]
         return as_bits(stacked.permute(2, 0, 1, 3, 4, 5).contiguous())
 
@@ -125,8 +139,9 @@ class _Bench:
         for layer in self.layers:
             layer.zero_()  # what a store that does not wait would copy
         torch.cuda.synchronize(self.device)
-        stores = self.workers[worker_name].begin_stores([StoreSpec("order", self.namespace, 0, self.keys,
-                                                                    tuple(self.blocks_a))])
+        stores = self.workers[worker_name].begin_stores(
+            [StoreSpec("order", self.namespace, 0, self.keys, tuple(self.blocks_a))]
+        )
         if delayed:
             torch.cuda._sleep(self.delay_cycles)  # the producer is late ...
         for index, (layer, values) in enumerate(zip(self.layers, fresh)):
@@ -146,7 +161,10 @@ class _Bench:
         for layer, values in zip(self.layers, fresh):
             layer.copy_(values)
         self.client.flush(self.namespace)
-        assert self.workers["plain"].store(StoreSpec("src", self.namespace, 0, self.keys, tuple(self.blocks_a))) == NUM_PAGES
+        assert (
+            self.workers["plain"].store(StoreSpec("src", self.namespace, 0, self.keys, tuple(self.blocks_a)))
+            == NUM_PAGES
+        )
         lease = self.client.lookup(list(self.keys), LAYOUT.page_bytes)
         refs = tuple(PageRef(p.offset, p.page_bytes, p.checksum, p.checksum_kind) for p in lease.pages)
         C = LAYOUT.chunk_tokens
@@ -184,8 +202,14 @@ def _result(path: str, kind: str, run) -> PathResult:
     return PathResult(path, kind, 1, checked, wrong, time.perf_counter() - started, detail=detail)
 
 
-def staged_checks(client, device: torch.device, delay_cycles: int = 500_000_000,
-                  copy_methods: tuple[str, ...] = ("memcpy2d", "torch"), orders=MEMORY_ORDERS, seed: int = 0) -> list[PathResult]:
+def staged_checks(
+    client,
+    device: torch.device,
+    delay_cycles: int = 500_000_000,
+    copy_methods: tuple[str, ...] = ("memcpy2d", "torch"),
+    orders=MEMORY_ORDERS,
+    seed: int = 0,
+) -> list[PathResult]:
     """Round trip and ordering checks of the connector's GPU path, per copy method and memory order."""
     results: list[PathResult] = []
     for method in copy_methods:
@@ -199,7 +223,9 @@ def staged_checks(client, device: torch.device, delay_cycles: int = 500_000_000,
             try:
                 results.append(_result(path, "round_trip", lambda: bench.load("plain", wait=True)))
                 results.append(_result(f"{path} store-order", "ordering", lambda: bench.store("plain", delayed=True)))
-                results.append(_result(f"{path} store-unordered", "control", lambda: bench.store("unordered", delayed=True)))
+                results.append(
+                    _result(f"{path} store-unordered", "control", lambda: bench.store("unordered", delayed=True))
+                )
                 results.append(_result(f"{path} load-order", "ordering", lambda: bench.load("delayed", wait=True)))
                 results.append(_result(f"{path} load-unwaited", "control", lambda: bench.load("delayed", wait=False)))
             finally:

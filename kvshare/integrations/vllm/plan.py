@@ -42,7 +42,9 @@ def load_limit(num_prompt_tokens: int, block_size: int) -> int:
     return max((num_prompt_tokens - 1) // block_size * block_size, 0)
 
 
-def lookup_window(num_prompt_tokens: int, num_computed_tokens: int, chunk_tokens: int, block_size: int = 1) -> LookupWindow:
+def lookup_window(
+    num_prompt_tokens: int, num_computed_tokens: int, chunk_tokens: int, block_size: int = 1
+) -> LookupWindow:
     """The full chunks of the prompt that could extend vLLM's local hit of ``num_computed_tokens``."""
     if chunk_tokens <= 0 or block_size <= 0:
         raise ValueError(f"chunk_tokens and block_size must be positive, got {chunk_tokens} and {block_size}")
@@ -102,12 +104,14 @@ class PageSlice:
         return self.hi - self.lo
 
 
-def page_slices(token_start: int, token_end: int, first_chunk: int, num_pages: int, chunk_tokens: int) -> list[PageSlice]:
+def page_slices(
+    token_start: int, token_end: int, first_chunk: int, num_pages: int, chunk_tokens: int
+) -> list[PageSlice]:
     """Which part of each leased page a load of tokens ``token_start .. token_end - 1`` copies::
 
-        pages         |--- chunk 4 ---|--- chunk 5 ---|--- chunk 6 ---|
-        load                  [start .................... end)
-        slices               (0, 4, lo, C)  (1, 5, 0, C)  (2, 6, 0, hi)
+    pages         |--- chunk 4 ---|--- chunk 5 ---|--- chunk 6 ---|
+    load                  [start .................... end)
+    slices               (0, 4, lo, C)  (1, 5, 0, C)  (2, 6, 0, hi)
     """
     if token_end <= token_start:
         return []
@@ -319,6 +323,7 @@ class LeaseBook:
     def take_expired(self, now: float) -> list[HeldLease]:
         """Remove and return pending leases older than the TTL (requests vLLM never scheduled), and
         in-flight ones older than ``IN_FLIGHT_TTL_FACTOR`` TTLs (a step whose report never came)."""
+
         def is_expired(held: HeldLease) -> bool:
             age = now - held.taken_at
             if held.state is LeaseState.IN_FLIGHT:

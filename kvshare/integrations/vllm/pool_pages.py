@@ -10,10 +10,10 @@ import logging
 from typing import Protocol
 
 from kvshare.integrations.vllm.metadata import ConnectorCounters, PhaseTimes, StoreSpec
-from kvshare.pool.link import POOL_DOWN_ERRORS, PoolLink, guarded
 from kvshare.layout import KVLayout
 from kvshare.pool.checksum import ChecksumKind
 from kvshare.pool.client import PoolRequestError
+from kvshare.pool.link import POOL_DOWN_ERRORS, PoolLink, guarded
 
 log = logging.getLogger("kvshare.integrations")
 
@@ -27,8 +27,9 @@ class StorePool(Protocol):
 
     def client_for(self, pool_id: bytes): ...
 
-    def commit(self, client, spec: StoreSpec, reservation, checksums: list[int], kind: ChecksumKind,
-               times: PhaseTimes) -> int: ...
+    def commit(
+        self, client, spec: StoreSpec, reservation, checksums: list[int], kind: ChecksumKind, times: PhaseTimes
+    ) -> int: ...
 
     def abort(self, client, reservation_id: int, exc: BaseException | None) -> None: ...
 
@@ -49,8 +50,10 @@ class PoolPages:
         if client is None:
             return None, "the pool is unreachable"
         if self.link.pool_id != pool_id:
-            return None, (f"lease lost: it came from pool {pool_id.hex()[:8]}, the pool now is "
-                          f"{self.link.pool_id.hex()[:8]} (restarted)")
+            return None, (
+                f"lease lost: it came from pool {pool_id.hex()[:8]}, the pool now is "
+                f"{self.link.pool_id.hex()[:8]} (restarted)"
+            )
         return client, ""
 
     def drop(self, key: bytes) -> None:
@@ -64,16 +67,23 @@ class PoolPages:
         """Pages for the spec's chunks the pool does not hold yet, or None (none granted, or a pool error)."""
         if not spec.keys:
             return None
-        reservation = guarded(self.link, self.counters, "a reserve", lambda: client.reserve(
-            spec.namespace, list(spec.keys), self.kv_layout.page_bytes, spec.first_chunk, account=spec.account))
+        reservation = guarded(
+            self.link,
+            self.counters,
+            "a reserve",
+            lambda: client.reserve(
+                spec.namespace, list(spec.keys), self.kv_layout.page_bytes, spec.first_chunk, account=spec.account
+            ),
+        )
         if reservation is None:
             return None
         self.counters.skipped_stores += reservation.num_no_room
         times.mark("reserve")
         return reservation if reservation.grants else None
 
-    def commit(self, client, spec: StoreSpec, reservation, checksums: list[int], kind: ChecksumKind,
-               times: PhaseTimes) -> int:
+    def commit(
+        self, client, spec: StoreSpec, reservation, checksums: list[int], kind: ChecksumKind, times: PhaseTimes
+    ) -> int:
         """Make the filled pages visible with their checksums; returns pages committed (0 after a failure)."""
         try:
             committed = client.commit(reservation.reservation_id, checksums, kind)

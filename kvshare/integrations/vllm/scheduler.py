@@ -17,8 +17,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from kvshare.integrations.vllm.metadata import (
     ConnectorCounters,
@@ -27,7 +28,6 @@ from kvshare.integrations.vllm.metadata import (
     PhaseTimes,
     StepPlan,
     StoreSpec,
-    StorePart,
     WorkerReport,
 )
 from kvshare.integrations.vllm.options import ConnectorConfig, TransferParams, provenance
@@ -39,11 +39,9 @@ from kvshare.integrations.vllm.plan import (
     lookup_window,
     tokens_to_load,
 )
-from kvshare.pool.link import POOL_DOWN_ERRORS, PoolLink, guarded
-from kvshare.integrations.vllm.tensor_parallel import PartedStores
+from kvshare.integrations.vllm.tensor_parallel import TensorParallelStores
 from kvshare.keys import Namespace, extend_chunk_keys, namespace_digest
-from kvshare.pool.checksum import ChecksumKind
-from kvshare.pool.client import PoolRequestError
+from kvshare.pool.link import PoolLink, guarded
 
 log = logging.getLogger("kvshare.integrations")
 
@@ -98,7 +96,7 @@ class PoolScheduler:
         self._account_key = account_key
         self._accounts: dict[str, bytes] = {}  # account -> its digest (the pool's Reserve.account)
         self._has_refused_an_account = False  # warned once: a misconfigured key would otherwise go unnoticed
-        self._parted = PartedStores(tp_size) if tp_size > 1 else None
+        self._parted = TensorParallelStores(tp_size, link, self.counters, page_bytes) if tp_size > 1 else None
 
     # -- requests --------------------------------------------------------------------
 
@@ -121,9 +119,12 @@ class PoolScheduler:
         account = self._account(options.account or "")
         if options.is_account_refused and not self._has_refused_an_account:
             self._has_refused_an_account = True
-            log.warning("kvshare: a request names a pool account without a valid tag under this replica's account "
-                        "key (%s); it is charged to the shared account. Give the router and the replicas one key "
-                        "($KVSHARE_ACCOUNT_KEY)", "set" if self._account_key else "none set")
+            log.warning(
+                "kvshare: a request names a pool account without a valid tag under this replica's account "
+                "key (%s); it is charged to the shared account. Give the router and the replicas one key "
+                "($KVSHARE_ACCOUNT_KEY)",
+                "set" if self._account_key else "none set",
+            )
         if not is_text_only or prompt_token_ids is None:
             options = TransferParams(use_pool=False)
         self._requests[req_id] = _Request(prompt_token_ids or [], options, self._digests[scope], account)
@@ -133,8 +134,9 @@ class PoolScheduler:
         cache_salt or LoRA, which a client chooses (a quota per value would let it hold one per value it sends).
         A request the router did not sign for has account "": the one shared account of this model."""
         if account not in self._accounts:
-            self._accounts[account] = namespace_digest(dataclasses.replace(self.namespace, tenant_salt=account,
-                                                                          lora_id=""))
+            self._accounts[account] = namespace_digest(
+                dataclasses.replace(self.namespace, tenant_salt=account, lora_id="")
+            )
         return self._accounts[account]
 
     def has_request(self, req_id: str) -> bool:
@@ -172,8 +174,13 @@ class PoolScheduler:
             times.mark("hash")
             held = self._lookup(req_id, keys, window.first_chunk, now)
             times.mark("lookup")
-            log.debug("kvshare timing: match %s chunks=%d hit=%d %s", req_id, len(keys),
-                      len(held.pages) if held is not None else 0, times.line())
+            log.debug(
+                "kvshare timing: match %s chunks=%d hit=%d %s",
+                req_id,
+                len(keys),
+                len(held.pages) if held is not None else 0,
+                times.line(),
+            )
             if held is None:
                 return 0
         num_tokens = tokens_to_load(
@@ -212,11 +219,24 @@ class PoolScheduler:
         if held is None or held.state is not LeaseState.PENDING:
             if num_external_tokens:
                 # never expected; the worker reports these tokens as failed, so vLLM recomputes them
-                log.error("kvshare: vLLM expects %d pool tokens for %s but no lease backs them", num_external_tokens, req_id)
+                log.error(
+                    "kvshare: vLLM expects %d pool tokens for %s but no lease backs them", num_external_tokens, req_id
+                )
                 self._release(self._leases.pop(req_id))
-                self._leases.put(req_id, HeldLease(0, 0, [], [], self._clock(), (self.link.pool_id, b""),
-                                                   local_tokens, local_tokens + num_external_tokens,
-                                                   LeaseState.SCHEDULED))
+                self._leases.put(
+                    req_id,
+                    HeldLease(
+                        0,
+                        0,
+                        [],
+                        [],
+                        self._clock(),
+                        (self.link.pool_id, b""),
+                        local_tokens,
+                        local_tokens + num_external_tokens,
+                        LeaseState.SCHEDULED,
+                    ),
+                )
             return
         if num_external_tokens == 0:
             self._release(self._leases.pop(req_id))
@@ -241,16 +261,27 @@ class PoolScheduler:
                 continue
             held = self._leases.get(step.req_id)
             if held is not None and held.state is LeaseState.SCHEDULED:
-                loads.append(LoadSpec(
-                    step.req_id, held.owner[0], held.first_chunk, tuple(held.pages), tuple(held.keys),
-                    held.token_start, held.token_end, tuple(step.block_ids),
-                ))
+                loads.append(
+                    LoadSpec(
+                        step.req_id,
+                        held.owner[0],
+                        held.first_chunk,
+                        tuple(held.pages),
+                        tuple(held.keys),
+                        held.token_start,
+                        held.token_end,
+                        tuple(step.block_ids),
+                    )
+                )
                 self._leases.mark(step.req_id, LeaseState.IN_FLIGHT)
                 request.pool_chunks = range(held.first_chunk, held.first_chunk + len(held.pages))
             if self.config.store and request.options.use_pool:
-                done = chunks_completed(step.computed_before, step.computed_before + step.num_scheduled, len(request.prompt), C)
+                done = chunks_completed(
+                    step.computed_before, step.computed_before + step.num_scheduled, len(request.prompt), C
+                )
                 stores.extend(self._store_specs(step, request, [c for c in done if c not in request.pool_chunks]))
-        for req_id, held in self._leases.with_state(LeaseState.SCHEDULED):  # allocated but not scheduled: never expected
+        # allocated but not scheduled: never expected
+        for req_id, _ in self._leases.with_state(LeaseState.SCHEDULED):
             log.error("kvshare: request %s was allocated a pool load but not scheduled; releasing its lease", req_id)
             self._release(self._leases.pop(req_id))
         return StepPlan(tuple(loads), tuple(stores))
@@ -265,62 +296,25 @@ class PoolScheduler:
                 runs.append(range(start, previous + 1))
                 start = chunk
         block_ids = tuple(step.block_ids)
-        specs = [StoreSpec(step.req_id, request.ns_digest, r.start, tuple(keys[r.start : r.stop]), block_ids,
-                           account=request.account) for r in runs]
-        return specs if self._parted is None else [p for p in map(self._reserve, specs) if p is not None]
-
-    def _reserve(self, spec: StoreSpec) -> StoreSpec | None:
-        """Tensor parallel: the spec with pages reserved for its chunks the pool lacks (None: no pages)."""
-        client = self.link.client()
-        if client is None:
-            return None
-        reservation = guarded(self.link, self.counters, "a reserve", lambda: client.reserve(
-            spec.namespace, list(spec.keys), self.page_bytes, spec.first_chunk, account=spec.account))
-        if reservation is None:
-            return None
-        self.counters.skipped_stores += reservation.num_no_room
-        if not reservation.grants:
-            return None
-        self._parted.expect(reservation.reservation_id, self.link.pool_id)
-        return dataclasses.replace(spec, reservation_id=reservation.reservation_id,
-                                   grants=tuple(reservation.grants), pool_id=self.link.pool_id)
-
-    def _settle_part(self, part: StorePart) -> None:
-        """A rank's part of a reserved store; the last one commits the pages (or aborts them)."""
-        done = self._parted.add(part) if self._parted is not None else None
-        if done is None:
-            return
-        reservation_id, checksums = done
-        pool_id = part.pool_id
-        client = self.link.client()
-        if client is None:  # the pool keeps it until told, or its TTL
-            self.link.end_later(reservation_id=reservation_id, pool_id=pool_id)
-            return
-        if self.link.pool_id != pool_id:  # granted by a pool that is gone; the id may name a live reservation
-            return
-        try:
-            if checksums is None:
-                client.abort(reservation_id)
-                return
-            committed = client.commit(reservation_id, checksums, ChecksumKind.WSUM32)
-        except POOL_DOWN_ERRORS as exc:
-            self.counters.pool_errors += 1
-            self.link.failed(exc)
-            # refused then, if the commit went through
-            self.link.end_later(reservation_id=reservation_id, pool_id=pool_id)
-            return
-        except PoolRequestError as exc:
-            self.counters.pool_errors += 1
-            log.warning("kvshare: the pool refused a commit of reservation %d: %s", reservation_id, exc)
-            return
-        self.counters.stored_chunks += committed
-        self.counters.store_bytes += committed * self.page_bytes
+        specs = [
+            StoreSpec(
+                step.req_id,
+                request.ns_digest,
+                r.start,
+                tuple(keys[r.start : r.stop]),
+                block_ids,
+                account=request.account,
+            )
+            for r in runs
+        ]
+        return specs if self._parted is None else [p for p in map(self._parted.reserve, specs) if p is not None]
 
     def on_report(self, report: WorkerReport) -> None:
         """The step that loaded has finished: release each load's lease and record what arrived."""
         C = self.config.chunk_tokens
         for part in report.stores:
-            self._settle_part(part)
+            if self._parted is not None:
+                self._parted.settle(part)
         for outcome in report.loads_by_request():
             held = self._leases.pop(outcome.req_id)
             self._release(held)
@@ -345,8 +339,13 @@ class PoolScheduler:
             self._release(self._leases.pop(req_id))
         if request is None:
             return None
-        return provenance(self.config.replica, len(request.prompt), request.local_tokens,
-                          request.pool_tokens + in_flight, request.ns_digest)
+        return provenance(
+            self.config.replica,
+            len(request.prompt),
+            request.local_tokens,
+            request.pool_tokens + in_flight,
+            request.ns_digest,
+        )
 
     # -- pool --------------------------------------------------------------------------
 
@@ -370,10 +369,6 @@ class PoolScheduler:
         return len(self._leases)
 
     def close(self) -> None:
-        client = self.link.client() if self._parted is not None and len(self._parted) else None
-        for reservation_id in self._parted.pending(self.link.pool_id) if client is not None else ():
-            try:
-                client.abort(reservation_id)
-            except (PoolRequestError, *POOL_DOWN_ERRORS):
-                break  # closing the connection below drops them too
+        if self._parted is not None:
+            self._parted.abort_pending()
         self.link.close()

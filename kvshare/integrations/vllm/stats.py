@@ -45,10 +45,10 @@ class KVShareStats(KVConnectorStats):
         self.data = ConnectorCounters().to_dict()
 
     @classmethod
-    def of(cls, counters: ConnectorCounters) -> "KVShareStats":
+    def of(cls, counters: ConnectorCounters) -> KVShareStats:
         return cls(data=counters.to_dict())
 
-    def aggregate(self, other: KVConnectorStats) -> "KVShareStats":
+    def aggregate(self, other: KVConnectorStats) -> KVShareStats:
         total = ConnectorCounters()
         total.add(self.data)
         total.add(other.data)

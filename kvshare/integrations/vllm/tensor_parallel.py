@@ -12,19 +12,23 @@ any TP size share them. With TP = T each rank holds ``H / T`` consecutive heads,
 A store: the scheduler reserves the pages, each rank writes its heads into them and reports its
 part of the page's WSUM32 (kvshare.pool.checksum: a sum over words, so the parts of disjoint
 heads add up to the page's checksum); the scheduler commits once all T parts are in, and aborts
-when any rank could not write its part. A page is therefore visible only with every head in it.
+when any rank could not write its part (``TensorParallelStores``). A page is therefore visible only with every
+head in it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
 import numpy as np
 
-from kvshare.integrations.vllm.metadata import StorePart
+from kvshare.integrations.vllm.metadata import ConnectorCounters, StorePart, StoreSpec
 from kvshare.layout import KVLayout
-from kvshare.pool.checksum import MOD64
+from kvshare.pool.checksum import MOD64, ChecksumKind
+from kvshare.pool.client import PoolRequestError
+from kvshare.pool.link import POOL_DOWN_ERRORS, PoolLink, guarded
 
 log = logging.getLogger("kvshare.integrations")
 
@@ -110,8 +114,12 @@ class PartedStores:
         del self._parts[part.pool_id, part.reservation_id]
         if not all(p.is_written for p in parts.values()):
             failed = sorted(r for r, p in parts.items() if not p.is_written)
-            log.warning("kvshare: rank(s) %s could not write their part of reservation %d (%s); its pages are aborted",
-                        failed, part.reservation_id, "; ".join(p.reason for p in parts.values() if p.reason))
+            log.warning(
+                "kvshare: rank(s) %s could not write their part of reservation %d (%s); its pages are aborted",
+                failed,
+                part.reservation_id,
+                "; ".join(p.reason for p in parts.values() if p.reason),
+            )
             return part.reservation_id, None
         sums = [sum(column) % MOD64 for column in zip(*(p.checksums for p in parts.values()))]
         return part.reservation_id, sums
@@ -122,3 +130,77 @@ class PartedStores:
 
     def __len__(self) -> int:
         return len(self._parts)
+
+
+class TensorParallelStores:
+    """The scheduler's side of a tensor parallel replica's stores, through its pool link: reserve a store's
+    pages, commit them once every rank's part is in (abort them when a rank could not write its part)."""
+
+    def __init__(self, tp_size: int, link: PoolLink, counters: ConnectorCounters, page_bytes: int) -> None:
+        self.link = link
+        self.counters = counters
+        self.page_bytes = page_bytes
+        self.book = PartedStores(tp_size)
+
+    def reserve(self, spec: StoreSpec) -> StoreSpec | None:
+        """The spec with pages reserved for its chunks the pool lacks (None: no pages)."""
+        client = self.link.client()
+        if client is None:
+            return None
+        reservation = guarded(
+            self.link,
+            self.counters,
+            "a reserve",
+            lambda: client.reserve(
+                spec.namespace, list(spec.keys), self.page_bytes, spec.first_chunk, account=spec.account
+            ),
+        )
+        if reservation is None:
+            return None
+        self.counters.skipped_stores += reservation.num_no_room
+        if not reservation.grants:
+            return None
+        self.book.expect(reservation.reservation_id, self.link.pool_id)
+        return dataclasses.replace(
+            spec, reservation_id=reservation.reservation_id, grants=tuple(reservation.grants), pool_id=self.link.pool_id
+        )
+
+    def settle(self, part: StorePart) -> None:
+        """A rank's part of a reserved store; the last one commits the pages (or aborts them)."""
+        done = self.book.add(part)
+        if done is None:
+            return
+        reservation_id, checksums = done
+        pool_id = part.pool_id
+        client = self.link.client()
+        if client is None:  # the pool keeps it until told, or its TTL
+            self.link.end_later(reservation_id=reservation_id, pool_id=pool_id)
+            return
+        if self.link.pool_id != pool_id:  # granted by a pool that is gone; the id may name a live reservation
+            return
+        try:
+            if checksums is None:
+                client.abort(reservation_id)
+                return
+            committed = client.commit(reservation_id, checksums, ChecksumKind.WSUM32)
+        except POOL_DOWN_ERRORS as exc:
+            self.counters.pool_errors += 1
+            self.link.failed(exc)
+            # refused then, if the commit went through
+            self.link.end_later(reservation_id=reservation_id, pool_id=pool_id)
+            return
+        except PoolRequestError as exc:
+            self.counters.pool_errors += 1
+            log.warning("kvshare: the pool refused a commit of reservation %d: %s", reservation_id, exc)
+            return
+        self.counters.stored_chunks += committed
+        self.counters.store_bytes += committed * self.page_bytes
+
+    def abort_pending(self) -> None:
+        """Abort the reservations whose parts are not all in (the scheduler closes)."""
+        client = self.link.client() if len(self.book) else None
+        for reservation_id in self.book.pending(self.link.pool_id) if client is not None else ():
+            try:
+                client.abort(reservation_id)
+            except (PoolRequestError, *POOL_DOWN_ERRORS):
+                break  # closing the connection drops them too

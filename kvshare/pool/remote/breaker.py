@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 log = logging.getLogger("kvshare.pool.remote")
 
@@ -61,8 +61,11 @@ class CircuitBreaker:
                 self._state = OPEN
                 self._opened_at = self._clock()
                 self.num_opens += 1
-                log.warning("remote store failing (%s): circuit breaker open, nothing sent for %.1f s",
-                            error or "no detail", self.reset_s)
+                log.warning(
+                    "remote store failing (%s): circuit breaker open, nothing sent for %.1f s",
+                    error or "no detail",
+                    self.reset_s,
+                )
 
     def _maybe_half_open(self) -> None:
         if self._state == OPEN and self._clock() - self._opened_at >= self.reset_s:

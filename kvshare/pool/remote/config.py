@@ -24,8 +24,13 @@ MAX_PART_BYTES = 8 * MiB  # one value blocks a Redis server while it is read or 
 MIN_PART_BYTES = 4096
 MIN_AUTH_KEY_BYTES = 16  # a page key shorter than a tag would be the weak point
 
-_SCHEMES = {"redis": (False, False), "rediss": (False, True), "unix": (False, False),
-            "redis+cluster": (True, False), "rediss+cluster": (True, True)}
+_SCHEMES = {
+    "redis": (False, False),
+    "rediss": (False, True),
+    "unix": (False, False),
+    "redis+cluster": (True, False),
+    "rediss+cluster": (True, True),
+}
 
 
 @dataclass(frozen=True)
@@ -76,8 +81,7 @@ def parse_remote_url(url: str) -> RemoteAddress:
         if not sep or not host or not port.isdigit():
             raise ValueError(f"remote URL {url!r}: cluster nodes must be HOST:PORT, got {item!r}")
         nodes.append((host.strip("[]"), int(port)))
-    return RemoteAddress(url, True, is_tls, tuple(nodes), unquote(username) or None, unquote(password) or None,
-                         ca_file)
+    return RemoteAddress(url, True, is_tls, tuple(nodes), unquote(username) or None, unquote(password) or None, ca_file)
 
 
 @dataclass(frozen=True)
@@ -106,21 +110,31 @@ class RemoteConfig:
     def __post_init__(self) -> None:
         if self.password and urlsplit(self.url).password:
             raise ValueError("the remote password is in the URL and given again (file or environment): give it once")
-        self.address  # validates the URL
+        _ = self.address  # parsing the URL validates it
         if not self.prefix or any(c in self.prefix for c in "{} \n"):
             raise ValueError(f"remote prefix must be non-empty without braces or spaces, got {self.prefix!r}")
         if self.ttl_s < 0:
             raise ValueError(f"remote TTL must be >= 0 seconds (0: none), got {self.ttl_s}")
         if not MIN_PART_BYTES <= self.part_bytes <= MAX_PART_BYTES:
-            raise ValueError(f"remote part size must lie in {MIN_PART_BYTES}..{MAX_PART_BYTES} bytes, got {self.part_bytes}")
+            raise ValueError(
+                f"remote part size must lie in {MIN_PART_BYTES}..{MAX_PART_BYTES} bytes, got {self.part_bytes}"
+            )
         if self.auth_key and len(self.auth_key) < MIN_AUTH_KEY_BYTES:
-            raise ValueError(f"the remote page key must have at least {MIN_AUTH_KEY_BYTES} bytes, got "
-                             f"{len(self.auth_key)} (e.g. head -c 32 /dev/urandom | base64 > FILE)")
+            raise ValueError(
+                f"the remote page key must have at least {MIN_AUTH_KEY_BYTES} bytes, got "
+                f"{len(self.auth_key)} (e.g. head -c 32 /dev/urandom | base64 > FILE)"
+            )
         for name in ("timeout_s", "promote_timeout_s", "breaker_reset_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"RemoteConfig.{name} must be positive, got {getattr(self, name)}")
-        for name in ("write_queue_bytes", "num_writers", "num_readers", "promote_batch_bytes",
-                     "max_promotions", "breaker_failures"):
+        for name in (
+            "write_queue_bytes",
+            "num_writers",
+            "num_readers",
+            "promote_batch_bytes",
+            "max_promotions",
+            "breaker_failures",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"RemoteConfig.{name} must be at least 1, got {getattr(self, name)}")
 

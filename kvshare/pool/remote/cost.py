@@ -78,8 +78,9 @@ class FetchFit:
         return self.latency_s + num_bytes / self.bytes_per_s if num_bytes else 0.0
 
 
-def promote_len(prefill: PrefillFit, fetch: FetchFit, page_bytes: int, num_local: int, num_missing: int,
-                timeout_s: float) -> int:
+def promote_len(
+    prefill: PrefillFit, fetch: FetchFit, page_bytes: int, num_local: int, num_missing: int, timeout_s: float
+) -> int:
     """How many of the ``num_missing`` chunks after the arena's ``num_local`` to promote (0: none). Pure."""
     in_time = int((timeout_s - fetch.latency_s) * fetch.bytes_per_s // page_bytes) if timeout_s > fetch.latency_s else 0
     largest = max(0, min(num_missing, in_time))
@@ -140,8 +141,9 @@ class PromotionCosts:
             latency, per_byte = 0.0, s / x
         return FetchFit(latency, 1.0 / per_byte)
 
-    def plan(self, namespace: bytes | None, page_bytes: int, num_local: int, num_missing: int,
-             timeout_s: float, now: float) -> Plan:
+    def plan(
+        self, namespace: bytes | None, page_bytes: int, num_local: int, num_missing: int, timeout_s: float, now: float
+    ) -> Plan:
         """How much of a lookup's missing run to promote."""
         prefill, fetch = self.prefill_fit(namespace, page_bytes), self.fetch_fit()
         if prefill is None or fetch is None:

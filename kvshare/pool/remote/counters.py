@@ -5,9 +5,21 @@ Shared by the tier (write-behind) and its promotions, so it sits below both.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvshare.pool.remote.format import REASONS
+
+log = logging.getLogger("kvshare.pool.remote")
+
+
+class FetchOutcome(Protocol):
+    """What every fetch reports (workers.FetchResult, direct.LandedResult)."""
+
+    num_errors: int
+    num_deleted: int
+    discarded: list[tuple[str, str]]  # (reason, what was wrong)
 
 
 @dataclass
@@ -42,6 +54,17 @@ class RemoteCounters:
     discarded_missing_part: int = 0
     discarded_unauthenticated: int = 0  # pages without a valid tag for the page key (a store that lies)
 
+    def count_fetch(self, result: FetchOutcome, is_in_chain: bool = True) -> None:
+        """Errors and deletions always; discards only of batches still in the chain (not fetched past its end)."""
+        self.errors += result.num_errors
+        self.deleted_values += result.num_deleted
+        for reason, detail in result.discarded if is_in_chain else ():
+            name = f"discarded_{reason}"
+            setattr(self, name, getattr(self, name) + 1)
+            log.warning("discarded a remote page (%s): %s", reason, detail)
+
 
 # every reason a remote page is discarded for has its counter
-assert set(REASONS) == {n.removeprefix("discarded_") for n in RemoteCounters.__dataclass_fields__ if n.startswith("discarded_")}
+assert set(REASONS) == {
+    n.removeprefix("discarded_") for n in RemoteCounters.__dataclass_fields__ if n.startswith("discarded_")
+}

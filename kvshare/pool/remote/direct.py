@@ -24,8 +24,19 @@ import numpy as np
 from kvshare.pool.checksum import page_checksum
 from kvshare.pool.remote.breaker import CircuitBreaker
 from kvshare.pool.remote.config import MIN_PART_BYTES, RemoteConfig
-from kvshare.pool.remote.format import (BROKEN, HEADER, HEADER_BYTES, MAGIC, BadRemoteValue, check_page, check_parts,
-                                        max_value_bytes, num_parts, part_keys, part_place)
+from kvshare.pool.remote.format import (
+    BROKEN,
+    HEADER,
+    HEADER_BYTES,
+    MAGIC,
+    BadRemoteValue,
+    check_page,
+    check_parts,
+    max_value_bytes,
+    num_parts,
+    part_keys,
+    part_place,
+)
 from kvshare.pool.remote.store import RemoteStore, RemoteStoreError
 from kvshare.pool.remote.workers import BREAKER, ERROR, MISS, delete_quietly
 
@@ -39,8 +50,16 @@ class LandedResult:
     discarded: list[tuple[str, str]] = field(default_factory=list)  # (reason, what was wrong)
 
 
-def fetch_into(store: RemoteStore, breaker: CircuitBreaker, cfg: RemoteConfig, arena: np.ndarray,
-               pages: list[tuple[bytes, int]], page_bytes: int, namespace: bytes, first_depth: int) -> LandedResult:
+def fetch_into(
+    store: RemoteStore,
+    breaker: CircuitBreaker,
+    cfg: RemoteConfig,
+    arena: np.ndarray,
+    pages: list[tuple[bytes, int]],
+    page_bytes: int,
+    namespace: bytes,
+    first_depth: int,
+) -> LandedResult:
     """Fetch chunks ``pages`` ((key, reserved arena offset), chain order, from depth ``first_depth``) into place."""
     if not breaker.allow():
         return LandedResult([], BREAKER)
@@ -63,8 +82,10 @@ def fetch_into(store: RemoteStore, breaker: CircuitBreaker, cfg: RemoteConfig, a
         store.read(names, cfg.ttl_s, HEADER_BYTES, place, max_value_bytes(page_bytes))
 
     try:
-        read([k for key, _ in pages for k in part_keys(cfg.prefix, key, count)],
-             [(p, j) for p in range(len(pages)) for j in range(count)])
+        read(
+            [k for key, _ in pages for k in part_keys(cfg.prefix, key, count)],
+            [(p, j) for p in range(len(pages)) for j in range(count)],
+        )
         extra = _extra_parts(cfg, pages, parts, page_bytes, count)
         if extra:
             names, where = zip(*extra)

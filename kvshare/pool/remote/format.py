@@ -49,8 +49,8 @@ import xxhash
 
 from kvshare.keys import KEY_BYTES
 from kvshare.pool.checksum import ChecksumKind, checksum_is_valid
-from kvshare.pool.remote.config import MAX_PART_BYTES
 from kvshare.pool.protocol import FORMAT_VERSION
+from kvshare.pool.remote.config import MAX_PART_BYTES
 
 REMOTE_FORMAT_VERSION = 2  # 2: the page tag
 MAGIC = b"KVSR"
@@ -60,7 +60,13 @@ TAG_BYTES = 16
 NO_TAG = bytes(TAG_BYTES)  # the tag of a page written without a page key
 
 # why a value was discarded (the names of the counters in stats["remote"])
-CHECKSUM, VERSION, FINGERPRINT, TRUNCATED, MISSING_PART = "checksum", "version", "fingerprint", "truncated", "missing_part"
+CHECKSUM, VERSION, FINGERPRINT, TRUNCATED, MISSING_PART = (
+    "checksum",
+    "version",
+    "fingerprint",
+    "truncated",
+    "missing_part",
+)
 UNAUTHENTICATED = "unauthenticated"
 REASONS = (CHECKSUM, VERSION, FINGERPRINT, TRUNCATED, MISSING_PART, UNAUTHENTICATED)
 # reasons that mean the stored value itself is broken (deleted so a writer can replace it);
@@ -132,8 +138,20 @@ def part_keys(prefix: str, key: bytes, count: int) -> list[str]:
 
 def encode_part(meta: PageMeta, index: int, count: int, part_offset: int, payload) -> bytes:
     """One stored value: the header, then ``payload`` (any buffer; copied once)."""
-    header = HEADER.pack(MAGIC, REMOTE_FORMAT_VERSION, FORMAT_VERSION, index, count, meta.depth,
-                         meta.page_bytes, part_offset, meta.checksum, meta.key, meta.namespace, meta.tag)
+    header = HEADER.pack(
+        MAGIC,
+        REMOTE_FORMAT_VERSION,
+        FORMAT_VERSION,
+        index,
+        count,
+        meta.depth,
+        meta.page_bytes,
+        part_offset,
+        meta.checksum,
+        meta.key,
+        meta.namespace,
+        meta.tag,
+    )
     return b"".join((header, payload))
 
 
@@ -144,8 +162,9 @@ def part_count_of(value: bytes) -> int | None:
     return HEADER.unpack_from(value)[4]
 
 
-def decode_page(values: list[bytes | None], key: bytes, page_bytes: int, namespace: bytes | None,
-                auth_key: bytes = b"") -> RemotePage | None:
+def decode_page(
+    values: list[bytes | None], key: bytes, page_bytes: int, namespace: bytes | None, auth_key: bytes = b""
+) -> RemotePage | None:
     """Check the values of a page's parts (in part order); None when the store holds no part of it.
 
     Raises BadRemoteValue when a part is missing or malformed, the header names another
@@ -165,8 +184,13 @@ def decode_page(values: list[bytes | None], key: bytes, page_bytes: int, namespa
     return RemotePage(meta, payloads)
 
 
-def check_parts(parts: list[tuple[bytes, int] | None], key: bytes, page_bytes: int,
-                namespace: bytes | None, depth: int | None = None) -> tuple[PageMeta, int] | None:
+def check_parts(
+    parts: list[tuple[bytes, int] | None],
+    key: bytes,
+    page_bytes: int,
+    namespace: bytes | None,
+    depth: int | None = None,
+) -> tuple[PageMeta, int] | None:
     """Check a page's parts, each as (its first HEADER_BYTES bytes, the bytes after them); None: no part stored.
 
     Returns the page's header and its part count (a reader may have asked for more).
@@ -194,8 +218,13 @@ def check_parts(parts: list[tuple[bytes, int] | None], key: bytes, page_bytes: i
         fields = _header(head, payload_bytes, key)
         if fields[3] != index or fields[4] != count:
             raise BadRemoteValue(MISSING_PART, f"value {index} is part {fields[3]} of {fields[4]} (a torn write)")
-        if (fields[5], fields[6], fields[8], fields[10], fields[11]) != (meta.depth, meta.page_bytes, meta.checksum,
-                                                                        meta.namespace, meta.tag):
+        if (fields[5], fields[6], fields[8], fields[10], fields[11]) != (
+            meta.depth,
+            meta.page_bytes,
+            meta.checksum,
+            meta.namespace,
+            meta.tag,
+        ):
             raise BadRemoteValue(MISSING_PART, f"part {index} belongs to another write of this page")
         if fields[7] != offset:
             raise BadRemoteValue(TRUNCATED, f"part {index} starts at byte {fields[7]}, expected {offset}")
@@ -248,8 +277,9 @@ def _header(head: bytes, payload_bytes: int, key: bytes) -> tuple:
         raise BadRemoteValue(VERSION, f"not a kvshare page value (magic {fields[0]!r})")
     if fields[1] != REMOTE_FORMAT_VERSION or fields[2] != FORMAT_VERSION:
         raise BadRemoteValue(
-            VERSION, f"value format {fields[1]}/page format {fields[2]}; this pool reads "
-            f"{REMOTE_FORMAT_VERSION}/{FORMAT_VERSION} (run the same kvshare version on every host)"
+            VERSION,
+            f"value format {fields[1]}/page format {fields[2]}; this pool reads "
+            f"{REMOTE_FORMAT_VERSION}/{FORMAT_VERSION} (run the same kvshare version on every host)",
         )
     if fields[9] != key or len(fields[10]) != KEY_BYTES:
         raise BadRemoteValue(FINGERPRINT, "value stored under another chunk's key")

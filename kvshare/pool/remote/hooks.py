@@ -13,7 +13,8 @@ kvshare.pool.remote is theirs to touch::
 from __future__ import annotations
 
 import socket
-from typing import TYPE_CHECKING, Callable, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from kvshare.pool.entries import Entry
@@ -42,7 +43,8 @@ class RemoteHooks(Protocol):
         """Fetch ``keys[num_local:]`` from the store into the index; True: ``on_done()`` is called once, later."""
 
     def on_prefill(self, namespace: bytes, page_bytes: int, num_chunks: int, seconds: float) -> None:
-        """A replica prefilled ``num_chunks`` chunks of ``namespace`` cold in ``seconds``: promote only what beats that."""
+        """A replica prefilled ``num_chunks`` chunks of ``namespace`` cold in ``seconds``: promote only what
+        beats that."""
 
     def poll(self) -> None:
         """Apply the results the worker threads handed back (``wakeup`` was readable)."""
@@ -57,8 +59,9 @@ class RemoteHooks(Protocol):
         """Stop the worker threads and the store client; no ``on_done`` is called afterwards."""
 
 
-def start_remote_tier(config: RemoteConfig, index: PoolIndex, arena, lease_ttl_s: float,
-                      writer_id: int, promoter_id: int) -> RemoteHooks:
+def start_remote_tier(
+    config: RemoteConfig, index: PoolIndex, arena, lease_ttl_s: float, writer_id: int, promoter_id: int
+) -> RemoteHooks:
     """Start the tier's threads over ``arena`` (the daemon's mapping); its own client ids pin and promote pages."""
     from kvshare.pool.remote.tier import RemoteTier  # imported (numpy, threads) only when --remote is given
 

@@ -26,8 +26,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -39,50 +38,29 @@ from kvshare.pool.remote.cost import PromotionCosts
 from kvshare.pool.remote.counters import RemoteCounters
 from kvshare.pool.remote.direct import LandedResult, fetch_into
 from kvshare.pool.remote.format import RemotePage
+from kvshare.pool.remote.jobs import Batch, PromoteJob
 from kvshare.pool.remote.store import RemoteStore
 
 log = logging.getLogger("kvshare.pool.remote")
 PROBE_PAGES = 1  # fetched as values, before the chain is known to be in the store
 
 
-@dataclass(frozen=True)
-class _Batch:
-    number: int
-    start: int  # index of its first key in the job's keys
-    num_keys: int
-    reservations: tuple[int, ...] = ()  # direct: one reservation per page, in chain order; as values: none
-
-
-@dataclass(eq=False)
-class _PromoteJob:
-    keys: list[bytes]  # the chunks the arena lacked, in chain order
-    page_bytes: int
-    namespace: bytes | None  # of the chain (from the arena's last chunk before them, else the first page)
-    first_depth: int | None  # depth of keys[0] (known likewise)
-    waiters: list[Callable[[], None]]
-    deadline: float
-    batch_len: int
-    started_at: float
-    num_asked: int = 0  # keys sent to the store so far
-    num_found: int = 0  # chunks of the chain fetched whole and valid
-    num_promoted_bytes: int = 0
-    outstanding: int = 0  # fetch and copy tasks in flight
-    num_batches: int = 0  # batches sent so far
-    num_applied: int = 0  # batches applied, in order
-    arrived: dict = field(default_factory=dict)  # batch number -> (batch, result), waiting for its turn
-    pins: list[int] = field(default_factory=list)  # the promoter's leases on committed pages, until the answer
-    is_confirmed: bool = False  # a page of the chain came back whole: reserving ahead is safe
-    is_ended: bool = False  # no further batch is fetched (the chain broke, or the lookups were answered)
-    is_broken: bool = False  # the chain broke: no further page is placed
-    is_answered: bool = False
-
-
 class Promotions:
     """The promoting lookups under way; every method runs on the loop thread."""
 
-    def __init__(self, config: RemoteConfig, index: PoolIndex, promoter_id: int, store: RemoteStore,
-                 breaker: CircuitBreaker, arena: np.ndarray, counters: RemoteCounters, costs: PromotionCosts,
-                 submit: Callable[[Callable, tuple, Callable], None], clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        config: RemoteConfig,
+        index: PoolIndex,
+        promoter_id: int,
+        store: RemoteStore,
+        breaker: CircuitBreaker,
+        arena: np.ndarray,
+        counters: RemoteCounters,
+        costs: PromotionCosts,
+        submit: Callable[[Callable, tuple, Callable], None],
+        clock: Callable[[], float],
+    ) -> None:
         self.config = config
         self.index = index
         self.promoter_id = promoter_id
@@ -94,8 +72,8 @@ class Promotions:
         self._submit = submit  # runs fn(*args) on a reader thread, then on_result(result) on the loop thread
         self._clock = clock
         self._is_closed = False
-        self._jobs: set[_PromoteJob] = set()
-        self._job_of_key: dict[bytes, _PromoteJob] = {}
+        self._jobs: set[PromoteJob] = set()
+        self._job_of_key: dict[bytes, PromoteJob] = {}
 
     def __len__(self) -> int:
         return len(self._jobs)
@@ -159,11 +137,13 @@ class Promotions:
         for job in self._jobs:
             job.waiters.clear()
 
-    def _new_job(self, keys: list[bytes], page_bytes: int, namespace: bytes | None, depth: int | None,
-                 waiters: list, now: float) -> None:
+    def _new_job(
+        self, keys: list[bytes], page_bytes: int, namespace: bytes | None, depth: int | None, waiters: list, now: float
+    ) -> None:
         batch_len = max(1, self.config.promote_batch_bytes // page_bytes)
-        job = _PromoteJob(keys, page_bytes, namespace, depth, waiters, now + self.config.promote_timeout_s,
-                          batch_len, now)
+        job = PromoteJob(
+            keys, page_bytes, namespace, depth, waiters, now + self.config.promote_timeout_s, batch_len, now
+        )
         self._jobs.add(job)
         for key in keys:
             self._job_of_key.setdefault(key, job)
@@ -171,36 +151,42 @@ class Promotions:
 
     # -- sending batches ----------------------------------------------------------------
 
-    def _fetch_more(self, job: _PromoteJob) -> None:
+    def _fetch_more(self, job: PromoteJob) -> None:
         # batches in flight (being fetched, waiting for their turn, being copied): at most num_readers
-        while (not job.is_ended and job.num_asked < len(job.keys)
-               and job.outstanding + len(job.arrived) < self.config.num_readers):
+        while (
+            not job.is_ended
+            and job.num_asked < len(job.keys)
+            and job.outstanding + len(job.arrived) < self.config.num_readers
+        ):
             if self._can_land(job):
                 self._send_direct(job)
             else:  # first a probe of one page; while it is out, the next batch as values (as a probe is)
                 self._send_as_values(job, PROBE_PAGES if job.num_batches == 0 else job.batch_len)
 
-    def _can_land(self, job: _PromoteJob) -> bool:
+    def _can_land(self, job: PromoteJob) -> bool:
         """Whether the next batch may be reserved before it is fetched."""
         if job.namespace is None or job.first_depth is None:
             return False
         num = min(job.batch_len, len(job.keys) - job.num_asked)
         return job.is_confirmed or self.index.allocator.num_free_pages(job.page_bytes) >= num
 
-    def _send_as_values(self, job: _PromoteJob, num_keys: int) -> None:
-        batch = _Batch(job.num_batches, job.num_asked, min(num_keys, len(job.keys) - job.num_asked))
+    def _send_as_values(self, job: PromoteJob, num_keys: int) -> None:
+        batch = Batch(job.num_batches, job.num_asked, min(num_keys, len(job.keys) - job.num_asked))
         keys = job.keys[batch.start : batch.start + batch.num_keys]
-        self._send(job, batch, W.fetch_pages, (self.store, self.breaker, self.config, keys, job.page_bytes, job.namespace))
+        self._send(
+            job, batch, W.fetch_pages, (self.store, self.breaker, self.config, keys, job.page_bytes, job.namespace)
+        )
 
-    def _send_direct(self, job: _PromoteJob) -> None:
+    def _send_direct(self, job: PromoteJob) -> None:
         """Reserve the next batch's pages (one reservation each, so a chain that ends mid-batch keeps its head)."""
         start, now = job.num_asked, self._clock()
         keys = job.keys[start : start + job.batch_len]
         reservations, pages = [], []
         for i, key in enumerate(keys):
             try:
-                reserved = self.index.reserve(self.promoter_id, job.namespace, [key], job.page_bytes,
-                                              job.first_depth + start + i, now)
+                reserved = self.index.reserve(
+                    self.promoter_id, job.namespace, [key], job.page_bytes, job.first_depth + start + i, now
+                )
             except PoolError as exc:
                 log.error("remote promotion: reserve refused: %s", exc)
                 break
@@ -213,13 +199,26 @@ class Promotions:
         if len(pages) < len(keys):
             job.is_ended = True
         if not pages:
-            self._break(job)
+            job.break_chain()
             return
-        batch = _Batch(job.num_batches, start, len(pages), tuple(reservations))
-        self._send(job, batch, fetch_into, (self.store, self.breaker, self.config, self._arena, pages, job.page_bytes,
-                                            job.namespace, job.first_depth + start))
+        batch = Batch(job.num_batches, start, len(pages), tuple(reservations))
+        self._send(
+            job,
+            batch,
+            fetch_into,
+            (
+                self.store,
+                self.breaker,
+                self.config,
+                self._arena,
+                pages,
+                job.page_bytes,
+                job.namespace,
+                job.first_depth + start,
+            ),
+        )
 
-    def _send(self, job: _PromoteJob, batch: _Batch, fn: Callable, args: tuple) -> None:
+    def _send(self, job: PromoteJob, batch: Batch, fn: Callable, args: tuple) -> None:
         job.num_asked += batch.num_keys
         job.num_batches += 1
         job.outstanding += 1
@@ -227,7 +226,7 @@ class Promotions:
 
     # -- results, in chain order ----------------------------------------------------------
 
-    def _on_fetched(self, job: _PromoteJob, batch: _Batch, result) -> None:
+    def _on_fetched(self, job: PromoteJob, batch: Batch, result) -> None:
         job.outstanding -= 1
         job.arrived[batch.number] = (batch, result)
         while job.num_applied in job.arrived:
@@ -237,24 +236,24 @@ class Promotions:
             except Exception:  # a bug, or a reservation that expired meanwhile: the job ends here all the same
                 log.exception("remote promotion: applying a fetched batch failed")
                 self._abort(applied[0].reservations)
-                self._break(job)
+                job.break_chain()
             job.num_applied += 1
         self._fetch_more(job)
         self._maybe_finish(job)
 
-    def _apply(self, job: _PromoteJob, batch: _Batch, result) -> None:
+    def _apply(self, job: PromoteJob, batch: Batch, result) -> None:
         if isinstance(result, BaseException):
             log.error("remote fetch failed: %r", result)
             self._abort(batch.reservations)
-            self._break(job)
+            job.break_chain()
             return
-        self._count_fetch(result, is_in_chain=not job.is_broken)
+        self.counters.count_fetch(result, is_in_chain=not job.is_broken)
         if isinstance(result, LandedResult):
             self._apply_landed(job, batch, result)
         else:
             self._apply_values(job, batch, result)
 
-    def _apply_landed(self, job: _PromoteJob, batch: _Batch, result: LandedResult) -> None:
+    def _apply_landed(self, job: PromoteJob, batch: Batch, result: LandedResult) -> None:
         """Commit the batch's pages that landed whole and valid; abort the rest."""
         good = 0 if job.is_broken or self._is_closed else len(result.checksums)
         for reservation_id, checksum in reversed(list(zip(batch.reservations[:good], result.checksums))):
@@ -265,9 +264,9 @@ class Promotions:
         if good:
             job.is_confirmed = True
         if result.end is not None or good < batch.num_keys:
-            self._break(job)
+            job.break_chain()
 
-    def _apply_values(self, job: _PromoteJob, batch: _Batch, result: W.FetchResult) -> None:
+    def _apply_values(self, job: PromoteJob, batch: Batch, result: W.FetchResult) -> None:
         """Count a batch fetched as values and, while the chain is unbroken, place its pages."""
         if job.is_broken or self._is_closed:
             return  # fetched ahead of a chunk that broke the chain: not part of it
@@ -276,30 +275,32 @@ class Promotions:
             same = [p.meta.namespace == job.namespace for p in pages]
             if not all(same):
                 pages = pages[: same.index(False)]
-                self._count_fetch(W.FetchResult([], None, discarded=[("fingerprint", "chunk of another namespace")]))
-                self._break(job)
+                self.counters.count_fetch(
+                    W.FetchResult([], None, discarded=[("fingerprint", "chunk of another namespace")])
+                )
+                job.break_chain()
         if pages:
             job.namespace = pages[0].meta.namespace
             job.first_depth = pages[0].meta.depth - batch.start
             job.is_confirmed = True
             self._place(job, pages)
         if result.end is not None or len(pages) < batch.num_keys:
-            self._break(job)
+            job.break_chain()
 
-    def _count_promoted(self, job: _PromoteJob, num_pages: int) -> None:
+    def _count_promoted(self, job: PromoteJob, num_pages: int) -> None:
         job.num_found += num_pages
         job.num_promoted_bytes += num_pages * job.page_bytes
         self.counters.promoted_pages += num_pages
         self.counters.promoted_bytes += num_pages * job.page_bytes
 
-    def _pin(self, job: _PromoteJob, keys: list[bytes]) -> None:
+    def _pin(self, job: PromoteJob, keys: list[bytes]) -> None:
         """Lease committed pages until the lookups are answered: a later batch's reserve must not evict them."""
         if keys:
             pin = self.index.lookup(self.promoter_id, keys, job.page_bytes, self._clock(), is_counted=False)
             if pin.lease_id:
                 job.pins.append(pin.lease_id)
 
-    def _unpin(self, job: _PromoteJob) -> None:
+    def _unpin(self, job: PromoteJob) -> None:
         pins, job.pins = job.pins, []
         for lease_id in pins:
             try:
@@ -314,32 +315,20 @@ class Promotions:
             except PoolError:
                 pass  # committed, or aborted by its TTL, already
 
-    @staticmethod
-    def _break(job: _PromoteJob) -> None:
-        job.is_broken = job.is_ended = True
-
-    def _count_fetch(self, result: W.FetchResult | LandedResult, is_in_chain: bool = True) -> None:
-        """Errors and deletions always; discards only of batches still in the chain (not fetched past its end)."""
-        self.counters.errors += result.num_errors
-        self.counters.deleted_values += result.num_deleted
-        for reason, detail in result.discarded if is_in_chain else ():
-            name = f"discarded_{reason}"
-            setattr(self.counters, name, getattr(self.counters, name) + 1)
-            log.warning("discarded a remote page (%s): %s", reason, detail)
-
-    def _place(self, job: _PromoteJob, pages: list[RemotePage]) -> None:
+    def _place(self, job: PromoteJob, pages: list[RemotePage]) -> None:
         """Reserve arena pages (as the promoter) for fetched pages and have a thread copy them in."""
         keys = [p.meta.key for p in pages]
         try:
-            reserved = self.index.reserve(self.promoter_id, job.namespace, keys, job.page_bytes,
-                                          pages[0].meta.depth, self._clock())
+            reserved = self.index.reserve(
+                self.promoter_id, job.namespace, keys, job.page_bytes, pages[0].meta.depth, self._clock()
+            )
         except PoolError as exc:
             log.error("remote promotion: reserve refused: %s", exc)
-            self._break(job)
+            job.break_chain()
             return
         if reserved.num_no_room:
             self.counters.promote_no_room += reserved.num_no_room
-            self._break(job)
+            job.break_chain()
         if not reserved.grants:
             return
         placements = [(pages[i], entry.offset) for i, entry in reserved.grants]
@@ -347,29 +336,36 @@ class Promotions:
         on_copied = functools.partial(self._on_copied, job, reserved.reservation_id, placements)
         self._submit(W.copy_pages, (self._arena, placements), on_copied)
 
-    def _on_copied(self, job: _PromoteJob, reservation_id: int, placements: list[tuple[RemotePage, int]],
-                   result: list[int] | BaseException) -> None:
+    def _on_copied(
+        self,
+        job: PromoteJob,
+        reservation_id: int,
+        placements: list[tuple[RemotePage, int]],
+        result: list[int] | BaseException,
+    ) -> None:
         job.outstanding -= 1
         expected = [page.meta.checksum for page, _ in placements]
         if isinstance(result, BaseException) or result != expected:
-            bad = len(placements) if isinstance(result, BaseException) else sum(a != b for a, b in zip(result, expected))
+            bad = (
+                len(placements) if isinstance(result, BaseException) else sum(a != b for a, b in zip(result, expected))
+            )
             log.error("remote promotion: %d page(s) differ from their checksum after the copy: %r", bad, result)
             self._abort([reservation_id])
             self.counters.discarded_checksum += bad
-            self._break(job)
+            job.break_chain()
         else:
             try:
                 self.index.commit(self.promoter_id, reservation_id, expected)
             except PoolError as exc:  # aborted by its TTL meanwhile: the chain ends here
                 log.error("remote promotion: commit refused: %s", exc)
-                self._break(job)
+                job.break_chain()
             else:
                 self._pin(job, [page.meta.key for page, _ in placements])
                 self._count_promoted(job, len(placements))
         self._fetch_more(job)  # a batch's memory is free again
         self._maybe_finish(job)
 
-    def _maybe_finish(self, job: _PromoteJob) -> None:
+    def _maybe_finish(self, job: PromoteJob) -> None:
         if job.outstanding or not (job.is_ended or job.num_asked >= len(job.keys)):
             return
         self._jobs.discard(job)
@@ -383,7 +379,7 @@ class Promotions:
         self._answer(job)  # the waiters' lookups lease the pages before the pins go
         self._unpin(job)
 
-    def _answer(self, job: _PromoteJob) -> None:
+    def _answer(self, job: PromoteJob) -> None:
         job.is_answered = True
         waiters, job.waiters = job.waiters, []
         for on_done in waiters:

@@ -22,9 +22,9 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import Callable
 
 from kvshare.pool.remote.config import RemoteAddress
 from kvshare.pool.remote.resp import MAX_REPLY_BYTES, Endpoint, ReplyTooLong, RespConnection, RespError, server_endpoint
@@ -93,15 +93,18 @@ class StoreReader:
         self._idle: dict[Endpoint, list[RespConnection]] = {}
         self._is_closed = False
         if address.is_cluster:
-            self._seeds = [Endpoint(h, p, "", address.is_tls, address.username, address.password, 0, address.ca_file)
-                           for h, p in address.nodes]
+            self._seeds = [
+                Endpoint(h, p, "", address.is_tls, address.username, address.password, 0, address.ca_file)
+                for h, p in address.nodes
+            ]
             self._slots: list[Endpoint] | None = None  # slot -> primary; read on first use
         else:
             self._server = server_endpoint(address)
         self._fanout: ThreadPoolExecutor | None = None  # reads of one call on several nodes at once
 
-    def read(self, keys: list[str], ttl_s: int, head_bytes: int, place: PlaceAt,
-             max_value_bytes: int) -> list[int | None]:
+    def read(
+        self, keys: list[str], ttl_s: int, head_bytes: int, place: PlaceAt, max_value_bytes: int
+    ) -> list[int | None]:
         """GET (GETEX with ``ttl_s``) every key, each at most ``max_value_bytes``; its length, or None where absent.
 
         Raises ReadError (a value over the bound too: the store is lying or holds what this reader cannot use)."""
@@ -116,9 +119,10 @@ class StoreReader:
                     self._read_node(endpoint, indices, keys, ttl_s, head_bytes, place, lengths, max_value_bytes)
                 else:
                     pool = self._fanout_pool()
-                    futures = [pool.submit(self._read_node, e, ix, keys, ttl_s, head_bytes, place, lengths,
-                                           max_value_bytes)
-                               for e, ix in groups.items()]
+                    futures = [
+                        pool.submit(self._read_node, e, ix, keys, ttl_s, head_bytes, place, lengths, max_value_bytes)
+                        for e, ix in groups.items()
+                    ]
                     # every node's read ends before this returns: none may write into a page after it
                     errors = [f.exception() for f in futures]
                     for error in errors:
@@ -162,8 +166,17 @@ class StoreReader:
 
     # -- one node ---------------------------------------------------------------------
 
-    def _read_node(self, endpoint: Endpoint, indices: list[int], keys: list[str], ttl_s: int, head_bytes: int,
-                   place: PlaceAt, lengths: list, max_value_bytes: int) -> None:
+    def _read_node(
+        self,
+        endpoint: Endpoint,
+        indices: list[int],
+        keys: list[str],
+        ttl_s: int,
+        head_bytes: int,
+        place: PlaceAt,
+        lengths: list,
+        max_value_bytes: int,
+    ) -> None:
         commands = [("GETEX", keys[i], "EX", ttl_s) if ttl_s else ("GET", keys[i]) for i in indices]
         connection, is_reused = self._take(endpoint)
         try:
@@ -177,8 +190,9 @@ class StoreReader:
                 connection.send(commands)
             moved = None
             for i in indices:
-                reply = connection.read_bulk_into(head_bytes, lambda head, rest, i=i: place(i, head, rest),
-                                                  max_value_bytes)
+                reply = connection.read_bulk_into(
+                    head_bytes, lambda head, rest, i=i: place(i, head, rest), max_value_bytes
+                )
                 if isinstance(reply, RespError):
                     if str(reply).startswith(("MOVED", "ASK")):
                         moved = reply  # read the other replies, so the connection stays usable
@@ -261,8 +275,10 @@ class StoreReader:
                 self._allowed = _names_and_addresses([h for h, _ in self.address.nodes] + list(self.allowed_hosts))
             allowed = self._allowed
         if host not in allowed and not (_names_and_addresses([host]) & allowed):
-            raise _Refused(f"the cluster names node {host}:{port}, which is not among the configured nodes: add it "
-                           "to the URL or to --remote-allow-host if it is yours")
+            raise _Refused(
+                f"the cluster names node {host}:{port}, which is not among the configured nodes: add it "
+                "to the URL or to --remote-allow-host if it is yours"
+            )
 
     @staticmethod
     def _parse_slots(reply: list, seed: Endpoint) -> list[Endpoint]:

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import socket
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from kvshare.pool.remote.config import RemoteAddress
@@ -74,8 +74,9 @@ def server_endpoint(address: RemoteAddress) -> Endpoint:
         db = int(parse_qs(parts.query).get("db", ["0"])[0])
         return Endpoint(unix_path=parts.path, username=username, password=password, db=db)
     db = int(parts.path.strip("/") or 0)
-    return Endpoint(parts.hostname or "", parts.port or 6379, "", address.is_tls, username, password, db,
-                    address.ca_file)
+    return Endpoint(
+        parts.hostname or "", parts.port or 6379, "", address.is_tls, username, password, db, address.ca_file
+    )
 
 
 def encode_command(*args: bytes | str | int) -> bytes:
@@ -112,7 +113,9 @@ class RespConnection:
         self._start = self._end = 0  # unread bytes are _buf[_start:_end]
         setup = []
         if endpoint.password is not None:
-            setup.append(("AUTH", endpoint.username, endpoint.password) if endpoint.username else ("AUTH", endpoint.password))
+            setup.append(
+                ("AUTH", endpoint.username, endpoint.password) if endpoint.username else ("AUTH", endpoint.password)
+            )
         if endpoint.db:
             setup.append(("SELECT", endpoint.db))
         for reply in self.execute(setup):

@@ -43,8 +43,9 @@ class RemoteStore:
         except ReadError as exc:
             raise RemoteStoreError(str(exc)) from None
 
-    def read(self, keys: list[str], ttl_s: int, head_bytes: int, place: PlaceAt,
-             max_value_bytes: int) -> list[int | None]:
+    def read(
+        self, keys: list[str], ttl_s: int, head_bytes: int, place: PlaceAt, max_value_bytes: int
+    ) -> list[int | None]:
         """GET ``keys``, each at most ``max_value_bytes`` (a longer one fails the call); ``place(i, first head_bytes
         of value i, rest length)`` says where the rest goes.
 
@@ -116,16 +117,23 @@ class RemoteStore:
         # restarted store. A timeout is not retried, and redis-py's default (three retries with backoff)
         # would hold a thread for seconds: the circuit breaker decides when to try again.
         retry = Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError, ConnectionResetError, BrokenPipeError))
-        common = dict(socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s, retry=retry,
-                      decode_responses=False)
+        common = dict(
+            socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s, retry=retry, decode_responses=False
+        )
         a = self.address
         if not a.is_cluster:  # the URL's own ssl_ca_certs reaches redis-py; a password given apart from it too
             return redis.Redis.from_url(a.url, **common, **({"password": a.password} if a.password else {}))
         from redis.cluster import ClusterNode, RedisCluster
 
-        return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in a.nodes], username=a.username,
-                            password=a.password, ssl=a.is_tls, ssl_ca_certs=a.ca_file or None,
-                            address_remap=self._checked_node, **common)
+        return RedisCluster(
+            startup_nodes=[ClusterNode(h, p) for h, p in a.nodes],
+            username=a.username,
+            password=a.password,
+            ssl=a.is_tls,
+            ssl_ca_certs=a.ca_file or None,
+            address_remap=self._checked_node,
+            **common,
+        )
 
     def _checked_node(self, address: tuple[str, int]) -> tuple[str, int]:
         """redis-py's hook on every node it is about to use: writes go only where reads may (reader.check_node)."""

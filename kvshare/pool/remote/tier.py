@@ -26,9 +26,9 @@ import queue
 import socket
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -57,8 +57,16 @@ class _WriteJob:
 class RemoteTier:
     """The loop thread's side of the remote tier; every method runs on that thread."""
 
-    def __init__(self, config: RemoteConfig, index: PoolIndex, arena, lease_ttl_s: float,
-                 writer_id: int, promoter_id: int, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        config: RemoteConfig,
+        index: PoolIndex,
+        arena,
+        lease_ttl_s: float,
+        writer_id: int,
+        promoter_id: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         config.check_lease_ttl(lease_ttl_s)
         self.config = config
         self.index = index
@@ -82,8 +90,18 @@ class RemoteTier:
         self._pending_pages = 0  # pinned for write-behind
         self._pending_bytes = 0
         self.costs = PromotionCosts()
-        self._promotions = Promotions(config, index, promoter_id, self.store, self.breaker, self._arena,
-                                      self.counters, self.costs, functools.partial(self._submit, self._readers), clock)
+        self._promotions = Promotions(
+            config,
+            index,
+            promoter_id,
+            self.store,
+            self.breaker,
+            self._arena,
+            self.counters,
+            self.costs,
+            functools.partial(self._submit, self._readers),
+            clock,
+        )
         log.info("remote tier: %s, prefix %r", config.address.display, config.prefix)
         self._submit(self._writers, W.probe, (self.store, self.breaker), self._on_probed)
 
@@ -104,8 +122,11 @@ class RemoteTier:
         """A client's pages became visible: pin them and write them behind (or count why not)."""
         _, entries = self._reservations.pop(reservation_id, (0, []))
         # the remote format carries xxh3 checksums only: pages a GPU writer checksummed (WSUM32) stay local
-        entries = [e for e in entries if e.state is EntryState.COMMITTED and not e.is_dropped
-                   and e.checksum_kind == ChecksumKind.XXH3]
+        entries = [
+            e
+            for e in entries
+            if e.state is EntryState.COMMITTED and not e.is_dropped and e.checksum_kind == ChecksumKind.XXH3
+        ]
         if not entries or self._closing.is_set():
             return
         if not self.breaker.allow():
@@ -121,13 +142,22 @@ class RemoteTier:
         pin = self.index.lookup(self.writer_id, [e.key for e in entries], page_bytes, now, is_counted=False)
         if not pin.entries:
             return
-        pages = [W.PageToWrite(PageMeta(e.key, e.namespace, e.depth, e.page_bytes, e.checksum), e.offset)
-                 for e in pin.entries]
+        pages = [
+            W.PageToWrite(PageMeta(e.key, e.namespace, e.depth, e.page_bytes, e.checksum), e.offset)
+            for e in pin.entries
+        ]
         job = _WriteJob(pin.lease_id, len(pages), len(pages) * page_bytes)
         self._pending_pages += job.num_pages
         self._pending_bytes += job.num_bytes
-        args = (self.store, self.breaker, self.config, self._arena, pages, now + self._read_window_s,
-                self._closing.is_set)
+        args = (
+            self.store,
+            self.breaker,
+            self.config,
+            self._arena,
+            pages,
+            now + self._read_window_s,
+            self._closing.is_set,
+        )
         self._submit(self._writers, W.write_pages, args, functools.partial(self._on_written, job))
 
     def promote(self, keys: list[bytes], page_bytes: int, num_local: int, on_done: Callable[[], None]) -> bool:
@@ -226,4 +256,3 @@ class RemoteTier:
                 pass  # a wake-up is pending already (or the tier closed)
 
         executor.submit(task)
-

@@ -9,17 +9,28 @@ included, so every counter has one writer).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Callable
 
 import numpy as np
 
 from kvshare.pool.checksum import is_valid, page_checksum
 from kvshare.pool.remote.breaker import CircuitBreaker
 from kvshare.pool.remote.config import MIN_PART_BYTES, RemoteConfig
-from kvshare.pool.remote.format import (BROKEN, BadRemoteValue, PageMeta, RemotePage, decode_page, encode_part,
-                                        max_value_bytes, num_parts, page_tag, part_count_of, part_keys,
-                                        part_payload_bytes)
+from kvshare.pool.remote.format import (
+    BROKEN,
+    BadRemoteValue,
+    PageMeta,
+    RemotePage,
+    decode_page,
+    encode_part,
+    max_value_bytes,
+    num_parts,
+    page_tag,
+    part_count_of,
+    part_keys,
+    part_payload_bytes,
+)
 from kvshare.pool.remote.store import RemoteStore, RemoteStoreError
 
 MISS, ERROR, BREAKER = "miss", "error", "breaker"  # why a fetch stopped, besides the discard reasons
@@ -52,8 +63,15 @@ class FetchResult:
     discarded: list[tuple[str, str]] = field(default_factory=list)  # (reason, what was wrong)
 
 
-def write_pages(store: RemoteStore, breaker: CircuitBreaker, cfg: RemoteConfig, arena: np.ndarray,
-                pages: list[PageToWrite], read_deadline: float, is_closing: Callable[[], bool]) -> WriteResult:
+def write_pages(
+    store: RemoteStore,
+    breaker: CircuitBreaker,
+    cfg: RemoteConfig,
+    arena: np.ndarray,
+    pages: list[PageToWrite],
+    read_deadline: float,
+    is_closing: Callable[[], bool],
+) -> WriteResult:
     """Write pinned pages the store lacks; read no arena byte after ``read_deadline`` (monotonic)."""
     result = WriteResult()
     if not pages:
@@ -134,16 +152,23 @@ def _encode_page(arena: np.ndarray, page: PageToWrite, cfg: RemoteConfig, read_d
     return values
 
 
-def fetch_pages(store: RemoteStore, breaker: CircuitBreaker, cfg: RemoteConfig, keys: list[bytes],
-                page_bytes: int, namespace: bytes | None) -> FetchResult:
+def fetch_pages(
+    store: RemoteStore,
+    breaker: CircuitBreaker,
+    cfg: RemoteConfig,
+    keys: list[bytes],
+    page_bytes: int,
+    namespace: bytes | None,
+) -> FetchResult:
     """The longest run of ``keys`` the store holds whole and valid (one round trip, two if part sizes differ)."""
     if not breaker.allow():
         return FetchResult([], BREAKER)
     count = num_parts(page_bytes, cfg.part_bytes)
     result = FetchResult([], None)
     try:
-        flat = store.get([k for key in keys for k in part_keys(cfg.prefix, key, count)], cfg.ttl_s,
-                         max_value_bytes(page_bytes))
+        flat = store.get(
+            [k for key in keys for k in part_keys(cfg.prefix, key, count)], cfg.ttl_s, max_value_bytes(page_bytes)
+        )
         groups = [flat[i * count : (i + 1) * count] for i in range(len(keys))]
         _fetch_extra_parts(store, cfg, keys, groups, page_bytes)
         breaker.record_success()
@@ -167,7 +192,9 @@ def fetch_pages(store: RemoteStore, breaker: CircuitBreaker, cfg: RemoteConfig, 
     return result
 
 
-def _fetch_extra_parts(store: RemoteStore, cfg: RemoteConfig, keys: list[bytes], groups: list[list], page_bytes: int) -> None:
+def _fetch_extra_parts(
+    store: RemoteStore, cfg: RemoteConfig, keys: list[bytes], groups: list[list], page_bytes: int
+) -> None:
     """A page written with a smaller part size has more parts than we asked for: fetch the rest."""
     limit = num_parts(page_bytes, MIN_PART_BYTES)
     wanted = []

@@ -39,11 +39,21 @@ class Replica:
         self.num_layered = 0  # loads that took that path (the others fell back to a synchronous load)
         self.config = ConnectorConfig(pool_socket=socket_path, chunk_tokens=C, replica=name, **config)
         self.clock = clock or FakeClock()
-        self.scheduler = PoolScheduler(self.config, NAMESPACE, LAYOUT.page_bytes, N,
-                                       PoolLink(socket_path, f"{name}-sched", clock=self.clock), clock=self.clock)
-        self.worker = PoolKVWorker(LAYOUT, PoolLink(socket_path, f"{name}-worker", clock=self.clock),
-                                   verify_fraction=self.config.verify_fraction, copy_threads=self.config.copy_threads,
-                                   rng=rng)
+        self.scheduler = PoolScheduler(
+            self.config,
+            NAMESPACE,
+            LAYOUT.page_bytes,
+            N,
+            PoolLink(socket_path, f"{name}-sched", clock=self.clock),
+            clock=self.clock,
+        )
+        self.worker = PoolKVWorker(
+            LAYOUT,
+            PoolLink(socket_path, f"{name}-worker", clock=self.clock),
+            verify_fraction=self.config.verify_fraction,
+            copy_threads=self.config.copy_threads,
+            rng=rng,
+        )
         gen = torch.Generator().manual_seed(seed)
         self.layers = [torch.randn(NUM_BLOCKS, H, N, 2 * D, generator=gen) for _ in range(L)]
         self.paged = PagedLayout("cpu_attn", NUM_BLOCKS, N, H, D, torch.float32)

@@ -10,9 +10,9 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
 
 import pytest
 
@@ -29,9 +29,13 @@ def vllm_python() -> str | None:
 
 def vllm_suite_marks() -> list:
     """The marks of a test module of the vLLM suite: skipped where no interpreter has vLLM."""
-    return [pytest.mark.vllm, pytest.mark.slow,
-            pytest.mark.skipif(vllm_python() is None,
-                               reason="needs vLLM (set KVSHARE_VLLM_PYTHON to the vLLM venv's python)")]
+    return [
+        pytest.mark.vllm,
+        pytest.mark.slow,
+        pytest.mark.skipif(
+            vllm_python() is None, reason="needs vLLM (set KVSHARE_VLLM_PYTHON to the vLLM venv's python)"
+        ),
+    ]
 
 
 @contextmanager
@@ -93,8 +97,9 @@ def with_connector(spec: LaunchSpec, cls: str, module: str, env: dict[str, str] 
     return LaunchSpec(argv, {**spec.env, **(env or {})}, spec.base_url)
 
 
-def start_servers(configs: dict[str, VllmServerConfig | LaunchSpec], log_dir: str,
-                  timeout_s: float = 420) -> dict[str, Server]:
+def start_servers(
+    configs: dict[str, VllmServerConfig | LaunchSpec], log_dir: str, timeout_s: float = 420
+) -> dict[str, Server]:
     """Start every server at once (they load in parallel) and wait until all are ready."""
     servers: dict[str, Server] = {}
     try:
@@ -102,8 +107,9 @@ def start_servers(configs: dict[str, VllmServerConfig | LaunchSpec], log_dir: st
             spec = config if isinstance(config, LaunchSpec) else vllm_server_command(config)
             log_path = os.path.join(log_dir, f"vllm-{name}.log")
             with open(log_path, "w") as log:
-                proc = subprocess.Popen(spec.argv, env=spec.env, stdout=log, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
+                proc = subprocess.Popen(
+                    spec.argv, env=spec.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                )
             servers[name] = Server(name, spec, proc, log_path)
         for server in servers.values():
             try:
@@ -122,8 +128,9 @@ def stop_servers(servers: dict[str, Server]) -> None:
 
 
 def post(url: str, path: str, body: dict, timeout_s: float = 120) -> dict:
-    request = urllib.request.Request(f"{url}{path}", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"{url}{path}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=timeout_s) as response:
         return json.load(response)
 

@@ -7,36 +7,62 @@ from __future__ import annotations
 
 import torch
 
-from kvshare.integrations.vllm.worker import PoolKVWorker, WorkerHooks
 from kvshare.integrations.vllm.layout import as_bits, reference_gather
 from kvshare.integrations.vllm.metadata import WorkerReport
 from kvshare.integrations.vllm.options import ConnectorConfig
 from kvshare.integrations.vllm.paged_tensors import fill_random_, paged_layers
-from kvshare.pool.link import PoolLink
 from kvshare.integrations.vllm.scheduler import PoolScheduler, ScheduledRequest
+from kvshare.integrations.vllm.worker import PoolKVWorker, WorkerHooks
 from kvshare.keys import Namespace
 from kvshare.layout import KVLayout
+from kvshare.pool.link import PoolLink
 
 
 def namespace_of(layout: KVLayout, model: str = "staged-test") -> Namespace:
-    return Namespace(model, "f" * 32, layout.dtype, layout.num_layers, layout.num_kv_heads, layout.head_dim,
-                     chunk_tokens=layout.chunk_tokens, engine_family="vllm")
+    return Namespace(
+        model,
+        "f" * 32,
+        layout.dtype,
+        layout.num_layers,
+        layout.num_kv_heads,
+        layout.head_dim,
+        chunk_tokens=layout.chunk_tokens,
+        engine_family="vllm",
+    )
 
 
 class Replica:
     """One replica's connector sides over vLLM-shaped KV tensors of memory order ``order``."""
 
-    def __init__(self, socket_path: str, name: str, layout: KVLayout, order: str, num_blocks: int, block_size: int,
-                 device, staged: bool | None = None, worker_kwargs: dict | None = None, **config) -> None:
+    def __init__(
+        self,
+        socket_path: str,
+        name: str,
+        layout: KVLayout,
+        order: str,
+        num_blocks: int,
+        block_size: int,
+        device,
+        staged: bool | None = None,
+        worker_kwargs: dict | None = None,
+        **config,
+    ) -> None:
         self.layout, self.block_size = layout, block_size
         self.config = ConnectorConfig(pool_socket=socket_path, chunk_tokens=layout.chunk_tokens, replica=name, **config)
-        self.scheduler = PoolScheduler(self.config, namespace_of(layout), layout.page_bytes, block_size,
-                                       PoolLink(socket_path, f"{name}-s"))
+        self.scheduler = PoolScheduler(
+            self.config, namespace_of(layout), layout.page_bytes, block_size, PoolLink(socket_path, f"{name}-s")
+        )
         dtype = getattr(torch, layout.dtype)
-        self.layers, self.paged = paged_layers(order, layout.num_layers, num_blocks, block_size, layout.num_kv_heads,
-                                               layout.head_dim, dtype, device)
-        self.worker = PoolKVWorker(layout, PoolLink(socket_path, f"{name}-w"), staged=staged,
-                                   verify_fraction=self.config.verify_fraction, **(worker_kwargs or {}))
+        self.layers, self.paged = paged_layers(
+            order, layout.num_layers, num_blocks, block_size, layout.num_kv_heads, layout.head_dim, dtype, device
+        )
+        self.worker = PoolKVWorker(
+            layout,
+            PoolLink(socket_path, f"{name}-w"),
+            staged=staged,
+            verify_fraction=self.config.verify_fraction,
+            **(worker_kwargs or {}),
+        )
         self.worker.register(self.layers, self.paged)
         self.hooks = WorkerHooks(self.worker, block_size, overlap_load=self.config.overlap_load)
         self.last_errors: set[int] = set()
@@ -45,8 +71,15 @@ class Replica:
         for index, layer in enumerate(self.layers):
             fill_random_(layer, seed * 1000 + index)
 
-    def step(self, req_id: str, prompt: list[int], block_ids: list[int], write_layer=None, wait_layers: bool = True,
-             save_layers: bool = True):
+    def step(
+        self,
+        req_id: str,
+        prompt: list[int],
+        block_ids: list[int],
+        write_layer=None,
+        wait_layers: bool = True,
+        save_layers: bool = True,
+    ):
         """One prefill step of the whole prompt in vLLM's hook order; returns the load outcome (or None)."""
         s = self.scheduler
         s.add_request(req_id, prompt, None, None)
@@ -72,8 +105,9 @@ class Replica:
     def tokens(self, start: int, num: int, block_ids: list[int]) -> torch.Tensor:
         """K and V of prompt tokens ``start ..`` in every layer as integers (bits: NaN compares equal),
         ``[L, 2, T, H, D]``, read by the slow reference."""
-        return as_bits(torch.stack([reference_gather(layer.cpu(), self.paged, start, num, block_ids)
-                                    for layer in self.layers]))
+        return as_bits(
+            torch.stack([reference_gather(layer.cpu(), self.paged, start, num, block_ids) for layer in self.layers])
+        )
 
     def close(self) -> None:
         self.scheduler.close()

@@ -10,41 +10,60 @@ from __future__ import annotations
 
 import torch
 
-from kvshare.integrations.vllm.worker import PoolKVWorker, WorkerHooks
 from kvshare.integrations.vllm.layout import as_bits, reference_gather
 from kvshare.integrations.vllm.metadata import StepPlan, WorkerReport
 from kvshare.integrations.vllm.options import ConnectorConfig
 from kvshare.integrations.vllm.paged_tensors import fill_random_, paged_layers
-from kvshare.pool.link import PoolLink
 from kvshare.integrations.vllm.scheduler import PoolScheduler, ScheduledRequest
 from kvshare.integrations.vllm.tensor_parallel import head_slice
+from kvshare.integrations.vllm.worker import PoolKVWorker, WorkerHooks
 from kvshare.layout import KVLayout
+from kvshare.pool.link import PoolLink
 from tests.integrations.vllm.staged_replica import namespace_of
 
 
 class StagedTPReplica:
     """A TP=``tp`` replica over tensors of memory order ``order`` on ``device``, every rank staged."""
 
-    def __init__(self, socket_path: str, name: str, layout: KVLayout, order: str, num_blocks: int, block_size: int,
-                 device, tp: int, seed: int, transfer=None) -> None:
+    def __init__(
+        self,
+        socket_path: str,
+        name: str,
+        layout: KVLayout,
+        order: str,
+        num_blocks: int,
+        block_size: int,
+        device,
+        tp: int,
+        seed: int,
+        transfer=None,
+    ) -> None:
         self.layout, self.block_size = layout, block_size
         config = ConnectorConfig(pool_socket=socket_path, chunk_tokens=layout.chunk_tokens, replica=name)
-        self.scheduler = PoolScheduler(config, namespace_of(layout), layout.page_bytes, block_size,
-                                       PoolLink(socket_path, f"{name}-s"), tp_size=tp)
+        self.scheduler = PoolScheduler(
+            config, namespace_of(layout), layout.page_bytes, block_size, PoolLink(socket_path, f"{name}-s"), tp_size=tp
+        )
         dtype = getattr(torch, layout.dtype)
         # the full-head KV the ranks shard: [L] of [2, B, N, H, D] integer views
-        full, full_paged = paged_layers(order, layout.num_layers, num_blocks, block_size, layout.num_kv_heads,
-                                        layout.head_dim, dtype, device)
+        full, full_paged = paged_layers(
+            order, layout.num_layers, num_blocks, block_size, layout.num_kv_heads, layout.head_dim, dtype, device
+        )
         for index, layer in enumerate(full):
             fill_random_(layer, seed * 1000 + index)
         self.full = [full_paged.kv_blocks(as_bits(layer)) for layer in full]
         self.ranks: list[WorkerHooks] = []
         for rank in range(tp):
             heads = head_slice(layout.num_kv_heads, rank, tp)
-            layers, paged = paged_layers(order, layout.num_layers, num_blocks, block_size, heads.num_heads,
-                                         layout.head_dim, dtype, device)
-            worker = PoolKVWorker(layout, PoolLink(socket_path, f"{name}-w{rank}"), staged=True, heads=heads,
-                                  **({"transfer": transfer} if transfer is not None else {}))
+            layers, paged = paged_layers(
+                order, layout.num_layers, num_blocks, block_size, heads.num_heads, layout.head_dim, dtype, device
+            )
+            worker = PoolKVWorker(
+                layout,
+                PoolLink(socket_path, f"{name}-w{rank}"),
+                staged=True,
+                heads=heads,
+                **({"transfer": transfer} if transfer is not None else {}),
+            )
             worker.register(layers, paged)
             self.ranks.append(WorkerHooks(worker, block_size))
             for index in range(layout.num_layers):
@@ -55,8 +74,9 @@ class StagedTPReplica:
         worker = self.ranks[rank].worker
         worker.paged.kv_blocks(as_bits(worker.layers[index])).copy_(self.full[index][:, :, :, worker.heads.heads])
 
-    def step(self, req_id: str, prompt: list[int], block_ids: list[int],
-             write_layer=None) -> tuple[StepPlan, WorkerReport]:
+    def step(
+        self, req_id: str, prompt: list[int], block_ids: list[int], write_layer=None
+    ) -> tuple[StepPlan, WorkerReport]:
         """One prefill step of the whole prompt, each rank in turn in vLLM's hook order; the scheduler gets
         the merged report (and commits the stores whose parts are all in). ``write_layer(rank, l)``: the
         "attention layer" l of a rank, whose kernels write its KV."""
@@ -83,8 +103,9 @@ class StagedTPReplica:
     def rank_tokens(self, rank: int, start: int, num: int, block_ids: list[int]) -> torch.Tensor:
         """K and V of prompt tokens ``start ..`` in rank ``rank``'s tensors as integers, ``[L, 2, T, h, D]``."""
         worker = self.ranks[rank].worker
-        return as_bits(torch.stack([reference_gather(layer.cpu(), worker.paged, start, num, block_ids)
-                                    for layer in worker.layers]))
+        return as_bits(
+            torch.stack([reference_gather(layer.cpu(), worker.paged, start, num, block_ids) for layer in worker.layers])
+        )
 
     def full_tokens(self, start: int, num: int, block_ids: list[int]) -> torch.Tensor:
         """The same tokens of the full-head KV the ranks shard, ``[L, 2, T, H, D]``."""

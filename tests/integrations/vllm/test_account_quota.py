@@ -51,8 +51,16 @@ def account_of(account: str) -> bytes:
 
 @pytest.fixture
 def pool():
-    args = ("--extent-size", "4MiB", "--high-watermark", "1", "--low-watermark", "1",
-            "--namespace-quota", str(QUOTA_PAGES * LAYOUT.page_bytes))
+    args = (
+        "--extent-size",
+        "4MiB",
+        "--high-watermark",
+        "1",
+        "--low-watermark",
+        "1",
+        "--namespace-quota",
+        str(QUOTA_PAGES * LAYOUT.page_bytes),
+    )
     with running_pool("16MiB", args, quiet=True) as path:
         yield path
 
@@ -68,11 +76,14 @@ class Replica:
 
     def __init__(self, path: str, account_key: str = KEY) -> None:
         config = ConnectorConfig(pool_socket=path, chunk_tokens=C, replica="r")
-        self.scheduler = PoolScheduler(config, NAMESPACE, LAYOUT.page_bytes, N, PoolLink(path, "quota-sched"),
-                                       account_key=account_key)
+        self.scheduler = PoolScheduler(
+            config, NAMESPACE, LAYOUT.page_bytes, N, PoolLink(path, "quota-sched"), account_key=account_key
+        )
         self.worker = PoolKVWorker(LAYOUT, PoolLink(path, "quota-worker"))
-        self.worker.register([torch.randn(len(BLOCKS), H, N, 2 * D) for _ in range(L)],
-                             PagedLayout("cpu_attn", len(BLOCKS), N, H, D, torch.float32))
+        self.worker.register(
+            [torch.randn(len(BLOCKS), H, N, 2 * D) for _ in range(L)],
+            PagedLayout("cpu_attn", len(BLOCKS), N, H, D, torch.float32),
+        )
 
     def prefill(self, req_id: str, ids: list[int], salt: str | None, params: dict | None) -> None:
         s = self.scheduler
@@ -117,8 +128,9 @@ def test_each_signed_account_keeps_its_own_quota_whatever_salts_it_sends(pool):
         for i in range(3):
             replica.prefill(f"a{i}", prompt(100 + i), f"salt-{i}", signed("alice"))
         owners = held(pool)
-        assert owners == {account_of("key:mallory"): QUOTA_PAGES * page, account_of("alice"): QUOTA_PAGES * page}, \
-            {k.hex(): v for k, v in owners.items()}
+        assert owners == {account_of("key:mallory"): QUOTA_PAGES * page, account_of("alice"): QUOTA_PAGES * page}, {
+            k.hex(): v for k, v in owners.items()
+        }
     finally:
         replica.close()
 
@@ -136,8 +148,11 @@ def test_a_tensor_parallel_store_is_charged_to_the_signed_account(pool):
             scheduler.allocated(f"t{i}", scheduler.match(f"t{i}", 0), 0)
             plan = scheduler.plan_step([ScheduledRequest(f"t{i}", 0, len(ids), BLOCKS)])
             assert plan.stores and all(spec.is_parted for spec in plan.stores)
-            parts = [StorePart(spec.reservation_id, spec.pool_id, rank, True, (0,) * len(spec.grants))
-                     for spec in plan.stores for rank in range(2)]
+            parts = [
+                StorePart(spec.reservation_id, spec.pool_id, rank, True, (0,) * len(spec.grants))
+                for spec in plan.stores
+                for rank in range(2)
+            ]
             scheduler.on_report(WorkerReport([], parts))
             scheduler.finish(f"t{i}")
         assert held(pool) == {account_of("bob"): QUOTA_PAGES * page}
@@ -154,8 +169,9 @@ def test_only_an_account_tagged_with_the_replicas_key_is_taken():
     assert TransferParams.from_params(claimed, KEY).account is None  # another account's tag
     assert TransferParams.from_params({"kvshare": {"account": "alice"}}, KEY).account is None
     assert TransferParams.from_params({"kvshare": {"account": 7, "account_tag": 7}}, KEY).account is None
-    assert TransferParams.from_params(signed("alice") | {"kvshare": {"use_pool": False}}, KEY) == \
-        TransferParams(use_pool=False)
+    assert TransferParams.from_params(signed("alice") | {"kvshare": {"use_pool": False}}, KEY) == TransferParams(
+        use_pool=False
+    )
     assert TransferParams.from_params(signed("alice", key="x" * 20), KEY).is_account_refused
     assert not TransferParams.from_params(signed("alice"), KEY).is_account_refused
     assert not TransferParams.from_params({"kvshare": {}}, KEY).is_account_refused

@@ -37,8 +37,11 @@ def _output(new=(), cached=(), resumed=()):
     """A vLLM 0.26 SchedulerOutput as far as the connector reads it (no kv_connector_block_state)."""
     return SimpleNamespace(
         scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=(list(b),)) for r, b in new],
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[r for r, _ in cached], resumed_req_ids=set(resumed),
-                                              new_block_ids=[None if b is None else (list(b),) for _, b in cached]),
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[r for r, _ in cached],
+            resumed_req_ids=set(resumed),
+            new_block_ids=[None if b is None else (list(b),) for _, b in cached],
+        ),
     )
 
 

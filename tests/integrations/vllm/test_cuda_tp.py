@@ -41,8 +41,9 @@ def transfer_of(layout: KVLayout, copies: str) -> TransferConfig:
 
 
 def tp1_replica(socket_path, name, layout, transfer):
-    return Replica(socket_path, name, layout, "LBNHC", NUM_BLOCKS, N, torch.device("cuda"),
-                   worker_kwargs={"transfer": transfer})
+    return Replica(
+        socket_path, name, layout, "LBNHC", NUM_BLOCKS, N, torch.device("cuda"), worker_kwargs={"transfer": transfer}
+    )
 
 
 def tp_replica(socket_path, name, layout, tp, seed, transfer):

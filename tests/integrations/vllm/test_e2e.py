@@ -16,7 +16,6 @@ from kvshare.keys import chunk_keys
 from kvshare.layout import KVLayout
 from kvshare.pool.client import PoolClient
 from kvshare.pool.spawn import start_pool, stop_process
-from tests.integrations.vllm.tiny_model import make_model_dir
 from tests.integrations.vllm.servers import (
     answer,
     cached_tokens,
@@ -24,14 +23,15 @@ from tests.integrations.vllm.servers import (
     free_port,
     metric,
     post,
+    private_socket,
     provenance,
     start_servers,
     stop_servers,
-    private_socket,
     vllm_python,
     vllm_suite_marks,
     wait_for_metric,
 )
+from tests.integrations.vllm.tiny_model import make_model_dir
 
 PYTHON = vllm_python()
 pytestmark = vllm_suite_marks()
@@ -53,8 +53,15 @@ def cluster(tmp_path_factory):
     model = make_model_dir(str(work / "model"))
     with private_socket("kvshare-e2e") as socket_path:
         pool = start_pool(socket_path, "256MiB", POOL_ARGS)
-        common = dict(model=model, python=PYTHON, dtype="float32", max_model_len=4096, kv_cache_gib=1,
-                      max_num_batched_tokens=512, pool_retry_s=1.0)
+        common = dict(
+            model=model,
+            python=PYTHON,
+            dtype="float32",
+            max_model_len=4096,
+            kv_cache_gib=1,
+            max_num_batched_tokens=512,
+            pool_retry_s=1.0,
+        )
         configs = {
             "A": VllmServerConfig(port=free_port(), pool_socket=socket_path, replica="A", **common),
             "B": VllmServerConfig(port=free_port(), pool_socket=socket_path, replica="B", **common),
@@ -96,16 +103,26 @@ def test_prompt_computed_on_a_is_served_by_b_from_the_pool(cluster):
     prompt = prompt_of(1, 1100)  # 4 full chunks and a 76-token tail; prefill over 3 steps of 512
     first = complete(servers["A"], prompt)
     namespace = provenance(first)["namespace"]  # the same on both replicas
-    assert provenance(first) == {"replica": "A", "local_tokens": 0, "pool_tokens": 0, "computed_tokens": 1100,
-                                 "namespace": namespace}
+    assert provenance(first) == {
+        "replica": "A",
+        "local_tokens": 0,
+        "pool_tokens": 0,
+        "computed_tokens": 1100,
+        "namespace": namespace,
+    }
     stats = pool_stats(state["socket"])
     assert stats["entries"] == 4  # every full chunk stored, across the chunked-prefill steps
     hits_before = stats["hit_chunks"]
 
     second = complete(servers["B"], prompt)
     assert cached_tokens(second) == 1024
-    assert provenance(second) == {"replica": "B", "local_tokens": 0, "pool_tokens": 1024, "computed_tokens": 76,
-                                  "namespace": namespace}
+    assert provenance(second) == {
+        "replica": "B",
+        "local_tokens": 0,
+        "pool_tokens": 1024,
+        "computed_tokens": 76,
+        "namespace": namespace,
+    }
     stats = pool_stats(state["socket"])
     assert stats["hit_chunks"] - hits_before == 4
     assert stats["leases"] == 0  # released as soon as the load step finished

@@ -18,16 +18,27 @@ from kvshare.integrations.vllm.gpu_rows import (
 COMMON = {"model": "qwen3-8b", "vllm_version": "0.26.0"}
 
 
-def completion(ttft_s=1.0, tokens=(5, 6, 7), logprobs=(-0.1, -0.2, -0.3), tops=((-0.1, -2.0),) * 3,
-               cached=None, last_s=None):
+def completion(
+    ttft_s=1.0, tokens=(5, 6, 7), logprobs=(-0.1, -0.2, -0.3), tops=((-0.1, -2.0),) * 3, cached=None, last_s=None
+):
     return Completion(ttft_s, tuple(tokens), tuple(logprobs), tuple(tops), cached, last_s)
 
 
 def test_a_ttft_row_carries_every_field_and_its_bound():
     """Fails when the bound is taken from another request than the cross one, or a field goes missing."""
     cold, cross, local = completion(2.0), completion(0.3, cached=1000), completion(0.1, cached=1024)
-    row = ttft_row(**COMMON, prompt_tokens=1024, engine="kvshare", cold=cold, cross=cross, local=local,
-                   kv_bytes_per_token=100, h2d_bytes_per_s=1e6, first_request=True, local_kind="gpu")
+    row = ttft_row(
+        **COMMON,
+        prompt_tokens=1024,
+        engine="kvshare",
+        cold=cold,
+        cross=cross,
+        local=local,
+        kv_bytes_per_token=100,
+        h2d_bytes_per_s=1e6,
+        first_request=True,
+        local_kind="gpu",
+    )
     assert set(ROW_FIELDS) <= set(row)
     assert row["bound_s"] == pytest.approx(0.1)  # 1000 cached tokens x 100 B / 1 MB/s
     assert row["cross_over_bound"] == pytest.approx(3.0)
@@ -36,26 +47,58 @@ def test_a_ttft_row_carries_every_field_and_its_bound():
 
 
 def test_an_offloading_row_has_no_cross_request_and_bounds_its_local_hit():
-    row = ttft_row(**COMMON, prompt_tokens=64, engine="vllm-offloading", cold=completion(1.0), cross=None,
-                   local=completion(0.5, tokens=(5, 9, 7), cached=64), kv_bytes_per_token=10, h2d_bytes_per_s=640.0,
-                   first_request=False, local_kind="cpu tier")
+    row = ttft_row(
+        **COMMON,
+        prompt_tokens=64,
+        engine="vllm-offloading",
+        cold=completion(1.0),
+        cross=None,
+        local=completion(0.5, tokens=(5, 9, 7), cached=64),
+        kv_bytes_per_token=10,
+        h2d_bytes_per_s=640.0,
+        first_request=False,
+        local_kind="cpu tier",
+    )
     assert row["cross_s"] is None and row["cross_over_bound"] is None and row["bound_s"] == pytest.approx(1.0)
     assert row["tokens_equal"] is False and row["first_divergence"] == 1
 
 
 def test_no_bound_off_a_gpu_and_unknown_engines_are_refused():
-    row = ttft_row(**COMMON, prompt_tokens=64, engine="lmcache-mp", cold=completion(), cross=completion(cached=64),
-                   local=None, kv_bytes_per_token=10, h2d_bytes_per_s=None, first_request=True, local_kind="")
+    row = ttft_row(
+        **COMMON,
+        prompt_tokens=64,
+        engine="lmcache-mp",
+        cold=completion(),
+        cross=completion(cached=64),
+        local=None,
+        kv_bytes_per_token=10,
+        h2d_bytes_per_s=None,
+        first_request=True,
+        local_kind="",
+    )
     assert row["bound_s"] is None and row["cross_over_bound"] is None and row["local_s"] is None
     with pytest.raises(ValueError, match="engine must be one of"):
-        ttft_row(**COMMON, prompt_tokens=64, engine="sglang", cold=completion(), cross=None, local=None,
-                 kv_bytes_per_token=10, h2d_bytes_per_s=None, first_request=True, local_kind="")
+        ttft_row(
+            **COMMON,
+            prompt_tokens=64,
+            engine="sglang",
+            cold=completion(),
+            cross=None,
+            local=None,
+            kv_bytes_per_token=10,
+            h2d_bytes_per_s=None,
+            first_request=True,
+            local_kind="",
+        )
 
 
 def test_compare_finds_the_first_divergence_and_the_top2_gap_there():
     """Fails when the gap is read from the other run or at the wrong step."""
-    cold = completion(tokens=(1, 2, 3, 4), logprobs=(-0.1, -0.2, -0.3, -0.4),
-                      tops=((-0.1, -3.0), (-0.2, -0.9), (-0.3, -0.3004), (-0.4, -1.0)))
+    cold = completion(
+        tokens=(1, 2, 3, 4),
+        logprobs=(-0.1, -0.2, -0.3, -0.4),
+        tops=((-0.1, -3.0), (-0.2, -0.9), (-0.3, -0.3004), (-0.4, -1.0)),
+    )
     other = completion(tokens=(1, 2, 9, 4), logprobs=(-0.1, -0.25, -0.3, -0.4), tops=())
     got = compare(cold, other)
     assert got["tokens_equal"] is False and got["first_divergence"] == 2
@@ -86,8 +129,9 @@ def test_store_cost_row_is_medians_and_the_five_percent_goal():
     row = store_cost_row(**COMMON, prompt_tokens=32768, storing=storing, plain=plain)
     assert row["cold_ratio"] == pytest.approx(1.05) and row["decode_tokens_per_s"] == pytest.approx(10.0)
     assert row["decode_slowdown"] == pytest.approx(1.0) and row["goal_met"] is True
-    slow = store_cost_row(**COMMON, prompt_tokens=32768, storing=[completion(1.2, tokens=tokens, last_s=2.2)],
-                          plain=plain)
+    slow = store_cost_row(
+        **COMMON, prompt_tokens=32768, storing=[completion(1.2, tokens=tokens, last_s=2.2)], plain=plain
+    )
     assert slow["goal_met"] is False
     with pytest.raises(ValueError):
         store_cost_row(**COMMON, prompt_tokens=1, storing=[], plain=plain)
@@ -97,14 +141,28 @@ def test_percentiles_and_the_load_row():
     assert percentile([], 50) is None
     assert percentile([3.0, 1.0, 2.0], 50) == 2.0
     assert percentile(list(map(float, range(101))), 99) == pytest.approx(99.0)
-    row = load_row(**COMMON, pool="on", num_sessions=16, duration_s=180, ttfts_s=[0.1, 0.2, 0.3], num_errors=0,
-                   num_requests=3, cached_tokens=750, prompt_tokens=1000)
+    row = load_row(
+        **COMMON,
+        pool="on",
+        num_sessions=16,
+        duration_s=180,
+        ttfts_s=[0.1, 0.2, 0.3],
+        num_errors=0,
+        num_requests=3,
+        cached_tokens=750,
+        prompt_tokens=1000,
+    )
     assert row["ttft_p50_s"] == pytest.approx(0.2) and row["cached_share"] == pytest.approx(0.75)
 
 
 def test_bench_serve_row_takes_vllms_own_figures():
-    result = {"completed": 62, "num_prompts": 64, "request_throughput": 3.5, "median_ttft_ms": 40.0,
-              "p99_ttft_ms": 90.0}
+    result = {
+        "completed": 62,
+        "num_prompts": 64,
+        "request_throughput": 3.5,
+        "median_ttft_ms": 40.0,
+        "p99_ttft_ms": 90.0,
+    }
     row = bench_serve_row(**COMMON, target="router", result=result, command=["vllm", "bench", "serve"])
     assert row["failed"] == 2 and row["median_ttft_ms"] == 40.0 and row["command"] == "vllm bench serve"
     with pytest.raises(ValueError, match="not a vllm bench serve result"):
@@ -129,8 +187,9 @@ def test_startup_row_reads_the_order_and_the_kv_sizes_from_ups_log():
     assert row["kv_cache_tokens"] == {"replica0": 202080, "replica1": 174752} and row["kv_cache_device"] == "GPU"
     assert row["kv_cache_tokens_min_over_max"] == pytest.approx(174752 / 202080)
     assert row["serving_after_s"] == {"replica0": 117, "replica1": 237}
-    together = UP_LOG.replace("replica1| (APIServer pid=967) INFO 12-05 05:16:50", "replica1| (APIServer pid=967) "
-                              "INFO 12-05 05:14:53")
+    together = UP_LOG.replace(
+        "replica1| (APIServer pid=967) INFO 12-05 05:16:50", "replica1| (APIServer pid=967) INFO 12-05 05:14:53"
+    )
     assert startup_row(**COMMON, device="cuda", log_lines=together.splitlines())["started_in_order"] is False
 
 
@@ -141,8 +200,9 @@ def test_on_off_row_separates_the_prefix_bytes_from_vllms_reuse_numerics():
     cold_b = completion(1.0, tokens=(5, 6, 7), logprobs=(-0.1, -0.2, -0.3), cached=0)
     own = completion(0.1, tokens=(5, 6, 8), logprobs=(-0.1, -0.25, -0.3), cached=1024)
     same = completion(0.2, tokens=(5, 6, 8), logprobs=(-0.1, -0.25, -0.3), cached=1024)
-    row = on_off_row(**COMMON, prompt_tokens=1100, off=cold_b, on=same, batch_invariant=False, own_hit=own,
-                     a_cold=cold_b)
+    row = on_off_row(
+        **COMMON, prompt_tokens=1100, off=cold_b, on=same, batch_invariant=False, own_hit=own, a_cold=cold_b
+    )
     assert not row["tokens_equal"] and row["first_divergence"] == 2
     assert row["own_hit_tokens_equal"] and row["own_hit_logprobs_equal"] and row["own_hit_same_split"]
     assert row["replicas_cold_logprobs_equal"] and row["own_hit_s"] == 0.1

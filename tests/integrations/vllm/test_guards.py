@@ -88,9 +88,13 @@ def namespace(**changes):
 def test_dtype_and_layout_fingerprint_separate_namespaces():
     plain = namespace_digest(namespace())
     assert namespace_digest(namespace(kv_layout_id="")) == plain  # namespaces without one keep their digests
-    ids = [FINGERPRINT, dataclasses.replace(FINGERPRINT, vllm_version="0.33"),
-           dataclasses.replace(FINGERPRINT, block_size=64), dataclasses.replace(FINGERPRINT, allocation="block_outer"),
-           dataclasses.replace(FINGERPRINT, device="cuda", attention_backend="FLASH_ATTN", kv_cache_layout="NHD")]
+    ids = [
+        FINGERPRINT,
+        dataclasses.replace(FINGERPRINT, vllm_version="0.33"),
+        dataclasses.replace(FINGERPRINT, block_size=64),
+        dataclasses.replace(FINGERPRINT, allocation="block_outer"),
+        dataclasses.replace(FINGERPRINT, device="cuda", attention_backend="FLASH_ATTN", kv_cache_layout="NHD"),
+    ]
     digests = {namespace_digest(namespace(kv_layout_id=f.text())) for f in ids}
     assert len(digests) == len(ids) and plain not in digests
     fp8 = dataclasses.replace(FINGERPRINT, kv_dtype="float8_e4m3fn")
@@ -146,12 +150,16 @@ def test_allocation_kinds():
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM's spec classes")
 def test_vllms_own_specs():
     from vllm.v1.kv_cache_interface import FullAttentionSpec as Full
-    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec as Mamba
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.kv_cache_interface import MambaSpec as Mamba
 
     full = Full(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32)
     mamba = Mamba(block_size=32, shapes=((4, 64),), dtypes=(torch.float32,))
     plain = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], full)])
-    hybrid = KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
-                           kv_cache_groups=[KVCacheGroupSpec(["l0"], full), KVCacheGroupSpec(["m0"], mamba)])
+    hybrid = KVCacheConfig(
+        num_blocks=8,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["l0"], full), KVCacheGroupSpec(["m0"], mamba)],
+    )
     assert non_attention_state(plain) is None
     assert "MambaSpec" in non_attention_state(hybrid)

@@ -45,10 +45,27 @@ def test_the_pool_holds_a_case_below_its_eviction_watermark(harness):
 
 
 def figures():
-    a = {"store_s": 0.5, "store_again_s": 0.48, "store_bytes": 40 << 30, "pinned_d2h_s": 0.45, "cold_step_s": 9.0, "register_s": 1.0}
-    b = {"load_s": [0.8, 0.5], "load_unverified_s": [0.49], "compute_s": [0.1, 0.2], "step_s": [0.55, 0.6],
-         "load_bytes_per_step": 25 << 30, "pinned_h2d_s": 0.47, "prefix_tokens": 32752, "incomplete_loads": 0,
-         "load_errors": 0, "loaded_tokens": 32752, "register_s": 1.0}
+    a = {
+        "store_s": 0.5,
+        "store_again_s": 0.48,
+        "store_bytes": 40 << 30,
+        "pinned_d2h_s": 0.45,
+        "cold_step_s": 9.0,
+        "register_s": 1.0,
+    }
+    b = {
+        "load_s": [0.8, 0.5],
+        "load_unverified_s": [0.49],
+        "compute_s": [0.1, 0.2],
+        "step_s": [0.55, 0.6],
+        "load_bytes_per_step": 25 << 30,
+        "pinned_h2d_s": 0.47,
+        "prefix_tokens": 32752,
+        "incomplete_loads": 0,
+        "load_errors": 0,
+        "loaded_tokens": 32752,
+        "register_s": 1.0,
+    }
     return a, b
 
 
@@ -57,7 +74,9 @@ def test_a_row_has_every_field_and_the_ratios_of_the_issue(harness):
     logits = harness.compare_logits(torch.ones(3, 5), torch.ones(3, 5))
     row = harness.make_row(harness.Case("8b", 32768), a, b, logits)
     assert set(harness.ROW_FIELDS) <= set(row)
-    assert row["load_ratio_vs_pinned"] == pytest.approx(0.47 / 0.5) and row["store_ratio_vs_pinned"] == pytest.approx(0.9)
+    assert row["load_ratio_vs_pinned"] == pytest.approx(0.47 / 0.5) and row["store_ratio_vs_pinned"] == pytest.approx(
+        0.9
+    )
     assert row["step_over_bound"] == pytest.approx(0.55 / 0.5) and row["verify_share_of_load"] == pytest.approx(0.02)
     assert row["suffix_tokens"] == 16 and row["tokens_equal"] and row["load_complete"] and row["model"] == "qwen3-8b"
     json.dumps(row)  # plain JSON
@@ -88,7 +107,12 @@ def test_a_tiny_dry_run_on_cpu_end_to_end(harness, tmp_path):
 
 
 def test_cases_past_the_budget_are_skipped_with_a_row(harness, tmp_path, monkeypatch):
-    monkeypatch.setattr(harness, "run_case", lambda case, device, timeout_s: (_ for _ in ()).throw(RuntimeError("boom")))
-    assert harness.main(["--out", str(tmp_path), "--cases", "tiny:512,tiny:1024", "--device", "cpu", "--budget-s", "1e-9"]) == 1
+    monkeypatch.setattr(
+        harness, "run_case", lambda case, device, timeout_s: (_ for _ in ()).throw(RuntimeError("boom"))
+    )
+    assert (
+        harness.main(["--out", str(tmp_path), "--cases", "tiny:512,tiny:1024", "--device", "cpu", "--budget-s", "1e-9"])
+        == 1
+    )
     rows = json.loads((tmp_path / "vllm_harness.json").read_text())["cases"]
     assert [r["error"].split(":")[0] for r in rows] == ["skipped", "skipped"]

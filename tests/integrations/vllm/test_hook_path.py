@@ -24,8 +24,21 @@ from tests.transfer import fake_cuda
 
 PACKAGE = Path(package.__file__).parent
 HOOK_FILES = {"connector", "scheduler", "worker", "gpu", "cpu"}  # connector is the face (it imports vLLM)
-BENEATH = {"staging", "overlap", "block_copy", "pool_pages", "tensor_parallel", "layout", "plan", "metadata",
-           "options", "stats", "identity", "guards", "compat"}
+BENEATH = {
+    "staging",
+    "overlap",
+    "block_copy",
+    "pool_pages",
+    "tensor_parallel",
+    "layout",
+    "plan",
+    "metadata",
+    "options",
+    "stats",
+    "identity",
+    "guards",
+    "compat",
+}
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype="bfloat16", chunk_tokens=32)
 PROMPT = list(range(3, 3 + 4 * 32 + 5))
 
@@ -72,14 +85,22 @@ def test_a_steps_hooks_cross_at_most_four_files_of_the_package(monkeypatch, pool
     with PoolClient(pool, name="flush") as client:
         client.flush()
     transfer = TransferConfig(min_copy_bytes=4 << 10, staging_bytes=12 << 10)
-    a, b = (Replica(pool, name, LAYOUT, "LBNHC", 32, 8, torch.device("cpu"), staged=staged,
-                    worker_kwargs={"transfer": transfer}) for name in ("A", "B"))
+    a, b = (
+        Replica(
+            pool, name, LAYOUT, "LBNHC", 32, 8, torch.device("cpu"), staged=staged, worker_kwargs={"transfer": transfer}
+        )
+        for name in ("A", "B")
+    )
     try:
         a.fill(1)
         b.fill(2)
         outcomes = []
-        run = modules_run(lambda: (a.step("a", PROMPT, list(range(17))),
-                                   outcomes.append(b.step("b", PROMPT, list(range(31, 14, -1))))))
+        run = modules_run(
+            lambda: (
+                a.step("a", PROMPT, list(range(17))),
+                outcomes.append(b.step("b", PROMPT, list(range(31, 14, -1)))),
+            )
+        )
         assert outcomes[0].is_complete and outcomes[0].loaded_end == 4 * 32  # a store, then a load, ran
     finally:
         a.close(), b.close()

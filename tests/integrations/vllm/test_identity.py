@@ -34,13 +34,21 @@ class HfConfig(dict):
         return dict(self)
 
 
-def vllm_config(model_dir: str, dtype: str = "torch.float32", quantization=None, kv_cache_dtype: str = "auto",
-                max_model_len: int = 4096, **hf) -> SimpleNamespace:
+def vllm_config(
+    model_dir: str,
+    dtype: str = "torch.float32",
+    quantization=None,
+    kv_cache_dtype: str = "auto",
+    max_model_len: int = 4096,
+    **hf,
+) -> SimpleNamespace:
     """What the connector reads of vLLM's config (hf_config as vLLM resolved it, after --hf-overrides)."""
-    hf_config = HfConfig({"model_type": "llama", "rope_theta": 1e6, "_name_or_path": model_dir,
-                          "transformers_version": "4.57.0", **hf})
-    model = SimpleNamespace(model=model_dir, hf_config=hf_config, dtype=dtype, quantization=quantization,
-                            max_model_len=max_model_len)
+    hf_config = HfConfig(
+        {"model_type": "llama", "rope_theta": 1e6, "_name_or_path": model_dir, "transformers_version": "4.57.0", **hf}
+    )
+    model = SimpleNamespace(
+        model=model_dir, hf_config=hf_config, dtype=dtype, quantization=quantization, max_model_len=max_model_len
+    )
     return SimpleNamespace(model_config=model, cache_config=SimpleNamespace(cache_dtype=kv_cache_dtype))
 
 
@@ -53,8 +61,9 @@ def test_two_checkpoints_called_model_never_share_a_page_a_renamed_copy_does(tmp
     a = write_checkpoint(tmp_path / "one" / "model")
     b = write_checkpoint(tmp_path / "two" / "model", one_byte_changed())
     copy = write_checkpoint(tmp_path / "copy-of-one")
-    namespaces = {name: vllm_namespace(vllm_config(path), LAYOUT, "vllm") for name, path in
-                  (("A", a), ("B", b), ("copy", copy))}
+    namespaces = {
+        name: vllm_namespace(vllm_config(path), LAYOUT, "vllm") for name, path in (("A", a), ("B", b), ("copy", copy))
+    }
     replicas = {}
     for name, namespace in namespaces.items():
         monkeypatch.setattr(shared, "NAMESPACE", namespace)  # what Replica's scheduler keys its requests by

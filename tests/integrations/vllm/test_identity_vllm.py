@@ -17,8 +17,16 @@ from kvshare.integrations.vllm.launch import VllmServerConfig
 from kvshare.keys import namespace_digest
 from kvshare.pool.spawn import start_pool, stop_process
 from tests.integrations.vllm.pool_replicas import LAYOUT, PROMPT, Replica, pool_fixture  # noqa: F401
-from tests.integrations.vllm.servers import (complete, free_port, private_socket, provenance, start_servers,
-                                             stop_servers, vllm_python, vllm_suite_marks)
+from tests.integrations.vllm.servers import (
+    complete,
+    free_port,
+    private_socket,
+    provenance,
+    start_servers,
+    stop_servers,
+    vllm_python,
+    vllm_suite_marks,
+)
 from tests.integrations.vllm.test_cache_salt import matched, prefill
 from tests.integrations.vllm.tiny_model import make_model_dir
 
@@ -30,8 +38,9 @@ ROPE_5E5 = {"rope_theta": 5e5, "rope_parameters": {"rope_type": "default", "rope
 def engine_config(model_dir: str, **args):
     from vllm.engine.arg_utils import EngineArgs
 
-    return EngineArgs(model=model_dir, dtype=args.pop("dtype", "float32"), max_model_len=4096, **args) \
-        .create_engine_config()
+    return EngineArgs(
+        model=model_dir, dtype=args.pop("dtype", "float32"), max_model_len=4096, **args
+    ).create_engine_config()
 
 
 def checkpoints(work):
@@ -54,8 +63,13 @@ def namespaces(tmp_path_factory):
     cache = pytest.MonkeyPatch()
     cache.setenv("XDG_CACHE_HOME", str(work / "cache"))
     a, b, copy = checkpoints(work)
-    configs = {"A": engine_config(a), "B": engine_config(b), "copy": engine_config(copy),
-               "rope": engine_config(a, hf_overrides=ROPE_5E5), "bf16": engine_config(a, dtype="bfloat16")}
+    configs = {
+        "A": engine_config(a),
+        "B": engine_config(b),
+        "copy": engine_config(copy),
+        "rope": engine_config(a, hf_overrides=ROPE_5E5),
+        "bf16": engine_config(a, dtype="bfloat16"),
+    }
     yield {name: vllm_namespace(config, LAYOUT, "vllm") for name, config in configs.items()}
     cache.undo()
 
@@ -91,10 +105,19 @@ def test_vllm_servers_of_changed_weights_never_share_a_renamed_copy_does(tmp_pat
     prompt = list(range(3, 259)) * 2 + [7] * 20  # two full chunks of 256 and a tail
     with private_socket("kvshare-id") as socket_path:
         pool = start_pool(socket_path, "256MiB", ("--extent-size", "64MiB"))
-        common = dict(python=vllm_python(), dtype="float32", max_model_len=2048, kv_cache_gib=1,
-                      max_num_batched_tokens=256, pool_socket=socket_path, pool_retry_s=1.0)
-        configs = {name: VllmServerConfig(model=path, port=free_port(), replica=name, **common)
-                   for name, path in (("A", a), ("B", b), ("copy", copy))}
+        common = dict(
+            python=vllm_python(),
+            dtype="float32",
+            max_model_len=2048,
+            kv_cache_gib=1,
+            max_num_batched_tokens=256,
+            pool_socket=socket_path,
+            pool_retry_s=1.0,
+        )
+        configs = {
+            name: VllmServerConfig(model=path, port=free_port(), replica=name, **common)
+            for name, path in (("A", a), ("B", b), ("copy", copy))
+        }
         servers = {}
         try:
             servers = start_servers(configs, str(tmp_path))

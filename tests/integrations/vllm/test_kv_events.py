@@ -24,22 +24,30 @@ MiB = 1 << 20
 
 def test_a_batch_decodes_with_vllms_classes_field_for_field():
     """Fails when a field vLLM declares without a default (e.g. lora_name) is left out of BlockStored."""
-    events = [E.all_blocks_cleared("map"), E.block_stored("map", [1, 2], 9, list(range(8)), 4),
-              E.block_removed("map", [2])]
+    events = [
+        E.all_blocks_cleared("map"),
+        E.block_stored("map", [1, 2], 9, list(range(8)), 4),
+        E.block_removed("map", [2]),
+    ]
     payload = E.encode_batch(E.EventBatch(ts=2.0, events=events, data_parallel_rank=0))
     batch = msgspec.msgpack.Decoder(kv_events.KVEventBatch).decode(payload)
     cleared, stored, removed = batch.events
     assert isinstance(cleared, kv_events.AllBlocksCleared)
     assert isinstance(stored, kv_events.BlockStored) and isinstance(removed, kv_events.BlockRemoved)
     assert (stored.block_hashes, stored.parent_block_hash, stored.token_ids, stored.block_size) == (
-        [1, 2], 9, list(range(8)), 4)
+        [1, 2],
+        9,
+        list(range(8)),
+        4,
+    )
     assert stored.medium == kv_events.MEDIUM_CPU and stored.lora_name is None
     assert removed.block_hashes == [2] and batch.data_parallel_rank == 0
 
 
 def test_replayed_frames_from_the_publisher_decode_with_vllms_classes(tmp_path):
-    config = KVEventsConfig(endpoint=f"ipc://{tmp_path}/ev", replay_endpoint=f"ipc://{tmp_path}/rep",
-                            topics=("kv@r0@tiny",))
+    config = KVEventsConfig(
+        endpoint=f"ipc://{tmp_path}/ev", replay_endpoint=f"ipc://{tmp_path}/rep", topics=("kv@r0@tiny",)
+    )
     index = PoolIndex(Allocator(8 * MiB, 4 * MiB), IndexConfig())
     events = PoolEvents(config, EventPublisher(config))
     index.listener = events

@@ -52,7 +52,12 @@ def test_request_options_default_to_the_pool_on():
 
 
 def test_provenance_always_adds_up():
-    assert provenance("A", 1100, 0, 1024) == {"replica": "A", "local_tokens": 0, "pool_tokens": 1024, "computed_tokens": 76}
+    assert provenance("A", 1100, 0, 1024) == {
+        "replica": "A",
+        "local_tokens": 0,
+        "pool_tokens": 1024,
+        "computed_tokens": 76,
+    }
     assert provenance("A", 100, 80, 64)["computed_tokens"] == 0  # clipped, never negative
 
 
@@ -90,8 +95,16 @@ def test_page_layout_from_the_vllm_config():
 
 
 def test_server_command_line():
-    config = VllmServerConfig(model="/models/tiny", port=8123, pool_socket="/run/pool.sock", python="/venv/bin/python",
-                              replica="r0", max_model_len=2048, kv_cache_gib=2, dtype="float32")
+    config = VllmServerConfig(
+        model="/models/tiny",
+        port=8123,
+        pool_socket="/run/pool.sock",
+        python="/venv/bin/python",
+        replica="r0",
+        max_model_len=2048,
+        kv_cache_gib=2,
+        dtype="float32",
+    )
     spec = vllm_server_command(config, base_env={"PATH": "/bin"})
     argv = spec.argv
     assert argv[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
@@ -138,8 +151,9 @@ def test_a_cpu_replica_with_the_connector_gets_the_openmp_cores_of_plain_vllm():
     assert ours.env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"  # what vLLM reserves for one rank without a connector
     plain = vllm_server_command(VllmServerConfig(model="m", port=1), base_env={})
     assert "VLLM_CPU_NUM_OF_RESERVED_CPU" not in plain.env  # vLLM's own choice, the same 1
-    given = vllm_server_command(VllmServerConfig(model="m", port=1, pool_socket="/p"),
-                                base_env={"VLLM_CPU_NUM_OF_RESERVED_CPU": "3"})
+    given = vllm_server_command(
+        VllmServerConfig(model="m", port=1, pool_socket="/p"), base_env={"VLLM_CPU_NUM_OF_RESERVED_CPU": "3"}
+    )
     assert given.env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "3"  # an operator's value stands
     gpu = vllm_server_command(VllmServerConfig(model="m", port=1, pool_socket="/p", device="cuda"), base_env={})
     assert "VLLM_CPU_NUM_OF_RESERVED_CPU" not in gpu.env
@@ -151,8 +165,12 @@ def test_vllm_started_by_hand_with_the_connector_is_told_which_cores_to_give_bac
     advice = reserved_cpus_advice({}, 2)
     assert advice is not None and "VLLM_CPU_NUM_OF_RESERVED_CPU=2" in advice
     assert reserved_cpus_advice({"VLLM_CPU_OMP_THREADS_BIND": "auto"}, 1) is not None
-    assert reserved_cpus_advice(vllm_server_command(VllmServerConfig(model="m", port=1, pool_socket="/p"),
-                                                    base_env={}).env, 1) is None  # kvshare up's replicas
+    assert (
+        reserved_cpus_advice(
+            vllm_server_command(VllmServerConfig(model="m", port=1, pool_socket="/p"), base_env={}).env, 1
+        )
+        is None
+    )  # kvshare up's replicas
     assert reserved_cpus_advice({"VLLM_CPU_OMP_THREADS_BIND": "0-3"}, 1) is None  # cores chosen by hand
 
 
@@ -166,7 +184,9 @@ def test_up_passes_tensor_parallel_size_to_vllm_replicas(tmp_path):
     add_arguments(parser)
     assert parser.parse_args(["--engine", "vllm", "--tensor-parallel-size", "2"]).tensor_parallel_size == 2
     (tmp_path / "config.json").write_text("{}")
-    argv, env = Cluster(ClusterConfig(engine="vllm", model=str(tmp_path), tensor_parallel_size=2))._replica_command(0, [])
+    argv, env = Cluster(ClusterConfig(engine="vllm", model=str(tmp_path), tensor_parallel_size=2))._replica_command(
+        0, []
+    )
     assert argv[argv.index("--tensor-parallel-size") + 1] == "2" and "|" in env["VLLM_CPU_OMP_THREADS_BIND"]
     with pytest.raises(ValueError, match="vLLM replicas only"):
         ClusterConfig(engine="builtin", tensor_parallel_size=2)
@@ -174,8 +194,9 @@ def test_up_passes_tensor_parallel_size_to_vllm_replicas(tmp_path):
 
 def test_cuda_server_command_keeps_vllms_compiled_defaults():
     """Fails when --enforce-eager is passed on CUDA (CUDA graphs and torch.compile off)."""
-    spec = vllm_server_command(VllmServerConfig(model="m", port=1, device="cuda", max_model_len=None,
-                                                gpu_memory_utilization=0.45), base_env={})
+    spec = vllm_server_command(
+        VllmServerConfig(model="m", port=1, device="cuda", max_model_len=None, gpu_memory_utilization=0.45), base_env={}
+    )
     assert "--enforce-eager" not in spec.argv and "--max-model-len" not in spec.argv
     assert spec.argv[spec.argv.index("--gpu-memory-utilization") + 1] == "0.45"
     assert "VLLM_CPU_KVCACHE_SPACE" not in spec.env and "CUDA_VISIBLE_DEVICES" not in spec.env
@@ -187,11 +208,13 @@ def test_cuda_server_command_keeps_vllms_compiled_defaults():
 def test_the_other_kv_tiers_compared_with_kvshare_come_from_the_same_command():
     """vLLM's own CPU offloading and LMCache's MP connector are fields of the one command builder; vLLM runs one KV
     connector, so two tiers at once are refused. Fails when either flag is left out of the command line."""
-    offload = vllm_server_command(VllmServerConfig(model="m", port=1, device="cuda", kv_offloading_gib=40),
-                                  base_env={}).argv
+    offload = vllm_server_command(
+        VllmServerConfig(model="m", port=1, device="cuda", kv_offloading_gib=40), base_env={}
+    ).argv
     assert offload[offload.index("--kv-offloading-size") + 1] == "40" and "--kv-transfer-config" not in offload
-    lmcache = vllm_server_command(VllmServerConfig(model="m", port=1, lmcache_mp_port=5555, load_format="dummy"),
-                                  base_env={}).argv
+    lmcache = vllm_server_command(
+        VllmServerConfig(model="m", port=1, lmcache_mp_port=5555, load_format="dummy"), base_env={}
+    ).argv
     transfer = json.loads(lmcache[lmcache.index("--kv-transfer-config") + 1])
     assert transfer["kv_connector"] == "LMCacheMPConnector"
     assert transfer["kv_connector_extra_config"] == {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": 5555}
@@ -206,8 +229,12 @@ def test_no_benchmark_or_module_builds_a_vllm_server_command_of_its_own():
     """launch.vllm_server_command is the one place a vLLM server's command line is built. Fails when a script under
     benchmarks/ or a module of kvshare/ spells vLLM's server module itself (benchmarks/vllm_gpu.py once did)."""
     root = pathlib.Path(__file__).resolve().parents[3]
-    spelled = [str(path.relative_to(root)) for folder in ("kvshare", "benchmarks") for path in (root / folder).rglob("*")
-               if path.suffix in (".py", ".sh") and "vllm.entrypoints.openai.api_server" in path.read_text()]
+    spelled = [
+        str(path.relative_to(root))
+        for folder in ("kvshare", "benchmarks")
+        for path in (root / folder).rglob("*")
+        if path.suffix in (".py", ".sh") and "vllm.entrypoints.openai.api_server" in path.read_text()
+    ]
     assert spelled == ["kvshare/integrations/vllm/launch.py"]
 
 
@@ -215,8 +242,16 @@ def _vllm_replicas(tmp_path, device: str, replicas: int = 2, replica_args: tuple
     from kvshare.launch import Cluster, ClusterConfig
 
     (tmp_path / "config.json").write_text("{}")
-    cluster = Cluster(ClusterConfig(engine="vllm", model=str(tmp_path), device=device, num_replicas=replicas,
-                                    vllm_python="/venv/bin/python", replica_args=replica_args))
+    cluster = Cluster(
+        ClusterConfig(
+            engine="vllm",
+            model=str(tmp_path),
+            device=device,
+            num_replicas=replicas,
+            vllm_python="/venv/bin/python",
+            replica_args=replica_args,
+        )
+    )
     return [cluster._replica_command(i, []) for i in range(replicas)]
 
 
@@ -243,7 +278,7 @@ def test_up_vllm_one_replica_per_gpu(tmp_path):
     (a, env_a), (b, env_b) = _vllm_replicas(tmp_path, "cuda:0,cuda:1")
     assert (env_a["CUDA_VISIBLE_DEVICES"], env_b["CUDA_VISIBLE_DEVICES"]) == ("0", "1")
     assert _flag(a, "--gpu-memory-utilization") is None and _flag(b, "--gpu-memory-utilization") is None
-    (c, env_c), = _vllm_replicas(tmp_path, "cuda:1", replicas=1)
+    ((c, env_c),) = _vllm_replicas(tmp_path, "cuda:1", replicas=1)
     assert env_c["CUDA_VISIBLE_DEVICES"] == "1"
     three = _vllm_replicas(tmp_path, "cuda:0,cuda:1", replicas=3)  # cycled: two share GPU 0
     assert [_flag(argv, "--gpu-memory-utilization") for argv, _ in three] == ["0.45", None, "0.45"]

@@ -143,7 +143,10 @@ def test_copy_runs_merge_adjacent_whole_pages_within_an_extent():
     runs = copy_runs(slices, offsets, P, C, extent_bytes=200)  # extents [0, 200), [200, 400), ...
     assert [(r.first, r.num_pages) for r in runs] == [(0, 1), (1, 1), (2, 2), (4, 1)]
     whole = page_slices(0, 4 * C, 0, 4, C)
-    assert [(r.first, r.num_pages) for r in copy_runs(whole, [0, 100, 200, 300], P, C, extent_bytes=200)] == [(0, 2), (2, 2)]
+    assert [(r.first, r.num_pages) for r in copy_runs(whole, [0, 100, 200, 300], P, C, extent_bytes=200)] == [
+        (0, 2),
+        (2, 2),
+    ]
 
 
 def expand(copies: list[BlockCopy], blocks_per_page: int) -> list[int]:
@@ -174,8 +177,11 @@ def test_block_copies_keep_runs_of_pages_together():
     assert block_copies(64, 8, list(range(611, 99, -1))) == [BlockCopy(0, 64, 0, 8, 611, -1)]  # a reused one
     # a run that starts and ends inside pages: head, whole pages, tail
     assert block_copies(3, 4, [0, 1, 50, 51, 52, 53, 54, 55, 56, 57, 2, 3]) == [
-        BlockCopy(0, 1, 0, 2, 0, 1), BlockCopy(0, 1, 2, 4, 50, 1), BlockCopy(1, 1, 0, 4, 52, 1),
-        BlockCopy(2, 1, 0, 2, 56, 1), BlockCopy(2, 1, 2, 4, 2, 1),
+        BlockCopy(0, 1, 0, 2, 0, 1),
+        BlockCopy(0, 1, 2, 4, 50, 1),
+        BlockCopy(1, 1, 0, 4, 52, 1),
+        BlockCopy(2, 1, 0, 2, 56, 1),
+        BlockCopy(2, 1, 2, 4, 2, 1),
     ]
     with pytest.raises(ValueError, match="block ids for"):
         block_copies(2, 4, [1, 2, 3])

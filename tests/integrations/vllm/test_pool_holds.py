@@ -106,8 +106,10 @@ def test_a_scheduler_lookup_that_times_out_keeps_the_leases_of_loads_still_to_ru
                 reserved = writer.reserve(b"p" * 16, keys, LAYOUT.page_bytes)
                 for _, offset in reserved.grants:
                     writer.page(offset, LAYOUT.page_bytes)[:] = 0xEE
-                writer.commit(reserved.reservation_id,
-                              [page_checksum(writer.page(o, LAYOUT.page_bytes)) for _, o in reserved.grants])
+                writer.commit(
+                    reserved.reservation_id,
+                    [page_checksum(writer.page(o, LAYOUT.page_bytes)) for _, o in reserved.grants],
+                )
         b.clock.now += 1.0  # the link's retry is due (within the lease TTL)
         b.scheduler.allocated("r2", 256, 0)
         plan = b.scheduler.plan_step([ScheduledRequest("r2", 0, len(PROMPT), BLOCKS_B)])
@@ -159,19 +161,20 @@ def test_a_tensor_parallel_store_reserved_in_an_earlier_pool_never_commits_a_res
         proc = start_pool(path, "16MiB", POOL_ARGS)
         clock = FakeClock()
         config = ConnectorConfig(pool_socket=path, chunk_tokens=C, replica="tp")
-        scheduler = PoolScheduler(config, NAMESPACE, LAYOUT.page_bytes, N, PoolLink(path, "tp-sched", clock=clock),
-                                  clock=clock, tp_size=2)
+        scheduler = PoolScheduler(
+            config, NAMESPACE, LAYOUT.page_bytes, N, PoolLink(path, "tp-sched", clock=clock), clock=clock, tp_size=2
+        )
         try:
-            first = scheduler._reserve(StoreSpec("r1", digest, 0, keys, (0,)))
+            first = scheduler._parted.reserve(StoreSpec("r1", digest, 0, keys, (0,)))
             stop_process(proc)
             proc = start_pool(path, "16MiB", POOL_ARGS)
             assert scheduler.link.reconnect_now() is not None
-            second = scheduler._reserve(StoreSpec("r2", digest, 0, keys, (0,)))
+            second = scheduler._parted.reserve(StoreSpec("r2", digest, 0, keys, (0,)))
             assert second.reservation_id == first.reservation_id and second.pool_id != first.pool_id
             assert pool_stats(path)["reservations"] == 1
             for rank in range(2):
                 part = StorePart(first.reservation_id, first.pool_id, rank, True, (1,) * len(first.grants))
-                scheduler._settle_part(part)
+                scheduler._parted.settle(part)
             assert pool_stats(path)["reservations"] == 1  # the new pool's reservation still waits for its parts
         finally:
             scheduler.close()

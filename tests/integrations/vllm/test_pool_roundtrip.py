@@ -43,8 +43,13 @@ def test_cross_replica_bytes_equal(pool, layered):
         assert torch.equal(b.tokens(0, 256, BLOCKS_B), a.tokens(0, 256, BLOCKS_A))  # bytes loaded == bytes stored
         assert not torch.equal(b.tokens(256, 44, BLOCKS_B), a.tokens(256, 44, BLOCKS_A))  # the tail was not loaded
         assert pool_stats(pool)["leases"] == 0  # released once the step that loaded reported
-        assert b.scheduler.finish("r2") == {"replica": "B", "local_tokens": 0, "pool_tokens": 256,
-                                            "computed_tokens": 44, "namespace": namespace_digest(NAMESPACE).hex()}
+        assert b.scheduler.finish("r2") == {
+            "replica": "B",
+            "local_tokens": 0,
+            "pool_tokens": 256,
+            "computed_tokens": 44,
+            "namespace": namespace_digest(NAMESPACE).hex(),
+        }
         assert b.worker.counters.stored_chunks == 0  # nothing new to store
     finally:
         a.close(), b.close()
@@ -172,8 +177,10 @@ class FixedDraw:
 @pytest.mark.parametrize("draw,is_detected", [(0.0, True), (0.99, False)])
 @LAYERED
 def test_sampled_verification_checks_the_pages_it_draws(pool, draw, is_detected, layered):
-    a, b = Replica(pool, "A", seed=1), Replica(pool, "B", seed=2, rng=FixedDraw(draw), verify_fraction=0.5,
-                                                      layered=layered)
+    a, b = (
+        Replica(pool, "A", seed=1),
+        Replica(pool, "B", seed=2, rng=FixedDraw(draw), verify_fraction=0.5, layered=layered),
+    )
     try:
         a.run_prefill("r1", PROMPT, BLOCKS_A)
         flip_a_byte_of_chunk_2(pool)
@@ -214,7 +221,9 @@ def test_any_block_table_gets_the_stored_bytes(pool, copy_threads, layered):
             _, outcome = b.run_prefill(f"r{i + 2}", PROMPT, table)
             assert outcome.is_complete
             assert torch.equal(b.tokens(0, 256, table), a.tokens(0, 256, BLOCKS_A))  # bytes loaded == bytes stored
-            assert all(torch.equal(layer.view(NUM_BLOCKS, -1)[untouched], kept) for layer, kept in zip(b.layers, before))
+            assert all(
+                torch.equal(layer.view(NUM_BLOCKS, -1)[untouched], kept) for layer, kept in zip(b.layers, before)
+            )
             b.scheduler.finish(f"r{i + 2}")
     finally:
         a.close(), b.close()

@@ -57,8 +57,9 @@ def flushed(pool):
 
 
 def replica(socket_path, name, order="LBNHC", staged=True, **config):
-    return Replica(socket_path, name, LAYOUT, order, NUM_BLOCKS, N, CPU, staged=staged,
-                   worker_kwargs={"transfer": SMALL}, **config)
+    return Replica(
+        socket_path, name, LAYOUT, order, NUM_BLOCKS, N, CPU, staged=staged, worker_kwargs={"transfer": SMALL}, **config
+    )
 
 
 def blocks_a():
@@ -156,7 +157,9 @@ def test_a_cpu_writers_xxh3_pages_verify_on_host_threads_and_catch_corruption(fa
         cpu_writer.step("c2", PROMPT, blocks_a())  # stored again (the bad chunk was dropped)
         outcome = b.step("b2", PROMPT, blocks_b())
         assert outcome.is_complete
-        assert torch.equal(b.tokens(0, outcome.loaded_end, blocks_b()), cpu_writer.tokens(0, outcome.loaded_end, blocks_a()))
+        assert torch.equal(
+            b.tokens(0, outcome.loaded_end, blocks_b()), cpu_writer.tokens(0, outcome.loaded_end, blocks_a())
+        )
     finally:
         cpu_writer.close(), b.close()
 
@@ -165,8 +168,11 @@ def test_a_cpu_writers_xxh3_pages_verify_on_host_threads_and_catch_corruption(fa
 @pytest.mark.parametrize("forced", [None, True], ids=["checked", "forced-valid"])
 def test_the_staged_load_refuses_a_corrupt_page_through_the_one_check(fake, flushed, monkeypatch, writer, forced):
     """Fails when the staged load compares checksums itself: forced valid, it would still stop at page 3."""
-    a = replica(flushed, "A") if writer == "gpu" else \
-        Replica(flushed, "C", LAYOUT, "cpu_attn", NUM_BLOCKS, N, CPU, staged=False)
+    a = (
+        replica(flushed, "A")
+        if writer == "gpu"
+        else Replica(flushed, "C", LAYOUT, "cpu_attn", NUM_BLOCKS, N, CPU, staged=False)
+    )
     b = replica(flushed, "B")
     try:
         a.fill(8)
@@ -193,7 +199,9 @@ def test_a_gpu_writers_pages_verify_on_a_cpu_reader(fake, flushed):
         a.step("a", PROMPT, blocks_a())
         outcome = cpu_reader.step("c", PROMPT, blocks_b())
         assert outcome.is_complete and cpu_reader.worker.counters.verified_pages == 10
-        assert torch.equal(cpu_reader.tokens(0, outcome.loaded_end, blocks_b()), a.tokens(0, outcome.loaded_end, blocks_a()))
+        assert torch.equal(
+            cpu_reader.tokens(0, outcome.loaded_end, blocks_b()), a.tokens(0, outcome.loaded_end, blocks_a())
+        )
     finally:
         a.close(), cpu_reader.close()
 

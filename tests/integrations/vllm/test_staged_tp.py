@@ -51,8 +51,9 @@ def transfer_of(layout: KVLayout, copies: str) -> TransferConfig:
 
 def tp1_replica(socket_path, name, layout, transfer, staged=True):
     order = "LBNHC" if staged else "cpu_attn"
-    return Replica(socket_path, name, layout, order, NUM_BLOCKS, N, CPU, staged=staged,
-                   worker_kwargs={"transfer": transfer})
+    return Replica(
+        socket_path, name, layout, order, NUM_BLOCKS, N, CPU, staged=staged, worker_kwargs={"transfer": transfer}
+    )
 
 
 def count_store_copies(monkeypatch, ranks: StagedTPReplica) -> list[list]:
@@ -73,8 +74,9 @@ def count_store_copies(monkeypatch, ranks: StagedTPReplica) -> list[list]:
 
 @pytest.mark.parametrize("copies", ["layer_groups", "whole_pages"])
 @pytest.mark.parametrize("heads,tp", CASES)
-def test_ranks_store_their_heads_with_their_wsum_parts_and_tp1_loads_them_bitwise(fake, flushed, monkeypatch, heads,
-                                                                                   tp, copies):
+def test_ranks_store_their_heads_with_their_wsum_parts_and_tp1_loads_them_bitwise(
+    fake, flushed, monkeypatch, heads, tp, copies
+):
     layout = layout_of(heads)
     transfer = transfer_of(layout, copies)
     ranks = StagedTPReplica(flushed, "T", layout, "LBNHC", NUM_BLOCKS, N, CPU, tp, seed=1, transfer=transfer)
@@ -161,8 +163,9 @@ def test_a_rank_writing_the_wrong_heads_is_caught(fake, flushed, monkeypatch):
 
 def test_a_rank_that_cannot_reach_the_pool_aborts_the_pages(fake, flushed):
     layout = layout_of(4)
-    ranks = StagedTPReplica(flushed, "T", layout, "LBNHC", NUM_BLOCKS, N, CPU, 2, seed=5,
-                            transfer=transfer_of(layout, "layer_groups"))
+    ranks = StagedTPReplica(
+        flushed, "T", layout, "LBNHC", NUM_BLOCKS, N, CPU, 2, seed=5, transfer=transfer_of(layout, "layer_groups")
+    )
     try:
         ranks.ranks[1].worker.pool.client_for = lambda pid: (None, "injected: the pool is unreachable")
         _, report = ranks.step("a", PROMPT, blocks_a())

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from kvshare.integrations.vllm.worker import PoolKVWorker, WorkerHooks
 from kvshare.integrations.vllm.layout import PagedLayout, reference_gather
 from kvshare.integrations.vllm.metadata import LoadOutcome, StorePart, WorkerReport
 from kvshare.integrations.vllm.options import ConnectorConfig
 from kvshare.integrations.vllm.scheduler import PoolScheduler, ScheduledRequest
 from kvshare.integrations.vllm.tensor_parallel import PartedStores, head_slice, partial_wsum32
+from kvshare.integrations.vllm.worker import PoolKVWorker, WorkerHooks
 from kvshare.keys import chunk_keys, namespace_digest
 from kvshare.layout import KVLayout
 from kvshare.pool.checksum import MOD64, wsum32
@@ -39,11 +39,17 @@ from tests.integrations.vllm.pool_replicas import (  # noqa: F401
 
 
 def test_head_slices_follow_vllms_sharding():
-    assert [(s.first_head, s.num_heads, s.is_writer) for s in (head_slice(4, r, 2) for r in range(2))] == \
-        [(0, 2, True), (2, 2, True)]
+    assert [(s.first_head, s.num_heads, s.is_writer) for s in (head_slice(4, r, 2) for r in range(2))] == [
+        (0, 2, True),
+        (2, 2, True),
+    ]
     # fewer KV heads than ranks: head r // (T / H), the first rank of each replica group writes it
-    assert [(s.first_head, s.is_writer) for s in (head_slice(2, r, 4) for r in range(4))] == \
-        [(0, True), (0, False), (1, True), (1, False)]
+    assert [(s.first_head, s.is_writer) for s in (head_slice(2, r, 4) for r in range(4))] == [
+        (0, True),
+        (0, False),
+        (1, True),
+        (1, False),
+    ]
     assert head_slice(8, 0, 1).num_heads == 8
     with pytest.raises(ValueError, match="do not divide"):
         head_slice(6, 0, 4)
@@ -51,8 +57,9 @@ def test_head_slices_follow_vllms_sharding():
         head_slice(2, 0, 3)
 
 
-@pytest.mark.parametrize("dtype,heads,tp", [("float32", 2, 2), ("bfloat16", 4, 2), ("float8_e4m3fn", 8, 4),
-                                            ("bfloat16", 2, 4)])
+@pytest.mark.parametrize(
+    "dtype,heads,tp", [("float32", 2, 2), ("bfloat16", 4, 2), ("float8_e4m3fn", 8, 4), ("bfloat16", 2, 4)]
+)
 def test_the_ranks_partial_wsums_add_up_to_the_pages(dtype, heads, tp):
     layout = KVLayout(num_layers=3, num_kv_heads=heads, head_dim=32, dtype=dtype, chunk_tokens=64)
     page = np.random.default_rng(0).integers(0, 256, layout.page_bytes, dtype=np.uint8)
@@ -70,8 +77,9 @@ class TPReplica:
 
     def __init__(self, socket_path, name, seed, tp=2):
         config = ConnectorConfig(pool_socket=socket_path, chunk_tokens=C, replica=name)
-        self.scheduler = PoolScheduler(config, NAMESPACE, LAYOUT.page_bytes, N, PoolLink(socket_path, f"{name}-s"),
-                                       tp_size=tp)
+        self.scheduler = PoolScheduler(
+            config, NAMESPACE, LAYOUT.page_bytes, N, PoolLink(socket_path, f"{name}-s"), tp_size=tp
+        )
         gen = torch.Generator().manual_seed(seed)
         self.full = [torch.randn(NUM_BLOCKS, H, N, 2 * D, generator=gen) for _ in range(L)]  # all heads, as TP=1
         self.ranks = []
@@ -88,8 +96,9 @@ class TPReplica:
         s.add_request(req_id, prompt, None, None)
         external = s.match(req_id, computed)
         s.allocated(req_id, external, computed)
-        plan = s.plan_step([ScheduledRequest(req_id, computed + external, len(prompt) - computed - external,
-                                             block_ids)])
+        plan = s.plan_step(
+            [ScheduledRequest(req_id, computed + external, len(prompt) - computed - external, block_ids)]
+        )
         report = WorkerReport()
         for rank, hooks in enumerate(self.ranks):
             if rank == fail_load_on:
@@ -104,8 +113,12 @@ class TPReplica:
 
     def rank_tokens(self, start, num, block_ids):
         """All heads, gathered rank by rank: [L, 2, T, H, D]."""
-        per_rank = [torch.stack([reference_gather(layer, hooks.worker.paged, start, num, block_ids)
-                                 for layer in hooks.worker.layers]) for hooks in self.ranks]
+        per_rank = [
+            torch.stack(
+                [reference_gather(layer, hooks.worker.paged, start, num, block_ids) for layer in hooks.worker.layers]
+            )
+            for hooks in self.ranks
+        ]
         return torch.cat(per_rank, dim=3)
 
     def close(self):
@@ -187,7 +200,8 @@ def test_a_load_that_fails_on_one_rank_is_recomputed_by_all(pool):  # noqa: F811
 
 
 def test_merged_load_reports_take_the_shortest_load():
-    report = WorkerReport([LoadOutcome("a", 0, 256, 256), LoadOutcome("a", 0, 256, 64, "bad page"),
-                           LoadOutcome("b", 0, 64, 64)])
+    report = WorkerReport(
+        [LoadOutcome("a", 0, 256, 256), LoadOutcome("a", 0, 256, 64, "bad page"), LoadOutcome("b", 0, 64, 64)]
+    )
     merged = {o.req_id: o for o in report.loads_by_request()}
     assert merged["a"].loaded_end == 64 and merged["b"].is_complete

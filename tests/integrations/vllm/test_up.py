@@ -7,7 +7,6 @@ import json
 import urllib.request
 
 import psutil
-import pytest
 
 from kvshare.integrations.vllm.gpu_rows import on_off_row
 from kvshare.launch import Cluster, ClusterConfig, free_port_block
@@ -25,8 +24,11 @@ API_KEY, OTHER_KEY = "key-of-one-tenant-0123", "key-of-another-tenant-4567"
 
 def _complete(url: str, prompt: str, key: str = API_KEY, **extra) -> dict:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 1, **extra}
-    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+    req = urllib.request.Request(
+        url + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"},
+    )
     with urllib.request.urlopen(req, timeout=300) as resp:
         return json.loads(resp.read())
 
@@ -38,9 +40,19 @@ def test_up_with_vllm_replicas_shares_the_pool_through_the_router(monkeypatch):
     cache_salt: the other key's request then reuses the first key's blocks."""
     monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")  # /reset_prefix_cache, as benchmarks/vllm_gpu.py runs them
     monkeypatch.delenv("KVSHARE_ACCOUNT_KEY", raising=False)
-    cluster = Cluster(ClusterConfig(engine="vllm", vllm_python=PYTHON, model="tiny", num_replicas=2,
-                                    policy="round_robin", port=free_port_block(3), pool_size="1GiB",
-                                    ready_timeout_s=400, api_keys=(API_KEY, OTHER_KEY)))
+    cluster = Cluster(
+        ClusterConfig(
+            engine="vllm",
+            vllm_python=PYTHON,
+            model="tiny",
+            num_replicas=2,
+            policy="round_robin",
+            port=free_port_block(3),
+            pool_size="1GiB",
+            ready_timeout_s=400,
+            api_keys=(API_KEY, OTHER_KEY),
+        )
+    )
     cluster.start()
     try:
         children = [psutil.Process(p.pid) for p in cluster.processes.values()]
@@ -75,13 +87,23 @@ def flush_one_keys_namespace(cluster: Cluster, namespace: str) -> None:
     """``pool-admin flush --replica URL --api-key KEY`` against a vLLM replica drops the namespace of that key's
     unsalted requests (the one their provenance names) and no other. Fails when pool-admin asks only
     /admin/namespace, which vLLM answers 404."""
+
     def held() -> dict[str, int]:
         with PoolClient(cluster.pool_socket, name="test") as client:
             return {row.namespace.hex(): row.num_entries for row in client.list_namespaces().namespaces}
 
     before = held()
-    done = kvshare("pool-admin", "--socket", cluster.pool_socket, "flush", "--replica", cluster.replica_urls[0],
-                   "--api-key", API_KEY, "--yes")
+    done = kvshare(
+        "pool-admin",
+        "--socket",
+        cluster.pool_socket,
+        "flush",
+        "--replica",
+        cluster.replica_urls[0],
+        "--api-key",
+        API_KEY,
+        "--yes",
+    )
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
     assert out["namespace"] == namespace and out["dropped"] == before[namespace] > 0, (out, before)
@@ -96,11 +118,13 @@ def pool_on_equals_pool_off(a: str, b: str) -> None:
     client = load_benchmark("vllm_gpu_client")
     prompt = [30 + (7 * i) % 200 for i in range(1100)]
     client.stream_completion(a, "tiny", prompt, 8, 300)  # A computes it and stores its 4 chunks
-    off = client.stream_completion(b, "tiny", prompt, 8, 300,
-                                   extra={"kv_transfer_params": {"kvshare": {"use_pool": False}}})
+    off = client.stream_completion(
+        b, "tiny", prompt, 8, 300, extra={"kv_transfer_params": {"kvshare": {"use_pool": False}}}
+    )
     client.post(b, "/reset_prefix_cache")
     on = client.stream_completion(b, "tiny", prompt, 8, 300)
     assert off.cached_tokens == 0 and on.cached_tokens == 1024
-    row = on_off_row(model="tiny", prompt_tokens=len(prompt), vllm_version="0.32", off=off, on=on,
-                     batch_invariant=False)
+    row = on_off_row(
+        model="tiny", prompt_tokens=len(prompt), vllm_version="0.32", off=off, on=on, batch_invariant=False
+    )
     assert row["tokens_equal"] and row["logprobs_equal"], row

@@ -20,6 +20,9 @@ def make_model_dir(path: str) -> str:
     if given:
         return given
     if not os.path.exists(os.path.join(path, "config.json")):
-        subprocess.run([sys.executable, "-m", "kvshare", "make-model", "tiny", "--out", path],
-                       check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [sys.executable, "-m", "kvshare", "make-model", "tiny", "--out", path],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
     return path

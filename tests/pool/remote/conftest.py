@@ -70,10 +70,23 @@ class RedisServer:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}"
 
-    def start(self) -> "RedisServer":
+    def start(self) -> RedisServer:
         """Start (or restart, on the same port) and wait until it answers; a server that does not is killed."""
-        cmd = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-               "--dir", self.workdir, "--logfile", os.path.join(self.workdir, f"{self.port}.log")]
+        cmd = [
+            "redis-server",
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            self.workdir,
+            "--logfile",
+            os.path.join(self.workdir, f"{self.port}.log"),
+        ]
         if self.cluster:
             cmd += ["--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{self.port}.conf"]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -139,8 +152,9 @@ def redis_cluster():
             servers.append(RedisServer(cluster=True, workdir=workdir))
             servers[-1].start()
         nodes = [f"127.0.0.1:{s.port}" for s in servers]
-        out = subprocess.run(["redis-cli", "--cluster", "create", *nodes, "--cluster-yes"],
-                             capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            ["redis-cli", "--cluster", "create", *nodes, "--cluster-yes"], capture_output=True, text=True, timeout=60
+        )
         assert out.returncode == 0, out.stdout + out.stderr
         assert wait_until(lambda: all("cluster_state:ok" in s.cli("cluster", "info") for s in servers), 30)
         yield "redis+cluster://" + ",".join(nodes), servers
@@ -157,9 +171,27 @@ def prefix() -> str:
 
 
 def pool_args(url: str, prefix: str, *extra: str) -> tuple[str, ...]:
-    return ("--extent-size", "16MiB", "--high-watermark", "1", "--low-watermark", "1",
-            "--remote", url, "--remote-prefix", prefix, "--remote-part-size", "256KiB",
-            "--remote-timeout", "0.5", "--remote-breaker-reset", "1", "--remote-promote-timeout", "3", *extra)
+    return (
+        "--extent-size",
+        "16MiB",
+        "--high-watermark",
+        "1",
+        "--low-watermark",
+        "1",
+        "--remote",
+        url,
+        "--remote-prefix",
+        prefix,
+        "--remote-part-size",
+        "256KiB",
+        "--remote-timeout",
+        "0.5",
+        "--remote-breaker-reset",
+        "1",
+        "--remote-promote-timeout",
+        "3",
+        *extra,
+    )
 
 
 @contextlib.contextmanager
@@ -184,8 +216,9 @@ def page_data(tag: str, i: int, page_bytes: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, page_bytes, dtype=np.uint8)
 
 
-def write_chain(client: PoolClient, keys: list[bytes], page_bytes: int, tag: str,
-                namespace: bytes = NAMESPACE, first_depth: int = 0) -> list[np.ndarray]:
+def write_chain(
+    client: PoolClient, keys: list[bytes], page_bytes: int, tag: str, namespace: bytes = NAMESPACE, first_depth: int = 0
+) -> list[np.ndarray]:
     """Reserve, fill and commit a page for every key; returns the bytes written."""
     data = [page_data(tag, first_depth + i, page_bytes) for i in range(len(keys))]
     reservation = client.reserve(namespace, keys, page_bytes, first_depth)

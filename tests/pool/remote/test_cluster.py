@@ -4,7 +4,15 @@ import pytest
 
 from kvshare.pool.client import PoolClient
 from kvshare.pool.remote.format import num_parts, part_keys
-from tests.pool.remote.conftest import MiB, assert_pages_equal, make_keys, remote_stats, two_pools, wait_written, write_chain
+from tests.pool.remote.conftest import (
+    MiB,
+    assert_pages_equal,
+    make_keys,
+    remote_stats,
+    two_pools,
+    wait_written,
+    write_chain,
+)
 
 pytestmark = pytest.mark.remote
 
@@ -25,7 +33,12 @@ def test_pages_written_through_a_are_read_through_b_via_cluster(redis_cluster, p
     held = [{k.decode() for k in s.client().keys(f"{prefix}:*")} for s in servers]  # KEYS is node-local
     nodes_of_page = []
     for key in keys:
-        holders = {i for i, keys_of_node in enumerate(held) for k in part_keys(prefix, key, num_parts(page_bytes, 256 << 10)) if k in keys_of_node}
+        holders = {
+            i
+            for i, keys_of_node in enumerate(held)
+            for k in part_keys(prefix, key, num_parts(page_bytes, 256 << 10))
+            if k in keys_of_node
+        }
         assert len(holders) == 1, "all parts of a page live on one node (hash tag)"
         nodes_of_page.append(holders.pop())
     assert len(set(nodes_of_page)) >= 2, "pages spread over the cluster's nodes"

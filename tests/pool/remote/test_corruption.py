@@ -6,8 +6,16 @@ import pytest
 
 from kvshare.pool.client import PoolClient
 from kvshare.pool.remote.format import HEADER, HEADER_BYTES, num_parts, part_keys
-from tests.pool.remote.conftest import (MiB, NAMESPACE, assert_pages_equal, make_keys, remote_stats, two_pools,
-                                   wait_written, write_chain)
+from tests.pool.remote.conftest import (
+    NAMESPACE,
+    MiB,
+    assert_pages_equal,
+    make_keys,
+    remote_stats,
+    two_pools,
+    wait_written,
+    write_chain,
+)
 
 pytestmark = pytest.mark.remote
 PAGE = 1 * MiB
@@ -50,9 +58,11 @@ def _expect_discard(pools, keys, data, bad_index, reason, deleted):
     assert lease.num_pages == bad_index, "only the chunks before the bad one are served"
     assert_pages_equal(cb, lease.pages, data[:bad_index])
     assert delta[f"discarded_{reason}"] == 1, delta
-    assert sum(delta[f"discarded_{x}"] for x in ("checksum", "version", "fingerprint", "truncated", "missing_part")) == 1
+    assert (
+        sum(delta[f"discarded_{x}"] for x in ("checksum", "version", "fingerprint", "truncated", "missing_part")) == 1
+    )
     assert delta["promoted_pages"] == bad_index and delta["deleted_values"] == deleted
-    assert cb.lookup(keys[bad_index:bad_index + 1], PAGE, lease=False).num_pages == 0  # not in B's arena
+    assert cb.lookup(keys[bad_index : bad_index + 1], PAGE, lease=False).num_pages == 0  # not in B's arena
     num_left = r.exists(*part_keys(prefix, keys[bad_index], PARTS))
     assert num_left == 0 if deleted else num_left > 0  # broken values go; foreign or partial ones stay
 

@@ -10,7 +10,7 @@ from kvshare.pool.client import PoolClient, PoolRequestError
 from kvshare.pool.metrics import PoolCollector
 from kvshare.pool.remote.cost import REMEASURE_S, FetchFit, PrefillFit, PromotionCosts, fit_nonnegative, promote_len
 from kvshare.pool.spawn import running_pool
-from tests.pool.remote.conftest import MiB, NAMESPACE, make_keys, pool_args, remote_stats, wait_written, write_chain
+from tests.pool.remote.conftest import NAMESPACE, MiB, make_keys, pool_args, remote_stats, wait_written, write_chain
 
 pytestmark = pytest.mark.remote
 PAGE = 1 * MiB
@@ -21,7 +21,9 @@ PAGE = 1 * MiB
 
 def test_fits_recover_their_coefficients_and_stay_nonnegative():
     ns = [8, 32, 128, 512]
-    assert fit_nonnegative([(n, n * n) for n in ns], [0.01 * n + 2e-5 * n * n for n in ns], 0) == pytest.approx((0.01, 2e-5))
+    assert fit_nonnegative([(n, n * n) for n in ns], [0.01 * n + 2e-5 * n * n for n in ns], 0) == pytest.approx(
+        (0.01, 2e-5)
+    )
     assert fit_nonnegative([(8, 64)], [0.4], 0) == pytest.approx((0.05, 0))  # one length: linear
     assert fit_nonnegative([(n, n * n) for n in ns], [1.0 - 0.001 * n for n in ns], 0)[1] == 0  # never negative
     latency, per_byte = fit_nonnegative([(1.0, x) for x in (1e6, 4e6)], [0.002 + x / 1e9 for x in (1e6, 4e6)], 1)
@@ -38,7 +40,9 @@ def test_the_plan_promotes_what_beats_recomputing():
     # attention: deep chunks cost more to recompute, so a long context can pay for a store a short one cannot
     quadratic = PrefillFit(a=1e-4, b=1e-4)
     store = FetchFit(0.0, 40 * PAGE)  # 25 ms a page
-    assert promote_len(quadratic, store, PAGE, 0, 16, 100) == 0 and promote_len(quadratic, store, PAGE, 256, 16, 100) == 16
+    assert (
+        promote_len(quadratic, store, PAGE, 0, 16, 100) == 0 and promote_len(quadratic, store, PAGE, 256, 16, 100) == 16
+    )
 
 
 def test_without_a_rate_or_a_timing_everything_is_asked_for_and_a_stale_timing_is_renewed():
@@ -123,9 +127,12 @@ def _promote_twice(writer: PoolClient, reader: PoolClient, prefix: str, num_page
 def test_a_slowed_store_is_skipped_for_a_replica_that_recomputes_faster(redis_server, prefix):
     proxy = SlowProxy(redis_server.port, bytes_per_s=10e6)  # 4 MiB: ~0.4 s
     try:
-        with running_pool("64MiB", pool_args(redis_server.url, prefix), quiet=True) as a, \
-                running_pool("64MiB", pool_args(proxy.url, prefix), quiet=True) as b, \
-                PoolClient(a) as ca, PoolClient(b) as cb:
+        with (
+            running_pool("64MiB", pool_args(redis_server.url, prefix), quiet=True) as a,
+            running_pool("64MiB", pool_args(proxy.url, prefix), quiet=True) as b,
+            PoolClient(a) as ca,
+            PoolClient(b) as cb,
+        ):
             assert cb.report_prefill(NAMESPACE, PAGE, num_chunks=4, seconds=0.02)  # 5 ms a chunk
             lease, seconds, stats = _promote_twice(ca, cb, prefix)
             assert lease.num_pages == 0, "answered as a miss at once"
@@ -134,16 +141,22 @@ def test_a_slowed_store_is_skipped_for_a_replica_that_recomputes_faster(redis_se
             assert stats["cost_checked_lookups"] == 1 and stats["promoted_pages"] == 4 and stats["lookups"] == 1
             assert 0 < stats["store_bytes_per_s"] < 20e6 and stats["prefill_reports"] == 1
             names = {m.name for m in PoolCollector(cb.stats).collect()}
-            assert {"kvshare_pool_remote_skipped_slower_lookups", "kvshare_pool_remote_promoted_pages",
-                    "kvshare_pool_remote_store_bytes_per_s"} <= names
+            assert {
+                "kvshare_pool_remote_skipped_slower_lookups",
+                "kvshare_pool_remote_promoted_pages",
+                "kvshare_pool_remote_store_bytes_per_s",
+            } <= names
     finally:
         proxy.close()
 
 
 def test_a_fast_store_is_used_for_a_replica_that_recomputes_slower(redis_server, prefix):
-    with running_pool("64MiB", pool_args(redis_server.url, prefix), quiet=True) as a, \
-            running_pool("64MiB", pool_args(redis_server.url, prefix), quiet=True) as b, \
-            PoolClient(a) as ca, PoolClient(b) as cb:
+    with (
+        running_pool("64MiB", pool_args(redis_server.url, prefix), quiet=True) as a,
+        running_pool("64MiB", pool_args(redis_server.url, prefix), quiet=True) as b,
+        PoolClient(a) as ca,
+        PoolClient(b) as cb,
+    ):
         assert cb.report_prefill(NAMESPACE, PAGE, num_chunks=4, seconds=20.0)
         lease, _, stats = _promote_twice(ca, cb, prefix)
         assert lease.num_pages == 4

@@ -8,8 +8,18 @@ import numpy as np
 import pytest
 
 from kvshare.pool.client import PoolClient
-from tests.pool.remote.conftest import (HAS_REDIS, NO_REDIS, MiB, RedisServer, make_keys, page_data, remote_stats,
-                                   two_pools, wait_until, wait_written, write_chain)
+from tests.pool.remote.conftest import (
+    HAS_REDIS,
+    NO_REDIS,
+    RedisServer,
+    make_keys,
+    page_data,
+    remote_stats,
+    two_pools,
+    wait_until,
+    wait_written,
+    write_chain,
+)
 
 pytestmark = [pytest.mark.remote, pytest.mark.skipif(not HAS_REDIS, reason=NO_REDIS)]
 PAGE = 512 << 10

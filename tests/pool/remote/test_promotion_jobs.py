@@ -8,7 +8,6 @@ import numpy as np
 
 from kvshare.pool.allocator import Allocator
 from kvshare.pool.index import IndexConfig, PoolIndex
-from kvshare.pool.remote import workers as W
 from kvshare.pool.remote.breaker import CircuitBreaker
 from kvshare.pool.remote.config import RemoteConfig
 from kvshare.pool.remote.cost import PromotionCosts
@@ -37,9 +36,18 @@ def make(index: PoolIndex, clock: Clock):
     tasks: list[tuple] = []
     config = RemoteConfig("redis://127.0.0.1:1", promote_timeout_s=1.0, max_promotions=2, num_readers=1)
     arena = np.zeros(index.allocator.arena_bytes, dtype=np.uint8)
-    promotions = Promotions(config, index, PROMOTER, store=None, breaker=CircuitBreaker(3, 5.0),
-                            arena=arena, counters=RemoteCounters(), costs=PromotionCosts(),
-                            submit=lambda fn, args, on_result: tasks.append((fn, args, on_result)), clock=clock)
+    promotions = Promotions(
+        config,
+        index,
+        PROMOTER,
+        store=None,
+        breaker=CircuitBreaker(3, 5.0),
+        arena=arena,
+        counters=RemoteCounters(),
+        costs=PromotionCosts(),
+        submit=lambda fn, args, on_result: tasks.append((fn, args, on_result)),
+        clock=clock,
+    )
     return promotions, tasks
 
 
@@ -78,7 +86,7 @@ def test_a_fetch_that_lands_after_its_reservation_expired_ends_the_job():
     promotions, tasks = make(index, clock)
     chain = local_head(index, "a")
     assert promotions.start(chain, PAGE, 1, lambda: None)
-    (fn, args, on_result), = tasks
+    ((fn, args, on_result),) = tasks
     clock.now += 60.0
     index.expire_reservations(clock.now)  # the writer hung past the reservation TTL
     assert index.num_reservations == 0

@@ -10,8 +10,19 @@ import xxhash
 from kvshare.pool.remote.breaker import CircuitBreaker
 from kvshare.pool.remote.config import RemoteConfig, parse_remote_url
 from kvshare.pool.remote.direct import fetch_into
-from kvshare.pool.remote.format import (CHECKSUM, FINGERPRINT, HEADER_BYTES, MISSING_PART, TRUNCATED, VERSION, PageMeta,
-                                        encode_part, num_parts, part_keys, part_payload_bytes)
+from kvshare.pool.remote.format import (
+    CHECKSUM,
+    FINGERPRINT,
+    HEADER_BYTES,
+    MISSING_PART,
+    TRUNCATED,
+    VERSION,
+    PageMeta,
+    encode_part,
+    num_parts,
+    part_keys,
+    part_payload_bytes,
+)
 from kvshare.pool.remote.reader import StoreReader, key_slot
 from kvshare.pool.remote.resp import RespConnection, RespError, server_endpoint
 from kvshare.pool.remote.store import RemoteStore
@@ -41,7 +52,11 @@ def test_replies_of_every_kind_and_bulk_values_in_place(redis_server):
     c = RespConnection(server_endpoint(parse_remote_url(redis_server.url)), 5.0)
     try:
         assert c.execute([("PING",), ("GET", "rd:none"), ("EXISTS", "rd:small", "rd:none"), ("GET", "rd:small")]) == [
-            b"PONG", None, 1, b"xyz"]
+            b"PONG",
+            None,
+            1,
+            b"xyz",
+        ]
         assert isinstance(c.execute([("GET", "rd:list")])[0], RespError)
         dest = np.zeros(len(big), dtype=np.uint8)
         heads = []
@@ -109,8 +124,16 @@ def _fetch(url, prefix, tag, n, first_depth=10, part_bytes=PART):
     arena = np.zeros((n + 1) * PAGE, dtype=np.uint8)
     offsets = [(i + 1) * PAGE for i in range(n)]  # not the pages' own order in the store: any reserved page
     try:
-        result = fetch_into(store, CircuitBreaker(3, 60), cfg, arena, [(_key(tag, i), o) for i, o in enumerate(offsets)],
-                            PAGE, NS, first_depth)
+        result = fetch_into(
+            store,
+            CircuitBreaker(3, 60),
+            cfg,
+            arena,
+            [(_key(tag, i), o) for i, o in enumerate(offsets)],
+            PAGE,
+            NS,
+            first_depth,
+        )
     finally:
         store.close()
     return result, [arena[o : o + PAGE].tobytes() for o in offsets]
@@ -127,15 +150,22 @@ def test_pages_land_in_place_with_their_checksums(redis_server, prefix):
     assert result.end is None and landed == small
 
 
-@pytest.mark.parametrize("damage, reason, is_deleted", [
-    (lambda v: v[:HEADER_BYTES + 1000] + bytes([v[HEADER_BYTES + 1000] ^ 1]) + v[HEADER_BYTES + 1001 :], CHECKSUM, True),
-    (lambda v: v[:-100], TRUNCATED, True),
-    (lambda v: v + b"more", TRUNCATED, True),
-    (lambda v: v[: HEADER_BYTES - 1], TRUNCATED, True),
-    (lambda v: b"XXXX" + v[4:], VERSION, True),
-    (lambda v: v[:4] + b"\x09\x00" + v[6:], VERSION, True),
-    (None, MISSING_PART, False),
-])
+@pytest.mark.parametrize(
+    "damage, reason, is_deleted",
+    [
+        (
+            lambda v: v[: HEADER_BYTES + 1000] + bytes([v[HEADER_BYTES + 1000] ^ 1]) + v[HEADER_BYTES + 1001 :],
+            CHECKSUM,
+            True,
+        ),
+        (lambda v: v[:-100], TRUNCATED, True),
+        (lambda v: v + b"more", TRUNCATED, True),
+        (lambda v: v[: HEADER_BYTES - 1], TRUNCATED, True),
+        (lambda v: b"XXXX" + v[4:], VERSION, True),
+        (lambda v: v[:4] + b"\x09\x00" + v[6:], VERSION, True),
+        (None, MISSING_PART, False),
+    ],
+)
 def test_every_kind_of_damage_is_caught_in_place(redis_server, prefix, damage, reason, is_deleted):
     r = redis_server.client()
     pages = _store_pages(r, prefix, "bad", 3)

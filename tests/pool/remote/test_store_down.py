@@ -7,8 +7,19 @@ import pytest
 
 from kvshare.pool.client import PoolClient
 from kvshare.pool.remote.breaker import CLOSED
-from tests.pool.remote.conftest import (HAS_REDIS, NO_REDIS, MiB, RedisServer, assert_pages_equal, make_keys, remote_stats,
-                                   two_pools, wait_until, wait_written, write_chain)
+from tests.pool.remote.conftest import (
+    HAS_REDIS,
+    NO_REDIS,
+    MiB,
+    RedisServer,
+    assert_pages_equal,
+    make_keys,
+    remote_stats,
+    two_pools,
+    wait_until,
+    wait_written,
+    write_chain,
+)
 
 pytestmark = [pytest.mark.remote, pytest.mark.skipif(not HAS_REDIS, reason=NO_REDIS)]
 PAGE = 1 * MiB
@@ -84,8 +95,12 @@ def test_store_killed_mid_run_then_back(server, prefix):
 
 
 def test_store_hung_other_clients_are_served_and_lookups_bounded(server, prefix):
-    with two_pools(server.url, prefix, *TIMEOUT) as (a, b), PoolClient(a) as ca, PoolClient(b) as cb, \
-            PoolClient(b) as other:
+    with (
+        two_pools(server.url, prefix, *TIMEOUT) as (a, b),
+        PoolClient(a) as ca,
+        PoolClient(b) as cb,
+        PoolClient(b) as other,
+    ):
         write_chain(ca, make_keys(prefix + "-warm", 1), PAGE, prefix)
         wait_written(ca, 1)
         server.pause()  # SIGSTOP: connections stay open, nothing answers

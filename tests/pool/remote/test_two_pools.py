@@ -15,8 +15,18 @@ from kvshare.pool import protocol as P
 from kvshare.pool.client import PoolClient
 from kvshare.pool.remote.format import num_parts, part_keys
 from kvshare.pool.spawn import running_pool
-from tests.pool.remote.conftest import (MiB, assert_pages_equal, free_port, make_keys, pool_args, remote_stats, two_pools,
-                                   wait_until, wait_written, write_chain)
+from tests.pool.remote.conftest import (
+    MiB,
+    assert_pages_equal,
+    free_port,
+    make_keys,
+    pool_args,
+    remote_stats,
+    two_pools,
+    wait_until,
+    wait_written,
+    write_chain,
+)
 
 pytestmark = pytest.mark.remote
 
@@ -92,8 +102,11 @@ def test_messages_behind_a_deferred_lookup_are_answered_in_order(redis_server, p
             os.close(fd)
         buf = bytearray(data)
         assert isinstance(P.decode_reply(P.split_frames(buf, 1 << 20)[0]), P.HelloReply)
-        sock.sendall(P.encode(P.Lookup(keys=keys, page_bytes=page_bytes)) + P.encode(P.GetStats())
-                     + P.encode(P.Lookup(keys=keys, page_bytes=page_bytes, lease=False)))
+        sock.sendall(
+            P.encode(P.Lookup(keys=keys, page_bytes=page_bytes))
+            + P.encode(P.GetStats())
+            + P.encode(P.Lookup(keys=keys, page_bytes=page_bytes, lease=False))
+        )
         other.stats()  # another client is served meanwhile
         replies = []
         while len(replies) < 3:
@@ -138,8 +151,13 @@ def test_remote_stats_in_pool_stats_and_metrics(redis_server, prefix):
     with running_pool("64MiB", args, quiet=True) as a, PoolClient(a) as ca:
         write_chain(ca, make_keys(prefix, 2), 1 * MiB, prefix)
         wait_written(ca, 2)
-        out = subprocess.run([sys.executable, "-m", "kvshare", "pool-stats", "--socket", a],
-                             capture_output=True, text=True, timeout=30, check=True)
+        out = subprocess.run(
+            [sys.executable, "-m", "kvshare", "pool-stats", "--socket", a],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
         assert json.loads(out.stdout)["remote"]["written_pages"] == 2
         time.sleep(0.3)  # the metrics read the daemon's snapshot, taken every tick
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
@@ -151,15 +169,21 @@ def test_remote_stats_in_pool_stats_and_metrics(redis_server, prefix):
 def test_two_lookups_missing_the_same_chunk_share_one_promotion(redis_server, prefix):
     page_bytes = 1 * MiB
     keys = make_keys(prefix, 4)
-    with two_pools(redis_server.url, prefix, "--remote-timeout", "5") as (a, b), PoolClient(a) as ca, \
-            PoolClient(b) as c1, PoolClient(b) as c2, PoolClient(b) as observer:
+    with (
+        two_pools(redis_server.url, prefix, "--remote-timeout", "5") as (a, b),
+        PoolClient(a) as ca,
+        PoolClient(b) as c1,
+        PoolClient(b) as c2,
+        PoolClient(b) as observer,
+    ):
         data = write_chain(ca, keys, page_bytes, prefix)
         wait_written(ca, 4)
         leases = {}
         redis_server.pause()  # hold the first promotion in the store until both lookups have arrived
         try:
-            threads = [threading.Thread(target=lambda c=c: leases.__setitem__(c, c.lookup(keys, page_bytes)))
-                       for c in (c1, c2)]
+            threads = [
+                threading.Thread(target=lambda c=c: leases.__setitem__(c, c.lookup(keys, page_bytes))) for c in (c1, c2)
+            ]
             for t in threads:
                 t.start()
             assert wait_until(lambda: remote_stats(observer)["joined_lookups"] == 1, 2)
@@ -179,8 +203,12 @@ def test_promotion_without_room_in_the_arena(redis_server, prefix):
     page_bytes = 1 * MiB
     keys = make_keys(prefix, 4)
     args = pool_args(redis_server.url, prefix)
-    with running_pool("64MiB", args, quiet=True) as a, running_pool("16MiB", args, quiet=True) as b, \
-            PoolClient(a) as ca, PoolClient(b) as cb:
+    with (
+        running_pool("64MiB", args, quiet=True) as a,
+        running_pool("16MiB", args, quiet=True) as b,
+        PoolClient(a) as ca,
+        PoolClient(b) as cb,
+    ):
         data = write_chain(ca, keys, page_bytes, prefix)
         wait_written(ca, 4)
         own = make_keys(prefix + "-own", 14)

@@ -7,9 +7,23 @@ import xxhash
 
 from kvshare.pool.remote.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 from kvshare.pool.remote.config import RemoteConfig, parse_remote_url
-from kvshare.pool.remote.format import (CHECKSUM, FINGERPRINT, HEADER_BYTES, MISSING_PART, TRUNCATED, VALUE_SLACK,
-                                        VERSION, BadRemoteValue, PageMeta, decode_page, encode_part, num_parts,
-                                        part_count_of, part_key, part_payload_bytes)
+from kvshare.pool.remote.format import (
+    CHECKSUM,
+    FINGERPRINT,
+    HEADER_BYTES,
+    MISSING_PART,
+    TRUNCATED,
+    VALUE_SLACK,
+    VERSION,
+    BadRemoteValue,
+    PageMeta,
+    decode_page,
+    encode_part,
+    num_parts,
+    part_count_of,
+    part_key,
+    part_payload_bytes,
+)
 
 pytestmark = pytest.mark.remote
 KEY = hashlib.blake2b(b"k", digest_size=16).digest()
@@ -51,7 +65,7 @@ def test_every_kind_of_damage_is_named():
     flipped[HEADER_BYTES + 7] ^= 0x80
     assert reason([values[0], bytes(flipped), values[2]]) == CHECKSUM
     assert reason([values[0], values[1], values[2][:-1]]) == TRUNCATED
-    assert reason([values[0], values[1][:HEADER_BYTES - 1], values[2]]) == TRUNCATED
+    assert reason([values[0], values[1][: HEADER_BYTES - 1], values[2]]) == TRUNCATED
     assert reason([values[0], values[1] + b"x", values[2]]) == TRUNCATED
     assert reason([values[0], None, values[2]]) == MISSING_PART
     assert reason([None, values[1], values[2]]) == MISSING_PART
@@ -83,20 +97,25 @@ def test_part_keys_share_a_hash_tag():
     assert part_key("kv", KEY, 2) == f"kv:v2:{{{KEY.hex()}}}:2"
 
 
-@pytest.mark.parametrize("url, cluster, nodes", [
-    ("redis://127.0.0.1:6379", False, ()),
-    ("redis://:secret@host:6380/2", False, ()),
-    ("unix:///run/redis.sock", False, ()),
-    ("redis+cluster://a:7000,b:7001", True, (("a", 7000), ("b", 7001))),
-    ("rediss+cluster://u:p@[::1]:7000", True, (("::1", 7000),)),
-])
+@pytest.mark.parametrize(
+    "url, cluster, nodes",
+    [
+        ("redis://127.0.0.1:6379", False, ()),
+        ("redis://:secret@host:6380/2", False, ()),
+        ("unix:///run/redis.sock", False, ()),
+        ("redis+cluster://a:7000,b:7001", True, (("a", 7000), ("b", 7001))),
+        ("rediss+cluster://u:p@[::1]:7000", True, (("::1", 7000),)),
+    ],
+)
 def test_remote_urls(url, cluster, nodes):
     address = parse_remote_url(url)
     assert address.is_cluster == cluster and address.nodes == nodes
     assert "secret" not in address.display and ":p@" not in address.display
 
 
-@pytest.mark.parametrize("url", ["http://x:1", "redis://", "redis://h:1/abc", "redis+cluster://a", "redis+cluster://a:1/3"])
+@pytest.mark.parametrize(
+    "url", ["http://x:1", "redis://", "redis://h:1/abc", "redis+cluster://a", "redis+cluster://a:1/3"]
+)
 def test_bad_remote_urls(url):
     with pytest.raises(ValueError):
         parse_remote_url(url)

@@ -17,15 +17,32 @@ import xxhash
 from kvshare.pool.client import PoolClient
 from kvshare.pool.remote.breaker import CircuitBreaker
 from kvshare.pool.remote.config import RemoteConfig
-from kvshare.pool.remote.format import (CHECKSUM, HEADER, HEADER_BYTES, UNAUTHENTICATED, BadRemoteValue, PageMeta,
-                                        decode_page, encode_part, page_tag)
+from kvshare.pool.remote.format import (
+    CHECKSUM,
+    HEADER,
+    HEADER_BYTES,
+    UNAUTHENTICATED,
+    BadRemoteValue,
+    PageMeta,
+    decode_page,
+    encode_part,
+    page_tag,
+)
 from kvshare.pool.remote.reader import ReadError, StoreReader
 from kvshare.pool.remote.resp import RespConnection, server_endpoint
 from kvshare.pool.remote.store import RemoteStore, RemoteStoreError
 from kvshare.pool.remote.workers import ERROR, fetch_pages
-from tests.pool.remote.conftest import (MiB, NAMESPACE, assert_pages_equal, make_keys, remote_stats, two_pools,
-                                        wait_written, write_chain)
-from tests.pool.remote.test_corruption import PARTS, PAGE, _lookup
+from tests.pool.remote.conftest import (
+    NAMESPACE,
+    MiB,
+    assert_pages_equal,
+    make_keys,
+    remote_stats,
+    two_pools,
+    wait_written,
+    write_chain,
+)
+from tests.pool.remote.test_corruption import PAGE, PARTS, _lookup
 
 pytestmark = pytest.mark.remote
 PAGE_KEY = b"a page key of the pools on every host"
@@ -39,8 +56,11 @@ def keyed_pools(redis_server, tmp_path_factory):
     key_file = tmp_path_factory.mktemp("keys") / "page.key"
     key_file.write_bytes(PAGE_KEY + b"\n")
     prefix = "keyed"
-    with two_pools(redis_server.url, prefix, "--remote-auth-key-file", str(key_file)) as (a, b), \
-            PoolClient(a) as ca, PoolClient(b) as cb:
+    with (
+        two_pools(redis_server.url, prefix, "--remote-auth-key-file", str(key_file)) as (a, b),
+        PoolClient(a) as ca,
+        PoolClient(b) as cb,
+    ):
         yield ca, cb, redis_server.client(), prefix
 
 
@@ -90,8 +110,9 @@ def test_pages_tagged_under_another_key_or_none_fail_the_tag_and_a_right_tag_pas
     assert decode_page(values(meta), meta.key, 4096, None).payloads[0] == page  # no key: the store is trusted
     wrong_sum = replace(meta, checksum=meta.checksum ^ 1)
     with pytest.raises(BadRemoteValue) as info:  # our own tag over a page whose checksum is wrong: broken, not forged
-        decode_page(values(replace(wrong_sum, tag=page_tag(PAGE_KEY, wrong_sum, [page]))), meta.key, 4096, None,
-                    PAGE_KEY)
+        decode_page(
+            values(replace(wrong_sum, tag=page_tag(PAGE_KEY, wrong_sum, [page]))), meta.key, 4096, None, PAGE_KEY
+        )
     assert info.value.reason == CHECKSUM
     with pytest.raises(ValueError, match="at least 16 bytes"):
         RemoteConfig("redis://h:1", auth_key=b"short")
@@ -194,6 +215,7 @@ def test_a_length_the_store_cannot_hold_fails_the_read_before_anything_is_alloca
 
 def test_a_slot_map_naming_another_host_is_refused(caplog):
     """Fails when CLUSTER SLOTS is followed to any host: the reader then connects to 203.0.113.9 (and times out)."""
+
     def answer(command):
         if command[:2] == [b"CLUSTER", b"SLOTS"]:
             return b"*1\r\n*3\r\n:0\r\n:16383\r\n*2\r\n$11\r\n203.0.113.9\r\n:6379\r\n"
@@ -206,8 +228,9 @@ def test_a_slot_map_naming_another_host_is_refused(caplog):
             reader.get(["lie:{x}:0"])
         assert "names node 203.0.113.9:6379, which is not among the configured nodes" in str(info.value)
         assert "not among the configured nodes" in caplog.text
-        allowed = StoreReader(RemoteConfig(f"redis+cluster://127.0.0.1:{server.port}").address, 0.5,
-                              allowed_hosts=("203.0.113.9",))
+        allowed = StoreReader(
+            RemoteConfig(f"redis+cluster://127.0.0.1:{server.port}").address, 0.5, allowed_hosts=("203.0.113.9",)
+        )
         allowed.check_node("203.0.113.9", 6379)  # an allow-listed host passes
         allowed.close()
     finally:
@@ -243,9 +266,29 @@ def test_tls_checks_the_server_against_the_given_ca_and_the_password_comes_from_
     """Fails when ?ssl_ca_certs is ignored (the system's CAs refuse the server) or RemoteConfig.password does not
     reach AUTH."""
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True, timeout=60)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     seen = []
 
     def answer(command):

@@ -1,0 +1,78 @@
+"""What ``kvshare up`` starts (``ClusterConfig``): how many replicas of which model on which engine and devices,
+the pool, the router and their ports; checked on construction, before anything starts (kvshare.launch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    num_replicas: int = 2
+    model: str = "tiny"
+    engine: str = "builtin"  # or "vllm"
+    device: str = "cpu"
+    pool_size: str | None = "4GiB"  # None: run without a pool
+    pool_args: tuple[str, ...] = ()
+    policy: str = "round_robin"
+    host: str = "127.0.0.1"
+    port: int = 8080  # the router; replicas take port+1 .. port+N
+    name: str = ""  # the pool's name for pool-stats / pool-admin --name (kvshare.paths); "": the port
+    replica_args: tuple[str, ...] = ()
+    router_args: tuple[str, ...] = ()
+    api_keys: tuple[str, ...] = ()  # required by the router and built-in replicas (vLLM's sit behind the router)
+    tenant_header: str = ""  # replicas salt the pool namespace with this header's value (the router its prefix memory)
+    account_key_file: str = ""  # vLLM replicas: the router's account key; "": $KVSHARE_ACCOUNT_KEY, else up's own
+    provenance: str = "all"  # the replicas' --provenance: all for one user (demo, bench); own-tenant when shared
+    model_revision: str = ""  # names the model's identity in every replica's namespace; "": its weights' bytes
+    vllm_python: str | None = None
+    tensor_parallel_size: int = 1  # vLLM replicas only: ranks per replica (--tensor-parallel-size)
+    replica_kv_events_port: int | None = None  # replica i publishes its own KV events on this port + i
+    ready_timeout_s: float = 300.0
+    log_level: str = "WARNING"
+
+    @property
+    def pool_name(self) -> str:
+        return self.name or str(self.port)
+
+    def __post_init__(self) -> None:
+        from kvshare.paths import check_pool_name
+
+        if self.num_replicas < 1:
+            raise ValueError("--replicas must be at least 1")
+        check_pool_name(self.pool_name)
+        if self.port + self.num_replicas > 65535:
+            raise ValueError(f"--port {self.port}: the replicas take the next {self.num_replicas} ports, past 65535")
+        if self.engine not in ("builtin", "vllm"):
+            raise ValueError(f"unknown engine {self.engine!r}; choose builtin or vllm")
+        if self.tensor_parallel_size != 1 and (self.engine != "vllm" or self.tensor_parallel_size < 1):
+            raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size}: vLLM replicas only, at least 1")
+        if self.account_key_file and self.engine != "vllm":
+            raise ValueError("--account-key-file: vLLM replicas' pool accounts; built-in replicas derive their own")
+
+        devices = self.device.split(",")
+        if self.engine == "vllm" and len(devices) > 1 and "cpu" in devices:
+            raise ValueError(f"--device {self.device}: vLLM replicas run all on CPU or all on GPUs, not mixed")
+        if self.engine == "vllm" and self.tensor_parallel_size > 1 and self.device != "cpu" and len(devices) > 1:
+            raise ValueError(
+                "--tensor-parallel-size with vLLM on GPUs: give --device cuda (each replica's ranks "
+                "take the GPUs CUDA_VISIBLE_DEVICES lists), not a list of one GPU per replica"
+            )
+        for device in devices:
+            if not (device == "cpu" or device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())):
+                raise ValueError(
+                    f"--device takes cpu, cuda, cuda:N or a comma list of them (one per replica, cycled), "
+                    f"got {self.device!r}"
+                )
+
+    @property
+    def replica_host(self) -> str:
+        """Where replicas listen: vLLM replicas check no key of their own, so only the router reaches them."""
+        return "127.0.0.1" if self.engine == "vllm" else self.host
+
+    def replica_url(self, i: int) -> str:
+        return f"http://{self.replica_host}:{self.port + 1 + i}"
+
+    @property
+    def router_url(self) -> str:
+        return f"http://{self.host}:{self.port}"

@@ -1,0 +1,40 @@
+"""What a request to the built-in engine carries in (``RequestOptions``) and what comes out of it: a
+``TokenEvent`` per token, each naming the request's ``Provenance`` (where each prompt token's KV came from)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvshare.engine.timeline import Timeline
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    use_pool: bool = True  # the request extension {"kvshare": {"use_pool": false}}
+    use_local_cache: bool = True
+    tenant: str = ""  # salts local cache and pool keys: identity + cache_salt (kvshare.serve.tenancy.namespace_salt)
+    account: str | None = None  # the identity alone, whatever cache_salt: pays the pool quota; None: ``tenant``
+    timeline: Timeline | None = None  # {"kvshare": {"timeline": true}}: the steps of this request are timed
+    # asked before each layer of the prefill: True gives the request up there (RequestCancelled), so a client
+    # that left, or a replica that stops, does not hold the engine for the rest of a long prefill
+    is_cancelled: Callable[[], bool] | None = None
+
+
+@dataclass
+class Provenance:
+    """Where each prompt token's KV came from."""
+
+    local_tokens: int
+    pool_tokens: int
+    computed_tokens: int
+    is_deterministic: bool = False  # prefilled on the deterministic mode's grid (kvshare.engine.grid)
+
+
+@dataclass
+class TokenEvent:
+    token_id: int
+    logprob: float | None
+    top_logprobs: dict[int, float] | None
+    finish_reason: str | None  # None until the last event: "stop" | "length"
+    provenance: Provenance  # the same object in every event of a request
