@@ -19,6 +19,7 @@ import torch
 
 if TYPE_CHECKING:
     from kvshare.layout import KVLayout
+    from kvshare.transfer.plan import Unit
 
 TORCH_DTYPES = {
     "float32": torch.float32,
@@ -82,3 +83,22 @@ def chunks_to_engine(kv: torch.Tensor, chunks: torch.Tensor, first_token: int) -
 def engine_to_chunks(chunks: torch.Tensor, kv: torch.Tensor, first_token: int) -> None:
     """chunks <- kv[:, :, :, first_token : first_token + n*C, :] in canonical order."""
     chunks.copy_(_engine_window(kv, chunks, first_token).permute(3, 0, 1, 4, 2, 5))
+
+
+class EngineKV:
+    """The built-in engine's kv ``[L, 2, H, T, D]`` (an integer view) as the staging pipeline's destination:
+    chunk ``first_chunk + i`` of the request lives in page i of a call."""
+
+    def __init__(self, kv_bits: torch.Tensor, first_chunk: int, chunk_tokens: int) -> None:
+        self.kv, self.first_chunk, self.chunk_tokens = kv_bits, first_chunk, chunk_tokens
+
+    def _first_token(self, unit: "Unit") -> int:
+        return (self.first_chunk + unit.page_start) * self.chunk_tokens
+
+    def scatter(self, unit: "Unit", staged: torch.Tensor) -> None:
+        """Staged pages ``[n, g, 2, C, H, D]`` into the unit's layers and tokens of kv."""
+        chunks_to_engine(self.kv[unit.layer_start : unit.layer_stop], staged, self._first_token(unit))
+
+    def gather(self, unit: "Unit", staged: torch.Tensor) -> None:
+        """The unit's layers and tokens of kv into staged pages ``[n, g, 2, C, H, D]``."""
+        engine_to_chunks(staged, self.kv[unit.layer_start : unit.layer_stop], self._first_token(unit))

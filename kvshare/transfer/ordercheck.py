@@ -27,16 +27,23 @@ from kvshare.transfer.base import TransferConfig
 from kvshare.transfer.copiers import CopyError
 from kvshare.transfer.cuda import CudaTransfer
 from kvshare.transfer.layouts import as_bits, engine_to_chunks
+from kvshare.transfer.pipeline import StagingPipeline
 from kvshare.transfer.roundtrip import PathResult, mismatched_bytes, random_kv, round_trip, sentinel_kv
 
 ORDER_PAGES = 8
 
 
+class UnorderedPipeline(StagingPipeline):
+    """DELIBERATELY BROKEN (validation control only): a store does not wait for the producer's event."""
+
+    def order_after_producer(self, stream, produced) -> None:
+        pass
+
+
 class UnorderedStoreTransfer(CudaTransfer):
     """DELIBERATELY BROKEN (validation control only): the store does not wait for the producer's event."""
 
-    def _order_after_producer(self, stream, produced) -> None:
-        pass
+    pipeline_class = UnorderedPipeline
 
 
 def _percent_right(checked: int, wrong: int) -> str:

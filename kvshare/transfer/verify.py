@@ -70,8 +70,14 @@ class PageCheck:
         Enqueued on the current stream, which must be ordered after the copy into the rows and before
         their next overwrite; nothing is read back.
         """
-        if self._acc is not None:
-            add_rows(self._acc[page_start:page_stop], rows, word_offset)
+        sums = self.staged_sums(page_start, page_stop)
+        if sums is not None:
+            add_rows(sums, rows, word_offset)
+
+    def staged_sums(self, page_start: int, page_stop: int) -> torch.Tensor | None:
+        """The WSUM32 accumulators of pages page_start.. (``[n]`` int64 on the device) that the staged rows
+        of those pages are added to (kvshare.transfer.pipeline), or None when none is summed on the device."""
+        return self._acc[page_start:page_stop] if self._acc is not None else None
 
     def bad_pages(self) -> list[int]:
         """Indices of the chosen pages whose checksum does not match (in page order). Call after the copies completed."""

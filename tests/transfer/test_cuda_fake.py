@@ -71,7 +71,7 @@ def test_round_trip_through_more_staging_buffers(fake, client, buffers):
     try:
         config = dataclasses.replace(stress_config(layout), staging_buffers=buffers)
         with CudaTransfer(layout, client, CPU, config) as transfer:
-            stages = [(t.data_ptr(), t.data_ptr() + t.numel()) for t in transfer._staging]
+            stages = [(t.data_ptr(), t.data_ptr() + t.numel()) for t in transfer.pipeline.load_lane.buffers]
             assert len(stages) == buffers
             checked, wrong = round_trip(transfer, client, make_cases(scratch.offsets, EXTENT_BYTES, seed=2),
                                         ByteCheckConfig(layout=layout), CPU)
@@ -211,14 +211,17 @@ def test_a_byte_spoiled_in_the_staging_copy_is_caught(fake, client, monkeypatch)
             sums = transfer.store(kv, 0, scratch.offsets)
             headers = [PageHeader(offset=o, page_bytes=layout.page_bytes, checksum=s, checksum_kind=transfer.checksum_kind)
                        for o, s in zip(scratch.offsets, sums)]
-            real = transfer._host_copies
+            pipeline = transfer.pipeline
+            real = pipeline.host_copies
 
-            def spoiled(unit, buf, stream, to_device):
-                real(unit, buf, stream, to_device)
-                if to_device and unit.page_stop == 2:
-                    transfer._staging[buf][unit.num_bytes - 1] ^= 0x10  # the last staged byte of page 1
+            def spoiled(copies, buffer, stream, client_, to_device):
+                real(copies, buffer, stream, client_, to_device)
+                last = copies[-1]  # a unit whose last page is page 1: spoil its last staged byte
+                last_row = last.host_offset + (last.height - 1) * last.host_pitch
+                if to_device and 0 <= last_row - scratch.offsets[1] < layout.page_bytes:
+                    buffer[sum(c.height for c in copies) * last.width - 1] ^= 0x10
 
-            monkeypatch.setattr(transfer, "_host_copies", spoiled)
+            monkeypatch.setattr(pipeline, "host_copies", spoiled)
             with pytest.raises(ChunkChecksumMismatch) as info:
                 transfer.load(torch.zeros_like(kv), 0, headers).verify()
             assert info.value.chunk_index == 1
@@ -364,7 +367,7 @@ def test_the_arena_is_unpinned_only_after_every_enqueued_copy_ended(fake, pool_s
     if how == "client closed":
         client.close(end_holds=False)
     else:
-        transfer._copy_stream.synchronize = lambda: None  # only the registration's own wait is under test
+        transfer.pipeline.load_lane.synchronize = lambda: None  # only the registration's own wait is under test
         transfer.close()
         client.close()
     assert fake.registered == {} and "unregister" in events
