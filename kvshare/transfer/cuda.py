@@ -193,7 +193,7 @@ class CudaTransfer(KVTransfer):
     def _load_work(self, kv: torch.Tensor, first_chunk: int, offsets: list[int], check: PageCheck):
         """A load's units per layer group (planned lazily, as the groups are enqueued), into ``kv``."""
         destination = EngineKV(as_bits(kv), first_chunk, self.layout.chunk_tokens)
-        for units in self.pipeline.load_plan(offsets, self.extent_bytes):
+        for units in self.pipeline.plan_groups(offsets, self.extent_bytes):
             yield [UnitWork(unit, destination, check.staged_sums(unit.page_start, unit.page_stop)) for unit in units]
 
     @torch.inference_mode()

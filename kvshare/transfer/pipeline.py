@@ -171,10 +171,12 @@ class StagingPipeline:
 
     # -- units and views ---------------------------------------------------------------------------
 
-    def load_plan(self, offsets: Sequence[int], extent_bytes: int | None) -> Iterator[list[Unit]]:
-        """The units moving whole pages at ``offsets``, per load group in layer order (lazy)."""
-        cfg = self.config
-        return load_units(offsets, self.layout, cfg.min_copy_bytes, cfg.staging_bytes, extent_bytes, self.load_groups)
+    def plan_groups(self, offsets: Sequence[int], extent_bytes: int | None,
+                    groups: Sequence[tuple[int, int]] | None = None) -> Iterator[list[Unit]]:
+        """The units moving whole pages at ``offsets``, per layer group (default: the load's) in layer order
+        (lazy)."""
+        cfg, groups = self.config, self.load_groups if groups is None else groups
+        return load_units(offsets, self.layout, cfg.min_copy_bytes, cfg.staging_bytes, extent_bytes, groups)
 
     def staged(self, buffer: torch.Tensor, unit: Unit) -> torch.Tensor:
         """The unit's whole pages in ``buffer``: integers ``[n, g, 2, C, H, D]`` (no copy)."""

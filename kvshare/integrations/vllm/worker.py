@@ -48,12 +48,13 @@ from kvshare.integrations.vllm.metadata import (
 from kvshare.integrations.vllm.overlap import LayeredLoad, LayeredLoads
 from kvshare.integrations.vllm.plan import PageSlice, blocks_of_tokens, copy_runs, page_slices
 from kvshare.integrations.vllm.pool_pages import PoolPages
-from kvshare.integrations.vllm.staging import StagingEngine
+from kvshare.integrations.vllm.staging import PagedKV
 from kvshare.integrations.vllm.tensor_parallel import HeadSlice
 from kvshare.layout import KVLayout
 from kvshare.pool.checksum import ChecksumKind, PageHasher, PageSampler
 from kvshare.pool.link import PoolLink
 from kvshare.transfer.base import TransferConfig
+from kvshare.transfer.pipeline import StagingPipeline
 
 log = logging.getLogger("kvshare.integrations")
 
@@ -201,11 +202,11 @@ class PoolKVWorker(CpuCopies):
         rng: random.Random | None = None,
         transfer: TransferConfig = GPU_TRANSFER,
         staged: bool | None = None,
-        staging_class: type[StagingEngine] = StagingEngine,
+        pipeline_class: type[StagingPipeline] = StagingPipeline,
         heads: HeadSlice | None = None,
     ) -> None:
         """``staged``: move KV through GPU staging (None: when the KV tensors are on CUDA; True on CPU
-        tensors runs the same path under a fake CUDA, for tests). ``staging_class``: the validation's
+        tensors runs the same path under a fake CUDA, for tests). ``pipeline_class``: the validation's
         deliberately unordered control replaces it. ``heads``: the page heads this tensor parallel rank's
         tensors hold (None: all, one rank)."""
         self._sampler = PageSampler(verify_fraction, rng)  # which pages a load checks
@@ -223,8 +224,10 @@ class PoolKVWorker(CpuCopies):
         self._loader: ThreadPoolExecutor | None = None  # on CPU: the thread that copies loads beside the forward
         self.transfer = transfer
         self._staged = staged
-        self._staging_class = staging_class
-        self._staging: StagingEngine | None = None  # on a GPU: streams, staging buffers, the registered arena
+        self._pipeline_class = pipeline_class
+        self._staging: StagingPipeline | None = None  # on a GPU: streams, staging buffers, the registered arena
+        self._paged_kv: PagedKV | None = None  # on a GPU: vLLM's blocks as the pipeline's destination
+        self._staged_hasher: PageHasher | None = None  # on a GPU: checks xxh3 pages (CPU writers') beside the copies
 
     def register(self, layers: list[torch.Tensor], paged: PagedLayout) -> None:
         """vLLM's KV tensors, one per model layer in layer order, all in layout ``paged``."""
@@ -236,13 +239,16 @@ class PoolKVWorker(CpuCopies):
         self.paged = paged
         if self._copier is not None:
             self._copier.close()
-        if self._staging is not None:
-            self._staging.close()
+        self._close_staging()
         staged = self.device.type == "cuda" if self._staged is None else self._staged
         if not staged and self.device.type != "cpu":
             raise ValueError(f"KV tensors on {self.device} move through GPU staging only (staged=False needs CPU tensors)")
-        self._staging = self._staging_class(self.layers, paged, self.kv_layout, self.transfer, self.heads) \
-            if staged else None
+        if staged:
+            kv = PagedKV(self.layers, paged, self.kv_layout, self.heads)
+            self._staging = self._pipeline_class(self.kv_layout, self.transfer, self.device, shared_lane=False,
+                                                 heads=(self.heads.first_head, self.heads.num_heads),
+                                                 warm_up_with=kv.scratch())
+            self._paged_kv, self._staged_hasher = kv, PageHasher(self.transfer.num_checksum_threads)
         self._copier = CpuBlockCopier(self.layers, paged, self.copy_threads, self.heads.heads) if not staged else None
 
     @property
@@ -262,14 +268,19 @@ class PoolKVWorker(CpuCopies):
     def close(self) -> None:
         if self._copier is not None:
             self._copier.close()
-        if self._staging is not None:
-            self._staging.close()
-            self._staging = None
+        self._close_staging()
         if self._loader is not None:
             self._loader.shutdown(wait=True)
             self._loader = None
         self._hasher.close()
         self.link.close()
+
+    def _close_staging(self) -> None:
+        """Wait for the pipeline's copies, unpin the arena, stop the hashing threads."""
+        if self._staging is not None:
+            self._staging.close()
+            self._staged_hasher.close()
+            self._staging = self._paged_kv = self._staged_hasher = None
 
     @property
     def copier(self) -> CpuBlockCopier | None:
@@ -279,7 +290,7 @@ class PoolKVWorker(CpuCopies):
         """Start copying ``loads`` layer by layer: on a GPU enqueued at once (``wait_now``: vLLM's stream waits
         for all of it here, for a forward that does not wait per layer), on CPU on the loader thread."""
         if self._staging is not None:
-            return StagedLoads(self, loads, self._staging, wait_now)
+            return StagedLoads(self, loads, self._staging, self._paged_kv, self._staged_hasher, wait_now)
         if self._loader is None:
             self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvshare-load", initializer=leave_the_callers_cores)
         return LayeredLoads(self, loads, self._loader)
@@ -381,4 +392,4 @@ class PoolKVWorker(CpuCopies):
         client = self.link.client()
         if not specs or (client is None and not any(spec.is_parted for spec in specs)):
             return None
-        return StagedStores(self.pool, specs, self._staging, client)
+        return StagedStores(self.pool, specs, self._staging, self._paged_kv, client)
