@@ -25,6 +25,7 @@ load or store that touched them.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from typing import Callable, Iterable, Iterator, NamedTuple, Protocol, Sequence
 
@@ -262,8 +263,12 @@ class StagingPipeline:
                 if cfg.load_delay_cycles:  # validation: a late copy stream, which a reader that does not wait races
                     with torch.cuda.stream(lane.copy):
                         torch.cuda._sleep(cfg.load_delay_cycles)
-            for group, works in enumerate(groups):
+            pending = iter(groups)
+            for group in itertools.count():
                 with torch.inference_mode(), self._on_device():
+                    works = next(pending, None)  # planned here, under the same modes as its copies
+                    if works is None:
+                        return
                     for unit, destination, sums in works:
                         index = lane.take()
                         buffer = lane.buffers[index]
