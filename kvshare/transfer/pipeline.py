@@ -152,7 +152,7 @@ class StagingPipeline:
     def _release_registration(self) -> None:
         if self.registration is not None:
             self.sync()  # no copy of ours may touch the pins as they go
-            registration, self.registration = self.registration, None
+            registration, self.registration, self._registered_arena = self.registration, None, None
             release_registration(registration)
 
     @torch.inference_mode()

@@ -214,3 +214,15 @@ def test_a_closed_pipeline_refuses_to_register_again(fake, client):
     with pytest.raises(RuntimeError, match="closed"):
         pipeline.ensure_registered(client)
     assert fake.registered == {}
+
+
+def test_a_closed_pipeline_holds_no_view_that_keeps_the_arena_mapped(fake, pool_socket):
+    """Once the pipeline let the arena go, the client's unmap really unmaps it (a view left behind would keep
+    a pool-sized mapping alive). Fails when ``_release_registration`` keeps ``_registered_arena``."""
+    client = PoolClient(pool_socket).connect()
+    pipeline = StagingPipeline(LAYOUT, TransferConfig(copy_method="torch"), CPU, shared_lane=True)
+    pipeline.ensure_registered(client)
+    pipeline.close()
+    mapping = client._mmap
+    client.close()
+    assert mapping.closed
