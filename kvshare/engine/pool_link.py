@@ -20,9 +20,10 @@ import logging
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -77,8 +78,9 @@ class PoolLink:
         self.verify_checksums = verify_checksums
         self.transfer_config = transfer_config
         self.name = name
-        self.link = Link(socket_path, name, retry_s=retry_s, retry_max_s=retry_max_s,
-                         verify_checksums=verify_checksums, clock=clock)
+        self.link = Link(
+            socket_path, name, retry_s=retry_s, retry_max_s=retry_max_s, verify_checksums=verify_checksums, clock=clock
+        )
         self.link.on_connect(self._use_client)
         self.link.on_drop(self._close_transfer)
         self._lock = threading.Lock()  # connect and drop: the request thread and the watcher
@@ -103,8 +105,9 @@ class PoolLink:
         self._idle_lock = idle_lock
         self.connected()
         ref = weakref.ref(self)  # the watcher ends when the link is collected, too
-        threading.Thread(target=_watch, args=(ref, self._closed, watch_interval_s), daemon=True,
-                         name=f"pool watch {self.name}").start()
+        threading.Thread(
+            target=_watch, args=(ref, self._closed, watch_interval_s), daemon=True, name=f"pool watch {self.name}"
+        ).start()
 
     def connected(self) -> bool:
         """True when the pool is usable now; tries to (re)connect when the backoff allows. The request thread's call."""
@@ -221,8 +224,9 @@ class PoolLink:
         bad = [i for i, page in enumerate(pages) if not self._page_is_good(page)]
         if not bad:
             return None
-        log.error("checksum mismatch on %d pooled chunk(s); dropping them and recomputing from chunk %d",
-                  len(bad), bad[0])
+        log.error(
+            "checksum mismatch on %d pooled chunk(s); dropping them and recomputing from chunk %d", len(bad), bad[0]
+        )
         self.stats.checksum_failures += len(bad)
         self.stats.dropped_chunks += self.client.drop([keys[i] for i in bad])
         return bad[0]
@@ -292,8 +296,15 @@ class PoolLink:
 
     # -- store -----------------------------------------------------------------------
 
-    def store(self, kv: torch.Tensor, keys: list[bytes], namespace: bytes, producer_stream=None,
-              token_ids=None, account: bytes = b"") -> None:
+    def store(
+        self,
+        kv: torch.Tensor,
+        keys: list[bytes],
+        namespace: bytes,
+        producer_stream=None,
+        token_ids=None,
+        account: bytes = b"",
+    ) -> None:
         """Store chunks 0..len(keys)-1 of ``kv`` that the pool does not hold yet (commit after the copy).
 
         ``token_ids`` (the prompt's, from its first token) let the pool announce the pages in KV events: the
@@ -304,9 +315,14 @@ class PoolLink:
             return
         start = time.perf_counter()
         try:
-            reservation = self.client.reserve(namespace, keys, self.layout.page_bytes, first_depth=0,
-                                              token_ids=None if token_ids is None else
-                                              token_ids[: len(keys) * self.layout.chunk_tokens], account=account)
+            reservation = self.client.reserve(
+                namespace,
+                keys,
+                self.layout.page_bytes,
+                first_depth=0,
+                token_ids=None if token_ids is None else token_ids[: len(keys) * self.layout.chunk_tokens],
+                account=account,
+            )
             self.stats.pool_skipped_stores += reservation.num_no_room
             if not reservation.grants:
                 return
@@ -334,7 +350,7 @@ class PoolLink:
             log.warning("the pool refused a store: %s", exc)
 
 
-def _watch(ref: "weakref.ref[PoolLink]", closed: threading.Event, interval_s: float) -> None:
+def _watch(ref: weakref.ref[PoolLink], closed: threading.Event, interval_s: float) -> None:
     """The watcher thread: holds the link only while it looks at it."""
     while not closed.wait(interval_s):
         link = ref()

@@ -1,8 +1,8 @@
 """Moving KV between the pool's pages and engines (CPU and CUDA), and the byte checks that prove it.
 
 Start from ``make_transfer(layout, client, device, config)`` (``factory.py``); the interface
-is in ``base.py``, layout conversions (built-in engine, vLLM CPU and CUDA) in
-``layouts.py`` with their slow oracles in ``reference.py``, the byte round-trip
+is in ``base.py``, the one GPU staging pipeline both engines use in ``pipeline.py``, the
+built-in engine's layout conversions in ``layouts.py`` with their slow oracles in ``reference.py``, the byte round-trip
 self-test in ``bytecheck.py`` (one round trip: ``roundtrip.py``; CUDA ordering: ``ordercheck.py``).
 """
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -111,7 +112,7 @@ class KVTransfer(ABC):
 
     checksum_kind = ChecksumKind.XXH3
 
-    def __init__(self, layout: KVLayout, client: "PoolClient", device: torch.device, config: TransferConfig) -> None:
+    def __init__(self, layout: KVLayout, client: PoolClient, device: torch.device, config: TransferConfig) -> None:
         if client.arena is None:
             raise ValueError("the pool client is not connected (no arena mapped)")
         self.layout = layout
@@ -124,7 +125,7 @@ class KVTransfer(ABC):
         self._hasher = PageHasher(config.num_checksum_threads)
 
     @abstractmethod
-    def load(self, kv: torch.Tensor, first_chunk: int, pages: Sequence["PageHeader"]) -> LoadHandle:
+    def load(self, kv: torch.Tensor, first_chunk: int, pages: Sequence[PageHeader]) -> LoadHandle:
         """Copy page i into kv[:, :, :, (first_chunk+i)*C : (first_chunk+i+1)*C, :].
 
         Pages chosen for verification are checked by their recorded kind, before the copy (raising
@@ -136,20 +137,20 @@ class KVTransfer(ABC):
         return one checksum per page (of ``checksum_kind``), known once the copies completed. Commit only after
         this returns."""
 
-    def inject_producer_delay(self, stream=None) -> None:
+    def inject_producer_delay(self, stream=None) -> None:  # noqa: B027 (a no-op where there is no producer stream)
         """Validation hook: enqueue ``config.producer_delay_cycles`` of GPU sleep on the producer stream.
 
         A producer calls it before writing the KV it will store; no-op on CPU or when the delay is 0.
         """
 
-    def sync(self) -> None:
+    def sync(self) -> None:  # noqa: B027 (a no-op where copies end with their calls)
         """Wait until every copy this transfer enqueued has ended: before a failure path gives the pages
         (or the arena's registration) up. Every CPU copy has ended when its call returns."""
 
     def close(self) -> None:
         self._hasher.close()
 
-    def __enter__(self) -> "KVTransfer":
+    def __enter__(self) -> KVTransfer:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -161,16 +162,21 @@ class KVTransfer(ABC):
         lay = self.layout
         expected = (lay.num_layers, 2, lay.num_kv_heads, lay.head_dim)
         if kv.dim() != 5 or (kv.shape[0], kv.shape[1], kv.shape[2], kv.shape[4]) != expected:
-            raise ValueError(f"kv must be [L, 2, H, T, D] = [{expected[0]}, 2, {expected[2]}, T, {expected[3]}], got {tuple(kv.shape)}")
+            raise ValueError(
+                f"kv must be [L, 2, H, T, D] = [{expected[0]}, 2, {expected[2]}, T, {expected[3]}], "
+                f"got {tuple(kv.shape)}"
+            )
         if kv.dtype != self.dtype:
             raise ValueError(f"kv dtype {kv.dtype} does not match the layout's {self.dtype}")
         if kv.device.type != self.device.type:
             raise ValueError(f"kv is on {kv.device}, this transfer moves to {self.device}")
         end = (first_chunk + num_chunks) * lay.chunk_tokens
         if first_chunk < 0 or end > kv.shape[3]:
-            raise ValueError(f"chunks {first_chunk}..{first_chunk + num_chunks - 1} need {end} tokens, kv holds {kv.shape[3]}")
+            raise ValueError(
+                f"chunks {first_chunk}..{first_chunk + num_chunks - 1} need {end} tokens, kv holds {kv.shape[3]}"
+            )
 
-    def _page_offsets(self, pages: Sequence["PageHeader"]) -> list[int]:
+    def _page_offsets(self, pages: Sequence[PageHeader]) -> list[int]:
         from kvshare.pool.protocol import FORMAT_VERSION
 
         page_bytes = self.layout.page_bytes  # once: a property chain, and a 256k load has 1023 pages
@@ -178,7 +184,9 @@ class KVTransfer(ABC):
             if page.page_bytes != page_bytes:
                 raise ValueError(f"page at {page.offset} holds {page.page_bytes} bytes, the layout {page_bytes}")
             if page.format_version != FORMAT_VERSION:
-                raise ChecksumMismatch(f"page at {page.offset} has format {page.format_version}, expected {FORMAT_VERSION}")
+                raise ChecksumMismatch(
+                    f"page at {page.offset} has format {page.format_version}, expected {FORMAT_VERSION}"
+                )
         return [page.offset for page in pages]
 
     def _pages_to_verify(self, num_pages: int) -> list[int]:
@@ -187,11 +195,11 @@ class KVTransfer(ABC):
             return list(range(num_pages))
         return self._sampler.choose(num_pages)
 
-    def _page(self, offset: int) -> "np.ndarray":
+    def _page(self, offset: int) -> np.ndarray:
         """Zero-copy view of the page at ``offset`` in the arena."""
         return self.client.page(offset, self.layout.page_bytes)
 
-    def _verify_pages(self, pages: Sequence["PageHeader"], first_chunk: int, indices: list[int]) -> None:
+    def _verify_pages(self, pages: Sequence[PageHeader], first_chunk: int, indices: list[int]) -> None:
         """Raise ChunkChecksumMismatch for the first of the pages at ``indices`` whose bytes are not valid."""
         if not indices:
             return
@@ -199,4 +207,3 @@ class KVTransfer(ABC):
         for i, is_good in zip(indices, valid):
             if not is_good:
                 raise ChunkChecksumMismatch(first_chunk + i, pages[i].offset)
-

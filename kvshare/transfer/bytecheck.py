@@ -48,8 +48,15 @@ class ByteCheckReport:
     def table(self) -> str:
         rows = [f"{'path':34} {'kind':10} {'cases':>5} {'bytes':>12} {'wrong':>12} {'s':>7}  verdict"]
         for r in self.results:
-            verdict = f"skipped: {r.skipped}" if r.skipped else ("caught" if r.kind == "control" and r.caught else "ok" if r.passed else "FAIL")
-            rows.append(f"{r.path:34} {r.kind:10} {r.num_cases:>5} {r.bytes_checked:>12} {r.mismatched_bytes:>12} {r.seconds:>7.3f}  {verdict}")
+            verdict = (
+                f"skipped: {r.skipped}"
+                if r.skipped
+                else ("caught" if r.kind == "control" and r.caught else "ok" if r.passed else "FAIL")
+            )
+            rows.append(
+                f"{r.path:34} {r.kind:10} {r.num_cases:>5} {r.bytes_checked:>12} {r.mismatched_bytes:>12} "
+                f"{r.seconds:>7.3f}  {verdict}"
+            )
         return "\n".join(rows + list(self.notes))
 
 
@@ -58,7 +65,9 @@ def stress_config(layout: KVLayout) -> TransferConfig:
     return TransferConfig(min_copy_bytes=layout.layer_bytes, staging_bytes=3 * layout.layer_bytes, verify_fraction=1.0)
 
 
-def make_cases(offsets: list[int], extent_bytes: int, seed: int, max_run_pages: int = 64) -> list[tuple[str, int, list[int]]]:
+def make_cases(
+    offsets: list[int], extent_bytes: int, seed: int, max_run_pages: int = 64
+) -> list[tuple[str, int, list[int]]]:
     """(name, first_chunk, page offsets) of each case, from scratch pages in allocation order."""
     n = len(offsets)
     rng = random.Random(seed)
@@ -93,14 +102,20 @@ def run_bytecheck(client, config: ByteCheckConfig = ByteCheckConfig()) -> ByteCh
     notes: list[str] = []
     try:
         if len(scratch.offsets) < 2:
-            raise RuntimeError(f"the pool has no room for the byte check ({len(scratch.offsets)} pages of {lay.page_bytes} bytes)")
+            raise RuntimeError(
+                f"the pool has no room for the byte check ({len(scratch.offsets)} pages of {lay.page_bytes} bytes)"
+            )
         cases = make_cases(scratch.offsets, extent, config.seed, config.max_run_pages)
         boundaries = count_boundaries(scratch.offsets, extent)
         if not boundaries:
-            notes.append(f"note: {len(scratch.offsets)} scratch pages crossed no extent boundary (extent {extent} bytes)")
+            notes.append(
+                f"note: {len(scratch.offsets)} scratch pages crossed no extent boundary (extent {extent} bytes)"
+            )
         tconfig = config.transfer or stress_config(lay)
         with make_transfer(lay, client, "cpu", tconfig) as cpu:
-            results.append(_timed_path("cpu", "round_trip", len(cases), lambda: round_trip(cpu, client, cases, config, "cpu")))
+            results.append(
+                _timed_path("cpu", "round_trip", len(cases), lambda: round_trip(cpu, client, cases, config, "cpu"))
+            )
         if config.cuda and torch.cuda.is_available():
             device = torch.device("cuda", torch.cuda.current_device())
             results.extend(cuda_checks(client, cases, scratch.offsets, config, tconfig, device))

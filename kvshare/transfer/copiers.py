@@ -15,7 +15,7 @@ The choice is TransferConfig.copy_method; neither falls back to the other.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -61,7 +61,9 @@ class Memcpy2DCopier:
                 text = ""
             raise CopyError(f"{what} failed: {err!r} {text}")
 
-    def copy(self, copies: Sequence[RowCopy], client, arena_ptr: int, stage: torch.Tensor, stream, to_device: bool) -> None:
+    def copy(
+        self, copies: Sequence[RowCopy], client, arena_ptr: int, stage: torch.Tensor, stream, to_device: bool
+    ) -> None:
         self._ensure_device()
         stage_ptr, handle = stage.data_ptr(), stream.cuda_stream
         for c in copies:
@@ -77,7 +79,9 @@ class Memcpy2DCopier:
 class TorchCopier:
     name = "torch"
 
-    def copy(self, copies: Sequence[RowCopy], client, arena_ptr: int, stage: torch.Tensor, stream, to_device: bool) -> None:
+    def copy(
+        self, copies: Sequence[RowCopy], client, arena_ptr: int, stage: torch.Tensor, stream, to_device: bool
+    ) -> None:
         with torch.cuda.stream(stream):
             for c in copies:
                 for row in range(c.height):

@@ -8,7 +8,7 @@ intra-op threads. Every call is complete when it returns.
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -31,8 +31,9 @@ class CpuTransfer(KVTransfer):
         first_copy = time.perf_counter()
         for run in page_runs(offsets, self.layout.page_bytes, self.extent_bytes):
             chunks_to_engine(kv_bits, self._run_view(run), (first_chunk + run.first) * self.layout.chunk_tokens)
-        return LoadHandle(num_bytes=len(pages) * self.layout.page_bytes, seconds=time.perf_counter() - start,
-                          first_copy_s=first_copy)
+        return LoadHandle(
+            num_bytes=len(pages) * self.layout.page_bytes, seconds=time.perf_counter() - start, first_copy_s=first_copy
+        )
 
     @torch.inference_mode()
     def store(self, kv: torch.Tensor, first_chunk: int, offsets: Sequence[int], producer_stream=None) -> list[int]:

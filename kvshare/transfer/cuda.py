@@ -1,6 +1,8 @@
-"""CudaTransfer: registered pool pages <-> a GPU KV tensor, through GPU staging buffers.
+"""CudaTransfer: registered pool pages <-> the built-in engine's GPU KV tensor, through the staging pipeline.
 
-Two side streams and ``staging_buffers`` staging buffers (default two: double buffering)::
+The streams, staging buffers, registration and both loops are kvshare.transfer.pipeline's (one lane,
+``staging_buffers`` buffers shared by loads and stores); this module supplies the engine's layout
+(``layouts.EngineKV``: kv ``[L, 2, H, T, D]``, chunk j = tokens ``[j*C, (j+1)*C)``) and its call order::
 
     load   copy stream:     H2D unit0 -> buf0 | H2D unit1 -> buf1 | H2D unit2 -> buf0 (after scatter0) ...
            reshape stream:        scatter+WSUM32 buf0 -> kv | scatter+WSUM32 buf1 -> kv | ...   event per layer group
@@ -8,12 +10,11 @@ Two side streams and ``staging_buffers`` staging buffers (default two: double bu
            reshape stream:  (waits on it) gather kv -> buf0, WSUM32 | gather kv -> buf1, WSUM32 | ...
            copy stream:           D2H buf0 -> pages | D2H buf1 -> pages | ... event per page block
 
-A unit is a group of layers (a page row of >= min_copy_bytes; a load's last layer alone) over a block of
-pages; each run of consecutive pages in it is one 2-D copy (plan.py). The
-reshape (token/head transpose) runs on the GPU at HBM speed. Every dependency
-is an explicit event: a store's copies never start before the producer's
-event; a load's scatter never starts before the caller's earlier work on kv;
-the compute stream reads layer l only after ``wait_layer(l)``.
+A load's layer groups put the last layer alone (plan.last_layer_alone); its copies are enqueued group
+by group at once ("eager"), ahead of the reader's wait_layer ("lazy") or by a thread ("thread"). Every
+dependency is an explicit event: a store's copies never start before the producer's event; a load's
+scatter never starts before the caller's earlier work on kv; the compute stream reads layer l only after
+``wait_layer(l)``.
 
 Checksums (kvshare.transfer.verify): a store sums WSUM32 of the staged bytes on the GPU and commits it;
 a load checks each chosen page by its recorded kind beside the copies (WSUM32 on the GPU from the staged
@@ -24,19 +25,18 @@ caller computes again from that page. The host never waits for a checksum before
 from __future__ import annotations
 
 import threading
-import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
 from kvshare.pool.checksum import ChecksumKind
-from kvshare.pool.wsum import add_rows, as_unsigned
+from kvshare.pool.wsum import as_unsigned
 from kvshare.transfer.base import LAZY_GROUPS_AHEAD, ChunkChecksumMismatch, KVTransfer, LoadHandle, TransferConfig
-from kvshare.transfer.copiers import make_copier
-from kvshare.transfer.layouts import as_bits, chunks_to_engine, chunks_view, engine_to_chunks
-from kvshare.transfer.plan import Unit, last_layer_alone, layer_groups, load_units, pages_per_unit, store_units
-from kvshare.transfer.registration import acquire_registration, release_registration
+from kvshare.transfer.layouts import EngineKV, as_bits
+from kvshare.transfer.pipeline import StagingPipeline, UnitWork
+from kvshare.transfer.plan import last_layer_alone, layer_groups, store_units
 from kvshare.transfer.verify import PageCheck, can_sum_staged, store_checksum_kind
+
 
 class CudaLoadHandle(LoadHandle):
     """A load in flight: one event per layer group on the reshape stream.
@@ -48,8 +48,18 @@ class CudaLoadHandle(LoadHandle):
     recorded would not wait at all).
     """
 
-    def __init__(self, num_bytes: int, group_of_layer: list[int], num_groups: int, device, mode: str,
-                 check: PageCheck, first_chunk: int, pages: Sequence, check_stream) -> None:
+    def __init__(
+        self,
+        num_bytes: int,
+        group_of_layer: list[int],
+        num_groups: int,
+        device,
+        mode: str,
+        check: PageCheck,
+        first_chunk: int,
+        pages: Sequence,
+        check_stream,
+    ) -> None:
         super().__init__(num_bytes)
         self.check = check  # the chosen pages' checksums, computed beside the copies (kvshare.transfer.verify)
         self._first_chunk, self._pages, self._check_stream = first_chunk, list(pages), check_stream
@@ -86,6 +96,9 @@ class CudaLoadHandle(LoadHandle):
                 return
             if next(self._steps, None) is None:
                 self._steps = None
+
+    def copy_started(self, when: float) -> None:
+        self.first_copy_s = when
 
     def record_group(self, group: int, stream) -> None:
         self._group_events[group].record(stream)
@@ -129,40 +142,36 @@ class CudaLoadHandle(LoadHandle):
 
 
 class CudaTransfer(KVTransfer):
-    """Copies between the registered arena and a CUDA ``kv [L, 2, H, T, D]``. One caller at a time."""
+    """Copies between the registered arena and a CUDA ``kv [L, 2, H, T, D]`` through the staging pipeline
+    (kvshare.transfer.pipeline), one lane for loads and stores. One caller at a time."""
+
+    pipeline_class = StagingPipeline  # the validation's deliberately unordered control replaces it
 
     def __init__(self, layout, client, device, config: TransferConfig) -> None:
         super().__init__(layout, client, device, config)
         if not torch.cuda.is_available():
             raise RuntimeError("CudaTransfer needs CUDA, and torch.cuda.is_available() is False here")
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        self._copier = make_copier(config.copy_method, self.device.index)  # fails before anything is pinned
         groups = layer_groups(layout.num_layers, layout.layer_bytes, config.min_copy_bytes)  # a store's
-        self._groups = last_layer_alone(groups)  # a load's: the last layer alone, only its compute after the last copy
-        widest = max(l1 - l0 for l0, l1 in groups) * layout.layer_bytes
-        pages_per_unit(config.staging_bytes, widest)  # refuses a staging buffer that cannot hold one row
-        self._group_of_layer = [g for g, (l0, l1) in enumerate(self._groups) for _ in range(l0, l1)]
-        self.registration = acquire_registration(client)
-        self.registration_seconds = self.registration.seconds
+        # a load's: the last layer alone, so only its compute is left after the load's last copy
+        self.pipeline = self.pipeline_class(
+            layout, config, self.device, shared_lane=True, load_groups=last_layer_alone(groups)
+        )
+        self.device = self.pipeline.device
         try:
-            with torch.cuda.device(self.device):
-                # high priority: a load's scatter kernels get SMs ahead of long compute kernels, so the copy
-                # pipeline (two staging buffers) does not stall behind the compute it overlaps (torch maps -1
-                # to the device's highest priority)
-                self._copy_stream = torch.cuda.Stream(self.device, priority=-1)
-                self._reshape_stream = torch.cuda.Stream(self.device, priority=-1)
-                self._staging = [torch.empty(config.staging_bytes, dtype=torch.uint8, device=self.device)
-                                 for _ in range(config.staging_buffers)]
-                self._idle = [torch.cuda.Event() for _ in range(config.staging_buffers)]  # last use of each staging buffer
+            self.pipeline.ensure_registered(client)
         except BaseException:
-            release_registration(self.registration)
+            self.pipeline.close()
             raise
-        self._next_buffer = 0
+        self.registration_seconds = self.registration.seconds
         self._closed = False
         self._pending: CudaLoadHandle | None = None  # a load whose copies may not all be enqueued yet
         self.last_store_copy_seconds: float | None = None  # GPU time of the last store's gathers and copies
         self.checksum_kind = store_checksum_kind(layout, is_staged=True)  # WSUM32, summed here over the staged bytes
+
+    @property
+    def registration(self):
+        """The arena's CUDA registration this transfer holds (shared by the process, by base address)."""
+        return self.pipeline.registration
 
     # -- the interface ------------------------------------------------------------------------------
 
@@ -173,64 +182,52 @@ class CudaTransfer(KVTransfer):
         self._check_open(kv)
         if not offsets:
             return LoadHandle(num_bytes=0, seconds=0.0)
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(self.device))
-        self._reshape_stream.wait_event(ready)  # the scatter writes kv only after the caller's earlier work on it
-        kv.record_stream(self._reshape_stream)
-        with torch.cuda.stream(self._reshape_stream):  # its sums accumulate there, after each copy lands
+        pipeline = self.pipeline
+        reshape = pipeline.load_lane.reshape
+        pipeline.load_after(torch.cuda.current_stream(self.device))  # after the caller's earlier work on kv
+        kv.record_stream(reshape)
+        with torch.cuda.stream(reshape):  # its sums accumulate there, after each copy lands
             # pages are leased and immutable: XXH3 ones are hashed on host threads while the copies run
-            check = PageCheck(pages, self._pages_to_verify(len(offsets)), self.client, self._hasher, self.device,
-                              on_device=can_sum_staged(self.layout))
-        handle = CudaLoadHandle(len(offsets) * self.layout.page_bytes, self._group_of_layer, len(self._groups),
-                                self.device, self.config.load_enqueue, check, first_chunk, pages, self._reshape_stream)
+            check = PageCheck(
+                pages,
+                self._pages_to_verify(len(offsets)),
+                self.client,
+                self._hasher,
+                self.device,
+                on_device=can_sum_staged(self.layout),
+            )
+        handle = CudaLoadHandle(
+            len(offsets) * self.layout.page_bytes,
+            pipeline.group_of_layer,
+            len(pipeline.load_groups),
+            self.device,
+            self.config.load_enqueue,
+            check,
+            first_chunk,
+            pages,
+            reshape,
+        )
         self._pending = handle
-        handle.begin(self._load_steps(kv, first_chunk, offsets, handle))
+        handle.begin(
+            pipeline.load_steps(
+                self.client,
+                self._load_work(kv, first_chunk, offsets, check),
+                handle.start,
+                handle.end,
+                handle.record_group,
+                handle.enqueue_failed,
+                handle.copy_started,
+            )
+        )
         if handle._mode == "eager" and handle._error is not None:
             raise handle._error
         return handle
 
-    def _load_steps(self, kv: torch.Tensor, first_chunk: int, offsets: list[int], handle: CudaLoadHandle):
-        """Plan and enqueue a load's copies and scatters, yielding after each layer group is recorded.
-
-        Never raises: an error goes to the handle (wait_layer raises it). The end event is recorded
-        after whatever was enqueued, when the steps run out, fail, or are closed."""
-        cfg, copy, reshape = self.config, self._copy_stream, self._reshape_stream
-        kv_bits = as_bits(kv)
-        try:
-            # inference mode and the device are thread-local, and entered per group: never held across a
-            # yield, which would leak them into the reader's code between groups ("lazy")
-            with torch.inference_mode(), torch.cuda.device(self.device):
-                handle.start.record(copy)
-                if cfg.load_delay_cycles:
-                    with torch.cuda.stream(copy):
-                        torch.cuda._sleep(cfg.load_delay_cycles)
-            plan = load_units(offsets, self.layout, cfg.min_copy_bytes, cfg.staging_bytes, self.extent_bytes, self._groups)
-            for group, units in enumerate(plan):
-                with torch.inference_mode(), torch.cuda.device(self.device):
-                    for unit in units:
-                        buf = self._take_buffer()
-                        copy.wait_event(self._idle[buf])  # the previous scatter out of this buffer is done
-                        self._host_copies(unit, buf, copy, to_device=True)
-                        if handle.first_copy_s is None:
-                            handle.first_copy_s = time.perf_counter()
-                        copied = torch.cuda.Event()
-                        copied.record(copy)
-                        reshape.wait_event(copied)
-                        with torch.cuda.stream(reshape):
-                            layers = kv_bits[unit.layer_start : unit.layer_stop]
-                            chunks_to_engine(layers, self._chunks(buf, unit), self._first_token(first_chunk, unit))
-                            if handle.check.needs_staged_sums:
-                                handle.check.add_staged(unit.page_start, unit.page_stop, *self._rows(buf, unit))
-                        self._idle[buf].record(reshape)
-                    handle.record_group(group, reshape)
-                yield group
-        except Exception as exc:  # noqa: BLE001 - handed to the reader through the handle
-            handle.enqueue_failed(exc)
-        finally:
-            last = torch.cuda.Event()
-            last.record(copy)
-            reshape.wait_event(last)
-            handle.end.record(reshape)
+    def _load_work(self, kv: torch.Tensor, first_chunk: int, offsets: list[int], check: PageCheck):
+        """A load's units per layer group (planned lazily, as the groups are enqueued), into ``kv``."""
+        destination = EngineKV(as_bits(kv), first_chunk, self.layout.chunk_tokens)
+        for units in self.pipeline.plan_groups(offsets, self.extent_bytes):
+            yield [UnitWork(unit, destination, check.staged_sums(unit.page_start, unit.page_stop)) for unit in units]
 
     @torch.inference_mode()
     def store(self, kv: torch.Tensor, first_chunk: int, offsets: Sequence[int], producer_stream=None) -> list[int]:
@@ -239,42 +236,34 @@ class CudaTransfer(KVTransfer):
         self._check_open(kv)
         if not offsets:
             return []
-        cfg, copy, reshape = self.config, self._copy_stream, self._reshape_stream
-        producer = producer_stream if producer_stream is not None else torch.cuda.current_stream(self.device)
-        produced = torch.cuda.Event()
-        produced.record(producer)
-        self._order_after_producer(reshape, produced)
-        kv.record_stream(reshape)
-        kv_bits = as_bits(kv)
+        cfg, pipeline = self.config, self.pipeline
+        lane = pipeline.store_lane
+        pipeline.store_after(producer_stream if producer_stream is not None else torch.cuda.current_stream(self.device))
+        kv.record_stream(lane.reshape)
+        destination = EngineKV(as_bits(kv), first_chunk, self.layout.chunk_tokens)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(reshape)
+        start.record(lane.reshape)
         on_device = self.checksum_kind == ChecksumKind.WSUM32
         if on_device:
-            with torch.cuda.stream(reshape):
+            with torch.cuda.stream(lane.reshape):
                 sums = torch.zeros(len(offsets), dtype=torch.int64, device=self.device)  # WSUM32 per page
         blocks = []
         for units in store_units(offsets, self.layout, cfg.min_copy_bytes, cfg.staging_bytes, self.extent_bytes):
-            for unit in units:
-                buf = self._take_buffer()
-                reshape.wait_event(self._idle[buf])  # the previous copy out of this buffer is done
-                with torch.cuda.stream(reshape):
-                    layers = kv_bits[unit.layer_start : unit.layer_stop]
-                    engine_to_chunks(self._chunks(buf, unit), layers, self._first_token(first_chunk, unit))
-                    if on_device:  # the staged bytes, which the copy below writes to the pages
-                        add_rows(sums[unit.page_start : unit.page_stop], *self._rows(buf, unit))
-                gathered = torch.cuda.Event()
-                gathered.record(reshape)
-                copy.wait_event(gathered)
-                self._host_copies(unit, buf, copy, to_device=False)
-                self._idle[buf].record(copy)
+            pipeline.store_steps(
+                self.client,
+                [
+                    UnitWork(unit, destination, sums[unit.page_start : unit.page_stop] if on_device else None)
+                    for unit in units
+                ],
+            )
             block_done = torch.cuda.Event()
-            block_done.record(copy)
+            block_done.record(lane.copy)
             blocks.append((units[0].page_start, units[0].page_stop, block_done))
-        end.record(copy)
+        end.record(lane.copy)
         checksums: list[int] = []
         if on_device:
             end.synchronize()
-            with torch.cuda.stream(reshape):  # read back on our idle stream, not behind the compute
+            with torch.cuda.stream(lane.reshape):  # read back on our idle stream, not behind the compute
                 checksums = as_unsigned(sums)
         for p0, p1, block_done in [] if on_device else blocks:  # hash each block once copied, while later ones run
             block_done.synchronize()
@@ -291,19 +280,15 @@ class CudaTransfer(KVTransfer):
     def sync(self) -> None:
         if not self._closed:
             self._join_enqueue()
-            self._reshape_stream.synchronize()
-            self._copy_stream.synchronize()
+            self.pipeline.sync()
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         self._join_enqueue()
-        self._copy_stream.synchronize()
-        self._reshape_stream.synchronize()
-        self._staging = []
         try:
-            release_registration(self.registration)
+            self.pipeline.close()  # waits for every copy, then releases the registration
         finally:
             super().close()
 
@@ -315,34 +300,9 @@ class CudaTransfer(KVTransfer):
             self._pending.finish_enqueue()
             self._pending = None
 
-    def _order_after_producer(self, stream, produced) -> None:
-        """The store's first read of kv waits for the producer: the dependency the study's bug lacked."""
-        stream.wait_event(produced)
-
     def _check_open(self, kv: torch.Tensor) -> None:
         if self._closed:
             raise RuntimeError("this CudaTransfer is closed")
         self._join_enqueue()  # staging buffers and their events are shared with a load still being enqueued
         if kv.device != self.device:
             raise ValueError(f"kv is on {kv.device}, this transfer serves {self.device}")
-
-    def _take_buffer(self) -> int:
-        buf = self._next_buffer
-        self._next_buffer = (buf + 1) % len(self._idle)
-        return buf
-
-    def _rows(self, buf: int, unit: Unit) -> tuple[torch.Tensor, int]:
-        """The unit's staged pages as int32 words ``[n, W]`` and where they start in each page, in words."""
-        rows = self._staging[buf][: unit.num_bytes].view(torch.int32).view(unit.num_pages, -1)
-        return rows, unit.layer_start * self.layout.layer_bytes // 4
-
-    def _chunks(self, buf: int, unit: Unit) -> torch.Tensor:
-        return chunks_view(self._staging[buf], self.layout, unit.num_pages, unit.num_layers)  # [n, g, 2, C, H, D]
-
-    def _first_token(self, first_chunk: int, unit: Unit) -> int:
-        return (first_chunk + unit.page_start) * self.layout.chunk_tokens
-
-    def _host_copies(self, unit: Unit, buf: int, stream, to_device: bool) -> None:
-        for c in unit.copies:
-            self.registration.check_span(c.host_offset, (c.height - 1) * c.host_pitch + c.width)
-        self._copier.copy(unit.copies, self.client, self.registration.base_ptr, self._staging[buf], stream, to_device)

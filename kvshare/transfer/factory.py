@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from kvshare.pool.client import PoolClient
 
 
-def make_transfer(layout: KVLayout, client: "PoolClient", device, config: TransferConfig | None = None) -> KVTransfer:
+def make_transfer(layout: KVLayout, client: PoolClient, device, config: TransferConfig | None = None) -> KVTransfer:
     """CpuTransfer or CudaTransfer, chosen by the device's type."""
     device = torch.device(device)
     config = config or TransferConfig()

@@ -19,6 +19,7 @@ import torch
 
 if TYPE_CHECKING:
     from kvshare.layout import KVLayout
+    from kvshare.transfer.plan import Unit
 
 TORCH_DTYPES = {
     "float32": torch.float32,
@@ -46,7 +47,7 @@ def bits_dtype(itemsize: int) -> torch.dtype:
     return _BITS[itemsize]
 
 
-def chunks_view(buf: torch.Tensor, layout: "KVLayout", num_pages: int, num_layers: int | None = None) -> torch.Tensor:
+def chunks_view(buf: torch.Tensor, layout: KVLayout, num_pages: int, num_layers: int | None = None) -> torch.Tensor:
     """The first bytes of a 1-D uint8 buffer as packed page rows [n, L', 2, C, H, D] (integer view, no copy).
 
     With ``num_layers`` = L' < L each row is a group of layers of a page, as a staging buffer holds them.
@@ -63,7 +64,9 @@ def chunks_view(buf: torch.Tensor, layout: "KVLayout", num_pages: int, num_layer
 
 def _engine_window(kv: torch.Tensor, chunks: torch.Tensor, first_token: int) -> torch.Tensor:
     if kv.dim() != 5 or chunks.dim() != 6:
-        raise ValueError(f"expected kv [L, 2, H, T, D] and chunks [n, L, 2, C, H, D], got {tuple(kv.shape)}, {tuple(chunks.shape)}")
+        raise ValueError(
+            f"expected kv [L, 2, H, T, D] and chunks [n, L, 2, C, H, D], got {tuple(kv.shape)}, {tuple(chunks.shape)}"
+        )
     n, num_layers, two, c, h, d = chunks.shape
     if (kv.shape[0], kv.shape[1], kv.shape[2], kv.shape[4]) != (num_layers, two, h, d):
         raise ValueError(f"kv {tuple(kv.shape)} does not match chunks {tuple(chunks.shape)}")
@@ -82,3 +85,22 @@ def chunks_to_engine(kv: torch.Tensor, chunks: torch.Tensor, first_token: int) -
 def engine_to_chunks(chunks: torch.Tensor, kv: torch.Tensor, first_token: int) -> None:
     """chunks <- kv[:, :, :, first_token : first_token + n*C, :] in canonical order."""
     chunks.copy_(_engine_window(kv, chunks, first_token).permute(3, 0, 1, 4, 2, 5))
+
+
+class EngineKV:
+    """The built-in engine's kv ``[L, 2, H, T, D]`` (an integer view) as the staging pipeline's destination:
+    chunk ``first_chunk + i`` of the request lives in page i of a call."""
+
+    def __init__(self, kv_bits: torch.Tensor, first_chunk: int, chunk_tokens: int) -> None:
+        self.kv, self.first_chunk, self.chunk_tokens = kv_bits, first_chunk, chunk_tokens
+
+    def _first_token(self, unit: Unit) -> int:
+        return (self.first_chunk + unit.page_start) * self.chunk_tokens
+
+    def scatter(self, unit: Unit, staged: torch.Tensor) -> None:
+        """Staged pages ``[n, g, 2, C, H, D]`` into the unit's layers and tokens of kv."""
+        chunks_to_engine(self.kv[unit.layer_start : unit.layer_stop], staged, self._first_token(unit))
+
+    def gather(self, unit: Unit, staged: torch.Tensor) -> None:
+        """The unit's layers and tokens of kv into staged pages ``[n, g, 2, C, H, D]``."""
+        engine_to_chunks(staged, self.kv[unit.layer_start : unit.layer_stop], self._first_token(unit))

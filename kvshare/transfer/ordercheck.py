@@ -27,16 +27,23 @@ from kvshare.transfer.base import TransferConfig
 from kvshare.transfer.copiers import CopyError
 from kvshare.transfer.cuda import CudaTransfer
 from kvshare.transfer.layouts import as_bits, engine_to_chunks
+from kvshare.transfer.pipeline import StagingPipeline
 from kvshare.transfer.roundtrip import PathResult, mismatched_bytes, random_kv, round_trip, sentinel_kv
 
 ORDER_PAGES = 8
 
 
+class UnorderedPipeline(StagingPipeline):
+    """DELIBERATELY BROKEN (validation control only): a store does not wait for the producer's event."""
+
+    def order_after_producer(self, stream, produced) -> None:
+        pass
+
+
 class UnorderedStoreTransfer(CudaTransfer):
     """DELIBERATELY BROKEN (validation control only): the store does not wait for the producer's event."""
 
-    def _order_after_producer(self, stream, produced) -> None:
-        pass
+    pipeline_class = UnorderedPipeline
 
 
 def _percent_right(checked: int, wrong: int) -> str:
@@ -48,7 +55,11 @@ def store_order(transfer: CudaTransfer, client, offsets: list[int], seed: int) -
     lay, device = transfer.layout, transfer.device
     n = len(offsets)
     data = random_kv(lay, n * lay.chunk_tokens, seed, device)
-    expected = torch.empty((n, lay.num_layers, 2, lay.chunk_tokens, lay.num_kv_heads, lay.head_dim), dtype=as_bits(data).dtype, device=device)
+    expected = torch.empty(
+        (n, lay.num_layers, 2, lay.chunk_tokens, lay.num_kv_heads, lay.head_dim),
+        dtype=as_bits(data).dtype,
+        device=device,
+    )
     engine_to_chunks(expected, as_bits(data), 0)
     kv = torch.zeros_like(data)
     torch.cuda.synchronize(device)
@@ -63,13 +74,17 @@ def store_order(transfer: CudaTransfer, client, offsets: list[int], seed: int) -
     return stored.size, wrong
 
 
-def load_order(transfer: CudaTransfer, offsets: list[int], sums: list[int], data: torch.Tensor, wait: bool) -> tuple[int, int]:
+def load_order(
+    transfer: CudaTransfer, offsets: list[int], sums: list[int], data: torch.Tensor, wait: bool
+) -> tuple[int, int]:
     """Copy stream sleeps before copying; the consumer reads kv with or without wait_layer."""
     lay, device = transfer.layout, transfer.device
     dst = sentinel_kv(lay, len(offsets) * lay.chunk_tokens, device)
     torch.cuda.synchronize(device)
-    headers = [PageHeader(offset=o, page_bytes=lay.page_bytes, checksum=s, checksum_kind=transfer.checksum_kind)
-               for o, s in zip(offsets, sums)]
+    headers = [
+        PageHeader(offset=o, page_bytes=lay.page_bytes, checksum=s, checksum_kind=transfer.checksum_kind)
+        for o, s in zip(offsets, sums)
+    ]
     handle = transfer.load(dst, 0, headers)
     if wait:
         for layer in range(lay.num_layers):
@@ -86,7 +101,9 @@ def _result(path: str, kind: str, run) -> PathResult:
     return PathResult(path, kind, 1, checked, wrong, time.perf_counter() - start, detail=_percent_right(checked, wrong))
 
 
-def cuda_checks(client, cases, offsets: list[int], config, tconfig: TransferConfig, device: torch.device) -> list[PathResult]:
+def cuda_checks(
+    client, cases, offsets: list[int], config, tconfig: TransferConfig, device: torch.device
+) -> list[PathResult]:
     """Round trip and ordering checks for every configured copy method on ``device``."""
     results: list[PathResult] = []
     order_offsets = offsets[:ORDER_PAGES]
@@ -103,12 +120,32 @@ def cuda_checks(client, cases, offsets: list[int], config, tconfig: TransferConf
         unordered = UnorderedStoreTransfer(config.layout, client, device, dataclasses.replace(plain_config, **delays))
         try:
             results.append(_result(path, "round_trip", lambda: round_trip(plain, client, cases, config, device)))
-            results.append(_result(f"{path} store-order", "ordering", lambda: store_order(delayed, client, order_offsets, config.seed)))
-            results.append(_result(f"{path} store-unordered", "control", lambda: store_order(unordered, client, order_offsets, config.seed + 1)))
+            results.append(
+                _result(
+                    f"{path} store-order", "ordering", lambda: store_order(delayed, client, order_offsets, config.seed)
+                )
+            )
+            results.append(
+                _result(
+                    f"{path} store-unordered",
+                    "control",
+                    lambda: store_order(unordered, client, order_offsets, config.seed + 1),
+                )
+            )
             data = random_kv(config.layout, len(order_offsets) * config.layout.chunk_tokens, config.seed + 2, device)
             sums = plain.store(data, 0, order_offsets)
-            results.append(_result(f"{path} load-order", "ordering", lambda: load_order(delayed, order_offsets, sums, data, wait=True)))
-            results.append(_result(f"{path} load-unwaited", "control", lambda: load_order(delayed, order_offsets, sums, data, wait=False)))
+            results.append(
+                _result(
+                    f"{path} load-order", "ordering", lambda: load_order(delayed, order_offsets, sums, data, wait=True)
+                )
+            )
+            results.append(
+                _result(
+                    f"{path} load-unwaited",
+                    "control",
+                    lambda: load_order(delayed, order_offsets, sums, data, wait=False),
+                )
+            )
         finally:
             for transfer in (unordered, delayed, plain):
                 transfer.close()

@@ -21,8 +21,8 @@ pages, width = W, host pitch = P) into packed staging rows::
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 from kvshare.layout import KVLayout
 
@@ -184,8 +184,10 @@ def head_copies(unit: Unit, layout: KVLayout, first_head: int, num_heads: int) -
         if unit.num_layers == layout.num_layers:
             copies.append(RowCopy(host, pitch, first_page * stage_page, width, c.height * rows_per_page))
             continue
-        copies.extend(RowCopy(host + k * c.host_pitch, pitch, (first_page + k) * stage_page, width, rows_per_page)
-                      for k in range(c.height))
+        copies.extend(
+            RowCopy(host + k * c.host_pitch, pitch, (first_page + k) * stage_page, width, rows_per_page)
+            for k in range(c.height)
+        )
     return tuple(copies)
 
 
@@ -195,7 +197,11 @@ def page_blocks(num_pages: int, block_pages: int) -> list[tuple[int, int]]:
 
 
 def load_units(
-    offsets: Sequence[int], layout: KVLayout, min_copy_bytes: int, staging_bytes: int, extent_bytes: int | None,
+    offsets: Sequence[int],
+    layout: KVLayout,
+    min_copy_bytes: int,
+    staging_bytes: int,
+    extent_bytes: int | None,
     groups: Sequence[tuple[int, int]] | None = None,
 ) -> Iterator[list[Unit]]:
     """Units of a load, per layer group in layer order: early layers land first, so compute can start.

@@ -101,7 +101,10 @@ def _check(err, what: str) -> None:
 
 
 def register_range(ptr: int, num_bytes: int) -> None:
-    _check(_cudart().cudaHostRegister(ptr, num_bytes, CUDA_HOST_REGISTER_PORTABLE), f"cudaHostRegister({ptr:#x}, {num_bytes})")
+    _check(
+        _cudart().cudaHostRegister(ptr, num_bytes, CUDA_HOST_REGISTER_PORTABLE),
+        f"cudaHostRegister({ptr:#x}, {num_bytes})",
+    )
 
 
 def unregister_range(ptr: int) -> None:

@@ -81,7 +81,11 @@ def bytes_not_sentinel(t: torch.Tensor) -> int:
 
 def random_kv(layout: KVLayout, num_tokens: int, seed: int, device) -> torch.Tensor:
     """kv [L, 2, H, T, D] of random bits (NaN patterns included), generated on ``device``."""
-    kv = torch.empty((layout.num_layers, 2, layout.num_kv_heads, num_tokens, layout.head_dim), dtype=torch_dtype(layout.dtype), device=device)
+    kv = torch.empty(
+        (layout.num_layers, 2, layout.num_kv_heads, num_tokens, layout.head_dim),
+        dtype=torch_dtype(layout.dtype),
+        device=device,
+    )
     bits = as_bits(kv)
     info = torch.iinfo(bits.dtype)
     bits.random_(info.min, info.max, generator=torch.Generator(device=device).manual_seed(seed))  # in place: no 2x peak
@@ -89,7 +93,11 @@ def random_kv(layout: KVLayout, num_tokens: int, seed: int, device) -> torch.Ten
 
 
 def sentinel_kv(layout: KVLayout, num_tokens: int, device) -> torch.Tensor:
-    kv = torch.empty((layout.num_layers, 2, layout.num_kv_heads, num_tokens, layout.head_dim), dtype=torch_dtype(layout.dtype), device=device)
+    kv = torch.empty(
+        (layout.num_layers, 2, layout.num_kv_heads, num_tokens, layout.head_dim),
+        dtype=torch_dtype(layout.dtype),
+        device=device,
+    )
     kv.view(torch.uint8).fill_(SENTINEL)
     return kv
 
@@ -102,14 +110,18 @@ def round_trip(transfer, client, cases, config: ByteCheckConfig, device) -> tupl
         capacity = (first_chunk + len(offsets) + 1) * lay.chunk_tokens
         src = random_kv(lay, capacity, config.seed + case_index, device)
         sums = transfer.store(src, first_chunk, offsets)
-        headers = [PageHeader(offset=o, page_bytes=lay.page_bytes, checksum=s, checksum_kind=transfer.checksum_kind)
-                   for o, s in zip(offsets, sums)]
+        headers = [
+            PageHeader(offset=o, page_bytes=lay.page_bytes, checksum=s, checksum_kind=transfer.checksum_kind)
+            for o, s in zip(offsets, sums)
+        ]
         for header in headers:
             if not is_valid(client.page(header.offset, lay.page_bytes), header):
                 wrong += lay.page_bytes  # a checksum of other bytes than those in the page (GPU WSUM32: vs the host's)
         for i in sorted({0, len(offsets) - 1})[: config.reference_pages]:
             t0 = (first_chunk + i) * lay.chunk_tokens
-            expected = page_bytes_of(reference_engine_to_pages(src[:, :, :, t0 : t0 + lay.chunk_tokens].cpu(), lay, 0, 1))
+            expected = page_bytes_of(
+                reference_engine_to_pages(src[:, :, :, t0 : t0 + lay.chunk_tokens].cpu(), lay, 0, 1)
+            )
             stored = client.page(offsets[i], lay.page_bytes)
             wrong += int((stored != np.frombuffer(expected, dtype=np.uint8)).sum())
             checked += lay.page_bytes

@@ -38,7 +38,10 @@ def reserve_scratch(client, page_bytes: int, num_pages: int) -> ScratchPages:
         while len(scratch.offsets) < num_pages:
             count = min(MAX_KEYS_PER_RESERVE, num_pages - len(scratch.offsets))
             base = len(scratch.offsets)
-            keys = [hashlib.blake2b(salt + (base + i).to_bytes(8, "little"), digest_size=KEY_BYTES).digest() for i in range(count)]
+            keys = [
+                hashlib.blake2b(salt + (base + i).to_bytes(8, "little"), digest_size=KEY_BYTES).digest()
+                for i in range(count)
+            ]
             reservation = client.reserve(SCRATCH_NAMESPACE, keys, page_bytes)
             if reservation.reservation_id:
                 scratch.reservation_ids.append(reservation.reservation_id)

@@ -17,7 +17,8 @@ Both end in the one check of kvshare.pool.checksum (``is_valid`` on the host thr
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -47,15 +48,24 @@ class PageCheck:
     ``client``: whose arena holds the pages (``client.page``), read by ``hasher``'s threads.
     """
 
-    def __init__(self, pages: Sequence["PageHeader"], chosen: Sequence[int], client: "PoolClient",
-                 hasher: PageHasher, device: torch.device, on_device: bool) -> None:
+    def __init__(
+        self,
+        pages: Sequence[PageHeader],
+        chosen: Sequence[int],
+        client: PoolClient,
+        hasher: PageHasher,
+        device: torch.device,
+        on_device: bool,
+    ) -> None:
         self._pages = list(pages)
         self._chosen = list(chosen)
         kinds = [ChecksumKind(page.checksum_kind) for page in self._pages]
         self._device_pages = {i for i in self._chosen if on_device and kinds[i] == ChecksumKind.WSUM32}
-        self._host = {i: hasher.submit_valid(client.page(self._pages[i].offset, self._pages[i].page_bytes),
-                                             self._pages[i])
-                      for i in self._chosen if i not in self._device_pages}
+        self._host = {
+            i: hasher.submit_valid(client.page(self._pages[i].offset, self._pages[i].page_bytes), self._pages[i])
+            for i in self._chosen
+            if i not in self._device_pages
+        }
         # WSUM32 of every page of the load, [n] int64; allocated on the caller's current stream
         self._acc = torch.zeros(len(self._pages), dtype=torch.int64, device=device) if self._device_pages else None
         self._bad: list[int] | None = None
@@ -70,14 +80,26 @@ class PageCheck:
         Enqueued on the current stream, which must be ordered after the copy into the rows and before
         their next overwrite; nothing is read back.
         """
-        if self._acc is not None:
-            add_rows(self._acc[page_start:page_stop], rows, word_offset)
+        sums = self.staged_sums(page_start, page_stop)
+        if sums is not None:
+            add_rows(sums, rows, word_offset)
+
+    def staged_sums(self, page_start: int, page_stop: int) -> torch.Tensor | None:
+        """The WSUM32 accumulators of pages page_start.. (``[n]`` int64 on the device) that the staged rows
+        of those pages are added to (kvshare.transfer.pipeline), or None when none is summed on the device."""
+        return self._acc[page_start:page_stop] if self._acc is not None else None
 
     def bad_pages(self) -> list[int]:
-        """Indices of the chosen pages whose checksum does not match (in page order). Call after the copies completed."""
+        """Indices of the chosen pages whose checksum does not match (in page order).
+        Call after the copies completed."""
         if self._bad is None:
             sums = as_unsigned(self._acc) if self._acc is not None else []
-            self._bad = [i for i in self._chosen if not (checksum_is_valid(self._pages[i], sums[i])
-                                                         if i in self._device_pages else self._host[i].result())]
+            self._bad = [
+                i
+                for i in self._chosen
+                if not (
+                    checksum_is_valid(self._pages[i], sums[i]) if i in self._device_pages else self._host[i].result()
+                )
+            ]
             self._acc = None
         return self._bad

@@ -21,10 +21,27 @@ def test_bench_script_runs_end_to_end_under_the_fake(monkeypatch, tmp_path):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     monkeypatch.setattr(bench, "DEVICE", "cpu")
-    argv = ["--out", str(tmp_path), "--models", "8b", "--tokens", "256,512", "--repeats", "1", "--extent-size", "64MiB", "--no-bytecheck"]
+    argv = [
+        "--out",
+        str(tmp_path),
+        "--models",
+        "8b",
+        "--tokens",
+        "256,512",
+        "--repeats",
+        "1",
+        "--extent-size",
+        "64MiB",
+        "--no-bytecheck",
+    ]
     assert bench.main(argv) == 0
     results = json.loads((tmp_path / "transfer_gpu.json").read_text())
-    assert [(r["tokens"], r["method"]) for r in results["runs"]] == [(256, "memcpy2d"), (256, "torch"), (512, "memcpy2d"), (512, "torch")]
+    assert [(r["tokens"], r["method"]) for r in results["runs"]] == [
+        (256, "memcpy2d"),
+        (256, "torch"),
+        (512, "memcpy2d"),
+        (512, "torch"),
+    ]
     assert all(r["exact"] and "error" not in r for r in results["runs"])
     assert "OVERALL: OK" in (tmp_path / "transfer_gpu.txt").read_text()
     assert fake.registered == {}  # arena and reference buffers unregistered

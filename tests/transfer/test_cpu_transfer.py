@@ -22,7 +22,9 @@ def headers(offsets, checksums, page_bytes):
 
 
 def sentinel_kv(layout, num_tokens):
-    kv = torch.empty((layout.num_layers, 2, layout.num_kv_heads, num_tokens, layout.head_dim), dtype=torch_dtype(layout.dtype))
+    kv = torch.empty(
+        (layout.num_layers, 2, layout.num_kv_heads, num_tokens, layout.head_dim), dtype=torch_dtype(layout.dtype)
+    )
     as_bits(kv).fill_(0x5A)
     return kv
 
@@ -75,11 +77,15 @@ def test_checksum_mismatch_names_the_chunk(client):
         view = client.page(scratch.offsets[1], layout.page_bytes)
         view[100] ^= 0xFF  # one flipped byte in the second page (chunk 3)
         with pytest.raises(ChunkChecksumMismatch) as info:
-            transfer.load(sentinel_kv(layout, 6 * layout.chunk_tokens), 2, headers(scratch.offsets, sums, layout.page_bytes))
+            transfer.load(
+                sentinel_kv(layout, 6 * layout.chunk_tokens), 2, headers(scratch.offsets, sums, layout.page_bytes)
+            )
         assert info.value.chunk_index == 3
         # without verification the corrupt page loads (the sampled default): this is what checksums are for
         unverified = CpuTransfer(layout, client, torch.device("cpu"), TransferConfig(verify_fraction=0.0))
-        unverified.load(sentinel_kv(layout, 6 * layout.chunk_tokens), 2, headers(scratch.offsets, sums, layout.page_bytes))
+        unverified.load(
+            sentinel_kv(layout, 6 * layout.chunk_tokens), 2, headers(scratch.offsets, sums, layout.page_bytes)
+        )
     finally:
         scratch.release(client)
 
@@ -105,4 +111,3 @@ def test_bad_arguments_are_refused(client):
     with pytest.raises(ValueError, match="copy_method"):
         TransferConfig(copy_method="pageable")
     assert transfer.store(kv, 0, []) == []
-

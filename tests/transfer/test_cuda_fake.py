@@ -52,7 +52,9 @@ def test_round_trip_through_staging(fake, client, method, name, stress, enqueue)
         base = stress_config(layout) if stress else TransferConfig(staging_bytes=1 << 20)
         config = TransferConfig(**{**base.__dict__, "copy_method": method, "load_enqueue": enqueue})
         transfer = CudaTransfer(layout, client, CPU, config)
-        assert sorted(fake.registered) == [transfer.registration.base_ptr + o for o, _ in extent_pieces(client.arena.size, EXTENT_BYTES)]
+        assert sorted(fake.registered) == [
+            transfer.registration.base_ptr + o for o, _ in extent_pieces(client.arena.size, EXTENT_BYTES)
+        ]
         cases = make_cases(scratch.offsets, EXTENT_BYTES, seed=1)
         checked, wrong = round_trip(transfer, client, cases, ByteCheckConfig(layout=layout), CPU)
         assert checked > 0 and wrong == 0
@@ -71,10 +73,11 @@ def test_round_trip_through_more_staging_buffers(fake, client, buffers):
     try:
         config = dataclasses.replace(stress_config(layout), staging_buffers=buffers)
         with CudaTransfer(layout, client, CPU, config) as transfer:
-            stages = [(t.data_ptr(), t.data_ptr() + t.numel()) for t in transfer._staging]
+            stages = [(t.data_ptr(), t.data_ptr() + t.numel()) for t in transfer.pipeline.load_lane.buffers]
             assert len(stages) == buffers
-            checked, wrong = round_trip(transfer, client, make_cases(scratch.offsets, EXTENT_BYTES, seed=2),
-                                        ByteCheckConfig(layout=layout), CPU)
+            checked, wrong = round_trip(
+                transfer, client, make_cases(scratch.offsets, EXTENT_BYTES, seed=2), ByteCheckConfig(layout=layout), CPU
+            )
             assert checked > 0 and wrong == 0
             used = {i for ptr in fake.device_ends for i, (lo, hi) in enumerate(stages) if lo <= ptr < hi}
             assert used == set(range(buffers))  # the units rotate through every buffer
@@ -113,7 +116,9 @@ def test_registration_failure_is_an_error_and_undone(fake, client):
 def test_registration_is_shared_and_released_by_the_last_user(fake, client):
     first = CudaTransfer(LAYOUTS["f32"], client, CPU, TransferConfig(copy_method="torch"))
     second = CudaTransfer(LAYOUTS["bf16"], client, CPU, TransferConfig(copy_method="torch"))
-    assert first.registration is second.registration and fake.register_calls == len(extent_pieces(client.arena.size, EXTENT_BYTES))
+    assert first.registration is second.registration and fake.register_calls == len(
+        extent_pieces(client.arena.size, EXTENT_BYTES)
+    )
     first.close()
     assert fake.registered
     second.close()
@@ -183,12 +188,16 @@ def test_a_corrupt_page_is_reported_after_the_copies(fake, client, writer):
             assert transfer.checksum_kind == ChecksumKind.WSUM32
             kv = random_kv(layout, 4 * layout.chunk_tokens, seed=5)
             sums = transfer.store(kv, 1, scratch.offsets)
-            assert sums == [page_checksum(client.page(o, layout.page_bytes), ChecksumKind.WSUM32) for o in scratch.offsets]
+            assert sums == [
+                page_checksum(client.page(o, layout.page_bytes), ChecksumKind.WSUM32) for o in scratch.offsets
+            ]
             kind = ChecksumKind.WSUM32 if writer == "gpu" else ChecksumKind.XXH3
             if writer == "cpu":  # as a CPU replica would have committed the same pages
                 sums = [page_checksum(client.page(o, layout.page_bytes)) for o in scratch.offsets]
-            headers = [PageHeader(offset=o, page_bytes=layout.page_bytes, checksum=s, checksum_kind=kind)
-                       for o, s in zip(scratch.offsets, sums)]
+            headers = [
+                PageHeader(offset=o, page_bytes=layout.page_bytes, checksum=s, checksum_kind=kind)
+                for o, s in zip(scratch.offsets, sums)
+            ]
             handle = transfer.load(torch.zeros_like(kv), 1, headers)
             assert handle.check.needs_staged_sums == (writer == "gpu")
             handle.verify()  # all good
@@ -209,16 +218,21 @@ def test_a_byte_spoiled_in_the_staging_copy_is_caught(fake, client, monkeypatch)
         with CudaTransfer(layout, client, CPU, TransferConfig(verify_fraction=1.0, copy_method="torch")) as transfer:
             kv = random_kv(layout, 2 * layout.chunk_tokens, seed=8)
             sums = transfer.store(kv, 0, scratch.offsets)
-            headers = [PageHeader(offset=o, page_bytes=layout.page_bytes, checksum=s, checksum_kind=transfer.checksum_kind)
-                       for o, s in zip(scratch.offsets, sums)]
-            real = transfer._host_copies
+            headers = [
+                PageHeader(offset=o, page_bytes=layout.page_bytes, checksum=s, checksum_kind=transfer.checksum_kind)
+                for o, s in zip(scratch.offsets, sums)
+            ]
+            pipeline = transfer.pipeline
+            real = pipeline.host_copies
 
-            def spoiled(unit, buf, stream, to_device):
-                real(unit, buf, stream, to_device)
-                if to_device and unit.page_stop == 2:
-                    transfer._staging[buf][unit.num_bytes - 1] ^= 0x10  # the last staged byte of page 1
+            def spoiled(copies, buffer, stream, client_, to_device):
+                real(copies, buffer, stream, client_, to_device)
+                last = copies[-1]  # a unit whose last page is page 1: spoil its last staged byte
+                last_row = last.host_offset + (last.height - 1) * last.host_pitch
+                if to_device and 0 <= last_row - scratch.offsets[1] < layout.page_bytes:
+                    buffer[sum(c.height for c in copies) * last.width - 1] ^= 0x10
 
-            monkeypatch.setattr(transfer, "_host_copies", spoiled)
+            monkeypatch.setattr(pipeline, "host_copies", spoiled)
             with pytest.raises(ChunkChecksumMismatch) as info:
                 transfer.load(torch.zeros_like(kv), 0, headers).verify()
             assert info.value.chunk_index == 1
@@ -308,7 +322,9 @@ def test_the_thread_mode_enqueues_the_first_group_before_load_returns(fake, clie
 def test_staging_too_small_for_one_row_is_refused(fake, client):
     layout = LAYOUTS["f32"]
     with pytest.raises(ValueError, match="staging"):
-        CudaTransfer(layout, client, CPU, TransferConfig(staging_bytes=layout.layer_bytes, min_copy_bytes=2 * layout.layer_bytes))
+        CudaTransfer(
+            layout, client, CPU, TransferConfig(staging_bytes=layout.layer_bytes, min_copy_bytes=2 * layout.layer_bytes)
+        )
     assert fake.registered == {}
 
 
@@ -364,7 +380,7 @@ def test_the_arena_is_unpinned_only_after_every_enqueued_copy_ended(fake, pool_s
     if how == "client closed":
         client.close(end_holds=False)
     else:
-        transfer._copy_stream.synchronize = lambda: None  # only the registration's own wait is under test
+        transfer.pipeline.load_lane.synchronize = lambda: None  # only the registration's own wait is under test
         transfer.close()
         client.close()
     assert fake.registered == {} and "unregister" in events

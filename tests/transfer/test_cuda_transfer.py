@@ -63,8 +63,12 @@ def test_production_config_round_trip(gpu_client, method, first_chunk, enqueue):
     try:
         half = num_pages // 2
         offsets = scratch.offsets[:half] + scratch.offsets[half:][::-1]  # long runs, then single pages
-        with CudaTransfer(WIDE, gpu_client, torch.device("cuda"), TransferConfig(copy_method=method, verify_fraction=1.0,
-                                                                                      load_enqueue=enqueue)) as transfer:
+        with CudaTransfer(
+            WIDE,
+            gpu_client,
+            torch.device("cuda"),
+            TransferConfig(copy_method=method, verify_fraction=1.0, load_enqueue=enqueue),
+        ) as transfer:
             capacity = (first_chunk + num_pages) * WIDE.chunk_tokens
             src = random_kv(WIDE, capacity, seed=first_chunk, device="cuda")
             sums = transfer.store(src, first_chunk, offsets)
@@ -98,5 +102,3 @@ def test_registration_covers_each_extent_and_is_undone(gpu_client):
 def test_failed_registration_is_an_error():
     with pytest.raises(RegistrationError, match="cudaHostRegister"):
         register_range(0x1000, 4096)  # not mapped memory
-
-

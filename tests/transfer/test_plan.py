@@ -19,7 +19,9 @@ from kvshare.transfer.plan import last_layer_alone, layer_groups, load_units, pa
 from kvshare.transfer.reference import page_bytes_of, reference_engine_to_pages
 from tests.transfer.helpers import bits_equal, random_kv
 
-LAYOUT = KVLayout(num_layers=5, num_kv_heads=2, head_dim=8, dtype="bfloat16", chunk_tokens=4)  # layer row 256 B, page 1280 B
+LAYOUT = KVLayout(
+    num_layers=5, num_kv_heads=2, head_dim=8, dtype="bfloat16", chunk_tokens=4
+)  # layer row 256 B, page 1280 B
 EXTENT = 8 * LAYOUT.page_bytes  # consecutive pages cross extents every 8 pages
 
 
@@ -35,8 +37,11 @@ def _runs_page_by_page(offsets, page_bytes, extent_bytes, start, stop):
     """The definition, one page at a time: a page joins the run before it when it follows it in the same extent."""
     runs = []
     for i in range(start, stop):
-        if runs and offsets[i] == runs[-1][1] + runs[-1][2] * page_bytes and (
-                extent_bytes is None or offsets[i] // extent_bytes == runs[-1][1] // extent_bytes):
+        if (
+            runs
+            and offsets[i] == runs[-1][1] + runs[-1][2] * page_bytes
+            and (extent_bytes is None or offsets[i] // extent_bytes == runs[-1][1] // extent_bytes)
+        ):
             runs[-1][2] += 1
         else:
             runs.append([i, offsets[i], 1])
@@ -75,8 +80,11 @@ def test_a_loads_last_layer_goes_alone():
     assert last_layer_alone([(0, 5)]) == [(0, 4), (4, 5)]
     assert last_layer_alone([(0, 1), (1, 2)]) == [(0, 1), (1, 2)]  # already alone
     layout = KVLayout(num_layers=4, num_kv_heads=2, head_dim=8, chunk_tokens=4, dtype="float16")
-    units = list(load_units([0, layout.page_bytes], layout, 3 * layout.layer_bytes, 1 << 20, None,
-                            groups=last_layer_alone([(0, 4)])))
+    units = list(
+        load_units(
+            [0, layout.page_bytes], layout, 3 * layout.layer_bytes, 1 << 20, None, groups=last_layer_alone([(0, 4)])
+        )
+    )
     assert [(u.layer_start, u.layer_stop) for group in units for u in group] == [(0, 3), (3, 4)]
 
 
@@ -85,7 +93,9 @@ def offset_patterns(num_pages: int) -> dict[str, list[int]]:
     every = [i * p for i in range(40)]
     shuffled = every[:num_pages]
     random.Random(3).shuffle(shuffled)
-    mixed = every[5:12] + every[20:23] + [every[30]] + every[13:18]  # runs across extents (8 pages each), a gap, a single
+    mixed = (
+        every[5:12] + every[20:23] + [every[30]] + every[13:18]
+    )  # runs across extents (8 pages each), a gap, a single
     return {"runs": every[3 : 3 + num_pages], "shuffled": shuffled, "mixed": mixed[:num_pages]}
 
 
@@ -132,7 +142,11 @@ def test_staged_plan_moves_canonical_bytes(pattern, min_copy, staging):
     for units in stores:
         for unit in units:
             chunks = chunks_view(stage_t, LAYOUT, unit.num_pages, unit.num_layers)
-            engine_to_chunks(chunks, as_bits(src)[unit.layer_start : unit.layer_stop], (first_chunk + unit.page_start) * LAYOUT.chunk_tokens)
+            engine_to_chunks(
+                chunks,
+                as_bits(src)[unit.layer_start : unit.layer_stop],
+                (first_chunk + unit.page_start) * LAYOUT.chunk_tokens,
+            )
             for copy in unit.copies:
                 emulate_row_copy(copy, arena, stage, to_device=False)
     for i, offset in enumerate(offsets):
@@ -148,7 +162,11 @@ def test_staged_plan_moves_canonical_bytes(pattern, min_copy, staging):
             for copy in unit.copies:
                 emulate_row_copy(copy, arena, stage, to_device=True)
             chunks = chunks_view(stage_t, LAYOUT, unit.num_pages, unit.num_layers)
-            chunks_to_engine(as_bits(dst)[unit.layer_start : unit.layer_stop], chunks, (first_chunk + unit.page_start) * LAYOUT.chunk_tokens)
+            chunks_to_engine(
+                as_bits(dst)[unit.layer_start : unit.layer_stop],
+                chunks,
+                (first_chunk + unit.page_start) * LAYOUT.chunk_tokens,
+            )
     t0 = first_chunk * LAYOUT.chunk_tokens
     assert bits_equal(dst[:, :, :, t0:], src[:, :, :, t0:])
     assert not as_bits(dst)[:, :, :, :t0].any()

@@ -89,16 +89,20 @@ def corrupt_pages(client, writer) -> tuple[list[PageHeader], object]:
     """NUM_PAGES pages stored by ``writer`` (their checksums of its kind), page BAD with a flipped byte."""
     scratch = reserve_scratch(client, LAYOUT.page_bytes, NUM_PAGES)
     sums = writer.store(random_kv(LAYOUT, NUM_PAGES * LAYOUT.chunk_tokens, seed=4), 0, scratch.offsets)
-    headers = [PageHeader(offset=o, page_bytes=LAYOUT.page_bytes, checksum=s, checksum_kind=writer.checksum_kind)
-               for o, s in zip(scratch.offsets, sums)]
+    headers = [
+        PageHeader(offset=o, page_bytes=LAYOUT.page_bytes, checksum=s, checksum_kind=writer.checksum_kind)
+        for o, s in zip(scratch.offsets, sums)
+    ]
     client.page(headers[BAD].offset, LAYOUT.page_bytes)[100] ^= 0x01
     return headers, scratch
 
 
 def load_with(transfer, headers) -> None:
     """A load of the pages into a fresh kv; raises when a page is refused (before or beside the copies)."""
-    kv = torch.zeros((LAYOUT.num_layers, 2, LAYOUT.num_kv_heads, NUM_PAGES * LAYOUT.chunk_tokens, LAYOUT.head_dim),
-                     dtype=torch.bfloat16)
+    kv = torch.zeros(
+        (LAYOUT.num_layers, 2, LAYOUT.num_kv_heads, NUM_PAGES * LAYOUT.chunk_tokens, LAYOUT.head_dim),
+        dtype=torch.bfloat16,
+    )
     handle = transfer.load(kv, 0, headers)
     handle.wait_all()
     handle.verify()
@@ -136,8 +140,10 @@ def test_each_transfer_load_refuses_a_corrupt_page_through_the_one_check(fake, c
 @pytest.mark.parametrize("forced", [None, True], ids=["checked", "forced-valid"])
 def test_read_checked_refuses_a_corrupt_page_through_the_one_check(pool_socket, monkeypatch, forced):
     """Fails when read_checked compares checksums itself: forced valid, it would still raise."""
-    with PoolClient(pool_socket, name="reader", verify_checksums=True) as client, \
-            CpuTransfer(LAYOUT, client, CPU, TransferConfig()) as writer:
+    with (
+        PoolClient(pool_socket, name="reader", verify_checksums=True) as client,
+        CpuTransfer(LAYOUT, client, CPU, TransferConfig()) as writer,
+    ):
         headers, scratch = corrupt_pages(client, writer)
         try:
             calls = spy_verdicts(monkeypatch, forced)

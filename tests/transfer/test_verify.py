@@ -47,8 +47,15 @@ def test_each_page_is_checked_by_its_kind_and_bad_ones_reported():
     rng = np.random.default_rng(0)
     arena = rng.integers(0, 256, 4 * PAGE_BYTES, dtype=np.uint8)
     kinds = [ChecksumKind.WSUM32, ChecksumKind.XXH3, ChecksumKind.WSUM32, ChecksumKind.XXH3]
-    headers = [PageHeader(offset=i * PAGE_BYTES, page_bytes=PAGE_BYTES, checksum=page_checksum(
-        arena[i * PAGE_BYTES : (i + 1) * PAGE_BYTES], k), checksum_kind=k) for i, k in enumerate(kinds)]
+    headers = [
+        PageHeader(
+            offset=i * PAGE_BYTES,
+            page_bytes=PAGE_BYTES,
+            checksum=page_checksum(arena[i * PAGE_BYTES : (i + 1) * PAGE_BYTES], k),
+            checksum_kind=k,
+        )
+        for i, k in enumerate(kinds)
+    ]
     arena[2 * PAGE_BYTES + 5] ^= 1  # page 2 (WSUM32) and page 3 (XXH3) go bad after commit
     arena[3 * PAGE_BYTES + 9] ^= 1
 

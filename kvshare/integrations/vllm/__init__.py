@@ -16,7 +16,7 @@ vLLM's hooks, in the order it calls them, through four files (connector, then on
 
 Beneath them, plain modules:
 
-    staging     on a GPU: streams, staging buffers, 2-D copies, the scatter/gather into vLLM's blocks
+    staging     on a GPU: vLLM's blocks as kvshare.transfer.pipeline's destination (the scatter/gather)
     overlap     on CPU: a step's loads copied layer by layer beside the forward (and the layered-load record)
     block_copy  whole-block numpy copies over a few threads (CPU)
     pool_pages  the worker side's pool calls: lease checks, drops, reserve / commit / abort

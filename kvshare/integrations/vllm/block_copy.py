@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -32,8 +33,9 @@ class CpuBlockCopier:
 
     ``heads``: the pages' KV heads this worker's tensors hold (a tensor parallel rank's slice; all by default)."""
 
-    def __init__(self, layers: list[torch.Tensor], paged: PagedLayout, num_threads: int = 1,
-                 heads: slice = slice(None)) -> None:
+    def __init__(
+        self, layers: list[torch.Tensor], paged: PagedLayout, num_threads: int = 1, heads: slice = slice(None)
+    ) -> None:
         if num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {num_threads}")
         self.blocks = [blocks_array(layer, paged) for layer in layers]  # [2, B, N, H, D] each, vLLM's memory
@@ -115,8 +117,9 @@ class CpuBlockCopier:
 
     def _pool(self) -> ThreadPoolExecutor:
         if self._helpers is None:
-            self._helpers = ThreadPoolExecutor(self.num_threads - 1, thread_name_prefix="kvshare-copy",
-                                               initializer=leave_the_callers_cores)
+            self._helpers = ThreadPoolExecutor(
+                self.num_threads - 1, thread_name_prefix="kvshare-copy", initializer=leave_the_callers_cores
+            )
         return self._helpers
 
     def close(self) -> None:
@@ -137,5 +140,6 @@ def leave_the_callers_cores() -> None:
     try:
         os.sched_setaffinity(0, (every - inherited) or every)
     except OSError as exc:
-        log.warning("kvshare: a copy thread stays on cores %s (%s): copies will not run in parallel",
-                    sorted(inherited), exc)
+        log.warning(
+            "kvshare: a copy thread stays on cores %s (%s): copies will not run in parallel", sorted(inherited), exc
+        )

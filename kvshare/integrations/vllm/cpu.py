@@ -24,7 +24,7 @@ import torch
 from kvshare.integrations.vllm.layout import gather_tokens, scatter_tokens, slots_of_positions
 from kvshare.integrations.vllm.metadata import LoadOutcome, LoadSpec, PhaseTimes, StorePart, StoreSpec
 from kvshare.integrations.vllm.overlap import BlockRun
-from kvshare.integrations.vllm.plan import CopyRun, PageSlice, copy_runs
+from kvshare.integrations.vllm.plan import CopyRun, PageSlice, copy_runs, load_pieces
 from kvshare.integrations.vllm.tensor_parallel import partial_wsum32
 from kvshare.pool.checksum import ChecksumKind
 
@@ -59,7 +59,7 @@ class CpuCopies:
     def _copy_in(self, client, spec: LoadSpec, times: PhaseTimes) -> tuple[int, str]:
         """Verify, then copy; returns (end of the tokens copied, why it stopped early or "")."""
         page_bytes, C = self.kv_layout.page_bytes, self.kv_layout.chunk_tokens
-        pieces, reason = self._pieces(spec)
+        pieces, reason = load_pieces(spec, self.kv_layout)
         if not pieces:
             return spec.token_start, reason
         # the draws in page order; the chosen pages checked all at once, spread over the hashing threads

@@ -6,10 +6,13 @@ pickling when the worker runs in another process, and by reference otherwise.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import asdict, dataclass, field, fields
 
 from kvshare.pool.checksum import ChecksumKind
+
+log = logging.getLogger("kvshare.integrations")
 
 
 @dataclass(frozen=True)
@@ -138,6 +141,28 @@ class ConnectorCounters:
 
     def is_zero(self) -> bool:
         return not any(getattr(self, f.name) for f in fields(self))
+
+    def count_load(
+        self, spec: LoadSpec, loaded_end: int, reason: str, times: PhaseTimes, bytes_per_token: int, threads: int
+    ) -> LoadOutcome:
+        """Count and log a finished load (``loaded_end``: where its trusted tokens end); its outcome."""
+        num_loaded = loaded_end - spec.token_start
+        self.loaded_tokens += num_loaded
+        self.load_bytes += num_loaded * bytes_per_token
+        self.load_seconds += times.total
+        log.debug("kvshare timing: load %s tokens=%d threads=%d %s", spec.req_id, num_loaded, threads, times.line())
+        if loaded_end == spec.token_end:
+            return LoadOutcome(spec.req_id, spec.token_start, spec.token_end, loaded_end)
+        self.load_failures += 1
+        log.warning(
+            "kvshare: load for request %s stopped at token %d of %d..%d: %s; vLLM recomputes the rest",
+            spec.req_id,
+            loaded_end,
+            spec.token_start,
+            spec.token_end,
+            reason,
+        )
+        return LoadOutcome(spec.req_id, spec.token_start, spec.token_end, loaded_end, reason)
 
     def take(self) -> ConnectorCounters:
         """This interval's counts; resets them here."""

@@ -7,7 +7,7 @@ method, through the worker's staged path (staging, gpu):
 - round trip: a store of random KV, then a load into other (descending) blocks: bytes equal, every
   page verified on the GPU, nothing outside the loaded blocks touched;
 - store-order: vLLM's stream sleeps, then writes the KV, then ``save_layer`` per layer: the pages
-  must hold the new bytes. Control (``UnorderedStaging``): the store does not wait for vLLM's
+  must hold the new bytes. Control (``UnorderedPipeline``): the store does not wait for vLLM's
   stream, and must come out wrong;
 - load-order: the copy stream sleeps before its copies; a reader that waits for each layer
   (``wait_layer``) before reading sees the loaded bytes; the control reads without waiting and
@@ -28,12 +28,13 @@ import torch
 from kvshare.integrations.vllm.layout import as_bits, reference_gather
 from kvshare.integrations.vllm.metadata import LoadSpec, PageRef, StoreSpec
 from kvshare.integrations.vllm.paged_tensors import MEMORY_ORDERS, fill_random_, paged_layers
-from kvshare.integrations.vllm.staging import StagingEngine
 from kvshare.integrations.vllm.worker import PoolKVWorker
 from kvshare.keys import KEY_BYTES
 from kvshare.layout import KVLayout
 from kvshare.transfer.base import TransferConfig
 from kvshare.transfer.copiers import CopyError
+from kvshare.transfer.ordercheck import UnorderedPipeline
+from kvshare.transfer.pipeline import StagingPipeline
 from kvshare.transfer.roundtrip import PathResult
 
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, dtype="bfloat16", chunk_tokens=32)  # 16 KiB per layer
@@ -41,13 +42,6 @@ BLOCK_SIZE, NUM_PAGES, NUM_BLOCKS = 16, 8, 40
 # a group per layer, 3 pages per staging buffer: several units per group, both buffers of each direction
 SMALL = TransferConfig(min_copy_bytes=LAYOUT.layer_bytes, staging_bytes=3 * LAYOUT.layer_bytes)
 SENTINEL = 0x5A5A
-
-
-class UnorderedStaging(StagingEngine):
-    """DELIBERATELY BROKEN (validation control only): a store does not wait for vLLM's stream."""
-
-    def order_after_producer(self, stream, produced) -> None:
-        pass
 
 
 class FixedLink:
@@ -93,11 +87,11 @@ class _Bench:
         self.delay_cycles = delay_cycles
         self.workers = {}
         for name, cfg, cls in (
-            ("plain", config, StagingEngine),
-            ("delayed", delayed, StagingEngine),
-            ("unordered", config, UnorderedStaging),
+            ("plain", config, StagingPipeline),
+            ("delayed", delayed, StagingPipeline),
+            ("unordered", config, UnorderedPipeline),
         ):
-            worker = PoolKVWorker(LAYOUT, FixedLink(client), transfer=cfg, staged=True, staging_class=cls)
+            worker = PoolKVWorker(LAYOUT, FixedLink(client), transfer=cfg, staged=True, pipeline_class=cls)
             worker.register(self.layers, self.paged)
             self.workers[name] = worker
         self.namespace = hashlib.blake2b(b"kvshare-vllm-ordercheck" + os.urandom(8), digest_size=KEY_BYTES).digest()

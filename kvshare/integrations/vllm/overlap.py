@@ -79,8 +79,9 @@ class LayeredLoadWorker(Protocol):
     @property
     def copier(self) -> CpuBlockCopier | None: ...
 
-    def settle(self, spec: LoadSpec, pieces: list[PageSlice], chosen: list[bool], verdicts: Iterator[bool],
-               reason: str) -> tuple[int, str]: ...
+    def settle(
+        self, spec: LoadSpec, pieces: list[PageSlice], chosen: list[bool], verdicts: Iterator[bool], reason: str
+    ) -> tuple[int, str]: ...
 
     def outcome(self, spec: LoadSpec, loaded_end: int, reason: str, times: PhaseTimes) -> LoadOutcome: ...
 
@@ -122,9 +123,14 @@ class LayeredLoads:
                         seconds["copy"] += copied - started
                         seconds["checksum"] += time.perf_counter() - copied
                 self._landed[index].set()
-            self._verdicts = [[checksum_is_valid(load.spec.pages[piece.page_index], hasher.intdigest())
-                               for piece, hasher in zip(load.pieces, load_hashers) if hasher is not None]
-                              for load, load_hashers in zip(self.loads, hashers)]
+            self._verdicts = [
+                [
+                    checksum_is_valid(load.spec.pages[piece.page_index], hasher.intdigest())
+                    for piece, hasher in zip(load.pieces, load_hashers)
+                    if hasher is not None
+                ]
+                for load, load_hashers in zip(self.loads, hashers)
+            ]
         except BaseException as exc:  # reported by finish(): the loads fail, vLLM recomputes
             self._error = exc
 
@@ -157,10 +163,8 @@ class LayeredLoads:
                 loaded_end, reason = spec.token_start, f"the forward never waited for layers {missing}"
             else:
                 try:
-                    loaded_end, reason = self.worker.settle(spec, load.pieces, load.chosen, iter(verdicts),
-                                                            load.reason)
+                    loaded_end, reason = self.worker.settle(spec, load.pieces, load.chosen, iter(verdicts), load.reason)
                 except Exception as exc:  # e.g. dropping a bad page hit a pool error: this load fails, not the step
                     loaded_end, reason = spec.token_start, f"{type(exc).__name__} while checking the load: {exc}"
             outcomes.append(self.worker.outcome(spec, loaded_end, reason, load.times))
         return outcomes, all_waited
-

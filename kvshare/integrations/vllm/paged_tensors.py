@@ -19,12 +19,18 @@ import torch
 from kvshare.integrations.vllm.layout import PagedLayout, detect_layout
 
 MEMORY_ORDERS = ("LBNHC", "LBHNC", "padded", "5d")  # the CUDA (flash attention) layouts
-BACKENDS = {"LBNHC": "FLASH_ATTN", "LBHNC": "FLASH_ATTN", "padded": "FLASH_ATTN", "5d": "FLASH_ATTN",
-            "cpu_attn": "CPU_ATTN"}
+BACKENDS = {
+    "LBNHC": "FLASH_ATTN",
+    "LBHNC": "FLASH_ATTN",
+    "padded": "FLASH_ATTN",
+    "5d": "FLASH_ATTN",
+    "cpu_attn": "CPU_ATTN",
+}
 
 
-def empty_layer(order: str, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                dtype: torch.dtype, device) -> torch.Tensor:
+def empty_layer(
+    order: str, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device
+) -> torch.Tensor:
     """One layer's KV tensor in memory order ``order``, uninitialised."""
     B, N, H, D = num_blocks, block_size, num_kv_heads, head_dim
     if order == "LBNHC":
@@ -38,11 +44,21 @@ def empty_layer(order: str, num_blocks: int, block_size: int, num_kv_heads: int,
     raise ValueError(f"unknown memory order {order!r}; known: {sorted(BACKENDS)}")
 
 
-def paged_layers(order: str, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device) -> tuple[list[torch.Tensor], PagedLayout]:
+def paged_layers(
+    order: str,
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device,
+) -> tuple[list[torch.Tensor], PagedLayout]:
     """``num_layers`` zeroed layer tensors and their layout, as the connector's ``register_kv_caches`` sees them."""
-    layers = [empty_layer(order, num_blocks, block_size, num_kv_heads, head_dim, dtype, device).zero_()
-              for _ in range(num_layers)]
+    layers = [
+        empty_layer(order, num_blocks, block_size, num_kv_heads, head_dim, dtype, device).zero_()
+        for _ in range(num_layers)
+    ]
     return layers, detect_layout(BACKENDS[order], layers[0], num_kv_heads, head_dim, block_size, dtype)
 
 

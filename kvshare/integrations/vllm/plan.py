@@ -23,6 +23,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvshare.integrations.vllm.metadata import LoadSpec
+    from kvshare.layout import KVLayout
 
 
 @dataclass(frozen=True)
@@ -129,6 +134,20 @@ def page_slices(
         if hi > lo:
             slices.append(PageSlice(index, chunk, lo, hi))
     return slices
+
+
+def load_pieces(spec: LoadSpec, kv_layout: KVLayout) -> tuple[list[PageSlice], str]:
+    """The page slices a load may copy, and why it ends before the spec does ("" if it need not)."""
+    C, page_bytes = kv_layout.chunk_tokens, kv_layout.page_bytes
+    covered_end = min(spec.token_end, (spec.first_chunk + len(spec.pages)) * C)
+    if spec.token_start < spec.first_chunk * C or covered_end <= spec.token_start:
+        return [], "no leased page covers the load"
+    pieces = page_slices(spec.token_start, covered_end, spec.first_chunk, len(spec.pages), C)
+    for index, piece in enumerate(pieces):  # read no further than a page of another size: not this model's
+        if spec.pages[piece.page_index].page_bytes != page_bytes:
+            size = spec.pages[piece.page_index].page_bytes
+            return pieces[:index], f"page of {size} bytes, this model's pages have {page_bytes}"
+    return pieces, ""
 
 
 @dataclass(frozen=True)

@@ -43,17 +43,24 @@ from kvshare.integrations.vllm.cpu import CpuCopies
 from kvshare.integrations.vllm.gpu import StagedLoads, StagedStores
 from kvshare.integrations.vllm.layout import PagedLayout
 from kvshare.integrations.vllm.metadata import (
-    ConnectorCounters, LoadOutcome, LoadSpec, PhaseTimes, StepPlan, StorePart, StoreSpec,
+    ConnectorCounters,
+    LoadOutcome,
+    LoadSpec,
+    PhaseTimes,
+    StepPlan,
+    StorePart,
+    StoreSpec,
 )
 from kvshare.integrations.vllm.overlap import LayeredLoad, LayeredLoads
-from kvshare.integrations.vllm.plan import PageSlice, blocks_of_tokens, copy_runs, page_slices
+from kvshare.integrations.vllm.plan import PageSlice, blocks_of_tokens, copy_runs, load_pieces
 from kvshare.integrations.vllm.pool_pages import PoolPages
-from kvshare.integrations.vllm.staging import StagingEngine
+from kvshare.integrations.vllm.staging import PagedKV
 from kvshare.integrations.vllm.tensor_parallel import HeadSlice
 from kvshare.layout import KVLayout
 from kvshare.pool.checksum import ChecksumKind, PageHasher, PageSampler
 from kvshare.pool.link import PoolLink
 from kvshare.transfer.base import TransferConfig
+from kvshare.transfer.pipeline import StagingPipeline
 
 log = logging.getLogger("kvshare.integrations")
 
@@ -130,8 +137,13 @@ class WorkerHooks:
         self._failed_loads.clear()
         times.mark("save")
         if plan.loads or plan.stores:
-            log.debug("kvshare timing: step - loads=%d stores=%d tokens=%d %s", len(plan.loads), len(plan.stores),
-                      plan.num_tokens, times.line())
+            log.debug(
+                "kvshare timing: step - loads=%d stores=%d tokens=%d %s",
+                len(plan.loads),
+                len(plan.stores),
+                plan.num_tokens,
+                times.line(),
+            )
 
     def load_errors(self) -> set[int]:
         self._finish_layered()  # already done by wait_for_save, unless vLLM deferred that past this call
@@ -171,8 +183,10 @@ class WorkerHooks:
                 self._layer_waits = False
             else:
                 self._overlap = False
-            log.warning("kvshare: vLLM's forward did not wait for every layer's load (no wait_for_layer_load "
-                        "calls?); this step's loads are recomputed and later loads complete before the forward reads")
+            log.warning(
+                "kvshare: vLLM's forward did not wait for every layer's load (no wait_for_layer_load "
+                "calls?); this step's loads are recomputed and later loads complete before the forward reads"
+            )
         for load, outcome in zip(layered.loads, outcomes):
             self._settle_load(load.spec, outcome)
 
@@ -201,11 +215,11 @@ class PoolKVWorker(CpuCopies):
         rng: random.Random | None = None,
         transfer: TransferConfig = GPU_TRANSFER,
         staged: bool | None = None,
-        staging_class: type[StagingEngine] = StagingEngine,
+        pipeline_class: type[StagingPipeline] = StagingPipeline,
         heads: HeadSlice | None = None,
     ) -> None:
         """``staged``: move KV through GPU staging (None: when the KV tensors are on CUDA; True on CPU
-        tensors runs the same path under a fake CUDA, for tests). ``staging_class``: the validation's
+        tensors runs the same path under a fake CUDA, for tests). ``pipeline_class``: the validation's
         deliberately unordered control replaces it. ``heads``: the page heads this tensor parallel rank's
         tensors hold (None: all, one rank)."""
         self._sampler = PageSampler(verify_fraction, rng)  # which pages a load checks
@@ -223,8 +237,10 @@ class PoolKVWorker(CpuCopies):
         self._loader: ThreadPoolExecutor | None = None  # on CPU: the thread that copies loads beside the forward
         self.transfer = transfer
         self._staged = staged
-        self._staging_class = staging_class
-        self._staging: StagingEngine | None = None  # on a GPU: streams, staging buffers, the registered arena
+        self._pipeline_class = pipeline_class
+        self._staging: StagingPipeline | None = None  # on a GPU: streams, staging buffers, the registered arena
+        self._paged_kv: PagedKV | None = None  # on a GPU: vLLM's blocks as the pipeline's destination
+        self._staged_hasher: PageHasher | None = None  # on a GPU: checks xxh3 pages (CPU writers') beside the copies
 
     def register(self, layers: list[torch.Tensor], paged: PagedLayout) -> None:
         """vLLM's KV tensors, one per model layer in layer order, all in layout ``paged``."""
@@ -236,13 +252,23 @@ class PoolKVWorker(CpuCopies):
         self.paged = paged
         if self._copier is not None:
             self._copier.close()
-        if self._staging is not None:
-            self._staging.close()
+        self._close_staging()
         staged = self.device.type == "cuda" if self._staged is None else self._staged
         if not staged and self.device.type != "cpu":
-            raise ValueError(f"KV tensors on {self.device} move through GPU staging only (staged=False needs CPU tensors)")
-        self._staging = self._staging_class(self.layers, paged, self.kv_layout, self.transfer, self.heads) \
-            if staged else None
+            raise ValueError(
+                f"KV tensors on {self.device} move through GPU staging only (staged=False needs CPU tensors)"
+            )
+        if staged:
+            kv = PagedKV(self.layers, paged, self.kv_layout, self.heads)
+            self._staging = self._pipeline_class(
+                self.kv_layout,
+                self.transfer,
+                self.device,
+                shared_lane=False,
+                heads=(self.heads.first_head, self.heads.num_heads),
+                warm_up_with=kv.scratch(),
+            )
+            self._paged_kv, self._staged_hasher = kv, PageHasher(self.transfer.num_checksum_threads)
         self._copier = CpuBlockCopier(self.layers, paged, self.copy_threads, self.heads.heads) if not staged else None
 
     @property
@@ -262,14 +288,19 @@ class PoolKVWorker(CpuCopies):
     def close(self) -> None:
         if self._copier is not None:
             self._copier.close()
-        if self._staging is not None:
-            self._staging.close()
-            self._staging = None
+        self._close_staging()
         if self._loader is not None:
             self._loader.shutdown(wait=True)
             self._loader = None
         self._hasher.close()
         self.link.close()
+
+    def _close_staging(self) -> None:
+        """Wait for the pipeline's copies, unpin the arena, stop the hashing threads."""
+        if self._staging is not None:
+            self._staging.close()
+            self._staged_hasher.close()
+            self._staging = self._paged_kv = self._staged_hasher = None
 
     @property
     def copier(self) -> CpuBlockCopier | None:
@@ -279,7 +310,7 @@ class PoolKVWorker(CpuCopies):
         """Start copying ``loads`` layer by layer: on a GPU enqueued at once (``wait_now``: vLLM's stream waits
         for all of it here, for a forward that does not wait per layer), on CPU on the loader thread."""
         if self._staging is not None:
-            return StagedLoads(self, loads, self._staging, wait_now)
+            return StagedLoads(self, loads, self._staging, self._paged_kv, self._staged_hasher, wait_now)
         if self._loader is None:
             self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvshare-load", initializer=leave_the_callers_cores)
         return LayeredLoads(self, loads, self._loader)
@@ -300,22 +331,25 @@ class PoolKVWorker(CpuCopies):
         if client is None:
             return self.outcome(spec, spec.token_start, reason, times)
         if self._staging is not None:
-            pieces, reason = self._pieces(spec)
+            pieces, reason = load_pieces(spec, self.kv_layout)
             if not pieces:
                 return self.outcome(spec, spec.token_start, reason, times)
             return LayeredLoad(spec, pieces, [self._sampler.draw() for _ in pieces], reason, times, client=client)
         try:
             if any(spec.pages[i].checksum_kind != ChecksumKind.XXH3 for i in range(len(spec.pages))):
                 return self.load(spec)  # the layered CPU copy streams xxh3 only; a GPU-written page loads now
-            pieces, reason = self._pieces(spec)
+            pieces, reason = load_pieces(spec, self.kv_layout)
             offsets = [spec.pages[p.page_index].offset for p in pieces]
-            runs = copy_runs(pieces, offsets, self.kv_layout.page_bytes, self.kv_layout.chunk_tokens,
-                             client.hello.extent_bytes)
+            runs = copy_runs(
+                pieces, offsets, self.kv_layout.page_bytes, self.kv_layout.chunk_tokens, client.hello.extent_bytes
+            )
             if not pieces or not all(self._copier_takes(pieces[run.first].chunk, run) for run in runs):
                 return self.load(spec)  # nothing to copy, or not whole blocks (the token copy): now
             layered = LayeredLoad(spec, pieces, [self._sampler.draw() for _ in pieces], reason, times)
-            layered.runs = [self._block_run(client, offsets[run.first], run, pieces[run.first].chunk, spec.block_ids)
-                            for run in runs]
+            layered.runs = [
+                self._block_run(client, offsets[run.first], run, pieces[run.first].chunk, spec.block_ids)
+                for run in runs
+            ]
         except Exception as exc:
             log.error("kvshare: load for request %s failed", spec.req_id, exc_info=True)
             return self.outcome(spec, spec.token_start, f"{type(exc).__name__}: {exc}", times)
@@ -324,34 +358,12 @@ class PoolKVWorker(CpuCopies):
 
     def outcome(self, spec: LoadSpec, loaded_end: int, reason: str, times: PhaseTimes) -> LoadOutcome:
         """Count and log a finished load; the outcome the scheduler side is told."""
-        num_loaded = loaded_end - spec.token_start
-        self.counters.loaded_tokens += num_loaded
-        self.counters.load_bytes += num_loaded * self.kv_layout.bytes_per_token
-        self.counters.load_seconds += times.total
-        log.debug("kvshare timing: load %s tokens=%d threads=%d %s", spec.req_id, num_loaded,
-                  torch.get_num_threads(), times.line())
-        if loaded_end != spec.token_end:
-            self.counters.load_failures += 1
-            log.warning("kvshare: load for request %s stopped at token %d of %d..%d: %s; vLLM recomputes the rest",
-                        spec.req_id, loaded_end, spec.token_start, spec.token_end, reason)
-            return LoadOutcome(spec.req_id, spec.token_start, spec.token_end, loaded_end, reason)
-        return LoadOutcome(spec.req_id, spec.token_start, spec.token_end, loaded_end)
+        bytes_per_token, threads = self.kv_layout.bytes_per_token, torch.get_num_threads()
+        return self.counters.count_load(spec, loaded_end, reason, times, bytes_per_token, threads)
 
-    def _pieces(self, spec: LoadSpec) -> tuple[list[PageSlice], str]:
-        """The page slices a load may copy, and why it ends before the spec does ("" if it need not)."""
-        C, page_bytes = self.kv_layout.chunk_tokens, self.kv_layout.page_bytes
-        covered_end = min(spec.token_end, (spec.first_chunk + len(spec.pages)) * C)
-        if spec.token_start < spec.first_chunk * C or covered_end <= spec.token_start:
-            return [], "no leased page covers the load"
-        pieces = page_slices(spec.token_start, covered_end, spec.first_chunk, len(spec.pages), C)
-        for index, piece in enumerate(pieces):  # read no further than a page of another size: not this model's
-            if spec.pages[piece.page_index].page_bytes != page_bytes:
-                size = spec.pages[piece.page_index].page_bytes
-                return pieces[:index], f"page of {size} bytes, this model's pages have {page_bytes}"
-        return pieces, ""
-
-    def settle(self, spec: LoadSpec, pieces: list[PageSlice], chosen: list[bool], verdicts: Iterator[bool],
-               reason: str) -> tuple[int, str]:
+    def settle(
+        self, spec: LoadSpec, pieces: list[PageSlice], chosen: list[bool], verdicts: Iterator[bool], reason: str
+    ) -> tuple[int, str]:
         """Where a load's trusted tokens end: at the first chosen page found not valid (next of ``verdicts``,
         one per chosen page in order, from kvshare.pool.checksum), which is then dropped from the pool."""
         trusted = 0
@@ -381,4 +393,4 @@ class PoolKVWorker(CpuCopies):
         client = self.link.client()
         if not specs or (client is None and not any(spec.is_parted for spec in specs)):
             return None
-        return StagedStores(self.pool, specs, self._staging, client)
+        return StagedStores(self.pool, specs, self._staging, self._paged_kv, client)

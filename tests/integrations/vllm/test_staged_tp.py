@@ -224,12 +224,12 @@ def test_one_rank_with_every_head_stages_as_before(fake, flushed):
     layout = layout_of(4)
     reader = tp1_replica(flushed, "R", layout, transfer_of(layout, "layer_groups"))
     try:
-        engine = reader.worker._staging
+        pipeline, kv = reader.worker._staging, reader.worker._paged_kv
         unit = plan_unit([0, layout.page_bytes], layout, (0, 1), (0, 2), None)
-        buffer = engine.store_buffers.tensors[0]
-        assert not engine.is_sliced and engine.store_copies(unit) is unit.copies
-        staged = engine.staged(buffer, unit)
-        assert engine.own_heads(staged) is staged
-        assert engine.store_staged(buffer, unit).shape == staged.shape
+        buffer = pipeline.store_lane.buffers[0]
+        assert not pipeline.is_sliced and not kv.is_sliced and pipeline.store_copies(unit) is unit.copies
+        staged = pipeline.staged(buffer, unit)
+        assert kv.own_heads(staged) is staged
+        assert pipeline.packed(buffer, unit).shape == staged.shape
     finally:
         reader.close()
