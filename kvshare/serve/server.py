@@ -327,7 +327,8 @@ class ReplicaServer:
         except (ConnectionResetError, SlowClient):  # the client went away or stopped reading: free the engine
             job.is_cancelled = True
             self.metrics.cancelled.inc()
-            return response
+            # a handler ends with a response; 499 (client closed request) is never sent to a client that left
+            return response if response is not None else web.Response(status=499)
         except asyncio.CancelledError:
             job.is_cancelled = True
             self.metrics.cancelled.inc()

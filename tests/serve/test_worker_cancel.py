@@ -6,6 +6,7 @@ exception"). The worker now hands the engine a cancel check that the prefill ask
 """
 
 import asyncio
+import logging
 import threading
 import time
 
@@ -170,14 +171,14 @@ class SlowPrefill:
         yield from self._engine.generate(prompt_ids, params, options)
 
 
-def leave_during_the_prefill(url: str, engine: SlowPrefill) -> None:
-    """A streamed request whose client closes its connection once the prefill runs."""
+def leave_during_the_prefill(url: str, engine: SlowPrefill, stream: bool = True) -> None:
+    """A request whose client closes its connection once the prefill runs."""
     import http.client
     import json
 
     host, port = url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=60)
-    body = {"prompt": "once upon a time", "max_tokens": 4, "stream": True}
+    body = {"prompt": "once upon a time", "max_tokens": 4, "stream": stream}
     conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
     assert engine.started.wait(30)
     conn.sock.close()  # the client gives up while the prefill runs
@@ -215,6 +216,26 @@ def test_a_client_that_disconnects_during_the_prefill_frees_the_engine(slow_engi
                 break
             time.sleep(0.1)
         assert metric(url, "kvshare_num_requests_running") == 0
+
+
+def test_a_non_streamed_request_whose_client_left_still_ends_with_a_response(slow_engine, caplog):
+    """The handler of a non-streamed request whose client left answers with a response object (499, never
+    sent) instead of None, which aiohttp logs as an error with a traceback ("Missing return statement")."""
+    from tests.serve.live import metric, replica
+
+    engine = slow_engine
+    engine.started.clear(), engine.cancelled.clear()
+    engine.slow = True
+    with caplog.at_level(logging.ERROR, logger="aiohttp"), replica(engine) as url:
+        leave_during_the_prefill(url, engine, stream=False)
+        assert engine.cancelled.wait(30), "the engine ran on after its client left"
+        for _ in range(100):
+            if metric(url, "kvshare_request_cancelled_total") == 1:
+                break
+            time.sleep(0.1)
+        assert metric(url, "kvshare_request_cancelled_total") == 1
+    engine.slow = False
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("aiohttp")] == []
 
 
 def test_through_the_router_too_and_the_replica_stays_healthy(slow_engine):
