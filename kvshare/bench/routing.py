@@ -42,6 +42,7 @@ POOL_BYTES_LOADED = "kvshare_pool_bytes_loaded_total"
 FALLBACKS = "kvshare_router_pool_aware_fallbacks_total"
 EVENT_LAG = "kvshare_router_kv_events_lag_seconds"
 EVENTS_LIVE = "kvshare_router_kv_events_live"
+POOL_AWARE_TERM = "kvshare_router_pool_aware_"  # its cost-term gauges, one per replica (router.event_feed)
 
 
 @dataclass
@@ -78,6 +79,8 @@ class Replayer:
         fallbacks = after[1] - before[1] if after[1] is not None and before[1] is not None else None
         row = replay_row(key, rate, condition.name, run, records, wall_s, after[0] - before[0], fallbacks, lag)
         row["events_live_share"] = sum(live) / len(live) if live else None
+        if condition.router.startswith("pool_aware"):
+            row["pool_aware_terms"] = await self._pool_aware_terms(url)
         return records, row
 
     async def _session(
@@ -154,6 +157,21 @@ class Replayer:
         for url in self.cluster.replica_urls:
             loaded += (await self._metrics(url)).get(POOL_BYTES_LOADED, 0.0)
         return loaded, (await self._metrics(router_url)).get(FALLBACKS)
+
+    async def _pool_aware_terms(self, router_url: str) -> dict[str, dict[str, float]]:
+        """pool_aware's cost terms per replica as the router measured them by the end of a replay (its gauges
+        kvshare_router_pool_aware_*: seconds per prefill and per loaded token, service, overhead, samples)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        async with self.ctx.session.get(router_url + "/metrics") as resp:
+            text = await resp.text()
+        terms: dict[str, dict[str, float]] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name.startswith(POOL_AWARE_TERM) and "replica" in sample.labels:
+                    name = sample.name.removeprefix(POOL_AWARE_TERM)
+                    terms.setdefault(sample.labels["replica"], {})[name] = sample.value
+        return terms
 
     async def _metrics(self, url: str) -> dict[str, float]:
         from prometheus_client.parser import text_string_to_metric_families

@@ -142,6 +142,8 @@ def test_the_controls_through_real_routers_on_cpu(tmp_path, monkeypatch):
     assert unshared["pool_bytes_loaded"] == 0 and unshared["pool_tokens"] == 0 and unshared["local_tokens"] == 0
     assert unshared["fallbacks"] == 0  # its router's events were live: the control is pool_aware, not a fallback
     assert unshared["events_live_share"] > 0
+    terms = unshared["pool_aware_terms"]  # the router's measured cost terms, per replica, end of the replay
+    assert len(terms) == 2 and all(t["prefill_seconds_per_token"] > 0 and "rate_samples" in t for t in terms.values())
 
     assert {s["condition"] for s in summary} == {"no_shared_prefix", "events_dropped"}
     run = json.loads((tmp_path / "runs.jsonl").read_text().splitlines()[-1])
