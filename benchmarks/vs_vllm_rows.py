@@ -118,8 +118,9 @@ def readme(rows: list[dict], meta: dict) -> str:
     if meta.get("label"):
         out += [f"**{meta['label']}.**", ""]
     out += [
-        f"Hardware: {meta['hardware']}. vLLM {meta['vllm_version']} ({meta['vllm_python']}). "
-        f"Model: {meta['model']} (`{meta['model_dir']}`). Bound: {meta['bound_note']}."
+        f"Hardware: {meta['hardware']}. "
+        + (f"vLLM {meta['vllm_version']} ({meta['vllm_python']}). " if meta.get("vllm_version") else "vLLM not run. ")
+        + f"Model: {meta['model']} (`{meta['model_dir']}`). Bound: {meta['bound_note']}."
         + (f" Load average before / after each phase: {meta['loadavg']}." if meta.get("loadavg") else ""),
         "",
         "Commands (this run):",

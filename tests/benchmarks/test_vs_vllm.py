@@ -131,6 +131,8 @@ def test_the_table_and_readme_show_both_engines_side_by_side(bench):
     readme = bench.readme(rows, meta)
     assert "**plumbing run on 2 CPU cores.**" in readme and text in readme
     assert "benchmarks/vs_vllm.py --device cpu\npython -m kvshare up --model /tmp/m\n" in readme
+    assert "vLLM 0.32.0 (/venv/bin/python)." in readme
+    assert "vLLM not run." in bench.readme(rows, {**meta, "vllm_version": None})  # a kvshare-only run
     assert bench.result_dir_name("2026-12-06", "abc1234") == "2026-12-06-abc1234-vs-vllm"
 
 
