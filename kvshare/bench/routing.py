@@ -161,28 +161,25 @@ class Replayer:
     async def _pool_aware_terms(self, router_url: str) -> dict[str, dict[str, float]]:
         """pool_aware's cost terms per replica as the router measured them by the end of a replay (its gauges
         kvshare_router_pool_aware_*: seconds per prefill and per loaded token, service, overhead, samples)."""
-        from prometheus_client.parser import text_string_to_metric_families
-
-        async with self.ctx.session.get(router_url + "/metrics") as resp:
-            text = await resp.text()
         terms: dict[str, dict[str, float]] = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name.startswith(POOL_AWARE_TERM) and "replica" in sample.labels:
-                    name = sample.name.removeprefix(POOL_AWARE_TERM)
-                    terms.setdefault(sample.labels["replica"], {})[name] = sample.value
+        for sample in await self._samples(router_url):
+            if sample.name.startswith(POOL_AWARE_TERM) and "replica" in sample.labels:
+                terms.setdefault(sample.labels["replica"], {})[sample.name.removeprefix(POOL_AWARE_TERM)] = sample.value
         return terms
 
     async def _metrics(self, url: str) -> dict[str, float]:
+        """Each metric of ``url``'s /metrics, summed over its labels."""
+        sums: dict[str, float] = {}
+        for sample in await self._samples(url):
+            sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
+        return sums
+
+    async def _samples(self, url: str) -> list:
         from prometheus_client.parser import text_string_to_metric_families
 
         async with self.ctx.session.get(url + "/metrics") as resp:
             text = await resp.text()
-        sums: dict[str, float] = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
-        return sums
+        return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
 
     async def _sample_lag(self, router_url: str, lags: list[float], live: list[bool]) -> None:
         """Every LAG_POLL_S: whether the router trusts its events, and the last batch's lag when one arrived
