@@ -51,8 +51,12 @@ def flops_prefill(cfg, n: int) -> float:
     h, L = cfg.hidden_size, cfg.num_layers
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     per_token = 2 * L * (h * q + 2 * h * kv + q * h + 3 * h * cfg.intermediate_size)
-    attention = 2 * L * 2 * n * n * q / 2  # QK^T and PV, causal half
-    return per_token * n + attention + 2 * h * cfg.vocab_size
+    return per_token * n + flops_attention(cfg, n) + 2 * h * cfg.vocab_size
+
+
+def flops_attention(cfg, n: int) -> float:
+    """The attention's share of ``flops_prefill``: QK^T and PV over the causal half."""
+    return 2 * cfg.num_layers * 2 * n * n * cfg.num_heads * cfg.head_dim / 2
 
 
 class Timeline:
