@@ -1,7 +1,9 @@
 """Where a cold prefill's GPU time goes, kernel by kernel: the built-in engine beside vLLM 0.26.
 
-    PYTHONPATH=. python3 benchmarks/prefill_profile_gpu.py --model-dir /tmp/vs-vllm-qwen3-8b --tokens 32768 \\
-        --out $OUT/profile
+    # the GPU machine, .vk/ holding the vLLM bundle (benchmarks/vs_vllm.sh's set-up; about 4 minutes at 32k)
+    export VK=.vk; source benchmarks/vllm_bundle.sh
+    python3 -m kvshare make-model qwen3-8b --out /tmp/vs-vllm-qwen3-8b --device cuda
+    python3 benchmarks/prefill_profile_gpu.py --model-dir /tmp/vs-vllm-qwen3-8b --tokens 32768 --out $OUT/profile
     PYTHONPATH=$PWD python3 benchmarks/prefill_profile_gpu.py --preset tiny --device cpu --tokens 512 \\
         --out /tmp/pp --no-vllm                                   # CPU dry run: operators instead of kernels
 
@@ -10,9 +12,9 @@ two cold prefills of fresh random prompts timed without the profiler (wall, CUDA
 torch.profiler (CPU and CUDA activities). Every prefill is checked to have computed all of its tokens (no reuse).
 vLLM (a server of --vllm-python, its torch profiler on through --profiler-config): one warm-up request, two timed
 cold requests, then /start_profile, one cold request, /stop_profile, and the trace its worker wrote.
-vLLM's trace covers its engine steps between the two calls: the prompt's prefill in steps of
-max_num_batched_tokens (8192 on an 80 GB GPU), compiled by torch.compile, outside CUDA graphs (a step of that
-many tokens is above the capture sizes), and the sampling of the one output token.
+vLLM runs as `vs_vllm.py` started it for the cold figures it compares (vLLM's defaults: torch.compile, CUDA
+graphs, chunked prefill) but without a KV offloading tier. Its trace covers its worker's steps between the two
+calls (VLLM_TRACE_COVERS); the built-in engine's covers the one request, from generate() to its first token.
 
 Both traces go through one categoriser (``category``: the kernel's name against RULES, first match wins) and one
 summary: per category the kernel count, GPU ms and share of the summed kernel time, the top kernels, the GPU busy
@@ -49,7 +51,7 @@ from engine_ttft_gpu import flops_attention, flops_prefill  # noqa: E402
 # activations (silu) come before the copies and plain elementwise kernels they may be fused with. A reduction
 # (the mean of an unfused RMSNorm, a sampler's argmax) matches none: "other".
 RULES: tuple[tuple[str, str], ...] = (
-    ("KV write / copies", r"reshape_and_cache"),
+    ("KV write / copies", r"reshape_and_cache|kv_cache_update"),
     ("attention", r"flash|fmha|attn|attention"),
     ("GEMM", r"cutlass|sm90_|gemm|cublas|nvjet|xmma|wgmma|^aten::(mm|addmm|bmm|matmul|linear)$"),
     ("norm", r"rms_?norm|layer_?norm|rsqrt"),
@@ -59,6 +61,11 @@ RULES: tuple[tuple[str, str], ...] = (
     ("elementwise other", r"elementwise|triton_poi|triton_red|^aten::(add|mul|div|sub|neg|pow|exp)_?$"),
 )
 OTHER = "other"
+VLLM_TRACE_COVERS = (
+    "the worker's steps between /start_profile and /stop_profile: the prompt's prefill in steps of "
+    "max_num_batched_tokens (8192 on an 80 GB GPU), compiled by torch.compile and run outside CUDA graphs (a step "
+    "of that many tokens is above the capture sizes), and the sampling of the one output token"
+)
 CATEGORIES = ("GEMM", "attention", "norm", "rotary", "activation", "KV write / copies", "elementwise other", OTHER)
 _COMPILED = tuple((name, re.compile(pattern)) for name, pattern in RULES)
 TOP_KERNELS = 15
@@ -91,6 +98,11 @@ def trace_events(trace: dict, on_gpu: bool) -> list[dict]:
                 stack[-1]["self"] -= e["dur"]
             stack.append(e)
     return events
+
+
+def read_trace(path: str) -> dict:
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
+        return json.load(f)
 
 
 def busy_us(events: list[dict]) -> float:
@@ -197,16 +209,12 @@ def profile_kvshare(args, out_dir: str) -> tuple[dict, object]:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     profiler = torch.profiler.profile(activities=activities)
     profiled = prefill(random_ids(n, 3), profiler)
-    path = os.path.join(out_dir, "kvshare_trace.json")
+    path = os.path.join(out_dir, "kvshare_trace.json.gz")
     profiler.export_chrome_trace(path)
-    with open(path) as f:
-        trace = json.load(f)
-    with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as z:
-        z.write(f.read())
-    os.remove(path)
-    row = {"wall_s": walls, "profiled_wall_s": profiled, "attention": engine.attention.name}
+    row = {"wall_s": walls, "profiled_wall_s": profiled, "attention": engine.attention.name, "trace_file": path}
+    row["trace_covers"] = "the one request, from generate() to its first token"
     engine.close()  # its memory goes back once this frame is gone (main empties the CUDA cache then)
-    return {**row, "trace": trace}, engine.model_config
+    return {**row, "trace": read_trace(path)}, engine.model_config
 
 
 def post(url: str, body: dict | None, timeout_s: float) -> dict:
@@ -250,7 +258,7 @@ def profile_vllm(args, out_dir: str) -> dict:
     spec = vllm_server_command(config)
     log = open(os.path.join(out_dir, "vllm.log"), "w")
     proc = subprocess.Popen(spec.argv, env=spec.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    row: dict = {"command": " ".join(spec.argv), "trace_covers": "the worker's steps between start and stop"}
+    row: dict = {"command": " ".join(spec.argv), "trace_covers": VLLM_TRACE_COVERS}
     try:
         wait_until_ready(spec.base_url, proc, timeout_s=args.vllm_timeout)
         name = os.path.basename(os.path.normpath(args.model_dir))
@@ -276,9 +284,7 @@ def profile_vllm(args, out_dir: str) -> dict:
                 raise TimeoutError(f"vLLM wrote no trace into {trace_dir} within {args.request_timeout:.0f} s")
             time.sleep(1.0)
         path = max(files, key=os.path.getsize)
-        row["trace_file"] = os.path.relpath(path, out_dir)
-        with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
-            row["trace"] = json.load(f)
+        row["trace_file"], row["trace"] = path, read_trace(path)
     except Exception as exc:  # the kvshare table is printed whatever became of vLLM
         row["error"] = f"{type(exc).__name__}: {exc}"
     finally:
@@ -294,9 +300,10 @@ def profile_vllm(args, out_dir: str) -> dict:
 
 
 def table(engines: dict[str, dict]) -> str:
-    """category | ms and share per engine | the difference to the first engine."""
+    """category | ms and share per engine | the first engine's ms less the second's."""
     names = list(engines)
-    lines = [f"{'category':20s}" + "".join(f" | {n + ' ms':>11s} {'share':>6s}" for n in names) + " | difference"]
+    diff_head = f" | {names[0]} - {names[1]} ms" if len(names) == 2 else ""
+    lines = [f"{'category':20s}" + "".join(f" | {n + ' ms':>11s} {'share':>6s}" for n in names) + diff_head]
     for c in (*CATEGORIES, None):
         cells, ms = "", []
         for n in names:
@@ -307,7 +314,7 @@ def table(engines: dict[str, dict]) -> str:
             cells += f" | {v:11.2f} {share}"
         diff = f" | {ms[0] - ms[1]:+.2f}" if len(ms) == 2 else ""
         lines.append(f"{c or 'all kernels':20s}{cells}{diff}")
-    for key in ("num_kernels", "busy_ms", "span_ms", "profiled_wall_ms", "gemm_tflops"):
+    for key in ("num_kernels", "busy_ms", "span_ms", "profiled_wall_ms", "gemm_tflops", "gemm_pct_of_matmul"):
         lines.append(f"{key:20s}" + "".join(f" | {engines[n][key] or 0:18.2f}" for n in names))
     return "\n".join(lines)
 
@@ -328,12 +335,12 @@ def main(argv: list[str] | None = None) -> int:
         args.vllm_python = sys.executable
     run_vllm = not args.no_vllm and args.vllm_python is not None and args.model_dir is not None
     os.makedirs(args.out, exist_ok=True)
+    import torch
+
     from kvshare.bench.records import tree_commit
 
     on_gpu = args.device.startswith("cuda")
     result: dict = {"commit": tree_commit(), "tokens": args.tokens, "device": args.device, "engines": {}}
-    import torch
-
     if on_gpu:
         result["gpu"] = torch.cuda.get_device_name(args.device)
     result["matmul_tflops"] = matmul_tflops(args.device)
@@ -352,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, row in engines.items():
         trace = row.pop("trace", None)
         if trace is not None:
-            summaries[name] = summarise(trace_events(trace, on_gpu), row["profiled_wall_s"], gemm_flops)
+            summaries[name] = s = summarise(trace_events(trace, on_gpu), row["profiled_wall_s"], gemm_flops)
+            s["gemm_pct_of_matmul"] = 100 * s["gemm_tflops"] / result["matmul_tflops"] if s["gemm_tflops"] else None
         result["engines"][name] = {**row, **summaries.get(name, {})}
         if "error" in row:
             print(f"prefill_profile: {name}: {row['error']}", flush=True)

@@ -43,6 +43,7 @@ KERNELS = {
     "aten::mm": "GEMM",
     "aten::_scaled_dot_product_flash_attention_for_cpu": "attention",
     "aten::cat": "KV write / copies",
+    "vllm::unified_kv_cache_update": "KV write / copies",
     "aten::mul": "elementwise other",
     # no rule
     "some_kernel_nobody_knows": "other",
