@@ -19,7 +19,7 @@ calls (VLLM_TRACE_COVERS); the built-in engine's covers the one request, from ge
 Both traces go through one categoriser (``category``: the kernel's name against RULES, first match wins) and one
 summary: per category the kernel count, GPU ms and share of the summed kernel time, the top kernels, the GPU busy
 time (union of the kernels' intervals) against the span and the host's wall time (the gaps: launch and host
-overhead), and the GEMM category's rate from the model's linear FLOPs against the bf16 matmul rate (8192^3).
+overhead), and the GEMM category's rate from the model's linear FLOPs against the matmul rate (8192^3, bf16).
 On CPU the events are the operators, each with its self time (its children's time taken out).
 Writes ``--out``/prefill_profile.json and the traces (kvshare_trace.json.gz, vllm-trace/).
 """
@@ -158,12 +158,12 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def matmul_tflops(device: str, repeats: int = 5) -> float:
-    """The best of ``repeats`` bf16 matmuls of 8192^3 (512^3 on CPU)."""
+def matmul_tflops(device: str, dtype: str, repeats: int = 5) -> float:
+    """The best of ``repeats`` matmuls of 8192^3 (512^3 on CPU) in the model's dtype (bf16 for the 8B shape)."""
     import torch
 
     size = 8192 if device.startswith("cuda") else 512
-    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    a = torch.randn(size, size, device=device, dtype=getattr(torch, dtype))
     a @ a
     best = float("inf")
     for _ in range(repeats):
@@ -343,11 +343,12 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {"commit": tree_commit(), "tokens": args.tokens, "device": args.device, "engines": {}}
     if on_gpu:
         result["gpu"] = torch.cuda.get_device_name(args.device)
-    result["matmul_tflops"] = matmul_tflops(args.device)
     kv, model_config = profile_kvshare(args, args.out)
     gc.collect()
     if on_gpu:
         torch.cuda.empty_cache()  # the engine's memory, before vLLM's server measures what is free
+    result["matmul_tflops"] = matmul_tflops(args.device, model_config.dtype)
+    result["matmul_dtype"] = model_config.dtype
     gemm_flops = flops_prefill(model_config, args.tokens) - flops_attention(model_config, args.tokens)
     result["flops"] = {"prefill": flops_prefill(model_config, args.tokens), "gemm": gemm_flops}
     engines = {"kvshare": kv}
@@ -366,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"prefill_profile: {name}: {row['error']}", flush=True)
     with open(os.path.join(args.out, "prefill_profile.json"), "w") as f:
         json.dump(result, f, indent=1)
-    print(f"{args.tokens} tokens on {result.get('gpu', args.device)}, matmul {result['matmul_tflops']:.1f} TFLOP/s")
+    where = result.get("gpu", args.device)
+    print(f"{args.tokens} tokens on {where}, {model_config.dtype} matmul {result['matmul_tflops']:.2f} TFLOP/s")
     for name, row in result["engines"].items():
         walls = ", ".join(f"{w:.3f}" for w in row.get("wall_s", []))
         print(f"{name}: cold prefill wall {walls} s (profiled {row.get('profiled_wall_s') or 0:.3f} s)")
