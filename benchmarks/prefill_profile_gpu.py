@@ -1,6 +1,6 @@
 """Where a cold prefill's GPU time goes, kernel by kernel: the built-in engine beside vLLM 0.26.
 
-    # the GPU machine, .vk/ holding the vLLM bundle (benchmarks/vs_vllm.sh's set-up; about 4 minutes at 32k)
+    # the GPU machine, .vk/ holding the vLLM bundle (benchmarks/vs_vllm.sh's set-up); 4-5 minutes at 32k
     export VK=.vk; source benchmarks/vllm_bundle.sh
     python3 -m kvshare make-model qwen3-8b --out /tmp/vs-vllm-qwen3-8b --device cuda
     python3 benchmarks/prefill_profile_gpu.py --model-dir /tmp/vs-vllm-qwen3-8b --tokens 32768 --out $OUT/profile
@@ -211,7 +211,8 @@ def profile_kvshare(args, out_dir: str) -> tuple[dict, object]:
     profiled = prefill(random_ids(n, 3), profiler)
     path = os.path.join(out_dir, "kvshare_trace.json.gz")
     profiler.export_chrome_trace(path)
-    row = {"wall_s": walls, "profiled_wall_s": profiled, "attention": engine.attention.name, "trace_file": path}
+    row = {"wall_s": walls, "profiled_wall_s": profiled, "attention": engine.attention.name}
+    row["trace_file"] = os.path.basename(path)
     row["trace_covers"] = "the one request, from generate() to its first token"
     engine.close()  # its memory goes back once this frame is gone (main empties the CUDA cache then)
     return {**row, "trace": read_trace(path)}, engine.model_config
@@ -284,7 +285,7 @@ def profile_vllm(args, out_dir: str) -> dict:
                 raise TimeoutError(f"vLLM wrote no trace into {trace_dir} within {args.request_timeout:.0f} s")
             time.sleep(1.0)
         path = max(files, key=os.path.getsize)
-        row["trace_file"], row["trace"] = path, read_trace(path)
+        row["trace_file"], row["trace"] = os.path.relpath(path, out_dir), read_trace(path)
     except Exception as exc:  # the kvshare table is printed whatever became of vLLM
         row["error"] = f"{type(exc).__name__}: {exc}"
     finally:
@@ -328,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--vllm-python", help="vLLM's interpreter (default: this one, where it imports vllm)")
     p.add_argument("--no-vllm", action="store_true")
-    p.add_argument("--vllm-timeout", type=float, default=150.0, help="seconds for vLLM's server to get ready")
+    # vLLM 0.26's server took 160 s to get ready for the 8B shape on an H100 (torch.compile 40 s, no compile cache)
+    p.add_argument("--vllm-timeout", type=float, default=240.0, help="seconds for vLLM's server to get ready")
     p.add_argument("--request-timeout", type=float, default=60.0, help="seconds for one request or the trace")
     args = p.parse_args(argv)
     if args.vllm_python is None and importlib.util.find_spec("vllm") is not None:
