@@ -270,8 +270,8 @@ def profile_vllm(args, out_dir: str) -> dict:
             reply = post(f"{spec.base_url}/v1/completions", body, args.request_timeout)
             wall = time.perf_counter() - t0
             cached = ((reply.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
-            if cached:
-                raise RuntimeError(f"vLLM reused {cached} prompt tokens of a cold prompt")
+            if cached != 0:  # None: vLLM did not say, and a cold figure must not rest on a guess
+                raise RuntimeError(f"vLLM reused {cached} prompt tokens of a cold prompt (None: not reported)")
             return wall
 
         complete(random_ids(300, 0))

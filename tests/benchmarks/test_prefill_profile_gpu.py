@@ -3,7 +3,9 @@ self times, busy time, and a CPU dry run of the whole script."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 
 import pytest
 
@@ -94,3 +96,18 @@ def test_the_cpu_dry_run_writes_both_tables_inputs(bench, tmp_path, capsys):
     assert set(kv["categories"]) == set(bench.CATEGORIES) and kv["categories"]["GEMM"]["count"] > 0
     assert len(kv["wall_s"]) == 2 and kv["top"] and result["flops"]["gemm"] < result["flops"]["prefill"]
     assert (out / "kvshare_trace.json.gz").exists() and "GEMM" in capsys.readouterr().out
+
+
+def test_a_vllm_server_that_exits_is_reported_and_the_run_goes_on(bench, tmp_path):
+    """No model there (and no vLLM in this interpreter): the server exits, the row says so (fails, raising, when
+    profile_vllm lets the error out instead of recording it)."""
+    args = argparse.Namespace(
+        tokens=64,
+        model_dir=str(tmp_path / "none"),
+        vllm_python=sys.executable,
+        device="cpu",
+        vllm_timeout=60.0,
+        request_timeout=5.0,
+    )
+    row = bench.profile_vllm(args, str(tmp_path))
+    assert "exited" in row["error"] and "trace" not in row and "wall_s" not in row
