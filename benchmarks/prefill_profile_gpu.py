@@ -21,6 +21,9 @@ summary: per category the kernel count, GPU ms and share of the summed kernel ti
 time (union of the kernels' intervals) against the span and the host's wall time (the gaps: launch and host
 overhead), and the GEMM category's rate from the model's linear FLOPs against the matmul rate (8192^3, bf16).
 On CPU the events are the operators, each with its self time (its children's time taken out).
+Names alone put the built-in engine's unfused RMSNorm and RoPE (float casts, pow, mean, mul, cat, neg) under
+copies and elementwise; its profiled prefill therefore also runs with profiler ranges around the model's parts
+(``annotated_regions``), and a second table gives its time by part: the range open where each kernel was launched.
 Writes ``--out``/prefill_profile.json and the traces (kvshare_trace.json.gz, vllm-trace/).
 """
 
@@ -61,6 +64,7 @@ RULES: tuple[tuple[str, str], ...] = (
     ("elementwise other", r"elementwise|triton_poi|triton_red|^aten::(add|mul|div|sub|neg|pow|exp)_?$"),
 )
 OTHER = "other"
+REGION_PREFIX, UNANNOTATED = "region:", "rest"  # rest: residual adds, copies of q and x, the sampler
 VLLM_TRACE_COVERS = (
     "the worker's steps between /start_profile and /stop_profile: the prompt's prefill in steps of "
     "max_num_batched_tokens (8192 on an 80 GB GPU), compiled by torch.compile and run outside CUDA graphs (a step "
@@ -81,23 +85,127 @@ def trace_events(trace: dict, on_gpu: bool) -> list[dict]:
     """The compute events of a chrome trace as {name, ts, dur, self} (us): on a GPU its kernels, memcpys and
     memsets (self = dur); on CPU its operators, self being dur less that of the operators directly inside it."""
     kinds = ("kernel", "gpu_memcpy", "gpu_memset") if on_gpu else ("cpu_op",)
-    events = [
-        {"name": e["name"], "ts": float(e["ts"]), "dur": float(e.get("dur", 0)), "tid": (e.get("pid"), e.get("tid"))}
-        for e in trace.get("traceEvents", [])
-        if e.get("ph") == "X" and e.get("cat") in kinds
-    ]
+    raw = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    # a kernel was issued where its launch (the runtime call of the same correlation id) ran on a host thread
+    launches = {
+        e["args"]["correlation"]: e
+        for e in raw
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
+    }
+    events = []
+    for e in raw:
+        if e.get("cat") in kinds:
+            launch = launches.get(e.get("args", {}).get("correlation")) if on_gpu else e
+            at = ((launch.get("pid"), launch.get("tid")), float(launch["ts"])) if launch else None
+            events.append({"name": e["name"], "ts": float(e["ts"]), "dur": float(e.get("dur", 0)), "at": at})
     for e in events:
         e["self"] = e["dur"]
     if not on_gpu:  # nested operators of one thread: take each one's time out of its enclosing one
         stacks: dict = {}
         for e in sorted(events, key=lambda e: (e["ts"], -e["dur"])):
-            stack = stacks.setdefault(e["tid"], [])
+            stack = stacks.setdefault(e["at"][0], [])
             while stack and stack[-1]["ts"] + stack[-1]["dur"] <= e["ts"]:
                 stack.pop()
             if stack:
                 stack[-1]["self"] -= e["dur"]
             stack.append(e)
     return events
+
+
+def assign_regions(trace: dict, events: list[dict]) -> None:
+    """Each event's "region": the innermost ``region:`` range (``annotated_regions``) open on the host thread where
+    it was issued, else UNANNOTATED. The ranges of one thread nest, so one sweep over the time points does it."""
+    spans = [
+        e
+        for e in trace.get("traceEvents", [])
+        if e.get("ph") == "X" and e.get("cat") == "user_annotation" and e["name"].startswith(REGION_PREFIX)
+    ]
+    items: dict = {}
+    for e in spans:  # starts before points at one time, outer ranges before inner ones
+        items.setdefault((e.get("pid"), e.get("tid")), []).append((float(e["ts"]), 0, -float(e["dur"]), e))
+    for i, e in enumerate(events):
+        e["region"] = UNANNOTATED
+        if e["at"] is not None:
+            items.setdefault(e["at"][0], []).append((e["at"][1], 1, i, e))
+    for thread_items in items.values():
+        stack: list[dict] = []
+        for ts, kind, _, obj in sorted(thread_items, key=lambda t: t[:3]):
+            while stack and float(stack[-1]["ts"]) + float(stack[-1]["dur"]) <= ts:
+                stack.pop()
+            if kind == 0:
+                stack.append(obj)
+            elif stack:
+                obj["region"] = stack[-1]["name"][len(REGION_PREFIX) :]
+
+
+def by_region(events: list[dict]) -> dict[str, dict]:
+    """Per region: count, ms, share of the summed event time and its ms per category."""
+    total_ms = sum(e["self"] for e in events) / 1e3
+    out: dict[str, dict] = {}
+    for e in events:
+        row = out.setdefault(e["region"], {"count": 0, "ms": 0.0, "categories": {}})
+        row["count"] += 1
+        row["ms"] += e["self"] / 1e3
+        c = category(e["name"])
+        row["categories"][c] = row["categories"].get(c, 0.0) + e["self"] / 1e3
+    for row in out.values():
+        row["share"] = row["ms"] / total_ms if total_ms else 0.0
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]["ms"]))
+
+
+@contextlib.contextmanager
+def annotated_regions(model):
+    """Bench-only instrumentation of the built-in model (kvshare.engine.model.Transformer), undone on exit:
+    ``region:`` profiler ranges around its parts (modules by forward hooks; RoPE, the KV write, attention and the
+    LM head by wrapping), so each kernel can be given the part of the model that launched it."""
+    import torch
+    from torch import nn
+
+    import kvshare.engine.model as m
+
+    def wrap(label, fn):
+        def annotated(*args, **kwargs):
+            with torch.profiler.record_function(REGION_PREFIX + label):
+                return fn(*args, **kwargs)
+
+        return annotated
+
+    open_ranges: list = []
+
+    def enter(label):
+        def hook(module, args):
+            open_ranges.append(torch.profiler.record_function(REGION_PREFIX + label).__enter__())
+
+        return hook
+
+    def leave(module, args, out):
+        open_ranges.pop().__exit__(None, None, None)
+
+    kinds = {m.RMSNorm: "norm", nn.Linear: "linear", m.MLP: "MLP (act, mul)", nn.Embedding: "embedding"}
+    handles = []
+    for module in model.modules():
+        if type(module) in kinds:
+            handles += [
+                module.register_forward_pre_hook(enter(kinds[type(module)])),
+                module.register_forward_hook(leave),
+            ]
+    functions = {"apply_rope": "rotary", "write_kv": "KV write", "attend": "attention"}
+    saved = {name: getattr(m, name) for name in functions}
+    prefill_attention = model.prefill_attention
+    try:
+        for name, label in functions.items():
+            setattr(m, name, wrap(label, saved[name]))
+        if prefill_attention is not None:
+            model.prefill_attention = wrap("attention", prefill_attention)
+        model.logits = wrap("LM head", model.logits)  # an instance attribute over the method
+        yield
+    finally:
+        del model.logits
+        model.prefill_attention = prefill_attention
+        for name in functions:
+            setattr(m, name, saved[name])
+        for handle in handles:
+            handle.remove()
 
 
 def read_trace(path: str) -> dict:
@@ -208,7 +316,8 @@ def profile_kvshare(args, out_dir: str) -> tuple[dict, object]:
     if device.startswith("cuda"):
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     profiler = torch.profiler.profile(activities=activities)
-    profiled = prefill(random_ids(n, 3), profiler)
+    with annotated_regions(engine.model):
+        profiled = prefill(random_ids(n, 3), profiler)
     path = os.path.join(out_dir, "kvshare_trace.json.gz")
     profiler.export_chrome_trace(path)
     row = {"wall_s": walls, "profiled_wall_s": profiled, "attention": engine.attention.name}
@@ -362,7 +471,11 @@ def main(argv: list[str] | None = None) -> int:
     for name, row in engines.items():
         trace = row.pop("trace", None)
         if trace is not None:
-            summaries[name] = s = summarise(trace_events(trace, on_gpu), row["profiled_wall_s"], gemm_flops)
+            events = trace_events(trace, on_gpu)
+            assign_regions(trace, events)
+            summaries[name] = s = summarise(events, row["profiled_wall_s"], gemm_flops)
+            if any(e["region"] != UNANNOTATED for e in events):  # the built-in engine's parts (annotated_regions)
+                s["regions"] = by_region(events)
             s["gemm_pct_of_matmul"] = 100 * s["gemm_tflops"] / result["matmul_tflops"] if s["gemm_tflops"] else None
         result["engines"][name] = {**row, **summaries.get(name, {})}
         if "error" in row:
@@ -376,6 +489,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: cold prefill wall {walls} s (profiled {row.get('profiled_wall_s') or 0:.3f} s)")
     print(table(summaries))
     for name, s in summaries.items():
+        if "regions" in s:
+            print(f"\n{name} by part of the model (the range open where each kernel was launched; top categories)")
+            for region, r in s["regions"].items():
+                cats = sorted(r["categories"].items(), key=lambda kv: -kv[1])[:3]
+                top = ", ".join(f"{c} {ms:.2f}" for c, ms in cats)
+                print(f"  {region:18s} {r['ms']:9.2f} ms {r['share']:6.1%} {r['count']:6d}x  ({top})")
         print(f"\n{name}: top {TOP_KERNELS} kernels")
         for k in s["top"]:
             print(f"  {k['ms']:9.2f} ms {k['count']:6d}x  {k['category']:18s} {k['name'][:100]}")

@@ -88,6 +88,38 @@ def test_cpu_operators_count_their_self_time_and_kernels_their_whole_time(bench)
     assert summary["span_ms"] == pytest.approx(6e-3) and summary["gemm_tflops"] == pytest.approx(1.0)  # 4 MFLOP in 4 us
 
 
+def test_each_kernel_goes_to_the_innermost_region_open_where_it_was_launched(bench):
+    """Ranges that start together: the inner one owns the launch (fails when the sweep opens inner before outer)."""
+    ann = {"ph": "X", "cat": "user_annotation", "pid": 1, "tid": 1}
+    run = {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 1, "dur": 1}
+    kernel = {"ph": "X", "cat": "kernel", "pid": 0, "tid": 7, "dur": 5}
+    trace = {
+        "traceEvents": [
+            {**ann, "name": "region:MLP (act, mul)", "ts": 100, "dur": 50},
+            {**ann, "name": "region:linear", "ts": 100, "dur": 10},
+            {**ann, "name": "other annotation", "ts": 120, "dur": 5},
+            {**run, "ts": 100, "args": {"correlation": 1}},  # inside linear, inside MLP
+            {**run, "ts": 121, "args": {"correlation": 2}},  # inside MLP only (the other range is no region)
+            {**run, "ts": 200, "args": {"correlation": 3}},  # outside every range
+            {**kernel, "name": "nvjet_a", "ts": 300, "args": {"correlation": 1}},
+            {**kernel, "name": "silu_kernel", "ts": 310, "args": {"correlation": 2}},
+            {**kernel, "name": "add_kernel", "ts": 320, "args": {"correlation": 3}},
+            {**kernel, "name": "no_launch_kernel", "ts": 330, "args": {}},
+        ]
+    }
+    events = bench.trace_events(trace, on_gpu=True)
+    bench.assign_regions(trace, events)
+    assert {e["name"]: e["region"] for e in events} == {
+        "nvjet_a": "linear",
+        "silu_kernel": "MLP (act, mul)",
+        "add_kernel": bench.UNANNOTATED,
+        "no_launch_kernel": bench.UNANNOTATED,
+    }
+    regions = bench.by_region(events)
+    assert regions["linear"]["categories"] == {"GEMM": pytest.approx(5e-3)}
+    assert regions[bench.UNANNOTATED]["count"] == 2 and regions["linear"]["share"] == 0.25
+
+
 def test_the_cpu_dry_run_writes_both_tables_inputs(bench, tmp_path, capsys):
     out = tmp_path / "pp"
     assert bench.main(["--preset", "tiny", "--device", "cpu", "--tokens", "64", "--out", str(out), "--no-vllm"]) == 0
@@ -96,6 +128,12 @@ def test_the_cpu_dry_run_writes_both_tables_inputs(bench, tmp_path, capsys):
     assert set(kv["categories"]) == set(bench.CATEGORIES) and kv["categories"]["GEMM"]["count"] > 0
     assert len(kv["wall_s"]) == 2 and kv["top"] and result["flops"]["gemm"] < result["flops"]["prefill"]
     assert (out / "kvshare_trace.json.gz").exists() and "GEMM" in capsys.readouterr().out
+    # the model's parts, found through the ranges around them; the instrumentation is gone afterwards
+    assert {"linear", "attention", "norm", "rotary", "KV write", "MLP (act, mul)"} <= set(kv["regions"])
+    assert kv["regions"]["linear"]["categories"]["GEMM"] > 0
+    import kvshare.engine.model as model
+
+    assert model.apply_rope.__name__ == "apply_rope" and model.write_kv.__name__ == "write_kv"
 
 
 def test_a_vllm_server_that_exits_is_reported_and_the_run_goes_on(bench, tmp_path):
