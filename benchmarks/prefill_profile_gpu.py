@@ -16,14 +16,12 @@ vLLM runs as `vs_vllm.py` started it for the cold figures it compares (vLLM's de
 graphs, chunked prefill) but without a KV offloading tier. Its trace covers its worker's steps between the two
 calls (VLLM_TRACE_COVERS); the built-in engine's covers the one request, from generate() to its first token.
 
-Both traces go through one categoriser (``category``: the kernel's name against RULES, first match wins) and one
-summary: per category the kernel count, GPU ms and share of the summed kernel time, the top kernels, the GPU busy
-time (union of the kernels' intervals) against the span and the host's wall time (the gaps: launch and host
-overhead), and the GEMM category's rate from the model's linear FLOPs against the matmul rate (8192^3, bf16).
-On CPU the events are the operators, each with its self time (its children's time taken out).
-Names alone put the built-in engine's unfused RMSNorm and RoPE (float casts, pow, mean, mul, cat, neg) under
-copies and elementwise; its profiled prefill therefore also runs with profiler ranges around the model's parts
-(``annotated_regions``), and a second table gives its time by part: the range open where each kernel was launched.
+Both traces go through prefill_profile_trace.py: per category of kernel name, count, GPU ms and share; the top
+kernels; GPU busy time against span and wall (the gaps: launch and host overhead); the GEMM category's rate from
+the model's linear FLOPs against the matmul rate (8192^3, bf16). Names alone file the built-in engine's unfused
+RMSNorm and RoPE (float casts, pow, mean, mul, cat, neg) under copies and elementwise, so its profiled prefill
+runs inside profiler ranges around the model's parts (``annotated_regions``) and a second table gives its time by
+part. On CPU (the dry run) the events are the operators, each by its self time.
 Writes ``--out``/prefill_profile.json and the traces (kvshare_trace.json.gz, vllm-trace/).
 """
 
@@ -33,11 +31,9 @@ import argparse
 import contextlib
 import gc
 import glob
-import gzip
 import importlib.util
 import json
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -45,112 +41,25 @@ import time
 import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)  # engine_ttft_gpu beside this script
+sys.path.insert(0, HERE)  # engine_ttft_gpu and prefill_profile_trace beside this script
 from engine_ttft_gpu import flops_attention, flops_prefill  # noqa: E402
-
-# (category, pattern over the lower-cased kernel or operator name); the first match wins, so vLLM's KV write
-# (reshape_and_cache_flash_kernel) is a KV write before "flash" makes it attention, FlashAttention's kernels
-# (whose names hold cutlass and sm90 templates) are attention before GEMM is tried, and fused norms (rsqrt) or
-# activations (silu) come before the copies and plain elementwise kernels they may be fused with. A reduction
-# (the mean of an unfused RMSNorm, a sampler's argmax) matches none: "other".
-RULES: tuple[tuple[str, str], ...] = (
-    ("KV write / copies", r"reshape_and_cache|kv_cache_update"),
-    ("attention", r"flash|fmha|attn|attention"),
-    ("GEMM", r"cutlass|sm90_|gemm|cublas|nvjet|xmma|wgmma|^aten::(mm|addmm|bmm|matmul|linear)$"),
-    ("norm", r"rms_?norm|layer_?norm|rsqrt"),
-    ("rotary", r"rotary|rope"),
-    ("activation", r"silu|gelu|act_and_mul"),
-    ("KV write / copies", r"reshape_and_cache|copy|memcpy|memset|(^|[^a-z])cat|index|scatter|gather"),
-    ("elementwise other", r"elementwise|triton_poi|triton_red|^aten::(add|mul|div|sub|neg|pow|exp)_?$"),
+from prefill_profile_trace import (  # noqa: E402
+    REGION_PREFIX,
+    TOP_KERNELS,
+    UNANNOTATED,
+    assign_regions,
+    by_region,
+    read_trace,
+    summarise,
+    table,
+    trace_events,
 )
-OTHER = "other"
-REGION_PREFIX, UNANNOTATED = "region:", "rest"  # rest: residual adds, copies of q and x, the sampler
+
 VLLM_TRACE_COVERS = (
     "the worker's steps between /start_profile and /stop_profile: the prompt's prefill in steps of "
     "max_num_batched_tokens (8192 on an 80 GB GPU), compiled by torch.compile and run outside CUDA graphs (a step "
     "of that many tokens is above the capture sizes), and the sampling of the one output token"
 )
-CATEGORIES = ("GEMM", "attention", "norm", "rotary", "activation", "KV write / copies", "elementwise other", OTHER)
-_COMPILED = tuple((name, re.compile(pattern)) for name, pattern in RULES)
-TOP_KERNELS = 15
-
-
-def category(name: str) -> str:
-    """The category of one kernel (or CPU operator) name; OTHER where no rule matches."""
-    lowered = name.lower()
-    return next((cat for cat, pattern in _COMPILED if pattern.search(lowered)), OTHER)
-
-
-def trace_events(trace: dict, on_gpu: bool) -> list[dict]:
-    """The compute events of a chrome trace as {name, ts, dur, self} (us): on a GPU its kernels, memcpys and
-    memsets (self = dur); on CPU its operators, self being dur less that of the operators directly inside it."""
-    kinds = ("kernel", "gpu_memcpy", "gpu_memset") if on_gpu else ("cpu_op",)
-    raw = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
-    # a kernel was issued where its launch (the runtime call of the same correlation id) ran on a host thread
-    launches = {
-        e["args"]["correlation"]: e
-        for e in raw
-        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
-    }
-    events = []
-    for e in raw:
-        if e.get("cat") in kinds:
-            launch = launches.get(e.get("args", {}).get("correlation")) if on_gpu else e
-            at = ((launch.get("pid"), launch.get("tid")), float(launch["ts"])) if launch else None
-            events.append({"name": e["name"], "ts": float(e["ts"]), "dur": float(e.get("dur", 0)), "at": at})
-    for e in events:
-        e["self"] = e["dur"]
-    if not on_gpu:  # nested operators of one thread: take each one's time out of its enclosing one
-        stacks: dict = {}
-        for e in sorted(events, key=lambda e: (e["ts"], -e["dur"])):
-            stack = stacks.setdefault(e["at"][0], [])
-            while stack and stack[-1]["ts"] + stack[-1]["dur"] <= e["ts"]:
-                stack.pop()
-            if stack:
-                stack[-1]["self"] -= e["dur"]
-            stack.append(e)
-    return events
-
-
-def assign_regions(trace: dict, events: list[dict]) -> None:
-    """Each event's "region": the innermost ``region:`` range (``annotated_regions``) open on the host thread where
-    it was issued, else UNANNOTATED. The ranges of one thread nest, so one sweep over the time points does it."""
-    spans = [
-        e
-        for e in trace.get("traceEvents", [])
-        if e.get("ph") == "X" and e.get("cat") == "user_annotation" and e["name"].startswith(REGION_PREFIX)
-    ]
-    items: dict = {}
-    for e in spans:  # starts before points at one time, outer ranges before inner ones
-        items.setdefault((e.get("pid"), e.get("tid")), []).append((float(e["ts"]), 0, -float(e["dur"]), e))
-    for i, e in enumerate(events):
-        e["region"] = UNANNOTATED
-        if e["at"] is not None:
-            items.setdefault(e["at"][0], []).append((e["at"][1], 1, i, e))
-    for thread_items in items.values():
-        stack: list[dict] = []
-        for ts, kind, _, obj in sorted(thread_items, key=lambda t: t[:3]):
-            while stack and float(stack[-1]["ts"]) + float(stack[-1]["dur"]) <= ts:
-                stack.pop()
-            if kind == 0:
-                stack.append(obj)
-            elif stack:
-                obj["region"] = stack[-1]["name"][len(REGION_PREFIX) :]
-
-
-def by_region(events: list[dict]) -> dict[str, dict]:
-    """Per region: count, ms, share of the summed event time and its ms per category."""
-    total_ms = sum(e["self"] for e in events) / 1e3
-    out: dict[str, dict] = {}
-    for e in events:
-        row = out.setdefault(e["region"], {"count": 0, "ms": 0.0, "categories": {}})
-        row["count"] += 1
-        row["ms"] += e["self"] / 1e3
-        c = category(e["name"])
-        row["categories"][c] = row["categories"].get(c, 0.0) + e["self"] / 1e3
-    for row in out.values():
-        row["share"] = row["ms"] / total_ms if total_ms else 0.0
-    return dict(sorted(out.items(), key=lambda kv: -kv[1]["ms"]))
 
 
 @contextlib.contextmanager
@@ -206,51 +115,6 @@ def annotated_regions(model):
             setattr(m, name, saved[name])
         for handle in handles:
             handle.remove()
-
-
-def read_trace(path: str) -> dict:
-    with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
-        return json.load(f)
-
-
-def busy_us(events: list[dict]) -> float:
-    """Time covered by at least one event (the union of their intervals)."""
-    total, end = 0.0, float("-inf")
-    for e in sorted(events, key=lambda e: e["ts"]):
-        start, stop = max(e["ts"], end), e["ts"] + e["dur"]
-        if stop > start:
-            total += stop - start
-        end = max(end, stop)
-    return total
-
-
-def summarise(events: list[dict], wall_s: float | None, gemm_flops: float | None) -> dict:
-    """Per category (count, ms, share of the summed event time), the top kernels, busy vs span vs wall."""
-    per = {c: {"count": 0, "ms": 0.0} for c in CATEGORIES}
-    names: dict[str, dict] = {}
-    for e in events:
-        row = per[category(e["name"])]
-        row["count"] += 1
-        row["ms"] += e["self"] / 1e3
-        one = names.setdefault(e["name"], {"count": 0, "ms": 0.0, "category": category(e["name"])})
-        one["count"] += 1
-        one["ms"] += e["self"] / 1e3
-    total_ms = sum(r["ms"] for r in per.values())
-    for r in per.values():
-        r["share"] = r["ms"] / total_ms if total_ms else 0.0
-    top = sorted(names.items(), key=lambda kv: -kv[1]["ms"])[:TOP_KERNELS]
-    span_ms = (max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)) / 1e3 if events else 0.0
-    gemm_s = per["GEMM"]["ms"] / 1e3
-    return {
-        "categories": per,
-        "kernel_ms": total_ms,
-        "num_kernels": len(events),
-        "busy_ms": busy_us(events) / 1e3,
-        "span_ms": span_ms,
-        "profiled_wall_ms": wall_s * 1e3 if wall_s is not None else None,
-        "gemm_tflops": gemm_flops / gemm_s / 1e12 if gemm_flops and gemm_s else None,
-        "top": [{"name": name, **row} for name, row in top],
-    }
 
 
 def random_ids(n: int, seed: int) -> list[int]:
@@ -407,26 +271,6 @@ def profile_vllm(args, out_dir: str) -> dict:
             proc.wait(timeout=30)
         log.close()
     return row
-
-
-def table(engines: dict[str, dict]) -> str:
-    """category | ms and share per engine | the first engine's ms less the second's."""
-    names = list(engines)
-    diff_head = f" | {names[0]} - {names[1]} ms" if len(names) == 2 else ""
-    lines = [f"{'category':20s}" + "".join(f" | {n + ' ms':>11s} {'share':>6s}" for n in names) + diff_head]
-    for c in (*CATEGORIES, None):
-        cells, ms = "", []
-        for n in names:
-            s = engines[n]
-            v = s["categories"][c]["ms"] if c else s["kernel_ms"]
-            ms.append(v)
-            share = f"{s['categories'][c]['share']:6.1%}" if c else f"{'':6s}"
-            cells += f" | {v:11.2f} {share}"
-        diff = f" | {ms[0] - ms[1]:+.2f}" if len(ms) == 2 else ""
-        lines.append(f"{c or 'all kernels':20s}{cells}{diff}")
-    for key in ("num_kernels", "busy_ms", "span_ms", "profiled_wall_ms", "gemm_tflops", "gemm_pct_of_matmul"):
-        lines.append(f"{key:20s}" + "".join(f" | {engines[n][key] or 0:18.2f}" for n in names))
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,5 +1,6 @@
-"""benchmarks/prefill_profile_gpu.py: the kernel categoriser over both engines' kernel names, the CPU trace's
-self times, busy time, and a CPU dry run of the whole script."""
+"""benchmarks/prefill_profile_gpu.py and its trace reading (prefill_profile_trace.py): the kernel categoriser over
+both engines' kernel names, the CPU trace's self times, busy time, regions, a CPU dry run of the whole script and a
+vLLM server that does not start."""
 
 from __future__ import annotations
 
@@ -41,6 +42,8 @@ KERNELS = {
     "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0": "norm",
     "triton_poi_fused_mul_silu_slice_1": "activation",
     "triton_poi_fused_add_2": "elementwise other",
+    "triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_3": "norm",
+    "triton_per_fused_add_4": "elementwise other",
     # CPU operators (the dry run)
     "aten::mm": "GEMM",
     "aten::_scaled_dot_product_flash_attention_for_cpu": "attention",
@@ -53,21 +56,26 @@ KERNELS = {
 
 
 @pytest.fixture(scope="module")
+def reader():
+    return load_benchmark("prefill_profile_trace")
+
+
+@pytest.fixture(scope="module")
 def bench():
     return load_benchmark("prefill_profile_gpu")
 
 
 @pytest.mark.parametrize("name", sorted(KERNELS))
-def test_kernel_names_of_both_engines_fall_into_their_category(bench, name):
+def test_kernel_names_of_both_engines_fall_into_their_category(reader, name):
     """vLLM's reshape_and_cache_flash_kernel fails as "attention" when the reshape_and_cache rule is not first."""
-    assert bench.category(name) == KERNELS[name]
+    assert reader.category(name) == KERNELS[name]
 
 
-def test_every_category_a_rule_names_is_shown(bench):
-    assert {c for c, _ in bench.RULES} | {bench.OTHER} == set(bench.CATEGORIES)
+def test_every_category_a_rule_names_is_shown(reader):
+    assert {c for c, _ in reader.RULES} | {reader.OTHER} == set(reader.CATEGORIES)
 
 
-def test_cpu_operators_count_their_self_time_and_kernels_their_whole_time(bench):
+def test_cpu_operators_count_their_self_time_and_kernels_their_whole_time(reader):
     """A parent operator's time less its child's (fails when the nesting is not taken out: 10 instead of 4)."""
     trace = {
         "traceEvents": [
@@ -78,17 +86,17 @@ def test_cpu_operators_count_their_self_time_and_kernels_their_whole_time(bench)
             {"ph": "X", "cat": "kernel", "name": "silu_kernel", "ts": 5, "dur": 4, "pid": 0, "tid": 8},
         ]
     }
-    cpu = {e["name"]: e["self"] for e in bench.trace_events(trace, on_gpu=False)}
+    cpu = {e["name"]: e["self"] for e in reader.trace_events(trace, on_gpu=False)}
     assert cpu == {"aten::linear": 4, "aten::addmm": 6, "aten::mul": 5}
-    gpu = bench.trace_events(trace, on_gpu=True)
+    gpu = reader.trace_events(trace, on_gpu=True)
     assert [(e["name"], e["self"]) for e in gpu] == [("nvjet_x", 4), ("silu_kernel", 4)]
-    assert bench.busy_us(gpu) == 6  # 3..9: the overlap counted once
-    summary = bench.summarise(gpu, wall_s=20e-6, gemm_flops=4e6)
+    assert reader.busy_us(gpu) == 6  # 3..9: the overlap counted once
+    summary = reader.summarise(gpu, wall_s=20e-6, gemm_flops=4e6)
     assert summary["categories"]["GEMM"]["count"] == 1 and summary["categories"]["activation"]["share"] == 0.5
     assert summary["span_ms"] == pytest.approx(6e-3) and summary["gemm_tflops"] == pytest.approx(1.0)  # 4 MFLOP in 4 us
 
 
-def test_each_kernel_goes_to_the_innermost_region_open_where_it_was_launched(bench):
+def test_each_kernel_goes_to_the_innermost_region_open_where_it_was_launched(reader):
     """Ranges that start together: the inner one owns the launch (fails when the sweep opens inner before outer)."""
     ann = {"ph": "X", "cat": "user_annotation", "pid": 1, "tid": 1}
     run = {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 1, "dur": 1}
@@ -107,25 +115,25 @@ def test_each_kernel_goes_to_the_innermost_region_open_where_it_was_launched(ben
             {**kernel, "name": "no_launch_kernel", "ts": 330, "args": {}},
         ]
     }
-    events = bench.trace_events(trace, on_gpu=True)
-    bench.assign_regions(trace, events)
+    events = reader.trace_events(trace, on_gpu=True)
+    reader.assign_regions(trace, events)
     assert {e["name"]: e["region"] for e in events} == {
         "nvjet_a": "linear",
         "silu_kernel": "MLP (act, mul)",
-        "add_kernel": bench.UNANNOTATED,
-        "no_launch_kernel": bench.UNANNOTATED,
+        "add_kernel": reader.UNANNOTATED,
+        "no_launch_kernel": reader.UNANNOTATED,
     }
-    regions = bench.by_region(events)
+    regions = reader.by_region(events)
     assert regions["linear"]["categories"] == {"GEMM": pytest.approx(5e-3)}
-    assert regions[bench.UNANNOTATED]["count"] == 2 and regions["linear"]["share"] == 0.25
+    assert regions[reader.UNANNOTATED]["count"] == 2 and regions["linear"]["share"] == 0.25
 
 
-def test_the_cpu_dry_run_writes_both_tables_inputs(bench, tmp_path, capsys):
+def test_the_cpu_dry_run_writes_both_tables_inputs(bench, reader, tmp_path, capsys):
     out = tmp_path / "pp"
     assert bench.main(["--preset", "tiny", "--device", "cpu", "--tokens", "64", "--out", str(out), "--no-vllm"]) == 0
     result = json.loads((out / "prefill_profile.json").read_text())
     kv = result["engines"]["kvshare"]
-    assert set(kv["categories"]) == set(bench.CATEGORIES) and kv["categories"]["GEMM"]["count"] > 0
+    assert set(kv["categories"]) == set(reader.CATEGORIES) and kv["categories"]["GEMM"]["count"] > 0
     assert len(kv["wall_s"]) == 2 and kv["top"] and result["flops"]["gemm"] < result["flops"]["prefill"]
     assert (out / "kvshare_trace.json.gz").exists() and "GEMM" in capsys.readouterr().out
     # the model's parts, found through the ranges around them; the instrumentation is gone afterwards
