@@ -205,7 +205,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def profile_vllm(args, out_dir: str) -> dict:
+def profile_vllm(args, out_dir: str, gpu_memory_utilization: float | None) -> dict:
     """vLLM's cold prefills through its OpenAI server: timed, then one under its torch profiler."""
     from kvshare.integrations.vllm.launch import VllmServerConfig, vllm_server_command, wait_until_ready
 
@@ -226,7 +226,7 @@ def profile_vllm(args, out_dir: str) -> dict:
         max_model_len=n + 64,
         dtype="bfloat16" if on_gpu else "auto",
         device="cuda" if on_gpu else "cpu",
-        gpu_memory_utilization=0.85 if on_gpu else None,  # this process keeps its CUDA context
+        gpu_memory_utilization=gpu_memory_utilization,
         extra_args=("--profiler-config", json.dumps(profiler)),
     )
     spec = vllm_server_command(config)
@@ -308,7 +308,11 @@ def main(argv: list[str] | None = None) -> int:
     result["flops"] = {"prefill": flops_prefill(model_config, args.tokens), "gemm": gemm_flops}
     engines = {"kvshare": kv}
     if run_vllm:
-        engines["vLLM"] = profile_vllm(args, args.out)
+        share = None
+        if on_gpu:  # what this process still holds (its CUDA context) stays out of vLLM's share of the GPU
+            free, total = torch.cuda.mem_get_info()
+            share = result["vllm_gpu_memory_utilization"] = round(min(0.85, free / total - 0.05), 2)
+        engines["vLLM"] = profile_vllm(args, args.out, share)
     elif not args.no_vllm:
         print("prefill_profile: vLLM not run (no --model-dir, or no interpreter that imports vllm)", flush=True)
     summaries = {}

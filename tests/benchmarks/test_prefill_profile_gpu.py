@@ -155,5 +155,5 @@ def test_a_vllm_server_that_exits_is_reported_and_the_run_goes_on(bench, tmp_pat
         vllm_timeout=60.0,
         request_timeout=5.0,
     )
-    row = bench.profile_vllm(args, str(tmp_path))
+    row = bench.profile_vllm(args, str(tmp_path), None)
     assert "exited" in row["error"] and "trace" not in row and "wall_s" not in row
