@@ -7,8 +7,11 @@ these steps (parse +2 ms, first token written +2 ms). Then the decode of one bod
 prompt the replica takes, ids spread over the vocabulary, into its array: a fresh replica's first
 256k-token request had paid ~17 ms more in parse than later ones (the runs of 2026-12-01 at 680646f, H200); with this
 step a first 131056-token request parsed no slower than the next (9.1 vs 12.3 ms, the runs of 2026-12-01 at bc152e4),
-while a first 32k-token one still parses ~1.2 ms slower (cause not found). Nothing is loaded or stored (pool and
-local cache off), the engine's counters leave it out (``Engine.uncounted``), and it never
+while a first 32k-token one still parses ~1.2 ms slower (cause not found). Then a chat body's decode and the
+tokenizer's warm-up (its chat template compiled): a fresh replica's first text request had paid ~25-30 ms more than
+later ones in parse (2 cores; +8 % on a 32k cross-replica hit on the H100, docs/results/2026-12-05-8245c99-h100-vs-vllm;
+benchmarks/tokenize_cost.py --fresh measures it). Nothing is loaded or stored (pool and
+local cache off; no token ids cached), the engine's counters leave it out (``Engine.uncounted``), and it never
 passes the HTTP layer, so no metric counts it.
 """
 
@@ -69,3 +72,6 @@ def warm_request_path(engine: Any, model_name: str, replica_name: str, max_promp
     body = _json.encode({"model": model_name, "prompt": spread.tolist(), "max_tokens": 1})
     array = np.asarray(A.prompt_of(A.decode_completion(body)), dtype=np.int64)
     array.min(), array.max()  # the range check a request's ids get
+    chat = _json.encode({"model": model_name, "messages": [{"role": "user", "content": "warm-up"}], "max_tokens": 1})
+    A.validate(A.decode(chat, A.ChatRequest))
+    engine.tokenizer.warm_up()
