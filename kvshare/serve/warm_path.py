@@ -72,6 +72,11 @@ def warm_request_path(engine: Any, model_name: str, replica_name: str, max_promp
     body = _json.encode({"model": model_name, "prompt": spread.tolist(), "max_tokens": 1})
     array = np.asarray(A.prompt_of(A.decode_completion(body)), dtype=np.int64)
     array.min(), array.max()  # the range check a request's ids get
+    warm_text_path(engine.tokenizer, model_name)
+
+
+def warm_text_path(tokenizer: Any, model_name: str) -> None:
+    """A chat request's one-time host costs before its prefill: its body's decoder, the chat template's compile."""
     chat = _json.encode({"model": model_name, "messages": [{"role": "user", "content": "warm-up"}], "max_tokens": 1})
     A.validate(A.decode(chat, A.ChatRequest))
-    engine.tokenizer.warm_up()
+    tokenizer.warm_up()
