@@ -196,7 +196,7 @@ class Tokenizer:
 
     def warm_up(self) -> None:
         """Pay a fresh tokenizer's one-time cost of its first chat before any request: the chat template's compile
-        (~25-30 ms of a fresh replica's first text request on 2 cores, benchmarks/tokenize_cost.py --fresh).
+        (~25 ms of a fresh replica's first text request on 2 cores, benchmarks/tokenize_cost.py --fresh).
         Nothing is cached; a template that cannot render a one-message chat is left to the requests to report."""
         from jinja2.exceptions import TemplateError
 

@@ -8,9 +8,10 @@ prompt the replica takes, ids spread over the vocabulary, into its array: a fres
 256k-token request had paid ~17 ms more in parse than later ones (the runs of 2026-12-01 at 680646f, H200); with this
 step a first 131056-token request parsed no slower than the next (9.1 vs 12.3 ms, the runs of 2026-12-01 at bc152e4),
 while a first 32k-token one still parses ~1.2 ms slower (cause not found). Then a chat body's decode and the
-tokenizer's warm-up (its chat template compiled): a fresh replica's first text request had paid ~25-30 ms more than
-later ones in parse (2 cores; +8 % on a 32k cross-replica hit on the H100, docs/results/2026-12-05-8245c99-h100-vs-vllm;
-benchmarks/tokenize_cost.py --fresh measures it). Nothing is loaded or stored (pool and
+tokenizer's warm-up (its chat template compiled, ``warm_text_path``): without it a fresh replica's first text
+request spent 25-29 ms more in its host steps than the next one on 2 CPU cores (template compile ~25 ms, the chat
+body's decoder ~1 ms); with it at most 0.2 ms more (benchmarks/tokenize_cost.py --fresh; the results of 2026-12-05 at
+fcc1277). Nothing is loaded or stored (pool and
 local cache off; no token ids cached), the engine's counters leave it out (``Engine.uncounted``), and it never
 passes the HTTP layer, so no metric counts it.
 """

@@ -246,7 +246,7 @@ def test_suffix_kernel_warm_up_runs_each_shape_and_leaves_outputs_alone():
 
 def test_request_path_warm_up_compiles_the_chat_template():
     """After the warm-up a replica's first chat compiles no template (fails when warm_request_path leaves out the
-    tokenizer's warm-up: the first text request then compiles it inside its parse, ~25-30 ms on 2 cores)."""
+    tokenizer's warm-up: the first text request then compiles it inside its parse, ~25 ms on 2 cores)."""
     from kvshare.engine.engine import Engine, EngineConfig
     from kvshare.engine.tokenizer import _compiled_chat_template
     from kvshare.serve import api_types as A
