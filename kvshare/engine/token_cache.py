@@ -10,8 +10,8 @@ runs them on its thread pool, without the GIL)::
     ids:     [ cached     ][ cached     ][ encoded       ]     so a longer text shares every cut but the last
 
 Each piece's ids are kept as one read-only uint32 array (its 4 bytes a token are what the cache's bound counts),
-and a replica's prompt is their concatenation into one int64 array (``encode_array``): a list of Python ints
-between would cost ~9 ms of a 128k-token cross-replica hit on 2 cores (benchmarks/tokenize_cost.py).
+and a replica's prompt is their concatenation into one int64 array (``encode_array``): lists of Python ints
+between had cost ~8 ms of a 128k-token cross-replica hit on 2 cores (benchmarks/tokenize_cost.py --fresh).
 
 Safe point p: ``text[p] == " "`` and ``text[p - 1]`` a letter, a digit or ASCII punctuation. For the
 tokenizers ``is_splittable`` accepts (a BPE over a known regex pre-tokenizer, no normalizer but NFC, added

@@ -11,9 +11,8 @@ while a first 32k-token one still parses ~1.2 ms slower (cause not found). Then 
 tokenizer's warm-up (its chat template compiled, ``warm_text_path``): without it a fresh replica's first text
 request spent 25-29 ms more in its host steps than the next one on 2 CPU cores (template compile ~25 ms, the chat
 body's decoder ~1 ms); with it at most 0.2 ms more (benchmarks/tokenize_cost.py --fresh; the results of 2026-12-05 at
-fcc1277). Nothing is loaded or stored (pool and
-local cache off; no token ids cached), the engine's counters leave it out (``Engine.uncounted``), and it never
-passes the HTTP layer, so no metric counts it.
+fcc1277). Nothing is loaded or stored (pool and local cache off; no token ids cached), the engine's counters leave
+it out (``Engine.uncounted``), and it never passes the HTTP layer, so no metric counts it.
 """
 
 from __future__ import annotations
