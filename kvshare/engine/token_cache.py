@@ -9,6 +9,10 @@ runs them on its thread pool, without the GIL)::
     text:    |<- piece 0 ->|<- piece 1 ->|<- piece 2 ...->|     cuts at safe points, found left to right,
     ids:     [ cached     ][ cached     ][ encoded       ]     so a longer text shares every cut but the last
 
+Each piece's ids are kept as one read-only uint32 array (its 4 bytes a token are what the cache's bound counts),
+and a replica's prompt is their concatenation into one int64 array (``encode_array``): lists of Python ints
+between had cost ~8 ms of a 128k-token cross-replica hit on 2 cores (benchmarks/tokenize_cost.py --fresh).
+
 Safe point p: ``text[p] == " "`` and ``text[p - 1]`` a letter, a digit or ASCII punctuation. For the
 tokenizers ``is_splittable`` accepts (a BPE over a known regex pre-tokenizer, no normalizer but NFC, added
 tokens without whitespace or stripping), encode(text) == encode(text[:p]) + encode(text[p:]):
@@ -35,6 +39,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+import numpy as np
 import xxhash
 
 if TYPE_CHECKING:
@@ -149,20 +154,21 @@ def safe_cuts(text: str, piece_chars: int) -> list[int]:
 
 
 class TokenCache:
-    """Piece ids by (tokenizer identity, content hash), least recently used first out, bounded in bytes."""
+    """Piece ids (read-only uint32 arrays) by (tokenizer identity, content hash), least recently used first out,
+    bounded in bytes."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self.num_bytes = 0
         self.num_hits = 0
         self.num_misses = 0
-        self._entries: OrderedDict[tuple[str, bytes], list[int]] = OrderedDict()
+        self._entries: OrderedDict[tuple[str, bytes], np.ndarray] = OrderedDict()
         self._lock = threading.Lock()  # chat runs on the event loop, /tokenize on executor threads
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, key: tuple[str, bytes]) -> list[int] | None:
+    def get(self, key: tuple[str, bytes]) -> np.ndarray | None:
         with self._lock:
             ids = self._entries.get(key)
             if ids is None:
@@ -172,7 +178,7 @@ class TokenCache:
             self.num_hits += 1
             return ids
 
-    def put(self, key: tuple[str, bytes], ids: list[int]) -> None:
+    def put(self, key: tuple[str, bytes], ids: np.ndarray) -> None:
         size = entry_bytes(ids)
         if size > self.max_bytes:
             return
@@ -212,7 +218,7 @@ class PieceEncoder:
         self.not_splittable = splittable_reason(read_head(text))
         self.shared: SharedPieces | None = None  # set after the probe: its pieces are not written out
         self.num_encoded = 0
-        if self.not_splittable is None and self._pieces_ids(_PROBE, 37) != self.plain(_PROBE):
+        if self.not_splittable is None and self._pieces_ids(_PROBE, 37, is_cached=False).tolist() != self.plain(_PROBE):
             self.not_splittable = "the probe's pieces do not encode to the whole text's ids"
         self.shared = shared
         self.num_encoded = 0  # pieces encoded since (found in neither level)
@@ -227,16 +233,23 @@ class PieceEncoder:
     def encode(self, text: str) -> list[int]:
         if self.not_splittable is not None or len(text) < self.config.min_chars:
             return self.plain(text)
+        return self._pieces_ids(text, self.config.piece_chars).tolist()
+
+    def encode_array(self, text: str) -> np.ndarray:
+        """``encode(text)`` as one int64 array, built from the pieces' arrays without a list between."""
+        if self.not_splittable is not None or len(text) < self.config.min_chars:
+            return np.array(self.plain(text), dtype=np.int64)
         return self._pieces_ids(text, self.config.piece_chars)
 
-    def _pieces_ids(self, text: str, piece_chars: int) -> list[int]:
+    def _pieces_ids(self, text: str, piece_chars: int, is_cached: bool = True) -> np.ndarray:
+        """The text's ids (int64); ``is_cached`` False: neither level is read or written."""
         bounds = [0, *safe_cuts(text, piece_chars), len(text)]
         pieces = [text[a:b] for a, b in zip(bounds, bounds[1:])]
         raw = [p.encode("utf-8", "surrogatepass") for p in pieces]
         keys = [(self.identity, xxhash.xxh3_128_digest(b)) for b in raw]
-        found = [self.cache.get(k) for k in keys]
+        found = [self.cache.get(k) for k in keys] if is_cached else [None] * len(keys)
         missing = [i for i, ids in enumerate(found) if ids is None]
-        if missing and self.shared is not None:  # pieces another process of this user encoded
+        if missing and is_cached and self.shared is not None:  # pieces another process of this user encoded
             identity = bytes.fromhex(self.identity)
             for i in missing:
                 found[i] = self.shared.get(identity, keys[i][1], len(raw[i]))
@@ -247,12 +260,11 @@ class PieceEncoder:
             encoded = self._encode_batch([pieces[i] for i in missing], add_special_tokens=False)
             self.num_encoded += len(missing)
             for i, enc in zip(missing, encoded):
-                found[i] = enc.ids
-                self.cache.put(keys[i], found[i])
-            if self.shared is not None:
+                found[i] = ids = np.array(enc.ids, dtype=np.uint32)
+                ids.flags.writeable = False  # one array serves every later text holding the piece
+                if is_cached:
+                    self.cache.put(keys[i], ids)
+            if is_cached and self.shared is not None:
                 identity = bytes.fromhex(self.identity)
                 self.shared.put_many([(identity, keys[i][1], len(raw[i]), found[i]) for i in missing])
-        out: list[int] = []
-        for ids in found:
-            out += ids
-        return out
+        return np.concatenate(found, dtype=np.int64)

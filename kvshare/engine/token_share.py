@@ -12,8 +12,8 @@ Why files in a private directory, not a shared-memory segment: a segment needs a
 that every process agrees on (a second pool), and a writer that dies holding the lock stalls the others. A
 file is written to a temporary name and renamed over its final one (atomic: a reader sees a whole entry or
 none), a dead writer leaves only a temporary file (removed by the next trim), and a read is one open and one
-read from the page cache (a 128k-token prompt's 99 pieces: 6-9 ms of CPU on a loaded 2-core machine, most of it
-building the lists of ids; benchmarks/tokenize_cost.py, column "other"). The directory is checked like the
+read from the page cache (a 128k-token prompt's 99 pieces: a few ms of CPU on a 2-core machine;
+benchmarks/tokenize_cost.py, column "other"). The directory is checked like the
 pool's socket directory (kvshare.paths.check_private_dir: this user's, written by nobody else).
 
 An entry is used only when every header field equals what the reader expects (format version, the full
@@ -75,8 +75,9 @@ def pack_entry(identity: bytes, piece_hash: bytes, piece_nbytes: int, ids: Seque
     )
 
 
-def unpack_entry(data: bytes, identity: bytes, piece_hash: bytes, piece_nbytes: int) -> list[int] | None:
-    """The ids of an entry whose header matches exactly and whose ids match their checksum; else None."""
+def unpack_entry(data: bytes, identity: bytes, piece_hash: bytes, piece_nbytes: int) -> np.ndarray | None:
+    """The ids (a read-only uint32 view of ``data``) of an entry whose header matches exactly and whose ids match
+    their checksum; else None."""
     if len(data) < HEADER.size:
         return None
     magic, version, entry_identity, entry_hash, nbytes, count, checksum = HEADER.unpack_from(data)
@@ -92,7 +93,7 @@ def unpack_entry(data: bytes, identity: bytes, piece_hash: bytes, piece_nbytes: 
     body = memoryview(data)[HEADER.size :]
     if xxhash.xxh3_128_digest(body) != checksum:
         return None
-    return np.frombuffer(body, dtype="<u4").tolist()
+    return np.frombuffer(body, dtype="<u4")
 
 
 class SharedPieces:
@@ -116,7 +117,7 @@ class SharedPieces:
         self._lock = threading.Lock()
         self.trim()
 
-    def get(self, identity: bytes, piece_hash: bytes, piece_nbytes: int) -> list[int] | None:
+    def get(self, identity: bytes, piece_hash: bytes, piece_nbytes: int) -> np.ndarray | None:
         """The piece's ids, or None (no entry, or one that fails any check)."""
         path = os.path.join(self.directory, entry_name(identity, piece_hash))
         try:

@@ -15,6 +15,8 @@ import os
 import re
 from collections.abc import Sequence
 
+import numpy as np
+
 from kvshare.engine.token_cache import PieceEncoder, TokenCache, TokenCacheConfig
 from kvshare.engine.token_share import SharedPieces
 from kvshare.errors import UserError
@@ -152,6 +154,10 @@ class Tokenizer:
         """The text's ids, no special tokens added; equal to one plain encode of the whole text."""
         return self._pieces.encode(text)
 
+    def encode_array(self, text: str) -> np.ndarray:
+        """``encode(text)`` as one int64 array (a replica's prompt), without a list of ids between."""
+        return self._pieces.encode_array(text)
+
     @property
     def token_cache(self) -> TokenCache:
         return self._pieces.cache
@@ -188,17 +194,33 @@ class Tokenizer:
         """A special token (EOS, chat markers): its text is left out of an answer's text."""
         return token_id in self._special_ids
 
-    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
+    def warm_up(self) -> None:
+        """Pay a fresh tokenizer's one-time cost of its first chat before any request: the chat template's compile
+        (~25 ms of a fresh replica's first text request on 2 cores, benchmarks/tokenize_cost.py --fresh).
+        Nothing is cached; a template that cannot render a one-message chat is left to the requests to report."""
+        from jinja2.exceptions import TemplateError
+
+        if not self.chat_template:
+            return
+        try:
+            self.chat_text([{"role": "user", "content": "warm-up"}])
+        except TemplateError:
+            pass
+
+    def chat_text(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+        """The chat template rendered over ``messages`` (the text whose ids a chat request's prompt is)."""
         if not self.chat_template:
             raise UserError("this model's tokenizer has no chat template (use a completion request)")
-        text = render_chat(
+        return render_chat(
             self.chat_template,
             messages,
             add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
         )
-        return self.encode(text)
+
+    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
+        return self.encode(self.chat_text(messages, add_generation_prompt))
 
 
 def _token_text(value) -> str | None:

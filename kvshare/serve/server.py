@@ -228,7 +228,7 @@ class ReplicaServer:
         read_s, req = time.perf_counter(), A.decode_completion(body)
         A.validate(req)
         prompt = A.prompt_of(req)
-        prompt_ids = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        prompt_ids = self.engine.tokenizer.encode_array(prompt) if isinstance(prompt, str) else prompt
         prepared = self._prepare(
             request, req, prompt_ids, default_max_tokens=16, logprobs=req.logprobs, arrival=(arrival, read_s)
         )

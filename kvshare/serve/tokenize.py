@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from kvshare.serve import api_types as A
 
@@ -42,17 +43,18 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
 _REFUSED = ("chat_template", "chat_template_kwargs", "tools", "mm_processor_kwargs", "media_io_kwargs")
 
 
-def chat_prompt_ids(tokenizer: Any, messages: list[A.ChatMessage], add_generation_prompt: bool = True) -> list[int]:
-    """A chat's prompt ids: the model's chat template over the messages' text; a template that cannot
-    render them (or a model without one) is the request's 400, not the server's 500."""
+def chat_prompt_ids(tokenizer: Any, messages: list[A.ChatMessage], add_generation_prompt: bool = True) -> np.ndarray:
+    """A chat's prompt ids (one int64 array): the model's chat template over the messages' text; a template that
+    cannot render them (or a model without one) is the request's 400, not the server's 500."""
     from jinja2.exceptions import TemplateError
 
     from kvshare.errors import UserError
 
     try:
-        return tokenizer.apply_chat_template(
+        text = tokenizer.chat_text(
             [{"role": m.role, "content": A.message_text(m)} for m in messages], add_generation_prompt
         )
+        return tokenizer.encode_array(text)
     except (UserError, TemplateError) as exc:
         raise A.ApiError(400, f"the chat template cannot render these messages: {exc}", param="messages") from None
 
@@ -79,7 +81,7 @@ def tokenize(req: TokenizeRequest, tokenizer: Any, max_model_len: int) -> dict:
         if req.continue_final_message:
             raise A.ApiError(400, "continue_final_message is not supported", param="continue_final_message")
         A.validate(A.ChatRequest(messages=req.messages))  # the messages a chat request would refuse, refused alike
-        ids = chat_prompt_ids(tokenizer, req.messages, req.add_generation_prompt)
+        ids = chat_prompt_ids(tokenizer, req.messages, req.add_generation_prompt).tolist()
     strs = [tokenizer.decode([i], skip_special_tokens=False) for i in ids] if req.return_token_strs else None
     return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}
 

@@ -7,9 +7,12 @@ these steps (parse +2 ms, first token written +2 ms). Then the decode of one bod
 prompt the replica takes, ids spread over the vocabulary, into its array: a fresh replica's first
 256k-token request had paid ~17 ms more in parse than later ones (the runs of 2026-12-01 at 680646f, H200); with this
 step a first 131056-token request parsed no slower than the next (9.1 vs 12.3 ms, the runs of 2026-12-01 at bc152e4),
-while a first 32k-token one still parses ~1.2 ms slower (cause not found). Nothing is loaded or stored (pool and
-local cache off), the engine's counters leave it out (``Engine.uncounted``), and it never
-passes the HTTP layer, so no metric counts it.
+while a first 32k-token one still parses ~1.2 ms slower (cause not found). Then a chat body's decode and the
+tokenizer's warm-up (its chat template compiled, ``warm_text_path``): without it a fresh replica's first text
+request spent 25-29 ms more in its host steps than the next one on 2 CPU cores (template compile ~25 ms, the chat
+body's decoder ~1 ms); with it at most 0.2 ms more (benchmarks/tokenize_cost.py --fresh; the results of 2026-12-05 at
+fcc1277). Nothing is loaded or stored (pool and local cache off; no token ids cached), the engine's counters leave
+it out (``Engine.uncounted``), and it never passes the HTTP layer, so no metric counts it.
 """
 
 from __future__ import annotations
@@ -69,3 +72,11 @@ def warm_request_path(engine: Any, model_name: str, replica_name: str, max_promp
     body = _json.encode({"model": model_name, "prompt": spread.tolist(), "max_tokens": 1})
     array = np.asarray(A.prompt_of(A.decode_completion(body)), dtype=np.int64)
     array.min(), array.max()  # the range check a request's ids get
+    warm_text_path(engine.tokenizer, model_name)
+
+
+def warm_text_path(tokenizer: Any, model_name: str) -> None:
+    """A chat request's one-time host costs before its prefill: its body's decoder, the chat template's compile."""
+    chat = _json.encode({"model": model_name, "messages": [{"role": "user", "content": "warm-up"}], "max_tokens": 1})
+    A.validate(A.decode(chat, A.ChatRequest))
+    tokenizer.warm_up()

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvshare.engine.bpe import preset_bpe_tokenizer
 from kvshare.engine.token_cache import (
+    ENTRY_OVERHEAD,
     GPT2_PATTERN,
     LLAMA3_PATTERN,
     QWEN2_PATTERN,
@@ -130,6 +132,8 @@ def test_pieces_encode_to_the_plain_ids(name, text, piece_chars):
     plain = tok.encode(text, add_special_tokens=False).ids
     assert encoder.encode(text) == plain
     assert encoder.encode(text) == plain  # the second time from the cache
+    array = encoder.encode_array(text)  # a replica's prompt: the cached pieces joined into one int64 array
+    assert array.dtype == np.int64 and array.tolist() == plain
 
 
 @settings(max_examples=200, deadline=None)
@@ -172,6 +176,20 @@ def test_the_cache_is_bounded_in_bytes_least_recent_first_out():
     hits = encoder.cache.num_hits
     encoder.encode(texts[-1])
     assert encoder.cache.num_hits > hits  # the latest text's pieces stayed
+
+
+def test_cached_pieces_are_read_only_uint32_arrays_counted_at_their_size():
+    """The bound counts what the cache holds: each piece a read-only uint32 array of 4 bytes a token (fails when
+    pieces are kept as lists of ints, ~9x the bytes counted); an array handed out is the caller's own."""
+    encoder = _encoder("preset-bpe", TokenCacheConfig(piece_chars=16, min_chars=0))
+    text = " ".join(f"w{i}x naïve 東京" for i in range(80))
+    ids = encoder.encode_array(text)
+    entries = list(encoder.cache._entries.values())
+    assert all(isinstance(e, np.ndarray) and e.dtype == np.uint32 and not e.flags.writeable for e in entries)
+    assert encoder.cache.num_bytes == sum(e.nbytes + ENTRY_OVERHEAD for e in entries)
+    assert len(entries) == len(safe_cuts(text, 16)) + 1  # the text's pieces only (the probe's are not kept)
+    ids[:] = 0
+    assert encoder.encode_array(text).tolist() == encoder.plain(text)
 
 
 def test_a_cache_shared_by_two_tokenizers_keeps_their_ids_apart():
@@ -241,12 +259,31 @@ def test_the_chat_path_reuses_the_previous_turns_pieces():
     )
     words = " ".join(tok.decode([i]).strip() for i in range(100_000, 103_000))
     turn = [A.ChatMessage(role="system", content="Be brief."), A.ChatMessage(role="user", content=words)]
-    first = chat_prompt_ids(tok, turn)
+    first = chat_prompt_ids(tok, turn).tolist()
     turn += [A.ChatMessage(role="assistant", content="Sure."), A.ChatMessage(role="user", content="And then?")]
     misses = tok.token_cache.num_misses
     second = chat_prompt_ids(tok, turn)
+    assert second.dtype == np.int64  # what the engine takes
+    second = second.tolist()
     rendered = render_chat(
         tok.chat_template, [{"role": m.role, "content": m.content} for m in turn], True, bos_token="", eos_token=""
     )
     assert second == tok._pieces.plain(rendered) and second[: len(first) - 3] == first[: len(first) - 3]
     assert tok.token_cache.num_misses - misses <= 2 and tok.token_cache.num_hits >= 10
+
+
+def test_the_tokenizers_warm_up_caches_nothing_and_leaves_template_errors_to_requests():
+    """warm_up compiles the chat template without caching ids; a template that refuses the warm-up's chat (or
+    none at all) is no start-up error (fails when warm_up lets the template's TemplateError out)."""
+    from jinja2.exceptions import TemplateError
+
+    bpe, text = _tokenizers()["preset-bpe"]
+    tok = Tokenizer(bpe, byte_tokenizer_config(4096), tokenizer_json=text)
+    tok.warm_up()
+    assert len(tok.token_cache) == 0 and tok._pieces.num_encoded == 0
+    strict = byte_tokenizer_config(4096) | {"chat_template": "{{ raise_exception('only system messages') }}"}
+    refusing = Tokenizer(bpe, strict, tokenizer_json=text)
+    refusing.warm_up()
+    with pytest.raises(TemplateError, match="only system"):
+        refusing.apply_chat_template([{"role": "user", "content": "hi"}])
+    Tokenizer(bpe, {}, tokenizer_json=text).warm_up()  # no chat template: nothing to warm

@@ -242,3 +242,23 @@ def test_suffix_kernel_warm_up_runs_each_shape_and_leaves_outputs_alone():
     finally:
         engine.close()
     assert again == before
+
+
+def test_request_path_warm_up_compiles_the_chat_template():
+    """After the warm-up a replica's first chat compiles no template (fails when warm_request_path leaves out the
+    tokenizer's warm-up: the first text request then compiles it inside its parse, ~25 ms on 2 cores)."""
+    from kvshare.engine.engine import Engine, EngineConfig
+    from kvshare.engine.tokenizer import _compiled_chat_template
+    from kvshare.serve import api_types as A
+    from kvshare.serve.tokenize import chat_prompt_ids
+    from kvshare.serve.warm_path import warm_request_path
+
+    engine = Engine(EngineConfig(model="tiny"))
+    try:
+        _compiled_chat_template.cache_clear()
+        warm_request_path(engine, "tiny", "r", 600)
+        compiled_by_warm_up = _compiled_chat_template.cache_info().misses
+        chat_prompt_ids(engine.tokenizer, [A.ChatMessage(role="user", content="hello")])
+    finally:
+        engine.close()
+    assert compiled_by_warm_up == 1 and _compiled_chat_template.cache_info().misses == 1
