@@ -205,6 +205,7 @@ class Calibration:
 class _Provenance(msgspec.Struct):
     computed_tokens: int | None = None
     pool_tokens: int | None = None
+    local_tokens: int | None = None
 
 
 class _Final(msgspec.Struct):
@@ -215,6 +216,11 @@ class _Final(msgspec.Struct):
 def provenance_of(tail: bytes) -> tuple[int, int] | None:
     """(computed tokens, pool tokens) from the end of a response (an SSE stream or one JSON body), the last
     ``kvshare`` object in it; None where the replica withheld it or the tail holds none whole."""
+    p = _provenance(tail)
+    return None if p is None else (p.computed_tokens, p.pool_tokens)
+
+
+def _provenance(tail: bytes) -> _Provenance | None:
     bodies = (
         [tail]
         if not tail.lstrip().startswith(b"data:") and b"\n\ndata:" not in tail
@@ -235,7 +241,7 @@ def provenance_of(tail: bytes) -> tuple[int, int] | None:
         ):
             p = msgspec.convert(final.kv_transfer_params["kvshare"], _Provenance, strict=False)
         if p is not None and p.computed_tokens is not None and p.pool_tokens is not None:
-            return p.computed_tokens, p.pool_tokens
+            return p
     return None
 
 
@@ -243,8 +249,9 @@ class ResponseTiming:
     """A relayed response's times and end, for ``Calibration.observe``: ``piece`` for each piece as it arrives,
     ``end`` once it ended whole (``pieces`` does both around an upstream response)."""
 
-    def __init__(self, calibration: Calibration, replica: int, sent_s: float, is_stream: bool) -> None:
+    def __init__(self, calibration: Calibration, replica: int, sent_s: float, is_stream: bool, on_local=None) -> None:
         self.calibration, self.replica, self.sent_s, self.is_stream = calibration, replica, sent_s, is_stream
+        self.on_local = on_local  # called with the tokens the replica had in its local cache, where it says
         self.first_byte_s: float | None = None
         self._tail: deque[bytes] = deque()
         self._tail_bytes = 0
@@ -267,8 +274,10 @@ class ResponseTiming:
             self._tail_bytes -= len(self._tail.popleft())
 
     def end(self, now: float) -> None:
-        counts = provenance_of(b"".join(self._tail))
-        computed, pool = counts if counts is not None else (None, None)
+        p = _provenance(b"".join(self._tail))
+        computed, pool = (None, None) if p is None else (p.computed_tokens, p.pool_tokens)
         self.calibration.observe(
             self.replica, self.sent_s, self.first_byte_s if self.is_stream else None, now, computed, pool
         )
+        if self.on_local is not None and p is not None and p.local_tokens is not None and p.local_tokens >= 0:
+            self.on_local(p.local_tokens)

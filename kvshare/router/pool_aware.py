@@ -15,7 +15,8 @@ request to the same replica.
 
 What the pool holds comes from its KV events (kvshare.pool.events: the pages it committed and has not
 evicted, with their token ids); what a replica holds on its GPU is what this router sent it (its own
-memory, as ``cache_aware`` keeps). Tenants never see each other's prefixes: every chain of hashes is seeded
+memory, as ``cache_aware`` keeps, credited only as deep as the replica's cache was seen to keep:
+kvshare.router.sent_memory). Tenants never see each other's prefixes: every chain of hashes is seeded
 by the request's cache_salt, and the pool announces token ids only for pages no tenant salted, so a salted
 request finds nothing of the pool here and is placed on queue and prefill alone.
 
@@ -35,13 +36,13 @@ import array
 import hashlib
 import logging
 import sys
-from collections import OrderedDict
 from dataclasses import dataclass
 
 from kvshare.keys import DEFAULT_CHUNK_TOKENS
 from kvshare.pool import events as E
 from kvshare.router.backlog import Backlog
 from kvshare.router.calibration import Calibration, Rates, ResponseTiming
+from kvshare.router.sent_memory import SentMemory
 
 log = logging.getLogger("kvshare.router.pool_aware")
 NEAR_TIE = 0.05  # T_r within this fraction of the least: a tie, broken in turn
@@ -170,25 +171,6 @@ def _is_keyed(event) -> bool:
     return bool(getattr(event, "extra_keys", None) or getattr(event, "lora_name", None) or event.lora_id)
 
 
-class SentMemory:
-    """What this router sent each replica (its GPU prefix cache, most likely): bounded LRU of chain hashes."""
-
-    def __init__(self, num_replicas: int, max_chunks: int = 200_000) -> None:
-        self.max_chunks = max_chunks
-        self._sent = [OrderedDict() for _ in range(num_replicas)]
-
-    def held_tokens(self, i: int, hashes: list[bytes], chunk_tokens: int) -> int:
-        return held_chunks(hashes, self._sent[i]) * chunk_tokens
-
-    def remember(self, i: int, hashes: list[bytes]) -> None:
-        memory = self._sent[i]
-        for h in hashes:
-            memory[h] = None
-            memory.move_to_end(h)
-        while len(memory) > self.max_chunks:
-            memory.popitem(last=False)
-
-
 def expected_ttft(
     cost: CostModel, num_tokens: int, gpu_tokens: int, pool_tokens: int, num_in_flight: int, rates: Rates | None = None
 ) -> float:
@@ -221,6 +203,15 @@ def rank(times: list[float], is_available: list[bool], rotation: int, near_tie: 
         return (not is_available[i], not tied[i], 0.0 if tied[i] else times[i], (i - rotation) % n)
 
     return sorted(range(n), key=key)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What the placer expected of one request on each replica, for the proxy to begin its job and check it."""
+
+    work_s: list[float]  # its expected service time on each replica (kvshare.router.backlog)
+    depths: list[list[int]]  # per replica: the depths of the chunks of its prefix this router had sent there
+    chunk_tokens: int
 
 
 @dataclass(frozen=True)
@@ -260,7 +251,7 @@ class PoolAwarePlacer:
         self.sent = SentMemory(num_replicas)
         self.calibration = Calibration(cost.prior_rates(), num_replicas)
         self.backlog = Backlog(num_replicas)  # the proxy begins a job where it sends, finishes it at the end
-        self.last_work: list[float] = []  # the last request ranked: its expected service on each replica
+        self.last_placement: Placement | None = None  # the last request ranked (read before the proxy awaits)
         self.num_fallbacks = 0
         self.on_fallback = lambda: None  # a metric's inc
         self.fallback_reason: str | None = None  # the last reason, while falling back
@@ -291,11 +282,12 @@ class PoolAwarePlacer:
         if pool_tokens < len(hashes) * chunk_tokens:
             self.feed.expect(now)  # the replica will store the rest: the pool should announce it
         rates = [self.calibration.rates(i) for i in range(len(in_flight))]
+        depths = [self.sent.depths(i, hashes) for i in range(len(in_flight))]
         if reason is not None:
             self.num_fallbacks += 1
             self.on_fallback()
             times = [0.0] * len(in_flight)
-            self.last_work = [r.service_s for r in rates]
+            work = [r.service_s for r in rates]
         else:
             prefill = [
                 expected_prefill(
@@ -304,7 +296,8 @@ class PoolAwarePlacer:
                 for i, r in enumerate(rates)
             ]
             times = [self.queue_s(i, q, r, now) + p for i, (q, r, p) in enumerate(zip(in_flight, rates, prefill))]
-            self.last_work = [p + r.decode_s for p, r in zip(prefill, rates)]
+            work = [p + r.decode_s for p, r in zip(prefill, rates)]
+        self.last_placement = Placement(work, depths, chunk_tokens)
         order = rank(times, is_available, rotation, NEAR_TIE)
         self.sent.remember(order[0], hashes)
         return order
@@ -323,9 +316,15 @@ class PoolAwarePlacer:
                 return feed.index.held_tokens(ids, cache_salt)
         return self.sent.held_tokens(i, hashes, chunk_tokens)
 
-    def timing(self, replica: int, sent_s: float, upstream) -> ResponseTiming:
-        """The measurement of one relayed response (an aiohttp ClientResponse) for this placer's calibration."""
-        return ResponseTiming(self.calibration, replica, sent_s, upstream.content_type == "text/event-stream")
+    def timing(self, replica: int, sent_s: float, upstream, placement: Placement | None = None) -> ResponseTiming:
+        """The measurement of one relayed response (an aiohttp ClientResponse) for this placer's calibration and,
+        with the request's ``placement``, for what its replica's local cache keeps (the sent memory's capacity)."""
+
+        def held(local_tokens: int) -> None:
+            self.sent.report(replica, placement.depths[replica], local_tokens // placement.chunk_tokens)
+
+        is_stream = upstream.content_type == "text/event-stream"
+        return ResponseTiming(self.calibration, replica, sent_s, is_stream, None if placement is None else held)
 
     def start(self) -> None:
         self.warm_up()

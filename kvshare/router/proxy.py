@@ -272,7 +272,7 @@ class RouterServer:
         order = self.policy.choose(facts, views, time.monotonic())
         order = [i for i in order if not self.replicas[i].is_draining]
         placer = self.pool_aware
-        work = placer.last_work if placer is not None else None  # this request's, read before any await
+        placement = placer.last_placement if placer is not None else None  # this request's, before any await
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
         t0 = time.perf_counter()
         last_error = "no replica is available"
@@ -280,7 +280,7 @@ class RouterServer:
             replica = self.replicas[i]
             replica.num_in_flight += 1
             sent_s = time.monotonic()
-            job = None if work is None else placer.backlog.begin(i, work[i], sent_s)  # counted in T_r at once
+            job = None if placement is None else placer.backlog.begin(i, placement.work_s[i], sent_s)  # in T_r now
             try:
                 upstream = await self._session.request(
                     request.method, replica.url + request.path_qs, data=body or None, headers=headers
@@ -296,7 +296,7 @@ class RouterServer:
                 continue
             try:
                 self.metrics.requests.labels(replica.url).inc()
-                timing = None if placer is None else placer.timing(i, sent_s, upstream)
+                timing = None if placer is None else placer.timing(i, sent_s, upstream, placement)
                 return await self._relay(request, upstream, replica, timing)
             finally:
                 upstream.release()

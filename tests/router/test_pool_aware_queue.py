@@ -38,7 +38,7 @@ def place(router: Router, num_tokens: int, in_flight, now: float, first: int = 0
     router._next = first
     views = [ReplicaView(i, True, q) for i, q in enumerate(in_flight)]
     chosen = router.choose(RouteFacts(prompt_ids=new_prompt(num_tokens)), views, now)[0]
-    router.pool_aware.backlog.begin(chosen, router.pool_aware.last_work[chosen], now)
+    router.pool_aware.backlog.begin(chosen, router.pool_aware.last_placement.work_s[chosen], now)
     return chosen
 
 
