@@ -49,6 +49,11 @@ class SentMemory:
             return len(depths) * chunk_tokens
         return next((k for k, d in enumerate(depths) if d >= capacity), len(depths)) * chunk_tokens
 
+    def credited_depth(self, i: int) -> int:
+        """The depth below which replica i's chunks are credited: its capacity, or all it was sent until a loss."""
+        capacity = self.capacity[i]
+        return self._num_new[i] + 1 if capacity is None else capacity
+
     def remember(self, i: int, hashes: Sequence[bytes]) -> None:
         """Replica i was sent a prompt of these chunks: it holds them, its head the most recently used (the
         replica inserts a prompt's chunks tail first)."""

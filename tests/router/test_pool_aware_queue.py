@@ -176,3 +176,27 @@ def test_the_proxy_begins_a_job_where_it_sends_and_ends_it_with_the_response():
                 release.wait(0.01)
     assert in_flight == 1
     assert backlog.num_jobs(0) == 0 and backlog.wait_s(0, now=0.0) == 0.0
+
+
+def test_the_queue_decode_and_credited_depth_are_exported_per_replica():
+    """Fails when the router leaves out the gauges of the queue term, the decode time or the credited depth."""
+    from prometheus_client import generate_latest
+
+    from tests.test_metrics_names import lint
+
+    config = RouterConfig(
+        replicas=("http://127.0.0.1:1",),
+        policy="pool_aware",
+        pool_aware=PoolAwareConfig(endpoint="tcp://127.0.0.1:1", model="tiny", cost=COST),
+    )
+    server = RouterServer(config)
+    server.pool_aware.backlog.begin(0, 1e6, now=0.0)  # a job that will not have finished when read
+    text = generate_latest(server.metrics.registry).decode()
+    assert lint(text) == []
+    replica = '{replica="http://127.0.0.1:1"}'
+    assert f"kvshare_router_pool_aware_decode_seconds{replica} 0.1" in text
+    assert f"kvshare_router_pool_aware_local_cache_depth_chunks{replica} 1.0" in text
+    [queue] = [
+        line for line in text.splitlines() if line.startswith(f"kvshare_router_pool_aware_queue_seconds{replica}")
+    ]
+    assert float(queue.split()[-1]) > 1e5
