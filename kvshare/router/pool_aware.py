@@ -7,9 +7,9 @@ For a prompt of ``n`` tokens and each replica ``r``::
 
 The load and prefill rates and a request's decode time are measured per replica from the responses the router
 relays (kvshare.router.calibration); the flags give their values until enough responses have been seen. The
-queue wait is the expected work still ahead on r (kvshare.router.backlog): each request this router has in
-flight there with the prefill and load it was expected to need plus r's decode time, less what the one being
-served has had, so a replica behind long prompts looks as busy as it is. Replicas whose T_r is within
+queue wait is the expected work ahead on r (kvshare.router.backlog): each request this router has in flight
+there with the prefill and load it was expected to need plus r's decode time, so a replica behind long prompts
+looks as busy as it is. Replicas whose T_r is within
 ``NEAR_TIE`` of the least are taken in turn: a difference inside the measurements' noise does not send every
 request to the same replica.
 
