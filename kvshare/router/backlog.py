@@ -1,5 +1,5 @@
 """What each replica still has to do: the requests this router has in flight on it, each with its expected
-service time (pure: ``now`` is passed in).
+service time (pure).
 
 pool_aware's queue term is the wait a new request can expect on a replica before its own prefill starts. A
 count of requests in flight times a mean service time cannot tell a replica behind two long prompts from one
@@ -29,7 +29,6 @@ class Job:
 
     replica: int
     work_s: float
-    sent_s: float
     is_done: bool = False
 
 
@@ -39,13 +38,13 @@ class Backlog:
     def __init__(self, num_replicas: int) -> None:
         self._jobs: list[list[Job]] = [[] for _ in range(num_replicas)]
 
-    def begin(self, replica: int, work_s: float, now: float) -> Job:
+    def begin(self, replica: int, work_s: float) -> Job:
         """A request sent to ``replica`` now, expected to hold it ``work_s`` seconds."""
-        job = Job(replica, max(0.0, work_s), now)
+        job = Job(replica, max(0.0, work_s))
         self._jobs[replica].append(job)
         return job
 
-    def finish(self, job: Job, now: float) -> None:
+    def finish(self, job: Job) -> None:
         """The job's response ended (or failed, or was given up); a second call does nothing."""
         if not job.is_done:
             job.is_done = True
@@ -54,6 +53,6 @@ class Backlog:
     def num_jobs(self, replica: int) -> int:
         return len(self._jobs[replica])
 
-    def wait_s(self, replica: int, now: float) -> float:
+    def wait_s(self, replica: int) -> float:
         """Expected seconds until ``replica`` has served every job it has now."""
         return sum(job.work_s for job in self._jobs[replica])

@@ -217,6 +217,6 @@ def attach_pool_aware(
         registry=registry,
     )
     for i, replica in enumerate(calibration.names):
-        queue.labels(replica).set_function(lambda i=i: placer.backlog.wait_s(i, time.monotonic()))
+        queue.labels(replica).set_function(lambda i=i: placer.backlog.wait_s(i))
         depth.labels(replica).set_function(lambda i=i: float(placer.sent.credited_depth(i)))
     return placer

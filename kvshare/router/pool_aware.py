@@ -9,9 +9,8 @@ The load and prefill rates and a request's decode time are measured per replica 
 relays (kvshare.router.calibration); the flags give their values until enough responses have been seen. The
 queue wait is the expected work ahead on r (kvshare.router.backlog): each request this router has in flight
 there with the prefill and load it was expected to need plus r's decode time, so a replica behind long prompts
-looks as busy as it is. Replicas whose T_r is within
-``NEAR_TIE`` of the least are taken in turn: a difference inside the measurements' noise does not send every
-request to the same replica.
+looks as busy as it is. Replicas whose T_r is within ``NEAR_TIE`` of the least are taken in turn: a difference
+inside the measurements' noise does not send every request to the same replica.
 
 What the pool holds comes from its KV events (kvshare.pool.events: the pages it committed and has not
 evicted, with their token ids); what a replica holds on its GPU is what this router sent it (its own
@@ -306,7 +305,7 @@ class PoolAwarePlacer:
         """Expected wait on replica i: the backlog of the jobs it knows, the mean service time for each other
         request in flight there (one the proxy counts but did not begin as a job)."""
         unknown = max(0, num_in_flight - self.backlog.num_jobs(i))
-        return self.backlog.wait_s(i, now) + unknown * rates.service_s
+        return self.backlog.wait_s(i) + unknown * rates.service_s
 
     def _gpu_tokens(self, i: int, ids, cache_salt, hashes, chunk_tokens: int, now: float) -> int:
         """Replica i's GPU prefix: from its own events while they are live, else what this router sent it."""

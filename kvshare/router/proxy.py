@@ -280,7 +280,7 @@ class RouterServer:
             replica = self.replicas[i]
             replica.num_in_flight += 1
             sent_s = time.monotonic()
-            job = None if placement is None else placer.backlog.begin(i, placement.work_s[i], sent_s)  # in T_r now
+            job = None if placement is None else placer.backlog.begin(i, placement.work_s[i])  # in T_r now
             try:
                 upstream = await self._session.request(
                     request.method, replica.url + request.path_qs, data=body or None, headers=headers
@@ -288,7 +288,7 @@ class RouterServer:
             except (TimeoutError, aiohttp.ClientError, OSError) as exc:
                 replica.num_in_flight -= 1
                 if job is not None:
-                    placer.backlog.finish(job, time.monotonic())
+                    placer.backlog.finish(job)
                 replica.is_healthy = False
                 replica.last_error = last_error = f"{type(exc).__name__}: {exc}"
                 self.metrics.failovers.inc()
@@ -302,7 +302,7 @@ class RouterServer:
                 upstream.release()
                 replica.num_in_flight -= 1
                 if job is not None:
-                    placer.backlog.finish(job, time.monotonic())
+                    placer.backlog.finish(job)
                 self.metrics.latency.observe(time.perf_counter() - t0)
         self.metrics.errors.inc()
         raise _unavailable(f"no replica could take the request: {last_error}")

@@ -38,20 +38,20 @@ def place(router: Router, num_tokens: int, in_flight, now: float, first: int = 0
     router._next = first
     views = [ReplicaView(i, True, q) for i, q in enumerate(in_flight)]
     chosen = router.choose(RouteFacts(prompt_ids=new_prompt(num_tokens)), views, now)[0]
-    router.pool_aware.backlog.begin(chosen, router.pool_aware.last_placement.work_s[chosen], now)
+    router.pool_aware.backlog.begin(chosen, router.pool_aware.last_placement.work_s[chosen])
     return chosen
 
 
 def test_the_backlog_sums_the_expected_work_of_the_jobs_in_flight():
     backlog = Backlog(2)
-    first = backlog.begin(0, 2.0, now=10.0)
-    backlog.begin(0, 0.5, now=10.5)
-    backlog.begin(1, -1.0, now=10.5)  # a negative estimate counts as none
-    assert backlog.wait_s(0, now=10.5) == pytest.approx(2.5)
-    backlog.finish(first, now=13.0)
-    backlog.finish(first, now=14.0)  # twice: nothing more
-    assert backlog.num_jobs(0) == 1 and backlog.wait_s(0, now=14.0) == pytest.approx(0.5)
-    assert backlog.wait_s(1, now=14.0) == 0.0
+    first = backlog.begin(0, 2.0)
+    backlog.begin(0, 0.5)
+    backlog.begin(1, -1.0)  # a negative estimate counts as none
+    assert backlog.wait_s(0) == pytest.approx(2.5)
+    backlog.finish(first)
+    backlog.finish(first)  # twice: nothing more
+    assert backlog.num_jobs(0) == 1 and backlog.wait_s(0) == pytest.approx(0.5)
+    assert backlog.wait_s(1) == 0.0
 
 
 def test_a_replica_behind_one_long_prompt_is_busier_than_one_behind_one_short_one():
@@ -176,7 +176,7 @@ def test_the_proxy_begins_a_job_where_it_sends_and_ends_it_with_the_response():
                     break
                 release.wait(0.01)
     assert in_flight == 1
-    assert backlog.num_jobs(0) == 0 and backlog.wait_s(0, now=0.0) == 0.0
+    assert backlog.num_jobs(0) == 0 and backlog.wait_s(0) == 0.0
 
 
 def test_the_queue_decode_and_credited_depth_are_exported_per_replica():
@@ -191,7 +191,7 @@ def test_the_queue_decode_and_credited_depth_are_exported_per_replica():
         pool_aware=PoolAwareConfig(endpoint="tcp://127.0.0.1:1", model="tiny", cost=COST),
     )
     server = RouterServer(config)
-    server.pool_aware.backlog.begin(0, 1e6, now=0.0)  # a job that will not have finished when read
+    server.pool_aware.backlog.begin(0, 1e6)  # a job that will not have finished when read
     text = generate_latest(server.metrics.registry).decode()
     assert lint(text) == []
     replica = '{replica="http://127.0.0.1:1"}'

@@ -87,7 +87,7 @@ def replay(policy: str, rate: float, seed: int) -> list[tuple[int, float]]:
         now, kind, index, payload = heapq.heappop(events)
         if kind == 1:  # a response ended
             replica, job, service_s = payload
-            backlog.finish(job, now)
+            backlog.finish(job)
             in_flight[replica] = [x for x in in_flight[replica] if x[0] is not job]
             mean_service[replica] += 0.2 * (service_s - mean_service[replica])
             continue
@@ -109,9 +109,9 @@ def replay(policy: str, rate: float, seed: int) -> list[tuple[int, float]]:
                     queue = len(in_flight[i]) * mean_service[i]
                 elif policy == "backlog_progress" and in_flight[i]:
                     _, head_work, head_start = in_flight[i][0]
-                    queue = backlog.wait_s(i, now) - min(head_work, max(0.0, now - head_start))
+                    queue = backlog.wait_s(i) - min(head_work, max(0.0, now - head_start))
                 else:
-                    queue = backlog.wait_s(i, now)
+                    queue = backlog.wait_s(i)
                 times.append(queue + own)
                 work.append(own + mean_decode)
             near_tie = NEAR_TIE if policy == "backlog_tie_cap" else 0.0
@@ -126,7 +126,7 @@ def replay(policy: str, rate: float, seed: int) -> list[tuple[int, float]]:
         start = max(now, free_at[chosen])
         end = start + prefill_s + f * DECODE_S * session.answer_tokens[turn]
         free_at[chosen] = end
-        job = backlog.begin(chosen, work[chosen], now)
+        job = backlog.begin(chosen, work[chosen])
         in_flight[chosen].append((job, work[chosen], start))
         sent.report(chosen, depths, held // CHUNK)
         for key in reversed(keys):
