@@ -121,8 +121,9 @@ def _add_pool_aware_arguments(p: argparse.ArgumentParser) -> None:
         "--queue-seconds",
         type=float,
         default=cost.queue_s_per_request,
-        help="expected wait behind one request in flight on a replica, until measured (then the "
-        "replica's recent time per request: kvshare_router_pool_aware_service_seconds)",
+        help="a request's time on a replica after its first token (its decode), until measured; each request "
+        "in flight ahead adds its expected prefill and this to the queue wait (then measured per replica: "
+        "kvshare_router_pool_aware_decode_seconds)",
     )
     g.add_argument(
         "--no-pool-term",

@@ -13,8 +13,10 @@ A windowed least squares fits ``prefill_s ~ overhead + computed x prefill s/toke
 pulled toward the flags' values (the prior) with the weight of a fraction of a sample, so a term the window
 cannot tell (no request loaded from the pool yet) stays at its flag's value; samples far from the first fit (a
 pause, a request that waited inside a batching engine) are trimmed before the final one. The queue term of T_r
-is requests in flight x the exponentially weighted mean service time. Until ``min_samples`` samples the flags'
-values are used as they are.
+of a request in flight ahead is its expected prefill by these rates plus the replica's decode time: the
+exponentially weighted mean of a stream's end - first byte (for a response that is not a stream, its service
+less its fitted prefill); kvshare.router.backlog sums them. Requests in flight the backlog does not know count
+the mean service time each. Until ``min_samples`` samples the flags' values are used as they are.
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ class Rates:
     overhead_s: float  # per request: the hop, parsing, the first decode step
     prefill_s_per_token: float  # per prompt token the replica computes
     load_s_per_token: float  # per prompt token it loads from the pool
-    service_s: float  # a request's whole time on the replica: what one request in flight ahead costs
+    service_s: float  # a request's whole time on the replica (what a request in flight of unknown work costs)
     num_samples: int = 0  # prefill samples in the window behind these values (0: the flags' values)
+    decode_s: float = 0.0  # a request's time on the replica after its first token
 
 
 @dataclass(frozen=True)
@@ -69,11 +72,15 @@ class ReplicaRates:
         self._fit = prior
         self._service_s = prior.service_s
         self._num_service = 0
+        self._decode_s = prior.decode_s
+        self._num_decode = 0
 
     @property
     def rates(self) -> Rates:
-        service_s = self._service_s if self._num_service >= self.config.min_samples else self.prior.service_s
-        return replace(self._fit, service_s=service_s)
+        enough = self.config.min_samples
+        service_s = self._service_s if self._num_service >= enough else self.prior.service_s
+        decode_s = self._decode_s if self._num_decode >= enough else self.prior.decode_s
+        return replace(self._fit, service_s=service_s, decode_s=decode_s)
 
     @property
     def samples(self) -> list[tuple[int, int, float]]:
@@ -94,6 +101,12 @@ class ReplicaRates:
         self._service_s += w * (service_s - self._service_s)
         self._num_service += 1
 
+    def add_decode(self, decode_s: float) -> None:
+        decode_s = max(0.0, decode_s)
+        w = self.config.service_weight if self._num_decode else 1.0
+        self._decode_s += w * (decode_s - self._decode_s)
+        self._num_decode += 1
+
     def _refit(self) -> Rates:
         data = np.array(self._samples, dtype=np.float64)  # [n, (computed, pool, prefill_s)]
         x = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])  # [n, 3]
@@ -108,7 +121,7 @@ class ReplicaRates:
         # a term never falls to 0 (or below) on collinear data: T_r would call that work free
         floor = theta0 * 1e-3
         overhead, prefill, load = (max(float(t), float(f)) for t, f in zip(theta, floor))
-        return Rates(overhead, prefill, load, p.service_s, len(y))
+        return Rates(overhead, prefill, load, p.service_s, len(y), p.decode_s)
 
 
 def _ridge(x: np.ndarray, y: np.ndarray, theta0: np.ndarray, prior_samples: float) -> np.ndarray:
@@ -153,8 +166,15 @@ class Calibration:
             last_end_s = sent_s  # another response ended during this one's prefill: a batching engine; no wait known
         start_s = max(sent_s, last_end_s)
         fit = self.replicas[i]
-        if first_byte_s is not None and computed_tokens is not None and pool_tokens is not None:
+        has_counts = computed_tokens is not None and pool_tokens is not None
+        if first_byte_s is not None and has_counts:
             fit.add_prefill(computed_tokens, pool_tokens, first_byte_s - start_s)
+        if first_byte_s is not None:
+            fit.add_decode(end_s - first_byte_s)
+        elif has_counts:
+            r = fit.rates
+            prefill_s = r.overhead_s + computed_tokens * r.prefill_s_per_token + pool_tokens * r.load_s_per_token
+            fit.add_decode(end_s - start_s - prefill_s)
         fit.add_service(end_s - start_s)
         self._last_end_s[i] = max(self._last_end_s[i], end_s)
         self._log_if_moved(i)
@@ -165,15 +185,17 @@ class Calibration:
             (now.prefill_s_per_token, then.prefill_s_per_token),
             (now.load_s_per_token, then.load_s_per_token),
             (now.service_s, then.service_s),
+            (now.decode_s, then.decode_s),
         )
         if any(max(a, b) > CHANGE_LOGGED * min(a, b) for a, b in pairs if min(a, b) > 0):
             log.info(
                 "pool_aware: replica %s measured prefill %.0f tokens/s, pool load %.0f tokens/s, service %.3f s, "
-                "overhead %.3f s (%d samples)",
+                "decode %.3f s, overhead %.3f s (%d samples)",
                 self.names[i],
                 1 / now.prefill_s_per_token,
                 1 / now.load_s_per_token,
                 now.service_s,
+                now.decode_s,
                 now.overhead_s,
                 now.num_samples,
             )
@@ -183,6 +205,7 @@ class Calibration:
 class _Provenance(msgspec.Struct):
     computed_tokens: int | None = None
     pool_tokens: int | None = None
+    local_tokens: int | None = None
 
 
 class _Final(msgspec.Struct):
@@ -193,6 +216,11 @@ class _Final(msgspec.Struct):
 def provenance_of(tail: bytes) -> tuple[int, int] | None:
     """(computed tokens, pool tokens) from the end of a response (an SSE stream or one JSON body), the last
     ``kvshare`` object in it; None where the replica withheld it or the tail holds none whole."""
+    p = _provenance(tail)
+    return None if p is None else (p.computed_tokens, p.pool_tokens)
+
+
+def _provenance(tail: bytes) -> _Provenance | None:
     bodies = (
         [tail]
         if not tail.lstrip().startswith(b"data:") and b"\n\ndata:" not in tail
@@ -213,7 +241,7 @@ def provenance_of(tail: bytes) -> tuple[int, int] | None:
         ):
             p = msgspec.convert(final.kv_transfer_params["kvshare"], _Provenance, strict=False)
         if p is not None and p.computed_tokens is not None and p.pool_tokens is not None:
-            return p.computed_tokens, p.pool_tokens
+            return p
     return None
 
 
@@ -221,8 +249,9 @@ class ResponseTiming:
     """A relayed response's times and end, for ``Calibration.observe``: ``piece`` for each piece as it arrives,
     ``end`` once it ended whole (``pieces`` does both around an upstream response)."""
 
-    def __init__(self, calibration: Calibration, replica: int, sent_s: float, is_stream: bool) -> None:
+    def __init__(self, calibration: Calibration, replica: int, sent_s: float, is_stream: bool, on_local=None) -> None:
         self.calibration, self.replica, self.sent_s, self.is_stream = calibration, replica, sent_s, is_stream
+        self.on_local = on_local  # called with the tokens the replica had in its local cache, where it says
         self.first_byte_s: float | None = None
         self._tail: deque[bytes] = deque()
         self._tail_bytes = 0
@@ -245,8 +274,10 @@ class ResponseTiming:
             self._tail_bytes -= len(self._tail.popleft())
 
     def end(self, now: float) -> None:
-        counts = provenance_of(b"".join(self._tail))
-        computed, pool = counts if counts is not None else (None, None)
+        p = _provenance(b"".join(self._tail))
+        computed, pool = (None, None) if p is None else (p.computed_tokens, p.pool_tokens)
         self.calibration.observe(
             self.replica, self.sent_s, self.first_byte_s if self.is_stream else None, now, computed, pool
         )
+        if self.on_local is not None and p is not None and p.local_tokens is not None and p.local_tokens >= 0:
+            self.on_local(p.local_tokens)

@@ -191,7 +191,12 @@ def attach_pool_aware(
             "Measured seconds per prompt token a replica loads from the pool",
             "load_s_per_token",
         ),
-        ("service_seconds", "Measured time a request holds a replica (the queue wait per request ahead)", "service_s"),
+        (
+            "service_seconds",
+            "Measured time a request holds a replica (per request in flight of unknown work)",
+            "service_s",
+        ),
+        ("decode_seconds", "Measured time a request holds a replica after its first token", "decode_s"),
         ("overhead_seconds", "Measured time to first token a replica adds to every request", "overhead_s"),
         ("rate_samples", "Responses behind a replica's measured rates (0: the flags' values)", "num_samples"),
     ]
@@ -199,4 +204,19 @@ def attach_pool_aware(
         gauge = Gauge(f"kvshare_router_pool_aware_{name}", help_text, ["replica"], registry=registry)
         for i, replica in enumerate(calibration.names):
             gauge.labels(replica).set_function(lambda i=i, field=field: float(getattr(calibration.rates(i), field)))
+    queue = Gauge(
+        "kvshare_router_pool_aware_queue_seconds",
+        "Expected work ahead on a replica: its requests in flight through this router (kvshare.router.backlog)",
+        ["replica"],
+        registry=registry,
+    )
+    depth = Gauge(
+        "kvshare_router_pool_aware_local_cache_depth_chunks",
+        "New chunks sent to a replica since a chunk was used, below which the chunk is credited as held",
+        ["replica"],
+        registry=registry,
+    )
+    for i, replica in enumerate(calibration.names):
+        queue.labels(replica).set_function(lambda i=i: placer.backlog.wait_s(i))
+        depth.labels(replica).set_function(lambda i=i: float(placer.sent.credited_depth(i)))
     return placer

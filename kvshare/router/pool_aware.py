@@ -5,13 +5,17 @@ For a prompt of ``n`` tokens and each replica ``r``::
     T_r = queue wait on r + (pool tokens not on r's GPU) x KV bytes per token / load bandwidth
           + (n - tokens r or the pool holds) / prefill rate
 
-The load and prefill rates and the queue wait (requests in flight x a request's recent time on r) are measured
-per replica from the responses the router relays (kvshare.router.calibration); the flags give their values
-until enough responses have been seen.
+The load and prefill rates and a request's decode time are measured per replica from the responses the router
+relays (kvshare.router.calibration); the flags give their values until enough responses have been seen. The
+queue wait is the expected work ahead on r (kvshare.router.backlog): each request this router has in flight
+there with the prefill and load it was expected to need plus r's decode time, so a replica behind long prompts
+looks as busy as it is. Replicas whose T_r is within ``NEAR_TIE`` of the least are taken in turn: a difference
+inside the measurements' noise does not send every request to the same replica.
 
 What the pool holds comes from its KV events (kvshare.pool.events: the pages it committed and has not
 evicted, with their token ids); what a replica holds on its GPU is what this router sent it (its own
-memory, as ``cache_aware`` keeps). Tenants never see each other's prefixes: every chain of hashes is seeded
+memory, as ``cache_aware`` keeps, credited only as deep as the replica's cache was seen to keep:
+kvshare.router.sent_memory). Tenants never see each other's prefixes: every chain of hashes is seeded
 by the request's cache_salt, and the pool announces token ids only for pages no tenant salted, so a salted
 request finds nothing of the pool here and is placed on queue and prefill alone.
 
@@ -31,14 +35,16 @@ import array
 import hashlib
 import logging
 import sys
-from collections import OrderedDict
 from dataclasses import dataclass
 
 from kvshare.keys import DEFAULT_CHUNK_TOKENS
 from kvshare.pool import events as E
+from kvshare.router.backlog import Backlog
 from kvshare.router.calibration import Calibration, Rates, ResponseTiming
+from kvshare.router.sent_memory import SentMemory
 
 log = logging.getLogger("kvshare.router.pool_aware")
+NEAR_TIE = 0.05  # T_r within this fraction of the least: a tie, broken in turn
 
 
 @dataclass(frozen=True)
@@ -49,7 +55,7 @@ class CostModel:
     kv_bytes_per_token: int = 147_456  # 36 layers x (K, V) x 8 heads x 128 x 2 bytes
     load_bytes_per_s: float = 20e9
     prefill_tokens_per_s: float = 20_000.0
-    queue_s_per_request: float = 0.5  # expected wait behind one request in flight on the replica
+    queue_s_per_request: float = 0.5  # a request's time on a replica after its first token (its decode)
     # False: the GPU-only variant (what llm-d's precise prefix scorer does): a replica is credited only with
     # what its own GPU holds; the pool's pages are invisible, so a prefix only the pool holds counts as prefill
     use_pool_term: bool = True
@@ -67,6 +73,7 @@ class CostModel:
             prefill_s_per_token=1.0 / self.prefill_tokens_per_s,
             load_s_per_token=self.kv_bytes_per_token / self.load_bytes_per_s,
             service_s=self.queue_s_per_request,
+            decode_s=self.queue_s_per_request,
         )
 
 
@@ -163,44 +170,47 @@ def _is_keyed(event) -> bool:
     return bool(getattr(event, "extra_keys", None) or getattr(event, "lora_name", None) or event.lora_id)
 
 
-class SentMemory:
-    """What this router sent each replica (its GPU prefix cache, most likely): bounded LRU of chain hashes."""
-
-    def __init__(self, num_replicas: int, max_chunks: int = 200_000) -> None:
-        self.max_chunks = max_chunks
-        self._sent = [OrderedDict() for _ in range(num_replicas)]
-
-    def held_tokens(self, i: int, hashes: list[bytes], chunk_tokens: int) -> int:
-        return held_chunks(hashes, self._sent[i]) * chunk_tokens
-
-    def remember(self, i: int, hashes: list[bytes]) -> None:
-        memory = self._sent[i]
-        for h in hashes:
-            memory[h] = None
-            memory.move_to_end(h)
-        while len(memory) > self.max_chunks:
-            memory.popitem(last=False)
-
-
 def expected_ttft(
     cost: CostModel, num_tokens: int, gpu_tokens: int, pool_tokens: int, num_in_flight: int, rates: Rates | None = None
 ) -> float:
-    """T_r in seconds: queue, the load of what only the pool holds, the prefill of what nobody holds; by the
-    replica's measured ``rates``, else the cost model's own."""
+    """T_r in seconds with the queue as ``num_in_flight`` requests of the mean service time each."""
+    r = cost.prior_rates() if rates is None else rates
+    return num_in_flight * r.service_s + expected_prefill(cost, num_tokens, gpu_tokens, pool_tokens, r)
+
+
+def expected_prefill(
+    cost: CostModel, num_tokens: int, gpu_tokens: int, pool_tokens: int, rates: Rates | None = None
+) -> float:
+    """T_r less the queue, in seconds: the load of what only the pool holds, the prefill of what nobody holds;
+    by the replica's measured ``rates``, else the cost model's own."""
     r = cost.prior_rates() if rates is None else rates
     if not cost.use_pool_term:
         pool_tokens = 0
     load_tokens = max(0, pool_tokens - gpu_tokens)
     computed = num_tokens - max(gpu_tokens, pool_tokens)
-    return (
-        r.overhead_s + num_in_flight * r.service_s + load_tokens * r.load_s_per_token + computed * r.prefill_s_per_token
-    )
+    return r.overhead_s + load_tokens * r.load_s_per_token + computed * r.prefill_s_per_token
 
 
-def rank(times: list[float], is_available: list[bool], rotation: int) -> list[int]:
-    """Replica indices, available ones first, least T_r first; ties in turn from ``rotation``."""
+def rank(times: list[float], is_available: list[bool], rotation: int, near_tie: float = 0.0) -> list[int]:
+    """Replica indices, available ones first, least T_r first; those within ``near_tie`` (a fraction) of the
+    least available T_r count as tied; ties in turn from ``rotation``."""
     n = len(times)
-    return sorted(range(n), key=lambda i: (not is_available[i], times[i], (i - rotation) % n))
+    best = min((t for t, ok in zip(times, is_available) if ok), default=min(times, default=0.0))
+    tied = [ok and t <= best * (1.0 + near_tie) for t, ok in zip(times, is_available)]
+
+    def key(i: int) -> tuple:  # the tied in turn, then the rest by T_r
+        return (not is_available[i], not tied[i], 0.0 if tied[i] else times[i], (i - rotation) % n)
+
+    return sorted(range(n), key=key)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What the placer expected of one request on each replica, for the proxy to begin its job and check it."""
+
+    work_s: list[float]  # its expected service time on each replica (kvshare.router.backlog)
+    depths: list[list[int]]  # per replica: the depths of the chunks of its prefix this router had sent there
+    chunk_tokens: int
 
 
 @dataclass(frozen=True)
@@ -239,6 +249,8 @@ class PoolAwarePlacer:
         self.tokenizer = tokenizer
         self.sent = SentMemory(num_replicas)
         self.calibration = Calibration(cost.prior_rates(), num_replicas)
+        self.backlog = Backlog(num_replicas)  # the proxy begins a job where it sends, finishes it at the end
+        self.last_placement: Placement | None = None  # the last request ranked (read before the proxy awaits)
         self.num_fallbacks = 0
         self.on_fallback = lambda: None  # a metric's inc
         self.fallback_reason: str | None = None  # the last reason, while falling back
@@ -268,25 +280,32 @@ class PoolAwarePlacer:
             pool_tokens = self.feed.index.held_tokens_of(hashes, cache_salt)
         if pool_tokens < len(hashes) * chunk_tokens:
             self.feed.expect(now)  # the replica will store the rest: the pool should announce it
+        rates = [self.calibration.rates(i) for i in range(len(in_flight))]
+        depths = [self.sent.depths(i, hashes) for i in range(len(in_flight))]
         if reason is not None:
             self.num_fallbacks += 1
             self.on_fallback()
             times = [0.0] * len(in_flight)
+            work = [r.service_s for r in rates]
         else:
-            times = [
-                expected_ttft(
-                    self.cost,
-                    len(ids),
-                    self._gpu_tokens(i, ids, cache_salt, hashes, chunk_tokens, now),
-                    pool_tokens,
-                    q,
-                    self.calibration.rates(i),
+            prefill = [
+                expected_prefill(
+                    self.cost, len(ids), self._gpu_tokens(i, ids, cache_salt, hashes, chunk_tokens, now), pool_tokens, r
                 )
-                for i, q in enumerate(in_flight)
+                for i, r in enumerate(rates)
             ]
-        order = rank(times, is_available, rotation)
+            times = [self.queue_s(i, q, r, now) + p for i, (q, r, p) in enumerate(zip(in_flight, rates, prefill))]
+            work = [p + r.decode_s for p, r in zip(prefill, rates)]
+        self.last_placement = Placement(work, depths, chunk_tokens)
+        order = rank(times, is_available, rotation, NEAR_TIE)
         self.sent.remember(order[0], hashes)
         return order
+
+    def queue_s(self, i: int, num_in_flight: int, rates: Rates, now: float) -> float:
+        """Expected wait on replica i: the backlog of the jobs it knows, the mean service time for each other
+        request in flight there (one the proxy counts but did not begin as a job)."""
+        unknown = max(0, num_in_flight - self.backlog.num_jobs(i))
+        return self.backlog.wait_s(i) + unknown * rates.service_s
 
     def _gpu_tokens(self, i: int, ids, cache_salt, hashes, chunk_tokens: int, now: float) -> int:
         """Replica i's GPU prefix: from its own events while they are live, else what this router sent it."""
@@ -296,9 +315,15 @@ class PoolAwarePlacer:
                 return feed.index.held_tokens(ids, cache_salt)
         return self.sent.held_tokens(i, hashes, chunk_tokens)
 
-    def timing(self, replica: int, sent_s: float, upstream) -> ResponseTiming:
-        """The measurement of one relayed response (an aiohttp ClientResponse) for this placer's calibration."""
-        return ResponseTiming(self.calibration, replica, sent_s, upstream.content_type == "text/event-stream")
+    def timing(self, replica: int, sent_s: float, upstream, placement: Placement | None = None) -> ResponseTiming:
+        """The measurement of one relayed response (an aiohttp ClientResponse) for this placer's calibration and,
+        with the request's ``placement``, for what its replica's local cache keeps (the sent memory's capacity)."""
+
+        def held(local_tokens: int) -> None:
+            self.sent.report(replica, placement.depths[replica], local_tokens // placement.chunk_tokens)
+
+        is_stream = upstream.content_type == "text/event-stream"
+        return ResponseTiming(self.calibration, replica, sent_s, is_stream, None if placement is None else held)
 
     def start(self) -> None:
         self.warm_up()

@@ -271,6 +271,8 @@ class RouterServer:
         ]
         order = self.policy.choose(facts, views, time.monotonic())
         order = [i for i in order if not self.replicas[i].is_draining]
+        placer = self.pool_aware
+        placement = placer.last_placement if placer is not None else None  # this request's, before any await
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
         t0 = time.perf_counter()
         last_error = "no replica is available"
@@ -278,12 +280,15 @@ class RouterServer:
             replica = self.replicas[i]
             replica.num_in_flight += 1
             sent_s = time.monotonic()
+            job = None if placement is None else placer.backlog.begin(i, placement.work_s[i])  # in T_r now
             try:
                 upstream = await self._session.request(
                     request.method, replica.url + request.path_qs, data=body or None, headers=headers
                 )
             except (TimeoutError, aiohttp.ClientError, OSError) as exc:
                 replica.num_in_flight -= 1
+                if job is not None:
+                    placer.backlog.finish(job)
                 replica.is_healthy = False
                 replica.last_error = last_error = f"{type(exc).__name__}: {exc}"
                 self.metrics.failovers.inc()
@@ -291,11 +296,13 @@ class RouterServer:
                 continue
             try:
                 self.metrics.requests.labels(replica.url).inc()
-                timing = None if self.pool_aware is None else self.pool_aware.timing(i, sent_s, upstream)
+                timing = None if placer is None else placer.timing(i, sent_s, upstream, placement)
                 return await self._relay(request, upstream, replica, timing)
             finally:
                 upstream.release()
                 replica.num_in_flight -= 1
+                if job is not None:
+                    placer.backlog.finish(job)
                 self.metrics.latency.observe(time.perf_counter() - t0)
         self.metrics.errors.inc()
         raise _unavailable(f"no replica could take the request: {last_error}")
