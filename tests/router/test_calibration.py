@@ -126,7 +126,7 @@ def test_the_router_times_a_relayed_stream_and_reads_its_provenance():
     """Fails when the proxy does not feed what it relays to the calibration (no ResponseTiming in _relay)."""
     from aiohttp import web
 
-    from tests.serve.live import LiveApp
+    from tests.router.fake_replica import completion_request, pool_aware_router
 
     async def completions(request):
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -138,30 +138,14 @@ def test_the_router_times_a_relayed_stream_and_reads_its_provenance():
         await response.write_eof()
         return response
 
-    async def health(request):
-        return web.json_response({"status": "ok"})
-
-    fake = web.Application()
-    fake.router.add_post("/v1/completions", completions)
-    fake.router.add_get("/health", health)
-    with LiveApp(fake) as replica_url:
-        config = RouterConfig(
-            replicas=(replica_url,),
-            policy="pool_aware",
-            pool_aware=PoolAwareConfig(endpoint="tcp://127.0.0.1:1", model="tiny", cost=FLAGS),
-        )
-        server = RouterServer(config)
-        with LiveApp(server.app()) as router_url:
-            body = json.dumps({"prompt": "hello", "max_tokens": 2, "stream": True}).encode()
-            req = urllib.request.Request(
-                router_url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
-            )
-            with urllib.request.urlopen(req, timeout=60) as resp:
-                assert b"[DONE]" in resp.read()
-            for _ in range(100):  # the relay records the end after the last write
-                if server.pool_aware.calibration.replicas[0].samples:
-                    break
-                time.sleep(0.02)
+    with pool_aware_router(completions, FLAGS) as (server, router_url):
+        req = completion_request(router_url, prompt="hello", max_tokens=2, stream=True)
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            assert b"[DONE]" in resp.read()
+        for _ in range(100):  # the relay records the end after the last write
+            if server.pool_aware.calibration.replicas[0].samples:
+                break
+            time.sleep(0.02)
     [(computed, pool, prefill_s)] = server.pool_aware.calibration.replicas[0].samples
     assert (computed, pool) == (40, 512) and prefill_s >= 0.04
 

@@ -2,7 +2,6 @@
 
 import asyncio
 import itertools
-import json
 import urllib.request
 
 import pytest
@@ -132,7 +131,7 @@ def test_the_proxy_begins_a_job_where_it_sends_and_ends_it_with_the_response():
 
     from aiohttp import web
 
-    from tests.serve.live import LiveApp
+    from tests.router.fake_replica import completion_request, pool_aware_router
 
     release = threading.Event()
 
@@ -141,40 +140,24 @@ def test_the_proxy_begins_a_job_where_it_sends_and_ends_it_with_the_response():
             await asyncio.sleep(0.01)
         return web.json_response({"choices": []})
 
-    async def health(request):
-        return web.json_response({"status": "ok"})
-
-    fake = web.Application()
-    fake.router.add_post("/v1/completions", completions)
-    fake.router.add_get("/health", health)
-    with LiveApp(fake) as replica_url:
-        config = RouterConfig(
-            replicas=(replica_url,),
-            policy="pool_aware",
-            pool_aware=PoolAwareConfig(endpoint="tcp://127.0.0.1:1", model="tiny", cost=COST),
-        )
-        server = RouterServer(config)
+    with pool_aware_router(completions, COST) as (server, router_url):
         backlog = server.pool_aware.backlog
-        with LiveApp(server.app()) as router_url:
-            body = json.dumps({"prompt": "hello", "max_tokens": 2}).encode()
-            req = urllib.request.Request(
-                router_url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
-            )
-            client = threading.Thread(target=lambda: urllib.request.urlopen(req, timeout=60).read())
-            client.start()
-            try:
-                for _ in range(500):
-                    if backlog.num_jobs(0) == 1:
-                        break
-                    release.wait(0.01)
-                in_flight = backlog.num_jobs(0)
-            finally:
-                release.set()
-                client.join(60)
+        req = completion_request(router_url, prompt="hello", max_tokens=2)
+        client = threading.Thread(target=lambda: urllib.request.urlopen(req, timeout=60).read())
+        client.start()
+        try:
             for _ in range(500):
-                if backlog.num_jobs(0) == 0:
+                if backlog.num_jobs(0) == 1:
                     break
                 release.wait(0.01)
+            in_flight = backlog.num_jobs(0)
+        finally:
+            release.set()
+            client.join(60)
+        for _ in range(500):
+            if backlog.num_jobs(0) == 0:
+                break
+            release.wait(0.01)
     assert in_flight == 1
     assert backlog.num_jobs(0) == 0 and backlog.wait_s(0) == 0.0
 
