@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import select
 import socket
 import struct
 import threading
@@ -29,6 +30,7 @@ from kvshare.pool.checksum import ChecksumKind, is_valid
 
 # the grants and errors live in kvshare.pool.grants and are re-exported: callers import them from here
 from kvshare.pool.grants import ChecksumMismatch, LeaseGrant, PoolRequestError, PoolUnavailable, ReservationGrant
+from kvshare.pool.held_releases import RELEASE_DELAY_S, HeldReleases
 from kvshare.pool.holders import TOKEN_BYTES
 from kvshare.pool.peers import peer_credentials, untrusted_pool_reason
 from kvshare.pool.spin import CpuPressure, SpinPolicy
@@ -43,6 +45,7 @@ class PoolClient:
         verify_checksums: bool = False,
         spin_us: float = 200.0,
         holder: bytes | None = None,
+        release_delay_s: float = RELEASE_DELAY_S,
     ) -> None:
         self.socket_path = socket_path
         # names this client's holds in the pool across reconnects (a new random token unless given)
@@ -55,6 +58,9 @@ class PoolClient:
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._inbuf = bytearray()
+        self._poller: select.poll | None = None  # a reply's wait: POLLIN only (connect says why)
+        self.release_delay_s = release_delay_s  # releases ride the next message or go out after this (0: at once)
+        self._held = HeldReleases()
         self._mmap: mmap.mmap | None = None
         self.arena: np.ndarray | None = None  # uint8 view of the whole arena
         self.hello: P.HelloReply | None = None
@@ -85,7 +91,7 @@ class PoolClient:
             if refusal is not None:
                 raise PoolRequestError(refusal.code, refusal.message) from None
             raise PoolUnavailable(f"cannot reach the pool at {self.socket_path}: {exc}") from None
-        self._sock = sock
+        self._use(sock)
         self._inbuf = bytearray(data)
         try:
             reply = self._read_reply()
@@ -115,16 +121,20 @@ class PoolClient:
             self._close_socket()
             raise
         os.close(fds[0])  # the mapping keeps the memfd alive
-        # Blocking, with the timeout in the kernel (SO_RCVTIMEO / SO_SNDTIMEO): a wait that does not spin is one
-        # recv, the fewest syscalls and wake-ups a reply can cost; a spin polls with MSG_DONTWAIT (_recv_some).
-        sock.settimeout(None)
-        timeout_s = max(self.timeout_s, 1e-3)  # a zero timeval would mean no timeout at all
-        timeval = struct.pack("ll", int(timeout_s), int(timeout_s % 1 * 1e6))
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
         self.arena = np.frombuffer(self._mmap, dtype=np.uint8)
         self.hello = reply
         return self
+
+    def _use(self, sock: socket.socket) -> None:
+        """Requests go over ``sock`` from now on. Sends block, the timeout in the kernel (SO_SNDTIMEO); a reply is
+        waited for in poll(POLLIN): the pool reading a request makes the socket writable, which wakes a task blocked
+        in recv (a stream socket's readers and writers share one wait queue) but not one polling for input."""
+        sock.settimeout(None)
+        timeout_s = max(self.timeout_s, 1e-3)  # a zero timeval would mean no timeout at all
+        timeval = struct.pack("ll", int(timeout_s), int(timeout_s % 1 * 1e6))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+        self._sock, self._poller = sock, select.poll()
+        self._poller.register(sock, select.POLLIN)
 
     def on_unmap(self, hook: Callable[[], None]) -> None:
         """Call ``hook`` before the arena is unmapped (close): e.g. to drop CUDA registrations of it."""
@@ -137,8 +147,7 @@ class PoolClient:
         ends its holds now. Without it (a timeout, a lost link) the pool keeps them while this process
         lives, or until their TTL, and a client with the same holder token can still release them.
         """
-        if end_holds:
-            self._say_goodbye()
+        self._say_goodbye(end_holds)
         self._close_socket()
         _run_hooks(self._unmap_hooks)
         self.arena = None
@@ -173,14 +182,15 @@ class PoolClient:
         except OSError:
             return True
 
-    def _say_goodbye(self) -> None:
+    def _say_goodbye(self, end_holds: bool) -> None:  # the held releases, and a Goodbye when end_holds
         if not self._lock.acquire(timeout=min(self.timeout_s, 1.0)):
             return  # a request is stuck on the socket: the pool ends the holds when this process exits
         try:
-            if self._sock is not None:
-                self._send(P.encode(P.Goodbye()))
-        except (OSError, TimeoutError):
-            pass  # the pool is gone, or not reading: it keeps or ends the holds by its own rules
+            data = self._held.take_frame() + (P.encode(P.Goodbye()) if end_holds else b"")
+            if self._sock is not None and data:  # without end_holds the pool may be stuck: never wait for it
+                self._send(data) if end_holds else self._sock.send(data, socket.MSG_DONTWAIT)
+        except OSError:  # TimeoutError too: the pool is gone, or not reading: it keeps or ends the holds by its rules
+            pass
         finally:
             self._lock.release()
 
@@ -196,7 +206,7 @@ class PoolClient:
             if self._sock is None:
                 raise PoolUnavailable(f"not connected to the pool at {self.socket_path}")
             try:
-                self._send(P.encode(request))
+                self._send(self._held.take_frame() + P.encode(request))  # held releases first: handled before it
                 reply = self._read_reply()
             except (OSError, EOFError) as exc:
                 self._close_socket()
@@ -212,11 +222,14 @@ class PoolClient:
                 if len(frames) > 1 or self._inbuf:
                     raise P.ProtocolError("the pool sent more than one reply")
                 return P.decode_reply(frames[0])
-            self._inbuf += self._recv_some()
+            chunk = self._recv_some()
+            if not chunk:
+                raise EOFError("the pool closed the connection")
+            self._inbuf += chunk
 
     def _recv_some(self) -> bytes:
-        """What the socket holds next: polled without sleeping for the spin window (spin.py), then waited for
-        in one blocking recv of at most ``timeout_s``."""
+        """What the socket holds next (b"": closed): polled without sleeping for the spin window (spin.py), then
+        waited for in poll (at most ``timeout_s``)."""
         sock = self._sock
         window_s = self.spin.window_s()
         if window_s > 0:
@@ -230,11 +243,10 @@ class PoolClient:
                     self.spin.record(False)
                     break
                 self.spin.record(True)
-                return _chunk_or_eof(chunk)
-        try:
-            return _chunk_or_eof(sock.recv(1 << 16))
-        except BlockingIOError:  # SO_RCVTIMEO passed
-            raise TimeoutError(f"the pool did not answer within {self.timeout_s} s") from None
+                return chunk
+        if not self._poller.poll(max(1, int(self.timeout_s * 1000))):
+            raise TimeoutError(f"the pool did not answer within {self.timeout_s} s")
+        return sock.recv(1 << 16, socket.MSG_DONTWAIT)
 
     def _send(self, data: bytes) -> None:
         try:
@@ -248,7 +260,9 @@ class PoolClient:
         return LeaseGrant(lease_id=reply.lease_id, pages=reply.pages)
 
     def release(self, lease_ids: list[int], wait: bool = False) -> None:
-        """Release leases; without ``wait`` no reply is awaited (the message still arrives in order)."""
+        """Release leases whose copies have ended. Without ``wait`` no reply is awaited and the release is held
+        back until this client's next message, or ``release_delay_s`` (held_releases.py): the pool applies it
+        before any later request of this client, and ends no lease before its release is sent."""
         ids = [i for i in lease_ids if i]
         if not ids:
             return
@@ -256,12 +270,31 @@ class PoolClient:
             self._call(P.Release(lease_ids=ids, reply=True))
             return
         with self._lock:
-            if self._sock is None:
-                return  # the pool released them when our connection dropped
-            try:
-                self._send(P.encode(P.Release(lease_ids=ids, reply=False)))
-            except OSError:
-                self._close_socket()
+            if self.release_delay_s <= 0:
+                self._send_now(P.encode(P.Release(lease_ids=ids, reply=False)))
+            elif self._sock is not None:  # else the pool keeps them for this holder or ended them with its process
+                self._held.add(ids, self)
+
+    def send_old_releases(self, tick_s: float) -> None:
+        """The flusher's look (held_releases.py): send what would pass ``release_delay_s`` before the next look;
+        forget this client once it holds nothing. Never waits for the lock: a request under way sends them."""
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            if self._held.lease_ids and self._held.age_s() + tick_s >= self.release_delay_s:
+                self._send_now(self._held.take_frame())
+            if not self._held.lease_ids:
+                self._held.unwatch(self)
+        finally:
+            self._lock.release()
+
+    def _send_now(self, frame: bytes) -> None:
+        """Send a message that wants no reply (under the lock); a broken socket closes the client."""
+        try:
+            if self._sock is not None:  # else the pool keeps the holds for this holder or ended them with its process
+                self._send(frame)
+        except OSError:
+            self._close_socket()
 
     def reserve(
         self,
@@ -348,12 +381,6 @@ class PoolClient:
         if self.verify_checksums and not is_valid(view, header):
             raise ChecksumMismatch(f"page at offset {header.offset} does not match its checksum")
         return view
-
-
-def _chunk_or_eof(chunk: bytes) -> bytes:
-    if not chunk:
-        raise EOFError("the pool closed the connection")
-    return chunk
 
 
 def _refusal_before_close(sock: socket.socket) -> P.ErrorReply | None:
