@@ -30,7 +30,6 @@ from kvshare.pool.checksum import ChecksumKind, is_valid
 
 # the grants and errors live in kvshare.pool.grants and are re-exported: callers import them from here
 from kvshare.pool.grants import ChecksumMismatch, LeaseGrant, PoolRequestError, PoolUnavailable, ReservationGrant
-from kvshare.pool.held_releases import RELEASE_DELAY_S, HeldReleases
 from kvshare.pool.holders import TOKEN_BYTES
 from kvshare.pool.peers import peer_credentials, untrusted_pool_reason
 from kvshare.pool.spin import CpuPressure, SpinPolicy
@@ -45,7 +44,6 @@ class PoolClient:
         verify_checksums: bool = False,
         spin_us: float = 200.0,
         holder: bytes | None = None,
-        release_delay_s: float = RELEASE_DELAY_S,
     ) -> None:
         self.socket_path = socket_path
         # names this client's holds in the pool across reconnects (a new random token unless given)
@@ -59,8 +57,6 @@ class PoolClient:
         self._sock: socket.socket | None = None
         self._inbuf = bytearray()
         self._poller: select.poll | None = None  # a reply's wait: POLLIN only (connect says why)
-        self.release_delay_s = release_delay_s  # releases ride the next message or go out after this (0: at once)
-        self._held = HeldReleases()
         self._mmap: mmap.mmap | None = None
         self.arena: np.ndarray | None = None  # uint8 view of the whole arena
         self.hello: P.HelloReply | None = None
@@ -147,7 +143,8 @@ class PoolClient:
         ends its holds now. Without it (a timeout, a lost link) the pool keeps them while this process
         lives, or until their TTL, and a client with the same holder token can still release them.
         """
-        self._say_goodbye(end_holds)
+        if end_holds:
+            self._say_goodbye()
         self._close_socket()
         _run_hooks(self._unmap_hooks)
         self.arena = None
@@ -182,15 +179,14 @@ class PoolClient:
         except OSError:
             return True
 
-    def _say_goodbye(self, end_holds: bool) -> None:  # the held releases, and a Goodbye when end_holds
+    def _say_goodbye(self) -> None:
         if not self._lock.acquire(timeout=min(self.timeout_s, 1.0)):
             return  # a request is stuck on the socket: the pool ends the holds when this process exits
         try:
-            data = self._held.take_frame() + (P.encode(P.Goodbye()) if end_holds else b"")
-            if self._sock is not None and data:  # without end_holds the pool may be stuck: never wait for it
-                self._send(data) if end_holds else self._sock.send(data, socket.MSG_DONTWAIT)
-        except OSError:  # TimeoutError too: the pool is gone, or not reading: it keeps or ends the holds by its rules
-            pass
+            if self._sock is not None:
+                self._send(P.encode(P.Goodbye()))
+        except (OSError, TimeoutError):
+            pass  # the pool is gone, or not reading: it keeps or ends the holds by its own rules
         finally:
             self._lock.release()
 
@@ -206,7 +202,7 @@ class PoolClient:
             if self._sock is None:
                 raise PoolUnavailable(f"not connected to the pool at {self.socket_path}")
             try:
-                self._send(self._held.take_frame() + P.encode(request))  # held releases first: handled before it
+                self._send(P.encode(request))
                 reply = self._read_reply()
             except (OSError, EOFError) as exc:
                 self._close_socket()
@@ -260,9 +256,7 @@ class PoolClient:
         return LeaseGrant(lease_id=reply.lease_id, pages=reply.pages)
 
     def release(self, lease_ids: list[int], wait: bool = False) -> None:
-        """Release leases whose copies have ended. Without ``wait`` no reply is awaited and the release is held
-        back until this client's next message, or ``release_delay_s`` (held_releases.py): the pool applies it
-        before any later request of this client, and ends no lease before its release is sent."""
+        """Release leases; without ``wait`` no reply is awaited (the message still arrives in order)."""
         ids = [i for i in lease_ids if i]
         if not ids:
             return
@@ -270,31 +264,12 @@ class PoolClient:
             self._call(P.Release(lease_ids=ids, reply=True))
             return
         with self._lock:
-            if self.release_delay_s <= 0:
-                self._send_now(P.encode(P.Release(lease_ids=ids, reply=False)))
-            elif self._sock is not None:  # else the pool keeps them for this holder or ended them with its process
-                self._held.add(ids, self)
-
-    def send_old_releases(self, tick_s: float) -> None:
-        """The flusher's look (held_releases.py): send what would pass ``release_delay_s`` before the next look;
-        forget this client once it holds nothing. Never waits for the lock: a request under way sends them."""
-        if not self._lock.acquire(blocking=False):
-            return
-        try:
-            if self._held.lease_ids and self._held.age_s() + tick_s >= self.release_delay_s:
-                self._send_now(self._held.take_frame())
-            if not self._held.lease_ids:
-                self._held.unwatch(self)
-        finally:
-            self._lock.release()
-
-    def _send_now(self, frame: bytes) -> None:
-        """Send a message that wants no reply (under the lock); a broken socket closes the client."""
-        try:
-            if self._sock is not None:  # else the pool keeps the holds for this holder or ended them with its process
-                self._send(frame)
-        except OSError:
-            self._close_socket()
+            if self._sock is None:
+                return  # the pool released them when our connection dropped
+            try:
+                self._send(P.encode(P.Release(lease_ids=ids, reply=False)))
+            except OSError:
+                self._close_socket()
 
     def reserve(
         self,

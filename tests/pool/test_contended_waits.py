@@ -3,6 +3,8 @@ in one blocking poll and the daemon in one blocking select, so each leaves the c
 
 from __future__ import annotations
 
+import os
+import resource
 import socket
 import time
 
@@ -136,3 +138,29 @@ def test_a_reply_that_does_not_come_within_the_timeout_ends_the_wait(contended_p
     with PoolClient(contended_pool.config.socket_path, timeout_s=0.2) as client:
         with pytest.raises(pool_client.PoolUnavailable, match="lost the pool"):
             client.stats()
+
+
+def test_waiting_for_a_reply_is_not_woken_by_the_pool_reading_the_request():
+    """A pool (a forked process on a socket pair) reads the request, then answers 50 ms later. The waiting thread
+    sleeps once. Fails with a blocking recv as the wait: the read makes the client's socket writable, which wakes
+    the recv for nothing, and it sleeps twice."""
+    ours, pools = socket.socketpair()
+    reply = P.encode(P.Ok(count=7))
+    pid = os.fork()
+    if pid == 0:  # the pool: nothing but socket calls, then out
+        ours.close()
+        pools.recv(1 << 16)
+        time.sleep(0.05)
+        pools.sendall(reply)
+        os._exit(0)
+    pools.close()
+    client = PoolClient("unused", timeout_s=5.0, spin_us=0)
+    client._use(ours)  # the socket pair stands for a connection: no hello
+    try:
+        before = resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
+        assert client.flush() == 7
+        num_sleeps = resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw - before
+    finally:
+        ours.close()
+        os.waitpid(pid, 0)
+    assert num_sleeps == 1
