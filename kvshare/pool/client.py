@@ -213,7 +213,7 @@ class PoolClient:
 
     def _read_reply(self) -> P.Reply:
         while True:
-            frames = P.split_frames(self._inbuf, 1 << 30)
+            frames = P.split_frames(self._inbuf, 1 << 30) if self._inbuf else []
             if frames:
                 if len(frames) > 1 or self._inbuf:
                     raise P.ProtocolError("the pool sent more than one reply")
@@ -221,6 +221,9 @@ class PoolClient:
             chunk = self._recv_some()
             if not chunk:
                 raise EOFError("the pool closed the connection")
+            size = P.FRAME_HEADER.size
+            if not self._inbuf and len(chunk) > size and P.FRAME_HEADER.unpack_from(chunk)[0] == len(chunk) - size:
+                return P.decode_reply(memoryview(chunk)[size:])  # the usual case: one whole reply at once
             self._inbuf += chunk
 
     def _recv_some(self) -> bytes:
