@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import select
 import socket
 import struct
 import threading
@@ -55,6 +56,7 @@ class PoolClient:
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._inbuf = bytearray()
+        self._poller: select.poll | None = None  # a reply's wait: POLLIN only (connect says why)
         self._mmap: mmap.mmap | None = None
         self.arena: np.ndarray | None = None  # uint8 view of the whole arena
         self.hello: P.HelloReply | None = None
@@ -85,7 +87,7 @@ class PoolClient:
             if refusal is not None:
                 raise PoolRequestError(refusal.code, refusal.message) from None
             raise PoolUnavailable(f"cannot reach the pool at {self.socket_path}: {exc}") from None
-        self._sock = sock
+        self._use(sock)
         self._inbuf = bytearray(data)
         try:
             reply = self._read_reply()
@@ -115,16 +117,20 @@ class PoolClient:
             self._close_socket()
             raise
         os.close(fds[0])  # the mapping keeps the memfd alive
-        # Blocking, with the timeout in the kernel (SO_RCVTIMEO / SO_SNDTIMEO): a wait that does not spin is one
-        # recv, the fewest syscalls and wake-ups a reply can cost; a spin polls with MSG_DONTWAIT (_recv_some).
-        sock.settimeout(None)
-        timeout_s = max(self.timeout_s, 1e-3)  # a zero timeval would mean no timeout at all
-        timeval = struct.pack("ll", int(timeout_s), int(timeout_s % 1 * 1e6))
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
         self.arena = np.frombuffer(self._mmap, dtype=np.uint8)
         self.hello = reply
         return self
+
+    def _use(self, sock: socket.socket) -> None:
+        """Requests go over ``sock`` from now on. Sends block, the timeout in the kernel (SO_SNDTIMEO); a reply is
+        waited for in poll(POLLIN): the pool reading a request makes the socket writable, which wakes a task blocked
+        in recv (a stream socket's readers and writers share one wait queue) but not one polling for input."""
+        sock.settimeout(None)
+        timeout_s = max(self.timeout_s, 1e-3)  # a zero timeval would mean no timeout at all
+        timeval = struct.pack("ll", int(timeout_s), int(timeout_s % 1 * 1e6))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+        self._sock, self._poller = sock, select.poll()
+        self._poller.register(sock, select.POLLIN)
 
     def on_unmap(self, hook: Callable[[], None]) -> None:
         """Call ``hook`` before the arena is unmapped (close): e.g. to drop CUDA registrations of it."""
@@ -207,16 +213,22 @@ class PoolClient:
 
     def _read_reply(self) -> P.Reply:
         while True:
-            frames = P.split_frames(self._inbuf, 1 << 30)
+            frames = P.split_frames(self._inbuf, 1 << 30) if self._inbuf else []
             if frames:
                 if len(frames) > 1 or self._inbuf:
                     raise P.ProtocolError("the pool sent more than one reply")
                 return P.decode_reply(frames[0])
-            self._inbuf += self._recv_some()
+            chunk = self._recv_some()
+            if not chunk:
+                raise EOFError("the pool closed the connection")
+            size = P.FRAME_HEADER.size
+            if not self._inbuf and len(chunk) > size and P.FRAME_HEADER.unpack_from(chunk)[0] == len(chunk) - size:
+                return P.decode_reply(memoryview(chunk)[size:])  # the usual case: one whole reply at once
+            self._inbuf += chunk
 
     def _recv_some(self) -> bytes:
-        """What the socket holds next: polled without sleeping for the spin window (spin.py), then waited for
-        in one blocking recv of at most ``timeout_s``."""
+        """What the socket holds next (b"": closed): polled without sleeping for the spin window (spin.py), then
+        waited for in poll (at most ``timeout_s``)."""
         sock = self._sock
         window_s = self.spin.window_s()
         if window_s > 0:
@@ -230,11 +242,10 @@ class PoolClient:
                     self.spin.record(False)
                     break
                 self.spin.record(True)
-                return _chunk_or_eof(chunk)
-        try:
-            return _chunk_or_eof(sock.recv(1 << 16))
-        except BlockingIOError:  # SO_RCVTIMEO passed
-            raise TimeoutError(f"the pool did not answer within {self.timeout_s} s") from None
+                return chunk
+        if not self._poller.poll(max(1, int(self.timeout_s * 1000))):
+            raise TimeoutError(f"the pool did not answer within {self.timeout_s} s")
+        return sock.recv(1 << 16, socket.MSG_DONTWAIT)
 
     def _send(self, data: bytes) -> None:
         try:
@@ -348,12 +359,6 @@ class PoolClient:
         if self.verify_checksums and not is_valid(view, header):
             raise ChecksumMismatch(f"page at offset {header.offset} does not match its checksum")
         return view
-
-
-def _chunk_or_eof(chunk: bytes) -> bytes:
-    if not chunk:
-        raise EOFError("the pool closed the connection")
-    return chunk
 
 
 def _refusal_before_close(sock: socket.socket) -> P.ErrorReply | None:

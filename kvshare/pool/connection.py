@@ -8,6 +8,7 @@ bounded amount of memory and work (docs/operations.md, "What the pool refuses").
 from __future__ import annotations
 
 import array
+import selectors
 import socket
 from collections import deque
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ class Connection:
     inbuf: bytearray = field(default_factory=bytearray)
     outbuf: bytearray = field(default_factory=bytearray)
     is_closing: bool = False
+    events: int = selectors.EVENT_READ  # what the daemon's selector watches on the socket (registered at accept)
     # frames not handled yet: while a reply is deferred (a lookup that goes on to the remote tier),
     # the client's later messages wait here, so every client is answered in order
     pending: deque = field(default_factory=deque)

@@ -348,8 +348,9 @@ class PoolServer:
             self._drop_client(client)
             return
         events = (selectors.EVENT_READ if client.is_reading else 0) | (selectors.EVENT_WRITE if client.outbuf else 0)
-        if self._selector.get_key(client.sock).events != events:
+        if client.events != events:
             self._selector.modify(client.sock, events, client)
+            client.events = events
 
     def _label(self, client: Connection) -> str | int:
         return self.handlers.name_of(client.client_id) or client.client_id

@@ -35,6 +35,9 @@ class Entry:
     parent_key: bytes | None = None  # the chunk before this one in its chain, when the writer named it
     tokens_le32: bytes = b""  # the chunk's token ids (little-endian u32) when the writer sent them: KV events
     account: bytes = b""  # whose quota holds the page, when the writer named one (quota.py)
+    # what a lookup reply says of the page (a protocol PageHeader), made by the first lookup: a committed entry's
+    # offset, size and checksum never change, so every later lookup sends the same one
+    header: object = None
 
     @property
     def quota_owner(self) -> bytes:

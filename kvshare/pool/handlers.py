@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from kvshare.keys import KEY_BYTES
 from kvshare.pool import protocol as P
-from kvshare.pool.entries import LookupResult
+from kvshare.pool.entries import Entry, LookupResult
 from kvshare.pool.holders import Holders
 from kvshare.pool.index import PoolError, PoolIndex
 from kvshare.pool.remote import RemoteHooks
@@ -388,5 +388,10 @@ class PoolHandlers:
 
 
 def lookup_reply(result: LookupResult) -> P.LookupReply:
-    pages = [P.PageHeader(e.offset, e.page_bytes, e.checksum, checksum_kind=e.checksum_kind) for e in result.entries]
-    return P.LookupReply(lease_id=result.lease_id, pages=pages)
+    return P.LookupReply(lease_id=result.lease_id, pages=[e.header or _page_header(e) for e in result.entries])
+
+
+def _page_header(entry: Entry) -> P.PageHeader:
+    """The entry's PageHeader, kept on it: its offset, size and checksum are fixed once committed."""
+    entry.header = P.PageHeader(entry.offset, entry.page_bytes, entry.checksum, checksum_kind=entry.checksum_kind)
+    return entry.header

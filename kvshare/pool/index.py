@@ -125,17 +125,20 @@ class PoolIndex:
         """
         self._check_keys(keys)
         matched: list[Entry] = []
+        entries, committed = self._entries, EntryState.COMMITTED
         for key in keys:
-            entry = self._entries.get(key)
-            if entry is None or entry.state is not EntryState.COMMITTED or entry.page_bytes != page_bytes:
+            entry = entries.get(key)
+            if entry is None or entry.state is not committed or entry.page_bytes != page_bytes:
                 break
             matched.append(entry)
         if is_counted:
-            self.counters.lookups += 1
-            self.counters.hit_chunks += len(matched)
-            self.counters.miss_chunks += len(keys) - len(matched)
+            counters = self.counters
+            counters.lookups += 1
+            counters.hit_chunks += len(matched)
+            counters.miss_chunks += len(keys) - len(matched)
+        move_to_end = self._lru.move_to_end
         for entry in reversed(matched):  # tail first, so the head ends up most recent
-            self._lru.move_to_end(entry.key)
+            move_to_end(entry.key)
         if not lease or not matched:
             return LookupResult(lease_id=0, entries=matched)
         for entry in matched:

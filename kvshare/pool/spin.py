@@ -19,6 +19,17 @@ busy ones when its message comes. So a wait spins only while
 Yielding the core between polls (sched_yield) was tried and lost: with busy
 neighbours the yield hands a whole time slice to one of them (lookup + lease +
 release 370-500/s against 1.1-2.1k/s without it, two burners, 2 cores).
+
+What bounds the rate once neither end spins (2026-12-05, 2-core VM, kernel 6.18,
+benchmarks/pool_contention.py with two burners, /proc/PID/schedstat and perf sched):
+the kernel puts the client and the daemon either together on one core and both
+burners on the other (~10k/s, p99 ~160 us: bound by the pair's CPU per round
+trip, ~95 us of Python, syscalls and switches), or each beside a burner
+(~6-7k/s, p50 ~60 us, p99 ~3 ms): a sleeper keeps the negative lag of the CPU it
+used (EEVDF), so each waited about as long as it ran (35 us run, 34 us wait a
+round trip), and the slowest waits last about a burner's time slice. A shorter
+slice for both ends (sched_setattr, 100 us) changed neither; only less CPU per
+round trip raises the rate.
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
 """While the cores are contended (CPU pressure), neither end of the pool socket spins: the client waits for a reply
-in one blocking recv and the daemon in one blocking select, so each leaves the core to whoever needs it."""
+in one blocking poll and the daemon in one blocking select, so each leaves the core to whoever needs it."""
 
 from __future__ import annotations
 
+import os
+import resource
 import socket
 import time
 
@@ -34,16 +36,18 @@ class Contended:
 
 
 class CountingSocket:
-    """The client's socket, counting the receives that do not wait (a spin polls with them)."""
+    """The client's socket, counting the receives that found nothing (a spin polls with them)."""
 
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
         self.num_polls = 0
 
     def recv(self, size: int, flags: int = 0) -> bytes:
-        if flags & socket.MSG_DONTWAIT or self._sock.gettimeout() == 0.0:
+        try:
+            return self._sock.recv(size, flags)
+        except BlockingIOError:
             self.num_polls += 1
-        return self._sock.recv(size, flags)
+            raise
 
     def __getattr__(self, name):
         return getattr(self._sock, name)
@@ -109,7 +113,7 @@ def round_trips(server: PoolServer) -> tuple[int, int]:
     return counting.num_polls, server._selector.num_polls - polls_before
 
 
-def test_under_contention_a_wait_is_one_blocking_receive_and_the_daemon_never_busy_polls(contended_pool):
+def test_under_contention_a_wait_is_one_blocking_poll_and_the_daemon_never_busy_polls(contended_pool):
     """Fails when the waits spin regardless of CPU pressure (the client's nonblocking receives find nothing, the
     daemon selects without blocking after each request)."""
     client_polls, daemon_polls = round_trips(contended_pool)
@@ -123,8 +127,8 @@ def test_with_cores_to_spare_both_ends_poll_before_they_sleep(quiet_pool):
 
 
 def test_a_reply_that_does_not_come_within_the_timeout_ends_the_wait(contended_pool):
-    """The blocking receive's timeout is the socket's (SO_RCVTIMEO). Fails without it: the wait lasts as long as
-    the pool is stuck and then gets the late reply."""
+    """The blocking poll's timeout is the client's. Fails without it: the wait lasts as long as the pool is stuck
+    and then gets the late reply."""
 
     def stuck(client_id, request):
         time.sleep(0.6)
@@ -134,3 +138,29 @@ def test_a_reply_that_does_not_come_within_the_timeout_ends_the_wait(contended_p
     with PoolClient(contended_pool.config.socket_path, timeout_s=0.2) as client:
         with pytest.raises(pool_client.PoolUnavailable, match="lost the pool"):
             client.stats()
+
+
+def test_waiting_for_a_reply_is_not_woken_by_the_pool_reading_the_request():
+    """A pool (a forked process on a socket pair) reads the request, then answers 50 ms later. The waiting thread
+    sleeps once. Fails with a blocking recv as the wait: the read makes the client's socket writable, which wakes
+    the recv for nothing, and it sleeps twice."""
+    ours, pools = socket.socketpair()
+    reply = P.encode(P.Ok(count=7))
+    pid = os.fork()
+    if pid == 0:  # the pool: nothing but socket calls, then out
+        ours.close()
+        pools.recv(1 << 16)
+        time.sleep(0.05)
+        pools.sendall(reply)
+        os._exit(0)
+    pools.close()
+    client = PoolClient("unused", timeout_s=5.0, spin_us=0)
+    client._use(ours)  # the socket pair stands for a connection: no hello
+    try:
+        before = resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
+        assert client.flush() == 7
+        num_sleeps = resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw - before
+    finally:
+        ours.close()
+        os.waitpid(pid, 0)
+    assert num_sleeps == 1
