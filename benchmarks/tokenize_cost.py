@@ -10,6 +10,8 @@ For each length: the chat (one user message of generated words, rendered with th
                 level (a directory under $TMPDIR, as kvshare up's) holding the pieces the first one wrote
     again       the same text again (every piece from the cache: a local hit, a retried request)
     next turn   the text with an answer and a new 256-token user turn appended (all but the tail cached)
+    router      the pool_aware router's placement read of the chat (kvshare.router.pool_aware: its prompt ids and
+                their chunk-hash chain), the text's pieces cached as for a prompt the router saw before
 
 best of --repeats, wall and CPU milliseconds, against 5% of the cross-replica hit measured on the H200
 (kvshare up on the H200, 8B shape: 32k 0.100 s, 128k 0.383 s, 256k 0.757 s).
@@ -110,8 +112,19 @@ def measure(tok, other, factory: PromptFactory, num_tokens: int, repeats: int) -
     tok.share_pieces(None)
     again = best_of(lambda: tok.encode_array(text), repeats)
     next_turn = best_of(lambda: tok.encode_array(text_turn), repeats, before=lambda: (clear(), tok.encode(text)))
+    from kvshare.router.pool_aware import CostModel, PoolAwarePlacer, chain
+
+    placer = PoolAwarePlacer(2, CostModel(), feed=None, tokenizer=tok)
+
+    def place():
+        ids = placer.prompt_ids(None, messages)
+        chain(ids, 256, None)
+        return ids
+
+    router = best_of(place, repeats)
     for _wall, _cpu, ids in (first, again, first_shared, other_seen):
         assert ids.tolist() == plain[2], "ids differ from plain"
+    assert list(router[2]) == list(tok.apply_chat_template(messages)), "the router's ids differ from the replica's"
     assert next_turn[2].tolist() == pieces.plain(text_turn), "ids differ from plain"
     assert len(plain[2]) == num_tokens, (len(plain[2]), num_tokens)
     row = {"tokens": num_tokens, "chars": len(text), "cpus": os.cpu_count()}
@@ -122,6 +135,7 @@ def measure(tok, other, factory: PromptFactory, num_tokens: int, repeats: int) -
         ("other", other_seen),
         ("again", again),
         ("next_turn", next_turn),
+        ("router", router),
     )
     for name, (wall, cpu, _ids) in paths:
         row[f"{name}_ms"], row[f"{name}_cpu_ms"] = round(wall, 2), round(cpu, 2)
@@ -270,7 +284,7 @@ def main() -> int:
     if args.fresh:
         fresh(args, tok, factory)
         return 0
-    names = ("plain", "first", "first+share", "other", "again", "next turn")
+    names = ("plain", "first", "first+share", "other", "again", "next turn", "router")
     print(
         f"{'tokens':>7} {'chars':>8} | " + " | ".join(f"{n:>15}" for n in names) + " | 5% of H200 hit   (ms: wall/cpu)",
         file=sys.stderr,
@@ -281,7 +295,7 @@ def main() -> int:
             if args.json:
                 print(json.dumps(row), flush=True)
                 continue
-            paths = ("plain", "first", "first_shared", "other", "again", "next_turn")
+            paths = ("plain", "first", "first_shared", "other", "again", "next_turn", "router")
             cells = [f"{row[k + '_ms']:>7.2f}/{row[k + '_cpu_ms']:<7.2f}" for k in paths]
             print(f"{n:>7} {row['chars']:>8} | " + " | ".join(cells) + f" | {row.get('budget_ms', '-')}", flush=True)
     finally:

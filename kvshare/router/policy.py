@@ -33,7 +33,7 @@ class RouteFacts:
     session_id: str | None = None
     chat_turn: int | None = None  # assistant messages in a chat request
     prefix_blocks: tuple[bytes, ...] = ()  # chained hashes of the prompt's text blocks
-    prompt_ids: list[int] | None = None  # pool_aware: the prompt's token ids
+    prompt_ids: object = None  # pool_aware: the prompt's token ids (a list or an int array), None: unknown
     cache_salt: str | None = None  # pool_aware: the request's cache_salt
 
 

@@ -84,7 +84,13 @@ def chain_seed(cache_salt: str | None) -> bytes:
 
 
 def le_u32(ids) -> bytes:
-    """Token ids as little-endian 4-byte unsigned integers (array's conversion of a list: 5x numpy's)."""
+    """Token ids as little-endian 4-byte unsigned integers (array's conversion of a list: 5x numpy's; an int
+    array, as the tokenizer's ``encode_array`` gives, is converted by numpy). An id outside 0..2**32-1 raises
+    OverflowError either way."""
+    if hasattr(ids, "dtype"):
+        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= 1 << 32):
+            raise OverflowError("a token id does not fit 4 unsigned bytes")
+        return ids.astype("<u4", copy=False).tobytes()
     data = array.array("I", ids)
     if data.itemsize != 4:
         raise RuntimeError("this platform's C unsigned int is not 4 bytes; token ids cannot be hashed here")
@@ -273,7 +279,7 @@ class PoolAwarePlacer:
             else:
                 log.warning("pool_aware: falling back to round robin: %s", reason)
             self.fallback_reason = reason
-        ids = prompt_ids or []
+        ids = [] if prompt_ids is None else prompt_ids
         chunk_tokens = self.feed.index.chunk_tokens  # set once, from the first event: the pool's page size
         hashes = chain(ids, chunk_tokens, cache_salt)  # the one chain: the pool's lookup and the sent memory
         with self.feed.lock:
@@ -336,19 +342,24 @@ class PoolAwarePlacer:
         if self.tokenizer is not None and getattr(self.tokenizer, "chat_template", None):
             self.prompt_ids(None, [{"role": "user", "content": "warm up"}])
         if self.tokenizer is not None:
-            chain(self.prompt_ids("warm up", None) or [], 1, None)
+            ids = self.prompt_ids("warm up", None)
+            chain([] if ids is None else ids, 1, None)
 
     def stop(self) -> None:
         for feed in (self.feed, *self.replica_feeds):
             feed.stop()
 
-    def prompt_ids(self, prompt, messages) -> list[int] | None:
-        """The token ids a replica would compute for the request; None where this router cannot tell."""
+    def prompt_ids(self, prompt, messages):
+        """The token ids a replica would compute for the request (a list, or an int64 array from a text where the
+        tokenizer gives one, without a list between); None where this router cannot tell."""
         try:
+            encode_array = getattr(self.tokenizer, "encode_array", None)
             if messages is not None:
+                if encode_array is not None:
+                    return encode_array(self.tokenizer.chat_text(messages))
                 return list(self.tokenizer.apply_chat_template(messages))
             if isinstance(prompt, str):
-                return self.tokenizer.encode(prompt)
+                return self.tokenizer.encode(prompt) if encode_array is None else encode_array(prompt)
             if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
                 # ids beyond 4 bytes hash to nothing the pool holds: the replica refuses them; place without a prefix
                 return prompt if not prompt or (min(prompt) >= 0 and max(prompt) < 1 << 32) else None

@@ -29,3 +29,15 @@ def test_a_fresh_replica_reports_every_request_step_by_step(bench, tmp_path, cap
     summary = json.loads(capsys.readouterr().out)
     first, steady = summary["median_1st_cross_ms"], summary["median_2nd_cross_ms"]
     assert summary["first_over_steady"] == round(first / steady, 2) and summary["budget_ms"] == 19.1
+
+
+def test_every_path_of_a_length_is_timed_and_the_routers_ids_are_the_replicas(bench, monkeypatch, capsys):
+    """Fails when a path's row loses its figures (the router's placement read among them) or when measure's check
+    that the router reads the replica's ids is dropped (it raises on a difference)."""
+    monkeypatch.setattr(
+        "sys.argv", ["tokenize_cost", "--model", "tiny", "--lengths", "2048", "--repeats", "1", "--json"]
+    )
+    assert bench.main() == 0
+    [row] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    paths = ("plain", "first", "first_shared", "other", "again", "next_turn", "router")
+    assert row["tokens"] == 2048 and all(row[f"{p}_ms"] > 0 for p in paths)

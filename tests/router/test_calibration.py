@@ -189,5 +189,29 @@ def test_starting_a_placer_compiles_its_chat_template_before_the_first_request()
     placer.start()
     misses = _compiled_chat_template.cache_info().misses
     assert misses == 1
-    assert placer.prompt_ids(None, [{"role": "user", "content": "a question"}])
+    assert len(placer.prompt_ids(None, [{"role": "user", "content": "a question"}])) > 0
     assert _compiled_chat_template.cache_info().misses == misses
+
+
+def test_a_text_prompts_ids_come_as_one_array_and_hash_as_the_list_would():
+    """The placer reads a text (or a chat) into the tokenizer's int64 array, with no list between; its chain is
+    the chain of the same ids as a list, and an array id outside 4 unsigned bytes is refused as a list's is
+    (fails when le_u32 converts an array without its range check: -1 would hash as 2**32-1)."""
+    from kvshare.engine.loader import load_tokenizer
+    from kvshare.router.pool_aware import le_u32
+
+    tokenizer = load_tokenizer("tiny")
+    placer = PoolAwarePlacer(2, FLAGS, FakeFeed([]), tokenizer)
+    text = "a question about the weather " * 40
+    ids = placer.prompt_ids(text, None)
+    assert isinstance(ids, np.ndarray) and ids.tolist() == tokenizer.encode(text)
+    chat = [{"role": "user", "content": text}]
+    chat_ids = placer.prompt_ids(None, chat)
+    assert chat_ids.tolist() == list(tokenizer.apply_chat_template(chat))
+    assert chain(ids, 16, None) == chain(ids.tolist(), 16, None) and len(chain(ids, 16, None)) == len(ids) // 16
+    assert chain(ids, 16, "t") == chain(ids.tolist(), 16, "t")
+    for bad in ([1, -1], [1, 1 << 32]):
+        with pytest.raises(OverflowError):
+            le_u32(bad)
+        with pytest.raises(OverflowError):
+            le_u32(np.array(bad, dtype=np.int64))
