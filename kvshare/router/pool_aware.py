@@ -318,6 +318,8 @@ class PoolAwarePlacer:
         feed = self.replica_feeds[i] if i < len(self.replica_feeds) else None
         if feed is not None and feed.why_not_live(now) is None:
             with feed.lock:
+                if feed.index.chunk_tokens == chunk_tokens:  # the request's chain is this index's: hashed once
+                    return feed.index.held_tokens_of(hashes, cache_salt)
                 return feed.index.held_tokens(ids, cache_salt)
         return self.sent.held_tokens(i, hashes, chunk_tokens)
 
