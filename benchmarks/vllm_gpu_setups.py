@@ -126,8 +126,10 @@ def server_config(run: Run, port: int, replica: str, **fields) -> VllmServerConf
     """One vLLM replica of this run, as kvshare.integrations.vllm.launch builds every vLLM command."""
     a = run.args
     gpu_share, shares_gpu = None, fields.pop("shares_gpu", False)
-    if a.device == "cuda" and shares_gpu and not a.kv_cache_memory_bytes:
-        gpu_share = VLLM_GPU_MEMORY_UTILIZATION / 2  # vLLM's share of one replica split, as `kvshare up` splits it
+    if a.device == "cuda" and shares_gpu:
+        # vLLM's share of one replica split, as `kvshare up` splits it; with --kv-cache-memory-bytes vLLM still
+        # refuses to start unless this share of the card is free
+        gpu_share = VLLM_GPU_MEMORY_UTILIZATION / 2
     return VllmServerConfig(
         model=a.model_dir,
         port=port,
