@@ -19,8 +19,9 @@ VK=${VK_DIR:-.vk}
 DRY=${DRY:-0}
 M8=/tmp/m8b
 M32=/tmp/m32b
-L8=${L8:-"32768 131072"}  # L8=32768 KV_BYTES=10G on an 80 GB card
+L8=${L8:-"32768 131072"}  # L8=32768 MAXLEN8=33024 KV_BYTES=10G on an 80 GB card
 KV=${KV_BYTES:-24G}
+LEN8=${MAXLEN8:+--max-model-len $MAXLEN8}  # MAXLEN8=33024 with L8=32768
 L32_SHORT=32768
 L32_LONG=131040  # the 32B shape's context is 131072: room for the 16 generated tokens
 
@@ -73,13 +74,13 @@ step() {
         1) [ "$DRY" = 1 ] || prepare 8b
            driver 1 450 --setup kvshare --modes startup on-off --model-dir $M8 --lengths 32768 --prompts 2 ;;
         2) [ "$DRY" = 1 ] || prepare 8b
-           driver 2 480 --setup kvshare --modes load bench-serve --model-dir $M8 --kv-cache-memory-bytes $KV \
+           driver 2 480 --setup kvshare --modes load bench-serve --model-dir $M8 $LEN8 --kv-cache-memory-bytes $KV \
                --sessions 16 --duration-s 180 ;;
         3) [ "$DRY" = 1 ] || prepare 8b
-           driver 3 480 --setup kvshare-pool-off --modes load bench-serve --model-dir $M8 \
+           driver 3 480 --setup kvshare-pool-off --modes load bench-serve --model-dir $M8 $LEN8 \
                --kv-cache-memory-bytes $KV --sessions 16 --duration-s 180 ;;
         4) [ "$DRY" = 1 ] || prepare 8b
-           driver 4 420 --setup store-cost --model-dir $M8 --kv-cache-memory-bytes $KV --lengths $L8 ;;
+           driver 4 420 --setup store-cost --model-dir $M8 $LEN8 --kv-cache-memory-bytes $KV --lengths $L8 ;;
         5) if [ "$DRY" != 1 ]; then
                prepare 8b
                cp "$VK"/lmcache053.tar.xz /tmp/vk/ && bash "$VK/lmcache_install.sh" > "$OUT/lmcache-install.log" 2>&1 \
@@ -88,7 +89,7 @@ step() {
                source /tmp/lmc_site/lmc_env.sh
                export PYTHONPATH=$PWD:$PYTHONPATH
            fi
-           driver 5 420 --setup lmcache-mp --model-dir $M8 --kv-cache-memory-bytes $KV --lengths $L8 --prompts 2 \
+           driver 5 420 --setup lmcache-mp --model-dir $M8 $LEN8 --kv-cache-memory-bytes $KV --lengths $L8 --prompts 2 \
                ${LMCACHE_REPLICA_ARG:+--replica-arg=$LMCACHE_REPLICA_ARG} ;;
         6) [ "$DRY" = 1 ] || prepare 32b
            driver 6 540 --setup kvshare-restart --model-dir $M32 --model-name qwen3-32b --load-format dummy \
