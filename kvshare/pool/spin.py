@@ -28,8 +28,14 @@ trip, ~95 us of Python, syscalls and switches), or each beside a burner
 (~6-7k/s, p50 ~60 us, p99 ~3 ms): a sleeper keeps the negative lag of the CPU it
 used (EEVDF), so each waited about as long as it ran (35 us run, 34 us wait a
 round trip), and the slowest waits last about a burner's time slice. A shorter
-slice for both ends (sched_setattr, 100 us) changed neither; only less CPU per
-round trip raises the rate.
+slice (sched_setattr's sched_runtime, 100 or 500 us, on the daemon alone or on
+both ends) changed neither mode: contended 6.0-9.7k/s with it, 6.1-9.7k/s
+without. A shortened slice lets a woken task preempt a busy one only when it is
+eligible (no negative lag), and an end that has just run for its part of the
+round trip is not, so it still waits for the burner's slice to end at a tick
+(4 ms at HZ=250). A higher weight for the daemon (nice -10, which needs
+CAP_SYS_NICE) gave ~10k/s with p99 1.6-2 ms: the client's waits remain. Only
+less CPU per round trip raises the rate.
 """
 
 from __future__ import annotations
