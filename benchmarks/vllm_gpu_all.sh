@@ -19,9 +19,16 @@ VK=${VK_DIR:-.vk}
 DRY=${DRY:-0}
 M8=/tmp/m8b
 M32=/tmp/m32b
-L8=${L8:-"32768 131072"}  # L8=32768 MAXLEN8=33024 KV_BYTES=10G on an 80 GB card
+# Two 8B replicas with a 128k prompt's KV each (24 GiB) need more than an 80 GB card: there the 8B steps run at 32k
+# with 10 GiB of KV each. L8, MAXLEN8 (--max-model-len) and KV_BYTES set them by hand.
+CARD_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+if [ "${CARD_MIB:-0}" -gt 0 ] && [ "$CARD_MIB" -lt 100000 ] && [ -z "${L8:-}" ]; then
+    L8=32768 MAXLEN8=${MAXLEN8:-33024} KV_BYTES=${KV_BYTES:-10G}
+    echo "a card of $CARD_MIB MiB: the 8B steps at 32768 tokens, --max-model-len $MAXLEN8, $KV_BYTES of KV per replica" >&2
+fi
+L8=${L8:-"32768 131072"}
 KV=${KV_BYTES:-24G}
-LEN8=${MAXLEN8:+--max-model-len $MAXLEN8}  # MAXLEN8=33024 with L8=32768
+LEN8=${MAXLEN8:+--max-model-len $MAXLEN8}
 L32_SHORT=32768
 L32_LONG=131040  # the 32B shape's context is 131072: room for the 16 generated tokens
 

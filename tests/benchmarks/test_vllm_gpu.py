@@ -51,8 +51,31 @@ def test_every_step_of_the_gpu_plan_is_a_command_the_driver_accepts(tmp_path):
     assert setups == set(driver().SETUPS)  # every setup runs somewhere in the plan
 
 
-def test_replicas_that_share_a_gpu_split_it_unless_their_kv_size_is_given():
-    """Fails when a replica config of the driver keeps its private ``shares_gpu`` flag (a TypeError on CPU)."""
+def test_an_80_gb_card_runs_the_8b_steps_at_32k(tmp_path):
+    """Two 8B replicas with a 128k prompt's KV do not fit 80 GB: there the plan's 8B steps take 32k lengths, a
+    matching --max-model-len and 10 GiB of KV (fails without the card check: 24G and 131072 on an H100)."""
+    script = os.path.join(ROOT, "benchmarks", "vllm_gpu_all.sh")
+    fake = tmp_path / "bin"
+    fake.mkdir()
+
+    def step4(card_mib: int) -> list[str]:
+        (fake / "nvidia-smi").write_text(f"#!/bin/sh\necho {card_mib}\n")
+        (fake / "nvidia-smi").chmod(0o755)
+        env = dict(os.environ, DRY="1", OUT=str(tmp_path), PATH=f"{fake}:{os.environ['PATH']}")
+        env.pop("L8", None)
+        done = subprocess.run(["bash", script, "4"], env=env, capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0, done.stderr
+        return shlex.split(done.stdout.strip())
+
+    small, large = driver().parse_args(step4(81559)[2:]), driver().parse_args(step4(143771)[2:])
+    assert (small.lengths, small.max_model_len, small.kv_cache_memory_bytes) == ([32768], 33024, "10G")
+    assert large.lengths == [32768, 131072] and large.kv_cache_memory_bytes == "24G"
+
+
+def test_replicas_that_share_a_gpu_split_it_also_when_their_kv_size_is_given():
+    """Fails when a replica config of the driver keeps its private ``shares_gpu`` flag (a TypeError on CPU), or
+    when a replica given its KV size keeps vLLM's default share: vLLM refuses to start unless that share of the
+    card is free, which it is not beside another replica."""
     from types import SimpleNamespace
 
     bench = driver()
@@ -65,4 +88,4 @@ def test_replicas_that_share_a_gpu_split_it_unless_their_kv_size_is_given():
     assert config(shares_gpu=False).gpu_memory_utilization is None
     assert config("--device", "cpu", shares_gpu=True).gpu_memory_utilization is None
     sized = config("--kv-cache-memory-bytes", "24G", shares_gpu=True)
-    assert sized.gpu_memory_utilization is None and "--kv-cache-memory-bytes=24G" in sized.extra_args
+    assert sized.gpu_memory_utilization == 0.45 and "--kv-cache-memory-bytes=24G" in sized.extra_args
