@@ -314,6 +314,7 @@ def run(args: argparse.Namespace) -> int:
     ready = f"kvshare replica ready: http://{config.host}:{config.port} model={server.served.name}"
     if engine.device.type == "cuda":  # which prefill attention kernel runs (kvshare.engine.flash)
         ready += f" attention={engine.attention.name}"
+        ready += f" elementwise={'eager' if engine.fused.kernels is None else engine.fused.kernels.name}"
     if engine.grid is not None:  # its pages are shared only with replicas of the same grid and kernel build
         ready += f" deterministic (grid {engine.grid.grid_tokens}, kernels {engine.grid.kernel_build})"
     # the ready line once it listens and has warmed up (/health answers 503 "warming up" meanwhile);

@@ -29,6 +29,7 @@ import torch
 from kvshare.engine.config import EngineConfig, kv_precision, kv_storage_dtype
 from kvshare.engine.decode_graph import DecodeGraphs
 from kvshare.engine.flash import use_attention
+from kvshare.engine.fused import use_fused
 from kvshare.engine.grid import grid_forward
 from kvshare.engine.grid_check import start_grid
 from kvshare.engine.kv_cache import KVBuffer
@@ -71,6 +72,7 @@ class Engine:
             start_grid(self.model, self.device, config.grid_len, config.chunk_tokens) if config.deterministic else None
         )
         self.attention = use_attention(self.model, config.attention, self.device, config.deterministic)  # prefill's
+        self.fused = use_fused(self.model, self.device, config.deterministic)  # norms, RoPE, SiLU: one pass each
         self.namespace = Namespace(
             **loaded.identity(config.model_revision),
             kv_dtype=kv_dtype,

@@ -46,17 +46,25 @@ CUDA_SDPA_BACKENDS = [
 CUDA_DECODE_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """In float32 and cast back before the weight, exactly as the HF reference does."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
 class RMSNorm(nn.Module):
+    fused = None  # kvshare.engine.fused's kernels where the engine chose them (one pass instead of ten)
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        # in float32 and cast back before the weight, exactly as the HF reference does
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        if self.fused is not None:
+            return self.fused.rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, device: torch.device | None = None) -> Tensor:
@@ -86,6 +94,8 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
+    fused = None  # kvshare.engine.fused's kernels (RoPE) where the engine chose them
+
     def __init__(self, config) -> None:
         super().__init__()
         c = config
@@ -108,7 +118,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        rope = apply_rope if self.fused is None else self.fused.rope
+        return rope(q, cos, sin), rope(k, cos, sin), v
 
 
 def write_kv(kv: Tensor, start: int, k: Tensor, v: Tensor) -> None:
@@ -165,6 +176,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
 
 
 class MLP(nn.Module):
+    fused = None  # kvshare.engine.fused's kernels (SiLU x up) where the engine chose them
+
     def __init__(self, config) -> None:
         super().__init__()
         c = config
@@ -173,6 +186,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.fused is not None:
+            return self.down_proj(self.fused.silu_mul(self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
