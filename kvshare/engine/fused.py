@@ -53,6 +53,8 @@ class TritonKernels:
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+        if rows.shape[0] == 0:
+            return out.view(x.shape)
         block = _next_pow2(dim)
         block_rows = max(2, _ELEMENTS_PER_PROGRAM // block)  # fixed by the row's length: rows never share math
         grid = (_cdiv(rows.shape[0], block_rows),)
@@ -138,50 +140,9 @@ def _cdiv(a: int, b: int) -> int:
 
 def _build():
     """The jitted kernels (imports Triton: only on a CUDA engine that uses them)."""
-    from types import SimpleNamespace
+    from kvshare.engine import fused_triton
 
-    import triton
-    import triton.language as tl
-
-    @triton.jit(do_not_specialize=["num_rows"])
-    def rms_norm(x_ptr, w_ptr, out_ptr, row_stride, num_rows, dim, eps, BLOCK: tl.constexpr, BLOCK_ROWS: tl.constexpr):
-        rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)[:, None]
-        cols = tl.arange(0, BLOCK)[None, :]
-        mask = (rows < num_rows) & (cols < dim)
-        x = tl.load(x_ptr + rows * row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-        mean_square = tl.sum(x * x, axis=1)[:, None] / dim
-        normed = (x * tl.rsqrt(mean_square + eps)).to(out_ptr.dtype.element_ty)
-        w = tl.load(w_ptr + cols, mask=cols < dim, other=0.0).to(tl.float32)
-        out = (w * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + rows * dim + cols, out, mask=mask)
-
-    @triton.jit
-    def rope(x_ptr, cos_ptr, sin_ptr, out_ptr, token_stride, heads, half, BLOCK_H: tl.constexpr, D: tl.constexpr):
-        token = tl.program_id(0).to(tl.int64)
-        h = tl.arange(0, BLOCK_H)[:, None]
-        d = tl.arange(0, D)[None, :]
-        mask = (h < heads) & (d < D)
-        row = x_ptr + token * token_stride + h * D
-        x = tl.load(row + d, mask=mask, other=0.0).to(tl.float32)
-        partner = tl.load(row + (d + half) % D, mask=mask, other=0.0).to(tl.float32)
-        rotated = tl.where(d < half, -partner, partner)
-        c = tl.load(cos_ptr + token * D + d).to(tl.float32)
-        s = tl.load(sin_ptr + token * D + d).to(tl.float32)
-        dtype = out_ptr.dtype.element_ty
-        out = ((x * c).to(dtype).to(tl.float32) + (rotated * s).to(dtype).to(tl.float32)).to(dtype)
-        tl.store(out_ptr + token * heads * D + h * D + d, out, mask=mask)
-
-    @triton.jit(do_not_specialize=["n"])
-    def silu_mul(gate_ptr, up_ptr, out_ptr, n, BLOCK: tl.constexpr):
-        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offsets < n
-        g = tl.load(gate_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(up_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        dtype = out_ptr.dtype.element_ty
-        silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-        tl.store(out_ptr + offsets, (silu * u).to(dtype), mask=mask)
-
-    return SimpleNamespace(rms_norm=rms_norm, rope=rope, silu_mul=silu_mul)
+    return fused_triton
 
 
 def use_fused(model, device: torch.device, deterministic: bool) -> FusedChoice:
