@@ -67,12 +67,12 @@ class Engine:
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         kv_dtype = kv_storage_dtype(config.kv_dtype, mc.dtype)  # the KV's dtype, so the pool pages'
         self.layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, kv_dtype, config.chunk_tokens)
+        self.fused = use_fused(self.model, self.device)  # norms, RoPE, SiLU: one pass each (before the grid's test)
         # the deterministic mode: its self-test refuses it (GridCheckFailed) where this device's kernels are not exact
         self.grid = (
             start_grid(self.model, self.device, config.grid_len, config.chunk_tokens) if config.deterministic else None
         )
         self.attention = use_attention(self.model, config.attention, self.device, config.deterministic)  # prefill's
-        self.fused = use_fused(self.model, self.device, config.deterministic)  # norms, RoPE, SiLU: one pass each
         self.namespace = Namespace(
             **loaded.identity(config.model_revision),
             kv_dtype=kv_dtype,

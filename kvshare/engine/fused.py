@@ -11,9 +11,10 @@ quarter of the elements (the compiler's float32 arithmetic is not torch's), as c
 result. Each row is computed by one program whose shape depends on the row's length only, never on the
 number of rows, so a token's result does not depend on how many tokens share its call.
 
-The built-in engine's default mode uses them on CUDA where Triton imports and their start-up self-test
-(against the eager code on this device) passes; the deterministic mode keeps the eager kernels its
-self-test and namespace are built on. ``KVSHARE_FUSED_KERNELS=0`` turns them off.
+The built-in engine uses them on CUDA where Triton imports and their start-up self-test (against the eager
+code on this device) passes. The deterministic mode runs them too: they are deterministic (no atomics, a
+fixed reduction per row), its own start-up self-test checks the model with them, and its kernel build names
+them, so its pages never meet pages of the eager code. ``KVSHARE_FUSED_KERNELS=0`` turns them off.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class TritonKernels:
 
     def __init__(self) -> None:
         self._jit = _build()
+        self.version = self._jit.VERSION  # the compiler's: another version may compile other arithmetic
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         dim = x.shape[-1]
@@ -86,12 +88,10 @@ class TritonKernels:
         return out
 
 
-def choose_fused(device: torch.device, dtype: torch.dtype, head_dim: int, deterministic: bool) -> FusedChoice:
+def choose_fused(device: torch.device, dtype: torch.dtype, head_dim: int) -> FusedChoice:
     """Triton's kernels where they can run here and pass the self-test; else eager, with the reason."""
     if os.environ.get(OFF_ENV, "1").strip() in ("0", "off", "false", "no"):
         return FusedChoice(None, f"{OFF_ENV}=0")
-    if deterministic:
-        return FusedChoice(None, "the deterministic mode keeps the eager kernels its self-test checked")
     if device.type != "cuda":
         return FusedChoice(None, "not a CUDA device")
     if dtype not in (torch.bfloat16, torch.float16):
@@ -146,12 +146,21 @@ def _build():
     return fused_triton
 
 
-def use_fused(model, device: torch.device, deterministic: bool) -> FusedChoice:
+def use_fused(model, device: torch.device) -> FusedChoice:
     """``choose_fused`` for ``model`` (a kvshare.engine.model.Transformer), set on its modules."""
     weight = model.model.embed_tokens.weight
-    chosen = choose_fused(device, weight.dtype, model.config.head_dim, deterministic)
+    chosen = choose_fused(device, weight.dtype, model.config.head_dim)
     set_fused(model, chosen.kernels)
     return chosen
+
+
+def elementwise_build(model) -> str:
+    """What the deterministic mode's kernel build adds for ``model``'s element-wise kernels: nothing for the eager
+    code, else the kernels and their compiler's version (pages of one are not the bits of the other)."""
+    kernels = model.model.norm.fused
+    if kernels is None:
+        return ""
+    return f"|elementwise {kernels.name} {getattr(kernels, 'version', '')}".rstrip()
 
 
 def set_fused(model, kernels) -> None:

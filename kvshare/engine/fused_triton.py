@@ -8,6 +8,8 @@ elements); row and element counts are not specialized on, so one compile serves 
 import triton
 import triton.language as tl
 
+VERSION = f"triton {triton.__version__}"
+
 
 @triton.jit(do_not_specialize=["num_rows"])
 def rms_norm(x_ptr, w_ptr, out_ptr, row_stride, num_rows, dim, eps, BLOCK: tl.constexpr, BLOCK_ROWS: tl.constexpr):

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention import sdpa_kernel
 
+from kvshare.engine.fused import elementwise_build
 from kvshare.engine.grid import Grid, grid_backends, grid_forward, kernel_build, pad_rows
 from kvshare.engine.model import Transformer, attend
 from kvshare.errors import UserError
@@ -50,7 +51,8 @@ class CheckResult:
 
 def start_grid(model: Transformer, device: torch.device, grid_tokens: int, chunk_tokens: int) -> Grid:
     """The deterministic mode of an engine starting: its Grid, once the self-test found this device exact."""
-    grid = Grid(grid_tokens, chunk_tokens, kernel_build(device))  # checks the grid's size first
+    # the element-wise kernels the model runs (kvshare.engine.fused) are part of what its pages' bits rest on
+    grid = Grid(grid_tokens, chunk_tokens, kernel_build(device) + elementwise_build(model))  # size checked first
     started = time.perf_counter()
     require_exact_grid(model, device, grid_tokens)
     log.info(

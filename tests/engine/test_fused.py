@@ -16,6 +16,7 @@ class EagerKernels:
     """The eager code behind the fused kernels' signatures, counting its calls."""
 
     name = "eager-spy"
+    version = "spy 1.0"
 
     def __init__(self) -> None:
         self.calls = {"rms_norm": 0, "rope": 0, "silu_mul": 0}
@@ -46,14 +47,13 @@ class WrongRope(EagerKernels):
         return apply_rope(x, sin, cos)
 
 
-def test_refused_on_cpu_in_the_deterministic_mode_and_when_turned_off(monkeypatch):
+def test_refused_on_cpu_in_float32_and_when_turned_off(monkeypatch):
     cuda = torch.device("cuda")
-    assert choose_fused(torch.device("cpu"), torch.bfloat16, 128, False).kernels is None
-    assert "deterministic" in choose_fused(cuda, torch.bfloat16, 128, True).reason
-    assert choose_fused(cuda, torch.float32, 128, False).kernels is None
-    assert choose_fused(cuda, torch.bfloat16, 96, False).kernels is None  # RoPE's halves need a power of two
+    assert choose_fused(torch.device("cpu"), torch.bfloat16, 128).kernels is None
+    assert choose_fused(cuda, torch.float32, 128).kernels is None
+    assert choose_fused(cuda, torch.bfloat16, 96).kernels is None  # RoPE's halves need a power of two
     monkeypatch.setenv(OFF_ENV, "0")
-    assert choose_fused(cuda, torch.bfloat16, 128, False).reason == f"{OFF_ENV}=0"
+    assert choose_fused(cuda, torch.bfloat16, 128).reason == f"{OFF_ENV}=0"
 
 
 def test_a_kernel_that_cannot_be_built_leaves_the_eager_code(monkeypatch):
@@ -63,7 +63,7 @@ def test_a_kernel_that_cannot_be_built_leaves_the_eager_code(monkeypatch):
         raise ImportError("No module named 'triton'")
 
     monkeypatch.setattr("kvshare.engine.fused._build", no_triton)
-    chosen = choose_fused(torch.device("cuda"), torch.bfloat16, 128, False)
+    chosen = choose_fused(torch.device("cuda"), torch.bfloat16, 128)
     assert chosen.kernels is None and "triton" in chosen.reason
 
 
@@ -100,3 +100,19 @@ def test_every_norm_rope_and_mlp_of_the_model_runs_the_chosen_kernels():
     norms = 2 * c.num_layers + 1 + (2 * c.num_layers if c.qk_norm else 0)
     assert spy.calls == {"rms_norm": norms, "rope": 2 * c.num_layers, "silu_mul": c.num_layers}
     assert torch.equal(fused, eager)
+
+
+def test_the_deterministic_modes_kernel_build_names_the_elementwise_kernels():
+    """Pages of the deterministic mode computed with the fused kernels never meet pages of the eager code: the
+    kernel build in its namespace names them (fails when start_grid leaves elementwise_build out)."""
+    from kvshare.engine.engine import Engine
+    from kvshare.engine.grid_check import start_grid
+
+    engine = Engine(EngineConfig(model="tiny", device="cpu", local_cache_bytes=0, max_model_len=512))
+    eager = start_grid(engine.model, engine.device, 256, 128).kernel_build
+    set_fused(engine.model, EagerKernels())
+    try:
+        fused = start_grid(engine.model, engine.device, 256, 128).kernel_build  # its self-test passes with them
+    finally:
+        set_fused(engine.model, None)
+    assert "elementwise" not in eager and fused == eager + "|elementwise eager-spy spy 1.0"
