@@ -286,6 +286,7 @@ class HeldLease:
     token_start: int = 0
     token_end: int = 0
     state: LeaseState = LeaseState.PENDING
+    is_resumed: bool = False  # backs a request's load after a preemption (not its provenance)
 
 
 class LeaseBook:

@@ -56,6 +56,10 @@ class _Request:
     local_tokens: int = 0
     pool_tokens: int = 0  # loaded and verified
     pool_chunks: range = range(0)  # chunks this request found in the pool (never stored again)
+    # vLLM allocated its first prefill: a later match/allocated is a resume after preemption, whose hits
+    # (its own blocks still cached, a second load) say nothing of where the prompt first came from
+    is_admitted: bool = False
+    matched_tokens: int = 0  # vLLM's own hit when match() last asked (this attempt's computed tokens)
 
 
 @dataclass(frozen=True)
@@ -158,7 +162,9 @@ class PoolScheduler:
         if request is None or not request.options.use_pool or not self.config.load:
             return 0
         C = self.config.chunk_tokens
-        request.local_tokens = num_computed_tokens  # until vLLM says otherwise in allocated()
+        request.matched_tokens = num_computed_tokens
+        if not request.is_admitted:
+            request.local_tokens = num_computed_tokens  # until vLLM says otherwise in allocated()
         window = lookup_window(len(request.prompt), num_computed_tokens, C, self.block_size)
         now = self._clock()
         current = self._leases.get(req_id)
@@ -212,9 +218,15 @@ class PoolScheduler:
         """vLLM allocated blocks and loads ``num_external_tokens`` (0: it decided not to) after
         ``local_tokens`` of its own prefix cache (None: unknown, the value match() saw stands)."""
         request = self._requests.get(req_id)
-        if request is not None and local_tokens is not None:
-            request.local_tokens = local_tokens
-        local_tokens = request.local_tokens if request is not None else (local_tokens or 0)
+        is_resumed = request is not None and request.is_admitted
+        if request is not None and not is_resumed:
+            request.is_admitted = True
+            if local_tokens is not None:
+                request.local_tokens = local_tokens
+        # where this attempt's blocks start: the first prefill's hit, or what match() saw for the resume
+        if request is not None:
+            local_tokens = request.matched_tokens if is_resumed else request.local_tokens
+        local_tokens = local_tokens or 0
         held = self._leases.get(req_id)
         if held is None or held.state is not LeaseState.PENDING:
             if num_external_tokens:
@@ -243,6 +255,7 @@ class PoolScheduler:
             return
         # more than the lease covers is never expected either: the worker reports the excess as failed
         held.token_end = held.token_start + num_external_tokens
+        held.is_resumed = is_resumed
         self.counters.hit_tokens += num_external_tokens
         self._leases.mark(req_id, LeaseState.SCHEDULED)
 
@@ -321,7 +334,8 @@ class PoolScheduler:
             request = self._requests.get(outcome.req_id)
             if request is None:
                 continue
-            request.pool_tokens += outcome.num_loaded
+            if held is None or not held.is_resumed:
+                request.pool_tokens += outcome.num_loaded
             if not outcome.is_complete and held is not None:
                 # chunks from the failed one on are recomputed and may be stored again
                 request.pool_chunks = range(held.first_chunk, max(outcome.loaded_end // C, held.first_chunk))
@@ -331,7 +345,7 @@ class PoolScheduler:
         request = self._requests.pop(req_id, None)
         held = self._leases.get(req_id)
         in_flight = 0
-        if held is not None and held.state is LeaseState.IN_FLIGHT:
+        if held is not None and held.state is LeaseState.IN_FLIGHT and not held.is_resumed:
             # vLLM finishes a request in the step that loaded only when the load succeeded;
             # the lease itself is released by on_report once that step's report arrives
             in_flight = held.token_end - held.token_start
