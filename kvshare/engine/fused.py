@@ -19,6 +19,7 @@ them, so its pages never meet pages of the eager code. ``KVSHARE_FUSED_KERNELS=0
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass
@@ -61,9 +62,19 @@ class TritonKernels:
         block = _next_pow2(dim)
         block_rows = max(2, _ELEMENTS_PER_PROGRAM // block)  # fixed by the row's length: rows never share math
         grid = (_cdiv(rows.shape[0], block_rows),)
-        self._jit.rms_norm[grid](
-            rows, weight, out, rows.stride(0), rows.shape[0], dim, eps, BLOCK=block, BLOCK_ROWS=block_rows, num_warps=8
-        )
+        with _on(x.device):
+            self._jit.rms_norm[grid](
+                rows,
+                weight,
+                out,
+                rows.stride(0),
+                rows.shape[0],
+                dim,
+                eps,
+                BLOCK=block,
+                BLOCK_ROWS=block_rows,
+                num_warps=8,
+            )
         return out.view(x.shape)
 
     def rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -73,18 +84,20 @@ class TritonKernels:
             x = x.contiguous()
         cos, sin = cos.contiguous(), sin.contiguous()
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        self._jit.rope[(num_tokens,)](
-            x, cos, sin, out, x.stride(0), heads, dim // 2, BLOCK_H=_next_pow2(heads), D=dim, num_warps=4
-        )
+        with _on(x.device):
+            self._jit.rope[(num_tokens,)](
+                x, cos, sin, out, x.stride(0), heads, dim // 2, BLOCK_H=_next_pow2(heads), D=dim, num_warps=4
+            )
         return out
 
     def silu_mul(self, gate: Tensor, up: Tensor) -> Tensor:
         gate, up = gate.contiguous(), up.contiguous()
         out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
         n = gate.numel()
-        self._jit.silu_mul[(_cdiv(n, _ELEMENTS_PER_PROGRAM),)](
-            gate, up, out, n, BLOCK=_ELEMENTS_PER_PROGRAM, num_warps=8
-        )
+        with _on(gate.device):
+            self._jit.silu_mul[(_cdiv(n, _ELEMENTS_PER_PROGRAM),)](
+                gate, up, out, n, BLOCK=_ELEMENTS_PER_PROGRAM, num_warps=8
+            )
         return out
 
 
@@ -129,6 +142,14 @@ def self_test(kernels, device: torch.device, dtype: torch.dtype, head_dim: int) 
     torch.testing.assert_close(kernels.silu_mul(gate, up), F.silu(gate) * up, rtol=1.6e-2, atol=1e-2)
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # a fault in a kernel surfaces here, inside the test
+
+
+def _on(device: torch.device):
+    """Triton launches on the current CUDA device, not the tensors': make it theirs where it is not (a replica on
+    cuda:1 that never set its device)."""
+    if device.index is None or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
 
 
 def _next_pow2(n: int) -> int:

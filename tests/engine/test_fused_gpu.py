@@ -108,3 +108,12 @@ def test_an_engine_with_them_is_as_close_to_float32_as_without_them():
     assert fused_logits <= 2 * eager_logits + 0.05, errors
     assert fused_flips <= eager_flips + ids.shape[0] // 50, errors
     assert fused_kv <= 2 * eager_kv + 0.02, errors
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_tensors_on_another_gpu_than_the_current_one(kernels):
+    """Triton launches on the current device: the kernels switch to the tensors' own (a replica on cuda:1 that never
+    set its device); fails without the switch (an illegal address, or results of another GPU's memory)."""
+    x, w = _rand(64, 4096).to("cuda:1"), _rand(4096).to("cuda:1")
+    assert torch.cuda.current_device() == 0
+    torch.testing.assert_close(kernels.rms_norm(x, w, 1e-6), rms_norm(x, w, 1e-6), rtol=1.6e-2, atol=1e-2)
