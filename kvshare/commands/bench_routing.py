@@ -114,16 +114,52 @@ def add_routing_arguments(sub, words) -> None:
     )
 
 
+def routing_plan(args: argparse.Namespace):
+    """(RoutingConfig, RoutingTarget) of the parsed flags: the trace and the cluster it is replayed on, sized from
+    the trace's working set; ValueError for flags that do not make one."""
+    from kvshare.bench.routing import kv_bytes_per_token
+    from kvshare.bench.routing_cluster import RoutingTarget
+    from kvshare.bench.routing_trace import RoutingConfig, make_trace, scaled
+
+    if args.scale <= 0:
+        raise ValueError("--scale must be above 0")
+    config = RoutingConfig(
+        num_sessions=args.sessions,
+        num_prompts=args.prompts,
+        num_turns=args.turns,
+        system_tokens=scaled(args.system_tokens, args.scale),
+        user_tokens=scaled(args.user_tokens, args.scale),
+        answer_tokens=scaled(args.answer_tokens, args.scale),
+        rates=args.rates,
+        conditions=args.conditions,
+        num_runs=args.runs,
+        gpu_share=args.gpu_share,
+        pool_share=args.pool_share,
+        num_verify=args.verify,
+        seed=args.seed,
+    )
+    per_token = kv_bytes_per_token(args.model)
+    working_set = make_trace(config).working_set_tokens() * per_token
+    target = RoutingTarget(
+        model=args.model,
+        device=args.device,
+        num_replicas=args.replicas,
+        local_cache_bytes=int(working_set / config.gpu_share),
+        pool_bytes=max(int(working_set * config.pool_share), 64 << 20),
+        kv_bytes_per_token=per_token,
+        replica_args=tuple(args.replica_arg),
+        router_args=tuple(args.router_arg),
+    )
+    return config, target
+
+
 def run_routing(args: argparse.Namespace) -> int:
     import shlex
     import sys
 
     from rich.console import Console
 
-    from kvshare.bench.routing import kv_bytes_per_token
     from kvshare.bench.routing import run_routing as run
-    from kvshare.bench.routing_cluster import RoutingTarget
-    from kvshare.bench.routing_trace import RoutingConfig, make_trace, scaled
     from kvshare.errors import UserError
 
     console = Console()
@@ -131,36 +167,8 @@ def run_routing(args: argparse.Namespace) -> int:
         return _summarize(args.summarize, console)
     if not args.model:
         raise UserError("give --model (the replicas' model), or --summarize OUT to rebuild a results folder's report")
-    if args.scale <= 0:
-        raise UserError("--scale must be above 0")
     try:
-        config = RoutingConfig(
-            num_sessions=args.sessions,
-            num_prompts=args.prompts,
-            num_turns=args.turns,
-            system_tokens=scaled(args.system_tokens, args.scale),
-            user_tokens=scaled(args.user_tokens, args.scale),
-            answer_tokens=scaled(args.answer_tokens, args.scale),
-            rates=args.rates,
-            conditions=args.conditions,
-            num_runs=args.runs,
-            gpu_share=args.gpu_share,
-            pool_share=args.pool_share,
-            num_verify=args.verify,
-            seed=args.seed,
-        )
-        per_token = kv_bytes_per_token(args.model)
-        working_set = make_trace(config).working_set_tokens() * per_token
-        target = RoutingTarget(
-            model=args.model,
-            device=args.device,
-            num_replicas=args.replicas,
-            local_cache_bytes=int(working_set / config.gpu_share),
-            pool_bytes=max(int(working_set * config.pool_share), 64 << 20),
-            kv_bytes_per_token=per_token,
-            replica_args=tuple(args.replica_arg),
-            router_args=tuple(args.router_arg),
-        )
+        config, target = routing_plan(args)
     except ValueError as exc:
         raise UserError(str(exc)) from None
 
