@@ -43,9 +43,9 @@ STARTED=$(date +%s)
 plan() {
     cat <<EOF
 The trace (16 sessions by default, SESSIONS=N): N sessions over 8 shared system prompts of 4000-6000 tokens, 6 turns
-of 200-1200 user tokens, answers of 10-30 tokens (the issue's 100-300 cut tenfold: the built-in engine decodes one
-request at a time, ~12 ms a token, so the issue's 64 x 6 answers alone are ~75k steps, ~15 min of replica time per
-replay); local caches 1/2.5 of the working set, the pool 2x it; every rate a step, every run a fresh cluster.
+of 200-1200 user tokens, answers of 10-30 tokens (the default 100-300 cut tenfold: the built-in engine decodes one
+request at a time, ~12 ms a token, so the default trace's 64 x 6 answers alone are ~75k steps, ~15 min of replica
+time per replay); local caches 1/2.5 of the working set, the pool 2x it; every rate a step, every run a fresh cluster.
 Sizes (benchmarks/routing_gpu_plan.py): working set 112801 tokens (16.6 GB); local cache 6.7 GB a replica; pool
 33.3 GB (24% of 128 GiB); a replica 16.4 GB weights + 6.7 + 2.4 sequence KV (max-model-len 16384) + ~3 = 28.5 GB,
 two on one 80 GB card 57 GB. Estimated replays (prefill 25k tokens/s, decode step 12 ms, load 50 GB/s, two replicas
