@@ -95,6 +95,7 @@ bench() {  # STEP RATE RUN CONDITIONS: one run at one rate, into RESULTS, under 
     if [ "$DRY" = 1 ]; then echo "${cmd[*]}"; return 0; fi
     prepare || return 1
     local dir=$OUT/step$step limit=$(( BUDGET - ($(date +%s) - STARTED) ))
+    if [ "$limit" -lt 120 ]; then echo "step $step not started: ${limit} s of the budget left"; return 4; fi
     mkdir -p "$dir" "$RESULTS"
     echo "timeout $limit ${cmd[*]}" | tee -a "$dir/commands.txt" "$RESULTS/commands.txt"
     timeout "$limit" "${cmd[@]}" 2>&1 | tee -a "$dir/bench.log"

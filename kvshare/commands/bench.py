@@ -10,6 +10,9 @@ same command skips what was measured. Context lengths take k = 1000 tokens (128k
 from __future__ import annotations
 
 import argparse
+import os
+import signal
+from contextlib import contextmanager
 
 from kvshare.commands import tcp_port
 from kvshare.commands.bench_micro import add_micro_arguments, run_parse, run_pool
@@ -222,6 +225,17 @@ def run(args: argparse.Namespace) -> int:
     return _run_experiments(args, names)
 
 
+@contextmanager
+def sigterm_as_interrupt():
+    """Within it, SIGTERM (e.g. from `timeout`) stops like Ctrl-C: what was measured is kept and reported, and the
+    processes a benchmark started are stopped in order."""
+    previous = signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _configs(args: argparse.Namespace, names: tuple[str, ...]) -> list:
     from kvshare.bench.blocks import BlocksConfig
     from kvshare.bench.sessions import SessionsConfig
@@ -265,9 +279,6 @@ def _configs(args: argparse.Namespace, names: tuple[str, ...]) -> list:
 
 
 def _run_experiments(args: argparse.Namespace, names: tuple[str, ...]) -> int:
-    import os
-    import signal
-
     from rich.console import Console
 
     from kvshare.bench.harness import Harness, HarnessConfig
@@ -318,19 +329,16 @@ def _run_experiments(args: argparse.Namespace, names: tuple[str, ...]) -> int:
     except ValueError as exc:
         raise UserError(str(exc)) from None
     console = Console()
-    # SIGTERM (e.g. from `timeout`) stops like Ctrl-C: what was measured is kept and reported
-    previous = signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
     status = console.status("starting replicas...")
     status.start()
     try:
-        with open_target(spec, progress=status.update) as (replicas, off):
+        with sigterm_as_interrupt(), open_target(spec, progress=status.update) as (replicas, off):
             status.stop()
             outcome = Harness(config, replicas, off, console=console).run(configs)
     except (RuntimeError, TimeoutError, ValueError) as exc:  # replicas that do not start, a plan they cannot run
         raise UserError(f"{type(exc).__name__}: {exc}") from None
     finally:
         status.stop()
-        signal.signal(signal.SIGTERM, previous)
     if not args.no_tables:
         print_tables(outcome.tables, console)
     for name, result in outcome.runs.items():

@@ -160,6 +160,7 @@ def run_routing(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from kvshare.bench.routing import run_routing as run
+    from kvshare.commands.bench import sigterm_as_interrupt
     from kvshare.errors import UserError
 
     console = Console()
@@ -181,9 +182,8 @@ def run_routing(args: argparse.Namespace) -> int:
 
     command = "kvshare " + shlex.join(sys.argv[1:])
     try:
-        summary, path = run(
-            config, target, args.out, command, args.tokenizer, args.timeout, on_replay=show, first_run=args.run_index
-        )
+        with sigterm_as_interrupt():  # `timeout`: the cluster stops in order; the report holds every replay done
+            summary, path = run(config, target, args.out, command, args.tokenizer, args.timeout, show, args.run_index)
     except (RuntimeError, TimeoutError, ValueError) as exc:  # a cluster that does not start, another workload's --out
         raise UserError(f"{type(exc).__name__}: {exc}") from None
     return _show(summary, path, console)
