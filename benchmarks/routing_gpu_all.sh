@@ -17,8 +17,10 @@
 #   after: mkdir -p results && tar xzf <files_at>/routing-gpu.tgz -C results
 # $OUT receives routing-gpu.tgz (the whole folder), routing.md, and stepN/ (commands.txt: every command line as run;
 # bench.log). RESULTS/commands.txt keeps every step's command line beside the rows. KVSHARE_COMMIT names the tree in
-# the rows (the tree travels without its .git). Needs msgspec and pyzmq there: their wheels in .whl/ (or the vLLM
-# bundle in .vk/, benchmarks/vllm_bundle.sh); each step writes the 8B model to /tmp/m8b when the machine is fresh.
+# the rows (the tree travels without its .git). Needs msgspec and pyzmq there (the pool's messages, its KV events):
+# their cp312 manylinux wheels in .whl/, e.g. from the vLLM bundle's build (/tmp/vllm_bundle/dl/deps/{msgspec,pyzmq}-*)
+# or `pip download msgspec pyzmq --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 -d .whl`;
+# else the vLLM bundle in .vk/ (benchmarks/vllm_bundle.sh). Each step writes the 8B model to /tmp/m8b on a fresh one.
 #
 # A check on CPU in place of the 8B (no GPU, no model written): MODEL=tiny DEVICE=cpu MAXLEN= EXTRA="--scale 0.05"
 set -uo pipefail
