@@ -7,6 +7,9 @@ run numbers, which rows the report is built from, the refusal of another workloa
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -20,9 +23,10 @@ CONDITIONS = ("round_robin/on", "pool_aware/on")
 
 
 class _Cluster:
-    """RoutingCluster's face as run_routing uses it, with nothing started."""
+    """RoutingCluster's face as run_routing uses it, with nothing started; ``stopped`` counts its exits."""
 
     replica_urls = ["http://127.0.0.1:9"]
+    stopped = 0
 
     def __init__(self, target, routers) -> None:
         pass
@@ -31,19 +35,21 @@ class _Cluster:
         return self
 
     def __exit__(self, *exc) -> None:
-        pass
+        _Cluster.stopped += 1
 
 
-@pytest.fixture
-def replays(monkeypatch):
-    """run_routing with its cluster and replays stood in; each replay's TTFTs are (its run + 1) seconds, so a row
-    says which run wrote it. Returns the (condition, rate, run) of every replay, in order."""
+def stand_in(patch, on_replay=None) -> list[tuple[str, float, int]]:
+    """run_routing with its cluster and replays stood in (``patch``: monkeypatch.setattr or setattr); each replay's
+    TTFTs are (its run + 1) seconds, so a row says which run wrote it. Returns the (condition, rate, run) of every
+    replay, in order; ``on_replay(count)`` is awaited before each."""
     done: list[tuple[str, float, int]] = []
 
     async def model_name(session, url):
         return "tiny"
 
     async def replay(self, condition, rate, run):
+        if on_replay is not None:
+            await on_replay(len(done))
         done.append((condition.name, rate, run))
         records = [
             Record("r", "routing", "u", condition.name, "measure", 100, "url", turn=turn, ttft_s=run + 1.0, e2e_s=2.0)
@@ -51,10 +57,15 @@ def replays(monkeypatch):
         ]
         return records, replay_row(f"k{run}", rate, condition.name, run, records, 1.0, 0.0, None, [])
 
-    monkeypatch.setattr(routing, "RoutingCluster", _Cluster)
-    monkeypatch.setattr("kvshare.bench.client.model_name", model_name)
-    monkeypatch.setattr(routing.Replayer, "replay", replay)
+    patch(routing, "RoutingCluster", _Cluster)
+    patch(sys.modules["kvshare.bench.client"], "model_name", model_name)
+    patch(routing.Replayer, "replay", replay)
     return done
+
+
+@pytest.fixture
+def replays(monkeypatch):
+    return stand_in(monkeypatch.setattr)
 
 
 def _run(out, command, first_run=None, **config):
@@ -125,3 +136,36 @@ def test_summarize_rebuilds_the_report_from_the_folder(tmp_path, replays, capsys
     assert "holds no routing.jsonl" in capsys.readouterr().err
     assert main(["bench", "routing", "--rates", "1"]) != 0
     assert "give --model" in capsys.readouterr().err
+
+
+_TERMINATED = """
+import asyncio, os, signal, sys
+from tests.bench import test_routing_results as t
+
+async def second_replay_is_terminated(count):
+    if count == 1:
+        os.kill(os.getpid(), signal.SIGTERM)  # what `timeout` sends
+        await asyncio.sleep(30)
+
+t.stand_in(setattr, second_replay_is_terminated)
+from kvshare.cli import main
+code = main(["bench", "routing", "--model", "tiny", "--sessions", "2", "--prompts", "1", "--turns", "2",
+             "--rates", "1", "--conditions", "round_robin/on,pool_aware/on", "--out", sys.argv[1]])
+print("stopped", t._Cluster.stopped)
+sys.exit(code)
+"""
+
+
+def test_sigterm_stops_the_cluster_in_order_and_keeps_the_replays_done(tmp_path):
+    """SIGTERM (what `timeout` sends a step) ends bench routing as Ctrl-C does. Fails when the command dies of the
+    signal instead (status -15, its cluster never stopped: left to the kernel's parent-death signal)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=root)
+    done = subprocess.run(
+        [sys.executable, "-c", _TERMINATED, str(tmp_path)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 130, done.stdout + done.stderr
+    assert "stopped 1" in done.stdout
+    rows = (tmp_path / "routing.jsonl").read_text().splitlines()
+    assert len(rows) == 1 and json.loads(rows[0])["condition"] == "round_robin/on"
+    assert [s["condition"] for s in _summary(tmp_path)["summary"]] == ["round_robin/on"]
