@@ -10,11 +10,8 @@ same command skips what was measured. Context lengths take k = 1000 tokens (128k
 from __future__ import annotations
 
 import argparse
-import os
-import signal
-from contextlib import contextmanager
 
-from kvshare.commands import tcp_port
+from kvshare.commands import sigterm_as_interrupt, tcp_port
 from kvshare.commands.bench_micro import add_micro_arguments, run_parse, run_pool
 from kvshare.commands.bench_routing import add_routing_arguments, run_routing
 from kvshare.commands.serve import add_kv_dtype_argument
@@ -225,17 +222,6 @@ def run(args: argparse.Namespace) -> int:
     return _run_experiments(args, names)
 
 
-@contextmanager
-def sigterm_as_interrupt():
-    """Within it, SIGTERM (e.g. from `timeout`) stops like Ctrl-C: what was measured is kept and reported, and the
-    processes a benchmark started are stopped in order."""
-    previous = signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def _configs(args: argparse.Namespace, names: tuple[str, ...]) -> list:
     from kvshare.bench.blocks import BlocksConfig
     from kvshare.bench.sessions import SessionsConfig
@@ -279,6 +265,8 @@ def _configs(args: argparse.Namespace, names: tuple[str, ...]) -> list:
 
 
 def _run_experiments(args: argparse.Namespace, names: tuple[str, ...]) -> int:
+    import os
+
     from rich.console import Console
 
     from kvshare.bench.harness import Harness, HarnessConfig

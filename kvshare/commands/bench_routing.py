@@ -160,7 +160,7 @@ def run_routing(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from kvshare.bench.routing import run_routing as run
-    from kvshare.commands.bench import sigterm_as_interrupt
+    from kvshare.commands import sigterm_as_interrupt
     from kvshare.errors import UserError
 
     console = Console()
