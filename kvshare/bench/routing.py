@@ -12,8 +12,12 @@ Results (the folder given by --out)::
                     first token: the router's added latency is the client's TTFT minus that)
     routing.jsonl   one row per replay (kvshare.bench.routing_summary.replay_row), with the replicas' pool bytes
                     loaded, the router's fallbacks and its KV events' lag sampled over the replay
-    runs.jsonl      the command, the commit, the hardware, the sizes and the config of each invocation
-    summary.json, routing.md   per (rate, condition) over the runs, with bootstrap intervals
+    runs.jsonl      the command, the commit, the hardware, the sizes, the config and the run numbers of each
+                    invocation (written before its first replay)
+    summary.json, routing.md   per (rate, condition) over every run in the folder, with bootstrap intervals
+
+Invocations may share a folder (kvshare.bench.routing_results): runs are numbered on from the folder's last
+(or from ``first_run``), and the report is rebuilt from every invocation's rows after each replay.
 
 After each replay the last turns of ``num_verify`` sessions are sent again to the replica that served them
 with the pool and its local cache off; their outputs must equal the measured ones (no wrong KV under any
@@ -32,11 +36,11 @@ from dataclasses import dataclass
 from kvshare.bench.client import BenchRequest
 from kvshare.bench.records import Record, ResultsDir, describe_host, tree_commit
 from kvshare.bench.routing_cluster import RoutingCluster, RoutingTarget
-from kvshare.bench.routing_summary import markdown, replay_row, summarize
+from kvshare.bench.routing_results import EXPERIMENT, ROWS, check_same_workload, next_run, write_summary
+from kvshare.bench.routing_summary import replay_row
 from kvshare.bench.routing_trace import Condition, RoutingConfig, SessionPlan, Trace, make_trace, parse_condition
 from kvshare.bench.runner import BenchContext, mark_matches
 
-EXPERIMENT = "routing"
 LAG_POLL_S = 0.25
 POOL_BYTES_LOADED = "kvshare_pool_bytes_loaded_total"
 FALLBACKS = "kvshare_router_pool_aware_fallbacks_total"
@@ -209,9 +213,18 @@ def run_routing(
     tokenizer: str | None = None,
     timeout_s: float = 600.0,
     on_replay=None,
+    first_run: int | None = None,
 ) -> tuple[list[dict], str]:
-    """Every run, rate and condition; (the summary, the report's path). ``on_replay(row)`` after each replay."""
+    """Every run, rate and condition; (the summary of every run in ``out_dir``, the report's path).
+
+    Runs are numbered from ``first_run`` (None: after the folder's last); the number picks the condition order.
+    ``on_replay(row)`` after each replay."""
     results = ResultsDir(out_dir)
+    if first_run is None:
+        first_run = next_run(results)
+    if first_run < 0:
+        raise ValueError("the first run's number must be >= 0")
+    runs = range(first_run, first_run + config.num_runs)
     trace = make_trace(config)
     conditions = [parse_condition(name) for name in config.conditions]
     run_id = time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
@@ -230,20 +243,20 @@ def run_routing(
         "hardware": describe_host(),
         "sizes": sizes,
         "num_runs": config.num_runs,
+        "runs": list(runs),
         "config": dataclasses.asdict(config),
         "target": dataclasses.asdict(target),
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
-    rows: list[dict] = []
-    started = time.time()
+    check_same_workload(results, meta)
+    results.log_run(meta)  # before the first replay: a command cut short still names what wrote its rows
 
     def replayed(row: dict) -> None:  # the report is rewritten after every replay: a run cut short keeps one
-        meta["seconds"] = round(time.time() - started, 1)
-        write_summary(results, rows, meta)
+        write_summary(results)
         if on_replay is not None:
             on_replay(row)
 
-    for run in range(config.num_runs):
+    for run in runs:
         order = conditions[run % len(conditions) :] + conditions[: run % len(conditions)]
         with RoutingCluster(target, tuple(c.router for c in conditions)) as cluster:
             asyncio.run(
@@ -255,28 +268,15 @@ def run_routing(
                     run,
                     run_id,
                     results,
-                    rows,
                     tokenizer or target.model,
                     timeout_s,
                     replayed,
                 )
             )
-    results.log_run(meta)
-    return write_summary(results, rows, meta)
+    return write_summary(results)
 
 
-def write_summary(results: ResultsDir, rows: list[dict], meta: dict) -> tuple[list[dict], str]:
-    """summary.json and routing.md from the replays' rows; (the summary, the report's path)."""
-    summary = summarize(rows)
-    with open(results.file("summary.json"), "w") as f:
-        json.dump({"meta": meta, "summary": summary}, f, indent=1)
-    path = results.file("routing.md")
-    with open(path, "w") as f:
-        f.write(markdown(summary, meta))
-    return summary, path
-
-
-async def _run_one(config, cluster, trace, order, run, run_id, results, rows, tokenizer, timeout_s, on_replay):
+async def _run_one(config, cluster, trace, order, run, run_id, results, tokenizer, timeout_s, on_replay):
     import aiohttp
 
     from kvshare.bench.client import model_name
@@ -292,8 +292,7 @@ async def _run_one(config, cluster, trace, order, run, run_id, results, rows, to
             for condition in order:
                 records, row = await replayer.replay(condition, rate, run)
                 results.append(records)
-                with open(results.file("routing.jsonl"), "a") as f:
+                with open(results.file(ROWS), "a") as f:
                     f.write(json.dumps({"run_id": run_id, **row}) + "\n")
-                rows.append(row)
                 if on_replay is not None:
                     on_replay(row)

@@ -132,6 +132,7 @@ def _fig(f: dict | None, scale: float = 1.0, digits: int = 3) -> str:
 HEADERS = (
     "rate /s",
     "condition",
+    "runs",
     "TTFT p50 first",
     "TTFT p99 first",
     "TTFT p50 later",
@@ -152,6 +153,7 @@ def table_rows(summary: list[dict]) -> list[tuple[str, ...]]:
         (
             f"{s['rate']:g}",
             s["condition"],
+            str(s["num_runs"]),
             _fig(s["ttft_first_p50"]),
             _fig(s["ttft_first_p99"]),
             _fig(s["ttft_later_p50"]),
@@ -170,13 +172,18 @@ def table_rows(summary: list[dict]) -> list[tuple[str, ...]]:
 
 
 def markdown(summary: list[dict], meta: dict) -> str:
-    """The report: what ran (command, commit, hardware, sizes), then one table of every (rate, condition)."""
-    lines = [
-        "# Routing workload",
-        "",
-        f"- command: `{meta.get('command')}`",
-        f"- commit: {meta.get('commit')}",
-        f"- hardware: {meta.get('hardware')}",
+    """The report: what ran (every invocation's command, the commits, hardware, sizes; kvshare.bench.routing_results'
+    folder_meta), then one table of every (rate, condition)."""
+    commands = meta.get("commands") or []
+    lines = ["# Routing workload", ""]
+    if len(commands) == 1:
+        lines.append(f"- command: `{commands[0]}`")
+    else:
+        lines += [f"- commands ({len(commands)} invocations into this folder):"]
+        lines += [f"  - `{command}`" for command in commands]
+    lines += [
+        f"- commit: {', '.join(map(str, meta.get('commits') or [None]))}",
+        f"- hardware: {'; '.join(map(str, meta.get('hardware') or [None]))}",
         f"- sizes: {meta.get('sizes')}",
         f"- runs: {meta.get('num_runs')}; figures are value [95% bootstrap interval]: percentiles over every "
         "run's requests, per-run totals as their mean over the runs",

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
+import signal
+from contextlib import contextmanager
 
 
 def tcp_port(text: str) -> int:
@@ -15,6 +18,17 @@ def tcp_port(text: str) -> int:
     if not 1 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"{port} is not a TCP port (1-65535)")
     return port
+
+
+@contextmanager
+def sigterm_as_interrupt():
+    """Within it, SIGTERM (e.g. from `timeout`) stops like Ctrl-C: what was measured is kept and reported, and the
+    processes a benchmark started are stopped in order."""
+    previous = signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvshare.commands import tcp_port
+from kvshare.commands import sigterm_as_interrupt, tcp_port
 from kvshare.commands.bench_micro import add_micro_arguments, run_parse, run_pool
 from kvshare.commands.bench_routing import add_routing_arguments, run_routing
 from kvshare.commands.serve import add_kv_dtype_argument
@@ -266,7 +266,6 @@ def _configs(args: argparse.Namespace, names: tuple[str, ...]) -> list:
 
 def _run_experiments(args: argparse.Namespace, names: tuple[str, ...]) -> int:
     import os
-    import signal
 
     from rich.console import Console
 
@@ -318,19 +317,16 @@ def _run_experiments(args: argparse.Namespace, names: tuple[str, ...]) -> int:
     except ValueError as exc:
         raise UserError(str(exc)) from None
     console = Console()
-    # SIGTERM (e.g. from `timeout`) stops like Ctrl-C: what was measured is kept and reported
-    previous = signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
     status = console.status("starting replicas...")
     status.start()
     try:
-        with open_target(spec, progress=status.update) as (replicas, off):
+        with sigterm_as_interrupt(), open_target(spec, progress=status.update) as (replicas, off):
             status.stop()
             outcome = Harness(config, replicas, off, console=console).run(configs)
     except (RuntimeError, TimeoutError, ValueError) as exc:  # replicas that do not start, a plan they cannot run
         raise UserError(f"{type(exc).__name__}: {exc}") from None
     finally:
         status.stop()
-        signal.signal(signal.SIGTERM, previous)
     if not args.no_tables:
         print_tables(outcome.tables, console)
     for name, result in outcome.runs.items():

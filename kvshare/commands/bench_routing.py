@@ -31,6 +31,16 @@ def _rates(text: str) -> tuple[float, ...]:
     return rates
 
 
+def _run_index(text: str) -> int:
+    try:
+        index = int(text)
+    except ValueError:
+        index = -1
+    if index < 0:
+        raise argparse.ArgumentTypeError(f"a run number is a whole number >= 0, got {text!r}")
+    return index
+
+
 def add_routing_arguments(sub, words) -> None:
     """The `bench routing` subcommand's flags, on the `bench` subparsers."""
     from kvshare.bench.routing_trace import CONTROLS, DEFAULT_CONDITIONS, RoutingConfig
@@ -45,7 +55,7 @@ def add_routing_arguments(sub, words) -> None:
         "1/--gpu-share of the working set). Token counts are multiplied by --scale.",
     )
     g = e.add_argument_group("cluster")
-    g.add_argument("--model", required=True, help="model directory or preset of the replicas it starts")
+    g.add_argument("--model", help="model directory or preset of the replicas it starts (required to run)")
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, or one per replica as a comma list")
     g.add_argument("--replicas", type=int, default=2)
     g.add_argument("--replica-arg", action="append", default=[], help="extra argument for every replica (repeatable)")
@@ -84,7 +94,63 @@ def add_routing_arguments(sub, words) -> None:
     )
     w.add_argument("--seed", type=int, default=d.seed)
     w.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
-    w.add_argument("--out", default="results/routing", help="results folder (records appended)")
+    w.add_argument(
+        "--out",
+        default="results/routing",
+        help="results folder: records appended, the report rebuilt from every invocation's runs in it",
+    )
+    w.add_argument(
+        "--run-index",
+        type=_run_index,
+        default=None,
+        help="number of this invocation's first run (default: after the last in --out); the number picks the "
+        "condition order, and a run number given again replaces that run's replays",
+    )
+    w.add_argument(
+        "--summarize",
+        metavar="OUT",
+        default=None,
+        help="replay nothing: rebuild OUT's summary.json and routing.md from its routing.jsonl and print the table",
+    )
+
+
+def routing_plan(args: argparse.Namespace):
+    """(RoutingConfig, RoutingTarget) of the parsed flags: the trace and the cluster it is replayed on, sized from
+    the trace's working set; ValueError for flags that do not make one."""
+    from kvshare.bench.routing import kv_bytes_per_token
+    from kvshare.bench.routing_cluster import RoutingTarget
+    from kvshare.bench.routing_trace import RoutingConfig, make_trace, scaled
+
+    if args.scale <= 0:
+        raise ValueError("--scale must be above 0")
+    config = RoutingConfig(
+        num_sessions=args.sessions,
+        num_prompts=args.prompts,
+        num_turns=args.turns,
+        system_tokens=scaled(args.system_tokens, args.scale),
+        user_tokens=scaled(args.user_tokens, args.scale),
+        answer_tokens=scaled(args.answer_tokens, args.scale),
+        rates=args.rates,
+        conditions=args.conditions,
+        num_runs=args.runs,
+        gpu_share=args.gpu_share,
+        pool_share=args.pool_share,
+        num_verify=args.verify,
+        seed=args.seed,
+    )
+    per_token = kv_bytes_per_token(args.model)
+    working_set = make_trace(config).working_set_tokens() * per_token
+    target = RoutingTarget(
+        model=args.model,
+        device=args.device,
+        num_replicas=args.replicas,
+        local_cache_bytes=int(working_set / config.gpu_share),
+        pool_bytes=max(int(working_set * config.pool_share), 64 << 20),
+        kv_bytes_per_token=per_token,
+        replica_args=tuple(args.replica_arg),
+        router_args=tuple(args.router_arg),
+    )
+    return config, target
 
 
 def run_routing(args: argparse.Namespace) -> int:
@@ -93,47 +159,19 @@ def run_routing(args: argparse.Namespace) -> int:
 
     from rich.console import Console
 
-    from kvshare.bench.report import Table, print_tables
-    from kvshare.bench.routing import kv_bytes_per_token
     from kvshare.bench.routing import run_routing as run
-    from kvshare.bench.routing_cluster import RoutingTarget
-    from kvshare.bench.routing_summary import HEADERS, highest_complete_rate, table_rows
-    from kvshare.bench.routing_trace import RoutingConfig, make_trace, scaled
+    from kvshare.commands import sigterm_as_interrupt
     from kvshare.errors import UserError
 
-    if args.scale <= 0:
-        raise UserError("--scale must be above 0")
+    console = Console()
+    if args.summarize is not None:
+        return _summarize(args.summarize, console)
+    if not args.model:
+        raise UserError("give --model (the replicas' model), or --summarize OUT to rebuild a results folder's report")
     try:
-        config = RoutingConfig(
-            num_sessions=args.sessions,
-            num_prompts=args.prompts,
-            num_turns=args.turns,
-            system_tokens=scaled(args.system_tokens, args.scale),
-            user_tokens=scaled(args.user_tokens, args.scale),
-            answer_tokens=scaled(args.answer_tokens, args.scale),
-            rates=args.rates,
-            conditions=args.conditions,
-            num_runs=args.runs,
-            gpu_share=args.gpu_share,
-            pool_share=args.pool_share,
-            num_verify=args.verify,
-            seed=args.seed,
-        )
-        per_token = kv_bytes_per_token(args.model)
-        working_set = make_trace(config).working_set_tokens() * per_token
-        target = RoutingTarget(
-            model=args.model,
-            device=args.device,
-            num_replicas=args.replicas,
-            local_cache_bytes=int(working_set / config.gpu_share),
-            pool_bytes=max(int(working_set * config.pool_share), 64 << 20),
-            kv_bytes_per_token=per_token,
-            replica_args=tuple(args.replica_arg),
-            router_args=tuple(args.router_arg),
-        )
+        config, target = routing_plan(args)
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    console = Console()
 
     def show(row: dict) -> None:
         console.print(
@@ -144,9 +182,31 @@ def run_routing(args: argparse.Namespace) -> int:
 
     command = "kvshare " + shlex.join(sys.argv[1:])
     try:
-        summary, path = run(config, target, args.out, command, args.tokenizer, args.timeout, on_replay=show)
-    except (RuntimeError, TimeoutError, ValueError) as exc:  # a cluster that does not start
+        with sigterm_as_interrupt():  # `timeout`: the cluster stops in order; the report holds every replay done
+            summary, path = run(config, target, args.out, command, args.tokenizer, args.timeout, show, args.run_index)
+    except (RuntimeError, TimeoutError, ValueError) as exc:  # a cluster that does not start, another workload's --out
         raise UserError(f"{type(exc).__name__}: {exc}") from None
+    return _show(summary, path, console)
+
+
+def _summarize(out: str, console) -> int:
+    """--summarize OUT: the report rebuilt from the folder's rows, nothing replayed."""
+    import os
+
+    from kvshare.bench.records import ResultsDir
+    from kvshare.bench.routing_results import ROWS, write_summary
+    from kvshare.errors import UserError
+
+    if not os.path.isfile(os.path.join(out, ROWS)):
+        raise UserError(f"{out} holds no {ROWS}: not a results folder of kvshare bench routing")
+    summary, path = write_summary(ResultsDir(out))
+    return _show(summary, path, console)
+
+
+def _show(summary: list[dict], path: str, console) -> int:
+    from kvshare.bench.report import Table, print_tables
+    from kvshare.bench.routing_summary import HEADERS, highest_complete_rate, table_rows
+
     print_tables([Table("kvshare bench routing", HEADERS, tuple(table_rows(summary)), "")], console)
     rate = highest_complete_rate(summary)
     console.print(f"every condition completed every request up to: {'none' if rate is None else f'{rate:g}/s'}")

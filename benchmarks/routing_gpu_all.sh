@@ -1,0 +1,134 @@
+#!/usr/bin/env bash
+# The routing workload's GPU figures (`kvshare bench routing`, docs/bench.md "Routing") with the Qwen3-8B shape, in
+# steps that each fit one 10-minute command on the GPU machine (one H100 80 GB or H200 141 GB, 16 cores, 128 GiB host
+# memory, 64 GiB disk; or two H100s with DEVICE=cuda:0,cuda:1).
+#
+#   bash benchmarks/routing_gpu_all.sh              print the plan (also written to $OUT/plan.txt)
+#   bash benchmarks/routing_gpu_all.sh 1            run step 1; steps may be given together (2 3) if time allows
+#   DRY=1 bash benchmarks/routing_gpu_all.sh 1      print step 1's command, run nothing
+#   bash benchmarks/routing_gpu_all.sh report       rebuild RESULTS' report from its rows (bench routing --summarize)
+#
+# Every step is one fresh cluster replaying one run (--runs 1 --run-index N) at one rate into ONE results folder,
+# RESULTS (default results/routing-gpu, ignored by git): the report there (routing.md, summary.json) is rebuilt from
+# the rows of every step so far. A step run again with the same number replaces its run's replays (a step cut short
+# is simply run again); CONDITIONS=a,b runs only those conditions of a step (to complete one that was cut short).
+# The machine starts bare after an idle while, and each command's $OUT starts empty, so the folder travels both ways:
+#   run:   carry [".whl", "results/routing-gpu"], command "KVSHARE_COMMIT=<commit> bash benchmarks/routing_gpu_all.sh 1"
+#   after: mkdir -p results && tar xzf <files_at>/routing-gpu.tgz -C results
+# $OUT receives routing-gpu.tgz (the whole folder), routing.md, and stepN/ (commands.txt: every command line as run;
+# bench.log). RESULTS/commands.txt keeps every step's command line beside the rows. KVSHARE_COMMIT names the tree in
+# the rows (the tree travels without its .git). Needs msgspec and pyzmq there (the pool's messages, its KV events):
+# their cp312 manylinux wheels in .whl/, e.g. from the vLLM bundle's build (/tmp/vllm_bundle/dl/deps/{msgspec,pyzmq}-*)
+# or `pip download msgspec pyzmq --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 -d .whl`;
+# else the vLLM bundle in .vk/ (benchmarks/vllm_bundle.sh). Each step writes the 8B model to /tmp/m8b on a fresh one.
+#
+# A check on CPU in place of the 8B (no GPU, no model written): MODEL=tiny DEVICE=cpu MAXLEN= EXTRA="--scale 0.05"
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/routing_gpu_all}
+RESULTS=${RESULTS:-results/routing-gpu}
+DRY=${DRY:-0}
+M8=/tmp/m8b
+MODEL=${MODEL:-$M8}
+DEVICE=${DEVICE:-cuda}
+SESSIONS=${SESSIONS:-16}
+MAXLEN=${MAXLEN-16384}  # the built-in engine preallocates this much sequence KV on CUDA (2.4 GB for the 8B)
+BUDGET=${BUDGET:-570}   # seconds a step may take from this script's start, its preparation included
+EXTRA=${EXTRA:-}
+POLICIES=round_robin/off,round_robin/on,alternate/on,sticky/on,cache_aware/on,pool_aware/on,pool_aware_gpu/on
+CONTROLS=no_shared_prefix,events_dropped
+WORKLOAD=(--sessions "$SESSIONS" --prompts 8 --turns 6 --system-tokens 4000-6000 --user-tokens 200-1200
+          --answer-tokens 10-30 --gpu-share 2.5 --pool-share 2 --verify 2 --seed 0 --timeout 120
+          ${MAXLEN:+--replica-arg=--max-model-len=$MAXLEN})
+STARTED=$(date +%s)
+
+plan() {
+    cat <<EOF
+The trace (16 sessions by default, SESSIONS=N): N sessions over 8 shared system prompts of 4000-6000 tokens, 6 turns
+of 200-1200 user tokens, answers of 10-30 tokens (the default 100-300 cut tenfold: the built-in engine decodes one
+request at a time, ~12 ms a token, so the default trace's 64 x 6 answers alone are ~75k steps, ~15 min of replica
+time per replay); local caches 1/2.5 of the working set, the pool 2x it; every rate a step, every run a fresh cluster.
+Sizes (benchmarks/routing_gpu_plan.py): working set 112801 tokens (16.6 GB); local cache 6.7 GB a replica; pool
+33.3 GB (24% of 128 GiB); a replica 16.4 GB weights + 6.7 + 2.4 sequence KV (max-model-len 16384) + ~3 = 28.5 GB,
+two on one 80 GB card 57 GB. Estimated replays (prefill 25k tokens/s, decode step 12 ms, load 50 GB/s, two replicas
+sharing the card's prefill, no reuse .. full reuse): rate 0.5/s 37-46 s, 1/s 21-43 s, 2/s 20-43 s; cluster start
+~90 s (assumed). Rate 1/s: the trace without reuse saturates the replicas (TTFT p99 ~6 s), with reuse not (~1.6 s).
+
+step  minutes  what (rate; conditions; run)
+1     6-7      rate 1/s; the 7 policies and the 2 controls; run 0 (+2-3 min on a fresh machine: the 8B model)
+2     6-7      rate 1/s; the same; run 1
+3     6-7      rate 1/s; the same; run 2       -> steps 1-3: the main comparison and the controls, 3 runs
+4     5-6      rate 2/s (saturated); the 7 policies; run 0
+5     5-6      rate 2/s; run 1
+6     5-6      rate 2/s; run 2
+7     6-7      rate 0.5/s (below the knee); the 7 policies; run 0
+8     6-7      rate 0.5/s; run 1
+9     6-7      rate 0.5/s; run 2              -> steps 1-9: the sweep 0.5, 1, 2 sessions/s, 3 runs each
+report         rebuild RESULTS' routing.md and summary.json from its rows
+Policies: $POLICIES
+Controls: $CONTROLS
+EOF
+}
+
+prepare() {  # msgspec and pyzmq (the pool's messages, its KV events), and the 8B model on a fresh machine
+    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+    if ! python3 -c "import msgspec, zmq" 2>/dev/null; then
+        if ls .whl/*.whl >/dev/null 2>&1; then
+            python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+                || { echo "installing .whl/ failed"; return 1; }
+            export PYTHONPATH=$PYTHONPATH:/tmp/site
+        else
+            export VK=${VK_DIR:-.vk}
+            # shellcheck source=benchmarks/vllm_bundle.sh
+            source benchmarks/vllm_bundle.sh || return 1
+        fi
+    fi
+    if [ "$MODEL" = "$M8" ] && [ ! -f $M8/config.json ]; then
+        python3 -m kvshare make-model qwen3-8b --out $M8 --device cuda 2>&1 | tail -1
+    fi
+}
+
+bench() {  # STEP RATE RUN CONDITIONS: one run at one rate, into RESULTS, under what is left of the budget
+    local step=$1 rate=$2 run=$3 conditions=${CONDITIONS:-$4}
+    local cmd=(python3 -m kvshare bench routing --model "$MODEL" --device "$DEVICE" "${WORKLOAD[@]}" --rates "$rate"
+               --conditions "$conditions" --runs 1 --run-index "$run" --out "$RESULTS")
+    # shellcheck disable=SC2206
+    cmd+=($EXTRA)
+    if [ "$DRY" = 1 ]; then echo "${cmd[*]}"; return 0; fi
+    prepare || return 1
+    local dir=$OUT/step$step limit=$(( BUDGET - ($(date +%s) - STARTED) ))
+    if [ "$limit" -lt 120 ]; then echo "step $step not started: ${limit} s of the budget left"; return 4; fi
+    mkdir -p "$dir" "$RESULTS"
+    echo "timeout $limit ${cmd[*]}" | tee -a "$dir/commands.txt" "$RESULTS/commands.txt"
+    timeout "$limit" "${cmd[@]}" 2>&1 | tee -a "$dir/bench.log"
+    local status=${PIPESTATUS[0]}
+    tar czf "$OUT/routing-gpu.tgz" -C "$(dirname "$RESULTS")" "$(basename "$RESULTS")"
+    cp "$RESULTS/routing.md" "$OUT/" 2>/dev/null
+    return "$status"
+}
+
+step() {
+    local n=$1 t0
+    t0=$(date +%s)
+    case $n in
+        1|2|3) bench "$n" 1 $(( n - 1 )) "$POLICIES,$CONTROLS" ;;
+        4|5|6) bench "$n" 2 $(( n - 4 )) "$POLICIES" ;;
+        7|8|9) bench "$n" 0.5 $(( n - 7 )) "$POLICIES" ;;
+        report) if [ "$DRY" = 1 ]; then echo "python3 -m kvshare bench routing --summarize $RESULTS"; return 0; fi
+                prepare && python3 -m kvshare bench routing --summarize "$RESULTS" ;;
+        *) echo "no step $n (steps 1-9, report; no argument prints the plan)"; return 2 ;;
+    esac
+    local status=$?
+    [ "$DRY" = 1 ] || echo "step $n done in $(( $(date +%s) - t0 )) s (exit $status)"
+    return $status
+}
+
+mkdir -p "$OUT"
+if [ $# -eq 0 ]; then plan | tee "$OUT/plan.txt"; exit 0; fi
+if [ "$DRY" != 1 ]; then
+    [ "$DEVICE" = cpu ] || nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    [ -n "${KVSHARE_COMMIT:-}" ] || [ -e .git ] || echo "KVSHARE_COMMIT is not set: the rows will not name the tree"
+fi
+status=0
+for n in "$@"; do step "$n" || status=$?; done
+exit $status
