@@ -44,17 +44,21 @@ _REFUSED = ("chat_template", "chat_template_kwargs", "tools", "mm_processor_kwar
 
 
 def chat_prompt_ids(tokenizer: Any, messages: list[A.ChatMessage], add_generation_prompt: bool = True) -> np.ndarray:
-    """A chat's prompt ids (one int64 array): the model's chat template over the messages' text; a template that
-    cannot render them (or a model without one) is the request's 400, not the server's 500."""
+    """A chat's prompt ids (one int64 array): the model's chat template over the messages' text, encoded."""
+    return tokenizer.encode_array(chat_prompt_text(tokenizer, messages, add_generation_prompt))
+
+
+def chat_prompt_text(tokenizer: Any, messages: list[A.ChatMessage], add_generation_prompt: bool = True) -> str:
+    """The model's chat template over the messages' text; a template that cannot render them (or a model without
+    one) is the request's 400, not the server's 500."""
     from jinja2.exceptions import TemplateError
 
     from kvshare.errors import UserError
 
     try:
-        text = tokenizer.chat_text(
+        return tokenizer.chat_text(
             [{"role": m.role, "content": A.message_text(m)} for m in messages], add_generation_prompt
         )
-        return tokenizer.encode_array(text)
     except (UserError, TemplateError) as exc:
         raise A.ApiError(400, f"the chat template cannot render these messages: {exc}", param="messages") from None
 
