@@ -35,7 +35,6 @@ from kvshare.serve.api_types import ApiError, decode
 from kvshare.serve.connection import SlowClient, is_gone, limit_send_buffer, write_within
 from kvshare.serve.http_errors import body_too_large, error_response, http_error
 from kvshare.serve.metrics import LATENCY_BUCKETS
-from kvshare.serve.off_loop import off_loop
 from kvshare.serve.server import version
 from kvshare.serve.tenancy import Unauthorized, account_identity, check_api_key, tenant_identity
 
@@ -223,7 +222,8 @@ class RouterServer:
     # -- proxying ------------------------------------------------------------------------
 
     def _facts(self, request: web.Request, body: bytes) -> RouteFacts:
-        """What the policy reads of this request (kvshare.router.facts); its keys' salt as the replica derives it."""
+        """What the policy reads of this request (kvshare.router.facts); its keys' salt as the replica derives it.
+        pool_aware's text prompt is a PromptText until ``PoolAwarePlacer.encoded`` gives its ids."""
         salt_of = lambda cache_salt: replica_salt(self.config.engine, self._salted_tenant(request), cache_salt)
         return route_facts(
             self.config.policy, body, request.headers.get(self.config.session_header), salt_of, self.pool_aware
@@ -265,9 +265,9 @@ class RouterServer:
 
     async def proxy(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
-        # pool_aware encodes a text prompt with the replicas' tokenizer: a long body is read off the loop (the read
-        # takes only the body and the headers), so the responses this router relays go on meanwhile
-        facts = await off_loop(self._facts, request, body, num_chars=len(body) if self.pool_aware is not None else 0)
+        facts = self._facts(request, body)
+        if self.pool_aware is not None:  # a text prompt's ids: a long encode runs off the loop, the relays go on
+            facts = await self.pool_aware.encoded(facts)
         body = self._forwarded_body(request, body)
         views = [
             ReplicaView(i, r.is_healthy and not r.is_draining, r.num_in_flight) for i, r in enumerate(self.replicas)

@@ -228,8 +228,8 @@ class ReplicaServer:
         read_s, req = time.perf_counter(), A.decode_completion(body)
         A.validate(req)
         prompt_ids = A.prompt_of(req)
-        if isinstance(prompt_ids, str):  # a long text is encoded off the loop: the other streams go on meanwhile
-            prompt_ids = await off_loop(self.engine.tokenizer.encode_array, prompt_ids, num_chars=len(prompt_ids))
+        if isinstance(prompt_ids, str):  # a long text's encode runs off the loop: the other streams go on meanwhile
+            prompt_ids = await T.prompt_array(self.engine.tokenizer, prompt_ids)
         prepared = self._prepare(
             request, req, prompt_ids, default_max_tokens=16, logprobs=req.logprobs, arrival=(arrival, read_s)
         )
@@ -241,7 +241,7 @@ class ReplicaServer:
         read_s, req = time.perf_counter(), A.decode(body, A.ChatRequest)
         A.validate(req)
         text = T.chat_prompt_text(self.engine.tokenizer, req.messages)  # rendering: ~0.3 ms at 128k tokens
-        prompt_ids = await off_loop(self.engine.tokenizer.encode_array, text, num_chars=len(text))
+        prompt_ids = await T.prompt_array(self.engine.tokenizer, text)
         top = (req.top_logprobs or 0) if req.logprobs else None
         prepared = self._prepare(
             request, req, prompt_ids, default_max_tokens=None, logprobs=top, arrival=(arrival, read_s)

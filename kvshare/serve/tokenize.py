@@ -15,6 +15,7 @@ import msgspec
 import numpy as np
 
 from kvshare.serve import api_types as A
+from kvshare.serve.off_loop import off_loop
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -41,6 +42,14 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
 
 
 _REFUSED = ("chat_template", "chat_template_kwargs", "tools", "mm_processor_kwargs", "media_io_kwargs")
+
+
+async def prompt_array(tokenizer: Any, text: str) -> np.ndarray:
+    """``tokenizer.encode_array(text)`` without stalling the event loop: the pieces are looked up here (a hash and
+    a lookup each), what no cache level holds is encoded off the loop when it is long (kvshare.serve.off_loop), so
+    a text the replica has seen pays no hop and a miss no other stream's wait."""
+    lookup = tokenizer.look_up(text)
+    return await off_loop(tokenizer.encode_missing, lookup, num_chars=lookup.num_missing_chars)
 
 
 def chat_prompt_ids(tokenizer: Any, messages: list[A.ChatMessage], add_generation_prompt: bool = True) -> np.ndarray:

@@ -17,16 +17,17 @@ LONG_TEXT = "Where does this prompt go? " * (OFF_LOOP_MIN_CHARS // 27 + 1)
 
 
 def test_the_router_answers_health_while_a_long_text_is_encoded_for_its_placement(monkeypatch):
-    """Fails when the proxy reads the request's facts on the event loop (``self._facts(request, body)`` called
-    directly, as before ``off_loop``): /health then waits behind the blocked encode and its read times out."""
+    """Fails when the placement encodes the text on the event loop (``route_facts`` calling the placer's
+    ``prompt_ids``, as before ``PoolAwarePlacer.encoded``): /health then waits behind the blocked encode and its
+    read times out."""
 
     async def completions(request):
         return web.json_response({"choices": [], "prompt": (await request.json())["prompt"]})
 
     with pool_aware_router(completions, CostModel()) as (server, router_url):
         tokenizer = server.pool_aware.tokenizer
-        blocked = BlockedEncode(tokenizer.encode_array)
-        monkeypatch.setattr(tokenizer, "encode_array", blocked)
+        blocked = BlockedEncode(tokenizer.encode_missing)
+        monkeypatch.setattr(tokenizer, "encode_missing", blocked)
         answers = {}
         req = completion_request(router_url, prompt=LONG_TEXT, max_tokens=1)
         sender = threading.Thread(
