@@ -5,10 +5,10 @@ router's relays every response. Work that grows with one request's size (encodin
 /tokenize) would stall all of them for as long as it runs on the loop, so it runs on the loop's default executor:
 the tokenizer's encode releases the GIL (its Rust side, ``encode_batch`` on its own threads), so the loop goes on.
 
-Short texts stay on the loop: the hop to a thread and back costs 60-65 us (median, 2 CPU cores), and an uncached
-encode of the presets' BPE 0.38 us a character (1 KiB 0.39 ms, 4 KiB 1.5 ms; ``python
-benchmarks/tokenize_cost.py --loop``). Below ``OFF_LOOP_MIN_CHARS`` the stall saved is at most ~1.5 ms of the
-loop and the hop would add 4% or more to the request's own encode.
+Short texts stay on the loop: the hop to a thread and back costs 60-145 us (median of 200 on 2 CPU cores, quiet to
+loaded), an uncached encode of the presets' BPE 0.4-0.5 ms a KiB of text (4 KiB: 1.5-1.9 ms; ``python
+benchmarks/tokenize_cost.py --loop``, docs/results/2026-12-05-6a47132-text-off-loop-cpu). Below
+``OFF_LOOP_MIN_CHARS`` the stall saved is under ~2 ms of the loop and the hop would add 3-10% to the encode it moves.
 """
 
 from __future__ import annotations
