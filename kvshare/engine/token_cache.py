@@ -165,7 +165,7 @@ class TokenCache:
         self.num_hits = 0
         self.num_misses = 0
         self._entries: OrderedDict[tuple[str, bytes], np.ndarray] = OrderedDict()
-        self._lock = threading.Lock()  # chat runs on the event loop, /tokenize on executor threads
+        self._lock = threading.Lock()  # look-ups run on the event loop, long encodes and /tokenize on threads
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -46,8 +46,8 @@ _REFUSED = ("chat_template", "chat_template_kwargs", "tools", "mm_processor_kwar
 
 async def prompt_array(tokenizer: Any, text: str) -> np.ndarray:
     """``tokenizer.encode_array(text)`` without stalling the event loop: the pieces are looked up here (a hash and
-    a lookup each), what no cache level holds is encoded off the loop when it is long (kvshare.serve.off_loop), so
-    a text the replica has seen pays no hop and a miss no other stream's wait."""
+    a lookup each, a file read where only the shared level holds one), what no level holds is encoded off the loop
+    when it is long (kvshare.serve.off_loop), so a text seen before pays no hop and a miss no other stream's wait."""
     lookup = tokenizer.look_up(text)
     return await off_loop(tokenizer.encode_missing, lookup, num_chars=lookup.num_missing_chars)
 
