@@ -32,13 +32,23 @@ encoder), check (the ids as one int64 array in the vocabulary); their ids equal 
 ``--baseline-tree DIR`` runs the same replicas on another checkout too (before/after in one run); ``--repeats``:
 replicas per condition (medians summarized).
 
+``--loop``: what the handlers' text step costs the replica's event loop. First the hop to a thread and back
+(``run_in_executor``, median of 200) beside an uncached encode of 1-8 KiB of text on the loop (what
+kvshare.serve.off_loop's threshold weighs); then per length, the chat handler's text step (the template rendered on
+the loop, the text encoded through ``prompt_array`` as server.py does; a tree without it encodes on the loop, as its
+handlers did) run beside a coroutine that wakes every millisecond, as a stream's token deltas are written: wall ms
+of the step for a text encoded before (cached) and for one no replica encoded (miss), and the longest gap between
+the coroutine's wake-ups while the step ran (stall: what a second stream's deltas waited; ~1 ms when nothing stalls).
+
     python benchmarks/tokenize_cost.py [--lengths 32768,131072,262144] [--repeats 3] [--json]
     python benchmarks/tokenize_cost.py --fresh [--baseline-tree DIR] [--lengths ...] [--json]
+    python benchmarks/tokenize_cost.py --loop [--lengths ...] [--repeats 3] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import shutil
@@ -260,6 +270,80 @@ def summarize(rows: list[dict], num_tokens: int, is_json: bool) -> None:
             print("  median " + ", ".join(f"{k}={v}" for k, v in summary.items()), flush=True)
 
 
+def handler_encode():
+    """The replica handlers' encode of a text (kvshare.serve.tokenize.prompt_array); a tree without it encodes
+    on the loop, as its handlers did."""
+    try:
+        from kvshare.serve.tokenize import prompt_array
+    except ImportError:
+
+        async def prompt_array(tok, text: str):
+            return tok.encode_array(text)
+
+    return prompt_array
+
+
+async def beside_a_stream(step) -> tuple[float, float, object]:
+    """(wall ms of ``await step()``, the longest gap in ms between wake-ups of a coroutine sleeping 1 ms, the
+    step's result)."""
+    longest, is_done = [0.0], [False]
+
+    async def stream() -> None:
+        last = time.perf_counter()
+        while not is_done[0]:
+            await asyncio.sleep(0.001)
+            now = time.perf_counter()
+            longest[0], last = max(longest[0], now - last), now
+
+    ticker = asyncio.create_task(stream())
+    await asyncio.sleep(0.005)
+    longest[0] = 0.0
+    start = time.perf_counter()
+    result = await step()
+    wall = time.perf_counter() - start
+    is_done[0] = True
+    await ticker
+    return wall * 1e3, longest[0] * 1e3, result
+
+
+async def loop_costs(tok, factory: PromptFactory, lengths: list[int], repeats: int, is_json: bool) -> None:
+    """The hop and short encodes, then per length the chat handler's text step beside a stream (``--loop``)."""
+    loop, prompt_array = asyncio.get_running_loop(), handler_encode()
+    hops = []
+    for _ in range(200):
+        start = time.perf_counter()
+        await loop.run_in_executor(None, int)
+        hops.append(time.perf_counter() - start)
+    long_text = tok.chat_text(factory.chat_messages(8192, "loop/short"))
+    short = {}
+    for num_chars in (1024, 2048, 4096, 8192):
+        short[num_chars] = best_of(lambda: tok.encode_array(long_text[:num_chars]), max(repeats, 5))[0]
+    row = {"hop_median_us": round(statistics.median(hops) * 1e6, 1)}
+    row |= {f"encode_{n}_chars_ms": round(ms, 3) for n, ms in short.items()}
+    print(json.dumps(row) if is_json else "  " + ", ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+
+    async def text_step(messages):
+        return await prompt_array(tok, tok.chat_text(messages))  # as server.py's chat handler
+
+    for n in lengths:
+        cached, miss = (float("inf"), 0.0), (float("inf"), 0.0)
+        for k in range(repeats):
+            messages = factory.chat_messages(n, f"loop/{n}/{k}")  # a text this tokenizer never saw: a miss
+            tok._pieces.cache = TokenCache(tok._pieces.config.max_bytes)
+            wall, stall, ids = await beside_a_stream(lambda: text_step(messages))
+            assert ids.tolist() == tok._pieces.plain(tok.chat_text(messages)), "ids differ from plain"
+            miss = min(miss, (wall, stall))
+            for _ in range(10):  # the text again: every piece from the cache (ms each, so more repeats)
+                cached = min(cached, (await beside_a_stream(lambda: text_step(messages)))[:2])
+        row = {"tokens": n, "cpus": os.cpu_count(), "cached_ms": round(cached[0], 2)}
+        row |= {
+            "cached_stall_ms": round(cached[1], 2),
+            "miss_ms": round(miss[0], 2),
+            "miss_stall_ms": round(miss[1], 2),
+        }
+        print(json.dumps(row) if is_json else "  " + ", ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="qwen3-8b", help="preset or model directory whose tokenizer is measured")
@@ -268,6 +352,7 @@ def main() -> int:
     p.add_argument("--json", action="store_true", help="one JSON line per length")
     p.add_argument("--fresh", action="store_true", help="a fresh replica's text requests, step by step")
     p.add_argument("--baseline-tree", help="with --fresh: a checkout whose replicas run the same requests too")
+    p.add_argument("--loop", action="store_true", help="what the handlers' text step costs the event loop")
     p.add_argument("--replica", nargs=2, metavar=("BODIES", "SHARE_DIR"), help=argparse.SUPPRESS)
     p.add_argument("--warm", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -283,6 +368,9 @@ def main() -> int:
     factory = PromptFactory(tok, WorkloadConfig(nonce="tokenize-cost"))
     if args.fresh:
         fresh(args, tok, factory)
+        return 0
+    if args.loop:
+        asyncio.run(loop_costs(tok, factory, [int(x) for x in args.lengths.split(",")], args.repeats, args.json))
         return 0
     names = ("plain", "first", "first+share", "other", "again", "next turn", "router")
     print(

@@ -24,6 +24,8 @@ tokens without whitespace or stripping), encode(text) == encode(text[:p]) + enco
   NFC boundary (it composes with nothing before it).
 
 Any other tokenizer, or one that fails the probe at construction, is encoded whole (fail closed).
+``look_up`` (cut, hash, both levels) and ``encode_missing`` (the encode of what neither level held) are two steps,
+so that a server runs only the second off its event loop, and only when what is left to encode is long.
 A second level (kvshare.engine.token_share) shares pieces between the processes of one user on one host:
 a piece this process misses is looked up there before it is encoded, and what it encodes is written there.
 tests/engine/test_token_cache.py checks the equality on random unicode texts with hypothesis.
@@ -163,7 +165,7 @@ class TokenCache:
         self.num_hits = 0
         self.num_misses = 0
         self._entries: OrderedDict[tuple[str, bytes], np.ndarray] = OrderedDict()
-        self._lock = threading.Lock()  # chat runs on the event loop, /tokenize on executor threads
+        self._lock = threading.Lock()  # look-ups run on the event loop, long encodes and /tokenize on threads
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -237,12 +239,40 @@ class PieceEncoder:
 
     def encode_array(self, text: str) -> np.ndarray:
         """``encode(text)`` as one int64 array, built from the pieces' arrays without a list between."""
+        return self.encode_missing(self.look_up(text))
+
+    def look_up(self, text: str) -> PieceLookup:
+        """The text cut and its pieces looked up in both levels, nothing encoded: a hash and a lookup a piece (and
+        a file read a piece the shared level holds). ``encode_missing`` does the rest: the one step whose cost
+        grows with what no process has encoded, which a server runs off its event loop when it is long."""
         if self.not_splittable is not None or len(text) < self.config.min_chars:
-            return np.array(self.plain(text), dtype=np.int64)
-        return self._pieces_ids(text, self.config.piece_chars)
+            return PieceLookup([text], [None], None, [])  # one plain encode, nothing cached
+        return self._look_up(text, self.config.piece_chars)
+
+    def encode_missing(self, lookup: PieceLookup) -> np.ndarray:
+        """The ids (int64) of a looked-up text: its missing pieces encoded (in one ``encode_batch``) and cached."""
+        if lookup.keys is None:
+            return np.array(self.plain(lookup.pieces[0]), dtype=np.int64)
+        found, missing = lookup.found, [i for i, ids in enumerate(lookup.found) if ids is None]
+        if missing:
+            encoded = self._encode_batch([lookup.pieces[i] for i in missing], add_special_tokens=False)
+            self.num_encoded += len(missing)
+            for i, enc in zip(missing, encoded):
+                found[i] = ids = np.array(enc.ids, dtype=np.uint32)
+                ids.flags.writeable = False  # one array serves every later text holding the piece
+                if lookup.is_cached:
+                    self.cache.put(lookup.keys[i], ids)
+            if lookup.is_cached and self.shared is not None:
+                identity = bytes.fromhex(self.identity)
+                entries = [(identity, lookup.keys[i][1], lookup.nbytes[i], found[i]) for i in missing]
+                self.shared.put_many(entries)
+        return np.concatenate(found, dtype=np.int64)
 
     def _pieces_ids(self, text: str, piece_chars: int, is_cached: bool = True) -> np.ndarray:
         """The text's ids (int64); ``is_cached`` False: neither level is read or written."""
+        return self.encode_missing(self._look_up(text, piece_chars, is_cached))
+
+    def _look_up(self, text: str, piece_chars: int, is_cached: bool = True) -> PieceLookup:
         bounds = [0, *safe_cuts(text, piece_chars), len(text)]
         pieces = [text[a:b] for a, b in zip(bounds, bounds[1:])]
         raw = [p.encode("utf-8", "surrogatepass") for p in pieces]
@@ -255,16 +285,20 @@ class PieceEncoder:
                 found[i] = self.shared.get(identity, keys[i][1], len(raw[i]))
                 if found[i] is not None:
                     self.cache.put(keys[i], found[i])
-            missing = [i for i in missing if found[i] is None]
-        if missing:
-            encoded = self._encode_batch([pieces[i] for i in missing], add_special_tokens=False)
-            self.num_encoded += len(missing)
-            for i, enc in zip(missing, encoded):
-                found[i] = ids = np.array(enc.ids, dtype=np.uint32)
-                ids.flags.writeable = False  # one array serves every later text holding the piece
-                if is_cached:
-                    self.cache.put(keys[i], ids)
-            if is_cached and self.shared is not None:
-                identity = bytes.fromhex(self.identity)
-                self.shared.put_many([(identity, keys[i][1], len(raw[i]), found[i]) for i in missing])
-        return np.concatenate(found, dtype=np.int64)
+        return PieceLookup(pieces, found, keys, [len(b) for b in raw], is_cached)
+
+
+@dataclass
+class PieceLookup:
+    """A text's pieces and what the cache levels held of them (``PieceEncoder.look_up``)."""
+
+    pieces: list[str]
+    found: list[np.ndarray | None]  # per piece: its ids, None where it is still to be encoded
+    keys: list[tuple[str, bytes]] | None  # per piece: its cache key; None: the text is encoded whole
+    nbytes: list[int]  # per piece: its UTF-8 length (the shared level's entries name it)
+    is_cached: bool = True  # False: what is encoded is not written to the cache levels
+
+    @property
+    def num_missing_chars(self) -> int:
+        """Characters of text still to be encoded."""
+        return sum(len(p) for p, ids in zip(self.pieces, self.found) if ids is None)

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvshare.engine.token_cache import PieceEncoder, TokenCache, TokenCacheConfig
+from kvshare.engine.token_cache import PieceEncoder, PieceLookup, TokenCache, TokenCacheConfig
 from kvshare.engine.token_share import SharedPieces
 from kvshare.errors import UserError
 
@@ -156,7 +156,15 @@ class Tokenizer:
 
     def encode_array(self, text: str) -> np.ndarray:
         """``encode(text)`` as one int64 array (a replica's prompt), without a list of ids between."""
-        return self._pieces.encode_array(text)
+        return self.encode_missing(self.look_up(text))
+
+    def look_up(self, text: str) -> PieceLookup:
+        """``encode_array`` in two steps: the text's pieces looked up in the cache levels (nothing encoded), then
+        ``encode_missing`` of the lookup (kvshare.engine.token_cache)."""
+        return self._pieces.look_up(text)
+
+    def encode_missing(self, lookup: PieceLookup) -> np.ndarray:
+        return self._pieces.encode_missing(lookup)
 
     @property
     def token_cache(self) -> TokenCache:

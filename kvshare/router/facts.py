@@ -35,7 +35,8 @@ def route_facts(
 ) -> RouteFacts:
     """The facts ``policy`` places a request by. ``session``: the session header's value (else the body's user);
     ``salt_of(cache_salt)``: the salt of the replica's keys given the body's cache_salt; ``pool_aware``: the KV
-    events' index (kvshare.router.pool_aware), whose token ids replace the prefix blocks."""
+    events' index (kvshare.router.pool_aware), whose token ids replace the prefix blocks (a text's still to encode:
+    a PromptText)."""
     if policy == "round_robin":
         return RouteFacts()  # it reads nothing of the request: the body goes on unread (~2-3 ms at 128k)
     hashes = policy in ("cache_aware", "pool_aware")  # the policies that read the prompt itself
@@ -60,6 +61,6 @@ def route_facts(
             session_id=session,
             chat_turn=turn,
             cache_salt=salt or None,
-            prompt_ids=pool_aware.prompt_ids(parsed.prompt, parsed.messages),
+            prompt_ids=pool_aware.prompt_of(parsed.prompt, parsed.messages),
         )
     return RouteFacts(session_id=session, chat_turn=turn, prefix_blocks=prefix_blocks(text, salt=salt))

@@ -35,7 +35,7 @@ import array
 import hashlib
 import logging
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvshare.keys import DEFAULT_CHUNK_TOKENS
 from kvshare.pool import events as E
@@ -211,6 +211,13 @@ def rank(times: list[float], is_available: list[bool], rotation: int, near_tie: 
 
 
 @dataclass(frozen=True)
+class PromptText:
+    """A request's prompt as the text its ids come from (a chat rendered by the template): ``encoded`` gives them."""
+
+    text: str
+
+
+@dataclass(frozen=True)
 class Placement:
     """What the placer expected of one request on each replica, for the proxy to begin its job and check it."""
 
@@ -354,14 +361,37 @@ class PoolAwarePlacer:
     def prompt_ids(self, prompt, messages):
         """The token ids a replica would compute for the request (a list, or an int64 array from a text where the
         tokenizer gives one, without a list between); None where this router cannot tell."""
+        found = self.prompt_of(prompt, messages)
+        try:
+            return self.tokenizer.encode_array(found.text) if isinstance(found, PromptText) else found
+        except Exception as exc:
+            log.debug("pool_aware: no token ids for a request (%s)", exc)
+        return None
+
+    async def encoded(self, facts):
+        """``facts`` (policy.RouteFacts) with a PromptText's ids: its pieces looked up here, what no cache holds
+        encoded off the event loop where long (kvshare.serve.tokenize.prompt_array); None where it cannot be."""
+        from kvshare.serve.tokenize import prompt_array
+
+        try:
+            if not isinstance(facts.prompt_ids, PromptText):
+                return facts
+            return replace(facts, prompt_ids=await prompt_array(self.tokenizer, facts.prompt_ids.text))
+        except Exception as exc:
+            log.debug("pool_aware: no token ids for a request (%s)", exc)
+        return replace(facts, prompt_ids=None)
+
+    def prompt_of(self, prompt, messages):
+        """``prompt_ids``, but a text (a chat rendered) as a PromptText where the tokenizer looks pieces up."""
         try:
             encode_array = getattr(self.tokenizer, "encode_array", None)
+            text = PromptText if hasattr(self.tokenizer, "look_up") else encode_array
             if messages is not None:
                 if encode_array is not None:
-                    return encode_array(self.tokenizer.chat_text(messages))
+                    return text(self.tokenizer.chat_text(messages))
                 return list(self.tokenizer.apply_chat_template(messages))
             if isinstance(prompt, str):
-                return self.tokenizer.encode(prompt) if encode_array is None else encode_array(prompt)
+                return self.tokenizer.encode(prompt) if encode_array is None else text(prompt)
             if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
                 # ids beyond 4 bytes hash to nothing the pool holds: the replica refuses them; place without a prefix
                 return prompt if not prompt or (min(prompt) >= 0 and max(prompt) < 1 << 32) else None

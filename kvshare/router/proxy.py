@@ -222,7 +222,8 @@ class RouterServer:
     # -- proxying ------------------------------------------------------------------------
 
     def _facts(self, request: web.Request, body: bytes) -> RouteFacts:
-        """What the policy reads of this request (kvshare.router.facts); its keys' salt as the replica derives it."""
+        """What the policy reads of this request (kvshare.router.facts); its keys' salt as the replica derives it.
+        pool_aware's text prompt is a PromptText until ``PoolAwarePlacer.encoded`` gives its ids."""
         salt_of = lambda cache_salt: replica_salt(self.config.engine, self._salted_tenant(request), cache_salt)
         return route_facts(
             self.config.policy, body, request.headers.get(self.config.session_header), salt_of, self.pool_aware
@@ -265,6 +266,8 @@ class RouterServer:
     async def proxy(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
         facts = self._facts(request, body)
+        if self.pool_aware is not None:  # a text prompt's ids: a long encode runs off the loop, the relays go on
+            facts = await self.pool_aware.encoded(facts)
         body = self._forwarded_body(request, body)
         views = [
             ReplicaView(i, r.is_healthy and not r.is_draining, r.num_in_flight) for i, r in enumerate(self.replicas)

@@ -32,6 +32,7 @@ from kvshare.serve.http_errors import body_too_large, engine_error, error_respon
 from kvshare.serve.limits import checked_max_tokens, checked_prompt_ids
 from kvshare.serve.metrics import ReplicaMetrics
 from kvshare.serve.models import ServedModels
+from kvshare.serve.off_loop import off_loop
 from kvshare.serve.readiness import Readiness
 from kvshare.serve.responses import Prepared, ResponseBuilder, is_provenance_shown
 from kvshare.serve.sampling import sampling_params
@@ -176,14 +177,13 @@ class ReplicaServer:
     async def tokenize(self, request: web.Request) -> web.Response:
         req = A.decode(await read_capped(request, self.config.max_tokenize_bytes), T.TokenizeRequest)
         self.served.resolve(req.model)
-        run = asyncio.get_running_loop().run_in_executor
-        return web.json_response(await run(None, T.tokenize, req, self.engine.tokenizer, self.engine.max_model_len))
+        return web.json_response(await off_loop(T.tokenize, req, self.engine.tokenizer, self.engine.max_model_len))
 
     async def detokenize(self, request: web.Request) -> web.Response:
         req = A.decode(await read_capped(request, self.config.max_tokenize_bytes), T.DetokenizeRequest)
         self.served.resolve(req.model)
-        run, vocab = asyncio.get_running_loop().run_in_executor, self.engine.model_config.vocab_size
-        return web.json_response(await run(None, T.detokenize, req, self.engine.tokenizer, vocab))
+        vocab = self.engine.model_config.vocab_size
+        return web.json_response(await off_loop(T.detokenize, req, self.engine.tokenizer, vocab))
 
     async def ping(self, request: web.Request) -> web.Response:
         """GET or POST /ping: vLLM's (SageMaker's) liveness check, 200 with an empty body."""
@@ -227,8 +227,9 @@ class ReplicaServer:
         body = await request.read()
         read_s, req = time.perf_counter(), A.decode_completion(body)
         A.validate(req)
-        prompt = A.prompt_of(req)
-        prompt_ids = self.engine.tokenizer.encode_array(prompt) if isinstance(prompt, str) else prompt
+        prompt_ids = A.prompt_of(req)
+        if isinstance(prompt_ids, str):  # a long text's encode runs off the loop: the other streams go on meanwhile
+            prompt_ids = await T.prompt_array(self.engine.tokenizer, prompt_ids)
         prepared = self._prepare(
             request, req, prompt_ids, default_max_tokens=16, logprobs=req.logprobs, arrival=(arrival, read_s)
         )
@@ -239,7 +240,8 @@ class ReplicaServer:
         body = await request.read()
         read_s, req = time.perf_counter(), A.decode(body, A.ChatRequest)
         A.validate(req)
-        prompt_ids = T.chat_prompt_ids(self.engine.tokenizer, req.messages)
+        text = T.chat_prompt_text(self.engine.tokenizer, req.messages)  # rendering: ~0.3 ms at 128k tokens
+        prompt_ids = await T.prompt_array(self.engine.tokenizer, text)
         top = (req.top_logprobs or 0) if req.logprobs else None
         prepared = self._prepare(
             request, req, prompt_ids, default_max_tokens=None, logprobs=top, arrival=(arrival, read_s)

@@ -15,6 +15,7 @@ import msgspec
 import numpy as np
 
 from kvshare.serve import api_types as A
+from kvshare.serve.off_loop import off_loop
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -43,18 +44,30 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
 _REFUSED = ("chat_template", "chat_template_kwargs", "tools", "mm_processor_kwargs", "media_io_kwargs")
 
 
+async def prompt_array(tokenizer: Any, text: str) -> np.ndarray:
+    """``tokenizer.encode_array(text)`` without stalling the event loop: the pieces are looked up here (a hash and
+    a lookup each, a file read where only the shared level holds one), what no level holds is encoded off the loop
+    when it is long (kvshare.serve.off_loop), so a text seen before pays no hop and a miss no other stream's wait."""
+    lookup = tokenizer.look_up(text)
+    return await off_loop(tokenizer.encode_missing, lookup, num_chars=lookup.num_missing_chars)
+
+
 def chat_prompt_ids(tokenizer: Any, messages: list[A.ChatMessage], add_generation_prompt: bool = True) -> np.ndarray:
-    """A chat's prompt ids (one int64 array): the model's chat template over the messages' text; a template that
-    cannot render them (or a model without one) is the request's 400, not the server's 500."""
+    """A chat's prompt ids (one int64 array): the model's chat template over the messages' text, encoded."""
+    return tokenizer.encode_array(chat_prompt_text(tokenizer, messages, add_generation_prompt))
+
+
+def chat_prompt_text(tokenizer: Any, messages: list[A.ChatMessage], add_generation_prompt: bool = True) -> str:
+    """The model's chat template over the messages' text; a template that cannot render them (or a model without
+    one) is the request's 400, not the server's 500."""
     from jinja2.exceptions import TemplateError
 
     from kvshare.errors import UserError
 
     try:
-        text = tokenizer.chat_text(
+        return tokenizer.chat_text(
             [{"role": m.role, "content": A.message_text(m)} for m in messages], add_generation_prompt
         )
-        return tokenizer.encode_array(text)
     except (UserError, TemplateError) as exc:
         raise A.ApiError(400, f"the chat template cannot render these messages: {exc}", param="messages") from None
 
