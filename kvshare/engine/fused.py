@@ -101,7 +101,7 @@ class TritonKernels:
         return out
 
 
-def choose_fused(device: torch.device, dtype: torch.dtype, head_dim: int) -> FusedChoice:
+def choose_fused(device: torch.device, dtype: torch.dtype, head_dim: int, hidden_size: int = 4096) -> FusedChoice:
     """Triton's kernels where they can run here and pass the self-test; else eager, with the reason."""
     if os.environ.get(OFF_ENV, "1").strip() in ("0", "off", "false", "no"):
         return FusedChoice(None, f"{OFF_ENV}=0")
@@ -113,16 +113,16 @@ def choose_fused(device: torch.device, dtype: torch.dtype, head_dim: int) -> Fus
         return FusedChoice(None, f"head_dim {head_dim} is not a power of two")
     try:
         kernels = TritonKernels()
-        self_test(kernels, device, dtype, head_dim)
+        self_test(kernels, device, dtype, head_dim, hidden_size)
     except Exception as exc:  # no Triton, a compile error, a wrong result: the eager kernels are always right
         log.warning("fused kernels off: %s: %s", type(exc).__name__, exc)
         return FusedChoice(None, f"{type(exc).__name__}: {exc}"[:200])
     return FusedChoice(kernels, "self-test passed")
 
 
-def self_test(kernels, device: torch.device, dtype: torch.dtype, head_dim: int) -> None:
-    """Each kernel against the eager code on small random inputs; rows computed alone equal rows computed in a
-    batch, bit for bit. Raises AssertionError naming the first that differs."""
+def self_test(kernels, device: torch.device, dtype: torch.dtype, head_dim: int, hidden_size: int = 4096) -> None:
+    """Each kernel against the eager code on small random inputs of the model's row lengths; rows computed alone
+    equal rows computed in a batch, bit for bit. Raises AssertionError naming the first that differs."""
     from kvshare.engine.model import apply_rope, rms_norm
 
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -130,7 +130,7 @@ def self_test(kernels, device: torch.device, dtype: torch.dtype, head_dim: int) 
     def rand(*shape: int, scale: float = 1.0) -> Tensor:
         return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype)
 
-    for rows, dim in ((37, 4096), (300, head_dim)):
+    for rows, dim in ((37, hidden_size), (300, head_dim)):
         x, w = rand(rows, dim, scale=3.0), rand(dim)
         got = kernels.rms_norm(x, w, 1e-6)
         torch.testing.assert_close(got, rms_norm(x, w, 1e-6), rtol=1.6e-2, atol=1e-2, msg="rms_norm")
@@ -170,7 +170,7 @@ def _build():
 def use_fused(model, device: torch.device) -> FusedChoice:
     """``choose_fused`` for ``model`` (a kvshare.engine.model.Transformer), set on its modules."""
     weight = model.model.embed_tokens.weight
-    chosen = choose_fused(device, weight.dtype, model.config.head_dim)
+    chosen = choose_fused(device, weight.dtype, model.config.head_dim, model.config.hidden_size)
     set_fused(model, chosen.kernels)
     return chosen
 
