@@ -156,7 +156,7 @@ class Tokenizer:
 
     def encode_array(self, text: str) -> np.ndarray:
         """``encode(text)`` as one int64 array (a replica's prompt), without a list of ids between."""
-        return self.encode_missing(self.look_up(text))
+        return self._pieces.encode_array(text)
 
     def look_up(self, text: str) -> PieceLookup:
         """``encode_array`` in two steps: the text's pieces looked up in the cache levels (nothing encoded), then
