@@ -9,7 +9,9 @@ One process, one pool daemon it starts. In order, each step only while the time 
      query-chunk-invariant and its matmuls row-invariant at the model's shapes (the grid relies on neither:
      a faster variant with one attention call over every query would rely on the first);
   2. cold prefill speed, model level, synchronised, best of --repeats after a warm-up: the fast mode
-     (one attention call, MLP in 4096-row chunks) against the deterministic mode at each grid of --grids;
+     (one attention call, MLP in 4096-row chunks) against the deterministic mode at each grid of --grids,
+     both with an engine's default kernels (the fused element-wise ones; --attention, default auto:
+     FlashAttention where a library loads, per grid chunk in the deterministic mode);
   3. exactness in the engine, --max-tokens greedy tokens with top logprobs, grid = the pool chunk:
         A (pool, checksums verified)  cold, pool and local cache off: the reference; then with both on,
                                       which stores every full chunk in the pool and A's local cache
@@ -75,6 +77,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--speed-models", default="qwen3-32b", help="presets timed too, if the budget allows ('' for none)")
     p.add_argument("--chunk-tokens", type=int, default=256)
+    p.add_argument("--attention", default="auto", help="prefill attention of both modes (auto: the engine's default)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--time-budget", type=float, default=210.0, help="seconds; a step that would end past it is skipped")
@@ -324,6 +327,7 @@ def exactness_step(args, device, sock: str, rows: list, budget: Budget, skipped:
                 verify_checksums=verify,
                 max_model_len=n + args.max_tokens + 8,
                 deterministic=deterministic,
+                attention=args.attention,
             )
         )
 
@@ -387,14 +391,22 @@ def exactness_step(args, device, sock: str, rows: list, budget: Budget, skipped:
 def model_step(name: str, args, device, rows: list, probes: dict, repeats: int) -> None:
     """Self-test, probes and speed of one preset; fills args.speed[name]."""
 
+    from kvshare.engine.flash import use_attention
+    from kvshare.engine.fused import use_fused
     from kvshare.engine.grid_check import check_grid
     from kvshare.engine.presets import build_preset
 
     model, _, _ = build_preset(name, device)
     model.setup_buffers()
+    # the kernels an engine runs by default, in both modes: the fused element-wise ones and the prefill attention
+    fused = use_fused(model, device)
+    elementwise = "eager" if fused.kernels is None else fused.kernels.name
+    attention = use_attention(model, args.attention, device, deterministic=True).name
     started = time.perf_counter()
     results = check_grid(model, device, args.chunk_tokens)
     probes[name] = {
+        "attention": attention,
+        "elementwise": elementwise,
         "self_test": {r.name: r.is_exact or r.detail for r in results},
         "self_test_s": round(time.perf_counter() - started, 2),
         **invariance_probe(model, device, args.chunk_tokens, min(4096, args.tokens)),

@@ -28,7 +28,7 @@ import torch
 
 from kvshare.engine.config import EngineConfig, kv_precision, kv_storage_dtype
 from kvshare.engine.decode_graph import DecodeGraphs
-from kvshare.engine.flash import use_attention
+from kvshare.engine.flash import AttentionChoice, use_attention
 from kvshare.engine.fused import use_fused
 from kvshare.engine.grid import grid_forward
 from kvshare.engine.grid_check import start_grid
@@ -68,11 +68,13 @@ class Engine:
         kv_dtype = kv_storage_dtype(config.kv_dtype, mc.dtype)  # the KV's dtype, so the pool pages'
         self.layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, kv_dtype, config.chunk_tokens)
         self.fused = use_fused(self.model, self.device)  # norms, RoPE, SiLU: one pass each (before the grid's test)
+        self.attention = use_attention(self.model, config.attention, self.device, config.deterministic)  # prefill's
         # the deterministic mode: its self-test refuses it (GridCheckFailed) where this device's kernels are not exact
         self.grid = (
             start_grid(self.model, self.device, config.grid_len, config.chunk_tokens) if config.deterministic else None
         )
-        self.attention = use_attention(self.model, config.attention, self.device, config.deterministic)  # prefill's
+        if self.attention.prefill is not None and self.model.prefill_attention is None:  # the grid's test left it
+            self.attention = AttentionChoice("sdpa", None, f"{self.attention.name} is not exact here on the grid")
         self.namespace = Namespace(
             **loaded.identity(config.model_revision),
             kv_dtype=kv_dtype,

@@ -8,8 +8,11 @@ is absent or raises on import is a fall back to SDPA for ``auto`` and a clear er
 Only a prefill of more than one query goes through it; a decode step keeps SDPA's flash backend. Its causal mask
 is aligned to the lower right (FlashAttention's convention when seqlen_q != seqlen_k), as a suffix over a reused
 prefix needs. vLLM's kernels get ``num_splits=1``: the key/value sequence is never split across thread blocks, so
-a row's result does not depend on how many others share the GPU. The deterministic mode keeps its own SDPA
-kernels (kvshare.engine.grid: chunk-invariant, checked at start-up) and refuses ``--attention flash``.
+a row's result does not depend on how many others share the GPU. The deterministic mode runs the same kernel
+once per grid chunk (kvshare.engine.grid), where only determinism is asked of it (the same call on the same bits
+gives the same bits), which its start-up self-test checks on the device; a kernel that fails it leaves the grid on
+SDPA. Its namespace's kernel build names the kernel and its library's version (``attention_build``), and a
+library whose version cannot be told is not used there.
 
 Pages written by a replica on FlashAttention and one on SDPA differ only by rounding, as pages of two prefill
 chunkings do; the fast mode shares them (the outputs rule of kvshare.outputs applies).
@@ -18,6 +21,7 @@ chunkings do; the fast mode shares them (the outputs rule of kvshare.outputs app
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -28,6 +32,7 @@ from kvshare.engine.config import ATTENTION_CHOICES
 
 FLASH_DTYPES = (torch.bfloat16, torch.float16)
 MAX_HEAD_DIM = 256  # FlashAttention 2 and 3 take head dims up to 256, multiples of 8
+MAX_SEQLENS = 4096  # cu_seqlens pairs kept (a 1M-token prompt on a grid of 256 has 4096 grid chunks)
 
 
 class AttentionUnavailable(ValueError):
@@ -41,6 +46,18 @@ class FlashKernel:
     name: str  # e.g. "vllm_flash_attn FA3", "flash_attn"
     varlen: Callable[..., Tensor]
     extra: dict = field(default_factory=dict)
+    build: str = ""  # the library and its version ("vllm 0.26.0"); "" where it cannot be told
+
+
+def _library_build(distribution: str, module) -> str:
+    """``distribution``'s installed version, else the module's ``__version__``; "" where neither says."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"{distribution} {version(distribution)}"
+    except (PackageNotFoundError, ValueError):
+        found = getattr(module, "__version__", "")
+        return f"{distribution} {found}" if found else ""
 
 
 def _vllm_kernel() -> FlashKernel:
@@ -48,14 +65,17 @@ def _vllm_kernel() -> FlashKernel:
     for version in (3, 2):
         if mod.is_fa_version_supported(version):
             return FlashKernel(
-                f"vllm_flash_attn FA{version}", mod.flash_attn_varlen_func, {"fa_version": version, "num_splits": 1}
+                f"vllm_flash_attn FA{version}",
+                mod.flash_attn_varlen_func,
+                {"fa_version": version, "num_splits": 1},
+                _library_build("vllm", sys.modules.get("vllm")),  # the submodule's import imported its package
             )
     raise ImportError(f"vllm_flash_attn supports neither FA3 nor FA2 here: {mod.fa_version_unsupported_reason(2)}")
 
 
 def _flash_attn_kernel() -> FlashKernel:
     mod = importlib.import_module("flash_attn")
-    return FlashKernel("flash_attn", mod.flash_attn_varlen_func)
+    return FlashKernel("flash_attn", mod.flash_attn_varlen_func, build=_library_build("flash-attn", mod))
 
 
 # tried in this order; each raises when its library is absent or cannot run here
@@ -104,21 +124,25 @@ def select_attention(
         raise ValueError(f"attention must be one of {', '.join(ATTENTION_CHOICES)}, got {choice!r}")
     if choice == "sdpa":
         return AttentionChoice("sdpa", None, "asked for")
-    if deterministic:
-        if choice == "flash":
-            raise AttentionUnavailable(
-                "--attention flash: the deterministic mode runs its own chunk-invariant SDPA "
-                "kernels (checked at start-up); use --attention auto or sdpa with it"
-            )
-        return AttentionChoice("sdpa", None, "the deterministic mode keeps its grid's SDPA kernels")
     unfit = flash_unfit(device, dtype, head_dim)
     kernel, reasons = (None, []) if unfit else find_flash_kernel()
+    if kernel is not None and deterministic and not kernel.build:
+        unfit, kernel = f"{kernel.name}'s version cannot be told, and the deterministic mode's namespace names it", None
     if kernel is None:
         why = unfit or "no FlashAttention library loads: " + "; ".join(reasons)
         if choice == "flash":
             raise AttentionUnavailable(f"--attention flash: {why}; use --attention auto or sdpa")
         return AttentionChoice("sdpa", None, why)
     return AttentionChoice(kernel.name, FlashPrefill(kernel), "found")
+
+
+def attention_build(model) -> str:
+    """What the deterministic mode's kernel build adds for ``model``'s prefill attention: nothing for SDPA (part of
+    torch, which the build names), else the kernel and its library's version."""
+    prefill = model.prefill_attention
+    if not isinstance(prefill, FlashPrefill):
+        return ""
+    return f"|attention {prefill.kernel.name} {prefill.kernel.build}"
 
 
 def use_attention(model, choice: str, device: torch.device, deterministic: bool = False) -> AttentionChoice:
@@ -134,7 +158,9 @@ class FlashPrefill:
 
     def __init__(self, kernel: FlashKernel) -> None:
         self.kernel = kernel
-        self._seqlens: tuple[tuple, Tensor, Tensor] | None = None  # the last forward's cu_seqlens, per layer alike
+        # cu_seqlens per (queries, keys, device): every layer of a forward, and every layer's grid chunk j in the
+        # deterministic mode, reuses its pair; a tensor made from a list is a synchronous copy to the GPU
+        self._seqlens: dict[tuple, tuple[Tensor, Tensor]] = {}
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
         """q: [Hq, T, D] for positions [start, start+T); k, v: [H, start+T, D] -> [Hq, T, D].
@@ -161,10 +187,12 @@ class FlashPrefill:
 
     def _cu_seqlens(self, num_queries: int, num_keys: int, device: torch.device) -> tuple[Tensor, Tensor]:
         key = (num_queries, num_keys, device)
-        if self._seqlens is None or self._seqlens[0] != key:  # every layer of one forward reuses them
-            self._seqlens = (
-                key,
+        found = self._seqlens.get(key)
+        if found is None:
+            if len(self._seqlens) >= MAX_SEQLENS:
+                self._seqlens.clear()
+            found = self._seqlens[key] = (
                 torch.tensor([0, num_queries], dtype=torch.int32, device=device),
                 torch.tensor([0, num_keys], dtype=torch.int32, device=device),
             )
-        return self._seqlens[1], self._seqlens[2]
+        return found

@@ -23,8 +23,9 @@ that are equal bit for bit by induction over positions: the reused KV is the KV 
 run computed. Only determinism is asked of the kernels (the same call on the same bits
 gives the same bits, whatever the buffer's address or capacity); the engine's start-up
 self-test (kvshare.engine.grid_check) checks exactly that for the model's shapes on its
-device, and refuses the mode where it fails. Decode steps are unchanged (one token,
-flash first on CUDA: already deterministic).
+device, and refuses the mode where it fails. Attention runs the model's prefill kernel
+(FlashAttention's varlen where the engine chose it, kvshare.engine.flash; else SDPA).
+Decode steps are unchanged (one token, flash first on CUDA: already deterministic).
 """
 
 from __future__ import annotations
@@ -141,6 +142,11 @@ def grid_backends(device: torch.device) -> list[SDPBackend]:
     return CUDA_GRID_BACKENDS if device.type == "cuda" else CPU_GRID_BACKENDS
 
 
+def grid_attention(model: Transformer) -> Callable[[Tensor, Tensor, Tensor, int], Tensor]:
+    """The attention of a grid chunk (``attend``'s signature): the model's prefill kernel, else SDPA."""
+    return model.prefill_attention or attend
+
+
 def grid_forward(
     model: Transformer,
     tokens: Tensor,
@@ -167,11 +173,12 @@ def grid_forward(
     spans = [(a, min(num_tokens, a + grid_tokens)) for a in range(0, num_tokens, grid_tokens)]  # rows of x
     # RoPE of every grid chunk over its whole G positions (the tail's too): one shape, every run
     ropes = [rope_cos_sin(model.inv_freq, start + a, grid_tokens, dtype) for a, _ in spans]  # [G, D] each
+    attention = grid_attention(model)
     with sdpa_kernel(grid_backends(x.device), set_priority=True):
         for i, layer in enumerate(decoder.layers):
             for j, ((a, b), (cos, sin)) in enumerate(zip(spans, ropes)):
                 wait = (lambda i=i: before_layer(i)) if before_layer is not None and j == 0 else None
-                _grid_step(layer, x[a:b], kv[i], start + a, cos, sin, grid_tokens, wait)
+                _grid_step(layer, x[a:b], kv[i], start + a, cos, sin, grid_tokens, wait, attention)
     if not all_logits:
         out = torch.empty(1, model.config.vocab_size, dtype=torch.float32, device=x.device)
         model.logits(decoder.norm(x[-1:]), out)
@@ -193,6 +200,7 @@ def _grid_step(
     sin: Tensor,
     grid_tokens: int,
     before_attention: Callable[[], None] | None,
+    attention: Callable[[Tensor, Tensor, Tensor, int], Tensor] = attend,
 ) -> None:
     """One layer over one grid chunk: x [m, E] rows at positions [start, start+m), m <= G (updated in place).
 
@@ -206,7 +214,7 @@ def _grid_step(
     write_kv(kv, start, k[:m], v[:m])  # [H, m, D] each, in the cache's dtype
     if before_attention is not None:
         before_attention()
-    out = attend(q[:m].transpose(0, 1), kv[0, :, :end], kv[1, :, :end], start)  # [Hq, m, D]
+    out = attention(q[:m].transpose(0, 1), kv[0, :, :end], kv[1, :, :end], start)  # [Hq, m, D]
     o = pad_rows(out.transpose(0, 1).reshape(m, -1), grid_tokens)  # [G, Hq*D]
     h = h + attn.o_proj(o)
     x.copy_((h + layer.mlp(layer.post_attention_layernorm(h)))[:m])

@@ -29,9 +29,10 @@ import torch
 from torch import Tensor
 from torch.nn.attention import sdpa_kernel
 
+from kvshare.engine.flash import attention_build
 from kvshare.engine.fused import elementwise_build
-from kvshare.engine.grid import Grid, grid_backends, grid_forward, kernel_build, pad_rows
-from kvshare.engine.model import Transformer, attend
+from kvshare.engine.grid import Grid, grid_attention, grid_backends, grid_forward, kernel_build, pad_rows
+from kvshare.engine.model import Transformer
 from kvshare.errors import UserError
 
 SEED = 20261201
@@ -50,11 +51,25 @@ class CheckResult:
 
 
 def start_grid(model: Transformer, device: torch.device, grid_tokens: int, chunk_tokens: int) -> Grid:
-    """The deterministic mode of an engine starting: its Grid, once the self-test found this device exact."""
-    # the element-wise kernels the model runs (kvshare.engine.fused) are part of what its pages' bits rest on
-    grid = Grid(grid_tokens, chunk_tokens, kernel_build(device) + elementwise_build(model))  # size checked first
+    """The deterministic mode of an engine starting: its Grid, once the self-test found this device exact.
+
+    A FlashAttention kernel (the model's prefill attention) that is not exact here leaves the grid on SDPA, with a
+    warning: the mode is refused only where SDPA is not exact either."""
+    Grid(grid_tokens, chunk_tokens, "")  # the sizes checked before any compute
     started = time.perf_counter()
-    require_exact_grid(model, device, grid_tokens)
+    try:
+        require_exact_grid(model, device, grid_tokens)
+    except GridCheckFailed as exc:
+        if model.prefill_attention is None:
+            raise
+        log.warning(
+            "deterministic mode: the grid runs SDPA: with %s prefill attention, %s", attention_build(model), exc
+        )
+        model.prefill_attention = None
+        require_exact_grid(model, device, grid_tokens)
+    # what the pages' bits rest on: the device's kernels, the element-wise kernels (kvshare.engine.fused) and
+    # the prefill attention (kvshare.engine.flash) the model runs
+    grid = Grid(grid_tokens, chunk_tokens, kernel_build(device) + elementwise_build(model) + attention_build(model))
     log.info(
         "deterministic mode: grid of %d tokens, kernels exact here (self-test %.1f s); kernel build %s",
         grid_tokens,
@@ -119,12 +134,13 @@ def _check_attention(model: Transformer, device, grid: int, generator) -> CheckR
     first = torch.empty(2, c.num_kv_heads, n + grid, c.head_dim, dtype=dtype, device=device)  # capacity n + G
     second = _garbage((2, c.num_kv_heads, n + 3 * grid, c.head_dim), dtype, device)  # capacity n + 3G
     first[:, :, :n] = kv
+    attention = grid_attention(model)
     with sdpa_kernel(grid_backends(device), set_priority=True):
         for j in range(num_chunks):
             s, e = j * grid, (j + 1) * grid
             second[:, :, s:e] = kv[:, :, s:e]  # chunks < j were "loaded" into it before
-            a = attend(q[:, s:e], first[0, :, :e], first[1, :, :e], s)
-            b = attend(q[:, s:e].clone(), second[0, :, :e], second[1, :, :e], s)
+            a = attention(q[:, s:e], first[0, :, :e], first[1, :, :e], s)
+            b = attention(q[:, s:e].clone(), second[0, :, :e], second[1, :, :e], s)
             if _differs(a, b):
                 return CheckResult("attention", False, f"grid chunk {j}: {_differs(a, b)}")
     return CheckResult("attention", True)

@@ -146,7 +146,7 @@ def test_pages_of_the_two_modes_are_never_mixed(tiny_dir, pool_socket):
 def test_the_self_test_passes_here_and_refuses_kernels_that_are_not_repeatable(tiny_dir, monkeypatch):
     e = engine(tiny_dir, "bfloat16", True)
     assert all(r.is_exact for r in check_grid(e.model, e.device, CHUNK))
-    import kvshare.engine.grid_check as grid_check
+    import kvshare.engine.grid as grid
 
     calls = []
 
@@ -155,8 +155,8 @@ def test_the_self_test_passes_here_and_refuses_kernels_that_are_not_repeatable(t
         out = grid_check_attend(q, k, v, start)
         return out + len(calls) * 1e-2
 
-    grid_check_attend = grid_check.attend
-    monkeypatch.setattr(grid_check, "attend", drifting_attend)
+    grid_check_attend = grid.attend  # the grid's attention where the model has no prefill kernel (grid_attention)
+    monkeypatch.setattr(grid, "attend", drifting_attend)
     with pytest.raises(GridCheckFailed, match="attention: grid chunk 0"):
         engine(tiny_dir, "bfloat16", True)
 

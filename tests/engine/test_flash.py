@@ -95,11 +95,43 @@ def test_sdpa_where_flash_cannot_run_and_an_error_where_it_was_asked_for():
         select_attention("fast", CUDA, torch.bfloat16, 128)
 
 
-def test_the_deterministic_mode_keeps_sdpa_and_refuses_flash():
+def test_the_deterministic_mode_takes_flash_where_its_library_names_its_version(monkeypatch):
+    """The grid runs FlashAttention where the library's version can be told (fails on the code that kept the
+    deterministic mode on SDPA: sdpa was chosen, and ``flash`` refused); one of unknown version is not used there,
+    since the mode's namespace names it."""
+    known = FlashKernel("stand-in", reference_varlen, build="stand-in 1.0")
+    monkeypatch.setattr(flash, "KERNEL_LOADERS", (("stand_in", lambda: known),))
+    for choice in ("auto", "flash"):
+        chosen = select_attention(choice, CUDA, torch.bfloat16, 128, deterministic=True)
+        assert chosen.name == "stand-in" and chosen.prefill.kernel is known
+    unknown = FlashKernel("stand-in", reference_varlen)
+    monkeypatch.setattr(flash, "KERNEL_LOADERS", (("stand_in", lambda: unknown),))
     chosen = select_attention("auto", CUDA, torch.bfloat16, 128, deterministic=True)
-    assert chosen.prefill is None and "deterministic" in chosen.reason
-    with pytest.raises(AttentionUnavailable, match="deterministic mode"):
+    assert chosen.prefill is None and "version cannot be told" in chosen.reason
+    with pytest.raises(AttentionUnavailable, match="version cannot be told"):
         select_attention("flash", CUDA, torch.bfloat16, 128, deterministic=True)
+    assert select_attention("auto", CUDA, torch.bfloat16, 128).prefill.kernel is unknown  # the fast mode takes it
+    assert select_attention("sdpa", CUDA, torch.bfloat16, 128, deterministic=True).prefill is None
+
+
+def test_the_libraries_builds_name_their_versions():
+    import types
+    from importlib.metadata import version
+
+    module = types.SimpleNamespace(__version__="2.7.1")
+    assert flash._library_build("no-such-distribution-here", module) == "no-such-distribution-here 2.7.1"
+    assert flash._library_build("no-such-distribution-here", None) == ""
+    assert flash._library_build("torch", None) == f"torch {version('torch')}"  # the installed distribution's
+
+
+def test_one_cu_seqlens_pair_per_shape_across_layers_and_grid_chunks():
+    """A tensor made from a list is a synchronous copy on a GPU: each (queries, keys) pair is made once, however
+    many layers ask (fails when only the last pair is kept: the grid's chunks alternate shapes)."""
+    prefill = stand_in()
+    made = [prefill._cu_seqlens(32, 32 * (j + 1), torch.device("cpu")) for j in range(3)]
+    again = [prefill._cu_seqlens(32, 32 * (j + 1), torch.device("cpu")) for j in range(3)]
+    assert all(a[0] is b[0] and a[1] is b[1] for a, b in zip(made, again))
+    assert made[2][1].tolist() == [0, 96]
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
 """FlashAttention's varlen prefill on CUDA against SDPA: attention outputs, an engine's logits and KV within bf16
-tolerance, run-to-run bitwise equality, and the deterministic mode bitwise stable on its SDPA kernels.
+tolerance, run-to-run bitwise equality, and the deterministic mode running it on its grid: bitwise stable, and a
+prefix reused from a grid boundary bitwise equal to the cold prefill.
 
 Skipped without CUDA or without a FlashAttention library (vLLM's vllm_flash_attn or flash_attn). Run on the GPU
 machine with ``python -m pytest -q -m gpu tests/engine/test_flash_gpu.py`` (with the vLLM bundle's environment
@@ -44,11 +45,8 @@ def test_flash_prefill_equals_sdpa_within_bf16(start, num_queries):
 def _engine(attention: str, dtype: str = "bfloat16", **kw):
     from kvshare.engine.engine import Engine
 
-    return Engine(
-        EngineConfig(
-            model="tiny", device="cuda", dtype=dtype, attention=attention, local_cache_bytes=0, max_model_len=4096, **kw
-        )
-    )
+    defaults = {"model": "tiny", "device": "cuda", "local_cache_bytes": 0, "max_model_len": 4096}
+    return Engine(EngineConfig(**{**defaults, "dtype": dtype, "attention": attention, **kw}))
 
 
 def _prefill(engine, ids: torch.Tensor, start_split: int | None = None):
@@ -86,18 +84,23 @@ def test_an_engine_on_flash_attention_is_as_close_to_float32_as_on_sdpa():
         assert flash_kv <= 2 * sdpa_kv + 0.02, errors
 
 
-def test_the_deterministic_mode_is_bitwise_stable_and_keeps_sdpa():
-    engine = _engine("auto", deterministic=True, chunk_tokens=256)
-    assert engine.attention.prefill is None and engine.model.prefill_attention is None
+def test_the_deterministic_mode_runs_flash_on_its_grid_bitwise_stable_and_reuse_exact():
+    engine = _engine("auto", deterministic=True, chunk_tokens=256, local_cache_bytes=64 << 20)
+    assert engine.attention.name == KERNEL.name and isinstance(engine.model.prefill_attention, FlashPrefill)
+    assert f"|attention {KERNEL.name} " in engine.namespace.kernel_build
     from kvshare.engine.engine import RequestOptions, SamplingParams
 
     ids = [int(i) for i in (torch.arange(1300) * 11) % 250]
-    runs = [
-        list(engine.generate(ids, SamplingParams(max_tokens=8, logprobs=2), RequestOptions(use_local_cache=False)))
+    params = SamplingParams(max_tokens=8, logprobs=2)
+    cold = [
+        [(e.token_id, e.logprob) for e in engine.generate(ids, params, RequestOptions(use_local_cache=False))]
         for _ in range(2)
     ]
-    first, second = ([(e.token_id, e.logprob) for e in run] for run in runs)
-    assert first == second
+    assert cold[0] == cold[1]
+    list(engine.generate(ids[:1100], params))  # the local cache: 4 grid chunks of 256 tokens
+    warm = list(engine.generate(ids, params))
+    assert warm[0].provenance.local_tokens == 1024
+    assert [(e.token_id, e.logprob) for e in warm] == cold[0]
 
 
 def test_auto_chooses_flash_attention_here():
