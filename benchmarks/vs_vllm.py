@@ -199,7 +199,8 @@ def run_kvshare(length: int, prompts: dict[str, list[list[int]]], args, model_di
     plan = plan_case(args.preset, length, args, args.gpu_bytes)
     if plan["layout"] is None:
         raise SystemExit(f"{args.preset} at {length} tokens: two replicas do not fit this GPU")
-    cluster = Cluster(replace(cluster_spec(plan, args), model=model_dir, policy="round_robin"))
+    served = args.preset if args.no_weights else model_dir  # the preset by name: its weights drawn on the device
+    cluster = Cluster(replace(cluster_spec(plan, args), model=served, policy="round_robin"))
     out: list[dict] = []
     try:
         cluster.start()
@@ -248,6 +249,7 @@ def run_vllm(prompts: dict[tuple[int, str], list[list[int]]], args, model_dir: s
 
     offloading = args.vllm_offloading_gib > 0 and args.device != "cpu"
     extra = ("--kv-offloading-size", f"{args.vllm_offloading_gib:g}") if offloading else ()
+    extra += ("--load-format", "dummy") if args.no_weights else ()
     chunk = 256
     context = -(-(max(args.lengths) + args.max_tokens) // chunk) * chunk
     config = VllmServerConfig(
@@ -311,6 +313,13 @@ def parse_args(argv: list[str] | None):
     )
     p.add_argument("--preset", default="qwen3-8b", help="kvshare make-model preset (tiny, qwen3-8b, qwen3-32b)")
     p.add_argument("--model-dir", default=None, help="where the preset is written (default /tmp/vs-vllm-PRESET)")
+    p.add_argument(
+        "--no-weights",
+        action="store_true",
+        help="write the preset's config and tokenizer only (the 32B shape's 65 GB of weights do not fit the GPU "
+        "machine's disk): kvshare's replicas draw the preset's seeded weights on the device, vLLM its own "
+        "(--load-format dummy); the values differ, the shapes and so the timings do not",
+    )
     p.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072])
     p.add_argument("--prompts", type=int, default=2, help="prompts per length (the first is B's first request)")
     p.add_argument(
@@ -376,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = args.model_dir or f"/tmp/vs-vllm-{args.preset}"
     if not os.path.exists(os.path.join(model_dir, "config.json")):
         subprocess.run(
-            [sys.executable, "-m", "kvshare", "make-model", args.preset, "--out", model_dir, "--device", args.device],
+            [sys.executable, "-m", "kvshare", "make-model", args.preset, "--out", model_dir, "--device", args.device]
+            + (["--no-weights"] if args.no_weights else []),
             check=True,
         )
     with open(os.path.join(model_dir, "config.json")) as f:
@@ -398,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     plan = {
         "preset": args.preset,
+        "no_weights": args.no_weights,
         "device": args.device,
         "lengths": args.lengths,
         "clients": args.client,
@@ -479,6 +490,11 @@ def main(argv: list[str] | None = None) -> int:
         + "".join(f", {a}" for a in args.replica_arg)
         + f"; vLLM: one replica, prefix caching on, {tier}."
     ]
+    if args.no_weights:
+        notes.append(
+            "Weights: random, drawn by each engine on the GPU (kvshare: the preset's seeded ones; vLLM: "
+            "--load-format dummy): the same shapes, other values, so the timings compare and the tokens do not."
+        )
     if vllm is None:
         notes.append("vLLM was not measured (its columns are empty): run this command with --engines vllm.")
     if args.device == "cpu":

@@ -258,3 +258,39 @@ def test_two_commands_one_engine_each_make_one_table_of_the_same_prompts(bench, 
     assert len(commands) == 2 and all("say nothing'" in line for line in commands)  # one line each, label and all
     assert bench.main([*common, "--engines"]) == 0  # the table again from the phases kept: no command added
     assert (out / "README.md").read_text() == readme and json.loads((out / "rows.json").read_text()) == rows
+
+
+def test_without_weights_kvshare_serves_the_preset_by_name_and_vllm_draws_dummy_weights(bench, tmp_path, monkeypatch):
+    """--no-weights (the 32B shape: its weights do not fit the GPU machine's disk): the kvshare cluster is given
+    the preset's name, whose seeded weights a replica draws on its device, and vLLM --load-format dummy (fails
+    when either is handed the weightless directory as if it held weights)."""
+    import sys
+    import types
+
+    from kvshare.integrations.vllm import launch
+
+    seen = {}
+
+    class Started(Exception):
+        pass
+
+    class FakeCluster:
+        def __init__(self, spec):
+            seen["kvshare_model"] = spec.model
+            raise Started
+
+    def fake_command(config):
+        seen["vllm"] = (config.model, config.extra_args)
+        raise Started
+
+    monkeypatch.setitem(sys.modules, "up_cluster", types.SimpleNamespace(Cluster=FakeCluster))
+    monkeypatch.setattr(launch, "vllm_server_command", fake_command)
+    args = bench.parse_args(["--preset", "qwen3-32b", "--no-weights", "--lengths", "32768", "--out", str(tmp_path)])
+    args.gpu_bytes, args.model_dtype, args.log_dir = 141 * 10**9, "bfloat16", str(tmp_path)
+    with pytest.raises(Started):
+        bench.run_kvshare(32768, {"token_ids": [[1] * 32768]}, args, "/tmp/vs-vllm-qwen3-32b")
+    with pytest.raises(Started):
+        bench.run_vllm({(32768, "token_ids"): [[1] * 32768]}, args, "/tmp/vs-vllm-qwen3-32b")
+    assert seen["kvshare_model"] == "qwen3-32b"
+    model, extra = seen["vllm"]
+    assert model == "/tmp/vs-vllm-qwen3-32b" and extra[-2:] == ("--load-format", "dummy")
