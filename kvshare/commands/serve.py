@@ -86,7 +86,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="prefill attention: auto = FlashAttention's varlen kernel (vLLM's vllm_flash_attn or "
         "flash_attn) on CUDA in bf16/fp16 where one loads, else SDPA; flash = that or an error; "
-        "sdpa = SDPA (the deterministic mode always keeps its SDPA kernels)",
+        "sdpa = SDPA (the deterministic mode runs the kernel per grid chunk where its start-up self-test finds "
+        "it exact, else SDPA)",
     )
     p.add_argument(
         "--max-model-len",
