@@ -21,7 +21,9 @@ Invocations may share a folder (kvshare.bench.routing_results): runs are numbere
 
 After each replay the last turns of ``num_verify`` sessions are sent again to the replica that served them
 with the pool and its local cache off; their outputs must equal the measured ones (no wrong KV under any
-policy, the events-dropped control included).
+policy, the events-dropped control included). vLLM replicas batch requests, so a recompute may part from the
+measured output by batch effects: each comparison is reported by the gap rule (kvshare.outputs: equal, or
+where they part, the step and the top-2 logprob gap there), never a failed run.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ from kvshare.bench.routing_trace import Condition, RoutingConfig, SessionPlan, T
 from kvshare.bench.runner import BenchContext, mark_matches
 
 LAG_POLL_S = 0.25
-POOL_BYTES_LOADED = "kvshare_pool_bytes_loaded_total"
+POOL_BYTES_LOADED = "kvshare_pool_bytes_loaded_total"  # a built-in replica's
+VLLM_POOL_BYTES_LOADED = "vllm:kvshare_load_bytes_total"  # a vLLM replica's connector's (kvshare.integrations.vllm)
 FALLBACKS = "kvshare_router_pool_aware_fallbacks_total"
 EVENT_LAG = "kvshare_router_kv_events_lag_seconds"
 EVENTS_LIVE = "kvshare_router_kv_events_live"
@@ -110,6 +113,7 @@ class Replayer:
                 max_tokens=num_answer,
                 use_pool=condition.use_pool,
                 session_id=session_id,
+                engine=self.cluster.target.engine,
             )
             record, response = await self.ctx.exchange(
                 request,
@@ -138,7 +142,10 @@ class Replayer:
             replica = self.cluster.replica_url(measured.replica)
             if replica is None:
                 continue
-            again = dataclasses.replace(request, url=replica, use_pool=False, use_local_cache=False)
+            # vLLM's prefix cache has no per-request switch: a salt of the request's own keys it apart from every
+            # block cached (and the pool's namespace with it), so vLLM computes the whole prompt again
+            salt = f"verify/{uuid.uuid4().hex}" if request.engine == "vllm" else None
+            again = dataclasses.replace(request, url=replica, use_pool=False, use_local_cache=False, cache_salt=salt)
             verify = await self.ctx.measure(
                 again,
                 experiment=EXPERIMENT,
@@ -159,7 +166,8 @@ class Replayer:
         """(pool bytes the replicas loaded, the router's pool_aware fallbacks or None) so far."""
         loaded = 0.0
         for url in self.cluster.replica_urls:
-            loaded += (await self._metrics(url)).get(POOL_BYTES_LOADED, 0.0)
+            metrics = await self._metrics(url)
+            loaded += metrics.get(POOL_BYTES_LOADED, 0.0) + metrics.get(VLLM_POOL_BYTES_LOADED, 0.0)
         return loaded, (await self._metrics(router_url)).get(FALLBACKS)
 
     async def _pool_aware_terms(self, router_url: str) -> dict[str, dict[str, float]]:
@@ -231,8 +239,8 @@ def run_routing(
     sizes = (
         f"{config.num_sessions} sessions over {config.num_prompts} system prompts of {config.system_tokens} "
         f"tokens, {config.num_turns} turns (user {config.user_tokens}, answers {config.answer_tokens} tokens); "
-        f"working set {trace.working_set_tokens()} tokens; {target.num_replicas} replicas of {target.model} "
-        f"on {target.device}, local cache {target.local_cache_bytes >> 20} MiB each, pool "
+        f"working set {trace.working_set_tokens()} tokens; {target.num_replicas} {target.engine} replicas of "
+        f"{target.model} on {target.device}, local cache {target.local_cache_bytes >> 20} MiB each, pool "
         f"{target.pool_bytes >> 20} MiB"
     )
     meta = {
