@@ -107,6 +107,7 @@ class RoutingCluster:
         self._routers: dict[str, tuple[str, object]] = {}  # name -> (URL, Child)
         self._replica_events_port: int | None = None  # vLLM replica i publishes its KV events on this + i
         self._account_key_file = os.path.join(self._tmp.name, "account.key")
+        self._served_model = target.model  # the replicas' model id (/v1/models), read once they answer
 
     def __enter__(self) -> RoutingCluster:
         try:
@@ -189,26 +190,37 @@ class RoutingCluster:
         cluster.start()
         for url, child in self._routers.values():
             wait_http_ready(url, child.proc, 300, f"the {child.spec.name} router", child.instance_id)
+        self._warm_up()
         self._wait_events_live()
 
-    def _wait_events_live(self, timeout_s: float = 120.0) -> None:
-        """Have the pool publish (one prompt stored through replica 0) and wait until every pool_aware router
-        that subscribes to it has taken its events: a router that joined before the pool's first batch falls
-        back until one arrives, which would count against whichever condition happened to run first. vLLM
-        replicas publish their own events only once they cache a block: the prompt goes to each of them, and
-        the routers wait for every replica's events too."""
-        live = [name for name in self._routers if name in ("pool_aware", "pool_aware_gpu")]
-        if not live:
-            return
-        replicas = self._cluster.replica_urls if self.target.is_vllm else self._cluster.replica_urls[:1]
-        with urllib.request.urlopen(replicas[0] + "/v1/models", timeout=30) as resp:
-            model = json.load(resp)["data"][0]["id"]
+    def _send(self, replica: str, path: str, body: dict, timeout_s: float) -> None:
+        data = json.dumps({"model": self._served_model, **body}).encode()
+        request = urllib.request.Request(replica + path, data, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+            resp.read()
+
+    def _warm_up(self, timeout_s: float = 300.0) -> None:
+        """Store a prompt through replica 0 (the pool then publishes) and, on vLLM replicas, pay each replica's
+        first-request costs before the first replay: vLLM CPU skips its own warm-up when its KV size is given
+        (eager mode), and a fresh replica's first request took 11-18 s on 2 cores where later ones took 0.1-0.2 s,
+        which would count against whichever condition happened to run first. Built-in replicas warm up before
+        they report healthy. vLLM replicas publish their own KV events from here on (each cached a block)."""
+        with urllib.request.urlopen(self.replica_urls[0] + "/v1/models", timeout=30) as resp:
+            self._served_model = json.load(resp)["data"][0]["id"]
         prompt = [10 + (i * 7919) % 200 for i in range(2 * CHUNK_TOKENS + 1)]  # ids every vocabulary has
-        body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 1}).encode()
-        for replica in replicas:
-            request = urllib.request.Request(replica + "/v1/completions", body, {"Content-Type": "application/json"})
-            with urllib.request.urlopen(request, timeout=timeout_s) as resp:
-                resp.read()
+        self._send(self.replica_urls[0], "/v1/completions", {"prompt": prompt, "max_tokens": 1}, timeout_s)
+        if not self.target.is_vllm:
+            return
+        chat = {"messages": [{"role": "user", "content": "warm up " * 40}], "logprobs": True, "top_logprobs": 2}
+        for replica in self.replica_urls:  # one by one: on CPU the first request's costs take every core
+            self._send(replica, "/v1/completions", {"prompt": prompt, "max_tokens": 8, "logprobs": 2}, timeout_s)
+            self._send(replica, "/v1/chat/completions", {**chat, "max_tokens": 8, "stream": True}, timeout_s)
+
+    def _wait_events_live(self, timeout_s: float = 120.0) -> None:
+        """Wait until every pool_aware router that subscribes to the pool has taken its events (and, with vLLM
+        replicas, each replica's own; ``_warm_up`` had them publish): a router that joined before the first batch
+        falls back until one arrives, which would count against whichever condition happened to run first."""
+        live = [name for name in self._routers if name in ("pool_aware", "pool_aware_gpu")]
         deadline = time.monotonic() + timeout_s
         wanted = [(EVENTS_LIVE, "the pool", 1)]
         if self.target.is_vllm:
