@@ -33,7 +33,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 ENGINE=${ENGINE:-builtin}
 OUT=${OUT:-/tmp/routing_gpu_all}
-if [ "$ENGINE" = vllm ]; then RESULTS=${RESULTS:-results/routing-gpu-vllm}; else RESULTS=${RESULTS:-results/routing-gpu}; fi
+RESULTS=${RESULTS:-results/routing-gpu$([ "$ENGINE" = vllm ] && echo -vllm)}
 DRY=${DRY:-0}
 M8=/tmp/m8b
 MODEL=${MODEL:-$M8}
