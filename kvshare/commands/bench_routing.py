@@ -100,7 +100,8 @@ def add_routing_arguments(sub, words) -> None:
         "--verify",
         type=int,
         default=d.num_verify,
-        help="last turns per replay re-sent with every cache off; outputs must be equal",
+        help="last turns per replay re-sent with every cache off (vLLM: the pool off and a cache_salt of their "
+        "own) and compared with the measured outputs by the gap rule (kvshare.outputs)",
     )
     w.add_argument("--seed", type=int, default=d.seed)
     w.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
