@@ -23,10 +23,17 @@
 # else the vLLM bundle in .vk/ (benchmarks/vllm_bundle.sh). Each step writes the 8B model to /tmp/m8b on a fresh one.
 #
 # A check on CPU in place of the 8B (no GPU, no model written): MODEL=tiny DEVICE=cpu MAXLEN= EXTRA="--scale 0.05"
+#
+# ENGINE=vllm: the replicas are vLLM 0.26 with kvshare's connector (bench routing --engine vllm), from the bundle in
+# .vk/ (VK=.vk; benchmarks/vllm_bundle.sh, as benchmarks/vllm_gpu_all.sh installs it; carry .vk with the command),
+# two on the card (each half of vLLM's gpu-memory-utilization), with the issue's own trace: vLLM batches decode,
+# so 64 sessions and answers of 100-300 tokens fit. Its own plan and steps (results in results/routing-gpu-vllm);
+# on CPU: ENGINE=vllm MODEL=tiny DEVICE=cpu EXTRA="--scale 0.05 --sessions 8 --vllm-python /path/to/vllm/python"
 set -uo pipefail
 cd "$(dirname "$0")/.."
+ENGINE=${ENGINE:-builtin}
 OUT=${OUT:-/tmp/routing_gpu_all}
-RESULTS=${RESULTS:-results/routing-gpu}
+RESULTS=${RESULTS:-results/routing-gpu$([ "$ENGINE" = vllm ] && echo -vllm)}
 DRY=${DRY:-0}
 M8=/tmp/m8b
 MODEL=${MODEL:-$M8}
@@ -40,6 +47,11 @@ CONTROLS=no_shared_prefix,events_dropped
 WORKLOAD=(--sessions "$SESSIONS" --prompts 8 --turns 6 --system-tokens 4000-6000 --user-tokens 200-1200
           --answer-tokens 10-30 --gpu-share 2.5 --pool-share 2 --verify 2 --seed 0 --timeout 120
           ${MAXLEN:+--replica-arg=--max-model-len=$MAXLEN})
+if [ "$ENGINE" = vllm ]; then  # the issue's trace; vLLM's KV and --max-model-len are sized by bench routing itself
+    WORKLOAD=(--engine vllm --sessions "${SESSIONS_VLLM:-64}" --prompts 8 --turns 6 --system-tokens 4000-6000
+              --user-tokens 200-1200 --answer-tokens 100-300 --gpu-share 3 --pool-share 1.2 --verify 2 --seed 0
+              --timeout 300)
+fi
 STARTED=$(date +%s)
 
 plan() {
@@ -70,9 +82,40 @@ Controls: $CONTROLS
 EOF
 }
 
+plan_vllm() {
+    cat <<EOF
+ENGINE=vllm. The trace: 64 sessions over 8 shared system prompts of 4000-6000 tokens, 6 turns of 200-1200 user
+tokens, answers of 100-300 tokens (the issue's workload); vLLM's KV cache 1/3 of the working set a replica, the pool
+1.2x it. Sizes (benchmarks/routing_gpu_plan.py --engine vllm ...): working set 390737 tokens (57.6 GB); vLLM's KV
+19.2 GB a replica (--kv-cache-memory-bytes, bf16, --max-model-len 14336 for the longest request, 12632 tokens);
+pool 69.1 GB (50% of 128 GiB); a replica 16.4 GB weights + 19.2 KV + ~3 activations = 38.6 GB, two on one 80 GB
+card 77.2 GB (each at gpu-memory-utilization 0.45; with its KV given vLLM does not size it from that share, and
+the two start together). Estimated replays (prefill 25k tokens/s shared by the card's two replicas, batched decode
+step 25 ms, load 50 GB/s; no reuse .. full reuse): rate 2/s 63-138 s, 4/s 50-137 s; a step ~5-6.5 min with vLLM's
+start (~110-140 s for the 8B shape with torch.compile and CUDA graphs, assumed) and the warm-up, 150 s in all,
++ ~2 min on a fresh machine (the bundle, the 8B model). Rate 2/s: no reuse is prefill-bound (TTFT p99 ~19 s).
+
+step   minutes  what (rate; conditions; run)
+1      6-7      rate 2/s; round_robin/on, pool_aware/on; run 0        (the main pair)
+2      6-7      rate 2/s; pool_aware_gpu/on, cache_aware/on; run 0   (the GPU-only variant, the sent-memory router)
+3      6-7      rate 2/s; round_robin/off, events_dropped; run 0      (no pool; events lost -> round robin)
+4      6-7      rate 2/s; alternate/on, sticky/on; run 0
+5      5-6      rate 2/s; no_shared_prefix; run 0                     -> steps 1-5: every condition, run 0
+6-10   5-7      the same for run 1
+11-15  5-7      the same for run 2                                    -> steps 1-15: 3 runs at 2 sessions/s
+16     6-7      rate 4/s; round_robin/on, pool_aware/on; run 0        (toward saturation)
+17     6-7      rate 4/s; pool_aware_gpu/on, cache_aware/on; run 0
+report          rebuild RESULTS' routing.md and summary.json from its rows
+EOF
+}
+
 prepare() {  # msgspec and pyzmq (the pool's messages, its KV events), and the 8B model on a fresh machine
     export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-    if ! python3 -c "import msgspec, zmq" 2>/dev/null; then
+    if [ "$ENGINE" = vllm ] && [ "$DEVICE" != cpu ]; then  # vLLM, msgspec and pyzmq from the bundle
+        export VK=${VK_DIR:-.vk}
+        # shellcheck source=benchmarks/vllm_bundle.sh
+        source benchmarks/vllm_bundle.sh || return 1
+    elif ! python3 -c "import msgspec, zmq" 2>/dev/null; then
         if ls .whl/*.whl >/dev/null 2>&1; then
             python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
                 || { echo "installing .whl/ failed"; return 1; }
@@ -107,9 +150,29 @@ bench() {  # STEP RATE RUN CONDITIONS: one run at one rate, into RESULTS, under 
     return "$status"
 }
 
+VLLM_PAIRS=("round_robin/on,pool_aware/on" "pool_aware_gpu/on,cache_aware/on" "round_robin/off,events_dropped"
+            "alternate/on,sticky/on" "no_shared_prefix")
+
+step_vllm() {  # N: the plan_vllm table's step N
+    local n=$1
+    if [ "$n" -ge 1 ] 2>/dev/null && [ "$n" -le 15 ]; then
+        bench "$n" 2 $(( (n - 1) / 5 )) "${VLLM_PAIRS[$(( (n - 1) % 5 ))]}"
+    elif [ "$n" = 16 ] || [ "$n" = 17 ]; then
+        bench "$n" 4 0 "${VLLM_PAIRS[$(( n - 16 ))]}"
+    else
+        echo "no step $n (ENGINE=vllm: steps 1-17, report; no argument prints the plan)"; return 2
+    fi
+}
+
 step() {
     local n=$1 t0
     t0=$(date +%s)
+    if [ "$ENGINE" = vllm ] && [ "$n" != report ]; then
+        step_vllm "$n"
+        local status=$?
+        [ "$DRY" = 1 ] || echo "step $n done in $(( $(date +%s) - t0 )) s (exit $status)"
+        return $status
+    fi
     case $n in
         1|2|3) bench "$n" 1 $(( n - 1 )) "$POLICIES,$CONTROLS" ;;
         4|5|6) bench "$n" 2 $(( n - 4 )) "$POLICIES" ;;
@@ -124,7 +187,7 @@ step() {
 }
 
 mkdir -p "$OUT"
-if [ $# -eq 0 ]; then plan | tee "$OUT/plan.txt"; exit 0; fi
+if [ $# -eq 0 ]; then if [ "$ENGINE" = vllm ]; then plan_vllm; else plan; fi | tee "$OUT/plan.txt"; exit 0; fi
 if [ "$DRY" != 1 ]; then
     [ "$DEVICE" = cpu ] || nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     [ -n "${KVSHARE_COMMIT:-}" ] || [ -e .git ] || echo "KVSHARE_COMMIT is not set: the rows will not name the tree"

@@ -13,6 +13,12 @@ come first served (kvshare.serve.worker), and a request costs
     overhead + computed tokens / prefill rate + loaded tokens x KV bytes per token / load bandwidth
              + answer tokens x decode step
 
+With ``--engine vllm`` the replicas batch: a replica's prefills still run one after another (first come first
+served, the time to first token as above), but a request's decode runs beside the others' (vLLM's continuous
+batching with chunked prefill), each of its steps the batched step (--decode-step-ms, the step of a full batch
+on a shared card: an upper bound at lower loads). vLLM's KV cache is the local cache (--kv-cache-memory-bytes),
+so a replica's memory is its weights, that KV and its activations (CUDA graphs, the profile's buffers).
+
 Two bounds, placed round robin in send order: ``cold`` computes every prompt token (nothing reused: what
 round_robin/off approaches); ``reuse`` computes only what no earlier request held (the system prompt once, then
 each turn's new tail; the rest loaded from the pool: what a perfect placement over the pool approaches). Replicas
@@ -41,6 +47,7 @@ class Rates:
     overhead_s: float = 0.03  # per request: HTTP, chat template, tokenizing, router hop, the publish's last wait
     replicas_per_gpu: int = 2
     kv_bytes_per_token: int = 147456  # the 8B shape's
+    is_batched: bool = False  # vLLM: decodes run beside each other, only prefills queue
 
 
 def weights_bytes(mc) -> int:
@@ -80,11 +87,12 @@ def replay_seconds(trace, rate: float, rates: Rates, num_replicas: int, reuse: b
         start = max(at, free[replica])
         load_s = held * rates.kv_bytes_per_token / rates.load_bytes_per_s
         first = start + rates.overhead_s + (prompt - held) * prefill_s + load_s
-        free[replica] = first + s.answer_tokens[turn] * rates.decode_step_s
-        end = max(end, free[replica])
+        done = first + s.answer_tokens[turn] * rates.decode_step_s
+        free[replica] = first if rates.is_batched else done  # batched: the next prefill need not wait the decode
+        end = max(end, done)
         ttfts.append(first - at)
         if turn + 1 < len(s.user_tokens):
-            heapq.heappush(arrivals, (free[replica], index, turn + 1))
+            heapq.heappush(arrivals, (done, index, turn + 1))
     ttfts.sort()
     return end, ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))]
 
@@ -98,26 +106,43 @@ def plan(argv: list[str]) -> str:
 
     p = argparse.ArgumentParser(prog="routing_gpu_plan.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--prefill-rate", type=float, default=25000.0, help="tokens/s (8B, 4-16k, H100: assumed)")
-    p.add_argument("--decode-step-ms", type=float, default=12.0, help="one request's step (8B, CUDA graphs)")
+    p.add_argument(
+        "--decode-step-ms",
+        type=float,
+        default=None,
+        help="a decode step (8B, CUDA graphs): 12 for one request (built-in), 25 for vLLM's batch of up to "
+        "32 on a card shared by two replicas (assumed)",
+    )
     p.add_argument("--load-gbps", type=float, default=50.0, help="pool -> GPU (8B shape, H100: 48-54 measured)")
     p.add_argument("--overhead-ms", type=float, default=30.0)
     p.add_argument("--replicas-per-gpu", type=int, default=2)
     p.add_argument("--gpu-memory-gb", type=float, default=80.0)
     p.add_argument("--host-memory-gib", type=float, default=128.0)
     p.add_argument("--activations-gb", type=float, default=3.0, help="per replica: CUDA context, prefill buffers")
-    p.add_argument("--cluster-start-s", type=float, default=90.0, help="pool, replicas, routers: assumed")
+    p.add_argument(
+        "--cluster-start-s",
+        type=float,
+        default=None,
+        help="pool, replicas, routers, warm-up (assumed): 90 built-in; 150 vLLM (its start ~110-140 s for the 8B "
+        "shape with torch.compile and CUDA graphs, the two replicas of a card together since their KV is given)",
+    )
     own, bench = p.parse_known_args(argv)
     args = build_parser().parse_args(["bench", "routing", *bench])
     config, target = routing_plan(args)
+    if own.decode_step_ms is None:
+        own.decode_step_ms = 25.0 if target.engine == "vllm" else 12.0
+    if own.cluster_start_s is None:
+        own.cluster_start_s = 150.0 if target.engine == "vllm" else 90.0
     mc = model_config_of(target.model)
     trace = make_trace(config)
     longest = longest_sequence(trace)
-    max_len = next(
+    is_vllm = target.engine == "vllm"
+    max_len = target.max_model_len or next(
         (int(a.split("=", 1)[1]) for a in target.replica_args if a.startswith("--max-model-len=")),
         mc.max_position_embeddings,
     )
-    per_replica = weights_bytes(mc) + target.local_cache_bytes + max_len * mc.kv_bytes_per_token
-    per_replica += own.activations_gb * GB
+    sequence_kv = 0 if is_vllm else max_len * mc.kv_bytes_per_token  # vLLM's sequences live in its KV cache
+    per_replica = weights_bytes(mc) + target.local_cache_bytes + sequence_kv + own.activations_gb * GB
     per_gpu = per_replica * own.replicas_per_gpu
     pool_gib = target.pool_bytes / 2**30
     working_set = trace.working_set_tokens()
@@ -129,15 +154,18 @@ def plan(argv: list[str]) -> str:
         f"working set {working_set} tokens = {working_set * mc.kv_bytes_per_token / GB:.1f} GB; local cache "
         f"{target.local_cache_bytes / GB:.1f} GB a replica; pool {target.pool_bytes / GB:.1f} GB "
         f"({pool_gib:.1f} GiB, {pool_gib / own.host_memory_gib:.0%} of {own.host_memory_gib:g} GiB host memory)",
-        f"a replica: weights {weights_bytes(mc) / GB:.1f} GB + local cache + sequence KV "
-        f"{max_len * mc.kv_bytes_per_token / GB:.1f} GB (max-model-len {max_len}) + {own.activations_gb:g} GB = "
+        f"a {target.engine} replica: weights {weights_bytes(mc) / GB:.1f} GB + "
+        + ("vLLM's KV cache" if is_vllm else "local cache")
+        + f" + sequence KV {sequence_kv / GB:.1f} GB (max-model-len {max_len}) + {own.activations_gb:g} GB = "
         f"{per_replica / GB:.1f} GB; {own.replicas_per_gpu} a GPU: {per_gpu / GB:.1f} of {own.gpu_memory_gb:g} GB"
         + ("" if per_gpu <= own.gpu_memory_gb * GB else "  ** DOES NOT FIT **")
         + ("" if max_len >= longest else f"  ** max-model-len below the longest request ({longest}) **"),
-        f"assumed: prefill {own.prefill_rate:g} tokens/s, decode step {own.decode_step_ms:g} ms (one request at a "
-        f"time), load {own.load_gbps:g} GB/s, {own.overhead_ms:g} ms a request, cluster start "
-        f"{own.cluster_start_s:g} s",
+        f"assumed: prefill {own.prefill_rate:g} tokens/s, decode step {own.decode_step_ms:g} ms "
+        f"({'batched: decodes run beside each other' if is_vllm else 'one request at a time'}), load "
+        f"{own.load_gbps:g} GB/s, {own.overhead_ms:g} ms a request, cluster start {own.cluster_start_s:g} s",
     ]
+    if is_vllm and max_len * mc.kv_bytes_per_token > target.local_cache_bytes:
+        lines.append(f"  ** vLLM's KV cache holds less than one request of --max-model-len {max_len} **")
     rates = Rates(
         own.prefill_rate,
         own.decode_step_ms / 1e3,
@@ -145,6 +173,7 @@ def plan(argv: list[str]) -> str:
         own.overhead_ms / 1e3,
         own.replicas_per_gpu,
         mc.kv_bytes_per_token,
+        is_batched=is_vllm,
     )
     conditions = [parse_condition(name) for name in config.conditions]
     total = own.cluster_start_s * config.num_runs

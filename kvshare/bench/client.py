@@ -46,6 +46,11 @@ class BenchRequest:
     # a user's client: the body is built and JSON-encoded inside the clock, through the openai SDK where it is
     # installed (as an application does); False: encoded before the clock (a load generator's own cost)
     is_user_client: bool = False
+    # where the extension goes: "builtin" (kvshare replicas: the body's ``kvshare`` object) or "vllm" (vLLM with
+    # kvshare's connector: ``use_pool`` in kv_transfer_params["kvshare"]; vLLM has no timeline, and no switch for
+    # its prefix cache, so ``use_local_cache=False`` needs a ``cache_salt`` of the request's own)
+    engine: str = "builtin"
+    cache_salt: str | None = None  # vLLM's field (kvshare replicas take it too): keys no other salt matches
 
     def __post_init__(self) -> None:
         if self.kind not in ("completion", "chat"):
@@ -56,6 +61,10 @@ class BenchRequest:
             raise ValueError("a completion request takes prompt ids, a chat request takes messages")
         if self.is_user_client and self.kind != "chat":
             raise ValueError("a user's client sends chat messages (text)")
+        if self.engine not in ("builtin", "vllm"):
+            raise ValueError(f"unknown engine {self.engine!r}; choose builtin or vllm")
+        if self.engine == "vllm" and not self.use_local_cache and self.cache_salt is None:
+            raise ValueError("vLLM's prefix cache has no per-request switch: give the request a cache_salt of its own")
 
     def body(self) -> dict:
         body: dict[str, Any] = {
@@ -75,7 +84,11 @@ class BenchRequest:
             body["messages"] = self.messages
             if self.num_top_logprobs is not None:
                 body["logprobs"], body["top_logprobs"] = True, self.num_top_logprobs
-        if self.use_pool is not None:
+        if self.cache_salt is not None:
+            body["cache_salt"] = self.cache_salt
+        if self.use_pool is not None and self.engine == "vllm":
+            body["kv_transfer_params"] = {"kvshare": {"use_pool": self.use_pool}}
+        elif self.use_pool is not None:
             body["kvshare"] = {"use_pool": self.use_pool, "use_local_cache": self.use_local_cache}
             if self.timeline:
                 body["kvshare"]["timeline"] = True

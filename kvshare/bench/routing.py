@@ -21,7 +21,9 @@ Invocations may share a folder (kvshare.bench.routing_results): runs are numbere
 
 After each replay the last turns of ``num_verify`` sessions are sent again to the replica that served them
 with the pool and its local cache off; their outputs must equal the measured ones (no wrong KV under any
-policy, the events-dropped control included).
+policy, the events-dropped control included). vLLM replicas batch requests, so a recompute may part from the
+measured output by batch effects: each comparison is reported by the gap rule (kvshare.outputs: equal, or
+where they part, the step and the top-2 logprob gap there), never a failed run.
 """
 
 from __future__ import annotations
@@ -35,17 +37,17 @@ from dataclasses import dataclass
 
 from kvshare.bench.client import BenchRequest
 from kvshare.bench.records import Record, ResultsDir, describe_host, tree_commit
-from kvshare.bench.routing_cluster import RoutingCluster, RoutingTarget
+from kvshare.bench.routing_cluster import EVENTS_LIVE, REPLICA_EVENTS_LIVE, RoutingCluster, RoutingTarget
 from kvshare.bench.routing_results import EXPERIMENT, ROWS, check_same_workload, next_run, write_summary
 from kvshare.bench.routing_summary import replay_row
 from kvshare.bench.routing_trace import Condition, RoutingConfig, SessionPlan, Trace, make_trace, parse_condition
 from kvshare.bench.runner import BenchContext, mark_matches
 
 LAG_POLL_S = 0.25
-POOL_BYTES_LOADED = "kvshare_pool_bytes_loaded_total"
+POOL_BYTES_LOADED = "kvshare_pool_bytes_loaded_total"  # a built-in replica's
+VLLM_POOL_BYTES_LOADED = "vllm:kvshare_load_bytes_total"  # a vLLM replica's connector's (kvshare.integrations.vllm)
 FALLBACKS = "kvshare_router_pool_aware_fallbacks_total"
 EVENT_LAG = "kvshare_router_kv_events_lag_seconds"
-EVENTS_LIVE = "kvshare_router_kv_events_live"
 POOL_AWARE_TERM = "kvshare_router_pool_aware_"  # its cost-term gauges, one per replica (router.event_feed)
 
 
@@ -65,8 +67,11 @@ class Replayer:
         before = await self._counters(url)
         lag: list[float] = []
         live: list[bool] = []
+        replicas_live: list[float] = []
         poll = (
-            asyncio.create_task(self._sample_lag(url, lag, live)) if condition.router.startswith("pool_aware") else None
+            asyncio.create_task(self._sample_lag(url, lag, live, replicas_live))
+            if condition.router.startswith("pool_aware")
+            else None
         )
         started = time.perf_counter()
         try:
@@ -83,6 +88,8 @@ class Replayer:
         fallbacks = after[1] - before[1] if after[1] is not None and before[1] is not None else None
         row = replay_row(key, rate, condition.name, run, records, wall_s, after[0] - before[0], fallbacks, lag)
         row["events_live_share"] = sum(live) / len(live) if live else None
+        # the share of replicas whose own KV events the router trusted, over the samples (None: it reads none)
+        row["replica_events_live_share"] = sum(replicas_live) / len(replicas_live) if replicas_live else None
         if condition.router.startswith("pool_aware"):
             row["pool_aware_terms"] = await self._pool_aware_terms(url)
         return records, row
@@ -110,6 +117,7 @@ class Replayer:
                 max_tokens=num_answer,
                 use_pool=condition.use_pool,
                 session_id=session_id,
+                engine=self.cluster.target.engine,
             )
             record, response = await self.ctx.exchange(
                 request,
@@ -138,7 +146,10 @@ class Replayer:
             replica = self.cluster.replica_url(measured.replica)
             if replica is None:
                 continue
-            again = dataclasses.replace(request, url=replica, use_pool=False, use_local_cache=False)
+            # vLLM's prefix cache has no per-request switch: a salt of the request's own keys it apart from every
+            # block cached (and the pool's namespace with it), so vLLM computes the whole prompt again
+            salt = f"verify-{uuid.uuid4().hex}" if request.engine == "vllm" else None
+            again = dataclasses.replace(request, url=replica, use_pool=False, use_local_cache=False, cache_salt=salt)
             verify = await self.ctx.measure(
                 again,
                 experiment=EXPERIMENT,
@@ -159,7 +170,8 @@ class Replayer:
         """(pool bytes the replicas loaded, the router's pool_aware fallbacks or None) so far."""
         loaded = 0.0
         for url in self.cluster.replica_urls:
-            loaded += (await self._metrics(url)).get(POOL_BYTES_LOADED, 0.0)
+            metrics = await self._metrics(url)
+            loaded += metrics.get(POOL_BYTES_LOADED, 0.0) + metrics.get(VLLM_POOL_BYTES_LOADED, 0.0)
         return loaded, (await self._metrics(router_url)).get(FALLBACKS)
 
     async def _pool_aware_terms(self, router_url: str) -> dict[str, dict[str, float]]:
@@ -185,14 +197,20 @@ class Replayer:
             text = await resp.text()
         return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
 
-    async def _sample_lag(self, router_url: str, lags: list[float], live: list[bool]) -> None:
-        """Every LAG_POLL_S: whether the router trusts its events, and the last batch's lag when one arrived
-        (the gauge reads 0 before any batch: not a lag)."""
+    async def _sample_lag(
+        self, router_url: str, lags: list[float], live: list[bool], replicas_live: list[float]
+    ) -> None:
+        """Every LAG_POLL_S: whether the router trusts the pool's events, the share of replicas whose own events
+        it trusts (where it reads them), and the last batch's lag when one arrived (the gauge reads 0 before any
+        batch: not a lag)."""
         seen = None
+        num_replicas = len(self.cluster.replica_urls)
         while True:
             metrics = await self._metrics(router_url)
             is_live, lag = metrics.get(EVENTS_LIVE) == 1.0, metrics.get(EVENT_LAG)
             live.append(is_live)
+            if REPLICA_EVENTS_LIVE in metrics:
+                replicas_live.append(metrics[REPLICA_EVENTS_LIVE] / num_replicas)
             if lag is not None and (is_live or lag > 0) and lag != seen:  # each batch's lag once
                 lags.append(lag)
                 seen = lag
@@ -231,8 +249,8 @@ def run_routing(
     sizes = (
         f"{config.num_sessions} sessions over {config.num_prompts} system prompts of {config.system_tokens} "
         f"tokens, {config.num_turns} turns (user {config.user_tokens}, answers {config.answer_tokens} tokens); "
-        f"working set {trace.working_set_tokens()} tokens; {target.num_replicas} replicas of {target.model} "
-        f"on {target.device}, local cache {target.local_cache_bytes >> 20} MiB each, pool "
+        f"working set {trace.working_set_tokens()} tokens; {target.num_replicas} {target.engine} replicas of "
+        f"{target.model} on {target.device}, local cache {target.local_cache_bytes >> 20} MiB each, pool "
         f"{target.pool_bytes >> 20} MiB"
     )
     meta = {

@@ -58,10 +58,15 @@ def next_run(results: ResultsDir) -> int:
     return 1 + max((row["run"] for row in load_rows(results)), default=-1)
 
 
+LATER_TARGET_FIELDS = {"engine": "builtin", "max_model_len": None}
+
+
 def workload_of(meta: dict) -> dict:
     """What every invocation of one folder must share: the trace's config and the cluster, as JSON would hold them."""
     config = {k: v for k, v in meta["config"].items() if k not in PER_INVOCATION}
-    target = {k: v for k, v in meta["target"].items() if k != "log_level"}
+    # a field the target gained later reads as its default in a folder written before it
+    target = {**LATER_TARGET_FIELDS, **meta["target"]}
+    target = {k: v for k, v in target.items() if k not in ("log_level", "vllm_python")}
     return json.loads(json.dumps({"config": config, "target": target}))
 
 

@@ -9,13 +9,15 @@ take a bootstrap interval of their mean over the runs (kvshare.bench.stats).
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Sequence
 from statistics import fmean
 
+from kvshare.bench.outputs import tally
 from kvshare.bench.records import Record
 from kvshare.bench.stats import bootstrap_ci, percentile
-from kvshare.outputs import EQUAL
+from kvshare.outputs import EQUAL, OutputCheck
 
 
 def router_added_s(r: Record) -> float | None:
@@ -24,6 +26,16 @@ def router_added_s(r: Record) -> float | None:
     if r.ttft_s is None or written is None:
         return None
     return r.ttft_s - written
+
+
+def computed_tokens(r: Record) -> int:
+    """Prompt tokens the replica computed: its provenance's count, else (a vLLM replica's stream carries none) the
+    prompt less what usage calls cached (vLLM's prefix cache hits and what the connector loaded)."""
+    if r.computed_tokens is not None:
+        return r.computed_tokens
+    if r.prompt_tokens is not None and r.cached_tokens is not None:
+        return r.prompt_tokens - r.cached_tokens
+    return 0
 
 
 def replay_row(
@@ -55,7 +67,7 @@ def replay_row(
         "ttft_first_s": [r.ttft_s for r in ok if r.turn == 0],
         "ttft_later_s": [r.ttft_s for r in ok if r.turn],
         "router_added_s": [a for a in map(router_added_s, ok) if a is not None],
-        "prefill_tokens": sum(r.computed_tokens or 0 for r in ok),
+        "prefill_tokens": sum(map(computed_tokens, ok)),
         "local_tokens": sum(r.local_tokens or 0 for r in ok),
         "pool_tokens": sum(r.pool_tokens or 0 for r in ok),
         "pool_bytes_loaded": pool_bytes_loaded,
@@ -66,6 +78,9 @@ def replay_row(
         "event_lag_s": lag_samples,
         "outputs_compared": len(verified),
         "outputs_equal": sum(r.output_check == EQUAL for r in verified),
+        # each verdict (kvshare.outputs.OutputCheck's fields): where an output parted from its recompute, the
+        # step and the reference's top-2 gap there, as the other benches' "outputs" cells show them
+        "output_checks": [dataclasses.asdict(r.check()) for r in verified],
     }
 
 
@@ -110,10 +125,18 @@ def summarize(rows: list[dict]) -> list[dict]:
                 "output_tokens_per_s": _mean_ci([row["output_tokens_per_s"] for row in group]),
                 "event_lag_max_s": max(pooled["event_lag_s"]) if pooled["event_lag_s"] else None,
                 "fallbacks": sum(fallbacks) if fallbacks else None,
-                "outputs": f"{sum(r['outputs_equal'] for r in group)}/{sum(r['outputs_compared'] for r in group)}",
+                "outputs": _outputs(group),
             }
         )
     return out
+
+
+def _outputs(rows: list[dict]) -> str:
+    """The rows' output verdicts tallied as kvshare.bench.outputs does ("equal 3/4; near-tie 0; mismatch 1 (step 5,
+    gap 0.031)"); rows written before the verdicts were kept say only "equal/compared"."""
+    if any("output_checks" not in row for row in rows):
+        return f"{sum(r['outputs_equal'] for r in rows)}/{sum(r['outputs_compared'] for r in rows)}"
+    return str(tally(OutputCheck(**check) for row in rows for check in row["output_checks"]))
 
 
 def highest_complete_rate(summary: list[dict]) -> float | None:
@@ -144,7 +167,7 @@ HEADERS = (
     "event lag max s",
     "fallbacks",
     "errors",
-    "outputs equal",
+    "outputs vs recompute",
 )
 
 

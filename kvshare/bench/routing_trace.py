@@ -124,6 +124,10 @@ class Trace:
     def num_requests(self) -> int:
         return sum(len(s.user_tokens) for s in self.sessions)
 
+    def longest_request_tokens(self) -> int:
+        """The most tokens one request of the trace holds: its last turn's prompt and its answer."""
+        return max(self.system_tokens[s.prompt] + sum(s.user_tokens) + sum(s.answer_tokens) for s in self.sessions)
+
     def working_set_tokens(self) -> int:
         """Distinct prompt tokens the trace makes a cache hold: the system prompts once, every session's turns."""
         return sum(self.system_tokens) + sum(sum(s.user_tokens) + sum(s.answer_tokens) for s in self.sessions)

@@ -58,6 +58,16 @@ def add_routing_arguments(sub, words) -> None:
     g.add_argument("--model", help="model directory or preset of the replicas it starts (required to run)")
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, or one per replica as a comma list")
     g.add_argument("--replicas", type=int, default=2)
+    g.add_argument(
+        "--engine",
+        choices=("builtin", "vllm"),
+        default="builtin",
+        help="what the replicas run (as kvshare up --engine): vllm sizes vLLM's KV cache by --gpu-share and has "
+        "the pool_aware routers read each replica's own KV events",
+    )
+    g.add_argument(
+        "--vllm-python", default=None, help="--engine vllm: python of the virtual environment that holds vLLM"
+    )
     g.add_argument("--replica-arg", action="append", default=[], help="extra argument for every replica (repeatable)")
     g.add_argument(
         "--router-arg",
@@ -90,7 +100,8 @@ def add_routing_arguments(sub, words) -> None:
         "--verify",
         type=int,
         default=d.num_verify,
-        help="last turns per replay re-sent with every cache off; outputs must be equal",
+        help="last turns per replay re-sent with every cache off (vLLM: the pool off and a cache_salt of their "
+        "own) and compared with the measured outputs by the gap rule (kvshare.outputs)",
     )
     w.add_argument("--seed", type=int, default=d.seed)
     w.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
@@ -139,11 +150,15 @@ def routing_plan(args: argparse.Namespace):
         seed=args.seed,
     )
     per_token = kv_bytes_per_token(args.model)
-    working_set = make_trace(config).working_set_tokens() * per_token
+    trace = make_trace(config)
+    working_set = trace.working_set_tokens() * per_token
     target = RoutingTarget(
         model=args.model,
         device=args.device,
         num_replicas=args.replicas,
+        engine=args.engine,
+        vllm_python=args.vllm_python,
+        max_model_len=vllm_max_model_len(trace) if args.engine == "vllm" else None,
         local_cache_bytes=int(working_set / config.gpu_share),
         pool_bytes=max(int(working_set * config.pool_share), 64 << 20),
         kv_bytes_per_token=per_token,
@@ -151,6 +166,15 @@ def routing_plan(args: argparse.Namespace):
         router_args=tuple(args.router_arg),
     )
     return config, target
+
+
+def vllm_max_model_len(trace) -> int:
+    """vLLM replicas' --max-model-len for ``trace``: its longest request, with room for what the prompts add to
+    the counted tokens (each prompt's tag, ~100 tokens, and the chat template's ~10 a message; a reply re-encoded
+    in the history may take more tokens than were generated), in whole 256-token chunks."""
+    num_messages = 1 + 2 * max(len(s.user_tokens) for s in trace.sessions)
+    room = trace.longest_request_tokens() * 1.1 + 128 + 16 * num_messages
+    return -(-int(room) // 256) * 256
 
 
 def run_routing(args: argparse.Namespace) -> int:

@@ -219,4 +219,13 @@ def attach_pool_aware(
     for i, replica in enumerate(calibration.names):
         queue.labels(replica).set_function(lambda i=i: placer.backlog.wait_s(i))
         depth.labels(replica).set_function(lambda i=i: float(placer.sent.credited_depth(i)))
+    if replica_feeds:
+        own = Gauge(
+            "kvshare_router_replica_kv_events_live",
+            "1 while a replica's own KV events (--replica-kv-events) are trusted for its GPU prefix cache",
+            ["replica"],
+            registry=registry,
+        )
+        for replica, replica_feed in zip(calibration.names, replica_feeds):
+            own.labels(replica).set_function(lambda f=replica_feed: float(f.why_not_live(time.monotonic()) is None))
     return placer

@@ -76,3 +76,60 @@ def test_the_estimate_bounds_a_replay_between_full_reuse_and_none():
     assert warm[0] < cold[0] and warm[1] < cold[1]
     decode = sum(sum(s.answer_tokens) for s in trace.sessions) * rates.decode_step_s
     assert warm[0] >= decode / 2  # two replicas can at best split the decode steps
+
+
+def _vllm_steps(tmp_path) -> dict[str, list[str]]:
+    env = dict(os.environ, DRY="1", OUT=str(tmp_path), ENGINE="vllm")
+    plan = subprocess.run(["bash", SCRIPT], env=env, capture_output=True, text=True, timeout=30).stdout
+    assert "ENGINE=vllm" in plan and "100-300" in plan
+    out = {}
+    for n in range(1, 18):
+        done = subprocess.run(["bash", SCRIPT, str(n)], env=env, capture_output=True, text=True, timeout=30)
+        argv = shlex.split(done.stdout.strip())
+        assert done.returncode == 0 and argv[:5] == PREFIX, done.stdout + done.stderr
+        out[str(n)] = argv[5:]
+    assert subprocess.run(["bash", SCRIPT, "18"], env=env, capture_output=True, timeout=30).returncode == 2
+    return out
+
+
+def test_engine_vllm_replays_the_issues_trace_every_condition_once_per_run_each_step_fitting_a_command(tmp_path):
+    """ENGINE=vllm: 64 sessions with 100-300-token answers on vLLM replicas; steps 1-5 give every condition of run
+    0 at one rate, 1-15 three runs; each step's estimate (vLLM's start included) leaves ~2 min for a fresh
+    machine's preparation within 570 s, the two replicas fit one 80 GB card and vLLM's KV holds the longest
+    request. Fails when a step replays a (rate, condition, run) another step does, or one does not fit."""
+    from kvshare.bench.routing_trace import CONTROLS
+
+    estimate = load_benchmark("routing_gpu_plan")
+    steps = {n: [a if a != "/tmp/m8b" else "qwen3-8b" for a in argv] for n, argv in _vllm_steps(tmp_path).items()}
+    parsed = {n: build_parser().parse_args(["bench", "routing", *argv]) for n, argv in steps.items()}
+    assert all(a.engine == "vllm" and a.sessions == 64 and a.answer_tokens == (100, 300) for a in parsed.values())
+    assert len({a.out for a in parsed.values()}) == 1
+    replays = [(rate, c, a.run_index) for a in parsed.values() for rate in a.rates for c in a.conditions]
+    assert len(replays) == len(set(replays))
+    every = set(DEFAULT_CONDITIONS + CONTROLS)
+    for run in (0, 1, 2):
+        assert {c for rate, c, r in replays if r == run and rate == 2} == every
+    for n, argv in steps.items():
+        text = estimate.plan(argv)
+        assert "DOES NOT FIT" not in text and "less than one request" not in text, text
+        seconds = float(text.rsplit("this command: ~", 1)[1].split(" s", 1)[0])
+        assert seconds + 120 <= 570, (n, text)
+        _, target = routing_plan(build_parser().parse_args(["bench", "routing", *argv]))
+        assert target.pool_bytes <= 0.6 * 128 * 2**30
+
+
+def test_batched_decode_lets_the_next_prefill_start_before_the_last_answer_ends():
+    """The vLLM model: a replica's prefills queue, decodes run beside each other. Fails when the batched replay
+    still waits for each answer (it would then take as long as the built-in engine's)."""
+    from dataclasses import replace
+
+    from kvshare.bench.routing_trace import RoutingConfig
+
+    estimate = load_benchmark("routing_gpu_plan")
+    trace = make_trace(RoutingConfig(num_sessions=16, num_prompts=2, num_turns=3, answer_tokens=(100, 300)))
+    serial = estimate.Rates(decode_step_s=0.025)
+    batched = replace(serial, is_batched=True)
+    one, many = (estimate.replay_seconds(trace, 4.0, r, 2, reuse=True) for r in (serial, batched))
+    assert many[0] < one[0] and many[1] < one[1]
+    longest = max(sum(s.answer_tokens) for s in trace.sessions) * batched.decode_step_s
+    assert many[0] >= longest  # a session's answers still follow each other

@@ -8,7 +8,8 @@ The server runs with the connector (unless ``pool_socket`` is None), prompt-toke
 details on (so ``usage.prompt_tokens_details.cached_tokens`` counts reused prompt
 tokens) and block size 32 (the CPU attention kernels need a multiple of 32; FlashAttention
 takes any multiple of 16). On CPU: eager mode (compiling the model takes minutes on a small
-CPU machine and buys little there), ``VLLM_CPU_KVCACHE_SPACE`` GiB of KV, a small
+CPU machine and buys little there), ``VLLM_CPU_KVCACHE_SPACE`` GiB of KV (unless ``extra_args``
+give ``--kv-cache-memory-bytes``, which vLLM CPU would otherwise ignore for that variable), a small
 ``max_model_len``, and with the connector the OpenMP cores plain vLLM would get
 (``connector_reserved_cpus``). On CUDA: vLLM's defaults (torch.compile and CUDA graphs on), the model's own
 context length unless ``max_model_len`` is given, and ``gpu_memory_utilization`` when several
@@ -227,7 +228,11 @@ def vllm_server_command(config: VllmServerConfig, base_env: dict[str, str] | Non
     if config.tmp_dir is not None:
         env["TMPDIR"] = config.tmp_dir
     if config.device == "cpu":
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
+        # vLLM CPU takes VLLM_CPU_KVCACHE_SPACE over --kv-cache-memory-bytes: a size given in bytes must go alone
+        if has_flag(config.extra_args, "--kv-cache-memory-bytes"):
+            env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        else:
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
         bind = config.cpu_omp_threads_bind
         if bind is None and config.tensor_parallel_size > 1:
             bind = rank_core_binds(sorted(os.sched_getaffinity(0)), config.tensor_parallel_size)
@@ -237,6 +242,11 @@ def vllm_server_command(config: VllmServerConfig, base_env: dict[str, str] | Non
             env.setdefault(RESERVED_CPUS_ENV, str(connector_reserved_cpus(config.tensor_parallel_size)))
         env.setdefault("CUDA_VISIBLE_DEVICES", "")
     return LaunchSpec(argv, env, config.base_url)
+
+
+def has_flag(args: tuple[str, ...] | list[str], flag: str) -> bool:
+    """Whether ``args`` give ``flag`` (``--flag V`` or ``--flag=V``)."""
+    return any(arg.split("=", 1)[0] == flag for arg in args)
 
 
 def connector_reserved_cpus(tensor_parallel_size: int) -> int:
