@@ -51,7 +51,9 @@ def starts_after(cfg: ClusterConfig, index: int) -> list[int]:
     second got 1.54 GiB of KV and refused to start). With --kv-cache-memory-bytes vLLM does not size it so."""
     if cfg.engine != "vllm" or cfg.device == "cpu":
         return []
-    if any(arg.split("=")[0] == "--kv-cache-memory-bytes" for arg in cfg.replica_args):
+    from kvshare.integrations.vllm.launch import has_flag
+
+    if has_flag(cfg.replica_args, "--kv-cache-memory-bytes"):
         return []
     mine = gpu_of_replica(cfg.device, index)
     return [j for j in range(index) if gpu_of_replica(cfg.device, j) == mine]
