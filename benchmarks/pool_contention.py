@@ -11,12 +11,16 @@ absolute figures: a "quiet" phase whose PSI is high says the machine was not.
     PYTHONPATH=$PWD python benchmarks/pool_contention.py --rounds 3 --seconds 4 --burners 2
 
 Goal (2-core host, two burners): >= 20k/s with p99 <= 200 us, and the quiet phase as fast as without burners.
+``--paths`` names the clients measured in each phase: ``round_trip`` (a lookup over the socket) and ``direct`` (the
+pool's directory, no round trip: kvshare/pool/direct.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
+import itertools
 import json
 import subprocess
 import sys
@@ -48,24 +52,38 @@ def main() -> None:
     parser.add_argument("--burners", type=int, default=2, help="busy processes in a contended phase")
     parser.add_argument("--keys", type=int, default=8, help="keys per lookup (all committed)")
     parser.add_argument("--pool-arg", action="append", default=[], help="an extra `kvshare pool` argument")
+    parser.add_argument(
+        "--paths",
+        default="round_trip,direct",
+        help="comma-separated: round_trip (every lookup over the socket), direct (a client that leases fully "
+        "committed chains from the pool's directory, no round trip); each phase measures each path",
+    )
     parser.add_argument("--json", action="store_true", help="one JSON line per phase instead of a table")
     args = parser.parse_args()
 
     keys = [hashlib.blake2b(f"contention/{i}".encode(), digest_size=16).digest() for i in range(args.keys)]
     with running_pool("64MiB", tuple(args.pool_arg), quiet=True) as socket_path:
-        with PoolClient(socket_path, name="bench-contention") as client:
-            reservation = client.reserve(NAMESPACE, keys, PAGE_BYTES)
-            client.commit(reservation.reservation_id, [0] * len(reservation.grants))
-            lookup_round_trips(client, keys, PAGE_BYTES, seconds=0.5)  # warm up
+        paths = args.paths.split(",")
+        clients = {path: PoolClient(socket_path, name=f"bench-{path}", direct=path == "direct") for path in paths}
+        with contextlib.ExitStack() as stack:
+            for client in clients.values():
+                stack.enter_context(client)
+            if "direct" in clients and not clients["direct"].is_direct:
+                sys.exit("this machine offers no direct lookups (x86-64 Linux with membarrier only)")
+            writer = next(iter(clients.values()))
+            reservation = writer.reserve(NAMESPACE, keys, PAGE_BYTES)
+            writer.commit(reservation.reservation_id, [0] * len(reservation.grants))
+            for client in clients.values():
+                lookup_round_trips(client, keys, PAGE_BYTES, seconds=0.5)  # warm up
             if not args.json:
-                print(f"{'phase':<12} {'ops/s':>9} {'p50 us':>8} {'p99 us':>8} {'PSI some %':>11}")
+                print(f"{'phase':<12} {'path':<11} {'ops/s':>9} {'p50 us':>8} {'p99 us':>8} {'PSI some %':>11}")
             for round_no in range(args.rounds):
-                for phase, num_burners in (("quiet", 0), ("contended", args.burners)):
+                for (phase, num_burners), path in itertools.product((("quiet", 0), ("contended", args.burners)), paths):
                     burners = start_burners(num_burners)
                     try:
                         if burners:
                             time.sleep(0.3)  # let the burners take their cores
-                        figures = lookup_round_trips(client, keys, PAGE_BYTES, seconds=args.seconds)
+                        figures = lookup_round_trips(clients[path], keys, PAGE_BYTES, seconds=args.seconds)
                     finally:
                         stop_burners(burners)
                     if args.json:
@@ -74,6 +92,7 @@ def main() -> None:
                                 {
                                     "round": round_no,
                                     "phase": phase,
+                                    "path": path,
                                     "burners": num_burners,
                                     **{k: v if v is None else round(v, 1) for k, v in figures.items()},
                                 }
@@ -84,8 +103,8 @@ def main() -> None:
                         waited = figures["cpu_waited_pct"]
                         psi = "n/a" if waited is None else f"{waited:.1f}"
                         print(
-                            f"{phase:<12} {figures['lookup_ops_per_s']:>9,.0f} {figures['lookup_p50_us']:>8.1f} "
-                            f"{figures['lookup_p99_us']:>8.1f} {psi:>11}",
+                            f"{phase:<12} {path:<11} {figures['lookup_ops_per_s']:>9,.0f} "
+                            f"{figures['lookup_p50_us']:>8.1f} {figures['lookup_p99_us']:>8.1f} {psi:>11}",
                             flush=True,
                         )
 

@@ -226,11 +226,19 @@ def _control_plane(cfg: PoolBenchConfig, queue) -> None:
 
     keys = bench_keys("control", cfg.lookup_keys)
     page_bytes = 4096
-    with PoolClient(cfg.socket_path, name="bench-control") as client:
+    figures = {}
+    # the client an engine's PoolLink makes (direct where the pool offers it), and the round trip as the reference
+    with (
+        PoolClient(cfg.socket_path, name="bench-control", direct=True) as client,
+        PoolClient(cfg.socket_path, name="bench-control-round-trip") as round_trip,
+    ):
         res = client.reserve(NAMESPACE, keys, page_bytes)
         client.commit(res.reservation_id, [0] * len(res.grants))
-        lookup_round_trips(client, keys, page_bytes, num_ops=500)  # warm up
-        queue.put(lookup_round_trips(client, keys, page_bytes, num_ops=cfg.lookup_ops))
+        for name, each in (("", client), ("round_trip_", round_trip)):
+            lookup_round_trips(each, keys, page_bytes, num_ops=500)  # warm up
+            figures |= {f"{name}{k}": v for k, v in lookup_round_trips(each, keys, page_bytes, cfg.lookup_ops).items()}
+        figures["lookup_path"] = "direct" if client.is_direct else "round_trip"
+    queue.put(figures)
 
 
 def _in_process(target, *args) -> dict:
@@ -278,6 +286,10 @@ def run_pool_bench(cfg: PoolBenchConfig) -> dict:
         "lookup_ops_per_s": round(control["lookup_ops_per_s"], 1),
         "lookup_p50_us": round(control["lookup_p50_us"], 1),
         "lookup_p99_us": round(control["lookup_p99_us"], 1),
+        "lookup_path": control["lookup_path"],  # direct: the pool's directory, no round trip (kvshare.pool.direct)
+        "lookup_round_trip_ops_per_s": round(control["round_trip_lookup_ops_per_s"], 1),
+        "lookup_round_trip_p50_us": round(control["round_trip_lookup_p50_us"], 1),
+        "lookup_round_trip_p99_us": round(control["round_trip_lookup_p99_us"], 1),
         "cpu_pressure_pct": pressure,  # PSI some avg10, the higher of the run's start and end; None without PSI
         "is_contended": pressure is not None and pressure > CONTENDED_PSI_PCT,
         "config": asdict(cfg),
@@ -305,9 +317,14 @@ def summary_rows(result: dict) -> list[tuple[str, str, str]]:
         ),
         ("page checksum (xxh3-64), part of put", f"{result['checksum_gbps']:.2f} GB/s", ""),
         (
-            "lookup-and-lease + release",
+            f"lookup-and-lease + release ({result['lookup_path'].replace('_', ' ')})",
             f"{result['lookup_ops_per_s']:,.0f} /s",
             f"p50 {result['lookup_p50_us']:.0f} us, p99 {result['lookup_p99_us']:.0f} us",
+        ),
+        (
+            "... the same over the socket (round trip)",
+            f"{result['lookup_round_trip_ops_per_s']:,.0f} /s",
+            f"p50 {result['lookup_round_trip_p50_us']:.0f} us, p99 {result['lookup_round_trip_p99_us']:.0f} us",
         ),
         (
             "CPU pressure (PSI some avg10)",

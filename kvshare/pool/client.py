@@ -27,6 +27,8 @@ import numpy as np
 from kvshare.pool import protocol as P
 from kvshare.pool.arena import ArenaError, check_sealed, map_arena
 from kvshare.pool.checksum import ChecksumKind, is_valid
+from kvshare.pool.direct import register_client
+from kvshare.pool.direct_reader import DirectLeases, map_direct
 
 # the grants and errors live in kvshare.pool.grants and are re-exported: callers import them from here
 from kvshare.pool.grants import ChecksumMismatch, LeaseGrant, PoolRequestError, PoolUnavailable, ReservationGrant
@@ -44,6 +46,7 @@ class PoolClient:
         verify_checksums: bool = False,
         spin_us: float = 200.0,
         holder: bytes | None = None,
+        direct: bool = False,
     ) -> None:
         self.socket_path = socket_path
         # names this client's holds in the pool across reconnects (a new random token unless given)
@@ -61,6 +64,8 @@ class PoolClient:
         self.arena: np.ndarray | None = None  # uint8 view of the whole arena
         self.hello: P.HelloReply | None = None
         self._unmap_hooks: list[Callable[[], None]] = []
+        self.wants_direct = direct  # lease committed chains with no round trip where the pool offers it (direct.py)
+        self._direct: DirectLeases | None = None
         # A client dropped without close() (an engine never closed, collected later) unmaps its arena as
         # the mmap is freed: run the hooks then too. The finalizer holds the list, never the client.
         weakref.finalize(self, _run_hooks, self._unmap_hooks)
@@ -77,10 +82,12 @@ class PoolClient:
             if reason is not None:
                 sock.close()
                 raise PoolRequestError("untrusted_pool", reason)
-            sock.sendall(
-                P.encode(P.Hello(protocol_version=P.PROTOCOL_VERSION, client_name=self.name, holder=self.holder))
+            direct = self.wants_direct and register_client()
+            hello = P.Hello(
+                protocol_version=P.PROTOCOL_VERSION, client_name=self.name, holder=self.holder, direct=direct
             )
-            data, fds, _flags, _addr = socket.recv_fds(sock, 1 << 16, 1)
+            sock.sendall(P.encode(hello))
+            data, fds, _flags, _addr = socket.recv_fds(sock, 1 << 16, 3)
         except OSError as exc:
             refusal = _refusal_before_close(sock)
             sock.close()
@@ -111,12 +118,14 @@ class PoolClient:
             except ArenaError as exc:
                 raise PoolRequestError("unsealed_arena", str(exc)) from None
             self._mmap = map_arena(fds[0], reply.arena_bytes)
+            self._direct = map_direct(reply, fds[1:], self.holder)
         except BaseException:
             for fd in fds:
                 os.close(fd)
             self._close_socket()
             raise
-        os.close(fds[0])  # the mapping keeps the memfd alive
+        for fd in fds:
+            os.close(fd)  # the mappings keep the memfds alive
         self.arena = np.frombuffer(self._mmap, dtype=np.uint8)
         self.hello = reply
         return self
@@ -132,6 +141,10 @@ class PoolClient:
         self._sock, self._poller = sock, select.poll()
         self._poller.register(sock, select.POLLIN)
 
+    @property
+    def is_direct(self) -> bool:  # lookups of fully committed chains take no round trip
+        return self._direct is not None
+
     def on_unmap(self, hook: Callable[[], None]) -> None:
         """Call ``hook`` before the arena is unmapped (close): e.g. to drop CUDA registrations of it."""
         self._unmap_hooks.append(hook)
@@ -144,6 +157,9 @@ class PoolClient:
         lives, or until their TTL, and a client with the same holder token can still release them.
         """
         if end_holds:
+            if self._direct is not None:
+                self._direct, direct = None, self._direct
+                direct.close()  # ends its holds first
             self._say_goodbye()
         self._close_socket()
         _run_hooks(self._unmap_hooks)
@@ -255,12 +271,18 @@ class PoolClient:
 
     def lookup(self, keys: list[bytes], page_bytes: int, lease: bool = True) -> LeaseGrant:
         """Longest committed prefix of ``keys``, leased so it cannot be evicted while read."""
+        is_direct = lease and self._direct is not None and self._sock is not None
+        grant = self._direct.lookup(keys, page_bytes) if is_direct else None
+        if grant is not None:
+            return grant
         reply = self._call(P.Lookup(keys=list(keys), page_bytes=page_bytes, lease=lease))
         return LeaseGrant(lease_id=reply.lease_id, pages=reply.pages)
 
     def release(self, lease_ids: list[int], wait: bool = False) -> None:
         """Release leases; without ``wait`` no reply is awaited (the message still arrives in order)."""
         ids = [i for i in lease_ids if i]
+        if self._direct is not None:
+            ids = [i for i in ids if not self._direct.release(i)]
         if not ids:
             return
         if wait:

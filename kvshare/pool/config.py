@@ -55,6 +55,7 @@ class PoolConfig:
     busy_poll_us: float = 100.0
     remote: RemoteConfig | None = None  # the remote tier (--remote URL); None: this host's arena only
     kv_events: KVEventsConfig | None = None  # publish commits and removals as vLLM KV events (--kv-events)
+    direct_lookups: bool = True  # offer the directory to clients that ask (direct.py; x86-64 with membarrier)
 
     def __post_init__(self) -> None:
         if self.size_bytes <= 0:

@@ -31,7 +31,7 @@ class Connection:
     uid: int
     connected_at: float = 0.0  # time.monotonic() at accept
     is_greeted: bool = False
-    is_arena_owed: bool = False  # the arena's memfd goes with the first unsent byte (the hello reply's)
+    owed_fds: list[int] = field(default_factory=list)  # memfds that go with the first unsent byte (the hello reply's)
     inbuf: bytearray = field(default_factory=bytearray)
     outbuf: bytearray = field(default_factory=bytearray)
     is_closing: bool = False
@@ -54,16 +54,16 @@ class Connection:
         """The length the first frame in ``inbuf`` announces, once its header is in."""
         return P.FRAME_HEADER.unpack_from(self.inbuf)[0] if len(self.inbuf) >= P.FRAME_HEADER.size else None
 
-    def send_unsent(self, memfd: int) -> None:
-        """Send what the socket takes now, the arena's ``memfd`` with the first byte when owed; raises OSError when
-        the connection is broken."""
+    def send_unsent(self) -> None:
+        """Send what the socket takes now, the owed memfds with the first byte; raises OSError when the connection is
+        broken."""
         if not self.outbuf:
             return
         try:
-            if self.is_arena_owed:
-                fds = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [memfd]))]
+            if self.owed_fds:
+                fds = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", self.owed_fds))]
                 sent = self.sock.sendmsg([self.outbuf], fds)
-                self.is_arena_owed = False
+                self.owed_fds = []
             else:
                 sent = self.sock.send(self.outbuf)
         except (BlockingIOError, InterruptedError):

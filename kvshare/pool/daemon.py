@@ -21,11 +21,14 @@ import socket
 import stat
 import time
 
+import msgspec
+
 from kvshare.pool import protocol as P
 from kvshare.pool.allocator import Allocator
 from kvshare.pool.arena import HUGEPAGE_BYTES, open_arena, prefault
 from kvshare.pool.config import PoolConfig
 from kvshare.pool.connection import MAX_HELLO_BYTES, Connection, send_now, socket_is_live
+from kvshare.pool.direct import open_direct
 from kvshare.pool.event_publisher import open_pool_events
 from kvshare.pool.handlers import PoolHandlers, ServerCounters
 from kvshare.pool.index import PoolError, PoolIndex
@@ -61,6 +64,7 @@ class PoolServer:
         self._is_stopping = False
         self.events = None  # PoolEvents when config.kv_events is set (started in start())
         self._is_accept_paused = False
+        self.direct = None  # DirectTables where clients may lease without a round trip (started in start())
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -68,6 +72,9 @@ class PoolServer:
         cfg = self.config
         self.events = open_pool_events(cfg.kv_events, self.index)  # first: a bad endpoint leaves nothing behind
         self._memfd, self.arena, is_huge = open_arena(cfg.size_bytes, cfg.hugepages)
+        self.direct = self.index.retired.direct = (
+            open_direct(cfg.size_bytes, cfg.index.lease_ttl_s) if cfg.direct_lookups else None
+        )
         self.handlers.arena_page_bytes = HUGEPAGE_BYTES if is_huge else mmap.PAGESIZE
         if cfg.prefault:
             prefault(self.arena)
@@ -152,6 +159,8 @@ class PoolServer:
                 if now >= next_tick:
                     self._close_silent_clients(now)
                     self.handlers.tick(now)
+                    if self.direct is not None:
+                        self.direct.tick(self.index, self.handlers.holders.ids())
                     self._snapshot()
                     next_tick = now + self.config.tick_s
                     if not events and not is_checked_since_activity:
@@ -185,6 +194,10 @@ class PoolServer:
         if self._memfd >= 0:
             os.close(self._memfd)
             self._memfd = -1
+        if self.direct is not None:
+            self.index.retired.direct = None
+            self.direct.close()
+            self.direct = None
 
     # -- connections -------------------------------------------------------------
 
@@ -306,9 +319,15 @@ class PoolServer:
             self._fail_and_close(client, exc.code, str(exc))
             return
         client.is_greeted = True
-        # Nothing is sent before hello, so the hello reply is the first unsent byte: _flush attaches the fd to it.
+        # Nothing is sent before hello, so the hello reply is the first unsent byte: _flush attaches the fds to it.
         assert not client.outbuf, "a reply was queued before the hello reply"
-        client.is_arena_owed = True
+        client.owed_fds = [self._memfd]
+        if request.direct and self.direct is not None:
+            holder_id = self.handlers.holders.holder_id(client.client_id)
+            client.owed_fds += [self.direct.fd, self.direct.hold_table(holder_id)]
+            reply = msgspec.structs.replace(
+                reply, direct_slots=self.direct.num_slots, direct_holds=self.direct.num_holds
+            )
         client.outbuf += P.encode(reply)
 
     def _answer_deferred(self, client_id: int, reply: P.Reply) -> None:
@@ -332,7 +351,7 @@ class PoolServer:
     def _flush(self, client: Connection) -> None:
         """Send what the socket takes now (never blocks); the rest waits for POLLOUT, within the client's bound."""
         try:
-            client.send_unsent(self._memfd)
+            client.send_unsent()
         except OSError:
             self._drop_client(client)
             return

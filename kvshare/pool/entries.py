@@ -38,6 +38,7 @@ class Entry:
     # what a lookup reply says of the page (a protocol PageHeader), made by the first lookup: a committed entry's
     # offset, size and checksum never change, so every later lookup sends the same one
     header: object = None
+    gen: int = 0  # this entry's generation in the directory (direct.py); 0: not published there
 
     @property
     def quota_owner(self) -> bytes:

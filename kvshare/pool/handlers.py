@@ -24,9 +24,11 @@ from dataclasses import dataclass
 
 from kvshare.keys import KEY_BYTES
 from kvshare.pool import protocol as P
+from kvshare.pool.direct import add_direct_stats
 from kvshare.pool.entries import Entry, LookupResult
 from kvshare.pool.holders import Holders
 from kvshare.pool.index import PoolError, PoolIndex
+from kvshare.pool.integrity import integrity_steps
 from kvshare.pool.remote import RemoteHooks
 
 log = logging.getLogger("kvshare.pool")
@@ -308,10 +310,10 @@ class PoolHandlers:
             self.remote.tick(now)
 
     def check_when_idle(self, max_items: int) -> Iterator[int]:
-        """An integrity pass in steps of at most ``max_items`` items (PoolIndex.integrity_steps), for the loop to run
+        """An integrity pass in steps of at most ``max_items`` items (integrity.integrity_steps), for the loop to run
         one step per idle turn; a problem is logged and counted (say so loudly, keep serving what is consistent)."""
         try:
-            yield from self.index.integrity_steps(max_items)
+            yield from integrity_steps(self.index, max_items)
         except AssertionError as exc:
             log.error("integrity check failed: %s", exc)
             self.counters.errors += 1
@@ -319,7 +321,7 @@ class PoolHandlers:
     def stats(self) -> dict:
         alloc, idx = self.allocator, self.index
         counters = idx.counters.__dict__ | self.counters.__dict__
-        return {
+        stats = {
             "capacity_bytes": alloc.arena_bytes,
             "extent_bytes": alloc.extent_bytes,
             "arena_page_bytes": self.arena_page_bytes,
@@ -339,6 +341,7 @@ class PoolHandlers:
             **({"remote": self.remote.stats()} if self.remote is not None else {}),
             **({"kv_events": self.index.listener.stats()} if self.index.listener is not None else {}),
         }
+        return add_direct_stats(stats, idx.retired)
 
     def _integrity_problem(self) -> str | None:
         """None when the index and allocator agree; else what is wrong (logged: it is a bug)."""

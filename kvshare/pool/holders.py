@@ -116,6 +116,10 @@ class Holders:
             holder.connections.discard(client_id)
         return holder
 
+    def ids(self) -> set[int]:
+        """The ids of every holder known (connected or orphaned)."""
+        return set(self._by_id)
+
     def orphans(self) -> list[Holder]:
         return [h for h in self._by_id.values() if not h.connections]
 

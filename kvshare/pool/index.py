@@ -14,14 +14,14 @@ touches its matched chain from tail to head and a commit adds from tail to
 head, so in the LRU order a chain's tail is always older than its head and is
 evicted first (evicting chunk i strands chunks i+1 and later).
 
-Pure bookkeeping over an Allocator: no sockets, no clocks (callers pass
-``now``), no memory access.
+Bookkeeping over an Allocator: no sockets, no clocks (callers pass ``now``); the
+only memory it touches is the directory of direct lookups, through retiring.py.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
-from collections.abc import Iterator
 
 from kvshare.keys import KEY_BYTES
 from kvshare.pool.allocator import Allocator
@@ -38,8 +38,9 @@ from kvshare.pool.entries import (
     ReserveResult,
 )
 from kvshare.pool.eviction import victims
-from kvshare.pool.integrity import integrity_items, integrity_steps
-from kvshare.pool.quota import NamespaceQuota
+from kvshare.pool.integrity import integrity_items
+from kvshare.pool.quota import NamespaceQuota, namespace_rows
+from kvshare.pool.retiring import RetiredPages
 
 
 class PoolError(Exception):
@@ -62,8 +63,9 @@ class PoolIndex:
         self._leases: dict[int, Lease] = {}
         self._reservations: dict[int, Reservation] = {}
         self.quota = NamespaceQuota(config.namespace_quota_bytes)
-        self._next_id = 1
+        self._ids = itertools.count(1)  # lease and reservation ids
         self.listener: IndexListener | None = None
+        self.retired = RetiredPages(self._free)  # out of view, pages kept while a direct hold may read them
 
     # -- queries -------------------------------------------------------------
 
@@ -94,14 +96,8 @@ class PoolIndex:
         return self._entries.get(key)
 
     def namespaces(self) -> list[tuple[bytes, int, int]]:
-        """(namespace, committed entries, bytes held) of every namespace that holds pages, largest first.
-
-        By namespace, whatever account a quota charges them to (an account may span namespaces)."""
-        rows: dict[bytes, tuple[int, int]] = {}
-        for entry in self._entries.values():
-            num, held = rows.get(entry.namespace, (0, 0))
-            rows[entry.namespace] = (num + (entry.state is EntryState.COMMITTED), held + entry.page_bytes)
-        return sorted(((ns, num, held) for ns, (num, held) in rows.items()), key=lambda row: -row[2])
+        """(namespace, committed entries, bytes held) of every namespace that holds pages, largest first."""
+        return namespace_rows(self._entries.values())
 
     def accounts(self) -> list[tuple[bytes, int, int]]:
         """(quota owner, committed entries, bytes held) of every owner that holds pages, largest first."""
@@ -143,7 +139,7 @@ class PoolIndex:
             return LookupResult(lease_id=0, entries=matched)
         for entry in matched:
             entry.num_leases += 1
-        lease_id = self._new_id()
+        lease_id = next(self._ids)
         self._leases[lease_id] = Lease(lease_id, client_id, matched, now, now + self.config.lease_ttl_s)
         return LookupResult(lease_id=lease_id, entries=matched)
 
@@ -176,7 +172,8 @@ class PoolIndex:
         for entry in lease.entries:
             entry.num_leases -= 1
             if entry.is_dropped and entry.num_leases == 0:
-                self._free(entry)
+                self.retired.retire(entry)
+        self.retired.settle()
 
     # -- writes --------------------------------------------------------------
 
@@ -222,9 +219,8 @@ class PoolIndex:
             wanted, over_quota = self._fit_quota(account or namespace, keys, wanted, page_bytes)
             if not wanted:
                 return ReserveResult(reservation_id=0, grants=[], num_no_room=over_quota)
-        free = self.allocator.num_free_pages(page_bytes)
-        if free < len(wanted):
-            self._evict(lambda: self.allocator.num_free_pages(page_bytes) >= len(wanted), page_bytes)
+        if self.allocator.num_free_pages(page_bytes) < len(wanted):
+            self._evict(lambda: (len(wanted) - self.allocator.num_free_pages(page_bytes)) * page_bytes, page_bytes)
         runs = self.allocator.allocate(page_bytes, len(wanted))
         offsets = [run.page_offset(i) for run in runs for i in range(run.num_pages)]
         granted, no_room = wanted[: len(offsets)], len(wanted) - len(offsets)
@@ -232,7 +228,7 @@ class PoolIndex:
         no_room += over_quota
         if not granted:
             return ReserveResult(reservation_id=0, grants=[], num_no_room=no_room)
-        reservation_id = self._new_id()
+        reservation_id = next(self._ids)
         grants = []
         for i, offset in zip(granted, offsets):
             entry = Entry(
@@ -271,6 +267,7 @@ class PoolIndex:
         self.counters.committed_pages += len(reservation.entries)
         if self.listener is not None:
             self.listener.committed(reservation.entries)
+        self.retired.published(reservation.entries)
         self._evict_above_watermark()
         return len(reservation.entries)
 
@@ -300,7 +297,7 @@ class PoolIndex:
 
     def num_holds(self, client_id: int) -> int:
         holders = [h.client_id for h in self._leases.values()] + [h.client_id for h in self._reservations.values()]
-        return holders.count(client_id)
+        return holders.count(client_id) + self.retired.holds_of(client_id)
 
     def disconnect(self, client_id: int) -> tuple[int, int]:
         """A holder is done or gone (its process exited): abort its reservations, release its leases."""
@@ -322,6 +319,7 @@ class PoolIndex:
                 self._remove_committed(entry)
                 dropped += 1
         self.counters.dropped_pages += dropped
+        self.retired.settle()
         return dropped
 
     def flush(self, namespace: bytes | None = None) -> int:
@@ -330,17 +328,25 @@ class PoolIndex:
         for entry in entries:
             self._remove_committed(entry)
         self.counters.dropped_pages += len(entries)
+        self.retired.settle()
         return len(entries)
 
-    def _remove_committed(self, entry: Entry) -> None:
+    def _remove_committed(self, entry: Entry) -> int:
+        """Take an entry out of view; returns the bytes retired (kept until settle frees them)."""
         del self._entries[entry.key]
         del self._lru[entry.key]
         if self.listener is not None:
             self.listener.removed(entry)
+        self.retired.unpublished(entry)
         if entry.num_leases:
             entry.is_dropped = True
-        else:
-            self._free(entry)
+            return 0
+        return self.retired.retire(entry)
+
+    def touch(self, entries: list[Entry]) -> None:
+        """Entries read through the directory, in the order read: the recent end of the LRU order, as a lookup."""
+        for entry in (e for e in entries if self._lru.get(e.key) is e):
+            self._lru.move_to_end(entry.key)
 
     def _free(self, entry: Entry) -> None:
         """Give an entry's page back to the allocator and take it off its owner's bytes."""
@@ -353,6 +359,7 @@ class PoolIndex:
             self._remove_committed(entry)
             self.counters.quota_evictions += 1
             self.counters.evicted_bytes += entry.page_bytes
+        self.retired.settle()
         over = self.quota.num_over(owner, len(wanted), page_bytes)
         self.counters.quota_skipped_pages += over
         return wanted[: len(wanted) - over], over
@@ -360,24 +367,25 @@ class PoolIndex:
     def _evict_above_watermark(self) -> None:
         arena = self.allocator.arena_bytes
         if self.allocator.used_bytes > self.config.high_watermark * arena:
-            target = self.config.low_watermark * arena
-            self._evict(lambda: self.allocator.used_bytes <= target)
+            self._evict(lambda: self.allocator.used_bytes - self.config.low_watermark * arena)
 
-    def _evict(self, is_done, page_bytes: int = 0) -> None:
-        """Evict committed, unleased entries oldest first until ``is_done()`` (eviction.victims: which)."""
-        for group in victims(
-            list(self._lru.values()),
-            self._leases.values(),
-            self._reservations.values(),
-            self.allocator.extent_bytes,
-            page_bytes,
-        ):
-            if is_done():
+    def _evict(self, bytes_short, page_bytes: int = 0) -> None:
+        """Evict committed, unleased entries oldest first until ``bytes_short()`` is 0 (eviction.victims: which); a
+        round evicts what its retired bytes would cover, settles, and goes on while some stayed held (retiring.py)."""
+        while bytes_short() > 0:
+            evicted = retired = 0
+            lru, leases, writing = list(self._lru.values()), self._leases.values(), self._reservations.values()
+            for group in victims(lru, leases, writing, self.allocator.extent_bytes, page_bytes):
+                if bytes_short() <= retired:
+                    break
+                for entry in group:
+                    retired += self._remove_committed(entry)
+                    self.counters.evictions += 1
+                    self.counters.evicted_bytes += entry.page_bytes
+                evicted += len(group)
+            self.retired.settle()
+            if not evicted:
                 return
-            for entry in group:
-                self._remove_committed(entry)
-                self.counters.evictions += 1
-                self.counters.evicted_bytes += entry.page_bytes
 
     def _check_keys(self, keys: list[bytes]) -> None:
         if len(keys) > self.config.max_keys:
@@ -386,15 +394,7 @@ class PoolIndex:
             if len(key) != KEY_BYTES:
                 raise PoolError("bad_key", f"keys must be {KEY_BYTES} bytes, got one of {len(key)}")
 
-    def _new_id(self) -> int:
-        self._next_id += 1
-        return self._next_id - 1
-
     def check_integrity(self) -> None:
         """Raise AssertionError if the index and the allocator disagree (the whole pass at once)."""
         for _ in integrity_items(self):
             pass
-
-    def integrity_steps(self, max_items: int) -> Iterator[int]:
-        """check_integrity cut into steps of at most ``max_items`` items each (integrity.py)."""
-        return integrity_steps(self, max_items)

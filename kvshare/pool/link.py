@@ -46,8 +46,10 @@ class PoolLink:
         retry_max_s: float | None = None,
         verify_checksums: bool = False,
         clock: Callable[[], float] = time.monotonic,
+        direct: bool = True,
     ) -> None:
         self.socket_path = socket_path
+        self.direct = direct  # lease fully committed chains without a round trip where the pool offers it
         self.name = name
         self.timeout_s = timeout_s
         self.retry_s = retry_s
@@ -92,6 +94,7 @@ class PoolLink:
             timeout_s=self.timeout_s,
             verify_checksums=self.verify_checksums,
             holder=self.holder,
+            direct=self.direct,
         )
         try:
             client.connect()

@@ -45,6 +45,7 @@ class Hello(msgspec.Struct, tag="hello"):
     protocol_version: int
     client_name: str = ""
     holder: bytes = b""
+    direct: bool = False  # asks for the directory and a hold table: lookups without a round trip (direct.py)
 
 
 class Lookup(msgspec.Struct, tag="lookup"):
@@ -177,6 +178,10 @@ class HelloReply(msgspec.Struct, tag="hello_reply"):
     server_pid: int
     pool_id: bytes
     wants_token_ids: bool = False  # the pool publishes KV events: a Reserve may carry its chunks' token ids
+    # with a Hello.direct the pool offers (direct.py): the directory's slots and the hold table's holds, whose
+    # memfds follow the arena's
+    direct_slots: int = 0
+    direct_holds: int = 0
 
 
 class LookupReply(msgspec.Struct, tag="lookup_reply"):

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kvshare.pool.entries import Entry
+from kvshare.pool.entries import Entry, EntryState
 
 
 class NamespaceQuota:
@@ -88,3 +88,13 @@ class NamespaceQuota:
     def check_held(self, by_owner: dict[bytes, int]) -> None:
         """Raise AssertionError unless ``by_owner`` (bytes of the live entries, summed by the caller) is held."""
         assert by_owner == self._held, "bytes per owner disagree with the entries"
+
+
+def namespace_rows(entries: Iterable[Entry]) -> list[tuple[bytes, int, int]]:
+    """(namespace, committed entries, bytes held) of every namespace that holds pages, largest first: by namespace,
+    whatever account a quota charges them to (an account may span namespaces)."""
+    rows: dict[bytes, tuple[int, int]] = {}
+    for entry in entries:
+        num, held = rows.get(entry.namespace, (0, 0))
+        rows[entry.namespace] = (num + (entry.state is EntryState.COMMITTED), held + entry.page_bytes)
+    return sorted(((ns, num, held) for ns, (num, held) in rows.items()), key=lambda row: -row[2])

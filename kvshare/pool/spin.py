@@ -39,8 +39,10 @@ less CPU per round trip raises the rate. How much less: a C ping-pong over a
 unix socket pair beside the same two burners kept its p99 at 27-80 us while the
 client spent at most 15 us a round trip (the other end up to 30 us), passed
 20k/s only at ~5 us a side (18.9k/s at 8 us), and reached p99 1.8-3.6 ms once the client
-spent 20-40 us. A Python client's part is ~40 us, so that goal needs a native
-client path or lookups that need no round trip.
+spent 20-40 us. A Python client's part is ~40 us, so lookups of committed
+chains take no round trip at all (direct.py): a pure-Python loop of 20-40 us
+steps beside the same two burners kept p99 under 50 us (it is preempted only at
+ticks, ~4 ms apart), and direct lookups run at 24-25k/s, p99 43-49 us there.
 """
 
 from __future__ import annotations

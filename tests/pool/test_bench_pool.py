@@ -34,6 +34,8 @@ def test_bench_pool_json_has_the_figures_and_the_reader_saw_the_writers_bytes():
         "get_ratio_vs_memcpy",
         "lookup_ops_per_s",
         "lookup_p99_us",
+        "lookup_round_trip_ops_per_s",
+        "lookup_round_trip_p99_us",
         "memcpy_gbps",
         "put_gbps",
         "get_gbps",
@@ -42,6 +44,10 @@ def test_bench_pool_json_has_the_figures_and_the_reader_saw_the_writers_bytes():
     ):
         assert result[key] > 0, key
     assert result["bytes_per_pass"] == 16 << 20
+    # the engines' client: leases from the pool's directory where this machine offers it (kvshare.pool.direct)
+    from kvshare.pool.direct import is_supported
+
+    assert result["lookup_path"] == ("direct" if is_supported() else "round_trip")
     assert isinstance(result["is_contended"], bool)
     assert result["cpu_pressure_pct"] is None or result["cpu_pressure_pct"] >= 0
 

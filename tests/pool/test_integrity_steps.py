@@ -7,6 +7,7 @@ import pytest
 
 from kvshare.pool.client import PoolClient
 from kvshare.pool.daemon import PoolConfig, PoolServer
+from kvshare.pool.integrity import integrity_steps
 from tests.pool.conftest import MiB
 from tests.pool.test_index import NS, PAGE, keys, make, store
 
@@ -23,7 +24,7 @@ def filled_index():
 def test_each_step_checks_at_most_max_items_and_the_pass_covers_everything():
     """Fails without PoolIndex.integrity_steps (a pass that can only run whole, 0.41 s over 200k pages)."""
     index = filled_index()
-    steps = list(index.integrity_steps(max_items=7))
+    steps = list(integrity_steps(index, max_items=7))
     assert all(n <= 7 for n in steps)
     # 16 extents, 25 leased and 10 reserved entries, 50 entries, 25 lease entries looked at again for drops
     assert sum(steps) == 16 + 25 + 10 + 50 + 25
@@ -34,7 +35,7 @@ def test_a_planted_inconsistency_is_found_at_a_later_step():
     """A lease count off by one on an entry deep in the index: the steps before it pass, then the step raises."""
     index = filled_index()
     index.entry(keys("a", 40)[30]).num_leases += 1
-    steps = index.integrity_steps(max_items=5)
+    steps = integrity_steps(index, max_items=5)
     num_steps_before = 0
     with pytest.raises(AssertionError, match="lease count"):
         for _ in steps:

@@ -1,0 +1,304 @@
+"""Lookups and leases that take no round trip: the pool's directory of committed pages, and one hold table per holder.
+
+A lookup answered over the socket costs a round trip, and a round trip needs
+both ends to run: beside busy neighbours on a small host each end waits for a
+core (spin.py). A client that asks for it at hello (``Hello.direct``) gets two
+more memfds: the **directory**, which it maps read-only (sealed against writable
+mappings), and its holder's **hold table**, which it alone writes. It then
+leases a fully committed chain by itself:
+
+1. it reads each key's directory slot under the slot's sequence number (even:
+   stable; odd: being written; a slot whose number changed while read was not
+   read): where the page lies, its checksum, and the entry's *generation*, a
+   number the pool never gives to two entries;
+2. it writes a hold (lease id, then generation) into its hold table;
+3. it reads the slot's sequence number again: unchanged, the lease holds; changed,
+   the entry left the directory meanwhile, and the client takes the round trip.
+
+The pool never frees or reuses the page of an entry that was published here until
+no live hold names its generation. When an entry leaves (eviction, drop, flush)
+the pool (a) takes it out of its slot, (b) runs membarrier(GLOBAL_EXPEDITED),
+which executes a full memory barrier on every CPU running a registered process
+(clients register before they map: ``register_client``), and (c) scans the hold
+tables. Either the client's hold was visible to (c), or the client's step 3 ran
+after (b) and so after (a), and it saw the slot change: a page is freed only when
+no reader can still be using it (the asymmetric-fence pattern of liburcu). A hold
+ends when the client clears it (its copies have ended), when the pool has seen it
+for longer than a lease's TTL (lease_ttl_s; timed by the pool's clock, never the
+client's), or when its holder is forgotten (holders.py: a Goodbye, or the process
+is gone).
+
+The scheme relies on x86-64's ordering of plain stores and loads (TSO) and on
+membarrier; elsewhere the pool offers no directory and every lookup takes the
+round trip. A hold table is the client's own and the pool trusts nothing in it
+beyond "these generations may be read": garbage there pins pages at most until
+the TTL, as leases can. Eviction does not see direct holds before it picks a
+victim: a page read that way may be taken out of view while read (it stays
+allocated until the hold ends); the client's touches (a ring in its table) keep
+what it reads at the recent end of the LRU order, as a lookup does.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import logging
+import mmap
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvshare.pool.arena import SIZE_SEALS
+
+log = logging.getLogger("kvshare.pool")
+
+# One directory slot: 8 little-endian u64 words, 4 slots to a bucket, bucket = key's low word & mask.
+SLOT_WORDS = 8
+SEQ, KEY_LO, KEY_HI, OFFSET, PAGE_BYTES, CHECKSUM, CHECKSUM_KIND, GEN = range(SLOT_WORDS)
+BUCKET_SLOTS = 4
+# A hold table: a header, a ring of touched generations, then the holds (generation, lease id).
+HEADER_WORDS = 8
+HWM, LOOKUPS, HIT_CHUNKS, TOUCHES = range(4)  # header words: holds in use lie below hwm; counters; touches written
+TOUCH_RING = 1024
+HOLD_WORDS = 2
+HOLD_GEN, HOLD_LEASE = range(HOLD_WORDS)
+DEFAULT_HOLDS = 4096  # holds one holder may have at once (pages leased); more take the round trip
+
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
+_MEMBARRIER_NR = {"x86_64": 324, "AMD64": 324}
+MEMBARRIER_CMD_GLOBAL_EXPEDITED = 1 << 1
+MEMBARRIER_CMD_REGISTER_GLOBAL_EXPEDITED = 1 << 2
+
+
+def membarrier(cmd: int) -> bool:
+    """Run membarrier(``cmd``); False where this machine cannot (another architecture, an old kernel, seccomp)."""
+    nr = _MEMBARRIER_NR.get(platform.machine())
+    if nr is None or os.name != "posix":
+        return False
+    try:
+        return ctypes.CDLL(None, use_errno=True).syscall(nr, cmd, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def is_supported() -> bool:
+    """Whether this machine can offer direct lookups: x86-64 (its store and load order) with membarrier."""
+    return platform.machine() in _MEMBARRIER_NR and membarrier(MEMBARRIER_CMD_GLOBAL_EXPEDITED)
+
+
+def register_client() -> bool:
+    """Ask that the pool's barriers reach this process's CPUs; without it, a client must not read the directory."""
+    return membarrier(MEMBARRIER_CMD_REGISTER_GLOBAL_EXPEDITED)
+
+
+def directory_slots(arena_bytes: int) -> int:
+    """Slots for an arena: one per 32 KiB of arena, a power of two between 4096 and 2**20 (at most 64 MiB)."""
+    wanted = max(4096, min(1 << 20, arena_bytes // (32 << 10)))
+    return 1 << (wanted - 1).bit_length()
+
+
+def hold_table_bytes(num_holds: int) -> int:
+    return (HEADER_WORDS + TOUCH_RING + num_holds * HOLD_WORDS) * 8
+
+
+def _memfd(name: str, num_bytes: int) -> tuple[int, mmap.mmap]:
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, num_bytes)
+        mapping = mmap.mmap(fd, num_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, mapping
+
+
+@dataclass(eq=False)
+class _HoldTable:
+    fd: int
+    mapping: mmap.mmap
+    words: np.ndarray  # the whole table as u64
+    holds: np.ndarray  # [num_holds, HOLD_WORDS] view
+    touches_read: int = 0
+    first_seen: dict = field(default_factory=dict)  # (hold slot, generation, lease id) -> when the pool first saw it
+
+
+class DirectTables:
+    """The daemon's side: the directory it publishes committed entries in, and the hold tables it reads."""
+
+    def __init__(self, arena_bytes: int, hold_ttl_s: float, num_holds: int = DEFAULT_HOLDS) -> None:
+        self.num_slots = directory_slots(arena_bytes)
+        self.num_holds = num_holds
+        self.hold_ttl_s = hold_ttl_s
+        self._mask = self.num_slots // BUCKET_SLOTS - 1
+        self.fd, self._mapping = _memfd("kvshare-directory", self.num_slots * SLOT_WORDS * 8)
+        # Clients may map it only read-only from now on (the pool's own mapping stays writable).
+        fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SIZE_SEALS | F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL)
+        self.slots = np.frombuffer(self._mapping, dtype="<u8").reshape(self.num_slots, SLOT_WORDS)
+        self._slot_of: dict[bytes, int] = {}  # published key -> slot
+        self._by_gen: dict[int, object] = {}  # published generation -> entry (for touches)
+        self._next_gen = 1
+        self._tables: dict[int, _HoldTable] = {}  # holder id -> its hold table
+        self.counters = {"lookups": 0, "hit_chunks": 0}  # of hold tables already closed
+        self.unpublished_full = 0  # entries not published: their bucket was full (their lookups take the round trip)
+
+    # -- the directory ---------------------------------------------------------------
+
+    def publish(self, entries) -> None:
+        """Make committed entries readable without a round trip (each gets a new generation)."""
+        slots = self.slots
+        for entry in entries:
+            key_lo = int.from_bytes(entry.key[:8], "little")
+            first = (key_lo & self._mask) * BUCKET_SLOTS
+            free = next((s for s in range(first, first + BUCKET_SLOTS) if not slots[s, GEN]), None)
+            if free is None:
+                self.unpublished_full += 1
+                continue
+            entry.gen, self._next_gen = self._next_gen, self._next_gen + 1
+            seq = int(slots[free, SEQ])
+            slots[free, SEQ] = seq + 1  # odd: being written
+            slots[free, KEY_LO:SLOT_WORDS] = (
+                key_lo,
+                int.from_bytes(entry.key[8:16], "little"),
+                entry.offset,
+                entry.page_bytes,
+                entry.checksum,
+                int(entry.checksum_kind),
+                entry.gen,
+            )
+            slots[free, SEQ] = seq + 2
+            self._slot_of[entry.key] = free
+            self._by_gen[entry.gen] = entry
+
+    def unpublish(self, entry) -> None:
+        """Take an entry out of the directory (a reader that sees the slot change leases nothing)."""
+        slot = self._slot_of.pop(entry.key, None)
+        if slot is None or self._by_gen.get(entry.gen) is not entry:
+            return
+        del self._by_gen[entry.gen]
+        seq = int(self.slots[slot, SEQ])
+        self.slots[slot, SEQ] = seq + 1
+        self.slots[slot, KEY_LO:SLOT_WORDS] = 0
+        self.slots[slot, SEQ] = seq + 2
+
+    # -- hold tables -------------------------------------------------------------------
+
+    def hold_table(self, holder_id: int) -> int:
+        """The memfd of a holder's hold table (made at its first hello; the same one after a reconnect)."""
+        table = self._tables.get(holder_id)
+        if table is None:
+            fd, mapping = _memfd("kvshare-holds", hold_table_bytes(self.num_holds))
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SIZE_SEALS | fcntl.F_SEAL_SEAL)
+            words = np.frombuffer(mapping, dtype="<u8")
+            holds = words[HEADER_WORDS + TOUCH_RING :].reshape(self.num_holds, HOLD_WORDS)
+            table = self._tables[holder_id] = _HoldTable(fd, mapping, words, holds)
+        return table.fd
+
+    def keep_tables_of(self, holder_ids) -> None:
+        """Close the hold tables of holders no longer known (their holds have ended: holders.py says when)."""
+        for holder_id in [h for h in self._tables if h not in holder_ids]:
+            table = self._tables.pop(holder_id)
+            self.counters["lookups"] += int(table.words[LOOKUPS])
+            self.counters["hit_chunks"] += int(table.words[HIT_CHUNKS])
+            os.close(table.fd)
+            del table.holds, table.words
+            table.mapping.close()
+
+    def unheld(self, entries: list, now: float | None = None) -> list:
+        """Those of ``entries`` (all out of the directory) that no live hold names: their pages may be freed."""
+        if not self._tables:
+            return list(entries)
+        if not membarrier(MEMBARRIER_CMD_GLOBAL_EXPEDITED):
+            raise RuntimeError("membarrier failed after the directory was offered: pages held directly stay held")
+        held = self.held_gens(time.monotonic() if now is None else now)
+        return [entry for entry in entries if entry.gen not in held]
+
+    def held_gens(self, now: float) -> set[int]:
+        """Generations named by a live hold in any table."""
+        return {gen for table in self._tables.values() for gen, _lease in self._live(table, now)}
+
+    def live_holds(self, now: float, holder_id: int | None = None) -> int:
+        """Live direct holds (pages) in every table, or in the holder's."""
+        return sum(len(self._live(t, now)) for h, t in self._tables.items() if holder_id in (None, h))
+
+    def live_leases(self, now: float) -> int:
+        """Direct leases (lease ids with a live hold) over every table; for stats, beside the pool's own."""
+        return sum(len({lease for _gen, lease in self._live(table, now)}) for table in self._tables.values())
+
+    def _live(self, table: _HoldTable, now: float) -> list[tuple[int, int]]:
+        """(generation, lease id) of the table's live holds: set, and first seen by the pool less than the TTL ago.
+        What a table says is bounded (its hwm), never trusted: garbage there pins at most the pages it names."""
+        holds = table.holds[: min(int(table.words[HWM]), self.num_holds)]
+        slots = np.flatnonzero(holds[:, HOLD_GEN])
+        seen = {}
+        for slot, (gen, lease) in zip(slots.tolist(), holds[slots].tolist()):
+            seen[(slot, gen, lease)] = table.first_seen.get((slot, gen, lease), now)
+        table.first_seen = seen
+        return [(gen, lease) for (_slot, gen, lease), first in seen.items() if now - first < self.hold_ttl_s]
+
+    def touched(self) -> list:
+        """Entries the clients read since the last call, in the order read (for the LRU order)."""
+        touched = []
+        for table in self._tables.values():
+            written = int(table.words[TOUCHES])
+            start = max(table.touches_read, written - TOUCH_RING)
+            for i in range(start, written):
+                entry = self._by_gen.get(int(table.words[HEADER_WORDS + i % TOUCH_RING]))
+                if entry is not None:
+                    touched.append(entry)
+            table.touches_read = written
+        return touched
+
+    def tick(self, index, holder_ids) -> None:
+        """What clients read moves up the LRU order; tables of forgotten holders close; ended holds free pages."""
+        index.touch(self.touched())
+        self.keep_tables_of(holder_ids)
+        index.retired.settle()
+
+    def lookup_counters(self) -> tuple[int, int]:
+        """(lookups, hit chunks) answered from the directory, over every table, open or closed."""
+        lookups = self.counters["lookups"] + sum(int(t.words[LOOKUPS]) for t in self._tables.values())
+        hits = self.counters["hit_chunks"] + sum(int(t.words[HIT_CHUNKS]) for t in self._tables.values())
+        return lookups, hits
+
+    def close(self) -> None:
+        self.keep_tables_of(())
+        del self.slots
+        self._mapping.close()
+        os.close(self.fd)
+
+
+def open_direct(arena_bytes: int, hold_ttl_s: float, num_holds: int = DEFAULT_HOLDS) -> DirectTables | None:
+    """The directory and hold tables where this machine supports them (x86-64, membarrier, sealable memfds), else
+    None: every lookup then takes the round trip."""
+    try:
+        if is_supported():
+            return DirectTables(arena_bytes, hold_ttl_s, num_holds)
+    except OSError as exc:
+        log.info("no direct lookups: %s", exc)
+        return None
+    log.info("no direct lookups on this machine (%s, no membarrier)", platform.machine())
+    return None
+
+
+def add_direct_stats(stats: dict, retired) -> dict:
+    """The pool's stats with the lookups answered from the directory counted in, and a ``direct`` section (none
+    without the directory). ``retired``: the index's RetiredPages."""
+    direct = retired.direct
+    if direct is None:
+        return stats
+    lookups, hits = direct.lookup_counters()
+    now = time.monotonic()
+    stats["lookups"] += lookups
+    stats["hit_chunks"] += hits
+    stats["leases"] += direct.live_leases(now)  # a lease is a lease, whichever way it was taken
+    stats["direct"] = {
+        "lookups": lookups,
+        "hit_chunks": hits,
+        "holds": direct.live_holds(now),
+        "retired_pages": len(retired.entries),  # out of view, kept while a direct hold may read them
+        "unpublished": direct.unpublished_full,
+    }
+    return stats

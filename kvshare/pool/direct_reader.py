@@ -1,0 +1,190 @@
+"""A client's side of direct lookups (direct.py): lease a fully committed chain from the directory, no round trip.
+
+Steps and why they are safe: direct.py. Anything short of a full hit (a miss, a
+slot being written, an entry leaving while leased, no free hold) returns None and
+the caller asks the pool over the socket, which also counts misses and promotes
+from the remote tier.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import threading
+
+from kvshare.pool import protocol as P
+from kvshare.pool.direct import (
+    BUCKET_SLOTS,
+    CHECKSUM,
+    CHECKSUM_KIND,
+    GEN,
+    HEADER_WORDS,
+    HIT_CHUNKS,
+    HOLD_GEN,
+    HOLD_LEASE,
+    HOLD_WORDS,
+    HWM,
+    KEY_HI,
+    KEY_LO,
+    LOOKUPS,
+    OFFSET,
+    PAGE_BYTES,
+    SLOT_WORDS,
+    TOUCH_RING,
+    TOUCHES,
+    hold_table_bytes,
+)
+from kvshare.pool.grants import LeaseGrant
+
+# Lease ids of direct leases: far above any id the pool gives (they count up from 1 per daemon).
+DIRECT_LEASE_BIT = 1 << 62
+
+
+_WORD = struct.Struct("<Q")
+_BODY = struct.Struct(f"<{SLOT_WORDS}Q")  # a slot's words
+SLOT_BYTES = SLOT_WORDS * 8
+BUCKET_BYTES = BUCKET_SLOTS * SLOT_BYTES
+HOLDS_AT = (HEADER_WORDS + TOUCH_RING) * 8  # byte offset of the first hold in a table
+
+
+class DirectLeases:
+    """The directory (read-only) and this holder's hold table (written only here), as a client maps them.
+
+    Plain struct reads and writes on the mappings, in program order (x86-64 keeps stores in order, and loads in
+    order, which is what direct.py's argument needs): a lookup of a few keys costs a few microseconds.
+    """
+
+    def __init__(self, directory_fd: int, num_slots: int, table_fd: int, num_holds: int, pool_id: bytes) -> None:
+        self.pool_id = pool_id
+        self._dir = mmap.mmap(directory_fd, num_slots * SLOT_BYTES, mmap.MAP_SHARED, mmap.PROT_READ)
+        self._table = mmap.mmap(table_fd, hold_table_bytes(num_holds), mmap.MAP_SHARED)
+        self.table_inode = os.fstat(table_fd).st_ino  # which table: the pool makes a new one for a new holder
+        self._mask = num_slots // BUCKET_SLOTS - 1
+        # A table kept from an earlier connection of this holder may hold live holds: their slots stay taken.
+        hwm = min(self._word(HWM), num_holds)
+        in_use = {i for i in range(hwm) if _WORD.unpack_from(self._table, HOLDS_AT + i * HOLD_WORDS * 8)[0]}
+        self._free = [i for i in range(num_holds - 1, -1, -1) if i not in in_use]  # lowest slot popped first
+        self._hwm = hwm
+        self._leases: dict[int, list[int]] = {}  # lease id -> its hold slots
+        self._next_lease = DIRECT_LEASE_BIT + 1
+        self._lock = threading.Lock()  # one lookup or release at a time (a PoolClient is used from several threads)
+        self.is_closed = False
+        self.on_close = lambda: None
+
+    def lookup(self, keys: list[bytes], page_bytes: int) -> LeaseGrant | None:
+        """A lease on every key's page, or None (take the round trip)."""
+        with self._lock:
+            return None if self.is_closed else self._lookup(keys, page_bytes)
+
+    def _lookup(self, keys: list[bytes], page_bytes: int) -> LeaseGrant | None:
+        if not keys or len(keys) > len(self._free):
+            return None
+        directory, mask, unpack_word, unpack_slot = self._dir, self._mask, _WORD.unpack_from, _BODY.unpack_from
+        read = []  # (slot offset, sequence number, slot words) per key
+        for key in keys:
+            bucket = (int.from_bytes(key[:8], "little") & mask) * BUCKET_BYTES
+            at = directory.find(key, bucket, bucket + BUCKET_BYTES)
+            while at >= 0 and (at - bucket) % SLOT_BYTES != KEY_LO * 8:
+                at = directory.find(key, at + 1, bucket + BUCKET_BYTES)
+            if at < 0 or len(key) != 16:  # a key of another length: the pool's own lookup says what is wrong
+                return None
+            slot = at - KEY_LO * 8
+            seq = unpack_word(directory, slot)[0]  # the number first, then the slot, then the number again
+            raw = directory[slot : slot + SLOT_BYTES]
+            words = unpack_slot(raw)
+            if seq & 1 or raw[KEY_LO * 8 : KEY_HI * 8 + 8] != key or words[GEN] == 0 or words[PAGE_BYTES] != page_bytes:
+                return None
+            read.append((slot, seq, words))
+        table = self._table
+        held = [self._free.pop() for _ in keys]
+        if max(held) >= self._hwm:
+            self._hwm = max(held) + 1
+            _WORD.pack_into(table, HWM * 8, self._hwm)  # before the holds: the pool scans the table below it
+        lease_id, self._next_lease = self._next_lease, self._next_lease + 1
+        for (_slot, _seq, words), hold in zip(read, held):
+            at = HOLDS_AT + hold * HOLD_WORDS * 8
+            _WORD.pack_into(table, at + HOLD_LEASE * 8, lease_id)
+            _WORD.pack_into(table, at + HOLD_GEN * 8, words[GEN])  # the hold is visible once its generation is
+        for slot, seq, _words in read:
+            if _WORD.unpack_from(directory, slot)[0] != seq:  # the entry left while the hold was taken: lease nothing
+                self._clear(held)
+                return None
+        self._leases[lease_id] = held
+        self._touch([words[GEN] for _slot, _seq, words in reversed(read)])
+        _WORD.pack_into(table, LOOKUPS * 8, self._word(LOOKUPS) + 1)
+        _WORD.pack_into(table, HIT_CHUNKS * 8, self._word(HIT_CHUNKS) + len(keys))
+        version = P.FORMAT_VERSION
+        return LeaseGrant(
+            lease_id=lease_id,
+            pages=[
+                P.PageHeader(w[OFFSET], w[PAGE_BYTES], w[CHECKSUM], version, w[CHECKSUM_KIND]) for _s, _q, w in read
+            ],
+        )
+
+    def release(self, lease_id: int) -> bool:
+        """End a direct lease (its copies have ended); False when it is not one of ours."""
+        with self._lock:
+            held = None if self.is_closed else self._leases.pop(lease_id, None)
+            if held is not None:
+                self._clear(held)
+        return held is not None
+
+    @property
+    def num_leases(self) -> int:
+        return len(self._leases)
+
+    def _word(self, index: int) -> int:
+        return _WORD.unpack_from(self._table, index * 8)[0]
+
+    def _clear(self, held: list[int]) -> None:
+        for hold in held:
+            _WORD.pack_into(self._table, HOLDS_AT + hold * HOLD_WORDS * 8 + HOLD_GEN * 8, 0)
+        self._free.extend(sorted(held, reverse=True))
+
+    def _touch(self, gens: list[int]) -> None:
+        """Tell the pool which entries were read, tail first (as a lookup moves them in the LRU order)."""
+        written, gens = self._word(TOUCHES), gens[-TOUCH_RING:]
+        first = written % TOUCH_RING
+        head = gens[: TOUCH_RING - first]  # up to the ring's end, then the rest from its start
+        struct.pack_into(f"<{len(head)}Q", self._table, (HEADER_WORDS + first) * 8, *head)
+        if len(gens) > len(head):
+            struct.pack_into(f"<{len(gens) - len(head)}Q", self._table, HEADER_WORDS * 8, *gens[len(head) :])
+        _WORD.pack_into(self._table, TOUCHES * 8, written + len(gens))
+
+    def close(self, end_holds: bool = True, unmap: bool | None = None) -> None:
+        """End every hold with ``end_holds`` (the caller says its copies have ended) and unmap. Without it the holds
+        stay in the table, which the pool reads while this process lives or until their TTL, and the mapping stays
+        for the next client of this holder (map_direct), unless ``unmap``."""
+        for lease_id in list(self._leases) if end_holds else ():
+            self.release(lease_id)
+        if not (end_holds if unmap is None else unmap):
+            return
+        self.is_closed = True
+        self.on_close()
+        self._dir.close()
+        self._table.close()
+
+
+# (pool id, holder token, pid) -> the mapping every client of that holder in this process shares: a client made
+# after a timeout (PoolLink) releases the direct leases its predecessor took. The pid keeps a forked child, which
+# inherits this dict and the mappings, off its parent's table (the pool gives the child a holder of its own).
+_SHARED: dict[tuple[bytes, bytes, int], DirectLeases] = {}
+
+
+def map_direct(reply: P.HelloReply, fds: list[int], holder: bytes) -> DirectLeases | None:
+    """The directory and the holder's hold table when the pool sent them (``fds``, after the arena's); the mapping
+    an earlier client of the same holder made while the pool still reads that table. A pool that forgot the holder
+    (no holds were left) sends a new table: holds written into the old one would be seen by nobody."""
+    if not reply.direct_slots or len(fds) != 2:
+        return None
+    key = (reply.pool_id, holder, os.getpid())
+    current = _SHARED.get(key)
+    if current is not None and not current.is_closed and current.table_inode == os.fstat(fds[1]).st_ino:
+        return current
+    if current is not None and not current.is_closed:
+        current.close(end_holds=False, unmap=True)
+    leases = DirectLeases(fds[0], reply.direct_slots, fds[1], reply.direct_holds, reply.pool_id)
+    _SHARED[key] = leases
+    leases.on_close = lambda: _SHARED.pop(key, None) if _SHARED.get(key) is leases else None
+    return leases
