@@ -1,13 +1,11 @@
 """PoolClient: one connection to the pool daemon and a zero-copy map of its arena.
 
-Synchronous and thread-safe (one request in flight per client, under a lock).
-The client's holds (leases and reservations) belong to its holder token, kept
-across reconnects: ``close()`` says every copy has ended and ends them;
-``close(end_holds=False)`` (after a timeout or a lost link) leaves them to the
-pool, which keeps them while this process lives (kvshare.pool.holders).
-Page views are numpy arrays over the mapped arena: contiguous by construction,
-and asserted, because torch silently stages a non-contiguous pinned view
-through pageable memory.
+Synchronous and thread-safe (one request in flight per client, under a lock). The client's holds (leases and
+reservations) belong to its holder token, kept across reconnects: ``close()`` says every copy has ended and ends
+them; ``close(end_holds=False)`` (after a timeout or a lost link) leaves them to the pool, which keeps them while
+this process lives (kvshare.pool.holders). With ``direct`` a full hit is leased from the pool's directory with no
+round trip (kvshare.pool.direct). Page views are numpy arrays over the mapped arena: contiguous by construction,
+and asserted, because torch silently stages a non-contiguous pinned view through pageable memory.
 """
 
 from __future__ import annotations
@@ -270,8 +268,9 @@ class PoolClient:
             raise TimeoutError(f"the pool took no request for {self.timeout_s} s") from None
 
     def lookup(self, keys: list[bytes], page_bytes: int, lease: bool = True) -> LeaseGrant:
-        """Longest committed prefix of ``keys``, leased so it cannot be evicted while read."""
-        is_direct = lease and self._direct is not None and self._sock is not None
+        """Longest committed prefix of ``keys``, leased so it cannot be evicted while read; a full hit from the
+        directory where mapped (no round trip) while the socket says the pool is there (a gone pool's stays mapped)."""
+        is_direct = lease and self._direct is not None and not self.is_peer_closed()
         grant = self._direct.lookup(keys, page_bytes) if is_direct else None
         if grant is not None:
             return grant
