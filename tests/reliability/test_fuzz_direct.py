@@ -1,12 +1,13 @@
 """Direct lookups under churn: no page is freed or reused under a direct hold, no lease hands out foreign bytes.
 
-A pool in a thread of the test process (so the negative control can break its guard) with a small arena that
-writers keep full; reader processes lease random chains with ``direct=True`` and check every page they get
-twice, when leased and again just before release, while writer processes write, drop, re-write and flush
-chains (the reserve and the commit both evict). Each page a writer commits describes itself (its key, who
-wrote it, a write counter, and a fill derived from them), so a reader tells a changed page (checksum), a page
-of another key (header) and a torn one (fill: two writers were given one page) apart. A process that holds
-direct leases is killed meanwhile: its holds must end with it. The pool's side of the guard: kvshare/pool/direct.py.
+A pool in a thread of the test process (so the negative control can break its guard), or a ``kvshare pool``
+child process, with a small arena that writers keep full; reader processes lease random chains with
+``direct=True`` and check every page they get twice, when leased and again just before release, while writer
+processes write, drop, re-write and flush chains (the reserve and the commit both evict). Each page a writer
+commits describes itself (its key, who wrote it, a write counter, and a fill derived from them), so a reader
+tells a changed page (checksum), a page of another key (header) and a torn one (fill: two writers were given one
+page) apart. A process that holds direct leases is killed meanwhile: its holds must end with it. The pool's side
+of the guard: kvshare/pool/direct.py.
 
 The seeds fix each process's choices, not how the processes interleave (that is the machine's); a failure prints
 its seed, the counts and the first problems the readers saw.
@@ -31,6 +32,7 @@ from kvshare.pool.client import PoolClient
 from kvshare.pool.daemon import PoolConfig, PoolServer
 from kvshare.pool.direct_reader import DIRECT_LEASE_BIT
 from kvshare.pool.index import IndexConfig
+from kvshare.pool.spawn import running_pool
 from tests.pool.conftest import make_keys
 from tests.reliability.conftest import report, wait_until
 
@@ -213,11 +215,10 @@ def server(tmp_path):
     server.stop()
 
 
-def churn(server: PoolServer, seed: int, duration_s: float = DURATION_S) -> dict:
+def churn(path: str, seed: int, duration_s: float = DURATION_S) -> dict:
     """Fill the arena, run readers and writers for ``duration_s``, beside a process that holds two direct leases
     and is killed (SIGKILL) meanwhile; the counts of the readers and writers, summed, with the readers' first
     problems and the largest ``retired_pages`` the pool's stats showed meanwhile."""
-    path = server.config.socket_path
     with PoolClient(path, name="fuzz-filler") as client:
         counter = 1
         for chain in range(NUM_CHAINS):
@@ -274,6 +275,27 @@ def committed_bytes(client: PoolClient) -> tuple[int, int]:
     return found, num_bytes
 
 
+def report_figures(test: str, seed: int, figures: dict) -> None:
+    report(test, seed=seed, **{what: n for what, n in figures.items() if what != "problems"})
+
+
+def assert_every_page_accounted_for(path: str) -> None:
+    """Once every client is gone: no hold left, every retired page freed, index and allocator agree, and the pool
+    uses exactly the bytes of the entries it holds."""
+    with PoolClient(path, name="fuzz-check") as client:
+        wait_until(
+            lambda: (s := client.stats())["leases"] == 0 and s["reservations"] == 0 and s["direct"]["holds"] == 0,
+            10,
+            "every hold of the readers and writers to end",
+        )
+        stats = wait_until(
+            lambda: (s := client.stats())["direct"]["retired_pages"] == 0 and s, 10, "retired pages to be freed"
+        )
+        client.check_integrity()
+        num_entries, num_bytes = committed_bytes(client)
+        assert (stats["entries"], stats["used_bytes"]) == (num_entries, num_bytes)  # no page leaked
+
+
 def count_held_at_retirement(server: PoolServer, monkeypatch) -> set[int]:
     """Generations of entries that left view while a direct hold named them (the pool kept their pages)."""
     kept: set[int] = set()
@@ -293,40 +315,38 @@ def test_no_page_changes_under_a_direct_hold_while_writers_churn(server, monkeyp
     """Readers lease chains directly while writers evict, drop, re-write and flush them: every page a reader got
     is the one committed for its key, from lease to release, though many left view while held; the holds of the
     killed holder end and every page out of view is freed. Fails when the pool frees a retired page at once (the
-    negative control below shows the checks fire), when it never learns that a holder's process is gone (the
-    holds stay); without the reader's second read of the slots' sequence numbers only now and then (1 run in 6
-    here: that window lasts microseconds; tests/pool/test_direct.py catches it every time)."""
+    negative control below shows the checks fire) and when it never learns that a holder's process is gone (the
+    holds stay). A reader that skips its second read of the slots' sequence numbers it catches only now and then
+    (1 run in 6 here: that window lasts microseconds); tests/pool/test_direct.py catches that one every time."""
     kept = count_held_at_retirement(server, monkeypatch)
-    figures = churn(server, SEED)
+    figures = churn(server.config.socket_path, SEED)
     figures["pages_left_view_while_held"] = len(kept)
-    report("direct_lookups_under_churn", seed=SEED, **{k: v for k, v in figures.items() if k != "problems"})
+    report_figures("direct_lookups_under_churn", SEED, figures)
     assert figures["mismatches"] == 0, (SEED, figures["problems"], figures)
     assert figures["direct_leases"] >= 200, (SEED, figures)  # the readers took the path under test
     assert figures["pages_left_view_while_held"] >= 20, (SEED, figures)  # ... and the writers raced them
     assert figures["max_retired_pages"] > 0, (SEED, figures)  # the pool's stats saw pages kept for a hold
-    with PoolClient(server.config.socket_path, name="fuzz-check") as client:
-        wait_until(
-            lambda: (s := client.stats())["leases"] == 0 and s["reservations"] == 0 and s["direct"]["holds"] == 0,
-            10,
-            "every hold of the readers and writers to end",
-        )
-        stats = wait_until(
-            lambda: (s := client.stats())["direct"]["retired_pages"] == 0 and s, 10, "retired pages to be freed"
-        )
-        client.check_integrity()
-        num_entries, num_bytes = committed_bytes(client)
-        assert (stats["entries"], stats["used_bytes"]) == (num_entries, num_bytes)  # no page leaked
-    assert figures["evictions"] > 0, (SEED, figures)  # the writers kept the arena full
-    assert figures["killed_while_churning"], (SEED, figures)
+    assert figures["evictions"] > 0 and figures["killed_while_churning"], (SEED, figures)
+    assert_every_page_accounted_for(server.config.socket_path)
 
 
 def test_negative_control_without_the_barrier_and_scan_the_readers_see_pages_change(server, monkeypatch):
     """The scenario above with the pool's guard broken (every page that leaves view freed at once): writers get
     pages the readers still hold, and the readers' checks catch it, so the test above can fail."""
     monkeypatch.setattr(server.direct, "unheld", lambda entries, now=None: list(entries))
-    figures = churn(server, SEED + 1)
-    report(
-        "direct_lookups_under_churn_unguarded", seed=SEED + 1, **{k: v for k, v in figures.items() if k != "problems"}
-    )
+    figures = churn(server.config.socket_path, SEED + 1)
+    report_figures("direct_lookups_under_churn_unguarded", SEED + 1, figures)
     assert figures["direct_leases"] >= 200, (SEED + 1, figures)
     assert figures["mismatches"] > 0, (SEED + 1, figures)
+
+
+def test_a_kvshare_pool_process_keeps_directly_held_pages_under_churn():
+    """The same churn against ``kvshare pool`` as users start it (its own tick, a process of its own)."""
+    args = ("--extent-size", "2MiB", "--high-watermark", "0.97", "--low-watermark", "0.9", "--hugepages", "off")
+    with running_pool(ARENA_BYTES, args, quiet=True) as path:
+        figures = churn(path, SEED + 2)
+        report_figures("direct_lookups_under_churn_daemon", SEED + 2, figures)
+        assert figures["mismatches"] == 0, (SEED + 2, figures["problems"], figures)
+        assert figures["direct_leases"] >= 200 and figures["max_retired_pages"] > 0, (SEED + 2, figures)
+        assert figures["evictions"] > 0 and figures["killed_while_churning"], (SEED + 2, figures)
+        assert_every_page_accounted_for(path)
