@@ -6,7 +6,8 @@ child process, with a small arena that writers keep full; reader processes lease
 processes write, drop, re-write and flush chains (the reserve and the commit both evict). Each page a writer
 commits describes itself (its key, who wrote it, a write counter, and a fill derived from them), so a reader
 tells a changed page (checksum), a page of another key (header) and a torn one (fill: two writers were given one
-page) apart. A process that holds direct leases is killed meanwhile: its holds must end with it. The pool's side
+page) apart. Readers now and then close their client as a timeout does and go on with a new one of the same
+holder; a process that holds direct leases is killed meanwhile: its holds must end with it. The pool's side
 of the guard: kvshare/pool/direct.py.
 
 The seeds fix each process's choices, not how the processes interleave (that is the machine's); a failure prints
@@ -132,9 +133,12 @@ def writer_main(path: str, writer: int, seed: int, duration_s: float) -> Counter
 
 
 def reader_main(path: str, reader: int, seed: int, duration_s: float) -> tuple[Counter, list[str]]:
-    """Lease random chains directly for ``duration_s``; check each page when leased and again before release."""
+    """Lease random chains directly for ``duration_s``; check each page when leased and again before release. Now
+    and then, holding leases, the reader closes its client as a timeout does (its holds stay) and goes on with a new
+    client of the same holder, which releases them."""
     rng, counts, problems = random.Random(seed), Counter(), []
     held = []  # (release at, lease id, [(page view, header, key)])
+    holder = rng.randbytes(16)
 
     def check(page, header, key, when: str) -> None:
         problem, stamp = check_page(page, header, key)
@@ -144,7 +148,8 @@ def reader_main(path: str, reader: int, seed: int, duration_s: float) -> tuple[C
             if len(problems) < 8:
                 problems.append(f"{problem} {when}: key {key.hex()} at {header.offset} stamp {stamp:#x}")
 
-    with PoolClient(path, name=f"fuzz-reader{reader}", direct=True) as client:
+    client = PoolClient(path, name=f"fuzz-reader{reader}", holder=holder, direct=True).connect()
+    try:
         assert client.is_direct, "the pool offered no directory"
         deadline = time.monotonic() + duration_s
         while True:
@@ -157,6 +162,11 @@ def reader_main(path: str, reader: int, seed: int, duration_s: float) -> tuple[C
             if now >= deadline:
                 if not held:
                     break
+            elif held and rng.random() < 0.02:
+                client.close(end_holds=False)
+                client = PoolClient(path, name=f"fuzz-reader{reader}", holder=holder, direct=True).connect()
+                counts["reconnects"] += 1
+                continue
             elif len(held) < rng.choice((1, 1, 2, 4)):
                 chain = rng.randrange(NUM_CHAINS)
                 keys = chain_keys(chain)[: rng.randint(1, CHAIN_LEN)]
@@ -173,6 +183,8 @@ def reader_main(path: str, reader: int, seed: int, duration_s: float) -> tuple[C
                 held.append((time.monotonic() + rng.uniform(0, 0.005), grant.lease_id, pages))
                 continue
             time.sleep(max(0.0, min(lease[0] for lease in held) - time.monotonic()) if held else 0.001)
+    finally:
+        client.close()
     return counts, problems
 
 
@@ -315,9 +327,10 @@ def test_no_page_changes_under_a_direct_hold_while_writers_churn(server, monkeyp
     """Readers lease chains directly while writers evict, drop, re-write and flush them: every page a reader got
     is the one committed for its key, from lease to release, though many left view while held; the holds of the
     killed holder end and every page out of view is freed. Fails when the pool frees a retired page at once (the
-    negative control below shows the checks fire) and when it never learns that a holder's process is gone (the
-    holds stay). A reader that skips its second read of the slots' sequence numbers it catches only now and then
-    (1 run in 6 here: that window lasts microseconds); tests/pool/test_direct.py catches that one every time."""
+    negative control below shows the checks fire), when it never learns that a holder's process is gone (the
+    holds stay) and when it forgets a holder whose link closed while it held pages (pages change, or leases
+    stay). A reader that skips its second read of the slots' sequence numbers it catches only now and then (1 run
+    in 6 here: that window lasts microseconds); tests/pool/test_direct.py catches that one every time."""
     kept = count_held_at_retirement(server, monkeypatch)
     figures = churn(server.config.socket_path, SEED)
     figures["pages_left_view_while_held"] = len(kept)
