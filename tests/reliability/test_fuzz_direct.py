@@ -291,9 +291,9 @@ def report_figures(test: str, seed: int, figures: dict) -> None:
     report(test, seed=seed, **{what: n for what, n in figures.items() if what != "problems"})
 
 
-def assert_every_page_accounted_for(path: str) -> None:
+def assert_every_page_accounted_for(path: str) -> dict:
     """Once every client is gone: no hold left, every retired page freed, index and allocator agree, and the pool
-    uses exactly the bytes of the entries it holds."""
+    uses exactly the bytes of the entries it holds. Returns the pool's stats then."""
     with PoolClient(path, name="fuzz-check") as client:
         wait_until(
             lambda: (s := client.stats())["leases"] == 0 and s["reservations"] == 0 and s["direct"]["holds"] == 0,
@@ -306,6 +306,7 @@ def assert_every_page_accounted_for(path: str) -> None:
         client.check_integrity()
         num_entries, num_bytes = committed_bytes(client)
         assert (stats["entries"], stats["used_bytes"]) == (num_entries, num_bytes)  # no page leaked
+        return stats
 
 
 def count_held_at_retirement(server: PoolServer, monkeypatch) -> set[int]:
@@ -340,7 +341,8 @@ def test_no_page_changes_under_a_direct_hold_while_writers_churn(server, monkeyp
     assert figures["pages_left_view_while_held"] >= 20, (SEED, figures)  # ... and the writers raced them
     assert figures["max_retired_pages"] > 0, (SEED, figures)  # the pool's stats saw pages kept for a hold
     assert figures["evictions"] > 0 and figures["killed_while_churning"], (SEED, figures)
-    assert_every_page_accounted_for(server.config.socket_path)
+    stats = assert_every_page_accounted_for(server.config.socket_path)
+    assert stats["errors"] == 0 and stats["orphaned_holders"] > 0, stats  # links closed with holds kept
 
 
 def test_negative_control_without_the_barrier_and_scan_the_readers_see_pages_change(server, monkeypatch):
@@ -362,4 +364,5 @@ def test_a_kvshare_pool_process_keeps_directly_held_pages_under_churn():
         assert figures["mismatches"] == 0, (SEED + 2, figures["problems"], figures)
         assert figures["direct_leases"] >= 200 and figures["max_retired_pages"] > 0, (SEED + 2, figures)
         assert figures["evictions"] > 0 and figures["killed_while_churning"], (SEED + 2, figures)
-        assert_every_page_accounted_for(path)
+        stats = assert_every_page_accounted_for(path)
+        assert stats["errors"] == 0 and stats["orphaned_holders"] > 0, stats
