@@ -270,7 +270,8 @@ class PoolClient:
     def lookup(self, keys: list[bytes], page_bytes: int, lease: bool = True) -> LeaseGrant:
         """Longest committed prefix of ``keys``, leased so it cannot be evicted while read; a full hit from the
         directory where mapped (no round trip) while the socket says the pool is there (a gone pool's stays mapped)."""
-        is_direct = lease and self._direct is not None and not self.is_peer_closed()
+        is_direct = lease and self._direct is not None and self._sock is not None
+        is_direct = is_direct and not (self._poller.poll(0) and self.is_peer_closed())  # poll: ~1 us, no exception
         grant = self._direct.lookup(keys, page_bytes) if is_direct else None
         if grant is not None:
             return grant

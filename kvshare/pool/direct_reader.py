@@ -42,6 +42,9 @@ DIRECT_LEASE_BIT = 1 << 62
 
 
 _WORD = struct.Struct("<Q")
+_HOLD = struct.Struct("<QQ")  # generation, lease id
+_COUNTERS = struct.Struct("<QQQ")  # lookups, hit chunks, touches written: three header words in a row
+assert (HOLD_GEN, HOLD_LEASE) == (0, 1) and (HIT_CHUNKS, TOUCHES) == (LOOKUPS + 1, LOOKUPS + 2), "direct.py's layout"
 _BODY = struct.Struct(f"<{SLOT_WORDS}Q")  # a slot's words
 SLOT_BYTES = SLOT_WORDS * 8
 BUCKET_BYTES = BUCKET_SLOTS * SLOT_BYTES
@@ -102,18 +105,14 @@ class DirectLeases:
             self._hwm = max(held) + 1
             _WORD.pack_into(table, HWM * 8, self._hwm)  # before the holds: the pool scans the table below it
         lease_id, self._next_lease = self._next_lease, self._next_lease + 1
-        for (_slot, _seq, words), hold in zip(read, held):
-            at = HOLDS_AT + hold * HOLD_WORDS * 8
-            _WORD.pack_into(table, at + HOLD_LEASE * 8, lease_id)
-            _WORD.pack_into(table, at + HOLD_GEN * 8, words[GEN])  # the hold is visible once its generation is
+        for (_slot, _seq, words), hold in zip(read, held):  # a hold is visible once its generation (one word) is
+            _HOLD.pack_into(table, HOLDS_AT + hold * HOLD_WORDS * 8, words[GEN], lease_id)
         for slot, seq, _words in read:
             if _WORD.unpack_from(directory, slot)[0] != seq:  # the entry left while the hold was taken: lease nothing
                 self._clear(held)
                 return None
         self._leases[lease_id] = held
-        self._touch([words[GEN] for _slot, _seq, words in reversed(read)])
-        _WORD.pack_into(table, LOOKUPS * 8, self._word(LOOKUPS) + 1)
-        _WORD.pack_into(table, HIT_CHUNKS * 8, self._word(HIT_CHUNKS) + len(keys))
+        self._count([words[GEN] for _slot, _seq, words in reversed(read)])
         version = P.FORMAT_VERSION
         return LeaseGrant(
             lease_id=lease_id,
@@ -142,15 +141,17 @@ class DirectLeases:
             _WORD.pack_into(self._table, HOLDS_AT + hold * HOLD_WORDS * 8 + HOLD_GEN * 8, 0)
         self._free.extend(sorted(held, reverse=True))
 
-    def _touch(self, gens: list[int]) -> None:
-        """Tell the pool which entries were read, tail first (as a lookup moves them in the LRU order)."""
-        written, gens = self._word(TOUCHES), gens[-TOUCH_RING:]
+    def _count(self, gens: list[int]) -> None:
+        """Count the lookup and its pages, and tell the pool which entries were read, tail first (as a lookup moves
+        them in the LRU order): the touch ring, then the counters."""
+        lookups, hits, written = _COUNTERS.unpack_from(self._table, LOOKUPS * 8)
+        touched = gens[-TOUCH_RING:]
         first = written % TOUCH_RING
-        head = gens[: TOUCH_RING - first]  # up to the ring's end, then the rest from its start
+        head = touched[: TOUCH_RING - first]  # up to the ring's end, then the rest from its start
         struct.pack_into(f"<{len(head)}Q", self._table, (HEADER_WORDS + first) * 8, *head)
-        if len(gens) > len(head):
-            struct.pack_into(f"<{len(gens) - len(head)}Q", self._table, HEADER_WORDS * 8, *gens[len(head) :])
-        _WORD.pack_into(self._table, TOUCHES * 8, written + len(gens))
+        if len(touched) > len(head):
+            struct.pack_into(f"<{len(touched) - len(head)}Q", self._table, HEADER_WORDS * 8, *touched[len(head) :])
+        _COUNTERS.pack_into(self._table, LOOKUPS * 8, lookups + 1, hits + len(gens), written + len(touched))
 
     def close(self, end_holds: bool = True, unmap: bool | None = None) -> None:
         """End every hold with ``end_holds`` (the caller says its copies have ended) and unmap. Without it the holds
