@@ -42,7 +42,7 @@ client spent at most 15 us a round trip (the other end up to 30 us), passed
 spent 20-40 us. A Python client's part is ~40 us, so lookups of committed
 chains take no round trip at all (direct.py): a pure-Python loop of 20-40 us
 steps beside the same two burners kept p99 under 50 us (it is preempted only at
-ticks, ~4 ms apart), and direct lookups run at 24-25k/s, p99 43-49 us there.
+ticks, ~4 ms apart), and direct lookups run at 27-29k/s, p99 37-47 us there.
 """
 
 from __future__ import annotations
