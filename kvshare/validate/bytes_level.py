@@ -18,6 +18,7 @@ import time
 
 from kvshare.layout import KVLayout
 from kvshare.units import format_bytes
+from kvshare.validate.direct_check import direct_rows
 from kvshare.validate.report import CAUGHT, FAIL, PASS, SKIP, LevelResult, Row, verdict_of
 
 # (name, layout, max scratch pages; None: enough to cross an extent boundary)
@@ -72,6 +73,7 @@ def run_bytes_level(session, layouts=LAYOUTS) -> LevelResult:
                     paths.add(r.path.split(" ")[0])
     else:
         rows.append(Row("cuda paths", SKIP, f"device {session.device}: CUDA paths not run"))
+    rows += direct_rows(session)  # a lease taken with no round trip reads what the pool answers
     status = verdict_of(rows)
     if figures["extent_boundaries"] == 0:
         rows.append(

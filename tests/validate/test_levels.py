@@ -28,7 +28,7 @@ def test_bytes_level_passes_on_cpu_and_crosses_extent_boundaries(session):
     assert result.status == PASS, result.rows
     assert result.figures["bytes_checked"] > 0 and result.figures["bytes_wrong"] == 0
     assert result.figures["extent_boundaries"] >= 1
-    ran = [r for r in result.rows if r.status == PASS]
+    ran = [r for r in result.rows if r.status == PASS and not r.name.startswith("direct lookup")]
     assert len(ran) == 3 and all(r.name.endswith(" cpu") for r in ran)  # three page sizes, the CPU path
     assert any(r.status == SKIP and "cuda" in r.name for r in result.rows)  # reported skipped, not passed
     assert session.client.stats()["reservations"] == 0  # scratch pages handed back
