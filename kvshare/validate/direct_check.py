@@ -29,7 +29,8 @@ def direct_rows(session) -> list[Row]:
     keys = [hashlib.blake2b(os.urandom(16), digest_size=16).digest() for _ in range(NUM_PAGES)]
     grant = writer.reserve(NAMESPACE, keys, PAGE_BYTES)
     if len(grant.grants) != NUM_PAGES:
-        writer.abort(grant.reservation_id) if grant.reservation_id else None
+        if grant.reservation_id:
+            writer.abort(grant.reservation_id)
         return [Row("direct lookup", FAIL, f"the pool granted {len(grant.grants)} of {NUM_PAGES} pages")]
     written = []
     for _index, offset in grant.grants:
