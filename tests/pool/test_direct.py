@@ -32,14 +32,15 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def start_server(tmp_path, size_mib: int = 16, **index) -> PoolServer:
+def start_server(tmp_path, size_bytes: int = 16 * MiB, extent_bytes: int = 4 * MiB, **index) -> PoolServer:
+    """A pool in a thread of this process, ticking every 20 ms; no watermark eviction unless ``index`` says."""
     config = PoolConfig(
         socket_path=str(tmp_path / "p.sock"),
-        size_bytes=size_mib * MiB,
-        extent_bytes=4 * MiB,
+        size_bytes=size_bytes,
+        extent_bytes=extent_bytes,
         hugepages="off",
         tick_s=0.02,
-        index=IndexConfig(high_watermark=1.0, low_watermark=1.0, **index),
+        index=IndexConfig(**({"high_watermark": 1.0, "low_watermark": 1.0} | index)),
     )
     server = PoolServer(config)
     server.start()

@@ -20,7 +20,6 @@ import contextlib
 import multiprocessing as mp
 import random
 import signal
-import threading
 import time
 from collections import Counter
 
@@ -30,11 +29,11 @@ import pytest
 from kvshare.pool import direct as direct_module
 from kvshare.pool.checksum import ChecksumKind, is_valid, page_checksum
 from kvshare.pool.client import PoolClient
-from kvshare.pool.daemon import PoolConfig, PoolServer
+from kvshare.pool.daemon import PoolServer
 from kvshare.pool.direct_reader import DIRECT_LEASE_BIT
-from kvshare.pool.index import IndexConfig
 from kvshare.pool.spawn import running_pool
 from tests.pool.conftest import make_keys
+from tests.pool.test_direct import start_server as start_pool_thread
 from tests.reliability.conftest import report, wait_until
 
 pytestmark = [
@@ -206,18 +205,7 @@ def hold_until_killed(path: str, seed: int, num_leases: int, holding) -> None:
 
 def start_server(tmp_path) -> PoolServer:
     """The pool, in this process: eviction at commit (above 0.97 of the arena, down to 0.9) and at reserve."""
-    config = PoolConfig(
-        socket_path=str(tmp_path / "p.sock"),
-        size_bytes=ARENA_BYTES,
-        extent_bytes=2 * MiB,
-        hugepages="off",
-        tick_s=0.02,
-        index=IndexConfig(high_watermark=0.97, low_watermark=0.9),
-    )
-    server = PoolServer(config)
-    server.start()
-    threading.Thread(target=server.serve, daemon=True).start()
-    return server
+    return start_pool_thread(tmp_path, ARENA_BYTES, 2 * MiB, high_watermark=0.97, low_watermark=0.9)
 
 
 @pytest.fixture
