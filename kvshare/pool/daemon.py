@@ -325,9 +325,8 @@ class PoolServer:
         if request.direct and self.direct is not None:
             holder_id = self.handlers.holders.holder_id(client.client_id)
             client.owed_fds += [self.direct.fd, self.direct.hold_table(holder_id)]
-            reply = msgspec.structs.replace(
-                reply, direct_slots=self.direct.num_slots, direct_holds=self.direct.num_holds
-            )
+            direct = {"direct_slots": self.direct.num_slots, "direct_holds": self.direct.num_holds}
+            reply = msgspec.structs.replace(reply, **direct, direct_misses=self.remote is None)
         client.outbuf += P.encode(reply)
 
     def _answer_deferred(self, client_id: int, reply: P.Reply) -> None:

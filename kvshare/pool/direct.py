@@ -15,6 +15,12 @@ leases a fully committed chain by itself:
 3. it reads the slot's sequence number again: unchanged, the lease holds; changed,
    the entry left the directory meanwhile, and the client takes the round trip.
 
+A key not in the directory ends the chain there (the longest committed prefix, as
+the pool's own lookup answers) only while the directory holds every committed
+entry (its header counts those it could not place: a full bucket) and the pool
+has no remote tier (whose lookups promote what the arena lacks); else the lookup
+takes the round trip.
+
 The pool never frees or reuses the page of an entry that was published here until
 no live hold names its generation. When an entry leaves (eviction, drop, flush)
 the pool (a) takes it out of its slot, (b) runs membarrier(GLOBAL_EXPEDITED),
@@ -61,7 +67,10 @@ SEQ, KEY_LO, KEY_HI, OFFSET, PAGE_BYTES, CHECKSUM, CHECKSUM_KIND, GEN = range(SL
 BUCKET_SLOTS = 4
 # A hold table: a header, a ring of touched generations, then the holds (generation, lease id).
 HEADER_WORDS = 8
-HWM, LOOKUPS, HIT_CHUNKS, TOUCHES = range(4)  # header words: holds in use lie below hwm; counters; touches written
+# header words: holds in use lie below hwm; counters; touches written
+HWM, LOOKUPS, HIT_CHUNKS, TOUCHES, MISS_CHUNKS = range(5)
+DIRECTORY_HEADER_WORDS = SLOT_WORDS  # after the slots: the committed entries the directory lacks (a full bucket)
+UNPLACED = 0
 TOUCH_RING = 1024
 HOLD_WORDS = 2
 HOLD_GEN, HOLD_LEASE = range(HOLD_WORDS)
@@ -100,6 +109,10 @@ def directory_slots(arena_bytes: int) -> int:
     return 1 << (wanted - 1).bit_length()
 
 
+def directory_bytes(num_slots: int) -> int:
+    return (num_slots * SLOT_WORDS + DIRECTORY_HEADER_WORDS) * 8
+
+
 def hold_table_bytes(num_holds: int) -> int:
     return (HEADER_WORDS + TOUCH_RING + num_holds * HOLD_WORDS) * 8
 
@@ -133,16 +146,19 @@ class DirectTables:
         self.num_holds = num_holds
         self.hold_ttl_s = hold_ttl_s
         self._mask = self.num_slots // BUCKET_SLOTS - 1
-        self.fd, self._mapping = _memfd("kvshare-directory", self.num_slots * SLOT_WORDS * 8)
+        self.fd, self._mapping = _memfd("kvshare-directory", directory_bytes(self.num_slots))
         # Clients may map it only read-only from now on (the pool's own mapping stays writable).
         fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SIZE_SEALS | F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL)
-        self.slots = np.frombuffer(self._mapping, dtype="<u8").reshape(self.num_slots, SLOT_WORDS)
+        words = np.frombuffer(self._mapping, dtype="<u8")
+        self.slots = words[: self.num_slots * SLOT_WORDS].reshape(self.num_slots, SLOT_WORDS)
+        self.header = words[self.num_slots * SLOT_WORDS :]
         self._slot_of: dict[bytes, int] = {}  # published key -> slot
         self._by_gen: dict[int, object] = {}  # published generation -> entry (for touches)
         self._next_gen = 1
         self._tables: dict[int, _HoldTable] = {}  # holder id -> its hold table
-        self.counters = {"lookups": 0, "hit_chunks": 0}  # of hold tables already closed
-        self.unpublished_full = 0  # entries not published: their bucket was full (their lookups take the round trip)
+        self.counters = {"lookups": 0, "hit_chunks": 0, "miss_chunks": 0}  # of hold tables already closed
+        self.unpublished_full = 0  # entries not published (their bucket was full), ever
+        self._unplaced: set[bytes] = set()  # keys of committed entries not published: misses take the round trip
 
     # -- the directory ---------------------------------------------------------------
 
@@ -155,6 +171,8 @@ class DirectTables:
             free = next((s for s in range(first, first + BUCKET_SLOTS) if not slots[s, GEN]), None)
             if free is None:
                 self.unpublished_full += 1
+                self._unplaced.add(entry.key)
+                self.header[UNPLACED] = len(self._unplaced)
                 continue
             entry.gen, self._next_gen = self._next_gen, self._next_gen + 1
             seq = int(slots[free, SEQ])
@@ -174,6 +192,9 @@ class DirectTables:
 
     def unpublish(self, entry) -> None:
         """Take an entry out of the directory (a reader that sees the slot change leases nothing)."""
+        if entry.key in self._unplaced and not entry.gen:
+            self._unplaced.discard(entry.key)
+            self.header[UNPLACED] = len(self._unplaced)
         slot = self._slot_of.pop(entry.key, None)
         if slot is None or self._by_gen.get(entry.gen) is not entry:
             return
@@ -200,8 +221,8 @@ class DirectTables:
         """Close the hold tables of holders no longer known (their holds have ended: holders.py says when)."""
         for holder_id in [h for h in self._tables if h not in holder_ids]:
             table = self._tables.pop(holder_id)
-            self.counters["lookups"] += int(table.words[LOOKUPS])
-            self.counters["hit_chunks"] += int(table.words[HIT_CHUNKS])
+            for name, word in (("lookups", LOOKUPS), ("hit_chunks", HIT_CHUNKS), ("miss_chunks", MISS_CHUNKS)):
+                self.counters[name] += int(table.words[word])
             os.close(table.fd)
             del table.holds, table.words
             table.mapping.close()
@@ -257,15 +278,16 @@ class DirectTables:
         self.keep_tables_of(holder_ids)
         index.retired.settle()
 
-    def lookup_counters(self) -> tuple[int, int]:
-        """(lookups, hit chunks) answered from the directory, over every table, open or closed."""
-        lookups = self.counters["lookups"] + sum(int(t.words[LOOKUPS]) for t in self._tables.values())
-        hits = self.counters["hit_chunks"] + sum(int(t.words[HIT_CHUNKS]) for t in self._tables.values())
-        return lookups, hits
+    def lookup_counters(self) -> dict[str, int]:
+        """Lookups, hit and miss chunks answered from the directory, over every table, open or closed."""
+        words = {"lookups": LOOKUPS, "hit_chunks": HIT_CHUNKS, "miss_chunks": MISS_CHUNKS}
+        return {
+            name: self.counters[name] + sum(int(t.words[w]) for t in self._tables.values()) for name, w in words.items()
+        }
 
     def close(self) -> None:
         self.keep_tables_of(())
-        del self.slots
+        del self.slots, self.header
         self._mapping.close()
         os.close(self.fd)
 
@@ -289,14 +311,13 @@ def add_direct_stats(stats: dict, retired) -> dict:
     direct = retired.direct
     if direct is None:
         return stats
-    lookups, hits = direct.lookup_counters()
+    counted = direct.lookup_counters()
     now = time.monotonic()
-    stats["lookups"] += lookups
-    stats["hit_chunks"] += hits
+    for name, count in counted.items():
+        stats[name] += count
     stats["leases"] += direct.live_leases(now)  # a lease is a lease, whichever way it was taken
     stats["direct"] = {
-        "lookups": lookups,
-        "hit_chunks": hits,
+        **counted,
         "holds": direct.live_holds(now),
         "retired_pages": len(retired.entries),  # out of view, kept while a direct hold may read them
         "unpublished": direct.unpublished_full,

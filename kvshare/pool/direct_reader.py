@@ -28,11 +28,14 @@ from kvshare.pool.direct import (
     KEY_HI,
     KEY_LO,
     LOOKUPS,
+    MISS_CHUNKS,
     OFFSET,
     PAGE_BYTES,
     SLOT_WORDS,
     TOUCH_RING,
     TOUCHES,
+    UNPLACED,
+    directory_bytes,
     hold_table_bytes,
 )
 from kvshare.pool.grants import LeaseGrant
@@ -43,8 +46,9 @@ DIRECT_LEASE_BIT = 1 << 62
 
 _WORD = struct.Struct("<Q")
 _HOLD = struct.Struct("<QQ")  # generation, lease id
-_COUNTERS = struct.Struct("<QQQ")  # lookups, hit chunks, touches written: three header words in a row
-assert (HOLD_GEN, HOLD_LEASE) == (0, 1) and (HIT_CHUNKS, TOUCHES) == (LOOKUPS + 1, LOOKUPS + 2), "direct.py's layout"
+_COUNTERS = struct.Struct("<4Q")  # lookups, hit chunks, touches written, miss chunks: header words in a row
+assert (HOLD_GEN, HOLD_LEASE) == (0, 1), "direct.py's layout"
+assert (HIT_CHUNKS, TOUCHES, MISS_CHUNKS) == (LOOKUPS + 1, LOOKUPS + 2, LOOKUPS + 3), "direct.py's layout"
 _BODY = struct.Struct(f"<{SLOT_WORDS}Q")  # a slot's words
 SLOT_BYTES = SLOT_WORDS * 8
 BUCKET_BYTES = BUCKET_SLOTS * SLOT_BYTES
@@ -58,9 +62,19 @@ class DirectLeases:
     order, which is what direct.py's argument needs): a lookup of a few keys costs a few microseconds.
     """
 
-    def __init__(self, directory_fd: int, num_slots: int, table_fd: int, num_holds: int, pool_id: bytes) -> None:
+    def __init__(
+        self,
+        directory_fd: int,
+        num_slots: int,
+        table_fd: int,
+        num_holds: int,
+        pool_id: bytes,
+        answers_misses: bool = False,
+    ) -> None:
         self.pool_id = pool_id
-        self._dir = mmap.mmap(directory_fd, num_slots * SLOT_BYTES, mmap.MAP_SHARED, mmap.PROT_READ)
+        self.answers_misses = answers_misses  # the pool has no remote tier: a key it lacks is a miss (direct.py)
+        self._header_at = num_slots * SLOT_BYTES
+        self._dir = mmap.mmap(directory_fd, directory_bytes(num_slots), mmap.MAP_SHARED, mmap.PROT_READ)
         self._table = mmap.mmap(table_fd, hold_table_bytes(num_holds), mmap.MAP_SHARED)
         self.table_inode = os.fstat(table_fd).st_ino  # which table: the pool makes a new one for a new holder
         self._mask = num_slots // BUCKET_SLOTS - 1
@@ -90,15 +104,26 @@ class DirectLeases:
             at = directory.find(key, bucket, bucket + BUCKET_BYTES)
             while at >= 0 and (at - bucket) % SLOT_BYTES != KEY_LO * 8:
                 at = directory.find(key, at + 1, bucket + BUCKET_BYTES)
-            if at < 0 or len(key) != 16:  # a key of another length: the pool's own lookup says what is wrong
+            if len(key) != 16:  # the pool's own lookup says what is wrong
+                return None
+            if at < 0:  # not committed, or not placed in the directory: the prefix ends only if the former is sure
+                if self._is_miss_sure():
+                    break
                 return None
             slot = at - KEY_LO * 8
             seq = unpack_word(directory, slot)[0]  # the number first, then the slot, then the number again
             raw = directory[slot : slot + SLOT_BYTES]
             words = unpack_slot(raw)
-            if seq & 1 or raw[KEY_LO * 8 : KEY_HI * 8 + 8] != key or words[GEN] == 0 or words[PAGE_BYTES] != page_bytes:
+            if seq & 1 or raw[KEY_LO * 8 : KEY_HI * 8 + 8] != key or words[GEN] == 0:
+                return None
+            if words[PAGE_BYTES] != page_bytes:  # pages of another size: a miss, as the pool's own lookup says
+                if self._is_miss_sure():
+                    break
                 return None
             read.append((slot, seq, words))
+        if not read:
+            self._count([], len(keys))
+            return LeaseGrant(lease_id=0, pages=[])
         table = self._table
         held = [self._free.pop() for _ in keys]
         if max(held) >= self._hwm:
@@ -112,7 +137,7 @@ class DirectLeases:
                 self._clear(held)
                 return None
         self._leases[lease_id] = held
-        self._count([words[GEN] for _slot, _seq, words in reversed(read)])
+        self._count([words[GEN] for _slot, _seq, words in reversed(read)], len(keys) - len(read))
         version = P.FORMAT_VERSION
         return LeaseGrant(
             lease_id=lease_id,
@@ -141,17 +166,27 @@ class DirectLeases:
             _WORD.pack_into(self._table, HOLDS_AT + hold * HOLD_WORDS * 8 + HOLD_GEN * 8, 0)
         self._free.extend(sorted(held, reverse=True))
 
-    def _count(self, gens: list[int]) -> None:
+    def _is_miss_sure(self) -> bool:
+        """Whether a key not in the directory is not committed: the pool has no remote tier to promote it from, and
+        every committed entry is in the directory (none left out for a full bucket)."""
+        return self.answers_misses and _WORD.unpack_from(self._dir, self._header_at + UNPLACED * 8)[0] == 0
+
+    def _count(self, gens: list[int], num_missed: int) -> None:
         """Count the lookup and its pages, and tell the pool which entries were read, tail first (as a lookup moves
         them in the LRU order): the touch ring, then the counters."""
-        lookups, hits, written = _COUNTERS.unpack_from(self._table, LOOKUPS * 8)
+        lookups, hits, written, missed = _COUNTERS.unpack_from(self._table, LOOKUPS * 8)
         touched = gens[-TOUCH_RING:]
         first = written % TOUCH_RING
+        if not touched:
+            _COUNTERS.pack_into(self._table, LOOKUPS * 8, lookups + 1, hits, written, missed + num_missed)
+            return
         head = touched[: TOUCH_RING - first]  # up to the ring's end, then the rest from its start
         struct.pack_into(f"<{len(head)}Q", self._table, (HEADER_WORDS + first) * 8, *head)
         if len(touched) > len(head):
             struct.pack_into(f"<{len(touched) - len(head)}Q", self._table, HEADER_WORDS * 8, *touched[len(head) :])
-        _COUNTERS.pack_into(self._table, LOOKUPS * 8, lookups + 1, hits + len(gens), written + len(touched))
+        _COUNTERS.pack_into(
+            self._table, LOOKUPS * 8, lookups + 1, hits + len(gens), written + len(touched), missed + num_missed
+        )
 
     def close(self, end_holds: bool = True, unmap: bool | None = None) -> None:
         """End every hold with ``end_holds`` (the caller says its copies have ended) and unmap. Without it the holds
@@ -185,7 +220,9 @@ def map_direct(reply: P.HelloReply, fds: list[int], holder: bytes) -> DirectLeas
         return current
     if current is not None and not current.is_closed:
         current.close(end_holds=False, unmap=True)
-    leases = DirectLeases(fds[0], reply.direct_slots, fds[1], reply.direct_holds, reply.pool_id)
+    leases = DirectLeases(
+        fds[0], reply.direct_slots, fds[1], reply.direct_holds, reply.pool_id, answers_misses=reply.direct_misses
+    )
     _SHARED[key] = leases
     leases.on_close = lambda: _SHARED.pop(key, None) if _SHARED.get(key) is leases else None
     return leases

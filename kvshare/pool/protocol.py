@@ -182,6 +182,7 @@ class HelloReply(msgspec.Struct, tag="hello_reply"):
     # memfds follow the arena's
     direct_slots: int = 0
     direct_holds: int = 0
+    direct_misses: bool = False  # a key not in the directory ends the chain (no remote tier to promote from)
 
 
 class LookupReply(msgspec.Struct, tag="lookup_reply"):

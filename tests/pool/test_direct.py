@@ -96,7 +96,49 @@ def test_a_direct_lease_reads_exactly_the_pages_their_writer_committed(server):
         reader.release([grant.lease_id])
         writer.release([by_round_trip.lease_id])
         assert reader.stats()["direct"]["holds"] == 0
-        assert reader.lookup(keys + make_keys("absent", 1), 4096).lease_id & DIRECT_LEASE_BIT == 0  # a miss asks
+
+
+def test_a_chain_that_misses_gets_its_committed_prefix_from_the_directory(server):
+    """Without a remote tier a key the directory lacks is a miss, as the pool would answer: the prefix is leased
+    with no round trip, and the miss is counted with the pool's."""
+    keys = make_keys("prefix", 5)
+    with PoolClient(server.config.socket_path) as writer, PoolClient(server.config.socket_path, direct=True) as reader:
+        write_chain(writer, keys[:3], 4096, fill=1)
+        grant = reader.lookup(keys, 4096)
+        assert grant.lease_id & DIRECT_LEASE_BIT and grant.pages == writer.lookup(keys, 4096, lease=False).pages
+        assert len(grant.pages) == 3
+        reader.release([grant.lease_id])
+        nothing = reader.lookup(make_keys("nothing", 2), 4096)
+        assert nothing.lease_id == 0 and nothing.pages == []
+        assert len(reader.lookup(keys, 8192).pages) == 0  # pages of another size: a miss too
+        stats = reader.stats()
+        assert stats["direct"]["lookups"] == 3 and stats["direct"]["miss_chunks"] == 2 + 2 + 5
+        assert stats["miss_chunks"] == stats["direct"]["miss_chunks"] + 2  # and the round-trip lookup's two
+
+
+def test_a_committed_page_the_directory_could_not_place_is_found_by_the_pool(tmp_path, monkeypatch):
+    """A directory of one bucket (4 slots): the fifth page of a chain is committed but not in it. The lookup must
+    go to the pool, which has it. Fails when a key the directory lacks counts as a miss whatever its header says
+    (the reader gets 4 of 5 pages)."""
+    monkeypatch.setattr(direct_module, "directory_slots", lambda arena_bytes: direct_module.BUCKET_SLOTS)
+    server = start_server(tmp_path)
+    try:
+        keys = make_keys("unplaced", 5)
+        with (
+            PoolClient(server.config.socket_path) as writer,
+            PoolClient(server.config.socket_path, direct=True) as reader,
+        ):
+            write_chain(writer, keys, 4096, fill=8)
+            assert reader.stats()["direct"]["unpublished"] == 1
+            grant = reader.lookup(keys, 4096)
+            assert len(grant.pages) == 5 and not grant.lease_id & DIRECT_LEASE_BIT
+            reader.release([grant.lease_id])
+            writer.drop(keys[4:])  # the unplaced entry leaves: misses are sure again
+            grant = reader.lookup(keys, 4096)
+            assert len(grant.pages) == 4 and grant.lease_id & DIRECT_LEASE_BIT
+            reader.release([grant.lease_id])
+    finally:
+        server.stop()
 
 
 def fill_then_take_over(server: PoolServer, how: str) -> tuple[set[int], set[int], bool]:

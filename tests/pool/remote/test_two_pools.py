@@ -13,6 +13,8 @@ import pytest
 
 from kvshare.pool import protocol as P
 from kvshare.pool.client import PoolClient
+from kvshare.pool.direct import is_supported
+from kvshare.pool.direct_reader import DIRECT_LEASE_BIT
 from kvshare.pool.remote.format import num_parts, part_keys
 from kvshare.pool.spawn import running_pool
 from tests.pool.remote.conftest import (
@@ -247,3 +249,23 @@ def test_batches_fetched_ahead_of_a_break_in_the_chain_are_not_placed(redis_serv
         assert stats["remote"]["promoted_pages"] == 3 and stats["remote"]["discarded_fingerprint"] >= 1
         assert cb.lookup(keys[3:], page_bytes, lease=False).num_pages == 0
         cb.check_integrity()
+
+
+@pytest.mark.skipif(not is_supported(), reason="no direct lookups here (x86-64 Linux with membarrier only)")
+def test_a_direct_client_asks_a_pool_with_a_remote_tier_about_what_its_arena_lacks(redis_server, prefix):
+    """With a remote tier a key the arena lacks may still be promoted: a direct client's lookup goes to the pool,
+    which promotes the chain; once the pages are in the arena they come from the directory. Fails when the
+    directory answers such a key as a miss (B's reader would get no pages)."""
+    page_bytes = 1 * MiB
+    keys = make_keys(prefix, 3)
+    with two_pools(redis_server.url, prefix) as (a, b), PoolClient(a) as ca, PoolClient(b, direct=True) as cb:
+        data = write_chain(ca, keys, page_bytes, prefix)
+        wait_written(ca, 3)
+        lease = cb.lookup(keys, page_bytes)
+        assert lease.num_pages == 3 and not lease.lease_id & DIRECT_LEASE_BIT
+        assert_pages_equal(cb, lease.pages, data)
+        cb.release([lease.lease_id], wait=True)
+        again = cb.lookup(keys, page_bytes)
+        assert again.num_pages == 3 and again.lease_id & DIRECT_LEASE_BIT
+        assert_pages_equal(cb, again.pages, data)
+        cb.release([again.lease_id])
