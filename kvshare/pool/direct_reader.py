@@ -125,7 +125,7 @@ class DirectLeases:
             self._count([], len(keys))
             return LeaseGrant(lease_id=0, pages=[])
         table = self._table
-        held = [self._free.pop() for _ in keys]
+        held = [self._free.pop() for _ in read]
         if max(held) >= self._hwm:
             self._hwm = max(held) + 1
             _WORD.pack_into(table, HWM * 8, self._hwm)  # before the holds: the pool scans the table below it
