@@ -106,7 +106,8 @@ def test_a_chain_that_misses_gets_its_committed_prefix_from_the_directory(server
         write_chain(writer, keys[:3], 4096, fill=1)
         grant = reader.lookup(keys, 4096)
         assert grant.lease_id & DIRECT_LEASE_BIT and grant.pages == writer.lookup(keys, 4096, lease=False).pages
-        assert len(grant.pages) == 3 and reader.stats()["direct"]["holds"] == 3  # a hold for each page leased
+        assert len(grant.pages) == 3 and reader.stats()["direct"]["holds"] == 3
+        assert len(reader._direct._free) == direct_module.DEFAULT_HOLDS - 3  # a hold taken for each page, no more
         reader.release([grant.lease_id])
         nothing = reader.lookup(make_keys("nothing", 2), 4096)
         assert nothing.lease_id == 0 and nothing.pages == []
