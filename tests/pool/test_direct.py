@@ -4,6 +4,7 @@ Each test runs a pool in a thread of the test process (PoolServer) so it can loo
 controls break, the daemon's side.
 """
 
+import contextlib
 import mmap
 import os
 import signal
@@ -53,6 +54,14 @@ def server(tmp_path):
     server = start_server(tmp_path)
     yield server
     server.stop()
+
+
+@contextlib.contextmanager
+def writer_and_reader(server: PoolServer):
+    """A round-trip client to write with and a direct one to read with, both of the server's pool."""
+    path = server.config.socket_path
+    with PoolClient(path) as writer, PoolClient(path, direct=True) as reader:
+        yield writer, reader
 
 
 def write_chain(client: PoolClient, keys: list[bytes], page_bytes: int, fill: int) -> list[int]:
@@ -125,10 +134,7 @@ def test_a_committed_page_the_directory_could_not_place_is_found_by_the_pool(tmp
     server = start_server(tmp_path)
     try:
         keys = make_keys("unplaced", 5)
-        with (
-            PoolClient(server.config.socket_path) as writer,
-            PoolClient(server.config.socket_path, direct=True) as reader,
-        ):
+        with writer_and_reader(server) as (writer, reader):
             write_chain(writer, keys, 4096, fill=8)
             assert reader.stats()["direct"]["unpublished"] == 1
             grant = reader.lookup(keys, 4096)
@@ -248,10 +254,7 @@ def test_a_hold_past_its_ttl_no_longer_keeps_its_page(tmp_path):
     server = start_server(tmp_path, lease_ttl_s=0.3)
     try:
         keys = make_keys("ttl", 2)
-        with (
-            PoolClient(server.config.socket_path) as writer,
-            PoolClient(server.config.socket_path, direct=True) as reader,
-        ):
+        with writer_and_reader(server) as (writer, reader):
             write_chain(writer, keys, 4096, fill=9)
             reader.lookup(keys, 4096)  # never released: a reader that hung
             writer.drop(keys)
@@ -341,10 +344,7 @@ def test_without_membarrier_the_pool_offers_no_directory_and_lookups_take_the_ro
     try:
         assert server.direct is None
         keys = make_keys("plain", 2)
-        with (
-            PoolClient(server.config.socket_path) as writer,
-            PoolClient(server.config.socket_path, direct=True) as reader,
-        ):
+        with writer_and_reader(server) as (writer, reader):
             write_chain(writer, keys, 4096, fill=1)
             assert not reader.is_direct
             grant = reader.lookup(keys, 4096)
