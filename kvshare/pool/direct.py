@@ -259,6 +259,18 @@ class DirectTables:
         table.first_seen = seen
         return [(gen, lease) for (_slot, gen, lease), first in seen.items() if now - first < self.hold_ttl_s]
 
+    def lease_rows(self, now: float) -> list[tuple[int, int, int, float]]:
+        """(lease id, holder id, pages, seconds since the pool first saw it) of every live direct lease."""
+        rows = []
+        for holder_id, table in self._tables.items():
+            self._live(table, now)  # brings first_seen up to date
+            firsts: dict[int, list[float]] = {}
+            for (_slot, _gen, lease), first in table.first_seen.items():
+                if now - first < self.hold_ttl_s:
+                    firsts.setdefault(lease, []).append(first)
+            rows += [(lease, holder_id, len(seen), now - min(seen)) for lease, seen in firsts.items()]
+        return rows
+
     def touched(self) -> list:
         """Entries the clients read since the last call, in the order read (for the LRU order)."""
         touched = []
@@ -303,6 +315,11 @@ def open_direct(arena_bytes: int, hold_ttl_s: float, num_holds: int = DEFAULT_HO
         return None
     log.info("no direct lookups on this machine (%s, no membarrier)", platform.machine())
     return None
+
+
+def direct_lease_rows(retired) -> list[tuple[int, int, int, float]]:
+    """DirectTables.lease_rows of the index's RetiredPages' directory; none without the directory."""
+    return [] if retired.direct is None else retired.direct.lease_rows(time.monotonic())
 
 
 def add_direct_stats(stats: dict, retired) -> dict:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from kvshare.keys import KEY_BYTES
 from kvshare.pool import protocol as P
-from kvshare.pool.direct import add_direct_stats
+from kvshare.pool.direct import add_direct_stats, direct_lease_rows
 from kvshare.pool.entries import Entry, LookupResult
 from kvshare.pool.holders import Holders
 from kvshare.pool.index import PoolError, PoolIndex
@@ -248,17 +248,12 @@ class PoolHandlers:
 
     def list_leases(self, client_id: int, req: P.ListLeases) -> P.Reply:
         now = self._clock()
-        leases = [
-            P.LeaseInfo(
-                lease.lease_id,
-                lease.client_id,
-                self.name_of(lease.client_id),
-                len(lease.entries),
-                round(now - lease.created_at, 3),
-            )
+        rows = [
+            (lease.lease_id, lease.client_id, len(lease.entries), now - lease.created_at)
             for lease in self.index.leases()
         ]
-        return P.LeasesReply(leases=leases)
+        rows += direct_lease_rows(self.index.retired)  # leases taken from the directory, aged since the pool saw them
+        return P.LeasesReply(leases=[P.LeaseInfo(i, c, self.name_of(c), n, round(age, 3)) for i, c, n, age in rows])
 
     def list_namespaces(self, client_id: int, req: P.ListNamespaces) -> P.Reply:
         rows = [P.NamespaceInfo(ns, n, b) for ns, n, b in self.index.namespaces()]

@@ -148,6 +148,21 @@ def test_a_committed_page_the_directory_could_not_place_is_found_by_the_pool(tmp
         server.stop()
 
 
+def test_direct_leases_are_listed_with_their_holder(server):
+    """`kvshare pool-admin leases` shows a page pinned through the directory too. Fails when only the pool's own
+    leases are listed (the list is empty while the direct lease holds its pages)."""
+    keys = make_keys("listed", 3)
+    path = server.config.socket_path
+    with PoolClient(path) as writer, PoolClient(path, name="direct-reader", direct=True) as reader:
+        write_chain(writer, keys, 4096, fill=1)
+        grant = reader.lookup(keys, 4096)
+        (info,) = writer.list_leases()
+        assert (info.lease_id, info.client_name, info.num_pages) == (grant.lease_id, "direct-reader", 3)
+        assert info.age_s >= 0
+        reader.release([grant.lease_id])
+        assert writer.list_leases() == []
+
+
 def fill_then_take_over(server: PoolServer, how: str) -> tuple[set[int], set[int], bool]:
     """A reader holds 4 pages of a chain that fills the arena, directly; the chain leaves view (``how``) and
     another writer takes every page it can get. Returns (held offsets, offsets the writer got, whether the held
