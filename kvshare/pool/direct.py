@@ -52,6 +52,7 @@ import logging
 import mmap
 import os
 import platform
+import struct
 import time
 from dataclasses import dataclass, field
 
@@ -103,6 +104,16 @@ def register_client() -> bool:
     return membarrier(MEMBARRIER_CMD_REGISTER_GLOBAL_EXPEDITED)
 
 
+SLOT_BYTES = SLOT_WORDS * 8
+WORD = struct.Struct("<Q")  # one little-endian u64 word of the directory or a hold table
+_BODY = struct.Struct("<16s5Q")  # a slot after its sequence number: the key (its two words), then the rest in order
+assert (KEY_LO, KEY_HI, OFFSET, PAGE_BYTES, CHECKSUM, CHECKSUM_KIND, GEN) == tuple(range(1, SLOT_WORDS))
+
+
+def _word_at(mapping, slot: int, word: int) -> int:
+    return WORD.unpack_from(mapping, slot * SLOT_BYTES + word * 8)[0]
+
+
 def directory_slots(arena_bytes: int) -> int:
     """Slots for an arena: one per 32 KiB of arena, a power of two between 4096 and 2**20 (at most 64 MiB)."""
     wanted = max(4096, min(1 << 20, arena_bytes // (32 << 10)))
@@ -150,7 +161,6 @@ class DirectTables:
         # Clients may map it only read-only from now on (the pool's own mapping stays writable).
         fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SIZE_SEALS | F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL)
         words = np.frombuffer(self._mapping, dtype="<u8")
-        self.slots = words[: self.num_slots * SLOT_WORDS].reshape(self.num_slots, SLOT_WORDS)
         self.header = words[self.num_slots * SLOT_WORDS :]
         self._slot_of: dict[bytes, int] = {}  # published key -> slot
         self._by_gen: dict[int, object] = {}  # published generation -> entry (for touches)
@@ -163,30 +173,23 @@ class DirectTables:
     # -- the directory ---------------------------------------------------------------
 
     def publish(self, entries) -> None:
-        """Make committed entries readable without a round trip (each gets a new generation)."""
-        slots = self.slots
+        """Make committed entries readable without a round trip (each gets a new generation). Plain struct writes
+        on the mapping, in order: the sequence number odd, the slot, the number even (a few us an entry)."""
+        mapping = self._mapping
         for entry in entries:
-            key_lo = int.from_bytes(entry.key[:8], "little")
-            first = (key_lo & self._mask) * BUCKET_SLOTS
-            free = next((s for s in range(first, first + BUCKET_SLOTS) if not slots[s, GEN]), None)
+            first = (int.from_bytes(entry.key[:8], "little") & self._mask) * BUCKET_SLOTS
+            free = next((s for s in range(first, first + BUCKET_SLOTS) if not _word_at(mapping, s, GEN)), None)
             if free is None:
                 self.unpublished_full += 1
                 self._unplaced.add(entry.key)
                 self.header[UNPLACED] = len(self._unplaced)
                 continue
             entry.gen, self._next_gen = self._next_gen, self._next_gen + 1
-            seq = int(slots[free, SEQ])
-            slots[free, SEQ] = seq + 1  # odd: being written
-            slots[free, KEY_LO:SLOT_WORDS] = (
-                key_lo,
-                int.from_bytes(entry.key[8:16], "little"),
-                entry.offset,
-                entry.page_bytes,
-                entry.checksum,
-                int(entry.checksum_kind),
-                entry.gen,
-            )
-            slots[free, SEQ] = seq + 2
+            at, seq = free * SLOT_BYTES, _word_at(mapping, free, SEQ)
+            WORD.pack_into(mapping, at, seq + 1)  # odd: being written
+            fields = (entry.offset, entry.page_bytes, entry.checksum, int(entry.checksum_kind), entry.gen)
+            _BODY.pack_into(mapping, at + KEY_LO * 8, entry.key, *fields)
+            WORD.pack_into(mapping, at, seq + 2)
             self._slot_of[entry.key] = free
             self._by_gen[entry.gen] = entry
 
@@ -199,10 +202,10 @@ class DirectTables:
         if slot is None or self._by_gen.get(entry.gen) is not entry:
             return
         del self._by_gen[entry.gen]
-        seq = int(self.slots[slot, SEQ])
-        self.slots[slot, SEQ] = seq + 1
-        self.slots[slot, KEY_LO:SLOT_WORDS] = 0
-        self.slots[slot, SEQ] = seq + 2
+        at, seq = slot * SLOT_BYTES, _word_at(self._mapping, slot, SEQ)
+        WORD.pack_into(self._mapping, at, seq + 1)
+        _BODY.pack_into(self._mapping, at + KEY_LO * 8, bytes(16), 0, 0, 0, 0, 0)
+        WORD.pack_into(self._mapping, at, seq + 2)
 
     # -- hold tables -------------------------------------------------------------------
 
@@ -299,7 +302,7 @@ class DirectTables:
 
     def close(self) -> None:
         self.keep_tables_of(())
-        del self.slots, self.header
+        del self.header
         self._mapping.close()
         os.close(self.fd)
 

@@ -31,10 +31,12 @@ from kvshare.pool.direct import (
     MISS_CHUNKS,
     OFFSET,
     PAGE_BYTES,
+    SLOT_BYTES,
     SLOT_WORDS,
     TOUCH_RING,
     TOUCHES,
     UNPLACED,
+    WORD,
     directory_bytes,
     hold_table_bytes,
 )
@@ -44,13 +46,11 @@ from kvshare.pool.grants import LeaseGrant
 DIRECT_LEASE_BIT = 1 << 62
 
 
-_WORD = struct.Struct("<Q")
 _HOLD = struct.Struct("<QQ")  # generation, lease id
 _COUNTERS = struct.Struct("<4Q")  # lookups, hit chunks, touches written, miss chunks: header words in a row
 assert (HOLD_GEN, HOLD_LEASE) == (0, 1), "direct.py's layout"
 assert (HIT_CHUNKS, TOUCHES, MISS_CHUNKS) == (LOOKUPS + 1, LOOKUPS + 2, LOOKUPS + 3), "direct.py's layout"
 _BODY = struct.Struct(f"<{SLOT_WORDS}Q")  # a slot's words
-SLOT_BYTES = SLOT_WORDS * 8
 BUCKET_BYTES = BUCKET_SLOTS * SLOT_BYTES
 HOLDS_AT = (HEADER_WORDS + TOUCH_RING) * 8  # byte offset of the first hold in a table
 
@@ -80,7 +80,7 @@ class DirectLeases:
         self._mask = num_slots // BUCKET_SLOTS - 1
         # A table kept from an earlier connection of this holder may hold live holds: their slots stay taken.
         hwm = min(self._word(HWM), num_holds)
-        in_use = {i for i in range(hwm) if _WORD.unpack_from(self._table, HOLDS_AT + i * HOLD_WORDS * 8)[0]}
+        in_use = {i for i in range(hwm) if WORD.unpack_from(self._table, HOLDS_AT + i * HOLD_WORDS * 8)[0]}
         self._free = [i for i in range(num_holds - 1, -1, -1) if i not in in_use]  # lowest slot popped first
         self._hwm = hwm
         self._leases: dict[int, list[int]] = {}  # lease id -> its hold slots
@@ -97,7 +97,7 @@ class DirectLeases:
     def _lookup(self, keys: list[bytes], page_bytes: int) -> LeaseGrant | None:
         if not keys or len(keys) > len(self._free):
             return None
-        directory, mask, unpack_word, unpack_slot = self._dir, self._mask, _WORD.unpack_from, _BODY.unpack_from
+        directory, mask, unpack_word, unpack_slot = self._dir, self._mask, WORD.unpack_from, _BODY.unpack_from
         read = []  # (slot offset, sequence number, slot words) per key
         for key in keys:
             bucket = (int.from_bytes(key[:8], "little") & mask) * BUCKET_BYTES
@@ -128,12 +128,12 @@ class DirectLeases:
         held = [self._free.pop() for _ in read]
         if max(held) >= self._hwm:
             self._hwm = max(held) + 1
-            _WORD.pack_into(table, HWM * 8, self._hwm)  # before the holds: the pool scans the table below it
+            WORD.pack_into(table, HWM * 8, self._hwm)  # before the holds: the pool scans the table below it
         lease_id, self._next_lease = self._next_lease, self._next_lease + 1
         for (_slot, _seq, words), hold in zip(read, held):  # a hold is visible once its generation (one word) is
             _HOLD.pack_into(table, HOLDS_AT + hold * HOLD_WORDS * 8, words[GEN], lease_id)
         for slot, seq, _words in read:
-            if _WORD.unpack_from(directory, slot)[0] != seq:  # the entry left while the hold was taken: lease nothing
+            if WORD.unpack_from(directory, slot)[0] != seq:  # the entry left while the hold was taken: lease nothing
                 self._clear(held)
                 return None
         self._leases[lease_id] = held
@@ -159,17 +159,17 @@ class DirectLeases:
         return len(self._leases)
 
     def _word(self, index: int) -> int:
-        return _WORD.unpack_from(self._table, index * 8)[0]
+        return WORD.unpack_from(self._table, index * 8)[0]
 
     def _clear(self, held: list[int]) -> None:
         for hold in held:
-            _WORD.pack_into(self._table, HOLDS_AT + hold * HOLD_WORDS * 8 + HOLD_GEN * 8, 0)
+            WORD.pack_into(self._table, HOLDS_AT + hold * HOLD_WORDS * 8 + HOLD_GEN * 8, 0)
         self._free.extend(sorted(held, reverse=True))
 
     def _is_miss_sure(self) -> bool:
         """Whether a key not in the directory is not committed: the pool has no remote tier to promote it from, and
         every committed entry is in the directory (none left out for a full bucket)."""
-        return self.answers_misses and _WORD.unpack_from(self._dir, self._header_at + UNPLACED * 8)[0] == 0
+        return self.answers_misses and WORD.unpack_from(self._dir, self._header_at + UNPLACED * 8)[0] == 0
 
     def _count(self, gens: list[int], num_missed: int) -> None:
         """Count the lookup and its pages, and tell the pool which entries were read, tail first (as a lookup moves
