@@ -213,15 +213,16 @@ def run_kvshare(length: int, prompts: dict[str, list[list[int]]], args, model_di
                 cold = request(a, model, ids, args.max_tokens, True, client)
                 together = plan["layout"] == "together"
                 cross = request(b, model, ids, args.max_tokens, True, client) if together else None
-                got[client, k] = [cold, cross, request(a, model, ids, args.max_tokens, True, client)]
+                local = [request(a, model, ids, args.max_tokens, True, client) for _ in range(args.local_repeats)]
+                got[client, k] = [cold, cross, local]
         if plan["layout"] == "sequential":
             cluster.phase("B")
             for client, ids_list in prompts.items():
                 for k, ids in enumerate(ids_list):
                     got[client, k][1] = request(b, model, ids, args.max_tokens, True, client)
-        for i, ((client, k), (cold, cross, local)) in enumerate(got.items()):
+        for i, ((client, k), (cold, cross, locals_)) in enumerate(got.items()):
             prov = cross.provenance or {}
-            local_hit = (local.provenance or {}).get("local_tokens", 0) > 0
+            hits = [r.ttft_s for r in locals_ if (r.provenance or {}).get("local_tokens", 0) > 0]
             out.append(
                 {
                     "prompt_tokens": length,
@@ -230,7 +231,10 @@ def run_kvshare(length: int, prompts: dict[str, list[list[int]]], args, model_di
                     "first_request": i == 0,
                     "cold_s": cold.ttft_s,
                     "cross_s": cross.ttft_s,
-                    "local_s": local.ttft_s if local_hit else None,
+                    "local_s": hits[0] if hits else None,
+                    "local_max_s": max(hits) if len(hits) > 1 else None,
+                    "local_hits_s": hits,
+                    "local_misses": len(locals_) - len(hits),  # repeats the replica's own cache did not answer
                     "pool_tokens": prov.get("pool_tokens"),
                     "tokens_equal": cross.token_ids == cold.token_ids,
                 }
@@ -343,6 +347,9 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--vllm-offloading-gib", type=float, default=40.0, help="vLLM's --kv-offloading-size (0: off)")
     p.add_argument("--vllm-cpu-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE on CPU")
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument(
+        "--local-repeats", type=int, default=5, help="kvshare's local hit measured this many times per prompt"
+    )
     p.add_argument("--verify-rate", type=float, default=1.0, help="kvshare replicas' --verify-rate (default: all)")
     p.add_argument("--replica-arg", action="append", default=[], help="more kvshare replica arguments")
     p.add_argument("--start-timeout", type=float, default=600.0)

@@ -13,6 +13,7 @@ ROW_FIELDS = (
     "vllm_cold_s",
     "cold_over_vllm",
     "local_s",
+    "local_max_s",
     "vllm_local_s",
     "vllm_cpu_tier_s",
     "cross_s",
@@ -39,8 +40,9 @@ def ratio(a: float | None, b: float | None) -> float | None:
 def make_row(common: dict, kv: dict, vl: dict | None, bound_rate: float, kv_bytes_per_token: int) -> dict:
     """One row: kvshare's measurements ``kv`` of a prompt beside vLLM's ``vl`` of the same prompt and client.
 
-    kv: prompt_tokens, client, first_request, cold_s, cross_s, local_s, pool_tokens, tokens_equal and, for text
-    rows, token_ids_cross_s (the same request sent as token ids); vl: cold_s, local_s, cpu_tier_s, cached_tokens
+    kv: prompt_tokens, client, first_request, cold_s, cross_s, local_s, local_max_s (the slowest of the repeated
+    local hits), pool_tokens, tokens_equal and, for text rows, token_ids_cross_s (the same request sent as token
+    ids); vl: cold_s, local_s, cpu_tier_s, cached_tokens
     (None: vLLM was not measured)."""
     vl = vl or {}
     pool_bytes = (kv.get("pool_tokens") or 0) * kv_bytes_per_token
@@ -57,6 +59,7 @@ def make_row(common: dict, kv: dict, vl: dict | None, bound_rate: float, kv_byte
         "vllm_cold_s": vl.get("cold_s"),
         "cold_over_vllm": ratio(kv["cold_s"], vl.get("cold_s")),
         "local_s": kv.get("local_s"),
+        "local_max_s": kv.get("local_max_s"),
         "vllm_local_s": vl.get("local_s"),
         "vllm_cpu_tier_s": vl.get("cpu_tier_s"),
         "cross_s": kv["cross_s"],
@@ -98,11 +101,12 @@ def table(rows: list[dict]) -> str:
         "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
+        local = fmt(r["local_s"]) + ("" if r.get("local_max_s") is None else f" (max {r['local_max_s']:.3f})")
         overhead = "-" if r["text_overhead"] is None else f"{r['text_overhead']:+.1%}"
         lines.append(
             f"| {r['model']} | {r['prompt_tokens']} | {r['client']} | {'first' if r['first_request'] else 'steady'} "
             f"| {fmt(r['cold_s'])} | {fmt(r['vllm_cold_s'])} | {fmt(r['cold_over_vllm'], '.2f')} "
-            f"| {fmt(r['local_s'])} | {fmt(r['vllm_local_s'])} | {fmt(r['cross_s'])} | {fmt(r['bound_s'])} "
+            f"| {local} | {fmt(r['vllm_local_s'])} | {fmt(r['cross_s'])} | {fmt(r['bound_s'])} "
             f"| {fmt(r['cross_over_bound'], '.2f')} | {fmt(r['vllm_cpu_tier_s'])} | {overhead} |"
         )
     return "\n".join(lines)
@@ -133,7 +137,8 @@ def readme(rows: list[dict], meta: dict) -> str:
         table(rows),
         "",
         "Local hit: the same prompt again on the replica that computed it (its own prefix cache, "
-        "in GPU memory on a GPU). Cross-replica: replica B, which never saw the prompt, loads it from the pool. "
+        "in GPU memory on a GPU); kvshare's is repeated (--local-repeats) and the slowest is in brackets. "
+        "Cross-replica: replica B, which never saw the prompt, loads it from the pool. "
         "vLLM CPU-tier hit: the same prompt after vLLM's GPU prefix cache was reset (its native CPU offloading).",
         "",
     ]

@@ -136,6 +136,16 @@ def test_the_table_and_readme_show_both_engines_side_by_side(bench):
     assert bench.result_dir_name("2026-12-06", "abc1234") == "2026-12-06-abc1234-vs-vllm"
 
 
+def test_the_slowest_repeated_local_hit_is_in_the_row_and_the_table(bench):
+    """The GPU prefix hit is judged "every time", not once: a row carries the slowest of the repeated local hits and
+    the table shows it beside the first (fails when make_row drops local_max_s)."""
+    row = bench.make_row(COMMON, kvshare_figures(local_max_s=0.071), None, RATE, KV_BYTES_PER_TOKEN)
+    assert row["local_s"] == 0.05 and row["local_max_s"] == 0.071
+    assert "| 0.050 (max 0.071) |" in bench.table([row])
+    once = bench.make_row(COMMON, kvshare_figures(), None, RATE, KV_BYTES_PER_TOKEN)
+    assert once["local_max_s"] is None and "| 0.050 |" in bench.table([once])
+
+
 def test_the_text_client_is_refused_until_the_bench_client_sends_text(bench, monkeypatch, capsys):
     from kvshare.bench import client
 
