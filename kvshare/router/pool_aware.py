@@ -40,7 +40,7 @@ from dataclasses import dataclass, replace
 from kvshare.keys import DEFAULT_CHUNK_TOKENS
 from kvshare.pool import events as E
 from kvshare.router.backlog import Backlog
-from kvshare.router.calibration import Calibration, Rates, ResponseTiming
+from kvshare.router.calibration import Calibration, Placement, Rates, ResponseTiming, split_cached
 from kvshare.router.sent_memory import SentMemory
 
 log = logging.getLogger("kvshare.router.pool_aware")
@@ -218,15 +218,6 @@ class PromptText:
 
 
 @dataclass(frozen=True)
-class Placement:
-    """What the placer expected of one request on each replica, for the proxy to begin its job and check it."""
-
-    work_s: list[float]  # its expected service time on each replica (kvshare.router.backlog)
-    depths: list[list[int]]  # per replica: the depths of the chunks of its prefix this router had sent there
-    chunk_tokens: int
-
-
-@dataclass(frozen=True)
 class PoolAwareConfig:
     """``kvshare route --policy pool_aware --kv-events ENDPOINT [--kv-events-replay ...] --model MODEL``."""
 
@@ -309,7 +300,8 @@ class PoolAwarePlacer:
             ]
             times = [self.queue_s(i, q, r, now) + p for i, (q, r, p) in enumerate(zip(in_flight, rates, prefill))]
             work = [p + r.decode_s for p, r in zip(prefill, rates)]
-        self.last_placement = Placement(work, depths, chunk_tokens)
+        live_pool_tokens = pool_tokens if reason is None else None
+        self.last_placement = Placement(work, depths, chunk_tokens, len(ids), live_pool_tokens)
         order = rank(times, is_available, rotation, NEAR_TIE)
         self.sent.remember(order[0], hashes)
         return order
@@ -330,15 +322,21 @@ class PoolAwarePlacer:
                 return feed.index.held_tokens(ids, cache_salt)
         return self.sent.held_tokens(i, hashes, chunk_tokens)
 
-    def timing(self, replica: int, sent_s: float, upstream, placement: Placement | None = None) -> ResponseTiming:
+    def timing(
+        self, replica: int, sent_s: float, upstream, placement: Placement | None = None, is_usage_asked: bool = False
+    ) -> ResponseTiming:
         """The measurement of one relayed response (an aiohttp ClientResponse) for this placer's calibration and,
-        with the request's ``placement``, for what its replica's local cache keeps (the sent memory's capacity)."""
+        with the request's ``placement``, for what its replica's local cache keeps (the sent memory's capacity)
+        and how a vLLM usage's cached tokens split; ``is_usage_asked``: the router asked for its usage chunk."""
 
         def held(local_tokens: int) -> None:
             self.sent.report(replica, placement.depths[replica], local_tokens // placement.chunk_tokens)
 
         is_stream = upstream.content_type == "text/event-stream"
-        return ResponseTiming(self.calibration, replica, sent_s, is_stream, None if placement is None else held)
+        if placement is None:
+            return ResponseTiming(self.calibration, replica, sent_s, is_stream, is_usage_asked=is_usage_asked)
+        split = lambda prompt_tokens, cached_tokens: split_cached(placement, replica, prompt_tokens, cached_tokens)
+        return ResponseTiming(self.calibration, replica, sent_s, is_stream, held, split, is_usage_asked)
 
     def start(self) -> None:
         self.warm_up()
