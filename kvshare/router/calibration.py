@@ -227,8 +227,9 @@ def split_cached(placement: Placement, replica: int, prompt_tokens: int, cached_
         own < sent + 1 chunk     sent: the whole chunks of this prompt this router had sent that replica
 
     Nothing cached: all computed. More cached than the pool held, within what the replica can hold: its own.
-    Never sent a whole chunk of it and a chunk or more cached: the pool's (a sub-chunk head the replica held
-    itself, a chat template's, counts as loaded: less than one chunk over)."""
+    Never sent a whole chunk of it, and from a chunk up to what the pool held cached: the pool's (a sub-chunk head
+    the replica held itself, a chat template's, counts as loaded: less than one chunk over). This assumes the
+    replicas serve this router's requests only (``kvshare up``): a replica another client fed holds more."""
     if prompt_tokens != placement.num_tokens or not 0 <= cached_tokens <= prompt_tokens:
         return None  # the router's token ids are not the prompt the replica counted: its record does not apply
     computed, sent = prompt_tokens - cached_tokens, len(placement.depths[replica]) * placement.chunk_tokens
@@ -237,7 +238,7 @@ def split_cached(placement: Placement, replica: int, prompt_tokens: int, cached_
     pool = placement.pool_tokens
     if pool is not None and pool < cached_tokens < sent + placement.chunk_tokens:
         return computed, 0
-    if sent == 0 and cached_tokens >= placement.chunk_tokens:
+    if sent == 0 and pool is not None and placement.chunk_tokens <= cached_tokens <= pool:
         return computed, cached_tokens
     return None
 

@@ -73,6 +73,8 @@ def test_cached_tokens_split_only_where_the_routers_record_tells_them_apart():
     assert split_cached(sent_twice, 0, 1000, 0) == (1000, 0)  # nothing cached
     assert split_cached(sent_twice, 0, 999, 0) is None  # another prompt than the router counted
     assert split_cached(never_sent, 0, 1000, 512) == (488, 512)  # the pool's
+    assert split_cached(never_sent, 0, 1000, 576) is None  # more than the pool held: not its load alone
+    assert split_cached(Placement([0.0], [[]], 64, 1000, pool_tokens=None), 0, 1000, 512) is None
     assert split_cached(never_sent, 0, 1000, 48) is None  # under a chunk: its own head, yet the pool held more
     assert split_cached(Placement([0.0], [[]], 64, 1000, pool_tokens=0), 0, 1000, 48) == (952, 0)  # its own head
     assert split_cached(sent_twice, 0, 1000, 512) is None  # its own, the pool's, or both: not told
@@ -134,7 +136,8 @@ def test_the_router_asks_for_usage_only_where_the_client_did_not_and_one_stream_
 def test_a_pool_aware_router_in_front_of_a_vllm_replica_measures_it_and_relays_its_stream_unchanged():
     """A replica that answers as vLLM 0.32 did (the recorded streams, by whether the body asks for usage): a
     client that does not ask gets exactly the unasked stream, one that asks the asked one, and both responses
-    are prefill samples. Fails when the router does not ask for the usage (no sample for the first client)."""
+    are prefill samples. Fails when the router does not ask for the usage (the replica is not asked for it, and
+    the first response is no sample)."""
     from aiohttp import web
 
     bodies = []
