@@ -44,18 +44,19 @@ def ask_for_usage(method: str, path: str, body: bytes) -> bytes | None:
     options = options or {}
     if options.get("include_usage") or options.get("continuous_usage_stats"):
         return None  # the client reads the usage (or asked for what asking would change)
-    if path == "/v1/completions" and not _is_one_prompt(bytes(fields.get("prompt", b"null"))):
+    if path == "/v1/completions" and not _is_one_prompt(memoryview(fields.get("prompt", b"null"))[:64].tobytes()):
         return None
     fields["stream_options"] = msgspec.Raw(msgspec.json.encode({**options, "include_usage": True}))
     return msgspec.json.encode(fields)
 
 
-def _is_one_prompt(raw: bytes) -> bool:
-    """A completion's ``prompt`` is one prompt: a string or a list of token ids (not a list of prompts)."""
-    head = raw.lstrip()[:1]
-    if head == b'"':
+def _is_one_prompt(head: bytes) -> bool:
+    """A completion's ``prompt``, by its first bytes, is one prompt: a string or a list of token ids (not a list
+    of prompts)."""
+    head = head.lstrip()
+    if head[:1] == b'"':
         return True
-    return head == b"[" and raw.lstrip()[1:].lstrip()[:1] not in (b'"', b"[", b"{", b"]")
+    return head[:1] == b"[" and head[1:].lstrip()[:1] not in (b'"', b"[", b"{", b"]", b"")
 
 
 class _Choice(msgspec.Struct):
@@ -104,8 +105,11 @@ class UsageStrip:
 
 
 def _chunk(event: bytes) -> _Chunk | None:
-    """The fields of a data event that may be the terminal or the usage chunk (others are not decoded)."""
-    if not event.startswith(b"data: {") or (b'"finish_reason":' not in event and b'"usage":' not in event):
+    """The fields of a data event that may be the terminal or the usage chunk; a token's chunk (its one choice
+    unfinished, ``"finish_reason":null``) is not decoded."""
+    if not event.startswith(b"data: {"):
+        return None
+    if b'"usage":' not in event and (b'"finish_reason":' not in event or b'"finish_reason":null' in event):
         return None
     try:
         return msgspec.json.decode(event[len(b"data: ") :], type=_Chunk)
