@@ -215,7 +215,8 @@ class Placement:
     depths: list[list[int]]  # per replica: the depths of the chunks of its prefix this router had sent there
     chunk_tokens: int
     num_tokens: int = 0  # the prompt's tokens as this router counted them
-    pool_tokens: int | None = None  # its prefix the pool held by its KV events; None: the events were not live
+    pool_tokens: int | None = None  # its prefix the pool held by its KV events; None: not known (not live, salted)
+    own_tokens: list[int | None] | None = None  # per replica: its GPU prefix by its own live KV events; None: not known
 
 
 def split_cached(placement: Placement, replica: int, prompt_tokens: int, cached_tokens: int) -> tuple[int, int] | None:
@@ -223,19 +224,26 @@ def split_cached(placement: Placement, replica: int, prompt_tokens: int, cached_
     (vLLM's ``cached_tokens``: its GPU prefix cache's hits and the connector's pool loads together), told apart
     by what this router knew when it placed the request; None where they cannot be (the sample is not fitted)::
 
-        cached = own + loaded    own: the replica's GPU prefix cache; loaded: the pool's whole chunks after it
+        cached = own + loaded    own: the replica's GPU prefix cache; loaded: the pool's pages after it
         own < sent + 1 chunk     sent: the whole chunks of this prompt this router had sent that replica
 
-    Nothing cached: all computed. More cached than the pool held, within what the replica can hold: its own.
-    Never sent a whole chunk of it, and from a chunk up to what the pool held cached: the pool's (a sub-chunk head
-    the replica held itself, a chat template's, counts as loaded: less than one chunk over). This assumes the
-    replicas serve this router's requests only (``kvshare up``): a replica another client fed holds more."""
+    Nothing cached: all computed. Where the replica's own KV events told its GPU prefix: up to it, its own; the
+    rest up to what the pool held, loaded (more than both: an event not yet seen, not fitted). Else, by what this
+    router sent: more cached than the pool held, within what the replica can hold, is its own; never sent a whole
+    chunk of it, from a chunk up to what the pool held cached is the pool's (a sub-chunk head the replica held
+    itself, a chat template's, counts as loaded: less than one chunk over). That assumes the replicas serve this
+    router's requests only (``kvshare up``): a replica another client fed holds more."""
     if prompt_tokens != placement.num_tokens or not 0 <= cached_tokens <= prompt_tokens:
         return None  # the router's token ids are not the prompt the replica counted: its record does not apply
     computed, sent = prompt_tokens - cached_tokens, len(placement.depths[replica]) * placement.chunk_tokens
     if cached_tokens == 0:
         return computed, 0
     pool = placement.pool_tokens
+    own = None if placement.own_tokens is None else placement.own_tokens[replica]
+    if own is not None and pool is not None:
+        if cached_tokens <= own:
+            return computed, 0
+        return (computed, cached_tokens - own) if cached_tokens <= pool else None
     if pool is not None and pool < cached_tokens < sent + placement.chunk_tokens:
         return computed, 0
     if sent == 0 and pool is not None and placement.chunk_tokens <= cached_tokens <= pool:

@@ -286,22 +286,22 @@ class PoolAwarePlacer:
             self.feed.expect(now)  # the replica will store the rest: the pool should announce it
         rates = [self.calibration.rates(i) for i in range(len(in_flight))]
         depths = [self.sent.depths(i, hashes) for i in range(len(in_flight))]
+        own = [None] * len(in_flight)  # each replica's GPU prefix by its own live events
         if reason is not None:
             self.num_fallbacks += 1
             self.on_fallback()
             times = [0.0] * len(in_flight)
             work = [r.service_s for r in rates]
         else:
-            prefill = [
-                expected_prefill(
-                    self.cost, len(ids), self._gpu_tokens(i, ids, cache_salt, hashes, chunk_tokens, now), pool_tokens, r
-                )
-                for i, r in enumerate(rates)
-            ]
+            own = [self._own_tokens(i, ids, cache_salt, hashes, chunk_tokens, now) for i in range(len(in_flight))]
+            gpu = [self.sent.held_tokens(i, hashes, chunk_tokens) if o is None else o for i, o in enumerate(own)]
+            prefill = [expected_prefill(self.cost, len(ids), g, pool_tokens, r) for g, r in zip(gpu, rates)]
             times = [self.queue_s(i, q, r, now) + p for i, (q, r, p) in enumerate(zip(in_flight, rates, prefill))]
             work = [p + r.decode_s for p, r in zip(prefill, rates)]
-        live_pool_tokens = pool_tokens if reason is None else None
-        self.last_placement = Placement(work, depths, chunk_tokens, len(ids), live_pool_tokens)
+        # what a vLLM usage's cached tokens are split by: not a salted prompt's (the events name none of its pages)
+        known = reason is None and cache_salt is None
+        held = (pool_tokens, own) if known else (None, [None] * len(in_flight))
+        self.last_placement = Placement(work, depths, chunk_tokens, len(ids), *held)
         order = rank(times, is_available, rotation, NEAR_TIE)
         self.sent.remember(order[0], hashes)
         return order
@@ -312,15 +312,16 @@ class PoolAwarePlacer:
         unknown = max(0, num_in_flight - self.backlog.num_jobs(i))
         return self.backlog.wait_s(i) + unknown * rates.service_s
 
-    def _gpu_tokens(self, i: int, ids, cache_salt, hashes, chunk_tokens: int, now: float) -> int:
-        """Replica i's GPU prefix: from its own events while they are live, else what this router sent it."""
+    def _own_tokens(self, i: int, ids, cache_salt, hashes, chunk_tokens: int, now: float) -> int | None:
+        """Replica i's GPU prefix by its own events while they are live; None: else (what this router sent it is
+        taken instead)."""
         feed = self.replica_feeds[i] if i < len(self.replica_feeds) else None
-        if feed is not None and feed.why_not_live(now) is None:
-            with feed.lock:
-                if feed.index.chunk_tokens == chunk_tokens:  # the request's chain is this index's: hashed once
-                    return feed.index.held_tokens_of(hashes, cache_salt)
-                return feed.index.held_tokens(ids, cache_salt)
-        return self.sent.held_tokens(i, hashes, chunk_tokens)
+        if feed is None or feed.why_not_live(now) is not None:
+            return None
+        with feed.lock:
+            if feed.index.chunk_tokens == chunk_tokens:  # the request's chain is this index's: hashed once
+                return feed.index.held_tokens_of(hashes, cache_salt)
+            return feed.index.held_tokens(ids, cache_salt)
 
     def timing(
         self, replica: int, sent_s: float, upstream, placement: Placement | None = None, is_usage_asked: bool = False

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from kvshare.router.calibration import Calibration, Placement, ResponseTiming, split_cached, usage_of
+from kvshare.router.policy import RouteFacts
 from kvshare.router.pool_aware import CostModel, PoolAwareConfig
 from kvshare.router.proxy import RouterConfig, RouterServer
 from kvshare.router.vllm_usage import UsageStrip, ask_for_usage
@@ -82,6 +83,38 @@ def test_cached_tokens_split_only_where_the_routers_record_tells_them_apart():
     assert split_cached(Placement([0.0], [[3, 5]], 64, 1000, pool_tokens=64), 0, 1000, 160) == (840, 0)
     assert split_cached(events_down, 0, 1000, 160) is None  # what the pool held is not known
     assert split_cached(sent_twice, 0, 1000, 1001) is None
+
+
+def test_a_replicas_own_events_split_its_cached_tokens_where_the_routers_memory_cannot():
+    """The replica was sent the prompt before (its memory cannot tell) but its events said what its GPU held.
+    Fails when the split ignores the replica's own events (None for each of these)."""
+    own = [640, None]  # replica 0's GPU held 640 tokens of the prompt by its events; replica 1's not known
+    placement = Placement([0.0, 0.0], [[3, 5], [3, 5]], 64, 1000, pool_tokens=768, own_tokens=own)
+    assert split_cached(placement, 0, 1000, 640) == (360, 0)  # its own
+    assert split_cached(placement, 0, 1000, 512) == (488, 0)  # its own (it lost some since)
+    assert split_cached(placement, 0, 1000, 768) == (232, 128)  # its own, then the pool's
+    assert split_cached(placement, 0, 1000, 832) is None  # more than either held: an event not seen yet
+    assert split_cached(placement, 1, 1000, 768) is None  # replica 1: by the router's memory, not told
+
+
+def test_the_placer_records_what_a_split_needs_and_nothing_for_a_salted_prompt():
+    """Fails when a salted prompt's pool prefix (0: the events name no salted page) is taken as what the pool
+    held: its cached tokens would be called the replica's own."""
+    from kvshare.pool import events as E
+    from tests.router.test_pool_aware import FakeFeed, placer_with, stored_chain, views
+
+    prompt = list(range(4000, 4000 + 512))
+    router = placer_with(stored_chain(prompt[:256]))
+    gpu = FakeFeed([])
+    gpu.index.media = (E.MEDIUM_GPU,)
+    gpu.index.apply(E.BlockStored([9], None, prompt[:256], 256, None, E.MEDIUM_GPU, None))
+    router.pool_aware.replica_feeds = [FakeFeed([]), gpu]
+    router.choose(RouteFacts(prompt_ids=prompt), views(0, 0), now=0.0)
+    placement = router.pool_aware.last_placement
+    assert (placement.num_tokens, placement.pool_tokens, placement.own_tokens) == (512, 256, [0, 256])
+    router.choose(RouteFacts(prompt_ids=prompt, cache_salt="tenant"), views(0, 0), now=0.0)
+    placement = router.pool_aware.last_placement
+    assert (placement.pool_tokens, placement.own_tokens) == (None, [None, None])
 
 
 @pytest.mark.parametrize("kind", ["completion", "chat"])
