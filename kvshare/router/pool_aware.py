@@ -171,9 +171,10 @@ class PoolPrefixIndex:
 
 
 def _is_keyed(event) -> bool:
-    """A block whose hash took more than its tokens (vLLM's extra_keys: a cache_salt, a LoRA, media): a prompt's
-    tokens alone must not match it (another tenant's block would steer placement)."""
-    return bool(getattr(event, "extra_keys", None) or getattr(event, "lora_name", None) or event.lora_id)
+    """A block whose hash took more than its tokens (vLLM's extra_keys, one entry a block, None for a plain one: a
+    cache_salt, a LoRA, media): a prompt's tokens alone must not match it (another tenant's block would steer)."""
+    keys = getattr(event, "extra_keys", None) or ()
+    return any(k is not None for k in keys) or bool(getattr(event, "lora_name", None) or event.lora_id)
 
 
 def expected_ttft(

@@ -97,6 +97,21 @@ def test_a_replicas_own_events_split_its_cached_tokens_where_the_routers_memory_
     assert split_cached(placement, 1, 1000, 768) is None  # replica 1: by the router's memory, not told
 
 
+def test_a_replicas_plain_blocks_are_indexed_as_vllm_publishes_them():
+    """vLLM 0.26 and 0.32 publish ``extra_keys`` with one entry a block, None for a block keyed by its tokens
+    alone. Fails when any extra_keys list counts as keyed (a replica's GPU index then stays empty)."""
+    from kvshare.pool import events as E
+    from kvshare.router.pool_aware import PoolPrefixIndex
+
+    ids = list(range(64))
+    index = PoolPrefixIndex((E.MEDIUM_GPU, None))
+    index.apply(E.BlockStored([1, 2], None, ids, 32, None, E.MEDIUM_GPU, None, [None, None]))
+    assert index.held_tokens(ids, None) == 64
+    salted = PoolPrefixIndex((E.MEDIUM_GPU, None))  # vLLM keys a cache_salt into the first block only
+    salted.apply(E.BlockStored([1, 2], None, ids, 32, None, E.MEDIUM_GPU, None, [("salt",), None]))
+    assert salted.held_tokens(ids, None) == 0
+
+
 def test_the_placer_records_what_a_split_needs_and_nothing_for_a_salted_prompt():
     """Fails when a salted prompt's pool prefix (0: the events name no salted page) is taken as what the pool
     held: its cached tokens would be called the replica's own."""
