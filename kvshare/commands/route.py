@@ -51,7 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="builtin",
         help="what the replicas run. vllm: with --api-key or --tenant-header the router sets each "
         "request's cache_salt to its tenant's (the client's cache_salt splits only its own share), "
-        "since vLLM replicas see no tenant; built-in replicas salt themselves. Default builtin",
+        "since vLLM replicas see no tenant; built-in replicas salt themselves; --policy pool_aware asks a "
+        "vLLM stream for its usage chunk, to measure the replica, and takes it out of what a client that did "
+        "not ask gets. Default builtin",
     )
     p.add_argument(
         "--expose-replica-header",

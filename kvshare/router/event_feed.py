@@ -199,6 +199,7 @@ def attach_pool_aware(
         ("decode_seconds", "Measured time a request holds a replica after its first token", "decode_s"),
         ("overhead_seconds", "Measured time to first token a replica adds to every request", "overhead_s"),
         ("rate_samples", "Responses behind a replica's measured rates (0: the flags' values)", "num_samples"),
+        ("prefill_samples", "Responses in a replica's window with computed and pool tokens known", "num_measured"),
     ]
     for name, help_text, field in terms:
         gauge = Gauge(f"kvshare_router_pool_aware_{name}", help_text, ["replica"], registry=registry)

@@ -40,7 +40,7 @@ from dataclasses import dataclass, replace
 from kvshare.keys import DEFAULT_CHUNK_TOKENS
 from kvshare.pool import events as E
 from kvshare.router.backlog import Backlog
-from kvshare.router.calibration import Calibration, Rates, ResponseTiming
+from kvshare.router.calibration import Calibration, Placement, Rates, ResponseTiming, split_cached
 from kvshare.router.sent_memory import SentMemory
 
 log = logging.getLogger("kvshare.router.pool_aware")
@@ -171,9 +171,10 @@ class PoolPrefixIndex:
 
 
 def _is_keyed(event) -> bool:
-    """A block whose hash took more than its tokens (vLLM's extra_keys: a cache_salt, a LoRA, media): a prompt's
-    tokens alone must not match it (another tenant's block would steer placement)."""
-    return bool(getattr(event, "extra_keys", None) or getattr(event, "lora_name", None) or event.lora_id)
+    """A block whose hash took more than its tokens (vLLM's extra_keys, one entry a block, None for a plain one: a
+    cache_salt, a LoRA, media): a prompt's tokens alone must not match it (another tenant's block would steer)."""
+    keys = getattr(event, "extra_keys", None) or ()
+    return any(k is not None for k in keys) or bool(getattr(event, "lora_name", None) or event.lora_id)
 
 
 def expected_ttft(
@@ -215,15 +216,6 @@ class PromptText:
     """A request's prompt as the text its ids come from (a chat rendered by the template): ``encoded`` gives them."""
 
     text: str
-
-
-@dataclass(frozen=True)
-class Placement:
-    """What the placer expected of one request on each replica, for the proxy to begin its job and check it."""
-
-    work_s: list[float]  # its expected service time on each replica (kvshare.router.backlog)
-    depths: list[list[int]]  # per replica: the depths of the chunks of its prefix this router had sent there
-    chunk_tokens: int
 
 
 @dataclass(frozen=True)
@@ -295,21 +287,22 @@ class PoolAwarePlacer:
             self.feed.expect(now)  # the replica will store the rest: the pool should announce it
         rates = [self.calibration.rates(i) for i in range(len(in_flight))]
         depths = [self.sent.depths(i, hashes) for i in range(len(in_flight))]
+        own = [None] * len(in_flight)  # each replica's GPU prefix by its own live events
         if reason is not None:
             self.num_fallbacks += 1
             self.on_fallback()
             times = [0.0] * len(in_flight)
             work = [r.service_s for r in rates]
         else:
-            prefill = [
-                expected_prefill(
-                    self.cost, len(ids), self._gpu_tokens(i, ids, cache_salt, hashes, chunk_tokens, now), pool_tokens, r
-                )
-                for i, r in enumerate(rates)
-            ]
+            own = [self._own_tokens(i, ids, cache_salt, hashes, chunk_tokens, now) for i in range(len(in_flight))]
+            gpu = [self.sent.held_tokens(i, hashes, chunk_tokens) if o is None else o for i, o in enumerate(own)]
+            prefill = [expected_prefill(self.cost, len(ids), g, pool_tokens, r) for g, r in zip(gpu, rates)]
             times = [self.queue_s(i, q, r, now) + p for i, (q, r, p) in enumerate(zip(in_flight, rates, prefill))]
             work = [p + r.decode_s for p, r in zip(prefill, rates)]
-        self.last_placement = Placement(work, depths, chunk_tokens)
+        # what a vLLM usage's cached tokens are split by: not a salted prompt's (the events name none of its pages)
+        known = reason is None and cache_salt is None
+        held = (pool_tokens, own) if known else (None, [None] * len(in_flight))
+        self.last_placement = Placement(work, depths, chunk_tokens, len(ids), *held)
         order = rank(times, is_available, rotation, NEAR_TIE)
         self.sent.remember(order[0], hashes)
         return order
@@ -320,25 +313,32 @@ class PoolAwarePlacer:
         unknown = max(0, num_in_flight - self.backlog.num_jobs(i))
         return self.backlog.wait_s(i) + unknown * rates.service_s
 
-    def _gpu_tokens(self, i: int, ids, cache_salt, hashes, chunk_tokens: int, now: float) -> int:
-        """Replica i's GPU prefix: from its own events while they are live, else what this router sent it."""
+    def _own_tokens(self, i: int, ids, cache_salt, hashes, chunk_tokens: int, now: float) -> int | None:
+        """Replica i's GPU prefix by its own events while they are live; None: else (what this router sent it is
+        taken instead)."""
         feed = self.replica_feeds[i] if i < len(self.replica_feeds) else None
-        if feed is not None and feed.why_not_live(now) is None:
-            with feed.lock:
-                if feed.index.chunk_tokens == chunk_tokens:  # the request's chain is this index's: hashed once
-                    return feed.index.held_tokens_of(hashes, cache_salt)
-                return feed.index.held_tokens(ids, cache_salt)
-        return self.sent.held_tokens(i, hashes, chunk_tokens)
+        if feed is None or feed.why_not_live(now) is not None:
+            return None
+        with feed.lock:
+            if feed.index.chunk_tokens == chunk_tokens:  # the request's chain is this index's: hashed once
+                return feed.index.held_tokens_of(hashes, cache_salt)
+            return feed.index.held_tokens(ids, cache_salt)
 
-    def timing(self, replica: int, sent_s: float, upstream, placement: Placement | None = None) -> ResponseTiming:
+    def timing(
+        self, replica: int, sent_s: float, upstream, placement: Placement | None = None, is_usage_asked: bool = False
+    ) -> ResponseTiming:
         """The measurement of one relayed response (an aiohttp ClientResponse) for this placer's calibration and,
-        with the request's ``placement``, for what its replica's local cache keeps (the sent memory's capacity)."""
+        with the request's ``placement``, for what its replica's local cache keeps (the sent memory's capacity)
+        and how a vLLM usage's cached tokens split; ``is_usage_asked``: the router asked for its usage chunk."""
 
         def held(local_tokens: int) -> None:
             self.sent.report(replica, placement.depths[replica], local_tokens // placement.chunk_tokens)
 
         is_stream = upstream.content_type == "text/event-stream"
-        return ResponseTiming(self.calibration, replica, sent_s, is_stream, None if placement is None else held)
+        if placement is None:
+            return ResponseTiming(self.calibration, replica, sent_s, is_stream, is_usage_asked=is_usage_asked)
+        split = lambda prompt_tokens, cached_tokens: split_cached(placement, replica, prompt_tokens, cached_tokens)
+        return ResponseTiming(self.calibration, replica, sent_s, is_stream, held, split, is_usage_asked)
 
     def start(self) -> None:
         self.warm_up()

@@ -31,6 +31,7 @@ from kvshare.router.config import RouterConfig
 from kvshare.router.event_feed import attach_pool_aware
 from kvshare.router.facts import route_facts
 from kvshare.router.policy import ReplicaView, RouteFacts, Router
+from kvshare.router.vllm_usage import ask_for_usage
 from kvshare.serve.api_types import ApiError, decode
 from kvshare.serve.connection import SlowClient, is_gone, limit_send_buffer, write_within
 from kvshare.serve.http_errors import body_too_large, error_response, http_error
@@ -269,6 +270,10 @@ class RouterServer:
         if self.pool_aware is not None:  # a text prompt's ids: a long encode runs off the loop, the relays go on
             facts = await self.pool_aware.encoded(facts)
         body = self._forwarded_body(request, body)
+        # pool_aware measures a vLLM replica by the usage a stream ends with: asked for where the client did not
+        is_measured = self.pool_aware is not None and self.config.engine == "vllm"
+        usage_body = ask_for_usage(request.method, request.path, body) if is_measured else None
+        body = usage_body or body
         views = [
             ReplicaView(i, r.is_healthy and not r.is_draining, r.num_in_flight) for i, r in enumerate(self.replicas)
         ]
@@ -299,7 +304,8 @@ class RouterServer:
                 continue
             try:
                 self.metrics.requests.labels(replica.url).inc()
-                timing = None if placer is None else placer.timing(i, sent_s, upstream, placement)
+                is_asked = usage_body is not None
+                timing = None if placer is None else placer.timing(i, sent_s, upstream, placement, is_asked)
                 return await self._relay(request, upstream, replica, timing)
             finally:
                 upstream.release()

@@ -4,6 +4,7 @@ import asyncio
 import json
 import time
 import urllib.request
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -47,7 +48,7 @@ def test_until_enough_samples_and_for_a_term_never_seen_the_flags_hold():
     fit = ReplicaRates(prior)
     for _ in range(CalibrationConfig().min_samples - 1):
         fit.add_prefill(100, 0, 0.3)
-    assert fit.rates == prior
+    assert fit.rates == replace(prior, num_measured=CalibrationConfig().min_samples - 1)
     for computed in range(100, 2000, 100):  # nothing loaded from the pool: its term stays the flag's
         fit.add_prefill(computed, 0, computed * 3e-3)
     assert fit.rates.prefill_s_per_token == pytest.approx(3e-3, rel=0.05)
