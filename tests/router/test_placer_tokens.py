@@ -1,4 +1,5 @@
-"""pool_aware's placer encodes of a chat's next turn only what earlier prompts did not hold, with the same ids."""
+"""pool_aware's placer encodes of a chat's next turn only what earlier prompts did not hold, and places it before
+that is encoded; the ids are those of a whole encode."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ from prometheus_client import CollectorRegistry
 from kvshare.engine.loader import load_tokenizer
 from kvshare.router.event_feed import PLACER_PIECE_CHARS, attach_pool_aware
 from kvshare.router.policy import RouteFacts
-from kvshare.router.pool_aware import PoolAwareConfig, PromptText
+from kvshare.router.pool_aware import PoolAwareConfig, chain
+from kvshare.router.prompt_ids import DEFER_MAX_CHARS, PromptText
+from kvshare.serve.off_loop import OFF_LOOP_MIN_CHARS
+from tests.serve.test_off_loop import BlockedEncode
 
 MODEL = "qwen3-8b"  # a preset with the 131072-token BPE (its texts can be cut; no weights are built here)
 
@@ -44,3 +48,48 @@ def test_a_next_turn_encodes_only_its_new_text_and_the_ids_are_a_whole_encode():
     whole = load_tokenizer(MODEL)  # a replica's tokenizer: one plain encode of each text this short
     assert placed.prompt_ids.tolist() == whole.encode(first_text)
     assert tokenizer.encode_missing(lookup).tolist() == whole.encode(later_text)
+
+
+def test_a_next_turn_is_placed_while_its_new_tail_encodes_and_remembered_whole_after():
+    """Fails when the placement waits for the whole prompt's ids (``encoded`` awaiting the encode of what no
+    earlier prompt held, as before KnownPrefix): the placement is not done while that encode is held."""
+    rng = random.Random(1)
+    placer = attach_pool_aware(
+        SimpleNamespace(num_replicas=2), PoolAwareConfig(endpoint="ipc:///x", model=MODEL), CollectorRegistry()
+    )
+    placer.feed.last_seq = 0  # events live (an empty pool): placed by T_r
+    tokenizer, whole = placer.tokenizer, load_tokenizer(MODEL)
+    first = [{"role": "system", "content": _words(rng, 2500)}, {"role": "user", "content": _words(rng, 50)}]
+    later = [*first, {"role": "assistant", "content": _words(rng, 20)}, {"role": "user", "content": _words(rng, 800)}]
+    first_text, later_text = tokenizer.chat_text(first), tokenizer.chat_text(later)
+    tail_chars = len(later_text) - len(first_text)
+    assert OFF_LOOP_MIN_CHARS <= tail_chars < DEFER_MAX_CHARS - PLACER_PIECE_CHARS  # long enough to be held below
+
+    async def turns():
+        placed = await placer.encoded(RouteFacts(prompt_ids=PromptText(first_text)))  # new to the router: whole
+        home = placer.order(placed.prompt_ids, None, [0, 0], [True, True], 0, 0.0)[0]
+        blocked = BlockedEncode(tokenizer.encode_missing)
+        tokenizer.encode_missing = blocked
+        task = asyncio.create_task(placer.encoded(RouteFacts(prompt_ids=PromptText(later_text))))
+        try:
+            assert await asyncio.get_running_loop().run_in_executor(None, blocked.entered.wait, 60)
+            await asyncio.sleep(0)
+            is_placed_first = task.done()
+            known = task.result() if is_placed_first else None
+            order = placer.order(known.prompt_ids, None, [0, 0], [True, True], 1, 0.0) if known else None
+        finally:
+            blocked.release.set()
+        if known is None:  # placed only once the whole prompt was encoded
+            return False, home, None, None, (await task).prompt_ids
+        ids = await known.prompt_ids.whole
+        await asyncio.sleep(0)  # the callback that remembers the whole chain
+        return is_placed_first, home, order, known.prompt_ids, ids
+
+    is_placed_first, home, order, known, ids = asyncio.run(turns())
+    assert is_placed_first and order[0] == home  # placed on the replica holding the first turn, encode held
+    expected = whole.encode(later_text)
+    assert ids.tolist() == expected and known.ids.tolist() == expected[: len(known.ids)]
+    assert len(first_text) - 2 * PLACER_PIECE_CHARS < len(tokenizer.decode(known.ids, skip_special_tokens=False))
+    assert abs(known.num_tokens - len(expected)) < 0.1 * len(expected)  # the tail's length estimated
+    hashes = chain(ids, placer.feed.index.chunk_tokens, None)
+    assert len(placer.sent.depths(home, hashes)) == len(hashes)  # remembered whole once encoded
