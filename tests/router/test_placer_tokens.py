@@ -7,6 +7,7 @@ import asyncio
 import random
 from types import SimpleNamespace
 
+import numpy as np
 from prometheus_client import CollectorRegistry
 
 from kvshare.engine.loader import load_tokenizer
@@ -93,3 +94,26 @@ def test_a_next_turn_is_placed_while_its_new_tail_encodes_and_remembered_whole_a
     assert abs(known.num_tokens - len(expected)) < 0.1 * len(expected)  # the tail's length estimated
     hashes = chain(ids, placer.feed.index.chunk_tokens, None)
     assert len(placer.sent.depths(home, hashes)) == len(hashes)  # remembered whole once encoded
+
+
+def test_a_tail_whose_encode_failed_leaves_its_known_chunks_remembered():
+    """Fails when a failed tail encode leaves the placed prompt out of the sent memory (the callback raising, or
+    remembering nothing): its known chunks were sent to the replica all the same."""
+    from kvshare.router.prompt_ids import KnownPrefix
+
+    placer = attach_pool_aware(
+        SimpleNamespace(num_replicas=2), PoolAwareConfig(endpoint="ipc:///x", model=MODEL), CollectorRegistry()
+    )
+    placer.feed.last_seq = 0
+    chunk_tokens = placer.feed.index.chunk_tokens
+    known_ids = np.arange(2 * chunk_tokens + 7, dtype=np.int64)
+
+    async def place() -> int:
+        whole = asyncio.get_running_loop().create_future()
+        first = placer.order(KnownPrefix(known_ids, 4 * chunk_tokens, whole), None, [0, 0], [True, True], 0, 0.0)[0]
+        whole.set_exception(RuntimeError("the tokenizer failed"))
+        await asyncio.sleep(0)
+        return first
+
+    first = asyncio.run(place())
+    assert placer.sent.depths(first, chain(known_ids, chunk_tokens, None)) == [0, 1]  # its 2 full chunks, the head used last
