@@ -16,10 +16,12 @@ from kvshare.router.pool_aware import PoolAwareConfig, PoolAwarePlacer, PoolPref
 log = logging.getLogger("kvshare.router.pool_aware")
 # The placer tokenizes every text prompt before its request can be sent. A chat's next turn repeats all but its
 # end, so every text is cut into pieces of about this many characters and only pieces no earlier prompt held are
-# encoded (kvshare.engine.token_cache): a replica's defaults (one plain encode below 16 KiB, 8 KiB pieces above)
-# re-encoded up to the whole prompt. 2 CPU cores, the 131072-token BPE, a chat's later turns of 6-9k tokens:
-# 4.3 ms a turn with 8 KiB pieces, 2.1 with 2 KiB, 1.7 with 1 KiB; looking up a held 128k-token text 1.4 ms.
-PLACER_PIECE_CHARS = 1024
+# encoded (kvshare.engine.token_cache); a replica's defaults (one plain encode below 16 KiB, 8 KiB pieces above)
+# re-encode all of a prompt under 16 KiB, up to 8 KiB of a longer one. What every placement pays on the loop is
+# the look-up; 2 CPU cores, the presets' BPE, 2026-12-06 (benchmarks/router_latency_cpu.py pieces): later turns of
+# 6-10k tokens encode in 2.8 ms with 8 KiB pieces, 1.8 with 2 KiB or 1 KiB; a held 128k-token text is looked up
+# in 0.5, 1.0 and 2.6 ms.
+PLACER_PIECE_CHARS = 2048
 
 
 class EventFeed:
