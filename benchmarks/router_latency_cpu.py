@@ -4,6 +4,7 @@
     kvshare bench routing --model /tmp/small-bpe ... --out DIR        (docs/results/*-router-latency-cpu/README.md)
     PYTHONPATH=$PWD python benchmarks/router_latency_cpu.py added DIR [DIR ...]
     PYTHONPATH=$PWD python benchmarks/router_latency_cpu.py pieces [--model qwen3-8b]
+    PYTHONPATH=$PWD python benchmarks/router_latency_cpu.py spans FILE [FILE ...]
 
 ``model`` writes tiny's architecture at a quarter of its width with the 131072-token BPE of the qwen3 presets
 (kvshare.engine.bpe): tiny's byte tokenizer cannot be cut into pieces, so its text costs a router what no real
@@ -13,6 +14,8 @@ p50 / p90 / p99 in ms over the measured requests (its records.jsonl, or records.
 encoding a chat's turns costs a tokenizer per piece size (kvshare.engine.token_cache): six turns of one session
 (a 5000-token system prompt, 700-token user turns, 20-token answers) on a fresh cache, the first turn and the
 median of the later ones over 5 sessions, and the look-up of a 128k-token text all of whose pieces are held.
+``spans`` prints p50 / p90 / p99 of files of one time in ms a line (a router's own time per request, written by
+a copy of the router patched as the results folder's spans/spans.patch shows).
 """
 
 from __future__ import annotations
@@ -96,14 +99,27 @@ def print_pieces(model: str) -> None:
         print(f"| {piece_chars} | {min_chars} | " + " | ".join(f"{c:.2f}" for c in cells) + " |")
 
 
+def print_spans(files: list[str]) -> None:
+    print("| file | requests | p50 ms | p90 ms | p99 ms |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for path in files:
+        with open(path) as f:
+            values = [float(line) for line in f if line.strip()]
+        cells = " | ".join(f"{percentile(values, q):.2f}" for q in (50, 90, 99))
+        print(f"| {os.path.basename(path)} | {len(values)} | {cells} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="what", required=True)
     sub.add_parser("model").add_argument("out")
     sub.add_parser("added").add_argument("folders", nargs="+")
     sub.add_parser("pieces").add_argument("--model", default="qwen3-8b", help="a preset or model directory")
+    sub.add_parser("spans").add_argument("files", nargs="+")
     args = p.parse_args()
-    if args.what == "model":
+    if args.what == "spans":
+        print_spans(args.files)
+    elif args.what == "model":
         write_model(args.out)
     elif args.what == "added":
         print_added(args.folders)

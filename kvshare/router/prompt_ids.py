@@ -3,10 +3,11 @@
 A text prompt (a chat rendered by the model's template) must be encoded to be hashed into chunks, and every
 request waits for its placement. A chat's next turn repeats all but its end, and the tokenizer cuts texts into
 pieces cached by content (kvshare.engine.token_cache), so the ids of its leading pieces are known at once; they
-are an exact prefix of the whole text's ids (pieces end at safe points). A tail that no earlier prompt of this
-router held is new to every replica this router placed on and to the pool it fed, so where only a short tail is
-new the request is placed on the known prefix and sent while the tail is encoded off the loop; the sent memory
-takes the prompt's whole chain once it is in (kvshare.router.pool_aware)::
+are an exact prefix of the whole text's ids (pieces end at safe points). Text that no earlier prompt of this
+router held reached no replica or pool through it (only through another router, or as a replica's own answer,
+a few tokens at a tail's head), so where only a short tail is new the request is placed on the known prefix and
+sent while the tail is encoded off the loop; the sent memory takes the prompt's whole chain once it is in
+(kvshare.router.pool_aware)::
 
     text:   |<- known pieces (ids looked up) ->|<- new tail: encoded after the request is sent ->|
     placed: [ chunk 0 ][ chunk 1 ] ... [ k-1 ]  + the tail's tokens, estimated from the known chars/token

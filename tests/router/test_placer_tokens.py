@@ -116,4 +116,5 @@ def test_a_tail_whose_encode_failed_leaves_its_known_chunks_remembered():
         return first
 
     first = asyncio.run(place())
-    assert placer.sent.depths(first, chain(known_ids, chunk_tokens, None)) == [0, 1]  # its 2 full chunks, the head used last
+    # its 2 full chunks remembered, the head used last
+    assert placer.sent.depths(first, chain(known_ids, chunk_tokens, None)) == [0, 1]
