@@ -22,6 +22,7 @@ import os
 import random
 from collections.abc import Iterator
 
+from kvshare.engine.token_cache import TokenCacheConfig
 from kvshare.engine.tokenizer import (
     BYTE_VOCAB_SIZE,
     EOS_ID,
@@ -143,12 +144,11 @@ def preset_tokenizer_files(kind: str, max_length: int):
     raise ValueError(f"unknown preset tokenizer {kind!r}; choose one of {', '.join(PRESET_TOKENIZERS)}")
 
 
-def preset_tokenizer(kind: str, max_length: int) -> Tokenizer:
-    """The engine's Tokenizer of a preset's tokenizer."""
+def preset_tokenizer(kind: str, max_length: int, cache_config: TokenCacheConfig = TokenCacheConfig()) -> Tokenizer:
+    """The engine's Tokenizer of a preset's tokenizer (long texts cut and cached by ``cache_config``)."""
     tokenizer, config = preset_tokenizer_files(kind, max_length)
-    return Tokenizer(
-        tokenizer, config, [EOS_ID, IM_END_ID], tokenizer_json=preset_bpe_text() if kind == "bpe" else None
-    )
+    text = preset_bpe_text() if kind == "bpe" else None
+    return Tokenizer(tokenizer, config, [EOS_ID, IM_END_ID], cache_config, tokenizer_json=text)
 
 
 def write_preset_bpe_data(path: str = DATA_FILE) -> None:

@@ -11,6 +11,7 @@ from kvshare.engine.bpe import preset_tokenizer
 from kvshare.engine.config import ModelConfig
 from kvshare.engine.model import Transformer
 from kvshare.engine.presets import PRESETS, build_preset
+from kvshare.engine.token_cache import TokenCacheConfig
 from kvshare.engine.tokenizer import Tokenizer
 from kvshare.engine.weights import load_model_dir
 from kvshare.errors import UserError
@@ -62,10 +63,11 @@ def load_model(
     return LoadedModel(net, config, tokenizer, fingerprint, name or default_name)
 
 
-def load_tokenizer(model: str):
-    """The tokenizer of a model directory (its tokenizer.json) or of a built-in preset (byte level or BPE)."""
+def load_tokenizer(model: str, cache_config: TokenCacheConfig = TokenCacheConfig()):
+    """The tokenizer of a model directory (its tokenizer.json) or of a built-in preset (byte level or BPE); long
+    texts cut and cached by ``cache_config`` (kvshare.engine.token_cache)."""
     if os.path.isdir(model):
-        return Tokenizer.from_dir(model)
+        return Tokenizer.from_dir(model, cache_config)
     if model in PRESETS:
-        return preset_tokenizer(PRESETS[model].tokenizer, PRESETS[model].config.max_position_embeddings)
+        return preset_tokenizer(PRESETS[model].tokenizer, PRESETS[model].config.max_position_embeddings, cache_config)
     raise UserError(f"--tokenizer/--model {model!r} is neither a model directory nor a preset ({', '.join(PRESETS)})")

@@ -133,7 +133,7 @@ class Tokenizer:
         self._special_ids = frozenset(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
 
     @classmethod
-    def from_dir(cls, model_dir: str) -> Tokenizer:
+    def from_dir(cls, model_dir: str, cache_config: TokenCacheConfig = TokenCacheConfig()) -> Tokenizer:
         from tokenizers import Tokenizer as HFTokenizer
 
         path = os.path.join(model_dir, "tokenizer.json")
@@ -144,7 +144,8 @@ class Tokenizer:
         eos = generation.get("eos_token_id", [])
         with open(path, encoding="utf-8") as f:
             text = f.read()
-        return cls(HFTokenizer.from_str(text), config, eos if isinstance(eos, list) else [eos], tokenizer_json=text)
+        eos_ids = eos if isinstance(eos, list) else [eos]
+        return cls(HFTokenizer.from_str(text), config, eos_ids, cache_config, tokenizer_json=text)
 
     @classmethod
     def byte_level(cls, max_length: int) -> Tokenizer:

@@ -14,6 +14,14 @@ from kvshare.pool import events as E
 from kvshare.router.pool_aware import PoolAwareConfig, PoolAwarePlacer, PoolPrefixIndex
 
 log = logging.getLogger("kvshare.router.pool_aware")
+# The placer tokenizes every text prompt before its request can be sent. A chat's next turn repeats all but its
+# end, so every text is cut into pieces of about this many characters and only pieces no earlier prompt held are
+# encoded (kvshare.engine.token_cache); a replica's defaults (one plain encode below 16 KiB, 8 KiB pieces above)
+# re-encode all of a prompt under 16 KiB, up to 8 KiB of a longer one. What every placement pays on the loop is
+# the look-up; 2 CPU cores, the presets' BPE, 2026-12-06 (benchmarks/router_latency_cpu.py pieces): later turns of
+# 6-10k tokens encode in 2.8 ms with 8 KiB pieces, 1.8 with 2 KiB or 1 KiB; a held 128k-token text is looked up
+# in 0.5, 1.0 and 2.6 ms.
+PLACER_PIECE_CHARS = 2048
 
 
 class EventFeed:
@@ -152,6 +160,7 @@ def attach_pool_aware(
     from prometheus_client import Counter, Gauge
 
     from kvshare.engine.loader import load_tokenizer
+    from kvshare.engine.token_cache import TokenCacheConfig
 
     feed = EventFeed(
         config.endpoint, config.topic, config.replay_endpoint, config.encoding, config.max_lag_s, config.max_silence_s
@@ -164,7 +173,8 @@ def attach_pool_aware(
         EventFeed(e, "", None, config.encoding, config.max_lag_s, config.max_silence_s, media=(E.MEDIUM_GPU, None))
         for e in config.replica_endpoints
     ]
-    placer = PoolAwarePlacer(router.num_replicas, config.cost, feed, load_tokenizer(config.model), replica_feeds)
+    tokenizer = load_tokenizer(config.model, TokenCacheConfig(piece_chars=PLACER_PIECE_CHARS, min_chars=0))
+    placer = PoolAwarePlacer(router.num_replicas, config.cost, feed, tokenizer, replica_feeds)
     router.pool_aware = placer
     fallbacks = Counter(
         "kvshare_router_pool_aware_fallbacks",

@@ -33,7 +33,8 @@ class RouteFacts:
     session_id: str | None = None
     chat_turn: int | None = None  # assistant messages in a chat request
     prefix_blocks: tuple[bytes, ...] = ()  # chained hashes of the prompt's text blocks
-    # pool_aware: the prompt's token ids (a list or an int array), None: unknown; a PromptText until encoded
+    # pool_aware: the prompt's token ids (a list or an int array), None: unknown; a PromptText until encoded, then
+    # a KnownPrefix where only its tail is still encoding (kvshare.router.prompt_ids)
     prompt_ids: object = None
     cache_salt: str | None = None  # pool_aware: the request's cache_salt
 

@@ -25,6 +25,9 @@ are left out of T_r, as a router that sees only the replicas' GPU caches would p
 When the events stop (a routed prompt's new chunks are not announced in time), lag, or cannot be decoded,
 the policy falls back to round robin until they are live again, with a metric and a log line.
 
+A chat's next turn is placed on the ids of the text earlier prompts held, its new tail encoded meanwhile
+(kvshare.router.prompt_ids): the sent memory takes the tail's chunks when they are in.
+
 Pure: the index, the sent memory, ``expected_ttft``, ``rank`` and the placer take ``now`` and need no socket;
 kvshare.router.event_feed is the thread with the ZMQ subscription.
 """
@@ -35,12 +38,13 @@ import array
 import hashlib
 import logging
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from kvshare.keys import DEFAULT_CHUNK_TOKENS
 from kvshare.pool import events as E
 from kvshare.router.backlog import Backlog
 from kvshare.router.calibration import Calibration, Placement, Rates, ResponseTiming, split_cached
+from kvshare.router.prompt_ids import KnownPrefix, encoded, prompt_ids, prompt_of
 from kvshare.router.sent_memory import SentMemory
 
 log = logging.getLogger("kvshare.router.pool_aware")
@@ -113,6 +117,13 @@ def chain(ids, chunk_tokens: int, cache_salt: str | None) -> list[bytes]:
         previous = hashlib.blake2b(previous + data[start : start + step], digest_size=8).digest()
         hashes.append(previous)
     return hashes
+
+
+def _whole_chain(whole, chunk_tokens: int, cache_salt: str | None, known: list[bytes]) -> list[bytes]:
+    """The chain of a KnownPrefix's whole ids once ``whole`` (their future) is done; ``known`` where it failed."""
+    if whole.cancelled() or whole.exception() is not None:
+        return known
+    return chain(whole.result(), chunk_tokens, cache_salt)
 
 
 def held_chunks(hashes: list[bytes], held) -> int:
@@ -212,13 +223,6 @@ def rank(times: list[float], is_available: list[bool], rotation: int, near_tie: 
 
 
 @dataclass(frozen=True)
-class PromptText:
-    """A request's prompt as the text its ids come from (a chat rendered by the template): ``encoded`` gives them."""
-
-    text: str
-
-
-@dataclass(frozen=True)
 class PoolAwareConfig:
     """``kvshare route --policy pool_aware --kv-events ENDPOINT [--kv-events-replay ...] --model MODEL``."""
 
@@ -278,12 +282,15 @@ class PoolAwarePlacer:
             else:
                 log.warning("pool_aware: falling back to round robin: %s", reason)
             self.fallback_reason = reason
-        ids = [] if prompt_ids is None else prompt_ids
+        # a KnownPrefix: placed on its known ids, its length estimated (kvshare.router.prompt_ids)
+        is_known = isinstance(prompt_ids, KnownPrefix)
+        ids = prompt_ids.ids if is_known else [] if prompt_ids is None else prompt_ids
+        num_tokens = prompt_ids.num_tokens if is_known else len(ids)
         chunk_tokens = self.feed.index.chunk_tokens  # set once, from the first event: the pool's page size
         hashes = chain(ids, chunk_tokens, cache_salt)  # the one chain: the pool's lookup and the sent memory
         with self.feed.lock:
             pool_tokens = self.feed.index.held_tokens_of(hashes, cache_salt)
-        if pool_tokens < len(hashes) * chunk_tokens:
+        if pool_tokens < num_tokens // chunk_tokens * chunk_tokens:
             self.feed.expect(now)  # the replica will store the rest: the pool should announce it
         rates = [self.calibration.rates(i) for i in range(len(in_flight))]
         depths = [self.sent.depths(i, hashes) for i in range(len(in_flight))]
@@ -296,15 +303,22 @@ class PoolAwarePlacer:
         else:
             own = [self._own_tokens(i, ids, cache_salt, hashes, chunk_tokens, now) for i in range(len(in_flight))]
             gpu = [self.sent.held_tokens(i, hashes, chunk_tokens) if o is None else o for i, o in enumerate(own)]
-            prefill = [expected_prefill(self.cost, len(ids), g, pool_tokens, r) for g, r in zip(gpu, rates)]
+            prefill = [expected_prefill(self.cost, num_tokens, g, pool_tokens, r) for g, r in zip(gpu, rates)]
             times = [self.queue_s(i, q, r, now) + p for i, (q, r, p) in enumerate(zip(in_flight, rates, prefill))]
             work = [p + r.decode_s for p, r in zip(prefill, rates)]
         # what a vLLM usage's cached tokens are split by: not a salted prompt's (the events name none of its pages)
+        # nor one placed on its known prefix: its length is an estimate (-1 matches no usage's prompt tokens)
         known = reason is None and cache_salt is None
         held = (pool_tokens, own) if known else (None, [None] * len(in_flight))
-        self.last_placement = Placement(work, depths, chunk_tokens, len(ids), *held)
+        self.last_placement = Placement(work, depths, chunk_tokens, -1 if is_known else len(ids), *held)
         order = rank(times, is_available, rotation, NEAR_TIE)
-        self.sent.remember(order[0], hashes)
+        if is_known:  # the whole chain once the tail is encoded (on the loop); the known one if that fails
+            whole = prompt_ids.whole
+            whole.add_done_callback(
+                lambda f: self.sent.remember(order[0], _whole_chain(f, chunk_tokens, cache_salt, hashes))
+            )
+        else:
+            self.sent.remember(order[0], hashes)
         return order
 
     def queue_s(self, i: int, num_in_flight: int, rates: Rates, now: float) -> float:
@@ -359,42 +373,13 @@ class PoolAwarePlacer:
             feed.stop()
 
     def prompt_ids(self, prompt, messages):
-        """The token ids a replica would compute for the request (a list, or an int64 array from a text where the
-        tokenizer gives one, without a list between); None where this router cannot tell."""
-        found = self.prompt_of(prompt, messages)
-        try:
-            return self.tokenizer.encode_array(found.text) if isinstance(found, PromptText) else found
-        except Exception as exc:
-            log.debug("pool_aware: no token ids for a request (%s)", exc)
-        return None
+        """The token ids a replica would compute for the request (kvshare.router.prompt_ids)."""
+        return prompt_ids(self.tokenizer, prompt, messages)
 
     async def encoded(self, facts):
-        """``facts`` (policy.RouteFacts) with a PromptText's ids: its pieces looked up here, what no cache holds
-        encoded off the event loop where long (kvshare.serve.tokenize.prompt_array); None where it cannot be."""
-        from kvshare.serve.tokenize import prompt_array
-
-        try:
-            if not isinstance(facts.prompt_ids, PromptText):
-                return facts
-            return replace(facts, prompt_ids=await prompt_array(self.tokenizer, facts.prompt_ids.text))
-        except Exception as exc:
-            log.debug("pool_aware: no token ids for a request (%s)", exc)
-        return replace(facts, prompt_ids=None)
+        """``facts`` with a text prompt's ids, or its KnownPrefix (kvshare.router.prompt_ids.encoded)."""
+        return await encoded(self.tokenizer, facts)
 
     def prompt_of(self, prompt, messages):
-        """``prompt_ids``, but a text (a chat rendered) as a PromptText where the tokenizer looks pieces up."""
-        try:
-            encode_array = getattr(self.tokenizer, "encode_array", None)
-            text = PromptText if hasattr(self.tokenizer, "look_up") else encode_array
-            if messages is not None:
-                if encode_array is not None:
-                    return text(self.tokenizer.chat_text(messages))
-                return list(self.tokenizer.apply_chat_template(messages))
-            if isinstance(prompt, str):
-                return self.tokenizer.encode(prompt) if encode_array is None else text(prompt)
-            if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                # ids beyond 4 bytes hash to nothing the pool holds: the replica refuses them; place without a prefix
-                return prompt if not prompt or (min(prompt) >= 0 and max(prompt) < 1 << 32) else None
-        except Exception as exc:  # a malformed request: the replica answers it; place it without a prefix
-            log.debug("pool_aware: no token ids for a request (%s)", exc)
-        return None
+        """``prompt_ids``, but a text as a PromptText where the tokenizer looks pieces up."""
+        return prompt_of(self.tokenizer, prompt, messages)
