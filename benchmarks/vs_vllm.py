@@ -377,6 +377,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.preset not in PRESETS:
         print(f"vs_vllm: unknown preset {args.preset!r}; one of {', '.join(PRESETS)}", file=sys.stderr)
         return 2
+    context = PRESETS[args.preset].config.max_position_embeddings
+    if too_long := [n for n in args.lengths if n + args.max_tokens > context]:
+        print(
+            f"vs_vllm: {args.preset}'s context is {context} tokens: a prompt of {too_long[0]} leaves no room for "
+            f"{args.max_tokens} generated tokens (--lengths up to {context - args.max_tokens})",
+            file=sys.stderr,
+        )
+        return 2
     load_before = os.getloadavg()[0]
     command = shlex.join(
         [

@@ -136,6 +136,23 @@ def test_the_table_and_readme_show_both_engines_side_by_side(bench):
     assert bench.result_dir_name("2026-12-06", "abc1234") == "2026-12-06-abc1234-vs-vllm"
 
 
+def test_a_length_beyond_the_presets_context_is_refused_before_anything_starts(bench, tmp_path, monkeypatch, capsys):
+    """A prompt with no room for its generated tokens is refused by the servers only after both have started (fails
+    when main() does not check: run_kvshare is reached)."""
+    monkeypatch.setattr(bench, "run_kvshare", lambda *a: pytest.fail("a server was started"))
+    context = bench_preset_context("qwen3-32b")
+    argv = ["--preset", "qwen3-32b", "--lengths", "32768", str(context), "--out", str(tmp_path / "out")]
+    assert bench.main(argv) == 2
+    assert f"a prompt of {context} leaves no room for 16 generated tokens" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def bench_preset_context(preset: str) -> int:
+    from kvshare.engine.presets import PRESETS
+
+    return PRESETS[preset].config.max_position_embeddings
+
+
 def test_the_slowest_repeated_local_hit_is_in_the_row_and_the_table(bench):
     """The GPU prefix hit is judged "every time", not once: a row carries the slowest of the repeated local hits and
     the table shows it beside the first (fails when make_row drops local_max_s)."""
