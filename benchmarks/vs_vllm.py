@@ -140,7 +140,7 @@ def memcpy_rate(num_bytes: int = 512 << 20) -> float:
     return num_bytes / best
 
 
-async def _send(url: str, model: str, prompt: list, max_tokens: int, use_pool: bool | None, client: str):
+async def _send(url, model, prompt, max_tokens: int, use_pool: bool | None, client: str, timeline: bool = False):
     import aiohttp
 
     from kvshare.bench.client import BenchRequest, send
@@ -154,22 +154,44 @@ async def _send(url: str, model: str, prompt: list, max_tokens: int, use_pool: b
             max_tokens=max_tokens,
             use_pool=use_pool,
             is_user_client=True,
+            timeline=timeline,
         )
     else:
         request = BenchRequest(
-            url=url, kind="completion", model=model, prompt=prompt, max_tokens=max_tokens, use_pool=use_pool
+            url=url,
+            kind="completion",
+            model=model,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            use_pool=use_pool,
+            timeline=timeline,
         )
     async with aiohttp.ClientSession() as session:
         return await send(session, request)
 
 
-def request(url: str, model: str, prompt: list, max_tokens: int, use_pool: bool | None, client: str = "token_ids"):
+def request(url, model, prompt, max_tokens: int, use_pool: bool | None, client: str = "token_ids", timeline=False):
     """One streamed greedy request through kvshare's bench client (``prompt``: token ids, or chat messages for
-    ``client`` text); a failed request ends the run."""
-    response = asyncio.run(_send(url, model, prompt, max_tokens, use_pool, client))
+    ``client`` text; ``timeline``: a kvshare replica's steps to the first token, in its provenance); a failed
+    request ends the run."""
+    response = asyncio.run(_send(url, model, prompt, max_tokens, use_pool, client, timeline))
     if response.error:
         raise RuntimeError(f"a request to {url} failed: {response.error}")
     return response
+
+
+_WARM_CLIENTS: set[tuple[str, str]] = set()
+
+
+def warm_client(url: str, model: str, client: str, model_dir: str, seed: int, use_pool: bool | None) -> None:
+    """Before a server's first text prompt, one short chat request through the user's client (a prompt that shares
+    nothing with the measured ones): the openai SDK's first call in a process pays its lazy imports and set-up
+    inside the clock (1.0 s on the GPU machine), which a user's long-lived client pays once, not per request. The
+    server's own first chat request costs what its later ones do (its timelines)."""
+    if client != "text" or (url, client) in _WARM_CLIENTS:
+        return
+    request(url, model, chat_prompt(model_dir, seed, 256, "vs-vllm/warm-up"), 2, use_pool, client)
+    _WARM_CLIENTS.add((url, client))
 
 
 def chat_prompt(model_dir: str, seed: int, num_tokens: int, tag: str) -> list[dict]:
@@ -209,17 +231,19 @@ def run_kvshare(length: int, prompts: dict[str, list[list[int]]], args, model_di
         model = served_model(a)
         got = {}
         for client, ids_list in prompts.items():
+            warm_client(a, model, client, model_dir, args.seed, True)
             for k, ids in enumerate(ids_list):
-                cold = request(a, model, ids, args.max_tokens, True, client)
-                together = plan["layout"] == "together"
-                cross = request(b, model, ids, args.max_tokens, True, client) if together else None
-                local = [request(a, model, ids, args.max_tokens, True, client) for _ in range(args.local_repeats)]
+                ask = functools.partial(request, model=model, prompt=ids, max_tokens=args.max_tokens, use_pool=True)
+                ask = functools.partial(ask, client=client, timeline=args.timelines)
+                cold = ask(a)
+                cross = ask(b) if plan["layout"] == "together" else None
+                local = [ask(a) for _ in range(args.local_repeats)]
                 got[client, k] = [cold, cross, local]
         if plan["layout"] == "sequential":
             cluster.phase("B")
             for client, ids_list in prompts.items():
                 for k, ids in enumerate(ids_list):
-                    got[client, k][1] = request(b, model, ids, args.max_tokens, True, client)
+                    got[client, k][1] = request(b, model, ids, args.max_tokens, True, client, args.timelines)
         for i, ((client, k), (cold, cross, locals_)) in enumerate(got.items()):
             prov = cross.provenance or {}
             hits = [r.ttft_s for r in locals_ if (r.provenance or {}).get("local_tokens", 0) > 0]
@@ -235,6 +259,7 @@ def run_kvshare(length: int, prompts: dict[str, list[list[int]]], args, model_di
                     "local_max_s": max(hits) if len(hits) > 1 else None,
                     "local_hits_s": hits,
                     "local_misses": len(locals_) - len(hits),  # repeats the replica's own cache did not answer
+                    **({"timelines": timelines(cold, cross, locals_)} if args.timelines else {}),
                     "pool_tokens": prov.get("pool_tokens"),
                     "tokens_equal": cross.token_ids == cold.token_ids,
                 }
@@ -243,6 +268,15 @@ def run_kvshare(length: int, prompts: dict[str, list[list[int]]], args, model_di
         cluster.stop()
     commands = [shlex.join(c) for c in cluster.commands.values()]
     return out, commands
+
+
+def timelines(cold, cross, locals_) -> dict:
+    """Each request's steps to its first token, as its replica timed them (``--timelines``)."""
+
+    def of(response):
+        return (response.provenance or {}).get("timeline")
+
+    return {"cold": of(cold), "cross": of(cross), "local": [of(r) for r in locals_]}
 
 
 def run_vllm(prompts: dict[tuple[int, str], list[list[int]]], args, model_dir: str) -> tuple[dict, str]:
@@ -281,6 +315,7 @@ def run_vllm(prompts: dict[tuple[int, str], list[list[int]]], args, model_dir: s
         rng = np.random.default_rng(args.seed + 1)  # a warm-up prompt that shares nothing with the measured ones
         request(spec.base_url, model, rng.integers(0, args.vocab, 300).tolist(), 4, None)
         for (length, client), ids_list in prompts.items():
+            warm_client(spec.base_url, model, client, model_dir, args.seed, None)
             for k, ids in enumerate(ids_list):
                 cold = request(spec.base_url, model, ids, args.max_tokens, None, client)
                 local = request(spec.base_url, model, ids, args.max_tokens, None, client)
@@ -347,6 +382,11 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--vllm-offloading-gib", type=float, default=40.0, help="vLLM's --kv-offloading-size (0: off)")
     p.add_argument("--vllm-cpu-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE on CPU")
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument(
+        "--timelines",
+        action="store_true",
+        help="ask kvshare's replicas for each request's timeline (its steps to the first token; measurements.json)",
+    )
     p.add_argument(
         "--local-repeats", type=int, default=5, help="kvshare's local hit measured this many times per prompt"
     )
@@ -512,6 +552,11 @@ def main(argv: list[str] | None = None) -> int:
         )
     if vllm is None:
         notes.append("vLLM was not measured (its columns are empty): run this command with --engines vllm.")
+    if "text" in args.client:
+        notes.append(
+            "Text: before each server's first text prompt, one short chat request through the same client "
+            "(vs_vllm.warm_client): the openai SDK's first call in a process pays its set-up inside the clock."
+        )
     if args.device == "cpu":
         notes.append(OFFLOADING_ON_CPU + ": the vLLM CPU-tier column is empty.")
         notes.append("On CPU the local hits are each engine's own prefix cache in host memory.")

@@ -153,6 +153,31 @@ def bench_preset_context(preset: str) -> int:
     return PRESETS[preset].config.max_position_embeddings
 
 
+def test_timelines_are_asked_of_the_replica_and_kept_per_request(bench, monkeypatch):
+    """--timelines: each kvshare request asks its replica for its steps to the first token (fails when request()
+    does not pass it on to the bench client), and the figures keep each one by request."""
+    from types import SimpleNamespace
+
+    from kvshare.bench import client
+
+    sent = []
+
+    async def fake_send(session, request):
+        sent.append(request)
+        return SimpleNamespace(error=None, provenance={"timeline": {"parse": 0.001}})
+
+    monkeypatch.setattr(client, "send", fake_send)
+    cold = bench.request("http://r", "m", [1, 2], 4, True, "token_ids", True)
+    bench.request("http://r", "m", [{"role": "user", "content": "hi"}], 4, True, "text", True)
+    bench.request("http://r", "m", [1, 2], 4, True)
+    assert [r.timeline for r in sent] == [True, True, False]
+    assert bench.timelines(cold, cold, [cold]) == {
+        "cold": {"parse": 0.001},
+        "cross": {"parse": 0.001},
+        "local": [{"parse": 0.001}],
+    }
+
+
 def test_the_slowest_repeated_local_hit_is_in_the_row_and_the_table(bench):
     """The GPU prefix hit is judged "every time", not once: a row carries the slowest of the repeated local hits and
     the table shows it beside the first (fails when make_row drops local_max_s)."""
@@ -192,6 +217,27 @@ def test_a_text_prompt_renders_to_its_length_through_the_models_chat_template(be
     messages = bench.chat_prompt(str(tmp_path), 0, 300, "vs-vllm/300/0")
     assert messages[-1]["role"] == "user"
     assert len(Tokenizer.from_dir(str(tmp_path)).apply_chat_template(messages)) == 300
+
+
+def test_the_text_client_is_warmed_once_per_server_with_a_prompt_that_shares_no_chunk(bench, tmp_path, monkeypatch):
+    """The user's client's first call in a process pays its set-up inside the clock: one short chat request goes
+    to each server before its first measured text prompt, never for token ids, never twice (fails when warm_client
+    sends nothing), and its prompt shares not one chunk with a measured one."""
+    from kvshare.engine.make_model import write_model_dir
+    from kvshare.engine.tokenizer import Tokenizer
+
+    write_model_dir("tiny", str(tmp_path))
+    sent = []
+    monkeypatch.setattr(bench, "request", lambda url, model, prompt, *a: sent.append((url, prompt, *a)))
+    monkeypatch.setattr(bench, "_WARM_CLIENTS", set())
+    for url, client in [("http://a", "token_ids"), ("http://a", "text"), ("http://a", "text"), ("http://b", "text")]:
+        bench.warm_client(url, "m", client, str(tmp_path), 0, True)
+    assert [(url, args[-1]) for url, _prompt, *args in sent] == [("http://a", "text"), ("http://b", "text")]
+    tokenizer = Tokenizer.from_dir(str(tmp_path))
+    warm = tokenizer.apply_chat_template(sent[0][1])
+    measured = tokenizer.apply_chat_template(bench.chat_prompt(str(tmp_path), 0, 300, "vs-vllm/300/0"))
+    shared = next(i for i, (x, y) in enumerate(zip(warm, measured)) if x != y)
+    assert shared < 32  # the template's head only: less than a chunk
 
 
 def test_text_figures_meet_their_token_id_twins(bench):
