@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import signal
+import sys
 
 import pytest
 
@@ -228,8 +229,9 @@ def test_the_text_client_is_warmed_once_per_server_with_a_prompt_that_shares_no_
 
     write_model_dir("tiny", str(tmp_path))
     sent = []
-    monkeypatch.setattr(bench, "request", lambda url, model, prompt, *a: sent.append((url, prompt, *a)))
-    monkeypatch.setattr(bench, "_WARM_CLIENTS", set())
+    client_module = sys.modules[bench.warm_client.__module__]  # benchmarks/vs_vllm_client.py
+    monkeypatch.setattr(client_module, "request", lambda url, model, prompt, *a: sent.append((url, prompt, *a)))
+    monkeypatch.setattr(client_module, "_WARM_CLIENTS", set())
     for url, client in [("http://a", "token_ids"), ("http://a", "text"), ("http://a", "text"), ("http://b", "text")]:
         bench.warm_client(url, "m", client, str(tmp_path), 0, True)
     assert [(url, args[-1]) for url, _prompt, *args in sent] == [("http://a", "text"), ("http://b", "text")]
