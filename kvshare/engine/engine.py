@@ -302,6 +302,8 @@ class Engine:
             for i, chunk in enumerate(held):
                 self._kv.chunk(kv, i).copy_(chunk)
             local_chunks = len(held)
+            if timeline is not None and local_chunks:
+                timeline.mark_device("local_copied", self.device)
         load = PoolLoad()
         if options.use_pool and self._pool is not None:
             with active(timeline):  # the pool link marks the lease

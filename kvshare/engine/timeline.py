@@ -1,12 +1,12 @@
 """A request's timeline: when each step before its first token ended, in seconds since it arrived.
 
 Asked for with the request extension ``{"kvshare": {"timeline": true}}``; the replica fills it
-(serve: body read, parse, first token written; engine: hashing, the load, the forward, the load's
-check, the first token sampled, the prompt published; pool link: the lease) and returns it in the
-response's ``kvshare`` object. A step that does not apply is None (no pool load: no lease, copy, load
-start or end)::
+(serve: body read, parse, first token written; engine: hashing, the local cache's copies, the load,
+the forward, the load's check, the first token sampled, the prompt published; pool link: the lease)
+and returns it in the response's ``kvshare`` object. A step that does not apply is None (no pool load: no
+lease, copy, load start or end; nothing from the local cache: no local copies)::
 
-    arrival | body_read | parse | hashing | lookup_and_lease | first_copy_enqueued | load_started
+    arrival | body_read | parse | hashing | local_copied | lookup_and_lease | first_copy_enqueued | load_started
             | load_issued | first_layer_computed | load_end | forward_end | load_checked
             | first_token_sampled | first_token_written | published
 
@@ -15,9 +15,9 @@ start or end)::
 is when the prompt's chunks were in the local cache and the pool, after the first token (a publish thread
 stores them beside the decode steps).
 
-On CUDA the device steps (load start, first layer, load end, forward end) are CUDA events, put on the host's
-clock through an anchor event recorded on the idle compute stream when the prefill starts; they
-are read once the request's work is done (``as_dict``). On CPU every step is the host's clock.
+On CUDA the device steps (local copies, load start, first layer, load end, forward end) are CUDA events,
+put on the host's clock through an anchor event recorded on the idle compute stream when the prefill
+starts; they are read once the request's work is done (``as_dict``). On CPU every step is the host's clock.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ STEPS = (
     "body_read",
     "parse",
     "hashing",
+    "local_copied",
     "lookup_and_lease",
     "first_copy_enqueued",
     "load_started",

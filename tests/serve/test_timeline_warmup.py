@@ -151,6 +151,9 @@ def test_timeline_of_a_cold_a_cross_replica_and_a_local_request(replicas):
     assert cold["timeline"]["lookup_and_lease"] is not None  # the pool was asked, and held nothing
     assert all(cross["timeline"][s] is not None for s in LOAD_STEPS)
     assert local["timeline"]["lookup_and_lease"] is None  # the local cache held every reusable chunk
+    # the local cache's copies are a step of the local hit only, after the hashing and before the forward
+    assert cold["timeline"]["local_copied"] is None and cross["timeline"]["local_copied"] is None
+    assert local["timeline"]["hashing"] <= local["timeline"]["local_copied"] <= local["timeline"]["forward_end"]
 
 
 def test_timeline_through_the_router_and_not_asked(replicas):
