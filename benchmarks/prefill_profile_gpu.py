@@ -70,6 +70,7 @@ def annotated_regions(model):
     import torch
     from torch import nn
 
+    import kvshare.engine.grid as g
     import kvshare.engine.model as m
 
     def wrap(label, fn):
@@ -100,10 +101,15 @@ def annotated_regions(model):
             ]
     functions = {"apply_rope": "rotary", "write_kv": "KV write", "attend": "attention"}
     saved = {name: getattr(m, name) for name in functions}
+    # the deterministic mode's grid step calls the KV write and SDPA attention by its own names
+    grid_functions = {"write_kv": "KV write", "attend": "attention"}
+    grid_saved = {name: getattr(g, name) for name in grid_functions}
     prefill_attention = model.prefill_attention
     try:
         for name, label in functions.items():
             setattr(m, name, wrap(label, saved[name]))
+        for name, label in grid_functions.items():
+            setattr(g, name, wrap(label, grid_saved[name]))
         if prefill_attention is not None:
             model.prefill_attention = wrap("attention", prefill_attention)
         model.logits = wrap("LM head", model.logits)  # an instance attribute over the method
@@ -113,6 +119,8 @@ def annotated_regions(model):
         model.prefill_attention = prefill_attention
         for name in functions:
             setattr(m, name, saved[name])
+        for name in grid_functions:
+            setattr(g, name, grid_saved[name])
         for handle in handles:
             handle.remove()
 
@@ -155,7 +163,15 @@ def profile_kvshare(args, out_dir: str) -> tuple[dict, object]:
     from kvshare.engine.engine import Engine, SamplingParams
 
     n, device = args.tokens, args.device
-    engine = Engine(EngineConfig(model=args.model_dir or args.preset, device=device, max_model_len=n + 64))
+    engine = Engine(
+        EngineConfig(
+            model=args.model_dir or args.preset,
+            device=device,
+            max_model_len=n + 64,
+            deterministic=args.deterministic,
+            grid_tokens=args.grid_tokens,
+        )
+    )
     params = SamplingParams(max_tokens=1, ignore_eos=True)
 
     def prefill(ids: list[int], around=contextlib.nullcontext()) -> float:
@@ -282,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--vllm-python", help="vLLM's interpreter (default: this one, where it imports vllm)")
     p.add_argument("--no-vllm", action="store_true")
+    p.add_argument("--deterministic", action="store_true", help="the built-in engine in its deterministic mode")
+    p.add_argument("--grid-tokens", type=int, help="the deterministic mode's grid (default: the pool's chunk)")
     # vLLM 0.26's server took 160 s to get ready for the 8B shape on an H100 (torch.compile 40 s, no compile cache)
     p.add_argument("--vllm-timeout", type=float, default=240.0, help="seconds for vLLM's server to get ready")
     p.add_argument("--request-timeout", type=float, default=60.0, help="seconds for one request or the trace")
