@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import urllib.request
 
 import numpy as np
@@ -69,6 +70,16 @@ def replicas():
                 yield a, b, r, gate, server_b.readiness, announced
             server_a.engine.close()
             server_b.engine.close()
+
+
+def wait_until_router_sees_all_healthy(router: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status, health = call(router, "/health")
+        if status == 200 and all(r["healthy"] for r in health["replicas"]):
+            return
+        assert time.monotonic() < deadline, f"the router never saw every replica healthy: {health}"
+        time.sleep(0.1)
 
 
 def prompt(seed: int, n: int = 1500) -> list[int]:
@@ -159,6 +170,7 @@ def test_timeline_of_a_cold_a_cross_replica_and_a_local_request(replicas):
 def test_timeline_through_the_router_and_not_asked(replicas):
     a, b, r, gate, _, _ = replicas
     gate.set()
+    wait_until_router_sees_all_healthy(r)  # B answered 503 while it warmed up: round robin skips it until re-probed
     ids = prompt(2)
     first = stream(r, ids)
     second = stream(r, ids)  # round robin: the other replica, which loads from the pool
