@@ -16,6 +16,8 @@ chunk is computed with the same calls on the same shapes in every run::
         norm, q/k/v projections, RoPE   on exactly G rows (the tail zero-padded to G)
         attention                       queries [s, e) over keys [0, e), lower-right causal
         o projection, norm, MLP         on exactly G rows (the tail zero-padded to G)
+    the last layer, where only the last token's logits are wanted: K/V as above for every grid chunk;
+        attention, o projection, norm, MLP for the last token alone (its one row; nothing reads the others)
 
 A run that reuses a prefix starts at a grid boundary (the engine rounds its reuse down
 to the grid), so it makes exactly the calls the cold run makes from there on, on inputs
@@ -174,21 +176,56 @@ def grid_forward(
     # RoPE of every grid chunk over its whole G positions (the tail's too): one shape, every run
     ropes = [rope_cos_sin(model.inv_freq, start + a, grid_tokens, dtype) for a, _ in spans]  # [G, D] each
     attention = grid_attention(model)
+    last = len(decoder.layers) - 1
     with sdpa_kernel(grid_backends(x.device), set_priority=True):
         for i, layer in enumerate(decoder.layers):
             for j, ((a, b), (cos, sin)) in enumerate(zip(spans, ropes)):
                 wait = (lambda i=i: before_layer(i)) if before_layer is not None and j == 0 else None
-                _grid_step(layer, x[a:b], kv[i], start + a, cos, sin, grid_tokens, wait, attention)
-    if not all_logits:
-        out = torch.empty(1, model.config.vocab_size, dtype=torch.float32, device=x.device)
-        model.logits(decoder.norm(x[-1:]), out)
-        return out
+                if i == last and not all_logits:
+                    q = _grid_kv(layer, x[a:b], kv[i], start + a, cos, sin, grid_tokens, wait)
+                else:
+                    _grid_step(layer, x[a:b], kv[i], start + a, cos, sin, grid_tokens, wait, attention)
+        if not all_logits:
+            # the last layer's K/V are written for every token above; its output is read for the last token
+            # alone, so only that one row attends and runs its MLP: the same single-row calls in every run
+            # that ends on this token, whichever prefix it reused
+            h = _last_token(decoder.layers[last], x[-1:], q[-1:], kv[last], start + num_tokens)
+            out = torch.empty(1, model.config.vocab_size, dtype=torch.float32, device=x.device)
+            model.logits(decoder.norm(h), out)
+            return out
     out = torch.empty(num_tokens, model.config.vocab_size, dtype=torch.float32, device=x.device)
     for a, b in spans:
         rows = torch.empty(grid_tokens, model.config.vocab_size, dtype=torch.float32, device=x.device)
         model.logits(decoder.norm(pad_rows(x[a:b], grid_tokens)), rows)
         out[a:b] = rows[: b - a]
     return out
+
+
+def _grid_kv(
+    layer,
+    x: Tensor,
+    kv: Tensor,
+    start: int,
+    cos: Tensor,
+    sin: Tensor,
+    grid_tokens: int,
+    before_attention: Callable[[], None] | None,
+) -> Tensor:
+    """One layer's K/V of one grid chunk (as ``_grid_step`` computes and writes them); returns its queries
+    [m, Hq, D]. x [m, E] is left as it is."""
+    m = x.shape[0]
+    q, k, v = layer.self_attn.qkv(layer.input_layernorm(pad_rows(x, grid_tokens)), cos, sin)
+    write_kv(kv, start, k[:m], v[:m])  # [H, m, D] each, in the cache's dtype
+    if before_attention is not None:
+        before_attention()
+    return q[:m]
+
+
+def _last_token(layer, x: Tensor, q: Tensor, kv: Tensor, end: int) -> Tensor:
+    """The layer's output [1, E] for the token at position end-1 (x [1, E], q [1, Hq, D]) over keys [0, end)."""
+    out = attend(q.transpose(0, 1), kv[0, :, :end], kv[1, :, :end], end - 1)  # [Hq, 1, D]: one query, no mask
+    h = x + layer.self_attn.o_proj(out.transpose(0, 1).reshape(1, -1))
+    return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
 def _grid_step(
@@ -206,17 +243,12 @@ def _grid_step(
 
     kv: [2, H, T_cap, D] this layer's KV, holding positions [0, start) already.
     """
-    attn = layer.self_attn
     m = x.shape[0]
     end = start + m
-    h = pad_rows(x, grid_tokens)  # [G, E]
-    q, k, v = attn.qkv(layer.input_layernorm(h), cos, sin)  # [G, Hq, D], [G, H, D], [G, H, D]
-    write_kv(kv, start, k[:m], v[:m])  # [H, m, D] each, in the cache's dtype
-    if before_attention is not None:
-        before_attention()
-    out = attention(q[:m].transpose(0, 1), kv[0, :, :end], kv[1, :, :end], start)  # [Hq, m, D]
+    q = _grid_kv(layer, x, kv, start, cos, sin, grid_tokens, before_attention)  # [m, Hq, D]
+    out = attention(q.transpose(0, 1), kv[0, :, :end], kv[1, :, :end], start)  # [Hq, m, D]
     o = pad_rows(out.transpose(0, 1).reshape(m, -1), grid_tokens)  # [G, Hq*D]
-    h = h + attn.o_proj(o)
+    h = pad_rows(x, grid_tokens) + layer.self_attn.o_proj(o)  # [G, E]
     x.copy_((h + layer.mlp(layer.post_attention_layernorm(h)))[:m])
 
 

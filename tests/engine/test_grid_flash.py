@@ -119,3 +119,33 @@ def test_a_deterministic_engine_whose_kernel_is_inexact_says_it_runs_sdpa(flash_
         assert engine.model.prefill_attention is None and "|attention" not in engine.namespace.kernel_build
     finally:
         engine.close()
+
+
+def test_the_last_layer_runs_for_the_last_token_alone_and_its_logits_are_the_cold_prefills():
+    """Without all_logits the grid's last layer writes every token's K/V but attends and runs its MLP for the
+    last token alone: its logits are what all_logits gives for that token (fails when the row or its position is
+    wrong), bitwise equal from a grid boundary's reuse and cold, and the KV is the same either way."""
+    model, config, _ = build_preset("tiny", torch.device("cpu"))
+    ids = (torch.arange(100) * 11) % 250
+    shape = (config.num_layers, 2, config.num_kv_heads, 160, config.head_dim)
+    rows: list[int] = []
+    last_mlp = model.model.layers[-1].mlp
+    hook = last_mlp.register_forward_pre_hook(lambda module, args: rows.append(args[0].shape[0]))
+    try:
+        with torch.inference_mode():
+            every = grid_forward(model, ids, torch.zeros(shape), 0, GRID, all_logits=True)
+            rows.clear()
+            cold_kv = torch.zeros(shape)
+            cold = grid_forward(model, ids, cold_kv, 0, GRID)
+            assert rows == [1]  # one row through the last MLP, not four grid chunks of 32
+            warm_kv = torch.full((*shape[:3], 224, shape[4]), float("nan"))
+            warm_kv[:, :, :, :64] = cold_kv[:, :, :, :64]
+            warm = grid_forward(model, ids[64:], warm_kv, 64, GRID)
+            full_kv = torch.zeros(shape)
+            grid_forward(model, ids, full_kv, 0, GRID, all_logits=True)
+    finally:
+        hook.remove()
+    assert torch.equal(warm, cold)
+    assert torch.equal(warm_kv[:, :, :, :100], cold_kv[:, :, :, :100])
+    assert torch.equal(cold_kv[:, :, :, :100], full_kv[:, :, :, :100])  # the last layer's K/V written as before
+    torch.testing.assert_close(cold, every[-1:], rtol=1e-4, atol=1e-4)
