@@ -189,6 +189,9 @@ class EngineConfig:
     pool_socket: str | None = None  # None: no pool
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS  # tokens per shared chunk (one pool page)
     local_cache_bytes: int = 1 << 30  # bound of the local prefix cache; 0 disables it
+    # the last request's tokens still in the sequence KV are reused in place, to the token, where they reach
+    # further than whole chunks from the local cache and the pool (kvshare.engine.held_sequence)
+    reuse_in_place: bool = True
     kv_events: KVEventsConfig | None = None  # publish the local prefix cache's KV events (kvshare.engine.prefix_events)
     prefill_chunk_tokens: int = 4096  # projections and MLP run over this many tokens at a time
     max_model_len: int | None = None  # None: the model's max_position_embeddings

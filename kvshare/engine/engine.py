@@ -3,6 +3,7 @@
 A request, in order::
 
     keys      chained keys of the prompt's full chunks (kvshare.keys; namespace salted by tenant)
+    in place  the last request's tokens still in kv, where they outreach whole chunks (held_sequence)
     local     longest prefix of chunks held in the local prefix cache -> copied into kv
     pool      longest run after it that the pool holds -> leased, loaded layer by layer
     prefill   the rest of the prompt (at least its last token: its logits pick the first token)
@@ -32,6 +33,7 @@ from kvshare.engine.flash import AttentionChoice, use_attention
 from kvshare.engine.fused import use_fused
 from kvshare.engine.grid import grid_forward
 from kvshare.engine.grid_check import start_grid
+from kvshare.engine.held_sequence import HeldSequence
 from kvshare.engine.kv_cache import KVBuffer
 from kvshare.engine.loader import load_model, resolve_device
 from kvshare.engine.pool_link import PoolLink, PoolLoad
@@ -88,6 +90,7 @@ class Engine:
         )
         self._digests: OrderedDict[str, bytes] = OrderedDict()  # namespace salt -> digest, LRU
         self._kv = KVBuffer(self.layout, self.device, self.max_model_len)
+        self._held = HeldSequence()  # what the sequence KV holds between requests (kvshare.engine.held_sequence)
         # CUDA: decode steps replay graphs (kvshare.engine.decode_graph) captured with the KV, else at the first step
         self._graphs: DecodeGraphs | None = None
         self._use_graphs = self.device.type == "cuda" and not config.enforce_eager
@@ -179,6 +182,7 @@ class Engine:
     def drop_chunks(self, keys: Sequence[bytes]) -> tuple[int, int]:
         """Forget chunks found wrong: remove them from the local cache and the pool. (local, pool) counts removed."""
         with self._lock:
+            self._held.forget()  # it may hold the chunks found wrong
             num_local = self._local.discard(keys)
             num_pool = self._pool.drop(list(keys)) if self._pool is not None else 0
             return num_local, num_pool
@@ -215,13 +219,18 @@ class Engine:
             account = digest if options.account is None else self._digest(options.account)
             if options.timeline is not None:
                 options.timeline.mark("hashing")
+            # the last request's tokens still in kv are reused in place (not in the deterministic mode: its grid)
+            reuses = options.use_local_cache and self.grid is None and self.config.reuse_in_place
+            in_place = self._held.reusable(kv, digest, ids, n - 1) if reuses else 0
+            self._held.forget()  # kv is written from here on: it holds nothing reusable until this request ends
             started = time.perf_counter()
-            logits, provenance = self._prefill(kv, ids, keys, options)
+            logits, provenance = self._prefill(kv, ids, keys, options, in_place)
             self._count_prompt(provenance)
             generator = make_generator(params.seed)
             counts = TokenCounts(self.model_config.vocab_size, torch.from_numpy(ids)) if params.has_penalties else None
             stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.tokenizer.eos_token_ids))
             position = n  # tokens whose KV is in kv
+            fed: list[int] = []  # generated tokens whose KV is in kv (after the prompt's)
             num_generated = 0
             publishing: Future | None = None
             try:
@@ -250,6 +259,7 @@ class Engine:
                     if finish is not None:
                         break
                     logits = self._decode_step(kv, token.token_id, position)  # writes only positions >= n
+                    fed.append(token.token_id)
                     position += 1
             finally:
                 # a consumer that closes the stream after the first token still leaves the prompt's chunks
@@ -257,6 +267,8 @@ class Engine:
                     self._publish(kv, keys, digest, account, options, ids)
                 if publishing is not None:  # the stream ends, and the next request may reuse kv, once it is stored
                     wait_for(publishing)
+                if num_generated and reuses:  # the prompt's KV is complete, and every fed token's; like the
+                    self._held.hold(kv, digest, ids, fed)  # local cache, only a request that reuses leaves it
                 self._stats.decode_seconds += time.perf_counter() - started
 
     def _count_prompt(self, provenance: Provenance) -> None:
@@ -283,8 +295,10 @@ class Engine:
         return self._graphs
 
     @torch.inference_mode()
-    def _prefill(self, kv: torch.Tensor, ids: np.ndarray, keys: list[bytes], options: RequestOptions):
-        """Reuse what can be reused, compute the rest; returns (last-token logits [1, V], provenance)."""
+    def _prefill(self, kv: torch.Tensor, ids: np.ndarray, keys: list[bytes], options: RequestOptions, in_place: int):
+        """Reuse what can be reused, compute the rest; returns (last-token logits [1, V], provenance). ``in_place``:
+        the prompt's leading tokens whose KV kv already holds (the last request's); the local cache's and the
+        pool's chunks go on from the chunk it ends in (that chunk's tokens the same: its KV is overwritten)."""
         c = self.layout.chunk_tokens
         n = len(ids)
         reusable = min(len(keys), (n - 1) // c)  # always leave at least one token to compute
@@ -296,13 +310,13 @@ class Engine:
         timeline = options.timeline
         if timeline is not None:
             timeline.start_device(self.device)
-        local_chunks = 0
+        local_chunks = first = in_place // c  # chunks [0, first) are in place
         if options.use_local_cache:
-            held = self._local.longest_prefix(keys[:reusable])
+            held = self._local.longest_prefix(keys[first:reusable])
             for i, chunk in enumerate(held):
-                self._kv.chunk(kv, i).copy_(chunk)
-            local_chunks = len(held)
-            if timeline is not None and local_chunks:
+                self._kv.chunk(kv, first + i).copy_(chunk)
+            local_chunks += len(held)
+            if timeline is not None and held:
                 timeline.mark_device("local_copied", self.device)
         load = PoolLoad()
         if options.use_pool and self._pool is not None:
@@ -320,7 +334,7 @@ class Engine:
                 self._pool.inject_producer_delay()  # validation: the store must still wait for this prefill
             pool_chunks = load.num_chunks
             if self.grid is None:
-                cached_len = (local_chunks + pool_chunks) * c
+                cached_len = max(in_place, (local_chunks + pool_chunks) * c)
                 logits = self.model(
                     prompt_ids[cached_len:], kv, cached_len, self.config.prefill_chunk_tokens, before_layer=before_layer
                 )
@@ -348,7 +362,7 @@ class Engine:
                 logits = self.model(prompt_ids[cached_len:], kv, cached_len, self.config.prefill_chunk_tokens)
             else:
                 logits = grid_forward(self.model, prompt_ids[cached_len:], kv, cached_len, self.grid.grid_tokens)
-        provenance = Provenance(local_chunks * c, pool_chunks * c, n - cached_len, self.grid is not None)
+        provenance = Provenance(cached_len - pool_chunks * c, pool_chunks * c, n - cached_len, self.grid is not None)
         return logits, provenance
 
     def _reusable_after_check(self, local_chunks: int, verified_chunks: int) -> tuple[int, int]:

@@ -63,7 +63,7 @@ def local_reuse_against_cold(e: Engine, length: int, seed: int):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_without_the_grid_local_reuse_rounds_differently(tiny_dir, dtype):
     """The negative control: the exact rule sees the rounding that other shapes bring."""
-    e = engine(tiny_dir, dtype, False)
+    e = engine(tiny_dir, dtype, False, reuse_in_place=False)  # whole chunks from the local cache, as on the grid
     for length, seed in CONTROLS[dtype]:
         e._local.clear()
         if not local_reuse_against_cold(e, length, seed).is_identical:

@@ -95,7 +95,11 @@ def test_a_failed_store_is_the_requests_error_and_the_engine_serves_on(pool_sock
 def test_the_local_copies_run_beside_the_pool_store(pool_socket):
     """The local cache's copies and the pool's store of one prompt overlap (each waits here for the other to
     have started: run one after the other, the first would wait in vain), and both keep the prompt's KV."""
-    writer = Engine(EngineConfig(model="tiny", chunk_tokens=CHUNK, pool_socket=pool_socket, local_cache_bytes=1 << 24))
+    writer = Engine(
+        EngineConfig(
+            model="tiny", chunk_tokens=CHUNK, pool_socket=pool_socket, local_cache_bytes=1 << 24, reuse_in_place=False
+        )
+    )
     reader = Engine(EngineConfig(model="tiny", chunk_tokens=CHUNK, pool_socket=pool_socket))
     ids = writer.tokenizer.encode(ascii_prompt(75, seed=14))
     cold, _ = run(reader, ids, COLD)

@@ -38,7 +38,7 @@ def prompts():
 
 
 def test_local_reuse_equals_cold(tiny_dir, prompts):
-    engine = Engine(EngineConfig(model=tiny_dir, chunk_tokens=CHUNK))
+    engine = Engine(EngineConfig(model=tiny_dir, chunk_tokens=CHUNK, reuse_in_place=False))  # the local cache's
     for n, text in prompts.items():
         ids = engine.tokenizer.encode(text)
         assert len(ids) == n
@@ -58,7 +58,7 @@ def test_local_reuse_equals_cold(tiny_dir, prompts):
 
 def test_local_cache_bound_and_option(tiny_dir, prompts):
     page = Engine(EngineConfig(model=tiny_dir, chunk_tokens=CHUNK)).layout.page_bytes
-    engine = Engine(EngineConfig(model=tiny_dir, chunk_tokens=CHUNK, local_cache_bytes=2 * page))
+    engine = Engine(EngineConfig(model=tiny_dir, chunk_tokens=CHUNK, local_cache_bytes=2 * page, reuse_in_place=False))
     ids = engine.tokenizer.encode(prompts[75])
     cold, _ = run(engine, ids, COLD)
     run(engine, ids)
@@ -74,7 +74,7 @@ def test_a_local_cache_the_device_cannot_hold_never_fails_a_request(tiny_dir, pr
     and the cache stops at what it held."""
     from kvshare.engine import prefix_cache
 
-    engine = Engine(EngineConfig(model=tiny_dir, chunk_tokens=CHUNK, pool_socket=pool_socket))
+    engine = Engine(EngineConfig(model=tiny_dir, chunk_tokens=CHUNK, pool_socket=pool_socket, reuse_in_place=False))
     ids = engine.tokenizer.encode(prompts[75])
     cold, _ = run(engine, ids, COLD)
     real = prefix_cache._copy_of
@@ -168,7 +168,11 @@ def test_default_chunk_size_and_tenants(tiny_dir, pool_socket):
 
 
 def test_a_stream_closed_after_its_first_token_still_publishes(tiny_dir, pool_socket):
-    a = Engine(EngineConfig(model=tiny_dir, chunk_tokens=CHUNK, pool_socket=pool_socket, verify_checksums=True))
+    a = Engine(
+        EngineConfig(
+            model=tiny_dir, chunk_tokens=CHUNK, pool_socket=pool_socket, verify_checksums=True, reuse_in_place=False
+        )
+    )
     b = Engine(EngineConfig(model=tiny_dir, chunk_tokens=CHUNK, pool_socket=pool_socket, verify_checksums=True))
     ids = a.tokenizer.encode(ascii_prompt(40, seed=21))
     cold, _ = run(a, ids, COLD)

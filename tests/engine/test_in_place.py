@@ -1,0 +1,120 @@
+"""The last request's tokens still in the sequence KV are reused in place (kvshare.engine.held_sequence).
+
+The same prompt again computes its last token alone, a chat's next turn its new turn alone, with the cold
+run's tokens (greedy, float32). Nothing is reused in place across tenants, after a request that failed or was
+cancelled, after a cold request, after chunks were dropped, after the KV grew, or in the deterministic mode."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvshare.engine.config import EngineConfig
+from kvshare.engine.engine import Engine, RequestOptions, SamplingParams
+from kvshare.errors import RequestCancelled
+from tests.engine.conftest import ascii_prompt
+
+CHUNK = 16
+COLD = RequestOptions(use_pool=False, use_local_cache=False)
+PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)
+
+
+def run(engine: Engine, ids: list[int], options: RequestOptions = RequestOptions()):
+    events = list(engine.generate(ids, PARAMS, options))
+    p = events[0].provenance
+    return [e.token_id for e in events], (p.local_tokens, p.pool_tokens, p.computed_tokens)
+
+
+@pytest.fixture
+def engine(tiny_dir):
+    return Engine(EngineConfig(model=tiny_dir, chunk_tokens=CHUNK, preallocate_kv=True, max_model_len=512))
+
+
+def test_the_same_prompt_again_computes_its_last_token_alone(engine):
+    ids = engine.tokenizer.encode(ascii_prompt(64, seed=1))
+    cold, _ = run(engine, ids, COLD)
+    assert run(engine, ids) == (cold, (0, 0, 64))
+    hits = engine.stats().local_hit_chunks
+    assert run(engine, ids) == (cold, (63, 0, 1))  # a whole chunk (16 tokens) without it
+    assert engine.stats().local_hit_chunks == hits  # nothing copied from the local cache
+
+
+def test_a_chats_next_turn_computes_its_new_turn_alone(engine):
+    ids = engine.tokenizer.encode(ascii_prompt(50, seed=2))
+    answer, _ = run(engine, ids)
+    turn = engine.tokenizer.encode(ascii_prompt(20, seed=3))
+    follow = ids + answer + turn
+    cold, _ = run_cold_elsewhere(engine, follow)
+    fed = len(ids) + len(answer) - 1  # the last answer token was sampled, never fed back
+    assert run(engine, follow) == (cold, (fed, 0, len(follow) - fed))
+
+
+def run_cold_elsewhere(engine: Engine, ids: list[int]):
+    """A cold run on another engine of the same model: this one's held tokens stay as they are."""
+    other = Engine(EngineConfig(model=engine.config.model, chunk_tokens=CHUNK))
+    try:
+        return run(other, ids, COLD)
+    finally:
+        other.close()
+
+
+def test_nothing_is_reused_in_place_across_tenants(engine):
+    ids = engine.tokenizer.encode(ascii_prompt(40, seed=4))
+    cold, _ = run(engine, ids)
+    assert run(engine, ids, RequestOptions(tenant="someone else")) == (cold, (0, 0, 40))
+    assert run(engine, ids, RequestOptions(tenant="someone else")) == (cold, (39, 0, 1))  # its own, next time
+
+
+def test_a_cold_request_leaves_nothing_in_place_and_ends_what_was(engine):
+    ids = engine.tokenizer.encode(ascii_prompt(40, seed=5))
+    cold, _ = run(engine, ids)
+    run(engine, ids, COLD)
+    assert run(engine, ids) == (cold, (32, 0, 8))  # the local cache's two chunks, not the cold run's tokens
+
+
+def test_a_cancelled_prefill_leaves_nothing_in_place(engine):
+    ids = engine.tokenizer.encode(ascii_prompt(40, seed=6))
+    cold, _ = run(engine, ids)
+    other = engine.tokenizer.encode(ascii_prompt(45, seed=7))
+    with pytest.raises(RequestCancelled):
+        list(engine.generate(ids[:20] + other, PARAMS, RequestOptions(is_cancelled=lambda: True)))
+    assert run(engine, ids) == (cold, (32, 0, 8))
+
+
+def test_dropped_chunks_end_what_was_in_place(engine):
+    ids = engine.tokenizer.encode(ascii_prompt(40, seed=8))
+    cold, _ = run(engine, ids)
+    assert engine.drop_chunks(engine.prompt_chunk_keys(ids)) == (2, 0)
+    assert run(engine, ids) == (cold, (0, 0, 40))
+
+
+def test_a_grown_kv_holds_nothing(tiny_dir):
+    engine = Engine(EngineConfig(model=tiny_dir, chunk_tokens=CHUNK, preallocate_kv=False, reuse_in_place=True))
+    short = engine.tokenizer.encode(ascii_prompt(20, seed=9))
+    run(engine, short)
+    longer = short + engine.tokenizer.encode(ascii_prompt(300, seed=10))
+    cold, _ = run_cold_elsewhere(engine, longer)
+    assert run(engine, longer) == (cold, (16, 0, len(longer) - 16))  # a new buffer: the local cache's chunk
+
+
+def test_the_deterministic_mode_reuses_on_its_grid_only(tiny_dir):
+    engine = Engine(EngineConfig(model=tiny_dir, chunk_tokens=CHUNK, deterministic=True))
+    ids = engine.tokenizer.encode(ascii_prompt(40, seed=11))
+    cold, _ = run(engine, ids)
+    assert run(engine, ids) == (cold, (32, 0, 8))
+
+
+def test_off_it_reuses_whole_chunks(tiny_dir):
+    engine = Engine(EngineConfig(model=tiny_dir, chunk_tokens=CHUNK, reuse_in_place=False))
+    ids = engine.tokenizer.encode(ascii_prompt(40, seed=12))
+    cold, _ = run(engine, ids)
+    assert run(engine, ids) == (cold, (32, 0, 8))
+
+
+def test_the_pools_chunks_go_on_from_the_chunk_the_tokens_in_place_end_in(tiny_dir, pool_socket):
+    a, b = (Engine(EngineConfig(model=tiny_dir, chunk_tokens=CHUNK, pool_socket=pool_socket)) for _ in range(2))
+    ids = a.tokenizer.encode(ascii_prompt(80, seed=13))
+    cold, _ = run(b, ids, COLD)
+    run(a, ids[:40])  # in place: its 40 tokens (and the answer's, which part from ids)
+    run(b, ids)  # the pool: every full chunk of ids
+    # in place up to 40; the pool's chunks 2 and 3 from token 32 (32..40 overwritten by the same tokens' KV)
+    assert run(a, ids) == (cold, (32, 32, 16))
