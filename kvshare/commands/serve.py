@@ -59,6 +59,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         default="1GiB",
         help="local prefix cache size (0 or off: no local cache)",
     )
+    p.add_argument(
+        "--no-reuse-in-place",
+        action="store_true",
+        help="reuse only whole chunks (local cache, pool), not the last request's tokens still in the sequence KV",
+    )
     p.add_argument("--chunk-tokens", type=int, default=256, help="tokens per shared chunk")
     p.add_argument(
         "--verify-rate",
@@ -231,6 +236,7 @@ def engine_config(args: argparse.Namespace):
         kv_dtype=args.kv_dtype,
         pool_socket=pool,
         local_cache_bytes=args.local_cache_size,
+        reuse_in_place=not args.no_reuse_in_place,
         chunk_tokens=args.chunk_tokens,
         max_model_len=args.max_model_len,
         verify_checksums=args.verify_rate >= 1.0,

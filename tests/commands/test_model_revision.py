@@ -32,3 +32,8 @@ def test_up_passes_the_revision_to_every_replica(tmp_path):
     plain.pool_socket = builtin.pool_socket
     argv, _env = plain._replica_command(0, [])
     assert "model_revision" not in argv[argv.index("--kv-transfer-config") + 1]  # off by default
+
+
+def test_serve_maps_no_reuse_in_place_onto_the_engine_config():
+    assert engine_config(build_parser().parse_args(["serve"])).reuse_in_place  # on by default
+    assert not engine_config(build_parser().parse_args(["serve", "--no-reuse-in-place"])).reuse_in_place
