@@ -33,7 +33,6 @@ from kvshare.engine.flash import AttentionChoice, use_attention
 from kvshare.engine.fused import use_fused
 from kvshare.engine.grid import grid_forward
 from kvshare.engine.grid_check import start_grid
-from kvshare.engine.held_sequence import HeldSequence
 from kvshare.engine.kv_cache import KVBuffer
 from kvshare.engine.loader import load_model, resolve_device
 from kvshare.engine.pool_link import PoolLink, PoolLoad
@@ -90,7 +89,6 @@ class Engine:
         )
         self._digests: OrderedDict[str, bytes] = OrderedDict()  # namespace salt -> digest, LRU
         self._kv = KVBuffer(self.layout, self.device, self.max_model_len)
-        self._held = HeldSequence()  # what the sequence KV holds between requests (kvshare.engine.held_sequence)
         # CUDA: decode steps replay graphs (kvshare.engine.decode_graph) captured with the KV, else at the first step
         self._graphs: DecodeGraphs | None = None
         self._use_graphs = self.device.type == "cuda" and not config.enforce_eager
@@ -182,7 +180,7 @@ class Engine:
     def drop_chunks(self, keys: Sequence[bytes]) -> tuple[int, int]:
         """Forget chunks found wrong: remove them from the local cache and the pool. (local, pool) counts removed."""
         with self._lock:
-            self._held.forget()  # it may hold the chunks found wrong
+            self._kv.held.forget()  # it may hold the chunks found wrong
             num_local = self._local.discard(keys)
             num_pool = self._pool.drop(list(keys)) if self._pool is not None else 0
             return num_local, num_pool
@@ -211,18 +209,19 @@ class Engine:
         with self._lock:  # held across yields: no other request may touch the sequence KV meanwhile
             n = len(ids)
             needed = min(n + params.max_tokens, self.max_model_len)
-            if self._kv.capacity < needed:
+            grows = self._kv.capacity < needed
+            if grows:
                 self._graphs = None  # they hold the KV tensor, which must go before a larger one comes
-            kv = self._kv.ensure(needed)
             digest = self._digest(options.tenant)
+            # the last request's tokens still in kv are reused in place (not in the deterministic mode: its grid);
+            # handing kv out below forgets them: it holds nothing reusable again until this request ends
+            reuses = options.use_local_cache and self.grid is None and self.config.reuse_in_place
+            in_place = self._kv.held.reusable(digest, ids, n - 1) if reuses and not grows else 0
+            kv = self._kv.ensure(needed)
             keys = chunk_keys(digest, ids, self.layout.chunk_tokens)  # the array itself: no list round trip
             account = digest if options.account is None else self._digest(options.account)
             if options.timeline is not None:
                 options.timeline.mark("hashing")
-            # the last request's tokens still in kv are reused in place (not in the deterministic mode: its grid)
-            reuses = options.use_local_cache and self.grid is None and self.config.reuse_in_place
-            in_place = self._held.reusable(kv, digest, ids, n - 1) if reuses else 0
-            self._held.forget()  # kv is written from here on: it holds nothing reusable until this request ends
             started = time.perf_counter()
             logits, provenance = self._prefill(kv, ids, keys, options, in_place)
             self._count_prompt(provenance)
@@ -268,7 +267,7 @@ class Engine:
                 if publishing is not None:  # the stream ends, and the next request may reuse kv, once it is stored
                     wait_for(publishing)
                 if num_generated and reuses:  # the prompt's KV is complete, and every fed token's; like the
-                    self._held.hold(kv, digest, ids, fed)  # local cache, only a request that reuses leaves it
+                    self._kv.held.hold(digest, ids, fed)  # local cache, only a request that reuses leaves it
                 self._stats.decode_seconds += time.perf_counter() - started
 
     def _count_prompt(self, provenance: Provenance) -> None:

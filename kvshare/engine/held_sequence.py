@@ -12,39 +12,38 @@ pool reuse whole chunks only::
     chunks     |=== local cache / pool ===|                    a chunk reuse stops at the last whole chunk
 
 The same prompt again computes its last token alone; a chat's next turn on the same replica computes its
-new turn alone. The hold is dropped before any request writes the buffer and set again only by a request
-that ended with its KV complete, so a request that failed, was cancelled or is still running leaves
-nothing to reuse; so does a new buffer (the KV grown), chunks found wrong (the audit) and the engine's
-deterministic mode (its reuse is on the grid, kvshare.engine.grid).
+new turn alone. The buffer (kvshare.engine.kv_cache.KVBuffer) forgets what it holds whenever its tensor is
+handed out, to a request or anything else that may write it, and when it grows; the engine sets it again only
+when a request ended with its KV complete. So a request that failed, was cancelled or is still running leaves
+nothing to reuse; nor do chunks found wrong (the audit) or the engine's deterministic mode (its reuse is on the
+grid, kvshare.engine.grid).
 """
 
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 
 class HeldSequence:
     def __init__(self) -> None:
-        self._kv: torch.Tensor | None = None  # the buffer the tokens are in: another buffer holds nothing
         self._digest = b""  # the namespace (model, tenant) the KV was computed for
         self._ids = np.empty(0, dtype=np.int64)
 
     def __len__(self) -> int:
-        return len(self._ids) if self._kv is not None else 0
+        return len(self._ids)
 
-    def reusable(self, kv: torch.Tensor, digest: bytes, ids: np.ndarray, limit: int) -> int:
-        """Leading tokens of ``ids`` whose KV ``kv`` holds for ``digest``, at most ``limit``."""
-        if self._kv is not kv or self._digest != digest:
+    def reusable(self, digest: bytes, ids: np.ndarray, limit: int) -> int:
+        """Leading tokens of ``ids`` whose KV the buffer holds for ``digest``, at most ``limit``."""
+        if self._digest != digest or not digest:
             return 0
         m = min(len(self._ids), len(ids), limit)
         differ = np.flatnonzero(self._ids[:m] != ids[:m])
         return int(differ[0]) if differ.size else m
 
     def forget(self) -> None:
-        self._kv, self._digest, self._ids = None, b"", np.empty(0, dtype=np.int64)
+        self._digest, self._ids = b"", np.empty(0, dtype=np.int64)
 
-    def hold(self, kv: torch.Tensor, digest: bytes, prompt: np.ndarray, fed: list[int]) -> None:
-        """``kv`` holds ``prompt`` then ``fed`` at positions [0, len(prompt) + len(fed))."""
+    def hold(self, digest: bytes, prompt: np.ndarray, fed: list[int]) -> None:
+        """The buffer holds ``prompt`` then ``fed`` at positions [0, len(prompt) + len(fed))."""
         self._ids = np.concatenate([prompt, np.asarray(fed, dtype=np.int64)]) if fed else prompt
-        self._kv, self._digest = kv, digest
+        self._digest = digest

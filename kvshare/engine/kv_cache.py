@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import torch
 
+from kvshare.engine.held_sequence import HeldSequence
 from kvshare.layout import KVLayout
 from kvshare.transfer.layouts import torch_dtype
 
 
 class KVBuffer:
-    """Grows (never shrinks) to the largest request seen; contents are only valid within a request."""
+    """Grows (never shrinks) to the largest request seen. Between requests it may hold the last request's tokens
+    (``held``, set by the engine when a request ends complete); handing the tensor out forgets them, since whoever
+    asks for it may write it, and so does growing it."""
 
     def __init__(self, layout: KVLayout, device: torch.device, max_tokens: int) -> None:
         self.layout = layout
@@ -27,6 +30,7 @@ class KVBuffer:
         self.device = device
         self.max_tokens = max_tokens
         self._kv: torch.Tensor | None = None
+        self.held = HeldSequence()
 
     @property
     def capacity(self) -> int:
@@ -40,6 +44,7 @@ class KVBuffer:
         """The KV tensor with room for ``num_tokens`` tokens: [L, 2, H, T_cap, D], T_cap % C == 0."""
         if num_tokens > self.max_tokens:
             raise ValueError(f"{num_tokens} tokens exceed max_model_len {self.max_tokens}")
+        self.held.forget()
         if self._kv is None or self.capacity < num_tokens:
             c = self.layout.chunk_tokens
             grown = min(max(num_tokens, int(self.capacity * 1.5)), self.max_tokens)  # amortise growth
@@ -55,4 +60,5 @@ class KVBuffer:
         return kv[:, :, :, index * c : (index + 1) * c, :]
 
     def release(self) -> None:
+        self.held.forget()
         self._kv = None

@@ -118,3 +118,14 @@ def test_the_pools_chunks_go_on_from_the_chunk_the_tokens_in_place_end_in(tiny_d
     run(b, ids)  # the pool: every full chunk of ids
     # in place up to 40; the pool's chunks 2 and 3 from token 32 (32..40 overwritten by the same tokens' KV)
     assert run(a, ids) == (cold, (32, 32, 16))
+
+
+def test_whatever_else_takes_the_kv_ends_what_was_in_place(engine):
+    """The suffix kernels' warm-up writes the sequence KV outside any request: what it held is gone (fails
+    when only requests forget it: the next request reuses the warm-up's KV as the last prompt's)."""
+    from kvshare.engine.warmup import warm_suffix_kernels
+
+    ids = engine.tokenizer.encode(ascii_prompt(120, seed=14))
+    cold, _ = run(engine, ids)
+    assert warm_suffix_kernels(engine, prefixes=(64,), lengths=(1, 3)) == 2
+    assert run(engine, ids) == (cold, (112, 0, 8))  # the local cache's seven chunks

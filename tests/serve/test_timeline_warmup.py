@@ -55,8 +55,11 @@ def replicas():
         return warm_up(engine)
 
     with running_pool("256MiB", quiet=True) as sock:
+        # whole chunks only: A's local request is a hit of its local cache (its copies are a step of the timeline)
         make = lambda: Engine(
-            EngineConfig(model="tiny", pool_socket=sock, local_cache_bytes=64 << 20, verify_checksums=True)
+            EngineConfig(
+                model="tiny", pool_socket=sock, local_cache_bytes=64 << 20, verify_checksums=True, reuse_in_place=False
+            )
         )
         server_a = ReplicaServer(make(), ServeConfig(replica_name="A", provenance="all"))
         server_b = ReplicaServer(
