@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import replace
@@ -41,11 +41,10 @@ from kvshare.engine.publish import PromptPublisher, wait_for
 
 # a request's types and SamplingParams live in their own modules and are re-exported: callers build them as
 # kvshare.engine.engine.RequestOptions and kvshare.engine.engine.SamplingParams
-from kvshare.engine.request import Provenance, RequestOptions, TokenEvent
+from kvshare.engine.request import Provenance, RequestOptions, TokenEvent, cancellable
 from kvshare.engine.sampler import SamplingParams, TokenCounts, make_generator, sample
 from kvshare.engine.stats import REQUEST_COUNTERS, EngineStats
 from kvshare.engine.timeline import active
-from kvshare.errors import RequestCancelled
 from kvshare.keys import Namespace, chunk_keys, namespace_digest
 from kvshare.layout import KVLayout
 from kvshare.transfer import TransferConfig
@@ -216,7 +215,9 @@ class Engine:
             # the last request's tokens still in kv are reused in place (not in the deterministic mode: its grid);
             # handing kv out below forgets them: it holds nothing reusable again until this request ends
             reuses = options.use_local_cache and self.grid is None and self.config.reuse_in_place
-            in_place = self._kv.held.reusable(digest, ids, n - 1) if reuses and not grows else 0
+            in_place = (
+                self._kv.held.reusable(digest, ids, n - 1, self.layout.chunk_tokens) if reuses and not grows else 0
+            )
             kv = self._kv.ensure(needed)
             keys = chunk_keys(digest, ids, self.layout.chunk_tokens)  # the array itself: no list round trip
             account = digest if options.account is None else self._digest(options.account)
@@ -327,16 +328,23 @@ class Engine:
                 timeline.record_load(load.handle)
             before_layer = timeline.layer_hook(before_layer, self.device)
         if options.is_cancelled is not None:
-            before_layer = _cancellable(before_layer, options.is_cancelled)
+            before_layer = cancellable(before_layer, options.is_cancelled)
         try:
             if self._pool is not None and self.config.producer_delay_cycles:
                 self._pool.inject_producer_delay()  # validation: the store must still wait for this prefill
             pool_chunks = load.num_chunks
             if self.grid is None:
                 cached_len = max(in_place, (local_chunks + pool_chunks) * c)
-                logits = self.model(
-                    prompt_ids[cached_len:], kv, cached_len, self.config.prefill_chunk_tokens, before_layer=before_layer
-                )
+                if cached_len == n - 1 and self._use_graphs and not pool_chunks:  # one token: a decode step's graphs
+                    logits = self._decode_step(kv, int(ids[-1]), n - 1)  # (an eager forward is launch-bound)
+                else:
+                    logits = self.model(
+                        prompt_ids[cached_len:],
+                        kv,
+                        cached_len,
+                        self.config.prefill_chunk_tokens,
+                        before_layer=before_layer,
+                    )
             else:
                 local_chunks, pool_chunks = self.grid.usable_prefix(local_chunks, load)
                 cached_len = (local_chunks + pool_chunks) * c
@@ -384,15 +392,3 @@ class Engine:
     ) -> None:
         """The prompt's full chunks to the local cache and the pool (kvshare.engine.publish)."""
         self._publisher.publish(kv, keys, digest, account, options, ids)
-
-
-def _cancellable(before_layer: Callable[[int], None], is_cancelled: Callable[[], bool]) -> Callable[[int], None]:
-    """``before_layer`` that first gives the request up when ``is_cancelled()``: the prefill's ``finally`` then
-    waits for the load's copies and releases its lease, and nothing of the prompt is published."""
-
-    def hook(layer: int) -> None:
-        if is_cancelled():
-            raise RequestCancelled(f"the request was cancelled before layer {layer} of its prefill")
-        before_layer(layer)
-
-    return hook

@@ -32,13 +32,16 @@ class HeldSequence:
     def __len__(self) -> int:
         return len(self._ids)
 
-    def reusable(self, digest: bytes, ids: np.ndarray, limit: int) -> int:
-        """Leading tokens of ``ids`` whose KV the buffer holds for ``digest``, at most ``limit``."""
+    def reusable(self, digest: bytes, ids: np.ndarray, limit: int, minimum: int) -> int:
+        """Leading tokens of ``ids`` whose KV the buffer holds for ``digest``, at most ``limit``; 0 below
+        ``minimum`` (a chunk: a shorter overlap, such as a shared template's first tokens, is computed again, as
+        the local cache and the pool would have it)."""
         if self._digest != digest or not digest:
             return 0
         m = min(len(self._ids), len(ids), limit)
         differ = np.flatnonzero(self._ids[:m] != ids[:m])
-        return int(differ[0]) if differ.size else m
+        same = int(differ[0]) if differ.size else m
+        return same if same >= minimum else 0
 
     def forget(self) -> None:
         self._digest, self._ids = b"", np.empty(0, dtype=np.int64)

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvshare.engine.timeline import Timeline
+from kvshare.errors import RequestCancelled
 
 
 @dataclass(frozen=True)
@@ -38,3 +39,15 @@ class TokenEvent:
     top_logprobs: dict[int, float] | None
     finish_reason: str | None  # None until the last event: "stop" | "length"
     provenance: Provenance  # the same object in every event of a request
+
+
+def cancellable(before_layer: Callable[[int], None], is_cancelled: Callable[[], bool]) -> Callable[[int], None]:
+    """``before_layer`` that first gives the request up when ``is_cancelled()``: the prefill's ``finally`` then
+    waits for the load's copies and releases its lease, and nothing of the prompt is published."""
+
+    def hook(layer: int) -> None:
+        if is_cancelled():
+            raise RequestCancelled(f"the request was cancelled before layer {layer} of its prefill")
+        before_layer(layer)
+
+    return hook

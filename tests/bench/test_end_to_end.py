@@ -90,7 +90,8 @@ def test_ttft(cluster, tmp_path):
         if r.condition == "cold":
             assert (r.replica, r.local_tokens, r.pool_tokens) == ("replica0", 0, 0)
         elif r.condition == "local":
-            assert (r.replica, r.local_tokens, r.pool_tokens) == ("replica0", reusable(r.context_tokens), 0)
+            # the same prompt again: every token but the last is still in replica0's sequence KV
+            assert (r.replica, r.local_tokens, r.pool_tokens) == ("replica0", r.context_tokens - 1, 0)
         else:  # cross: replica1 never saw the prompt; its prefix comes from the pool
             assert (r.replica, r.local_tokens, r.pool_tokens) == ("replica1", 0, reusable(r.context_tokens))
             assert r.cached_tokens == reusable(r.context_tokens)

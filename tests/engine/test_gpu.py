@@ -326,3 +326,19 @@ def test_greedy_step_on_the_gpu_equals_the_cpu_path():
             sorted(want.top_logprobs.values()), abs=1e-5
         )
         assert _greedy_where_logits_are(row.cuda(), None).token_id == want.token_id
+
+
+def test_the_same_prompt_again_runs_its_last_token_through_the_decode_graphs():
+    """In place, one token left: a decode step's graphs compute it (an eager one-token forward is launch-bound),
+    with the cold run's tokens (float32); the decode graphs' capture beside it leaves the held tokens alone."""
+    engine = Engine(EngineConfig(model="tiny", device="cuda", chunk_tokens=CHUNK, dtype="float32"))
+    ids = engine.tokenizer.encode(ascii_prompt(300, seed=7))
+    cold, _ = run(engine, ids, COLD)
+    calls = []
+    step = engine._decode_step
+    engine._decode_step = lambda kv, token_id, position: calls.append(position) or step(kv, token_id, position)
+    assert run(engine, ids) == (cold, (0, 0, 300))
+    first = list(calls)
+    assert run(engine, ids) == (cold, (299, 0, 1))
+    assert calls[len(first)] == 299  # the prompt's last token, at its position, through the graphs
+    engine.close()

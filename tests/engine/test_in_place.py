@@ -129,3 +129,11 @@ def test_whatever_else_takes_the_kv_ends_what_was_in_place(engine):
     cold, _ = run(engine, ids)
     assert warm_suffix_kernels(engine, prefixes=(64,), lengths=(1, 3)) == 2
     assert run(engine, ids) == (cold, (112, 0, 8))  # the local cache's seven chunks
+
+
+def test_an_overlap_shorter_than_a_chunk_is_computed_again(engine):
+    ids = engine.tokenizer.encode(ascii_prompt(40, seed=15))
+    run(engine, ids)
+    other = ids[:10] + engine.tokenizer.encode(ascii_prompt(30, seed=16))
+    cold, _ = run_cold_elsewhere(engine, other)
+    assert run(engine, other) == (cold, (0, 0, 40))  # 10 tokens in common: below the chunk of 16

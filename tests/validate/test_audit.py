@@ -35,7 +35,7 @@ def test_audit_passes_reuse_and_skips_cold_requests(writer):
     _, provenance = serve(engine, auditor, ids)
     assert provenance == (0, 0, 70) and auditor.num_pending == 0  # nothing reused: nothing to audit
     _, provenance = serve(engine, auditor, ids)
-    assert provenance == (64, 0, 6) and auditor.num_pending == 1  # local reuse
+    assert provenance == (69, 0, 1) and auditor.num_pending == 1  # local reuse: all but the last token, in place
     sampled = SamplingParams(max_tokens=8, temperature=0.9, seed=3, ignore_eos=True)
     serve(engine, auditor, ids, sampled, RequestOptions(use_local_cache=False))  # pool reuse, sampled: a replay
     assert auditor.run_one() and auditor.run_one() and not auditor.run_one()
