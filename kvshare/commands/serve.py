@@ -132,8 +132,8 @@ def add_deterministic_arguments(p: argparse.ArgumentParser) -> None:
         "--grid-tokens",
         type=int,
         default=None,
-        help="with --deterministic: tokens per prefill grid chunk, a multiple of --chunk-tokens (default "
-        "--chunk-tokens); reuse is rounded down to it",
+        help="with --deterministic: tokens per prefill grid chunk, a multiple of --chunk-tokens (default: 2048 on "
+        "CUDA, where smaller grid chunks are launch-bound; --chunk-tokens on CPU); reuse is rounded down to it",
     )
 
 

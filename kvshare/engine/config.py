@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from kvshare.pool.event_publisher import KVEventsConfig
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
+CUDA_GRID_TOKENS = 2048  # the deterministic mode's default grid on CUDA (rounded up to a multiple of the chunk)
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 # --kv-dtype: the storage dtype of the sequence KV (and so of the pool's pages); "auto" is the model's dtype.
 # fp8 is float8_e4m3fn with one per-tensor scale of 1.0 for K and V (vLLM's default without calibrated
@@ -208,7 +209,7 @@ class EngineConfig:
     # chunk-invariant prefill (kvshare.engine.grid): every prompt token's KV and logits come out the same bits
     # whether the chunks before it were computed in this request or reused; slower cold prefill
     deterministic: bool = False
-    grid_tokens: int | None = None  # the mode's grid: a multiple of chunk_tokens; None: chunk_tokens
+    grid_tokens: int | None = None  # the mode's grid: a multiple of chunk_tokens; None: grid_len's default
     # prefill attention (ATTENTION_CHOICES): auto = FlashAttention's varlen kernel where a
     # library for it loads on CUDA (bf16/fp16), else SDPA; flash = that or an error; sdpa = SDPA always
     attention: str = "auto"
@@ -216,7 +217,13 @@ class EngineConfig:
     @property
     def grid_len(self) -> int:
         """Tokens per grid chunk of the deterministic mode."""
-        return self.grid_tokens if self.grid_tokens is not None else self.chunk_tokens
+        if self.grid_tokens is not None:
+            return self.grid_tokens
+        if self.device == "cpu":
+            return self.chunk_tokens
+        # CUDA: a grid chunk of 256 tokens is launch-bound (Qwen3-8B shape at 32k on an H100: 0.25x of the fast
+        # mode's cold prefill), one of 2048 is not (0.98x); reuse is rounded down to it
+        return -(-CUDA_GRID_TOKENS // self.chunk_tokens) * self.chunk_tokens
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in SUPPORTED_DTYPES:

@@ -175,7 +175,9 @@ def test_usable_prefix_waits_for_a_load_it_cuts():
 
 
 def test_engine_config_of_the_mode():
-    assert EngineConfig(model="tiny", deterministic=True).grid_len == 256
+    assert EngineConfig(model="tiny", deterministic=True).grid_len == 256  # CPU: the chunk
+    assert EngineConfig(model="tiny", device="cuda", deterministic=True).grid_len == 2048  # CUDA: not launch-bound
+    assert EngineConfig(model="tiny", device="cuda:1", chunk_tokens=768, deterministic=True).grid_len == 2304
     assert EngineConfig(model="tiny", chunk_tokens=16, deterministic=True, grid_tokens=64).grid_len == 64
     with pytest.raises(ValueError, match="multiple"):
         EngineConfig(model="tiny", chunk_tokens=16, deterministic=True, grid_tokens=24)
