@@ -12,9 +12,12 @@ pool reuse whole chunks only::
     chunks     |=== local cache / pool ===|                    a chunk reuse stops at the last whole chunk
 
 The same prompt again computes its last token alone; a chat's next turn on the same replica computes its
-new turn alone. The buffer (kvshare.engine.kv_cache.KVBuffer) forgets what it holds whenever its tensor is
-handed out, to a request or anything else that may write it, and when it grows; the engine sets it again only
-when a request ended with its KV complete. So a request that failed, was cancelled or is still running leaves
+new turn alone (the chunks it then publishes carry the answer's KV as its decode steps computed it, as vLLM's
+prefix cache keeps a block of generated tokens). An overlap shorter than a chunk is computed again.
+
+The buffer (kvshare.engine.kv_cache.KVBuffer) forgets what it holds whenever its tensor is handed out, to a
+request or anything else that may write it, and when it grows; the engine sets it again only when a request
+ended with its KV complete. So a request that failed, was cancelled or is still running leaves
 nothing to reuse; nor do chunks found wrong (the audit) or the engine's deterministic mode (its reuse is on the
 grid, kvshare.engine.grid).
 """
