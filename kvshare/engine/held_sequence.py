@@ -32,9 +32,6 @@ class HeldSequence:
         self._digest = b""  # the namespace (model, tenant) the KV was computed for
         self._ids = np.empty(0, dtype=np.int64)
 
-    def __len__(self) -> int:
-        return len(self._ids)
-
     def reusable(self, digest: bytes, ids: np.ndarray, limit: int, minimum: int) -> int:
         """Leading tokens of ``ids`` whose KV the buffer holds for ``digest``, at most ``limit``; 0 below
         ``minimum`` (a chunk: a shorter overlap, such as a shared template's first tokens, is computed again, as
