@@ -47,6 +47,7 @@ class HeldSequence:
         self._digest, self._ids = b"", np.empty(0, dtype=np.int64)
 
     def hold(self, digest: bytes, prompt: np.ndarray, fed: list[int]) -> None:
-        """The buffer holds ``prompt`` then ``fed`` at positions [0, len(prompt) + len(fed))."""
-        self._ids = np.concatenate([prompt, np.asarray(fed, dtype=np.int64)]) if fed else prompt
+        """The buffer holds ``prompt`` then ``fed`` at positions [0, len(prompt) + len(fed)). Copied: the prompt
+        may be the caller's array, which it may change after the request."""
+        self._ids = np.concatenate([prompt, np.asarray(fed, dtype=np.int64)])
         self._digest = digest

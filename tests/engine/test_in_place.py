@@ -137,3 +137,15 @@ def test_an_overlap_shorter_than_a_chunk_is_computed_again(engine):
     other = ids[:10] + engine.tokenizer.encode(ascii_prompt(30, seed=16))
     cold, _ = run_cold_elsewhere(engine, other)
     assert run(engine, other) == (cold, (0, 0, 40))  # 10 tokens in common: below the chunk of 16
+
+
+def test_a_callers_array_changed_after_its_request_is_not_what_is_held(engine):
+    """The engine keeps its own copy of the tokens it holds (fails when it keeps the caller's int64 array: the
+    changed array then matches itself, and its first 47 tokens are "reused" with the old tokens' KV)."""
+    import numpy as np
+
+    ids = np.asarray(engine.tokenizer.encode(ascii_prompt(48, seed=17)), dtype=np.int64)
+    list(engine.generate(ids, SamplingParams(max_tokens=1, ignore_eos=True)))  # one token: nothing fed back
+    ids[:] = engine.tokenizer.encode(ascii_prompt(48, seed=18))
+    cold, _ = run_cold_elsewhere(engine, ids.tolist())
+    assert run(engine, ids) == (cold, (0, 0, 48))
