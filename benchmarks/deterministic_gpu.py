@@ -327,6 +327,7 @@ def exactness_step(args, device, sock: str, rows: list, budget: Budget, skipped:
                 verify_checksums=verify,
                 max_model_len=n + args.max_tokens + 8,
                 deterministic=deterministic,
+                grid_tokens=args.chunk_tokens if deterministic else None,  # the pool chunk, as the rows say
                 attention=args.attention,
             )
         )

@@ -85,7 +85,7 @@ def test_an_engine_on_flash_attention_is_as_close_to_float32_as_on_sdpa():
 
 
 def test_the_deterministic_mode_runs_flash_on_its_grid_bitwise_stable_and_reuse_exact():
-    engine = _engine("auto", deterministic=True, chunk_tokens=256, local_cache_bytes=64 << 20)
+    engine = _engine("auto", deterministic=True, chunk_tokens=256, grid_tokens=256, local_cache_bytes=64 << 20)
     assert engine.attention.name == KERNEL.name and isinstance(engine.model.prefill_attention, FlashPrefill)
     assert f"|attention {KERNEL.name} " in engine.namespace.kernel_build
     from kvshare.engine.engine import RequestOptions, SamplingParams
