@@ -47,7 +47,7 @@ def test_cuda_reuse_equals_cold(pool_socket):
             )
         )
 
-    a, b = engine(), engine()
+    a, b, c = engine(reuse_in_place=False), engine(), engine()  # a: the local cache's whole chunks
     for n in (64, 75):
         ids = a.tokenizer.encode(ascii_prompt(n, seed=n))
         cold, _ = run(a, ids, COLD)
@@ -55,6 +55,8 @@ def test_cuda_reuse_equals_cold(pool_socket):
         assert run(a, ids) == (cold, (0, 0, n))
         assert run(a, ids) == (cold, (r, 0, n - r))
         assert run(b, ids, NO_LOCAL) == (cold, (0, r, n - r))
+        assert run(c, ids) == (cold, (0, r, n - r))  # from the pool; c keeps the sequence it computed on
+        assert run(c, ids) == (cold, (n - 1, 0, 1))  # reused in place, to the token: the last token alone computed
     assert b.stats().checksum_failures == 0
 
 
@@ -117,6 +119,7 @@ def test_qwen3_8b_shape_builds_fast_and_reuses_through_the_pool():
                 pool_socket=sock,
                 verify_checksums=True,
                 max_model_len=16384,
+                reuse_in_place=False,  # the second request takes the local cache's whole chunks (in place: n - 1)
             )
         )
         computed = list(a.generate(ids, params))
@@ -163,6 +166,7 @@ def test_pool_load_gives_exactly_what_local_reuse_gives():
                 pool_socket=sock,
                 verify_checksums=True,
                 max_model_len=32768,
+                reuse_in_place=False,  # the local cache's whole chunks: the same suffix as the pool load computes
             )
         )
         list(a.generate(ids, params))  # computes, stores in the pool and the local cache
