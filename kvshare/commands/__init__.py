@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import signal
 from contextlib import contextmanager
 
@@ -24,11 +23,22 @@ def tcp_port(text: str) -> int:
 def sigterm_as_interrupt():
     """Within it, SIGTERM (e.g. from `timeout`) stops like Ctrl-C: what was measured is kept and reported, and the
     processes a benchmark started are stopped in order."""
-    previous = signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum, frame) -> None:
+    """What Ctrl-C would do now: SIGINT's Python handler (asyncio.run's cancels its main task), else
+    KeyboardInterrupt. Not a SIGINT sent to ourselves: a job started in the background by a script ignores SIGINT,
+    and SIGTERM would then do nothing at all."""
+    handler = signal.getsignal(signal.SIGINT)
+    if callable(handler):
+        handler(signal.SIGINT, frame)
+    else:
+        raise KeyboardInterrupt
 
 
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -156,13 +157,25 @@ sys.exit(code)
 """
 
 
-def test_sigterm_stops_the_cluster_in_order_and_keeps_the_replays_done(tmp_path):
+@pytest.mark.parametrize("sigint", ["default", "ignored"])
+def test_sigterm_stops_the_cluster_in_order_and_keeps_the_replays_done(tmp_path, sigint):
     """SIGTERM (what `timeout` sends a step) ends bench routing as Ctrl-C does. Fails when the command dies of the
-    signal instead (status -15, its cluster never stopped: left to the kernel's parent-death signal)."""
+    signal instead (status -15, its cluster never stopped: left to the kernel's parent-death signal), and, with
+    SIGINT ignored (a job a script starts in the background), when SIGTERM is turned into a SIGINT that nothing
+    hears (every replay then runs to its end)."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=root)
+
+    def start() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN if sigint == "ignored" else signal.SIG_DFL)
+
     done = subprocess.run(
-        [sys.executable, "-c", _TERMINATED, str(tmp_path)], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", _TERMINATED, str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=start,
     )
     assert done.returncode == 130, done.stdout + done.stderr
     assert "stopped 1" in done.stdout
