@@ -180,6 +180,7 @@ def test_pool_load_gives_exactly_what_local_reuse_gives():
                 pool_socket=sock,
                 verify_checksums=True,
                 max_model_len=32768,
+                reuse_in_place=False,  # every enqueue mode's request loads from the pool
             )
         )
         reused = n - 256
