@@ -182,7 +182,7 @@ def grid_forward(
             for j, ((a, b), (cos, sin)) in enumerate(zip(spans, ropes)):
                 wait = (lambda i=i: before_layer(i)) if before_layer is not None and j == 0 else None
                 if i == last and not all_logits:
-                    q = _grid_kv(layer, x[a:b], kv[i], start + a, cos, sin, grid_tokens, wait)
+                    q = _grid_kv(layer, pad_rows(x[a:b], grid_tokens), b - a, kv[i], start + a, cos, sin, wait)
                 else:
                     _grid_step(layer, x[a:b], kv[i], start + a, cos, sin, grid_tokens, wait, attention)
         if not all_logits:
@@ -203,18 +203,17 @@ def grid_forward(
 
 def _grid_kv(
     layer,
-    x: Tensor,
+    h: Tensor,
+    m: int,
     kv: Tensor,
     start: int,
     cos: Tensor,
     sin: Tensor,
-    grid_tokens: int,
     before_attention: Callable[[], None] | None,
 ) -> Tensor:
-    """One layer's K/V of one grid chunk (as ``_grid_step`` computes and writes them); returns its queries
-    [m, Hq, D]. x [m, E] is left as it is."""
-    m = x.shape[0]
-    q, k, v = layer.self_attn.qkv(layer.input_layernorm(pad_rows(x, grid_tokens)), cos, sin)
+    """One layer's K/V of one grid chunk (as ``_grid_step`` computes and writes them) from its m rows padded to
+    the grid (h [G, E]); returns its queries [m, Hq, D]."""
+    q, k, v = layer.self_attn.qkv(layer.input_layernorm(h), cos, sin)
     write_kv(kv, start, k[:m], v[:m])  # [H, m, D] each, in the cache's dtype
     if before_attention is not None:
         before_attention()
@@ -245,10 +244,11 @@ def _grid_step(
     """
     m = x.shape[0]
     end = start + m
-    q = _grid_kv(layer, x, kv, start, cos, sin, grid_tokens, before_attention)  # [m, Hq, D]
+    h = pad_rows(x, grid_tokens)  # [G, E]
+    q = _grid_kv(layer, h, m, kv, start, cos, sin, before_attention)  # [m, Hq, D]
     out = attention(q.transpose(0, 1), kv[0, :, :end], kv[1, :, :end], start)  # [Hq, m, D]
     o = pad_rows(out.transpose(0, 1).reshape(m, -1), grid_tokens)  # [G, Hq*D]
-    h = pad_rows(x, grid_tokens) + layer.self_attn.o_proj(o)  # [G, E]
+    h = h + layer.self_attn.o_proj(o)
     x.copy_((h + layer.mlp(layer.post_attention_layernorm(h)))[:m])
 
 

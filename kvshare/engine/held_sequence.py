@@ -17,9 +17,9 @@ prefix cache keeps a block of generated tokens). An overlap shorter than a chunk
 
 The buffer (kvshare.engine.kv_cache.KVBuffer) forgets what it holds whenever its tensor is handed out, to a
 request or anything else that may write it, and when it grows; the engine sets it again only when a request
-ended with its KV complete. So a request that failed, was cancelled or is still running leaves
-nothing to reuse; nor do chunks found wrong (the audit) or the engine's deterministic mode (its reuse is on the
-grid, kvshare.engine.grid).
+ended with its KV complete: the prompt's and each token its decode fed back. So a request that failed or was
+cancelled before its first token, or is still running, leaves nothing to reuse; nor do chunks found wrong (the
+audit) or the engine's deterministic mode (its reuse is on the grid, kvshare.engine.grid).
 """
 
 from __future__ import annotations
