@@ -3,7 +3,7 @@
 # with the install log's tail when the install fails.
 # shellcheck shell=bash
 if [ ! -f /tmp/site/vllm_env.sh ]; then
-    mkdir -p /tmp/vk && cp "$VK"/vllm026-* /tmp/vk/ && bash "$VK/install_on_device.sh" > "$OUT/install.log" 2>&1 \
+    mkdir -p /tmp/vk && cp "$VK"/vllm026-* /tmp/vk/ && VK=/tmp/vk bash "$VK/install_on_device.sh" > "$OUT/install.log" 2>&1 \
         || { tail -20 "$OUT/install.log"; return 1; }
     tail -1 "$OUT/install.log"
 fi
