@@ -56,6 +56,7 @@ from kvshare.integrations.vllm.launch import advise_on_cpu_cores
 from kvshare.integrations.vllm.layout import UnsupportedKVLayout, detect_layout
 from kvshare.integrations.vllm.metadata import StepPlan, WorkerReport
 from kvshare.integrations.vllm.options import PARAMS_KEY, ConnectorConfig, check_supported, kv_layout_of
+from kvshare.integrations.vllm.plan import may_skip_layer_hooks
 from kvshare.integrations.vllm.scheduler import PoolScheduler, ScheduledRequest
 from kvshare.integrations.vllm.stats import KVSharePromMetrics, KVShareStats
 from kvshare.integrations.vllm.tensor_parallel import head_slice
@@ -129,6 +130,8 @@ class KVShareConnector(KVConnectorBase_V1):
         check_supported(vllm_config)
         self.block_size = vllm_config.cache_config.block_size
         self.config.check_block_size(self.block_size)
+        speculative = getattr(vllm_config, "speculative_config", None)
+        self._decode_tokens = 1 + (getattr(speculative, "num_speculative_tokens", None) or 0)  # a decode's tokens
         self.kv_layout = kv_layout_of(vllm_config, self.config.chunk_tokens)
         self.fingerprint = _fingerprint(vllm_config, kv_cache_config, self.block_size, self.kv_layout.dtype)
         self.namespace = vllm_namespace(
@@ -328,7 +331,11 @@ class KVShareConnector(KVConnectorBase_V1):
         for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens):
             if self._scheduler.uses_pool(req_id):
                 steps.append(ScheduledRequest(req_id, computed, num_scheduled[req_id], _Lazy(block_ids_of, req_id)))
-        plan = replace(self._scheduler.plan_step(steps), num_tokens=scheduler_output.total_num_scheduled_tokens)
+        plan = replace(
+            self._scheduler.plan_step(steps),
+            num_tokens=scheduler_output.total_num_scheduled_tokens,
+            no_layer_hooks=may_skip_layer_hooks(num_scheduled, self._decode_tokens),
+        )
         return KVShareConnectorMetadata(plan)
 
     def update_connector_output(self, connector_output: Any) -> None:

@@ -90,6 +90,9 @@ class StepPlan:
     loads: tuple[LoadSpec, ...] = ()
     stores: tuple[StoreSpec, ...] = ()
     num_tokens: int = 0  # tokens vLLM computes in the step, all requests (for the timing log)
+    # every request schedules at most a decode's tokens: vLLM may replay the step as one full CUDA graph, whose
+    # forward calls no per-layer hook, so the step's loads complete before its forward starts
+    no_layer_hooks: bool = False
 
 
 @dataclass(frozen=True)

@@ -82,6 +82,16 @@ def tokens_to_load(
     return max(end - num_computed_tokens, 0)
 
 
+def may_skip_layer_hooks(num_scheduled_tokens, decode_tokens: int) -> bool:
+    """Whether vLLM may run a step whose requests schedule ``num_scheduled_tokens`` (request id -> tokens) as one
+    full CUDA graph: every request schedules at most a decode's tokens (1, plus speculative ones), as vLLM's
+    uniform-decode batches do (FULL_AND_PIECEWISE replays them whole). Such a forward runs no attention layer's
+    Python, so no ``wait_for_layer_load``: a load in the step must be complete before the forward starts (a
+    request whose prompt is loaded up to its last token computes one token). Mixed steps run piecewise, with
+    attention outside the graphs, and wait layer by layer."""
+    return max(num_scheduled_tokens.values(), default=0) <= decode_tokens
+
+
 def chunks_completed(computed_before: int, computed_after: int, num_prompt_tokens: int, chunk_tokens: int) -> range:
     """Full prompt chunks whose last token became computed in a step that took the request from
     ``computed_before`` to ``computed_after`` tokens (chunked prefill spreads a prompt over steps)::

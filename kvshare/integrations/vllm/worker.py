@@ -4,7 +4,8 @@ No vLLM here: ``connector.KVShareConnector`` forwards vLLM's calls (layer names 
 indices), and the H200 harness (benchmarks/vllm_harness_gpu.py) drives the same object directly::
 
     start_load(plan)        start_load_kv: before the forward when the step loads (sync loads);
-                            after it when it does not (vLLM then starts it late)
+                            after it when it does not (vLLM then starts it late); a step vLLM may replay
+                            as one full CUDA graph (plan.no_layer_hooks) has its loads complete first
     wait_layer(l)           wait_for_layer_load, before attention layer l reads its KV
     save_layer(l, plan)     save_kv_layer, after attention layer l wrote its KV
     wait_for_save(plan)     after the forward: loads settled, then stores committed (or aborted)
@@ -92,7 +93,7 @@ class WorkerHooks:
             if not worker.layers:
                 reason = "no KV registered"
                 outcome = LoadOutcome(spec.req_id, spec.token_start, spec.token_end, spec.token_start, reason)
-            elif self._overlap or worker.is_staged:
+            elif worker.is_staged or (self._overlap and not plan.no_layer_hooks):
                 outcome = worker.begin_load(spec)
             else:
                 outcome = worker.load(spec)
@@ -101,7 +102,8 @@ class WorkerHooks:
             else:
                 layered.append(outcome)
         if layered:
-            self._layered = worker.start_layered(layered, wait_now=worker.is_staged and not self._layer_waits)
+            wait_now = worker.is_staged and (plan.no_layer_hooks or not self._layer_waits)
+            self._layered = worker.start_layered(layered, wait_now=wait_now)
         self.step_times.mark("load")
 
     def wait_layer(self, index: int) -> None:

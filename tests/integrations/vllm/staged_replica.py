@@ -5,6 +5,8 @@ Used on CPU tensors under the fake CUDA (test_staged.py) and on a real GPU (test
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from kvshare.integrations.vllm.layout import as_bits, reference_gather
@@ -79,13 +81,16 @@ class Replica:
         write_layer=None,
         wait_layers: bool = True,
         save_layers: bool = True,
+        no_layer_hooks: bool = False,
     ):
-        """One prefill step of the whole prompt in vLLM's hook order; returns the load outcome (or None)."""
+        """One prefill step of the whole prompt in vLLM's hook order; returns the load outcome (or None).
+        ``no_layer_hooks``: the plan says the forward may run as one full CUDA graph (no per-layer hooks)."""
         s = self.scheduler
         s.add_request(req_id, prompt, None, None)
         external = s.match(req_id, 0)
         s.allocated(req_id, external, 0)
         plan = s.plan_step([ScheduledRequest(req_id, 0 + external, len(prompt) - external, block_ids)])
+        plan = replace(plan, no_layer_hooks=no_layer_hooks)
         h = self.hooks
         h.start_load(plan)
         for index in range(self.layout.num_layers):

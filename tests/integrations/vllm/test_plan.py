@@ -16,6 +16,7 @@ from kvshare.integrations.vllm.plan import (
     copy_runs,
     load_limit,
     lookup_window,
+    may_skip_layer_hooks,
     page_slices,
     tokens_to_load,
 )
@@ -199,3 +200,18 @@ def test_block_copies_cover_any_block_table(seed):
     copies = block_copies(num_pages, blocks_per_page, ids)
     assert expand(copies, blocks_per_page) == ids
     assert all(c.step in (1, -1) and c.num_blocks > 0 for c in copies)
+
+
+@pytest.mark.parametrize(
+    "scheduled, decode_tokens, skips",
+    [
+        ({"loaded-to-its-last-token": 1, "decoding": 1}, 1, True),  # a uniform decode batch: one full CUDA graph
+        ({"loaded": 1}, 1, True),
+        ({"loaded": 1, "prefilling": 257}, 1, False),  # mixed: piecewise, attention's hooks run
+        ({"loaded": 2}, 1, False),
+        ({"loaded": 3, "decoding": 3}, 3, True),  # two speculative tokens a decode step
+        ({"loaded": 4}, 3, False),
+    ],
+)
+def test_a_step_of_decode_sized_requests_may_skip_the_layer_hooks(scheduled, decode_tokens, skips):
+    assert may_skip_layer_hooks(scheduled, decode_tokens) is skips

@@ -220,6 +220,30 @@ def test_a_forward_that_never_waits_fails_the_step_and_later_loads_wait_whole(fa
         a.close(), b.close()
 
 
+@pytest.mark.parametrize("staged", [True, False], ids=["gpu", "cpu-overlap"])
+def test_a_step_that_may_run_as_one_graph_loads_whole_first_and_later_steps_still_wait_per_layer(fake, flushed, staged):
+    """A request whose prompt is loaded up to its last token computes one token: vLLM may replay that step as one
+    full CUDA graph, which calls no per-layer hook. Fails when the plan's ``no_layer_hooks`` is ignored: the load
+    is then failed (recomputed) and every later load of the replica waits whole."""
+    if staged:
+        a, b = replica(flushed, "A"), replica(flushed, "B")
+    else:  # a CPU writer's xxh3 pages: a CPU reader copies those layer by layer beside the forward
+        a = Replica(flushed, "W", LAYOUT, "cpu_attn", NUM_BLOCKS, N, CPU, staged=False)
+        b = Replica(flushed, "C", LAYOUT, "cpu_attn", NUM_BLOCKS, N, CPU, staged=False, overlap_load=True)
+    try:
+        a.fill(11)
+        a.step("a", PROMPT, blocks_a())
+        outcome = b.step("b", PROMPT, blocks_b(), wait_layers=False, no_layer_hooks=True)
+        assert outcome.is_complete and not b.last_errors
+        assert torch.equal(b.tokens(0, outcome.loaded_end, blocks_b()), a.tokens(0, outcome.loaded_end, blocks_a()))
+        # the replica still overlaps loads with the forward layer by layer: a forward that skips the waits without
+        # the plan saying so is caught, as before
+        outcome = b.step("b2", PROMPT, blocks_b(), wait_layers=False)
+        assert not outcome.is_complete and "never waited" in outcome.reason
+    finally:
+        a.close(), b.close()
+
+
 def test_stores_without_saved_layers_are_copied_in_wait_for_save(fake, flushed):
     a, b = replica(flushed, "A"), replica(flushed, "B")
     try:
