@@ -53,7 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "request's cache_salt to its tenant's (the client's cache_salt splits only its own share), "
         "since vLLM replicas see no tenant; built-in replicas salt themselves; --policy pool_aware asks a "
         "vLLM stream for its usage chunk, to measure the replica, and takes it out of what a client that did "
-        "not ask gets. Default builtin",
+        "not ask gets, and counts a replica's queue as the prefill ahead (vLLM batches decodes). Default builtin",
     )
     p.add_argument(
         "--expose-replica-header",

@@ -3,9 +3,11 @@ service time (pure).
 
 pool_aware's queue term is the wait a new request can expect on a replica before its own prefill starts. A
 count of requests in flight times a mean service time cannot tell a replica behind two long prompts from one
-behind two short ones. The backlog keeps, for every request the router sent, the service time expected when
-it was placed (its own prefill and load on that replica, by the measured rates, plus the replica's measured
-decode time), and::
+behind two short ones. The backlog keeps, for every request the router sent, what was expected of it when it
+was placed on that replica (by the measured rates): its time to first token (its own prefill and load) and its
+whole service time (that plus the replica's measured decode time).
+
+A replica that serves one request at a time in order (the built-in engine)::
 
     wait(r) = sum of the expected service of r's requests in flight
 
@@ -14,8 +16,16 @@ requests just placed count at once. The one being served counts whole, not less 
 decode length is not known ahead, and crediting its progress sent new requests behind requests that then ran
 long (in a replay of the routing workload's arrivals against one-request-at-a-time replicas with the
 measured service times, that raised p99 TTFT; kept whole, the replicas already idle win those requests).
-Exact in the mean for a replica that serves one request at a time in order (the built-in engine); behind a
-batching engine it overstates the wait, as the count times the mean did.
+
+A replica that batches (vLLM: continuous batching, chunked prefill) decodes its running requests beside a new
+one's prefill, so a request's decode does not hold back the next one's first token; what does is the prefill
+still ahead of it::
+
+    wait(r) = sum of the expected time to first token of r's requests in flight that have not sent a byte
+
+Counting decodes there made the wait of a replica with ten requests decoding ~50 s (answers of 100-300 tokens),
+so pool_aware balanced request counts like round robin and moved sessions away from the replica holding their
+prefix (routing workload, vLLM replicas on one H100, 2026-12-06).
 """
 
 from __future__ import annotations
@@ -25,24 +35,35 @@ from dataclasses import dataclass
 
 @dataclass(eq=False)
 class Job:
-    """One request in flight on ``replica``; ``work_s``: its expected service time when it was placed."""
+    """One request in flight on ``replica``; ``work_s``: its expected service time when it was placed;
+    ``first_token_s``: the part of it before its first token (its prefill and load)."""
 
     replica: int
     work_s: float
+    first_token_s: float = 0.0
+    is_started: bool = False  # its first byte came back
     is_done: bool = False
 
 
 class Backlog:
-    """Every replica's jobs in flight, oldest first."""
+    """Every replica's jobs in flight, oldest first; ``is_batching``: the replicas batch (see the module)."""
 
-    def __init__(self, num_replicas: int) -> None:
+    def __init__(self, num_replicas: int, is_batching: bool = False) -> None:
+        self.is_batching = is_batching
         self._jobs: list[list[Job]] = [[] for _ in range(num_replicas)]
 
-    def begin(self, replica: int, work_s: float) -> Job:
-        """A request sent to ``replica`` now, expected to hold it ``work_s`` seconds."""
-        job = Job(replica, max(0.0, work_s))
+    def begin(self, replica: int, work_s: float, first_token_s: float | None = None) -> Job:
+        """A request sent to ``replica`` now, expected to hold it ``work_s`` seconds, ``first_token_s`` of them
+        before its first token (None: all of them)."""
+        work_s = max(0.0, work_s)
+        before = work_s if first_token_s is None else min(work_s, max(0.0, first_token_s))
+        job = Job(replica, work_s, before)
         self._jobs[replica].append(job)
         return job
+
+    def started(self, job: Job) -> None:
+        """The job's first byte came back: its prefill is done."""
+        job.is_started = True
 
     def finish(self, job: Job) -> None:
         """The job's response ended (or failed, or was given up); a second call does nothing."""
@@ -54,5 +75,7 @@ class Backlog:
         return len(self._jobs[replica])
 
     def wait_s(self, replica: int) -> float:
-        """Expected seconds until ``replica`` has served every job it has now."""
+        """Expected seconds until ``replica`` starts a new request's prefill."""
+        if self.is_batching:
+            return sum(job.first_token_s for job in self._jobs[replica] if not job.is_started)
         return sum(job.work_s for job in self._jobs[replica])

@@ -217,6 +217,11 @@ class Placement:
     num_tokens: int = 0  # the prompt's tokens as this router counted them
     pool_tokens: int | None = None  # its prefix the pool held by its KV events; None: not known (not live, salted)
     own_tokens: list[int | None] | None = None  # per replica: its GPU prefix by its own live KV events; None: not known
+    first_token_s: list[float] | None = None  # per replica: the part of work_s before its first token (None: all)
+
+    def job_s(self, replica: int) -> tuple[float, float | None]:
+        """(work_s, first_token_s) on ``replica``: what the backlog's job of this request expects."""
+        return self.work_s[replica], None if self.first_token_s is None else self.first_token_s[replica]
 
 
 def split_cached(placement: Placement, replica: int, prompt_tokens: int, cached_tokens: int) -> tuple[int, int] | None:
@@ -338,6 +343,7 @@ class ResponseTiming:
         self.split = split  # (prompt tokens, cached tokens) -> (computed, pool) or None: for a usage-only response
         self.is_usage_asked = is_usage_asked  # the router asked for the usage chunk: the client gets none
         self.first_byte_s: float | None = None
+        self.on_first_byte = lambda: None  # the proxy's: the request's prefill is done (kvshare.router.backlog)
         self._tail: deque[bytes] = deque()
         self._tail_bytes = 0
 
@@ -360,6 +366,7 @@ class ResponseTiming:
     def piece(self, data: bytes, now: float) -> None:
         if self.first_byte_s is None and data:
             self.first_byte_s = now
+            self.on_first_byte()
         self._tail.append(data)
         self._tail_bytes += len(data)
         while self._tail_bytes - len(self._tail[0]) >= MAX_TAIL_BYTES:

@@ -153,10 +153,10 @@ class EventFeed:
 
 
 def attach_pool_aware(
-    router, config: PoolAwareConfig, registry, replica_names: list[str] | None = None
+    router, config: PoolAwareConfig, registry, replica_names: list[str] | None = None, is_batching: bool = False
 ) -> PoolAwarePlacer:
     """A placer for ``router`` (its feed not started yet), with its metrics in ``registry`` (each replica's
-    measured terms labelled by its name in ``replica_names``)."""
+    measured terms labelled by its name in ``replica_names``); ``is_batching``: the replicas batch (vLLM)."""
     from prometheus_client import Counter, Gauge
 
     from kvshare.engine.loader import load_tokenizer
@@ -174,7 +174,7 @@ def attach_pool_aware(
         for e in config.replica_endpoints
     ]
     tokenizer = load_tokenizer(config.model, TokenCacheConfig(piece_chars=PLACER_PIECE_CHARS, min_chars=0))
-    placer = PoolAwarePlacer(router.num_replicas, config.cost, feed, tokenizer, replica_feeds)
+    placer = PoolAwarePlacer(router.num_replicas, config.cost, feed, tokenizer, replica_feeds, is_batching)
     router.pool_aware = placer
     fallbacks = Counter(
         "kvshare_router_pool_aware_fallbacks",

@@ -250,15 +250,23 @@ class PoolAwarePlacer:
     """Ranks replicas by T_r while the events are live, in turn (round robin) while they are not."""
 
     def __init__(
-        self, num_replicas: int, cost: CostModel, feed, tokenizer=None, replica_feeds: list | None = None
+        self,
+        num_replicas: int,
+        cost: CostModel,
+        feed,
+        tokenizer=None,
+        replica_feeds: list | None = None,
+        is_batching: bool = False,
     ) -> None:
+        """``is_batching``: the replicas decode their running requests beside a new one's prefill (vLLM), so a
+        replica's queue is the prefill ahead, not every request's decode (kvshare.router.backlog)."""
         self.cost = cost
         self.feed = feed
         self.replica_feeds = replica_feeds or []  # each replica's GPU events, where it publishes them
         self.tokenizer = tokenizer
         self.sent = SentMemory(num_replicas)
         self.calibration = Calibration(cost.prior_rates(), num_replicas)
-        self.backlog = Backlog(num_replicas)  # the proxy begins a job where it sends, finishes it at the end
+        self.backlog = Backlog(num_replicas, is_batching)  # the proxy begins a job where it sends, ends it at the end
         self.last_placement: Placement | None = None  # the last request ranked (read before the proxy awaits)
         self.num_fallbacks = 0
         self.on_fallback = lambda: None  # a metric's inc
@@ -300,6 +308,7 @@ class PoolAwarePlacer:
             self.on_fallback()
             times = [0.0] * len(in_flight)
             work = [r.service_s for r in rates]
+            prefill = None
         else:
             own = [self._own_tokens(i, ids, cache_salt, hashes, chunk_tokens, now) for i in range(len(in_flight))]
             gpu = [self.sent.held_tokens(i, hashes, chunk_tokens) if o is None else o for i, o in enumerate(own)]
@@ -310,7 +319,7 @@ class PoolAwarePlacer:
         # nor one placed on its known prefix: its length is an estimate (-1 matches no usage's prompt tokens)
         known = reason is None and cache_salt is None
         held = (pool_tokens, own) if known else (None, [None] * len(in_flight))
-        self.last_placement = Placement(work, depths, chunk_tokens, -1 if is_known else len(ids), *held)
+        self.last_placement = Placement(work, depths, chunk_tokens, -1 if is_known else len(ids), *held, prefill)
         order = rank(times, is_available, rotation, NEAR_TIE)
         if is_known:  # the whole chain once the tail is encoded (on the loop); the known one if that fails
             whole = prompt_ids.whole

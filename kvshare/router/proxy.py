@@ -92,7 +92,9 @@ class RouterServer:
         self.policy.sessions.max_sessions = config.max_sessions
         self.metrics = _Metrics()
         self.pool_aware = (
-            attach_pool_aware(self.policy, config.pool_aware, self.metrics.registry, config.replicas)
+            attach_pool_aware(
+                self.policy, config.pool_aware, self.metrics.registry, config.replicas, config.engine == "vllm"
+            )
             if config.policy == "pool_aware"
             else None
         )
@@ -288,7 +290,7 @@ class RouterServer:
             replica = self.replicas[i]
             replica.num_in_flight += 1
             sent_s = time.monotonic()
-            job = None if placement is None else placer.backlog.begin(i, placement.work_s[i])  # in T_r now
+            job = None if placement is None else placer.backlog.begin(i, *placement.job_s(i))  # in T_r now
             try:
                 upstream = await self._session.request(
                     request.method, replica.url + request.path_qs, data=body or None, headers=headers
@@ -306,6 +308,8 @@ class RouterServer:
                 self.metrics.requests.labels(replica.url).inc()
                 is_asked = usage_body is not None
                 timing = None if placer is None else placer.timing(i, sent_s, upstream, placement, is_asked)
+                if timing is not None and job is not None:
+                    timing.on_first_byte = lambda job=job: placer.backlog.started(job)
                 return await self._relay(request, upstream, replica, timing)
             finally:
                 upstream.release()

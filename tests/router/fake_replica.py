@@ -24,12 +24,13 @@ def replica_app(completions) -> web.Application:
 
 
 @contextlib.contextmanager
-def pool_aware_router(completions, cost: CostModel):
+def pool_aware_router(completions, cost: CostModel, engine: str = "builtin"):
     """A live router with the pool_aware policy (no event feed reachable) in front of one fake replica:
     yields (server, router_url)."""
     with LiveApp(replica_app(completions)) as replica_url:
         config = RouterConfig(
             replicas=(replica_url,),
+            engine=engine,
             policy="pool_aware",
             pool_aware=PoolAwareConfig(endpoint="tcp://127.0.0.1:1", model="tiny", cost=cost),
         )

@@ -17,9 +17,9 @@ from tests.router.test_pool_aware import FakeFeed
 COST = CostModel(kv_bytes_per_token=1000, load_bytes_per_s=1e7, prefill_tokens_per_s=1000, queue_s_per_request=0.1)
 
 
-def router_with(cost=COST, num_replicas=2) -> Router:
+def router_with(cost=COST, num_replicas=2, is_batching=False) -> Router:
     router = Router("pool_aware", num_replicas)
-    router.pool_aware = PoolAwarePlacer(num_replicas, cost, FakeFeed([]))
+    router.pool_aware = PoolAwarePlacer(num_replicas, cost, FakeFeed([]), is_batching=is_batching)
     return router
 
 
@@ -51,6 +51,40 @@ def test_the_backlog_sums_the_expected_work_of_the_jobs_in_flight():
     backlog.finish(first)  # twice: nothing more
     assert backlog.num_jobs(0) == 1 and backlog.wait_s(0) == pytest.approx(0.5)
     assert backlog.wait_s(1) == 0.0
+
+
+def test_a_batching_replicas_wait_is_the_prefill_still_ahead_not_the_decodes():
+    """A batching replica (vLLM) decodes beside a new request's prefill: only jobs that have not sent their first
+    byte hold a new one back, by their time to first token. A serial replica waits for every job whole."""
+    batching, serial = Backlog(1, is_batching=True), Backlog(1)
+    for backlog in (batching, serial):
+        first = backlog.begin(0, 5.0, 0.2)  # 0.2 s to its first token, then 4.8 s of decode
+        backlog.begin(0, 5.0, 0.3)
+        backlog.begin(0, 1.0)  # its split not known: all of it before its first token
+        backlog.started(first)
+    assert batching.wait_s(0) == pytest.approx(1.3)
+    assert serial.wait_s(0) == pytest.approx(11.0)
+
+
+@pytest.mark.parametrize("is_batching, expected", [(True, 0), (False, 1)], ids=["batching", "serial"])
+def test_a_batching_replica_decoding_others_keeps_the_session_whose_prefix_it_holds(is_batching, expected):
+    """Replica 0 was sent a session's 2000-token prefix and decodes three long answers; replica 1 is idle and
+    holds nothing (nor does the pool). The session's next turn goes back to replica 0 when it batches (its decodes
+    do not delay the turn's first token, and it computes 100 tokens instead of 2100) and to replica 1 when it
+    serves one request at a time. Fails with the serial wait for a batching replica (the routing workload with
+    vLLM replicas: pool_aware then balanced request counts and moved sessions off their replica)."""
+    router = router_with(is_batching=is_batching)
+    placer = router.pool_aware
+    prefix = new_prompt(2000)
+    router._next = 0
+    views = [ReplicaView(0, True, 0), ReplicaView(1, True, 0)]
+    assert router.choose(RouteFacts(prompt_ids=prefix), views, 0.0)[0] == 0
+    for _ in range(3):
+        placer.backlog.started(placer.backlog.begin(0, 5.0, 0.1))  # answers being decoded
+    router._next = 1
+    views = [ReplicaView(0, True, 3), ReplicaView(1, True, 0)]
+    turn = prefix + list(range(500_000, 500_100))
+    assert router.choose(RouteFacts(prompt_ids=turn), views, 1.0)[0] == expected
 
 
 def test_a_replica_behind_one_long_prompt_is_busier_than_one_behind_one_short_one():
@@ -184,3 +218,43 @@ def test_the_queue_decode_and_credited_depth_are_exported_per_replica():
         line for line in text.splitlines() if line.startswith(f"kvshare_router_pool_aware_queue_seconds{replica}")
     ]
     assert float(queue.split()[-1]) > 1e5
+
+
+def test_the_proxy_marks_a_job_started_at_its_first_byte_for_a_batching_replica():
+    """A vLLM replica's job stops holding back new requests once its first byte is relayed, while it still
+    streams. Fails when the proxy does not tell the backlog (the wait stays the job's whole expected time)."""
+    import threading
+
+    from aiohttp import web
+
+    from tests.router.fake_replica import completion_request, pool_aware_router
+
+    first_sent, release = threading.Event(), threading.Event()
+
+    async def completions(request):
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b'data: {"choices": [{"text": "a"}]}\n\n')
+        first_sent.set()
+        while not release.is_set():
+            await asyncio.sleep(0.01)
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    with pool_aware_router(completions, COST, engine="vllm") as (server, router_url):
+        backlog = server.pool_aware.backlog
+        assert backlog.is_batching
+        req = completion_request(router_url, prompt="hello", max_tokens=2, stream=True)
+        client = threading.Thread(target=lambda: urllib.request.urlopen(req, timeout=60).read())
+        client.start()
+        try:
+            assert first_sent.wait(30)
+            for _ in range(500):
+                if backlog.num_jobs(0) == 1 and backlog.wait_s(0) == 0.0:
+                    break
+                release.wait(0.01)
+            streaming, wait = backlog.num_jobs(0), backlog.wait_s(0)
+        finally:
+            release.set()
+            client.join(60)
+    assert streaming == 1 and wait == 0.0
