@@ -64,13 +64,14 @@ class EventFeed:
             self._expected_since = now
 
     def why_not_live(self, now: float) -> str | None:
-        """None while the events can be trusted; else a one-line reason."""
+        """None while the events can be trusted; else a one-line reason, the same through one outage (the
+        placer logs each outage once; the lag is a gauge)."""
         if self.last_seq < 0:
             return f"no KV events received from {self.endpoint} yet"
         if self.lag_s > self.max_lag_s:
-            return f"KV events lag {self.lag_s:.1f} s (limit {self.max_lag_s:.1f} s)"
+            return f"KV events lag more than {self.max_lag_s:.1f} s"
         if self._expected_since is not None and now - self._expected_since > self.max_silence_s:
-            return f"no KV events for {now - self._expected_since:.0f} s after prompts the pool did not hold"
+            return f"no KV events for more than {self.max_silence_s:.0f} s after prompts the pool did not hold"
         return None
 
     def _run(self) -> None:

@@ -1,6 +1,7 @@
 """pool_aware: the index kept from the pool's KV events, T_r, the ranking, the fallback (no process, no socket)."""
 
 import dataclasses
+import logging
 import time
 
 import pytest
@@ -124,6 +125,19 @@ def test_silence_after_prompts_the_pool_did_not_hold_means_the_events_stopped():
     router.choose(RouteFacts(prompt_ids=list(range(512))), views(0, 0), now=100.0)  # new chunks: expected
     assert feed.why_not_live(100.0 + feed.max_silence_s / 2) is None
     assert "no KV events" in feed.why_not_live(100.0 + feed.max_silence_s + 1)
+
+
+def test_an_outage_is_logged_once_however_long_it_lasts(caplog):
+    """Fails when the reason names the seconds so far (each request of the outage logged a warning)."""
+    router = placer_with([])
+    feed = router.pool_aware.feed
+    router.choose(RouteFacts(prompt_ids=list(range(512))), views(0, 0), now=100.0)
+    with caplog.at_level(logging.WARNING, logger="kvshare.router.pool_aware"):
+        for k in range(5):
+            now = 100.0 + feed.max_silence_s + 1 + k
+            router.choose(RouteFacts(prompt_ids=list(range(512))), views(0, 0), now=now)
+    assert router.pool_aware.num_fallbacks == 5
+    assert sum("falling back to round robin" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_a_feed_that_never_received_is_not_live():
