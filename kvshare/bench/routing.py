@@ -65,6 +65,7 @@ class Replayer:
         key = f"{EXPERIMENT}/rate={rate:g}/{condition.name}/run={run}"
         url = self.cluster.url(condition.router)
         before = await self._counters(url)
+        pool_before = await asyncio.to_thread(self.cluster.pool_counters)
         lag: list[float] = []
         live: list[bool] = []
         replicas_live: list[float] = []
@@ -85,8 +86,10 @@ class Replayer:
         records = [r for session_records, _ in sessions for r in session_records]
         records += await self._verify(sessions, condition, run, key)
         after = await self._counters(url)
+        pool_after = await asyncio.to_thread(self.cluster.pool_counters)
         fallbacks = after[1] - before[1] if after[1] is not None and before[1] is not None else None
         row = replay_row(key, rate, condition.name, run, records, wall_s, after[0] - before[0], fallbacks, lag)
+        row["pool_counters"] = {k: v - pool_before.get(k, 0) for k, v in pool_after.items()}
         row["events_live_share"] = sum(live) / len(live) if live else None
         # the share of replicas whose own KV events the router trusted, over the samples (None: it reads none)
         row["replica_events_live_share"] = sum(replicas_live) / len(replicas_live) if replicas_live else None

@@ -36,6 +36,7 @@ from kvshare.launch import Cluster, ClusterConfig, free_port_block, wait_http_re
 from kvshare.pool.spawn import kvshare_command, kvshare_env, stop_process
 
 MiB = 1 << 20
+POOL_COUNTERS = ("committed_pages", "evictions", "skipped_stores", "aborted_pages")  # the pool's, per replay
 EVENTS_LIVE = "kvshare_router_kv_events_live"  # a pool_aware router trusts the pool's events
 REPLICA_EVENTS_LIVE = "kvshare_router_replica_kv_events_live"  # ... and replica i's own (one sample each)
 # what the vLLM replicas' KV size and its check depend on: set by the bench, refused in --replica-arg
@@ -283,6 +284,19 @@ class RoutingCluster:
     @property
     def replica_urls(self) -> list[str]:
         return self._cluster.replica_urls
+
+    def pool_counters(self) -> dict[str, int]:
+        """The pool's counters now: pages committed, evicted, not granted for lack of room, aborted, and the KV
+        event batches and events it published (a replay's row takes their change: what the pool did meanwhile)."""
+        from kvshare.pool.client import PoolClient
+
+        if self._cluster.pool_socket is None:
+            return {}
+        with PoolClient(self._cluster.pool_socket, name="bench-routing") as client:
+            stats = client.stats()
+        counters = {k: int(stats.get(k, 0)) for k in POOL_COUNTERS}
+        counters |= {f"kv_events_{k}": int(v) for k, v in stats.get("kv_events", {}).items() if k != "replays"}
+        return counters
 
     def replica_url(self, name: str | None) -> str | None:
         """The URL of the replica a response names (replicaN, or its URL as a router's X-KVShare-Replica says);

@@ -44,6 +44,8 @@ class EventFeed:
         self.last_seq = -1
         self.lag_s = 0.0
         self.num_gaps_lost = 0  # gaps replay could not fill: the index was cleared (it may only miss pages)
+        self.num_batches = 0  # batches applied (received or replayed)
+        self.last_batch_at: float | None = None  # time.monotonic() of the last one
         self._expected_since: float | None = None  # a routed prompt had chunks the pool did not announce yet
         self._is_stopping = False
         self._thread: threading.Thread | None = None
@@ -73,6 +75,15 @@ class EventFeed:
         if self._expected_since is not None and now - self._expected_since > self.max_silence_s:
             return f"no KV events for more than {self.max_silence_s:.0f} s after prompts the pool did not hold"
         return None
+
+    def describe(self, now: float) -> str:
+        """What the feed has seen, for a log line: batches, the last sequence number, when the last one came,
+        gaps replay could not fill, the index's size."""
+        since = "never" if self.last_batch_at is None else f"{now - self.last_batch_at:.1f} s ago"
+        return (
+            f"{self.num_batches} batches, last seq {self.last_seq} {since}, {self.num_gaps_lost} gaps lost, "
+            f"{len(self.index)} chunks indexed"
+        )
 
     def _run(self) -> None:
         import zmq
@@ -151,6 +162,8 @@ class EventFeed:
         self.last_seq = seq
         self.lag_s = max(0.0, time.time() - batch.ts)
         self._expected_since = None
+        self.num_batches += 1
+        self.last_batch_at = time.monotonic()
 
 
 def attach_pool_aware(

@@ -288,7 +288,7 @@ class PoolAwarePlacer:
             if reason is None:
                 log.info("pool_aware: KV events live again; placing by expected TTFT")
             else:
-                log.warning("pool_aware: falling back to round robin: %s", reason)
+                log.warning("pool_aware: falling back to round robin: %s (%s)", reason, self.feed.describe(now))
             self.fallback_reason = reason
         # a KnownPrefix: placed on its known ids, its length estimated (kvshare.router.prompt_ids)
         is_known = isinstance(prompt_ids, KnownPrefix)

@@ -142,6 +142,11 @@ def test_the_controls_through_real_routers_on_cpu(tmp_path, monkeypatch):
     assert unshared["pool_bytes_loaded"] == 0 and unshared["pool_tokens"] == 0 and unshared["local_tokens"] == 0
     assert unshared["fallbacks"] == 0  # its router's events were live: the control is pool_aware, not a fallback
     assert unshared["events_live_share"] > 0
+    # what the pool did during each replay: the no-shared-prefix prompts are all new, so it committed pages and
+    # published their events; nothing was evicted from 64 MiB
+    pool = unshared["pool_counters"]
+    assert pool["committed_pages"] > 0 and pool["kv_events_events"] >= pool["committed_pages"]
+    assert pool["kv_events_batches"] > 0 and pool["evictions"] == 0
     terms = unshared["pool_aware_terms"]  # the router's measured cost terms, per replica, end of the replay
     assert len(terms) == 2 and all(t["prefill_seconds_per_token"] > 0 and "rate_samples" in t for t in terms.values())
 
