@@ -304,9 +304,11 @@ class PoolClient:
         first_depth: int = 0,
         token_ids=None,
         account: bytes = b"",
+        parent_key: bytes = b"",
     ) -> ReservationGrant:
         """Pages for ``keys``; ``token_ids`` (the chunks' tokens, in order) lets the pool announce them in KV events.
-        ``account`` (P.Reserve): whose quota the pages count against; empty: the namespace's.
+        ``account`` (P.Reserve): whose quota the pages count against; empty: the namespace's. ``parent_key``: the
+        key of the chunk before ``keys[0]`` in its chain (P.Reserve), for a run that does not start at chunk 0.
 
         The tokens travel only to a pool that publishes events, and only up to MAX_RESERVE_TOKEN_BYTES (a longer
         run is announced without them: invisible to an indexer that rehashes tokens, never wrong)."""
@@ -321,6 +323,7 @@ class PoolClient:
                 first_depth=first_depth,
                 tokens_le32=tokens_le32,
                 account=account,
+                parent_key=parent_key,
             )
         )
         return ReservationGrant(reply.reservation_id, [tuple(g) for g in reply.grants], reply.num_no_room)

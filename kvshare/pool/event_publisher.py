@@ -178,17 +178,31 @@ class PoolEvents:
         self.config = config
         self.publisher = publisher
         self._announced: set[bytes] = set()  # keys announced stored and not removed since
+        # committed pages whose named parent was not announced, by that parent: announced once it is (a page
+        # stored after its parent was evicted, before the parent was stored again)
+        self._waiting: dict[bytes, list[Entry]] = {}
         publisher.put(E.all_blocks_cleared(config.encoding))
 
     def committed(self, entries: list[Entry]) -> None:
-        """Pages just made visible; a chain's pages parent first, each only when its parent is announced."""
+        """Pages just made visible; a chain's pages parent first, each only when its parent is announced (a page
+        whose named parent is not waits for it; one whose parent is not named is never announced)."""
         for entry in sorted(entries, key=lambda e: e.depth):
             parent = entry.parent_key
             if entry.depth > 0 and (parent is None or parent not in self._announced):
+                if parent is not None:
+                    self._waiting.setdefault(parent, []).append(entry)
                 continue
+            self._announce(entry)
+
+    def _announce(self, entry: Entry) -> None:
+        """Announce ``entry``, then the pages waiting for it, theirs, ... (each after its parent)."""
+        pending = [entry]
+        while pending:
+            entry = pending.pop()
             self._announced.add(entry.key)
             # built on the publisher's thread: a 128k-token commit's token lists cost the daemon's loop ~3 ms
-            self.publisher.put(partial(self._stored, entry, None if entry.depth == 0 else parent))
+            self.publisher.put(partial(self._stored, entry, None if entry.depth == 0 else entry.parent_key))
+            pending.extend(reversed(self._waiting.pop(entry.key, [])))
 
     def _stored(self, entry: Entry, parent: bytes | None):
         tokens = entry.token_ids()
@@ -203,6 +217,11 @@ class PoolEvents:
 
     def removed(self, entry: Entry) -> None:
         """A page left the index (evicted, dropped, flushed)."""
+        waiting = self._waiting.get(entry.parent_key) if entry.parent_key is not None else None
+        if waiting is not None and entry in waiting:  # never announced: it no longer waits for its parent
+            waiting.remove(entry)
+            if not waiting:
+                del self._waiting[entry.parent_key]
         if entry.key in self._announced:
             self._announced.discard(entry.key)
             hashes = [E.external_hash(entry.key, self.config.hash_kind)]

@@ -208,6 +208,7 @@ class PoolHandlers:
             self._clock(),
             req.tokens_le32,
             req.account,
+            req.parent_key,
         )
         if self.remote is not None:
             self.remote.on_reserve(holder_id, result.reservation_id, [entry for _, entry in result.grants])

@@ -6,16 +6,14 @@ State machine of one entry::
                    |                    ^  lookup leases it; a leased entry is never evicted
                    +--abort/disconnect--+-> (gone, page freed)
 
-Only COMMITTED entries are visible to lookups. Eviction walks committed,
-unleased entries in LRU order between a high and a low watermark. With a
-quota (quota.py, per account or else per namespace), a reserve over it evicts
-that owner's own entries and grants fewer pages when that is not enough. A lookup
-touches its matched chain from tail to head and a commit adds from tail to
-head, so in the LRU order a chain's tail is always older than its head and is
-evicted first (evicting chunk i strands chunks i+1 and later).
+Only COMMITTED entries are visible to lookups. Eviction walks committed, unleased entries in LRU order
+between a high and a low watermark. With a quota (quota.py, per account or else per namespace), a reserve
+over it evicts that owner's own entries and grants fewer pages when that is not enough. A lookup touches its
+matched chain from tail to head and a commit adds from tail to head, so in the LRU order a chain's tail is
+always older than its head and is evicted first (evicting chunk i strands chunks i+1 and later).
 
-Bookkeeping over an Allocator: no sockets, no clocks (callers pass ``now``); the
-only memory it touches is the directory of direct lookups, through retiring.py.
+Bookkeeping over an Allocator: no sockets, no clocks (callers pass ``now``); the only memory it touches is
+the directory of direct lookups, through retiring.py.
 """
 
 from __future__ import annotations
@@ -85,9 +83,7 @@ class PoolIndex:
     def num_reservations(self) -> int:
         return len(self._reservations)
 
-    @property
-    def num_namespaces(self) -> int:
-        return len(self.quota)
+    num_namespaces = property(lambda self: len(self.quota))
 
     def leases(self) -> list[Lease]:
         return list(self._leases.values())
@@ -187,13 +183,17 @@ class PoolIndex:
         now: float,
         tokens_le32: bytes = b"",
         account: bytes = b"",
+        parent_key: bytes = b"",
     ) -> ReserveResult:
         """Pages for the keys nobody holds yet, invisible until commit. Never blocks: no room -> fewer grants.
 
         ``tokens_le32``: the chunks' token ids (u32 LE, as many per key) or nothing; kept for KV events only.
-        ``account``: whose quota the pages count against (quota.py), or nothing: the namespace's.
+        ``account``: whose quota the pages count against (quota.py), or nothing: the namespace's. ``parent_key``:
+        the key of chunk ``first_depth - 1`` (KV events name it as the first page's parent), or nothing.
         """
-        self._check_keys(keys)
+        self._check_keys([*keys, parent_key] if parent_key else keys)
+        if parent_key and first_depth == 0:
+            raise PoolError("bad_parent", "a run that names a parent key starts past chunk 0")
         if tokens_le32 and len(tokens_le32) % (4 * len(keys)):
             raise PoolError(
                 "bad_token_ids", f"{len(tokens_le32)} bytes of token ids do not split over {len(keys)} keys"
@@ -239,7 +239,7 @@ class PoolIndex:
                 first_depth + i,
                 EntryState.WRITING,
                 reservation_id,
-                parent_key=keys[i - 1] if i > 0 else None,
+                parent_key=keys[i - 1] if i > 0 else (parent_key or None),
                 tokens_le32=tokens_le32[i * chunk_bytes : (i + 1) * chunk_bytes],
                 account=account,
             )

@@ -166,6 +166,12 @@ class PoolLink:
         client = self._client
         return client.hello.pool_id if client is not None and client.hello is not None else b""
 
+    @property
+    def announces(self) -> bool:
+        """Whether the pool of the last connect publishes KV events (a reserve's token ids are then announced)."""
+        client = self._client
+        return client is not None and client.hello is not None and client.hello.wants_token_ids
+
     def failed(self, exc: BaseException) -> None:
         """A call failed because the pool is gone or stuck: give the connection up (the holds stay) and
         stop using the pool until the backoff passed."""

@@ -68,6 +68,8 @@ class Reserve(msgspec.Struct, tag="reserve"):
     keeps them only to announce the pages in KV events (a foreign indexer rehashes them).
     ``account``: whose quota the pages count against (a 16-byte digest of the tenant identity, without the
     request's cache_salt); empty: the namespace's own, as for a writer that names no account.
+    ``parent_key``: the key of chunk ``first_depth - 1`` of the same chain (empty: not named); KV events announce
+    a page only after its parent, so a run stored from the middle of a chain is announced only when it names it.
     """
 
     namespace: bytes
@@ -76,6 +78,7 @@ class Reserve(msgspec.Struct, tag="reserve"):
     first_depth: int = 0
     tokens_le32: bytes = b""
     account: bytes = b""
+    parent_key: bytes = b""
 
 
 class Commit(msgspec.Struct, tag="commit"):

@@ -85,6 +85,44 @@ def test_a_page_whose_parent_was_never_announced_is_not_announced():
     assert [e.block_hashes[0] for e in stored(pub)] == ks[:2]
 
 
+def test_a_run_stored_from_the_middle_is_announced_when_it_names_its_announced_parent():
+    """A writer that stores only the chunks it computed (a vLLM replica after a prefix hit) names the chunk before
+    them. Fails when the index ignores ``parent_key`` (the run's first page has no parent: never announced)."""
+    index, pub = make()
+    ks, toks = keys("m", 5), tokens_of("m", 5)
+    store(index, ks[:2], toks[: 2 * CHUNK])
+    le32 = np.asarray(toks[2 * CHUNK :], dtype="<u4").tobytes()
+    res = index.reserve(1, NS, ks[2:], PAGE, 2, now=0.0, tokens_le32=le32, parent_key=ks[1])
+    index.commit(1, res.reservation_id, [0] * 3)
+    events = stored(pub)
+    assert [e.block_hashes[0] for e in events] == ks
+    assert [e.parent_block_hash for e in events] == [None, *ks[:-1]]
+    assert events[2].token_ids == toks[2 * CHUNK : 3 * CHUNK]
+
+
+def test_a_page_whose_named_parent_is_not_announced_waits_for_it():
+    """Stored while its parent was evicted, a run is announced once the parent is stored again (after it, naming
+    it); a waiting page that leaves the pool first is never announced. Fails without the waiting list."""
+    index, pub = make()
+    ks, toks = keys("w", 4), tokens_of("w", 4)
+    for depth in (2, 3):  # chunk 2 names chunk 1, which nobody stored; chunk 3 names chunk 2
+        res = index.reserve(1, NS, [ks[depth]], PAGE, depth, now=0.0, parent_key=ks[depth - 1])
+        index.commit(1, res.reservation_id, [0])
+    assert stored(pub) == []
+    index.drop([ks[3]])  # leaves while waiting: never announced, nothing to remove
+    store(index, ks[:2], toks[: 2 * CHUNK])  # the head: 0, 1, then 2 (waiting for 1)
+    assert [e.block_hashes[0] for e in stored(pub)] == ks[:3]
+    assert stored(pub)[2].parent_block_hash == ks[1] and removed_hashes(pub) == []
+
+
+def test_a_parent_key_is_checked():
+    index, _ = make()
+    with pytest.raises(PoolError, match="starts past chunk 0"):
+        index.reserve(1, NS, keys("p", 1), PAGE, 0, now=0.0, parent_key=keys("q", 1)[0])
+    with pytest.raises(PoolError, match="16 bytes"):
+        index.reserve(1, NS, keys("p", 1), PAGE, 1, now=0.0, parent_key=b"short")
+
+
 def test_evictions_drops_and_flushes_announce_every_announced_page_removed():
     """Fails when the removal hook is taken out of PoolIndex._remove_committed."""
     index, pub = make(pages=8, high_watermark=1.0, low_watermark=1.0)

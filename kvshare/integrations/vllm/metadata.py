@@ -63,6 +63,17 @@ class StoreSpec:
     grants: tuple[tuple[int, int], ...] = ()
     pool_id: bytes = b""
     account: bytes = b""  # whose pool quota the pages count against (kvshare.pool.protocol.Reserve); b"": namespace
+    # for the pool's KV events: the key of chunk first_chunk - 1 (b"": none), and the chunks' token ids where an
+    # indexer may rehash them (None: a tenant's or an adapter's chunks, or a pool that publishes no events)
+    parent_key: bytes = b""
+    token_ids: tuple[int, ...] | None = None
+
+    def reserve(self, client, page_bytes: int):
+        """The pool's pages for these chunks (a PoolClient's reserve: only those it does not hold are granted)."""
+        ids = None if self.token_ids is None else list(self.token_ids)
+        return client.reserve(
+            self.namespace, list(self.keys), page_bytes, self.first_chunk, ids, self.account, self.parent_key
+        )
 
     @property
     def is_parted(self) -> bool:

@@ -71,9 +71,7 @@ class PoolPages:
             self.link,
             self.counters,
             "a reserve",
-            lambda: client.reserve(
-                spec.namespace, list(spec.keys), self.kv_layout.page_bytes, spec.first_chunk, account=spec.account
-            ),
+            lambda: spec.reserve(client, self.kv_layout.page_bytes),
         )
         if reservation is None:
             return None

@@ -52,6 +52,7 @@ class _Request:
     options: TransferParams
     ns_digest: bytes
     account: bytes  # whose pool quota its stores count against (PoolScheduler._account)
+    is_plain: bool = False  # no tenant salt, no adapter: its chunks' token ids may be announced (KV events)
     keys: list[bytes] = field(default_factory=list)  # keys of the prompt's full chunks, filled on demand
     local_tokens: int = 0
     pool_tokens: int = 0  # loaded and verified
@@ -131,7 +132,8 @@ class PoolScheduler:
             )
         if not is_text_only or prompt_token_ids is None:
             options = TransferParams(use_pool=False)
-        self._requests[req_id] = _Request(prompt_token_ids or [], options, self._digests[scope], account)
+        is_plain = scope == ("", "") and not self.namespace.tenant_salt  # keyed by its tokens alone
+        self._requests[req_id] = _Request(prompt_token_ids or [], options, self._digests[scope], account, is_plain)
 
     def _account(self, account: str) -> bytes:
         """The pool account of a request: the digest of the namespace salted by the account alone, never by
@@ -309,6 +311,8 @@ class PoolScheduler:
                 runs.append(range(start, previous + 1))
                 start = chunk
         block_ids = tuple(step.block_ids)
+        C, prompt = self.config.chunk_tokens, request.prompt
+        announced = request.is_plain and self.link.announces  # tokens an indexer may rehash
         specs = [
             StoreSpec(
                 step.req_id,
@@ -317,6 +321,8 @@ class PoolScheduler:
                 tuple(keys[r.start : r.stop]),
                 block_ids,
                 account=request.account,
+                parent_key=keys[r.start - 1] if r.start else b"",
+                token_ids=tuple(prompt[r.start * C : r.stop * C]) if announced else None,
             )
             for r in runs
         ]

@@ -151,9 +151,7 @@ class TensorParallelStores:
             self.link,
             self.counters,
             "a reserve",
-            lambda: client.reserve(
-                spec.namespace, list(spec.keys), self.page_bytes, spec.first_chunk, account=spec.account
-            ),
+            lambda: spec.reserve(client, self.page_bytes),
         )
         if reservation is None:
             return None
