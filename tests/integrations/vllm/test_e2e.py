@@ -52,7 +52,10 @@ def cluster(tmp_path_factory):
     work = tmp_path_factory.mktemp("vllm-e2e")
     model = make_model_dir(str(work / "model"))
     with private_socket("kvshare-e2e") as socket_path:
-        pool = start_pool(socket_path, "256MiB", POOL_ARGS)
+        events = (f"ipc://{work}/events", f"ipc://{work}/events-replay")  # the pool's KV events and their replay
+        pool = start_pool(
+            socket_path, "256MiB", (*POOL_ARGS, "--kv-events", events[0], "--kv-events-replay", events[1])
+        )
         common = dict(
             model=model,
             python=PYTHON,
@@ -70,7 +73,7 @@ def cluster(tmp_path_factory):
             "C": VllmServerConfig(port=free_port(), pool_socket=socket_path, replica="C", overlap_load=True, **common),
         }
         servers = start_servers(configs, str(work))
-        state = {"pool": pool, "socket": socket_path, "model": model, "work": work}
+        state = {"pool": pool, "socket": socket_path, "model": model, "work": work, "events": events}
         try:
             yield servers, state
         finally:
@@ -149,6 +152,35 @@ def test_prompt_of_whole_chunks_and_a_local_hit_extended_from_the_pool(cluster):
     assert origin["local_tokens"] >= 480 and origin["local_tokens"] + origin["pool_tokens"] == 1024
     assert origin["pool_tokens"] >= 512
     assert_same_answer(both, complete(servers["R"], longer))
+
+
+def test_chunks_a_replica_computes_after_a_loaded_prefix_are_announced_after_it_with_their_tokens(cluster):
+    """What vLLM stores through the connector reaches the pool's KV events as an indexer needs it: B loads A's
+    four chunks and stores chunks 4 and 5, announced with chunk 3 as their parent and their token ids. Fails
+    when the connector's store names no parent (chunks 4-5 never announced) or sends no tokens."""
+    zmq = pytest.importorskip("zmq")  # noqa: F841
+    from kvshare.pool.event_publisher import POOL_TOPIC
+    from tests.pool.test_events_wire import BlockStored, Subscriber
+
+    servers, state = cluster
+    sub = Subscriber(*state["events"], POOL_TOPIC)
+    try:
+        prompt = prompt_of(7, 1100)
+        complete(servers["A"], prompt)  # chunks 0..3
+        longer = prompt + prompt_of(8, 600)  # 1700 tokens: chunks 4 and 5 are new
+        assert provenance(complete(servers["B"], longer))["pool_tokens"] == 1024
+        wanted = [longer[i * C : (i + 1) * C] for i in range(6)]
+        by_tokens = {}
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not all(tuple(t) in by_tokens for t in wanted):
+            sub.poll(100)
+            by_tokens = {tuple(e.token_ids): e for e in sub.events if isinstance(e, BlockStored)}
+    finally:
+        sub.close()
+    chain = [by_tokens.get(tuple(t)) for t in wanted]
+    assert all(e is not None for e in chain), [e is not None for e in chain]
+    assert chain[0].parent_block_hash is None
+    assert [e.parent_block_hash for e in chain[1:]] == [e.block_hashes[0] for e in chain[:-1]]
 
 
 def test_use_pool_false_turns_the_pool_off_for_a_request(cluster):
