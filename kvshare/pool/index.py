@@ -83,7 +83,9 @@ class PoolIndex:
     def num_reservations(self) -> int:
         return len(self._reservations)
 
-    num_namespaces = property(lambda self: len(self.quota))
+    @property
+    def num_namespaces(self) -> int:
+        return len(self.quota)
 
     def leases(self) -> list[Lease]:
         return list(self._leases.values())
@@ -195,9 +197,7 @@ class PoolIndex:
         if parent_key and first_depth == 0:
             raise PoolError("bad_parent", "a run that names a parent key starts past chunk 0")
         if tokens_le32 and len(tokens_le32) % (4 * len(keys)):
-            raise PoolError(
-                "bad_token_ids", f"{len(tokens_le32)} bytes of token ids do not split over {len(keys)} keys"
-            )
+            raise PoolError("bad_token_ids", f"{len(tokens_le32)} token id bytes do not split over {len(keys)} keys")
         chunk_bytes = len(tokens_le32) // len(keys) if tokens_le32 else 0
         if len(namespace) != KEY_BYTES:
             raise PoolError("bad_namespace", f"namespace must be {KEY_BYTES} bytes, got {len(namespace)}")

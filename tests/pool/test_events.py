@@ -142,7 +142,7 @@ def test_evictions_drops_and_flushes_announce_every_announced_page_removed():
 
 def test_token_ids_that_do_not_split_over_the_keys_are_refused():
     index, _ = make()
-    with pytest.raises(PoolError, match="token ids"):
+    with pytest.raises(PoolError, match="token id bytes"):
         index.reserve(1, NS, keys("e", 2), PAGE, 0, now=0.0, tokens_le32=b"\0" * 12)
 
 
