@@ -315,17 +315,8 @@ class PoolClient:
         wanted = token_ids is not None and self.hello is not None and self.hello.wants_token_ids
         tokens_le32 = np.asarray(token_ids, dtype="<u4").tobytes() if wanted else b""
         tokens_le32 = tokens_le32 if len(tokens_le32) <= P.MAX_RESERVE_TOKEN_BYTES else b""
-        reply = self._call(
-            P.Reserve(
-                namespace=namespace,
-                keys=list(keys),
-                page_bytes=page_bytes,
-                first_depth=first_depth,
-                tokens_le32=tokens_le32,
-                account=account,
-                parent_key=parent_key,
-            )
-        )
+        reserve = P.Reserve(namespace, list(keys), page_bytes, first_depth, tokens_le32, account, parent_key)
+        reply = self._call(reserve)
         return ReservationGrant(reply.reservation_id, [tuple(g) for g in reply.grants], reply.num_no_room)
 
     def commit(self, reservation_id: int, checksums: list[int], checksum_kind: ChecksumKind = ChecksumKind.XXH3) -> int:
