@@ -79,6 +79,27 @@ def test_cross_replica_bytes_on_cuda_with_a_delayed_producer(flushed, order):
         a.close(), b.close()
 
 
+def test_a_step_vllm_may_replay_as_one_graph_has_its_whole_load_before_the_forward_reads(flushed):
+    """The forward of a step marked ``no_layer_hooks`` calls no wait_for_layer_load; what it reads of every layer
+    on vLLM's stream is the pool's bytes, and the load counts (fake CUDA: test_staged's negative control)."""
+    a, b = replica(flushed, "A", "LBNHC"), replica(flushed, "B", "LBNHC")
+    blocks_a, blocks_b = list(range(0, 50)), list(range(95, 45, -1))
+    try:
+        a.step("a", PROMPT, blocks_a)
+        seen = {}
+
+        def read(index):  # the graph's attention layer reads its blocks, on vLLM's stream
+            seen[index] = b.layers[index].clone()
+
+        outcome = b.step("b", PROMPT, blocks_b, write_layer=read, wait_layers=False, no_layer_hooks=True)
+        assert outcome.is_complete and outcome.loaded_end == 3 * C and not b.last_errors
+        for index in range(L):
+            b.layers[index].copy_(seen[index])  # what the forward read, in place of the blocks
+        assert torch.equal(b.tokens(0, 3 * C, blocks_b), a.tokens(0, 3 * C, blocks_a))
+    finally:
+        a.close(), b.close()
+
+
 def test_every_injected_corruption_is_caught_on_the_gpu(flushed):
     a, b = replica(flushed, "A", "LBNHC"), replica(flushed, "B", "LBNHC")
     blocks_a, blocks_b = list(range(0, 50)), list(range(95, 45, -1))
