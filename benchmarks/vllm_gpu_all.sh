@@ -46,9 +46,9 @@ step  minutes  what (setup: modes; model; lengths)
 5     6        lmcache-mp: ttft; 8B; 32768 131072 x2. LMCache 0.5.3's MP server, two vLLM replicas with
                LMCacheMPConnector (vLLM's defaults; if they do not start, rerun with
                LMCACHE_REPLICA_ARG=--enforce-eager, as the study's run was)
-6     8        kvshare-restart: ttft; 32B (--load-format dummy); 32768 x2. A computes, stops; B loads
-7     9        kvshare-restart: ttft; 32B; 131040 x1
-8     7        vllm-offloading: ttft; 32B; 32768 131040 x1. vLLM's CPU tier (local hit) beside rows 6-7
+6     9        kvshare-restart: ttft; 32B (--load-format dummy); 32768 x2, then 131040 x1. A computes them all,
+               stops; B starts on the same pool and loads them (one restart: the 32B start is most of the step)
+7     7        vllm-offloading: ttft; 32B; 32768 131040 x1. vLLM's CPU tier (local hit) beside step 6's rows
 Each step: install ~0.5 min and the 8B model ~1.5 min on a fresh machine (both skipped on a warm one).
 EOF
 }
@@ -98,18 +98,14 @@ step() {
            fi
            driver 5 420 --setup lmcache-mp --model-dir $M8 $LEN8 --kv-cache-memory-bytes $KV --lengths $L8 --prompts 2 \
                ${LMCACHE_REPLICA_ARG:+--replica-arg=$LMCACHE_REPLICA_ARG} ;;
-        6) [ "$DRY" = 1 ] || prepare 32b
-           driver 6 540 --setup kvshare-restart --model-dir $M32 --model-name qwen3-32b --load-format dummy \
-               --model-revision qwen3-32b-vllm-dummy-seed --max-model-len 131072 --pool-size 48GiB \
-               --lengths $L32_SHORT --prompts 2 ;;
+        6) [ "$DRY" = 1 ] || prepare 32b  # 32k twice (B's first request, then steady), then 128k: 51 GB of KV
+           driver 6 560 --setup kvshare-restart --model-dir $M32 --model-name qwen3-32b --load-format dummy \
+               --model-revision qwen3-32b-vllm-dummy-seed --max-model-len 131072 --pool-size 56GiB \
+               --lengths $L32_SHORT $L32_SHORT $L32_LONG --prompts 1 ;;
         7) [ "$DRY" = 1 ] || prepare 32b
-           driver 7 560 --setup kvshare-restart --model-dir $M32 --model-name qwen3-32b --load-format dummy \
-               --model-revision qwen3-32b-vllm-dummy-seed --max-model-len 131072 --pool-size 48GiB \
-               --lengths $L32_LONG --prompts 1 ;;
-        8) [ "$DRY" = 1 ] || prepare 32b
-           driver 8 480 --setup vllm-offloading --model-dir $M32 --model-name qwen3-32b --load-format dummy \
+           driver 7 480 --setup vllm-offloading --model-dir $M32 --model-name qwen3-32b --load-format dummy \
                --max-model-len 131072 --offloading-gib 48 --lengths $L32_SHORT $L32_LONG --prompts 1 ;;
-        *) echo "no step $n (steps 1-8; no argument prints the plan)"; return 2 ;;
+        *) echo "no step $n (steps 1-7; no argument prints the plan)"; return 2 ;;
     esac
     [ "$DRY" = 1 ] || echo "step $n done in $(( $(date +%s) - t0 )) s"
 }
