@@ -26,6 +26,11 @@ still ahead of it::
 Counting decodes there made the wait of a replica with ten requests decoding ~50 s (answers of 100-300 tokens),
 so pool_aware balanced request counts like round robin and moved sessions away from the replica holding their
 prefix (routing workload, vLLM replicas on one H100, 2026-12-06).
+
+A job whose prefill overlapped another job's on the same replica (either was sent while the other had not sent
+its first byte) is marked ``is_shared``: on a batching replica its time to first token is its own prefill and
+part of the others', so it tells nothing of the replica's rates (kvshare.router.calibration fits only the jobs
+that ran alone).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ class Job:
     first_token_s: float = 0.0
     is_started: bool = False  # its first byte came back
     is_done: bool = False
+    is_shared: bool = False  # its prefill overlapped another job's on the same replica
 
 
 class Backlog:
@@ -58,6 +64,9 @@ class Backlog:
         work_s = max(0.0, work_s)
         before = work_s if first_token_s is None else min(work_s, max(0.0, first_token_s))
         job = Job(replica, work_s, before)
+        for other in self._jobs[replica]:
+            if not other.is_started:
+                other.is_shared = job.is_shared = True
         self._jobs[replica].append(job)
         return job
 

@@ -11,6 +11,13 @@ where the client did not). Per replica::
     prefill_s     = first byte - service start      (exact for a replica that serves one request at a time)
     service_s     = end - service start
 
+A replica that batches (vLLM; ``is_batching``) starts every request's service when it is sent, and its first
+byte waits for the prefill of every other request in prefill there: a sample whose prefill overlapped another's
+(``Job.is_shared``, kvshare.router.backlog) is not fitted. Fitted, such samples made the rates a measure of the
+contention: on two vLLM replicas of one H100 (the routing workload at 2 sessions/s) prefill fell to its floor on
+three replicas of four and a pool load came out 7-73x slower than the prior's PCIe rate; the requests that ran
+alone there (a third of them) give 20k computed tokens/s on every replica.
+
 A windowed least squares fits ``prefill_s ~ overhead + computed x prefill s/token + pool x load s/token``,
 pulled toward the flags' values (the prior) with the weight of a fraction of a sample, so a term the window
 cannot tell (no request loaded from the pool yet) stays at its flag's value; samples far from the first fit (a
@@ -146,7 +153,9 @@ class Calibration:
         num_replicas: int,
         config: CalibrationConfig = CalibrationConfig(),
         names: list[str] | None = None,
+        is_batching: bool = False,
     ) -> None:
+        self.is_batching = is_batching
         self.replicas = [ReplicaRates(prior, config) for _ in range(num_replicas)]
         self.names = names or [str(i) for i in range(num_replicas)]
         self._last_end_s = [float("-inf")] * num_replicas
@@ -163,16 +172,18 @@ class Calibration:
         end_s: float,
         computed_tokens: int | None,
         pool_tokens: int | None,
+        is_prefill_shared: bool = False,
     ) -> None:
         """One relayed response; ``first_byte_s`` None for one that is not a stream, token counts None where the
-        replica withheld its provenance (then only its service time counts)."""
+        replica withheld its provenance (then only its service time counts); ``is_prefill_shared``: its prefill
+        overlapped another's on the replica (not fitted where the replicas batch)."""
         last_end_s = self._last_end_s[i]
-        if first_byte_s is not None and last_end_s > first_byte_s:
+        if self.is_batching or (first_byte_s is not None and last_end_s > first_byte_s):
             last_end_s = sent_s  # another response ended during this one's prefill: a batching engine; no wait known
         start_s = max(sent_s, last_end_s)
         fit = self.replicas[i]
         has_counts = computed_tokens is not None and pool_tokens is not None
-        if first_byte_s is not None and has_counts:
+        if first_byte_s is not None and has_counts and not (self.is_batching and is_prefill_shared):
             fit.add_prefill(computed_tokens, pool_tokens, first_byte_s - start_s)
         if first_byte_s is not None:
             fit.add_decode(end_s - first_byte_s)
@@ -344,6 +355,7 @@ class ResponseTiming:
         self.is_usage_asked = is_usage_asked  # the router asked for the usage chunk: the client gets none
         self.first_byte_s: float | None = None
         self.on_first_byte = lambda: None  # the proxy's: the request's prefill is done (kvshare.router.backlog)
+        self.is_prefill_shared = lambda: False  # the proxy's: its prefill overlapped another's (Job.is_shared)
         self._tail: deque[bytes] = deque()
         self._tail_bytes = 0
 
@@ -380,8 +392,7 @@ class ResponseTiming:
         if usage is not None:
             counts = self.split(*usage)
         computed, pool = (None, None) if counts is None else counts
-        self.calibration.observe(
-            self.replica, self.sent_s, self.first_byte_s if self.is_stream else None, now, computed, pool
-        )
+        first_byte_s = self.first_byte_s if self.is_stream else None
+        self.calibration.observe(self.replica, self.sent_s, first_byte_s, now, computed, pool, self.is_prefill_shared())
         if self.on_local is not None and p is not None and p.local_tokens is not None and p.local_tokens >= 0:
             self.on_local(p.local_tokens)

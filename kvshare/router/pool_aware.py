@@ -265,7 +265,7 @@ class PoolAwarePlacer:
         self.replica_feeds = replica_feeds or []  # each replica's GPU events, where it publishes them
         self.tokenizer = tokenizer
         self.sent = SentMemory(num_replicas)
-        self.calibration = Calibration(cost.prior_rates(), num_replicas)
+        self.calibration = Calibration(cost.prior_rates(), num_replicas, is_batching=is_batching)
         self.backlog = Backlog(num_replicas, is_batching)  # the proxy begins a job where it sends, ends it at the end
         self.last_placement: Placement | None = None  # the last request ranked (read before the proxy awaits)
         self.num_fallbacks = 0

@@ -310,6 +310,7 @@ class RouterServer:
                 timing = None if placer is None else placer.timing(i, sent_s, upstream, placement, is_asked)
                 if timing is not None and job is not None:
                     timing.on_first_byte = lambda job=job: placer.backlog.started(job)
+                    timing.is_prefill_shared = lambda job=job: job.is_shared
                 return await self._relay(request, upstream, replica, timing)
             finally:
                 upstream.release()
