@@ -26,7 +26,7 @@
 #
 # ENGINE=vllm: the replicas are vLLM 0.26 with kvshare's connector (bench routing --engine vllm), from the bundle in
 # .vk/ (VK=.vk; benchmarks/vllm_bundle.sh, as benchmarks/vllm_gpu_all.sh installs it; carry .vk with the command),
-# two on the card (each half of vLLM's gpu-memory-utilization), with the issue's own trace: vLLM batches decode,
+# two on the card (each half of vLLM's gpu-memory-utilization), with the default trace: vLLM batches decode,
 # so 64 sessions and answers of 100-300 tokens fit. Its own plan and steps (results in results/routing-gpu-vllm);
 # on CPU: ENGINE=vllm MODEL=tiny DEVICE=cpu EXTRA="--scale 0.05 --sessions 8 --vllm-python /path/to/vllm/python"
 set -uo pipefail
@@ -47,7 +47,7 @@ CONTROLS=no_shared_prefix,events_dropped
 WORKLOAD=(--sessions "$SESSIONS" --prompts 8 --turns 6 --system-tokens 4000-6000 --user-tokens 200-1200
           --answer-tokens 10-30 --gpu-share 2.5 --pool-share 2 --verify 2 --seed 0 --timeout 120
           ${MAXLEN:+--replica-arg=--max-model-len=$MAXLEN})
-if [ "$ENGINE" = vllm ]; then  # the issue's trace; vLLM's KV and --max-model-len are sized by bench routing itself
+if [ "$ENGINE" = vllm ]; then  # the default trace; vLLM's KV and --max-model-len are sized by bench routing itself
     WORKLOAD=(--engine vllm --sessions "${SESSIONS_VLLM:-64}" --prompts 8 --turns 6 --system-tokens 4000-6000
               --user-tokens 200-1200 --answer-tokens 100-300 --gpu-share 3 --pool-share 1.2 --verify 2 --seed 0
               --timeout 300)
@@ -85,7 +85,7 @@ EOF
 plan_vllm() {
     cat <<EOF
 ENGINE=vllm. The trace: 64 sessions over 8 shared system prompts of 4000-6000 tokens, 6 turns of 200-1200 user
-tokens, answers of 100-300 tokens (the issue's workload); vLLM's KV cache 1/3 of the working set a replica, the pool
+tokens, answers of 100-300 tokens (bench routing's defaults); vLLM's KV cache 1/3 of the working set a replica, the pool
 1.2x it. Sizes (benchmarks/routing_gpu_plan.py --engine vllm ...): working set 390737 tokens (57.6 GB); vLLM's KV
 19.2 GB a replica (--kv-cache-memory-bytes, bf16, --max-model-len 14336 for the longest request, 12632 tokens);
 pool 69.1 GB (50% of 128 GiB); a replica 16.4 GB weights + 19.2 KV + ~3 activations = 38.6 GB, two on one 80 GB

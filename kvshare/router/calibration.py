@@ -16,7 +16,7 @@ byte waits for the prefill of every other request in prefill there: a sample who
 (``Job.is_shared``, kvshare.router.backlog) is not fitted. Fitted, such samples made the rates a measure of the
 contention: on two vLLM replicas of one H100 (the routing workload at 2 sessions/s) prefill fell to its floor on
 three replicas of four and a pool load came out 7-73x slower than the prior's PCIe rate; the requests that ran
-alone there (a third of them) fit ~20k computed tokens/s in every condition with the pool on.
+alone there (a fifth to a third of them) fit 19-30k computed tokens/s in every condition with the pool on.
 
 A windowed least squares fits ``prefill_s ~ overhead + computed x prefill s/token + pool x load s/token``,
 pulled toward the flags' values (the prior) with the weight of a fraction of a sample, so a term the window

@@ -200,7 +200,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def summary(result: dict) -> list[dict]:
     """Per length: cross-replica TTFT (B) over the connector replica's own local hit (A), medians and minima
-    of the run, with the absolute figures beside them (the issue's target: <= 1.5x at 8k and 16k)."""
+    of the run, with the absolute figures beside them (the target: <= 1.5x at 8k and 16k)."""
     out = []
     for length in result["lengths"]:
         rows = [r for r in result["rows"] if r["length"] == length]
