@@ -91,20 +91,20 @@ tokens, answers of 100-300 tokens (bench routing's defaults); vLLM's KV cache 1/
 pool 69.1 GB (50% of 128 GiB); a replica 16.4 GB weights + 19.2 KV + ~3 activations = 38.6 GB, two on one 80 GB
 card 77.2 GB (each at gpu-memory-utilization 0.45; with its KV given vLLM does not size it from that share, and
 the two start together). Estimated replays (prefill 25k tokens/s shared by the card's two replicas, batched decode
-step 25 ms, load 50 GB/s; no reuse .. full reuse): rate 2/s 63-138 s, 4/s 50-137 s; a step ~5-6.5 min with vLLM's
-start (~110-140 s for the 8B shape with torch.compile and CUDA graphs, assumed) and the warm-up, 150 s in all,
-+ ~2 min on a fresh machine (the bundle, the 8B model). Rate 2/s: no reuse is prefill-bound (TTFT p99 ~19 s).
+step 25 ms, load 50 GB/s; no reuse .. full reuse): rate 2/s 63-138 s, 4/s 50-137 s. Measured on one H100: a replay
+at 2/s 79-101 s, the cluster's start, warm-up and output checks ~140 s a step, + ~100 s on a fresh machine (the
+bundle, the 8B model): a step of three replays ~6.5-8 min. Rate 2/s: no reuse is prefill-bound.
 
 step   minutes  what (rate; conditions; run)
-1      6-7      rate 2/s; round_robin/on, pool_aware/on; run 0        (the main pair)
-2      6-7      rate 2/s; pool_aware_gpu/on, cache_aware/on; run 0   (the GPU-only variant, the sent-memory router)
-3      6-7      rate 2/s; round_robin/off, events_dropped; run 0      (no pool; events lost -> round robin)
-4      6-7      rate 2/s; alternate/on, sticky/on; run 0
-5      5-6      rate 2/s; no_shared_prefix; run 0                     -> steps 1-5: every condition, run 0
-6-10   5-7      the same for run 1
-11-15  5-7      the same for run 2                                    -> steps 1-15: 3 runs at 2 sessions/s
-16     6-7      rate 4/s; round_robin/on, pool_aware/on; run 0        (toward saturation)
-17     6-7      rate 4/s; pool_aware_gpu/on, cache_aware/on; run 0
+1      7-9      rate 2/s; round_robin/on, pool_aware/on, pool_aware_gpu/on; run 0   (the main three)
+2      7-8      rate 2/s; cache_aware/on, round_robin/off, events_dropped; run 0     (sent memory; no pool; events lost)
+3      7-8      rate 2/s; alternate/on, sticky/on, no_shared_prefix; run 0        -> steps 1-3: every condition, run 0
+4-6    7-8      the same for run 1
+7-9    7-8      the same for run 2                                                -> steps 1-9: 3 runs at 2 sessions/s
+10     6-7      rate 4/s; round_robin/on, pool_aware/on, pool_aware_gpu/on; run 0   (toward saturation)
+11     6-7      rate 4/s; cache_aware/on, round_robin/off, events_dropped; run 0
+Three replays a step: each ~80-100 s beside a cluster start of ~150 s (measured on one H100, 2026-12-06); a step cut
+short keeps the replays it finished (CONDITIONS=... runs the rest).
 report          rebuild RESULTS' routing.md and summary.json from its rows
 EOF
 }
@@ -150,17 +150,17 @@ bench() {  # STEP RATE RUN CONDITIONS: one run at one rate, into RESULTS, under 
     return "$status"
 }
 
-VLLM_PAIRS=("round_robin/on,pool_aware/on" "pool_aware_gpu/on,cache_aware/on" "round_robin/off,events_dropped"
-            "alternate/on,sticky/on" "no_shared_prefix")
+VLLM_SETS=("round_robin/on,pool_aware/on,pool_aware_gpu/on" "cache_aware/on,round_robin/off,events_dropped"
+           "alternate/on,sticky/on,no_shared_prefix")
 
 step_vllm() {  # N: the plan_vllm table's step N
     local n=$1
-    if [ "$n" -ge 1 ] 2>/dev/null && [ "$n" -le 15 ]; then
-        bench "$n" 2 $(( (n - 1) / 5 )) "${VLLM_PAIRS[$(( (n - 1) % 5 ))]}"
-    elif [ "$n" = 16 ] || [ "$n" = 17 ]; then
-        bench "$n" 4 0 "${VLLM_PAIRS[$(( n - 16 ))]}"
+    if [ "$n" -ge 1 ] 2>/dev/null && [ "$n" -le 9 ]; then
+        bench "$n" 2 $(( (n - 1) / 3 )) "${VLLM_SETS[$(( (n - 1) % 3 ))]}"
+    elif [ "$n" = 10 ] || [ "$n" = 11 ]; then
+        bench "$n" 4 0 "${VLLM_SETS[$(( n - 10 ))]}"
     else
-        echo "no step $n (ENGINE=vllm: steps 1-17, report; no argument prints the plan)"; return 2
+        echo "no step $n (ENGINE=vllm: steps 1-11, report; no argument prints the plan)"; return 2
     fi
 }
 
