@@ -42,11 +42,13 @@ from kvshare.bench.routing_results import EXPERIMENT, ROWS, check_same_workload,
 from kvshare.bench.routing_summary import replay_row
 from kvshare.bench.routing_trace import Condition, RoutingConfig, SessionPlan, Trace, make_trace, parse_condition
 from kvshare.bench.runner import BenchContext, mark_matches
+from kvshare.bench.stats import histogram_quantile
 
 LAG_POLL_S = 0.25
 POOL_BYTES_LOADED = "kvshare_pool_bytes_loaded_total"  # a built-in replica's
 VLLM_POOL_BYTES_LOADED = "vllm:kvshare_load_bytes_total"  # a vLLM replica's connector's (kvshare.integrations.vllm)
 FALLBACKS = "kvshare_router_pool_aware_fallbacks_total"
+SEND_DELAY = "kvshare_router_send_delay_seconds"  # the router's histogram of its own time before a request is sent
 EVENT_LAG = "kvshare_router_kv_events_lag_seconds"
 POOL_AWARE_TERM = "kvshare_router_pool_aware_"  # its cost-term gauges, one per replica (router.event_feed)
 
@@ -65,6 +67,7 @@ class Replayer:
         key = f"{EXPERIMENT}/rate={rate:g}/{condition.name}/run={run}"
         url = self.cluster.url(condition.router)
         before = await self._counters(url)
+        delay_before = await self._buckets(url, SEND_DELAY)
         pool_before = await asyncio.to_thread(self.cluster.pool_counters)
         lag: list[float] = []
         live: list[bool] = []
@@ -83,6 +86,9 @@ class Replayer:
             if poll is not None:
                 poll.cancel()
         wall_s = time.perf_counter() - started
+        delay = [
+            (le, n - delay_before.get(le, 0.0)) for le, n in sorted((await self._buckets(url, SEND_DELAY)).items())
+        ]
         records = [r for session_records, _ in sessions for r in session_records]
         records += await self._verify(sessions, condition, run, key)
         after = await self._counters(url)
@@ -90,6 +96,7 @@ class Replayer:
         fallbacks = after[1] - before[1] if after[1] is not None and before[1] is not None else None
         row = replay_row(key, rate, condition.name, run, records, wall_s, after[0] - before[0], fallbacks, lag)
         row["pool_counters"] = {k: v - pool_before.get(k, 0) for k, v in pool_after.items()}
+        row["router_send_p99_s"] = histogram_quantile(0.99, delay)  # the replay's requests, by the router's buckets
         row["events_live_share"] = sum(live) / len(live) if live else None
         # the share of replicas whose own KV events the router trusted, over the samples (None: it reads none)
         row["replica_events_live_share"] = sum(replicas_live) / len(replicas_live) if replicas_live else None
@@ -185,6 +192,10 @@ class Replayer:
             if sample.name.startswith(POOL_AWARE_TERM) and "replica" in sample.labels:
                 terms.setdefault(sample.labels["replica"], {})[sample.name.removeprefix(POOL_AWARE_TERM)] = sample.value
         return terms
+
+    async def _buckets(self, url: str, name: str) -> dict[float, float]:
+        """A histogram of ``url``'s /metrics: its cumulative count per upper bound (+Inf included)."""
+        return {float(s.labels["le"]): s.value for s in await self._samples(url) if s.name == name + "_bucket"}
 
     async def _metrics(self, url: str) -> dict[str, float]:
         """Each metric of ``url``'s /metrics, summed over its labels."""

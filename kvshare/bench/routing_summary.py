@@ -108,6 +108,7 @@ def summarize(rows: list[dict]) -> list[dict]:
             for name in ("ttft_first_s", "ttft_later_s", "router_added_s", "event_lag_s")
         }
         fallbacks = [row["fallbacks"] for row in group if row["fallbacks"] is not None]
+        send_p99 = [row["router_send_p99_s"] for row in group if row.get("router_send_p99_s") is not None]
         out.append(
             {
                 "rate": rate,
@@ -120,6 +121,7 @@ def summarize(rows: list[dict]) -> list[dict]:
                 "ttft_later_p50": _pct_ci(pooled["ttft_later_s"], 50),
                 "ttft_later_p99": _pct_ci(pooled["ttft_later_s"], 99),
                 "router_added_p99": _pct_ci(pooled["router_added_s"], 99),
+                "router_send_p99": _mean_ci(send_p99) if send_p99 else None,  # each run's, by the router's buckets
                 "prefill_tokens": _mean_ci([row["prefill_tokens"] for row in group]),
                 "pool_bytes_loaded": _mean_ci([row["pool_bytes_loaded"] for row in group]),
                 "output_tokens_per_s": _mean_ci([row["output_tokens_per_s"] for row in group]),
@@ -164,6 +166,7 @@ HEADERS = (
     "pool MB / run",
     "output tok/s",
     "router added p99 ms",
+    "router send p99 ms",
     "event lag max s",
     "fallbacks",
     "errors",
@@ -185,6 +188,7 @@ def table_rows(summary: list[dict]) -> list[tuple[str, ...]]:
             _fig(s["pool_bytes_loaded"], 1e-6, 1),
             _fig(s["output_tokens_per_s"], digits=1),
             _fig(s["router_added_p99"], 1e3, 2),
+            _fig(s.get("router_send_p99"), 1e3, 2),
             "-" if s["event_lag_max_s"] is None else f"{s['event_lag_max_s']:.3f}",
             "-" if s["fallbacks"] is None else f"{s['fallbacks']:.0f}",
             str(s["num_errors"]),

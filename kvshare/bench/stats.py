@@ -45,6 +45,23 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
 
 
+def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> float | None:
+    """The q-quantile (q in [0, 1]) of a Prometheus histogram, as PromQL's ``histogram_quantile`` reads it:
+    ``buckets`` are (upper bound, cumulative count) in ascending bounds, the last +Inf; linear within the bucket
+    the rank falls in (from 0 for the first), the highest finite bound for a rank in +Inf's; None: no samples."""
+    total = buckets[-1][1] if buckets else 0.0
+    if total <= 0:
+        return None
+    rank, lower, below = q * total, 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            if math.isinf(bound):
+                return lower
+            return lower + (bound - lower) * ((rank - below) / (count - below) if count > below else 1.0)
+        lower, below = bound, count
+    return lower
+
+
 @dataclass(frozen=True)
 class Interval:
     low: float

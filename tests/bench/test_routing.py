@@ -134,6 +134,7 @@ def test_the_controls_through_real_routers_on_cpu(tmp_path, monkeypatch):
         assert row["num_requests"] == 8 and row["num_errors"] == 0
         assert row["outputs_compared"] == 1 and row["outputs_equal"] == 1  # no wrong KV under either
         assert len(row["ttft_first_s"]) == 4 and len(row["ttft_later_s"]) == 4
+        assert 0 < row["router_send_p99_s"] < 1  # the router's own time before sending, by its histogram
     dropped, unshared = rows["events_dropped"], rows["no_shared_prefix"]
     assert dropped["fallbacks"] == 8  # every request placed while the events were not live, and counted
     counts = sorted(dropped["per_replica"].values())
@@ -155,4 +156,4 @@ def test_the_controls_through_real_routers_on_cpu(tmp_path, monkeypatch):
     assert run["command"] == "kvshare bench routing (test)" and "cores usable" in run["hardware"]
     records = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
     assert len(records) == 18 and {r["role"] for r in records} == {"measure", "verify"}
-    assert "| events_dropped |" in open(report).read()
+    assert "| events_dropped |" in open(report).read() and "router send p99 ms" in open(report).read()

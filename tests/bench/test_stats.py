@@ -7,6 +7,7 @@ import pytest
 from kvshare.bench.stats import (
     Interval,
     bootstrap_ci,
+    histogram_quantile,
     improvement,
     median,
     pair_blocks,
@@ -96,3 +97,15 @@ def test_summarize_reports_an_interval_only_for_enough_values():
     assert summarize([1.0, 2.0, 3.0]).ci is None
     s = summarize([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
     assert s.n == 6 and s.median == 3.5 and s.ci is not None and 3.5 in s.ci
+
+
+def test_a_histograms_quantile_is_read_as_promql_reads_it():
+    inf = float("inf")
+    # 10 samples, all in (1, 2]: the median halfway through that bucket
+    assert histogram_quantile(0.5, [(1.0, 0), (2.0, 10), (inf, 10)]) == pytest.approx(1.5)
+    # the first bucket interpolates from 0; 99 of 100 samples lie at or below 1.98 by the buckets
+    assert histogram_quantile(0.5, [(1.0, 4), (2.0, 4), (inf, 4)]) == pytest.approx(0.5)
+    assert histogram_quantile(0.99, [(1.0, 50), (2.0, 100), (inf, 100)]) == pytest.approx(1.98)
+    # a rank in +Inf's bucket: the highest finite bound; no samples: no quantile
+    assert histogram_quantile(0.99, [(1.0, 0), (inf, 5)]) == 1.0
+    assert histogram_quantile(0.5, [(1.0, 0), (inf, 0)]) is None and histogram_quantile(0.5, []) is None
