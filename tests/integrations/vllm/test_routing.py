@@ -50,6 +50,7 @@ def test_a_tiny_trace_through_vllm_replicas_with_the_pool_and_their_own_events(t
         assert row["num_requests"] == 12 and row["num_errors"] == 0, row
         assert row["outputs_compared"] == 1 and len(row["output_checks"]) == 1
         assert row["prefill_tokens"] > 0
+        assert 0 < row["router_send_p99_s"] < 1  # the router's own time, from its histogram (no replica timeline)
     assert rows["round_robin/on"]["pool_bytes_loaded"] > 0  # turns and shared prompts cross replicas
     assert rows["round_robin/on"]["replica_events_live_share"] is None  # it reads no events
     aware = rows["pool_aware/on"]
