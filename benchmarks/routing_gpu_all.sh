@@ -40,7 +40,7 @@ MODEL=${MODEL:-$M8}
 DEVICE=${DEVICE:-cuda}
 SESSIONS=${SESSIONS:-16}
 MAXLEN=${MAXLEN-16384}  # the built-in engine preallocates this much sequence KV on CUDA (2.4 GB for the 8B)
-BUDGET=${BUDGET:-570}   # seconds a step may take from this script's start, its preparation included
+BUDGET=${BUDGET:-585}   # seconds a step may take from this script's start, its preparation included (a command: 600)
 EXTRA=${EXTRA:-}
 POLICIES=round_robin/off,round_robin/on,alternate/on,sticky/on,cache_aware/on,pool_aware/on,pool_aware_gpu/on
 CONTROLS=no_shared_prefix,events_dropped
@@ -103,7 +103,7 @@ step   minutes  what (rate; conditions; run)
 7-9    7-8      the same for run 2                                                -> steps 1-9: 3 runs at 2 sessions/s
 10     6-7      rate 4/s; round_robin/on, pool_aware/on, pool_aware_gpu/on; run 0   (toward saturation)
 11     6-7      rate 4/s; cache_aware/on, round_robin/off, events_dropped; run 0
-Three replays a step: each ~80-100 s beside a cluster start of ~150 s (measured on one H100, 2026-12-06); a step cut
+Three replays a step: each ~80-100 s beside a cluster start of ~140 s (measured on one H100, 2026-12-06); a step cut
 short keeps the replays it finished (CONDITIONS=... runs the rest).
 report          rebuild RESULTS' routing.md and summary.json from its rows
 EOF

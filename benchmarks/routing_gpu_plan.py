@@ -123,8 +123,8 @@ def plan(argv: list[str]) -> str:
         "--cluster-start-s",
         type=float,
         default=None,
-        help="pool, replicas, routers, warm-up (assumed): 90 built-in; 150 vLLM (its start ~110-140 s for the 8B "
-        "shape with torch.compile and CUDA graphs, the two replicas of a card together since their KV is given)",
+        help="pool, replicas, routers, warm-up: 90 built-in (assumed); 140 vLLM (measured on one H100: the two 8B "
+        "replicas of a card start together with torch.compile and CUDA graphs, their KV given; warm-up, checks)",
     )
     own, bench = p.parse_known_args(argv)
     args = build_parser().parse_args(["bench", "routing", *bench])
@@ -132,7 +132,7 @@ def plan(argv: list[str]) -> str:
     if own.decode_step_ms is None:
         own.decode_step_ms = 25.0 if target.engine == "vllm" else 12.0
     if own.cluster_start_s is None:
-        own.cluster_start_s = 150.0 if target.engine == "vllm" else 90.0
+        own.cluster_start_s = 140.0 if target.engine == "vllm" else 90.0
     mc = model_config_of(target.model)
     trace = make_trace(config)
     longest = longest_sequence(trace)

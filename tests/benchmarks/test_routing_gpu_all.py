@@ -83,7 +83,7 @@ def _vllm_steps(tmp_path) -> dict[str, list[str]]:
     plan = subprocess.run(["bash", SCRIPT], env=env, capture_output=True, text=True, timeout=30).stdout
     assert "ENGINE=vllm" in plan and "100-300" in plan
     out = {}
-    for n in range(1, 18):
+    for n in range(1, 12):
         done = subprocess.run(["bash", SCRIPT, str(n)], env=env, capture_output=True, text=True, timeout=30)
         argv = shlex.split(done.stdout.strip())
         assert done.returncode == 0 and argv[:5] == PREFIX, done.stdout + done.stderr
@@ -92,11 +92,12 @@ def _vllm_steps(tmp_path) -> dict[str, list[str]]:
     return out
 
 
-def test_engine_vllm_replays_the_issues_trace_every_condition_once_per_run_each_step_fitting_a_command(tmp_path):
-    """ENGINE=vllm: 64 sessions with 100-300-token answers on vLLM replicas; steps 1-5 give every condition of run
-    0 at one rate, 1-15 three runs; each step's estimate (vLLM's start included) leaves ~2 min for a fresh
-    machine's preparation within 570 s, the two replicas fit one 80 GB card and vLLM's KV holds the longest
-    request. Fails when a step replays a (rate, condition, run) another step does, or one does not fit."""
+def test_engine_vllm_replays_every_condition_once_per_run_each_step_fitting_a_command(tmp_path):
+    """ENGINE=vllm: 64 sessions with 100-300-token answers on vLLM replicas; steps 1-3 give every condition of
+    run 0 at 2 sessions/s, 1-9 three runs, 10-11 rate 4/s; each step's estimate (vLLM's start included) leaves the
+    ~100 s a fresh machine's preparation takes (the bundle, the 8B model; measured on one H100) within 585 s, the
+    two replicas fit one 80 GB card and vLLM's KV holds the longest request. Fails when a step replays a (rate,
+    condition, run) another step does, or one does not fit."""
     from kvshare.bench.routing_trace import CONTROLS
 
     estimate = load_benchmark("routing_gpu_plan")
@@ -113,7 +114,7 @@ def test_engine_vllm_replays_the_issues_trace_every_condition_once_per_run_each_
         text = estimate.plan(argv)
         assert "DOES NOT FIT" not in text and "less than one request" not in text, text
         seconds = float(text.rsplit("this command: ~", 1)[1].split(" s", 1)[0])
-        assert seconds + 120 <= 570, (n, text)
+        assert seconds + 100 <= 585, (n, text)
         _, target = routing_plan(build_parser().parse_args(["bench", "routing", *argv]))
         assert target.pool_bytes <= 0.6 * 128 * 2**30
 
