@@ -31,10 +31,16 @@ A job whose prefill overlapped another job's on the same replica (either was sen
 its first byte) is marked ``is_shared``: on a batching replica its time to first token is its own prefill and
 part of the others', so it tells nothing of the replica's rates (kvshare.router.calibration fits only the jobs
 that ran alone).
+
+A response that is not a stream shows nothing before its end (vLLM writes its headers with its body), so its
+first byte marks no prefill's end. Such a job (``is_blind``) counts as prefill ahead until it is due: the wait
+ahead of it when it was sent plus its own expected time to first token; then as decoding. Counted until its
+end, one non-streamed request made its replica look busy with a prefill for the whole of its decode.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -49,6 +55,11 @@ class Job:
     is_started: bool = False  # its first byte came back
     is_done: bool = False
     is_shared: bool = False  # its prefill overlapped another job's on the same replica
+    due_s: float = math.inf  # a blind job's (no first byte before its end): when its prefill is expected done
+
+    def is_in_prefill(self, now: float) -> bool:
+        """Its prefill is still ahead or running, as far as the router can tell at ``now``."""
+        return not self.is_started and now < self.due_s
 
 
 class Backlog:
@@ -58,14 +69,24 @@ class Backlog:
         self.is_batching = is_batching
         self._jobs: list[list[Job]] = [[] for _ in range(num_replicas)]
 
-    def begin(self, replica: int, work_s: float, first_token_s: float | None = None) -> Job:
-        """A request sent to ``replica`` now, expected to hold it ``work_s`` seconds, ``first_token_s`` of them
-        before its first token (None: all of them)."""
+    def begin(
+        self,
+        replica: int,
+        work_s: float,
+        first_token_s: float | None = None,
+        now: float = -math.inf,
+        is_blind: bool = False,
+    ) -> Job:
+        """A request sent to ``replica`` at ``now``, expected to hold it ``work_s`` seconds, ``first_token_s`` of
+        them before its first token (None: all of them); ``is_blind``: its response shows no first byte before its
+        end (not a stream), so it is due at ``now`` + the wait ahead of it + ``first_token_s``."""
         work_s = max(0.0, work_s)
         before = work_s if first_token_s is None else min(work_s, max(0.0, first_token_s))
         job = Job(replica, work_s, before)
+        if is_blind:
+            job.due_s = now + self.wait_s(replica, now) + before
         for other in self._jobs[replica]:
-            if not other.is_started:
+            if other.is_in_prefill(now):
                 other.is_shared = job.is_shared = True
         self._jobs[replica].append(job)
         return job
@@ -83,8 +104,8 @@ class Backlog:
     def num_jobs(self, replica: int) -> int:
         return len(self._jobs[replica])
 
-    def wait_s(self, replica: int) -> float:
-        """Expected seconds until ``replica`` starts a new request's prefill."""
+    def wait_s(self, replica: int, now: float = -math.inf) -> float:
+        """Expected seconds until ``replica`` starts a new request's prefill (``now``: on the clock of ``begin``'s)."""
         if self.is_batching:
-            return sum(job.first_token_s for job in self._jobs[replica] if not job.is_started)
+            return sum(job.first_token_s for job in self._jobs[replica] if job.is_in_prefill(now))
         return sum(job.work_s for job in self._jobs[replica])

@@ -29,6 +29,7 @@ class _PoolFacts(msgspec.Struct):
     messages: list[dict] | None = None
     prompt: msgspec.Raw = msgspec.Raw(b"null")
     cache_salt: object = None
+    stream: object = None  # only true streams: a response that is not one shows nothing before its end
 
 
 # a token id the pool can hash (4 unsigned bytes); JSON's true/false are not ints here
@@ -88,5 +89,8 @@ def route_facts(
             except _DECODE_ERRORS:
                 prompt = None
             ids = pool_aware.prompt_of(prompt, parsed.messages)
-        return RouteFacts(session_id=session, chat_turn=turn, cache_salt=salt or None, prompt_ids=ids)
+        is_stream = parsed.stream is True
+        return RouteFacts(
+            session_id=session, chat_turn=turn, cache_salt=salt or None, prompt_ids=ids, is_stream=is_stream
+        )
     return RouteFacts(session_id=session, chat_turn=turn, prefix_blocks=prefix_blocks(text, salt=salt))

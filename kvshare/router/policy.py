@@ -37,6 +37,7 @@ class RouteFacts:
     # a KnownPrefix where only its tail is still encoding (kvshare.router.prompt_ids)
     prompt_ids: object = None
     cache_salt: str | None = None  # pool_aware: the request's cache_salt
+    is_stream: bool = True  # pool_aware: False where the body asks no stream (no first byte before the end)
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 from kvshare.keys import DEFAULT_CHUNK_TOKENS
 from kvshare.pool import events as E
-from kvshare.router.backlog import Backlog
+from kvshare.router.backlog import Backlog, Job
 from kvshare.router.calibration import Calibration, Placement, Rates, ResponseTiming, split_cached
 from kvshare.router.prompt_ids import KnownPrefix, encoded, prompt_ids, prompt_of
 from kvshare.router.sent_memory import SentMemory
@@ -330,11 +330,15 @@ class PoolAwarePlacer:
             self.sent.remember(order[0], hashes)
         return order
 
+    def begin(self, i: int, placement: Placement, now: float, is_stream: bool) -> Job:
+        """The backlog's job of ``placement`` on replica i, sent at ``now``: in T_r from then on."""
+        return self.backlog.begin(i, *placement.job_s(i), now, is_blind=not is_stream)
+
     def queue_s(self, i: int, num_in_flight: int, rates: Rates, now: float) -> float:
         """Expected wait on replica i: the backlog of the jobs it knows, the mean service time for each other
         request in flight there (one the proxy counts but did not begin as a job)."""
         unknown = max(0, num_in_flight - self.backlog.num_jobs(i))
-        return self.backlog.wait_s(i) + unknown * rates.service_s
+        return self.backlog.wait_s(i, now) + unknown * rates.service_s
 
     def _own_tokens(self, i: int, ids, cache_salt, hashes, chunk_tokens: int, now: float) -> int | None:
         """Replica i's GPU prefix by its own events while they are live; None: else (what this router sent it is

@@ -299,7 +299,7 @@ class RouterServer:
             replica = self.replicas[i]
             replica.num_in_flight += 1
             sent_s = time.monotonic()
-            job = None if placement is None else placer.backlog.begin(i, *placement.job_s(i))  # in T_r now
+            job = None if placement is None else placer.begin(i, placement, sent_s, facts.is_stream)  # in T_r now
             try:
                 upstream = await self._session.request(
                     request.method, replica.url + request.path_qs, data=body or None, headers=headers
