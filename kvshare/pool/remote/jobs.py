@@ -41,6 +41,11 @@ class PromoteJob:
     is_ended: bool = False  # no further batch is fetched (the chain broke, or the lookups were answered)
     is_broken: bool = False  # the chain broke: no further page is placed
     is_answered: bool = False
+    parent_key: bytes = b""  # the arena's chunk before keys[0]; nothing: keys[0] starts the chain, or it is unknown
+
+    def parent_of(self, i: int) -> bytes:
+        """The key KV events name as keys[i]'s parent (the chunk before it in the chain), or nothing."""
+        return self.keys[i - 1] if 0 < i <= len(self.keys) else self.parent_key if i == 0 else b""
 
     def break_chain(self) -> None:
         """A chunk is missing or bad: no further page is placed and no further batch fetched."""

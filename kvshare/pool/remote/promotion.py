@@ -109,6 +109,7 @@ class Promotions:
             return False
         local = self.index.entry(keys[num_local - 1]) if num_local else None
         namespace, depth = (local.namespace, local.depth + 1) if local is not None else (None, None)
+        parent = keys[num_local - 1] if local is not None else b""
         now = self._clock()
         plan = self.costs.plan(namespace, page_bytes, num_local, len(missing), self.config.promote_timeout_s, now)
         self.counters.cost_checked_lookups += plan.is_costed
@@ -118,9 +119,9 @@ class Promotions:
             if plan.is_remeasure:  # time the store again, in the background: the lookup is answered now
                 self.counters.remeasures += 1
                 batch_len = max(1, self.config.promote_batch_bytes // page_bytes)
-                self._new_job(missing[:batch_len], page_bytes, namespace, depth, [], now)
+                self._new_job(missing[:batch_len], page_bytes, namespace, depth, [], now, parent)
             return False
-        self._new_job(missing[: plan.num_promote], page_bytes, namespace, depth, [on_done], now)
+        self._new_job(missing[: plan.num_promote], page_bytes, namespace, depth, [on_done], now, parent)
         self.counters.lookups += 1
         return True
 
@@ -138,12 +139,18 @@ class Promotions:
             job.waiters.clear()
 
     def _new_job(
-        self, keys: list[bytes], page_bytes: int, namespace: bytes | None, depth: int | None, waiters: list, now: float
+        self,
+        keys: list[bytes],
+        page_bytes: int,
+        namespace: bytes | None,
+        depth: int | None,
+        waiters: list,
+        now: float,
+        parent_key: bytes,
     ) -> None:
         batch_len = max(1, self.config.promote_batch_bytes // page_bytes)
-        job = PromoteJob(
-            keys, page_bytes, namespace, depth, waiters, now + self.config.promote_timeout_s, batch_len, now
-        )
+        deadline = now + self.config.promote_timeout_s
+        job = PromoteJob(keys, page_bytes, namespace, depth, waiters, deadline, batch_len, now, parent_key=parent_key)
         self._jobs.add(job)
         for key in keys:
             self._job_of_key.setdefault(key, job)
@@ -184,8 +191,9 @@ class Promotions:
         reservations, pages = [], []
         for i, key in enumerate(keys):
             try:
+                depth, parent = job.first_depth + start + i, job.parent_of(start + i)
                 reserved = self.index.reserve(
-                    self.promoter_id, job.namespace, [key], job.page_bytes, job.first_depth + start + i, now
+                    self.promoter_id, job.namespace, [key], job.page_bytes, depth, now, parent_key=parent
                 )
             except PoolError as exc:
                 log.error("remote promotion: reserve refused: %s", exc)
@@ -317,10 +325,11 @@ class Promotions:
 
     def _place(self, job: PromoteJob, pages: list[RemotePage]) -> None:
         """Reserve arena pages (as the promoter) for fetched pages and have a thread copy them in."""
-        keys = [p.meta.key for p in pages]
+        keys, depth = [p.meta.key for p in pages], pages[0].meta.depth
+        parent = job.parent_of(depth - job.first_depth) if depth > 0 else b""
         try:
             reserved = self.index.reserve(
-                self.promoter_id, job.namespace, keys, job.page_bytes, pages[0].meta.depth, self._clock()
+                self.promoter_id, job.namespace, keys, job.page_bytes, depth, self._clock(), parent_key=parent
             )
         except PoolError as exc:
             log.error("remote promotion: reserve refused: %s", exc)

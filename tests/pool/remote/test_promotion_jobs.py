@@ -31,10 +31,10 @@ class Clock:
         return self.now
 
 
-def make(index: PoolIndex, clock: Clock):
+def make(index: PoolIndex, clock: Clock, num_readers: int = 1):
     """Promotions whose fetches never start: each submitted task waits in ``tasks`` for the test to finish it."""
     tasks: list[tuple] = []
-    config = RemoteConfig("redis://127.0.0.1:1", promote_timeout_s=1.0, max_promotions=2, num_readers=1)
+    config = RemoteConfig("redis://127.0.0.1:1", promote_timeout_s=1.0, max_promotions=2, num_readers=num_readers)
     arena = np.zeros(index.allocator.arena_bytes, dtype=np.uint8)
     promotions = Promotions(
         config,
@@ -93,4 +93,54 @@ def test_a_fetch_that_lands_after_its_reservation_expired_ends_the_job():
     on_result(LandedResult(checksums=[1, 2], end=None))  # the thread comes back at last
     assert len(promotions) == 0 and promotions.num_waiting == 0
     assert promotions.start(chain, PAGE, 1, lambda: None)  # the keys are free to promote again
+    index.check_integrity()
+
+
+def announced(index: PoolIndex):
+    """The index's KV events, as a subscriber of the pool's publisher gets them."""
+    from kvshare.pool.event_publisher import KVEventsConfig, PoolEvents
+    from tests.pool.test_events import ListPublisher, stored
+
+    publisher = ListPublisher()
+    index.listener = PoolEvents(KVEventsConfig(endpoint="ipc:///unused", hash_kind="bytes"), publisher)
+    return lambda: [(e.block_hashes[0], e.parent_block_hash) for e in stored(publisher)]
+
+
+def test_pages_promoted_past_a_held_head_are_announced_each_naming_its_parent():
+    """A chain whose head the arena holds, its rest reserved and landed from the store (the direct path). Fails
+    when promotion reserves pages without their parent: only the head is announced (a page past chunk 0 whose
+    parent is not named never is), so no router sees the rest."""
+    clock = Clock()
+    index = PoolIndex(Allocator(64 * PAGE, 16 * PAGE))
+    events = announced(index)
+    chain = local_head(index, "a")
+    promotions, tasks = make(index, clock)
+    assert promotions.start(chain, PAGE, 1, lambda: None)
+    ((_, _, on_result),) = tasks
+    on_result(LandedResult(checksums=[1, 2], end=None))
+    assert events() == [(chain[0], None), (chain[1], chain[0]), (chain[2], chain[1])]
+    index.check_integrity()
+
+
+def test_pages_fetched_as_values_after_the_probe_are_announced_each_naming_its_parent():
+    """A chain the arena lacks entirely: chunk 0 fetched as the probe, chunks 1-2 as values beside it. Fails when
+    the second batch is reserved without the probe's chunk as its parent (then only chunk 0 is announced)."""
+    from kvshare.pool.checksum import page_checksum
+    from kvshare.pool.remote import workers as W
+    from kvshare.pool.remote.format import PageMeta, RemotePage
+
+    clock = Clock()
+    index = PoolIndex(Allocator(64 * PAGE, 16 * PAGE))
+    events = announced(index)
+    chain = keys("v", 3)
+    promotions, tasks = make(index, clock, num_readers=2)
+    assert promotions.start(chain, PAGE, 0, lambda: None)
+    payload = np.full(PAGE, 7, dtype=np.uint8)
+    page = lambda depth: RemotePage(PageMeta(chain[depth], NS, depth, PAGE, page_checksum(payload)), [payload.data])
+    probe, rest = tasks[:2]
+    rest[2](W.FetchResult([page(1), page(2)], None))  # waits for the probe's turn
+    probe[2](W.FetchResult([page(0)], None))
+    for fn, args, on_result in tasks[2:]:  # the copies into the arena, each committed when its checksums match
+        on_result(fn(*args))
+    assert events() == [(chain[0], None), (chain[1], chain[0]), (chain[2], chain[1])]
     index.check_integrity()
