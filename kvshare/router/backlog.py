@@ -34,8 +34,8 @@ that ran alone).
 
 A response that is not a stream shows nothing before its end (vLLM writes its headers with its body), so its
 first byte marks no prefill's end. Such a job (``is_blind``) counts as prefill ahead until it is due: the wait
-ahead of it when it was sent plus its own expected time to first token; then as decoding. Counted until its
-end, one non-streamed request made its replica look busy with a prefill for the whole of its decode.
+ahead of it when it was sent plus its own expected time to first token; then as decoding (counted until its
+end, it would hold its replica's wait at its prefill for the whole of its decode).
 """
 
 from __future__ import annotations

@@ -45,7 +45,9 @@ class PromoteJob:
 
     def parent_of(self, i: int) -> bytes:
         """The key KV events name as keys[i]'s parent (the chunk before it in the chain), or nothing."""
-        return self.keys[i - 1] if 0 < i <= len(self.keys) else self.parent_key if i == 0 else b""
+        if i == 0:
+            return self.parent_key
+        return self.keys[i - 1] if 0 < i <= len(self.keys) else b""
 
     def break_chain(self) -> None:
         """A chunk is missing or bad: no further page is placed and no further batch fetched."""
