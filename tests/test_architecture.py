@@ -20,7 +20,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-MAX_LINES = 400
+# A module holds one concept and its size follows from that: split by concept, never squeeze. This
+# ceiling is far above what one concept needs, so a module near it is a sign of two concepts, not a budget.
+MAX_LINES = 600
 
 
 def module_names(package_dir: Path) -> dict[str, Path]:
