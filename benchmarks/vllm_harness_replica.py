@@ -44,10 +44,10 @@ from kvshare.engine.presets import PRESETS
 from kvshare.integrations.vllm.layout import as_bits, slots_of_positions
 from kvshare.integrations.vllm.metadata import WorkerReport
 from kvshare.integrations.vllm.options import ConnectorConfig
+from kvshare.integrations.vllm.paged_destination import widen, word_bytes
 from kvshare.integrations.vllm.paged_tensors import paged_layers
-from kvshare.integrations.vllm.plan import tokens_to_load
+from kvshare.integrations.vllm.prompt_chunks import tokens_to_load
 from kvshare.integrations.vllm.scheduler import PoolScheduler, ScheduledRequest
-from kvshare.integrations.vllm.staging import widen, word_bytes
 from kvshare.integrations.vllm.worker import PoolKVWorker, WorkerHooks
 from kvshare.keys import Namespace
 from kvshare.layout import KVLayout

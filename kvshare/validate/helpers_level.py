@@ -5,7 +5,8 @@ references always run on CPU, element by element, from the documented memory ord
 
     engine       kv [L, 2, H, T, D] <-> pages [n, L, 2, C, H, D]       kvshare.transfer.layouts
     vllm_layout  cpu_attn, flash_attn (4-D, three memory orders), flash_attn_5d  kvshare.integrations.vllm.layout
-    vllm_staged  the same layouts <-> staged pages, the connector's GPU path  kvshare.integrations.vllm.staging
+    vllm_staged  the same layouts <-> staged pages, the connector's GPU path
+                                                                 kvshare.integrations.vllm.paged_destination
     wsum32       the GPU-computed page checksum against the host's             kvshare.pool.wsum
     identity     a changed weight -> another namespace, a renamed copy -> the same  kvshare.validate.identity_check
 
@@ -128,9 +129,9 @@ def check_vllm_layout(kind, device: str, tally: Tally) -> None:
 
 
 def check_vllm_staged(kind, device: str, tally: Tally) -> None:
-    """The GPU path's scatter/gather between staged canonical pages and vLLM's blocks (staging.py)."""
+    """The GPU path's scatter/gather between staged canonical pages and vLLM's blocks (paged_destination)."""
     from kvshare.integrations.vllm import layout as V
-    from kvshare.integrations.vllm import staging as S
+    from kvshare.integrations.vllm import paged_destination as S
     from kvshare.transfer.layouts import torch_dtype
 
     backend, name, base_shape, view = kind

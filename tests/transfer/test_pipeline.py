@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvshare.integrations.vllm.paged_destination import PagedKV, token_slots
 from kvshare.integrations.vllm.paged_tensors import fill_random_, paged_layers
-from kvshare.integrations.vllm.staging import PagedKV, token_slots
 from kvshare.layout import KVLayout
 from kvshare.pool.client import PoolClient
 from kvshare.transfer.base import TransferConfig

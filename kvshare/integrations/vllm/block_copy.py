@@ -15,17 +15,83 @@ import logging
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
 import torch
 
 from kvshare.integrations.vllm.layout import PagedLayout, blocks_array, read_blocks, split_axis, write_blocks
-from kvshare.integrations.vllm.plan import block_copies
 
 log = logging.getLogger("kvshare.integrations")
 T = TypeVar("T")
 R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class BlockCopy:
+    """One rectangular piece of a copy run that whole-block copies move.
+
+    Blocks ``lo .. hi - 1`` of each of the run's pages ``first_page .. first_page + num_pages - 1``
+    (block 0 of a page starts at the run's first token in that page) go, page by page, to
+    vLLM blocks ``first_block, first_block + step, ...`` (``step`` is +1 or -1).
+    """
+
+    first_page: int
+    num_pages: int
+    lo: int
+    hi: int
+    first_block: int
+    step: int
+
+    @property
+    def num_blocks(self) -> int:
+        return self.num_pages * (self.hi - self.lo)
+
+
+def block_copies(num_pages: int, blocks_per_page: int, block_ids) -> list[BlockCopy]:
+    """Cut a run's blocks into rectangles whose vLLM block ids step by +1 or -1.
+
+    ``block_ids`` names the vLLM block of each of the run's ``num_pages * blocks_per_page``
+    blocks, page by page. vLLM hands out fresh blocks in ascending order and frees a
+    request's blocks in reverse, so a long-running server gives descending runs too::
+
+        pages of 4 blocks   ids 10 11 12 13 | 14 15 16 17 | 9 8 7 6 | 2 5 3 4
+        copies              (first_page 0, 2 pages, blocks 0..3, from 10, +1)
+                            (first_page 2, 1 page,  blocks 0..3, from 9, -1)
+                            (first_page 3, 1 page,  block 0, from 2) (block 1, from 5) (blocks 2..3, from 3, +1)
+    """
+    if len(block_ids) != num_pages * blocks_per_page:
+        raise ValueError(f"{len(block_ids)} block ids for {num_pages} pages of {blocks_per_page} blocks")
+    copies: list[BlockCopy] = []
+    for start, length, step in _id_runs(block_ids):
+        q, end = start, start + length
+        while q < end:  # split the run where it leaves a page, keeping whole pages together
+            page, lo = divmod(q, blocks_per_page)
+            first_block = block_ids[start] + step * (q - start)
+            if lo == 0 and end - q >= blocks_per_page:
+                num_pages_here = (end - q) // blocks_per_page
+                copies.append(BlockCopy(page, num_pages_here, 0, blocks_per_page, first_block, step))
+                q += num_pages_here * blocks_per_page
+            else:
+                hi = min(blocks_per_page, lo + end - q)
+                copies.append(BlockCopy(page, 1, lo, hi, first_block, step))
+                q += hi - lo
+    return copies
+
+
+def _id_runs(ids) -> list[tuple[int, int, int]]:
+    """Maximal runs of ``ids`` that step by +1 or by -1, as (start index, length, step); greedy from the left."""
+    runs: list[tuple[int, int, int]] = []
+    i = 0
+    while i < len(ids):
+        step = ids[i + 1] - ids[i] if i + 1 < len(ids) and abs(ids[i + 1] - ids[i]) == 1 else 1
+        j = i + 1
+        while j < len(ids) and ids[j] - ids[j - 1] == step:
+            j += 1
+        runs.append((i, j - i, step))
+        i = j
+    return runs
 
 
 class CpuBlockCopier:

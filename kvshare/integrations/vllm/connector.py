@@ -56,7 +56,7 @@ from kvshare.integrations.vllm.launch import advise_on_cpu_cores
 from kvshare.integrations.vllm.layout import UnsupportedKVLayout, detect_layout
 from kvshare.integrations.vllm.metadata import StepPlan, WorkerReport
 from kvshare.integrations.vllm.options import PARAMS_KEY, ConnectorConfig, check_supported, kv_layout_of
-from kvshare.integrations.vllm.plan import may_skip_layer_hooks
+from kvshare.integrations.vllm.prompt_chunks import may_skip_layer_hooks
 from kvshare.integrations.vllm.scheduler import PoolScheduler, ScheduledRequest
 from kvshare.integrations.vllm.stats import KVSharePromMetrics, KVShareStats
 from kvshare.integrations.vllm.tensor_parallel import head_slice

@@ -21,10 +21,11 @@ import logging
 
 import torch
 
+from kvshare.integrations.vllm.counters import PhaseTimes
 from kvshare.integrations.vllm.layout import gather_tokens, scatter_tokens, slots_of_positions
-from kvshare.integrations.vllm.metadata import LoadOutcome, LoadSpec, PhaseTimes, StorePart, StoreSpec
+from kvshare.integrations.vllm.metadata import LoadOutcome, LoadSpec, StorePart, StoreSpec
 from kvshare.integrations.vllm.overlap import BlockRun
-from kvshare.integrations.vllm.plan import CopyRun, PageSlice, copy_runs, load_pieces
+from kvshare.integrations.vllm.page_slices import CopyRun, PageSlice, copy_runs, load_pieces
 from kvshare.integrations.vllm.tensor_parallel import partial_wsum32
 from kvshare.pool.checksum import ChecksumKind
 

@@ -48,10 +48,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvshare.integrations.vllm.metadata import LoadOutcome, PhaseTimes, StorePart, StoreSpec
+from kvshare.integrations.vllm.counters import PhaseTimes
+from kvshare.integrations.vllm.metadata import LoadOutcome, StorePart, StoreSpec
 from kvshare.integrations.vllm.overlap import LayeredLoad, LayeredLoadWorker
+from kvshare.integrations.vllm.paged_destination import PagedDestination, PagedKV, segments_of
 from kvshare.integrations.vllm.pool_pages import StorePool
-from kvshare.integrations.vllm.staging import PagedDestination, PagedKV, segments_of
 from kvshare.pool.checksum import ChecksumKind, PageHasher
 from kvshare.pool.wsum import as_unsigned
 from kvshare.transfer.pipeline import StagingPipeline, UnitWork

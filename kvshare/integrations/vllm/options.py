@@ -80,7 +80,7 @@ class ConnectorConfig:
 
     @property
     def gpu_transfer(self) -> TransferConfig:
-        """The GPU path's copy settings (kvshare.integrations.vllm.staging)."""
+        """The GPU path's copy settings (kvshare.transfer.pipeline, through kvshare.integrations.vllm.gpu)."""
         from kvshare.transfer.base import TransferConfig
 
         return TransferConfig(copy_method=self.cuda_copy_method, staging_bytes=self.cuda_staging_mib << 20)

@@ -34,8 +34,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import xxhash
 
-from kvshare.integrations.vllm.metadata import LoadOutcome, LoadSpec, PhaseTimes
-from kvshare.integrations.vllm.plan import CopyRun, PageSlice
+from kvshare.integrations.vllm.counters import PhaseTimes
+from kvshare.integrations.vllm.metadata import LoadOutcome, LoadSpec
+from kvshare.integrations.vllm.page_slices import CopyRun, PageSlice
 from kvshare.layout import KVLayout
 from kvshare.pool.checksum import checksum_is_valid
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import logging
 from typing import Protocol
 
-from kvshare.integrations.vllm.metadata import ConnectorCounters, PhaseTimes, StoreSpec
+from kvshare.integrations.vllm.counters import ConnectorCounters, PhaseTimes
+from kvshare.integrations.vllm.metadata import StoreSpec
 from kvshare.layout import KVLayout
 from kvshare.pool.checksum import ChecksumKind
 from kvshare.pool.client import PoolRequestError

@@ -21,24 +21,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvshare.integrations.vllm.metadata import (
-    ConnectorCounters,
-    LoadSpec,
-    PageRef,
-    PhaseTimes,
-    StepPlan,
-    StoreSpec,
-    WorkerReport,
-)
+from kvshare.integrations.vllm.counters import ConnectorCounters, PhaseTimes
+from kvshare.integrations.vllm.leases import HeldLease, LeaseBook, LeaseState
+from kvshare.integrations.vllm.metadata import LoadSpec, PageRef, StepPlan, StoreSpec, WorkerReport
 from kvshare.integrations.vllm.options import ConnectorConfig, TransferParams, provenance
-from kvshare.integrations.vllm.plan import (
-    HeldLease,
-    LeaseBook,
-    LeaseState,
-    chunks_completed,
-    lookup_window,
-    tokens_to_load,
-)
+from kvshare.integrations.vllm.prompt_chunks import chunks_completed, lookup_window, tokens_to_load
 from kvshare.integrations.vllm.tensor_parallel import TensorParallelStores
 from kvshare.keys import Namespace, extend_chunk_keys, namespace_digest
 from kvshare.pool.link import PoolLink, guarded

@@ -13,7 +13,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from kvshare.integrations.vllm.metadata import COUNTER_NAMES, ConnectorCounters
+from kvshare.integrations.vllm.counters import COUNTER_NAMES, ConnectorCounters
 
 _HELP = {
     "lookups": "Pool lookups made by the kvshare connector",

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvshare.integrations.vllm.metadata import ConnectorCounters, StorePart, StoreSpec
+from kvshare.integrations.vllm.counters import ConnectorCounters
+from kvshare.integrations.vllm.metadata import StorePart, StoreSpec
 from kvshare.layout import KVLayout
 from kvshare.pool.checksum import MOD64, ChecksumKind
 from kvshare.pool.client import PoolRequestError

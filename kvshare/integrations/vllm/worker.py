@@ -40,22 +40,15 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from kvshare.integrations.vllm.block_copy import CpuBlockCopier, leave_the_callers_cores
+from kvshare.integrations.vllm.counters import ConnectorCounters, PhaseTimes
 from kvshare.integrations.vllm.cpu import CpuCopies
 from kvshare.integrations.vllm.gpu import StagedLoads, StagedStores
 from kvshare.integrations.vllm.layout import PagedLayout
-from kvshare.integrations.vllm.metadata import (
-    ConnectorCounters,
-    LoadOutcome,
-    LoadSpec,
-    PhaseTimes,
-    StepPlan,
-    StorePart,
-    StoreSpec,
-)
+from kvshare.integrations.vllm.metadata import LoadOutcome, LoadSpec, StepPlan, StorePart, StoreSpec
 from kvshare.integrations.vllm.overlap import LayeredLoad, LayeredLoads
-from kvshare.integrations.vllm.plan import PageSlice, blocks_of_tokens, copy_runs, load_pieces
+from kvshare.integrations.vllm.page_slices import PageSlice, blocks_of_tokens, copy_runs, load_pieces
+from kvshare.integrations.vllm.paged_destination import PagedKV
 from kvshare.integrations.vllm.pool_pages import PoolPages
-from kvshare.integrations.vllm.staging import PagedKV
 from kvshare.integrations.vllm.tensor_parallel import HeadSlice
 from kvshare.layout import KVLayout
 from kvshare.pool.checksum import ChecksumKind, PageHasher, PageSampler

@@ -1,23 +1,18 @@
-"""The vLLM connector's scheduler-side arithmetic and lease bookkeeping (pure; no vLLM needed)."""
+"""The vLLM connector's chunk, page-slice and block arithmetic and its lease book (pure; no vLLM needed)."""
 
 import random
 
 import pytest
 
-from kvshare.integrations.vllm.plan import (
-    BlockCopy,
-    HeldLease,
-    LeaseBook,
-    LeaseState,
+from kvshare.integrations.vllm.block_copy import BlockCopy, block_copies
+from kvshare.integrations.vllm.leases import HeldLease, LeaseBook, LeaseState
+from kvshare.integrations.vllm.page_slices import blocks_of_tokens, copy_runs, page_slices
+from kvshare.integrations.vllm.prompt_chunks import (
     LookupWindow,
-    block_copies,
-    blocks_of_tokens,
     chunks_completed,
-    copy_runs,
     load_limit,
     lookup_window,
     may_skip_layer_hooks,
-    page_slices,
     tokens_to_load,
 )
 

@@ -130,7 +130,7 @@ def test_a_lease_of_an_earlier_pool_released_while_the_link_is_down_never_ends_a
     ids restart in every pool, so the same id may name a lease this holder took from the pool it reconnects
     to, whose copy still runs: that lease must stay.
     Fails when the scheduler files the release under the link's last pool instead of the lease's own."""
-    from kvshare.integrations.vllm.plan import HeldLease
+    from kvshare.integrations.vllm.leases import HeldLease
 
     a, b = Replica(pool, "A", seed=1), Replica(pool, "B", seed=2)
     try:
