@@ -5,7 +5,7 @@
         (the last: a dry run of the logic)
 
 vLLM cannot be installed on the GPU machine, so the connector's own scheduler and worker objects
-(PoolScheduler; PoolKVWorker through kvshare.integrations.vllm.worker, which KVShareConnector
+(PoolScheduler; WorkerHooks over the GPU worker, kvshare.integrations.vllm.gpu, which KVShareConnector
 forwards vLLM's calls to) are driven in the order vLLM 0.32's GPU model runner calls them, over
 vLLM-shaped flash-attention KV (NHD memory, block size 16) and a real decoder layer's compute of the
 Qwen3-8B / 32B shapes in bf16 (benchmarks/vllm_harness_replica.py). Per case, against a pool sized

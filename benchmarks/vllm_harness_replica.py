@@ -1,7 +1,7 @@
 """One replica process of benchmarks/vllm_harness_gpu.py (started by it; not meant to be run by hand).
 
-The connector's two sides (PoolScheduler, and PoolKVWorker through kvshare.integrations.vllm.worker's WorkerHooks,
-the very object KVShareConnector forwards vLLM's calls to) over vLLM-0.32-shaped flash-attention
+The connector's two sides (PoolScheduler, and kvshare.integrations.vllm.worker's WorkerHooks over the GPU worker,
+the very objects KVShareConnector forwards vLLM's calls to) over vLLM-0.32-shaped flash-attention
 KV tensors, driven in the order vLLM's GPU model runner calls them, per step::
 
     scheduler  get_num_new_matched_tokens (match) -> update_state_after_alloc (allocated)
@@ -41,6 +41,8 @@ from kvshare.engine.model import (
     rope_inv_freq,
 )
 from kvshare.engine.presets import PRESETS
+from kvshare.integrations.vllm.cpu import CpuKVWorker
+from kvshare.integrations.vllm.gpu import GpuKVWorker
 from kvshare.integrations.vllm.layout import as_bits, slots_of_positions
 from kvshare.integrations.vllm.metadata import WorkerReport
 from kvshare.integrations.vllm.options import ConnectorConfig
@@ -48,7 +50,7 @@ from kvshare.integrations.vllm.paged_destination import widen, word_bytes
 from kvshare.integrations.vllm.paged_tensors import paged_layers
 from kvshare.integrations.vllm.prompt_chunks import tokens_to_load
 from kvshare.integrations.vllm.scheduler import PoolScheduler, ScheduledRequest
-from kvshare.integrations.vllm.worker import PoolKVWorker, WorkerHooks
+from kvshare.integrations.vllm.worker import KVWorker, WorkerHooks
 from kvshare.keys import Namespace
 from kvshare.layout import KVLayout
 from kvshare.pool.client import PoolClient
@@ -126,7 +128,11 @@ class Replica:
         self.scheduler = PoolScheduler(
             config, namespace, self.layout.page_bytes, BLOCK_SIZE, PoolLink(args.socket, f"{args.role}-s")
         )
-        self.worker = PoolKVWorker(self.layout, PoolLink(args.socket, f"{args.role}-w"), copy_threads=2)
+        link = PoolLink(args.socket, f"{args.role}-w")
+        if self.device.type == "cuda":
+            self.worker: KVWorker = GpuKVWorker(self.layout, link)
+        else:  # the dry run on CPU
+            self.worker = CpuKVWorker(self.layout, link, copy_threads=2)
         started = time.perf_counter()
         self.worker.register(self.kv_layers, self.paged)
         self.worker.prepare()  # connects and registers the arena with CUDA
@@ -331,14 +337,14 @@ class Probe:
     """Where a step's time goes: host seconds between the hooks' returns, and the GPU seconds of the step's
     staged loads and stores (their own start/end events), kept by wrapping the worker's two factories."""
 
-    def __init__(self, worker: PoolKVWorker, hooks: WorkerHooks) -> None:
+    def __init__(self, worker: KVWorker, hooks: WorkerHooks) -> None:
         self.loads, self.stores, self.marks = [], [], []
-        for name, kept in (("start_layered", self.loads), ("begin_stores", self.stores)):
+        for name, kept in (("start_loads", self.loads), ("start_stores", self.stores)):
             original = getattr(worker, name)
 
             def wrapped(*args, _original=original, _kept=kept, **kwargs):
                 made = _original(*args, **kwargs)
-                if made is not None:
+                if hasattr(made, "seconds"):  # staged on a GPU (not: nothing to copy, or CPU)
                     _kept.append(made)
                 return made
 

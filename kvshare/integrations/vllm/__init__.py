@@ -4,26 +4,33 @@ vLLM's hooks, in the order it calls them, through four files (connector, then on
 
     get_num_new_matched_tokens, update_state_after_alloc,   connector -> scheduler
     build_connector_meta, request_finished
-    start_load_kv, wait_for_layer_load, save_kv_layer,      connector -> worker -> gpu (on a GPU)
-    wait_for_save, get_block_ids_with_load_errors                              -> cpu (on CPU)
+    start_load_kv, wait_for_layer_load, save_kv_layer,      connector -> worker -> gpu (vLLM on CUDA)
+    wait_for_save, get_block_ids_with_load_errors                              -> cpu (vLLM on CPU)
 
-    connector   KVShareConnector, the KVConnectorBase_V1 face vLLM loads (imports vLLM)
+    connector   KVShareConnector, the KVConnectorBase_V1 face vLLM loads (imports vLLM); picks the worker
     scheduler   the scheduler side: lookups, leases, each step's loads and stores (no vLLM)
-    worker      the worker side: the per-step hooks (WorkerHooks) and PoolKVWorker, which moves KV (no vLLM)
-    gpu         on a GPU: a step's loads per layer group on vLLM's stream, verified on the GPU, and its stores,
-                each layer group copied out after the kernels that wrote it
-    cpu         on CPU: loads verified then copied before the forward, stores after it
+    worker      the worker side: the per-step hooks (WorkerHooks) over KVWorker, the interface of the two
+                implementations below, and what they share: a step's loads and stores in flight (StepLoads,
+                StepStores), a load's end (finish_load: its pages' verdicts) (no vLLM)
+    gpu         GpuKVWorker: a step's loads per layer group on its own streams, vLLM's stream waiting per layer,
+                verified on the GPU; its stores through gpu_stores
+    cpu         CpuKVWorker: loads verified then copied before the forward (or beside it: cpu_overlap), stores
+                after it
 
 Beneath them, plain modules:
 
-    staging     on a GPU: vLLM's blocks as kvshare.transfer.pipeline's destination (the scatter/gather)
-    overlap     on CPU: a step's loads copied layer by layer beside the forward (and the layered-load record)
-    block_copy  whole-block numpy copies over a few threads (CPU)
+    gpu_stores  on a GPU: a step's stores, each layer group copied out after the kernels that wrote it
+    cpu_overlap on CPU: a step's loads copied layer by layer beside the forward, on a helper thread
+    paged_destination  on a GPU: vLLM's blocks as kvshare.transfer.pipeline's destination (the scatter/gather)
+    block_copy  on CPU: whole-block numpy copies over a few threads
     pool_pages  the worker side's pool calls: lease checks, drops, reserve / commit / abort
     tensor_parallel  a rank's KV heads, its part of a page's checksum, stores committed once all parts are in
     layout      vLLM's KV tensor layouts and token/block views of them
-    plan        chunk/block arithmetic of loads and stores (pure)
+    page_slices which tokens of which leased pages a load copies, runs of adjacent pages (pure)
+    prompt_chunks  which of a prompt's chunks the scheduler side looks up, loads and stores (pure)
+    leases      the scheduler side's lease per request, from its lookup to the end of its load
     metadata    the specs and reports that pass between the two sides
+    counters    the connector's counters and the phase times of its timing lines
     options     the connector's settings (kv_connector_extra_config, per-request params)
     stats       the counters as vLLM's KVConnectorStats and Prometheus metrics (imports vLLM)
     identity    the namespace of a model's KV (weights fingerprint, layout)

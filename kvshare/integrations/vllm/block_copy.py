@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from kvshare.integrations.vllm.layout import PagedLayout, blocks_array, read_blocks, split_axis, write_blocks
+from kvshare.integrations.vllm.page_slices import CopyRun
 
 log = logging.getLogger("kvshare.integrations")
 T = TypeVar("T")
@@ -92,6 +93,15 @@ def _id_runs(ids) -> list[tuple[int, int, int]]:
         runs.append((i, j - i, step))
         i = j
     return runs
+
+
+@dataclass
+class BlockRun:
+    """A run of adjacent pool pages ([n, L, 2, C, H, D], a view of the arena) and the vLLM blocks of its tokens."""
+
+    run: CopyRun
+    pages: np.ndarray
+    block_ids: list[int]
 
 
 class CpuBlockCopier:

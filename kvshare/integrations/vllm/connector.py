@@ -9,11 +9,12 @@ Load it with::
 
 vLLM builds one instance per role. The SCHEDULER one (PoolScheduler) hashes each
 prompt's full chunks, leases the longest run the pool holds beyond vLLM's own prefix
-hit and plans every step's loads and stores. The WORKER one (worker: WorkerHooks per step, over
-PoolKVWorker) copies the leased pages into the step's freshly allocated blocks: on a GPU enqueued
-in start_load_kv and waited for per layer group on vLLM's stream (gpu), on CPU before the forward
-(cpu; or, with ``overlap_load``, beside it: overlap); and copies the chunks the step completed into
-reserved pages (on a GPU each layer as it is saved: gpu; on CPU after the forward: cpu), then commits them.
+hit and plans every step's loads and stores. The WORKER one (worker: WorkerHooks per step, over the
+KVWorker this connector picks at start: gpu.GpuKVWorker where vLLM runs on CUDA, else cpu.CpuKVWorker)
+copies the leased pages into the step's freshly allocated blocks: on a GPU enqueued in start_load_kv and
+waited for per layer group on vLLM's stream, on CPU before the forward (or, with ``overlap_load``, beside
+it: cpu_overlap); and copies the chunks the step completed into reserved pages (on a GPU each layer as it
+is saved: gpu_stores; on CPU after the forward), then commits them.
 A reader follows vLLM's hooks through four files: this one, scheduler, worker, then gpu or cpu.
 A page that fails its checksum, a lease lost to a pool restart or a pool that is gone
 ends a load early: its blocks are reported as load errors and vLLM recomputes them
@@ -50,6 +51,8 @@ from kvshare.integrations.vllm.compat import (
     check_version,
     kv_cache_layout,
 )
+from kvshare.integrations.vllm.cpu import CpuKVWorker
+from kvshare.integrations.vllm.gpu import GpuKVWorker
 from kvshare.integrations.vllm.guards import LayoutFingerprint, allocation_of, non_attention_state, version_of
 from kvshare.integrations.vllm.identity import LoraIdentities, vllm_namespace
 from kvshare.integrations.vllm.launch import advise_on_cpu_cores
@@ -60,7 +63,7 @@ from kvshare.integrations.vllm.prompt_chunks import may_skip_layer_hooks
 from kvshare.integrations.vllm.scheduler import PoolScheduler, ScheduledRequest
 from kvshare.integrations.vllm.stats import KVSharePromMetrics, KVShareStats
 from kvshare.integrations.vllm.tensor_parallel import head_slice
-from kvshare.integrations.vllm.worker import PoolKVWorker, WorkerHooks
+from kvshare.integrations.vllm.worker import KVWorker, WorkerHooks
 from kvshare.pool.link import PoolLink
 
 if TYPE_CHECKING:
@@ -124,8 +127,7 @@ class KVShareConnector(KVConnectorBase_V1):
         _log_through_vllm()
         import vllm
 
-        transfer = self._kv_transfer_config
-        self.config = ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)
+        self.config = ConnectorConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
         check_version(vllm.__version__, self.config.allow_untested_vllm)
         check_supported(vllm_config)
         self.block_size = vllm_config.cache_config.block_size
@@ -143,13 +145,6 @@ class KVShareConnector(KVConnectorBase_V1):
         self.not_shared_because = non_attention_state(kv_cache_config)
         if self.not_shared_because is not None:
             self.config = replace(self.config, load=False, store=False)
-            if role == KVConnectorRole.SCHEDULER:
-                log.warning(
-                    "kvshare: %s has %s; the pool is off for it (0 pool hits, nothing stored), since a "
-                    "restore of its attention KV alone would give wrong answers",
-                    vllm_config.model_config.model,
-                    self.not_shared_because,
-                )
         tp_size = vllm_config.parallel_config.tensor_parallel_size
         link = PoolLink(
             self.config.socket_path,
@@ -158,39 +153,13 @@ class KVShareConnector(KVConnectorBase_V1):
             retry_s=self.config.pool_retry_s,
         )
         self._scheduler: PoolScheduler | None = None
-        self._worker: PoolKVWorker | None = None
+        self._worker: KVWorker | None = None
         self._hooks: WorkerHooks | None = None  # the worker side's per-step state (kvshare.integrations.vllm.worker)
         if role == KVConnectorRole.SCHEDULER:
-            advise_on_cpu_cores(tp_size)
-            if getattr(transfer, "kv_load_failure_policy", "fail") != "recompute":
-                log.warning(
-                    'kvshare: kv_load_failure_policy is not "recompute": a page that fails its checksum '
-                    "fails its request instead of being recomputed"
-                )
-            self._scheduler = PoolScheduler(
-                self.config,
-                self.namespace,
-                self.kv_layout.page_bytes,
-                self.block_size,
-                link,
-                tp_size=tp_size,
-                account_key=_account_key(self.config),
-            )
+            self._scheduler = self._start_scheduler(vllm_config, link, tp_size)
         else:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-            heads = head_slice(
-                self.kv_layout.num_kv_heads, get_tensor_model_parallel_rank() if tp_size > 1 else 0, tp_size
-            )
-            self._worker = PoolKVWorker(
-                self.kv_layout,
-                link,
-                verify_fraction=self.config.verify_fraction,
-                copy_threads=self.config.copy_threads,
-                transfer=self.config.gpu_transfer,
-                heads=heads,
-            )
-            self._hooks = WorkerHooks(self._worker, self.block_size, overlap_load=self.config.overlap_load)
+            self._worker = self._start_worker(link, tp_size)
+            self._hooks = WorkerHooks(self._worker, self.block_size)
         self._layer_index: dict[str, int] = {}  # vLLM layer name -> model layer index
         self._block_tables = BlockTables()  # kept only where vLLM gives no block tables (compat)
         log.info(
@@ -202,6 +171,50 @@ class KVShareConnector(KVConnectorBase_V1):
             self.config.chunk_tokens,
             self.kv_layout.page_bytes,
             self.fingerprint.text(),
+        )
+
+    def _start_scheduler(self, vllm_config: VllmConfig, link: PoolLink, tp_size: int) -> PoolScheduler:
+        """The scheduler side, once per engine: it warns of what would make the pool serve less than it could."""
+        advise_on_cpu_cores(tp_size)
+        if self.not_shared_because is not None:
+            log.warning(
+                "kvshare: %s has %s; the pool is off for it (0 pool hits, nothing stored), since a "
+                "restore of its attention KV alone would give wrong answers",
+                vllm_config.model_config.model,
+                self.not_shared_because,
+            )
+        if getattr(self._kv_transfer_config, "kv_load_failure_policy", "fail") != "recompute":
+            log.warning(
+                'kvshare: kv_load_failure_policy is not "recompute": a page that fails its checksum '
+                "fails its request instead of being recomputed"
+            )
+        return PoolScheduler(
+            self.config,
+            self.namespace,
+            self.kv_layout.page_bytes,
+            self.block_size,
+            link,
+            tp_size=tp_size,
+            account_key=_account_key(self.config),
+        )
+
+    def _start_worker(self, link: PoolLink, tp_size: int) -> KVWorker:
+        """This rank's worker side: the GPU one where vLLM runs on CUDA, else the CPU one."""
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        from vllm.platforms import current_platform
+
+        rank = get_tensor_model_parallel_rank() if tp_size > 1 else 0
+        heads = head_slice(self.kv_layout.num_kv_heads, rank, tp_size)
+        config = self.config
+        if current_platform.device_type == "cuda":
+            return GpuKVWorker(self.kv_layout, link, config.verify_fraction, heads=heads, transfer=config.gpu_transfer)
+        return CpuKVWorker(
+            self.kv_layout,
+            link,
+            config.verify_fraction,
+            copy_threads=config.copy_threads,
+            heads=heads,
+            overlap_load=config.overlap_load,
         )
 
     @property

@@ -1,50 +1,134 @@
-"""The worker side's copies on CPU: loads verified then copied before the forward, stores after it.
+"""The worker side on CPU: loads verified then copied before the forward (or beside it), stores after it.
 
-``load`` runs before the step's forward and is synchronous: the pages chosen for verification
-(every page with ``verify_fraction`` 1, else a share of them that kvshare.pool.checksum's
-PageSampler draws) are checked there, before any of their bytes are used; the first page that
-fails (checksum, a lease from another pool, a pool gone) ends the load there, and the tokens from
-that point are reported so that vLLM recomputes them. Stores run after the forward: reserve pages
-for the chunks, copy each chunk out of vLLM's blocks, checksum, commit. A page is visible to other
-replicas only after its commit, and never holds a partial copy. Runs of whole blocks move as numpy
-block copies over ``copy_threads`` threads (block_copy); anything else as a torch token
-scatter/gather. A tensor parallel rank (``heads``) copies only its heads of each page
-(``store_part``: its part of a reserved store, tensor_parallel).
-
-``CpuCopies`` is the CPU half of ``worker.PoolKVWorker``; ``load`` and ``store`` also take the GPU
-path there (the staged copies of kvshare.integrations.vllm.gpu, waited for at once).
+A load before the forward is synchronous: the pages chosen for verification (every page with
+``verify_fraction`` 1, else a share of them that kvshare.pool.checksum's PageSampler draws) are checked
+there, before any of their bytes are used; the first page that fails (checksum, a lease from another pool,
+a pool gone) ends the load there, and the tokens from that point are reported so that vLLM recomputes them.
+With ``overlap_load`` a load of whole blocks of XXH3 pages is copied layer by layer beside the forward
+instead (cpu_overlap), its checksums streamed as it lands. Stores run after the forward: reserve pages for
+the chunks, copy each chunk out of vLLM's blocks, checksum, commit. A page is visible to other replicas
+only after its commit, and never holds a partial copy. Runs of whole blocks move as numpy block copies
+over ``copy_threads`` threads (block_copy); anything else as a torch token scatter/gather. A tensor
+parallel rank (``heads``) copies only its heads of each page (``store_part``: its part of a reserved
+store, tensor_parallel).
 """
 
 from __future__ import annotations
 
 import logging
+import random
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from kvshare.integrations.vllm.block_copy import BlockRun, CpuBlockCopier, leave_the_callers_cores
 from kvshare.integrations.vllm.counters import PhaseTimes
-from kvshare.integrations.vllm.layout import gather_tokens, scatter_tokens, slots_of_positions
+from kvshare.integrations.vllm.cpu_overlap import BlockLoad, LayeredLoads
+from kvshare.integrations.vllm.layout import PagedLayout, gather_tokens, scatter_tokens, slots_of_positions
 from kvshare.integrations.vllm.metadata import LoadOutcome, LoadSpec, StorePart, StoreSpec
-from kvshare.integrations.vllm.overlap import BlockRun
 from kvshare.integrations.vllm.page_slices import CopyRun, PageSlice, copy_runs, load_pieces
-from kvshare.integrations.vllm.tensor_parallel import partial_wsum32
-from kvshare.pool.checksum import ChecksumKind
+from kvshare.integrations.vllm.tensor_parallel import HeadSlice, partial_wsum32
+from kvshare.integrations.vllm.worker import FAILED_LOAD, KVWorker, PlannedLoad, StepLoads, StepStores
+from kvshare.layout import KVLayout
+from kvshare.pool.checksum import ChecksumKind, PageHasher
+from kvshare.pool.link import PoolLink
 
 log = logging.getLogger("kvshare.integrations")
 
 
-class CpuCopies:
-    """PoolKVWorker's synchronous loads and stores and its copies on CPU (the state is PoolKVWorker's)."""
+class CpuKVWorker(KVWorker):
+    """Moves KV between the pool and one vLLM CPU worker's paged KV tensors."""
 
-    def load(self, spec: LoadSpec) -> LoadOutcome:
-        """Copy the spec's tokens into vLLM's blocks; stops at the first page that cannot be trusted.
+    def __init__(
+        self,
+        kv_layout: KVLayout,
+        link: PoolLink,
+        verify_fraction: float = 1.0,
+        copy_threads: int = 1,
+        rng: random.Random | None = None,
+        heads: HeadSlice | None = None,
+        overlap_load: bool = False,
+    ) -> None:
+        """``copy_threads``: threads of the block copies and checksums; ``overlap_load``: copy loads of whole
+        blocks beside the forward, layer by layer, when vLLM's forward waits per layer."""
+        super().__init__(kv_layout, link, verify_fraction, rng, heads)
+        self.copy_threads = copy_threads
+        self.overlap_load = overlap_load
+        self.hasher = PageHasher(copy_threads, initializer=leave_the_callers_cores)  # checksums
+        self._copier: CpuBlockCopier | None = None  # whole-block copies, once KV is registered
+        self._loader: ThreadPoolExecutor | None = None  # the thread that copies loads beside the forward
 
-        On a GPU the same staged path as a step's layered loads, vLLM's stream waiting for all of it."""
-        if self._staging is not None:
-            layered = self.begin_load(spec)
-            if isinstance(layered, LoadOutcome):
-                return layered
-            outcomes, _ = self.start_layered([layered], wait_now=True).finish()
-            return outcomes[0]
+    def register(self, layers: list[torch.Tensor], paged: PagedLayout) -> None:
+        if layers and layers[0].device.type != "cpu":
+            raise ValueError(f"KV tensors on {layers[0].device} move through GPU staging only (gpu.GpuKVWorker)")
+        super().register(layers, paged)
+        if self._copier is not None:
+            self._copier.close()
+        self._copier = CpuBlockCopier(self.layers, paged, self.copy_threads, self.heads.heads)
+
+    @property
+    def copier(self) -> CpuBlockCopier | None:
+        return self._copier
+
+    def close(self) -> None:
+        if self._copier is not None:
+            self._copier.close()
+        if self._loader is not None:
+            self._loader.shutdown(wait=True)
+            self._loader = None
+        self.hasher.close()
+        super().close()
+
+    # -- loads ---------------------------------------------------------------------
+
+    def start_loads(self, specs: list[LoadSpec], per_layer: bool) -> StepLoads:
+        if not (self.overlap_load and per_layer):
+            return StepLoads([self._load_now(spec) for spec in specs])
+        settled: list[LoadOutcome] = []
+        beside: list[BlockLoad] = []
+        for spec in specs:
+            self._begin_beside(spec, settled, beside)
+        if not beside:
+            return StepLoads(settled)
+        if self._loader is None:
+            self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvshare-load", initializer=leave_the_callers_cores)
+        return LayeredLoads(self, beside, self._copier, self._loader, settled)
+
+    def _begin_beside(self, spec: LoadSpec, settled: list[LoadOutcome], beside: list[BlockLoad]) -> None:
+        """Plan ``spec`` to be copied layer by layer beside the forward (into ``beside``), or, where that cannot
+        be (pages not all XXH3, not whole blocks), load it now (its outcome into ``settled``)."""
+        times = PhaseTimes()
+        client, reason = self.pool.client_for(spec.pool_id) if spec.pages else (None, "no lease backs the load")
+        if client is None:
+            settled.append(self.outcome(spec, spec.token_start, reason, times))
+            return
+        try:
+            if any(spec.pages[i].checksum_kind != ChecksumKind.XXH3 for i in range(len(spec.pages))):
+                settled.append(self._load_now(spec))  # the layered copy streams xxh3 only; a GPU-written page: now
+                return
+            pieces, reason = load_pieces(spec, self.kv_layout)
+            offsets = [spec.pages[p.page_index].offset for p in pieces]
+            runs = copy_runs(
+                pieces, offsets, self.kv_layout.page_bytes, self.kv_layout.chunk_tokens, client.hello.extent_bytes
+            )
+            if not pieces or not all(self._copier_takes(pieces[run.first].chunk, run) for run in runs):
+                settled.append(self._load_now(spec))  # nothing to copy, or not whole blocks (the token copy): now
+                return
+            load = PlannedLoad(spec, pieces, [self.sampler.draw() for _ in pieces], reason, times, client)
+            block_runs = [
+                self._block_run(client, offsets[run.first], run, pieces[run.first].chunk, spec.block_ids)
+                for run in runs
+            ]
+        except Exception as exc:
+            log.error("kvshare: load for request %s failed", spec.req_id, exc_info=True)
+            settled.append(self.outcome(spec, spec.token_start, f"{type(exc).__name__}: {exc}", times))
+            return
+        times.mark("plan")
+        beside.append(BlockLoad(load, block_runs))
+
+    def _load_now(self, spec: LoadSpec) -> LoadOutcome:
+        """Copy the spec's tokens into vLLM's blocks; stops at the first page that cannot be trusted."""
         times = PhaseTimes()
         client, reason = self.pool.client_for(spec.pool_id) if spec.pages else (None, "no lease backs the load")
         times.mark("client")
@@ -66,10 +150,10 @@ class CpuCopies:
         # the draws in page order; the chosen pages checked all at once, spread over the hashing threads
         # (checksumming each page and copying it right after, while in cache, measured slower: 15-20 ms
         # against 11-13 ms for 8k tokens, cold caches or not)
-        chosen = [self._sampler.draw() for _ in pieces]
+        chosen = [self.sampler.draw() for _ in pieces]
         refs = [spec.pages[p.page_index] for p, c in zip(pieces, chosen) if c]
-        verdicts = self._hasher.valid([client.page(ref.offset, page_bytes) for ref in refs], refs)
-        loaded_end, reason = self.settle(spec, pieces, chosen, iter(verdicts), reason)
+        verdicts = self.hasher.valid([client.page(ref.offset, page_bytes) for ref in refs], refs)
+        loaded_end, reason = self.trusted_end(spec, pieces, chosen, iter(verdicts), reason)
         times.mark("verify")
         trusted = [p for p in pieces if p.chunk * C + p.lo < loaded_end]
         offsets = [spec.pages[p.page_index].offset for p in trusted]
@@ -77,6 +161,8 @@ class CpuCopies:
             self._copy_run(client, offsets[run.first], run, trusted[run.first].chunk, spec.block_ids, into_kv=True)
         times.mark("copy")
         return loaded_end, reason
+
+    # -- the copies ----------------------------------------------------------------
 
     def _copier_takes(self, first_chunk: int, run: CopyRun) -> bool:
         """Whether the CPU block copier can move the run: it starts and ends on block boundaries."""
@@ -98,7 +184,7 @@ class CpuCopies:
 
     def _copy_run(self, client, offset: int, run: CopyRun, first_chunk: int, block_ids, into_kv: bool) -> None:
         """Tokens ``run.lo .. run.hi - 1`` of the run's pages (chunks ``first_chunk ..``) into vLLM's blocks
-        (``into_kv``) or out of them into the pages (CPU: whole blocks, or tokens)."""
+        (``into_kv``) or out of them into the pages (whole blocks, or tokens)."""
         C, N = self.kv_layout.chunk_tokens, self.paged.block_size
         if self._copier_takes(first_chunk, run):
             block_run = self._block_run(client, offset, run, first_chunk, block_ids)
@@ -119,17 +205,13 @@ class CpuCopies:
             else:
                 gather_tokens(layer, self.paged, slots, window[:, index].transpose(0, 1))
 
-    def store(self, spec: StoreSpec) -> int:
-        """Reserve, fill and commit pages for the spec's chunks; returns how many were committed.
+    # -- stores --------------------------------------------------------------------
 
-        On a GPU the staged path of a step's stores, every layer copied out after vLLM's current stream."""
-        if self._staging is not None:
-            stores = self.begin_stores([spec])
-            if stores is None:
-                return 0
-            for index in range(self.kv_layout.num_layers):
-                stores.save_layer(index)
-            return stores.finish(lambda _: True)
+    def start_stores(self, specs: list[StoreSpec]) -> StepStores:
+        return CpuStores(self, specs)
+
+    def store_now(self, spec: StoreSpec) -> int:
+        """Reserve, fill and commit pages for the spec's chunks; returns how many were committed."""
         client = self.link.client()
         times = PhaseTimes()
         reservation = self.pool.reserve(client, spec, times) if client is not None else None
@@ -138,7 +220,7 @@ class CpuCopies:
         try:
             self.copy_out(client, spec, reservation.grants)
             times.mark("copy")
-            checksums = self._hasher.checksums(
+            checksums = self.hasher.checksums(
                 [client.page(offset, self.kv_layout.page_bytes) for _, offset in reservation.grants]
             )
             times.mark("checksum")
@@ -160,22 +242,38 @@ class CpuCopies:
     def store_part(self, spec: StoreSpec, may_store: bool) -> StorePart:
         """This rank's heads of a reserved store written into its pages, with their part of each page's
         WSUM32; or why not (which aborts the reservation: no page is ever visible with a head missing)."""
-        worker, rank = self, self.heads.tp_rank
+        rank = self.heads.tp_rank
         if not may_store:
-            return StorePart(spec.reservation_id, spec.pool_id, rank, False, reason="computed from a load that failed")
-        if not worker.heads.is_writer:  # a replicated head another rank writes
+            return StorePart(spec.reservation_id, spec.pool_id, rank, False, reason=FAILED_LOAD)
+        if not self.heads.is_writer:  # a replicated head another rank writes
             return StorePart(spec.reservation_id, spec.pool_id, rank, True, (0,) * len(spec.grants))
-        client, reason = worker.pool.client_for(spec.pool_id)
+        client, reason = self.pool.client_for(spec.pool_id)
         if client is None:
             return StorePart(spec.reservation_id, spec.pool_id, rank, False, reason=reason)
         try:
-            worker.copy_out(client, spec, spec.grants)
-            page_bytes = worker.kv_layout.page_bytes
+            self.copy_out(client, spec, spec.grants)
+            page_bytes = self.kv_layout.page_bytes
             sums = tuple(
-                partial_wsum32(client.page(offset, page_bytes), worker.kv_layout, worker.heads)
-                for _, offset in spec.grants
+                partial_wsum32(client.page(offset, page_bytes), self.kv_layout, self.heads) for _, offset in spec.grants
             )
         except Exception as exc:  # a bug in the copy: the reservation is aborted; vLLM keeps serving
             log.error("kvshare: rank %d's part of the store for request %s failed", rank, spec.req_id, exc_info=True)
             return StorePart(spec.reservation_id, spec.pool_id, rank, False, reason=f"{type(exc).__name__}: {exc}")
         return StorePart(spec.reservation_id, spec.pool_id, rank, True, sums)
+
+
+class CpuStores(StepStores):
+    """A step's stores on CPU: all of them after the forward, in ``finish`` (a saved layer changes nothing)."""
+
+    def __init__(self, worker: CpuKVWorker, specs: list[StoreSpec]) -> None:
+        self.worker, self.specs = worker, specs
+        self.parts = []
+
+    def finish(self, may_commit: Callable[[StoreSpec], bool]) -> int:
+        committed = 0
+        for spec in self.specs:
+            if spec.is_parted:
+                self.parts.append(self.worker.store_part(spec, may_commit(spec)))
+            elif may_commit(spec):
+                committed += self.worker.store_now(spec)
+        return committed

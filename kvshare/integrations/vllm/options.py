@@ -41,7 +41,7 @@ class ConnectorConfig:
     verify_fraction: float = 1.0
     copy_threads: int = 2  # threads that copy between pages and vLLM's KV on CPU (1: vLLM's worker thread only)
     # on CPU, copy a load layer by layer on a helper thread while the forward runs, each attention layer
-    # waiting for its own layer (kvshare.integrations.vllm.overlap). Off by default: it needs a core
+    # waiting for its own layer (kvshare.integrations.vllm.cpu_overlap). Off by default: it needs a core
     # outside vLLM's OpenMP team; on the 2-core machine the helper took one of the team's cores and the
     # forward, which waits for its slowest thread, ran 4x slower (docs/vllm.md)
     overlap_load: bool = False

@@ -2,7 +2,7 @@
 
 The study's worst bug was a copy that did not depend on the producer's stream. For each memory
 order vLLM's flash attention may hand over (kvshare.integrations.vllm.paged_tensors) and each copy
-method, through the worker's staged path (staging, gpu):
+method, through the GPU worker (gpu, gpu_stores, paged_destination):
 
 - round trip: a store of random KV, then a load into other (descending) blocks: bytes equal, every
   page verified on the GPU, nothing outside the loaded blocks touched;
@@ -25,10 +25,10 @@ import time
 
 import torch
 
+from kvshare.integrations.vllm.gpu import GpuKVWorker
 from kvshare.integrations.vllm.layout import as_bits, reference_gather
 from kvshare.integrations.vllm.metadata import LoadSpec, PageRef, StoreSpec
 from kvshare.integrations.vllm.paged_tensors import MEMORY_ORDERS, fill_random_, paged_layers
-from kvshare.integrations.vllm.worker import PoolKVWorker
 from kvshare.keys import KEY_BYTES
 from kvshare.layout import KVLayout
 from kvshare.transfer.base import TransferConfig
@@ -91,7 +91,7 @@ class _Bench:
             ("delayed", delayed, StagingPipeline),
             ("unordered", config, UnorderedPipeline),
         ):
-            worker = PoolKVWorker(LAYOUT, FixedLink(client), transfer=cfg, staged=True, pipeline_class=cls)
+            worker = GpuKVWorker(LAYOUT, FixedLink(client), transfer=cfg, pipeline_class=cls)
             worker.register(self.layers, self.paged)
             self.workers[name] = worker
         self.namespace = hashlib.blake2b(b"kvshare-vllm-ordercheck" + os.urandom(8), digest_size=KEY_BYTES).digest()
@@ -133,7 +133,7 @@ class _Bench:
         for layer in self.layers:
             layer.zero_()  # what a store that does not wait would copy
         torch.cuda.synchronize(self.device)
-        stores = self.workers[worker_name].begin_stores(
+        stores = self.workers[worker_name].start_stores(
             [StoreSpec("order", self.namespace, 0, self.keys, tuple(self.blocks_a))]
         )
         if delayed:
@@ -167,8 +167,7 @@ class _Bench:
             as_bits(layer).fill_(SENTINEL)
         before = [layer.clone() for layer in self.layers]
         torch.cuda.synchronize(self.device)
-        worker = self.workers[worker_name]
-        loads = worker.start_layered([worker.begin_load(spec)])
+        loads = self.workers[worker_name].start_loads([spec], per_layer=True)
         seen = []
         for index, layer in enumerate(self.layers):
             if wait:

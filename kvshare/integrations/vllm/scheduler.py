@@ -320,7 +320,7 @@ class PoolScheduler:
         C = self.config.chunk_tokens
         for part in report.stores:
             if self._parted is not None:
-                self._parted.settle(part)
+                self._parted.add_part(part)
         for outcome in report.loads_by_request():
             held = self._leases.pop(outcome.req_id)
             self._release(held)

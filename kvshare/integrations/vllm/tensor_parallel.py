@@ -164,7 +164,7 @@ class TensorParallelStores:
             spec, reservation_id=reservation.reservation_id, grants=tuple(reservation.grants), pool_id=self.link.pool_id
         )
 
-    def settle(self, part: StorePart) -> None:
+    def add_part(self, part: StorePart) -> None:
         """A rank's part of a reserved store; the last one commits the pages (or aborts them)."""
         done = self.book.add(part)
         if done is None:

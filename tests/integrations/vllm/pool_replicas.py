@@ -4,11 +4,12 @@ test_pool_roundtrip and test_pool_holds share."""
 import pytest
 import torch
 
+from kvshare.integrations.vllm.cpu import CpuKVWorker
+from kvshare.integrations.vllm.cpu_overlap import LayeredLoads
 from kvshare.integrations.vllm.layout import PagedLayout, reference_gather
-from kvshare.integrations.vllm.metadata import LoadOutcome, WorkerReport
+from kvshare.integrations.vllm.metadata import WorkerReport
 from kvshare.integrations.vllm.options import ConnectorConfig
 from kvshare.integrations.vllm.scheduler import PoolScheduler, ScheduledRequest
-from kvshare.integrations.vllm.worker import PoolKVWorker
 from kvshare.keys import Namespace, chunk_keys, namespace_digest
 from kvshare.layout import KVLayout
 from kvshare.pool.client import PoolClient
@@ -47,12 +48,13 @@ class Replica:
             PoolLink(socket_path, f"{name}-sched", clock=self.clock),
             clock=self.clock,
         )
-        self.worker = PoolKVWorker(
+        self.worker = CpuKVWorker(
             LAYOUT,
             PoolLink(socket_path, f"{name}-worker", clock=self.clock),
             verify_fraction=self.config.verify_fraction,
             copy_threads=self.config.copy_threads,
             rng=rng,
+            overlap_load=layered,
         )
         gen = torch.Generator().manual_seed(seed)
         self.layers = [torch.randn(NUM_BLOCKS, H, N, 2 * D, generator=gen) for _ in range(L)]
@@ -81,18 +83,15 @@ class Replica:
         waiting for its own layer, as the connector runs them on CPU."""
         if not self.layered:
             return [self.worker.load(spec) for spec in specs]
-        begun = [self.worker.begin_load(spec) for spec in specs]
-        layered = [load for load in begun if not isinstance(load, LoadOutcome)]
-        self.num_layered += len(layered)
-        if not layered:
-            return begun  # loads the layered path does not take ran synchronously
-        loads = self.worker.start_layered(layered)
+        loads = self.worker.start_loads(list(specs), per_layer=True)
+        if isinstance(loads, LayeredLoads):
+            self.num_layered += len(loads.loads)
         for index in range(L):  # the forward's attention layers
             loads.wait_layer(index)
         outcomes, all_waited = loads.finish()
         assert all_waited
-        finished = iter(outcomes)
-        return [load if isinstance(load, LoadOutcome) else next(finished) for load in begun]
+        by_request = {outcome.req_id: outcome for outcome in outcomes}
+        return [by_request[spec.req_id] for spec in specs]
 
     def tokens(self, start, num, block_ids):
         return torch.stack([reference_gather(layer, self.paged, start, num, block_ids) for layer in self.layers])

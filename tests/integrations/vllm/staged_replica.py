@@ -9,12 +9,14 @@ from dataclasses import replace
 
 import torch
 
+from kvshare.integrations.vllm.cpu import CpuKVWorker
+from kvshare.integrations.vllm.gpu import GpuKVWorker
 from kvshare.integrations.vllm.layout import as_bits, reference_gather
 from kvshare.integrations.vllm.metadata import WorkerReport
 from kvshare.integrations.vllm.options import ConnectorConfig
 from kvshare.integrations.vllm.paged_tensors import fill_random_, paged_layers
 from kvshare.integrations.vllm.scheduler import PoolScheduler, ScheduledRequest
-from kvshare.integrations.vllm.worker import PoolKVWorker, WorkerHooks
+from kvshare.integrations.vllm.worker import WorkerHooks
 from kvshare.keys import Namespace
 from kvshare.layout import KVLayout
 from kvshare.pool.link import PoolLink
@@ -58,15 +60,16 @@ class Replica:
         self.layers, self.paged = paged_layers(
             order, layout.num_layers, num_blocks, block_size, layout.num_kv_heads, layout.head_dim, dtype, device
         )
-        self.worker = PoolKVWorker(
-            layout,
-            PoolLink(socket_path, f"{name}-w"),
-            staged=staged,
-            verify_fraction=self.config.verify_fraction,
-            **(worker_kwargs or {}),
-        )
+        link = PoolLink(socket_path, f"{name}-w")
+        if staged if staged is not None else torch.device(device).type == "cuda":  # GPU staging (a fake CUDA on CPU)
+            self.worker = GpuKVWorker(layout, link, self.config.verify_fraction, **(worker_kwargs or {}))
+        else:  # the GPU path's copy settings (``transfer``) mean nothing on CPU
+            cpu_kwargs = {key: value for key, value in (worker_kwargs or {}).items() if key != "transfer"}
+            self.worker = CpuKVWorker(
+                layout, link, self.config.verify_fraction, overlap_load=self.config.overlap_load, **cpu_kwargs
+            )
         self.worker.register(self.layers, self.paged)
-        self.hooks = WorkerHooks(self.worker, block_size, overlap_load=self.config.overlap_load)
+        self.hooks = WorkerHooks(self.worker, block_size)
         self.last_errors: set[int] = set()
 
     def fill(self, seed: int) -> None:

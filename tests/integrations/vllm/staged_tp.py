@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import torch
 
+from kvshare.integrations.vllm.gpu import GpuKVWorker
 from kvshare.integrations.vllm.layout import as_bits, reference_gather
 from kvshare.integrations.vllm.metadata import StepPlan, WorkerReport
 from kvshare.integrations.vllm.options import ConnectorConfig
 from kvshare.integrations.vllm.paged_tensors import fill_random_, paged_layers
 from kvshare.integrations.vllm.scheduler import PoolScheduler, ScheduledRequest
 from kvshare.integrations.vllm.tensor_parallel import head_slice
-from kvshare.integrations.vllm.worker import PoolKVWorker, WorkerHooks
+from kvshare.integrations.vllm.worker import WorkerHooks
 from kvshare.layout import KVLayout
 from kvshare.pool.link import PoolLink
 from tests.integrations.vllm.staged_replica import namespace_of
@@ -57,10 +58,9 @@ class StagedTPReplica:
             layers, paged = paged_layers(
                 order, layout.num_layers, num_blocks, block_size, heads.num_heads, layout.head_dim, dtype, device
             )
-            worker = PoolKVWorker(
+            worker = GpuKVWorker(
                 layout,
                 PoolLink(socket_path, f"{name}-w{rank}"),
-                staged=True,
                 heads=heads,
                 **({"transfer": transfer} if transfer is not None else {}),
             )

@@ -11,11 +11,11 @@ import dataclasses
 import pytest
 import torch
 
+from kvshare.integrations.vllm.cpu import CpuKVWorker
 from kvshare.integrations.vllm.layout import PagedLayout
 from kvshare.integrations.vllm.metadata import StorePart, WorkerReport
 from kvshare.integrations.vllm.options import ConnectorConfig, TransferParams
 from kvshare.integrations.vllm.scheduler import PoolScheduler, ScheduledRequest
-from kvshare.integrations.vllm.worker import PoolKVWorker
 from kvshare.keys import Namespace, namespace_digest
 from kvshare.layout import KVLayout
 from kvshare.pool.client import PoolClient
@@ -79,7 +79,7 @@ class Replica:
         self.scheduler = PoolScheduler(
             config, NAMESPACE, LAYOUT.page_bytes, N, PoolLink(path, "quota-sched"), account_key=account_key
         )
-        self.worker = PoolKVWorker(LAYOUT, PoolLink(path, "quota-worker"))
+        self.worker = CpuKVWorker(LAYOUT, PoolLink(path, "quota-worker"))
         self.worker.register(
             [torch.randn(len(BLOCKS), H, N, 2 * D) for _ in range(L)],
             PagedLayout("cpu_attn", len(BLOCKS), N, H, D, torch.float32),

@@ -13,6 +13,7 @@ import random
 import pytest
 import torch
 
+from kvshare.integrations.vllm.gpu import GpuKVWorker
 from kvshare.integrations.vllm.ordercheck import staged_checks
 from kvshare.layout import KVLayout
 from kvshare.pool.checksum import ChecksumKind, page_checksum
@@ -56,7 +57,7 @@ def test_cross_replica_bytes_on_cuda_with_a_delayed_producer(flushed, order):
     a, b = replica(flushed, "A", order), replica(flushed, "B", order)
     blocks_a, blocks_b = list(range(0, 50)), list(range(95, 45, -1))
     try:
-        assert a.worker.is_staged and b.worker.is_staged
+        assert isinstance(a.worker, GpuKVWorker) and isinstance(b.worker, GpuKVWorker)
         fresh = [torch.randn_like(layer) for layer in a.layers]
 
         def produce(index):  # the producer: a long sleep on vLLM's stream, then the layer's KV written behind it

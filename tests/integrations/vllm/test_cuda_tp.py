@@ -11,6 +11,7 @@ The same checks run under the fake CUDA on CPU in test_staged_tp.py.
 import pytest
 import torch
 
+from kvshare.integrations.vllm.gpu import GpuKVWorker
 from kvshare.integrations.vllm.layout import as_bits
 from kvshare.integrations.vllm.tensor_parallel import partial_wsum32
 from kvshare.layout import KVLayout
@@ -58,7 +59,7 @@ def test_ranks_store_their_heads_on_cuda_and_tp1_loads_them_bitwise(flushed, hea
     ranks = tp_replica(flushed, "T", layout, tp, 1, transfer)
     reader = tp1_replica(flushed, "R", layout, transfer)
     try:
-        assert all(hooks.worker.is_staged and hooks.worker._staging.is_sliced for hooks in ranks.ranks)
+        assert all(isinstance(hooks.worker, GpuKVWorker) and hooks.worker.pipeline.is_sliced for hooks in ranks.ranks)
         for hooks in ranks.ranks:  # stale KV until each layer's "attention" writes it, behind a delay
             for layer in hooks.worker.layers:
                 as_bits(layer).zero_()

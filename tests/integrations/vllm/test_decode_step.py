@@ -71,7 +71,7 @@ def test_a_decode_step_does_no_pool_round_trip_and_no_thread_work(pool, monkeypa
     b = Replica(pool, "b", seed=2, layered=layered, overlap_load=layered)
     try:
         a.run_prefill("r1", PROMPT, BLOCKS_A)  # stored
-        hooks = WorkerHooks(b.worker, 32, overlap_load=layered)
+        hooks = WorkerHooks(b.worker, 32)  # the worker copies beside the forward when ``layered``
         s = b.scheduler
         s.add_request("r2", PROMPT, None, None)
         external = s.match("r2", 0)

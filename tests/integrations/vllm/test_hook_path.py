@@ -25,14 +25,18 @@ from tests.transfer import fake_cuda
 PACKAGE = Path(package.__file__).parent
 HOOK_FILES = {"connector", "scheduler", "worker", "gpu", "cpu"}  # connector is the face (it imports vLLM)
 BENEATH = {
-    "staging",
-    "overlap",
+    "gpu_stores",
+    "cpu_overlap",
+    "paged_destination",
     "block_copy",
     "pool_pages",
     "tensor_parallel",
     "layout",
-    "plan",
+    "page_slices",
+    "prompt_chunks",
+    "leases",
     "metadata",
+    "counters",
     "options",
     "stats",
     "identity",

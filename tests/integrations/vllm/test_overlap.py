@@ -1,4 +1,4 @@
-"""Loads copied layer by layer beside the forward (kvshare.integrations.vllm.overlap), no vLLM needed.
+"""Loads copied layer by layer beside the forward (kvshare.integrations.vllm.cpu_overlap), no vLLM needed.
 
 The byte-for-byte cases (cross-replica, corrupted page, block tables, sampled verification) run
 in both modes in test_pool_roundtrip.py; here: what only the layered mode has.
@@ -11,8 +11,8 @@ import pytest
 import torch
 import xxhash
 
+from kvshare.integrations.vllm.cpu_overlap import LayeredLoads
 from kvshare.integrations.vllm.metadata import WorkerReport
-from kvshare.integrations.vllm.overlap import LayeredLoad
 from kvshare.integrations.vllm.scheduler import ScheduledRequest
 from kvshare.pool.checksum import page_checksum
 from tests.integrations.vllm.pool_replicas import (  # noqa: F401
@@ -28,15 +28,20 @@ LAYERS = 2
 
 
 def planned_load(a, b, req_id="r2"):
-    """A computed and stored PROMPT; B plans its load of the first 256 tokens (LayeredLoad)."""
+    """A computed and stored PROMPT; B's load of the first 256 tokens (a LoadSpec)."""
     a.run_prefill("r1", PROMPT, BLOCKS_A)
     b.scheduler.add_request(req_id, PROMPT, None, None)
     external = b.scheduler.match(req_id, 0)
     b.scheduler.allocated(req_id, external, 0)
-    plan = b.scheduler.plan_step([ScheduledRequest(req_id, 0, len(PROMPT), BLOCKS_B)])
-    load = b.worker.begin_load(plan.loads[0])
-    assert isinstance(load, LayeredLoad) and load.runs  # whole blocks: the layered path takes it
-    return load
+    return b.scheduler.plan_step([ScheduledRequest(req_id, 0, len(PROMPT), BLOCKS_B)]).loads[0]
+
+
+def start_beside(replica, specs):
+    """Start the loads copied beside the forward; whole blocks: the layered path takes every one."""
+    loads = replica.worker.start_loads(list(specs), per_layer=True)
+    assert isinstance(loads, LayeredLoads) and len(loads.loads) == len(specs) and not loads.settled
+    assert all(load.runs for load in loads.loads)
+    return loads
 
 
 def layer_tokens(replica, index, block_ids):
@@ -55,11 +60,11 @@ def slow_copies(worker, seconds):
 
 
 def test_each_layer_is_in_place_when_its_wait_returns(pool):  # noqa: F811
-    a, b = Replica(pool, "A", seed=1), Replica(pool, "B", seed=2)
+    a, b = Replica(pool, "A", seed=1), Replica(pool, "B", seed=2, layered=True)
     try:
         load = planned_load(a, b)
         slow_copies(b.worker, 0.1)
-        loads = b.worker.start_layered([load])
+        loads = start_beside(b, [load])
         # control: without a wait the forward would read the old bytes (the copies are still sleeping)
         assert not torch.equal(layer_tokens(b, LAYERS - 1, BLOCKS_B), layer_tokens(a, LAYERS - 1, BLOCKS_A))
         for index in range(LAYERS):
@@ -75,9 +80,9 @@ def test_each_layer_is_in_place_when_its_wait_returns(pool):  # noqa: F811
 
 def test_a_layer_never_waited_for_fails_the_load(pool):  # noqa: F811
     """The forward may have read blocks before their copy: nothing of the load may count."""
-    a, b = Replica(pool, "A", seed=1), Replica(pool, "B", seed=2)
+    a, b = Replica(pool, "A", seed=1), Replica(pool, "B", seed=2, layered=True)
     try:
-        loads = b.worker.start_layered([planned_load(a, b)])
+        loads = start_beside(b, [planned_load(a, b)])
         loads.wait_layer(0)  # layer 1's attention never called wait_for_layer_load
         (outcome,), all_waited = loads.finish()
         assert not all_waited
@@ -88,7 +93,7 @@ def test_a_layer_never_waited_for_fails_the_load(pool):  # noqa: F811
 
 
 def test_a_copy_that_raises_fails_the_load_and_no_wait_hangs(pool):  # noqa: F811
-    a, b = Replica(pool, "A", seed=1), Replica(pool, "B", seed=2)
+    a, b = Replica(pool, "A", seed=1), Replica(pool, "B", seed=2, layered=True)
     try:
         load = planned_load(a, b)
 
@@ -96,7 +101,7 @@ def test_a_copy_that_raises_fails_the_load_and_no_wait_hangs(pool):  # noqa: F81
             raise MemoryError("no room")
 
         b.worker.copier.layer_to_blocks = broken
-        loads = b.worker.start_layered([load])
+        loads = start_beside(b, [load])
         for index in range(LAYERS):
             loads.wait_layer(index)  # returns: the helper marks every layer when it stops
         (outcome,), all_waited = loads.finish()
@@ -118,7 +123,7 @@ def test_a_page_checksum_streamed_layer_by_layer_is_the_page_checksum(num_layers
 
 def test_two_loads_in_one_step_each_get_their_own_outcome(pool):  # noqa: F811
     """Layer-major copying interleaves the step's loads: a bad page in one must not touch the other's outcome."""
-    a, b = Replica(pool, "A", seed=1), Replica(pool, "B", seed=2)
+    a, b = Replica(pool, "A", seed=1), Replica(pool, "B", seed=2, layered=True)
     other = [t + 1000 for t in PROMPT]  # another prompt, another chain of keys
     blocks_other = list(range(10, 20))
     try:
@@ -132,9 +137,8 @@ def test_two_loads_in_one_step_each_get_their_own_outcome(pool):  # noqa: F811
             b.scheduler.allocated(req_id, external, 0)
             steps.append(ScheduledRequest(req_id, 0, len(prompt), blocks))
         plan = b.scheduler.plan_step(steps)
-        begun = [b.worker.begin_load(spec) for spec in plan.loads]
-        assert all(isinstance(load, LayeredLoad) for load in begun) and len(begun) == 2
-        loads = b.worker.start_layered(begun)
+        assert len(plan.loads) == 2
+        loads = start_beside(b, plan.loads)
         for index in range(LAYERS):
             loads.wait_layer(index)
         (bad, good), all_waited = loads.finish()
@@ -152,17 +156,19 @@ def test_a_copy_task_that_never_runs_fails_the_load_and_no_wait_hangs(pool):  # 
     """A broken or shut-down executor: the waits return and the load fails instead of the forward hanging."""
     from concurrent.futures import Future
 
-    from kvshare.integrations.vllm.overlap import LayeredLoads
-
     class NeverRuns:
         def submit(self, fn):
             future = Future()
             future.cancel()
             return future
 
-    a, b = Replica(pool, "A", seed=1), Replica(pool, "B", seed=2)
+    a, b = Replica(pool, "A", seed=1), Replica(pool, "B", seed=2, layered=True)
     try:
-        loads = LayeredLoads(b.worker, [planned_load(a, b)], NeverRuns())
+        planned = start_beside(b, [planned_load(a, b)])  # the load's plan (its block runs), run once ...
+        for index in range(LAYERS):
+            planned.wait_layer(index)
+        planned.finish()
+        loads = LayeredLoads(b.worker, planned.loads, b.worker.copier, NeverRuns(), [])  # ... then never
         for index in range(LAYERS):
             loads.wait_layer(index)
         (outcome,), all_waited = loads.finish()

@@ -176,7 +176,7 @@ def test_a_tensor_parallel_store_reserved_in_an_earlier_pool_never_commits_a_res
             assert pool_stats(path)["reservations"] == 1
             for rank in range(2):
                 part = StorePart(first.reservation_id, first.pool_id, rank, True, (1,) * len(first.grants))
-                scheduler._parted.settle(part)
+                scheduler._parted.add_part(part)
             assert pool_stats(path)["reservations"] == 1  # the new pool's reservation still waits for its parts
         finally:
             scheduler.close()

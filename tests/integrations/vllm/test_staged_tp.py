@@ -60,7 +60,7 @@ def count_store_copies(monkeypatch, ranks: StagedTPReplica) -> list[list]:
     """Per rank, the device -> host copies its staging enqueues (appended as they happen)."""
     calls: list[list] = [[] for _ in ranks.ranks]
     for rank, hooks in enumerate(ranks.ranks):
-        engine = hooks.worker._staging
+        engine = hooks.worker.pipeline
         real = engine.host_copies
 
         def recording(copies, buffer, stream, client, to_device, real=real, rank=rank):
@@ -145,7 +145,7 @@ def test_a_rank_writing_the_wrong_heads_is_caught(fake, flushed, monkeypatch):
     ranks = StagedTPReplica(flushed, "T", layout, "LBNHC", NUM_BLOCKS, N, CPU, 2, seed=4, transfer=transfer)
     reader = tp1_replica(flushed, "R", layout, transfer)
     try:
-        wrong = ranks.ranks[1].worker._staging
+        wrong = ranks.ranks[1].worker.pipeline
         monkeypatch.setattr(wrong, "store_copies", lambda unit: head_copies(unit, layout, 0, 2))
         plan, report = ranks.step("a", PROMPT, blocks_a())
         (spec,) = plan.stores
@@ -224,7 +224,7 @@ def test_one_rank_with_every_head_stages_as_before(fake, flushed):
     layout = layout_of(4)
     reader = tp1_replica(flushed, "R", layout, transfer_of(layout, "layer_groups"))
     try:
-        pipeline, kv = reader.worker._staging, reader.worker._paged_kv
+        pipeline, kv = reader.worker.pipeline, reader.worker.paged_kv
         unit = plan_unit([0, layout.page_bytes], layout, (0, 1), (0, 2), None)
         buffer = pipeline.store_lane.buffers[0]
         assert not pipeline.is_sliced and not kv.is_sliced and pipeline.store_copies(unit) is unit.copies

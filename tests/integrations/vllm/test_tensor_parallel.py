@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 import torch
 
+from kvshare.integrations.vllm.cpu import CpuKVWorker
 from kvshare.integrations.vllm.layout import PagedLayout, reference_gather
 from kvshare.integrations.vllm.metadata import LoadOutcome, StorePart, WorkerReport
 from kvshare.integrations.vllm.options import ConnectorConfig
 from kvshare.integrations.vllm.scheduler import PoolScheduler, ScheduledRequest
 from kvshare.integrations.vllm.tensor_parallel import PartedStores, head_slice, partial_wsum32
-from kvshare.integrations.vllm.worker import PoolKVWorker, WorkerHooks
+from kvshare.integrations.vllm.worker import WorkerHooks
 from kvshare.keys import chunk_keys, namespace_digest
 from kvshare.layout import KVLayout
 from kvshare.pool.checksum import MOD64, wsum32
@@ -85,7 +86,7 @@ class TPReplica:
         self.ranks = []
         for rank in range(tp):
             heads = head_slice(H, rank, tp)
-            worker = PoolKVWorker(LAYOUT, PoolLink(socket_path, f"{name}-w{rank}"), heads=heads)
+            worker = CpuKVWorker(LAYOUT, PoolLink(socket_path, f"{name}-w{rank}"), heads=heads)
             layers = [layer[:, heads.heads].contiguous() for layer in self.full]  # [B, h, N, 2D]
             worker.register(layers, PagedLayout("cpu_attn", NUM_BLOCKS, N, heads.num_heads, D, torch.float32))
             self.ranks.append(WorkerHooks(worker, N))

@@ -1,8 +1,8 @@
-"""A step's CPU loads, copied layer by layer beside vLLM's forward.
+"""A step's loads on CPU copied layer by layer beside vLLM's forward, on a helper thread.
 
 vLLM calls the connector's ``wait_for_layer_load(layer)`` before each attention layer reads
 the cache. With ``overlap_load`` on, ``start_load_kv`` only checks what it can without reading
-the pages and hands the copies to a helper thread, which moves layer 0 of every load of the
+the pages (cpu.CpuKVWorker) and hands the copies to a helper thread, which moves layer 0 of every load of the
 step, then layer 1, and so on, announcing each layer as it lands; layer l of the forward waits
 for layer l only::
 
@@ -12,8 +12,8 @@ for layer l only::
 Checksums: a page's xxh3 is streamed in the page's own byte order (layer-major), one layer at
 a time, right after that layer of the run was copied (while it is still in cache), so it
 equals the pool's checksum of the page. A bad page is therefore only known after the forward
-has read it. The load then ends at that page, as a synchronous load that found it before the
-copy does: the blocks from that page on are reported as load errors, vLLM discards the step's
+has read it. The load then ends at that page (worker.KVWorker.finish_load), as a synchronous load that
+found it before the copy does: the blocks from that page on are reported as load errors, vLLM discards the step's
 output for the request and recomputes them (``kv_load_failure_policy`` "recompute"), and no
 store of that step is made for the request. Wrong KV is never served.
 
@@ -26,73 +26,39 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import dataclass
 
-import numpy as np
 import xxhash
 
-from kvshare.integrations.vllm.counters import PhaseTimes
-from kvshare.integrations.vllm.metadata import LoadOutcome, LoadSpec
-from kvshare.integrations.vllm.page_slices import CopyRun, PageSlice
-from kvshare.layout import KVLayout
+from kvshare.integrations.vllm.block_copy import BlockRun, CpuBlockCopier
+from kvshare.integrations.vllm.metadata import LoadOutcome
+from kvshare.integrations.vllm.worker import KVWorker, PlannedLoad, StepLoads
 from kvshare.pool.checksum import checksum_is_valid
 
-if TYPE_CHECKING:
-    from kvshare.integrations.vllm.block_copy import CpuBlockCopier
-
 
 @dataclass
-class BlockRun:
-    """A run of adjacent pool pages ([n, L, 2, C, H, D], a view of the arena) and the vLLM blocks of its tokens."""
+class BlockLoad:
+    """A planned load whose pages move as runs of whole blocks (the block copier's), layer by layer."""
 
-    run: CopyRun
-    pages: np.ndarray
-    block_ids: list[int]
-
-
-@dataclass
-class LayeredLoad:
-    """One request's load, planned: its page slices, which of them are verified, its block runs (CPU).
-
-    The GPU's layered loads (kvshare.integrations.vllm.gpu) take the same plan and report
-    through the same ``settle`` / ``outcome`` of the worker."""
-
-    spec: LoadSpec
-    pieces: list[PageSlice]
-    chosen: list[bool]  # per piece: is its page's checksum checked
-    reason: str  # why the pieces end before the spec does ("" if they do not)
-    times: PhaseTimes
-    runs: list[BlockRun] = field(default_factory=list)  # CPU: the block runs to copy
-    client: Any = None  # GPU (gpu.StagedLoads): the pool connection whose arena holds the pages
+    load: PlannedLoad
+    runs: list[BlockRun]
 
 
-class LayeredLoadWorker(Protocol):
-    """What the layered loads need of the worker that planned them (worker.PoolKVWorker is one).
+class LayeredLoads(StepLoads):
+    """The step's loads copied beside the forward, on ``executor``'s thread from construction on; ``settled``:
+    the step's loads that ended before (loaded at once, or nothing to copy)."""
 
-    Passed in, not imported: the worker imports this module to start the loads.
-    """
-
-    kv_layout: KVLayout
-
-    @property
-    def copier(self) -> CpuBlockCopier | None: ...
-
-    def settle(
-        self, spec: LoadSpec, pieces: list[PageSlice], chosen: list[bool], verdicts: Iterator[bool], reason: str
-    ) -> tuple[int, str]: ...
-
-    def outcome(self, spec: LoadSpec, loaded_end: int, reason: str, times: PhaseTimes) -> LoadOutcome: ...
-
-
-class LayeredLoads:
-    """The step's layered loads, running on ``executor``'s thread from construction on."""
-
-    def __init__(self, worker: LayeredLoadWorker, loads: list[LayeredLoad], executor: ThreadPoolExecutor) -> None:
-        self.worker = worker
-        self.loads = loads
+    def __init__(
+        self,
+        worker: KVWorker,
+        loads: list[BlockLoad],
+        copier: CpuBlockCopier,
+        executor: ThreadPoolExecutor,
+        settled: list[LoadOutcome],
+    ) -> None:
+        super().__init__(settled)
+        self.worker, self.loads, self.copier = worker, loads, copier
         self.num_layers = worker.kv_layout.num_layers
         self._landed = [threading.Event() for _ in range(self.num_layers)]
         self._waited: set[int] = set()
@@ -106,16 +72,15 @@ class LayeredLoads:
         self._done.add_done_callback(lambda _: [event.set() for event in self._landed])
 
     def _run(self) -> None:
-        copier = self.worker.copier
         # per load, per piece: the streaming checksum of its page (None: the page is not verified)
-        hashers = [[xxhash.xxh3_64() if is_chosen else None for is_chosen in load.chosen] for load in self.loads]
+        hashers = [[xxhash.xxh3_64() if is_chosen else None for is_chosen in b.load.chosen] for b in self.loads]
         try:
             for index in range(self.num_layers):
-                for load, load_hashers, seconds in zip(self.loads, hashers, self._seconds):
-                    for block_run in load.runs:
+                for block_load, load_hashers, seconds in zip(self.loads, hashers, self._seconds):
+                    for block_run in block_load.runs:
                         started = time.perf_counter()
                         run = block_run.run
-                        copier.layer_to_blocks(block_run.pages, run.lo, run.hi, block_run.block_ids, index)
+                        self.copier.layer_to_blocks(block_run.pages, run.lo, run.hi, block_run.block_ids, index)
                         copied = time.perf_counter()
                         for page in range(run.num_pages):
                             hasher = load_hashers[run.first + page]
@@ -126,11 +91,11 @@ class LayeredLoads:
                 self._landed[index].set()
             self._verdicts = [
                 [
-                    checksum_is_valid(load.spec.pages[piece.page_index], hasher.intdigest())
-                    for piece, hasher in zip(load.pieces, load_hashers)
+                    checksum_is_valid(b.load.spec.pages[piece.page_index], hasher.intdigest())
+                    for piece, hasher in zip(b.load.pieces, load_hashers)
                     if hasher is not None
                 ]
-                for load, load_hashers in zip(self.loads, hashers)
+                for b, load_hashers in zip(self.loads, hashers)
             ]
         except BaseException as exc:  # reported by finish(): the loads fail, vLLM recomputes
             self._error = exc
@@ -143,29 +108,25 @@ class LayeredLoads:
         self._wait_seconds += time.perf_counter() - started
 
     def finish(self) -> tuple[list[LoadOutcome], bool]:
-        """Wait for the copies and checksums; each load's outcome, and whether every layer was waited for
-        (False: the forward may have read blocks before their copy, so every load failed)."""
         try:
             self._done.result()
         except BaseException as exc:  # the task never ran (cancelled, executor broken): the copies did not happen
             self._error = self._error or exc
         all_waited = len(self._waited) == self.num_layers
-        outcomes = []
-        for load, verdicts, seconds in zip(self.loads, self._verdicts, self._seconds):
+        outcomes = list(self.settled)
+        for block_load, verdicts, seconds in zip(self.loads, self._verdicts, self._seconds):
+            load, spec = block_load.load, block_load.load.spec
             for phase, value in seconds.items():
                 load.times.add(phase, value)
             load.times.seconds["forward_waited"] = self._wait_seconds  # logged, not part of the load's time
-            spec = load.spec
             if self._error is not None:
                 name = type(self._error).__name__
-                loaded_end, reason = spec.token_start, f"{name} while copying beside the forward: {self._error}"
+                reason = f"{name} while copying beside the forward: {self._error}"
+                outcomes.append(self.worker.outcome(spec, spec.token_start, reason, load.times))
             elif not all_waited:
                 missing = sorted(set(range(self.num_layers)) - self._waited)
-                loaded_end, reason = spec.token_start, f"the forward never waited for layers {missing}"
+                reason = f"the forward never waited for layers {missing}"
+                outcomes.append(self.worker.outcome(spec, spec.token_start, reason, load.times))
             else:
-                try:
-                    loaded_end, reason = self.worker.settle(spec, load.pieces, load.chosen, iter(verdicts), load.reason)
-                except Exception as exc:  # e.g. dropping a bad page hit a pool error: this load fails, not the step
-                    loaded_end, reason = spec.token_start, f"{type(exc).__name__} while checking the load: {exc}"
-            outcomes.append(self.worker.outcome(spec, loaded_end, reason, load.times))
+                outcomes.append(self.worker.finish_load(load, iter(verdicts)))
         return outcomes, all_waited
