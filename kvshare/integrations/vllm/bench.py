@@ -96,38 +96,15 @@ def metrics(base_url: str) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> dict:
+    """Start the pool and the servers, measure every length and repeat, stop them; the result with its settings."""
     load_before = os.getloadavg()[0]
     work = tempfile.mkdtemp(prefix="kvshare-vllm-bench-")
-    model = args.model or os.path.join(work, "model")
-    if not args.model:
-        subprocess.run(
-            [*kvshare_command("WARNING"), "make-model", "tiny", "--out", model],
-            check=True,
-            stdout=subprocess.DEVNULL,
-            env=kvshare_env(),
-        )
+    model = args.model or _make_tiny_model(os.path.join(work, "model"))
     socket_path = os.path.join(work, "pool.sock")
     pool = start_pool(socket_path, args.pool_size, ("--prefault",), stdout=subprocess.DEVNULL)
-    common = dict(
-        model=model,
-        python=args.vllm_python,
-        dtype="float32",
-        kv_cache_gib=args.kv_cache_gib,
-        max_model_len=max(args.lengths) + 64,
-        cpu_omp_threads_bind=args.omp_bind or None,
-    )
-    log_level = "DEBUG" if args.timings else None
-    common["verify_fraction"] = args.verify_fraction  # None: the connector's default (every page)
-    common["overlap_load"] = {"on": True, "off": False}.get(args.overlap_load)  # None: the connector's default
-    common["copy_threads"] = args.copy_threads  # None: the connector's default
-    configs = {
-        "A": VllmServerConfig(port=free_port(), pool_socket=socket_path, replica="A", log_level=log_level, **common),
-        "B": VllmServerConfig(port=free_port(), pool_socket=socket_path, replica="B", log_level=log_level, **common),
-        "R": VllmServerConfig(port=free_port(), pool_socket=None, replica="R", **common),
-    }
     procs = {}
     try:
-        for name, config in configs.items():
+        for name, config in _server_configs(args, model, socket_path).items():
             spec = vllm_server_command(config)
             log = open(os.path.join(work, f"vllm-{name}.log"), "w")
             procs[name] = (
@@ -137,27 +114,7 @@ def run(args: argparse.Namespace) -> dict:
         for proc, spec in procs.values():
             wait_until_ready(spec.base_url, proc, timeout_s=600)
         url = {name: spec.base_url for name, (_, spec) in procs.items()}
-        served = os.path.basename(os.path.normpath(model))
-        rng = random.Random(args.seed)
-        for name in url:  # warm-up: the first request of a server pays one-time costs
-            first_token_seconds(url[name], served, [rng.randrange(256) for _ in range(300)])
-        rows = []
-        for length in args.lengths:
-            for repeat in range(args.repeats):
-                prompt = [rng.randrange(256) for _ in range(length)]
-                row = {"length": length, "repeat": repeat}
-                for label, name in (
-                    ("cold_R", "R"),
-                    ("cold_A", "A"),
-                    ("local_A", "A"),
-                    ("local_R", "R"),
-                    ("cross_B", "B"),
-                    ("local_B", "B"),
-                ):
-                    time.sleep(args.settle_s)
-                    row[label], row[f"{label}_cached"] = first_token_seconds(url[name], served, prompt)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+        rows = _measure(args, url, os.path.basename(os.path.normpath(model)))
         time.sleep(12)  # vLLM publishes connector stats to /metrics at its logging interval
         counters = {name: metrics(url[name]) for name in ("A", "B")}
         timings = {}
@@ -165,29 +122,91 @@ def run(args: argparse.Namespace) -> dict:
             with open(os.path.join(work, f"vllm-{name}.log"), errors="replace") as f:
                 timings[name] = parse_timings(f.read())
     finally:
-        for proc, _ in procs.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, 15)
-        for proc, _ in procs.values():
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, 9)
-        stop_process(pool)
+        _stop(procs, pool)
         if args.out:
             os.makedirs(args.out, exist_ok=True)
             for name in procs:
                 shutil.copy(os.path.join(work, f"vllm-{name}.log"), args.out)
         shutil.rmtree(work, ignore_errors=True)
-    verify = args.verify_fraction if args.verify_fraction is not None else ConnectorConfig().verify_fraction
-    overlap = args.overlap_load != "off" if args.overlap_load else ConnectorConfig().overlap_load
+    return {"rows": rows, "counters": counters, "timings": timings, **_settings(args, load_before)}
+
+
+def _make_tiny_model(path: str) -> str:
+    subprocess.run(
+        [*kvshare_command("WARNING"), "make-model", "tiny", "--out", path],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        env=kvshare_env(),
+    )
+    return path
+
+
+def _server_configs(args: argparse.Namespace, model: str, socket_path: str) -> dict[str, VllmServerConfig]:
+    """A and B with the connector (its settings from the arguments; None: the connector's default), R without."""
+    common = dict(
+        model=model,
+        python=args.vllm_python,
+        dtype="float32",
+        kv_cache_gib=args.kv_cache_gib,
+        max_model_len=max(args.lengths) + 64,
+        cpu_omp_threads_bind=args.omp_bind or None,
+        verify_fraction=args.verify_fraction,
+        overlap_load={"on": True, "off": False}.get(args.overlap_load),
+        copy_threads=args.copy_threads,
+    )
+    log_level = "DEBUG" if args.timings else None
     return {
-        "rows": rows,
-        "counters": counters,
-        "timings": timings,
-        "verify_fraction": verify,
-        "overlap_load": overlap,
-        "copy_threads": args.copy_threads or ConnectorConfig().copy_threads,
+        "A": VllmServerConfig(port=free_port(), pool_socket=socket_path, replica="A", log_level=log_level, **common),
+        "B": VllmServerConfig(port=free_port(), pool_socket=socket_path, replica="B", log_level=log_level, **common),
+        "R": VllmServerConfig(port=free_port(), pool_socket=None, replica="R", **common),
+    }
+
+
+def _measure(args: argparse.Namespace, url: dict[str, str], served: str) -> list[dict]:
+    """Per length and repeat, a fresh random prompt through the six requests, in their order."""
+    rng = random.Random(args.seed)
+    for name in url:  # warm-up: the first request of a server pays one-time costs
+        first_token_seconds(url[name], served, [rng.randrange(256) for _ in range(300)])
+    rows = []
+    for length in args.lengths:
+        for repeat in range(args.repeats):
+            prompt = [rng.randrange(256) for _ in range(length)]
+            row = {"length": length, "repeat": repeat}
+            for label, name in (
+                ("cold_R", "R"),
+                ("cold_A", "A"),
+                ("local_A", "A"),
+                ("local_R", "R"),
+                ("cross_B", "B"),
+                ("local_B", "B"),
+            ):
+                time.sleep(args.settle_s)
+                row[label], row[f"{label}_cached"] = first_token_seconds(url[name], served, prompt)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def _stop(procs: dict, pool) -> None:
+    """The servers (their process groups: SIGTERM, SIGKILL after a minute), then the pool."""
+    for proc, _ in procs.values():
+        if proc.poll() is None:
+            os.killpg(proc.pid, 15)
+    for proc, _ in procs.values():
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+    stop_process(pool)
+
+
+def _settings(args: argparse.Namespace, load_before: float) -> dict:
+    """What the run measured with, the connector's defaults filled in."""
+    defaults = ConnectorConfig()
+    return {
+        "verify_fraction": args.verify_fraction if args.verify_fraction is not None else defaults.verify_fraction,
+        "overlap_load": args.overlap_load != "off" if args.overlap_load else defaults.overlap_load,
+        "copy_threads": args.copy_threads or defaults.copy_threads,
         "settle_s": args.settle_s,
         "lengths": args.lengths,
         "repeats": args.repeats,
@@ -267,7 +286,7 @@ def report(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vllm-python", required=True, help="python of the vLLM virtual environment")
     parser.add_argument("--model", default=None, help="model directory (default: the tiny preset)")
@@ -316,7 +335,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="folder for ttft.json and ttft.md")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     if args.copy_only:
         for length in args.lengths:
             print(json.dumps(copy_bandwidth(length)))

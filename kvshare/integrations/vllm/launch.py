@@ -182,6 +182,13 @@ def vllm_server_command(config: VllmServerConfig, base_env: dict[str, str] | Non
         "--enable-prompt-tokens-details",
         "--disable-uvicorn-access-log",
     ]
+    argv += _engine_args(config) + _kv_args(config) + list(config.extra_args)
+    return LaunchSpec(argv, _server_env(config, base_env), config.base_url)
+
+
+def _engine_args(config: VllmServerConfig) -> list[str]:
+    """vLLM's engine settings that the config gives (none where it leaves vLLM's default)."""
+    argv = []
     if config.max_model_len is not None:
         argv += ["--max-model-len", str(config.max_model_len)]
     if config.device == "cpu":
@@ -192,29 +199,34 @@ def vllm_server_command(config: VllmServerConfig, base_env: dict[str, str] | Non
         argv += ["--max-num-batched-tokens", str(config.max_num_batched_tokens)]
     if config.tensor_parallel_size > 1:
         argv += ["--tensor-parallel-size", str(config.tensor_parallel_size)]
+    if config.load_format is not None:
+        argv += ["--load-format", config.load_format]
+    return argv
+
+
+def _kv_args(config: VllmServerConfig) -> list[str]:
+    """Where the server's KV goes beyond its GPU: kvshare's connector, LMCache's, vLLM's CPU offloading; its
+    KV events."""
+    argv = []
     if config.pool_socket is not None:
         argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(config))]
     if config.lmcache_mp_port is not None:
         argv += ["--kv-transfer-config", json.dumps(lmcache_mp_transfer_config(config.lmcache_mp_port))]
     if config.kv_offloading_gib is not None:
         argv += ["--kv-offloading-size", f"{config.kv_offloading_gib:g}"]
-    if config.load_format is not None:
-        argv += ["--load-format", config.load_format]
     if config.kv_events_port is not None:
         name = os.path.basename(os.path.normpath(config.served_model_name or config.model))
-        argv += [
-            "--kv-events-config",
-            json.dumps(
-                {
-                    "enable_kv_cache_events": True,
-                    "publisher": "zmq",
-                    "topic": f"kv@{config.replica}@{name}",
-                    "endpoint": f"tcp://*:{config.kv_events_port}",
-                }
-            ),
-        ]
-    argv += list(config.extra_args)
+        events = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "topic": f"kv@{config.replica}@{name}",
+            "endpoint": f"tcp://*:{config.kv_events_port}",
+        }
+        argv += ["--kv-events-config", json.dumps(events)]
+    return argv
 
+
+def _server_env(config: VllmServerConfig, base_env: dict[str, str] | None) -> dict[str, str]:
     env = dict(os.environ if base_env is None else base_env)
     # vLLM's spawned engine and worker processes import the connector: make this kvshare importable
     # there even when it is not installed in the vLLM environment
@@ -241,7 +253,7 @@ def vllm_server_command(config: VllmServerConfig, base_env: dict[str, str] | Non
         if config.pool_socket is not None:
             env.setdefault(RESERVED_CPUS_ENV, str(connector_reserved_cpus(config.tensor_parallel_size)))
         env.setdefault("CUDA_VISIBLE_DEVICES", "")
-    return LaunchSpec(argv, env, config.base_url)
+    return env
 
 
 def has_flag(args: tuple[str, ...] | list[str], flag: str) -> bool:
