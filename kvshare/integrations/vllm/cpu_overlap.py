@@ -2,9 +2,9 @@
 
 vLLM calls the connector's ``wait_for_layer_load(layer)`` before each attention layer reads
 the cache. With ``overlap_load`` on, ``start_load_kv`` only checks what it can without reading
-the pages (cpu.CpuKVWorker) and hands the copies to a helper thread, which moves layer 0 of every load of the
-step, then layer 1, and so on, announcing each layer as it lands; layer l of the forward waits
-for layer l only::
+the pages (cpu.CpuKVWorker) and hands the copies to a helper thread, which moves layer 0 of every
+load of the step, then layer 1, and so on, announcing each layer as it lands; layer l of the
+forward waits for layer l only::
 
     helper   | copy L0 | copy L1 | copy L2 | ... | copy L7 | checksums
     forward       wait L0 |-- layer 0 --| wait L1 |-- layer 1 --| ...          | wait_for_save
@@ -12,10 +12,11 @@ for layer l only::
 Checksums: a page's xxh3 is streamed in the page's own byte order (layer-major), one layer at
 a time, right after that layer of the run was copied (while it is still in cache), so it
 equals the pool's checksum of the page. A bad page is therefore only known after the forward
-has read it. The load then ends at that page (worker.KVWorker.finish_load), as a synchronous load that
-found it before the copy does: the blocks from that page on are reported as load errors, vLLM discards the step's
-output for the request and recomputes them (``kv_load_failure_policy`` "recompute"), and no
-store of that step is made for the request. Wrong KV is never served.
+has read it. The load then ends at that page (worker.KVWorker.finish_load), as a synchronous
+load that found it before the copy does: the blocks from that page on are reported as load
+errors, vLLM discards the step's output for the request and recomputes them
+(``kv_load_failure_policy`` "recompute"), and no store of that step is made for the request.
+Wrong KV is never served.
 
 Were a layer's wait never called before ``finish`` (a model whose attention does not call the
 hooks), the forward may have read blocks before their copy: every load of the step then
