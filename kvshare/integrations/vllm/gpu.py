@@ -266,8 +266,13 @@ class StagedLoads(StepLoads):
             elif not all_waited:
                 reason = f"the forward never waited for layers {sorted(set(range(self.num_layers)) - self._waited)}"
             else:
-                outcomes.append(self.worker.finish_load(load, iter(self._verdicts(self._plans[index]))))
-                continue
+                try:
+                    verdicts = self._verdicts(self._plans[index])
+                except Exception as exc:  # reading the sums back failed: this load fails, not the step
+                    reason = f"{type(exc).__name__} while checking the load: {exc}"
+                else:
+                    outcomes.append(self.worker.finish_load(load, iter(verdicts)))
+                    continue
             outcomes.append(self.worker.outcome(spec, spec.token_start, reason, load.times))
         self._plans = []  # the device tensors go (every use of them has completed)
         return outcomes, all_waited
