@@ -277,6 +277,26 @@ def test_a_failed_load_aborts_the_steps_stores_of_that_request(fake, flushed):
         a.close(), b.close()
 
 
+def test_a_failure_reading_a_loads_checksums_back_fails_that_load_not_the_step(fake, flushed, monkeypatch):
+    """The load's blocks are recomputed and the step's stores of that request aborted; the hooks go on."""
+    from kvshare.transfer.verify import PageCheck
+
+    a, b = replica(flushed, "A"), replica(flushed, "B")
+    try:
+        a.fill(11)
+        a.step("a", PROMPT, blocks_a())
+
+        def unreadable(self):
+            raise RuntimeError("device lost")
+
+        monkeypatch.setattr(PageCheck, "bad_pages", unreadable)
+        outcome = b.step("b", PROMPT, blocks_b())
+        assert outcome.loaded_end == 0 and "RuntimeError while checking the load: device lost" in outcome.reason
+        assert b.last_errors and b.worker.counters.load_failures == 1 and b.worker.counters.stored_chunks == 0
+    finally:
+        a.close(), b.close()
+
+
 def test_sampled_verification_checks_only_the_drawn_pages(fake, flushed):
     a = replica(flushed, "A")
     b = replica(flushed, "B", verify_fraction=0.0)
