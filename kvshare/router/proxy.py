@@ -301,9 +301,17 @@ class RouterServer:
             sent_s = time.monotonic()
             job = None if placement is None else placer.begin(i, placement, sent_s, facts.is_stream)  # in T_r now
             try:
-                upstream = await self._session.request(
-                    request.method, replica.url + request.path_qs, data=body or None, headers=headers
+                upstream = await _unless_client_gone(
+                    request,
+                    self._session.request(
+                        request.method, replica.url + request.path_qs, data=body or None, headers=headers
+                    ),
                 )
+            except ClientGone:  # the request was closed towards the replica, which gives it up at once
+                replica.num_in_flight -= 1
+                if job is not None:
+                    placer.backlog.finish(job)
+                return web.Response(status=499)  # never sent: the client's connection is closed
             except (TimeoutError, aiohttp.ClientError, OSError) as exc:
                 replica.num_in_flight -= 1
                 if job is not None:
@@ -336,7 +344,10 @@ class RouterServer:
             headers["X-KVShare-Replica"] = replica.url
         response = web.StreamResponse(status=upstream.status, headers=headers)
         limit_send_buffer(request, self.config.stream_buffer_bytes)
-        await response.prepare(request)
+        try:
+            await response.prepare(request)
+        except ConnectionResetError:  # the client left as the replica's headers came
+            return response
         # a client that leaves while the replica computes (a long prefill sends nothing) closes the replica's
         # connection too, which lets the replica give the request up at its next layer
         watch = asyncio.create_task(_close_when_gone(request, upstream))
@@ -365,6 +376,30 @@ class RouterServer:
         except ConnectionResetError:
             pass  # the client left after the last piece
         return response
+
+
+class ClientGone(Exception):
+    """The client's connection closed before the replica's response began."""
+
+
+async def _unless_client_gone(request: web.Request, sending):
+    """The replica's response (``sending``: the request to it, awaiting its headers); ClientGone once the client's
+    connection closes first. A response that is not a stream sends its headers with its end, so this is where
+    the router waits through the replica's whole work: the request is then cancelled, which closes its
+    connection, and the replica gives it up at its next layer or token as for a client of its own."""
+    task = asyncio.ensure_future(sending)
+    try:
+        while not task.done():
+            await asyncio.wait((task,), timeout=CLIENT_POLL_S)
+            if not task.done() and is_gone(request):
+                task.cancel()
+                await asyncio.wait((task,))
+                if not task.cancelled() and task.exception() is None:
+                    task.result().close()  # its headers came as it was cancelled
+                raise ClientGone()
+        return task.result()
+    finally:
+        task.cancel()  # no-op once done; else (this handler cancelled) the request is closed too
 
 
 async def _close_when_gone(request: web.Request, upstream: aiohttp.ClientResponse) -> None:
