@@ -17,7 +17,8 @@ import urllib.request
 
 import pytest
 
-from kvshare.router.proxy import RouterConfig, RouterServer
+from kvshare.router.config import RouterConfig
+from kvshare.router.server import RouterServer
 from tests.serve.live import LiveApp, call, metric, replica, tiny_engine
 
 # far more decode than the test waits for: an abandoned request that runs on is seen running long after its
