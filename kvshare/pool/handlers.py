@@ -292,7 +292,8 @@ class PoolHandlers:
         """End holds past their TTL and those of orphaned holders whose process is gone; answer promoting
         lookups past their deadline."""
         self.index.expire(now)
-        for reservation_id in self.index.expire_reservations(now):
+        in_copy = self.remote.reservations_in_copy() if self.remote is not None else ()
+        for reservation_id in self.index.expire_reservations(now, in_copy):
             if self.remote is not None:
                 self.remote.on_abort(reservation_id)
         for holder in self.holders.orphans():

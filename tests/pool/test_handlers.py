@@ -36,6 +36,7 @@ class FakeRemote:
         self.is_promoting = is_promoting
         self.calls: list[tuple] = []
         self.on_done = []
+        self.in_copy: set[int] = set()  # reservations a worker thread may still write
 
     def on_reserve(self, client_id, reservation_id, entries):
         self.calls.append(("reserve", client_id, reservation_id, len(entries)))
@@ -60,6 +61,9 @@ class FakeRemote:
 
     def tick(self, now):
         self.calls.append(("tick", now))
+
+    def reservations_in_copy(self):
+        return self.in_copy
 
     def stats(self):
         return {"promotions": len(self.on_done)}
@@ -234,6 +238,7 @@ def test_the_remote_tier_implements_every_hook():
         "on_prefill",
         "poll",
         "tick",
+        "reservations_in_copy",
         "stats",
         "close",
     }

@@ -2,6 +2,7 @@
 
 import hashlib
 import random
+import time
 
 import numpy as np
 import pytest
@@ -133,6 +134,7 @@ def _fetch(url, prefix, tag, n, first_depth=10, part_bytes=PART):
             PAGE,
             NS,
             first_depth,
+            deadline=time.monotonic() + 30,
         )
     finally:
         store.close()
