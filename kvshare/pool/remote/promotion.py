@@ -134,7 +134,8 @@ class Promotions:
                 batch_len = max(1, self.config.promote_batch_bytes // page_bytes)
                 self._new_job(missing[:batch_len], page_bytes, namespace, depth, [], now, parent)
             return False
-        self._new_job(missing[: plan.num_promote], page_bytes, namespace, depth, [on_done], now, parent)
+        if not self._new_job(missing[: plan.num_promote], page_bytes, namespace, depth, [on_done], now, parent):
+            return False
         self.counters.lookups += 1
         return True
 
@@ -160,7 +161,9 @@ class Promotions:
         waiters: list,
         now: float,
         parent_key: bytes,
-    ) -> None:
+    ) -> bool:
+        """Start a job; False: its first reserve got no page, so nothing was asked of the store and the job is
+        gone already (its waiters are not called: their lookups are answered now, from the arena)."""
         batch_len = max(1, self.config.promote_batch_bytes // page_bytes)
         deadline = now + self.config.promote_timeout_s
         job = PromoteJob(keys, page_bytes, namespace, depth, waiters, deadline, batch_len, now, parent_key=parent_key)
@@ -168,6 +171,10 @@ class Promotions:
         for key in keys:
             self._job_of_key.setdefault(key, job)
         self._fetch_more(job)
+        if not self._is_done(job):
+            return True
+        self._forget(job)
+        return False
 
     # -- sending batches ----------------------------------------------------------------
 
@@ -383,13 +390,21 @@ class Promotions:
         self._fetch_more(job)  # a batch's memory is free again
         self._maybe_finish(job)
 
-    def _maybe_finish(self, job: PromoteJob) -> None:
-        if job.outstanding or not (job.is_ended or job.num_asked >= len(job.keys)):
-            return
+    @staticmethod
+    def _is_done(job: PromoteJob) -> bool:
+        """No fetch or copy is out, and none will be sent."""
+        return not job.outstanding and (job.is_ended or job.num_asked >= len(job.keys))
+
+    def _forget(self, job: PromoteJob) -> None:
         self._jobs.discard(job)
         for key in job.keys:
             if self._job_of_key.get(key) is job:
                 del self._job_of_key[key]
+
+    def _maybe_finish(self, job: PromoteJob) -> None:
+        if not self._is_done(job):
+            return
+        self._forget(job)
         now = self._clock()
         self.costs.record_fetch(job.num_promoted_bytes, now - job.started_at, now)
         self.counters.hit_chunks += job.num_found

@@ -178,3 +178,21 @@ def test_the_pool_never_expires_a_reservation_the_remote_tier_copies_into():
     remote.in_copy = set()  # the thread is done (and would have aborted it); else its TTL ends it
     handlers.tick(clock.now)
     assert handlers.index.num_reservations == 0
+
+
+def test_a_promotion_whose_first_reserve_gets_no_page_ends_at_once():
+    """The namespace's quota is full with the chain's leased head, so the first direct reserve gets no page though
+    the arena has free ones. Fails when that job is left in the table: its lookup then waits the whole promote
+    timeout, the job is never finished, and the chunk can never be promoted again."""
+    clock = Clock()
+    index = PoolIndex(Allocator(64 * PAGE, 16 * PAGE), IndexConfig(namespace_quota_bytes=PAGE))
+    promotions, tasks = make(index, clock)
+    chain = local_head(index, "a")
+    held = index.lookup(1, chain[:1], PAGE, clock.now)  # the lookup's own lease on its local prefix
+    answered = []
+    assert not promotions.start(chain, PAGE, 1, lambda: answered.append(True))  # answered now, from the arena
+    assert tasks == [] and answered == [] and len(promotions) == 0 and promotions.num_waiting == 0
+    index.release(1, held.lease_id)  # room again: the chunk may be promoted (the head is evicted for it)
+    assert promotions.start(chain, PAGE, 1, lambda: None)
+    assert len(tasks) == 1
+    index.check_integrity()
