@@ -95,7 +95,7 @@ class PoolClient:
         self._use(sock)
         self._inbuf = bytearray(data)
         try:
-            reply = self._read_reply()
+            reply = self._read_reply(self.timeout_s)
             if isinstance(reply, P.ErrorReply):
                 raise PoolRequestError(reply.code, reply.message)
             if not isinstance(reply, P.HelloReply) or not fds:
@@ -211,13 +211,14 @@ class PoolClient:
 
     # -- requests ----------------------------------------------------------------
 
-    def _call(self, request: P.Request) -> P.Reply:
+    def _call(self, request: P.Request, wait_s: float | None = None) -> P.Reply:
+        """One request and its reply, waited for ``wait_s`` (None: ``timeout_s``)."""
         with self._lock:
             if self._sock is None:
                 raise PoolUnavailable(f"not connected to the pool at {self.socket_path}")
             try:
                 self._send(P.encode(request))
-                reply = self._read_reply()
+                reply = self._read_reply(self.timeout_s if wait_s is None else wait_s)
             except (OSError, EOFError) as exc:
                 self._close_socket()
                 raise PoolUnavailable(f"lost the pool at {self.socket_path}: {exc}") from None
@@ -225,14 +226,14 @@ class PoolClient:
             raise PoolRequestError(reply.code, reply.message)
         return reply
 
-    def _read_reply(self) -> P.Reply:
+    def _read_reply(self, wait_s: float) -> P.Reply:
         while True:
             frames = P.split_frames(self._inbuf, 1 << 30) if self._inbuf else []
             if frames:
                 if len(frames) > 1 or self._inbuf:
                     raise P.ProtocolError("the pool sent more than one reply")
                 return P.decode_reply(frames[0])
-            chunk = self._recv_some()
+            chunk = self._recv_some(wait_s)
             if not chunk:
                 raise EOFError("the pool closed the connection")
             size = P.FRAME_HEADER.size
@@ -240,9 +241,9 @@ class PoolClient:
                 return P.decode_reply(memoryview(chunk)[size:])  # the usual case: one whole reply at once
             self._inbuf += chunk
 
-    def _recv_some(self) -> bytes:
+    def _recv_some(self, wait_s: float) -> bytes:
         """What the socket holds next (b"": closed): polled without sleeping for the spin window (spin.py), then
-        waited for in poll (at most ``timeout_s``)."""
+        waited for in poll (at most ``wait_s``)."""
         sock = self._sock
         window_s = self.spin.window_s()
         if window_s > 0:
@@ -257,8 +258,8 @@ class PoolClient:
                     break
                 self.spin.record(True)
                 return chunk
-        if not self._poller.poll(max(1, int(self.timeout_s * 1000))):
-            raise TimeoutError(f"the pool did not answer within {self.timeout_s} s")
+        if not self._poller.poll(max(1, int(wait_s * 1000))):
+            raise TimeoutError(f"the pool did not answer within {wait_s} s")
         return sock.recv(1 << 16, socket.MSG_DONTWAIT)
 
     def _send(self, data: bytes) -> None:
@@ -275,7 +276,10 @@ class PoolClient:
         grant = self._direct.lookup(keys, page_bytes) if is_direct else None
         if grant is not None:
             return grant
-        reply = self._call(P.Lookup(keys=list(keys), page_bytes=page_bytes, lease=lease))
+        # a lookup the pool promotes from its remote tier is answered by its promote timeout: waited for
+        promotes = lease and self.hello is not None
+        wait_s = self.timeout_s + self.hello.lookup_wait_s if promotes else self.timeout_s
+        reply = self._call(P.Lookup(keys=list(keys), page_bytes=page_bytes, lease=lease), wait_s)
         return LeaseGrant(lease_id=reply.lease_id, pages=reply.pages)
 
     def release(self, lease_ids: list[int], wait: bool = False) -> None:

@@ -384,6 +384,8 @@ class PoolServer:
             self.config.remote, self.index, self.arena, self.config.index.lease_ttl_s, writer_id, promoter_id
         )
         self.handlers.remote = self.remote
+        # a promoting lookup is answered by its deadline, which the loop sees on its next tick
+        self.handlers.lookup_wait_s = self.config.remote.promote_timeout_s + self.config.tick_s
         self._selector.register(self.remote.wakeup, selectors.EVENT_READ, _REMOTE_WAKEUP)
 
     def _close_remote(self) -> None:

@@ -60,6 +60,7 @@ class PoolHandlers:
         self.allocator = index.allocator
         self.counters = counters
         self.remote: RemoteHooks | None = None  # set by the daemon once the arena exists (--remote)
+        self.lookup_wait_s = 0.0  # the longest a lookup may wait for the remote tier (HelloReply.lookup_wait_s)
         self.arena_page_bytes = 0  # the OS page size backing the arena (2 MiB on hugepages), set once it exists
         self.started_at = clock()
         self.pool_id = os.urandom(P.POOL_ID_BYTES)  # this daemon instance, told apart from any with the same pid
@@ -118,6 +119,7 @@ class PoolHandlers:
             server_pid=os.getpid(),
             pool_id=self.pool_id,
             wants_token_ids=self.index.listener is not None,
+            lookup_wait_s=self.lookup_wait_s,
         )
 
     def disconnect(self, client_id: int) -> tuple[int, int]:

@@ -186,6 +186,9 @@ class HelloReply(msgspec.Struct, tag="hello_reply"):
     direct_slots: int = 0
     direct_holds: int = 0
     direct_misses: bool = False  # a key not in the directory ends the chain (no remote tier to promote from)
+    # the longest the pool may hold a lookup before it answers (a promotion from its remote tier: the promote
+    # timeout and a tick); a client waits that long for a lookup's reply on top of its own timeout
+    lookup_wait_s: float = 0.0
 
 
 class LookupReply(msgspec.Struct, tag="lookup_reply"):
