@@ -319,9 +319,19 @@ class PoolClient:
         wanted = token_ids is not None and self.hello is not None and self.hello.wants_token_ids
         tokens_le32 = np.asarray(token_ids, dtype="<u4").tobytes() if wanted else b""
         tokens_le32 = tokens_le32 if len(tokens_le32) <= P.MAX_RESERVE_TOKEN_BYTES else b""
-        reserve = P.Reserve(namespace, list(keys), page_bytes, first_depth, tokens_le32, account, parent_key)
+        reserve = P.Reserve(
+            namespace=namespace,
+            keys=list(keys),
+            page_bytes=page_bytes,
+            first_depth=first_depth,
+            tokens_le32=tokens_le32,
+            account=account,
+            parent_key=parent_key,
+        )
         reply = self._call(reserve)
-        return ReservationGrant(reply.reservation_id, [tuple(g) for g in reply.grants], reply.num_no_room)
+        return ReservationGrant(
+            reservation_id=reply.reservation_id, grants=[tuple(g) for g in reply.grants], num_no_room=reply.num_no_room
+        )
 
     def commit(self, reservation_id: int, checksums: list[int], checksum_kind: ChecksumKind = ChecksumKind.XXH3) -> int:
         """Make the reservation's pages visible, one checksum of ``checksum_kind`` per page (in grant order)."""
@@ -353,7 +363,11 @@ class PoolClient:
 
     def report_prefill(self, namespace: bytes, page_bytes: int, num_chunks: int, seconds: float) -> bool:
         """Tell the pool a cold prefill of ``num_chunks`` chunks took ``seconds``; True when a remote tier took it."""
-        return bool(self._call(P.PrefillReport(namespace, page_bytes, num_chunks, seconds)).count)
+        return bool(
+            self._call(
+                P.PrefillReport(namespace=namespace, page_bytes=page_bytes, num_chunks=num_chunks, seconds=seconds)
+            ).count
+        )
 
     # -- page access ---------------------------------------------------------------
 
