@@ -306,6 +306,7 @@ class PoolClient:
         keys: list[bytes],
         page_bytes: int,
         first_depth: int = 0,
+        *,
         token_ids=None,
         account: bytes = b"",
         parent_key: bytes = b"",

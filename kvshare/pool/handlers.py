@@ -208,9 +208,9 @@ class PoolHandlers:
             req.page_bytes,
             req.first_depth,
             self._clock(),
-            req.tokens_le32,
-            req.account,
-            req.parent_key,
+            tokens_le32=req.tokens_le32,
+            account=req.account,
+            parent_key=req.parent_key,
         )
         if self.remote is not None:
             self.remote.on_reserve(holder_id, result.reservation_id, [entry for _, entry in result.grants])

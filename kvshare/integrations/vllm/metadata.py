@@ -72,7 +72,13 @@ class StoreSpec:
         """The pool's pages for these chunks (a PoolClient's reserve: only those it does not hold are granted)."""
         ids = None if self.token_ids is None else list(self.token_ids)
         return client.reserve(
-            self.namespace, list(self.keys), page_bytes, self.first_chunk, ids, self.account, self.parent_key
+            self.namespace,
+            list(self.keys),
+            page_bytes,
+            self.first_chunk,
+            token_ids=ids,
+            account=self.account,
+            parent_key=self.parent_key,
         )
 
     @property
