@@ -25,11 +25,14 @@ import numpy as np
 from kvshare.pool import protocol as P
 from kvshare.pool.arena import ArenaError, check_sealed, map_arena
 from kvshare.pool.checksum import ChecksumKind, is_valid
+from kvshare.pool.client_errors import (
+    ChecksumMismatch,
+    PoolRequestError,
+    PoolUnavailable,
+)  # re-exported: callers import them from here
 from kvshare.pool.direct import register_client
 from kvshare.pool.direct_reader import DirectLeases, map_direct
-
-# the grants and errors live in kvshare.pool.grants and are re-exported: callers import them from here
-from kvshare.pool.grants import ChecksumMismatch, LeaseGrant, PoolRequestError, PoolUnavailable, ReservationGrant
+from kvshare.pool.grants import LeaseGrant, ReservationGrant
 from kvshare.pool.holders import TOKEN_BYTES
 from kvshare.pool.peers import peer_credentials, untrusted_pool_reason
 from kvshare.pool.spin import CpuPressure, SpinPolicy
