@@ -162,7 +162,7 @@ Request = (
 # -- replies ---------------------------------------------------------------------------
 
 
-class PageHeader(msgspec.Struct, kw_only=True, array_like=True):
+class PageHeader(msgspec.Struct, kw_only=True, array_like=True, frozen=True):
     """Where a page lies in the arena and what must hold for its bytes."""
 
     offset: int

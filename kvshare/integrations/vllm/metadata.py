@@ -1,7 +1,8 @@
 """What the vLLM connector's scheduler side tells its worker side each step, and what comes back.
 
-Plain frozen dataclasses (no torch, no vLLM): vLLM passes them between processes by
-pickling when the worker runs in another process, and by reference otherwise.
+Plain frozen dataclasses, with the leased pages as the pool's (frozen) PageHeaders; no torch, no vLLM.
+vLLM passes them between processes by pickling when the worker runs in another process, and by
+reference otherwise.
 """
 
 from __future__ import annotations
@@ -10,19 +11,9 @@ import logging
 import time
 from dataclasses import asdict, dataclass, field, fields
 
-from kvshare.pool.checksum import ChecksumKind
+from kvshare.pool.protocol import PageHeader
 
 log = logging.getLogger("kvshare.integrations")
-
-
-@dataclass(frozen=True)
-class PageRef:
-    """A leased pool page: where it lies in the arena and the checksum (of its kind) recorded at its commit."""
-
-    offset: int
-    page_bytes: int
-    checksum: int
-    checksum_kind: ChecksumKind = ChecksumKind.XXH3
 
 
 @dataclass(frozen=True)
@@ -37,7 +28,7 @@ class LoadSpec:
     req_id: str
     pool_id: bytes
     first_chunk: int
-    pages: tuple[PageRef, ...]
+    pages: tuple[PageHeader, ...]  # as the lease gave them
     keys: tuple[bytes, ...]
     token_start: int
     token_end: int

@@ -24,7 +24,6 @@ from typing import Any
 from kvshare.integrations.vllm.metadata import (
     ConnectorCounters,
     LoadSpec,
-    PageRef,
     PhaseTimes,
     StepPlan,
     StoreSpec,
@@ -210,7 +209,7 @@ class PoolScheduler:
         self.counters.lookups += 1
         if not lease.pages:
             return None
-        pages = [PageRef(p.offset, p.page_bytes, p.checksum, p.checksum_kind) for p in lease.pages]
+        pages = list(lease.pages)
         owner = (self.link.pool_id, self.link.holder)
         held = HeldLease(lease.lease_id, first_chunk, pages, keys[: len(pages)], now, owner)
         self._leases.put(req_id, held)
