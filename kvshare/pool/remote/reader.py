@@ -120,7 +120,7 @@ class StoreReader:
         lengths: list[int | None] = [None] * len(keys)
         for attempt in range(2):
             try:
-                groups = self._by_node(list(range(len(keys))), keys)
+                groups = self._by_node(list(range(len(keys))), keys, deadline)
                 if len(groups) == 1:
                     [(endpoint, indices)] = groups.items()
                     self._read_node(
@@ -188,7 +188,7 @@ class StoreReader:
         deadline: float | None,
     ) -> None:
         commands = [("GETEX", keys[i], "EX", ttl_s) if ttl_s else ("GET", keys[i]) for i in indices]
-        connection, is_reused = self._take(endpoint)
+        connection, is_reused = self._take(endpoint, deadline)
         try:
             try:
                 connection.send(commands)
@@ -196,7 +196,7 @@ class StoreReader:
                 if not is_reused:
                     raise
                 connection.close()  # a pooled connection that died with a restarted store: once more, fresh
-                connection, is_reused = self._connect(endpoint), False
+                connection, is_reused = self._connect(endpoint, deadline), False
                 connection.send(commands)
             connection.receive_until(deadline)
             moved = None
@@ -218,15 +218,15 @@ class StoreReader:
         if moved is not None:
             raise _Moved(str(moved))
 
-    def _take(self, endpoint: Endpoint) -> tuple[RespConnection, bool]:
+    def _take(self, endpoint: Endpoint, deadline: float | None) -> tuple[RespConnection, bool]:
         with self._lock:
             idle = self._idle.get(endpoint)
             if idle:
                 return idle.pop(), True
-        return self._connect(endpoint), False
+        return self._connect(endpoint, deadline), False
 
-    def _connect(self, endpoint: Endpoint) -> RespConnection:
-        return RespConnection(endpoint, self.timeout_s)
+    def _connect(self, endpoint: Endpoint, deadline: float | None = None) -> RespConnection:
+        return RespConnection(endpoint, self.timeout_s, deadline)
 
     def _give_back(self, endpoint: Endpoint, connection: RespConnection) -> None:
         with self._lock:
@@ -243,23 +243,23 @@ class StoreReader:
 
     # -- cluster routing ----------------------------------------------------------------
 
-    def _by_node(self, indices: list[int], keys: list[str]) -> dict[Endpoint, list[int]]:
+    def _by_node(self, indices: list[int], keys: list[str], deadline: float | None) -> dict[Endpoint, list[int]]:
         if not self.address.is_cluster:
             return {self._server: indices}
-        slots = self._slot_map()
+        slots = self._slot_map(deadline)
         groups: dict[Endpoint, list[int]] = {}
         for i in indices:
             groups.setdefault(slots[key_slot(keys[i])], []).append(i)
         return groups
 
-    def _slot_map(self) -> list[Endpoint]:
+    def _slot_map(self, deadline: float | None) -> list[Endpoint]:
         with self._lock:
             if self._slots is not None:
                 return self._slots
         error: BaseException | None = None
         for seed in self._seeds:  # any reachable node knows the whole map
             try:
-                connection = self._connect(seed)
+                connection = self._connect(seed, deadline)
                 try:
                     [reply] = connection.execute([("CLUSTER", "SLOTS")])
                 finally:

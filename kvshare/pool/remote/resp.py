@@ -96,7 +96,8 @@ def encode_command(*args: bytes | str | int) -> bytes:
 class RespConnection:
     """One connection; not thread-safe (a pool hands each to one thread at a time)."""
 
-    def __init__(self, endpoint: Endpoint, timeout_s: float) -> None:
+    def __init__(self, endpoint: Endpoint, timeout_s: float, deadline: float | None = None) -> None:
+        """Connect and set up (AUTH, SELECT); ``deadline``: as ``receive_until``, from the set-up's replies on."""
         self.endpoint = endpoint
         if endpoint.unix_path:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -115,7 +116,7 @@ class RespConnection:
         sock.settimeout(timeout_s)
         self._sock = sock
         self._timeout_s = timeout_s
-        self._deadline: float | None = None  # monotonic; receive_until
+        self._deadline = deadline  # monotonic; receive_until
         self._buf = bytearray(_BUFFER_BYTES)
         self._view = memoryview(self._buf)
         self._start = self._end = 0  # unread bytes are _buf[_start:_end]
@@ -126,7 +127,12 @@ class RespConnection:
             )
         if endpoint.db:
             setup.append(("SELECT", endpoint.db))
-        for reply in self.execute(setup):
+        try:
+            replies = self.execute(setup)
+        except BaseException:
+            self.close()
+            raise
+        for reply in replies:
             if isinstance(reply, RespError):
                 self.close()
                 raise ConnectionRefusedError(f"the store refused the connection set-up: {reply}")
