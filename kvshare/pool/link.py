@@ -5,9 +5,9 @@ let a page go while a copy it enqueued may still touch it. So:
 
 - Timeouts: a request that times out (``timeout_s``) raises and the connection is
   dropped, but the holds stay: the pool keys them by this link's holder token, and
-  keeps them while this process lives (kvshare.pool.holders). A lookup the pool
-  answers late after promoting from its remote tier costs a request, never a page
-  under a copy.
+  keeps them while this process lives (kvshare.pool.holders). A lookup is waited
+  for as long as the pool may legitimately hold it on top (a promotion from its
+  remote tier: HelloReply.lookup_wait_s).
 - Reconnects: after a failure, ``client()`` answers None at once until the backoff
   (``retry_s`` doubling up to ``retry_max_s``) has passed, then connects again with
   the same holder token, so leases and reservations taken before are released or
