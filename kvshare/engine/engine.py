@@ -35,7 +35,7 @@ from kvshare.engine.grid import grid_forward
 from kvshare.engine.grid_check import start_grid
 from kvshare.engine.kv_cache import KVBuffer
 from kvshare.engine.loader import load_model, resolve_device
-from kvshare.engine.pool_link import PoolLink, PoolLoad
+from kvshare.engine.pool_kv import PoolKV, PoolLoad
 from kvshare.engine.prefix_cache import LocalPrefixCache
 from kvshare.engine.publish import PromptPublisher, wait_for
 
@@ -98,9 +98,9 @@ class Engine:
         self._local = LocalPrefixCache(config.local_cache_bytes, config.kv_events)  # kv_events: announce it
         self._stats = EngineStats()
         self._lock = threading.Lock()  # one request at a time owns the sequence KV
-        self._pool: PoolLink | None = None
+        self._pool: PoolKV | None = None
         if config.pool_socket:
-            self._pool = PoolLink(
+            self._pool = PoolKV(
                 config.pool_socket,
                 self.layout,
                 self.device,
@@ -158,6 +158,7 @@ class Engine:
             local_cache_bytes=self._local.num_bytes,
             local_cache_capacity_bytes=self._local.capacity_bytes,
             local_out_of_memory=counters.out_of_memory,
+            is_pool_connected=self._pool is not None and self._pool.is_connected,
         )
 
     @contextmanager
@@ -224,7 +225,7 @@ class Engine:
             if options.timeline is not None:
                 options.timeline.mark("hashing")
             started = time.perf_counter()
-            logits, provenance = self._prefill(kv, ids, keys, options, in_place)
+            logits, provenance, cold_seconds = self._prefill(kv, ids, keys, options, in_place)
             self._count_prompt(provenance)
             generator = make_generator(params.seed)
             counts = TokenCounts(self.model_config.vocab_size, torch.from_numpy(ids)) if params.has_penalties else None
@@ -255,7 +256,9 @@ class Engine:
                         wait_for(publishing)
                     yield TokenEvent(token.token_id, token.logprob, token.top_logprobs, finish, provenance)
                     if publishing is None:  # after the first token, and beside the decode: it delays no other
-                        publishing = self._publisher.submit(self._publish, kv, keys, digest, account, options, ids)
+                        publishing = self._publisher.submit(
+                            self._publish, kv, keys, digest, account, options, ids, cold_seconds
+                        )
                     if finish is not None:
                         break
                     logits = self._decode_step(kv, token.token_id, position)  # writes only positions >= n
@@ -264,7 +267,7 @@ class Engine:
             finally:
                 # a consumer that closes the stream after the first token still leaves the prompt's chunks
                 if num_generated and publishing is None:
-                    self._publish(kv, keys, digest, account, options, ids)
+                    self._publish(kv, keys, digest, account, options, ids, cold_seconds)
                 if publishing is not None:  # the stream ends, and the next request may reuse kv, once it is stored
                     wait_for(publishing)
                 if num_generated and reuses:  # the prompt's KV is complete, and every fed token's; like the
@@ -370,7 +373,7 @@ class Engine:
             else:
                 logits = grid_forward(self.model, prompt_ids[cached_len:], kv, cached_len, self.grid.grid_tokens)
         provenance = Provenance(cached_len - pool_chunks * c, pool_chunks * c, n - cached_len, self.grid is not None)
-        return logits, provenance
+        return logits, provenance, load.cold_seconds
 
     def _reusable_after_check(self, local_chunks: int, verified_chunks: int) -> tuple[int, int]:
         """(local, pool) chunks still reused when only the load's first ``verified_chunks`` passed their check.
@@ -388,7 +391,14 @@ class Engine:
         return min(local_chunks, used), max(0, used - local_chunks)
 
     def _publish(
-        self, kv: torch.Tensor, keys: list[bytes], digest: bytes, account: bytes, options: RequestOptions, ids
+        self,
+        kv: torch.Tensor,
+        keys: list[bytes],
+        digest: bytes,
+        account: bytes,
+        options: RequestOptions,
+        ids,
+        cold_seconds: float | None,
     ) -> None:
         """The prompt's full chunks to the local cache and the pool (kvshare.engine.publish)."""
-        self._publisher.publish(kv, keys, digest, account, options, ids)
+        self._publisher.publish(kv, keys, digest, account, options, ids, cold_seconds)

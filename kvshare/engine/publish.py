@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from kvshare.engine.kv_cache import KVBuffer
-from kvshare.engine.pool_link import PoolLink
+from kvshare.engine.pool_kv import PoolKV
 from kvshare.engine.prefix_cache import LocalPrefixCache
 from kvshare.engine.request import RequestOptions
 
@@ -19,7 +19,7 @@ from kvshare.engine.request import RequestOptions
 class PromptPublisher:
     """The publish threads of one engine: one stores each prompt, one makes the local cache's copies."""
 
-    def __init__(self, local: LocalPrefixCache, kv_buffer: KVBuffer, pool: PoolLink | None, device: torch.device):
+    def __init__(self, local: LocalPrefixCache, kv_buffer: KVBuffer, pool: PoolKV | None, device: torch.device):
         self._local, self._kv, self._pool, self.device = local, kv_buffer, pool, device
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvshare-publish")
         # the local cache's copies, beside the pool's store (in a row they outlasted a 128k prompt's decode)
@@ -31,10 +31,18 @@ class PromptPublisher:
 
     @torch.inference_mode()
     def publish(
-        self, kv: torch.Tensor, keys: list[bytes], digest: bytes, account: bytes, options: RequestOptions, ids
+        self,
+        kv: torch.Tensor,
+        keys: list[bytes],
+        digest: bytes,
+        account: bytes,
+        options: RequestOptions,
+        ids,
+        cold_seconds: float | None = None,
     ) -> None:
         """Offer the prompt's full chunks to the local cache and the pool (each keeps what it lacks), side by side:
-        both only read ``kv``; the request's lock is held until both are done. ``account``: whose pool quota."""
+        both only read ``kv``; the request's lock is held until both are done. ``account``: whose pool quota;
+        ``cold_seconds``: the prompt's prefill time when it reused nothing (the pool weighs it)."""
         # the request's stream: the local copies go on it (after the prefill, before kv is written next)
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         announced = None if options.tenant else ids  # a tenant's ids: never announced
@@ -45,7 +53,7 @@ class PromptPublisher:
         )
         try:
             if options.use_pool and self._pool is not None:
-                self._pool.store(kv, keys, digest, stream, None if options.tenant else ids, account)
+                self._pool.store(kv, keys, digest, stream, announced, account, cold_seconds=cold_seconds)
         finally:
             if local is not None:
                 wait_for(local)

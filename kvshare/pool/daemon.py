@@ -217,7 +217,7 @@ class PoolServer:
         if uid not in allowed:
             self.counters.refused_peers += 1
             log.warning("refused a client with uid %d (pid %d); allowed uids: %s", uid, pid, allowed)
-            send_now(sock, P.encode(P.ErrorReply("not_allowed", f"uid {uid} may not use this pool")))
+            send_now(sock, P.encode(P.ErrorReply(code="not_allowed", message=f"uid {uid} may not use this pool")))
             sock.close()
             return
         if pid == 0:  # a process in another pid namespace: whether it is gone cannot be known (holders.py)
@@ -302,7 +302,7 @@ class PoolServer:
             if not client.is_greeted:  # not a kvshare client: nothing it says later can be trusted either
                 self._fail_and_close(client, "hello_required", f"the first message must be hello ({exc})")
                 return
-            self._reply(client, P.ErrorReply("malformed", str(exc)))
+            self._reply(client, P.ErrorReply(code="malformed", message=str(exc)))
             return
         if not client.is_greeted:
             self._on_hello(client, request)
@@ -343,7 +343,7 @@ class PoolServer:
     def _fail_and_close(self, client: Connection, code: str, message: str) -> None:
         self.counters.errors += 1
         log.warning("closing client %s (pid %d): %s", self._label(client), client.pid, message)
-        send_now(client.sock, P.encode(P.ErrorReply(code, message)))
+        send_now(client.sock, P.encode(P.ErrorReply(code=code, message=message)))
         client.is_closing = True
         self._drop_client(client)
 
@@ -384,6 +384,8 @@ class PoolServer:
             self.config.remote, self.index, self.arena, self.config.index.lease_ttl_s, writer_id, promoter_id
         )
         self.handlers.remote = self.remote
+        # a promoting lookup is answered by its deadline, which the loop sees on its next tick
+        self.handlers.lookup_wait_s = self.config.remote.promote_timeout_s + self.config.tick_s
         self._selector.register(self.remote.wakeup, selectors.EVENT_READ, _REMOTE_WAKEUP)
 
     def _close_remote(self) -> None:

@@ -142,7 +142,14 @@ class DirectLeases:
         return LeaseGrant(
             lease_id=lease_id,
             pages=[
-                P.PageHeader(w[OFFSET], w[PAGE_BYTES], w[CHECKSUM], version, w[CHECKSUM_KIND]) for _s, _q, w in read
+                P.PageHeader(
+                    offset=w[OFFSET],
+                    page_bytes=w[PAGE_BYTES],
+                    checksum=w[CHECKSUM],
+                    format_version=version,
+                    checksum_kind=w[CHECKSUM_KIND],
+                )
+                for _s, _q, w in read
             ],
         )
 

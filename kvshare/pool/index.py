@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
+from collections.abc import Collection
 
 from kvshare.keys import KEY_BYTES
 from kvshare.pool.allocator import Allocator
@@ -157,9 +158,13 @@ class PoolIndex:
         self.counters.expired_leases += len(expired)
         return len(expired)
 
-    def expire_reservations(self, now: float) -> list[int]:
-        """Abort reservations older than ``reservation_ttl_s``; returns their ids."""
-        stale = [r for r in self._reservations.values() if r.created_at + self.config.reservation_ttl_s <= now]
+    def expire_reservations(self, now: float, in_copy: Collection[int] = ()) -> list[int]:
+        """Abort reservations older than ``reservation_ttl_s``, but none in ``in_copy`` (a copy into its pages may
+        still run); returns their ids."""
+        ttl_s = self.config.reservation_ttl_s
+        stale = [
+            r for r in self._reservations.values() if r.created_at + ttl_s <= now and r.reservation_id not in in_copy
+        ]
         for reservation in stale:
             self._abort(reservation)
         self.counters.expired_reservations += len(stale)

@@ -60,9 +60,17 @@ def test_holds_of_an_unknown_peer_end_by_goodbye_or_ttl_never_on_a_tick_before()
     handlers, _, clock = make(lease_ttl_s=10.0, reservation_ttl_s=20.0)
     handlers.connect(1, pid=0, uid=os.getuid())
     handlers.hello(1, P.Hello(protocol_version=P.PROTOCOL_VERSION, holder=b"a" * 16))
-    handlers.handle(1, P.Commit(handlers.handle(1, P.Reserve(NS, make_keys("k", 2), PAGE)).reservation_id, [1, 2]))
-    handlers.handle(1, P.Lookup(make_keys("k", 2), PAGE))
-    handlers.handle(1, P.Reserve(NS, make_keys("w", 1), PAGE))
+    handlers.handle(
+        1,
+        P.Commit(
+            reservation_id=handlers.handle(
+                1, P.Reserve(namespace=NS, keys=make_keys("k", 2), page_bytes=PAGE)
+            ).reservation_id,
+            checksums=[1, 2],
+        ),
+    )
+    handlers.handle(1, P.Lookup(keys=make_keys("k", 2), page_bytes=PAGE))
+    handlers.handle(1, P.Reserve(namespace=NS, keys=make_keys("w", 1), page_bytes=PAGE))
     assert handlers.disconnect(1) == (0, 0)
     clock.now += 9.0
     handlers.tick(clock.now)
@@ -77,7 +85,7 @@ def test_holds_of_an_unknown_peer_end_by_goodbye_or_ttl_never_on_a_tick_before()
 
     handlers.connect(2, pid=0, uid=os.getuid())
     handlers.hello(2, P.Hello(protocol_version=P.PROTOCOL_VERSION, holder=b"b" * 16))
-    handlers.handle(2, P.Lookup(make_keys("k", 2), PAGE))
+    handlers.handle(2, P.Lookup(keys=make_keys("k", 2), page_bytes=PAGE))
     assert handlers.index.num_leases == 1
     handlers.handle(2, P.Goodbye())  # every copy has ended
     assert handlers.index.num_leases == 0

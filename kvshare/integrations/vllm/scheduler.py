@@ -23,7 +23,7 @@ from typing import Any
 
 from kvshare.integrations.vllm.counters import ConnectorCounters, PhaseTimes
 from kvshare.integrations.vllm.leases import HeldLease, LeaseBook, LeaseState
-from kvshare.integrations.vllm.metadata import LoadSpec, PageRef, StepPlan, StoreSpec, WorkerReport
+from kvshare.integrations.vllm.metadata import LoadSpec, StepPlan, StoreSpec, WorkerReport
 from kvshare.integrations.vllm.options import ConnectorConfig, TransferParams, provenance
 from kvshare.integrations.vllm.prompt_chunks import chunks_completed, lookup_window, tokens_to_load
 from kvshare.integrations.vllm.tensor_parallel import TensorParallelStores
@@ -197,7 +197,7 @@ class PoolScheduler:
         self.counters.lookups += 1
         if not lease.pages:
             return None
-        pages = [PageRef(p.offset, p.page_bytes, p.checksum, p.checksum_kind) for p in lease.pages]
+        pages = list(lease.pages)
         owner = (self.link.pool_id, self.link.holder)
         held = HeldLease(lease.lease_id, first_chunk, pages, keys[: len(pages)], now, owner)
         self._leases.put(req_id, held)
