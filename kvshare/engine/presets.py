@@ -25,9 +25,11 @@ import os
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
+from kvshare.engine.architectures import checkpoint_weight_name, new_model
 from kvshare.engine.config import ModelConfig, model_config_from_hf
-from kvshare.engine.model import Transformer
+from kvshare.engine.hybrid_presets import hybrid_fill, qwen3_5_config, with_dtype
 from kvshare.engine.tokenizer import BOS_ID, EOS_ID
 from kvshare.engine.weights import TORCH_DTYPES, assign_state, safetensors_header
 from kvshare.errors import UserError
@@ -158,6 +160,66 @@ PRESETS: dict[str, Preset] = {
         draw_on_device=True,
         tokenizer="bpe",
     ),
+    # the Qwen3.5 dense hybrid (kvshare.engine.hybrid_presets: shapes and their sources)
+    "qwen3.5-tiny": Preset(
+        "qwen3.5-tiny",
+        qwen3_5_config(
+            num_layers=8,
+            dtype="float32",
+            vocab_size=260,
+            hidden_size=256,
+            intermediate_size=768,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=32,
+            linear_value_head_dim=32,
+            max_position_embeddings=32768,
+        ),
+        seed=20261207,
+        embed_std=1.0,
+        linear_gain=2.0,
+        head_gain=4.0,
+        draw_on_device=False,
+    ),
+    "qwen3.5-9b": Preset(
+        "qwen3.5-9b",
+        qwen3_5_config(
+            num_layers=32,
+            dtype="bfloat16",
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_attention_heads=16,
+            num_key_value_heads=4,
+            linear_num_value_heads=32,
+        ),
+        seed=9,
+        embed_std=1.0,
+        linear_gain=1.0,
+        head_gain=8.0,
+        draw_on_device=True,
+        tokenizer="bpe248k",
+    ),
+    "qwen3.5-27b": Preset(
+        "qwen3.5-27b",
+        qwen3_5_config(
+            num_layers=64,
+            dtype="bfloat16",
+            hidden_size=5120,
+            intermediate_size=17408,
+            num_attention_heads=24,
+            num_key_value_heads=4,
+            linear_num_value_heads=48,
+        ),
+        seed=27,
+        embed_std=1.0,
+        linear_gain=1.0,
+        head_gain=8.0,
+        draw_on_device=True,
+        tokenizer="bpe248k",
+    ),
 }
 
 
@@ -177,9 +239,7 @@ def model_config_of(model: str) -> ModelConfig:
 
 
 def preset_hf_config(preset: Preset, dtype: str | None = None) -> dict:
-    hf = dict(preset.hf_config)
-    if dtype is not None:
-        hf["dtype"] = dtype
+    hf = dict(preset.hf_config) if dtype is None else with_dtype(preset.hf_config, dtype)
     hf["kvshare_preset"] = preset.name
     return hf
 
@@ -195,32 +255,46 @@ def file_metadata(preset: Preset, init_device: str) -> dict[str, str]:
 
 
 def _tensor_std(preset: Preset, config: ModelConfig, name: str, shape: torch.Size) -> float | None:
-    """std of a weight's entries; None: the tensor is all ones (norm weights) or zeros (biases)."""
-    if name.endswith("norm.weight") or name.endswith(".bias"):
+    """std of a weight's entries; None: the tensor is filled (_tensor_fill)."""
+    if (
+        name.endswith("norm.weight")
+        or name.endswith(".bias")
+        or (config.is_hybrid and hybrid_fill(name, shape) is not None)
+    ):
         return None
     if name == "model.embed_tokens.weight":
         return preset.embed_std
     if name == "lm_head.weight":
         return preset.head_gain / math.sqrt(config.hidden_size)
-    return preset.linear_gain / math.sqrt(shape[-1])  # projections: fan_in is the last dimension
+    return preset.linear_gain / math.sqrt(shape[-1])  # projections (and a conv's taps): fan_in is the last dimension
 
 
-def build_preset(name: str, device: torch.device, dtype: str | None = None) -> tuple[Transformer, ModelConfig, str]:
+def _tensor_fill(config: ModelConfig, name: str, shape: torch.Size) -> torch.Tensor | float:
+    """The values of a tensor that is not drawn: norm weights 1, biases 0, a hybrid's own (hybrid_fill)."""
+    if config.is_hybrid and (fill := hybrid_fill(name, shape)) is not None:
+        return fill
+    return 1.0 if name.endswith("norm.weight") else 0.0
+
+
+def build_preset(name: str, device: torch.device, dtype: str | None = None) -> tuple[nn.Module, ModelConfig, str]:
     """(model on ``device``, config, weights fingerprint): random weights from the preset's seed."""
     preset = get_preset(name)
     hf = preset_hf_config(preset, dtype)
     config = model_config_from_hf(hf)
     target = TORCH_DTYPES[config.dtype]
     with torch.device("meta"):
-        model = Transformer(config)
+        model = new_model(config)
     draw_device = torch.device(device) if preset.draw_on_device else torch.device("cpu")
     generator = torch.Generator(device=draw_device).manual_seed(preset.seed)
     state = {}
     for tensor_name, meta in preset_tensors(model):
         std = _tensor_std(preset, config, tensor_name, meta.shape)
         if std is None:
-            fill = 1.0 if tensor_name.endswith("norm.weight") else 0.0
-            state[tensor_name] = torch.full(meta.shape, fill, dtype=target, device=device)
+            fill = _tensor_fill(config, tensor_name, meta.shape)
+            if isinstance(fill, torch.Tensor):
+                state[tensor_name] = fill.to(device=device, dtype=target)
+            else:
+                state[tensor_name] = torch.full(meta.shape, fill, dtype=target, device=device)
         else:  # drawn in float32 whatever the target dtype, so dtypes differ only by rounding
             values = torch.empty(meta.shape, dtype=torch.float32, device=draw_device).normal_(
                 0.0, std, generator=generator
@@ -232,20 +306,26 @@ def build_preset(name: str, device: torch.device, dtype: str | None = None) -> t
     return model, config, preset_fingerprint(preset, dtype, draw_device)
 
 
-def preset_tensors(model: Transformer) -> list[tuple[str, torch.Tensor]]:
-    """The tensors a preset file holds, in file order (a tied head is stored once, as the embedding)."""
+def preset_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The model's tensors a preset file holds, in file order (a tied head is stored once, as the embedding), by
+    the model's names (``checkpoint_tensors``: by the file's)."""
     items = list(model.state_dict().items())
     if model.config.tie_word_embeddings:
         items = [(n, t) for n, t in items if n != "lm_head.weight"]
     return items
 
 
+def checkpoint_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """preset_tensors named as a published checkpoint of the model's family names them (its file's names)."""
+    return [(checkpoint_weight_name(model.config, n), t) for n, t in preset_tensors(model)]
+
+
 def preset_fingerprint(preset: Preset, dtype: str | None, draw_device: torch.device) -> str:
     hf = preset_hf_config(preset, dtype)
     config = model_config_from_hf(hf)
     with torch.device("meta"):
-        model = Transformer(config)
+        model = new_model(config)
     target = TORCH_DTYPES[config.dtype]
-    shapes = [(n, target, tuple(t.shape)) for n, t in preset_tensors(model)]
+    shapes = [(n, target, tuple(t.shape)) for n, t in checkpoint_tensors(model)]
     header = safetensors_header(shapes, file_metadata(preset, torch.device(draw_device).type))
     return weights_fingerprint(config_json_bytes(hf), [header])
