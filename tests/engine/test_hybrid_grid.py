@@ -10,6 +10,7 @@ import torch
 from kvshare.engine import gdn
 from kvshare.engine.config import EngineConfig
 from kvshare.engine.engine import Engine, RequestOptions, SamplingParams
+from kvshare.engine.gdn_state import layer_views
 from kvshare.engine.grid_check import GridCheckFailed, require_exact_grid
 from kvshare.engine.hybrid_grid import hybrid_grid_forward
 from kvshare.engine.hybrid_grid_check import check_hybrid_grid
@@ -119,3 +120,20 @@ def test_an_engines_local_reuse_equals_recomputing_bit_for_bit():
     assert (provenance.local_tokens, provenance.computed_tokens) == (128, 122) and provenance.is_deterministic
     assert cold_provenance.local_tokens == 0
     assert warm == cold  # token ids and float32 logprobs, bit for bit
+
+
+def test_a_tails_padding_leaves_the_state_as_its_valid_rows_leave_it(tiny):
+    """The last grid chunk's rows past the prompt are padding: the GDN state after a grid prefill is the state the
+    prompt's own tokens leave (as the fast forward computes it), so decoding goes on from the right state."""
+    model, config = tiny
+    n = GRID + 10
+    ids = torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        hybrid_grid_forward(model, ids, _kv(config, n + 1), 0, GRID)
+        on_grid = model.state.snapshot()
+        model(ids, _kv(config, n + 1), 0)
+        fast = model.state.snapshot()
+    for a, b in zip(*(layer_views(model.state.layout, s.data)[0] for s in (on_grid, fast))):
+        assert (a - b).abs().max().item() < 1e-5
+    for a, b in zip(*(layer_views(model.state.layout, s.data)[1] for s in (on_grid, fast))):
+        assert torch.equal(a, b)  # the conv state: the last 3 inputs of the prompt's own rows
