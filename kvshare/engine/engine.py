@@ -111,7 +111,10 @@ class Engine:
         self._lock = threading.Lock()  # one request at a time owns the sequence KV
         self._pool: PoolLink | None = None
         # a hybrid's prefill resumes only where it holds a state (kvshare.engine.hybrid_prefill)
-        self.hybrid = HybridPrefill(self.model, self._kv, self._local, config, self.grid) if mc.is_hybrid else None
+        self.hybrid = None
+        if mc.is_hybrid:
+            decode_step = self._decode_step if self._use_graphs else None
+            self.hybrid = HybridPrefill(self.model, self._kv, self._local, config, self.grid, decode_step)
         if config.pool_socket and mc.is_hybrid:
             log.warning(
                 "the pool is not used for %s: a hybrid model (Gated DeltaNet layers) resumes a prefix only with the "

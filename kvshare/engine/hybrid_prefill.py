@@ -22,6 +22,7 @@ the states beside them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -61,9 +62,18 @@ class HybridPrefill:
     """The prefill of a hybrid model's requests (Engine delegates to it), and the checkpoints each one takes."""
 
     def __init__(
-        self, model, kv_buffer: KVBuffer, local: LocalPrefixCache, config: EngineConfig, grid: Grid | None
+        self,
+        model,
+        kv_buffer: KVBuffer,
+        local: LocalPrefixCache,
+        config: EngineConfig,
+        grid: Grid | None,
+        decode_step: Callable[[torch.Tensor, int, int], torch.Tensor] | None = None,
     ) -> None:
         self.model, self._kv, self._local, self.config, self.grid = model, kv_buffer, local, config, grid
+        # the engine's decode step (CUDA graphs): a prefill of one token runs it (an eager forward is launch-bound);
+        # not in the deterministic mode, whose last token is computed on the grid
+        self.decode_step = decode_step
         self._prompt_end: PromptEnd | None = None
         self._taken: list[tuple[bytes, torch.Tensor]] = []  # (chunk key, checkpoint bytes) the last prefill took
 
@@ -92,7 +102,12 @@ class HybridPrefill:
         if keeps_prompt_end and n - 1 > start:
             checkpoints.setdefault(n - 1, self.model.state.empty_checkpoint(n - 1))
         at_start = self.model.state.snapshot() if keeps_prompt_end and n - 1 == start else None
-        logits = self._forward(torch.from_numpy(ids[start:]).to(kv.device), kv, start, checkpoints, options)
+        if n - start == 1 and self.decode_step is not None and self.grid is None and set(checkpoints) <= {n}:
+            logits = self.decode_step(kv, int(ids[-1]), start)  # the state is then the one at n
+            for checkpoint in checkpoints.values():
+                checkpoint.data.copy_(self.model.state.buffer)
+        else:
+            logits = self._forward(torch.from_numpy(ids[start:]).to(kv.device), kv, start, checkpoints, options)
         self._taken = [(keys[b - 1], checkpoints[b * c].data) for b in wanted]
         end = at_start or checkpoints.get(n - 1)
         self._prompt_end = PromptEnd(digest, ids[: n - 1].copy(), end) if keeps_prompt_end and end else None

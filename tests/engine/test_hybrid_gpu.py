@@ -117,6 +117,8 @@ def test_local_reuse_equals_recomputing_on_cuda():
 
     prompt = _ids(300, 5)
     answer, _ = run(prompt)
+    again, provenance = run(prompt)  # the last token alone, through the decode graphs
+    assert provenance.computed_tokens == 1 and again == answer == run(prompt, NO_LOCAL)[0]
     branch = prompt[:250] + _ids(40, 6)  # KV held in place to 250, the deepest state at 128
     got, provenance = run(branch)
     assert provenance.local_tokens == 128 and got == run(branch, NO_LOCAL)[0]

@@ -86,6 +86,28 @@ def test_a_prompt_of_whole_chunks_keeps_its_last_chunks_state_for_the_next(engin
     assert got == _cold(engine, longer)
 
 
+def test_a_last_token_computed_by_the_decode_step_keeps_the_chunks_state():
+    """On CUDA a prefill of one token runs the decode step (graphs); the state after it is the prompt's, and a
+    checkpoint at its end (a prompt of whole chunks) is filled from it. Here the eager step stands in."""
+    engine = Engine(EngineConfig(model="qwen3.5-tiny", chunk_tokens=CHUNK))
+    try:
+        engine.hybrid.decode_step = engine._decode_step
+        prompt = _ids(4 * CHUNK, 13)
+        run(engine, prompt)
+        last_chunk = state_key(engine.prompt_chunk_keys(prompt)[-1])
+        engine._local._remove(last_chunk)  # the checkpoint at 256 evicted: the next prefill takes it again
+        engine._local._checkpoint_keys.discard(last_chunk)
+        again, provenance = run(engine, prompt)  # from the state after 255 tokens: the last one by the step
+        assert provenance.computed_tokens == 1 and again == _cold(engine, prompt)
+        assert last_chunk in engine._local
+        run(engine, _ids(70, 14))
+        longer = prompt + _ids(30, 15)
+        got, provenance = run(engine, longer)  # the checkpoint at 256 that the step's state filled
+        assert provenance.local_tokens == 4 * CHUNK and got == _cold(engine, longer)
+    finally:
+        engine.close()
+
+
 def test_the_pool_is_not_used_for_a_hybrid_model_and_says_so(caplog, tmp_path):
     with caplog.at_level(logging.WARNING, logger="kvshare.engine.engine"):
         engine = Engine(EngineConfig(model="qwen3.5-tiny", pool_socket=str(tmp_path / "no-pool.sock")))
