@@ -101,7 +101,7 @@ class HybridPrefill:
         keeps_prompt_end = options.use_local_cache and self.grid is None and self.config.reuse_in_place
         if keeps_prompt_end and n - 1 > start:
             checkpoints.setdefault(n - 1, self.model.state.empty_checkpoint(n - 1))
-        at_start = self.model.state.snapshot() if keeps_prompt_end and n - 1 == start else None
+        at_start = self.model.state.snapshot() if keeps_prompt_end and n - 1 == start > 0 else None
         if n - start == 1 and self.decode_step is not None and self.grid is None and set(checkpoints) <= {n}:
             logits = self.decode_step(kv, int(ids[-1]), start)  # the state is then the one at n
             for checkpoint in checkpoints.values():
