@@ -26,12 +26,15 @@ from kvshare.units import format_bytes
 
 log = logging.getLogger(__name__)
 
-# kvshare.engine.presets.PRESETS' KV shapes, (num_layers, num_kv_heads, head_dim, dtype), known without
-# importing torch; tests/test_preflight.py checks that they agree with the presets
+# kvshare.engine.presets.PRESETS' KV shapes, (KV layers, num_kv_heads, head_dim, dtype), known without
+# importing torch (a hybrid's KV layers: its attention layers); tests/test_preflight.py checks them against the presets
 PRESET_KV_SHAPES: dict[str, tuple[int, int, int, str]] = {
     "tiny": (8, 2, 64, "float32"),
     "qwen3-8b": (36, 8, 128, "bfloat16"),
     "qwen3-32b": (64, 8, 128, "bfloat16"),
+    "qwen3.5-tiny": (2, 2, 64, "float32"),
+    "qwen3.5-9b": (8, 4, 256, "bfloat16"),
+    "qwen3.5-27b": (16, 4, 256, "bfloat16"),
 }
 PRESET_NAMES = tuple(PRESET_KV_SHAPES)
 MIN_POOL_BYTES = 1 << 20  # smaller holds no page of any model worth serving (the tiny model's is 2 MiB)
@@ -63,7 +66,7 @@ def model_layout(model: str, chunk_tokens: int) -> KVLayout:
 
     with open(os.path.join(model, "config.json")) as f:
         config = model_config_from_hf(json.load(f))
-    return KVLayout(config.num_layers, config.num_kv_heads, config.head_dim, config.dtype, chunk_tokens)
+    return KVLayout(config.num_kv_layers, config.num_kv_heads, config.head_dim, config.dtype, chunk_tokens)
 
 
 # -- ports --------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ def test_preset_kv_shapes_agree_with_the_presets():
     assert set(preflight.PRESET_KV_SHAPES) == set(PRESETS)
     for name, preset in PRESETS.items():
         c = preset.config
-        assert preflight.PRESET_KV_SHAPES[name] == (c.num_layers, c.num_kv_heads, c.head_dim, c.dtype), name
+        assert preflight.PRESET_KV_SHAPES[name] == (c.num_kv_layers, c.num_kv_heads, c.head_dim, c.dtype), name
 
 
 def test_model_is_a_directory_with_config_json_or_a_preset(tmp_path):

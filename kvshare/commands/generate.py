@@ -10,7 +10,9 @@ from kvshare.units import parse_size_or_off
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--model", required=True, help="a local HF model directory or a preset name (tiny, qwen3-8b, qwen3-32b)"
+        "--model",
+        required=True,
+        help="a local HF model directory or a preset name (kvshare make-model --help lists them)",
     )
     p.add_argument("--pool", default="off", help="the pool's Unix socket, or 'off' (default)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")

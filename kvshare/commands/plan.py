@@ -1,4 +1,5 @@
-"""Size a pool: KV bytes per token of a model and the pool that holds N cached tokens."""
+"""Size a pool: KV bytes per token of a model and the pool that holds N cached tokens; for a hybrid model (Gated
+DeltaNet layers) also the bytes of its state at one position (a checkpoint, kvshare.state_layout)."""
 
 from __future__ import annotations
 
@@ -59,11 +60,11 @@ def plan(config, tokens: int, chunk_tokens: int, dtype: str | None, high_waterma
     from kvshare.layout import KVLayout
     from kvshare.units import format_bytes
 
-    layout = KVLayout(config.num_layers, config.num_kv_heads, config.head_dim, dtype or config.dtype, chunk_tokens)
+    layout = KVLayout(config.num_kv_layers, config.num_kv_heads, config.head_dim, dtype or config.dtype, chunk_tokens)
     pages = -(-tokens // chunk_tokens)
     data = pages * layout.page_bytes
     pool = int(data / high_watermark)
-    return {
+    return _state_plan(config) | {
         "layers": layout.num_layers,
         "kv_heads": layout.num_kv_heads,
         "head_dim": layout.head_dim,
@@ -78,6 +79,35 @@ def plan(config, tokens: int, chunk_tokens: int, dtype: str | None, high_waterma
         "pool_size": f"{-(-pool // (1 << 30))}GiB",
         "min_extent_size": format_bytes(layout.page_bytes),
     }
+
+
+def _state_plan(config) -> dict:
+    """A hybrid's state per sequence (one checkpoint): its GDN layers' recurrent and conv states; {} for others."""
+    if not config.is_hybrid:
+        return {}
+    from kvshare.engine.hybrid_config import state_layout_of
+
+    state = state_layout_of(config)
+    return {
+        "gdn_layers": state.num_layers,
+        "recurrent_shape": list(state.recurrent_shape),
+        "recurrent_dtype": state.recurrent_dtype,
+        "conv_shape": list(state.conv_shape),
+        "conv_dtype": state.conv_dtype,
+        "state_bytes": state.checkpoint_bytes,
+    }
+
+
+def _print_state(result: dict) -> None:
+    from kvshare.units import format_bytes
+
+    heads, keys, values = result["recurrent_shape"]
+    channels, inputs = result["conv_shape"]
+    print(
+        f"state: {result['gdn_layers']} Gated DeltaNet layers x (recurrent {heads}x{keys}x{values} "
+        f"{result['recurrent_dtype']} + conv {channels}x{inputs} {result['conv_dtype']}) = "
+        f"{format_bytes(result['state_bytes'])} per sequence, and per checkpoint (the state at one position)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -96,10 +126,13 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from kvshare.units import format_bytes
 
+    what = "attention layers" if "state_bytes" in result else "layers"
     print(
-        f"{args.model}: {result['layers']} layers x 2 (K,V) x {result['kv_heads']} KV heads x {result['head_dim']}"
+        f"{args.model}: {result['layers']} {what} x 2 (K,V) x {result['kv_heads']} KV heads x {result['head_dim']}"
         f" x {result['kv_dtype']} = {result['bytes_per_token']} bytes per token"
     )
+    if "state_bytes" in result:
+        _print_state(result)
     print(
         f"one {args.chunk_tokens}-token page: {format_bytes(result['page_bytes'])}"
         f" (the pool's --extent-size must be at least this)"
