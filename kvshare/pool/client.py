@@ -271,10 +271,20 @@ class PoolClient:
         except BlockingIOError:  # SO_SNDTIMEO passed: the pool does not read
             raise TimeoutError(f"the pool took no request for {self.timeout_s} s") from None
 
-    def lookup(self, keys: list[bytes], page_bytes: int, lease: bool = True) -> LeaseGrant:
+    def lookup(
+        self,
+        keys: list[bytes],
+        page_bytes: int,
+        lease: bool = True,
+        states: list[P.StateCandidate] | None = None,
+        state_page_bytes: int = 0,
+    ) -> LeaseGrant:
         """Longest committed prefix of ``keys``, leased so it cannot be evicted while read; a full hit from the
-        directory where mapped (no round trip) while the socket says the pool is there (a gone pool's stays mapped)."""
-        is_direct = lease and self._direct is not None and self._sock is not None
+        directory where mapped (no round trip) while the socket says the pool is there (a gone pool's stays mapped).
+
+        ``states``: a hybrid model's checkpoints, deepest first (protocol.Lookup); the grant's ``state`` is the one
+        found, leased with the pages. Such a lookup always asks the pool (the directory holds no such rule)."""
+        is_direct = lease and not states and self._direct is not None and self._sock is not None
         is_direct = is_direct and not (self._poller.poll(0) and self.is_peer_closed())  # poll: ~1 us, no exception
         grant = self._direct.lookup(keys, page_bytes) if is_direct else None
         if grant is not None:
@@ -282,8 +292,11 @@ class PoolClient:
         # a lookup the pool promotes from its remote tier is answered by its promote timeout: waited for
         promotes = lease and self.hello is not None
         wait_s = self.timeout_s + self.hello.lookup_wait_s if promotes else self.timeout_s
-        reply = self._call(P.Lookup(keys=list(keys), page_bytes=page_bytes, lease=lease), wait_s)
-        return LeaseGrant(lease_id=reply.lease_id, pages=reply.pages)
+        request = P.Lookup(
+            keys=list(keys), page_bytes=page_bytes, lease=lease, states=states or [], state_page_bytes=state_page_bytes
+        )
+        reply = self._call(request, wait_s)
+        return LeaseGrant(lease_id=reply.lease_id, pages=reply.pages, state=reply.state)
 
     def release(self, lease_ids: list[int], wait: bool = False) -> None:
         """Release leases; without ``wait`` no reply is awaited (the message still arrives in order)."""
@@ -313,10 +326,12 @@ class PoolClient:
         token_ids=None,
         account: bytes = b"",
         parent_key: bytes = b"",
+        holds_states: bool = False,
     ) -> ReservationGrant:
         """Pages for ``keys``; ``token_ids`` (the chunks' tokens, in order) lets the pool announce them in KV events.
         ``account`` (P.Reserve): whose quota the pages count against; empty: the namespace's. ``parent_key``: the
         key of the chunk before ``keys[0]`` in its chain (P.Reserve), for a run that does not start at chunk 0.
+        ``holds_states``: the keys name state checkpoints (P.Reserve), one page each.
 
         The tokens travel only to a pool that publishes events, and only up to MAX_RESERVE_TOKEN_BYTES (a longer
         run is announced without them: invisible to an indexer that rehashes tokens, never wrong)."""
@@ -331,6 +346,7 @@ class PoolClient:
             tokens_le32=tokens_le32,
             account=account,
             parent_key=parent_key,
+            holds_states=holds_states,
         )
         reply = self._call(reserve)
         return ReservationGrant(

@@ -39,6 +39,7 @@ class Entry:
     # offset, size and checksum never change, so every later lookup sends the same one
     header: object = None
     gen: int = 0  # this entry's generation in the directory (direct.py); 0: not published there
+    is_state: bool = False  # a state checkpoint (protocol.Reserve.holds_states), not a chunk's KV
 
     @property
     def quota_owner(self) -> bytes:
@@ -94,12 +95,15 @@ class IndexCounters:
     expired_reservations: int = 0  # aborted by their TTL: a writer that never finished
     quota_evictions: int = 0  # pages a namespace over its quota evicted of its own
     quota_skipped_pages: int = 0  # pages a reserve did not grant because the namespace was at its quota
+    state_lookups: int = 0  # lookups that named state checkpoints (a hybrid model's)
+    state_hits: int = 0  # ... and found one
 
 
 @dataclass(frozen=True)
 class LookupResult:
     lease_id: int  # 0 when nothing was leased
     entries: list[Entry]
+    state: tuple[int, Entry] | None = None  # a lookup with state candidates: (the candidate's index, its entry)
 
 
 @dataclass(frozen=True)

@@ -185,8 +185,11 @@ class PoolEvents:
 
     def committed(self, entries: list[Entry]) -> None:
         """Pages just made visible; a chain's pages parent first, each only when its parent is announced (a page
-        whose named parent is not waits for it; one whose parent is not named is never announced)."""
+        whose named parent is not waits for it; one whose parent is not named is never announced). A state
+        checkpoint is no KV block: never announced."""
         for entry in sorted(entries, key=lambda e: e.depth):
+            if entry.is_state:
+                continue
             parent = entry.parent_key
             if entry.depth > 0 and (parent is None or parent not in self._announced):
                 if parent is not None:

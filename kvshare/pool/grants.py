@@ -17,6 +17,7 @@ class LeaseGrant:
 
     lease_id: int
     pages: list[P.PageHeader]
+    state: P.StateHit | None = None  # a lookup with state candidates: the checkpoint leased with the pages
 
     @property
     def num_pages(self) -> int:

@@ -178,7 +178,15 @@ class PoolHandlers:
             return P.ErrorReply(code="internal", message=f"{type(exc).__name__}: {exc}")
 
     def lookup(self, client_id: int, req: P.Lookup) -> P.Reply | None:
-        result = self.index.lookup(self._holder(client_id), req.keys, req.page_bytes, self._clock(), lease=req.lease)
+        result = self.index.lookup(
+            self._holder(client_id),
+            req.keys,
+            req.page_bytes,
+            self._clock(),
+            lease=req.lease,
+            states=[(s.key, s.num_kv) for s in req.states],
+            state_page_bytes=req.state_page_bytes,
+        )
         if self._defer_to_remote(client_id, req, result):
             return None  # answered by _finish_deferred_lookup
         return lookup_reply(result)
@@ -211,6 +219,7 @@ class PoolHandlers:
             tokens_le32=req.tokens_le32,
             account=req.account,
             parent_key=req.parent_key,
+            holds_states=req.holds_states,
         )
         if self.remote is not None:
             self.remote.on_reserve(holder_id, result.reservation_id, [entry for _, entry in result.grants])
@@ -335,6 +344,8 @@ class PoolHandlers:
             "pages_used": {str(size): n for size, n in alloc.page_sizes().items()},
             "pages_free": {str(size): alloc.num_free_pages(size) for size in alloc.page_sizes()},
             "entries": idx.num_entries,
+            "checkpoints": idx.num_states,  # state checkpoints among the entries (a hybrid model's), and their bytes
+            "checkpoint_bytes": idx.state_bytes,
             "writing": idx.num_writing,
             "leases": idx.num_leases,
             "reservations": idx.num_reservations,
@@ -382,7 +393,15 @@ class PoolHandlers:
             return
         self._deferred.discard(client_id)
         try:
-            result = self.index.lookup(holder_id, req.keys, req.page_bytes, self._clock(), is_counted=False)
+            result = self.index.lookup(
+                holder_id,
+                req.keys,
+                req.page_bytes,
+                self._clock(),
+                is_counted=False,
+                states=[(s.key, s.num_kv) for s in req.states],
+                state_page_bytes=req.state_page_bytes,
+            )
             reply = lookup_reply(result)
         except Exception as exc:  # a bug: answer it like any handler's, keep serving the client
             log.exception("internal error answering a deferred lookup")
@@ -396,7 +415,13 @@ class PoolHandlers:
 
 
 def lookup_reply(result: LookupResult) -> P.LookupReply:
-    return P.LookupReply(lease_id=result.lease_id, pages=[e.header or _page_header(e) for e in result.entries])
+    state = None
+    if result.state is not None:
+        index, entry = result.state
+        state = P.StateHit(index=index, page=entry.header or _page_header(entry))
+    return P.LookupReply(
+        lease_id=result.lease_id, pages=[e.header or _page_header(e) for e in result.entries], state=state
+    )
 
 
 def _page_header(entry: Entry) -> P.PageHeader:

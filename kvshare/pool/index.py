@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 from kvshare.keys import KEY_BYTES
 from kvshare.pool.allocator import Allocator
@@ -65,6 +65,8 @@ class PoolIndex:
         self._ids = itertools.count(1)  # lease and reservation ids
         self.listener: IndexListener | None = None
         self.retired = RetiredPages(self._free)  # out of view, pages kept while a direct hold may read them
+        self.num_states = 0  # committed state checkpoints (Entry.is_state) and their bytes, among the entries
+        self.state_bytes = 0
 
     # -- queries -------------------------------------------------------------
 
@@ -112,9 +114,13 @@ class PoolIndex:
         now: float,
         lease: bool = True,
         is_counted: bool = True,
+        states: Sequence[tuple[bytes, int]] = (),
+        state_page_bytes: int = 0,
     ) -> LookupResult:
         """Longest committed prefix of ``keys``; leased (pinned) when ``lease``.
 
+        ``states``: a hybrid model's checkpoints (key, KV keys it needs), deepest first; the first committed one of
+        ``state_page_bytes`` whose need the prefix meets is found and leased with it (protocol.Lookup).
         ``is_counted=False`` leaves the lookup counters alone: for the pool's own pins, and the second
         answer of a lookup deferred to the remote tier (counted once, when it came in).
         """
@@ -126,21 +132,41 @@ class PoolIndex:
             if entry is None or entry.state is not committed or entry.page_bytes != page_bytes:
                 break
             matched.append(entry)
+        state = self._deepest_state(states, len(matched), state_page_bytes) if states else None
         if is_counted:
             counters = self.counters
             counters.lookups += 1
             counters.hit_chunks += len(matched)
             counters.miss_chunks += len(keys) - len(matched)
+            counters.state_lookups += bool(states)
+            counters.state_hits += state is not None
         move_to_end = self._lru.move_to_end
         for entry in reversed(matched):  # tail first, so the head ends up most recent
             move_to_end(entry.key)
-        if not lease or not matched:
-            return LookupResult(lease_id=0, entries=matched)
-        for entry in matched:
+        held = matched if state is None else [*matched, state[1]]
+        if state is not None:
+            move_to_end(state[1].key)
+        if not lease or not held:
+            return LookupResult(lease_id=0, entries=matched, state=state)
+        for entry in held:
             entry.num_leases += 1
         lease_id = next(self._ids)
-        self._leases[lease_id] = Lease(lease_id, client_id, matched, now, now + self.config.lease_ttl_s)
-        return LookupResult(lease_id=lease_id, entries=matched)
+        self._leases[lease_id] = Lease(lease_id, client_id, held, now, now + self.config.lease_ttl_s)
+        return LookupResult(lease_id=lease_id, entries=matched, state=state)
+
+    def _deepest_state(
+        self, states: Sequence[tuple[bytes, int]], num_matched: int, page_bytes: int
+    ) -> tuple[int, Entry] | None:
+        """(index, entry) of the first committed state checkpoint in ``states`` that needs at most ``num_matched``
+        KV keys; None when none is."""
+        self._check_keys([key for key, _ in states])
+        for index, (key, num_kv) in enumerate(states):
+            entry = self._entries.get(key)
+            if num_kv > num_matched or entry is None or entry.state is not EntryState.COMMITTED:
+                continue
+            if entry.is_state and entry.page_bytes == page_bytes:
+                return index, entry
+        return None
 
     def release(self, client_id: int, lease_id: int) -> None:
         lease = self._leases.get(lease_id)
@@ -191,12 +217,14 @@ class PoolIndex:
         tokens_le32: bytes = b"",
         account: bytes = b"",
         parent_key: bytes = b"",
+        holds_states: bool = False,
     ) -> ReserveResult:
         """Pages for the keys nobody holds yet, invisible until commit. Never blocks: no room -> fewer grants.
 
         ``tokens_le32``: the chunks' token ids (u32 LE, as many per key) or nothing; kept for KV events only.
         ``account``: whose quota the pages count against (quota.py), or nothing: the namespace's. ``parent_key``:
         the key of chunk ``first_depth - 1`` (KV events name it as the first page's parent), or nothing.
+        ``holds_states``: the keys name state checkpoints, not chunks (entries.Entry.is_state).
         """
         self._check_keys([*keys, parent_key] if parent_key else keys)
         if parent_key and first_depth == 0:
@@ -244,9 +272,10 @@ class PoolIndex:
                 first_depth + i,
                 EntryState.WRITING,
                 reservation_id,
-                parent_key=keys[i - 1] if i > 0 else (parent_key or None),
+                parent_key=None if holds_states else keys[i - 1] if i > 0 else (parent_key or None),
                 tokens_le32=tokens_le32[i * chunk_bytes : (i + 1) * chunk_bytes],
                 account=account,
+                is_state=holds_states,
             )
             self._entries[entry.key] = entry
             self.quota.add(entry.quota_owner, page_bytes)
@@ -269,6 +298,9 @@ class PoolIndex:
             entry.checksum_kind = checksum_kind
         for entry in sorted(reservation.entries, key=lambda e: -e.depth):  # tail first: head most recent
             self._lru[entry.key] = entry
+            if entry.is_state:
+                self.num_states += 1
+                self.state_bytes += entry.page_bytes
         self.counters.committed_pages += len(reservation.entries)
         if self.listener is not None:
             self.listener.committed(reservation.entries)
@@ -340,6 +372,9 @@ class PoolIndex:
         """Take an entry out of view; returns the bytes retired (kept until settle frees them)."""
         del self._entries[entry.key]
         del self._lru[entry.key]
+        if entry.is_state:
+            self.num_states -= 1
+            self.state_bytes -= entry.page_bytes
         if self.listener is not None:
             self.listener.removed(entry)
         self.retired.unpublished(entry)

@@ -44,7 +44,7 @@ def integrity_items(index) -> Iterator[None]:
             writing.add(id(entry))
             yield
     live_pages = 0
-    num_committed = 0
+    num_committed = num_states = state_bytes = 0
     held: dict[bytes, int] = {}  # bytes per namespace, for the quota
     for key, entry in index._entries.items():
         yield
@@ -55,12 +55,15 @@ def integrity_items(index) -> Iterator[None]:
         if entry.state is EntryState.COMMITTED:
             assert key in index._lru and id(entry) not in writing
             num_committed += 1
+            num_states += entry.is_state
+            state_bytes += entry.page_bytes if entry.is_state else 0
         else:
             assert key not in index._lru and id(entry) in writing
             assert entry.num_leases == 0, "a writing entry is leased"
         live_pages += entry.page_bytes
         held[entry.quota_owner] = held.get(entry.quota_owner, 0) + entry.page_bytes
     assert len(index._lru) == num_committed
+    assert (index.num_states, index.state_bytes) == (num_states, state_bytes), "state checkpoint counts disagree"
     dropped: dict[int, Entry] = {}
     for lease in index._leases.values():
         for entry in lease.entries:

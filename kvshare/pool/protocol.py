@@ -26,7 +26,8 @@ from kvshare.pool.checksum import ChecksumKind
 # 2: a page's checksum carries its kind (Commit.checksum_kind, PageHeader.checksum_kind)
 # 3: Hello.holder names the holder of the client's holds across reconnects; Goodbye ends them
 # 4: HelloReply.pool_id names the daemon instance (a pid is reused: PID 1 in every container)
-PROTOCOL_VERSION = 4
+# 5: state checkpoints (Reserve.holds_states, Lookup.states, LookupReply.state): an older pool would take them for KV
+PROTOCOL_VERSION = 5
 MAX_HOLDER_BYTES = 64
 POOL_ID_BYTES = 16
 FORMAT_VERSION = 1  # canonical page format (layout.py); bumped if the bytes of a page change meaning
@@ -52,12 +53,27 @@ class Hello(msgspec.Struct, kw_only=True, tag="hello"):
     direct: bool = False  # asks for the directory and a hold table: lookups without a round trip (direct.py)
 
 
+class StateCandidate(msgspec.Struct, kw_only=True, array_like=True, frozen=True):
+    """A state checkpoint a hybrid model's lookup may resume from (kvshare.state_layout): its key
+    (kvshare.keys.state_key of the chunk it ends) and how many of the lookup's ``keys`` must be committed for it
+    to be of use (the KV chunks between what the client holds and the checkpoint)."""
+
+    key: bytes
+    num_kv: int
+
+
 class Lookup(msgspec.Struct, kw_only=True, tag="lookup"):
-    """Longest committed prefix of ``keys`` (pages of ``page_bytes``), leased when ``lease``."""
+    """Longest committed prefix of ``keys`` (pages of ``page_bytes``), leased when ``lease``.
+
+    ``states`` (a hybrid model's lookup): checkpoints of ``state_page_bytes``, deepest first; the reply's ``state``
+    is the first of them that is committed and whose ``num_kv`` the prefix reaches, leased with the prefix. A
+    state is never of use with KV beyond it: the client loads the prefix only up to it."""
 
     keys: list[bytes]
     page_bytes: int
     lease: bool = True
+    states: list[StateCandidate] = []
+    state_page_bytes: int = 0
 
 
 class Release(msgspec.Struct, kw_only=True, tag="release"):
@@ -74,6 +90,8 @@ class Reserve(msgspec.Struct, kw_only=True, tag="reserve"):
     request's cache_salt); empty: the namespace's own, as for a writer that names no account.
     ``parent_key``: the key of chunk ``first_depth - 1`` of the same chain (empty: not named); KV events announce
     a page only after its parent, so a run stored from the middle of a chain is announced only when it names it.
+    ``holds_states``: the keys name state checkpoints (kvshare.keys.state_key), each a page of its own: never
+    announced as KV blocks, counted apart (``checkpoints`` in the stats).
     """
 
     namespace: bytes
@@ -83,6 +101,7 @@ class Reserve(msgspec.Struct, kw_only=True, tag="reserve"):
     tokens_le32: bytes = b""
     account: bytes = b""
     parent_key: bytes = b""
+    holds_states: bool = False
 
 
 class Commit(msgspec.Struct, kw_only=True, tag="commit"):
@@ -195,9 +214,17 @@ class HelloReply(msgspec.Struct, kw_only=True, tag="hello_reply"):
     lookup_wait_s: float = 0.0
 
 
+class StateHit(msgspec.Struct, kw_only=True, array_like=True, frozen=True):
+    """The checkpoint a lookup found: its index among the lookup's ``states`` and its page."""
+
+    index: int
+    page: PageHeader
+
+
 class LookupReply(msgspec.Struct, kw_only=True, tag="lookup_reply"):
     lease_id: int  # 0: nothing leased
     pages: list[PageHeader]
+    state: StateHit | None = None  # a lookup with ``states``: the checkpoint found (leased with the pages)
 
 
 class ReserveReply(msgspec.Struct, kw_only=True, tag="reserve_reply"):
