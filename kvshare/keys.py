@@ -63,6 +63,10 @@ class Namespace:
     kv_layout_id: str = ""
     # config_fingerprint of the configuration the engine runs the model with; left out of the digest when empty
     config_id: str = ""
+    # a hybrid model's state checkpoint layout (kvshare.state_layout.StateLayout.fingerprint: GDN layers, heads,
+    # recurrent and conv dtypes, conv kernel), so a checkpoint is read only by a replica that computes the same
+    # state; left out of the digest when empty
+    state_layout_id: str = ""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "chunk_tokens", "tp_size"):
@@ -94,7 +98,7 @@ def namespace_digest(namespace: Namespace) -> bytes:
     if not namespace.is_deterministic:  # digests of the default mode stay those stored before the mode existed
         for name in ("is_deterministic", "grid_tokens", "kernel_build"):
             del fields[name]
-    for name in ("kv_layout_id", "config_id"):
+    for name in ("kv_layout_id", "config_id", "state_layout_id"):
         if not fields[name]:
             del fields[name]
     # sorted-key JSON is a canonical encoding: field order or Python version never change it

@@ -116,12 +116,24 @@ def test_the_default_mode_digest_is_what_it_was_before_the_mode_existed():
     import hashlib
     import json
 
-    # nor before kv_layout_id and config_id existed (a namespace that does not set them keeps its digests)
-    fields = {k: v for k, v in NS.__dict__.items() if k not in DET and k not in ("kv_layout_id", "config_id")}
+    # nor before kv_layout_id, config_id and state_layout_id existed (a namespace without them keeps its digests)
+    later = ("kv_layout_id", "config_id", "state_layout_id")
+    fields = {k: v for k, v in NS.__dict__.items() if k not in DET and k not in later}
     canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
     before = hashlib.blake2b(b"kvshare-ns-v1\0" + canonical.encode(), digest_size=16).digest()
     assert namespace_digest(NS) == before
     assert namespace_digest(dataclasses.replace(NS, kv_layout_id="vllm0.32|cpu")) != before
+
+
+def test_another_state_layout_is_another_namespace():
+    """A hybrid model's checkpoints are read only by a replica whose GDN state has the same layout (dtypes, conv)."""
+    from kvshare.state_layout import StateLayout
+
+    shape = dict(num_layers=6, num_value_heads=4, key_head_dim=32, value_head_dim=32, conv_dim=256, conv_kernel=4)
+    bf16, fp32 = StateLayout(**shape).fingerprint(), StateLayout(**shape, conv_dtype="float32").fingerprint()
+    shorter_conv = StateLayout(**(shape | {"conv_kernel": 3})).fingerprint()
+    digests = {namespace_digest(dataclasses.replace(NS, state_layout_id=f)) for f in ("", bf16, fp32, shorter_conv)}
+    assert len(digests) == 4
 
 
 @pytest.mark.parametrize(

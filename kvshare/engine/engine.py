@@ -95,6 +95,7 @@ class Engine:
             head_dim=mc.head_dim,
             chunk_tokens=config.chunk_tokens,
             engine_family="builtin",
+            state_layout_id=self.model.state.layout.fingerprint() if mc.is_hybrid else "",
             **(self.grid.namespace_fields() if self.grid is not None else {}),
         )
         self._digests: OrderedDict[str, bytes] = OrderedDict()  # namespace salt -> digest, LRU
