@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
     from kvshare.pool.client import PoolClient
     from kvshare.pool.protocol import PageHeader
+    from kvshare.transfer.state import StateLoad
 
 COPY_METHODS = ("memcpy2d", "torch")
 LOAD_ENQUEUE_MODES = ("eager", "lazy", "thread")
@@ -107,10 +108,12 @@ class LoadHandle:
 class KVTransfer(ABC):
     """Moves chunks between pool pages and one engine's KV tensor. One caller at a time.
 
-    ``checksum_kind`` is the kind of the checksums ``store`` returns, to be committed with them.
+    ``checksum_kind`` is the kind of the checksums ``store`` returns, to be committed with them
+    (``state_checksum_kind``: ``store_state``'s).
     """
 
     checksum_kind = ChecksumKind.XXH3
+    state_checksum_kind = ChecksumKind.XXH3
 
     def __init__(self, layout: KVLayout, client: PoolClient, device: torch.device, config: TransferConfig) -> None:
         if client.arena is None:
@@ -130,6 +133,16 @@ class KVTransfer(ABC):
 
         Pages chosen for verification are checked by their recorded kind, before the copy (raising
         ChunkChecksumMismatch here) or beside it (reported by the handle's ``verify``)."""
+
+    @abstractmethod
+    def load_state(self, page: PageHeader, into: torch.Tensor) -> StateLoad:
+        """Copy a state checkpoint's page into ``into`` (the live GDN state's bytes, kvshare.transfer.state), checked
+        as a KV page is; enqueue it before the KV pages it goes with (the first layer reads it first)."""
+
+    @abstractmethod
+    def store_state(self, data: torch.Tensor, offset: int, producer_stream=None) -> int:
+        """Copy a checkpoint's bytes into the reserved page at ``offset`` after the producer's work; its checksum (of
+        ``state_checksum_kind``), known once the copy completed."""
 
     @abstractmethod
     def store(self, kv: torch.Tensor, first_chunk: int, offsets: Sequence[int], producer_stream=None) -> list[int]:

@@ -15,6 +15,7 @@ import torch
 from kvshare.transfer.base import KVTransfer, LoadHandle
 from kvshare.transfer.layouts import as_bits, chunks_to_engine, chunks_view, engine_to_chunks
 from kvshare.transfer.plan import PageRun, page_runs
+from kvshare.transfer.state import StateLoad, cpu_load_state, cpu_store_state
 
 
 class CpuTransfer(KVTransfer):
@@ -45,6 +46,16 @@ class CpuTransfer(KVTransfer):
         for run in page_runs(offsets, self.layout.page_bytes, self.extent_bytes):
             engine_to_chunks(self._run_view(run), kv_bits, (first_chunk + run.first) * self.layout.chunk_tokens)
         return self._hasher.checksums([self._page(offset) for offset in offsets], self.checksum_kind)
+
+    @torch.inference_mode()
+    def load_state(self, page, into: torch.Tensor) -> StateLoad:
+        return cpu_load_state(self, page, into)
+
+    @torch.inference_mode()
+    def store_state(self, data: torch.Tensor, offset: int, producer_stream=None) -> int:
+        if producer_stream is not None:
+            raise ValueError("a CPU transfer has no producer stream: the state is ready when store_state() is called")
+        return cpu_store_state(self, data, offset)
 
     def _run_view(self, run: PageRun) -> torch.Tensor:
         """The run's pages as an integer tensor [n, L, 2, C, H, D] over the arena (no copy)."""

@@ -35,6 +35,7 @@ from kvshare.transfer.base import LAZY_GROUPS_AHEAD, ChunkChecksumMismatch, KVTr
 from kvshare.transfer.layouts import EngineKV, as_bits
 from kvshare.transfer.pipeline import StagingPipeline, UnitWork
 from kvshare.transfer.plan import last_layer_alone, layer_groups, store_units
+from kvshare.transfer.state import StateLoad, cuda_load_state, cuda_store_state
 from kvshare.transfer.verify import PageCheck, can_sum_staged, store_checksum_kind
 
 
@@ -167,6 +168,7 @@ class CudaTransfer(KVTransfer):
         self._pending: CudaLoadHandle | None = None  # a load whose copies may not all be enqueued yet
         self.last_store_copy_seconds: float | None = None  # GPU time of the last store's gathers and copies
         self.checksum_kind = store_checksum_kind(layout, is_staged=True)  # WSUM32, summed here over the staged bytes
+        self.state_checksum_kind = ChecksumKind.WSUM32  # a checkpoint is whole 64-byte blocks, summed on the device
 
     @property
     def registration(self):
@@ -271,6 +273,16 @@ class CudaTransfer(KVTransfer):
         end.synchronize()
         self.last_store_copy_seconds = start.elapsed_time(end) / 1e3
         return checksums
+
+    @torch.inference_mode()
+    def load_state(self, page, into: torch.Tensor) -> StateLoad:
+        self._check_open(into)
+        return cuda_load_state(self, page, into)
+
+    @torch.inference_mode()
+    def store_state(self, data: torch.Tensor, offset: int, producer_stream=None) -> int:
+        self._check_open(data)
+        return cuda_store_state(self, data, offset, producer_stream)
 
     def inject_producer_delay(self, stream=None) -> None:
         if self.config.producer_delay_cycles:
