@@ -41,6 +41,7 @@ from kvshare.engine.hybrid_prefill import HybridPrefill
 from kvshare.engine.kv_cache import KVBuffer
 from kvshare.engine.loader import load_model, resolve_device
 from kvshare.engine.pool_kv import PoolKV, PoolLoad
+from kvshare.engine.pool_states import PoolStates
 from kvshare.engine.prefix_cache import LocalPrefixCache
 from kvshare.engine.publish import PromptPublisher, wait_for
 
@@ -50,7 +51,7 @@ from kvshare.engine.request import Provenance, RequestOptions, TokenEvent, cance
 from kvshare.engine.sampler import SamplingParams, TokenCounts, make_generator, sample
 from kvshare.engine.stats import REQUEST_COUNTERS, EngineStats
 from kvshare.engine.timeline import active
-from kvshare.keys import Namespace, chunk_keys, namespace_digest
+from kvshare.keys import Namespace, chunk_keys, namespace_digest, state_key
 from kvshare.layout import KVLayout
 from kvshare.transfer import TransferConfig
 
@@ -111,18 +112,7 @@ class Engine:
         self._stats = EngineStats()
         self._lock = threading.Lock()  # one request at a time owns the sequence KV
         self._pool: PoolKV | None = None
-        # a hybrid's prefill resumes only where it holds a state (kvshare.engine.hybrid_prefill)
-        self.hybrid = None
-        if mc.is_hybrid:
-            decode_step = self._decode_step if self._use_graphs else None
-            self.hybrid = HybridPrefill(self.model, self._kv, self._local, config, self.grid, decode_step)
-        if config.pool_socket and mc.is_hybrid:
-            log.warning(
-                "the pool is not used for %s: a hybrid model (Gated DeltaNet layers) resumes a prefix only with the "
-                "layers' state, which pool pages do not hold yet; this replica reuses prefixes locally only",
-                self.model_name,
-            )
-        elif config.pool_socket:
+        if config.pool_socket:
             self._pool = PoolKV(
                 config.pool_socket,
                 self.layout,
@@ -140,8 +130,17 @@ class Engine:
             )
             # connect (and register the arena) now, and reconnect while no request runs when the pool goes away
             self._pool.start(idle_lock=self._lock)
+        # a hybrid's prefill resumes only where it reaches a state (kvshare.engine.hybrid_prefill): in the pool too,
+        # whose checkpoints are pages of their own beside the KV pages (kvshare.engine.pool_states)
+        self.hybrid = None
+        states = None
+        if mc.is_hybrid:
+            decode_step = self._decode_step if self._use_graphs else None
+            if self._pool is not None:
+                states = PoolStates(self._pool, self.model.state.layout.checkpoint_bytes)
+            self.hybrid = HybridPrefill(self.model, self._kv, self._local, config, self.grid, decode_step, states)
         # stores each prompt (local cache, pool) beside its decode steps; a request's last token waits for it
-        self._publisher = PromptPublisher(self._local, self._kv, self._pool, self.device)
+        self._publisher = PromptPublisher(self._local, self._kv, self._pool, self.device, states)
 
     # -- public API ------------------------------------------------------------------
 
@@ -208,6 +207,8 @@ class Engine:
                 self.hybrid.forget()
             num_local = self._local.discard(keys)
             num_pool = self._pool.drop(list(keys)) if self._pool is not None else 0
+            if self.hybrid is not None and self._pool is not None:  # and the states at their ends
+                self._pool.drop([state_key(key) for key in keys])
             return num_local, num_pool
 
     def close(self) -> None:
@@ -430,6 +431,6 @@ class Engine:
         cold_seconds: float | None,
     ) -> None:
         """The prompt's full chunks to the local cache and the pool (kvshare.engine.publish); a hybrid's state
-        checkpoints at chunk ends to the local cache."""
+        checkpoints at chunk ends to both."""
         checkpoints = self.hybrid.taken_checkpoints() if self.hybrid is not None else []
         self._publisher.publish(kv, keys, digest, account, options, ids, cold_seconds, checkpoints)

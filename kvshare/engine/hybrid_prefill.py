@@ -1,8 +1,8 @@
 """A hybrid model's prefill in the engine: resume where a state is held, never beyond it; compute the rest.
 
 A Gated DeltaNet layer's state sums up every token before it and cannot be rewound, so a prefix is reusable
-only up to a position where the engine holds the state, and there only with the attention KV of every token
-before it. The engine holds states at three kinds of places::
+only up to a position where the engine can reach the state, and there only with the attention KV of every token
+before it. The states it reaches::
 
     live        the state after the last request's prompt and fed answer (the model's own), when the sequence KV
                 still holds that request (in place): a chat's next turn resumes at its end
@@ -10,20 +10,23 @@ before it. The engine holds states at three kinds of places::
                 prompt again computes its last token alone
     local       checkpoints in the local prefix cache at chunk boundaries (the prompt's last whole chunk, and every
                 ``state_checkpoint_chunks`` chunks), with the KV chunks before them (kvshare.engine.prefix_cache)
+    pool        checkpoints at the same boundaries in the pool, found by one lookup with the run of KV pages before
+                them (kvshare.engine.pool_states; the hit rule: kvshare.engine.hybrid_resume)
 
-    held KV    |==== in place ====|=== local chunks ===|=====|           a chunk past the last checkpoint
-    resumed    |================ KV =================|S|-- computed --  is computed again (S: the state there)
+    held KV    |==== in place ====|=== local chunks ===|== pool pages ==|=====|   KV past the deepest state is not
+    resumed    |==================== KV ============================|S|-- computed --  used (S: the state there)
 
 The deepest of them wins; its state is loaded (the model refuses a forward that does not start where its state
-ends) and everything after it is computed, overwriting any KV held beyond it. The deterministic mode resumes
-on its grid only (kvshare.engine.hybrid_grid). The pool is not used for a hybrid model: its pages would need
-the states beside them.
+ends) and everything after it is computed, overwriting any KV held beyond it. A state or KV page from the pool
+that fails its check is dropped there and the prefill runs again from a shallower state (the last attempt without
+the pool). The deterministic mode resumes on its grid only (kvshare.engine.hybrid_grid). The checkpoints a
+prefill takes go to the local cache and the pool when the prompt is published (kvshare.engine.publish).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -32,10 +35,15 @@ from kvshare.engine.config import EngineConfig
 from kvshare.engine.gdn_state import Checkpoint
 from kvshare.engine.grid import Grid
 from kvshare.engine.hybrid_grid import hybrid_grid_forward
+from kvshare.engine.hybrid_resume import Resume, ResumeQuery, find_resume
 from kvshare.engine.kv_cache import KVBuffer
+from kvshare.engine.pool_states import PoolStates, StatefulLoad
 from kvshare.engine.prefix_cache import LocalPrefixCache
 from kvshare.engine.request import Provenance, RequestOptions, cancellable
 from kvshare.keys import state_key
+
+# a prefill whose pool state or pages failed their checks runs again; its last attempt without the pool
+MAX_ATTEMPTS = 3
 
 
 @dataclass(frozen=True)
@@ -45,17 +53,6 @@ class PromptEnd:
     digest: bytes
     ids: np.ndarray
     checkpoint: Checkpoint
-
-
-@dataclass
-class Resume:
-    """Where a prefill starts: ``position`` tokens reused, the state there (None: the model's live state, or zeros
-    at 0), and the local cache's chunks to copy in first (chunk indices from ``first_chunk``)."""
-
-    position: int = 0
-    checkpoint: Checkpoint | None = None
-    first_chunk: int = 0
-    chunks: list[torch.Tensor] = field(default_factory=list)
 
 
 class HybridPrefill:
@@ -69,11 +66,13 @@ class HybridPrefill:
         config: EngineConfig,
         grid: Grid | None,
         decode_step: Callable[[torch.Tensor, int, int], torch.Tensor] | None = None,
+        pool: PoolStates | None = None,
     ) -> None:
         self.model, self._kv, self._local, self.config, self.grid = model, kv_buffer, local, config, grid
         # the engine's decode step (CUDA graphs): a prefill of one token runs it (an eager forward is launch-bound);
         # not in the deterministic mode, whose last token is computed on the grid
         self.decode_step = decode_step
+        self.pool = pool
         self._prompt_end: PromptEnd | None = None
         self._taken: list[tuple[bytes, torch.Tensor]] = []  # (chunk key, checkpoint bytes) the last prefill took
 
@@ -87,42 +86,38 @@ class HybridPrefill:
         in_place: int,
         digest: bytes,
     ) -> tuple[torch.Tensor, Provenance]:
-        """Reuse the deepest held state and the KV before it, compute the rest; (last-token logits [1, V],
+        """Reuse the deepest reachable state and the KV before it, compute the rest; (last-token logits [1, V],
         provenance). ``in_place``: the prompt's leading tokens whose KV the sequence KV holds (the last request's)."""
-        n, c = len(ids), self._kv.layout.chunk_tokens
-        resume = self._resume(ids, keys, options, in_place, digest)
-        for i, chunk in enumerate(resume.chunks):
-            self._kv.chunk(kv, resume.first_chunk + i).copy_(chunk)
-        if resume.checkpoint is not None:
-            self.model.state.restore(resume.checkpoint)
-        start = resume.position
-        wanted = self._checkpoint_chunks(keys, start, options)
-        checkpoints = {b * c: self.model.state.empty_checkpoint(b * c) for b in wanted}
-        keeps_prompt_end = options.use_local_cache and self.grid is None and self.config.reuse_in_place
-        if keeps_prompt_end and n - 1 > start:
-            checkpoints.setdefault(n - 1, self.model.state.empty_checkpoint(n - 1))
-        at_start = self.model.state.snapshot() if keeps_prompt_end and n - 1 == start > 0 else None
-        if n - start == 1 and self.decode_step is not None and self.grid is None and set(checkpoints) <= {n}:
-            logits = self.decode_step(kv, int(ids[-1]), start)  # the state is then the one at n
-            for checkpoint in checkpoints.values():
-                checkpoint.data.copy_(self.model.state.buffer)
-        else:
-            logits = self._forward(torch.from_numpy(ids[start:]).to(kv.device), kv, start, checkpoints, options)
-        self._taken = [(keys[b - 1], checkpoints[b * c].data) for b in wanted]
-        end = at_start or checkpoints.get(n - 1)
-        self._prompt_end = PromptEnd(digest, ids[: n - 1].copy(), end) if keeps_prompt_end and end else None
-        return logits, Provenance(start, 0, n - start, self.grid is not None)
+        for attempt in range(MAX_ATTEMPTS):
+            uses_pool = self.pool is not None and options.use_pool and attempt < MAX_ATTEMPTS - 1
+            resume = self._resume(ids, keys, options, in_place, digest, uses_pool)
+            load = self._load(kv, keys, resume)
+            if load is not None and not self._is_complete(load):  # a page found bad before its copy (CPU)
+                self.pool.finish(load)
+            else:
+                try:
+                    logits = self._compute(kv, ids, keys, options, resume, load, digest)
+                finally:
+                    is_good = load is None or self.pool.finish(load)
+                if is_good:
+                    break
+            # the state or pages found bad were dropped from the pool; what the forward wrote from them is not
+            # reused in place: the next attempt resumes from the local cache and the pool only
+            in_place, self._prompt_end = 0, None
+        pool_tokens = resume.pool.num_chunks * self._kv.layout.chunk_tokens if resume.pool is not None else 0
+        local_tokens, computed_tokens = resume.position - pool_tokens, len(ids) - resume.position
+        return logits, Provenance(local_tokens, pool_tokens, computed_tokens, self.grid is not None)
 
     def taken_checkpoints(self) -> list[tuple[bytes, torch.Tensor]]:
-        """The checkpoints the last prefill took at chunk ends, for the local cache: (chunk key, bytes)."""
+        """The checkpoints the last prefill took at chunk ends, for the local cache and the pool: (chunk key, bytes)."""
         return list(self._taken)
 
     def forget(self) -> None:
         """Drop the prompt-end checkpoint (its chunks were found wrong, or the model's state was reused)."""
         self._prompt_end = None
 
-    def _resume(self, ids: np.ndarray, keys: list[bytes], options: RequestOptions, in_place: int, digest: bytes):
-        """The deepest held state a prefill of ``ids`` may start from (module docstring), never past n-1 tokens."""
+    def _resume(self, ids, keys: list[bytes], options: RequestOptions, in_place: int, digest: bytes, uses_pool: bool):
+        """The deepest state a prefill of ``ids`` may start from (module docstring), never past n-1 tokens."""
         n, c = len(ids), self._kv.layout.chunk_tokens
         best = Resume()
         if in_place and in_place == self.model.state.position:  # the live state: the held sequence's end
@@ -131,33 +126,83 @@ class HybridPrefill:
         if end is not None and end.digest == digest and best.position < len(end.ids) <= in_place:
             if np.array_equal(end.ids, ids[: len(end.ids)]):
                 best = Resume(len(end.ids), end.checkpoint)
-        if not options.use_local_cache:
+        if not options.use_local_cache and not uses_pool:
             return best
-        first = in_place // c  # chunks [0, first) are in place: a checkpoint among them needs no copy
         reusable = min(len(keys), (n - 1) // c)
         resumable = (lambda m: m * c % self.grid.grid_tokens == 0) if self.grid else (lambda m: True)
-        used, chunks, data = self._local.longest_resumable(keys[:reusable], min(first, reusable), resumable)
-        if data is not None and used * c > best.position:
-            best = Resume(used * c, Checkpoint(used * c, data), min(first, reusable), chunks)
-        return best
+        # chunks [0, first) are in place: a checkpoint among them needs no copy
+        query = ResumeQuery(keys[:reusable], min(in_place // c, reusable), best, c, resumable)
+        local = self._local if options.use_local_cache else None
+        return find_resume(query, local, self.pool if uses_pool else None)
+
+    def _load(self, kv: torch.Tensor, keys: list[bytes], resume: Resume) -> StatefulLoad | None:
+        """The resume's state and KV into place: the pool's state first, then its pages (on CUDA both enqueued on
+        the copy stream), the local cache's chunks and checkpoint. The pool's load, None when none."""
+        load = None
+        part = resume.pool
+        if part is not None:
+            state_into = self.model.state.buffer if part.has_state else None
+            load = self.pool.load(kv, part.hit, keys, part.first_chunk, part.num_chunks, state_into, part.state_at)
+        for i, chunk in enumerate(resume.chunks):
+            self._kv.chunk(kv, resume.first_chunk + i).copy_(chunk)
+        if resume.checkpoint is not None:
+            self.model.state.restore(resume.checkpoint)
+        elif part is not None and part.has_state:  # its bytes are the pool's checkpoint (being copied in): the state
+            # after that many chunks, so the model refuses a forward from anywhere else
+            self.model.state.position = part.state_at * self._kv.layout.chunk_tokens
+        return load
+
+    def _is_complete(self, load: StatefulLoad) -> bool:
+        """Whether every part of the resume was loaded (a transfer that checks before it copies may end short)."""
+        return load.is_state_good and load.num_chunks >= load.num_wanted
+
+    def _compute(self, kv, ids: np.ndarray, keys: list[bytes], options: RequestOptions, resume: Resume, load, digest):
+        """The forward from the resume's position, taking the checkpoints this prompt keeps; its logits."""
+        n, c = len(ids), self._kv.layout.chunk_tokens
+        start = resume.position
+        if load is not None:
+            self.pool.wait_state(load, kv.device)  # the first (GDN) layer reads the state
+        wanted = self._checkpoint_chunks(keys, start, options)
+        checkpoints = {b * c: self.model.state.empty_checkpoint(b * c) for b in wanted}
+        keeps_prompt_end = options.use_local_cache and self.grid is None and self.config.reuse_in_place
+        if keeps_prompt_end and n - 1 > start:
+            checkpoints.setdefault(n - 1, self.model.state.empty_checkpoint(n - 1))
+        at_start = self.model.state.snapshot() if keeps_prompt_end and n - 1 == start > 0 else None
+        one_step = load is None and self.decode_step is not None and self.grid is None
+        if n - start == 1 and one_step and set(checkpoints) <= {n}:
+            logits = self.decode_step(kv, int(ids[-1]), start)  # the state is then the one at n
+            for checkpoint in checkpoints.values():
+                checkpoint.data.copy_(self.model.state.buffer)
+        else:
+            tokens = torch.from_numpy(ids[start:]).to(kv.device)
+            logits = self._forward(tokens, kv, start, checkpoints, options, load.before_layer if load else None)
+        self._taken = [(keys[b - 1], checkpoints[b * c].data) for b in wanted]
+        end = at_start or checkpoints.get(n - 1)
+        self._prompt_end = PromptEnd(digest, ids[: n - 1].copy(), end) if keeps_prompt_end and end else None
+        return logits
 
     def _checkpoint_chunks(self, keys: list[bytes], start: int, options: RequestOptions) -> list[int]:
-        """The chunk boundaries (in chunks) past ``start`` where this prefill keeps the state for the local cache:
-        the prompt's last whole chunk and every ``state_checkpoint_chunks`` chunks, on the grid in its mode, where
-        the cache does not hold one yet."""
-        if not options.use_local_cache or self._local.capacity_bytes == 0:
+        """The chunk boundaries (in chunks) past ``start`` where this prefill keeps the state for the local cache and
+        the pool: the prompt's last whole chunk and every ``state_checkpoint_chunks`` chunks, on the grid in its
+        mode; for the local cache alone only where it does not hold one yet."""
+        to_local = options.use_local_cache and self._local.capacity_bytes > 0
+        to_pool = options.use_pool and self.pool is not None
+        if not to_local and not to_pool:
             return []
         c, every = self._kv.layout.chunk_tokens, self.config.state_checkpoint_chunks
         last = len(keys) if self.grid is None else self.grid.reusable_chunks(len(keys))
         wanted = {last} | ({b for b in range(every, last, every)} if every else set())
         if self.grid is not None:
             wanted = {b for b in wanted if b % self.grid.chunks_per_grid == 0}
-        return sorted(b for b in wanted if b * c > start and state_key(keys[b - 1]) not in self._local)
+        held = (lambda b: False) if to_pool else (lambda b: state_key(keys[b - 1]) in self._local)
+        return sorted(b for b in wanted if 0 < b and b * c > start and not held(b))
 
-    def _forward(self, tokens: torch.Tensor, kv: torch.Tensor, start: int, checkpoints, options: RequestOptions):
-        before_layer = None
+    def _forward(self, tokens: torch.Tensor, kv: torch.Tensor, start: int, checkpoints, options: RequestOptions, wait):
+        """The model's forward (the grid's in its mode); ``wait(layer)``: before attention layer ``layer`` reads
+        its KV (a pool load's copies), or None."""
+        before_layer = wait
         if options.is_cancelled is not None:
-            before_layer = cancellable(lambda _layer: None, options.is_cancelled)
+            before_layer = cancellable(wait or (lambda _layer: None), options.is_cancelled)
         if options.timeline is not None:
             options.timeline.start_device(kv.device)
         if self.grid is None:

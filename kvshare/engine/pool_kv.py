@@ -142,22 +142,29 @@ class PoolKV:
             return PoolLoad(cold_since=started if first_chunk == 0 else None)
         load = PoolLoad(lease_id=lease.lease_id, first_chunk=first_chunk)
         try:
-            try:
-                load.handle = self.transfer.load(kv, first_chunk, lease.pages)
-                load.pages = list(lease.pages)
-            except ChecksumMismatch as exc:  # a transfer that checks before it copies (CPU)
-                first_bad = self._drop_bad_pages(client, keys, lease.pages)
-                if first_bad is None:  # the transfer saw something we cannot reproduce: use none of it
-                    log.error("checksum mismatch not reproducible (%s); recomputing the whole run", exc)
-                load.pages = lease.pages[: first_bad or 0]
-                if load.pages:
-                    load.handle = self.transfer.load(kv, first_chunk, load.pages)
-            load.num_chunks = len(load.pages)
-            load.keys = keys[: load.num_chunks]
+            self.load_pages(client, load, kv, keys, lease.pages)
         except BaseException:
             self.finish_load(load)  # releases the lease
             raise
         return load
+
+    def load_pages(
+        self, client: PoolClient, load: PoolLoad, kv: torch.Tensor, keys: list[bytes], pages: list[PageHeader]
+    ) -> None:
+        """Load leased ``pages`` (of ``keys``) as chunks load.first_chunk, ... into ``kv``; a transfer that checks
+        before it copies (CPU) and finds a bad page drops it from the pool and loads only the pages before it."""
+        try:
+            load.handle = self.transfer.load(kv, load.first_chunk, pages)
+            load.pages = list(pages)
+        except ChecksumMismatch as exc:
+            first_bad = self._drop_bad_pages(client, keys, pages)
+            if first_bad is None:  # the transfer saw something we cannot reproduce: use none of it
+                log.error("checksum mismatch not reproducible (%s); recomputing the whole run", exc)
+            load.pages = list(pages[: first_bad or 0])
+            if load.pages:
+                load.handle = self.transfer.load(kv, load.first_chunk, load.pages)
+        load.num_chunks = len(load.pages)
+        load.keys = keys[: load.num_chunks]
 
     def _drop_bad_pages(self, client: PoolClient, keys: list[bytes], pages: list[PageHeader]) -> int | None:
         """Drop every leased page that fails verification on the host; the index of the first, None if none fails."""
@@ -236,8 +243,9 @@ class PoolKV:
         token_ids=None,
         account: bytes = b"",
         cold_seconds: float | None = None,
-    ) -> None:
-        """Store chunks 0..len(keys)-1 of ``kv`` that the pool does not hold yet (commit after the copy).
+    ) -> int:
+        """Store chunks 0..len(keys)-1 of ``kv`` that the pool does not hold yet (commit after the copy); returns how
+        many of the first chunks the pool holds now (or another writer is writing): 0 when the pool is away.
 
         ``token_ids`` (the prompt's, from its first token) let the pool announce the pages in KV events: the
         engine passes them only where no tenant salts the keys (an indexer that rehashes them cannot salt).
@@ -247,14 +255,15 @@ class PoolKV:
         """
         client = self.link.client() if keys else None
         if client is None:
-            return
-        guarded(
+            return 0
+        return guarded(
             self.link,
             self.stats,
             "a store",
             lambda: self._store_run(
                 client, kv, keys, producer_stream, namespace, token_ids=token_ids, account=account, cold=cold_seconds
             ),
+            0,
         )
 
     def _store_run(
@@ -268,8 +277,8 @@ class PoolKV:
         token_ids,
         account: bytes,
         cold: float | None,
-    ) -> None:
-        """Reserve, copy out, commit; then report a cold prefill's time (``cold``)."""
+    ) -> int:
+        """Reserve, copy out, commit; then report a cold prefill's time (``cold``). Returns the chunks known held."""
         start = time.perf_counter()
         reservation = client.reserve(
             namespace,
@@ -280,8 +289,12 @@ class PoolKV:
             account=account,
         )
         self.stats.pool_skipped_stores += reservation.num_no_room
+        # keys a reserve leaves out are held (or being written) already, or had no room: the room ran out at the
+        # first chunk left out, or never
+        granted = {index for index, _ in reservation.grants}
+        held = len(keys) if not reservation.num_no_room else min(set(range(len(keys))) - granted, default=len(keys))
         if not reservation.grants:
-            return
+            return held
         try:
             checksums: list[int] = []
             for first_chunk, offsets in _consecutive_runs(reservation.grants):
@@ -298,6 +311,7 @@ class PoolKV:
         if cold is not None:  # the pool weighs recomputing against its remote store
             with suppress(PoolRequestError):  # a pool without the message: nothing to weigh
                 client.report_prefill(namespace, self.layout.page_bytes, len(keys), cold)
+        return held
 
 
 def _consecutive_runs(grants: list[tuple[int, int]]) -> list[tuple[int, list[int]]]:

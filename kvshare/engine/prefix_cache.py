@@ -87,20 +87,44 @@ class LocalPrefixCache:
         it from chunk ``first`` on, the checkpoint's bytes); (0, [], None) where none is. Chunks before ``first``
         count as held (the caller holds their KV in place). Chunks held past the prefix are not returned: a state is
         never combined with KV beyond it. The chunks used are marked most recently used, the checkpoint last."""
+        held = self.held_from(keys, first)
+        used = next((n for n in range(held, 0, -1) if is_resumable(n) and self.has_checkpoint(keys[n - 1])), 0)
+        if not used:
+            self.take(keys, first, first, with_checkpoint=False)  # counted: nothing used
+            return 0, [], None
+        chunks, checkpoint = self.take(keys, first, used, with_checkpoint=True)
+        return used, chunks, checkpoint
+
+    def held_from(self, keys: Sequence[bytes], first: int = 0) -> int:
+        """Where the run of ``keys``'s chunks held from chunk ``first`` on ends (chunks before ``first`` count as
+        held); nothing is marked or counted."""
         held = first
         while held < len(keys) and keys[held] in self._chunks:
             held += 1
-        used = next((n for n in range(held, 0, -1) if is_resumable(n) and state_key(keys[n - 1]) in self._chunks), 0)
-        from_cache = max(0, used - first)
-        self.counters.hit_chunks += from_cache
-        self.counters.miss_chunks += len(keys) - first - from_cache
-        if not used:
-            return 0, [], None
+        return held
+
+    def has_checkpoint(self, chunk_key: bytes) -> bool:
+        """Whether the state at the end of the chunk keyed ``chunk_key`` is held."""
+        return state_key(chunk_key) in self._chunks
+
+    def checkpoint(self, chunk_key: bytes) -> torch.Tensor:
+        """The held state at the end of the chunk keyed ``chunk_key`` (``has_checkpoint``), marked most recently
+        used."""
+        key = state_key(chunk_key)
+        self._chunks.move_to_end(key)
+        return self._chunks[key]
+
+    def take(
+        self, keys: Sequence[bytes], first: int, used: int, with_checkpoint: bool
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """The KV chunks of keys[first:used] (held: ``held_from``) and, ``with_checkpoint``, the checkpoint at the
+        end of chunk used-1, marked most recently used (the checkpoint last); counted as the lookup of ``keys``."""
+        self.counters.hit_chunks += max(0, used - first)
+        self.counters.miss_chunks += len(keys) - max(first, used)
         for key in reversed(keys[first:used]):
             self._chunks.move_to_end(key)
-        checkpoint = state_key(keys[used - 1])
-        self._chunks.move_to_end(checkpoint)
-        return used, [self._chunks[key] for key in keys[first:used]], self._chunks[checkpoint]
+        checkpoint = self.checkpoint(keys[used - 1]) if with_checkpoint else None
+        return [self._chunks[key] for key in keys[first:used]], checkpoint
 
     def insert_checkpoint(self, key: bytes, data: torch.Tensor) -> bool:
         """Keep ``data`` (a checkpoint's bytes, owned by the cache from now on: not copied) as the state at the end of

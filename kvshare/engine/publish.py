@@ -1,6 +1,8 @@
 """A prompt's KV published after its prefill: its full chunks offered to the local prefix cache and the pool
 (each keeps what it lacks), side by side on threads of their own, beside the request's decode steps. Both only
-read the request's KV; the request holds the engine until its publish is done (``wait_for``)."""
+read the request's KV; the request holds the engine until its publish is done (``wait_for``). A hybrid model's
+state checkpoints go with them: to the local cache after its chunks, to the pool after the KV chunks before each
+(a checkpoint is stored only where the pool holds chunks 1..j of its prefix)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch
 
 from kvshare.engine.kv_cache import KVBuffer
 from kvshare.engine.pool_kv import PoolKV
+from kvshare.engine.pool_states import PoolStates
 from kvshare.engine.prefix_cache import LocalPrefixCache
 from kvshare.engine.request import RequestOptions
 
@@ -19,8 +22,16 @@ from kvshare.engine.request import RequestOptions
 class PromptPublisher:
     """The publish threads of one engine: one stores each prompt, one makes the local cache's copies."""
 
-    def __init__(self, local: LocalPrefixCache, kv_buffer: KVBuffer, pool: PoolKV | None, device: torch.device):
+    def __init__(
+        self,
+        local: LocalPrefixCache,
+        kv_buffer: KVBuffer,
+        pool: PoolKV | None,
+        device: torch.device,
+        states: PoolStates | None = None,
+    ):
         self._local, self._kv, self._pool, self.device = local, kv_buffer, pool, device
+        self._states = states  # a hybrid model's checkpoints in the pool
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvshare-publish")
         # the local cache's copies, beside the pool's store (in a row they outlasted a 128k prompt's decode)
         self._local_inserter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvshare-local-insert")
@@ -44,7 +55,7 @@ class PromptPublisher:
         """Offer the prompt's full chunks to the local cache and the pool (each keeps what it lacks), side by side:
         both only read ``kv``; the request's lock is held until both are done. ``account``: whose pool quota;
         ``cold_seconds``: the prompt's prefill time when it reused nothing (the pool weighs it); ``checkpoints``:
-        a hybrid model's states at chunk ends, (chunk key, bytes), for the local cache."""
+        a hybrid model's states at chunk ends, (chunk key, bytes), for the local cache and the pool."""
         # the request's stream: the local copies go on it (after the prefill, before kv is written next)
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         announced = None if options.tenant else ids  # a tenant's ids: never announced
@@ -55,7 +66,11 @@ class PromptPublisher:
         )
         try:
             if options.use_pool and self._pool is not None:
-                self._pool.store(kv, keys, digest, stream, announced, account, cold_seconds=cold_seconds)
+                held = self._pool.store(kv, keys, digest, stream, announced, account, cold_seconds=cold_seconds)
+                if self._states is not None and checkpoints:
+                    chunk_of = {key: i for i, key in enumerate(keys)}
+                    ready = [(chunk_of[key] + 1, data) for key, data in checkpoints if chunk_of[key] < held]
+                    self._states.store(keys, ready, digest, account, stream)
         finally:
             if local is not None:
                 wait_for(local)

@@ -35,7 +35,11 @@ class EngineStats:
     pool_bytes_stored: int = 0
     pool_store_seconds: float = 0.0
     pool_skipped_stores: int = 0  # chunks a reserve found no room for (the store is skipped)
-    checksum_failures: int = 0  # loaded pages whose bytes did not match their commit checksum
+    pool_states_loaded: int = 0  # a hybrid model's state checkpoints loaded from the pool, and their bytes
+    pool_state_bytes_loaded: int = 0
+    pool_states_stored: int = 0  # ... stored to the pool
+    pool_state_bytes_stored: int = 0
+    checksum_failures: int = 0  # loaded pages (and checkpoints) whose bytes did not match their commit checksum
     dropped_chunks: int = 0  # chunks this engine removed from the pool (bad checksums)
     pool_unavailable: int = 0  # times a request went without the pool because it could not be reached
     pool_connects: int = 0  # successful (re)connections
@@ -63,4 +67,8 @@ REQUEST_COUNTERS = (
     "pool_store_seconds",
     "pool_skipped_stores",
     "dropped_chunks",
+    "pool_states_loaded",
+    "pool_state_bytes_loaded",
+    "pool_states_stored",
+    "pool_state_bytes_stored",
 )

@@ -32,7 +32,6 @@ from kvshare.transfer.verify import PageCheck
 
 if TYPE_CHECKING:
     from kvshare.pool.protocol import PageHeader
-    from kvshare.transfer.base import KVTransfer
 
 
 class StateChecksumMismatch(ChecksumMismatch):
@@ -78,7 +77,7 @@ def check_state_page(page: PageHeader, into: torch.Tensor) -> None:
         raise StateChecksumMismatch(page.offset)
 
 
-def cpu_load_state(transfer: KVTransfer, page: PageHeader, into: torch.Tensor) -> StateLoad:
+def cpu_load_state(transfer, page: PageHeader, into: torch.Tensor) -> StateLoad:
     """Check the page (when chosen, as a KV page is), then copy it into ``into``; done on return."""
     check_state_page(page, into)
     start = time.perf_counter()
@@ -91,7 +90,7 @@ def cpu_load_state(transfer: KVTransfer, page: PageHeader, into: torch.Tensor) -
     return load
 
 
-def cpu_store_state(transfer: KVTransfer, data: torch.Tensor, offset: int) -> int:
+def cpu_store_state(transfer, data: torch.Tensor, offset: int) -> int:
     """Copy a checkpoint's bytes into the reserved page at ``offset``; its XXH3."""
     view = transfer.client.page(offset, data.numel())
     torch.from_numpy(view).copy_(data)

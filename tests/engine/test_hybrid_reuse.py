@@ -3,8 +3,6 @@ token before it, and never combines a state with KV beyond it (kvshare.engine.hy
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 
@@ -106,29 +104,6 @@ def test_a_last_token_computed_by_the_decode_step_keeps_the_chunks_state():
         assert provenance.local_tokens == 4 * CHUNK and got == _cold(engine, longer)
     finally:
         engine.close()
-
-
-def test_the_pool_is_not_used_for_a_hybrid_model_and_says_so(caplog, tmp_path):
-    with caplog.at_level(logging.WARNING, logger="kvshare.engine.engine"):
-        engine = Engine(EngineConfig(model="qwen3.5-tiny", pool_socket=str(tmp_path / "no-pool.sock")))
-    try:
-        assert engine._pool is None and not engine.stats().is_pool_configured
-        assert "the pool is not used for qwen3.5-tiny" in caplog.text
-        tokens, provenance = run(engine, _ids(80, 11))
-        assert len(tokens) == PARAMS.max_tokens and provenance.pool_tokens == 0
-    finally:
-        engine.close()
-
-
-def test_dropped_chunks_take_their_checkpoints_and_the_prompt_end_with_them(engine):
-    prompt = _ids(200, 12)
-    run(engine, prompt)
-    keys = engine.prompt_chunk_keys(prompt)
-    assert state_key(keys[2]) in engine._local  # the last whole chunk's state
-    engine.drop_chunks(keys)
-    assert state_key(keys[2]) not in engine._local
-    _tokens, provenance = run(engine, prompt)
-    assert provenance.local_tokens == 0
 
 
 # -- the local cache's lookup for a hybrid (kvshare.engine.prefix_cache) ---------------------------------------

@@ -1,5 +1,5 @@
-"""`kvshare up` with the Qwen3.5 hybrid: the pool starts, the replica serves without it (a hybrid's GDN state is
-not in pool pages yet) and reuses a prompt locally."""
+"""`kvshare up` with the Qwen3.5 hybrid: two replicas share a prompt's prefix through the pool (KV pages and the
+state checkpoint at their end), and the replica that reads it answers as the one that computed it."""
 
 import json
 import urllib.request
@@ -16,14 +16,15 @@ def _complete(url: str, prompt: str) -> dict:
         return json.loads(resp.read())
 
 
-def test_up_serves_a_hybrid_beside_a_pool_it_does_not_use():
-    cluster = start_cluster("round_robin", replicas=1, model="qwen3.5-tiny")
+def test_up_shares_a_hybrids_prefix_across_replicas_through_the_pool():
+    cluster = start_cluster("round_robin", replicas=2, model="qwen3.5-tiny")
     try:
         assert cluster.pool_socket is not None  # up started its pool
-        prompt = "The hybrid keeps a state where attention keeps keys. " * 8
-        first, again = _complete(cluster.router_url, prompt), _complete(cluster.router_url, prompt)
+        prompt = "The hybrid keeps a state where attention keeps keys. " * 8  # 432 byte tokens: one whole chunk
+        first, second = _complete(cluster.router_url, prompt), _complete(cluster.router_url, prompt)
     finally:
         cluster.stop()
-    assert again["choices"][0]["text"] == first["choices"][0]["text"]
-    assert first["kvshare"]["pool_tokens"] == again["kvshare"]["pool_tokens"] == 0
-    assert again["kvshare"]["computed_tokens"] == 1  # the same prompt: its last token alone, from the state before it
+    assert first["kvshare"]["replica"] != second["kvshare"]["replica"]
+    assert first["kvshare"]["pool_tokens"] == 0
+    assert second["kvshare"]["pool_tokens"] == 256  # the chunk's KV and the state after it, from the pool
+    assert second["choices"][0]["text"] == first["choices"][0]["text"]
