@@ -139,8 +139,8 @@ def test_a_checkpoint_shallower_than_the_run_of_kv_pages(pool, pair):
     with PoolClient(pool) as client:
         assert client.drop([state_key(keys[3]), state_key(keys[4])]) == 2
     tokens, logprobs, provenance = run(b, prompt)
-    assert (provenance.pool_tokens, provenance.computed_tokens) == (2 * CHUNK, 3 * CHUNK + 20)
     assert_as_cold(b, prompt, tokens, logprobs)
+    assert (provenance.pool_tokens, provenance.computed_tokens) == (2 * CHUNK, 3 * CHUNK + 20)
 
 
 def test_a_replica_whose_own_prefix_is_longer_than_the_pools_checkpoint(pool, pair):
@@ -158,12 +158,9 @@ def test_a_replica_whose_own_prefix_is_longer_than_the_pools_checkpoint(pool, pa
         b._local._checkpoint_keys.discard(state_key(keys[j - 1]))
     run(b, ids_of(100, 8))  # the sequence KV no longer holds the prompt
     tokens, logprobs, provenance = run(b, prompt, RequestOptions())
-    assert (provenance.local_tokens, provenance.pool_tokens, provenance.computed_tokens) == (
-        2 * CHUNK,
-        0,
-        3 * CHUNK + 40,
-    )
     assert_as_cold(b, prompt, tokens, logprobs)
+    reused = (provenance.local_tokens, provenance.pool_tokens, provenance.computed_tokens)
+    assert reused == (2 * CHUNK, 0, 3 * CHUNK + 40)  # the pool's state at 2, B's own KV before it
 
 
 def test_a_checkpoint_evicted_while_its_kv_pages_stay_and_the_reverse(pool, pair):
@@ -174,16 +171,16 @@ def test_a_checkpoint_evicted_while_its_kv_pages_stay_and_the_reverse(pool, pair
     with PoolClient(pool) as client:
         client.drop([state_key(keys[3])])  # the deepest checkpoint goes; its KV pages stay
     tokens, logprobs, provenance = run(b, prompt)
-    assert (provenance.pool_tokens, provenance.computed_tokens) == (2 * CHUNK, 2 * CHUNK + 10)
     assert_as_cold(b, prompt, tokens, logprobs)
+    assert (provenance.pool_tokens, provenance.computed_tokens) == (2 * CHUNK, 2 * CHUNK + 10)
     other = ids_of(4 * CHUNK + 10, 10)
     run(a, other)
     keys = a.prompt_chunk_keys(other)
     with PoolClient(pool) as client:
         client.drop([keys[0]])  # the run's first KV page goes; every checkpoint stays, none is reachable
     tokens, logprobs, provenance = run(b, other)
-    assert (provenance.pool_tokens, provenance.computed_tokens) == (0, len(other))
     assert_as_cold(b, other, tokens, logprobs)
+    assert (provenance.pool_tokens, provenance.computed_tokens) == (0, len(other))
 
 
 def test_a_corrupted_checkpoint_is_caught_recomputed_counted_and_dropped(pool, pair):
@@ -198,8 +195,8 @@ def test_a_corrupted_checkpoint_is_caught_recomputed_counted_and_dropped(pool, p
     failures = b.stats().checksum_failures
     tokens, logprobs, provenance = run(b, prompt)
     assert b.stats().checksum_failures == failures + 1
-    assert (provenance.pool_tokens, provenance.computed_tokens) == (2 * CHUNK, 2 * CHUNK + 25)  # the next shallower
     assert_as_cold(b, prompt, tokens, logprobs)
+    assert (provenance.pool_tokens, provenance.computed_tokens) == (2 * CHUNK, 2 * CHUNK + 25)  # the next shallower
     failures = a.stats().checksum_failures  # the bad page was dropped; B stored the state it recomputed in its place
     tokens, logprobs, provenance = run(a, prompt)
     assert provenance.pool_tokens == 4 * CHUNK and a.stats().checksum_failures == failures
