@@ -371,19 +371,35 @@ class PoolHandlers:
     # -- lookups deferred to the remote tier -------------------------------------------
 
     def _defer_to_remote(self, client_id: int, req: P.Lookup, result: LookupResult) -> bool:
-        """On a partial local hit, let the remote tier fetch the rest before the client is answered."""
-        if self.remote is None or not req.lease or len(result.entries) == len(req.keys):
+        """On a partial local hit, let the remote tier fetch the rest before the client is answered; a hybrid's
+        lookup whose run reaches checkpoints deeper than the arena's goes on to the store for those after it."""
+        if self.remote is None or not req.lease:
             return False
-        on_done = functools.partial(
-            self._finish_deferred_lookup, client_id, self._holder(client_id), req, result.lease_id
-        )
-        if not self.remote.promote(req.keys, req.page_bytes, len(result.entries), on_done):
+        holder_id = self._holder(client_id)
+        if len(result.entries) < len(req.keys):
+            on_done = functools.partial(self._finish_deferred_lookup, client_id, holder_id, req, result.lease_id)
+            if self.remote.promote(req.keys, req.page_bytes, len(result.entries), on_done):
+                self._deferred.add(client_id)
+                return True
+        return self._defer_states(client_id, holder_id, req, result)
+
+    def _defer_states(self, client_id: int, holder_id: int, req: P.Lookup, result: LookupResult) -> bool:
+        """Let the remote tier fetch the deepest checkpoint it holds of those the run reaches past the arena's."""
+        found = result.state[0] if result.state is not None else len(req.states)
+        wanted = [s.key for s in req.states[:found] if s.num_kv <= len(result.entries)]
+        if not wanted:
+            return False
+        on_done = functools.partial(self._finish_deferred_lookup, client_id, holder_id, req, result.lease_id, True)
+        if not self.remote.promote_state(wanted, req.state_page_bytes, on_done):
             return False
         self._deferred.add(client_id)
         return True
 
-    def _finish_deferred_lookup(self, client_id: int, holder_id: int, req: P.Lookup, pin_lease_id: int) -> None:
-        """Answer a deferred lookup from the index as it is now (through ``answer_later``)."""
+    def _finish_deferred_lookup(
+        self, client_id: int, holder_id: int, req: P.Lookup, pin_lease_id: int, states_tried: bool = False
+    ) -> None:
+        """Answer a deferred lookup from the index as it is now (through ``answer_later``), or go on to the remote
+        tier for its checkpoints (once)."""
         if client_id not in self._deferred:  # its connection closed meanwhile: nobody reads the pin's pages
             if pin_lease_id:
                 try:
@@ -392,6 +408,7 @@ class PoolHandlers:
                     pass  # its holds ended meanwhile
             return
         self._deferred.discard(client_id)
+        reply = None
         try:
             result = self.index.lookup(
                 holder_id,
@@ -402,7 +419,8 @@ class PoolHandlers:
                 states=[(s.key, s.num_kv) for s in req.states],
                 state_page_bytes=req.state_page_bytes,
             )
-            reply = lookup_reply(result)
+            if states_tried or not self._defer_states(client_id, holder_id, req, result):  # else: its lease pins
+                reply = lookup_reply(result)
         except Exception as exc:  # a bug: answer it like any handler's, keep serving the client
             log.exception("internal error answering a deferred lookup")
             reply = P.ErrorReply(code="internal", message=f"{type(exc).__name__}: {exc}")
@@ -411,7 +429,8 @@ class PoolHandlers:
                 self.index.release(holder_id, pin_lease_id)
             except PoolError:
                 pass  # expired meanwhile
-        self._answer_later(client_id, reply)
+        if reply is not None:
+            self._answer_later(client_id, reply)
 
 
 def lookup_reply(result: LookupResult) -> P.LookupReply:

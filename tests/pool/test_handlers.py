@@ -239,6 +239,7 @@ def test_the_remote_tier_implements_every_hook():
         "on_abort",
         "on_disconnect",
         "promote",
+        "promote_state",
         "on_prefill",
         "poll",
         "tick",

@@ -4,7 +4,7 @@ The daemon and its handlers call these, always on the loop thread; nothing else 
 kvshare.pool.remote is theirs to touch::
 
     handlers   on_reserve / on_commit / on_abort / on_disconnect   write-behind bookkeeping
-               promote                                             a lookup that goes on to the store
+               promote, promote_state                              a lookup that goes on to the store
                on_prefill                                          a replica's cold prefill time (PrefillReport)
                stats                                               stats["remote"]
                reservations_in_copy                                never expired by their TTL meanwhile
@@ -42,6 +42,10 @@ class RemoteHooks(Protocol):
 
     def promote(self, keys: list[bytes], page_bytes: int, num_local: int, on_done: Callable[[], None]) -> bool:
         """Fetch ``keys[num_local:]`` from the store into the index; True: ``on_done()`` is called once, later."""
+
+    def promote_state(self, keys: list[bytes], page_bytes: int, on_done: Callable[[], None]) -> bool:
+        """Fetch the first of ``keys`` (state checkpoints, deepest first) the store holds into the index as a
+        checkpoint; True: ``on_done()`` is called once, later."""
 
     def on_prefill(self, namespace: bytes, page_bytes: int, num_chunks: int, seconds: float) -> None:
         """A replica prefilled ``num_chunks`` chunks of ``namespace`` cold in ``seconds``: promote only what

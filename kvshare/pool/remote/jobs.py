@@ -42,6 +42,7 @@ class PromoteJob:
     is_broken: bool = False  # the chain broke: no further page is placed
     is_answered: bool = False
     parent_key: bytes = b""  # the arena's chunk before keys[0]; nothing: keys[0] starts the chain, or it is unknown
+    holds_states: bool = False  # the keys name state checkpoints (protocol.Reserve.holds_states), not chunks
 
     def parent_of(self, i: int) -> bytes:
         """The key KV events name as keys[i]'s parent (the chunk before it in the chain), or nothing."""

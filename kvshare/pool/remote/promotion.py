@@ -97,8 +97,16 @@ class Promotions:
         deadline whose fetch has not come back yet holds only its reservations, not a promotion slot."""
         return sum(not job.is_answered for job in self._jobs)
 
-    def start(self, keys: list[bytes], page_bytes: int, num_local: int, on_done: Callable[[], None]) -> bool:
-        """Go on to the store for ``keys[num_local:]``; True: ``on_done()`` will be called once, later."""
+    def start(
+        self,
+        keys: list[bytes],
+        page_bytes: int,
+        num_local: int,
+        on_done: Callable[[], None],
+        holds_states: bool = False,
+    ) -> bool:
+        """Go on to the store for ``keys[num_local:]``; True: ``on_done()`` will be called once, later.
+        ``holds_states``: the keys are state checkpoints, placed as such (protocol.Reserve.holds_states)."""
         missing = keys[num_local:]
         if not missing or self._is_closed:
             return False
@@ -132,9 +140,10 @@ class Promotions:
             if plan.is_remeasure:  # time the store again, in the background: the lookup is answered now
                 self.counters.remeasures += 1
                 batch_len = max(1, self.config.promote_batch_bytes // page_bytes)
-                self._new_job(missing[:batch_len], page_bytes, namespace, depth, [], now, parent)
+                self._new_job(missing[:batch_len], page_bytes, namespace, depth, [], now, parent, holds_states)
             return False
-        if not self._new_job(missing[: plan.num_promote], page_bytes, namespace, depth, [on_done], now, parent):
+        job_keys = missing[: plan.num_promote]
+        if not self._new_job(job_keys, page_bytes, namespace, depth, [on_done], now, parent, holds_states):
             return False
         self.counters.lookups += 1
         return True
@@ -161,12 +170,24 @@ class Promotions:
         waiters: list,
         now: float,
         parent_key: bytes,
+        holds_states: bool = False,
     ) -> bool:
         """Start a job; False: its first reserve got no page, so nothing was asked of the store and the job is
         gone already (its waiters are not called: their lookups are answered now, from the arena)."""
         batch_len = max(1, self.config.promote_batch_bytes // page_bytes)
         deadline = now + self.config.promote_timeout_s
-        job = PromoteJob(keys, page_bytes, namespace, depth, waiters, deadline, batch_len, now, parent_key=parent_key)
+        job = PromoteJob(
+            keys,
+            page_bytes,
+            namespace,
+            depth,
+            waiters,
+            deadline,
+            batch_len,
+            now,
+            parent_key=parent_key,
+            holds_states=holds_states,
+        )
         self._jobs.add(job)
         for key in keys:
             self._job_of_key.setdefault(key, job)
@@ -212,7 +233,14 @@ class Promotions:
             try:
                 depth, parent = job.first_depth + start + i, job.parent_of(start + i)
                 reserved = self.index.reserve(
-                    self.promoter_id, job.namespace, [key], job.page_bytes, depth, now, parent_key=parent
+                    self.promoter_id,
+                    job.namespace,
+                    [key],
+                    job.page_bytes,
+                    depth,
+                    now,
+                    parent_key=parent,
+                    holds_states=job.holds_states,
                 )
             except PoolError as exc:
                 log.error("remote promotion: reserve refused: %s", exc)
@@ -343,7 +371,14 @@ class Promotions:
         parent = job.parent_of(depth - job.first_depth) if depth > 0 else b""
         try:
             reserved = self.index.reserve(
-                self.promoter_id, job.namespace, keys, job.page_bytes, depth, self._clock(), parent_key=parent
+                self.promoter_id,
+                job.namespace,
+                keys,
+                job.page_bytes,
+                depth,
+                self._clock(),
+                parent_key=parent,
+                holds_states=job.holds_states,
             )
         except PoolError as exc:
             log.error("remote promotion: reserve refused: %s", exc)

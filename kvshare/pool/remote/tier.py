@@ -165,6 +165,25 @@ class RemoteTier:
         """Go on to the store for ``keys[num_local:]``; True: ``on_done()`` will be called once, later."""
         return self._promotions.start(keys, page_bytes, num_local, on_done)
 
+    def promote_state(self, keys: list[bytes], page_bytes: int, on_done: Callable[[], None]) -> bool:
+        """Fetch the first of ``keys`` (state checkpoints, deepest first) that the store holds; True: ``on_done()``
+        will be called once, later. One round trip finds it, then it is promoted as a page of its own."""
+        if not keys or self._closing.is_set() or not self.breaker.allow():
+            return False
+        if self._promotions.num_waiting >= self.config.max_promotions:
+            self.counters.promote_busy += 1
+            return False
+
+        def found(index: int | None | BaseException) -> None:
+            if isinstance(index, BaseException):
+                log.error("remote tier: looking for a state checkpoint failed: %r", index)
+            elif index is not None and self._promotions.start([keys[index]], page_bytes, 0, on_done, True):
+                return
+            on_done()  # none held, or its promotion did not start: the lookup is answered from the arena
+
+        self._submit(self._readers, W.first_held, (self.store, self.breaker, self.config, list(keys)), found)
+        return True
+
     def on_prefill(self, namespace: bytes, page_bytes: int, num_chunks: int, seconds: float) -> None:
         """A replica's cold prefill: what recomputing costs in that namespace (promotion weighs it)."""
         self.costs.report_prefill(namespace, page_bytes, num_chunks, seconds)

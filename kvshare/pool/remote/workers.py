@@ -224,6 +224,20 @@ def delete_quietly(store: RemoteStore, keys: list[str]) -> int:
         return 0
 
 
+def first_held(store: RemoteStore, breaker: CircuitBreaker, cfg: RemoteConfig, keys: list[bytes]) -> int | None:
+    """The index of the first of ``keys`` whose page the store holds (its first part: a page is fetched, and
+    verified, only whole), in one round trip; None when none is, or the store failed."""
+    if not breaker.allow():
+        return None
+    try:
+        held = store.count_existing([part_keys(cfg.prefix, key, 1) for key in keys])
+        breaker.record_success()
+    except RemoteStoreError as exc:
+        breaker.record_failure(str(exc))
+        return None
+    return next((i for i, count in enumerate(held) if count), None)
+
+
 def probe(store: RemoteStore, breaker: CircuitBreaker) -> str | None:
     """Ping the store (at start, so an operator learns of a wrong URL at once); the error, if any."""
     try:
