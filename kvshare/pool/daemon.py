@@ -157,11 +157,7 @@ class PoolServer:
                         self._drop_client(client)
                 now = time.monotonic()
                 if now >= next_tick:
-                    self._close_silent_clients(now)
-                    self.handlers.tick(now)
-                    if self.direct is not None:
-                        self.direct.tick(self.index, self.handlers.holders.ids())
-                    self._snapshot()
+                    self._tick(now)
                     next_tick = now + self.config.tick_s
                     if not events and not is_checked_since_activity:
                         integrity_pass = self.handlers.check_when_idle(_INTEGRITY_ITEMS_PER_STEP)
@@ -170,6 +166,19 @@ class PoolServer:
                     is_checked_since_activity = False
         finally:
             self.close()
+
+    def _tick(self, now: float) -> None:
+        """Expiry, orphans, the direct tables, the stats snapshot. A bug here is logged and counted, and the loop
+        serves on: nothing a client did may end the pool for the others."""
+        try:
+            self._close_silent_clients(now)
+            self.handlers.tick(now)
+            if self.direct is not None:
+                self.direct.tick(self.index, self.handlers.holders.ids())
+            self._snapshot()
+        except Exception:
+            log.exception("internal error in the pool's tick")
+            self.counters.errors += 1
 
     def stop(self) -> None:
         """Ask the loop to end (safe from a signal handler)."""
@@ -322,11 +331,18 @@ class PoolServer:
         # Nothing is sent before hello, so the hello reply is the first unsent byte: _flush attaches the fds to it.
         assert not client.outbuf, "a reply was queued before the hello reply"
         client.owed_fds = [self._memfd]
+        table_fd = None
         if request.direct and self.direct is not None:
-            holder_id = self.handlers.holders.holder_id(client.client_id)
-            client.owed_fds += [self.direct.fd, self.direct.hold_table(holder_id)]
+            table_fd = self.direct.hold_table(self.handlers.holders.holder_id(client.client_id), client.uid)
+        if table_fd is not None:
+            client.owed_fds += [self.direct.fd, table_fd]
             direct = {"direct_slots": self.direct.num_slots, "direct_holds": self.direct.num_holds}
             reply = msgspec.structs.replace(reply, **direct, direct_misses=self.remote is None)
+        elif request.direct and self.direct is not None:
+            log.info(
+                "client %s: no hold table (its uid has as many as it may have): lookups take the round trip",
+                self._label(client),
+            )
         client.outbuf += P.encode(reply)
 
     def _answer_deferred(self, client_id: int, reply: P.Reply) -> None:

@@ -19,28 +19,32 @@ from kvshare.pool.direct import (
     CHECKSUM,
     CHECKSUM_KIND,
     GEN,
+    KEY_HI,
+    KEY_LO,
+    OFFSET,
+    PAGE_BYTES,
+    SLOT_BYTES,
+    SLOT_WORDS,
+    UNPLACED,
+    WORD,
+    directory_bytes,
+)
+from kvshare.pool.grants import LeaseGrant
+from kvshare.pool.hold_tables import (
+    CLOSED,
     HEADER_WORDS,
     HIT_CHUNKS,
     HOLD_GEN,
     HOLD_LEASE,
     HOLD_WORDS,
+    HOLDS_AT_WORD,
     HWM,
-    KEY_HI,
-    KEY_LO,
     LOOKUPS,
     MISS_CHUNKS,
-    OFFSET,
-    PAGE_BYTES,
-    SLOT_BYTES,
-    SLOT_WORDS,
     TOUCH_RING,
     TOUCHES,
-    UNPLACED,
-    WORD,
-    directory_bytes,
     hold_table_bytes,
 )
-from kvshare.pool.grants import LeaseGrant
 
 # Lease ids of direct leases: far above any id the pool gives (they count up from 1 per daemon).
 DIRECT_LEASE_BIT = 1 << 62
@@ -52,7 +56,7 @@ assert (HOLD_GEN, HOLD_LEASE) == (0, 1), "direct.py's layout"
 assert (HIT_CHUNKS, TOUCHES, MISS_CHUNKS) == (LOOKUPS + 1, LOOKUPS + 2, LOOKUPS + 3), "direct.py's layout"
 _BODY = struct.Struct(f"<{SLOT_WORDS}Q")  # a slot's words
 BUCKET_BYTES = BUCKET_SLOTS * SLOT_BYTES
-HOLDS_AT = (HEADER_WORDS + TOUCH_RING) * 8  # byte offset of the first hold in a table
+HOLDS_AT = HOLDS_AT_WORD * 8  # byte offset of the first hold in a table
 
 
 class DirectLeases:
@@ -136,6 +140,9 @@ class DirectLeases:
             if WORD.unpack_from(directory, slot)[0] != seq:  # the entry left while the hold was taken: lease nothing
                 self._clear(held)
                 return None
+        if WORD.unpack_from(table, CLOSED * 8)[0]:  # the pool closed the table to new holds (a dropped link)
+            self._clear(held)
+            return None
         self._leases[lease_id] = held
         self._count([words[GEN] for _slot, _seq, words in reversed(read)], len(keys) - len(read))
         version = P.FORMAT_VERSION

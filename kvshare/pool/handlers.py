@@ -135,13 +135,18 @@ class PoolHandlers:
         if holder.connections:  # another connection speaks for the holder
             return 0, 0
         if not holder.process.is_gone():
-            if self.index.num_holds(holder.holder_id):
+            if self._is_holding(holder.holder_id):
                 self.counters.orphaned_holders += 1
             else:
                 self.holders.forget(holder)
             return 0, 0
         self.holders.forget(holder)
         return self._end_holds(holder.holder_id)
+
+    def _is_holding(self, holder_id: int) -> bool:
+        """Whether a holder no connection speaks for holds anything: leases, reservations, or direct holds (its
+        hold table closed to new ones first, so that a lookup of its live process cannot hold after this answer)."""
+        return bool(self.index.num_holds(holder_id) or self.index.retired.seal(holder_id))
 
     def _end_holds(self, holder_id: int) -> tuple[int, int]:
         aborted, released = self.index.disconnect(holder_id)
@@ -300,7 +305,7 @@ class PoolHandlers:
                 self._end_holds(holder.holder_id)
                 self.counters.ended_holders += 1
                 self.holders.forget(holder)
-            elif not self.index.num_holds(holder.holder_id):  # ended by TTL, or released after a reconnect
+            elif not self._is_holding(holder.holder_id):  # ended by TTL, or released after a reconnect
                 self.holders.forget(holder)
         if self.remote is not None:
             self.remote.tick(now)

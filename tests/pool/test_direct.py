@@ -33,19 +33,23 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def start_server(tmp_path, size_bytes: int = 16 * MiB, extent_bytes: int = 4 * MiB, **index) -> PoolServer:
-    """A pool in a thread of this process, ticking every 20 ms; no watermark eviction unless ``index`` says."""
+def start_server(
+    tmp_path, size_bytes: int = 16 * MiB, extent_bytes: int = 4 * MiB, tick_s: float = 0.02, **index
+) -> PoolServer:
+    """A pool in a thread of this process (``serve_thread``), ticking every ``tick_s``; no watermark eviction unless
+    ``index`` says."""
     config = PoolConfig(
         socket_path=str(tmp_path / "p.sock"),
         size_bytes=size_bytes,
         extent_bytes=extent_bytes,
         hugepages="off",
-        tick_s=0.02,
+        tick_s=tick_s,
         index=IndexConfig(**({"high_watermark": 1.0, "low_watermark": 1.0} | index)),
     )
     server = PoolServer(config)
     server.start()
-    threading.Thread(target=server.serve, daemon=True).start()
+    server.serve_thread = threading.Thread(target=server.serve, daemon=True)
+    server.serve_thread.start()
     return server
 
 
@@ -201,7 +205,7 @@ def test_negative_control_without_the_barrier_and_scan_the_writer_overwrites_a_h
     """The scenario above with the pool's guard broken (every retired page freed at once): the writer gets the
     held pages and the reader's bytes change under it, so the test above can fail."""
     monkeypatch.setattr(server.direct, "unheld", lambda entries, now=None: list(entries))
-    held, got, intact = fill_then_take_over(server, "evict")
+    held, got, intact = fill_then_take_over(server, "drop")
     assert held <= got and not intact
 
 
@@ -303,7 +307,7 @@ def test_a_holder_the_pool_forgot_gets_a_new_table_and_its_holds_there_count(ser
         first = PoolClient(server.config.socket_path, holder=token, direct=True).connect()
         first.release([first.lookup(keys, 4096).lease_id])
         first.close(end_holds=False)
-        assert wait_for(lambda: not server.direct._tables)  # forgotten: its table is closed
+        assert wait_for(lambda: not server.direct.tables)  # forgotten: its table is closed
         with PoolClient(server.config.socket_path, holder=token, direct=True) as second:
             grant = second.lookup(keys, 4096)
             assert grant.lease_id & DIRECT_LEASE_BIT
