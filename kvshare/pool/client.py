@@ -64,6 +64,7 @@ class PoolClient:
         self._unmap_hooks: list[Callable[[], None]] = []
         self.wants_direct = direct  # lease committed chains with no round trip where the pool offers it (direct.py)
         self._direct: DirectLeases | None = None
+        self._pid = os.getpid()  # the process whose connection this is: a forked child's copy sends nothing on it
         # A client dropped without close() (an engine never closed, collected later) unmaps its arena as
         # the mmap is freed: run the hooks then too. The finalizer holds the list, never the client.
         weakref.finalize(self, _run_hooks, self._unmap_hooks)
@@ -126,6 +127,7 @@ class PoolClient:
             os.close(fd)  # the mappings keep the memfds alive
         self.arena = np.frombuffer(self._mmap, dtype=np.uint8)
         self.hello = reply
+        self._pid = os.getpid()
         return self
 
     def _use(self, sock: socket.socket) -> None:
@@ -154,6 +156,7 @@ class PoolClient:
         ends its holds now. Without it (a timeout, a lost link) the pool keeps them while this process
         lives, or until their TTL, and a client with the same holder token can still release them.
         """
+        end_holds = end_holds and os.getpid() == self._pid  # a forked child's copy ends nothing of its parent's
         if end_holds:
             if self._direct is not None:
                 self._direct, direct = None, self._direct
@@ -215,6 +218,8 @@ class PoolClient:
         with self._lock:
             if self._sock is None:
                 raise PoolUnavailable(f"not connected to the pool at {self.socket_path}")
+            if os.getpid() != self._pid:  # replies on a shared connection would go to either process
+                raise PoolUnavailable(f"this client is connected for process {self._pid}: connect one in this process")
             try:
                 self._send(P.encode(request))
                 reply = self._read_reply()
@@ -289,8 +294,8 @@ class PoolClient:
             self._call(P.Release(lease_ids=ids, reply=True))
             return
         with self._lock:
-            if self._sock is None:
-                return  # the pool released them when our connection dropped
+            if self._sock is None or os.getpid() != self._pid:
+                return  # the pool keeps them for the holder (its connection dropped, or is another process's)
             try:
                 self._send(P.encode(P.Release(lease_ids=ids, reply=False)))
             except OSError:

@@ -1,9 +1,14 @@
 """A client's side of direct lookups (direct.py): lease a fully committed chain from the directory, no round trip.
 
 Steps and why they are safe: direct.py. Anything short of a full hit (a miss, a
-slot being written, an entry leaving while leased, no free hold) returns None and
-the caller asks the pool over the socket, which also counts misses and promotes
-from the remote tier.
+slot being written, an entry leaving while leased, a table the pool closed, no free
+hold) returns None and the caller asks the pool over the socket, which also counts
+misses and promotes from the remote tier.
+
+A table belongs to the process that mapped it: a forked child inherits the mapping
+but not the right to write it (its copy of the free-hold list would hand out the
+slots of its parent's holds), so in any other process every lookup returns None,
+no release clears a hold and ``close`` unmaps only.
 """
 
 from __future__ import annotations
@@ -90,13 +95,14 @@ class DirectLeases:
         self._leases: dict[int, list[int]] = {}  # lease id -> its hold slots
         self._next_lease = DIRECT_LEASE_BIT + 1
         self._lock = threading.Lock()  # one lookup or release at a time (a PoolClient is used from several threads)
+        self.pid = os.getpid()  # the one process that writes this table (a forked child only reads its own pages)
         self.is_closed = False
         self.on_close = lambda: None
 
     def lookup(self, keys: list[bytes], page_bytes: int) -> LeaseGrant | None:
         """A lease on every key's page, or None (take the round trip)."""
         with self._lock:
-            return None if self.is_closed else self._lookup(keys, page_bytes)
+            return None if self.is_closed or os.getpid() != self.pid else self._lookup(keys, page_bytes)
 
     def _lookup(self, keys: list[bytes], page_bytes: int) -> LeaseGrant | None:
         if not keys or len(keys) > len(self._free):
@@ -156,7 +162,7 @@ class DirectLeases:
     def release(self, lease_id: int) -> bool:
         """End a direct lease (its copies have ended); False when it is not one of ours."""
         with self._lock:
-            held = None if self.is_closed else self._leases.pop(lease_id, None)
+            held = None if self.is_closed or os.getpid() != self.pid else self._leases.pop(lease_id, None)
             if held is not None:
                 self._clear(held)
         return held is not None

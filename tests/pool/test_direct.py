@@ -370,3 +370,38 @@ def test_without_membarrier_the_pool_offers_no_directory_and_lookups_take_the_ro
             assert not grant.lease_id & DIRECT_LEASE_BIT and len(grant.pages) == 2
     finally:
         server.stop()
+
+
+def test_a_forked_child_never_writes_its_parents_hold_table(pool):
+    """A process that holds a direct client forks; the child looks up through the inherited client while the
+    parent holds a lease. Fails when the child uses the parent's hold table with its own copy of the free-hold
+    list: it stores its hold in the slot of the parent's, and the parent's pages are freed under its lease."""
+    parent_keys, child_keys = make_keys("fork-parent", 2), make_keys("fork-child", 2)
+    with PoolClient(pool) as writer:
+        write_chain(writer, parent_keys, 4096, fill=1)
+        write_chain(writer, child_keys, 4096, fill=2)
+        parent = PoolClient(pool, direct=True).connect()
+        go_r, go_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: wait until the parent holds its lease, look up through the inherited client
+            code = 1
+            try:
+                os.read(go_r, 1)
+                parent.lookup(child_keys, 4096)
+                code = 0
+            except BaseException:  # a refusal (the client is its parent's) is as good
+                code = 0
+            finally:
+                os._exit(code)
+        grant = parent.lookup(parent_keys, 4096)
+        assert grant.lease_id & DIRECT_LEASE_BIT
+        os.write(go_w, b"x")
+        assert os.waitpid(pid, 0)[1] == 0
+        writer.drop(parent_keys)
+        direct = writer.stats()["direct"]
+        assert direct["retired_pages"] == 2, "the parent's held pages were freed (its holds were overwritten)"
+        parent.release([grant.lease_id])
+        assert wait_for(lambda: writer.stats()["direct"]["retired_pages"] == 0)
+        parent.close()
+        os.close(go_r)
+        os.close(go_w)
