@@ -32,7 +32,7 @@ from kvshare.pool.direct import open_direct
 from kvshare.pool.event_publisher import open_pool_events
 from kvshare.pool.handlers import PoolHandlers, ServerCounters
 from kvshare.pool.index import PoolError, PoolIndex
-from kvshare.pool.peers import peer_credentials
+from kvshare.pool.peers import peer_credentials, peer_pidfd
 from kvshare.pool.remote import RemoteHooks, start_remote_tier
 from kvshare.pool.spin import CpuPressure, SpinPolicy
 
@@ -229,17 +229,18 @@ class PoolServer:
             send_now(sock, P.encode(P.ErrorReply("not_allowed", f"uid {uid} may not use this pool")))
             sock.close()
             return
-        if pid == 0:  # a process in another pid namespace: whether it is gone cannot be known (holders.py)
+        pidfd = peer_pidfd(sock) if pid == 0 else None  # a process outside this pid namespace (holders.py)
+        if pid == 0 and pidfd is None:
             log.info(
-                "client of uid %d from another pid namespace: its holds outlive its connections until it says "
-                "goodbye or their TTL passes",
+                "client of uid %d from outside this pool's pid namespace, and no SO_PEERPIDFD (Linux < 6.5): its "
+                "holds outlive its connections until it says goodbye or their TTL passes",
                 uid,
             )
         sock.setblocking(False)
         client = Connection(sock=sock, client_id=self._next_client_id, pid=pid, uid=uid, connected_at=time.monotonic())
         self._next_client_id += 1
         self._clients[client.client_id] = client
-        self.handlers.connect(client.client_id, pid, uid)
+        self.handlers.connect(client.client_id, pid, uid, pidfd)
         self._selector.register(sock, selectors.EVENT_READ, client)
         self.counters.connections += 1
 

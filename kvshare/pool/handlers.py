@@ -87,11 +87,11 @@ class PoolHandlers:
 
     # -- clients ---------------------------------------------------------------
 
-    def connect(self, client_id: int, pid: int = 0, uid: int = 0) -> None:
-        """A connection from process ``pid`` of ``uid``; pid 0: not known (another pid namespace), so the holds of
-        its holder outlive its connections until a Goodbye or their TTL (holders.Process.is_gone)."""
+    def connect(self, client_id: int, pid: int = 0, uid: int = 0, pidfd: int | None = None) -> None:
+        """A connection from process ``pid`` of ``uid``; pid 0: not in the pool's pid namespace, known by ``pidfd``
+        where the kernel gave one (the handlers own it from now on; holders.Process)."""
         self._names[client_id] = ""
-        self.holders.connect(client_id, pid, uid)
+        self.holders.connect(client_id, pid, uid, pidfd)
 
     def hello(self, client_id: int, request: P.Request) -> P.HelloReply:
         """Greet a client; raises PoolError (the daemon then closes the connection) for anything but a good hello."""
