@@ -71,7 +71,8 @@ class PoolServer:
     def start(self) -> None:
         cfg = self.config
         self.events = open_pool_events(cfg.kv_events, self.index)  # first: a bad endpoint leaves nothing behind
-        self._memfd, self.arena, is_huge = open_arena(cfg.size_bytes, cfg.hugepages)
+        admits_other_uids = any(uid != os.getuid() for uid in cfg.allowed_uids)
+        self._memfd, self.arena, is_huge = open_arena(cfg.size_bytes, cfg.hugepages, admits_other_uids)
         self.direct = self.index.retired.direct = (
             open_direct(cfg.size_bytes, cfg.index.lease_ttl_s) if cfg.direct_lookups else None
         )
