@@ -27,6 +27,7 @@ from kvshare.pool.arena import ArenaError, check_sealed, map_arena
 from kvshare.pool.checksum import ChecksumKind, is_valid
 from kvshare.pool.direct import register_client
 from kvshare.pool.direct_reader import DirectLeases, map_direct
+from kvshare.pool.forks import fork_count
 
 # the grants and errors live in kvshare.pool.grants and are re-exported: callers import them from here
 from kvshare.pool.grants import ChecksumMismatch, LeaseGrant, PoolRequestError, PoolUnavailable, ReservationGrant
@@ -64,7 +65,7 @@ class PoolClient:
         self._unmap_hooks: list[Callable[[], None]] = []
         self.wants_direct = direct  # lease committed chains with no round trip where the pool offers it (direct.py)
         self._direct: DirectLeases | None = None
-        self._pid = os.getpid()  # the process whose connection this is: a forked child's copy sends nothing on it
+        self._owner = fork_count()  # the process whose connection this is: a forked child's copy sends nothing on it
         # A client dropped without close() (an engine never closed, collected later) unmaps its arena as
         # the mmap is freed: run the hooks then too. The finalizer holds the list, never the client.
         weakref.finalize(self, _run_hooks, self._unmap_hooks)
@@ -127,7 +128,7 @@ class PoolClient:
             os.close(fd)  # the mappings keep the memfds alive
         self.arena = np.frombuffer(self._mmap, dtype=np.uint8)
         self.hello = reply
-        self._pid = os.getpid()
+        self._owner = fork_count()
         return self
 
     def _use(self, sock: socket.socket) -> None:
@@ -156,7 +157,7 @@ class PoolClient:
         ends its holds now. Without it (a timeout, a lost link) the pool keeps them while this process
         lives, or until their TTL, and a client with the same holder token can still release them.
         """
-        end_holds = end_holds and os.getpid() == self._pid  # a forked child's copy ends nothing of its parent's
+        end_holds = end_holds and fork_count() == self._owner  # a forked child's copy ends nothing of its parent's
         if end_holds:
             if self._direct is not None:
                 self._direct, direct = None, self._direct
@@ -218,8 +219,8 @@ class PoolClient:
         with self._lock:
             if self._sock is None:
                 raise PoolUnavailable(f"not connected to the pool at {self.socket_path}")
-            if os.getpid() != self._pid:  # replies on a shared connection would go to either process
-                raise PoolUnavailable(f"this client is connected for process {self._pid}: connect one in this process")
+            if fork_count() != self._owner:  # replies on a shared connection would go to either process
+                raise PoolUnavailable("this client's connection is its parent process's (fork): connect a new one")
             try:
                 self._send(P.encode(request))
                 reply = self._read_reply()
@@ -294,7 +295,7 @@ class PoolClient:
             self._call(P.Release(lease_ids=ids, reply=True))
             return
         with self._lock:
-            if self._sock is None or os.getpid() != self._pid:
+            if self._sock is None or fork_count() != self._owner:
                 return  # the pool keeps them for the holder (its connection dropped, or is another process's)
             try:
                 self._send(P.encode(P.Release(lease_ids=ids, reply=False)))

@@ -34,6 +34,7 @@ from kvshare.pool.direct import (
     WORD,
     directory_bytes,
 )
+from kvshare.pool.forks import fork_count
 from kvshare.pool.grants import LeaseGrant
 from kvshare.pool.hold_tables import (
     CLOSED,
@@ -95,14 +96,14 @@ class DirectLeases:
         self._leases: dict[int, list[int]] = {}  # lease id -> its hold slots
         self._next_lease = DIRECT_LEASE_BIT + 1
         self._lock = threading.Lock()  # one lookup or release at a time (a PoolClient is used from several threads)
-        self.pid = os.getpid()  # the one process that writes this table (a forked child only reads its own pages)
+        self.owner = fork_count()  # the one process that writes this table (a forked child only reads its own pages)
         self.is_closed = False
         self.on_close = lambda: None
 
     def lookup(self, keys: list[bytes], page_bytes: int) -> LeaseGrant | None:
         """A lease on every key's page, or None (take the round trip)."""
         with self._lock:
-            return None if self.is_closed or os.getpid() != self.pid else self._lookup(keys, page_bytes)
+            return None if self.is_closed or fork_count() != self.owner else self._lookup(keys, page_bytes)
 
     def _lookup(self, keys: list[bytes], page_bytes: int) -> LeaseGrant | None:
         if not keys or len(keys) > len(self._free):
@@ -162,7 +163,7 @@ class DirectLeases:
     def release(self, lease_id: int) -> bool:
         """End a direct lease (its copies have ended); False when it is not one of ours."""
         with self._lock:
-            held = None if self.is_closed or os.getpid() != self.pid else self._leases.pop(lease_id, None)
+            held = None if self.is_closed or fork_count() != self.owner else self._leases.pop(lease_id, None)
             if held is not None:
                 self._clear(held)
         return held is not None
