@@ -375,14 +375,15 @@ class PoolIndex:
 
     def _evict(self, bytes_short, page_bytes: int = 0) -> None:
         """Evict committed entries nobody holds, oldest first, until ``bytes_short()`` is 0 (eviction.victims: which).
-        A round picks what covers the shortfall (skipping pages a direct hold names: they would stay allocated),
-        takes it out of view and settles (one barrier and scan); a page held after the pick stays allocated, so
-        another round may follow, at most MAX_EVICTION_ROUNDS: a reserve gets fewer pages rather than wait."""
+        A round picks what covers the shortfall (skipping pages a direct hold named at the start: they would stay
+        allocated), takes it out of view and settles (one barrier and scan); a page held after the pick stays
+        allocated, so another round may follow, at most MAX_EVICTION_ROUNDS: a reserve gets fewer pages rather
+        than wait."""
+        held_gens = self.retired.held_gens() if bytes_short() > 0 else set()
         for _round in range(MAX_EVICTION_ROUNDS):
             short = bytes_short()
             if short <= 0:
                 return
-            held_gens = self.retired.held_gens()
             chosen, covered = [], 0
             groups = victims(
                 self._lru.values(),
