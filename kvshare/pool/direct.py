@@ -201,7 +201,7 @@ class DirectTables:
         self.directory = Directory(arena_bytes)
         self.fd, self.num_slots = self.directory.fd, self.directory.num_slots
         self.num_holds = num_holds
-        self.tables = HoldTables(num_holds, hold_ttl_s, lambda: barrier())
+        self.tables = HoldTables(num_holds, hold_ttl_s, barrier)
         # retired entries (out of the directory) -> the holds the first scan after the barrier saw on them
         self._holds_of: dict[object, list[HoldRef]] = {}
 
