@@ -24,6 +24,9 @@ from kvshare.pool.hold_tables import CLOSED, HOLDS_AT_WORD, HWM, LOOKUPS, TOUCH_
 from tests.reliability.test_fuzz_direct import CHAIN_LEN, NUM_CHAINS, PAGE_SIZES, chain_keys, check_page
 
 MAX_PROBLEMS = 8
+# A lease is held at most this long (far below the soak pool's lease TTL): a page may leave a lease past its TTL,
+# which the checks would count as changed under it.
+HOLD_AT_MOST_S = 0.05
 
 
 class Checks:
@@ -69,26 +72,28 @@ def link_dropper_main(path: str, seed: int, duration_s: float) -> tuple[Counter,
     stop = threading.Event()
     dropper = threading.Thread(target=drop_link_now_and_then, args=(lambda: current[0], random.Random(~seed), stop))
     dropper.start()
-    held = []  # (grant, keys) of the leases held, oldest first
+    held, taken_at = [], []  # (grant, keys) of the leases held, oldest first; when each was taken
     deadline = time.monotonic() + duration_s
     while time.monotonic() < deadline:
         client = current[0]
         keys, page_bytes = random_chain(rng)
         try:
             grant = client.lookup(keys, page_bytes)
-            if len(held) > 3:
+            if len(held) > 3 or (held and time.monotonic() - taken_at[0] > HOLD_AT_MOST_S):
                 checks.lease(client, *held[0], "at_release")
                 client.release([held[0][0].lease_id], wait=True)
                 held.pop(0)
+                taken_at.pop(0)
         except PoolUnavailable:  # the link dropped: the same holder, connected again, ends what it held
             checks.counts["links_dropped"] += 1
             current[0] = end_held(client, path, holder, held, checks, "after_link_drop")
-            held = []
+            held, taken_at = [], []
             continue
         if grant.lease_id:
             checks.counts["direct_leases" if grant.lease_id & DIRECT_LEASE_BIT else "round_trip_leases"] += 1
             checks.lease(client, grant, keys, "at_lease")
             held.append((grant, keys))
+            taken_at.append(time.monotonic())
     stop.set()
     dropper.join()
     end_held(current[0], path, holder, held, checks, "at_release").close()

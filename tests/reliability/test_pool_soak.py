@@ -3,7 +3,7 @@ under a lease (both must be 0).
 
 For ``SOAK_S`` seconds (40 in the suite; ``KVSHARE_SOAK_LONG=1`` runs 600, ``KVSHARE_SOAK_S`` any number), beside a
 ``kvshare pool`` child of 16 MiB (64 pages of 256 KiB; eviction at commit above 0.97 and at every reserve short of
-room) with a 2 s lease TTL:
+room) with a 10 s lease TTL (every client here holds a lease far shorter):
 
 - 2 writers (test_fuzz_direct.writer_main): write, drop, re-write and flush chains twice the arena's size, so
   eviction never stops;
@@ -50,7 +50,7 @@ SOAK_S = float(os.environ.get("KVSHARE_SOAK_S") or (600 if os.environ.get("KVSHA
 SEED = 20261214
 SPAWN = mp.get_context("spawn")
 POOL_ARGS = ("--extent-size", "2MiB", "--high-watermark", "0.97", "--low-watermark", "0.9", "--hugepages", "off")
-POOL_ARGS += ("--lease-ttl", "2")
+POOL_ARGS += ("--lease-ttl", "10")  # what the vandal's holds can keep out of view: a few pages for at most 10 s
 VICTIM_EVERY_S = 2.0
 VICTIM_WAIT_S = 15.0  # a spawned process imports numpy and kvshare first: seconds on a busy host
 
