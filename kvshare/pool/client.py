@@ -32,6 +32,7 @@ from kvshare.pool.client_errors import (
 )  # re-exported: callers import them from here
 from kvshare.pool.direct import register_client
 from kvshare.pool.direct_reader import DirectLeases, map_direct
+from kvshare.pool.forks import fork_count
 from kvshare.pool.grants import LeaseGrant, ReservationGrant
 from kvshare.pool.holders import TOKEN_BYTES
 from kvshare.pool.peers import peer_credentials, untrusted_pool_reason
@@ -67,6 +68,7 @@ class PoolClient:
         self._unmap_hooks: list[Callable[[], None]] = []
         self.wants_direct = direct  # lease committed chains with no round trip where the pool offers it (direct.py)
         self._direct: DirectLeases | None = None
+        self._owner = fork_count()  # the process whose connection this is: a forked child's copy sends nothing on it
         # A client dropped without close() (an engine never closed, collected later) unmaps its arena as
         # the mmap is freed: run the hooks then too. The finalizer holds the list, never the client.
         weakref.finalize(self, _run_hooks, self._unmap_hooks)
@@ -129,6 +131,7 @@ class PoolClient:
             os.close(fd)  # the mappings keep the memfds alive
         self.arena = np.frombuffer(self._mmap, dtype=np.uint8)
         self.hello = reply
+        self._owner = fork_count()
         return self
 
     def _use(self, sock: socket.socket) -> None:
@@ -157,6 +160,7 @@ class PoolClient:
         ends its holds now. Without it (a timeout, a lost link) the pool keeps them while this process
         lives, or until their TTL, and a client with the same holder token can still release them.
         """
+        end_holds = end_holds and fork_count() == self._owner  # a forked child's copy ends nothing of its parent's
         if end_holds:
             if self._direct is not None:
                 self._direct, direct = None, self._direct
@@ -219,6 +223,8 @@ class PoolClient:
         with self._lock:
             if self._sock is None:
                 raise PoolUnavailable(f"not connected to the pool at {self.socket_path}")
+            if fork_count() != self._owner:  # replies on a shared connection would go to either process
+                raise PoolUnavailable("this client's connection is its parent process's (fork): connect a new one")
             try:
                 self._send(P.encode(request))
                 reply = self._read_reply(self.timeout_s if wait_s is None else wait_s)
@@ -309,8 +315,8 @@ class PoolClient:
             self._call(P.Release(lease_ids=ids, reply=True))
             return
         with self._lock:
-            if self._sock is None:
-                return  # the pool released them when our connection dropped
+            if self._sock is None or fork_count() != self._owner:
+                return  # the pool keeps them for the holder (its connection dropped, or is another process's)
             try:
                 self._send(P.encode(P.Release(lease_ids=ids, reply=False)))
             except OSError:

@@ -88,11 +88,11 @@ class PoolHandlers:
 
     # -- clients ---------------------------------------------------------------
 
-    def connect(self, client_id: int, pid: int = 0, uid: int = 0) -> None:
-        """A connection from process ``pid`` of ``uid``; pid 0: not known (another pid namespace), so the holds of
-        its holder outlive its connections until a Goodbye or their TTL (holders.Process.is_gone)."""
+    def connect(self, client_id: int, pid: int = 0, uid: int = 0, pidfd: int | None = None) -> None:
+        """A connection from process ``pid`` of ``uid``; pid 0: not in the pool's pid namespace, known by ``pidfd``
+        where the kernel gave one (the handlers own it from now on; holders.Process)."""
         self._names[client_id] = ""
-        self.holders.connect(client_id, pid, uid)
+        self.holders.connect(client_id, pid, uid, pidfd)
 
     def hello(self, client_id: int, request: P.Request) -> P.HelloReply:
         """Greet a client; raises PoolError (the daemon then closes the connection) for anything but a good hello."""
@@ -137,13 +137,18 @@ class PoolHandlers:
         if holder.connections:  # another connection speaks for the holder
             return 0, 0
         if not holder.process.is_gone():
-            if self.index.num_holds(holder.holder_id):
+            if self._is_holding(holder.holder_id):
                 self.counters.orphaned_holders += 1
             else:
                 self.holders.forget(holder)
             return 0, 0
         self.holders.forget(holder)
         return self._end_holds(holder.holder_id)
+
+    def _is_holding(self, holder_id: int) -> bool:
+        """Whether a holder no connection speaks for holds anything: leases, reservations, or direct holds (its
+        hold table closed to new ones first, so that a lookup of its live process cannot hold after this answer)."""
+        return bool(self.index.num_holds(holder_id) or self.index.retired.seal(holder_id))
 
     def _end_holds(self, holder_id: int) -> tuple[int, int]:
         aborted, released = self.index.disconnect(holder_id)
@@ -318,7 +323,7 @@ class PoolHandlers:
                 self._end_holds(holder.holder_id)
                 self.counters.ended_holders += 1
                 self.holders.forget(holder)
-            elif not self.index.num_holds(holder.holder_id):  # ended by TTL, or released after a reconnect
+            elif not self._is_holding(holder.holder_id):  # ended by TTL, or released after a reconnect
                 self.holders.forget(holder)
         if self.remote is not None:
             self.remote.tick(now)
