@@ -288,7 +288,9 @@ class Cluster:
             preflight.check_pool_size(size, "--pool-size")
             if cfg.engine == "builtin":  # vLLM may run the KV in another dtype than the model's own
                 layout = preflight.model_layout(cfg.model, chunk_tokens)
-                preflight.check_pool_holds_a_page(size, extent, layout, cfg.model)
+                preflight.check_pool_holds_a_page(
+                    size, extent, layout, cfg.model, preflight.model_state_bytes(cfg.model)
+                )
         if cfg.engine == "vllm":
             from kvshare.integrations.vllm.launch import check_vllm_python
             from kvshare.serve.tenancy import read_account_key

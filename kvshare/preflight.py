@@ -137,16 +137,32 @@ def check_pool_size(size_bytes: int, flag: str = "--size") -> None:
         )
 
 
-def check_pool_holds_a_page(pool_bytes: int, extent_bytes: int, layout: KVLayout, model: str) -> None:
-    """A page of ``model`` fits in one extent of the pool (a page never straddles extents)."""
+def check_pool_holds_a_page(
+    pool_bytes: int, extent_bytes: int, layout: KVLayout, model: str, state_bytes: int = 0
+) -> None:
+    """A page of ``model`` fits in one extent of the pool (a page never straddles extents), and so does a hybrid
+    model's state checkpoint (``state_bytes``; 0: none), a page of its own."""
     extent = min(extent_bytes, pool_bytes)
-    if layout.page_bytes > extent:
-        which = "pool" if extent == pool_bytes else "pool's extent (--pool-arg --extent-size)"
-        raise UserError(
-            f"one {layout.chunk_tokens}-token page of {model} is {format_bytes(layout.page_bytes)}, "
-            f"larger than the {which}, {format_bytes(extent)}: give a larger --pool-size "
-            f"(`kvshare plan --model {model} --tokens N` sizes one), or --pool off"
-        )
+    which = "pool" if extent == pool_bytes else "pool's extent (--pool-arg --extent-size)"
+    for what, size in (
+        (f"one {layout.chunk_tokens}-token page", layout.page_bytes),
+        ("a state checkpoint", state_bytes),
+    ):
+        if size > extent:
+            raise UserError(
+                f"{what} of {model} is {format_bytes(size)}, larger than the {which}, {format_bytes(extent)}: give a "
+                f"larger --pool-size (`kvshare plan --model {model} --tokens N` sizes one), or --pool off"
+            )
+
+
+def model_state_bytes(model: str) -> int:
+    """The bytes of a hybrid model's state checkpoint (kvshare.state_layout), read without loading weights; 0 for a
+    model without GDN layers."""
+    from kvshare.engine.hybrid_config import state_layout_of
+    from kvshare.engine.preset_table import model_config_of
+
+    config = model_config_of(model)
+    return state_layout_of(config).checkpoint_bytes if config.is_hybrid else 0
 
 
 def check_socket_dir(socket_path: str, flag: str = "--socket") -> None:

@@ -19,6 +19,17 @@ def tcp_port(text: str) -> int:
     return port
 
 
+def non_negative_int(text: str) -> int:
+    """A count of zero or more for argparse (a negative one refused with one line and exit 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative")
+    return value
+
+
 @contextmanager
 def sigterm_as_interrupt():
     """Within it, SIGTERM (e.g. from `timeout`) stops like Ctrl-C: what was measured is kept and reported, and the

@@ -27,6 +27,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=argparse.SUPPRESS,
         help="deprecated spelling of --kv-dtype (also takes torch names such as bfloat16)",
     )
+    p.add_argument(
+        "--state-checkpoint-chunks",
+        type=int,
+        default=None,
+        metavar="M",
+        help="a hybrid model: its replicas' --state-checkpoint-chunks (default: theirs), for the checkpoints' bytes",
+    )
     p.add_argument("--high-watermark", type=float, default=0.95, help="the pool's eviction threshold")
     p.add_argument("--json", action="store_true")
 
@@ -56,15 +63,25 @@ def _count(text: str) -> int:
     return value
 
 
-def plan(config, tokens: int, chunk_tokens: int, dtype: str | None, high_watermark: float) -> dict:
+def plan(
+    config, tokens: int, chunk_tokens: int, dtype: str | None, high_watermark: float, checkpoint_chunks: int = 0
+) -> dict:
+    """The pool for ``tokens`` cached tokens; a hybrid's with its state checkpoints, every ``checkpoint_chunks``
+    chunks of them and one at their end (as one prompt's)."""
     from kvshare.layout import KVLayout
     from kvshare.units import format_bytes
 
     layout = KVLayout(config.num_kv_layers, config.num_kv_heads, config.head_dim, dtype or config.dtype, chunk_tokens)
     pages = -(-tokens // chunk_tokens)
+    state = _state_plan(config)
+    if state:
+        chunks, every = tokens // chunk_tokens, checkpoint_chunks
+        state["checkpoint_chunks"] = checkpoint_chunks
+        state["checkpoints"] = chunks // every + bool(chunks % every) if every else 1  # the end's may be one of them
+        state["checkpoint_bytes"] = state["checkpoints"] * state["state_bytes"]
     data = pages * layout.page_bytes
-    pool = int(data / high_watermark)
-    return _state_plan(config) | {
+    pool = int((data + state.get("checkpoint_bytes", 0)) / high_watermark)
+    return state | {
         "layers": layout.num_layers,
         "kv_heads": layout.num_kv_heads,
         "head_dim": layout.head_dim,
@@ -77,7 +94,8 @@ def plan(config, tokens: int, chunk_tokens: int, dtype: str | None, high_waterma
         "kv_bytes": data,
         "pool_size_bytes": pool,
         "pool_size": f"{-(-pool // (1 << 30))}GiB",
-        "min_extent_size": format_bytes(layout.page_bytes),
+        # a page never straddles an extent, and a hybrid's state checkpoint is a page of its own
+        "min_extent_size": format_bytes(max(layout.page_bytes, _state_plan(config).get("state_bytes", 0))),
     }
 
 
@@ -111,14 +129,16 @@ def _print_state(result: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvshare.engine.config import kv_storage_dtype
+    from kvshare.engine.config import DEFAULT_STATE_CHECKPOINT_CHUNKS, kv_storage_dtype
     from kvshare.engine.presets import model_config_of
     from kvshare.errors import UserError
 
     try:
         config = model_config_of(args.model)
         dtype = kv_storage_dtype(args.kv_dtype, config.dtype)
-        result = plan(config, args.tokens, args.chunk_tokens, dtype, args.high_watermark)
+        every = args.state_checkpoint_chunks
+        every = DEFAULT_STATE_CHECKPOINT_CHUNKS if every is None else every
+        result = plan(config, args.tokens, args.chunk_tokens, dtype, args.high_watermark, every)
     except (ValueError, KeyError, OSError) as exc:
         raise UserError(str(exc)) from None
     if args.json:
@@ -133,10 +153,22 @@ def run(args: argparse.Namespace) -> int:
     )
     if "state_bytes" in result:
         _print_state(result)
-    print(
-        f"one {args.chunk_tokens}-token page: {format_bytes(result['page_bytes'])}"
-        f" (the pool's --extent-size must be at least this)"
-    )
+    if "state_bytes" in result:
+        print(
+            f"pool pages: one {args.chunk_tokens}-token KV page {format_bytes(result['page_bytes'])}, one state "
+            f"checkpoint {format_bytes(result['state_bytes'])} (the pool's --extent-size must be at least "
+            f"{result['min_extent_size']})"
+        )
+    else:
+        print(
+            f"one {args.chunk_tokens}-token page: {format_bytes(result['page_bytes'])}"
+            f" (the pool's --extent-size must be at least this)"
+        )
     print(f"{args.tokens} cached tokens: {result['pages']} pages, {format_bytes(result['kv_bytes'])} of KV")
+    if "checkpoints" in result:
+        print(
+            f"and {result['checkpoints']} state checkpoints (every {result['checkpoint_chunks']} chunks and at the "
+            f"end), {format_bytes(result['checkpoint_bytes'])}"
+        )
     print(f"pool size with eviction starting at {args.high_watermark:.0%}: --size {result['pool_size']}")
     return 0

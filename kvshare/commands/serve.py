@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from kvshare.commands import tcp_port
+from kvshare.commands import non_negative_int, tcp_port
 from kvshare.units import parse_size, parse_size_or_off
 
 # vLLM's --dtype values -> the engine's (None: the model's own dtype)
@@ -65,6 +65,14 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         help="reuse only whole chunks (local cache, pool), not the last request's tokens still in the sequence KV",
     )
     p.add_argument("--chunk-tokens", type=int, default=256, help="tokens per shared chunk")
+    p.add_argument(
+        "--state-checkpoint-chunks",
+        type=non_negative_int,
+        default=None,
+        metavar="M",
+        help="a hybrid model (Gated DeltaNet layers): keep its state every M chunks of a prompt, and at its last "
+        "whole chunk, in the local cache and the pool (0: only there; default 64; docs/operations.md)",
+    )
     p.add_argument(
         "--verify-rate",
         type=float,
@@ -238,6 +246,7 @@ def engine_config(args: argparse.Namespace):
         local_cache_bytes=args.local_cache_size,
         reuse_in_place=not args.no_reuse_in_place,
         chunk_tokens=args.chunk_tokens,
+        **({} if args.state_checkpoint_chunks is None else {"state_checkpoint_chunks": args.state_checkpoint_chunks}),
         max_model_len=args.max_model_len,
         verify_checksums=args.verify_rate >= 1.0,
         verify_fraction=min(args.verify_rate, 1.0),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from kvshare.commands import tcp_port
+from kvshare.commands import non_negative_int, tcp_port
 from kvshare.commands.serve import add_kv_dtype_argument
 from kvshare.router.policy import POLICIES
 from kvshare.supervisor import RestartPolicy
@@ -57,6 +57,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "the same bits as recomputing",
     )
     add_kv_dtype_argument(p)
+    p.add_argument(
+        "--state-checkpoint-chunks",
+        type=non_negative_int,
+        default=None,
+        metavar="M",
+        help="built-in replicas of a hybrid model: keep its state every M chunks of a prompt (serve "
+        "--state-checkpoint-chunks; default 64)",
+    )
     p.add_argument("--pool-arg", action="append", default=[], help="extra argument for the pool (repeatable)")
     p.add_argument("--router-arg", action="append", default=[], help="extra argument for the router (repeatable)")
     p.add_argument(
@@ -189,6 +197,10 @@ def run(args: argparse.Namespace) -> int:
         )
     replica_args = tuple(args.replica_arg) + (("--deterministic",) if args.deterministic else ())
     replica_args += ("--kv-dtype", args.kv_dtype) if args.kv_dtype != "auto" else ()
+    if args.state_checkpoint_chunks is not None:
+        if args.engine != "builtin":
+            raise UserError("--state-checkpoint-chunks is the built-in engine's; vLLM replicas do not take it")
+        replica_args += ("--state-checkpoint-chunks", str(args.state_checkpoint_chunks))
     router_args = tuple(args.router_arg) + (("--admin-key-file", args.admin_key_file) if args.admin_key_file else ())
     router_args += ("--expose-replica-header",) if args.expose_replica_header else ()
     try:

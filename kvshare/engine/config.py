@@ -21,6 +21,10 @@ from kvshare.engine.hybrid_config import (
 from kvshare.engine.unsupported import UnsupportedModel, refuse
 from kvshare.keys import DEFAULT_CHUNK_TOKENS
 
+# a hybrid's state checkpoints every this many chunks: at the 27B shape a checkpoint (147 MiB) is 14% of the KV of
+# the 64 chunks before it (1 GiB), and a prompt that diverges mid-way recomputes 32 chunks on average
+DEFAULT_STATE_CHECKPOINT_CHUNKS = 64
+
 if TYPE_CHECKING:
     from kvshare.pool.event_publisher import KVEventsConfig
 
@@ -264,8 +268,8 @@ class EngineConfig:
     # library for it loads on CUDA (bf16/fp16), else SDPA; flash = that or an error; sdpa = SDPA always
     attention: str = "auto"
     # a hybrid model (Gated DeltaNet layers) keeps the state at the end of every this many chunks of a prompt
-    # (and at its last whole chunk) for local reuse: at the 27B shape a state is 147 MiB, 64 chunks' KV 1 GiB
-    state_checkpoint_chunks: int = 64
+    # (and at its last whole chunk) for reuse, locally and in the pool (docs/operations.md: the default's bytes)
+    state_checkpoint_chunks: int = DEFAULT_STATE_CHECKPOINT_CHUNKS
 
     @property
     def grid_len(self) -> int:
