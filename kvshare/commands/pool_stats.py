@@ -1,4 +1,5 @@
-"""Print a running pool's stats as JSON: capacity, pages, entries, leases, evictions, hits, errors."""
+"""Print a running pool's stats as JSON: capacity, pages, entries (``checkpoints``: a hybrid model's state checkpoints
+among them, and their bytes), leases, evictions, hits, errors."""
 
 from __future__ import annotations
 

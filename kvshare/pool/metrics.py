@@ -11,6 +11,8 @@ _GAUGES = {
     "capacity_bytes": "Arena size in bytes",
     "used_bytes": "Bytes of the arena in allocated pages",
     "entries": "Committed chunks in the index",
+    "checkpoints": "Committed state checkpoints (hybrid models) among the entries",
+    "checkpoint_bytes": "Bytes of the committed state checkpoints",
     "writing": "Reserved chunks not yet committed",
     "leases": "Read leases held",
     "reservations": "Open reservations",
@@ -38,6 +40,8 @@ _COUNTERS = {
     "refused_peers": "Connections refused by the uid check",
     "quota_evictions": "Pages a namespace over its quota evicted of its own",
     "quota_skipped_pages": "Pages not granted because their namespace was at its quota",
+    "state_lookups": "Lookups that named state checkpoints (hybrid models)",
+    "state_hits": "Lookups that found a state checkpoint",
 }
 
 
