@@ -2,7 +2,8 @@
 
 1. The pool: a pool daemon and two client processes; one stores pages, the other,
    which never saw them, finds and reads them byte for byte; the pool benchmark.
-2. The system: ``kvshare up`` with the tiny model (pool, two replicas, router), then
+2. The system: ``kvshare up`` with the tiny model, or ``--model`` (qwen3.5-tiny: the hybrid, whose replicas share
+   the GDN state's checkpoints beside the KV), (pool, two replicas, router), then
    the study's experiments at small scale through HTTP: cold vs local vs cross-replica
    time to first token, the OFF-ON-ON-OFF blocks, and six-turn sessions with
    alternating vs sticky placement, pool on and off. Tables are printed and a report
@@ -69,7 +70,7 @@ def run_demo(args: argparse.Namespace) -> int:
     from kvshare.preflight import check_ports_free
 
     config = ClusterConfig(
-        num_replicas=args.replicas, model="tiny", pool_size="4GiB", policy="alternate", port=args.port
+        num_replicas=args.replicas, model=args.model, pool_size="4GiB", policy="alternate", port=args.port
     )
     # the cluster's ports before the pool's minute of benchmarks, not after it
     check_ports_free(
@@ -99,7 +100,7 @@ def run_demo(args: argparse.Namespace) -> int:
         json.dump(result, f, indent=2)
     pool_ok = stored == loaded and found == NUM_PAGES
 
-    console.rule("2. kvshare up: pool + 2 replicas + router, tiny model on CPU")
+    console.rule(f"2. kvshare up: pool + {args.replicas} replicas + router, {args.model} on CPU")
     bench_dir = os.path.join(args.out, "bench")
     shutil.rmtree(bench_dir, ignore_errors=True)  # a demo run starts fresh (kvshare bench resumes instead)
     cluster = Cluster(config)

@@ -55,6 +55,8 @@ class Record:
     pool_tokens: int | None = None
     computed_tokens: int | None = None
     cached_tokens: int | None = None
+    pool_kv_bytes: int | None = None  # bytes of KV pages the replica loaded from the pool (its kvshare object)
+    pool_state_bytes: int | None = None  # a hybrid's state checkpoint bytes loaded from the pool (0 or None: none)
     deterministic: bool | None = None  # the replica's deterministic mode (its kvshare object); None: not said
     client: str | None = None  # ttft: token_ids (a load generator's ids) | text (a user's chat client); None: ids
     text_overhead: float | None = None  # text rows: TTFT over the same request's as token ids, minus 1

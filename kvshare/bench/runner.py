@@ -81,6 +81,8 @@ def to_record(response: Response, request: BenchRequest, **fields: Any) -> Recor
         pool_tokens=p.get("pool_tokens"),
         computed_tokens=p.get("computed_tokens"),
         cached_tokens=response.cached_tokens,
+        pool_kv_bytes=p.get("pool_kv_bytes"),
+        pool_state_bytes=p.get("pool_state_bytes", 0 if p else None),
         deterministic=p.get("deterministic"),
         output_digest=output_digest(response.token_ids),
         error=response.error,

@@ -16,6 +16,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="small",
         help="small: contexts up to 8k tokens, a few minutes; smoke: seconds",
     )
+    p.add_argument(
+        "--model",
+        default="tiny",
+        help="the replicas' model: a preset that runs on CPU (tiny; qwen3.5-tiny, the Qwen3.5 hybrid, which shares "
+        "its GDN state's checkpoints through the pool beside the KV) or a model directory",
+    )
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--port", type=tcp_port, default=8080, help="router port; replicas take the next ports")
 

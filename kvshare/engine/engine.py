@@ -402,7 +402,13 @@ class Engine:
                 logits = self.model(prompt_ids[cached_len:], kv, cached_len, self.config.prefill_chunk_tokens)
             else:
                 logits = grid_forward(self.model, prompt_ids[cached_len:], kv, cached_len, self.grid.grid_tokens)
-        provenance = Provenance(cached_len - pool_chunks * c, pool_chunks * c, n - cached_len, self.grid is not None)
+        provenance = Provenance(
+            cached_len - pool_chunks * c,
+            pool_chunks * c,
+            n - cached_len,
+            self.grid is not None,
+            pool_kv_bytes=pool_chunks * self.layout.page_bytes,
+        )
         return logits, provenance, load.cold_seconds
 
     def _reusable_after_check(self, local_chunks: int, verified_chunks: int) -> tuple[int, int]:

@@ -104,9 +104,18 @@ class HybridPrefill:
             # the state or pages found bad were dropped from the pool; what the forward wrote from them is not
             # reused in place: the next attempt resumes from the local cache and the pool only
             in_place, self._prompt_end = 0, None
-        pool_tokens = resume.pool.num_chunks * self._kv.layout.chunk_tokens if resume.pool is not None else 0
-        local_tokens, computed_tokens = resume.position - pool_tokens, len(ids) - resume.position
-        return logits, Provenance(local_tokens, pool_tokens, computed_tokens, self.grid is not None)
+        part, layout = resume.pool, self._kv.layout
+        pool_chunks = part.num_chunks if part is not None else 0
+        state_bytes = self.model.state.layout.checkpoint_bytes if part is not None and part.has_state else 0
+        pool_tokens, computed_tokens = pool_chunks * layout.chunk_tokens, len(ids) - resume.position
+        return logits, Provenance(
+            resume.position - pool_tokens,
+            pool_tokens,
+            computed_tokens,
+            self.grid is not None,
+            pool_kv_bytes=pool_chunks * layout.page_bytes,
+            pool_state_bytes=state_bytes,
+        )
 
     def taken_checkpoints(self) -> list[tuple[bytes, torch.Tensor]]:
         """The checkpoints the last prefill took at chunk ends, for the local cache and the pool: (chunk key, bytes)."""
@@ -162,7 +171,7 @@ class HybridPrefill:
         start = resume.position
         if load is not None:
             self.pool.wait_state(load, kv.device)  # the first (GDN) layer reads the state
-        wanted = self._checkpoint_chunks(keys, start, options)
+        wanted = self._checkpoint_chunks(keys, n, start, options)
         checkpoints = {b * c: self.model.state.empty_checkpoint(b * c) for b in wanted}
         keeps_prompt_end = options.use_local_cache and self.grid is None and self.config.reuse_in_place
         if keeps_prompt_end and n - 1 > start:
@@ -181,17 +190,21 @@ class HybridPrefill:
         self._prompt_end = PromptEnd(digest, ids[: n - 1].copy(), end) if keeps_prompt_end and end else None
         return logits
 
-    def _checkpoint_chunks(self, keys: list[bytes], start: int, options: RequestOptions) -> list[int]:
-        """The chunk boundaries (in chunks) past ``start`` where this prefill keeps the state for the local cache and
-        the pool: the prompt's last whole chunk and every ``state_checkpoint_chunks`` chunks, on the grid in its
-        mode; for the local cache alone only where it does not hold one yet."""
+    def _checkpoint_chunks(self, keys: list[bytes], n: int, start: int, options: RequestOptions) -> list[int]:
+        """The chunk boundaries (in chunks) past ``start`` where this prefill of ``n`` tokens keeps the state for the
+        local cache and the pool: the prompt's last whole chunk (where its next turn resumes), the last before its
+        last token (where the same prompt resumes, on another replica too: one chunk earlier when the prompt is
+        whole chunks) and every ``state_checkpoint_chunks`` chunks, on the grid in its mode; for the local cache
+        alone only where it does not hold one yet."""
         to_local = options.use_local_cache and self._local.capacity_bytes > 0
         to_pool = options.use_pool and self.pool is not None
         if not to_local and not to_pool:
             return []
         c, every = self._kv.layout.chunk_tokens, self.config.state_checkpoint_chunks
-        last = len(keys) if self.grid is None else self.grid.reusable_chunks(len(keys))
-        wanted = {last} | ({b for b in range(every, last, every)} if every else set())
+        ends = {len(keys), min(len(keys), (n - 1) // c)}
+        if self.grid is not None:
+            ends = {self.grid.reusable_chunks(b) for b in ends}
+        wanted = ends | ({b for b in range(every, max(ends), every)} if every else set())
         if self.grid is not None:
             wanted = {b for b in wanted if b % self.grid.chunks_per_grid == 0}
         held = (lambda b: False) if to_pool else (lambda b: state_key(keys[b - 1]) in self._local)

@@ -30,6 +30,8 @@ class Provenance:
     pool_tokens: int
     computed_tokens: int
     is_deterministic: bool = False  # prefilled on the deterministic mode's grid (kvshare.engine.grid)
+    pool_kv_bytes: int = 0  # bytes of the KV pages loaded from the pool
+    pool_state_bytes: int = 0  # a hybrid model: bytes of the state checkpoint loaded from the pool (0: none)
 
 
 @dataclass

@@ -147,6 +147,8 @@ class ResponseBuilder:
             "pool_tokens": p.pool_tokens if p else 0,
             "computed_tokens": p.computed_tokens if p else 0,
             "deterministic": bool(p and p.is_deterministic),
+            "pool_kv_bytes": p.pool_kv_bytes if p else 0,
+            **({"pool_state_bytes": p.pool_state_bytes} if p and p.pool_state_bytes else {}),
             **timeline,
         }
 

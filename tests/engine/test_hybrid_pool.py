@@ -75,7 +75,21 @@ def test_a_replica_resumes_at_the_deepest_checkpoint_another_stored(pool, pair):
     tokens, logprobs, provenance = run(b, prompt)
     assert (provenance.pool_tokens, provenance.computed_tokens) == (5 * CHUNK, 30)
     assert b.stats().pool_states_loaded == 1
+    state_bytes, page_bytes = b.model.state.layout.checkpoint_bytes, b.layout.page_bytes
+    assert (provenance.pool_kv_bytes, provenance.pool_state_bytes) == (5 * page_bytes, state_bytes)
     assert_as_cold(b, prompt, tokens, logprobs)
+
+
+def test_a_prompt_of_whole_chunks_resumes_elsewhere_one_chunk_before_its_end(pool, pair):
+    """The state after the last whole chunk serves the next turn; the same prompt needs its last token computed, so
+    the state one chunk earlier is kept too (a benchmark's prompts are whole chunks)."""
+    a, b = pair
+    prompt = ids_of(3 * CHUNK, 15)
+    run(a, prompt)
+    assert checkpoints_held(pool, a, prompt) == [2, 3]
+    tokens, logprobs, provenance = run(b, prompt)
+    assert_as_cold(b, prompt, tokens, logprobs)
+    assert (provenance.pool_tokens, provenance.computed_tokens) == (2 * CHUNK, CHUNK)
 
 
 def test_bytes_loaded_equal_bytes_stored(pool, pair):

@@ -130,6 +130,7 @@ def test_namespace_quota_bounds_one_tenant_and_never_touches_another(cluster):
         "pool_tokens": 0,
         "computed_tokens": 806,
         "deterministic": False,
+        "pool_kv_bytes": 0,
     }
     for i in range(5):  # 15 more chunks of flood's: far over its quota
         status, out = completion(url, f"flood {i} " + "more and more " * 60, flood)
