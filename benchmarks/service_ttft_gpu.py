@@ -10,13 +10,17 @@ three times, streamed, max_tokens 16, temperature 0, the timeline asked for::
     A cold  ->  B cross-replica (through the pool)  ->  A local hit        (TTFT = first streamed token)
 
 B's first request of the cluster is ``first_request``; the second prompt is the steady state. The bound
-is the cross request's KV bytes over the pinned host->device bandwidth measured in this run (a torch
-copy of 1 GiB; 55e9 B/s, flagged, when that fails). Replicas verify every loaded page (the default).
-Rows go to OUT/service_ttft.json (a rerun skips the cases it holds); a line per case, a table at the end.
+is the bytes the cross request loaded from the pool (KV pages, and for a hybrid model the state checkpoint:
+``kv_bytes``, ``state_bytes``, from its kvshare object) over the pinned host->device bandwidth measured in
+this run (a torch copy of 1 GiB; 55e9 B/s, flagged, when that fails). Replicas verify every loaded page (the
+default). Rows go to OUT/service_ttft.json (a rerun skips the cases it holds); a line per case, a table at the
+end. Each row names its commit, the machine and the command.
 
     export PYTHONPATH=.:/tmp/site
     python3 benchmarks/service_ttft_gpu.py --out $OUT --cases 8b:32768,8b:131072,8b:262144
+    python3 benchmarks/service_ttft_gpu.py --out $OUT --cases 27b:131072 --paths replica    # the Qwen3.5 hybrid
     python3 benchmarks/service_ttft_gpu.py --out /tmp/st --device cpu --cases tiny:1024    # the CPU dry run
+    python3 benchmarks/service_ttft_gpu.py --out /tmp/st --device cpu --cases tiny35:1024 --layout sequential
 """
 
 from __future__ import annotations
@@ -36,12 +40,36 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # up_cluster bes
 
 from up_cluster import Cluster, ClusterSpec  # noqa: E402
 
-MODELS = {"8b": "qwen3-8b", "32b": "qwen3-32b", "tiny": "tiny"}
+MODELS = {
+    "8b": "qwen3-8b",
+    "32b": "qwen3-32b",
+    "tiny": "tiny",
+    "27b": "qwen3.5-27b",  # the Qwen3.5 hybrid (Gated DeltaNet + gated attention): the study's model class
+    "9b": "qwen3.5-9b",
+    "tiny35": "qwen3.5-tiny",
+}
 GiB = 1 << 30
 FALLBACK_H2D = 55e9  # B/s: pinned H2D on the H200 in earlier runs
-# cold prefill seconds = a*n + b*n^2, fitted to the H200 figures (8B: 1.87 s at 32k, 13.3 s at 131k; 32B: 6 s, 48 s)
-COLD_FIT = {"qwen3-8b": (4.19e-5, 4.58e-10), "qwen3-32b": (1.17e-4, 2.01e-9), "tiny": (2e-4, 2e-8)}
-START_S = {"qwen3-8b": 60.0, "qwen3-32b": 45.0, "tiny": 20.0}  # one replica's start and warm-up (sequential: x2)
+# cold prefill seconds = a*n + b*n^2, fitted to the H200 figures (8B: 1.87 s at 32k, 13.3 s at 131k; 32B: 6 s, 48 s);
+# the hybrids' are guesses until measured (27B: 6 s at 32k, 35 s at 131k; 9B: 2.5 s, 13 s): a quarter of the
+# attention layers of the 32B shape, the GDN layers linear in the tokens
+COLD_FIT = {
+    "qwen3-8b": (4.19e-5, 4.58e-10),
+    "qwen3-32b": (1.17e-4, 2.01e-9),
+    "tiny": (2e-4, 2e-8),
+    "qwen3.5-27b": (1.55e-4, 8.54e-10),
+    "qwen3.5-9b": (6.87e-5, 2.33e-10),
+    "qwen3.5-tiny": (2e-4, 2e-8),
+}
+# one replica's start and warm-up (sequential: x2); a preset's weights are made on the device at start
+START_S = {
+    "qwen3-8b": 60.0,
+    "qwen3-32b": 45.0,
+    "tiny": 20.0,
+    "qwen3.5-27b": 90.0,
+    "qwen3.5-9b": 60.0,
+    "qwen3.5-tiny": 20.0,
+}
 
 
 def parse_cases(text: str) -> list[tuple[str, int]]:
@@ -55,10 +83,25 @@ def parse_cases(text: str) -> list[tuple[str, int]]:
 
 
 def weights_bytes(c) -> int:
-    per_layer = (
-        c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads) + 3 * c.hidden_size * c.intermediate_size
-    )
-    return 2 * (c.num_layers * per_layer + 2 * c.vocab_size * c.hidden_size)
+    """bf16 bytes of a model's weights: attention (a hybrid's query projection doubled by its gate), its Gated
+    DeltaNet layers' projections, MLPs, embedding and head."""
+    gate = 2 if c.is_hybrid else 1
+    attention = c.hidden_size * c.head_dim * ((1 + gate) * c.num_heads + 2 * c.num_kv_heads)
+    mlp = 3 * c.hidden_size * c.intermediate_size
+    total = c.num_kv_layers * attention + c.num_layers * mlp + 2 * c.vocab_size * c.hidden_size
+    if c.is_hybrid:
+        la = c.linear_attention
+        conv_dim = 2 * la.num_key_heads * la.key_head_dim + la.num_value_heads * la.value_head_dim
+        value_dim = la.num_value_heads * la.value_head_dim
+        total += c.num_linear_layers * c.hidden_size * (conv_dim + 2 * value_dim + 2 * la.num_value_heads)
+    return 2 * total
+
+
+def state_bytes_of(c) -> int:
+    """A hybrid's state checkpoint (kvshare.state_layout); 0 for an attention model."""
+    from kvshare.engine.hybrid_config import state_layout_of
+
+    return state_layout_of(c).checkpoint_bytes if c.is_hybrid else 0
 
 
 def plan_case(model: str, tokens: int, args, gpu_bytes: int) -> dict:
@@ -75,12 +118,13 @@ def plan_case(model: str, tokens: int, args, gpu_bytes: int) -> dict:
     activations = prompt * (4 * c.hidden_size + 3 * c.num_heads * c.head_dim) * 2 + 2 * GiB
     local = args.local_cache_size if args.local_cache_size is not None else int(kv * 1.05) + chunk * kv_token
     budget = int(gpu_bytes * 0.92)
+    checkpoints = 8 * state_bytes_of(c)  # a hybrid's: two per prompt (its end and the chunk before), and room
     plan = {
         "model": model,
         "prompt_tokens": prompt,
         "context": context,
         "kv_bytes": kv,
-        "pool_size": (args.pool_size or int(2.2 * kv) + 2 * GiB) // (2 << 20) * (2 << 20),
+        "pool_size": (args.pool_size or int(2.2 * kv) + checkpoints + 2 * GiB) // (2 << 20) * (2 << 20),
     }  # whole 2 MiB pages (--hugepages)
     if args.device == "cpu":
         return {**plan, "layout": args.layout if args.layout != "auto" else "together", "local_cache": local}
@@ -101,9 +145,10 @@ def estimate_s(plan: dict, num_paths: int) -> float:
 
 
 def measure_h2d(device: str) -> tuple[float, bool, int]:
-    """(bytes/s of a pinned 1 GiB host->device copy, measured?, GPU bytes), in a child so its memory goes."""
+    """(bytes/s of a pinned 1 GiB host->device copy, measured?, GPU bytes), in a child so its memory goes; on CPU
+    the rate of a 256 MiB host copy (what a CPU replica's load is bound by)."""
     if device == "cpu":
-        return FALLBACK_H2D, False, 0
+        return host_copy_rate(), True, 0
     code = (
         "import torch, json\n"
         "n = 1 << 30\nh = torch.empty(n, dtype=torch.uint8).pin_memory()\n"
@@ -121,6 +166,19 @@ def measure_h2d(device: str) -> tuple[float, bool, int]:
     except (subprocess.SubprocessError, ValueError, IndexError) as exc:
         print(f"the pinned copy failed ({exc}); the bound uses {FALLBACK_H2D:.3g} B/s", flush=True)
         return FALLBACK_H2D, False, 139 * GiB
+
+
+def host_copy_rate(num_bytes: int = 256 << 20) -> float:
+    """Bytes/s of the best of five host copies of ``num_bytes`` (torch, the copy a CPU replica's load makes)."""
+    import torch
+
+    src, dst = torch.ones(num_bytes, dtype=torch.uint8), torch.empty(num_bytes, dtype=torch.uint8)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return num_bytes / best
 
 
 def cluster_spec(plan: dict, args) -> ClusterSpec:
@@ -215,10 +273,14 @@ def arena_page_bytes(socket_path: str | None) -> int | None:
 def make_row(plan: dict, path: str, is_first: bool, got: dict, h2d: tuple[float, bool], args) -> dict:
     cold, cross, local = got["cold"], got["cross"], got["local"]
     prov = cross.provenance or {}
+    from kvshare.bench.records import describe_host, tree_commit
     from kvshare.engine.presets import PRESETS
 
-    kv = prov.get("pool_tokens", 0) * PRESETS[plan["model"]].config.kv_bytes_per_token
-    bound = kv / h2d[0] if kv else None
+    kv = prov.get("pool_kv_bytes")  # what the replica says it loaded; else from the tokens (an older replica)
+    kv = prov.get("pool_tokens", 0) * PRESETS[plan["model"]].config.kv_bytes_per_token if kv is None else kv
+    state = prov.get("pool_state_bytes", 0)  # a hybrid's state checkpoint, loaded beside the KV
+    moved = kv + state
+    bound = moved / h2d[0] if moved else None
     local_ok = (local.provenance or {}).get("local_tokens", 0) > 0
     return {
         "model": plan["model"],
@@ -232,11 +294,16 @@ def make_row(plan: dict, path: str, is_first: bool, got: dict, h2d: tuple[float,
         "bound_s": bound,
         "cross_over_bound": cross.ttft_s / bound if bound else None,
         "kv_bytes": kv,
+        "state_bytes": state,
+        "checkpoints_loaded": int(state > 0),
+        "commit": tree_commit(),
+        "hardware": describe_host(args.device),
+        "command": args.command,
         "pool_tokens": prov.get("pool_tokens"),
         "computed_tokens": prov.get("computed_tokens"),
         "cross_replica": prov.get("replica"),
         "cold_replica": (cold.provenance or {}).get("replica"),
-        "verified": args.verify_rate >= 1.0 and kv > 0,
+        "verified": args.verify_rate >= 1.0 and moved > 0,
         "tokens_equal": cross.token_ids == cold.token_ids,
         "h2d_bytes_per_s": h2d[0],
         "h2d_measured": h2d[1],
@@ -258,8 +325,9 @@ def output_check(cold, cross) -> dict:
         cold.token_ids, cross.token_ids, cold.top_logprobs or None, output_top_logprobs=cross.top_logprobs or None
     )
     if check is None:
-        return {"output_verdict": None, "divergence_step": None, "top2_gap": None}
-    return {"output_verdict": check.verdict, "divergence_step": check.step, "top2_gap": check.gap}
+        return {"output_verdict": None, "divergence_step": None, "first_divergence": None, "top2_gap": None}
+    step = check.step
+    return {"output_verdict": check.verdict, "divergence_step": step, "first_divergence": step, "top2_gap": check.gap}
 
 
 def fmt(v, spec=".3f") -> str:
@@ -313,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    args.command = " ".join(["python3", "benchmarks/service_ttft_gpu.py", *(sys.argv[1:] if argv is None else argv)])
     started = time.monotonic()
     os.makedirs(args.out, exist_ok=True)
     args.log_dir = os.path.join(args.out, "service_ttft_logs")
@@ -325,7 +394,8 @@ def main(argv: list[str] | None = None) -> int:
 
     have = {(r["model"], r["prompt_tokens"], setup(r.get("pool_args", ()), r.get("replica_args", ()))) for r in rows}
     rate, measured, gpu_bytes = measure_h2d(args.device)
-    print(f"pinned H2D {rate / 1e9:.1f} GB/s ({'measured' if measured else 'assumed'})", flush=True)
+    what = "host copy" if args.device == "cpu" else "pinned H2D"
+    print(f"{what} {rate / 1e9:.1f} GB/s ({'measured' if measured else 'assumed'})", flush=True)
     rng = np.random.default_rng(args.seed + int(time.time()))  # fresh prompts: nothing cached by an earlier run
     signal.signal(signal.SIGTERM, _interrupt)  # timeout(1): stop the cluster, keep the rows
     from kvshare.engine.presets import PRESETS
@@ -333,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for model, tokens in args.cases:
             plan = plan_case(model, tokens, args, gpu_bytes)
-            args.vocab = min(PRESETS[model].config.vocab_size, 256 if model == "tiny" else 150000)
+            args.vocab = min(PRESETS[model].config.vocab_size, 256 if model in ("tiny", "qwen3.5-tiny") else 150000)
             if (model, plan["prompt_tokens"], setup(args.pool_arg, args.replica_arg)) in have:
                 print(f"{model} {plan['prompt_tokens']}: in {path} already", flush=True)
                 continue

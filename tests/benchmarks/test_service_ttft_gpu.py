@@ -67,3 +67,37 @@ def test_dry_run_on_cpu_through_kvshare_up(tmp_path):
         assert r["verified"] and r["tokens_equal"] and r["local_s"] is not None and r["bound_s"] > 0
         assert r["output_verdict"] == "equal" and r["divergence_step"] is None
         assert r["timeline"]["load_end"] is not None and r["timeline"]["first_token_written"] >= r["timeline"]["parse"]
+
+
+def test_plans_for_the_hybrid_shapes_on_an_h100():
+    bench = load_bench()
+    assert bench.parse_cases("27b:131072,9b:32768") == [("qwen3.5-27b", 131072), ("qwen3.5-9b", 32768)]
+    h100 = 78 * GiB
+    for tokens in (32768, 131072):
+        plan = bench.plan_case("qwen3.5-27b", tokens, plan_args(), h100)
+        assert plan["layout"] == "sequential"  # 50 GiB of weights: one replica at a time
+        assert bench.estimate_s(plan, 1) < 540  # one path: one command of at most 9 minutes
+        assert plan["pool_size"] > plan["kv_bytes"] + 8 * 146 * (1 << 20)  # the checkpoints' room
+    assert 49 * GiB < bench.weights_bytes(bench_config("qwen3.5-27b")) < 52 * GiB  # 26.9B parameters in bf16
+
+
+def bench_config(model: str):
+    from kvshare.engine.presets import PRESETS
+
+    return PRESETS[model].config
+
+
+def test_dry_run_of_the_hybrid_one_replica_at_a_time(tmp_path):
+    """B starts in A's place against the same pool and resumes A's prompt from its KV pages and the state
+    checkpoint beside them; the rows name the bytes of each, the commit, the machine and the command."""
+    bench = load_bench()
+    args = ["--out", str(tmp_path), "--device", "cpu", "--cases", "tiny35:1024", "--layout", "sequential"]
+    rc = bench.main([*args, "--paths", "replica", "--time-budget", "400"])
+    rows = json.loads((tmp_path / "service_ttft.json").read_text())
+    state = bench.state_bytes_of(bench_config("qwen3.5-tiny"))
+    assert rc == 0 and len(rows) == 2 and rows[0]["first_request"]
+    for r in rows:
+        assert r["pool_tokens"] == 768 and r["kv_bytes"] == 768 * bench_config("qwen3.5-tiny").kv_bytes_per_token
+        assert (r["state_bytes"], r["checkpoints_loaded"]) == (state, 1)
+        assert r["bound_s"] > 0 and r["tokens_equal"] and r["output_verdict"] == "equal"
+        assert r["hardware"] and r["command"].endswith("--time-budget 400") and "commit" in r
