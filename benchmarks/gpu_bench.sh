@@ -22,7 +22,8 @@
 #                alternating session can save at most ~26% (the runs of 2026-12-02 at d602ddb)
 #   report       only rewrite and print the report of RESULTS
 #
-# Environment: SESSIONS (8b-sessions: sessions per condition, default 2; their requests keep their
+# Environment: M8 (the 8b steps' model, e.g. qwen3.5-9b: hybrid_gpu.sh), LOCAL8 (their local caches, default 20GiB),
+# SESSIONS (8b-sessions: sessions per condition, default 2; their requests keep their
 # timelines), SESSION_CONTEXTS (8b-sessions' initial contexts, default "32k,128k"; e.g. 128k to
 # continue with 128k only), PER_BLOCK_32K (default 8), KVSHARE_BENCH_SECONDS (default 520),
 # VALIDATED (set in a command that continues a step whose first command ran `kvshare validate` on the
@@ -106,7 +107,7 @@ validate() {
 }
 
 # overridable for a dry run of this script on CPU, e.g. KVSHARE_BENCH_DRY=1 (tiny model, 1k/2k contexts)
-if [ -n "${KVSHARE_BENCH_DRY:-}" ]; then M32=tiny M8=tiny DEV=cpu DEV2=cpu POOL=2GiB CTX_A=1k CTX_B=2k CTX_C=3k LEN8=8192 LEN32=8192; fi
+if [ -n "${KVSHARE_BENCH_DRY:-}" ]; then M32=tiny M8=${M8:-tiny} DEV=cpu DEV2=cpu POOL=2GiB CTX_A=1k CTX_B=2k CTX_C=3k LEN8=8192 LEN32=8192; fi
 # the pool holds one block's primes below its 90% low watermark (above 95%, LRU evicts down to 90%,
 # tails first): 8 x 7.8 GiB at 32k, 2 x 31.3 GiB at 128k. With 66 GiB, 2 x 31.3 GiB at 128k plus the
 # warm-ups crossed the watermark and the measured requests found only 446-450 of 500 chunks; 8 x 7.8
@@ -120,7 +121,7 @@ GPU32=(--model "$M32" --device "$DEV" --sequential --replicas 2 --pool-size "$PO
 # two 8B replicas share the GPU: the preset's 262144 positions would give each a 36 GiB sequence KV,
 # which with 20 GiB local caches overfills the GPU (out of memory in the runs of 2026-12-01 at 237d68f);
 # 131072 holds the 128k turns
-GPU8=(--model "$M8" --device "$DEV" --replicas 2 --pool-size "$POOL" --replica-arg=--local-cache-size=20GiB
+GPU8=(--model "$M8" --device "$DEV" --replicas 2 --pool-size "$POOL" --replica-arg=--local-cache-size="${LOCAL8:-20GiB}"
       --replica-arg=--max-model-len="${LEN8:-131072}")
 # the study's placement: two replicas of the 32B shape, one GPU each (an nvidia-h200-x2 machine): 61 GiB of
 # weights, 32 GiB of sequence KV at 131072 and a 32 GiB local cache per GPU
