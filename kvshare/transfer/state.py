@@ -104,6 +104,9 @@ def cuda_load_state(transfer, page: PageHeader, into: torch.Tensor) -> StateLoad
     pipeline, client = transfer.pipeline, transfer.client
     lane = pipeline.load_lane
     lane.copy.wait_event(_recorded(torch.cuda.current_stream(transfer.device)))
+    if transfer.config.load_delay_cycles:  # validation: a late copy, which a reader that does not wait races
+        with torch.cuda.stream(lane.copy):
+            torch.cuda._sleep(transfer.config.load_delay_cycles)
     check = PageCheck([page], transfer._pages_to_verify(1), client, transfer._hasher, transfer.device, on_device=True)
     pipeline.host_copies([_one_row(page.offset, page.page_bytes)], into, lane.copy, client, to_device=True)
     landed = _recorded(lane.copy)

@@ -170,3 +170,42 @@ def test_the_9b_shape_serves_a_32k_prompt_and_its_next_turn():
     events = list(engine.generate(prompt + answer[:-1] + [11, 12], params))
     print(f"32k cold {cold:.2f} s; next turn {time.perf_counter() - started:.3f} s")
     assert events[0].provenance.computed_tokens == 2
+
+
+def test_two_replicas_share_a_prefix_through_the_pool_on_cuda():
+    """KV pages and the state checkpoint beside them through the pool on the GPU: B's state after the load is the
+    page A stored, and B's tokens are its cold run's."""
+    from kvshare.keys import state_key
+    from kvshare.pool.client import PoolClient
+    from kvshare.pool.spawn import running_pool
+
+    with running_pool("2GiB", quiet=True) as path:
+        config = EngineConfig(model="qwen3.5-tiny", device="cuda", chunk_tokens=64, pool_socket=path)
+        a, b = Engine(config), Engine(config)
+        try:
+            prompt = _ids(5 * 64 + 17, 40)
+            params = SamplingParams(max_tokens=8, ignore_eos=True)
+            list(a.generate(prompt, params, NO_LOCAL))
+            size = a.model.state.layout.checkpoint_bytes
+            with PoolClient(path) as client:
+                page = client.lookup([state_key(a.prompt_chunk_keys(prompt)[4])], size, lease=False).pages[0]
+                stored = torch.from_numpy(client.page(page.offset, size).copy())
+            loaded = []
+            load = b.hybrid._load
+
+            def spy(kv, keys, resume):
+                out = load(kv, keys, resume)
+                b.hybrid.pool.wait_state(out, torch.device("cuda"))
+                loaded.append(b.model.state.buffer.cpu())
+                return out
+
+            b.hybrid._load = spy
+            events = list(b.generate(prompt, params, NO_LOCAL))
+            assert events[0].provenance.pool_state_bytes == size and torch.equal(loaded[0], stored)
+            cold = [
+                e.token_id for e in b.generate(prompt, params, RequestOptions(use_pool=False, use_local_cache=False))
+            ]
+            assert [e.token_id for e in events] == cold
+        finally:
+            a.close()
+            b.close()

@@ -102,3 +102,37 @@ def test_registration_covers_each_extent_and_is_undone(gpu_client):
 def test_failed_registration_is_an_error():
     with pytest.raises(RegistrationError, match="cudaHostRegister"):
         register_range(0x1000, 4096)  # not mapped memory
+
+
+# -- a hybrid model's state checkpoint (kvshare.transfer.state) ----------------------------------------------------
+
+
+@pytest.mark.parametrize("method", cuda_methods())
+def test_a_state_checkpoint_round_trips_and_the_compute_waits_for_it(method):
+    """147 MiB (the 27B shape's checkpoint) to the pool and back; a reader on the compute stream that waits on the
+    load sees every byte though the copy stream sleeps first, and one that does not wait sees stale bytes (the
+    control: the dependency is what makes it right)."""
+    state_bytes = 153_944_064
+    with running_pool("1GiB", ("--extent-size", "256MiB"), quiet=True) as path, PoolClient(path) as client:
+        scratch = reserve_scratch(client, state_bytes, 1)
+        config = TransferConfig(copy_method=method, load_delay_cycles=2_000_000_000, verify_fraction=1.0)
+        try:
+            with CudaTransfer(SMALL, client, torch.device("cuda"), config) as transfer:
+                state = torch.randint(0, 256, (state_bytes,), dtype=torch.uint8, device="cuda")
+                checksum = transfer.store_state(state, scratch.offsets[0])
+                header = PageHeader(
+                    offset=scratch.offsets[0],
+                    page_bytes=state_bytes,
+                    checksum=checksum,
+                    checksum_kind=transfer.state_checksum_kind,
+                )
+                into = torch.zeros_like(state)
+                load = transfer.load_state(header, into)
+                early = into[-4096:].clone()  # no wait: read while the copy stream sleeps
+                load.wait(torch.device("cuda"))
+                waited = into.clone()
+                load.verify()
+                assert torch.equal(waited, state)
+                assert not torch.equal(early, state[-4096:])  # the control saw the bytes before they landed
+        finally:
+            scratch.release(client)
