@@ -10,7 +10,7 @@ time, and the stored prompt's cold prefill for scale::
 
     PYTHONPATH=$PWD python benchmarks/state_checkpoints.py --model qwen3.5-tiny --tokens 8192 --every 2,4,8,16,32
     python3 benchmarks/state_checkpoints.py --model qwen3.5-27b --device cuda --tokens 131072 --every 16,32,64 \\
-        --shares 0.29,0.55,0.83 --json $OUT/state_checkpoints.json          # on the GPU: ~5 min on an H100
+        --shares 0.29,0.55,0.83 --pool-size 32GiB --json $OUT/state_checkpoints.json   # GPU: ~5 min, H100
 """
 
 from __future__ import annotations
@@ -100,7 +100,9 @@ def main(argv: list[str] | None = None) -> int:
         default="0.13,0.29,0.41,0.55,0.68,0.83",
         help="shared prefix lengths as fractions of the stored prompt",
     )
-    p.add_argument("--pool-size", default="4GiB", help="holds every interval's prompt (27B at 128k: 64GiB)")
+    p.add_argument(
+        "--pool-size", default="4GiB", help="holds one stored prompt and its resumes (the 27B at 128k: 32GiB)"
+    )
     p.add_argument("--json", default=None, help="write the rows here too")
     args = p.parse_args(argv)
     args.shares = [float(x) for x in args.shares.split(",")]
