@@ -11,8 +11,9 @@
 #                 kv_bytes + state_bytes moved, bound_s = bytes / pinned H2D measured in the same run,
 #                 cross_over_bound, tokens_equal | first_divergence (service_ttft_gpu.py)
 #   27b-128k      the same at 128k (131072 tokens less the answer's)
-#   32b-32k       the 32B shape (full attention) beside it, the same rows (its 128k rows need an H200: two
-#                 61 GiB weights' replicas one at a time with 32 GiB of KV; docs/results/*-h200-service-ttft/)
+#   32b-32k       the 32B shape (full attention) beside it, the same rows; 32b-128k at 128k. Both need an H200:
+#   32b-128k      61 GiB of weights and the KV do not fit an 80 GB H100 (the planner skips the case there); rows
+#                 of this script at 128k: docs/results/2026-12-04-c73dae1-h200-service-ttft/
 #   9b-sessions-32k   the study's six-turn sessions, alternate vs sticky placement, pool OFF vs ON, two replicas
 #   9b-sessions-128k  of the 9B shape on the GPU (gpu_bench.sh's sessions step with M8=qwen3.5-9b); 128k: one
 #                     session per condition
@@ -22,11 +23,12 @@
 # in plain torch (far slower): this script refuses to start then.
 #
 # Estimates on an H100 80 GB (a fresh machine takes 1-2 min to start before the command; not measured yet):
-#   27b-32k ~5 min (two replica starts of ~1.5 min each: 54 GB of weights made on the GPU, the GDN self-test,
-#   the warm-up; four 32k cold/local prefills), 27b-128k ~7 min (two ~40 s cold prefills at 128k),
-#   32b-32k ~5 min, 9b-sessions-32k ~4 min, 9b-sessions-128k ~8 min.
+#   27b-32k ~4-5 min (two replica starts of ~1.5 min each: 50 GiB of weights made on the GPU, the GDN self-test,
+#   the warm-up; two 32k cold and local prefills), 27b-128k ~5-6 min (two ~40 s cold prefills at 128k; no local
+#   cache fits beside the weights), 9b-sessions-32k ~3-4 min, 9b-sessions-128k ~6-8 min; on an H200 32b-32k
+#   ~3 min, 32b-128k ~5 min.
 set -uo pipefail
-STEP=${1:?usage: benchmarks/hybrid_gpu.sh 27b-32k|27b-128k|32b-32k|9b-sessions-32k|9b-sessions-128k}
+STEP=${1:?usage: benchmarks/hybrid_gpu.sh 27b-32k|27b-128k|32b-32k|32b-128k|9b-sessions-32k|9b-sessions-128k}
 cd "$(dirname "$0")/.."
 OUT=${OUT:?set OUT to the folder that receives the rows}
 PY=${PYTHON:-python3}
@@ -52,6 +54,7 @@ case $STEP in
     27b-32k) ttft 27b:32768 ;;
     27b-128k) ttft 27b:131072 ;;
     32b-32k) ttft 32b:32768 ;;
+    32b-128k) ttft 32b:131072 ;;
     9b-sessions-32k|9b-sessions-128k)
         # two 9B replicas share the GPU: 2 x (17 GiB of weights + 4 GiB of KV at 131072 + a 10 GiB local cache)
         ctx=${STEP#9b-sessions-}
