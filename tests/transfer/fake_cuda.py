@@ -85,11 +85,16 @@ class FakeCuda:
 
 
 class FakeEvent:
+    is_pending = False  # set on the class: every event's work counts as still running (query() is False)
+
     def __init__(self, enable_timing: bool = False, **_) -> None:
         self.recorded = False
 
     def record(self, stream=None) -> None:
         self.recorded = True
+
+    def query(self) -> bool:
+        return not FakeEvent.is_pending
 
     def synchronize(self) -> None:
         pass

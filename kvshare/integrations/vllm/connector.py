@@ -287,6 +287,13 @@ class KVShareConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         self._hooks.wait_for_save(self._plan())
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Requests whose asynchronous loads ended (every step, one without a forward too; vLLM 0.32's
+        get_transfer_results wraps this). A failed one's blocks are in this pass's load errors."""
+        if self._hooks is None:
+            return None, None
+        return None, self._hooks.poll_async() or None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._hooks.load_errors()
 
@@ -326,12 +333,17 @@ class KVShareConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if not self._scheduler.has_request(request.request_id):
             self.on_new_request(request)
-        return self._scheduler.match(request.request_id, num_computed_tokens), False
+        num_tokens = self._scheduler.match(request.request_id, num_computed_tokens)
+        # True: vLLM allocates the blocks and parks the request until get_finished names it
+        return num_tokens, num_tokens > 0 and self._scheduler.is_async(request.request_id)
 
     def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
         stats = getattr(request, "prefill_stats", None)  # None when vLLM runs without stats
         local = stats.num_local_cached_tokens if stats is not None else None
-        self._scheduler.allocated(request.request_id, num_external_tokens, local)
+        req_id = request.request_id
+        # an asynchronous load's blocks: the request's, first KV cache group (no step's output names them)
+        block_ids = blocks.get_block_ids()[0] if num_external_tokens and self._scheduler.is_async(req_id) else None
+        self._scheduler.allocated(req_id, num_external_tokens, local, block_ids)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         num_scheduled = scheduler_output.num_scheduled_tokens

@@ -22,6 +22,7 @@ class ConnectorCounters:
     lookups: int = 0  # pool lookups (one per request asked about, reuse of a lease excluded)
     hit_tokens: int = 0  # tokens vLLM was told the pool will supply
     loaded_tokens: int = 0  # tokens copied into vLLM's KV and verified
+    async_loads: int = 0  # loads run beside vLLM's steps (the request parked, the others decoding)
     load_bytes: int = 0
     load_seconds: float = 0.0
     stored_chunks: int = 0  # pages committed to the pool

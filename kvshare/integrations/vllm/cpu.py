@@ -91,9 +91,7 @@ class CpuKVWorker(KVWorker):
             self._begin_beside(spec, settled, beside)
         if not beside:
             return StepLoads(settled)
-        if self._loader is None:
-            self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvshare-load", initializer=leave_the_callers_cores)
-        return LayeredLoads(self, beside, self._copier, self._loader, settled)
+        return LayeredLoads(self, beside, self._copier, self._loader_thread(), settled)
 
     def _begin_beside(self, spec: LoadSpec, settled: list[LoadOutcome], beside: list[BlockLoad]) -> None:
         """Plan ``spec`` to be copied layer by layer beside the forward (into ``beside``), or, where that cannot
@@ -127,40 +125,62 @@ class CpuKVWorker(KVWorker):
         times.mark("plan")
         beside.append(BlockLoad(load, block_runs))
 
-    def _load_now(self, spec: LoadSpec) -> LoadOutcome:
-        """Copy the spec's tokens into vLLM's blocks; stops at the first page that cannot be trusted."""
-        times = PhaseTimes()
+    def start_async_load(self, spec: LoadSpec) -> StepLoads:
+        load, outcome = self._plan(spec, PhaseTimes())
+        if load is None:
+            return StepLoads([outcome])
+        return BackgroundLoad(self, load, self._loader_thread())
+
+    def _loader_thread(self) -> ThreadPoolExecutor:
+        """The one thread that copies loads beside vLLM (layered loads beside a forward, asynchronous ones beside
+        whole steps), in the order they were started."""
+        if self._loader is None:
+            self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvshare-load", initializer=leave_the_callers_cores)
+        return self._loader
+
+    def _plan(self, spec: LoadSpec, times: PhaseTimes) -> tuple[PlannedLoad | None, LoadOutcome | None]:
+        """The load's pieces and the pages drawn for verification; or, where there is nothing to copy (no pool,
+        no lease, no piece), its outcome."""
         client, reason = self.pool.client_for(spec.pool_id) if spec.pages else (None, "no lease backs the load")
         times.mark("client")
-        loaded_end = spec.token_start
-        if client is not None:
-            try:
-                loaded_end, reason = self._copy_in(client, spec, times)
-            except Exception as exc:  # a bug or a vanished mapping: recompute, keep serving
-                log.error("kvshare: load for request %s failed", spec.req_id, exc_info=True)
-                loaded_end, reason = spec.token_start, f"{type(exc).__name__}: {exc}"
-        return self.outcome(spec, loaded_end, reason, times)
-
-    def _copy_in(self, client, spec: LoadSpec, times: PhaseTimes) -> tuple[int, str]:
-        """Verify, then copy; returns (end of the tokens copied, why it stopped early or "")."""
-        page_bytes, C = self.kv_layout.page_bytes, self.kv_layout.chunk_tokens
-        pieces, reason = load_pieces(spec, self.kv_layout)
+        pieces, reason = load_pieces(spec, self.kv_layout) if client is not None else ([], reason)
         if not pieces:
-            return spec.token_start, reason
-        # the draws in page order; the chosen pages checked all at once, spread over the hashing threads
-        # (checksumming each page and copying it right after, while in cache, measured slower: 15-20 ms
-        # against 11-13 ms for 8k tokens, cold caches or not)
-        chosen = [self.sampler.draw() for _ in pieces]
-        refs = [spec.pages[p.page_index] for p, c in zip(pieces, chosen) if c]
+            return None, self.outcome(spec, spec.token_start, reason, times)
+        # the draws in page order, on the caller's thread (the sampler's generator is not shared between threads)
+        return PlannedLoad(spec, pieces, [self.sampler.draw() for _ in pieces], reason, times, client), None
+
+    def _load_now(self, spec: LoadSpec) -> LoadOutcome:
+        """Copy the spec's tokens into vLLM's blocks; stops at the first page that cannot be trusted."""
+        load, outcome = self._plan(spec, PhaseTimes())
+        if load is None:
+            return outcome
+        try:
+            verdicts = self.verify_and_copy(load)
+        except Exception as exc:  # a bug or a vanished mapping: recompute, keep serving
+            log.error("kvshare: load for request %s failed", spec.req_id, exc_info=True)
+            return self.outcome(spec, spec.token_start, f"{type(exc).__name__}: {exc}", load.times)
+        return self.finish_load(load, iter(verdicts))
+
+    def verify_and_copy(self, load: PlannedLoad) -> list[bool]:
+        """Check the chosen pages, then copy the pieces before the first one found bad into vLLM's blocks; the
+        chosen pages' verdicts, for ``finish_load``. No pool call: it may run on another thread than the hooks'."""
+        spec, client, times = load.spec, load.client, load.times
+        page_bytes, C = self.kv_layout.page_bytes, self.kv_layout.chunk_tokens
+        # the chosen pages checked all at once, spread over the hashing threads (checksumming each page and
+        # copying it right after, while in cache, measured slower: 15-20 ms against 11-13 ms for 8k tokens)
+        refs = [spec.pages[p.page_index] for p, c in zip(load.pieces, load.chosen) if c]
         verdicts = self.hasher.valid([client.page(ref.offset, page_bytes) for ref in refs], refs)
-        loaded_end, reason = self.trusted_end(spec, pieces, chosen, iter(verdicts), reason)
         times.mark("verify")
-        trusted = [p for p in pieces if p.chunk * C + p.lo < loaded_end]
+        left, trusted = iter(verdicts), []
+        for piece, is_chosen in zip(load.pieces, load.chosen):
+            if is_chosen and not next(left):
+                break
+            trusted.append(piece)
         offsets = [spec.pages[p.page_index].offset for p in trusted]
         for run in copy_runs(trusted, offsets, page_bytes, C, client.hello.extent_bytes):
             self._copy_run(client, offsets[run.first], run, trusted[run.first].chunk, spec.block_ids, into_kv=True)
         times.mark("copy")
-        return loaded_end, reason
+        return verdicts
 
     # -- the copies ----------------------------------------------------------------
 
@@ -260,6 +280,30 @@ class CpuKVWorker(KVWorker):
             log.error("kvshare: rank %d's part of the store for request %s failed", rank, spec.req_id, exc_info=True)
             return StorePart(spec.reservation_id, spec.pool_id, rank, False, reason=f"{type(exc).__name__}: {exc}")
         return StorePart(spec.reservation_id, spec.pool_id, rank, True, sums)
+
+
+class BackgroundLoad(StepLoads):
+    """One load verified and copied beside vLLM's steps on the loader thread (an asynchronous load): done once
+    the thread is through; ``finish`` then settles it on the hooks' thread (a bad page is dropped from the pool
+    there), so the pool connection is only ever used by the hooks' thread."""
+
+    def __init__(self, worker: CpuKVWorker, load: PlannedLoad, executor: ThreadPoolExecutor) -> None:
+        super().__init__([])
+        self.worker, self.load = worker, load
+        self._copied = executor.submit(worker.verify_and_copy, load)
+
+    def is_done(self) -> bool:
+        return self._copied.done()
+
+    def finish(self) -> tuple[list[LoadOutcome], bool]:
+        spec = self.load.spec
+        try:
+            verdicts = self._copied.result()
+        except BaseException as exc:  # the copy failed part way (or never ran): all of it is recomputed
+            log.error("kvshare: load for request %s failed", spec.req_id, exc_info=exc)
+            reason = f"{type(exc).__name__} while loading beside vLLM's steps: {exc}"
+            return [self.worker.outcome(spec, spec.token_start, reason, self.load.times)], True
+        return [self.worker.finish_load(self.load, iter(verdicts))], True
 
 
 class CpuStores(StepStores):

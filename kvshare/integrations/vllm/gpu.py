@@ -131,6 +131,14 @@ class GpuKVWorker(KVWorker):
     def start_loads(self, specs: list[LoadSpec], per_layer: bool) -> StepLoads:
         """The step's loads enqueued on the pipeline's load lane (``per_layer`` False: vLLM's stream waits for
         all of them here, for a forward that does not wait per layer)."""
+        return self._start(specs, wait_now=not per_layer, is_async=False)
+
+    def start_async_load(self, spec: LoadSpec) -> StepLoads:
+        """One load enqueued on the load lane, ordered after vLLM's work so far; vLLM's stream never waits for it
+        (its CUDA-graph decode steps run on), the load's end event is polled."""
+        return self._start([spec], wait_now=False, is_async=True)
+
+    def _start(self, specs: list[LoadSpec], wait_now: bool, is_async: bool) -> StepLoads:
         settled: list[LoadOutcome] = []
         planned: list[PlannedLoad] = []
         for spec in specs:
@@ -143,7 +151,7 @@ class GpuKVWorker(KVWorker):
                 planned.append(PlannedLoad(spec, pieces, [self.sampler.draw() for _ in pieces], reason, times, client))
         if not planned:
             return StepLoads(settled)
-        return StagedLoads(self, planned, self._staged, settled, wait_now=not per_layer)
+        return StagedLoads(self, planned, self._staged, settled, wait_now=wait_now, is_async=is_async)
 
     def start_stores(self, specs: list[StoreSpec]) -> StepStores:
         """A step's stores: save_layer per layer, then finish. Nothing when the pool is unreachable and no spec
@@ -164,7 +172,8 @@ class _LoadPlan:
 
 class StagedLoads(StepLoads):
     """The step's loads on a GPU, in flight from construction on; ``finish`` says how each went (``settled``:
-    the step's loads that had nothing to copy)."""
+    the step's loads that had nothing to copy). ``is_async``: a load beside vLLM's steps, which no layer of
+    a forward waits for; done once its end event has completed."""
 
     def __init__(
         self,
@@ -173,8 +182,10 @@ class StagedLoads(StepLoads):
         staged: StagedKV,
         settled: list[LoadOutcome],
         wait_now: bool = False,
+        is_async: bool = False,
     ) -> None:
         super().__init__(settled)
+        self.is_async = is_async
         self.worker, self.loads, self.pipeline = worker, loads, staged.pipeline
         self.kv, self.hasher = staged.kv, staged.hasher
         pipeline = self.pipeline
@@ -248,8 +259,11 @@ class StagedLoads(StepLoads):
             group = self.pipeline.group_of_layer[index]
             torch.cuda.current_stream(self.pipeline.device).wait_event(self._group_events[group])
 
+    def is_done(self) -> bool:
+        return self._end.query()
+
     def finish(self) -> tuple[list[LoadOutcome], bool]:
-        all_waited = self._wait_now or len(self._waited) == self.num_layers
+        all_waited = self.is_async or self._wait_now or len(self._waited) == self.num_layers
         self._end.synchronize()
         if self._error is None:
             self.seconds = self._start.elapsed_time(self._end) / 1e3

@@ -64,6 +64,7 @@ class VllmServerConfig:
     verify_fraction: float | None = None  # share of loaded pages verified; None: the connector's default
     overlap_load: bool | None = None  # CPU loads copied beside the forward; None: the connector's default
     copy_threads: int | None = None  # threads of the connector's CPU copies; None: the connector's default
+    async_loads: str | None = None  # "auto" | "always" | "never": loads beside vLLM's steps; None: the default
     pool_retry_s: float = 5.0  # after losing the pool, serve without it this long before reconnecting
     log_level: str | None = None  # KVSHARE_LOG_LEVEL of the connector; "DEBUG" logs each load's phase timings
     # TMPDIR of the server and its workers: vLLM's tensor-parallel rendezvous files (vllm_dist_*) go there, so
@@ -134,6 +135,8 @@ def kv_transfer_config(config: VllmServerConfig) -> dict:
         extra["overlap_load"] = config.overlap_load
     if config.copy_threads is not None:
         extra["copy_threads"] = config.copy_threads
+    if config.async_loads is not None:
+        extra["async_loads"] = config.async_loads
     if config.model_revision:
         extra["model_revision"] = config.model_revision
     if config.account_key_file:

@@ -23,7 +23,11 @@ from kvshare.paths import default_pool_socket
 if TYPE_CHECKING:
     from kvshare.transfer.base import TransferConfig
 
-CUDA_COPY_METHODS = ("memcpy2d", "torch")  # kvshare.transfer.base.COPY_METHODS (imported lazily: it imports torch)
+CUDA_COPY_METHODS = ("memcpy2d", "torch")
+# when a load runs beside vLLM's steps (vLLM parks the request until get_finished names it) instead of inside
+# the step that computes the request's suffix: "auto" when other requests are running on the replica (a load
+# never stops their decoding), else in the step (it overlaps the request's own suffix compute)
+ASYNC_LOADS = ("auto", "always", "never")  # kvshare.transfer.base.COPY_METHODS (imported lazily: it imports torch)
 
 PARAMS_KEY = "kvshare"  # our entry in kv_transfer_params, in and out
 
@@ -45,6 +49,7 @@ class ConnectorConfig:
     # outside vLLM's OpenMP team; on the 2-core machine the helper took one of the team's cores and the
     # forward, which waits for its slowest thread, ran 4x slower (docs/vllm.md)
     overlap_load: bool = False
+    async_loads: str = "auto"  # ASYNC_LOADS
     # on a GPU: how pages move to and from the GPU staging buffers. "memcpy2d": one cudaMemcpy2DAsync per
     # layer group and run of pages (needs cuda-bindings); "torch": one copy per page and layer group. No fallback
     cuda_copy_method: str = "memcpy2d"
@@ -75,6 +80,8 @@ class ConnectorConfig:
             raise ValueError(f"copy_threads must be >= 1, got {self.copy_threads}")
         if self.cuda_copy_method not in CUDA_COPY_METHODS:
             raise ValueError(f"cuda_copy_method must be one of {CUDA_COPY_METHODS}, got {self.cuda_copy_method!r}")
+        if self.async_loads not in ASYNC_LOADS:
+            raise ValueError(f"async_loads must be one of {ASYNC_LOADS}, got {self.async_loads!r}")
         if self.cuda_staging_mib < 2:
             raise ValueError(f"cuda_staging_mib must be >= 2 (one 2 MiB row), got {self.cuda_staging_mib}")
 

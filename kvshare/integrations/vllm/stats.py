@@ -19,6 +19,7 @@ _HELP = {
     "lookups": "Pool lookups made by the kvshare connector",
     "hit_tokens": "Prompt tokens vLLM was told the kvshare pool supplies",
     "loaded_tokens": "Prompt tokens copied from the kvshare pool into vLLM's KV cache and verified",
+    "async_loads": "kvshare loads run beside vLLM's steps while their request waited (others kept decoding)",
     "load_bytes": "KV bytes copied from the kvshare pool",
     "load_seconds": "Seconds spent copying KV from the kvshare pool",
     "stored_chunks": "Chunks (pages) committed to the kvshare pool",
