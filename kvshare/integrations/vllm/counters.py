@@ -34,6 +34,11 @@ class ConnectorCounters:
     load_failures: int = 0  # loads stopped early (checksum, lease lost, pool gone): recomputed
     pool_errors: int = 0  # failed calls to the pool daemon
     expired_leases: int = 0  # leases released because vLLM never scheduled the request
+    hints: int = 0  # the router's prefetch hints received with a valid tag (kvshare.router.hints)
+    hints_refused: int = 0  # frames on the hint address refused (tag, age, size, form)
+    prefetched_pages: int = 0  # pages copied ahead of their load on a hint
+    prefetch_hits: int = 0  # pages a load took from a copy ahead instead of the pool
+    prefetches_unused: int = 0  # copies ahead dropped after their bound with no load taking them
 
     def add(self, other: ConnectorCounters | dict) -> None:
         values = other if isinstance(other, dict) else asdict(other)

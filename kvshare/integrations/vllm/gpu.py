@@ -33,11 +33,13 @@ from dataclasses import dataclass
 import torch
 
 from kvshare.integrations.vllm.counters import PhaseTimes
+from kvshare.integrations.vllm.gpu_prefetch import GpuAhead
 from kvshare.integrations.vllm.gpu_stores import StagedStores
 from kvshare.integrations.vllm.layout import PagedLayout
 from kvshare.integrations.vllm.metadata import LoadOutcome, LoadSpec, StoreSpec
 from kvshare.integrations.vllm.page_slices import load_pieces
 from kvshare.integrations.vllm.paged_destination import PagedDestination, PagedKV, segments_of
+from kvshare.integrations.vllm.prefetch import PrefetchMatch
 from kvshare.integrations.vllm.tensor_parallel import HeadSlice
 from kvshare.integrations.vllm.worker import KVWorker, NoStores, PlannedLoad, StepLoads, StepStores
 from kvshare.layout import KVLayout
@@ -45,7 +47,7 @@ from kvshare.pool.checksum import PageHasher
 from kvshare.pool.link import PoolLink
 from kvshare.transfer.base import TransferConfig
 from kvshare.transfer.pipeline import StagingPipeline, UnitWork
-from kvshare.transfer.plan import Unit
+from kvshare.transfer.plan import Unit, plan_unit
 from kvshare.transfer.verify import PageCheck, can_sum_staged
 
 log = logging.getLogger("kvshare.integrations")
@@ -119,6 +121,10 @@ class GpuKVWorker(KVWorker):
             except Exception:  # the first copy raises it again, where it is reported as a failed copy
                 log.error("kvshare: pinning the pool arena for CUDA failed", exc_info=True)
 
+    def prefetch_device(self, num_bytes: int) -> GpuAhead:
+        """The prefetch buffer copies ahead land in, and its stream (on this worker's pipeline)."""
+        return GpuAhead(self.pipeline, self.kv_layout, num_bytes)
+
     def close(self) -> None:
         self._close_staged()
         super().close()
@@ -165,9 +171,10 @@ class GpuKVWorker(KVWorker):
 @dataclass
 class _LoadPlan:
     load: PlannedLoad
-    units: list[list[Unit]]  # per layer group
+    units: list[list[tuple[Unit, torch.Tensor | None]]]  # per layer group: each unit, and its copy ahead or None
     destination: PagedDestination  # the load's tokens in the request's blocks
     check: PageCheck  # the chosen pages' checksums, computed beside the copies
+    ready: object = None  # the copies ahead's event (their units are scattered once it completed)
 
 
 class StagedLoads(StepLoads):
@@ -199,6 +206,7 @@ class StagedLoads(StepLoads):
         self._start, self._end = Event(enable_timing=True), Event(enable_timing=True)
         self._plans: list[_LoadPlan | None] = []  # per load; None: it could not be planned
         self._refused: dict[str, str] = {}  # request id -> why its load could not be planned
+        self._taken: list[PrefetchMatch] = []  # copies ahead the loads read, given back once they ended
         client = loads[0].client
         with torch.inference_mode():  # vLLM's KV may be inference tensors; ours are, whoever calls
             for _ in pipeline.load_steps(
@@ -229,9 +237,11 @@ class StagedLoads(StepLoads):
                 self._refused[load.spec.req_id] = f"{type(exc).__name__}: {exc}"
         for group in range(len(pipeline.load_groups)):
             yield [
-                UnitWork(unit, plan.destination, plan.check.staged_sums(unit.page_start, unit.page_stop))
+                UnitWork(
+                    unit, plan.destination, plan.check.staged_sums(unit.page_start, unit.page_stop), source, plan.ready
+                )
                 for plan in filter(None, self._plans)
-                for unit in plan.units[group]
+                for unit, source in plan.units[group]
             ]
 
     def _plan(self, load: PlannedLoad) -> _LoadPlan:
@@ -248,9 +258,37 @@ class StagedLoads(StepLoads):
             check = PageCheck(
                 refs, chosen, client, self.hasher, pipeline.device, on_device=can_sum_staged(self.worker.kv_layout)
             )
-        units = list(pipeline.plan_groups([r.offset for r in refs], client.hello.extent_bytes))
+        match = self._ahead(load, refs)
+        units = self._units([r.offset for r in refs], client.hello.extent_bytes, match)
         destination = self.kv.destination(slots, segments_of([(p.lo, p.hi) for p in load.pieces]))
-        return _LoadPlan(load, units, destination, check)
+        return _LoadPlan(load, units, destination, check, match.prefetch.copy.done if match else None)
+
+    def _ahead(self, load: PlannedLoad, refs: list) -> PrefetchMatch | None:
+        """The copy ahead of the load's first pages, where the router's hint brought one (prefetch)."""
+        prefetcher = self.worker.prefetcher
+        if prefetcher is None:
+            return None
+        keys = [load.spec.keys[p.page_index] for p in load.pieces]
+        match = prefetcher.take(load.spec.pool_id, keys, refs)
+        if match is not None:
+            self._taken.append(match)
+        return match
+
+    def _units(self, offsets: list[int], extent_bytes, match: PrefetchMatch | None) -> list[list]:
+        """Per layer group, the load's units and their sources: a group the copy ahead holds reads its pages
+        0..m-1 from there (one unit, no H2D) and stages the rest; the others stage every page."""
+        pipeline, n = self.pipeline, len(offsets)
+        m, copy = (match.num_pages, match.prefetch.copy) if match is not None else (0, None)
+        per_group = []
+        for g, units in enumerate(pipeline.plan_groups(offsets, extent_bytes)):
+            if copy is None or g >= copy.num_groups:
+                per_group.append([(unit, None) for unit in units])
+                continue
+            group = pipeline.load_groups[g]
+            ahead = plan_unit(offsets, self.worker.kv_layout, group, (0, m), extent_bytes)
+            rest = next(pipeline.plan_groups(offsets, extent_bytes, [group], first_page=m), []) if m < n else []
+            per_group.append([(ahead, copy.source(g, match.first, m))] + [(unit, None) for unit in rest])
+        return per_group
 
     def wait_layer(self, index: int) -> None:
         """vLLM's current stream waits until layer ``index`` of every load is in its blocks (the host does not)."""
@@ -289,6 +327,9 @@ class StagedLoads(StepLoads):
                     continue
             outcomes.append(self.worker.outcome(spec, spec.token_start, reason, load.times))
         self._plans = []  # the device tensors go (every use of them has completed)
+        for match in self._taken:  # the scatters out of the copies ahead have ended
+            self.worker.prefetcher.give_back(match)
+        self._taken = []
         return outcomes, all_waited
 
     def _verdicts(self, plan: _LoadPlan) -> list[bool]:

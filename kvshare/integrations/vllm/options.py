@@ -67,11 +67,19 @@ class ConnectorConfig:
     # file holding the key the router signs accounts with (kvshare.serve.tenancy.account_tag); "": the variable
     # $KVSHARE_ACCOUNT_KEY, else none: every request is charged to the namespace's shared account
     account_key_file: str = ""
+    # where this replica takes the router's prefetch hints (kvshare.router.hints): a Unix socket's absolute path
+    # or HOST:PORT; "": none. Hints are signed with the account key above, which must then be set
+    hint_address: str = ""
+    # on a GPU: the buffer that copies ahead on hints land in (kvshare.integrations.vllm.gpu_prefetch), outside
+    # vLLM's KV budget as the staging buffers are. 2 GiB: what ~40 ms of host-to-GPU copy fills on an H100/H200,
+    # about vLLM's own time from a request's arrival to its scheduling; a longer run copies its first layers
+    prefetch_mib: int = 2048
+    hint_ttl_s: float = 10.0  # a copy ahead that no load took within this is dropped
 
     def __post_init__(self) -> None:
         if self.chunk_tokens <= 0:
             raise ValueError(f"chunk_tokens must be positive, got {self.chunk_tokens}")
-        for name in ("lease_ttl_s", "pool_timeout_s", "pool_retry_s"):
+        for name in ("lease_ttl_s", "pool_timeout_s", "pool_retry_s", "hint_ttl_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0.0 <= self.verify_fraction <= 1.0:
@@ -80,6 +88,12 @@ class ConnectorConfig:
             raise ValueError(f"copy_threads must be >= 1, got {self.copy_threads}")
         if self.cuda_copy_method not in CUDA_COPY_METHODS:
             raise ValueError(f"cuda_copy_method must be one of {CUDA_COPY_METHODS}, got {self.cuda_copy_method!r}")
+        if self.prefetch_mib < 0:
+            raise ValueError(f"prefetch_mib must be >= 0 (0: no copies ahead), got {self.prefetch_mib}")
+        if self.hint_address:
+            from kvshare.router.hints import parse_address
+
+            parse_address(self.hint_address)
         if self.async_loads not in ASYNC_LOADS:
             raise ValueError(f"async_loads must be one of {ASYNC_LOADS}, got {self.async_loads!r}")
         if self.cuda_staging_mib < 2:

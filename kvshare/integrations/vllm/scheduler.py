@@ -30,6 +30,7 @@ from kvshare.integrations.vllm.counters import ConnectorCounters, PhaseTimes
 from kvshare.integrations.vllm.leases import HeldLease, LeaseBook, LeaseState
 from kvshare.integrations.vllm.metadata import LoadOutcome, LoadSpec, PageRef, StepPlan, StoreSpec, WorkerReport
 from kvshare.integrations.vllm.options import ConnectorConfig, TransferParams, provenance
+from kvshare.integrations.vllm.pool_pages import release_lease
 from kvshare.integrations.vllm.prompt_chunks import chunks_completed, lookup_window, tokens_to_load
 from kvshare.integrations.vllm.tensor_parallel import TensorParallelStores
 from kvshare.keys import Namespace, extend_chunk_keys, namespace_digest
@@ -406,19 +407,10 @@ class PoolScheduler:
     # -- pool --------------------------------------------------------------------------
 
     def _release(self, held: HeldLease | None) -> None:
-        """Release a lease through this link (the holder that took it, reconnected or not) while the pool that
-        granted it still runs."""
-        if held is None or not held.lease_id:
+        """Release a lease through this link (the holder that took it) while the pool that granted it still runs."""
+        if held is None or not held.lease_id or held.owner[1] != self.link.holder:
             return
-        if held.owner[1] != self.link.holder:
-            return
-        client = self.link.client()
-        if client is None:  # once the link is back to the pool that granted it
-            self.link.end_later(lease_id=held.lease_id, pool_id=held.owner[0])
-            return
-        if self.link.pool_id != held.owner[0]:  # granted by a pool that is gone
-            return
-        client.release([held.lease_id])  # fire and forget; a broken socket closes the client
+        release_lease(self.link, held.lease_id, held.owner[0])
 
     @property
     def num_leases(self) -> int:

@@ -37,7 +37,7 @@ import logging
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -50,6 +50,9 @@ from kvshare.integrations.vllm.tensor_parallel import HeadSlice
 from kvshare.layout import KVLayout
 from kvshare.pool.checksum import PageSampler
 from kvshare.pool.link import PoolLink
+
+if TYPE_CHECKING:
+    from kvshare.integrations.vllm.prefetch import Prefetcher
 
 log = logging.getLogger("kvshare.integrations")
 
@@ -275,6 +278,7 @@ class KVWorker:
         self.pool = PoolPages(link, kv_layout, self.counters)  # lease checks, drops, reserve / commit / abort
         self.layers: list[torch.Tensor] = []  # vLLM's KV tensors, once registered
         self.paged: PagedLayout | None = None  # their layout, once registered
+        self.prefetcher: Prefetcher | None = None  # copies ahead on the router's hints, where configured
 
     # -- what each implementation gives --------------------------------------------------
 
