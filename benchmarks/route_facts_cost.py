@@ -16,13 +16,14 @@ import random
 import statistics
 import time
 
-from kvshare.router.event_feed import EventFeed
+from kvshare.router.cost_model import CostModel
 from kvshare.router.facts import route_facts
-from kvshare.router.pool_aware import CostModel, PoolAwarePlacer
+from kvshare.router.kv_event_feed import KVEventFeed
+from kvshare.router.pool_aware import PoolAwarePlacer
 
 
 def placer() -> PoolAwarePlacer:
-    feed = EventFeed("ipc:///unused", "kv@")  # never started: an empty index that counts as live
+    feed = KVEventFeed("ipc:///unused", "kv@")  # never started: an empty index that counts as live
     feed.last_seq = 0
     return PoolAwarePlacer(2, CostModel(), feed)
 

@@ -122,7 +122,9 @@ def measure(tok, other, factory: PromptFactory, num_tokens: int, repeats: int) -
     tok.share_pieces(None)
     again = best_of(lambda: tok.encode_array(text), repeats)
     next_turn = best_of(lambda: tok.encode_array(text_turn), repeats, before=lambda: (clear(), tok.encode(text)))
-    from kvshare.router.pool_aware import CostModel, PoolAwarePlacer, chain
+    from kvshare.router.chunk_chain import chain
+    from kvshare.router.cost_model import CostModel
+    from kvshare.router.pool_aware import PoolAwarePlacer
 
     placer = PoolAwarePlacer(2, CostModel(), feed=None, tokenizer=tok)
 

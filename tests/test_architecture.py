@@ -23,6 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # A module holds one concept and its size follows from that: split by concept, never squeeze. This
 # ceiling is far above what one concept needs, so a module near it is a sign of two concepts, not a budget.
 MAX_LINES = 600
+# A function a reader can hold at once: split by step above this (from its ``def`` to its last line)
+MAX_FUNCTION_LINES = 60
+FUNCTIONS_CHECKED = ("kvshare/router",)  # the packages held to it so far
 
 
 def module_names(package_dir: Path) -> dict[str, Path]:
@@ -77,6 +80,18 @@ def import_graph(package_dir: Path) -> dict[str, set[str]]:
                 if target in modules and target != name:
                     graph[name].add(target)
     return graph
+
+
+def long_functions(package_dir: Path, limit: int) -> dict[str, int]:
+    """``file:function`` -> lines, for every function (methods and nested ones too) longer than ``limit``."""
+    found = {}
+    for path in sorted(package_dir.rglob("*.py")):
+        for node in ast.walk(parse(path)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                num_lines = node.end_lineno - node.lineno + 1
+                if num_lines > limit:
+                    found[f"{path.relative_to(package_dir.parent).as_posix()}:{node.name}"] = num_lines
+    return found
 
 
 def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -191,6 +206,13 @@ def test_no_kvshare_file_is_over_the_line_limit():
     assert long == {}
 
 
+def test_no_function_in_the_checked_packages_is_over_the_function_limit():
+    long = {}
+    for package in FUNCTIONS_CHECKED:
+        long.update(long_functions(ROOT / package, MAX_FUNCTION_LINES))
+    assert long == {}
+
+
 # -- negative controls: the checks fail on a tree that breaks them ------------------------------------------
 
 
@@ -257,3 +279,9 @@ def test_a_module_in_no_layer_is_reported(tmp_path):
 def test_the_layers_block_is_required():
     with pytest.raises(AssertionError, match="no ```layers block"):
         read_layers("# Architecture\n")
+
+
+def test_a_long_function_in_a_fixture_tree_is_found(tmp_path):
+    body = "".join(f"    x{i} = {i}\n" for i in range(60))
+    pkg = _fixture(tmp_path, {"__init__.py": "", "a.py": f"def short():\n    pass\n\n\ndef long():\n{body}"})
+    assert long_functions(pkg, MAX_FUNCTION_LINES) == {"pkg/a.py:long": 61}

@@ -13,7 +13,8 @@ import urllib.request
 import pytest
 
 from kvshare.pool.spawn import running_pool
-from kvshare.router.proxy import RouterConfig, RouterServer
+from kvshare.router.config import RouterConfig
+from kvshare.router.server import RouterServer
 from kvshare.serve.audit import AuditConfig
 from tests.pool.conftest import free_port
 from tests.serve.live import LiveApp, call, replica, tiny_engine

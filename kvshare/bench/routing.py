@@ -50,7 +50,7 @@ VLLM_POOL_BYTES_LOADED = "vllm:kvshare_load_bytes_total"  # a vLLM replica's con
 FALLBACKS = "kvshare_router_pool_aware_fallbacks_total"
 SEND_DELAY = "kvshare_router_send_delay_seconds"  # the router's histogram of its own time before a request is sent
 EVENT_LAG = "kvshare_router_kv_events_lag_seconds"
-POOL_AWARE_TERM = "kvshare_router_pool_aware_"  # its cost-term gauges, one per replica (router.event_feed)
+POOL_AWARE_TERM = "kvshare_router_pool_aware_"  # its cost-term gauges, one per replica (router.metrics)
 
 
 @dataclass

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 
 from kvshare.commands import tcp_port
+from kvshare.router.cost_model import CostModel
 from kvshare.router.policy import POLICIES
-from kvshare.router.pool_aware import CostModel, PoolAwareConfig
+from kvshare.router.pool_aware import PoolAwareConfig
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -168,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
     from kvshare.heap import freeze_startup_heap
     from kvshare.preflight import check_ports_free
     from kvshare.router.config import RouterConfig
-    from kvshare.router.proxy import RouterServer
+    from kvshare.router.server import RouterServer
     from kvshare.serve.tenancy import read_account_key
 
     try:

@@ -7,12 +7,12 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from kvshare.engine.bpe import preset_tokenizer
 from kvshare.engine.config import ModelConfig
 from kvshare.engine.model import Transformer
-from kvshare.engine.presets import PRESETS, build_preset
-from kvshare.engine.token_cache import TokenCacheConfig
+from kvshare.engine.preset_table import PRESETS
+from kvshare.engine.presets import build_preset
 from kvshare.engine.tokenizer import Tokenizer
+from kvshare.engine.tokenizer_loader import load_tokenizer
 from kvshare.engine.weights import load_model_dir
 from kvshare.errors import UserError
 from kvshare.keys import config_fingerprint
@@ -52,22 +52,10 @@ def load_model(
     by their bytes unless ``model_revision`` names them (a preset is named by its recipe, kvshare.engine.presets)."""
     if os.path.isdir(model):
         net, config, fingerprint = load_model_dir(model, device, dtype, is_fingerprinted=not model_revision)
-        tokenizer = Tokenizer.from_dir(model)
         default_name = os.path.basename(os.path.normpath(model))
     elif model in PRESETS:
         net, config, fingerprint = build_preset(model, device, dtype)
-        tokenizer = preset_tokenizer(PRESETS[model].tokenizer, config.max_position_embeddings)
         default_name = model
     else:
         raise UserError(f"--model {model!r} is neither a model directory nor a preset ({', '.join(PRESETS)})")
-    return LoadedModel(net, config, tokenizer, fingerprint, name or default_name)
-
-
-def load_tokenizer(model: str, cache_config: TokenCacheConfig = TokenCacheConfig()):
-    """The tokenizer of a model directory (its tokenizer.json) or of a built-in preset (byte level or BPE); long
-    texts cut and cached by ``cache_config`` (kvshare.engine.token_cache)."""
-    if os.path.isdir(model):
-        return Tokenizer.from_dir(model, cache_config)
-    if model in PRESETS:
-        return preset_tokenizer(PRESETS[model].tokenizer, PRESETS[model].config.max_position_embeddings, cache_config)
-    raise UserError(f"--tokenizer/--model {model!r} is neither a model directory nor a preset ({', '.join(PRESETS)})")
+    return LoadedModel(net, config, load_tokenizer(model), fingerprint, name or default_name)

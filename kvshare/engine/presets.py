@@ -1,14 +1,7 @@
-"""Synthetic model presets: fixed shapes, random weights from a fixed seed.
+"""A synthetic preset's weights: random, drawn from its seed (what each preset is: kvshare.engine.preset_table).
 
-``tiny`` is the CPU model of tests, the demo and vLLM CPU runs; ``qwen3-8b`` and
-``qwen3-32b`` have exactly the shapes of those models for GPU benchmarks and are built
-directly on the device. ``tiny`` keeps the 260-token byte tokenizer (its vocabulary is 260); the Qwen3
-shapes carry the 131072-token BPE of kvshare.engine.bpe, so a text prompt costs what it does with a real
-checkpoint. Contexts: ``qwen3-8b`` takes 262144 positions (the study's 256k: 36 GiB
-of KV), ``qwen3-32b`` 131072 (its 128k: 32 GiB; at 256k its KV alone would be 64 GiB beside
-61 GiB of weights). On CUDA a replica allocates the KV of its whole context at start-up, so
-pass ``--max-model-len`` to run the 8B shape in less memory. Same preset, seed and init device -> the same
-weights, bitwise.
+The Qwen3 shapes are built directly on the device. Same preset, seed and init device -> the same weights,
+bitwise.
 
 A preset built in memory is named by its recipe: its weights are a function of the config.json
 bytes and of the safetensors header, whose metadata holds FORMAT, the seed and the init device, so
@@ -21,167 +14,31 @@ from __future__ import annotations
 
 import json
 import math
-import os
-from dataclasses import dataclass
 
 import torch
 
 from kvshare.engine.config import ModelConfig, model_config_from_hf
 from kvshare.engine.model import Transformer
-from kvshare.engine.tokenizer import BOS_ID, EOS_ID
+from kvshare.engine.preset_table import PRESETS, Preset, get_preset, model_config_of, preset_hf_config
 from kvshare.engine.weights import TORCH_DTYPES, assign_state, safetensors_header
-from kvshare.errors import UserError
 from kvshare.keys import weights_fingerprint
 
+# the table's names (kvshare.engine.preset_table) are this module's too: a preset and its weights in one import
+__all__ = [
+    "FORMAT",
+    "PRESETS",
+    "Preset",
+    "build_preset",
+    "config_json_bytes",
+    "file_metadata",
+    "get_preset",
+    "model_config_of",
+    "preset_fingerprint",
+    "preset_hf_config",
+    "preset_tensors",
+]
+
 FORMAT = "kvshare-preset-v1"  # bump when the init below changes: it changes every preset's weights
-
-
-@dataclass(frozen=True)
-class Preset:
-    name: str
-    hf_config: dict  # the config.json a directory of this preset carries (dtype aside)
-    seed: int
-    embed_std: float  # std of the embedding (and tied head) entries
-    linear_gain: float  # std of a projection entry = gain / sqrt(fan_in)
-    head_gain: float  # the same for an untied LM head
-    draw_on_device: bool  # False: drawn on the CPU (same weights on every device); True: on the target device (fast)
-    tokenizer: str = "byte"  # "byte" (260 tokens) or "bpe" (131072 tokens, kvshare.engine.bpe): what text costs
-
-    @property
-    def config(self) -> ModelConfig:
-        return model_config_from_hf(self.hf_config)
-
-
-def _llama_config(**kw) -> dict:
-    base = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "attention_dropout": 0.0,
-        "initializer_range": 0.02,
-        "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": False,
-        "use_cache": True,
-        "bos_token_id": BOS_ID,
-        "eos_token_id": EOS_ID,
-        "pretraining_tp": 1,
-    }
-    return {**base, **kw}
-
-
-def _qwen3_config(**kw) -> dict:
-    base = {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
-        "hidden_act": "silu",
-        "vocab_size": 151936,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "initializer_range": 0.02,
-        "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": False,
-        "use_cache": True,
-        "max_position_embeddings": 131072,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "bos_token_id": BOS_ID,
-        "eos_token_id": EOS_ID,
-    }
-    return {**base, **kw}
-
-
-def _rope(theta: float) -> dict:
-    return {"rope_theta": theta, "rope_parameters": {"rope_type": "default", "rope_theta": theta}}
-
-
-# tiny: gain 2 makes a small model's greedy continuations depend on the whole context (tests need that).
-# qwen3-*: gain 1 and a sharper head (median top-1 probability ~0.5 on the H200) keep bf16 rounding noise
-# (|d logprob| of the top token ~0.01-0.03 between a cold prefill and a suffix over reused KV) well below
-# typical top-2 gaps (~1), so reuse/recompute comparisons diverge rarely.
-PRESETS: dict[str, Preset] = {
-    "tiny": Preset(
-        "tiny",
-        _llama_config(
-            vocab_size=260,
-            hidden_size=256,
-            intermediate_size=1024,
-            num_hidden_layers=8,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=64,
-            max_position_embeddings=32768,
-            dtype="float32",
-            **_rope(1e6),
-        ),
-        seed=20261129,
-        embed_std=1.0,
-        linear_gain=2.0,
-        head_gain=4.0,
-        draw_on_device=False,
-    ),
-    "qwen3-8b": Preset(
-        "qwen3-8b",
-        _qwen3_config(
-            hidden_size=4096,
-            intermediate_size=12288,
-            num_hidden_layers=36,
-            num_attention_heads=32,
-            max_position_embeddings=262144,
-            dtype="bfloat16",
-            **_rope(1e6),
-        ),
-        seed=8,
-        embed_std=1.0,
-        linear_gain=1.0,
-        head_gain=8.0,
-        draw_on_device=True,
-        tokenizer="bpe",
-    ),
-    "qwen3-32b": Preset(
-        "qwen3-32b",
-        _qwen3_config(
-            hidden_size=5120,
-            intermediate_size=25600,
-            num_hidden_layers=64,
-            num_attention_heads=64,
-            dtype="bfloat16",
-            **_rope(1e6),
-        ),
-        seed=32,
-        embed_std=1.0,
-        linear_gain=1.0,
-        head_gain=8.0,
-        draw_on_device=True,
-        tokenizer="bpe",
-    ),
-}
-
-
-def get_preset(name: str) -> Preset:
-    if name not in PRESETS:
-        raise UserError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
-    return PRESETS[name]
-
-
-def model_config_of(model: str) -> ModelConfig:
-    """The config of a model directory (its config.json) or of a preset, without loading any weights."""
-    path = os.path.join(model, "config.json")
-    if os.path.isfile(path):
-        with open(path) as f:
-            return model_config_from_hf(json.load(f))
-    return get_preset(model).config
-
-
-def preset_hf_config(preset: Preset, dtype: str | None = None) -> dict:
-    hf = dict(preset.hf_config)
-    if dtype is not None:
-        hf["dtype"] = dtype
-    hf["kvshare_preset"] = preset.name
-    return hf
 
 
 def config_json_bytes(hf: dict) -> bytes:

@@ -27,13 +27,13 @@ Counting decodes there made the wait of a replica with ten requests decoding ~50
 so pool_aware balanced request counts like round robin and moved sessions away from the replica holding their
 prefix (routing workload, vLLM replicas on one H100, 2026-12-06).
 
-A job whose prefill overlapped another job's on the same replica (either was sent while the other had not sent
+A request whose prefill overlapped another's on the same replica (either was sent while the other had not sent
 its first byte) is marked ``is_shared``: on a batching replica its time to first token is its own prefill and
-part of the others', so it tells nothing of the replica's rates (kvshare.router.calibration fits only the jobs
+part of the others', so it tells nothing of the replica's rates (kvshare.router.calibration fits only the requests
 that ran alone).
 
 A response that is not a stream shows nothing before its end (vLLM writes its headers with its body), so its
-first byte marks no prefill's end. Such a job (``is_blind``) counts as prefill ahead until it is due: the wait
+first byte marks no prefill's end. Such an entry (``is_blind``) counts as prefill ahead until it is due: the wait
 ahead of it when it was sent plus its own expected time to first token; then as decoding (counted until its
 end, it would hold its replica's wait at its prefill for the whole of its decode).
 """
@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 
 @dataclass(eq=False)
-class Job:
+class BacklogEntry:
     """One request in flight on ``replica``; ``work_s``: its expected service time when it was placed;
     ``first_token_s``: the part of it before its first token (its prefill and load)."""
 
@@ -54,8 +54,8 @@ class Job:
     first_token_s: float = 0.0
     is_started: bool = False  # its first byte came back
     is_done: bool = False
-    is_shared: bool = False  # its prefill overlapped another job's on the same replica
-    due_s: float = math.inf  # a blind job's (no first byte before its end): when its prefill is expected done
+    is_shared: bool = False  # its prefill overlapped another request's on the same replica
+    due_s: float = math.inf  # a blind entry's (no first byte before its end): when its prefill is expected done
 
     def is_in_prefill(self, now: float) -> bool:
         """Its prefill is still ahead or running, as far as the router can tell at ``now``."""
@@ -63,11 +63,12 @@ class Job:
 
 
 class Backlog:
-    """Every replica's jobs in flight, oldest first; ``is_batching``: the replicas batch (see the module)."""
+    """Every replica's requests in flight, an entry each, oldest first; ``is_batching``: the replicas batch (see
+    the module)."""
 
     def __init__(self, num_replicas: int, is_batching: bool = False) -> None:
         self.is_batching = is_batching
-        self._jobs: list[list[Job]] = [[] for _ in range(num_replicas)]
+        self._entries: list[list[BacklogEntry]] = [[] for _ in range(num_replicas)]
 
     def begin(
         self,
@@ -76,36 +77,36 @@ class Backlog:
         first_token_s: float | None = None,
         now: float = -math.inf,
         is_blind: bool = False,
-    ) -> Job:
+    ) -> BacklogEntry:
         """A request sent to ``replica`` at ``now``, expected to hold it ``work_s`` seconds, ``first_token_s`` of
         them before its first token (None: all of them); ``is_blind``: its response shows no first byte before its
         end (not a stream), so it is due at ``now`` + the wait ahead of it + ``first_token_s``."""
         work_s = max(0.0, work_s)
         before = work_s if first_token_s is None else min(work_s, max(0.0, first_token_s))
-        job = Job(replica, work_s, before)
+        entry = BacklogEntry(replica, work_s, before)
         if is_blind:
-            job.due_s = now + self.wait_s(replica, now) + before
-        for other in self._jobs[replica]:
+            entry.due_s = now + self.wait_s(replica, now) + before
+        for other in self._entries[replica]:
             if other.is_in_prefill(now):
-                other.is_shared = job.is_shared = True
-        self._jobs[replica].append(job)
-        return job
+                other.is_shared = entry.is_shared = True
+        self._entries[replica].append(entry)
+        return entry
 
-    def started(self, job: Job) -> None:
-        """The job's first byte came back: its prefill is done."""
-        job.is_started = True
+    def started(self, entry: BacklogEntry) -> None:
+        """Its request's first byte came back: its prefill is done."""
+        entry.is_started = True
 
-    def finish(self, job: Job) -> None:
-        """The job's response ended (or failed, or was given up); a second call does nothing."""
-        if not job.is_done:
-            job.is_done = True
-            self._jobs[job.replica].remove(job)
+    def finish(self, entry: BacklogEntry) -> None:
+        """Its request's response ended (or failed, or was given up); a second call does nothing."""
+        if not entry.is_done:
+            entry.is_done = True
+            self._entries[entry.replica].remove(entry)
 
-    def num_jobs(self, replica: int) -> int:
-        return len(self._jobs[replica])
+    def num_entries(self, replica: int) -> int:
+        return len(self._entries[replica])
 
     def wait_s(self, replica: int, now: float = -math.inf) -> float:
         """Expected seconds until ``replica`` starts a new request's prefill (``now``: on the clock of ``begin``'s)."""
         if self.is_batching:
-            return sum(job.first_token_s for job in self._jobs[replica] if job.is_in_prefill(now))
-        return sum(job.work_s for job in self._jobs[replica])
+            return sum(entry.first_token_s for entry in self._entries[replica] if entry.is_in_prefill(now))
+        return sum(entry.work_s for entry in self._entries[replica])

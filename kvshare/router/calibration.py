@@ -1,11 +1,12 @@
-"""pool_aware's cost terms measured from the responses the router relays (pure but for ``ResponseTiming.pieces``).
+"""pool_aware's cost terms measured from the responses the router relays (pure).
 
 For each response the router knows when it sent the request, when the first byte of a stream's body came (a
 replica writes a stream's headers at once and its first data chunk with the first token), when the response
 ended, and how many prompt tokens the replica computed and how many it loaded from the pool: from the final
 chunk's ``kvshare`` object (built-in replicas; a vLLM replica's unstreamed body, in ``kv_transfer_params``),
-else from the usage a vLLM stream ends with, split by ``split_cached`` (kvshare.router.vllm_usage asks for it
-where the client did not). Per replica::
+else from the usage a vLLM stream ends with, split by ``split_cached`` (kvshare.router.placement;
+kvshare.router.vllm_usage asks for it where the client did not). kvshare.router.response_timing reads them from
+each response as it is relayed. Per replica::
 
     service start = max(sent, end of the last response that replica finished before this one's first byte)
     prefill_s     = first byte - service start      (exact for a replica that serves one request at a time)
@@ -13,7 +14,7 @@ where the client did not). Per replica::
 
 A replica that batches (vLLM; ``is_batching``) starts every request's service when it is sent, and its first
 byte waits for the prefill of every other request in prefill there: a sample whose prefill overlapped another's
-(``Job.is_shared``, kvshare.router.backlog) is not fitted. Fitted, such samples made the rates a measure of the
+(``BacklogEntry.is_shared``, kvshare.router.backlog) is not fitted. Fitted, such samples made the rates a measure of the
 contention: on two vLLM replicas of one H100 (the routing workload at 2 sessions/s) prefill fell to its floor on
 three replicas of four and a pool load came out 7-73x slower than the prior's PCIe rate; the requests that ran
 alone there (a fifth to a third of them) fit 19-30k computed tokens/s in every condition with the pool on.
@@ -31,18 +32,13 @@ the mean service time each. Until ``min_samples`` samples the flags' values are 
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 from dataclasses import dataclass, replace
 
-import msgspec
 import numpy as np
-
-from kvshare.router.vllm_usage import UsageStrip
 
 log = logging.getLogger("kvshare.router.pool_aware")
 CHANGE_LOGGED = 1.5  # a term that moved by this factor since it was last logged is logged again
-MAX_TAIL_BYTES = 64 << 10  # the end of a stream kept to read its final chunk's provenance
 
 
 @dataclass(frozen=True)
@@ -216,183 +212,3 @@ class Calibration:
                 now.num_samples,
             )
             self._logged[i] = now
-
-
-@dataclass(frozen=True)
-class Placement:
-    """What the placer expected of one request on each replica, for the proxy to begin its job and check it."""
-
-    work_s: list[float]  # its expected service time on each replica (kvshare.router.backlog)
-    depths: list[list[int]]  # per replica: the depths of the chunks of its prefix this router had sent there
-    chunk_tokens: int
-    num_tokens: int = 0  # the prompt's tokens as this router counted them
-    pool_tokens: int | None = None  # its prefix the pool held by its KV events; None: not known (not live, salted)
-    own_tokens: list[int | None] | None = None  # per replica: its GPU prefix by its own live KV events; None: not known
-    first_token_s: list[float] | None = None  # per replica: the part of work_s before its first token (None: all)
-
-    def job_s(self, replica: int) -> tuple[float, float | None]:
-        """(work_s, first_token_s) on ``replica``: what the backlog's job of this request expects."""
-        return self.work_s[replica], None if self.first_token_s is None else self.first_token_s[replica]
-
-
-def split_cached(placement: Placement, replica: int, prompt_tokens: int, cached_tokens: int) -> tuple[int, int] | None:
-    """(computed, pool) tokens of a response that tells only how many prompt tokens its replica did not compute
-    (vLLM's ``cached_tokens``: its GPU prefix cache's hits and the connector's pool loads together), told apart
-    by what this router knew when it placed the request; None where they cannot be (the sample is not fitted)::
-
-        cached = own + loaded    own: the replica's GPU prefix cache; loaded: the pool's pages after it
-        own < sent + 1 chunk     sent: the whole chunks of this prompt this router had sent that replica
-
-    Nothing cached: all computed. Where the replica's own KV events told its GPU prefix: up to it, its own; the
-    rest up to what the pool held, loaded (more than both: an event not yet seen, not fitted). Else, by what this
-    router sent: more cached than the pool held, within what the replica can hold, is its own; never sent a whole
-    chunk of it, from a chunk up to what the pool held cached is the pool's (a sub-chunk head the replica held
-    itself, a chat template's, counts as loaded: less than one chunk over). That assumes the replicas serve this
-    router's requests only (``kvshare up``): a replica another client fed holds more."""
-    if prompt_tokens != placement.num_tokens or not 0 <= cached_tokens <= prompt_tokens:
-        return None  # the router's token ids are not the prompt the replica counted: its record does not apply
-    computed, sent = prompt_tokens - cached_tokens, len(placement.depths[replica]) * placement.chunk_tokens
-    if cached_tokens == 0:
-        return computed, 0
-    pool = placement.pool_tokens
-    own = None if placement.own_tokens is None else placement.own_tokens[replica]
-    if own is not None and pool is not None:
-        if cached_tokens <= own:
-            return computed, 0
-        return (computed, cached_tokens - own) if cached_tokens <= pool else None
-    if pool is not None and pool < cached_tokens < sent + placement.chunk_tokens:
-        return computed, 0
-    if sent == 0 and pool is not None and placement.chunk_tokens <= cached_tokens <= pool:
-        return computed, cached_tokens
-    return None
-
-
-class _Provenance(msgspec.Struct):
-    computed_tokens: int | None = None
-    pool_tokens: int | None = None
-    local_tokens: int | None = None
-
-
-class _PromptDetails(msgspec.Struct):
-    cached_tokens: int | None = None
-
-
-class _Usage(msgspec.Struct):
-    prompt_tokens: int | None = None
-    prompt_tokens_details: _PromptDetails | None = None
-
-
-class _Final(msgspec.Struct):
-    kvshare: _Provenance | None = None  # the built-in replica's
-    kv_transfer_params: dict | None = None  # a vLLM replica's: its "kvshare" entry (unstreamed bodies only)
-    usage: _Usage | None = None  # a vLLM stream's usage chunk
-
-
-def provenance_of(tail: bytes) -> tuple[int, int] | None:
-    """(computed tokens, pool tokens) from the end of a response (an SSE stream or one JSON body), the last
-    ``kvshare`` object in it; None where the replica withheld it or the tail holds none whole."""
-    p = _provenance(tail)
-    return None if p is None else (p.computed_tokens, p.pool_tokens)
-
-
-def usage_of(tail: bytes) -> tuple[int, int] | None:
-    """(prompt tokens, cached tokens) from the last usage in the end of a response that counts both (vLLM's,
-    with ``--enable-prompt-tokens-details``); None where there is none."""
-    for final in _finals(tail, b'"usage"'):
-        usage = final.usage
-        details = None if usage is None else usage.prompt_tokens_details
-        if details is not None and usage.prompt_tokens is not None and details.cached_tokens is not None:
-            return usage.prompt_tokens, details.cached_tokens
-    return None
-
-
-def _provenance(tail: bytes) -> _Provenance | None:
-    for final in _finals(tail, b"kvshare"):
-        p = final.kvshare
-        params = final.kv_transfer_params
-        if p is None and params is not None and isinstance(params.get("kvshare"), dict):
-            try:
-                p = msgspec.convert(params["kvshare"], _Provenance, strict=False)
-            except msgspec.ValidationError:
-                continue
-        if p is not None and p.computed_tokens is not None and p.pool_tokens is not None:
-            return p
-    return None
-
-
-def _finals(tail: bytes, marker: bytes):
-    """The JSON bodies (one body, or each event of a stream) in ``tail`` that hold ``marker``, newest first."""
-    bodies = (
-        [tail]
-        if not tail.lstrip().startswith(b"data:") and b"\n\ndata:" not in tail
-        else [event.strip()[len(b"data:") :] for event in tail.split(b"\n\n") if event.strip().startswith(b"data:")]
-    )
-    for body in reversed(bodies):
-        if marker in body:
-            try:
-                yield msgspec.json.decode(body, type=_Final)
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                continue
-
-
-class ResponseTiming:
-    """A relayed response's times and end, for ``Calibration.observe``: ``piece`` for each piece as it arrives,
-    ``end`` once it ended whole (``pieces`` does both around an upstream response)."""
-
-    def __init__(
-        self,
-        calibration: Calibration,
-        replica: int,
-        sent_s: float,
-        is_stream: bool,
-        on_local=None,
-        split=None,
-        is_usage_asked: bool = False,
-    ) -> None:
-        self.calibration, self.replica, self.sent_s, self.is_stream = calibration, replica, sent_s, is_stream
-        self.on_local = on_local  # called with the tokens the replica had in its local cache, where it says
-        self.split = split  # (prompt tokens, cached tokens) -> (computed, pool) or None: for a usage-only response
-        self.is_usage_asked = is_usage_asked  # the router asked for the usage chunk: the client gets none
-        self.first_byte_s: float | None = None
-        self.on_first_byte = lambda: None  # the proxy's: the request's prefill is done (kvshare.router.backlog)
-        self.is_prefill_shared = lambda: False  # the proxy's: its prefill overlapped another's (Job.is_shared)
-        self._tail: deque[bytes] = deque()
-        self._tail_bytes = 0
-
-    async def pieces(self, upstream):
-        """The pieces of an aiohttp ClientResponse's body as they arrive, timed (without a usage chunk the router
-        asked for: kvshare.router.vllm_usage); a 200 read to its end is observed (one left early, or that
-        failed, is not)."""
-        is_stripped = self.is_usage_asked and self.is_stream and upstream.status == 200
-        strip = UsageStrip() if is_stripped else None
-        async for data in upstream.content.iter_any():
-            self.piece(data, time.monotonic())
-            data = data if strip is None else strip.feed(data)
-            if data:
-                yield data
-        if strip is not None and (rest := strip.close()):
-            yield rest
-        if upstream.status == 200:
-            self.end(time.monotonic())
-
-    def piece(self, data: bytes, now: float) -> None:
-        if self.first_byte_s is None and data:
-            self.first_byte_s = now
-            self.on_first_byte()
-        self._tail.append(data)
-        self._tail_bytes += len(data)
-        while self._tail_bytes - len(self._tail[0]) >= MAX_TAIL_BYTES:
-            self._tail_bytes -= len(self._tail.popleft())
-
-    def end(self, now: float) -> None:
-        tail = b"".join(self._tail)
-        p = _provenance(tail)
-        counts = None if p is None else (p.computed_tokens, p.pool_tokens)
-        usage = usage_of(tail) if counts is None and self.split is not None else None
-        if usage is not None:
-            counts = self.split(*usage)
-        computed, pool = (None, None) if counts is None else counts
-        first_byte_s = self.first_byte_s if self.is_stream else None
-        self.calibration.observe(self.replica, self.sent_s, first_byte_s, now, computed, pool, self.is_prefill_shared())
-        if self.on_local is not None and p is not None and p.local_tokens is not None and p.local_tokens >= 0:
-            self.on_local(p.local_tokens)

@@ -12,7 +12,7 @@
   events) and what each replica was sent (kvshare.router.pool_aware); round robin while the events
   are not live.
 
-Each policy returns replica indices in order of preference; the proxy tries them in
+Each policy returns replica indices in order of preference; the relay tries them in
 that order, so a replica that is down is skipped.
 """
 
@@ -21,6 +21,10 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvshare.router.pool_aware import PoolAwarePlacer
 
 POLICIES = ("round_robin", "alternate", "sticky", "cache_aware", "pool_aware")
 PREFIX_BLOCK_CHARS = 512  # cache_aware compares prompts in blocks of this many characters
@@ -111,7 +115,7 @@ class Router:
     prefix_memory_blocks: int = 200_000
     _next: int = 0
     _prefixes: list[OrderedDict] = field(default_factory=list)
-    pool_aware: object = None  # a kvshare.router.pool_aware.PoolAwarePlacer, for the pool_aware policy
+    pool_aware: PoolAwarePlacer | None = None  # the pool_aware policy's placer, given at construction
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

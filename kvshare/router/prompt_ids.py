@@ -24,6 +24,14 @@ import math
 from dataclasses import dataclass, replace
 
 log = logging.getLogger("kvshare.router.pool_aware")
+# The placer tokenizes every text prompt before its request can be sent. A chat's next turn repeats all but its
+# end, so every text is cut into pieces of about this many characters and only pieces no earlier prompt held are
+# encoded (kvshare.engine.token_cache); a replica's defaults (one plain encode below 16 KiB, 8 KiB pieces above)
+# re-encode all of a prompt under 16 KiB, up to 8 KiB of a longer one. What every placement pays on the loop is
+# the look-up; 2 CPU cores, the presets' BPE, 2026-12-06 (benchmarks/router_latency_cpu.py pieces): later turns of
+# 6-10k tokens encode in 2.8 ms with 8 KiB pieces, 1.8 with 2 KiB or 1 KiB; a held 128k-token text is looked up
+# in 0.5, 1.0 and 2.6 ms.
+PLACER_PIECE_CHARS = 2048
 # a longer new tail is encoded before placing: it may hold chunks another router's conversation left in the pool
 # (at most this much of a prompt is left out of its held prefix: ~1.4k tokens of the presets' BPE)
 DEFER_MAX_CHARS = 8192
@@ -44,6 +52,15 @@ class KnownPrefix:
     ids: object  # int64 array
     num_tokens: int  # len(ids) + the tail's tokens at the known pieces' tokens per character
     whole: asyncio.Future
+
+
+def placer_tokenizer(model: str):
+    """The tokenizer of the replicas' ``model`` (a directory or a preset), cutting every text into pieces of
+    PLACER_PIECE_CHARS; loaded without the model's weights (no torch: kvshare.engine.tokenizer_loader)."""
+    from kvshare.engine.token_cache import TokenCacheConfig
+    from kvshare.engine.tokenizer_loader import load_tokenizer
+
+    return load_tokenizer(model, TokenCacheConfig(piece_chars=PLACER_PIECE_CHARS, min_chars=0))
 
 
 def prompt_of(tokenizer, prompt, messages):

@@ -86,7 +86,7 @@ def test_an_engine_publishes_its_prompt_and_the_router_index_reads_it(tiny_dir, 
     from kvshare.engine.config import EngineConfig
     from kvshare.engine.engine import Engine, RequestOptions, SamplingParams
     from kvshare.pool.event_publisher import KVEventsConfig
-    from kvshare.router.pool_aware import PoolPrefixIndex
+    from kvshare.router.prefix_index import PoolPrefixIndex
     from tests.engine.conftest import ascii_prompt
     from tests.pool.test_events_wire import BlockStored, Subscriber
 

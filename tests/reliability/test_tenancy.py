@@ -4,7 +4,7 @@ import pytest
 
 from kvshare.keys import Namespace, namespace_digest
 from kvshare.launch import ClusterConfig
-from kvshare.router.proxy import RouterConfig
+from kvshare.router.config import RouterConfig
 from kvshare.serve.config import ServeConfig
 from kvshare.serve.tenancy import Unauthorized, bearer_token, check_api_key, key_tenant, tenant_identity
 

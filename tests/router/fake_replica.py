@@ -8,8 +8,10 @@ import urllib.request
 
 from aiohttp import web
 
-from kvshare.router.pool_aware import CostModel, PoolAwareConfig
-from kvshare.router.proxy import RouterConfig, RouterServer
+from kvshare.router.config import RouterConfig
+from kvshare.router.cost_model import CostModel
+from kvshare.router.pool_aware import PoolAwareConfig
+from kvshare.router.server import RouterServer
 from tests.serve.live import LiveApp
 
 

@@ -13,7 +13,8 @@ from aiohttp import web
 
 from kvshare.integrations.vllm.options import TransferParams
 from kvshare.router.accounts import vllm_body
-from kvshare.router.proxy import RouterConfig, RouterServer
+from kvshare.router.config import RouterConfig
+from kvshare.router.server import RouterServer
 from kvshare.serve.tenancy import account_identity, account_tag, key_tenant
 from tests.serve.live import LiveApp, call
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from kvshare.router.backlog import Backlog
-from kvshare.router.calibration import Calibration, CalibrationConfig, Rates, ResponseTiming
+from kvshare.router.calibration import Calibration, CalibrationConfig, Rates
+from kvshare.router.response_timing import ResponseTiming
 
 # the replica's true terms: 40 ms a request, 20k prompt tokens/s computed, 143k tokens/s loaded from the pool
 OVERHEAD_S, PREFILL_S, LOAD_S = 0.04, 5e-5, 7e-6
@@ -52,7 +53,7 @@ def batching_replica_trace(rng):
 
 
 def replay(trace, calibration: Calibration, backlog: Backlog, tell_shared: bool) -> None:
-    """Each request through the router's objects in time order, as the proxy drives them: the backlog's job from
+    """Each request through the router's objects in time order, as the relay drives them: the backlog's entry from
     the send, the response timed piece by piece, its provenance in its last chunk."""
     events = []
     for k, (sent, first, end, _, _) in enumerate(trace):
@@ -98,8 +99,8 @@ def test_a_batching_replicas_rates_are_fitted_from_the_prefills_that_ran_alone(s
 
 
 def test_the_proxy_tells_the_calibration_which_prefills_overlapped():
-    """Two streams sent together to a vLLM replica are not fitted, one sent alone is. Fails when the proxy does
-    not hand the job's mark to the response's timing (three samples)."""
+    """Two streams sent together to a vLLM replica are not fitted, one sent alone is. Fails when the relay does
+    not hand the entry's mark to the response's timing (three samples)."""
     from aiohttp import web
 
     from tests.router.fake_replica import completion_request, pool_aware_router

@@ -7,7 +7,8 @@ import urllib.parse
 
 from aiohttp import web
 
-from kvshare.router.proxy import RouterConfig, RouterServer
+from kvshare.router.config import RouterConfig
+from kvshare.router.server import RouterServer
 from tests.serve.live import LiveApp, call
 
 

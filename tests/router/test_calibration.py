@@ -10,10 +10,14 @@ import numpy as np
 import pytest
 from prometheus_client import generate_latest
 
-from kvshare.router.calibration import Calibration, CalibrationConfig, Rates, ReplicaRates, provenance_of
+from kvshare.router.calibration import Calibration, CalibrationConfig, Rates, ReplicaRates
+from kvshare.router.chunk_chain import chain, chain_seed, chunk_hash
+from kvshare.router.config import RouterConfig
+from kvshare.router.cost_model import CostModel
 from kvshare.router.policy import ReplicaView, RouteFacts, Router
-from kvshare.router.pool_aware import CostModel, PoolAwareConfig, PoolAwarePlacer, chain, chain_seed, chunk_hash
-from kvshare.router.proxy import RouterConfig, RouterServer
+from kvshare.router.pool_aware import PoolAwareConfig, PoolAwarePlacer
+from kvshare.router.response_timing import provenance_of
+from kvshare.router.server import RouterServer
 from tests.router.test_pool_aware import FakeFeed
 from tests.test_metrics_names import lint
 
@@ -80,8 +84,7 @@ def test_a_stream_tail_and_a_body_give_the_provenance_and_a_withheld_one_none():
 
 
 def quarter_held_on_replica_0(prompt) -> Router:
-    router = Router("pool_aware", 2)
-    router.pool_aware = PoolAwarePlacer(2, FLAGS, FakeFeed([]))
+    router = Router("pool_aware", 2, pool_aware=PoolAwarePlacer(2, FLAGS, FakeFeed([])))
     router.pool_aware.sent.remember(0, chain(prompt[:256], 256, None))
     return router
 
@@ -124,7 +127,7 @@ def test_rates_are_never_zero_on_collinear_data():
 
 
 def test_the_router_times_a_relayed_stream_and_reads_its_provenance():
-    """Fails when the proxy does not feed what it relays to the calibration (no ResponseTiming in _relay)."""
+    """Fails when the relay does not feed what it relays to the calibration (no ResponseTiming in the relay)."""
     from aiohttp import web
 
     from tests.router.fake_replica import completion_request, pool_aware_router
@@ -199,7 +202,7 @@ def test_a_text_prompts_ids_come_as_one_array_and_hash_as_the_list_would():
     the chain of the same ids as a list, and an array id outside 4 unsigned bytes is refused as a list's is
     (fails when le_u32 converts an array without its range check: -1 would hash as 2**32-1)."""
     from kvshare.engine.loader import load_tokenizer
-    from kvshare.router.pool_aware import le_u32
+    from kvshare.router.chunk_chain import le_u32
 
     tokenizer = load_tokenizer("tiny")
     placer = PoolAwarePlacer(2, FLAGS, FakeFeed([]), tokenizer)

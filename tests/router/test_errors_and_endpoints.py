@@ -7,7 +7,8 @@ import time
 import pytest
 
 import kvshare
-from kvshare.router.proxy import RouterConfig, RouterServer
+from kvshare.router.config import RouterConfig
+from kvshare.router.server import RouterServer
 from tests.serve.live import LiveApp, call, replica, tiny_engine
 
 ERROR_FIELDS = {"message", "type", "param", "code"}

@@ -5,7 +5,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvshare.router.proxy import RouterConfig, RouterServer
+from kvshare.router.config import RouterConfig
+from kvshare.router.server import RouterServer
 
 TOKEN_PROMPT = list(range(1000, 1300))
 

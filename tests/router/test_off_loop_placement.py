@@ -8,7 +8,7 @@ import urllib.request
 
 from aiohttp import web
 
-from kvshare.router.pool_aware import CostModel
+from kvshare.router.cost_model import CostModel
 from kvshare.serve.off_loop import OFF_LOOP_MIN_CHARS
 from tests.router.fake_replica import completion_request, pool_aware_router
 from tests.serve.test_off_loop import BlockedEncode

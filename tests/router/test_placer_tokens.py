@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import random
-from types import SimpleNamespace
 
 import numpy as np
-from prometheus_client import CollectorRegistry
 
 from kvshare.engine.loader import load_tokenizer
-from kvshare.router.event_feed import PLACER_PIECE_CHARS, attach_pool_aware
+from kvshare.router.chunk_chain import chain
 from kvshare.router.policy import RouteFacts
-from kvshare.router.pool_aware import PoolAwareConfig, chain
-from kvshare.router.prompt_ids import DEFER_MAX_CHARS, PromptText
+from kvshare.router.pool_aware import PoolAwareConfig, PoolAwarePlacer
+from kvshare.router.prompt_ids import DEFER_MAX_CHARS, PLACER_PIECE_CHARS, PromptText
 from kvshare.serve.off_loop import OFF_LOOP_MIN_CHARS
 from tests.serve.test_off_loop import BlockedEncode
 
@@ -33,7 +31,7 @@ def test_a_next_turn_encodes_only_its_new_text_and_the_ids_are_a_whole_encode():
     under 16 KiB is then encoded whole on every turn, the 9-10 KiB system prompt included."""
     rng = random.Random(0)
     config = PoolAwareConfig(endpoint="ipc:///nonexistent/pool", model=MODEL)
-    placer = attach_pool_aware(SimpleNamespace(num_replicas=2), config, CollectorRegistry())
+    placer = PoolAwarePlacer.from_config(config, num_replicas=2)
     tokenizer = placer.tokenizer
     system = {"role": "system", "content": _words(rng, 1500)}
     first = [system, {"role": "user", "content": _words(rng, 80)}]
@@ -55,9 +53,7 @@ def test_a_next_turn_is_placed_while_its_new_tail_encodes_and_remembered_whole_a
     """Fails when the placement waits for the whole prompt's ids (``encoded`` awaiting the encode of what no
     earlier prompt held, as before KnownPrefix): the placement is not done while that encode is held."""
     rng = random.Random(1)
-    placer = attach_pool_aware(
-        SimpleNamespace(num_replicas=2), PoolAwareConfig(endpoint="ipc:///x", model=MODEL), CollectorRegistry()
-    )
+    placer = PoolAwarePlacer.from_config(PoolAwareConfig(endpoint="ipc:///x", model=MODEL), num_replicas=2)
     placer.feed.last_seq = 0  # events live (an empty pool): placed by T_r
     tokenizer, whole = placer.tokenizer, load_tokenizer(MODEL)
     first = [{"role": "system", "content": _words(rng, 2500)}, {"role": "user", "content": _words(rng, 50)}]
@@ -101,9 +97,7 @@ def test_a_tail_whose_encode_failed_leaves_its_known_chunks_remembered():
     remembering nothing): its known chunks were sent to the replica all the same."""
     from kvshare.router.prompt_ids import KnownPrefix
 
-    placer = attach_pool_aware(
-        SimpleNamespace(num_replicas=2), PoolAwareConfig(endpoint="ipc:///x", model=MODEL), CollectorRegistry()
-    )
+    placer = PoolAwarePlacer.from_config(PoolAwareConfig(endpoint="ipc:///x", model=MODEL), num_replicas=2)
     placer.feed.last_seq = 0
     chunk_tokens = placer.feed.index.chunk_tokens
     known_ids = np.arange(2 * chunk_tokens + 7, dtype=np.int64)

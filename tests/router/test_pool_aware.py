@@ -7,9 +7,12 @@ import time
 import pytest
 
 from kvshare.pool import events as E
-from kvshare.router.event_feed import EventFeed
+from kvshare.router.chunk_chain import chain
+from kvshare.router.cost_model import CostModel, expected_ttft, rank
+from kvshare.router.kv_event_feed import KVEventFeed
 from kvshare.router.policy import ReplicaView, RouteFacts, Router
-from kvshare.router.pool_aware import CostModel, PoolAwarePlacer, PoolPrefixIndex, chain, expected_ttft, rank
+from kvshare.router.pool_aware import PoolAwarePlacer
+from kvshare.router.prefix_index import PoolPrefixIndex
 
 CHUNK = 4
 COST = CostModel(kv_bytes_per_token=1000, load_bytes_per_s=1e6, prefill_tokens_per_s=1000, queue_s_per_request=0.1)
@@ -77,7 +80,7 @@ def test_a_replica_that_loads_from_the_pool_beats_one_that_recomputes_half():
     assert rank([1.0, 0.5], [True, False], 0) == [0, 1]  # an unavailable replica goes last
 
 
-class FakeFeed(EventFeed):
+class FakeFeed(KVEventFeed):
     def __init__(self, events):
         super().__init__("ipc:///unused", "kv@")
         for event in events:
@@ -86,8 +89,7 @@ class FakeFeed(EventFeed):
 
 
 def placer_with(events, num_replicas=2):
-    router = Router("pool_aware", num_replicas)
-    router.pool_aware = PoolAwarePlacer(num_replicas, COST, FakeFeed(events))
+    router = Router("pool_aware", num_replicas, pool_aware=PoolAwarePlacer(num_replicas, COST, FakeFeed(events)))
     return router
 
 
@@ -141,7 +143,7 @@ def test_an_outage_is_logged_once_however_long_it_lasts(caplog):
 
 
 def test_a_feed_that_never_received_is_not_live():
-    feed = EventFeed("ipc:///unused", "kv@")
+    feed = KVEventFeed("ipc:///unused", "kv@")
     assert "no KV events received" in feed.why_not_live(time.monotonic())
 
 
@@ -188,8 +190,7 @@ def test_the_gpu_only_variant_leaves_the_pool_out_of_t_r():
     prompt = list(range(4000, 4000 + 256))
     chosen = {}
     for name, cost in (("full", full), ("gpu_only", gpu_only)):
-        router = Router("pool_aware", 2)
-        router.pool_aware = PoolAwarePlacer(2, cost, FakeFeed(stored_chain(prompt)))
+        router = Router("pool_aware", 2, pool_aware=PoolAwarePlacer(2, cost, FakeFeed(stored_chain(prompt))))
         router.pool_aware.sent.remember(0, chain(prompt, CHUNK, None)[:32])  # replica 0 was sent half of it
         chosen[name] = router.choose(RouteFacts(prompt_ids=prompt), views(1, 0), now=0.0)[0]
     # full: 0.1 + 128 tokens loaded (0.0128 s) on replica 0 vs 256 loaded (0.0256 s) on replica 1

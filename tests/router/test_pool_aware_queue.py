@@ -8,9 +8,11 @@ import pytest
 
 from kvshare.router.backlog import Backlog
 from kvshare.router.calibration import Calibration, CalibrationConfig
+from kvshare.router.config import RouterConfig
+from kvshare.router.cost_model import NEAR_TIE, CostModel, rank
 from kvshare.router.policy import ReplicaView, RouteFacts, Router
-from kvshare.router.pool_aware import NEAR_TIE, CostModel, PoolAwareConfig, PoolAwarePlacer, rank
-from kvshare.router.proxy import RouterConfig, RouterServer
+from kvshare.router.pool_aware import PoolAwareConfig, PoolAwarePlacer
+from kvshare.router.server import RouterServer
 from tests.router.test_pool_aware import FakeFeed
 
 # 1000 prompt tokens/s, 0.1 s of decode per request until measured
@@ -18,8 +20,11 @@ COST = CostModel(kv_bytes_per_token=1000, load_bytes_per_s=1e7, prefill_tokens_p
 
 
 def router_with(cost=COST, num_replicas=2, is_batching=False) -> Router:
-    router = Router("pool_aware", num_replicas)
-    router.pool_aware = PoolAwarePlacer(num_replicas, cost, FakeFeed([]), is_batching=is_batching)
+    router = Router(
+        "pool_aware",
+        num_replicas,
+        pool_aware=PoolAwarePlacer(num_replicas, cost, FakeFeed([]), is_batching=is_batching),
+    )
     return router
 
 
@@ -33,7 +38,7 @@ def new_prompt(num_tokens: int) -> list[int]:
 
 
 def place(router: Router, num_tokens: int, in_flight, now: float, first: int = 0) -> int:
-    """Places a prompt nobody holds (``first``: the rotation's turn) and begins its job where it went."""
+    """Places a prompt nobody holds (``first``: the rotation's turn) and begins its backlog entry where it went."""
     router._next = first
     views = [ReplicaView(i, True, q) for i, q in enumerate(in_flight)]
     chosen = router.choose(RouteFacts(prompt_ids=new_prompt(num_tokens)), views, now)[0]
@@ -49,13 +54,13 @@ def test_the_backlog_sums_the_expected_work_of_the_jobs_in_flight():
     assert backlog.wait_s(0) == pytest.approx(2.5)
     backlog.finish(first)
     backlog.finish(first)  # twice: nothing more
-    assert backlog.num_jobs(0) == 1 and backlog.wait_s(0) == pytest.approx(0.5)
+    assert backlog.num_entries(0) == 1 and backlog.wait_s(0) == pytest.approx(0.5)
     assert backlog.wait_s(1) == 0.0
 
 
 def test_a_batching_replicas_wait_is_the_prefill_still_ahead_not_the_decodes():
     """A batching replica (vLLM) decodes beside a new request's prefill: only jobs that have not sent their first
-    byte hold a new one back, by their time to first token. A serial replica waits for every job whole."""
+    byte hold a new one back, by their time to first token. A serial replica waits for every request whole."""
     batching, serial = Backlog(1, is_batching=True), Backlog(1)
     for backlog in (batching, serial):
         first = backlog.begin(0, 5.0, 0.2)  # 0.2 s to its first token, then 4.8 s of decode
@@ -102,7 +107,7 @@ def test_the_request_being_served_counts_whole_however_long_it_has_run():
     """Equal jobs (1000 tokens: 1.1 s expected); replica 0's began 1.0 s ago, replica 1's now: the replicas tie
     and the turn decides. Its decode length unknown, a request in service is not credited with its progress
     (crediting it sent new requests behind ones that then ran long). Fails when the backlog subtracts the time
-    the oldest job has been served (replica 0 would look nearly free)."""
+    the oldest request has been served (replica 0 would look nearly free)."""
     router = router_with()
     assert place(router, 1000, [0, 0], now=0.0, first=0) == 0
     assert place(router, 1000, [1, 0], now=1.0, first=1) == 1
@@ -160,7 +165,7 @@ def test_decode_time_is_a_streams_end_less_its_first_byte_and_a_bodys_service_le
 
 
 def test_the_proxy_begins_a_job_where_it_sends_and_ends_it_with_the_response():
-    """Fails when the proxy does not feed the backlog (the queue term would fall back to the count x the mean)."""
+    """Fails when the relay does not feed the backlog (the queue term would fall back to the count x the mean)."""
     import threading
 
     from aiohttp import web
@@ -181,19 +186,19 @@ def test_the_proxy_begins_a_job_where_it_sends_and_ends_it_with_the_response():
         client.start()
         try:
             for _ in range(500):
-                if backlog.num_jobs(0) == 1:
+                if backlog.num_entries(0) == 1:
                     break
                 release.wait(0.01)
-            in_flight = backlog.num_jobs(0)
+            in_flight = backlog.num_entries(0)
         finally:
             release.set()
             client.join(60)
         for _ in range(500):
-            if backlog.num_jobs(0) == 0:
+            if backlog.num_entries(0) == 0:
                 break
             release.wait(0.01)
     assert in_flight == 1
-    assert backlog.num_jobs(0) == 0 and backlog.wait_s(0) == 0.0
+    assert backlog.num_entries(0) == 0 and backlog.wait_s(0) == 0.0
 
 
 def test_the_queue_decode_and_credited_depth_are_exported_per_replica():
@@ -208,7 +213,7 @@ def test_the_queue_decode_and_credited_depth_are_exported_per_replica():
         pool_aware=PoolAwareConfig(endpoint="tcp://127.0.0.1:1", model="tiny", cost=COST),
     )
     server = RouterServer(config)
-    server.pool_aware.backlog.begin(0, 1e6)  # a job that will not have finished when read
+    server.pool_aware.backlog.begin(0, 1e6)  # an entry that will not have finished when read
     text = generate_latest(server.metrics.registry).decode()
     assert lint(text) == []
     replica = '{replica="http://127.0.0.1:1"}'
@@ -221,8 +226,8 @@ def test_the_queue_decode_and_credited_depth_are_exported_per_replica():
 
 
 def test_the_proxy_marks_a_job_started_at_its_first_byte_for_a_batching_replica():
-    """A vLLM replica's job stops holding back new requests once its first byte is relayed, while it still
-    streams. Fails when the proxy does not tell the backlog (the wait stays the job's whole expected time)."""
+    """A vLLM replica's request stops holding back new requests once its first byte is relayed, while it still
+    streams. Fails when the relay does not tell the backlog (the wait stays the request's whole expected time)."""
     import threading
 
     from aiohttp import web
@@ -250,10 +255,10 @@ def test_the_proxy_marks_a_job_started_at_its_first_byte_for_a_batching_replica(
         try:
             assert first_sent.wait(30)
             for _ in range(500):
-                if backlog.num_jobs(0) == 1 and backlog.wait_s(0) == 0.0:
+                if backlog.num_entries(0) == 1 and backlog.wait_s(0) == 0.0:
                     break
                 release.wait(0.01)
-            streaming, wait = backlog.num_jobs(0), backlog.wait_s(0)
+            streaming, wait = backlog.num_entries(0), backlog.wait_s(0)
         finally:
             release.set()
             client.join(60)

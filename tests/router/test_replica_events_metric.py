@@ -1,11 +1,9 @@
 """pool_aware's metric of each replica's own KV events (--replica-kv-events): whether the router trusts them."""
 
-from types import SimpleNamespace
-
 from prometheus_client import CollectorRegistry, generate_latest
 
-from kvshare.router.event_feed import attach_pool_aware
-from kvshare.router.pool_aware import PoolAwareConfig
+from kvshare.router.metrics import register_pool_aware
+from kvshare.router.pool_aware import PoolAwareConfig, PoolAwarePlacer
 
 NAME = "kvshare_router_replica_kv_events_live"
 
@@ -26,10 +24,11 @@ def test_each_replicas_own_events_are_reported_live_once_a_batch_arrived():
         endpoint="ipc:///nonexistent/pool", model="tiny", replica_endpoints=("tcp://127.0.0.1:1", "tcp://127.0.0.1:2")
     )
     registry = CollectorRegistry()
-    placer = attach_pool_aware(SimpleNamespace(num_replicas=2), config, registry, ["http://a", "http://b"])
+    placer = PoolAwarePlacer.from_config(config, 2, ["http://a", "http://b"])
+    register_pool_aware(registry, placer)
     assert _live(registry) == {'{replica="http://a"}': 0.0, '{replica="http://b"}': 0.0}  # nothing received yet
     placer.replica_feeds[1].last_seq = 0  # a batch arrived from replica b
     assert _live(registry) == {'{replica="http://a"}': 0.0, '{replica="http://b"}': 1.0}
     plain = CollectorRegistry()
-    attach_pool_aware(SimpleNamespace(num_replicas=2), PoolAwareConfig(endpoint="ipc:///x", model="tiny"), plain)
+    register_pool_aware(plain, PoolAwarePlacer.from_config(PoolAwareConfig(endpoint="ipc:///x", model="tiny"), 2))
     assert _live(plain) == {}  # no replica events read: no such samples

@@ -8,7 +8,8 @@ import urllib.request
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvshare.router.proxy import RouterConfig, RouterServer
+from kvshare.router.config import RouterConfig
+from kvshare.router.server import RouterServer
 from tests.router.fake_replica import completion_request, replica_app
 from tests.serve.live import LiveApp
 

@@ -5,8 +5,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from kvshare.router.chunk_chain import chain
+from kvshare.router.cost_model import CostModel
 from kvshare.router.policy import ReplicaView, RouteFacts, Router
-from kvshare.router.pool_aware import CostModel, PoolAwarePlacer, chain
+from kvshare.router.pool_aware import PoolAwarePlacer
 from kvshare.router.sent_memory import SentMemory, fit_capacity
 from tests.router.test_pool_aware import FakeFeed
 
@@ -80,14 +82,12 @@ def test_a_conversation_goes_back_to_the_replica_that_holds_it_until_the_others_
     facts = RouteFacts(prompt_ids=conversation + list(range(5000, 5000 + CHUNK)))
     idle = [ReplicaView(0, True, 0), ReplicaView(1, True, 0)]
 
-    router = Router("pool_aware", 2)
-    router.pool_aware = PoolAwarePlacer(2, GPU_ONLY, FakeFeed([]))
+    router = Router("pool_aware", 2, pool_aware=PoolAwarePlacer(2, GPU_ONLY, FakeFeed([])))
     queued_behind(router, conversation, 3)
     router._next = 1
     assert router.choose(facts, idle, now=0.0)[0] == 0  # nothing reported lost: the prefix is credited
 
-    router = Router("pool_aware", 2)
-    router.pool_aware = PoolAwarePlacer(2, GPU_ONLY, FakeFeed([]))
+    router = Router("pool_aware", 2, pool_aware=PoolAwarePlacer(2, GPU_ONLY, FakeFeed([])))
     queued_behind(router, conversation, 3)
     router.pool_aware.sent.report(0, [0, 1, 2, 3], 3)
     router._next = 1
@@ -95,7 +95,7 @@ def test_a_conversation_goes_back_to_the_replica_that_holds_it_until_the_others_
 
 
 def test_a_relayed_response_reports_what_its_replica_held_to_the_sent_memory():
-    """The placer's timing hands the response's local_tokens to the sent memory. Fails when the proxy's
+    """The placer's timing hands the response's local_tokens to the sent memory. Fails when the relay's
     measurement does not report them (the capacity is never learned)."""
     placer = PoolAwarePlacer(2, GPU_ONLY, FakeFeed([]))
     sent = prompt(0, 4)

@@ -8,8 +8,9 @@ import pytest
 from aiohttp import web
 
 from kvshare.credentials import read_secret
+from kvshare.router.config import RouterConfig
 from kvshare.router.policy import ReplicaView
-from kvshare.router.proxy import RouterConfig, RouterServer
+from kvshare.router.server import RouterServer
 from tests.serve.live import LiveApp, call
 
 KEY_A, KEY_B, ADMIN = "key-a-0123456789", "key-b-9876543210", "admin-key-42"

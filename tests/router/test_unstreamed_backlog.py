@@ -1,5 +1,5 @@
 """A request that is not a stream on a batching replica (vLLM): its response shows nothing before its end, so its
-job counts as prefill ahead only until it is due (kvshare.router.backlog), never for its whole decode."""
+request counts as prefill ahead only until it is due (kvshare.router.backlog), never for its whole decode."""
 
 import asyncio
 import threading
@@ -13,7 +13,7 @@ from kvshare.router.facts import route_facts
 
 
 def test_an_unstreamed_job_counts_as_prefill_ahead_until_it_is_due_then_as_decoding():
-    """Fails when a blind job counts until its end: the replica then looks busy with its 0.3 s prefill at t=5,
+    """Fails when a blind entry counts until its end: the replica then looks busy with its 0.3 s prefill at t=5,
     and a request sent then is marked as sharing its prefill (and never fitted)."""
     backlog = Backlog(1, is_batching=True)
     ahead = backlog.begin(0, 4.0, 0.5, now=0.0)  # a stream, its first byte not yet back
@@ -29,7 +29,7 @@ def test_an_unstreamed_job_counts_as_prefill_ahead_until_it_is_due_then_as_decod
 
 
 def test_a_replica_serving_one_request_at_a_time_counts_an_unstreamed_job_whole():
-    """The built-in engine serves in order: a blind job holds its replica until its end either way."""
+    """The built-in engine serves in order: a blind entry holds its replica until its end either way."""
     backlog = Backlog(1, is_batching=False)
     backlog.begin(0, 4.0, 0.3, now=0.0, is_blind=True)
     assert backlog.wait_s(0, 10.0) == 4.0
@@ -54,7 +54,7 @@ class _Prompts:
 def test_through_the_router_an_unstreamed_request_stops_counting_once_due(is_stream):
     """A request held 1.5 s by a vLLM replica, its prefill expected in 0.1 s (the prior's service time, with no
     events to place by): 0.4 s after the send, a stream whose first byte has not come is still prefill ahead, an
-    unstreamed request no longer. Fails when the proxy does not tell the backlog which requests are streams."""
+    unstreamed request no longer. Fails when the relay does not tell the backlog which requests are streams."""
     from aiohttp import web
 
     from tests.router.fake_replica import completion_request, pool_aware_router
@@ -80,7 +80,7 @@ def test_through_the_router_an_unstreamed_request_stops_counting_once_due(is_str
         client.start()
         assert arrived.wait(30)
         time.sleep(0.4)
-        jobs, wait = placer.backlog.num_jobs(0), placer.backlog.wait_s(0, time.monotonic())
+        jobs, wait = placer.backlog.num_entries(0), placer.backlog.wait_s(0, time.monotonic())
         release.set()
         client.join(30)
     assert jobs == 1

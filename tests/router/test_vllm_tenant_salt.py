@@ -11,7 +11,8 @@ import pytest
 from aiohttp import web
 
 from kvshare.router.accounts import vllm_body
-from kvshare.router.proxy import RouterConfig, RouterServer
+from kvshare.router.config import RouterConfig
+from kvshare.router.server import RouterServer
 from kvshare.serve.tenancy import key_tenant, namespace_salt, vllm_cache_salt
 from tests.serve.live import LiveApp, call
 

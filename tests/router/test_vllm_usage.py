@@ -13,10 +13,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvshare.router.calibration import Calibration, Placement, ResponseTiming, split_cached, usage_of
+from kvshare.router.calibration import Calibration
+from kvshare.router.config import RouterConfig
+from kvshare.router.cost_model import CostModel
+from kvshare.router.placement import Placement, split_cached
 from kvshare.router.policy import RouteFacts
-from kvshare.router.pool_aware import CostModel, PoolAwareConfig
-from kvshare.router.proxy import RouterConfig, RouterServer
+from kvshare.router.pool_aware import PoolAwareConfig
+from kvshare.router.response_timing import ResponseTiming, usage_of
+from kvshare.router.server import RouterServer
 from kvshare.router.vllm_usage import UsageStrip, ask_for_usage
 from tests.router.fake_replica import replica_app
 from tests.serve.live import LiveApp
@@ -101,7 +105,7 @@ def test_a_replicas_plain_blocks_are_indexed_as_vllm_publishes_them():
     """vLLM 0.26 and 0.32 publish ``extra_keys`` with one entry a block, None for a block keyed by its tokens
     alone. Fails when any extra_keys list counts as keyed (a replica's GPU index then stays empty)."""
     from kvshare.pool import events as E
-    from kvshare.router.pool_aware import PoolPrefixIndex
+    from kvshare.router.prefix_index import PoolPrefixIndex
 
     ids = list(range(64))
     index = PoolPrefixIndex((E.MEDIUM_GPU, None))

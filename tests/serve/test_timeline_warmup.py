@@ -43,7 +43,8 @@ def replicas():
     """(A url, B url, router url, B's warm-up gate, B's readiness, B's ready-line calls) with one pool."""
     from kvshare.engine.engine import Engine, EngineConfig
     from kvshare.pool.spawn import running_pool
-    from kvshare.router.proxy import RouterConfig, RouterServer
+    from kvshare.router.config import RouterConfig
+    from kvshare.router.server import RouterServer
     from kvshare.serve.config import ServeConfig
     from kvshare.serve.server import ReplicaServer
 

@@ -241,7 +241,8 @@ def test_a_non_streamed_request_whose_client_left_still_ends_with_a_response(slo
 def test_through_the_router_too_and_the_replica_stays_healthy(slow_engine):
     """The router waits on the replica while it computes; a client that leaves then makes the router close
     its connection to the replica, which gives the request up, and the router does not blame the replica."""
-    from kvshare.router.proxy import RouterConfig, RouterServer
+    from kvshare.router.config import RouterConfig
+    from kvshare.router.server import RouterServer
     from tests.serve.live import LiveApp, call, replica
 
     engine = slow_engine

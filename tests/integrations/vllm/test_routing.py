@@ -16,8 +16,9 @@ import pytest
 from kvshare.cli import build_parser
 from kvshare.commands.bench_routing import routing_plan
 from kvshare.integrations.vllm.launch import VllmServerConfig
+from kvshare.router.config import RouterConfig
 from kvshare.router.pool_aware import PoolAwareConfig
-from kvshare.router.proxy import RouterConfig, RouterServer
+from kvshare.router.server import RouterServer
 from tests.integrations.vllm.servers import free_port, start_servers, stop_servers, vllm_python, vllm_suite_marks
 from tests.integrations.vllm.tiny_model import make_model_dir
 from tests.serve.live import LiveApp

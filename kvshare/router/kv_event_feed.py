@@ -1,7 +1,9 @@
-"""The ZMQ side of ``pool_aware``: a thread per publisher (the pool, or a replica) that keeps its KV events as a
-PoolPrefixIndex, fills gaps from the replay socket, and says whether the events can be trusted.
+"""One publisher's KV events (the pool's, or a replica's own) as the router keeps them: a thread per subscription
+that applies each batch to a PoolPrefixIndex (kvshare.router.prefix_index), fills gaps from the replay socket,
+and says whether the events can be trusted.
 
-pyzmq is imported in the thread only (the ``events`` extra).
+The feed owns its index: the placer asks it what a prompt's chain holds (``held_tokens_of``), under the feed's
+lock. pyzmq is imported in the thread only (the ``events`` extra).
 """
 
 from __future__ import annotations
@@ -11,20 +13,12 @@ import threading
 import time
 
 from kvshare.pool import events as E
-from kvshare.router.pool_aware import PoolAwareConfig, PoolAwarePlacer, PoolPrefixIndex
+from kvshare.router.prefix_index import PoolPrefixIndex
 
 log = logging.getLogger("kvshare.router.pool_aware")
-# The placer tokenizes every text prompt before its request can be sent. A chat's next turn repeats all but its
-# end, so every text is cut into pieces of about this many characters and only pieces no earlier prompt held are
-# encoded (kvshare.engine.token_cache); a replica's defaults (one plain encode below 16 KiB, 8 KiB pieces above)
-# re-encode all of a prompt under 16 KiB, up to 8 KiB of a longer one. What every placement pays on the loop is
-# the look-up; 2 CPU cores, the presets' BPE, 2026-12-06 (benchmarks/router_latency_cpu.py pieces): later turns of
-# 6-10k tokens encode in 2.8 ms with 8 KiB pieces, 1.8 with 2 KiB or 1 KiB; a held 128k-token text is looked up
-# in 0.5, 1.0 and 2.6 ms.
-PLACER_PIECE_CHARS = 2048
 
 
-class EventFeed:
+class KVEventFeed:
     """Subscribes to the pool's KV events (one topic) and keeps a PoolPrefixIndex; says whether they are live."""
 
     def __init__(
@@ -50,7 +44,7 @@ class EventFeed:
         self._is_stopping = False
         self._thread: threading.Thread | None = None
 
-    def start(self) -> EventFeed:
+    def start(self) -> KVEventFeed:
         self._thread = threading.Thread(target=self._run, name="kv-events-feed", daemon=True)
         self._thread.start()
         return self
@@ -75,6 +69,25 @@ class EventFeed:
         if self._expected_since is not None and now - self._expected_since > self.max_silence_s:
             return f"no KV events for more than {self.max_silence_s:.0f} s after prompts the pool did not hold"
         return None
+
+    def held_tokens_of(self, hashes: list[bytes], cache_salt: str | None) -> int:
+        """Tokens of the longest prefix of a prompt whose chain at ``chunk_tokens`` is ``hashes`` this publisher
+        holds (kvshare.router.prefix_index)."""
+        with self.lock:
+            return self.index.held_tokens_of(hashes, cache_salt)
+
+    def held_tokens(self, ids, hashes: list[bytes], chunk_tokens: int, cache_salt: str | None) -> int:
+        """``held_tokens_of`` where ``hashes`` is the chain of ``ids`` at ``chunk_tokens``, which may not be this
+        publisher's chunk size (then the ids are hashed again at its own)."""
+        with self.lock:
+            if self.index.chunk_tokens == chunk_tokens:  # the request's chain is this index's: hashed once
+                return self.index.held_tokens_of(hashes, cache_salt)
+            return self.index.held_tokens(ids, cache_salt)
+
+    @property
+    def chunk_tokens(self) -> int:
+        """The publisher's page size in tokens: from its first event (the index's default until then)."""
+        return self.index.chunk_tokens
 
     def describe(self, now: float) -> str:
         """What the feed has seen, for a log line: batches, the last sequence number, when the last one came,
@@ -164,93 +177,3 @@ class EventFeed:
         self._expected_since = None
         self.num_batches += 1
         self.last_batch_at = time.monotonic()
-
-
-def attach_pool_aware(
-    router, config: PoolAwareConfig, registry, replica_names: list[str] | None = None, is_batching: bool = False
-) -> PoolAwarePlacer:
-    """A placer for ``router`` (its feed not started yet), with its metrics in ``registry`` (each replica's
-    measured terms labelled by its name in ``replica_names``); ``is_batching``: the replicas batch (vLLM)."""
-    from prometheus_client import Counter, Gauge
-
-    from kvshare.engine.loader import load_tokenizer
-    from kvshare.engine.token_cache import TokenCacheConfig
-
-    feed = EventFeed(
-        config.endpoint, config.topic, config.replay_endpoint, config.encoding, config.max_lag_s, config.max_silence_s
-    )
-    if config.replica_endpoints and len(config.replica_endpoints) != router.num_replicas:
-        raise ValueError(
-            f"--replica-kv-events: one per replica ({router.num_replicas}), got {len(config.replica_endpoints)}"
-        )
-    replica_feeds = [
-        EventFeed(e, "", None, config.encoding, config.max_lag_s, config.max_silence_s, media=(E.MEDIUM_GPU, None))
-        for e in config.replica_endpoints
-    ]
-    tokenizer = load_tokenizer(config.model, TokenCacheConfig(piece_chars=PLACER_PIECE_CHARS, min_chars=0))
-    placer = PoolAwarePlacer(router.num_replicas, config.cost, feed, tokenizer, replica_feeds, is_batching)
-    router.pool_aware = placer
-    fallbacks = Counter(
-        "kvshare_router_pool_aware_fallbacks",
-        "Requests placed round robin because the pool's KV events were not live",
-        registry=registry,
-    )
-    placer.on_fallback = fallbacks.inc
-    Gauge("kvshare_router_kv_events_live", "1 while the pool's KV events are trusted", registry=registry).set_function(
-        lambda: float(feed.why_not_live(time.monotonic()) is None)
-    )
-    Gauge(
-        "kvshare_router_kv_events_lag_seconds", "Age of the last KV event batch when it arrived", registry=registry
-    ).set_function(lambda: feed.lag_s)
-    Gauge(
-        "kvshare_router_pool_index_chunks", "Chunks the pool holds by its KV events (untenanted)", registry=registry
-    ).set_function(lambda: float(len(feed.index)))
-    calibration = placer.calibration
-    if replica_names is not None:
-        calibration.names = [name.rstrip("/") for name in replica_names]
-    terms = [
-        ("prefill_seconds_per_token", "Measured seconds per prompt token a replica computes", "prefill_s_per_token"),
-        (
-            "load_seconds_per_token",
-            "Measured seconds per prompt token a replica loads from the pool",
-            "load_s_per_token",
-        ),
-        (
-            "service_seconds",
-            "Measured time a request holds a replica (per request in flight of unknown work)",
-            "service_s",
-        ),
-        ("decode_seconds", "Measured time a request holds a replica after its first token", "decode_s"),
-        ("overhead_seconds", "Measured time to first token a replica adds to every request", "overhead_s"),
-        ("rate_samples", "Responses behind a replica's measured rates (0: the flags' values)", "num_samples"),
-        ("prefill_samples", "Responses in a replica's window with computed and pool tokens known", "num_measured"),
-    ]
-    for name, help_text, field in terms:
-        gauge = Gauge(f"kvshare_router_pool_aware_{name}", help_text, ["replica"], registry=registry)
-        for i, replica in enumerate(calibration.names):
-            gauge.labels(replica).set_function(lambda i=i, field=field: float(getattr(calibration.rates(i), field)))
-    queue = Gauge(
-        "kvshare_router_pool_aware_queue_seconds",
-        "Expected work ahead on a replica: its requests in flight through this router (kvshare.router.backlog)",
-        ["replica"],
-        registry=registry,
-    )
-    depth = Gauge(
-        "kvshare_router_pool_aware_local_cache_depth_chunks",
-        "New chunks sent to a replica since a chunk was used, below which the chunk is credited as held",
-        ["replica"],
-        registry=registry,
-    )
-    for i, replica in enumerate(calibration.names):
-        queue.labels(replica).set_function(lambda i=i: placer.backlog.wait_s(i))
-        depth.labels(replica).set_function(lambda i=i: float(placer.sent.credited_depth(i)))
-    if replica_feeds:
-        own = Gauge(
-            "kvshare_router_replica_kv_events_live",
-            "1 while a replica's own KV events (--replica-kv-events) are trusted for its GPU prefix cache",
-            ["replica"],
-            registry=registry,
-        )
-        for replica, replica_feed in zip(calibration.names, replica_feeds):
-            own.labels(replica).set_function(lambda f=replica_feed: float(f.why_not_live(time.monotonic()) is None))
-    return placer
