@@ -28,6 +28,9 @@ class ClusterConfig:
     vllm_python: str | None = None
     tensor_parallel_size: int = 1  # vLLM replicas only: ranks per replica (--tensor-parallel-size)
     replica_kv_events_port: int | None = None  # replica i publishes its own KV events on this port + i
+    # vLLM replicas with a pool: the router tells the replica it places a request on which prompt is coming, so its
+    # connector copies the prompt's pages ahead (kvshare.router.hints); False: loads start when vLLM schedules
+    hints: bool = True
     ready_timeout_s: float = 300.0
     log_level: str = "WARNING"
 
@@ -64,6 +67,11 @@ class ClusterConfig:
                     f"--device takes cpu, cuda, cuda:N or a comma list of them (one per replica, cycled), "
                     f"got {self.device!r}"
                 )
+
+    @property
+    def has_hints(self) -> bool:
+        """Whether the router sends the replicas prefetch hints: vLLM replicas of one rank with a pool."""
+        return self.hints and self.engine == "vllm" and self.pool_size is not None and self.tensor_parallel_size == 1
 
     @property
     def replica_host(self) -> str:

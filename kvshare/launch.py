@@ -163,6 +163,7 @@ class Cluster:
                     kv_events_port=None if cfg.replica_kv_events_port is None else cfg.replica_kv_events_port + i,
                     tmp_dir=self._private_dir(f"replica{i}-tmp"),
                     account_key_file=self.account_key_file,
+                    hint_address=self.hint_address(i),
                 )
             )
             if visible is not None:
@@ -216,12 +217,25 @@ class Cluster:
             return cfg.account_key_file
         return write_new_secret(os.path.join(self._private_dir("secrets"), "account.key"))
 
+    def hint_address(self, i: int) -> str:
+        """Where replica ``i``'s connector takes the router's prefetch hints: a Unix socket in this cluster's
+        private directory ("": the cluster sends none)."""
+        from kvshare.serve.tenancy import ACCOUNT_KEY_ENV
+
+        if not (self.config.has_hints and (self.account_key_file or os.environ.get(ACCOUNT_KEY_ENV))):
+            return ""
+        return os.path.join(self._private_dir("hints"), f"replica{i}.sock")
+
     def _router_command(self, kv: list[str]) -> list[str]:
         """The router in front of the replicas; it authenticates. With vLLM replicas it salts each tenant's
-        requests itself and signs their pool accounts (kvshare.router.accounts)."""
+        requests itself and signs their pool accounts (kvshare.router.accounts), and tells each replica the
+        prompts it sends there (prefetch hints; the model's tokenizer encodes text prompts for them)."""
         cfg = self.config
         engine = ["--engine", cfg.engine] if cfg.engine != "builtin" else []
         account = ["--account-key-file", self.account_key_file] if self.account_key_file else []
+        hints = [self.hint_address(i) for i in range(cfg.num_replicas)]
+        if any(hints):
+            account += [*sum((["--hint-address", h] for h in hints), []), "--model", cfg.model]
         return [
             *kv,
             "route",

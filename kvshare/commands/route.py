@@ -69,6 +69,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds a client may take to accept one write of a response before it is dropped",
     )
     p.add_argument("--instance-id", default="", help="an id /health reports (kvshare up checks it is its child)")
+    p.add_argument(
+        "--hint-address",
+        action="append",
+        default=[],
+        metavar="ADDRESS",
+        help="vLLM replicas: where a replica's connector takes prefetch hints (its hint_address: a Unix socket's "
+        "path or HOST:PORT), one per --replica in order ('' for a replica without). The router tells a replica "
+        "the prompt it places there as it sends it, so the replica copies the prompt's pool pages towards the "
+        "GPU while vLLM reads the request. Signed with the --account-key-file key. Text prompts need --model",
+    )
     _add_pool_aware_arguments(p)
 
 
@@ -93,7 +103,12 @@ def _add_pool_aware_arguments(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="no batch this long after prompts the pool did not hold: round robin until one comes",
     )
-    g.add_argument("--model", default=None, help="the replicas' model directory or preset (its tokenizer)")
+    g.add_argument(
+        "--model",
+        default=None,
+        help="the replicas' model directory or preset: its tokenizer gives pool_aware its token ids, and "
+        "--hint-address the ids of text prompts",
+    )
     g.add_argument(
         "--replica-kv-events",
         action="append",
@@ -192,6 +207,8 @@ def run(args: argparse.Namespace) -> int:
             pool_aware=_pool_aware_config(args),
             account_key=account_key,
             engine=args.engine,
+            hint_addresses=tuple(args.hint_address),
+            model=args.model or "",
         )
     except ValueError as exc:
         raise UserError(str(exc)) from None

@@ -36,7 +36,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--pool-size", default="4GiB", help="size of the pool this command starts")
     p.add_argument("--pool", default=None, help="'off' to run without a pool")
-    p.add_argument("--policy", choices=POLICIES, default="round_robin")
+    p.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default=None,
+        help="placement (default: cache_aware with --engine vllm, which measured best with vLLM replicas on the "
+        "routing workload; round_robin with the built-in engine)",
+    )
+    p.add_argument(
+        "--no-hints",
+        dest="hints",
+        action="store_false",
+        help="--engine vllm: the router sends no prefetch hints (the replicas load when vLLM schedules a request)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=tcp_port, default=8080, help="router port; replicas take the next N ports")
     p.add_argument("--name", default="", help="the pool's name for pool-stats / pool-admin --name (default: the port)")
@@ -199,7 +211,8 @@ def run(args: argparse.Namespace) -> int:
             engine=args.engine,
             device=args.device,
             pool_size=None if args.pool == "off" else args.pool_size,
-            policy=args.policy,
+            policy=args.policy or ("cache_aware" if args.engine == "vllm" else "round_robin"),
+            hints=args.hints,
             host=args.host,
             port=args.port,
             name=args.name,

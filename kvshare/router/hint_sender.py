@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvshare.router.hints import PrefetchHint, encode_hint, parse_address
 
@@ -68,12 +68,16 @@ class _Connection:
 class HintSender:
     """Sends prefetch hints to the replicas whose ``addresses`` are given (None: that replica takes no hints)."""
 
-    def __init__(self, addresses: Sequence[str | None], key: str) -> None:
+    def __init__(
+        self, addresses: Sequence[str | None], key: str, on_outcome: Callable[[str], None] = lambda outcome: None
+    ) -> None:
+        """``on_outcome``: called with each hint's outcome ("sent", "dropped", "refused"), e.g. a metric's."""
         if any(addresses) and not key:
             raise ValueError("prefetch hints are signed with the account key: give --account-key-file")
         self._key = key
         self._connections = [_Connection(a) if a else None for a in addresses]
         self.counts: Counter[str] = Counter()
+        self._on_outcome = on_outcome
 
     def takes_hints(self, index: int) -> bool:
         return self._connections[index] is not None
@@ -92,22 +96,23 @@ class HintSender:
         try:
             frame = encode_hint(hint, self._key)
         except ValueError as exc:
-            self.counts["refused"] += 1
             log.debug("no hint for a request: %s", exc)
-            return False
+            return self._count("refused")
         writer = connection.writable()
         if writer is None or writer.transport.get_write_buffer_size() > MAX_BUFFERED_BYTES:
-            self.counts["dropped"] += 1
-            return False
+            return self._count("dropped")
         try:
             writer.write(frame)
         except (OSError, RuntimeError) as exc:  # the connection broke: the next hint reconnects
             log.debug("hint connection to %s lost: %s", connection.address, exc)
             writer.close()
-            self.counts["dropped"] += 1
-            return False
-        self.counts["sent"] += 1
-        return True
+            return self._count("dropped")
+        return self._count("sent")
+
+    def _count(self, outcome: str) -> bool:
+        self.counts[outcome] += 1
+        self._on_outcome(outcome)
+        return outcome == "sent"
 
     async def close(self) -> None:
         for connection in self._connections:

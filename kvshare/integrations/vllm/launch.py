@@ -73,6 +73,8 @@ class VllmServerConfig:
     seed: int = 0
     model_revision: str = ""  # the connector's model_revision; "": the namespace hashes the weights' bytes
     account_key_file: str = ""  # the connector's account_key_file (the router's account key); "": its default
+    hint_address: str = ""  # the connector's hint_address: where it takes the router's prefetch hints; "": none
+    prefetch_mib: int | None = None  # the connector's prefetch_mib (room for copies ahead); None: its default
     kv_events_port: int | None = None  # vLLM's own KV events on tcp://*:PORT, topic kv@<replica>@<model name>
     # Other KV tiers, for comparisons (each instead of kvshare's connector: vLLM runs one KV connector):
     kv_offloading_gib: float | None = None  # --kv-offloading-size: vLLM's own CPU offloading tier
@@ -141,6 +143,10 @@ def kv_transfer_config(config: VllmServerConfig) -> dict:
         extra["model_revision"] = config.model_revision
     if config.account_key_file:
         extra["account_key_file"] = config.account_key_file
+    if config.hint_address:
+        extra["hint_address"] = config.hint_address
+    if config.prefetch_mib is not None:
+        extra["prefetch_mib"] = config.prefetch_mib
     return {
         "kv_connector": CONNECTOR_CLASS,
         "kv_connector_module_path": CONNECTOR_MODULE,
