@@ -23,6 +23,7 @@ Beneath them, plain modules:
     gpu_stores  on a GPU: a step's stores, each layer group copied out after the kernels that wrote it
     prefetch    copies ahead on the router's hints: keys, lease, the book a load takes them from (no torch)
     gpu_prefetch  on a GPU: the prefetch buffer the copies ahead land in, on a stream of their own
+    cpu_prefetch  on CPU: the prefetch buffer the copies ahead land in, checked there as they land
     hint_listener  the replica's hint address: the router's signed hints, on a thread of the worker process
     cpu_overlap on CPU: a step's loads copied layer by layer beside the forward, on a helper thread
     paged_destination  on a GPU: vLLM's blocks as kvshare.transfer.pipeline's destination (the scatter/gather)

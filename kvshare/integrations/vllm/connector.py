@@ -271,14 +271,14 @@ class KVShareConnector(KVConnectorBase_V1):
         )
 
     def _start_hints(self) -> None:
-        """Take the router's hints on ``hint_address`` and copy ahead on them (prefetch), where configured: on a
-        GPU, with one rank (a tensor parallel replica's ranks would each need the hint: not done yet)."""
+        """Take the router's hints on ``hint_address`` and copy ahead on them (prefetch), where configured: with one
+        rank (a tensor parallel replica's ranks would each need the hint: not done yet)."""
         config, tp_size = self.config, self._vllm_config.parallel_config.tensor_parallel_size
         if not config.hint_address or not config.prefetch_mib or not self.config.load:
             return
-        if tp_size > 1 or not isinstance(self._worker, GpuKVWorker):
+        if tp_size > 1:
             log.warning(
-                "kvshare: hint_address is set, but copies ahead run on a GPU replica of one rank only; "
+                "kvshare: hint_address is set, but copies ahead run on a replica of one rank only; "
                 "this replica loads when vLLM schedules a request"
             )
             return

@@ -24,42 +24,12 @@ from dataclasses import dataclass
 import torch
 
 from kvshare.integrations.vllm.metadata import PageRef
+from kvshare.integrations.vllm.prefetch import Regions
 from kvshare.layout import KVLayout
 from kvshare.pool.checksum import ChecksumKind
 from kvshare.transfer.pipeline import StagingPipeline
 from kvshare.transfer.plan import Unit, plan_unit
 from kvshare.transfer.verify import can_sum_staged
-
-
-class Regions:
-    """First-fit allocation of byte ranges of ``[0, size)`` (pure)."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self._free: list[tuple[int, int]] = [(0, size)] if size > 0 else []  # (start, length), by start
-        self._taken: dict[int, int] = {}
-
-    def largest(self) -> int:
-        return max((length for _, length in self._free), default=0)
-
-    def allocate(self, num_bytes: int) -> int | None:
-        for i, (start, length) in enumerate(self._free):
-            if length >= num_bytes > 0:
-                self._free[i : i + 1] = [(start + num_bytes, length - num_bytes)] if length > num_bytes else []
-                self._taken[start] = num_bytes
-                return start
-        return None
-
-    def free(self, start: int) -> None:
-        length = self._taken.pop(start)
-        ranges = sorted([*self._free, (start, length)])
-        merged: list[tuple[int, int]] = []
-        for begin, size in ranges:
-            if merged and merged[-1][0] + merged[-1][1] == begin:
-                merged[-1] = (merged[-1][0], merged[-1][1] + size)
-            else:
-                merged.append((begin, size))
-        self._free = merged
 
 
 @dataclass(eq=False)
@@ -108,7 +78,8 @@ class GpuAhead:
         with self._lock:
             self._regions.free(start)
 
-    def copy_ahead(self, pool_id: bytes, pages: Sequence[PageRef], extent_bytes: int | None) -> GpuAheadCopy | None:
+    def copy_ahead(self, client, pages: Sequence[PageRef]) -> GpuAheadCopy | None:
+        """Copies from the arena this pipeline registered (the hooks' thread's mapping of ``client``'s pool)."""
         if not self.is_usable:
             return None
         n = next((i for i, page in enumerate(pages) if page.checksum_kind != ChecksumKind.WSUM32), len(pages))
@@ -118,7 +89,8 @@ class GpuAhead:
         if start is None:
             return None
         try:
-            return self._enqueue(pool_id, [page.offset for page in pages[:n]], k, start, extent_bytes)
+            offsets = [page.offset for page in pages[:n]]
+            return self._enqueue(client.hello.pool_id, offsets, k, start, client.hello.extent_bytes)
         except BaseException:
             self.free(start)
             raise

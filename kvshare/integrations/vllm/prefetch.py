@@ -52,8 +52,40 @@ class AheadCopy(Protocol):
 
 
 class DeviceAhead(Protocol):
-    def copy_ahead(self, pool_id: bytes, pages: Sequence[PageRef], extent_bytes: int | None) -> AheadCopy | None:
-        """Start copying the leading pages it can take (None: none, or no room now)."""
+    def copy_ahead(self, client, pages: Sequence[PageRef]) -> AheadCopy | None:
+        """Start copying the leading pages it can take from ``client``'s pool (a PoolClient whose lease holds
+        them); None: none, or no room now."""
+
+
+class Regions:
+    """First-fit allocation of byte ranges of ``[0, size)`` (pure)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._free: list[tuple[int, int]] = [(0, size)] if size > 0 else []  # (start, length), by start
+        self._taken: dict[int, int] = {}
+
+    def largest(self) -> int:
+        return max((length for _, length in self._free), default=0)
+
+    def allocate(self, num_bytes: int) -> int | None:
+        for i, (start, length) in enumerate(self._free):
+            if length >= num_bytes > 0:
+                self._free[i : i + 1] = [(start + num_bytes, length - num_bytes)] if length > num_bytes else []
+                self._taken[start] = num_bytes
+                return start
+        return None
+
+    def free(self, start: int) -> None:
+        length = self._taken.pop(start)
+        ranges = sorted([*self._free, (start, length)])
+        merged: list[tuple[int, int]] = []
+        for begin, size in ranges:
+            if merged and merged[-1][0] + merged[-1][1] == begin:
+                merged[-1] = (merged[-1][0], merged[-1][1] + size)
+            else:
+                merged.append((begin, size))
+        self._free = merged
 
 
 @dataclass(eq=False)
@@ -140,7 +172,7 @@ class Prefetcher:
             return
         pages = [PageRef(p.offset, p.page_bytes, p.checksum, p.checksum_kind) for p in lease.pages]
         pool_id = client.hello.pool_id
-        copy = self._copy_ahead(pool_id, pages, client.hello.extent_bytes)
+        copy = self._copy_ahead(client, pages)
         if copy is None:
             release_lease(self.link, lease.lease_id, pool_id)
             return
@@ -166,7 +198,7 @@ class Prefetcher:
         tokens = hint.tokens()
         return chunk_keys(digest, tokens[: len(tokens) // C * C], C)
 
-    def _copy_ahead(self, pool_id: bytes, pages: list[PageRef], extent_bytes) -> AheadCopy | None:
+    def _copy_ahead(self, client, pages: list[PageRef]) -> AheadCopy | None:
         """The device's copy of the run; where it has no room (or the book is full), the oldest copies no load
         took whose copies have ended are dropped first."""
         while True:
@@ -177,7 +209,7 @@ class Prefetcher:
                         return None
                     self._drop(idle.pop(0))
                     continue
-            copy = self.device.copy_ahead(pool_id, pages, extent_bytes)
+            copy = self.device.copy_ahead(client, pages)
             if copy is not None:
                 return copy
             with self._lock:

@@ -205,6 +205,7 @@ class PlannedLoad:
     reason: str  # why the pieces end before the spec does ("" if they do not)
     times: PhaseTimes
     client: Any  # the pool connection (kvshare.pool.client.PoolClient) whose arena holds the pages
+    ahead: Any = None  # a prefetch.PrefetchMatch: the load's first pages come from a copy ahead (CPU)
 
 
 class StepLoads:
@@ -302,6 +303,10 @@ class KVWorker:
 
     def start_stores(self, specs: list[StoreSpec]) -> StepStores:
         """The step's stores: copied out of vLLM's blocks into reserved pages, committed in ``finish``."""
+        raise NotImplementedError
+
+    def prefetch_device(self, num_bytes: int):
+        """The room copies ahead land in, ``num_bytes`` of it (prefetch.DeviceAhead: gpu_prefetch, cpu_prefetch)."""
         raise NotImplementedError
 
     def prepare(self) -> None:

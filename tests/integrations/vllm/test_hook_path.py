@@ -27,6 +27,7 @@ HOOK_FILES = {"connector", "scheduler", "worker", "gpu", "cpu"}  # connector is 
 BENEATH = {
     "prefetch",
     "gpu_prefetch",
+    "cpu_prefetch",
     "hint_listener",
     "gpu_stores",
     "cpu_overlap",

@@ -1,8 +1,9 @@
-"""Copies ahead on the router's hints (prefetch, gpu_prefetch) through the GPU path under the fake CUDA.
+"""Copies ahead on the router's hints (prefetch; gpu_prefetch under the fake CUDA, cpu_prefetch on CPU tensors).
 
 Replica A stores a prompt; replica B is hinted the prompt, copies its pages ahead into its prefetch buffer,
 then loads them when its scheduler side plans the load: the load takes the copy ahead where the pages' key,
-pool and checksum match and verifies it as any staged page. Bytes loaded equal bytes stored.
+pool and checksum match, verified (on the GPU path as any staged page, while it is scattered; on CPU when it
+was copied, over the private copy). Bytes loaded equal bytes stored.
 """
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvshare.integrations.vllm.gpu_prefetch import Regions, fitting
-from kvshare.integrations.vllm.prefetch import Prefetcher
+from kvshare.integrations.vllm.gpu_prefetch import fitting
+from kvshare.integrations.vllm.prefetch import Prefetcher, Regions
 from kvshare.layout import KVLayout
 from kvshare.pool.client import PoolClient
 from kvshare.pool.link import PoolLink
@@ -61,16 +62,19 @@ def flushed(pool, fake):
     return pool
 
 
-def replica(socket_path, name):
+DEVICES = pytest.mark.parametrize("staged", [True, False], ids=["gpu-fake", "cpu"])
+
+
+def replica(socket_path, name, staged=True):
     return Replica(
         socket_path,
         name,
         LAYOUT,
-        "LBNHC",
+        "LBNHC" if staged else "cpu_attn",
         NUM_BLOCKS,
         N,
         torch.device("cpu"),
-        staged=True,
+        staged=staged,
         worker_kwargs={"transfer": SMALL},
     )
 
@@ -87,6 +91,13 @@ def with_prefetcher(b: Replica, socket_path: str, num_bytes: int, clock=None) ->
         clock=clock or Clock(),
     )
     b.worker.prefetcher = prefetcher
+    close = b.close
+
+    def close_both():  # as the connector's shutdown: the worker, then the copies ahead's leases and connection
+        close()
+        prefetcher.close()
+
+    b.close = close_both
     return prefetcher
 
 
@@ -95,8 +106,9 @@ def leases(socket_path) -> int:
         return client.stats()["leases"]
 
 
-def test_a_load_takes_the_copy_ahead_and_the_bytes_equal_the_stored_ones(flushed, fake):
-    a, b = replica(flushed, "A"), replica(flushed, "B")
+@DEVICES
+def test_a_load_takes_the_copy_ahead_and_the_bytes_equal_the_stored_ones(flushed, fake, staged):
+    a, b = replica(flushed, "A", staged), replica(flushed, "B", staged)
     try:
         a.fill(1)
         a.step("a", PROMPT, BLOCKS_A)
@@ -114,7 +126,7 @@ def test_a_load_takes_the_copy_ahead_and_the_bytes_equal_the_stored_ones(flushed
         assert len(fake.copies_2d) == staged_before  # every page and layer came from the copy ahead
         assert torch.equal(b.tokens(0, 10 * 32, BLOCKS_B), a.tokens(0, 10 * 32, BLOCKS_A))
         assert prefetcher.take_counters().prefetch_hits == 10
-        assert b.worker.counters.verified_pages == 10  # verified as any page
+        assert b.worker.counters.verified_pages == 10  # verified as any page (on CPU: when copied ahead)
         prefetcher.tick()
         assert prefetcher.device._regions.largest() == WHOLE  # dropped once its load ended
     finally:
@@ -138,8 +150,9 @@ def test_a_run_that_does_not_fit_is_copied_ahead_in_its_first_layers(flushed, fa
         a.close(), b.close()
 
 
-def test_pages_committed_again_with_other_bytes_are_loaded_from_the_pool(flushed, fake):
-    a, b, c = replica(flushed, "A"), replica(flushed, "B"), replica(flushed, "C")
+@DEVICES
+def test_pages_committed_again_with_other_bytes_are_loaded_from_the_pool(flushed, fake, staged):
+    a, b, c = replica(flushed, "A", staged), replica(flushed, "B", staged), replica(flushed, "C", staged)
     try:
         a.fill(5)
         a.step("a", PROMPT, BLOCKS_A)
@@ -173,6 +186,30 @@ def test_a_bad_copy_ahead_fails_the_load_at_that_page(flushed, fake):
         outcome = b.step("b", PROMPT, BLOCKS_B)
         assert outcome.loaded_end == 3 * 32 and "checksum mismatch" in outcome.reason
         assert b.last_errors == set(BLOCKS_B[3 * 32 // N : 10 * 32 // N])
+    finally:
+        a.close(), b.close()
+
+
+def test_a_page_bad_in_the_pool_when_copied_ahead_on_cpu_ends_the_load_there_uncopied(flushed, fake):
+    a, b = replica(flushed, "A", False), replica(flushed, "B", False)
+    try:
+        a.fill(12)
+        a.step("a", PROMPT, BLOCKS_A)
+        b.fill(13)
+        before = b.tokens(0, 10 * 32, BLOCKS_B)
+        b.scheduler.add_request("probe", PROMPT, None, None)
+        keys = b.scheduler._keys(b.scheduler._requests.pop("probe"), 10)
+        with PoolClient(flushed, name="vandal") as client:
+            lease = client.lookup(keys, LAYOUT.page_bytes)
+            client.page(lease.pages[4].offset, LAYOUT.page_bytes)[99] ^= 0x08
+            client.release([lease.lease_id], wait=True)
+        prefetcher = with_prefetcher(b, flushed, WHOLE)
+        prefetcher.on_hint(make_hint(MODEL, None, PROMPT))
+        outcome = b.step("b", PROMPT, BLOCKS_B)
+        assert outcome.loaded_end == 4 * 32 and "checksum mismatch" in outcome.reason
+        after = b.tokens(0, 10 * 32, BLOCKS_B)
+        assert torch.equal(after[:, :, : 4 * 32], a.tokens(0, 4 * 32, BLOCKS_A))
+        assert torch.equal(after[:, :, 4 * 32 :], before[:, :, 4 * 32 :])  # nothing from the bad page on
     finally:
         a.close(), b.close()
 
