@@ -4,16 +4,20 @@ Suite ``vllm`` (run with the vLLM environment's python).
 """
 
 import json
+import socket
+import time
 import urllib.request
+from types import SimpleNamespace
 
 import psutil
 
 from kvshare.integrations.vllm.gpu_rows import on_off_row
 from kvshare.launch import Cluster, ClusterConfig, free_port_block
 from kvshare.pool.client import PoolClient
+from kvshare.router.hints import encode_hint, make_hint
 from tests.benchmarks.loader import load_benchmark
 from tests.commands.test_errors import kvshare
-from tests.integrations.vllm.servers import vllm_python, vllm_suite_marks
+from tests.integrations.vllm.servers import metric, vllm_python, vllm_suite_marks, wait_for_metric
 
 PYTHON = vllm_python()
 pytestmark = vllm_suite_marks()
@@ -65,6 +69,7 @@ def test_up_with_vllm_replicas_shares_the_pool_through_the_router(monkeypatch):
         assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= b["pool_tokens"]
         assert second["choices"][0]["text"] == first["choices"][0]["text"]
         assert second["choices"][0]["logprobs"]["token_logprobs"] == first["choices"][0]["logprobs"]["token_logprobs"]
+        prefetch_hints_reach_the_replicas(cluster, b["replica"])
         for salt in ("s1", "s2"):
             _complete(cluster.router_url, prompt, cache_salt=salt)
         with PoolClient(cluster.pool_socket, name="test") as client:
@@ -81,6 +86,24 @@ def test_up_with_vllm_replicas_shares_the_pool_through_the_router(monkeypatch):
     family = [c for c in children if c.is_running()]
     gone, alive = psutil.wait_procs(family, timeout=60)
     assert not alive
+
+
+def prefetch_hints_reach_the_replicas(cluster: Cluster, replica: str) -> None:
+    """The second request above was announced to its replica by the router (up wires each replica's hint socket),
+    which copied the prompt's pages ahead and loaded them from there (its answer equals the first: checked above);
+    a hint signed with another key is refused. Fails when up leaves the router or the connectors without the hint
+    addresses, or when the router's ids of a text prompt differ from vLLM's (nothing copied ahead is taken)."""
+    url = cluster.replica_urls[int(replica.removeprefix("replica"))]
+    server = SimpleNamespace(url=url)
+    assert wait_for_metric(server, "vllm:kvshare_hints_total", 1) >= 1
+    assert wait_for_metric(server, "vllm:kvshare_prefetch_hits_total", 1) >= 1
+    assert metric(server, "vllm:kvshare_prefetched_pages_total") >= 1
+    with socket.socket(socket.AF_UNIX) as conn:
+        conn.connect(cluster.hint_address(int(replica.removeprefix("replica"))))
+        conn.sendall(encode_hint(make_hint("tiny", "", list(range(600))), "forged-key-0123456789abcdef"))
+    time.sleep(0.5)
+    _complete(url, "a step, which publishes the connector's counters")
+    assert wait_for_metric(server, "vllm:kvshare_hints_refused_total", 1) >= 1
 
 
 def flush_one_keys_namespace(cluster: Cluster, namespace: str) -> None:
