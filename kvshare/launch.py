@@ -54,9 +54,7 @@ class Cluster:
         try:
             self._preflight()
             if cfg.pool_size is not None:
-                self._tmp = tempfile.TemporaryDirectory(prefix="kvshare-up-")
-                os.chmod(self._tmp.name, 0o700)
-                self.pool_socket = os.path.join(self._tmp.name, "pool.sock")
+                self.pool_socket = os.path.join(self._run_dir(), "pool.sock")
                 self._spawn(
                     ChildSpec(
                         "pool",
@@ -222,7 +220,8 @@ class Cluster:
         private directory ("": the cluster sends none)."""
         from kvshare.serve.tenancy import ACCOUNT_KEY_ENV
 
-        if not (self.config.has_hints and (self.account_key_file or os.environ.get(ACCOUNT_KEY_ENV))):
+        has_key = self.account_key_file or self.config.account_key_file or os.environ.get(ACCOUNT_KEY_ENV)
+        if not (self.config.has_hints and has_key):
             return ""
         return os.path.join(self._private_dir("hints"), f"replica{i}.sock")
 
@@ -252,12 +251,17 @@ class Cluster:
             *cfg.router_args,
         ]
 
-    def _private_dir(self, name: str) -> str:
-        """A directory of this cluster's own, removed when it stops (with whatever its children left there)."""
+    def _run_dir(self) -> str:
+        """This cluster's private directory (0700), made once: every path handed out in it stays valid (a hint
+        socket named before the start, to a router started beside the cluster, is the one its replica binds)."""
         if self._tmp is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="kvshare-up-")
             os.chmod(self._tmp.name, 0o700)
-        path = os.path.join(self._tmp.name, name)
+        return self._tmp.name
+
+    def _private_dir(self, name: str) -> str:
+        """A directory of this cluster's own, removed when it stops (with whatever its children left there)."""
+        path = os.path.join(self._run_dir(), name)
         os.makedirs(path, mode=0o700, exist_ok=True)
         return path
 
@@ -272,9 +276,7 @@ class Cluster:
             return model
         from kvshare.engine.make_model import write_model_dir
 
-        if self._tmp is None:
-            self._tmp = tempfile.TemporaryDirectory(prefix="kvshare-up-")
-        path = os.path.join(self._tmp.name, model)
+        path = os.path.join(self._run_dir(), model)
         if not os.path.isdir(path):
             write_model_dir(model, path)
         return path

@@ -221,3 +221,27 @@ def test_up_with_vllm_places_cache_aware_by_default(monkeypatch, tmp_path):
         with pytest.raises(UserError, match="not started"):
             up.run(build_parser().parse_args(["up", "--model", str(tmp_path), "--port", "18090", *argv]))
         assert (seen[-1].policy, seen[-1].hints) == (policy, hints)
+
+
+def test_hint_sockets_named_before_the_start_are_the_ones_the_replicas_bind(tmp_path, monkeypatch):
+    """bench routing gives a hinting router, started beside the cluster, the replicas' hint sockets before the
+    cluster starts. Fails when the start makes a new private directory for the pool's socket (the router then
+    names sockets nobody binds: every hint dropped)."""
+    import kvshare.launch
+
+    monkeypatch.setenv("KVSHARE_ACCOUNT_KEY", "a-key-in-the-environment-01")
+    (tmp_path / "config.json").write_text("{}")
+    cluster = Cluster(ClusterConfig(engine="vllm", model=str(tmp_path), pool_size="64MiB", vllm_python="/x/python"))
+    named = [cluster.hint_address(i) for i in range(2)]
+    spawned = []
+    for name in ("_preflight", "_wait_pool", "_wait_http"):
+        monkeypatch.setattr(cluster, name, lambda *args, **kwargs: None)
+    monkeypatch.setattr(cluster, "_spawn", spawned.append)
+    monkeypatch.setattr(kvshare.launch, "point_to_pool", lambda *args: None)
+    try:
+        cluster.start()
+        replicas = [spec for spec in spawned if spec.name.startswith("replica")]
+        assert [_connector_extra(list(spec.argv))["hint_address"] for spec in replicas] == named
+        assert cluster.pool_socket.startswith(os.path.dirname(os.path.dirname(named[0])))
+    finally:
+        cluster.stop()

@@ -89,7 +89,8 @@ def add_routing_arguments(sub, words) -> None:
         "--conditions",
         type=words,
         default=DEFAULT_CONDITIONS + CONTROLS,
-        help=f"comma list of POLICY/on|off and controls ({', '.join(CONTROLS)})",
+        help=f"comma list of POLICY/on|off|hints (hints: the pool on, and the router sends the vLLM replicas "
+        f"prefetch hints) and controls ({', '.join(CONTROLS)})",
     )
     w.add_argument("--runs", type=int, default=d.num_runs, help="the whole sweep this many times, on fresh clusters")
     w.add_argument(
