@@ -288,14 +288,14 @@ class KVShareConnector(KVConnectorBase_V1):
             timeout_s=config.pool_timeout_s,
             retry_s=config.pool_retry_s,
         )
+        device = self._worker.prefetch_device(config.prefetch_mib << 20)
+        if device is None:
+            log.warning("kvshare: no room for copies ahead beside vLLM's KV; hints are not taken")
+            link.close()
+            return
         model = self._vllm_config.model_config
         self._prefetcher = Prefetcher(
-            link,
-            self.kv_layout,
-            self.namespace,
-            (model.served_model_name, model.model),
-            self._worker.prefetch_device(config.prefetch_mib << 20),
-            ttl_s=config.hint_ttl_s,
+            link, self.kv_layout, self.namespace, (model.served_model_name, model.model), device, config.hint_ttl_s
         )
         self._worker.prefetcher = self._prefetcher
         prefetcher = self._prefetcher
@@ -303,7 +303,7 @@ class KVShareConnector(KVConnectorBase_V1):
             config.hint_address, _account_key(config), prefetcher.on_hint, prefetcher.on_refused, prefetcher.tick
         )
         self._hints.start()
-        log.info("kvshare: taking prefetch hints on %s (%d MiB ahead)", config.hint_address, config.prefetch_mib)
+        log.info("kvshare: taking prefetch hints on %s (%d MiB ahead)", config.hint_address, device.num_bytes >> 20)
 
     def _plan(self) -> StepPlan:
         if not self.has_connector_metadata():

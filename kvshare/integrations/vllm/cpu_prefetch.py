@@ -49,7 +49,7 @@ class CpuAhead:
     """The prefetch buffer of one CPU worker (prefetch.DeviceAhead)."""
 
     def __init__(self, page_bytes: int, num_bytes: int, hasher: PageHasher) -> None:
-        self.page_bytes, self.hasher = page_bytes, hasher
+        self.page_bytes, self.hasher, self.num_bytes = page_bytes, hasher, num_bytes
         self.buffer = np.empty(num_bytes, dtype=np.uint8)  # pages are committed by the OS as they are written
         self._regions = Regions(num_bytes)
         self._lock = threading.Lock()

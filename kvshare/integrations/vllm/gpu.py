@@ -54,6 +54,7 @@ log = logging.getLogger("kvshare.integrations")
 
 # the GPU path's copies: 2-D copies (cuda-bindings) of rows >= 2 MiB, two 128 MiB staging buffers per direction
 GPU_TRANSFER = TransferConfig(staging_bytes=128 << 20)
+MIN_PREFETCH_BYTES = 64 << 20  # a prefetch buffer smaller than this holds too little of a long prompt to pay
 
 
 @dataclass
@@ -121,9 +122,13 @@ class GpuKVWorker(KVWorker):
             except Exception:  # the first copy raises it again, where it is reported as a failed copy
                 log.error("kvshare: pinning the pool arena for CUDA failed", exc_info=True)
 
-    def prefetch_device(self, num_bytes: int) -> GpuAhead:
-        """The prefetch buffer copies ahead land in, and its stream (on this worker's pipeline)."""
-        return GpuAhead(self.pipeline, self.kv_layout, num_bytes)
+    def prefetch_device(self, num_bytes: int) -> GpuAhead | None:
+        """The prefetch buffer copies ahead land in, and its stream (on this worker's pipeline): ``num_bytes``, or
+        half the device memory vLLM left free where that is less (None: less than MIN_PREFETCH_BYTES of it)."""
+        room = torch.cuda.mem_get_info(self.pipeline.device)[0] // 2
+        if room < min(num_bytes, MIN_PREFETCH_BYTES):
+            return None
+        return GpuAhead(self.pipeline, self.kv_layout, min(num_bytes, room))
 
     def close(self) -> None:
         self._close_staged()

@@ -68,6 +68,7 @@ class GpuAhead:
             self.buffer = torch.empty(num_bytes, dtype=torch.uint8, device=device)
             self.stream = torch.cuda.Stream(device)
         pipeline.ahead_streams.append(self.stream)
+        self.num_bytes = num_bytes
         self._regions = Regions(num_bytes)
         self._lock = threading.Lock()
         # 2-D copies only (the torch copier reads through the client's own mapping); WSUM32 summed on the GPU

@@ -70,9 +70,10 @@ class ConnectorConfig:
     # where this replica takes the router's prefetch hints (kvshare.router.hints): a Unix socket's absolute path
     # or HOST:PORT; "": none. Hints are signed with the account key above, which must then be set
     hint_address: str = ""
-    # on a GPU: the buffer that copies ahead on hints land in (kvshare.integrations.vllm.gpu_prefetch), outside
-    # vLLM's KV budget as the staging buffers are. 2 GiB: what ~40 ms of host-to-GPU copy fills on an H100/H200,
-    # about vLLM's own time from a request's arrival to its scheduling; a longer run copies its first layers
+    # the buffer that copies ahead on hints land in (gpu_prefetch, cpu_prefetch); on a GPU outside vLLM's KV budget
+    # as the staging buffers are, and at most half the memory vLLM left free. 2 GiB: what ~40 ms of host-to-GPU
+    # copy fills on an H100/H200, about vLLM's own time from a request's arrival to its scheduling; a longer run
+    # copies its first layers. 0: no copies ahead
     prefetch_mib: int = 2048
     hint_ttl_s: float = 10.0  # a copy ahead that no load took within this is dropped
 

@@ -265,3 +265,15 @@ def test_a_run_copied_ahead_takes_whole_groups_else_the_first_pages_of_one():
     assert fitting(10, [4, 4, 4], 85) == (10, 2)
     assert fitting(10, [4, 4, 4], 30) == (7, 1)
     assert fitting(10, [4, 4, 4], 3) == (0, 0)
+
+
+def test_the_gpu_prefetch_buffer_takes_at_most_half_the_memory_vllm_left_free(flushed, fake):
+    b = replica(flushed, "B")
+    try:
+        b.worker.prepare()
+        fake.free_bytes = 1 << 30
+        assert b.worker.prefetch_device(2048 << 20).num_bytes == 512 << 20
+        fake.free_bytes = 100 << 20  # half of it is below the smallest buffer worth having
+        assert b.worker.prefetch_device(2048 << 20) is None
+    finally:
+        b.close()
