@@ -5,7 +5,7 @@
                prefetch hint goes ahead of it where hints are on: --hints), A again (its own prefix hit). Token-id
                prompts (the same prompt each turn: B's greedy tokens against A's cold run) and chat prompts (each
                turn the conversation so far: B loads turn 0's prompt, as a next turn on another replica does; a
-               message of ~0.9 x the length's tokens, the row's cached tokens say how many).
+               message of ~0.9 x the length's tokens: the row's cached tokens say how many).
   stall        --streams decode streams on replica B (EOS ignored); their gaps alone, then while B loads a prefix A
                computed (the others run: the load runs beside them), then while B computes a prompt nobody holds
                (vLLM's chunked prefill). One row: each phase's worst gap over the p99 without (goal <= 2).
@@ -96,12 +96,15 @@ def stream_chat(url: str, model: str, messages: list[dict], max_tokens: int, hea
 
 
 def chat_text(run, length: int) -> str:
-    """A user message of a little under ``length`` tokens: random ids of the model's vocabulary, decoded (text of
-    random ids encodes to more ids than it came from: 0.9 of them keeps the conversation within max-model-len)."""
+    """A user message of about 0.9 x ``length`` tokens (room for the conversation's next turns within
+    max-model-len): random ids of the model's vocabulary, decoded, cut to the share whose text encodes to that
+    many (decoded random ids encode to another number of ids)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(run.args.model_dir)
-    return tokenizer.decode(run.prompt(int(length * 0.9)))
+    ids, wanted = run.prompt(length), int(length * 0.9)
+    num_encoded = len(tokenizer(tokenizer.decode(ids)).input_ids)
+    return tokenizer.decode(ids[: max(1, len(ids) * wanted // num_encoded)])
 
 
 def mode_ttft_routed(run) -> None:
