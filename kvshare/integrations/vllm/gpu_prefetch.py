@@ -58,6 +58,9 @@ class GpuAheadCopy:
         return self.regions[group][first * row : (first + num_pages) * row]
 
 
+ALIGN = 256  # bytes: every region of the buffer starts at a multiple of this
+
+
 class GpuAhead:
     """The prefetch buffer of one GPU worker and the stream its copies ahead run on (prefetch.DeviceAhead)."""
 
@@ -85,8 +88,9 @@ class GpuAhead:
             return None
         n = next((i for i, page in enumerate(pages) if page.checksum_kind != ChecksumKind.WSUM32), len(pages))
         with self._lock:
-            n, k = fitting(n, self._rows, self._regions.largest())
-            start = self._regions.allocate(n * sum(self._rows[:k])) if n else None
+            n, k = fitting(n, self._rows, self._regions.largest() // ALIGN * ALIGN)
+            # regions start ALIGN-aligned: the scatter views the rows as integers up to 8 bytes wide
+            start = self._regions.allocate(-(-n * sum(self._rows[:k]) // ALIGN) * ALIGN) if n else None
         if start is None:
             return None
         try:
