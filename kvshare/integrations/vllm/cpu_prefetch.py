@@ -58,6 +58,13 @@ class CpuAhead:
         with self._lock:
             self._regions.free(start)
 
+    def room(self) -> int:
+        with self._lock:
+            return self._regions.largest()
+
+    def wanted(self, pages: Sequence[PageRef]) -> int:
+        return min(len(pages) * self.page_bytes, self.num_bytes)
+
     def copy_ahead(self, client, pages: Sequence[PageRef]) -> CpuAheadCopy | None:
         with self._lock:
             n = min(len(pages), self._regions.largest() // self.page_bytes)

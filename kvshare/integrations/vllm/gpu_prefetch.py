@@ -82,11 +82,18 @@ class GpuAhead:
         with self._lock:
             self._regions.free(start)
 
+    def room(self) -> int:
+        with self._lock:
+            return self._regions.largest() // ALIGN * ALIGN
+
+    def wanted(self, pages: Sequence[PageRef]) -> int:
+        return min(_leading_wsum32(pages) * sum(self._rows), self.num_bytes)
+
     def copy_ahead(self, client, pages: Sequence[PageRef]) -> GpuAheadCopy | None:
         """Copies from the arena this pipeline registered (the hooks' thread's mapping of ``client``'s pool)."""
         if not self.is_usable:
             return None
-        n = next((i for i, page in enumerate(pages) if page.checksum_kind != ChecksumKind.WSUM32), len(pages))
+        n = _leading_wsum32(pages)
         with self._lock:
             n, k = fitting(n, self._rows, self._regions.largest() // ALIGN * ALIGN)
             # regions start ALIGN-aligned: the scatter views the rows as integers up to 8 bytes wide
@@ -118,6 +125,11 @@ class GpuAhead:
                 pipeline.prefetch(None, units, regions, self.stream)
                 done.record(self.stream)
         return GpuAheadCopy(n, regions, done, self, start)
+
+
+def _leading_wsum32(pages: Sequence[PageRef]) -> int:
+    """How many leading pages a GPU writer summed (WSUM32): the load verifies those over the bytes it scatters."""
+    return next((i for i, page in enumerate(pages) if page.checksum_kind != ChecksumKind.WSUM32), len(pages))
 
 
 def fitting(num_pages: int, rows: list[int], space: int) -> tuple[int, int]:

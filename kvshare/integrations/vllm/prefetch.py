@@ -52,9 +52,15 @@ class AheadCopy(Protocol):
 
 
 class DeviceAhead(Protocol):
+    def room(self) -> int:
+        """Bytes of the largest free region."""
+
+    def wanted(self, pages: Sequence[PageRef]) -> int:
+        """Bytes a copy ahead of ``pages`` would take whole (at most the whole buffer)."""
+
     def copy_ahead(self, client, pages: Sequence[PageRef]) -> AheadCopy | None:
-        """Start copying the leading pages it can take from ``client``'s pool (a PoolClient whose lease holds
-        them); None: none, or no room now."""
+        """Start copying the leading pages (and layers) that fit from ``client``'s pool (a PoolClient whose lease
+        holds them); None: none fits, or the device cannot copy from that pool now."""
 
 
 class Regions:
@@ -199,23 +205,16 @@ class Prefetcher:
         return chunk_keys(digest, tokens[: len(tokens) // C * C], C)
 
     def _copy_ahead(self, client, pages: list[PageRef]) -> AheadCopy | None:
-        """The device's copy of the run; where it has no room (or the book is full), the oldest copies no load
-        took whose copies have ended are dropped first."""
-        while True:
-            with self._lock:
-                idle = [p for p in self._book.prefetches if not p.num_users and not p.is_leased]
-                if len(self._book.prefetches) >= MAX_PREFETCHES:
-                    if not idle:
-                        return None
-                    self._drop(idle.pop(0))
-                    continue
-            copy = self.device.copy_ahead(client, pages)
-            if copy is not None:
-                return copy
-            with self._lock:
-                if not idle:
-                    return None
-                self._drop(idle[0])
+        """The device's copy of the run, room made first: the oldest copies ahead no load holds whose copies have
+        ended are dropped while the run would not fit whole (or the book is full); then what fits is copied."""
+        wanted = self.device.wanted(pages)
+        with self._lock:
+            idle = [p for p in self._book.prefetches if not p.num_users and not p.is_leased]
+            while idle and (self.device.room() < wanted or len(self._book.prefetches) >= MAX_PREFETCHES):
+                self._drop(idle.pop(0))
+            if len(self._book.prefetches) >= MAX_PREFETCHES:
+                return None
+        return self.device.copy_ahead(client, pages)
 
     def on_refused(self, why: str) -> None:
         """A frame that was not a hint this replica may act on (counted; the first few logged)."""

@@ -277,3 +277,28 @@ def test_the_gpu_prefetch_buffer_takes_at_most_half_the_memory_vllm_left_free(fl
         assert b.worker.prefetch_device(2048 << 20) is None
     finally:
         b.close()
+
+
+@DEVICES
+def test_room_for_a_new_run_is_made_by_dropping_the_oldest_copies_no_load_holds(flushed, fake, staged):
+    """Fails when an older copy ahead keeps the room (the new run then gets only what is left)."""
+    a, b = replica(flushed, "A", staged), replica(flushed, "B", staged)
+    other = list(range(2000, 2000 + 10 * 32 + 5))
+    try:
+        a.fill(14)
+        a.step("a", PROMPT, BLOCKS_A)
+        a.step("a2", other, list(range(41, 82)))
+        prefetcher = with_prefetcher(b, flushed, WHOLE * 3 // 2)  # one run whole, and half of another
+        prefetcher.on_hint(make_hint(MODEL, None, PROMPT))
+        prefetcher.tick()  # its copies ended: its lease went, it may be dropped for room
+        prefetcher.on_hint(make_hint(MODEL, None, other))
+        (kept,) = prefetcher._book.prefetches
+        assert kept.keys[0] == prefetcher._keys(make_hint(MODEL, None, other))[0]
+        assert kept.copy.num_pages == 10 and getattr(kept.copy, "num_groups", 4) == 4  # whole
+        held = prefetcher.take(kept.pool_id, kept.keys, kept.pages)  # a load holds it now ...
+        prefetcher.on_hint(make_hint(MODEL, None, PROMPT))
+        first, second = prefetcher._book.prefetches  # ... so the next run gets only what is left
+        assert first is kept and second.copy.num_pages * getattr(second.copy, "num_groups", 4) < 10 * 4
+        prefetcher.give_back(held)
+    finally:
+        a.close(), b.close()
