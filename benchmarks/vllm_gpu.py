@@ -55,7 +55,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import vllm_gpu_client as client  # noqa: E402 (beside this file)
-from vllm_gpu_hints import mode_stall, mode_ttft_routed  # noqa: E402
+from vllm_gpu_hints import add_hint_mode_arguments, mode_stall, mode_ttft_routed  # noqa: E402
 from vllm_gpu_setups import Run, env_for_servers, pool, server_config, servers, setup  # noqa: E402
 
 from kvshare.integrations.vllm import gpu_rows  # noqa: E402
@@ -311,13 +311,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a plumbing run with vLLM CPU (no bound)"
     )
-    p.add_argument("--policy", default="alternate", help="kvshare: kvshare up's --policy (ttft-routed: alternate)")
-    p.add_argument("--hints", choices=("on", "off"), default="on", help="kvshare: the router's prefetch hints")
-    p.add_argument("--prompt-kinds", nargs="+", choices=("ids", "chat"), default=["ids", "chat"])
-    p.add_argument("--streams", type=int, default=8, help="stall: decode streams on replica B")
-    p.add_argument("--stream-tokens", type=int, default=4096, help="stall: each stream's max_tokens")
-    p.add_argument("--baseline-s", type=float, default=4.0, help="stall: the streams alone this long")
-    p.add_argument("--no-stall-cold", dest="stall_cold", action="store_false", help="stall: no cold phase")
+    add_hint_mode_arguments(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)

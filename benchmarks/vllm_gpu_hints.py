@@ -26,6 +26,17 @@ import vllm_gpu_client as client
 from kvshare.integrations.vllm import gpu_rows
 
 
+def add_hint_mode_arguments(p) -> None:
+    """The flags of these modes, and of the kvshare setup's router (its policy, its hints)."""
+    p.add_argument("--policy", default="alternate", help="kvshare: kvshare up's --policy (ttft-routed: alternate)")
+    p.add_argument("--hints", choices=("on", "off"), default="on", help="kvshare: the router's prefetch hints")
+    p.add_argument("--prompt-kinds", nargs="+", choices=("ids", "chat"), default=["ids", "chat"])
+    p.add_argument("--streams", type=int, default=8, help="stall: decode streams on replica B")
+    p.add_argument("--stream-tokens", type=int, default=4096, help="stall: each stream's max_tokens")
+    p.add_argument("--baseline-s", type=float, default=4.0, help="stall: the streams alone this long")
+    p.add_argument("--no-stall-cold", dest="stall_cold", action="store_false", help="stall: no cold phase")
+
+
 class Streams:
     """``len(prompts)`` greedy streams on ``url``, started at once, each token's arrival time (perf_counter)."""
 

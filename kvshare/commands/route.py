@@ -69,6 +69,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds a client may take to accept one write of a response before it is dropped",
     )
     p.add_argument("--instance-id", default="", help="an id /health reports (kvshare up checks it is its child)")
+    _add_hint_arguments(p)
+    _add_pool_aware_arguments(p)
+
+
+def _add_hint_arguments(p: argparse.ArgumentParser) -> None:
+    """Prefetch hints to vLLM replicas (kvshare.router.prefetch_hints)."""
     p.add_argument(
         "--hint-address",
         action="append",
@@ -79,7 +85,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "the prompt it places there as it sends it, so the replica copies the prompt's pool pages towards the "
         "GPU while vLLM reads the request. Signed with the --account-key-file key. Text prompts need --model",
     )
-    _add_pool_aware_arguments(p)
 
 
 def _add_pool_aware_arguments(p: argparse.ArgumentParser) -> None:
