@@ -70,3 +70,13 @@ def test_tokenizer_endpoints_need_a_key_have_a_size_cap_and_run_off_the_event_lo
         assert status == 413 and out["error"]["code"] == "body_too_large", out
         assert set(out["error"]) == {"message", "type", "param", "code"}
     assert threads and all(t.name != "live-app" for t in threads), threads  # the app's loop runs in "live-app"
+
+
+def test_a_tokenize_body_longer_than_one_network_read_is_read_whole(engine):
+    """Fails when the capped body read takes only what one read returns: a 2.5 MiB body under a 4 MiB cap
+    arrives in several reads, and the handler then sees truncated JSON (400) instead of the whole prompt."""
+    prompt = "word " * (2 << 18)  # 2.5 MiB of JSON
+    with _replica(engine, api_keys=(KEY,), max_tokenize_bytes=4 << 20) as url:
+        status, out = call(url, "/tokenize", {"prompt": prompt}, headers=AUTH)
+        assert status == 200, out
+        assert out["count"] == len(engine.tokenizer.encode(prompt))
