@@ -159,6 +159,10 @@ class ChatRequest(_ChatChecked, kw_only=True):
 MAX_LOGPROBS = 5
 MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty: [-2, 2]
 MAX_LOGIT_BIAS = 100.0
+MAX_STOP_STRINGS = 4  # OpenAI's bound
+# A stop string's bound: the held-back tail of a stream may be as long, so a longer one delays every stream
+# by as much; matching costs the same whatever the length (kvshare.serve.stop_strings).
+MAX_STOP_CHARS = 4096
 ROLES = ("system", "user", "assistant", "developer", "tool")
 _AT_PATH = re.compile(r"at `\$\.([^`]*)`|field `([^`]*)`")
 
@@ -257,8 +261,10 @@ def validate(req: CompletionRequest | ChatRequest) -> None:
     if req.seed is not None and not -(2**63) <= req.seed < 2**63:  # found by fuzzing: torch refused it with a 500
         raise ApiError(400, "seed must be a 64-bit signed integer", param="seed")
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
-    if len(stops) > 4 or any(not s for s in stops):
-        raise ApiError(400, "stop takes at most 4 non-empty strings", param="stop")
+    if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
+        raise ApiError(400, f"stop takes at most {MAX_STOP_STRINGS} non-empty strings", param="stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise ApiError(400, f"a stop string may have at most {MAX_STOP_CHARS} characters", param="stop")
     if isinstance(req, CompletionRequest):
         if req.echo:
             raise ApiError(400, "echo is not supported by this server", param="echo", code="unsupported_parameter")
