@@ -150,9 +150,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="model ids requests may name; the first is reported in responses (default: --model as given)",
     )
     p.add_argument("--max-requests", type=int, default=64, help="queued + running requests before 429")
-    p.add_argument("--max-prompt-tokens", type=int, default=None)
-    p.add_argument("--max-tokens-limit", type=int, default=8192)
-    p.add_argument("--max-body-size", type=parse_size, default="16MiB")
+    p.add_argument(
+        "--max-prompt-tokens", type=int, default=None, help="refuse longer prompts (default: the model's context)"
+    )
+    p.add_argument(
+        "--max-tokens-limit",
+        type=int,
+        default=None,
+        help="refuse a larger max_tokens / max_completion_tokens (default: none; the context bounds it, as in vLLM)",
+    )
+    p.add_argument("--max-body-size", type=parse_size, default="16MiB", help="refuse larger request bodies (413)")
     p.add_argument("--api-key", action="append", default=[], help="require this bearer token (repeatable)")
     p.add_argument(
         "--tenant-header",

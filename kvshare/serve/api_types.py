@@ -164,7 +164,8 @@ MAX_STOP_STRINGS = 4  # OpenAI's bound
 # by as much; matching costs the same whatever the length (kvshare.serve.stop_strings).
 MAX_STOP_CHARS = 4096
 ROLES = ("system", "user", "assistant", "developer", "tool")
-_AT_PATH = re.compile(r"at `\$\.([^`]*)`|field `([^`]*)`")
+_AT_PATH = re.compile(r"at `\$\.?([^`]*)`")
+_FIELD = re.compile(r"field `([^`]*)`")  # a missing or unknown field, named relative to the path it is at
 
 
 def decode_completion(body: bytes) -> CompletionRequest:
@@ -199,11 +200,13 @@ def decode(body: bytes, kind: type) -> Any:
 
 
 def _param_of(message: str) -> str | None:
-    """The parameter a msgspec error names ("... - at `$.messages[0].role`" -> "messages[0].role")."""
-    found = _AT_PATH.search(message)
-    if found is None:
-        return None
-    return (found.group(1) or found.group(2)).replace("[...]", "") or None
+    """The whole path of the parameter a msgspec error names: "... - at `$.messages[0].content`" ->
+    "messages[0].content"; "missing required field `role` - at `$.messages[0]`" -> "messages[0].role"."""
+    at, field = _AT_PATH.search(message), _FIELD.search(message)
+    path = at.group(1) if at else ""
+    if field is not None:
+        path = f"{path}.{field.group(1)}" if path else field.group(1)
+    return path.replace("[...]", "") or None
 
 
 def _refuse_unsupported(req: CompletionRequest | ChatRequest, table: dict[str, tuple]) -> None:
@@ -314,10 +317,12 @@ def stop_strings(req: CompletionRequest | ChatRequest) -> list[str]:
     return [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
 
 
-def requested_max_tokens(req: CompletionRequest | ChatRequest) -> int | None:
+def requested_max_tokens(req: CompletionRequest | ChatRequest) -> tuple[str, int | None]:
+    """(the field that names the request's output bound, its value): a chat's max_completion_tokens where
+    given (OpenAI's name), else max_tokens."""
     if isinstance(req, ChatRequest) and req.max_completion_tokens is not None:
-        return req.max_completion_tokens
-    return req.max_tokens
+        return "max_completion_tokens", req.max_completion_tokens
+    return "max_tokens", req.max_tokens
 
 
 def message_text(message: ChatMessage) -> str:
