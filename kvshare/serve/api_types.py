@@ -47,6 +47,7 @@ class KVShareOptions(msgspec.Struct, forbid_unknown_fields=True):
 
 class StreamOptions(msgspec.Struct):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
 
 # Parameters the built-in engine does not implement -> the values that mean "off" (accepted).
