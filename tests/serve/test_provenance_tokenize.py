@@ -80,3 +80,17 @@ def test_a_tokenize_body_longer_than_one_network_read_is_read_whole(engine):
         status, out = call(url, "/tokenize", {"prompt": prompt}, headers=AUTH)
         assert status == 200, out
         assert out["count"] == len(engine.tokenizer.encode(prompt))
+
+
+def test_a_prompt_shorter_than_a_chunk_sent_again_is_reused_to_the_token(engine):
+    """Fails when in-place reuse starts at a whole chunk (256 tokens): a short prompt sent twice to one replica
+    then reports cached_tokens 0 both times. Token-id prompts, so each length is exact."""
+    with _replica(engine, provenance="all") as url:
+        for n in (35, 255, 256):
+            body = {"model": "tiny", "prompt": [(7 * i + n) % 200 + 32 for i in range(n)], "max_tokens": 1}
+            cached = []
+            for _ in range(2):
+                status, out = call(url, "/v1/completions", body)
+                assert status == 200, out
+                cached.append(out["usage"]["prompt_tokens_details"]["cached_tokens"])
+            assert cached == [0, n - 1], (n, cached)
