@@ -76,3 +76,14 @@ class ClusterConfig:
     @property
     def router_url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+
+def flag_value(args: tuple[str, ...], flag: str) -> str | None:
+    """The value of ``flag`` in ``args`` (``--flag V`` or ``--flag=V``; the last one wins), None when absent."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value

@@ -17,8 +17,9 @@ import subprocess
 import tempfile
 from dataclasses import dataclass, field
 
+from kvshare import memory_fit
 from kvshare.children import Child, ChildSpec, health_answer, start_child, wait_http_ready
-from kvshare.cluster_config import ClusterConfig
+from kvshare.cluster_config import ClusterConfig, flag_value
 from kvshare.paths import point_to_pool, unpoint_pool
 from kvshare.placement import cpu_threads_env, find_vllm_python, gpu_memory_share, gpu_of_replica, starts_after
 from kvshare.pool.client import PoolUnavailable
@@ -33,6 +34,7 @@ class Cluster:
     children: dict[str, Child] = field(default_factory=dict)  # how each was started, its output
     _tmp: tempfile.TemporaryDirectory | None = None
     account_key_file: str = ""  # vLLM replicas: the file the router and the connectors read the account key from
+    oom_kills_at_start: int | None = None  # the kernel's OOM kills before start() (kvshare.memory_fit.oom_kills)
 
     @property
     def router_url(self) -> str:
@@ -51,6 +53,7 @@ class Cluster:
     def start(self, progress=None) -> Cluster:
         cfg = self.config
         kv = kvshare_command(cfg.log_level)
+        self.oom_kills_at_start = memory_fit.oom_kills()
         try:
             self._preflight()
             if cfg.pool_size is not None:
@@ -266,10 +269,12 @@ class Cluster:
         return path
 
     def _preflight(self) -> None:
-        """The model, the ports, the pool's size (kvshare.preflight) and vLLM's interpreter, before anything starts."""
+        """The model, the ports, the pool's size, the memory the replicas and the pool need (kvshare.preflight,
+        kvshare.memory_fit) and vLLM's interpreter, before anything starts."""
         from kvshare import preflight
         from kvshare.errors import UserError
         from kvshare.keys import DEFAULT_CHUNK_TOKENS
+        from kvshare.memory_fit import check_cluster_fits
         from kvshare.pool.allocator import default_extent_bytes
         from kvshare.units import parse_size
 
@@ -280,15 +285,16 @@ class Cluster:
         if cfg.pool_size is not None:
             try:
                 size = parse_size(str(cfg.pool_size))
-                extent_flag = _flag_value(cfg.pool_args, "--extent-size")
+                extent_flag = flag_value(cfg.pool_args, "--extent-size")
                 extent = parse_size(extent_flag) if extent_flag else default_extent_bytes(size)
-                chunk_tokens = int(_flag_value(cfg.replica_args, "--chunk-tokens") or DEFAULT_CHUNK_TOKENS)
+                chunk_tokens = int(flag_value(cfg.replica_args, "--chunk-tokens") or DEFAULT_CHUNK_TOKENS)
             except ValueError as exc:
                 raise UserError(str(exc)) from None
             preflight.check_pool_size(size, "--pool-size")
             if cfg.engine == "builtin":  # vLLM may run the KV in another dtype than the model's own
                 layout = preflight.model_layout(cfg.model, chunk_tokens)
                 preflight.check_pool_holds_a_page(size, extent, layout, cfg.model)
+        check_cluster_fits(cfg, size if cfg.pool_size is not None else 0)
         if cfg.engine == "vllm":
             from kvshare.integrations.vllm.launch import check_vllm_python
             from kvshare.serve.tenancy import read_account_key
@@ -311,9 +317,34 @@ class Cluster:
     def _wait_http(self, name: str) -> None:
         child = self.children[name]
         try:
-            wait_http_ready(child.spec.url, child.proc, self.config.ready_timeout_s, name, child.instance_id)
+            wait_http_ready(
+                child.spec.url,
+                child.proc,
+                self.config.ready_timeout_s,
+                name,
+                child.instance_id,
+                self.oom_kills_at_start,
+            )
         except (RuntimeError, TimeoutError) as exc:
-            raise type(exc)(f"{exc}{self._tail(name)}") from None
+            raise type(exc)(f"{exc}{self._needs(name)}{self._tail(name)}") from None
+
+    def _needs(self, name: str) -> str:
+        """For a built-in replica the OOM killer ended: what it was estimated to need."""
+        cfg = self.config
+        returncode = self.processes[name].returncode
+        if (
+            not name.startswith("replica")
+            or cfg.engine != "builtin"
+            or not memory_fit.oom_hint(returncode, self.oom_kills_at_start)
+        ):
+            return ""
+        from kvshare.memory_fit import replica_memory
+        from kvshare.placement import gpu_of_replica
+
+        device = gpu_of_replica(cfg.device, int(name[len("replica") :]))[0]
+        return (
+            f"; a replica of {cfg.model} needs about {replica_memory(cfg.model, cfg.replica_args, device).describe()}"
+        )
 
     def _tail(self, name: str) -> str:
         lines = self.output_lines(name) if self.processes[name].poll() is not None else []
@@ -373,17 +404,6 @@ def free_port_block(count: int, host: str = "127.0.0.1", attempts: int = 200) ->
         except OSError:
             continue
     raise RuntimeError(f"found no block of {count} free ports")
-
-
-def _flag_value(args: tuple[str, ...], flag: str) -> str | None:
-    """The value of ``flag`` in ``args`` (``--flag V`` or ``--flag=V``; the last one wins), None when absent."""
-    value = None
-    for i, arg in enumerate(args):
-        if arg == flag and i + 1 < len(args):
-            value = args[i + 1]
-        elif arg.startswith(flag + "="):
-            value = arg.split("=", 1)[1]
-    return value
 
 
 def _say(progress, message: str) -> None:
