@@ -73,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    # matplotlib's INFO lines (the font cache it builds on first use) say nothing about kvshare's run
+    logging.getLogger("matplotlib").setLevel(max(logging.WARNING, logging.getLogger().level))
     try:
         return int(args._module.run(args) or 0)
     except KeyboardInterrupt:
