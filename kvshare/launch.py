@@ -71,6 +71,8 @@ class Cluster:
                 # so kvshare pool-stats / pool-admin find it with no --socket
                 point_to_pool(self.config.pool_name, self.pool_socket)
                 _say(progress, "pool ready")
+            elif cfg.pool_socket is not None:  # a running pool (checked in the preflight): used, never stopped
+                self.pool_socket = cfg.pool_socket
             self.account_key_file = self._account_key_file()
             ready: set[int] = set()
             for i in range(cfg.num_replicas):
@@ -294,6 +296,11 @@ class Cluster:
             if cfg.engine == "builtin":  # vLLM may run the KV in another dtype than the model's own
                 layout = preflight.model_layout(cfg.model, chunk_tokens)
                 preflight.check_pool_holds_a_page(size, extent, layout, cfg.model)
+        if cfg.pool_socket is not None:
+            try:
+                wait_for_pool(cfg.pool_socket, timeout_s=0)
+            except PoolUnavailable as exc:
+                raise UserError(f"--pool {cfg.pool_socket}: no pool answers there ({exc})") from None
         check_cluster_fits(cfg, size if cfg.pool_size is not None else 0)
         if cfg.engine == "vllm":
             from kvshare.integrations.vllm.launch import check_vllm_python
@@ -359,7 +366,8 @@ class Cluster:
             if proc is not None:
                 stop_process(proc, timeout_s=15)
         if self._tmp is not None:
-            unpoint_pool(self.config.pool_name, self.pool_socket)
+            if self.config.pool_size is not None:  # only the pointer to the pool this cluster started
+                unpoint_pool(self.config.pool_name, self.pool_socket)
             self._tmp.cleanup()
             self._tmp = None
 

@@ -1,5 +1,7 @@
 """Start a whole cluster: the pool, N replicas and the router, and keep it up; Ctrl-C or SIGTERM stops all of them.
 
+``--pool SOCKET`` uses a running pool instead of starting one (and leaves it running); ``--pool off`` runs none.
+
 A child that dies is started again with backoff (kvshare.supervisor); ``up`` exits 1 when one
 crash-loops (more than --max-restarts exits within --restart-window seconds), naming it, how it
 exited and its last lines, and 2 when the cluster cannot start (a flag, a port in use, a model or a
@@ -35,7 +37,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="cpu, cuda, cuda:N, or one per replica as a comma list, cycled (cuda:0,cuda:1: a GPU each)",
     )
     p.add_argument("--pool-size", default="4GiB", help="size of the pool this command starts")
-    p.add_argument("--pool", default=None, help="'off' to run without a pool")
+    p.add_argument(
+        "--pool",
+        default=None,
+        metavar="SOCKET|off",
+        help="the socket of a running pool to use instead of starting one (it is left running), or off",
+    )
     p.add_argument("--policy", choices=POLICIES, default="round_robin")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=tcp_port, default=8080, help="router port; replicas take the next N ports")
@@ -179,8 +186,9 @@ def run(args: argparse.Namespace) -> int:
     from kvshare.launch import Cluster, ClusterConfig
     from kvshare.supervisor import CrashLoop, Supervisor
 
-    if args.pool not in (None, "off"):
-        raise UserError("up starts its own pool: use --pool-size SIZE, or --pool off")
+    running_pool = args.pool if args.pool not in (None, "off") else None
+    if running_pool is not None and args.kv_events:
+        raise UserError("--kv-events: up binds the events of a pool it starts; a running pool publishes its own")
     if args.deterministic and args.engine != "builtin":
         raise UserError("--deterministic is a mode of the built-in engine; vLLM replicas do not have it")
     if args.kv_dtype != "auto" and args.engine != "builtin":
@@ -198,7 +206,8 @@ def run(args: argparse.Namespace) -> int:
             model=args.model,
             engine=args.engine,
             device=args.device,
-            pool_size=None if args.pool == "off" else args.pool_size,
+            pool_size=None if args.pool is not None else args.pool_size,
+            pool_socket=running_pool,
             policy=args.policy,
             host=args.host,
             port=args.port,
@@ -220,8 +229,16 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(str(exc)) from None
     console = Console()
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+
+    def on_signal(*_) -> None:  # Ctrl-C or SIGTERM: while starting, give the start up (it stops what it started)
+        is_starting = not stop.is_set() and not supervising.is_set()
+        stop.set()
+        if is_starting:
+            raise KeyboardInterrupt
+
+    supervising = threading.Event()
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     cluster = Cluster(config)
     supervisor = Supervisor(
         cluster,
@@ -235,11 +252,15 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"[bold]kvshare up[/bold]: router {cluster.router_url} (policy {config.policy})")
         for i, url in enumerate(cluster.replica_urls):
             console.print(f"  replica{i}: {url}")
-        console.print(
-            f"  pool: {cluster.pool_socket or 'off'}"
-            + (f" (pool-stats / pool-admin --name {config.pool_name})" if cluster.pool_socket else "")
-        )
+        if config.pool_socket is not None:
+            console.print(f"  pool: {cluster.pool_socket} (running before up: pool-stats / pool-admin --socket)")
+        else:
+            console.print(
+                f"  pool: {cluster.pool_socket or 'off'}"
+                + (f" (pool-stats / pool-admin --name {config.pool_name})" if cluster.pool_socket else "")
+            )
         console.print("Ctrl-C stops everything.")
+        supervising.set()
         while not stop.wait(0.5):
             supervisor.poll()
     except CrashLoop as exc:
@@ -248,5 +269,19 @@ def run(args: argparse.Namespace) -> int:
     except (RuntimeError, TimeoutError) as exc:
         raise UserError(str(exc)) from None
     finally:
+        if stop.is_set():
+            console.print(f"kvshare up: stopping the router, {_replicas(config)} and {_pool(config)}...")
         cluster.stop()
+        if stop.is_set():
+            console.print("kvshare up: stopped")
     return 0
+
+
+def _replicas(config) -> str:
+    return f"{config.num_replicas} replica" + ("s" if config.num_replicas != 1 else "")
+
+
+def _pool(config) -> str:
+    if config.pool_socket is not None:
+        return f"not the pool at {config.pool_socket} (it was running before: it keeps running)"
+    return "the pool" if config.pool_size is not None else "no pool"
