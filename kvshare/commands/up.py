@@ -2,7 +2,7 @@
 
 ``--pool SOCKET`` uses a running pool instead of starting one (and leaves it running); ``--pool off`` runs none.
 
-A child that dies is started again with backoff (kvshare.supervisor); ``up`` exits 1 when one
+A child that dies is started again with backoff (docs/operations.md); ``up`` exits 1 when one
 crash-loops (more than --max-restarts exits within --restart-window seconds), naming it, how it
 exited and its last lines, and 2 when the cluster cannot start (a flag, a port in use, a model or a
 pool size that cannot work, a child that exits before it is ready).
@@ -20,9 +20,14 @@ from kvshare.supervisor import RestartPolicy
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--replicas", type=int, default=2, help="replicas to start")
     p.add_argument("--model", default="tiny", help="a model directory or preset (default tiny)")
-    p.add_argument("--engine", choices=("builtin", "vllm"), default="builtin")
+    p.add_argument(
+        "--engine",
+        choices=("builtin", "vllm"),
+        default="builtin",
+        help="what the replicas run: kvshare's engine or vLLM",
+    )
     p.add_argument(
         "--model-revision",
         default="",
@@ -43,8 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="SOCKET|off",
         help="the socket of a running pool to use instead of starting one (it is left running), or off",
     )
-    p.add_argument("--policy", choices=POLICIES, default="round_robin")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--policy", choices=POLICIES, default="round_robin", help="the router's placement policy (README)")
+    p.add_argument("--host", default="127.0.0.1", help="address the router and replicas listen on")
     p.add_argument("--port", type=tcp_port, default=8080, help="router port; replicas take the next N ports")
     p.add_argument("--name", default="", help="the pool's name for pool-stats / pool-admin --name (default: the port)")
     p.add_argument("--vllm-python", default=None, help="python of the virtual environment that holds vLLM")
