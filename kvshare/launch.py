@@ -276,7 +276,6 @@ class Cluster:
         from kvshare import preflight
         from kvshare.errors import UserError
         from kvshare.keys import DEFAULT_CHUNK_TOKENS
-        from kvshare.memory_fit import check_cluster_fits
         from kvshare.pool.allocator import default_extent_bytes
         from kvshare.units import parse_size
 
@@ -301,7 +300,7 @@ class Cluster:
                 wait_for_pool(cfg.pool_socket, timeout_s=0)
             except PoolUnavailable as exc:
                 raise UserError(f"--pool {cfg.pool_socket}: no pool answers there ({exc})") from None
-        check_cluster_fits(cfg, size if cfg.pool_size is not None else 0)
+        memory_fit.check_cluster_fits(cfg, size if cfg.pool_size is not None else 0)
         if cfg.engine == "vllm":
             from kvshare.integrations.vllm.launch import check_vllm_python
             from kvshare.serve.tenancy import read_account_key
@@ -345,13 +344,9 @@ class Cluster:
             or not memory_fit.oom_hint(returncode, self.oom_kills_at_start)
         ):
             return ""
-        from kvshare.memory_fit import replica_memory
-        from kvshare.placement import gpu_of_replica
-
         device = gpu_of_replica(cfg.device, int(name[len("replica") :]))[0]
-        return (
-            f"; a replica of {cfg.model} needs about {replica_memory(cfg.model, cfg.replica_args, device).describe()}"
-        )
+        needs = memory_fit.replica_memory(cfg.model, cfg.replica_args, device)
+        return f"; a replica of {cfg.model} needs about {needs.describe()}"
 
     def _tail(self, name: str) -> str:
         lines = self.output_lines(name) if self.processes[name].poll() is not None else []

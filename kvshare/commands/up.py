@@ -180,16 +180,10 @@ def kv_events_args(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[str
     return pool, router if args.policy == "pool_aware" else ()
 
 
-def run(args: argparse.Namespace) -> int:
-    import signal
-    import sys
-    import threading
-
-    from rich.console import Console
-
+def cluster_config(args: argparse.Namespace):
+    """The ClusterConfig of up's flags (a UserError names a flag that cannot work)."""
     from kvshare.errors import UserError
-    from kvshare.launch import Cluster, ClusterConfig
-    from kvshare.supervisor import CrashLoop, Supervisor
+    from kvshare.launch import ClusterConfig
 
     running_pool = args.pool if args.pool not in (None, "off") else None
     if running_pool is not None and args.kv_events:
@@ -206,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
     router_args += ("--expose-replica-header",) if args.expose_replica_header else ()
     try:
         pool_events, router_events = kv_events_args(args)
-        config = ClusterConfig(
+        return ClusterConfig(
             num_replicas=args.replicas,
             model=args.model,
             engine=args.engine,
@@ -229,21 +223,50 @@ def run(args: argparse.Namespace) -> int:
             model_revision=args.model_revision,
             replica_kv_events_port=args.replica_kv_events_port,
         )
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+
+
+class StopSignals:
+    """Ctrl-C and SIGTERM: once the cluster is up they end the supervision loop; while it is still starting they
+    interrupt the start (KeyboardInterrupt), which stops what has started."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.stop = threading.Event()
+        self.is_supervising = False
+
+    def install(self) -> None:
+        import signal
+
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+
+    def _on_signal(self, *_) -> None:
+        is_starting = not self.stop.is_set() and not self.is_supervising
+        self.stop.set()
+        if is_starting:
+            raise KeyboardInterrupt
+
+
+def run(args: argparse.Namespace) -> int:
+    import sys
+
+    from rich.console import Console
+
+    from kvshare.errors import UserError
+    from kvshare.launch import Cluster
+    from kvshare.supervisor import CrashLoop, Supervisor
+
+    config = cluster_config(args)
+    try:
         policy = RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window)
     except ValueError as exc:
         raise UserError(str(exc)) from None
     console = Console()
-    stop = threading.Event()
-
-    def on_signal(*_) -> None:  # Ctrl-C or SIGTERM: while starting, give the start up (it stops what it started)
-        is_starting = not stop.is_set() and not supervising.is_set()
-        stop.set()
-        if is_starting:
-            raise KeyboardInterrupt
-
-    supervising = threading.Event()
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    signals = StopSignals()
+    signals.install()
     cluster = Cluster(config)
     supervisor = Supervisor(
         cluster,
@@ -254,19 +277,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         with console.status("starting the cluster...") as status:
             cluster.start(progress=lambda msg: status.update(msg))
-        console.print(f"[bold]kvshare up[/bold]: router {cluster.router_url} (policy {config.policy})")
-        for i, url in enumerate(cluster.replica_urls):
-            console.print(f"  replica{i}: {url}")
-        if config.pool_socket is not None:
-            console.print(f"  pool: {cluster.pool_socket} (running before up: pool-stats / pool-admin --socket)")
-        else:
-            console.print(
-                f"  pool: {cluster.pool_socket or 'off'}"
-                + (f" (pool-stats / pool-admin --name {config.pool_name})" if cluster.pool_socket else "")
-            )
-        console.print("Ctrl-C stops everything.")
-        supervising.set()
-        while not stop.wait(0.5):
+        _print_cluster(console, cluster)
+        signals.is_supervising = True
+        while not signals.stop.wait(0.5):
             supervisor.poll()
     except CrashLoop as exc:
         print(f"kvshare up: error: {exc}", file=sys.stderr, flush=True)
@@ -274,12 +287,26 @@ def run(args: argparse.Namespace) -> int:
     except (RuntimeError, TimeoutError) as exc:
         raise UserError(str(exc)) from None
     finally:
-        if stop.is_set():
+        if signals.stop.is_set():
             console.print(f"kvshare up: stopping the router, {_replicas(config)} and {_pool(config)}...")
         cluster.stop()
-        if stop.is_set():
+        if signals.stop.is_set():
             console.print("kvshare up: stopped")
     return 0
+
+
+def _print_cluster(console, cluster) -> None:
+    config = cluster.config
+    console.print(f"[bold]kvshare up[/bold]: router {cluster.router_url} (policy {config.policy})")
+    for i, url in enumerate(cluster.replica_urls):
+        console.print(f"  replica{i}: {url}")
+    if config.pool_socket is not None:
+        console.print(f"  pool: {cluster.pool_socket} (running before up: pool-stats / pool-admin --socket)")
+    elif cluster.pool_socket:
+        console.print(f"  pool: {cluster.pool_socket} (pool-stats / pool-admin --name {config.pool_name})")
+    else:
+        console.print("  pool: off")
+    console.print("Ctrl-C stops everything.")
 
 
 def _replicas(config) -> str:
