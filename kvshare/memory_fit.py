@@ -116,7 +116,12 @@ def check_cluster_fits(cfg: ClusterConfig, pool_bytes: int) -> None:
     placed: dict[tuple[str, str | None], list[ReplicaMemory]] = {}
     for i in range(cfg.num_replicas):
         device, visible = gpu_of_replica(cfg.device, i)
-        placed.setdefault((device, visible), []).append(replica_memory(cfg.model, cfg.replica_args, device))
+        try:
+            memory = replica_memory(cfg.model, cfg.replica_args, device)
+        except (KeyError, ValueError) as exc:  # a --replica-arg value the replica itself will refuse, by name
+            log.debug("no memory estimate for the replicas (%s)", exc)
+            return
+        placed.setdefault((device, visible), []).append(memory)
     _check_host(cfg.model, [m for group in placed.values() for m in group], pool_bytes)
     totals = _gpu_totals()
     for (device, visible), replicas in placed.items():

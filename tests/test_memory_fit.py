@@ -96,3 +96,8 @@ def test_the_estimate_counts_the_weights_and_kv_a_replica_holds(tmp_path):
     preset = memory_fit.replica_memory("tiny", ("--dtype", "bfloat16", "--local-cache-size", "off"), "cpu")
     assert preset.weights == preflight.PRESET_SIZES["tiny"][0] * 2 and preset.local_cache == 0
     assert abs(preset.weights * 2 - on_disk) < on_disk // 100  # float32 on disk: twice bf16's bytes, give or take
+
+
+def test_a_replica_flag_the_estimate_cannot_read_is_left_to_the_replica(machine):
+    """An unknown --kv-dtype is the replica's to refuse (it names the flag); the preflight does not crash on it."""
+    preflight_of(model="qwen3-8b", num_replicas=2, replica_args=("--kv-dtype", "fp4"))
