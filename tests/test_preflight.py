@@ -73,3 +73,17 @@ def test_socket_directory_must_exist(tmp_path):
     preflight.check_socket_dir(str(tmp_path / "pool.sock"))
     with pytest.raises(UserError, match=f"the directory {tmp_path}/missing does not exist"):
         preflight.check_socket_dir(str(tmp_path / "missing" / "pool.sock"))
+
+
+def test_preset_sizes_agree_with_the_presets():
+    import torch
+
+    from kvshare.engine.model import Transformer
+    from kvshare.engine.presets import PRESETS, preset_tensors
+
+    assert set(preflight.PRESET_SIZES) == set(PRESETS)
+    for name, preset in PRESETS.items():
+        with torch.device("meta"):
+            model = Transformer(preset.config)
+        parameters = sum(t.numel() for _, t in preset_tensors(model))
+        assert preflight.PRESET_SIZES[name] == (parameters, preset.config.max_position_embeddings), name

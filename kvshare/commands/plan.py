@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from kvshare.commands.serve import add_kv_dtype_argument
+from kvshare.commands.serve import DTYPES, add_dtype_argument, add_kv_dtype_argument
 from kvshare.units import parse_count
 
 
@@ -18,32 +18,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         required=True,
         help="cached tokens the pool should hold (4096, 100k = 100000, 32K = 32768)",
     )
-    p.add_argument("--chunk-tokens", type=int, default=256)
+    p.add_argument("--chunk-tokens", type=int, default=256, help="tokens per pool page (the replicas' --chunk-tokens)")
+    add_dtype_argument(p)
     add_kv_dtype_argument(p)
-    p.add_argument(
-        "--dtype",
-        action=_DeprecatedDtype,
-        dest="kv_dtype",
-        default=argparse.SUPPRESS,
-        help="deprecated spelling of --kv-dtype (also takes torch names such as bfloat16)",
-    )
     p.add_argument("--high-watermark", type=float, default=0.95, help="the pool's eviction threshold")
-    p.add_argument("--json", action="store_true")
-
-
-class _DeprecatedDtype(argparse.Action):
-    """``--dtype X``: stored as ``--kv-dtype``, with a one-line notice on stderr."""
-
-    def __call__(self, parser, namespace, value, option_string=None) -> None:
-        import sys
-
-        from kvshare.engine.config import KV_DTYPE_CHOICES, KV_DTYPES
-
-        kv_dtype = {torch_name: name for name, torch_name in KV_DTYPES.items()}.get(value, value)
-        if kv_dtype not in KV_DTYPE_CHOICES:
-            parser.error(f"argument --dtype: {value!r} is not a KV dtype; choose one of {', '.join(KV_DTYPE_CHOICES)}")
-        print(f"kvshare plan: --dtype is deprecated; use --kv-dtype {kv_dtype}", file=sys.stderr)
-        setattr(namespace, self.dest, kv_dtype)
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
 
 
 def _count(text: str) -> int:
@@ -114,10 +93,12 @@ def run(args: argparse.Namespace) -> int:
     from kvshare.engine.config import kv_storage_dtype
     from kvshare.engine.presets import model_config_of
     from kvshare.errors import UserError
+    from kvshare.preflight import check_model
 
+    check_model(args.model)  # a mistyped path or preset named as every command names it
     try:
         config = model_config_of(args.model)
-        dtype = kv_storage_dtype(args.kv_dtype, config.dtype)
+        dtype = kv_storage_dtype(args.kv_dtype, DTYPES[args.dtype] or config.dtype)  # as a replica runs it
         result = plan(config, args.tokens, args.chunk_tokens, dtype, args.high_watermark)
     except (ValueError, KeyError, OSError) as exc:
         raise UserError(str(exc)) from None
