@@ -175,6 +175,15 @@ def chunk_keys(
     return keys
 
 
+def state_key(chunk_key: bytes) -> bytes:
+    """The key of a hybrid model's state checkpoint at the end of the chunk keyed ``chunk_key``.
+
+    A checkpoint is an object of its own beside that chunk's KV (kvshare.state_layout): one may be held where
+    the other is not, so it has a key of its own, derived from the chunk's (and so naming the same prefix and
+    namespace) and never equal to any chunk's key."""
+    return hashlib.blake2b(b"kvshare-state-v1\0" + chunk_key, digest_size=KEY_BYTES).digest()
+
+
 def extend_chunk_keys(
     previous_keys: Sequence[bytes],
     ns_digest: bytes,

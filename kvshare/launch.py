@@ -17,8 +17,9 @@ import subprocess
 import tempfile
 from dataclasses import dataclass, field
 
+from kvshare import memory_fit
 from kvshare.children import Child, ChildSpec, health_answer, start_child, wait_http_ready
-from kvshare.cluster_config import ClusterConfig
+from kvshare.cluster_config import ClusterConfig, flag_value
 from kvshare.paths import point_to_pool, unpoint_pool
 from kvshare.placement import cpu_threads_env, find_vllm_python, gpu_memory_share, gpu_of_replica, starts_after
 from kvshare.pool.client import PoolUnavailable
@@ -33,6 +34,7 @@ class Cluster:
     children: dict[str, Child] = field(default_factory=dict)  # how each was started, its output
     _tmp: tempfile.TemporaryDirectory | None = None
     account_key_file: str = ""  # vLLM replicas: the file the router and the connectors read the account key from
+    oom_kills_at_start: int | None = None  # the kernel's OOM kills before start() (kvshare.memory_fit.oom_kills)
 
     @property
     def router_url(self) -> str:
@@ -51,6 +53,7 @@ class Cluster:
     def start(self, progress=None) -> Cluster:
         cfg = self.config
         kv = kvshare_command(cfg.log_level)
+        self.oom_kills_at_start = memory_fit.oom_kills()
         try:
             self._preflight()
             if cfg.pool_size is not None:
@@ -66,6 +69,8 @@ class Cluster:
                 # so kvshare pool-stats / pool-admin find it with no --socket
                 point_to_pool(self.config.pool_name, self.pool_socket)
                 _say(progress, "pool ready")
+            elif cfg.pool_socket is not None:  # a running pool (checked in the preflight): used, never stopped
+                self.pool_socket = cfg.pool_socket
             self.account_key_file = self._account_key_file()
             ready: set[int] = set()
             for i in range(cfg.num_replicas):
@@ -282,7 +287,8 @@ class Cluster:
         return path
 
     def _preflight(self) -> None:
-        """The model, the ports, the pool's size (kvshare.preflight) and vLLM's interpreter, before anything starts."""
+        """The model, the ports, the pool's size, the memory the replicas and the pool need (kvshare.preflight,
+        kvshare.memory_fit) and vLLM's interpreter, before anything starts."""
         from kvshare import preflight
         from kvshare.errors import UserError
         from kvshare.keys import DEFAULT_CHUNK_TOKENS
@@ -296,15 +302,21 @@ class Cluster:
         if cfg.pool_size is not None:
             try:
                 size = parse_size(str(cfg.pool_size))
-                extent_flag = _flag_value(cfg.pool_args, "--extent-size")
+                extent_flag = flag_value(cfg.pool_args, "--extent-size")
                 extent = parse_size(extent_flag) if extent_flag else default_extent_bytes(size)
-                chunk_tokens = int(_flag_value(cfg.replica_args, "--chunk-tokens") or DEFAULT_CHUNK_TOKENS)
+                chunk_tokens = int(flag_value(cfg.replica_args, "--chunk-tokens") or DEFAULT_CHUNK_TOKENS)
             except ValueError as exc:
                 raise UserError(str(exc)) from None
             preflight.check_pool_size(size, "--pool-size")
             if cfg.engine == "builtin":  # vLLM may run the KV in another dtype than the model's own
                 layout = preflight.model_layout(cfg.model, chunk_tokens)
                 preflight.check_pool_holds_a_page(size, extent, layout, cfg.model)
+        if cfg.pool_socket is not None:
+            try:
+                wait_for_pool(cfg.pool_socket, timeout_s=0)
+            except PoolUnavailable as exc:
+                raise UserError(f"--pool {cfg.pool_socket}: no pool answers there ({exc})") from None
+        memory_fit.check_cluster_fits(cfg, size if cfg.pool_size is not None else 0)
         if cfg.engine == "vllm":
             from kvshare.integrations.vllm.launch import check_vllm_python
             from kvshare.serve.tenancy import read_account_key
@@ -327,9 +339,30 @@ class Cluster:
     def _wait_http(self, name: str) -> None:
         child = self.children[name]
         try:
-            wait_http_ready(child.spec.url, child.proc, self.config.ready_timeout_s, name, child.instance_id)
+            wait_http_ready(
+                child.spec.url,
+                child.proc,
+                self.config.ready_timeout_s,
+                name,
+                child.instance_id,
+                self.oom_kills_at_start,
+            )
         except (RuntimeError, TimeoutError) as exc:
-            raise type(exc)(f"{exc}{self._tail(name)}") from None
+            raise type(exc)(f"{exc}{self._needs(name)}{self._tail(name)}") from None
+
+    def _needs(self, name: str) -> str:
+        """For a built-in replica the OOM killer ended: what it was estimated to need."""
+        cfg = self.config
+        returncode = self.processes[name].returncode
+        if (
+            not name.startswith("replica")
+            or cfg.engine != "builtin"
+            or not memory_fit.oom_hint(returncode, self.oom_kills_at_start)
+        ):
+            return ""
+        device = gpu_of_replica(cfg.device, int(name[len("replica") :]))[0]
+        needs = memory_fit.replica_memory(cfg.model, cfg.replica_args, device)
+        return f"; a replica of {cfg.model} needs about {needs.describe()}"
 
     def _tail(self, name: str) -> str:
         lines = self.output_lines(name) if self.processes[name].poll() is not None else []
@@ -344,7 +377,8 @@ class Cluster:
             if proc is not None:
                 stop_process(proc, timeout_s=15)
         if self._tmp is not None:
-            unpoint_pool(self.config.pool_name, self.pool_socket)
+            if self.config.pool_size is not None:  # only the pointer to the pool this cluster started
+                unpoint_pool(self.config.pool_name, self.pool_socket)
             self._tmp.cleanup()
             self._tmp = None
 
@@ -389,17 +423,6 @@ def free_port_block(count: int, host: str = "127.0.0.1", attempts: int = 200) ->
         except OSError:
             continue
     raise RuntimeError(f"found no block of {count} free ports")
-
-
-def _flag_value(args: tuple[str, ...], flag: str) -> str | None:
-    """The value of ``flag`` in ``args`` (``--flag V`` or ``--flag=V``; the last one wins), None when absent."""
-    value = None
-    for i, arg in enumerate(args):
-        if arg == flag and i + 1 < len(args):
-            value = args[i + 1]
-        elif arg.startswith(flag + "="):
-            value = arg.split("=", 1)[1]
-    return value
 
 
 def _say(progress, message: str) -> None:

@@ -16,7 +16,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="small",
         help="small: contexts up to 8k tokens, a few minutes; smoke: seconds",
     )
-    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--replicas", type=int, default=2, help="replicas of the cluster it starts")
     p.add_argument("--port", type=tcp_port, default=8080, help="router port; replicas take the next ports")
 
 

@@ -1,6 +1,6 @@
 """Write a synthetic preset (random weights, fixed seed) as an ordinary Hugging Face model directory.
 
-The qwen3 presets are GPU shapes (16 GB and 65 GB of weights): on a machine without a GPU
+The qwen3 and qwen3.5 presets but qwen3.5-tiny are GPU shapes (16 to 65 GB of weights): on a machine without a GPU
 ``make-model`` asks before it writes one (``--yes`` answers for it; without a terminal it
 refuses unless ``--yes`` is given).
 """
@@ -18,15 +18,24 @@ CONFIRM_ABOVE_BYTES = 1 << 30  # larger presets are meant for a GPU
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("preset", choices=PRESET_NAMES, help="tiny (CPU), or qwen3-8b / qwen3-32b shapes (GPU, bf16)")
+    p.add_argument(
+        "preset",
+        choices=PRESET_NAMES,
+        help="tiny or qwen3.5-tiny (CPU), or the qwen3-8b / qwen3-32b / qwen3.5-9b / qwen3.5-27b shapes (GPU, bf16)",
+    )
     p.add_argument("--out", required=True, help="directory to write (created if missing)")
     p.add_argument(
         "--device",
         default="cpu",
-        help="where to build: the qwen3 presets draw their weights there (part of their identity); "
-        "tiny always on the CPU",
+        help="where to build: the GPU presets draw their weights there (part of their identity); "
+        "the tiny ones always on the CPU",
     )
-    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"), help="default: the preset's")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=("float32", "bfloat16", "float16"),
+        help="the dtype its weights are written in, which a replica runs it in (default: the preset's own)",
+    )
     p.add_argument("--yes", action="store_true", help="write a GPU preset on a machine without a GPU without asking")
     p.add_argument(
         "--no-weights",

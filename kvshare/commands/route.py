@@ -12,12 +12,19 @@ from kvshare.router.pool_aware import PoolAwareConfig
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replica", action="append", required=True, help="replica base URL (repeat for each)")
-    p.add_argument("--policy", choices=POLICIES, default="round_robin")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=tcp_port, default=8080)
+    p.add_argument("--policy", choices=POLICIES, default="round_robin", help="how a request picks its replica (README)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=tcp_port, default=8080, help="port to listen on")
     p.add_argument("--health-interval", type=float, default=1.0, help="seconds between health checks")
-    p.add_argument("--session-header", default="X-Session-ID")
-    p.add_argument("--session-ttl", type=float, default=3600.0)
+    p.add_argument(
+        "--session-header", default="X-Session-ID", help="header naming a session (else the body's user field)"
+    )
+    p.add_argument(
+        "--session-ttl",
+        type=float,
+        default=3600.0,
+        help="seconds a session's placement is remembered after its last turn",
+    )
     p.add_argument(
         "--api-key",
         action="append",
@@ -123,7 +130,12 @@ def _add_pool_aware_arguments(p: argparse.ArgumentParser) -> None:
         "its GPU prefix cache from them instead of what the router sent it",
     )
     cost = CostModel()
-    g.add_argument("--kv-bytes-per-token", type=int, default=cost.kv_bytes_per_token)
+    g.add_argument(
+        "--kv-bytes-per-token",
+        type=int,
+        default=cost.kv_bytes_per_token,
+        help="the model's KV bytes per token (kvshare plan prints it), for the expected time of a pool load",
+    )
     g.add_argument(
         "--load-bandwidth",
         type=float,

@@ -1,16 +1,18 @@
-"""The large presets' tokenizer: a byte-level BPE of 131072 tokens trained with ``tokenizers`` on generated text.
+"""The large presets' tokenizers: byte-level BPEs trained with ``tokenizers`` on generated text.
 
-A 260-token byte tokenizer makes tokenization nearly free and so hides what a text prompt costs; this
-one costs what a real checkpoint's does (Qwen2's pre-tokenizer pattern, a vocabulary of the same order).
-Its ids::
+A 260-token byte tokenizer makes tokenization nearly free and so hides what a text prompt costs; these
+cost what a real checkpoint's does (Qwen2's pre-tokenizer pattern, a vocabulary of the model's size):
+``bpe`` of 131072 tokens for the Qwen3 shapes, ``bpe248k`` of 248320 (Qwen3.5's vocabulary) for the Qwen3.5
+shapes. Their ids::
 
     0..255        byte b -> id b (GPT-2's printable stand-in characters), as the byte tokenizer
     256..259      <|bos|> <|eos|> <|im_start|> <|im_end|>, as the byte tokenizer
-    260..131071   merged tokens, in merge order
+    260..V-1      merged tokens, in merge order
 
-The trained file ships in the package (``data/preset_bpe.json.xz``, about 0.7 MB; training takes ~12 s
-on two cores): every make-model run writes the same bytes whatever ``tokenizers`` version is installed.
-``train_bpe`` rebuilds it from the recipe below (tests/engine/test_bpe.py compares, marked slow).
+The trained files ship in the package (``data/preset_bpe.json.xz``, about 0.7 MB, ~12 s to train on two
+cores; ``data/preset_bpe_248k.json.xz``, about 1.5 MB, ~60 s): every make-model run writes the same bytes
+whatever ``tokenizers`` version is installed. ``train_bpe`` rebuilds them from the recipes below
+(tests/engine/test_bpe.py compares, marked slow).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import lzma
 import os
 import random
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from kvshare.engine.token_cache import TokenCacheConfig
 from kvshare.engine.tokenizer import (
@@ -39,10 +42,30 @@ PRETOKENIZE_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-PRESET_VOCAB_SIZE = 131072
-PRESET_NUM_WORDS = 150_000  # distinct generated words: enough pairs for PRESET_VOCAB_SIZE tokens
 PRESET_SEED = 20261205
-DATA_FILE = os.path.join(os.path.dirname(__file__), "data", "preset_bpe.json.xz")
+DATA_DIR = os.path.join(os.path.dirname(__file__), "data")
+
+
+@dataclass(frozen=True)
+class PresetBPE:
+    """A shipped BPE's recipe: its vocabulary, the distinct generated words it is trained on, its file."""
+
+    vocab_size: int
+    num_words: int  # enough distinct words that the corpus has pairs for vocab_size tokens
+    file_name: str
+
+    @property
+    def path(self) -> str:
+        return os.path.join(DATA_DIR, self.file_name)
+
+
+PRESET_BPES = {
+    "bpe": PresetBPE(131072, 150_000, "preset_bpe.json.xz"),
+    "bpe248k": PresetBPE(248320, 300_000, "preset_bpe_248k.json.xz"),
+}
+PRESET_VOCAB_SIZE = PRESET_BPES["bpe"].vocab_size
+PRESET_NUM_WORDS = PRESET_BPES["bpe"].num_words
+DATA_FILE = PRESET_BPES["bpe"].path
 
 _CONSONANTS = "bcdfghjklmnprstvwz"
 _VOWELS = "aeiou"
@@ -112,52 +135,60 @@ def train_bpe(vocab_size: int = PRESET_VOCAB_SIZE, num_words: int = PRESET_NUM_W
     return tok
 
 
-def preset_bpe_json() -> str:
-    """The shipped tokenizer.json text of the presets' BPE."""
-    with lzma.open(DATA_FILE, "rt", encoding="utf-8") as f:
+def train_preset_bpe(kind: str = "bpe"):
+    """Train the shipped BPE ``kind`` from its recipe."""
+    recipe = PRESET_BPES[kind]
+    return train_bpe(recipe.vocab_size, recipe.num_words, PRESET_SEED)
+
+
+def preset_bpe_json(kind: str = "bpe") -> str:
+    """The shipped tokenizer.json text of the preset BPE ``kind``."""
+    with lzma.open(PRESET_BPES[kind].path, "rt", encoding="utf-8") as f:
         return f.read()
 
 
-@functools.lru_cache(maxsize=1)
-def preset_bpe_text() -> str:
-    """preset_bpe_json(), read once per process."""
-    return preset_bpe_json()
+@functools.lru_cache(maxsize=len(PRESET_BPES))
+def preset_bpe_text(kind: str = "bpe") -> str:
+    """preset_bpe_json(kind), read once per process."""
+    return preset_bpe_json(kind)
 
 
-def preset_bpe_tokenizer():
-    """A ``tokenizers.Tokenizer`` of the presets' BPE (each call a fresh object)."""
+def preset_bpe_tokenizer(kind: str = "bpe"):
+    """A ``tokenizers.Tokenizer`` of the preset BPE ``kind`` (each call a fresh object)."""
     from tokenizers import Tokenizer as HFTokenizer
 
-    return HFTokenizer.from_str(preset_bpe_text())
+    return HFTokenizer.from_str(preset_bpe_text(kind))
 
 
-PRESET_TOKENIZERS = ("byte", "bpe")
+PRESET_TOKENIZERS = ("byte", *PRESET_BPES)
 
 
 def preset_tokenizer_files(kind: str, max_length: int):
-    """(``tokenizers.Tokenizer``, tokenizer_config.json) of a preset's tokenizer: ``byte`` or ``bpe`` (both
-    carry the same special tokens, ids and chat template)."""
+    """(``tokenizers.Tokenizer``, tokenizer_config.json) of a preset's tokenizer: ``byte`` or a BPE of PRESET_BPES
+    (all carry the same special tokens, ids and chat template)."""
     if kind == "byte":
         return build_byte_tokenizer(), byte_tokenizer_config(max_length)
-    if kind == "bpe":
-        return preset_bpe_tokenizer(), byte_tokenizer_config(max_length)
+    if kind in PRESET_BPES:
+        return preset_bpe_tokenizer(kind), byte_tokenizer_config(max_length)
     raise ValueError(f"unknown preset tokenizer {kind!r}; choose one of {', '.join(PRESET_TOKENIZERS)}")
 
 
 def preset_tokenizer(kind: str, max_length: int, cache_config: TokenCacheConfig = TokenCacheConfig()) -> Tokenizer:
     """The engine's Tokenizer of a preset's tokenizer (long texts cut and cached by ``cache_config``)."""
     tokenizer, config = preset_tokenizer_files(kind, max_length)
-    text = preset_bpe_text() if kind == "bpe" else None
+    text = preset_bpe_text(kind) if kind in PRESET_BPES else None
     return Tokenizer(tokenizer, config, [EOS_ID, IM_END_ID], cache_config, tokenizer_json=text)
 
 
-def write_preset_bpe_data(path: str = DATA_FILE) -> None:
-    """Train and write the shipped file (``python -m kvshare.engine.bpe``)."""
-    text = train_bpe().to_str()
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with lzma.open(path, "wt", encoding="utf-8", preset=9) as f:
+def write_preset_bpe_data(kind: str = "bpe") -> None:
+    """Train and write the shipped file of ``kind`` (``python -m kvshare.engine.bpe [KIND]``)."""
+    text = train_preset_bpe(kind).to_str()
+    os.makedirs(DATA_DIR, exist_ok=True)
+    with lzma.open(PRESET_BPES[kind].path, "wt", encoding="utf-8", preset=9) as f:
         f.write(text)
 
 
 if __name__ == "__main__":
-    write_preset_bpe_data()
+    import sys
+
+    write_preset_bpe_data(*sys.argv[1:2])

@@ -8,16 +8,23 @@ No torch here: dtypes are named by string.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
-from kvshare.errors import UserError
+from kvshare.engine.hybrid_config import (
+    FULL_ATTENTION,
+    QWEN3_5_MOE_TYPES,
+    QWEN3_5_TYPES,
+    LinearAttentionConfig,
+    qwen3_5_fields,
+)
+from kvshare.engine.unsupported import UnsupportedModel, refuse
 from kvshare.keys import DEFAULT_CHUNK_TOKENS
 
 if TYPE_CHECKING:
     from kvshare.pool.event_publisher import KVEventsConfig
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3_5")
 CUDA_GRID_TOKENS = 2048  # the deterministic mode's default grid on CUDA (rounded up to a multiple of the chunk)
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 # --kv-dtype: the storage dtype of the sequence KV (and so of the pool's pages); "auto" is the model's dtype.
@@ -29,15 +36,11 @@ ATTENTION_CHOICES = ("auto", "flash", "sdpa")  # a prefill's attention (kvshare.
 FP8_KV_SCALE = 1.0
 
 
-class UnsupportedModel(UserError):
-    """A model configuration uses a feature the built-in engine does not implement."""
-
-
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shapes and options of a Llama / Qwen2 / Qwen3 decoder."""
+    """Shapes and options of a Llama / Qwen2 / Qwen3 decoder, or of a Qwen3.5 hybrid (kvshare.engine.hybrid_config)."""
 
-    arch: str  # "llama" | "qwen2" | "qwen3"
+    arch: str  # "llama" | "qwen2" | "qwen3" | "qwen3_5"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -54,6 +57,11 @@ class ModelConfig:
     mlp_bias: bool = False  # Llama's mlp_bias
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim of q and k before RoPE
     dtype: str = "float32"
+    # a hybrid's layers (Qwen3.5): each "full_attention" or "linear_attention" (Gated DeltaNet); empty: every layer
+    # is full attention. Qwen3.5's attention also gates its output and scales its norms by (1 + weight).
+    layer_types: tuple[str, ...] = ()
+    rotary_dim: int = 0  # the leading dims of each head that RoPE rotates; 0: all of head_dim
+    linear_attention: LinearAttentionConfig | None = None  # the Gated DeltaNet layers' shapes (a hybrid's)
 
     def __post_init__(self) -> None:
         if self.arch not in SUPPORTED_ARCHS:
@@ -77,11 +85,50 @@ class ModelConfig:
             raise UnsupportedModel(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
         if self.head_dim % 2:
             raise UnsupportedModel(f"head_dim {self.head_dim} is odd (RoPE needs pairs)")
+        if self.rotary_dim % 2 or not 0 <= self.rotary_dim <= self.head_dim:
+            raise UnsupportedModel(f"rotary_dim {self.rotary_dim} is odd or outside 0..head_dim {self.head_dim}")
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ValueError(f"{len(self.layer_types)} layer_types for {self.num_layers} layers")
+        if self.is_hybrid and (self.linear_attention is None or self.arch != "qwen3_5"):
+            raise UnsupportedModel(f"linear-attention layers need the qwen3_5 architecture's shapes, not {self.arch!r}")
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether some layers are linear attention (Gated DeltaNet): their state is recurrent, not KV."""
+        return any(t != FULL_ATTENTION for t in self.layer_types)
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers that keep KV (every layer of a model without layer_types)."""
+        return tuple(i for i in range(self.num_layers) if not self.layer_types or self.layer_types[i] == FULL_ATTENTION)
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers in the KV layout: the attention layers (a hybrid's GDN layers keep a state instead)."""
+        return len(self.attention_layers)
+
+    @property
+    def num_linear_layers(self) -> int:
+        return self.num_layers - self.num_kv_layers
+
+    @property
+    def rope_dim(self) -> int:
+        """Dims of each head that RoPE rotates."""
+        return self.rotary_dim or self.head_dim
 
     @property
     def kv_bytes_per_token(self) -> int:
         itemsize = 4 if self.dtype == "float32" else 2
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * itemsize
+        return self.num_kv_layers * 2 * self.num_kv_heads * self.head_dim * itemsize
+
+    def identity_fields(self) -> dict:
+        """The fields that name this configuration (kvshare.keys.config_fingerprint): every field, the hybrid ones
+        left out of a model without them, so an attention model's fingerprint stays what it was before they existed."""
+        fields = asdict(self)
+        if not self.is_hybrid:
+            for name in ("layer_types", "rotary_dim", "linear_attention"):
+                del fields[name]
+        return fields
 
 
 def kv_storage_dtype(kv_dtype: str, model_dtype: str) -> str:
@@ -100,10 +147,6 @@ def kv_precision(storage_dtype: str) -> str:
     return f"e4m3 scale {FP8_KV_SCALE}" if storage_dtype == "float8_e4m3fn" else "native"
 
 
-def _refuse(feature: str, detail: str) -> UnsupportedModel:
-    return UnsupportedModel(f"the built-in engine does not support {feature} ({detail})")
-
-
 def _rope_theta(hf: dict) -> float:
     """RoPE base, refusing every scaling variant (yarn, linear, dynamic, llama3, longrope, ...)."""
     legacy = hf.get("rope_scaling")
@@ -113,41 +156,48 @@ def _rope_theta(hf: dict) -> float:
             continue
         kind = block.get("rope_type", block.get("type", "default"))
         if kind not in (None, "default"):
-            raise _refuse(f"rope scaling variant {kind!r}", f"{source} = {block}")
+            raise refuse(f"rope scaling variant {kind!r}", f"{source} = {block}")
     theta = (params or {}).get("rope_theta", hf.get("rope_theta", 10000.0))
     if hf.get("partial_rotary_factor", 1.0) != 1.0:
-        raise _refuse("partial rotary embeddings", f"partial_rotary_factor = {hf['partial_rotary_factor']}")
+        raise refuse("partial rotary embeddings", f"partial_rotary_factor = {hf['partial_rotary_factor']}")
     return float(theta)
 
 
 def _refuse_unsupported(hf: dict, model_type: str) -> None:
+    if model_type in QWEN3_5_MOE_TYPES:
+        raise refuse("mixture-of-experts layers (MoE)", f"model_type = {model_type!r}")
     if model_type not in SUPPORTED_ARCHS:
-        raise _refuse(f"model_type {model_type!r}", f"supported: {', '.join(SUPPORTED_ARCHS)}")
+        raise refuse(f"model_type {model_type!r}", f"supported: {', '.join(SUPPORTED_ARCHS)}")
     for key in ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size"):
         if hf.get(key):
-            raise _refuse("mixture-of-experts layers (MoE)", f"{key} = {hf[key]}")
+            raise refuse("mixture-of-experts layers (MoE)", f"{key} = {hf[key]}")
     if hf.get("use_sliding_window"):
-        raise _refuse(
+        raise refuse(
             "sliding window attention", f"use_sliding_window = true, sliding_window = {hf.get('sliding_window')}"
         )
     if model_type == "llama" and hf.get("sliding_window"):
-        raise _refuse("sliding window attention", f"sliding_window = {hf['sliding_window']}")
+        raise refuse("sliding window attention", f"sliding_window = {hf['sliding_window']}")
     layer_types = hf.get("layer_types") or []
     other = sorted({t for t in layer_types if t != "full_attention"})
     if other:
-        raise _refuse("hybrid attention layers", f"layer_types contains {', '.join(map(repr, other))}")
+        raise refuse(
+            f"hybrid attention layers in {model_type!r}",
+            f"layer_types contains {', '.join(map(repr, other))}; the hybrid served is qwen3_5",
+        )
     act = hf.get("hidden_act", "silu")
     if act != "silu":
-        raise _refuse(f"activation {act!r}", "only silu (SwiGLU) is implemented")
+        raise refuse(f"activation {act!r}", "only silu (SwiGLU) is implemented")
     if hf.get("quantization_config"):
-        raise _refuse("quantized weights", f"quantization_config = {hf['quantization_config']}")
+        raise refuse("quantized weights", f"quantization_config = {hf['quantization_config']}")
     if hf.get("pretraining_tp", 1) not in (1, None):
-        raise _refuse("pretraining_tp > 1", f"pretraining_tp = {hf['pretraining_tp']}")
+        raise refuse("pretraining_tp > 1", f"pretraining_tp = {hf['pretraining_tp']}")
 
 
 def model_config_from_hf(hf: dict) -> ModelConfig:
     """ModelConfig from a parsed config.json; raises UnsupportedModel naming what is not supported."""
     model_type = str(hf.get("model_type", ""))
+    if model_type in QWEN3_5_TYPES:
+        return ModelConfig(**qwen3_5_fields(hf))
     _refuse_unsupported(hf, model_type)
     num_heads = int(hf["num_attention_heads"])
     hidden = int(hf["hidden_size"])
@@ -213,6 +263,9 @@ class EngineConfig:
     # prefill attention (ATTENTION_CHOICES): auto = FlashAttention's varlen kernel where a
     # library for it loads on CUDA (bf16/fp16), else SDPA; flash = that or an error; sdpa = SDPA always
     attention: str = "auto"
+    # a hybrid model (Gated DeltaNet layers) keeps the state at the end of every this many chunks of a prompt
+    # (and at its last whole chunk) for local reuse: at the 27B shape a state is 147 MiB, 64 chunks' KV 1 GiB
+    state_checkpoint_chunks: int = 64
 
     @property
     def grid_len(self) -> int:
@@ -233,6 +286,8 @@ class EngineConfig:
         for name in ("chunk_tokens", "prefill_chunk_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"EngineConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.state_checkpoint_chunks < 0:
+            raise ValueError(f"state_checkpoint_chunks must be >= 0, got {self.state_checkpoint_chunks}")
         if not 0.0 <= self.verify_fraction <= 1.0:
             raise ValueError(f"verify_fraction must lie in [0, 1], got {self.verify_fraction}")
         if self.staging_buffers < 2:

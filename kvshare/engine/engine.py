@@ -16,6 +16,7 @@ A request, in order::
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -31,11 +32,15 @@ from kvshare.engine.config import EngineConfig, kv_precision, kv_storage_dtype
 from kvshare.engine.decode_graph import DecodeGraphs
 from kvshare.engine.flash import AttentionChoice, use_attention
 from kvshare.engine.fused import use_fused
+from kvshare.engine.gdn_kernels import use_gdn_kernels
 from kvshare.engine.grid import grid_forward
 from kvshare.engine.grid_check import start_grid
+from kvshare.engine.hybrid_decode_graph import HybridDecodeGraphs
+from kvshare.engine.hybrid_grid_check import check_hybrid_grid
+from kvshare.engine.hybrid_prefill import HybridPrefill
 from kvshare.engine.kv_cache import KVBuffer
 from kvshare.engine.loader import load_model, resolve_device
-from kvshare.engine.pool_link import PoolLink, PoolLoad
+from kvshare.engine.pool_kv import PoolKV, PoolLoad
 from kvshare.engine.prefix_cache import LocalPrefixCache
 from kvshare.engine.publish import PromptPublisher, wait_for
 
@@ -50,6 +55,7 @@ from kvshare.layout import KVLayout
 from kvshare.transfer import TransferConfig
 
 MAX_CACHED_DIGESTS = 4096  # namespace digests kept (one per tenant and cache_salt seen lately)
+log = logging.getLogger(__name__)
 
 
 class Engine:
@@ -66,12 +72,17 @@ class Engine:
             )
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         kv_dtype = kv_storage_dtype(config.kv_dtype, mc.dtype)  # the KV's dtype, so the pool pages'
-        self.layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, kv_dtype, config.chunk_tokens)
+        # the attention layers' KV (a hybrid's Gated DeltaNet layers keep a state instead: kvshare.engine.gdn_state)
+        self.layout = KVLayout(mc.num_kv_layers, mc.num_kv_heads, mc.head_dim, kv_dtype, config.chunk_tokens)
         self.fused = use_fused(self.model, self.device)  # norms, RoPE, SiLU: one pass each (before the grid's test)
         self.attention = use_attention(self.model, config.attention, self.device, config.deterministic)  # prefill's
+        self.gdn_kernels = use_gdn_kernels(self.model, self.device) if mc.is_hybrid else None  # the delta rule's
         # the deterministic mode: its self-test refuses it (GridCheckFailed) where this device's kernels are not exact
+        check = check_hybrid_grid if mc.is_hybrid else None  # None: the attention models' (grid_check.check_grid)
         self.grid = (
-            start_grid(self.model, self.device, config.grid_len, config.chunk_tokens) if config.deterministic else None
+            start_grid(self.model, self.device, config.grid_len, config.chunk_tokens, check)
+            if config.deterministic
+            else None
         )
         if self.attention.prefill is not None and self.model.prefill_attention is None:  # the grid's test left it
             self.attention = AttentionChoice("sdpa", None, f"{self.attention.name} is not exact here on the grid")
@@ -79,7 +90,7 @@ class Engine:
             **loaded.identity(config.model_revision),
             kv_dtype=kv_dtype,
             kv_precision=kv_precision(kv_dtype),
-            num_layers=mc.num_layers,
+            num_layers=self.layout.num_layers,
             num_kv_heads=mc.num_kv_heads,
             head_dim=mc.head_dim,
             chunk_tokens=config.chunk_tokens,
@@ -98,9 +109,20 @@ class Engine:
         self._local = LocalPrefixCache(config.local_cache_bytes, config.kv_events)  # kv_events: announce it
         self._stats = EngineStats()
         self._lock = threading.Lock()  # one request at a time owns the sequence KV
-        self._pool: PoolLink | None = None
-        if config.pool_socket:
-            self._pool = PoolLink(
+        self._pool: PoolKV | None = None
+        # a hybrid's prefill resumes only where it holds a state (kvshare.engine.hybrid_prefill)
+        self.hybrid = None
+        if mc.is_hybrid:
+            decode_step = self._decode_step if self._use_graphs else None
+            self.hybrid = HybridPrefill(self.model, self._kv, self._local, config, self.grid, decode_step)
+        if config.pool_socket and mc.is_hybrid:
+            log.warning(
+                "the pool is not used for %s: a hybrid model (Gated DeltaNet layers) resumes a prefix only with the "
+                "layers' state, which pool pages do not hold yet; this replica reuses prefixes locally only",
+                self.model_name,
+            )
+        elif config.pool_socket:
+            self._pool = PoolKV(
                 config.pool_socket,
                 self.layout,
                 self.device,
@@ -158,6 +180,7 @@ class Engine:
             local_cache_bytes=self._local.num_bytes,
             local_cache_capacity_bytes=self._local.capacity_bytes,
             local_out_of_memory=counters.out_of_memory,
+            is_pool_connected=self._pool is not None and self._pool.is_connected,
         )
 
     @contextmanager
@@ -180,6 +203,8 @@ class Engine:
         """Forget chunks found wrong: remove them from the local cache and the pool. (local, pool) counts removed."""
         with self._lock:
             self._kv.held.forget()  # it may hold the chunks found wrong
+            if self.hybrid is not None:
+                self.hybrid.forget()
             num_local = self._local.discard(keys)
             num_pool = self._pool.drop(list(keys)) if self._pool is not None else 0
             return num_local, num_pool
@@ -224,7 +249,11 @@ class Engine:
             if options.timeline is not None:
                 options.timeline.mark("hashing")
             started = time.perf_counter()
-            logits, provenance = self._prefill(kv, ids, keys, options, in_place)
+            if self.hybrid is None:
+                logits, provenance, cold_seconds = self._prefill(kv, ids, keys, options, in_place)
+            else:
+                logits, provenance = self.hybrid.prefill(kv, ids, keys, options, in_place, digest)
+                cold_seconds = None
             self._count_prompt(provenance)
             generator = make_generator(params.seed)
             counts = TokenCounts(self.model_config.vocab_size, torch.from_numpy(ids)) if params.has_penalties else None
@@ -255,7 +284,9 @@ class Engine:
                         wait_for(publishing)
                     yield TokenEvent(token.token_id, token.logprob, token.top_logprobs, finish, provenance)
                     if publishing is None:  # after the first token, and beside the decode: it delays no other
-                        publishing = self._publisher.submit(self._publish, kv, keys, digest, account, options, ids)
+                        publishing = self._publisher.submit(
+                            self._publish, kv, keys, digest, account, options, ids, cold_seconds
+                        )
                     if finish is not None:
                         break
                     logits = self._decode_step(kv, token.token_id, position)  # writes only positions >= n
@@ -264,7 +295,7 @@ class Engine:
             finally:
                 # a consumer that closes the stream after the first token still leaves the prompt's chunks
                 if num_generated and publishing is None:
-                    self._publish(kv, keys, digest, account, options, ids)
+                    self._publish(kv, keys, digest, account, options, ids, cold_seconds)
                 if publishing is not None:  # the stream ends, and the next request may reuse kv, once it is stored
                     wait_for(publishing)
                 if num_generated and reuses:  # the prompt's KV is complete, and every fed token's; like the
@@ -289,7 +320,7 @@ class Engine:
     def _decode_graphs(self, kv: torch.Tensor) -> DecodeGraphs:
         if self._graphs is None or self._graphs.kv is not kv:
             self._graphs = None
-            graphs = DecodeGraphs(self.model, kv)
+            graphs = HybridDecodeGraphs(self.model, kv) if self.hybrid is not None else DecodeGraphs(self.model, kv)
             graphs.capture()
             self._graphs = graphs
         return self._graphs
@@ -370,7 +401,7 @@ class Engine:
             else:
                 logits = grid_forward(self.model, prompt_ids[cached_len:], kv, cached_len, self.grid.grid_tokens)
         provenance = Provenance(cached_len - pool_chunks * c, pool_chunks * c, n - cached_len, self.grid is not None)
-        return logits, provenance
+        return logits, provenance, load.cold_seconds
 
     def _reusable_after_check(self, local_chunks: int, verified_chunks: int) -> tuple[int, int]:
         """(local, pool) chunks still reused when only the load's first ``verified_chunks`` passed their check.
@@ -388,7 +419,16 @@ class Engine:
         return min(local_chunks, used), max(0, used - local_chunks)
 
     def _publish(
-        self, kv: torch.Tensor, keys: list[bytes], digest: bytes, account: bytes, options: RequestOptions, ids
+        self,
+        kv: torch.Tensor,
+        keys: list[bytes],
+        digest: bytes,
+        account: bytes,
+        options: RequestOptions,
+        ids,
+        cold_seconds: float | None,
     ) -> None:
-        """The prompt's full chunks to the local cache and the pool (kvshare.engine.publish)."""
-        self._publisher.publish(kv, keys, digest, account, options, ids)
+        """The prompt's full chunks to the local cache and the pool (kvshare.engine.publish); a hybrid's state
+        checkpoints at chunk ends to the local cache."""
+        checkpoints = self.hybrid.taken_checkpoints() if self.hybrid is not None else []
+        self._publisher.publish(kv, keys, digest, account, options, ids, cold_seconds, checkpoints)

@@ -168,7 +168,10 @@ def _build():
 
 
 def use_fused(model, device: torch.device) -> FusedChoice:
-    """``choose_fused`` for ``model`` (a kvshare.engine.model.Transformer), set on its modules."""
+    """``choose_fused`` for ``model`` (a kvshare.engine.model.Transformer), set on its modules. A hybrid (Qwen3.5)
+    runs the eager code: its norms scale by (1 + weight) and its RoPE turns part of each head, as no kernel does."""
+    if model.config.is_hybrid:
+        return FusedChoice(None, "a hybrid model's norms and partial RoPE have no fused kernel")
     weight = model.model.embed_tokens.weight
     chosen = choose_fused(device, weight.dtype, model.config.head_dim, model.config.hidden_size)
     set_fused(model, chosen.kernels)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -32,7 +32,7 @@ class LoadedModel:
         return {
             "model_id": model_revision,
             "weights_fingerprint": "" if model_revision else self.weights_fingerprint,
-            "config_id": config_fingerprint(asdict(self.config)),
+            "config_id": config_fingerprint(self.config.identity_fields()),
         }
 
 

@@ -21,6 +21,7 @@ import torch
 from kvshare.engine.bpe import preset_tokenizer_files
 from kvshare.engine.presets import (
     build_preset,
+    checkpoint_tensors,
     config_json_bytes,
     file_metadata,
     get_preset,
@@ -37,11 +38,11 @@ LARGE_BYTES = 1 << 30  # above this, warn: the GPU presets are meant to be built
 
 
 def preset_weight_bytes(name: str, dtype: str | None = None) -> int:
-    from kvshare.engine.model import Transformer
+    from kvshare.engine.architectures import new_model
 
     hf = preset_hf_config(get_preset(name), dtype)
     with torch.device("meta"):
-        model = Transformer(get_preset(name).config)
+        model = new_model(get_preset(name).config)
     itemsize = torch.empty((), dtype=TORCH_DTYPES[hf["dtype"]]).element_size()
     return sum(t.numel() for _n, t in preset_tensors(model)) * itemsize
 
@@ -63,7 +64,7 @@ def write_model_dir(name: str, out_dir: str, device: str = "cpu", dtype: str | N
             raise UserError(f"{out_dir} has {format_bytes(free)} free; preset {name} needs {format_bytes(size)}")
     dev = torch.device(device)
     model, _config, _recipe = build_preset(name, dev, dtype)
-    tensors = preset_tensors(model)
+    tensors = checkpoint_tensors(model)
     draw_device = dev.type if preset.draw_on_device else "cpu"
     write_safetensors(os.path.join(out_dir, "model.safetensors"), tensors, file_metadata(preset, draw_device))
     del model, tensors

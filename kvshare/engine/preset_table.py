@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass
 
 from kvshare.engine.config import ModelConfig, model_config_from_hf
+from kvshare.engine.hybrid_presets import qwen3_5_config, with_dtype
 from kvshare.engine.tokenizer import BOS_ID, EOS_ID
 from kvshare.errors import UserError
 
@@ -30,7 +31,9 @@ class Preset:
     linear_gain: float  # std of a projection entry = gain / sqrt(fan_in)
     head_gain: float  # the same for an untied LM head
     draw_on_device: bool  # False: drawn on the CPU (same weights on every device); True: on the target device (fast)
-    tokenizer: str = "byte"  # "byte" (260 tokens) or "bpe" (131072 tokens, kvshare.engine.bpe): what text costs
+    tokenizer: str = (
+        "byte"  # "byte" (260 tokens), "bpe" (131072) or "bpe248k" (248320, kvshare.engine.bpe): what text costs
+    )
 
     @property
     def config(self) -> ModelConfig:
@@ -143,6 +146,66 @@ PRESETS: dict[str, Preset] = {
         draw_on_device=True,
         tokenizer="bpe",
     ),
+    # the Qwen3.5 dense hybrid (kvshare.engine.hybrid_presets: shapes and their sources)
+    "qwen3.5-tiny": Preset(
+        "qwen3.5-tiny",
+        qwen3_5_config(
+            num_layers=8,
+            dtype="float32",
+            vocab_size=260,
+            hidden_size=256,
+            intermediate_size=768,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=32,
+            linear_value_head_dim=32,
+            max_position_embeddings=32768,
+        ),
+        seed=20261207,
+        embed_std=1.0,
+        linear_gain=2.0,
+        head_gain=4.0,
+        draw_on_device=False,
+    ),
+    "qwen3.5-9b": Preset(
+        "qwen3.5-9b",
+        qwen3_5_config(
+            num_layers=32,
+            dtype="bfloat16",
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_attention_heads=16,
+            num_key_value_heads=4,
+            linear_num_value_heads=32,
+        ),
+        seed=9,
+        embed_std=1.0,
+        linear_gain=1.0,
+        head_gain=8.0,
+        draw_on_device=True,
+        tokenizer="bpe248k",
+    ),
+    "qwen3.5-27b": Preset(
+        "qwen3.5-27b",
+        qwen3_5_config(
+            num_layers=64,
+            dtype="bfloat16",
+            hidden_size=5120,
+            intermediate_size=17408,
+            num_attention_heads=24,
+            num_key_value_heads=4,
+            linear_num_value_heads=48,
+        ),
+        seed=27,
+        embed_std=1.0,
+        linear_gain=1.0,
+        head_gain=8.0,
+        draw_on_device=True,
+        tokenizer="bpe248k",
+    ),
 }
 
 
@@ -162,8 +225,6 @@ def model_config_of(model: str) -> ModelConfig:
 
 
 def preset_hf_config(preset: Preset, dtype: str | None = None) -> dict:
-    hf = dict(preset.hf_config)
-    if dtype is not None:
-        hf["dtype"] = dtype
+    hf = dict(preset.hf_config) if dtype is None else with_dtype(preset.hf_config, dtype)
     hf["kvshare_preset"] = preset.name
     return hf

@@ -4,14 +4,14 @@ read the request's KV; the request holds the engine until its publish is done (`
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from kvshare.engine.kv_cache import KVBuffer
-from kvshare.engine.pool_link import PoolLink
+from kvshare.engine.pool_kv import PoolKV
 from kvshare.engine.prefix_cache import LocalPrefixCache
 from kvshare.engine.request import RequestOptions
 
@@ -19,7 +19,7 @@ from kvshare.engine.request import RequestOptions
 class PromptPublisher:
     """The publish threads of one engine: one stores each prompt, one makes the local cache's copies."""
 
-    def __init__(self, local: LocalPrefixCache, kv_buffer: KVBuffer, pool: PoolLink | None, device: torch.device):
+    def __init__(self, local: LocalPrefixCache, kv_buffer: KVBuffer, pool: PoolKV | None, device: torch.device):
         self._local, self._kv, self._pool, self.device = local, kv_buffer, pool, device
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvshare-publish")
         # the local cache's copies, beside the pool's store (in a row they outlasted a 128k prompt's decode)
@@ -31,21 +31,31 @@ class PromptPublisher:
 
     @torch.inference_mode()
     def publish(
-        self, kv: torch.Tensor, keys: list[bytes], digest: bytes, account: bytes, options: RequestOptions, ids
+        self,
+        kv: torch.Tensor,
+        keys: list[bytes],
+        digest: bytes,
+        account: bytes,
+        options: RequestOptions,
+        ids,
+        cold_seconds: float | None = None,
+        checkpoints: Sequence[tuple[bytes, torch.Tensor]] = (),
     ) -> None:
         """Offer the prompt's full chunks to the local cache and the pool (each keeps what it lacks), side by side:
-        both only read ``kv``; the request's lock is held until both are done. ``account``: whose pool quota."""
+        both only read ``kv``; the request's lock is held until both are done. ``account``: whose pool quota;
+        ``cold_seconds``: the prompt's prefill time when it reused nothing (the pool weighs it); ``checkpoints``:
+        a hybrid model's states at chunk ends, (chunk key, bytes), for the local cache."""
         # the request's stream: the local copies go on it (after the prefill, before kv is written next)
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         announced = None if options.tenant else ids  # a tenant's ids: never announced
         local = (
-            self._local_inserter.submit(self._insert_locally, kv, keys, stream, announced)
+            self._local_inserter.submit(self._insert_locally, kv, keys, stream, announced, checkpoints)
             if options.use_local_cache and self._local.capacity_bytes > 0
             else None
         )
         try:
             if options.use_pool and self._pool is not None:
-                self._pool.store(kv, keys, digest, stream, None if options.tenant else ids, account)
+                self._pool.store(kv, keys, digest, stream, announced, account, cold_seconds=cold_seconds)
         finally:
             if local is not None:
                 wait_for(local)
@@ -58,9 +68,11 @@ class PromptPublisher:
         self._local_inserter.shutdown(wait=True)
 
     @torch.inference_mode()
-    def _insert_locally(self, kv: torch.Tensor, keys: list[bytes], stream, ids) -> None:
+    def _insert_locally(self, kv: torch.Tensor, keys: list[bytes], stream, ids, checkpoints=()) -> None:
         with torch.cuda.stream(stream):  # None (CPU): no stream
             self._local.insert_prompt(keys, lambda i: self._kv.chunk(kv, i), ids)
+            for key, data in checkpoints:  # after the chunks: the most recently used, as a lookup leaves them
+                self._local.insert_checkpoint(key, data)
 
 
 def wait_for(publishing: Future) -> None:

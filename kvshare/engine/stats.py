@@ -40,8 +40,8 @@ class EngineStats:
     pool_unavailable: int = 0  # times a request went without the pool because it could not be reached
     pool_connects: int = 0  # successful (re)connections
     is_pool_configured: bool = False  # the engine was given a pool socket
-    is_pool_connected: bool = False  # ... and is connected to it now (kvshare_pool_connected)
-    pool_errors: int = 0  # requests the pool refused (logged); the request still completes
+    is_pool_connected: bool = False  # ... and is connected to it now (kvshare_pool_connected; read from the link)
+    pool_errors: int = 0  # pool calls that failed, the pool down or refusing (logged); the request still completes
 
 
 # the counters of requests (Engine.uncounted restores them); connection state and failures always count

@@ -125,13 +125,22 @@ def warm_suffix_kernels(
     ids = ids.to(engine.device)
     chunk = engine.config.prefill_chunk_tokens
     ran = 0
+    state = getattr(engine.model, "state", None)  # a hybrid's GDN state: each suffix resumes its prefix's
     with engine._lock, torch.inference_mode():
         kv = engine._kv.ensure(len(ids))
-        engine.model(ids[: max(fitting)], kv, 0, chunk)  # the prefixes' KV (a cold prefill)
+        if state is None:
+            engine.model(ids[: max(fitting)], kv, 0, chunk)  # the prefixes' KV (a cold prefill)
+        else:
+            at = {p: state.empty_checkpoint(p) for p in fitting}
+            engine.model(ids[: max(fitting)], kv, 0, chunk, checkpoints=at)
         for prefix in fitting:
             for n in lengths:
+                if state is not None:
+                    state.restore(at[prefix])
                 engine.model(ids[prefix : prefix + n], kv, prefix, chunk)
                 ran += 1
+        if state is not None:
+            state.reset()
         if engine.device.type == "cuda":
             torch.cuda.synchronize(engine.device)
     return ran

@@ -14,9 +14,10 @@ import struct
 from collections.abc import Iterable
 
 import torch
+from torch import nn
 
+from kvshare.engine.architectures import engine_weight_name, new_model
 from kvshare.engine.config import ModelConfig, model_config_from_hf
-from kvshare.engine.model import Transformer
 from kvshare.errors import UserError
 from kvshare.identity import model_fingerprint
 
@@ -50,9 +51,10 @@ def read_model_config(model_dir: str) -> tuple[dict, ModelConfig]:
 
 def load_model_dir(
     model_dir: str, device: torch.device, dtype: str | None = None, is_fingerprinted: bool = True
-) -> tuple[Transformer, ModelConfig, str]:
+) -> tuple[nn.Module, ModelConfig, str]:
     """(model on ``device``, its config, weights fingerprint) from a local HF directory; the fingerprint is
-    empty when ``is_fingerprinted`` is False (the user named the model's identity with --model-revision)."""
+    empty when ``is_fingerprinted`` is False (the user named the model's identity with --model-revision).
+    Tensors the engine does not run (a hybrid checkpoint's vision tower and MTP head) are not read."""
     from safetensors import safe_open
 
     _hf, config = read_model_config(model_dir)
@@ -60,20 +62,21 @@ def load_model_dir(
         config = ModelConfig(**{**config.__dict__, "dtype": dtype})
     target = TORCH_DTYPES[config.dtype]
     with torch.device("meta"):
-        model = Transformer(config)
+        model = new_model(config)
     state: dict[str, torch.Tensor] = {}
     for path in safetensors_files(model_dir):
         with safe_open(path, framework="pt", device=str(device)) as f:
             for name in f.keys():
-                if not name.endswith(_IGNORED_SUFFIXES):
-                    state[name] = f.get_tensor(name).to(target)
+                own = engine_weight_name(config, name)
+                if own is not None and not name.endswith(_IGNORED_SUFFIXES):
+                    state[own] = f.get_tensor(name).to(target)
     if config.tie_word_embeddings:
         state.setdefault("lm_head.weight", state.get("model.embed_tokens.weight"))
     assign_state(model, state, model_dir)
     return model, config, model_dir_fingerprint(model_dir) if is_fingerprinted else ""
 
 
-def assign_state(model: Transformer, state: dict[str, torch.Tensor], source: str) -> None:
+def assign_state(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
     """Put ``state`` into a meta-built model, checking that names and shapes match exactly."""
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state))

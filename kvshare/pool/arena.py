@@ -5,6 +5,15 @@ a stopped pool leaves no segment behind in /dev/shm. It is sealed at its size
 (no shrink, no grow, no further seals) before any client sees it: a client that
 ftruncates its copy of the fd gets EPERM instead of making every other mapping
 fault with SIGBUS.
+
+No seal forbids punching a hole (fallocate PUNCH_HOLE) while writes are allowed:
+only F_SEAL_WRITE and F_SEAL_FUTURE_WRITE do, and clients map the arena writable.
+On 4 KiB pages a hole reads as zeros (a page's checksum catches it, as it catches
+any bytes a client writes); on hugepages the punched page goes back to the
+reserve, and a mapping that touches it later dies of SIGBUS once the reserve is
+empty. A process of the pool's own uid can kill the pool and its replicas anyway;
+one of another uid (``--allow-uid``) must not be able to, so a pool that admits
+another uid never puts its arena on hugepages.
 """
 
 from __future__ import annotations
@@ -44,17 +53,26 @@ def hugepages_free_bytes(meminfo_path: str = "/proc/meminfo") -> int:
 HUGEPAGES_MODES = ("auto", "on", "off")
 
 
-def uses_hugepages(mode: str, size_bytes: int, free_hugepage_bytes: int) -> bool:
+def uses_hugepages(mode: str, size_bytes: int, free_hugepage_bytes: int, admits_other_uids: bool = False) -> bool:
     """Whether an arena of ``size_bytes`` goes on reserved 2 MiB hugepages (pure; ``on`` refuses what it cannot do).
 
-    ``auto`` (the default) takes them when enough are free and the size is whole 2 MiB pages; ``on``
-    demands them; ``off`` never uses them. A device reading host memory through an IOMMU (a GPU in a
-    virtual machine) pays per page translated: on the lent H200 a 256k load through the service ran at
-    0.95 of a pinned copy on 4 KiB pages and at 0.99 on hugepages (docs/operations.md, "Hugepages").
+    ``auto`` (the default) takes them when enough are free and the size is whole 2 MiB pages, unless the pool
+    admits clients of another uid (``admits_other_uids``: any of them could punch a hole that kills the others'
+    mappings, see above); ``on`` demands them; ``off`` never uses them. A device reading host memory through an
+    IOMMU (a GPU in a virtual machine) pays per page translated: on the lent H200 a 256k load through the service
+    ran at 0.95 of a pinned copy on 4 KiB pages and at 0.99 on hugepages (docs/operations.md, "Hugepages").
     """
     if mode not in HUGEPAGES_MODES:
         raise ArenaError(f"--hugepages takes one of {', '.join(HUGEPAGES_MODES)}, got {mode!r}")
     if mode == "off":
+        return False
+    if admits_other_uids:
+        if mode == "on":
+            raise ArenaError(
+                "--hugepages on with an --allow-uid of another user: any client holding the arena can punch a hole "
+                "in a hugepage arena (fallocate), which kills every other mapping of it; use --hugepages off, or "
+                "run every replica as the pool's user"
+            )
         return False
     is_whole = size_bytes % HUGEPAGE_BYTES == 0
     is_enough = free_hugepage_bytes >= size_bytes
@@ -96,13 +114,13 @@ def create_arena(size_bytes: int, hugepages: bool = False) -> int:
     return fd
 
 
-def open_arena(size_bytes: int, mode: str = "auto") -> tuple[int, mmap.mmap, bool]:
-    """(memfd, its shared mapping, is on hugepages) of a new arena, hugepages chosen by ``mode``.
+def open_arena(size_bytes: int, mode: str = "auto", admits_other_uids: bool = False) -> tuple[int, mmap.mmap, bool]:
+    """(memfd, its shared mapping, is on hugepages) of a new arena, hugepages chosen by ``mode`` (uses_hugepages).
 
     A hugetlb mapping reserves its pages when it is made, so a pool that lost a race for the last free
     hugepages to another process learns it here: ``on`` reports it, ``auto`` goes on with 4 KiB pages.
     """
-    is_huge = uses_hugepages(mode, size_bytes, hugepages_free_bytes())
+    is_huge = uses_hugepages(mode, size_bytes, hugepages_free_bytes(), admits_other_uids)
     fd = create_arena(size_bytes, is_huge)
     try:
         return fd, map_arena(fd, size_bytes), is_huge

@@ -25,11 +25,15 @@ import numpy as np
 from kvshare.pool import protocol as P
 from kvshare.pool.arena import ArenaError, check_sealed, map_arena
 from kvshare.pool.checksum import ChecksumKind, is_valid
+from kvshare.pool.client_errors import (
+    ChecksumMismatch,
+    PoolRequestError,
+    PoolUnavailable,
+)  # re-exported: callers import them from here
 from kvshare.pool.direct import register_client
 from kvshare.pool.direct_reader import DirectLeases, map_direct
-
-# the grants and errors live in kvshare.pool.grants and are re-exported: callers import them from here
-from kvshare.pool.grants import ChecksumMismatch, LeaseGrant, PoolRequestError, PoolUnavailable, ReservationGrant
+from kvshare.pool.forks import fork_count
+from kvshare.pool.grants import LeaseGrant, ReservationGrant
 from kvshare.pool.holders import TOKEN_BYTES
 from kvshare.pool.peers import peer_credentials, untrusted_pool_reason
 from kvshare.pool.spin import CpuPressure, SpinPolicy
@@ -64,6 +68,7 @@ class PoolClient:
         self._unmap_hooks: list[Callable[[], None]] = []
         self.wants_direct = direct  # lease committed chains with no round trip where the pool offers it (direct.py)
         self._direct: DirectLeases | None = None
+        self._owner = fork_count()  # the process whose connection this is: a forked child's copy sends nothing on it
         # A client dropped without close() (an engine never closed, collected later) unmaps its arena as
         # the mmap is freed: run the hooks then too. The finalizer holds the list, never the client.
         weakref.finalize(self, _run_hooks, self._unmap_hooks)
@@ -95,7 +100,7 @@ class PoolClient:
         self._use(sock)
         self._inbuf = bytearray(data)
         try:
-            reply = self._read_reply()
+            reply = self._read_reply(self.timeout_s)
             if isinstance(reply, P.ErrorReply):
                 raise PoolRequestError(reply.code, reply.message)
             if not isinstance(reply, P.HelloReply) or not fds:
@@ -126,6 +131,7 @@ class PoolClient:
             os.close(fd)  # the mappings keep the memfds alive
         self.arena = np.frombuffer(self._mmap, dtype=np.uint8)
         self.hello = reply
+        self._owner = fork_count()
         return self
 
     def _use(self, sock: socket.socket) -> None:
@@ -154,6 +160,7 @@ class PoolClient:
         ends its holds now. Without it (a timeout, a lost link) the pool keeps them while this process
         lives, or until their TTL, and a client with the same holder token can still release them.
         """
+        end_holds = end_holds and fork_count() == self._owner  # a forked child's copy ends nothing of its parent's
         if end_holds:
             if self._direct is not None:
                 self._direct, direct = None, self._direct
@@ -211,13 +218,16 @@ class PoolClient:
 
     # -- requests ----------------------------------------------------------------
 
-    def _call(self, request: P.Request) -> P.Reply:
+    def _call(self, request: P.Request, wait_s: float | None = None) -> P.Reply:
+        """One request and its reply, waited for ``wait_s`` (None: ``timeout_s``)."""
         with self._lock:
             if self._sock is None:
                 raise PoolUnavailable(f"not connected to the pool at {self.socket_path}")
+            if fork_count() != self._owner:  # replies on a shared connection would go to either process
+                raise PoolUnavailable("this client's connection is its parent process's (fork): connect a new one")
             try:
                 self._send(P.encode(request))
-                reply = self._read_reply()
+                reply = self._read_reply(self.timeout_s if wait_s is None else wait_s)
             except (OSError, EOFError) as exc:
                 self._close_socket()
                 raise PoolUnavailable(f"lost the pool at {self.socket_path}: {exc}") from None
@@ -225,14 +235,14 @@ class PoolClient:
             raise PoolRequestError(reply.code, reply.message)
         return reply
 
-    def _read_reply(self) -> P.Reply:
+    def _read_reply(self, wait_s: float) -> P.Reply:
         while True:
             frames = P.split_frames(self._inbuf, 1 << 30) if self._inbuf else []
             if frames:
                 if len(frames) > 1 or self._inbuf:
                     raise P.ProtocolError("the pool sent more than one reply")
                 return P.decode_reply(frames[0])
-            chunk = self._recv_some()
+            chunk = self._recv_some(wait_s)
             if not chunk:
                 raise EOFError("the pool closed the connection")
             size = P.FRAME_HEADER.size
@@ -240,9 +250,9 @@ class PoolClient:
                 return P.decode_reply(memoryview(chunk)[size:])  # the usual case: one whole reply at once
             self._inbuf += chunk
 
-    def _recv_some(self) -> bytes:
+    def _recv_some(self, wait_s: float) -> bytes:
         """What the socket holds next (b"": closed): polled without sleeping for the spin window (spin.py), then
-        waited for in poll (at most ``timeout_s``)."""
+        waited for in poll (at most ``wait_s``)."""
         sock = self._sock
         window_s = self.spin.window_s()
         if window_s > 0:
@@ -257,8 +267,8 @@ class PoolClient:
                     break
                 self.spin.record(True)
                 return chunk
-        if not self._poller.poll(max(1, int(self.timeout_s * 1000))):
-            raise TimeoutError(f"the pool did not answer within {self.timeout_s} s")
+        if not self._poller.poll(max(1, int(wait_s * 1000))):
+            raise TimeoutError(f"the pool did not answer within {wait_s} s")
         return sock.recv(1 << 16, socket.MSG_DONTWAIT)
 
     def _send(self, data: bytes) -> None:
@@ -275,7 +285,10 @@ class PoolClient:
         grant = self._direct.lookup(keys, page_bytes) if is_direct else None
         if grant is not None:
             return grant
-        reply = self._call(P.Lookup(keys=list(keys), page_bytes=page_bytes, lease=lease))
+        # a lookup the pool promotes from its remote tier is answered by its promote timeout: waited for
+        promotes = lease and self.hello is not None
+        wait_s = self.timeout_s + self.hello.lookup_wait_s if promotes else self.timeout_s
+        reply = self._call(P.Lookup(keys=list(keys), page_bytes=page_bytes, lease=lease), wait_s)
         return LeaseGrant(lease_id=reply.lease_id, pages=reply.pages)
 
     def release(self, lease_ids: list[int], wait: bool = False) -> None:
@@ -289,8 +302,8 @@ class PoolClient:
             self._call(P.Release(lease_ids=ids, reply=True))
             return
         with self._lock:
-            if self._sock is None:
-                return  # the pool released them when our connection dropped
+            if self._sock is None or fork_count() != self._owner:
+                return  # the pool keeps them for the holder (its connection dropped, or is another process's)
             try:
                 self._send(P.encode(P.Release(lease_ids=ids, reply=False)))
             except OSError:
@@ -302,6 +315,7 @@ class PoolClient:
         keys: list[bytes],
         page_bytes: int,
         first_depth: int = 0,
+        *,
         token_ids=None,
         account: bytes = b"",
         parent_key: bytes = b"",
@@ -315,9 +329,19 @@ class PoolClient:
         wanted = token_ids is not None and self.hello is not None and self.hello.wants_token_ids
         tokens_le32 = np.asarray(token_ids, dtype="<u4").tobytes() if wanted else b""
         tokens_le32 = tokens_le32 if len(tokens_le32) <= P.MAX_RESERVE_TOKEN_BYTES else b""
-        reserve = P.Reserve(namespace, list(keys), page_bytes, first_depth, tokens_le32, account, parent_key)
+        reserve = P.Reserve(
+            namespace=namespace,
+            keys=list(keys),
+            page_bytes=page_bytes,
+            first_depth=first_depth,
+            tokens_le32=tokens_le32,
+            account=account,
+            parent_key=parent_key,
+        )
         reply = self._call(reserve)
-        return ReservationGrant(reply.reservation_id, [tuple(g) for g in reply.grants], reply.num_no_room)
+        return ReservationGrant(
+            reservation_id=reply.reservation_id, grants=[tuple(g) for g in reply.grants], num_no_room=reply.num_no_room
+        )
 
     def commit(self, reservation_id: int, checksums: list[int], checksum_kind: ChecksumKind = ChecksumKind.XXH3) -> int:
         """Make the reservation's pages visible, one checksum of ``checksum_kind`` per page (in grant order)."""
@@ -349,7 +373,11 @@ class PoolClient:
 
     def report_prefill(self, namespace: bytes, page_bytes: int, num_chunks: int, seconds: float) -> bool:
         """Tell the pool a cold prefill of ``num_chunks`` chunks took ``seconds``; True when a remote tier took it."""
-        return bool(self._call(P.PrefillReport(namespace, page_bytes, num_chunks, seconds)).count)
+        return bool(
+            self._call(
+                P.PrefillReport(namespace=namespace, page_bytes=page_bytes, num_chunks=num_chunks, seconds=seconds)
+            ).count
+        )
 
     # -- page access ---------------------------------------------------------------
 

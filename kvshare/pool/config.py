@@ -72,3 +72,4 @@ class PoolConfig:
             raise ValueError(f"socket path too long for a Unix socket (max 107 bytes): {self.socket_path}")
         if self.remote is not None:
             self.remote.check_lease_ttl(self.index.lease_ttl_s)
+            self.remote.check_reservation_ttl(self.index.reservation_ttl_s)

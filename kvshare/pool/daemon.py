@@ -32,7 +32,7 @@ from kvshare.pool.direct import open_direct
 from kvshare.pool.event_publisher import open_pool_events
 from kvshare.pool.handlers import PoolHandlers, ServerCounters
 from kvshare.pool.index import PoolError, PoolIndex
-from kvshare.pool.peers import peer_credentials
+from kvshare.pool.peers import peer_credentials, peer_pidfd
 from kvshare.pool.remote import RemoteHooks, start_remote_tier
 from kvshare.pool.spin import CpuPressure, SpinPolicy
 
@@ -71,7 +71,8 @@ class PoolServer:
     def start(self) -> None:
         cfg = self.config
         self.events = open_pool_events(cfg.kv_events, self.index)  # first: a bad endpoint leaves nothing behind
-        self._memfd, self.arena, is_huge = open_arena(cfg.size_bytes, cfg.hugepages)
+        admits_other_uids = any(uid != os.getuid() for uid in cfg.allowed_uids)
+        self._memfd, self.arena, is_huge = open_arena(cfg.size_bytes, cfg.hugepages, admits_other_uids)
         self.direct = self.index.retired.direct = (
             open_direct(cfg.size_bytes, cfg.index.lease_ttl_s) if cfg.direct_lookups else None
         )
@@ -157,11 +158,7 @@ class PoolServer:
                         self._drop_client(client)
                 now = time.monotonic()
                 if now >= next_tick:
-                    self._close_silent_clients(now)
-                    self.handlers.tick(now)
-                    if self.direct is not None:
-                        self.direct.tick(self.index, self.handlers.holders.ids())
-                    self._snapshot()
+                    self._tick(now)
                     next_tick = now + self.config.tick_s
                     if not events and not is_checked_since_activity:
                         integrity_pass = self.handlers.check_when_idle(_INTEGRITY_ITEMS_PER_STEP)
@@ -170,6 +167,19 @@ class PoolServer:
                     is_checked_since_activity = False
         finally:
             self.close()
+
+    def _tick(self, now: float) -> None:
+        """Expiry, orphans, the direct tables, the stats snapshot. A bug here is logged and counted, and the loop
+        serves on: nothing a client did may end the pool for the others."""
+        try:
+            self._close_silent_clients(now)
+            self.handlers.tick(now)
+            if self.direct is not None:
+                self.direct.tick(self.index, self.handlers.holders.ids())
+            self._snapshot()
+        except Exception:
+            log.exception("internal error in the pool's tick")
+            self.counters.errors += 1
 
     def stop(self) -> None:
         """Ask the loop to end (safe from a signal handler)."""
@@ -217,20 +227,21 @@ class PoolServer:
         if uid not in allowed:
             self.counters.refused_peers += 1
             log.warning("refused a client with uid %d (pid %d); allowed uids: %s", uid, pid, allowed)
-            send_now(sock, P.encode(P.ErrorReply("not_allowed", f"uid {uid} may not use this pool")))
+            send_now(sock, P.encode(P.ErrorReply(code="not_allowed", message=f"uid {uid} may not use this pool")))
             sock.close()
             return
-        if pid == 0:  # a process in another pid namespace: whether it is gone cannot be known (holders.py)
+        pidfd = peer_pidfd(sock) if pid == 0 else None  # a process outside this pid namespace (holders.py)
+        if pid == 0 and pidfd is None:
             log.info(
-                "client of uid %d from another pid namespace: its holds outlive its connections until it says "
-                "goodbye or their TTL passes",
+                "client of uid %d from outside this pool's pid namespace, and no SO_PEERPIDFD (Linux < 6.5): its "
+                "holds outlive its connections until it says goodbye or their TTL passes",
                 uid,
             )
         sock.setblocking(False)
         client = Connection(sock=sock, client_id=self._next_client_id, pid=pid, uid=uid, connected_at=time.monotonic())
         self._next_client_id += 1
         self._clients[client.client_id] = client
-        self.handlers.connect(client.client_id, pid, uid)
+        self.handlers.connect(client.client_id, pid, uid, pidfd)
         self._selector.register(sock, selectors.EVENT_READ, client)
         self.counters.connections += 1
 
@@ -302,7 +313,7 @@ class PoolServer:
             if not client.is_greeted:  # not a kvshare client: nothing it says later can be trusted either
                 self._fail_and_close(client, "hello_required", f"the first message must be hello ({exc})")
                 return
-            self._reply(client, P.ErrorReply("malformed", str(exc)))
+            self._reply(client, P.ErrorReply(code="malformed", message=str(exc)))
             return
         if not client.is_greeted:
             self._on_hello(client, request)
@@ -322,11 +333,18 @@ class PoolServer:
         # Nothing is sent before hello, so the hello reply is the first unsent byte: _flush attaches the fds to it.
         assert not client.outbuf, "a reply was queued before the hello reply"
         client.owed_fds = [self._memfd]
+        table_fd = None
         if request.direct and self.direct is not None:
-            holder_id = self.handlers.holders.holder_id(client.client_id)
-            client.owed_fds += [self.direct.fd, self.direct.hold_table(holder_id)]
+            table_fd = self.direct.hold_table(self.handlers.holders.holder_id(client.client_id), client.uid)
+        if table_fd is not None:
+            client.owed_fds += [self.direct.fd, table_fd]
             direct = {"direct_slots": self.direct.num_slots, "direct_holds": self.direct.num_holds}
             reply = msgspec.structs.replace(reply, **direct, direct_misses=self.remote is None)
+        elif request.direct and self.direct is not None:
+            log.info(
+                "client %s: no hold table (its uid has as many as it may have): lookups take the round trip",
+                self._label(client),
+            )
         client.outbuf += P.encode(reply)
 
     def _answer_deferred(self, client_id: int, reply: P.Reply) -> None:
@@ -343,7 +361,7 @@ class PoolServer:
     def _fail_and_close(self, client: Connection, code: str, message: str) -> None:
         self.counters.errors += 1
         log.warning("closing client %s (pid %d): %s", self._label(client), client.pid, message)
-        send_now(client.sock, P.encode(P.ErrorReply(code, message)))
+        send_now(client.sock, P.encode(P.ErrorReply(code=code, message=message)))
         client.is_closing = True
         self._drop_client(client)
 
@@ -384,6 +402,8 @@ class PoolServer:
             self.config.remote, self.index, self.arena, self.config.index.lease_ttl_s, writer_id, promoter_id
         )
         self.handlers.remote = self.remote
+        # a promoting lookup is answered by its deadline, which the loop sees on its next tick
+        self.handlers.lookup_wait_s = self.config.remote.promote_timeout_s + self.config.tick_s
         self._selector.register(self.remote.wakeup, selectors.EVENT_READ, _REMOTE_WAKEUP)
 
     def _close_remote(self) -> None:

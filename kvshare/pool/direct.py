@@ -21,27 +21,30 @@ entry (its header counts those it could not place: a full bucket) and the pool
 has no remote tier (whose lookups promote what the arena lacks); else the lookup
 takes the round trip.
 
-The pool never frees or reuses the page of an entry that was published here until
-no live hold names its generation. When an entry leaves (eviction, drop, flush)
-the pool (a) takes it out of its slot, (b) runs membarrier(GLOBAL_EXPEDITED),
-which executes a full memory barrier on every CPU running a registered process
-(clients register before they map: ``register_client``), and (c) scans the hold
-tables. Either the client's hold was visible to (c), or the client's step 3 ran
-after (b) and so after (a), and it saw the slot change: a page is freed only when
-no reader can still be using it (the asymmetric-fence pattern of liburcu). A hold
-ends when the client clears it (its copies have ended), when the pool has seen it
-for longer than a lease's TTL (lease_ttl_s; timed by the pool's clock, never the
-client's), or when its holder is forgotten (holders.py: a Goodbye, or the process
-is gone).
+The pool never frees or reuses the page of an entry that was published here while
+a hold may name it. When an entry leaves (eviction, drop, flush) the pool (a) takes
+it out of its slot, (b) runs membarrier(GLOBAL_EXPEDITED), which executes a full
+memory barrier on every CPU running a registered process (clients register before
+they map: ``register_client``), and (c) scans the hold tables. Either the client's
+hold was visible to (c), or the client's step 3 ran after (b) and so after (a), and
+it saw the slot change: a page is freed only when no reader can still be using it
+(the asymmetric-fence pattern of liburcu). So the holds (c) saw are the only ones
+that keep the page (hold_tables.py): each until its client clears or changes it
+(its copies have ended), the pool has seen it for longer than a lease's TTL
+(lease_ttl_s, by the pool's clock from its first sight of that hold), or its
+holder is forgotten (holders.py: a Goodbye, or the process is gone). The same
+fence closes a table before the pool forgets a holder whose process lives (a
+dropped link): the CLOSED word, the barrier, a last scan; a client checks CLOSED
+in step 3 too.
 
 The scheme relies on x86-64's ordering of plain stores and loads (TSO) and on
 membarrier; elsewhere the pool offers no directory and every lookup takes the
-round trip. A hold table is the client's own and the pool trusts nothing in it
-beyond "these generations may be read": garbage there pins pages at most until
-the TTL, as leases can. Eviction does not see direct holds before it picks a
-victim: a page read that way may be taken out of view while read (it stays
-allocated until the hold ends); the client's touches (a ring in its table) keep
-what it reads at the recent end of the LRU order, as a lookup does.
+round trip. A hold table is the client's own and the pool reads it as if the
+client were hostile (hold_tables.py: copied before scanned, bounded, timed by the
+pool). Eviction skips the pages a scan finds held (it would free nothing with
+them); the client's touches (a ring in its table) keep what it reads at the recent
+end of the LRU order, as a lookup does. A table belongs to one process: a forked
+child's client reads no directory and writes no table (direct_reader.py).
 """
 
 from __future__ import annotations
@@ -54,11 +57,11 @@ import os
 import platform
 import struct
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvshare.pool.arena import SIZE_SEALS
+from kvshare.pool.hold_tables import DEFAULT_HOLDS, HoldRef, HoldTables
 
 log = logging.getLogger("kvshare.pool")
 
@@ -66,16 +69,8 @@ log = logging.getLogger("kvshare.pool")
 SLOT_WORDS = 8
 SEQ, KEY_LO, KEY_HI, OFFSET, PAGE_BYTES, CHECKSUM, CHECKSUM_KIND, GEN = range(SLOT_WORDS)
 BUCKET_SLOTS = 4
-# A hold table: a header, a ring of touched generations, then the holds (generation, lease id).
-HEADER_WORDS = 8
-# header words: holds in use lie below hwm; counters; touches written
-HWM, LOOKUPS, HIT_CHUNKS, TOUCHES, MISS_CHUNKS = range(5)
 DIRECTORY_HEADER_WORDS = SLOT_WORDS  # after the slots: the committed entries the directory lacks (a full bucket)
 UNPLACED = 0
-TOUCH_RING = 1024
-HOLD_WORDS = 2
-HOLD_GEN, HOLD_LEASE = range(HOLD_WORDS)
-DEFAULT_HOLDS = 4096  # holds one holder may have at once (pages leased); more take the round trip
 
 F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
 _MEMBARRIER_NR = {"x86_64": 324, "AMD64": 324}
@@ -124,10 +119,6 @@ def directory_bytes(num_slots: int) -> int:
     return (num_slots * SLOT_WORDS + DIRECTORY_HEADER_WORDS) * 8
 
 
-def hold_table_bytes(num_holds: int) -> int:
-    return (HEADER_WORDS + TOUCH_RING + num_holds * HOLD_WORDS) * 8
-
-
 def _memfd(name: str, num_bytes: int) -> tuple[int, mmap.mmap]:
     fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
@@ -139,23 +130,11 @@ def _memfd(name: str, num_bytes: int) -> tuple[int, mmap.mmap]:
     return fd, mapping
 
 
-@dataclass(eq=False)
-class _HoldTable:
-    fd: int
-    mapping: mmap.mmap
-    words: np.ndarray  # the whole table as u64
-    holds: np.ndarray  # [num_holds, HOLD_WORDS] view
-    touches_read: int = 0
-    first_seen: dict = field(default_factory=dict)  # (hold slot, generation, lease id) -> when the pool first saw it
+class Directory:
+    """The committed entries clients may lease without a round trip: a sealed memfd of slots the pool alone writes."""
 
-
-class DirectTables:
-    """The daemon's side: the directory it publishes committed entries in, and the hold tables it reads."""
-
-    def __init__(self, arena_bytes: int, hold_ttl_s: float, num_holds: int = DEFAULT_HOLDS) -> None:
+    def __init__(self, arena_bytes: int) -> None:
         self.num_slots = directory_slots(arena_bytes)
-        self.num_holds = num_holds
-        self.hold_ttl_s = hold_ttl_s
         self._mask = self.num_slots // BUCKET_SLOTS - 1
         self.fd, self._mapping = _memfd("kvshare-directory", directory_bytes(self.num_slots))
         # Clients may map it only read-only from now on (the pool's own mapping stays writable).
@@ -163,14 +142,10 @@ class DirectTables:
         words = np.frombuffer(self._mapping, dtype="<u8")
         self.header = words[self.num_slots * SLOT_WORDS :]
         self._slot_of: dict[bytes, int] = {}  # published key -> slot
-        self._by_gen: dict[int, object] = {}  # published generation -> entry (for touches)
+        self.by_gen: dict[int, object] = {}  # published generation -> entry (for touches)
         self._next_gen = 1
-        self._tables: dict[int, _HoldTable] = {}  # holder id -> its hold table
-        self.counters = {"lookups": 0, "hit_chunks": 0, "miss_chunks": 0}  # of hold tables already closed
         self.unpublished_full = 0  # entries not published (their bucket was full), ever
         self._unplaced: set[bytes] = set()  # keys of committed entries not published: misses take the round trip
-
-    # -- the directory ---------------------------------------------------------------
 
     def publish(self, entries) -> None:
         """Make committed entries readable without a round trip (each gets a new generation). Plain struct writes
@@ -191,7 +166,7 @@ class DirectTables:
             _BODY.pack_into(mapping, at + KEY_LO * 8, entry.key, *fields)
             WORD.pack_into(mapping, at, seq + 2)
             self._slot_of[entry.key] = free
-            self._by_gen[entry.gen] = entry
+            self.by_gen[entry.gen] = entry
 
     def unpublish(self, entry) -> None:
         """Take an entry out of the directory (a reader that sees the slot change leases nothing)."""
@@ -199,112 +174,93 @@ class DirectTables:
             self._unplaced.discard(entry.key)
             self.header[UNPLACED] = len(self._unplaced)
         slot = self._slot_of.pop(entry.key, None)
-        if slot is None or self._by_gen.get(entry.gen) is not entry:
+        if slot is None or self.by_gen.get(entry.gen) is not entry:
             return
-        del self._by_gen[entry.gen]
+        del self.by_gen[entry.gen]
         at, seq = slot * SLOT_BYTES, _word_at(self._mapping, slot, SEQ)
         WORD.pack_into(self._mapping, at, seq + 1)
         _BODY.pack_into(self._mapping, at + KEY_LO * 8, bytes(16), 0, 0, 0, 0, 0)
         WORD.pack_into(self._mapping, at, seq + 2)
 
-    # -- hold tables -------------------------------------------------------------------
+    def close(self) -> None:
+        del self.header
+        self._mapping.close()
+        os.close(self.fd)
 
-    def hold_table(self, holder_id: int) -> int:
-        """The memfd of a holder's hold table (made at its first hello; the same one after a reconnect)."""
-        table = self._tables.get(holder_id)
-        if table is None:
-            fd, mapping = _memfd("kvshare-holds", hold_table_bytes(self.num_holds))
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SIZE_SEALS | fcntl.F_SEAL_SEAL)
-            words = np.frombuffer(mapping, dtype="<u8")
-            holds = words[HEADER_WORDS + TOUCH_RING :].reshape(self.num_holds, HOLD_WORDS)
-            table = self._tables[holder_id] = _HoldTable(fd, mapping, words, holds)
-        return table.fd
 
-    def keep_tables_of(self, holder_ids) -> None:
-        """Close the hold tables of holders no longer known (their holds have ended: holders.py says when)."""
-        for holder_id in [h for h in self._tables if h not in holder_ids]:
-            table = self._tables.pop(holder_id)
-            for name, word in (("lookups", LOOKUPS), ("hit_chunks", HIT_CHUNKS), ("miss_chunks", MISS_CHUNKS)):
-                self.counters[name] += int(table.words[word])
-            os.close(table.fd)
-            del table.holds, table.words
-            table.mapping.close()
+def barrier() -> None:
+    """membarrier(GLOBAL_EXPEDITED): every store a registered client made before it is visible to the pool after."""
+    if not membarrier(MEMBARRIER_CMD_GLOBAL_EXPEDITED):
+        raise RuntimeError("membarrier failed after the directory was offered: pages held directly stay held")
+
+
+class DirectTables:
+    """The daemon's side: the directory it publishes committed entries in, and the hold tables it reads."""
+
+    def __init__(self, arena_bytes: int, hold_ttl_s: float, num_holds: int = DEFAULT_HOLDS) -> None:
+        self.directory = Directory(arena_bytes)
+        self.fd, self.num_slots = self.directory.fd, self.directory.num_slots
+        self.num_holds = num_holds
+        self.tables = HoldTables(num_holds, hold_ttl_s, barrier)
+        # retired entries (out of the directory) -> the holds the first scan after the barrier saw on them
+        self._holds_of: dict[object, list[HoldRef]] = {}
+
+    def publish(self, entries) -> None:
+        self.directory.publish(entries)
+
+    def unpublish(self, entry) -> None:
+        self.directory.unpublish(entry)
+
+    def hold_table(self, holder_id: int, uid: int) -> int | None:
+        """The memfd of a holder's hold table; None when its uid has as many as it may have (hold_tables.py)."""
+        return self.tables.table_fd(holder_id, uid)
 
     def unheld(self, entries: list, now: float | None = None) -> list:
-        """Those of ``entries`` (all out of the directory) that no live hold names: their pages may be freed."""
-        if not self._tables:
-            return list(entries)
-        if not membarrier(MEMBARRIER_CMD_GLOBAL_EXPEDITED):
-            raise RuntimeError("membarrier failed after the directory was offered: pages held directly stay held")
-        held = self.held_gens(time.monotonic() if now is None else now)
-        return [entry for entry in entries if entry.gen not in held]
+        """Those of ``entries`` (all out of the directory) that no hold counted for them names any more: their pages
+        may be freed. An entry's holds are those the first scan after its retirement saw (after the barrier);
+        each counts until its client clears it, its table closes, or it is older than the TTL."""
+        now = time.monotonic() if now is None else now
+        fresh = {entry.gen for entry in entries if entry not in self._holds_of}
+        if fresh and len(self.tables):
+            seen = self.tables.holds_naming(fresh, now)
+            for entry in entries:
+                self._holds_of.setdefault(entry, seen.get(entry.gen, []))
+        unheld = []
+        for entry in entries:
+            refs = [ref for ref in self._holds_of.get(entry, ()) if self.tables.is_held(ref, now)]
+            if refs:
+                self._holds_of[entry] = refs
+            else:
+                self._holds_of.pop(entry, None)
+                unheld.append(entry)
+        return unheld
 
-    def held_gens(self, now: float) -> set[int]:
-        """Generations named by a live hold in any table."""
-        return {gen for table in self._tables.values() for gen, _lease in self._live(table, now)}
+    def held_gens(self, now: float | None = None) -> set[int]:
+        """Generations a direct hold names now (no barrier: eviction's hint of what is being read)."""
+        return self.tables.held_gens(time.monotonic() if now is None else now) if len(self.tables) else set()
 
-    def live_holds(self, now: float, holder_id: int | None = None) -> int:
-        """Live direct holds (pages) in every table, or in the holder's."""
-        return sum(len(self._live(t, now)) for h, t in self._tables.items() if holder_id in (None, h))
-
-    def live_leases(self, now: float) -> int:
-        """Direct leases (lease ids with a live hold) over every table; for stats, beside the pool's own."""
-        return sum(len({lease for _gen, lease in self._live(table, now)}) for table in self._tables.values())
-
-    def _live(self, table: _HoldTable, now: float) -> list[tuple[int, int]]:
-        """(generation, lease id) of the table's live holds: set, and first seen by the pool less than the TTL ago.
-        What a table says is bounded (its hwm), never trusted: garbage there pins at most the pages it names."""
-        holds = table.holds[: min(int(table.words[HWM]), self.num_holds)]
-        slots = np.flatnonzero(holds[:, HOLD_GEN])
-        seen = {}
-        for slot, (gen, lease) in zip(slots.tolist(), holds[slots].tolist()):
-            seen[(slot, gen, lease)] = table.first_seen.get((slot, gen, lease), now)
-        table.first_seen = seen
-        return [(gen, lease) for (_slot, gen, lease), first in seen.items() if now - first < self.hold_ttl_s]
-
-    def lease_rows(self, now: float) -> list[tuple[int, int, int, float]]:
-        """(lease id, holder id, pages, seconds since the pool first saw it) of every live direct lease."""
-        rows = []
-        for holder_id, table in self._tables.items():
-            self._live(table, now)  # brings first_seen up to date
-            firsts: dict[int, list[float]] = {}
-            for (_slot, _gen, lease), first in table.first_seen.items():
-                if now - first < self.hold_ttl_s:
-                    firsts.setdefault(lease, []).append(first)
-            rows += [(lease, holder_id, len(seen), now - min(seen)) for lease, seen in firsts.items()]
-        return rows
+    def seal(self, holder_id: int) -> int:
+        """The holder's live direct holds, its table closed to new ones first (hold_tables.HoldTables.seal)."""
+        return self.tables.seal(holder_id, time.monotonic())
 
     def touched(self) -> list:
         """Entries the clients read since the last call, in the order read (for the LRU order)."""
-        touched = []
-        for table in self._tables.values():
-            written = int(table.words[TOUCHES])
-            start = max(table.touches_read, written - TOUCH_RING)
-            for i in range(start, written):
-                entry = self._by_gen.get(int(table.words[HEADER_WORDS + i % TOUCH_RING]))
-                if entry is not None:
-                    touched.append(entry)
-            table.touches_read = written
-        return touched
+        by_gen = self.directory.by_gen
+        return [entry for gen in self.tables.touched_gens() if (entry := by_gen.get(gen)) is not None]
 
     def tick(self, index, holder_ids) -> None:
         """What clients read moves up the LRU order; tables of forgotten holders close; ended holds free pages."""
         index.touch(self.touched())
-        self.keep_tables_of(holder_ids)
+        self.tables.keep_tables_of(holder_ids)
         index.retired.settle()
 
     def lookup_counters(self) -> dict[str, int]:
         """Lookups, hit and miss chunks answered from the directory, over every table, open or closed."""
-        words = {"lookups": LOOKUPS, "hit_chunks": HIT_CHUNKS, "miss_chunks": MISS_CHUNKS}
-        return {
-            name: self.counters[name] + sum(int(t.words[w]) for t in self._tables.values()) for name, w in words.items()
-        }
+        return self.tables.lookup_counters()
 
     def close(self) -> None:
-        self.keep_tables_of(())
-        del self.header
-        self._mapping.close()
-        os.close(self.fd)
+        self.tables.close()
+        self.directory.close()
 
 
 def open_direct(arena_bytes: int, hold_ttl_s: float, num_holds: int = DEFAULT_HOLDS) -> DirectTables | None:
@@ -321,8 +277,8 @@ def open_direct(arena_bytes: int, hold_ttl_s: float, num_holds: int = DEFAULT_HO
 
 
 def direct_lease_rows(retired) -> list[tuple[int, int, int, float]]:
-    """DirectTables.lease_rows of the index's RetiredPages' directory; none without the directory."""
-    return [] if retired.direct is None else retired.direct.lease_rows(time.monotonic())
+    """HoldTables.lease_rows of the index's RetiredPages' directory; none without the directory."""
+    return [] if retired.direct is None else retired.direct.tables.lease_rows(time.monotonic())
 
 
 def add_direct_stats(stats: dict, retired) -> dict:
@@ -335,11 +291,13 @@ def add_direct_stats(stats: dict, retired) -> dict:
     now = time.monotonic()
     for name, count in counted.items():
         stats[name] += count
-    stats["leases"] += direct.live_leases(now)  # a lease is a lease, whichever way it was taken
+    holds, leases = direct.tables.live_holds_and_leases(now)
+    stats["leases"] += leases  # a lease is a lease, whichever way it was taken
     stats["direct"] = {
         **counted,
-        "holds": direct.live_holds(now),
+        "holds": holds,
+        "tables": len(direct.tables),
         "retired_pages": len(retired.entries),  # out of view, kept while a direct hold may read them
-        "unpublished": direct.unpublished_full,
+        "unpublished": direct.directory.unpublished_full,
     }
     return stats

@@ -1,9 +1,14 @@
 """A client's side of direct lookups (direct.py): lease a fully committed chain from the directory, no round trip.
 
 Steps and why they are safe: direct.py. Anything short of a full hit (a miss, a
-slot being written, an entry leaving while leased, no free hold) returns None and
-the caller asks the pool over the socket, which also counts misses and promotes
-from the remote tier.
+slot being written, an entry leaving while leased, a table the pool closed, no free
+hold) returns None and the caller asks the pool over the socket, which also counts
+misses and promotes from the remote tier.
+
+A table belongs to the process that mapped it: a forked child inherits the mapping
+but not the right to write it (its copy of the free-hold list would hand out the
+slots of its parent's holds), so in any other process every lookup returns None,
+no release clears a hold and ``close`` unmaps only.
 """
 
 from __future__ import annotations
@@ -19,28 +24,33 @@ from kvshare.pool.direct import (
     CHECKSUM,
     CHECKSUM_KIND,
     GEN,
+    KEY_HI,
+    KEY_LO,
+    OFFSET,
+    PAGE_BYTES,
+    SLOT_BYTES,
+    SLOT_WORDS,
+    UNPLACED,
+    WORD,
+    directory_bytes,
+)
+from kvshare.pool.forks import fork_count
+from kvshare.pool.grants import LeaseGrant
+from kvshare.pool.hold_tables import (
+    CLOSED,
     HEADER_WORDS,
     HIT_CHUNKS,
     HOLD_GEN,
     HOLD_LEASE,
     HOLD_WORDS,
+    HOLDS_AT_WORD,
     HWM,
-    KEY_HI,
-    KEY_LO,
     LOOKUPS,
     MISS_CHUNKS,
-    OFFSET,
-    PAGE_BYTES,
-    SLOT_BYTES,
-    SLOT_WORDS,
     TOUCH_RING,
     TOUCHES,
-    UNPLACED,
-    WORD,
-    directory_bytes,
     hold_table_bytes,
 )
-from kvshare.pool.grants import LeaseGrant
 
 # Lease ids of direct leases: far above any id the pool gives (they count up from 1 per daemon).
 DIRECT_LEASE_BIT = 1 << 62
@@ -52,7 +62,7 @@ assert (HOLD_GEN, HOLD_LEASE) == (0, 1), "direct.py's layout"
 assert (HIT_CHUNKS, TOUCHES, MISS_CHUNKS) == (LOOKUPS + 1, LOOKUPS + 2, LOOKUPS + 3), "direct.py's layout"
 _BODY = struct.Struct(f"<{SLOT_WORDS}Q")  # a slot's words
 BUCKET_BYTES = BUCKET_SLOTS * SLOT_BYTES
-HOLDS_AT = (HEADER_WORDS + TOUCH_RING) * 8  # byte offset of the first hold in a table
+HOLDS_AT = HOLDS_AT_WORD * 8  # byte offset of the first hold in a table
 
 
 class DirectLeases:
@@ -86,13 +96,14 @@ class DirectLeases:
         self._leases: dict[int, list[int]] = {}  # lease id -> its hold slots
         self._next_lease = DIRECT_LEASE_BIT + 1
         self._lock = threading.Lock()  # one lookup or release at a time (a PoolClient is used from several threads)
+        self.owner = fork_count()  # the one process that writes this table (a forked child only reads its own pages)
         self.is_closed = False
         self.on_close = lambda: None
 
     def lookup(self, keys: list[bytes], page_bytes: int) -> LeaseGrant | None:
         """A lease on every key's page, or None (take the round trip)."""
         with self._lock:
-            return None if self.is_closed else self._lookup(keys, page_bytes)
+            return None if self.is_closed or fork_count() != self.owner else self._lookup(keys, page_bytes)
 
     def _lookup(self, keys: list[bytes], page_bytes: int) -> LeaseGrant | None:
         if not keys or len(keys) > len(self._free):
@@ -136,20 +147,30 @@ class DirectLeases:
             if WORD.unpack_from(directory, slot)[0] != seq:  # the entry left while the hold was taken: lease nothing
                 self._clear(held)
                 return None
+        if WORD.unpack_from(table, CLOSED * 8)[0]:  # the pool closed the table to new holds (a dropped link)
+            self._clear(held)
+            return None
         self._leases[lease_id] = held
         self._count([words[GEN] for _slot, _seq, words in reversed(read)], len(keys) - len(read))
         version = P.FORMAT_VERSION
         return LeaseGrant(
             lease_id=lease_id,
             pages=[
-                P.PageHeader(w[OFFSET], w[PAGE_BYTES], w[CHECKSUM], version, w[CHECKSUM_KIND]) for _s, _q, w in read
+                P.PageHeader(
+                    offset=w[OFFSET],
+                    page_bytes=w[PAGE_BYTES],
+                    checksum=w[CHECKSUM],
+                    format_version=version,
+                    checksum_kind=w[CHECKSUM_KIND],
+                )
+                for _s, _q, w in read
             ],
         )
 
     def release(self, lease_id: int) -> bool:
         """End a direct lease (its copies have ended); False when it is not one of ours."""
         with self._lock:
-            held = None if self.is_closed else self._leases.pop(lease_id, None)
+            held = None if self.is_closed or fork_count() != self.owner else self._leases.pop(lease_id, None)
             if held is not None:
                 self._clear(held)
         return held is not None

@@ -15,7 +15,7 @@ Pure: structs, hash conversion and one encode/decode path; no sockets (event_pub
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import msgspec
 
@@ -27,16 +27,22 @@ ENCODINGS = ("map", "positional")
 HASH_KINDS = ("int", "bytes")
 
 
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+Event = TypeVar("Event")
+
+
+class EventBatch(msgspec.Struct, Generic[Event], kw_only=True, array_like=True, omit_defaults=True, gc=False):
+    """``EventBatch[MapEvent]`` and ``EventBatch[PositionalEvent]`` decode one encoding's events (a subclass that
+    redeclared ``events`` would move it first: msgspec orders a redeclared keyword-only field before the others)."""
+
     ts: float
-    events: list[Any]
+    events: list[Event]
     data_parallel_rank: int | None = None
 
 
 # -- map-encoded events (vLLM >= 0.26): the fields vLLM declares without a default are always sent ---------
 
 
-class BlockStored(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+class BlockStored(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False, tag=True):
     block_hashes: list[int | bytes]
     parent_block_hash: int | bytes | None
     token_ids: list[int]
@@ -47,19 +53,21 @@ class BlockStored(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     extra_keys: list[tuple[Any, ...] | None] | None = None
 
 
-class BlockRemoved(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+class BlockRemoved(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False, tag=True):
     block_hashes: list[int | bytes]
     medium: str | None
 
 
-class AllBlocksCleared(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+class AllBlocksCleared(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False, tag=True):
     pass
 
 
 # -- positional events (older vLLM): ["BlockStored", hashes, parent, tokens, block_size, lora_id, medium] ----
 
 
-class PositionalBlockStored(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag="BlockStored"):
+class PositionalBlockStored(
+    msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True, gc=False, tag="BlockStored"
+):
     block_hashes: list[int | bytes]
     parent_block_hash: int | bytes | None
     token_ids: list[int]
@@ -68,12 +76,16 @@ class PositionalBlockStored(msgspec.Struct, array_like=True, omit_defaults=True,
     medium: str | None
 
 
-class PositionalBlockRemoved(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag="BlockRemoved"):
+class PositionalBlockRemoved(
+    msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True, gc=False, tag="BlockRemoved"
+):
     block_hashes: list[int | bytes]
     medium: str | None
 
 
-class PositionalAllBlocksCleared(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag="AllBlocksCleared"):
+class PositionalAllBlocksCleared(
+    msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True, gc=False, tag="AllBlocksCleared"
+):
     pass
 
 
@@ -83,16 +95,11 @@ _REMOVED = {"map": BlockRemoved, "positional": PositionalBlockRemoved}
 _CLEARED = {"map": AllBlocksCleared, "positional": PositionalAllBlocksCleared}
 
 
-class MapBatch(EventBatch):
-    events: list[MapEvent]
-
-
-class PositionalBatch(EventBatch):
-    events: list[PositionalEvent]
-
-
 _encoder = msgspec.msgpack.Encoder()
-_decoders = {"map": msgspec.msgpack.Decoder(MapBatch), "positional": msgspec.msgpack.Decoder(PositionalBatch)}
+_decoders = {
+    "map": msgspec.msgpack.Decoder(EventBatch[MapEvent]),
+    "positional": msgspec.msgpack.Decoder(EventBatch[PositionalEvent]),
+}
 
 
 def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -117,14 +124,18 @@ def block_stored(
 ) -> BlockStored | PositionalBlockStored:
     """Blocks now held (the pool's: ``medium="CPU"``; a replica's prefix cache: ``"GPU"``), no LoRA (its bytes
     are in the key's namespace)."""
-    fields = (hashes, parent, token_ids, block_size, None, medium)
-    return BlockStored(*fields, None) if encoding == "map" else PositionalBlockStored(*fields)
+    fields = dict(
+        block_hashes=hashes, parent_block_hash=parent, token_ids=token_ids, block_size=block_size, lora_id=None
+    )
+    if encoding == "map":
+        return BlockStored(**fields, medium=medium, lora_name=None)
+    return PositionalBlockStored(**fields, medium=medium)
 
 
 def block_removed(
     encoding: str, hashes: list[int | bytes], medium: str = MEDIUM_CPU
 ) -> BlockRemoved | PositionalBlockRemoved:
-    return _REMOVED[encoding](hashes, medium)
+    return _REMOVED[encoding](block_hashes=hashes, medium=medium)
 
 
 def all_blocks_cleared(encoding: str) -> AllBlocksCleared | PositionalAllBlocksCleared:

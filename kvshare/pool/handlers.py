@@ -60,6 +60,7 @@ class PoolHandlers:
         self.allocator = index.allocator
         self.counters = counters
         self.remote: RemoteHooks | None = None  # set by the daemon once the arena exists (--remote)
+        self.lookup_wait_s = 0.0  # the longest a lookup may wait for the remote tier (HelloReply.lookup_wait_s)
         self.arena_page_bytes = 0  # the OS page size backing the arena (2 MiB on hugepages), set once it exists
         self.started_at = clock()
         self.pool_id = os.urandom(P.POOL_ID_BYTES)  # this daemon instance, told apart from any with the same pid
@@ -87,11 +88,11 @@ class PoolHandlers:
 
     # -- clients ---------------------------------------------------------------
 
-    def connect(self, client_id: int, pid: int = 0, uid: int = 0) -> None:
-        """A connection from process ``pid`` of ``uid``; pid 0: not known (another pid namespace), so the holds of
-        its holder outlive its connections until a Goodbye or their TTL (holders.Process.is_gone)."""
+    def connect(self, client_id: int, pid: int = 0, uid: int = 0, pidfd: int | None = None) -> None:
+        """A connection from process ``pid`` of ``uid``; pid 0: not in the pool's pid namespace, known by ``pidfd``
+        where the kernel gave one (the handlers own it from now on; holders.Process)."""
         self._names[client_id] = ""
-        self.holders.connect(client_id, pid, uid)
+        self.holders.connect(client_id, pid, uid, pidfd)
 
     def hello(self, client_id: int, request: P.Request) -> P.HelloReply:
         """Greet a client; raises PoolError (the daemon then closes the connection) for anything but a good hello."""
@@ -118,6 +119,7 @@ class PoolHandlers:
             server_pid=os.getpid(),
             pool_id=self.pool_id,
             wants_token_ids=self.index.listener is not None,
+            lookup_wait_s=self.lookup_wait_s,
         )
 
     def disconnect(self, client_id: int) -> tuple[int, int]:
@@ -135,13 +137,18 @@ class PoolHandlers:
         if holder.connections:  # another connection speaks for the holder
             return 0, 0
         if not holder.process.is_gone():
-            if self.index.num_holds(holder.holder_id):
+            if self._is_holding(holder.holder_id):
                 self.counters.orphaned_holders += 1
             else:
                 self.holders.forget(holder)
             return 0, 0
         self.holders.forget(holder)
         return self._end_holds(holder.holder_id)
+
+    def _is_holding(self, holder_id: int) -> bool:
+        """Whether a holder no connection speaks for holds anything: leases, reservations, or direct holds (its
+        hold table closed to new ones first, so that a lookup of its live process cannot hold after this answer)."""
+        return bool(self.index.num_holds(holder_id) or self.index.retired.seal(holder_id))
 
     def _end_holds(self, holder_id: int) -> tuple[int, int]:
         aborted, released = self.index.disconnect(holder_id)
@@ -166,14 +173,14 @@ class PoolHandlers:
         """The reply to a greeted client's request; a refusal or a bug becomes an ErrorReply."""
         handler = self._by_type.get(type(request))
         if handler is None:
-            return P.ErrorReply("unexpected", f"{type(request).__name__} is not valid now")
+            return P.ErrorReply(code="unexpected", message=f"{type(request).__name__} is not valid now")
         try:
             return handler(client_id, request)
         except PoolError as exc:
-            return P.ErrorReply(exc.code, str(exc))
+            return P.ErrorReply(code=exc.code, message=str(exc))
         except Exception as exc:  # a bug must not take the pool down for everyone
             log.exception("internal error on %s", type(request).__name__)
-            return P.ErrorReply("internal", f"{type(exc).__name__}: {exc}")
+            return P.ErrorReply(code="internal", message=f"{type(exc).__name__}: {exc}")
 
     def lookup(self, client_id: int, req: P.Lookup) -> P.Reply | None:
         result = self.index.lookup(self._holder(client_id), req.keys, req.page_bytes, self._clock(), lease=req.lease)
@@ -194,7 +201,7 @@ class PoolHandlers:
                 log.warning("client %s: fire-and-forget release failed: %s", client_id, errors[0])
             return None
         if errors:
-            return P.ErrorReply(errors[0].code, str(errors[0]))
+            return P.ErrorReply(code=errors[0].code, message=str(errors[0]))
         return P.Ok(count=len(req.lease_ids))
 
     def reserve(self, client_id: int, req: P.Reserve) -> P.Reply:
@@ -206,9 +213,9 @@ class PoolHandlers:
             req.page_bytes,
             req.first_depth,
             self._clock(),
-            req.tokens_le32,
-            req.account,
-            req.parent_key,
+            tokens_le32=req.tokens_le32,
+            account=req.account,
+            parent_key=req.parent_key,
         )
         if self.remote is not None:
             self.remote.on_reserve(holder_id, result.reservation_id, [entry for _, entry in result.grants])
@@ -254,11 +261,17 @@ class PoolHandlers:
             for lease in self.index.leases()
         ]
         rows += direct_lease_rows(self.index.retired)  # leases taken from the directory, aged since the pool saw them
-        return P.LeasesReply(leases=[P.LeaseInfo(i, c, self.name_of(c), n, round(age, 3)) for i, c, n, age in rows])
+        leases = [
+            P.LeaseInfo(lease_id=i, client_id=c, client_name=self.name_of(c), num_pages=n, age_s=round(age, 3))
+            for i, c, n, age in rows
+        ]
+        return P.LeasesReply(leases=leases)
 
     def list_namespaces(self, client_id: int, req: P.ListNamespaces) -> P.Reply:
-        rows = [P.NamespaceInfo(ns, n, b) for ns, n, b in self.index.namespaces()]
-        accounts = [P.NamespaceInfo(owner, n, b) for owner, n, b in self.index.accounts()]
+        rows = [P.NamespaceInfo(namespace=ns, num_entries=n, num_bytes=b) for ns, n, b in self.index.namespaces()]
+        accounts = [
+            P.NamespaceInfo(namespace=owner, num_entries=n, num_bytes=b) for owner, n, b in self.index.accounts()
+        ]
         return P.NamespacesReply(
             namespaces=rows, quota_bytes=self.index.config.namespace_quota_bytes, accounts=accounts
         )
@@ -283,7 +296,7 @@ class PoolHandlers:
     def check_integrity(self, client_id: int, req: P.CheckIntegrity) -> P.Reply:
         problem = self._integrity_problem()
         if problem is not None:
-            return P.ErrorReply("integrity", problem)
+            return P.ErrorReply(code="integrity", message=problem)
         return P.Ok(count=self.index.num_entries)
 
     # -- between messages --------------------------------------------------------
@@ -292,7 +305,8 @@ class PoolHandlers:
         """End holds past their TTL and those of orphaned holders whose process is gone; answer promoting
         lookups past their deadline."""
         self.index.expire(now)
-        for reservation_id in self.index.expire_reservations(now):
+        in_copy = self.remote.reservations_in_copy() if self.remote is not None else ()
+        for reservation_id in self.index.expire_reservations(now, in_copy):
             if self.remote is not None:
                 self.remote.on_abort(reservation_id)
         for holder in self.holders.orphans():
@@ -300,7 +314,7 @@ class PoolHandlers:
                 self._end_holds(holder.holder_id)
                 self.counters.ended_holders += 1
                 self.holders.forget(holder)
-            elif not self.index.num_holds(holder.holder_id):  # ended by TTL, or released after a reconnect
+            elif not self._is_holding(holder.holder_id):  # ended by TTL, or released after a reconnect
                 self.holders.forget(holder)
         if self.remote is not None:
             self.remote.tick(now)
@@ -377,7 +391,7 @@ class PoolHandlers:
             reply = lookup_reply(result)
         except Exception as exc:  # a bug: answer it like any handler's, keep serving the client
             log.exception("internal error answering a deferred lookup")
-            reply = P.ErrorReply("internal", f"{type(exc).__name__}: {exc}")
+            reply = P.ErrorReply(code="internal", message=f"{type(exc).__name__}: {exc}")
         if pin_lease_id:  # the lease of the first, local-only answer kept the local prefix in place
             try:
                 self.index.release(holder_id, pin_lease_id)
@@ -392,5 +406,7 @@ def lookup_reply(result: LookupResult) -> P.LookupReply:
 
 def _page_header(entry: Entry) -> P.PageHeader:
     """The entry's PageHeader, kept on it: its offset, size and checksum are fixed once committed."""
-    entry.header = P.PageHeader(entry.offset, entry.page_bytes, entry.checksum, checksum_kind=entry.checksum_kind)
+    entry.header = P.PageHeader(
+        offset=entry.offset, page_bytes=entry.page_bytes, checksum=entry.checksum, checksum_kind=entry.checksum_kind
+    )
     return entry.header

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
+from collections.abc import Collection
 
 from kvshare.keys import KEY_BYTES
 from kvshare.pool.allocator import Allocator
@@ -39,6 +40,9 @@ from kvshare.pool.eviction import victims
 from kvshare.pool.integrity import integrity_items
 from kvshare.pool.quota import NamespaceQuota, namespace_rows
 from kvshare.pool.retiring import RetiredPages
+
+# Rounds of one eviction (index._evict): the first frees what it picks unless a reader holds it meanwhile.
+MAX_EVICTION_ROUNDS = 4
 
 
 class PoolError(Exception):
@@ -157,9 +161,13 @@ class PoolIndex:
         self.counters.expired_leases += len(expired)
         return len(expired)
 
-    def expire_reservations(self, now: float) -> list[int]:
-        """Abort reservations older than ``reservation_ttl_s``; returns their ids."""
-        stale = [r for r in self._reservations.values() if r.created_at + self.config.reservation_ttl_s <= now]
+    def expire_reservations(self, now: float, in_copy: Collection[int] = ()) -> list[int]:
+        """Abort reservations older than ``reservation_ttl_s``, but none in ``in_copy`` (a copy into its pages may
+        still run); returns their ids."""
+        ttl_s = self.config.reservation_ttl_s
+        stale = [
+            r for r in self._reservations.values() if r.created_at + ttl_s <= now and r.reservation_id not in in_copy
+        ]
         for reservation in stale:
             self._abort(reservation)
         self.counters.expired_reservations += len(stale)
@@ -296,8 +304,9 @@ class PoolIndex:
     # -- clients, eviction, administration ---------------------------------------
 
     def num_holds(self, client_id: int) -> int:
+        """The client's leases and reservations (its direct holds: RetiredPages.seal)."""
         holders = [h.client_id for h in self._leases.values()] + [h.client_id for h in self._reservations.values()]
-        return holders.count(client_id) + self.retired.holds_of(client_id)
+        return holders.count(client_id)
 
     def disconnect(self, client_id: int) -> tuple[int, int]:
         """A holder is done or gone (its process exited): abort its reservations, release its leases."""
@@ -370,22 +379,37 @@ class PoolIndex:
             self._evict(lambda: self.allocator.used_bytes - self.config.low_watermark * arena)
 
     def _evict(self, bytes_short, page_bytes: int = 0) -> None:
-        """Evict committed, unleased entries oldest first until ``bytes_short()`` is 0 (eviction.victims: which); a
-        round evicts what its retired bytes would cover, settles, and goes on while some stayed held (retiring.py)."""
-        while bytes_short() > 0:
-            evicted = retired = 0
-            lru, leases, writing = list(self._lru.values()), self._leases.values(), self._reservations.values()
-            for group in victims(lru, leases, writing, self.allocator.extent_bytes, page_bytes):
-                if bytes_short() <= retired:
-                    break
-                for entry in group:
-                    retired += self._remove_committed(entry)
-                    self.counters.evictions += 1
-                    self.counters.evicted_bytes += entry.page_bytes
-                evicted += len(group)
-            self.retired.settle()
-            if not evicted:
+        """Evict committed entries nobody holds, oldest first, until ``bytes_short()`` is 0 (eviction.victims: which).
+        A round picks what covers the shortfall (skipping pages a direct hold named at the start: they would stay
+        allocated), takes it out of view and settles (one barrier and scan); a page held after the pick stays
+        allocated, so another round may follow, at most MAX_EVICTION_ROUNDS: a reserve gets fewer pages rather
+        than wait."""
+        held_gens = self.retired.held_gens() if bytes_short() > 0 else set()
+        for _round in range(MAX_EVICTION_ROUNDS):
+            short = bytes_short()
+            if short <= 0:
                 return
+            chosen, covered = [], 0
+            groups = victims(
+                self._lru.values(),
+                self._leases.values(),
+                self._reservations.values(),
+                self.allocator.extent_bytes,
+                page_bytes,
+                held_gens,
+            )
+            for group in groups:  # picked first, removed after: the walk reads the LRU order as it is
+                chosen += group
+                covered += sum(entry.page_bytes for entry in group)
+                if covered >= short:
+                    break
+            if not chosen:
+                return
+            for entry in chosen:
+                self._remove_committed(entry)
+                self.counters.evictions += 1
+                self.counters.evicted_bytes += entry.page_bytes
+            self.retired.settle()
 
     def _check_keys(self, keys: list[bytes]) -> None:
         if len(keys) > self.config.max_keys:

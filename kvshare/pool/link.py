@@ -5,9 +5,9 @@ let a page go while a copy it enqueued may still touch it. So:
 
 - Timeouts: a request that times out (``timeout_s``) raises and the connection is
   dropped, but the holds stay: the pool keys them by this link's holder token, and
-  keeps them while this process lives (kvshare.pool.holders). A lookup the pool
-  answers late after promoting from its remote tier costs a request, never a page
-  under a copy.
+  keeps them while this process lives (kvshare.pool.holders). A lookup is waited
+  for as long as the pool may legitimately hold it on top (a promotion from its
+  remote tier: HelloReply.lookup_wait_s).
 - Reconnects: after a failure, ``client()`` answers None at once until the backoff
   (``retry_s`` doubling up to ``retry_max_s``) has passed, then connects again with
   the same holder token, so leases and reservations taken before are released or
@@ -16,13 +16,22 @@ let a page go while a copy it enqueued may still touch it. So:
   or ``close()``), when this process exits, or by the pool's TTLs. Before a client is
   given up, the ``on_drop`` hooks run: the owner's transfers wait for their copies
   there (and the arena's CUDA registration waits again before it unpins).
+- Watching (``watch``): a thread connects again whenever the backoff allows, without
+  waiting for a call, and notices a pool that closed the connection (a restarted pool);
+  the next ``client()`` then connects anew. A client may be in use (its arena read), so
+  the watcher replaces one itself only while it holds the owner's idle lock, taken
+  without waiting.
+
+Thread-safe: connects, drops and the watcher's look run under one lock.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
+import weakref
 from collections.abc import Callable
 
 from kvshare.pool.client import PoolClient, PoolRequestError, PoolUnavailable
@@ -62,8 +71,12 @@ class PoolLink:
         self._delay = retry_s
         self._on_connect: list[Callable[[PoolClient], None]] = []
         self._on_drop: list[Callable[[], None]] = []
+        self._on_failure: list[Callable[[BaseException], None]] = []
         self._ends_due: list[tuple[bytes, str, int]] = []  # (pool id, "lease" | "reservation", hold id) to end
         self._last_pool_id = b""  # of the last connect: the pool that granted the holds still to end
+        self._lock = threading.RLock()  # connect and drop: the owner's threads and the watcher
+        self._is_stale = False  # the pool closed the connection (the watcher saw it): the next client() replaces it
+        self._closed = threading.Event()  # close(): no connect any more; the watcher ends
         self.num_failures = 0
         self.num_connects = 0
 
@@ -75,19 +88,33 @@ class PoolLink:
         """``hook()`` before a client is given up: wait for the copies that touch its pages, close transfers."""
         self._on_drop.append(hook)
 
+    def on_failure(self, hook: Callable[[BaseException], None]) -> None:
+        """``hook(exc)`` when a call found the pool down (``failed``), before the client is given up."""
+        self._on_failure.append(hook)
+
     @property
     def current(self) -> PoolClient | None:
         """The client of the last connect, whether or not it is still connected; never connects."""
         return self._client
 
+    @property
+    def is_connected(self) -> bool:
+        """Whether a client is connected and the pool has not closed its end; never connects."""
+        client = self._client
+        return client is not None and client.is_connected and not self._is_stale
+
     def client(self) -> PoolClient | None:
         """A connected client, or None while the pool is unreachable (tried again once the backoff passed)."""
-        if self._client is not None and self._client.is_connected:
-            return self._client
-        if self._client is not None:
-            self.drop()
-        if self._clock() < self._retry_at:
-            return None
+        with self._lock:
+            if self.is_connected:
+                return self._client
+            if self._client is not None:
+                self.drop()
+            if self._closed.is_set() or self._clock() < self._retry_at:
+                return None
+            return self._connect()
+
+    def _connect(self) -> PoolClient | None:
         client = PoolClient(
             self.socket_path,
             name=self.name,
@@ -131,6 +158,27 @@ class PoolLink:
         self._end_due_holds(client)
         return client
 
+    def watch(self, idle_lock: threading.Lock | None = None, interval_s: float = 0.5) -> None:
+        """Watch the link from a thread until ``close()``: connect when the backoff allows, notice a pool that closed
+        the connection. ``idle_lock``: held by whoever uses the client; free, the watcher replaces a stale one."""
+        ref = weakref.ref(self)  # the thread ends when the link is collected, too
+        args = (ref, self._closed, interval_s, idle_lock)
+        threading.Thread(target=_watch, args=args, daemon=True, name=f"pool watch {self.name}").start()
+
+    def _watch_once(self, idle_lock: threading.Lock | None) -> None:
+        with self._lock:
+            if self._client is None:
+                self.client()  # connects once the backoff allows
+                return
+            if not self._is_stale and self._client.is_peer_closed():
+                self._is_stale = True
+                log.warning("kvshare: the pool at %s closed the connection; reconnecting", self.socket_path)
+            if self._is_stale and idle_lock is not None and idle_lock.acquire(blocking=False):
+                try:  # nobody uses the client (nor can start to): it is ours to replace
+                    self.client()
+                finally:
+                    idle_lock.release()
+
     def end_later(self, lease_id: int = 0, reservation_id: int = 0, pool_id: bytes = b"") -> None:
         """Release a lease / abort a reservation whose copies have ended, once the pool can be told (the next
         connect to the same pool); meanwhile the pool keeps it.
@@ -139,11 +187,12 @@ class PoolLink:
         Hold ids restart in every pool, so a hold of an earlier pool must never be ended on this one: it may
         name a live hold. A pool's pid does not tell pools apart (a restarted daemon may get the old pid).
         """
-        pool_id = pool_id or self._last_pool_id
-        if pool_id and lease_id:
-            self._ends_due.append((pool_id, "lease", lease_id))
-        if pool_id and reservation_id:
-            self._ends_due.append((pool_id, "reservation", reservation_id))
+        with self._lock:
+            pool_id = pool_id or self._last_pool_id
+            if pool_id and lease_id:
+                self._ends_due.append((pool_id, "lease", lease_id))
+            if pool_id and reservation_id:
+                self._ends_due.append((pool_id, "reservation", reservation_id))
 
     def _end_due_holds(self, client: PoolClient) -> None:
         due, self._ends_due = self._ends_due, []
@@ -175,26 +224,35 @@ class PoolLink:
     def failed(self, exc: BaseException) -> None:
         """A call failed because the pool is gone or stuck: give the connection up (the holds stay) and
         stop using the pool until the backoff passed."""
-        self.num_failures += 1
-        self.drop()
-        self._schedule_retry(f"pool call failed ({type(exc).__name__}: {exc}); serving without the pool")
+        with self._lock:
+            self.num_failures += 1
+            for hook in self._on_failure:
+                hook(exc)
+            self.drop()
+            self._schedule_retry(f"pool call failed ({type(exc).__name__}: {exc}); serving without the pool")
 
     def reconnect_now(self) -> PoolClient | None:
         """Drop the current connection and try a new one immediately (the pool was restarted)."""
-        self.drop()
-        self._retry_at = 0.0
-        return self.client()
+        with self._lock:
+            self.drop()
+            self._retry_at = 0.0
+            return self.client()
 
     def drop(self) -> None:
         """Give the client up, keeping its holds: the ``on_drop`` hooks first (copies end), then close."""
-        self._give_up(end_holds=False)
+        with self._lock:
+            self._give_up(end_holds=False)
 
     def close(self) -> None:
-        """The owner is done: every copy has ended (the hooks wait for them), so its holds end too."""
-        self._give_up(end_holds=True)
+        """The owner is done: every copy has ended (the hooks wait for them), so its holds end too. No connect
+        follows, and the watcher ends."""
+        self._closed.set()
+        with self._lock:
+            self._give_up(end_holds=True)
 
     def _give_up(self, end_holds: bool) -> None:
         client, self._client = self._client, None
+        self._is_stale = False
         if client is None:
             return
         try:
@@ -208,6 +266,19 @@ class PoolLink:
         log.warning("kvshare: %s; next try in %.1f s", reason, self._delay)
         self._retry_at = self._clock() + self._delay
         self._delay = min(self._delay * 2, self.retry_max_s)
+
+
+def _watch(ref: weakref.ref[PoolLink], closed: threading.Event, interval_s: float, idle_lock) -> None:
+    """The watcher thread: holds the link only while it looks at it."""
+    while not closed.wait(interval_s):
+        link = ref()
+        if link is None:
+            return
+        try:
+            link._watch_once(idle_lock)
+        except Exception:  # an owner's hook that cannot set up (a transfer): the owner's next call raises it
+            log.exception("kvshare: watching the pool link failed")
+        del link
 
 
 def guarded(link: PoolLink, counters, what: str, call: Callable, default=None):

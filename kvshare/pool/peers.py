@@ -16,6 +16,7 @@ import struct
 from typing import NamedTuple
 
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # Linux >= 6.5
 
 
 class PeerCredentials(NamedTuple):
@@ -27,6 +28,17 @@ class PeerCredentials(NamedTuple):
 def peer_credentials(sock: socket.socket) -> PeerCredentials:
     """The pid, uid and gid of the process at the other end of a connected Unix socket, as the kernel saw them."""
     return PeerCredentials(*_PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)))
+
+
+def peer_pidfd(sock: socket.socket) -> int | None:
+    """A pidfd of the process at the other end (SO_PEERPIDFD, Linux >= 6.5): it names that process in any pid
+    namespace, where SO_PEERCRED gives pid 0 for one the caller's namespace cannot see. None where the kernel has
+    none. The caller owns the fd."""
+    try:
+        fd = struct.unpack("i", sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD, 4))[0]
+    except OSError:
+        return None
+    return fd if fd >= 0 else None
 
 
 def untrusted_pool_reason(pool_uid: int, own_uid: int, socket_dir: os.stat_result, socket_path: str) -> str | None:

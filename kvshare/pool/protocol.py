@@ -9,6 +9,10 @@ Each request gets exactly one reply, in order, except ``Goodbye`` and ``Release`
 ``reply=False`` (fire and forget: the common case after a load, which would
 otherwise cost a round trip). The reply to ``Hello`` carries the arena's memfd
 as SCM_RIGHTS ancillary data.
+
+Every message is built by keyword (``kw_only``: a positional build raises): several carry
+fields of one type (``Reserve``'s namespace, token ids, account and parent key are all
+bytes), which a reordering of the fields would otherwise swap without a sound.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ class ProtocolError(Exception):
 # -- requests --------------------------------------------------------------------------
 
 
-class Hello(msgspec.Struct, tag="hello"):
+class Hello(msgspec.Struct, kw_only=True, tag="hello"):
     """``holder``: a random token the client keeps across reconnects; the pool keys its holds by it (and the
     uid), so a closed connection of a live process leaves them in place (kvshare.pool.holders)."""
 
@@ -48,7 +52,7 @@ class Hello(msgspec.Struct, tag="hello"):
     direct: bool = False  # asks for the directory and a hold table: lookups without a round trip (direct.py)
 
 
-class Lookup(msgspec.Struct, tag="lookup"):
+class Lookup(msgspec.Struct, kw_only=True, tag="lookup"):
     """Longest committed prefix of ``keys`` (pages of ``page_bytes``), leased when ``lease``."""
 
     keys: list[bytes]
@@ -56,12 +60,12 @@ class Lookup(msgspec.Struct, tag="lookup"):
     lease: bool = True
 
 
-class Release(msgspec.Struct, tag="release"):
+class Release(msgspec.Struct, kw_only=True, tag="release"):
     lease_ids: list[int]
     reply: bool = True
 
 
-class Reserve(msgspec.Struct, tag="reserve"):
+class Reserve(msgspec.Struct, kw_only=True, tag="reserve"):
     """Pages for ``keys`` (chunks ``first_depth``, ``first_depth + 1``, ... of one chain).
 
     ``tokens_le32``: optionally the chunks' token ids, little-endian u32, the same count per key; the pool
@@ -81,7 +85,7 @@ class Reserve(msgspec.Struct, tag="reserve"):
     parent_key: bytes = b""
 
 
-class Commit(msgspec.Struct, tag="commit"):
+class Commit(msgspec.Struct, kw_only=True, tag="commit"):
     """Make a reservation's pages visible; one checksum per page, all of ``checksum_kind``."""
 
     reservation_id: int
@@ -89,39 +93,39 @@ class Commit(msgspec.Struct, tag="commit"):
     checksum_kind: ChecksumKind = ChecksumKind.XXH3
 
 
-class Abort(msgspec.Struct, tag="abort"):
+class Abort(msgspec.Struct, kw_only=True, tag="abort"):
     reservation_id: int
 
 
-class Drop(msgspec.Struct, tag="drop"):
+class Drop(msgspec.Struct, kw_only=True, tag="drop"):
     """Remove committed chunks from view (a chunk found bad by a reader or the audit)."""
 
     keys: list[bytes]
 
 
-class Flush(msgspec.Struct, tag="flush"):
+class Flush(msgspec.Struct, kw_only=True, tag="flush"):
     """Drop every committed chunk, or those of one namespace."""
 
     namespace: bytes | None = None
 
 
-class GetStats(msgspec.Struct, tag="stats"):
+class GetStats(msgspec.Struct, kw_only=True, tag="stats"):
     pass
 
 
-class ListLeases(msgspec.Struct, tag="list_leases"):
+class ListLeases(msgspec.Struct, kw_only=True, tag="list_leases"):
     pass
 
 
-class CheckIntegrity(msgspec.Struct, tag="check_integrity"):
+class CheckIntegrity(msgspec.Struct, kw_only=True, tag="check_integrity"):
     """Ask the daemon to verify its index and allocator agree (tests, validation, fuzzing)."""
 
 
-class ListNamespaces(msgspec.Struct, tag="list_namespaces"):
+class ListNamespaces(msgspec.Struct, kw_only=True, tag="list_namespaces"):
     """Bytes and committed chunks per namespace (administration: quotas, flushes)."""
 
 
-class PrefillReport(msgspec.Struct, tag="prefill_report"):
+class PrefillReport(msgspec.Struct, kw_only=True, tag="prefill_report"):
     """A replica prefilled ``num_chunks`` full chunks of ``namespace`` cold (nothing reused) in ``seconds``.
 
     The remote tier weighs it against the store's speed (kvshare.pool.remote.cost); replies Ok(1)
@@ -134,7 +138,7 @@ class PrefillReport(msgspec.Struct, tag="prefill_report"):
     seconds: float
 
 
-class Goodbye(msgspec.Struct, tag="goodbye"):
+class Goodbye(msgspec.Struct, kw_only=True, tag="goodbye"):
     """Every copy touching this holder's pages has ended: end all its leases and reservations. No reply."""
 
 
@@ -158,7 +162,7 @@ Request = (
 # -- replies ---------------------------------------------------------------------------
 
 
-class PageHeader(msgspec.Struct, array_like=True):
+class PageHeader(msgspec.Struct, kw_only=True, array_like=True, frozen=True):
     """Where a page lies in the arena and what must hold for its bytes."""
 
     offset: int
@@ -168,7 +172,7 @@ class PageHeader(msgspec.Struct, array_like=True):
     checksum_kind: ChecksumKind = ChecksumKind.XXH3  # how ``checksum`` was computed (kvshare.pool.checksum)
 
 
-class HelloReply(msgspec.Struct, tag="hello_reply"):
+class HelloReply(msgspec.Struct, kw_only=True, tag="hello_reply"):
     """``pool_id``: random bytes drawn when the daemon starts (POOL_ID_BYTES). Lease and reservation ids restart
     in every daemon, so a client names the pool that granted a hold by this id, never by ``server_pid``: a
     restarted daemon may have the old one's pid (PID 1 in a container). ``server_pid`` is for people and logs."""
@@ -186,28 +190,31 @@ class HelloReply(msgspec.Struct, tag="hello_reply"):
     direct_slots: int = 0
     direct_holds: int = 0
     direct_misses: bool = False  # a key not in the directory ends the chain (no remote tier to promote from)
+    # the longest the pool may hold a lookup before it answers (a promotion from its remote tier: the promote
+    # timeout and a tick); a client waits that long for a lookup's reply on top of its own timeout
+    lookup_wait_s: float = 0.0
 
 
-class LookupReply(msgspec.Struct, tag="lookup_reply"):
+class LookupReply(msgspec.Struct, kw_only=True, tag="lookup_reply"):
     lease_id: int  # 0: nothing leased
     pages: list[PageHeader]
 
 
-class ReserveReply(msgspec.Struct, tag="reserve_reply"):
+class ReserveReply(msgspec.Struct, kw_only=True, tag="reserve_reply"):
     reservation_id: int  # 0: nothing granted
     grants: list[tuple[int, int]]  # (index into the request's keys, page offset)
     num_no_room: int
 
 
-class Ok(msgspec.Struct, tag="ok"):
+class Ok(msgspec.Struct, kw_only=True, tag="ok"):
     count: int = 0
 
 
-class StatsReply(msgspec.Struct, tag="stats_reply"):
+class StatsReply(msgspec.Struct, kw_only=True, tag="stats_reply"):
     stats: dict[str, int | float | dict[str, int]]
 
 
-class LeaseInfo(msgspec.Struct, array_like=True):
+class LeaseInfo(msgspec.Struct, kw_only=True, array_like=True):
     lease_id: int
     client_id: int
     client_name: str
@@ -215,24 +222,24 @@ class LeaseInfo(msgspec.Struct, array_like=True):
     age_s: float
 
 
-class LeasesReply(msgspec.Struct, tag="leases_reply"):
+class LeasesReply(msgspec.Struct, kw_only=True, tag="leases_reply"):
     leases: list[LeaseInfo]
 
 
-class NamespaceInfo(msgspec.Struct, array_like=True):
+class NamespaceInfo(msgspec.Struct, kw_only=True, array_like=True):
     namespace: bytes
     num_entries: int  # committed chunks
     num_bytes: int  # arena bytes held (writing and committed pages, and dropped pages still leased)
 
 
-class NamespacesReply(msgspec.Struct, tag="namespaces_reply"):
+class NamespacesReply(msgspec.Struct, kw_only=True, tag="namespaces_reply"):
     namespaces: list[NamespaceInfo]
     quota_bytes: int  # 0: no quota
     # what each quota owner holds: an account where a writer named one (it may span namespaces), else a namespace
     accounts: list[NamespaceInfo] = []
 
 
-class ErrorReply(msgspec.Struct, tag="error"):
+class ErrorReply(msgspec.Struct, kw_only=True, tag="error"):
     code: str
     message: str
 

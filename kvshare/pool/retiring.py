@@ -9,7 +9,6 @@ entry left visible to the pool).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 from kvshare.pool.entries import Entry
@@ -37,9 +36,14 @@ class RetiredPages:
         self.entries.append(entry)
         return entry.page_bytes
 
-    def holds_of(self, holder_id: int) -> int:
-        """The holder's live direct holds: while it has any, its copies may still read (holders.py keeps it)."""
-        return 0 if self.direct is None else self.direct.live_holds(time.monotonic(), holder_id)
+    def seal(self, holder_id: int) -> int:
+        """The holder's live direct holds, its hold table closed to new ones first (direct.DirectTables.seal): while
+        it has any, its copies may still read and holders.py keeps it; with none it may be forgotten."""
+        return 0 if self.direct is None else self.direct.seal(holder_id)
+
+    def held_gens(self) -> set[int]:
+        """Generations a direct hold names now: pages eviction would take out of view and not free."""
+        return set() if self.direct is None else self.direct.held_gens()
 
     def settle(self) -> int:
         """Free the pages of retired entries that no direct hold names any more; returns how many."""

@@ -63,3 +63,26 @@ def test_plan_tokens_take_a_suffix():
         return json.loads(out)["tokens"]
 
     assert (tokens("100k"), tokens("32K"), tokens("1.5m")) == (100_000, 32_768, 1_500_000)
+
+
+def test_plan_reports_a_hybrids_kv_and_state_bytes():
+    """Qwen3.5-27B: KV of its 16 attention layers only (64 KiB a token), and its 48 GDN layers' state (147 MiB)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvshare", "plan", "--model", "qwen3.5-27b", "--tokens", "131072"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    assert "16 attention layers" in proc.stdout and "48 Gated DeltaNet layers" in proc.stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "kvshare", "plan", "--model", "qwen3.5-27b", "--tokens", "131072", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout
+    plan = json.loads(out)
+    assert plan["layers"] == 16 and plan["bytes_per_token"] == 64 << 10 and plan["kv_bytes"] == 8 << 30
+    assert plan["gdn_layers"] == 48 and plan["state_bytes"] == 153_944_064
+    assert plan["recurrent_shape"] == [48, 128, 128] and plan["conv_shape"] == [10240, 3]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvshare.engine import pool_link
+from kvshare.engine import pool_kv
 from kvshare.engine.config import EngineConfig
 from kvshare.engine.engine import Engine, RequestOptions
 from kvshare.keys import chunk_keys, namespace_digest
@@ -27,7 +27,7 @@ def staged(monkeypatch):
 
     fake_cuda.install(monkeypatch, fake_cuda.FakeCuda())
     monkeypatch.setattr(
-        pool_link,
+        pool_kv,
         "make_transfer",
         lambda layout, client, device, config: CudaTransfer(
             layout, client, device, TransferConfig(**{**config.__dict__, "copy_method": "torch"})

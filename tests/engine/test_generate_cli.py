@@ -50,7 +50,7 @@ def test_generate_json_without_pool(tiny_dir, tmp_path):
 
 def test_generate_refuses_bad_input_with_a_message(tmp_path):
     result = kvshare("generate", "--model", str(tmp_path / "missing"), "--prompt", "x", check=False)
-    assert result.returncode == 2 and "neither a model directory nor a preset" in result.stderr
+    assert result.returncode == 2 and "missing: no such directory, and not a preset" in result.stderr  # as up says it
     result = kvshare("generate", "--model", "tiny", "--prompt-file", str(tmp_path / "none.txt"), check=False)
     assert result.returncode == 2 and "cannot read the prompt" in result.stderr
 
@@ -73,3 +73,21 @@ def test_make_model_no_weights_writes_the_same_files_but_the_weights(tmp_path, t
     kvshare("make-model", "qwen3-32b", "--out", str(tmp_path / "b"), "--no-weights")
     config = json.loads((tmp_path / "b" / "config.json").read_text())
     assert config["num_hidden_layers"] == 64 and not list((tmp_path / "b").glob("*.safetensors"))
+
+
+def test_make_model_and_generate_a_hybrid(tmp_path):
+    """The Qwen3.5 hybrid from the command line: make-model writes it, generate runs it (no pool)."""
+    from kvshare.engine.config import EngineConfig
+    from kvshare.engine.engine import Engine, SamplingParams
+
+    out = tmp_path / "qwen3.5-tiny"
+    kvshare("make-model", "qwen3.5-tiny", "--out", str(out))
+    assert json.loads((out / "config.json").read_text())["model_type"] == "qwen3_5"
+    done = kvshare(
+        "generate", "--model", str(out), "--prompt", "A hybrid model", "--max-tokens", "5", "--ignore-eos", "--json"
+    )
+    result = json.loads(done.stdout)
+    engine = Engine(EngineConfig(model=str(out)))
+    ids = engine.tokenizer.encode("A hybrid model")
+    expected = [e.token_id for e in engine.generate(ids, SamplingParams(max_tokens=5, ignore_eos=True))]
+    assert result["token_ids"] == expected and result["provenance"]["computed_tokens"] == len(ids)

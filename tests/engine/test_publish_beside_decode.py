@@ -111,10 +111,10 @@ def test_the_local_copies_run_beside_the_pool_store(pool_socket):
         overlapped.append(pool_started.wait(10))
         return insert(*args)
 
-    def waiting_store(*args):
+    def waiting_store(*args, **kwargs):
         pool_started.set()
         overlapped.append(local_started.wait(10))
-        return store(*args)
+        return store(*args, **kwargs)
 
     writer._local.insert, writer._pool.store = waiting_insert, waiting_store
     assert run(writer, ids) == (cold, (0, 0, 75))  # nothing of it held yet: computed, then stored both ways

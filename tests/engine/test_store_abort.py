@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvshare.engine import pool_link
+from kvshare.engine import pool_kv
 from kvshare.engine.stats import EngineStats
 from kvshare.layout import KVLayout
 from kvshare.pool.checksum import page_checksum
@@ -60,15 +60,15 @@ class QueuedCopies:
 
 
 def test_a_failed_store_waits_for_its_queued_copies_before_the_pages_go_to_another_writer(monkeypatch):
-    """Fails when PoolLink.store aborts without ``self.transfer.sync()``: the freed page goes to the next writer,
+    """Fails when PoolKV.store aborts without ``self.transfer.sync()``: the freed page goes to the next writer,
     and the first store's late copy overwrites what that writer committed."""
-    monkeypatch.setattr(pool_link, "make_transfer", QueuedCopies)
+    monkeypatch.setattr(pool_kv, "make_transfer", QueuedCopies)
     keys = make_keys("abort", 3)
     with running_pool("16MiB", ("--extent-size", "4MiB"), quiet=True) as path:
         with PoolClient(path, name="other") as other:  # chunk 1 is in the pool already: the store has two runs
             reserved = other.reserve(NS, keys[1:2], PAGE, first_depth=1)
             other.commit(reserved.reservation_id, [page_checksum(other.page(reserved.grants[0][1], PAGE))])
-        link = pool_link.PoolLink(path, LAYOUT, torch.device("cpu"), EngineStats(), name="engine")
+        link = pool_kv.PoolKV(path, LAYOUT, torch.device("cpu"), EngineStats(), name="engine")
         kv = torch.zeros(1, 2, 1, 3 * LAYOUT.chunk_tokens, 64)
         with pytest.raises(RuntimeError, match="copy engine failed"):
             link.store(kv, keys, NS)

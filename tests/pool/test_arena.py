@@ -100,3 +100,36 @@ def test_a_client_refuses_an_arena_that_is_not_sealed(tmp_path, monkeypatch):
     finally:
         server.stop()
         thread.join(5)
+
+
+def start_recording_arena_pages(tmp_path, monkeypatch, hugepages: str, allowed_uids: tuple[int, ...]) -> list[bool]:
+    """Start a pool that believes 1 GiB of hugepages is free; returns whether it asked for a hugepage arena."""
+    import kvshare.pool.arena as arena
+    from kvshare.pool.daemon import PoolConfig, PoolServer
+
+    asked = []
+    create = arena.create_arena
+    monkeypatch.setattr(arena, "hugepages_free_bytes", lambda meminfo_path="/proc/meminfo": GiB)
+    monkeypatch.setattr(arena, "create_arena", lambda size, hugepages=False: asked.append(hugepages) or create(size))
+    config = PoolConfig(
+        socket_path=str(tmp_path / "p.sock"), size_bytes=4 * MiB, hugepages=hugepages, allowed_uids=allowed_uids
+    )
+    server = PoolServer(config)
+    try:
+        server.start()
+    finally:
+        server.close()
+    return asked
+
+
+def test_a_pool_that_admits_another_uid_never_puts_its_arena_on_hugepages(tmp_path, monkeypatch):
+    """Any process with the arena's fd can punch a hole in it (fallocate; no memfd seal forbids that while writes
+    are allowed): on hugepages the freed page is gone from the reserve and every mapping that touches it may die
+    of SIGBUS. A process of the pool's own uid can kill the pool and its replicas anyway; one of another uid
+    must not be able to. Fails when `auto` takes hugepages whoever may connect."""
+    own = os.getuid()
+    assert start_recording_arena_pages(tmp_path, monkeypatch, "auto", ()) == [True]
+    assert start_recording_arena_pages(tmp_path, monkeypatch, "auto", (own,)) == [True]
+    assert start_recording_arena_pages(tmp_path, monkeypatch, "auto", (own, own + 1)) == [False]
+    with pytest.raises(ArenaError, match="--allow-uid"):
+        start_recording_arena_pages(tmp_path, monkeypatch, "on", (own + 1,))

@@ -74,22 +74,32 @@ def test_the_kind_recorded_at_commit_comes_back_with_each_lookup():
     greet(handlers, 1)
     cpu_keys, gpu_keys = keys("cpu", 2), keys("gpu", 2)
     for ks, kind in ((cpu_keys, None), (gpu_keys, ChecksumKind.WSUM32)):
-        reserved = handlers.handle(1, P.Reserve(NS, ks, PAGE))
+        reserved = handlers.handle(1, P.Reserve(namespace=NS, keys=ks, page_bytes=PAGE))
         commit = (
-            P.Commit(reserved.reservation_id, [5, 6])
+            P.Commit(reservation_id=reserved.reservation_id, checksums=[5, 6])
             if kind is None
-            else P.Commit(reserved.reservation_id, [5, 6], kind)
+            else P.Commit(reservation_id=reserved.reservation_id, checksums=[5, 6], checksum_kind=kind)
         )
         assert handlers.handle(1, commit) == P.Ok(count=2)
-    assert [p.checksum_kind for p in handlers.handle(2, P.Lookup(cpu_keys, PAGE)).pages] == [ChecksumKind.XXH3] * 2
-    assert [p.checksum_kind for p in handlers.handle(2, P.Lookup(gpu_keys, PAGE)).pages] == [ChecksumKind.WSUM32] * 2
+    assert [p.checksum_kind for p in handlers.handle(2, P.Lookup(keys=cpu_keys, page_bytes=PAGE)).pages] == [
+        ChecksumKind.XXH3
+    ] * 2
+    assert [p.checksum_kind for p in handlers.handle(2, P.Lookup(keys=gpu_keys, page_bytes=PAGE)).pages] == [
+        ChecksumKind.WSUM32
+    ] * 2
 
 
 def test_kinds_cross_the_wire_and_unknown_kinds_are_refused_as_malformed():
-    commit = P.Commit(7, [1, 2**64 - 1], ChecksumKind.WSUM32)
+    commit = P.Commit(reservation_id=7, checksums=[1, 2**64 - 1], checksum_kind=ChecksumKind.WSUM32)
     frame = P.encode(commit)
     assert P.decode_request(frame[P.FRAME_HEADER.size :]) == commit
-    reply = P.LookupReply(3, [P.PageHeader(0, PAGE, 9, checksum_kind=ChecksumKind.WSUM32), P.PageHeader(PAGE, PAGE, 8)])
+    reply = P.LookupReply(
+        lease_id=3,
+        pages=[
+            P.PageHeader(offset=0, page_bytes=PAGE, checksum=9, checksum_kind=ChecksumKind.WSUM32),
+            P.PageHeader(offset=PAGE, page_bytes=PAGE, checksum=8),
+        ],
+    )
     decoded = P.decode_reply(P.encode(reply)[P.FRAME_HEADER.size :])
     assert [p.checksum_kind for p in decoded.pages] == [ChecksumKind.WSUM32, ChecksumKind.XXH3]
     payload = msgspec.msgpack.encode({"type": "commit", "reservation_id": 7, "checksums": [1], "checksum_kind": 9})

@@ -33,19 +33,23 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def start_server(tmp_path, size_bytes: int = 16 * MiB, extent_bytes: int = 4 * MiB, **index) -> PoolServer:
-    """A pool in a thread of this process, ticking every 20 ms; no watermark eviction unless ``index`` says."""
+def start_server(
+    tmp_path, size_bytes: int = 16 * MiB, extent_bytes: int = 4 * MiB, tick_s: float = 0.02, **index
+) -> PoolServer:
+    """A pool in a thread of this process (``serve_thread``), ticking every ``tick_s``; no watermark eviction unless
+    ``index`` says."""
     config = PoolConfig(
         socket_path=str(tmp_path / "p.sock"),
         size_bytes=size_bytes,
         extent_bytes=extent_bytes,
         hugepages="off",
-        tick_s=0.02,
+        tick_s=tick_s,
         index=IndexConfig(**({"high_watermark": 1.0, "low_watermark": 1.0} | index)),
     )
     server = PoolServer(config)
     server.start()
-    threading.Thread(target=server.serve, daemon=True).start()
+    server.serve_thread = threading.Thread(target=server.serve, daemon=True)
+    server.serve_thread.start()
     return server
 
 
@@ -201,7 +205,7 @@ def test_negative_control_without_the_barrier_and_scan_the_writer_overwrites_a_h
     """The scenario above with the pool's guard broken (every retired page freed at once): the writer gets the
     held pages and the reader's bytes change under it, so the test above can fail."""
     monkeypatch.setattr(server.direct, "unheld", lambda entries, now=None: list(entries))
-    held, got, intact = fill_then_take_over(server, "evict")
+    held, got, intact = fill_then_take_over(server, "drop")
     assert held <= got and not intact
 
 
@@ -303,7 +307,7 @@ def test_a_holder_the_pool_forgot_gets_a_new_table_and_its_holds_there_count(ser
         first = PoolClient(server.config.socket_path, holder=token, direct=True).connect()
         first.release([first.lookup(keys, 4096).lease_id])
         first.close(end_holds=False)
-        assert wait_for(lambda: not server.direct._tables)  # forgotten: its table is closed
+        assert wait_for(lambda: not server.direct.tables)  # forgotten: its table is closed
         with PoolClient(server.config.socket_path, holder=token, direct=True) as second:
             grant = second.lookup(keys, 4096)
             assert grant.lease_id & DIRECT_LEASE_BIT
@@ -366,3 +370,38 @@ def test_without_membarrier_the_pool_offers_no_directory_and_lookups_take_the_ro
             assert not grant.lease_id & DIRECT_LEASE_BIT and len(grant.pages) == 2
     finally:
         server.stop()
+
+
+def test_a_forked_child_never_writes_its_parents_hold_table(pool):
+    """A process that holds a direct client forks; the child looks up through the inherited client while the
+    parent holds a lease. Fails when the child uses the parent's hold table with its own copy of the free-hold
+    list: it stores its hold in the slot of the parent's, and the parent's pages are freed under its lease."""
+    parent_keys, child_keys = make_keys("fork-parent", 2), make_keys("fork-child", 2)
+    with PoolClient(pool) as writer:
+        write_chain(writer, parent_keys, 4096, fill=1)
+        write_chain(writer, child_keys, 4096, fill=2)
+        parent = PoolClient(pool, direct=True).connect()
+        go_r, go_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: wait until the parent holds its lease, look up through the inherited client
+            code = 1
+            try:
+                os.read(go_r, 1)
+                parent.lookup(child_keys, 4096)
+                code = 0
+            except BaseException:  # a refusal (the client is its parent's) is as good
+                code = 0
+            finally:
+                os._exit(code)
+        grant = parent.lookup(parent_keys, 4096)
+        assert grant.lease_id & DIRECT_LEASE_BIT
+        os.write(go_w, b"x")
+        assert os.waitpid(pid, 0)[1] == 0
+        writer.drop(parent_keys)
+        direct = writer.stats()["direct"]
+        assert direct["retired_pages"] == 2, "the parent's held pages were freed (its holds were overwritten)"
+        parent.release([grant.lease_id])
+        assert wait_for(lambda: writer.stats()["direct"]["retired_pages"] == 0)
+        parent.close()
+        os.close(go_r)
+        os.close(go_w)

@@ -36,6 +36,7 @@ class FakeRemote:
         self.is_promoting = is_promoting
         self.calls: list[tuple] = []
         self.on_done = []
+        self.in_copy: set[int] = set()  # reservations a worker thread may still write
 
     def on_reserve(self, client_id, reservation_id, entries):
         self.calls.append(("reserve", client_id, reservation_id, len(entries)))
@@ -60,6 +61,9 @@ class FakeRemote:
 
     def tick(self, now):
         self.calls.append(("tick", now))
+
+    def reservations_in_copy(self):
+        return self.in_copy
 
     def stats(self):
         return {"promotions": len(self.on_done)}
@@ -87,9 +91,11 @@ def greet(handlers, client_id, name="test", pid=0):
 
 
 def store(handlers, client_id, ks, checksums=None):
-    reserved = handlers.handle(client_id, P.Reserve(NS, ks, PAGE))
+    reserved = handlers.handle(client_id, P.Reserve(namespace=NS, keys=ks, page_bytes=PAGE))
     checksums = checksums or list(range(1, len(ks) + 1))
-    assert handlers.handle(client_id, P.Commit(reserved.reservation_id, checksums)) == P.Ok(count=len(ks))
+    assert handlers.handle(client_id, P.Commit(reservation_id=reserved.reservation_id, checksums=checksums)) == P.Ok(
+        count=len(ks)
+    )
     return reserved
 
 
@@ -98,17 +104,17 @@ def test_reserve_commit_lookup_release():
     hello = greet(handlers, 1, "writer")
     assert hello.client_id == 1 and hello.arena_bytes == 16 * PAGE and hello.extent_bytes == 4 * PAGE
     ks = keys("a", 3)
-    reserved = handlers.handle(1, P.Reserve(NS, ks, PAGE))
+    reserved = handlers.handle(1, P.Reserve(namespace=NS, keys=ks, page_bytes=PAGE))
     assert isinstance(reserved, P.ReserveReply) and [i for i, _ in reserved.grants] == [0, 1, 2]
     assert reserved.num_no_room == 0
-    assert handlers.handle(1, P.Lookup(ks, PAGE)).pages == []  # invisible until commit
-    assert handlers.handle(1, P.Commit(reserved.reservation_id, [11, 12, 13])) == P.Ok(count=3)
+    assert handlers.handle(1, P.Lookup(keys=ks, page_bytes=PAGE)).pages == []  # invisible until commit
+    assert handlers.handle(1, P.Commit(reservation_id=reserved.reservation_id, checksums=[11, 12, 13])) == P.Ok(count=3)
 
-    found = handlers.handle(2, P.Lookup(ks, PAGE))
+    found = handlers.handle(2, P.Lookup(keys=ks, page_bytes=PAGE))
     offsets = [offset for _, offset in reserved.grants]
     assert [(p.offset, p.checksum) for p in found.pages] == list(zip(offsets, [11, 12, 13]))
     assert found.lease_id and handlers.index.num_leases == 1
-    assert handlers.handle(2, P.Release([found.lease_id])) == P.Ok(count=1)
+    assert handlers.handle(2, P.Release(lease_ids=[found.lease_id])) == P.Ok(count=1)
     assert handlers.index.num_leases == 0
     assert handlers.handle(1, P.CheckIntegrity()) == P.Ok(count=3)
     assert answers == []  # nothing was deferred
@@ -118,12 +124,14 @@ def test_bad_messages_are_answered_with_errors_and_change_nothing():
     handlers, _, _ = make()
     greet(handlers, 1)
     store(handlers, 1, keys("a", 2))
-    assert handlers.handle(1, P.Commit(12345, [0])).code == "unknown_reservation"
-    assert handlers.handle(1, P.Lookup([b"short"], PAGE)).code == "bad_key"
-    assert handlers.handle(1, P.Reserve(b"bad", keys("b", 1), PAGE)).code == "bad_namespace"
-    assert handlers.handle(1, P.Release([999])).code == "unknown_lease"
-    assert handlers.handle(1, P.Hello(P.PROTOCOL_VERSION)).code == "unexpected"  # only the first message
-    assert handlers.handle(1, P.Release([999], reply=False)) is None  # fire-and-forget: counted instead
+    assert handlers.handle(1, P.Commit(reservation_id=12345, checksums=[0])).code == "unknown_reservation"
+    assert handlers.handle(1, P.Lookup(keys=[b"short"], page_bytes=PAGE)).code == "bad_key"
+    assert handlers.handle(1, P.Reserve(namespace=b"bad", keys=keys("b", 1), page_bytes=PAGE)).code == "bad_namespace"
+    assert handlers.handle(1, P.Release(lease_ids=[999])).code == "unknown_lease"
+    assert (
+        handlers.handle(1, P.Hello(protocol_version=P.PROTOCOL_VERSION)).code == "unexpected"
+    )  # only the first message
+    assert handlers.handle(1, P.Release(lease_ids=[999], reply=False)) is None  # fire-and-forget: counted instead
     assert handlers.counters.errors == 1
     assert handlers.index.num_entries == 2 and handlers.index.num_writing == 0
     assert handlers.handle(1, P.CheckIntegrity()) == P.Ok(count=2)
@@ -145,8 +153,8 @@ def test_disconnect_aborts_reservations_and_releases_leases():
     handlers, _, _ = make()
     greet(handlers, 1, "reader", pid=exited_pid())  # its process is gone: its holds end with the connection
     store(handlers, 1, keys("a", 2))
-    lease = handlers.handle(1, P.Lookup(keys("a", 2), PAGE))
-    handlers.handle(1, P.Reserve(NS, keys("b", 3), PAGE))
+    lease = handlers.handle(1, P.Lookup(keys=keys("a", 2), page_bytes=PAGE))
+    handlers.handle(1, P.Reserve(namespace=NS, keys=keys("b", 3), page_bytes=PAGE))
     listed = handlers.handle(9, P.ListLeases())
     rows = [(info.lease_id, info.client_name, info.num_pages) for info in listed.leases]
     assert rows == [(lease.lease_id, "reader", 2)]
@@ -160,7 +168,7 @@ def test_tick_expires_leases_and_stats_count_everything():
     handlers, _, clock = make(lease_ttl_s=10.0)
     greet(handlers, 1)
     store(handlers, 1, keys("a", 2))
-    handlers.handle(1, P.Lookup(keys("a", 2), PAGE))
+    handlers.handle(1, P.Lookup(keys=keys("a", 2), page_bytes=PAGE))
     clock.now += 11.0
     handlers.tick(clock.now)
     stats = handlers.handle(1, P.GetStats()).stats
@@ -174,8 +182,8 @@ def test_remote_hooks_see_reserve_commit_abort_and_disconnect():
     handlers, _, _ = make(remote=remote)
     greet(handlers, 1, pid=exited_pid())
     first = store(handlers, 1, keys("a", 2))
-    second = handlers.handle(1, P.Reserve(NS, keys("b", 1), PAGE))
-    handlers.handle(1, P.Abort(second.reservation_id))
+    second = handlers.handle(1, P.Reserve(namespace=NS, keys=keys("b", 1), page_bytes=PAGE))
+    handlers.handle(1, P.Abort(reservation_id=second.reservation_id))
     handlers.disconnect(1)
     assert remote.calls == [
         ("reserve", 1, first.reservation_id, 2),
@@ -193,7 +201,7 @@ def test_a_partial_hit_is_deferred_to_the_remote_tier_and_answered_later():
     greet(handlers, 1)
     ks = keys("a", 4)
     store(handlers, 1, ks[:2])
-    assert handlers.handle(2, P.Lookup(ks, PAGE)) is None  # deferred: no reply now
+    assert handlers.handle(2, P.Lookup(keys=ks, page_bytes=PAGE)) is None  # deferred: no reply now
     assert handlers.is_deferred(2) and remote.calls[-1] == ("promote", 4, 2)
     assert handlers.index.num_leases == 1  # the local prefix is pinned meanwhile
     store(handlers, 1, ks[2:], [7, 8])  # what the tier would have promoted
@@ -203,7 +211,7 @@ def test_a_partial_hit_is_deferred_to_the_remote_tier_and_answered_later():
     assert client_id == 2 and [p.checksum for p in reply.pages] == [1, 2, 7, 8]
     assert handlers.index.num_leases == 1  # the pin went, the answer's own lease stays
     assert handlers.stats()["lookups"] == 1  # the deferred answer is not a second lookup
-    assert handlers.handle(2, P.Release([reply.lease_id])) == P.Ok(count=1)
+    assert handlers.handle(2, P.Release(lease_ids=[reply.lease_id])) == P.Ok(count=1)
 
 
 def test_a_full_hit_a_busy_tier_and_a_client_that_left_are_not_deferred():
@@ -212,12 +220,12 @@ def test_a_full_hit_a_busy_tier_and_a_client_that_left_are_not_deferred():
     greet(handlers, 1)
     ks = keys("a", 3)
     store(handlers, 1, ks[:2])
-    assert len(handlers.handle(2, P.Lookup(ks[:2], PAGE)).pages) == 2  # whole: the tier is not asked
-    assert len(handlers.handle(2, P.Lookup(ks, PAGE)).pages) == 2  # the tier declined: the local answer
+    assert len(handlers.handle(2, P.Lookup(keys=ks[:2], page_bytes=PAGE)).pages) == 2  # whole: the tier is not asked
+    assert len(handlers.handle(2, P.Lookup(keys=ks, page_bytes=PAGE)).pages) == 2  # the tier declined: the local answer
     assert [c for c in remote.calls if c[0] == "promote"] == [("promote", 3, 2)]
     remote.is_promoting = True
     greet(handlers, 3)
-    assert handlers.handle(3, P.Lookup(ks, PAGE)) is None
+    assert handlers.handle(3, P.Lookup(keys=ks, page_bytes=PAGE)) is None
     handlers.disconnect(3)
     remote.on_done.pop()()  # the promotion ends after the client left: nobody is answered
     assert answers == [] and not handlers.is_deferred(3)
@@ -234,6 +242,7 @@ def test_the_remote_tier_implements_every_hook():
         "on_prefill",
         "poll",
         "tick",
+        "reservations_in_copy",
         "stats",
         "close",
     }
@@ -244,15 +253,19 @@ def test_a_prefill_report_goes_to_the_tier_and_a_bad_one_is_refused():
     remote = FakeRemote()
     handlers, _, _ = make(remote=remote)
     greet(handlers, 1)
-    assert handlers.handle(1, P.PrefillReport(bytes(16), PAGE, 8, 0.5)) == P.Ok(count=1)
+    assert handlers.handle(1, P.PrefillReport(namespace=bytes(16), page_bytes=PAGE, num_chunks=8, seconds=0.5)) == P.Ok(
+        count=1
+    )
     assert remote.calls[-1] == ("prefill", PAGE, 8, 0.5)
     for bad in (
-        P.PrefillReport(b"short", PAGE, 8, 0.5),
-        P.PrefillReport(bytes(16), PAGE, 0, 0.5),
-        P.PrefillReport(bytes(16), PAGE, 8, 0.0),
-        P.PrefillReport(bytes(16), PAGE, 8, float("nan")),
+        P.PrefillReport(namespace=b"short", page_bytes=PAGE, num_chunks=8, seconds=0.5),
+        P.PrefillReport(namespace=bytes(16), page_bytes=PAGE, num_chunks=0, seconds=0.5),
+        P.PrefillReport(namespace=bytes(16), page_bytes=PAGE, num_chunks=8, seconds=0.0),
+        P.PrefillReport(namespace=bytes(16), page_bytes=PAGE, num_chunks=8, seconds=float("nan")),
     ):
         assert handlers.handle(1, bad).code == "bad_report"
     plain, _, _ = make()
     greet(plain, 1)
-    assert plain.handle(1, P.PrefillReport(bytes(16), PAGE, 8, 0.5)) == P.Ok(count=0)  # no tier: nothing to weigh
+    assert plain.handle(1, P.PrefillReport(namespace=bytes(16), page_bytes=PAGE, num_chunks=8, seconds=0.5)) == P.Ok(
+        count=0
+    )  # no tier: nothing to weigh

@@ -164,14 +164,14 @@ def test_orphaned_holds_end_when_the_process_exits_and_a_reused_pid_is_not_taken
         handlers, _, clock = make()
         handlers.connect(1, pid=peer.pid, uid=os.getuid())
         handlers.hello(1, P.Hello(protocol_version=P.PROTOCOL_VERSION, holder=b"t" * 16))
-        reserved = handlers.handle(1, P.Reserve(NS, make_keys("orphan", 2), PAGE))
+        reserved = handlers.handle(1, P.Reserve(namespace=NS, keys=make_keys("orphan", 2), page_bytes=PAGE))
         assert handlers.disconnect(1) == (0, 0)  # the process lives: its copies may still run
         handlers.tick(clock())
         assert handlers.index.num_writing == 2 and handlers.counters.orphaned_holders == 1
         handlers.connect(2, pid=peer.pid, uid=os.getuid())  # it reconnects with its token: the same holder
         handlers.hello(2, P.Hello(protocol_version=P.PROTOCOL_VERSION, holder=b"t" * 16))
-        assert handlers.handle(2, P.Commit(reserved.reservation_id, [1, 2])) == P.Ok(count=2)
-        lease = handlers.handle(2, P.Lookup(make_keys("orphan", 2), PAGE))
+        assert handlers.handle(2, P.Commit(reservation_id=reserved.reservation_id, checksums=[1, 2])) == P.Ok(count=2)
+        lease = handlers.handle(2, P.Lookup(keys=make_keys("orphan", 2), page_bytes=PAGE))
         assert handlers.disconnect(2) == (0, 0) and handlers.index.num_leases == 1
         peer.kill()
         peer.wait()

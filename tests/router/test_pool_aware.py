@@ -156,9 +156,34 @@ def test_a_block_hashed_with_more_than_its_tokens_is_not_indexed():
     """vLLM puts a cache_salt, a LoRA or media in extra_keys: tokens alone must not match such a block.
     Fails when PoolPrefixIndex.apply indexes keyed blocks."""
     index = PoolPrefixIndex(media=(E.MEDIUM_GPU, None))
-    keyed = E.BlockStored([1], None, [0, 1, 2, 3], CHUNK, None, E.MEDIUM_GPU, None, extra_keys=[("tenant-a",)])
-    lora = E.BlockStored([2], None, [0, 1, 2, 3], CHUNK, None, E.MEDIUM_GPU, "adapter")
-    plain = E.BlockStored([3], None, [0, 1, 2, 3], CHUNK, None, None, None)
+    keyed = E.BlockStored(
+        block_hashes=[1],
+        parent_block_hash=None,
+        token_ids=[0, 1, 2, 3],
+        block_size=CHUNK,
+        lora_id=None,
+        medium=E.MEDIUM_GPU,
+        lora_name=None,
+        extra_keys=[("tenant-a",)],
+    )
+    lora = E.BlockStored(
+        block_hashes=[2],
+        parent_block_hash=None,
+        token_ids=[0, 1, 2, 3],
+        block_size=CHUNK,
+        lora_id=None,
+        medium=E.MEDIUM_GPU,
+        lora_name="adapter",
+    )
+    plain = E.BlockStored(
+        block_hashes=[3],
+        parent_block_hash=None,
+        token_ids=[0, 1, 2, 3],
+        block_size=CHUNK,
+        lora_id=None,
+        medium=None,
+        lora_name=None,
+    )
     for event in (keyed, lora):
         index.apply(event)
     assert len(index) == 0
@@ -173,7 +198,17 @@ def test_a_replica_that_publishes_its_gpu_blocks_is_credited_from_them():
     router = placer_with(stored_chain(prompt))
     gpu = FakeFeed([])
     gpu.index.media = (E.MEDIUM_GPU,)
-    gpu.index.apply(E.BlockStored([9], None, prompt, 256, None, E.MEDIUM_GPU, None))
+    gpu.index.apply(
+        E.BlockStored(
+            block_hashes=[9],
+            parent_block_hash=None,
+            token_ids=prompt,
+            block_size=256,
+            lora_id=None,
+            medium=E.MEDIUM_GPU,
+            lora_name=None,
+        )
+    )
     router.pool_aware.replica_feeds = [FakeFeed([]), gpu]
     # replica 0 is idle but must load 256 tokens (0.256 s); replica 1 holds them on its GPU: 2 in flight (0.2 s)
     assert router.choose(RouteFacts(prompt_ids=prompt), views(0, 2), now=0.0)[0] == 1

@@ -109,10 +109,32 @@ def test_a_replicas_plain_blocks_are_indexed_as_vllm_publishes_them():
 
     ids = list(range(64))
     index = PoolPrefixIndex((E.MEDIUM_GPU, None))
-    index.apply(E.BlockStored([1, 2], None, ids, 32, None, E.MEDIUM_GPU, None, [None, None]))
+    index.apply(
+        E.BlockStored(
+            block_hashes=[1, 2],
+            parent_block_hash=None,
+            token_ids=ids,
+            block_size=32,
+            lora_id=None,
+            medium=E.MEDIUM_GPU,
+            lora_name=None,
+            extra_keys=[None, None],
+        )
+    )
     assert index.held_tokens(ids, None) == 64
     salted = PoolPrefixIndex((E.MEDIUM_GPU, None))  # vLLM keys a cache_salt into the first block only
-    salted.apply(E.BlockStored([1, 2], None, ids, 32, None, E.MEDIUM_GPU, None, [("salt",), None]))
+    salted.apply(
+        E.BlockStored(
+            block_hashes=[1, 2],
+            parent_block_hash=None,
+            token_ids=ids,
+            block_size=32,
+            lora_id=None,
+            medium=E.MEDIUM_GPU,
+            lora_name=None,
+            extra_keys=[("salt",), None],
+        )
+    )
     assert salted.held_tokens(ids, None) == 0
 
 
@@ -126,7 +148,17 @@ def test_the_placer_records_what_a_split_needs_and_nothing_for_a_salted_prompt()
     router = placer_with(stored_chain(prompt[:256]))
     gpu = FakeFeed([])
     gpu.index.media = (E.MEDIUM_GPU,)
-    gpu.index.apply(E.BlockStored([9], None, prompt[:256], 256, None, E.MEDIUM_GPU, None))
+    gpu.index.apply(
+        E.BlockStored(
+            block_hashes=[9],
+            parent_block_hash=None,
+            token_ids=prompt[:256],
+            block_size=256,
+            lora_id=None,
+            medium=E.MEDIUM_GPU,
+            lora_name=None,
+        )
+    )
     router.pool_aware.replica_feeds = [FakeFeed([]), gpu]
     router.choose(RouteFacts(prompt_ids=prompt), views(0, 0), now=0.0)
     placement = router.pool_aware.last_placement

@@ -246,11 +246,12 @@ def test_request_path_warm_up_decodes_a_body_of_the_longest_prompt(monkeypatch, 
     assert stats.num_requests == 0  # nothing of it is counted
 
 
-def test_suffix_kernel_warm_up_runs_each_shape_and_leaves_outputs_alone():
+@pytest.mark.parametrize("model", ["tiny", "qwen3.5-tiny"])  # a hybrid: each suffix from its prefix's GDN state
+def test_suffix_kernel_warm_up_runs_each_shape_and_leaves_outputs_alone(model):
     from kvshare.engine.engine import Engine, EngineConfig, SamplingParams
     from kvshare.engine.warmup import warm_suffix_kernels
 
-    engine = Engine(EngineConfig(model="tiny", max_model_len=512))
+    engine = Engine(EngineConfig(model=model, max_model_len=512))
     ids = prompt(9, 300)
     params = SamplingParams(max_tokens=4, logprobs=2, ignore_eos=True)
     try:

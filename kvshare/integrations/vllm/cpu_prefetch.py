@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvshare.integrations.vllm.metadata import PageRef
 from kvshare.integrations.vllm.prefetch import Regions
 from kvshare.pool.checksum import PageHasher
+from kvshare.pool.protocol import PageHeader
 
 
 @dataclass(eq=False)
@@ -62,10 +62,10 @@ class CpuAhead:
         with self._lock:
             return self._regions.largest()
 
-    def wanted(self, pages: Sequence[PageRef]) -> int:
+    def wanted(self, pages: Sequence[PageHeader]) -> int:
         return min(len(pages) * self.page_bytes, self.num_bytes)
 
-    def copy_ahead(self, client, pages: Sequence[PageRef]) -> CpuAheadCopy | None:
+    def copy_ahead(self, client, pages: Sequence[PageHeader]) -> CpuAheadCopy | None:
         with self._lock:
             n = min(len(pages), self._regions.largest() // self.page_bytes)
             start = self._regions.allocate(n * self.page_bytes) if n else None

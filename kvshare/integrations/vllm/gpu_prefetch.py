@@ -23,10 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvshare.integrations.vllm.metadata import PageRef
 from kvshare.integrations.vllm.prefetch import Regions
 from kvshare.layout import KVLayout
 from kvshare.pool.checksum import ChecksumKind
+from kvshare.pool.protocol import PageHeader
 from kvshare.transfer.pipeline import StagingPipeline
 from kvshare.transfer.plan import Unit, plan_unit
 from kvshare.transfer.verify import can_sum_staged
@@ -86,10 +86,10 @@ class GpuAhead:
         with self._lock:
             return self._regions.largest() // ALIGN * ALIGN
 
-    def wanted(self, pages: Sequence[PageRef]) -> int:
+    def wanted(self, pages: Sequence[PageHeader]) -> int:
         return min(_leading_wsum32(pages) * sum(self._rows), self.num_bytes)
 
-    def copy_ahead(self, client, pages: Sequence[PageRef]) -> GpuAheadCopy | None:
+    def copy_ahead(self, client, pages: Sequence[PageHeader]) -> GpuAheadCopy | None:
         """Copies from the arena this pipeline registered (the hooks' thread's mapping of ``client``'s pool)."""
         if not self.is_usable:
             return None
@@ -127,7 +127,7 @@ class GpuAhead:
         return GpuAheadCopy(n, regions, done, self, start)
 
 
-def _leading_wsum32(pages: Sequence[PageRef]) -> int:
+def _leading_wsum32(pages: Sequence[PageHeader]) -> int:
     """How many leading pages a GPU writer summed (WSUM32): the load verifies those over the bytes it scatters."""
     return next((i for i, page in enumerate(pages) if page.checksum_kind != ChecksumKind.WSUM32), len(pages))
 

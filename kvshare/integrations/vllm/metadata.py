@@ -1,24 +1,15 @@
 """What the vLLM connector's scheduler side tells its worker side each step, and what comes back.
 
-Plain frozen dataclasses (no torch, no vLLM): vLLM passes them between processes by
-pickling when the worker runs in another process, and by reference otherwise.
+Plain frozen dataclasses, with the leased pages as the pool's (frozen) PageHeaders; no torch, no vLLM.
+vLLM passes them between processes by pickling when the worker runs in another process, and by
+reference otherwise.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvshare.pool.checksum import ChecksumKind
-
-
-@dataclass(frozen=True)
-class PageRef:
-    """A leased pool page: where it lies in the arena and the checksum (of its kind) recorded at its commit."""
-
-    offset: int
-    page_bytes: int
-    checksum: int
-    checksum_kind: ChecksumKind = ChecksumKind.XXH3
+from kvshare.pool.protocol import PageHeader
 
 
 @dataclass(frozen=True)
@@ -33,7 +24,7 @@ class LoadSpec:
     req_id: str
     pool_id: bytes
     first_chunk: int
-    pages: tuple[PageRef, ...]
+    pages: tuple[PageHeader, ...]  # as the lease gave them
     keys: tuple[bytes, ...]
     token_start: int
     token_end: int
@@ -71,7 +62,13 @@ class StoreSpec:
         """The pool's pages for these chunks (a PoolClient's reserve: only those it does not hold are granted)."""
         ids = None if self.token_ids is None else list(self.token_ids)
         return client.reserve(
-            self.namespace, list(self.keys), page_bytes, self.first_chunk, ids, self.account, self.parent_key
+            self.namespace,
+            list(self.keys),
+            page_bytes,
+            self.first_chunk,
+            token_ids=ids,
+            account=self.account,
+            parent_key=self.parent_key,
         )
 
     @property

@@ -55,7 +55,9 @@ class ConnectorConfig:
     cuda_copy_method: str = "memcpy2d"
     cuda_staging_mib: int = 128  # on a GPU: each of the 4 staging buffers (2 for loads, 2 for stores)
     lease_ttl_s: float = 60.0  # a lease vLLM has not scheduled within this is released
-    pool_timeout_s: float = 2.0  # longest wait for one pool reply before the pool counts as down
+    # longest wait for one pool reply before the pool counts as down; a lookup the pool may promote from its
+    # remote tier is waited for that much longer (the pool's promote timeout: HelloReply.lookup_wait_s)
+    pool_timeout_s: float = 2.0
     pool_retry_s: float = 5.0  # after a failure, how long to serve without the pool before trying again
     # the model's identity named by the user (e.g. a hub commit) instead of a hash of the weights' bytes;
     # replicas with one revision share KV, so it must name exactly these weights. "": hash them (default)

@@ -27,7 +27,7 @@ import torch
 
 from kvshare.integrations.vllm.gpu import GpuKVWorker
 from kvshare.integrations.vllm.layout import as_bits, reference_gather
-from kvshare.integrations.vllm.metadata import LoadSpec, PageRef, StoreSpec
+from kvshare.integrations.vllm.metadata import LoadSpec, StoreSpec
 from kvshare.integrations.vllm.paged_tensors import MEMORY_ORDERS, fill_random_, paged_layers
 from kvshare.keys import KEY_BYTES
 from kvshare.layout import KVLayout
@@ -160,7 +160,7 @@ class _Bench:
             == NUM_PAGES
         )
         lease = self.client.lookup(list(self.keys), LAYOUT.page_bytes)
-        refs = tuple(PageRef(p.offset, p.page_bytes, p.checksum, p.checksum_kind) for p in lease.pages)
+        refs = tuple(lease.pages)
         C = LAYOUT.chunk_tokens
         spec = LoadSpec("load", self.client.hello.pool_id, 0, refs, self.keys, 0, NUM_PAGES * C, tuple(self.blocks_b))
         for layer in self.layers:

@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvshare.integrations.vllm.counters import ConnectorCounters
-from kvshare.integrations.vllm.metadata import PageRef
 from kvshare.integrations.vllm.pool_pages import release_lease
 from kvshare.keys import Namespace, chunk_keys, namespace_digest
 from kvshare.layout import KVLayout
 from kvshare.pool.link import PoolLink, guarded
+from kvshare.pool.protocol import PageHeader
 from kvshare.router.hints import PrefetchHint
 
 log = logging.getLogger("kvshare.integrations")
@@ -55,10 +55,10 @@ class DeviceAhead(Protocol):
     def room(self) -> int:
         """Bytes of the largest free region."""
 
-    def wanted(self, pages: Sequence[PageRef]) -> int:
+    def wanted(self, pages: Sequence[PageHeader]) -> int:
         """Bytes a copy ahead of ``pages`` would take whole (at most the whole buffer)."""
 
-    def copy_ahead(self, client, pages: Sequence[PageRef]) -> AheadCopy | None:
+    def copy_ahead(self, client, pages: Sequence[PageHeader]) -> AheadCopy | None:
         """Start copying the leading pages (and layers) that fit from ``client``'s pool (a PoolClient whose lease
         holds them); None: none fits, or the device cannot copy from that pool now."""
 
@@ -99,7 +99,7 @@ class Prefetch:
     """One run of pages copied ahead, and its lease until its copies ended."""
 
     keys: tuple[bytes, ...]
-    pages: tuple[PageRef, ...]
+    pages: tuple[PageHeader, ...]
     pool_id: bytes
     copy: AheadCopy
     lease_id: int
@@ -176,7 +176,7 @@ class Prefetcher:
         lease = guarded(self.link, self._counters, "a prefetch lookup", lambda: client.lookup(keys, self.page_bytes))
         if lease is None or not lease.pages:
             return
-        pages = [PageRef(p.offset, p.page_bytes, p.checksum, p.checksum_kind) for p in lease.pages]
+        pages = list(lease.pages)
         pool_id = client.hello.pool_id
         copy = self._copy_ahead(client, pages)
         if copy is None:
@@ -204,7 +204,7 @@ class Prefetcher:
         tokens = hint.tokens()
         return chunk_keys(digest, tokens[: len(tokens) // C * C], C)
 
-    def _copy_ahead(self, client, pages: list[PageRef]) -> AheadCopy | None:
+    def _copy_ahead(self, client, pages: list[PageHeader]) -> AheadCopy | None:
         """The device's copy of the run, room made first: the oldest copies ahead no load holds whose copies have
         ended are dropped while the run would not fit whole (or the book is full); then what fits is copied."""
         wanted = self.device.wanted(pages)
@@ -247,7 +247,7 @@ class Prefetcher:
 
     # -- the hooks' thread ---------------------------------------------------------------------------
 
-    def take(self, pool_id: bytes, keys: Sequence[bytes], pages: Sequence[PageRef]) -> PrefetchMatch | None:
+    def take(self, pool_id: bytes, keys: Sequence[bytes], pages: Sequence[PageHeader]) -> PrefetchMatch | None:
         """The copy ahead of a load's first pages (``keys``, ``pages``: the load's, in order), where one holds
         them under the same key, pool and checksum; held for the load until ``give_back``."""
         with self._lock:

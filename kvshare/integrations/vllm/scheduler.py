@@ -28,7 +28,7 @@ from typing import Any
 
 from kvshare.integrations.vllm.counters import ConnectorCounters, PhaseTimes
 from kvshare.integrations.vllm.leases import HeldLease, LeaseBook, LeaseState
-from kvshare.integrations.vllm.metadata import LoadOutcome, LoadSpec, PageRef, StepPlan, StoreSpec, WorkerReport
+from kvshare.integrations.vllm.metadata import LoadOutcome, LoadSpec, StepPlan, StoreSpec, WorkerReport
 from kvshare.integrations.vllm.options import ConnectorConfig, TransferParams, provenance
 from kvshare.integrations.vllm.pool_pages import release_lease
 from kvshare.integrations.vllm.prompt_chunks import chunks_completed, lookup_window, tokens_to_load
@@ -221,7 +221,7 @@ class PoolScheduler:
         self.counters.lookups += 1
         if not lease.pages:
             return None
-        pages = [PageRef(p.offset, p.page_bytes, p.checksum, p.checksum_kind) for p in lease.pages]
+        pages = list(lease.pages)
         owner = (self.link.pool_id, self.link.holder)
         held = HeldLease(lease.lease_id, first_chunk, pages, keys[: len(pages)], now, owner)
         self._leases.put(req_id, held)

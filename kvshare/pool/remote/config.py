@@ -143,6 +143,15 @@ class RemoteConfig:
         address = parse_remote_url(self.url)
         return replace(address, password=self.password) if self.password else address
 
+    def check_reservation_ttl(self, reservation_ttl_s: float) -> None:
+        """A promotion's fetch into reserved pages ends by its deadline (promote timeout + timeout): well inside
+        the reservations' TTL, so a healthy fetch never outlives the TTL it is kept past."""
+        if reservation_ttl_s < 2 * (self.timeout_s + self.promote_timeout_s):
+            raise ValueError(
+                f"--reservation-ttl {reservation_ttl_s} s is too short for the remote tier (timeout {self.timeout_s} "
+                f"s, promote timeout {self.promote_timeout_s} s): make it at least 2x their sum"
+            )
+
     def check_lease_ttl(self, lease_ttl_s: float) -> None:
         """Write-behind pins pages with leases: the store's timeouts must fit well inside their TTL."""
         if lease_ttl_s < 4 * (self.timeout_s + self.promote_timeout_s):

@@ -59,8 +59,13 @@ def fetch_into(
     page_bytes: int,
     namespace: bytes,
     first_depth: int,
+    *,
+    deadline: float,
 ) -> LandedResult:
-    """Fetch chunks ``pages`` ((key, reserved arena offset), chain order, from depth ``first_depth``) into place."""
+    """Fetch chunks ``pages`` ((key, reserved arena offset), chain order, from depth ``first_depth``) into place.
+
+    No byte is received after ``deadline`` (monotonic; the pages are reserved well past it): a reply still
+    arriving then fails the fetch (ERROR), and when this returns nothing writes into the pages any more."""
     if not breaker.allow():
         return LandedResult([], BREAKER)
     count = num_parts(page_bytes, cfg.part_bytes)
@@ -79,7 +84,7 @@ def fetch_into(
 
     def read(names: list[str], where: list[tuple[int, int]]) -> None:
         slots[:] = where
-        store.read(names, cfg.ttl_s, HEADER_BYTES, place, max_value_bytes(page_bytes))
+        store.read(names, cfg.ttl_s, HEADER_BYTES, place, max_value_bytes(page_bytes), deadline)
 
     try:
         read(

@@ -7,13 +7,14 @@ kvshare.pool.remote is theirs to touch::
                promote                                             a lookup that goes on to the store
                on_prefill                                          a replica's cold prefill time (PrefillReport)
                stats                                               stats["remote"]
+               reservations_in_copy                                never expired by their TTL meanwhile
     daemon     wakeup (readable: results are back) -> poll, tick, close
 """
 
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -51,6 +52,10 @@ class RemoteHooks(Protocol):
 
     def tick(self, now: float) -> None:
         """Answer promoting lookups past their deadline."""
+
+    def reservations_in_copy(self) -> Collection[int]:
+        """The tier's reservations whose pages a worker thread may still write: the pool must not expire them
+        (each is committed or aborted once its thread is done, which a deadline bounds)."""
 
     def stats(self) -> dict[str, int]:
         """The tier's counters and queue lengths (``stats["remote"]``)."""

@@ -20,6 +20,12 @@ their results are applied strictly in chain order. A chunk the store lacks or
 that fails a check ends the chain: pages before it are placed, pages after it
 (including batches already under way) are dropped or aborted. Two lookups
 missing the same chunk share one job.
+
+Lifetimes follow the copies: a fetch into reserved pages receives nothing
+after its job's deadline plus one store timeout (resp.RespConnection), and
+while a thread may still write into a reservation's pages (a fetch or a copy
+under way: ``in_copy``) the pool does not expire it; the loop aborts or
+commits it once the thread's result is back.
 """
 
 from __future__ import annotations
@@ -74,9 +80,16 @@ class Promotions:
         self._is_closed = False
         self._jobs: set[PromoteJob] = set()
         self._job_of_key: dict[bytes, PromoteJob] = {}
+        self._in_copy: set[int] = set()  # reservations whose pages a reader thread may still write
 
     def __len__(self) -> int:
         return len(self._jobs)
+
+    @property
+    def in_copy(self) -> set[int]:
+        """Reservations whose pages a reader thread may still write (a fetch or a copy under way): they must not
+        expire before their result is back."""
+        return self._in_copy
 
     @property
     def num_waiting(self) -> int:
@@ -121,7 +134,8 @@ class Promotions:
                 batch_len = max(1, self.config.promote_batch_bytes // page_bytes)
                 self._new_job(missing[:batch_len], page_bytes, namespace, depth, [], now, parent)
             return False
-        self._new_job(missing[: plan.num_promote], page_bytes, namespace, depth, [on_done], now, parent)
+        if not self._new_job(missing[: plan.num_promote], page_bytes, namespace, depth, [on_done], now, parent):
+            return False
         self.counters.lookups += 1
         return True
 
@@ -147,7 +161,9 @@ class Promotions:
         waiters: list,
         now: float,
         parent_key: bytes,
-    ) -> None:
+    ) -> bool:
+        """Start a job; False: its first reserve got no page, so nothing was asked of the store and the job is
+        gone already (its waiters are not called: their lookups are answered now, from the arena)."""
         batch_len = max(1, self.config.promote_batch_bytes // page_bytes)
         deadline = now + self.config.promote_timeout_s
         job = PromoteJob(keys, page_bytes, namespace, depth, waiters, deadline, batch_len, now, parent_key=parent_key)
@@ -155,6 +171,10 @@ class Promotions:
         for key in keys:
             self._job_of_key.setdefault(key, job)
         self._fetch_more(job)
+        if not self._is_done(job):
+            return True
+        self._forget(job)
+        return False
 
     # -- sending batches ----------------------------------------------------------------
 
@@ -180,9 +200,8 @@ class Promotions:
     def _send_as_values(self, job: PromoteJob, num_keys: int) -> None:
         batch = Batch(job.num_batches, job.num_asked, min(num_keys, len(job.keys) - job.num_asked))
         keys = job.keys[batch.start : batch.start + batch.num_keys]
-        self._send(
-            job, batch, W.fetch_pages, (self.store, self.breaker, self.config, keys, job.page_bytes, job.namespace)
-        )
+        args = (self.store, self.breaker, self.config, keys, job.page_bytes, job.namespace, self._fetch_deadline(job))
+        self._send(job, batch, W.fetch_pages, args)
 
     def _send_direct(self, job: PromoteJob) -> None:
         """Reserve the next batch's pages (one reservation each, so a chain that ends mid-batch keeps its head)."""
@@ -210,21 +229,15 @@ class Promotions:
             job.break_chain()
             return
         batch = Batch(job.num_batches, start, len(pages), tuple(reservations))
-        self._send(
-            job,
-            batch,
-            fetch_into,
-            (
-                self.store,
-                self.breaker,
-                self.config,
-                self._arena,
-                pages,
-                job.page_bytes,
-                job.namespace,
-                job.first_depth + start,
-            ),
-        )
+        self._in_copy.update(batch.reservations)
+        fetch = functools.partial(fetch_into, deadline=self._fetch_deadline(job))
+        args = (self.store, self.breaker, self.config, self._arena, pages, job.page_bytes, job.namespace)
+        self._send(job, batch, fetch, (*args, job.first_depth + start))
+
+    def _fetch_deadline(self, job: PromoteJob) -> float:
+        """No fetch of ``job`` receives after this: its lookups' deadline, and one store timeout more for a batch
+        sent just before it (RemoteConfig.check_reservation_ttl keeps it well inside the reservations' TTL)."""
+        return job.deadline + self.config.timeout_s
 
     def _send(self, job: PromoteJob, batch: Batch, fn: Callable, args: tuple) -> None:
         job.num_asked += batch.num_keys
@@ -236,6 +249,7 @@ class Promotions:
 
     def _on_fetched(self, job: PromoteJob, batch: Batch, result) -> None:
         job.outstanding -= 1
+        self._in_copy.difference_update(batch.reservations)  # the thread is done with their pages
         job.arrived[batch.number] = (batch, result)
         while job.num_applied in job.arrived:
             applied = job.arrived.pop(job.num_applied)
@@ -342,6 +356,7 @@ class Promotions:
             return
         placements = [(pages[i], entry.offset) for i, entry in reserved.grants]
         job.outstanding += 1
+        self._in_copy.add(reserved.reservation_id)
         on_copied = functools.partial(self._on_copied, job, reserved.reservation_id, placements)
         self._submit(W.copy_pages, (self._arena, placements), on_copied)
 
@@ -353,6 +368,7 @@ class Promotions:
         result: list[int] | BaseException,
     ) -> None:
         job.outstanding -= 1
+        self._in_copy.discard(reservation_id)  # the thread is done with its pages
         expected = [page.meta.checksum for page, _ in placements]
         if isinstance(result, BaseException) or result != expected:
             bad = (
@@ -374,13 +390,21 @@ class Promotions:
         self._fetch_more(job)  # a batch's memory is free again
         self._maybe_finish(job)
 
-    def _maybe_finish(self, job: PromoteJob) -> None:
-        if job.outstanding or not (job.is_ended or job.num_asked >= len(job.keys)):
-            return
+    @staticmethod
+    def _is_done(job: PromoteJob) -> bool:
+        """No fetch or copy is out, and none will be sent."""
+        return not job.outstanding and (job.is_ended or job.num_asked >= len(job.keys))
+
+    def _forget(self, job: PromoteJob) -> None:
         self._jobs.discard(job)
         for key in job.keys:
             if self._job_of_key.get(key) is job:
                 del self._job_of_key[key]
+
+    def _maybe_finish(self, job: PromoteJob) -> None:
+        if not self._is_done(job):
+            return
+        self._forget(job)
         now = self._clock()
         self.costs.record_fetch(job.num_promoted_bytes, now - job.started_at, now)
         self.counters.hit_chunks += job.num_found

@@ -103,26 +103,33 @@ class StoreReader:
         self._fanout: ThreadPoolExecutor | None = None  # reads of one call on several nodes at once
 
     def read(
-        self, keys: list[str], ttl_s: int, head_bytes: int, place: PlaceAt, max_value_bytes: int
+        self,
+        keys: list[str],
+        ttl_s: int,
+        head_bytes: int,
+        place: PlaceAt,
+        max_value_bytes: int,
+        deadline: float | None = None,
     ) -> list[int | None]:
         """GET (GETEX with ``ttl_s``) every key, each at most ``max_value_bytes``; its length, or None where absent.
 
-        Raises ReadError (a value over the bound too: the store is lying or holds what this reader cannot use)."""
+        Raises ReadError (a value over the bound too: the store is lying or holds what this reader cannot use; a
+        reply not in by ``deadline``, monotonic, too: no byte is received after it)."""
         if not keys:
             return []
         lengths: list[int | None] = [None] * len(keys)
         for attempt in range(2):
             try:
-                groups = self._by_node(list(range(len(keys))), keys)
+                groups = self._by_node(list(range(len(keys))), keys, deadline)
                 if len(groups) == 1:
                     [(endpoint, indices)] = groups.items()
-                    self._read_node(endpoint, indices, keys, ttl_s, head_bytes, place, lengths, max_value_bytes)
+                    self._read_node(
+                        endpoint, indices, keys, ttl_s, head_bytes, place, lengths, max_value_bytes, deadline
+                    )
                 else:
                     pool = self._fanout_pool()
-                    futures = [
-                        pool.submit(self._read_node, e, ix, keys, ttl_s, head_bytes, place, lengths, max_value_bytes)
-                        for e, ix in groups.items()
-                    ]
+                    args = (keys, ttl_s, head_bytes, place, lengths, max_value_bytes, deadline)
+                    futures = [pool.submit(self._read_node, e, ix, *args) for e, ix in groups.items()]
                     # every node's read ends before this returns: none may write into a page after it
                     errors = [f.exception() for f in futures]
                     for error in errors:
@@ -140,9 +147,11 @@ class StoreReader:
                 raise ReadError(f"{self.address.display}: {type(exc).__name__}: {exc}") from None
         raise AssertionError("unreachable")
 
-    def get(self, keys: list[str], ttl_s: int = 0, max_value_bytes: int = MAX_REPLY_BYTES) -> list[bytearray | None]:
+    def get(
+        self, keys: list[str], ttl_s: int = 0, max_value_bytes: int = MAX_REPLY_BYTES, deadline: float | None = None
+    ) -> list[bytearray | None]:
         """Whole values of at most ``max_value_bytes`` (a fresh buffer each, received straight into it), None where
-        absent."""
+        absent; all in by ``deadline`` (monotonic), else ReadError."""
         values: list[bytearray | None] = [None] * len(keys)
 
         def into_new_buffer(i: int, head: bytes, rest: int) -> memoryview:
@@ -150,7 +159,7 @@ class StoreReader:
             value[: len(head)] = head
             return memoryview(value)[len(head) :]
 
-        self.read(keys, ttl_s, 4096, into_new_buffer, max_value_bytes)
+        self.read(keys, ttl_s, 4096, into_new_buffer, max_value_bytes, deadline)
         return values
 
     def close(self) -> None:
@@ -176,9 +185,10 @@ class StoreReader:
         place: PlaceAt,
         lengths: list,
         max_value_bytes: int,
+        deadline: float | None,
     ) -> None:
         commands = [("GETEX", keys[i], "EX", ttl_s) if ttl_s else ("GET", keys[i]) for i in indices]
-        connection, is_reused = self._take(endpoint)
+        connection, is_reused = self._take(endpoint, deadline)
         try:
             try:
                 connection.send(commands)
@@ -186,8 +196,9 @@ class StoreReader:
                 if not is_reused:
                     raise
                 connection.close()  # a pooled connection that died with a restarted store: once more, fresh
-                connection, is_reused = self._connect(endpoint), False
+                connection, is_reused = self._connect(endpoint, deadline), False
                 connection.send(commands)
+            connection.receive_until(deadline)
             moved = None
             for i in indices:
                 reply = connection.read_bulk_into(
@@ -202,19 +213,20 @@ class StoreReader:
         except BaseException:
             connection.close()
             raise
+        connection.receive_until(None)
         self._give_back(endpoint, connection)
         if moved is not None:
             raise _Moved(str(moved))
 
-    def _take(self, endpoint: Endpoint) -> tuple[RespConnection, bool]:
+    def _take(self, endpoint: Endpoint, deadline: float | None) -> tuple[RespConnection, bool]:
         with self._lock:
             idle = self._idle.get(endpoint)
             if idle:
                 return idle.pop(), True
-        return self._connect(endpoint), False
+        return self._connect(endpoint, deadline), False
 
-    def _connect(self, endpoint: Endpoint) -> RespConnection:
-        return RespConnection(endpoint, self.timeout_s)
+    def _connect(self, endpoint: Endpoint, deadline: float | None = None) -> RespConnection:
+        return RespConnection(endpoint, self.timeout_s, deadline)
 
     def _give_back(self, endpoint: Endpoint, connection: RespConnection) -> None:
         with self._lock:
@@ -231,23 +243,23 @@ class StoreReader:
 
     # -- cluster routing ----------------------------------------------------------------
 
-    def _by_node(self, indices: list[int], keys: list[str]) -> dict[Endpoint, list[int]]:
+    def _by_node(self, indices: list[int], keys: list[str], deadline: float | None) -> dict[Endpoint, list[int]]:
         if not self.address.is_cluster:
             return {self._server: indices}
-        slots = self._slot_map()
+        slots = self._slot_map(deadline)
         groups: dict[Endpoint, list[int]] = {}
         for i in indices:
             groups.setdefault(slots[key_slot(keys[i])], []).append(i)
         return groups
 
-    def _slot_map(self) -> list[Endpoint]:
+    def _slot_map(self, deadline: float | None) -> list[Endpoint]:
         with self._lock:
             if self._slots is not None:
                 return self._slots
         error: BaseException | None = None
         for seed in self._seeds:  # any reachable node knows the whole map
             try:
-                connection = self._connect(seed)
+                connection = self._connect(seed, deadline)
                 try:
                     [reply] = connection.execute([("CLUSTER", "SLOTS")])
                 finally:

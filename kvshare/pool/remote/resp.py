@@ -18,12 +18,18 @@ No length the server sends is taken as given: a bulk reply longer than its
 caller's bound (a page part: format.max_value_bytes) or than MAX_REPLY_BYTES
 (every other reply), or an array longer than MAX_ARRAY_ITEMS, raises
 ReplyTooLong before a byte of it is allocated or read.
+
+Nor is its pace: every receive waits at most the connection's timeout, and with a
+``deadline`` (``receive_until``) no receive starts after it and none waits past it,
+so a store that trickles its bytes cannot keep a reply landing in an arena page
+beyond the deadline its caller set (TimeoutError, and the connection must be closed).
 """
 
 from __future__ import annotations
 
 import socket
 import ssl
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -90,7 +96,8 @@ def encode_command(*args: bytes | str | int) -> bytes:
 class RespConnection:
     """One connection; not thread-safe (a pool hands each to one thread at a time)."""
 
-    def __init__(self, endpoint: Endpoint, timeout_s: float) -> None:
+    def __init__(self, endpoint: Endpoint, timeout_s: float, deadline: float | None = None) -> None:
+        """Connect and set up (AUTH, SELECT); ``deadline``: as ``receive_until``, from the set-up's replies on."""
         self.endpoint = endpoint
         if endpoint.unix_path:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -108,6 +115,8 @@ class RespConnection:
                 sock = context.wrap_socket(sock, server_hostname=endpoint.host)
         sock.settimeout(timeout_s)
         self._sock = sock
+        self._timeout_s = timeout_s
+        self._deadline = deadline  # monotonic; receive_until
         self._buf = bytearray(_BUFFER_BYTES)
         self._view = memoryview(self._buf)
         self._start = self._end = 0  # unread bytes are _buf[_start:_end]
@@ -118,10 +127,20 @@ class RespConnection:
             )
         if endpoint.db:
             setup.append(("SELECT", endpoint.db))
-        for reply in self.execute(setup):
+        try:
+            replies = self.execute(setup)
+        except BaseException:
+            self.close()
+            raise
+        for reply in replies:
             if isinstance(reply, RespError):
                 self.close()
                 raise ConnectionRefusedError(f"the store refused the connection set-up: {reply}")
+
+    def receive_until(self, deadline: float | None) -> None:
+        """No receive starts after ``deadline`` (monotonic) and none waits past it; None: each waits the timeout."""
+        self._deadline = deadline
+        self._sock.settimeout(self._timeout_s)
 
     def close(self) -> None:
         try:
@@ -196,7 +215,7 @@ class RespConnection:
             n = self._end - self._start
             self._buf[:n] = self._buf[self._start : self._end]
             self._start, self._end = 0, n
-        got = self._sock.recv_into(self._view[self._end :])
+        got = self._recv_into(self._view[self._end :])
         if not got:
             raise EOFError("the store closed the connection")
         self._end += got
@@ -219,10 +238,19 @@ class RespConnection:
         self._start += have
         dest = dest[have:]
         while len(dest):
-            got = self._sock.recv_into(dest)
+            got = self._recv_into(dest)
             if not got:
                 raise EOFError("the store closed the connection")
             dest = dest[got:]
+
+    def _recv_into(self, dest: memoryview) -> int:
+        if self._deadline is not None:
+            left = self._deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the store's reply did not arrive by its deadline")
+            if left < self._timeout_s:
+                self._sock.settimeout(left)
+        return self._sock.recv_into(dest)
 
     def _skip(self, n: int) -> None:
         while n:

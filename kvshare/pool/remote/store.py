@@ -35,25 +35,33 @@ class RemoteStore:
 
     # -- operations ------------------------------------------------------------------
 
-    def get(self, keys: list[str], ttl_s: int, max_value_bytes: int) -> list[bytearray | None]:
+    def get(
+        self, keys: list[str], ttl_s: int, max_value_bytes: int, deadline: float | None = None
+    ) -> list[bytearray | None]:
         """Values of ``keys`` (None where absent; a longer one fails the call); with ``ttl_s`` their expiry is
-        refreshed (GETEX)."""
+        refreshed (GETEX). All in by ``deadline`` (monotonic), else RemoteStoreError."""
         try:
-            return self._reader.get(keys, ttl_s, max_value_bytes)
+            return self._reader.get(keys, ttl_s, max_value_bytes, deadline)
         except ReadError as exc:
             raise RemoteStoreError(str(exc)) from None
 
     def read(
-        self, keys: list[str], ttl_s: int, head_bytes: int, place: PlaceAt, max_value_bytes: int
+        self,
+        keys: list[str],
+        ttl_s: int,
+        head_bytes: int,
+        place: PlaceAt,
+        max_value_bytes: int,
+        deadline: float | None = None,
     ) -> list[int | None]:
         """GET ``keys``, each at most ``max_value_bytes`` (a longer one fails the call); ``place(i, first head_bytes
         of value i, rest length)`` says where the rest goes.
 
         Returns each value's length (None: absent). When it returns or raises, no byte is
-        written anywhere any more.
+        written anywhere any more; none is received after ``deadline`` (monotonic: RemoteStoreError).
         """
         try:
-            return self._reader.read(keys, ttl_s, head_bytes, place, max_value_bytes)
+            return self._reader.read(keys, ttl_s, head_bytes, place, max_value_bytes, deadline)
         except ReadError as exc:
             raise RemoteStoreError(str(exc)) from None
 

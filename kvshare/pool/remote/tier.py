@@ -68,6 +68,7 @@ class RemoteTier:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         config.check_lease_ttl(lease_ttl_s)
+        config.check_reservation_ttl(index.config.reservation_ttl_s)
         self.config = config
         self.index = index
         self.writer_id, self.promoter_id = writer_id, promoter_id
@@ -187,6 +188,9 @@ class RemoteTier:
 
     def tick(self, now: float) -> None:
         self._promotions.tick(now)
+
+    def reservations_in_copy(self) -> set[int]:
+        return self._promotions.in_copy
 
     def stats(self) -> dict[str, int]:
         return {

@@ -159,18 +159,19 @@ def fetch_pages(
     keys: list[bytes],
     page_bytes: int,
     namespace: bytes | None,
+    deadline: float | None = None,
 ) -> FetchResult:
-    """The longest run of ``keys`` the store holds whole and valid (one round trip, two if part sizes differ)."""
+    """The longest run of ``keys`` the store holds whole and valid (one round trip, two if part sizes differ), all
+    in by ``deadline`` (monotonic; else ERROR)."""
     if not breaker.allow():
         return FetchResult([], BREAKER)
     count = num_parts(page_bytes, cfg.part_bytes)
     result = FetchResult([], None)
+    names = [k for key in keys for k in part_keys(cfg.prefix, key, count)]
     try:
-        flat = store.get(
-            [k for key in keys for k in part_keys(cfg.prefix, key, count)], cfg.ttl_s, max_value_bytes(page_bytes)
-        )
+        flat = store.get(names, cfg.ttl_s, max_value_bytes(page_bytes), deadline)
         groups = [flat[i * count : (i + 1) * count] for i in range(len(keys))]
-        _fetch_extra_parts(store, cfg, keys, groups, page_bytes)
+        _fetch_extra_parts(store, cfg, keys, groups, page_bytes, deadline)
         breaker.record_success()
     except RemoteStoreError as exc:
         breaker.record_failure(str(exc))
@@ -193,7 +194,12 @@ def fetch_pages(
 
 
 def _fetch_extra_parts(
-    store: RemoteStore, cfg: RemoteConfig, keys: list[bytes], groups: list[list], page_bytes: int
+    store: RemoteStore,
+    cfg: RemoteConfig,
+    keys: list[bytes],
+    groups: list[list],
+    page_bytes: int,
+    deadline: float | None,
 ) -> None:
     """A page written with a smaller part size has more parts than we asked for: fetch the rest."""
     limit = num_parts(page_bytes, MIN_PART_BYTES)
@@ -203,7 +209,7 @@ def _fetch_extra_parts(
         if claimed is not None and len(values) < claimed <= limit:
             wanted.append((values, part_keys(cfg.prefix, key, claimed)[len(values) :]))
     if wanted:
-        extra = store.get([k for _, ks in wanted for k in ks], cfg.ttl_s, max_value_bytes(page_bytes))
+        extra = store.get([k for _, ks in wanted for k in ks], cfg.ttl_s, max_value_bytes(page_bytes), deadline)
         for values, ks in wanted:
             values.extend(extra[: len(ks)])
             del extra[: len(ks)]

@@ -144,3 +144,55 @@ def test_pages_fetched_as_values_after_the_probe_are_announced_each_naming_its_p
         on_result(fn(*args))
     assert events() == [(chain[0], None), (chain[1], chain[0]), (chain[2], chain[1])]
     index.check_integrity()
+
+
+def test_reservations_a_fetch_may_still_write_outlive_their_ttl_until_it_is_back():
+    """Fails when a reservation expires while a reader thread may still receive into its pages (the page would
+    go to another writer under the fetch), or when promotion does not say which reservations those are."""
+    clock = Clock()
+    index = PoolIndex(Allocator(64 * PAGE, 16 * PAGE), IndexConfig(reservation_ttl_s=30.0))
+    promotions, tasks = make(index, clock)
+    chain = local_head(index, "a")
+    assert promotions.start(chain, PAGE, 1, lambda: None)
+    ((_, _, on_result),) = tasks
+    assert len(promotions.in_copy) == 2 and index.num_reservations == 2
+    clock.now += 60.0
+    assert index.expire_reservations(clock.now, promotions.in_copy) == []  # the fetch is out: kept
+    on_result(LandedResult(checksums=[], end="error", num_errors=1))  # back, failed: the loop aborts them
+    assert promotions.in_copy == set() and index.num_reservations == 0
+    index.check_integrity()
+
+
+def test_the_pool_never_expires_a_reservation_the_remote_tier_copies_into():
+    """The handlers' tick asks the tier which reservations are in a copy. Fails when it expires them by TTL."""
+    from tests.pool.test_handlers import FakeRemote
+    from tests.pool.test_handlers import make as make_handlers
+
+    remote = FakeRemote()
+    handlers, _, clock = make_handlers(remote=remote, reservation_ttl_s=30.0)
+    reserved = handlers.index.reserve(PROMOTER, NS, keys("t", 1), 1 << 20, 0, clock.now)
+    remote.in_copy = {reserved.reservation_id}
+    clock.now += 60.0
+    handlers.tick(clock.now)
+    assert handlers.index.num_reservations == 1
+    remote.in_copy = set()  # the thread is done (and would have aborted it); else its TTL ends it
+    handlers.tick(clock.now)
+    assert handlers.index.num_reservations == 0
+
+
+def test_a_promotion_whose_first_reserve_gets_no_page_ends_at_once():
+    """The namespace's quota is full with the chain's leased head, so the first direct reserve gets no page though
+    the arena has free ones. Fails when that job is left in the table: its lookup then waits the whole promote
+    timeout, the job is never finished, and the chunk can never be promoted again."""
+    clock = Clock()
+    index = PoolIndex(Allocator(64 * PAGE, 16 * PAGE), IndexConfig(namespace_quota_bytes=PAGE))
+    promotions, tasks = make(index, clock)
+    chain = local_head(index, "a")
+    held = index.lookup(1, chain[:1], PAGE, clock.now)  # the lookup's own lease on its local prefix
+    answered = []
+    assert not promotions.start(chain, PAGE, 1, lambda: answered.append(True))  # answered now, from the arena
+    assert tasks == [] and answered == [] and len(promotions) == 0 and promotions.num_waiting == 0
+    index.release(1, held.lease_id)  # room again: the chunk may be promoted (the head is evicted for it)
+    assert promotions.start(chain, PAGE, 1, lambda: None)
+    assert len(tasks) == 1
+    index.check_integrity()

@@ -2,6 +2,7 @@
 
 import hashlib
 import random
+import time
 
 import numpy as np
 import pytest
@@ -88,7 +89,7 @@ def test_reads_spread_over_cluster_nodes_and_follow_a_moved_slot(redis_cluster):
         for key in keys:
             writer.set(key, key.encode() * 100)
         assert [bytes(v) for v in reader.get(keys)] == [k.encode() * 100 for k in keys]
-        assert len(reader._by_node(list(range(len(keys))), keys)) == 3, "the keys span every node"
+        assert len(reader._by_node(list(range(len(keys))), keys, None)) == 3, "the keys span every node"
         reader._slots = [reader._slots[0]] * len(reader._slots)  # a stale map: every slot on one node
         assert [bytes(v) for v in reader.get(keys)] == [k.encode() * 100 for k in keys]  # MOVED: map read again
         assert reader.get(["rd:{absent}:0"]) == [None]
@@ -133,6 +134,7 @@ def _fetch(url, prefix, tag, n, first_depth=10, part_bytes=PART):
             PAGE,
             NS,
             first_depth,
+            deadline=time.monotonic() + 30,
         )
     finally:
         store.close()
@@ -186,3 +188,49 @@ def test_a_page_of_another_depth_or_namespace_is_foreign(redis_server, prefix):
     _store_pages(r, prefix, "deep", 2)
     result, _ = _fetch(redis_server.url, prefix, "deep", 2, first_depth=11)
     assert result.end == FINGERPRINT and result.checksums == [] and result.num_deleted == 0
+
+
+def _trickling_server(first: bytes):
+    """A server that answers every connection with ``first``, then one byte every 50 ms for 3 s, then closes."""
+    import socket
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            try:
+                conn.recv(1 << 16)
+                conn.sendall(first)
+                for _ in range(60):
+                    time.sleep(0.05)
+                    conn.sendall(b"x")
+            except OSError:
+                pass
+            conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return listener
+
+
+@pytest.mark.parametrize("first", [b"-ERR ", b"$100000\r\n"], ids=["set-up reply", "value"])
+def test_no_receive_runs_past_the_deadline_however_the_store_trickles(first):
+    """Each byte comes well inside the 0.5 s timeout, so only a deadline ends the read. Fails when the set-up
+    (AUTH) or a value is received without one: the call then lasts as long as the store keeps trickling."""
+    from kvshare.pool.remote.resp import Endpoint
+
+    listener = _trickling_server(first)
+    endpoint = Endpoint("127.0.0.1", listener.getsockname()[1], password="x" if first[:1] == b"-" else None)
+    started = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError):
+            connection = RespConnection(endpoint, 0.5, deadline=started + 0.3)
+            connection.send([("GET", "k")])
+            connection.read_bulk_into(4, lambda head, rest: memoryview(bytearray(rest)), 1 << 20)
+        assert time.monotonic() - started < 1.0
+    finally:
+        listener.close()

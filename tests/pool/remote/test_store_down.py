@@ -155,3 +155,21 @@ def test_write_queue_is_bounded_and_drops_are_counted(server, prefix):
         assert wait_until(lambda: remote_stats(ca)["write_queue_pages"] == 0, 20), remote_stats(ca)
         assert ca.stats()["leases"] == 0
         ca.check_integrity()
+
+
+def test_a_client_waits_for_a_promotion_that_takes_longer_than_its_own_timeout(server, prefix):
+    """The store stalls for ~1 s while pool B promotes a chain; a client whose own reply timeout is 0.5 s (the vLLM
+    connector's pool_timeout_s is 2 s, the promote timeout 5 s) gets the promoted pages. Fails when a client gives
+    up on a lookup before the pool's promote timeout (the hello says it): its link goes down for its backoff and
+    the promoted pages go unused."""
+    keys = make_keys(prefix, 2)
+    with two_pools(server.url, prefix, *TIMEOUT) as (a, b), PoolClient(a) as ca, PoolClient(b, timeout_s=0.5) as cb:
+        data = write_chain(ca, keys, PAGE, prefix)
+        wait_written(ca, 2)
+        server.pause()
+        threading.Timer(1.2, server.resume).start()
+        lease, dt = timed(cb.lookup, keys, PAGE)
+        assert dt > 1.0 and lease.num_pages == 2
+        assert_pages_equal(cb, lease.pages, data)
+        cb.release([lease.lease_id], wait=True)
+        assert cb.hello.lookup_wait_s >= 3  # pool_args: --remote-promote-timeout 3

@@ -32,7 +32,7 @@ class MemoryStore:
         if self.is_down:
             raise RemoteStoreError("down")
 
-    def get(self, keys, ttl_s, max_value_bytes):
+    def get(self, keys, ttl_s, max_value_bytes, deadline=None):
         self._call()
         if any(len(self.values.get(k, b"")) > max_value_bytes for k in keys):
             raise RemoteStoreError("a value over the bound")
