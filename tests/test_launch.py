@@ -189,6 +189,8 @@ def test_vllm_replicas_take_prefetch_hints_from_the_router_on_private_sockets(tm
         assert router[router.index("--model") + 1] == str(tmp_path)
     finally:
         cluster.stop()
+    assert ClusterConfig(engine="vllm", pool_size=None, pool_socket="/run/x/pool.sock").has_hints  # a running pool
+    assert not ClusterConfig(engine="vllm", pool_size=None).has_hints  # no pool: nothing to copy ahead
     for fields in ({"hints": False}, {"tensor_parallel_size": 2}):
         quiet = _vllm_cluster(tmp_path, **fields)
         assert "--hint-address" not in quiet._router_command([])
