@@ -3,7 +3,7 @@
 A built-in replica holds, estimated from the model's configuration without loading it::
 
     weights      every parameter in the dtype it runs (a directory: its safetensors files' bytes; a preset: its
-                 parameters, kvshare.preflight.PRESET_SIZES), at start-up
+                 parameters, kvshare.engine.preset_table), at start-up
     KV           the sequence KV of a whole context (--max-model-len, else the model's): on CUDA allocated at
                  start-up; on CPU as the longest request needs it
     local cache  --local-cache-size (1 GiB), on the replica's device, as prompts fill it
@@ -74,7 +74,8 @@ class ReplicaMemory:
 def replica_memory(model: str, replica_args: tuple[str, ...], device: str) -> ReplicaMemory:
     """One built-in replica's memory for ``model`` (a checked directory or preset) with ``replica_args``."""
     from kvshare.engine.config import KV_DTYPES
-    from kvshare.preflight import PRESET_SIZES, model_layout
+    from kvshare.engine.preset_table import PRESETS
+    from kvshare.preflight import model_layout
 
     native = model_layout(model, 1)
     dtype = flag_value(replica_args, "--dtype") or "auto"
@@ -86,8 +87,9 @@ def replica_memory(model: str, replica_args: tuple[str, ...], device: str) -> Re
         weights = _directory_weights(model) * DTYPE_ITEMSIZE[dtype] // native.itemsize
         context = _directory_context(model)
     else:
-        parameters, context = PRESET_SIZES[model]
-        weights = parameters * DTYPE_ITEMSIZE[dtype]
+        preset = PRESETS[model]
+        weights = preset.num_parameters * DTYPE_ITEMSIZE[dtype]
+        context = preset.config.max_position_embeddings
     max_model_len = flag_value(replica_args, "--max-model-len")
     if max_model_len not in (None, "auto", "-1"):
         context = parse_count(max_model_len)

@@ -21,30 +21,15 @@ import os
 import socket
 from collections.abc import Mapping
 
+from kvshare.engine.preset_table import PRESETS
 from kvshare.errors import UserError
 from kvshare.layout import KVLayout
 from kvshare.units import format_bytes
 
 log = logging.getLogger(__name__)
 
-# kvshare.engine.presets.PRESETS' KV shapes, (KV layers, num_kv_heads, head_dim, dtype), known without
-# importing torch (a hybrid's KV layers: its attention layers); tests/test_preflight.py checks them against the presets
-PRESET_KV_SHAPES: dict[str, tuple[int, int, int, str]] = {
-    "tiny": (8, 2, 64, "float32"),
-    "qwen3-8b": (36, 8, 128, "bfloat16"),
-    "qwen3-32b": (64, 8, 128, "bfloat16"),
-    "qwen3.5-tiny": (2, 2, 64, "float32"),
-    "qwen3.5-9b": (8, 4, 256, "bfloat16"),
-    "qwen3.5-27b": (16, 4, 256, "bfloat16"),
-}
-PRESET_NAMES = tuple(PRESET_KV_SHAPES)
-# the presets' (parameters, max_position_embeddings), for kvshare.memory_fit's estimate of a replica's memory;
-# tests/test_preflight.py checks them against the presets' models
-PRESET_SIZES: dict[str, tuple[int, int]] = {
-    "tiny": (8_001_792, 32768),
-    "qwen3-8b": (8_190_735_360, 262144),
-    "qwen3-32b": (32_762_123_264, 131072),
-}
+# the presets' names (kvshare.engine.preset_table: the presets as data, read without torch)
+PRESET_NAMES = tuple(PRESETS)
 MIN_POOL_BYTES = 1 << 20  # smaller holds no page of any model worth serving (the tiny model's is 2 MiB)
 
 
@@ -60,20 +45,20 @@ def check_model(model: str, flag: str = "--model") -> None:
                 f"does; `kvshare make-model tiny --out DIR` writes one)"
             )
         return
-    if model not in PRESET_KV_SHAPES:
+    if model not in PRESETS:
         what = "no such directory" if os.sep in model or model.startswith(".") else "not a directory"
         raise UserError(f"{flag} {model}: {what}, and not a preset ({', '.join(PRESET_NAMES)})")
 
 
 def model_layout(model: str, chunk_tokens: int) -> KVLayout:
     """The KV layout of ``model`` (a checked directory or preset) in its own dtype, read without loading weights."""
-    if model in PRESET_KV_SHAPES and not os.path.isdir(model):
-        num_layers, num_kv_heads, head_dim, dtype = PRESET_KV_SHAPES[model]
-        return KVLayout(num_layers, num_kv_heads, head_dim, dtype, chunk_tokens)
-    from kvshare.engine.config import model_config_from_hf
+    if model in PRESETS and not os.path.isdir(model):
+        config = PRESETS[model].config
+    else:
+        from kvshare.engine.config import model_config_from_hf
 
-    with open(os.path.join(model, "config.json")) as f:
-        config = model_config_from_hf(json.load(f))
+        with open(os.path.join(model, "config.json")) as f:
+            config = model_config_from_hf(json.load(f))
     return KVLayout(config.num_kv_layers, config.num_kv_heads, config.head_dim, config.dtype, chunk_tokens)
 
 

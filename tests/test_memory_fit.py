@@ -94,7 +94,7 @@ def test_the_estimate_counts_the_weights_and_kv_a_replica_holds(tmp_path):
     config = PRESETS["tiny"].config
     assert memory.kv == 4000 * config.num_layers * 2 * config.num_kv_heads * config.head_dim  # fp8: a byte each
     preset = memory_fit.replica_memory("tiny", ("--dtype", "bfloat16", "--local-cache-size", "off"), "cpu")
-    assert preset.weights == preflight.PRESET_SIZES["tiny"][0] * 2 and preset.local_cache == 0
+    assert preset.weights == PRESETS["tiny"].num_parameters * 2 and preset.local_cache == 0
     assert abs(preset.weights * 2 - on_disk) < on_disk // 100  # float32 on disk: twice bf16's bytes, give or take
 
 

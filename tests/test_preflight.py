@@ -10,15 +10,6 @@ from kvshare.errors import UserError
 from kvshare.layout import KVLayout
 
 
-def test_preset_kv_shapes_agree_with_the_presets():
-    from kvshare.engine.presets import PRESETS
-
-    assert set(preflight.PRESET_KV_SHAPES) == set(PRESETS)
-    for name, preset in PRESETS.items():
-        c = preset.config
-        assert preflight.PRESET_KV_SHAPES[name] == (c.num_kv_layers, c.num_kv_heads, c.head_dim, c.dtype), name
-
-
 def test_model_is_a_directory_with_config_json_or_a_preset(tmp_path):
     preflight.check_model("tiny")
     with pytest.raises(UserError, match="/nope: no such directory, and not a preset"):
@@ -73,17 +64,3 @@ def test_socket_directory_must_exist(tmp_path):
     preflight.check_socket_dir(str(tmp_path / "pool.sock"))
     with pytest.raises(UserError, match=f"the directory {tmp_path}/missing does not exist"):
         preflight.check_socket_dir(str(tmp_path / "missing" / "pool.sock"))
-
-
-def test_preset_sizes_agree_with_the_presets():
-    import torch
-
-    from kvshare.engine.model import Transformer
-    from kvshare.engine.presets import PRESETS, preset_tensors
-
-    assert set(preflight.PRESET_SIZES) == set(PRESETS)
-    for name, preset in PRESETS.items():
-        with torch.device("meta"):
-            model = Transformer(preset.config)
-        parameters = sum(t.numel() for _, t in preset_tensors(model))
-        assert preflight.PRESET_SIZES[name] == (parameters, preset.config.max_position_embeddings), name

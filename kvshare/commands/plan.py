@@ -1,5 +1,5 @@
 """Size a pool: KV bytes per token of a model and the pool that holds N cached tokens; for a hybrid model (Gated
-DeltaNet layers) also the bytes of its state at one position (a checkpoint, kvshare.state_layout)."""
+DeltaNet layers) also the bytes of its state at one position (a checkpoint)."""
 
 from __future__ import annotations
 

@@ -137,7 +137,9 @@ def test_a_mistyped_model_is_named_alike_by_every_command():
         proc = run_cli(*argv, "--model", "/nope")
         assert proc.returncode == 2, proc.stderr
         said.add(proc.stderr.strip().splitlines()[-1].split(": error: ", 1)[1])
-    assert said == {"--model /nope: no such directory, and not a preset (tiny, qwen3-8b, qwen3-32b)"}, said
+    from kvshare.engine.preset_table import PRESETS
+
+    assert said == {f"--model /nope: no such directory, and not a preset ({', '.join(PRESETS)})"}, said
 
 
 def test_a_replica_without_tenants_says_why_it_shows_no_provenance():
