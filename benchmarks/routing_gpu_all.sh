@@ -103,6 +103,9 @@ step   minutes  what (rate; conditions; run)
 7-9    7-8      the same for run 2                                                -> steps 1-9: 3 runs at 2 sessions/s
 10     6-7      rate 4/s; round_robin/on, pool_aware/on, pool_aware_gpu/on; run 0   (toward saturation)
 11     6-7      rate 4/s; cache_aware/on, round_robin/off, events_dropped; run 0
+12     7-8      rate 2/s; cache_aware/on, cache_aware/hints, pool_aware/hints; run 0  (prefetch hints on and off:
+                the router tells each replica the prompt it sends there, which copies it ahead)
+13-14  7-8      the same for runs 1 and 2                                          -> hints on/off, 3 runs
 Three replays a step: each ~80-100 s beside a cluster start of ~140 s (measured on one H100, 2026-12-06); a step cut
 short keeps the replays it finished (CONDITIONS=... runs the rest).
 report          rebuild RESULTS' routing.md and summary.json from its rows
@@ -152,6 +155,7 @@ bench() {  # STEP RATE RUN CONDITIONS: one run at one rate, into RESULTS, under 
 
 VLLM_SETS=("round_robin/on,pool_aware/on,pool_aware_gpu/on" "cache_aware/on,round_robin/off,events_dropped"
            "alternate/on,sticky/on,no_shared_prefix")
+VLLM_HINTS="cache_aware/on,cache_aware/hints,pool_aware/hints"  # prefetch hints off and on, in one cluster
 
 step_vllm() {  # N: the plan_vllm table's step N
     local n=$1
@@ -159,8 +163,10 @@ step_vllm() {  # N: the plan_vllm table's step N
         bench "$n" 2 $(( (n - 1) / 3 )) "${VLLM_SETS[$(( (n - 1) % 3 ))]}"
     elif [ "$n" = 10 ] || [ "$n" = 11 ]; then
         bench "$n" 4 0 "${VLLM_SETS[$(( n - 10 ))]}"
+    elif [ "$n" -ge 12 ] 2>/dev/null && [ "$n" -le 14 ]; then
+        bench "$n" 2 $(( n - 12 )) "$VLLM_HINTS"
     else
-        echo "no step $n (ENGINE=vllm: steps 1-11, report; no argument prints the plan)"; return 2
+        echo "no step $n (ENGINE=vllm: steps 1-14, report; no argument prints the plan)"; return 2
     fi
 }
 

@@ -2,6 +2,7 @@
 
     python benchmarks/stop_strings_bench.py                    # 32768 tokens, 16 stop strings, byte tokenizer
     python benchmarks/stop_strings_bench.py --tokens 8192 --json
+    python benchmarks/stop_strings_bench.py --stops 1 --stop-chars 20000   # one long stop string
 
 The generation is fed one token at a time, as the server does, through the byte-level tokenizer's
 HF decoder (kvshare.engine.tokenizer), with stop strings that never occur, so every token is checked
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+import tracemalloc
 
 
 def full_rescan(decode, stops: list[str], token_ids: list[int]) -> str:
@@ -35,6 +37,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=32768)
     parser.add_argument("--stops", type=int, default=16)
+    parser.add_argument("--stop-chars", type=int, default=0, help="pad each stop string to this many characters")
     parser.add_argument("--with-full-rescan", action="store_true")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -42,19 +45,26 @@ def main() -> None:
     tok = Tokenizer.byte_level(args.tokens + 16)
     words = "the shared pool keeps what one replica computed; naïve café über 世界 "
     token_ids = tok.encode(words * (args.tokens // len(words.encode()) + 1))[: args.tokens]
-    stops = [f"<|stop {i}|>" for i in range(args.stops)]
-    stream = TextStream(tok.decode, stops)
+    stops = [f"<|stop {i}|>".ljust(args.stop_chars, "~") for i in range(args.stops)]
     started = time.perf_counter()
+    stream = TextStream(tok.decode, stops)
     out = "".join(stream.add(i) for i in token_ids) + stream.finish()
     seconds = time.perf_counter() - started
+    tracemalloc.start()  # a second pass for the memory it takes (tracing slows it)
+    traced = TextStream(tok.decode, stops)
+    "".join(traced.add(i) for i in token_ids)
+    peak_bytes = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
     assert out == tok.decode(token_ids) and not stream.is_stopped
     result = {
         "tokens": args.tokens,
         "stop_strings": args.stops,
+        "stop_chars": max((len(stop) for stop in stops), default=0),
         "seconds": round(seconds, 4),
         "us_per_token": round(seconds / args.tokens * 1e6, 2),
         "chars": len(out),
         "chars_scanned": stream.num_scanned,
+        "peak_mib": round(peak_bytes / 2**20, 1),
     }
     if args.with_full_rescan:
         started = time.perf_counter()

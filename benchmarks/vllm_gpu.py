@@ -5,8 +5,9 @@ written as it is taken, with the fields of kvshare.integrations.vllm.gpu_rows; s
 
 setups (every vLLM command line comes from kvshare.integrations.vllm.launch, `kvshare up` included):
 
-  kvshare           kvshare up --engine vllm --replicas 2 --policy alternate (two replicas, one pool, a router;
-                    on one GPU each gets 0.45 of it and they start one after the other)
+  kvshare           kvshare up --engine vllm --replicas 2 --policy alternate (--policy; two replicas, one pool, a
+                    router sending prefix hints (--hints off: kvshare up --no-hints); on one GPU each gets 0.45 of
+                    it and they start one after the other)
   kvshare-pool-off  the same with --pool off (plain vLLM replicas behind the router)
   kvshare-restart   a pool and one replica at a time: A computes every prompt, stops; B starts and loads them
                     (a shape of which two replicas do not fit one GPU: the pool keeps the pages meanwhile)
@@ -30,6 +31,8 @@ modes:
                p50/p99 (run it on kvshare and on kvshare-pool-off)
   bench-serve  `vllm bench serve` (vLLM's own client) with its prefix_repetition dataset against the router
   startup      when each replica of `kvshare up` started and served, and the KV cache vLLM sized for it
+  ttft-routed  cold / cross-replica / local TTFT through the router, token-id and chat prompts (vllm_gpu_hints.py)
+  stall        decode streams' worst gap while a prefix loads beside them, and while one is computed cold
 
     python3 benchmarks/vllm_gpu.py --model-dir /tmp/m8b --lengths 32768 131072 --out $OUT
     python3 benchmarks/vllm_gpu.py --setup kvshare --modes startup on-off bench-serve --model-dir /tmp/m8b --out $OUT
@@ -52,16 +55,17 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import vllm_gpu_client as client  # noqa: E402 (beside this file)
+from vllm_gpu_hints import add_hint_mode_arguments, mode_stall, mode_ttft_routed  # noqa: E402
 from vllm_gpu_setups import Run, env_for_servers, pool, server_config, servers, setup  # noqa: E402
 
 from kvshare.integrations.vllm import gpu_rows  # noqa: E402
 
 SETUPS = {  # what each setup can measure; the first mode is its default
-    "kvshare": ("ttft", "startup", "on-off", "load", "bench-serve"),
+    "kvshare": ("ttft", "startup", "on-off", "load", "bench-serve", "ttft-routed", "stall"),
     "kvshare-pool-off": ("load", "startup", "bench-serve"),
     "kvshare-restart": ("ttft",),
     "vllm-offloading": ("ttft",),
-    "lmcache-mp": ("ttft",),
+    "lmcache-mp": ("ttft", "stall"),
     "store-cost": ("store-cost",),
 }
 ENGINE_OF_SETUP = {"vllm-offloading": "vllm-offloading", "lmcache-mp": "lmcache-mp"}  # the others: kvshare
@@ -218,6 +222,8 @@ MODES = {
     "load": mode_load,
     "bench-serve": mode_bench_serve,
     "startup": mode_startup,
+    "ttft-routed": mode_ttft_routed,
+    "stall": mode_stall,
 }
 
 
@@ -305,6 +311,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a plumbing run with vLLM CPU (no bound)"
     )
+    add_hint_mode_arguments(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)

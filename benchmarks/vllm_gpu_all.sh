@@ -8,8 +8,8 @@
 #
 # Each step installs the vLLM bundle and writes the model it needs when the machine is fresh (a warm machine keeps
 # /tmp/site and /tmp/m8b: the step then starts at once). Needs, in .vk/ (ignored, carried with the command):
-# vllm026-sm90.tar.xz.part-aa, SHA256SUMS, install_on_device.sh (../shared/vllm-gpu/README.md); step 5 also
-# lmcache053.tar.xz, SHA256SUMS.lmcache and lmcache_install.sh. Results: $OUT/stepN/ (rows.json, the servers' logs,
+# vllm026-sm90.tar.xz.part-aa, SHA256SUMS, install_on_device.sh (../shared/vllm-gpu/README.md); steps 5 and 11
+# also lmcache053.tar.xz, SHA256SUMS.lmcache and lmcache_install.sh. Results: $OUT/stepN/ (rows.json, the servers' logs,
 # commands.txt with every command line as run). KVSHARE_COMMIT names the tree in the rows (the tree travels
 # without its .git).
 set -uo pipefail
@@ -49,6 +49,14 @@ step  minutes  what (setup: modes; model; lengths)
 6     9        kvshare-restart: ttft; 32B (--load-format dummy); 32768 x2, then 131040 x1. A computes them all,
                stops; B starts on the same pool and loads them (one restart: the 32B start is most of the step)
 7     7        vllm-offloading: ttft; 32B; 32768 131040 x1. vLLM's CPU tier (local hit) beside step 6's rows
+8     8-9      kvshare: startup ttft-routed, prefetch hints on; 8B; $L8 x2, token-id and chat prompts, each a
+               session of three turns through kvshare up's router (alternate: A cold, B across, A again); the
+               copy bound from this run's pinned H2D rate (goal: B <= 1.1x the bound)
+9     8-9      kvshare: the same with --hints off (kvshare up --no-hints): loads start when vLLM schedules
+10    6-7      kvshare: stall; 8B; ${L8##* }. 8 decode streams on B alone, then while B loads A's prefix beside
+               them, then while B computes a cold one (goal: the load's worst gap <= 2x the streams' p99 gap)
+11    6-7      lmcache-mp: stall; 8B; ${L8##* }. The same with LMCache 0.5.3's MP server (step 5's install)
+12    5-6      vllm-offloading: ttft; 8B; $L8 x2. vLLM's CPU tier on the 8B, beside steps 5 and 8
 Each step: install ~0.5 min and the 8B model ~1.5 min on a fresh machine (both skipped on a warm one).
 EOF
 }
@@ -61,6 +69,16 @@ prepare() {  # the vLLM bundle, its environment, and the model directories this 
         || python3 -m kvshare make-model qwen3-8b --out $M8 --device cuda 2>&1 | tail -1;; esac
     case " $* " in *" 32b "*) [ -f $M32/config.json ] \
         || python3 -m kvshare make-model qwen3-32b --out $M32 --no-weights 2>&1 | tail -1;; esac
+}
+
+lmcache_ready() {  # LMCache 0.5.3 installed (once per machine) and its environment
+    if [ ! -f /tmp/lmc_site/lmc_env.sh ]; then
+        cp "$VK"/lmcache053.tar.xz /tmp/vk/ && bash "$VK/lmcache_install.sh" > "$OUT/lmcache-install.log" 2>&1 \
+            || { tail -20 "$OUT/lmcache-install.log"; return 1; }
+    fi
+    # shellcheck disable=SC1091
+    source /tmp/lmc_site/lmc_env.sh
+    export PYTHONPATH=$PWD:$PYTHONPATH
 }
 
 driver() {  # STEP SECONDS ARGS...: one run of the driver under a time limit, its command line kept
@@ -90,11 +108,7 @@ step() {
            driver 4 420 --setup store-cost --model-dir $M8 $LEN8 --kv-cache-memory-bytes $KV --lengths $L8 ;;
         5) if [ "$DRY" != 1 ]; then
                prepare 8b
-               cp "$VK"/lmcache053.tar.xz /tmp/vk/ && bash "$VK/lmcache_install.sh" > "$OUT/lmcache-install.log" 2>&1 \
-                   || { tail -20 "$OUT/lmcache-install.log"; return 1; }
-               # shellcheck disable=SC1091
-               source /tmp/lmc_site/lmc_env.sh
-               export PYTHONPATH=$PWD:$PYTHONPATH
+               lmcache_ready || return 1
            fi
            driver 5 420 --setup lmcache-mp --model-dir $M8 $LEN8 --kv-cache-memory-bytes $KV --lengths $L8 --prompts 2 \
                ${LMCACHE_REPLICA_ARG:+--replica-arg=$LMCACHE_REPLICA_ARG} ;;
@@ -105,7 +119,21 @@ step() {
         7) [ "$DRY" = 1 ] || prepare 32b
            driver 7 480 --setup vllm-offloading --model-dir $M32 --model-name qwen3-32b --load-format dummy \
                --max-model-len 131072 --offloading-gib 48 --lengths $L32_SHORT $L32_LONG --prompts 1 ;;
-        *) echo "no step $n (steps 1-7; no argument prints the plan)"; return 2 ;;
+        8|9) [ "$DRY" = 1 ] || prepare 8b
+           driver "$n" 560 --setup kvshare --modes startup ttft-routed --hints "$([ "$n" = 8 ] && echo on || echo off)" \
+               --policy alternate --model-dir $M8 $LEN8 --kv-cache-memory-bytes $KV --lengths $L8 --prompts 2 ;;
+        10) [ "$DRY" = 1 ] || prepare 8b
+            driver 10 480 --setup kvshare --modes stall --model-dir $M8 $LEN8 --kv-cache-memory-bytes $KV \
+                --lengths "${L8##* }" ;;
+        11) if [ "$DRY" != 1 ]; then
+                prepare 8b
+                lmcache_ready || return 1
+            fi
+            driver 11 480 --setup lmcache-mp --modes stall --model-dir $M8 $LEN8 --kv-cache-memory-bytes $KV \
+                --lengths "${L8##* }" ${LMCACHE_REPLICA_ARG:+--replica-arg=$LMCACHE_REPLICA_ARG} ;;
+        12) [ "$DRY" = 1 ] || prepare 8b
+            driver 12 420 --setup vllm-offloading --model-dir $M8 $LEN8 --offloading-gib 48 --lengths $L8 --prompts 2 ;;
+        *) echo "no step $n (steps 1-12; no argument prints the plan)"; return 2 ;;
     esac
     [ "$DRY" = 1 ] || echo "step $n done in $(( $(date +%s) - t0 )) s"
 }

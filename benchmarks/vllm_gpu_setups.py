@@ -186,7 +186,8 @@ def pool(run: Run, log):
 
 @contextlib.contextmanager
 def kvshare_up(run: Run, env: dict, log, pool_on: bool):
-    """`kvshare up --engine vllm`: two replicas and the router (alternate: turn k of a session on replica k mod 2)."""
+    """`kvshare up --engine vllm`: two replicas and the router (--policy; alternate: turn k of a session on replica
+    k mod 2), sending prefix hints unless --hints off."""
     from kvshare.launch import wait_http_ready
 
     a = run.args
@@ -206,7 +207,8 @@ def kvshare_up(run: Run, env: dict, log, pool_on: bool):
         "--port",
         str(a.port),
         "--policy",
-        "alternate",
+        a.policy,
+        *(["--no-hints"] if a.hints == "off" else []),
         *(["--pool-size", a.pool_size] if pool_on else ["--pool", "off"]),
         f"--replica-arg=--max-model-len={a.max_model_len}",
         *(f"--replica-arg={x}" for x in replica_args(a)),

@@ -25,6 +25,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import IO
 
+from kvshare.memory_fit import oom_hint
+
 _PR_SET_PDEATHSIG = 1
 NUM_TAIL_LINES = 20
 
@@ -68,11 +70,13 @@ def start_child(spec: ChildSpec, is_verbose: bool = False) -> Child:
     return Child(spec, proc, instance_id, OutputTail(proc.stderr, f"{spec.name}| "))
 
 
-def describe_exit(returncode: int) -> str:
-    """``exit code 2`` or ``killed by SIGKILL`` (Popen reports a signal as a negative code)."""
+def describe_exit(returncode: int, oom_kills_before: int | None = None) -> str:
+    """``exit code 2`` or ``killed by SIGKILL`` (Popen reports a signal as a negative code); a SIGKILL while the
+    kernel's OOM killer ended a process since ``oom_kills_before`` (kvshare.memory_fit.oom_kills) says so, with
+    the memory left."""
     if returncode < 0:
         try:
-            return f"killed by {signal.Signals(-returncode).name}"
+            return f"killed by {signal.Signals(-returncode).name}{oom_hint(returncode, oom_kills_before)}"
         except ValueError:
             return f"killed by signal {-returncode}"
     return f"exit code {returncode}"
@@ -125,15 +129,22 @@ def health_answer(url: str, instance_id: str | None, timeout_s: float = 2.0) -> 
 
 
 def wait_http_ready(
-    url: str, proc: subprocess.Popen | None, timeout_s: float, name: str = "the server", instance_id: str | None = None
+    url: str,
+    proc: subprocess.Popen | None,
+    timeout_s: float,
+    name: str = "the server",
+    instance_id: str | None = None,
+    oom_kills_before: int | None = None,
 ) -> None:
     """Poll ``url``/health until it answers 200 (as ``instance_id``, when given: the process just started, not
-    another that holds the port); raise if ``proc`` exits first or time runs out."""
+    another that holds the port); raise if ``proc`` exits first (described as describe_exit does, from
+    ``oom_kills_before``) or time runs out."""
     deadline = time.monotonic() + timeout_s
     other = ""
     while True:
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{name} at {url} exited ({describe_exit(proc.returncode)}) before it was ready{other}")
+            how = describe_exit(proc.returncode, oom_kills_before)
+            raise RuntimeError(f"{name} at {url} exited ({how}) before it was ready{other}")
         answer = health_answer(url, instance_id)
         if answer == "ready":
             return

@@ -19,12 +19,12 @@ from kvshare.errors import UserError
 COMMANDS = {
     "pool": ("pool", "run the pool daemon (owns the shared arena)"),
     "pool-stats": ("pool_stats", "print a running pool's stats as JSON"),
-    "pool-admin": ("pool_admin", "administer a running pool: flush, list leases"),
+    "pool-admin": ("pool_admin", "administer a running pool: flush chunks, list leases and namespaces"),
     "serve": ("serve", "run one replica (built-in engine, OpenAI API)"),
     "route": ("route", "run the router in front of replicas"),
     "up": ("up", "start the pool, N replicas and the router together"),
     "plan": ("plan", "size a pool: KV bytes per token and the pool for N cached tokens"),
-    "bench": ("bench", "benchmarks: pool, ttft, blocks, sessions"),
+    "bench": ("bench", "benchmarks: pool, parse, ttft, blocks, sessions, suite, routing; report"),
     "demo": ("demo", "the embedded default: a small cluster on CPU and the study's experiments"),
     "make-model": ("make_model", "write a synthetic preset as a Hugging Face model directory"),
     "generate": ("generate", "run one prompt through the built-in engine"),
@@ -73,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    # matplotlib's INFO lines (the font cache it builds on first use) say nothing about kvshare's run
+    logging.getLogger("matplotlib").setLevel(max(logging.WARNING, logging.getLogger().level))
     try:
         return int(args._module.run(args) or 0)
     except KeyboardInterrupt:

@@ -12,7 +12,8 @@ class ClusterConfig:
     model: str = "tiny"
     engine: str = "builtin"  # or "vllm"
     device: str = "cpu"
-    pool_size: str | None = "4GiB"  # None: run without a pool
+    pool_size: str | None = "4GiB"  # None: start no pool (use pool_socket's, or none)
+    pool_socket: str | None = None  # a running pool's socket, used and left running (with pool_size None)
     pool_args: tuple[str, ...] = ()
     policy: str = "round_robin"
     host: str = "127.0.0.1"
@@ -28,6 +29,9 @@ class ClusterConfig:
     vllm_python: str | None = None
     tensor_parallel_size: int = 1  # vLLM replicas only: ranks per replica (--tensor-parallel-size)
     replica_kv_events_port: int | None = None  # replica i publishes its own KV events on this port + i
+    # vLLM replicas with a pool: the router tells the replica it places a request on which prompt is coming, so its
+    # connector copies the prompt's pages ahead (kvshare.router.hints); False: loads start when vLLM schedules
+    hints: bool = True
     ready_timeout_s: float = 300.0
     log_level: str = "WARNING"
 
@@ -40,6 +44,8 @@ class ClusterConfig:
 
         if self.num_replicas < 1:
             raise ValueError("--replicas must be at least 1")
+        if self.pool_socket is not None and self.pool_size is not None:
+            raise ValueError("--pool SOCKET uses a running pool; --pool-size sizes one up starts: give one of them")
         check_pool_name(self.pool_name)
         if self.port + self.num_replicas > 65535:
             raise ValueError(f"--port {self.port}: the replicas take the next {self.num_replicas} ports, past 65535")
@@ -66,6 +72,12 @@ class ClusterConfig:
                 )
 
     @property
+    def has_hints(self) -> bool:
+        """Whether the router sends the replicas prefetch hints: vLLM replicas of one rank with a pool."""
+        has_pool = self.pool_size is not None or self.pool_socket is not None
+        return self.hints and self.engine == "vllm" and has_pool and self.tensor_parallel_size == 1
+
+    @property
     def replica_host(self) -> str:
         """Where replicas listen: vLLM replicas check no key of their own, so only the router reaches them."""
         return "127.0.0.1" if self.engine == "vllm" else self.host
@@ -76,3 +88,14 @@ class ClusterConfig:
     @property
     def router_url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+
+def flag_value(args: tuple[str, ...], flag: str) -> str | None:
+    """The value of ``flag`` in ``args`` (``--flag V`` or ``--flag=V``; the last one wins), None when absent."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value

@@ -17,8 +17,9 @@ import subprocess
 import tempfile
 from dataclasses import dataclass, field
 
+from kvshare import memory_fit
 from kvshare.children import Child, ChildSpec, health_answer, start_child, wait_http_ready
-from kvshare.cluster_config import ClusterConfig
+from kvshare.cluster_config import ClusterConfig, flag_value
 from kvshare.paths import point_to_pool, unpoint_pool
 from kvshare.placement import cpu_threads_env, find_vllm_python, gpu_memory_share, gpu_of_replica, starts_after
 from kvshare.pool.client import PoolUnavailable
@@ -33,6 +34,7 @@ class Cluster:
     children: dict[str, Child] = field(default_factory=dict)  # how each was started, its output
     _tmp: tempfile.TemporaryDirectory | None = None
     account_key_file: str = ""  # vLLM replicas: the file the router and the connectors read the account key from
+    oom_kills_at_start: int | None = None  # the kernel's OOM kills before start() (kvshare.memory_fit.oom_kills)
 
     @property
     def router_url(self) -> str:
@@ -51,12 +53,11 @@ class Cluster:
     def start(self, progress=None) -> Cluster:
         cfg = self.config
         kv = kvshare_command(cfg.log_level)
+        self.oom_kills_at_start = memory_fit.oom_kills()
         try:
             self._preflight()
             if cfg.pool_size is not None:
-                self._tmp = tempfile.TemporaryDirectory(prefix="kvshare-up-")
-                os.chmod(self._tmp.name, 0o700)
-                self.pool_socket = os.path.join(self._tmp.name, "pool.sock")
+                self.pool_socket = os.path.join(self._run_dir(), "pool.sock")
                 self._spawn(
                     ChildSpec(
                         "pool",
@@ -68,6 +69,8 @@ class Cluster:
                 # so kvshare pool-stats / pool-admin find it with no --socket
                 point_to_pool(self.config.pool_name, self.pool_socket)
                 _say(progress, "pool ready")
+            elif cfg.pool_socket is not None:  # a running pool (checked in the preflight): used, never stopped
+                self.pool_socket = cfg.pool_socket
             self.account_key_file = self._account_key_file()
             ready: set[int] = set()
             for i in range(cfg.num_replicas):
@@ -163,6 +166,7 @@ class Cluster:
                     kv_events_port=None if cfg.replica_kv_events_port is None else cfg.replica_kv_events_port + i,
                     tmp_dir=self._private_dir(f"replica{i}-tmp"),
                     account_key_file=self.account_key_file,
+                    hint_address=self.hint_address(i),
                 )
             )
             if visible is not None:
@@ -216,12 +220,26 @@ class Cluster:
             return cfg.account_key_file
         return write_new_secret(os.path.join(self._private_dir("secrets"), "account.key"))
 
+    def hint_address(self, i: int) -> str:
+        """Where replica ``i``'s connector takes the router's prefetch hints: a Unix socket in this cluster's
+        private directory ("": the cluster sends none)."""
+        from kvshare.serve.tenancy import ACCOUNT_KEY_ENV
+
+        has_key = self.account_key_file or self.config.account_key_file or os.environ.get(ACCOUNT_KEY_ENV)
+        if not (self.config.has_hints and has_key):
+            return ""
+        return os.path.join(self._private_dir("hints"), f"replica{i}.sock")
+
     def _router_command(self, kv: list[str]) -> list[str]:
         """The router in front of the replicas; it authenticates. With vLLM replicas it salts each tenant's
-        requests itself and signs their pool accounts (kvshare.router.accounts)."""
+        requests itself and signs their pool accounts (kvshare.router.accounts), and tells each replica the
+        prompts it sends there (prefetch hints; the model's tokenizer encodes text prompts for them)."""
         cfg = self.config
         engine = ["--engine", cfg.engine] if cfg.engine != "builtin" else []
         account = ["--account-key-file", self.account_key_file] if self.account_key_file else []
+        hints = [self.hint_address(i) for i in range(cfg.num_replicas)]
+        if any(hints):
+            account += [*sum((["--hint-address", h] for h in hints), []), "--model", cfg.model]
         return [
             *kv,
             "route",
@@ -238,12 +256,17 @@ class Cluster:
             *cfg.router_args,
         ]
 
-    def _private_dir(self, name: str) -> str:
-        """A directory of this cluster's own, removed when it stops (with whatever its children left there)."""
+    def _run_dir(self) -> str:
+        """This cluster's private directory (0700), made once: every path handed out in it stays valid (a hint
+        socket named before the start, to a router started beside the cluster, is the one its replica binds)."""
         if self._tmp is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="kvshare-up-")
             os.chmod(self._tmp.name, 0o700)
-        path = os.path.join(self._tmp.name, name)
+        return self._tmp.name
+
+    def _private_dir(self, name: str) -> str:
+        """A directory of this cluster's own, removed when it stops (with whatever its children left there)."""
+        path = os.path.join(self._run_dir(), name)
         os.makedirs(path, mode=0o700, exist_ok=True)
         return path
 
@@ -258,15 +281,14 @@ class Cluster:
             return model
         from kvshare.engine.make_model import write_model_dir
 
-        if self._tmp is None:
-            self._tmp = tempfile.TemporaryDirectory(prefix="kvshare-up-")
-        path = os.path.join(self._tmp.name, model)
+        path = os.path.join(self._run_dir(), model)
         if not os.path.isdir(path):
             write_model_dir(model, path)
         return path
 
     def _preflight(self) -> None:
-        """The model, the ports, the pool's size (kvshare.preflight) and vLLM's interpreter, before anything starts."""
+        """The model, the ports, the pool's size, the memory the replicas and the pool need (kvshare.preflight,
+        kvshare.memory_fit) and vLLM's interpreter, before anything starts."""
         from kvshare import preflight
         from kvshare.errors import UserError
         from kvshare.keys import DEFAULT_CHUNK_TOKENS
@@ -280,9 +302,9 @@ class Cluster:
         if cfg.pool_size is not None:
             try:
                 size = parse_size(str(cfg.pool_size))
-                extent_flag = _flag_value(cfg.pool_args, "--extent-size")
+                extent_flag = flag_value(cfg.pool_args, "--extent-size")
                 extent = parse_size(extent_flag) if extent_flag else default_extent_bytes(size)
-                chunk_tokens = int(_flag_value(cfg.replica_args, "--chunk-tokens") or DEFAULT_CHUNK_TOKENS)
+                chunk_tokens = int(flag_value(cfg.replica_args, "--chunk-tokens") or DEFAULT_CHUNK_TOKENS)
             except ValueError as exc:
                 raise UserError(str(exc)) from None
             preflight.check_pool_size(size, "--pool-size")
@@ -291,6 +313,12 @@ class Cluster:
                 preflight.check_pool_holds_a_page(
                     size, extent, layout, cfg.model, preflight.model_state_bytes(cfg.model)
                 )
+        if cfg.pool_socket is not None:
+            try:
+                wait_for_pool(cfg.pool_socket, timeout_s=0)
+            except PoolUnavailable as exc:
+                raise UserError(f"--pool {cfg.pool_socket}: no pool answers there ({exc})") from None
+        memory_fit.check_cluster_fits(cfg, size if cfg.pool_size is not None else 0)
         if cfg.engine == "vllm":
             from kvshare.integrations.vllm.launch import check_vllm_python
             from kvshare.serve.tenancy import read_account_key
@@ -313,9 +341,30 @@ class Cluster:
     def _wait_http(self, name: str) -> None:
         child = self.children[name]
         try:
-            wait_http_ready(child.spec.url, child.proc, self.config.ready_timeout_s, name, child.instance_id)
+            wait_http_ready(
+                child.spec.url,
+                child.proc,
+                self.config.ready_timeout_s,
+                name,
+                child.instance_id,
+                self.oom_kills_at_start,
+            )
         except (RuntimeError, TimeoutError) as exc:
-            raise type(exc)(f"{exc}{self._tail(name)}") from None
+            raise type(exc)(f"{exc}{self._needs(name)}{self._tail(name)}") from None
+
+    def _needs(self, name: str) -> str:
+        """For a built-in replica the OOM killer ended: what it was estimated to need."""
+        cfg = self.config
+        returncode = self.processes[name].returncode
+        if (
+            not name.startswith("replica")
+            or cfg.engine != "builtin"
+            or not memory_fit.oom_hint(returncode, self.oom_kills_at_start)
+        ):
+            return ""
+        device = gpu_of_replica(cfg.device, int(name[len("replica") :]))[0]
+        needs = memory_fit.replica_memory(cfg.model, cfg.replica_args, device)
+        return f"; a replica of {cfg.model} needs about {needs.describe()}"
 
     def _tail(self, name: str) -> str:
         lines = self.output_lines(name) if self.processes[name].poll() is not None else []
@@ -330,7 +379,8 @@ class Cluster:
             if proc is not None:
                 stop_process(proc, timeout_s=15)
         if self._tmp is not None:
-            unpoint_pool(self.config.pool_name, self.pool_socket)
+            if self.config.pool_size is not None:  # only the pointer to the pool this cluster started
+                unpoint_pool(self.config.pool_name, self.pool_socket)
             self._tmp.cleanup()
             self._tmp = None
 
@@ -375,17 +425,6 @@ def free_port_block(count: int, host: str = "127.0.0.1", attempts: int = 200) ->
         except OSError:
             continue
     raise RuntimeError(f"found no block of {count} free ports")
-
-
-def _flag_value(args: tuple[str, ...], flag: str) -> str | None:
-    """The value of ``flag`` in ``args`` (``--flag V`` or ``--flag=V``; the last one wins), None when absent."""
-    value = None
-    for i, arg in enumerate(args):
-        if arg == flag and i + 1 < len(args):
-            value = args[i + 1]
-        elif arg.startswith(flag + "="):
-            value = arg.split("=", 1)[1]
-    return value
 
 
 def _say(progress, message: str) -> None:

@@ -8,7 +8,8 @@ Each failure is a UserError that names the flag to change:
 - the pool's size: at least MIN_POOL_BYTES, at most the memory this process may use (the arena is
   a memfd: anonymous shared memory, charged to this cgroup and not bounded by /dev/shm's size), and
   room for one page of the model;
-- the pool socket's directory exists.
+- the pool socket's directory exists;
+- built-in replicas and the pool fit the machine's memory and the GPUs' (kvshare.memory_fit).
 """
 
 from __future__ import annotations
@@ -20,23 +21,15 @@ import os
 import socket
 from collections.abc import Mapping
 
+from kvshare.engine.preset_table import PRESETS
 from kvshare.errors import UserError
 from kvshare.layout import KVLayout
 from kvshare.units import format_bytes
 
 log = logging.getLogger(__name__)
 
-# kvshare.engine.presets.PRESETS' KV shapes, (KV layers, num_kv_heads, head_dim, dtype), known without
-# importing torch (a hybrid's KV layers: its attention layers); tests/test_preflight.py checks them against the presets
-PRESET_KV_SHAPES: dict[str, tuple[int, int, int, str]] = {
-    "tiny": (8, 2, 64, "float32"),
-    "qwen3-8b": (36, 8, 128, "bfloat16"),
-    "qwen3-32b": (64, 8, 128, "bfloat16"),
-    "qwen3.5-tiny": (2, 2, 64, "float32"),
-    "qwen3.5-9b": (8, 4, 256, "bfloat16"),
-    "qwen3.5-27b": (16, 4, 256, "bfloat16"),
-}
-PRESET_NAMES = tuple(PRESET_KV_SHAPES)
+# the presets' names (kvshare.engine.preset_table: the presets as data, read without torch)
+PRESET_NAMES = tuple(PRESETS)
 MIN_POOL_BYTES = 1 << 20  # smaller holds no page of any model worth serving (the tiny model's is 2 MiB)
 
 
@@ -52,20 +45,20 @@ def check_model(model: str, flag: str = "--model") -> None:
                 f"does; `kvshare make-model tiny --out DIR` writes one)"
             )
         return
-    if model not in PRESET_KV_SHAPES:
+    if model not in PRESETS:
         what = "no such directory" if os.sep in model or model.startswith(".") else "not a directory"
         raise UserError(f"{flag} {model}: {what}, and not a preset ({', '.join(PRESET_NAMES)})")
 
 
 def model_layout(model: str, chunk_tokens: int) -> KVLayout:
     """The KV layout of ``model`` (a checked directory or preset) in its own dtype, read without loading weights."""
-    if model in PRESET_KV_SHAPES and not os.path.isdir(model):
-        num_layers, num_kv_heads, head_dim, dtype = PRESET_KV_SHAPES[model]
-        return KVLayout(num_layers, num_kv_heads, head_dim, dtype, chunk_tokens)
-    from kvshare.engine.config import model_config_from_hf
+    if model in PRESETS and not os.path.isdir(model):
+        config = PRESETS[model].config
+    else:
+        from kvshare.engine.config import model_config_from_hf
 
-    with open(os.path.join(model, "config.json")) as f:
-        config = model_config_from_hf(json.load(f))
+        with open(os.path.join(model, "config.json")) as f:
+            config = model_config_from_hf(json.load(f))
     return KVLayout(config.num_kv_layers, config.num_kv_heads, config.head_dim, config.dtype, chunk_tokens)
 
 
@@ -105,7 +98,7 @@ def check_ports_free(host: str, ports: Mapping[int, str], flag: str = "--port") 
 
 def memory_limit() -> tuple[int, str]:
     """(bytes, what they are): the memory this process may use, the smaller of MemTotal and its cgroup's limit."""
-    limit, what = _meminfo("MemTotal"), "this machine's memory (MemTotal)"
+    limit, what = meminfo("MemTotal"), "this machine's memory (MemTotal)"
     cgroup = _cgroup_memory_max()
     if cgroup is not None and cgroup < limit:
         limit, what = cgroup, "this container's memory limit (cgroup memory.max)"
@@ -127,7 +120,7 @@ def check_pool_size(size_bytes: int, flag: str = "--size") -> None:
         )
     from kvshare.pool.arena import hugepages_free_bytes
 
-    available = _meminfo("MemAvailable")
+    available = meminfo("MemAvailable")
     if size_bytes > available and hugepages_free_bytes() < size_bytes:  # reserved hugepages are not "available"
         log.warning(
             "the pool's %s exceed the %s available now: its pages fill as KV is stored, and the machine "
@@ -174,7 +167,8 @@ def check_socket_dir(socket_path: str, flag: str = "--socket") -> None:
         )
 
 
-def _meminfo(field: str, path: str = "/proc/meminfo") -> int:
+def meminfo(field: str, path: str = "/proc/meminfo") -> int:
+    """A field of /proc/meminfo in bytes (MemTotal, MemAvailable)."""
     with open(path) as f:
         for line in f:
             name, _, rest = line.partition(":")

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvshare import memory_fit
 from kvshare.children import describe_exit
 
 
@@ -51,12 +52,20 @@ def restart_delay(exit_times: Sequence[float], now: float, policy: RestartPolicy
 class CrashLoop(Exception):
     """A child exited more often than the restart policy allows; the message says which, how and what it wrote."""
 
-    def __init__(self, name: str, returncode: int, num_exits: int, policy: RestartPolicy, tail: list[str]) -> None:
+    def __init__(
+        self,
+        name: str,
+        returncode: int,
+        num_exits: int,
+        policy: RestartPolicy,
+        tail: list[str],
+        oom_kills_before: int | None = None,
+    ) -> None:
         self.name, self.returncode = name, returncode
         lines = "\n".join(f"  {line}" for line in tail) or "  (it wrote nothing to stderr)"
         super().__init__(
             f"{name} crash-looped: it exited {num_exits} times within {policy.window_s:g} s "
-            f"(--max-restarts {policy.max_restarts}; the last exit: {describe_exit(returncode)}); "
+            f"(--max-restarts {policy.max_restarts}; the last exit: {describe_exit(returncode, oom_kills_before)}); "
             f"its last lines:\n{lines}"
         )
 
@@ -84,6 +93,9 @@ class Supervisor:
     _exits: dict[str, list[float]] = field(default_factory=dict)
     _restart_at: dict[str, float] = field(default_factory=dict)  # dead children waiting out their backoff
     _starting: dict[str, float] = field(default_factory=dict)  # restarted, not ready yet: name -> deadline
+    # the kernel's OOM kills before the last exit seen, so the next one says whether the OOM killer ended it
+    oom_kills_before: int | None = field(default_factory=lambda: memory_fit.oom_kills())
+    _killed: set[str] = field(default_factory=set)  # children this supervisor killed: the OOM killer did not
 
     def poll(self) -> None:
         """Note exits, start again those whose backoff is over, report those ready again; raises CrashLoop."""
@@ -108,14 +120,19 @@ class Supervisor:
                 del self._starting[name]
                 self.say(f"{name} was not ready {self.ready_timeout_s:g} s after its restart; killing it")
                 proc.kill()
+                self._killed.add(name)
 
     def _exited(self, name: str, returncode: int, now: float) -> None:
         self._starting.pop(name, None)
+        oom_kills_before = None if name in self._killed else self.oom_kills_before
+        self._killed.discard(name)
+        self.oom_kills_before = memory_fit.oom_kills()
         exits = self._exits.setdefault(name, [])
         exits.append(now)
         delay = restart_delay(exits, now, self.policy)
         if delay is None:
             num_recent = sum(1 for t in exits if now - t <= self.policy.window_s)
-            raise CrashLoop(name, returncode, num_recent, self.policy, self.cluster.output_lines(name))
-        self.say(f"{name} exited ({describe_exit(returncode)}); starting it again in {delay:g} s")
+            tail = self.cluster.output_lines(name)
+            raise CrashLoop(name, returncode, num_recent, self.policy, tail, oom_kills_before)
+        self.say(f"{name} exited ({describe_exit(returncode, oom_kills_before)}); starting it again in {delay:g} s")
         self._restart_at[name] = now + delay

@@ -172,3 +172,78 @@ def test_up_with_vllm_takes_api_keys_and_a_tenant_header(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="not started in this test"):
         up.run(args)
     assert seen[0].api_keys == ("key-a-0123456789",) and seen[0].tenant_header == "X-Tenant"
+
+
+def test_vllm_replicas_take_prefetch_hints_from_the_router_on_private_sockets(tmp_path, monkeypatch):
+    """Fails when up leaves the router without each replica's hint address (or the tokenizer for text prompts'
+    hints), or a replica's connector without its own; --no-hints (ClusterConfig.hints) and TP > 1 send none."""
+    monkeypatch.delenv("KVSHARE_ACCOUNT_KEY", raising=False)
+    (tmp_path / "config.json").write_text("{}")
+    cluster = _vllm_cluster(tmp_path)
+    try:
+        addresses = [_connector_extra(cluster._replica_command(i, [])[0])["hint_address"] for i in range(2)]
+        assert len(set(addresses)) == 2 and all(a.startswith(cluster._tmp.name + os.sep) for a in addresses)
+        assert oct(os.stat(os.path.dirname(addresses[0])).st_mode & 0o777) == "0o700"
+        router = cluster._router_command([])
+        assert [router[i + 1] for i, flag in enumerate(router) if flag == "--hint-address"] == addresses
+        assert router[router.index("--model") + 1] == str(tmp_path)
+    finally:
+        cluster.stop()
+    assert ClusterConfig(engine="vllm", pool_size=None, pool_socket="/run/x/pool.sock").has_hints  # a running pool
+    assert not ClusterConfig(engine="vllm", pool_size=None).has_hints  # no pool: nothing to copy ahead
+    for fields in ({"hints": False}, {"tensor_parallel_size": 2}):
+        quiet = _vllm_cluster(tmp_path, **fields)
+        assert "--hint-address" not in quiet._router_command([])
+        assert "hint_address" not in _connector_extra(quiet._replica_command(0, [])[0])
+        quiet.stop()
+
+
+def test_up_with_vllm_places_cache_aware_by_default(monkeypatch, tmp_path):
+    import pytest
+
+    import kvshare.launch
+    from kvshare.cli import build_parser
+    from kvshare.commands import up
+    from kvshare.errors import UserError
+
+    seen = []
+
+    class _Stop(Cluster):
+        def start(self, progress=None):
+            seen.append(self.config)
+            raise RuntimeError("not started in this test")
+
+    monkeypatch.setattr(kvshare.launch, "Cluster", _Stop)
+    monkeypatch.setattr("signal.signal", lambda *_: None)
+    for argv, policy, hints in (
+        (["--engine", "vllm"], "cache_aware", True),
+        (["--engine", "vllm", "--policy", "round_robin", "--no-hints"], "round_robin", False),
+        ([], "round_robin", True),
+    ):
+        with pytest.raises(UserError, match="not started"):
+            up.run(build_parser().parse_args(["up", "--model", str(tmp_path), "--port", "18090", *argv]))
+        assert (seen[-1].policy, seen[-1].hints) == (policy, hints)
+
+
+def test_hint_sockets_named_before_the_start_are_the_ones_the_replicas_bind(tmp_path, monkeypatch):
+    """bench routing gives a hinting router, started beside the cluster, the replicas' hint sockets before the
+    cluster starts. Fails when the start makes a new private directory for the pool's socket (the router then
+    names sockets nobody binds: every hint dropped)."""
+    import kvshare.launch
+
+    monkeypatch.setenv("KVSHARE_ACCOUNT_KEY", "a-key-in-the-environment-01")
+    (tmp_path / "config.json").write_text("{}")
+    cluster = Cluster(ClusterConfig(engine="vllm", model=str(tmp_path), pool_size="64MiB", vllm_python="/x/python"))
+    named = [cluster.hint_address(i) for i in range(2)]
+    spawned = []
+    for name in ("_preflight", "_wait_pool", "_wait_http"):
+        monkeypatch.setattr(cluster, name, lambda *args, **kwargs: None)
+    monkeypatch.setattr(cluster, "_spawn", spawned.append)
+    monkeypatch.setattr(kvshare.launch, "point_to_pool", lambda *args: None)
+    try:
+        cluster.start()
+        replicas = [spec for spec in spawned if spec.name.startswith("replica")]
+        assert [_connector_extra(list(spec.argv))["hint_address"] for spec in replicas] == named
+        assert cluster.pool_socket.startswith(os.path.dirname(os.path.dirname(named[0])))
+    finally:
+        cluster.stop()

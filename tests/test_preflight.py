@@ -10,15 +10,6 @@ from kvshare.errors import UserError
 from kvshare.layout import KVLayout
 
 
-def test_preset_kv_shapes_agree_with_the_presets():
-    from kvshare.engine.presets import PRESETS
-
-    assert set(preflight.PRESET_KV_SHAPES) == set(PRESETS)
-    for name, preset in PRESETS.items():
-        c = preset.config
-        assert preflight.PRESET_KV_SHAPES[name] == (c.num_kv_layers, c.num_kv_heads, c.head_dim, c.dtype), name
-
-
 def test_model_is_a_directory_with_config_json_or_a_preset(tmp_path):
     preflight.check_model("tiny")
     with pytest.raises(UserError, match="/nope: no such directory, and not a preset"):

@@ -54,49 +54,38 @@ def _tokens(n: int) -> str:
     return f"{n // 1000}k" if n >= 1000 and n % 1000 == 0 else str(n)
 
 
+def ttft_table(ttft: list) -> Table:
+    """Cold, local and cross-replica TTFT per context and client; the text column only where a text row is."""
+    has_text = any(r.text_overheads is not None for r in ttft)
+    headers = ("context", "client", "cold s", "local s", "cross s", "cold/cross")
+    headers += ("text adds (cold/local/cross)",) if has_text else ()
+    rows = tuple(
+        (_tokens(r.context), r.client, _s(r.medians["cold"]), _s(r.medians["local"]), _s(r.medians["cross"]))
+        + (_x(r.cross_speedup),)
+        + ((_overheads(r.text_overheads),) if has_text else ())
+        + ("-" if r.cross_pool_tokens is None else str(r.cross_pool_tokens), str(r.outputs))
+        + (str(r.counts["cross"]), str(r.num_failed))
+        for r in ttft
+    )
+    text = (
+        "text adds: the median of each text request's TTFT over its pair's as token ids, minus 1. " if has_text else ""
+    )
+    return Table(
+        "TTFT: cold, local reuse (same replica), cross-replica reuse (pool)",
+        headers + ("pool tokens (cross)", "outputs", "n", "failed"),
+        rows,
+        "Medians of time to first content token (client side, streamed). Client: token_ids (prompt ids to "
+        "/v1/completions, encoded before the clock) or text (chat text through a user's client, encoded inside "
+        f"the clock); {text}Outputs: token ids of local and cross requests against the cold request's (see the "
+        "divergence table for any that part).",
+    )
+
+
 def tables(records: list[Record]) -> list[Table]:
     out = []
     ttft = ttft_rows(records)
     if ttft:
-        out.append(
-            Table(
-                "TTFT: cold, local reuse (same replica), cross-replica reuse (pool)",
-                (
-                    "context",
-                    "client",
-                    "cold s",
-                    "local s",
-                    "cross s",
-                    "cold/cross",
-                    "text adds (cold/local/cross)",
-                    "pool tokens (cross)",
-                    "outputs",
-                    "n",
-                    "failed",
-                ),
-                tuple(
-                    (
-                        _tokens(r.context),
-                        r.client,
-                        _s(r.medians["cold"]),
-                        _s(r.medians["local"]),
-                        _s(r.medians["cross"]),
-                        _x(r.cross_speedup),
-                        _overheads(r.text_overheads),
-                        "-" if r.cross_pool_tokens is None else str(r.cross_pool_tokens),
-                        str(r.outputs),
-                        str(r.counts["cross"]),
-                        str(r.num_failed),
-                    )
-                    for r in ttft
-                ),
-                "Medians of time to first content token (client side, streamed). Client: token_ids (prompt ids to "
-                "/v1/completions, encoded before the clock) or text (chat text through a user's client, encoded inside "
-                "the clock); text adds: the median of each text request's TTFT over its pair's as token ids, minus 1. "
-                "Outputs: token ids of local and cross requests against the cold request's (see the divergence table "
-                "for any that part).",
-            )
-        )
+        out.append(ttft_table(ttft))
     blocks = blocks_rows(records)
     if blocks:
         out.append(
@@ -304,11 +293,12 @@ def study_table(blocks, sessions) -> Table:
         )
     )
     return Table(
-        "Beside the study's published figures",
+        "Beside the study's published figures (the engineering study kvshare reproduces, docs/bench.md)",
         ("figure", "study", "measured here"),
         tuple(rows),
-        "The study: two single-GPU replicas of a 27B model sharing a 256 GiB host pool. Figures here come "
-        "from whatever model and machine these records were measured on (see the runs below).",
+        "The study: two single-GPU replicas of a 27B model (the Qwen3.5 / 3.6 family: a hybrid of Gated DeltaNet "
+        "and gated full attention) sharing a 256 GiB host-memory KV pool. Figures here come from whatever model "
+        "and machine these records were measured on (see the runs below).",
     )
 
 
@@ -385,9 +375,9 @@ def print_tables(tables_: list[Table], console=None) -> None:
 
     console = console or Console()
     if not console.is_terminal:
-        console = Console(width=max(console.width, 160))  # logs and pipes: wide tables rather than truncated cells
+        console = Console(file=console.file, width=max(console.width, 160))  # logs, pipes: wide, not truncated
     for t in tables_:
-        table = RichTable(title=t.title)
+        table = RichTable(title=t.title, caption=t.note or None)  # the note says what the figures mean
         for h in t.headers:
             table.add_column(h)
         for row in t.rows:

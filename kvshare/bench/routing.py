@@ -51,6 +51,9 @@ FALLBACKS = "kvshare_router_pool_aware_fallbacks_total"
 SEND_DELAY = "kvshare_router_send_delay_seconds"  # the router's histogram of its own time before a request is sent
 EVENT_LAG = "kvshare_router_kv_events_lag_seconds"
 POOL_AWARE_TERM = "kvshare_router_pool_aware_"  # its cost-term gauges, one per replica (router.metrics)
+HINTS_SENT = "kvshare_router_prefetch_hints_total"  # the router's prefetch hints (outcome label summed: sent too)
+PREFETCH_HITS = "vllm:kvshare_prefetch_hits_total"  # pages a vLLM replica's loads took from copies ahead
+PREFETCHED = "vllm:kvshare_prefetched_pages_total"  # pages a vLLM replica copied ahead on hints
 
 
 @dataclass
@@ -100,6 +103,9 @@ class Replayer:
         row["events_live_share"] = sum(live) / len(live) if live else None
         # the share of replicas whose own KV events the router trusted, over the samples (None: it reads none)
         row["replica_events_live_share"] = sum(replicas_live) / len(replicas_live) if replicas_live else None
+        # prefetch hints: the router's, every outcome (a hinted condition's); the pages the replicas copied ahead on
+        # hints and those their loads took from the copies meanwhile (whatever router sent the hints)
+        row["hints"], row["prefetched_pages"], row["prefetch_hits"] = (after[k] - before[k] for k in (2, 3, 4))
         if condition.router.startswith("pool_aware"):
             row["pool_aware_terms"] = await self._pool_aware_terms(url)
         return records, row
@@ -176,13 +182,17 @@ class Replayer:
             out.append(verify)
         return out
 
-    async def _counters(self, router_url: str) -> tuple[float, float | None]:
-        """(pool bytes the replicas loaded, the router's pool_aware fallbacks or None) so far."""
-        loaded = 0.0
+    async def _counters(self, router_url: str) -> tuple[float, float | None, float, float, float]:
+        """(pool bytes the replicas loaded, the router's pool_aware fallbacks or None, its prefetch hints, pages the
+        replicas copied ahead, pages their loads took from those copies) so far."""
+        loaded = prefetched = hits = 0.0
         for url in self.cluster.replica_urls:
             metrics = await self._metrics(url)
             loaded += metrics.get(POOL_BYTES_LOADED, 0.0) + metrics.get(VLLM_POOL_BYTES_LOADED, 0.0)
-        return loaded, (await self._metrics(router_url)).get(FALLBACKS)
+            prefetched += metrics.get(PREFETCHED, 0.0)
+            hits += metrics.get(PREFETCH_HITS, 0.0)
+        router = await self._metrics(router_url)
+        return loaded, router.get(FALLBACKS), router.get(HINTS_SENT, 0.0), prefetched, hits
 
     async def _pool_aware_terms(self, router_url: str) -> dict[str, dict[str, float]]:
         """pool_aware's cost terms per replica as the router measured them by the end of a replay (its gauges

@@ -16,6 +16,9 @@ dtype, so the bytes per token are the ones the size was computed with), each rep
 events (vLLM's ``--kv-events-config``) and the pool_aware routers read them as the replicas' GPU prefix caches
 (``--replica-kv-events``); the events-dropped router reads none, the pool's nor the replicas'. Every router
 names the replica that served (``--expose-replica-header``): vLLM's streamed responses carry no provenance.
+A router named ``<policy>+hints`` places as ``<policy>`` and tells each vLLM replica the prompt it sends there
+(``--hint-address``: the replicas' hint sockets, which kvshare up wires); every other router sends none, the
+round_robin one included (it then runs beside kvshare up's own, which would).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
+from kvshare.bench.routing_trace import HINTED
 from kvshare.children import ChildSpec, start_child
 from kvshare.credentials import write_new_secret
 from kvshare.integrations.vllm.launch import has_flag
@@ -109,6 +113,9 @@ class RoutingCluster:
         self._replica_events_port: int | None = None  # vLLM replica i publishes its KV events on this + i
         self._account_key_file = os.path.join(self._tmp.name, "account.key")
         self._served_model = target.model  # the replicas' model id (/v1/models), read once they answer
+        self.has_hints = any(name.endswith(HINTED) for name in self.router_names)
+        if self.has_hints and not target.is_vllm:
+            raise ValueError("POLICY/hints: prefetch hints are for vLLM replicas (--engine vllm)")
 
     def __enter__(self) -> RoutingCluster:
         try:
@@ -161,6 +168,7 @@ class RoutingCluster:
             vllm_python=t.vllm_python,
             account_key_file=self._account_key_file if t.is_vllm else "",
             replica_kv_events_port=replica_events_port if t.is_vllm else None,
+            hints=self.has_hints,  # the replicas take hints (and up's own router sends them: not used then)
             ready_timeout_s=600,
         )
 
@@ -174,7 +182,7 @@ class RoutingCluster:
         cluster = Cluster(self.cluster_config(port, self._replica_events_port or 0))
         # the other routers start beside the pool and replicas (their ports are known): a router health-checks
         # its replicas until they answer, and a ZMQ subscriber may connect before the pool binds
-        for k, name in enumerate(n for n in self.router_names if n != "round_robin"):
+        for k, name in enumerate(n for n in self.router_names if n != "round_robin" or self.has_hints):
             url = f"http://127.0.0.1:{port + 1 + t.num_replicas + k}"
             argv = (
                 *kvshare_command(t.log_level),
@@ -183,6 +191,7 @@ class RoutingCluster:
                 url.rsplit(":", 1)[1],
                 *(a for u in cluster.replica_urls for a in ("--replica", u)),
                 *self.router_args(name),
+                *(self._hint_args(cluster) if name.endswith(HINTED) else ()),
                 *t.router_args,
             )
             child = start_child(ChildSpec(f"router-{name}", argv, kvshare_env(), url=url, takes_instance_id=True))
@@ -221,7 +230,7 @@ class RoutingCluster:
         """Wait until every pool_aware router that subscribes to the pool has taken its events (and, with vLLM
         replicas, each replica's own; ``_warm_up`` had them publish): a router that joined before the first batch
         falls back until one arrives, which would count against whichever condition happened to run first."""
-        live = [name for name in self._routers if name in ("pool_aware", "pool_aware_gpu")]
+        live = [name for name in self._routers if name.removesuffix(HINTED) in ("pool_aware", "pool_aware_gpu")]
         deadline = time.monotonic() + timeout_s
         wanted = [(EVENTS_LIVE, "the pool", 1)]
         if self.target.is_vllm:
@@ -240,9 +249,16 @@ class RoutingCluster:
             return ()
         return ("--engine", "vllm", "--account-key-file", self._account_key_file, "--expose-replica-header")
 
+    def _hint_args(self, cluster: Cluster) -> tuple[str, ...]:
+        """A hinting router's: each replica's hint socket (kvshare up's) and the model whose tokenizer encodes
+        text prompts (the same --model for pool_aware, which reads it too)."""
+        addresses = [cluster.hint_address(i) for i in range(self.target.num_replicas)]
+        return (*(a for address in addresses for a in ("--hint-address", address)), "--model", self.target.model)
+
     def router_args(self, name: str) -> tuple[str, ...]:
         """A router's arguments after its replicas (the target's --router-arg follow): its policy and, for
         pool_aware, the events it reads."""
+        name = name.removesuffix(HINTED)
         engine = self._engine_router_args()
         if not name.startswith("pool_aware"):
             return ("--policy", name, *engine)
@@ -277,7 +293,7 @@ class RoutingCluster:
         return f"tcp://127.0.0.1:{self._replica_events_port + i}"
 
     def url(self, router: str) -> str:
-        if router == "round_robin":
+        if router == "round_robin" and not self.has_hints:
             return self._cluster.router_url
         return self._routers[router][0]
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 ROUTER_POLICIES = ("round_robin", "alternate", "sticky", "cache_aware", "pool_aware", "pool_aware_gpu")
 CONTROLS = ("no_shared_prefix", "events_dropped")
+HINTED = "+hints"  # a router's name: the policy's router, sending the vLLM replicas prefetch hints
 DEFAULT_CONDITIONS = (
     "round_robin/off",
     "round_robin/on",
@@ -39,24 +40,29 @@ DEFAULT_CONDITIONS = (
 class Condition:
     """How one replay of the trace is placed and served."""
 
-    name: str  # "<policy>/<on|off>", or a control's name
-    router: str  # which router places it: a policy, or "pool_aware_dropped" (a pool_aware router without events)
+    name: str  # "<policy>/<on|off|hints>", or a control's name
+    # which router places it: a policy, "<policy>+hints" (the policy, sending the vLLM replicas prefetch hints), or
+    # "pool_aware_dropped" (a pool_aware router without events)
+    router: str
     use_pool: bool
     is_shared: bool = True  # False: every request has its own head (no prefix is shared)
 
 
 def parse_condition(name: str) -> Condition:
-    """'pool_aware/on' -> Condition; controls by name. A clear error for anything else."""
+    """'pool_aware/on' -> Condition; 'cache_aware/hints': the pool on, and the router tells each vLLM replica the
+    prompt it places there (kvshare.router.hints); controls by name. A clear error for anything else."""
     if name == "no_shared_prefix":
         return Condition(name, "pool_aware", True, is_shared=False)
     if name == "events_dropped":
         return Condition(name, "pool_aware_dropped", True)
     policy, sep, pool = name.partition("/")
-    if not sep or policy not in ROUTER_POLICIES or pool not in ("on", "off"):
+    if not sep or policy not in ROUTER_POLICIES or pool not in ("on", "off", "hints"):
         raise ValueError(
-            f"unknown condition {name!r}: give POLICY/on or POLICY/off with a policy of "
+            f"unknown condition {name!r}: give POLICY/on, POLICY/off or POLICY/hints with a policy of "
             f"{', '.join(ROUTER_POLICIES)}, or a control: {', '.join(CONTROLS)}"
         )
+    if pool == "hints":
+        return Condition(name, f"{policy}{HINTED}", True)
     return Condition(name, policy, pool == "on")
 
 

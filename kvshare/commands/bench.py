@@ -1,5 +1,5 @@
-"""Benchmarks: the pool's data and control planes (pool) and a replica's read of a token-id prompt (parse), both
-in kvshare.commands.bench_micro, and the study's experiments: ttft (cold, local and cross-replica reuse), blocks
+"""Benchmarks: the pool's data and control planes (pool) and a replica's read of a token-id prompt (parse), and
+the study's experiments: ttft (cold, local and cross-replica reuse), blocks
 (OFF-ON-ON-OFF, paired, bootstrap intervals), sessions (alternate vs sticky placement, pool off vs on), suite
 (several in one run), routing (many sessions over shared system prompts at swept arrival rates, through every
 placement policy's router) and report.
@@ -94,11 +94,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                 help="sessions: initial contexts (default: --contexts)",
             )
             e.add_argument("--sessions", type=int, default=2, help="sessions per context, placement and pool")
-            e.add_argument("--turns", type=int, default=6)
+            e.add_argument("--turns", type=int, default=6, help="sessions: turns per session")
             e.add_argument("--turn-tokens", type=int, default=256, help="new user tokens per turn")
             e.add_argument("--answer-tokens", type=int, default=32, help="generated tokens per turn")
-            e.add_argument("--placements", type=_words, default=("alternate", "sticky"))
-            e.add_argument("--pools", type=_words, default=("off", "on"))
+            e.add_argument(
+                "--placements",
+                type=_words,
+                default=("alternate", "sticky"),
+                help="sessions: placements compared (alternate: turn k on replica k mod N; sticky: one replica)",
+            )
+            e.add_argument("--pools", type=_words, default=("off", "on"), help="sessions: pool conditions compared")
             e.add_argument(
                 "--router",
                 type=_router,
@@ -179,7 +184,7 @@ def _run_arguments(e: argparse.ArgumentParser) -> None:
         default=1,
         help="outputs re-checked against a recompute: blocks ON requests, sessions ON sessions, per context",
     )
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="seed of the prompts (the same seed: the same prompts)")
     g.add_argument("--time-budget", type=float, default=None, help="seconds; stop before a unit that would end later")
     g.add_argument(
         "--unit-allowance",

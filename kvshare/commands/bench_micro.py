@@ -15,10 +15,10 @@ def add_micro_arguments(sub, parse_tokens: Callable[[str], tuple[int, ...]]) -> 
     pool = sub.add_parser("pool", help="pool put/get bandwidth vs memcpy, lookup-and-lease latency")
     pool.add_argument("--pool", default=None, help="socket of a running pool (default: start one)")
     pool.add_argument("--pool-size", type=parse_size, default="1GiB", help="size of the pool this command starts")
-    pool.add_argument("--page-size", type=parse_size, default="2MiB")
+    pool.add_argument("--page-size", type=parse_size, default="2MiB", help="bytes per page stored and read")
     pool.add_argument("--pages", type=int, default=128, help="pages per pass")
-    pool.add_argument("--repeats", type=int, default=3)
-    pool.add_argument("--lookup-ops", type=int, default=20000)
+    pool.add_argument("--repeats", type=int, default=3, help="timed passes of each measure")
+    pool.add_argument("--lookup-ops", type=int, default=20000, help="lookup-and-lease + release operations timed")
     pool.add_argument("--json", action="store_true", help="print the figures as JSON")
     parse = sub.add_parser("parse", help="a replica's read of a token-id prompt by thread count, vs a typed decode")
     parse.add_argument(

@@ -57,7 +57,7 @@ def add_routing_arguments(sub, words) -> None:
     g = e.add_argument_group("cluster")
     g.add_argument("--model", help="model directory or preset of the replicas it starts (required to run)")
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, or one per replica as a comma list")
-    g.add_argument("--replicas", type=int, default=2)
+    g.add_argument("--replicas", type=int, default=2, help="replicas of each cluster it starts")
     g.add_argument(
         "--engine",
         choices=("builtin", "vllm"),
@@ -77,9 +77,9 @@ def add_routing_arguments(sub, words) -> None:
     )
     g.add_argument("--tokenizer", default=None, help="model directory or preset whose tokenizer builds the prompts")
     w = e.add_argument_group("workload")
-    w.add_argument("--sessions", type=int, default=d.num_sessions)
+    w.add_argument("--sessions", type=int, default=d.num_sessions, help="sessions per replay")
     w.add_argument("--prompts", type=int, default=d.num_prompts, help="shared system prompts")
-    w.add_argument("--turns", type=int, default=d.num_turns)
+    w.add_argument("--turns", type=int, default=d.num_turns, help="turns per session")
     w.add_argument("--system-tokens", type=_token_range, default=d.system_tokens, help="range, e.g. 4000-6000")
     w.add_argument("--user-tokens", type=_token_range, default=d.user_tokens, help="range, e.g. 200-1200")
     w.add_argument("--answer-tokens", type=_token_range, default=d.answer_tokens, help="range, e.g. 100-300")
@@ -89,7 +89,8 @@ def add_routing_arguments(sub, words) -> None:
         "--conditions",
         type=words,
         default=DEFAULT_CONDITIONS + CONTROLS,
-        help=f"comma list of POLICY/on|off and controls ({', '.join(CONTROLS)})",
+        help=f"comma list of POLICY/on|off|hints (hints: the pool on, and the router sends the vLLM replicas "
+        f"prefetch hints) and controls ({', '.join(CONTROLS)})",
     )
     w.add_argument("--runs", type=int, default=d.num_runs, help="the whole sweep this many times, on fresh clusters")
     w.add_argument(
@@ -101,9 +102,9 @@ def add_routing_arguments(sub, words) -> None:
         type=int,
         default=d.num_verify,
         help="last turns per replay re-sent with every cache off (vLLM: the pool off and a cache_salt of their "
-        "own) and compared with the measured outputs by the gap rule (kvshare.outputs)",
+        "own) and compared with the measured outputs by the gap rule (docs/validate.md)",
     )
-    w.add_argument("--seed", type=int, default=d.seed)
+    w.add_argument("--seed", type=int, default=d.seed, help="seed of the trace (the same seed: the same sessions)")
     w.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     w.add_argument(
         "--out",

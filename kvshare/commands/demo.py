@@ -22,7 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the replicas' model: a preset that runs on CPU (tiny; qwen3.5-tiny, the Qwen3.5 hybrid, which shares "
         "its GDN state's checkpoints through the pool beside the KV) or a model directory",
     )
-    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--replicas", type=int, default=2, help="replicas of the cluster it starts")
     p.add_argument("--port", type=tcp_port, default=8080, help="router port; replicas take the next ports")
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvshare.commands.serve import add_deterministic_arguments, add_kv_dtype_argument
+from kvshare.commands.serve import DTYPES, add_deterministic_arguments, add_dtype_argument, add_kv_dtype_argument
 from kvshare.units import parse_size_or_off
 
 
@@ -16,17 +16,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--pool", default="off", help="the pool's Unix socket, or 'off' (default)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"), help="default: the model's")
+    add_dtype_argument(p)
     add_kv_dtype_argument(p)
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt-file", help="file holding the prompt text ('-' for stdin)")
     prompt.add_argument("--prompt", help="the prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as one user message in the chat template")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument(
+        "--top-p", type=float, default=1.0, help="nucleus sampling: keep the most likely tokens up to this mass"
+    )
+    p.add_argument("--seed", type=int, default=None, help="seed of the sampling (default: a fresh one)")
+    p.add_argument("--ignore-eos", action="store_true", help="generate --max-tokens tokens even past end-of-sequence")
     p.add_argument(
         "--chunk-tokens", type=int, default=256, help="tokens per shared chunk (must match the other replicas)"
     )
@@ -50,7 +52,9 @@ def run(args: argparse.Namespace) -> int:
     from kvshare.engine.config import EngineConfig
     from kvshare.engine.engine import Engine, RequestOptions, SamplingParams
     from kvshare.errors import UserError
+    from kvshare.preflight import check_model
 
+    check_model(args.model)
     if args.prompt is not None:
         text = args.prompt
     elif args.prompt_file == "-":
@@ -67,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
             EngineConfig(
                 model=args.model,
                 device=args.device,
-                dtype=args.dtype,
+                dtype=DTYPES[args.dtype],
                 kv_dtype=args.kv_dtype,
                 pool_socket=None if args.pool == "off" else args.pool,
                 chunk_tokens=args.chunk_tokens,

@@ -20,13 +20,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--documents", type=int, default=4, help="shared openings (prefixes sessions reuse)")
     p.add_argument("--chat-share", type=float, default=0.5, help="share of sessions that chat (others: completions)")
     p.add_argument("--check-share", type=float, default=0.1, help="share of answers compared with a pool-off reference")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the sessions and prompts")
     p.add_argument("--model", default=None, help="model name (default: the first the server lists)")
     p.add_argument(
         "--api-key", default=os.environ.get("KVSHARE_API_KEY"), help="bearer token (default: $KVSHARE_API_KEY)"
     )
     p.add_argument("--tenant-header", default="", help="spread sessions over --tenants tenants by this header")
-    p.add_argument("--tenants", type=int, default=0)
+    p.add_argument("--tenants", type=int, default=0, help="tenants the sessions are spread over (with --tenant-header)")
     p.add_argument("--request-timeout", type=float, default=120.0, help="seconds one request may take")
     p.add_argument(
         "--pool",

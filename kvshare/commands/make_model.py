@@ -30,7 +30,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="where to build: the GPU presets draw their weights there (part of their identity); "
         "the tiny ones always on the CPU",
     )
-    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"), help="default: the preset's")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=("float32", "bfloat16", "float16"),
+        help="the dtype its weights are written in, which a replica runs it in (default: the preset's own)",
+    )
     p.add_argument("--yes", action="store_true", help="write a GPU preset on a machine without a GPU without asking")
     p.add_argument(
         "--no-weights",

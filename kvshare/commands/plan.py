@@ -1,12 +1,13 @@
 """Size a pool: KV bytes per token of a model and the pool that holds N cached tokens; for a hybrid model (Gated
-DeltaNet layers) also the bytes of its state at one position (a checkpoint, kvshare.state_layout)."""
+DeltaNet layers) also the bytes of its state at one position (a checkpoint)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
-from kvshare.commands.serve import add_kv_dtype_argument
+from kvshare.commands.serve import DTYPES, add_dtype_argument, add_kv_dtype_argument
 from kvshare.units import parse_count
 
 
@@ -18,15 +19,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         required=True,
         help="cached tokens the pool should hold (4096, 100k = 100000, 32K = 32768)",
     )
-    p.add_argument("--chunk-tokens", type=int, default=256)
+    p.add_argument("--chunk-tokens", type=int, default=256, help="tokens per pool page (the replicas' --chunk-tokens)")
+    add_dtype_argument(p)
     add_kv_dtype_argument(p)
-    p.add_argument(
-        "--dtype",
-        action=_DeprecatedDtype,
-        dest="kv_dtype",
-        default=argparse.SUPPRESS,
-        help="deprecated spelling of --kv-dtype (also takes torch names such as bfloat16)",
-    )
     p.add_argument(
         "--state-checkpoint-chunks",
         type=int,
@@ -35,22 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="a hybrid model: its replicas' --state-checkpoint-chunks (default: theirs), for the checkpoints' bytes",
     )
     p.add_argument("--high-watermark", type=float, default=0.95, help="the pool's eviction threshold")
-    p.add_argument("--json", action="store_true")
-
-
-class _DeprecatedDtype(argparse.Action):
-    """``--dtype X``: stored as ``--kv-dtype``, with a one-line notice on stderr."""
-
-    def __call__(self, parser, namespace, value, option_string=None) -> None:
-        import sys
-
-        from kvshare.engine.config import KV_DTYPE_CHOICES, KV_DTYPES
-
-        kv_dtype = {torch_name: name for name, torch_name in KV_DTYPES.items()}.get(value, value)
-        if kv_dtype not in KV_DTYPE_CHOICES:
-            parser.error(f"argument --dtype: {value!r} is not a KV dtype; choose one of {', '.join(KV_DTYPE_CHOICES)}")
-        print(f"kvshare plan: --dtype is deprecated; use --kv-dtype {kv_dtype}", file=sys.stderr)
-        setattr(namespace, self.dest, kv_dtype)
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
 
 
 def _count(text: str) -> int:
@@ -132,9 +112,13 @@ def run(args: argparse.Namespace) -> int:
     from kvshare.engine.config import DEFAULT_STATE_CHECKPOINT_CHUNKS, kv_storage_dtype
     from kvshare.engine.presets import model_config_of
     from kvshare.errors import UserError
+    from kvshare.preflight import check_model
 
+    check_model(args.model)  # a mistyped path or preset named as every command names it
     try:
         config = model_config_of(args.model)
+        if DTYPES[args.dtype]:  # as a replica runs it: the KV's and a hybrid's conv state's dtype
+            config = dataclasses.replace(config, dtype=DTYPES[args.dtype])
         dtype = kv_storage_dtype(args.kv_dtype, config.dtype)
         every = args.state_checkpoint_chunks
         every = DEFAULT_STATE_CHECKPOINT_CHUNKS if every is None else every
@@ -153,7 +137,6 @@ def run(args: argparse.Namespace) -> int:
     )
     if "state_bytes" in result:
         _print_state(result)
-    if "state_bytes" in result:
         print(
             f"pool pages: one {args.chunk_tokens}-token KV page {format_bytes(result['page_bytes'])}, one state "
             f"checkpoint {format_bytes(result['state_bytes'])} (the pool's --extent-size must be at least "

@@ -44,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "membarrier; elsewhere every lookup takes the round trip). Default: on",
     )
     p.add_argument("--metrics-port", type=tcp_port, default=None, help="serve Prometheus metrics on this port")
-    p.add_argument("--metrics-host", default="127.0.0.1")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="address the metrics port listens on")
     p.add_argument(
         "--socket-mode",
         type=lambda s: int(s, 8),
@@ -58,8 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=[],
         help="uid allowed to connect (repeatable; default: the daemon's own uid)",
     )
-    p.add_argument("--high-watermark", type=float, default=0.95)
-    p.add_argument("--low-watermark", type=float, default=0.90)
+    p.add_argument(
+        "--high-watermark", type=float, default=0.95, help="eviction starts when this share of the pool is used"
+    )
+    p.add_argument("--low-watermark", type=float, default=0.90, help="eviction stops at this share of the pool used")
     p.add_argument("--lease-ttl", type=float, default=300.0, help="seconds before an unreleased lease expires")
     p.add_argument(
         "--reservation-ttl",
@@ -67,7 +69,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=600.0,
         help="seconds before a reservation never committed nor aborted is aborted (longer than any copy)",
     )
-    p.add_argument("--max-message-bytes", type=parse_size, default="1MiB")
+    p.add_argument(
+        "--max-message-bytes",
+        type=parse_size,
+        default="1MiB",
+        help="largest control message a client may send (larger: that connection is closed)",
+    )
     p.add_argument(
         "--namespace-quota",
         type=parse_size,

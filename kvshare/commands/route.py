@@ -12,12 +12,19 @@ from kvshare.router.pool_aware import PoolAwareConfig
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replica", action="append", required=True, help="replica base URL (repeat for each)")
-    p.add_argument("--policy", choices=POLICIES, default="round_robin")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=tcp_port, default=8080)
+    p.add_argument("--policy", choices=POLICIES, default="round_robin", help="how a request picks its replica (README)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=tcp_port, default=8080, help="port to listen on")
     p.add_argument("--health-interval", type=float, default=1.0, help="seconds between health checks")
-    p.add_argument("--session-header", default="X-Session-ID")
-    p.add_argument("--session-ttl", type=float, default=3600.0)
+    p.add_argument(
+        "--session-header", default="X-Session-ID", help="header naming a session (else the body's user field)"
+    )
+    p.add_argument(
+        "--session-ttl",
+        type=float,
+        default=3600.0,
+        help="seconds a session's placement is remembered after its last turn",
+    )
     p.add_argument(
         "--api-key",
         action="append",
@@ -69,7 +76,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds a client may take to accept one write of a response before it is dropped",
     )
     p.add_argument("--instance-id", default="", help="an id /health reports (kvshare up checks it is its child)")
+    _add_hint_arguments(p)
     _add_pool_aware_arguments(p)
+
+
+def _add_hint_arguments(p: argparse.ArgumentParser) -> None:
+    """Prefetch hints to vLLM replicas (kvshare.router.prefetch_hints)."""
+    p.add_argument(
+        "--hint-address",
+        action="append",
+        default=[],
+        metavar="ADDRESS",
+        help="vLLM replicas: where a replica's connector takes prefetch hints (its hint_address: a Unix socket's "
+        "path or HOST:PORT), one per --replica in order ('' for a replica without). The router tells a replica "
+        "the prompt it places there as it sends it, so the replica copies the prompt's pool pages towards the "
+        "GPU while vLLM reads the request. Signed with the --account-key-file key. Text prompts need --model",
+    )
 
 
 def _add_pool_aware_arguments(p: argparse.ArgumentParser) -> None:
@@ -93,7 +115,12 @@ def _add_pool_aware_arguments(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="no batch this long after prompts the pool did not hold: round robin until one comes",
     )
-    g.add_argument("--model", default=None, help="the replicas' model directory or preset (its tokenizer)")
+    g.add_argument(
+        "--model",
+        default=None,
+        help="the replicas' model directory or preset: its tokenizer gives pool_aware its token ids, and "
+        "--hint-address the ids of text prompts",
+    )
     g.add_argument(
         "--replica-kv-events",
         action="append",
@@ -103,7 +130,12 @@ def _add_pool_aware_arguments(p: argparse.ArgumentParser) -> None:
         "its GPU prefix cache from them instead of what the router sent it",
     )
     cost = CostModel()
-    g.add_argument("--kv-bytes-per-token", type=int, default=cost.kv_bytes_per_token)
+    g.add_argument(
+        "--kv-bytes-per-token",
+        type=int,
+        default=cost.kv_bytes_per_token,
+        help="the model's KV bytes per token (kvshare plan prints it), for the expected time of a pool load",
+    )
     g.add_argument(
         "--load-bandwidth",
         type=float,
@@ -192,6 +224,8 @@ def run(args: argparse.Namespace) -> int:
             pool_aware=_pool_aware_config(args),
             account_key=account_key,
             engine=args.engine,
+            hint_addresses=tuple(args.hint_address),
+            model=args.model or "",
         )
     except ValueError as exc:
         raise UserError(str(exc)) from None

@@ -108,11 +108,20 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="context length: prompt plus output tokens (as vLLM: 4096, 32k, 32K; default: the model's)",
     )
-    p.add_argument(
-        "--dtype", choices=tuple(DTYPES), default="auto", help="weights and KV dtype (default auto: the model's own)"
-    )
+    add_dtype_argument(p)
     add_kv_dtype_argument(p)
     add_deterministic_arguments(p)
+
+
+def add_dtype_argument(p: argparse.ArgumentParser) -> None:
+    """The dtype a model runs in, with vLLM's names (serve, generate, plan): one meaning wherever it is taken."""
+    p.add_argument(
+        "--dtype",
+        choices=tuple(DTYPES),
+        default="auto",
+        help="the dtype the model runs in: its weights and, unless --kv-dtype, its KV (vLLM's names; "
+        "default auto: the model's own)",
+    )
 
 
 def add_kv_dtype_argument(p: argparse.ArgumentParser) -> None:
@@ -147,8 +156,8 @@ def add_deterministic_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=tcp_port, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=tcp_port, default=8000, help="port to listen on")
     p.add_argument("--replica-name", default=None, help="name reported in responses (default host:port)")
     p.add_argument(
         "--served-model-name",
@@ -158,9 +167,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="model ids requests may name; the first is reported in responses (default: --model as given)",
     )
     p.add_argument("--max-requests", type=int, default=64, help="queued + running requests before 429")
-    p.add_argument("--max-prompt-tokens", type=int, default=None)
-    p.add_argument("--max-tokens-limit", type=int, default=8192)
-    p.add_argument("--max-body-size", type=parse_size, default="16MiB")
+    p.add_argument(
+        "--max-prompt-tokens", type=int, default=None, help="refuse longer prompts (default: the model's context)"
+    )
+    p.add_argument(
+        "--max-tokens-limit",
+        type=int,
+        default=None,
+        help="refuse a larger max_tokens / max_completion_tokens (default: none; the context bounds it, as in vLLM)",
+    )
+    p.add_argument("--max-body-size", type=parse_size, default="16MiB", help="refuse larger request bodies (413)")
     p.add_argument("--api-key", action="append", default=[], help="require this bearer token (repeatable)")
     p.add_argument(
         "--tenant-header",
@@ -309,6 +325,17 @@ def build_engine(args: argparse.Namespace):
     return engine
 
 
+def provenance_note(config) -> str | None:
+    """The line a replica adds to its ready line where its default withholds every request's provenance (no
+    tenants: all requests share one namespace, so only a request with a cache_salt has one of its own)."""
+    if config.provenance != "own-tenant" or config.api_keys or config.tenant_header:
+        return None
+    return (
+        "provenance (the kvshare object, usage.prompt_tokens_details) is shown only to requests with a cache_salt: "
+        "this replica has no tenants (--provenance own-tenant); one user's replica: --provenance all"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     import os
     import signal
@@ -317,9 +344,10 @@ def run(args: argparse.Namespace) -> int:
 
     from kvshare.errors import UserError
     from kvshare.heap import freeze_startup_heap
-    from kvshare.preflight import check_ports_free
+    from kvshare.preflight import check_model, check_ports_free
     from kvshare.serve.server import ReplicaServer
 
+    check_model(args.model)
     try:
         config = serve_config(args)
         check_ports_free(config.host, {config.port: "this replica"})  # before the model loads
@@ -335,7 +363,8 @@ def run(args: argparse.Namespace) -> int:
         ready += f" deterministic (grid {engine.grid.grid_tokens}, kernels {engine.grid.kernel_build})"
     # the ready line once it listens and has warmed up (/health answers 503 "warming up" meanwhile);
     # a failed warm-up stops the replica (SIGTERM: run_app's clean shutdown) and exits 2
-    server.readiness.on_ready = lambda: print(ready, flush=True)
+    note = provenance_note(config)
+    server.readiness.on_ready = lambda: print(ready + (f"\n{note}" if note else ""), flush=True)
     server.readiness.on_failed = lambda exc: os.kill(os.getpid(), signal.SIGTERM)
     freeze_startup_heap()  # the collector never walks the startup heap again (kvshare.heap)
     try:

@@ -1,6 +1,8 @@
 """Start a whole cluster: the pool, N replicas and the router, and keep it up; Ctrl-C or SIGTERM stops all of them.
 
-A child that dies is started again with backoff (kvshare.supervisor); ``up`` exits 1 when one
+``--pool SOCKET`` uses a running pool instead of starting one (and leaves it running); ``--pool off`` runs none.
+
+A child that dies is started again with backoff (docs/operations.md); ``up`` exits 1 when one
 crash-loops (more than --max-restarts exits within --restart-window seconds), naming it, how it
 exited and its last lines, and 2 when the cluster cannot start (a flag, a port in use, a model or a
 pool size that cannot work, a child that exits before it is ready).
@@ -18,9 +20,14 @@ from kvshare.supervisor import RestartPolicy
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--replicas", type=int, default=2, help="replicas to start")
     p.add_argument("--model", default="tiny", help="a model directory or preset (default tiny)")
-    p.add_argument("--engine", choices=("builtin", "vllm"), default="builtin")
+    p.add_argument(
+        "--engine",
+        choices=("builtin", "vllm"),
+        default="builtin",
+        help="what the replicas run: kvshare's engine or vLLM",
+    )
     p.add_argument(
         "--model-revision",
         default="",
@@ -35,9 +42,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="cpu, cuda, cuda:N, or one per replica as a comma list, cycled (cuda:0,cuda:1: a GPU each)",
     )
     p.add_argument("--pool-size", default="4GiB", help="size of the pool this command starts")
-    p.add_argument("--pool", default=None, help="'off' to run without a pool")
-    p.add_argument("--policy", choices=POLICIES, default="round_robin")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument(
+        "--pool",
+        default=None,
+        metavar="SOCKET|off",
+        help="the socket of a running pool to use instead of starting one (it is left running), or off",
+    )
+    p.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default=None,
+        help="the router's placement policy (README; default: cache_aware with --engine vllm, which measured best "
+        "with vLLM replicas on the routing workload; round_robin with the built-in engine)",
+    )
+    p.add_argument(
+        "--no-hints",
+        dest="hints",
+        action="store_false",
+        help="--engine vllm: the router sends no prefetch hints (the replicas load when vLLM schedules a request)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address the router and replicas listen on")
     p.add_argument("--port", type=tcp_port, default=8080, help="router port; replicas take the next N ports")
     p.add_argument("--name", default="", help="the pool's name for pool-stats / pool-admin --name (default: the port)")
     p.add_argument("--vllm-python", default=None, help="python of the virtual environment that holds vLLM")
@@ -176,19 +200,14 @@ def kv_events_args(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[str
     return pool, router if args.policy == "pool_aware" else ()
 
 
-def run(args: argparse.Namespace) -> int:
-    import signal
-    import sys
-    import threading
-
-    from rich.console import Console
-
+def cluster_config(args: argparse.Namespace):
+    """The ClusterConfig of up's flags (a UserError names a flag that cannot work)."""
     from kvshare.errors import UserError
-    from kvshare.launch import Cluster, ClusterConfig
-    from kvshare.supervisor import CrashLoop, Supervisor
+    from kvshare.launch import ClusterConfig
 
-    if args.pool not in (None, "off"):
-        raise UserError("up starts its own pool: use --pool-size SIZE, or --pool off")
+    running_pool = args.pool if args.pool not in (None, "off") else None
+    if running_pool is not None and args.kv_events:
+        raise UserError("--kv-events: up binds the events of a pool it starts; a running pool publishes its own")
     if args.deterministic and args.engine != "builtin":
         raise UserError("--deterministic is a mode of the built-in engine; vLLM replicas do not have it")
     if args.kv_dtype != "auto" and args.engine != "builtin":
@@ -205,13 +224,15 @@ def run(args: argparse.Namespace) -> int:
     router_args += ("--expose-replica-header",) if args.expose_replica_header else ()
     try:
         pool_events, router_events = kv_events_args(args)
-        config = ClusterConfig(
+        return ClusterConfig(
             num_replicas=args.replicas,
             model=args.model,
             engine=args.engine,
             device=args.device,
-            pool_size=None if args.pool == "off" else args.pool_size,
-            policy=args.policy,
+            pool_size=None if args.pool is not None else args.pool_size,
+            pool_socket=running_pool,
+            policy=args.policy or ("cache_aware" if args.engine == "vllm" else "round_robin"),
+            hints=args.hints,
             host=args.host,
             port=args.port,
             name=args.name,
@@ -227,13 +248,50 @@ def run(args: argparse.Namespace) -> int:
             model_revision=args.model_revision,
             replica_kv_events_port=args.replica_kv_events_port,
         )
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+
+
+class StopSignals:
+    """Ctrl-C and SIGTERM: once the cluster is up they end the supervision loop; while it is still starting they
+    interrupt the start (KeyboardInterrupt), which stops what has started."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.stop = threading.Event()
+        self.is_supervising = False
+
+    def install(self) -> None:
+        import signal
+
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+
+    def _on_signal(self, *_) -> None:
+        is_starting = not self.stop.is_set() and not self.is_supervising
+        self.stop.set()
+        if is_starting:
+            raise KeyboardInterrupt
+
+
+def run(args: argparse.Namespace) -> int:
+    import sys
+
+    from rich.console import Console
+
+    from kvshare.errors import UserError
+    from kvshare.launch import Cluster
+    from kvshare.supervisor import CrashLoop, Supervisor
+
+    config = cluster_config(args)
+    try:
         policy = RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window)
     except ValueError as exc:
         raise UserError(str(exc)) from None
     console = Console()
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signals = StopSignals()
+    signals.install()
     cluster = Cluster(config)
     supervisor = Supervisor(
         cluster,
@@ -244,15 +302,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         with console.status("starting the cluster...") as status:
             cluster.start(progress=lambda msg: status.update(msg))
-        console.print(f"[bold]kvshare up[/bold]: router {cluster.router_url} (policy {config.policy})")
-        for i, url in enumerate(cluster.replica_urls):
-            console.print(f"  replica{i}: {url}")
-        console.print(
-            f"  pool: {cluster.pool_socket or 'off'}"
-            + (f" (pool-stats / pool-admin --name {config.pool_name})" if cluster.pool_socket else "")
-        )
-        console.print("Ctrl-C stops everything.")
-        while not stop.wait(0.5):
+        _print_cluster(console, cluster)
+        signals.is_supervising = True
+        while not signals.stop.wait(0.5):
             supervisor.poll()
     except CrashLoop as exc:
         print(f"kvshare up: error: {exc}", file=sys.stderr, flush=True)
@@ -260,5 +312,33 @@ def run(args: argparse.Namespace) -> int:
     except (RuntimeError, TimeoutError) as exc:
         raise UserError(str(exc)) from None
     finally:
+        if signals.stop.is_set():
+            console.print(f"kvshare up: stopping the router, {_replicas(config)} and {_pool(config)}...")
         cluster.stop()
+        if signals.stop.is_set():
+            console.print("kvshare up: stopped")
     return 0
+
+
+def _print_cluster(console, cluster) -> None:
+    config = cluster.config
+    console.print(f"[bold]kvshare up[/bold]: router {cluster.router_url} (policy {config.policy})")
+    for i, url in enumerate(cluster.replica_urls):
+        console.print(f"  replica{i}: {url}")
+    if config.pool_socket is not None:
+        console.print(f"  pool: {cluster.pool_socket} (running before up: pool-stats / pool-admin --socket)")
+    elif cluster.pool_socket:
+        console.print(f"  pool: {cluster.pool_socket} (pool-stats / pool-admin --name {config.pool_name})")
+    else:
+        console.print("  pool: off")
+    console.print("Ctrl-C stops everything.")
+
+
+def _replicas(config) -> str:
+    return f"{config.num_replicas} replica" + ("s" if config.num_replicas != 1 else "")
+
+
+def _pool(config) -> str:
+    if config.pool_socket is not None:
+        return f"not the pool at {config.pool_socket} (it was running before: it keeps running)"
+    return "the pool" if config.pool_size is not None else "no pool"

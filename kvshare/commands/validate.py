@@ -60,7 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "Default: start a cluster (kvshare up) of --service-replicas replicas of --model",
     )
     s.add_argument("--model", default="tiny", help="model of the cluster validate starts (default tiny)")
-    s.add_argument("--service-replicas", type=int, default=2)
+    s.add_argument("--service-replicas", type=int, default=2, help="replicas of the cluster validate starts")
     s.add_argument("--service-pool-size", default="1GiB", help="pool of the cluster validate starts")
     s.add_argument("--replica-arg", action="append", default=[], help="extra argument for every replica it starts")
     s.add_argument("--max-tokens", type=int, default=16, help="tokens generated per request (default 16)")

@@ -13,7 +13,20 @@ pool reuse whole chunks only::
 
 The same prompt again computes its last token alone; a chat's next turn on the same replica computes its
 new turn alone (the chunks it then publishes carry the answer's KV as its decode steps computed it, as vLLM's
-prefix cache keeps a block of generated tokens). An overlap shorter than a chunk is computed again.
+prefix cache keeps a block of generated tokens), whatever their lengths, a prompt shorter than a chunk included.
+
+Any overlap o of a prompt of at most a chunk is reused, and of a longer prompt of n tokens one of at least a
+chunk or n / 2; a shorter one (a shared template's first tokens under a long prompt) is computed again. Reused,
+the suffix's attention runs over the whole prefix with a lower-right causal mask, which SDPA on CPU materialises:
+(n - o) * n scores against a cold prefill's causal n^2 / 2, so a short overlap under a long prompt costs more
+than the o tokens it saves; up to a chunk the difference is a fraction of a millisecond. One layer's attention,
+tiny's heads, 2 CPU cores shared at load ~15, best of 7 (benchmarks/suffix_attention_cost.py, 2026-12-07):
+256 tokens cold 0.58 ms, with 1 token in place 0.80 ms; 2048 tokens 111 ms, 347 ms, with 1024 in place 163 ms;
+8192 tokens 1.28 s, 3.80 s, 1.62 s::
+
+    n <= chunk   |== o ==|--- computed ---|                       any o: reused
+    o >= n / 2   |====== in place ======|--- computed ---|        attention (n - o) * n <= n^2 / 2: reused
+    o <  n / 2   |== o ==|-------------- computed --------------|  (and o < a chunk): computed again from token 0
 
 The buffer (kvshare.engine.kv_cache.KVBuffer) forgets what it holds whenever its tensor is handed out, to a
 request or anything else that may write it, and when it grows; the engine sets it again only when a request
@@ -32,16 +45,17 @@ class HeldSequence:
         self._digest = b""  # the namespace (model, tenant) the KV was computed for
         self._ids = np.empty(0, dtype=np.int64)
 
-    def reusable(self, digest: bytes, ids: np.ndarray, limit: int, minimum: int) -> int:
-        """Leading tokens of ``ids`` whose KV the buffer holds for ``digest``, at most ``limit``; 0 below
-        ``minimum`` (a chunk: a shorter overlap, such as a shared template's first tokens, is computed again, as
-        the local cache and the pool would have it)."""
+    def reusable(self, digest: bytes, ids: np.ndarray, limit: int, chunk_tokens: int) -> int:
+        """Leading tokens of ``ids`` whose KV the buffer holds for ``digest``, at most ``limit``; 0 where ``ids`` is
+        longer than a chunk and they are fewer than both a chunk and half of it (computed again: see the module's
+        docstring)."""
         if self._digest != digest or not digest:
             return 0
         m = min(len(self._ids), len(ids), limit)
         differ = np.flatnonzero(self._ids[:m] != ids[:m])
         same = int(differ[0]) if differ.size else m
-        return same if same >= minimum else 0
+        floor = 1 if len(ids) <= chunk_tokens else min(chunk_tokens, (len(ids) + 1) // 2)
+        return same if same >= floor else 0
 
     def forget(self) -> None:
         self._digest, self._ids = b"", np.empty(0, dtype=np.int64)

@@ -31,9 +31,11 @@ class Preset:
     linear_gain: float  # std of a projection entry = gain / sqrt(fan_in)
     head_gain: float  # the same for an untied LM head
     draw_on_device: bool  # False: drawn on the CPU (same weights on every device); True: on the target device (fast)
-    tokenizer: str = (
-        "byte"  # "byte" (260 tokens), "bpe" (131072) or "bpe248k" (248320, kvshare.engine.bpe): what text costs
-    )
+    # the model's parameters (a tied head counted once): what its weights take, known without building it;
+    # tests/engine/test_presets.py counts them in the built model
+    num_parameters: int
+    # "byte" (260 tokens), "bpe" (131072) or "bpe248k" (248320, kvshare.engine.bpe): what text costs
+    tokenizer: str = "byte"
 
     @property
     def config(self) -> ModelConfig:
@@ -110,6 +112,7 @@ PRESETS: dict[str, Preset] = {
         linear_gain=2.0,
         head_gain=4.0,
         draw_on_device=False,
+        num_parameters=8_001_792,
     ),
     "qwen3-8b": Preset(
         "qwen3-8b",
@@ -127,6 +130,7 @@ PRESETS: dict[str, Preset] = {
         linear_gain=1.0,
         head_gain=8.0,
         draw_on_device=True,
+        num_parameters=8_190_735_360,
         tokenizer="bpe",
     ),
     "qwen3-32b": Preset(
@@ -144,6 +148,7 @@ PRESETS: dict[str, Preset] = {
         linear_gain=1.0,
         head_gain=8.0,
         draw_on_device=True,
+        num_parameters=32_762_123_264,
         tokenizer="bpe",
     ),
     # the Qwen3.5 dense hybrid (kvshare.engine.hybrid_presets: shapes and their sources)
@@ -169,6 +174,7 @@ PRESETS: dict[str, Preset] = {
         linear_gain=2.0,
         head_gain=4.0,
         draw_on_device=False,
+        num_parameters=6_185_712,
     ),
     "qwen3.5-9b": Preset(
         "qwen3.5-9b",
@@ -186,6 +192,7 @@ PRESETS: dict[str, Preset] = {
         linear_gain=1.0,
         head_gain=8.0,
         draw_on_device=True,
+        num_parameters=8_953_803_264,
         tokenizer="bpe248k",
     ),
     "qwen3.5-27b": Preset(
@@ -204,6 +211,7 @@ PRESETS: dict[str, Preset] = {
         linear_gain=1.0,
         head_gain=8.0,
         draw_on_device=True,
+        num_parameters=26_895_998_464,
         tokenizer="bpe248k",
     ),
 }

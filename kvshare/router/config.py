@@ -33,6 +33,10 @@ class RouterConfig:
     pool_aware: PoolAwareConfig | None = None  # the pool's KV events, for --policy pool_aware
     account_key: str = ""  # --account-key-file: completions name their pool account for vLLM (router.accounts)
     engine: str = "builtin"  # --engine: what the replicas run; vllm: the router salts tenants' bodies (accounts)
+    # --hint-address, one per replica in order ("" : that replica takes none): where a vLLM replica's connector
+    # takes the router's prefetch hints (kvshare.router.hints), signed with account_key
+    hint_addresses: tuple[str, ...] = ()
+    model: str = ""  # --model: the replicas' model directory or preset, whose tokenizer encodes text prompts' hints
 
     def __post_init__(self) -> None:
         if not self.replicas:
@@ -51,5 +55,22 @@ class RouterConfig:
             check_account_key(self.account_key)
         if self.engine not in ("builtin", "vllm"):
             raise ValueError(f"unknown engine {self.engine!r}; choose builtin or vllm")
+        if self.hint_addresses:
+            self._check_hints()
         if self.policy == "pool_aware" and self.pool_aware is None:
             raise ValueError("--policy pool_aware needs the pool's KV events: --kv-events ENDPOINT")
+
+    def _check_hints(self) -> None:
+        from kvshare.router.hints import parse_address
+
+        if len(self.hint_addresses) != len(self.replicas):
+            raise ValueError(
+                f"give one --hint-address per --replica ({len(self.replicas)}), got {len(self.hint_addresses)}"
+            )
+        if self.engine != "vllm":
+            raise ValueError("--hint-address is for vLLM replicas (--engine vllm)")
+        if not self.account_key:
+            raise ValueError("--hint-address needs the key hints are signed with: --account-key-file")
+        for address in self.hint_addresses:
+            if address:
+                parse_address(address)

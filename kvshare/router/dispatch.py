@@ -10,6 +10,7 @@ its placement knew (pool_aware's backlog counts it from there). The relay measur
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -44,16 +45,20 @@ class UntrackedSend:
 @dataclass(frozen=True)
 class Dispatch:
     """A placed request: the replicas to try, in order; ``is_stream``: it asks a stream (a response that is not one
-    shows no first byte before its end); ``is_usage_asked``: the router asked a vLLM stream for its usage chunk."""
+    shows no first byte before its end); ``is_usage_asked``: the router asked a vLLM stream for its usage chunk;
+    ``announce``: tells a replica the request is coming (kvshare.router.prefetch_hints), None: nothing to tell."""
 
     order: list[int]
     is_stream: bool = True
     is_usage_asked: bool = False
     placer: PoolAwarePlacer | None = None
     placement: Placement | None = None
+    announce: Callable[[int], None] | None = None
 
     def send_to(self, replica: int, now: float) -> Send:
         """The request is sent to ``replica`` at ``now`` (each replica the relay tries, in order)."""
+        if self.announce is not None:  # its prefetch hint goes first: the replica's copy starts while it reads it
+            self.announce(replica)
         if self.placer is None:
             return UntrackedSend()
         return self.placer.send_to(replica, self.placement, now, self.is_stream, self.is_usage_asked)

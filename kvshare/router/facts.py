@@ -36,7 +36,7 @@ class _PoolFacts(msgspec.Struct):
 _TokenIds = list[Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]]
 
 
-def _token_ids(raw: msgspec.Raw) -> list[int] | None:
+def token_ids(raw: msgspec.Raw) -> list[int] | None:
     """A prompt of token ids, checked in msgspec's C decoder (a 128k-token prompt checked id by id in Python
     took ~40 ms of the router's loop on 2 cores); None for any other form."""
     if memoryview(raw)[:1].tobytes() != b"[":
@@ -82,7 +82,7 @@ def route_facts(
         return RouteFacts(session_id=session, chat_turn=turn, prefix_blocks=())
     salt = salt_of(parsed.cache_salt if isinstance(parsed.cache_salt, str) else None)
     if pool_aware is not None:
-        ids = _token_ids(parsed.prompt) if parsed.messages is None else None
+        ids = token_ids(parsed.prompt) if parsed.messages is None else None
         if ids is None:
             try:
                 prompt = msgspec.json.decode(parsed.prompt)

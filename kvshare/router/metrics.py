@@ -65,6 +65,17 @@ class RouterMetrics:
         )
 
 
+def hint_counter(registry: CollectorRegistry):
+    """The prefetch hints' outcomes (kvshare.router.hint_sender): a function counting one."""
+    hints = Counter(
+        "kvshare_router_prefetch_hints",
+        "Prefetch hints to vLLM replicas by outcome: sent, dropped (no connection, or a replica not reading), refused",
+        ["outcome"],
+        registry=registry,
+    )
+    return lambda outcome: hints.labels(outcome).inc()
+
+
 def register_pool_aware(registry: CollectorRegistry, placer: PoolAwarePlacer) -> None:
     """pool_aware's metrics in ``registry``: its fallbacks (counted as they happen) and its inputs' gauges, each
     replica's labelled by its name in the placer's calibration."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 
 import msgspec
 from aiohttp import web
@@ -27,9 +28,12 @@ from kvshare.router.accounts import BodyRefused, replica_salt, vllm_body
 from kvshare.router.config import RouterConfig
 from kvshare.router.dispatch import place
 from kvshare.router.facts import route_facts
-from kvshare.router.metrics import RouterMetrics, register_pool_aware
+from kvshare.router.hint_sender import HintSender
+from kvshare.router.metrics import RouterMetrics, hint_counter, register_pool_aware
 from kvshare.router.policy import ReplicaView, RouteFacts, Router, SessionTable
 from kvshare.router.pool_aware import PoolAwarePlacer
+from kvshare.router.prefetch_hints import PrefetchHints
+from kvshare.router.prompt_ids import placer_tokenizer
 from kvshare.router.relay import Relay, ReplicaState, unavailable
 from kvshare.router.vllm_usage import ask_for_usage
 from kvshare.serve.api_types import ApiError, decode
@@ -54,6 +58,7 @@ class RouterServer:
         sessions = SessionTable(config.max_sessions, config.session_ttl_s)
         self.policy = Router(config.policy, len(self.replicas), sessions, pool_aware=self.pool_aware)
         self.relay = Relay(config, self.replicas, self.metrics)
+        self.hints = _prefetch_hints(config, self.metrics, self.pool_aware)
         self._health_task: asyncio.Task | None = None
 
     def app(self) -> web.Application:
@@ -106,6 +111,8 @@ class RouterServer:
 
     async def _start(self, app) -> None:
         await self.relay.open()
+        if self.hints is not None:
+            self.hints.sender.start()
         self._health_task = asyncio.create_task(self._health_loop())
         if self.pool_aware is not None:
             self.pool_aware.start()
@@ -115,6 +122,8 @@ class RouterServer:
             self._health_task.cancel()
         if self.pool_aware is not None:
             self.pool_aware.stop()
+        if self.hints is not None:
+            await self.hints.close()
         await self.relay.close()
 
     # -- health ------------------------------------------------------------------------
@@ -224,8 +233,26 @@ class RouterServer:
         ]
         is_draining = [r.is_draining for r in self.replicas]
         dispatch = place(self.policy, facts, views, time.monotonic(), is_draining, usage_body is not None)
+        if self.hints is not None:  # each replica it is sent to is told first (kvshare.router.prefetch_hints)
+            known = facts.prompt_ids if self.pool_aware is not None else None
+            dispatch = replace(dispatch, announce=self.hints.announcer(request.method, request.path, body, known))
         self.metrics.send_delay.observe(time.perf_counter() - arrived)
         return await self.relay.send(request, usage_body or body, dispatch)
+
+
+def _prefetch_hints(
+    config: RouterConfig, metrics: RouterMetrics, placer: PoolAwarePlacer | None
+) -> PrefetchHints | None:
+    """The prefetch hints to the vLLM replicas with a hint address; their text prompts encoded by pool_aware's
+    tokenizer, else by the one of ``--model`` (none: only prompts of token ids are hinted)."""
+    if not any(config.hint_addresses):
+        return None
+    sender = HintSender([a or None for a in config.hint_addresses], config.account_key, hint_counter(metrics.registry))
+    if placer is not None:
+        tokenizer = placer.tokenizer
+    else:
+        tokenizer = placer_tokenizer(config.model) if config.model else None
+    return PrefetchHints(sender, tokenizer)
 
 
 def _pool_aware_placer(config: RouterConfig, metrics: RouterMetrics) -> PoolAwarePlacer | None:

@@ -47,6 +47,7 @@ class KVShareOptions(msgspec.Struct, forbid_unknown_fields=True):
 
 class StreamOptions(msgspec.Struct):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
 
 # Parameters the built-in engine does not implement -> the values that mean "off" (accepted).
@@ -159,8 +160,13 @@ class ChatRequest(_ChatChecked, kw_only=True):
 MAX_LOGPROBS = 5
 MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty: [-2, 2]
 MAX_LOGIT_BIAS = 100.0
+MAX_STOP_STRINGS = 4  # OpenAI's bound
+# A stop string's bound: the held-back tail of a stream may be as long, so a longer one delays every stream
+# by as much; matching costs the same whatever the length (kvshare.serve.stop_strings).
+MAX_STOP_CHARS = 4096
 ROLES = ("system", "user", "assistant", "developer", "tool")
-_AT_PATH = re.compile(r"at `\$\.([^`]*)`|field `([^`]*)`")
+_AT_PATH = re.compile(r"at `\$\.?([^`]*)`")
+_FIELD = re.compile(r"field `([^`]*)`")  # a missing or unknown field, named relative to the path it is at
 
 
 def decode_completion(body: bytes) -> CompletionRequest:
@@ -195,11 +201,13 @@ def decode(body: bytes, kind: type) -> Any:
 
 
 def _param_of(message: str) -> str | None:
-    """The parameter a msgspec error names ("... - at `$.messages[0].role`" -> "messages[0].role")."""
-    found = _AT_PATH.search(message)
-    if found is None:
-        return None
-    return (found.group(1) or found.group(2)).replace("[...]", "") or None
+    """The whole path of the parameter a msgspec error names: "... - at `$.messages[0].content`" ->
+    "messages[0].content"; "missing required field `role` - at `$.messages[0]`" -> "messages[0].role"."""
+    at, field = _AT_PATH.search(message), _FIELD.search(message)
+    path = at.group(1) if at else ""
+    if field is not None:
+        path = f"{path}.{field.group(1)}" if path else field.group(1)
+    return path.replace("[...]", "") or None
 
 
 def _refuse_unsupported(req: CompletionRequest | ChatRequest, table: dict[str, tuple]) -> None:
@@ -257,8 +265,10 @@ def validate(req: CompletionRequest | ChatRequest) -> None:
     if req.seed is not None and not -(2**63) <= req.seed < 2**63:  # found by fuzzing: torch refused it with a 500
         raise ApiError(400, "seed must be a 64-bit signed integer", param="seed")
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
-    if len(stops) > 4 or any(not s for s in stops):
-        raise ApiError(400, "stop takes at most 4 non-empty strings", param="stop")
+    if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
+        raise ApiError(400, f"stop takes at most {MAX_STOP_STRINGS} non-empty strings", param="stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise ApiError(400, f"a stop string may have at most {MAX_STOP_CHARS} characters", param="stop")
     if isinstance(req, CompletionRequest):
         if req.echo:
             raise ApiError(400, "echo is not supported by this server", param="echo", code="unsupported_parameter")
@@ -308,10 +318,12 @@ def stop_strings(req: CompletionRequest | ChatRequest) -> list[str]:
     return [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
 
 
-def requested_max_tokens(req: CompletionRequest | ChatRequest) -> int | None:
+def requested_max_tokens(req: CompletionRequest | ChatRequest) -> tuple[str, int | None]:
+    """(the field that names the request's output bound, its value): a chat's max_completion_tokens where
+    given (OpenAI's name), else max_tokens."""
     if isinstance(req, ChatRequest) and req.max_completion_tokens is not None:
-        return req.max_completion_tokens
-    return req.max_tokens
+        return "max_completion_tokens", req.max_completion_tokens
+    return "max_tokens", req.max_tokens
 
 
 def message_text(message: ChatMessage) -> str:

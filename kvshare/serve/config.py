@@ -18,7 +18,7 @@ class ServeConfig:
     max_body_bytes: int = 16 << 20
     max_requests: int = 64  # queued + running; more get 429
     max_prompt_tokens: int | None = None  # default: the model's context
-    max_tokens_limit: int = 8192
+    max_tokens_limit: int | None = None  # default: the room the context leaves (as vLLM)
     default_chat_max_tokens: int = 1024
     api_keys: tuple[str, ...] = ()  # empty: no authentication (/v1/ and /admin/ need a key when set)
     tenant_header: str = ""  # e.g. "X-Tenant-ID": its value salts the pool namespace (kvshare.serve.tenancy)
@@ -31,8 +31,10 @@ class ServeConfig:
     max_tokenize_bytes: int = 1 << 20  # a /tokenize or /detokenize body larger than this gets 413
 
     def __post_init__(self) -> None:
-        if self.max_body_bytes <= 0 or self.max_requests <= 0 or self.max_tokens_limit <= 0:
+        if self.max_body_bytes <= 0 or self.max_requests <= 0:
             raise ValueError("limits must be positive")
+        if self.max_tokens_limit is not None and self.max_tokens_limit <= 0:
+            raise ValueError("--max-tokens-limit must be positive")
         if self.write_timeout_s <= 0 or self.stream_buffer_bytes <= 0:
             raise ValueError("write_timeout_s and stream_buffer_bytes must be positive")
         if any(not key or key != key.strip() for key in self.api_keys):

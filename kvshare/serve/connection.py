@@ -33,10 +33,13 @@ async def read_capped(request: web.Request, limit: int) -> bytes:
     """The request's body; an ApiError 413 (body_too_large) when it is longer than ``limit`` bytes."""
     if request.content_length is not None and request.content_length > limit:
         raise body_too_large(limit)
-    body = await request.content.read(limit + 1)
-    if len(body) > limit:
-        raise body_too_large(limit)
-    return body
+    body = bytearray()
+    while len(body) <= limit:  # one read returns what has arrived so far: read to the end, or past the cap
+        piece = await request.content.read(limit + 1 - len(body))
+        if not piece:
+            return bytes(body)
+        body += piece
+    raise body_too_large(limit)
 
 
 class SlowClient(Exception):

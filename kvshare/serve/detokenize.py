@@ -8,32 +8,32 @@ the start of a stop string::
     emitted    "Hello "      held "wor" (could become "world")
 
 Each token costs the same whatever the length so far (a 32k-token answer is linear, not
-quadratic): only a window of the latest tokens is decoded, and a stop string is searched
-for only in the text it could newly end in::
+quadratic) and whatever the stop strings' lengths: only a window of the latest tokens is
+decoded, and the stop strings are matched over the new text alone, each carrying its
+state from the text before (kvshare.serve.stop_strings)::
 
     token ids  ... | prefix_at ... read_at | new ids
                      decoded once for context: the new text is what decoding the new ids
                      adds to it (vLLM's detokenize_incrementally: a tokenizer may write a
                      token's text differently at the start of a sequence)
-    text       ... searched | the last len(stop) - 1 characters before the new text + the new text
+    text       ... | the new text, fed to the stop matcher
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from kvshare.serve.stop_strings import StopMatcher
+
 
 class TextStream:
     def __init__(self, decode: Callable[[list[int]], str], stops: list[str]) -> None:
         self._decode = decode
-        self._stops = stops
-        self._longest_stop = max((len(s) for s in stops), default=0)
-        self._stop_prefixes = {stop[:k] for stop in stops for k in range(1, len(stop))}
+        self._stops = StopMatcher(stops)
         self._token_ids: list[int] = []
         self._prefix_at = 0  # first token id of the context window
         self._read_at = 0  # token ids before this are in self.text
         self._emitted = 0  # characters of the final text already handed out
-        self.num_scanned = 0  # characters the stop search has looked at (linear in the text's length)
         self.text = ""
         self.is_stopped = False
 
@@ -45,19 +45,18 @@ class TextStream:
         new_text = self._new_text()
         if not new_text:  # the token ends inside a character (or adds none): nothing can have changed
             return ""
-        searched_from = max(0, len(self.text) - self._longest_stop + 1)
         self.text += new_text
-        window = self.text[searched_from:]
-        self.num_scanned += len(window)
-        found = [at for at in (window.find(stop) for stop in self._stops) if at >= 0]
-        if found:
-            self.text = self.text[: searched_from + min(found)]
+        at = self._stops.find(new_text)
+        if at is not None:
+            self.text = self.text[: len(self.text) - len(new_text) + at]
             self.is_stopped = True
             return self._take(len(self.text))
-        for k in range(min(self._longest_stop - 1, len(self.text)), 0, -1):  # the longest tail a stop may start
-            if self.text[-k:] in self._stop_prefixes:
-                return self._take(len(self.text) - k)
-        return self._take(len(self.text))
+        return self._take(len(self.text) - self._stops.num_held)
+
+    @property
+    def num_scanned(self) -> int:
+        """Characters the stop search has stepped, one per stop string (linear in the text's length)."""
+        return self._stops.num_scanned
 
     def finish(self) -> str:
         """Whatever was held back, at the end of generation (with a character left incomplete, as U+FFFD)."""

@@ -27,18 +27,19 @@ def checked_prompt_ids(prompt_ids: Sequence[int] | np.ndarray, vocab_size: int) 
 
 
 def checked_max_tokens(
-    requested: int | None,
+    requested: tuple[str, int | None],
     num_prompt: int,
     what: str,
     default: int,
     *,
     context: int,
     max_prompt_tokens: int | None,
-    max_tokens_limit: int,
+    max_tokens_limit: int | None,
 ) -> int:
-    """The request's max_tokens (``default`` when it names none, cut to the room left), checked against the
-    model's context (--max-model-len, vLLM's message) and this replica's limits; ``what`` names the prompt's
-    field ("prompt" or "messages") in the messages."""
+    """The request's output bound (``requested``: the field it was given in and its value; ``default`` when
+    none, cut to the room left), checked against the model's context (--max-model-len, vLLM's message) and
+    this replica's limits (--max-tokens-limit: none by default, as vLLM has none); ``what`` names the prompt's
+    field ("prompt" or "messages") in the messages, and the errors name the field the request used."""
     if num_prompt >= context:
         raise ApiError(
             400,
@@ -56,21 +57,22 @@ def checked_max_tokens(
             code="context_length_exceeded",
         )
     room = context - num_prompt
-    if requested is None:
-        return min(default, room, max_tokens_limit)
-    if requested > room:
+    field, value = requested
+    if value is None:
+        return min(default, room, max_tokens_limit or room)
+    if value < 1:  # vLLM's message
+        raise ApiError(400, f"{field} must be at least 1, got {value}.", param=field)
+    if value > room:
         raise ApiError(
             400,
             f"This model's maximum context length is {context} tokens. However, you requested "
-            f"{num_prompt + requested} tokens ({num_prompt} in the {what}, {requested} in the "
+            f"{num_prompt + value} tokens ({num_prompt} in the {what}, {value} in the "
             f"completion). Please reduce the length of the {what} or completion.",
-            param="max_tokens",
+            param=field,
             code="context_length_exceeded",
         )
-    if not 1 <= requested <= max_tokens_limit:
+    if max_tokens_limit is not None and value > max_tokens_limit:
         raise ApiError(
-            400,
-            f"max_tokens must lie in [1, {max_tokens_limit}] on this replica (--max-tokens-limit)",
-            param="max_tokens",
+            400, f"{field} may be at most {max_tokens_limit} on this replica (--max-tokens-limit)", param=field
         )
-    return requested
+    return value

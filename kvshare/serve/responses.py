@@ -43,6 +43,7 @@ class Prepared:
     stops: list[str]
     include_usage: bool
     prompt_array: Any = None  # the same ids as one int64 numpy array, what the engine takes (None: build it)
+    is_usage_continuous: bool = False  # stream_options.continuous_usage_stats (with include_usage): usage per chunk
 
 
 class ResponseBuilder:
@@ -90,13 +91,25 @@ class ResponseBuilder:
             return []
         chunks = []
         if self.chat and not self._sent_role:
-            chunks.append(self._chunk({"role": "assistant", "content": ""}, None))
+            chunks.append(self._with_usage_so_far(self._chunk({"role": "assistant", "content": ""}, None), 0))
             self._sent_role = True
         wants_logprobs = self.prep.params.logprobs is not None
         if piece or wants_logprobs:  # no empty chunks: clients time the first content token
             logprobs = self._logprobs([event], self._stream_offsets) if wants_logprobs else None
-            chunks.append(self._chunk(piece, None, logprobs))
+            chunks.append(self._with_usage_so_far(self._chunk(piece, None, logprobs), self.num_tokens))
         return chunks
+
+    def _with_usage_so_far(self, chunk: dict, num_generated: int) -> dict:
+        """``chunk`` with the usage up to it, where the client asked for continuous usage stats (vLLM's shape:
+        the counts alone; the usage chunk at the end has the details)."""
+        if self.prep.is_usage_continuous:
+            n_prompt = len(self.prep.prompt_ids)
+            chunk["usage"] = {
+                "prompt_tokens": n_prompt,
+                "completion_tokens": num_generated,
+                "total_tokens": n_prompt + num_generated,
+            }
+        return chunk
 
     def _chunk(self, piece, finish_reason, logprobs=None) -> dict:
         if self.chat:
@@ -153,7 +166,9 @@ class ResponseBuilder:
         }
 
     def final_chunks(self) -> list[dict]:
-        last = self._chunk("" if not self.chat else {}, self.finish_reason or "stop")
+        last = self._with_usage_so_far(
+            self._chunk("" if not self.chat else {}, self.finish_reason or "stop"), self.num_tokens
+        )
         last["kvshare"] = self.kvshare()
         if self.req.return_token_ids:
             last["choices"][0]["token_ids"] = self.token_ids

@@ -281,7 +281,8 @@ class ReplicaServer:
             timeline.mark("body_read", arrival[1])
             timeline.mark("parse")  # decoded, checked and tokenized
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return Prepared(prompt_ids, params, options, A.stop_strings(req), include_usage, ids)
+        is_usage_continuous = include_usage and req.stream_options.continuous_usage_stats  # vLLM's rule
+        return Prepared(prompt_ids, params, options, A.stop_strings(req), include_usage, ids, is_usage_continuous)
 
     async def _respond(self, request: web.Request, req, prep: Prepared, chat: bool) -> web.StreamResponse:
         t_arrival = time.perf_counter()  # the metrics time from here (a timeline from the handler's start)

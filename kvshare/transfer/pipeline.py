@@ -5,6 +5,9 @@ Both engines move KV through it; each supplies only its KV layout (a ``KVDestina
 
     load   lane copy stream:    H2D unit0 -> buf0 | H2D unit1 -> buf1 | H2D unit2 -> buf0 (after scatter0) ...
            lane reshape stream:      scatter+WSUM32 buf0 -> KV | scatter+WSUM32 buf1 -> KV | ...  event per group
+    ahead  any stream:          H2D units -> a caller's device buffer (``prefetch``), long before the load
+           lane reshape stream: (waits for those copies) scatter+WSUM32 buffer -> KV: a unit whose ``source``
+                                is that buffer skips its H2D
     store  producer stream:     ... kernels writing the KV | event
            lane reshape stream: (waits on it) gather KV -> buf0, WSUM32 | gather KV -> buf1, WSUM32 | ...
            lane copy stream:          D2H buf0 -> pages | D2H buf1 -> pages | ...
@@ -16,16 +19,17 @@ block scatter) runs on the GPU at HBM speed; WSUM32 is summed over the staged by
 
 Lifetime: nothing this pipeline copies to or from is given up while a copy on it may still run.
 A staging buffer is refilled only after the event of its last use (``StagingLane.idle``); the arena's
-registration is released (or swapped for another arena's) only after both lanes' streams ended, and
-``release_registration`` waits for the device again before it unpins; ``close`` and ``sync`` wait for
-every copy enqueued here. A caller gives pool pages back only after ``sync`` or the end event of the
-load or store that touched them.
+registration is released (or swapped for another arena's) only after both lanes' streams and the streams of
+copies ahead (``ahead_streams``) ended, and ``release_registration`` waits for the device again before it
+unpins; ``close`` and ``sync`` wait for every copy enqueued here. A caller gives pool pages back only after
+``sync`` or the end event of the load, store or copy ahead that touched them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import NamedTuple, Protocol
@@ -57,11 +61,15 @@ class KVDestination(Protocol):
 
 class UnitWork(NamedTuple):
     """One unit of a load or store, the KV it moves to or from, and its pages' WSUM32 accumulators
-    (``[unit.num_pages]`` int64 on the device; None: not summed)."""
+    (``[unit.num_pages]`` int64 on the device; None: not summed). A load unit's ``source``: its pages' rows
+    already on the device (``prefetch``), packed as a staging buffer packs them, ready once ``ready`` (an
+    event) has completed; None: copied from the arena into a staging buffer here."""
 
     unit: Unit
     destination: KVDestination
     sums: torch.Tensor | None
+    source: torch.Tensor | None = None
+    ready: object = None
 
 
 class StagingLane:
@@ -129,6 +137,11 @@ class StagingPipeline:
             )
         self.registration: ArenaRegistration | None = None
         self._registered_arena = None  # the mapping registered (kept alive while it is)
+        self.registered_pool_id = b""  # the pool whose arena that is
+        # copies ahead of a load (``prefetch``) run on these, from another thread than the hooks': the lock orders
+        # their enqueueing against a change of registration, which waits for these streams too (``sync``)
+        self.registration_lock = threading.RLock()
+        self.ahead_streams: list = []
         self._warm_up_with = warm_up_with
         self._closed = False
 
@@ -151,20 +164,28 @@ class StagingPipeline:
         first, once every copy enqueued here has ended."""
         if self._closed:
             raise RuntimeError("this staging pipeline is closed")
-        if self.registration is not None and self._registered_arena is client.arena:
-            return
-        self._release_registration()
-        self.registration = acquire_registration(client)
-        self._registered_arena = client.arena
+        with self.registration_lock:
+            if self.is_registered(client):
+                return
+            self._release_registration()
+            self.registration = acquire_registration(client)
+            self._registered_arena = client.arena
+            self.registered_pool_id = client.hello.pool_id
         if self._warm_up_with is not None:  # once, at the first registration (start-up)
             destination, self._warm_up_with = self._warm_up_with, None
             self.warm_up(destination)
 
+    def is_registered(self, client) -> bool:
+        """Whether ``client``'s arena mapping is the one registered with CUDA now."""
+        return self.registration is not None and self._registered_arena is client.arena
+
     def _release_registration(self) -> None:
-        if self.registration is not None:
-            self.sync()  # no copy of ours may touch the pins as they go
-            registration, self.registration, self._registered_arena = self.registration, None, None
-            release_registration(registration)
+        with self.registration_lock:  # no copy ahead is enqueued meanwhile
+            if self.registration is not None:
+                self.sync()  # no copy of ours may touch the pins as they go
+                registration, self.registration, self._registered_arena = self.registration, None, None
+                self.registered_pool_id = b""
+                release_registration(registration)
 
     @torch.inference_mode()
     def warm_up(self, destination: KVDestination) -> None:
@@ -184,12 +205,16 @@ class StagingPipeline:
     # -- units and views ---------------------------------------------------------------------------
 
     def plan_groups(
-        self, offsets: Sequence[int], extent_bytes: int | None, groups: Sequence[tuple[int, int]] | None = None
+        self,
+        offsets: Sequence[int],
+        extent_bytes: int | None,
+        groups: Sequence[tuple[int, int]] | None = None,
+        first_page: int = 0,
     ) -> Iterator[list[Unit]]:
-        """The units moving whole pages at ``offsets``, per layer group (default: the load's) in layer order
-        (lazy)."""
+        """The units moving whole pages at ``offsets`` (from ``first_page`` on), per layer group (default: the
+        load's) in layer order (lazy)."""
         cfg, groups = self.config, self.load_groups if groups is None else groups
-        return load_units(offsets, self.layout, cfg.min_copy_bytes, cfg.staging_bytes, extent_bytes, groups)
+        return load_units(offsets, self.layout, cfg.min_copy_bytes, cfg.staging_bytes, extent_bytes, groups, first_page)
 
     def staged(self, buffer: torch.Tensor, unit: Unit) -> torch.Tensor:
         """The unit's whole pages in ``buffer``: integers ``[n, g, 2, C, H, D]`` (no copy)."""
@@ -293,21 +318,22 @@ class StagingPipeline:
                     works = next(pending, None)  # planned here, under the same modes as its copies
                     if works is None:
                         return
-                    for unit, destination, sums in works:
+                    for work in works:
+                        if work.source is not None:  # prefetched: no staging buffer, no copy here
+                            lane.reshape.wait_event(work.ready)
+                            self._scatter(work, work.source)
+                            continue
                         index = lane.take()
                         buffer = lane.buffers[index]
                         lane.copy.wait_event(lane.idle[index])  # the previous scatter out of this buffer is done
-                        self.host_copies(unit.copies, buffer, lane.copy, client, to_device=True)
+                        self.host_copies(work.unit.copies, buffer, lane.copy, client, to_device=True)
                         if first_copy is not None:
                             first_copy(time.perf_counter())
                             first_copy = None
                         copied = torch.cuda.Event()
                         copied.record(lane.copy)
                         lane.reshape.wait_event(copied)
-                        with torch.cuda.stream(lane.reshape):
-                            destination.scatter(unit, self.staged(buffer, unit))
-                            if sums is not None:  # the staged bytes: a bad copy is caught as well as a bad page
-                                add_rows(sums, self.rows(buffer, unit), self.word_offset(unit))
+                        self._scatter(work, buffer)
                         lane.idle[index].record(lane.reshape)
                     record_group(group, lane.reshape)
                 yield group
@@ -319,12 +345,36 @@ class StagingPipeline:
             lane.reshape.wait_event(last)
             end.record(lane.reshape)
 
+    def _scatter(self, work: UnitWork, buffer: torch.Tensor) -> None:
+        """A load unit's staged pages in ``buffer`` into the KV, summed as they are (a bad copy is caught as well
+        as a bad page); enqueued on the load lane's reshape stream."""
+        with torch.cuda.stream(self.load_lane.reshape):
+            work.destination.scatter(work.unit, self.staged(buffer, work.unit))
+            if work.sums is not None:
+                add_rows(work.sums, self.rows(buffer, work.unit), self.word_offset(work.unit))
+
+    def prefetch(self, client, units: Sequence[Unit], buffers: Sequence[torch.Tensor], stream) -> None:
+        """Enqueue on ``stream`` the H2D copies of ``units`` from the registered arena into ``buffers`` (one each,
+        packed as a staging buffer: ``staged(buffer, unit)`` reads it), for a load's later ``UnitWork.source``.
+        The caller orders its readers after ``stream``'s work and keeps the pages held until the copies ended.
+        From any thread: under ``registration_lock``, and only into the arena registered now (``is_registered``),
+        since the hooks' thread registers it; ``stream`` must be one of ``ahead_streams`` (synced before the
+        registration goes)."""
+        if stream not in self.ahead_streams:
+            raise ValueError("prefetch on a stream the pipeline does not wait for before unpinning the arena")
+        if len(units) != len(buffers):
+            raise ValueError(f"{len(units)} units for {len(buffers)} buffers")
+        for unit, buffer in zip(units, buffers):
+            if buffer.numel() < unit.num_bytes:
+                raise ValueError(f"a buffer of {buffer.numel()} bytes for a unit of {unit.num_bytes}")
+            self.host_copies(unit.copies, buffer, stream, client, to_device=True)
+
     @torch.inference_mode()  # the KV may be an inference tensor
     def store_steps(self, client, works: Iterable[UnitWork]) -> None:
         """Enqueue a store's gathers and copies, unit by unit, on the store lane (after ``store_after``).
         The copies have completed once an event recorded after this on ``store_lane.copy`` has."""
         lane = self.store_lane
-        for unit, destination, sums in works:
+        for unit, destination, sums, *_ in works:  # a store's units have no source
             index = lane.take()
             buffer = lane.buffers[index]
             lane.reshape.wait_event(lane.idle[index])  # the previous copy out of this buffer is done
@@ -341,16 +391,19 @@ class StagingPipeline:
     # -- the end -----------------------------------------------------------------------------------
 
     def sync(self) -> None:
-        """Wait until every copy and kernel enqueued here has ended."""
+        """Wait until every copy and kernel enqueued here (the copies ahead too) has ended."""
         for lane in self._lanes():
             lane.synchronize()
+        for stream in self.ahead_streams:
+            stream.synchronize()
 
     def close(self) -> None:
         """Wait for every copy, then unpin the arena (its registration's last user) and drop the buffers."""
         if self._closed:
             return
-        self.sync()
-        self._closed = True
+        with self.registration_lock:
+            self.sync()
+            self._closed = True
         try:
             self._release_registration()
         finally:

@@ -191,9 +191,9 @@ def head_copies(unit: Unit, layout: KVLayout, first_head: int, num_heads: int) -
     return tuple(copies)
 
 
-def page_blocks(num_pages: int, block_pages: int) -> list[tuple[int, int]]:
-    """[p0, p1) ranges of at most ``block_pages`` pages covering 0..num_pages-1."""
-    return [(p0, min(p0 + block_pages, num_pages)) for p0 in range(0, num_pages, block_pages)]
+def page_blocks(num_pages: int, block_pages: int, first_page: int = 0) -> list[tuple[int, int]]:
+    """[p0, p1) ranges of at most ``block_pages`` pages covering first_page..num_pages-1."""
+    return [(p0, min(p0 + block_pages, num_pages)) for p0 in range(first_page, num_pages, block_pages)]
 
 
 def load_units(
@@ -203,9 +203,11 @@ def load_units(
     staging_bytes: int,
     extent_bytes: int | None,
     groups: Sequence[tuple[int, int]] | None = None,
+    first_page: int = 0,
 ) -> Iterator[list[Unit]]:
     """Units of a load, per layer group in layer order: early layers land first, so compute can start.
-    ``groups``: the caller's layer groups (default ``layer_groups`` of ``min_copy_bytes``).
+    ``groups``: the caller's layer groups (default ``layer_groups`` of ``min_copy_bytes``); ``first_page``: the
+    units cover pages first_page.. only (those before come from elsewhere: copies ahead).
 
     Lazy (one group at a time), so a load's first copies start before the whole plan is made."""
     runs_of_block: dict[tuple[int, int], list[PageRun]] = {}  # the same page blocks recur in every group
@@ -214,7 +216,7 @@ def load_units(
     for layers in groups:
         block = pages_per_unit(staging_bytes, (layers[1] - layers[0]) * layout.layer_bytes)
         units = []
-        for pages in page_blocks(len(offsets), block):
+        for pages in page_blocks(len(offsets), block, first_page):
             if pages not in runs_of_block:
                 runs_of_block[pages] = page_runs(offsets, layout.page_bytes, extent_bytes, *pages)
             units.append(plan_unit(offsets, layout, layers, pages, extent_bytes, runs_of_block[pages]))

@@ -140,3 +140,38 @@ def test_prefill_tokens_without_provenance_and_outputs_by_the_gap_rule():
     assert summary["outputs"] == "equal 1/2; near-tie 1 (step 3, gap 0.0002); mismatch 0"
     old = {k: v for k, v in row.items() if k != "output_checks"}  # a row written before the verdicts were kept
     assert summarize([old])[0]["outputs"] == "1/2"
+
+
+def test_a_hints_condition_has_its_own_router_sending_them_and_no_other_router_does(tmp_path, monkeypatch):
+    """POLICY/hints: the policy's router with every replica's hint socket; the replicas take hints; every other
+    router, round_robin's included, sends none. Fails when the cluster's own router (which kvshare up gives the
+    hint sockets) serves round_robin/on beside a hints condition, or the hinting router lacks an address."""
+    from kvshare.bench.routing_trace import parse_condition
+
+    monkeypatch.delenv("KVSHARE_ACCOUNT_KEY", raising=False)
+    assert parse_condition("cache_aware/hints").router == "cache_aware+hints"
+    assert parse_condition("cache_aware/hints").use_pool
+    _, target = _plan("--model", _tiny_dir(tmp_path), "--engine", "vllm", *TRACE)
+    routing = RoutingCluster(target, ("round_robin", "cache_aware", "cache_aware+hints"))
+    try:
+        config = routing.cluster_config(port=20100, replica_events_port=20200)
+        assert config.hints and routing.has_hints
+        cluster = Cluster(config)
+        cluster.pool_socket = str(tmp_path / "pool.sock")
+        hinted = routing._hint_args(cluster)
+        addresses = [hinted[i + 1] for i, a in enumerate(hinted) if a == "--hint-address"]
+        assert addresses == [cluster.hint_address(i) for i in range(2)] and all(addresses)
+        assert routing.router_args("cache_aware+hints")[:2] == ("--policy", "cache_aware")
+        assert "--hint-address" not in routing.router_args("cache_aware")
+        assert "--hint-address" not in routing.router_args("round_robin")
+        cluster.stop()
+    finally:
+        routing._tmp.cleanup()
+    plain = RoutingCluster(target, ("round_robin", "cache_aware"))
+    try:
+        assert not plain.cluster_config(port=20100, replica_events_port=20200).hints
+    finally:
+        plain._tmp.cleanup()
+    _, builtin = _plan("--model", "tiny", *TRACE)
+    with pytest.raises(ValueError, match="vLLM replicas"):
+        RoutingCluster(builtin, ("cache_aware+hints",))

@@ -226,3 +226,44 @@ def test_blocks_summary_line_shows_how_much_of_the_prompt_the_pool_held():
     ]
     (line,) = [line for line in summary_lines(short) if line.startswith("blocks")]
     assert "min ON pool tokens 72704 of 128000" in line
+
+
+def test_the_console_tables_say_which_study_and_show_text_columns_only_for_text_rows():
+    """Fails when the console's last table cites "the study's published figures" without saying which study (its
+    note was left out of the console), or the TTFT table carries a "text adds" column of dashes where no request
+    was sent as text."""
+    import io
+
+    from rich.console import Console
+
+    from kvshare.bench.report import print_tables
+
+    out = io.StringIO()
+    ttft = [r("ttft", "cold", 8.0, 32_000), r("ttft", "cross", 0.4, 32_000, pool_tokens=31_744)]
+    tables_ = tables(ttft)
+    print_tables(tables_, Console(file=out, width=200))
+    printed = " ".join(out.getvalue().split())
+    assert "two single-GPU replicas of a 27B model" in printed and "256 GiB host-memory KV pool" in printed, printed
+    assert "text adds" not in printed and all("text adds" not in h for h in tables_[0].headers)
+
+
+def test_a_report_prints_no_line_of_matplotlibs_own(tmp_path):
+    """Fails when matplotlib's INFO lines (its font cache, built on first use) reach kvshare's stderr at the
+    default log level: they say nothing about the run."""
+    import subprocess
+    import sys
+
+    ResultsDir(str(tmp_path / "results")).append(
+        [r("ttft", "cold", 8.0, 32_000), r("ttft", "cross", 0.4, 32_000, pool_tokens=31_744)]
+    )
+    env = {**os.environ, "MPLCONFIGDIR": str(tmp_path / "mpl")}  # an empty matplotlib cache: it builds one
+    done = subprocess.run(
+        [sys.executable, "-m", "kvshare", "bench", "report", "--out", str(tmp_path / "results")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert os.path.exists(tmp_path / "results" / "ttft_by_context.png")
+    assert "matplotlib" not in done.stderr, done.stderr

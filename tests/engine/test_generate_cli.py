@@ -50,7 +50,7 @@ def test_generate_json_without_pool(tiny_dir, tmp_path):
 
 def test_generate_refuses_bad_input_with_a_message(tmp_path):
     result = kvshare("generate", "--model", str(tmp_path / "missing"), "--prompt", "x", check=False)
-    assert result.returncode == 2 and "neither a model directory nor a preset" in result.stderr
+    assert result.returncode == 2 and "missing: no such directory, and not a preset" in result.stderr  # as up says it
     result = kvshare("generate", "--model", "tiny", "--prompt-file", str(tmp_path / "none.txt"), check=False)
     assert result.returncode == 2 and "cannot read the prompt" in result.stderr
 

@@ -131,12 +131,40 @@ def test_whatever_else_takes_the_kv_ends_what_was_in_place(engine):
     assert run(engine, ids) == (cold, (112, 0, 8))  # the local cache's seven chunks
 
 
-def test_an_overlap_shorter_than_a_chunk_is_computed_again(engine):
+def test_an_overlap_shorter_than_a_chunk_and_half_the_prompt_is_computed_again(engine):
+    """A shared template's first tokens under a longer prompt: reused, the suffix's attention would cost more than
+    the tokens it saves where it takes a mask (kvshare.engine.held_sequence)."""
     ids = engine.tokenizer.encode(ascii_prompt(40, seed=15))
     run(engine, ids)
     other = ids[:10] + engine.tokenizer.encode(ascii_prompt(30, seed=16))
     cold, _ = run_cold_elsewhere(engine, other)
-    assert run(engine, other) == (cold, (0, 0, 40))  # 10 tokens in common: below the chunk of 16
+    assert run(engine, other) == (cold, (0, 0, 40))  # 10 tokens in common: below the chunk of 16 and 40 / 2
+
+
+def test_a_prompt_shorter_than_a_chunk_again_computes_its_last_token_alone(engine):
+    """Fails when in-place reuse starts at a whole chunk: a prompt shorter than one is then never reused."""
+    ids = engine.tokenizer.encode(ascii_prompt(12, seed=17))  # below the chunk of 16: nothing for the caches
+    cold, _ = run(engine, ids, COLD)
+    assert run(engine, ids) == (cold, (0, 0, 12))
+    assert run(engine, ids) == (cold, (11, 0, 1))
+
+
+def test_a_short_chats_next_turn_computes_its_new_turn_alone(engine):
+    """Fails when in-place reuse starts at a whole chunk: a chat shorter than one computes every turn whole."""
+    ids = engine.tokenizer.encode(ascii_prompt(6, seed=18))
+    answer, _ = run(engine, ids)
+    follow = ids + answer + engine.tokenizer.encode(ascii_prompt(5, seed=19))  # 19 tokens: one chunk and 3
+    cold, _ = run_cold_elsewhere(engine, follow)
+    fed = len(ids) + len(answer) - 1  # 13: the last answer token was sampled, never fed back
+    assert run(engine, follow) == (cold, (fed, 0, len(follow) - fed))
+
+
+def test_an_overlap_of_half_the_prompt_is_reused_in_place(engine):
+    ids = engine.tokenizer.encode(ascii_prompt(12, seed=20))
+    run(engine, ids)
+    other = ids[:10] + engine.tokenizer.encode(ascii_prompt(10, seed=21))
+    cold, _ = run_cold_elsewhere(engine, other)
+    assert run(engine, other) == (cold, (10, 0, 10))  # 10 tokens in common: half of 20
 
 
 def test_a_callers_array_changed_after_its_request_is_not_what_is_held(engine):
@@ -149,3 +177,13 @@ def test_a_callers_array_changed_after_its_request_is_not_what_is_held(engine):
     ids[:] = engine.tokenizer.encode(ascii_prompt(48, seed=18))
     cold, _ = run_cold_elsewhere(engine, ids.tolist())
     assert run(engine, ids) == (cold, (0, 0, 48))
+
+
+def test_any_overlap_of_a_prompt_within_a_chunk_is_reused_in_place(engine):
+    """Fails when a chat's next turn shorter than a chunk is computed whole because its new part is longer than
+    what came before (the tiny model's answers re-encode to other tokens, so often only the prompt is in place)."""
+    ids = engine.tokenizer.encode(ascii_prompt(12, seed=22))
+    run(engine, ids)
+    other = ids[:4] + engine.tokenizer.encode(ascii_prompt(10, seed=23))  # 14 tokens, 4 in common: under 14 / 2
+    cold, _ = run_cold_elsewhere(engine, other)
+    assert run(engine, other) == (cold, (4, 0, 10))

@@ -12,7 +12,7 @@ from kvshare.engine.config import EngineConfig
 from kvshare.engine.engine import Engine, SamplingParams
 from kvshare.engine.make_model import preset_weight_bytes, write_model_dir
 from kvshare.engine.model import Transformer
-from kvshare.engine.presets import build_preset, get_preset
+from kvshare.engine.presets import PRESETS, build_preset, get_preset, preset_tensors
 from kvshare.engine.tokenizer import CHAT_TEMPLATE, render_chat
 from kvshare.engine.weights import model_dir_fingerprint
 
@@ -95,3 +95,14 @@ def test_make_model_dir_loads_in_transformers(tiny_dir):
     assert (got - expected).abs().max().item() < 1e-4
     # a directory is named by its bytes, the preset built in memory by its recipe
     assert engine.namespace.weights_fingerprint == model_dir_fingerprint(tiny_dir)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_a_presets_recorded_parameters_are_its_models(name):
+    """The table's num_parameters (what memory checks read without torch) is what the built model holds."""
+    from kvshare.engine.architectures import new_model
+
+    preset = PRESETS[name]
+    with torch.device("meta"):
+        model = new_model(preset.config)
+    assert preset.num_parameters == sum(t.numel() for _, t in preset_tensors(model))

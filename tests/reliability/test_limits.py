@@ -63,7 +63,7 @@ def still_serves(url: str) -> None:
             "/v1/chat/completions",
             {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 17},
             400,
-            "max_tokens",
+            "max_completion_tokens",  # the field the request used
             None,
         ),
         ("/v1/completions", {"prompt": "x" * (70 << 10)}, 413, None, "body_too_large"),

@@ -17,6 +17,7 @@ def chat(**extra):
         (chat(top_p=0), "top_p"),
         (chat(n=2), "n"),
         (chat(stop=["a", "b", "c", "d", "e"]), "stop"),
+        pytest.param(chat(stop="x" * (A.MAX_STOP_CHARS + 1)), "stop", id="a-stop-string-too-long"),
         (chat(messages=[]), "messages"),
         (chat(messages=[{"role": "robot", "content": "x"}]), "messages[0].role"),
         (chat(top_logprobs=9, logprobs=True), "top_logprobs"),

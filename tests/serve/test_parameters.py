@@ -187,3 +187,32 @@ def test_token_ids_read_as_an_array_serve_as_the_list_did(url):
 def test_an_empty_token_id_prompt_gets_400(url, raw):
     status, out = call(url, "/v1/completions", raw=raw)
     assert status == 400 and out["error"]["param"] == "prompt" and "empty" in out["error"]["message"], out
+
+
+def test_errors_name_the_field_the_request_used(url):
+    """Fails when max_completion_tokens' errors name max_tokens, or a message without a role is reported as
+    param "role" where every other field is named by its whole path (messages[0].content)."""
+    status, out = chat(url, max_tokens=None, max_completion_tokens=-3)
+    assert status == 400 and out["error"]["param"] == "max_completion_tokens", out
+    assert "max_completion_tokens" in out["error"]["message"], out
+    status, out = chat(url, max_tokens=-3)
+    assert status == 400 and out["error"]["param"] == "max_tokens", out
+    status, out = chat(url, messages=[{"content": "hello"}])
+    assert status == 400 and out["error"]["param"] == "messages[0].role", out
+    status, out = chat(url, messages=[{"role": "user", "content": 5}])
+    assert status == 400 and out["error"]["param"] == "messages[0].content", out
+    status, out = chat(url, kvshare={"bogus": True})
+    assert status == 400 and out["error"]["param"] == "kvshare.bogus", out
+
+
+def test_max_tokens_is_bounded_by_the_context_not_a_fixed_cap(url):
+    """Fails when max_tokens above 8192 is refused on a model whose context is 32768 (vLLM bounds it by the
+    context alone). Token 65 is forced and is a stop token, so the answer is one token long."""
+    forced = {"logit_bias": {"65": 100}, "stop_token_ids": [65], "ignore_eos": False, "temperature": 1.0}
+    status, out = call(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 20000} | forced)
+    assert status == 200 and out["choices"][0]["finish_reason"] == "stop", out
+    status, out = chat(url, max_tokens=None, max_completion_tokens=20000, **forced)
+    assert status == 200, out
+    status, out = call(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 40000})
+    assert status == 400 and out["error"]["code"] == "context_length_exceeded", out
+    assert out["error"]["param"] == "max_tokens", out

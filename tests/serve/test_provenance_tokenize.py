@@ -70,3 +70,27 @@ def test_tokenizer_endpoints_need_a_key_have_a_size_cap_and_run_off_the_event_lo
         assert status == 413 and out["error"]["code"] == "body_too_large", out
         assert set(out["error"]) == {"message", "type", "param", "code"}
     assert threads and all(t.name != "live-app" for t in threads), threads  # the app's loop runs in "live-app"
+
+
+def test_a_tokenize_body_longer_than_one_network_read_is_read_whole(engine):
+    """Fails when the capped body read takes only what one read returns: a 2.5 MiB body under a 4 MiB cap
+    arrives in several reads, and the handler then sees truncated JSON (400) instead of the whole prompt."""
+    prompt = "word " * (2 << 18)  # 2.5 MiB of JSON
+    with _replica(engine, api_keys=(KEY,), max_tokenize_bytes=4 << 20) as url:
+        status, out = call(url, "/tokenize", {"prompt": prompt}, headers=AUTH)
+        assert status == 200, out
+        assert out["count"] == len(engine.tokenizer.encode(prompt))
+
+
+def test_a_prompt_shorter_than_a_chunk_sent_again_is_reused_to_the_token(engine):
+    """Fails when in-place reuse starts at a whole chunk (256 tokens): a short prompt sent twice to one replica
+    then reports cached_tokens 0 both times. Token-id prompts, so each length is exact."""
+    with _replica(engine, provenance="all") as url:
+        for n in (35, 255, 256):
+            body = {"model": "tiny", "prompt": [(7 * i + n) % 200 + 32 for i in range(n)], "max_tokens": 1}
+            cached = []
+            for _ in range(2):
+                status, out = call(url, "/v1/completions", body)
+                assert status == 200, out
+                cached.append(out["usage"]["prompt_tokens_details"]["cached_tokens"])
+            assert cached == [0, n - 1], (n, cached)

@@ -120,3 +120,37 @@ def test_pool_stats_with_no_socket_finds_the_pool_up_started(tmp_path, monkeypat
         [sys.executable, "-P", "-m", "kvshare", "pool-stats"], env=env, capture_output=True, text=True, timeout=60
     )
     assert out.returncode != 0 and "pool.sock" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_up_uses_a_running_pool_leaves_it_running_and_says_what_it_stops(tmp_path):
+    """Fails when up refuses --pool SOCKET ("pool flags are the same everywhere": serve takes a running pool's
+    socket, and so does up), or stops that pool with the cluster, or says nothing when Ctrl-C stops it."""
+    from kvshare.pool.client import PoolClient
+    from kvshare.pool.spawn import start_pool, stop_process, wait_for_pool
+
+    socket_path = str(tmp_path / "pool.sock")
+    pool = start_pool(socket_path, "64MiB", log_level="WARNING")
+    wait_for_pool(socket_path)
+    up = UpProcess("--replicas", "1", "--pool", socket_path, cwd=tmp_path, port=free_port_block(2))
+    try:
+        up.wait_ready(1)
+        prompt = "a prompt long enough to fill a chunk of the running pool " * 12
+        completion(up.router_url, prompt)
+        status, health = get_json(f"http://127.0.0.1:{up.port + 1}/health")
+        assert status == 200 and health["pool"] == "connected", health
+        assert up.child("pool") is None  # up started no pool of its own
+        assert up.stop() == 0, up.output()
+        assert pool.poll() is None, "up stopped the pool it did not start"
+        with PoolClient(socket_path, name="test") as client:
+            assert client.stats()["entries"] >= 1  # what the replica stored is still there
+        out = up.output()
+        assert "stopping the router, 1 replica and not the pool" in out and "kvshare up: stopped" in out, out
+    finally:
+        up.stop()
+        stop_process(pool)
+
+
+def test_a_running_pool_that_does_not_answer_is_refused_before_anything_starts(tmp_path):
+    up = UpProcess("--replicas", "1", "--pool", str(tmp_path / "none.sock"), cwd=tmp_path, port=free_port_block(2))
+    rc = up.proc.wait(60)
+    assert rc == 2 and "no pool answers there" in up.output() and "Traceback" not in up.output(), up.output()

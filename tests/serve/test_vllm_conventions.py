@@ -219,3 +219,35 @@ def test_tokenize_refuses_what_chat_refuses_and_a_template_that_fails_is_a_400(e
                     assert status == 400 and out["error"]["param"] == "messages", (broken, path, out)
         finally:
             engine.tokenizer.chat_template = template
+
+
+def _stream(url: str, path: str, body: dict) -> list[dict]:
+    """The JSON chunks of one streamed answer, [DONE] left out."""
+    import json
+    import urllib.request
+
+    req = urllib.request.Request(
+        url + path, data=json.dumps({**body, "stream": True}).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        lines = resp.read().decode().splitlines()
+    return [json.loads(line[6:]) for line in lines if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(engine, path):
+    """Fails when stream_options.continuous_usage_stats is accepted and ignored: vLLM then gives every chunk the
+    usage so far (prompt tokens, the tokens generated up to it), and the usage chunk at the end as before."""
+    prompt = {"prompt": "once upon a time"} if "chat" not in path else {"messages": [{"role": "user", "content": "hi"}]}
+    body = {**prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    with replica(engine) as url:
+        chunks = _stream(url, path, {**body, "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+        plain = _stream(url, path, {**body, "stream_options": {"continuous_usage_stats": True}})
+    *answer, usage = chunks
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 6, usage
+    num_prompt = usage["usage"]["prompt_tokens"]
+    so_far = [chunk["usage"]["completion_tokens"] for chunk in answer]  # a KeyError: a chunk without usage
+    assert so_far == sorted(so_far) and so_far[-1] == 6, so_far
+    assert all(chunk["usage"]["prompt_tokens"] == num_prompt for chunk in answer)
+    assert all(chunk["usage"]["total_tokens"] == num_prompt + n for chunk, n in zip(answer, so_far, strict=True))
+    assert all("usage" not in chunk for chunk in plain), plain  # as vLLM: only with include_usage

@@ -39,6 +39,7 @@ class FakeCuda:
         self.fail_register_at: int | None = None  # fail the n-th cudaHostRegister (1-based)
         self.copies_2d: list[tuple] = []
         self.device_ends: list[int] = []  # the device-side pointer of each 2-D copy
+        self.free_bytes = 8 << 30  # torch.cuda.mem_get_info's free memory
 
     # -- torch.cuda.cudart() -------------------------------------------------------------------
     def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
@@ -85,11 +86,16 @@ class FakeCuda:
 
 
 class FakeEvent:
+    is_pending = False  # set on the class: every event's work counts as still running (query() is False)
+
     def __init__(self, enable_timing: bool = False, **_) -> None:
         self.recorded = False
 
     def record(self, stream=None) -> None:
         self.recorded = True
+
+    def query(self) -> bool:
+        return not FakeEvent.is_pending
 
     def synchronize(self) -> None:
         pass
@@ -126,6 +132,7 @@ def install(monkeypatch, fake: FakeCuda, with_bindings: bool = True) -> None:
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (fake.free_bytes, 80 << 30))
     monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)

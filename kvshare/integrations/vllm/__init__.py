@@ -11,15 +11,20 @@ vLLM's hooks, in the order it calls them, through four files (connector, then on
     scheduler   the scheduler side: lookups, leases, each step's loads and stores (no vLLM)
     worker      the worker side: the per-step hooks (WorkerHooks) over KVWorker, the interface of the two
                 implementations below, and what they share: a step's loads and stores in flight (StepLoads,
-                StepStores), a load's end (finish_load: its pages' verdicts) (no vLLM)
+                StepStores), loads beside vLLM's steps (asynchronous, polled in get_finished), a load's end
+                (finish_load: its pages' verdicts) (no vLLM)
     gpu         GpuKVWorker: a step's loads per layer group on its own streams, vLLM's stream waiting per layer,
-                verified on the GPU; its stores through gpu_stores
-    cpu         CpuKVWorker: loads verified then copied before the forward (or beside it: cpu_overlap), stores
-                after it
+                verified on the GPU, reading copies ahead where a hint brought them; its stores through gpu_stores
+    cpu         CpuKVWorker: loads verified then copied before the forward (or beside it: cpu_overlap; or beside
+                vLLM's steps on the loader thread: an asynchronous load), stores after it
 
 Beneath them, plain modules:
 
     gpu_stores  on a GPU: a step's stores, each layer group copied out after the kernels that wrote it
+    prefetch    copies ahead on the router's hints: keys, lease, the book a load takes them from (no torch)
+    gpu_prefetch  on a GPU: the prefetch buffer the copies ahead land in, on a stream of their own
+    cpu_prefetch  on CPU: the prefetch buffer the copies ahead land in, checked there as they land
+    hint_listener  the replica's hint address: the router's signed hints, on a thread of the worker process
     cpu_overlap on CPU: a step's loads copied layer by layer beside the forward, on a helper thread
     paged_destination  on a GPU: vLLM's blocks as kvshare.transfer.pipeline's destination (the scatter/gather)
     block_copy  on CPU: whole-block numpy copies over a few threads

@@ -54,11 +54,13 @@ from kvshare.integrations.vllm.compat import (
 from kvshare.integrations.vllm.cpu import CpuKVWorker
 from kvshare.integrations.vllm.gpu import GpuKVWorker
 from kvshare.integrations.vllm.guards import LayoutFingerprint, allocation_of, non_attention_state, version_of
+from kvshare.integrations.vllm.hint_listener import HintListener
 from kvshare.integrations.vllm.identity import LoraIdentities, vllm_namespace
 from kvshare.integrations.vllm.launch import advise_on_cpu_cores
 from kvshare.integrations.vllm.layout import UnsupportedKVLayout, detect_layout
 from kvshare.integrations.vllm.metadata import StepPlan, WorkerReport
 from kvshare.integrations.vllm.options import PARAMS_KEY, ConnectorConfig, check_supported, kv_layout_of
+from kvshare.integrations.vllm.prefetch import Prefetcher
 from kvshare.integrations.vllm.prompt_chunks import may_skip_layer_hooks
 from kvshare.integrations.vllm.scheduler import PoolScheduler, ScheduledRequest
 from kvshare.integrations.vllm.stats import KVSharePromMetrics, KVShareStats
@@ -155,6 +157,8 @@ class KVShareConnector(KVConnectorBase_V1):
         self._scheduler: PoolScheduler | None = None
         self._worker: KVWorker | None = None
         self._hooks: WorkerHooks | None = None  # the worker side's per-step state (kvshare.integrations.vllm.worker)
+        self._prefetcher: Prefetcher | None = None  # copies ahead on the router's hints (hint_address)
+        self._hints: HintListener | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = self._start_scheduler(vllm_config, link, tp_size)
         else:
@@ -261,9 +265,45 @@ class KVShareConnector(KVConnectorBase_V1):
             )
         self._worker.register(layers, layout)
         self._worker.prepare()
+        self._start_hints()
         log.info(
             "kvshare: reading vLLM KV as %s (%d blocks of %d tokens)", layout.kind, layout.num_blocks, layout.block_size
         )
+
+    def _start_hints(self) -> None:
+        """Take the router's hints on ``hint_address`` and copy ahead on them (prefetch), where configured: with one
+        rank (a tensor parallel replica's ranks would each need the hint: not done yet)."""
+        config, tp_size = self.config, self._vllm_config.parallel_config.tensor_parallel_size
+        if not config.hint_address or not config.prefetch_mib or not self.config.load:
+            return
+        if tp_size > 1:
+            log.warning(
+                "kvshare: hint_address is set, but copies ahead run on a replica of one rank only; "
+                "this replica loads when vLLM schedules a request"
+            )
+            return
+        link = PoolLink(
+            config.socket_path,
+            name=f"vllm-prefetch-{config.replica or 'replica'}",
+            timeout_s=config.pool_timeout_s,
+            retry_s=config.pool_retry_s,
+        )
+        device = self._worker.prefetch_device(config.prefetch_mib << 20)
+        if device is None:
+            log.warning("kvshare: no room for copies ahead beside vLLM's KV; hints are not taken")
+            link.close()
+            return
+        model = self._vllm_config.model_config
+        self._prefetcher = Prefetcher(
+            link, self.kv_layout, self.namespace, (model.served_model_name, model.model), device, config.hint_ttl_s
+        )
+        self._worker.prefetcher = self._prefetcher
+        prefetcher = self._prefetcher
+        self._hints = HintListener(
+            config.hint_address, _account_key(config), prefetcher.on_hint, prefetcher.on_refused, prefetcher.tick
+        )
+        self._hints.start()
+        log.info("kvshare: taking prefetch hints on %s (%d MiB ahead)", config.hint_address, device.num_bytes >> 20)
 
     def _plan(self) -> StepPlan:
         if not self.has_connector_metadata():
@@ -287,6 +327,13 @@ class KVShareConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         self._hooks.wait_for_save(self._plan())
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Requests whose asynchronous loads ended (every step, one without a forward too; vLLM 0.32's
+        get_transfer_results wraps this). A failed one's blocks are in this pass's load errors."""
+        if self._hooks is None:
+            return None, None
+        return None, self._hooks.poll_async() or None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._hooks.load_errors()
 
@@ -298,14 +345,20 @@ class KVShareConnector(KVConnectorBase_V1):
 
     def get_kv_connector_stats(self) -> KVShareStats | None:
         side = self._scheduler or self._worker
-        if side is None or side.counters.is_zero():
+        if side is None:
             return None
-        return KVShareStats.of(side.counters.take())
+        if self._prefetcher is not None:
+            side.counters.add(self._prefetcher.take_counters())
+        return None if side.counters.is_zero() else KVShareStats.of(side.counters.take())
 
     def shutdown(self) -> None:
+        if self._hints is not None:  # no more hints, no more copies ahead enqueued
+            self._hints.close()
         side = self._scheduler or self._worker
         if side is not None:
-            side.close()
+            side.close()  # the worker's pipeline waits for every copy, the copies ahead's too
+        if self._prefetcher is not None:
+            self._prefetcher.close()
 
     # ============================== scheduler side ==============================
 
@@ -326,12 +379,17 @@ class KVShareConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if not self._scheduler.has_request(request.request_id):
             self.on_new_request(request)
-        return self._scheduler.match(request.request_id, num_computed_tokens), False
+        num_tokens = self._scheduler.match(request.request_id, num_computed_tokens)
+        # True: vLLM allocates the blocks and parks the request until get_finished names it
+        return num_tokens, num_tokens > 0 and self._scheduler.is_async(request.request_id)
 
     def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
         stats = getattr(request, "prefill_stats", None)  # None when vLLM runs without stats
         local = stats.num_local_cached_tokens if stats is not None else None
-        self._scheduler.allocated(request.request_id, num_external_tokens, local)
+        req_id = request.request_id
+        # an asynchronous load's blocks: the request's, first KV cache group (no step's output names them)
+        block_ids = blocks.get_block_ids()[0] if num_external_tokens and self._scheduler.is_async(req_id) else None
+        self._scheduler.allocated(req_id, num_external_tokens, local, block_ids)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         num_scheduled = scheduler_output.num_scheduled_tokens

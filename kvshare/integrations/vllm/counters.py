@@ -22,6 +22,7 @@ class ConnectorCounters:
     lookups: int = 0  # pool lookups (one per request asked about, reuse of a lease excluded)
     hit_tokens: int = 0  # tokens vLLM was told the pool will supply
     loaded_tokens: int = 0  # tokens copied into vLLM's KV and verified
+    async_loads: int = 0  # loads run beside vLLM's steps (the request parked, the others decoding)
     load_bytes: int = 0
     load_seconds: float = 0.0
     stored_chunks: int = 0  # pages committed to the pool
@@ -33,6 +34,11 @@ class ConnectorCounters:
     load_failures: int = 0  # loads stopped early (checksum, lease lost, pool gone): recomputed
     pool_errors: int = 0  # failed calls to the pool daemon
     expired_leases: int = 0  # leases released because vLLM never scheduled the request
+    hints: int = 0  # the router's prefetch hints received with a valid tag (kvshare.router.hints)
+    hints_refused: int = 0  # frames on the hint address refused (tag, age, size, form)
+    prefetched_pages: int = 0  # pages copied ahead of their load on a hint
+    prefetch_hits: int = 0  # pages a load took from a copy ahead instead of the pool
+    prefetches_unused: int = 0  # copies ahead dropped after their bound with no load taking them
 
     def add(self, other: ConnectorCounters | dict) -> None:
         values = other if isinstance(other, dict) else asdict(other)

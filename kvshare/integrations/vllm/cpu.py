@@ -20,11 +20,13 @@ import random
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import torch
 
 from kvshare.integrations.vllm.block_copy import BlockRun, CpuBlockCopier, leave_the_callers_cores
 from kvshare.integrations.vllm.counters import PhaseTimes
 from kvshare.integrations.vllm.cpu_overlap import BlockLoad, LayeredLoads
+from kvshare.integrations.vllm.cpu_prefetch import CpuAhead
 from kvshare.integrations.vllm.layout import PagedLayout, gather_tokens, scatter_tokens, slots_of_positions
 from kvshare.integrations.vllm.metadata import LoadOutcome, LoadSpec, StorePart, StoreSpec
 from kvshare.integrations.vllm.page_slices import CopyRun, PageSlice, copy_runs, load_pieces
@@ -91,9 +93,7 @@ class CpuKVWorker(KVWorker):
             self._begin_beside(spec, settled, beside)
         if not beside:
             return StepLoads(settled)
-        if self._loader is None:
-            self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvshare-load", initializer=leave_the_callers_cores)
-        return LayeredLoads(self, beside, self._copier, self._loader, settled)
+        return LayeredLoads(self, beside, self._copier, self._loader_thread(), settled)
 
     def _begin_beside(self, spec: LoadSpec, settled: list[LoadOutcome], beside: list[BlockLoad]) -> None:
         """Plan ``spec`` to be copied layer by layer beside the forward (into ``beside``), or, where that cannot
@@ -117,7 +117,9 @@ class CpuKVWorker(KVWorker):
                 return
             load = PlannedLoad(spec, pieces, [self.sampler.draw() for _ in pieces], reason, times, client)
             block_runs = [
-                self._block_run(client, offsets[run.first], run, pieces[run.first].chunk, spec.block_ids)
+                self._block_run(
+                    self._raw(client, offsets[run.first], run), run, pieces[run.first].chunk, spec.block_ids
+                )
                 for run in runs
             ]
         except Exception as exc:
@@ -127,40 +129,92 @@ class CpuKVWorker(KVWorker):
         times.mark("plan")
         beside.append(BlockLoad(load, block_runs))
 
-    def _load_now(self, spec: LoadSpec) -> LoadOutcome:
-        """Copy the spec's tokens into vLLM's blocks; stops at the first page that cannot be trusted."""
-        times = PhaseTimes()
+    def start_async_load(self, spec: LoadSpec) -> StepLoads:
+        load, outcome = self._plan(spec, PhaseTimes())
+        if load is None:
+            return StepLoads([outcome])
+        return BackgroundLoad(self, load, self._loader_thread())
+
+    def _loader_thread(self) -> ThreadPoolExecutor:
+        """The one thread that copies loads beside vLLM (layered loads beside a forward, asynchronous ones beside
+        whole steps), in the order they were started."""
+        if self._loader is None:
+            self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvshare-load", initializer=leave_the_callers_cores)
+        return self._loader
+
+    def _plan(self, spec: LoadSpec, times: PhaseTimes) -> tuple[PlannedLoad | None, LoadOutcome | None]:
+        """The load's pieces and the pages drawn for verification; or, where there is nothing to copy (no pool,
+        no lease, no piece), its outcome."""
         client, reason = self.pool.client_for(spec.pool_id) if spec.pages else (None, "no lease backs the load")
         times.mark("client")
-        loaded_end = spec.token_start
-        if client is not None:
-            try:
-                loaded_end, reason = self._copy_in(client, spec, times)
-            except Exception as exc:  # a bug or a vanished mapping: recompute, keep serving
-                log.error("kvshare: load for request %s failed", spec.req_id, exc_info=True)
-                loaded_end, reason = spec.token_start, f"{type(exc).__name__}: {exc}"
-        return self.outcome(spec, loaded_end, reason, times)
-
-    def _copy_in(self, client, spec: LoadSpec, times: PhaseTimes) -> tuple[int, str]:
-        """Verify, then copy; returns (end of the tokens copied, why it stopped early or "")."""
-        page_bytes, C = self.kv_layout.page_bytes, self.kv_layout.chunk_tokens
-        pieces, reason = load_pieces(spec, self.kv_layout)
+        pieces, reason = load_pieces(spec, self.kv_layout) if client is not None else ([], reason)
         if not pieces:
-            return spec.token_start, reason
-        # the draws in page order; the chosen pages checked all at once, spread over the hashing threads
-        # (checksumming each page and copying it right after, while in cache, measured slower: 15-20 ms
-        # against 11-13 ms for 8k tokens, cold caches or not)
-        chosen = [self.sampler.draw() for _ in pieces]
-        refs = [spec.pages[p.page_index] for p, c in zip(pieces, chosen) if c]
-        verdicts = self.hasher.valid([client.page(ref.offset, page_bytes) for ref in refs], refs)
-        loaded_end, reason = self.trusted_end(spec, pieces, chosen, iter(verdicts), reason)
-        times.mark("verify")
-        trusted = [p for p in pieces if p.chunk * C + p.lo < loaded_end]
-        offsets = [spec.pages[p.page_index].offset for p in trusted]
-        for run in copy_runs(trusted, offsets, page_bytes, C, client.hello.extent_bytes):
-            self._copy_run(client, offsets[run.first], run, trusted[run.first].chunk, spec.block_ids, into_kv=True)
-        times.mark("copy")
-        return loaded_end, reason
+            return None, self.outcome(spec, spec.token_start, reason, times)
+        # the draws in page order, on the caller's thread (the sampler's generator is not shared between threads)
+        load = PlannedLoad(spec, pieces, [self.sampler.draw() for _ in pieces], reason, times, client)
+        if self.prefetcher is not None:  # the pages a copy ahead holds come checked: each counts as chosen
+            keys, refs = [spec.keys[p.page_index] for p in pieces], [spec.pages[p.page_index] for p in pieces]
+            load.ahead = self.prefetcher.take(spec.pool_id, keys, refs)
+            for i in range(load.ahead.num_pages if load.ahead is not None else 0):
+                load.chosen[i] = True
+        return load, None
+
+    def _load_now(self, spec: LoadSpec) -> LoadOutcome:
+        """Copy the spec's tokens into vLLM's blocks; stops at the first page that cannot be trusted."""
+        load, outcome = self._plan(spec, PhaseTimes())
+        if load is None:
+            return outcome
+        try:
+            verdicts = self.verify_and_copy(load)
+        except Exception as exc:  # a bug or a vanished mapping: recompute, keep serving
+            log.error("kvshare: load for request %s failed", spec.req_id, exc_info=True)
+            return self.outcome(spec, spec.token_start, f"{type(exc).__name__}: {exc}", load.times)
+        return self.finish_load(load, iter(verdicts))
+
+    def verify_and_copy(self, load: PlannedLoad) -> list[bool]:
+        """Check the chosen pages, then copy the pieces before the first one found bad into vLLM's blocks; the
+        chosen pages' verdicts, for ``finish_load``. No pool call: it may run on another thread than the hooks'.
+        The pieces a copy ahead holds (``load.ahead``) were checked when they were copied (cpu_prefetch)."""
+        try:
+            spec, client, times = load.spec, load.client, load.times
+            ahead = load.ahead
+            m = ahead.num_pages if ahead is not None else 0
+            verdicts = list(ahead.prefetch.copy.verdicts[ahead.first : ahead.first + m]) if m else []
+            # the chosen pages checked all at once, spread over the hashing threads (checksumming each page and
+            # copying it right after, while in cache, measured slower: 15-20 ms against 11-13 ms for 8k tokens)
+            refs = [spec.pages[p.page_index] for p, c in zip(load.pieces[m:], load.chosen[m:]) if c]
+            verdicts += self.hasher.valid([client.page(ref.offset, self.kv_layout.page_bytes) for ref in refs], refs)
+            times.mark("verify")
+            left, trusted = iter(verdicts), []
+            for piece, is_chosen in zip(load.pieces, load.chosen):
+                if is_chosen and not next(left):
+                    break
+                trusted.append(piece)
+            self._copy_trusted(load, trusted[:m], trusted[m:])
+            times.mark("copy")
+            return verdicts
+        finally:
+            if load.ahead is not None:  # its copy is read no more
+                self.prefetcher.give_back(load.ahead)
+
+    def _copy_trusted(self, load: PlannedLoad, from_ahead: list[PageSlice], from_pool: list[PageSlice]) -> None:
+        """Copy a load's trusted pieces into vLLM's blocks: the first ones from its copy ahead, the rest from the
+        arena."""
+        page_bytes, C, spec = self.kv_layout.page_bytes, self.kv_layout.chunk_tokens, load.spec
+        if from_ahead:
+            pages, first = load.ahead.prefetch.copy.pages, load.ahead.first  # [n, page_bytes], in page order
+            places = [i * page_bytes for i in range(len(from_ahead))]
+            for run in copy_runs(from_ahead, places, page_bytes, C):
+                raw = pages[first + run.first : first + run.first + run.num_pages].reshape(-1)
+                self._copy_run(raw, run, from_ahead[run.first].chunk, spec.block_ids, into_kv=True)
+        offsets = [spec.pages[p.page_index].offset for p in from_pool]
+        for run in copy_runs(from_pool, offsets, page_bytes, C, load.client.hello.extent_bytes):
+            raw = self._raw(load.client, offsets[run.first], run)
+            self._copy_run(raw, run, from_pool[run.first].chunk, spec.block_ids, into_kv=True)
+
+    def prefetch_device(self, num_bytes: int) -> CpuAhead:
+        """The host buffer copies ahead land in, checked there by this worker's hashing threads."""
+        return CpuAhead(self.kv_layout.page_bytes, num_bytes, self.hasher)
 
     # -- the copies ----------------------------------------------------------------
 
@@ -173,28 +227,32 @@ class CpuKVWorker(KVWorker):
             and run.hi % N == 0
         )
 
-    def _block_run(self, client, offset: int, run: CopyRun, first_chunk: int, block_ids) -> BlockRun:
-        """The run's pages as a [n, L, 2, C, H, D] view of the arena and the vLLM blocks its tokens go to."""
+    def _raw(self, client, offset: int, run: CopyRun) -> np.ndarray:
+        """The bytes of the run's pages in the arena (uint8, a view)."""
+        return client.run(offset, self.kv_layout.page_bytes, run.num_pages)
+
+    def _block_run(self, raw: np.ndarray, run: CopyRun, first_chunk: int, block_ids) -> BlockRun:
+        """The run's pages (``raw``: their bytes) as a [n, L, 2, C, H, D] view and the vLLM blocks of its tokens."""
         N = self.paged.block_size
-        raw = client.run(offset, self.kv_layout.page_bytes, run.num_pages).view(self._copier.dtype)
-        pages = raw.reshape(run.num_pages, *self.kv_layout.page_shape)
+        pages = raw.view(self._copier.dtype).reshape(run.num_pages, *self.kv_layout.page_shape)
         first_block = (first_chunk * self.kv_layout.chunk_tokens + run.lo) // N
         num_blocks = run.num_pages * (run.hi - run.lo) // N
         return BlockRun(run, pages, block_ids[first_block : first_block + num_blocks])
 
-    def _copy_run(self, client, offset: int, run: CopyRun, first_chunk: int, block_ids, into_kv: bool) -> None:
-        """Tokens ``run.lo .. run.hi - 1`` of the run's pages (chunks ``first_chunk ..``) into vLLM's blocks
-        (``into_kv``) or out of them into the pages (whole blocks, or tokens)."""
+    def _copy_run(self, raw: np.ndarray, run: CopyRun, first_chunk: int, block_ids, into_kv: bool) -> None:
+        """Tokens ``run.lo .. run.hi - 1`` of the run's pages (``raw``: their bytes; chunks ``first_chunk ..``) into
+        vLLM's blocks (``into_kv``) or out of them into the pages (whole blocks, or tokens)."""
         C, N = self.kv_layout.chunk_tokens, self.paged.block_size
         if self._copier_takes(first_chunk, run):
-            block_run = self._block_run(client, offset, run, first_chunk, block_ids)
+            block_run = self._block_run(raw, run, first_chunk, block_ids)
             if into_kv:
                 self._copier.to_blocks(block_run.pages, run.lo, run.hi, block_run.block_ids)
             else:
                 self._copier.from_blocks(block_run.pages, run.lo, run.hi, block_run.block_ids)
             return
-        raw = torch.from_numpy(client.run(offset, self.kv_layout.page_bytes, run.num_pages))
-        pages = raw.view(self.paged.dtype).view(run.num_pages, *self.kv_layout.page_shape)  # [n, L, 2, C, H, D]
+        pages = (
+            torch.from_numpy(raw).view(self.paged.dtype).view(run.num_pages, *self.kv_layout.page_shape)
+        )  # [n, L, 2, C, H, D]
         # prompt positions of the run, [n, hi - lo]
         positions = (first_chunk + torch.arange(run.num_pages))[:, None] * C + torch.arange(run.lo, run.hi)[None, :]
         slots = slots_of_positions(positions, block_ids, N, self.device)
@@ -237,7 +295,8 @@ class CpuKVWorker(KVWorker):
         slices = [PageSlice(index, spec.first_chunk + index, 0, C) for index, _ in grants]
         offsets = [offset for _, offset in grants]
         for run in copy_runs(slices, offsets, page_bytes, C, client.hello.extent_bytes):
-            self._copy_run(client, offsets[run.first], run, slices[run.first].chunk, spec.block_ids, into_kv=False)
+            raw = self._raw(client, offsets[run.first], run)
+            self._copy_run(raw, run, slices[run.first].chunk, spec.block_ids, into_kv=False)
 
     def store_part(self, spec: StoreSpec, may_store: bool) -> StorePart:
         """This rank's heads of a reserved store written into its pages, with their part of each page's
@@ -260,6 +319,30 @@ class CpuKVWorker(KVWorker):
             log.error("kvshare: rank %d's part of the store for request %s failed", rank, spec.req_id, exc_info=True)
             return StorePart(spec.reservation_id, spec.pool_id, rank, False, reason=f"{type(exc).__name__}: {exc}")
         return StorePart(spec.reservation_id, spec.pool_id, rank, True, sums)
+
+
+class BackgroundLoad(StepLoads):
+    """One load verified and copied beside vLLM's steps on the loader thread (an asynchronous load): done once
+    the thread is through; ``finish`` then settles it on the hooks' thread (a bad page is dropped from the pool
+    there), so the pool connection is only ever used by the hooks' thread."""
+
+    def __init__(self, worker: CpuKVWorker, load: PlannedLoad, executor: ThreadPoolExecutor) -> None:
+        super().__init__([])
+        self.worker, self.load = worker, load
+        self._copied = executor.submit(worker.verify_and_copy, load)
+
+    def is_done(self) -> bool:
+        return self._copied.done()
+
+    def finish(self) -> tuple[list[LoadOutcome], bool]:
+        spec = self.load.spec
+        try:
+            verdicts = self._copied.result()
+        except BaseException as exc:  # the copy failed part way (or never ran): all of it is recomputed
+            log.error("kvshare: load for request %s failed", spec.req_id, exc_info=exc)
+            reason = f"{type(exc).__name__} while loading beside vLLM's steps: {exc}"
+            return [self.worker.outcome(spec, spec.token_start, reason, self.load.times)], True
+        return [self.worker.finish_load(self.load, iter(verdicts))], True
 
 
 class CpuStores(StepStores):

@@ -33,11 +33,13 @@ from dataclasses import dataclass
 import torch
 
 from kvshare.integrations.vllm.counters import PhaseTimes
+from kvshare.integrations.vllm.gpu_prefetch import GpuAhead
 from kvshare.integrations.vllm.gpu_stores import StagedStores
 from kvshare.integrations.vllm.layout import PagedLayout
 from kvshare.integrations.vllm.metadata import LoadOutcome, LoadSpec, StoreSpec
 from kvshare.integrations.vllm.page_slices import load_pieces
 from kvshare.integrations.vllm.paged_destination import PagedDestination, PagedKV, segments_of
+from kvshare.integrations.vllm.prefetch import PrefetchMatch
 from kvshare.integrations.vllm.tensor_parallel import HeadSlice
 from kvshare.integrations.vllm.worker import KVWorker, NoStores, PlannedLoad, StepLoads, StepStores
 from kvshare.layout import KVLayout
@@ -45,13 +47,14 @@ from kvshare.pool.checksum import PageHasher
 from kvshare.pool.link import PoolLink
 from kvshare.transfer.base import TransferConfig
 from kvshare.transfer.pipeline import StagingPipeline, UnitWork
-from kvshare.transfer.plan import Unit
+from kvshare.transfer.plan import Unit, plan_unit
 from kvshare.transfer.verify import PageCheck, can_sum_staged
 
 log = logging.getLogger("kvshare.integrations")
 
 # the GPU path's copies: 2-D copies (cuda-bindings) of rows >= 2 MiB, two 128 MiB staging buffers per direction
 GPU_TRANSFER = TransferConfig(staging_bytes=128 << 20)
+MIN_PREFETCH_BYTES = 64 << 20  # a prefetch buffer smaller than this holds too little of a long prompt to pay
 
 
 @dataclass
@@ -119,6 +122,14 @@ class GpuKVWorker(KVWorker):
             except Exception:  # the first copy raises it again, where it is reported as a failed copy
                 log.error("kvshare: pinning the pool arena for CUDA failed", exc_info=True)
 
+    def prefetch_device(self, num_bytes: int) -> GpuAhead | None:
+        """The prefetch buffer copies ahead land in, and its stream (on this worker's pipeline): ``num_bytes``, or
+        half the device memory vLLM left free where that is less (None: less than MIN_PREFETCH_BYTES of it)."""
+        room = torch.cuda.mem_get_info(self.pipeline.device)[0] // 2
+        if room < min(num_bytes, MIN_PREFETCH_BYTES):
+            return None
+        return GpuAhead(self.pipeline, self.kv_layout, min(num_bytes, room))
+
     def close(self) -> None:
         self._close_staged()
         super().close()
@@ -131,6 +142,14 @@ class GpuKVWorker(KVWorker):
     def start_loads(self, specs: list[LoadSpec], per_layer: bool) -> StepLoads:
         """The step's loads enqueued on the pipeline's load lane (``per_layer`` False: vLLM's stream waits for
         all of them here, for a forward that does not wait per layer)."""
+        return self._start(specs, wait_now=not per_layer, is_async=False)
+
+    def start_async_load(self, spec: LoadSpec) -> StepLoads:
+        """One load enqueued on the load lane, ordered after vLLM's work so far; vLLM's stream never waits for it
+        (its CUDA-graph decode steps run on), the load's end event is polled."""
+        return self._start([spec], wait_now=False, is_async=True)
+
+    def _start(self, specs: list[LoadSpec], wait_now: bool, is_async: bool) -> StepLoads:
         settled: list[LoadOutcome] = []
         planned: list[PlannedLoad] = []
         for spec in specs:
@@ -143,7 +162,7 @@ class GpuKVWorker(KVWorker):
                 planned.append(PlannedLoad(spec, pieces, [self.sampler.draw() for _ in pieces], reason, times, client))
         if not planned:
             return StepLoads(settled)
-        return StagedLoads(self, planned, self._staged, settled, wait_now=not per_layer)
+        return StagedLoads(self, planned, self._staged, settled, wait_now=wait_now, is_async=is_async)
 
     def start_stores(self, specs: list[StoreSpec]) -> StepStores:
         """A step's stores: save_layer per layer, then finish. Nothing when the pool is unreachable and no spec
@@ -157,14 +176,16 @@ class GpuKVWorker(KVWorker):
 @dataclass
 class _LoadPlan:
     load: PlannedLoad
-    units: list[list[Unit]]  # per layer group
+    units: list[list[tuple[Unit, torch.Tensor | None]]]  # per layer group: each unit, and its copy ahead or None
     destination: PagedDestination  # the load's tokens in the request's blocks
     check: PageCheck  # the chosen pages' checksums, computed beside the copies
+    ready: object = None  # the copies ahead's event (their units are scattered once it completed)
 
 
 class StagedLoads(StepLoads):
     """The step's loads on a GPU, in flight from construction on; ``finish`` says how each went (``settled``:
-    the step's loads that had nothing to copy)."""
+    the step's loads that had nothing to copy). ``is_async``: a load beside vLLM's steps, which no layer of
+    a forward waits for; done once its end event has completed."""
 
     def __init__(
         self,
@@ -173,8 +194,10 @@ class StagedLoads(StepLoads):
         staged: StagedKV,
         settled: list[LoadOutcome],
         wait_now: bool = False,
+        is_async: bool = False,
     ) -> None:
         super().__init__(settled)
+        self.is_async = is_async
         self.worker, self.loads, self.pipeline = worker, loads, staged.pipeline
         self.kv, self.hasher = staged.kv, staged.hasher
         pipeline = self.pipeline
@@ -188,6 +211,7 @@ class StagedLoads(StepLoads):
         self._start, self._end = Event(enable_timing=True), Event(enable_timing=True)
         self._plans: list[_LoadPlan | None] = []  # per load; None: it could not be planned
         self._refused: dict[str, str] = {}  # request id -> why its load could not be planned
+        self._taken: list[PrefetchMatch] = []  # copies ahead the loads read, given back once they ended
         client = loads[0].client
         with torch.inference_mode():  # vLLM's KV may be inference tensors; ours are, whoever calls
             for _ in pipeline.load_steps(
@@ -218,9 +242,11 @@ class StagedLoads(StepLoads):
                 self._refused[load.spec.req_id] = f"{type(exc).__name__}: {exc}"
         for group in range(len(pipeline.load_groups)):
             yield [
-                UnitWork(unit, plan.destination, plan.check.staged_sums(unit.page_start, unit.page_stop))
+                UnitWork(
+                    unit, plan.destination, plan.check.staged_sums(unit.page_start, unit.page_stop), source, plan.ready
+                )
                 for plan in filter(None, self._plans)
-                for unit in plan.units[group]
+                for unit, source in plan.units[group]
             ]
 
     def _plan(self, load: PlannedLoad) -> _LoadPlan:
@@ -237,9 +263,37 @@ class StagedLoads(StepLoads):
             check = PageCheck(
                 refs, chosen, client, self.hasher, pipeline.device, on_device=can_sum_staged(self.worker.kv_layout)
             )
-        units = list(pipeline.plan_groups([r.offset for r in refs], client.hello.extent_bytes))
+        match = self._ahead(load, refs)
+        units = self._units([r.offset for r in refs], client.hello.extent_bytes, match)
         destination = self.kv.destination(slots, segments_of([(p.lo, p.hi) for p in load.pieces]))
-        return _LoadPlan(load, units, destination, check)
+        return _LoadPlan(load, units, destination, check, match.prefetch.copy.done if match else None)
+
+    def _ahead(self, load: PlannedLoad, refs: list) -> PrefetchMatch | None:
+        """The copy ahead of the load's first pages, where the router's hint brought one (prefetch)."""
+        prefetcher = self.worker.prefetcher
+        if prefetcher is None:
+            return None
+        keys = [load.spec.keys[p.page_index] for p in load.pieces]
+        match = prefetcher.take(load.spec.pool_id, keys, refs)
+        if match is not None:
+            self._taken.append(match)
+        return match
+
+    def _units(self, offsets: list[int], extent_bytes, match: PrefetchMatch | None) -> list[list]:
+        """Per layer group, the load's units and their sources: a group the copy ahead holds reads its pages
+        0..m-1 from there (one unit, no H2D) and stages the rest; the others stage every page."""
+        pipeline, n = self.pipeline, len(offsets)
+        m, copy = (match.num_pages, match.prefetch.copy) if match is not None else (0, None)
+        per_group = []
+        for g, units in enumerate(pipeline.plan_groups(offsets, extent_bytes)):
+            if copy is None or g >= copy.num_groups:
+                per_group.append([(unit, None) for unit in units])
+                continue
+            group = pipeline.load_groups[g]
+            ahead = plan_unit(offsets, self.worker.kv_layout, group, (0, m), extent_bytes)
+            rest = next(pipeline.plan_groups(offsets, extent_bytes, [group], first_page=m), []) if m < n else []
+            per_group.append([(ahead, copy.source(g, match.first, m))] + [(unit, None) for unit in rest])
+        return per_group
 
     def wait_layer(self, index: int) -> None:
         """vLLM's current stream waits until layer ``index`` of every load is in its blocks (the host does not)."""
@@ -248,8 +302,11 @@ class StagedLoads(StepLoads):
             group = self.pipeline.group_of_layer[index]
             torch.cuda.current_stream(self.pipeline.device).wait_event(self._group_events[group])
 
+    def is_done(self) -> bool:
+        return self._end.query()
+
     def finish(self) -> tuple[list[LoadOutcome], bool]:
-        all_waited = self._wait_now or len(self._waited) == self.num_layers
+        all_waited = self.is_async or self._wait_now or len(self._waited) == self.num_layers
         self._end.synchronize()
         if self._error is None:
             self.seconds = self._start.elapsed_time(self._end) / 1e3
@@ -275,6 +332,9 @@ class StagedLoads(StepLoads):
                     continue
             outcomes.append(self.worker.outcome(spec, spec.token_start, reason, load.times))
         self._plans = []  # the device tensors go (every use of them has completed)
+        for match in self._taken:  # the scatters out of the copies ahead have ended
+            self.worker.prefetcher.give_back(match)
+        self._taken = []
         return outcomes, all_waited
 
     def _verdicts(self, plan: _LoadPlan) -> list[bool]:

@@ -322,3 +322,57 @@ def startup_row(*, model: str, vllm_version: str, device: str, log_lines: list[s
         "kv_cache_tokens_min_over_max": min(sizes) / max(sizes) if len(sizes) == len(names) and sizes else None,
         "serving_after_s": {n: serving[n] - first[names[0]] for n in names if n in serving},
     }
+
+
+STALL_GOAL = 2.0  # the streams' worst gap while a prefix loads beside them: at most twice their p99 gap without one
+
+
+def token_gaps(arrivals: list[list[float]], start: float, end: float) -> list[float]:
+    """The gaps between consecutive tokens of each stream (``arrivals``: each stream's token times) that overlap
+    ``start .. end``: a stream stopped across the whole window shows one gap longer than it."""
+    return [b - a for times in arrivals for a, b in zip(times, times[1:]) if b > start and a < end]
+
+
+def _p99(values: list[float]) -> float | None:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] if ordered else None
+
+
+def stall_row(
+    *,
+    model: str,
+    prompt_tokens: int,
+    vllm_version: str,
+    engine: str,
+    baseline: tuple[list[list[float]], float, float],
+    load: tuple[list[list[float]], float, Completion],
+    cold: tuple[list[list[float]], float, Completion] | None,
+) -> dict:
+    """Decode streams on one replica while a prefix of ``prompt_tokens`` comes to it: ``baseline`` (their token
+    times, the window's start and end) with nothing else, ``load`` (token times, when the request was sent, its
+    completion) while it loads the prefix from the shared tier, ``cold`` the same while it computes a prompt
+    nobody holds (vLLM's chunked prefill). The worst gap of each is over the request's time to first token."""
+    arrivals, start, end = baseline
+    p99 = _p99(token_gaps(arrivals, start, end))
+    row = {
+        "mode": "stall",
+        "model": model,
+        "prompt_tokens": prompt_tokens,
+        "vllm_version": vllm_version,
+        "engine": engine,
+        "streams": len(arrivals),
+        "baseline_p99_gap_s": p99,
+        "goal_over_p99": STALL_GOAL,
+    }
+    for name, phase in (("load", load), ("cold", cold)):
+        if phase is None:
+            continue
+        streams, sent, done = phase
+        worst = max(token_gaps(streams, sent, sent + done.ttft_s), default=None)
+        row[f"{name}_ttft_s"] = done.ttft_s
+        row[f"{name}_cached_tokens"] = done.cached_tokens
+        row[f"{name}_worst_gap_s"] = worst
+        row[f"{name}_over_p99"] = worst / p99 if worst is not None and p99 else None
+        # every stream kept streaming past the request's first token: the window was measured whole
+        row[f"{name}_streams_outlasted"] = all(s and s[-1] > sent + done.ttft_s for s in streams)
+    return row

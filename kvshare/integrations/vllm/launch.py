@@ -64,6 +64,7 @@ class VllmServerConfig:
     verify_fraction: float | None = None  # share of loaded pages verified; None: the connector's default
     overlap_load: bool | None = None  # CPU loads copied beside the forward; None: the connector's default
     copy_threads: int | None = None  # threads of the connector's CPU copies; None: the connector's default
+    async_loads: str | None = None  # "auto" | "always" | "never": loads beside vLLM's steps; None: the default
     pool_retry_s: float = 5.0  # after losing the pool, serve without it this long before reconnecting
     log_level: str | None = None  # KVSHARE_LOG_LEVEL of the connector; "DEBUG" logs each load's phase timings
     # TMPDIR of the server and its workers: vLLM's tensor-parallel rendezvous files (vllm_dist_*) go there, so
@@ -72,6 +73,8 @@ class VllmServerConfig:
     seed: int = 0
     model_revision: str = ""  # the connector's model_revision; "": the namespace hashes the weights' bytes
     account_key_file: str = ""  # the connector's account_key_file (the router's account key); "": its default
+    hint_address: str = ""  # the connector's hint_address: where it takes the router's prefetch hints; "": none
+    prefetch_mib: int | None = None  # the connector's prefetch_mib (room for copies ahead); None: its default
     kv_events_port: int | None = None  # vLLM's own KV events on tcp://*:PORT, topic kv@<replica>@<model name>
     # Other KV tiers, for comparisons (each instead of kvshare's connector: vLLM runs one KV connector):
     kv_offloading_gib: float | None = None  # --kv-offloading-size: vLLM's own CPU offloading tier
@@ -134,10 +137,16 @@ def kv_transfer_config(config: VllmServerConfig) -> dict:
         extra["overlap_load"] = config.overlap_load
     if config.copy_threads is not None:
         extra["copy_threads"] = config.copy_threads
+    if config.async_loads is not None:
+        extra["async_loads"] = config.async_loads
     if config.model_revision:
         extra["model_revision"] = config.model_revision
     if config.account_key_file:
         extra["account_key_file"] = config.account_key_file
+    if config.hint_address:
+        extra["hint_address"] = config.hint_address
+    if config.prefetch_mib is not None:
+        extra["prefetch_mib"] = config.prefetch_mib
     return {
         "kv_connector": CONNECTOR_CLASS,
         "kv_connector_module_path": CONNECTOR_MODULE,

@@ -1,4 +1,4 @@
-"""The scheduler side's leases: one per request, held from its lookup until the step that loaded it has finished.
+"""The scheduler side's leases: one per request, held from its lookup until its load has ended on every rank.
 
 The book only records; the scheduler side (kvshare.integrations.vllm.scheduler) talks to the pool.
 """
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 class LeaseState(enum.Enum):
     PENDING = "pending"  # looked up, vLLM has not allocated the blocks yet (may ask again)
     SCHEDULED = "scheduled"  # vLLM allocated blocks: the next step's metadata carries the load
-    IN_FLIGHT = "in_flight"  # sent to the worker; released once the step that loaded has finished
+    IN_FLIGHT = "in_flight"  # sent to the worker; released once every rank has reported the load's end
 
 
 @dataclass
@@ -29,13 +29,17 @@ class HeldLease:
     token_end: int = 0
     state: LeaseState = LeaseState.PENDING
     is_resumed: bool = False  # backs a request's load after a preemption (not its provenance)
+    # the load runs beside vLLM's steps, the request parked until the workers report it (metadata.LoadSpec);
+    # its blocks, which no step's scheduler output names, are those vLLM allocated for it
+    is_async: bool = False
+    block_ids: tuple[int, ...] = ()
 
 
 class LeaseBook:
     """Leases per request id: at most one each, reused when vLLM asks again, expired after a TTL.
 
     The book only records; the caller talks to the pool (lookup, release) and passes ``now``.
-    A lease sent to a worker is released when its load has finished, not when the TTL says:
+    A lease sent to a worker is released when its load has ended, not when the TTL says:
     a page is never freed while it is copied (only a report lost for ten TTLs ends it).
     """
 
@@ -96,4 +100,4 @@ class LeaseBook:
         return [self._held.pop(r) for r in expired]
 
 
-IN_FLIGHT_TTL_FACTOR = 10  # a load takes a step (well under a second); ten TTLs means its report was lost
+IN_FLIGHT_TTL_FACTOR = 10  # a load takes a step or a few (well under a second); ten TTLs: its report was lost

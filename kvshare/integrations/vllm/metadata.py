@@ -29,6 +29,9 @@ class LoadSpec:
     token_start: int
     token_end: int
     block_ids: tuple[int, ...]
+    # vLLM holds the request in WAITING_FOR_REMOTE_KVS while this load runs beside its steps (never scheduled
+    # in them); the worker reports it in get_finished once its copies and checks have ended
+    is_async: bool = False
 
 
 @dataclass(frozen=True)
@@ -127,13 +130,3 @@ class WorkerReport:
 
     def merged(self, other: WorkerReport) -> WorkerReport:
         return WorkerReport(self.loads + other.loads, self.stores + other.stores)
-
-    def loads_by_request(self) -> list[LoadOutcome]:
-        """One outcome per request: with tensor parallelism every rank reports its load, and the tokens
-        loaded are those every rank loaded (the shortest; vLLM recomputes the rest on all ranks)."""
-        merged: dict[str, LoadOutcome] = {}
-        for outcome in self.loads:
-            held = merged.get(outcome.req_id)
-            if held is None or outcome.loaded_end < held.loaded_end:
-                merged[outcome.req_id] = outcome
-        return list(merged.values())

@@ -23,7 +23,11 @@ from kvshare.paths import default_pool_socket
 if TYPE_CHECKING:
     from kvshare.transfer.base import TransferConfig
 
-CUDA_COPY_METHODS = ("memcpy2d", "torch")  # kvshare.transfer.base.COPY_METHODS (imported lazily: it imports torch)
+CUDA_COPY_METHODS = ("memcpy2d", "torch")
+# when a load runs beside vLLM's steps (vLLM parks the request until get_finished names it) instead of inside
+# the step that computes the request's suffix: "auto" when other requests are running on the replica (a load
+# never stops their decoding), else in the step (it overlaps the request's own suffix compute)
+ASYNC_LOADS = ("auto", "always", "never")  # kvshare.transfer.base.COPY_METHODS (imported lazily: it imports torch)
 
 PARAMS_KEY = "kvshare"  # our entry in kv_transfer_params, in and out
 
@@ -45,6 +49,7 @@ class ConnectorConfig:
     # outside vLLM's OpenMP team; on the 2-core machine the helper took one of the team's cores and the
     # forward, which waits for its slowest thread, ran 4x slower (docs/vllm.md)
     overlap_load: bool = False
+    async_loads: str = "auto"  # ASYNC_LOADS
     # on a GPU: how pages move to and from the GPU staging buffers. "memcpy2d": one cudaMemcpy2DAsync per
     # layer group and run of pages (needs cuda-bindings); "torch": one copy per page and layer group. No fallback
     cuda_copy_method: str = "memcpy2d"
@@ -64,11 +69,20 @@ class ConnectorConfig:
     # file holding the key the router signs accounts with (kvshare.serve.tenancy.account_tag); "": the variable
     # $KVSHARE_ACCOUNT_KEY, else none: every request is charged to the namespace's shared account
     account_key_file: str = ""
+    # where this replica takes the router's prefetch hints (kvshare.router.hints): a Unix socket's absolute path
+    # or HOST:PORT; "": none. Hints are signed with the account key above, which must then be set
+    hint_address: str = ""
+    # the buffer that copies ahead on hints land in (gpu_prefetch, cpu_prefetch); on a GPU outside vLLM's KV budget
+    # as the staging buffers are, and at most half the memory vLLM left free. 2 GiB: what ~40 ms of host-to-GPU
+    # copy fills on an H100/H200, about vLLM's own time from a request's arrival to its scheduling; a longer run
+    # copies its first layers. 0: no copies ahead
+    prefetch_mib: int = 2048
+    hint_ttl_s: float = 10.0  # a copy ahead that no load took within this is dropped
 
     def __post_init__(self) -> None:
         if self.chunk_tokens <= 0:
             raise ValueError(f"chunk_tokens must be positive, got {self.chunk_tokens}")
-        for name in ("lease_ttl_s", "pool_timeout_s", "pool_retry_s"):
+        for name in ("lease_ttl_s", "pool_timeout_s", "pool_retry_s", "hint_ttl_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0.0 <= self.verify_fraction <= 1.0:
@@ -77,6 +91,14 @@ class ConnectorConfig:
             raise ValueError(f"copy_threads must be >= 1, got {self.copy_threads}")
         if self.cuda_copy_method not in CUDA_COPY_METHODS:
             raise ValueError(f"cuda_copy_method must be one of {CUDA_COPY_METHODS}, got {self.cuda_copy_method!r}")
+        if self.prefetch_mib < 0:
+            raise ValueError(f"prefetch_mib must be >= 0 (0: no copies ahead), got {self.prefetch_mib}")
+        if self.hint_address:
+            from kvshare.router.hints import parse_address
+
+            parse_address(self.hint_address)
+        if self.async_loads not in ASYNC_LOADS:
+            raise ValueError(f"async_loads must be one of {ASYNC_LOADS}, got {self.async_loads!r}")
         if self.cuda_staging_mib < 2:
             raise ValueError(f"cuda_staging_mib must be >= 2 (one 2 MiB row), got {self.cuda_staging_mib}")
 

@@ -19,6 +19,18 @@ from kvshare.pool.link import POOL_DOWN_ERRORS, PoolLink, guarded
 log = logging.getLogger("kvshare.integrations")
 
 
+def release_lease(link: PoolLink, lease_id: int, pool_id: bytes) -> None:
+    """Release a lease ``link`` took (its holder, reconnected or not) while the pool that granted it still runs;
+    where the pool is unreachable now, once the link is back to it."""
+    client = link.client()
+    if client is None:
+        link.end_later(lease_id=lease_id, pool_id=pool_id)
+        return
+    if link.pool_id != pool_id:  # granted by a pool that is gone, with its holds
+        return
+    client.release([lease_id])  # fire and forget; a broken socket closes the client
+
+
 class StorePool(Protocol):
     """What the GPU stores need to reserve, commit and abort pages (PoolPages is one)."""
 

@@ -4,7 +4,12 @@ Independent of vLLM's types (the connector class adapts its hooks), so the bookk
 runs in tests against a real pool without a vLLM server. Per request::
 
     add_request -> match (lookup + lease; may repeat) -> allocated -> plan_step (load spec)
-                -> on_report (the step that loaded has finished: release the lease) -> finish
+                -> on_report (every rank reported the load's end: release the lease) -> finish
+
+A load runs in the step that computes the request's suffix (synchronous: its layers overlap that compute), or
+beside vLLM's steps (``is_async``: vLLM parks the request in WAITING_FOR_REMOTE_KVS until the workers name it in
+get_finished; the other requests keep decoding meanwhile). ``async_loads`` "auto" chooses asynchronous when
+other requests are running on the replica, since a synchronous load stops their decoding for its whole copy.
 
 Leases are taken and released by this process's own pool connection (only the
 connection that took a lease may release it); the worker only reads the pages. With tensor
@@ -23,8 +28,9 @@ from typing import Any
 
 from kvshare.integrations.vllm.counters import ConnectorCounters, PhaseTimes
 from kvshare.integrations.vllm.leases import HeldLease, LeaseBook, LeaseState
-from kvshare.integrations.vllm.metadata import LoadSpec, StepPlan, StoreSpec, WorkerReport
+from kvshare.integrations.vllm.metadata import LoadOutcome, LoadSpec, StepPlan, StoreSpec, WorkerReport
 from kvshare.integrations.vllm.options import ConnectorConfig, TransferParams, provenance
+from kvshare.integrations.vllm.pool_pages import release_lease
 from kvshare.integrations.vllm.prompt_chunks import chunks_completed, lookup_window, tokens_to_load
 from kvshare.integrations.vllm.tensor_parallel import TensorParallelStores
 from kvshare.keys import Namespace, extend_chunk_keys, namespace_digest
@@ -88,7 +94,9 @@ class PoolScheduler:
         self._account_key = account_key
         self._accounts: dict[str, bytes] = {}  # account -> its digest (the pool's Reserve.account)
         self._has_refused_an_account = False  # warned once: a misconfigured key would otherwise go unnoticed
+        self.tp_size = tp_size
         self._parted = TensorParallelStores(tp_size, link, self.counters, page_bytes) if tp_size > 1 else None
+        self._reported: dict[str, list[LoadOutcome]] = {}  # a load's outcomes from the ranks that reported it
 
     # -- requests --------------------------------------------------------------------
 
@@ -185,7 +193,23 @@ class PoolScheduler:
             self._release(self._leases.pop(req_id))
             return 0
         held.token_start, held.token_end = num_computed_tokens, num_computed_tokens + num_tokens
+        held.is_async = self._prefers_async(req_id)
         return num_tokens
+
+    def is_async(self, req_id: str) -> bool:
+        """Whether the load match() last offered for the request runs beside vLLM's steps (vLLM is told so)."""
+        held = self._leases.get(req_id)
+        return held is not None and held.state is LeaseState.PENDING and held.is_async
+
+    def _prefers_async(self, req_id: str) -> bool:
+        """Asynchronous where other requests run on the replica (admitted, not waiting for a load of their own)."""
+        if self.config.async_loads != "auto":
+            return self.config.async_loads == "always"
+        for other, request in self._requests.items():
+            held = self._leases.get(other)
+            if other != req_id and request.is_admitted and not (held is not None and held.is_async):
+                return True
+        return False
 
     def _lookup(self, req_id: str, keys: list[bytes], first_chunk: int, now: float) -> HeldLease | None:
         client = self.link.client()
@@ -203,9 +227,16 @@ class PoolScheduler:
         self._leases.put(req_id, held)
         return held
 
-    def allocated(self, req_id: str, num_external_tokens: int, local_tokens: int | None = None) -> None:
+    def allocated(
+        self,
+        req_id: str,
+        num_external_tokens: int,
+        local_tokens: int | None = None,
+        block_ids: Sequence[int] | None = None,
+    ) -> None:
         """vLLM allocated blocks and loads ``num_external_tokens`` (0: it decided not to) after
-        ``local_tokens`` of its own prefix cache (None: unknown, the value match() saw stands)."""
+        ``local_tokens`` of its own prefix cache (None: unknown, the value match() saw stands). ``block_ids``:
+        the request's blocks, which an asynchronous load copies into (no step's scheduler output names them)."""
         request = self._requests.get(req_id)
         is_resumed = request is not None and request.is_admitted
         if request is not None and not is_resumed:
@@ -245,13 +276,17 @@ class PoolScheduler:
         # more than the lease covers is never expected either: the worker reports the excess as failed
         held.token_end = held.token_start + num_external_tokens
         held.is_resumed = is_resumed
+        held.block_ids = tuple(block_ids) if held.is_async and block_ids is not None else ()
+        if held.is_async and not held.block_ids:  # never expected: no blocks to copy into, so a load of none
+            log.error("kvshare: vLLM allocated an asynchronous load for %s without naming its blocks", req_id)
         self.counters.hit_tokens += num_external_tokens
         self._leases.mark(req_id, LeaseState.SCHEDULED)
 
     # -- steps -------------------------------------------------------------------------
 
     def plan_step(self, scheduled: list[ScheduledRequest]) -> StepPlan:
-        """This step's loads (for requests just allocated) and stores (chunks the step completes)."""
+        """This step's loads (for requests just allocated: those scheduled in it, and asynchronous ones, which
+        vLLM parks) and stores (chunks the step completes)."""
         for held in self._leases.take_expired(self._clock()):
             self.counters.expired_leases += 1
             self._release(held)
@@ -263,30 +298,37 @@ class PoolScheduler:
                 continue
             held = self._leases.get(step.req_id)
             if held is not None and held.state is LeaseState.SCHEDULED:
-                loads.append(
-                    LoadSpec(
-                        step.req_id,
-                        held.owner[0],
-                        held.first_chunk,
-                        tuple(held.pages),
-                        tuple(held.keys),
-                        held.token_start,
-                        held.token_end,
-                        tuple(step.block_ids),
-                    )
-                )
-                self._leases.mark(step.req_id, LeaseState.IN_FLIGHT)
-                request.pool_chunks = range(held.first_chunk, held.first_chunk + len(held.pages))
+                held.is_async = False  # scheduled in this step: vLLM waits for nothing, the forward reads it
+                loads.append(self._load_spec(step.req_id, request, held, tuple(step.block_ids)))
             if self.config.store and request.options.use_pool:
                 done = chunks_completed(
                     step.computed_before, step.computed_before + step.num_scheduled, len(request.prompt), C
                 )
                 stores.extend(self._store_specs(step, request, [c for c in done if c not in request.pool_chunks]))
-        # allocated but not scheduled: never expected
-        for req_id, _ in self._leases.with_state(LeaseState.SCHEDULED):
+        for req_id, held in self._leases.with_state(LeaseState.SCHEDULED):
+            request = self._requests.get(req_id)
+            if held.is_async and request is not None:
+                loads.append(self._load_spec(req_id, request, held, held.block_ids))
+                continue
             log.error("kvshare: request %s was allocated a pool load but not scheduled; releasing its lease", req_id)
             self._release(self._leases.pop(req_id))
         return StepPlan(tuple(loads), tuple(stores))
+
+    def _load_spec(self, req_id: str, request: _Request, held: HeldLease, block_ids: tuple[int, ...]) -> LoadSpec:
+        """The worker's order for a lease vLLM allocated; the lease is in flight from here on."""
+        self._leases.mark(req_id, LeaseState.IN_FLIGHT)
+        request.pool_chunks = range(held.first_chunk, held.first_chunk + len(held.pages))
+        return LoadSpec(
+            req_id,
+            held.owner[0],
+            held.first_chunk,
+            tuple(held.pages),
+            tuple(held.keys),
+            held.token_start,
+            held.token_end,
+            block_ids,
+            held.is_async,
+        )
 
     def _store_specs(self, step: ScheduledRequest, request: _Request, chunks: list[int]) -> list[StoreSpec]:
         if not chunks:
@@ -316,32 +358,40 @@ class PoolScheduler:
         return specs if self._parted is None else [p for p in map(self._parted.reserve, specs) if p is not None]
 
     def on_report(self, report: WorkerReport) -> None:
-        """The step that loaded has finished: release each load's lease and record what arrived."""
-        C = self.config.chunk_tokens
+        """Ranks report loads that ended: once every rank has, release the lease and record what arrived (the
+        tokens every rank loaded). A synchronous load is reported by all ranks in its step's report; an
+        asynchronous one by each rank in the pass its copies ended, which may differ between ranks."""
         for part in report.stores:
             if self._parted is not None:
                 self._parted.add_part(part)
-        for outcome in report.loads_by_request():
-            held = self._leases.pop(outcome.req_id)
-            self._release(held)
-            request = self._requests.get(outcome.req_id)
-            if request is None:
-                continue
-            if held is None or not held.is_resumed:
-                request.pool_tokens += outcome.num_loaded
-            if not outcome.is_complete and held is not None:
-                # chunks from the failed one on are recomputed and may be stored again
-                request.pool_chunks = range(held.first_chunk, max(outcome.loaded_end // C, held.first_chunk))
+        for outcome in report.loads:
+            self._reported.setdefault(outcome.req_id, []).append(outcome)
+        for req_id in [r for r, outcomes in self._reported.items() if len(outcomes) >= self.tp_size]:
+            self._load_ended(min(self._reported.pop(req_id), key=lambda outcome: outcome.loaded_end))
+
+    def _load_ended(self, outcome: LoadOutcome) -> None:
+        C = self.config.chunk_tokens
+        held = self._leases.pop(outcome.req_id)
+        self._release(held)
+        request = self._requests.get(outcome.req_id)
+        if request is None:
+            return
+        if held is None or not held.is_resumed:
+            request.pool_tokens += outcome.num_loaded
+        if not outcome.is_complete and held is not None:
+            # chunks from the failed one on are recomputed and may be stored again
+            request.pool_chunks = range(held.first_chunk, max(outcome.loaded_end // C, held.first_chunk))
 
     def finish(self, req_id: str) -> dict[str, Any] | None:
         """The request is done: its provenance for kv_transfer_params; leases not yet in flight are released."""
         request = self._requests.pop(req_id, None)
         held = self._leases.get(req_id)
         in_flight = 0
-        if held is not None and held.state is LeaseState.IN_FLIGHT and not held.is_resumed:
-            # vLLM finishes a request in the step that loaded only when the load succeeded;
-            # the lease itself is released by on_report once that step's report arrives
-            in_flight = held.token_end - held.token_start
+        if held is not None and held.state is LeaseState.IN_FLIGHT:
+            # the lease is released by on_report once every rank reported the load's end (the pages may still
+            # be copied). vLLM finishes a request in the step that loaded synchronously only when the load
+            # succeeded; an asynchronous one still in flight (an aborted request) supplied nothing
+            in_flight = held.token_end - held.token_start if not (held.is_resumed or held.is_async) else 0
         elif held is not None:
             self._release(self._leases.pop(req_id))
         if request is None:
@@ -357,19 +407,10 @@ class PoolScheduler:
     # -- pool --------------------------------------------------------------------------
 
     def _release(self, held: HeldLease | None) -> None:
-        """Release a lease through this link (the holder that took it, reconnected or not) while the pool that
-        granted it still runs."""
-        if held is None or not held.lease_id:
+        """Release a lease through this link (the holder that took it) while the pool that granted it still runs."""
+        if held is None or not held.lease_id or held.owner[1] != self.link.holder:
             return
-        if held.owner[1] != self.link.holder:
-            return
-        client = self.link.client()
-        if client is None:  # once the link is back to the pool that granted it
-            self.link.end_later(lease_id=held.lease_id, pool_id=held.owner[0])
-            return
-        if self.link.pool_id != held.owner[0]:  # granted by a pool that is gone
-            return
-        client.release([held.lease_id])  # fire and forget; a broken socket closes the client
+        release_lease(self.link, held.lease_id, held.owner[0])
 
     @property
     def num_leases(self) -> int:

@@ -19,6 +19,7 @@ _HELP = {
     "lookups": "Pool lookups made by the kvshare connector",
     "hit_tokens": "Prompt tokens vLLM was told the kvshare pool supplies",
     "loaded_tokens": "Prompt tokens copied from the kvshare pool into vLLM's KV cache and verified",
+    "async_loads": "kvshare loads run beside vLLM's steps while their request waited (others kept decoding)",
     "load_bytes": "KV bytes copied from the kvshare pool",
     "load_seconds": "Seconds spent copying KV from the kvshare pool",
     "stored_chunks": "Chunks (pages) committed to the kvshare pool",
@@ -30,6 +31,11 @@ _HELP = {
     "load_failures": "kvshare loads that stopped early; vLLM recomputed the rest",
     "pool_errors": "Failed calls to the kvshare pool daemon",
     "expired_leases": "kvshare leases released because vLLM never scheduled their request",
+    "hints": "Prefetch hints from the kvshare router received with a valid tag",
+    "hints_refused": "Frames on the kvshare hint address refused (tag, age, size or form)",
+    "prefetched_pages": "kvshare pool pages copied ahead of their load on a router hint",
+    "prefetch_hits": "kvshare pool pages a load took from a copy ahead instead of the pool",
+    "prefetches_unused": "kvshare copies ahead dropped after their bound without a load taking them",
 }
 
 

@@ -5,16 +5,21 @@ indices), and the H200 harness (benchmarks/vllm_harness_gpu.py) drives the same 
 
     start_load(plan)        start_load_kv: before the forward when the step loads (sync loads);
                             after it when it does not (vLLM then starts it late); a step vLLM may replay
-                            as one full CUDA graph (plan.no_layer_hooks) has its loads complete first
+                            as one full CUDA graph (plan.no_layer_hooks) has its loads complete first;
+                            asynchronous loads start here and outlive the step
     wait_layer(l)           wait_for_layer_load, before attention layer l reads its KV
     save_layer(l, plan)     save_kv_layer, after attention layer l wrote its KV
     wait_for_save(plan)     after the forward: loads finished, then stores committed (or aborted)
+    poll_async()            get_finished, every step (a step without a forward too): the asynchronous loads
+                            that ended, checked; their bad blocks go to load_errors in the same pass
     load_errors()           get_block_ids_with_load_errors, the same step: blocks vLLM recomputes
     take_outcomes()         build_connector_worker_meta: how each load went, for the scheduler side
     take_store_parts()      ... and, with tensor parallelism, this rank's part of each reserved store
 
 ``KVWorker`` is what both implementations give, and the hooks know no other: ``start_loads`` returns the
-step's loads in flight (``StepLoads``: ``wait_layer``, ``finish``), ``start_stores`` its stores
+step's loads in flight (``StepLoads``: ``wait_layer``, ``finish``), ``start_async_load`` one load that runs
+beside vLLM's steps (a ``StepLoads`` polled with ``is_done``: on a GPU on the pipeline's own streams, which
+vLLM's stream never waits for; on CPU on the loader thread), ``start_stores`` its stores
 (``StepStores``: ``save_layer``, ``finish``). ``cpu.CpuKVWorker`` copies loads before the forward (or, with
 ``overlap_load``, beside it: cpu_overlap) and stores after it; ``gpu.GpuKVWorker`` enqueues loads per layer
 group on its own streams, vLLM's stream waiting per layer, and copies each layer of the stores out as vLLM
@@ -32,7 +37,7 @@ import logging
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -45,6 +50,9 @@ from kvshare.integrations.vllm.tensor_parallel import HeadSlice
 from kvshare.layout import KVLayout
 from kvshare.pool.checksum import PageSampler
 from kvshare.pool.link import PoolLink
+
+if TYPE_CHECKING:
+    from kvshare.integrations.vllm.prefetch import Prefetcher
 
 log = logging.getLogger("kvshare.integrations")
 
@@ -65,21 +73,25 @@ class WorkerHooks:
         self._failed_loads: set[str] = set()
         self._load_specs: dict[str, LoadSpec] = {}  # this step's loads by request
         self._loads: StepLoads | None = None  # this step's loads, from start_load until they are finished
+        # asynchronous loads in flight, each from the step that started it until a get_finished reports it
+        self._async: list[StepLoads] = []
+        self._async_specs: dict[str, LoadSpec] = {}
         self._stores: StepStores | None = None  # this step's stores, from its first saved layer on
         self.step_times = PhaseTimes()
 
     def start_load(self, plan: StepPlan) -> None:
         self._finish_loads()  # (a step always ends in wait_for_save first; this only guards against a skipped one)
         self.step_times = PhaseTimes()  # this step's load, forward and save (logged at DEBUG)
-        if plan.loads:
-            self._load_specs = {spec.req_id: spec for spec in plan.loads}
+        for spec in plan.loads:
+            if spec.is_async:
+                self.worker.counters.async_loads += 1
+                self._async_specs[spec.req_id] = spec
+                self._async.append(self.worker.start_async_load(spec) if self.worker.layers else _no_kv([spec]))
+        loads = [spec for spec in plan.loads if not spec.is_async]
+        if loads:
+            self._load_specs = {spec.req_id: spec for spec in loads}
             per_layer = self._layer_waits and not plan.no_layer_hooks
-            if self.worker.layers:
-                self._loads = self.worker.start_loads(list(plan.loads), per_layer)
-            else:
-                self._loads = StepLoads(
-                    [LoadOutcome(s.req_id, s.token_start, s.token_end, s.token_start, NO_KV) for s in plan.loads]
-                )
+            self._loads = self.worker.start_loads(loads, per_layer) if self.worker.layers else _no_kv(loads)
         self.step_times.mark("load")
 
     def wait_layer(self, index: int) -> None:
@@ -118,6 +130,21 @@ class WorkerHooks:
                 times.line(),
             )
 
+    def poll_async(self) -> set[str]:
+        """The requests whose asynchronous loads ended since the last poll, each checked: its outcome is taken
+        for the scheduler side and a failed one's blocks are load errors, reported in this same pass."""
+        pending, ended = [], []
+        for loads in self._async:
+            (ended if loads.is_done() else pending).append(loads)
+        self._async = pending
+        finished: set[str] = set()
+        for loads in ended:
+            outcomes, _ = loads.finish()
+            for outcome in outcomes:
+                self._record(outcome, self._async_specs.pop(outcome.req_id))
+                finished.add(outcome.req_id)
+        return finished
+
     def load_errors(self) -> set[int]:
         self._finish_loads()  # already done by wait_for_save, unless vLLM deferred that past this call
         invalid, self._invalid_blocks = self._invalid_blocks, set()
@@ -150,13 +177,22 @@ class WorkerHooks:
                 "calls?); this step's loads are recomputed and later loads complete before the forward reads"
             )
         for outcome in outcomes:
-            self._outcomes.append(outcome)
             if not outcome.is_complete:
-                spec = self._load_specs[outcome.req_id]
-                self._failed_loads.add(spec.req_id)
-                self._invalid_blocks.update(
-                    blocks_of_tokens(outcome.loaded_end, outcome.token_end, self.block_size, list(spec.block_ids))
-                )
+                self._failed_loads.add(outcome.req_id)  # nothing this step computed from it may be stored
+            self._record(outcome, self._load_specs[outcome.req_id])
+
+    def _record(self, outcome: LoadOutcome, spec: LoadSpec) -> None:
+        """A load's end, for the scheduler side; the blocks of tokens it could not load, for vLLM to recompute."""
+        self._outcomes.append(outcome)
+        if not outcome.is_complete:
+            self._invalid_blocks.update(
+                blocks_of_tokens(outcome.loaded_end, outcome.token_end, self.block_size, list(spec.block_ids))
+            )
+
+
+def _no_kv(specs: list[LoadSpec]) -> StepLoads:
+    """Loads that cannot run: no KV tensors were registered."""
+    return StepLoads([LoadOutcome(s.req_id, s.token_start, s.token_end, s.token_start, NO_KV) for s in specs])
 
 
 @dataclass
@@ -169,6 +205,7 @@ class PlannedLoad:
     reason: str  # why the pieces end before the spec does ("" if they do not)
     times: PhaseTimes
     client: Any  # the pool connection (kvshare.pool.client.PoolClient) whose arena holds the pages
+    ahead: Any = None  # a prefetch.PrefetchMatch: the load's first pages come from a copy ahead (CPU)
 
 
 class StepLoads:
@@ -180,6 +217,10 @@ class StepLoads:
 
     def wait_layer(self, index: int) -> None:
         """Return once layer ``index`` of every load may be read (on a GPU: once vLLM's stream waits for it)."""
+
+    def is_done(self) -> bool:
+        """Whether ``finish`` would return without waiting (an asynchronous load's copies have ended)."""
+        return True
 
     def finish(self) -> tuple[list[LoadOutcome], bool]:
         """Wait for the copies and checksums: each load's outcome, and whether every layer was waited for
@@ -238,6 +279,7 @@ class KVWorker:
         self.pool = PoolPages(link, kv_layout, self.counters)  # lease checks, drops, reserve / commit / abort
         self.layers: list[torch.Tensor] = []  # vLLM's KV tensors, once registered
         self.paged: PagedLayout | None = None  # their layout, once registered
+        self.prefetcher: Prefetcher | None = None  # copies ahead on the router's hints, where configured
 
     # -- what each implementation gives --------------------------------------------------
 
@@ -254,8 +296,17 @@ class KVWorker:
         reads its KV, so copies may run beside it (else every load is in the blocks before the forward reads)."""
         raise NotImplementedError
 
+    def start_async_load(self, spec: LoadSpec) -> StepLoads:
+        """Start one load beside vLLM's steps: nothing of vLLM's waits for it, its blocks belong to a request vLLM
+        does not schedule until ``finish`` has reported it (polled with ``is_done``)."""
+        raise NotImplementedError
+
     def start_stores(self, specs: list[StoreSpec]) -> StepStores:
         """The step's stores: copied out of vLLM's blocks into reserved pages, committed in ``finish``."""
+        raise NotImplementedError
+
+    def prefetch_device(self, num_bytes: int):
+        """The room copies ahead land in, ``num_bytes`` of it (prefetch.DeviceAhead: gpu_prefetch, cpu_prefetch)."""
         raise NotImplementedError
 
     def prepare(self) -> None:

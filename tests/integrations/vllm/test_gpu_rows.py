@@ -210,3 +210,35 @@ def test_on_off_row_separates_the_prefix_bytes_from_vllms_reuse_numerics():
     row = on_off_row(**COMMON, prompt_tokens=1100, off=cold_b, on=other, batch_invariant=False, own_hit=own)
     assert not row["own_hit_tokens_equal"] and row["own_hit_first_divergence"] == 1
     assert row["own_hit_same_split"] is False and "replicas_cold_tokens_equal" not in row
+
+
+def test_a_stall_row_takes_the_worst_gap_over_the_requests_first_token_against_the_streams_p99():
+    from kvshare.integrations.vllm.gpu_rows import Completion, stall_row, token_gaps
+
+    steady = [[0.01 * k + s * 0.001 for k in range(400)] for s in range(4)]  # 10 ms a token, four streams
+    stalled = [times[:150] + [t + 0.35 for t in times[150:]] for times in steady]  # 350 ms lost after token 149
+    assert max(token_gaps(stalled, 1.2, 1.8)) == pytest.approx(0.36)
+    assert token_gaps(steady, 10.0, 11.0) == []
+    loaded = Completion(ttft_s=0.5, tokens=(1,), logprobs=(0.0,), tops=((0.0,),), cached_tokens=131072)
+    row = stall_row(
+        model="m",
+        prompt_tokens=131072,
+        vllm_version="0.26",
+        engine="kvshare",
+        baseline=(steady, 0.5, 3.5),
+        load=(steady, 1.0, loaded),
+        cold=(stalled, 1.2, loaded),
+    )
+    assert row["baseline_p99_gap_s"] == pytest.approx(0.01)
+    assert row["load_over_p99"] == pytest.approx(1.0) and row["load_streams_outlasted"]
+    assert row["cold_over_p99"] == pytest.approx(36.0) and row["cold_cached_tokens"] == 131072
+    short = stall_row(
+        model="m",
+        prompt_tokens=1,
+        vllm_version="0.26",
+        engine="kvshare",
+        baseline=(steady, 0.5, 3.5),
+        load=([times[:100] for times in steady], 0.5, loaded),
+        cold=None,
+    )
+    assert not short["load_streams_outlasted"] and "cold_ttft_s" not in short

@@ -25,6 +25,10 @@ from tests.transfer import fake_cuda
 PACKAGE = Path(package.__file__).parent
 HOOK_FILES = {"connector", "scheduler", "worker", "gpu", "cpu"}  # connector is the face (it imports vLLM)
 BENEATH = {
+    "prefetch",
+    "gpu_prefetch",
+    "cpu_prefetch",
+    "hint_listener",
     "gpu_stores",
     "cpu_overlap",
     "paged_destination",

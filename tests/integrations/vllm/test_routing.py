@@ -29,7 +29,8 @@ pytestmark = vllm_suite_marks()
 
 @pytest.mark.timeout(300)
 def test_a_tiny_trace_through_vllm_replicas_with_the_pool_and_their_own_events(tmp_path, monkeypatch):
-    """Every request completes under both conditions; the pool_aware router trusted the pool's and every
+    """Every request completes under both conditions (round_robin's router sending the replicas prefetch hints, on
+    which they copy pages ahead); the pool_aware router trusted the pool's and every
     replica's own KV events while it placed, and measured every replica from its responses; the replicas loaded
     pool bytes (vLLM's connector counter); a turn sent again with a salt of its own is compared with the
     measured one. Fails when the replicas publish no events of their own (the router's replica feeds never go
@@ -41,20 +42,25 @@ def test_a_tiny_trace_through_vllm_replicas_with_the_pool_and_their_own_events(t
     argv = ["bench", "routing", "--model", "tiny", "--engine", "vllm", "--vllm-python", PYTHON, "--sessions", "6"]
     argv += ["--prompts", "2", "--turns", "2", "--system-tokens", "300-400", "--user-tokens", "100-140"]
     argv += ["--answer-tokens", "4-8", "--gpu-share", "1.5", "--rates", "2", "--runs", "1", "--verify", "1"]
-    argv += ["--conditions", "round_robin/on,pool_aware/on", "--timeout", "120"]
+    argv += ["--conditions", "round_robin/hints,pool_aware/on", "--timeout", "120"]
     config, target = routing_plan(build_parser().parse_args(argv))
     summary, report = run_routing(config, target, str(tmp_path), "kvshare bench routing (test)")
 
     rows = {row["condition"]: row for row in map(json.loads, (tmp_path / "routing.jsonl").read_text().splitlines())}
-    assert set(rows) == {"round_robin/on", "pool_aware/on"}
+    assert set(rows) == {"round_robin/hints", "pool_aware/on"}
     for row in rows.values():
         assert row["num_requests"] == 12 and row["num_errors"] == 0, row
         assert row["outputs_compared"] == 1 and len(row["output_checks"]) == 1
         assert row["prefill_tokens"] > 0
         assert 0 < row["router_send_p99_s"] < 1  # the router's own time, from its histogram (no replica timeline)
-    assert rows["round_robin/on"]["pool_bytes_loaded"] > 0  # turns and shared prompts cross replicas
-    assert rows["round_robin/on"]["replica_events_live_share"] is None  # it reads no events
+    hinted = rows["round_robin/hints"]
+    assert hinted["pool_bytes_loaded"] > 0  # turns and shared prompts cross replicas
+    assert hinted["replica_events_live_share"] is None  # it reads no events
+    # its router announced each request to its replica, which copied pages ahead on those hints (whether a load
+    # took them first is a race on CPU, where vLLM schedules a request within milliseconds: prefetch_hits)
+    assert hinted["hints"] == 12 and hinted["prefetched_pages"] > 0, hinted
     aware = rows["pool_aware/on"]
+    assert aware["hints"] == 0  # a router without --hint-address sends none
     assert aware["fallbacks"] == 0 and aware["events_live_share"] > 0.9, aware  # placed on the events, each time
     assert aware["replica_events_live_share"] > 0.9, aware  # both replicas' own events, (nearly) all along
     # every replica measured from its streams' usage (vLLM's cached tokens, split by the router's record)

@@ -11,7 +11,7 @@ import torch
 
 from kvshare.integrations.vllm.cpu import CpuKVWorker
 from kvshare.integrations.vllm.layout import PagedLayout, reference_gather
-from kvshare.integrations.vllm.metadata import LoadOutcome, StorePart, WorkerReport
+from kvshare.integrations.vllm.metadata import StorePart, WorkerReport
 from kvshare.integrations.vllm.options import ConnectorConfig
 from kvshare.integrations.vllm.scheduler import PoolScheduler, ScheduledRequest
 from kvshare.integrations.vllm.tensor_parallel import PartedStores, head_slice, partial_wsum32
@@ -198,11 +198,3 @@ def test_a_load_that_fails_on_one_rank_is_recomputed_by_all(pool):  # noqa: F811
         assert [p.is_written for p in report.stores] == []  # computed from a failed load: not stored
     finally:
         tp1.close(), tp2.close()
-
-
-def test_merged_load_reports_take_the_shortest_load():
-    report = WorkerReport(
-        [LoadOutcome("a", 0, 256, 256), LoadOutcome("a", 0, 256, 64, "bad page"), LoadOutcome("b", 0, 64, 64)]
-    )
-    merged = {o.req_id: o for o in report.loads_by_request()}
-    assert merged["a"].loaded_end == 64 and merged["b"].is_complete

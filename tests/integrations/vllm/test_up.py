@@ -4,16 +4,20 @@ Suite ``vllm`` (run with the vLLM environment's python).
 """
 
 import json
+import socket
+import time
 import urllib.request
+from types import SimpleNamespace
 
 import psutil
 
 from kvshare.integrations.vllm.gpu_rows import on_off_row
 from kvshare.launch import Cluster, ClusterConfig, free_port_block
 from kvshare.pool.client import PoolClient
+from kvshare.router.hints import encode_hint, make_hint
 from tests.benchmarks.loader import load_benchmark
 from tests.commands.test_errors import kvshare
-from tests.integrations.vllm.servers import vllm_python, vllm_suite_marks
+from tests.integrations.vllm.servers import metric, vllm_python, vllm_suite_marks, wait_for_metric
 
 PYTHON = vllm_python()
 pytestmark = vllm_suite_marks()
@@ -75,12 +79,39 @@ def test_up_with_vllm_replicas_shares_the_pool_through_the_router(monkeypatch):
         assert other["kv_transfer_params"]["kvshare"]["pool_tokens"] == 0
         assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         flush_one_keys_namespace(cluster, a["namespace"])
+        prefetch_hints_reach_the_replicas(cluster, b["replica"])
         pool_on_equals_pool_off(*cluster.replica_urls)
     finally:
         cluster.stop()
     family = [c for c in children if c.is_running()]
     gone, alive = psutil.wait_procs(family, timeout=60)
     assert not alive
+
+
+def prefetch_hints_reach_the_replicas(cluster: Cluster, replica: str) -> None:
+    """The second request above was announced to its replica by the router (up wires each replica's hint socket
+    and the key). A prompt hinted to a replica ahead of its request is copied ahead there and loaded from the copy,
+    with the answer of a cold run; a hint signed with another key is refused. Fails when up leaves the router or
+    the connectors without the hint addresses, or when a load takes no copy ahead."""
+    index = int(replica.removeprefix("replica"))
+    b, a = SimpleNamespace(url=cluster.replica_urls[index]), SimpleNamespace(url=cluster.replica_urls[1 - index])
+    assert wait_for_metric(b, "vllm:kvshare_hints_total", 1) >= 1  # the router's, through its connection
+    prompt = [40 + (11 * i) % 200 for i in range(1100)]
+    cold = _complete(a.url, prompt)  # the other replica computes and stores it
+    hits = metric(b, "vllm:kvshare_prefetch_hits_total")
+    with open(cluster.account_key_file) as f:
+        key = f.read().strip()
+    with socket.socket(socket.AF_UNIX) as conn:  # the hint well ahead of its request: the copy is surely done
+        conn.connect(cluster.hint_address(index))
+        conn.sendall(encode_hint(make_hint("tiny", "", prompt), key))
+        time.sleep(1.0)
+        conn.sendall(encode_hint(make_hint("tiny", "", list(range(600))), "forged-key-0123456789abcdef"))
+    warm = _complete(b.url, prompt)
+    assert warm["kv_transfer_params"]["kvshare"]["pool_tokens"] == 1024
+    assert warm["choices"][0]["logprobs"]["token_logprobs"] == cold["choices"][0]["logprobs"]["token_logprobs"]
+    assert warm["choices"][0]["text"] == cold["choices"][0]["text"]
+    assert wait_for_metric(b, "vllm:kvshare_prefetch_hits_total", hits + 4) >= hits + 4  # every page from the copy
+    assert wait_for_metric(b, "vllm:kvshare_hints_refused_total", 1) >= 1
 
 
 def flush_one_keys_namespace(cluster: Cluster, namespace: str) -> None:
