@@ -322,7 +322,7 @@ class Engine:
     def _decode_graphs(self, kv: torch.Tensor) -> DecodeGraphs:
         if self._graphs is None or self._graphs.kv is not kv:
             self._graphs = None
-            graphs = HybridDecodeGraphs(self.model, kv) if self.hybrid is not None else DecodeGraphs(self.model, kv)
+            graphs = (HybridDecodeGraphs if self.model_config.is_hybrid else DecodeGraphs)(self.model, kv)
             graphs.capture()
             self._graphs = graphs
         return self._graphs

@@ -63,9 +63,11 @@ def test_cuda_logits_match_cpu():
         cache = kv("cuda")
         gpu.model(ids[:200].cuda(), cache, 0)
         suffix = gpu.model(ids[200:].cuda(), cache, 200, all_logits=True).cpu()  # from the GDN state at 200
-    # fla's Triton kernels may run float32 dots in TF32: agreement to a few 1e-3 of logits of std ~3
-    assert (got - expected).abs().max().item() < 5e-2
-    assert (suffix - expected[200:]).abs().max().item() < 5e-2
+    # fla's Triton kernels run float32 dots in TF32 (10-bit mantissa), so the GPU's logits differ from the CPU's by
+    # about 1 % of a logit: 0.094 at most over these 300 tokens on an H100 (logits of std ~3, up to ~9); a wrong
+    # state or a misplaced token moves them by whole units
+    assert (got - expected).abs().max().item() < 0.2
+    assert (suffix - expected[200:]).abs().max().item() < 0.2
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
 
 
