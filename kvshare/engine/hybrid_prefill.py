@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvshare.engine import timeline
 from kvshare.engine.config import EngineConfig
 from kvshare.engine.gdn_state import Checkpoint
 from kvshare.engine.grid import Grid
@@ -90,15 +91,25 @@ class HybridPrefill:
         provenance). ``in_place``: the prompt's leading tokens whose KV the sequence KV holds (the last request's)."""
         for attempt in range(MAX_ATTEMPTS):
             uses_pool = self.pool is not None and options.use_pool and attempt < MAX_ATTEMPTS - 1
-            resume = self._resume(ids, keys, options, in_place, digest, uses_pool)
+            if options.timeline is not None:
+                options.timeline.start_device(kv.device)
+            with timeline.active(options.timeline):  # the pool lookup marks the lease
+                resume = self._resume(ids, keys, options, in_place, digest, uses_pool)
+            # the tokens go to the device before the load is enqueued: a pageable host->device copy queued behind
+            # the load's copies on the copy engine would hold the host (and the compute) until they end
+            tokens = torch.from_numpy(ids[resume.position :]).to(kv.device)
             load = self._load(kv, keys, resume)
+            if options.timeline is not None:
+                _mark_load(options.timeline, load, bool(resume.chunks), kv.device)
             if load is not None and not self._is_complete(load):  # a page found bad before its copy (CPU)
                 self.pool.finish(load)
             else:
                 try:
-                    logits = self._compute(kv, ids, keys, options, resume, load, digest)
+                    logits = self._compute(kv, ids, tokens, keys, options, resume, load, digest)
                 finally:
                     is_good = load is None or self.pool.finish(load)
+                    if options.timeline is not None and load is not None:
+                        options.timeline.mark("load_checked")  # the host knows whether the state and pages passed
                 if is_good:
                     break
             # the state or pages found bad were dropped from the pool; what the forward wrote from them is not
@@ -167,8 +178,11 @@ class HybridPrefill:
         """Whether every part of the resume was loaded (a transfer that checks before it copies may end short)."""
         return load.is_state_good and load.num_chunks >= load.num_wanted
 
-    def _compute(self, kv, ids: np.ndarray, keys: list[bytes], options: RequestOptions, resume: Resume, load, digest):
-        """The forward from the resume's position, taking the checkpoints this prompt keeps; its logits."""
+    def _compute(
+        self, kv, ids: np.ndarray, tokens, keys: list[bytes], options: RequestOptions, resume: Resume, load, digest
+    ):
+        """The forward of ``tokens`` (``ids`` from the resume's position, on the device), taking the checkpoints
+        this prompt keeps; its logits."""
         n, c = len(ids), self._kv.layout.chunk_tokens
         start = resume.position
         if load is not None:
@@ -185,7 +199,6 @@ class HybridPrefill:
             for checkpoint in checkpoints.values():
                 checkpoint.data.copy_(self.model.state.buffer)
         else:
-            tokens = torch.from_numpy(ids[start:]).to(kv.device)
             logits = self._forward(tokens, kv, start, checkpoints, options, load.before_layer if load else None)
         self._taken = [(keys[b - 1], checkpoints[b * c].data) for b in wanted]
         end = at_start or checkpoints.get(n - 1)
@@ -216,10 +229,10 @@ class HybridPrefill:
         """The model's forward (the grid's in its mode); ``wait(layer)``: before attention layer ``layer`` reads
         its KV (a pool load's copies), or None."""
         before_layer = wait
-        if options.is_cancelled is not None:
-            before_layer = cancellable(wait or (lambda _layer: None), options.is_cancelled)
         if options.timeline is not None:
-            options.timeline.start_device(kv.device)
+            before_layer = options.timeline.layer_hook(wait or (lambda _layer: None), kv.device)
+        if options.is_cancelled is not None:
+            before_layer = cancellable(before_layer or (lambda _layer: None), options.is_cancelled)
         if self.grid is None:
             chunk = self.config.prefill_chunk_tokens
             logits = self.model(tokens, kv, start, chunk, before_layer=before_layer, checkpoints=checkpoints)
@@ -230,3 +243,11 @@ class HybridPrefill:
         if options.timeline is not None:
             options.timeline.mark_device("forward_end", kv.device)
         return logits
+
+
+def _mark_load(steps, load: StatefulLoad | None, copied_local: bool, device) -> None:
+    """A request's timeline: the local cache's copies and the pool load, as the dense prefill marks them."""
+    if copied_local:
+        steps.mark_device("local_copied", device)
+    if load is not None and load.handle is not None:
+        steps.record_load(load.handle)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvshare.engine import timeline
 from kvshare.engine.pool_kv import PoolKV, PoolLoad
 from kvshare.keys import state_key
 from kvshare.pool import protocol as P
@@ -72,6 +73,7 @@ class PoolStates:
     def _lookup(self, client: PoolClient, keys: list[bytes], candidates: list[tuple[bytes, int]]) -> PoolHit:
         states = [P.StateCandidate(key=key, num_kv=num_kv) for key, num_kv in candidates]
         grant = client.lookup(keys, self.pool.layout.page_bytes, states=states, state_page_bytes=self.state_bytes)
+        timeline.note("lookup_and_lease")  # the request's timeline, when it asked for one
         self.stats.pool_lookups += 1
         self.stats.pool_hit_chunks += grant.num_pages
         self.stats.pool_miss_chunks += len(keys) - grant.num_pages

@@ -253,3 +253,21 @@ def test_the_pool_stats_count_checkpoints_and_their_bytes(pool, pair):
         stats = client.stats()
     size = a.model.state.layout.checkpoint_bytes
     assert stats["checkpoints"] > 0 and stats["checkpoint_bytes"] == stats["checkpoints"] * size
+
+
+def test_a_cross_replica_resume_fills_the_load_steps_of_its_timeline(pair):
+    """The hybrid's prefill marks the lease, the load and its check as the dense one does (a GPU row's timeline
+    says where a cross-replica request's time went)."""
+    from kvshare.engine.timeline import Timeline
+
+    a, b = pair
+    prompt = ids_of(4 * CHUNK + 20, 61)
+    run(a, prompt)
+    timeline = Timeline(arrival_s=0.0)
+    tokens, logprobs, provenance = run(b, prompt, dataclasses.replace(NO_LOCAL, timeline=timeline))
+    assert provenance.pool_state_bytes > 0
+    steps = timeline.as_dict()
+    order = ["hashing", "lookup_and_lease", "load_issued", "load_end", "forward_end", "load_checked"]
+    assert all(steps[s] is not None for s in order), steps
+    assert [steps[s] for s in order] == sorted(steps[s] for s in order)
+    assert_as_cold(b, prompt, tokens, logprobs)
