@@ -126,7 +126,7 @@ def test_a_load_beside_a_decoding_stream_keeps_the_stream_going_and_answers_as_c
     prompt = prompt_of(41, 1100)  # 4 chunks and a tail
     cold = complete(servers["A"], prompt)
     async_loads = metric(servers["B"], "vllm:kvshare_async_loads_total")
-    stream = Stream(servers["B"], prompt_of(42, 40), max_tokens=1500)
+    stream = Stream(servers["B"], prompt_of(42, 40), max_tokens=4000)  # decodes for longer than the load
     stream.wait_for(10)
     started = time.monotonic()
     got = complete(servers["B"], prompt)
