@@ -1,6 +1,6 @@
 """Level 3, full pool: every page of the pool allocated through the real allocator, written and verified.
 
-Wraps ``check_full_pool`` (the proof itself) with the pool session's CUDA
+Wraps ``check_full_pool`` (the proof itself) with the checked pool's CUDA
 registration as its pin step, a rich progress bar, and a LevelResult with the
 time of each phase: fault-in, pin (cudaHostRegister of the whole arena in extent
 pieces), write, verify. On a pool that is serving, pages leased or written by
@@ -20,7 +20,7 @@ PHASES = (("fault_in", "fault-in"), ("pin", "pin"), ("write", "write"), ("verify
 
 
 def run_full_pool_level(
-    session,
+    pool,
     page_bytes: int,
     show_progress: bool = True,
     num_threads: int | None = None,
@@ -28,7 +28,7 @@ def run_full_pool_level(
     corrupt_page: int | None = None,
 ) -> LevelResult:
     """``corrupt_page``: negative control (flip a byte of that page after writing)."""
-    client = session.client
+    client = pool.client
     extent = int(client.hello.extent_bytes)
     if page_bytes > extent:
         return LevelResult(
@@ -39,7 +39,7 @@ def run_full_pool_level(
         )
     before = client.stats()
     started = time.perf_counter()
-    pin = (lambda: session.register_arena(prefault=False)) if session.is_cuda else None  # fault-in ran just before
+    pin = (lambda: pool.register_arena(prefault=False)) if pool.is_cuda else None  # fault-in ran just before
     with _progress_bar(console, show_progress) as progress:
         result = check_full_pool(
             client, page_bytes, pin=pin, progress=progress, corrupt_page=corrupt_page, num_threads=num_threads
