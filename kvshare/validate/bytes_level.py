@@ -54,23 +54,11 @@ def run_bytes_level(pool, layouts=LAYOUTS) -> LevelResult:
         figures["extent_boundaries"] += report.extent_boundaries
         for r in report.results:
             rows.append(_row(f"{name} {format_bytes(layout.page_bytes)} {r.path}", r))
-            figures["bytes_checked"] += r.bytes_checked
-            if r.kind == "control":
-                figures["controls_caught"] += int(r.caught)
-            elif not r.skipped:
-                figures["bytes_wrong"] += r.mismatched_bytes
-                if r.kind == "round_trip":
-                    paths.add(r.path)
+            _count(r, r.path, figures, paths)
     if pool.is_cuda:
         for r in _vllm_staged_results(pool):  # the vLLM connector's GPU path, every layout, both directions
             rows.append(_row(r.path, r))
-            figures["bytes_checked"] += r.bytes_checked
-            if r.kind == "control":
-                figures["controls_caught"] += int(r.caught)
-            elif not r.skipped:
-                figures["bytes_wrong"] += r.mismatched_bytes
-                if r.kind == "round_trip":
-                    paths.add(r.path.split(" ")[0])
+            _count(r, r.path.split(" ")[0], figures, paths)
     else:
         rows.append(Row("cuda paths", SKIP, f"device {pool.device}: CUDA paths not run"))
     rows += direct_rows(pool)  # a lease taken with no round trip reads what the pool answers
@@ -84,17 +72,32 @@ def run_bytes_level(pool, layouts=LAYOUTS) -> LevelResult:
             )
         )
         status = FAIL
+    summary = _summary(figures, paths, len(layouts), pool.is_cuda)
+    return LevelResult("bytes", status, summary, rows, figures, time.perf_counter() - started)
+
+
+def _count(r, path: str, figures: dict, paths: set[str]) -> None:
+    """Add one path's result to the level's figures, and ``path`` to the paths run when it was a round trip."""
+    figures["bytes_checked"] += r.bytes_checked
+    if r.kind == "control":
+        figures["controls_caught"] += int(r.caught)
+    elif not r.skipped:
+        figures["bytes_wrong"] += r.mismatched_bytes
+        if r.kind == "round_trip":
+            paths.add(path)
+
+
+def _summary(figures: dict, paths: set[str], num_layouts: int, is_cuda: bool) -> str:
     ordering = (
         f"{figures['controls_caught']} deliberately unordered controls caught"
-        if pool.is_cuda
+        if is_cuda
         else "delay/ordering checks need CUDA: skipped"
     )
-    summary = (
+    return (
         f"{format_bytes(figures['bytes_checked'])} compared, {figures['bytes_wrong']} wrong; "
-        f"{len(layouts)} page sizes; {figures['extent_boundaries']} extent boundaries crossed; "
+        f"{num_layouts} page sizes; {figures['extent_boundaries']} extent boundaries crossed; "
         f"paths run: {', '.join(sorted(paths))}; {ordering}"
     )
-    return LevelResult("bytes", status, summary, rows, figures, time.perf_counter() - started)
 
 
 def _vllm_staged_results(pool) -> list:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 
 from kvshare.units import format_bytes
-from kvshare.validate.full_pool import check_full_pool
+from kvshare.validate.full_pool import FullPoolResult, check_full_pool
 from kvshare.validate.report import FAIL, PASS, SKIP, LevelResult, Row
 
 PHASES = (("fault_in", "fault-in"), ("pin", "pin"), ("write", "write"), ("verify", "verify"))
@@ -46,6 +46,18 @@ def run_full_pool_level(
         )
     seconds = time.perf_counter() - started
     arena = result.arena_bytes
+    rows = _rows(result, page_bytes, extent, before)
+    status = PASS if result.passed else FAIL
+    times = ", ".join(f"{name} {result.seconds[key]:.1f} s" for key, name in PHASES if key in result.seconds)
+    summary = f"{format_bytes(arena)} in {result.num_pages} pages of {format_bytes(page_bytes)}: {times}"
+    if result.bad_pages:
+        summary += f"; {len(result.bad_pages)} bad pages"
+    return LevelResult("full-pool", status, summary, rows, _figures(result, page_bytes, extent), seconds)
+
+
+def _rows(result: FullPoolResult, page_bytes: int, extent: int, before: dict) -> list[Row]:
+    """The allocation, each phase's time and bandwidth, and the pages whose pattern was wrong."""
+    arena = result.arena_bytes
     rows = []
     for key, name in PHASES:
         if key not in result.seconds:
@@ -76,12 +88,13 @@ def run_full_pool_level(
     )
     if result.bad_pages:
         rows.append(Row("pattern", FAIL, f"{len(result.bad_pages)} pages wrong, first {result.bad_pages[:8]}"))
-    status = PASS if result.passed else FAIL
-    times = ", ".join(f"{name} {result.seconds[key]:.1f} s" for key, name in PHASES if key in result.seconds)
-    summary = f"{format_bytes(arena)} in {result.num_pages} pages of {format_bytes(page_bytes)}: {times}"
-    if result.bad_pages:
-        summary += f"; {len(result.bad_pages)} bad pages"
-    figures = {
+    return rows
+
+
+def _figures(result: FullPoolResult, page_bytes: int, extent: int) -> dict:
+    """The level's figures for the JSON report."""
+    arena = result.arena_bytes
+    return {
         "arena_bytes": arena,
         "page_bytes": page_bytes,
         "extent_bytes": extent,
@@ -91,7 +104,6 @@ def run_full_pool_level(
         "seconds": {k: round(v, 3) for k, v in result.seconds.items()},
         "pinned": result.pinned,
     }
-    return LevelResult("full-pool", status, summary, rows, figures, seconds)
 
 
 class _progress_bar:
