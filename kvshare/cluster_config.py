@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvshare.placement import is_device_name
+
 
 @dataclass(frozen=True)
 class ClusterConfig:
@@ -65,7 +67,7 @@ class ClusterConfig:
                 "take the GPUs CUDA_VISIBLE_DEVICES lists), not a list of one GPU per replica"
             )
         for device in devices:
-            if not (device == "cpu" or device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())):
+            if not is_device_name(device):
                 raise ValueError(
                     f"--device takes cpu, cuda, cuda:N or a comma list of them (one per replica, cycled), "
                     f"got {self.device!r}"

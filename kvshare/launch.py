@@ -130,64 +130,61 @@ class Cluster:
         return child.output.lines() if child is not None else []
 
     def _replica_command(self, i: int, kv: list[str]) -> tuple[list[str], dict | None]:
-        cfg = self.config
-        port = cfg.port + 1 + i
-        if cfg.engine == "vllm":
-            from kvshare.integrations.vllm.launch import VllmServerConfig, vllm_server_command
-            from kvshare.keys import DEFAULT_CHUNK_TOKENS
+        """Replica ``i``'s command line and environment."""
+        if self.config.engine == "vllm":
+            return self._vllm_replica_command(i)
+        return self._builtin_replica_command(i, kv)
 
-            # prefill steps of one pool chunk: a replica that loads k chunks computes the rest in the same steps
-            # (same shapes, same kernels) as the replica that computed the whole prompt, so a request served
-            # alone gets the same logits bit for bit. With vLLM's default budget the full prompt is one step and
-            # the tail over a loaded prefix another shape: vLLM CPU rounds them differently, 1e-2 in logprobs in
-            # bf16 (what vLLM's "auto" runs a float32 preset in), 1e-5 in float32. --replica-arg overrides it.
-            # On a GPU vLLM's defaults apply (its step budget, the model's context length, compiled graphs).
-            device, visible = gpu_of_replica(cfg.device, i)
-            on_gpu = device != "cpu"
-            if device.startswith("cuda:"):  # vLLM takes its GPU from CUDA_VISIBLE_DEVICES, as cuda
-                visible = device[len("cuda:") :]
-            spec = vllm_server_command(
-                VllmServerConfig(
-                    model=self._vllm_model_dir(),
-                    port=port,
-                    host=cfg.replica_host,
-                    pool_socket=self.pool_socket,
-                    python=cfg.vllm_python or find_vllm_python(),
-                    served_model_name=self._served_name(),
-                    replica=f"replica{i}",
-                    chunk_tokens=DEFAULT_CHUNK_TOKENS,
-                    max_num_batched_tokens=None if on_gpu else DEFAULT_CHUNK_TOKENS,
-                    extra_args=cfg.replica_args,
-                    tensor_parallel_size=cfg.tensor_parallel_size,
-                    device="cuda" if on_gpu else "cpu",
-                    max_model_len=None if on_gpu else 4096,
-                    gpu_memory_utilization=gpu_memory_share(cfg, i) if on_gpu else None,
-                    model_revision=cfg.model_revision,
-                    kv_events_port=None if cfg.replica_kv_events_port is None else cfg.replica_kv_events_port + i,
-                    tmp_dir=self._private_dir(f"replica{i}-tmp"),
-                    account_key_file=self.account_key_file,
-                    hint_address=self.hint_address(i),
-                )
+    def _vllm_replica_command(self, i: int) -> tuple[list[str], dict | None]:
+        """A vLLM server with kvshare's connector (kvshare.integrations.vllm.launch), on replica ``i``'s GPU."""
+        from kvshare.integrations.vllm.launch import VllmServerConfig, vllm_server_command
+        from kvshare.keys import DEFAULT_CHUNK_TOKENS
+
+        cfg = self.config
+        # prefill steps of one pool chunk: a replica that loads k chunks computes the rest in the same steps
+        # (same shapes, same kernels) as the replica that computed the whole prompt, so a request served
+        # alone gets the same logits bit for bit. With vLLM's default budget the full prompt is one step and
+        # the tail over a loaded prefix another shape: vLLM CPU rounds them differently, 1e-2 in logprobs in
+        # bf16 (what vLLM's "auto" runs a float32 preset in), 1e-5 in float32. --replica-arg overrides it.
+        # On a GPU vLLM's defaults apply (its step budget, the model's context length, compiled graphs).
+        device, visible = gpu_of_replica(cfg.device, i)
+        on_gpu = device != "cpu"
+        if device.startswith("cuda:"):  # vLLM takes its GPU from CUDA_VISIBLE_DEVICES, as cuda
+            visible = device[len("cuda:") :]
+        spec = vllm_server_command(
+            VllmServerConfig(
+                model=self._vllm_model_dir(),
+                port=cfg.port + 1 + i,
+                host=cfg.replica_host,
+                pool_socket=self.pool_socket,
+                python=cfg.vllm_python or find_vllm_python(),
+                served_model_name=self._served_name(),
+                replica=f"replica{i}",
+                chunk_tokens=DEFAULT_CHUNK_TOKENS,
+                max_num_batched_tokens=None if on_gpu else DEFAULT_CHUNK_TOKENS,
+                extra_args=cfg.replica_args,
+                tensor_parallel_size=cfg.tensor_parallel_size,
+                device="cuda" if on_gpu else "cpu",
+                max_model_len=None if on_gpu else 4096,
+                gpu_memory_utilization=gpu_memory_share(cfg, i) if on_gpu else None,
+                model_revision=cfg.model_revision,
+                kv_events_port=None if cfg.replica_kv_events_port is None else cfg.replica_kv_events_port + i,
+                tmp_dir=self._private_dir(f"replica{i}-tmp"),
+                account_key_file=self.account_key_file,
+                hint_address=self.hint_address(i),
             )
-            if visible is not None:
-                spec.env["CUDA_VISIBLE_DEVICES"] = visible
-            return spec.argv, spec.env
+        )
+        if visible is not None:
+            spec.env["CUDA_VISIBLE_DEVICES"] = visible
+        return spec.argv, spec.env
+
+    def _builtin_replica_command(self, i: int, kv: list[str]) -> tuple[list[str], dict | None]:
+        """``kvshare serve`` as one of the cluster's replicas: its tenants' keys, provenance, the cluster's token
+        cache, KV events and a share of the CPU cores beside the others."""
+        cfg = self.config
         device, visible = gpu_of_replica(cfg.device, i)
         args = [
-            *kv,
-            "serve",
-            "--model",
-            cfg.model,
-            "--device",
-            device,
-            "--host",
-            cfg.host,
-            "--port",
-            str(port),
-            "--replica-name",
-            f"replica{i}",
-            "--pool",
-            self.pool_socket or "off",
+            *serve_command(kv, cfg.model, device, cfg.host, cfg.port + 1 + i, f"replica{i}", self.pool_socket),
             *_auth_args(cfg),
             "--provenance",
             cfg.provenance,
@@ -201,10 +198,7 @@ class Cluster:
             ),
             *cfg.replica_args,
         ]
-        env = kvshare_env(cpu_threads_env(cfg))
-        if visible is not None:
-            env["CUDA_VISIBLE_DEVICES"] = visible
-        return args, env
+        return args, replica_env(kvshare_env(cpu_threads_env(cfg)), visible)
 
     def _account_key_file(self) -> str:
         """vLLM replicas with a pool: the account key's file ("": $KVSHARE_ACCOUNT_KEY, which every child inherits).
@@ -389,6 +383,36 @@ class Cluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def serve_command(
+    kv: list[str], model: str, device: str, host: str, port: int, name: str, pool_socket: str | None
+) -> list[str]:
+    """The start of every started built-in replica's ``kvshare serve`` command: its model, device, address, name
+    and pool (None: off); what differs between starters (kvshare up, the sequential benchmark) follows it."""
+    return [
+        *kv,
+        "serve",
+        "--model",
+        model,
+        "--device",
+        device,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--replica-name",
+        name,
+        "--pool",
+        pool_socket or "off",
+    ]
+
+
+def replica_env(env: dict[str, str], visible: str | None) -> dict[str, str]:
+    """``env`` showing a replica only its own GPU (kvshare.placement.gpu_of_replica; None: the inherited one)."""
+    if visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible
+    return env
 
 
 def _auth_args(cfg: ClusterConfig) -> list[str]:

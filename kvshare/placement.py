@@ -18,6 +18,11 @@ class ClusterConfig(Protocol):
     replica_args: tuple[str, ...]
 
 
+def is_device_name(name: str) -> bool:
+    """Whether ``name`` is a device a replica or validate runs on: cpu, cuda or cuda:N."""
+    return name == "cpu" or name == "cuda" or (name.startswith("cuda:") and name[len("cuda:") :].isdigit())
+
+
 def gpu_of_replica(devices: str, index: int) -> tuple[str, str | None]:
     """Replica ``index``'s ``--device`` out of ``kvshare up --device``, and its CUDA_VISIBLE_DEVICES (None: as
     inherited). One device is every replica's; a comma list is cycled over them (``cuda:0,cuda:1``: a GPU

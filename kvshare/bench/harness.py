@@ -14,12 +14,15 @@ import dataclasses
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvshare.bench import blocks, sessions, ttft
 from kvshare.bench.records import Record, ResultsDir
 from kvshare.bench.report import Table, write_report
 from kvshare.bench.runner import BenchContext, RunOutcome, past_durations, run_units
+
+if TYPE_CHECKING:
+    import aiohttp
 
 EXPERIMENTS = {ttft.TTFTConfig: ttft, blocks.BlocksConfig: blocks, sessions.SessionsConfig: sessions}
 
@@ -83,73 +86,82 @@ class Harness:
     async def _run(self, experiments: list[Any], outcome: HarnessOutcome) -> None:
         import aiohttp
 
-        from kvshare.bench.client import model_name
-        from kvshare.bench.workload import PromptFactory, WorkloadConfig
-        from kvshare.engine.loader import load_tokenizer
-
         run_id = time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
         started = time.monotonic()
         connector = aiohttp.TCPConnector(force_close=True)
         async with aiohttp.ClientSession(connector=connector) as session:
-            # a sequential set knows its model's name: asking a replica would start one the first unit may not need
-            model = getattr(self.replicas, "served_name", None) or await model_name(session, self.replicas.activate(0))
-            factory = PromptFactory(
-                load_tokenizer(self.config.tokenizer or model),
-                WorkloadConfig(nonce=run_id, system_tokens=self.config.system_tokens, seed=self.config.seed),
-            )
-            ctx = BenchContext(
-                run_id,
-                session,
-                self.replicas,
-                model,
-                factory,
-                self.results,
-                self.off_replicas,
-                self.config.use_extension,
-                self.config.timeout_s,
-                timeline=self.config.timeline,
-            )
+            ctx = await self._context(session, run_id)
             with self._progress() as progress:
                 for config in experiments:
-                    module = EXPERIMENTS[type(config)]
-                    units = module.units(config, self.replicas.num_replicas)
-                    estimates = {
-                        k: v + self.config.unit_allowance_s
-                        for k, v in past_durations(self.results.load(), module.EXPERIMENT, record_kind).items()
-                    }
-                    budget = None
-                    if self.config.time_budget_s is not None:
-                        budget = max(self.config.time_budget_s - (time.monotonic() - started), 1e-3)
-                    t0 = time.time()
-                    result = await run_units(
-                        ctx,
-                        units,
-                        estimates,
-                        budget,
-                        progress,
-                        on_unit=None if progress is not None else self._log_unit,
-                    )
-                    outcome.runs[module.EXPERIMENT] = result
-                    self.results.log_run(
-                        {
-                            "run_id": run_id,
-                            "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t0)),
-                            "experiment": module.EXPERIMENT,
-                            "model": model,
-                            "endpoints": self._endpoints(),
-                            "config": _plain(config),
-                            "harness": _plain(self.config),
-                            "user_client": _user_client(),
-                            "seconds": round(time.time() - t0, 1),
-                            "units_done": result.num_done,
-                            "units_skipped": result.num_skipped,
-                            "units_left": result.num_left,
-                            "stop_reason": result.stop_reason,
-                        }
-                    )
+                    result = await self._run_experiment(ctx, config, progress, started)
+                    outcome.runs[EXPERIMENTS[type(config)].EXPERIMENT] = result
                     if result.stop_reason != "complete":
                         break
         outcome.report_path, outcome.tables = write_report(self.results)
+
+    async def _context(self, session: aiohttp.ClientSession, run_id: str) -> BenchContext:
+        """The context of this run's experiments: the served model's name and a prompt factory of its tokenizer."""
+        from kvshare.bench.client import model_name
+        from kvshare.bench.workload import PromptFactory, WorkloadConfig
+        from kvshare.engine.loader import load_tokenizer
+
+        # a sequential set knows its model's name: asking a replica would start one the first unit may not need
+        model = getattr(self.replicas, "served_name", None) or await model_name(session, self.replicas.activate(0))
+        factory = PromptFactory(
+            load_tokenizer(self.config.tokenizer or model),
+            WorkloadConfig(nonce=run_id, system_tokens=self.config.system_tokens, seed=self.config.seed),
+        )
+        return BenchContext(
+            run_id,
+            session,
+            self.replicas,
+            model,
+            factory,
+            self.results,
+            self.off_replicas,
+            self.config.use_extension,
+            self.config.timeout_s,
+            timeline=self.config.timeline,
+        )
+
+    async def _run_experiment(self, ctx: BenchContext, config: Any, progress: Any, started: float) -> RunOutcome:
+        """Run one experiment's units not yet recorded, within what is left of the time budget, and log the run."""
+        module = EXPERIMENTS[type(config)]
+        units = module.units(config, self.replicas.num_replicas)
+        estimates = {
+            k: v + self.config.unit_allowance_s
+            for k, v in past_durations(self.results.load(), module.EXPERIMENT, record_kind).items()
+        }
+        budget = None
+        if self.config.time_budget_s is not None:
+            budget = max(self.config.time_budget_s - (time.monotonic() - started), 1e-3)
+        t0 = time.time()
+        result = await run_units(
+            ctx,
+            units,
+            estimates,
+            budget,
+            progress,
+            on_unit=None if progress is not None else self._log_unit,
+        )
+        self.results.log_run(
+            {
+                "run_id": ctx.run_id,
+                "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t0)),
+                "experiment": module.EXPERIMENT,
+                "model": ctx.model,
+                "endpoints": self._endpoints(),
+                "config": _plain(config),
+                "harness": _plain(self.config),
+                "user_client": _user_client(),
+                "seconds": round(time.time() - t0, 1),
+                "units_done": result.num_done,
+                "units_skipped": result.num_skipped,
+                "units_left": result.num_left,
+                "stop_reason": result.stop_reason,
+            }
+        )
+        return result
 
     def _log_unit(self, key: str, seconds: float, records: list[Record]) -> None:
         """One line per unit when there is no progress bar (logs of long runs)."""

@@ -16,7 +16,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from kvshare.launch import gpu_of_replica
+from kvshare.launch import gpu_of_replica, replica_env, serve_command
 
 
 class FixedReplicas:
@@ -130,29 +130,18 @@ class SequentialReplicas:
         started = time.perf_counter()
         from kvshare.pool.spawn import kvshare_command, kvshare_env
 
+        # kvshare up's replica command (kvshare.launch.serve_command) with what a replica measured alone needs:
+        # every prompt's provenance, which the benchmark reads; no CPU share, tenants or shared token cache,
+        # since one replica runs at a time
         device, visible = gpu_of_replica(cfg.device, index)
+        kv = kvshare_command("WARNING")
         cmd = [
-            *kvshare_command("WARNING"),
-            "serve",
-            "--model",
-            cfg.model,
-            "--device",
-            device,
-            "--host",
-            cfg.host,
-            "--port",
-            str(cfg.port + index),
-            "--replica-name",
-            f"replica{index}",
-            "--pool",
-            self.socket_path,
+            *serve_command(kv, cfg.model, device, cfg.host, cfg.port + index, f"replica{index}", self.socket_path),
             "--provenance",
             "all",
             *cfg.replica_args,
-        ]  # the benchmark reads where each prompt token came from
-        env = kvshare_env()
-        if visible is not None:
-            env["CUDA_VISIBLE_DEVICES"] = visible
+        ]
+        env = replica_env(kvshare_env(), visible)
         log = self._log(f"replica{index}")
         try:
             self._replica = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)

@@ -88,100 +88,106 @@ def tables(records: list[Record]) -> list[Table]:
         out.append(ttft_table(ttft))
     blocks = blocks_rows(records)
     if blocks:
-        out.append(
-            Table(
-                "Blocked design: cross-replica TTFT, pool OFF vs ON (OFF-ON-ON-OFF)",
-                (
-                    "context",
-                    "n OFF",
-                    "OFF median s",
-                    "OFF 95% CI",
-                    "n ON",
-                    "ON median s",
-                    "ON 95% CI",
-                    "paired ON/OFF",
-                    "ratio 95% CI",
-                    "speedup",
-                    "min pool tokens (ON)",
-                    "outputs",
-                    "failed",
-                ),
-                tuple(
-                    (
-                        _tokens(r.context),
-                        str(r.off.n if r.off else 0),
-                        _s(r.off.median if r.off else None),
-                        format_ci(r.off.ci if r.off else None),
-                        str(r.on.n if r.on else 0),
-                        _s(r.on.median if r.on else None),
-                        format_ci(r.on.ci if r.on else None),
-                        _s(r.ratio.median if r.ratio else None, 4),
-                        format_ci(r.ratio.ci if r.ratio else None),
-                        _x(r.speedup),
-                        "-" if r.min_on_pool_tokens is None else str(r.min_on_pool_tokens),
-                        str(r.outputs),
-                        str(r.num_failed),
-                    )
-                    for r in blocks
-                ),
-                f"Primed on replica A, measured on replica B. Bootstrap 95% intervals of the median (fixed seed) "
-                f"where a condition has at least {MIN_N_FOR_CI} requests. Paired ratio: median over positions of "
-                f"ON/OFF, the k-th OFF block paired with the k-th ON block. "
-                f"Outputs: measured ON token ids (and the primes') "
-                f"against a recompute of the same prompt.",
-            )
-        )
+        out.append(blocks_table(blocks))
     sessions = sessions_rows(records)
     if sessions:
-        out.append(
-            Table(
-                "Multi-turn sessions: total session time, pool OFF vs ON",
-                (
-                    "initial context",
-                    "placement",
-                    "sessions OFF/ON",
-                    "session OFF s",
-                    "session ON s",
-                    "ON faster by",
-                    "outputs",
-                    "failed",
-                ),
-                tuple(
-                    (
-                        _tokens(r.context),
-                        r.placement,
-                        f"{r.num_sessions['off']}/{r.num_sessions['on']}",
-                        _s(r.session_s["off"], 2),
-                        _s(r.session_s["on"], 2),
-                        _pct(r.improvement),
-                        str(r.outputs),
-                        str(r.num_failed),
-                    )
-                    for r in sessions
-                ),
-                "Session time: sum of the turns' end-to-end times (median over sessions). Outputs: the last turn of "
-                "verified ON sessions against a recompute.",
-            )
-        )
-        num_turns = max(len(t) for r in sessions for t in r.turn_ttft.values())
-        out.append(
-            Table(
-                "Per-turn TTFT (median, seconds)",
-                ("initial context", "placement", "pool") + tuple(f"turn {t}" for t in range(num_turns)),
-                tuple(
-                    (_tokens(r.context), r.placement, pool)
-                    + tuple(_s(v) for v in r.turn_ttft[pool])
-                    + ("-",) * (num_turns - len(r.turn_ttft[pool]))
-                    for r in sessions
-                    for pool in ("off", "on")
-                ),
-            )
-        )
+        out.append(sessions_table(sessions))
+        out.append(turn_ttft_table(sessions))
     parted = divergences(records)
     if parted:
         out.append(divergence_table(parted))
     out.append(study_table(blocks, sessions))
     return out
+
+
+def blocks_table(blocks: list) -> Table:
+    return Table(
+        "Blocked design: cross-replica TTFT, pool OFF vs ON (OFF-ON-ON-OFF)",
+        (
+            "context",
+            "n OFF",
+            "OFF median s",
+            "OFF 95% CI",
+            "n ON",
+            "ON median s",
+            "ON 95% CI",
+            "paired ON/OFF",
+            "ratio 95% CI",
+            "speedup",
+            "min pool tokens (ON)",
+            "outputs",
+            "failed",
+        ),
+        tuple(
+            (
+                _tokens(r.context),
+                str(r.off.n if r.off else 0),
+                _s(r.off.median if r.off else None),
+                format_ci(r.off.ci if r.off else None),
+                str(r.on.n if r.on else 0),
+                _s(r.on.median if r.on else None),
+                format_ci(r.on.ci if r.on else None),
+                _s(r.ratio.median if r.ratio else None, 4),
+                format_ci(r.ratio.ci if r.ratio else None),
+                _x(r.speedup),
+                "-" if r.min_on_pool_tokens is None else str(r.min_on_pool_tokens),
+                str(r.outputs),
+                str(r.num_failed),
+            )
+            for r in blocks
+        ),
+        f"Primed on replica A, measured on replica B. Bootstrap 95% intervals of the median (fixed seed) "
+        f"where a condition has at least {MIN_N_FOR_CI} requests. Paired ratio: median over positions of "
+        f"ON/OFF, the k-th OFF block paired with the k-th ON block. "
+        f"Outputs: measured ON token ids (and the primes') "
+        f"against a recompute of the same prompt.",
+    )
+
+
+def sessions_table(sessions: list) -> Table:
+    return Table(
+        "Multi-turn sessions: total session time, pool OFF vs ON",
+        (
+            "initial context",
+            "placement",
+            "sessions OFF/ON",
+            "session OFF s",
+            "session ON s",
+            "ON faster by",
+            "outputs",
+            "failed",
+        ),
+        tuple(
+            (
+                _tokens(r.context),
+                r.placement,
+                f"{r.num_sessions['off']}/{r.num_sessions['on']}",
+                _s(r.session_s["off"], 2),
+                _s(r.session_s["on"], 2),
+                _pct(r.improvement),
+                str(r.outputs),
+                str(r.num_failed),
+            )
+            for r in sessions
+        ),
+        "Session time: sum of the turns' end-to-end times (median over sessions). Outputs: the last turn of "
+        "verified ON sessions against a recompute.",
+    )
+
+
+def turn_ttft_table(sessions: list) -> Table:
+    num_turns = max(len(t) for r in sessions for t in r.turn_ttft.values())
+    return Table(
+        "Per-turn TTFT (median, seconds)",
+        ("initial context", "placement", "pool") + tuple(f"turn {t}" for t in range(num_turns)),
+        tuple(
+            (_tokens(r.context), r.placement, pool)
+            + tuple(_s(v) for v in r.turn_ttft[pool])
+            + ("-",) * (num_turns - len(r.turn_ttft[pool]))
+            for r in sessions
+            for pool in ("off", "on")
+        ),
+    )
 
 
 _VERDICT_TEXT = {NEAR_TIE: "near tie (allowed)", MISMATCH: "MISMATCH", UNKNOWN: "gap unknown"}
@@ -240,6 +246,18 @@ def _id(value: int | None) -> str:
 
 
 def study_table(blocks, sessions) -> Table:
+    return Table(
+        "Beside the study's published figures (the engineering study kvshare reproduces, docs/bench.md)",
+        ("figure", "study", "measured here"),
+        tuple(_beside_study_rows(blocks, sessions) + _measured_rows(blocks, sessions)),
+        "The study: two single-GPU replicas of a 27B model (the Qwen3.5 / 3.6 family: a hybrid of Gated DeltaNet "
+        "and gated full attention) sharing a 256 GiB host-memory KV pool. Figures here come from whatever model "
+        "and machine these records were measured on (see the runs below).",
+    )
+
+
+def _beside_study_rows(blocks, sessions) -> list[tuple[str, str, str]]:
+    """The study's figures, each beside the measurement nearest its context."""
     rows = []
     measured_blocks = {r.context: r for r in blocks}
     for context, (off, on) in STUDY_BLOCKS.items():
@@ -259,7 +277,12 @@ def study_table(blocks, sessions) -> Table:
         rows.append(
             (f"six-turn sessions, alternating placement, {_tokens(context)} initial", f"~{gain:.0%} faster", here)
         )
-    # the shape of the result at whatever contexts were measured (a demo on a small model, say)
+    return rows
+
+
+def _measured_rows(blocks, sessions) -> list[tuple[str, str, str]]:
+    """The shape of the result at whatever contexts were measured (a demo on a small model, say)."""
+    rows = []
     rows.append(
         (
             "cross-replica TTFT median OFF -> ON, every context measured here",
@@ -292,14 +315,7 @@ def study_table(blocks, sessions) -> Table:
             ", ".join(f"{_pct(r.improvement)} at {_tokens(r.context)}" for r in sticky) or "not measured",
         )
     )
-    return Table(
-        "Beside the study's published figures (the engineering study kvshare reproduces, docs/bench.md)",
-        ("figure", "study", "measured here"),
-        tuple(rows),
-        "The study: two single-GPU replicas of a 27B model (the Qwen3.5 / 3.6 family: a hybrid of Gated DeltaNet "
-        "and gated full attention) sharing a 256 GiB host-memory KV pool. Figures here come from whatever model "
-        "and machine these records were measured on (see the runs below).",
-    )
+    return rows
 
 
 def summary_lines(records: list[Record]) -> list[str]:

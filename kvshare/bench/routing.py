@@ -270,26 +270,7 @@ def run_routing(
     trace = make_trace(config)
     conditions = [parse_condition(name) for name in config.conditions]
     run_id = time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
-    sizes = (
-        f"{config.num_sessions} sessions over {config.num_prompts} system prompts of {config.system_tokens} "
-        f"tokens, {config.num_turns} turns (user {config.user_tokens}, answers {config.answer_tokens} tokens); "
-        f"working set {trace.working_set_tokens()} tokens; {target.num_replicas} {target.engine} replicas of "
-        f"{target.model} on {target.device}, local cache {target.local_cache_bytes >> 20} MiB each, pool "
-        f"{target.pool_bytes >> 20} MiB"
-    )
-    meta = {
-        "run_id": run_id,
-        "experiment": EXPERIMENT,
-        "command": command,
-        "commit": tree_commit(),
-        "hardware": describe_host(),
-        "sizes": sizes,
-        "num_runs": config.num_runs,
-        "runs": list(runs),
-        "config": dataclasses.asdict(config),
-        "target": dataclasses.asdict(target),
-        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-    }
+    meta = _run_meta(config, target, trace, run_id, command, runs)
     check_same_workload(results, meta)
     results.log_run(meta)  # before the first replay: a command cut short still names what wrote its rows
 
@@ -316,6 +297,32 @@ def run_routing(
                 )
             )
     return write_summary(results)
+
+
+def _run_meta(
+    config: RoutingConfig, target: RoutingTarget, trace: Trace, run_id: str, command: str, runs: range
+) -> dict:
+    """What runs.jsonl says of one command: the workload, the cluster, the host and the tree that measured it."""
+    sizes = (
+        f"{config.num_sessions} sessions over {config.num_prompts} system prompts of {config.system_tokens} "
+        f"tokens, {config.num_turns} turns (user {config.user_tokens}, answers {config.answer_tokens} tokens); "
+        f"working set {trace.working_set_tokens()} tokens; {target.num_replicas} {target.engine} replicas of "
+        f"{target.model} on {target.device}, local cache {target.local_cache_bytes >> 20} MiB each, pool "
+        f"{target.pool_bytes >> 20} MiB"
+    )
+    return {
+        "run_id": run_id,
+        "experiment": EXPERIMENT,
+        "command": command,
+        "commit": tree_commit(),
+        "hardware": describe_host(),
+        "sizes": sizes,
+        "num_runs": config.num_runs,
+        "runs": list(runs),
+        "config": dataclasses.asdict(config),
+        "target": dataclasses.asdict(target),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
 
 
 async def _run_one(config, cluster, trace, order, run, run_id, results, tokenizer, timeout_s, on_replay):

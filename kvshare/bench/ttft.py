@@ -121,33 +121,7 @@ async def run_text_context(config: TTFTConfig, num_tokens: int, ctx: BenchContex
         order = ("text",) if not ctx.use_extension else CLIENTS[::-1] if r % 2 == 0 else CLIENTS
         out: dict[str, Record] = {}
         for client in order:
-            url, use_pool = ctx.replica_for(replica, use_pool=True)
-            use_local_cache = True
-            if out and condition == "cold":
-                use_pool, use_local_cache = False, False
-            elif out and condition == "cross":
-                use_local_cache = False
-            if client == "text":
-                request = BenchRequest(
-                    url,
-                    "chat",
-                    ctx.model,
-                    messages=chats[r],
-                    max_tokens=config.max_tokens,
-                    use_pool=use_pool,
-                    use_local_cache=use_local_cache,
-                    is_user_client=True,
-                )
-            else:
-                request = BenchRequest(
-                    url,
-                    "completion",
-                    ctx.model,
-                    prompt=prompt_ids[r],
-                    max_tokens=config.max_tokens,
-                    use_pool=use_pool,
-                    use_local_cache=use_local_cache,
-                )
+            request = _paired_request(ctx, config, client, chats[r], prompt_ids[r], replica, condition, bool(out))
             out[client] = await ctx.measure(
                 request,
                 experiment=EXPERIMENT,
@@ -172,3 +146,45 @@ async def run_text_context(config: TTFTConfig, num_tokens: int, ctx: BenchContex
     for r in range(config.repetitions):
         mark_matches(list((await pair(r, config.replica_b, "cross")).values()), cold[r]["text"])
     return records
+
+
+def _paired_request(
+    ctx: BenchContext,
+    config: TTFTConfig,
+    client: str,
+    messages: list[dict],
+    prompt_ids: list[int],
+    replica: int,
+    condition: str,
+    is_second: bool,
+) -> BenchRequest:
+    """One request of a text / token ids pair: the chat text through a user's client, or its ids to /v1/completions.
+
+    The second of a pair keeps its condition by not reusing what the first left: cold turns every cache
+    off, cross the replica's local cache."""
+    url, use_pool = ctx.replica_for(replica, use_pool=True)
+    use_local_cache = True
+    if is_second and condition == "cold":
+        use_pool, use_local_cache = False, False
+    elif is_second and condition == "cross":
+        use_local_cache = False
+    if client == "text":
+        return BenchRequest(
+            url,
+            "chat",
+            ctx.model,
+            messages=messages,
+            max_tokens=config.max_tokens,
+            use_pool=use_pool,
+            use_local_cache=use_local_cache,
+            is_user_client=True,
+        )
+    return BenchRequest(
+        url,
+        "completion",
+        ctx.model,
+        prompt=prompt_ids,
+        max_tokens=config.max_tokens,
+        use_pool=use_pool,
+        use_local_cache=use_local_cache,
+    )

@@ -67,52 +67,72 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                 "--experiments", type=_words, default=EXPERIMENT_NAMES, help="comma list of ttft,blocks,sessions"
             )
         if name in ("ttft", "suite"):
-            e.add_argument("--repetitions", type=int, default=3, help="ttft: prompts per context length")
-            e.add_argument(
-                "--client",
-                choices=("token_ids", "text"),
-                default="token_ids",
-                help="ttft: token_ids (prompt ids to /v1/completions) or text (chat text through a user's "
-                "client, the openai SDK where installed; each paired with its ids: text_overhead)",
-            )
+            _ttft_arguments(e)
         if name in ("blocks", "suite"):
-            e.add_argument("--per-block", type=int, default=8, help="blocks: requests per block")
-            e.add_argument(
-                "--prime-batch",
-                type=int,
-                default=None,
-                help="blocks: primes sent before their measurements, where the pool cannot hold a whole "
-                "block's (default: the whole block)",
-            )
-            e.add_argument("--design", type=_words, default=("off", "on", "on", "off"), help="blocks: block order")
-            e.add_argument("--prime-off", action="store_true", help="blocks: prime OFF prompts on replica A too")
+            _blocks_arguments(e)
         if name in ("sessions", "suite"):
-            e.add_argument(
-                "--session-contexts",
-                type=parse_tokens,
-                default=None,
-                help="sessions: initial contexts (default: --contexts)",
-            )
-            e.add_argument("--sessions", type=int, default=2, help="sessions per context, placement and pool")
-            e.add_argument("--turns", type=int, default=6, help="sessions: turns per session")
-            e.add_argument("--turn-tokens", type=int, default=256, help="new user tokens per turn")
-            e.add_argument("--answer-tokens", type=int, default=32, help="generated tokens per turn")
-            e.add_argument(
-                "--placements",
-                type=_words,
-                default=("alternate", "sticky"),
-                help="sessions: placements compared (alternate: turn k on replica k mod N; sticky: one replica)",
-            )
-            e.add_argument("--pools", type=_words, default=("off", "on"), help="sessions: pool conditions compared")
-            e.add_argument(
-                "--router",
-                type=_router,
-                action="append",
-                default=[],
-                help="send a placement's turns through a router: alternate=URL or sticky=URL "
-                "(default: place turns directly, with the router's own policy code)",
-            )
+            _sessions_arguments(e)
     add_routing_arguments(sub, _words)
+    _add_report_parser(sub)
+
+
+def _ttft_arguments(e: argparse.ArgumentParser) -> None:
+    """ttft's own flags: prompts per context and how they are sent."""
+    e.add_argument("--repetitions", type=int, default=3, help="ttft: prompts per context length")
+    e.add_argument(
+        "--client",
+        choices=("token_ids", "text"),
+        default="token_ids",
+        help="ttft: token_ids (prompt ids to /v1/completions) or text (chat text through a user's "
+        "client, the openai SDK where installed; each paired with its ids: text_overhead)",
+    )
+
+
+def _blocks_arguments(e: argparse.ArgumentParser) -> None:
+    """blocks' own flags: the block design and how its prompts are primed."""
+    e.add_argument("--per-block", type=int, default=8, help="blocks: requests per block")
+    e.add_argument(
+        "--prime-batch",
+        type=int,
+        default=None,
+        help="blocks: primes sent before their measurements, where the pool cannot hold a whole "
+        "block's (default: the whole block)",
+    )
+    e.add_argument("--design", type=_words, default=("off", "on", "on", "off"), help="blocks: block order")
+    e.add_argument("--prime-off", action="store_true", help="blocks: prime OFF prompts on replica A too")
+
+
+def _sessions_arguments(e: argparse.ArgumentParser) -> None:
+    """sessions' own flags: the sessions' shape and the placements and pool conditions compared."""
+    e.add_argument(
+        "--session-contexts",
+        type=parse_tokens,
+        default=None,
+        help="sessions: initial contexts (default: --contexts)",
+    )
+    e.add_argument("--sessions", type=int, default=2, help="sessions per context, placement and pool")
+    e.add_argument("--turns", type=int, default=6, help="sessions: turns per session")
+    e.add_argument("--turn-tokens", type=int, default=256, help="new user tokens per turn")
+    e.add_argument("--answer-tokens", type=int, default=32, help="generated tokens per turn")
+    e.add_argument(
+        "--placements",
+        type=_words,
+        default=("alternate", "sticky"),
+        help="sessions: placements compared (alternate: turn k on replica k mod N; sticky: one replica)",
+    )
+    e.add_argument("--pools", type=_words, default=("off", "on"), help="sessions: pool conditions compared")
+    e.add_argument(
+        "--router",
+        type=_router,
+        action="append",
+        default=[],
+        help="send a placement's turns through a router: alternate=URL or sticky=URL "
+        "(default: place turns directly, with the router's own policy code)",
+    )
+
+
+def _add_report_parser(sub) -> None:
+    """bench report: rewrite a results folder's report."""
     report = sub.add_parser("report", help="rewrite report.md, records.csv and plots of a results folder")
     report.add_argument("--out", default="results/bench", help="the results folder")
     report.add_argument("--compact", action="store_true", help="print headline lines instead of the tables")
@@ -270,13 +290,35 @@ def _configs(args: argparse.Namespace, names: tuple[str, ...]) -> list:
 
 
 def _run_experiments(args: argparse.Namespace, names: tuple[str, ...]) -> int:
-    import os
-
     from rich.console import Console
 
-    from kvshare.bench.harness import Harness, HarnessConfig
-    from kvshare.bench.report import print_tables
-    from kvshare.bench.targets import TargetSpec, open_target
+    from kvshare.bench.harness import Harness
+    from kvshare.bench.targets import open_target
+    from kvshare.errors import UserError
+
+    replica_args = _started_replica_args(args)
+    try:
+        configs = _configs(args, names)
+        spec = _target_spec(args, replica_args)
+        config = _harness_config(args)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    console = Console()
+    status = console.status("starting replicas...")
+    status.start()
+    try:
+        with sigterm_as_interrupt(), open_target(spec, progress=status.update) as (replicas, off):
+            status.stop()
+            outcome = Harness(config, replicas, off, console=console).run(configs)
+    except (RuntimeError, TimeoutError, ValueError) as exc:  # replicas that do not start, a plan they cannot run
+        raise UserError(f"{type(exc).__name__}: {exc}") from None
+    finally:
+        status.stop()
+    return _report_outcome(args, outcome, console)
+
+
+def _started_replica_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """Arguments of every replica bench starts (--model); a UserError for a mode that only a start can set."""
     from kvshare.errors import UserError
 
     if args.deterministic and not args.model:
@@ -291,47 +333,53 @@ def _run_experiments(args: argparse.Namespace, names: tuple[str, ...]) -> int:
         )
     replica_args = tuple(args.replica_arg) + (("--deterministic",) if args.deterministic else ())
     replica_args += ("--kv-dtype", args.kv_dtype) if args.kv_dtype != "auto" else ()
-    try:
-        configs = _configs(args, names)
-        spec = TargetSpec(
-            replica_urls=tuple(args.replica),
-            off_replica_urls=tuple(args.off_replica),
-            model=args.model,
-            device=args.device,
-            num_replicas=args.replicas,
-            pool_size=args.pool_size,
-            pool_args=tuple(args.pool_arg),
-            replica_args=replica_args,
-            is_sequential=args.sequential,
-            port=args.port,
-            log_dir=os.path.join(args.out, "logs"),
-            use_extension=not args.no_extension,
-        )
-        config = HarnessConfig(
-            out_dir=args.out,
-            tokenizer=args.tokenizer or args.model,
-            system_tokens=args.system_tokens,
-            seed=args.seed,
-            time_budget_s=args.time_budget,
-            unit_allowance_s=args.unit_allowance,
-            timeout_s=args.timeout,
-            use_extension=not args.no_extension,
-            timeline=args.timeline and not args.no_extension,
-            show_progress=not args.no_progress,
-        )
-    except ValueError as exc:
-        raise UserError(str(exc)) from None
-    console = Console()
-    status = console.status("starting replicas...")
-    status.start()
-    try:
-        with sigterm_as_interrupt(), open_target(spec, progress=status.update) as (replicas, off):
-            status.stop()
-            outcome = Harness(config, replicas, off, console=console).run(configs)
-    except (RuntimeError, TimeoutError, ValueError) as exc:  # replicas that do not start, a plan they cannot run
-        raise UserError(f"{type(exc).__name__}: {exc}") from None
-    finally:
-        status.stop()
+    return replica_args
+
+
+def _target_spec(args: argparse.Namespace, replica_args: tuple[str, ...]):
+    """The replicas to measure: given by URL, or started with --model."""
+    import os
+
+    from kvshare.bench.targets import TargetSpec
+
+    return TargetSpec(
+        replica_urls=tuple(args.replica),
+        off_replica_urls=tuple(args.off_replica),
+        model=args.model,
+        device=args.device,
+        num_replicas=args.replicas,
+        pool_size=args.pool_size,
+        pool_args=tuple(args.pool_arg),
+        replica_args=replica_args,
+        is_sequential=args.sequential,
+        port=args.port,
+        log_dir=os.path.join(args.out, "logs"),
+        use_extension=not args.no_extension,
+    )
+
+
+def _harness_config(args: argparse.Namespace):
+    """How the experiments run: where results go, the prompts' seed, budgets and timeouts, what is shown."""
+    from kvshare.bench.harness import HarnessConfig
+
+    return HarnessConfig(
+        out_dir=args.out,
+        tokenizer=args.tokenizer or args.model,
+        system_tokens=args.system_tokens,
+        seed=args.seed,
+        time_budget_s=args.time_budget,
+        unit_allowance_s=args.unit_allowance,
+        timeout_s=args.timeout,
+        use_extension=not args.no_extension,
+        timeline=args.timeline and not args.no_extension,
+        show_progress=not args.no_progress,
+    )
+
+
+def _report_outcome(args: argparse.Namespace, outcome, console) -> int:
+    """Print the tables and each experiment's units; the exit code: 0 complete, 3 units left, 130 interrupted."""
+    from kvshare.bench.report import print_tables
+
     if not args.no_tables:
         print_tables(outcome.tables, console)
     for name, result in outcome.runs.items():

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import TYPE_CHECKING
 
 from kvshare.units import parse_count
+
+if TYPE_CHECKING:
+    from kvshare.bench.routing_trace import RoutingConfig
 
 
 def _token_range(text: str) -> tuple[int, int]:
@@ -54,7 +58,21 @@ def add_routing_arguments(sub, words) -> None:
         "cluster it starts (pool with KV events, replicas whose local cache holds "
         "1/--gpu-share of the working set). Token counts are multiplied by --scale.",
     )
-    g = e.add_argument_group("cluster")
+    _add_cluster_arguments(e.add_argument_group("cluster"))
+    w = e.add_argument_group("workload")
+    _add_trace_arguments(w, d)
+    w.add_argument(
+        "--conditions",
+        type=words,
+        default=DEFAULT_CONDITIONS + CONTROLS,
+        help=f"comma list of POLICY/on|off|hints (hints: the pool on, and the router sends the vLLM replicas "
+        f"prefetch hints) and controls ({', '.join(CONTROLS)})",
+    )
+    _add_replay_arguments(w, d)
+
+
+def _add_cluster_arguments(g: argparse._ArgumentGroup) -> None:
+    """The cluster each replay starts: its model, device, replicas and engine, and extra arguments for them."""
     g.add_argument("--model", help="model directory or preset of the replicas it starts (required to run)")
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, or one per replica as a comma list")
     g.add_argument("--replicas", type=int, default=2, help="replicas of each cluster it starts")
@@ -76,7 +94,10 @@ def add_routing_arguments(sub, words) -> None:
         help="extra argument for every router (repeatable), e.g. pool_aware's --router-arg=--prefill-rate=2500",
     )
     g.add_argument("--tokenizer", default=None, help="model directory or preset whose tokenizer builds the prompts")
-    w = e.add_argument_group("workload")
+
+
+def _add_trace_arguments(w: argparse._ArgumentGroup, d: RoutingConfig) -> None:
+    """The trace: sessions, shared prompts and turns, their token ranges, and the arrival rates swept."""
     w.add_argument("--sessions", type=int, default=d.num_sessions, help="sessions per replay")
     w.add_argument("--prompts", type=int, default=d.num_prompts, help="shared system prompts")
     w.add_argument("--turns", type=int, default=d.num_turns, help="turns per session")
@@ -85,13 +106,10 @@ def add_routing_arguments(sub, words) -> None:
     w.add_argument("--answer-tokens", type=_token_range, default=d.answer_tokens, help="range, e.g. 100-300")
     w.add_argument("--scale", type=float, default=1.0, help="multiplies every token range (0.1: a CPU-sized run)")
     w.add_argument("--rates", type=_rates, default=d.rates, help="session arrivals per second, e.g. 0.5,1,2,4")
-    w.add_argument(
-        "--conditions",
-        type=words,
-        default=DEFAULT_CONDITIONS + CONTROLS,
-        help=f"comma list of POLICY/on|off|hints (hints: the pool on, and the router sends the vLLM replicas "
-        f"prefetch hints) and controls ({', '.join(CONTROLS)})",
-    )
+
+
+def _add_replay_arguments(w: argparse._ArgumentGroup, d: RoutingConfig) -> None:
+    """How the trace is replayed: runs, cache sizes, verification, seed, timeout, and where results go."""
     w.add_argument("--runs", type=int, default=d.num_runs, help="the whole sweep this many times, on fresh clusters")
     w.add_argument(
         "--gpu-share", type=float, default=d.gpu_share, help="the working set over one replica's local (GPU) KV cache"

@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvshare.commands.serve import DTYPES, add_deterministic_arguments, add_dtype_argument, add_kv_dtype_argument
 from kvshare.units import parse_size_or_off
+
+if TYPE_CHECKING:
+    from kvshare.engine.engine import Engine
+    from kvshare.engine.request import Provenance
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,26 +51,65 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import json
-    import sys
-    import time
-
-    from kvshare.engine.config import EngineConfig
-    from kvshare.engine.engine import Engine, RequestOptions, SamplingParams
     from kvshare.errors import UserError
     from kvshare.preflight import check_model
 
     check_model(args.model)
-    if args.prompt is not None:
-        text = args.prompt
-    elif args.prompt_file == "-":
-        text = sys.stdin.read()
+    text = _read_prompt(args)
+    engine, load_s = _open_engine(args)
+    tok = engine.tokenizer
+    prompt_ids = tok.apply_chat_template([{"role": "user", "content": text}]) if args.chat else tok.encode(text)
+    try:
+        generated = _generate(engine, prompt_ids, args)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    finally:
+        engine.close()
+    if not args.json:
+        print(tok.decode(generated.token_ids)[len(generated.printed) :])
     else:
-        try:
-            with open(args.prompt_file, encoding="utf-8") as f:
-                text = f.read()
-        except OSError as exc:
-            raise UserError(f"cannot read the prompt: {exc}") from None
+        print(_json_line(generated, tok.decode(generated.token_ids), len(prompt_ids), engine.layout.dtype, load_s))
+    return 0
+
+
+@dataclass
+class _Generated:
+    """One prompt's continuation, its timings from the first request, and the text already printed of it."""
+
+    token_ids: list[int]
+    first_token_s: float | None
+    total_s: float
+    finish_reason: str | None
+    provenance: Provenance | None
+    printed: str
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    """The prompt's text: --prompt, or --prompt-file's contents ('-': stdin)."""
+    import sys
+
+    from kvshare.errors import UserError
+
+    if args.prompt is not None:
+        return args.prompt
+    if args.prompt_file == "-":
+        return sys.stdin.read()
+    try:
+        with open(args.prompt_file, encoding="utf-8") as f:
+            return f.read()
+    except OSError as exc:
+        raise UserError(f"cannot read the prompt: {exc}") from None
+
+
+def _open_engine(args: argparse.Namespace) -> tuple[Engine, float]:
+    """The built-in engine of the flags and the seconds its model took to load (a UserError for a configuration
+    it cannot run)."""
+    import time
+
+    from kvshare.engine.config import EngineConfig
+    from kvshare.engine.engine import Engine
+    from kvshare.errors import UserError
+
     started = time.perf_counter()
     try:
         engine = Engine(
@@ -83,55 +128,58 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    load_s = time.perf_counter() - started
-    tok = engine.tokenizer
-    prompt_ids = tok.apply_chat_template([{"role": "user", "content": text}]) if args.chat else tok.encode(text)
-    try:
-        params = SamplingParams(
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            seed=args.seed,
-            ignore_eos=args.ignore_eos,
-        )
-        started = time.perf_counter()
-        token_ids, first_token_s, finish, provenance = [], None, None, None
-        printed = ""
-        for event in engine.generate(prompt_ids, params, RequestOptions(tenant=args.tenant)):
-            if first_token_s is None:
-                first_token_s = time.perf_counter() - started
-            token_ids.append(event.token_id)
-            finish, provenance = event.finish_reason, event.provenance
-            text = tok.decode(token_ids)
-            if not args.json and not text.endswith("\ufffd"):  # hold back a partial UTF-8 character
-                print(text[len(printed) :], end="", flush=True)
-                printed = text
-        total_s = time.perf_counter() - started
-    except ValueError as exc:
-        raise UserError(str(exc)) from None
-    finally:
-        engine.close()
-    if not args.json:
-        print(tok.decode(token_ids)[len(printed) :])
-    else:
-        print(
-            json.dumps(
-                {
-                    "text": tok.decode(token_ids),
-                    "token_ids": token_ids,
-                    "finish_reason": finish,
-                    "prompt_tokens": len(prompt_ids),
-                    "provenance": {
-                        "local_tokens": provenance.local_tokens,
-                        "pool_tokens": provenance.pool_tokens,
-                        "computed_tokens": provenance.computed_tokens,
-                    },
-                    "deterministic": provenance.is_deterministic,
-                    "kv_dtype": engine.layout.dtype,
-                    "model_load_s": round(load_s, 4),
-                    "ttft_s": round(first_token_s, 4),
-                    "total_s": round(total_s, 4),
-                }
-            )
-        )
-    return 0
+    return engine, time.perf_counter() - started
+
+
+def _generate(engine: Engine, prompt_ids: list[int], args: argparse.Namespace) -> _Generated:
+    """Generate from the prompt; without --json, print the text as it comes (whole UTF-8 characters only)."""
+    import time
+
+    from kvshare.engine.engine import RequestOptions, SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+    )
+    started = time.perf_counter()
+    token_ids, first_token_s, finish, provenance = [], None, None, None
+    printed = ""
+    for event in engine.generate(prompt_ids, params, RequestOptions(tenant=args.tenant)):
+        if first_token_s is None:
+            first_token_s = time.perf_counter() - started
+        token_ids.append(event.token_id)
+        finish, provenance = event.finish_reason, event.provenance
+        text = engine.tokenizer.decode(token_ids)
+        if not args.json and not text.endswith("\ufffd"):  # hold back a partial UTF-8 character
+            print(text[len(printed) :], end="", flush=True)
+            printed = text
+    total_s = time.perf_counter() - started
+    return _Generated(token_ids, first_token_s, total_s, finish, provenance, printed)
+
+
+def _json_line(generated: _Generated, text: str, num_prompt_tokens: int, kv_dtype: str, load_s: float) -> str:
+    """--json's output: the continuation, where its prompt's KV came from, and the timings."""
+    import json
+
+    provenance = generated.provenance
+    return json.dumps(
+        {
+            "text": text,
+            "token_ids": generated.token_ids,
+            "finish_reason": generated.finish_reason,
+            "prompt_tokens": num_prompt_tokens,
+            "provenance": {
+                "local_tokens": provenance.local_tokens,
+                "pool_tokens": provenance.pool_tokens,
+                "computed_tokens": provenance.computed_tokens,
+            },
+            "deterministic": provenance.is_deterministic,
+            "kv_dtype": kv_dtype,
+            "model_load_s": round(load_s, 4),
+            "ttft_s": round(generated.first_token_s, 4),
+            "total_s": round(generated.total_s, 4),
+        }
+    )

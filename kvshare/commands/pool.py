@@ -9,6 +9,15 @@ from kvshare.units import parse_size
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    _add_arena_arguments(p)
+    _add_access_arguments(p)
+    _add_limit_arguments(p)
+    _add_remote_arguments(p)
+    _add_event_arguments(p)
+
+
+def _add_arena_arguments(p: argparse.ArgumentParser) -> None:
+    """The arena (size, extents, hugepages, direct lookups) and the socket clients reach it on."""
     p.add_argument(
         "--size",
         "--pool-size",
@@ -43,6 +52,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "hold table of their own, so a fully committed chain is leased with no round trip (x86-64 Linux with "
         "membarrier; elsewhere every lookup takes the round trip). Default: on",
     )
+
+
+def _add_access_arguments(p: argparse.ArgumentParser) -> None:
+    """Who may reach the pool: its metrics port and its socket's permissions."""
     p.add_argument("--metrics-port", type=tcp_port, default=None, help="serve Prometheus metrics on this port")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address the metrics port listens on")
     p.add_argument(
@@ -58,6 +71,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=[],
         help="uid allowed to connect (repeatable; default: the daemon's own uid)",
     )
+
+
+def _add_limit_arguments(p: argparse.ArgumentParser) -> None:
+    """When the pool evicts and expires, and what one message or account may take."""
     p.add_argument(
         "--high-watermark", type=float, default=0.95, help="eviction starts when this share of the pool is used"
     )
@@ -84,8 +101,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "may hold; over it a store evicts that account's own least recently used chunks, then "
         "stores fewer (default: no quota)",
     )
-    _add_remote_arguments(p)
-    _add_event_arguments(p)
 
 
 def _add_event_arguments(p: argparse.ArgumentParser) -> None:
@@ -145,6 +160,14 @@ def _events_config_from_args(args: argparse.Namespace):
 def _add_remote_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of the remote tier (kvshare.pool.remote.config.RemoteConfig, one flag per field; docs/remote.md)."""
     g = p.add_argument_group("remote tier (share pages with pools on other hosts through Redis/Valkey)")
+    _add_remote_store_arguments(g)
+    _add_remote_transfer_arguments(g)
+    _add_remote_breaker_arguments(g)
+    _add_remote_trust_arguments(g)
+
+
+def _add_remote_store_arguments(g: argparse._ArgumentGroup) -> None:
+    """Which store the tier uses, under which keys, and how pages travel to it."""
     g.add_argument(
         "--remote",
         default=None,
@@ -165,6 +188,10 @@ def _add_remote_arguments(p: argparse.ArgumentParser) -> None:
         help="a page travels as values of at most this size (4KiB..8MiB)",
     )
     g.add_argument("--remote-timeout", type=float, default=1.0, help="connect and socket timeout, seconds")
+
+
+def _add_remote_transfer_arguments(g: argparse._ArgumentGroup) -> None:
+    """How many pages move at once, in which threads, and how long a lookup waits for them."""
     g.add_argument(
         "--remote-write-queue",
         type=parse_size,
@@ -181,6 +208,10 @@ def _add_remote_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--remote-promote-batch", type=parse_size, default="64MiB", help="pages fetched per round trip")
     g.add_argument("--remote-max-promotions", type=int, default=4, help="promoting lookups under way at once")
+
+
+def _add_remote_breaker_arguments(g: argparse._ArgumentGroup) -> None:
+    """When failed store operations stop the tier, and for how long."""
     g.add_argument(
         "--remote-breaker-failures",
         type=int,
@@ -193,6 +224,10 @@ def _add_remote_arguments(p: argparse.ArgumentParser) -> None:
         default=5.0,
         help="seconds the breaker stays open before it lets one operation try",
     )
+
+
+def _add_remote_trust_arguments(g: argparse._ArgumentGroup) -> None:
+    """Which hosts, password and page key the tier trusts."""
     g.add_argument(
         "--remote-allow-host",
         action="append",

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvshare.pool.client import PoolClient
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -151,47 +155,55 @@ def run(args: argparse.Namespace) -> int:
         socket_path = args.socket or find_pool_socket(args.name)
         with PoolClient(socket_path, name="pool-admin") as client:
             if args.action == "flush":
-                held = {n.namespace for n in client.list_namespaces().namespaces} if namespace is not None else set()
-                if namespace is not None and namespace not in held:
-                    raise UserError(
-                        f"the pool at {socket_path} holds no namespace {namespace.hex()}; "
-                        f"`kvshare pool-admin namespaces` lists them"
-                    )
-                _confirm(
-                    f"flush {'namespace ' + namespace.hex() if namespace else 'every chunk'} "
-                    f"of the pool at {socket_path}",
-                    args.yes,
-                )
-                out = {"dropped": client.flush(namespace), "pool": socket_path}
-                if namespace is not None:
-                    out["namespace"] = namespace.hex()
-                if named:
-                    out["model"] = named["model"]
-                print(json.dumps(out))
+                _flush(client, socket_path, namespace, named, args.yes)
             elif args.action == "leases":
-                leases = [
-                    {
-                        "lease_id": l.lease_id,
-                        "client_id": l.client_id,
-                        "client": l.client_name,
-                        "pages": l.num_pages,
-                        "age_s": l.age_s,
-                    }
-                    for l in client.list_leases()
-                ]
-                print(json.dumps(leases, indent=2))
+                print(json.dumps(_leases(client), indent=2))
             else:
-                reply = client.list_namespaces()
-                rows = [
-                    {"namespace": n.namespace.hex(), "entries": n.num_entries, "bytes": n.num_bytes}
-                    for n in reply.namespaces
-                ]
-                owners = [
-                    {"owner": n.namespace.hex(), "entries": n.num_entries, "bytes": n.num_bytes} for n in reply.accounts
-                ]
-                print(
-                    json.dumps({"quota_bytes": reply.quota_bytes, "namespaces": rows, "quota_owners": owners}, indent=2)
-                )
+                print(json.dumps(_namespaces(client), indent=2))
     except (PoolUnavailable, ValueError) as exc:
         raise UserError(str(exc)) from None
     return 0
+
+
+def _flush(client: PoolClient, socket_path: str, namespace: bytes | None, named: dict, yes: bool) -> None:
+    """Flush one namespace the pool holds (or every chunk, after confirmation) and print what was dropped."""
+    from kvshare.errors import UserError
+
+    held = {n.namespace for n in client.list_namespaces().namespaces} if namespace is not None else set()
+    if namespace is not None and namespace not in held:
+        raise UserError(
+            f"the pool at {socket_path} holds no namespace {namespace.hex()}; "
+            f"`kvshare pool-admin namespaces` lists them"
+        )
+    _confirm(
+        f"flush {'namespace ' + namespace.hex() if namespace else 'every chunk'} of the pool at {socket_path}",
+        yes,
+    )
+    out = {"dropped": client.flush(namespace), "pool": socket_path}
+    if namespace is not None:
+        out["namespace"] = namespace.hex()
+    if named:
+        out["model"] = named["model"]
+    print(json.dumps(out))
+
+
+def _leases(client: PoolClient) -> list[dict]:
+    """The pool's open leases: who holds how many pages, since when."""
+    return [
+        {
+            "lease_id": l.lease_id,
+            "client_id": l.client_id,
+            "client": l.client_name,
+            "pages": l.num_pages,
+            "age_s": l.age_s,
+        }
+        for l in client.list_leases()
+    ]
+
+
+def _namespaces(client: PoolClient) -> dict:
+    """The pool's namespaces and quota owners, with the entries and bytes each holds."""
+    reply = client.list_namespaces()
+    rows = [{"namespace": n.namespace.hex(), "entries": n.num_entries, "bytes": n.num_bytes} for n in reply.namespaces]
+    owners = [{"owner": n.namespace.hex(), "entries": n.num_entries, "bytes": n.num_bytes} for n in reply.accounts]
+    return {"quota_bytes": reply.quota_bytes, "namespaces": rows, "quota_owners": owners}

@@ -16,6 +16,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=tcp_port, default=8080, help="port to listen on")
     p.add_argument("--health-interval", type=float, default=1.0, help="seconds between health checks")
+    _add_session_arguments(p)
+    _add_access_arguments(p)
+    p.add_argument(
+        "--engine",
+        choices=("builtin", "vllm"),
+        default="builtin",
+        help="what the replicas run. vllm: with --api-key or --tenant-header the router sets each "
+        "request's cache_salt to its tenant's (the client's cache_salt splits only its own share), "
+        "since vLLM replicas see no tenant; built-in replicas salt themselves; --policy pool_aware asks a "
+        "vLLM stream for its usage chunk, to measure the replica, and takes it out of what a client that did "
+        "not ask gets, and counts a replica's queue as the prefill ahead (vLLM batches decodes). Default builtin",
+    )
+    _add_response_arguments(p)
+    p.add_argument("--instance-id", default="", help="an id /health reports (kvshare up checks it is its child)")
+    _add_hint_arguments(p)
+    _add_pool_aware_arguments(p)
+
+
+def _add_session_arguments(p: argparse.ArgumentParser) -> None:
+    """How a session is named and how long its placement is remembered."""
     p.add_argument(
         "--session-header", default="X-Session-ID", help="header naming a session (else the body's user field)"
     )
@@ -25,6 +45,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=3600.0,
         help="seconds a session's placement is remembered after its last turn",
     )
+
+
+def _add_access_arguments(p: argparse.ArgumentParser) -> None:
+    """Who may use the router and its /admin/, and how tenants' pool accounts are named and signed."""
     p.add_argument(
         "--api-key",
         action="append",
@@ -53,16 +77,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "kv_transfer_params; the replicas' connector takes the same key. Default: none, and vLLM "
         "replicas charge every request to one shared account",
     )
-    p.add_argument(
-        "--engine",
-        choices=("builtin", "vllm"),
-        default="builtin",
-        help="what the replicas run. vllm: with --api-key or --tenant-header the router sets each "
-        "request's cache_salt to its tenant's (the client's cache_salt splits only its own share), "
-        "since vLLM replicas see no tenant; built-in replicas salt themselves; --policy pool_aware asks a "
-        "vLLM stream for its usage chunk, to measure the replica, and takes it out of what a client that did "
-        "not ask gets, and counts a replica's queue as the prefill ahead (vLLM batches decodes). Default builtin",
-    )
+
+
+def _add_response_arguments(p: argparse.ArgumentParser) -> None:
+    """What the router adds to responses, and how long it waits on a slow client."""
     p.add_argument(
         "--expose-replica-header",
         action="store_true",
@@ -75,9 +93,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=30.0,
         help="seconds a client may take to accept one write of a response before it is dropped",
     )
-    p.add_argument("--instance-id", default="", help="an id /health reports (kvshare up checks it is its child)")
-    _add_hint_arguments(p)
-    _add_pool_aware_arguments(p)
 
 
 def _add_hint_arguments(p: argparse.ArgumentParser) -> None:
@@ -97,6 +112,26 @@ def _add_hint_arguments(p: argparse.ArgumentParser) -> None:
 def _add_pool_aware_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of --policy pool_aware (kvshare.router.pool_aware.PoolAwareConfig and CostModel)."""
     g = p.add_argument_group("pool_aware (place by expected TTFT from the pool's KV events)")
+    _add_kv_events_arguments(g)
+    g.add_argument(
+        "--model",
+        default=None,
+        help="the replicas' model directory or preset: its tokenizer gives pool_aware its token ids, and "
+        "--hint-address the ids of text prompts",
+    )
+    g.add_argument(
+        "--replica-kv-events",
+        action="append",
+        default=[],
+        metavar="ENDPOINT",
+        help="a replica's own KV events (vLLM's --kv-events-config endpoint), one per --replica in order: "
+        "its GPU prefix cache from them instead of what the router sent it",
+    )
+    _add_cost_model_arguments(g)
+
+
+def _add_kv_events_arguments(g: argparse._ArgumentGroup) -> None:
+    """Where the pool's KV events come from, and when they are too old or too quiet to place by."""
     g.add_argument("--kv-events", default=None, metavar="ENDPOINT", help="the pool's KV events, tcp://HOST:PORT")
     g.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT", help="the pool's replay socket")
     g.add_argument("--kv-events-topic", default="kv@", help="topic (prefix) to subscribe to; one replica's topic")
@@ -115,20 +150,10 @@ def _add_pool_aware_arguments(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="no batch this long after prompts the pool did not hold: round robin until one comes",
     )
-    g.add_argument(
-        "--model",
-        default=None,
-        help="the replicas' model directory or preset: its tokenizer gives pool_aware its token ids, and "
-        "--hint-address the ids of text prompts",
-    )
-    g.add_argument(
-        "--replica-kv-events",
-        action="append",
-        default=[],
-        metavar="ENDPOINT",
-        help="a replica's own KV events (vLLM's --kv-events-config endpoint), one per --replica in order: "
-        "its GPU prefix cache from them instead of what the router sent it",
-    )
+
+
+def _add_cost_model_arguments(g: argparse._ArgumentGroup) -> None:
+    """The cost model's figures until measured, and whether a replica is credited with the pool's pages."""
     cost = CostModel()
     g.add_argument(
         "--kv-bytes-per-token",

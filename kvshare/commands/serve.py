@@ -42,6 +42,22 @@ def parse_max_model_len(value: str) -> int | None:
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """Engine flags shared by serve, generate and up."""
+    _add_model_arguments(p)
+    _add_reuse_arguments(p)
+    _add_execution_arguments(p)
+    p.add_argument(
+        "--max-model-len",
+        type=parse_max_model_len,
+        default=None,
+        help="context length: prompt plus output tokens (as vLLM: 4096, 32k, 32K; default: the model's)",
+    )
+    add_dtype_argument(p)
+    add_kv_dtype_argument(p)
+    add_deterministic_arguments(p)
+
+
+def _add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """Which model the engine runs, on which device, under which identity."""
     p.add_argument("--model", default="tiny", help="a Hugging Face model directory or a preset name (default tiny)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument(
@@ -52,6 +68,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "bytes; replicas with one revision share KV, so it must name exactly these weights "
         "(default: hash them)",
     )
+
+
+def _add_reuse_arguments(p: argparse.ArgumentParser) -> None:
+    """Where the engine finds KV to reuse (pool, local cache, its own sequence), in which chunks, how checked."""
     p.add_argument("--pool", default=None, help="socket of a running pool, or 'off' (default: off)")
     p.add_argument(
         "--local-cache-size",
@@ -79,6 +99,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         default=1.0,
         help="fraction of pool loads whose page checksums are verified (default 1: all)",
     )
+
+
+def _add_execution_arguments(p: argparse.ArgumentParser) -> None:
+    """How the engine copies and computes on its device: staging buffers, CUDA graphs, attention."""
     p.add_argument(
         "--staging-buffers",
         type=int,
@@ -102,15 +126,6 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "sdpa = SDPA (the deterministic mode runs the kernel per grid chunk where its start-up self-test finds "
         "it exact, else SDPA)",
     )
-    p.add_argument(
-        "--max-model-len",
-        type=parse_max_model_len,
-        default=None,
-        help="context length: prompt plus output tokens (as vLLM: 4096, 32k, 32K; default: the model's)",
-    )
-    add_dtype_argument(p)
-    add_kv_dtype_argument(p)
-    add_deterministic_arguments(p)
 
 
 def add_dtype_argument(p: argparse.ArgumentParser) -> None:
@@ -156,62 +171,16 @@ def add_deterministic_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p)
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    p.add_argument("--port", type=tcp_port, default=8000, help="port to listen on")
-    p.add_argument("--replica-name", default=None, help="name reported in responses (default host:port)")
-    p.add_argument(
-        "--served-model-name",
-        nargs="+",
-        default=None,
-        metavar="NAME",
-        help="model ids requests may name; the first is reported in responses (default: --model as given)",
-    )
-    p.add_argument("--max-requests", type=int, default=64, help="queued + running requests before 429")
-    p.add_argument(
-        "--max-prompt-tokens", type=int, default=None, help="refuse longer prompts (default: the model's context)"
-    )
-    p.add_argument(
-        "--max-tokens-limit",
-        type=int,
-        default=None,
-        help="refuse a larger max_tokens / max_completion_tokens (default: none; the context bounds it, as in vLLM)",
-    )
-    p.add_argument("--max-body-size", type=parse_size, default="16MiB", help="refuse larger request bodies (413)")
-    p.add_argument("--api-key", action="append", default=[], help="require this bearer token (repeatable)")
-    p.add_argument(
-        "--tenant-header",
-        default="",
-        help="header whose value salts the pool namespace per tenant "
-        "(with --api-key it splits a key's namespace further; docs/reliability.md)",
-    )
-    p.add_argument(
-        "--provenance",
-        choices=("off", "own-tenant", "all"),
-        default="own-tenant",
-        help="who gets the kvshare object (local/pool/computed tokens) and cached_tokens: all; only "
-        "requests with a namespace of their own (a tenant or a cache_salt; the default); or nobody. "
-        "For requests that share a namespace it says what others asked (docs/operations.md)",
-    )
+    _add_listen_arguments(p)
+    _add_limit_arguments(p)
+    _add_access_arguments(p)
     p.add_argument(
         "--max-tokenize-size",
         type=parse_size,
         default="1MiB",
         help="largest /tokenize or /detokenize body (larger: 413)",
     )
-    p.add_argument(
-        "--audit-rate",
-        type=float,
-        default=0.0,
-        help="share of requests served with reused KV that are recomputed cold when idle and compared "
-        "(a mismatch is counted, logged, and its chunks dropped; default 0: off)",
-    )
-    p.add_argument("--audit-tokens", type=int, default=8, help="generated tokens an audit compares (default 8)")
-    p.add_argument(
-        "--audit-gap-threshold",
-        type=float,
-        default=1e-3,
-        help="an audit tolerates a divergence at a step whose top-2 logprob gap is below this",
-    )
+    _add_audit_arguments(p)
     p.add_argument(
         "--write-timeout",
         type=float,
@@ -227,6 +196,84 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "format with medium GPU, on topic kv@<replica name>@<model>; pool_aware routers read them "
         "with --replica-kv-events",
     )
+    _add_token_cache_arguments(p)
+    p.add_argument(
+        "--no-warmup",
+        dest="warmup",
+        action="store_false",
+        help="report healthy at once, without the warm-up (a tiny prefill, pool store and pool load in a "
+        "private namespace) that takes the one-time costs out of the first request's TTFT",
+    )
+
+
+def _add_listen_arguments(p: argparse.ArgumentParser) -> None:
+    """Where the replica listens and the names it answers with."""
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=tcp_port, default=8000, help="port to listen on")
+    p.add_argument("--replica-name", default=None, help="name reported in responses (default host:port)")
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="model ids requests may name; the first is reported in responses (default: --model as given)",
+    )
+
+
+def _add_limit_arguments(p: argparse.ArgumentParser) -> None:
+    """What the replica refuses: a full queue, long prompts, large outputs and bodies."""
+    p.add_argument("--max-requests", type=int, default=64, help="queued + running requests before 429")
+    p.add_argument(
+        "--max-prompt-tokens", type=int, default=None, help="refuse longer prompts (default: the model's context)"
+    )
+    p.add_argument(
+        "--max-tokens-limit",
+        type=int,
+        default=None,
+        help="refuse a larger max_tokens / max_completion_tokens (default: none; the context bounds it, as in vLLM)",
+    )
+    p.add_argument("--max-body-size", type=parse_size, default="16MiB", help="refuse larger request bodies (413)")
+
+
+def _add_access_arguments(p: argparse.ArgumentParser) -> None:
+    """Who may use the replica, how tenants' KV is kept apart, and what a response tells of its reuse."""
+    p.add_argument("--api-key", action="append", default=[], help="require this bearer token (repeatable)")
+    p.add_argument(
+        "--tenant-header",
+        default="",
+        help="header whose value salts the pool namespace per tenant "
+        "(with --api-key it splits a key's namespace further; docs/reliability.md)",
+    )
+    p.add_argument(
+        "--provenance",
+        choices=("off", "own-tenant", "all"),
+        default="own-tenant",
+        help="who gets the kvshare object (local/pool/computed tokens) and cached_tokens: all; only "
+        "requests with a namespace of their own (a tenant or a cache_salt; the default); or nobody. "
+        "For requests that share a namespace it says what others asked (docs/operations.md)",
+    )
+
+
+def _add_audit_arguments(p: argparse.ArgumentParser) -> None:
+    """Audits: requests served with reused KV, recomputed cold and compared."""
+    p.add_argument(
+        "--audit-rate",
+        type=float,
+        default=0.0,
+        help="share of requests served with reused KV that are recomputed cold when idle and compared "
+        "(a mismatch is counted, logged, and its chunks dropped; default 0: off)",
+    )
+    p.add_argument("--audit-tokens", type=int, default=8, help="generated tokens an audit compares (default 8)")
+    p.add_argument(
+        "--audit-gap-threshold",
+        type=float,
+        default=1e-3,
+        help="an audit tolerates a divergence at a step whose top-2 logprob gap is below this",
+    )
+
+
+def _add_token_cache_arguments(p: argparse.ArgumentParser) -> None:
+    """The token ids of long prompts, shared with the user's other replicas."""
     p.add_argument(
         "--token-cache-dir",
         default=None,
@@ -239,13 +286,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=parse_size,
         default="256MiB",
         help="bytes of token ids kept in --token-cache-dir, least recently used out (default 256MiB)",
-    )
-    p.add_argument(
-        "--no-warmup",
-        dest="warmup",
-        action="store_false",
-        help="report healthy at once, without the warm-up (a tiny prefill, pool store and pool load in a "
-        "private namespace) that takes the one-time costs out of the first request's TTFT",
     )
 
 

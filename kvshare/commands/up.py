@@ -20,6 +20,19 @@ from kvshare.supervisor import RestartPolicy
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    _add_replica_arguments(p)
+    _add_pool_arguments(p)
+    _add_policy_arguments(p)
+    _add_address_arguments(p)
+    _add_engine_arguments(p)
+    _add_passthrough_arguments(p)
+    _add_access_arguments(p)
+    _add_restart_arguments(p)
+    _add_kv_events_arguments(p)
+
+
+def _add_replica_arguments(p: argparse.ArgumentParser) -> None:
+    """What the replicas run: how many, which model and engine, on which devices."""
     p.add_argument("--replicas", type=int, default=2, help="replicas to start")
     p.add_argument("--model", default="tiny", help="a model directory or preset (default tiny)")
     p.add_argument(
@@ -41,6 +54,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="cpu",
         help="cpu, cuda, cuda:N, or one per replica as a comma list, cycled (cuda:0,cuda:1: a GPU each)",
     )
+
+
+def _add_pool_arguments(p: argparse.ArgumentParser) -> None:
+    """The pool: one up starts, a running one, or none."""
     p.add_argument("--pool-size", default="4GiB", help="size of the pool this command starts")
     p.add_argument(
         "--pool",
@@ -48,6 +65,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="SOCKET|off",
         help="the socket of a running pool to use instead of starting one (it is left running), or off",
     )
+
+
+def _add_policy_arguments(p: argparse.ArgumentParser) -> None:
+    """How the router places requests on replicas."""
     p.add_argument(
         "--policy",
         choices=POLICIES,
@@ -61,9 +82,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_false",
         help="--engine vllm: the router sends no prefetch hints (the replicas load when vLLM schedules a request)",
     )
+
+
+def _add_address_arguments(p: argparse.ArgumentParser) -> None:
+    """Where the router and the replicas listen, and the pool's name."""
     p.add_argument("--host", default="127.0.0.1", help="address the router and replicas listen on")
     p.add_argument("--port", type=tcp_port, default=8080, help="router port; replicas take the next N ports")
     p.add_argument("--name", default="", help="the pool's name for pool-stats / pool-admin --name (default: the port)")
+
+
+def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """How each replica's engine runs."""
     p.add_argument("--vllm-python", default=None, help="python of the virtual environment that holds vLLM")
     p.add_argument(
         "--tensor-parallel-size",
@@ -89,8 +118,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="built-in replicas of a hybrid model: keep its state every M chunks of a prompt (serve "
         "--state-checkpoint-chunks; default 64)",
     )
+
+
+def _add_passthrough_arguments(p: argparse.ArgumentParser) -> None:
+    """Extra arguments passed on to the pool and the router."""
     p.add_argument("--pool-arg", action="append", default=[], help="extra argument for the pool (repeatable)")
     p.add_argument("--router-arg", action="append", default=[], help="extra argument for the router (repeatable)")
+
+
+def _add_access_arguments(p: argparse.ArgumentParser) -> None:
+    """Who may use the cluster and what it tells them: keys, tenants, provenance."""
     p.add_argument(
         "--api-key",
         action="append",
@@ -127,6 +164,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="the router adds X-KVShare-Replica to responses (it tells a client where a prefix lives)",
     )
+
+
+def _add_restart_arguments(p: argparse.ArgumentParser) -> None:
+    """When a child that keeps exiting stops up."""
     p.add_argument(
         "--max-restarts",
         type=int,
@@ -140,6 +181,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="the window of --max-restarts (default 60)",
     )
+
+
+def _add_kv_events_arguments(p: argparse.ArgumentParser) -> None:
+    """The pool's and the replicas' KV events, which --policy pool_aware reads."""
     p.add_argument(
         "--kv-events",
         default=None,

@@ -20,8 +20,8 @@ from kvshare.engine.architectures import engine_weight_name, new_model
 from kvshare.engine.config import ModelConfig, model_config_from_hf
 from kvshare.errors import UserError
 from kvshare.identity import model_fingerprint
+from kvshare.transfer.layouts import TORCH_DTYPES  # a model's dtypes (ModelConfig.dtype) are among the KV's
 
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 _HEADER_LEN = struct.Struct("<Q")
 # names some checkpoints carry that hold no weights (recomputed here)

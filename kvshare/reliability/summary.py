@@ -6,6 +6,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from kvshare.bench.stats import percentile
+from kvshare.outputs import top2_gap
 from kvshare.reliability.exchange import Outcome
 
 MAX_DETAILS = 20  # errors and mismatches described one by one, at most
@@ -17,12 +18,6 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
         if x != y:
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
-
-
-def top2_gap(step: dict) -> float | None:
-    """Logprob gap between the two best candidates of one step (small: a near tie)."""
-    values = sorted(step.values(), reverse=True)
-    return values[0] - values[1] if len(values) >= 2 else None
 
 
 @dataclass
@@ -84,7 +79,8 @@ class LoadTally:
         step = first_difference(out.token_ids or [], ref.token_ids or [])
         if step is not None:
             self.num_mismatches += 1
-            gap = top2_gap(ref.top_logprobs[step]) if step < len(ref.top_logprobs) else None
+            # a step's top logprobs: {token: logprob}
+            gap = top2_gap(ref.top_logprobs[step].values()) if step < len(ref.top_logprobs) else None
             self._detail(
                 {
                     "mismatch": what,

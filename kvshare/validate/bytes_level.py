@@ -29,7 +29,7 @@ LAYOUTS: tuple[tuple[str, KVLayout, int | None], ...] = (
 )
 
 
-def run_bytes_level(session, layouts=LAYOUTS) -> LevelResult:
+def run_bytes_level(pool, layouts=LAYOUTS) -> LevelResult:
     from kvshare.transfer.bytecheck import run_bytecheck
     from kvshare.transfer.roundtrip import ByteCheckConfig
 
@@ -37,13 +37,13 @@ def run_bytes_level(session, layouts=LAYOUTS) -> LevelResult:
     rows: list[Row] = []
     paths: set[str] = set()
     figures = {"bytes_checked": 0, "bytes_wrong": 0, "extent_boundaries": 0, "controls_caught": 0, "layouts": {}}
-    if session.is_cuda:
-        rows.append(Row("register arena", PASS, session.register_arena()))  # once, shared by every CUDA transfer
+    if pool.is_cuda:
+        rows.append(Row("register arena", PASS, pool.register_arena()))  # once, shared by every CUDA transfer
     for name, layout, max_pages in layouts:
-        config = ByteCheckConfig(layout=layout, cuda=session.is_cuda)
+        config = ByteCheckConfig(layout=layout, cuda=pool.is_cuda)
         if max_pages is not None:
-            config = ByteCheckConfig(layout=layout, cuda=session.is_cuda, max_pages=max_pages)
-        report = run_bytecheck(session.client, config)
+            config = ByteCheckConfig(layout=layout, cuda=pool.is_cuda, max_pages=max_pages)
+        report = run_bytecheck(pool.client, config)
         figures["layouts"][name] = {
             "page_bytes": layout.page_bytes,
             "dtype": layout.dtype,
@@ -54,26 +54,14 @@ def run_bytes_level(session, layouts=LAYOUTS) -> LevelResult:
         figures["extent_boundaries"] += report.extent_boundaries
         for r in report.results:
             rows.append(_row(f"{name} {format_bytes(layout.page_bytes)} {r.path}", r))
-            figures["bytes_checked"] += r.bytes_checked
-            if r.kind == "control":
-                figures["controls_caught"] += int(r.caught)
-            elif not r.skipped:
-                figures["bytes_wrong"] += r.mismatched_bytes
-                if r.kind == "round_trip":
-                    paths.add(r.path)
-    if session.is_cuda:
-        for r in _vllm_staged_results(session):  # the vLLM connector's GPU path, every layout, both directions
+            _count(r, r.path, figures, paths)
+    if pool.is_cuda:
+        for r in _vllm_staged_results(pool):  # the vLLM connector's GPU path, every layout, both directions
             rows.append(_row(r.path, r))
-            figures["bytes_checked"] += r.bytes_checked
-            if r.kind == "control":
-                figures["controls_caught"] += int(r.caught)
-            elif not r.skipped:
-                figures["bytes_wrong"] += r.mismatched_bytes
-                if r.kind == "round_trip":
-                    paths.add(r.path.split(" ")[0])
+            _count(r, r.path.split(" ")[0], figures, paths)
     else:
-        rows.append(Row("cuda paths", SKIP, f"device {session.device}: CUDA paths not run"))
-    rows += direct_rows(session)  # a lease taken with no round trip reads what the pool answers
+        rows.append(Row("cuda paths", SKIP, f"device {pool.device}: CUDA paths not run"))
+    rows += direct_rows(pool)  # a lease taken with no round trip reads what the pool answers
     status = verdict_of(rows)
     if figures["extent_boundaries"] == 0:
         rows.append(
@@ -84,28 +72,43 @@ def run_bytes_level(session, layouts=LAYOUTS) -> LevelResult:
             )
         )
         status = FAIL
-    ordering = (
-        f"{figures['controls_caught']} deliberately unordered controls caught"
-        if session.is_cuda
-        else "delay/ordering checks need CUDA: skipped"
-    )
-    summary = (
-        f"{format_bytes(figures['bytes_checked'])} compared, {figures['bytes_wrong']} wrong; "
-        f"{len(layouts)} page sizes; {figures['extent_boundaries']} extent boundaries crossed; "
-        f"paths run: {', '.join(sorted(paths))}; {ordering}"
-    )
+    summary = _summary(figures, paths, len(layouts), pool.is_cuda)
     return LevelResult("bytes", status, summary, rows, figures, time.perf_counter() - started)
 
 
-def _vllm_staged_results(session) -> list:
-    """kvshare.integrations.vllm.ordercheck over the session's pool on its GPU (none if the package is absent)."""
+def _count(r, path: str, figures: dict, paths: set[str]) -> None:
+    """Add one path's result to the level's figures, and ``path`` to the paths run when it was a round trip."""
+    figures["bytes_checked"] += r.bytes_checked
+    if r.kind == "control":
+        figures["controls_caught"] += int(r.caught)
+    elif not r.skipped:
+        figures["bytes_wrong"] += r.mismatched_bytes
+        if r.kind == "round_trip":
+            paths.add(path)
+
+
+def _summary(figures: dict, paths: set[str], num_layouts: int, is_cuda: bool) -> str:
+    ordering = (
+        f"{figures['controls_caught']} deliberately unordered controls caught"
+        if is_cuda
+        else "delay/ordering checks need CUDA: skipped"
+    )
+    return (
+        f"{format_bytes(figures['bytes_checked'])} compared, {figures['bytes_wrong']} wrong; "
+        f"{num_layouts} page sizes; {figures['extent_boundaries']} extent boundaries crossed; "
+        f"paths run: {', '.join(sorted(paths))}; {ordering}"
+    )
+
+
+def _vllm_staged_results(pool) -> list:
+    """kvshare.integrations.vllm.ordercheck over the checked pool on its GPU (none if the package is absent)."""
     import torch
 
     try:
         from kvshare.integrations.vllm.ordercheck import staged_checks
     except ImportError:
         return []
-    return staged_checks(session.client, torch.device(session.device))
+    return staged_checks(pool.client, torch.device(pool.device))
 
 
 def _row(name: str, r) -> Row:

@@ -1,6 +1,6 @@
 """The bytes level's direct-lookup check: a lease taken with no round trip reads exactly what the pool would answer.
 
-A writer commits a chain of pages with random bytes through the session's client; a client that asks for the
+A writer commits a chain of pages with random bytes through the checked pool's client; a client that asks for the
 pool's directory (as the engines' pool links do) leases the chain with no round trip. The check passes when that
 lease is direct, names the pages, sizes and checksums the pool's own lookup names, and reads the writer's bytes.
 A control drops one page and looks again: the lookup must lease just the pages before it. Where the pool offers
@@ -20,12 +20,12 @@ PAGE_BYTES = 64 << 10
 NAMESPACE = hashlib.blake2b(b"kvshare-validate-direct", digest_size=16).digest()
 
 
-def direct_rows(session) -> list[Row]:
+def direct_rows(pool) -> list[Row]:
     from kvshare.pool.checksum import page_checksum
     from kvshare.pool.client import PoolClient
     from kvshare.pool.direct_reader import DIRECT_LEASE_BIT
 
-    writer = session.client
+    writer = pool.client
     keys = [hashlib.blake2b(os.urandom(16), digest_size=16).digest() for _ in range(NUM_PAGES)]
     grant = writer.reserve(NAMESPACE, keys, PAGE_BYTES)
     if len(grant.grants) != NUM_PAGES:
@@ -39,7 +39,7 @@ def direct_rows(session) -> list[Row]:
         written.append(bytes(page))
     writer.commit(grant.reservation_id, [page_checksum(writer.page(o, PAGE_BYTES)) for _i, o in grant.grants])
     try:
-        with PoolClient(session.socket, name="kvshare-validate-direct", direct=True) as reader:
+        with PoolClient(pool.socket, name="kvshare-validate-direct", direct=True) as reader:
             if not reader.is_direct:
                 return [Row("direct lookup", SKIP, "the pool offers no directory here: every lookup is a round trip")]
             lease = reader.lookup(keys, PAGE_BYTES)

@@ -1,6 +1,6 @@
 """Level 3, full pool: every page of the pool allocated through the real allocator, written and verified.
 
-Wraps ``check_full_pool`` (the proof itself) with the pool session's CUDA
+Wraps ``check_full_pool`` (the proof itself) with the checked pool's CUDA
 registration as its pin step, a rich progress bar, and a LevelResult with the
 time of each phase: fault-in, pin (cudaHostRegister of the whole arena in extent
 pieces), write, verify. On a pool that is serving, pages leased or written by
@@ -13,14 +13,14 @@ from __future__ import annotations
 import time
 
 from kvshare.units import format_bytes
-from kvshare.validate.full_pool import check_full_pool
+from kvshare.validate.full_pool import FullPoolResult, check_full_pool
 from kvshare.validate.report import FAIL, PASS, SKIP, LevelResult, Row
 
 PHASES = (("fault_in", "fault-in"), ("pin", "pin"), ("write", "write"), ("verify", "verify"))
 
 
 def run_full_pool_level(
-    session,
+    pool,
     page_bytes: int,
     show_progress: bool = True,
     num_threads: int | None = None,
@@ -28,7 +28,7 @@ def run_full_pool_level(
     corrupt_page: int | None = None,
 ) -> LevelResult:
     """``corrupt_page``: negative control (flip a byte of that page after writing)."""
-    client = session.client
+    client = pool.client
     extent = int(client.hello.extent_bytes)
     if page_bytes > extent:
         return LevelResult(
@@ -39,12 +39,24 @@ def run_full_pool_level(
         )
     before = client.stats()
     started = time.perf_counter()
-    pin = (lambda: session.register_arena(prefault=False)) if session.is_cuda else None  # fault-in ran just before
+    pin = (lambda: pool.register_arena(prefault=False)) if pool.is_cuda else None  # fault-in ran just before
     with _progress_bar(console, show_progress) as progress:
         result = check_full_pool(
             client, page_bytes, pin=pin, progress=progress, corrupt_page=corrupt_page, num_threads=num_threads
         )
     seconds = time.perf_counter() - started
+    arena = result.arena_bytes
+    rows = _rows(result, page_bytes, extent, before)
+    status = PASS if result.passed else FAIL
+    times = ", ".join(f"{name} {result.seconds[key]:.1f} s" for key, name in PHASES if key in result.seconds)
+    summary = f"{format_bytes(arena)} in {result.num_pages} pages of {format_bytes(page_bytes)}: {times}"
+    if result.bad_pages:
+        summary += f"; {len(result.bad_pages)} bad pages"
+    return LevelResult("full-pool", status, summary, rows, _figures(result, page_bytes, extent), seconds)
+
+
+def _rows(result: FullPoolResult, page_bytes: int, extent: int, before: dict) -> list[Row]:
+    """The allocation, each phase's time and bandwidth, and the pages whose pattern was wrong."""
     arena = result.arena_bytes
     rows = []
     for key, name in PHASES:
@@ -76,12 +88,13 @@ def run_full_pool_level(
     )
     if result.bad_pages:
         rows.append(Row("pattern", FAIL, f"{len(result.bad_pages)} pages wrong, first {result.bad_pages[:8]}"))
-    status = PASS if result.passed else FAIL
-    times = ", ".join(f"{name} {result.seconds[key]:.1f} s" for key, name in PHASES if key in result.seconds)
-    summary = f"{format_bytes(arena)} in {result.num_pages} pages of {format_bytes(page_bytes)}: {times}"
-    if result.bad_pages:
-        summary += f"; {len(result.bad_pages)} bad pages"
-    figures = {
+    return rows
+
+
+def _figures(result: FullPoolResult, page_bytes: int, extent: int) -> dict:
+    """The level's figures for the JSON report."""
+    arena = result.arena_bytes
+    return {
         "arena_bytes": arena,
         "page_bytes": page_bytes,
         "extent_bytes": extent,
@@ -91,7 +104,6 @@ def run_full_pool_level(
         "seconds": {k: round(v, 3) for k, v in result.seconds.items()},
         "pinned": result.pinned,
     }
-    return LevelResult("full-pool", status, summary, rows, figures, seconds)
 
 
 class _progress_bar:

@@ -58,9 +58,9 @@ class ValidateConfig:
 
 
 def run_validate(config: ValidateConfig, console=None) -> ValidateReport:
-    from kvshare.validate.session import PoolSession, PoolSpec, resolve_device
+    from kvshare.validate.checked_pool import CheckedPool, PoolSpec, choose_device
 
-    device = resolve_device(config.device)
+    device = choose_device(config.device)
     report = ValidateReport(
         [],
         settings={
@@ -74,27 +74,25 @@ def run_validate(config: ValidateConfig, console=None) -> ValidateReport:
     )
     selected = [lv for lv in RUN_ORDER if lv in config.levels]
     with ExitStack() as stack:
-        session = None
+        pool = None
         if any(lv in POOL_LEVELS for lv in selected):
-            session = stack.enter_context(
-                PoolSession(PoolSpec(config.pool, config.pool_size, config.extent_size), device)
-            )
-            report.settings.update(pool_socket=session.socket, started_pool=session.started_pool)
+            pool = stack.enter_context(CheckedPool(PoolSpec(config.pool, config.pool_size, config.extent_size), device))
+            report.settings.update(pool_socket=pool.socket, started_pool=pool.started_pool)
         for level in selected:
             _say(console, f"[bold]level {level}[/bold] ...")
-            result = _run_level(level, config, session, device, console)
+            result = _run_level(level, config, pool, device, console)
             report.levels.append(result)
             _say(console, f"level {level}: {result.status} ({result.seconds:.1f} s)")
     return report
 
 
-def _run_level(level: str, config: ValidateConfig, session, device: str, console) -> LevelResult:
+def _run_level(level: str, config: ValidateConfig, pool, device: str, console) -> LevelResult:
     started = time.perf_counter()
     try:
         if level == "bytes":
             from kvshare.validate.bytes_level import run_bytes_level
 
-            return run_bytes_level(session)
+            return run_bytes_level(pool)
         if level == "helpers":
             from kvshare.validate.helpers_level import run_helpers_level
 
@@ -103,7 +101,7 @@ def _run_level(level: str, config: ValidateConfig, session, device: str, console
             from kvshare.validate.full_pool_level import run_full_pool_level
 
             return run_full_pool_level(
-                session, config.page_size, show_progress=config.progress, num_threads=config.threads, console=console
+                pool, config.page_size, show_progress=config.progress, num_threads=config.threads, console=console
             )
         if level == "isolation":
             from kvshare.validate.isolation import run_isolation_level

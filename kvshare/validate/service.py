@@ -182,18 +182,8 @@ def run_service_level(config: ServiceConfig, after_prime: AfterPrime | None = No
             else "no prompt had a full chunk to reuse"
         )
         status, rows = FAIL, rows + [Row("pool reuse", FAIL, f"{what}: nothing was tested")]
-    identical = sum(1 for r in reuse_rows if "divergence_step" not in r.figures)
-    diverged = [r for r in reuse_rows if "divergence_step" in r.figures]
     num_exact = sum(1 for r in reuse_rows if r.figures.get("exact"))
-    rule = f" (held to the exact rule, ids and logprobs: {num_exact})" if num_exact else ""
-    summary = (
-        f"{len(cases)} prompts x 3 reuse runs on {len(config.replicas)} replica(s): {identical}/{len(reuse_rows)} "
-        f"identical to pool off{rule}; pool loads where expected {loaded_pool}/{expected_pool}"
-    )
-    if diverged:
-        summary += "; divergences: " + ", ".join(
-            f"{r.name} step {r.figures['divergence_step']} gap {_gap(r.figures.get('gap'))}" for r in diverged
-        )
+    summary = _summary(len(cases), len(config.replicas), reuse_rows, num_exact, loaded_pool, expected_pool)
     figures = {
         "model": model,
         "replicas": list(config.replicas),
@@ -203,6 +193,24 @@ def run_service_level(config: ServiceConfig, after_prime: AfterPrime | None = No
         "requests": records,
     }
     return LevelResult("service", status, summary, rows, figures, time.perf_counter() - started)
+
+
+def _summary(
+    num_cases: int, num_replicas: int, reuse_rows: list[Row], num_exact: int, loaded_pool: int, expected_pool: int
+) -> str:
+    """How many reuse runs matched pool off (and under which rule), the pool loads seen, and where runs diverged."""
+    identical = sum(1 for r in reuse_rows if "divergence_step" not in r.figures)
+    diverged = [r for r in reuse_rows if "divergence_step" in r.figures]
+    rule = f" (held to the exact rule, ids and logprobs: {num_exact})" if num_exact else ""
+    summary = (
+        f"{num_cases} prompts x 3 reuse runs on {num_replicas} replica(s): {identical}/{len(reuse_rows)} "
+        f"identical to pool off{rule}; pool loads where expected {loaded_pool}/{expected_pool}"
+    )
+    if diverged:
+        summary += "; divergences: " + ", ".join(
+            f"{r.name} step {r.figures['divergence_step']} gap {_gap(r.figures.get('gap'))}" for r in diverged
+        )
+    return summary
 
 
 def _run_case(

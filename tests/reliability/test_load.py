@@ -14,7 +14,7 @@ from aiohttp import web
 
 from kvshare.reliability.exchange import Outcome
 from kvshare.reliability.load import LoadConfig, LoadRun, require_loopback
-from kvshare.reliability.summary import LoadTally, first_difference, top2_gap
+from kvshare.reliability.summary import LoadTally, first_difference
 from kvshare.reliability.workload import Conversation, documents, reference_body
 from tests.reliability.conftest import load_figures, pool_is_clean, report, start
 
@@ -37,7 +37,6 @@ def test_workload_is_seeded_and_grows_until_the_context_bound():
 def test_comparison_and_tally():
     assert first_difference([1, 2, 3], [1, 2, 3]) is None
     assert first_difference([1, 2, 3], [1, 5, 3]) == 1 and first_difference([1, 2], [1, 2, 3]) == 2
-    assert top2_gap({"a": -0.1, "b": -0.5}) == pytest.approx(0.4)
     tally = LoadTally(started_at=0.0)
     good = Outcome(status=200, token_ids=[1, 2, 3], provenance={"pool_tokens": 256, "local_tokens": 0})
     tally.add(good)

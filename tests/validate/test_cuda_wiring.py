@@ -2,7 +2,7 @@
 
 Under the fake CUDA of tests/transfer/fake_cuda.py (cudaHostRegister records ranges): the
 full-pool level pins the whole arena in extent pieces between fault-in and write, the
-session holds that one registration for the byte level and releases it at exit; and the
+pool holds that one registration for the byte level and releases it at exit; and the
 byte level's verdicts for the ordering checks and their deliberately unordered controls.
 """
 
@@ -13,9 +13,9 @@ import torch
 
 from kvshare.transfer.roundtrip import PathResult
 from kvshare.validate.bytes_level import _row
+from kvshare.validate.checked_pool import CheckedPool, PoolSpec
 from kvshare.validate.full_pool_level import run_full_pool_level
 from kvshare.validate.report import CAUGHT, FAIL, PASS, SKIP
-from kvshare.validate.session import PoolSession, PoolSpec
 from tests.transfer import fake_cuda
 
 
@@ -28,15 +28,15 @@ def fake(monkeypatch):
 
 
 def test_full_pool_pins_the_arena_in_extent_pieces_once_for_the_command(fake):
-    with PoolSession(PoolSpec(None, 48 << 20, 16 << 20), "cuda") as session:
-        result = run_full_pool_level(session, 4 << 20, show_progress=False)
+    with CheckedPool(PoolSpec(None, 48 << 20, 16 << 20), "cuda") as pool:
+        result = run_full_pool_level(pool, 4 << 20, show_progress=False)
         assert result.status == PASS, result.rows
         assert set(result.figures["seconds"]) == {"fault_in", "pin", "write", "verify"}
         assert {r.name: r.status for r in result.rows}["pin"] == PASS
         assert "3 pieces" in result.figures["pinned"]
-        base = int(session.client.arena.ctypes.data)
+        base = int(pool.client.arena.ctypes.data)
         assert fake.registered == {base: 16 << 20, base + (16 << 20): 16 << 20, base + (32 << 20): 16 << 20}
-        session.register_arena()  # the byte level asks again: the same registration, nothing new
+        pool.register_arena()  # the byte level asks again: the same registration, nothing new
         assert fake.register_calls == 3
     assert fake.registered == {}  # released when the command ends
 
@@ -45,9 +45,9 @@ def test_a_failed_pin_names_the_memlock_limit(fake):
     from kvshare.transfer.registration import RegistrationError
 
     fake.fail_register_at = 2
-    with PoolSession(PoolSpec(None, 32 << 20, 16 << 20), "cuda") as session:
+    with CheckedPool(PoolSpec(None, 32 << 20, 16 << 20), "cuda") as pool:
         with pytest.raises(RegistrationError, match="RLIMIT_MEMLOCK"):
-            session.register_arena()
+            pool.register_arena()
         assert fake.registered == {}  # the piece registered before the failure was undone
 
 

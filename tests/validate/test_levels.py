@@ -10,31 +10,31 @@ import pytest
 import torch
 
 from kvshare.validate.bytes_level import run_bytes_level
+from kvshare.validate.checked_pool import CheckedPool, PoolSpec
 from kvshare.validate.full_pool_level import run_full_pool_level
 from kvshare.validate.helpers_level import run_helpers_level
 from kvshare.validate.report import CAUGHT, FAIL, PASS, SKIP, ValidateReport
-from kvshare.validate.session import PoolSession, PoolSpec
 
 
 @pytest.fixture(scope="module")
-def session():
-    """validate's own pool: 64 MiB in 8 MiB extents, started and removed by the session."""
-    with PoolSession(PoolSpec(None, 64 << 20, 8 << 20), "cpu") as s:
+def pool():
+    """validate's own pool: 64 MiB in 8 MiB extents, started for the test and removed after it."""
+    with CheckedPool(PoolSpec(None, 64 << 20, 8 << 20), "cpu") as s:
         yield s
 
 
-def test_bytes_level_passes_on_cpu_and_crosses_extent_boundaries(session):
-    result = run_bytes_level(session)
+def test_bytes_level_passes_on_cpu_and_crosses_extent_boundaries(pool):
+    result = run_bytes_level(pool)
     assert result.status == PASS, result.rows
     assert result.figures["bytes_checked"] > 0 and result.figures["bytes_wrong"] == 0
     assert result.figures["extent_boundaries"] >= 1
     ran = [r for r in result.rows if r.status == PASS and not r.name.startswith("direct lookup")]
     assert len(ran) == 3 and all(r.name.endswith(" cpu") for r in ran)  # three page sizes, the CPU path
     assert any(r.status == SKIP and "cuda" in r.name for r in result.rows)  # reported skipped, not passed
-    assert session.client.stats()["reservations"] == 0  # scratch pages handed back
+    assert pool.client.stats()["reservations"] == 0  # scratch pages handed back
 
 
-def test_bytes_level_fails_on_one_corrupted_byte(session, monkeypatch):
+def test_bytes_level_fails_on_one_corrupted_byte(pool, monkeypatch):
     """Negative control: a load that gets one byte wrong fails the level."""
     from kvshare.transfer.cpu import CpuTransfer
 
@@ -47,7 +47,7 @@ def test_bytes_level_fails_on_one_corrupted_byte(session, monkeypatch):
         return handle
 
     monkeypatch.setattr(CpuTransfer, "load", load_with_a_bad_byte)
-    result = run_bytes_level(session)
+    result = run_bytes_level(pool)
     assert result.status == FAIL and result.figures["bytes_wrong"] > 0
     assert all(r.status == FAIL for r in result.rows if r.name.endswith(" cpu"))
 
@@ -84,15 +84,15 @@ def test_helpers_level_fails_when_a_converter_skips_the_transpose(monkeypatch):
     assert rows["vllm_layout cpu_attn on cpu"].status == PASS  # the others are unaffected
 
 
-def test_full_pool_level_every_page_then_a_poisoned_page(session):
-    result = run_full_pool_level(session, 2 << 20, show_progress=False, num_threads=2)
+def test_full_pool_level_every_page_then_a_poisoned_page(pool):
+    result = run_full_pool_level(pool, 2 << 20, show_progress=False, num_threads=2)
     assert result.status == PASS, result.rows
     assert result.figures["num_pages"] == result.figures["expected_pages"] == 32
     assert set(result.figures["seconds"]) == {"fault_in", "write", "verify"}
     assert {r.name: r.status for r in result.rows}["pin"] == SKIP  # no CUDA: reported, not passed
-    bad = run_full_pool_level(session, 2 << 20, show_progress=False, corrupt_page=7)
+    bad = run_full_pool_level(pool, 2 << 20, show_progress=False, corrupt_page=7)
     assert bad.status == FAIL and bad.figures["bad_pages"] == [7]
-    assert session.client.stats()["used_bytes"] == 0
+    assert pool.client.stats()["used_bytes"] == 0
 
 
 def test_report_verdicts_and_exit_code():

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 
 from kvshare.errors import UserError
+from kvshare.placement import is_device_name
 
 
 @dataclass(frozen=True)
@@ -36,22 +37,22 @@ def _memlock_hint(num_bytes: int) -> str:
     )
 
 
-def resolve_device(name: str) -> str:
-    """'auto' -> 'cuda' when torch sees a GPU, else 'cpu'; 'cuda' without a GPU is an error."""
+def choose_device(name: str) -> str:
+    """validate's --device: 'auto' -> 'cuda' when torch sees a GPU, else 'cpu'; 'cuda' without a GPU is an error.
+
+    (kvshare.engine.loader.resolve_device turns a device name into the engine's torch.device.)"""
     import torch
 
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cpu":
-        return "cpu"
-    if name == "cuda" or name.startswith("cuda:"):
-        if not torch.cuda.is_available():
-            raise UserError(f"--device {name}: torch sees no CUDA device here (use --device auto or cpu)")
-        return name
-    raise UserError(f"--device must be auto, cpu, cuda or cuda:N, got {name!r}")
+    if not is_device_name(name):
+        raise UserError(f"--device must be auto, cpu, cuda or cuda:N, got {name!r}")
+    if name != "cpu" and not torch.cuda.is_available():
+        raise UserError(f"--device {name}: torch sees no CUDA device here (use --device auto or cpu)")
+    return name
 
 
-class PoolSession:
+class CheckedPool:
     """Context manager: a connected PoolClient (``.client``) and, on demand, the arena's CUDA registration."""
 
     def __init__(self, spec: PoolSpec, device: str) -> None:
@@ -64,7 +65,7 @@ class PoolSession:
         self._registration = None
         self.registration_seconds: float | None = None
 
-    def __enter__(self) -> PoolSession:
+    def __enter__(self) -> CheckedPool:
         from kvshare.pool.client import PoolClient, PoolUnavailable
         from kvshare.pool.spawn import running_pool
 
