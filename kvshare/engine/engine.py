@@ -39,7 +39,7 @@ from kvshare.engine.hybrid_decode_graph import HybridDecodeGraphs
 from kvshare.engine.hybrid_grid_check import check_hybrid_grid
 from kvshare.engine.hybrid_prefill import HybridPrefill
 from kvshare.engine.kv_cache import KVBuffer
-from kvshare.engine.loader import load_model, resolve_device
+from kvshare.engine.loader import LoadedModel, load_model, resolve_device
 from kvshare.engine.pool_kv import PoolKV, PoolLoad
 from kvshare.engine.pool_states import PoolStates
 from kvshare.engine.prefix_cache import LocalPrefixCache
@@ -59,6 +59,15 @@ MAX_CACHED_DIGESTS = 4096  # namespace digests kept (one per tenant and cache_sa
 log = logging.getLogger(__name__)
 
 
+def _max_model_len(requested: int | None, max_position_embeddings: int) -> int:
+    """The context a sequence may fill: the configured one, within the model's positions (its default)."""
+    if requested is not None and requested > max_position_embeddings:
+        raise ValueError(
+            f"max_model_len {requested} exceeds the model's max_position_embeddings {max_position_embeddings}"
+        )
+    return requested or max_position_embeddings
+
+
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -66,39 +75,12 @@ class Engine:
         loaded = load_model(config.model, self.device, config.dtype, config.model_name, config.model_revision)
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         self.model_name, mc = loaded.name, self.model_config
-        if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len {config.max_model_len} exceeds the model's max_position_embeddings "
-                f"{mc.max_position_embeddings}"
-            )
-        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        self.max_model_len = _max_model_len(config.max_model_len, mc.max_position_embeddings)
         kv_dtype = kv_storage_dtype(config.kv_dtype, mc.dtype)  # the KV's dtype, so the pool pages'
         # the attention layers' KV (a hybrid's Gated DeltaNet layers keep a state instead: kvshare.engine.gdn_state)
         self.layout = KVLayout(mc.num_kv_layers, mc.num_kv_heads, mc.head_dim, kv_dtype, config.chunk_tokens)
-        self.fused = use_fused(self.model, self.device)  # norms, RoPE, SiLU: one pass each (before the grid's test)
-        self.attention = use_attention(self.model, config.attention, self.device, config.deterministic)  # prefill's
-        self.gdn_kernels = use_gdn_kernels(self.model, self.device) if mc.is_hybrid else None  # the delta rule's
-        # the deterministic mode: its self-test refuses it (GridCheckFailed) where this device's kernels are not exact
-        check = check_hybrid_grid if mc.is_hybrid else None  # None: the attention models' (grid_check.check_grid)
-        self.grid = (
-            start_grid(self.model, self.device, config.grid_len, config.chunk_tokens, check)
-            if config.deterministic
-            else None
-        )
-        if self.attention.prefill is not None and self.model.prefill_attention is None:  # the grid's test left it
-            self.attention = AttentionChoice("sdpa", None, f"{self.attention.name} is not exact here on the grid")
-        self.namespace = Namespace(
-            **loaded.identity(config.model_revision),
-            kv_dtype=kv_dtype,
-            kv_precision=kv_precision(kv_dtype),
-            num_layers=self.layout.num_layers,
-            num_kv_heads=mc.num_kv_heads,
-            head_dim=mc.head_dim,
-            chunk_tokens=config.chunk_tokens,
-            engine_family="builtin",
-            state_layout_id=self.model.state.layout.fingerprint() if mc.is_hybrid else "",
-            **(self.grid.namespace_fields() if self.grid is not None else {}),
-        )
+        self._choose_kernels()
+        self.namespace = self._namespace(loaded, kv_dtype)
         self._digests: OrderedDict[str, bytes] = OrderedDict()  # namespace salt -> digest, LRU
         self._kv = KVBuffer(self.layout, self.device, self.max_model_len)
         # CUDA: decode steps replay graphs (kvshare.engine.decode_graph) captured with the KV, else at the first step
@@ -111,25 +93,7 @@ class Engine:
         self._local = LocalPrefixCache(config.local_cache_bytes, config.kv_events)  # kv_events: announce it
         self._stats = EngineStats()
         self._lock = threading.Lock()  # one request at a time owns the sequence KV
-        self._pool: PoolKV | None = None
-        if config.pool_socket:
-            self._pool = PoolKV(
-                config.pool_socket,
-                self.layout,
-                self.device,
-                self._stats,
-                verify_checksums=config.verify_checksums,
-                transfer_config=TransferConfig(
-                    verify_fraction=config.verify_fraction,
-                    producer_delay_cycles=config.producer_delay_cycles,
-                    staging_buffers=config.staging_buffers,
-                ),
-                retry_s=config.pool_retry_s,
-                retry_max_s=config.pool_retry_max_s,
-                name=f"engine:{self.model_name}",
-            )
-            # connect (and register the arena) now, and reconnect while no request runs when the pool goes away
-            self._pool.start(idle_lock=self._lock)
+        self._pool: PoolKV | None = self._connect_pool() if config.pool_socket else None
         # a hybrid's prefill resumes only where it reaches a state (kvshare.engine.hybrid_prefill): in the pool too,
         # whose checkpoints are pages of their own beside the KV pages (kvshare.engine.pool_states)
         self.hybrid = None
@@ -141,6 +105,60 @@ class Engine:
             self.hybrid = HybridPrefill(self.model, self._kv, self._local, config, self.grid, decode_step, states)
         # stores each prompt (local cache, pool) beside its decode steps; a request's last token waits for it
         self._publisher = PromptPublisher(self._local, self._kv, self._pool, self.device, states)
+
+    def _choose_kernels(self) -> None:
+        """The fused ops, prefill's attention, a hybrid's delta-rule kernels and, in the deterministic mode, the
+        grid; in that order: the grid's self-test runs with the kernels chosen before it."""
+        config, is_hybrid = self.config, self.model_config.is_hybrid
+        self.fused = use_fused(self.model, self.device)  # norms, RoPE, SiLU: one pass each (before the grid's test)
+        self.attention = use_attention(self.model, config.attention, self.device, config.deterministic)  # prefill's
+        self.gdn_kernels = use_gdn_kernels(self.model, self.device) if is_hybrid else None  # the delta rule's
+        # the deterministic mode: its self-test refuses it (GridCheckFailed) where this device's kernels are not exact
+        check = check_hybrid_grid if is_hybrid else None  # None: the attention models' (grid_check.check_grid)
+        self.grid = (
+            start_grid(self.model, self.device, config.grid_len, config.chunk_tokens, check)
+            if config.deterministic
+            else None
+        )
+        if self.attention.prefill is not None and self.model.prefill_attention is None:  # the grid's test left it
+            self.attention = AttentionChoice("sdpa", None, f"{self.attention.name} is not exact here on the grid")
+
+    def _namespace(self, loaded: LoadedModel, kv_dtype: str) -> Namespace:
+        """What a page's KV depends on: the model, the KV's layout and precision, the grid (keys are salted by it)."""
+        mc = self.model_config
+        return Namespace(
+            **loaded.identity(self.config.model_revision),
+            kv_dtype=kv_dtype,
+            kv_precision=kv_precision(kv_dtype),
+            num_layers=self.layout.num_layers,
+            num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim,
+            chunk_tokens=self.config.chunk_tokens,
+            engine_family="builtin",
+            state_layout_id=self.model.state.layout.fingerprint() if mc.is_hybrid else "",
+            **(self.grid.namespace_fields() if self.grid is not None else {}),
+        )
+
+    def _connect_pool(self) -> PoolKV:
+        config = self.config
+        pool = PoolKV(
+            config.pool_socket,
+            self.layout,
+            self.device,
+            self._stats,
+            verify_checksums=config.verify_checksums,
+            transfer_config=TransferConfig(
+                verify_fraction=config.verify_fraction,
+                producer_delay_cycles=config.producer_delay_cycles,
+                staging_buffers=config.staging_buffers,
+            ),
+            retry_s=config.pool_retry_s,
+            retry_max_s=config.pool_retry_max_s,
+            name=f"engine:{self.model_name}",
+        )
+        # connect (and register the arena) now, and reconnect while no request runs when the pool goes away
+        pool.start(idle_lock=self._lock)
+        return pool
 
     # -- public API ------------------------------------------------------------------
 
@@ -234,32 +252,18 @@ class Engine:
     def _stream(self, ids: np.ndarray, params: SamplingParams, options: RequestOptions) -> Iterator[TokenEvent]:
         with self._lock:  # held across yields: no other request may touch the sequence KV meanwhile
             n = len(ids)
-            needed = min(n + params.max_tokens, self.max_model_len)
-            grows = self._kv.capacity < needed
-            if grows:
-                self._graphs = None  # they hold the KV tensor, which must go before a larger one comes
             digest = self._digest(options.tenant)
-            # the last request's tokens still in kv are reused in place (not in the deterministic mode: its grid);
-            # handing kv out below forgets them: it holds nothing reusable again until this request ends
+            # the last request's tokens still in kv are reused in place (not in the deterministic mode: its grid)
             reuses = options.use_local_cache and self.grid is None and self.config.reuse_in_place
-            in_place = (
-                self._kv.held.reusable(digest, ids, n - 1, self.layout.chunk_tokens) if reuses and not grows else 0
-            )
-            kv = self._kv.ensure(needed)
+            kv, in_place = self._claim_kv(ids, min(n + params.max_tokens, self.max_model_len), digest, reuses)
             keys = chunk_keys(digest, ids, self.layout.chunk_tokens)  # the array itself: no list round trip
             account = digest if options.account is None else self._digest(options.account)
             if options.timeline is not None:
                 options.timeline.mark("hashing")
             started = time.perf_counter()
-            if self.hybrid is None:
-                logits, provenance, cold_seconds = self._prefill(kv, ids, keys, options, in_place)
-            else:
-                logits, provenance = self.hybrid.prefill(kv, ids, keys, options, in_place, digest)
-                cold_seconds = None
+            logits, provenance, cold_seconds = self._prefill_prompt(kv, ids, keys, options, in_place, digest)
             self._count_prompt(provenance)
-            generator = make_generator(params.seed)
-            counts = TokenCounts(self.model_config.vocab_size, torch.from_numpy(ids)) if params.has_penalties else None
-            stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.tokenizer.eos_token_ids))
+            generator, counts, stop_ids = self._sampling_state(ids, params)
             position = n  # tokens whose KV is in kv
             fed: list[int] = []  # generated tokens whose KV is in kv (after the prompt's)
             num_generated = 0
@@ -304,6 +308,35 @@ class Engine:
                     self._kv.held.hold(digest, ids, fed)  # local cache, only a request that reuses leaves it
                 self._stats.decode_seconds += time.perf_counter() - started
 
+    def _claim_kv(self, ids: np.ndarray, needed: int, digest: bytes, reuses: bool) -> tuple[torch.Tensor, int]:
+        """The sequence KV, grown to ``needed`` positions, and the prompt's leading tokens it still holds from the
+        last request (when ``reuses`` and it did not grow). Called under the request lock; from here kv holds
+        nothing reusable again until this request ends."""
+        grows = self._kv.capacity < needed
+        if grows:
+            self._graphs = None  # they hold the KV tensor, which must go before a larger one comes
+        in_place = (
+            self._kv.held.reusable(digest, ids, len(ids) - 1, self.layout.chunk_tokens) if reuses and not grows else 0
+        )
+        return self._kv.ensure(needed), in_place
+
+    def _prefill_prompt(
+        self, kv: torch.Tensor, ids: np.ndarray, keys: list[bytes], options: RequestOptions, in_place: int, digest
+    ) -> tuple[torch.Tensor, Provenance, float | None]:
+        """(last-token logits, provenance, the seconds of a prefill that reused nothing, else None): a hybrid's
+        prefill resumes from its states (kvshare.engine.hybrid_prefill), an attention model's from its KV."""
+        if self.hybrid is None:
+            return self._prefill(kv, ids, keys, options, in_place)
+        logits, provenance = self.hybrid.prefill(kv, ids, keys, options, in_place, digest)
+        return logits, provenance, None
+
+    def _sampling_state(self, ids: np.ndarray, params: SamplingParams):
+        """(generator, penalty counts or None, stop token ids) of one request's sampling."""
+        generator = make_generator(params.seed)
+        counts = TokenCounts(self.model_config.vocab_size, torch.from_numpy(ids)) if params.has_penalties else None
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.tokenizer.eos_token_ids))
+        return generator, counts, stop_ids
+
     def _count_prompt(self, provenance: Provenance) -> None:
         self._stats.num_requests += 1
         self._stats.prompt_tokens_local += provenance.local_tokens
@@ -345,39 +378,15 @@ class Engine:
             timeline.start_device(self.device)
         local_chunks = first = in_place // c  # chunks [0, first) are in place
         if options.use_local_cache:
-            held = self._local.longest_prefix(keys[first:reusable])
-            for i, chunk in enumerate(held):
-                self._kv.chunk(kv, first + i).copy_(chunk)
-            local_chunks += len(held)
-            if timeline is not None and held:
-                timeline.mark_device("local_copied", self.device)
-        load = PoolLoad()
-        if options.use_pool and self._pool is not None:
-            with active(timeline):  # the pool link marks the lease
-                load = self._pool.load_prefix(kv, keys[local_chunks:reusable], first_chunk=local_chunks)
-        before_layer = load.before_layer
-        if timeline is not None:
-            if load.handle is not None:
-                timeline.record_load(load.handle)
-            before_layer = timeline.layer_hook(before_layer, self.device)
-        if options.is_cancelled is not None:
-            before_layer = cancellable(before_layer, options.is_cancelled)
+            local_chunks += self._copy_local(kv, keys[first:reusable], first, timeline)
+        load, before_layer = self._start_load(kv, keys[local_chunks:reusable], local_chunks, options)
         try:
             if self._pool is not None and self.config.producer_delay_cycles:
                 self._pool.inject_producer_delay()  # validation: the store must still wait for this prefill
             pool_chunks = load.num_chunks
             if self.grid is None:
                 cached_len = max(in_place, (local_chunks + pool_chunks) * c)
-                if cached_len == n - 1 and self._use_graphs and not pool_chunks:  # one token: a decode step's graphs
-                    logits = self._decode_step(kv, int(ids[-1]), n - 1)  # (an eager forward is launch-bound)
-                else:
-                    logits = self.model(
-                        prompt_ids[cached_len:],
-                        kv,
-                        cached_len,
-                        self.config.prefill_chunk_tokens,
-                        before_layer=before_layer,
-                    )
+                logits = self._forward_rest(kv, ids, prompt_ids, cached_len, pool_chunks, before_layer)
             else:
                 local_chunks, pool_chunks = self.grid.usable_prefix(local_chunks, load)
                 cached_len = (local_chunks + pool_chunks) * c
@@ -410,6 +419,45 @@ class Engine:
             pool_kv_bytes=pool_chunks * self.layout.page_bytes,
         )
         return logits, provenance, load.cold_seconds
+
+    def _copy_local(self, kv: torch.Tensor, keys: list[bytes], first: int, timeline) -> int:
+        """Copy the longest prefix of ``keys`` the local cache holds into kv's chunks from ``first``; how many."""
+        held = self._local.longest_prefix(keys)
+        for i, chunk in enumerate(held):
+            self._kv.chunk(kv, first + i).copy_(chunk)
+        if timeline is not None and held:
+            timeline.mark_device("local_copied", self.device)
+        return len(held)
+
+    def _start_load(self, kv: torch.Tensor, keys: list[bytes], first_chunk: int, options: RequestOptions):
+        """(the pool load of the longest run of ``keys`` the pool holds into kv's chunks from ``first_chunk``, the
+        hook the forward calls before each layer: it waits for that layer's pages). The load is under way on
+        return: whatever follows must end it with ``PoolKV.finish_load``."""
+        timeline = options.timeline
+        load = PoolLoad()
+        if options.use_pool and self._pool is not None:
+            with active(timeline):  # the pool link marks the lease
+                load = self._pool.load_prefix(kv, keys, first_chunk=first_chunk)
+        before_layer = load.before_layer
+        if timeline is not None:
+            if load.handle is not None:
+                timeline.record_load(load.handle)
+            before_layer = timeline.layer_hook(before_layer, self.device)
+        if options.is_cancelled is not None:
+            before_layer = cancellable(before_layer, options.is_cancelled)
+        return load, before_layer
+
+    def _forward_rest(self, kv, ids: np.ndarray, prompt_ids: torch.Tensor, cached_len: int, pool_chunks: int, hook):
+        """Logits [1, V] of the prompt's last token, computing its tokens from ``cached_len`` (attention models)."""
+        if cached_len == len(ids) - 1 and self._use_graphs and not pool_chunks:  # one token: a decode step's graphs
+            return self._decode_step(kv, int(ids[-1]), cached_len)  # (an eager forward is launch-bound)
+        return self.model(
+            prompt_ids[cached_len:],
+            kv,
+            cached_len,
+            self.config.prefill_chunk_tokens,
+            before_layer=hook,
+        )
 
     def _reusable_after_check(self, local_chunks: int, verified_chunks: int) -> tuple[int, int]:
         """(local, pool) chunks still reused when only the load's first ``verified_chunks`` passed their check.

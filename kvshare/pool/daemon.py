@@ -139,23 +139,7 @@ class PoolServer:
                 if events:
                     last_activity = time.perf_counter()
                     is_polling_after_activity = True
-                for key, mask in events:
-                    if key.data is None:
-                        self._accept()
-                        continue
-                    if key.data is _REMOTE_WAKEUP:
-                        self.remote.poll()
-                        continue
-                    client = key.data
-                    try:
-                        if mask & selectors.EVENT_READ:
-                            self._on_readable(client)
-                        if mask & selectors.EVENT_WRITE and not client.is_closing:
-                            self._flush(client)
-                    except Exception:  # a bug on one connection must not stop the pool for the others
-                        log.exception("closing client %s after an internal error", client.client_id)
-                        self.counters.errors += 1
-                        self._drop_client(client)
+                    self._handle(events)
                 now = time.monotonic()
                 if now >= next_tick:
                     self._tick(now)
@@ -167,6 +151,27 @@ class PoolServer:
                     is_checked_since_activity = False
         finally:
             self.close()
+
+    def _handle(self, events: list) -> None:
+        """One select's events, in their order: the listener's accept, the remote tier's wake-up, a client's reads
+        then writes (a client whose handling raises is dropped, the others are served on)."""
+        for key, mask in events:
+            if key.data is None:
+                self._accept()
+                continue
+            if key.data is _REMOTE_WAKEUP:
+                self.remote.poll()
+                continue
+            client = key.data
+            try:
+                if mask & selectors.EVENT_READ:
+                    self._on_readable(client)
+                if mask & selectors.EVENT_WRITE and not client.is_closing:
+                    self._flush(client)
+            except Exception:  # a bug on one connection must not stop the pool for the others
+                log.exception("closing client %s after an internal error", client.client_id)
+                self.counters.errors += 1
+                self._drop_client(client)
 
     def _tick(self, now: float) -> None:
         """Expiry, orphans, the direct tables, the stats snapshot. A bug here is logged and counted, and the loop

@@ -108,6 +108,34 @@ class DirectLeases:
     def _lookup(self, keys: list[bytes], page_bytes: int) -> LeaseGrant | None:
         if not keys or len(keys) > len(self._free):
             return None
+        read = self._read_chain(keys, page_bytes)
+        if read is None:
+            return None
+        if not read:
+            self._count([], len(keys))
+            return LeaseGrant(lease_id=0, pages=[])
+        lease_id = self._hold(read)
+        if lease_id is None:
+            return None
+        self._count([words[GEN] for _slot, _seq, words in reversed(read)], len(keys) - len(read))
+        version = P.FORMAT_VERSION
+        return LeaseGrant(
+            lease_id=lease_id,
+            pages=[
+                P.PageHeader(
+                    offset=w[OFFSET],
+                    page_bytes=w[PAGE_BYTES],
+                    checksum=w[CHECKSUM],
+                    format_version=version,
+                    checksum_kind=w[CHECKSUM_KIND],
+                )
+                for _s, _q, w in read
+            ],
+        )
+
+    def _read_chain(self, keys: list[bytes], page_bytes: int) -> list[tuple[int, int, tuple]] | None:
+        """(slot offset, sequence number, slot words) of the longest prefix of ``keys`` committed in the directory,
+        or None where that prefix is not sure (a slot being written, a key not placed: take the round trip)."""
         directory, mask, unpack_word, unpack_slot = self._dir, self._mask, WORD.unpack_from, _BODY.unpack_from
         read = []  # (slot offset, sequence number, slot words) per key
         for key in keys:
@@ -132,10 +160,12 @@ class DirectLeases:
                     break
                 return None
             read.append((slot, seq, words))
-        if not read:
-            self._count([], len(keys))
-            return LeaseGrant(lease_id=0, pages=[])
-        table = self._table
+        return read
+
+    def _hold(self, read: list[tuple[int, int, tuple]]) -> int | None:
+        """Write a hold on every slot ``read`` in this holder's table, then check each slot's number again; the
+        new lease's id, or None (its holds cleared again) when an entry left meanwhile or the pool closed the table."""
+        directory, table = self._dir, self._table
         held = [self._free.pop() for _ in read]
         if max(held) >= self._hwm:
             self._hwm = max(held) + 1
@@ -151,21 +181,7 @@ class DirectLeases:
             self._clear(held)
             return None
         self._leases[lease_id] = held
-        self._count([words[GEN] for _slot, _seq, words in reversed(read)], len(keys) - len(read))
-        version = P.FORMAT_VERSION
-        return LeaseGrant(
-            lease_id=lease_id,
-            pages=[
-                P.PageHeader(
-                    offset=w[OFFSET],
-                    page_bytes=w[PAGE_BYTES],
-                    checksum=w[CHECKSUM],
-                    format_version=version,
-                    checksum_kind=w[CHECKSUM_KIND],
-                )
-                for _s, _q, w in read
-            ],
-        )
+        return lease_id
 
     def release(self, lease_id: int) -> bool:
         """End a direct lease (its copies have ended); False when it is not one of ours."""

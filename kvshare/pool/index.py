@@ -229,22 +229,8 @@ class PoolIndex:
         the key of chunk ``first_depth - 1`` (KV events name it as the first page's parent), or nothing.
         ``holds_states``: the keys name state checkpoints, not chunks (entries.Entry.is_state).
         """
-        self._check_keys([*keys, parent_key] if parent_key else keys)
-        if parent_key and first_depth == 0:
-            raise PoolError("bad_parent", "a run that names a parent key starts past chunk 0")
-        if tokens_le32 and len(tokens_le32) % (4 * len(keys)):
-            raise PoolError("bad_token_ids", f"{len(tokens_le32)} token id bytes do not split over {len(keys)} keys")
+        self._check_reserve(namespace, keys, page_bytes, first_depth, tokens_le32, account, parent_key)
         chunk_bytes = len(tokens_le32) // len(keys) if tokens_le32 else 0
-        if len(namespace) != KEY_BYTES:
-            raise PoolError("bad_namespace", f"namespace must be {KEY_BYTES} bytes, got {len(namespace)}")
-        if account and len(account) != KEY_BYTES:
-            raise PoolError("bad_account", f"account must be {KEY_BYTES} bytes or empty, got {len(account)}")
-        if first_depth < 0:
-            raise PoolError("bad_depth", f"first_depth must be >= 0, got {first_depth}")
-        try:
-            self.allocator.check_page_size(page_bytes)
-        except ValueError as exc:
-            raise PoolError("bad_page_size", str(exc)) from None
         wanted = [i for i, key in enumerate(keys) if key not in self._entries]
         if len(set(keys[i] for i in wanted)) != len(wanted):
             raise PoolError("duplicate_keys", "a reserve may not name the same key twice")
@@ -255,10 +241,7 @@ class PoolIndex:
             wanted, over_quota = self._fit_quota(account or namespace, keys, wanted, page_bytes)
             if not wanted:
                 return ReserveResult(reservation_id=0, grants=[], num_no_room=over_quota)
-        if self.allocator.num_free_pages(page_bytes) < len(wanted):
-            self._evict(lambda: (len(wanted) - self.allocator.num_free_pages(page_bytes)) * page_bytes, page_bytes)
-        runs = self.allocator.allocate(page_bytes, len(wanted))
-        offsets = [run.page_offset(i) for run in runs for i in range(run.num_pages)]
+        offsets = self._allocate(len(wanted), page_bytes)
         granted, no_room = wanted[: len(offsets)], len(wanted) - len(offsets)
         self.counters.skipped_stores += no_room
         no_room += over_quota
@@ -286,6 +269,40 @@ class PoolIndex:
         self._reservations[reservation_id] = Reservation(reservation_id, client_id, [e for _, e in grants], now)
         self.counters.reserved_pages += len(grants)
         return ReserveResult(reservation_id=reservation_id, grants=grants, num_no_room=no_room)
+
+    def _check_reserve(
+        self,
+        namespace: bytes,
+        keys: list[bytes],
+        page_bytes: int,
+        first_depth: int,
+        tokens_le32: bytes,
+        account: bytes,
+        parent_key: bytes,
+    ) -> None:
+        """Raise PoolError for a reserve whose arguments the index refuses (before it changes anything)."""
+        self._check_keys([*keys, parent_key] if parent_key else keys)
+        if parent_key and first_depth == 0:
+            raise PoolError("bad_parent", "a run that names a parent key starts past chunk 0")
+        if tokens_le32 and len(tokens_le32) % (4 * len(keys)):
+            raise PoolError("bad_token_ids", f"{len(tokens_le32)} token id bytes do not split over {len(keys)} keys")
+        if len(namespace) != KEY_BYTES:
+            raise PoolError("bad_namespace", f"namespace must be {KEY_BYTES} bytes, got {len(namespace)}")
+        if account and len(account) != KEY_BYTES:
+            raise PoolError("bad_account", f"account must be {KEY_BYTES} bytes or empty, got {len(account)}")
+        if first_depth < 0:
+            raise PoolError("bad_depth", f"first_depth must be >= 0, got {first_depth}")
+        try:
+            self.allocator.check_page_size(page_bytes)
+        except ValueError as exc:
+            raise PoolError("bad_page_size", str(exc)) from None
+
+    def _allocate(self, num_pages: int, page_bytes: int) -> list[int]:
+        """Offsets of up to ``num_pages`` free pages of ``page_bytes``, evicting (LRU) for those missing first."""
+        if self.allocator.num_free_pages(page_bytes) < num_pages:
+            self._evict(lambda: (num_pages - self.allocator.num_free_pages(page_bytes)) * page_bytes, page_bytes)
+        runs = self.allocator.allocate(page_bytes, num_pages)
+        return [run.page_offset(i) for run in runs for i in range(run.num_pages)]
 
     def commit(
         self, client_id: int, reservation_id: int, checksums: list[int], checksum_kind: ChecksumKind = ChecksumKind.XXH3

@@ -286,14 +286,7 @@ class ReplicaServer:
 
     async def _respond(self, request: web.Request, req, prep: Prepared, chat: bool) -> web.StreamResponse:
         t_arrival = time.perf_counter()  # the metrics time from here (a timeline from the handler's start)
-        ids = prep.prompt_array if prep.prompt_array is not None else prep.prompt_ids
-        job = Job(ids, prep.params, prep.options, asyncio.get_running_loop(), client_gone=lambda: is_gone(request))
-        if not req.stream:  # nothing is written before the end: the engine need not wait after the first token
-            job.first_written.set()
-        try:
-            self.worker.submit(job)
-        except QueueFull as exc:
-            raise A.ApiError(429, str(exc), code="too_many_requests", error_type="rate_limit_error") from None
+        job = self._submit(request, req, prep)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         out = ResponseBuilder(
             req,
@@ -312,21 +305,7 @@ class ReplicaServer:
                 )
                 limit_send_buffer(request, self.config.stream_buffer_bytes)
                 await response.prepare(request)
-            async for event in job.stream():
-                if out.num_tokens == 0:
-                    self.metrics.ttft.observe(time.perf_counter() - t_arrival)
-                    self.metrics.queue_time.observe(job.started_s - t_arrival)
-                    p = event.provenance  # the same object in every event of a request
-                    self.metrics.observe_provenance(p.local_tokens, p.pool_tokens, p.computed_tokens)
-                pieces = out.add(event)
-                if response is not None:
-                    for chunk in pieces:
-                        await self._write(request, response, b"data: " + _json.encode(chunk) + b"\n\n")
-                    if prep.options.timeline is not None and out.num_tokens == 1:
-                        prep.options.timeline.mark("first_token_written")
-                job.first_written.set()  # the engine may go on (it waits for this after the first token)
-                if out.finish_reason:
-                    break
+            await self._relay(request, response, job, out, prep, t_arrival)
         except (ConnectionResetError, SlowClient):  # the client went away or stopped reading: free the engine
             job.is_cancelled = True
             self.metrics.cancelled.inc()
@@ -348,6 +327,59 @@ class ReplicaServer:
         finally:
             job.is_cancelled = True  # whatever happened, the engine need not go on for this request
             job.first_written.set()
+        self._record(rid, prep, out, t_arrival)
+        if response is None:
+            return web.json_response(out.final_body())
+        try:
+            for chunk in out.final_chunks():
+                await self._write(request, response, b"data: " + _json.encode(chunk) + b"\n\n")
+            await self._write(request, response, b"data: [DONE]\n\n")
+            await response.write_eof()
+        except (ConnectionResetError, SlowClient):
+            pass  # the client left (or stalled) after the last token: nothing was lost
+        return response
+
+    def _submit(self, request: web.Request, req, prep: Prepared) -> Job:
+        """The request queued for the engine (A.ApiError 429 when the queue is full)."""
+        ids = prep.prompt_array if prep.prompt_array is not None else prep.prompt_ids
+        job = Job(ids, prep.params, prep.options, asyncio.get_running_loop(), client_gone=lambda: is_gone(request))
+        if not req.stream:  # nothing is written before the end: the engine need not wait after the first token
+            job.first_written.set()
+        try:
+            self.worker.submit(job)
+        except QueueFull as exc:
+            raise A.ApiError(429, str(exc), code="too_many_requests", error_type="rate_limit_error") from None
+        return job
+
+    async def _relay(
+        self,
+        request: web.Request,
+        response: web.StreamResponse | None,
+        job: Job,
+        out: ResponseBuilder,
+        prep: Prepared,
+        t_arrival: float,
+    ) -> None:
+        """The engine's tokens into ``out`` until the finish, each written at once to a stream (``response``); the
+        first token's time to first token, queue time and provenance go to the metrics."""
+        async for event in job.stream():
+            if out.num_tokens == 0:
+                self.metrics.ttft.observe(time.perf_counter() - t_arrival)
+                self.metrics.queue_time.observe(job.started_s - t_arrival)
+                p = event.provenance  # the same object in every event of a request
+                self.metrics.observe_provenance(p.local_tokens, p.pool_tokens, p.computed_tokens)
+            pieces = out.add(event)
+            if response is not None:
+                for chunk in pieces:
+                    await self._write(request, response, b"data: " + _json.encode(chunk) + b"\n\n")
+                if prep.options.timeline is not None and out.num_tokens == 1:
+                    prep.options.timeline.mark("first_token_written")
+            job.first_written.set()  # the engine may go on (it waits for this after the first token)
+            if out.finish_reason:
+                break
+
+    def _record(self, rid: str, prep: Prepared, out: ResponseBuilder, t_arrival: float) -> None:
+        """A request that ran to its end (or its abort): the metrics, the audit's offer, the timeline's log line."""
         self.metrics.e2e.observe(time.perf_counter() - t_arrival)
         self.metrics.requests.labels(out.finish_reason or "abort").inc()
         self.metrics.generation_tokens.inc(out.num_tokens)
@@ -362,16 +394,6 @@ class ReplicaServer:
             )
         if prep.options.timeline is not None:
             log.info("timeline %s %s", rid, _json.encode(prep.options.timeline.as_dict()).decode())
-        if response is None:
-            return web.json_response(out.final_body())
-        try:
-            for chunk in out.final_chunks():
-                await self._write(request, response, b"data: " + _json.encode(chunk) + b"\n\n")
-            await self._write(request, response, b"data: [DONE]\n\n")
-            await response.write_eof()
-        except (ConnectionResetError, SlowClient):
-            pass  # the client left (or stalled) after the last token: nothing was lost
-        return response
 
     async def _write(self, request: web.Request, response: web.StreamResponse, data: bytes) -> None:
         """One write of a stream (kvshare.serve.connection.write_within): a client that stalls is counted, dropped."""

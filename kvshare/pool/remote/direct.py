@@ -69,6 +69,26 @@ def fetch_into(
     if not breaker.allow():
         return LandedResult([], BREAKER)
     count = num_parts(page_bytes, cfg.part_bytes)
+    try:
+        parts = _read_parts(store, cfg, arena, pages, page_bytes, count, deadline)
+        breaker.record_success()
+    except RemoteStoreError as exc:
+        breaker.record_failure(str(exc))
+        return LandedResult([], ERROR, num_errors=1)
+    return _check_pages(store, cfg, arena, pages, parts, page_bytes, namespace, first_depth, count)
+
+
+def _read_parts(
+    store: RemoteStore,
+    cfg: RemoteConfig,
+    arena: np.ndarray,
+    pages: list[tuple[bytes, int]],
+    page_bytes: int,
+    count: int,
+    deadline: float,
+) -> list[list]:
+    """Read every part of every page, its payload straight into the page's place in the arena; per page, per
+    part, (header, payload bytes) or None (never arrived). Raises RemoteStoreError, as store.read does."""
     arena_bytes = memoryview(arena).cast("B")
     parts: list[list] = [[None] * count for _ in pages]  # per page: per part (header, payload bytes)
     slots: list[tuple[int, int]] = []  # per key read: (page, part)
@@ -86,19 +106,30 @@ def fetch_into(
         slots[:] = where
         store.read(names, cfg.ttl_s, HEADER_BYTES, place, max_value_bytes(page_bytes), deadline)
 
-    try:
-        read(
-            [k for key, _ in pages for k in part_keys(cfg.prefix, key, count)],
-            [(p, j) for p in range(len(pages)) for j in range(count)],
-        )
-        extra = _extra_parts(cfg, pages, parts, page_bytes, count)
-        if extra:
-            names, where = zip(*extra)
-            read(list(names), list(where))
-        breaker.record_success()
-    except RemoteStoreError as exc:
-        breaker.record_failure(str(exc))
-        return LandedResult([], ERROR, num_errors=1)
+    read(
+        [k for key, _ in pages for k in part_keys(cfg.prefix, key, count)],
+        [(p, j) for p in range(len(pages)) for j in range(count)],
+    )
+    extra = _extra_parts(cfg, pages, parts, page_bytes, count)
+    if extra:
+        names, where = zip(*extra)
+        read(list(names), list(where))
+    return parts
+
+
+def _check_pages(
+    store: RemoteStore,
+    cfg: RemoteConfig,
+    arena: np.ndarray,
+    pages: list[tuple[bytes, int]],
+    parts: list[list],
+    page_bytes: int,
+    namespace: bytes,
+    first_depth: int,
+    count: int,
+) -> LandedResult:
+    """Check the landed pages in chain order (format.check_parts, then the page's checksum as it lies in the
+    arena); the result holds the checksums of those before the first that fails, which ends the fetch."""
     result = LandedResult([], None)
     for p, (key, offset) in enumerate(pages):
         try:
