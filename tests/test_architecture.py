@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MAX_LINES = 600
 # A function a reader can hold at once: split by step above this (from its ``def`` to its last line)
 MAX_FUNCTION_LINES = 60
-FUNCTIONS_CHECKED = ("kvshare/router",)  # the packages held to it so far
+FUNCTIONS_CHECKED = ("kvshare",)  # the whole package
 
 
 def module_names(package_dir: Path) -> dict[str, Path]:
