@@ -38,7 +38,7 @@ from kvshare.serve.responses import Prepared, ResponseBuilder, is_provenance_sho
 from kvshare.serve.sampling import sampling_params
 from kvshare.serve.tenancy import Unauthorized, account_identity, check_api_key, namespace_salt, tenant_identity
 from kvshare.serve.warm_path import warm_request_path
-from kvshare.serve.worker import EngineWorker, Job, QueueFull
+from kvshare.serve.worker import EngineWorker, QueueFull, WorkerRequest
 
 log = logging.getLogger("kvshare.serve")
 _json = msgspec.json.Encoder()
@@ -339,10 +339,12 @@ class ReplicaServer:
             pass  # the client left (or stalled) after the last token: nothing was lost
         return response
 
-    def _submit(self, request: web.Request, req, prep: Prepared) -> Job:
+    def _submit(self, request: web.Request, req, prep: Prepared) -> WorkerRequest:
         """The request queued for the engine (A.ApiError 429 when the queue is full)."""
         ids = prep.prompt_array if prep.prompt_array is not None else prep.prompt_ids
-        job = Job(ids, prep.params, prep.options, asyncio.get_running_loop(), client_gone=lambda: is_gone(request))
+        job = WorkerRequest(
+            ids, prep.params, prep.options, asyncio.get_running_loop(), client_gone=lambda: is_gone(request)
+        )
         if not req.stream:  # nothing is written before the end: the engine need not wait after the first token
             job.first_written.set()
         try:
@@ -355,7 +357,7 @@ class ReplicaServer:
         self,
         request: web.Request,
         response: web.StreamResponse | None,
-        job: Job,
+        job: WorkerRequest,
         out: ResponseBuilder,
         prep: Prepared,
         t_arrival: float,

@@ -1,7 +1,7 @@
 """The engine worker: one thread runs the engine, one request at a time, first come first served.
 
 The engine is not re-entrant (it owns one sequence's KV at a time), so the
-HTTP handlers never call it directly: they submit a Job and read its events
+HTTP handlers never call it directly: they submit a WorkerRequest and read its events
 from an asyncio queue. A job whose client went away is cancelled between
 tokens, and during its prefill between layers, so a disconnected or abandoned
 request frees the engine; so is every job once the worker is stopping.
@@ -30,7 +30,9 @@ class QueueFull(Exception):
 
 
 @dataclass(eq=False)
-class Job:
+class WorkerRequest:
+    """A request handed to the engine worker: what to run, and the queue its events come back on."""
+
     prompt_ids: Any  # list[int] or an int64 numpy array (the replica's: checked once, never copied again)
     params: Any  # engine SamplingParams
     options: Any  # engine RequestOptions
@@ -78,7 +80,7 @@ class EngineWorker:
         self.first_task = first_task  # runs in this thread before the first request (the warm-up)
         # runs in this thread while no request waits, one unit per call; True when it did work (the audit)
         self.idle_task = idle_task
-        self._queue: queue.Queue[Job | None] = queue.Queue()
+        self._queue: queue.Queue[WorkerRequest | None] = queue.Queue()
         self._is_stopping = False  # stop(): the running job gives up at its next layer or token, queued ones at once
         self._num_waiting = 0
         self._num_running = 0
@@ -101,14 +103,14 @@ class EngineWorker:
         self._queue.put(None)
         self._thread.join(timeout=30)
 
-    def submit(self, job: Job) -> None:
+    def submit(self, job: WorkerRequest) -> None:
         with self._lock:
             if self._num_waiting + self._num_running >= self.max_requests:
                 raise QueueFull(f"this replica already holds {self.max_requests} requests")
             self._num_waiting += 1
         self._queue.put(job)
 
-    def _next_job(self) -> Job | None:
+    def _next_job(self) -> WorkerRequest | None:
         """The next request (None: stop); while none waits, the idle task runs between polls."""
         while True:
             if self.idle_task is not None and self._queue.empty():
@@ -159,7 +161,7 @@ class EngineWorker:
                     self._num_running -= 1
 
 
-def _is_gone(job: Job) -> bool:
+def _is_gone(job: WorkerRequest) -> bool:
     return job.client_gone is not None and job.client_gone()
 
 

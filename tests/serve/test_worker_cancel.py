@@ -36,7 +36,7 @@ class LongPrefill:
 
 
 async def submit(worker, engine_options=RequestOptions()):
-    job = W.Job([1, 2, 3], None, engine_options, asyncio.get_running_loop())
+    job = W.WorkerRequest([1, 2, 3], None, engine_options, asyncio.get_running_loop())
     worker.submit(job)
     return job
 

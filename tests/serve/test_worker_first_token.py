@@ -27,7 +27,7 @@ async def run_one(engine, set_after_s: float | None) -> tuple[float, float]:
     """(when the handler saw the first event, when it set first_written); the job runs to its end."""
     worker = W.EngineWorker(engine, max_requests=1)
     worker.start()
-    job = W.Job([1, 2, 3], None, None, asyncio.get_running_loop())
+    job = W.WorkerRequest([1, 2, 3], None, None, asyncio.get_running_loop())
     worker.submit(job)
     seen_s = set_s = float("nan")
     async for event in job.stream():
@@ -69,7 +69,7 @@ def test_the_wait_is_only_after_the_first_event():
     async def go():
         worker = W.EngineWorker(engine, max_requests=1)
         worker.start()
-        job = W.Job([1], None, None, asyncio.get_running_loop())
+        job = W.WorkerRequest([1], None, None, asyncio.get_running_loop())
         worker.submit(job)
         job.first_written.set()  # written at once: no step waits
         got = [e async for e in job.stream()]

@@ -18,7 +18,7 @@ class Batch:
 
 
 @dataclass(eq=False)
-class PromoteJob:
+class PromotingLookup:
     """One promoting lookup: the chunks the arena lacked, the batches sent and applied, who waits for it."""
 
     keys: list[bytes]  # the chunks the arena lacked, in chain order

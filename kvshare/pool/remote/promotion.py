@@ -44,7 +44,7 @@ from kvshare.pool.remote.cost import PromotionCosts
 from kvshare.pool.remote.counters import RemoteCounters
 from kvshare.pool.remote.direct import LandedResult, fetch_into
 from kvshare.pool.remote.format import RemotePage
-from kvshare.pool.remote.jobs import Batch, PromoteJob
+from kvshare.pool.remote.jobs import Batch, PromotingLookup
 from kvshare.pool.remote.store import RemoteStore
 
 log = logging.getLogger("kvshare.pool.remote")
@@ -78,8 +78,8 @@ class Promotions:
         self._submit = submit  # runs fn(*args) on a reader thread, then on_result(result) on the loop thread
         self._clock = clock
         self._is_closed = False
-        self._jobs: set[PromoteJob] = set()
-        self._job_of_key: dict[bytes, PromoteJob] = {}
+        self._jobs: set[PromotingLookup] = set()
+        self._job_of_key: dict[bytes, PromotingLookup] = {}
         self._in_copy: set[int] = set()  # reservations whose pages a reader thread may still write
 
     def __len__(self) -> int:
@@ -176,7 +176,7 @@ class Promotions:
         gone already (its waiters are not called: their lookups are answered now, from the arena)."""
         batch_len = max(1, self.config.promote_batch_bytes // page_bytes)
         deadline = now + self.config.promote_timeout_s
-        job = PromoteJob(
+        job = PromotingLookup(
             keys,
             page_bytes,
             namespace,
@@ -199,7 +199,7 @@ class Promotions:
 
     # -- sending batches ----------------------------------------------------------------
 
-    def _fetch_more(self, job: PromoteJob) -> None:
+    def _fetch_more(self, job: PromotingLookup) -> None:
         # batches in flight (being fetched, waiting for their turn, being copied): at most num_readers
         while (
             not job.is_ended
@@ -211,20 +211,20 @@ class Promotions:
             else:  # first a probe of one page; while it is out, the next batch as values (as a probe is)
                 self._send_as_values(job, PROBE_PAGES if job.num_batches == 0 else job.batch_len)
 
-    def _can_land(self, job: PromoteJob) -> bool:
+    def _can_land(self, job: PromotingLookup) -> bool:
         """Whether the next batch may be reserved before it is fetched."""
         if job.namespace is None or job.first_depth is None:
             return False
         num = min(job.batch_len, len(job.keys) - job.num_asked)
         return job.is_confirmed or self.index.allocator.num_free_pages(job.page_bytes) >= num
 
-    def _send_as_values(self, job: PromoteJob, num_keys: int) -> None:
+    def _send_as_values(self, job: PromotingLookup, num_keys: int) -> None:
         batch = Batch(job.num_batches, job.num_asked, min(num_keys, len(job.keys) - job.num_asked))
         keys = job.keys[batch.start : batch.start + batch.num_keys]
         args = (self.store, self.breaker, self.config, keys, job.page_bytes, job.namespace, self._fetch_deadline(job))
         self._send(job, batch, W.fetch_pages, args)
 
-    def _send_direct(self, job: PromoteJob) -> None:
+    def _send_direct(self, job: PromotingLookup) -> None:
         """Reserve the next batch's pages (one reservation each, so a chain that ends mid-batch keeps its head)."""
         start, now = job.num_asked, self._clock()
         keys = job.keys[start : start + job.batch_len]
@@ -262,12 +262,12 @@ class Promotions:
         args = (self.store, self.breaker, self.config, self._arena, pages, job.page_bytes, job.namespace)
         self._send(job, batch, fetch, (*args, job.first_depth + start))
 
-    def _fetch_deadline(self, job: PromoteJob) -> float:
+    def _fetch_deadline(self, job: PromotingLookup) -> float:
         """No fetch of ``job`` receives after this: its lookups' deadline, and one store timeout more for a batch
         sent just before it (RemoteConfig.check_reservation_ttl keeps it well inside the reservations' TTL)."""
         return job.deadline + self.config.timeout_s
 
-    def _send(self, job: PromoteJob, batch: Batch, fn: Callable, args: tuple) -> None:
+    def _send(self, job: PromotingLookup, batch: Batch, fn: Callable, args: tuple) -> None:
         job.num_asked += batch.num_keys
         job.num_batches += 1
         job.outstanding += 1
@@ -275,7 +275,7 @@ class Promotions:
 
     # -- results, in chain order ----------------------------------------------------------
 
-    def _on_fetched(self, job: PromoteJob, batch: Batch, result) -> None:
+    def _on_fetched(self, job: PromotingLookup, batch: Batch, result) -> None:
         job.outstanding -= 1
         self._in_copy.difference_update(batch.reservations)  # the thread is done with their pages
         job.arrived[batch.number] = (batch, result)
@@ -291,7 +291,7 @@ class Promotions:
         self._fetch_more(job)
         self._maybe_finish(job)
 
-    def _apply(self, job: PromoteJob, batch: Batch, result) -> None:
+    def _apply(self, job: PromotingLookup, batch: Batch, result) -> None:
         if isinstance(result, BaseException):
             log.error("remote fetch failed: %r", result)
             self._abort(batch.reservations)
@@ -303,7 +303,7 @@ class Promotions:
         else:
             self._apply_values(job, batch, result)
 
-    def _apply_landed(self, job: PromoteJob, batch: Batch, result: LandedResult) -> None:
+    def _apply_landed(self, job: PromotingLookup, batch: Batch, result: LandedResult) -> None:
         """Commit the batch's pages that landed whole and valid; abort the rest."""
         good = 0 if job.is_broken or self._is_closed else len(result.checksums)
         for reservation_id, checksum in reversed(list(zip(batch.reservations[:good], result.checksums))):
@@ -316,7 +316,7 @@ class Promotions:
         if result.end is not None or good < batch.num_keys:
             job.break_chain()
 
-    def _apply_values(self, job: PromoteJob, batch: Batch, result: W.FetchResult) -> None:
+    def _apply_values(self, job: PromotingLookup, batch: Batch, result: W.FetchResult) -> None:
         """Count a batch fetched as values and, while the chain is unbroken, place its pages."""
         if job.is_broken or self._is_closed:
             return  # fetched ahead of a chunk that broke the chain: not part of it
@@ -337,20 +337,20 @@ class Promotions:
         if result.end is not None or len(pages) < batch.num_keys:
             job.break_chain()
 
-    def _count_promoted(self, job: PromoteJob, num_pages: int) -> None:
+    def _count_promoted(self, job: PromotingLookup, num_pages: int) -> None:
         job.num_found += num_pages
         job.num_promoted_bytes += num_pages * job.page_bytes
         self.counters.promoted_pages += num_pages
         self.counters.promoted_bytes += num_pages * job.page_bytes
 
-    def _pin(self, job: PromoteJob, keys: list[bytes]) -> None:
+    def _pin(self, job: PromotingLookup, keys: list[bytes]) -> None:
         """Lease committed pages until the lookups are answered: a later batch's reserve must not evict them."""
         if keys:
             pin = self.index.lookup(self.promoter_id, keys, job.page_bytes, self._clock(), is_counted=False)
             if pin.lease_id:
                 job.pins.append(pin.lease_id)
 
-    def _unpin(self, job: PromoteJob) -> None:
+    def _unpin(self, job: PromotingLookup) -> None:
         pins, job.pins = job.pins, []
         for lease_id in pins:
             try:
@@ -365,7 +365,7 @@ class Promotions:
             except PoolError:
                 pass  # committed, or aborted by its TTL, already
 
-    def _place(self, job: PromoteJob, pages: list[RemotePage]) -> None:
+    def _place(self, job: PromotingLookup, pages: list[RemotePage]) -> None:
         """Reserve arena pages (as the promoter) for fetched pages and have a thread copy them in."""
         keys, depth = [p.meta.key for p in pages], pages[0].meta.depth
         parent = job.parent_of(depth - job.first_depth) if depth > 0 else b""
@@ -397,7 +397,7 @@ class Promotions:
 
     def _on_copied(
         self,
-        job: PromoteJob,
+        job: PromotingLookup,
         reservation_id: int,
         placements: list[tuple[RemotePage, int]],
         result: list[int] | BaseException,
@@ -426,17 +426,17 @@ class Promotions:
         self._maybe_finish(job)
 
     @staticmethod
-    def _is_done(job: PromoteJob) -> bool:
+    def _is_done(job: PromotingLookup) -> bool:
         """No fetch or copy is out, and none will be sent."""
         return not job.outstanding and (job.is_ended or job.num_asked >= len(job.keys))
 
-    def _forget(self, job: PromoteJob) -> None:
+    def _forget(self, job: PromotingLookup) -> None:
         self._jobs.discard(job)
         for key in job.keys:
             if self._job_of_key.get(key) is job:
                 del self._job_of_key[key]
 
-    def _maybe_finish(self, job: PromoteJob) -> None:
+    def _maybe_finish(self, job: PromotingLookup) -> None:
         if not self._is_done(job):
             return
         self._forget(job)
@@ -447,7 +447,7 @@ class Promotions:
         self._answer(job)  # the waiters' lookups lease the pages before the pins go
         self._unpin(job)
 
-    def _answer(self, job: PromoteJob) -> None:
+    def _answer(self, job: PromotingLookup) -> None:
         job.is_answered = True
         waiters, job.waiters = job.waiters, []
         for on_done in waiters:

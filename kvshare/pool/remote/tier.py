@@ -48,7 +48,9 @@ log = logging.getLogger("kvshare.pool.remote")
 
 
 @dataclass(eq=False)
-class _WriteJob:
+class _PendingWrite:
+    """A write to the remote store in flight, under a lease on the pages it reads."""
+
     lease_id: int
     num_pages: int
     num_bytes: int
@@ -147,7 +149,7 @@ class RemoteTier:
             W.PageToWrite(PageMeta(e.key, e.namespace, e.depth, e.page_bytes, e.checksum), e.offset)
             for e in pin.entries
         ]
-        job = _WriteJob(pin.lease_id, len(pages), len(pages) * page_bytes)
+        job = _PendingWrite(pin.lease_id, len(pages), len(pages) * page_bytes)
         self._pending_pages += job.num_pages
         self._pending_bytes += job.num_bytes
         args = (
@@ -241,7 +243,7 @@ class RemoteTier:
 
     # -- write-behind ---------------------------------------------------------------
 
-    def _on_written(self, job: _WriteJob, result: W.WriteResult | BaseException) -> None:
+    def _on_written(self, job: _PendingWrite, result: W.WriteResult | BaseException) -> None:
         self._pending_pages -= job.num_pages
         self._pending_bytes -= job.num_bytes
         try:
