@@ -298,11 +298,15 @@ class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
         )
 
     def _register_states(self, kv_caches: dict[str, Any]) -> dict[str, torch.Tensor]:
-        """Take a hybrid model's GDN layers (``[conv, ssm]`` each) into the worker; the attention layers' KV left."""
-        missing = [name for name in self.hybrid.state_layers if name not in kv_caches]
-        if missing:
-            raise UnsupportedKVLayout(f"vLLM registered no state for the GDN layers {missing}")
-        layers = [tuple(kv_caches[name]) for name in self.hybrid.state_layers]
+        """Take a hybrid model's GDN layers into the worker (each layer's ``kv_cache``, ``[conv, ssm]`` views of the
+        blocks vLLM registered for it); the attention layers' KV left."""
+        forward_context = self._vllm_config.compilation_config.static_forward_context
+        layers = []
+        for name in self.hybrid.state_layers:
+            state = getattr(forward_context.get(name), "kv_cache", None)
+            if name not in kv_caches or not isinstance(state, (list, tuple)) or len(state) != 2:
+                raise UnsupportedKVLayout(f"vLLM's GDN layer {name} keeps no [conv, ssm] state kvshare can read")
+            layers.append(tuple(state))
         self._worker.states = StateBlocks(self.state_layout, layers)
         return {name: t for name, t in kv_caches.items() if name not in self.hybrid.state_layers}
 

@@ -331,6 +331,7 @@ class CpuKVWorker(KVWorker):
         commit = lambda: client.commit(reservation.reservation_id, [checksum], ChecksumKind.XXH3)  # noqa: E731
         committed = guarded(self.link, self.counters, "a checkpoint commit", commit) or 0
         self.counters.stored_states += committed
+        log.debug("kvshare: checkpoint after %d chunks of %s stored: %d", spec.num_chunks, spec.req_id, committed)
         return committed
 
     def copy_out(self, client, spec: StoreSpec, grants) -> None:

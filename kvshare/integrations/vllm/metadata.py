@@ -32,6 +32,11 @@ class LoadSpec:
     # vLLM holds the request in WAITING_FOR_REMOTE_KVS while this load runs beside its steps (never scheduled
     # in them); the worker reports it in get_finished once its copies and checks have ended
     is_async: bool = False
+    # a hybrid model's load: the leased checkpoint page of the GDN state after token_end (kvshare.state_layout), its
+    # key (to drop it when bad) and, per GDN layer, the block vLLM resumes that layer's state from
+    state_page: PageHeader | None = None
+    state_key: bytes = b""
+    state_blocks: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
