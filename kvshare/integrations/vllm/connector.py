@@ -184,7 +184,7 @@ class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler = self._start_scheduler(vllm_config, link, tp_size)
         else:
             self._worker = self._start_worker(link, tp_size)
-            self._hooks = WorkerHooks(self._worker, self.block_size)
+            self._hooks = WorkerHooks(self._worker, self.block_size, fails_by_request=self.hybrid is not None)
         self._layer_index: dict[str, int] = {}  # vLLM layer name -> model layer index
         self._block_tables = BlockTables()  # kept only where vLLM gives no block tables (compat)
         log.info(
@@ -373,6 +373,15 @@ class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
         if self._hooks is None:
             return None, None
         return None, self._hooks.poll_async() or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """vLLM >= 0.32: the loads that ended and those that failed (by request where vLLM keeps several cache
+        groups: its block ids cannot name them); a failed one is among the ended, as vLLM expects."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+        _, finished = self.get_finished(finished_req_ids)
+        failed = self._hooks.take_failed_requests() if self._hooks is not None else set()
+        return KVConnectorTransferResults(finished_recving=set(finished or ()) | failed, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._hooks.load_errors()

@@ -12,7 +12,8 @@ indices), and the H200 harness (benchmarks/vllm_harness_gpu.py) drives the same 
     wait_for_save(plan)     after the forward: loads finished, then stores committed (or aborted)
     poll_async()            get_finished, every step (a step without a forward too): the asynchronous loads
                             that ended, checked; their bad blocks go to load_errors in the same pass
-    load_errors()           get_block_ids_with_load_errors, the same step: blocks vLLM recomputes
+    load_errors()           get_block_ids_with_load_errors, the same step: blocks vLLM recomputes (or, with several
+                            cache groups, take_failed_requests: requests vLLM computes whole, in get_transfer_results)
     take_outcomes()         build_connector_worker_meta: how each load went, for the scheduler side
     take_store_parts()      ... and, with tensor parallelism, this rank's part of each reserved store
 
@@ -64,9 +65,14 @@ NO_KV = "no KV registered"
 class WorkerHooks:
     """One worker's per-step connector state: the step's loads and stores in flight, the blocks to recompute."""
 
-    def __init__(self, worker: KVWorker, block_size: int) -> None:
+    def __init__(self, worker: KVWorker, block_size: int, fails_by_request: bool = False) -> None:
+        """``fails_by_request``: a failed load is reported by its request (``take_failed_requests``), never by its
+        blocks, whose ids vLLM cannot map back to requests where it keeps several cache groups (a hybrid model);
+        vLLM then computes that request's whole prompt."""
         self.worker = worker
         self.block_size = block_size
+        self.fails_by_request = fails_by_request
+        self._failed_requests: set[str] = set()
         self._layer_waits = True  # vLLM's forward waits per layer (off once a step showed it does not)
         self._outcomes: list[LoadOutcome] = []
         self._store_parts: list[StorePart] = []
@@ -154,6 +160,11 @@ class WorkerHooks:
         invalid, self._invalid_blocks = self._invalid_blocks, set()
         return invalid
 
+    def take_failed_requests(self) -> set[str]:
+        """The requests whose loads failed since the last call (``fails_by_request``), to report with their end."""
+        failed, self._failed_requests = self._failed_requests, set()
+        return failed
+
     def take_outcomes(self) -> list[LoadOutcome]:
         outcomes, self._outcomes = self._outcomes, []
         return outcomes
@@ -188,7 +199,9 @@ class WorkerHooks:
     def _record(self, outcome: LoadOutcome, spec: LoadSpec) -> None:
         """A load's end, for the scheduler side; the blocks of tokens it could not load, for vLLM to recompute."""
         self._outcomes.append(outcome)
-        if not outcome.is_complete:
+        if not outcome.is_complete and self.fails_by_request:
+            self._failed_requests.add(outcome.req_id)
+        elif not outcome.is_complete:
             self._invalid_blocks.update(
                 blocks_of_tokens(outcome.loaded_end, outcome.token_end, self.block_size, list(spec.block_ids))
             )
