@@ -35,6 +35,7 @@ class Cluster:
     _tmp: tempfile.TemporaryDirectory | None = None
     account_key_file: str = ""  # vLLM replicas: the file the router and the connectors read the account key from
     oom_kills_at_start: int | None = None  # the kernel's OOM kills before start() (kvshare.memory_fit.oom_kills)
+    engine_settings: str = ""  # what the replicas' engine was set up with beyond the defaults (a hybrid model's)
 
     @property
     def router_url(self) -> str:
@@ -133,7 +134,7 @@ class Cluster:
         cfg = self.config
         port = cfg.port + 1 + i
         if cfg.engine == "vllm":
-            from kvshare.integrations.vllm.launch import VllmServerConfig, vllm_server_command
+            from kvshare.integrations.vllm.launch import VllmServerConfig, hybrid_settings, vllm_server_command
             from kvshare.keys import DEFAULT_CHUNK_TOKENS
 
             # prefill steps of one pool chunk: a replica that loads k chunks computes the rest in the same steps
@@ -146,6 +147,11 @@ class Cluster:
             on_gpu = device != "cpu"
             if device.startswith("cuda:"):  # vLLM takes its GPU from CUDA_VISIBLE_DEVICES, as cuda
                 visible = device[len("cuda:") :]
+            # a Gated DeltaNet hybrid: vLLM's block size for it as the chunk, steps of one block, align mode
+            hybrid = hybrid_settings(self._vllm_model_dir(), "cuda" if on_gpu else "cpu")
+            chunk_tokens = hybrid.chunk_tokens if hybrid is not None else DEFAULT_CHUNK_TOKENS
+            if hybrid is not None:
+                self.engine_settings = hybrid.describe()
             spec = vllm_server_command(
                 VllmServerConfig(
                     model=self._vllm_model_dir(),
@@ -155,8 +161,10 @@ class Cluster:
                     python=cfg.vllm_python or find_vllm_python(),
                     served_model_name=self._served_name(),
                     replica=f"replica{i}",
-                    chunk_tokens=DEFAULT_CHUNK_TOKENS,
-                    max_num_batched_tokens=None if on_gpu else DEFAULT_CHUNK_TOKENS,
+                    chunk_tokens=chunk_tokens,
+                    block_size=hybrid.block_size if hybrid is not None else 32,
+                    max_num_batched_tokens=chunk_tokens if hybrid is not None or not on_gpu else None,
+                    mamba_cache_mode=hybrid.mamba_cache_mode if hybrid is not None else None,
                     extra_args=cfg.replica_args,
                     tensor_parallel_size=cfg.tensor_parallel_size,
                     device="cuda" if on_gpu else "cpu",

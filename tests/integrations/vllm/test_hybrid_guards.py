@@ -102,6 +102,8 @@ def test_setup_guards_name_the_setting_to_change():
     with pytest.raises(UnsupportedHybrid, match="allow_untested_vllm"):
         check_hybrid_setup("0.26", "cpu", 640, 640, allow_untested=False)  # a minor not tested with
     check_hybrid_setup("0.26", "cpu", 640, 640, allow_untested=True)
+    with pytest.raises(UnsupportedHybrid, match="tensor-parallel-size 1"):
+        check_hybrid_setup("0.32", "cpu", 640, 640, allow_untested=False, tp_size=2)
     with pytest.raises(UnsupportedHybrid, match="CPU only"):
         check_hybrid_setup("0.32", "cuda", 784, 784, allow_untested=False)
 
