@@ -128,6 +128,19 @@ def test_b_resumes_from_the_checkpoint_a_stored(cluster):
     assert metric(servers["B"], "vllm:kvshare_load_failures_total") == 0
 
 
+def test_b_extends_its_own_prefix_hit_from_the_pool(cluster):
+    """B holds the first prompt (loaded above) in its own prefix cache; A computes a longer one over it. B resumes
+    from A's deeper checkpoint: vLLM's own hit, then the pool's chunks after it and the state at their end."""
+    servers, socket_path = cluster
+    prompt = prompt_of(1, 2000) + prompt_of(11, 1300)  # 5 whole chunks and a 100-token tail
+    on_a = complete(servers["A"], prompt)  # A too resumes from its own cache: the first prompt's blocks
+    on_b = complete(servers["B"], prompt)
+    origin = provenance(on_b)
+    assert origin["local_tokens"] > 0 and origin["local_tokens"] + origin["pool_tokens"] == 5 * C
+    assert origin["pool_tokens"] >= 2 * C
+    assert_same_answer(on_b, on_a)
+
+
 def test_kv_without_a_checkpoint_is_computed_not_resumed(cluster):
     """A prompt of whole chunks resumes one chunk before its end (its last token is computed); A kept the state
     only after all 4 chunks, so B finds KV but no checkpoint it may resume from and computes the whole prompt."""
