@@ -79,6 +79,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
+    from kvshare.state_layout import StateLayout
+
 log = logging.getLogger("kvshare.integrations")
 
 ENGINE_FAMILY = "vllm"
@@ -139,26 +141,11 @@ class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
         check_supported(vllm_config)
         self.block_size = vllm_config.cache_config.block_size
         self.hybrid: HybridGroups | None = hybrid_groups(kv_cache_config)  # None: one attention group (or not shared)
-        if self.hybrid is not None:
-            check_hybrid_setup(
-                version_of(vllm.__version__),
-                _device_type(),
-                self.config.chunk_tokens,
-                self.block_size,
-                self.config.allow_untested_vllm,
-                vllm_config.parallel_config.tensor_parallel_size,
-            )
+        self.kv_layout = kv_layout_of(vllm_config, self.config.chunk_tokens)
+        self.state_layout = self._hybrid_layouts(vllm_config, kv_cache_config) if self.hybrid is not None else None
         self.config.check_block_size(self.block_size)
         speculative = getattr(vllm_config, "speculative_config", None)
         self._decode_tokens = 1 + (getattr(speculative, "num_speculative_tokens", None) or 0)  # a decode's tokens
-        self.kv_layout = kv_layout_of(vllm_config, self.config.chunk_tokens)
-        self.state_layout = None  # a hybrid model's GDN checkpoint layout (kvshare.state_layout)
-        if self.hybrid is not None:
-            attention = kv_cache_config.kv_cache_groups[self.hybrid.attention_group]
-            self.kv_layout = replace(self.kv_layout, num_layers=len(attention.layer_names))
-            model_dtype = str(vllm_config.model_config.dtype).replace("torch.", "")
-            text_config = vllm_config.model_config.hf_text_config
-            self.state_layout = state_layout_of(text_config, model_dtype, len(self.hybrid.state_layers))
         self.fingerprint = _fingerprint(vllm_config, kv_cache_config, self.block_size, self.kv_layout.dtype)
         self.namespace = vllm_namespace(
             vllm_config, self.kv_layout, ENGINE_FAMILY, self.config.model_revision, self.fingerprint.text()
@@ -200,6 +187,25 @@ class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
             self.kv_layout.page_bytes,
             self.fingerprint.text(),
         )
+
+    def _hybrid_layouts(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> StateLayout:
+        """A hybrid model's set-up checked (hybrid.check_hybrid_setup), its pages' layers those of its attention group;
+        the layout of its GDN checkpoints (kvshare.state_layout)."""
+        import vllm
+
+        check_hybrid_setup(
+            version_of(vllm.__version__),
+            _device_type(),
+            self.config.chunk_tokens,
+            self.block_size,
+            self.config.allow_untested_vllm,
+            vllm_config.parallel_config.tensor_parallel_size,
+        )
+        attention = kv_cache_config.kv_cache_groups[self.hybrid.attention_group]
+        self.kv_layout = replace(self.kv_layout, num_layers=len(attention.layer_names))
+        model_dtype = str(vllm_config.model_config.dtype).replace("torch.", "")
+        text_config = vllm_config.model_config.hf_text_config
+        return state_layout_of(text_config, model_dtype, len(self.hybrid.state_layers))
 
     def _start_scheduler(self, vllm_config: VllmConfig, link: PoolLink, tp_size: int) -> PoolScheduler:
         """The scheduler side, once per engine: it warns of what would make the pool serve less than it could."""
