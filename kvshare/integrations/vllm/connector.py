@@ -205,7 +205,14 @@ class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
         self.kv_layout = replace(self.kv_layout, num_layers=len(attention.layer_names))
         model_dtype = str(vllm_config.model_config.dtype).replace("torch.", "")
         text_config = vllm_config.model_config.hf_text_config
-        return state_layout_of(text_config, model_dtype, len(self.hybrid.state_layers))
+        layout = state_layout_of(text_config, model_dtype, len(self.hybrid.state_layers))
+        log.info(
+            "kvshare: a hybrid model: %d attention layers in pages, %d GDN layers in checkpoints of %.1f MiB",
+            self.kv_layout.num_layers,
+            layout.num_layers,
+            layout.checkpoint_bytes / 2**20,
+        )
+        return layout
 
     def _start_scheduler(self, vllm_config: VllmConfig, link: PoolLink, tp_size: int) -> PoolScheduler:
         """The scheduler side, once per engine: it warns of what would make the pool serve less than it could."""

@@ -11,6 +11,11 @@ beside vLLM's steps (``is_async``: vLLM parks the request in WAITING_FOR_REMOTE_
 get_finished; the other requests keep decoding meanwhile). ``async_loads`` "auto" chooses asynchronous when
 other requests are running on the replica, since a synchronous load stops their decoding for its whole copy.
 
+A hybrid model (``hybrid``: Gated DeltaNet layers beside attention, kvshare.integrations.vllm.hybrid) looks up its
+checkpoints with the chunks: a load ends at the deepest checkpoint the pool's run reaches (never past it, nothing
+without one) and always runs beside vLLM's steps; a step that ends on a chunk boundary the checkpoint rule keeps
+stores the GDN state there after its chunks.
+
 Leases are taken and released by this process's own pool connection (only the
 connection that took a lease may release it); the worker only reads the pages. With tensor
 parallelism (``tp_size`` > 1) this side also reserves the pages a step stores and commits them
