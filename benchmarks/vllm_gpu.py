@@ -295,6 +295,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lmcache-port", type=int, default=5555)
     p.add_argument("--lmcache-l1-gb", type=float, default=40.0)
     p.add_argument(
+        "--lmcache-server-arg",
+        action="append",
+        default=[],
+        help="an argument for LMCache's server (e.g. its chunk size)",
+    )
+    p.add_argument(
         "--kv-cache-memory-bytes",
         default="",
         help="every replica's --kv-cache-memory-bytes (then replicas sharing a GPU may start together)",

@@ -24,7 +24,12 @@ import vllm_gpu_client as client  # noqa: E402 (beside this file)
 
 from kvshare.bench.records import tree_commit  # noqa: E402
 from kvshare.children import stop_group  # noqa: E402
-from kvshare.integrations.vllm.launch import VllmServerConfig, vllm_server_command, wait_until_ready  # noqa: E402
+from kvshare.integrations.vllm.launch import (  # noqa: E402
+    VllmServerConfig,
+    hybrid_settings,
+    vllm_server_command,
+    wait_until_ready,
+)
 from kvshare.placement import VLLM_GPU_MEMORY_UTILIZATION  # noqa: E402
 
 
@@ -123,8 +128,19 @@ def start(argv: list[str], env: dict, log) -> subprocess.Popen:
 
 
 def server_config(run: Run, port: int, replica: str, **fields) -> VllmServerConfig:
-    """One vLLM replica of this run, as kvshare.integrations.vllm.launch builds every vLLM command."""
+    """One vLLM replica of this run, as kvshare.integrations.vllm.launch builds every vLLM command; a hybrid model
+    gets what its GDN state needs (launch.hybrid_settings: vLLM's block size as block, chunk and step, align mode),
+    as `kvshare up` gives it, whichever KV tier the replica uses."""
     a = run.args
+    hybrid = hybrid_settings(a.model_dir, a.device)
+    if hybrid is not None:
+        fields = dict(
+            block_size=hybrid.block_size,
+            chunk_tokens=hybrid.chunk_tokens,
+            max_num_batched_tokens=hybrid.max_num_batched_tokens,
+            mamba_cache_mode=hybrid.mamba_cache_mode,
+            **fields,
+        )
     gpu_share, shares_gpu = None, fields.pop("shares_gpu", False)
     if a.device == "cuda" and shares_gpu:
         # vLLM's share of one replica split, as `kvshare up` splits it; with --kv-cache-memory-bytes vLLM still
@@ -242,6 +258,7 @@ def lmcache_server(run: Run, env: dict, log):
         f"{a.lmcache_l1_gb:g}",
         "--eviction-policy",
         "LRU",
+        *a.lmcache_server_arg,
     ]
     server_log = os.path.join(a.out, "lmcache-server.log")
     with open(server_log, "w") as own:

@@ -35,6 +35,7 @@ class Cluster:
     _tmp: tempfile.TemporaryDirectory | None = None
     account_key_file: str = ""  # vLLM replicas: the file the router and the connectors read the account key from
     oom_kills_at_start: int | None = None  # the kernel's OOM kills before start() (kvshare.memory_fit.oom_kills)
+    engine_settings: str = ""  # what the replicas' engine was set up with beyond the defaults (a hybrid model's)
 
     @property
     def router_url(self) -> str:
@@ -135,49 +136,6 @@ class Cluster:
             return self._vllm_replica_command(i)
         return self._builtin_replica_command(i, kv)
 
-    def _vllm_replica_command(self, i: int) -> tuple[list[str], dict | None]:
-        """A vLLM server with kvshare's connector (kvshare.integrations.vllm.launch), on replica ``i``'s GPU."""
-        from kvshare.integrations.vllm.launch import VllmServerConfig, vllm_server_command
-        from kvshare.keys import DEFAULT_CHUNK_TOKENS
-
-        cfg = self.config
-        # prefill steps of one pool chunk: a replica that loads k chunks computes the rest in the same steps
-        # (same shapes, same kernels) as the replica that computed the whole prompt, so a request served
-        # alone gets the same logits bit for bit. With vLLM's default budget the full prompt is one step and
-        # the tail over a loaded prefix another shape: vLLM CPU rounds them differently, 1e-2 in logprobs in
-        # bf16 (what vLLM's "auto" runs a float32 preset in), 1e-5 in float32. --replica-arg overrides it.
-        # On a GPU vLLM's defaults apply (its step budget, the model's context length, compiled graphs).
-        device, visible = gpu_of_replica(cfg.device, i)
-        on_gpu = device != "cpu"
-        if device.startswith("cuda:"):  # vLLM takes its GPU from CUDA_VISIBLE_DEVICES, as cuda
-            visible = device[len("cuda:") :]
-        spec = vllm_server_command(
-            VllmServerConfig(
-                model=self._vllm_model_dir(),
-                port=cfg.port + 1 + i,
-                host=cfg.replica_host,
-                pool_socket=self.pool_socket,
-                python=cfg.vllm_python or find_vllm_python(),
-                served_model_name=self._served_name(),
-                replica=f"replica{i}",
-                chunk_tokens=DEFAULT_CHUNK_TOKENS,
-                max_num_batched_tokens=None if on_gpu else DEFAULT_CHUNK_TOKENS,
-                extra_args=cfg.replica_args,
-                tensor_parallel_size=cfg.tensor_parallel_size,
-                device="cuda" if on_gpu else "cpu",
-                max_model_len=None if on_gpu else 4096,
-                gpu_memory_utilization=gpu_memory_share(cfg, i) if on_gpu else None,
-                model_revision=cfg.model_revision,
-                kv_events_port=None if cfg.replica_kv_events_port is None else cfg.replica_kv_events_port + i,
-                tmp_dir=self._private_dir(f"replica{i}-tmp"),
-                account_key_file=self.account_key_file,
-                hint_address=self.hint_address(i),
-            )
-        )
-        if visible is not None:
-            spec.env["CUDA_VISIBLE_DEVICES"] = visible
-        return spec.argv, spec.env
-
     def _builtin_replica_command(self, i: int, kv: list[str]) -> tuple[list[str], dict | None]:
         """``kvshare serve`` as one of the cluster's replicas: its tenants' keys, provenance, the cluster's token
         cache, KV events and a share of the CPU cores beside the others."""
@@ -267,6 +225,56 @@ class Cluster:
     def _served_name(self) -> str:
         """vLLM's rule, and `kvshare serve`'s: the model id is the --model argument as given (a path stays a path)."""
         return self.config.model
+
+    def _vllm_replica_command(self, i: int) -> tuple[list[str], dict | None]:
+        """Replica ``i`` as a vLLM server with kvshare's connector (kvshare.integrations.vllm.launch)."""
+        from kvshare.integrations.vllm.launch import VllmServerConfig, hybrid_settings, vllm_server_command
+        from kvshare.keys import DEFAULT_CHUNK_TOKENS
+
+        cfg = self.config
+        # prefill steps of one pool chunk: a replica that loads k chunks computes the rest in the same steps
+        # (same shapes, same kernels) as the replica that computed the whole prompt, so a request served
+        # alone gets the same logits bit for bit. With vLLM's default budget the full prompt is one step and
+        # the tail over a loaded prefix another shape: vLLM CPU rounds them differently, 1e-2 in logprobs in
+        # bf16 (what vLLM's "auto" runs a float32 preset in), 1e-5 in float32. --replica-arg overrides it.
+        # On a GPU vLLM's defaults apply (its step budget, the model's context length, compiled graphs).
+        device, visible = gpu_of_replica(cfg.device, i)
+        on_gpu = device != "cpu"
+        if device.startswith("cuda:"):  # vLLM takes its GPU from CUDA_VISIBLE_DEVICES, as cuda
+            visible = device[len("cuda:") :]
+        # a Gated DeltaNet hybrid: vLLM's block size for it as the chunk, steps of one block, align mode
+        hybrid = hybrid_settings(self._vllm_model_dir(), "cuda" if on_gpu else "cpu")
+        chunk_tokens = hybrid.chunk_tokens if hybrid is not None else DEFAULT_CHUNK_TOKENS
+        if hybrid is not None:
+            self.engine_settings = hybrid.describe()
+        spec = vllm_server_command(
+            VllmServerConfig(
+                model=self._vllm_model_dir(),
+                port=cfg.port + 1 + i,
+                host=cfg.replica_host,
+                pool_socket=self.pool_socket,
+                python=cfg.vllm_python or find_vllm_python(),
+                served_model_name=self._served_name(),
+                replica=f"replica{i}",
+                chunk_tokens=chunk_tokens,
+                block_size=hybrid.block_size if hybrid is not None else 32,
+                max_num_batched_tokens=chunk_tokens if hybrid is not None or not on_gpu else None,
+                mamba_cache_mode=hybrid.mamba_cache_mode if hybrid is not None else None,
+                extra_args=cfg.replica_args,
+                tensor_parallel_size=cfg.tensor_parallel_size,
+                device="cuda" if on_gpu else "cpu",
+                max_model_len=None if on_gpu else 4096,
+                gpu_memory_utilization=gpu_memory_share(cfg, i) if on_gpu else None,
+                model_revision=cfg.model_revision,
+                kv_events_port=None if cfg.replica_kv_events_port is None else cfg.replica_kv_events_port + i,
+                tmp_dir=self._private_dir(f"replica{i}-tmp"),
+                account_key_file=self.account_key_file,
+                hint_address=self.hint_address(i),
+            )
+        )
+        if visible is not None:
+            spec.env["CUDA_VISIBLE_DEVICES"] = visible
+        return spec.argv, spec.env
 
     def _vllm_model_dir(self) -> str:
         """vLLM loads directories: a preset name is written out once (kvshare make-model) into the temp dir."""

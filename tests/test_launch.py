@@ -17,6 +17,28 @@ def test_vllm_replicas_prefill_in_steps_of_one_pool_chunk(tmp_path):
     assert argv[-2:] == ["--max-num-seqs", "8"]  # --replica-arg comes last: it overrides the defaults
 
 
+def test_vllm_replicas_of_a_hybrid_model_get_what_its_state_needs(tmp_path):
+    """A Gated DeltaNet hybrid: vLLM's block size for it (640 for this shape on CPU) as block, chunk and step, the
+    GDN state snapshotted at block boundaries; up says so."""
+    text = dict(
+        linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_conv_kernel_dim=4, head_dim=64, num_key_value_heads=2, num_attention_heads=4, hidden_size=256,
+        layer_types=["linear_attention"] * 3 + ["full_attention"], dtype="bfloat16",
+    )  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": text}))
+    cluster = Cluster(ClusterConfig(engine="vllm", model=str(tmp_path)))
+    cluster.pool_socket = str(tmp_path / "pool.sock")
+    argv, _env = cluster._replica_command(0, [])
+    flag = lambda name: argv[argv.index(name) + 1]  # noqa: E731
+    assert (flag("--block-size"), flag("--max-num-batched-tokens"), flag("--mamba-cache-mode")) == (
+        "640",
+        "640",
+        "align",
+    )
+    assert json.loads(flag("--kv-transfer-config"))["kv_connector_extra_config"]["chunk_tokens"] == 640
+    assert "--mamba-cache-mode align" in cluster.engine_settings
+
+
 def test_one_device_per_replica_as_a_comma_list(tmp_path):
     """--device cuda:0,cuda:1 gives each replica its own GPU (cycled over more replicas), seen as its only one;
     one device is everyone's, with the environment as inherited."""

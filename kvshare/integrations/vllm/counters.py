@@ -26,6 +26,7 @@ class ConnectorCounters:
     load_bytes: int = 0
     load_seconds: float = 0.0
     stored_chunks: int = 0  # pages committed to the pool
+    stored_states: int = 0  # a hybrid model's GDN checkpoints committed to the pool
     store_bytes: int = 0
     store_seconds: float = 0.0
     skipped_stores: int = 0  # chunks the pool had no room for

@@ -28,13 +28,13 @@ from kvshare.integrations.vllm.counters import PhaseTimes
 from kvshare.integrations.vllm.cpu_overlap import BlockLoad, LayeredLoads
 from kvshare.integrations.vllm.cpu_prefetch import CpuAhead
 from kvshare.integrations.vllm.layout import PagedLayout, gather_tokens, scatter_tokens, slots_of_positions
-from kvshare.integrations.vllm.metadata import LoadOutcome, LoadSpec, StorePart, StoreSpec
+from kvshare.integrations.vllm.metadata import LoadOutcome, LoadSpec, StateStoreSpec, StorePart, StoreSpec
 from kvshare.integrations.vllm.page_slices import CopyRun, PageSlice, copy_runs, load_pieces
 from kvshare.integrations.vllm.tensor_parallel import HeadSlice, partial_wsum32
 from kvshare.integrations.vllm.worker import FAILED_LOAD, KVWorker, PlannedLoad, StepLoads, StepStores
 from kvshare.layout import KVLayout
 from kvshare.pool.checksum import ChecksumKind, PageHasher
-from kvshare.pool.link import PoolLink
+from kvshare.pool.link import PoolLink, guarded
 
 log = logging.getLogger("kvshare.integrations")
 
@@ -104,6 +104,9 @@ class CpuKVWorker(KVWorker):
             settled.append(self.outcome(spec, spec.token_start, reason, times))
             return
         try:
+            if spec.state_page is not None:  # a hybrid model's load moves its GDN state whole, before any layer
+                settled.append(self._load_now(spec))
+                return
             if any(spec.pages[i].checksum_kind != ChecksumKind.XXH3 for i in range(len(spec.pages))):
                 settled.append(self._load_now(spec))  # the layered copy streams xxh3 only; a GPU-written page: now
                 return
@@ -147,6 +150,8 @@ class CpuKVWorker(KVWorker):
         no lease, no piece), its outcome."""
         client, reason = self.pool.client_for(spec.pool_id) if spec.pages else (None, "no lease backs the load")
         times.mark("client")
+        if spec.state_page is not None and not self._takes_state(spec):
+            client, reason = None, "no GDN state blocks to load the checkpoint into"
         pieces, reason = load_pieces(spec, self.kv_layout) if client is not None else ([], reason)
         if not pieces:
             return None, self.outcome(spec, spec.token_start, reason, times)
@@ -158,6 +163,15 @@ class CpuKVWorker(KVWorker):
             for i in range(load.ahead.num_pages if load.ahead is not None else 0):
                 load.chosen[i] = True
         return load, None
+
+    def _takes_state(self, spec: LoadSpec) -> bool:
+        """Whether the load's checkpoint fits this worker's GDN state tensors and names a block for each layer."""
+        states = self.states
+        return (
+            states is not None
+            and spec.state_page.page_bytes == states.layout.checkpoint_bytes
+            and len(spec.state_blocks) == states.layout.num_layers
+        )
 
     def _load_now(self, spec: LoadSpec) -> LoadOutcome:
         """Copy the spec's tokens into vLLM's blocks; stops at the first page that cannot be trusted."""
@@ -183,6 +197,11 @@ class CpuKVWorker(KVWorker):
             # the chosen pages checked all at once, spread over the hashing threads (checksumming each page and
             # copying it right after, while in cache, measured slower: 15-20 ms against 11-13 ms for 8k tokens)
             refs = [spec.pages[p.page_index] for p, c in zip(load.pieces[m:], load.chosen[m:]) if c]
+            state = client.page(spec.state_page.offset, spec.state_page.page_bytes) if spec.state_page else None
+            if state is not None:  # every checkpoint is checked: a resume stands on it whole
+                load.is_state_good = self.hasher.valid([state], [spec.state_page])[0]
+                if not load.is_state_good:
+                    return verdicts
             verdicts += self.hasher.valid([client.page(ref.offset, self.kv_layout.page_bytes) for ref in refs], refs)
             times.mark("verify")
             left, trusted = iter(verdicts), []
@@ -191,6 +210,8 @@ class CpuKVWorker(KVWorker):
                     break
                 trusted.append(piece)
             self._copy_trusted(load, trusted[:m], trusted[m:])
+            if state is not None and len(trusted) == len(load.pieces):
+                self.states.write(state, spec.state_blocks)
             times.mark("copy")
             return verdicts
         finally:
@@ -287,6 +308,31 @@ class CpuKVWorker(KVWorker):
             self.pool.abort(client, reservation.reservation_id, exc)
             return 0
         return self.pool.commit(client, spec, reservation, checksums, ChecksumKind.XXH3, times)
+
+    def store_state(self, spec: StateStoreSpec) -> int:
+        """Reserve a checkpoint page, copy the GDN state out of the spec's blocks into it, checksum, commit."""
+        client, num_bytes = self.link.client(), self.states.layout.checkpoint_bytes
+        if client is None:
+            return 0
+        reserve = lambda: client.reserve(  # noqa: E731
+            spec.namespace, [spec.key], num_bytes, spec.num_chunks, account=spec.account, holds_states=True
+        )
+        reservation = guarded(self.link, self.counters, "a checkpoint reserve", reserve)
+        if reservation is None or not reservation.grants:
+            return 0
+        try:
+            page = client.page(reservation.grants[0][1], num_bytes)
+            self.states.read(spec.blocks, page)
+            checksum = self.hasher.checksums([page], ChecksumKind.XXH3)[0]
+        except Exception as exc:  # a bug in the copy: give the page back; vLLM keeps serving
+            log.error("kvshare: checkpoint store for request %s failed", spec.req_id, exc_info=True)
+            self.pool.abort(client, reservation.reservation_id, exc)
+            return 0
+        commit = lambda: client.commit(reservation.reservation_id, [checksum], ChecksumKind.XXH3)  # noqa: E731
+        committed = guarded(self.link, self.counters, "a checkpoint commit", commit) or 0
+        self.counters.stored_states += committed
+        log.debug("kvshare: checkpoint after %d chunks of %s stored: %d", spec.num_chunks, spec.req_id, committed)
+        return committed
 
     def copy_out(self, client, spec: StoreSpec, grants) -> None:
         """Copy the granted chunks ((index into the spec's keys, page offset) each) out of vLLM's blocks into

@@ -39,13 +39,14 @@ def kv_dtype_of(cache_dtype: str | None, model_dtype: str) -> str:
 def non_attention_state(kv_cache_config: Any) -> str | None:
     """Why the model's cache cannot be shared through pages of attention KV (None: it can).
 
-    One cache group of plain full attention is what pages hold; anything else is named."""
+    One cache group of plain full attention is what pages hold (a hybrid of it and Gated DeltaNet layers moves its
+    state apart: kvshare.integrations.vllm.hybrid); anything else is named."""
     if kv_cache_config is None:
         return None
     groups = list(kv_cache_config.kv_cache_groups)
     kinds = sorted({type(group.kv_cache_spec).__name__ for group in groups})
     if len(groups) != 1:
-        return f"{len(groups)} KV cache groups ({', '.join(kinds)}): a hybrid model, its other state is not in pages"
+        return f"{len(groups)} KV cache groups ({', '.join(kinds)}): a hybrid model, state not moved"
     spec = groups[0].kv_cache_spec
     if not _is_plain_full_attention(spec):
         return f"its layers keep {type(spec).__name__} state, not plain full-attention KV"

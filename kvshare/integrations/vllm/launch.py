@@ -60,6 +60,7 @@ class VllmServerConfig:
     dtype: str = "auto"  # "float32" for exact comparisons on CPU
     device: str = "cpu"  # "cpu" | "cuda": which environment the server gets
     max_num_batched_tokens: int | None = None  # None: vLLM's default
+    mamba_cache_mode: str | None = None  # --mamba-cache-mode ("align" for a hybrid model with the pool); None: vLLM's
     gpu_memory_utilization: float | None = None  # CUDA: this replica's share of its GPU; None: vLLM's default
     verify_fraction: float | None = None  # share of loaded pages verified; None: the connector's default
     overlap_load: bool | None = None  # CPU loads copied beside the forward; None: the connector's default
@@ -206,6 +207,8 @@ def _engine_args(config: VllmServerConfig) -> list[str]:
         argv += ["--gpu-memory-utilization", f"{config.gpu_memory_utilization:g}"]
     if config.max_num_batched_tokens is not None:
         argv += ["--max-num-batched-tokens", str(config.max_num_batched_tokens)]
+    if config.mamba_cache_mode is not None:
+        argv += ["--mamba-cache-mode", config.mamba_cache_mode]
     if config.tensor_parallel_size > 1:
         argv += ["--tensor-parallel-size", str(config.tensor_parallel_size)]
     if config.load_format is not None:
@@ -263,6 +266,47 @@ def _server_env(config: VllmServerConfig, base_env: dict[str, str] | None) -> di
             env.setdefault(RESERVED_CPUS_ENV, str(connector_reserved_cpus(config.tensor_parallel_size)))
         env.setdefault("CUDA_VISIBLE_DEVICES", "")
     return env
+
+
+@dataclass(frozen=True)
+class HybridSettings:
+    """What vLLM needs to share a hybrid (Gated DeltaNet) model's state through the pool: blocks of the size vLLM
+    chooses for it, one pool chunk per block, prefill steps of one block (a GDN state at every block boundary:
+    ``--max-num-batched-tokens`` in [N, 2N)) and the state snapshotted there (``--mamba-cache-mode align``)."""
+
+    block_size: int
+    mamba_cache_mode: str = "align"
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.block_size
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        return self.block_size
+
+    def describe(self) -> str:
+        return (
+            f"a hybrid model: --block-size {self.block_size} (vLLM's for it), chunk_tokens {self.chunk_tokens}, "
+            f"--max-num-batched-tokens {self.max_num_batched_tokens}, --mamba-cache-mode {self.mamba_cache_mode}"
+        )
+
+
+def hybrid_settings(model_dir: str, device: str) -> HybridSettings | None:
+    """The settings a hybrid model in ``model_dir`` needs (HybridSettings); None for any other model."""
+    from kvshare.integrations.vllm.hybrid import hybrid_block_size
+
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    text = config.get("text_config") or config
+    if "linear_attention" not in (text.get("layer_types") or []):
+        return None
+    dtype = text.get("dtype") or text.get("torch_dtype") or config.get("dtype") or "bfloat16"
+    dtype_bytes = 4 if dtype == "float32" else 2
+    return HybridSettings(hybrid_block_size(text, dtype_bytes, device))
 
 
 def has_flag(args: tuple[str, ...] | list[str], flag: str) -> bool:

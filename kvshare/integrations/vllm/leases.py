@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Any
 
 
 class LeaseState(enum.Enum):
@@ -33,6 +34,11 @@ class HeldLease:
     # its blocks, which no step's scheduler output names, are those vLLM allocated for it
     is_async: bool = False
     block_ids: tuple[int, ...] = ()
+    # a hybrid model's lease: the checkpoint page of the GDN state at token_end, its key, and per GDN layer the block
+    # vLLM resumes from (metadata.LoadSpec)
+    state_page: Any = None
+    state_key: bytes = b""
+    state_blocks: tuple[int, ...] = ()
 
 
 class LeaseBook:

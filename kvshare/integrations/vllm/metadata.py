@@ -32,6 +32,11 @@ class LoadSpec:
     # vLLM holds the request in WAITING_FOR_REMOTE_KVS while this load runs beside its steps (never scheduled
     # in them); the worker reports it in get_finished once its copies and checks have ended
     is_async: bool = False
+    # a hybrid model's load: the leased checkpoint page of the GDN state after token_end (kvshare.state_layout), its
+    # key (to drop it when bad) and, per GDN layer, the block vLLM resumes that layer's state from
+    state_page: PageHeader | None = None
+    state_key: bytes = b""
+    state_blocks: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,20 @@ class StoreSpec:
 
 
 @dataclass(frozen=True)
+class StateStoreSpec:
+    """After this step's forward, put a hybrid model's GDN state after ``num_chunks`` prompt chunks into the pool as
+    the checkpoint keyed ``key`` (kvshare.keys.state_key of the chunk it ends), read from block ``blocks[l]`` of
+    each GDN layer l (the step ended there: vLLM keeps the state in that block until its next step)."""
+
+    req_id: str
+    namespace: bytes
+    num_chunks: int
+    key: bytes
+    blocks: tuple[int, ...]
+    account: bytes = b""
+
+
+@dataclass(frozen=True)
 class StorePart:
     """Rank ``tp_rank``'s part of a reserved store: written (with its part of each granted page's WSUM32,
     in grant order) or not (``reason``), which aborts the whole reservation."""
@@ -96,6 +115,7 @@ class StepPlan:
 
     loads: tuple[LoadSpec, ...] = ()
     stores: tuple[StoreSpec, ...] = ()
+    state_stores: tuple[StateStoreSpec, ...] = ()  # after the step's stores: their checkpoints follow their KV
     num_tokens: int = 0  # tokens vLLM computes in the step, all requests (for the timing log)
     # every request schedules at most a decode's tokens: vLLM may replay the step as one full CUDA graph, whose
     # forward calls no per-layer hook, so the step's loads complete before its forward starts

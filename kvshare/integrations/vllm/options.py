@@ -78,6 +78,9 @@ class ConnectorConfig:
     # copies its first layers. 0: no copies ahead
     prefetch_mib: int = 2048
     hint_ttl_s: float = 10.0  # a copy ahead that no load took within this is dropped
+    # a hybrid model: besides each prompt's last chunks, keep the GDN state every this many chunks (0: only there),
+    # as the built-in engine's state_checkpoint_chunks (a checkpoint of Qwen3.5-27B is ~147 MiB)
+    state_checkpoint_chunks: int = 64
 
     def __post_init__(self) -> None:
         if self.chunk_tokens <= 0:
@@ -91,6 +94,8 @@ class ConnectorConfig:
             raise ValueError(f"copy_threads must be >= 1, got {self.copy_threads}")
         if self.cuda_copy_method not in CUDA_COPY_METHODS:
             raise ValueError(f"cuda_copy_method must be one of {CUDA_COPY_METHODS}, got {self.cuda_copy_method!r}")
+        if self.state_checkpoint_chunks < 0:
+            raise ValueError(f"state_checkpoint_chunks must be >= 0, got {self.state_checkpoint_chunks}")
         if self.prefetch_mib < 0:
             raise ValueError(f"prefetch_mib must be >= 0 (0: no copies ahead), got {self.prefetch_mib}")
         if self.hint_address:

@@ -11,6 +11,11 @@ beside vLLM's steps (``is_async``: vLLM parks the request in WAITING_FOR_REMOTE_
 get_finished; the other requests keep decoding meanwhile). ``async_loads`` "auto" chooses asynchronous when
 other requests are running on the replica, since a synchronous load stops their decoding for its whole copy.
 
+A hybrid model (``hybrid``: Gated DeltaNet layers beside attention, kvshare.integrations.vllm.hybrid) looks up its
+checkpoints with the chunks: a load ends at the deepest checkpoint the pool's run reaches (never past it, nothing
+without one) and always runs beside vLLM's steps; a step that ends on a chunk boundary the checkpoint rule keeps
+stores the GDN state there after its chunks.
+
 Leases are taken and released by this process's own pool connection (only the
 connection that took a lease may release it); the worker only reads the pages. With tensor
 parallelism (``tp_size`` > 1) this side also reserves the pages a step stores and commits them
@@ -27,13 +32,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvshare.integrations.vllm.counters import ConnectorCounters, PhaseTimes
+from kvshare.integrations.vllm.hybrid import HybridGroups, checkpoint_chunks, resume_points
 from kvshare.integrations.vllm.leases import HeldLease, LeaseBook, LeaseState
-from kvshare.integrations.vllm.metadata import LoadOutcome, LoadSpec, StepPlan, StoreSpec, WorkerReport
+from kvshare.integrations.vllm.metadata import (
+    LoadOutcome,
+    LoadSpec,
+    StateStoreSpec,
+    StepPlan,
+    StoreSpec,
+    WorkerReport,
+)
 from kvshare.integrations.vllm.options import ConnectorConfig, TransferParams, provenance
 from kvshare.integrations.vllm.pool_pages import release_lease
-from kvshare.integrations.vllm.prompt_chunks import chunks_completed, lookup_window, tokens_to_load
+from kvshare.integrations.vllm.prompt_chunks import chunks_completed, load_limit, lookup_window, tokens_to_load
 from kvshare.integrations.vllm.tensor_parallel import TensorParallelStores
-from kvshare.keys import Namespace, extend_chunk_keys, namespace_digest
+from kvshare.keys import Namespace, extend_chunk_keys, namespace_digest, state_key
+from kvshare.pool import protocol as P
 from kvshare.pool.link import PoolLink, guarded
 
 log = logging.getLogger("kvshare.integrations")
@@ -63,7 +77,8 @@ class ScheduledRequest:
     req_id: str
     computed_before: int
     num_scheduled: int
-    block_ids: Sequence[int]
+    block_ids: Sequence[int]  # the full-attention group's
+    tables: Sequence[Sequence[int]] = ()  # a hybrid model's: the block ids of every cache group
 
 
 class PoolScheduler:
@@ -77,9 +92,13 @@ class PoolScheduler:
         clock: Callable[[], float] = time.monotonic,
         tp_size: int = 1,
         account_key: str = "",
+        hybrid: HybridGroups | None = None,
+        state_bytes: int = 0,
     ) -> None:
         """``tp_size``: the replica's tensor parallel ranks (above 1: stores are reserved and committed here);
-        ``account_key``: the key the router signs each request's account with ("": no account is taken)."""
+        ``account_key``: the key the router signs each request's account with ("": no account is taken);
+        ``hybrid``: a hybrid model's cache groups, whose GDN state moves as checkpoints of ``state_bytes``
+        (kvshare.integrations.vllm.hybrid): a load then ends at a checkpoint and runs beside vLLM's steps."""
         config.check_block_size(block_size)
         self.config = config
         self.block_size = block_size
@@ -97,6 +116,7 @@ class PoolScheduler:
         self.tp_size = tp_size
         self._parted = TensorParallelStores(tp_size, link, self.counters, page_bytes) if tp_size > 1 else None
         self._reported: dict[str, list[LoadOutcome]] = {}  # a load's outcomes from the ranks that reported it
+        self.hybrid, self.state_bytes = hybrid, state_bytes
 
     # -- requests --------------------------------------------------------------------
 
@@ -175,7 +195,8 @@ class PoolScheduler:
             times = PhaseTimes()
             keys = self._keys(request, window.end_chunk)[window.first_chunk :]
             times.mark("hash")
-            held = self._lookup(req_id, keys, window.first_chunk, now)
+            points = self._resume_points(request, num_computed_tokens)
+            held = self._lookup(req_id, keys, window.first_chunk, now, points)
             times.mark("lookup")
             log.debug(
                 "kvshare timing: match %s chunks=%d hit=%d %s",
@@ -202,7 +223,10 @@ class PoolScheduler:
         return held is not None and held.state is LeaseState.PENDING and held.is_async
 
     def _prefers_async(self, req_id: str) -> bool:
-        """Asynchronous where other requests run on the replica (admitted, not waiting for a load of their own)."""
+        """Asynchronous where other requests run on the replica (admitted, not waiting for a load of their own); a
+        hybrid model's always: vLLM copies the GDN state out of its block before the step's loads would start."""
+        if self.hybrid is not None:
+            return True
         if self.config.async_loads != "auto":
             return self.config.async_loads == "always"
         for other, request in self._requests.items():
@@ -211,11 +235,29 @@ class PoolScheduler:
                 return True
         return False
 
-    def _lookup(self, req_id: str, keys: list[bytes], first_chunk: int, now: float) -> HeldLease | None:
+    def _resume_points(self, request: _Request, num_computed_tokens: int) -> list[int]:
+        """A hybrid model's chunk counts a load may end at (its checkpoints), deepest first; [] for any other."""
+        if self.hybrid is None:
+            return []
+        C, n = self.config.chunk_tokens, len(request.prompt)
+        return resume_points(num_computed_tokens, load_limit(n, self.block_size), n // C, C)
+
+    def _lookup(
+        self, req_id: str, keys: list[bytes], first_chunk: int, now: float, points: list[int]
+    ) -> HeldLease | None:
+        """Lease the longest run of ``keys`` (chunks from ``first_chunk``); for a hybrid model only up to the deepest
+        checkpoint of ``points`` (chunk counts, deepest first) that the run reaches, with that checkpoint."""
         client = self.link.client()
-        if client is None:
+        if client is None or (self.hybrid is not None and not points):
             return None
-        lease = guarded(self.link, self.counters, "a lookup", lambda: client.lookup(keys, self.page_bytes))
+        if self.hybrid is None:
+            ask = lambda: client.lookup(keys, self.page_bytes)  # noqa: E731
+        else:
+            states = [
+                P.StateCandidate(key=state_key(keys[j - first_chunk - 1]), num_kv=j - first_chunk) for j in points
+            ]
+            ask = lambda: client.lookup(keys, self.page_bytes, states=states, state_page_bytes=self.state_bytes)  # noqa: E731
+        lease = guarded(self.link, self.counters, "a lookup", ask)
         if lease is None:
             return None
         self.counters.lookups += 1
@@ -224,6 +266,13 @@ class PoolScheduler:
         pages = list(lease.pages)
         owner = (self.link.pool_id, self.link.holder)
         held = HeldLease(lease.lease_id, first_chunk, pages, keys[: len(pages)], now, owner)
+        if self.hybrid is not None:
+            if lease.state is None:  # KV without the state after it is of no use: computed instead
+                self._release(held)
+                return None
+            num_pages = points[lease.state.index] - first_chunk  # never KV beyond the checkpoint
+            held.pages, held.keys = pages[:num_pages], keys[:num_pages]
+            held.state_page, held.state_key = lease.state.page, state_key(keys[num_pages - 1])
         self._leases.put(req_id, held)
         return held
 
@@ -233,10 +282,12 @@ class PoolScheduler:
         num_external_tokens: int,
         local_tokens: int | None = None,
         block_ids: Sequence[int] | None = None,
+        tables: Sequence[Sequence[int]] = (),
     ) -> None:
         """vLLM allocated blocks and loads ``num_external_tokens`` (0: it decided not to) after
         ``local_tokens`` of its own prefix cache (None: unknown, the value match() saw stands). ``block_ids``:
-        the request's blocks, which an asynchronous load copies into (no step's scheduler output names them)."""
+        the request's blocks, which an asynchronous load copies into (no step's scheduler output names them);
+        ``tables``: a hybrid model's block ids of every cache group (the GDN state's blocks are among them)."""
         request = self._requests.get(req_id)
         is_resumed = request is not None and request.is_admitted
         if request is not None and not is_resumed:
@@ -274,6 +325,8 @@ class PoolScheduler:
             self._release(self._leases.pop(req_id))
             return
         # more than the lease covers is never expected either: the worker reports the excess as failed
+        if self.hybrid is not None:
+            held.state_blocks = self._state_blocks(req_id, held, num_external_tokens, tables)
         held.token_end = held.token_start + num_external_tokens
         held.is_resumed = is_resumed
         held.block_ids = tuple(block_ids) if held.is_async and block_ids is not None else ()
@@ -281,6 +334,21 @@ class PoolScheduler:
             log.error("kvshare: vLLM allocated an asynchronous load for %s without naming its blocks", req_id)
         self.counters.hit_tokens += num_external_tokens
         self._leases.mark(req_id, LeaseState.SCHEDULED)
+
+    def _state_blocks(
+        self, req_id: str, held: HeldLease, num_external_tokens: int, tables: Sequence[Sequence[int]]
+    ) -> tuple[int, ...]:
+        """Per GDN layer, the block vLLM resumes the request's state from; () where the load cannot end at its
+        checkpoint (vLLM allocated another length): the worker then loads nothing and vLLM computes it all."""
+        if held.token_start + num_external_tokens != held.token_end or not tables:
+            log.error(
+                "kvshare: vLLM allocated %d pool tokens for %s, not up to its GDN checkpoint at %d",
+                num_external_tokens,
+                req_id,
+                held.token_end,
+            )
+            return ()
+        return self.hybrid.state_blocks(held.token_end, tables)
 
     # -- steps -------------------------------------------------------------------------
 
@@ -291,7 +359,7 @@ class PoolScheduler:
             self.counters.expired_leases += 1
             self._release(held)
         C = self.config.chunk_tokens
-        loads, stores = [], []
+        loads, stores, state_stores = [], [], []
         for step in scheduled:
             request = self._requests.get(step.req_id)
             if request is None:
@@ -305,6 +373,7 @@ class PoolScheduler:
                     step.computed_before, step.computed_before + step.num_scheduled, len(request.prompt), C
                 )
                 stores.extend(self._store_specs(step, request, [c for c in done if c not in request.pool_chunks]))
+                state_stores.extend(self._state_store_specs(step, request))
         for req_id, held in self._leases.with_state(LeaseState.SCHEDULED):
             request = self._requests.get(req_id)
             if held.is_async and request is not None:
@@ -312,7 +381,21 @@ class PoolScheduler:
                 continue
             log.error("kvshare: request %s was allocated a pool load but not scheduled; releasing its lease", req_id)
             self._release(self._leases.pop(req_id))
-        return StepPlan(tuple(loads), tuple(stores))
+        return StepPlan(tuple(loads), tuple(stores), tuple(state_stores))
+
+    def _state_store_specs(self, step: ScheduledRequest, request: _Request) -> list[StateStoreSpec]:
+        """A hybrid model's checkpoint where the step ends on a chunk boundary it keeps one at (hybrid.
+        checkpoint_chunks) beyond what came from the pool: vLLM holds the state there until its next step."""
+        end, C = step.computed_before + step.num_scheduled, self.config.chunk_tokens
+        if self.hybrid is None or end % C or not step.tables:
+            return []
+        num_chunks = end // C
+        wanted = checkpoint_chunks(len(request.prompt), C, self.config.state_checkpoint_chunks)
+        if num_chunks not in wanted or num_chunks <= request.pool_chunks.stop:
+            return []
+        key = state_key(self._keys(request, num_chunks)[num_chunks - 1])
+        blocks = self.hybrid.state_blocks(end, step.tables)
+        return [StateStoreSpec(step.req_id, request.ns_digest, num_chunks, key, blocks, request.account)]
 
     def _load_spec(self, req_id: str, request: _Request, held: HeldLease, block_ids: tuple[int, ...]) -> LoadSpec:
         """The worker's order for a lease vLLM allocated; the lease is in flight from here on."""
@@ -328,6 +411,9 @@ class PoolScheduler:
             held.token_end,
             block_ids,
             held.is_async,
+            held.state_page,
+            held.state_key,
+            held.state_blocks,
         )
 
     def _store_specs(self, step: ScheduledRequest, request: _Request, chunks: list[int]) -> list[StoreSpec]:

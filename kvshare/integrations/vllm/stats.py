@@ -23,6 +23,7 @@ _HELP = {
     "load_bytes": "KV bytes copied from the kvshare pool",
     "load_seconds": "Seconds spent copying KV from the kvshare pool",
     "stored_chunks": "Chunks (pages) committed to the kvshare pool",
+    "stored_states": "GDN state checkpoints of a hybrid model committed to the kvshare pool",
     "store_bytes": "KV bytes copied into the kvshare pool",
     "store_seconds": "Seconds spent copying KV into the kvshare pool",
     "skipped_stores": "Chunks not stored because the kvshare pool had no room",

@@ -12,7 +12,8 @@ indices), and the H200 harness (benchmarks/vllm_harness_gpu.py) drives the same 
     wait_for_save(plan)     after the forward: loads finished, then stores committed (or aborted)
     poll_async()            get_finished, every step (a step without a forward too): the asynchronous loads
                             that ended, checked; their bad blocks go to load_errors in the same pass
-    load_errors()           get_block_ids_with_load_errors, the same step: blocks vLLM recomputes
+    load_errors()           get_block_ids_with_load_errors, the same step: blocks vLLM recomputes (or, with several
+                            cache groups, take_failed_requests: requests vLLM computes whole, in get_transfer_results)
     take_outcomes()         build_connector_worker_meta: how each load went, for the scheduler side
     take_store_parts()      ... and, with tensor parallelism, this rank's part of each reserved store
 
@@ -43,9 +44,10 @@ import torch
 
 from kvshare.integrations.vllm.counters import ConnectorCounters, PhaseTimes
 from kvshare.integrations.vllm.layout import PagedLayout
-from kvshare.integrations.vllm.metadata import LoadOutcome, LoadSpec, StepPlan, StorePart, StoreSpec
+from kvshare.integrations.vllm.metadata import LoadOutcome, LoadSpec, StateStoreSpec, StepPlan, StorePart, StoreSpec
 from kvshare.integrations.vllm.page_slices import PageSlice, blocks_of_tokens
 from kvshare.integrations.vllm.pool_pages import PoolPages
+from kvshare.integrations.vllm.state_blocks import StateBlocks
 from kvshare.integrations.vllm.tensor_parallel import HeadSlice
 from kvshare.layout import KVLayout
 from kvshare.pool.checksum import PageSampler
@@ -63,9 +65,14 @@ NO_KV = "no KV registered"
 class WorkerHooks:
     """One worker's per-step connector state: the step's loads and stores in flight, the blocks to recompute."""
 
-    def __init__(self, worker: KVWorker, block_size: int) -> None:
+    def __init__(self, worker: KVWorker, block_size: int, fails_by_request: bool = False) -> None:
+        """``fails_by_request``: a failed load is reported by its request (``take_failed_requests``), never by its
+        blocks, whose ids vLLM cannot map back to requests where it keeps several cache groups (a hybrid model);
+        vLLM then computes that request's whole prompt."""
         self.worker = worker
         self.block_size = block_size
+        self.fails_by_request = fails_by_request
+        self._failed_requests: set[str] = set()
         self._layer_waits = True  # vLLM's forward waits per layer (off once a step showed it does not)
         self._outcomes: list[LoadOutcome] = []
         self._store_parts: list[StorePart] = []
@@ -119,6 +126,9 @@ class WorkerHooks:
         if stores is not None:
             stores.finish(self._may_store)
             self._store_parts.extend(stores.parts)  # a tensor parallel rank's parts of the step's stores
+        for state in plan.state_stores:  # after their KV: a checkpoint is looked up only with the chunks before it
+            if state.req_id not in self._failed_loads and self.worker.states is not None:
+                self.worker.store_state(state)
         self._failed_loads.clear()
         times.mark("save")
         if plan.loads or plan.stores:
@@ -149,6 +159,11 @@ class WorkerHooks:
         self._finish_loads()  # already done by wait_for_save, unless vLLM deferred that past this call
         invalid, self._invalid_blocks = self._invalid_blocks, set()
         return invalid
+
+    def take_failed_requests(self) -> set[str]:
+        """The requests whose loads failed since the last call (``fails_by_request``), to report with their end."""
+        failed, self._failed_requests = self._failed_requests, set()
+        return failed
 
     def take_outcomes(self) -> list[LoadOutcome]:
         outcomes, self._outcomes = self._outcomes, []
@@ -184,7 +199,9 @@ class WorkerHooks:
     def _record(self, outcome: LoadOutcome, spec: LoadSpec) -> None:
         """A load's end, for the scheduler side; the blocks of tokens it could not load, for vLLM to recompute."""
         self._outcomes.append(outcome)
-        if not outcome.is_complete:
+        if not outcome.is_complete and self.fails_by_request:
+            self._failed_requests.add(outcome.req_id)
+        elif not outcome.is_complete:
             self._invalid_blocks.update(
                 blocks_of_tokens(outcome.loaded_end, outcome.token_end, self.block_size, list(spec.block_ids))
             )
@@ -206,6 +223,7 @@ class PlannedLoad:
     times: PhaseTimes
     client: Any  # the pool connection (kvshare.pool.client.PoolClient) whose arena holds the pages
     ahead: Any = None  # a prefetch.PrefetchMatch: the load's first pages come from a copy ahead (CPU)
+    is_state_good: bool = True  # a hybrid model's load: its checkpoint page passed its check (else nothing copied)
 
 
 class StepLoads:
@@ -280,6 +298,7 @@ class KVWorker:
         self.layers: list[torch.Tensor] = []  # vLLM's KV tensors, once registered
         self.paged: PagedLayout | None = None  # their layout, once registered
         self.prefetcher: Prefetcher | None = None  # copies ahead on the router's hints, where configured
+        self.states: StateBlocks | None = None  # a hybrid model's GDN state tensors, once registered (CPU)
 
     # -- what each implementation gives --------------------------------------------------
 
@@ -303,6 +322,10 @@ class KVWorker:
 
     def start_stores(self, specs: list[StoreSpec]) -> StepStores:
         """The step's stores: copied out of vLLM's blocks into reserved pages, committed in ``finish``."""
+        raise NotImplementedError
+
+    def store_state(self, spec: StateStoreSpec) -> int:
+        """Reserve, fill and commit a hybrid model's checkpoint page; 1 if committed, else 0."""
         raise NotImplementedError
 
     def prefetch_device(self, num_bytes: int):
@@ -340,7 +363,16 @@ class KVWorker:
         self, spec: LoadSpec, pieces: list[PageSlice], chosen: list[bool], verdicts: Iterator[bool], reason: str
     ) -> tuple[int, str]:
         """Where a load's trusted tokens end: at the first chosen page found not valid (next of ``verdicts``,
-        one per chosen page in order, from kvshare.pool.checksum), which is then dropped from the pool."""
+        one per chosen page in order, from kvshare.pool.checksum), which is then dropped from the pool. A hybrid
+        model's load is whole or nothing: its GDN state is of use only with every KV token before it."""
+        loaded_end, reason = self._trusted_kv_end(spec, pieces, chosen, verdicts, reason)
+        if spec.state_page is not None and loaded_end != spec.token_end:
+            return spec.token_start, reason or "the load ends before its GDN checkpoint"
+        return loaded_end, reason
+
+    def _trusted_kv_end(
+        self, spec: LoadSpec, pieces: list[PageSlice], chosen: list[bool], verdicts: Iterator[bool], reason: str
+    ) -> tuple[int, str]:
         trusted = 0
         for piece, is_chosen in zip(pieces, chosen):
             ref = spec.pages[piece.page_index]
@@ -363,10 +395,19 @@ class KVWorker:
     def finish_load(self, load: PlannedLoad, verdicts: Iterator[bool]) -> LoadOutcome:
         """A load copied beside the forward, its chosen pages' ``verdicts`` known: its outcome, counted."""
         try:
+            if not load.is_state_good:
+                return self.outcome(load.spec, load.spec.token_start, self.drop_state(load.spec), load.times)
             loaded_end, reason = self.trusted_end(load.spec, load.pieces, load.chosen, verdicts, load.reason)
         except Exception as exc:  # e.g. dropping a bad page hit a pool error: this load fails, not the step
             loaded_end, reason = load.spec.token_start, f"{type(exc).__name__} while checking the load: {exc}"
         return self.outcome(load.spec, loaded_end, reason, load.times)
+
+    def drop_state(self, spec: LoadSpec) -> str:
+        """A load's checkpoint page failed its check: counted and dropped from the pool; why the load failed."""
+        self.counters.checksum_failures += 1
+        self.pool.drop(spec.state_key)
+        where = f"token {spec.token_end} (page at offset {spec.state_page.offset})"
+        return f"checksum mismatch in the GDN checkpoint at {where}"
 
     def outcome(self, spec: LoadSpec, loaded_end: int, reason: str, times: PhaseTimes) -> LoadOutcome:
         """Count and log a finished load; the outcome the scheduler side is told."""

@@ -50,11 +50,11 @@ def test_block_tables_follow_vllm_026_scheduler_outputs():
     tables = BlockTables()
     connector = SimpleNamespace()  # 0.26: no _kv_cache_manager
     get = block_ids_source(connector, _output(new=[("a", [3, 4]), ("b", [7])]), tables)
-    assert get("a") == [3, 4] and get("b") == [7]
+    assert get("a") == [[3, 4]] and get("b") == [[7]]
     get = block_ids_source(connector, _output(cached=[("a", [9]), ("b", None)]), tables)  # a chunk, a decode step
-    assert get("a") == [3, 4, 9] and get("b") == [7]
+    assert get("a") == [[3, 4, 9]] and get("b") == [[7]]
     get = block_ids_source(connector, _output(cached=[("a", [1, 2, 5])], resumed=["a"]), tables)  # after preemption
-    assert get("a") == [1, 2, 5]
+    assert get("a") == [[1, 2, 5]]
     tables.forget("a")
     with pytest.raises(KeyError):
         tables.get("a")
@@ -66,7 +66,7 @@ def test_vllm_032_block_state_is_preferred():
     output = SimpleNamespace(kv_connector_block_state=state, scheduled_new_reqs=[], scheduled_cached_reqs=None)
     tables = BlockTables()
     get = block_ids_source(SimpleNamespace(_kv_cache_manager=manager), output, tables)
-    assert get("a") == [5, 6] and get("b") == [8]
+    assert get("a") == ([5, 6],) and get("b") == ([8],)
     with pytest.raises(KeyError):
         tables.get("a")  # the tables are not kept where vLLM gives block tables
 

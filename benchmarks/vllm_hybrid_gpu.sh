@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# The Qwen3.5-27B hybrid (48 Gated DeltaNet + 16 gated attention layers) through real vLLM 0.26 on the GPU machine:
+# cold, cross-replica first and steady TTFT at 32k and 128k, with kvshare's connector and beside LMCache 0.5.3's
+# MP mode (../shared/vllm-gpu/README.md), in steps that each fit one 10-minute command. No figure of it is claimed
+# anywhere yet.
+#
+#   bash benchmarks/vllm_hybrid_gpu.sh              print the plan (also written to $OUT/plan.txt)
+#   bash benchmarks/vllm_hybrid_gpu.sh 1            run step 1
+#   DRY=1 bash benchmarks/vllm_hybrid_gpu.sh 1      print step 1's driver command, run nothing
+#
+# Every replica gets what the hybrid's state needs, read from the model's config (launch.hybrid_settings: vLLM's
+# block of 784 tokens as block and chunk, --max-num-batched-tokens 784, --mamba-cache-mode align), LMCache's too.
+# kvshare's connector moves the GDN state on vLLM CPU 0.32 only so far: on CUDA it refuses the model at start with
+# a message saying so, and step 1 then records that refusal (its log), not a row. Needs in .vk/ what
+# benchmarks/vllm_gpu_all.sh needs (step 2: the LMCache bundle too). Results: $OUT/stepN/.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/vllm_hybrid_gpu}
+VK=${VK_DIR:-.vk}
+DRY=${DRY:-0}
+M27=/tmp/m27
+BLOCK=784  # vLLM's block for Qwen3.5-27B with bf16 KV on CUDA (kvshare.integrations.vllm.hybrid.hybrid_block_size)
+# LMCache's chunk must be a multiple of the block; its MP server's flag for it is taken as given here: check it
+# against `python3 -m lmcache.v1.multiprocess.server --help` (step 2 prints those lines first)
+LMCACHE_CHUNK_ARGS=${LMCACHE_CHUNK_ARGS:-"--chunk-size=$BLOCK"}
+L_SHORT=32768
+L_LONG=131072
+
+plan() {
+    cat <<EOF
+step  minutes  what (setup: modes; model; lengths)
+1     9        kvshare-restart: ttft; 27B (--load-format dummy); $L_SHORT x2 then $L_LONG x2. A computes them all
+               (cold), stops; B starts on the same pool and loads them (its first request, then steady)
+2     9        lmcache-mp: ttft; 27B; $L_SHORT $L_LONG x2. LMCache 0.5.3's MP server ($LMCACHE_CHUNK_ARGS) and
+               two replicas with LMCacheMPConnector, align mode; on one H200 two 27B replicas leave ~8 GiB of
+               KV each: run the $L_LONG rows on two GPUs (one replica each) where they do not fit
+Each step: install ~0.5 min and the 27B config ~0.1 min on a fresh machine (the weights are vLLM's dummy ones).
+EOF
+}
+
+prepare() {  # the vLLM bundle, its environment, and the 27B model directory (config and tokenizer only)
+    # shellcheck source=benchmarks/vllm_bundle.sh
+    source benchmarks/vllm_bundle.sh || exit 1
+    export PYTHONUNBUFFERED=1
+    [ -f $M27/config.json ] || python3 -m kvshare make-model qwen3.5-27b --out $M27 --no-weights 2>&1 | tail -1
+}
+
+lmcache_ready() {  # LMCache 0.5.3 installed (once per machine) and its environment
+    if [ ! -f /tmp/lmc_site/lmc_env.sh ]; then
+        cp "$VK"/lmcache053.tar.xz /tmp/vk/ && bash "$VK/lmcache_install.sh" > "$OUT/lmcache-install.log" 2>&1 \
+            || { tail -20 "$OUT/lmcache-install.log"; return 1; }
+    fi
+    # shellcheck disable=SC1091
+    source /tmp/lmc_site/lmc_env.sh
+    export PYTHONPATH=$PWD:$PYTHONPATH
+    python3 -m lmcache.v1.multiprocess.server --help 2>&1 | grep -i -A1 chunk | head -6
+}
+
+driver() {  # STEP SECONDS ARGS...: one run of the driver under a time limit, its command line kept
+    local step=$1 limit=$2; shift 2
+    local dir=$OUT/step$step
+    local cmd=(python3 benchmarks/vllm_gpu.py --out "$dir" "$@")
+    if [ "$DRY" = 1 ]; then echo "${cmd[*]}"; return 0; fi
+    mkdir -p "$dir"
+    echo "timeout $limit ${cmd[*]}" | tee -a "$dir/commands.txt"
+    timeout "$limit" "${cmd[@]}" 2>&1 | tee -a "$dir/driver.log"
+    grep -hE "Traceback|Error|error:|UnsupportedHybrid" "$dir"/*.log 2>/dev/null | grep -v "driver.log" | head -10
+}
+
+step() {
+    local n=$1 t0 lmc_args=()
+    t0=$(date +%s)
+    case $n in
+        1) [ "$DRY" = 1 ] || prepare
+           driver 1 560 --setup kvshare-restart --model-dir $M27 --model-name qwen3.5-27b --load-format dummy \
+               --model-revision qwen3.5-27b-vllm-dummy-seed --max-model-len 131328 --pool-size 64GiB \
+               --lengths $L_SHORT $L_SHORT $L_LONG $L_LONG --prompts 1 ;;
+        2) if [ "$DRY" != 1 ]; then
+               prepare
+               lmcache_ready || return 1
+           fi
+           for a in $LMCACHE_CHUNK_ARGS; do lmc_args+=("--lmcache-server-arg=$a"); done
+           driver 2 560 --setup lmcache-mp --model-dir $M27 --model-name qwen3.5-27b --load-format dummy \
+               --max-model-len 131328 --lengths $L_SHORT $L_LONG --prompts 2 "${lmc_args[@]}" ;;
+        *) echo "no step $n (steps 1-2; no argument prints the plan)"; return 2 ;;
+    esac
+    [ "$DRY" = 1 ] || echo "step $n done in $(( $(date +%s) - t0 )) s"
+}
+
+mkdir -p "$OUT"
+if [ $# -eq 0 ]; then plan | tee "$OUT/plan.txt"; exit 0; fi
+[ "$DRY" = 1 ] || nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+status=0
+for n in "$@"; do step "$n" || status=$?; done
+exit $status

@@ -1,0 +1,205 @@
+"""A hybrid model's rules in the connector without a vLLM server: its cache groups, the guards that refuse what
+cannot be right, where a load may end and which checkpoints a prefill stores, the GDN state between vLLM's blocks
+and a checkpoint page, the settings ``kvshare up`` gives vLLM for it."""
+
+import dataclasses
+import json
+from enum import Enum
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from kvshare.integrations.vllm.guards import non_attention_state
+from kvshare.integrations.vllm.hybrid import (
+    UnsupportedHybrid,
+    check_hybrid_setup,
+    checkpoint_chunks,
+    hybrid_block_size,
+    hybrid_groups,
+    resume_points,
+    state_block,
+    state_layout_of,
+)
+from kvshare.integrations.vllm.launch import VllmServerConfig, hybrid_settings, vllm_server_command
+from kvshare.integrations.vllm.state_blocks import StateBlocks
+from kvshare.keys import Namespace, namespace_digest
+from kvshare.state_layout import StateLayout
+
+
+class MambaAttentionBackendEnum(Enum):
+    GDN_ATTN = "gdn"
+    MAMBA2 = "mamba2"
+
+
+@dataclasses.dataclass
+class FullAttentionSpec:
+    block_size: int = 640
+
+
+@dataclasses.dataclass
+class MambaSpec:
+    block_size: int = 640
+    mamba_type: MambaAttentionBackendEnum = MambaAttentionBackendEnum.GDN_ATTN
+    mamba_cache_mode: str = "align"
+    num_speculative_blocks: int = 0
+
+
+@dataclasses.dataclass
+class SlidingWindowSpec:
+    block_size: int = 640
+
+
+def qwen3_next_groups(**mamba):
+    """vLLM 0.32's groups of the tests' tiny Qwen3-Next: three GDN groups of two layers, attention last."""
+    groups = [
+        SimpleNamespace(
+            kv_cache_spec=MambaSpec(**mamba),
+            layer_names=[f"model.layers.{i}.linear_attn", f"model.layers.{i + 4}.linear_attn"],
+        )
+        for i in range(3)
+    ]
+    attention = ["model.layers.3.self_attn.attn", "model.layers.7.self_attn.attn"]
+    groups.append(SimpleNamespace(kv_cache_spec=FullAttentionSpec(), layer_names=attention))
+    return SimpleNamespace(kv_cache_groups=groups, kv_cache_tensors=[])
+
+
+def test_groups_of_a_gdn_hybrid_in_model_order():
+    groups = hybrid_groups(qwen3_next_groups())
+    assert groups.attention_group == 3 and groups.state_groups == (0, 1, 2)
+    assert groups.state_layers == tuple(f"model.layers.{i}.linear_attn" for i in (0, 1, 2, 4, 5, 6))
+    assert groups.layer_groups == (0, 1, 2, 0, 1, 2)
+    tables = ([10, 11, 12], [20, 21, 22], [30, 31, 32], [40, 41, 42])
+    assert groups.state_blocks(2 * 640, tables) == (11, 21, 31, 11, 21, 31)  # the block of the 1280th token
+    assert non_attention_state(qwen3_next_groups()) is not None  # the other path would not share it
+
+
+def test_other_multi_group_models_are_left_to_the_plain_guard():
+    one = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=FullAttentionSpec(), layer_names=[])])
+    assert hybrid_groups(one) is None and hybrid_groups(None) is None
+    config = qwen3_next_groups()
+    config.kv_cache_groups[0].kv_cache_spec = SlidingWindowSpec()
+    assert hybrid_groups(config) is None and "SlidingWindowSpec" in non_attention_state(config)
+    config = qwen3_next_groups(mamba_type=MambaAttentionBackendEnum.MAMBA2)
+    assert hybrid_groups(config) is None
+
+
+@pytest.mark.parametrize(
+    "change, setting",
+    [({"mamba_cache_mode": "all"}, "--mamba-cache-mode align"), ({"num_speculative_blocks": 2}, "speculative")],
+)
+def test_state_kept_where_it_cannot_be_moved_right_is_refused_by_name(change, setting):
+    with pytest.raises(UnsupportedHybrid, match=setting):
+        hybrid_groups(qwen3_next_groups(**change))
+
+
+def test_setup_guards_name_the_setting_to_change():
+    check_hybrid_setup("0.32", "cpu", 640, 640, allow_untested=False)
+    check_hybrid_setup("0.32", "cpu", 1280, 640, allow_untested=False)
+    with pytest.raises(UnsupportedHybrid, match="chunk_tokens to 640"):
+        check_hybrid_setup("0.32", "cpu", 256, 640, allow_untested=False)  # another block size than vLLM's
+    with pytest.raises(UnsupportedHybrid, match="allow_untested_vllm"):
+        check_hybrid_setup("0.26", "cpu", 640, 640, allow_untested=False)  # a minor not tested with
+    check_hybrid_setup("0.26", "cpu", 640, 640, allow_untested=True)
+    with pytest.raises(UnsupportedHybrid, match="tensor-parallel-size 1"):
+        check_hybrid_setup("0.32", "cpu", 640, 640, allow_untested=False, tp_size=2)
+    with pytest.raises(UnsupportedHybrid, match="CPU only"):
+        check_hybrid_setup("0.32", "cuda", 784, 784, allow_untested=False)
+
+
+QWEN35_27B_TEXT = dict(
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_num_key_heads=16,
+    linear_num_value_heads=48,
+    linear_conv_kernel_dim=4,
+    head_dim=256,
+    num_key_value_heads=4,
+    num_attention_heads=24,
+    hidden_size=5120,
+)
+TINY_TEXT = dict(QWEN35_27B_TEXT, linear_num_key_heads=2, linear_num_value_heads=4, head_dim=64, num_key_value_heads=2)
+
+
+def test_block_size_is_the_one_vllm_chooses():
+    assert hybrid_block_size(QWEN35_27B_TEXT, 2, "cuda") == 784  # Qwen3.5-27B, bf16 KV, vLLM's CUDA backends
+    assert hybrid_block_size(TINY_TEXT, 2, "cpu") == 640  # what vLLM CPU 0.32 logged for the tests' tiny model
+
+
+def test_state_layout_follows_the_config_and_separates_namespaces():
+    layout = state_layout_of(SimpleNamespace(**QWEN35_27B_TEXT), "bfloat16", 48)
+    assert layout.conv_dim == 2 * 16 * 128 + 48 * 128 and layout.recurrent_dtype == "float32"
+    assert 146 << 20 < layout.checkpoint_bytes < 148 << 20  # ~147 MiB a sequence
+    tiny = state_layout_of(SimpleNamespace(**TINY_TEXT), "bfloat16", 6)
+    base = Namespace("m", "f" * 32, "bfloat16", 2, 2, 64, engine_family="vllm")
+    digests = {namespace_digest(dataclasses.replace(base, state_layout_id=s.fingerprint())) for s in (layout, tiny)}
+    assert len(digests) == 2 and namespace_digest(base) not in digests
+
+
+def test_a_load_ends_at_a_checkpoint_past_the_local_hit_and_before_the_last_token():
+    C = 640
+    assert resume_points(0, 1920, 3, C) == [3, 2, 1]
+    assert resume_points(640, 1920, 3, C) == [3, 2]
+    assert resume_points(0, 1280, 2, C) == [2, 1]  # 1280 tokens whole: its last token is computed
+    assert resume_points(1920, 1920, 3, C) == []
+
+
+def test_checkpoints_a_prefill_stores():
+    assert checkpoint_chunks(2000, 640, 64) == {3}
+    assert checkpoint_chunks(1280, 640, 64) == {1, 2}  # the end and one chunk before (where it resumes)
+    assert checkpoint_chunks(640 * 10 + 5, 640, 4) == {4, 8, 10}
+    assert checkpoint_chunks(100, 640, 4) == set()
+    assert state_block(1280, 640, [7, 9, 11]) == 9
+    with pytest.raises(ValueError, match="block boundaries"):
+        state_block(1000, 640, [7, 9])
+
+
+def gdn_tensors(layout: StateLayout, num_blocks: int, seed: int):
+    """vLLM CPU's per-layer [conv "SD", ssm] views, filled at random."""
+    g = torch.Generator().manual_seed(seed)
+    channels, inputs = layout.conv_shape
+    conv = torch.randn(num_blocks, inputs, channels, generator=g).to(torch.bfloat16)
+    ssm = torch.randn(num_blocks, *layout.recurrent_shape, generator=g)
+    return conv, ssm
+
+
+def test_gdn_state_moves_bit_for_bit_through_a_checkpoint_page():
+    layout = StateLayout(2, 4, 8, 8, 48, 4, "float32", "bfloat16")
+    src = [gdn_tensors(layout, 5, seed) for seed in (1, 2)]
+    dst = [(torch.zeros_like(c), torch.zeros_like(s)) for c, s in src]
+    page = np.full(layout.checkpoint_bytes, 0xFF, dtype=np.uint8)
+    StateBlocks(layout, src).read((3, 1), page)
+    StateBlocks(layout, dst).write(page, (4, 2))
+    assert torch.equal(dst[0][0][4], src[0][0][3]) and torch.equal(dst[0][1][4], src[0][1][3])
+    assert torch.equal(dst[1][0][2], src[1][0][1]) and torch.equal(dst[1][1][2], src[1][1][1])
+    assert not dst[0][1][:4].any() and not dst[1][1][3:].any()  # other blocks untouched
+    start = layout.conv_offset(0)  # the conv section is [conv_dim, kernel - 1], the canonical order
+    conv = torch.from_numpy(page[start : start + layout.conv_bytes].copy()).view(torch.bfloat16).view(48, 3)
+    assert torch.equal(conv, src[0][0][3].transpose(0, 1))
+    end = layout.conv_offset(0) + layout.conv_bytes
+    assert not page[end : layout.layer_bytes].any()  # padding zeroed
+
+
+def test_state_tensors_of_another_layout_are_refused():
+    layout = StateLayout(2, 4, 8, 8, 48, 4, "float32", "bfloat16")
+    other = dataclasses.replace(layout, num_value_heads=2)
+    with pytest.raises(ValueError, match="ssm state"):
+        StateBlocks(other, [gdn_tensors(layout, 3, s) for s in (1, 2)])
+    with pytest.raises(ValueError, match="GDN layers"):
+        StateBlocks(layout, [gdn_tensors(layout, 3, 1)])
+
+
+def test_kvshare_up_gives_vllm_what_a_hybrid_needs(tmp_path):
+    config = {"architectures": ["Qwen3NextForCausalLM"], "torch_dtype": "bfloat16"}
+    config.update(TINY_TEXT, layer_types=["linear_attention"] * 3 + ["full_attention"])
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    settings = hybrid_settings(str(tmp_path), "cpu")
+    assert (settings.block_size, settings.chunk_tokens, settings.max_num_batched_tokens) == (640, 640, 640)
+    assert "--mamba-cache-mode align" in settings.describe()
+    argv = vllm_server_command(
+        VllmServerConfig(model=str(tmp_path), port=8000, pool_socket="/tmp/p.sock", mamba_cache_mode="align")
+    ).argv
+    assert argv[argv.index("--mamba-cache-mode") + 1] == "align"
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    assert hybrid_settings(str(tmp_path), "cpu") is None
