@@ -121,7 +121,9 @@ def measure(vllm_python: str, num_tokens: int, is_first: bool) -> dict:
             events[name] = os.path.join(work, f"events-{name}")
             spec = server_spec(name, model, socket_path, vllm_python, events[name], num_tokens + 64)
             log = open(os.path.join(work, f"vllm-{name}.log"), "w")
-            proc = subprocess.Popen(spec.argv, env=spec.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(
+                spec.argv, env=spec.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
             procs[name] = (proc, spec)
         for proc, spec in procs.values():
             wait_until_ready(spec.base_url, proc, timeout_s=600)
@@ -146,7 +148,13 @@ def measure(vllm_python: str, num_tokens: int, is_first: bool) -> dict:
         shutil.rmtree(work, ignore_errors=True)
     if cached_b <= 0:
         raise RuntimeError("replica B reported no cached tokens: the load was not measured")
-    return {"prompt_tokens": num_tokens, "is_first": is_first, "cold": cold, "load": loaded, "cached_tokens_b": cached_b}
+    return {
+        "prompt_tokens": num_tokens,
+        "is_first": is_first,
+        "cold": cold,
+        "load": loaded,
+        "cached_tokens_b": cached_b,
+    }
 
 
 def main() -> int:
@@ -164,7 +172,8 @@ def main() -> int:
     print(f"B loaded {result['cached_tokens_b']} of {args.tokens} prompt tokens (vLLM's cached_tokens)")
     for case in ("cold", "load"):
         files = result[case]["files"]
-        print(f"{case}: {len(files)} kvshare files in {result[case]['window_s'] * 1000:.0f} ms (scheduling -> first token)")
+        window_ms = result[case]["window_s"] * 1000
+        print(f"{case}: {len(files)} kvshare files in {window_ms:.0f} ms (scheduling -> first token)")
         for name, where in files.items():
             print(f"  {name:45s} {', '.join(where)}")
             if args.functions:

@@ -332,7 +332,10 @@ def test_the_module_map_lists_every_module_and_only_those():
 
 def test_a_module_missing_from_the_map_and_a_stale_name_are_reported(tmp_path):
     pkg = _fixture(tmp_path, {"__init__.py": "", "a.py": "", "sub/__init__.py": "", "sub/b.py": ""})
-    text = "# x\n\n## Module map\n\n### `pkg`: low\n\n- `a`: one\n- `gone`: two\n\n### `pkg.sub`: low\n\n## Next\n- `b`: no\n"
+    text = (
+        "# x\n\n## Module map\n\n### `pkg`: low\n\n- `a`: one\n- `gone`: two\n\n"
+        "### `pkg.sub`: low\n\n## Next\n- `b`: no\n"  # the next section's items are not the map's
+    )
     assert module_map_problems(pkg, read_module_map(text)) == [
         "pkg.gone is in the module map but not in the tree",
         "pkg.sub.b is not in the module map",

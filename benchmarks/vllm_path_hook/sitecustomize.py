@@ -39,11 +39,15 @@ if _DIR and _ROOT:
         name = code.co_filename
         if name.startswith(_ROOT):
             if code.co_name != "<module>":
-                _records.append((time.monotonic(), name[len(_ROOT) :], code.co_qualname, threading.current_thread().name))
+                _records.append(
+                    (time.monotonic(), name[len(_ROOT) :], code.co_qualname, threading.current_thread().name)
+                )
         elif code.co_name == "update_from_output" and name.endswith(_SCHEDULER):
             sampled = getattr(frame.f_locals.get("model_runner_output"), "sampled_token_ids", None)
             if sampled and any(len(tokens) for tokens in sampled):
-                _records.append((time.monotonic(), "<first token>", "update_from_output", threading.current_thread().name))
+                _records.append(
+                    (time.monotonic(), "<first token>", "update_from_output", threading.current_thread().name)
+                )
 
     def _flush_forever() -> None:
         path = os.path.join(_DIR, f"{os.getpid()}.jsonl")

@@ -54,4 +54,6 @@ def test_a_load_crosses_the_cpu_worker_and_a_cold_request_does_not_load(path):
     assert result["cached_tokens_b"] > 0
     assert "integrations/vllm/block_copy.py" in load and "integrations/vllm/block_copy.py" in cold  # B loads, A stores
     assert "integrations/vllm/page_slices.py" in load and "integrations/vllm/page_slices.py" not in cold
-    assert {"integrations/vllm/connector.py", "integrations/vllm/scheduler.py", "integrations/vllm/worker.py"} <= set(load)
+    assert {"integrations/vllm/connector.py", "integrations/vllm/scheduler.py", "integrations/vllm/worker.py"} <= set(
+        load
+    )
