@@ -1,4 +1,5 @@
-"""Which kvshare files a KV load into vLLM on CPU runs code in, from the request's scheduling to its first token.
+"""Which kvshare files a KV load into vLLM on CPU runs code in, from the scheduler taking the request in to its
+first token.
 
 The sibling of ``request_path.py`` (the built-in engine) for vLLM with kvshare's connector: a pool daemon and
 two vLLM OpenAI servers on CPU (the tiny preset as a model directory, ``kvshare.integrations.vllm.launch``), A
@@ -9,14 +10,15 @@ and B, both with the connector. Measured:
 
 Each is preceded by one request of the same kind on another prompt, so the measured one finds every lazy
 set-up done (``--first`` measures the first ones instead). A vLLM server runs its engine core (the
-connector's scheduler side, and on CPU its worker side) in processes of its own, so the hook is in every
-process of the server: ``vllm_path_hook/sitecustomize.py``, first in the servers' PYTHONPATH, records every
-call of a kvshare function with its time, thread and process, and the moment vLLM's scheduler takes in a
+connector's scheduler side) and its worker (the worker side) in processes of their own, so the hook is in
+every process of the server: ``vllm_path_hook/sitecustomize.py``, first in the servers' PYTHONPATH, records
+every call of a kvshare function with its time, thread and process, and the moment vLLM's scheduler takes in a
 sampled token (``Scheduler.update_from_output``). The window opens at the connector's first call for the
-request (``get_num_new_matched_tokens``: the scheduler looks at it) and closes when the scheduler takes in its
-first token; what the connector does with the step's report and the request's end (``update_connector_output``,
-``request_finished``) comes after it. Threads beside the request (the pool link's watcher, the hint listener)
-are counted where they ran in the window, and named. The pool daemon runs in its own process: not counted.
+request (``on_new_request``, from vLLM's ``Scheduler.add_request``: the scheduler takes the request in) and
+closes when the scheduler takes in its first token; what the connector does with the step's report and the
+request's end (``update_connector_output``, ``request_finished``) comes after it. Threads beside the request
+(the pool link's watcher, the hint listener) are counted where they ran in the window, and named. The pool
+daemon runs in its own process: not counted.
 
     PYTHONPATH=$PWD python benchmarks/vllm_load_path.py [--vllm-python /work/.venv-vllm/bin/python]
         [--tokens 2048] [--first] [--functions] [--json]
@@ -39,7 +41,7 @@ import kvshare
 
 ROOT = os.path.dirname(os.path.abspath(kvshare.__file__)) + os.sep
 HOOK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_path_hook")
-WINDOW_OPENS = "get_num_new_matched_tokens"
+WINDOW_OPENS = "on_new_request"  # vLLM's Scheduler.add_request calls it
 FIRST_TOKEN = "<first token>"
 
 
@@ -66,12 +68,16 @@ def window(records: list[list], sent_at: float) -> dict:
         if opens <= t <= closes and name != FIRST_TOKEN:
             files[name].add(f"{process}/{thread}")
             functions[name].add(function)
-    before = sorted({r[1] for r in records if sent_at <= r[0] < opens and r[1] != FIRST_TOKEN})
+    before: dict[str, set[str]] = defaultdict(set)
+    for t, name, function, thread, process in records:
+        if sent_at <= t < opens and name != FIRST_TOKEN:
+            before[name].add(f"{process}/{thread}: {function}")
     return {
         "files": {k: sorted(v) for k, v in sorted(files.items())},
         "functions": {k: sorted(v) for k, v in sorted(functions.items())},
         "window_s": closes - opens,
-        "before_window": before,  # kvshare files run between the request's arrival and its scheduling
+        # kvshare functions run between the request's sending and the scheduler taking it in, by file
+        "before_window": {k: sorted(v) for k, v in sorted(before.items())},
     }
 
 
@@ -173,13 +179,15 @@ def main() -> int:
     for case in ("cold", "load"):
         files = result[case]["files"]
         window_ms = result[case]["window_s"] * 1000
-        print(f"{case}: {len(files)} kvshare files in {window_ms:.0f} ms (scheduling -> first token)")
+        print(f"{case}: {len(files)} kvshare files in {window_ms:.0f} ms (taken in by the scheduler -> first token)")
         for name, where in files.items():
             print(f"  {name:45s} {', '.join(where)}")
             if args.functions:
                 print(f"      {', '.join(result[case]['functions'][name])}")
         if result[case]["before_window"]:
-            print(f"  (between arrival and scheduling: {', '.join(result[case]['before_window'])})")
+            print("  between the request's sending and the scheduler taking it in:")
+            for name, calls in result[case]["before_window"].items():
+                print(f"    {name:43s} {', '.join(calls)}")
     return 0
 
 

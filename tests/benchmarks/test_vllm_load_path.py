@@ -1,6 +1,6 @@
-"""benchmarks/vllm_load_path.py: the window is the request's, from the connector's first call for it to the
-scheduler taking in its first token, over the records of every process of the server; and, with vLLM, a
-load crosses the connector's CPU worker and a cold request's window does not load."""
+"""benchmarks/vllm_load_path.py: the window is the request's, from the connector's first call for it (the
+scheduler takes it in) to the scheduler taking in its first token, over the records of every process of the
+server; and, with vLLM, a load crosses the connector's CPU worker and a cold request's window does not load."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def path():
 
 def test_the_window_opens_at_scheduling_and_closes_at_the_first_token(path):
     """Fails when a record before the request, after its first token, or of an earlier request is counted."""
-    opens = "KVShareConnector.get_num_new_matched_tokens"
+    opens = "KVShareConnector.on_new_request"
     records = [
         [1.0, "integrations/vllm/connector.py", opens, "MainThread", "EngineCore"],  # an earlier request
         [1.5, path.FIRST_TOKEN, "update_from_output", "MainThread", "EngineCore"],
@@ -36,7 +36,7 @@ def test_the_window_opens_at_scheduling_and_closes_at_the_first_token(path):
         "integrations/vllm/cpu.py": ["VLLM::Worker/MainThread"],
     }
     assert result["window_s"] == 1.0
-    assert result["before_window"] == ["pool/link.py"]
+    assert result["before_window"] == {"pool/link.py": ["EngineCore/pool-watch: PoolLink.watch"]}
 
 
 def test_a_request_the_connector_never_saw_is_refused(path):
@@ -48,12 +48,13 @@ def test_a_request_the_connector_never_saw_is_refused(path):
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists(VLLM_PYTHON), reason="needs the vLLM venv (KVSHARE_VLLM_PYTHON)")
 def test_a_load_crosses_the_cpu_worker_and_a_cold_request_does_not_load(path):
-    """Fails when the hook misses the worker's process (the load's copies) or the window misses the load."""
+    """Fails when the hook misses the worker's process (the load's copies and checks) or the window misses the
+    load, or counts a load in the cold request's window."""
     result = path.measure(VLLM_PYTHON, 1024, is_first=False)
-    cold, load = result["cold"]["files"], result["load"]["files"]
+    cold, load = result["cold"]["functions"], result["load"]["functions"]
     assert result["cached_tokens_b"] > 0
-    assert "integrations/vllm/block_copy.py" in load and "integrations/vllm/block_copy.py" in cold  # B loads, A stores
-    assert "integrations/vllm/page_slices.py" in load and "integrations/vllm/page_slices.py" not in cold
-    assert {"integrations/vllm/connector.py", "integrations/vllm/scheduler.py", "integrations/vllm/worker.py"} <= set(
-        load
-    )
+    assert "CpuKVWorker.start_loads" in load["integrations/vllm/cpu.py"]
+    assert "is_valid" in load["pool/checksum.py"]  # the loaded pages are checked before the copy
+    assert "CpuKVWorker.start_loads" not in cold["integrations/vllm/cpu.py"]
+    assert "CpuKVWorker.start_stores" in cold["integrations/vllm/cpu.py"]  # A stores before its first token
+    assert {"integrations/vllm/connector.py", "integrations/vllm/scheduler.py"} <= set(load)
