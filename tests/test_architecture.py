@@ -285,3 +285,58 @@ def test_a_long_function_in_a_fixture_tree_is_found(tmp_path):
     body = "".join(f"    x{i} = {i}\n" for i in range(60))
     pkg = _fixture(tmp_path, {"__init__.py": "", "a.py": f"def short():\n    pass\n\n\ndef long():\n{body}"})
     assert long_functions(pkg, MAX_FUNCTION_LINES) == {"pkg/a.py:long": 61}
+
+
+# -- the module map of docs/architecture.md --------------------------------------------------------------
+
+
+def read_module_map(markdown: str) -> dict[str, set[str]]:
+    """Package -> the modules its ``### `package` `` headings list (``- `module`: ...`` lines), over every heading
+    of that package in the "Module map" section."""
+    if "\n## Module map\n" not in markdown:
+        raise AssertionError("docs/architecture.md has no '## Module map' section")
+    section = markdown.split("\n## Module map\n", 1)[1].split("\n## ", 1)[0]
+    listed: dict[str, set[str]] = {}
+    package = None
+    for line in section.splitlines():
+        if heading := re.match(r"### `([\w.]+)`", line):
+            package = heading.group(1)
+            listed.setdefault(package, set())
+        elif package and (item := re.match(r"- `(\w+)`:", line)):
+            listed[package].add(item.group(1))
+    return listed
+
+
+def module_map_problems(package_dir: Path, listed: dict[str, set[str]]) -> list[str]:
+    """Modules the map leaves out, and names it lists that are no module of their package."""
+    actual: dict[str, set[str]] = {}
+    for path in package_dir.rglob("*.py"):
+        package = path.parent.relative_to(package_dir.parent).as_posix().replace("/", ".")
+        actual.setdefault(package, set())
+        if path.stem != "__init__":
+            actual[package].add(path.stem)
+    problems = []
+    for package in sorted(set(actual) | set(listed)):
+        have, named = actual.get(package, set()), listed.get(package, set())
+        problems += [f"{package}.{m} is not in the module map" for m in sorted(have - named)]
+        problems += [f"{package}.{m} is in the module map but not in the tree" for m in sorted(named - have)]
+        if package not in listed:
+            problems.append(f"{package} has no heading in the module map")
+    return problems
+
+
+def test_the_module_map_lists_every_module_and_only_those():
+    listed = read_module_map((ROOT / "docs" / "architecture.md").read_text())
+    assert module_map_problems(ROOT / "kvshare", listed) == []
+
+
+def test_a_module_missing_from_the_map_and_a_stale_name_are_reported(tmp_path):
+    pkg = _fixture(tmp_path, {"__init__.py": "", "a.py": "", "sub/__init__.py": "", "sub/b.py": ""})
+    text = (
+        "# x\n\n## Module map\n\n### `pkg`: low\n\n- `a`: one\n- `gone`: two\n\n"
+        "### `pkg.sub`: low\n\n## Next\n- `b`: no\n"  # the next section's items are not the map's
+    )
+    assert module_map_problems(pkg, read_module_map(text)) == [
+        "pkg.gone is in the module map but not in the tree",
+        "pkg.sub.b is not in the module map",
+    ]

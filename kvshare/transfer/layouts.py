@@ -5,7 +5,7 @@
 
 Checked against the slow, index-by-index versions in ``reference.py``. vLLM's paged
 layouts (CPU attention, flash attention) live with the connector, in
-``kvshare.integrations.vllm_layout``, which tells them apart by the attention backend.
+``kvshare.integrations.vllm.layout``, which tells them apart by the attention backend.
 
 Every copy runs on integer views of the same width (``as_bits``), so bytes move
 exactly (NaN payloads included) whatever the KV dtype.
