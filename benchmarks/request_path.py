@@ -41,11 +41,11 @@ class PathRecorder:
     The request's threads (its replica's event loop and engine worker, and any thread started meanwhile) are
     recorded apart from the threads that were already running beside them (the pool link's watch, the other
     replica's): those are background. The engine worker's part ends when it hands the first token to the
-    handler (``Job.post``; whatever it does next, the prompt's store, is after the first token), the whole
+    handler (``WorkerRequest.post``; whatever it does next, the prompt's store, is after the first token), the whole
     window when the handler has written it."""
 
     def __init__(self) -> None:
-        from kvshare.serve.worker import Job
+        from kvshare.serve.worker import WorkerRequest
 
         self.files: dict[str, set[str]] = defaultdict(set)
         self.background: dict[str, set[str]] = defaultdict(set)
@@ -53,7 +53,7 @@ class PathRecorder:
         self.is_recording = False
         self.stopped_at_first_token = False
         self._event_set = threading.Event.set.__code__
-        self._post = Job.post.__code__
+        self._post = WorkerRequest.post.__code__
         self._background_threads: set[int] = set()
         self._done_threads: set[int] = set()
 
