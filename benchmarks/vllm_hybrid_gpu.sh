@@ -45,26 +45,11 @@ prepare() {  # the vLLM bundle, its environment, and the 27B model directory (co
     [ -f $M27/config.json ] || python3 -m kvshare make-model qwen3.5-27b --out $M27 --no-weights 2>&1 | tail -1
 }
 
-lmcache_ready() {  # LMCache 0.5.3 installed (once per machine) and its environment
-    if [ ! -f /tmp/lmc_site/lmc_env.sh ]; then
-        cp "$VK"/lmcache053.tar.xz /tmp/vk/ && bash "$VK/lmcache_install.sh" > "$OUT/lmcache-install.log" 2>&1 \
-            || { tail -20 "$OUT/lmcache-install.log"; return 1; }
-    fi
-    # shellcheck disable=SC1091
-    source /tmp/lmc_site/lmc_env.sh
-    export PYTHONPATH=$PWD:$PYTHONPATH
-    python3 -m lmcache.v1.multiprocess.server --help 2>&1 | grep -i -A1 chunk | head -6
-}
+# shellcheck source=benchmarks/vllm_steps.sh
+source benchmarks/vllm_steps.sh
 
-driver() {  # STEP SECONDS ARGS...: one run of the driver under a time limit, its command line kept
-    local step=$1 limit=$2; shift 2
-    local dir=$OUT/step$step
-    local cmd=(python3 benchmarks/vllm_gpu.py --out "$dir" "$@")
-    if [ "$DRY" = 1 ]; then echo "${cmd[*]}"; return 0; fi
-    mkdir -p "$dir"
-    echo "timeout $limit ${cmd[*]}" | tee -a "$dir/commands.txt"
-    timeout "$limit" "${cmd[@]}" 2>&1 | tee -a "$dir/driver.log"
-    grep -hE "Traceback|Error|error:|UnsupportedHybrid" "$dir"/*.log 2>/dev/null | grep -v "driver.log" | head -10
+lmcache_chunk_flags() {  # the MP server's chunk flags, to check LMCACHE_CHUNK_ARGS against
+    python3 -m lmcache.v1.multiprocess.server --help 2>&1 | grep -i -A1 chunk | head -6
 }
 
 step() {
@@ -78,6 +63,7 @@ step() {
         2) if [ "$DRY" != 1 ]; then
                prepare
                lmcache_ready || return 1
+               lmcache_chunk_flags
            fi
            for a in $LMCACHE_CHUNK_ARGS; do lmc_args+=("--lmcache-server-arg=$a"); done
            driver 2 560 --setup lmcache-mp --model-dir $M27 --model-name qwen3.5-27b --load-format dummy \
