@@ -40,6 +40,9 @@ Beneath them, plain modules:
     stats       the counters as vLLM's KVConnectorStats and Prometheus metrics (imports vLLM)
     identity    the namespace of a model's KV (weights fingerprint, layout)
     guards      the layout fingerprint, models with other state than attention KV, the KV dtype
+    hybrid      a hybrid (Gated DeltaNet) model: its cache groups, guards, block size, which chunks and
+                checkpoint a load and a store take (pure)
+    state_blocks  a hybrid's GDN state between vLLM's blocks and one canonical checkpoint page
     compat      what differs between the vLLM versions the connector supports
 
 Beside them, not hooks:
