@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import pytest
 
 from kvshare.integrations.vllm.launch import LaunchSpec, VllmServerConfig, vllm_server_command, wait_until_ready
+from kvshare.pool.client import PoolClient
 
 
 def vllm_python() -> str | None:
@@ -183,3 +184,9 @@ def wait_for_metric(server: Server, name: str, at_least: float, timeout_s: float
         time.sleep(0.5)
         value = metric(server, name)
     return value
+
+
+def pool_stats(socket_path: str) -> dict:
+    """The pool's counters (kvshare pool-stats), read over a client of its own."""
+    with PoolClient(socket_path, name="test") as client:
+        return client.stats()

@@ -22,6 +22,7 @@ from tests.integrations.vllm.servers import (
     complete,
     free_port,
     metric,
+    pool_stats,
     post,
     private_socket,
     provenance,
@@ -79,11 +80,6 @@ def cluster(tmp_path_factory):
         finally:
             stop_servers(servers)
             stop_process(state["pool"])
-
-
-def pool_stats(socket_path):
-    with PoolClient(socket_path, name="test") as client:
-        return client.stats()
 
 
 def stored_keys(socket_path, prompt):

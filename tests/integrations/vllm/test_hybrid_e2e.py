@@ -22,6 +22,7 @@ from tests.integrations.vllm.servers import (
     complete,
     free_port,
     metric,
+    pool_stats,
     private_socket,
     provenance,
     start_servers,
@@ -82,11 +83,6 @@ def cluster(tmp_path_factory):
         finally:
             stop_servers(servers)
             stop_process(pool)
-
-
-def pool_stats(socket_path):
-    with PoolClient(socket_path, name="test") as client:
-        return client.stats()
 
 
 def stored_keys(socket_path, prompt):

@@ -13,7 +13,6 @@ import threading
 import pytest
 
 from kvshare.integrations.vllm.launch import VllmServerConfig, vllm_server_command
-from kvshare.pool.client import PoolClient
 from kvshare.pool.spawn import start_pool, stop_process
 from tests.integrations.vllm.servers import (
     answer,
@@ -21,6 +20,7 @@ from tests.integrations.vllm.servers import (
     complete,
     free_port,
     metric,
+    pool_stats,
     post,
     private_socket,
     provenance,
@@ -88,11 +88,6 @@ def cluster(tmp_path_factory):
         finally:
             stop_servers(servers)
             stop_process(pool)
-
-
-def pool_stats(socket_path: str) -> dict:
-    with PoolClient(socket_path, name="test") as client:
-        return client.stats()
 
 
 def reset_local_cache(server) -> None:

@@ -16,12 +16,12 @@ import time
 import pytest
 
 from kvshare.integrations.vllm.launch import VllmServerConfig, vllm_server_command
-from kvshare.pool.client import PoolClient
 from kvshare.pool.spawn import start_pool, stop_process
 from tests.integrations.vllm.servers import (
     answer,
     complete,
     free_port,
+    pool_stats,
     private_socket,
     provenance,
     start_servers,
@@ -69,11 +69,6 @@ def replicas(tmp_path_factory):
         finally:
             stop_servers(servers)
             stop_process(pool)
-
-
-def pool_stats(socket_path):
-    with PoolClient(socket_path, name="test") as client:
-        return client.stats()
 
 
 def assert_close_answer(got, want):
