@@ -1,7 +1,8 @@
-"""Host time of an eager hybrid forward of a short tail on CUDA: the tiny shape's device work is negligible,
-so the time is the kernel launches a tail forward costs per layer (a cross-replica resume computes up to one
-chunk after the checkpoint). Prints the host enqueue and total time for 256 tokens and for 1, and the kernels
-and CPU time per op of one 256-token forward (torch.profiler).
+"""Host time of a hybrid forward of a short tail on CUDA, eager and through the tail graphs: the tiny shape's
+device work is negligible, so the time is the kernel launches a tail forward costs per layer (a cross-replica
+resume computes up to one chunk after the checkpoint). Prints the host enqueue and total time for 256 tokens and
+for 1 eagerly, the same 255 + 1 tokens through the tail graphs and the decode step (kvshare.engine.hybrid_tail_graph,
+as the engine runs a resumed tail), and the kernels and CPU time per op of one eager 256-token forward.
 
     python3 benchmarks/hybrid_tail_launch.py        (on the GPU machine, fla-core installed)
 """
@@ -16,10 +17,8 @@ from kvshare.engine.engine import Engine
 
 
 def main() -> None:
-    engine = Engine(EngineConfig(model="qwen3.5-tiny", device="cuda", enforce_eager=True))
-    model, config = engine.model, engine.model_config
-    dtype = model.model.embed_tokens.weight.dtype
-    kv = torch.zeros(config.num_kv_layers, 2, config.num_kv_heads, 4096, config.head_dim, device="cuda", dtype=dtype)
+    engine = Engine(EngineConfig(model="qwen3.5-tiny", device="cuda", max_model_len=4096))
+    model, kv = engine.model, engine._tails.kv  # the KV the decode and tail graphs were captured with
     ids = torch.randint(0, 200, (2048,), device="cuda")
     with torch.inference_mode():
         model(ids[:1792], kv, 0)
@@ -36,6 +35,18 @@ def main() -> None:
                 times.append((enqueued - started, time.perf_counter() - started))
             print(f"{n} tokens: host enqueue ms", [round(a * 1e3, 2) for a, _ in times])
             print(f"{n} tokens: total ms", [round(b * 1e3, 2) for _, b in times])
+        times = []
+        for _ in range(5):
+            model.state.restore(prefix)
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            engine._tails.run(ids[1792:2047], 1792)
+            engine._decode_step(kv, int(ids[2047]), 2047)
+            enqueued = time.perf_counter()
+            torch.cuda.synchronize()
+            times.append((enqueued - started, time.perf_counter() - started))
+        print("255 + 1 tokens through the graphs: host enqueue ms", [round(a * 1e3, 2) for a, _ in times])
+        print("255 + 1 tokens through the graphs: total ms", [round(b * 1e3, 2) for _, b in times])
         model.state.restore(prefix)
         with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
             model(ids[1792:2048], kv, 1792)

@@ -114,7 +114,7 @@ class DecodeGraphs:
         side = torch.cuda.Stream(self.kv.device)
         side.wait_stream(torch.cuda.current_stream(self.kv.device))
         with torch.cuda.stream(side):  # warm-up: cuBLAS handles, lazily probed kernels (model._mm_to_float32)
-            self._run(0, self.kv.shape[3] - 1, self._piece)
+            self._warm_up()
         torch.cuda.current_stream(self.kv.device).wait_stream(side)
         pool = torch.cuda.graph_pool_handle()  # replayed one after another: they share one memory pool
         graphs = []
@@ -125,6 +125,10 @@ class DecodeGraphs:
                 self._piece(index)
             graphs.append(graph)
         self._graphs = graphs
+
+    def _warm_up(self) -> None:
+        """The eager step capture needs before it: at the KV's last position (capture's docstring)."""
+        self._run(0, self.kv.shape[3] - 1, self._piece)
 
     def run(self, token_id: int, position: int) -> Tensor:
         """One step by replaying the graphs: logits [1, V] float32, valid until the next step."""

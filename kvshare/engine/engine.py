@@ -38,6 +38,7 @@ from kvshare.engine.grid_check import start_grid
 from kvshare.engine.hybrid_decode_graph import HybridDecodeGraphs
 from kvshare.engine.hybrid_grid_check import check_hybrid_grid
 from kvshare.engine.hybrid_prefill import HybridPrefill
+from kvshare.engine.hybrid_tail_graph import TailGraphSet
 from kvshare.engine.kv_cache import KVBuffer
 from kvshare.engine.loader import LoadedModel, load_model, resolve_device
 from kvshare.engine.pool_kv import PoolKV, PoolLoad
@@ -96,15 +97,29 @@ class Engine:
         self._pool: PoolKV | None = self._connect_pool() if config.pool_socket else None
         # a hybrid's prefill resumes only where it reaches a state (kvshare.engine.hybrid_prefill): in the pool too,
         # whose checkpoints are pages of their own beside the KV pages (kvshare.engine.pool_states)
-        self.hybrid = None
+        self.hybrid: HybridPrefill | None = None
+        self._tails: TailGraphSet | None = None  # a hybrid's resumed tails as CUDA graphs, over the preallocated KV
         states = None
         if mc.is_hybrid:
-            decode_step = self._decode_step if self._use_graphs else None
             if self._pool is not None:
                 states = PoolStates(self._pool, self.model.state.layout.checkpoint_bytes)
-            self.hybrid = HybridPrefill(self.model, self._kv, self._local, config, self.grid, decode_step, states)
+            self.hybrid = self._hybrid_prefill(states)
         # stores each prompt (local cache, pool) beside its decode steps; a request's last token waits for it
         self._publisher = PromptPublisher(self._local, self._kv, self._pool, self.device, states)
+
+    def _hybrid_prefill(self, states: PoolStates | None) -> HybridPrefill:
+        """A hybrid's prefill, with the decode step and, where the KV was preallocated with graphs, the tail graphs
+        captured now (their warm-up writes the KV's last positions: no sequence is in it yet)."""
+        if self._use_graphs and self._graphs is not None and self.grid is None:
+            self._tails = TailGraphSet(self.model, self._graphs.kv)
+            with torch.inference_mode():
+                self._tails.capture()
+        decode_step = self._decode_step if self._use_graphs else None
+        tails = self._tail_graphs if self._tails is not None else None
+        return HybridPrefill(self.model, self._kv, self._local, self.config, self.grid, decode_step, states, tails)
+
+    def _tail_graphs(self, kv: torch.Tensor) -> TailGraphSet | None:
+        return self._tails if self._tails is not None and self._tails.kv is kv else None
 
     def _choose_kernels(self) -> None:
         """The fused ops, prefill's attention, a hybrid's delta-rule kernels and, in the deterministic mode, the

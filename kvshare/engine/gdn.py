@@ -15,8 +15,9 @@ state update per block); its blocks are counted from the first token given, so t
 only where they cut the tokens alike (the deterministic mode's grid: kvshare.engine.hybrid_grid). Key heads
 are shared by ``value heads / key heads`` value heads each (value head h reads key head h // ratio).
 
-Rows past ``num_valid`` are padding (a grid chunk's tail): their decay is 0 and their strength 0, so they leave
-the state exactly as the valid rows left it.
+Rows past ``num_valid`` are padding (a grid chunk's tail, a captured tail's unused rows): their decay is 0 and
+their strength 0, so they leave the state exactly as the valid rows left it. ``num_valid`` is an int, or a 0-d
+int64 tensor on the rows' device (a CUDA graph reads it there: the same graph serves every count).
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ def recurrent_gated_delta_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta:
     return (s * q.unsqueeze(-1)).sum(dim=-2).unsqueeze(0).to(out_dtype)
 
 
-def causal_conv(x: Tensor, weight: Tensor, conv_state: Tensor, num_valid: int | None = None) -> Tensor:
+def causal_conv(x: Tensor, weight: Tensor, conv_state: Tensor, num_valid: int | Tensor | None = None) -> Tensor:
     """SiLU of the depthwise causal conv of x [n, C] over the inputs before it; conv_state [C, W-1], updated in place.
 
     weight: [C, W]. conv_state holds the last W-1 inputs before x (zeros at position 0); afterwards it holds the
@@ -106,13 +107,20 @@ def causal_conv(x: Tensor, weight: Tensor, conv_state: Tensor, num_valid: int | 
     num_valid = x.shape[0] if num_valid is None else num_valid
     width = weight.shape[-1]
     inputs = torch.cat((conv_state.to(weight.dtype), x.transpose(0, 1).to(weight.dtype)), dim=-1)  # [C, W-1+n]
-    conv_state.copy_(inputs[:, num_valid : num_valid + width - 1])
+    if isinstance(num_valid, Tensor):  # inputs [num_valid, num_valid + W-1), the columns read on the device
+        kept = num_valid + torch.arange(width - 1, device=inputs.device)
+        conv_state.copy_(inputs.index_select(1, kept))
+    else:
+        conv_state.copy_(inputs[:, num_valid : num_valid + width - 1])
     out = F.conv1d(inputs.unsqueeze(0), weight.unsqueeze(1), groups=inputs.shape[0])[0]  # [C, n]
     return F.silu(out).transpose(0, 1).to(x.dtype)
 
 
-def mask_padding(g: Tensor, beta: Tensor, num_valid: int) -> tuple[Tensor, Tensor]:
+def mask_padding(g: Tensor, beta: Tensor, num_valid: int | Tensor) -> tuple[Tensor, Tensor]:
     """g, beta [n, HV] with rows from ``num_valid`` on set to 0: padding that leaves the state as it was."""
+    if isinstance(num_valid, Tensor):
+        padding = (torch.arange(g.shape[0], device=g.device) >= num_valid)[:, None]  # [n, 1]
+        return g.masked_fill(padding, 0), beta.masked_fill(padding, 0)
     if num_valid >= g.shape[0]:
         return g, beta
     g, beta = g.clone(), beta.clone()
@@ -132,5 +140,5 @@ class TorchGDN:
     def step(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> Tensor:
         return recurrent_gated_delta_step(q, k, v, g, beta, state)
 
-    def conv(self, x: Tensor, weight: Tensor, conv_state: Tensor, num_valid: int | None = None) -> Tensor:
+    def conv(self, x: Tensor, weight: Tensor, conv_state: Tensor, num_valid: int | Tensor | None = None) -> Tensor:
         return causal_conv(x, weight, conv_state, num_valid)

@@ -57,7 +57,7 @@ class FlaGDN:
     def step(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> Tensor:
         return self._run(self._step, q, k, v, g, beta, state)
 
-    def conv(self, x: Tensor, weight: Tensor, conv_state: Tensor, num_valid: int | None = None) -> Tensor:
+    def conv(self, x: Tensor, weight: Tensor, conv_state: Tensor, num_valid: int | Tensor | None = None) -> Tensor:
         return causal_conv(x, weight, conv_state, num_valid)
 
     @staticmethod

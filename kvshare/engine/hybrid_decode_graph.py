@@ -36,6 +36,7 @@ class HybridDecodeGraphs(DecodeGraphs):
         self.gate = torch.zeros(1, config.num_heads * config.head_dim, dtype=self.dtype, device=kv.device)
         layers = model.model.layers
         self.attention = [i for i, layer in enumerate(layers) if layer.is_attention]  # model layer of each call
+        self.num_valid: Tensor | None = None  # rows past it are padding (kvshare.engine.hybrid_tail_graph); None: all
 
     @property
     def num_layers(self) -> int:
@@ -57,11 +58,15 @@ class HybridDecodeGraphs(DecodeGraphs):
         state = self.model.state
         for i in range(first, end):
             slot = self.model.slot[i]
-            self.x.copy_(layers[i].linear_step(self.x, state.recurrent[slot], state.conv[slot]))
+            self.x.copy_(layers[i].linear_step(self.x, state.recurrent[slot], state.conv[slot], self.num_valid))
         if index < self.num_layers:
             self._start_layer(index)
         else:
-            self.model.logits(self.model.model.norm(self.x), self.logits)
+            self._end()
+
+    def _end(self) -> None:
+        """The last graph's end: the final norm and the logits."""
+        self.model.logits(self.model.model.norm(self.x), self.logits)
 
     def _start_layer(self, index: int) -> None:
         layer = self.model.model.layers[self.attention[index]]
@@ -72,7 +77,7 @@ class HybridDecodeGraphs(DecodeGraphs):
 
     def _finish_layer(self, index: int) -> None:
         layer = self.model.model.layers[self.attention[index]]
-        o = self.attn_out.transpose(0, 1).reshape(1, -1)  # [1, Hq*D]
+        o = self.attn_out.transpose(0, 1).reshape(self.x.shape[0], -1)  # [rows, Hq*D]
         self.x.copy_(layer.mlp_residual(self.x + layer.self_attn.output(o, self.gate)))
 
     def _run(self, token_id: int, position: int, piece: Callable[[int], None]) -> Tensor:
@@ -85,7 +90,7 @@ class HybridDecodeGraphs(DecodeGraphs):
         """As DecodeGraphs.capture, the GDN state kept: the warm-up step runs on it and it is put back after."""
         kept = self.model.state.snapshot()
         try:
-            self.model.state.position = self.kv.shape[3] - 1  # the warm-up step's position
+            self.model.state.position = self.kv.shape[3] - self.x.shape[0]  # where the warm-up's rows start
             super().capture()
         finally:
             self.model.state.restore(kept)

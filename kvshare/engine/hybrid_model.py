@@ -132,7 +132,7 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(la.value_head_dim, c.rms_norm_eps)
         self.out_proj = nn.Linear(la.value_dim, c.hidden_size, bias=False)
 
-    def forward(self, x: Tensor, recurrent: Tensor, conv: Tensor, num_valid: int | None = None) -> Tensor:
+    def forward(self, x: Tensor, recurrent: Tensor, conv: Tensor, num_valid: int | Tensor | None = None) -> Tensor:
         """x: [n, E] normed rows that follow the state (recurrent [HV, K, V], conv [C, W-1], both updated) -> [n, E].
 
         Rows from ``num_valid`` on are padding: computed, but the state is left as the valid rows leave it."""
@@ -170,7 +170,7 @@ class HybridLayer(nn.Module):
     def mlp_residual(self, h: Tensor) -> Tensor:
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    def linear_step(self, x: Tensor, recurrent: Tensor, conv: Tensor, num_valid: int | None = None) -> Tensor:
+    def linear_step(self, x: Tensor, recurrent: Tensor, conv: Tensor, num_valid: int | Tensor | None = None) -> Tensor:
         """The whole GDN layer over rows x [n, E] that follow its state: returns the rows' output [n, E]."""
         h = x + self.linear_attn(self.input_layernorm(x), recurrent, conv, num_valid)
         return self.mlp_residual(h)

@@ -37,6 +37,7 @@ from kvshare.engine.gdn_state import Checkpoint
 from kvshare.engine.grid import Grid
 from kvshare.engine.hybrid_grid import hybrid_grid_forward
 from kvshare.engine.hybrid_resume import Resume, ResumeQuery, find_resume
+from kvshare.engine.hybrid_tail_graph import TailGraphSet
 from kvshare.engine.kv_cache import KVBuffer
 from kvshare.engine.pool_states import PoolStates, StatefulLoad
 from kvshare.engine.prefix_cache import LocalPrefixCache
@@ -68,11 +69,14 @@ class HybridPrefill:
         grid: Grid | None,
         decode_step: Callable[[torch.Tensor, int, int], torch.Tensor] | None = None,
         pool: PoolStates | None = None,
+        tails: Callable[[torch.Tensor], TailGraphSet | None] | None = None,
     ) -> None:
         self.model, self._kv, self._local, self.config, self.grid = model, kv_buffer, local, config, grid
-        # the engine's decode step (CUDA graphs): a prefill of one token runs it (an eager forward is launch-bound);
-        # not in the deterministic mode, whose last token is computed on the grid
+        # the engine's decode step and tail graphs (CUDA graphs, for a KV tensor): a prefill of up to a tail's rows
+        # and its last token runs them (an eager forward of a few hundred tokens is launch-bound); not in the
+        # deterministic mode, which computes on its grid
         self.decode_step = decode_step
+        self.tails = tails
         self.pool = pool
         self._prompt_end: PromptEnd | None = None
         self._taken: list[tuple[bytes, torch.Tensor]] = []  # (chunk key, checkpoint bytes) the last prefill took
@@ -193,13 +197,10 @@ class HybridPrefill:
         if keeps_prompt_end and n - 1 > start:
             checkpoints.setdefault(n - 1, self.model.state.empty_checkpoint(n - 1))
         at_start = self.model.state.snapshot() if keeps_prompt_end and n - 1 == start > 0 else None
-        one_step = load is None and self.decode_step is not None and self.grid is None
-        if n - start == 1 and one_step and set(checkpoints) <= {n}:
-            logits = self.decode_step(kv, int(ids[-1]), start)  # the state is then the one at n
-            for checkpoint in checkpoints.values():
-                checkpoint.data.copy_(self.model.state.buffer)
-        else:
-            logits = self._forward(tokens, kv, start, checkpoints, options, load.before_layer if load else None)
+        wait = load.before_layer if load else None
+        logits = self._graph_forward(tokens, int(ids[-1]), kv, start, checkpoints, options, wait)
+        if logits is None:
+            logits = self._forward(tokens, kv, start, checkpoints, options, wait)
         self._taken = [(keys[b - 1], checkpoints[b * c].data) for b in wanted]
         end = at_start or checkpoints.get(n - 1)
         self._prompt_end = PromptEnd(digest, ids[: n - 1].copy(), end) if keeps_prompt_end and end else None
@@ -225,14 +226,51 @@ class HybridPrefill:
         held = (lambda b: False) if to_pool else (lambda b: state_key(keys[b - 1]) in self._local)
         return sorted(b for b in wanted if 0 < b and b * c > start and not held(b))
 
-    def _forward(self, tokens: torch.Tensor, kv: torch.Tensor, start: int, checkpoints, options: RequestOptions, wait):
-        """The model's forward (the grid's in its mode); ``wait(layer)``: before attention layer ``layer`` reads
-        its KV (a pool load's copies), or None."""
+    def _graph_forward(self, tokens, last_id: int, kv, start: int, checkpoints, options: RequestOptions, wait):
+        """The forward through CUDA graphs where they hold it: the tokens before the last (``last_id``, tokens' last)
+        in tail graphs, one run up to each checkpoint, the last token as a decode step. Its logits, or None (run it
+        eagerly: a run longer than the tails' rows, the deterministic mode, no graphs)::
+
+            tokens   start |== tail ==|== tail ==| n-1 |= decode step =| n
+            state            checkpoint ^   checkpoint ^        checkpoint ^
+        """
+        end = start + tokens.shape[0]
+        cuts = sorted({p for p in checkpoints if p < end - 1} | {end - 1})
+        runs = [(a, b) for a, b in zip([start, *cuts[:-1]], cuts) if b > a]  # [a, b): positions of one tail run
+        if self.decode_step is None or self.grid is not None or self.tails is None:
+            return None
+        tails = self.tails(kv) if runs else None
+        if runs and (tails is None or not all(tails.holds(b - a, a) for a, b in runs)):
+            return None
+        before_layer = self._hooks(wait, kv, options)
+        for a, b in runs:  # the hooks run with the first (the later ones read KV the stream already waited for)
+            tails.run(tokens[a - start : b - start], a, before_layer)
+            before_layer = None
+            if b in checkpoints:
+                checkpoints[b].data.copy_(self.model.state.buffer)
+        if before_layer is not None:
+            for layer in range(kv.shape[0]):  # the decode step reads every layer's KV
+                before_layer(layer)
+        logits = self.decode_step(kv, last_id, end - 1)
+        if end in checkpoints:
+            checkpoints[end].data.copy_(self.model.state.buffer)
+        if options.timeline is not None:
+            options.timeline.mark_device("forward_end", kv.device)
+        return logits
+
+    def _hooks(self, wait, kv: torch.Tensor, options: RequestOptions):
+        """``wait`` with the request's timeline marks and cancellation, run before each attention layer (or None)."""
         before_layer = wait
         if options.timeline is not None:
             before_layer = options.timeline.layer_hook(wait or (lambda _layer: None), kv.device)
         if options.is_cancelled is not None:
             before_layer = cancellable(before_layer or (lambda _layer: None), options.is_cancelled)
+        return before_layer
+
+    def _forward(self, tokens: torch.Tensor, kv: torch.Tensor, start: int, checkpoints, options: RequestOptions, wait):
+        """The model's forward (the grid's in its mode); ``wait(layer)``: before attention layer ``layer`` reads
+        its KV (a pool load's copies), or None."""
+        before_layer = self._hooks(wait, kv, options)
         if self.grid is None:
             chunk = self.config.prefill_chunk_tokens
             logits = self.model(tokens, kv, start, chunk, before_layer=before_layer, checkpoints=checkpoints)

@@ -100,13 +100,45 @@ def test_replayed_graphs_equal_the_eager_step(dtype):
 
 
 def test_an_engine_with_graphs_streams_what_an_eager_one_streams():
-    graphs = Engine(EngineConfig(model="qwen3.5-tiny", device="cuda", max_model_len=1024))
-    eager = Engine(EngineConfig(model="qwen3.5-tiny", device="cuda", max_model_len=1024, enforce_eager=True))
+    """Cold prompts (their prefill in tail graphs up to 1024 tokens), a resumed branch and a next turn."""
+    fields = dict(model="qwen3.5-tiny", device="cuda", max_model_len=2048, chunk_tokens=64)
+    graphs = Engine(EngineConfig(**fields))
+    eager = Engine(EngineConfig(**fields, enforce_eager=True))
     assert graphs._graphs is not None and graphs._graphs.is_captured  # captured at start-up
+    assert graphs._tails is not None and all(tail.is_captured for tail in graphs._tails.tails.values())
     params = SamplingParams(max_tokens=40, ignore_eos=True)
-    for n in (33, 100, 300):
-        ids = _ids(n, n)
-        assert [e.token_id for e in graphs.generate(ids, params)] == [e.token_id for e in eager.generate(ids, params)]
+
+    def both(ids):
+        got = [e.token_id for e in graphs.generate(ids, params)]
+        assert got == [e.token_id for e in eager.generate(ids, params)], len(ids)
+        return got
+
+    for n in (33, 100, 300, 1500):
+        both(_ids(n, n))
+    prompt = _ids(700, 7)
+    both(prompt)
+    branch = prompt[:650] + _ids(90, 8)  # resumes at the local checkpoint at 640: a tail of 99 tokens
+    answer = both(branch)
+    both(branch + answer[:-1] + [5, 6, 7])  # the live state after the answer: a tail of 2 and the last token
+
+
+def test_replayed_tail_graphs_equal_the_eager_tail():
+    engine = Engine(EngineConfig(model="qwen3.5-tiny", device="cuda", max_model_len=1024))
+    model, kv = engine.model, engine._tails.kv
+    ids = torch.tensor(_ids(500, 9), device="cuda")
+    with torch.inference_mode():
+        model(ids[:300], kv, 0)
+        at_300, eager_kv = model.state.snapshot(), kv.clone()
+        model(ids[300:], eager_kv, 300)
+        eager = model.state.snapshot()
+        model.state.restore(at_300)
+        engine._tails.run(ids[300:], 300)  # 200 tokens in the 256 rows' graphs
+    assert model.state.position == 500
+    torch.testing.assert_close(kv[:, :, :, :500].float(), eager_kv[:, :, :, :500].float(), rtol=2e-2, atol=2e-2)
+    recurrent, conv = layer_views(model.state.layout, eager.data)
+    for layer in range(model.state.layout.num_layers):
+        torch.testing.assert_close(model.state.recurrent[layer], recurrent[layer], rtol=1e-2, atol=1e-3)
+        torch.testing.assert_close(model.state.conv[layer], conv[layer], rtol=1e-2, atol=1e-2)
 
 
 def test_local_reuse_equals_recomputing_on_cuda():
