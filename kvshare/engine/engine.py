@@ -108,15 +108,14 @@ class Engine:
         self._publisher = PromptPublisher(self._local, self._kv, self._pool, self.device, states)
 
     def _hybrid_prefill(self, states: PoolStates | None) -> HybridPrefill:
-        """A hybrid's prefill, with the decode step and, where the KV was preallocated with graphs, the tail graphs
-        captured now (their warm-up writes the KV's last positions: no sequence is in it yet)."""
+        """A hybrid's prefill, with the tail graphs where the KV was preallocated with graphs: captured now (their
+        warm-up writes the KV's last positions, and no sequence is in it yet)."""
         if self._use_graphs and self._graphs is not None and self.grid is None:
             self._tails = TailGraphSet(self.model, self._graphs.kv)
             with torch.inference_mode():
                 self._tails.capture()
-        decode_step = self._decode_step if self._use_graphs else None
         tails = self._tail_graphs if self._tails is not None else None
-        return HybridPrefill(self.model, self._kv, self._local, self.config, self.grid, decode_step, states, tails)
+        return HybridPrefill(self.model, self._kv, self._local, self.config, self.grid, states, tails)
 
     def _tail_graphs(self, kv: torch.Tensor) -> TailGraphSet | None:
         return self._tails if self._tails is not None and self._tails.kv is kv else None

@@ -105,15 +105,23 @@ def causal_conv(x: Tensor, weight: Tensor, conv_state: Tensor, num_valid: int | 
     weight: [C, W]. conv_state holds the last W-1 inputs before x (zeros at position 0); afterwards it holds the
     last W-1 of the first ``num_valid`` rows of x (all of them by default) and those before. Returns [n, C]."""
     num_valid = x.shape[0] if num_valid is None else num_valid
-    width = weight.shape[-1]
     inputs = torch.cat((conv_state.to(weight.dtype), x.transpose(0, 1).to(weight.dtype)), dim=-1)  # [C, W-1+n]
-    if isinstance(num_valid, Tensor):  # inputs [num_valid, num_valid + W-1), the columns read on the device
-        kept = num_valid + torch.arange(width - 1, device=inputs.device)
-        conv_state.copy_(inputs.index_select(1, kept))
-    else:
-        conv_state.copy_(inputs[:, num_valid : num_valid + width - 1])
+    conv_state.copy_(_conv_state_at(inputs, num_valid, conv_state.shape[-1]))
     out = F.conv1d(inputs.unsqueeze(0), weight.unsqueeze(1), groups=inputs.shape[0])[0]  # [C, n]
     return F.silu(out).transpose(0, 1).to(x.dtype)
+
+
+def conv_state_after(x: Tensor, weight: Tensor, conv_state: Tensor, num_rows: int | Tensor) -> Tensor:
+    """The conv state [C, W-1] after the first ``num_rows`` rows of x [n, C] that follow ``conv_state`` (unchanged)."""
+    inputs = torch.cat((conv_state.to(weight.dtype), x.transpose(0, 1).to(weight.dtype)), dim=-1)  # [C, W-1+n]
+    return _conv_state_at(inputs, num_rows, conv_state.shape[-1])
+
+
+def _conv_state_at(inputs: Tensor, num_rows: int | Tensor, width: int) -> Tensor:
+    """Columns [num_rows, num_rows + width) of the inputs [C, width + n]: the last ``width`` before row num_rows."""
+    if isinstance(num_rows, Tensor):  # read on the device
+        return inputs.index_select(1, num_rows + torch.arange(width, device=inputs.device))
+    return inputs[:, num_rows : num_rows + width]
 
 
 def mask_padding(g: Tensor, beta: Tensor, num_valid: int | Tensor) -> tuple[Tensor, Tensor]:

@@ -36,7 +36,6 @@ class HybridDecodeGraphs(DecodeGraphs):
         self.gate = torch.zeros(1, config.num_heads * config.head_dim, dtype=self.dtype, device=kv.device)
         layers = model.model.layers
         self.attention = [i for i, layer in enumerate(layers) if layer.is_attention]  # model layer of each call
-        self.num_valid: Tensor | None = None  # rows past it are padding (kvshare.engine.hybrid_tail_graph); None: all
 
     @property
     def num_layers(self) -> int:
@@ -55,14 +54,17 @@ class HybridDecodeGraphs(DecodeGraphs):
             self._finish_layer(index - 1)
             first = self.attention[index - 1] + 1
         end = self.attention[index] if index < self.num_layers else len(layers)
-        state = self.model.state
         for i in range(first, end):
-            slot = self.model.slot[i]
-            self.x.copy_(layers[i].linear_step(self.x, state.recurrent[slot], state.conv[slot], self.num_valid))
+            self._linear(i)
         if index < self.num_layers:
             self._start_layer(index)
         else:
             self._end()
+
+    def _linear(self, layer: int) -> None:
+        """GDN layer ``layer`` over the rows, its state advanced in place."""
+        state, slot = self.model.state, self.model.slot[layer]
+        self.x.copy_(self.model.model.layers[layer].linear_step(self.x, state.recurrent[slot], state.conv[slot]))
 
     def _end(self) -> None:
         """The last graph's end: the final norm and the logits."""

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import sdpa_kernel
 
-from kvshare.engine.gdn import TorchGDN, mask_padding
+from kvshare.engine.gdn import TorchGDN, conv_state_after, mask_padding
 from kvshare.engine.gdn_state import Checkpoint, GDNState
 from kvshare.engine.hybrid_config import state_layout_of
 from kvshare.engine.model import (
@@ -132,25 +132,53 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(la.value_head_dim, c.rms_norm_eps)
         self.out_proj = nn.Linear(la.value_dim, c.hidden_size, bias=False)
 
-    def forward(self, x: Tensor, recurrent: Tensor, conv: Tensor, num_valid: int | Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        recurrent: Tensor,
+        conv: Tensor,
+        num_valid: int | Tensor | None = None,
+        before_last: tuple[Tensor, Tensor] | None = None,
+    ) -> Tensor:
         """x: [n, E] normed rows that follow the state (recurrent [HV, K, V], conv [C, W-1], both updated) -> [n, E].
 
-        Rows from ``num_valid`` on are padding: computed, but the state is left as the valid rows leave it."""
+        Rows from ``num_valid`` on are padding: computed, but the state is left as the valid rows leave it.
+        ``before_last``: (recurrent, conv) receiving the state before the last valid row (``num_valid`` a device
+        count: a captured tail's prompt-end checkpoint); the rows before it then run the chunked rule and the last
+        the one-token step, as a forward cut there computes them."""
         kernels = self.kernels or TORCH_GDN
         n = x.shape[0]
         valid = n if num_valid is None else num_valid
-        mixed = kernels.conv(self.in_proj_qkv(x), self.conv1d.weight[:, 0], conv, valid)  # [n, C]
+        projected, weight = self.in_proj_qkv(x), self.conv1d.weight[:, 0]
+        if before_last is not None:
+            before_last[1].copy_(conv_state_after(projected, weight, conv, valid - 1))
+        mixed = kernels.conv(projected, weight, conv, valid)  # [n, C]
         q = mixed[:, : self.key_dim].reshape(n, self.num_key_heads, self.key_head_dim)
         k = mixed[:, self.key_dim : 2 * self.key_dim].reshape(n, self.num_key_heads, self.key_head_dim)
         v = mixed[:, 2 * self.key_dim :].reshape(n, self.num_value_heads, self.value_head_dim)
         beta = self.in_proj_b(x).sigmoid()  # [n, HV]: how strongly each token writes
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # [n, HV] log decay
-        g, beta = mask_padding(g, beta, valid)
-        rule = kernels.step if n == 1 else kernels.chunk
-        core = rule(q, k, v, g, beta, recurrent)  # [n, HV, V]
+        if before_last is not None:
+            core = last_apart(kernels, (q, k, v, g, beta), recurrent, valid, before_last[0])
+        else:
+            g, beta = mask_padding(g, beta, valid)
+            rule = kernels.step if n == 1 else kernels.chunk
+            core = rule(q, k, v, g, beta, recurrent)  # [n, HV, V]
         z = self.in_proj_z(x).reshape(n * self.num_value_heads, self.value_head_dim)
         out = self.norm(core.reshape(n * self.num_value_heads, self.value_head_dim), z)
         return self.out_proj(out.reshape(n, self.value_dim))
+
+
+def last_apart(kernels, rows: tuple[Tensor, ...], recurrent: Tensor, num_valid: Tensor, into: Tensor) -> Tensor:
+    """The delta rule over rows (q, k, v, g, beta) with the state before the last valid row copied into ``into``:
+    the rows before it chunked (the rest masked), the last one stepped; output [n, HV, V] (rows past it padding)."""
+    q, k, v, g, beta = rows
+    last = (num_valid - 1).reshape(1)
+    masked_g, masked_beta = mask_padding(g, beta, last[0])
+    core = kernels.chunk(q, k, v, masked_g, masked_beta, recurrent)  # the state after the rows before the last
+    into.copy_(recurrent)
+    step = kernels.step(*(x.index_select(0, last) for x in rows), recurrent)  # [1, HV, V]
+    return core.index_copy(0, last, step)
 
 
 class HybridLayer(nn.Module):
@@ -170,9 +198,17 @@ class HybridLayer(nn.Module):
     def mlp_residual(self, h: Tensor) -> Tensor:
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    def linear_step(self, x: Tensor, recurrent: Tensor, conv: Tensor, num_valid: int | Tensor | None = None) -> Tensor:
-        """The whole GDN layer over rows x [n, E] that follow its state: returns the rows' output [n, E]."""
-        h = x + self.linear_attn(self.input_layernorm(x), recurrent, conv, num_valid)
+    def linear_step(
+        self,
+        x: Tensor,
+        recurrent: Tensor,
+        conv: Tensor,
+        num_valid: int | Tensor | None = None,
+        before_last: tuple[Tensor, Tensor] | None = None,
+    ) -> Tensor:
+        """The whole GDN layer over rows x [n, E] that follow its state: returns the rows' output [n, E]
+        (``num_valid``, ``before_last``: GatedDeltaNet.forward's)."""
+        h = x + self.linear_attn(self.input_layernorm(x), recurrent, conv, num_valid, before_last)
         return self.mlp_residual(h)
 
 

@@ -67,15 +67,12 @@ class HybridPrefill:
         local: LocalPrefixCache,
         config: EngineConfig,
         grid: Grid | None,
-        decode_step: Callable[[torch.Tensor, int, int], torch.Tensor] | None = None,
         pool: PoolStates | None = None,
         tails: Callable[[torch.Tensor], TailGraphSet | None] | None = None,
     ) -> None:
         self.model, self._kv, self._local, self.config, self.grid = model, kv_buffer, local, config, grid
-        # the engine's decode step and tail graphs (CUDA graphs, for a KV tensor): a prefill of up to a tail's rows
-        # and its last token runs them (an eager forward of a few hundred tokens is launch-bound); not in the
-        # deterministic mode, which computes on its grid
-        self.decode_step = decode_step
+        # the engine's tail graphs for a KV tensor (CUDA): a prefill of up to their rows runs them (an eager forward
+        # of a few hundred tokens is launch-bound); not in the deterministic mode, which computes on its grid
         self.tails = tails
         self.pool = pool
         self._prompt_end: PromptEnd | None = None
@@ -198,7 +195,7 @@ class HybridPrefill:
             checkpoints.setdefault(n - 1, self.model.state.empty_checkpoint(n - 1))
         at_start = self.model.state.snapshot() if keeps_prompt_end and n - 1 == start > 0 else None
         wait = load.before_layer if load else None
-        logits = self._graph_forward(tokens, int(ids[-1]), kv, start, checkpoints, options, wait)
+        logits = self._graph_forward(tokens, kv, start, checkpoints, options, wait)
         if logits is None:
             logits = self._forward(tokens, kv, start, checkpoints, options, wait)
         self._taken = [(keys[b - 1], checkpoints[b * c].data) for b in wanted]
@@ -226,34 +223,30 @@ class HybridPrefill:
         held = (lambda b: False) if to_pool else (lambda b: state_key(keys[b - 1]) in self._local)
         return sorted(b for b in wanted if 0 < b and b * c > start and not held(b))
 
-    def _graph_forward(self, tokens, last_id: int, kv, start: int, checkpoints, options: RequestOptions, wait):
-        """The forward through CUDA graphs where they hold it: the tokens before the last (``last_id``, tokens' last)
-        in tail graphs, one run up to each checkpoint, the last token as a decode step. Its logits, or None (run it
-        eagerly: a run longer than the tails' rows, the deterministic mode, no graphs)::
+    def _graph_forward(self, tokens, kv, start: int, checkpoints, options: RequestOptions, wait):
+        """The forward through the tail graphs where they hold it: one run up to each checkpoint before the prompt's
+        last token, the last run through it (the state before it is the run's ``before_last``). Its logits, or None
+        (run it eagerly: a run longer than the tails' rows, the deterministic mode, no graphs)::
 
-            tokens   start |== tail ==|== tail ==| n-1 |= decode step =| n
-            state            checkpoint ^   checkpoint ^        checkpoint ^
+            tokens   start |== tail ==|======= tail ======| n
+            state            checkpoint ^   n-1 checkpoint ^ ^ checkpoint n
         """
-        end = start + tokens.shape[0]
-        cuts = sorted({p for p in checkpoints if p < end - 1} | {end - 1})
-        runs = [(a, b) for a, b in zip([start, *cuts[:-1]], cuts) if b > a]  # [a, b): positions of one tail run
-        if self.decode_step is None or self.grid is not None or self.tails is None:
+        if self.tails is None or self.grid is not None:
             return None
-        tails = self.tails(kv) if runs else None
-        if runs and (tails is None or not all(tails.holds(b - a, a) for a, b in runs)):
+        end = start + tokens.shape[0]
+        cuts = sorted({p for p in checkpoints if p < end - 1} | {end})
+        runs = list(zip([start, *cuts[:-1]], cuts))  # [a, b): positions of one tail run
+        tails = self.tails(kv)
+        if tails is None or not all(tails.holds(b - a, a) for a, b in runs):
             return None
         before_layer = self._hooks(wait, kv, options)
         for a, b in runs:  # the hooks run with the first (the later ones read KV the stream already waited for)
-            tails.run(tokens[a - start : b - start], a, before_layer)
+            logits = tails.run(tokens[a - start : b - start], a, before_layer)
             before_layer = None
             if b in checkpoints:
                 checkpoints[b].data.copy_(self.model.state.buffer)
-        if before_layer is not None:
-            for layer in range(kv.shape[0]):  # the decode step reads every layer's KV
-                before_layer(layer)
-        logits = self.decode_step(kv, last_id, end - 1)
-        if end in checkpoints:
-            checkpoints[end].data.copy_(self.model.state.buffer)
+        if end - 1 in checkpoints:
+            checkpoints[end - 1].data.copy_(tails.before_last)
         if options.timeline is not None:
             options.timeline.mark_device("forward_end", kv.device)
         return logits

@@ -37,25 +37,32 @@ def _kv(config, capacity: int = 160) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("num_tail", [1, 13, 16, 40])
-def test_the_padded_pieces_compute_what_the_forward_computes(tiny, num_tail):
+def test_the_padded_pieces_compute_what_the_forward_cut_at_the_last_token_computes(tiny, num_tail):
     model, config = tiny
     ids = torch.tensor(_ids(60 + num_tail, num_tail))
+    end = 60 + num_tail
     kv = _kv(config)
     with torch.inference_mode():
         model(ids[:60], kv, 0)
         at_60, eager_kv = model.state.snapshot(), kv.clone()
-        model(ids[60:], eager_kv, 60)
+        before_last = model.state.empty_checkpoint(end - 1)
+        checkpoints = {end - 1: before_last} if num_tail > 1 else {}
+        expected = model(ids[60:], eager_kv, 60, checkpoints=checkpoints)
+        if num_tail == 1:
+            before_last = at_60
         eager = model.state.snapshot()
         model.state.restore(at_60)
         tails = TailGraphSet(model, kv, max_rows=64, eager=True)
         assert list(tails.tails) == [16, 32, 64] and tails.holds(num_tail, 60)
-        tails.run(ids[60:], 60)
-    assert model.state.position == 60 + num_tail
+        got = tails.run(ids[60:], 60)
+    assert model.state.position == end
     # float32 within rounding: a projection over 64 rows may sum in another order than over 40 (a few 1e-6
     # relative); a padding row that wrote into the state, or a state off by a token, moves it by whole percents
     close = dict(rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(model.state.buffer.view(torch.float32), eager.data.view(torch.float32), **close)
-    end = 60 + num_tail
+    torch.testing.assert_close(got, expected, **close)
+    as_floats = lambda data: data.view(torch.float32)  # noqa: E731 (the tiny model's state is float32 throughout)
+    torch.testing.assert_close(as_floats(model.state.buffer), as_floats(eager.data), **close)
+    torch.testing.assert_close(as_floats(tails.before_last), as_floats(before_last.data), **close)
     torch.testing.assert_close(kv[:, :, :, :end], eager_kv[:, :, :, :end], **close)
 
 
@@ -77,15 +84,15 @@ class _Counted(TailGraphSet):
 
     def run(self, tokens, start, before_layer=None):
         _Counted.runs.append((start, tokens.shape[0]))
-        super().run(tokens, start, before_layer)
+        return super().run(tokens, start, before_layer)
 
 
 def _through_tails(engine: Engine) -> Engine:
-    """The engine's prefills through the tail pieces and its decode step, as a CUDA engine's run through graphs."""
+    """The engine's prefills through the tail pieces, as a CUDA engine's run through graphs."""
     _Counted.runs = []
     kv = engine._kv.ensure(engine.max_model_len)
     engine._tails = _Counted(engine.model, kv, eager=True)
-    engine.hybrid.tails, engine.hybrid.decode_step = engine._tail_graphs, engine._decode_step
+    engine.hybrid.tails = engine._tail_graphs
     return engine
 
 
@@ -98,14 +105,16 @@ def test_local_reuse_through_the_tail_pieces_equals_recomputing():
     config = EngineConfig(model="qwen3.5-tiny", chunk_tokens=CHUNK, state_checkpoint_chunks=2, max_model_len=2048)
     engine, plain = _through_tails(Engine(config)), Engine(config)
     prompt = _ids(300, 1)
-    first, _ = _run(engine, prompt)  # cold, in tail runs that end at its checkpoints: 128, 256 and 299
-    assert _Counted.runs == [(0, 128), (128, 128), (256, 43)]
-    branch = prompt[:250] + _ids(40, 2)  # resumes at the checkpoint at 128: runs to 256 and 289, and the last
+    first, _ = _run(engine, prompt)  # cold, in tail runs that end at its checkpoints: 128, 256, and its end
+    assert _Counted.runs == [(0, 128), (128, 128), (256, 44)]
+    again, provenance = _run(engine, prompt)  # from the prompt-end state the last run left (before its last token)
+    assert provenance.computed_tokens == 1 and _Counted.runs[3:] == [(299, 1)] and again == first
+    branch = prompt[:250] + _ids(40, 2)  # resumes at the checkpoint at 128: runs to 256 and to its end
     got, provenance = _run(engine, branch)
-    assert provenance.local_tokens == 128 and _Counted.runs[3:] == [(128, 128), (256, 33)]
-    turn = branch + got[:-1] + [1, 2, 3]  # the live state after the answer: two tail tokens and the last
+    assert provenance.local_tokens == 128 and _Counted.runs[4:] == [(128, 128), (256, 34)]
+    turn = branch + got[:-1] + [1, 2, 3]  # the live state after the answer: three tokens
     got_turn, provenance = _run(engine, turn)
-    assert provenance.computed_tokens == 3 and _Counted.runs[5:] == [(295, 2)]
+    assert provenance.computed_tokens == 3 and _Counted.runs[6:] == [(295, 3)]
     # the checkpoint the branch's tail took at 256 serves a third prompt
     third = branch[:280] + _ids(30, 3)
     got_third, provenance = _run(engine, third)
