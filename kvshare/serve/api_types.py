@@ -162,7 +162,7 @@ MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty: 
 MAX_LOGIT_BIAS = 100.0
 MAX_STOP_STRINGS = 4  # OpenAI's bound
 # A stop string's bound: the held-back tail of a stream may be as long, so a longer one delays every stream
-# by as much; matching costs the same whatever the length (kvshare.serve.stop_strings).
+# by as much; matching costs the same whatever the length (kvshare.serve.detokenize.StopMatcher).
 MAX_STOP_CHARS = 4096
 ROLES = ("system", "user", "assistant", "developer", "tool")
 _AT_PATH = re.compile(r"at `\$\.?([^`]*)`")
