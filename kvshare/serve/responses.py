@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import codecs
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from kvshare.serve.detokenize import TextStream
+from kvshare.serve.engine_request import Prepared
 
 # who sees a request's provenance (where its prompt tokens came from, cached_tokens): it says whether a prefix was
 # in the caches already, so across the users of one namespace it is a prompt oracle. own-tenant: only requests
@@ -40,19 +40,6 @@ PROVENANCE = ("off", "own-tenant", "all")
 def is_provenance_shown(policy: str, namespace_salt: str) -> bool:
     """Whether a request of this namespace salt (tenancy.namespace_salt) gets its provenance under ``policy``."""
     return policy == "all" or (policy == "own-tenant" and bool(namespace_salt))
-
-
-@dataclass
-class Prepared:
-    """A validated request as the engine takes it (``params``: SamplingParams, ``options``: RequestOptions)."""
-
-    prompt_ids: Any  # list[int], or the int64 array a token-id completion was read into
-    params: Any
-    options: Any
-    stops: list[str]
-    include_usage: bool
-    prompt_array: Any = None  # the same ids as one int64 numpy array, what the engine takes (None: build it)
-    is_usage_continuous: bool = False  # stream_options.continuous_usage_stats (with include_usage): usage per chunk
 
 
 class ResponseBuilder:
