@@ -124,7 +124,7 @@ async def measure(args, policy: str, replicas: list[str], sessions) -> list[tupl
 
 
 def row(policy: str, values: list[float]) -> str:
-    from kvshare.bench.stats import percentile
+    from kvshare.stats import percentile
 
     ms = [v * 1e3 for v in values]
     return f"| {policy} | {len(ms)} | " + " | ".join(f"{percentile(ms, q):.2f}" for q in (50, 90, 99))

@@ -28,7 +28,7 @@ import os
 from collections import defaultdict
 
 from kvshare.bench.routing_summary import router_added_s
-from kvshare.bench.stats import percentile
+from kvshare.stats import percentile
 
 
 def write_model(out: str) -> None:

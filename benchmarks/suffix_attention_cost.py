@@ -7,7 +7,7 @@ For each prompt length n and tokens in place o (a count, or a share of n below 1
 (kvshare.engine.model.attend) over the preset's heads, or with ``--whole`` the preset's whole forward on CPU
 (random weights): o = 0 is the cold prefill (plain causal), o > 0 the suffix of n - o queries over n keys with a
 lower-right causal mask (what a reused prefix's suffix runs). Best of --repeats, the tokens in place interleaved.
-This is the cost behind the in-place floor of kvshare.engine.held_sequence: an overlap below a chunk is reused
+This is the cost behind the in-place floor of kvshare.engine.kv_cache.HeldSequence: an overlap below a chunk is reused
 only where it is at least half the prompt.
 """
 

@@ -167,7 +167,7 @@ def fresh_replica(model: str, bodies_path: str, share_dir: str, is_warm: bool) -
     from kvshare.engine.token_share import SharedPieces, TokenShareConfig
     from kvshare.engine.tokenizer import render_chat
     from kvshare.serve import api_types as A
-    from kvshare.serve.limits import checked_prompt_ids
+    from kvshare.serve.engine_request import checked_prompt_ids
     from kvshare.serve.tokenize import chat_prompt_ids
 
     tok = load_tokenizer(model)

@@ -20,7 +20,7 @@ and measures that many at a time (each batch one switch A -> B with SequentialRe
 The prime's output (a full recompute) is the reference each measurement must equal; the
 first ``verify`` measured ON requests of a context are also re-sent to B with the pool and
 the local cache off (a recompute on the measuring replica) and compared.
-Statistics: kvshare.bench.stats (k-th OFF block paired with k-th ON block).
+Statistics: kvshare.stats (k-th OFF block paired with k-th ON block).
 """
 
 from __future__ import annotations

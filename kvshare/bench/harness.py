@@ -165,8 +165,8 @@ class Harness:
 
     def _log_unit(self, key: str, seconds: float, records: list[Record]) -> None:
         """One line per unit when there is no progress bar (logs of long runs)."""
-        from kvshare.bench.stats import median
         from kvshare.bench.summary import outputs_of
+        from kvshare.stats import median
 
         ttfts = [r.ttft_s for r in records if r.is_ok and r.role == "measure"]
         failed = sum(not r.is_ok for r in records)

@@ -1,8 +1,8 @@
 """``kvshare bench parse``: how long a replica takes to read a token-id completion body.
 
 A prompt of token ids arrives as JSON text of 1-2 MB at 128k-256k tokens; the replica cuts the
-list out of the body and reads it with numpy on up to ``token_ids.PARSE_THREADS`` threads
-(kvshare.serve.token_ids). Per prompt length this times that read on 1, 2, 4 and 8 threads and
+list out of the body and reads it with numpy on up to ``api_types.PARSE_THREADS`` threads
+(kvshare.serve.api_types). Per prompt length this times that read on 1, 2, 4 and 8 threads and
 against a typed ``list[int]`` decode with ``np.fromiter`` of the same body, best of ``repeats``,
 in milliseconds. Every body is checked to decode to the ids it was built from. CPU only.
 """
@@ -45,7 +45,6 @@ def run_parse_bench(config: ParseBenchConfig) -> list[dict]:
     import numpy as np
 
     from kvshare.serve import api_types as A
-    from kvshare.serve import token_ids as T
 
     class ListPrompt(msgspec.Struct):
         prompt: list[int]
@@ -63,20 +62,20 @@ def run_parse_bench(config: ParseBenchConfig) -> list[dict]:
             np.fromiter(prompt, dtype=np.int64, count=len(prompt))
 
         def on(threads: int) -> float:
-            default, T.PARSE_THREADS = T.PARSE_THREADS, threads
+            default, A.PARSE_THREADS = A.PARSE_THREADS, threads
             try:
                 return best_ms(lambda: A.decode_completion(body), config.repeats)
             finally:
-                T.PARSE_THREADS = default
+                A.PARSE_THREADS = default
 
-        by_threads = {k: round(on(k), 3) for k in sorted({*THREAD_COUNTS, T.PARSE_THREADS})}
+        by_threads = {k: round(on(k), 3) for k in sorted({*THREAD_COUNTS, A.PARSE_THREADS})}
         rows.append(
             {
                 "tokens": n,
                 "body_bytes": len(body),
-                "parse_threads": T.PARSE_THREADS,
+                "parse_threads": A.PARSE_THREADS,
                 "ms_by_threads": by_threads,
-                "default_ms": by_threads[T.PARSE_THREADS],
+                "default_ms": by_threads[A.PARSE_THREADS],
                 "typed_list_ms": round(best_ms(typed, config.repeats), 3),
             }
         )

@@ -7,7 +7,6 @@ import os
 from dataclasses import dataclass
 
 from kvshare.bench.records import Record, ResultsDir
-from kvshare.bench.stats import MIN_N_FOR_CI
 from kvshare.bench.summary import (
     STUDY_BLOCKS,
     STUDY_BLOCKS_REQUESTS,
@@ -20,6 +19,7 @@ from kvshare.bench.summary import (
     ttft_rows,
 )
 from kvshare.outputs import MISMATCH, NEAR_TIE, UNKNOWN
+from kvshare.stats import MIN_N_FOR_CI
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ from kvshare.bench.routing_results import EXPERIMENT, ROWS, check_same_workload,
 from kvshare.bench.routing_summary import replay_row
 from kvshare.bench.routing_trace import Condition, RoutingConfig, SessionPlan, Trace, make_trace, parse_condition
 from kvshare.bench.runner import BenchContext, mark_matches
-from kvshare.bench.stats import histogram_quantile
+from kvshare.stats import histogram_quantile
 
 LAG_POLL_S = 0.25
 POOL_BYTES_LOADED = "kvshare_pool_bytes_loaded_total"  # a built-in replica's

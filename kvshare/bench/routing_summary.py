@@ -4,7 +4,7 @@ A replay's row holds what its records say (TTFT of first and later turns, the to
 the router's added latency) and what the metrics counted over it (pool bytes loaded, fallbacks, sampled event
 lag). Across runs, request-level figures (TTFT and added-latency percentiles) pool the runs' requests and
 take a bootstrap interval of the percentile; run-level totals (prefill tokens, pool bytes, output tokens/s)
-take a bootstrap interval of their mean over the runs (kvshare.bench.stats).
+take a bootstrap interval of their mean over the runs (kvshare.stats).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from statistics import fmean
 
 from kvshare.bench.outputs import tally
 from kvshare.bench.records import Record
-from kvshare.bench.stats import bootstrap_ci, percentile
 from kvshare.outputs import EQUAL, OutputCheck
+from kvshare.stats import bootstrap_ci, percentile
 
 
 def router_added_s(r: Record) -> float | None:

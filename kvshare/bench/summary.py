@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from kvshare.bench.outputs import OutputTally, tally
 from kvshare.bench.records import Record
-from kvshare.bench.stats import Interval, Summary, improvement, median, pair_blocks, paired_ratios, summarize
+from kvshare.stats import Interval, Summary, improvement, median, pair_blocks, paired_ratios, summarize
 
 # The study's published medians (docs/bench.md): cross-replica TTFT, seconds, OFF -> ON
 STUDY_BLOCKS = {128_000: (31.715, 0.605), 256_000: (92.047, 0.790)}

@@ -245,7 +245,7 @@ class EngineConfig:
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS  # tokens per shared chunk (one pool page)
     local_cache_bytes: int = 1 << 30  # bound of the local prefix cache; 0 disables it
     # the last request's tokens still in the sequence KV are reused in place, to the token, where they reach
-    # further than whole chunks from the local cache and the pool (kvshare.engine.held_sequence)
+    # further than whole chunks from the local cache and the pool (kvshare.engine.kv_cache.HeldSequence)
     reuse_in_place: bool = True
     kv_events: KVEventsConfig | None = None  # publish the local prefix cache's KV events (kvshare.engine.prefix_events)
     prefill_chunk_tokens: int = 4096  # projections and MLP run over this many tokens at a time

@@ -3,7 +3,7 @@
 A request, in order::
 
     keys      chained keys of the prompt's full chunks (kvshare.keys; namespace salted by tenant)
-    in place  the last request's tokens still in kv, where they outreach whole chunks (held_sequence)
+    in place  the last request's tokens still in kv, where they outreach whole chunks (kv_cache.HeldSequence)
     local     longest prefix of chunks held in the local prefix cache -> copied into kv
     pool      longest run after it that the pool holds -> leased, loaded layer by layer
     prefill   the rest of the prompt (at least its last token: its logits pick the first token)

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from kvshare.bench.stats import percentile
 from kvshare.outputs import top2_gap
 from kvshare.reliability.exchange import Outcome
+from kvshare.stats import percentile
 
 MAX_DETAILS = 20  # errors and mismatches described one by one, at most
 

@@ -1,10 +1,10 @@
 """The replica's HTTP server: OpenAI completions and chat (streaming or not), models, health, metrics.
 
-Routes, the engine queue and stream writes live here; a request's limits are checked by ``limits``, the response
-bodies and stream chunks are assembled by ``responses.ResponseBuilder``. The routes ``vllm serve`` adds
-(/tokenize, /detokenize, /version, /ping) answer in vLLM's shapes, so its tools work unchanged; the served names
-follow vLLM's rule (``models.ServedModels``). The engine runs one request at a time (``worker.EngineWorker``): the
-others wait in its queue.
+Routes, the engine queue and stream writes live here; a request is checked and made the engine's by
+``engine_request``, the response bodies and stream chunks are assembled by ``responses.ResponseBuilder``. The
+routes ``vllm serve`` adds (/tokenize, /detokenize, /version, /ping) answer in vLLM's shapes, so its tools work
+unchanged; the served names follow vLLM's rule (``models.ServedModels``). The engine runs one request at a time
+(``worker.EngineWorker``): the others wait in its queue.
 """
 
 from __future__ import annotations
@@ -28,14 +28,13 @@ from kvshare.serve import tokenize as T
 from kvshare.serve.audit import Auditor
 from kvshare.serve.config import ServeConfig
 from kvshare.serve.connection import SlowClient, is_gone, limit_send_buffer, read_capped, write_within
+from kvshare.serve.engine_request import Prepared, checked_max_tokens, checked_prompt_ids, sampling_params
 from kvshare.serve.http_errors import body_too_large, engine_error, error_response, http_error
-from kvshare.serve.limits import checked_max_tokens, checked_prompt_ids
 from kvshare.serve.metrics import ReplicaMetrics
 from kvshare.serve.models import ServedModels
 from kvshare.serve.off_loop import off_loop
 from kvshare.serve.readiness import Readiness
-from kvshare.serve.responses import Prepared, ResponseBuilder, is_provenance_shown
-from kvshare.serve.sampling import sampling_params
+from kvshare.serve.responses import ResponseBuilder, is_provenance_shown
 from kvshare.serve.tenancy import Unauthorized, account_identity, check_api_key, namespace_salt, tenant_identity
 from kvshare.serve.warm_path import warm_request_path
 from kvshare.serve.worker import EngineWorker, QueueFull, WorkerRequest

@@ -24,8 +24,8 @@ import msgspec
 import numpy as np
 
 from kvshare.serve import api_types as A
-from kvshare.serve.responses import Prepared, ResponseBuilder
-from kvshare.serve.sampling import sampling_params
+from kvshare.serve.engine_request import Prepared, sampling_params
+from kvshare.serve.responses import ResponseBuilder
 
 _json = msgspec.json.Encoder()
 

@@ -1,4 +1,4 @@
-"""The last request's tokens still in the sequence KV are reused in place (kvshare.engine.held_sequence).
+"""The last request's tokens still in the sequence KV are reused in place (kvshare.engine.kv_cache.HeldSequence).
 
 The same prompt again computes its last token alone, a chat's next turn its new turn alone, with the cold
 run's tokens (greedy, float32). Nothing is reused in place across tenants, after a request that failed or was
@@ -133,7 +133,7 @@ def test_whatever_else_takes_the_kv_ends_what_was_in_place(engine):
 
 def test_an_overlap_shorter_than_a_chunk_and_half_the_prompt_is_computed_again(engine):
     """A shared template's first tokens under a longer prompt: reused, the suffix's attention would cost more than
-    the tokens it saves where it takes a mask (kvshare.engine.held_sequence)."""
+    the tokens it saves where it takes a mask (kvshare.engine.kv_cache.HeldSequence)."""
     ids = engine.tokenizer.encode(ascii_prompt(40, seed=15))
     run(engine, ids)
     other = ids[:10] + engine.tokenizer.encode(ascii_prompt(30, seed=16))

@@ -1,4 +1,4 @@
-"""A completion's token-id prompt read from its body (kvshare.serve.token_ids, through decode_completion):
+"""A completion's token-id prompt read from its body (kvshare.serve.api_types.decode_completion):
 exactly the list JSON holds, or nothing, and then msgspec's generic decode answers."""
 
 import json
@@ -8,14 +8,13 @@ import numpy as np
 import pytest
 
 from kvshare.serve import api_types as A
-from kvshare.serve import token_ids as T
 
 
 def test_the_reader_takes_json_lists_of_non_negative_integers():
-    assert T.read_list(b"[1,2]").tolist() == [1, 2]
-    assert T.read_list(b"[ 0 , 17,\n\t4\r\n]").tolist() == [0, 17, 4]
-    assert T.read_list(b"[]").tolist() == [] and T.read_list(b"[ \n]").tolist() == []
-    assert T.read_list(b"[99999999999999999999999]").tolist() == [2**63 - 1]  # beyond any vocabulary
+    assert A.read_list(b"[1,2]").tolist() == [1, 2]
+    assert A.read_list(b"[ 0 , 17,\n\t4\r\n]").tolist() == [0, 17, 4]
+    assert A.read_list(b"[]").tolist() == [] and A.read_list(b"[ \n]").tolist() == []
+    assert A.read_list(b"[99999999999999999999999]").tolist() == [2**63 - 1]  # beyond any vocabulary
 
 
 @pytest.mark.parametrize(
@@ -42,7 +41,7 @@ def test_the_reader_takes_json_lists_of_non_negative_integers():
     ],
 )
 def test_the_reader_refuses_everything_else(raw):
-    assert T.read_list(raw) is None, raw
+    assert A.read_list(raw) is None, raw
 
 
 @pytest.mark.parametrize("sep", [",", ", ", " ,\n ", ",\t"])
@@ -50,17 +49,17 @@ def test_a_long_list_read_on_threads_equals_its_numbers(sep):
     ids = np.random.default_rng(5).integers(0, 10**12, 120_000)  # long numbers: a cut may fall inside one
     raw = ("[ " + sep.join(str(i) for i in ids) + " ]").encode()
     inner = raw[1:-1]
-    pieces = T.cut_at_commas(inner, 4)
+    pieces = A.cut_at_commas(inner, 4)
     assert len(pieces) == 4 and b",".join(pieces) == inner  # cut at commas only, nothing lost
-    assert T.read_list(raw).tolist() == ids.tolist()
-    assert T.cut_at_commas(b"123", 4) == [b"123"] and T.cut_at_commas(b"1,2", 4) == [b"1", b"2"]
+    assert A.read_list(raw).tolist() == ids.tolist()
+    assert A.cut_at_commas(b"123", 4) == [b"123"] and A.cut_at_commas(b"1,2", 4) == [b"1", b"2"]
 
 
 @pytest.mark.parametrize("where", [0, 1, 60_000, 119_998])
 def test_one_bad_number_anywhere_in_a_long_list_refuses_it(where):
     ids = [str(i) for i in np.random.default_rng(6).integers(0, 151_936, 120_000)]
     ids[where] = "-" + ids[where]
-    assert T.read_list(("[" + ",".join(ids) + "]").encode()) is None
+    assert A.read_list(("[" + ",".join(ids) + "]").encode()) is None
 
 
 def test_decode_completion_cuts_the_prompt_out_and_keeps_the_rest():
@@ -94,7 +93,7 @@ def test_what_the_cut_cannot_take_goes_through_msgspec(body, prompt):
 def test_a_marker_in_the_body_is_a_clients_string_not_ours():
     body = json.dumps({"prompt": [1, 2], "user": "kvshare-prompt-0"}).encode()
     assert A.decode_completion(body).user == "kvshare-prompt-0"
-    assert json.loads(T.MARK).startswith("kvshare-prompt-") and len(T.MARK) > 30  # a per-process nonce
+    assert json.loads(A.MARK).startswith("kvshare-prompt-") and len(A.MARK) > 30  # a per-process nonce
 
 
 @pytest.mark.parametrize(
@@ -119,4 +118,4 @@ def test_a_wrong_type_beside_the_list_names_its_field():
         A.decode_completion(b'{"prompt": [1, 2], "max_tokens": "4"}')
     assert err.value.status == 400 and err.value.param == "max_tokens"
     with pytest.raises(msgspec.ValidationError):  # what the cut's own decode saw, before the generic one
-        msgspec.json.decode(b'{"prompt": ' + T.MARK + b', "max_tokens": "4"}', type=A.TokenIdsCompletionRequest)
+        msgspec.json.decode(b'{"prompt": ' + A.MARK + b', "max_tokens": "4"}', type=A.TokenIdsCompletionRequest)

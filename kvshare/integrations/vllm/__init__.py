@@ -42,6 +42,8 @@ Beneath them, plain modules:
     guards      the layout fingerprint, models with other state than attention KV, the KV dtype
     hybrid      a hybrid (Gated DeltaNet) model: its cache groups, guards, block size, which chunks and
                 checkpoint a load and a store take (pure)
+    hybrid_setup  a hybrid's set-up from vLLM's objects at start: checked, its pages' and checkpoints' layouts,
+                its GDN layers' state taken into the worker
     state_blocks  a hybrid's GDN state between vLLM's blocks and one canonical checkpoint page
     compat      what differs between the vLLM versions the connector supports
 

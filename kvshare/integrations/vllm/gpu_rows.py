@@ -11,6 +11,8 @@ import re
 import statistics
 from dataclasses import dataclass
 
+from kvshare.stats import percentile
+
 ENGINES = ("kvshare", "vllm-offloading", "lmcache-mp")
 ROW_FIELDS = (
     "model",
@@ -196,17 +198,6 @@ def store_cost_row(
     }
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    """The q-th percentile (0..100) by linear interpolation between the closest ranks; None when empty."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    at = (len(ordered) - 1) * q / 100
-    low = int(at)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (at - low)
-
-
 def load_row(
     *,
     model: str,
@@ -231,8 +222,8 @@ def load_row(
         "duration_s": duration_s,
         "requests": num_requests,
         "errors": num_errors,
-        "ttft_p50_s": percentile(ttfts_s, 50),
-        "ttft_p99_s": percentile(ttfts_s, 99),
+        "ttft_p50_s": percentile(ttfts_s, 50) if ttfts_s else None,
+        "ttft_p99_s": percentile(ttfts_s, 99) if ttfts_s else None,
         "cached_share": cached_tokens / prompt_tokens if prompt_tokens else None,
     }
 

@@ -9,7 +9,6 @@ from kvshare.integrations.vllm.gpu_rows import (
     compare,
     load_row,
     on_off_row,
-    percentile,
     startup_row,
     store_cost_row,
     ttft_row,
@@ -138,9 +137,6 @@ def test_store_cost_row_is_medians_and_the_five_percent_goal():
 
 
 def test_percentiles_and_the_load_row():
-    assert percentile([], 50) is None
-    assert percentile([3.0, 1.0, 2.0], 50) == 2.0
-    assert percentile(list(map(float, range(101))), 99) == pytest.approx(99.0)
     row = load_row(
         **COMMON,
         pool="on",
@@ -153,6 +149,19 @@ def test_percentiles_and_the_load_row():
         prompt_tokens=1000,
     )
     assert row["ttft_p50_s"] == pytest.approx(0.2) and row["cached_share"] == pytest.approx(0.75)
+    assert row["ttft_p99_s"] == pytest.approx(0.298)
+    empty = load_row(
+        **COMMON,
+        pool="on",
+        num_sessions=16,
+        duration_s=180,
+        ttfts_s=[],
+        num_errors=3,
+        num_requests=3,
+        cached_tokens=0,
+        prompt_tokens=0,
+    )
+    assert empty["ttft_p50_s"] is None and empty["ttft_p99_s"] is None and empty["cached_share"] is None
 
 
 def test_bench_serve_row_takes_vllms_own_figures():

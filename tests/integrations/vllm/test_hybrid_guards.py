@@ -1,8 +1,10 @@
 """A hybrid model's rules in the connector without a vLLM server: its cache groups, the guards that refuse what
 cannot be right, where a load may end and which checkpoints a prefill stores, the GDN state between vLLM's blocks
-and a checkpoint page, the settings ``kvshare up`` gives vLLM for it."""
+and a checkpoint page, the connector's set-up of it from vLLM's objects, the settings ``kvshare up`` gives vLLM
+for it."""
 
 import dataclasses
+import importlib.util
 import json
 from enum import Enum
 from types import SimpleNamespace
@@ -22,7 +24,9 @@ from kvshare.integrations.vllm.hybrid import (
     state_block,
     state_layout_of,
 )
+from kvshare.integrations.vllm.hybrid_setup import HybridSetup, attention_group
 from kvshare.integrations.vllm.launch import VllmServerConfig, hybrid_settings, vllm_server_command
+from kvshare.integrations.vllm.layout import UnsupportedKVLayout
 from kvshare.integrations.vllm.state_blocks import StateBlocks
 from kvshare.keys import Namespace, namespace_digest
 from kvshare.state_layout import StateLayout
@@ -188,6 +192,52 @@ def test_state_tensors_of_another_layout_are_refused():
         StateBlocks(other, [gdn_tensors(layout, 3, s) for s in (1, 2)])
     with pytest.raises(ValueError, match="GDN layers"):
         StateBlocks(layout, [gdn_tensors(layout, 3, 1)])
+
+
+def tiny_vllm_config(tp_size: int = 1):
+    """The parts of a VllmConfig the hybrid set-up reads, for the tests' tiny Qwen3-Next in bf16."""
+    model = SimpleNamespace(dtype="torch.bfloat16", hf_text_config=SimpleNamespace(**TINY_TEXT))
+    return SimpleNamespace(model_config=model, parallel_config=SimpleNamespace(tensor_parallel_size=tp_size))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="reads vLLM's version and platform")
+def test_the_connectors_setup_of_a_hybrid_from_vllms_objects():
+    kv_cache_config = qwen3_next_groups()
+    groups = hybrid_groups(kv_cache_config)
+    config = SimpleNamespace(chunk_tokens=640, allow_untested_vllm=False)
+    setup = HybridSetup.of(groups, tiny_vllm_config(), kv_cache_config, config, 640)
+    assert setup.groups == groups and setup.num_attention_layers == 2  # model.layers.3 and 7: the pages' layers
+    assert setup.state_layout == state_layout_of(SimpleNamespace(**TINY_TEXT), "bfloat16", 6)
+    assert attention_group(setup) == 3 and attention_group(None) == 0
+    with pytest.raises(UnsupportedHybrid, match="chunk_tokens to 640"):
+        HybridSetup.of(
+            groups,
+            tiny_vllm_config(),
+            kv_cache_config,
+            SimpleNamespace(chunk_tokens=256, allow_untested_vllm=False),
+            640,
+        )
+    with pytest.raises(UnsupportedHybrid, match="tensor-parallel-size 1"):
+        HybridSetup.of(groups, tiny_vllm_config(tp_size=2), kv_cache_config, config, 640)
+
+
+def test_the_gdn_layers_state_goes_to_the_worker_and_the_attention_kv_to_the_pages():
+    groups = hybrid_groups(qwen3_next_groups())
+    layout = StateLayout(6, 4, 8, 8, 48, 4, "float32", "bfloat16")
+    setup = HybridSetup(groups, 2, layout)
+    states = {name: gdn_tensors(layout, 3, seed) for seed, name in enumerate(groups.state_layers)}
+    attention = {f"model.layers.{i}.self_attn.attn": torch.zeros(3, 2) for i in (3, 7)}
+    kv_caches = {**{name: state[1] for name, state in states.items()}, **attention}
+    forward_context = {name: SimpleNamespace(kv_cache=list(state)) for name, state in states.items()}
+    blocks, left = setup.take_states(kv_caches, forward_context)
+    assert left == attention and blocks.layout == layout
+    page = np.zeros(layout.checkpoint_bytes, dtype=np.uint8)
+    blocks.read((1,) * 6, page)  # every GDN layer's block 1, in model order
+    conv = torch.from_numpy(page[layout.conv_offset(5) :][: layout.conv_bytes].copy()).view(torch.bfloat16)
+    assert torch.equal(conv.view(48, 3), states["model.layers.6.linear_attn"][0][1].transpose(0, 1))
+    del forward_context["model.layers.5.linear_attn"]
+    with pytest.raises(UnsupportedKVLayout, match="model.layers.5.linear_attn"):
+        setup.take_states(kv_caches, forward_context)
 
 
 def test_kvshare_up_gives_vllm_what_a_hybrid_needs(tmp_path):

@@ -1,11 +1,11 @@
-"""Logprobs bodies (kvshare.serve.render): byte tokens keep distinct names and their raw bytes."""
+"""Logprobs bodies (kvshare.serve.responses): byte tokens keep distinct names and their raw bytes."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from kvshare.engine.tokenizer import EOS_ID, Tokenizer
-from kvshare.serve.render import chat_logprobs, completion_logprobs, token_name
+from kvshare.serve.responses import chat_logprobs, completion_logprobs, token_name
 
 TOK = Tokenizer.byte_level(64)
 

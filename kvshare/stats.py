@@ -1,4 +1,7 @@
-"""Statistics of the experiments: medians, bootstrap intervals, pairing by position, ratios.
+"""Statistics of measurements: medians, percentiles, bootstrap intervals, pairing by position, ratios.
+
+The experiments' (kvshare.bench), the load runs' (kvshare.reliability) and the benchmarks' rows
+(kvshare.integrations.vllm.gpu_rows) take theirs from here.
 
 Pure functions of their inputs (a fixed seed makes every interval reproducible).
 The blocked design pairs the k-th OFF block with the k-th ON block, position by

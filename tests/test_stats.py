@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvshare.bench.stats import (
+from kvshare.stats import (
     Interval,
     bootstrap_ci,
     histogram_quantile,
