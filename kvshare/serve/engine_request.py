@@ -27,7 +27,6 @@ import numpy as np
 
 from kvshare.serve.api_types import ApiError, ChatRequest, CompletionRequest
 
-GREEDY_BELOW_TEMPERATURE = 1e-5
 MIN_TOP_P = 1e-6
 
 
@@ -116,14 +115,14 @@ def sampling_params(
     req: CompletionRequest | ChatRequest, max_tokens: int, logprobs: int | None, vocab_size: int
 ) -> Any:
     """The engine's SamplingParams for a validated request; ApiError(400) for token ids outside the vocabulary."""
-    from kvshare.engine.sampler import SamplingParams  # torch: imported where used
+    from kvshare.engine.sampler import GREEDY_BELOW, SamplingParams  # torch: imported where used
 
     logit_bias = tuple((int(key), float(bias)) for key, bias in (req.logit_bias or {}).items())
     _check_token_ids([i for i, _ in logit_bias], vocab_size, "logit_bias")
     stop_token_ids = tuple(req.stop_token_ids or ())
     _check_token_ids(stop_token_ids, vocab_size, "stop_token_ids")
     # found by fuzzing: a temperature of 1e-82 overflowed the scaled logits to inf, and sampling failed with a 500
-    temperature = 0.0 if req.temperature < GREEDY_BELOW_TEMPERATURE else req.temperature
+    temperature = 0.0 if req.temperature < GREEDY_BELOW else req.temperature
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,
