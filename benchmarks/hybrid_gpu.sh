@@ -22,11 +22,12 @@
 # msgspec; they install with pip --no-deps --target /tmp/site. A replica without them would run the GDN layers
 # in plain torch (far slower): this script refuses to start then.
 #
-# Estimates on an H100 80 GB (a fresh machine takes 1-2 min to start before the command; not measured yet):
-#   27b-32k ~4-5 min (two replica starts of ~1.5 min each: 50 GiB of weights made on the GPU, the GDN self-test,
-#   the warm-up; two 32k cold and local prefills), 27b-128k ~5-6 min (two ~40 s cold prefills at 128k; no local
-#   cache fits beside the weights), 9b-sessions-32k ~3-4 min, 9b-sessions-128k ~6-8 min; on an H200 32b-32k
-#   ~3 min, 32b-128k ~5 min.
+# Measured on an H100 80 GB (docs/results/2026-12-07-efd2ed6-h100-hybrid-tail-graphs; a fresh machine takes 1-2 min
+# to start before the command, and its first Triton compiles add up to a minute): 27b-32k 98-106 s (two replica
+# starts: 50 GiB of weights made on the GPU, the GDN self-test, the warm-up and the tail graphs' capture; two 32k
+# cold and local prefills), 27b-128k 117-146 s (two ~21 s cold prefills; no local cache fits beside the weights),
+# 9b-sessions-32k 196 s with `kvshare validate`; estimated: 9b-sessions-128k ~6-8 min; on an H200 32b-32k ~3 min,
+# 32b-128k ~5 min. The driver skips a case whose estimate exceeds BUDGET: keep BUDGET at its default.
 set -uo pipefail
 STEP=${1:?usage: benchmarks/hybrid_gpu.sh 27b-32k|27b-128k|32b-32k|32b-128k|9b-sessions-32k|9b-sessions-128k}
 cd "$(dirname "$0")/.."

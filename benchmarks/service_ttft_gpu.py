@@ -51,22 +51,23 @@ MODELS = {
 GiB = 1 << 30
 FALLBACK_H2D = 55e9  # B/s: pinned H2D on the H200 in earlier runs
 # cold prefill seconds = a*n + b*n^2, fitted to the H200 figures (8B: 1.87 s at 32k, 13.3 s at 131k; 32B: 6 s, 48 s);
-# the hybrids' are guesses until measured (27B: 6 s at 32k, 35 s at 131k; 9B: 2.5 s, 13 s): a quarter of the
-# attention layers of the 32B shape, the GDN layers linear in the tokens
+# the 27B hybrid's to its H100 figures (4.1 s at 32k, 20.6 s at 131k: docs/results/2026-12-07-efd2ed6-h100-hybrid-
+# tail-graphs); the 9B hybrid's a guess until measured (2.5 s, 13 s)
 COLD_FIT = {
     "qwen3-8b": (4.19e-5, 4.58e-10),
     "qwen3-32b": (1.17e-4, 2.01e-9),
     "tiny": (2e-4, 2e-8),
-    "qwen3.5-27b": (1.55e-4, 8.54e-10),
+    "qwen3.5-27b": (1.14e-4, 3.32e-10),
     "qwen3.5-9b": (6.87e-5, 2.33e-10),
     "qwen3.5-tiny": (2e-4, 2e-8),
 }
-# one replica's start and warm-up (sequential: x2); a preset's weights are made on the device at start
+# one replica's start and warm-up (sequential: x2); a preset's weights are made on the device at start (the 27B
+# hybrid's two starts and its cold, local and cross requests took 98-106 s at 32k on an H100)
 START_S = {
     "qwen3-8b": 60.0,
     "qwen3-32b": 45.0,
     "tiny": 20.0,
-    "qwen3.5-27b": 90.0,
+    "qwen3.5-27b": 45.0,
     "qwen3.5-9b": 60.0,
     "qwen3.5-tiny": 20.0,
 }
