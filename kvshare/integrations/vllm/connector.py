@@ -55,13 +55,13 @@ from kvshare.integrations.vllm.compat import (
     kv_cache_layout,
 )
 from kvshare.integrations.vllm.cpu import CpuKVWorker
+from kvshare.integrations.vllm.cpu_cores import advise_on_cpu_cores
 from kvshare.integrations.vllm.gpu import GpuKVWorker
 from kvshare.integrations.vllm.guards import LayoutFingerprint, allocation_of, non_attention_state, version_of
 from kvshare.integrations.vllm.hint_listener import HintListener
 from kvshare.integrations.vllm.hybrid import hybrid_groups
 from kvshare.integrations.vllm.hybrid_setup import HybridSetup, attention_group
 from kvshare.integrations.vllm.identity import LoraIdentities, vllm_namespace
-from kvshare.integrations.vllm.launch import advise_on_cpu_cores
 from kvshare.integrations.vllm.layout import UnsupportedKVLayout, detect_layout
 from kvshare.integrations.vllm.metadata import StepPlan, WorkerReport
 from kvshare.integrations.vllm.options import PARAMS_KEY, ConnectorConfig, check_supported, kv_layout_of

@@ -6,13 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvshare.integrations.vllm.launch import (
-    VllmServerConfig,
-    kv_transfer_config,
-    rank_core_binds,
-    reserved_cpus_advice,
-    vllm_server_command,
-)
+from kvshare.integrations.vllm.cpu_cores import rank_core_binds, reserved_cpus_advice
+from kvshare.integrations.vllm.launch import VllmServerConfig, kv_transfer_config, vllm_server_command
 from kvshare.integrations.vllm.options import (
     ConnectorConfig,
     TransferParams,
