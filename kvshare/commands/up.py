@@ -347,8 +347,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         with console.status("starting the cluster...") as status:
             cluster.start(progress=lambda msg: status.update(msg))
-        _print_cluster(console, cluster)
+        # started: a signal from here on is a stop (a client may see the router healthy before the line below)
         signals.is_supervising = True
+        _print_cluster(console, cluster)
         while not signals.stop.wait(0.5):
             supervisor.poll()
     except CrashLoop as exc:

@@ -49,13 +49,15 @@ class UpProcess:
             return f.read()
 
     def wait_ready(self, num_replicas: int, timeout_s: float = 240) -> dict:
-        """Until the router answers with every replica healthy; its /health."""
+        """Until the router answers with every replica healthy and ``up`` has announced the started cluster (a signal
+        before that interrupts the start: exit 130); the router's /health."""
         deadline = time.monotonic() + timeout_s
         while True:
             assert self.proc.poll() is None, f"up exited with {self.proc.returncode}:\n{self.output()}"
             status, health = get_json(self.router_url + "/health", timeout=2)
             replicas = health.get("replicas", [])
-            if status == 200 and len(replicas) == num_replicas and all(r["healthy"] for r in replicas):
+            is_healthy = status == 200 and len(replicas) == num_replicas and all(r["healthy"] for r in replicas)
+            if is_healthy and "kvshare up: router" in self.output():
                 return health
             assert time.monotonic() < deadline, f"up was not ready within {timeout_s} s:\n{self.output()}"
             time.sleep(0.3)
