@@ -52,6 +52,7 @@ Beside them, not hooks:
     paged_tensors  vLLM-shaped KV tensors of every accepted memory order (tests, validation, the GPU harness)
     ordercheck  the GPU path's byte and delay-injection ordering checks (kvshare validate --level bytes)
     launch      the vLLM server command line with the connector configured
+    cpu_cores   the CPU cores of vLLM CPU replicas: those vLLM keeps off its OpenMP threads, each rank's share
     bench       ``python -m kvshare.integrations.vllm.bench``: TTFT cold, local and cross-replica
     bench_copy  its ``--copy-only``: the connector's store and load of one prompt, without vLLM
     bench_timings  its ``--timings``: the connector's debug timing lines, parsed and summarised (pure)
