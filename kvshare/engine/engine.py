@@ -327,8 +327,8 @@ class Engine:
         last request (when ``reuses`` and it did not grow). Called under the request lock; from here kv holds
         nothing reusable again until this request ends."""
         grows = self._kv.capacity < needed
-        if grows:
-            self._graphs = None  # they hold the KV tensor, which must go before a larger one comes
+        if grows:  # the graphs hold the KV tensor, which must go before a larger one comes
+            self._graphs = self._tails = None
         in_place = (
             self._kv.held.reusable(digest, ids, len(ids) - 1, self.layout.chunk_tokens) if reuses and not grows else 0
         )
