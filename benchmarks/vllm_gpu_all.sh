@@ -29,6 +29,12 @@ fi
 L8=${L8:-"32768 131072"}
 KV=${KV_BYTES:-24G}
 LEN8=${MAXLEN8:+--max-model-len $MAXLEN8}
+# DUMMY8=1: the 8B replicas start with vLLM's dummy weights (--load-format dummy, the same seeded values in every
+# replica) instead of writing 16 GB of random weights first (~2 min of a fresh machine); the pool namespace then
+# takes its weights' name from --model-revision, as the 32B steps do
+if [ "${DUMMY8:-0}" = 1 ]; then
+    LEN8="$LEN8 --replica-arg=--load-format=dummy --model-revision qwen3-8b-vllm-dummy-seed"
+fi
 L32_SHORT=32768
 L32_LONG=131040  # the 32B shape's context is 131072: room for the 16 generated tokens
 
@@ -57,7 +63,8 @@ step  minutes  what (setup: modes; model; lengths)
                them, then while B computes a cold one (goal: the load's worst gap <= 2x the streams' p99 gap)
 11    6-7      lmcache-mp: stall; 8B; ${L8##* }. The same with LMCache 0.5.3's MP server (step 5's install)
 12    5-6      vllm-offloading: ttft; 8B; $L8 x2. vLLM's CPU tier on the 8B, beside steps 5 and 8
-Each step: install ~0.5 min and the 8B model ~1.5 min on a fresh machine (both skipped on a warm one).
+Each step: install ~0.5 min and the 8B model ~1.5 min on a fresh machine (both skipped on a warm one; with
+DUMMY8=1 the 8B replicas take vLLM's dummy weights and no model is written).
 EOF
 }
 
@@ -65,8 +72,11 @@ prepare() {  # the vLLM bundle, its environment, and the model directories this 
     # shellcheck source=benchmarks/vllm_bundle.sh
     source benchmarks/vllm_bundle.sh || exit 1
     export PYTHONUNBUFFERED=1
-    case " $* " in *" 8b "*) [ -f $M8/config.json ] \
-        || python3 -m kvshare make-model qwen3-8b --out $M8 --device cuda 2>&1 | tail -1;; esac
+    case " $* " in *" 8b "*) [ -f $M8/config.json ] || if [ "${DUMMY8:-0}" = 1 ]; then
+            python3 -m kvshare make-model qwen3-8b --out $M8 --no-weights 2>&1 | tail -1
+        else
+            python3 -m kvshare make-model qwen3-8b --out $M8 --device cuda 2>&1 | tail -1
+        fi;; esac
     case " $* " in *" 32b "*) [ -f $M32/config.json ] \
         || python3 -m kvshare make-model qwen3-32b --out $M32 --no-weights 2>&1 | tail -1;; esac
 }
