@@ -11,6 +11,7 @@ import threading
 import time
 import urllib.request
 
+from kvshare.bench import scrape
 from kvshare.integrations.vllm.gpu_rows import Completion
 
 
@@ -64,6 +65,12 @@ def stream_completion(
     if ttft is None:
         raise RuntimeError(f"{url} streamed no token")
     return Completion(ttft, tuple(tokens), tuple(logprobs), tuple(tops), cached, last)
+
+
+def counters(url: str, names: dict[str, str]) -> dict[str, float]:
+    """Each of ``names`` (short name -> metric on ``url``'s /metrics) that the server exports, by short name."""
+    values = {short: scrape.metric(url, metric) for short, metric in names.items()}
+    return {short: value for short, value in values.items() if value is not None}
 
 
 def post(url: str, path: str, timeout_s: float = 60) -> None:

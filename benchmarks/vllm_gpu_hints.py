@@ -7,8 +7,10 @@
                turn the conversation so far: B loads turn 0's prompt, as a next turn on another replica does; a
                message of ~0.9 x the length's tokens: the row's cached tokens say how many).
   stall        --streams decode streams on replica B (EOS ignored); their gaps alone, then while B loads a prefix A
-               computed (the others run: the load runs beside them), then while B computes a prompt nobody holds
-               (vLLM's chunked prefill). One row: each phase's worst gap over the p99 without (goal <= 2).
+               computed (the others run: the load runs beside them; the row counts B's asynchronous loads), then the
+               same prompt again (B's own prefix hit: what vLLM's front end and step cost beside the streams with
+               no load), then while B computes a prompt nobody holds (vLLM's chunked prefill). One row: each
+               phase's worst gap over the p99 without (goal <= 2).
 
 Plain urllib and threads, as vllm_gpu_client.py (no vLLM import).
 """
@@ -165,6 +167,14 @@ def _chat_turns(run, length: int) -> list:
     return turns
 
 
+# kvshare's connector counters on a vLLM replica's /metrics that tell how a load ran (absent with LMCache)
+LOAD_COUNTERS = {
+    "async_loads": "vllm:kvshare_async_loads_total",
+    "loaded_tokens": "vllm:kvshare_loaded_tokens_total",
+    "prefetch_hits": "vllm:kvshare_prefetch_hits_total",
+}
+
+
 def mode_stall(run) -> None:
     a = run.args
     a_url, b_url = run.urls
@@ -173,7 +183,10 @@ def mode_stall(run) -> None:
         run.complete(a_url, prompt, 1)  # A computes and stores it
         time.sleep(a.settle_s)
         baseline = _phase(run, b_url, lambda: time.sleep(a.baseline_s))
+        before = client.counters(b_url, LOAD_COUNTERS)
         load = _phase(run, b_url, lambda: run.complete(b_url, prompt, 1))
+        after = client.counters(b_url, LOAD_COUNTERS)
+        local = _phase(run, b_url, lambda: run.complete(b_url, prompt, 1))  # B holds it now: vLLM's own hit
         cold = _phase(run, b_url, lambda: run.complete(b_url, run.prompt(length), 1)) if a.stall_cold else None
         row = gpu_rows.stall_row(
             **run.base_row(),
@@ -182,6 +195,8 @@ def mode_stall(run) -> None:
             baseline=(baseline[0], baseline[1], baseline[1] + a.baseline_s),
             load=load,
             cold=cold,
+            local=local,
+            load_counters={name: after[name] - before[name] for name in after if name in before} or None,
         )
         run.rows.add(row)
 

@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
 
+from kvshare.bench import scrape
 from kvshare.bench.routing_trace import HINTED
 from kvshare.children import ChildSpec, start_child
 from kvshare.credentials import write_new_secret
@@ -88,13 +88,6 @@ class RoutingTarget:
     @property
     def is_vllm(self) -> bool:
         return self.engine == "vllm"
-
-
-def _metric(url: str, name: str) -> float | None:
-    """A metric of a router's /metrics, summed over its labels (None: not there)."""
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
-        found = re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", resp.read().decode(), re.M)
-    return sum(map(float, found)) if found else None
 
 
 def _mib(num_bytes: int) -> str:
@@ -237,7 +230,7 @@ class RoutingCluster:
             wanted.append((REPLICA_EVENTS_LIVE, "every replica", self.target.num_replicas))
         for name in live:
             for metric, whose, count in wanted:
-                while _metric(self.url(name), metric) != count:
+                while scrape.metric(self.url(name), metric) != count:
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"the {name} router took no KV event from {whose} within {timeout_s:.0f} s")
                     time.sleep(0.2)

@@ -338,11 +338,16 @@ def stall_row(
     baseline: tuple[list[list[float]], float, float],
     load: tuple[list[list[float]], float, Completion],
     cold: tuple[list[list[float]], float, Completion] | None,
+    local: tuple[list[list[float]], float, Completion] | None = None,
+    load_counters: dict[str, float] | None = None,
 ) -> dict:
     """Decode streams on one replica while a prefix of ``prompt_tokens`` comes to it: ``baseline`` (their token
     times, the window's start and end) with nothing else, ``load`` (token times, when the request was sent, its
-    completion) while it loads the prefix from the shared tier, ``cold`` the same while it computes a prompt
-    nobody holds (vLLM's chunked prefill). The worst gap of each is over the request's time to first token."""
+    completion) while it loads the prefix from the shared tier, ``local`` the same prompt again once the replica
+    holds it (vLLM's own prefix hit: what receiving and answering the request costs vLLM beside the streams, no
+    load), ``cold`` while it computes a prompt nobody holds (vLLM's chunked prefill). The worst gap of each is over
+    the request's time to first token. ``load_counters``: the replica's connector counters that changed during the
+    load (``async_loads`` 1: it ran beside the streams' steps; 0: inside one step)."""
     arrivals, start, end = baseline
     p99 = _p99(token_gaps(arrivals, start, end))
     row = {
@@ -355,7 +360,7 @@ def stall_row(
         "baseline_p99_gap_s": p99,
         "goal_over_p99": STALL_GOAL,
     }
-    for name, phase in (("load", load), ("cold", cold)):
+    for name, phase in (("load", load), ("local", local), ("cold", cold)):
         if phase is None:
             continue
         streams, sent, done = phase
@@ -366,4 +371,6 @@ def stall_row(
         row[f"{name}_over_p99"] = worst / p99 if worst is not None and p99 else None
         # every stream kept streaming past the request's first token: the window was measured whole
         row[f"{name}_streams_outlasted"] = all(s and s[-1] > sent + done.ttft_s for s in streams)
+    if load_counters is not None:
+        row.update({f"load_{name}": value for name, value in load_counters.items()})
     return row

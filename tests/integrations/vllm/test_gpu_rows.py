@@ -237,8 +237,12 @@ def test_a_stall_row_takes_the_worst_gap_over_the_requests_first_token_against_t
         baseline=(steady, 0.5, 3.5),
         load=(steady, 1.0, loaded),
         cold=(stalled, 1.2, loaded),
+        local=(stalled, 1.3, loaded),
+        load_counters={"async_loads": 1, "loaded_tokens": 131040},
     )
     assert row["baseline_p99_gap_s"] == pytest.approx(0.01)
+    assert row["local_over_p99"] == pytest.approx(36.0) and row["local_ttft_s"] == 0.5
+    assert row["load_async_loads"] == 1 and row["load_loaded_tokens"] == 131040
     assert row["load_over_p99"] == pytest.approx(1.0) and row["load_streams_outlasted"]
     assert row["cold_over_p99"] == pytest.approx(36.0) and row["cold_cached_tokens"] == 131072
     short = stall_row(
@@ -250,4 +254,5 @@ def test_a_stall_row_takes_the_worst_gap_over_the_requests_first_token_against_t
         load=([times[:100] for times in steady], 0.5, loaded),
         cold=None,
     )
-    assert not short["load_streams_outlasted"] and "cold_ttft_s" not in short
+    assert not short["load_streams_outlasted"] and "cold_ttft_s" not in short and "local_ttft_s" not in short
+    assert "load_async_loads" not in short
