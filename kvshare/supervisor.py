@@ -9,10 +9,15 @@ A restarted replica rejoins by itself: the router's health loop sends it request
 backoff. A child that exits before it was first ready stops ``up`` at once instead
 (kvshare.launch.Cluster.start): a start-up error (a bad flag, a model that does not load) does not
 go away by retrying.
+
+Ctrl-C and SIGTERM (``StopSignals``) end the supervision loop once the cluster is up; while it still starts they
+interrupt the start, which stops what has started.
 """
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -136,3 +141,22 @@ class Supervisor:
             raise CrashLoop(name, returncode, num_recent, self.policy, tail, oom_kills_before)
         self.say(f"{name} exited ({describe_exit(returncode, oom_kills_before)}); starting it again in {delay:g} s")
         self._restart_at[name] = now + delay
+
+
+class StopSignals:
+    """Ctrl-C and SIGTERM: once the cluster is up they end the supervision loop; while it is still starting they
+    interrupt the start (KeyboardInterrupt), which stops what has started."""
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self.is_supervising = False
+
+    def install(self) -> None:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+
+    def _on_signal(self, *_) -> None:
+        is_starting = not self.stop.is_set() and not self.is_supervising
+        self.stop.set()
+        if is_starting:
+            raise KeyboardInterrupt

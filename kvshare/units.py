@@ -54,6 +54,22 @@ def parse_count(text: str) -> int:
     return int(value)
 
 
+def parse_counts(text: str) -> tuple[int, ...]:
+    """A comma-separated list of positive counts, each as ``parse_count`` reads it: ``512,8k,32K`` ->
+    (512, 8000, 32768)."""
+    out = []
+    for part in str(text).split(","):
+        if not part.strip():
+            continue
+        value = parse_count(part)
+        if value < 1:
+            raise ValueError(f"counts are positive: {part.strip()!r}")
+        out.append(value)
+    if not out:
+        raise ValueError(f"not a list of counts: {text!r} (example: 1024,8k,32k)")
+    return tuple(out)
+
+
 def format_bytes(num_bytes: float) -> str:
     for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if abs(num_bytes) >= scale:

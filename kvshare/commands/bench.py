@@ -15,27 +15,17 @@ from kvshare.commands import sigterm_as_interrupt, tcp_port
 from kvshare.commands.bench_micro import add_micro_arguments, run_parse, run_pool
 from kvshare.commands.bench_routing import add_routing_arguments, run_routing
 from kvshare.commands.serve import add_kv_dtype_argument
+from kvshare.units import parse_counts
 
 EXPERIMENT_NAMES = ("ttft", "blocks", "sessions")
 
 
 def parse_tokens(text: str) -> tuple[int, ...]:
-    """'512,8k,128k' -> (512, 8000, 128000)."""
-    out = []
-    for part in str(text).split(","):
-        part = part.strip().lower()
-        if not part:
-            continue
-        try:
-            value = float(part[:-1]) * 1000 if part.endswith("k") else float(part)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a list of token counts: {text!r} (example: 1024,8k,32k)") from None
-        if value < 1 or value != int(value):
-            raise argparse.ArgumentTypeError(f"token counts are positive whole numbers: {part!r}")
-        out.append(int(value))
-    if not out:
-        raise argparse.ArgumentTypeError("give at least one context length")
-    return tuple(out)
+    """Context lengths: '512,8k,32K' -> (512, 8000, 32768) (kvshare.units.parse_counts)."""
+    try:
+        return parse_counts(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _words(text: str) -> tuple[str, ...]:

@@ -297,29 +297,6 @@ def cluster_config(args: argparse.Namespace):
         raise UserError(str(exc)) from None
 
 
-class StopSignals:
-    """Ctrl-C and SIGTERM: once the cluster is up they end the supervision loop; while it is still starting they
-    interrupt the start (KeyboardInterrupt), which stops what has started."""
-
-    def __init__(self) -> None:
-        import threading
-
-        self.stop = threading.Event()
-        self.is_supervising = False
-
-    def install(self) -> None:
-        import signal
-
-        signal.signal(signal.SIGTERM, self._on_signal)
-        signal.signal(signal.SIGINT, self._on_signal)
-
-    def _on_signal(self, *_) -> None:
-        is_starting = not self.stop.is_set() and not self.is_supervising
-        self.stop.set()
-        if is_starting:
-            raise KeyboardInterrupt
-
-
 def run(args: argparse.Namespace) -> int:
     import sys
 
@@ -327,7 +304,7 @@ def run(args: argparse.Namespace) -> int:
 
     from kvshare.errors import UserError
     from kvshare.launch import Cluster
-    from kvshare.supervisor import CrashLoop, Supervisor
+    from kvshare.supervisor import CrashLoop, StopSignals, Supervisor
 
     config = cluster_config(args)
     try:
