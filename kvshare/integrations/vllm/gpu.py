@@ -54,6 +54,9 @@ log = logging.getLogger("kvshare.integrations")
 
 # the GPU path's copies: 2-D copies (cuda-bindings) of rows >= 2 MiB, two 128 MiB staging buffers per direction
 GPU_TRANSFER = TransferConfig(staging_bytes=128 << 20)
+# an asynchronous load's layer groups enqueued and not yet ended, topped up at every poll (one per step): two keep
+# the copy engine busy across a step while each step's host time grows by about one group's enqueueing only
+ASYNC_GROUPS_AHEAD = 2
 MIN_PREFETCH_BYTES = 64 << 20  # a prefetch buffer smaller than this holds too little of a long prompt to pay
 
 
@@ -212,14 +215,43 @@ class StagedLoads(StepLoads):
         self._plans: list[_LoadPlan | None] = []  # per load; None: it could not be planned
         self._refused: dict[str, str] = {}  # request id -> why its load could not be planned
         self._taken: list[PrefetchMatch] = []  # copies ahead the loads read, given back once they ended
-        client = loads[0].client
-        with torch.inference_mode():  # vLLM's KV may be inference tensors; ours are, whoever calls
-            for _ in pipeline.load_steps(
-                client, self._work(client), self._start, self._end, self._record_group, self._failed
-            ):
-                pass  # every group now: vLLM's forward is enqueued after start_load_kv returns
+        self._client = client = loads[0].client
+        self._enqueued = 0  # layer groups enqueued so far
+        self._steps = pipeline.load_steps(
+            client, self._work(client), self._start, self._end, self._record_group, self._failed
+        )
+        if is_async:  # the rest at the polls, a few groups ahead of the copies: vLLM's step pays for those only
+            self._enqueue_ahead()
+        else:  # every group now: vLLM's forward is enqueued after start_load_kv returns
+            self._enqueue(len(pipeline.load_groups))
         if wait_now:  # the forward does not wait per layer: vLLM's stream waits for the whole load here
             torch.cuda.current_stream(pipeline.device).wait_event(self._end)
+
+    def _enqueue(self, num_groups: int) -> None:
+        """Enqueue up to ``num_groups`` more layer groups; once none is left the load's end event is recorded."""
+        with torch.inference_mode():  # vLLM's KV may be inference tensors; ours are, whoever calls
+            for _ in range(num_groups):
+                if self._steps is None:
+                    return
+                if next(self._steps, None) is None:
+                    self._steps = None
+                    return
+                self._enqueued += 1
+
+    def _enqueue_ahead(self) -> None:
+        """An asynchronous load's next groups, so that ASYNC_GROUPS_AHEAD are enqueued and not yet ended: the copy
+        engine stays busy between two polls while each of vLLM's steps enqueues a share of the load. Its pages
+        are read only from the arena its copies started on: if that registration went (another pool's arena),
+        the rest is not enqueued and the load fails (recomputed)."""
+        if self._steps is None:
+            return
+        if self._enqueued and not self.pipeline.is_registered(self._client):
+            self._failed(RuntimeError("the pool's arena changed while the load was being enqueued"))
+            self._steps.close()  # records the end event after what was enqueued
+            self._steps = None
+            return
+        in_flight = sum(1 for event in self._group_events[: self._enqueued] if not event.query())
+        self._enqueue(ASYNC_GROUPS_AHEAD - in_flight)
 
     def _record_group(self, group: int, stream) -> None:
         self._group_events[group].record(stream)
@@ -303,10 +335,13 @@ class StagedLoads(StepLoads):
             torch.cuda.current_stream(self.pipeline.device).wait_event(self._group_events[group])
 
     def is_done(self) -> bool:
-        return self._end.query()
+        """Whether the load has ended; an asynchronous load enqueues its next groups first (polled every step)."""
+        self._enqueue_ahead()
+        return self._steps is None and self._end.query()
 
     def finish(self) -> tuple[list[LoadOutcome], bool]:
         all_waited = self.is_async or self._wait_now or len(self._waited) == self.num_layers
+        self._enqueue(len(self.pipeline.load_groups))  # an asynchronous load finished early: the rest now
         self._end.synchronize()
         if self._error is None:
             self.seconds = self._start.elapsed_time(self._end) / 1e3

@@ -229,3 +229,50 @@ def test_every_ranks_report_is_needed_before_an_async_loads_lease_goes(flushed):
         assert s.finish("b")["pool_tokens"] == 5 * 32  # the tokens every rank loaded
     finally:
         s.close(), a.close()
+
+
+def test_an_async_load_on_a_gpu_is_enqueued_a_few_groups_ahead_of_its_copies_at_each_poll(flushed, monkeypatch):
+    from kvshare.integrations.vllm.gpu import ASYNC_GROUPS_AHEAD
+
+    a, b = replica(flushed, "A", True), replica(flushed, "B", True, async_loads="always")
+    try:
+        a.fill(7)
+        a.step("a", PROMPT, BLOCKS_A)
+        b.fill(8)
+        gate = Gate(b, True, monkeypatch)  # every enqueued group reads as still copying
+        start_async(b, "b", PROMPT, BLOCKS_B)
+        (loads,) = b.hooks._async
+        groups = len(loads.pipeline.load_groups)
+        assert groups > ASYNC_GROUPS_AHEAD  # the layout's layers make more groups than go ahead
+        enqueued = [event.recorded for event in loads._group_events]
+        assert enqueued == [True] * ASYNC_GROUPS_AHEAD + [False] * (groups - ASYNC_GROUPS_AHEAD)
+        assert poll(b) == (set(), set(), [])  # the groups ahead still copy: nothing more is enqueued
+        assert sum(event.recorded for event in loads._group_events) == ASYNC_GROUPS_AHEAD
+        gate.open()  # they ended: each poll tops the groups ahead up, the last one records the load's end
+        finished, errors, outcomes = poll_until_finished(b)
+        assert all(event.recorded for event in loads._group_events)
+        assert finished == {"b"} and errors == set() and outcomes[0].is_complete
+        assert torch.equal(b.tokens(0, 10 * 32, BLOCKS_B), a.tokens(0, 10 * 32, BLOCKS_A))
+    finally:
+        a.close(), b.close()
+
+
+def test_an_async_load_whose_arena_registration_went_midway_fails_and_enqueues_no_more(flushed, monkeypatch):
+    a, b = replica(flushed, "A", True), replica(flushed, "B", True, async_loads="always")
+    try:
+        a.fill(9)
+        a.step("a", PROMPT, BLOCKS_A)
+        b.fill(10)
+        gate = Gate(b, True, monkeypatch)
+        start_async(b, "b", PROMPT, BLOCKS_B)
+        (loads,) = b.hooks._async
+        loads.pipeline._registered_arena = object()  # another pool's arena is registered now
+        gate.open()
+        finished, errors, outcomes = poll_until_finished(b)
+        assert finished == {"b"} and not outcomes[0].is_complete
+        assert "arena changed" in outcomes[0].reason and outcomes[0].loaded_end == 0
+        assert errors == set(BLOCKS_B[: 10 * 32 // N])  # vLLM recomputes every block of it
+        assert not all(event.recorded for event in loads._group_events)  # nothing enqueued after the change
+        assert b.scheduler.num_leases == 0
+    finally:
+        a.close(), b.close()
