@@ -183,10 +183,14 @@ def mode_stall(run) -> None:
         run.complete(a_url, prompt, 1)  # A computes and stores it
         time.sleep(a.settle_s)
         baseline = _phase(run, b_url, lambda: time.sleep(a.baseline_s))
+        counters = {}
         before = client.counters(b_url, LOAD_COUNTERS)
         load = _phase(run, b_url, lambda: run.complete(b_url, prompt, 1))
         after = client.counters(b_url, LOAD_COUNTERS)
         local = _phase(run, b_url, lambda: run.complete(b_url, prompt, 1))  # B holds it now: vLLM's own hit
+        counters["load"] = {name: after[name] - before[name] for name in after if name in before}
+        before, after = after, client.counters(b_url, LOAD_COUNTERS)
+        counters["local"] = {name: after[name] - before[name] for name in after if name in before}
         cold = _phase(run, b_url, lambda: run.complete(b_url, run.prompt(length), 1)) if a.stall_cold else None
         row = gpu_rows.stall_row(
             **run.base_row(),
@@ -196,7 +200,7 @@ def mode_stall(run) -> None:
             load=load,
             cold=cold,
             local=local,
-            load_counters={name: after[name] - before[name] for name in after if name in before} or None,
+            counters={phase: changes for phase, changes in counters.items() if changes},
         )
         run.rows.add(row)
 

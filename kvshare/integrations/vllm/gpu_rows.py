@@ -339,15 +339,16 @@ def stall_row(
     load: tuple[list[list[float]], float, Completion],
     cold: tuple[list[list[float]], float, Completion] | None,
     local: tuple[list[list[float]], float, Completion] | None = None,
-    load_counters: dict[str, float] | None = None,
+    counters: dict[str, dict[str, float]] | None = None,
 ) -> dict:
     """Decode streams on one replica while a prefix of ``prompt_tokens`` comes to it: ``baseline`` (their token
     times, the window's start and end) with nothing else, ``load`` (token times, when the request was sent, its
     completion) while it loads the prefix from the shared tier, ``local`` the same prompt again once the replica
     holds it (vLLM's own prefix hit: what receiving and answering the request costs vLLM beside the streams, no
     load), ``cold`` while it computes a prompt nobody holds (vLLM's chunked prefill). The worst gap of each is over
-    the request's time to first token. ``load_counters``: the replica's connector counters that changed during the
-    load (``async_loads`` 1: it ran beside the streams' steps; 0: inside one step)."""
+    the request's time to first token. ``counters``: per phase, how the replica's connector counters changed
+    during it (load: ``async_loads`` 1 when it ran beside the streams' steps, 0 inside one; local: no
+    ``loaded_tokens``, else it was no prefix hit of vLLM's own)."""
     arrivals, start, end = baseline
     p99 = _p99(token_gaps(arrivals, start, end))
     row = {
@@ -371,6 +372,6 @@ def stall_row(
         row[f"{name}_over_p99"] = worst / p99 if worst is not None and p99 else None
         # every stream kept streaming past the request's first token: the window was measured whole
         row[f"{name}_streams_outlasted"] = all(s and s[-1] > sent + done.ttft_s for s in streams)
-    if load_counters is not None:
-        row.update({f"load_{name}": value for name, value in load_counters.items()})
+    for phase, changes in (counters or {}).items():
+        row.update({f"{phase}_{name}": value for name, value in changes.items()})
     return row

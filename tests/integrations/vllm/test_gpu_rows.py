@@ -238,11 +238,11 @@ def test_a_stall_row_takes_the_worst_gap_over_the_requests_first_token_against_t
         load=(steady, 1.0, loaded),
         cold=(stalled, 1.2, loaded),
         local=(stalled, 1.3, loaded),
-        load_counters={"async_loads": 1, "loaded_tokens": 131040},
+        counters={"load": {"async_loads": 1, "loaded_tokens": 131040}, "local": {"loaded_tokens": 0}},
     )
     assert row["baseline_p99_gap_s"] == pytest.approx(0.01)
     assert row["local_over_p99"] == pytest.approx(36.0) and row["local_ttft_s"] == 0.5
-    assert row["load_async_loads"] == 1 and row["load_loaded_tokens"] == 131040
+    assert row["load_async_loads"] == 1 and row["load_loaded_tokens"] == 131040 and row["local_loaded_tokens"] == 0
     assert row["load_over_p99"] == pytest.approx(1.0) and row["load_streams_outlasted"]
     assert row["cold_over_p99"] == pytest.approx(36.0) and row["cold_cached_tokens"] == 131072
     short = stall_row(
