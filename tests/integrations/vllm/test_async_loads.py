@@ -231,17 +231,24 @@ def test_every_ranks_report_is_needed_before_an_async_loads_lease_goes(flushed):
         s.close(), a.close()
 
 
+def gated_gpu_load(socket_path, monkeypatch, seed: int):
+    """A stores PROMPT, B (the GPU worker under the fake CUDA) starts its asynchronous load of it behind a closed
+    gate: (A, B, the gate, B's load in flight)."""
+    a, b = replica(socket_path, "A", True), replica(socket_path, "B", True, async_loads="always")
+    a.fill(seed)
+    a.step("a", PROMPT, BLOCKS_A)
+    b.fill(seed + 1)
+    gate = Gate(b, True, monkeypatch)
+    start_async(b, "b", PROMPT, BLOCKS_B)
+    (loads,) = b.hooks._async
+    return a, b, gate, loads
+
+
 def test_an_async_load_on_a_gpu_is_enqueued_a_few_groups_ahead_of_its_copies_at_each_poll(flushed, monkeypatch):
     from kvshare.integrations.vllm.gpu import ASYNC_GROUPS_AHEAD
 
-    a, b = replica(flushed, "A", True), replica(flushed, "B", True, async_loads="always")
+    a, b, gate, loads = gated_gpu_load(flushed, monkeypatch, 7)  # every enqueued group reads as still copying
     try:
-        a.fill(7)
-        a.step("a", PROMPT, BLOCKS_A)
-        b.fill(8)
-        gate = Gate(b, True, monkeypatch)  # every enqueued group reads as still copying
-        start_async(b, "b", PROMPT, BLOCKS_B)
-        (loads,) = b.hooks._async
         groups = len(loads.pipeline.load_groups)
         assert groups > ASYNC_GROUPS_AHEAD  # the layout's layers make more groups than go ahead
         enqueued = [event.recorded for event in loads._group_events]
@@ -258,14 +265,8 @@ def test_an_async_load_on_a_gpu_is_enqueued_a_few_groups_ahead_of_its_copies_at_
 
 
 def test_an_async_load_whose_arena_registration_went_midway_fails_and_enqueues_no_more(flushed, monkeypatch):
-    a, b = replica(flushed, "A", True), replica(flushed, "B", True, async_loads="always")
+    a, b, gate, loads = gated_gpu_load(flushed, monkeypatch, 9)
     try:
-        a.fill(9)
-        a.step("a", PROMPT, BLOCKS_A)
-        b.fill(10)
-        gate = Gate(b, True, monkeypatch)
-        start_async(b, "b", PROMPT, BLOCKS_B)
-        (loads,) = b.hooks._async
         loads.pipeline._registered_arena = object()  # another pool's arena is registered now
         gate.open()
         finished, errors, outcomes = poll_until_finished(b)
