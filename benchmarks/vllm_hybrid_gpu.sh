@@ -6,13 +6,16 @@
 #
 #   bash benchmarks/vllm_hybrid_gpu.sh              print the plan (also written to $OUT/plan.txt)
 #   bash benchmarks/vllm_hybrid_gpu.sh 1            run step 1
-#   DRY=1 bash benchmarks/vllm_hybrid_gpu.sh 1      print step 1's driver command, run nothing
+#   DRY=1 bash benchmarks/vllm_hybrid_gpu.sh 1      print step 1's command, run nothing
+#   bash benchmarks/vllm_hybrid_gpu.sh 3            the check that the connector moves the GDN state on vLLM CUDA
+#                                                   (tests/integrations/vllm/test_hybrid_cuda.py); run it first
 #
 # Every replica gets what the hybrid's state needs, read from the model's config (launch.hybrid_settings: vLLM's
 # block of 784 tokens as block and chunk, --max-num-batched-tokens 784, --mamba-cache-mode align), LMCache's too.
-# kvshare's connector moves the GDN state on vLLM CPU 0.32 only so far: on CUDA it refuses the model at start with
-# a message saying so, and step 1 then records that refusal (its log), not a row. Needs in .vk/ what
-# benchmarks/vllm_gpu_all.sh needs (step 2: the LMCache bundle too). Results: $OUT/stepN/.
+# kvshare's connector has moved the GDN state end to end on vLLM CPU 0.32 only so far: on CUDA it refuses the model
+# at start unless "allow_untested_vllm" is set (step 3 sets it for its tiny model; steps 1-2 do not, and step 1 then
+# records the refusal in its log, not a row). Needs in .vk/ what benchmarks/vllm_gpu_all.sh needs (step 2: the
+# LMCache bundle too). Results: $OUT/stepN/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/vllm_hybrid_gpu}
@@ -34,6 +37,9 @@ step  minutes  what (setup: modes; model; lengths)
 2     9        lmcache-mp: ttft; 27B; $L_SHORT $L_LONG x2. LMCache 0.5.3's MP server ($LMCACHE_CHUNK_ARGS) and
                two replicas with LMCacheMPConnector, align mode; on one H200 two 27B replicas leave ~8 GiB of
                KV each: run the $L_LONG rows on two GPUs (one replica each) where they do not fit
+3     6        check: two vLLM replicas of the tests' tiny Qwen3-Next on this GPU share one pool with the
+               connector (allow_untested_vllm); B resumes from A's GDN checkpoint and answers as its own cold run
+               (pytest tests/integrations/vllm/test_hybrid_cuda.py)
 Each step: install ~0.5 min and the 27B config ~0.1 min on a fresh machine (the weights are vLLM's dummy ones).
 EOF
 }
@@ -47,6 +53,17 @@ prepare() {  # the vLLM bundle, its environment, and the 27B model directory (co
 
 # shellcheck source=benchmarks/vllm_steps.sh
 source benchmarks/vllm_steps.sh
+
+check_state_move() {  # step 3: the GPU test of the GDN state's move, under a time limit
+    local dir=$OUT/step3
+    local cmd=(python3 -m pytest -q -p no:cacheprovider -rs -m "gpu and vllm" tests/integrations/vllm/test_hybrid_cuda.py
+               --basetemp "$dir/tmp")
+    if [ "$DRY" = 1 ]; then printf '%q ' "${cmd[@]}"; echo; return 0; fi
+    mkdir -p "$dir"
+    { printf 'timeout 540 '; printf '%q ' "${cmd[@]}"; echo; } | tee -a "$dir/commands.txt"
+    timeout 540 "${cmd[@]}" 2>&1 | tee -a "$dir/pytest.log"  # the servers' logs stay under $dir/tmp
+    return "${PIPESTATUS[0]}"
+}
 
 lmcache_chunk_flags() {  # the MP server's chunk flags, to check LMCACHE_CHUNK_ARGS against
     python3 -m lmcache.v1.multiprocess.server --help 2>&1 | grep -i -A1 chunk | head -6
@@ -68,7 +85,9 @@ step() {
            for a in $LMCACHE_CHUNK_ARGS; do lmc_args+=("--lmcache-server-arg=$a"); done
            driver 2 560 --setup lmcache-mp --model-dir $M27 --model-name qwen3.5-27b --load-format dummy \
                --max-model-len 131328 --lengths $L_SHORT $L_LONG --prompts 2 "${lmc_args[@]}" ;;
-        *) echo "no step $n (steps 1-2; no argument prints the plan)"; return 2 ;;
+        3) [ "$DRY" = 1 ] || prepare
+           check_state_move || return $? ;;
+        *) echo "no step $n (steps 1-3; no argument prints the plan)"; return 2 ;;
     esac
     [ "$DRY" = 1 ] || echo "step $n done in $(( $(date +%s) - t0 )) s"
 }

@@ -277,12 +277,12 @@ class CudaTransfer(KVTransfer):
     @torch.inference_mode()
     def load_state(self, page, into: torch.Tensor) -> StateLoad:
         self._check_open(into)
-        return cuda_load_state(self, page, into)
+        return cuda_load_state(self.pipeline, self.client, self._hasher, page, into, bool(self._pages_to_verify(1)))
 
     @torch.inference_mode()
     def store_state(self, data: torch.Tensor, offset: int, producer_stream=None) -> int:
         self._check_open(data)
-        return cuda_store_state(self, data, offset, producer_stream)
+        return cuda_store_state(self.pipeline, self.client, data, offset, producer_stream)
 
     def inject_producer_delay(self, stream=None) -> None:
         if self.config.producer_delay_cycles:

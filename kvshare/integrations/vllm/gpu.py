@@ -13,6 +13,10 @@ waits: ``wait_layer(l)`` only makes vLLM's current stream wait for l's group eve
     load reshape      | scatter+WSUM32 g0 | scatter+WSUM32 g1 | ...
     vLLM stream          wait g0 |-- layer 0 --| wait g1 |-- layer 1 --| ...    wait_for_save: finish()
 
+A hybrid model's GDN checkpoint moves with its load and out of vLLM's blocks after a step (gpu_states): enqueued
+before the load's layer groups, after vLLM's work so far; a step's forward waits for it before its first layer, a
+load beside the steps ends after it. Its page is always checked, and a bad one fails the whole load.
+
 Each load's chosen pages are checked by kvshare.transfer.verify.PageCheck, as the built-in engine's: a
 WSUM32 page (written by a GPU) is summed on the GPU over its staged bytes, group by group, into one int64
 per page, read back in ``finish``; an xxh3 page (written by a CPU) is hashed on host threads while the
@@ -34,6 +38,7 @@ import torch
 
 from kvshare.integrations.vllm.counters import PhaseTimes
 from kvshare.integrations.vllm.gpu_prefetch import GpuAhead
+from kvshare.integrations.vllm.gpu_states import GpuStates, StateCopy
 from kvshare.integrations.vllm.gpu_stores import StagedStores
 from kvshare.integrations.vllm.layout import PagedLayout
 from kvshare.integrations.vllm.metadata import LoadOutcome, LoadSpec, StoreSpec
@@ -41,9 +46,9 @@ from kvshare.integrations.vllm.page_slices import load_pieces
 from kvshare.integrations.vllm.paged_destination import PagedDestination, PagedKV, segments_of
 from kvshare.integrations.vllm.prefetch import PrefetchMatch
 from kvshare.integrations.vllm.tensor_parallel import HeadSlice
-from kvshare.integrations.vllm.worker import KVWorker, NoStores, PlannedLoad, StepLoads, StepStores
+from kvshare.integrations.vllm.worker import NO_STATE_BLOCKS, KVWorker, NoStores, PlannedLoad, StepLoads, StepStores
 from kvshare.layout import KVLayout
-from kvshare.pool.checksum import PageHasher
+from kvshare.pool.checksum import ChecksumKind, PageHasher
 from kvshare.pool.link import PoolLink
 from kvshare.transfer.base import TransferConfig
 from kvshare.transfer.pipeline import StagingPipeline, UnitWork
@@ -67,6 +72,7 @@ class StagedKV:
     pipeline: StagingPipeline  # streams, staging buffers, the registered arena
     kv: PagedKV  # vLLM's blocks as the pipeline's destination
     hasher: PageHasher  # checks xxh3 pages (CPU writers') on host threads beside the copies
+    states: GpuStates | None = None  # a hybrid model's GDN state tensors and the buffer its checkpoints cross
 
     def close(self) -> None:
         """Wait for the pipeline's copies, unpin the arena, stop the hashing threads."""
@@ -106,7 +112,8 @@ class GpuKVWorker(KVWorker):
             heads=(self.heads.first_head, self.heads.num_heads),
             warm_up_with=kv.scratch(),
         )
-        self._staged = StagedKV(pipeline, kv, PageHasher(self.transfer.num_checksum_threads))
+        states = GpuStates(self.states, pipeline) if self.states is not None else None
+        self._staged = StagedKV(pipeline, kv, PageHasher(self.transfer.num_checksum_threads), states)
 
     @property
     def pipeline(self) -> StagingPipeline:
@@ -158,6 +165,8 @@ class GpuKVWorker(KVWorker):
         for spec in specs:
             times = PhaseTimes()
             client, reason = self.pool.client_for(spec.pool_id) if spec.pages else (None, "no lease backs the load")
+            if client is not None and spec.state_page is not None and not self.takes_state(spec):
+                client, reason = None, NO_STATE_BLOCKS
             pieces, reason = load_pieces(spec, self.kv_layout) if client is not None else ([], reason)
             if not pieces:
                 settled.append(self.outcome(spec, spec.token_start, reason, times))
@@ -175,6 +184,11 @@ class GpuKVWorker(KVWorker):
             return NoStores(specs, "the pool is unreachable", self.heads.tp_rank)
         return StagedStores(self.pool, specs, self._staged.pipeline, self._staged.kv, client)
 
+    def copy_state_out(self, client, blocks: tuple[int, ...], offset: int) -> tuple[int, ChecksumKind]:
+        """The GDN state in ``blocks`` through the device buffer into the checkpoint page at ``offset``, after vLLM's
+        work so far; its WSUM32, summed on the GPU."""
+        return self._staged.states.store(client, blocks, offset), ChecksumKind.WSUM32
+
 
 @dataclass
 class _LoadPlan:
@@ -183,6 +197,7 @@ class _LoadPlan:
     destination: PagedDestination  # the load's tokens in the request's blocks
     check: PageCheck  # the chosen pages' checksums, computed beside the copies
     ready: object = None  # the copies ahead's event (their units are scattered once it completed)
+    state: StateCopy | None = None  # a hybrid model's checkpoint, copied into its GDN blocks before the KV
 
 
 class StagedLoads(StepLoads):
@@ -202,7 +217,7 @@ class StagedLoads(StepLoads):
         super().__init__(settled)
         self.is_async = is_async
         self.worker, self.loads, self.pipeline = worker, loads, staged.pipeline
-        self.kv, self.hasher = staged.kv, staged.hasher
+        self.kv, self.hasher, self.states = staged.kv, staged.hasher, staged.states
         pipeline = self.pipeline
         self.num_layers = worker.kv_layout.num_layers
         self._wait_now = wait_now
@@ -224,8 +239,13 @@ class StagedLoads(StepLoads):
             self._enqueue_ahead()
         else:  # every group now: vLLM's forward is enqueued after start_load_kv returns
             self._enqueue(len(pipeline.load_groups))
+        compute = torch.cuda.current_stream(pipeline.device)
         if wait_now:  # the forward does not wait per layer: vLLM's stream waits for the whole load here
-            torch.cuda.current_stream(pipeline.device).wait_event(self._end)
+            compute.wait_event(self._end)
+        elif not is_async:  # a GDN layer comes first and is never waited for: its state lands before the forward
+            for plan in self._plans:
+                if plan is not None and plan.state is not None:
+                    compute.wait_event(plan.state.written)
 
     def _enqueue(self, num_groups: int) -> None:
         """Enqueue up to ``num_groups`` more layer groups; once none is left the load's end event is recorded."""
@@ -295,10 +315,20 @@ class StagedLoads(StepLoads):
             check = PageCheck(
                 refs, chosen, client, self.hasher, pipeline.device, on_device=can_sum_staged(self.worker.kv_layout)
             )
+        state = self._state(load)
         match = self._ahead(load, refs)
         units = self._units([r.offset for r in refs], client.hello.extent_bytes, match)
         destination = self.kv.destination(slots, segments_of([(p.lo, p.hi) for p in load.pieces]))
-        return _LoadPlan(load, units, destination, check, match.prefetch.copy.done if match else None)
+        return _LoadPlan(load, units, destination, check, match.prefetch.copy.done if match else None, state)
+
+    def _state(self, load: PlannedLoad) -> StateCopy | None:
+        """A hybrid model's checkpoint of the load enqueued into its GDN blocks (None: the load carries none)."""
+        spec = load.spec
+        if spec.state_page is None:
+            return None
+        if self.states is None:
+            raise ValueError(f"the load of {spec.req_id} carries a GDN checkpoint and no GDN state is registered")
+        return self.states.load(load.client, self.hasher, spec.state_page, spec.state_blocks)
 
     def _ahead(self, load: PlannedLoad, refs: list) -> PrefetchMatch | None:
         """The copy ahead of the load's first pages, where the router's hint brought one (prefetch)."""
@@ -359,7 +389,7 @@ class StagedLoads(StepLoads):
                 reason = f"the forward never waited for layers {sorted(set(range(self.num_layers)) - self._waited)}"
             else:
                 try:
-                    verdicts = self._verdicts(self._plans[index])
+                    verdicts = self._checked(self._plans[index])
                 except Exception as exc:  # reading the sums back failed: this load fails, not the step
                     reason = f"{type(exc).__name__} while checking the load: {exc}"
                 else:
@@ -372,8 +402,11 @@ class StagedLoads(StepLoads):
         self._taken = []
         return outcomes, all_waited
 
-    def _verdicts(self, plan: _LoadPlan) -> list[bool]:
-        """Whether each chosen page is valid, in page order (kvshare.transfer.verify, kvshare.pool.checksum)."""
+    def _checked(self, plan: _LoadPlan) -> list[bool]:
+        """Whether each chosen page is valid, in page order (kvshare.transfer.verify, kvshare.pool.checksum); a
+        hybrid's checkpoint's verdict into ``plan.load.is_state_good``."""
         with torch.cuda.stream(self.pipeline.load_lane.reshape):  # read back on our idle stream, not behind vLLM's
             bad = set(plan.check.bad_pages())
+            if plan.state is not None:
+                plan.load.is_state_good = plan.state.is_good()
         return [i not in bad for i, is_chosen in enumerate(plan.load.chosen) if is_chosen]

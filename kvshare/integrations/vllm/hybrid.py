@@ -25,7 +25,19 @@ from typing import Any
 
 from kvshare.state_layout import StateLayout
 
-TESTED_HYBRID_VLLM = ("0.32",)  # major.minor with which a hybrid model's state was moved end to end
+# (vLLM major.minor, device) with which a hybrid model's state was moved end to end; any other known pair of
+# GDN_RECURRENT_ORDER runs only with allow_untested_vllm
+TESTED_HYBRID_VLLM = (("0.32", "cpu"),)
+# How a GDN layer's recurrent state lies in memory in one vLLM block, by (vLLM major.minor, device), read from vLLM's
+# sources (kvshare.integrations.vllm.state_blocks names the lines): "HKV" [value head][key dim][value dim], the
+# checkpoint's order; "HVK" [value head][value dim][key dim]. A pair not here is refused: with K == V (every Qwen3.5
+# and Qwen3-Next model) the tensors' shapes cannot tell the two apart.
+GDN_RECURRENT_ORDER = {
+    ("0.26", "cpu"): "HKV",  # vLLM CPU's GDN kernel views the [HV, V, K] spec as [HV, K, V]
+    ("0.32", "cpu"): "HKV",
+    ("0.26", "cuda"): "HVK",  # the FLA Triton kernels read and write [HV, V, K], as the spec names it
+    ("0.32", "cuda"): "HVK",
+}
 GDN_BACKEND = "GDN_ATTN"  # vLLM's MambaAttentionBackendEnum member of Gated DeltaNet layers
 # the smallest kernel block size of vLLM's attention backends (its _align_hybrid_block_size rounds up to these)
 BLOCK_ALIGNMENT = {"cpu": 128, "cuda": 16}
@@ -96,13 +108,16 @@ def hybrid_groups(kv_cache_config: Any) -> HybridGroups | None:
     )
 
 
-def state_layout_of(text_config: Any, model_dtype: str, num_gdn_layers: int) -> StateLayout:
+def state_layout_of(
+    text_config: Any, model_dtype: str, num_gdn_layers: int, recurrent_dtype: str | None = None
+) -> StateLayout:
     """The checkpoint layout of a Qwen3.5 / Qwen3-Next text config as vLLM keeps its state: the recurrent state in
-    float32 (vLLM's ``mamba_ssm_dtype``), the conv state in the model's dtype."""
+    ``recurrent_dtype`` (vLLM's resolved ``mamba_ssm_cache_dtype``: recurrent_dtype_of; None: the config's
+    ``mamba_ssm_dtype``, else float32), the conv state in the model's dtype."""
     get = lambda name: getattr(text_config, name)  # noqa: E731
     key_dim, value_dim = get("linear_key_head_dim"), get("linear_value_head_dim")
     num_key_heads, num_value_heads = get("linear_num_key_heads"), get("linear_num_value_heads")
-    ssm_dtype = str(getattr(text_config, "mamba_ssm_dtype", None) or "float32").replace("torch.", "")
+    ssm_dtype = recurrent_dtype or str(getattr(text_config, "mamba_ssm_dtype", None) or "float32")
     return StateLayout(
         num_layers=num_gdn_layers,
         num_value_heads=num_value_heads,
@@ -110,28 +125,46 @@ def state_layout_of(text_config: Any, model_dtype: str, num_gdn_layers: int) -> 
         value_head_dim=value_dim,
         conv_dim=2 * num_key_heads * key_dim + num_value_heads * value_dim,
         conv_kernel=get("linear_conv_kernel_dim"),
-        recurrent_dtype=ssm_dtype,
+        recurrent_dtype=ssm_dtype.replace("torch.", ""),
         conv_dtype=model_dtype,
     )
+
+
+def recurrent_dtype_of(mamba_ssm_cache_dtype: str, model_dtype: str) -> str:
+    """The recurrent state's dtype in vLLM's blocks from its resolved cache config: ``auto`` is the model's dtype
+    (vLLM's MambaStateDtypeCalculator); vLLM CPU sets float32, Qwen3.5 the config's ``mamba_ssm_dtype`` (float32)."""
+    return model_dtype if mamba_ssm_cache_dtype == "auto" else str(mamba_ssm_cache_dtype).replace("torch.", "")
+
+
+def recurrent_order(vllm_minor: str, device: str) -> str:
+    """The memory order of a GDN layer's recurrent state in vLLM ``vllm_minor``'s blocks on ``device``
+    (GDN_RECURRENT_ORDER); UnsupportedHybrid where it is not known."""
+    order = GDN_RECURRENT_ORDER.get((vllm_minor, device))
+    if order is None:
+        known = ", ".join(f"{minor} on {dev}" for minor, dev in GDN_RECURRENT_ORDER)
+        raise UnsupportedHybrid(
+            f"kvshare knows how vLLM lays out a GDN layer's recurrent state only for vLLM {known}, not vLLM "
+            f"{vllm_minor} on {device}; run this model without kvshare's connector (--kv-transfer-config unset)"
+        )
+    return order
 
 
 def check_hybrid_setup(
     vllm_minor: str, device: str, chunk_tokens: int, block_size: int, allow_untested: bool, tp_size: int = 1
 ) -> None:
-    """Refuse, naming the setting to change, a hybrid set-up whose state the connector was not shown to move right."""
+    """Refuse, naming the setting to change, a hybrid set-up whose state the connector was not shown to move right:
+    an unknown state layout always, a known one not run end to end unless ``allow_untested``."""
     if tp_size != 1:
         raise UnsupportedHybrid(
             f"kvshare moves a hybrid model's GDN state with one rank only (--tensor-parallel-size 1), not {tp_size}"
         )
-    if vllm_minor not in TESTED_HYBRID_VLLM and not allow_untested:
+    recurrent_order(vllm_minor, device)
+    if (vllm_minor, device) not in TESTED_HYBRID_VLLM and not allow_untested:
+        tested = ", ".join(f"vLLM {minor} on {dev}" for minor, dev in TESTED_HYBRID_VLLM)
         raise UnsupportedHybrid(
-            f"kvshare moved a hybrid model's GDN state with vLLM {', '.join(TESTED_HYBRID_VLLM)} only, not "
-            f'{vllm_minor}; set "allow_untested_vllm": true in kv_connector_extra_config to run it anyway'
-        )
-    if device != "cpu":
-        raise UnsupportedHybrid(
-            f"kvshare moves a hybrid model's GDN state on vLLM CPU only, not on {device}; run this model "
-            "without the connector (or with --kv-transfer-config unset)"
+            f"kvshare moved a hybrid model's GDN state end to end with {tested} only, not with vLLM {vllm_minor} on "
+            f"{device} (whose state layout is known from vLLM's sources, unproven by a run); set "
+            '"allow_untested_vllm": true in kv_connector_extra_config to run it anyway'
         )
     if chunk_tokens % block_size:
         raise UnsupportedHybrid(

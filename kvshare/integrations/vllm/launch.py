@@ -66,6 +66,7 @@ class VllmServerConfig:
     copy_threads: int | None = None  # threads of the connector's CPU copies; None: the connector's default
     async_loads: str | None = None  # "auto" | "always" | "never": loads beside vLLM's steps; None: the default
     pool_retry_s: float = 5.0  # after losing the pool, serve without it this long before reconnecting
+    allow_untested_vllm: bool = False  # the connector's allow_untested_vllm: run where no end-to-end run has shown it
     log_level: str | None = None  # KVSHARE_LOG_LEVEL of the connector; "DEBUG" logs each load's phase timings
     # TMPDIR of the server and its workers: vLLM's tensor-parallel rendezvous files (vllm_dist_*) go there, so
     # a directory of the launcher's own is removed with whatever they left (None: the inherited TMPDIR)
@@ -147,6 +148,8 @@ def kv_transfer_config(config: VllmServerConfig) -> dict:
         extra["hint_address"] = config.hint_address
     if config.prefetch_mib is not None:
         extra["prefetch_mib"] = config.prefetch_mib
+    if config.allow_untested_vllm:
+        extra["allow_untested_vllm"] = True
     return {
         "kv_connector": CONNECTOR_CLASS,
         "kv_connector_module_path": CONNECTOR_MODULE,

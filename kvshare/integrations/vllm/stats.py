@@ -24,6 +24,7 @@ _HELP = {
     "load_seconds": "Seconds spent copying KV from the kvshare pool",
     "stored_chunks": "Chunks (pages) committed to the kvshare pool",
     "stored_states": "GDN state checkpoints of a hybrid model committed to the kvshare pool",
+    "loaded_states": "GDN state checkpoints of a hybrid model loaded from the kvshare pool with all of their KV",
     "store_bytes": "KV bytes copied into the kvshare pool",
     "store_seconds": "Seconds spent copying KV into the kvshare pool",
     "skipped_stores": "Chunks not stored because the kvshare pool had no room",

@@ -50,8 +50,8 @@ from kvshare.integrations.vllm.pool_pages import PoolPages
 from kvshare.integrations.vllm.state_blocks import StateBlocks
 from kvshare.integrations.vllm.tensor_parallel import HeadSlice
 from kvshare.layout import KVLayout
-from kvshare.pool.checksum import PageSampler
-from kvshare.pool.link import PoolLink
+from kvshare.pool.checksum import ChecksumKind, PageSampler
+from kvshare.pool.link import PoolLink, guarded
 
 if TYPE_CHECKING:
     from kvshare.integrations.vllm.prefetch import Prefetcher
@@ -60,6 +60,7 @@ log = logging.getLogger("kvshare.integrations")
 
 FAILED_LOAD = "computed from a load that failed"  # why a rank writes no part of a store
 NO_KV = "no KV registered"
+NO_STATE_BLOCKS = "no GDN state blocks to load the checkpoint into"
 
 
 class WorkerHooks:
@@ -298,7 +299,7 @@ class KVWorker:
         self.layers: list[torch.Tensor] = []  # vLLM's KV tensors, once registered
         self.paged: PagedLayout | None = None  # their layout, once registered
         self.prefetcher: Prefetcher | None = None  # copies ahead on the router's hints, where configured
-        self.states: StateBlocks | None = None  # a hybrid model's GDN state tensors, once registered (CPU)
+        self.states: StateBlocks | None = None  # a hybrid model's GDN state tensors, once registered
 
     # -- what each implementation gives --------------------------------------------------
 
@@ -324,8 +325,9 @@ class KVWorker:
         """The step's stores: copied out of vLLM's blocks into reserved pages, committed in ``finish``."""
         raise NotImplementedError
 
-    def store_state(self, spec: StateStoreSpec) -> int:
-        """Reserve, fill and commit a hybrid model's checkpoint page; 1 if committed, else 0."""
+    def copy_state_out(self, client, blocks: tuple[int, ...], offset: int) -> tuple[int, ChecksumKind]:
+        """A hybrid model's GDN state in ``blocks`` (one per GDN layer) copied into the reserved checkpoint page at
+        ``offset`` (after the step that wrote it); the page's checksum and its kind, once the copy has ended."""
         raise NotImplementedError
 
     def prefetch_device(self, num_bytes: int):
@@ -342,6 +344,41 @@ class KVWorker:
     @property
     def device(self) -> torch.device:
         return self.layers[0].device
+
+    # -- a hybrid model's GDN state --------------------------------------------------------------
+
+    def takes_state(self, spec: LoadSpec) -> bool:
+        """Whether the load's checkpoint fits this worker's GDN state tensors and names a block for each layer."""
+        states = self.states
+        return (
+            states is not None
+            and spec.state_page.page_bytes == states.layout.checkpoint_bytes
+            and len(spec.state_blocks) == states.layout.num_layers
+        )
+
+    def store_state(self, spec: StateStoreSpec) -> int:
+        """Reserve a checkpoint page, copy the GDN state out of the spec's blocks into it (``copy_state_out``),
+        commit it with its checksum; 1 if committed, else 0 (a failed copy gives the page back)."""
+        client, num_bytes = self.link.client(), self.states.layout.checkpoint_bytes
+        if client is None:
+            return 0
+        reserve = lambda: client.reserve(  # noqa: E731
+            spec.namespace, [spec.key], num_bytes, spec.num_chunks, account=spec.account, holds_states=True
+        )
+        reservation = guarded(self.link, self.counters, "a checkpoint reserve", reserve)
+        if reservation is None or not reservation.grants:
+            return 0
+        try:
+            checksum, kind = self.copy_state_out(client, spec.blocks, reservation.grants[0][1])
+        except Exception as exc:  # a bug in the copy: give the page back; vLLM keeps serving
+            log.error("kvshare: checkpoint store for request %s failed", spec.req_id, exc_info=True)
+            self.pool.abort(client, reservation.reservation_id, exc)
+            return 0
+        commit = lambda: client.commit(reservation.reservation_id, [checksum], kind)  # noqa: E731
+        committed = guarded(self.link, self.counters, "a checkpoint commit", commit) or 0
+        self.counters.stored_states += committed
+        log.debug("kvshare: checkpoint after %d chunks of %s stored: %d", spec.num_chunks, spec.req_id, committed)
+        return committed
 
     # -- one load or store, complete when it returns -----------------------------------------
 

@@ -9,7 +9,7 @@ import torch
 from kvshare.integrations.vllm.hybrid import HybridGroups
 from kvshare.integrations.vllm.metadata import WorkerReport
 from kvshare.integrations.vllm.scheduler import PoolScheduler, ScheduledRequest
-from kvshare.integrations.vllm.state_blocks import StateBlocks
+from kvshare.integrations.vllm.state_blocks import HKV, StateBlocks
 from kvshare.keys import chunk_keys, namespace_digest, state_key
 from kvshare.pool import protocol as P
 from kvshare.pool.client import PoolClient
@@ -52,7 +52,7 @@ class HybridReplica(Replica):
             (torch.randn(40, 3, 40, generator=gen), torch.randn(40, *STATE.recurrent_shape, generator=gen))
             for _ in range(STATE.num_layers)
         ]
-        self.worker.states = StateBlocks(STATE, self.states)
+        self.worker.states = StateBlocks(STATE, self.states, HKV)  # vLLM CPU's order
 
     def prefill(self, req_id, prompt, attn, table):
         """vLLM's steps of one chunk each over the whole prompt, stores and checkpoints after each."""
