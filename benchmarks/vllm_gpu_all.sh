@@ -98,10 +98,7 @@ step() {
                --kv-cache-memory-bytes $KV --sessions 16 --duration-s 180 ;;
         4) [ "$DRY" = 1 ] || prepare 8b
            driver 4 420 --setup store-cost --model-dir $M8 $LEN8 --kv-cache-memory-bytes $KV --lengths $L8 ;;
-        5) if [ "$DRY" != 1 ]; then
-               prepare 8b
-               lmcache_ready || return 1
-           fi
+        5) lmcache_step_ready 8b || return 1
            driver 5 420 --setup lmcache-mp --model-dir $M8 $LEN8 --kv-cache-memory-bytes $KV --lengths $L8 --prompts 2 \
                ${LMCACHE_REPLICA_ARG:+--replica-arg=$LMCACHE_REPLICA_ARG} ;;
         6) [ "$DRY" = 1 ] || prepare 32b  # 32k twice (B's first request, then steady), then 128k: 51 GB of KV
@@ -117,10 +114,7 @@ step() {
         10) [ "$DRY" = 1 ] || prepare 8b
             driver 10 480 --setup kvshare --modes stall --model-dir $M8 $LEN8 --kv-cache-memory-bytes $KV \
                 --lengths "${L8##* }" ;;
-        11) if [ "$DRY" != 1 ]; then
-                prepare 8b
-                lmcache_ready || return 1
-            fi
+        11) lmcache_step_ready 8b || return 1
             driver 11 480 --setup lmcache-mp --modes stall --model-dir $M8 $LEN8 --kv-cache-memory-bytes $KV \
                 --lengths "${L8##* }" ${LMCACHE_REPLICA_ARG:+--replica-arg=$LMCACHE_REPLICA_ARG} ;;
         12) [ "$DRY" = 1 ] || prepare 8b
@@ -130,9 +124,4 @@ step() {
     [ "$DRY" = 1 ] || echo "step $n done in $(( $(date +%s) - t0 )) s"
 }
 
-mkdir -p "$OUT"
-if [ $# -eq 0 ]; then plan | tee "$OUT/plan.txt"; exit 0; fi
-[ "$DRY" = 1 ] || nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-status=0
-for n in "$@"; do step "$n" || status=$?; done
-exit $status
+run_steps "$@"

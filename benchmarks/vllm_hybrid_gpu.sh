@@ -77,11 +77,8 @@ step() {
            driver 1 560 --setup kvshare-restart --model-dir $M27 --model-name qwen3.5-27b --load-format dummy \
                --model-revision qwen3.5-27b-vllm-dummy-seed --max-model-len 131328 --pool-size 64GiB \
                --lengths $L_SHORT $L_SHORT $L_LONG $L_LONG --prompts 1 ;;
-        2) if [ "$DRY" != 1 ]; then
-               prepare
-               lmcache_ready || return 1
-               lmcache_chunk_flags
-           fi
+        2) lmcache_step_ready || return 1
+           [ "$DRY" = 1 ] || lmcache_chunk_flags
            for a in $LMCACHE_CHUNK_ARGS; do lmc_args+=("--lmcache-server-arg=$a"); done
            driver 2 560 --setup lmcache-mp --model-dir $M27 --model-name qwen3.5-27b --load-format dummy \
                --max-model-len 131328 --lengths $L_SHORT $L_LONG --prompts 2 "${lmc_args[@]}" ;;
@@ -92,9 +89,4 @@ step() {
     [ "$DRY" = 1 ] || echo "step $n done in $(( $(date +%s) - t0 )) s"
 }
 
-mkdir -p "$OUT"
-if [ $# -eq 0 ]; then plan | tee "$OUT/plan.txt"; exit 0; fi
-[ "$DRY" = 1 ] || nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-status=0
-for n in "$@"; do step "$n" || status=$?; done
-exit $status
+run_steps "$@"

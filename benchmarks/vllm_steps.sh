@@ -1,5 +1,6 @@
-# Sourced by the vLLM GPU step scripts (vllm_gpu_all.sh, vllm_hybrid_gpu.sh): LMCache's install and one run of
-# the driver (benchmarks/vllm_gpu.py). Needs VK, OUT and DRY set.
+# Sourced by the vLLM GPU step scripts (vllm_gpu_all.sh, vllm_hybrid_gpu.sh): LMCache's install, a step's start-up
+# beside LMCache, one run of the driver (benchmarks/vllm_gpu.py) and the run of the steps asked for. Needs VK, OUT
+# and DRY set, and the sourcing script's plan, prepare and step functions.
 # shellcheck shell=bash
 
 lmcache_ready() {  # LMCache 0.5.3 installed (once per machine) and its environment
@@ -12,6 +13,12 @@ lmcache_ready() {  # LMCache 0.5.3 installed (once per machine) and its environm
     export PYTHONPATH=$PWD:$PYTHONPATH
 }
 
+lmcache_step_ready() {  # ARGS...: a step beside LMCache, on a real run: prepare ARGS..., then LMCache ready
+    [ "$DRY" = 1 ] && return 0
+    prepare "$@"
+    lmcache_ready
+}
+
 driver() {  # STEP SECONDS ARGS...: one run of the driver under a time limit, its command line kept
     local step=$1 limit=$2; shift 2
     local dir=$OUT/step$step
@@ -21,4 +28,13 @@ driver() {  # STEP SECONDS ARGS...: one run of the driver under a time limit, it
     echo "timeout $limit ${cmd[*]}" | tee -a "$dir/commands.txt"
     timeout "$limit" "${cmd[@]}" 2>&1 | tee -a "$dir/driver.log"
     grep -hE "Traceback|Error|error:|UnsupportedHybrid" "$dir"/*.log 2>/dev/null | grep -v "driver.log" | head -10
+}
+
+run_steps() {  # STEP...: each step in turn, nonzero when one failed; no step: the plan, printed and kept
+    mkdir -p "$OUT"
+    if [ $# -eq 0 ]; then plan | tee "$OUT/plan.txt"; exit 0; fi
+    [ "$DRY" = 1 ] || nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    local status=0 n
+    for n in "$@"; do step "$n" || status=$?; done
+    return $status
 }

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvshare.engine.tokenizer import build_byte_tokenizer, byte_tokenizer_config
+from tests.hybrid_layers import TINY_HYBRID_LAYERS
 
 VOCAB = 260
 # small shapes of each architecture; GQA everywhere, head_dim decoupled from hidden/heads in qwen3
@@ -83,27 +84,22 @@ def ascii_prompt(num_tokens: int, seed: int = 0) -> str:
 
 
 def write_hybrid_model(out_dir: str, seed: int = 0, **overrides):
-    """A random transformers Qwen3.5 hybrid (3 Gated DeltaNet + 1 attention layer, twice) saved as a published
-    checkpoint is (model_type qwen3_5 with a text_config, weights under model.language_model.), with the byte
-    tokenizer; returns the transformers model (Qwen3_5ForCausalLM, float32, eval)."""
+    """A random transformers Qwen3.5 hybrid (TINY_HYBRID_LAYERS: 3 Gated DeltaNet + 1 attention layer, twice) saved
+    as a published checkpoint is (model_type qwen3_5 with a text_config, weights under model.language_model.), with
+    the byte tokenizer; returns the transformers model (Qwen3_5ForCausalLM, float32, eval)."""
     import json
 
     from safetensors.torch import save_file
     from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     spec = dict(
+        TINY_HYBRID_LAYERS,
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=32,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
         linear_key_head_dim=16,
         linear_value_head_dim=16,
-        linear_conv_kernel_dim=4,
         max_position_embeddings=512,
         rms_norm_eps=1e-6,
         initializer_range=0.2,

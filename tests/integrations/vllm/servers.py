@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -17,7 +18,10 @@ from dataclasses import dataclass
 import pytest
 
 from kvshare.integrations.vllm.launch import LaunchSpec, VllmServerConfig, vllm_server_command, wait_until_ready
+from kvshare.keys import chunk_keys
+from kvshare.layout import KVLayout
 from kvshare.pool.client import PoolClient
+from kvshare.pool.spawn import start_pool, stop_process
 
 
 def vllm_python() -> str | None:
@@ -52,6 +56,26 @@ def private_socket(prefix: str) -> Iterator[str]:
         if os.path.exists(path):
             os.unlink(path)
         os.rmdir(socket_dir)
+
+
+@dataclass
+class PrivatePool:
+    """A pool process on its socket; a test may replace ``proc`` by a pool started again on the socket."""
+
+    socket_path: str
+    proc: subprocess.Popen
+
+
+@contextmanager
+def private_pool(prefix: str, size: str, args: tuple[str, ...] = ()) -> Iterator[PrivatePool]:
+    """A pool of ``size`` started with ``args`` on a private_socket; on exit the process in ``proc`` is stopped (the
+    one a test started again on the socket, if it did)."""
+    with private_socket(prefix) as socket_path:
+        pool = PrivatePool(socket_path, start_pool(socket_path, size, args))
+        try:
+            yield pool
+        finally:
+            stop_process(pool.proc)
 
 
 def free_port() -> int:
@@ -128,6 +152,24 @@ def stop_servers(servers: dict[str, Server]) -> None:
         server.stop()
 
 
+@contextmanager
+def running_servers(
+    configs: dict[str, VllmServerConfig | LaunchSpec], log_dir: str, timeout_s: float = 420
+) -> Iterator[dict[str, Server]]:
+    """The servers of start_servers, stopped afterwards."""
+    servers = start_servers(configs, log_dir, timeout_s)
+    try:
+        yield servers
+    finally:
+        stop_servers(servers)
+
+
+def prompt_of(seed: int, num_tokens: int) -> list[int]:
+    """``num_tokens`` random byte tokens (ids 0-255 of the tiny preset's tokenizer), the same for one ``seed``."""
+    rng = random.Random(seed)
+    return [rng.randrange(0, 256) for _ in range(num_tokens)]
+
+
 def post(url: str, path: str, body: dict, timeout_s: float = 120) -> dict:
     request = urllib.request.Request(
         f"{url}{path}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
@@ -154,6 +196,14 @@ def answer(response: dict) -> tuple[str, list[str], list[float]]:
     """(text, generated tokens as "token_id:N", their logprobs) of a completion response."""
     choice = response["choices"][0]
     return choice["text"], choice["logprobs"]["tokens"], choice["logprobs"]["token_logprobs"]
+
+
+def assert_same_answer(got: dict, want: dict, what: str = "") -> None:
+    """The same text and tokens, logprobs within 1e-4; ``what`` names the answer when they differ."""
+    text, tokens, logprobs = answer(got)
+    ref_text, ref_tokens, ref_logprobs = answer(want)
+    assert tokens == ref_tokens and text == ref_text, what
+    assert logprobs == pytest.approx(ref_logprobs, abs=1e-4), what
 
 
 def cached_tokens(response: dict) -> int:
@@ -190,3 +240,13 @@ def pool_stats(socket_path: str) -> dict:
     """The pool's counters (kvshare pool-stats), read over a client of its own."""
     with PoolClient(socket_path, name="test") as client:
         return client.stats()
+
+
+def stored_keys(socket_path: str, prompt: list[int], layout: KVLayout) -> list[bytes]:
+    """The chunk keys of ``prompt`` in the namespace that holds its pages (the replicas' namespace carries vLLM's
+    layout fingerprint, which a test does not rebuild); ``layout`` gives the chunk and page sizes."""
+    with PoolClient(socket_path, name="test") as client:
+        candidates = [
+            chunk_keys(info.namespace, prompt, layout.chunk_tokens) for info in client.list_namespaces().namespaces
+        ]
+        return max(candidates, key=lambda keys: len(client.lookup(keys, layout.page_bytes, lease=False).pages))

@@ -8,7 +8,6 @@ recomputed.
 """
 
 import json
-import random
 import threading
 import time
 import urllib.request
@@ -17,22 +16,22 @@ import pytest
 
 from kvshare.integrations.vllm.launch import VllmServerConfig, vllm_server_command
 from kvshare.pool.client import PoolClient
-from kvshare.pool.spawn import start_pool, stop_process
 from tests.integrations.vllm.servers import (
-    answer,
+    assert_same_answer,
     complete,
     free_port,
     metric,
-    private_socket,
+    private_pool,
+    prompt_of,
     provenance,
-    start_servers,
-    stop_servers,
+    running_servers,
+    stored_keys,
     vllm_python,
     vllm_suite_marks,
     wait_for_metric,
     with_connector,
 )
-from tests.integrations.vllm.test_e2e import LAYOUT, stored_keys
+from tests.integrations.vllm.test_e2e import LAYOUT
 from tests.integrations.vllm.tiny_model import make_model_dir
 
 PYTHON = vllm_python()
@@ -41,32 +40,24 @@ C = 256
 DELAY_S = 15.0  # every load's copy on B waits this long first: far above the 2-core machine's own stalls
 
 
-def prompt_of(seed: int, num_tokens: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(0, 256) for _ in range(num_tokens)]
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """A pool, replica A (computes and stores) and replica B whose loads are slow."""
     work = tmp_path_factory.mktemp("vllm-async")
     model = make_model_dir(str(work / "model"))
-    with private_socket("kvshare-async") as socket_path:
-        pool = start_pool(socket_path, "128MiB", ("--extent-size", "64MiB"))
+    with private_pool("kvshare-async", "128MiB", ("--extent-size", "64MiB")) as pool:
         common = dict(model=model, python=PYTHON, dtype="float32", max_model_len=4096, kv_cache_gib=1)
         slow = with_connector(
-            vllm_server_command(VllmServerConfig(port=free_port(), pool_socket=socket_path, replica="B", **common)),
+            vllm_server_command(
+                VllmServerConfig(port=free_port(), pool_socket=pool.socket_path, replica="B", **common)
+            ),
             "SlowLoadConnector",
             "tests.integrations.vllm.slow_connector",
             {"KVSHARE_TEST_LOAD_DELAY_S": str(DELAY_S)},
         )
-        configs = {"A": VllmServerConfig(port=free_port(), pool_socket=socket_path, replica="A", **common), "B": slow}
-        servers = start_servers(configs, str(work))
-        try:
-            yield servers, socket_path
-        finally:
-            stop_servers(servers)
-            stop_process(pool)
+        a = VllmServerConfig(port=free_port(), pool_socket=pool.socket_path, replica="A", **common)
+        with running_servers({"A": a, "B": slow}, str(work)) as servers:
+            yield servers, pool.socket_path
 
 
 class Stream:
@@ -114,13 +105,6 @@ class Stream:
         return max(b - a for a, b in zip(times, times[1:]))
 
 
-def assert_same_answer(got, want):
-    text, tokens, logprobs = answer(got)
-    ref_text, ref_tokens, ref_logprobs = answer(want)
-    assert tokens == ref_tokens and text == ref_text
-    assert logprobs == pytest.approx(ref_logprobs, abs=1e-4)
-
-
 def test_a_load_beside_a_decoding_stream_keeps_the_stream_going_and_answers_as_cold(cluster):
     servers, _ = cluster
     prompt = prompt_of(41, 1100)  # 4 chunks and a tail
@@ -147,7 +131,7 @@ def test_a_corrupt_page_found_by_an_async_load_is_recomputed(cluster):
     servers, socket_path = cluster
     prompt = prompt_of(43, 900)  # chunks 0..2
     cold = complete(servers["A"], prompt)
-    keys = stored_keys(socket_path, prompt)
+    keys = stored_keys(socket_path, prompt, LAYOUT)
     with PoolClient(socket_path, name="vandal") as client:
         pages = client.lookup(keys, LAYOUT.page_bytes, lease=False).pages
         page = client.page(pages[1].offset, LAYOUT.page_bytes)

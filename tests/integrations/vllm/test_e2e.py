@@ -5,29 +5,28 @@ whole module; the tests run in file order and the last one kills the pool.
 """
 
 import os
-import random
 import signal
 import time
 
 import pytest
 
 from kvshare.integrations.vllm.launch import VllmServerConfig
-from kvshare.keys import chunk_keys
 from kvshare.layout import KVLayout
 from kvshare.pool.client import PoolClient
-from kvshare.pool.spawn import start_pool, stop_process
+from kvshare.pool.spawn import start_pool
 from tests.integrations.vllm.servers import (
-    answer,
+    assert_same_answer,
     cached_tokens,
     complete,
     free_port,
     metric,
     pool_stats,
     post,
-    private_socket,
+    private_pool,
+    prompt_of,
     provenance,
-    start_servers,
-    stop_servers,
+    running_servers,
+    stored_keys,
     vllm_python,
     vllm_suite_marks,
     wait_for_metric,
@@ -42,21 +41,16 @@ LAYOUT = KVLayout(num_layers=8, num_kv_heads=2, head_dim=64, dtype="float32", ch
 POOL_ARGS = ("--extent-size", "64MiB", "--lease-ttl", "60")
 
 
-def prompt_of(seed: int, num_tokens: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(0, 256) for _ in range(num_tokens)]  # byte tokens of the tiny preset
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """A pool, replicas A and B with the connector, C with it and overlap_load, and R without it (the reference)."""
     work = tmp_path_factory.mktemp("vllm-e2e")
     model = make_model_dir(str(work / "model"))
-    with private_socket("kvshare-e2e") as socket_path:
-        events = (f"ipc://{work}/events", f"ipc://{work}/events-replay")  # the pool's KV events and their replay
-        pool = start_pool(
-            socket_path, "256MiB", (*POOL_ARGS, "--kv-events", events[0], "--kv-events-replay", events[1])
-        )
+    events = (f"ipc://{work}/events", f"ipc://{work}/events-replay")  # the pool's KV events and their replay
+    with private_pool(
+        "kvshare-e2e", "256MiB", (*POOL_ARGS, "--kv-events", events[0], "--kv-events-replay", events[1])
+    ) as pool:
+        socket_path = pool.socket_path
         common = dict(
             model=model,
             python=PYTHON,
@@ -73,28 +67,8 @@ def cluster(tmp_path_factory):
             # loads copied layer by layer beside the forward (overlap_load, off by default)
             "C": VllmServerConfig(port=free_port(), pool_socket=socket_path, replica="C", overlap_load=True, **common),
         }
-        servers = start_servers(configs, str(work))
-        state = {"pool": pool, "socket": socket_path, "model": model, "work": work, "events": events}
-        try:
-            yield servers, state
-        finally:
-            stop_servers(servers)
-            stop_process(state["pool"])
-
-
-def stored_keys(socket_path, prompt):
-    """The chunk keys of ``prompt`` in the namespace that holds its pages (the replicas' namespace carries
-    vLLM's layout fingerprint, which the test does not rebuild)."""
-    with PoolClient(socket_path, name="test") as client:
-        candidates = [chunk_keys(info.namespace, prompt, C) for info in client.list_namespaces().namespaces]
-        return max(candidates, key=lambda keys: len(client.lookup(keys, LAYOUT.page_bytes, lease=False).pages))
-
-
-def assert_same_answer(got, want):
-    text, tokens, logprobs = answer(got)
-    ref_text, ref_tokens, ref_logprobs = answer(want)
-    assert tokens == ref_tokens and text == ref_text
-    assert logprobs == pytest.approx(ref_logprobs, abs=1e-4)
+        with running_servers(configs, str(work)) as servers:
+            yield servers, {"pool": pool, "socket": socket_path, "events": events}
 
 
 def test_prompt_computed_on_a_is_served_by_b_from_the_pool(cluster):
@@ -208,7 +182,7 @@ def test_corrupted_page_is_detected_and_recomputed(cluster):
     servers, state = cluster
     prompt = prompt_of(6, 900)  # chunks 0..2
     complete(servers["A"], prompt)
-    keys = stored_keys(state["socket"], prompt)
+    keys = stored_keys(state["socket"], prompt, LAYOUT)
     with PoolClient(state["socket"], name="vandal") as client:
         pages = client.lookup(keys, LAYOUT.page_bytes, lease=False).pages
         assert len(pages) == 3
@@ -247,7 +221,7 @@ def test_layered_loads_beside_the_forward_give_the_same_answer(cluster):
 
     prompt = prompt_of(31, 900)
     complete(servers["A"], prompt)
-    keys = stored_keys(state["socket"], prompt)
+    keys = stored_keys(state["socket"], prompt, LAYOUT)
     with PoolClient(state["socket"], name="vandal") as client:
         page = client.page(client.lookup(keys, LAYOUT.page_bytes, lease=False).pages[1].offset, LAYOUT.page_bytes)
         page[:] = page[::-1].copy()
@@ -259,8 +233,8 @@ def test_layered_loads_beside_the_forward_give_the_same_answer(cluster):
 
 def test_pool_killed_mid_run_both_servers_keep_answering(cluster):
     servers, state = cluster
-    os.kill(state["pool"].pid, signal.SIGKILL)
-    state["pool"].wait()
+    os.kill(state["pool"].proc.pid, signal.SIGKILL)
+    state["pool"].proc.wait()
     for i, name in enumerate(("A", "B", "A", "B")):
         prompt = prompt_of(10 + i, 700)
         started = time.monotonic()
@@ -271,7 +245,7 @@ def test_pool_killed_mid_run_both_servers_keep_answering(cluster):
     assert wait_for_metric(servers["A"], "vllm:kvshare_pool_errors_total", 1) >= 1
 
     # a pool started again on the same socket is found again once pool_retry_s has passed
-    state["pool"] = start_pool(state["socket"], "256MiB", POOL_ARGS)
+    state["pool"].proc = start_pool(state["socket"], "256MiB", POOL_ARGS)
     time.sleep(1.5)
     prompt = prompt_of(20, 600)
     complete(servers["A"], prompt)

@@ -6,27 +6,25 @@ and the state there, vLLM computing the rest; its answers equal A's cold ones. T
 steps of one block, ``--mamba-cache-mode align``), so B computes the tail in the same steps as A did.
 """
 
-import random
-
 import pytest
 
 from kvshare.integrations.vllm.hybrid import state_layout_of
 from kvshare.integrations.vllm.launch import VllmServerConfig, hybrid_settings
-from kvshare.keys import chunk_keys, state_key
+from kvshare.keys import state_key
 from kvshare.layout import KVLayout
 from kvshare.pool import protocol as P
 from kvshare.pool.client import PoolClient
-from kvshare.pool.spawn import start_pool, stop_process
 from tests.integrations.vllm.servers import (
-    answer,
+    assert_same_answer,
     complete,
     free_port,
     metric,
     pool_stats,
-    private_socket,
+    private_pool,
+    prompt_of,
     provenance,
-    start_servers,
-    stop_servers,
+    running_servers,
+    stored_keys,
     vllm_python,
     vllm_suite_marks,
     wait_for_metric,
@@ -49,19 +47,14 @@ class _Text:
 STATE_BYTES = state_layout_of(_Text(TEXT_CONFIG), "bfloat16", NUM_GDN_LAYERS).checkpoint_bytes
 
 
-def prompt_of(seed: int, num_tokens: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(0, 256) for _ in range(num_tokens)]
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     work = tmp_path_factory.mktemp("vllm-hybrid")
     model = make_hybrid_model_dir(str(work / "model"))
     settings = hybrid_settings(model, "cpu")
     assert settings is not None and settings.block_size == C
-    with private_socket("kvshare-hybrid") as socket_path:
-        pool = start_pool(socket_path, "256MiB", ("--extent-size", "64MiB", "--lease-ttl", "60"))
+    with private_pool("kvshare-hybrid", "256MiB", ("--extent-size", "64MiB", "--lease-ttl", "60")) as pool:
+        socket_path = pool.socket_path
         common = dict(
             model=model,
             python=PYTHON,
@@ -77,19 +70,8 @@ def cluster(tmp_path_factory):
             "A": VllmServerConfig(port=free_port(), pool_socket=socket_path, replica="A", **common),
             "B": VllmServerConfig(port=free_port(), pool_socket=socket_path, replica="B", **common),
         }
-        servers = start_servers(configs, str(work))
-        try:
+        with running_servers(configs, str(work)) as servers:
             yield servers, socket_path
-        finally:
-            stop_servers(servers)
-            stop_process(pool)
-
-
-def stored_keys(socket_path, prompt):
-    """The chunk keys of ``prompt`` in the namespace that holds its pages."""
-    with PoolClient(socket_path, name="test") as client:
-        candidates = [chunk_keys(info.namespace, prompt, C) for info in client.list_namespaces().namespaces]
-        return max(candidates, key=lambda keys: len(client.lookup(keys, LAYOUT.page_bytes, lease=False).pages))
 
 
 def checkpoint_page(client, keys, num_chunks):
@@ -99,19 +81,12 @@ def checkpoint_page(client, keys, num_chunks):
     return grant.state.page if grant.state is not None else None
 
 
-def assert_same_answer(got, want):
-    text, tokens, logprobs = answer(got)
-    ref_text, ref_tokens, ref_logprobs = answer(want)
-    assert tokens == ref_tokens and text == ref_text
-    assert logprobs == pytest.approx(ref_logprobs, abs=1e-4)
-
-
 def test_b_resumes_from_the_checkpoint_a_stored(cluster):
     servers, socket_path = cluster
     prompt = prompt_of(1, 2000)  # 3 whole chunks and an 80-token tail: a checkpoint after chunk 3
     cold = complete(servers["A"], prompt)
     assert provenance(cold)["computed_tokens"] == 2000
-    keys = stored_keys(socket_path, prompt)
+    keys = stored_keys(socket_path, prompt, LAYOUT)
     with PoolClient(socket_path, name="test") as client:
         assert len(client.lookup(keys, LAYOUT.page_bytes, lease=False).pages) == 3
         assert checkpoint_page(client, keys, 3) is not None
@@ -144,7 +119,7 @@ def test_kv_without_a_checkpoint_is_computed_not_resumed(cluster):
     longer = prompt_of(2, 2700)  # A: 4 whole chunks, a checkpoint after chunk 4 only
     complete(servers["A"], longer)
     prompt = longer[: 4 * C]
-    keys = stored_keys(socket_path, prompt)
+    keys = stored_keys(socket_path, prompt, LAYOUT)
     with PoolClient(socket_path, name="test") as client:
         assert len(client.lookup(keys, LAYOUT.page_bytes, lease=False).pages) == 4
         assert checkpoint_page(client, keys, 4) is not None and checkpoint_page(client, keys, 3) is None
@@ -158,7 +133,7 @@ def test_corrupted_checkpoint_is_detected_and_recomputed(cluster):
     servers, socket_path = cluster
     prompt = prompt_of(3, 1400)  # 2 whole chunks: a checkpoint after chunk 2
     cold = complete(servers["A"], prompt)
-    keys = stored_keys(socket_path, prompt)
+    keys = stored_keys(socket_path, prompt, LAYOUT)
     with PoolClient(socket_path, name="vandal") as client:
         page_header = checkpoint_page(client, keys, 2)
         page = client.page(page_header.offset, page_header.page_bytes)

@@ -15,15 +15,13 @@ import tests.integrations.vllm.pool_replicas as shared
 from kvshare.integrations.vllm.identity import vllm_namespace
 from kvshare.integrations.vllm.launch import VllmServerConfig
 from kvshare.keys import namespace_digest
-from kvshare.pool.spawn import start_pool, stop_process
 from tests.integrations.vllm.pool_replicas import LAYOUT, PROMPT, Replica, pool_fixture  # noqa: F401
 from tests.integrations.vllm.servers import (
     complete,
     free_port,
-    private_socket,
+    private_pool,
     provenance,
-    start_servers,
-    stop_servers,
+    running_servers,
     vllm_python,
     vllm_suite_marks,
 )
@@ -103,27 +101,21 @@ def test_vllm_servers_of_changed_weights_never_share_a_renamed_copy_does(tmp_pat
     Fails on the directory-name model_id with the header-only fingerprint (B took A's chunks)."""
     a, b, copy = checkpoints(tmp_path)
     prompt = list(range(3, 259)) * 2 + [7] * 20  # two full chunks of 256 and a tail
-    with private_socket("kvshare-id") as socket_path:
-        pool = start_pool(socket_path, "256MiB", ("--extent-size", "64MiB"))
+    with private_pool("kvshare-id", "256MiB", ("--extent-size", "64MiB")) as pool:
         common = dict(
             python=vllm_python(),
             dtype="float32",
             max_model_len=2048,
             kv_cache_gib=1,
             max_num_batched_tokens=256,
-            pool_socket=socket_path,
+            pool_socket=pool.socket_path,
             pool_retry_s=1.0,
         )
         configs = {
             name: VllmServerConfig(model=path, port=free_port(), replica=name, **common)
             for name, path in (("A", a), ("B", b), ("copy", copy))
         }
-        servers = {}
-        try:
-            servers = start_servers(configs, str(tmp_path))
+        with running_servers(configs, str(tmp_path)) as servers:
             assert provenance(complete(servers["A"], prompt, max_tokens=2))["pool_tokens"] == 0
             assert provenance(complete(servers["B"], prompt, max_tokens=2))["pool_tokens"] == 0
             assert provenance(complete(servers["copy"], prompt, max_tokens=2))["pool_tokens"] == 512
-        finally:
-            stop_servers(servers)
-            stop_process(pool)

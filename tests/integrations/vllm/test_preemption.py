@@ -7,25 +7,23 @@ pool, hit A's own prefix cache or prefill cold, in chunked-prefill steps that ba
 R is plain vLLM (no connector, a roomy cache); each prompt sent to R alone is the reference.
 """
 
-import random
 import threading
 
 import pytest
 
 from kvshare.integrations.vllm.launch import VllmServerConfig, vllm_server_command
-from kvshare.pool.spawn import start_pool, stop_process
 from tests.integrations.vllm.servers import (
-    answer,
+    assert_same_answer,
     cached_tokens,
     complete,
     free_port,
     metric,
     pool_stats,
     post,
-    private_socket,
+    private_pool,
+    prompt_of,
     provenance,
-    start_servers,
-    stop_servers,
+    running_servers,
     vllm_python,
     vllm_suite_marks,
     wait_for_metric,
@@ -46,20 +44,15 @@ MAX_TOKENS = 160
 POOL_ARGS = ("--extent-size", "64MiB", "--lease-ttl", "60")
 
 
-def tokens_of(seed: int, num_tokens: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(0, 256) for _ in range(num_tokens)]  # byte tokens of the tiny preset
-
-
-SHARED = tokens_of(100, 2 * C)  # in the pool (stored by A, then dropped from A's own cache)
-LOCAL = tokens_of(101, C)  # in A's own prefix cache (and in the pool) when the storm starts
+SHARED = prompt_of(100, 2 * C)  # in the pool (stored by A, then dropped from A's own cache)
+LOCAL = prompt_of(101, C)  # in A's own prefix cache (and in the pool) when the storm starts
 STORM = [
-    SHARED + tokens_of(200, 150),
-    SHARED + tokens_of(201, 170),
-    SHARED + tokens_of(202, 190),
-    LOCAL + tokens_of(203, 300),
-    tokens_of(204, 560),
-    tokens_of(205, 600),
+    SHARED + prompt_of(200, 150),
+    SHARED + prompt_of(201, 170),
+    SHARED + prompt_of(202, 190),
+    LOCAL + prompt_of(203, 300),
+    prompt_of(204, 560),
+    prompt_of(205, 600),
 ]
 
 
@@ -68,8 +61,8 @@ def cluster(tmp_path_factory):
     """The pool, replica A (the connector, NUM_BLOCKS blocks of KV) and R (no connector, the reference)."""
     work = tmp_path_factory.mktemp("vllm-preempt")
     model = make_model_dir(str(work / "model"))
-    with private_socket("kvshare-preempt") as socket_path:
-        pool = start_pool(socket_path, "256MiB", POOL_ARGS)
+    with private_pool("kvshare-preempt", "256MiB", POOL_ARGS) as pool:
+        socket_path = pool.socket_path
         common = dict(model=model, python=PYTHON, dtype="float32", max_model_len=MAX_MODEL_LEN, kv_cache_gib=1)
         small = VllmServerConfig(
             port=free_port(),
@@ -82,24 +75,13 @@ def cluster(tmp_path_factory):
         spec = vllm_server_command(small)
         spec.env["VLLM_SERVER_DEV_MODE"] = "1"  # POST /reset_prefix_cache
         configs = {"A": spec, "R": VllmServerConfig(port=free_port(), pool_socket=None, replica="R", **common)}
-        servers = start_servers(configs, str(work))
-        try:
+        with running_servers(configs, str(work)) as servers:
             yield servers, socket_path
-        finally:
-            stop_servers(servers)
-            stop_process(pool)
 
 
 def reset_local_cache(server) -> None:
     """Drop A's own prefix cache (not the pool's pages): the next request finds its prefix only in the pool."""
     assert post(server.url, "/reset_prefix_cache", {})["success"] is True
-
-
-def assert_same_answer(got: dict, want: dict, what: str) -> None:
-    text, tokens, logprobs = answer(got)
-    ref_text, ref_tokens, ref_logprobs = answer(want)
-    assert tokens == ref_tokens and text == ref_text, what
-    assert logprobs == pytest.approx(ref_logprobs, abs=1e-4), what
 
 
 def storm(server, prompts: list[list[int]]) -> list[dict]:
@@ -131,9 +113,9 @@ def test_preempted_requests_mixing_pool_loads_local_hits_and_cold_prefills_answe
     its resume (a never-seen 560-token prompt reported 544 local tokens where vLLM's cached_tokens said 0)."""
     servers, socket_path = cluster
     a, r = servers["A"], servers["R"]
-    complete(a, SHARED + tokens_of(300, 40), max_tokens=1)  # SHARED's two chunks into the pool
+    complete(a, SHARED + prompt_of(300, 40), max_tokens=1)  # SHARED's two chunks into the pool
     reset_local_cache(a)
-    complete(a, LOCAL + tokens_of(301, 40), max_tokens=1)  # LOCAL in A's cache (and the pool)
+    complete(a, LOCAL + prompt_of(301, 40), max_tokens=1)  # LOCAL in A's cache (and the pool)
     preemptions = metric(a, "vllm:num_preemptions_total")
 
     got = storm(a, STORM)

@@ -16,21 +16,19 @@ import time
 import pytest
 
 from kvshare.integrations.vllm.launch import VllmServerConfig, vllm_server_command
-from kvshare.pool.spawn import start_pool, stop_process
 from tests.integrations.vllm.servers import (
     answer,
     complete,
     free_port,
     pool_stats,
-    private_socket,
+    private_pool,
+    prompt_of,
     provenance,
-    start_servers,
-    stop_servers,
+    running_servers,
     vllm_python,
     vllm_suite_marks,
     with_connector,
 )
-from tests.integrations.vllm.test_e2e import prompt_of
 from tests.integrations.vllm.tiny_model import make_model_dir
 
 PYTHON = vllm_python()
@@ -44,8 +42,8 @@ pytestmark = [
 def replicas(tmp_path_factory):
     work = tmp_path_factory.mktemp("vllm-tp")
     model = make_model_dir(str(work / "model"))
-    with private_socket("kvshare-tp") as socket_path:
-        pool = start_pool(socket_path, "256MiB", ("--extent-size", "64MiB", "--lease-ttl", "60"))
+    with private_pool("kvshare-tp", "256MiB", ("--extent-size", "64MiB", "--lease-ttl", "60")) as pool:
+        socket_path = pool.socket_path
         die_file = str(work / "die")
         common = dict(
             model=model,
@@ -63,12 +61,8 @@ def replicas(tmp_path_factory):
                 t2, "DyingConnector", "tests.integrations.vllm.dying_connector", {"KVSHARE_TEST_DIE_FILE": die_file}
             ),
         }
-        servers = start_servers(configs, str(work))
-        try:
+        with running_servers(configs, str(work)) as servers:
             yield servers, socket_path, die_file
-        finally:
-            stop_servers(servers)
-            stop_process(pool)
 
 
 def assert_close_answer(got, want):

@@ -2,9 +2,10 @@
 
 vLLM CPU runs this family's GDN layers only in bf16 and with head dims its kernels know (128), and vLLM's Qwen3.5
 module imports its vision model (torchvision, absent from the vLLM CPU environment), so the tests use the text-only
-Qwen3-Next architecture of the same layer pattern: 8 layers, 2 x (3 GDN + 1 gated attention), GDN heads of 128 (2 key,
-4 value), attention 4 query / 2 KV heads of 64, dense MLPs but the last layer's (Qwen3-Next needs one MoE layer),
-the byte tokenizer of the tiny preset. vLLM gives it blocks of 640 tokens on CPU.
+Qwen3-Next architecture of the same layer pattern (tests/hybrid_layers.py: 8 layers, 2 x (3 GDN + 1 gated attention),
+2 key / 4 value GDN heads, 4 query / 2 KV attention heads) with GDN heads of 128 and attention heads of 64, dense MLPs
+but the last layer's (Qwen3-Next needs one MoE layer), the byte tokenizer of the tiny preset. vLLM gives it blocks of
+640 tokens on CPU.
 """
 
 from __future__ import annotations
@@ -12,22 +13,18 @@ from __future__ import annotations
 import os
 import shutil
 
-from tests.integrations.vllm.tiny_model import make_model_dir
+from tests.hybrid_layers import TINY_HYBRID_LAYERS
+from tests.integrations.vllm.tiny_model import VOCAB_SIZE, make_model_dir
 
-NUM_LAYERS = 8
+NUM_LAYERS = TINY_HYBRID_LAYERS["num_hidden_layers"]
 TEXT_CONFIG = dict(
-    vocab_size=260,
+    TINY_HYBRID_LAYERS,
+    vocab_size=VOCAB_SIZE,
     hidden_size=256,
     intermediate_size=768,
-    num_hidden_layers=NUM_LAYERS,
-    num_attention_heads=4,
-    num_key_value_heads=2,
     head_dim=64,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
     linear_key_head_dim=128,
     linear_value_head_dim=128,
-    linear_conv_kernel_dim=4,
     num_experts=4,
     num_experts_per_tok=2,
     moe_intermediate_size=128,
@@ -36,7 +33,6 @@ TEXT_CONFIG = dict(
     mlp_only_layers=list(range(NUM_LAYERS - 1)),
     max_position_embeddings=32768,
     partial_rotary_factor=0.25,
-    full_attention_interval=4,
     tie_word_embeddings=False,
     bos_token_id=256,
     eos_token_id=257,
