@@ -28,6 +28,7 @@ from kvshare.pool.spawn import running_pool
 from kvshare.state_layout import StateLayout
 from kvshare.transfer.base import TransferConfig
 from tests.integrations.vllm.staged_replica import Replica, namespace_of
+from tests.integrations.vllm.test_hybrid_guards import cuda_gdn_tensors
 from tests.transfer import fake_cuda
 
 N = 8  # block size
@@ -61,22 +62,8 @@ def compute(pool, monkeypatch):
 
 
 def cuda_states(num_blocks: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per GDN layer, [conv "SD", ssm [HV, V, K]] as vLLM CUDA's model runner registers them: views of one page
-    per block of a raw buffer, conv first (as_strided, the page as block stride), filled with random bytes."""
-    heads, keys, values = STATE.recurrent_shape
-    channels, inputs = STATE.conv_shape
-    page = STATE.conv_bytes + STATE.recurrent_bytes + 64
-    layers = []
-    for layer in range(STATE.num_layers):
-        g = torch.Generator().manual_seed(seed * 10 + layer)
-        raw = torch.randint(0, 256, (num_blocks * page,), dtype=torch.uint8, generator=g)
-        conv = torch.as_strided(raw.view(torch.bfloat16), (num_blocks, inputs, channels), (page // 2, channels, 1))
-        ssm = torch.as_strided(
-            raw.view(torch.float32), (num_blocks, heads, values, keys), (page // 4, values * keys, keys, 1),
-            STATE.conv_bytes // 4,
-        )  # fmt: skip
-        layers.append((conv, ssm))
-    return layers
+    """Per GDN layer, [conv "SD", ssm [HV, V, K]] as vLLM CUDA's model runner registers them, random bytes."""
+    return [cuda_gdn_tensors(STATE, num_blocks, seed * 10 + layer) for layer in range(STATE.num_layers)]
 
 
 class HybridReplica(Replica):
