@@ -183,14 +183,12 @@ def mode_stall(run) -> None:
         run.complete(a_url, prompt, 1)  # A computes and stores it
         time.sleep(a.settle_s)
         baseline = _phase(run, b_url, lambda: time.sleep(a.baseline_s))
-        counters = {}
-        before = client.counters(b_url, LOAD_COUNTERS)
+        seen = [client.counters(b_url, LOAD_COUNTERS)]  # B's counters before the load, after it, after the local hit
         load = _phase(run, b_url, lambda: run.complete(b_url, prompt, 1))
-        after = client.counters(b_url, LOAD_COUNTERS)
+        seen.append(client.counters(b_url, LOAD_COUNTERS))
         local = _phase(run, b_url, lambda: run.complete(b_url, prompt, 1))  # B holds it now: vLLM's own hit
-        counters["load"] = {name: after[name] - before[name] for name in after if name in before}
-        before, after = after, client.counters(b_url, LOAD_COUNTERS)
-        counters["local"] = {name: after[name] - before[name] for name in after if name in before}
+        seen.append(client.counters(b_url, LOAD_COUNTERS))
+        counters = {phase: _changes(seen[i], seen[i + 1]) for i, phase in enumerate(("load", "local"))}
         cold = _phase(run, b_url, lambda: run.complete(b_url, run.prompt(length), 1)) if a.stall_cold else None
         row = gpu_rows.stall_row(
             **run.base_row(),
@@ -203,6 +201,11 @@ def mode_stall(run) -> None:
             counters={phase: changes for phase, changes in counters.items() if changes},
         )
         run.rows.add(row)
+
+
+def _changes(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """How each counter read both times changed between them."""
+    return {name: after[name] - before[name] for name in after if name in before}
 
 
 def _phase(run, url: str, request) -> tuple:
